@@ -1,0 +1,89 @@
+# q3vl — one Makefile, no CMake.
+#   make deps    install every Debian package q3vl needs (root), fetch the Qwen tokenizer
+#   make         build bin/q3vl (CPU backend; CUDA backend too when nvcc is found, CUDA=0 skips it)
+#   make test    build and run every test suite (unit, MPI at 1/2/4 ranks, tools)
+#   make demo    generate data, train the tiny model on 4 ranks, resume, generate (see README)
+.DEFAULT_GOAL := all
+SHELL := /bin/bash
+
+CXX      := mpicxx
+MPIEXEC  ?= mpiexec
+OPT      ?= -O2
+CXXFLAGS := -std=c++20 $(OPT) -g -Wall -Wextra -Wno-unused-parameter -fPIC -MMD -MP
+CPPFLAGS := -Iinclude -I/usr/include/hdf5/mpich -I/usr/include/x86_64-linux-gnu/openblas-pthread \
+            -DQ3VL_GIT='"$(shell git describe --always --dirty 2>/dev/null || echo unknown)"'
+LDLIBS   := -L/usr/lib/x86_64-linux-gnu/hdf5/mpich -Wl,-rpath,/usr/lib/x86_64-linux-gnu/hdf5/mpich \
+            -lhdf5 -lopenblas -lpcre2-8 -lpng -ljpeg -lpthread
+
+# CUDA backend: on when nvcc is found, unless CUDA=0.
+NVCC ?= $(shell command -v nvcc 2>/dev/null || (test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc))
+CUDA ?= $(if $(NVCC),1,0)
+CU_SRC := $(if $(filter 1,$(CUDA)),$(shell find src -name '*.cu' 2>/dev/null))
+ifeq ($(CUDA),1)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+CPPFLAGS  += -DQ3VL_CUDA=1 -I$(CUDA_HOME)/include
+LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lnccl
+NVFLAGS   := -std=c++20 -O3 -arch=sm_90 -Iinclude -Xcompiler -fPIC -ccbin g++ \
+             -I/usr/include/x86_64-linux-gnu/mpich
+endif
+
+LIB_SRC  := $(shell find src -name '*.cpp' -not -path 'src/app/*' | sort)
+APP_SRC  := $(shell find src/app -name '*.cpp' | sort)
+UNIT_SRC := $(shell find tests/unit -name '*.cpp' | sort)
+MPI_SRC  := $(shell find tests/mpi -name '*.cpp' | sort)
+MAIN_SRC := tests/test_main.cpp
+
+obj = $(patsubst %.cpp,build/obj/%.o,$(1))
+LIB_OBJ  := $(call obj,$(LIB_SRC)) $(patsubst %.cu,build/obj/%.cu.o,$(CU_SRC))
+APP_OBJ  := $(call obj,$(APP_SRC))
+UNIT_OBJ := $(call obj,$(UNIT_SRC) $(MAIN_SRC))
+MPI_OBJ  := $(call obj,$(MPI_SRC) $(MAIN_SRC))
+
+all: bin/q3vl
+
+build/obj/%.o: %.cpp
+	@mkdir -p $(dir $@)
+	$(CXX) $(CPPFLAGS) $(CXXFLAGS) -c $< -o $@
+
+build/obj/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -DQ3VL_CUDA=1 -c $< -o $@
+
+build/libq3vl.a: $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	rm -f $@ && ar rcs $@ $^
+
+bin/q3vl: $(APP_OBJ) build/libq3vl.a
+	@mkdir -p bin
+	$(CXX) $(CXXFLAGS) -o $@ $(APP_OBJ) build/libq3vl.a $(LDLIBS)
+
+bin/unit_tests: $(UNIT_OBJ) build/libq3vl.a
+	@mkdir -p bin
+	$(CXX) $(CXXFLAGS) -o $@ $(UNIT_OBJ) build/libq3vl.a -lgtest $(LDLIBS)
+
+bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
+	@mkdir -p bin
+	$(CXX) $(CXXFLAGS) -o $@ $(MPI_OBJ) build/libq3vl.a -lgtest $(LDLIBS)
+
+tests: bin/q3vl bin/unit_tests bin/mpi_tests
+
+test: tests
+	@bash tests/run_all.sh
+
+# Debian packages. apt-get needs root; CI and the README run this as root.
+DEB_PKGS := build-essential g++ make git pkg-config mpich libmpich-dev libhdf5-mpich-dev hdf5-tools \
+            libopenblas-dev libgtest-dev libtomlplusplus-dev nlohmann-json3-dev libpcre2-dev \
+            libpng-dev libjpeg62-turbo-dev libcpp-httplib-dev nodejs npm \
+            python3 python3-numpy python3-h5py python3-matplotlib python3-pil
+deps:
+	@if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  command -v npm >/dev/null && PKGS="$(filter-out npm,$(DEB_PKGS))" || PKGS="$(DEB_PKGS)"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$PKGS
+	bash tools/fetch_tokenizer.sh
+	$(MAKE) all
+
+clean:
+	rm -rf build bin
+
+.PHONY: all deps test tests clean demo
+-include $(shell find build/obj -name '*.d' 2>/dev/null)

@@ -1,0 +1,73 @@
+// Qwen3-VL model configuration: what a HF config.json says (both the transformers 4.57 and 5.x schemas),
+// or a built-in preset for the released sizes. Dense and MoE share one struct (num_experts == 0: dense).
+#pragma once
+#include <array>
+#include <string>
+#include <vector>
+
+namespace q3vl {
+
+struct VisionConfig {
+  int depth = 0;                    // number of ViT blocks
+  int hidden = 0;                   // Dv
+  int intermediate = 0;             // Iv
+  int heads = 16;                   // Hv
+  int patch = 16;                   // P
+  int temporal_patch = 2;           // Tp
+  int merge = 2;                    // spatial merge m
+  int in_channels = 3;              // C
+  int num_position_embeddings = 2304;  // learned 48x48 table
+  int out_hidden = 0;               // Dout (== text hidden for released sizes)
+  std::vector<int> deepstack_indexes;  // ViT block indices feeding decoder layers 0,1,2...
+  double ln_eps = 1e-6;
+  int head_dim() const { return hidden / heads; }
+  int patch_dim() const { return in_channels * temporal_patch * patch * patch; }  // 1536
+};
+
+struct TextConfig {
+  int vocab = 151936;
+  int hidden = 0;                   // H
+  int intermediate = 0;             // I (dense MLP)
+  int layers = 0;                   // L
+  int heads = 0;                    // nh
+  int kv_heads = 0;                 // nkv
+  int head_dim = 128;
+  double rms_eps = 1e-6;
+  double rope_theta = 5000000.0;
+  std::array<int, 3> mrope_section{24, 20, 20};
+  bool tie_embeddings = false;
+  // MoE (num_experts == 0 means dense)
+  int num_experts = 0;
+  int experts_per_tok = 0;
+  int moe_intermediate = 0;
+  int decoder_sparse_step = 1;
+  std::vector<int> mlp_only_layers;
+  double router_aux_loss_coef = 0.001;
+};
+
+struct ModelConfig {
+  std::string architecture;         // Qwen3VLForConditionalGeneration | Qwen3VLMoeForConditionalGeneration
+  std::string transformers_version; // from config.json; decides the MoE expert layout on disk
+  VisionConfig vision;
+  TextConfig text;
+  int image_token_id = 151655;
+  int video_token_id = 151656;
+  int vision_start_token_id = 151652;
+  int vision_end_token_id = 151653;
+  int eos_token_id = 151645;        // <|im_end|>
+  int pad_token_id = 151643;        // <|endoftext|>
+  // Expert tensors on disk: false = released layout gate_up [E,H,2Im], down [E,Im,H];
+  // true = transformers-5 module layout gate_up [E,2Im,H], down [E,H,Im].
+  bool experts_v5_layout = false;
+
+  bool moe() const { return text.num_experts > 0; }
+  bool is_moe_layer(int l) const;   // HF rule: not in mlp_only_layers and (l+1) % decoder_sparse_step == 0
+};
+
+// Read a HF config.json (4.57 or 5.x schema). Errors name the file and the key.
+ModelConfig load_hf_config(const std::string& path);
+// Built-in presets: "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B" (and "tiny" for tests/demo).
+ModelConfig preset_config(const std::string& name);
+std::vector<std::string> preset_names();
+
+}  // namespace q3vl
