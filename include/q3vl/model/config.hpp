@@ -22,6 +22,7 @@ struct VisionConfig {
   double ln_eps = 1e-6;
   int head_dim() const { return hidden / heads; }
   int patch_dim() const { return in_channels * temporal_patch * patch * patch; }  // 1536
+  bool operator==(const VisionConfig&) const = default;
 };
 
 struct TextConfig {
@@ -43,6 +44,7 @@ struct TextConfig {
   int decoder_sparse_step = 1;
   std::vector<int> mlp_only_layers;
   double router_aux_loss_coef = 0.001;
+  bool operator==(const TextConfig&) const = default;
 };
 
 struct ModelConfig {
@@ -62,6 +64,7 @@ struct ModelConfig {
 
   bool moe() const { return text.num_experts > 0; }
   bool is_moe_layer(int l) const;   // HF rule: not in mlp_only_layers and (l+1) % decoder_sparse_step == 0
+  bool operator==(const ModelConfig&) const = default;
 };
 
 // Read a HF config.json (4.57 or 5.x schema). Errors name the file and the key.

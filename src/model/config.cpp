@@ -1,0 +1,276 @@
+#include "q3vl/model/config.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "q3vl/core/error.hpp"
+
+namespace q3vl {
+using json = nlohmann::json;
+
+namespace {
+
+const char* const kArchitectures[] = {"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"};
+
+// Typed access to one JSON object of config.json; `prefix` is the object's path ("text_config.") for messages.
+struct Reader {
+  const std::string& file;
+  const json& obj;
+  std::string prefix;
+
+  bool has(const std::string& key) const { return obj.is_object() && obj.contains(key) && !obj[key].is_null(); }
+  [[noreturn]] void missing(const std::string& key) const {
+    fail("config: '" + file + "': required key '" + prefix + key + "' is missing");
+  }
+  [[noreturn]] void wrong(const std::string& key, const char* what) const {
+    fail("config: '" + file + "': key '" + prefix + key + "' must be " + what + ", got " + obj[key].dump());
+  }
+  const json& at(const std::string& key) const {
+    if (!has(key)) missing(key);
+    return obj[key];
+  }
+  int integer(const std::string& key) const {
+    const json& v = at(key);
+    // Some writers store integral values as floats (e.g. 5000000.0); accept those, refuse fractions.
+    if (v.is_number_integer()) return v.get<int>();
+    if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
+      return static_cast<int>(v.get<double>());
+    wrong(key, "an integer");
+  }
+  int integer(const std::string& key, int def) const { return has(key) ? integer(key) : def; }
+  double number(const std::string& key) const {
+    const json& v = at(key);
+    if (!v.is_number()) wrong(key, "a number");
+    return v.get<double>();
+  }
+  double number(const std::string& key, double def) const { return has(key) ? number(key) : def; }
+  bool boolean(const std::string& key, bool def) const {
+    if (!has(key)) return def;
+    if (!obj[key].is_boolean()) wrong(key, "true or false");
+    return obj[key].get<bool>();
+  }
+  std::string string(const std::string& key) const {
+    if (!at(key).is_string()) wrong(key, "a string");
+    return obj[key].get<std::string>();
+  }
+  std::vector<int> int_list(const std::string& key) const {
+    const json& v = at(key);
+    if (!v.is_array()) wrong(key, "a list of integers");
+    std::vector<int> r;
+    for (auto& x : v) {
+      if (!x.is_number_integer()) wrong(key, "a list of integers");
+      r.push_back(x.get<int>());
+    }
+    return r;
+  }
+  Reader sub(const std::string& key) const {
+    if (!at(key).is_object()) wrong(key, "an object");
+    return Reader{file, obj[key], prefix + key + "."};
+  }
+};
+
+// A token id that may sit at the top level (the usual place) or in text_config; eos may be a list.
+int token_id(const Reader& top, const Reader& text, const std::string& key, int def) {
+  for (const Reader* r : {&top, &text}) {
+    if (!r->has(key)) continue;
+    const json& v = r->obj[key];
+    if (v.is_array() && !v.empty() && v[0].is_number_integer()) return v[0].get<int>();
+    return r->integer(key);
+  }
+  return def;
+}
+
+// Rope settings: 4.57 has text_config.rope_theta + text_config.rope_scaling.mrope_section; 5.x has
+// text_config.rope_parameters {rope_theta, mrope_section, ...}, possibly keyed by layer type
+// ({"full_attention": {...}}), and possibly at the top level.
+void read_rope(const Reader& top, const Reader& text, TextConfig& t) {
+  const Reader* holder = text.has("rope_parameters") ? &text : top.has("rope_parameters") ? &top : nullptr;
+  std::vector<int> section;
+  if (holder) {
+    const Reader outer = holder->sub("rope_parameters");
+    // Keyed by layer type: take the single entry (Qwen3-VL has one attention type).
+    const bool keyed = !outer.has("rope_theta") && outer.obj.size() == 1 && outer.obj.begin().value().is_object();
+    const Reader rp = keyed ? outer.sub(outer.obj.begin().key()) : outer;
+    t.rope_theta = rp.number("rope_theta");
+    section = rp.int_list("mrope_section");
+    if (section.size() != 3)
+      fail("config: '" + top.file + "': key '" + rp.prefix + "mrope_section' must have 3 entries (T,H,W)");
+  } else {
+    t.rope_theta = text.number("rope_theta");
+    Reader rs = text.sub("rope_scaling");
+    section = rs.int_list("mrope_section");
+    if (section.size() != 3)
+      fail("config: '" + top.file + "': key '" + rs.prefix + "mrope_section' must have 3 entries (T,H,W)");
+  }
+  t.mrope_section = {section[0], section[1], section[2]};
+}
+
+int version_major(const std::string& v) {
+  size_t i = 0;
+  int major = 0;
+  while (i < v.size() && v[i] >= '0' && v[i] <= '9') major = major * 10 + (v[i++] - '0');
+  return major;
+}
+
+// Cross-field checks that catch a config the model code could not run.
+void validate(const ModelConfig& c, const std::string& where) {
+  auto bad = [&](const std::string& what) { fail("config: '" + where + "': " + what); };
+  const TextConfig& t = c.text;
+  const VisionConfig& v = c.vision;
+  for (int x : {t.vocab, t.hidden, t.layers, t.heads, t.kv_heads, t.head_dim, v.depth, v.hidden, v.intermediate,
+                v.heads, v.out_hidden, v.patch, v.temporal_patch, v.merge, v.in_channels, v.num_position_embeddings})
+    if (x <= 0) bad("every dimension must be positive");
+  if (t.heads % t.kv_heads != 0)
+    bad("num_attention_heads (" + std::to_string(t.heads) + ") must be a multiple of num_key_value_heads (" +
+        std::to_string(t.kv_heads) + ")");
+  if (t.head_dim % 2 || t.mrope_section[0] + t.mrope_section[1] + t.mrope_section[2] != t.head_dim / 2)
+    bad("mrope_section must sum to head_dim/2 = " + std::to_string(t.head_dim / 2));
+  if (v.hidden % v.heads != 0) bad("vision hidden_size must be a multiple of vision num_heads");
+  for (int i : v.deepstack_indexes)
+    if (i < 0 || i >= v.depth) bad("deepstack_visual_indexes entry " + std::to_string(i) + " is outside [0, depth)");
+  if (static_cast<int>(v.deepstack_indexes.size()) > t.layers) bad("more deepstack indexes than decoder layers");
+  if (c.moe()) {
+    if (t.experts_per_tok <= 0 || t.experts_per_tok > t.num_experts)
+      bad("num_experts_per_tok must be in [1, num_experts]");
+    if (t.moe_intermediate <= 0 || t.decoder_sparse_step <= 0)
+      bad("moe_intermediate_size and decoder_sparse_step must be positive");
+  } else if (t.intermediate <= 0) {
+    bad("intermediate_size must be positive");
+  }
+  for (int id : {c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id})
+    if (id < 0 || id >= t.vocab) bad("special token id " + std::to_string(id) + " is outside the vocabulary");
+}
+
+}  // namespace
+
+bool ModelConfig::is_moe_layer(int l) const {
+  if (!moe()) return false;
+  if (std::find(text.mlp_only_layers.begin(), text.mlp_only_layers.end(), l) != text.mlp_only_layers.end())
+    return false;
+  return (l + 1) % text.decoder_sparse_step == 0;
+}
+
+ModelConfig load_hf_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail("config: cannot open '" + path + "'");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    fail("config: '" + path + "' is not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) fail("config: '" + path + "' is not a JSON object");
+  const Reader top{path, j, ""};
+  ModelConfig c;
+
+  const json& archs = top.at("architectures");
+  if (!archs.is_array() || archs.empty() || !archs[0].is_string()) top.wrong("architectures", "a list of names");
+  c.architecture = archs[0].get<std::string>();
+  if (std::find(std::begin(kArchitectures), std::end(kArchitectures), c.architecture) == std::end(kArchitectures))
+    fail("config: '" + path + "': unknown architecture '" + c.architecture +
+         "' (known: Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration)");
+  const bool moe = c.architecture == "Qwen3VLMoeForConditionalGeneration";
+  if (top.has("transformers_version")) c.transformers_version = top.string("transformers_version");
+  c.experts_v5_layout = version_major(c.transformers_version) >= 5;
+
+  const Reader text = top.sub("text_config");
+  TextConfig& t = c.text;
+  t.vocab = text.integer("vocab_size");
+  t.hidden = text.integer("hidden_size");
+  t.layers = text.integer("num_hidden_layers");
+  t.heads = text.integer("num_attention_heads");
+  t.kv_heads = text.integer("num_key_value_heads");
+  t.head_dim = text.integer("head_dim");
+  t.rms_eps = text.number("rms_norm_eps", 1e-6);
+  read_rope(top, text, t);
+  // The top-level flag is what the composite model ties on; text_config's copy is only a fallback.
+  t.tie_embeddings = top.has("tie_word_embeddings") ? top.boolean("tie_word_embeddings", false)
+                                                    : text.boolean("tie_word_embeddings", false);
+  if (moe) {
+    t.intermediate = text.integer("intermediate_size", 0);  // unused by MoE layers
+    t.num_experts = text.has("num_experts") ? text.integer("num_experts") : text.integer("num_local_experts");
+    t.experts_per_tok = text.integer("num_experts_per_tok");
+    t.moe_intermediate = text.integer("moe_intermediate_size");
+    t.decoder_sparse_step = text.integer("decoder_sparse_step", 1);
+    t.mlp_only_layers = text.has("mlp_only_layers") ? text.int_list("mlp_only_layers") : std::vector<int>{};
+    t.router_aux_loss_coef = text.number("router_aux_loss_coef", 0.001);
+    if (t.num_experts <= 0) fail("config: '" + path + "': key 'text_config.num_experts' must be positive for " + c.architecture);
+  } else {
+    t.intermediate = text.integer("intermediate_size");
+  }
+
+  const Reader vis = top.sub("vision_config");
+  VisionConfig& v = c.vision;
+  v.depth = vis.integer("depth");
+  v.hidden = vis.integer("hidden_size");
+  v.intermediate = vis.integer("intermediate_size");
+  v.heads = vis.integer("num_heads");
+  v.out_hidden = vis.integer("out_hidden_size");
+  v.deepstack_indexes = vis.int_list("deepstack_visual_indexes");
+  v.patch = vis.integer("patch_size", 16);
+  v.temporal_patch = vis.integer("temporal_patch_size", 2);
+  v.merge = vis.integer("spatial_merge_size", 2);
+  v.in_channels = vis.integer("in_channels", 3);
+  v.num_position_embeddings = vis.integer("num_position_embeddings", 2304);
+  if (v.out_hidden != t.hidden)
+    fail("config: '" + path + "': vision_config.out_hidden_size (" + std::to_string(v.out_hidden) +
+         ") must equal text_config.hidden_size (" + std::to_string(t.hidden) + ")");
+
+  c.image_token_id = token_id(top, text, "image_token_id", c.image_token_id);
+  c.video_token_id = token_id(top, text, "video_token_id", c.video_token_id);
+  c.vision_start_token_id = token_id(top, text, "vision_start_token_id", c.vision_start_token_id);
+  c.vision_end_token_id = token_id(top, text, "vision_end_token_id", c.vision_end_token_id);
+  c.eos_token_id = token_id(top, text, "eos_token_id", c.eos_token_id);
+  c.pad_token_id = token_id(top, text, "pad_token_id", c.pad_token_id);
+  validate(c, path);
+  return c;
+}
+
+std::vector<std::string> preset_names() { return {"2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B", "tiny"}; }
+
+ModelConfig preset_config(const std::string& name) {
+  ModelConfig c;
+  VisionConfig& v = c.vision;
+  TextConfig& t = c.text;
+  // Spec section 7. Released configs: 4.57 schema, experts on disk as [E,H,2Im]/[E,Im,H].
+  auto vision = [&](int depth, int hidden, int inter, int out, std::vector<int> ds) {
+    v.depth = depth, v.hidden = hidden, v.intermediate = inter, v.out_hidden = out, v.deepstack_indexes = ds;
+  };
+  auto text = [&](int hidden, int inter, int layers, int heads, int kv, bool tie) {
+    t.hidden = hidden, t.intermediate = inter, t.layers = layers, t.heads = heads, t.kv_heads = kv;
+    t.tie_embeddings = tie;
+  };
+  auto experts = [&](int e, int k, int im) {
+    c.architecture = "Qwen3VLMoeForConditionalGeneration";
+    t.num_experts = e, t.experts_per_tok = k, t.moe_intermediate = im;
+  };
+  c.architecture = "Qwen3VLForConditionalGeneration";
+  if (name == "2B") {
+    vision(24, 1024, 4096, 2048, {5, 11, 17}), text(2048, 6144, 28, 16, 8, true);
+  } else if (name == "4B") {
+    vision(24, 1024, 4096, 2560, {5, 11, 17}), text(2560, 9728, 36, 32, 8, true);
+  } else if (name == "8B") {
+    vision(27, 1152, 4304, 4096, {8, 16, 24}), text(4096, 12288, 36, 32, 8, false);
+  } else if (name == "32B") {
+    vision(27, 1152, 4304, 5120, {8, 16, 24}), text(5120, 25600, 64, 64, 8, false);
+  } else if (name == "30B-A3B") {
+    vision(27, 1152, 4304, 2048, {8, 16, 24}), text(2048, 6144, 48, 32, 4, false), experts(128, 8, 768);
+  } else if (name == "235B-A22B") {
+    vision(27, 1152, 4304, 4096, {8, 16, 24}), text(4096, 12288, 94, 64, 4, false), experts(128, 8, 1536);
+  } else if (name == "tiny") {
+    // For tests and the CPU demo: real vocabulary (the demo uses the real tokenizer), everything else tiny.
+    vision(2, 64, 128, 64, {0}), text(64, 128, 2, 4, 2, true);
+    v.heads = 4;
+    t.head_dim = 16;
+    t.mrope_section = {4, 2, 2};
+  } else {
+    std::string known;
+    for (auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
+    fail("config: unknown preset '" + name + "' (known: " + known + ")");
+  }
+  validate(c, "preset " + name);
+  return c;
+}
+
+}  // namespace q3vl
