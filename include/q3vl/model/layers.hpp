@@ -1,0 +1,94 @@
+// Layer-level forward/backward of Qwen3-VL (one source file per layer type in src/model/). Each layer reads its
+// weights through a parameter view (pointer per parameter id, see params.hpp) and keeps what its backward needs in a
+// context struct. Backward functions take the gradient of the layer output and ACCUMULATE into input and weight
+// gradients; residual blocks work in place: dx holds dL/d(out) on entry and dL/d(in) on return.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "q3vl/model/config.hpp"
+
+namespace q3vl {
+
+// Weights and gradients by parameter id (gradient pointers may be null for a frozen part).
+template <class T> struct ParamView {
+  T* const* p;
+  T* const* g;
+};
+
+// ---- vision (src/model/vision.cpp) ------------------------------------------------------------------------------
+// Per-patch (row, col) full-resolution coordinates in patch order (t, br, bc, ir, ic) for all images.
+void vision_patch_coords(const std::vector<int64_t>& grid_thw, int merge, std::vector<int64_t>& row,
+                         std::vector<int64_t>& col);
+// Attention segments: one per (image, temporal group).
+std::vector<int64_t> vision_cu_seqlens(const std::vector<int64_t>& grid_thw);
+
+// Patch embedding (linear on the 1536-vector) plus interpolated position embedding: x[Np, Dv].
+template <class T> void vision_embed_fwd(const VisionConfig& vc, const ParamView<T>& P, int first, const T* pixels,
+                                         const std::vector<int64_t>& grid_thw, int64_t Np, T* x);
+template <class T> void vision_embed_bwd(const VisionConfig& vc, const ParamView<T>& P, int first, const T* pixels,
+                                         const std::vector<int64_t>& grid_thw, int64_t Np, const T* dx);
+
+template <class T> struct VisionBlockCtx {
+  std::vector<T> x, ln1, m1, r1, q, k, v, att, lse, x1, ln2, m2, r2, h, a;
+};
+template <class T> void vision_block_fwd(const VisionConfig& vc, const ParamView<T>& P, int first, T* x, int64_t N,
+                                         const std::vector<int64_t>& cu, const T* cos, const T* sin,
+                                         VisionBlockCtx<T>& c);
+template <class T> void vision_block_bwd(const VisionConfig& vc, const ParamView<T>& P, int first, T* dx, int64_t N,
+                                         const std::vector<int64_t>& cu, const T* cos, const T* sin,
+                                         VisionBlockCtx<T>& c);
+
+// ---- patch mergers (src/model/merger.cpp) -----------------------------------------------------------------------
+// x[N, Dv] -> y[N/4, Dout]. postshuffle=false: LayerNorm over Dv then 2x2 concat (main merger);
+// postshuffle=true: concat then LayerNorm over 4Dv (deepstack mergers). Both: fc1 -> erf GELU -> fc2.
+template <class T> struct MergerCtx {
+  std::vector<T> x, ln, m, r, h, a;
+};
+template <class T> void merger_fwd(const VisionConfig& vc, const ParamView<T>& P, int first, bool postshuffle,
+                                   const T* x, int64_t N, T* y, MergerCtx<T>& c);
+template <class T> void merger_bwd(const VisionConfig& vc, const ParamView<T>& P, int first, bool postshuffle,
+                                   const T* dy, int64_t N, T* dx, MergerCtx<T>& c);
+
+// ---- text positions (src/model/rope.cpp) ------------------------------------------------------------------------
+// get_rope_index for a packed token stream: each segment [cu[s], cu[s+1]) is one sample starting at position 0;
+// image spans (image_token_id) consume image_grid_thw rows in order. Returns pos3 [3][N] (rows T, H, W).
+std::vector<int64_t> mrope_positions(const ModelConfig& cfg, const int64_t* ids, const std::vector<int64_t>& cu,
+                                     const std::vector<int64_t>& grid_thw);
+
+// ---- decoder layer (src/model/decoder.cpp) and MoE block (src/model/moe.cpp) ------------------------------------
+template <class T> struct MoeCtx {
+  std::vector<T> w;               // [N,k] renormalised routing weights
+  std::vector<int64_t> start;     // [E+1] offsets of each expert's rows in the gathered buffers
+  std::vector<int64_t> rows;      // gathered row -> token*k + slot
+  std::vector<T> gu, y;           // gathered [R, 2Im] pre-activation and [R, H] expert outputs
+};
+// out[N,H] = MoE(x); probs [N,E] and idx [N,k] are written to caller-owned slots (pooled for the aux loss).
+template <class T> void moe_fwd(const TextConfig& tc, const ParamView<T>& P, int first, const T* x, int64_t N, T* out,
+                                T* probs, int64_t* idx, MoeCtx<T>& c);
+// aux_dlogits [N,E] (may be null) is added to the router-logit gradient.
+template <class T> void moe_bwd(const TextConfig& tc, const ParamView<T>& P, int first, const T* dout, const T* x,
+                                int64_t N, T* dx, const T* probs, const int64_t* idx, const T* aux_dlogits,
+                                MoeCtx<T>& c);
+
+template <class T> struct DecoderCtx {
+  std::vector<T> x, ln1, r1, qraw, kraw, rq, rk, q, k, v, att, lse, x1, ln2, r2, gu, act, mlp_out;
+  MoeCtx<T> moe;
+};
+template <class T> void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int first, bool moe, T* x,
+                                          int64_t N, const std::vector<int64_t>& cu, const T* cos, const T* sin,
+                                          T* probs, int64_t* idx, DecoderCtx<T>& c);
+template <class T> void decoder_layer_bwd(const ModelConfig& cfg, const ParamView<T>& P, int first, bool moe, T* dx,
+                                          int64_t N, const std::vector<int64_t>& cu, const T* cos, const T* sin,
+                                          const T* probs, const int64_t* idx, const T* aux_dlogits,
+                                          DecoderCtx<T>& c);
+
+// ---- LM head + cross-entropy (src/model/loss.cpp), chunked over rows so logits are never all in memory ----------
+// Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null.
+template <class T> double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H,
+                                           int64_t V, T* logits_out);
+// Recomputes the logits chunk by chunk; dh, dW (+)= gradients of scale * summed CE.
+template <class T> void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H,
+                                         int64_t V, T scale, T* dh, T* dW);
+
+}  // namespace q3vl

@@ -1,0 +1,110 @@
+// Qwen3-VL (dense and MoE) assembled from the layers: vision tower + mergers, fusion into the text embeddings,
+// decoder with DeepStack injection, final norm, LM head and loss; hand-written backward in reverse order.
+// Instantiated for float (the model) and double (whole-model gradient checks).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "q3vl/model/config.hpp"
+#include "q3vl/model/layers.hpp"
+#include "q3vl/model/params.hpp"
+
+namespace q3vl {
+
+// A padded batch as HF takes it. attention_mask may be empty (= all ones). Labels are unshifted (HF shifts:
+// position s predicts labels[s+1]). Padded positions (mask 0) are dropped before the model runs, so they attend
+// to nothing and contribute no loss; their logits are returned as zeros.
+struct Batch {
+  int B = 0, S = 0;
+  std::vector<int64_t> input_ids, attention_mask, labels;  // [B*S]
+  std::vector<float> pixel_values;                          // [Np * 1536], all images in order
+  std::vector<int64_t> image_grid_thw;                      // [Nimg * 3]
+};
+
+// Several samples concatenated in one stream (training). Sample s = tokens [cu_seqlens[s], cu_seqlens[s+1]);
+// samples never attend to each other, M-RoPE positions restart at 0 per sample and the label shift stays inside
+// a sample (its last token predicts nothing).
+struct PackedBatch {
+  std::vector<int64_t> input_ids, labels, cu_seqlens;
+  std::vector<float> pixel_values;
+  std::vector<int64_t> image_grid_thw;
+};
+
+template <class T>
+class BasicModel {
+ public:
+  explicit BasicModel(const ModelConfig& cfg);
+
+  const ModelConfig& config() const { return cfg_; }
+  ParamTable& table() { return table_; }
+  const ParamTable& table() const { return table_; }
+  // Default storage: all units concatenated (unit u at table().units()[u].offset).
+  T* params() { return store_p_.data(); }
+  T* grads() { return store_g_.data(); }
+  T* param(int id) { return pp_[id]; }
+  T* grad(int id) { return gp_[id]; }
+  // Point one ZeRO unit at external flat buffers (same layout as the table's unit); grads may be null only if the
+  // unit is never differentiated.
+  void bind_unit(int unit, T* params, T* grads);
+  void zero_grads();
+  // Norm weights 1, biases 0, everything else N(0, std^2) (tests and demos).
+  void init_random(uint64_t seed, double std = 0.02);
+
+  // Returns the loss: mean CE over supervised targets (0 when there are none) + coef*aux when aux_loss.
+  // logits_out gets [B,S,V] (packed: [N,V]); aux_out gets the load-balancing loss (MoE; 0 for dense).
+  double forward(const Batch& b, bool keep_for_backward, std::vector<T>* logits_out = nullptr,
+                 double* aux_out = nullptr, bool aux_loss = false);
+  double forward(const PackedBatch& b, bool keep_for_backward, std::vector<T>* logits_out = nullptr,
+                 double* aux_out = nullptr, bool aux_loss = false);
+  // Accumulates dL/dparam of the last forward(keep_for_backward=true) into grads.
+  void backward();
+
+  int64_t supervised_tokens() const { return count_; }
+
+ private:
+  struct Stream {
+    std::vector<int64_t> ids, targets, cu, orig;  // orig: row in logits_out for each token
+    int64_t out_rows = 0;
+  };
+  double run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
+             std::vector<T>* logits_out, double* aux_out, bool aux_loss);
+  ParamView<T> view() const { return {pp_.data(), gp_.data()}; }
+  void rebind();
+
+  ModelConfig cfg_;
+  ParamTable table_;
+  std::vector<T> store_p_, store_g_;
+  std::vector<T*> unit_p_, unit_g_, pp_, gp_;
+
+  // Saved by forward for backward.
+  bool kept_ = false, aux_on_ = false;
+  Stream st_;
+  std::vector<T> pixels_;
+  std::vector<int64_t> grid_, vcu_, vis_;  // vision segments; token index of each visual position
+  std::vector<T> vcos_, vsin_, tcos_, tsin_;
+  std::vector<VisionBlockCtx<T>> vctx_;
+  MergerCtx<T> mctx_;
+  std::vector<MergerCtx<T>> dsctx_;
+  std::vector<DecoderCtx<T>> dctx_;
+  std::vector<T> xf_, hf_, rf_;            // input and output of the final norm, its rstd
+  std::vector<T> probs_, aux_f_;           // pooled router probabilities [nmoe*N, E]
+  std::vector<int64_t> idx_;               // pooled top-k [nmoe*N, k]
+  std::vector<int> moe_slot_;              // decoder layer -> MoE slot (-1: dense)
+  int64_t count_ = 0;
+};
+
+using Model = BasicModel<float>;
+
+// Load HF safetensors (one file or a directory) into the model through the parameter table (src/model/weights.cpp).
+// Every table tensor must be present with the right shape; unexpected tensors are errors; lm_head.weight is
+// absent when tied. MoE experts are read in the released [E,H,2Im]/[E,Im,H] or the transformers-5
+// [E,2Im,H]/[E,H,Im] layout as cfg.experts_v5_layout says, and checked against it.
+void load_hf_weights(Model& m, const std::string& dir);
+// On-disk shape of a table tensor for this config (differs from the compute shape only for MoE experts).
+std::vector<int64_t> hf_shape(const ParamTable& t, int id);
+// Convert one tensor (weights or grads) from our compute layout to the on-disk layout (copy for everything but
+// MoE experts, which are transposed in the released layout).
+std::vector<float> to_hf_layout(const ParamTable& t, int id, const float* data);
+
+}  // namespace q3vl

@@ -1,0 +1,118 @@
+// Text decoder layer (spec 4.3, 4.4, 4.7): RMSNorm -> GQA attention with per-head QK RMSNorm and interleaved
+// M-RoPE -> residual; RMSNorm -> dense SwiGLU MLP or MoE block -> residual.
+#include <cmath>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/model/layers.hpp"
+#include "q3vl/model/params.hpp"
+#include "q3vl/tensor/ops.hpp"
+
+namespace q3vl {
+
+// Dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent.
+template <class T>
+static const T* fused_gate_up(const ParamView<T>& P, int f, int64_t I, int64_t H) {
+  Q3VL_CHECK(P.p[f + tlay::up_proj] == P.p[f + tlay::gate_proj] + I * H, "gate_proj/up_proj must be adjacent");
+  Q3VL_CHECK(P.g[f + tlay::up_proj] == P.g[f + tlay::gate_proj] + I * H, "gate_proj/up_proj grads must be adjacent");
+  return P.p[f + tlay::gate_proj];
+}
+
+template <class T>
+void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, bool moe, T* x, int64_t N,
+                       const std::vector<int64_t>& cu, const T* cos, const T* sin, T* probs, int64_t* idx,
+                       DecoderCtx<T>& c) {
+  const TextConfig& tc = cfg.text;
+  const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
+  c.x.assign(x, x + N * H);
+  c.ln1.resize(N * H);
+  c.r1.resize(N);
+  c.qraw.resize(N * Dq);
+  c.kraw.resize(N * Dk);
+  c.q.resize(N * Dq);
+  c.k.resize(N * Dk);
+  c.v.resize(N * Dk);
+  c.rq.resize(N * nh);
+  c.rk.resize(N * nkv);
+  c.att.resize(N * Dq);
+  c.lse.resize(N * nh);
+  c.ln2.resize(N * H);
+  c.r2.resize(N);
+  ops::rmsnorm_fwd(x, P.p[f + tlay::in_norm], c.ln1.data(), c.r1.data(), N, H, tc.rms_eps);
+  ops::linear_fwd(c.ln1.data(), P.p[f + tlay::q_proj], (const T*)nullptr, c.qraw.data(), N, H, Dq);
+  ops::linear_fwd(c.ln1.data(), P.p[f + tlay::k_proj], (const T*)nullptr, c.kraw.data(), N, H, Dk);
+  ops::linear_fwd(c.ln1.data(), P.p[f + tlay::v_proj], (const T*)nullptr, c.v.data(), N, H, Dk);
+  ops::rmsnorm_fwd(c.qraw.data(), P.p[f + tlay::q_norm], c.q.data(), c.rq.data(), N * nh, hd, tc.rms_eps);
+  ops::rmsnorm_fwd(c.kraw.data(), P.p[f + tlay::k_norm], c.k.data(), c.rk.data(), N * nkv, hd, tc.rms_eps);
+  ops::rope_fwd(c.q.data(), cos, sin, N, nh, hd);
+  ops::rope_fwd(c.k.data(), cos, sin, N, nkv, hd);
+  ops::attention_fwd(c.q.data(), c.k.data(), c.v.data(), c.att.data(), c.lse.data(), cu.data(),
+                     (int64_t)cu.size() - 1, nh, nkv, hd, true, T(1 / std::sqrt((double)hd)));
+  std::vector<T> tmp(N * H);
+  ops::linear_fwd(c.att.data(), P.p[f + tlay::o_proj], (const T*)nullptr, tmp.data(), N, Dq, H);
+  for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
+  c.x1.assign(x, x + N * H);
+  ops::rmsnorm_fwd(x, P.p[f + tlay::post_norm], c.ln2.data(), c.r2.data(), N, H, tc.rms_eps);
+  if (moe) {
+    moe_fwd(tc, P, f, c.ln2.data(), N, tmp.data(), probs, idx, c.moe);
+  } else {
+    const int64_t I = tc.intermediate;
+    c.gu.resize(N * 2 * I);
+    c.act.resize(N * I);
+    ops::linear_fwd(c.ln2.data(), fused_gate_up(P, f, I, H), (const T*)nullptr, c.gu.data(), N, H, 2 * I);
+    ops::swiglu_fwd(c.gu.data(), c.act.data(), N, I);
+    ops::linear_fwd(c.act.data(), P.p[f + tlay::down_proj], (const T*)nullptr, tmp.data(), N, I, H);
+  }
+  for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
+}
+
+template <class T>
+void decoder_layer_bwd(const ModelConfig& cfg, const ParamView<T>& P, int f, bool moe, T* dx, int64_t N,
+                       const std::vector<int64_t>& cu, const T* cos, const T* sin, const T* probs, const int64_t* idx,
+                       const T* aux_dlogits, DecoderCtx<T>& c) {
+  const TextConfig& tc = cfg.text;
+  const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
+  T* const nul = nullptr;
+  // MLP / MoE branch.
+  std::vector<T> dln(N * H);
+  if (moe) {
+    moe_bwd(tc, P, f, dx, c.ln2.data(), N, dln.data(), probs, idx, aux_dlogits, c.moe);
+  } else {
+    const int64_t I = tc.intermediate;
+    std::vector<T> dact(N * I), dgu(N * 2 * I);
+    ops::linear_bwd(dx, c.act.data(), P.p[f + tlay::down_proj], dact.data(), P.g[f + tlay::down_proj], nul, N, I, H);
+    ops::swiglu_bwd(dact.data(), c.gu.data(), dgu.data(), N, I);
+    ops::linear_bwd(dgu.data(), c.ln2.data(), fused_gate_up(P, f, I, H), dln.data(), P.g[f + tlay::gate_proj], nul, N,
+                    H, 2 * I);
+  }
+  ops::rmsnorm_bwd(dln.data(), c.x1.data(), P.p[f + tlay::post_norm], c.r2.data(), dx, P.g[f + tlay::post_norm], N, H);
+  // Attention branch.
+  std::vector<T> datt(N * Dq), dq(N * Dq), dk(N * Dk), dv(N * Dk), dqr(N * Dq), dkr(N * Dk);
+  ops::linear_bwd(dx, c.att.data(), P.p[f + tlay::o_proj], datt.data(), P.g[f + tlay::o_proj], nul, N, Dq, H);
+  ops::attention_bwd(datt.data(), c.q.data(), c.k.data(), c.v.data(), c.att.data(), c.lse.data(), dq.data(),
+                     dk.data(), dv.data(), cu.data(), (int64_t)cu.size() - 1, nh, nkv, hd, true,
+                     T(1 / std::sqrt((double)hd)));
+  ops::rope_bwd(dq.data(), cos, sin, N, nh, hd);
+  ops::rope_bwd(dk.data(), cos, sin, N, nkv, hd);
+  ops::rmsnorm_bwd(dq.data(), c.qraw.data(), P.p[f + tlay::q_norm], c.rq.data(), dqr.data(), P.g[f + tlay::q_norm],
+                   N * nh, hd);
+  ops::rmsnorm_bwd(dk.data(), c.kraw.data(), P.p[f + tlay::k_norm], c.rk.data(), dkr.data(), P.g[f + tlay::k_norm],
+                   N * nkv, hd);
+  std::fill(dln.begin(), dln.end(), T(0));
+  ops::linear_bwd(dqr.data(), c.ln1.data(), P.p[f + tlay::q_proj], dln.data(), P.g[f + tlay::q_proj], nul, N, H, Dq);
+  ops::linear_bwd(dkr.data(), c.ln1.data(), P.p[f + tlay::k_proj], dln.data(), P.g[f + tlay::k_proj], nul, N, H, Dk);
+  ops::linear_bwd(dv.data(), c.ln1.data(), P.p[f + tlay::v_proj], dln.data(), P.g[f + tlay::v_proj], nul, N, H, Dk);
+  ops::rmsnorm_bwd(dln.data(), c.x.data(), P.p[f + tlay::in_norm], c.r1.data(), dx, P.g[f + tlay::in_norm], N, H);
+}
+
+#define Q3VL_INST(T)                                                                                               \
+  template void decoder_layer_fwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
+                                     const std::vector<int64_t>&, const T*, const T*, T*, int64_t*,               \
+                                     DecoderCtx<T>&);                                                             \
+  template void decoder_layer_bwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
+                                     const std::vector<int64_t>&, const T*, const T*, const T*, const int64_t*,   \
+                                     const T*, DecoderCtx<T>&);
+Q3VL_INST(float)
+Q3VL_INST(double)
+#undef Q3VL_INST
+
+}  // namespace q3vl

@@ -1,0 +1,274 @@
+// Model assembly (spec 1-5): the forward keeps per-layer contexts; the backward walks them in reverse.
+#include "q3vl/model/qwen3vl.hpp"
+
+#include <algorithm>
+#include <random>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/tensor/ops.hpp"
+
+namespace q3vl {
+
+template <class T>
+BasicModel<T>::BasicModel(const ModelConfig& cfg) : cfg_(cfg), table_(cfg) {
+  store_p_.assign(table_.total(), T(0));
+  store_g_.assign(table_.total(), T(0));
+  for (const auto& u : table_.units()) {
+    unit_p_.push_back(store_p_.data() + u.offset);
+    unit_g_.push_back(store_g_.data() + u.offset);
+  }
+  int slot = 0;
+  for (int l = 0; l < cfg.text.layers; ++l) moe_slot_.push_back(table_.moe_layer(l) ? slot++ : -1);
+  rebind();
+}
+
+template <class T>
+void BasicModel<T>::rebind() {
+  pp_.resize(table_.params().size());
+  gp_.resize(table_.params().size());
+  for (size_t i = 0; i < pp_.size(); ++i) {
+    const ParamInfo& p = table_.params()[i];
+    pp_[i] = unit_p_[p.unit] + p.offset;
+    gp_[i] = unit_g_[p.unit] ? unit_g_[p.unit] + p.offset : nullptr;
+  }
+}
+
+template <class T>
+void BasicModel<T>::bind_unit(int unit, T* params, T* grads) {
+  Q3VL_CHECK(unit >= 0 && unit < (int)unit_p_.size(), "bind_unit: no such unit");
+  unit_p_[unit] = params;
+  unit_g_[unit] = grads;
+  rebind();
+}
+
+template <class T>
+void BasicModel<T>::zero_grads() {
+  for (size_t u = 0; u < unit_g_.size(); ++u)
+    if (unit_g_[u]) std::fill(unit_g_[u], unit_g_[u] + table_.units()[u].numel, T(0));
+}
+
+template <class T>
+void BasicModel<T>::init_random(uint64_t seed, double std) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, std);
+  for (size_t i = 0; i < pp_.size(); ++i) {
+    const ParamInfo& p = table_.params()[i];
+    const bool bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+    for (int64_t j = 0; j < p.numel; ++j) pp_[i][j] = p.no_decay ? T(bias ? 0 : 1) : T(nd(rng));
+  }
+}
+
+template <class T>
+double BasicModel<T>::forward(const Batch& b, bool keep, std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
+  const size_t n = (size_t)b.B * b.S;
+  if (b.input_ids.size() != n) fail("batch: input_ids has " + std::to_string(b.input_ids.size()) + " entries, B*S = " + std::to_string(n));
+  if (!b.attention_mask.empty() && b.attention_mask.size() != n) fail("batch: attention_mask size != B*S");
+  if (!b.labels.empty() && b.labels.size() != n) fail("batch: labels size != B*S");
+  Stream s;
+  s.cu.push_back(0);
+  for (int r = 0; r < b.B; ++r) {
+    for (int t = 0; t < b.S; ++t) {
+      const size_t i = (size_t)r * b.S + t;
+      if (!b.attention_mask.empty() && b.attention_mask[i] == 0) continue;
+      s.ids.push_back(b.input_ids[i]);
+      s.targets.push_back(!b.labels.empty() && t + 1 < b.S ? b.labels[i + 1] : -100);
+      s.orig.push_back((int64_t)i);
+    }
+    s.cu.push_back((int64_t)s.ids.size());
+  }
+  s.out_rows = (int64_t)n;
+  return run(std::move(s), b.pixel_values, b.image_grid_thw, keep, logits_out, aux_out, aux_loss);
+}
+
+template <class T>
+double BasicModel<T>::forward(const PackedBatch& b, bool keep, std::vector<T>* logits_out, double* aux_out,
+                              bool aux_loss) {
+  const int64_t N = (int64_t)b.input_ids.size();
+  if (b.cu_seqlens.empty() || b.cu_seqlens.front() != 0 || b.cu_seqlens.back() != N)
+    fail("packed batch: cu_seqlens must start at 0 and end at the token count " + std::to_string(N));
+  if (!b.labels.empty() && (int64_t)b.labels.size() != N) fail("packed batch: labels size != input_ids size");
+  Stream s;
+  s.ids = b.input_ids;
+  s.cu = b.cu_seqlens;
+  s.targets.assign(N, -100);
+  for (size_t k = 0; k + 1 < s.cu.size(); ++k) {
+    if (s.cu[k + 1] < s.cu[k]) fail("packed batch: cu_seqlens must be non-decreasing");
+    if (!b.labels.empty())
+      for (int64_t i = s.cu[k]; i + 1 < s.cu[k + 1]; ++i) s.targets[i] = b.labels[i + 1];
+  }
+  s.orig.resize(N);
+  for (int64_t i = 0; i < N; ++i) s.orig[i] = i;
+  s.out_rows = N;
+  return run(std::move(s), b.pixel_values, b.image_grid_thw, keep, logits_out, aux_out, aux_loss);
+}
+
+template <class T>
+double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
+                          std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
+  const VisionConfig& vc = cfg_.vision;
+  const TextConfig& tc = cfg_.text;
+  const ParamView<T> P = view();
+  const int64_t N = (int64_t)s.ids.size(), H = tc.hidden, V = tc.vocab, Dv = vc.hidden;
+  kept_ = false;
+  st_ = std::move(s);
+  grid_ = grid;
+
+  // Vision tower.
+  if (grid.size() % 3) fail("image_grid_thw must have 3 entries per image");
+  int64_t Np = 0;
+  for (size_t i = 0; i < grid.size(); i += 3) {
+    if (grid[i] <= 0 || grid[i + 1] % vc.merge || grid[i + 2] % vc.merge || grid[i + 1] <= 0 || grid[i + 2] <= 0)
+      fail("image_grid_thw row " + std::to_string(i / 3) + " is not a positive grid divisible by the merge size");
+    Np += grid[i] * grid[i + 1] * grid[i + 2];
+  }
+  if ((int64_t)pixels.size() != Np * vc.patch_dim())
+    fail("pixel_values has " + std::to_string(pixels.size()) + " values, image_grid_thw needs " +
+         std::to_string(Np) + " patches x " + std::to_string(vc.patch_dim()));
+  const size_t nds = vc.deepstack_indexes.size();
+  std::vector<T> img(Np / 4 * H);
+  std::vector<std::vector<T>> ds(nds, std::vector<T>(Np / 4 * H));
+  vctx_.resize(keep ? vc.depth : 1);
+  dsctx_.resize(nds);
+  if (Np > 0) {
+    pixels_.assign(pixels.begin(), pixels.end());
+    std::vector<T> vx(Np * Dv);
+    vision_embed_fwd(vc, P, table_.vision_embed(), pixels_.data(), grid, Np, vx.data());
+    std::vector<int64_t> row, col;
+    vision_patch_coords(grid, vc.merge, row, col);
+    vcos_.resize(Np * vc.head_dim() / 2);
+    vsin_.resize(vcos_.size());
+    ops::vision_rope_table(row.data(), col.data(), Np, (int64_t)vc.head_dim(), vcos_.data(), vsin_.data());
+    vcu_ = vision_cu_seqlens(grid);
+    for (int i = 0; i < vc.depth; ++i) {
+      vision_block_fwd(vc, P, table_.vision_block(i), vx.data(), Np, vcu_, vcos_.data(), vsin_.data(),
+                       vctx_[keep ? i : 0]);
+      for (size_t j = 0; j < nds; ++j)
+        if (vc.deepstack_indexes[j] == i)
+          merger_fwd(vc, P, table_.deepstack_merger(j), true, vx.data(), Np, ds[j].data(), dsctx_[j]);
+    }
+    merger_fwd(vc, P, table_.merger(), false, vx.data(), Np, img.data(), mctx_);
+  }
+
+  // Embeddings with the image tokens scattered in (row-major over the batch, in pixel_values order).
+  std::vector<T> x(N * H);
+  ops::embedding_fwd(st_.ids.data(), P.p[table_.embed_tokens()], x.data(), N, H, V);
+  vis_.clear();
+  for (int64_t i = 0; i < N; ++i)
+    if (st_.ids[i] == cfg_.image_token_id) vis_.push_back(i);
+  if ((int64_t)vis_.size() != Np / 4)
+    fail("image features and image tokens do not match: " + std::to_string(vis_.size()) + " tokens with id " +
+         std::to_string(cfg_.image_token_id) + ", " + std::to_string(Np / 4) + " merged image features");
+  for (size_t j = 0; j < vis_.size(); ++j) std::copy(&img[j * H], &img[(j + 1) * H], &x[vis_[j] * H]);
+
+  // Decoder.
+  const auto pos = mrope_positions(cfg_, st_.ids.data(), st_.cu, grid);
+  tcos_.resize(N * tc.head_dim / 2);
+  tsin_.resize(tcos_.size());
+  ops::mrope_table(pos.data(), N, (int64_t)tc.head_dim, tc.rope_theta, tc.mrope_section.data(), tcos_.data(),
+                   tsin_.data());
+  const int nmoe = (int)std::count_if(moe_slot_.begin(), moe_slot_.end(), [](int v) { return v >= 0; });
+  const int64_t E = tc.num_experts, K = tc.experts_per_tok;
+  probs_.resize(nmoe * N * E);
+  idx_.resize(nmoe * N * K);
+  dctx_.resize(keep ? tc.layers : 1);
+  for (int l = 0; l < tc.layers; ++l) {
+    const int ms = moe_slot_[l];
+    decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, x.data(), N, st_.cu, tcos_.data(), tsin_.data(),
+                      ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr,
+                      dctx_[keep ? l : 0]);
+    if ((size_t)l < nds)  // DeepStack: add merged features of ViT block deepstack_indexes[l] at visual positions
+      for (size_t j = 0; j < vis_.size(); ++j)
+        for (int64_t d = 0; d < H; ++d) x[vis_[j] * H + d] += ds[l][j * H + d];
+  }
+
+  // Final norm, LM head, loss.
+  xf_ = x;
+  hf_.resize(N * H);
+  rf_.resize(N);
+  ops::rmsnorm_fwd(xf_.data(), P.p[table_.final_norm()], hf_.data(), rf_.data(), N, H, tc.rms_eps);
+  count_ = std::count_if(st_.targets.begin(), st_.targets.end(), [](int64_t t) { return t != -100; });
+  std::vector<T> logits;
+  if (logits_out) logits.resize(N * V);
+  const double ce = lm_head_loss_fwd(hf_.data(), P.p[table_.lm_head()], st_.targets.data(), N, H, V,
+                                     logits_out ? logits.data() : nullptr);
+  if (logits_out) {
+    logits_out->assign(st_.out_rows * V, T(0));
+    for (int64_t i = 0; i < N; ++i) std::copy(&logits[i * V], &logits[(i + 1) * V], &(*logits_out)[st_.orig[i] * V]);
+  }
+  double loss = count_ ? ce / (double)count_ : 0.0;
+  double aux = 0;
+  aux_f_.assign(E, T(0));
+  if (nmoe > 0) aux = ops::aux_loss_fwd(probs_.data(), idx_.data(), nmoe * N, E, K, aux_f_.data());
+  if (aux_out) *aux_out = aux;
+  if (aux_loss) loss += tc.router_aux_loss_coef * aux;
+  aux_on_ = aux_loss && nmoe > 0;
+  kept_ = keep;
+  if (!keep) {  // nothing of this pass may be used by a backward
+    vctx_.clear();
+    dctx_.clear();
+  }
+  return loss;
+}
+
+template <class T>
+void BasicModel<T>::backward() {
+  if (!kept_) fail("Model::backward called without a forward(keep_for_backward=true) before it");
+  kept_ = false;
+  const VisionConfig& vc = cfg_.vision;
+  const TextConfig& tc = cfg_.text;
+  const ParamView<T> P = view();
+  const int64_t N = (int64_t)st_.ids.size(), H = tc.hidden, V = tc.vocab, Dv = vc.hidden;
+  const int64_t E = tc.num_experts, K = tc.experts_per_tok;
+  const size_t nds = vc.deepstack_indexes.size();
+
+  std::vector<T> dh(N * H), dx(N * H);
+  if (count_)
+    lm_head_loss_bwd(hf_.data(), P.p[table_.lm_head()], st_.targets.data(), N, H, V, T(1.0 / (double)count_),
+                     dh.data(), P.g[table_.lm_head()]);
+  ops::rmsnorm_bwd(dh.data(), xf_.data(), P.p[table_.final_norm()], rf_.data(), dx.data(), P.g[table_.final_norm()], N,
+                   H);
+  std::vector<T> aux_dl;
+  if (aux_on_) {
+    const int64_t rows = (int64_t)probs_.size() / E;
+    aux_dl.assign(rows * E, T(0));
+    ops::aux_loss_bwd(probs_.data(), aux_f_.data(), T(tc.router_aux_loss_coef), aux_dl.data(), rows, E);
+  }
+  std::vector<std::vector<T>> dds(nds);
+  for (int l = tc.layers - 1; l >= 0; --l) {
+    if ((size_t)l < nds) {
+      dds[l].resize(vis_.size() * H);
+      for (size_t j = 0; j < vis_.size(); ++j) std::copy(&dx[vis_[j] * H], &dx[(vis_[j] + 1) * H], &dds[l][j * H]);
+    }
+    const int ms = moe_slot_[l];
+    decoder_layer_bwd(cfg_, P, table_.layer(l), ms >= 0, dx.data(), N, st_.cu, tcos_.data(), tsin_.data(),
+                      ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr,
+                      ms >= 0 && aux_on_ ? aux_dl.data() + ms * N * E : nullptr, dctx_[l]);
+  }
+  // Image positions were overwritten by the vision tokens: their embedding rows get no gradient.
+  std::vector<T> dimg(vis_.size() * H);
+  for (size_t j = 0; j < vis_.size(); ++j) {
+    std::copy(&dx[vis_[j] * H], &dx[(vis_[j] + 1) * H], &dimg[j * H]);
+    std::fill(&dx[vis_[j] * H], &dx[(vis_[j] + 1) * H], T(0));
+  }
+  ops::embedding_bwd(st_.ids.data(), dx.data(), P.g[table_.embed_tokens()], N, H);
+
+  const int64_t Np = (int64_t)vis_.size() * 4;
+  if (Np > 0) {
+    std::vector<T> dv(Np * Dv);
+    merger_bwd(vc, P, table_.merger(), false, dimg.data(), Np, dv.data(), mctx_);
+    for (int i = vc.depth - 1; i >= 0; --i) {
+      for (size_t j = 0; j < nds; ++j)
+        if (vc.deepstack_indexes[j] == i && j < (size_t)tc.layers)
+          merger_bwd(vc, P, table_.deepstack_merger(j), true, dds[j].data(), Np, dv.data(), dsctx_[j]);
+      vision_block_bwd(vc, P, table_.vision_block(i), dv.data(), Np, vcu_, vcos_.data(), vsin_.data(), vctx_[i]);
+    }
+    vision_embed_bwd(vc, P, table_.vision_embed(), pixels_.data(), grid_, Np, dv.data());
+  }
+  vctx_.clear();
+  dctx_.clear();
+}
+
+template class BasicModel<float>;
+template class BasicModel<double>;
+
+}  // namespace q3vl
