@@ -14,7 +14,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "q3vl/core/dtype.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/tensor/tensor.hpp"
 
 namespace q3vl {
 namespace fs = std::filesystem;
@@ -32,12 +34,6 @@ struct Fd {  // closes on scope exit
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
 };
-
-std::string shape_str(const std::vector<int64_t>& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? "," : "") + std::to_string(s[i]);
-  return r + "]";
-}
 
 // Reads exactly n bytes at off; returns the number read (less only at end of file).
 size_t pread_full(int fd, void* buf, size_t n, uint64_t off) {
@@ -154,52 +150,6 @@ const char* st_dtype_name(StDtype dt) {
     case StDtype::BOOL: return "BOOL";
   }
   return "?";
-}
-
-float bf16_to_f32(uint16_t h) {
-  uint32_t x = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
-uint16_t f32_to_bf16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // keep NaN a (quiet) NaN
-  x += 0x7fffu + ((x >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>(x >> 16);
-}
-
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  uint32_t x;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24
-    float v = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -v : v;
-  }
-  if (exp == 31) x = sign | 0x7f800000u | (mant << 13);
-  else x = sign | ((exp + 112) << 23) | (mant << 13);
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
-uint16_t f32_to_f16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  x &= 0x7fffffffu;
-  if (x > 0x7f800000u) return sign | 0x7e00;   // NaN
-  if (x >= 0x477ff000u) return sign | 0x7c00;  // >= 65520 rounds to inf
-  if (x < 0x38800000u) {                       // below the smallest normal half: subnormal or zero
-    // Scaling by 2^24 is exact; nearbyint rounds half to even in the default rounding mode.
-    return sign | static_cast<uint16_t>(std::nearbyint(std::fabs(f) * 16777216.0f));
-  }
-  uint32_t h = (x >> 13) - (112u << 10);
-  const uint32_t rem = x & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // carry into the exponent is correct
-  return sign | static_cast<uint16_t>(h);
 }
 
 Safetensors Safetensors::open(const std::string& file_or_dir) {

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "q3vl/core/dtype.hpp"  // bf16/fp16 conversions
+
 namespace q3vl {
 
 enum class StDtype { F32, F16, BF16, F64, I64, I32, U8, BOOL };
@@ -44,10 +46,5 @@ void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, const float*>>>& tensors,
                        StDtype dtype = StDtype::F32);
 
-// Scalar conversions used by the reader and writer (exposed for tests and other IO code).
-float bf16_to_f32(uint16_t h);
-uint16_t f32_to_bf16(float f);  // round to nearest even; NaN stays NaN
-float f16_to_f32(uint16_t h);
-uint16_t f32_to_f16(float f);   // round to nearest even; overflow -> inf
 
 }  // namespace q3vl

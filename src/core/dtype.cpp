@@ -1,0 +1,61 @@
+#include "q3vl/core/dtype.hpp"
+
+#include <cmath>
+
+namespace q3vl {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::BF16: case DType::F16: return 2;
+    case DType::F32: case DType::I32: return 4;
+    case DType::F64: case DType::I64: return 8;
+    case DType::U8: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::BF16: return "bf16";
+    case DType::F16: return "fp16";
+    case DType::F32: return "fp32";
+    case DType::F64: return "fp64";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+    case DType::U8: return "uint8";
+  }
+  return "?";
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t x;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24
+    float v = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -v : v;
+  }
+  if (exp == 31) x = sign | 0x7f800000u | (mant << 13);
+  else x = sign | ((exp + 112) << 23) | (mant << 13);
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+
+uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return sign | 0x7e00;   // NaN
+  if (x >= 0x477ff000u) return sign | 0x7c00;  // >= 65520 rounds to inf
+  if (x < 0x38800000u) {                       // below the smallest normal half: subnormal or zero
+    // Scaling by 2^24 is exact; nearbyint rounds half to even in the default rounding mode.
+    return sign | static_cast<uint16_t>(std::nearbyint(std::fabs(f) * 16777216.0f));
+  }
+  uint32_t h = (x >> 13) - (112u << 10);
+  const uint32_t rem = x & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // carry into the exponent is correct
+  return sign | static_cast<uint16_t>(h);
+}
+
+}  // namespace q3vl

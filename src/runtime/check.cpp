@@ -1,0 +1,119 @@
+#include "q3vl/runtime/check.hpp"
+
+#include <sys/statvfs.h>
+#include <sys/sysinfo.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+#include <vector>
+
+#ifdef Q3VL_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/runtime/runtime.hpp"
+
+namespace q3vl {
+
+namespace {
+
+// One rank's report, fixed-size so it can be gathered in one call.
+struct RankInfo {
+  char host[64];
+  char device[64];
+  int local_rank, gpu;
+  double host_mem_gb, gpu_mem_gb, disk_free_gb;
+  int driver_version, runtime_version;
+};
+
+RankInfo probe(const Deck& deck) {
+  const Placement& p = Runtime::get().where();
+  RankInfo r{};
+  std::snprintf(r.host, sizeof r.host, "%s", p.host.c_str());
+  std::snprintf(r.device, sizeof r.device, "cpu");
+  r.local_rank = p.local_rank;
+  r.gpu = p.gpu;
+  struct sysinfo si {};
+  if (sysinfo(&si) == 0) r.host_mem_gb = double(si.totalram) * si.mem_unit / 1e9;
+  std::error_code ec;
+  std::filesystem::create_directories(deck.str("run.out_dir"), ec);
+  struct statvfs sv {};
+  if (statvfs(deck.str("run.out_dir").c_str(), &sv) == 0) r.disk_free_gb = double(sv.f_bavail) * sv.f_frsize / 1e9;
+  else r.disk_free_gb = -1;
+#ifdef Q3VL_CUDA
+  if (p.gpu >= 0) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, p.gpu) == cudaSuccess) {
+      std::snprintf(r.device, sizeof r.device, "gpu%d %s", p.gpu, prop.name);
+      r.gpu_mem_gb = double(prop.totalGlobalMem) / 1e9;
+    }
+    cudaDriverGetVersion(&r.driver_version);
+    cudaRuntimeGetVersion(&r.runtime_version);
+  }
+#endif
+  return r;
+}
+
+}  // namespace
+
+int run_check(const Deck& deck) {
+  Runtime& rt = Runtime::get();
+  Comm& world = rt.world();
+  const int n = world.size();
+  RankInfo mine = probe(deck);
+  std::vector<RankInfo> all(static_cast<size_t>(n));
+  world.all_gather(&mine, all.data(), sizeof(RankInfo), DType::U8);
+
+  std::ostringstream t;
+  t << "rank  host                 local  device                         host GB   GPU GB  disk free GB\n";
+  for (int r = 0; r < n; ++r) {
+    char line[256];
+    std::snprintf(line, sizeof line, "%4d  %-20s %5d  %-28s %9.1f %8.1f %13.1f\n", r, all[r].host,
+                  all[r].local_rank, all[r].device, all[r].host_mem_gb, all[r].gpu_mem_gb, all[r].disk_free_gb);
+    t << line;
+  }
+  log_info(t.str());
+
+  // Every rank must have what the deck asks for; name the first that does not.
+  std::string problems;
+  for (int r = 0; r < n; ++r) {
+    if (deck.str("model.backend") == "cuda" && all[r].gpu < 0)
+      problems += "  rank " + std::to_string(r) + " on " + all[r].host + ": no GPU visible (model.backend = cuda)\n";
+    if (all[r].disk_free_gb >= 0 && all[r].disk_free_gb < 1.0)
+      problems += "  rank " + std::to_string(r) + " on " + all[r].host + ": less than 1 GB free in " +
+                  deck.str("run.out_dir") + "\n";
+    if (all[r].disk_free_gb < 0)
+      problems += "  rank " + std::to_string(r) + " on " + all[r].host + ": cannot stat output directory " +
+                  deck.str("run.out_dir") + "\n";
+  }
+  if (!problems.empty()) fail_all("check failed:\n" + problems);
+
+  // All-reduce bandwidth (fp32 sum), nccl-tests conventions: busbw = algbw * 2(n-1)/n.
+  log_info("all-reduce over " + std::to_string(n) + " rank(s), " + world.kind() + ":");
+  log_info("        bytes     time(us)   algbw(GB/s)   busbw(GB/s)");
+  for (size_t bytes : {size_t(1) << 12, size_t(1) << 16, size_t(1) << 20, size_t(1) << 24}) {
+    ScopedTimer timer("check: all-reduce");
+    std::vector<float> buf(bytes / 4, 1.0f);
+    world.all_reduce(buf.data(), buf.size(), DType::F32);  // warm-up
+    if (buf[0] != float(n)) fail("check: all-reduce gave " + std::to_string(buf[0]) + ", expected " + std::to_string(n));
+    const int iters = bytes >= (size_t(1) << 24) ? 3 : 10;
+    world.barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) world.all_reduce(buf.data(), buf.size(), DType::F32);
+    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
+    dt = world.max(dt);
+    double algbw = double(bytes) / dt / 1e9;
+    char line[160];
+    std::snprintf(line, sizeof line, "%13zu %12.1f %13.3f %13.3f", bytes, dt * 1e6, algbw,
+                  n > 1 ? algbw * 2.0 * (n - 1) / n : 0.0);
+    log_info(line);
+  }
+  log_info("check passed: " + std::to_string(n) + " rank(s) on " + std::to_string(rt.where().nodes) + " node(s)");
+  return 0;
+}
+
+}  // namespace q3vl

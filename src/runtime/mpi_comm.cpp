@@ -1,0 +1,193 @@
+// Comm over MPI, with MPI-4 large counts (a ZeRO unit of a 235B MoE layer exceeds 2^31 elements).
+#include "q3vl/runtime/mpi_comm.hpp"
+
+#include <mpi.h>
+
+#include <chrono>
+#include <thread>
+
+#include <unistd.h>
+
+#include "q3vl/core/error.hpp"
+
+namespace q3vl {
+
+namespace {
+
+MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::BF16: case DType::F16: return MPI_UINT16_T;  // moved as bits; reductions refuse them below
+    case DType::F32: return MPI_FLOAT;
+    case DType::F64: return MPI_DOUBLE;
+    case DType::I32: return MPI_INT32_T;
+    case DType::I64: return MPI_INT64_T;
+    case DType::U8: return MPI_UINT8_T;
+  }
+  return MPI_BYTE;
+}
+
+MPI_Op mpi_op(ReduceOp op, DType t, const char* what) {
+  if (t == DType::BF16 || t == DType::F16)
+    fail(std::string("mpi ") + what + ": reductions on " + dtype_name(t) + " are not supported; reduce in fp32");
+  switch (op) {
+    case ReduceOp::Sum: return MPI_SUM;
+    case ReduceOp::Max: return MPI_MAX;
+    case ReduceOp::Min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+std::vector<MPI_Count> to_counts(const std::vector<size_t>& v) { return {v.begin(), v.end()}; }
+std::vector<MPI_Aint> to_displs(const std::vector<size_t>& v) { return {v.begin(), v.end()}; }
+
+class MpiRequest : public CommRequest {
+ public:
+  explicit MpiRequest(std::string what) : CommRequest(std::move(what)) {}
+  bool test() override {
+    int done = 0;
+    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    return done;
+  }
+  MPI_Request req = MPI_REQUEST_NULL;
+  // Uneven collectives keep their count arrays alive until completion.
+  std::vector<MPI_Count> c1, c2;
+  std::vector<MPI_Aint> d1, d2;
+};
+
+void check(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    fail(std::string("mpi ") + what + " failed: " + std::string(msg, len));
+  }
+}
+
+}  // namespace
+
+MpiComm::MpiComm(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+}
+
+MpiComm::~MpiComm() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (owned_ && !finalized) MPI_Comm_free(&comm_);
+}
+
+std::unique_ptr<CommRequest> MpiComm::iall_gather(const void* send, void* recv, size_t count, DType t) {
+  auto r = std::make_unique<MpiRequest>("all_gather");
+  check(MPI_Iallgather_c(send, count, mpi_type(t), recv, count, mpi_type(t), comm_, &r->req), "all_gather");
+  return r;
+}
+
+std::unique_ptr<CommRequest> MpiComm::ireduce_scatter(const void* send, void* recv, size_t count, DType t,
+                                                      ReduceOp op) {
+  auto r = std::make_unique<MpiRequest>("reduce_scatter");
+  check(MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(t), mpi_op(op, t, "reduce_scatter"), comm_, &r->req),
+        "reduce_scatter");
+  return r;
+}
+
+std::unique_ptr<CommRequest> MpiComm::iall_reduce(const void* send, void* recv, size_t count, DType t, ReduceOp op) {
+  auto r = std::make_unique<MpiRequest>("all_reduce");
+  check(MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send, recv, count, mpi_type(t), mpi_op(op, t, "all_reduce"),
+                         comm_, &r->req),
+        "all_reduce");
+  return r;
+}
+
+std::unique_ptr<CommRequest> MpiComm::ibroadcast(void* buf, size_t count, DType t, int root) {
+  auto r = std::make_unique<MpiRequest>("broadcast");
+  check(MPI_Ibcast_c(buf, count, mpi_type(t), root, comm_, &r->req), "broadcast");
+  return r;
+}
+
+std::unique_ptr<CommRequest> MpiComm::iall_to_all(const void* send, void* recv, size_t count, DType t) {
+  auto r = std::make_unique<MpiRequest>("all_to_all");
+  check(MPI_Ialltoall_c(send, count, mpi_type(t), recv, count, mpi_type(t), comm_, &r->req), "all_to_all");
+  return r;
+}
+
+std::unique_ptr<CommRequest> MpiComm::iall_gatherv(const void* send, size_t send_count, void* recv,
+                                                   const std::vector<size_t>& counts,
+                                                   const std::vector<size_t>& displs, DType t) {
+  Q3VL_CHECK(int(counts.size()) == size_ && int(displs.size()) == size_, "all_gatherv needs one count per rank");
+  auto r = std::make_unique<MpiRequest>("all_gatherv");
+  r->c1 = to_counts(counts);
+  r->d1 = to_displs(displs);
+  check(MPI_Iallgatherv_c(send, send_count, mpi_type(t), recv, r->c1.data(), r->d1.data(), mpi_type(t), comm_,
+                          &r->req),
+        "all_gatherv");
+  return r;
+}
+
+std::unique_ptr<CommRequest> MpiComm::ireduce_scatterv(const void* send, void* recv, const std::vector<size_t>& counts,
+                                                       DType t, ReduceOp op) {
+  Q3VL_CHECK(int(counts.size()) == size_, "reduce_scatterv needs one count per rank");
+  auto r = std::make_unique<MpiRequest>("reduce_scatterv");
+  r->c1 = to_counts(counts);
+  check(MPI_Ireduce_scatter_c(send, recv, r->c1.data(), mpi_type(t), mpi_op(op, t, "reduce_scatterv"), comm_,
+                              &r->req),
+        "reduce_scatterv");
+  return r;
+}
+
+std::unique_ptr<CommRequest> MpiComm::iall_to_allv(const void* send, const std::vector<size_t>& send_counts,
+                                                   const std::vector<size_t>& send_displs, void* recv,
+                                                   const std::vector<size_t>& recv_counts,
+                                                   const std::vector<size_t>& recv_displs, DType t) {
+  Q3VL_CHECK(int(send_counts.size()) == size_ && int(recv_counts.size()) == size_ &&
+                 int(send_displs.size()) == size_ && int(recv_displs.size()) == size_,
+             "all_to_allv needs one count and displacement per rank");
+  auto r = std::make_unique<MpiRequest>("all_to_allv");
+  r->c1 = to_counts(send_counts);
+  r->d1 = to_displs(send_displs);
+  r->c2 = to_counts(recv_counts);
+  r->d2 = to_displs(recv_displs);
+  check(MPI_Ialltoallv_c(send, r->c1.data(), r->d1.data(), mpi_type(t), recv, r->c2.data(), r->d2.data(),
+                         mpi_type(t), comm_, &r->req),
+        "all_to_allv");
+  return r;
+}
+
+std::unique_ptr<CommRequest> MpiComm::ibarrier() {
+  auto r = std::make_unique<MpiRequest>("barrier");
+  check(MPI_Ibarrier(comm_, &r->req), "barrier");
+  return r;
+}
+
+std::unique_ptr<Comm> MpiComm::split(int color, int key) const {
+  MPI_Comm sub;
+  check(MPI_Comm_split(comm_, color, key, &sub), "comm_split");
+  return std::make_unique<MpiComm>(sub, true);
+}
+
+void Comm::wait(std::unique_ptr<CommRequest> req) {
+  using clock = std::chrono::steady_clock;
+  auto t0 = clock::now();
+  long spins = 0;
+  while (!req->test()) {
+    // Poll tight first (small collectives finish in microseconds), then back off to spare the cores.
+    if (++spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(spins > 100000 ? 1000 : 50));
+    if (timeout_ > 0 && std::chrono::duration<double>(clock::now() - t0).count() > timeout_) {
+      char host[256] = "?";
+      gethostname(host, sizeof host);
+      // Local kind: the caller aborts the job; the peers may be stuck where they are.
+      fail("watchdog: collective " + req->what() + " on a " + std::to_string(size()) + "-rank " + kind() +
+           " communicator did not complete within runtime.timeout = " + std::to_string(timeout_) + " s" +
+           (step_ >= 0 ? " at step " + std::to_string(step_) : std::string()) + " (rank " + std::to_string(rank()) +
+           " on " + host + " waited; some other rank did not arrive)");
+    }
+  }
+}
+
+void Comm::broadcast_string(std::string& s, int root) {
+  int64_t n = int64_t(s.size());
+  broadcast(&n, 1, DType::I64, root);
+  s.resize(size_t(n));
+  if (n > 0) broadcast(s.data(), size_t(n), DType::U8, root);
+}
+
+}  // namespace q3vl

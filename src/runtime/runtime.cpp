@@ -1,0 +1,170 @@
+#include "q3vl/runtime/runtime.hpp"
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iomanip>
+#include <map>
+#include <set>
+#include <sstream>
+
+#ifdef Q3VL_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/runtime/mpi_comm.hpp"
+
+namespace q3vl {
+
+namespace {
+Runtime* g_runtime = nullptr;
+
+std::string hostname() {
+  char h[256] = {0};
+  gethostname(h, sizeof h - 1);
+  return h;
+}
+}  // namespace
+
+Runtime& Runtime::init(int* argc, char*** argv) {
+  if (g_runtime) return *g_runtime;
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (!inited) {
+    int provided = 0;
+    MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+  }
+  // Errors come back as codes so that they become messages naming the collective.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  g_runtime = new Runtime();
+  Runtime& rt = *g_runtime;
+  Placement& p = rt.place_;
+  MPI_Comm_rank(MPI_COMM_WORLD, &p.rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &p.size);
+  p.host = hostname();
+  rt.world_ = std::make_unique<MpiComm>(MPI_COMM_WORLD);
+
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, p.rank, MPI_INFO_NULL, &node);
+  rt.node_ = std::make_unique<MpiComm>(node, true);
+  p.local_rank = rt.node_->rank();
+  p.local_size = rt.node_->size();
+  // Node index: number the node leaders (local rank 0) in world-rank order.
+  int leader = p.local_rank == 0 ? 1 : 0;
+  std::vector<int> leaders(p.size);
+  MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  int my_leader = p.rank;  // world rank of this node's local rank 0
+  MPI_Bcast(&my_leader, 1, MPI_INT, 0, node);
+  p.nodes = 0;
+  for (int r = 0; r < p.size; ++r) {
+    if (r == my_leader) p.node = p.nodes;
+    p.nodes += leaders[r];
+  }
+#ifdef Q3VL_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) {
+    p.gpus_visible = n;
+    p.gpu = p.local_rank % n;
+  }
+#endif
+  Log::get().set_rank(p.rank);
+  return rt;
+}
+
+Runtime& Runtime::get() {
+  Q3VL_CHECK(g_runtime, "Runtime::init was not called");
+  return *g_runtime;
+}
+
+Deck Runtime::load_deck(const std::string& path, const std::vector<std::string>& overrides, const std::string& mode) {
+  // Rank 0 alone reads the file; the others get either the resolved text or rank 0's error message.
+  std::string text, error;
+  if (place_.rank == 0) {
+    try {
+      text = Deck::load(path, overrides, mode).to_toml();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  world_->broadcast_string(error, 0);
+  if (!error.empty()) fail_all(error);
+  world_->broadcast_string(text, 0);
+  return Deck::parse(text, path.empty() ? "<defaults>" : path, {}, "");
+}
+
+std::string Runtime::timing_table() {
+  // Union of region names over ranks, so a region only some ranks entered still lines up.
+  std::string mine;
+  for (const auto& [name, t] : Timers::get().regions()) mine += name + '\n';
+  int len = int(mine.size());
+  std::vector<int> lens(place_.size), displs(place_.size);
+  MPI_Allgather(&len, 1, MPI_INT, lens.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  int total = 0;
+  for (int i = 0; i < place_.size; ++i) displs[i] = total, total += lens[i];
+  std::string all(size_t(total), '\0');
+  MPI_Allgatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), displs.data(), MPI_CHAR, MPI_COMM_WORLD);
+  std::set<std::string> names;
+  std::istringstream in(all);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) names.insert(line);
+  std::vector<double> t, tmin(names.size()), tmax(names.size()), tsum(names.size());
+  for (const auto& n : names) {
+    auto it = Timers::get().regions().find(n);
+    t.push_back(it == Timers::get().regions().end() ? 0.0 : it->second);
+  }
+  if (names.empty()) return "";
+  MPI_Reduce(t.data(), tmin.data(), int(t.size()), MPI_DOUBLE, MPI_MIN, 0, MPI_COMM_WORLD);
+  MPI_Reduce(t.data(), tmax.data(), int(t.size()), MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+  MPI_Reduce(t.data(), tsum.data(), int(t.size()), MPI_DOUBLE, MPI_SUM, 0, MPI_COMM_WORLD);
+  std::ostringstream out;
+  out << "\nTiming (seconds over " << place_.size << " rank" << (place_.size > 1 ? "s" : "") << ")\n"
+      << std::left << std::setw(28) << "region" << std::right << std::setw(12) << "min" << std::setw(12) << "avg"
+      << std::setw(12) << "max" << std::setw(10) << "%imbal" << "\n"
+      << std::string(74, '-') << "\n";
+  size_t i = 0;
+  for (const auto& n : names) {
+    double avg = tsum[i] / place_.size;
+    double imbal = avg > 0 ? 100.0 * (tmax[i] - avg) / avg : 0.0;
+    out << std::left << std::setw(28) << n << std::right << std::fixed << std::setprecision(4) << std::setw(12)
+        << tmin[i] << std::setw(12) << avg << std::setw(12) << tmax[i] << std::setprecision(1) << std::setw(10)
+        << imbal << "\n";
+    ++i;
+  }
+  return out.str();
+}
+
+void Runtime::finalize() {
+  node_.reset();
+  world_.reset();
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (!fin) MPI_Finalize();
+}
+
+void exit_collective(const std::string& msg) {
+  int rank = 0, inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank == 0) std::fprintf(stderr, "q3vl: error: %s\n", msg.c_str());
+  std::fflush(stderr);
+  if (g_runtime) g_runtime->finalize();
+  else if (inited) MPI_Finalize();
+  std::exit(1);
+}
+
+void abort_local(const std::string& msg) {
+  int rank = 0, inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::fprintf(stderr, "q3vl: error on rank %d (%s): %s\n", rank, hostname().c_str(), msg.c_str());
+  std::fflush(stderr);
+  if (inited) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::exit(1);
+}
+
+}  // namespace q3vl

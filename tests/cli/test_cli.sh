@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The command line as a user meets it: version, help, unknown mode, bad decks and overrides give a clear
+# message on stderr, printed once even with several ranks, and exit 1.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+q=bin/q3vl
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+fails=0
+pass() { echo "ok: $1"; }
+bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
+
+# expect NAME RC PATTERN CMD...: the command exits with RC and its output matches PATTERN.
+expect() {
+  local name=$1 want_rc=$2 pat=$3; shift 3
+  local out rc
+  out=$("$@" 2>&1); rc=$?
+  if [[ $rc -ne $want_rc ]]; then bad "$name: exit $rc, wanted $want_rc; output: $out"; return; fi
+  if ! grep -qE -- "$pat" <<<"$out"; then bad "$name: output does not match /$pat/: $out"; return; fi
+  pass "$name"
+}
+
+expect version 0 '^q3vl [0-9]+\.[0-9]+\.[0-9]+ \(git [0-9a-f]+' $q --version
+expect help 0 'usage: q3vl MODE' $q --help
+expect help-deck 0 'zero_stage \(int, default 3, range \[1, 3\]\)' $q help deck
+expect no-args 2 'usage: q3vl MODE' $q
+expect unknown-mode 1 "unknown mode 'trian' \(modes: .*check" $q trian
+
+printf '[train]\nlr = 1e-4\nlrr = 2\n' >"$tmp/unknown.toml"
+expect unknown-key 1 "unknown.toml:3:1: unknown key 'train.lrr' \(did you mean 'train.lr'\?\)" $q check "$tmp/unknown.toml"
+printf '[parallel]\nzero_stage = 4\n' >"$tmp/range.toml"
+expect out-of-range 1 "range.toml:2:14: parallel.zero_stage = 4 is out of range" $q check "$tmp/range.toml"
+expect bad-override 1 "command line: 'train.steps=ten': train.steps expects an integer" $q check train.steps=ten
+expect missing-deck 1 "cannot open deck '$tmp/none.toml'" $q check "$tmp/none.toml"
+expect two-decks 1 "only one deck may be given" $q check "$tmp/range.toml" "$tmp/unknown.toml"
+expect bad-flag 1 "mode check does not take the flag '--decode'" $q check --decode
+
+# Several ranks: the error is printed once (by rank 0) and the exit code is still 1.
+out=$(mpiexec -n 2 $q check "$tmp/range.toml" 2>&1); rc=$?
+n=$(grep -c "is out of range" <<<"$out")
+if [[ $rc -eq 1 && $n -eq 1 ]]; then pass "collective-error-once"; else bad "collective-error-once: rc=$rc, printed $n times: $out"; fi
+
+# check passes on this machine and writes the bandwidth table; the resolved deck is echoed at the top.
+out=$(mpiexec -n 2 $q check run.out_dir="$tmp/out" run.rank_logs=true 2>&1); rc=$?
+if [[ $rc -eq 0 ]] && grep -q "check passed: 2 rank(s)" <<<"$out" && grep -q '^zero_stage = 3$' <<<"$out" &&
+   grep -q 'busbw' <<<"$out" && [[ -s $tmp/out/rank-1.log ]] && grep -q '^Timing' <<<"$out"; then
+  pass "check-2-ranks"
+else
+  bad "check-2-ranks: rc=$rc: $out"
+fi
+# check fails naming the rank and host that lacks a resource.
+out=$(mpiexec -n 2 $q check model.backend=cuda run.out_dir="$tmp/out" 2>&1); rc=$?
+if [[ $rc -eq 1 ]] && grep -qE "rank 1 on .*: no GPU visible" <<<"$out"; then
+  pass "check-missing-gpu"
+elif [[ $rc -eq 0 ]] && grep -q "gpu0" <<<"$out"; then
+  pass "check-missing-gpu (GPUs present: nothing is missing)"
+else
+  bad "check-missing-gpu: rc=$rc: $out"
+fi
+
+echo "$((fails == 0 ? 1 : 0)) passed, $((fails > 0 ? 1 : 0)) failed"
+exit $((fails > 0))
