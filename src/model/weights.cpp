@@ -5,6 +5,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/safetensors.hpp"
 #include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/tensor/tensor.hpp"  // shape_str
 
 namespace q3vl {
 
@@ -14,12 +15,6 @@ static bool ends_with(const std::string& s, const std::string& suf) {
 
 static bool is_expert(const std::string& name) {
   return ends_with(name, "mlp.experts.gate_up_proj") || ends_with(name, "mlp.experts.down_proj");
-}
-
-static std::string shape_str(const std::vector<int64_t>& s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? "," : "") + std::to_string(s[i]);
-  return r + "]";
 }
 
 std::vector<int64_t> hf_shape(const ParamTable& t, int id) {

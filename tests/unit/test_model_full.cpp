@@ -1,0 +1,249 @@
+// Whole-model gradient checks (double precision, central differences on a random subset of every parameter
+// tensor) for a tiny dense and a tiny MoE Qwen3-VL: two images of different grids in one sequence plus a
+// left-padded text-only sample; plus padded-vs-packed consistency, the parameter table and the weight loader.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <unistd.h>
+
+#include "gradcheck.hpp"
+#include "q3vl/io/safetensors.hpp"
+#include "q3vl/model/qwen3vl.hpp"
+
+using namespace q3vl;
+
+namespace {
+
+ModelConfig tiny(bool moe, bool tie) {
+  ModelConfig c;
+  c.vision.depth = 2;
+  c.vision.hidden = 32;
+  c.vision.intermediate = 48;
+  c.vision.heads = 2;
+  c.vision.num_position_embeddings = 16;  // 4x4 table
+  c.vision.out_hidden = 32;
+  c.vision.deepstack_indexes = {0};
+  c.text.vocab = 64;
+  c.text.hidden = 32;
+  c.text.intermediate = 40;
+  c.text.layers = 2;
+  c.text.heads = 4;
+  c.text.kv_heads = 2;
+  c.text.head_dim = 8;
+  c.text.mrope_section = {2, 1, 1};
+  c.text.rope_theta = 10000;
+  c.text.tie_embeddings = tie;
+  if (moe) {
+    c.text.num_experts = 4;
+    c.text.experts_per_tok = 2;
+    c.text.moe_intermediate = 16;
+    c.text.mlp_only_layers = {1};  // one MoE and one dense layer
+  }
+  c.image_token_id = 60;
+  c.vision_start_token_id = 58;
+  c.vision_end_token_id = 59;
+  return c;
+}
+
+// Row 0: text, image [1,4,4] (4 tokens), text, image [1,2,6] (3 tokens), text, one pad on the right.
+// Row 1: text only, left-padded by 3.
+Batch tiny_batch(std::mt19937& rng) {
+  Batch b;
+  b.B = 2;
+  b.S = 16;
+  std::vector<int64_t> r0 = {1, 2, 58, 60, 60, 60, 60, 59, 3, 58, 60, 60, 60, 59, 5, 0};
+  std::vector<int64_t> r1 = {0, 0, 0, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19};
+  b.input_ids = r0;
+  b.input_ids.insert(b.input_ids.end(), r1.begin(), r1.end());
+  b.attention_mask.assign(32, 1);
+  b.attention_mask[15] = 0;
+  b.attention_mask[16] = b.attention_mask[17] = b.attention_mask[18] = 0;
+  b.labels = b.input_ids;
+  for (size_t i = 0; i < b.labels.size(); ++i)
+    if (b.attention_mask[i] == 0 || b.labels[i] == 60 || i == 0 || i == 19) b.labels[i] = -100;
+  b.image_grid_thw = {1, 4, 4, 1, 2, 6};
+  std::normal_distribution<float> nd(0.f, 1.f);
+  b.pixel_values.resize((16 + 12) * 1536);
+  for (auto& v : b.pixel_values) v = nd(rng);
+  return b;
+}
+
+void check_model(bool moe, bool tie, bool aux) {
+  const ModelConfig cfg = tiny(moe, tie);
+  BasicModel<double> m(cfg);
+  m.init_random(7, 0.3);
+  std::mt19937 rng(3);
+  const Batch b = tiny_batch(rng);
+  // Randomise norm weights/biases too, so their gradients are not special.
+  std::normal_distribution<double> nd(0.0, 0.1);
+  for (size_t i = 0; i < m.table().params().size(); ++i)
+    if (m.table().params()[i].no_decay)
+      for (int64_t j = 0; j < m.table().params()[i].numel; ++j) m.param((int)i)[j] += nd(rng);
+
+  m.zero_grads();
+  double aux_v = -1;
+  const double loss = m.forward(b, true, nullptr, &aux_v, aux);
+  ASSERT_TRUE(std::isfinite(loss));
+  EXPECT_GT(m.supervised_tokens(), 10);
+  if (moe) {
+    EXPECT_GT(aux_v, 0.0);
+  }
+  m.backward();
+
+  std::uniform_int_distribution<int64_t> pick(0, 1 << 30);
+  int checked = 0;
+  for (size_t id = 0; id < m.table().params().size(); ++id) {
+    const ParamInfo& p = m.table().params()[id];
+    double* w = m.param((int)id);
+    const double* g = m.grad((int)id);
+    for (int rep = 0; rep < 3; ++rep) {
+      const int64_t j = pick(rng) % p.numel;
+      const double w0 = w[j], h = 1e-5;
+      w[j] = w0 + h;
+      const double lp = m.forward(b, false, nullptr, nullptr, aux);
+      w[j] = w0 - h;
+      const double lm = m.forward(b, false, nullptr, nullptr, aux);
+      w[j] = w0;
+      const double num = (lp - lm) / (2 * h);
+      EXPECT_NEAR(g[j], num, 1e-6 + 1e-5 * std::fabs(num)) << p.name << " [" << j << "]";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 100);
+}
+
+}  // namespace
+
+TEST(ModelFull, DenseGradcheck) { check_model(false, false, false); }
+TEST(ModelFull, DenseTiedGradcheck) { check_model(false, true, false); }
+TEST(ModelFull, MoeGradcheckWithAux) { check_model(true, false, true); }
+
+TEST(ModelFull, PaddedEqualsPacked) {
+  const ModelConfig cfg = tiny(true, false);
+  Model m(cfg);
+  m.init_random(11, 0.2);
+  std::mt19937 rng(5);
+  const Batch b = tiny_batch(rng);
+  std::vector<float> lpad, lpack;
+  const double l1 = m.forward(b, false, &lpad);
+  // The same two samples packed into one stream without padding.
+  PackedBatch p;
+  p.cu_seqlens = {0};
+  for (int r = 0; r < b.B; ++r) {
+    for (int t = 0; t < b.S; ++t)
+      if (b.attention_mask[r * b.S + t]) {
+        p.input_ids.push_back(b.input_ids[r * b.S + t]);
+        p.labels.push_back(b.labels[r * b.S + t]);
+      }
+    p.cu_seqlens.push_back((int64_t)p.input_ids.size());
+  }
+  p.pixel_values = b.pixel_values;
+  p.image_grid_thw = b.image_grid_thw;
+  const double l2 = m.forward(p, false, &lpack);
+  EXPECT_NEAR(l1, l2, 1e-6);
+  // Real positions agree; padded logits are zero.
+  const int64_t V = cfg.text.vocab;
+  int64_t k = 0;
+  for (int64_t i = 0; i < b.B * b.S; ++i) {
+    if (!b.attention_mask[i]) {
+      EXPECT_EQ(lpad[i * V], 0.f);
+      continue;
+    }
+    for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(lpad[i * V + v], lpack[k * V + v], 1e-5);
+    ++k;
+  }
+  // Padding must not change a sample's result: row 1 alone, unpadded.
+  Batch one;
+  one.B = 1;
+  one.S = 13;
+  one.input_ids.assign(b.input_ids.begin() + 19, b.input_ids.end());
+  one.labels.assign(b.labels.begin() + 19, b.labels.end());
+  std::vector<float> lone;
+  m.forward(one, false, &lone);
+  for (int64_t i = 0; i < 13 * V; ++i) ASSERT_NEAR(lone[i], lpad[(19 * V) + i], 1e-5);
+}
+
+TEST(ModelFull, ImageTokenCountMismatchIsAnError) {
+  Model m(tiny(false, false));
+  std::mt19937 rng(1);
+  Batch b = tiny_batch(rng);
+  b.input_ids[3] = 4;  // one image token fewer
+  EXPECT_THROW(m.forward(b, false), std::exception);
+}
+
+TEST(ModelFull, ParamTableNamesUnitsParts) {
+  ModelConfig cfg = tiny(true, false);
+  ParamTable t(cfg);
+  EXPECT_EQ(t.param(t.id("model.visual.blocks.0.attn.qkv.weight")).shape, (std::vector<int64_t>{96, 32}));
+  EXPECT_EQ(t.param(t.id("model.visual.patch_embed.proj.weight")).shape, (std::vector<int64_t>{32, 3, 2, 16, 16}));
+  EXPECT_EQ(t.param(t.id("model.language_model.layers.0.mlp.experts.gate_up_proj")).shape,
+            (std::vector<int64_t>{4, 32, 32}));
+  EXPECT_EQ(t.param(t.id("model.language_model.layers.0.mlp.experts.down_proj")).shape,
+            (std::vector<int64_t>{4, 32, 16}));
+  EXPECT_GE(t.find("model.language_model.layers.1.mlp.gate_proj.weight"), 0);
+  EXPECT_EQ(t.param(t.id("model.visual.merger.linear_fc1.weight")).part, Part::Merger);
+  EXPECT_EQ(t.param(t.id("model.visual.deepstack_merger_list.0.norm.weight")).part, Part::Vision);
+  EXPECT_EQ(t.param(t.id("model.visual.deepstack_merger_list.0.norm.weight")).shape, (std::vector<int64_t>{128}));
+  EXPECT_EQ(t.param(t.id("lm_head.weight")).part, Part::LLM);
+  EXPECT_TRUE(t.param(t.id("model.language_model.layers.0.self_attn.q_norm.weight")).no_decay);
+  EXPECT_FALSE(t.param(t.id("model.language_model.layers.0.self_attn.q_proj.weight")).no_decay);
+  // Units: embed, 2 blocks, mergers, embed_tokens, 2 layers, head; contiguous offsets.
+  ASSERT_EQ(t.units().size(), 8u);
+  int64_t off = 0;
+  for (const auto& u : t.units()) {
+    EXPECT_EQ(u.offset, off);
+    int64_t in = 0;
+    for (int id : u.params) {
+      EXPECT_EQ(t.param(id).offset, in);
+      in += t.param(id).numel;
+    }
+    EXPECT_EQ(in, u.numel);
+    off += u.numel;
+  }
+  EXPECT_EQ(off, t.total());
+  cfg.text.tie_embeddings = true;
+  ParamTable tt(cfg);
+  EXPECT_LT(tt.find("lm_head.weight"), 0);
+  EXPECT_EQ(tt.lm_head(), tt.embed_tokens());
+}
+
+TEST(ModelFull, LoadHfWeightsRoundTrip) {
+  for (bool v5 : {false, true}) {
+    ModelConfig cfg = tiny(true, false);
+    cfg.experts_v5_layout = v5;
+    Model a(cfg);
+    a.init_random(3, 0.5);
+    const std::string dir = std::filesystem::temp_directory_path() / ("q3vl_wt_" + std::to_string(getpid()) + (v5 ? "_5" : "_4"));
+    std::filesystem::create_directories(dir);
+    std::vector<std::vector<float>> keep;
+    std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, const float*>>> ts;
+    for (size_t id = 0; id < a.table().params().size(); ++id) {
+      keep.push_back(to_hf_layout(a.table(), (int)id, a.param((int)id)));
+      ts.push_back({a.table().params()[id].name, {hf_shape(a.table(), (int)id), keep.back().data()}});
+    }
+    const auto& gu = a.table().param(a.table().id("model.language_model.layers.0.mlp.experts.gate_up_proj"));
+    EXPECT_EQ(hf_shape(a.table(), a.table().id(gu.name)), (std::vector<int64_t>{4, 32, 32}));  // H == 2Im here
+    const int did = a.table().id("model.language_model.layers.0.mlp.experts.down_proj");
+    EXPECT_EQ(hf_shape(a.table(), did), (v5 ? std::vector<int64_t>{4, 32, 16} : std::vector<int64_t>{4, 16, 32}));
+    write_safetensors(dir + "/model.safetensors", ts);
+    Model b(cfg);
+    load_hf_weights(b, dir);
+    for (int64_t i = 0; i < a.table().total(); ++i) ASSERT_EQ(a.params()[i], b.params()[i]) << i;
+    // Released layout: down_proj[e] on disk is [Im, H], the transpose of ours [H, Im].
+    if (!v5) {
+      EXPECT_EQ(keep[did][1 * 32 + 0], a.param(did)[0 * 16 + 1]);
+    }
+    // A mis-shaped tensor and a missing one are errors.
+    ts[did].second.first = {4, 32, 16};
+    if (!v5) {
+      write_safetensors(dir + "/model.safetensors", ts);
+      EXPECT_THROW(load_hf_weights(b, dir), std::exception);
+    }
+    ts.erase(ts.begin() + did);
+    write_safetensors(dir + "/model.safetensors", ts);
+    EXPECT_THROW(load_hf_weights(b, dir), std::exception);
+    std::filesystem::remove_all(dir);
+  }
+}
