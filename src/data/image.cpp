@@ -403,15 +403,18 @@ RgbImage resize_bicubic(const RgbImage& in, int w, int h) {
   out.h = h;
   out.px.resize(size_t(out.w) * h * 3);
   const size_t stride = size_t(src->w) * 3;
+  std::vector<int32_t> acc(stride);  // a whole output row at a time: integer sums, so the order is free
   for (int yy = 0; yy < h; ++yy) {
     const int32_t* k = &tv.k[size_t(yy) * tv.ksize];
     const uint8_t* base = &src->px[size_t(tv.first[yy] - y_offset) * stride];
-    uint8_t* o = &out.px[size_t(yy) * stride];
-    for (size_t i = 0; i < stride; ++i) {
-      int32_t s = 1 << (kPrecisionBits - 1);
-      for (int y = 0; y < tv.count[yy]; ++y) s += base[size_t(y) * stride + i] * k[y];
-      o[i] = clip8(s);
+    std::fill(acc.begin(), acc.end(), 1 << (kPrecisionBits - 1));
+    for (int y = 0; y < tv.count[yy]; ++y) {
+      const uint8_t* r = base + size_t(y) * stride;
+      const int32_t ky = k[y];
+      for (size_t i = 0; i < stride; ++i) acc[i] += r[i] * ky;
     }
+    uint8_t* o = &out.px[size_t(yy) * stride];
+    for (size_t i = 0; i < stride; ++i) o[i] = clip8(acc[i]);
   }
   return out;
 }
