@@ -4,12 +4,15 @@
 #include <hdf5.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "q3vl/core/error.hpp"
@@ -125,6 +128,29 @@ TEST(ImageErrors, BrokenFilesFailNamingTheFile) {
 
 TEST(ImageErrors, MissingFile) {
   expect_error([] { q3vl::load_image(kDir + "no_such_image.png"); }, {"no_such_image.png", "cannot open"});
+}
+
+// A PNG chunk with its CRC (the standard reflected CRC-32).
+void png_chunk(std::vector<uint8_t>& out, const char* tag, const std::vector<uint8_t>& data) {
+  auto be32 = [&](uint32_t v) { for (int s = 24; s >= 0; s -= 8) out.push_back(uint8_t(v >> s)); };
+  be32(uint32_t(data.size()));
+  const size_t start = out.size();
+  out.insert(out.end(), tag, tag + 4);
+  out.insert(out.end(), data.begin(), data.end());
+  uint32_t crc = 0xffffffffu;
+  for (size_t i = start; i < out.size(); ++i) {
+    crc ^= out[i];
+    for (int b = 0; b < 8; ++b) crc = (crc >> 1) ^ (0xedb88320u & (0u - (crc & 1u)));
+  }
+  be32(~crc);
+}
+
+TEST(ImageErrors, HugeImageRefusedBeforeDecoding) {
+  // 20000 x 20000 RGB: more than PIL's decompression-bomb limit (2 * 89478485 pixels).
+  std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  png_chunk(png, "IHDR", {0, 0, 0x4e, 0x20, 0, 0, 0x4e, 0x20, 8, 2, 0, 0, 0});
+  png_chunk(png, "IDAT", {0x78, 0x9c, 0x03, 0x00});
+  expect_error([&] { q3vl::decode_image(png.data(), png.size(), "huge.png"); }, {"huge.png", "20000x20000"});
 }
 
 TEST(ImageErrors, TooSmallAndExtremeAspectRatio) {
