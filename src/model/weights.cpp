@@ -38,6 +38,14 @@ std::vector<float> to_hf_layout(const ParamTable& t, int id, const float* data) 
   return std::vector<float>(data, data + p.numel);
 }
 
+std::vector<NamedTensor> grads_hf(Model& m) {
+  std::vector<NamedTensor> out;
+  for (size_t id = 0; id < m.table().params().size(); ++id)
+    out.push_back({m.table().params()[id].name, hf_shape(m.table(), (int)id),
+                   to_hf_layout(m.table(), (int)id, m.grad((int)id))});
+  return out;
+}
+
 void load_hf_weights(Model& m, const std::string& dir) {
   const ParamTable& t = m.table();
   const Safetensors st = Safetensors::open(dir);

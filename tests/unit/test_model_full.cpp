@@ -231,6 +231,15 @@ TEST(ModelFull, LoadHfWeightsRoundTrip) {
     Model b(cfg);
     load_hf_weights(b, dir);
     for (int64_t i = 0; i < a.table().total(); ++i) ASSERT_EQ(a.params()[i], b.params()[i]) << i;
+    // Grads come back under HF names in the file's layout.
+    std::copy(a.params(), a.params() + a.table().total(), b.grads());
+    const auto g = grads_hf(b);
+    ASSERT_EQ(g.size(), keep.size());
+    for (size_t id = 0; id < g.size(); ++id) {
+      EXPECT_EQ(g[id].name, ts[id].first);
+      EXPECT_EQ(g[id].shape, ts[id].second.first);
+      EXPECT_EQ(g[id].data, keep[id]);
+    }
     // Released layout: down_proj[e] on disk is [Im, H], the transpose of ours [H, Im].
     if (!v5) {
       EXPECT_EQ(keep[did][1 * 32 + 0], a.param(did)[0 * 16 + 1]);

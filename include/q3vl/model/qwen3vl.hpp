@@ -106,5 +106,12 @@ std::vector<int64_t> hf_shape(const ParamTable& t, int id);
 // Convert one tensor (weights or grads) from our compute layout to the on-disk layout (copy for everything but
 // MoE experts, which are transposed in the released layout).
 std::vector<float> to_hf_layout(const ParamTable& t, int id, const float* data);
+// Every gradient under its HF name, in the on-disk shape and layout (for eval's grads/<hf name> dumps).
+struct NamedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+std::vector<NamedTensor> grads_hf(Model& m);
 
 }  // namespace q3vl
