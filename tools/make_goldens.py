@@ -350,7 +350,7 @@ def run_case(name, case, outdir):
         log(f"    {k} {list(saved[k].shape)} {saved[k].dtype}")
 
     batch = make_batch(case["seed"])
-    with h5py.File(os.path.join(cdir, "batch.h5"), "w") as f:
+    with h5py.File(os.path.join(cdir, "batch.h5"), "w", libver=("earliest", "v110")) as f:
         for k, v in batch.items():
             f.create_dataset(k, data=v.numpy())
         f.attrs["padding_side"] = "right"
@@ -471,7 +471,7 @@ def run_case(name, case, outdir):
     transposed = sorted(k for k, v in layouts.items() if v != "same")
     log(f"  grads written: {len(grads)}; stored transposed relative to the module: {transposed}")
 
-    with h5py.File(os.path.join(cdir, "expected.h5"), "w") as f:
+    with h5py.File(os.path.join(cdir, "expected.h5"), "w", libver=("earliest", "v110")) as f:
         f.create_dataset("logits", data=logits.detach().float().cpu().numpy())
         f.create_dataset("loss", data=np.float64(loss.item()))
         f.create_dataset("ce_loss", data=np.float64(ce.item()))
@@ -487,8 +487,8 @@ def run_case(name, case, outdir):
                 f.create_dataset(f"hidden_states/{i}", data=h.detach().float().cpu().numpy())
         for k, v in captured.items():
             f.create_dataset(k, data=v)
-        f.attrs["torch_version"] = torch.__version__
-        f.attrs["transformers_version"] = transformers.__version__
+        f.attrs["torch_version"] = str(torch.__version__)
+        f.attrs["transformers_version"] = str(transformers.__version__)
         f.attrs["tied_embeddings"] = bool(tied)
         f.attrs["padding_side"] = "right"
         f.attrs["device"] = str(device)

@@ -1,0 +1,54 @@
+// HDF5 checkpoints (DESIGN.md "File formats"): one file per step, every tensor at its full shape, written
+// and read collectively with parallel HDF5, each rank its own elements. Any rank count restarts any
+// checkpoint because a rank's elements are named by their flat row-major range in the full tensor, not by
+// the rank that wrote them.
+#pragma once
+#include <mpi.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace q3vl {
+
+// This rank's part of one full-shape fp32 dataset: elements [begin, begin+count) of the row-major flattened
+// tensor. count may be 0 (the rank still takes part in the collective calls).
+struct CkptSlice {
+  std::string dataset;          // "model/<hf name>", "optim/exp_avg/<hf name>", "optim/exp_avg_sq/<hf name>"
+  std::vector<int64_t> shape;   // full shape
+  int64_t begin = 0, count = 0;
+  float* data = nullptr;        // count elements (read fills it, write reads it)
+};
+
+struct CkptMeta {
+  int64_t step = 0;
+  int64_t tokens_seen = 0;
+  int world_size = 0;           // ranks that wrote it
+  std::string deck_toml;        // resolved deck
+  std::string state_json;       // training state: data cursor, schedule position, loss scale, skipped steps...
+  std::string build;            // q3vl version + git commit
+};
+
+// Collective over `comm`. Writes <dir>/step_%08d.h5.partial, flushes, renames to step_%08d.h5, then rewrites
+// <dir>/latest (name of the newest complete file) and deletes all but the newest `keep_last` checkpoints.
+// Returns the final path.
+std::string write_checkpoint(const std::string& dir, MPI_Comm comm, const CkptMeta& meta,
+                             const std::vector<CkptSlice>& slices, int keep_last);
+
+// Root attributes only (any rank; no collective). Errors name the file.
+CkptMeta read_checkpoint_meta(const std::string& path);
+
+// Collective. Fills every slice; a missing dataset or a shape that differs is an error naming the first
+// such tensor and both shapes.
+void read_checkpoint(const std::string& path, MPI_Comm comm, const std::vector<CkptSlice>& slices);
+
+// Full shapes of every dataset under "model/" (for "checkpoint from a different model" checks and tools).
+std::map<std::string, std::vector<int64_t>> checkpoint_shapes(const std::string& path);
+
+// train.resume = auto: the newest complete and readable checkpoint in dir ("" if none). Damaged ones
+// (truncated, unreadable, missing attributes) are skipped with a warning naming them and why.
+// `notes` receives the human-readable story ("resuming from ...", "skipping ... because ...").
+std::string find_resume_checkpoint(const std::string& dir, std::vector<std::string>* notes);
+
+}  // namespace q3vl
