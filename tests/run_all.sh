@@ -19,7 +19,11 @@ run() {
   local p f
   p=$(grep -oP '^\[  PASSED  \] \K[0-9]+' "$log" | tail -1)
   f=$(grep -oP '^\[  FAILED  \] \K[0-9]+(?= tests?, listed below)' "$log" | tail -1)
-  if [[ -z $p && -z $f ]]; then  # not a GoogleTest binary: one test, judged by its exit code
+  if [[ -z $p && -z $f ]]; then  # a script: its own "N passed, N failed" line
+    p=$(grep -oP '^\K[0-9]+(?= passed, [0-9]+ failed$)' "$log" | tail -1)
+    f=$(grep -oP '^[0-9]+ passed, \K[0-9]+(?= failed$)' "$log" | tail -1)
+  fi
+  if [[ -z $p && -z $f ]]; then  # neither: one test, judged by its exit code
     if ((rc == 0)); then p=1 f=0; else p=0 f=1; fi
   fi
   p=${p:-0} f=${f:-0}

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "q3vl/runtime/check.hpp"
+#include "q3vl/train/eval.hpp"
 
 namespace q3vl {
 
@@ -12,6 +13,8 @@ const std::vector<Mode>& modes() {
   static const std::vector<Mode> table = {
       {"check", "preflight: every rank's host, device, memory and disk; all-reduce bandwidth between ranks",
        [](const Deck& d, const ModeArgs&) { return run_check(d); }},
+      {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
+       [](const Deck& d, const ModeArgs&) { return run_eval(d); }},
   };
   return table;
 }

@@ -5,8 +5,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 q=bin/q3vl
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-fails=0
-pass() { echo "ok: $1"; }
+fails=0 passes=0
+pass() { echo "ok: $1"; passes=$((passes + 1)); }
 bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
 
 # expect NAME RC PATTERN CMD...: the command exits with RC and its output matches PATTERN.
@@ -57,5 +57,5 @@ else
   bad "check-missing-gpu: rc=$rc: $out"
 fi
 
-echo "$((fails == 0 ? 1 : 0)) passed, $((fails > 0 ? 1 : 0)) failed"
+echo "$passes passed, $fails failed"
 exit $((fails > 0))

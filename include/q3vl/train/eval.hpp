@@ -1,0 +1,24 @@
+// `q3vl eval`: one forward (and optionally backward) pass of a HF model over a batch file, written out
+// for comparison with Hugging Face transformers (tools/make_goldens.py makes the reference files).
+#pragma once
+#include <string>
+
+#include "q3vl/core/deck.hpp"
+#include "q3vl/model/qwen3vl.hpp"
+
+namespace q3vl {
+
+// BATCH.h5: input_ids, attention_mask, labels (int64 [B,S]), pixel_values (f32 [Np,1536]), image_grid_thw
+// (int64 [Nimg,3]); pixel_values and image_grid_thw may be absent for text-only batches.
+Batch read_batch_h5(const std::string& path, int64_t patch_dim);
+
+struct EvalResult {
+  std::vector<float> logits;  // [B,S,V]
+  double loss = 0, aux = 0;
+  std::vector<NamedTensor> grads;  // by HF name, in the on-disk layout (empty unless asked)
+};
+EvalResult evaluate(Model& model, const Batch& batch, bool grads, bool aux_loss);
+
+int run_eval(const Deck& deck);
+
+}  // namespace q3vl

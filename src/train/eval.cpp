@@ -1,0 +1,100 @@
+#include "q3vl/train/eval.hpp"
+
+#include <filesystem>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/io/h5.hpp"
+#include "q3vl/runtime/runtime.hpp"
+#include "q3vl/tensor/tensor.hpp"
+
+namespace q3vl {
+
+Batch read_batch_h5(const std::string& path, int64_t patch_dim) {
+  H5File f = H5File::open(path);
+  Batch b;
+  std::vector<int64_t> shape;
+  b.input_ids = f.read<int64_t>("input_ids", &shape);
+  if (shape.size() != 2) fail(path + ": input_ids must be [B,S], got " + shape_str(shape));
+  b.B = int(shape[0]), b.S = int(shape[1]);
+  auto same = [&](const char* name) {
+    std::vector<int64_t> s;
+    std::vector<int64_t> v = f.read<int64_t>(name, &s);
+    if (s != shape) fail(path + ": " + name + " has shape " + shape_str(s) + ", input_ids " + shape_str(shape));
+    return v;
+  };
+  b.attention_mask = f.exists("attention_mask") ? same("attention_mask") : std::vector<int64_t>(b.input_ids.size(), 1);
+  b.labels = f.exists("labels") ? same("labels") : std::vector<int64_t>(b.input_ids.size(), -100);
+  if (f.exists("pixel_values")) {
+    std::vector<int64_t> ps, gs;
+    b.pixel_values = f.read<float>("pixel_values", &ps);
+    if (ps.size() != 2 || ps[1] != patch_dim)
+      fail(path + ": pixel_values must be [Np," + std::to_string(patch_dim) + "], got " + shape_str(ps));
+    b.image_grid_thw = f.read<int64_t>("image_grid_thw", &gs);
+    if (gs.size() != 2 || gs[1] != 3) fail(path + ": image_grid_thw must be [Nimg,3], got " + shape_str(gs));
+    int64_t patches = 0;
+    for (size_t i = 0; i < b.image_grid_thw.size(); i += 3)
+      patches += b.image_grid_thw[i] * b.image_grid_thw[i + 1] * b.image_grid_thw[i + 2];
+    if (patches != ps[0])
+      fail(path + ": image_grid_thw describes " + std::to_string(patches) + " patches, pixel_values has " +
+           std::to_string(ps[0]));
+  }
+  return b;
+}
+
+EvalResult evaluate(Model& model, const Batch& batch, bool grads, bool aux_loss) {
+  EvalResult r;
+  model.zero_grads();
+  {
+    ScopedTimer t("eval: forward");
+    r.loss = model.forward(batch, grads, &r.logits, &r.aux, aux_loss);
+  }
+  if (grads) {
+    ScopedTimer t("eval: backward");
+    model.backward();
+    r.grads = grads_hf(model);
+  }
+  return r;
+}
+
+int run_eval(const Deck& deck) {
+  Runtime& rt = Runtime::get();
+  const std::string dir = deck.str("model.hf");
+  if (dir.empty()) fail_all("eval needs a model: set model.hf=DIR (a Hugging Face model directory)");
+  // One process does the work; the others only wait, so that the mode also runs under mpiexec.
+  if (rt.where().rank == 0) {
+    ModelConfig cfg = load_hf_config(dir + "/config.json");
+    Model model(cfg);
+    {
+      ScopedTimer t("eval: load weights");
+      load_hf_weights(model, dir);
+    }
+    Batch batch = read_batch_h5(deck.str("eval.batch"), cfg.vision.patch_dim());
+    const bool aux = deck.boolean("eval.router_aux_loss");
+    if (aux && !cfg.moe()) log_warn("eval.router_aux_loss = true on a dense model: the aux loss is 0");
+    EvalResult r = evaluate(model, batch, deck.boolean("eval.grads"), aux);
+
+    const std::string out = deck.str("eval.output");
+    if (auto parent = std::filesystem::path(out).parent_path(); !parent.empty())
+      std::filesystem::create_directories(parent);
+    // Written next to the target, then renamed: an existing output is never left half-written.
+    const std::string tmp = out + ".partial";
+    {
+      H5File f = H5File::create(tmp);
+      f.write<float>("logits", {batch.B, batch.S, cfg.text.vocab}, r.logits);
+      f.write_scalar<double>("loss", r.loss);
+      if (aux) f.write_scalar<double>("aux_loss", r.aux);
+      for (const auto& g : r.grads) f.write<float>("grads/" + g.name, g.shape, g.data);
+    }
+    std::filesystem::rename(tmp, out);
+    char line[256];
+    std::snprintf(line, sizeof line, "eval: loss %.8f%s over %lld supervised tokens -> %s", r.loss,
+                  aux ? (" (aux " + std::to_string(r.aux) + ")").c_str() : "",
+                  static_cast<long long>(model.supervised_tokens()), out.c_str());
+    log_info(line);
+  }
+  rt.world().barrier();
+  return 0;
+}
+
+}  // namespace q3vl
