@@ -1,0 +1,67 @@
+// Conversations for supervised fine-tuning: one JSONL record -> the Qwen3-VL chat template -> token ids and labels.
+//
+// Two record formats (one JSON object per line):
+//  - messages: {"messages": [{"role": "system"|"user"|"assistant",
+//                             "content": "text" | [{"type": "image", "image": "path"}, {"type": "text", "text": ...}]}]}
+//  - LLaVA:    {"image": "a.jpg" | ["a.jpg", ...], "conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}
+//    converted as the official fine-tuning code does (qwen-vl-finetune data_processor.py _build_messages): human ->
+//    user, gpt -> assistant; a human value is split at each "<image>", which takes the next image; every text piece is
+//    stripped of ASCII whitespace and dropped when empty. "system" is q3vl's addition; "user"/"assistant" are also read.
+// Template (spec 6.4, Qwen3-VL Instruct): no default system prompt; "<|im_start|>ROLE\n" + content + "<|im_end|>\n";
+// an image is "<|vision_start|><|image_pad|><|vision_end|>", text parts are written raw with nothing in between.
+// Images are allowed in user turns only, and a system message only first.
+// Labels (spec 5.2, the official rule): -100 everywhere except, after every "<|im_start|>assistant", from two tokens
+// later up to and including the next <|im_end|> and the token after it ("\n").
+#pragma once
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "q3vl/data/image.hpp"
+
+namespace q3vl {
+
+class Tokenizer;
+
+struct ChatPart {
+  bool image = false;
+  std::string text;  // the text, or the image path as written in the record
+};
+
+struct ChatMessage {
+  std::string role;  // "system", "user" or "assistant"
+  std::vector<ChatPart> parts;
+};
+
+struct Conversation {
+  std::vector<ChatMessage> messages;
+  std::vector<std::string> images;  // image paths in order of appearance
+  std::string file;                 // source, for messages
+  long line = 0;
+  std::string where() const { return file + ":" + std::to_string(line); }
+};
+
+// One record, either format. Every problem is an error "FILE:LINE: ...".
+Conversation parse_record(const nlohmann::json& record, const std::string& file, long line);
+// One JSONL line: JSON syntax errors are reported as "FILE:LINE: bad JSON: ...".
+Conversation parse_line(const std::string& text, const std::string& file, long line);
+
+// The template's text, one <|image_pad|> per image (what tokenizer.apply_chat_template returns).
+std::string render_chat(const Conversation& conv);
+
+struct EncodedChat {
+  std::vector<int32_t> input_ids;
+  std::vector<int32_t> labels;  // -100 where not supervised
+};
+
+// Renders, tokenizes and expands image i's pad to image_tokens(grids[i], merge) pads (as Qwen3VLProcessor
+// does); fails when grids do not match the images or the text itself contains <|image_pad|>.
+EncodedChat encode_conversation(const Conversation& conv, const Tokenizer& tok, const std::vector<ImageGrid>& grids,
+                                int merge = 2);
+
+// The official label rule on finished ids.
+std::vector<int32_t> assistant_labels(const std::vector<int32_t>& ids, int32_t im_start, int32_t assistant,
+                                      int32_t im_end);
+
+}  // namespace q3vl
