@@ -51,4 +51,27 @@ std::map<std::string, std::vector<int64_t>> checkpoint_shapes(const std::string&
 // `notes` receives the human-readable story ("resuming from ...", "skipping ... because ...").
 std::string find_resume_checkpoint(const std::string& dir, std::vector<std::string>* notes);
 
+// --- Building blocks, exposed for tests and tools ---
+
+// One hyperslab: start and count per dimension.
+struct CkptBox {
+  std::vector<int64_t> start, count;
+};
+// The flat row-major range [begin, begin+count) of a tensor of `shape` as disjoint boxes in row-major
+// order (partial leading row, full middle block, partial trailing row, recursively): at most 2*ndim-1.
+std::vector<CkptBox> flat_range_boxes(const std::vector<int64_t>& shape, int64_t begin, int64_t count);
+
+// Most elements one rank moves in one collective HDF5 call (default 2^28, 1 GiB of fp32): larger slices
+// go in several rounds, which keeps every MPI-IO count far from 2^31. Must be equal on every rank.
+void set_checkpoint_io_chunk(int64_t elements);
+
+// Each dataset carries a uint64 attribute "checksum": the sum over its elements of
+// mix(mix(flat index) + fp32 bits), mod 2^64. A sum, so every rank adds its own range; read_checkpoint
+// verifies it whenever the slices it is given cover the whole tensor.
+uint64_t ckpt_checksum(const float* data, int64_t begin, int64_t count);
+
+// A complete checkpoint's problem ("" if it looks fine): not HDF5, truncated, not a q3vl checkpoint,
+// missing attributes, step attribute differing from the file name, a dataset not fully stored.
+std::string checkpoint_problem(const std::string& path);
+
 }  // namespace q3vl
