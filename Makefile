@@ -5,6 +5,10 @@
 #   make demo    generate data, train the tiny model on 4 ranks, resume, generate (see README)
 .DEFAULT_GOAL := all
 SHELL := /bin/bash
+# Parallel by default on every core (make -jN still wins).
+ifeq (,$(findstring j,$(firstword -$(MAKEFLAGS))))
+MAKEFLAGS += -j$(shell nproc)
+endif
 
 CXX      := mpicxx
 MPIEXEC  ?= mpiexec
