@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "q3vl/runtime/check.hpp"
+#include "q3vl/serve/generate.hpp"
 #include "q3vl/train/eval.hpp"
 
 namespace q3vl {
@@ -15,6 +16,8 @@ const std::vector<Mode>& modes() {
        [](const Deck& d, const ModeArgs&) { return run_check(d); }},
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
        [](const Deck& d, const ModeArgs&) { return run_eval(d); }},
+      {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",
+       [](const Deck& d, const ModeArgs&) { return run_generate(d); }},
   };
   return table;
 }

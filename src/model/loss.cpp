@@ -1,5 +1,6 @@
 // LM head + causal-LM cross-entropy (spec 4.9, 5.1), chunked over rows: only a chunk of logits exists at a time
-// and the backward recomputes them instead of keeping [N, V].
+// and the backward recomputes them instead of keeping [N, V]. Rows without a target skip the head (in training most
+// rows are prompt or image tokens) unless the caller wants every row's logits.
 #include <algorithm>
 #include <vector>
 
@@ -10,16 +11,45 @@ namespace q3vl {
 
 static constexpr int64_t kHeadChunk = 128;
 
+// Rows that have a target: the others contribute nothing to the loss or its gradient.
+static std::vector<int64_t> supervised_rows(const int64_t* target, int64_t N) {
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < N; ++i)
+    if (target[i] != -100) rows.push_back(i);
+  return rows;
+}
+
+// Copies rows[r0, r0+n) of h and target into contiguous buffers.
+template <class T>
+static void gather_rows(const T* h, const int64_t* target, const std::vector<int64_t>& rows, int64_t r0, int64_t n,
+                        int64_t H, T* hb, int64_t* tb) {
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy(h + rows[r0 + r] * H, h + (rows[r0 + r] + 1) * H, hb + r * H);
+    tb[r] = target[rows[r0 + r]];
+  }
+}
+
 template <class T>
 double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H, int64_t V,
                         T* logits_out) {
-  std::vector<T> lg(std::min(N, kHeadChunk) * V);
   double total = 0;
-  for (int64_t i0 = 0; i0 < N; i0 += kHeadChunk) {
-    const int64_t n = std::min(kHeadChunk, N - i0);
-    T* L = logits_out ? logits_out + i0 * V : lg.data();
-    ops::linear_fwd(h + i0 * H, W, (const T*)nullptr, L, n, H, V);
-    total += ops::cross_entropy(L, target + i0, (T*)nullptr, (T*)nullptr, n, V, T(0));
+  if (logits_out) {
+    for (int64_t i0 = 0; i0 < N; i0 += kHeadChunk) {
+      const int64_t n = std::min(kHeadChunk, N - i0);
+      ops::linear_fwd(h + i0 * H, W, (const T*)nullptr, logits_out + i0 * V, n, H, V);
+      total += ops::cross_entropy(logits_out + i0 * V, target + i0, (T*)nullptr, (T*)nullptr, n, V, T(0));
+    }
+    return total;
+  }
+  const std::vector<int64_t> rows = supervised_rows(target, N);
+  const int64_t R = (int64_t)rows.size(), C = std::min(R, kHeadChunk);
+  std::vector<T> hb(C * H), lg(C * V);
+  std::vector<int64_t> tb(C);
+  for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
+    const int64_t n = std::min(kHeadChunk, R - r0);
+    gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
+    ops::linear_fwd(hb.data(), W, (const T*)nullptr, lg.data(), n, H, V);
+    total += ops::cross_entropy(lg.data(), tb.data(), (T*)nullptr, (T*)nullptr, n, V, T(0));
   }
   return total;
 }
@@ -27,14 +57,20 @@ double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N
 template <class T>
 void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H, int64_t V, T scale, T* dh,
                       T* dW) {
-  std::vector<T> lg(std::min(N, kHeadChunk) * V), dl(lg.size());
-  for (int64_t i0 = 0; i0 < N; i0 += kHeadChunk) {
-    const int64_t n = std::min(kHeadChunk, N - i0);
-    if (std::all_of(target + i0, target + i0 + n, [](int64_t t) { return t == -100; })) continue;
-    ops::linear_fwd(h + i0 * H, W, (const T*)nullptr, lg.data(), n, H, V);
+  const std::vector<int64_t> rows = supervised_rows(target, N);
+  const int64_t R = (int64_t)rows.size(), C = std::min(R, kHeadChunk);
+  std::vector<T> hb(C * H), dhb(C * H), lg(C * V), dl(C * V);
+  std::vector<int64_t> tb(C);
+  for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
+    const int64_t n = std::min(kHeadChunk, R - r0);
+    gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
+    ops::linear_fwd(hb.data(), W, (const T*)nullptr, lg.data(), n, H, V);
     std::fill(dl.begin(), dl.begin() + n * V, T(0));
-    ops::cross_entropy(lg.data(), target + i0, (T*)nullptr, dl.data(), n, V, scale);
-    ops::linear_bwd(dl.data(), h + i0 * H, W, dh + i0 * H, dW, (T*)nullptr, n, H, V);
+    ops::cross_entropy(lg.data(), tb.data(), (T*)nullptr, dl.data(), n, V, scale);
+    std::fill(dhb.begin(), dhb.begin() + n * H, T(0));
+    ops::linear_bwd(dl.data(), hb.data(), W, dhb.data(), dW, (T*)nullptr, n, H, V);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t d = 0; d < H; ++d) dh[rows[r0 + r] * H + d] += dhb[r * H + d];
   }
 }
 

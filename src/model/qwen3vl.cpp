@@ -103,17 +103,11 @@ double BasicModel<T>::forward(const PackedBatch& b, bool keep, std::vector<T>* l
 }
 
 template <class T>
-double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
-                          std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
+void BasicModel<T>::encode_images(const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
+                                  std::vector<T>& img, std::vector<std::vector<T>>& ds) {
   const VisionConfig& vc = cfg_.vision;
-  const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
-  const int64_t N = (int64_t)s.ids.size(), H = tc.hidden, V = tc.vocab, Dv = vc.hidden;
-  kept_ = false;
-  st_ = std::move(s);
-  grid_ = grid;
-
-  // Vision tower.
+  const int64_t H = cfg_.text.hidden, Dv = vc.hidden;
   if (grid.size() % 3) fail("image_grid_thw must have 3 entries per image");
   int64_t Np = 0;
   for (size_t i = 0; i < grid.size(); i += 3) {
@@ -125,40 +119,62 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
     fail("pixel_values has " + std::to_string(pixels.size()) + " values, image_grid_thw needs " +
          std::to_string(Np) + " patches x " + std::to_string(vc.patch_dim()));
   const size_t nds = vc.deepstack_indexes.size();
-  std::vector<T> img(Np / 4 * H);
-  std::vector<std::vector<T>> ds(nds, std::vector<T>(Np / 4 * H));
+  img.assign(Np / 4 * H, T(0));
+  ds.assign(nds, std::vector<T>(Np / 4 * H));
   vctx_.resize(keep ? vc.depth : 1);
   dsctx_.resize(nds);
-  if (Np > 0) {
-    pixels_.assign(pixels.begin(), pixels.end());
-    std::vector<T> vx(Np * Dv);
-    vision_embed_fwd(vc, P, table_.vision_embed(), pixels_.data(), grid, Np, vx.data());
-    std::vector<int64_t> row, col;
-    vision_patch_coords(grid, vc.merge, row, col);
-    vcos_.resize(Np * vc.head_dim() / 2);
-    vsin_.resize(vcos_.size());
-    ops::vision_rope_table(row.data(), col.data(), Np, (int64_t)vc.head_dim(), vcos_.data(), vsin_.data());
-    vcu_ = vision_cu_seqlens(grid);
-    for (int i = 0; i < vc.depth; ++i) {
-      vision_block_fwd(vc, P, table_.vision_block(i), vx.data(), Np, vcu_, vcos_.data(), vsin_.data(),
-                       vctx_[keep ? i : 0]);
-      for (size_t j = 0; j < nds; ++j)
-        if (vc.deepstack_indexes[j] == i)
-          merger_fwd(vc, P, table_.deepstack_merger(j), true, vx.data(), Np, ds[j].data(), dsctx_[j]);
-    }
-    merger_fwd(vc, P, table_.merger(), false, vx.data(), Np, img.data(), mctx_);
+  if (Np == 0) return;
+  pixels_.assign(pixels.begin(), pixels.end());
+  std::vector<T> vx(Np * Dv);
+  vision_embed_fwd(vc, P, table_.vision_embed(), pixels_.data(), grid, Np, vx.data());
+  std::vector<int64_t> row, col;
+  vision_patch_coords(grid, vc.merge, row, col);
+  vcos_.resize(Np * vc.head_dim() / 2);
+  vsin_.resize(vcos_.size());
+  ops::vision_rope_table(row.data(), col.data(), Np, (int64_t)vc.head_dim(), vcos_.data(), vsin_.data());
+  vcu_ = vision_cu_seqlens(grid);
+  for (int i = 0; i < vc.depth; ++i) {
+    vision_block_fwd(vc, P, table_.vision_block(i), vx.data(), Np, vcu_, vcos_.data(), vsin_.data(),
+                     vctx_[keep ? i : 0]);
+    for (size_t j = 0; j < nds; ++j)
+      if (vc.deepstack_indexes[j] == i)
+        merger_fwd(vc, P, table_.deepstack_merger(j), true, vx.data(), Np, ds[j].data(), dsctx_[j]);
   }
+  merger_fwd(vc, P, table_.merger(), false, vx.data(), Np, img.data(), mctx_);
+}
 
-  // Embeddings with the image tokens scattered in (row-major over the batch, in pixel_values order).
+template <class T>
+std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::vector<T>& img) {
+  const int64_t N = (int64_t)ids.size(), H = cfg_.text.hidden;
   std::vector<T> x(N * H);
-  ops::embedding_fwd(st_.ids.data(), P.p[table_.embed_tokens()], x.data(), N, H, V);
+  ops::embedding_fwd(ids.data(), view().p[table_.embed_tokens()], x.data(), N, H, (int64_t)cfg_.text.vocab);
+  // Image tokens are replaced by the image features, row-major over the batch, in pixel_values order.
   vis_.clear();
   for (int64_t i = 0; i < N; ++i)
-    if (st_.ids[i] == cfg_.image_token_id) vis_.push_back(i);
-  if ((int64_t)vis_.size() != Np / 4)
+    if (ids[i] == cfg_.image_token_id) vis_.push_back(i);
+  if ((int64_t)vis_.size() * H != (int64_t)img.size())
     fail("image features and image tokens do not match: " + std::to_string(vis_.size()) + " tokens with id " +
-         std::to_string(cfg_.image_token_id) + ", " + std::to_string(Np / 4) + " merged image features");
+         std::to_string(cfg_.image_token_id) + ", " + std::to_string(img.size() / H) + " merged image features");
   for (size_t j = 0; j < vis_.size(); ++j) std::copy(&img[j * H], &img[(j + 1) * H], &x[vis_[j] * H]);
+  return x;
+}
+
+template <class T>
+double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
+                          std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
+  const VisionConfig& vc = cfg_.vision;
+  const TextConfig& tc = cfg_.text;
+  const ParamView<T> P = view();
+  const int64_t N = (int64_t)s.ids.size(), H = tc.hidden, V = tc.vocab;
+  kept_ = false;
+  st_ = std::move(s);
+  grid_ = grid;
+
+  const size_t nds = vc.deepstack_indexes.size();
+  std::vector<T> img;
+  std::vector<std::vector<T>> ds;
+  encode_images(pixels, grid, keep, img, ds);
+  std::vector<T> x = embed(st_.ids, img);
 
   // Decoder.
   const auto pos = mrope_positions(cfg_, st_.ids.data(), st_.cu, grid);
@@ -208,6 +224,82 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
     dctx_.clear();
   }
   return loss;
+}
+
+template <class T>
+std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
+                                     const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds,
+                                     KvCache<T>& cache) {
+  const TextConfig& tc = cfg_.text;
+  const ParamView<T> P = view();
+  const int64_t N = cu.back(), H = tc.hidden, V = tc.vocab, nseg = (int64_t)seqs.size();
+  std::vector<T> cos(N * tc.head_dim / 2), sin(cos.size());
+  ops::mrope_table(pos3.data(), N, (int64_t)tc.head_dim, tc.rope_theta, tc.mrope_section.data(), cos.data(),
+                   sin.data());
+  for (int l = 0; l < tc.layers; ++l) {
+    decoder_layer_infer(cfg_, P, table_.layer(l), moe_slot_[l] >= 0, x.data(), N, cu, seqs, cos.data(), sin.data(),
+                        cache, l);
+    if ((size_t)l < ds.size())  // DeepStack, as in run(): only prompts hold visual tokens
+      for (size_t j = 0; j < vis_.size(); ++j)
+        for (int64_t d = 0; d < H; ++d) x[vis_[j] * H + d] += ds[l][j * H + d];
+  }
+  for (int64_t s = 0; s < nseg; ++s) cache.len[seqs[s]] += cu[s + 1] - cu[s];
+  // Final norm and LM head on each segment's last row only.
+  std::vector<T> last(nseg * H), h(nseg * H), r(nseg), logits(nseg * V);
+  for (int64_t s = 0; s < nseg; ++s) std::copy(&x[(cu[s + 1] - 1) * H], &x[cu[s + 1] * H], &last[s * H]);
+  ops::rmsnorm_fwd(last.data(), P.p[table_.final_norm()], h.data(), r.data(), nseg, H, tc.rms_eps);
+  ops::linear_fwd(h.data(), P.p[table_.lm_head()], (const T*)nullptr, logits.data(), nseg, H, V);
+  return logits;
+}
+
+template <class T>
+std::vector<T> BasicModel<T>::prefill(const std::vector<std::vector<int64_t>>& prompts,
+                                      const std::vector<float>& pixels, const std::vector<int64_t>& grid,
+                                      KvCache<T>& cache) {
+  kept_ = false;  // the shared buffers below no longer describe a training forward
+  const int B = (int)prompts.size();
+  std::vector<int64_t> ids, cu{0};
+  std::vector<int> seqs(B);
+  for (int b = 0; b < B; ++b) {
+    if (prompts[b].empty()) fail("prefill: prompt " + std::to_string(b) + " is empty");
+    ids.insert(ids.end(), prompts[b].begin(), prompts[b].end());
+    cu.push_back((int64_t)ids.size());
+    seqs[b] = b;
+  }
+  std::vector<T> img;
+  std::vector<std::vector<T>> ds;
+  encode_images(pixels, grid, false, img, ds);
+  std::vector<T> x = embed(ids, img);
+  const std::vector<int64_t> pos = mrope_positions(cfg_, ids.data(), cu, grid);
+  const int64_t N = (int64_t)ids.size();
+  cache.len.assign(B, 0);
+  cache.next_pos.assign(B, 0);
+  cache.k.assign((size_t)cfg_.text.layers * B, {});
+  cache.v.assign(cache.k.size(), {});
+  for (int b = 0; b < B; ++b)
+    for (int row = 0; row < 3; ++row)
+      for (int64_t i = cu[b]; i < cu[b + 1]; ++i) cache.next_pos[b] = std::max(cache.next_pos[b], pos[row * N + i] + 1);
+  std::vector<T> logits = extend(x, cu, pos, seqs, ds, cache);
+  vctx_.clear();
+  return logits;
+}
+
+template <class T>
+std::vector<T> BasicModel<T>::decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens,
+                                     KvCache<T>& cache) {
+  kept_ = false;
+  const int64_t n = (int64_t)seqs.size();
+  if ((int64_t)tokens.size() != n) fail("decode: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(n) + " sequences");
+  std::vector<int64_t> cu(n + 1), pos(3 * n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (seqs[i] < 0 || seqs[i] >= cache.batch()) fail("decode: no cached sequence " + std::to_string(seqs[i]));
+    if (tokens[i] == cfg_.image_token_id || tokens[i] == cfg_.video_token_id)
+      fail("decode: image and video tokens can only come with their pixels in a prompt");
+    cu[i + 1] = i + 1;
+    pos[i] = pos[n + i] = pos[2 * n + i] = cache.next_pos[seqs[i]]++;
+  }
+  std::vector<T> x = embed(tokens, {});
+  return extend(x, cu, pos, seqs, {}, cache);
 }
 
 template <class T>

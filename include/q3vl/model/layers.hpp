@@ -83,11 +83,27 @@ template <class T> void decoder_layer_bwd(const ModelConfig& cfg, const ParamVie
                                           const T* probs, const int64_t* idx, const T* aux_dlogits,
                                           DecoderCtx<T>& c);
 
+// Generation (src/model/decoder.cpp): each decoder layer's keys (after QK-norm and RoPE) and values for a batch of
+// sequences, so that a new token only attends to what is cached.
+template <class T> struct KvCache {
+  std::vector<int64_t> len;          // [B] tokens cached per sequence
+  std::vector<int64_t> next_pos;     // [B] M-RoPE position of the next token (spec 4.6 rope_deltas: max prompt position
+                                     // + 1, then one more per generated token, on all three rows)
+  std::vector<std::vector<T>> k, v;  // [layer * B + b]: [len, kv_heads, head_dim]
+  int batch() const { return (int)len.size(); }
+};
+// Inference through one layer: N new tokens in segments cu, segment s extending cache sequence seqs[s]. A new token
+// attends to its sequence's cached tokens and the new ones up to itself; the new keys and values are appended.
+template <class T> void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int first, bool moe, T* x,
+                                            int64_t N, const std::vector<int64_t>& cu, const std::vector<int>& seqs,
+                                            const T* cos, const T* sin, KvCache<T>& cache, int layer);
+
 // ---- LM head + cross-entropy (src/model/loss.cpp), chunked over rows so logits are never all in memory ----------
-// Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null.
+// Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null, otherwise only the
+// supervised rows go through the head.
 template <class T> double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H,
                                            int64_t V, T* logits_out);
-// Recomputes the logits chunk by chunk; dh, dW (+)= gradients of scale * summed CE.
+// Recomputes the logits of the supervised rows chunk by chunk; dh, dW (+)= gradients of scale * summed CE.
 template <class T> void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H,
                                          int64_t V, T scale, T* dh, T* dW);
 

@@ -62,6 +62,14 @@ class BasicModel {
 
   int64_t supervised_tokens() const { return count_; }
 
+  // Generation (no backward). prefill starts a fresh cache for one sequence per prompt (images in prompt order in
+  // pixels/grid): vision tower once, decoder with DeepStack, keys and values cached. Returns the logits of each
+  // prompt's last position [B, V]; the LM head runs on those rows only.
+  std::vector<T> prefill(const std::vector<std::vector<int64_t>>& prompts, const std::vector<float>& pixels,
+                         const std::vector<int64_t>& grid, KvCache<T>& cache);
+  // Appends tokens[i] to cached sequence seqs[i] (text tokens only) and returns their next-token logits [n, V].
+  std::vector<T> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens, KvCache<T>& cache);
+
  private:
   struct Stream {
     std::vector<int64_t> ids, targets, cu, orig;  // orig: row in logits_out for each token
@@ -69,6 +77,15 @@ class BasicModel {
   };
   double run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
              std::vector<T>* logits_out, double* aux_out, bool aux_loss);
+  // Vision tower and mergers: img [Np/4, H] and one DeepStack feature set per deepstack index.
+  void encode_images(const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
+                     std::vector<T>& img, std::vector<std::vector<T>>& ds);
+  // Token embeddings with the image features over the image tokens (their positions go to vis_).
+  std::vector<T> embed(const std::vector<int64_t>& ids, const std::vector<T>& img);
+  // Inference through the decoder for new tokens x [N, H] in segments cu (segment s extends cache sequence
+  // seqs[s]); ds (may be empty) is added at vis_ after the first layers. Returns each segment's last-row logits.
+  std::vector<T> extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
+                        const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds, KvCache<T>& cache);
   ParamView<T> view() const { return {pp_.data(), gp_.data()}; }
   void rebind();
 

@@ -1,0 +1,57 @@
+// `q3vl generate`: answers for prompts with images, read from a JSONL file in the training-data format, by a HF
+// model or a training checkpoint, with a KV cache (Model::prefill / Model::decode) and greedy or seeded sampling.
+#pragma once
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "q3vl/core/deck.hpp"
+#include "q3vl/data/image.hpp"
+#include "q3vl/model/qwen3vl.hpp"
+
+namespace q3vl {
+
+class Tokenizer;
+
+struct SamplingParams {
+  double temperature = 0;     // 0: greedy (argmax, lowest id on ties)
+  int top_k = 0;              // keep the k most likely tokens (0: all)
+  double top_p = 1;           // then the smallest set whose probability reaches top_p
+  uint64_t seed = 0;          // prompt i samples from its own stream seeded with (seed, i)
+  int max_new_tokens = 64;
+  std::vector<int64_t> stop;  // generation ends after any of these (not part of the answer)
+  // Never generated: ids >= vocab_limit (the model's padded vocabulary beyond the tokenizer; 0: no limit) and the
+  // image/video pads (they would need pixels).
+  int64_t vocab_limit = 0;
+  std::vector<int64_t> banned;
+};
+
+// Picks the next token from one row of logits [V].
+int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, std::mt19937_64& rng);
+
+struct GenPrompt {
+  std::vector<int64_t> ids;  // the templated prompt, image pads expanded
+  std::vector<float> pixels;  // its images, patchified
+  std::vector<int64_t> grid;  // [Nimg * 3]
+};
+
+struct GenResult {
+  std::vector<int64_t> tokens;  // generated, without the stop token
+  bool stopped = false;         // ended on a stop token (else on max_new_tokens)
+};
+
+// Generates for a batch of prompts at once (one prefill, then one decode step per token for the unfinished ones).
+// Prompt i's sampling stream is seeded by (sp.seed, first_index + i), so answers do not depend on the batching.
+std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
+                                size_t first_index = 0);
+
+// One JSONL record as a generation prompt: the chat template of data/chat.hpp with the assistant turns at the end
+// dropped and "<|im_start|>assistant\n" appended; images read relative to the JSONL file's folder. Errors name
+// file:line (bad record, unknown role, missing or unreadable image, prompt longer than max_context tokens).
+GenPrompt make_prompt(const std::string& line_text, const std::string& file, long line, const Tokenizer& tok,
+                      const ImageConfig& icfg, int64_t max_context);
+
+int run_generate(const Deck& deck);
+
+}  // namespace q3vl

@@ -1,0 +1,232 @@
+#include "q3vl/serve/generate.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/data/chat.hpp"
+#include "q3vl/data/tokenizer.hpp"
+#include "q3vl/io/checkpoint.hpp"
+#include "q3vl/runtime/runtime.hpp"
+
+namespace q3vl {
+
+namespace fs = std::filesystem;
+
+int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, std::mt19937_64& rng) {
+  const double ninf = -std::numeric_limits<double>::infinity();
+  std::vector<double> l(logits, logits + V);
+  if (sp.vocab_limit > 0)
+    for (int64_t v = sp.vocab_limit; v < V; ++v) l[v] = ninf;
+  for (int64_t b : sp.banned)
+    if (b >= 0 && b < V) l[b] = ninf;
+  if (sp.temperature <= 0) return std::max_element(l.begin(), l.end()) - l.begin();  // first maximum
+
+  // Candidates by decreasing logit (ties: lower id first), cut to top_k, softmax at the temperature, cut to top_p.
+  std::vector<int64_t> ids(V);
+  std::iota(ids.begin(), ids.end(), 0);
+  const auto by_logit = [&](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
+  const int64_t k = sp.top_k > 0 ? std::min<int64_t>(sp.top_k, V) : V;
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), by_logit);
+  ids.resize(k);
+  std::vector<double> p(k);
+  double sum = 0;
+  for (int64_t i = 0; i < k; ++i) sum += (p[i] = std::exp((l[ids[i]] - l[ids[0]]) / sp.temperature));
+  int64_t keep = 0;
+  double mass = 0;
+  while (keep < k && p[keep] > 0 && (keep == 0 || mass < sp.top_p * sum)) mass += p[keep++];
+  // 53 random bits: the same draw on every platform for a seed.
+  const double u = double(rng() >> 11) * 0x1.0p-53 * mass;
+  double acc = 0;
+  for (int64_t i = 0; i < keep; ++i)
+    if ((acc += p[i]) > u) return ids[i];
+  return ids[keep - 1];
+}
+
+std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
+                                size_t first_index) {
+  const size_t B = prompts.size();
+  std::vector<GenResult> out(B);
+  if (B == 0 || sp.max_new_tokens <= 0) return out;
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<float> pixels;
+  std::vector<int64_t> grid;
+  std::vector<std::mt19937_64> rng;
+  for (size_t i = 0; i < B; ++i) {
+    ids.push_back(prompts[i].ids);
+    pixels.insert(pixels.end(), prompts[i].pixels.begin(), prompts[i].pixels.end());
+    grid.insert(grid.end(), prompts[i].grid.begin(), prompts[i].grid.end());
+    std::seed_seq seq{uint64_t(sp.seed), uint64_t(sp.seed >> 32), uint64_t(first_index + i)};
+    rng.emplace_back(seq);
+  }
+  const int64_t V = model.config().text.vocab;
+  KvCache<float> cache;
+  std::vector<float> logits = model.prefill(ids, pixels, grid, cache);
+  std::vector<int> active(B);
+  std::iota(active.begin(), active.end(), 0);
+  while (!active.empty()) {
+    std::vector<int> next;
+    std::vector<int64_t> toks;
+    for (size_t j = 0; j < active.size(); ++j) {
+      const int i = active[j];
+      const int64_t t = sample_token(&logits[j * V], V, sp, rng[i]);
+      if (std::find(sp.stop.begin(), sp.stop.end(), t) != sp.stop.end()) {
+        out[i].stopped = true;
+        continue;
+      }
+      out[i].tokens.push_back(t);
+      if ((int)out[i].tokens.size() < sp.max_new_tokens) next.push_back(i), toks.push_back(t);
+    }
+    active = next;
+    if (!active.empty()) logits = model.decode(active, toks, cache);
+  }
+  return out;
+}
+
+GenPrompt make_prompt(const std::string& line_text, const std::string& file, long line, const Tokenizer& tok,
+                      const ImageConfig& icfg, int64_t max_context) {
+  Conversation c = parse_line(line_text, file, line);
+  // The answer the model is to give is not part of the prompt.
+  while (!c.messages.empty() && c.messages.back().role == "assistant") c.messages.pop_back();
+  if (c.messages.empty()) fail(c.where() + ": the record has no prompt (only assistant turns)");
+  GenPrompt p;
+  std::vector<ImageGrid> grids;
+  for (const std::string& img : c.images) {
+    const fs::path path = fs::path(img).is_absolute() ? fs::path(img) : fs::path(file).parent_path() / img;
+    if (!fs::exists(path)) fail(c.where() + ": image '" + img + "' not found (looked for " + path.string() + ")");
+    try {
+      ImageGrid g = preprocess(load_image(path.string()), icfg, p.pixels, path.string());
+      grids.push_back(g);
+      p.grid.insert(p.grid.end(), {g.t, g.h, g.w});
+    } catch (const Error& e) {
+      fail(c.where() + ": image '" + img + "': " + e.what());
+    }
+  }
+  const EncodedChat e = encode_conversation(c, tok, grids, icfg.merge);
+  p.ids.assign(e.input_ids.begin(), e.input_ids.end());
+  for (int32_t id : tok.encode("<|im_start|>assistant\n")) p.ids.push_back(id);
+  if ((int64_t)p.ids.size() > max_context)
+    fail(c.where() + ": the prompt has " + std::to_string(p.ids.size()) + " tokens, more than generate.max_context = " +
+         std::to_string(max_context));
+  return p;
+}
+
+namespace {
+
+// Weights from a training checkpoint: model/<hf name> at full shape, in the compute layout train writes.
+void load_checkpoint_weights(Model& m, const std::string& path) {
+  std::vector<CkptSlice> slices;
+  for (size_t id = 0; id < m.table().params().size(); ++id) {
+    const ParamInfo& p = m.table().params()[id];
+    slices.push_back({"model/" + p.name, p.shape, 0, p.numel, m.param((int)id)});
+  }
+  read_checkpoint(path, MPI_COMM_SELF, slices);
+}
+
+ModelConfig model_config(const Deck& d) {
+  if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json");
+  if (!d.str("model.preset").empty()) return preset_config(d.str("model.preset"));
+  const std::string ck = d.str("generate.checkpoint");
+  if (!ck.empty()) {  // the model the checkpoint was trained as
+    const Deck trained = Deck::parse(read_checkpoint_meta(ck).deck_toml, ck, {}, "");
+    if (!trained.str("model.hf").empty()) return load_hf_config(trained.str("model.hf") + "/config.json");
+    if (!trained.str("model.preset").empty()) return preset_config(trained.str("model.preset"));
+  }
+  fail("generate needs a model: model.hf=DIR, model.preset=NAME (random weights) or generate.checkpoint=FILE");
+}
+
+}  // namespace
+
+int run_generate(const Deck& deck) {
+  Runtime& rt = Runtime::get();
+  // One process does the work; the others only wait, so that the mode also runs under mpiexec.
+  if (rt.where().rank == 0) {
+    const ModelConfig cfg = model_config(deck);
+    Model model(cfg);
+    {
+      ScopedTimer t("generate: load weights");
+      const std::string ck = deck.str("generate.checkpoint");
+      if (!ck.empty()) load_checkpoint_weights(model, ck);
+      else if (!deck.str("model.hf").empty()) load_hf_weights(model, deck.str("model.hf"));
+      else model.init_random(deck.integer("run.seed"));
+    }
+    const Tokenizer tok = Tokenizer::load(deck.str("tokenizer.path"));
+    ImageConfig icfg;
+    icfg.patch = cfg.vision.patch;
+    icfg.temporal_patch = cfg.vision.temporal_patch;
+    icfg.merge = cfg.vision.merge;
+    icfg.min_pixels = deck.integer("generate.min_pixels");
+    icfg.max_pixels = deck.integer("generate.max_pixels");
+
+    SamplingParams sp;
+    sp.temperature = deck.real("generate.temperature");
+    sp.top_k = (int)deck.integer("generate.top_k");
+    sp.top_p = deck.real("generate.top_p");
+    sp.seed = (uint64_t)deck.integer("run.seed");
+    sp.max_new_tokens = (int)deck.integer("generate.max_new_tokens");
+    sp.stop = {cfg.eos_token_id};
+    sp.vocab_limit = std::min<int64_t>(cfg.text.vocab, (int64_t)tok.vocab_size());
+    sp.banned = {cfg.image_token_id, cfg.video_token_id};
+    const int64_t max_context = deck.integer("generate.max_context");
+
+    const std::string in = deck.str("generate.prompts"), out = deck.str("generate.output");
+    std::ifstream f(in);
+    if (!f) fail(in + ": cannot open the prompts file");
+    // Every prompt is read and checked before any generation, so that a bad line fails fast.
+    std::vector<GenPrompt> prompts;
+    std::vector<long> lines;
+    long ln = 0;
+    for (std::string text; std::getline(f, text);) {
+      ++ln;
+      if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+      prompts.push_back(make_prompt(text, in, ln, tok, icfg, max_context));
+      lines.push_back(ln);
+    }
+    log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
+
+    if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);
+    const std::string tmp = out + ".partial";  // an existing output is never left half-written
+    std::ofstream o(tmp);
+    if (!o) fail(out + ": cannot write");
+    const size_t bs = (size_t)deck.integer("generate.batch");
+    int64_t new_tokens = 0;
+    const double t0 = wall_seconds();
+    for (size_t b0 = 0; b0 < prompts.size(); b0 += bs) {
+      const std::vector<GenPrompt> batch(prompts.begin() + b0, prompts.begin() + std::min(prompts.size(), b0 + bs));
+      std::vector<GenResult> res;
+      {
+        ScopedTimer t("generate: batches");
+        res = generate(model, batch, sp, b0);
+      }
+      for (size_t i = 0; i < res.size(); ++i) {
+        const std::vector<int32_t> ids(res[i].tokens.begin(), res[i].tokens.end());
+        nlohmann::json rec = {{"line", lines[b0 + i]},
+                              {"answer", tok.decode(ids)},
+                              {"prompt_tokens", batch[i].ids.size()},
+                              {"new_tokens", ids.size()},
+                              {"stop", res[i].stopped ? "eos" : "length"}};
+        o << rec.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+        new_tokens += (int64_t)ids.size();
+      }
+    }
+    o.close();
+    if (!o) fail(out + ": write failed");
+    fs::rename(tmp, out);
+    char msg[256];
+    std::snprintf(msg, sizeof msg, "generate: %lld new tokens in %.2f s -> %s", (long long)new_tokens,
+                  wall_seconds() - t0, out.c_str());
+    log_info(msg);
+  }
+  rt.world().barrier();
+  return 0;
+}
+
+}  // namespace q3vl

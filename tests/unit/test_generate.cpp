@@ -1,0 +1,294 @@
+// Generation with the KV cache: greedy decoding equals, token by token, the argmax of a full forward (no cache) over
+// the growing sequence, on the HF golden models (dense tied, MoE) and on random tiny models with images; batched
+// prompts do not disturb each other; the sampler; the training head that skips unsupervised rows.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/model/config.hpp"
+#include "q3vl/serve/generate.hpp"
+#include "q3vl/train/eval.hpp"
+
+using namespace q3vl;
+
+namespace {
+
+// Prompts = the unpadded rows of a batch; row r's images are the next ones in pixel_values order.
+std::vector<GenPrompt> prompts_of(const ModelConfig& cfg, const Batch& b) {
+  std::vector<GenPrompt> out;
+  const int64_t pd = cfg.vision.patch_dim(), m2 = cfg.vision.merge * cfg.vision.merge;
+  size_t img = 0, px = 0;
+  for (int r = 0; r < b.B; ++r) {
+    GenPrompt p;
+    for (int t = 0; t < b.S; ++t)
+      if (b.attention_mask.empty() || b.attention_mask[r * b.S + t]) p.ids.push_back(b.input_ids[r * b.S + t]);
+    int64_t pads = std::count(p.ids.begin(), p.ids.end(), (int64_t)cfg.image_token_id);
+    while (pads > 0) {
+      const int64_t* g = &b.image_grid_thw[3 * img++];
+      const int64_t n = g[0] * g[1] * g[2];
+      p.grid.insert(p.grid.end(), g, g + 3);
+      p.pixels.insert(p.pixels.end(), b.pixel_values.begin() + px * pd, b.pixel_values.begin() + (px + n) * pd);
+      px += n;
+      pads -= n / m2;
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+SamplingParams greedy(const ModelConfig& cfg, int steps) {
+  SamplingParams sp;
+  sp.max_new_tokens = steps;
+  sp.banned = {cfg.image_token_id, cfg.video_token_id};
+  return sp;
+}
+
+// Greedy with the cache vs. argmax of full forwards over prompt + generated so far; also the cached logits vs. the
+// full forward's logits at each step.
+void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps, const std::string& what) {
+  const ModelConfig& cfg = model.config();
+  const int64_t V = cfg.text.vocab;
+  const SamplingParams sp = greedy(cfg, steps);
+  const std::vector<GenResult> res = generate(model, prompts, sp);
+  for (size_t i = 0; i < prompts.size(); ++i) ASSERT_EQ((int)res[i].tokens.size(), steps) << what << " prompt " << i;
+
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<float> pixels;
+  std::vector<int64_t> grid;
+  for (const auto& p : prompts) {
+    ids.push_back(p.ids);
+    pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
+    grid.insert(grid.end(), p.grid.begin(), p.grid.end());
+  }
+  KvCache<float> cache;
+  std::vector<int> all(prompts.size());
+  std::iota(all.begin(), all.end(), 0);
+  double worst = 0;
+  for (int t = 0; t < steps; ++t) {
+    std::vector<float> cached;
+    if (t == 0) {
+      cached = model.prefill(ids, pixels, grid, cache);
+    } else {
+      std::vector<int64_t> last;
+      for (size_t i = 0; i < prompts.size(); ++i) last.push_back(res[i].tokens[t - 1]);
+      cached = model.decode(all, last, cache);
+    }
+    // The same sequences right-padded into one batch, no cache.
+    Batch b;
+    b.B = (int)prompts.size();
+    for (size_t i = 0; i < prompts.size(); ++i) b.S = std::max<int>(b.S, (int)prompts[i].ids.size() + t);
+    b.input_ids.assign((size_t)b.B * b.S, 0);
+    b.attention_mask.assign(b.input_ids.size(), 0);
+    b.pixel_values = pixels;
+    b.image_grid_thw = grid;
+    std::vector<int64_t> lastpos(b.B);
+    for (int i = 0; i < b.B; ++i) {
+      std::vector<int64_t> seq = prompts[i].ids;
+      seq.insert(seq.end(), res[i].tokens.begin(), res[i].tokens.begin() + t);
+      for (size_t k = 0; k < seq.size(); ++k) b.input_ids[i * b.S + k] = seq[k], b.attention_mask[i * b.S + k] = 1;
+      lastpos[i] = (int64_t)seq.size() - 1;
+    }
+    std::vector<float> full;
+    model.forward(b, false, &full);
+    for (int i = 0; i < b.B; ++i) {
+      const float* f = &full[(i * b.S + lastpos[i]) * V];
+      std::mt19937_64 unused;
+      EXPECT_EQ(res[i].tokens[t], sample_token(f, V, sp, unused)) << what << ": prompt " << i << " step " << t;
+      double mx = 0, diff = 0;
+      for (int64_t v = 0; v < V; ++v) {
+        mx = std::max(mx, std::fabs((double)f[v]));
+        diff = std::max(diff, std::fabs((double)f[v] - cached[i * V + v]));
+      }
+      worst = std::max(worst, diff / mx);
+    }
+  }
+  EXPECT_LE(worst, 1e-4) << what << ": cached vs. full logits, max |diff| / max |logit|";
+  std::printf("[ generate ] %s: %d greedy steps x %zu prompts match; cached logits rel. diff %.2e\n", what.c_str(),
+              steps, prompts.size(), worst);
+}
+
+void check_golden(const std::string& name) {
+  const std::string dir = "tests/data/golden/" + name;
+  const ModelConfig cfg = load_hf_config(dir + "/model/config.json");
+  Model model(cfg);
+  load_hf_weights(model, dir + "/model");
+  const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
+  check_greedy(model, prompts_of(cfg, batch), 10, name);
+}
+
+ModelConfig tiny(bool moe) {
+  ModelConfig c;
+  c.vision.depth = 2;
+  c.vision.hidden = 32;
+  c.vision.intermediate = 48;
+  c.vision.heads = 2;
+  c.vision.num_position_embeddings = 16;
+  c.vision.out_hidden = 32;
+  c.vision.deepstack_indexes = {0, 1};
+  c.text.vocab = 64;
+  c.text.hidden = 32;
+  c.text.intermediate = 40;
+  c.text.layers = 3;
+  c.text.heads = 4;
+  c.text.kv_heads = 2;
+  c.text.head_dim = 8;
+  c.text.mrope_section = {2, 1, 1};
+  c.text.rope_theta = 10000;
+  c.text.tie_embeddings = !moe;
+  if (moe) {
+    c.text.num_experts = 4;
+    c.text.experts_per_tok = 2;
+    c.text.moe_intermediate = 16;
+  }
+  c.image_token_id = 60;
+  c.video_token_id = 61;
+  c.vision_start_token_id = 58;
+  c.vision_end_token_id = 59;
+  c.eos_token_id = 62;
+  return c;
+}
+
+// Three prompts: two images of different grids, one image, text only.
+std::vector<GenPrompt> tiny_prompts() {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto image = [&](GenPrompt& p, int64_t h, int64_t w) {
+    p.ids.push_back(58);
+    p.ids.insert(p.ids.end(), h * w / 4, 60);
+    p.ids.push_back(59);
+    p.grid.insert(p.grid.end(), {1, h, w});
+    for (int64_t i = 0; i < h * w * 1536; ++i) p.pixels.push_back(nd(rng));
+  };
+  std::vector<GenPrompt> ps(3);
+  ps[0].ids = {1, 2};
+  image(ps[0], 4, 4);
+  ps[0].ids.insert(ps[0].ids.end(), {3, 4});
+  image(ps[0], 2, 6);
+  ps[0].ids.push_back(5);
+  ps[1].ids = {7};
+  image(ps[1], 6, 2);
+  ps[1].ids.insert(ps[1].ids.end(), {8, 9, 10, 11});
+  ps[2].ids = {12, 13, 14, 15, 16, 17, 18, 19, 20};
+  return ps;
+}
+
+}  // namespace
+
+TEST(Generate, GreedyEqualsFullForwardArgmaxGoldenDense) { check_golden("dense_tied"); }
+TEST(Generate, GreedyEqualsFullForwardArgmaxGoldenMoe) { check_golden("moe"); }
+
+TEST(Generate, GreedyEqualsFullForwardArgmaxTinyImages) {
+  for (bool moe : {false, true}) {
+    Model m(tiny(moe));
+    m.init_random(11, 0.5);  // large weights: peaked logits, so the argmax is not a near-tie
+    check_greedy(m, tiny_prompts(), 12, moe ? "tiny moe" : "tiny dense");
+  }
+}
+
+TEST(Generate, BatchingDoesNotChangeAnswers) {
+  Model m(tiny(false));
+  m.init_random(3, 0.5);
+  const auto ps = tiny_prompts();
+  for (double temp : {0.0, 1.0}) {
+    SamplingParams sp = greedy(m.config(), 9);
+    sp.temperature = temp;
+    sp.seed = 99;
+    sp.stop = {62};
+    const auto together = generate(m, ps, sp);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const auto alone = generate(m, {ps[i]}, sp, i);
+      EXPECT_EQ(alone[0].tokens, together[i].tokens) << "prompt " << i << " temperature " << temp;
+      EXPECT_EQ(alone[0].stopped, together[i].stopped);
+      for (int64_t t : together[i].tokens) EXPECT_TRUE(t != 60 && t != 61 && t != 62) << "banned or stop token " << t;
+    }
+    EXPECT_EQ(generate(m, ps, sp)[0].tokens, together[0].tokens) << "not deterministic";
+  }
+}
+
+TEST(Generate, DecodeRefusesImageTokens) {
+  Model m(tiny(false));
+  m.init_random(3, 0.5);
+  KvCache<float> cache;
+  m.prefill({{1, 2, 3}}, {}, {}, cache);
+  EXPECT_EQ(cache.len[0], 3);
+  EXPECT_EQ(cache.next_pos[0], 3);
+  EXPECT_THROW(m.decode({0}, {60}, cache), Error);
+  EXPECT_THROW(m.decode({1}, {5}, cache), Error);
+}
+
+TEST(Generate, RopeDeltasContinueAfterTheLargestPosition) {
+  // One text token, an image of merged grid 3x1 (6x2 patches), one text token: 5 tokens, but positions run to 4.
+  Model m(tiny(false));
+  m.init_random(3, 0.5);
+  KvCache<float> cache;
+  GenPrompt p;
+  p.ids = {7, 60, 60, 60, 8};
+  p.grid = {1, 6, 2};
+  p.pixels.assign(12 * 1536, 0.1f);
+  m.prefill({p.ids}, p.pixels, p.grid, cache);
+  // Image at cur = 1: rows (T, H, W) = (1, 1..3, 1); cur = 1 + max(1, 3, 1) = 4; token 8 gets 4; next is 5.
+  EXPECT_EQ(cache.next_pos[0], 5);
+  m.decode({0}, {9}, cache);
+  EXPECT_EQ(cache.next_pos[0], 6);
+  EXPECT_EQ(cache.len[0], 6);
+}
+
+TEST(Sampler, GreedyTopKTopPAndSeeds) {
+  const std::vector<float> l = {0.f, 3.f, 1.f, 3.f, 2.f, -1.f};
+  SamplingParams sp;
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(sample_token(l.data(), 6, sp, rng), 1) << "ties go to the lower id";
+  sp.banned = {1};
+  EXPECT_EQ(sample_token(l.data(), 6, sp, rng), 3);
+  sp.vocab_limit = 3;
+  EXPECT_EQ(sample_token(l.data(), 6, sp, rng), 2);
+  sp = SamplingParams{};
+  sp.temperature = 1;
+  sp.top_k = 1;
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sample_token(l.data(), 6, sp, rng), 1);
+  sp.top_k = 0;
+  sp.top_p = 0.3;  // the two tied tokens hold about 0.37 each: only the first is kept
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(sample_token(l.data(), 6, sp, rng), 1);
+  // Full sampling: frequencies follow softmax, the same seed gives the same draws.
+  sp.top_p = 1;
+  std::vector<int> count(6, 0);
+  std::mt19937_64 a(7), b(7);
+  for (int i = 0; i < 20000; ++i) {
+    const int64_t t = sample_token(l.data(), 6, sp, a);
+    ++count[t];
+    EXPECT_EQ(t, sample_token(l.data(), 6, sp, b));
+  }
+  double z = 0;
+  for (float v : l) z += std::exp(v);
+  for (int v = 0; v < 6; ++v) EXPECT_NEAR(count[v] / 20000.0, std::exp(l[v]) / z, 0.015) << "token " << v;
+  // top_k = 2 at high temperature: only the two best.
+  sp.top_k = 2;
+  sp.temperature = 50;
+  for (int i = 0; i < 200; ++i) {
+    const int64_t t = sample_token(l.data(), 6, sp, a);
+    EXPECT_TRUE(t == 1 || t == 3) << t;
+  }
+}
+
+TEST(LmHead, SkippingUnsupervisedRowsKeepsTheLoss) {
+  Model m(tiny(false));
+  m.init_random(4, 0.3);
+  const auto ps = tiny_prompts();
+  Batch b;
+  b.B = 1;
+  b.input_ids = ps[0].ids;
+  b.S = (int)b.input_ids.size();
+  b.labels.assign(b.S, -100);
+  for (int t = b.S - 4; t < b.S; ++t) b.labels[t] = b.input_ids[t];  // a few supervised targets at the end
+  b.pixel_values = ps[0].pixels;
+  b.image_grid_thw = ps[0].grid;
+  std::vector<float> logits;
+  const double with = m.forward(b, false, &logits);
+  const double without = m.forward(b, false);
+  EXPECT_NEAR(with, without, 1e-6 * std::fabs(with));
+  EXPECT_EQ(m.supervised_tokens(), 4);
+}
