@@ -14,3 +14,6 @@ def run_main(main):
     except ToolError as e:
         print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except BrokenPipeError:  # output piped into head: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
