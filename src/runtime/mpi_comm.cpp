@@ -3,7 +3,9 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <thread>
 
 #include <unistd.h>
@@ -63,11 +65,82 @@ void check(int rc, const char* what) {
   }
 }
 
+// Counts the collective as it starts, so a rank that never gets here stays behind on the board.
+std::unique_ptr<MpiRequest> start(Comm& c, const char* what) {
+  auto r = std::make_unique<MpiRequest>(what);
+  r->seq = c.begin_collective();
+  return r;
+}
+
+class MpiBoard : public ProgressBoard {
+ public:
+  explicit MpiBoard(MPI_Comm comm) {
+    int size = 0, rank = 0;
+    MPI_Comm_size(comm, &size);
+    MPI_Comm_rank(comm, &rank);
+    check(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shm_), "board split");
+    int local_size = 0;
+    MPI_Comm_size(shm_, &local_size);
+    int64_t* mine = nullptr;
+    check(MPI_Win_allocate_shared(sizeof(int64_t), sizeof(int64_t), MPI_INFO_NULL, shm_, &mine, &win_),
+          "board window");
+    *mine = 0;
+    MPI_Win_lock_all(MPI_MODE_NOCHECK, win_);  // one passive epoch for the board's lifetime
+    mine_ = mine;
+    // Which rank of `comm` owns each local slot.
+    std::vector<int> owner(size_t(local_size), 0);
+    check(MPI_Allgather(&rank, 1, MPI_INT, owner.data(), 1, MPI_INT, shm_), "board owners");
+    slots_.assign(size_t(size), nullptr);
+    for (int l = 0; l < local_size; ++l) {
+      MPI_Aint bytes = 0;
+      int disp = 0;
+      int64_t* p = nullptr;
+      check(MPI_Win_shared_query(win_, l, &bytes, &disp, &p), "board query");
+      slots_[size_t(owner[size_t(l)])] = p;
+    }
+    MPI_Barrier(shm_);  // every slot is zeroed before anyone reads it
+  }
+  ~MpiBoard() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    MPI_Win_unlock_all(win_);
+    MPI_Win_free(&win_);
+    MPI_Comm_free(&shm_);
+  }
+  void publish(long seq) override { std::atomic_ref<int64_t>(*mine_).store(seq, std::memory_order_release); }
+  long read(int rank) const override {
+    int64_t* p = slots_[size_t(rank)];
+    return p ? long(std::atomic_ref<int64_t>(*p).load(std::memory_order_acquire)) : -1;
+  }
+
+ private:
+  MPI_Comm shm_ = MPI_COMM_NULL;
+  MPI_Win win_ = MPI_WIN_NULL;
+  int64_t* mine_ = nullptr;
+  std::vector<int64_t*> slots_;  // by rank of the communicator; null on other nodes
+};
+
+// "0-3,6" from sorted ranks.
+std::string rank_ranges(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    s += (s.empty() ? "" : ",") + std::to_string(ranks[i]) + (j > i ? "-" + std::to_string(ranks[j]) : "");
+    i = j + 1;
+  }
+  return s;
+}
+
 }  // namespace
+
+std::unique_ptr<ProgressBoard> make_mpi_board(MPI_Comm comm) { return std::make_unique<MpiBoard>(comm); }
 
 MpiComm::MpiComm(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
+  board_ = make_mpi_board(comm_);
 }
 
 MpiComm::~MpiComm() {
@@ -77,21 +150,21 @@ MpiComm::~MpiComm() {
 }
 
 std::unique_ptr<CommRequest> MpiComm::iall_gather(const void* send, void* recv, size_t count, DType t) {
-  auto r = std::make_unique<MpiRequest>("all_gather");
+  auto r = start(*this, "all_gather");
   check(MPI_Iallgather_c(send, count, mpi_type(t), recv, count, mpi_type(t), comm_, &r->req), "all_gather");
   return r;
 }
 
 std::unique_ptr<CommRequest> MpiComm::ireduce_scatter(const void* send, void* recv, size_t count, DType t,
                                                       ReduceOp op) {
-  auto r = std::make_unique<MpiRequest>("reduce_scatter");
+  auto r = start(*this, "reduce_scatter");
   check(MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(t), mpi_op(op, t, "reduce_scatter"), comm_, &r->req),
         "reduce_scatter");
   return r;
 }
 
 std::unique_ptr<CommRequest> MpiComm::iall_reduce(const void* send, void* recv, size_t count, DType t, ReduceOp op) {
-  auto r = std::make_unique<MpiRequest>("all_reduce");
+  auto r = start(*this, "all_reduce");
   check(MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send, recv, count, mpi_type(t), mpi_op(op, t, "all_reduce"),
                          comm_, &r->req),
         "all_reduce");
@@ -99,13 +172,13 @@ std::unique_ptr<CommRequest> MpiComm::iall_reduce(const void* send, void* recv, 
 }
 
 std::unique_ptr<CommRequest> MpiComm::ibroadcast(void* buf, size_t count, DType t, int root) {
-  auto r = std::make_unique<MpiRequest>("broadcast");
+  auto r = start(*this, "broadcast");
   check(MPI_Ibcast_c(buf, count, mpi_type(t), root, comm_, &r->req), "broadcast");
   return r;
 }
 
 std::unique_ptr<CommRequest> MpiComm::iall_to_all(const void* send, void* recv, size_t count, DType t) {
-  auto r = std::make_unique<MpiRequest>("all_to_all");
+  auto r = start(*this, "all_to_all");
   check(MPI_Ialltoall_c(send, count, mpi_type(t), recv, count, mpi_type(t), comm_, &r->req), "all_to_all");
   return r;
 }
@@ -114,7 +187,7 @@ std::unique_ptr<CommRequest> MpiComm::iall_gatherv(const void* send, size_t send
                                                    const std::vector<size_t>& counts,
                                                    const std::vector<size_t>& displs, DType t) {
   Q3VL_CHECK(int(counts.size()) == size_ && int(displs.size()) == size_, "all_gatherv needs one count per rank");
-  auto r = std::make_unique<MpiRequest>("all_gatherv");
+  auto r = start(*this, "all_gatherv");
   r->c1 = to_counts(counts);
   r->d1 = to_displs(displs);
   check(MPI_Iallgatherv_c(send, send_count, mpi_type(t), recv, r->c1.data(), r->d1.data(), mpi_type(t), comm_,
@@ -126,7 +199,7 @@ std::unique_ptr<CommRequest> MpiComm::iall_gatherv(const void* send, size_t send
 std::unique_ptr<CommRequest> MpiComm::ireduce_scatterv(const void* send, void* recv, const std::vector<size_t>& counts,
                                                        DType t, ReduceOp op) {
   Q3VL_CHECK(int(counts.size()) == size_, "reduce_scatterv needs one count per rank");
-  auto r = std::make_unique<MpiRequest>("reduce_scatterv");
+  auto r = start(*this, "reduce_scatterv");
   r->c1 = to_counts(counts);
   check(MPI_Ireduce_scatter_c(send, recv, r->c1.data(), mpi_type(t), mpi_op(op, t, "reduce_scatterv"), comm_,
                               &r->req),
@@ -141,7 +214,7 @@ std::unique_ptr<CommRequest> MpiComm::iall_to_allv(const void* send, const std::
   Q3VL_CHECK(int(send_counts.size()) == size_ && int(recv_counts.size()) == size_ &&
                  int(send_displs.size()) == size_ && int(recv_displs.size()) == size_,
              "all_to_allv needs one count and displacement per rank");
-  auto r = std::make_unique<MpiRequest>("all_to_allv");
+  auto r = start(*this, "all_to_allv");
   r->c1 = to_counts(send_counts);
   r->d1 = to_displs(send_displs);
   r->c2 = to_counts(recv_counts);
@@ -153,7 +226,7 @@ std::unique_ptr<CommRequest> MpiComm::iall_to_allv(const void* send, const std::
 }
 
 std::unique_ptr<CommRequest> MpiComm::ibarrier() {
-  auto r = std::make_unique<MpiRequest>("barrier");
+  auto r = start(*this, "barrier");
   check(MPI_Ibarrier(comm_, &r->req), "barrier");
   return r;
 }
@@ -174,13 +247,38 @@ void Comm::wait(std::unique_ptr<CommRequest> req) {
     if (timeout_ > 0 && std::chrono::duration<double>(clock::now() - t0).count() > timeout_) {
       char host[256] = "?";
       gethostname(host, sizeof host);
-      // Local kind: the caller aborts the job; the peers may be stuck where they are.
-      fail("watchdog: collective " + req->what() + " on a " + std::to_string(size()) + "-rank " + kind() +
-           " communicator did not complete within runtime.timeout = " + std::to_string(timeout_) + " s" +
-           (step_ >= 0 ? " at step " + std::to_string(step_) : std::string()) + " (rank " + std::to_string(rank()) +
-           " on " + host + " waited; some other rank did not arrive)");
+      abort_inflight();
+      // Local kind: the app aborts the job; the peers may be stuck where they are.
+      fail("watchdog: collective " + req->what() + (req->seq > 0 ? " #" + std::to_string(req->seq) : "") +
+           " on a " + std::to_string(size()) + "-rank " + kind() + " communicator did not complete within " +
+           "runtime.timeout = " + std::to_string(timeout_) + " s" +
+           (step_ >= 0 ? " at step " + std::to_string(step_) : std::string()) + "; " + stragglers(req->seq) +
+           " (rank " + std::to_string(rank()) + " on " + host + " waited)");
     }
   }
+}
+
+std::string Comm::stragglers(long seq) const {
+  if (!board_ || seq <= 0) return "the ranks that did not arrive are unknown";
+  std::vector<int> behind, unknown;
+  std::string detail;
+  for (int r = 0; r < size(); ++r) {
+    long s = board_->read(r);
+    if (s < 0) unknown.push_back(r);
+    else if (s < seq) {
+      behind.push_back(r);
+      if (behind.size() <= 8) detail += (detail.empty() ? "" : ", ") + std::to_string(r) + " at #" + std::to_string(s);
+    }
+  }
+  std::string out;
+  if (!behind.empty())
+    out = "ranks that did not arrive: " + rank_ranges(behind) + " (" + detail + (behind.size() > 8 ? ", ..." : "") +
+          ")";
+  if (!unknown.empty())
+    out += (out.empty() ? "" : "; ") + std::string("not known for ranks on other nodes: ") + rank_ranges(unknown);
+  return out.empty() ? "every rank started collective #" + std::to_string(seq) +
+                           ": the ranks called different collectives, or the transport stalled"
+                     : out;
 }
 
 void Comm::broadcast_string(std::string& s, int root) {

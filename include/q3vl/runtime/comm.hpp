@@ -2,6 +2,16 @@
 // interface for device buffers. Every collective starts nonblocking and is waited on with a deadline
 // (runtime.timeout): a collective that does not complete in time fails naming itself, the step and the
 // ranks that did not arrive, instead of hanging the job.
+//
+// Naming the ranks that did not arrive: before each collective a rank publishes how many collectives
+// it has started on the communicator (its sequence number) on a ProgressBoard that the others can read
+// without the stuck rank's help (MPI: a shared-memory window among the ranks of one node). On timeout
+// the waiting rank names the ranks whose number is behind its own; ranks on other nodes are "unknown".
+//
+// NCCL seam: NcclComm creates its communicator nonblocking (ncclCommInitRankConfig, blocking = 0) and
+// its requests' test() polls ncclCommGetAsyncError, so init and collectives both wait here under the
+// same deadline; its abort_inflight() calls ncclCommAbort so that kernels blocked on a peer are
+// released before the app's MPI_Abort. It keeps an MpiBoard of its bootstrap MPI communicator.
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -20,10 +30,19 @@ class CommRequest {
   virtual ~CommRequest() = default;
   virtual bool test() = 0;  // true once complete
   const std::string& what() const { return what_; }
+  long seq = 0;  // this rank's sequence number of the collective (0: not counted)
 
  protected:
   explicit CommRequest(std::string what) : what_(std::move(what)) {}
   std::string what_;
+};
+
+// Each rank's latest collective sequence number, readable by the other ranks.
+class ProgressBoard {
+ public:
+  virtual ~ProgressBoard() = default;
+  virtual void publish(long seq) = 0;
+  virtual long read(int rank) const = 0;  // -1: not readable from here (another node)
 };
 
 class Comm {
@@ -60,8 +79,17 @@ class Comm {
   // Sub-communicator of the ranks with the same color, ordered by key.
   virtual std::unique_ptr<Comm> split(int color, int key) const = 0;
 
-  // Wait for a request; past the deadline, fail naming the collective and the step.
+  // Wait for a request; past the deadline, fail (a local error: the app aborts the job) naming the
+  // collective, the step and the ranks that did not arrive.
   void wait(std::unique_ptr<CommRequest> req);
+
+  // Implementations call this as they start a collective: counts it and publishes the count.
+  long begin_collective() {
+    if (board_) board_->publish(++seq_);
+    return seq_;
+  }
+  // Cancel what is in flight after a timeout (NCCL: ncclCommAbort); MPI has nothing to cancel.
+  virtual void abort_inflight() {}
 
   // Blocking forms: start and wait.
   void all_gather(const void* send, void* recv, size_t count, DType t) { wait(iall_gather(send, recv, count, t)); }
@@ -102,6 +130,12 @@ class Comm {
  private:
   double timeout_ = 0;
   static inline long step_ = -1;
+
+ protected:
+  // Who is behind collective #seq, from the board, for the watchdog's message.
+  std::string stragglers(long seq) const;
+  std::unique_ptr<ProgressBoard> board_;
+  long seq_ = 0;
 };
 
 }  // namespace q3vl

@@ -5,6 +5,10 @@
 
 namespace q3vl {
 
+// A ProgressBoard over `comm`: a shared-memory window among the ranks of `comm` on this node (one
+// 64-bit counter each); ranks on other nodes read as -1. Collective over `comm`.
+std::unique_ptr<ProgressBoard> make_mpi_board(MPI_Comm comm);
+
 class MpiComm : public Comm {
  public:
   // Wraps `comm`; frees it on destruction when `owned`.
