@@ -71,6 +71,9 @@ const std::vector<KeySpec>& deck_schema() {
        1e9},
       {"runtime.walltime", T::Real, "0", "wall-clock budget in seconds (0: none); checkpoint and stop before it", 0,
        1e12},
+      {"runtime.debug_sleep_rank", T::Int, "-1", "test hook: this rank sleeps before a collective in check (-1: none)",
+       -1, 1 << 30},
+      {"runtime.debug_sleep_seconds", T::Real, "0", "test hook: how long runtime.debug_sleep_rank sleeps", 0, 1e6},
   };
   return schema;
 }

@@ -3,10 +3,14 @@
 #include <sys/statvfs.h>
 #include <sys/sysinfo.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #ifdef Q3VL_CUDA
@@ -28,7 +32,17 @@ struct RankInfo {
   int local_rank, gpu;
   double host_mem_gb, gpu_mem_gb, disk_free_gb;
   int driver_version, runtime_version;
+  char write_error[96];  // why a file cannot be created in out_dir; empty when it can
 };
+
+// Root ignores permission bits, so only writing a file tells whether out_dir takes files.
+void probe_write(const std::string& dir, int rank, char* error, size_t n) {
+  std::string path = dir + "/.q3vl_check_rank" + std::to_string(rank);
+  errno = 0;
+  bool ok = static_cast<bool>(std::ofstream(path) << "ok\n");
+  if (!ok) std::snprintf(error, n, "%s", errno ? std::strerror(errno) : "write failed");
+  std::remove(path.c_str());
+}
 
 RankInfo probe(const Deck& deck) {
   const Placement& p = Runtime::get().where();
@@ -44,6 +58,7 @@ RankInfo probe(const Deck& deck) {
   struct statvfs sv {};
   if (statvfs(deck.str("run.out_dir").c_str(), &sv) == 0) r.disk_free_gb = double(sv.f_bavail) * sv.f_frsize / 1e9;
   else r.disk_free_gb = -1;
+  probe_write(deck.str("run.out_dir"), p.rank, r.write_error, sizeof r.write_error);
 #ifdef Q3VL_CUDA
   if (p.gpu >= 0) {
     cudaDeviceProp prop{};
@@ -66,6 +81,9 @@ int run_check(const Deck& deck) {
   const int n = world.size();
   RankInfo mine = probe(deck);
   std::vector<RankInfo> all(static_cast<size_t>(n));
+  // Test hook for the watchdog: one rank arrives late at the first collective.
+  if (world.rank() == deck.integer("runtime.debug_sleep_rank"))
+    std::this_thread::sleep_for(std::chrono::duration<double>(deck.real("runtime.debug_sleep_seconds")));
   world.all_gather(&mine, all.data(), sizeof(RankInfo), DType::U8);
 
   std::ostringstream t;
@@ -89,6 +107,9 @@ int run_check(const Deck& deck) {
     if (all[r].disk_free_gb < 0)
       problems += "  rank " + std::to_string(r) + " on " + all[r].host + ": cannot stat output directory " +
                   deck.str("run.out_dir") + "\n";
+    else if (all[r].write_error[0])
+      problems += "  rank " + std::to_string(r) + " on " + all[r].host + ": cannot write to output directory " +
+                  deck.str("run.out_dir") + ": " + all[r].write_error + "\n";
   }
   if (!problems.empty()) fail_all("check failed:\n" + problems);
 
