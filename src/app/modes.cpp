@@ -1,7 +1,10 @@
 #include "q3vl/app/modes.hpp"
 
 #include <algorithm>
+#include <iostream>
 
+#include "q3vl/data/prepare.hpp"
+#include "q3vl/data/tokenizer.hpp"
 #include "q3vl/runtime/check.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/train/eval.hpp"
@@ -14,6 +17,14 @@ const std::vector<Mode>& modes() {
   static const std::vector<Mode> table = {
       {"check", "preflight: every rank's host, device, memory and disk; all-reduce bandwidth between ranks",
        [](const Deck& d, const ModeArgs&) { return run_check(d); }},
+      {"prepare", "JSONL conversations + images -> tokenized HDF5 shards (chat template, resized images)",
+       [](const Deck& d, const ModeArgs&) { return run_prepare(d); }},
+      {"tokenize", "stdin JSON strings -> JSON id arrays per line (--decode: the reverse), with tokenizer.path",
+       [](const Deck& d, const ModeArgs& a) {
+         tokenize_stream(Tokenizer::load(d.str("tokenizer.path")), std::cin, std::cout, a.has("--decode"));
+         return 0;
+       },
+       {"--decode"}, true},
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
        [](const Deck& d, const ModeArgs&) { return run_eval(d); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",

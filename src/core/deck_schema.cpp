@@ -56,6 +56,18 @@ const std::vector<KeySpec>& deck_schema() {
       // data
       {"data.seq_len", T::Int, "4096", "tokens per packed sequence", 8, 1 << 24},
 
+      // prepare: JSONL conversations + images -> HDF5 shards
+      {"prepare.input", T::String, "", "JSONL records (messages or LLaVA format)", -kBig, kBig, {}, {"prepare"}},
+      {"prepare.image_root", T::String, "", "folder image paths are relative to (default: the input's folder)"},
+      {"prepare.output", T::String, "", "dataset folder: index.json and shard-*.h5", -kBig, kBig, {}, {"prepare"}},
+      {"prepare.shard_size", T::Int, "1000", "samples per shard file", 1, 1e9},
+      {"prepare.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (HF default)", 1, 1e12},
+      {"prepare.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
+      {"prepare.min_side", T::Int, "1", "smallest image side accepted, in pixels", 1, 1e9},
+      {"prepare.max_tokens", T::Int, "0", "samples with more tokens are bad (0: no limit)", 0, 1e12},
+      {"prepare.on_error", T::String, "fail", "a bad record or image: fail (naming it) or skip (drop and count it)",
+       -kBig, kBig, {"fail", "skip"}},
+
       // train
       {"train.steps", T::Int, "100", "optimizer steps", 0, 1e12},
       {"train.lr", T::Real, "1e-4", "peak learning rate", 0, 10},

@@ -1,0 +1,267 @@
+#include "q3vl/data/prepare.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/data/chat.hpp"
+#include "q3vl/data/shards.hpp"
+#include "q3vl/data/tokenizer.hpp"
+#include "q3vl/io/h5.hpp"
+#include "q3vl/runtime/comm.hpp"
+#include "q3vl/runtime/runtime.hpp"
+
+namespace q3vl {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+enum Reason { kBadRecord, kMissing, kUnreadable, kTooSmall, kAspect, kTooLong, kReasons };
+const char* const kReasonNames[kReasons] = {"bad record",      "missing image",             "unreadable image",
+                                            "image too small", "aspect ratio beyond 200:1", "too many tokens"};
+const int kWarnLimit = 10;  // dropped samples reported per rank in skip mode
+
+// A sample that cannot be used, with why.
+struct BadSample {
+  Reason reason;
+  std::string msg;
+};
+
+struct Prepared {
+  EncodedChat enc;
+  std::vector<RgbImage> images;
+  std::vector<ImageGrid> grids;
+};
+
+Prepared prepare_record(const std::string& text, long line, const PrepareOptions& opt, const fs::path& root,
+                        const Tokenizer& tok) {
+  Prepared out;
+  Conversation conv;
+  try {
+    conv = parse_line(text, opt.input, line);
+  } catch (const Error& e) {
+    throw BadSample{kBadRecord, e.what()};
+  }
+  const ImageConfig& ic = opt.image;
+  for (size_t k = 0; k < conv.images.size(); ++k) {
+    const std::string& rel = conv.images[k];
+    const fs::path path = fs::path(rel).is_absolute() ? fs::path(rel) : root / rel;
+    const std::string name = conv.where() + ": image " + std::to_string(k + 1) + " '" + rel + "'";
+    if (!fs::is_regular_file(path)) throw BadSample{kMissing, name + ": no such file " + path.string()};
+    RgbImage im;
+    try {
+      im = load_image(path.string());
+    } catch (const Error& e) {
+      throw BadSample{kUnreadable, name + ": " + e.what()};
+    }
+    const std::string size = std::to_string(im.w) + "x" + std::to_string(im.h);
+    if (std::min(im.w, im.h) < ic.min_side)
+      throw BadSample{kTooSmall, name + ": " + size + " is smaller than prepare.min_side = " +
+                                     std::to_string(ic.min_side) + " pixels"};
+    if (std::max(im.w, im.h) > 200.0 * std::min(im.w, im.h))
+      throw BadSample{kAspect, name + ": " + size + " has an aspect ratio beyond 200:1 (smart_resize refuses it)"};
+    out.images.push_back(resize_for_model(im, ic, name));
+    out.grids.push_back({1, out.images.back().h / ic.patch, out.images.back().w / ic.patch});
+  }
+  try {
+    out.enc = encode_conversation(conv, tok, out.grids, ic.merge);
+  } catch (const Error& e) {
+    throw BadSample{kBadRecord, e.what()};
+  }
+  if (opt.max_tokens > 0 && long(out.enc.input_ids.size()) > opt.max_tokens)
+    throw BadSample{kTooLong, conv.where() + ": " + std::to_string(out.enc.input_ids.size()) +
+                                  " tokens, more than prepare.max_tokens = " + std::to_string(opt.max_tokens)};
+  return out;
+}
+
+std::string shard_name(int rank, long k) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "shard-r%04d-%05ld.h5", rank, k);
+  return buf;
+}
+
+bool blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
+
+// Rank 0 runs `f`; its error (if any) becomes a collective one.
+template <class F>
+void on_root(Comm& comm, F&& f) {
+  std::string err;
+  if (comm.rank() == 0) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      err = e.what();
+      if (err.empty()) err = "unknown error";
+    }
+  }
+  comm.broadcast_string(err, 0);
+  if (!err.empty()) fail_all(err);
+}
+
+}  // namespace
+
+std::string PrepareSummary::text() const {
+  std::string s = "prepare: " + std::to_string(records) + " record(s) -> " + std::to_string(samples) + " sample(s) (" +
+                  std::to_string(tokens) + " tokens, " + std::to_string(supervised) + " supervised, " +
+                  std::to_string(images) + " images) in " + std::to_string(shards) + " shard(s)";
+  int64_t dropped_total = 0;
+  std::string why;
+  for (const auto& [reason, n] : dropped) {
+    dropped_total += n;
+    why += (why.empty() ? "" : ", ") + reason + " " + std::to_string(n);
+  }
+  return s + "; dropped " + std::to_string(dropped_total) + (why.empty() ? "" : " (" + why + ")");
+}
+
+PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, Comm& comm) {
+  const int rank = comm.rank(), size = comm.size();
+  if (opt.shard_size < 1) fail_all("prepare.shard_size must be at least 1");
+  const fs::path out_dir(opt.output);
+  const fs::path root = opt.image_root.empty() ? fs::path(opt.input).parent_path() : fs::path(opt.image_root);
+
+  // Every rank reads the same files: their errors are collective.
+  std::ifstream in(opt.input);
+  if (!in) fail_all("prepare.input: cannot open '" + opt.input + "'");
+  // A fresh folder: an old index.json or shard must not mix with this run's.
+  on_root(comm, [&] {
+    fs::create_directories(out_dir);
+    for (const auto& e : fs::directory_iterator(out_dir)) {
+      const std::string n = e.path().filename().string();
+      if (n == "index.json" || (n.rfind("shard-", 0) == 0 && e.path().extension() == ".h5")) fs::remove(e.path());
+    }
+  });
+
+  int64_t counts[kReasons] = {};
+  int64_t records = 0, samples = 0, tokens = 0, supervised = 0, images = 0, shards = 0;
+  long fail_line = LONG_MAX;
+  std::string fail_msg;
+  ShardBuilder builder;
+  auto flush = [&] {
+    builder.write((out_dir / shard_name(rank, shards)).string(), opt.input);
+    ++shards;
+  };
+  std::string text;
+  long line = 0, record = -1;
+  while (std::getline(in, text)) {
+    ++line;
+    if (blank(text) || ++record % size != rank) continue;
+    ++records;
+    try {
+      Prepared p = prepare_record(text, line, opt, root, tok);
+      builder.add(p.enc.input_ids, p.enc.labels, p.images, p.grids, line);
+      ++samples;
+      tokens += int64_t(p.enc.input_ids.size());
+      supervised += std::count_if(p.enc.labels.begin(), p.enc.labels.end(), [](int32_t l) { return l != -100; });
+      images += int64_t(p.images.size());
+      if (long(builder.samples()) == opt.shard_size) flush();
+    } catch (const BadSample& bad) {
+      if (!opt.skip_bad) {
+        fail_line = line;
+        fail_msg = bad.msg;
+        break;
+      }
+      if (std::accumulate(counts, counts + kReasons, int64_t(0)) < kWarnLimit) log_warn("dropped: " + bad.msg);
+      ++counts[bad.reason];
+    }
+  }
+  if (builder.samples() > 0) flush();
+
+  // fail mode: every rank reports the bad sample with the smallest line, so the message does not depend on N.
+  int64_t first = fail_line;
+  comm.all_reduce(&first, 1, DType::I64, ReduceOp::Min);
+  if (first != LONG_MAX) {
+    int64_t root_rank = fail_line == first ? rank : size;
+    comm.all_reduce(&root_rank, 1, DType::I64, ReduceOp::Min);
+    comm.broadcast_string(fail_msg, int(root_rank));
+    fail_all(fail_msg + " (prepare.on_error = \"skip\" drops such samples)");
+  }
+
+  std::vector<int64_t> tot{records, samples, tokens, supervised, images, shards};
+  tot.insert(tot.end(), counts, counts + kReasons);
+  comm.all_reduce(tot.data(), tot.size(), DType::I64, ReduceOp::Sum);
+  std::vector<int64_t> per_rank(size_t(size), 0);
+  comm.all_gather(&shards, per_rank.data(), 1, DType::I64);
+
+  PrepareSummary sum{tot[0], tot[1], tot[2], tot[3], tot[4], tot[5], {}};
+  for (int r = 0; r < kReasons; ++r)
+    if (tot[6 + r] > 0) sum.dropped[kReasonNames[r]] = tot[6 + r];
+
+  on_root(comm, [&] {
+    json list = json::array();
+    for (int r = 0; r < size; ++r)
+      for (long k = 0; k < per_rank[r]; ++k) {
+        const std::string name = shard_name(r, k);
+        H5File f = H5File::open((out_dir / name).string());
+        list.push_back({{"file", name},
+                        {"samples", f.attr_int("/", "samples")},
+                        {"tokens", f.attr_int("/", "tokens")},
+                        {"images", f.attr_int("/", "images")}});
+      }
+    const ImageConfig& ic = opt.image;
+    json man = {{"format", "q3vl-dataset"},
+                {"version", 1},
+                {"source", opt.input},
+                {"image_root", root.string()},
+                {"ranks", size},
+                {"image",
+                 {{"patch", ic.patch},
+                  {"temporal_patch", ic.temporal_patch},
+                  {"merge", ic.merge},
+                  {"min_pixels", ic.min_pixels},
+                  {"max_pixels", ic.max_pixels},
+                  {"min_side", ic.min_side},
+                  {"mean", {ic.mean[0], ic.mean[1], ic.mean[2]}},
+                  {"std", {ic.std[0], ic.std[1], ic.std[2]}}}},
+                {"records", sum.records},
+                {"samples", sum.samples},
+                {"tokens", sum.tokens},
+                {"supervised_tokens", sum.supervised},
+                {"images", sum.images},
+                {"dropped", sum.dropped},
+                {"shards", list}};
+    // Written aside and renamed: a reader never sees half a manifest.
+    const fs::path tmp = out_dir / "index.json.tmp";
+    {
+      std::ofstream o(tmp);
+      o << man.dump(1) << "\n";
+      if (!o) fail("cannot write " + tmp.string());
+    }
+    fs::rename(tmp, out_dir / "index.json");
+  });
+  return sum;
+}
+
+int run_prepare(const Deck& deck) {
+  PrepareOptions opt;
+  opt.input = deck.str("prepare.input");
+  opt.image_root = deck.str("prepare.image_root");
+  opt.output = deck.str("prepare.output");
+  opt.shard_size = long(deck.integer("prepare.shard_size"));
+  opt.max_tokens = long(deck.integer("prepare.max_tokens"));
+  opt.skip_bad = deck.str("prepare.on_error") == "skip";
+  opt.image.min_pixels = long(deck.integer("prepare.min_pixels"));
+  opt.image.max_pixels = long(deck.integer("prepare.max_pixels"));
+  opt.image.min_side = int(deck.integer("prepare.min_side"));
+  if (opt.image.min_pixels > opt.image.max_pixels) fail_all("prepare.min_pixels is larger than prepare.max_pixels");
+  std::unique_ptr<Tokenizer> tok;
+  try {  // every rank reads the same file: the error is collective
+    tok = std::make_unique<Tokenizer>(Tokenizer::load(deck.str("tokenizer.path")));
+  } catch (const Error& e) {
+    fail_all(e.what());
+  }
+  const PrepareSummary sum = prepare_dataset(opt, *tok, Runtime::get().world());
+  log_info(sum.text());
+  log_info("dataset: " + (fs::path(opt.output) / "index.json").string());
+  return 0;
+}
+
+}  // namespace q3vl
