@@ -116,21 +116,23 @@ std::string bcast_string(MPI_Comm comm, std::string s, int root) {
   return s;
 }
 
+// Throws, on every rank, the message of the lowest rank `first` that has one (ranks >= size have none).
+[[noreturn]] void throw_from(MPI_Comm comm, int first, const std::string& err) {
+  std::string msg = bcast_string(comm, err, first);
+  if (comm_size(comm) > 1) msg = "rank " + std::to_string(first) + ": " + msg;
+  fail_all(msg);
+}
+
 // Collective: if any rank has an error, every rank throws the lowest such rank's message.
 void agree(MPI_Comm comm, const std::string& err) {
   int size = comm_size(comm);
   int mine = err.empty() ? size : comm_rank(comm), first = size;
   MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm);
-  if (first == size) return;
-  std::string msg = bcast_string(comm, err, first);
-  if (size > 1) msg = "rank " + std::to_string(first) + ": " + msg;
-  fail_all(msg);
+  if (first < size) throw_from(comm, first, err);
 }
 
-// Every rank must pass the same datasets with the same shapes in the same order, or the collective HDF5
-// calls would mismatch (hang or a corrupt file).
-void agree_same_list(MPI_Comm comm, const std::vector<CkptSlice>& slices, const char* what) {
-  uint64_t h = 1469598103934665603ULL;
+uint64_t list_hash(const std::vector<CkptSlice>& slices) {
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a
   auto add = [&](const void* p, size_t n) {
     for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ULL;
   };
@@ -140,12 +142,28 @@ void agree_same_list(MPI_Comm comm, const std::vector<CkptSlice>& slices, const 
     add(&nd, sizeof nd);
     add(s.shape.data(), nd * sizeof(int64_t));
   }
-  uint64_t lo = h, hi = h;
-  MPI_Allreduce(MPI_IN_PLACE, &lo, 1, MPI_UINT64_T, MPI_MIN, comm);
-  MPI_Allreduce(MPI_IN_PLACE, &hi, 1, MPI_UINT64_T, MPI_MAX, comm);
-  if (lo != hi)
+  return h;
+}
+
+// One MAX all-reduce settles everything before the first HDF5 call (collectives are what costs when ranks
+// share cores): whether a rank has an error (then every rank throws the lowest such rank's message),
+// whether every rank has the same tensor list (else the collective HDF5 calls would mismatch: a hang or a
+// corrupt file), and how many I/O rounds each slice takes. Returns the rounds.
+std::vector<int64_t> prelude(MPI_Comm comm, const std::string& err, const std::vector<CkptSlice>& slices,
+                             const char* what) {
+  const int rank = comm_rank(comm), size = comm_size(comm);
+  const int64_t h = static_cast<int64_t>(list_hash(slices));
+  std::vector<int64_t> v{err.empty() ? 0 : size - rank, h, ~h};  // max(~h) == ~min(h)
+  for (const auto& s : slices) v.push_back(err.empty() ? (s.count + g_io_chunk - 1) / g_io_chunk : 0);
+  // Lists of different lengths cannot be reduced together: reduce the common prefix plus the length.
+  int64_t len = static_cast<int64_t>(v.size()), lo_len = len;
+  MPI_Allreduce(&len, &lo_len, 1, MPI_INT64_T, MPI_MIN, comm);
+  MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(lo_len), MPI_INT64_T, MPI_MAX, comm);
+  if (v[0] > 0) throw_from(comm, size - static_cast<int>(v[0]), err);
+  if (lo_len != len || v[1] != ~v[2])
     fail_all(std::string(what) +
              ": the ranks were given different tensor lists (names, shapes and order must match on every rank)");
+  return std::vector<int64_t>(v.begin() + 3, v.end());
 }
 
 std::string check_slices(const std::vector<CkptSlice>& slices, const char* what) {
@@ -166,14 +184,40 @@ std::string check_slices(const std::vector<CkptSlice>& slices, const char* what)
   return "";
 }
 
-// Per-slice values reduced over ranks.
-std::vector<int64_t> all_reduce_i64(MPI_Comm comm, std::vector<int64_t> v, MPI_Op op) {
-  if (!v.empty()) MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T, op, comm);
-  return v;
+// Per slice, over all ranks: elements held and the sum of their checksums (mod 2^64), in one all-reduce.
+void count_and_checksum(MPI_Comm comm, const std::vector<CkptSlice>& slices, std::vector<int64_t>* counts,
+                        std::vector<uint64_t>* sums) {
+  const size_t n = slices.size();
+  std::vector<uint64_t> v(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    v[i] = static_cast<uint64_t>(slices[i].count);
+    v[n + i] = ckpt_checksum(slices[i].data, slices[i].begin, slices[i].count);
+  }
+  if (n) MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(2 * n), MPI_UINT64_T, MPI_SUM, comm);
+  counts->assign(v.begin(), v.begin() + n);
+  sums->assign(v.begin() + n, v.end());
 }
-std::vector<uint64_t> all_sum_u64(MPI_Comm comm, std::vector<uint64_t> v) {
-  if (!v.empty()) MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_UINT64_T, MPI_SUM, comm);
-  return v;
+
+// Rank 0's metadata on every rank (the values written must be identical everywhere).
+CkptMeta bcast_meta(MPI_Comm comm, const CkptMeta& m) {
+  std::string packed;
+  for (const std::string* s : {&m.deck_toml, &m.state_json, &m.build}) {
+    uint64_t n = s->size();
+    packed.append(reinterpret_cast<const char*>(&n), 8).append(*s);
+  }
+  packed.append(reinterpret_cast<const char*>(&m.step), 8).append(reinterpret_cast<const char*>(&m.tokens_seen), 8);
+  packed = bcast_string(comm, packed, 0);
+  CkptMeta out = m;
+  size_t pos = 0;
+  for (std::string* s : {&out.deck_toml, &out.state_json, &out.build}) {
+    uint64_t n;
+    std::memcpy(&n, packed.data() + pos, 8);
+    *s = packed.substr(pos + 8, n);
+    pos += 8 + n;
+  }
+  std::memcpy(&out.step, packed.data() + pos, 8);
+  std::memcpy(&out.tokens_seen, packed.data() + pos + 8, 8);
+  return out;
 }
 
 // ---- HDF5 pieces ----
@@ -343,12 +387,6 @@ void transfer(hid_t dset, const CkptSlice& s, int64_t rounds, hid_t dxpl, bool w
   }
 }
 
-std::vector<int64_t> rounds_per_slice(MPI_Comm comm, const std::vector<CkptSlice>& slices) {
-  std::vector<int64_t> rounds;
-  for (const auto& s : slices) rounds.push_back((s.count + g_io_chunk - 1) / g_io_chunk);
-  return all_reduce_i64(comm, rounds, MPI_MAX);
-}
-
 std::string step_name(int64_t step) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "step_%08lld.h5", static_cast<long long>(step));
@@ -497,19 +535,20 @@ std::string write_checkpoint(const std::string& dir, MPI_Comm comm, const CkptMe
                              const std::vector<CkptSlice>& slices, int keep_last) {
   quiet();
   const int rank = comm_rank(comm), size = comm_size(comm);
-  agree(comm, check_slices(slices, "write_checkpoint"));
-  agree_same_list(comm, slices, "write_checkpoint");
-  if (meta_in.step < 0) fail_all("write_checkpoint: negative step " + std::to_string(meta_in.step));
+  const CkptMeta meta = bcast_meta(comm, meta_in);
+  std::string err = meta.step < 0 ? "write_checkpoint: negative step " + std::to_string(meta.step)
+                                  : check_slices(slices, "write_checkpoint");
+  if (rank == 0 && err.empty()) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) err = "write_checkpoint: cannot create directory '" + dir + "': " + ec.message();
+  }
+  const std::vector<int64_t> rounds = prelude(comm, err, slices, "write_checkpoint");
 
   // Every element written exactly once: the ranks' counts add up to each tensor's size.
   std::vector<int64_t> counts;
   std::vector<uint64_t> sums;
-  for (const auto& s : slices) {
-    counts.push_back(s.count);
-    sums.push_back(ckpt_checksum(s.data, s.begin, s.count));
-  }
-  counts = all_reduce_i64(comm, counts, MPI_SUM);
-  sums = all_sum_u64(comm, sums);
+  count_and_checksum(comm, slices, &counts, &sums);
   for (size_t i = 0; i < slices.size(); ++i) {
     int64_t n = 0;
     numel_of(slices[i].shape, &n);
@@ -518,27 +557,9 @@ std::string write_checkpoint(const std::string& dir, MPI_Comm comm, const CkptMe
                ": the ranks' slices hold " + std::to_string(counts[i]) + " of its " + std::to_string(n) +
                " elements");
   }
-  std::vector<int64_t> rounds = rounds_per_slice(comm, slices);
-
-  // Metadata must be identical on every rank: rank 0's is the one written.
-  CkptMeta meta = meta_in;
-  meta.deck_toml = bcast_string(comm, meta.deck_toml, 0);
-  meta.state_json = bcast_string(comm, meta.state_json, 0);
-  meta.build = bcast_string(comm, meta.build, 0);
-  int64_t nums[2] = {meta.step, meta.tokens_seen};
-  MPI_Bcast(nums, 2, MPI_INT64_T, 0, comm);
-  meta.step = nums[0];
-  meta.tokens_seen = nums[1];
 
   const std::string final_name = step_name(meta.step);
   const std::string partial = dir + "/" + final_name + ".partial";
-  std::string dir_err;
-  if (rank == 0) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) dir_err = "write_checkpoint: cannot create directory '" + dir + "': " + ec.message();
-  }
-  agree(comm, dir_err);
 
   {
     const std::string w = "checkpoint '" + partial + "'";
@@ -606,16 +627,14 @@ CkptMeta read_checkpoint_meta(const std::string& path) {
 
 void read_checkpoint(const std::string& path, MPI_Comm comm, const std::vector<CkptSlice>& slices) {
   quiet();
-  agree(comm, check_slices(slices, "read_checkpoint"));
-  agree_same_list(comm, slices, "read_checkpoint");
   // A clear message for a missing, foreign or damaged file before the collective open.
-  std::string e;
-  if (comm_rank(comm) == 0) {
+  std::string e = check_slices(slices, "read_checkpoint");
+  if (comm_rank(comm) == 0 && e.empty()) {
     Hid f;
     e = open_serial(path, &f);
     if (!e.empty()) e = "checkpoint '" + path + "': " + e;
   }
-  agree(comm, e);
+  const std::vector<int64_t> rounds = prelude(comm, e, slices, "read_checkpoint");
 
   Hid fapl = parallel_fapl(comm);
   Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl), H5Fclose);
@@ -639,19 +658,13 @@ void read_checkpoint(const std::string& path, MPI_Comm comm, const std::vector<C
     dsets.push_back(std::move(d));
   }
 
-  std::vector<int64_t> rounds = rounds_per_slice(comm, slices);
   Hid dxpl = collective_dxpl();
+  for (size_t i = 0; i < slices.size(); ++i)
+    transfer(dsets[i], slices[i], rounds[i], dxpl, false, "checkpoint '" + path + "': tensor " + slices[i].dataset);
+  // Verify each tensor that the ranks read whole.
   std::vector<int64_t> counts;
   std::vector<uint64_t> sums;
-  for (size_t i = 0; i < slices.size(); ++i) {
-    const CkptSlice& s = slices[i];
-    transfer(dsets[i], s, rounds[i], dxpl, false, "checkpoint '" + path + "': tensor " + s.dataset);
-    counts.push_back(s.count);
-    sums.push_back(ckpt_checksum(s.data, s.begin, s.count));
-  }
-  // Verify each tensor that the ranks read whole.
-  counts = all_reduce_i64(comm, counts, MPI_SUM);
-  sums = all_sum_u64(comm, sums);
+  count_and_checksum(comm, slices, &counts, &sums);
   for (size_t i = 0; i < slices.size(); ++i) {
     int64_t n = 0;
     numel_of(slices[i].shape, &n);
