@@ -64,5 +64,17 @@ done
 expect "labels count" "2 labels for 1 metrics" tools/summarize --labels a,b $A
 expect "bad smooth" "--smooth must be" tools/plot_metrics --smooth 1.5 $A
 
+# --- a real short run, resumed from an earlier checkpoint (its steps go back: one restart) ---
+if bin/q3vl --help 2>&1 | grep -q '^  train '; then
+  train() { mpiexec -n 2 bin/q3vl train model.hf=tests/data/golden/moe/model run.out_dir=$tmp/real data.seq_len=64 \
+            train.global_batch=2 train.synthetic_samples=8 train.steps=4 checkpoint.every=2 checkpoint.keep=5 "$@" \
+            >>$tmp/train.log 2>&1 || bad "q3vl train $*: $(tail -3 $tmp/train.log)"; }
+  train && train train.resume=$tmp/real/checkpoints/step_00000002.h5
+  out=$(tools/summarize $tmp/real/metrics.jsonl 2>&1)
+  grep -qE '^real +4 .* 1 +0 +[0-9.]+ ' <<<"$out" && ok "real run: 4 steps, 1 restart, 0 skipped" || bad "real run: $out"
+  out=$(tools/plot_metrics -o $tmp/real_plots $tmp/real/metrics.jsonl 2>&1)
+  [[ -f $tmp/real_plots/loss.png && -f $tmp/real_plots/memory.png ]] && ok "real run: plots" || bad "real run plots: $out"
+fi
+
 echo "$passes passed, $fails failed"
 exit $((fails > 0))
