@@ -387,6 +387,11 @@ void transfer(hid_t dset, const CkptSlice& s, int64_t rounds, hid_t dxpl, bool w
   }
 }
 
+std::string without_trailing_slash(std::string d) {
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  return d;
+}
+
 std::string step_name(int64_t step) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "step_%08lld.h5", static_cast<long long>(step));
@@ -531,9 +536,10 @@ uint64_t ckpt_checksum(const float* data, int64_t begin, int64_t count) {
 
 // ---- write ----
 
-std::string write_checkpoint(const std::string& dir, MPI_Comm comm, const CkptMeta& meta_in,
+std::string write_checkpoint(const std::string& dir_in, MPI_Comm comm, const CkptMeta& meta_in,
                              const std::vector<CkptSlice>& slices, int keep_last) {
   quiet();
+  const std::string dir = without_trailing_slash(dir_in);
   const int rank = comm_rank(comm), size = comm_size(comm);
   const CkptMeta meta = bcast_meta(comm, meta_in);
   std::string err = meta.step < 0 ? "write_checkpoint: negative step " + std::to_string(meta.step)
@@ -743,7 +749,8 @@ std::string checkpoint_problem(const std::string& path) {
   return "";
 }
 
-std::string find_resume_checkpoint(const std::string& dir, std::vector<std::string>* notes) {
+std::string find_resume_checkpoint(const std::string& dir_in, std::vector<std::string>* notes) {
+  const std::string dir = without_trailing_slash(dir_in);
   auto note = [&](const std::string& s, bool warn) {
     if (notes) notes->push_back(s);
     if (warn && Log::get().rank() == 0) log_warn(s);

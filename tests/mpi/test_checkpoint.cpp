@@ -223,8 +223,13 @@ TEST(Checkpoint, ManySmallRoundsPerTensor) {
 
 TEST(Checkpoint, MetadataRoundTrip) {
   TmpDir dir;
-  write_steps(dir.path, {42}, 1, small_tensors());
-  CkptMeta want = meta_for(42), got = read_checkpoint_meta(step_path(dir.path, 42));
+  CkptMeta want = meta_for(42);
+  for (int i = 0; i < 20000; ++i) want.deck_toml += "# a long resolved deck, line " + std::to_string(i) + "\n";
+  auto ts = small_tensors();
+  Slices w = make_slices(ts, zero_split(total(ts), rank_of(), size_of()), true);
+  write_checkpoint(dir.path + "/", MPI_COMM_WORLD, want, w.slices, 1);  // a trailing slash is fine
+  CkptMeta got = read_checkpoint_meta(step_path(dir.path, 42));
+  ASSERT_GT(want.deck_toml.size(), 500000u);
   EXPECT_EQ(got.step, 42);
   EXPECT_EQ(got.tokens_seen, want.tokens_seen);
   EXPECT_EQ(got.world_size, size_of());
