@@ -36,6 +36,11 @@ for m in dense_tied dense_untied moe; do
   bitwise "$m" $G/$m/model $tmp/$m
   same_loss "$m" $tmp/$m $G/$m/model $G/$m/batch.h5
 done
+# An MoE whose experts are not square (H = 64 != 2*Im = 32): a layout mistake cannot hide behind the shapes.
+$py tests/tools/make_hf_model.py $G/moe/model/config.json $tmp/im16_src moe_intermediate_size=16 >/dev/null &&
+  $ex --dtype fp32 $tmp/im16_src $tmp/im16 >/dev/null || bad "export of the Im=16 MoE"
+bitwise "moe Im=16" $tmp/im16_src $tmp/im16
+same_loss "moe Im=16" $tmp/im16 $tmp/im16_src $G/moe/batch.h5
 [[ ! -e $tmp/dense_tied/lm_head.weight ]] && ! grep -q lm_head $tmp/dense_tied/model.safetensors.index.json &&
   grep -q lm_head $tmp/dense_untied/model.safetensors.index.json && ok "lm_head only when untied" || bad "lm_head of tied/untied"
 
