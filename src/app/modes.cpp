@@ -5,6 +5,7 @@
 
 #include "q3vl/data/prepare.hpp"
 #include "q3vl/data/tokenizer.hpp"
+#include "q3vl/data/synth.hpp"
 #include "q3vl/runtime/check.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/train/eval.hpp"
@@ -29,6 +30,8 @@ const std::vector<Mode>& modes() {
        [](const Deck& d, const ModeArgs&) { return run_eval(d); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",
        [](const Deck& d, const ModeArgs&) { return run_generate(d); }},
+      {"synth", "the demo's synthetic data: PNG pictures of coloured shapes and train/eval JSONL conversations",
+       [](const Deck& d, const ModeArgs&) { return run_synth(d); }},
   };
   return table;
 }

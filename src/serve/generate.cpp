@@ -150,14 +150,6 @@ int run_generate(const Deck& deck) {
   // One process does the work; the others only wait, so that the mode also runs under mpiexec.
   if (rt.where().rank == 0) {
     const ModelConfig cfg = model_config(deck);
-    Model model(cfg);
-    {
-      ScopedTimer t("generate: load weights");
-      const std::string ck = deck.str("generate.checkpoint");
-      if (!ck.empty()) load_checkpoint_weights(model, ck);
-      else if (!deck.str("model.hf").empty()) load_hf_weights(model, deck.str("model.hf"));
-      else model.init_random(deck.integer("run.seed"));
-    }
     const Tokenizer tok = Tokenizer::load(deck.str("tokenizer.path"));
     ImageConfig icfg;
     icfg.patch = cfg.vision.patch;
@@ -191,6 +183,14 @@ int run_generate(const Deck& deck) {
       lines.push_back(ln);
     }
     log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
+    Model model(cfg);
+    {
+      ScopedTimer t("generate: load weights");
+      const std::string ck = deck.str("generate.checkpoint");
+      if (!ck.empty()) load_checkpoint_weights(model, ck);
+      else if (!deck.str("model.hf").empty()) load_hf_weights(model, deck.str("model.hf"));
+      else model.init_random(deck.integer("run.seed"));
+    }
 
     if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);
     const std::string tmp = out + ".partial";  // an existing output is never left half-written

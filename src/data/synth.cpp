@@ -1,0 +1,139 @@
+#include "q3vl/data/synth.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/runtime/runtime.hpp"
+
+namespace q3vl {
+
+namespace fs = std::filesystem;
+
+const std::vector<SynthColour>& synth_colours() {
+  // Saturated and far apart, so that the dominant colour of a picture names one of them unambiguously.
+  static const std::vector<SynthColour> c = {{"red", {220, 40, 40}},     {"green", {40, 180, 60}},
+                                             {"blue", {40, 80, 230}},     {"yellow", {230, 210, 40}},
+                                             {"purple", {150, 50, 210}}, {"orange", {245, 140, 25}}};
+  return c;
+}
+
+const std::vector<std::string>& synth_shapes() {
+  static const std::vector<std::string> s = {"circle", "square", "triangle", "star", "cross"};
+  return s;
+}
+
+namespace {
+
+const char* kQuestions[] = {"What does the picture show?", "What is in this image?", "Describe the picture briefly.",
+                            "What shape and colour do you see?"};
+
+// Even-odd rule.
+bool in_polygon(const std::vector<std::pair<double, double>>& p, double x, double y) {
+  bool in = false;
+  for (size_t i = 0, j = p.size() - 1; i < p.size(); j = i++)
+    if ((p[i].second > y) != (p[j].second > y) &&
+        x < (p[j].first - p[i].first) * (y - p[i].second) / (p[j].second - p[i].second) + p[i].first)
+      in = !in;
+  return in;
+}
+
+// Is (dx, dy), relative to the centre, inside shape s of radius r?
+bool inside(int s, double dx, double dy, double r) {
+  switch (s) {
+    case 0: return dx * dx + dy * dy <= r * r;
+    case 1: return std::fabs(dx) <= 0.8 * r && std::fabs(dy) <= 0.8 * r;
+    case 2: return in_polygon({{0, -r}, {0.866 * r, 0.5 * r}, {-0.866 * r, 0.5 * r}}, dx, dy);
+    case 3: {
+      std::vector<std::pair<double, double>> p;
+      for (int k = 0; k < 10; ++k) {  // outer and inner points alternating, first one on top
+        const double a = -M_PI / 2 + k * M_PI / 5, rr = k % 2 ? 0.38 * r : r;
+        p.push_back({rr * std::cos(a), rr * std::sin(a)});
+      }
+      return in_polygon(p, dx, dy);
+    }
+    default: {
+      const double ax = std::fabs(dx), ay = std::fabs(dy);
+      return (ax <= 0.3 * r && ay <= r) || (ay <= 0.3 * r && ax <= r);
+    }
+  }
+}
+
+}  // namespace
+
+SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size) {
+  if (size < 16) fail("synth: pictures need at least 16 pixels a side, got " + std::to_string(size));
+  std::seed_seq seq{uint64_t(seed), uint64_t(seed >> 32), uint64_t(split), uint64_t(index)};
+  std::mt19937_64 rng(seq);
+  // Plain arithmetic on the raw 64-bit stream: the same pictures with every standard library.
+  auto uni = [&](double a, double b) { return a + (b - a) * (double(rng() >> 11) * 0x1.0p-53); };
+  auto pick = [&](size_t n) { return size_t(rng() % n); };
+  SynthSample s;
+  s.shape = (int)pick(synth_shapes().size());
+  s.colour = (int)pick(synth_colours().size());
+  s.question = kQuestions[pick(std::size(kQuestions))];
+  s.answer = std::string("a ") + synth_colours()[s.colour].name + " " + synth_shapes()[s.shape];
+  const double r = uni(0.22, 0.38) * size;
+  const double cx = uni(r + 1, size - r - 1), cy = uni(r + 1, size - r - 1);
+  const int bg = (int)uni(20, 60), noise = 15;
+  const uint8_t* fg = synth_colours()[s.colour].rgb;
+  s.image.w = s.image.h = size;
+  s.image.px.resize((size_t)size * size * 3);
+  for (int y = 0; y < size; ++y)
+    for (int x = 0; x < size; ++x) {
+      const bool in = inside(s.shape, x + 0.5 - cx, y + 0.5 - cy, r);
+      for (int c = 0; c < 3; ++c) {
+        const int v = (in ? fg[c] : bg) + (int)pick(2 * noise + 1) - noise;
+        s.image.px[((size_t)y * size + x) * 3 + c] = (uint8_t)std::clamp(v, 0, 255);
+      }
+    }
+  return s;
+}
+
+void write_synth(const std::string& dir, int64_t train, int64_t eval, int size, uint64_t seed) {
+  fs::create_directories(fs::path(dir) / "images");
+  const char* names[] = {"train", "eval"};
+  const int64_t counts[] = {train, eval};
+  for (int split = 0; split < 2; ++split) {
+    const std::string path = (fs::path(dir) / (std::string(names[split]) + ".jsonl")).string();
+    std::ofstream out(path + ".partial");
+    if (!out) fail(path + ": cannot write");
+    for (int64_t i = 0; i < counts[split]; ++i) {
+      const SynthSample s = synth_sample(seed, split, i, size);
+      char img[64];
+      std::snprintf(img, sizeof img, "images/%s_%06lld.png", names[split], (long long)i);
+      write_png((fs::path(dir) / img).string(), s.image);
+      const nlohmann::json rec = {
+          {"messages",
+           {{{"role", "user"},
+             {"content", {{{"type", "image"}, {"image", img}}, {{"type", "text"}, {"text", s.question}}}}},
+            {{"role", "assistant"}, {"content", s.answer}}}}};
+      out << rec.dump() << "\n";
+    }
+    out.close();
+    if (!out) fail(path + ": write failed");
+    fs::rename(path + ".partial", path);
+  }
+}
+
+int run_synth(const Deck& deck) {
+  Runtime& rt = Runtime::get();
+  if (rt.where().rank == 0) {
+    const std::string dir = deck.str("synth.dir");
+    write_synth(dir, deck.integer("synth.train_samples"), deck.integer("synth.eval_samples"),
+                (int)deck.integer("synth.size"), (uint64_t)deck.integer("synth.seed"));
+    log_info("synth: " + std::to_string(deck.integer("synth.train_samples")) + " train and " +
+             std::to_string(deck.integer("synth.eval_samples")) + " eval pictures of " +
+             std::to_string(deck.integer("synth.size")) + " px -> " + dir + "/{train,eval}.jsonl");
+  }
+  rt.world().barrier();
+  return 0;
+}
+
+}  // namespace q3vl
