@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <hdf5.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>

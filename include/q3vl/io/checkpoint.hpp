@@ -33,6 +33,14 @@ struct CkptMeta {
 // Collective over `comm`. Writes <dir>/step_%08d.h5.partial, flushes, renames to step_%08d.h5, then rewrites
 // <dir>/latest (name of the newest complete file) and deletes all but the newest `keep_last` checkpoints.
 // Returns the final path.
+// File: root attributes format = "q3vl-checkpoint", format_version = 1 (int64), step, tokens_seen,
+// world_size (int64; the size of `comm`, whatever meta.world_size says), deck, state_json, build
+// (variable-length UTF-8); one contiguous little-endian fp32 dataset per slice, at its full shape, with a
+// uint64 attribute "checksum" (see ckpt_checksum). Rank 0's meta is the one written. No timestamps: the
+// same inputs give the same bytes. Every rank passes the same datasets in the same order, and the ranks'
+// counts must add up to each tensor's size (both checked: an error on every rank, nothing published).
+// keep_last <= 0 keeps all; the checkpoint just written is always kept; older *.partial files are removed;
+// other files in dir are left alone.
 std::string write_checkpoint(const std::string& dir, MPI_Comm comm, const CkptMeta& meta,
                              const std::vector<CkptSlice>& slices, int keep_last);
 
