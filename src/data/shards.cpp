@@ -101,6 +101,12 @@ ShardDataset::ShardDataset(const std::string& path) {
   std::ifstream in(index);
   if (!in) fail("dataset '" + path + "': cannot open " + index.string() + " (run q3vl prepare first)");
   json man;
+  struct Entry {
+    std::string file;
+    int64_t samples, tokens, images;
+  };
+  std::vector<Entry> entries;
+  int64_t samples = 0;  // total in the manifest
   try {
     man = json::parse(in);
   } catch (const json::exception& e) {
@@ -117,53 +123,56 @@ ShardDataset::ShardDataset(const std::string& path) {
     image_.max_pixels = im.at("max_pixels");
     image_.min_side = im.at("min_side");
     for (int c = 0; c < 3; ++c) image_.mean[c] = im.at("mean").at(c), image_.std[c] = im.at("std").at(c);
+    for (const json& e : man.at("shards"))
+      entries.push_back({e.at("file").get<std::string>(), e.at("samples"), e.at("tokens"), e.at("images")});
+    samples = man.at("samples").get<int64_t>();
   } catch (const json::exception& e) {
     fail(index.string() + ": malformed manifest: " + e.what());
   }
 
-  for (const json& entry : man.at("shards")) {
-    auto sh = std::make_unique<Shard>(Shard{H5File::open((fs::path(dir_) / entry.at("file").get<std::string>()).string()),
-                                            entry.at("file").get<std::string>(), {}, {}, {}, {}, {}, {}});
-    const H5File& f = sh->file;
-    const std::string what = "dataset " + dir_ + ": shard " + sh->name;
+  for (const Entry& entry : entries) {
+    const std::string& name = entry.file;
+    const std::string what = "dataset " + dir_ + ": shard " + name;
+    std::unique_ptr<Shard> sh;
     try {
-      if (!f.has_attr("/", "format") || f.attr_string("/", "format") != "q3vl-shard")
-        fail(what + " is not a q3vl shard");
-      const int64_t n = f.attr_int("/", "samples"), t = f.attr_int("/", "tokens"), m = f.attr_int("/", "images");
-      if (n != entry.at("samples").get<int64_t>() || t != entry.at("tokens").get<int64_t>() ||
-          m != entry.at("images").get<int64_t>())
-        fail(what + ": its counts differ from index.json (a shard from another run?)");
-      auto want_shape = [&](const std::string& ds, std::vector<int64_t> shape) {
-        if (!f.is_dataset(ds) || f.shape(ds) != shape) fail(what + ": dataset '" + ds + "' is missing or misshapen");
-      };
-      want_shape("input_ids", {t});
-      want_shape("labels", {t});
-      want_shape("image_hw", {m, 2});
-      want_shape("image_grid", {m, 3});
-      sh->token_off = f.read<int64_t>("sample_token_offsets");
-      sh->image_off = f.read<int64_t>("sample_image_offsets");
-      sh->lines = f.read<int64_t>("sample_line");
-      sh->pixel_off = f.read<int64_t>("image_pixel_offsets");
-      sh->hw = f.read<int32_t>("image_hw");
-      sh->grid = f.read<int32_t>("image_grid");
-      if (int64_t(sh->lines.size()) != n) fail(what + ": sample_line has the wrong length");
-      check_offsets(sh->token_off, t, what + ": sample_token_offsets");
-      check_offsets(sh->image_off, m, what + ": sample_image_offsets");
-      if (sh->token_off.size() != size_t(n + 1) || sh->image_off.size() != size_t(n + 1))
-        fail(what + ": sample offsets have the wrong length");
-      std::vector<int64_t> pixels_shape{sh->pixel_off.empty() ? -1 : sh->pixel_off.back()};
-      want_shape("image_pixels", pixels_shape);
-      check_offsets(sh->pixel_off, pixels_shape[0], what + ": image_pixel_offsets");
-      if (sh->pixel_off.size() != size_t(m + 1)) fail(what + ": image_pixel_offsets has the wrong length");
-      const int side = image_.patch * image_.merge;
-      for (int64_t k = 0; k < m; ++k) {
-        const int h = sh->hw[2 * k], w = sh->hw[2 * k + 1];
-        if (h <= 0 || w <= 0 || h % side || w % side || sh->pixel_off[k + 1] - sh->pixel_off[k] != int64_t(h) * w * 3 ||
-            sh->grid[3 * k] != 1 || sh->grid[3 * k + 1] != h / image_.patch || sh->grid[3 * k + 2] != w / image_.patch)
-          fail(what + ": image " + std::to_string(k) + " has an inconsistent size or grid (corrupt shard)");
-      }
-    } catch (const json::exception& e) {
-      fail(index.string() + ": malformed shard entry: " + e.what());
+      sh = std::make_unique<Shard>(Shard{H5File::open((fs::path(dir_) / name).string()), name, {}, {}, {}, {}, {}, {}});
+    } catch (const Error& e) {
+      fail(what + " cannot be opened (missing, truncated or corrupt): " + e.what());
+    }
+    const H5File& f = sh->file;
+    if (!f.has_attr("/", "format") || f.attr_string("/", "format") != "q3vl-shard")
+      fail(what + " is not a q3vl shard");
+    const int64_t n = f.attr_int("/", "samples"), t = f.attr_int("/", "tokens"), m = f.attr_int("/", "images");
+    if (n != entry.samples || t != entry.tokens || m != entry.images)
+      fail(what + ": its counts differ from index.json (a shard from another run?)");
+    auto want_shape = [&](const std::string& ds, std::vector<int64_t> shape) {
+      if (!f.is_dataset(ds) || f.shape(ds) != shape) fail(what + ": dataset '" + ds + "' is missing or misshapen");
+    };
+    want_shape("input_ids", {t});
+    want_shape("labels", {t});
+    want_shape("image_hw", {m, 2});
+    want_shape("image_grid", {m, 3});
+    sh->token_off = f.read<int64_t>("sample_token_offsets");
+    sh->image_off = f.read<int64_t>("sample_image_offsets");
+    sh->lines = f.read<int64_t>("sample_line");
+    sh->pixel_off = f.read<int64_t>("image_pixel_offsets");
+    sh->hw = f.read<int32_t>("image_hw");
+    sh->grid = f.read<int32_t>("image_grid");
+    if (int64_t(sh->lines.size()) != n) fail(what + ": sample_line has the wrong length");
+    check_offsets(sh->token_off, t, what + ": sample_token_offsets");
+    check_offsets(sh->image_off, m, what + ": sample_image_offsets");
+    if (sh->token_off.size() != size_t(n + 1) || sh->image_off.size() != size_t(n + 1))
+      fail(what + ": sample offsets have the wrong length");
+    std::vector<int64_t> pixels_shape{sh->pixel_off.empty() ? -1 : sh->pixel_off.back()};
+    want_shape("image_pixels", pixels_shape);
+    check_offsets(sh->pixel_off, pixels_shape[0], what + ": image_pixel_offsets");
+    if (sh->pixel_off.size() != size_t(m + 1)) fail(what + ": image_pixel_offsets has the wrong length");
+    const int side = image_.patch * image_.merge;
+    for (int64_t k = 0; k < m; ++k) {
+      const int h = sh->hw[2 * k], w = sh->hw[2 * k + 1];
+      if (h <= 0 || w <= 0 || h % side || w % side || sh->pixel_off[k + 1] - sh->pixel_off[k] != int64_t(h) * w * 3 ||
+          sh->grid[3 * k] != 1 || sh->grid[3 * k + 1] != h / image_.patch || sh->grid[3 * k + 2] != w / image_.patch)
+        fail(what + ": image " + std::to_string(k) + " has an inconsistent size or grid (corrupt shard)");
     }
     for (size_t i = 0; i < sh->lines.size(); ++i) order_.push_back({sh->lines[i], uint32_t(shards_.size()), uint32_t(i)});
     shards_.push_back(std::move(sh));
@@ -173,8 +182,8 @@ ShardDataset::ShardDataset(const std::string& path) {
     if (order_[i].line == order_[i - 1].line)
       fail("dataset " + dir_ + ": line " + std::to_string(order_[i].line) + " appears in two samples (" +
            shards_[order_[i - 1].shard]->name + ", " + shards_[order_[i].shard]->name + ")");
-  if (man.contains("samples") && man["samples"].get<int64_t>() != int64_t(order_.size()))
-    fail("dataset " + dir_ + ": index.json counts " + man["samples"].dump() + " samples, the shards hold " +
+  if (samples != int64_t(order_.size()))
+    fail("dataset " + dir_ + ": index.json counts " + std::to_string(samples) + " samples, the shards hold " +
          std::to_string(order_.size()));
 }
 
