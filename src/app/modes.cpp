@@ -8,6 +8,7 @@
 #include "q3vl/data/synth.hpp"
 #include "q3vl/runtime/check.hpp"
 #include "q3vl/serve/generate.hpp"
+#include "q3vl/train/train.hpp"
 #include "q3vl/train/eval.hpp"
 
 namespace q3vl {
@@ -26,6 +27,8 @@ const std::vector<Mode>& modes() {
          return 0;
        },
        {"--decode"}, true},
+      {"train", "train with ZeRO data parallelism (AdamW, checkpoints, metrics.jsonl)",
+       [](const Deck& d, const ModeArgs&) { return run_train(d); }},
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
        [](const Deck& d, const ModeArgs&) { return run_eval(d); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",

@@ -62,6 +62,8 @@ const std::vector<KeySpec>& deck_schema() {
 
       // data
       {"data.seq_len", T::Int, "4096", "tokens per packed sequence", 8, 1 << 24},
+      {"data.overlong", T::String, "truncate", "samples longer than seq_len: truncate (dropped if the cut is inside "
+       "an image) or drop", -kBig, kBig, {"truncate", "drop"}},
 
       // prepare: JSONL conversations + images -> HDF5 shards
       {"prepare.input", T::String, "", "JSONL records (messages or LLaVA format)", -kBig, kBig, {}, {"prepare"}},
@@ -81,9 +83,42 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.micro_batch", T::Int, "1", "sequences per rank per micro-step", 1, 1 << 20},
       {"train.grad_accum", T::Int, "1", "micro-steps per optimizer step", 1, 1 << 20},
       {"train.resume", T::String, "auto", "auto | never | path of a checkpoint"},
+      {"train.global_batch", T::Int, "8", "samples per optimizer step over all ranks (any rank count sees the same)",
+       1, 1 << 30},
+      {"train.dataset", T::String, "synthetic", "training data: synthetic (deterministic generated samples)", -kBig, kBig,
+       {"synthetic"}},
+      {"train.synthetic_samples", T::Int, "256", "number of synthetic samples (train.dataset = synthetic)", 1, 1e9},
+      {"train.stop_after", T::Int, "0", "stop (with a checkpoint) after this many steps in this job (0: run to "
+       "train.steps); the schedule still spans train.steps", 0, 1e12},
+      {"train.tune_vision", T::Bool, "true", "train the vision tower and the DeepStack mergers"},
+      {"train.tune_merger", T::Bool, "true", "train the main patch merger"},
+      {"train.tune_llm", T::Bool, "true", "train the decoder, embeddings and LM head"},
+      {"train.max_skipped", T::Int, "5", "stop after this many steps in a row with non-finite loss or gradients", 1,
+       1e9},
+      {"train.debug_nan_step", T::Int, "0", "test hook: from this step (1-based; 0: never) gradients are non-finite",
+       0, 1e12},
+      {"train.debug_nan_count", T::Int, "1", "test hook: how many steps in a row train.debug_nan_step poisons", 1,
+       1e12},
+
+      // optim: AdamW and the learning-rate schedule
+      {"optim.weight_decay", T::Real, "0.0", "decoupled weight decay (none on norms and biases)", 0, 10},
+      {"optim.beta1", T::Real, "0.9", "AdamW beta1", 0, 0.999999},
+      {"optim.beta2", T::Real, "0.999", "AdamW beta2", 0, 0.99999999},
+      {"optim.eps", T::Real, "1e-8", "AdamW epsilon", 0, 1},
+      {"optim.clip", T::Real, "1.0", "clip the global gradient norm to this (0: no clipping)", 0, 1e12},
+      {"optim.schedule", T::String, "cosine", "learning-rate decay after warmup", -kBig, kBig,
+       {"cosine", "linear", "constant"}},
+      {"optim.warmup_steps", T::Int, "0", "linear warmup steps", 0, 1e12},
+      {"optim.min_lr_ratio", T::Real, "0.0", "final learning rate as a fraction of train.lr", 0, 1},
+
+      // checkpoint
+      {"checkpoint.every", T::Int, "0", "write a checkpoint every N steps (0: only at the end)", 0, 1e12},
+      {"checkpoint.dir", T::String, "", "checkpoint directory (default: run.out_dir/checkpoints)"},
+      {"checkpoint.keep", T::Int, "3", "keep the newest N checkpoints", 1, 1e9},
 
       // parallel
       {"parallel.zero_stage", T::Int, "3", "ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters sharded", 1, 3},
+      {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
 
       // runtime
       {"runtime.timeout", T::Real, "600", "seconds a collective may take before the watchdog stops the job", 0.001,

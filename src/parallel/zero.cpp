@@ -1,0 +1,222 @@
+#include "q3vl/parallel/zero.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "q3vl/core/error.hpp"
+
+namespace q3vl {
+
+ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable)
+    : model_(model), shard_(shard), replica_(replica), stage_(stage), trainable_(trainable) {
+  const ParamTable& t = model.table();
+  Q3VL_CHECK(stage >= 1 && stage <= 3, "ZeRO stage must be 1, 2 or 3");
+  Q3VL_CHECK(trainable.size() == t.params().size(), "one trainable flag per parameter");
+  const int n = shard.size(), r = shard.rank();
+
+  // Sizes and offsets first (pieces point into buffers allocated afterwards).
+  int64_t master_total = 0, comm_total = 0, opt_total = 0;
+  struct Offs { int64_t master, comm, opt; };
+  std::vector<Offs> offs;
+  for (const UnitInfo& ui : t.units()) {
+    Unit u;
+    u.numel = ui.numel;
+    u.shard = (ui.numel + n - 1) / n;
+    u.lo = std::min<int64_t>(int64_t(r) * u.shard, ui.numel);
+    u.count = std::min<int64_t>(u.lo + u.shard, ui.numel) - u.lo;
+    for (int p : ui.params) u.trainable = u.trainable || trainable[p];
+    for (int q = 0; q < n; ++q) {
+      int64_t lo = std::min<int64_t>(int64_t(q) * u.shard, ui.numel);
+      u.counts.push_back(size_t(std::min<int64_t>(lo + u.shard, ui.numel) - lo));
+      u.displs.push_back(size_t(int64_t(q) * u.shard));
+    }
+    u.master_off = master_total;
+    master_total += u.shard;
+    if (u.trainable) u.comm_off = comm_total, comm_total += u.shard;
+    for (int p : ui.params) {
+      const ParamInfo& pi = t.param(p);
+      int64_t a = std::max(u.lo, pi.offset), b = std::min(u.lo + u.count, pi.offset + pi.numel);
+      if (a >= b) continue;
+      ShardPiece sp;
+      sp.param = p;
+      sp.begin = a - pi.offset;
+      sp.count = b - a;
+      sp.trainable = trainable[p];
+      sp.no_decay = pi.no_decay;
+      pieces_.push_back(sp);
+      offs.push_back({u.master_off + (a - u.lo), u.comm_off + (a - u.lo), sp.trainable ? opt_total : -1});
+      if (sp.trainable) opt_total += sp.count;
+    }
+    units_.push_back(std::move(u));
+  }
+  master_.assign(master_total, 0.f);
+  comm_buf_.assign(comm_total, 0.f);
+  exp_avg_.assign(opt_total, 0.f);
+  exp_avg_sq_.assign(opt_total, 0.f);
+  grads_.assign(opt_total, 0.f);
+  if (stage_ == 1) full_grads_.assign(t.total(), 0.f);
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    ShardPiece& sp = pieces_[i];
+    sp.master = master_.data() + offs[i].master;
+    if (sp.trainable) {
+      sp.grad = grads_.data() + offs[i].opt;
+      sp.exp_avg = exp_avg_.data() + offs[i].opt;
+      sp.exp_avg_sq = exp_avg_sq_.data() + offs[i].opt;
+    }
+  }
+  comm_offs_.resize(pieces_.size());
+  for (size_t i = 0; i < pieces_.size(); ++i) comm_offs_[i] = offs[i].comm;
+}
+
+ZeroMemory ZeroEngine::memory() const {
+  ZeroMemory m;
+  m.master = int64_t(master_.size()) * 4;
+  m.exp_avg = int64_t(exp_avg_.size()) * 4;
+  m.exp_avg_sq = int64_t(exp_avg_sq_.size()) * 4;
+  m.grads = int64_t(grads_.size() + full_grads_.size()) * 4;
+  m.comm = int64_t(comm_buf_.size()) * 4;
+  m.working = model_.table().total() * 8;
+  return m;
+}
+
+ZeroMemory ZeroEngine::unsharded() const {
+  const ParamTable& t = model_.table();
+  int64_t trainable = 0;
+  for (size_t p = 0; p < t.params().size(); ++p)
+    if (trainable_[p]) trainable += t.param(int(p)).numel;
+  ZeroMemory m;
+  m.master = t.total() * 4;
+  m.exp_avg = m.exp_avg_sq = m.grads = trainable * 4;
+  m.working = t.total() * 8;
+  return m;
+}
+
+std::string ZeroEngine::memory_report() const {
+  const ZeroMemory m = memory(), u = unsharded();
+  auto mib = [](int64_t b) { return double(b) / (1 << 20); };
+  char buf[1024];
+  std::snprintf(buf, sizeof buf,
+                "memory per rank (ZeRO stage %d, %d-way shards%s):\n"
+                "  %-30s %12s %12s\n"
+                "  %-30s %10.2f MiB %10.2f MiB\n"
+                "  %-30s %10.2f MiB %10.2f MiB\n"
+                "  %-30s %10.2f MiB %10.2f MiB\n"
+                "  %-30s %10.2f MiB %10.2f MiB\n"
+                "  %-30s %10.2f MiB %10.2f MiB  (%.3f of unsharded)\n"
+                "  %-30s %10.2f MiB\n"
+                "  %-30s %10.2f MiB  (Model's full params + grads, held during the whole run)",
+                stage_, shard_.size(), replica_ && replica_->size() > 1 ? ", hybrid" : "", "", "this rank",
+                "unsharded", "fp32 master weights", mib(m.master), mib(u.master), "AdamW exp_avg", mib(m.exp_avg),
+                mib(u.exp_avg), "AdamW exp_avg_sq", mib(m.exp_avg_sq), mib(u.exp_avg_sq), "gradient accumulator",
+                mib(m.grads), mib(u.grads), "total ZeRO state", mib(m.state()), mib(u.state()),
+                u.state() ? double(m.state()) / double(u.state()) : 0.0, "reduce-scatter buffer", mib(m.comm),
+                "gathered working set", mib(m.working));
+  return buf;
+}
+
+void ZeroEngine::load_from_model() {
+  const float* full = model_.params();
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = units_[i];
+    const float* src = full + model_.table().units()[i].offset + u.lo;
+    std::copy(src, src + u.count, master_.data() + u.master_off);
+  }
+}
+
+void ZeroEngine::gather_params() {
+  std::vector<std::unique_ptr<CommRequest>> reqs;
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = units_[i];
+    // Stages 1/2 only need the units the optimizer changed; stage 3 regathers everything before each use.
+    if (stage_ != 3 && !u.trainable && gathered_once_) continue;
+    reqs.push_back(shard_.iall_gatherv(master_.data() + u.master_off, size_t(u.count),
+                                       model_.params() + model_.table().units()[i].offset, u.counts, u.displs,
+                                       DType::F32));
+  }
+  for (auto& r : reqs) shard_.wait(std::move(r));
+  gathered_once_ = true;
+}
+
+void ZeroEngine::begin_step() {
+  std::fill(grads_.begin(), grads_.end(), 0.f);
+  std::fill(full_grads_.begin(), full_grads_.end(), 0.f);
+}
+
+void ZeroEngine::before_forward() {
+  if (stage_ == 3) gather_params();
+}
+
+void ZeroEngine::before_backward() {
+  wait_reduce();
+  model_.zero_grads();
+}
+
+void ZeroEngine::after_backward(double scale) {
+  const ParamTable& t = model_.table();
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = units_[i];
+    if (!u.trainable) continue;
+    float* g = model_.grads() + t.units()[i].offset;
+    const float s = float(scale);
+    if (stage_ == 1) {
+      float* acc = full_grads_.data() + t.units()[i].offset;
+      for (int64_t j = 0; j < u.numel; ++j) acc[j] += s * g[j];
+    } else {
+      for (int64_t j = 0; j < u.numel; ++j) g[j] *= s;
+      pending_.push_back(shard_.ireduce_scatterv(g, comm_buf_.data() + u.comm_off, u.counts, DType::F32,
+                                                 ReduceOp::Sum));
+    }
+  }
+}
+
+void ZeroEngine::wait_reduce() {
+  if (pending_.empty()) return;
+  for (auto& r : pending_) shard_.wait(std::move(r));
+  pending_.clear();
+  accumulate_comm();
+}
+
+void ZeroEngine::accumulate_comm() {
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const ShardPiece& sp = pieces_[i];
+    if (!sp.trainable) continue;
+    const float* src = comm_buf_.data() + comm_offs_[i];
+    for (int64_t j = 0; j < sp.count; ++j) sp.grad[j] += src[j];
+  }
+}
+
+void ZeroEngine::finish_grads() {
+  wait_reduce();
+  if (stage_ == 1) {
+    const ParamTable& t = model_.table();
+    std::vector<std::unique_ptr<CommRequest>> reqs;
+    for (size_t i = 0; i < units_.size(); ++i) {
+      const Unit& u = units_[i];
+      if (!u.trainable) continue;
+      reqs.push_back(shard_.ireduce_scatterv(full_grads_.data() + t.units()[i].offset, comm_buf_.data() + u.comm_off,
+                                             u.counts, DType::F32, ReduceOp::Sum));
+    }
+    for (auto& r : reqs) shard_.wait(std::move(r));
+    accumulate_comm();
+  }
+  if (replica_ && replica_->size() > 1 && !grads_.empty())
+    replica_->all_reduce(grads_.data(), grads_.size(), DType::F32, ReduceOp::Sum);
+}
+
+double ZeroEngine::grad_norm_sq() {
+  double s = 0;
+  for (float g : grads_) s += double(g) * double(g);
+  return shard_.sum(s);
+}
+
+void ZeroEngine::after_update() {
+  if (stage_ != 3) gather_params();
+}
+
+void ZeroEngine::poison_grads() {
+  if (!grads_.empty()) grads_[0] = std::numeric_limits<float>::quiet_NaN();
+}
+
+}  // namespace q3vl

@@ -1,0 +1,410 @@
+// The training loop. Per optimizer step: the loader hands this rank its packed micro-batches; the step's
+// supervised target count is all-reduced first so that each micro-batch's gradient is scaled by
+// (its targets / the step's targets) and the step's loss is the mean over every supervised token of the global
+// batch however it is split over ranks and micro-steps; the ZeRO engine gathers weights and reduce-scatters
+// gradients; AdamW updates the fp32 shards after global-norm clipping; non-finite steps are skipped.
+#include "q3vl/train/train.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/io/checkpoint.hpp"
+#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/parallel/zero.hpp"
+#include "q3vl/runtime/runtime.hpp"
+#include "q3vl/train/loader.hpp"
+#include "q3vl/train/optim.hpp"
+
+#ifndef Q3VL_GIT
+#define Q3VL_GIT "unknown"
+#endif
+
+namespace q3vl {
+
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+struct TrainState {
+  int64_t step = 0;            // optimizer steps taken (applied or skipped)
+  int64_t adam_t = 0;          // updates applied (AdamW bias correction)
+  int64_t tokens = 0;          // tokens seen
+  int64_t skipped_total = 0, skipped_in_row = 0;
+  LoaderCursor cursor;
+};
+
+std::string to_json(const TrainState& s, int world, int stage) {
+  json j = {{"step", s.step},
+            {"schedule_step", s.step},
+            {"adam_t", s.adam_t},
+            {"tokens", s.tokens},
+            {"skipped_total", s.skipped_total},
+            {"skipped_in_row", s.skipped_in_row},
+            {"cursor", {{"epoch", s.cursor.epoch}, {"position", s.cursor.position}}},
+            {"world_size", world},
+            {"zero_stage", stage}};
+  return j.dump();
+}
+
+TrainState from_json(const std::string& text, const std::string& path) {
+  try {
+    json j = json::parse(text);
+    TrainState s;
+    s.step = j.at("step");
+    s.adam_t = j.at("adam_t");
+    s.tokens = j.at("tokens");
+    s.skipped_total = j.at("skipped_total");
+    s.skipped_in_row = j.at("skipped_in_row");
+    s.cursor.epoch = j.at("cursor").at("epoch");
+    s.cursor.position = j.at("cursor").at("position");
+    return s;
+  } catch (const std::exception& e) {
+    fail_all("checkpoint '" + path + "': training state is unreadable: " + e.what());
+  }
+}
+
+ModelConfig model_config(const Deck& d) {
+  if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json");
+  if (!d.str("model.preset").empty()) return preset_config(d.str("model.preset"));
+  fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
+}
+
+std::vector<bool> trainable_flags(const ParamTable& t, const Deck& d) {
+  const bool v = d.boolean("train.tune_vision"), m = d.boolean("train.tune_merger"), l = d.boolean("train.tune_llm");
+  std::vector<bool> out;
+  for (const auto& p : t.params()) out.push_back(p.part == Part::Vision ? v : p.part == Part::Merger ? m : l);
+  if (std::none_of(out.begin(), out.end(), [](bool b) { return b; }))
+    fail_all("train.tune_vision, train.tune_merger and train.tune_llm are all false: nothing to train");
+  return out;
+}
+
+// Every rank lists every tensor in the same order (the checkpoint calls are collective); a rank's slice of a
+// tensor is its shard's intersection with it (count 0 where none, or when it is not this group's writer).
+std::vector<CkptSlice> ckpt_slices(const ZeroEngine& e, const ParamTable& t, const std::vector<bool>& trainable,
+                                   bool mine) {
+  std::vector<const ShardPiece*> piece(t.params().size(), nullptr);
+  for (const ShardPiece& p : e.pieces()) piece[size_t(p.param)] = &p;
+  std::vector<CkptSlice> out;
+  enum { Master, ExpAvg, ExpAvgSq };
+  const std::pair<int, const char*> kinds[] = {{Master, "model/"}, {ExpAvg, "optim/exp_avg/"},
+                                               {ExpAvgSq, "optim/exp_avg_sq/"}};
+  for (const auto& [kind, prefix] : kinds) {
+    for (size_t i = 0; i < t.params().size(); ++i) {
+      if (kind != Master && !trainable[i]) continue;  // frozen tensors have no optimizer state
+      CkptSlice s;
+      s.dataset = prefix + t.param(int(i)).name;
+      s.shape = t.param(int(i)).shape;
+      if (const ShardPiece* p = piece[i]; p && mine) {
+        s.begin = p->begin;
+        s.count = p->count;
+        s.data = kind == Master ? p->master : kind == ExpAvg ? p->exp_avg : p->exp_avg_sq;
+      }
+      out.push_back(std::move(s));
+    }
+  }
+  return out;
+}
+
+double rss_mib() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
+std::string hms(double s) {
+  const long t = long(std::max(0.0, s) + 0.5);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  return buf;
+}
+
+// Seconds since `t0`, added to `acc`.
+struct Phase {
+  double& acc;
+  double t0 = wall_seconds();
+  ~Phase() { acc += wall_seconds() - t0; }
+};
+
+}  // namespace
+
+int run_train(const Deck& deck) {
+  Runtime& rt = Runtime::get();
+  Comm& world = rt.world();
+  const int rank = world.rank(), nranks = world.size();
+  const int stage = int(deck.integer("parallel.zero_stage"));
+  const std::string out_dir = deck.str("run.out_dir");
+  const std::string ckdir = deck.str("checkpoint.dir").empty() ? out_dir + "/checkpoints" : deck.str("checkpoint.dir");
+  const uint64_t seed = uint64_t(deck.integer("run.seed"));
+
+  // Every rank builds the same full weights (seeded init or the HF files); the engine then keeps its shard.
+  const ModelConfig cfg = model_config(deck);
+  Model model(cfg);
+  {
+    ScopedTimer t("train: init weights");
+    if (!deck.str("model.hf").empty()) load_hf_weights(model, deck.str("model.hf"));
+    else model.init_random(seed);
+  }
+  const ParamTable& table = model.table();
+  const std::vector<bool> trainable = trainable_flags(table, deck);
+
+  // Hybrid: shard over the node, replicate over the ranks with the same local rank on the other nodes.
+  Comm* shard = &world;
+  std::unique_ptr<Comm> replica;
+  if (deck.boolean("parallel.hybrid")) {
+    const Placement& p = rt.where();
+    if (world.min(p.local_size) != world.max(p.local_size))
+      fail_all("parallel.hybrid needs the same number of ranks on every node");
+    shard = &rt.node_comm();
+    replica = world.split(p.local_rank, p.node);
+  }
+  ZeroEngine engine(model, *shard, replica.get(), stage, trainable);
+  engine.load_from_model();
+  int64_t n_trainable = 0;
+  for (size_t i = 0; i < trainable.size(); ++i) n_trainable += trainable[i] ? table.param(int(i)).numel : 0;
+  log_info("model: " + std::to_string(table.total()) + " parameters in " + std::to_string(table.units().size()) +
+           " ZeRO units, " + std::to_string(n_trainable) + " trained (vision " +
+           (deck.boolean("train.tune_vision") ? "on" : "off") + ", merger " +
+           (deck.boolean("train.tune_merger") ? "on" : "off") + ", llm " + (deck.boolean("train.tune_llm") ? "on" : "off") +
+           "); activation recomputation: not supported by the model yet");
+  log_info(engine.memory_report());
+
+  // Data.
+  const int64_t seq_len = deck.integer("data.seq_len");
+  SyntheticDataset data(cfg, size_t(deck.integer("train.synthetic_samples")), seed,
+                        int(std::max<int64_t>(2, seq_len / 4)), int(seq_len + seq_len / 4));
+  LoaderOptions lo;
+  lo.global_batch = deck.integer("train.global_batch");
+  lo.micro_batch = deck.integer("train.micro_batch");
+  lo.grad_accum = deck.integer("train.grad_accum");
+  lo.seq_len = seq_len;
+  lo.seed = seed;
+  lo.drop_overlong = deck.str("data.overlong") == "drop";
+  Loader loader(data, cfg, lo, rank, nranks);
+
+  // Resume.
+  TrainState st;
+  std::string resume = deck.str("train.resume"), path;
+  if (resume == "auto") {
+    std::vector<std::string> notes;
+    if (rank == 0) path = find_resume_checkpoint(ckdir, &notes);
+    world.broadcast_string(path, 0);
+    for (const auto& n : notes) log_info("resume: " + n);
+  } else if (resume != "never") {
+    path = resume;
+  }
+  if (!path.empty()) {
+    ScopedTimer t("train: resume");
+    std::string err;
+    if (rank == 0) {
+      // read_checkpoint refuses missing or reshaped tensors; this also refuses tensors this model lacks.
+      try {
+        for (const auto& [name, shape] : checkpoint_shapes(path))
+          if (table.find(name.substr(6)) < 0) {
+            err = "checkpoint '" + path + "' was written for a different model: it has tensor " + name +
+                  ", which this model does not";
+            break;
+          }
+      } catch (const Error& e) {
+        err = e.what();
+      }
+    }
+    world.broadcast_string(err, 0);
+    if (!err.empty()) fail_all(err);
+    const CkptMeta meta = read_checkpoint_meta(path);
+    read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));
+    st = from_json(meta.state_json, path);
+    loader.set_cursor(st.cursor);
+    log_info("resumed from " + path + " (step " + std::to_string(st.step) + ", written by " +
+             std::to_string(meta.world_size) + " rank(s); now " + std::to_string(nranks) + ")");
+  }
+  engine.gather_params();
+
+  const int64_t steps = deck.integer("train.steps");
+  int64_t stop = steps;
+  if (deck.integer("train.stop_after") > 0) stop = std::min(steps, st.step + deck.integer("train.stop_after"));
+  Schedule sched;
+  sched.kind = deck.str("optim.schedule");
+  sched.lr = deck.real("train.lr");
+  sched.min_lr_ratio = deck.real("optim.min_lr_ratio");
+  sched.warmup = deck.integer("optim.warmup_steps");
+  sched.total = steps;
+  AdamWConfig hp;
+  hp.beta1 = deck.real("optim.beta1");
+  hp.beta2 = deck.real("optim.beta2");
+  hp.eps = deck.real("optim.eps");
+  hp.weight_decay = deck.real("optim.weight_decay");
+  const double clip = deck.real("optim.clip");
+  const int64_t every = deck.integer("checkpoint.every"), keep = deck.integer("checkpoint.keep");
+  const int64_t nan_from = deck.integer("train.debug_nan_step"), nan_count = deck.integer("train.debug_nan_count");
+  const int64_t max_skipped = deck.integer("train.max_skipped");
+  const double walltime = deck.real("runtime.walltime");
+  const bool writer = !replica || replica->rank() == 0;
+
+  std::FILE* metrics = nullptr;
+  if (rank == 0) {
+    fs::create_directories(out_dir);
+    metrics = std::fopen((out_dir + "/metrics.jsonl").c_str(), "a");
+    if (!metrics) fail("cannot open " + out_dir + "/metrics.jsonl for appending");
+  }
+  auto save = [&]() {
+    ScopedTimer t("train: checkpoint");
+    CkptMeta meta;
+    meta.step = st.step;
+    meta.tokens_seen = st.tokens;
+    meta.world_size = nranks;
+    meta.deck_toml = deck.to_toml();
+    meta.state_json = to_json(st, nranks, stage);
+    meta.build = std::string("q3vl git ") + Q3VL_GIT;
+    const std::string p =
+        write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
+    log_info("checkpoint " + p);
+  };
+
+  log_info("training steps " + std::to_string(st.step + 1) + ".." + std::to_string(stop) + " of " +
+           std::to_string(steps) + ": global batch " + std::to_string(lo.global_batch) + " samples, " +
+           std::to_string(nranks) + " rank(s), ZeRO stage " + std::to_string(stage));
+  const double t_job = wall_seconds();
+  int64_t done = 0, last_saved = -1;
+  while (st.step < stop) {
+    Comm::set_step(long(st.step + 1));
+    const double t_step = wall_seconds();
+    double t_data = 0, t_fwd = 0, t_bwd = 0, t_comm = 0, t_opt = 0;
+    StepData sd;
+    {
+      Phase p{t_data};
+      sd = loader.next();
+    }
+    double counts[3] = {double(sd.supervised), double(sd.tokens), double(sd.dropped)};
+    {
+      Phase p{t_comm};
+      world.all_reduce(counts, 3, DType::F64, ReduceOp::Sum);
+    }
+    const double n_global = counts[0];
+    engine.begin_step();
+    double loss_sum = 0;
+    for (size_t i = 0; i < sd.micro.size(); ++i) {
+      const int64_t n = sd.micro_supervised[i];
+      {
+        Phase p{t_comm};
+        engine.before_forward();
+      }
+      if (n > 0) {
+        Phase p{t_fwd};
+        loss_sum += model.forward(sd.micro[i], true) * double(n);
+        Q3VL_CHECK(model.supervised_tokens() == n, "the loader and the model count supervised targets differently");
+      }
+      {
+        Phase p{t_comm};
+        engine.before_backward();
+      }
+      if (n > 0) {
+        Phase p{t_bwd};
+        model.backward();
+      }
+      {
+        Phase p{t_comm};
+        engine.after_backward(n_global > 0 ? double(n) / n_global : 0.0);
+      }
+    }
+    const int64_t step1 = st.step + 1;
+    if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count && rank == 0) engine.poison_grads();
+    double loss, gnorm;
+    {
+      Phase p{t_comm};
+      engine.finish_grads();
+      loss = world.sum(loss_sum) / std::max(1.0, n_global);
+      gnorm = std::sqrt(engine.grad_norm_sq());
+    }
+    const double lr = sched.at(st.step);
+    const bool finite = std::isfinite(loss) && std::isfinite(gnorm);
+    if (finite) {
+      {
+        Phase p{t_opt};
+        const double coef = clip > 0 && gnorm > clip ? clip / (gnorm + 1e-6) : 1.0;
+        ++st.adam_t;
+        for (const ShardPiece& sp : engine.pieces())
+          if (sp.trainable)
+            adamw_update(sp.master, sp.grad, sp.exp_avg, sp.exp_avg_sq, sp.count, hp, lr,
+                         sp.no_decay ? 0.0 : hp.weight_decay, coef, st.adam_t);
+      }
+      Phase p{t_comm};
+      engine.after_update();
+      st.skipped_in_row = 0;
+    } else {
+      ++st.skipped_total;
+      ++st.skipped_in_row;
+      log_warn("step " + std::to_string(step1) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
+               " (loss " + std::to_string(loss) + ", grad norm " + std::to_string(gnorm) +
+               "): step skipped, weights and optimizer state unchanged");
+      if (st.skipped_in_row >= max_skipped)
+        fail_all("step " + std::to_string(step1) + ": " + std::to_string(st.skipped_in_row) +
+                 " steps in a row had a non-finite loss or gradient (train.max_skipped = " +
+                 std::to_string(max_skipped) + "); stopping. Lower train.lr or check the data; the last checkpoint" +
+                 (last_saved >= 0 ? " is step " + std::to_string(last_saved) : " is the one this run started from"));
+    }
+    st.step = step1;
+    st.tokens += int64_t(counts[1]);
+    st.cursor = loader.cursor();
+    ++done;
+
+    const double dt = wall_seconds() - t_step;
+    Timers& tm = Timers::get();
+    tm.add("train: data", t_data), tm.add("train: forward", t_fwd), tm.add("train: backward", t_bwd);
+    tm.add("train: comm", t_comm), tm.add("train: optimizer", t_opt);
+    const double elapsed = wall_seconds() - t_job, eta = elapsed / double(done) * double(stop - st.step);
+    // One reduction for the largest RSS and the wall-clock budget (leave before it ends; any rank's clock stops all).
+    double mx[2] = {rss_mib(), walltime > 0 && elapsed + 2 * elapsed / double(done) > walltime ? 1.0 : 0.0};
+    world.all_reduce(mx, 2, DType::F64, ReduceOp::Max);
+    const double rss = mx[0];
+    const bool out_of_time = mx[1] > 0;
+    if (rank == 0) {
+      json j = {{"step", st.step},
+                {"loss", loss},
+                {"lr", lr},
+                {"grad_norm", gnorm},
+                {"tokens", int64_t(counts[1])},
+                {"supervised_tokens", int64_t(n_global)},
+                {"tokens_seen", st.tokens},
+                {"tokens_per_s", counts[1] / dt},
+                {"time", {{"step", dt}, {"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd}, {"comm", t_comm},
+                          {"optimizer", t_opt}}},
+                {"rss_mib", rss},
+                {"skipped", !finite},
+                {"skipped_total", st.skipped_total},
+                {"dropped_samples", int64_t(counts[2])}};
+      if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;
+      std::fprintf(metrics, "%s\n", j.dump().c_str());
+      std::fflush(metrics);
+      char line[256];
+      std::snprintf(line, sizeof line, "step %lld/%lld  loss %.6f  lr %.3e  gnorm %.4f  %.0f tok/s  rss %.0f MiB  ETA %s%s",
+                    (long long)st.step, (long long)steps, loss, lr, gnorm, counts[1] / dt, rss, hms(eta).c_str(),
+                    finite ? "" : "  (skipped)");
+      log_info(line);
+    }
+    if ((every > 0 && st.step % every == 0) || st.step == stop || out_of_time) {
+      save();
+      last_saved = st.step;
+    }
+    if (out_of_time) {
+      log_info("runtime.walltime: stopping after step " + std::to_string(st.step) + " to stay within the budget");
+      break;
+    }
+  }
+  if (metrics) std::fclose(metrics);
+  log_info("training done: step " + std::to_string(st.step) + " of " + std::to_string(steps) + ", " +
+           std::to_string(st.skipped_total) + " skipped step(s)");
+  return 0;
+}
+
+}  // namespace q3vl

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# `q3vl train` end to end on the CPU with a 240k-parameter model (tests/data/golden/dense_tied/model) and the
+# synthetic dataset: the same global batch gives the same losses and weights on 1, 2 and 4 ranks, for any
+# micro-batch x accumulation split and ZeRO stage; a stopped and resumed run is bitwise identical to a straight
+# one (and agrees when resumed on another rank count); non-finite steps are skipped, then stop the run; frozen
+# parts stay as loaded; a checkpoint of another model is refused.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+q=bin/q3vl
+py=/usr/bin/python3
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+fails=0 passes=0
+pass() { echo "ok: $1"; passes=$((passes + 1)); }
+bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
+model=tests/data/golden/dense_tied/model
+common=(model.hf=$model data.seq_len=32 train.global_batch=8 train.steps=20 train.lr=5e-4 train.micro_batch=4
+        optim.warmup_steps=2
+        optim.weight_decay=0.1 train.resume=never)
+
+# train NAME NP ARGS...: run into $tmp/NAME; the log is kept in $tmp/NAME.log.
+train() {
+  local name=$1 np=$2; shift 2
+  mpiexec -n "$np" $q train "${common[@]}" run.out_dir="$tmp/$name" "$@" >"$tmp/$name.log" 2>&1
+}
+# cmp_losses A B TOL: per-step losses of two runs agree to TOL relative.
+cmp_losses() {
+  $py - "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" "$3" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+tol = float(sys.argv[3])
+assert len(a) == len(b) and len(a) > 0, f"{len(a)} vs {len(b)} steps"
+for x, y in zip(a, b):
+    assert x["step"] == y["step"], (x["step"], y["step"])
+    d = abs(x["loss"] - y["loss"]) / abs(y["loss"])
+    assert d <= tol, f"step {x['step']}: loss {x['loss']} vs {y['loss']} (rel {d:.2e})"
+PY
+}
+# cmp_ckpt FILE_A FILE_B TOL: every dataset present in both with the same shape; weights agree to TOL and AdamW
+# moments to 10 TOL in norm, ||a-b|| / ||b|| (TOL 0: bitwise). Norms, not elements: Adam's first steps move an
+# element whose gradient is at rounding level by +-lr whatever its size, so a few such elements differ more.
+cmp_ckpt() {
+  $py - "$1" "$2" "$3" <<'PY'
+import h5py, numpy as np, sys
+tol = float(sys.argv[3])
+with h5py.File(sys.argv[1]) as fa, h5py.File(sys.argv[2]) as fb:
+    na, nb = [], []
+    fa.visititems(lambda n, o: na.append(n) if isinstance(o, h5py.Dataset) else None)
+    fb.visititems(lambda n, o: nb.append(n) if isinstance(o, h5py.Dataset) else None)
+    assert sorted(na) == sorted(nb), f"dataset lists differ: {set(na) ^ set(nb)}"
+    assert any(n.startswith("optim/exp_avg_sq/") for n in na)
+    for n in na:
+        a, b = fa[n][()], fb[n][()]
+        assert a.shape == b.shape, n
+        if tol == 0:
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{n} differs"
+        else:
+            d = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+            assert d <= (tol if n.startswith("model/") else 10 * tol), f"{n}: relative difference {d:.2e}"
+PY
+}
+ckpt() { ls "$tmp/$1/checkpoints"/step_*.h5 | tail -1; }
+ok_run() { if [[ $1 -ne 0 ]]; then bad "$2: exit $1: $(tail -5 "$tmp/$2.log")"; return 1; fi; }
+
+# (a) 1, 2 and 4 ranks, ZeRO-3, same global batch: losses and final weights and moments agree.
+for n in 1 2 4; do train np$n $n parallel.zero_stage=3; ok_run $? np$n; done
+for n in 2 4; do
+  if cmp_losses np$n np1 1e-5 && cmp_ckpt "$(ckpt np$n)" "$(ckpt np1)" 1e-5; then pass "ranks-$n-vs-1"; else bad "ranks-$n-vs-1"; fi
+done
+grep -q "(0.250 of unsharded)" "$tmp/np4.log" && pass "memory-report-4-ranks" || bad "memory-report-4-ranks: $(grep -A8 'memory per rank' "$tmp/np4.log")"
+# The loss goes down.
+$py -c "import json,sys; l=[json.loads(x)['loss'] for x in open('$tmp/np1/metrics.jsonl')]; sys.exit(not sum(l[-5:]) < sum(l[:5]) - 0.2)" \
+  && pass "loss-decreases" || bad "loss-decreases"
+
+# (b) micro 4 x accum 1 vs 2 x 2 vs 1 x 4 on 2 ranks.
+train acc41 2 train.micro_batch=4 train.grad_accum=1; ok_run $? acc41
+for s in "2 2" "1 4"; do
+  set -- $s
+  train acc$1$2 2 train.micro_batch=$1 train.grad_accum=$2 && cmp_losses acc$1$2 acc41 1e-5 \
+    && pass "micro-$1-accum-$2" || bad "micro-$1-accum-$2"
+done
+
+# (e) ZeRO stages 1 and 2 against stage 3 (np2 ran stage 3).
+for st in 1 2; do
+  train stage$st 2 parallel.zero_stage=$st && cmp_losses stage$st np2 1e-5 \
+    && cmp_ckpt "$(ckpt stage$st)" "$(ckpt np2)" 1e-5 && pass "stage-$st-vs-3" || bad "stage-$st-vs-3"
+done
+
+# (c) 10 steps, stop, resume for 10 more (2 ranks): bitwise equal to 20 straight; resumed on 1 rank: same losses.
+train half 2 train.stop_after=10 checkpoint.keep=5; ok_run $? half
+cp -r "$tmp/half" "$tmp/half1"
+mpiexec -n 2 $q train "${common[@]}" run.out_dir="$tmp/half" train.resume=auto >"$tmp/resume2.log" 2>&1; ok_run $? resume2
+if grep -q "resumed from .*step_00000010.h5" "$tmp/resume2.log" && cmp_ckpt "$(ckpt half)" "$(ckpt np2)" 0 &&
+   cmp_losses half np2 0; then pass "resume-bitwise"; else bad "resume-bitwise"; fi
+$q train "${common[@]}" run.out_dir="$tmp/half1" train.resume="$tmp/half1/checkpoints/step_00000010.h5" \
+  >"$tmp/resume1.log" 2>&1; ok_run $? resume1
+cmp_losses half1 np2 1e-5 && cmp_ckpt "$(ckpt half1)" "$(ckpt np2)" 1e-5 && pass "resume-on-1-of-2-ranks" || bad "resume-on-1-of-2-ranks"
+
+# (f) a poisoned step is skipped and changes nothing (constant lr: 3 steps with step 3 skipped == 2 steps);
+# too many in a row stop the run with a clear message.
+train two 1 train.steps=2 optim.schedule=constant; ok_run $? two
+train skip3 1 train.steps=3 optim.schedule=constant train.debug_nan_step=3; ok_run $? skip3
+if $py -c "import json,sys; r=[json.loads(x) for x in open('$tmp/skip3/metrics.jsonl')]; sys.exit(not (r[2]['skipped'] and r[2]['skipped_total']==1 and not r[1]['skipped']))" &&
+   $py - "$(ckpt skip3)" "$(ckpt two)" <<'PY'
+import h5py, numpy as np, sys
+with h5py.File(sys.argv[1]) as a, h5py.File(sys.argv[2]) as b:
+    names = []
+    a.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    for n in names:
+        assert np.array_equal(a[n][()], b[n][()]), n
+PY
+then pass "nan-step-skipped"; else bad "nan-step-skipped"; fi
+train nanstop 2 train.debug_nan_step=2 train.debug_nan_count=10 train.max_skipped=3
+rc=$?
+if [[ $rc -eq 1 ]] && grep -q "step 4: 3 steps in a row had a non-finite loss or gradient (train.max_skipped = 3)" "$tmp/nanstop.log"; then
+  pass "nan-stops-run"
+else
+  bad "nan-stops-run: rc=$rc: $(tail -3 "$tmp/nanstop.log")"
+fi
+
+# Freezing: vision frozen keeps the loaded vision weights and writes no vision optimizer state.
+train frozen 2 train.steps=3 train.tune_vision=false; ok_run $? frozen
+if $py - "$(ckpt frozen)" "$model/model.safetensors" <<'PY'
+import h5py, json, numpy as np, struct, sys
+raw = open(sys.argv[2], "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+hdr = json.loads(raw[8:8 + n])
+def st(name):
+    h = hdr[name]; a, b = h["data_offsets"]
+    return np.frombuffer(raw[8 + n + a:8 + n + b], dtype=np.float32).reshape(h["shape"])
+with h5py.File(sys.argv[1]) as f:
+    v = "model.visual.blocks.0.attn.qkv.weight"
+    assert np.array_equal(f["model/" + v][()], st(v)), "frozen vision weight changed"
+    assert "optim/exp_avg/" + v not in f, "frozen tensor has optimizer state"
+    t = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not np.array_equal(f["model/" + t][()], st(t)), "trained weight did not change"
+    assert "optim/exp_avg/" + t in f
+PY
+then pass "freeze-vision"; else bad "freeze-vision"; fi
+
+# A checkpoint of another model (untied head: lm_head.weight) is refused, naming the tensor.
+mpiexec -n 2 $q train "${common[@]}" model.hf=tests/data/golden/dense_untied/model run.out_dir="$tmp/other" \
+  train.resume="$(ckpt np2)" >"$tmp/other.log" 2>&1
+rc=$?
+if [[ $rc -eq 1 ]] && grep -q "written for a different model: tensor model/" "$tmp/other.log"; then
+  pass "resume-refuses-other-model"
+else
+  bad "resume-refuses-other-model: rc=$rc: $(tail -3 "$tmp/other.log")"
+fi
+
+echo "$passes passed, $fails failed"
+exit $((fails > 0))
