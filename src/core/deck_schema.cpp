@@ -38,7 +38,7 @@ const std::vector<KeySpec>& deck_schema() {
        -kBig, kBig, {}, {"generate"}},
       {"generate.output", T::String, "", "JSONL answers: line, answer, prompt_tokens, new_tokens, stop", -kBig, kBig,
        {}, {"generate"}},
-      {"generate.checkpoint", T::String, "", "training checkpoint (step_*.h5) to take the weights from"},
+      {"generate.checkpoint", T::String, "", "training checkpoint (step_*.h5, or a folder: its newest) to take the weights from"},
       {"generate.max_new_tokens", T::Int, "64", "most tokens generated per prompt (stops earlier on eos)", 0, 1 << 24},
       {"generate.max_context", T::Int, "4096", "longest accepted prompt in tokens", 1, 1 << 24},
       {"generate.batch", T::Int, "8", "prompts generated together", 1, 1 << 20},

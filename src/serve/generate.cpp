@@ -131,10 +131,21 @@ void load_checkpoint_weights(Model& m, const std::string& path) {
   read_checkpoint(path, MPI_COMM_SELF, slices);
 }
 
-ModelConfig model_config(const Deck& d) {
+// generate.checkpoint names a file, or a checkpoint folder whose newest complete checkpoint is taken.
+std::string checkpoint_path(const Deck& d) {
+  const std::string ck = d.str("generate.checkpoint");
+  if (ck.empty() || !fs::is_directory(ck)) return ck;
+  std::vector<std::string> notes;
+  const std::string found = find_resume_checkpoint(ck, &notes);
+  for (const auto& n : notes)
+    if (n.find("skip") != std::string::npos) log_warn("generate: " + n);  // damaged checkpoints passed over
+  if (found.empty()) fail(ck + ": no complete checkpoint in this folder");
+  return found;
+}
+
+ModelConfig model_config(const Deck& d, const std::string& ck) {
   if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json");
   if (!d.str("model.preset").empty()) return preset_config(d.str("model.preset"));
-  const std::string ck = d.str("generate.checkpoint");
   if (!ck.empty()) {  // the model the checkpoint was trained as
     const Deck trained = Deck::parse(read_checkpoint_meta(ck).deck_toml, ck, {}, "");
     if (!trained.str("model.hf").empty()) return load_hf_config(trained.str("model.hf") + "/config.json");
@@ -149,7 +160,8 @@ int run_generate(const Deck& deck) {
   Runtime& rt = Runtime::get();
   // One process does the work; the others only wait, so that the mode also runs under mpiexec.
   if (rt.where().rank == 0) {
-    const ModelConfig cfg = model_config(deck);
+    const std::string ck = checkpoint_path(deck);
+    const ModelConfig cfg = model_config(deck, ck);
     const Tokenizer tok = Tokenizer::load(deck.str("tokenizer.path"));
     ImageConfig icfg;
     icfg.patch = cfg.vision.patch;
@@ -186,8 +198,10 @@ int run_generate(const Deck& deck) {
     Model model(cfg);
     {
       ScopedTimer t("generate: load weights");
-      const std::string ck = deck.str("generate.checkpoint");
-      if (!ck.empty()) load_checkpoint_weights(model, ck);
+      if (!ck.empty()) {
+        log_info("generate: weights from " + ck);
+        load_checkpoint_weights(model, ck);
+      }
       else if (!deck.str("model.hf").empty()) load_hf_weights(model, deck.str("model.hf"));
       else model.init_random(deck.integer("run.seed"));
     }
