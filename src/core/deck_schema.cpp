@@ -85,8 +85,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.resume", T::String, "auto", "auto | never | path of a checkpoint"},
       {"train.global_batch", T::Int, "8", "samples per optimizer step over all ranks (any rank count sees the same)",
        1, 1 << 30},
-      {"train.dataset", T::String, "synthetic", "training data: synthetic (deterministic generated samples)", -kBig, kBig,
-       {"synthetic"}},
+      {"train.dataset", T::String, "synthetic",
+       "training data: a dataset folder made by `q3vl prepare`, or synthetic (deterministic generated samples)"},
       {"train.synthetic_samples", T::Int, "256", "number of synthetic samples (train.dataset = synthetic)", 1, 1e9},
       {"train.stop_after", T::Int, "0", "stop (with a checkpoint) after this many steps in this job (0: run to "
        "train.steps); the schedule still spans train.steps", 0, 1e12},

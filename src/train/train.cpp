@@ -17,6 +17,7 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
+#include "q3vl/data/shards.hpp"
 #include "q3vl/io/checkpoint.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/zero.hpp"
@@ -181,8 +182,13 @@ int run_train(const Deck& deck) {
 
   // Data.
   const int64_t seq_len = deck.integer("data.seq_len");
-  SyntheticDataset data(cfg, size_t(deck.integer("train.synthetic_samples")), seed,
-                        int(std::max<int64_t>(2, seq_len / 4)), int(seq_len + seq_len / 4));
+  std::unique_ptr<Dataset> data;
+  if (deck.str("train.dataset") == "synthetic")
+    data = std::make_unique<SyntheticDataset>(cfg, size_t(deck.integer("train.synthetic_samples")), seed,
+                                              int(std::max<int64_t>(2, seq_len / 4)), int(seq_len + seq_len / 4));
+  else
+    data = std::make_unique<ShardDataset>(deck.str("train.dataset"));
+  log_info("data: " + std::to_string(data->size()) + " samples from " + deck.str("train.dataset"));
   LoaderOptions lo;
   lo.global_batch = deck.integer("train.global_batch");
   lo.micro_batch = deck.integer("train.micro_batch");
@@ -190,7 +196,7 @@ int run_train(const Deck& deck) {
   lo.seq_len = seq_len;
   lo.seed = seed;
   lo.drop_overlong = deck.str("data.overlong") == "drop";
-  Loader loader(data, cfg, lo, rank, nranks);
+  Loader loader(*data, cfg, lo, rank, nranks);
 
   // Resume.
   TrainState st;
