@@ -25,7 +25,25 @@ struct State {
   StopReason reason = StopReason::None;
 } g;
 
-void on_signal(int sig) { g_signal = sig; }
+// Handlers that were there before ours (MPICH takes SIGUSR1 for its process-failure notices): still
+// called, so that we only add to them.
+struct sigaction g_prev_usr1 {}, g_prev_term {};
+
+void on_signal(int sig) {
+  g_signal = sig;
+  const struct sigaction& prev = sig == SIGUSR1 ? g_prev_usr1 : g_prev_term;
+  if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN && !(prev.sa_flags & SA_SIGINFO))
+    prev.sa_handler(sig);
+}
+
+void install(int sig, struct sigaction* prev) {
+  struct sigaction sa {}, old {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;  // a signal must not turn a read or write into an EINTR error
+  sigaction(sig, &sa, &old);
+  if (old.sa_handler != on_signal) *prev = old;  // stop_init may run more than once
+}
 
 // Trigger slots in the all-reduce, in priority order: a STOP file (the user wants the run to end)
 // wins over signal and walltime (the run wants to continue in a requeued job).
@@ -38,12 +56,8 @@ void stop_init(double walltime_s, const std::string& out_dir) {
   g.walltime = walltime_s;
   g.out_dir = out_dir;
   g_signal = 0;
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = SA_RESTART;  // a signal must not turn a read or write into an EINTR error
-  sigaction(SIGUSR1, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  install(SIGUSR1, &g_prev_usr1);
+  install(SIGTERM, &g_prev_term);
 }
 
 void stop_note_step(double seconds) { g.max_step = std::max(g.max_step, seconds); }
