@@ -84,7 +84,9 @@ done
 has_train=0
 bin/q3vl --help | grep -q '^  train' && has_train=1
 tiny=(model.preset=tiny data.seq_len=64 train.global_batch=4 run.timing=false)
-if [[ -f input/demo.deck ]]; then smoke_deck=input/demo.deck smoke_args=(train.steps=2)
+if [[ -f input/demo.deck ]]; then
+  smoke_deck=input/demo.deck smoke_args=(synth.train_samples=32 synth.eval_samples=4 data.seq_len=128
+                                         train.global_batch=4 train.steps=2 checkpoint.every=0 run.timing=false)
 else smoke_deck="" smoke_args=("${tiny[@]}" train.steps=2); fi
 if ((has_train)); then
   id=$(DECK=$smoke_deck OUT=$work/smoke sbatch --parsable --output="$work/smoke-%j.out" jobs/smoke.slurm \
