@@ -231,9 +231,12 @@ Hid parallel_fapl(MPI_Comm comm) {
   return fapl;
 }
 
-Hid collective_dxpl() {
+// Independent data transfers: each rank's elements are one contiguous range of the file, so two-phase
+// collective buffering buys nothing, while its several collectives per dataset made a 4-rank checkpoint of
+// the tiny model take 17 s instead of 1.3 s on oversubscribed cores. Metadata stays collective.
+Hid transfer_dxpl() {
   Hid dxpl(H5Pcreate(H5P_DATASET_XFER), H5Pclose);
-  H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE);
+  H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_INDEPENDENT);
   return dxpl;
 }
 
@@ -368,8 +371,8 @@ Hid select_range(const std::vector<int64_t>& shape, int64_t begin, int64_t count
   return space;
 }
 
-// One collective transfer per round; every rank takes part in every round, with an empty selection once
-// its own slice is done.
+// One transfer per round of at most g_io_chunk elements (MPI-IO counts stay far below 2^31); a rank whose
+// slice is done takes part with an empty selection.
 void transfer(hid_t dset, const CkptSlice& s, int64_t rounds, hid_t dxpl, bool write, const std::string& w) {
   float dummy = 0;
   for (int64_t r = 0; r < rounds; ++r) {
@@ -590,7 +593,7 @@ std::string write_checkpoint(const std::string& dir_in, MPI_Comm comm, const Ckp
     H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY);
     H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER);  // every element is written below
     std::set<std::string> groups;
-    Hid dxpl = collective_dxpl();
+    Hid dxpl = transfer_dxpl();
     for (size_t i = 0; i < slices.size(); ++i) {
       const CkptSlice& s = slices[i];
       const std::string ws = w + ": tensor '" + s.dataset + "'";
@@ -663,7 +666,7 @@ void read_checkpoint(const std::string& path, MPI_Comm comm, const std::vector<C
     dsets.push_back(std::move(d));
   }
 
-  Hid dxpl = collective_dxpl();
+  Hid dxpl = transfer_dxpl();
   for (size_t i = 0; i < slices.size(); ++i)
     transfer(dsets[i], slices[i], rounds[i], dxpl, false, "checkpoint '" + path + "': tensor " + slices[i].dataset);
   // Verify each tensor that the ranks read whole.
