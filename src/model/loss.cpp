@@ -2,6 +2,7 @@
 // and the backward recomputes them instead of keeping [N, V]. Rows without a target skip the head (in training most
 // rows are prompt or image tokens) unless the caller wants every row's logits.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "q3vl/model/layers.hpp"
@@ -29,6 +30,30 @@ static void gather_rows(const T* h, const int64_t* target, const std::vector<int
   }
 }
 
+// The [chunk, V] logits buffer, kept between calls: with a large vocabulary a fresh zeroed one per call costs more
+// (page faults, memset) than the head's GEMM on small models.
+template <class T>
+static T* scratch(int64_t n) {
+  thread_local std::vector<T> buf;
+  if ((int64_t)buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// z <- scale * (softmax(z) - onehot(target)) row by row, in place: one exp per logit and no second [n, V] buffer.
+// The targets were range-checked by the forward's cross_entropy.
+template <class T>
+static void softmax_grad_inplace(T* z, const int64_t* target, int64_t n, int64_t V, T scale) {
+  for (int64_t r = 0; r < n; ++r) {
+    T* x = z + r * V;
+    const T mx = *std::max_element(x, x + V);
+    T sum = 0;
+    for (int64_t j = 0; j < V; ++j) sum += (x[j] = std::exp(x[j] - mx));
+    const T c = scale / sum;
+    for (int64_t j = 0; j < V; ++j) x[j] *= c;
+    x[target[r]] -= scale;
+  }
+}
+
 template <class T>
 double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H, int64_t V,
                         T* logits_out) {
@@ -43,13 +68,14 @@ double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N
   }
   const std::vector<int64_t> rows = supervised_rows(target, N);
   const int64_t R = (int64_t)rows.size(), C = std::min(R, kHeadChunk);
-  std::vector<T> hb(C * H), lg(C * V);
+  std::vector<T> hb(C * H);
   std::vector<int64_t> tb(C);
+  T* lg = scratch<T>(C * V);
   for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
     const int64_t n = std::min(kHeadChunk, R - r0);
     gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
-    ops::linear_fwd(hb.data(), W, (const T*)nullptr, lg.data(), n, H, V);
-    total += ops::cross_entropy(lg.data(), tb.data(), (T*)nullptr, (T*)nullptr, n, V, T(0));
+    ops::linear_fwd(hb.data(), W, (const T*)nullptr, lg, n, H, V);
+    total += ops::cross_entropy(lg, tb.data(), (T*)nullptr, (T*)nullptr, n, V, T(0));
   }
   return total;
 }
@@ -59,16 +85,16 @@ void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, 
                       T* dW) {
   const std::vector<int64_t> rows = supervised_rows(target, N);
   const int64_t R = (int64_t)rows.size(), C = std::min(R, kHeadChunk);
-  std::vector<T> hb(C * H), dhb(C * H), lg(C * V), dl(C * V);
+  std::vector<T> hb(C * H), dhb(C * H);
   std::vector<int64_t> tb(C);
+  T* lg = scratch<T>(C * V);
   for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
     const int64_t n = std::min(kHeadChunk, R - r0);
     gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
-    ops::linear_fwd(hb.data(), W, (const T*)nullptr, lg.data(), n, H, V);
-    std::fill(dl.begin(), dl.begin() + n * V, T(0));
-    ops::cross_entropy(lg.data(), tb.data(), (T*)nullptr, dl.data(), n, V, scale);
+    ops::linear_fwd(hb.data(), W, (const T*)nullptr, lg, n, H, V);
+    softmax_grad_inplace(lg, tb.data(), n, V, scale);
     std::fill(dhb.begin(), dhb.begin() + n * H, T(0));
-    ops::linear_bwd(dl.data(), hb.data(), W, dhb.data(), dW, (T*)nullptr, n, H, V);
+    ops::linear_bwd(lg, hb.data(), W, dhb.data(), dW, (T*)nullptr, n, H, V);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t d = 0; d < H; ++d) dh[rows[r0 + r] * H + d] += dhb[r * H + d];
   }
