@@ -45,6 +45,12 @@ done
 for t in tests/cli/*.sh tests/tools/*.sh; do
   [[ -f $t ]] && run "$(basename "${t%.sh}")" bash "$t"
 done
+# A real one-node Slurm (munge, slurmctld, slurmd from Debian's packages) for the job-script tests.
+if command -v slurmctld >/dev/null; then
+  run slurm-start bash tests/slurm/start.sh
+  run slurm bash tests/slurm/test_slurm.sh
+  bash tests/slurm/stop.sh >/dev/null 2>&1
+fi
 
 echo
 ((${#failed_suites[@]})) && echo "failed suites: ${failed_suites[*]}"

@@ -19,6 +19,7 @@
 #include "q3vl/core/log.hpp"
 #include "q3vl/data/shards.hpp"
 #include "q3vl/io/checkpoint.hpp"
+#include "q3vl/runtime/stop.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
@@ -281,6 +282,7 @@ int run_train(const Deck& deck) {
            std::to_string(steps) + ": global batch " + std::to_string(lo.global_batch) + " samples, " +
            std::to_string(nranks) + " rank(s), ZeRO stage " + std::to_string(stage));
   const double t_job = wall_seconds();
+  stop_init(walltime, out_dir);
   int64_t done = 0, last_saved = -1;
   while (st.step < stop) {
     Comm::set_step(long(st.step + 1));
@@ -369,11 +371,7 @@ int run_train(const Deck& deck) {
     tm.add("train: data", t_data), tm.add("train: forward", t_fwd), tm.add("train: backward", t_bwd);
     tm.add("train: comm", t_comm), tm.add("train: optimizer", t_opt);
     const double elapsed = wall_seconds() - t_job, eta = elapsed / double(done) * double(stop - st.step);
-    // One reduction for the largest RSS and the wall-clock budget (leave before it ends; any rank's clock stops all).
-    double mx[2] = {rss_mib(), walltime > 0 && elapsed + 2 * elapsed / double(done) > walltime ? 1.0 : 0.0};
-    world.all_reduce(mx, 2, DType::F64, ReduceOp::Max);
-    const double rss = mx[0];
-    const bool out_of_time = mx[1] > 0;
+    const double rss = world.max(rss_mib());
     if (rank == 0) {
       json j = {{"step", st.step},
                 {"loss", loss},
@@ -398,13 +396,20 @@ int run_train(const Deck& deck) {
                     finite ? "" : "  (skipped)");
       log_info(line);
     }
-    if ((every > 0 && st.step % every == 0) || st.step == stop || out_of_time) {
+    // A signal (Slurm's USR1 warning, SIGTERM), runtime.walltime or a STOP file: all ranks agree here.
+    stop_note_step(dt);
+    std::string why;
+    const bool stop_now = should_stop(world, &why) && st.step < stop;
+    if ((every > 0 && st.step % every == 0) || st.step == stop || stop_now) {
+      const double t_save = wall_seconds();
       save();
+      stop_note_checkpoint(wall_seconds() - t_save);
       last_saved = st.step;
     }
-    if (out_of_time) {
-      log_info("runtime.walltime: stopping after step " + std::to_string(st.step) + " to stay within the budget");
-      break;
+    if (stop_now) {
+      log_info("stopping early: " + why + "; checkpoint of step " + std::to_string(st.step) + " written");
+      if (metrics) std::fclose(metrics);
+      return stop_exit_status();  // 3: the job script requeues and the next job resumes here
     }
   }
   if (metrics) std::fclose(metrics);
