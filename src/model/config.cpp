@@ -227,7 +227,7 @@ ModelConfig load_hf_config(const std::string& path) {
   return c;
 }
 
-std::vector<std::string> preset_names() { return {"2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B", "tiny"}; }
+std::vector<std::string> preset_names() { return {"2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B", "tiny", "demo"}; }
 
 ModelConfig preset_config(const std::string& name) {
   ModelConfig c;
@@ -261,6 +261,13 @@ ModelConfig preset_config(const std::string& name) {
   } else if (name == "tiny") {
     // For tests and the CPU demo: real vocabulary (the demo uses the real tokenizer), everything else tiny.
     vision(2, 64, 128, 64, {0}), text(64, 128, 2, 4, 2, true);
+    v.heads = 4;
+    t.head_dim = 16;
+    t.mrope_section = {4, 2, 2};
+  } else if (name == "demo") {
+    // The CPU demo: tiny's text side (its cost is the 151936-row LM head) with a wider, deeper vision tower and two
+    // DeepStack taps, so that shapes, not only colours, are learned within minutes.
+    vision(4, 128, 256, 64, {1, 2}), text(64, 128, 2, 4, 2, true);
     v.heads = 4;
     t.head_dim = 16;
     t.mrope_section = {4, 2, 2};
