@@ -15,7 +15,9 @@ namespace q3vl {
 template <class T>
 static const T* fused_gate_up(const ParamView<T>& P, int f, int64_t I, int64_t H) {
   Q3VL_CHECK(P.p[f + tlay::up_proj] == P.p[f + tlay::gate_proj] + I * H, "gate_proj/up_proj must be adjacent");
-  Q3VL_CHECK(P.g[f + tlay::up_proj] == P.g[f + tlay::gate_proj] + I * H, "gate_proj/up_proj grads must be adjacent");
+  // Null grads: bound for forward only (ZeRO-3).
+  Q3VL_CHECK(!P.g[f + tlay::gate_proj] || P.g[f + tlay::up_proj] == P.g[f + tlay::gate_proj] + I * H,
+             "gate_proj/up_proj grads must be adjacent");
   return P.p[f + tlay::gate_proj];
 }
 

@@ -38,7 +38,68 @@ void BasicModel<T>::bind_unit(int unit, T* params, T* grads) {
   Q3VL_CHECK(unit >= 0 && unit < (int)unit_p_.size(), "bind_unit: no such unit");
   unit_p_[unit] = params;
   unit_g_[unit] = grads;
+  for (int id : table_.units()[unit].params) {  // only this unit's pointers: ZeRO-3 binds twice per use
+    pp_[id] = params ? params + table_.params()[id].offset : nullptr;
+    gp_[id] = grads ? grads + table_.params()[id].offset : nullptr;
+  }
+}
+
+template <class T>
+void BasicModel<T>::release_storage() {
+  std::vector<T>().swap(store_p_);
+  std::vector<T>().swap(store_g_);
+  std::fill(unit_p_.begin(), unit_p_.end(), nullptr);
+  std::fill(unit_g_.begin(), unit_g_.end(), nullptr);
   rebind();
+}
+
+template <class T>
+void BasicModel<T>::enter(int id, bool bwd) {
+  if (!hooks_) return;
+  const int u = table_.params()[id].unit;
+  bwd ? hooks_->before_backward(u) : hooks_->before_forward(u);
+}
+
+template <class T>
+void BasicModel<T>::leave(int id, bool bwd) {
+  if (!hooks_) return;
+  const int u = table_.params()[id].unit;
+  bwd ? hooks_->after_backward(u) : hooks_->after_forward(u);
+}
+
+template <class T>
+std::vector<int> BasicModel<T>::unit_order(bool backward) const {
+  const VisionConfig& vc = cfg_.vision;
+  const int layers = cfg_.text.layers;
+  std::vector<int> o;
+  auto use = [&](int id) { o.push_back(table_.params()[id].unit); };
+  const int head = table_.params()[table_.final_norm()].unit, lm = table_.params()[table_.lm_head()].unit;
+  if (!backward) {
+    use(table_.vision_embed());
+    for (int i = 0; i < vc.depth; ++i) {
+      use(table_.vision_block(i));
+      for (size_t j = 0; j < vc.deepstack_indexes.size(); ++j)
+        if (vc.deepstack_indexes[j] == i) use(table_.deepstack_merger(j));
+    }
+    use(table_.merger());
+    use(table_.embed_tokens());
+    for (int l = 0; l < layers; ++l) use(table_.layer(l));
+    use(table_.final_norm());
+    if (lm != head) use(table_.lm_head());
+    return o;
+  }
+  use(table_.final_norm());
+  if (lm != head) use(table_.lm_head());
+  for (int l = layers - 1; l >= 0; --l) use(table_.layer(l));
+  use(table_.embed_tokens());
+  use(table_.merger());
+  for (int i = vc.depth - 1; i >= 0; --i) {
+    for (size_t j = 0; j < vc.deepstack_indexes.size(); ++j)
+      if (vc.deepstack_indexes[j] == i && j < (size_t)layers) use(table_.deepstack_merger(j));
+    use(table_.vision_block(i));
+  }
+  use(table_.vision_embed());
+  return o;
 }
 
 template <class T>
@@ -126,7 +187,9 @@ void BasicModel<T>::encode_images(const std::vector<float>& pixels, const std::v
   if (Np == 0) return;
   pixels_.assign(pixels.begin(), pixels.end());
   std::vector<T> vx(Np * Dv);
+  enter(table_.vision_embed(), false);
   vision_embed_fwd(vc, P, table_.vision_embed(), pixels_.data(), grid, Np, vx.data());
+  leave(table_.vision_embed(), false);
   std::vector<int64_t> row, col;
   vision_patch_coords(grid, vc.merge, row, col);
   vcos_.resize(Np * vc.head_dim() / 2);
@@ -134,20 +197,29 @@ void BasicModel<T>::encode_images(const std::vector<float>& pixels, const std::v
   ops::vision_rope_table(row.data(), col.data(), Np, (int64_t)vc.head_dim(), vcos_.data(), vsin_.data());
   vcu_ = vision_cu_seqlens(grid);
   for (int i = 0; i < vc.depth; ++i) {
+    enter(table_.vision_block(i), false);
     vision_block_fwd(vc, P, table_.vision_block(i), vx.data(), Np, vcu_, vcos_.data(), vsin_.data(),
                      vctx_[keep ? i : 0]);
+    leave(table_.vision_block(i), false);
     for (size_t j = 0; j < nds; ++j)
-      if (vc.deepstack_indexes[j] == i)
+      if (vc.deepstack_indexes[j] == i) {
+        enter(table_.deepstack_merger(j), false);
         merger_fwd(vc, P, table_.deepstack_merger(j), true, vx.data(), Np, ds[j].data(), dsctx_[j]);
+        leave(table_.deepstack_merger(j), false);
+      }
   }
+  enter(table_.merger(), false);
   merger_fwd(vc, P, table_.merger(), false, vx.data(), Np, img.data(), mctx_);
+  leave(table_.merger(), false);
 }
 
 template <class T>
 std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::vector<T>& img) {
   const int64_t N = (int64_t)ids.size(), H = cfg_.text.hidden;
   std::vector<T> x(N * H);
+  enter(table_.embed_tokens(), false);
   ops::embedding_fwd(ids.data(), view().p[table_.embed_tokens()], x.data(), N, H, (int64_t)cfg_.text.vocab);
+  leave(table_.embed_tokens(), false);
   // Image tokens are replaced by the image features, row-major over the batch, in pixel_values order.
   vis_.clear();
   for (int64_t i = 0; i < N; ++i)
@@ -189,9 +261,11 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
   dctx_.resize(keep ? tc.layers : 1);
   for (int l = 0; l < tc.layers; ++l) {
     const int ms = moe_slot_[l];
+    enter(table_.layer(l), false);
     decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, x.data(), N, st_.cu, tcos_.data(), tsin_.data(),
                       ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr,
                       dctx_[keep ? l : 0]);
+    leave(table_.layer(l), false);
     if ((size_t)l < nds)  // DeepStack: add merged features of ViT block deepstack_indexes[l] at visual positions
       for (size_t j = 0; j < vis_.size(); ++j)
         for (int64_t d = 0; d < H; ++d) x[vis_[j] * H + d] += ds[l][j * H + d];
@@ -201,12 +275,17 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
   xf_ = x;
   hf_.resize(N * H);
   rf_.resize(N);
+  enter(table_.final_norm(), false);
   ops::rmsnorm_fwd(xf_.data(), P.p[table_.final_norm()], hf_.data(), rf_.data(), N, H, tc.rms_eps);
   count_ = std::count_if(st_.targets.begin(), st_.targets.end(), [](int64_t t) { return t != -100; });
   std::vector<T> logits;
   if (logits_out) logits.resize(N * V);
+  const bool tied_head = table_.params()[table_.lm_head()].unit != table_.params()[table_.final_norm()].unit;
+  if (tied_head) enter(table_.lm_head(), false);
   const double ce = lm_head_loss_fwd(hf_.data(), P.p[table_.lm_head()], st_.targets.data(), N, H, V,
                                      logits_out ? logits.data() : nullptr);
+  if (tied_head) leave(table_.lm_head(), false);
+  leave(table_.final_norm(), false);
   if (logits_out) {
     logits_out->assign(st_.out_rows * V, T(0));
     for (int64_t i = 0; i < N; ++i) std::copy(&logits[i * V], &logits[(i + 1) * V], &(*logits_out)[st_.orig[i] * V]);
@@ -237,8 +316,10 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   ops::mrope_table(pos3.data(), N, (int64_t)tc.head_dim, tc.rope_theta, tc.mrope_section.data(), cos.data(),
                    sin.data());
   for (int l = 0; l < tc.layers; ++l) {
+    enter(table_.layer(l), false);
     decoder_layer_infer(cfg_, P, table_.layer(l), moe_slot_[l] >= 0, x.data(), N, cu, seqs, cos.data(), sin.data(),
                         cache, l);
+    leave(table_.layer(l), false);
     if ((size_t)l < ds.size())  // DeepStack, as in run(): only prompts hold visual tokens
       for (size_t j = 0; j < vis_.size(); ++j)
         for (int64_t d = 0; d < H; ++d) x[vis_[j] * H + d] += ds[l][j * H + d];
@@ -247,8 +328,13 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   // Final norm and LM head on each segment's last row only.
   std::vector<T> last(nseg * H), h(nseg * H), r(nseg), logits(nseg * V);
   for (int64_t s = 0; s < nseg; ++s) std::copy(&x[(cu[s + 1] - 1) * H], &x[cu[s + 1] * H], &last[s * H]);
+  const bool tied_head = table_.params()[table_.lm_head()].unit != table_.params()[table_.final_norm()].unit;
+  enter(table_.final_norm(), false);
+  if (tied_head) enter(table_.lm_head(), false);
   ops::rmsnorm_fwd(last.data(), P.p[table_.final_norm()], h.data(), r.data(), nseg, H, tc.rms_eps);
   ops::linear_fwd(h.data(), P.p[table_.lm_head()], (const T*)nullptr, logits.data(), nseg, H, V);
+  if (tied_head) leave(table_.lm_head(), false);
+  leave(table_.final_norm(), false);
   return logits;
 }
 
@@ -314,11 +400,16 @@ void BasicModel<T>::backward() {
   const size_t nds = vc.deepstack_indexes.size();
 
   std::vector<T> dh(N * H), dx(N * H);
+  const bool tied_head = table_.params()[table_.lm_head()].unit != table_.params()[table_.final_norm()].unit;
+  enter(table_.final_norm(), true);
+  if (tied_head) enter(table_.lm_head(), true);
   if (count_)
     lm_head_loss_bwd(hf_.data(), P.p[table_.lm_head()], st_.targets.data(), N, H, V, T(1.0 / (double)count_),
                      dh.data(), P.g[table_.lm_head()]);
+  if (tied_head) leave(table_.lm_head(), true);
   ops::rmsnorm_bwd(dh.data(), xf_.data(), P.p[table_.final_norm()], rf_.data(), dx.data(), P.g[table_.final_norm()], N,
                    H);
+  leave(table_.final_norm(), true);
   std::vector<T> aux_dl;
   if (aux_on_) {
     const int64_t rows = (int64_t)probs_.size() / E;
@@ -332,9 +423,11 @@ void BasicModel<T>::backward() {
       for (size_t j = 0; j < vis_.size(); ++j) std::copy(&dx[vis_[j] * H], &dx[(vis_[j] + 1) * H], &dds[l][j * H]);
     }
     const int ms = moe_slot_[l];
+    enter(table_.layer(l), true);
     decoder_layer_bwd(cfg_, P, table_.layer(l), ms >= 0, dx.data(), N, st_.cu, tcos_.data(), tsin_.data(),
                       ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr,
                       ms >= 0 && aux_on_ ? aux_dl.data() + ms * N * E : nullptr, dctx_[l]);
+    leave(table_.layer(l), true);
   }
   // Image positions were overwritten by the vision tokens: their embedding rows get no gradient.
   std::vector<T> dimg(vis_.size() * H);
@@ -342,19 +435,30 @@ void BasicModel<T>::backward() {
     std::copy(&dx[vis_[j] * H], &dx[(vis_[j] + 1) * H], &dimg[j * H]);
     std::fill(&dx[vis_[j] * H], &dx[(vis_[j] + 1) * H], T(0));
   }
+  enter(table_.embed_tokens(), true);
   ops::embedding_bwd(st_.ids.data(), dx.data(), P.g[table_.embed_tokens()], N, H);
+  leave(table_.embed_tokens(), true);
 
   const int64_t Np = (int64_t)vis_.size() * 4;
   if (Np > 0) {
     std::vector<T> dv(Np * Dv);
+    enter(table_.merger(), true);
     merger_bwd(vc, P, table_.merger(), false, dimg.data(), Np, dv.data(), mctx_);
+    leave(table_.merger(), true);
     for (int i = vc.depth - 1; i >= 0; --i) {
       for (size_t j = 0; j < nds; ++j)
-        if (vc.deepstack_indexes[j] == i && j < (size_t)tc.layers)
+        if (vc.deepstack_indexes[j] == i && j < (size_t)tc.layers) {
+          enter(table_.deepstack_merger(j), true);
           merger_bwd(vc, P, table_.deepstack_merger(j), true, dds[j].data(), Np, dv.data(), dsctx_[j]);
+          leave(table_.deepstack_merger(j), true);
+        }
+      enter(table_.vision_block(i), true);
       vision_block_bwd(vc, P, table_.vision_block(i), dv.data(), Np, vcu_, vcos_.data(), vsin_.data(), vctx_[i]);
+      leave(table_.vision_block(i), true);
     }
+    enter(table_.vision_embed(), true);
     vision_embed_bwd(vc, P, table_.vision_embed(), pixels_.data(), grid_, Np, dv.data());
+    leave(table_.vision_embed(), true);
   }
   vctx_.clear();
   dctx_.clear();

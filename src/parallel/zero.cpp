@@ -32,6 +32,7 @@ ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, cons
       u.counts.push_back(size_t(std::min<int64_t>(lo + u.shard, ui.numel) - lo));
       u.displs.push_back(size_t(int64_t(q) * u.shard));
     }
+    u.piece_lo = pieces_.size();
     u.master_off = master_total;
     master_total += u.shard;
     if (u.trainable) u.comm_off = comm_total, comm_total += u.shard;
@@ -49,6 +50,7 @@ ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, cons
       offs.push_back({u.master_off + (a - u.lo), u.comm_off + (a - u.lo), sp.trainable ? opt_total : -1});
       if (sp.trainable) opt_total += sp.count;
     }
+    u.piece_hi = pieces_.size();
     units_.push_back(std::move(u));
   }
   master_.assign(master_total, 0.f);
@@ -68,6 +70,11 @@ ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, cons
   }
   comm_offs_.resize(pieces_.size());
   for (size_t i = 0; i < pieces_.size(); ++i) comm_offs_[i] = offs[i].comm;
+  if (stage_ == 3) stream_setup();
+}
+
+ZeroEngine::~ZeroEngine() {
+  if (stage_ == 3) model_.set_hooks(nullptr);
 }
 
 ZeroMemory ZeroEngine::memory() const {
@@ -77,7 +84,8 @@ ZeroMemory ZeroEngine::memory() const {
   m.exp_avg_sq = int64_t(exp_avg_sq_.size()) * 4;
   m.grads = int64_t(grads_.size() + full_grads_.size()) * 4;
   m.comm = int64_t(comm_buf_.size()) * 4;
-  m.working = model_.table().total() * 8;
+  m.working = stage_ == 3 ? pool_peak_ : model_.table().total() * 8;
+  if (stage_ == 3) m.pool_bound = stream_bound();
   return m;
 }
 
@@ -106,14 +114,20 @@ std::string ZeroEngine::memory_report() const {
                 "  %-30s %10.2f MiB %10.2f MiB\n"
                 "  %-30s %10.2f MiB %10.2f MiB  (%.3f of unsharded)\n"
                 "  %-30s %10.2f MiB\n"
-                "  %-30s %10.2f MiB  (Model's full params + grads, held during the whole run)",
+                "  %-30s %10.2f MiB  (%s)",
                 stage_, shard_.size(), replica_ && replica_->size() > 1 ? ", hybrid" : "", "", "this rank",
                 "unsharded", "fp32 master weights", mib(m.master), mib(u.master), "AdamW exp_avg", mib(m.exp_avg),
                 mib(u.exp_avg), "AdamW exp_avg_sq", mib(m.exp_avg_sq), mib(u.exp_avg_sq), "gradient accumulator",
                 mib(m.grads), mib(u.grads), "total ZeRO state", mib(m.state()), mib(u.state()),
                 u.state() ? double(m.state()) / double(u.state()) : 0.0, "reduce-scatter buffer", mib(m.comm),
-                "gathered working set", mib(m.working));
-  return buf;
+                "gathered working set", mib(stage_ == 3 ? m.pool_bound : m.working),
+                stage_ == 3 ? "at most: pool of full-unit params + grads, each unit only while in use"
+                            : "Model's full params + grads, held during the whole run");
+  std::string out = buf;
+  const int64_t mine = m.state() + m.comm + (stage_ == 3 ? m.pool_bound : m.working);
+  std::snprintf(buf, sizeof buf, "\n  %-30s %10.2f MiB %10.2f MiB  (%.3f of unsharded)", "params + grads + optimizer",
+                mib(mine), mib(u.state() + u.working), double(mine) / double(u.state() + u.working));
+  return out + buf;
 }
 
 void ZeroEngine::load_from_model() {
@@ -123,9 +137,14 @@ void ZeroEngine::load_from_model() {
     const float* src = full + model_.table().units()[i].offset + u.lo;
     std::copy(src, src + u.count, master_.data() + u.master_off);
   }
+  if (stage_ == 3) {  // from here on units exist in full only while used
+    model_.release_storage();
+    model_.set_hooks(&hooks_);
+  }
 }
 
 void ZeroEngine::gather_params() {
+  if (stage_ == 3) return;
   std::vector<std::unique_ptr<CommRequest>> reqs;
   for (size_t i = 0; i < units_.size(); ++i) {
     const Unit& u = units_[i];
@@ -145,15 +164,23 @@ void ZeroEngine::begin_step() {
 }
 
 void ZeroEngine::before_forward() {
-  if (stage_ == 3) gather_params();
+  if (stage_ == 3) begin_pass(false);
 }
 
-void ZeroEngine::before_backward() {
+void ZeroEngine::before_backward(double scale) {
+  scale_ = scale;
+  if (stage_ == 3) {
+    end_pass();
+    begin_pass(true);
+    return;
+  }
   wait_reduce();
   model_.zero_grads();
 }
 
-void ZeroEngine::after_backward(double scale) {
+void ZeroEngine::after_backward() {
+  if (stage_ == 3) return end_pass();
+  const double scale = scale_;
   const ParamTable& t = model_.table();
   for (size_t i = 0; i < units_.size(); ++i) {
     const Unit& u = units_[i];

@@ -314,7 +314,7 @@ int run_train(const Deck& deck) {
       }
       {
         Phase p{t_comm};
-        engine.before_backward();
+        engine.before_backward(n_global > 0 ? double(n) / n_global : 0.0);
       }
       if (n > 0) {
         Phase p{t_bwd};
@@ -322,7 +322,7 @@ int run_train(const Deck& deck) {
       }
       {
         Phase p{t_comm};
-        engine.after_backward(n_global > 0 ? double(n) / n_global : 0.0);
+        engine.after_backward();
       }
     }
     const int64_t step1 = st.step + 1;

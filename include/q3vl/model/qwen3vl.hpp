@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "q3vl/model/config.hpp"
+#include "q3vl/model/hooks.hpp"
 #include "q3vl/model/layers.hpp"
 #include "q3vl/model/params.hpp"
 
@@ -47,6 +48,14 @@ class BasicModel {
   // Point one ZeRO unit at external flat buffers (same layout as the table's unit); grads may be null only if the
   // unit is never differentiated.
   void bind_unit(int unit, T* params, T* grads);
+  // Frees the default storage (params() and grads() become null; every unit points nowhere until bound): ZeRO-3
+  // binds each unit to a gathered buffer through the hooks only while it is used.
+  void release_storage();
+  // Called around every unit use by forward and backward (prefill/decode too); null: none.
+  void set_hooks(UnitHooks* h) { hooks_ = h; }
+  // The units' before_forward (backward: before_backward) calls of one pass over a batch with images, in order;
+  // any pass calls a subsequence of it (no images: no vision units). The same on every rank.
+  std::vector<int> unit_order(bool backward) const;
   void zero_grads();
   // Norm weights 1, biases 0, everything else N(0, std^2) (tests and demos).
   void init_random(uint64_t seed, double std = 0.02);
@@ -88,11 +97,15 @@ class BasicModel {
                         const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds, KvCache<T>& cache);
   ParamView<T> view() const { return {pp_.data(), gp_.data()}; }
   void rebind();
+  // Hook calls for the unit holding parameter `id`.
+  void enter(int id, bool bwd);
+  void leave(int id, bool bwd);
 
   ModelConfig cfg_;
   ParamTable table_;
   std::vector<T> store_p_, store_g_;
   std::vector<T*> unit_p_, unit_g_, pp_, gp_;
+  UnitHooks* hooks_ = nullptr;
 
   // Saved by forward for backward.
   bool kept_ = false, aux_on_ = false;

@@ -5,14 +5,16 @@
 // and a gradient accumulator. The stages differ in what is sharded:
 //   1: optimizer state (grads accumulate in a full buffer, reduce-scattered once per step);
 //   2: + gradients (each micro-step's grads are reduce-scattered into the shard accumulator);
-//   3: + parameters at rest (the full weights are re-gathered before every micro-step).
+//   3: + parameters and gradients in use: the Model keeps no full storage; through its unit hooks the engine
+//      gathers each unit into a pool buffer just before it is used (prefetching the next unit of the recorded
+//      order while this one computes), frees it right after, and reduce-scatters each unit's gradients as soon
+//      as its last backward use completes (zero_stream.cpp). Stages 1/2 keep the full weights in the Model.
 //
-// Design choice for the CPU slice: Model runs all units in one forward() call and owns a full-size parameter and
-// gradient buffer, so the gathered weights live there (the gather target; no second copy) and cannot be
-// released between micro-steps. Stage 3 therefore has stage 3's communication pattern (all units' all-gathers
-// issued together and overlapping each other before every forward; per-unit reduce-scatters issued
-// nonblocking as soon as backward returns and overlapped with the next micro-step's forward) but not yet its
-// memory saving for the working set. Per-unit prefetch and release need a per-unit hook in Model.
+// Every rank makes the same collectives in the same order although ranks use different units (a micro-batch
+// without images skips the vision tower; an empty one skips everything): each pass walks Model::unit_order()
+// and a unit the Model did not use is still gathered (and its zero gradients reduce-scattered) when the pass
+// moves past it. Gathers and reduce-scatters go over two duplicates of the shard communicator, so that
+// each has one fixed order (gathers: the pass order; reduce-scatters: the order of each unit's last use).
 //
 // Hybrid sharding: the shard group is one node and `replica` joins the ranks holding the same shard on other
 // nodes; gradient shards are all-reduced over it once per step.
@@ -22,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "q3vl/model/hooks.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/runtime/comm.hpp"
 
@@ -43,7 +46,8 @@ struct ShardPiece {
 struct ZeroMemory {
   int64_t master = 0, exp_avg = 0, exp_avg_sq = 0, grads = 0;  // ZeRO state
   int64_t comm = 0;                                              // reduce-scatter landing buffer
-  int64_t working = 0;                                           // Model's gathered params + grads
+  int64_t working = 0;  // full params + grads: the Model's (stages 1/2); stage 3: the unit pool's peak so far
+  int64_t pool_bound = 0;  // stage 3: what the unit pool can reach (from the unit sizes and the use order)
   int64_t state() const { return master + exp_avg + exp_avg_sq + grads; }
 };
 
@@ -52,6 +56,9 @@ class ZeroEngine {
   // trainable: one flag per table parameter (frozen ones get no optimizer state, no grads and no update).
   // `replica` may be null (no hybrid). Both comms must outlive the engine.
   ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable);
+  ~ZeroEngine();
+  ZeroEngine(const ZeroEngine&) = delete;
+  ZeroEngine& operator=(const ZeroEngine&) = delete;
 
   int stage() const { return stage_; }
   const std::vector<ShardPiece>& pieces() const { return pieces_; }
@@ -60,23 +67,27 @@ class ZeroEngine {
   ZeroMemory unsharded() const;
   std::string memory_report() const;
 
-  // Master shards <- the model's full weights (identical on every rank: same seed or same files).
+  // Master shards <- the model's full weights (identical on every rank: same seed or same files). Stage 3 then
+  // releases the model's full storage and installs the unit hooks: from here on the model runs only between
+  // before_forward() and after_backward().
   void load_from_model();
-  // Model's full weights <- master shards (every unit; the all-gathers are issued together).
+  // Model's full weights <- master shards (every unit; the all-gathers are issued together). Stage 3: nothing
+  // (units are gathered when used).
   void gather_params();
 
   // One optimizer step's gradient flow:
   //   begin_step();
-  //   for each micro-step { before_forward(); forward; before_backward(); backward; after_backward(scale); }
+  //   for each micro-step { before_forward(); forward; before_backward(scale); backward; after_backward(); }
   //   finish_grads(); ... optimizer on pieces() ...; after_update();
   // Every rank makes the same calls (an empty micro-step skips only forward and backward).
   void begin_step();
   void before_forward();
-  // Waits for the previous micro-step's reduce-scatters (they read the model's gradients) and zeroes them.
-  void before_backward();
-  // Scales this micro-step's gradients by `scale` and adds them to the full accumulator (stage 1) or starts
-  // their per-unit reduce-scatters (stage 2/3), which overlap the next micro-step's forward.
-  void after_backward(double scale);
+  // This micro-step's gradients count `scale` times. Stages 1/2: waits for the previous micro-step's
+  // reduce-scatters (they read the model's gradients) and zeroes them. Stage 3: ends the forward pass.
+  void before_backward(double scale);
+  // Stage 1: adds the scaled gradients to the full accumulator; stage 2: starts their per-unit reduce-scatters,
+  // which overlap the next micro-step's forward; stage 3: ends the backward pass (its reduce-scatters done).
+  void after_backward();
   void finish_grads();
   // Sum of squared trainable gradients over the shard group (the global norm's square).
   double grad_norm_sq();
@@ -91,10 +102,39 @@ class ZeroEngine {
     int64_t lo = 0, count = 0;     // this rank's real range [lo, lo+count) in the unit
     bool trainable = false;        // any trainable parameter in it
     int64_t master_off = 0, comm_off = 0;
+    size_t piece_lo = 0, piece_hi = 0;  // its pieces_
     std::vector<size_t> counts, displs;
   };
   void wait_reduce();
   void accumulate_comm();  // comm_buf_ -> trainable grad shards
+
+  // Stage 3 unit streaming (zero_stream.cpp).
+  struct Hooks final : UnitHooks {
+    ZeroEngine& e;
+    explicit Hooks(ZeroEngine& e) : e(e) {}
+    void before_forward(int u) override { e.use(u); }
+    void after_forward(int u) override { e.unuse(u); }
+    void before_backward(int u) override { e.use(u); }
+    void after_backward(int u) override { e.unuse(u); }
+  };
+  struct Slot {
+    int unit = 0;
+    std::vector<float> buf;  // the gathered full parameters while held
+    std::unique_ptr<CommRequest> req;
+  };
+  void stream_setup();
+  int64_t stream_bound() const;
+  void begin_pass(bool backward);
+  void end_pass();
+  void use(int unit);    // advance to the unit's next slot of the pass (running skipped slots) and bind it
+  void unuse(int unit);  // unbind and free; in backward a unit's last use completes its gradients
+  void enter_slot(size_t k);
+  void leave_slot(size_t k);
+  void issue_gather(size_t k);
+  void issue_ready_reduces();
+  void complete_reduce();  // the oldest pending reduce-scatter: wait, accumulate into the shard, free
+  void alloc(std::vector<float>& v, int64_t n);
+  void release(std::vector<float>& v);
 
   Model& model_;
   Comm& shard_;
@@ -107,6 +147,21 @@ class ZeroEngine {
   std::vector<int64_t> comm_offs_;  // per piece: its offset in comm_buf_
   std::vector<std::unique_ptr<CommRequest>> pending_;
   bool gathered_once_ = false;
+  double scale_ = 1.0;
+
+  Hooks hooks_{*this};
+  std::unique_ptr<Comm> gather_comm_, reduce_comm_;
+  std::vector<int> order_[2];          // Model::unit_order(false / true)
+  std::vector<int> last_use_, rs_order_;  // backward: each unit's last slot; units by it
+  bool backward_ = false, in_pass_ = false;
+  std::vector<Slot> slots_;
+  size_t next_ = 0;                    // next slot of the pass to enter
+  std::vector<int> held_;              // per unit: the slot it is bound to, -1 none
+  std::vector<std::vector<float>> gbuf_;  // per unit: full gradients between its first and last backward use
+  std::vector<char> grads_done_;
+  size_t rs_next_ = 0;                 // rs_order_ index of the next reduce-scatter to issue
+  std::vector<std::pair<int, std::unique_ptr<CommRequest>>> rs_pending_;
+  int64_t pool_bytes_ = 0, pool_peak_ = 0;
 };
 
 }  // namespace q3vl
