@@ -23,6 +23,7 @@
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
+#include "q3vl/train/flops.hpp"
 #include "q3vl/train/loader.hpp"
 #include "q3vl/train/optim.hpp"
 
@@ -42,6 +43,7 @@ struct TrainState {
   int64_t adam_t = 0;          // updates applied (AdamW bias correction)
   int64_t tokens = 0;          // tokens seen
   int64_t skipped_total = 0, skipped_in_row = 0;
+  double wall = 0;             // seconds of training before this job (earlier jobs of the run)
   LoaderCursor cursor;
 };
 
@@ -52,6 +54,7 @@ std::string to_json(const TrainState& s, int world, int stage) {
             {"tokens", s.tokens},
             {"skipped_total", s.skipped_total},
             {"skipped_in_row", s.skipped_in_row},
+            {"wall", s.wall},
             {"cursor", {{"epoch", s.cursor.epoch}, {"position", s.cursor.position}}},
             {"world_size", world},
             {"zero_stage", stage}};
@@ -67,6 +70,7 @@ TrainState from_json(const std::string& text, const std::string& path) {
     s.tokens = j.at("tokens");
     s.skipped_total = j.at("skipped_total");
     s.skipped_in_row = j.at("skipped_in_row");
+    s.wall = j.value("wall", 0.0);  // absent in checkpoints written before it was kept
     s.cursor.epoch = j.at("cursor").at("epoch");
     s.cursor.position = j.at("cursor").at("position");
     return s;
@@ -141,6 +145,7 @@ struct Phase {
 }  // namespace
 
 int run_train(const Deck& deck) {
+  const double t_start = wall_seconds();  // metrics' time.wall counts start-up too
   Runtime& rt = Runtime::get();
   Comm& world = rt.world();
   const int rank = world.rank(), nranks = world.size();
@@ -256,6 +261,7 @@ int run_train(const Deck& deck) {
   const int64_t nan_from = deck.integer("train.debug_nan_step"), nan_count = deck.integer("train.debug_nan_count");
   const int64_t max_skipped = deck.integer("train.max_skipped");
   const double walltime = deck.real("runtime.walltime");
+  const double peak_flops = deck.real("runtime.peak_flops");
   const bool writer = !replica || replica->rank() == 0;
 
   std::FILE* metrics = nullptr;
@@ -281,7 +287,8 @@ int run_train(const Deck& deck) {
   log_info("training steps " + std::to_string(st.step + 1) + ".." + std::to_string(stop) + " of " +
            std::to_string(steps) + ": global batch " + std::to_string(lo.global_batch) + " samples, " +
            std::to_string(nranks) + " rank(s), ZeRO stage " + std::to_string(stage));
-  const double t_job = wall_seconds();
+  const double t_job = wall_seconds(), wall0 = st.wall;  // wall0: earlier jobs of this run, up to their checkpoint
+  bool first_line = !path.empty();  // the first metrics line after a resume says so
   stop_init(walltime, out_dir);
   int64_t done = 0, last_saved = -1;
   while (st.step < stop) {
@@ -293,11 +300,14 @@ int run_train(const Deck& deck) {
       Phase p{t_data};
       sd = loader.next();
     }
-    double counts[3] = {double(sd.supervised), double(sd.tokens), double(sd.dropped)};
+    FlopCounts fc = count_flops(sd.micro);
+    double counts[3 + FlopCounts::kFields] = {double(sd.supervised), double(sd.tokens), double(sd.dropped)};
+    std::copy(fc.data(), fc.data() + FlopCounts::kFields, counts + 3);
     {
       Phase p{t_comm};
-      world.all_reduce(counts, 3, DType::F64, ReduceOp::Sum);
+      world.all_reduce(counts, 3 + FlopCounts::kFields, DType::F64, ReduceOp::Sum);
     }
+    std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
     engine.begin_step();
     double loss_sum = 0;
@@ -370,9 +380,12 @@ int run_train(const Deck& deck) {
     Timers& tm = Timers::get();
     tm.add("train: data", t_data), tm.add("train: forward", t_fwd), tm.add("train: backward", t_bwd);
     tm.add("train: comm", t_comm), tm.add("train: optimizer", t_opt);
+    st.wall = wall0 + (wall_seconds() - t_start);
     const double elapsed = wall_seconds() - t_job, eta = elapsed / double(done) * double(stop - st.step);
     const double rss = world.max(rss_mib());
     if (rank == 0) {
+      // MFU as DESIGN.md defines it; the inputs go next to it.
+      const double flops = train_flops(table, fc);
       json j = {{"step", st.step},
                 {"loss", loss},
                 {"lr", lr},
@@ -381,12 +394,17 @@ int run_train(const Deck& deck) {
                 {"supervised_tokens", int64_t(n_global)},
                 {"tokens_seen", st.tokens},
                 {"tokens_per_s", counts[1] / dt},
-                {"time", {{"step", dt}, {"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd}, {"comm", t_comm},
+                {"mfu", flops / dt / (peak_flops * nranks)},
+                {"flops", {{"model", flops}, {"peak_per_rank", peak_flops}, {"ranks", nranks}, {"tokens", fc.tokens},
+                           {"text_keys", fc.text_keys}, {"patches", fc.patches}, {"vision_keys", fc.vision_keys}}},
+                {"time", {{"wall", st.wall}, {"step", dt}, {"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd}, {"comm", t_comm},
                           {"optimizer", t_opt}}},
                 {"rss_mib", rss},
                 {"skipped", !finite},
                 {"skipped_total", st.skipped_total},
                 {"dropped_samples", int64_t(counts[2])}};
+      if (first_line) j["resumed"] = true;
+      first_line = false;
       if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;
       std::fprintf(metrics, "%s\n", j.dump().c_str());
       std::fflush(metrics);

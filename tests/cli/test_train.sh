@@ -87,15 +87,29 @@ for st in 1 2; do
     && cmp_ckpt "$(ckpt stage$st)" "$(ckpt np2)" 1e-5 && pass "stage-$st-vs-3" || bad "stage-$st-vs-3"
 done
 
-# (c) 10 steps, stop, resume for 10 more (2 ranks): bitwise equal to 20 straight; resumed on 1 rank: same losses.
+# (c) 10 steps, stop, resume for 10 more (2 ranks): bitwise equal to 20 straight; 10 steps on 4 ranks resumed on 2:
+# same losses and weights.
 train half 2 train.stop_after=10 checkpoint.keep=5; ok_run $? half
-cp -r "$tmp/half" "$tmp/half1"
+train half4 4 train.stop_after=10; ok_run $? half4
 mpiexec -n 2 $q train "${common[@]}" run.out_dir="$tmp/half" train.resume=auto >"$tmp/resume2.log" 2>&1; ok_run $? resume2
 if grep -q "resumed from .*step_00000010.h5" "$tmp/resume2.log" && cmp_ckpt "$(ckpt half)" "$(ckpt np2)" 0 &&
    cmp_losses half np2 0; then pass "resume-bitwise"; else bad "resume-bitwise"; fi
-$q train "${common[@]}" run.out_dir="$tmp/half1" train.resume="$tmp/half1/checkpoints/step_00000010.h5" \
-  >"$tmp/resume1.log" 2>&1; ok_run $? resume1
-cmp_losses half1 np2 1e-5 && cmp_ckpt "$(ckpt half1)" "$(ckpt np2)" 1e-5 && pass "resume-on-1-of-2-ranks" || bad "resume-on-1-of-2-ranks"
+mpiexec -n 2 $q train "${common[@]}" run.out_dir="$tmp/half4" train.resume="$tmp/half4/checkpoints/step_00000010.h5" \
+  >"$tmp/resume42.log" 2>&1; ok_run $? resume42
+cmp_losses half4 np2 1e-5 && cmp_ckpt "$(ckpt half4)" "$(ckpt np2)" 1e-5 && pass "resume-on-2-of-4-ranks" || bad "resume-on-2-of-4-ranks"
+# Metrics: only the first line after the resume says "resumed"; time.wall carries over and grows; mfu is a
+# fraction computed from the logged FLOP count.
+$py - "$tmp/half4/metrics.jsonl" <<'PY' && pass "metrics-resumed-wall-mfu" || bad "metrics-resumed-wall-mfu"
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])]
+assert [x["step"] for x in r if x.get("resumed")] == [11], [x.get("resumed") for x in r]
+w = [x["time"]["wall"] for x in r]
+assert all(b > a for a, b in zip(w, w[1:])), w
+for x in r:
+    f = x["flops"]
+    assert f["model"] > 0 and 0 < x["mfu"] < 1
+    assert abs(x["mfu"] - f["model"] / x["time"]["step"] / (f["peak_per_rank"] * f["ranks"])) <= 1e-9 * x["mfu"] + 1e-12
+PY
 
 # (f) a poisoned step is skipped and changes nothing (constant lr: 3 steps with step 3 skipped == 2 steps);
 # too many in a row stop the run with a clear message.

@@ -1,7 +1,7 @@
 """Reading metrics.jsonl (one JSON object per optimizer step, written by `q3vl train`).
 
 Fields used (src/train/train.cpp): step, loss, lr, grad_norm, tokens, tokens_seen, tokens_per_s,
-time.step (seconds of the step), skipped, rss_mib; optional: mfu (a fraction), resumed, and any other
+time.step (seconds of the step), skipped, rss_mib; optional: mfu (a fraction), resumed, time.wall, and any other
 memory figure (a number whose key ends in _mib or contains "mem").
 
 A restart shows as a step that is not larger than the one before it, or as a line with "resumed": true.
