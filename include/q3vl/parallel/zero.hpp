@@ -133,7 +133,7 @@ class ZeroEngine {
   void issue_gather(size_t k);
   void issue_ready_reduces();
   void complete_reduce();  // the oldest pending reduce-scatter: wait, accumulate into the shard, free
-  void alloc(std::vector<float>& v, int64_t n);
+  void alloc(std::vector<float>& v, int64_t n, bool zero);
   void release(std::vector<float>& v);
 
   Model& model_;
@@ -162,6 +162,7 @@ class ZeroEngine {
   size_t rs_next_ = 0;                 // rs_order_ index of the next reduce-scatter to issue
   std::vector<std::pair<int, std::unique_ptr<CommRequest>>> rs_pending_;
   int64_t pool_bytes_ = 0, pool_peak_ = 0;
+  std::vector<std::vector<float>> free_;  // released unit buffers, reused by alloc()
 };
 
 }  // namespace q3vl
