@@ -47,29 +47,35 @@ int64_t ZeroEngine::stream_bound() const {
     for (size_t u = 0; u < units_.size(); ++u) open += first[u] <= int(k) && int(k) <= last_use_[u];
     open_max = std::max(open_max, open);
   }
-  return 4 * biggest * (3 + open_max + int64_t(kMaxPendingReduces) + 1);  // + the one recycled buffer
+  return 4 * biggest * (3 + open_max + int64_t(kMaxPendingReduces));
 }
 
 // Unit buffers are recycled: allocating and zeroing fresh ones at every use cost page faults and memsets that
-// made a stage-3 step 4x slower than a stage-2 step on the demo. The pool keeps at most one released buffer,
-// reused only by a unit of exactly its size (consecutive blocks are), and counts it as held.
+// made a stage-3 step 4x slower than a stage-2 step on the demo. The pool's count is of the buffers in use;
+// released ones wait in free_ (cache_bytes_) for the next unit they fit.
 void ZeroEngine::alloc(std::vector<float>& v, int64_t n, bool zero) {
-  if (!free_.empty() && int64_t(free_.back().size()) == n) {
-    v.swap(free_.back());
-    free_.pop_back();
+  auto fit = free_.end();
+  for (auto it = free_.begin(); it != free_.end(); ++it)
+    if (int64_t(it->capacity()) >= n && (fit == free_.end() || it->capacity() < fit->capacity())) fit = it;
+  if (fit == free_.end()) {
+    // Nothing fits: give the smaller free buffers back rather than keep them beside a new one.
+    free_.clear();
+    cache_bytes_ = 0;
   } else {
-    v.assign(size_t(n), 0.f);
-    pool_bytes_ += 4 * n;
-    zero = false;
+    cache_bytes_ -= 4 * int64_t(fit->capacity());
+    v.swap(*fit);
+    free_.erase(fit);
   }
+  v.resize(size_t(n));
   if (zero) std::fill(v.begin(), v.end(), 0.f);
+  pool_bytes_ += 4 * n;
   pool_peak_ = std::max(pool_peak_, pool_bytes_);
 }
 
 void ZeroEngine::release(std::vector<float>& v) {
-  if (v.empty()) return;
-  for (auto& f : free_) pool_bytes_ -= 4 * int64_t(f.size());
-  free_.clear();
+  if (v.capacity() == 0) return;
+  pool_bytes_ -= 4 * int64_t(v.size());
+  cache_bytes_ += 4 * int64_t(v.capacity());
   free_.push_back(std::move(v));
   v = std::vector<float>();
 }

@@ -163,6 +163,7 @@ class ZeroEngine {
   std::vector<std::pair<int, std::unique_ptr<CommRequest>>> rs_pending_;
   int64_t pool_bytes_ = 0, pool_peak_ = 0;
   std::vector<std::vector<float>> free_;  // released unit buffers, reused by alloc()
+  int64_t cache_bytes_ = 0;                 // their bytes (not counted in pool_bytes_)
 };
 
 }  // namespace q3vl
