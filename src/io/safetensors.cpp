@@ -209,27 +209,40 @@ const StTensor& Safetensors::info(const std::string& name) const {
 
 std::vector<float> Safetensors::read_f32(const std::string& name) const {
   const StTensor& t = info(name);
+  std::vector<float> out(t.nbytes / std::max<size_t>(1, st_dtype_size(t.dtype)));
+  read_f32_range(name, 0, int64_t(out.size()), out.data());
+  return out;
+}
+
+void Safetensors::read_f32_range(const std::string& name, int64_t begin, int64_t count, float* out) const {
+  const StTensor& t = info(name);
   if (t.dtype != StDtype::F32 && t.dtype != StDtype::BF16 && t.dtype != StDtype::F16 && t.dtype != StDtype::F64)
     fail("safetensors: tensor '" + name + "' in '" + t.file + "' has dtype " + st_dtype_name(t.dtype) +
          "; read_f32 reads F32, F16, BF16 and F64 only");
-  const size_t es = st_dtype_size(t.dtype), n = t.nbytes / es;
-  std::vector<float> out(n);
+  const size_t es = st_dtype_size(t.dtype), numel = t.nbytes / es;
+  if (begin < 0 || count < 0 || uint64_t(begin) + uint64_t(count) > numel)
+    fail("safetensors: tensor '" + name + "' in '" + t.file + "': elements [" + std::to_string(begin) + "," +
+         std::to_string(begin + count) + ") requested, it has " + std::to_string(numel) + " " + shape_str(t.shape));
+  if (count == 0) return;
+  const size_t n = size_t(count);
+  const uint64_t at = t.offset + uint64_t(begin) * es;
   Fd f(::open(t.file.c_str(), O_RDONLY));
   if (f.fd < 0) fail("safetensors: cannot open '" + t.file + "' to read '" + name + "': " + std::strerror(errno));
   auto truncated = [&]() {
     fail("safetensors: '" + t.file + "' is truncated: tensor '" + name + "' (" + std::to_string(t.nbytes) +
-         " bytes at offset " + std::to_string(t.offset) + ") cannot be read in full");
+         " bytes at offset " + std::to_string(t.offset) + ") cannot be read in full (elements [" +
+         std::to_string(begin) + "," + std::to_string(begin + count) + ") wanted)");
   };
   if (t.dtype == StDtype::F32) {
-    if (pread_full(f.fd, out.data(), t.nbytes, t.offset) != t.nbytes) truncated();
-    return out;
+    if (pread_full(f.fd, out, n * 4, at) != n * 4) truncated();
+    return;
   }
-  // Convert in chunks so that a large tensor never needs a second full-size buffer.
+  // Convert in chunks so that a large range never needs a second full-size buffer.
   constexpr size_t kChunk = 1 << 22;  // elements
   std::vector<unsigned char> buf(std::min(n, kChunk) * es);
   for (size_t i0 = 0; i0 < n; i0 += kChunk) {
     const size_t m = std::min(kChunk, n - i0), nb = m * es;
-    if (pread_full(f.fd, buf.data(), nb, t.offset + i0 * es) != nb) truncated();
+    if (pread_full(f.fd, buf.data(), nb, at + i0 * es) != nb) truncated();
     for (size_t i = 0; i < m; ++i) {
       const unsigned char* p = buf.data() + i * es;
       if (t.dtype == StDtype::F64) {
@@ -243,7 +256,6 @@ std::vector<float> Safetensors::read_f32(const std::string& name) const {
       }
     }
   }
-  return out;
 }
 
 void write_safetensors(const std::string& path,

@@ -2,7 +2,6 @@
 #include "q3vl/model/qwen3vl.hpp"
 
 #include <algorithm>
-#include <random>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/tensor/ops.hpp"
@@ -10,12 +9,14 @@
 namespace q3vl {
 
 template <class T>
-BasicModel<T>::BasicModel(const ModelConfig& cfg) : cfg_(cfg), table_(cfg) {
-  store_p_.assign(table_.total(), T(0));
-  store_g_.assign(table_.total(), T(0));
+BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage) : cfg_(cfg), table_(cfg) {
+  if (with_storage) {
+    store_p_.assign(table_.total(), T(0));
+    store_g_.assign(table_.total(), T(0));
+  }
   for (const auto& u : table_.units()) {
-    unit_p_.push_back(store_p_.data() + u.offset);
-    unit_g_.push_back(store_g_.data() + u.offset);
+    unit_p_.push_back(with_storage ? store_p_.data() + u.offset : nullptr);
+    unit_g_.push_back(with_storage ? store_g_.data() + u.offset : nullptr);
   }
   int slot = 0;
   for (int l = 0; l < cfg.text.layers; ++l) moe_slot_.push_back(table_.moe_layer(l) ? slot++ : -1);
@@ -28,7 +29,7 @@ void BasicModel<T>::rebind() {
   gp_.resize(table_.params().size());
   for (size_t i = 0; i < pp_.size(); ++i) {
     const ParamInfo& p = table_.params()[i];
-    pp_[i] = unit_p_[p.unit] + p.offset;
+    pp_[i] = unit_p_[p.unit] ? unit_p_[p.unit] + p.offset : nullptr;
     gp_[i] = unit_g_[p.unit] ? unit_g_[p.unit] + p.offset : nullptr;
   }
 }
@@ -110,12 +111,9 @@ void BasicModel<T>::zero_grads() {
 
 template <class T>
 void BasicModel<T>::init_random(uint64_t seed, double std) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> nd(0.0, std);
   for (size_t i = 0; i < pp_.size(); ++i) {
     const ParamInfo& p = table_.params()[i];
-    const bool bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
-    for (int64_t j = 0; j < p.numel; ++j) pp_[i][j] = p.no_decay ? T(bias ? 0 : 1) : T(nd(rng));
+    init_param_range(p, seed, std, 0, p.numel, pp_[i]);
   }
 }
 

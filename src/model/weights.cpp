@@ -1,6 +1,7 @@
 // HF safetensors <-> model, through the parameter table. Only MoE expert tensors differ between the file and our
 // compute layout (transformers-5 module layout): the released files store them transposed per expert (spec 8.3).
 #include <algorithm>
+#include <cmath>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/safetensors.hpp"
@@ -46,9 +47,8 @@ std::vector<NamedTensor> grads_hf(Model& m) {
   return out;
 }
 
-void load_hf_weights(Model& m, const std::string& dir) {
-  const ParamTable& t = m.table();
-  const Safetensors st = Safetensors::open(dir);
+// Every table tensor present with its on-disk shape, and nothing else in the files.
+static void check_hf_tensors(const ParamTable& t, const Safetensors& st, const std::string& dir) {
   const bool v5 = t.config().experts_v5_layout;
   for (size_t id = 0; id < t.params().size(); ++id) {
     const ParamInfo& p = t.params()[id];
@@ -61,15 +61,95 @@ void load_hf_weights(Model& m, const std::string& dir) {
            (is_expert(p.name) ? std::string(" (expert layout: ") + (v5 ? "transformers-5 module" : "released") +
                                     ", chosen by transformers_version in config.json)"
                               : std::string()));
-    std::vector<float> v = st.read_f32(p.name);
-    if ((int64_t)v.size() != p.numel) fail(dir + ": tensor " + p.name + " read " + std::to_string(v.size()) + " values");
-    if (is_expert(p.name) && !v5) v = transpose12(v.data(), want[0], want[1], want[2]);  // disk -> compute
-    std::copy(v.begin(), v.end(), m.param((int)id));
   }
   for (const auto& [name, info] : st.tensors())
     if (t.find(name) < 0)
       fail(dir + ": unexpected tensor " + name + " " + shape_str(info.shape) +
            (name == "lm_head.weight" ? " (config.json ties the word embeddings)" : ""));
+}
+
+// Whole tensors, converted with transpose12: the reference the sliced reads below are tested against.
+void load_hf_weights(Model& m, const std::string& dir) {
+  const ParamTable& t = m.table();
+  const Safetensors st = Safetensors::open(dir);
+  check_hf_tensors(t, st, dir);
+  for (size_t id = 0; id < t.params().size(); ++id) {
+    const ParamInfo& p = t.params()[id];
+    std::vector<float> v = st.read_f32(p.name);
+    if (is_expert(p.name) && !t.config().experts_v5_layout) {  // disk -> compute
+      const auto d = hf_shape(t, (int)id);
+      v = transpose12(v.data(), d[0], d[1], d[2]);
+    }
+    std::copy(v.begin(), v.end(), m.param((int)id));
+  }
+}
+
+SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices) {
+  const Safetensors st = Safetensors::open(dir);
+  check_hf_tensors(t, st, dir);
+  SliceBytes b;
+  for (const ParamInfo& p : t.params()) b.all += int64_t(st.info(p.name).nbytes);
+  for (const ParamSlice& s : slices) {
+    if (s.count == 0) continue;
+    const ParamInfo& p = t.param(s.param);
+    const int64_t es = int64_t(st_dtype_size(st.info(p.name).dtype));
+    if (!is_expert(p.name) || t.config().experts_v5_layout) {  // same layout on disk
+      st.read_f32_range(p.name, s.begin, s.count, s.dst);
+      b.mine += s.count * es;
+      continue;
+    }
+    // Compute layout [E, a, b], disk [E, b, a]: read each expert the slice touches, take its part transposed.
+    const int64_t a = p.shape[1], bb = p.shape[2], n = a * bb;
+    std::vector<float> blk(size_t(n), 0.f);
+    for (int64_t e = s.begin / n; e <= (s.begin + s.count - 1) / n; ++e) {
+      st.read_f32_range(p.name, e * n, n, blk.data());
+      b.mine += n * es;
+      const int64_t lo = std::max(s.begin, e * n), hi = std::min(s.begin + s.count, (e + 1) * n);
+      for (int64_t k = lo; k < hi; ++k) {
+        const int64_t i = (k - e * n) / bb, j = (k - e * n) % bb;
+        s.dst[k - s.begin] = blk[size_t(j * a + i)];
+      }
+    }
+  }
+  return b;
+}
+
+static bool is_bias(const std::string& name) { return ends_with(name, ".bias"); }
+
+static uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+template <class T>
+void init_param_range(const ParamInfo& p, uint64_t seed, double std, int64_t begin, int64_t count, T* out) {
+  if (p.no_decay) return (void)std::fill(out, out + count, T(is_bias(p.name) ? 0 : 1));
+  uint64_t key = splitmix64(seed);
+  for (unsigned char c : p.name) key = splitmix64(key ^ c);
+  // Box-Muller on counter k gives elements 2k (cosine) and 2k+1 (sine); u1 in (0, 1] keeps the log finite.
+  const int64_t end = begin + count;
+  for (int64_t k = begin / 2; 2 * k < end; ++k) {
+    const uint64_t c = 2 * uint64_t(k);
+    const double u1 = (double(splitmix64(key ^ splitmix64(c)) >> 11) + 1.0) * 0x1p-53;
+    const double u2 = double(splitmix64(key ^ splitmix64(c + 1)) >> 11) * 0x1p-53;
+    const double r = std * std::sqrt(-2.0 * std::log(u1)), a = 6.283185307179586 * u2;
+    if (2 * k >= begin) out[2 * k - begin] = T(r * std::cos(a));
+    if (2 * k + 1 >= begin && 2 * k + 1 < end) out[2 * k + 1 - begin] = T(r * std::sin(a));
+  }
+}
+template void init_param_range(const ParamInfo&, uint64_t, double, int64_t, int64_t, float*);
+template void init_param_range(const ParamInfo&, uint64_t, double, int64_t, int64_t, double*);
+
+SliceBytes init_random_slices(const ParamTable& t, uint64_t seed, double std, const std::vector<ParamSlice>& slices) {
+  SliceBytes b;
+  b.all = t.total() * int64_t(sizeof(float));
+  for (const ParamSlice& s : slices) {
+    init_param_range(t.param(s.param), seed, std, s.begin, s.count, s.dst);
+    b.mine += s.count * int64_t(sizeof(float));
+  }
+  return b;
 }
 
 }  // namespace q3vl

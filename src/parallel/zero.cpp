@@ -14,6 +14,7 @@ ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, cons
   const ParamTable& t = model.table();
   Q3VL_CHECK(stage >= 1 && stage <= 3, "ZeRO stage must be 1, 2 or 3");
   Q3VL_CHECK(trainable.size() == t.params().size(), "one trainable flag per parameter");
+  Q3VL_CHECK(stage == 3 || model.params(), "ZeRO stages 1/2 compute on the model's full weights: build it with storage");
   const int n = shard.size(), r = shard.rank();
 
   // Sizes and offsets first (pieces point into buffers allocated afterwards).
@@ -137,6 +138,16 @@ void ZeroEngine::load_from_model() {
     const float* src = full + model_.table().units()[i].offset + u.lo;
     std::copy(src, src + u.count, master_.data() + u.master_off);
   }
+  shards_filled();
+}
+
+std::vector<ParamSlice> ZeroEngine::master_slices() const {
+  std::vector<ParamSlice> out;
+  for (const ShardPiece& p : pieces_) out.push_back({p.param, p.begin, p.count, p.master});
+  return out;
+}
+
+void ZeroEngine::shards_filled() {
   if (stage_ == 3) {  // from here on units exist in full only while used
     model_.release_storage();
     model_.set_hooks(&hooks_);

@@ -6,6 +6,7 @@
 #include "q3vl/train/train.hpp"
 
 #include <mpi.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cmath>
@@ -121,6 +122,12 @@ std::vector<CkptSlice> ckpt_slices(const ZeroEngine& e, const ParamTable& t, con
   return out;
 }
 
+double peak_rss_mib() {
+  struct rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) / 1024.0;  // KiB on Linux
+}
+
 double rss_mib() {
   std::ifstream in("/proc/self/status");
   for (std::string line; std::getline(in, line);)
@@ -154,14 +161,9 @@ int run_train(const Deck& deck) {
   const std::string ckdir = deck.str("checkpoint.dir").empty() ? out_dir + "/checkpoints" : deck.str("checkpoint.dir");
   const uint64_t seed = uint64_t(deck.integer("run.seed"));
 
-  // Every rank builds the same full weights (seeded init or the HF files); the engine then keeps its shard.
+  // Stage 3's model never holds the full weights (stages 1/2 compute on them; they get them by gathering).
   const ModelConfig cfg = model_config(deck);
-  Model model(cfg);
-  {
-    ScopedTimer t("train: init weights");
-    if (!deck.str("model.hf").empty()) load_hf_weights(model, deck.str("model.hf"));
-    else model.init_random(seed);
-  }
+  Model model(cfg, /*with_storage=*/stage != 3);
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
 
@@ -176,7 +178,20 @@ int run_train(const Deck& deck) {
     replica = world.split(p.local_rank, p.node);
   }
   ZeroEngine engine(model, *shard, replica.get(), stage, trainable);
-  engine.load_from_model();
+  {
+    // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
+    // ever holds the whole model. The values do not depend on the rank count.
+    ScopedTimer t("train: init weights");
+    const std::string hf = deck.str("model.hf");
+    const SliceBytes b = hf.empty() ? init_random_slices(table, seed, 0.02, engine.master_slices())
+                                    : load_hf_slices(table, hf, engine.master_slices());
+    engine.shards_filled();
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "weights: %s sharded %s, %.1f MiB on this rank (of %.1f MiB)",
+                  hf.empty() ? ("random init (seed " + std::to_string(seed) + ")").c_str() : hf.c_str(),
+                  hf.empty() ? "draw" : "read", double(b.mine) / (1 << 20), double(b.all) / (1 << 20));
+    log_info(buf);
+  }
   int64_t n_trainable = 0;
   for (size_t i = 0; i < trainable.size(); ++i) n_trainable += trainable[i] ? table.param(int(i)).numel : 0;
   log_info("model: " + std::to_string(table.total()) + " parameters in " + std::to_string(table.units().size()) +
@@ -241,6 +256,13 @@ int run_train(const Deck& deck) {
              std::to_string(meta.world_size) + " rank(s); now " + std::to_string(nranks) + ")");
   }
   engine.gather_params();
+  {
+    const double peak = peak_rss_mib();
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "start-up done in %.1f s: peak RSS %.0f MiB on rank 0, %.0f MiB the largest rank",
+                  wall_seconds() - t_start, peak, world.max(peak));
+    log_info(buf);
+  }
 
   const int64_t steps = deck.integer("train.steps");
   int64_t stop = steps;

@@ -191,3 +191,56 @@ TEST(Safetensors, TruncatedAfterOpen) {
   expect_error([&] { st.read_f32("a"); }, {p, "'a'", "truncated"});
   fs::remove_all(d);
 }
+
+// Ranges read only their elements, converted like read_f32 (against read_f32's slices), for every float dtype;
+// requests outside the tensor and files truncated inside the range are errors naming file and tensor.
+TEST(Safetensors, ReadF32Range) {
+  auto d = tmpdir("range");
+  auto a = ramp(37);
+  for (StDtype dt : {StDtype::F32, StDtype::BF16, StDtype::F16}) {
+    auto p = (d / "m.safetensors").string();
+    auto b = ramp(5);
+    write_safetensors(p, {{"b", {{5}, b.data()}}, {"w", {{37}, a.data()}}}, dt);
+    auto st = Safetensors::open(p);
+    const auto full = st.read_f32("w");
+    if (dt == StDtype::BF16) {
+      EXPECT_NE(full, a) << "bf16 must round some values (else this test proves little)";
+    }
+    for (int64_t begin : {0, 1, 16, 36, 37})
+      for (int64_t count : {0, 1, 5, 20}) {
+        if (begin + count > 37) continue;
+        std::vector<float> got(size_t(count) + 1, -7.f);  // one guard element past the range
+        st.read_f32_range("w", begin, count, got.data());
+        EXPECT_EQ(std::vector<float>(got.begin(), got.end() - 1),
+                  std::vector<float>(full.begin() + begin, full.begin() + begin + count))
+            << st_dtype_name(dt) << " [" << begin << "," << begin + count << ")";
+        EXPECT_EQ(got.back(), -7.f) << "wrote past the range";
+      }
+    float x;
+    expect_error([&] { st.read_f32_range("w", 30, 8, &x); }, {p, "'w'", "[30,38)", "37"});
+    expect_error([&] { st.read_f32_range("w", -1, 1, &x); }, {p, "'w'"});
+    expect_error([&] { st.read_f32_range("nope", 0, 1, &x); }, {p, "'nope'"});
+  }
+  // F64 (write_safetensors writes no F64): a raw file holding 0.5 * i.
+  std::vector<double> v(9);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = 0.5 * double(i) - 1.0;
+  auto p64 = (d / "d.safetensors").string();
+  {
+    const std::string h = R"({"x":{"dtype":"F64","shape":[3,3],"data_offsets":[0,72]}})";
+    write_raw(p64, h, 0);
+    std::ofstream(p64, std::ios::binary | std::ios::app).write(reinterpret_cast<const char*>(v.data()), 72);
+  }
+  std::vector<float> got(4);
+  Safetensors::open(p64).read_f32_range("x", 4, 4, got.data());
+  EXPECT_EQ(got, (std::vector<float>{1.0f, 1.5f, 2.0f, 2.5f}));
+  // Truncated after open: a range inside the lost bytes fails, one before them still reads.
+  auto p = (d / "t.safetensors").string();
+  write_safetensors(p, {{"w", {{37}, a.data()}}}, StDtype::BF16);
+  auto st = Safetensors::open(p);
+  fs::resize_file(p, fs::file_size(p) - 10);
+  std::vector<float> r(30);
+  st.read_f32_range("w", 0, 30, r.data());
+  EXPECT_EQ(r[29], bf16_to_f32(f32_to_bf16(a[29])));
+  expect_error([&] { st.read_f32_range("w", 30, 7, r.data()); }, {p, "'w'", "truncated"});
+  fs::remove_all(d);
+}

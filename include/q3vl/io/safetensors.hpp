@@ -35,6 +35,9 @@ class Safetensors {  // one file, or a dir with model.safetensors or model.safet
   bool has(const std::string& name) const { return tensors_.count(name) != 0; }
   const StTensor& info(const std::string& name) const;          // error naming tensor + file if absent
   std::vector<float> read_f32(const std::string& name) const;   // converts BF16/F16/F32/F64; error names file+tensor if truncated
+  // Elements [begin, begin+count) of the row-major flattening into out[0, count), reading only their bytes (a
+  // rank's shard of a tensor); error names file+tensor if the range is outside the tensor or the file is truncated.
+  void read_f32_range(const std::string& name, int64_t begin, int64_t count, float* out) const;
 
  private:
   std::string source_;  // what open() was given, for messages

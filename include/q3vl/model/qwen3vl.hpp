@@ -35,7 +35,9 @@ struct PackedBatch {
 template <class T>
 class BasicModel {
  public:
-  explicit BasicModel(const ModelConfig& cfg);
+  // with_storage=false: no full params/grads are ever allocated (ZeRO-3, whose engine binds each unit to a
+  // gathered buffer only while it is used); params() and grads() are null and every unit points nowhere.
+  explicit BasicModel(const ModelConfig& cfg, bool with_storage = true);
 
   const ModelConfig& config() const { return cfg_; }
   ParamTable& table() { return table_; }
@@ -57,7 +59,7 @@ class BasicModel {
   // any pass calls a subsequence of it (no images: no vision units). The same on every rank.
   std::vector<int> unit_order(bool backward) const;
   void zero_grads();
-  // Norm weights 1, biases 0, everything else N(0, std^2) (tests and demos).
+  // Norm weights 1, biases 0, everything else N(0, std^2) (tests and demos); the values of init_param_range.
   void init_random(uint64_t seed, double std = 0.02);
 
   // Returns the loss: mean CE over supervised targets (0 when there are none) + coef*aux when aux_loss.
@@ -143,5 +145,26 @@ struct NamedTensor {
   std::vector<float> data;
 };
 std::vector<NamedTensor> grads_hf(Model& m);
+
+// Elements [begin, begin+count) of table tensor `param` (row-major, compute layout), written to dst[0, count):
+// e.g. a rank's ZeRO shard of that tensor (ZeroEngine::master_slices()).
+struct ParamSlice {
+  int param = 0;
+  int64_t begin = 0, count = 0;
+  float* dst = nullptr;
+};
+struct SliceBytes {
+  int64_t mine = 0, all = 0;  // bytes read (or drawn) for the slices, and for the whole model
+};
+// load_hf_weights for slices only: the same checks (every tensor present with its shape, none unexpected), then
+// only the slices' bytes are read (released-layout MoE experts: each expert a slice touches, whole).
+SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
+// Model::init_random's values for slices only (bitwise the same).
+SliceBytes init_random_slices(const ParamTable& t, uint64_t seed, double std, const std::vector<ParamSlice>& slices);
+// The initial value of element j of a tensor is a pure function of (seed, its name, j, std) - a counter-based
+// normal (splitmix64 hash of the counter into Box-Muller) - so that any slice can be drawn without the rest and
+// the weights do not depend on how they are sharded. no_decay tensors: 0 for ".bias", else 1.
+template <class T>
+void init_param_range(const ParamInfo& p, uint64_t seed, double std, int64_t begin, int64_t count, T* out);
 
 }  // namespace q3vl

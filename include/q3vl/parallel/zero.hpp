@@ -71,6 +71,12 @@ class ZeroEngine {
   // releases the model's full storage and installs the unit hooks: from here on the model runs only between
   // before_forward() and after_backward().
   void load_from_model();
+  // Start-up without full weights on any rank: each piece's master is filled directly (load_hf_slices,
+  // init_random_slices into master_slices()), then shards_filled() does the rest of load_from_model: stage 3
+  // releases the model's storage if it has any and installs the hooks; stages 1/2 fill the model's weights at
+  // the next gather_params().
+  std::vector<ParamSlice> master_slices() const;
+  void shards_filled();
   // Model's full weights <- master shards (every unit; the all-gathers are issued together). Stage 3: nothing
   // (units are gathered when used).
   void gather_params();
