@@ -93,6 +93,9 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.tune_vision", T::Bool, "true", "train the vision tower and the DeepStack mergers"},
       {"train.tune_merger", T::Bool, "true", "train the main patch merger"},
       {"train.tune_llm", T::Bool, "true", "train the decoder, embeddings and LM head"},
+      {"train.recompute", T::String, "none", "activation recomputation: none (backward uses the activations forward "
+       "kept) or block (forward keeps only each decoder layer's and ViT block's input; backward reruns that block: "
+       "less memory, about a third more compute)", -kBig, kBig, {"none", "block"}},
       {"train.max_skipped", T::Int, "5", "stop after this many steps in a row with non-finite loss or gradients", 1,
        1e9},
       {"train.debug_nan_step", T::Int, "0", "test hook: from this step (1-based; 0: never) gradients are non-finite",
@@ -118,6 +121,9 @@ const std::vector<KeySpec>& deck_schema() {
 
       // parallel
       {"parallel.zero_stage", T::Int, "3", "ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters sharded", 1, 3},
+      {"parallel.gather_dtype", T::String, "fp32", "precision of the weights ZeRO gathers for compute: bf16 halves "
+       "the all-gather bytes and the forward and backward use the fp32 master weights rounded to bf16 (masters, "
+       "gradients and AdamW state stay fp32)", -kBig, kBig, {"fp32", "bf16"}},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
 
       // runtime

@@ -180,7 +180,8 @@ void BasicModel<T>::encode_images(const std::vector<float>& pixels, const std::v
   const size_t nds = vc.deepstack_indexes.size();
   img.assign(Np / 4 * H, T(0));
   ds.assign(nds, std::vector<T>(Np / 4 * H));
-  vctx_.resize(keep ? vc.depth : 1);
+  const bool slim = keep && recompute_;
+  vctx_.assign(keep ? vc.depth : 1, {});
   dsctx_.resize(nds);
   if (Np == 0) return;
   pixels_.assign(pixels.begin(), pixels.end());
@@ -196,8 +197,9 @@ void BasicModel<T>::encode_images(const std::vector<float>& pixels, const std::v
   vcu_ = vision_cu_seqlens(grid);
   for (int i = 0; i < vc.depth; ++i) {
     enter(table_.vision_block(i), false);
-    vision_block_fwd(vc, P, table_.vision_block(i), vx.data(), Np, vcu_, vcos_.data(), vsin_.data(),
-                     vctx_[keep ? i : 0]);
+    VisionBlockCtx<T>& c = slim ? vscratch_ : vctx_[keep ? i : 0];
+    vision_block_fwd(vc, P, table_.vision_block(i), vx.data(), Np, vcu_, vcos_.data(), vsin_.data(), c);
+    if (slim) vctx_[i].x.swap(c.x);  // recompute: the block's input is all its backward needs kept
     leave(table_.vision_block(i), false);
     for (size_t j = 0; j < nds; ++j)
       if (vc.deepstack_indexes[j] == i) {
@@ -209,6 +211,8 @@ void BasicModel<T>::encode_images(const std::vector<float>& pixels, const std::v
   enter(table_.merger(), false);
   merger_fwd(vc, P, table_.merger(), false, vx.data(), Np, img.data(), mctx_);
   leave(table_.merger(), false);
+  if (keep) act_peak_ = std::max(act_peak_, activation_bytes());
+  vscratch_ = {};
 }
 
 template <class T>
@@ -256,13 +260,15 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
   const int64_t E = tc.num_experts, K = tc.experts_per_tok;
   probs_.resize(nmoe * N * E);
   idx_.resize(nmoe * N * K);
-  dctx_.resize(keep ? tc.layers : 1);
+  const bool slim = keep && recompute_;
+  dctx_.assign(keep ? tc.layers : 1, {});
   for (int l = 0; l < tc.layers; ++l) {
     const int ms = moe_slot_[l];
     enter(table_.layer(l), false);
+    DecoderCtx<T>& c = slim ? dscratch_ : dctx_[keep ? l : 0];
     decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, x.data(), N, st_.cu, tcos_.data(), tsin_.data(),
-                      ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr,
-                      dctx_[keep ? l : 0]);
+                      ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr, c);
+    if (slim) dctx_[l].x.swap(c.x);
     leave(table_.layer(l), false);
     if ((size_t)l < nds)  // DeepStack: add merged features of ViT block deepstack_indexes[l] at visual positions
       for (size_t j = 0; j < vis_.size(); ++j)
@@ -296,10 +302,13 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
   if (aux_loss) loss += tc.router_aux_loss_coef * aux;
   aux_on_ = aux_loss && nmoe > 0;
   kept_ = keep;
+  act_peak_ = std::max(act_peak_, activation_bytes());
   if (!keep) {  // nothing of this pass may be used by a backward
     vctx_.clear();
     dctx_.clear();
   }
+  dscratch_ = {};
+  vscratch_ = {};
   return loss;
 }
 
@@ -421,10 +430,20 @@ void BasicModel<T>::backward() {
       for (size_t j = 0; j < vis_.size(); ++j) std::copy(&dx[vis_[j] * H], &dx[(vis_[j] + 1) * H], &dds[l][j * H]);
     }
     const int ms = moe_slot_[l];
+    T* probs = ms >= 0 ? probs_.data() + ms * N * E : nullptr;
+    int64_t* idx = ms >= 0 ? idx_.data() + ms * N * K : nullptr;
     enter(table_.layer(l), true);
-    decoder_layer_bwd(cfg_, P, table_.layer(l), ms >= 0, dx.data(), N, st_.cu, tcos_.data(), tsin_.data(),
-                      ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr,
-                      ms >= 0 && aux_on_ ? aux_dl.data() + ms * N * E : nullptr, dctx_[l]);
+    DecoderCtx<T>* c = &dctx_[l];
+    if (recompute_) {  // rewrites probs/idx with the values they already hold
+      std::vector<T> xin = dctx_[l].x;
+      decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, xin.data(), N, st_.cu, tcos_.data(), tsin_.data(), probs,
+                        idx, dscratch_);
+      c = &dscratch_;
+      act_peak_ = std::max(act_peak_, activation_bytes());
+    }
+    decoder_layer_bwd(cfg_, P, table_.layer(l), ms >= 0, dx.data(), N, st_.cu, tcos_.data(), tsin_.data(), probs, idx,
+                      ms >= 0 && aux_on_ ? aux_dl.data() + ms * N * E : nullptr, *c);
+    dctx_[l] = {};  // done with this layer's activations
     leave(table_.layer(l), true);
   }
   // Image positions were overwritten by the vision tokens: their embedding rows get no gradient.
@@ -451,7 +470,15 @@ void BasicModel<T>::backward() {
           leave(table_.deepstack_merger(j), true);
         }
       enter(table_.vision_block(i), true);
-      vision_block_bwd(vc, P, table_.vision_block(i), dv.data(), Np, vcu_, vcos_.data(), vsin_.data(), vctx_[i]);
+      VisionBlockCtx<T>* c = &vctx_[i];
+      if (recompute_) {
+        std::vector<T> xin = vctx_[i].x;
+        vision_block_fwd(vc, P, table_.vision_block(i), xin.data(), Np, vcu_, vcos_.data(), vsin_.data(), vscratch_);
+        c = &vscratch_;
+        act_peak_ = std::max(act_peak_, activation_bytes());
+      }
+      vision_block_bwd(vc, P, table_.vision_block(i), dv.data(), Np, vcu_, vcos_.data(), vsin_.data(), *c);
+      vctx_[i] = {};
       leave(table_.vision_block(i), true);
     }
     enter(table_.vision_embed(), true);
@@ -460,6 +487,17 @@ void BasicModel<T>::backward() {
   }
   vctx_.clear();
   dctx_.clear();
+  dscratch_ = {};
+  vscratch_ = {};
+}
+
+template <class T>
+int64_t BasicModel<T>::activation_bytes() const {
+  int64_t b = vscratch_.bytes() + dscratch_.bytes() + mctx_.bytes();
+  for (const auto& c : vctx_) b += c.bytes();
+  for (const auto& c : dctx_) b += c.bytes();
+  for (const auto& c : dsctx_) b += c.bytes();
+  return b + vec_bytes(pixels_, vcos_, vsin_, tcos_, tsin_, xf_, hf_, rf_, probs_, idx_);
 }
 
 template class BasicModel<float>;

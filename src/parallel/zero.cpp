@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <limits>
 
+#include "q3vl/core/dtype.hpp"
 #include "q3vl/core/error.hpp"
 
 namespace q3vl {
@@ -85,7 +86,7 @@ ZeroMemory ZeroEngine::memory() const {
   m.exp_avg_sq = int64_t(exp_avg_sq_.size()) * 4;
   m.grads = int64_t(grads_.size() + full_grads_.size()) * 4;
   m.comm = int64_t(comm_buf_.size()) * 4;
-  m.working = stage_ == 3 ? pool_peak_ : model_.table().total() * 8;
+  m.working = stage_ == 3 ? held_peak_ : model_.table().total() * 8;
   if (stage_ == 3) m.pool_bound = stream_bound();
   return m;
 }
@@ -157,15 +158,33 @@ void ZeroEngine::shards_filled() {
 void ZeroEngine::gather_params() {
   if (stage_ == 3) return;
   std::vector<std::unique_ptr<CommRequest>> reqs;
+  std::vector<size_t> done;
+  // bf16: the rounded shards go out of one buffer and the gathered units land in another, 2 bytes an element.
+  std::vector<uint16_t> send, recv;
+  if (gather_bf16_) {
+    send.resize(master_.size());
+    for (size_t j = 0; j < master_.size(); ++j) send[j] = f32_to_bf16(master_[j]);
+    recv.resize(size_t(model_.table().total()));
+  }
   for (size_t i = 0; i < units_.size(); ++i) {
     const Unit& u = units_[i];
-    // Stages 1/2 only need the units the optimizer changed; stage 3 regathers everything before each use.
-    if (stage_ != 3 && !u.trainable && gathered_once_) continue;
-    reqs.push_back(shard_.iall_gatherv(master_.data() + u.master_off, size_t(u.count),
-                                       model_.params() + model_.table().units()[i].offset, u.counts, u.displs,
-                                       DType::F32));
+    // Only the units the optimizer changed need a new gather after the first.
+    if (!u.trainable && gathered_once_) continue;
+    const int64_t off = model_.table().units()[i].offset;
+    reqs.push_back(gather_bf16_ ? shard_.iall_gatherv(send.data() + u.master_off, size_t(u.count), recv.data() + off,
+                                                      u.counts, u.displs, DType::BF16)
+                                : shard_.iall_gatherv(master_.data() + u.master_off, size_t(u.count),
+                                                      model_.params() + off, u.counts, u.displs, DType::F32));
+    gathered_bytes_ += u.numel * (gather_bf16_ ? 2 : 4);
+    done.push_back(i);
   }
   for (auto& r : reqs) shard_.wait(std::move(r));
+  if (gather_bf16_)
+    for (size_t i : done) {
+      const UnitInfo& ui = model_.table().units()[i];
+      float* dst = model_.params() + ui.offset;
+      for (int64_t j = 0; j < ui.numel; ++j) dst[j] = bf16_to_f32(recv[size_t(ui.offset + j)]);
+    }
   gathered_once_ = true;
 }
 

@@ -2,6 +2,7 @@
 // (include/q3vl/parallel/zero.hpp explains the ordering rules that keep every rank's collectives matched).
 #include <algorithm>
 
+#include "q3vl/core/dtype.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/parallel/zero.hpp"
 
@@ -51,8 +52,9 @@ int64_t ZeroEngine::stream_bound() const {
 }
 
 // Unit buffers are recycled: allocating and zeroing fresh ones at every use cost page faults and memsets that
-// made a stage-3 step 4x slower than a stage-2 step on the demo. The pool's count is of the buffers in use;
-// released ones wait in free_ (cache_bytes_) for the next unit they fit.
+// made a stage-3 step 4x slower than a stage-2 step on the demo. Released buffers wait in free_ (cache_bytes_)
+// for the next unit they fit; held_bytes_ counts every buffer's capacity, in use or cached. A new buffer is made
+// only after the cache is emptied, so buffers never outnumber the most ever in use at once.
 void ZeroEngine::alloc(std::vector<float>& v, int64_t n, bool zero) {
   auto fit = free_.end();
   for (auto it = free_.begin(); it != free_.end(); ++it)
@@ -60,7 +62,9 @@ void ZeroEngine::alloc(std::vector<float>& v, int64_t n, bool zero) {
   if (fit == free_.end()) {
     // Nothing fits: give the smaller free buffers back rather than keep them beside a new one.
     free_.clear();
+    held_bytes_ -= cache_bytes_;
     cache_bytes_ = 0;
+    held_bytes_ += 4 * n;
   } else {
     cache_bytes_ -= 4 * int64_t(fit->capacity());
     v.swap(*fit);
@@ -69,7 +73,7 @@ void ZeroEngine::alloc(std::vector<float>& v, int64_t n, bool zero) {
   v.resize(size_t(n));
   if (zero) std::fill(v.begin(), v.end(), 0.f);
   pool_bytes_ += 4 * n;
-  pool_peak_ = std::max(pool_peak_, pool_bytes_);
+  held_peak_ = std::max(held_peak_, held_bytes_);
 }
 
 void ZeroEngine::release(std::vector<float>& v) {
@@ -115,9 +119,20 @@ void ZeroEngine::end_pass() {
 void ZeroEngine::issue_gather(size_t k) {
   Slot& s = slots_[k];
   const Unit& u = units_[size_t(s.unit)];
-  alloc(s.buf, u.numel, false);  // the gather writes every element
-  s.req = gather_comm_->iall_gatherv(master_.data() + u.master_off, size_t(u.count), s.buf.data(), u.counts,
-                                     u.displs, DType::F32);
+  gathered_bytes_ += u.numel * (gather_bf16_ ? 2 : 4);
+  if (!gather_bf16_) {
+    alloc(s.buf, u.numel, false);  // the gather writes every element
+    s.req = gather_comm_->iall_gatherv(master_.data() + u.master_off, size_t(u.count), s.buf.data(), u.counts,
+                                       u.displs, DType::F32);
+    return;
+  }
+  // bf16 halves travel in pool buffers (two per float); enter_slot widens them into s.buf.
+  alloc(s.send, (u.count + 1) / 2, false);
+  alloc(s.recv, (u.numel + 1) / 2, false);
+  uint16_t* snd = reinterpret_cast<uint16_t*>(s.send.data());
+  for (int64_t j = 0; j < u.count; ++j) snd[j] = f32_to_bf16(master_[size_t(u.master_off + j)]);
+  s.req = gather_comm_->iall_gatherv(snd, size_t(u.count), reinterpret_cast<uint16_t*>(s.recv.data()), u.counts,
+                                     u.displs, DType::BF16);
 }
 
 void ZeroEngine::use(int unit) {
@@ -142,6 +157,13 @@ void ZeroEngine::enter_slot(size_t k) {
   Slot& s = slots_[k];
   const size_t u = size_t(s.unit);
   gather_comm_->wait(std::move(s.req));
+  if (gather_bf16_) {
+    release(s.send);
+    alloc(s.buf, units_[u].numel, false);
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(s.recv.data());
+    for (int64_t j = 0; j < units_[u].numel; ++j) s.buf[size_t(j)] = bf16_to_f32(h[j]);
+    release(s.recv);
+  }
   if (k + 1 < slots_.size()) issue_gather(k + 1);  // prefetch: overlaps this unit's compute
   float* g = nullptr;
   if (backward_) {

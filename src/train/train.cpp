@@ -192,13 +192,16 @@ int run_train(const Deck& deck) {
                   hf.empty() ? "draw" : "read", double(b.mine) / (1 << 20), double(b.all) / (1 << 20));
     log_info(buf);
   }
+  model.set_recompute(deck.str("train.recompute") == "block");
+  engine.set_gather_bf16(deck.str("parallel.gather_dtype") == "bf16");
   int64_t n_trainable = 0;
   for (size_t i = 0; i < trainable.size(); ++i) n_trainable += trainable[i] ? table.param(int(i)).numel : 0;
   log_info("model: " + std::to_string(table.total()) + " parameters in " + std::to_string(table.units().size()) +
            " ZeRO units, " + std::to_string(n_trainable) + " trained (vision " +
            (deck.boolean("train.tune_vision") ? "on" : "off") + ", merger " +
            (deck.boolean("train.tune_merger") ? "on" : "off") + ", llm " + (deck.boolean("train.tune_llm") ? "on" : "off") +
-           "); activation recomputation: not supported by the model yet");
+           "); activation recomputation: " + deck.str("train.recompute") + "; gathers in " +
+           deck.str("parallel.gather_dtype"));
   log_info(engine.memory_report());
 
   // Data.
@@ -332,6 +335,7 @@ int run_train(const Deck& deck) {
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
     engine.begin_step();
+    const int64_t gathered0 = engine.gathered_bytes();
     double loss_sum = 0;
     for (size_t i = 0; i < sd.micro.size(); ++i) {
       const int64_t n = sd.micro_supervised[i];
@@ -405,6 +409,12 @@ int run_train(const Deck& deck) {
     st.wall = wall0 + (wall_seconds() - t_start);
     const double elapsed = wall_seconds() - t_job, eta = elapsed / double(done) * double(stop - st.step);
     const double rss = world.max(rss_mib());
+    // Memory by kind, the largest rank's: activations kept for backward (their peak this step), the ZeRO
+    // shards, and the gathered working set (stage 3: unit pool incl. its cache of released buffers).
+    const ZeroMemory zm = engine.memory();
+    double mem[3] = {double(model.activation_peak()), double(zm.state() + zm.comm), double(zm.working)};
+    world.all_reduce(mem, 3, DType::F64, ReduceOp::Max);
+    model.reset_activation_peak();
     if (rank == 0) {
       // MFU as DESIGN.md defines it; the inputs go next to it.
       const double flops = train_flops(table, fc);
@@ -422,6 +432,9 @@ int run_train(const Deck& deck) {
                 {"time", {{"wall", st.wall}, {"step", dt}, {"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd}, {"comm", t_comm},
                           {"optimizer", t_opt}}},
                 {"rss_mib", rss},
+                {"gathered_mib", double(engine.gathered_bytes() - gathered0) / (1 << 20)},
+                {"memory_mib", {{"activations", mem[0] / (1 << 20)}, {"zero_state", mem[1] / (1 << 20)},
+                                {"working", mem[2] / (1 << 20)}}},
                 {"skipped", !finite},
                 {"skipped_total", st.skipped_total},
                 {"dropped_samples", int64_t(counts[2])}};

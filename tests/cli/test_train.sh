@@ -2,7 +2,7 @@
 # `q3vl train` end to end on the CPU with a 240k-parameter model (tests/data/golden/dense_tied/model) and the
 # synthetic dataset: the same global batch gives the same losses and weights on 1, 2 and 4 ranks, for any
 # micro-batch x accumulation split and ZeRO stage; a stopped and resumed run is bitwise identical to a straight
-# one (and agrees when resumed on another rank count); non-finite steps are skipped, then stop the run; frozen
+# one (and agrees when resumed on another rank count); activation recomputation changes no bit; non-finite steps are skipped, then stop the run; frozen
 # parts stay as loaded; a checkpoint of another model is refused.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,6 +86,32 @@ for st in 1 2; do
   train stage$st 2 parallel.zero_stage=$st && cmp_losses stage$st np2 1e-5 \
     && cmp_ckpt "$(ckpt stage$st)" "$(ckpt np2)" 1e-5 && pass "stage-$st-vs-3" || bad "stage-$st-vs-3"
 done
+
+# (g) Activation recomputation per block (2 ranks, ZeRO-3): bitwise the same run, fewer activation bytes kept.
+train recompute 2 parallel.zero_stage=3 train.recompute=block; ok_run $? recompute
+if cmp_losses recompute np2 0 && cmp_ckpt "$(ckpt recompute)" "$(ckpt np2)" 0 &&
+   $py - "$tmp/recompute/metrics.jsonl" "$tmp/np2/metrics.jsonl" <<'PY'
+import json, sys
+r, k = ([json.loads(l)["memory_mib"]["activations"] for l in open(f)] for f in sys.argv[1:3])
+assert all(0 < a < 0.8 * b for a, b in zip(r, k)), f"activations kept, recompute vs not: {r[:3]} vs {k[:3]} MiB"
+PY
+then pass "recompute-bitwise-less-memory"; else bad "recompute-bitwise-less-memory"; fi
+grep -q "activation recomputation: block" "$tmp/recompute.log" || bad "recompute-logged"
+
+# (h) bf16 gathers: 1 vs 4 ranks agree (losses to 1e-5; the state looser: a master that differs from the other
+# run's in the last fp32 bit sometimes rounds to the neighbouring bf16 value, and AdamW's moments carry that);
+# half the gathered bytes; the loss really changes (a little).
+train bf16_1 1 parallel.gather_dtype=bf16; ok_run $? bf16_1
+train bf16_4 4 parallel.gather_dtype=bf16; ok_run $? bf16_4
+if cmp_losses bf16_4 bf16_1 1e-5 && cmp_ckpt "$(ckpt bf16_4)" "$(ckpt bf16_1)" 2e-4 &&
+   $py - "$tmp/bf16_1/metrics.jsonl" "$tmp/np1/metrics.jsonl" <<'PY'
+import json, sys
+h, f = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+assert all(abs(a["gathered_mib"] * 2 - b["gathered_mib"]) < 1e-9 and b["gathered_mib"] > 0 for a, b in zip(h, f))
+d = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(h, f)]
+assert 0 < max(d) < 2e-2, f"bf16 vs fp32 gathers: loss differences {d[:5]}"
+PY
+then pass "bf16-gathers"; else bad "bf16-gathers"; fi
 
 # (c) 10 steps, stop, resume for 10 more (2 ranks): bitwise equal to 20 straight; 10 steps on 4 ranks resumed on 2:
 # same losses and weights.

@@ -120,6 +120,38 @@ TEST(ModelFull, DenseGradcheck) { check_model(false, false, false); }
 TEST(ModelFull, DenseTiedGradcheck) { check_model(false, true, false); }
 TEST(ModelFull, MoeGradcheckWithAux) { check_model(true, false, true); }
 
+// Recomputation reruns each block's forward on its saved input: the gradients must be bitwise those of the
+// kept-activation backward (dense and MoE with the aux loss; vision, DeepStack), with fewer activation bytes kept.
+TEST(ModelFull, RecomputeIsBitwiseAndKeepsLess) {
+  for (bool moe : {false, true}) {
+    ModelConfig cfg = tiny(moe, false);
+    cfg.text.layers = 6;  // enough blocks for the kept inputs to be well below the full contexts
+    cfg.vision.depth = 4;
+    Model a(cfg), b(cfg);
+    a.init_random(5, 0.3);
+    b.init_random(5, 0.3);
+    b.set_recompute(true);
+    std::mt19937 rng(9);
+    const Batch batch = tiny_batch(rng);
+    double la = 0, lb = 0;
+    for (int rep = 0; rep < 2; ++rep) {  // twice: grads accumulate, contexts are rebuilt
+      la += a.forward(batch, true, nullptr, nullptr, moe);
+      a.backward();
+      lb += b.forward(batch, true, nullptr, nullptr, moe);
+      b.backward();
+    }
+    EXPECT_EQ(la, lb);
+    for (size_t id = 0; id < a.table().params().size(); ++id)
+      for (int64_t j = 0; j < a.table().params()[id].numel; ++j)
+        ASSERT_EQ(a.grad(int(id))[j], b.grad(int(id))[j]) << a.table().params()[id].name << " [" << j << "]";
+    // Kept for backward: everything (a) vs block inputs plus one block's context (b).
+    EXPECT_GT(b.activation_peak(), 0);
+    EXPECT_LT(double(b.activation_peak()), 0.6 * double(a.activation_peak())) << "moe " << moe;  // pixels and head rows are kept either way
+    a.reset_activation_peak();
+    EXPECT_EQ(a.activation_peak(), 0);
+  }
+}
+
 TEST(ModelFull, PaddedEqualsPacked) {
   const ModelConfig cfg = tiny(true, false);
   Model m(cfg);

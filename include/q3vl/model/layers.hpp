@@ -10,6 +10,11 @@
 
 namespace q3vl {
 
+// Bytes allocated by a list of vectors (activation memory reports).
+template <class... V> int64_t vec_bytes(const V&... v) {
+  return (int64_t(0) + ... + int64_t(v.capacity() * sizeof(typename V::value_type)));
+}
+
 // Weights and gradients by parameter id (gradient pointers may be null for a frozen part).
 template <class T> struct ParamView {
   T* const* p;
@@ -31,6 +36,7 @@ template <class T> void vision_embed_bwd(const VisionConfig& vc, const ParamView
 
 template <class T> struct VisionBlockCtx {
   std::vector<T> x, ln1, m1, r1, q, k, v, att, lse, x1, ln2, m2, r2, h, a;
+  int64_t bytes() const { return vec_bytes(x, ln1, m1, r1, q, k, v, att, lse, x1, ln2, m2, r2, h, a); }
 };
 template <class T> void vision_block_fwd(const VisionConfig& vc, const ParamView<T>& P, int first, T* x, int64_t N,
                                          const std::vector<int64_t>& cu, const T* cos, const T* sin,
@@ -44,6 +50,7 @@ template <class T> void vision_block_bwd(const VisionConfig& vc, const ParamView
 // postshuffle=true: concat then LayerNorm over 4Dv (deepstack mergers). Both: fc1 -> erf GELU -> fc2.
 template <class T> struct MergerCtx {
   std::vector<T> x, ln, m, r, h, a;
+  int64_t bytes() const { return vec_bytes(x, ln, m, r, h, a); }
 };
 template <class T> void merger_fwd(const VisionConfig& vc, const ParamView<T>& P, int first, bool postshuffle,
                                    const T* x, int64_t N, T* y, MergerCtx<T>& c);
@@ -62,6 +69,7 @@ template <class T> struct MoeCtx {
   std::vector<int64_t> start;     // [E+1] offsets of each expert's rows in the gathered buffers
   std::vector<int64_t> rows;      // gathered row -> token*k + slot
   std::vector<T> gu, y;           // gathered [R, 2Im] pre-activation and [R, H] expert outputs
+  int64_t bytes() const { return vec_bytes(w, start, rows, gu, y); }
 };
 // out[N,H] = MoE(x); probs [N,E] and idx [N,k] are written to caller-owned slots (pooled for the aux loss).
 template <class T> void moe_fwd(const TextConfig& tc, const ParamView<T>& P, int first, const T* x, int64_t N, T* out,
@@ -74,6 +82,9 @@ template <class T> void moe_bwd(const TextConfig& tc, const ParamView<T>& P, int
 template <class T> struct DecoderCtx {
   std::vector<T> x, ln1, r1, qraw, kraw, rq, rk, q, k, v, att, lse, x1, ln2, r2, gu, act, mlp_out;
   MoeCtx<T> moe;
+  int64_t bytes() const {
+    return moe.bytes() + vec_bytes(x, ln1, r1, qraw, kraw, rq, rk, q, k, v, att, lse, x1, ln2, r2, gu, act, mlp_out);
+  }
 };
 template <class T> void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int first, bool moe, T* x,
                                           int64_t N, const std::vector<int64_t>& cu, const T* cos, const T* sin,

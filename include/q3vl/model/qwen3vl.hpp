@@ -71,6 +71,17 @@ class BasicModel {
   // Accumulates dL/dparam of the last forward(keep_for_backward=true) into grads.
   void backward();
 
+  // Activation recomputation per block (train.recompute = "block"): a kept forward stores only each decoder
+  // layer's and ViT block's input; backward reruns that block's forward (same code, same inputs: bitwise the same
+  // activations) just before its backward, while ZeRO-3 holds the unit for the backward anyway.
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recompute() const { return recompute_; }
+  // Bytes of activations the last kept forward holds for backward (block contexts, not the final-norm/head rows).
+  int64_t activation_bytes() const;
+  // Highest activation_bytes() seen since the last reset (sampled after each forward and each recomputed block).
+  int64_t activation_peak() const { return act_peak_; }
+  void reset_activation_peak() { act_peak_ = 0; }
+
   int64_t supervised_tokens() const { return count_; }
 
   // Generation (no backward). prefill starts a fresh cache for one sequence per prompt (images in prompt order in
@@ -110,7 +121,10 @@ class BasicModel {
   UnitHooks* hooks_ = nullptr;
 
   // Saved by forward for backward.
-  bool kept_ = false, aux_on_ = false;
+  bool kept_ = false, aux_on_ = false, recompute_ = false;
+  int64_t act_peak_ = 0;
+  VisionBlockCtx<T> vscratch_;  // recompute: the one block whose full context exists
+  DecoderCtx<T> dscratch_;
   Stream st_;
   std::vector<T> pixels_;
   std::vector<int64_t> grid_, vcu_, vis_;  // vision segments; token index of each visual position

@@ -47,6 +47,7 @@ struct ZeroMemory {
   int64_t master = 0, exp_avg = 0, exp_avg_sq = 0, grads = 0;  // ZeRO state
   int64_t comm = 0;                                              // reduce-scatter landing buffer
   int64_t working = 0;  // full params + grads: the Model's (stages 1/2); stage 3: the unit pool's peak so far
+                        // (buffers in use and released ones kept for reuse)
   int64_t pool_bound = 0;  // stage 3: what the unit pool can reach (from the unit sizes and the use order)
   int64_t state() const { return master + exp_avg + exp_avg_sq + grads; }
 };
@@ -80,6 +81,12 @@ class ZeroEngine {
   // Model's full weights <- master shards (every unit; the all-gathers are issued together). Stage 3: nothing
   // (units are gathered when used).
   void gather_params();
+  // parallel.gather_dtype = bf16: every gather moves the masters rounded to bf16 (half the bytes) and the model
+  // computes with those rounded weights; masters, gradients and optimizer state stay fp32. Same on every stage
+  // and rank count, so runs still agree with each other. Set before the first gather.
+  void set_gather_bf16(bool on) { gather_bf16_ = on; }
+  // Bytes this rank received through parameter gathers since construction.
+  int64_t gathered_bytes() const { return gathered_bytes_; }
 
   // One optimizer step's gradient flow:
   //   begin_step();
@@ -126,6 +133,7 @@ class ZeroEngine {
   struct Slot {
     int unit = 0;
     std::vector<float> buf;  // the gathered full parameters while held
+    std::vector<float> send, recv;  // bf16 gathers: this rank's rounded shard and the gathered unit, 2 per float
     std::unique_ptr<CommRequest> req;
   };
   void stream_setup();
@@ -153,6 +161,8 @@ class ZeroEngine {
   std::vector<int64_t> comm_offs_;  // per piece: its offset in comm_buf_
   std::vector<std::unique_ptr<CommRequest>> pending_;
   bool gathered_once_ = false;
+  bool gather_bf16_ = false;
+  int64_t gathered_bytes_ = 0;
   double scale_ = 1.0;
 
   Hooks hooks_{*this};
@@ -167,9 +177,10 @@ class ZeroEngine {
   std::vector<char> grads_done_;
   size_t rs_next_ = 0;                 // rs_order_ index of the next reduce-scatter to issue
   std::vector<std::pair<int, std::unique_ptr<CommRequest>>> rs_pending_;
-  int64_t pool_bytes_ = 0, pool_peak_ = 0;
+  int64_t pool_bytes_ = 0;                 // unit buffers in use (their sizes)
   std::vector<std::vector<float>> free_;  // released unit buffers, reused by alloc()
-  int64_t cache_bytes_ = 0;                 // their bytes (not counted in pool_bytes_)
+  int64_t cache_bytes_ = 0;                 // their capacities
+  int64_t held_bytes_ = 0, held_peak_ = 0;  // capacities of all unit buffers, in use and cached
 };
 
 }  // namespace q3vl
