@@ -150,22 +150,28 @@ StepResult real_step(Comm& shard, Comm* replica, Comm& world, int stage, bool bf
   return r;
 }
 
+// Same loss and shard gradients (to 1e-6 in norm over the shard group).
+void expect_same_step(const StepResult& a, const StepResult& b, Comm& shard) {
+  EXPECT_NEAR(a.loss, b.loss, 1e-6 * std::fabs(b.loss));
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < b.grads.size(); ++i)
+    for (size_t j = 0; j < b.grads[i].size(); ++j) {
+      diff += std::pow(double(a.grads[i][j]) - b.grads[i][j], 2);
+      norm += std::pow(double(b.grads[i][j]), 2);
+    }
+  diff = shard.sum(diff), norm = shard.sum(norm);
+  EXPECT_GT(norm, 0);
+  EXPECT_LE(std::sqrt(diff), 1e-6 * std::sqrt(norm));
+}
+
 // bf16 gathers: stages 2 and 3 round the same weights the same way (same loss and gradients as each other), the
 // rounding is really applied (not the fp32 loss) and stage 3 moves half the bytes.
 TEST(Zero, Bf16GathersAgreeAcrossStagesAndHalveTheBytes) {
   MpiComm world(MPI_COMM_WORLD);
   const StepResult s2 = real_step(world, nullptr, world, 2, true), s3 = real_step(world, nullptr, world, 3, true);
   const StepResult f3 = real_step(world, nullptr, world, 3, false);
-  EXPECT_NEAR(s3.loss, s2.loss, 1e-6 * std::fabs(s2.loss));
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < s2.grads.size(); ++i)
-    for (size_t j = 0; j < s2.grads[i].size(); ++j) {
-      diff += std::pow(double(s3.grads[i][j]) - s2.grads[i][j], 2);
-      norm += std::pow(double(s2.grads[i][j]), 2);
-    }
-  diff = world.sum(diff), norm = world.sum(norm);
-  EXPECT_GT(norm, 0);
-  EXPECT_LE(std::sqrt(diff), 1e-6 * std::sqrt(norm));
+  expect_same_step(s3, s2, world);
   EXPECT_NE(s3.loss, f3.loss) << "bf16 gathers computed with unrounded weights";
   EXPECT_NEAR(s3.loss, f3.loss, 1e-2 * std::fabs(f3.loss));
   EXPECT_EQ(2 * s3.gathered, f3.gathered);
@@ -186,17 +192,7 @@ TEST(Zero, Bf16GatherRoundsEveryWeight) {
 
 void check_stage3_streams(Comm& shard, Comm* replica, Comm& world) {
   const StepResult s2 = real_step(shard, replica, world, 2), s3 = real_step(shard, replica, world, 3);
-  EXPECT_NEAR(s3.loss, s2.loss, 1e-6 * std::fabs(s2.loss));
-  ASSERT_EQ(s3.grads.size(), s2.grads.size());
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < s2.grads.size(); ++i)
-    for (size_t j = 0; j < s2.grads[i].size(); ++j) {
-      diff += std::pow(double(s3.grads[i][j]) - s2.grads[i][j], 2);
-      norm += std::pow(double(s2.grads[i][j]), 2);
-    }
-  diff = shard.sum(diff), norm = shard.sum(norm);
-  EXPECT_GT(norm, 0);
-  EXPECT_LE(std::sqrt(diff), 1e-6 * std::sqrt(norm));
+  expect_same_step(s3, s2, shard);
 
   // Memory: 1/N of the state plus a pool that held only a few units at a time.
   Model m(small_config());
