@@ -2,7 +2,8 @@
 # `q3vl train` end to end on the CPU with a 240k-parameter model (tests/data/golden/dense_tied/model) and the
 # synthetic dataset: the same global batch gives the same losses and weights on 1, 2 and 4 ranks, for any
 # micro-batch x accumulation split and ZeRO stage; a stopped and resumed run is bitwise identical to a straight
-# one (and agrees when resumed on another rank count); activation recomputation changes no bit; non-finite steps are skipped, then stop the run; frozen
+# one (and agrees when resumed on another rank count); activation recomputation changes no bit; hybrid sharding over
+# two (MPICH clique) nodes matches flat sharding; non-finite steps are skipped, then stop the run; frozen
 # parts stay as loaded; a checkpoint of another model is refused.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -112,6 +113,13 @@ d = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(h, f)]
 assert 0 < max(d) < 2e-2, f"bf16 vs fp32 gathers: loss differences {d[:5]}"
 PY
 then pass "bf16-gathers"; else bad "bf16-gathers"; fi
+
+# (i) Hybrid sharding through the real node detection: MPICH's cliques make 4 ranks look like 2 nodes of 2
+# (MPI_COMM_TYPE_SHARED follows them), so shards span a node and gradients are all-reduced across the two.
+MPIR_CVAR_NUM_CLIQUES=2 train hybrid 4 parallel.zero_stage=3 parallel.hybrid=true; ok_run $? hybrid
+if grep -q "4 rank(s) on 2 node(s)" "$tmp/hybrid.log" && grep -q "2-way shards, hybrid" "$tmp/hybrid.log" &&
+   cmp_losses hybrid np4 1e-5 && cmp_ckpt "$(ckpt hybrid)" "$(ckpt np4)" 1e-5; then pass "hybrid-2-nodes-vs-flat"
+else bad "hybrid-2-nodes-vs-flat: $(grep -E 'node|shards' "$tmp/hybrid.log" | head -3)"; fi
 
 # (c) 10 steps, stop, resume for 10 more (2 ranks): bitwise equal to 20 straight; 10 steps on 4 ranks resumed on 2:
 # same losses and weights.
