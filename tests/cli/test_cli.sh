@@ -1,23 +1,7 @@
 #!/usr/bin/env bash
 # The command line as a user meets it: version, help, unknown mode, bad decks and overrides give a clear
 # message on stderr, printed once even with several ranks, and exit 1.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-q=bin/q3vl
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-fails=0 passes=0
-pass() { echo "ok: $1"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
-
-# expect NAME RC PATTERN CMD...: the command exits with RC and its output matches PATTERN.
-expect() {
-  local name=$1 want_rc=$2 pat=$3; shift 3
-  local out rc
-  out=$("$@" 2>&1); rc=$?
-  if [[ $rc -ne $want_rc ]]; then bad "$name: exit $rc, wanted $want_rc; output: $out"; return; fi
-  if ! grep -qE -- "$pat" <<<"$out"; then bad "$name: output does not match /$pat/: $out"; return; fi
-  pass "$name"
-}
+source "$(dirname "$0")/../lib.sh"
 
 expect version 0 '^q3vl [0-9]+\.[0-9]+\.[0-9]+ \(git [0-9a-f]+' $q --version
 expect help 0 'usage: q3vl MODE' $q --help
@@ -67,5 +51,4 @@ for kv in model.backend=cuda model.dtype=bf16; do
   fi
 done
 
-echo "$passes passed, $fails failed"
-exit $((fails > 0))
+finish

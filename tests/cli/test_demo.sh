@@ -2,14 +2,7 @@
 # `make demo` shortened: the demo deck's pipeline (synth, prepare, train stopped half way and resumed from its
 # checkpoint, generate from the newest checkpoint, score) on little data and few steps. Checks that the loss falls
 # well below its start across the resume and that generation answers every held-out prompt in well-formed records.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
-q=bin/q3vl
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-fails=0 passes=0
-ok() { echo "ok: $1"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
+source "$(dirname "$0")/../lib.sh"
 run() { "$@" >>"$tmp/log" 2>&1 || { bad "$* failed: $(tail -5 "$tmp/log")"; return 1; }; }
 
 deck=input/demo.deck
@@ -21,13 +14,13 @@ short=(train.steps=30 train.global_batch=8 optim.warmup_steps=3 checkpoint.every
 run $q synth $deck "${paths[@]}" synth.train_samples=240 synth.eval_samples=8 &&
   run mpiexec -n 2 $q prepare $deck "${paths[@]}" &&
   run mpiexec -n 2 $q train $deck "${paths[@]}" "${short[@]}" train.stop_after=15 &&
-  [[ $(ls $tmp/o/checkpoints | grep -c '^step_00000015') -eq 1 ]] && ok "stopped at step 15 with a checkpoint" ||
+  [[ $(ls $tmp/o/checkpoints | grep -c '^step_00000015') -eq 1 ]] && pass "stopped at step 15 with a checkpoint" ||
   bad "no checkpoint of step 15: $(ls $tmp/o/checkpoints 2>&1)"
 run mpiexec -n 2 $q train $deck "${paths[@]}" "${short[@]}" train.resume=auto &&
-  grep -q "resum.*step_00000015" "$tmp/log" && ok "resumed from step 15" ||
+  grep -q "resum.*step_00000015" "$tmp/log" && pass "resumed from step 15" ||
   bad "the second run did not resume from step 15: $(grep -i resum "$tmp/log")"
 
-python3 - "$tmp/o/metrics.jsonl" <<'EOF' && ok "loss falls well below its start" || bad "loss: $(cut -c1-80 "$tmp/o/metrics.jsonl")"
+python3 - "$tmp/o/metrics.jsonl" <<'EOF' && pass "loss falls well below its start" || bad "loss: $(cut -c1-80 "$tmp/o/metrics.jsonl")"
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1])]
 steps = [r["step"] for r in recs]
@@ -38,7 +31,7 @@ assert last < 0.6 * first, (first, last)
 EOF
 
 run $q generate $deck "${paths[@]}" &&
-  python3 - "$tmp/o/answers.jsonl" <<'EOF' && ok "8 well-formed answers from the checkpoint" || bad "answers: $(head -3 "$tmp/o/answers.jsonl")"
+  python3 - "$tmp/o/answers.jsonl" <<'EOF' && pass "8 well-formed answers from the checkpoint" || bad "answers: $(head -3 "$tmp/o/answers.jsonl")"
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1])]
 assert [r["line"] for r in recs] == list(range(1, 9)), recs
@@ -46,7 +39,6 @@ for r in recs:
     assert isinstance(r["answer"], str) and r["stop"] in ("eos", "length"), r
 EOF
 o=$(tools/score_answers $tmp/o/answers.jsonl $tmp/d/eval.jsonl) && grep -q "^accuracy: .*(.*/8 " <<<"$o" &&
-  ok "scorer reads the answers" || bad "scorer: $o"
+  pass "scorer reads the answers" || bad "scorer: $o"
 
-echo "$passes passed, $fails failed"
-((fails == 0))
+finish

@@ -2,22 +2,17 @@
 # `q3vl synth`, `q3vl generate` and tools/score_answers end to end on a random tiny model (preset tiny: the real
 # vocabulary and tokenizer): files and counts, determinism, batching that changes nothing, bad prompts that fail
 # naming file and line. Greedy decoding against full forwards is tests/unit/test_generate.cpp.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
+source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-fails=0 passes=0
-ok() { echo "ok: $1"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
 run() { "$@" >"$tmp/log" 2>&1 || { bad "$* failed: $(tail -5 "$tmp/log")"; return 1; }; }
 
 # synth: counts, same files for the same seed at any rank count.
 run mpiexec -n 2 $q synth synth.dir=$tmp/d synth.train_samples=30 synth.eval_samples=6 synth.seed=3 &&
   run $q synth synth.dir=$tmp/e synth.train_samples=30 synth.eval_samples=6 synth.seed=3
-[[ $(wc -l <$tmp/d/train.jsonl) -eq 30 && $(wc -l <$tmp/d/eval.jsonl) -eq 6 ]] && ok "30 train + 6 eval records" ||
+[[ $(wc -l <$tmp/d/train.jsonl) -eq 30 && $(wc -l <$tmp/d/eval.jsonl) -eq 6 ]] && pass "30 train + 6 eval records" ||
   bad "record counts: $(wc -l $tmp/d/*.jsonl)"
-[[ $(ls $tmp/d/images | wc -l) -eq 36 ]] && ok "36 pictures" || bad "pictures: $(ls $tmp/d/images | wc -l)"
-diff -r $tmp/d $tmp/e >/dev/null && ok "same seed, same files" || bad "synth is not deterministic"
+[[ $(ls $tmp/d/images | wc -l) -eq 36 ]] && pass "36 pictures" || bad "pictures: $(ls $tmp/d/images | wc -l)"
+diff -r $tmp/d $tmp/e >/dev/null && pass "same seed, same files" || bad "synth is not deterministic"
 
 gen() { $q generate model.preset=tiny generate.prompts=$tmp/d/eval.jsonl generate.min_pixels=4096 \
            generate.max_new_tokens=6 run.timing=false "$@"; }
@@ -25,8 +20,8 @@ run gen generate.output=$tmp/a.jsonl generate.batch=4 &&
   run gen generate.output=$tmp/b.jsonl generate.batch=1 &&
   run mpiexec -n 2 $q generate model.preset=tiny generate.prompts=$tmp/d/eval.jsonl generate.min_pixels=4096 \
     generate.max_new_tokens=6 generate.output=$tmp/c.jsonl
-[[ $(wc -l <$tmp/a.jsonl) -eq 6 ]] && ok "6 answers" || bad "answers: $(cat $tmp/a.jsonl)"
-python3 - "$tmp/a.jsonl" <<'EOF' && ok "answer records well formed" || bad "answer records: $(head -2 $tmp/a.jsonl)"
+[[ $(wc -l <$tmp/a.jsonl) -eq 6 ]] && pass "6 answers" || bad "answers: $(cat $tmp/a.jsonl)"
+python3 - "$tmp/a.jsonl" <<'EOF' && pass "answer records well formed" || bad "answer records: $(head -2 $tmp/a.jsonl)"
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1])]
 assert [r["line"] for r in recs] == list(range(1, 7)), recs
@@ -35,12 +30,12 @@ for r in recs:
     assert r["new_tokens"] <= 6 and (r["stop"] == "eos" or r["new_tokens"] == 6), r
     assert 15 <= r["prompt_tokens"] <= 30, r  # template, 4 image pads, a short question
 EOF
-cmp -s $tmp/a.jsonl $tmp/b.jsonl && ok "batch 4 == batch 1" || bad "batching changes answers: $(diff $tmp/a.jsonl $tmp/b.jsonl)"
-cmp -s $tmp/a.jsonl $tmp/c.jsonl && ok "2 ranks == 1 rank" || bad "rank count changes answers"
+cmp -s $tmp/a.jsonl $tmp/b.jsonl && pass "batch 4 == batch 1" || bad "batching changes answers: $(diff $tmp/a.jsonl $tmp/b.jsonl)"
+cmp -s $tmp/a.jsonl $tmp/c.jsonl && pass "2 ranks == 1 rank" || bad "rank count changes answers"
 run gen generate.output=$tmp/s1.jsonl generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9 &&
   run gen generate.output=$tmp/s2.jsonl generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9
-cmp -s $tmp/s1.jsonl $tmp/s2.jsonl && ok "seeded sampling is deterministic" || bad "sampling differs for one seed"
-! cmp -s $tmp/s1.jsonl $tmp/a.jsonl && ok "sampling differs from greedy" || bad "temperature 1.5 gave the greedy answers"
+cmp -s $tmp/s1.jsonl $tmp/s2.jsonl && pass "seeded sampling is deterministic" || bad "sampling differs for one seed"
+! cmp -s $tmp/s1.jsonl $tmp/a.jsonl && pass "sampling differs from greedy" || bad "temperature 1.5 gave the greedy answers"
 
 # The scorer: the held-out answers themselves score 100%, the random model's do not.
 python3 -c "
@@ -48,29 +43,22 @@ import json
 for i, l in enumerate(open('$tmp/d/eval.jsonl'), 1):
     print(json.dumps({'line': i, 'answer': json.loads(l)['messages'][1]['content']}))" >$tmp/perfect.jsonl
 o=$(tools/score_answers $tmp/perfect.jsonl $tmp/d/eval.jsonl --min-accuracy 100) &&
-  grep -q "accuracy: 100.0% (6/6" <<<"$o" && ok "scorer: 100% on the true answers" || bad "scorer: $o"
+  grep -q "accuracy: 100.0% (6/6" <<<"$o" && pass "scorer: 100% on the true answers" || bad "scorer: $o"
 o=$(tools/score_answers $tmp/a.jsonl $tmp/d/eval.jsonl --min-accuracy 50); rc=$?
-[[ $rc -eq 1 ]] && grep -q "accuracy: 0.0% (0/6" <<<"$o" && ok "scorer: random model below 50%" || bad "scorer: rc=$rc $o"
+[[ $rc -eq 1 ]] && grep -q "accuracy: 0.0% (0/6" <<<"$o" && pass "scorer: random model below 50%" || bad "scorer: rc=$rc $o"
 
-# expect NAME PATTERN CMD...: exit 1 and a message matching PATTERN.
-expect() {
-  local name=$1 pat=$2; shift 2
-  local o rc; o=$("$@" 2>&1); rc=$?
-  [[ $rc -eq 1 ]] && grep -qE -- "$pat" <<<"$o" && ok "$name" || bad "$name: rc=$rc: $o"
-}
 p=$tmp/d/bad.jsonl
 head -2 $tmp/d/eval.jsonl >$p && sed -n 3p $tmp/d/eval.jsonl | sed 's/eval_000002/nothere/' >>$p
-expect missing-image "bad.jsonl:3: image 'images/nothere.png' not found" gen generate.prompts=$p generate.output=$tmp/o.jsonl
+expect missing-image 1 "bad.jsonl:3: image 'images/nothere.png' not found" gen generate.prompts=$p generate.output=$tmp/o.jsonl
 head -1 $tmp/d/eval.jsonl | sed 's/"user"/"robot"/' >$p
-expect unknown-role "bad.jsonl:1: .*unknown role 'robot'" gen generate.prompts=$p generate.output=$tmp/o.jsonl
-expect too-long "eval.jsonl:1: the prompt has [0-9]+ tokens, more than generate.max_context = 10" \
+expect unknown-role 1 "bad.jsonl:1: .*unknown role 'robot'" gen generate.prompts=$p generate.output=$tmp/o.jsonl
+expect too-long 1 "eval.jsonl:1: the prompt has [0-9]+ tokens, more than generate.max_context = 10" \
   gen generate.output=$tmp/o.jsonl generate.max_context=10
 printf '{"messages": [\n' >$p
-expect bad-json "bad.jsonl:1: bad JSON" gen generate.prompts=$p generate.output=$tmp/o.jsonl
-expect no-prompts-key "missing required key 'generate.prompts'" $q generate model.preset=tiny generate.output=$tmp/o.jsonl
-expect no-model "generate needs a model" $q generate generate.prompts=$tmp/d/eval.jsonl generate.output=$tmp/o.jsonl
-[[ ! -e $tmp/o.jsonl && -z $(ls $tmp/*.partial 2>/dev/null) ]] && ok "failed runs leave no output" ||
+expect bad-json 1 "bad.jsonl:1: bad JSON" gen generate.prompts=$p generate.output=$tmp/o.jsonl
+expect no-prompts-key 1 "missing required key 'generate.prompts'" $q generate model.preset=tiny generate.output=$tmp/o.jsonl
+expect no-model 1 "generate needs a model" $q generate generate.prompts=$tmp/d/eval.jsonl generate.output=$tmp/o.jsonl
+[[ ! -e $tmp/o.jsonl && -z $(ls $tmp/*.partial 2>/dev/null) ]] && pass "failed runs leave no output" ||
   bad "output left by a failed run"
 
-echo "$passes passed, $fails failed"
-exit $((fails > 0))
+finish

@@ -2,25 +2,9 @@
 # `q3vl prepare` and `q3vl tokenize` as a user runs them: the same summary at 1, 2 and 4 ranks, a bad image fails
 # naming the file, line and image (printed once), skip mode drops and counts, bad settings fail clearly.
 # (Sample-by-sample equality across rank counts is tests/mpi/test_prepare.cpp.)
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-q=bin/q3vl
+source "$(dirname "$0")/../lib.sh"
 d=tests/data/prepare
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-fails=0
-pass() { echo "ok: $1"; }
-bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
 small="prepare.min_pixels=1024 prepare.max_pixels=16384 prepare.min_side=3 prepare.shard_size=2"
-
-# expect NAME RC PATTERN CMD...: the command exits with RC and its output matches PATTERN.
-expect() {
-  local name=$1 want_rc=$2 pat=$3; shift 3
-  local out rc
-  out=$("$@" 2>&1); rc=$?
-  if [[ $rc -ne $want_rc ]]; then bad "$name: exit $rc, wanted $want_rc; output: $out"; return; fi
-  if ! grep -qE -- "$pat" <<<"$out"; then bad "$name: output does not match /$pat/: $out"; return; fi
-  pass "$name"
-}
 
 summaries=()
 for n in 1 2 4; do
@@ -54,5 +38,6 @@ expect bad-on-error 1 "prepare.on_error" $q prepare prepare.input=$d/train.jsonl
 expect tokenize 0 '^\[151644, ?872, ?198\]$' bash -c "echo '\"<|im_start|>user\\n\"' | $q tokenize"
 expect detokenize 0 '^"<\|im_end\|>\\n"$' bash -c "echo '[151645, 198]' | $q tokenize --decode"
 
+# One result for the whole suite, not one per check.
 echo "$((fails == 0 ? 1 : 0)) passed, $((fails > 0 ? 1 : 0)) failed"
 exit $((fails > 0))

@@ -5,15 +5,7 @@
 # one (and agrees when resumed on another rank count); activation recomputation changes no bit; hybrid sharding over
 # two (MPICH clique) nodes matches flat sharding; non-finite steps are skipped, then stop the run; frozen
 # parts stay as loaded; a checkpoint of another model is refused.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
-q=bin/q3vl
-py=/usr/bin/python3
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-fails=0 passes=0
-pass() { echo "ok: $1"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
+source "$(dirname "$0")/../lib.sh"
 model=tests/data/golden/dense_tied/model
 common=(model.hf=$model data.seq_len=32 train.global_batch=8 train.steps=20 train.lr=5e-4 train.micro_batch=4
         optim.warmup_steps=2
@@ -197,5 +189,4 @@ else
   bad "resume-refuses-other-model: rc=$rc: $(tail -3 "$tmp/other.log")"
 fi
 
-echo "$passes passed, $fails failed"
-exit $((fails > 0))
+finish

@@ -4,24 +4,23 @@
 # naming the rank that did not arrive, and preemption: SIGUSR1 mid-run -> checkpoint -> requeue ->
 # resume -> a final checkpoint bitwise equal to an uninterrupted run's (once bin/q3vl has a train mode).
 # Ends with "N passed, N failed"; exits non-zero on any failure.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
+source "$(dirname "$0")/../lib.sh"
 dir=${Q3VL_SLURM_DIR:-/tmp/q3vl-slurm}
 [[ -f $dir/env ]] || { echo "no test Slurm: run tests/slurm/start.sh first"; echo "0 passed, 1 failed"; exit 1; }
 source "$dir/env"
-export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 work=$(mktemp -d /tmp/q3vl-slurm-test.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+trap 'rm -rf "$tmp" "$work"' EXIT  # replaces lib.sh's trap, so removes its $tmp as well
 host=$(hostname)
-passed=0 failed=0
 
-ok() { echo "ok    $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL  $1"; shift; for f in "$@"; do [[ -f $f ]] && tail -n 25 "$f" | sed 's/^/      /'; done; failed=$((failed + 1)); }
-# expect NAME LOG PATTERN...: every extended regex is in LOG.
-expect() {
+# This suite's own report lines, in columns with its "skip  " lines; a failure shows the tail of each LOG
+# named after its message. They count in lib.sh's counters, so finish reports them.
+pass() { echo "ok    $1"; passes=$((passes + 1)); }
+bad() { echo "FAIL  $1"; shift; for f in "$@"; do [[ -f $f ]] && tail -n 25 "$f" | sed 's/^/      /'; done; fails=$((fails + 1)); }
+# expect_log NAME LOG PATTERN...: every extended regex is in LOG.
+expect_log() {
   local name=$1 log=$2; shift 2
   for p in "$@"; do grep -Eq -- "$p" "$log" || { bad "$name (no /$p/ in $log)" "$log"; return 1; }; done
-  ok "$name"
+  pass "$name"
 }
 job_field() { scontrol show job "$1" 2>/dev/null | grep -oP "\b$2=\K\S+" | head -1; }
 # wait_job ID SECONDS: until the job has left the queue; its requeue hold is cut short (see below).
@@ -41,17 +40,17 @@ wait_job() {
 # --- q3vl check under srun -------------------------------------------------------------------
 srun --mpi=pmi2 -n 4 bin/q3vl check run.out_dir="$work/chk" >"$work/chk.log" 2>&1
 rc=$?
-if ((rc == 0)); then expect "check passes on 4 tasks" "$work/chk.log" "check passed: 4 rank\(s\) on 1 node"
+if ((rc == 0)); then expect_log "check passes on 4 tasks" "$work/chk.log" "check passed: 4 rank\(s\) on 1 node"
 else bad "check passes on 4 tasks (exit $rc)" "$work/chk.log"; fi
 
 srun --mpi=pmi2 -n 4 bin/q3vl check run.out_dir="$work/chk" model.backend=cuda >"$work/cuda.log" 2>&1
-if (($? != 0)); then expect "check fails without GPUs for model.backend=cuda" "$work/cuda.log" \
+if (($? != 0)); then expect_log "check fails without GPUs for model.backend=cuda" "$work/cuda.log" \
   "check failed" "rank 3 on $host: no GPU visible"
 else bad "check fails without GPUs for model.backend=cuda (exit 0)" "$work/cuda.log"; fi
 
 touch "$work/file"
 srun --mpi=pmi2 -n 4 bin/q3vl check run.out_dir="$work/file/out" >"$work/nodir.log" 2>&1
-if (($? != 0)); then expect "check fails when out_dir cannot be made" "$work/nodir.log" \
+if (($? != 0)); then expect_log "check fails when out_dir cannot be made" "$work/nodir.log" \
   "rank 0 on $host: cannot stat output directory $work/file/out" "rank 3 on $host"
 else bad "check fails when out_dir cannot be made (exit 0)" "$work/nodir.log"; fi
 
@@ -61,7 +60,7 @@ if mount -t tmpfs -o ro,size=1m tmpfs "$work/ro" 2>/dev/null; then
   srun --mpi=pmi2 -n 4 bin/q3vl check run.out_dir="$work/ro" >"$work/ro.log" 2>&1
   rc=$?
   umount "$work/ro"
-  if ((rc != 0)); then expect "check fails on a read-only, full out_dir" "$work/ro.log" \
+  if ((rc != 0)); then expect_log "check fails on a read-only, full out_dir" "$work/ro.log" \
     "rank 2 on $host: less than 1 GB free in $work/ro" "rank 2 on $host: cannot write to output directory $work/ro: Read-only"
   else bad "check fails on a read-only, full out_dir (exit 0)" "$work/ro.log"; fi
 else
@@ -76,7 +75,7 @@ for launcher in "mpiexec -n 4" "srun --mpi=pmi2 -n 4"; do
     runtime.debug_sleep_seconds=60 >"$work/wd.log" 2>&1
   rc=$? dt=$((SECONDS - t0))
   if ((rc == 0 || rc == 124 || dt > 20)); then bad "watchdog under ${launcher%% *} (exit $rc after $dt s)" "$work/wd.log"
-  else expect "watchdog under ${launcher%% *} names rank 2 and aborts ($dt s)" "$work/wd.log" \
+  else expect_log "watchdog under ${launcher%% *} names rank 2 and aborts ($dt s)" "$work/wd.log" \
     "watchdog: collective all_gather #[0-9]+ on a 4-rank mpi communicator did not complete within runtime.timeout = 5" \
     "ranks that did not arrive: 2 \(2 at #[0-9]+\)"; fi
 done
@@ -93,7 +92,7 @@ if ((has_train)); then
   id=$(DECK=$smoke_deck OUT=$work/smoke sbatch --parsable --output="$work/smoke-%j.out" jobs/smoke.slurm \
     "${smoke_args[@]}")
   if wait_job "$id" 240 && [[ $(job_field "$id" JobState) == COMPLETED ]]; then
-    expect "smoke job (4 tasks): check and train complete" "$work/smoke-$id.out" \
+    expect_log "smoke job (4 tasks): check and train complete" "$work/smoke-$id.out" \
       "check passed: 4 rank\(s\)" "training done: step 2"
   else bad "smoke job $id: $(job_field "$id" JobState)" "$work/smoke-$id.out"; fi
 else
@@ -115,15 +114,14 @@ if ((has_train)); then
     bad "preempted job $id: $(job_field "$id" JobState)" "$log"
   elif [[ $(job_field "$id" Restarts) != 1 ]]; then
     bad "preempted job was requeued once (Restarts=$(job_field "$id" Restarts))" "$log"
-  elif expect "SIGUSR1 -> checkpoint, exit 3, requeue, resume, done" "$log" \
+  elif expect_log "SIGUSR1 -> checkpoint, exit 3, requeue, resume, done" "$log" \
       "stopping early: SIGUSR1 received" "exit 3\): requeueing" "restart 1" "training done: step 5"; then
     if h5diff -q "$ref" "$got" /model /model && h5diff -q "$ref" "$got" /optim /optim; then
-      ok "resumed run's final checkpoint equals the uninterrupted run's"
+      pass "resumed run's final checkpoint equals the uninterrupted run's"
     else bad "resumed run's final checkpoint differs from the uninterrupted run's" "$log"; fi
   fi
 else
   echo "skip  preemption (no train mode in bin/q3vl yet)"
 fi
 
-echo "$passed passed, $failed failed"
-((failed == 0))
+finish

@@ -2,20 +2,10 @@
 # tools/export_hf: golden HF directories and checkpoints -> HF directories that the C++ loader reads with
 # the same loss as the original, every tensor bitwise equal (tests/tools/st_compare.py); the other files;
 # sharding, bf16, presets, a real short training run; bad input.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-py=/usr/bin/python3
+source "$(dirname "$0")/../lib.sh"
 ex=tools/export_hf
 G=tests/data/golden
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-fails=0 passes=0
-ok() { echo "ok: $1"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
-expect() {
-  local name=$1 pat=$2; shift 2
-  local o rc; o=$("$@" 2>&1); rc=$?
-  [[ $rc -eq 1 ]] && grep -qE -- "$pat" <<<"$o" && ok "$name" || bad "$name: rc=$rc: $o"
-}
+ok() { pass "$@"; }  # this suite's checks say ok
 # loss MODEL_DIR BATCH: the loss `q3vl eval` writes, all digits.
 loss() {
   local o=$tmp/eval-$RANDOM.h5
@@ -139,16 +129,15 @@ EOF
 fi
 
 # --- bad input ---
-expect "non-empty output" "exists and is not an empty directory" $ex $G/moe/model $tmp/moe
-expect "no source" "no such file" $ex $tmp/none $tmp/o1
-expect "wrong config" "do not match the config: .*missing" $ex --config $G/dense_untied/model/config.json $tmp/ck $tmp/o2
+expect "non-empty output" 1 "exists and is not an empty directory" $ex $G/moe/model $tmp/moe
+expect "no source" 1 "no such file" $ex $tmp/none $tmp/o1
+expect "wrong config" 1 "do not match the config: .*missing" $ex --config $G/dense_untied/model/config.json $tmp/ck $tmp/o2
 cp $ck $tmp/corrupt.h5
 off=$($py -c "import h5py,sys; d=h5py.File(sys.argv[1])['model/lm_head.weight']; print(d.id.get_offset() + 100)" $tmp/corrupt.h5)
 printf '\x00\x00\x80\x3f' | dd of=$tmp/corrupt.h5 bs=1 seek=$off conv=notrunc status=none
-expect "corrupt checkpoint" "model/lm_head.weight does not match its checksum" $ex $tmp/corrupt.h5 $tmp/o3
+expect "corrupt checkpoint" 1 "model/lm_head.weight does not match its checksum" $ex $tmp/corrupt.h5 $tmp/o3
 [[ ! -e $tmp/o3 && ! -e $tmp/o3.partial ]] && ok "a failed export leaves nothing" || bad "left $(ls -d $tmp/o3*)"
 o=$($ex --shard-size lots $G/moe/model $tmp/o4 2>&1)
 [[ $? -eq 2 ]] && grep -q "not a size: 'lots'" <<<"$o" && ok "bad shard size: usage error" || bad "bad shard size: $o"
 
-echo "$passes passed, $fails failed"
-exit $((fails > 0))
+finish

@@ -1,19 +1,7 @@
 #!/usr/bin/env bash
 # tools/summarize and tools/plot_metrics on generated metrics.jsonl files (a run with a restart and skipped
 # steps, a run with MFU) and on bad input; plus a real short `q3vl train` run when the mode exists.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-py=/usr/bin/python3
-tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-fails=0 passes=0
-ok() { echo "ok: $1"; passes=$((passes + 1)); }
-bad() { echo "FAIL: $1"; fails=$((fails + 1)); }
-# expect NAME PATTERN CMD...: exit 1 and a message matching PATTERN.
-expect() {
-  local name=$1 pat=$2; shift 2
-  local o rc; o=$("$@" 2>&1); rc=$?
-  [[ $rc -eq 1 ]] && grep -qE -- "$pat" <<<"$o" && ok "$name" || bad "$name: rc=$rc: $o"
-}
+source "$(dirname "$0")/../lib.sh"
 
 mkdir -p $tmp/restarted $tmp/steady
 $py tests/tools/make_metrics.py $tmp/restarted/metrics.jsonl 60 --restart-at 35 --resume-from 30 --skip 12,13,44
@@ -27,26 +15,26 @@ best=$($py -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; l=
 b=min(l, key=lambda x: x['loss']); print(f'{b[\"loss\"]:.4f} @{b[\"step\"]}')" $A)
 row=$(grep '^restarted ' <<<"$out")
 read -r -a f <<<"$row"
-[[ ${f[1]} == 60 ]] && ok "steps 60" || bad "steps: $row"
-[[ ${f[6]} == 1 && ${f[7]} == 3 ]] && ok "1 restart, 3 skipped steps" || bad "restarts/skipped: $row"
-[[ ${f[8]} == "$final" ]] && ok "final loss $final" || bad "final loss: want $final: $row"
-[[ "${f[9]} ${f[10]}" == "$best" ]] && ok "best loss $best" || bad "best loss: want $best: $row"
-[[ ${f[5]} == - ]] && ok "no MFU logged: -" || bad "MFU of a run without it: $row"
-grep -qE '^steady +50 .* 5[0-9]\.[0-9]% +0 +0 ' <<<"$out" && ok "MFU mean of the steady run" || bad "steady row: $out"
+[[ ${f[1]} == 60 ]] && pass "steps 60" || bad "steps: $row"
+[[ ${f[6]} == 1 && ${f[7]} == 3 ]] && pass "1 restart, 3 skipped steps" || bad "restarts/skipped: $row"
+[[ ${f[8]} == "$final" ]] && pass "final loss $final" || bad "final loss: want $final: $row"
+[[ "${f[9]} ${f[10]}" == "$best" ]] && pass "best loss $best" || bad "best loss: want $best: $row"
+[[ ${f[5]} == - ]] && pass "no MFU logged: -" || bad "MFU of a run without it: $row"
+grep -qE '^steady +50 .* 5[0-9]\.[0-9]% +0 +0 ' <<<"$out" && pass "MFU mean of the steady run" || bad "steady row: $out"
 md=$(tools/summarize --markdown --labels a,b $A $B 2>&1)
 [[ $(sed -n 1p <<<"$md") == "| run | steps | tokens | wall | tokens/s | MFU | restarts | skipped | final loss | best loss |" &&
-   $(grep -c '^| [ab] | ' <<<"$md") == 2 ]] && ok "markdown table" || bad "markdown: $md"
+   $(grep -c '^| [ab] | ' <<<"$md") == 2 ]] && pass "markdown table" || bad "markdown: $md"
 
 # --- plot_metrics ---
 out=$(tools/plot_metrics -o $tmp/plots $A $B 2>&1) || bad "plot_metrics ran: $out"
 for n in loss lr grad_norm tokens_per_s mfu memory; do
   p=$tmp/plots/$n.png
   if [[ -f $p && $(head -c 8 $p | od -An -tx1 | tr -d ' ') == 89504e470d0a1a0a && $(stat -c %s $p) -gt 10000 ]]; then
-    ok "$n.png"
+    pass "$n.png"
   else bad "$n.png missing or not a PNG: $out"; fi
 done
 out=$(tools/plot_metrics -o $tmp/plots2 $A 2>&1)
-[[ ! -f $tmp/plots2/mfu.png ]] && grep -q "no model FLOPs utilisation" <<<"$out" && ok "no MFU plot without MFU" ||
+[[ ! -f $tmp/plots2/mfu.png ]] && grep -q "no model FLOPs utilisation" <<<"$out" && pass "no MFU plot without MFU" ||
   bad "MFU plot of a run without MFU: $out"
 
 # --- bad input ---
@@ -55,14 +43,14 @@ printf '{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n' >$tmp/trunc.jsonl
 printf '{"step": 1}\nnot json\n{"step": 3}\n' >$tmp/garbage.jsonl
 printf '{"loss": 1}\n' >$tmp/nostep.jsonl
 for t in summarize plot_metrics; do
-  expect "$t empty" "empty.jsonl: empty log" tools/$t $tmp/empty.jsonl
-  expect "$t truncated" "trunc.jsonl:2: truncated line" tools/$t $tmp/trunc.jsonl
-  expect "$t garbage" "garbage.jsonl:2: not valid JSON" tools/$t $tmp/garbage.jsonl
-  expect "$t no step" "nostep.jsonl:1: no integer 'step'" tools/$t $tmp/nostep.jsonl
-  expect "$t missing" "cannot read .*none.jsonl" tools/$t $tmp/none.jsonl
+  expect "$t empty" 1 "empty.jsonl: empty log" tools/$t $tmp/empty.jsonl
+  expect "$t truncated" 1 "trunc.jsonl:2: truncated line" tools/$t $tmp/trunc.jsonl
+  expect "$t garbage" 1 "garbage.jsonl:2: not valid JSON" tools/$t $tmp/garbage.jsonl
+  expect "$t no step" 1 "nostep.jsonl:1: no integer 'step'" tools/$t $tmp/nostep.jsonl
+  expect "$t missing" 1 "cannot read .*none.jsonl" tools/$t $tmp/none.jsonl
 done
-expect "labels count" "2 labels for 1 metrics" tools/summarize --labels a,b $A
-expect "bad smooth" "--smooth must be" tools/plot_metrics --smooth 1.5 $A
+expect "labels count" 1 "2 labels for 1 metrics" tools/summarize --labels a,b $A
+expect "bad smooth" 1 "--smooth must be" tools/plot_metrics --smooth 1.5 $A
 
 # --- a real short run, resumed from an earlier checkpoint (its steps go back: one restart) ---
 if bin/q3vl --help 2>&1 | grep -q '^  train '; then
@@ -71,10 +59,9 @@ if bin/q3vl --help 2>&1 | grep -q '^  train '; then
             >>$tmp/train.log 2>&1 || bad "q3vl train $*: $(tail -3 $tmp/train.log)"; }
   train && train train.resume=$tmp/real/checkpoints/step_00000002.h5
   out=$(tools/summarize $tmp/real/metrics.jsonl 2>&1)
-  grep -qE '^real +4 .* 1 +0 +[0-9.]+ ' <<<"$out" && ok "real run: 4 steps, 1 restart, 0 skipped" || bad "real run: $out"
+  grep -qE '^real +4 .* 1 +0 +[0-9.]+ ' <<<"$out" && pass "real run: 4 steps, 1 restart, 0 skipped" || bad "real run: $out"
   out=$(tools/plot_metrics -o $tmp/real_plots $tmp/real/metrics.jsonl 2>&1)
-  [[ -f $tmp/real_plots/loss.png && -f $tmp/real_plots/memory.png ]] && ok "real run: plots" || bad "real run plots: $out"
+  [[ -f $tmp/real_plots/loss.png && -f $tmp/real_plots/memory.png ]] && pass "real run: plots" || bad "real run plots: $out"
 fi
 
-echo "$passes passed, $fails failed"
-exit $((fails > 0))
+finish
