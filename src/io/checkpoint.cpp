@@ -200,7 +200,7 @@ void count_and_checksum(MPI_Comm comm, const std::vector<CkptSlice>& slices, std
 // Rank 0's metadata on every rank (the values written must be identical everywhere).
 CkptMeta bcast_meta(MPI_Comm comm, const CkptMeta& m) {
   std::string packed;
-  for (const std::string* s : {&m.deck_toml, &m.state_json, &m.build}) {
+  for (const std::string* s : {&m.deck_toml, &m.state_json, &m.build, &m.hf_config_json}) {
     uint64_t n = s->size();
     packed.append(reinterpret_cast<const char*>(&n), 8).append(*s);
   }
@@ -208,7 +208,7 @@ CkptMeta bcast_meta(MPI_Comm comm, const CkptMeta& m) {
   packed = bcast_string(comm, packed, 0);
   CkptMeta out = m;
   size_t pos = 0;
-  for (std::string* s : {&out.deck_toml, &out.state_json, &out.build}) {
+  for (std::string* s : {&out.deck_toml, &out.state_json, &out.build, &out.hf_config_json}) {
     uint64_t n;
     std::memcpy(&n, packed.data() + pos, 8);
     *s = packed.substr(pos + 8, n);
@@ -322,6 +322,8 @@ std::string read_meta(hid_t f, CkptMeta* m) {
   for (auto [name, dst] : std::initializer_list<std::pair<const char*, std::string*>>{
            {"deck", &m->deck_toml}, {"state_json", &m->state_json}, {"build", &m->build}})
     if (std::string e = get_attr_str(f, name, dst); !e.empty()) return e;
+  // Optional: files written before it was kept still resume.
+  if (H5Aexists(f, "hf_config_json") > 0) return get_attr_str(f, "hf_config_json", &m->hf_config_json);
   return "";
 }
 
@@ -585,6 +587,7 @@ std::string write_checkpoint(const std::string& dir_in, MPI_Comm comm, const Ckp
     set_attr(file, "deck", meta.deck_toml, w);
     set_attr(file, "state_json", meta.state_json, w);
     set_attr(file, "build", meta.build, w);
+    set_attr(file, "hf_config_json", meta.hf_config_json, w);
 
     Hid gcpl(H5Pcreate(H5P_GROUP_CREATE), H5Pclose);
     H5Pset_obj_track_times(gcpl, 0);

@@ -12,6 +12,7 @@ using json = nlohmann::json;
 namespace {
 
 const char* const kArchitectures[] = {"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"};
+const char* const kReleasedVersion = "4.57.0";  // the schema and expert layout of the released checkpoints
 
 // Typed access to one JSON object of config.json; `prefix` is the object's path ("text_config.") for messages.
 struct Reader {
@@ -151,12 +152,19 @@ bool ModelConfig::is_moe_layer(int l) const {
   return (l + 1) % text.decoder_sparse_step == 0;
 }
 
-ModelConfig load_hf_config(const std::string& path) {
-  std::ifstream in(path);
+ModelConfig load_hf_config(const std::string& path, std::string* text) {
+  std::ifstream in(path, std::ios::binary);
   if (!in) fail("config: cannot open '" + path + "'");
+  std::string s((std::istreambuf_iterator<char>(in)), {});
+  ModelConfig c = parse_hf_config(s, path);
+  if (text) *text = std::move(s);
+  return c;
+}
+
+ModelConfig parse_hf_config(const std::string& json_text, const std::string& path) {
   json j;
   try {
-    j = json::parse(in);
+    j = json::parse(json_text);
   } catch (const json::exception& e) {
     fail("config: '" + path + "' is not valid JSON: " + e.what());
   }
@@ -227,6 +235,47 @@ ModelConfig load_hf_config(const std::string& path) {
   return c;
 }
 
+std::string hf_config_json(const ModelConfig& c) {
+  const TextConfig& t = c.text;
+  const VisionConfig& v = c.vision;
+  const bool moe = c.moe();
+  const std::string type = moe ? "qwen3_vl_moe" : "qwen3_vl";
+  // The version string is what tells a reader the expert layout on disk: keep c's unless it disagrees.
+  std::string version = c.transformers_version;
+  if (version.empty() || (version_major(version) >= 5) != c.experts_v5_layout)
+    version = c.experts_v5_layout ? "5.0.0" : kReleasedVersion;
+  // Keys q3vl does not model (dropout, max positions, activations...) take the released checkpoints' values;
+  // dtype is what checkpoints hold (fp32 master weights).
+  json text = {{"attention_bias", false}, {"attention_dropout", 0.0},
+               {"bos_token_id", c.pad_token_id},  // Qwen's <|endoftext|> is both bos and pad
+               {"dtype", "float32"}, {"eos_token_id", c.eos_token_id}, {"head_dim", t.head_dim},
+               {"hidden_act", "silu"}, {"hidden_size", t.hidden}, {"initializer_range", 0.02},
+               {"intermediate_size", t.intermediate}, {"max_position_embeddings", 262144},
+               {"model_type", type + "_text"}, {"num_attention_heads", t.heads}, {"num_hidden_layers", t.layers},
+               {"num_key_value_heads", t.kv_heads}, {"pad_token_id", c.pad_token_id}, {"rms_norm_eps", t.rms_eps},
+               {"rope_scaling", {{"mrope_interleaved", true}, {"mrope_section", t.mrope_section},
+                                 {"rope_type", "default"}}},
+               {"rope_theta", t.rope_theta}, {"tie_word_embeddings", t.tie_embeddings}, {"use_cache", true},
+               {"vocab_size", t.vocab}};
+  if (moe)
+    text.update({{"decoder_sparse_step", t.decoder_sparse_step}, {"mlp_only_layers", t.mlp_only_layers},
+                 {"moe_intermediate_size", t.moe_intermediate}, {"norm_topk_prob", true},
+                 {"num_experts", t.num_experts}, {"num_experts_per_tok", t.experts_per_tok},
+                 {"router_aux_loss_coef", t.router_aux_loss_coef}});
+  const json vision = {
+      {"deepstack_visual_indexes", v.deepstack_indexes}, {"depth", v.depth}, {"hidden_act", "gelu_pytorch_tanh"},
+      {"hidden_size", v.hidden}, {"in_channels", v.in_channels}, {"initializer_range", 0.02},
+      {"intermediate_size", v.intermediate}, {"model_type", type}, {"num_heads", v.heads},
+      {"num_position_embeddings", v.num_position_embeddings}, {"out_hidden_size", v.out_hidden},
+      {"patch_size", v.patch}, {"spatial_merge_size", v.merge}, {"temporal_patch_size", v.temporal_patch}};
+  const json j = {{"architectures", json::array({c.architecture})}, {"dtype", "float32"},
+                  {"image_token_id", c.image_token_id}, {"model_type", type}, {"text_config", text},
+                  {"tie_word_embeddings", t.tie_embeddings}, {"transformers_version", version},
+                  {"video_token_id", c.video_token_id}, {"vision_config", vision},
+                  {"vision_end_token_id", c.vision_end_token_id}, {"vision_start_token_id", c.vision_start_token_id}};
+  return j.dump(2) + "\n";
+}
+
 std::vector<std::string> preset_names() { return {"2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B", "tiny", "demo"}; }
 
 ModelConfig preset_config(const std::string& name) {
@@ -246,6 +295,7 @@ ModelConfig preset_config(const std::string& name) {
     t.num_experts = e, t.experts_per_tok = k, t.moe_intermediate = im;
   };
   c.architecture = "Qwen3VLForConditionalGeneration";
+  c.transformers_version = kReleasedVersion;
   if (name == "2B") {
     vision(24, 1024, 4096, 2048, {5, 11, 17}), text(2048, 6144, 28, 16, 8, true);
   } else if (name == "4B") {

@@ -146,8 +146,10 @@ std::string checkpoint_path(const Deck& d) {
 ModelConfig model_config(const Deck& d, const std::string& ck) {
   if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json");
   if (!d.str("model.preset").empty()) return preset_config(d.str("model.preset"));
-  if (!ck.empty()) {  // the model the checkpoint was trained as
-    const Deck trained = Deck::parse(read_checkpoint_meta(ck).deck_toml, ck, {}, "");
+  if (!ck.empty()) {  // the model the checkpoint was trained as: its config.json, else (older files) its deck's
+    const CkptMeta meta = read_checkpoint_meta(ck);
+    if (!meta.hf_config_json.empty()) return parse_hf_config(meta.hf_config_json, ck + ":hf_config_json");
+    const Deck trained = Deck::parse(meta.deck_toml, ck, {}, "");
     if (!trained.str("model.hf").empty()) return load_hf_config(trained.str("model.hf") + "/config.json");
     if (!trained.str("model.preset").empty()) return preset_config(trained.str("model.preset"));
   }

@@ -80,9 +80,15 @@ TrainState from_json(const std::string& text, const std::string& path) {
   }
 }
 
-ModelConfig model_config(const Deck& d) {
-  if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json");
-  if (!d.str("model.preset").empty()) return preset_config(d.str("model.preset"));
+// The model, and the config.json text that checkpoints keep: model.hf's file unchanged (nothing it says is
+// lost), else the preset's.
+ModelConfig model_config(const Deck& d, std::string* json_text) {
+  if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json", json_text);
+  if (!d.str("model.preset").empty()) {
+    ModelConfig c = preset_config(d.str("model.preset"));
+    *json_text = hf_config_json(c);
+    return c;
+  }
   fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
 }
 
@@ -162,7 +168,8 @@ int run_train(const Deck& deck) {
   const uint64_t seed = uint64_t(deck.integer("run.seed"));
 
   // Stage 3's model never holds the full weights (stages 1/2 compute on them; they get them by gathering).
-  const ModelConfig cfg = model_config(deck);
+  std::string cfg_json;
+  const ModelConfig cfg = model_config(deck, &cfg_json);
   Model model(cfg, /*with_storage=*/stage != 3);
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
@@ -304,6 +311,7 @@ int run_train(const Deck& deck) {
     meta.deck_toml = deck.to_toml();
     meta.state_json = to_json(st, nranks, stage);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
+    meta.hf_config_json = cfg_json;
     const std::string p =
         write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
     log_info("checkpoint " + p);

@@ -122,6 +122,7 @@ CkptMeta meta_for(int64_t step) {
   m.deck_toml = "[model]\npreset = \"tiny\"\n# naïve — ünïcödé ✓\n";
   m.state_json = "{\"cursor\": " + std::to_string(step * 3) + ", \"loss_scale\": 65536}";
   m.build = "q3vl test";
+  m.hf_config_json = "{\"architectures\": [\"Qwen3VLForConditionalGeneration\"], \"x\": \"ü\"}\n";
   return m;
 }
 
@@ -235,10 +236,33 @@ TEST(Checkpoint, MetadataRoundTrip) {
   EXPECT_EQ(got.deck_toml, want.deck_toml);
   EXPECT_EQ(got.state_json, want.state_json);
   EXPECT_EQ(got.build, want.build);
+  EXPECT_EQ(got.hf_config_json, want.hf_config_json);
   H5File f = H5File::open(step_path(dir.path, 42));
   EXPECT_EQ(f.attr_string("/", "format"), "q3vl-checkpoint");
   EXPECT_EQ(f.attr_int("/", "format_version"), 1);
   EXPECT_EQ(checkpoint_problem(step_path(dir.path, 42)), "");
+}
+
+// Files written before hf_config_json was kept: the metadata reads (without it), and they resume.
+TEST(Checkpoint, FileWithoutHfConfigStillResumes) {
+  TmpDir dir;
+  auto ts = small_tensors();
+  Slices w = make_slices(ts, zero_split(total(ts), rank_of(), size_of()), true);
+  const std::string path = write_checkpoint(dir.path, MPI_COMM_WORLD, meta_for(5), w.slices, 0);
+  if (rank_of() == 0) {
+    hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    EXPECT_GE(H5Adelete(f, "hf_config_json"), 0);
+    H5Fclose(f);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  CkptMeta got = read_checkpoint_meta(path);
+  EXPECT_EQ(got.hf_config_json, "");
+  EXPECT_EQ(got.deck_toml, meta_for(5).deck_toml);
+  EXPECT_EQ(checkpoint_problem(path), "");
+  EXPECT_EQ(find_resume_checkpoint(dir.path, nullptr), path);
+  Slices rd = make_slices(ts, uneven_split(total(ts), rank_of(), size_of()), false);
+  read_checkpoint(path, MPI_COMM_WORLD, rd.slices);
+  expect_values(ts, rd);
 }
 
 TEST(Checkpoint, SameInputsGiveSameBytes) {

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Writes a q3vl checkpoint in the documented layout (include/q3vl/io/checkpoint.hpp) from a HF model
 directory, for the tools tests: model/<name> = the HF weights (MoE experts in the compute layout),
-optimizer moments with small random values for every tensor the deck trains, checksums as checkpoint.cpp.
+optimizer moments with small random values for every tensor the deck trains, checksums as checkpoint.cpp,
+and (as q3vl train with model.hf) the directory's config.json unchanged in hf_config_json.
 
 make_checkpoint.py HF_DIR OUT_DIR STEP [--freeze-vision]
 """
@@ -24,7 +25,8 @@ p.add_argument("step", type=int)
 p.add_argument("--freeze-vision", action="store_true")
 a = p.parse_args()
 with open(os.path.join(a.hf_dir, "config.json")) as f:
-    cfg = json.load(f)
+    cfg_text = f.read()
+cfg = json.loads(cfg_text)
 tune_vision = "false" if a.freeze_vision else "true"
 deck = (f'[run]\nout_dir = "{a.out_dir}"\n\n[model]\nhf = "{os.path.abspath(a.hf_dir)}"\npreset = ""\n\n'
         f'[train]\nsteps = 100\nlr = 0.0001\ntune_vision = {tune_vision}\ntune_merger = true\ntune_llm = true\n')
@@ -35,7 +37,7 @@ with h5py.File(os.path.join(a.out_dir, name), "w", libver=("v108", "v108")) as f
     attrs = {"format": "q3vl-checkpoint", "format_version": np.int64(1), "step": np.int64(a.step),
              "tokens_seen": np.int64(a.step * 4096), "world_size": np.int64(4), "deck": deck,
              "state_json": json.dumps({"step": a.step, "adam_t": a.step, "tokens": a.step * 4096}),
-             "build": "q3vl git test"}
+             "build": "q3vl git test", "hf_config_json": cfg_text}
     for k, v in attrs.items():
         f.attrs[k] = v
     weights = safetensors.open_dir(a.hf_dir)

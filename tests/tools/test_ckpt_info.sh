@@ -20,6 +20,9 @@ grep -qE "^model/model.language_model.layers.0.mlp.experts.down_proj +4x64x32 +f
 out=$($ci --check $tmp/ck 2>&1) && grep -q "OK (.* checksums match" <<<"$out" && pass "--check: intact checkpoint" ||
   bad "--check of an intact checkpoint: $out"
 $ci --deck $ck | grep -q '^tune_vision = false$' && pass "--deck prints the deck" || bad "--deck"
+grep -q "^config *Qwen3VLMoeForConditionalGeneration, 2 layers, hidden 64 " <<<"$out" &&
+  $ci --config $ck | sed -n '/^{/,$p' | cmp -s - $g/config.json && pass "config line; --config prints config.json" ||
+  bad "config: $(grep ^config <<<"$out")"
 
 # Planted corruptions, each on its own copy.
 copy() { mkdir -p $tmp/$1 && cp $ck $tmp/$1/step_00000007.h5 && echo $tmp/$1/step_00000007.h5; }
@@ -48,6 +51,11 @@ c=$(copy attr) && edit "$c" "del f.attrs['world_size']"
 expect "missing attribute" 1 "root attribute 'world_size' is missing" $ci --check $c
 c=$(copy name) && mv $c $tmp/name/step_00000008.h5
 expect "step differs from the name" 1 "file name says step 8, its step attribute 7" $ci --check $tmp/name/step_00000008.h5
+c=$(copy config) && edit "$c" "f.attrs['hf_config_json'] = '{\"architectures\": ['"
+expect "config not JSON" 1 "hf_config_json is not valid JSON" $ci --check $c
+c=$(copy older) && edit "$c" "del f.attrs['hf_config_json']"  # written before checkpoints kept it: fine
+out=$($ci --check $c 2>&1) && grep -q "^config *not stored" <<<"$out" && pass "older checkpoint without config.json: OK" ||
+  bad "older checkpoint: $out"
 echo "not hdf5" >$tmp/text.h5
 expect "not HDF5" 1 "not an HDF5 file" $ci $tmp/text.h5
 expect "missing file" 1 "no such file" $ci $tmp/none.h5
@@ -59,6 +67,8 @@ if bin/q3vl --help 2>&1 | grep -q '^  train '; then
       train.synthetic_samples=8 >$tmp/train.log 2>&1; then
     out=$($ci --check $tmp/run/checkpoints 2>&1) && grep -q "step_00000002.h5: OK" <<<"$out" && grep -q "^world_size *2$" <<<"$out" &&
       pass "real checkpoint: --check OK" || bad "real checkpoint: $out"
+    $ci --config $tmp/run/checkpoints | sed -n '/^{/,$p' | cmp -s - $g/config.json &&
+      pass "real checkpoint: model.hf's config.json stored unchanged" || bad "real checkpoint: stored config.json differs"
   else bad "q3vl train: $(tail -5 $tmp/train.log)"; fi
 fi
 

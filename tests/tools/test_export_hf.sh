@@ -100,32 +100,69 @@ ck=$($py tests/tools/make_checkpoint.py $G/moe/model $tmp/ck 5)
 $ex --dtype fp32 $tmp/ck $tmp/from_ck >/dev/null || bad "export of a checkpoint"
 bitwise "checkpoint" $G/moe/model $tmp/from_ck
 same_loss "checkpoint" $tmp/from_ck $G/moe/model $G/moe/batch.h5
-cmp -s $tmp/from_ck/config.json $tmp/moe/config.json && ok "config from the deck's model.hf" || bad "checkpoint config"
+cmp -s $tmp/from_ck/config.json $tmp/moe/config.json && ok "config from the checkpoint" || bad "checkpoint config"
+# The checkpoint carries its config.json (hf_config_json): the deck's model.hf may move away. Older ones
+# without it still export through model.hf, and name the attribute when that is gone too.
+del_config() { cp $1 $2 && $py -c "import h5py,sys; del h5py.File(sys.argv[1], 'r+').attrs['hf_config_json']" $2; }
+cp -r $G/moe/model $tmp/moved && ck2=$($py tests/tools/make_checkpoint.py $tmp/moved $tmp/ck2 5) && rm -r $tmp/moved
+$ex --dtype fp32 $ck2 $tmp/from_moved >/dev/null && cmp -s $tmp/from_moved/config.json $tmp/moe/config.json &&
+  ok "model.hf moved away: config from the checkpoint" || bad "export once model.hf moved"
+bitwise "model.hf moved away" $G/moe/model $tmp/from_moved
+del_config $ck $tmp/old.h5 && $ex --dtype fp32 $tmp/old.h5 $tmp/from_old >/dev/null &&
+  cmp -s $tmp/from_old/config.json $tmp/moe/config.json && ok "older checkpoint: config from model.hf" || bad "older checkpoint"
+del_config $ck2 $tmp/old_moved.h5
+expect "older checkpoint, model.hf gone" 1 "no root attribute hf_config_json.*model.hf = .*give --config" \
+  $ex $tmp/old_moved.h5 $tmp/o5
 
 # --- a real short run, and a preset ---
-if bin/q3vl --help 2>&1 | grep -q '^  train '; then
-  run() { mpiexec -n 2 bin/q3vl train run.out_dir=$tmp/$1 data.seq_len=64 train.global_batch=2 \
-          train.synthetic_samples=8 "${@:2}" >$tmp/$1.log 2>&1 || bad "q3vl train $*: $(tail -3 $tmp/$1.log)"; }
-  run run model.hf=$G/moe/model train.steps=2
-  $ex --dtype fp32 $tmp/run/checkpoints $tmp/from_run >/dev/null &&
-    $py - $tmp/run/checkpoints/step_00000002.h5 $tmp/from_run <<'EOF' && ok "real run: exported tensors equal the checkpoint's" || bad "real run export"
+same_tensors() {  # NAME CHECKPOINT EXPORT: every exported tensor is the checkpoint's, bit for bit
+  $py - $2 $3 <<'EOF' && ok "$1: exported tensors equal the checkpoint's" || bad "$1: exported tensors differ"
 import sys
 import h5py
 sys.path.insert(0, "tools")
 from q3vl_tools import safetensors, hfconfig
 f, e = h5py.File(sys.argv[1], "r"), safetensors.open_dir(sys.argv[2])
-assert len(e) == 64
+assert set(f["model"]) - set(e) <= {"lm_head.weight"}, set(f["model"]) - set(e)  # tied: no lm_head
 for n, t in e.items():
     assert hfconfig.to_released_layout(n, f["model/" + n][()]).tobytes() == t.raw().tobytes(), n
 EOF
+}
+if bin/q3vl --help 2>&1 | grep -q '^  train '; then
+  run() { mpiexec -n 2 bin/q3vl train run.out_dir=$tmp/$1 data.seq_len=64 train.global_batch=2 \
+          train.synthetic_samples=8 "${@:2}" >$tmp/$1.log 2>&1 || bad "q3vl train $*: $(tail -3 $tmp/$1.log)"; }
+  run run model.hf=$G/moe/model train.steps=2
+  $ex --dtype fp32 $tmp/run/checkpoints $tmp/from_run >/dev/null || bad "real run export"
+  same_tensors "real run" $tmp/run/checkpoints/step_00000002.h5 $tmp/from_run
   a=$(loss $tmp/from_run $G/moe/batch.h5)
   [[ $a =~ ^[0-9.]+$ ]] && ok "real run: the export evaluates (loss $a)" || bad "real run eval: $a"
   run tiny model.preset=tiny train.steps=1
   $ex --dtype fp32 $tmp/tiny/checkpoints $tmp/from_tiny >/dev/null || bad "export of a preset checkpoint"
+  same_tensors "preset tiny" $tmp/tiny/checkpoints/step_00000001.h5 $tmp/from_tiny
   $py -c "import h5py,numpy as np; f=h5py.File('$tmp/text.h5','w'); f['input_ids']=np.array([[151644,872,198,9707,151645]]); f['labels']=np.array([[-100,-100,198,9707,151645]])"
   a=$(loss $tmp/from_tiny $tmp/text.h5)
   [[ $a =~ ^[0-9.]+$ ]] && grep -q '"transformers_version": "4.57.0"' $tmp/from_tiny/config.json &&
     ok "preset tiny: config built from the preset, loads (loss $a)" || bad "preset tiny: $a"
+  # q3vl reads the exported config.json as the preset: resumed from the checkpoint, step 2 is the same to the
+  # last bit with model.hf = the export as with model.preset = tiny (the weights are the same, above).
+  ck1=$tmp/tiny/checkpoints/step_00000001.h5
+  run res_preset model.preset=tiny train.steps=2 train.resume=$ck1
+  run res_export model.hf=$tmp/from_tiny train.steps=2 train.resume=$ck1
+  step2() { $py -c "import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1])
+print(r['step'], r['loss'], r['grad_norm'])" $1; }
+  a=$(step2 $tmp/res_preset/metrics.jsonl) b=$(step2 $tmp/res_export/metrics.jsonl)
+  [[ $a == 2\ * && $a == "$b" ]] && ok "preset tiny: the export's config trains as the preset (step, loss, grad norm: $a)" ||
+    bad "preset tiny: preset $a, export $b"
+  # generate takes the config from the checkpoint; an older checkpoint cannot export without the preset's.
+  bin/q3vl synth synth.dir=$tmp/synth synth.train_samples=1 synth.eval_samples=4 >/dev/null
+  gen() { bin/q3vl generate generate.prompts=$tmp/synth/eval.jsonl generate.min_pixels=4096 \
+          generate.max_new_tokens=8 run.timing=false generate.output=$tmp/$1.jsonl "${@:2}" >$tmp/$1.log 2>&1; }
+  gen ans_preset model.preset=tiny generate.checkpoint=$tmp/tiny/checkpoints &&
+    gen ans_stored generate.checkpoint=$tmp/tiny/checkpoints && gen ans_export model.hf=$tmp/from_tiny &&
+    cmp -s $tmp/ans_preset.jsonl $tmp/ans_stored.jsonl && cmp -s $tmp/ans_preset.jsonl $tmp/ans_export.jsonl &&
+    ok "preset tiny: the export answers as the checkpoint" || bad "preset tiny answers: $(cat $tmp/ans_*.jsonl)"
+  del_config $tmp/tiny/checkpoints/step_00000001.h5 $tmp/old_tiny.h5
+  expect "older preset checkpoint" 1 "no root attribute hf_config_json.*model.preset = 'tiny'.*give --config" \
+    $ex $tmp/old_tiny.h5 $tmp/o6
 fi
 
 # --- bad input ---

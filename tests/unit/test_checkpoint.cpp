@@ -117,7 +117,8 @@ TEST(CheckpointH5py, ReadsEverything) {
   for (size_t i = 0; i < a.size(); ++i) a[i] = 0.5f * float(i) - 3.0f;
   std::vector<CkptSlice> slices{{"model/x.weight", {2, 3, 4}, 0, 24, a.data()},
                                 {"optim/exp_avg_sq/x.weight", {}, 0, 1, s.data()}};
-  CkptMeta m{12, 34567, 0, "[train]\nlr = 3e-4 # ✓ ünïcode\n", "{\"cursor\": 9}", "q3vl 0.1 abc"};
+  CkptMeta m{12, 34567, 0, "[train]\nlr = 3e-4 # ✓ ünïcode\n", "{\"cursor\": 9}",
+             "q3vl 0.1 abc", "{\"depth\": 2}\n"};
   std::string path = write_checkpoint(dir, MPI_COMM_WORLD, m, slices, 1);
   std::string script = dir + "/check.py";
   std::ofstream(script) << R"(import sys, h5py, numpy as np
@@ -127,6 +128,7 @@ assert a["format"] == "q3vl-checkpoint", a["format"]
 assert a["format_version"] == 1 and a["step"] == 12 and a["tokens_seen"] == 34567 and a["world_size"] == 1
 assert a["deck"] == "[train]\nlr = 3e-4 # \u2713 \u00fcn\u00efcode\n", repr(a["deck"])
 assert a["state_json"] == '{"cursor": 9}' and a["build"] == "q3vl 0.1 abc"
+assert a["hf_config_json"] == '{"depth": 2}\n', repr(a["hf_config_json"])
 x = f["model/x.weight"]
 assert x.dtype == np.float32 and x.shape == (2, 3, 4)
 assert np.array_equal(x[()], (0.5 * np.arange(24) - 3).reshape(2, 3, 4).astype(np.float32))

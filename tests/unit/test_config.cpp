@@ -96,6 +96,7 @@ TEST(Config, PresetsAreConsistent) {
     EXPECT_EQ(c.text.vocab, 151936) << name;
     EXPECT_EQ(c.vision.patch_dim(), 1536) << name;
     EXPECT_FALSE(c.experts_v5_layout) << name;
+    EXPECT_EQ(c.transformers_version, "4.57.0") << name;  // the released schema and expert layout
     EXPECT_EQ(c.moe(), name == "30B-A3B" || name == "235B-A22B") << name;
   }
   ModelConfig tiny = preset_config("tiny");
@@ -117,7 +118,7 @@ TEST(Config, DenseBothSchemasMatchPreset) {
   EXPECT_EQ(v4.text.rope_theta, 5000000.0);
   ModelConfig preset = preset_config("4B");
   for (ModelConfig* c : {&v4, &v5}) {
-    c->transformers_version.clear();
+    c->transformers_version = preset.transformers_version;
     c->experts_v5_layout = false;
     EXPECT_TRUE(*c == preset);
   }
@@ -134,11 +135,46 @@ TEST(Config, MoeBothSchemasMatchPreset) {
   EXPECT_EQ(v5.text.rope_theta, 5000000.0);  // rope_parameters keyed by layer type
   ModelConfig preset = preset_config("30B-A3B");
   for (ModelConfig* c : {&v4, &v5}) {
-    c->transformers_version.clear();
+    c->transformers_version = preset.transformers_version;
     c->experts_v5_layout = false;
     EXPECT_TRUE(*c == preset);
   }
   for (int l = 0; l < 48; ++l) EXPECT_TRUE(v4.is_moe_layer(l));
+}
+
+// hf_config_json is read back as the config it was written from (operator== compares every field): every
+// preset, every config fixture and golden model, and one with every optional field off its default.
+TEST(Config, WrittenConfigReadsBack) {
+  std::vector<std::pair<std::string, ModelConfig>> cases;
+  for (auto& name : preset_names()) cases.push_back({"preset " + name, preset_config(name)});
+  for (std::string f :
+       {"qwen3vl_4b_v4.json", "qwen3vl_4b_v5.json", "qwen3vl_30b_a3b_v4.json", "qwen3vl_30b_a3b_v5.json"})
+    cases.push_back({f, load_hf_config(kDir + f)});
+  for (std::string m : {"dense_tied", "dense_untied", "moe"})
+    cases.push_back({m, load_hf_config("tests/data/golden/" + m + "/model/config.json")});
+  ModelConfig odd = preset_config("30B-A3B");
+  odd.transformers_version = "4.57.1";
+  odd.text.decoder_sparse_step = 2, odd.text.mlp_only_layers = {1, 6}, odd.text.router_aux_loss_coef = 0.0125;
+  odd.text.rms_eps = 1e-5, odd.text.rope_theta = 1e6, odd.text.tie_embeddings = true, odd.text.vocab = 1000;
+  odd.image_token_id = 990, odd.video_token_id = 991, odd.vision_start_token_id = 992, odd.vision_end_token_id = 993;
+  odd.eos_token_id = 994, odd.pad_token_id = 995;
+  odd.vision.patch = 14, odd.vision.merge = 3, odd.vision.num_position_embeddings = 1024;
+  cases.push_back({"every field changed", odd});
+  for (auto& [what, c] : cases) {
+    const std::string text = hf_config_json(c);
+    const ModelConfig back = parse_hf_config(text, what);
+    EXPECT_TRUE(back == c) << what << ": written\n" << text << "read back as\n" << hf_config_json(back);
+    const json j = json::parse(text);  // the released 4.57 schema
+    EXPECT_TRUE(j["text_config"].contains("rope_scaling") && !j["text_config"].contains("rope_parameters")) << what;
+    EXPECT_EQ(j["text_config"].contains("num_experts"), c.moe()) << what;
+  }
+  // The version always says the expert layout: a disagreeing or missing one is replaced.
+  ModelConfig v5 = preset_config("30B-A3B");
+  v5.experts_v5_layout = true;
+  EXPECT_EQ(json::parse(hf_config_json(v5))["transformers_version"], "5.0.0");
+  EXPECT_TRUE(parse_hf_config(hf_config_json(v5), "v5").experts_v5_layout);
+  v5.experts_v5_layout = false, v5.transformers_version.clear();
+  EXPECT_EQ(json::parse(hf_config_json(v5))["transformers_version"], "4.57.0");
 }
 
 TEST(Config, MoeLayerRule) {

@@ -1,7 +1,8 @@
 """Reading q3vl HDF5 checkpoints (include/q3vl/io/checkpoint.hpp): root attributes format "q3vl-checkpoint",
-format_version, step, tokens_seen, world_size, deck, state_json, build; datasets model/<hf name>,
-optim/exp_avg/<hf name>, optim/exp_avg_sq/<hf name> (fp32, full shape, MoE experts in the compute layout
-gate_up [E,2Im,H] / down [E,H,Im]), each with a uint64 attribute "checksum"."""
+format_version, step, tokens_seen, world_size, deck, state_json, build and hf_config_json (the model's
+config.json; absent in older checkpoints); datasets model/<hf name>, optim/exp_avg/<hf name>,
+optim/exp_avg_sq/<hf name> (fp32, full shape, MoE experts in the compute layout gate_up [E,2Im,H] /
+down [E,H,Im]), each with a uint64 attribute "checksum"."""
 import os
 import re
 import tomllib
@@ -12,7 +13,7 @@ import numpy as np
 from . import ToolError
 
 FORMAT = "q3vl-checkpoint"
-ATTRS = ["format", "format_version", "step", "tokens_seen", "world_size", "deck", "state_json", "build"]
+ATTRS = ["format", "format_version", "step", "tokens_seen", "world_size", "deck", "state_json", "build"]  # required
 MOMENTS = ["optim/exp_avg/", "optim/exp_avg_sq/"]
 CHUNK = 1 << 24  # elements read at a time
 

@@ -11,18 +11,6 @@ from . import ToolError
 
 EXPORT_VERSION = "4.57.0"
 
-# Spec section 7 (and config.cpp's presets): vision (depth, hidden, intermediate, out, deepstack),
-# text (hidden, intermediate, layers, heads, kv heads, tied), experts (E, k, Im) or None.
-PRESETS = {
-    "2B": ((24, 1024, 4096, 2048, [5, 11, 17]), (2048, 6144, 28, 16, 8, True), None),
-    "4B": ((24, 1024, 4096, 2560, [5, 11, 17]), (2560, 9728, 36, 32, 8, True), None),
-    "8B": ((27, 1152, 4304, 4096, [8, 16, 24]), (4096, 12288, 36, 32, 8, False), None),
-    "32B": ((27, 1152, 4304, 5120, [8, 16, 24]), (5120, 25600, 64, 64, 8, False), None),
-    "30B-A3B": ((27, 1152, 4304, 2048, [8, 16, 24]), (2048, 6144, 48, 32, 4, False), (128, 8, 768)),
-    "235B-A22B": ((27, 1152, 4304, 4096, [8, 16, 24]), (4096, 12288, 94, 64, 4, False), (128, 8, 1536)),
-    "tiny": ((2, 64, 128, 64, [0]), (64, 128, 2, 4, 2, True), None),
-}
-
 
 def version_major(cfg):
     m = re.match(r"\d+", str(cfg.get("transformers_version", "")))
@@ -75,35 +63,6 @@ def released_config(src, dtype):
     c["transformers_version"] = EXPORT_VERSION
     c["text_config"], c["vision_config"] = dict(sorted(t.items())), dict(sorted(v.items()))
     return dict(sorted(c.items()))
-
-
-def preset_config(name, dtype):
-    """The 4.57-schema config.json of a built-in preset (what config.cpp's preset_config holds)."""
-    if name not in PRESETS:
-        raise ToolError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
-    (depth, dv, iv, out, ds), (h, inter, layers, heads, kv, tied), experts = PRESETS[name]
-    moe = experts is not None
-    text = {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
-            "head_dim": 16 if name == "tiny" else 128, "hidden_act": "silu", "hidden_size": h,
-            "initializer_range": 0.02, "intermediate_size": inter, "max_position_embeddings": 262144,
-            "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": kv,
-            "rms_norm_eps": 1e-06, "rope_theta": 5000000,
-            "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2] if name == "tiny" else [24, 20, 20],
-                             "rope_type": "default"},
-            "tie_word_embeddings": tied, "use_cache": True, "vocab_size": 151936}
-    if moe:
-        e, k, im = experts
-        text.update(decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=im, norm_topk_prob=True,
-                    num_experts=e, num_experts_per_tok=k, router_aux_loss_coef=0.001)
-    vision = {"deepstack_visual_indexes": ds, "depth": depth, "hidden_act": "gelu_pytorch_tanh", "hidden_size": dv,
-              "in_channels": 3, "initializer_range": 0.02, "intermediate_size": iv,
-              "num_heads": 4 if name == "tiny" else 16, "num_position_embeddings": 2304, "out_hidden_size": out,
-              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2}
-    src = {"architectures": ["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
-           "model_type": "qwen3_vl_moe" if moe else "qwen3_vl", "image_token_id": 151655, "video_token_id": 151656,
-           "vision_start_token_id": 151652, "vision_end_token_id": 151653, "tie_word_embeddings": tied,
-           "text_config": text, "vision_config": vision}
-    return released_config(src, dtype)
 
 
 def expected_shapes(cfg):

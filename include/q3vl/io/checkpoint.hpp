@@ -28,15 +28,17 @@ struct CkptMeta {
   std::string deck_toml;        // resolved deck
   std::string state_json;       // training state: data cursor, schedule position, loss scale, skipped steps...
   std::string build;            // q3vl version + git commit
+  std::string hf_config_json;   // the model's HF config.json, so that tools need no other file ("" in older files)
 };
 
 // Collective over `comm`. Writes <dir>/step_%08d.h5.partial, flushes, renames to step_%08d.h5, then rewrites
 // <dir>/latest (name of the newest complete file) and deletes all but the newest `keep_last` checkpoints.
 // Returns the final path.
 // File: root attributes format = "q3vl-checkpoint", format_version = 1 (int64), step, tokens_seen,
-// world_size (int64; the size of `comm`, whatever meta.world_size says), deck, state_json, build
-// (variable-length UTF-8); one contiguous little-endian fp32 dataset per slice, at its full shape, with a
-// uint64 attribute "checksum" (see ckpt_checksum). Rank 0's meta is the one written. No timestamps: the
+// world_size (int64; the size of `comm`, whatever meta.world_size says), deck, state_json, build,
+// hf_config_json (variable-length UTF-8; files written before hf_config_json was kept lack it, and readers
+// leave it empty); one contiguous little-endian fp32 dataset per slice, at its full shape, with a uint64
+// attribute "checksum" (see ckpt_checksum). Rank 0's meta is the one written. No timestamps: the
 // same inputs give the same bytes. Every rank passes the same datasets in the same order, and the ranks'
 // counts must add up to each tensor's size (both checked: an error on every rank, nothing published).
 // keep_last <= 0 keeps all; the checkpoint just written is always kept; older *.partial files are removed;

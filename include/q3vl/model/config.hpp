@@ -67,8 +67,15 @@ struct ModelConfig {
   bool operator==(const ModelConfig&) const = default;
 };
 
-// Read a HF config.json (4.57 or 5.x schema). Errors name the file and the key.
-ModelConfig load_hf_config(const std::string& path);
+// Read a HF config.json (4.57 or 5.x schema); `text`, if given, receives the file unchanged. Errors name the
+// file and the key.
+ModelConfig load_hf_config(const std::string& path, std::string* text = nullptr);
+// The same from config.json text; `where` stands for the file in errors.
+ModelConfig parse_hf_config(const std::string& text, const std::string& where);
+// c as a config.json in the released 4.57 schema, which parse_hf_config reads back as c. Its
+// transformers_version is c's, or 4.57.0 (5.0.0 when c.experts_v5_layout) where c's is empty or disagrees
+// with that flag.
+std::string hf_config_json(const ModelConfig& c);
 // Built-in presets: "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B" (and "tiny" for tests/demo).
 ModelConfig preset_config(const std::string& name);
 std::vector<std::string> preset_names();
