@@ -235,6 +235,32 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& pat
   return c;
 }
 
+// First path at which a and b differ, "" if none.
+static std::string json_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& at) {
+  if (a.is_object() && b.is_object()) {
+    for (auto it = a.begin(); it != a.end(); ++it) {
+      const std::string key = at.empty() ? it.key() : at + "." + it.key();
+      if (!b.contains(it.key())) return key + ": " + it.value().dump() + " in the checkpoint, absent here";
+      if (std::string d = json_difference(it.value(), b[it.key()], key); !d.empty()) return d;
+    }
+    for (auto it = b.begin(); it != b.end(); ++it)
+      if (!a.contains(it.key()))
+        return (at.empty() ? it.key() : at + "." + it.key()) + ": absent in the checkpoint, " + it.value().dump() + " here";
+    return "";
+  }
+  return a == b ? "" : at + ": " + a.dump() + " in the checkpoint, " + b.dump() + " here";
+}
+
+std::string config_difference(const ModelConfig& checkpoint, const ModelConfig& here) {
+  auto canonical = [](const ModelConfig& c) {
+    nlohmann::json j = nlohmann::json::parse(hf_config_json(c));
+    j.erase("transformers_version");  // the experts' layout on disk, not what the model computes
+    j.erase("dtype");
+    return j;
+  };
+  return json_difference(canonical(checkpoint), canonical(here), "");
+}
+
 std::string hf_config_json(const ModelConfig& c) {
   const TextConfig& t = c.text;
   const VisionConfig& v = c.vision;

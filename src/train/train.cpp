@@ -259,7 +259,12 @@ int run_train(const Deck& deck) {
     world.broadcast_string(err, 0);
     if (!err.empty()) fail_all(err);
     const CkptMeta meta = read_checkpoint_meta(path);
-    read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));
+    read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));  // names a reshaped tensor
+    // Same shapes but another computation (RoPE base, norm eps, token ids...): as wrong, and silent.
+    if (!meta.hf_config_json.empty())
+      if (const std::string d = config_difference(parse_hf_config(meta.hf_config_json, path + ": hf_config_json"), cfg);
+          !d.empty())
+        fail_all("checkpoint '" + path + "' was written for a different model configuration: " + d);
     st = from_json(meta.state_json, path);
     loader.set_cursor(st.cursor);
     log_info("resumed from " + path + " (step " + std::to_string(st.step) + ", written by " +

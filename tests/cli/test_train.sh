@@ -179,6 +179,12 @@ with h5py.File(sys.argv[1]) as f:
 PY
 then pass "freeze-vision"; else bad "freeze-vision"; fi
 
+# A checkpoint of a model with the same shapes but another RoPE base is refused, naming the key.
+mkdir -p "$tmp/theta" && cp $model/* "$tmp/theta/" &&
+  sed -i 's/"rope_theta": 5000000.0/"rope_theta": 10000.0/' "$tmp/theta/config.json"
+expect resume-refuses-other-config 1 \
+  "different model configuration: text_config.rope_theta: 5000000.0 in the checkpoint, 10000.0 here" \
+  mpiexec -n 2 $q train "${common[@]}" model.hf="$tmp/theta" run.out_dir="$tmp/theta_run" train.resume="$(ckpt np2)"
 # A checkpoint of another model (untied head: lm_head.weight) is refused, naming the tensor.
 mpiexec -n 2 $q train "${common[@]}" model.hf=tests/data/golden/dense_untied/model run.out_dir="$tmp/other" \
   train.resume="$(ckpt np2)" >"$tmp/other.log" 2>&1

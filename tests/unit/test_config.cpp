@@ -177,6 +177,22 @@ TEST(Config, WrittenConfigReadsBack) {
   EXPECT_EQ(json::parse(hf_config_json(v5))["transformers_version"], "4.57.0");
 }
 
+TEST(Config, DifferenceNamesTheFirstKey) {
+  const ModelConfig a = load_hf_config("tests/data/golden/moe/model/config.json");
+  ModelConfig b = a;
+  EXPECT_EQ(config_difference(a, b), "");
+  b.experts_v5_layout = !a.experts_v5_layout, b.transformers_version = "";  // disk layout only
+  EXPECT_EQ(config_difference(a, b), "");
+  b.text.rope_theta = 10000;
+  EXPECT_EQ(config_difference(a, b), "text_config.rope_theta: " + json(a.text.rope_theta).dump() +
+                                         " in the checkpoint, 10000.0 here");
+  b = a, b.text.mlp_only_layers = {1};
+  EXPECT_NE(config_difference(a, b).find("text_config.mlp_only_layers: [] in the checkpoint, [1] here"),
+            std::string::npos)
+      << config_difference(a, b);
+  EXPECT_NE(config_difference(a, preset_config("tiny")), "");
+}
+
 TEST(Config, MoeLayerRule) {
   ModelConfig c = preset_config("30B-A3B");
   c.text.decoder_sparse_step = 2;

@@ -76,6 +76,9 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& where);
 // transformers_version is c's, or 4.57.0 (5.0.0 when c.experts_v5_layout) where c's is empty or disagrees
 // with that flag.
 std::string hf_config_json(const ModelConfig& c);
+// The first config.json key where two models compute differently ("text_config.rope_theta: 5000000 in the
+// checkpoint, 10000 here"), or "" when they compute alike (the on-disk expert layout and dtype do not count).
+std::string config_difference(const ModelConfig& checkpoint, const ModelConfig& here);
 // Built-in presets: "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B" (and "tiny" for tests/demo).
 ModelConfig preset_config(const std::string& name);
 std::vector<std::string> preset_names();
