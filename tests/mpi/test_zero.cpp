@@ -46,7 +46,9 @@ TEST(Zero, StateIsOneNthOfUnsharded) {
       EXPECT_EQ(int64_t(world.sum(double(mine.grads))), full.grads);
       EXPECT_LE(mine.grads * n, full.grads + 4 * units * (n - 1));
     }
-    if (stage == 3) EXPECT_LE(mine.state() * n, full.state() + 16 * units * (n - 1));
+    if (stage == 3) {
+      EXPECT_LE(mine.state() * n, full.state() + 16 * units * (n - 1));
+    }
   }
 }
 
@@ -123,7 +125,9 @@ StepResult real_step(Comm& shard, Comm* replica, Comm& world, int stage, bool bf
   e.set_gather_bf16(bf16);
   e.load_from_model();
   e.gather_params();  // stages 1/2: the model computes on what the gathers deliver (bf16: rounded)
-  if (stage == 3) EXPECT_EQ(m.params(), nullptr) << "stage 3 must not keep the full weights";
+  if (stage == 3) {
+    EXPECT_EQ(m.params(), nullptr) << "stage 3 must not keep the full weights";
+  }
   SyntheticDataset data(cfg, 64, 5, 8, 40);
   LoaderOptions lo;
   lo.global_batch = 8, lo.micro_batch = 4 / world.size() > 0 ? 4 / world.size() : 1, lo.seq_len = 32, lo.seed = 3;

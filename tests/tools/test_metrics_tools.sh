@@ -62,6 +62,11 @@ if bin/q3vl --help 2>&1 | grep -q '^  train '; then
   grep -qE '^real +4 .* 1 +0 +[0-9.]+ ' <<<"$out" && pass "real run: 4 steps, 1 restart, 0 skipped" || bad "real run: $out"
   out=$(tools/plot_metrics -o $tmp/real_plots $tmp/real/metrics.jsonl 2>&1)
   [[ -f $tmp/real_plots/loss.png && -f $tmp/real_plots/memory.png ]] && pass "real run: plots" || bad "real run plots: $out"
+  # The memory plot takes the nested memory figures too, and not the gather traffic.
+  keys=$(PYTHONPATH=tools $py -c "from q3vl_tools.metrics import load_run
+r = load_run('$tmp/real/metrics.jsonl'); print(*r.memory_keys()); print(r.series('memory_mib.zero_state')[2][0] > 0)")
+  [[ $keys == $'memory_mib.activations memory_mib.working memory_mib.zero_state rss_mib\nTrue' ]] &&
+    pass "real run: memory figures" || bad "real run memory figures: $keys"
 fi
 
 finish

@@ -2,7 +2,8 @@
 
 Fields used (src/train/train.cpp): step, loss, lr, grad_norm, tokens, tokens_seen, tokens_per_s,
 time.step (seconds of the step), skipped, rss_mib; optional: mfu (a fraction), resumed, time.wall, and any other
-memory figure (a number whose key ends in _mib or contains "mem").
+memory figure: a number whose key ends in _mib or contains "mem", or one inside such an object, named with a dot
+(memory_mib.activations); gathered_mib is traffic, not memory.
 
 A restart shows as a step that is not larger than the one before it, or as a line with "resumed": true.
 Wall time is the running sum of time.step (training time; start-up and checkpoint writes are not in it).
@@ -23,7 +24,7 @@ class Run:
 
     def series(self, key):
         """(steps, walls, values) of the rows where key holds a finite number."""
-        pts = [(r["step"], r["_wall"], num(r.get(key))) for r in self.rows]
+        pts = [(r["step"], r["_wall"], num(field(r, key))) for r in self.rows]
         pts = [p for p in pts if p[2] is not None]
         return [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]
 
@@ -39,9 +40,22 @@ class Run:
         keys = []
         for r in self.rows:
             for k, v in r.items():
-                if k not in keys and num(v) is not None and (k.endswith("_mib") or "mem" in k):
-                    keys.append(k)
+                if not (k.endswith("_mib") or "mem" in k) or k == "gathered_mib":
+                    continue
+                for name, x in (v.items() if isinstance(v, dict) else [(None, v)]):
+                    key = k if name is None else f"{k}.{name}"
+                    if key not in keys and num(x) is not None:
+                        keys.append(key)
         return keys
+
+
+def field(row, key):
+    """row[key], where a dotted key walks into nested objects (memory_mib.activations)."""
+    if key in row:
+        return row[key]
+    for part in key.split("."):
+        row = row.get(part) if isinstance(row, dict) else None
+    return row
 
 
 def num(v):
