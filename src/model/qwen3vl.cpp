@@ -435,7 +435,7 @@ void BasicModel<T>::backward() {
     enter(table_.layer(l), true);
     DecoderCtx<T>* c = &dctx_[l];
     if (recompute_) {  // rewrites probs/idx with the values they already hold
-      std::vector<T> xin = dctx_[l].x;
+      std::vector<T> xin = std::move(dctx_[l].x);  // freed after this backward anyway
       decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, xin.data(), N, st_.cu, tcos_.data(), tsin_.data(), probs,
                         idx, dscratch_);
       c = &dscratch_;
@@ -472,7 +472,7 @@ void BasicModel<T>::backward() {
       enter(table_.vision_block(i), true);
       VisionBlockCtx<T>* c = &vctx_[i];
       if (recompute_) {
-        std::vector<T> xin = vctx_[i].x;
+        std::vector<T> xin = std::move(vctx_[i].x);
         vision_block_fwd(vc, P, table_.vision_block(i), xin.data(), Np, vcu_, vcos_.data(), vsin_.data(), vscratch_);
         c = &vscratch_;
         act_peak_ = std::max(act_peak_, activation_bytes());

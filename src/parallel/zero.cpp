@@ -163,7 +163,6 @@ void ZeroEngine::gather_params() {
   std::vector<uint16_t> send, recv;
   if (gather_bf16_) {
     send.resize(master_.size());
-    for (size_t j = 0; j < master_.size(); ++j) send[j] = f32_to_bf16(master_[j]);
     recv.resize(size_t(model_.table().total()));
   }
   for (size_t i = 0; i < units_.size(); ++i) {
@@ -171,6 +170,7 @@ void ZeroEngine::gather_params() {
     // Only the units the optimizer changed need a new gather after the first.
     if (!u.trainable && gathered_once_) continue;
     const int64_t off = model_.table().units()[i].offset;
+    if (gather_bf16_) f32_to_bf16(master_.data() + u.master_off, u.count, send.data() + u.master_off);
     reqs.push_back(gather_bf16_ ? shard_.iall_gatherv(send.data() + u.master_off, size_t(u.count), recv.data() + off,
                                                       u.counts, u.displs, DType::BF16)
                                 : shard_.iall_gatherv(master_.data() + u.master_off, size_t(u.count),
@@ -182,8 +182,7 @@ void ZeroEngine::gather_params() {
   if (gather_bf16_)
     for (size_t i : done) {
       const UnitInfo& ui = model_.table().units()[i];
-      float* dst = model_.params() + ui.offset;
-      for (int64_t j = 0; j < ui.numel; ++j) dst[j] = bf16_to_f32(recv[size_t(ui.offset + j)]);
+      bf16_to_f32(recv.data() + ui.offset, ui.numel, model_.params() + ui.offset);
     }
   gathered_once_ = true;
 }

@@ -130,7 +130,7 @@ void ZeroEngine::issue_gather(size_t k) {
   alloc(s.send, (u.count + 1) / 2, false);
   alloc(s.recv, (u.numel + 1) / 2, false);
   uint16_t* snd = reinterpret_cast<uint16_t*>(s.send.data());
-  for (int64_t j = 0; j < u.count; ++j) snd[j] = f32_to_bf16(master_[size_t(u.master_off + j)]);
+  f32_to_bf16(master_.data() + u.master_off, u.count, snd);
   s.req = gather_comm_->iall_gatherv(snd, size_t(u.count), reinterpret_cast<uint16_t*>(s.recv.data()), u.counts,
                                      u.displs, DType::BF16);
 }
@@ -160,8 +160,7 @@ void ZeroEngine::enter_slot(size_t k) {
   if (gather_bf16_) {
     release(s.send);
     alloc(s.buf, units_[u].numel, false);
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(s.recv.data());
-    for (int64_t j = 0; j < units_[u].numel; ++j) s.buf[size_t(j)] = bf16_to_f32(h[j]);
+    bf16_to_f32(reinterpret_cast<const uint16_t*>(s.recv.data()), units_[u].numel, s.buf.data());
     release(s.recv);
   }
   if (k + 1 < slots_.size()) issue_gather(k + 1);  // prefetch: overlaps this unit's compute
