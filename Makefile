@@ -14,7 +14,7 @@ CXX      := mpicxx
 MPIEXEC  ?= mpiexec
 OPT      ?= -O2
 CXXFLAGS := -std=c++20 $(OPT) -g -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers -fPIC -MMD -MP
-CPPFLAGS := -Iinclude -I/usr/include/hdf5/mpich -I/usr/include/x86_64-linux-gnu/openblas-pthread \
+CPPFLAGS := -Iinclude -Isrc -I/usr/include/hdf5/mpich -I/usr/include/x86_64-linux-gnu/openblas-pthread \
             -DQ3VL_GIT='"$(shell git describe --always --dirty 2>/dev/null || echo unknown)"'
 LDLIBS   := -L/usr/lib/x86_64-linux-gnu/hdf5/mpich -Wl,-rpath,/usr/lib/x86_64-linux-gnu/hdf5/mpich \
             -lhdf5 -lopenblas -lpcre2-8 -lpng -ljpeg -lpthread
@@ -26,8 +26,8 @@ CU_SRC := $(if $(filter 1,$(CUDA)),$(shell find src -name '*.cu' 2>/dev/null))
 ifeq ($(CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CPPFLAGS  += -DQ3VL_CUDA=1 -I$(CUDA_HOME)/include
-LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lnccl
-NVFLAGS   := -std=c++20 -O3 -arch=sm_90 -Iinclude -Xcompiler -fPIC -ccbin g++ \
+LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lnccl
+NVFLAGS   := -std=c++20 -O3 -arch=sm_90 -Iinclude -Isrc --expt-relaxed-constexpr -Xcompiler -fPIC -ccbin g++ \
              -I/usr/include/x86_64-linux-gnu/mpich
 endif
 

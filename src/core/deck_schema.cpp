@@ -23,8 +23,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"model.preset", T::String, "", "built-in size when starting from scratch",
        -kBig, kBig, {"", "tiny", "demo", "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B"}},
       {"model.backend", T::String, "cpu", "compute backend", -kBig, kBig, {"cpu", "cuda"}},
-      {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights", -kBig, kBig,
-       {"fp32", "bf16"}},
+      {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights (bf16/fp16 on cuda)",
+       -kBig, kBig, {"fp32", "bf16", "fp16"}},
 
       // eval: one forward (and optionally backward) pass over a batch file
       {"eval.batch", T::String, "", "HDF5 batch: input_ids, attention_mask, labels, pixel_values, image_grid_thw",
