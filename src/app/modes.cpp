@@ -15,12 +15,12 @@
 namespace q3vl {
 
 namespace {
-// train and generate run on the CPU backend in fp32 so far (eval runs the device model on CUDA too): refuse a deck
+// generate runs on the CPU backend in fp32 so far (train and eval run the device model on CUDA too): refuse a deck
 // that asks for more rather than silently run something else.
 int on_cpu_fp32(const Deck& d, const char* mode, int (*run)(const Deck&)) {
   if (d.str("model.backend") != "cpu")
     fail("model.backend = \"" + d.str("model.backend") + "\": `q3vl " + mode +
-         "` runs on the CPU backend only so far (on CUDA: `q3vl eval`); "
+         "` runs on the CPU backend only so far (on CUDA: `q3vl train` and `q3vl eval`); "
          "set model.backend = \"cpu\"");
   if (d.str("model.dtype") != "fp32")
     fail("model.dtype = \"" + d.str("model.dtype") + "\": the CPU backend computes in fp32; "
@@ -44,7 +44,7 @@ const std::vector<Mode>& modes() {
        },
        {"--decode"}, true},
       {"train", "train with ZeRO data parallelism (AdamW, checkpoints, metrics.jsonl)",
-       [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "train", run_train); }},
+       [](const Deck& d, const ModeArgs&) { return run_train(d); }},
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
        [](const Deck& d, const ModeArgs&) { return run_eval(d); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",

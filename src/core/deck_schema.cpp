@@ -88,6 +88,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.dataset", T::String, "synthetic",
        "training data: a dataset folder made by `q3vl prepare`, or synthetic (deterministic generated samples)"},
       {"train.synthetic_samples", T::Int, "256", "number of synthetic samples (train.dataset = synthetic)", 1, 1e9},
+      {"train.synthetic_image_px", T::Int, "64", "side of the synthetic samples' square image in pixels", 1, 1 << 16},
+      {"train.synthetic_image_every", T::Int, "3", "every Nth synthetic sample has an image (0: none)", 0, 1 << 30},
+      {"train.max_patches", T::Int, "0", "model.backend = cuda: image patches per micro-batch the GPU's activation "
+       "arena is sized for (0: as if every token were an image token)", 0, 1e12},
       {"train.stop_after", T::Int, "0", "stop (with a checkpoint) after this many steps in this job (0: run to "
        "train.steps); the schedule still spans train.steps", 0, 1e12},
       {"train.tune_vision", T::Bool, "true", "train the vision tower and the DeepStack mergers"},
@@ -108,6 +112,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"optim.beta1", T::Real, "0.9", "AdamW beta1", 0, 0.999999},
       {"optim.beta2", T::Real, "0.999", "AdamW beta2", 0, 0.99999999},
       {"optim.eps", T::Real, "1e-8", "AdamW epsilon", 0, 1},
+      {"optim.loss_scale", T::Real, "65536", "model.dtype = fp16: initial dynamic loss scale (halved on overflow, "
+       "the step skipped; doubled after optim.loss_scale_window good steps)", 1, 4294967296.0},
+      {"optim.loss_scale_window", T::Int, "1000", "model.dtype = fp16: good steps before the loss scale doubles", 1,
+       1e9},
       {"optim.clip", T::Real, "1.0", "clip the global gradient norm to this (0: no clipping)", 0, 1e12},
       {"optim.schedule", T::String, "cosine", "learning-rate decay after warmup", -kBig, kBig,
        {"cosine", "linear", "constant"}},

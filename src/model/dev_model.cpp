@@ -32,6 +32,11 @@ DType compute_dtype(const std::string& name) {
 
 struct DevModel::Impl {
   DevBudget b;
+  bool recompute = false;
+  // Recomputation: each block's input [T,H] / [P,Dv], and one full context per kind of block that reruns.
+  std::vector<void*> dxin, vxin;
+  DevDecoderCtx dwork[2];  // [0] dense, [1] MoE
+  DevVisionBlockCtx vwork;
   int64_t head_rows = 0;
   void* block = nullptr;  // the arena's memory
   size_t bytes = 0;
@@ -67,8 +72,16 @@ struct DevModel::Impl {
     const int64_t nmoe = moe_layers(cfg), E = tc.num_experts, K = tc.experts_per_tok;
     const size_t nds = vc.deepstack_indexes.size();
     head_rows = std::min(T, kHeadRows);
-    dctx.resize(tc.layers);
-    for (int l = 0; l < tc.layers; ++l) dctx[l].carve(a, tc, t.moe_layer(l), T, dt);
+    dctx.assign(recompute ? 0 : tc.layers, {});
+    for (int l = 0; l < int(dctx.size()); ++l) dctx[l].carve(a, tc, t.moe_layer(l), T, dt);
+    dxin.assign(recompute ? tc.layers : 0, nullptr);
+    for (auto& p : dxin) p = a.take(T * H, dt);
+    if (recompute) {
+      bool kinds[2] = {false, false};
+      for (int l = 0; l < tc.layers; ++l) kinds[t.moe_layer(l)] = true;
+      for (int m = 0; m < 2; ++m)
+        if (kinds[m]) dwork[m].carve(a, tc, m == 1, T, dt);
+    }
     dscr.carve(a, tc, nmoe > 0, T, dt);
     ids = a.take<int32_t>(T, DType::I32), cu = a.take<int32_t>(b.segments + 1, DType::I32);
     vis = a.take<int32_t>(T, DType::I32), sup = a.take<int32_t>(T, DType::I32), sup_t = a.take<int32_t>(T, DType::I32);
@@ -84,12 +97,15 @@ struct DevModel::Impl {
     aux_f = a.take<float>(std::max<int64_t>(1, E), DType::F32);
     sums = a.take<double>(2, DType::F64);
     // Vision tower (only when the budget has patches).
-    vctx.assign(P ? vc.depth : 0, {});
+    vctx.assign(P && !recompute ? vc.depth : 0, {});
+    vxin.assign(P && recompute ? vc.depth : 0, nullptr);
     dsctx.assign(P ? nds : 0, {});
     ds.assign(nds, nullptr), dds.assign(nds, nullptr);
     pixels = vx = dv = img = dimg = nullptr, vcos = vsin = nullptr, vcu = nullptr;
     if (!P) return;
     for (auto& c : vctx) c.carve(a, vc, P, dt);
+    for (auto& p : vxin) p = a.take(P * vc.hidden, dt);
+    if (recompute) vwork.carve(a, vc, P, dt);
     vscr.carve(a, vc, P, dt);
     mctx.carve(a, vc, false, P, dt);
     for (auto& c : dsctx) c.carve(a, vc, true, P, dt);
@@ -123,9 +139,15 @@ DevModel::~DevModel() {
   dev::release(ex_, grads_);
 }
 
-int64_t DevModel::activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b) {
+void DevModel::set_recompute(bool on) {
+  Q3VL_CHECK(!impl_->block, "DevModel::set_recompute comes before reserve()");
+  recompute_ = impl_->recompute = on;
+}
+
+int64_t DevModel::activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute) {
   Impl i;
   i.b = b;
+  i.recompute = recompute;
   Arena count;
   i.carve(count, cfg, dt);
   return int64_t(count.used);
@@ -259,7 +281,9 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
     const DevSegments vs{I.vcu, I.vseg, I.vmax};
     dev_vision_embed_fwd(ex_, vc, P, table_.vision_embed(), I.pixels, grid, I.Np, I.vx, dt_);
     for (int i = 0; i < vc.depth; ++i) {
-      dev_vision_block_fwd(ex_, vc, P, table_.vision_block(i), I.vx, I.Np, vs, I.vcos, I.vsin, I.vctx[i], I.vscr, dt_);
+      if (recompute_) dev::copy(ex_, I.vxin[i], I.vx, size_t(I.Np * vc.hidden) * dtype_size(dt_));
+      dev_vision_block_fwd(ex_, vc, P, table_.vision_block(i), I.vx, I.Np, vs, I.vcos, I.vsin,
+                           recompute_ ? I.vwork : I.vctx[i], I.vscr, dt_);
       for (size_t j = 0; j < nds; ++j)
         if (vc.deepstack_indexes[j] == i)
           dev_merger_fwd(ex_, vc, P, table_.deepstack_merger(j), true, I.vx, I.Np, I.ds[j], I.dsctx[j], dt_);
@@ -279,7 +303,9 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
     float* pr = moe ? I.probs + slot * N * E : nullptr;
     int32_t* ix = moe ? I.idx + slot * N * K : nullptr;
     slot += moe;
-    dev_decoder_fwd(ex_, cfg_, P, table_.layer(l), moe, I.x, N, seg, I.tcos, I.tsin, pr, ix, I.dctx[l], I.dscr, dt_);
+    if (recompute_) dev::copy(ex_, I.dxin[l], I.x, size_t(N * H) * dtype_size(dt_));
+    dev_decoder_fwd(ex_, cfg_, P, table_.layer(l), moe, I.x, N, seg, I.tcos, I.tsin, pr, ix,
+                    recompute_ ? I.dwork[moe] : I.dctx[l], I.dscr, dt_);
     if (size_t(l) < nds && I.nvis) dev::scatter_rows(ex_, I.ds[l], I.vis, I.x, I.nvis, H, true, dt_);
   }
 
@@ -368,8 +394,11 @@ void DevModel::backward(float loss_scale) {
     const float* pr = moe ? I.probs + slot * N * E : nullptr;
     const int32_t* ix = moe ? I.idx + slot * N * K : nullptr;
     const void* adl = moe && aux_on_ ? at(I.aux_dl, slot * N * E, dt_) : nullptr;
-    dev_decoder_bwd(ex_, cfg_, P, table_.layer(l), moe, I.dx, N, seg, I.tcos, I.tsin, pr, ix, adl, I.dctx[l], I.dscr,
-                    dt_);
+    DevDecoderCtx* c = recompute_ ? &I.dwork[moe] : &I.dctx[l];
+    if (recompute_)  // rerun into the shared context; probs/idx get the values they already hold
+      dev_decoder_fwd(ex_, cfg_, P, table_.layer(l), moe, I.dxin[l], N, seg, I.tcos, I.tsin, const_cast<float*>(pr),
+                      const_cast<int32_t*>(ix), *c, I.dscr, dt_);
+    dev_decoder_bwd(ex_, cfg_, P, table_.layer(l), moe, I.dx, N, seg, I.tcos, I.tsin, pr, ix, adl, *c, I.dscr, dt_);
   }
   // Image positions were overwritten by the image features: their rows go to the merger, not the embedding.
   if (I.nvis) {
@@ -387,7 +416,10 @@ void DevModel::backward(float loss_scale) {
       for (size_t j = 0; j < nds; ++j)
         if (vc.deepstack_indexes[j] == i && j < size_t(tc.layers))
           dev_merger_bwd(ex_, vc, P, table_.deepstack_merger(j), true, I.dds[j], I.Np, I.dv, I.dsctx[j], I.mscr, dt_);
-      dev_vision_block_bwd(ex_, vc, P, table_.vision_block(i), I.dv, I.Np, vs, I.vcos, I.vsin, I.vctx[i], I.vscr, dt_);
+      DevVisionBlockCtx* c = recompute_ ? &I.vwork : &I.vctx[i];
+      if (recompute_)
+        dev_vision_block_fwd(ex_, vc, P, table_.vision_block(i), I.vxin[i], I.Np, vs, I.vcos, I.vsin, *c, I.vscr, dt_);
+      dev_vision_block_bwd(ex_, vc, P, table_.vision_block(i), I.dv, I.Np, vs, I.vcos, I.vsin, *c, I.vscr, dt_);
     }
     dev_vision_embed_bwd(ex_, vc, P, table_.vision_embed(), I.pixels, I.grid, I.Np, I.dv, dt_);
   }

@@ -35,6 +35,14 @@ float* F(void* p) { return static_cast<float*>(p); }
 std::vector<int64_t> widen(const int32_t* p, int64_t n) { return std::vector<int64_t>(p, p + n); }
 }  // namespace
 
+int device_count() {
+#ifdef Q3VL_CUDA
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
+
 Exec make_exec(Device d, size_t ws_bytes) {
   if (d == Device::CPU) return Exec{};
 #ifdef Q3VL_CUDA
@@ -66,6 +74,11 @@ void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
 void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
   ON_CUDA(x, copy(x, dst, src, bytes));
   std::memmove(dst, src, bytes);
+}
+
+void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
+  ON_CUDA(x, memory_info(x, free_bytes, total_bytes));
+  *free_bytes = *total_bytes = 0;
 }
 
 // ---- elementwise and conversions ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
+#include "q3vl/train/dev_trainer.hpp"
 #include "q3vl/train/flops.hpp"
 #include "q3vl/train/loader.hpp"
 #include "q3vl/train/optim.hpp"
@@ -45,6 +46,7 @@ struct TrainState {
   int64_t tokens = 0;          // tokens seen
   int64_t skipped_total = 0, skipped_in_row = 0;
   double wall = 0;             // seconds of training before this job (earlier jobs of the run)
+  double loss_scale = 0;       // fp16 dynamic loss scale (0: none)
   LoaderCursor cursor;
 };
 
@@ -56,6 +58,7 @@ std::string to_json(const TrainState& s, int world, int stage) {
             {"skipped_total", s.skipped_total},
             {"skipped_in_row", s.skipped_in_row},
             {"wall", s.wall},
+            {"loss_scale", s.loss_scale},
             {"cursor", {{"epoch", s.cursor.epoch}, {"position", s.cursor.position}}},
             {"world_size", world},
             {"zero_stage", stage}};
@@ -72,6 +75,7 @@ TrainState from_json(const std::string& text, const std::string& path) {
     s.skipped_total = j.at("skipped_total");
     s.skipped_in_row = j.at("skipped_in_row");
     s.wall = j.value("wall", 0.0);  // absent in checkpoints written before it was kept
+    s.loss_scale = j.value("loss_scale", 0.0);
     s.cursor.epoch = j.at("cursor").at("epoch");
     s.cursor.position = j.at("cursor").at("position");
     return s;
@@ -170,7 +174,20 @@ int run_train(const Deck& deck) {
   // Stage 3's model never holds the full weights (stages 1/2 compute on them; they get them by gathering).
   std::string cfg_json;
   const ModelConfig cfg = model_config(deck, &cfg_json);
-  Model model(cfg, /*with_storage=*/stage != 3);
+  // model.backend = "cuda": the device model computes; the host keeps only the engine's shards (checkpoint I/O), as
+  // stage 3 does, so no full host copy of the weights exists.
+  const bool on_gpu = deck.str("model.backend") == "cuda";
+  if (on_gpu && nranks != 1)
+    fail_all("model.backend = \"cuda\" trains on one GPU (one rank) so far; run with mpiexec -n 1 (ZeRO over NCCL across "
+             "GPUs is not built yet)");
+  if (on_gpu && dev::device_count() == 0 && !getenv("Q3VL_DEVICE_ON_CPU"))
+    fail_all("model.backend = \"cuda\": no GPU is visible to rank 0 on " + rt.where().host +
+             " (a build without CUDA, no driver, or CUDA_VISIBLE_DEVICES empty)");
+  const DType compute = compute_dtype(deck.str("model.dtype"));
+  if (!on_gpu && compute != DType::F32)
+    fail_all("model.dtype = \"" + deck.str("model.dtype") + "\": the CPU backend computes in fp32; set model.dtype = "
+             "\"fp32\" or model.backend = \"cuda\"");
+  Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu);
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
 
@@ -184,7 +201,7 @@ int run_train(const Deck& deck) {
     shard = &rt.node_comm();
     replica = world.split(p.local_rank, p.node);
   }
-  ZeroEngine engine(model, *shard, replica.get(), stage, trainable);
+  ZeroEngine engine(model, *shard, replica.get(), on_gpu ? 3 : stage, trainable);
   {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
     // ever holds the whole model. The values do not depend on the rank count.
@@ -216,7 +233,9 @@ int run_train(const Deck& deck) {
   std::unique_ptr<Dataset> data;
   if (deck.str("train.dataset") == "synthetic")
     data = std::make_unique<SyntheticDataset>(cfg, size_t(deck.integer("train.synthetic_samples")), seed,
-                                              int(std::max<int64_t>(2, seq_len / 4)), int(seq_len + seq_len / 4));
+                                              int(std::max<int64_t>(2, seq_len / 4)), int(seq_len + seq_len / 4),
+                                              int(deck.integer("train.synthetic_image_px")),
+                                              int(deck.integer("train.synthetic_image_every")));
   else
     data = std::make_unique<ShardDataset>(deck.str("train.dataset"));
   log_info("data: " + std::to_string(data->size()) + " samples from " + deck.str("train.dataset"));
@@ -228,6 +247,23 @@ int run_train(const Deck& deck) {
   lo.seed = seed;
   lo.drop_overlong = deck.str("data.overlong") == "drop";
   Loader loader(*data, cfg, lo, rank, nranks);
+
+  // The GPU's arenas are sized once for the largest micro-batch the loader can make.
+  std::unique_ptr<DevTrainer> gpu;
+  if (on_gpu) {
+    DevBudget b;
+    b.tokens = lo.micro_batch * seq_len;
+    // An image token stands for merge^2 patches; train.max_patches bounds them when images are a small share.
+    b.patches = deck.integer("train.max_patches") > 0 ? deck.integer("train.max_patches")
+                                                      : b.tokens * cfg.vision.merge * cfg.vision.merge;
+    b.segments = b.tokens;  // packed samples: at most one per token (4 bytes each)
+    LossScaling ls;
+    ls.on = compute == DType::F16;
+    ls.scale = deck.real("optim.loss_scale");
+    ls.window = deck.integer("optim.loss_scale_window");
+    gpu = std::make_unique<DevTrainer>(getenv("Q3VL_DEVICE_ON_CPU") ? Device::CPU : Device::CUDA, cfg, trainable, compute, b, deck.str("train.recompute") == "block", ls);
+    log_info(gpu->memory_report());
+  }
 
   // Resume.
   TrainState st;
@@ -271,6 +307,8 @@ int run_train(const Deck& deck) {
              std::to_string(meta.world_size) + " rank(s); now " + std::to_string(nranks) + ")");
   }
   engine.gather_params();
+  if (gpu) gpu->from_host(engine);
+  if (gpu && st.loss_scale > 0) gpu->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
   {
     const double peak = peak_rss_mib();
     char buf[160];
@@ -309,6 +347,7 @@ int run_train(const Deck& deck) {
   }
   auto save = [&]() {
     ScopedTimer t("train: checkpoint");
+    if (gpu) gpu->to_host(engine);
     CkptMeta meta;
     meta.step = st.step;
     meta.tokens_seen = st.tokens;
@@ -348,9 +387,21 @@ int run_train(const Deck& deck) {
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
     engine.begin_step();
+    if (gpu) gpu->begin_step();
     const int64_t gathered0 = engine.gathered_bytes();
     double loss_sum = 0;
-    for (size_t i = 0; i < sd.micro.size(); ++i) {
+    for (size_t i = 0; i < sd.micro.size() && gpu; ++i) {  // one GPU: no collectives between micro-batches
+      const int64_t n = sd.micro_supervised[i];
+      if (n == 0) continue;
+      {
+        Phase p{t_fwd};
+        loss_sum += gpu->forward(sd.micro[i]) * double(n);
+        Q3VL_CHECK(gpu->supervised_tokens() == n, "the loader and the model count supervised targets differently");
+      }
+      Phase p{t_bwd};
+      gpu->backward(n_global > 0 ? double(n) / n_global : 0.0);
+    }
+    for (size_t i = 0; i < sd.micro.size() && !gpu; ++i) {
       const int64_t n = sd.micro_supervised[i];
       {
         Phase p{t_comm};
@@ -377,21 +428,28 @@ int run_train(const Deck& deck) {
     const int64_t step1 = st.step + 1;
     if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count && rank == 0) engine.poison_grads();
     double loss, gnorm;
-    {
+    bool grads_finite = true;
+    if (gpu) {
+      Phase p{t_opt};
+      loss = loss_sum / std::max(1.0, n_global);
+      gnorm = std::sqrt(gpu->grad_norm_sq(&grads_finite));
+      if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count) grads_finite = false, gnorm = NAN;
+    } else {
       Phase p{t_comm};
       engine.finish_grads();
       loss = world.sum(loss_sum) / std::max(1.0, n_global);
       gnorm = std::sqrt(engine.grad_norm_sq());
     }
     const double lr = sched.at(st.step);
-    const bool finite = std::isfinite(loss) && std::isfinite(gnorm);
+    const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && grads_finite;
     if (finite) {
       {
         Phase p{t_opt};
         const double coef = clip > 0 && gnorm > clip ? clip / (gnorm + 1e-6) : 1.0;
         ++st.adam_t;
+        if (gpu) gpu->update(hp, lr, coef, st.adam_t);
         for (const ShardPiece& sp : engine.pieces())
-          if (sp.trainable)
+          if (sp.trainable && !gpu)
             adamw_update(sp.master, sp.grad, sp.exp_avg, sp.exp_avg_sq, sp.count, hp, lr,
                          sp.no_decay ? 0.0 : hp.weight_decay, coef, st.adam_t);
       }
@@ -400,7 +458,9 @@ int run_train(const Deck& deck) {
       st.skipped_in_row = 0;
     } else {
       ++st.skipped_total;
-      ++st.skipped_in_row;
+      // fp16: an overflow of the scaled gradient is how dynamic loss scaling finds its scale, not a failing run.
+      const bool scale_overflow = gpu && gpu->loss_scaling().on && std::isfinite(loss) && gpu->loss_scaling().scale > 1;
+      if (!scale_overflow) ++st.skipped_in_row;
       log_warn("step " + std::to_string(step1) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
                " (loss " + std::to_string(loss) + ", grad norm " + std::to_string(gnorm) +
                "): step skipped, weights and optimizer state unchanged");
@@ -410,6 +470,7 @@ int run_train(const Deck& deck) {
                  std::to_string(max_skipped) + "); stopping. Lower train.lr or check the data; the last checkpoint" +
                  (last_saved >= 0 ? " is step " + std::to_string(last_saved) : " is the one this run started from"));
     }
+    if (gpu) gpu->after_step(finite), st.loss_scale = gpu->loss_scaling().on ? gpu->loss_scaling().scale : 0;
     st.step = step1;
     st.tokens += int64_t(counts[1]);
     st.cursor = loader.cursor();
@@ -426,6 +487,7 @@ int run_train(const Deck& deck) {
     // shards, and the gathered working set (stage 3: unit pool incl. its cache of released buffers).
     const ZeroMemory zm = engine.memory();
     double mem[3] = {double(model.activation_peak()), double(zm.state() + zm.comm), double(zm.working)};
+    if (gpu) mem[0] = 0, mem[2] = double(gpu->device_bytes());  // the GPU's arena is fixed: its bytes are "working"
     world.all_reduce(mem, 3, DType::F64, ReduceOp::Max);
     model.reset_activation_peak();
     if (rank == 0) {
@@ -452,6 +514,7 @@ int run_train(const Deck& deck) {
                 {"skipped_total", st.skipped_total},
                 {"dropped_samples", int64_t(counts[2])}};
       if (first_line) j["resumed"] = true;
+      if (gpu && gpu->loss_scaling().on) j["loss_scale"] = gpu->loss_scaling().scale;
       first_line = false;
       if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;
       std::fprintf(metrics, "%s\n", j.dump().c_str());

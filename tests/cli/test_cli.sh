@@ -41,7 +41,7 @@ else
   bad "check-missing-gpu: rc=$rc: $out"
 fi
 
-# Compute modes refuse what this build cannot do instead of silently running on the CPU in fp32.
+# Compute modes refuse what this machine cannot do (no GPU here; bf16 on the CPU) instead of silently running in fp32.
 for kv in model.backend=cuda model.dtype=bf16; do
   out=$($q train "$kv" run.out_dir="$tmp/out" 2>&1); rc=$?
   if [[ $rc -ne 0 ]] && grep -q "error.*: ${kv%%=*} = \"" <<<"$out" && [[ ! -e $tmp/out/metrics.jsonl ]]; then

@@ -206,11 +206,11 @@ std::vector<Case> all_cases(DType dt) {
       for (DType ct : {DType::F32, dt}) {
         const int64_t M = 37, N = 53, K = 70;
         const int64_t lda = ta ? M : K, ldb = tb ? K : N;
+        const bool c32 = ct == DType::F32;  // else C in the activation dtype (fp32 on the reference side)
         add("gemm", dims({M, N, K}) + (ta ? " tA" : "") + (tb ? " tB" : "") + " C=" + dtype_name(ct), kGemm,
-            {in("A", K::Act, randn(M * K)), in("B", K::Act, randn(K * N)),
-             out("C", ct == DType::F32 ? K::F32 : K::Act, randn(M * N))},
+            {in("A", K::Act, randn(M * K)), in("B", K::Act, randn(K * N)), out("C", c32 ? K::F32 : K::Act, randn(M * N))},
             [=](auto& x, auto& p, DType t) {
-              dev::gemm(x, ta, tb, M, N, K, 0.5f, p[0], lda, p[1], ldb, 1.f, p[2], N, t, ct);
+              dev::gemm(x, ta, tb, M, N, K, 0.5f, p[0], lda, p[1], ldb, 1.f, p[2], N, t, c32 ? DType::F32 : t);
             });
         if (ct == dt) break;  // fp32 cases: one C dtype
       }
@@ -342,10 +342,12 @@ std::vector<Case> all_cases(DType dt) {
   }
 
   // cross-entropy, up to Qwen's vocabulary; some rows ignored
+  // The CPU reference sums a row's exps sequentially in fp32: over Qwen's 151936 logits that, not the kernel, is off
+  // by ~2e-5 (measured on the H200).
   for (auto [N, V] : {std::pair<int64_t, int64_t>{13, 1000}, {5, 151936}}) {
     auto tg = randi(N, V);
     tg[1] = -100;
-    add("cross_entropy", dims({N, V}), kReduce,
+    add("cross_entropy", dims({N, V}), V > 100000 ? Tol{1e-4, 5e-3, 2e-2} : kReduce,
         {in("logits", K::Act, randn(N * V, 3)), in("target", K::I32, tg), out("loss", K::F32, randn(N)),
          out("dlogits", K::Act, randn(N * V, 1e-4)), out("sum", K::F64, {0.25})},
         [=](auto& x, auto& p, DType t) {

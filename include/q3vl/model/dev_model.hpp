@@ -39,12 +39,17 @@ class DevModel {
   DType dtype() const { return dt_; }
   const dev::Exec& exec() const { return ex_; }
 
+  // Activation recomputation per block (train.recompute = "block"), set before reserve(): forward keeps only each
+  // decoder layer's and ViT block's input; backward reruns that block into one shared context just before its
+  // backward (the same ops on the same inputs: bitwise the same activations).
+  void set_recompute(bool on);
+  bool recompute() const { return recompute_; }
   // Sizes and allocates every activation, context and scratch buffer for forwards within `b` (throws naming the
   // budget when a batch exceeds it). Called once; the memory is then fixed.
   void reserve(const DevBudget& b);
   DevMemory memory() const;
   // What reserve(b) would allocate for activations, without allocating (the planner's sizing).
-  static int64_t activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b);
+  static int64_t activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute = false);
 
   // Weights in the compute dtype, table order (unit offsets as in ParamTable): from fp32 host values (the full
   // table, or one unit), or converted on the device from fp32 device masters.
@@ -78,7 +83,7 @@ class DevModel {
   std::vector<float*> gp_;
   std::unique_ptr<Impl> impl_;
   int64_t count_ = 0;
-  bool kept_ = false, aux_on_ = false;
+  bool kept_ = false, aux_on_ = false, recompute_ = false;
 };
 
 }  // namespace q3vl

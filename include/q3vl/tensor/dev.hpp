@@ -31,6 +31,8 @@ struct Exec {
   void* ws = nullptr;      // device scratch (GEMM workspace, attention dq accumulators, reductions)
   size_t ws_bytes = 0;
 };
+// GPUs visible to this process (0 in a build without CUDA).
+int device_count();
 // A CUDA Exec on the current device with its own stream and `ws_bytes` of workspace; a CPU Exec needs nothing.
 Exec make_exec(Device d, size_t ws_bytes = size_t(256) << 20);
 void destroy_exec(Exec& x);
@@ -42,6 +44,8 @@ void release(const Exec& x, void* p);
 void to_device(const Exec& x, void* dst, const void* src, size_t bytes);
 void to_host(const Exec& x, void* dst, const void* src, size_t bytes);
 void copy(const Exec& x, void* dst, const void* src, size_t bytes);
+// Free and total memory of the device (the CPU: 0 and 0, not tracked here).
+void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes);
 
 #include "q3vl/tensor/dev_ops.inc"
 

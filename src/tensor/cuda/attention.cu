@@ -1,7 +1,8 @@
 // Flash attention over packed variable-length segments (ops::attention_fwd / attention_bwd semantics): online
 // softmax over key tiles in shared memory, never an S x S score matrix in global memory.
 //  - bf16/fp16 with hd in {64, 72, 128} and 16-byte aligned pointers: tensor cores (mma.sync m16n8k16, fp32
-//    accumulation), 64x64 tiles, 4 warps of 16 rows each; hd 72 is zero-padded to 80 in shared memory.
+//    accumulation), 4 warps a block, cp.async double-buffered tiles (FwdCfg/DqCfg/DkvCfg give the tile sizes);
+//    hd 72 is zero-padded to 80 in shared memory.
 //  - everything else (fp32 parity mode, other head dims up to 256): SIMT kernels, fp32 tiles, 4 threads per row.
 // Backward: D = rowsum(dout*out) into Exec::ws, then dK/dV per (key block, kv head) looping over the group's query
 // heads (race-free GQA), then dQ per query block looping over key blocks (deterministic, no atomics).

@@ -5,6 +5,7 @@
 
 namespace q3vl::dev::cuda {
 
+int device_count();
 Exec make_exec(size_t ws_bytes);
 void destroy_exec(Exec& x);
 void synchronize(const Exec& x);
@@ -13,6 +14,7 @@ void release(const Exec& x, void* p);
 void to_device(const Exec& x, void* dst, const void* src, size_t bytes);
 void to_host(const Exec& x, void* dst, const void* src, size_t bytes);
 void copy(const Exec& x, void* dst, const void* src, size_t bytes);
+void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes);
 
 #include "q3vl/tensor/dev_ops.inc"
 

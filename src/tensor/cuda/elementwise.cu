@@ -1,7 +1,9 @@
 // Elementwise ops, activations, rotary, embeddings, row moves and the vision position embedding. Grid-stride loops,
 // fp32 math on any storage dtype, formulas written as ops:: writes them. Every backward is deterministic: the
-// many-to-one ones (embedding_bwd, pos_embed_bwd) gather per destination row in a fixed order instead of atomics.
+// many-to-one ones (embedding_bwd, pos_embed_bwd) sum per destination row in a fixed order instead of atomics.
 #include <algorithm>
+
+#include <cub/cub.cuh>
 
 #include "tensor/cuda/common.cuh"
 
@@ -141,40 +143,35 @@ __global__ void k_scatter_rows(const S* src, const int32_t* rows, S* dst, int64_
 }
 
 // ---- embedding backward, deterministic ------------------------------------------------------------------------------
-// One block per token position i. Only the first occurrence of an id (the leader) works: it walks the later
-// positions in order and adds each matching dout row into dtable[id] (it alone writes that row), so every element
-// sees exactly the reference's summation order.
+// The positions are stably sorted by id (CUB radix sort), so each id's positions form one run in increasing order;
+// a thread per (run, column) then adds the run's dout rows into dtable[id] in exactly the reference's order, alone
+// writing that element. O(N log N) whatever the repetition (image-pad ids repeat thousands of times).
+__global__ void k_iota(int32_t* p, int64_t n) {
+  Q3VL_GRID_LOOP(i, n) p[i] = int32_t(i);
+}
 template <class S>
-__global__ void k_embedding_bwd(const int32_t* __restrict__ ids, const S* __restrict__ dout, float* dtable, int64_t N,
-                                int64_t D) {
-  __shared__ int32_t match[256];
-  __shared__ int warp_cnt[8];
-  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
-    const int32_t v = ids[i];
-    if (v < 0) continue;  // uniform across the block
-    int seen = 0;
-    for (int64_t j = tid; j < i && !seen; j += blockDim.x) seen = ids[j] == v;
-    if (__syncthreads_or(seen)) continue;
-    float* row = dtable + int64_t(v) * D;
-    for (int64_t j0 = i; j0 < N; j0 += 256) {
-      const bool hit = j0 + tid < N && ids[j0 + tid] == v;
-      const unsigned b = __ballot_sync(0xffffffffu, hit);
-      if (lane == 0) warp_cnt[wid] = __popc(b);
-      __syncthreads();
-      int before = 0, total = 0;
-      for (int w = 0; w < 8; ++w) {
-        before += w < wid ? warp_cnt[w] : 0;
-        total += warp_cnt[w];
-      }
-      if (hit) match[before + __popc(b & ((1u << lane) - 1u))] = int32_t(j0 + tid - i);  // offset from i
-      __syncthreads();
-      for (int m = 0; m < total; ++m) {
-        const S* src = dout + (i + match[m]) * D;
-        for (int64_t d = tid; d < D; d += 256) row[d] += ld(src, d);
-      }
-      __syncthreads();  // match/warp_cnt are rewritten by the next tile
+__global__ void k_embedding_runs(const int32_t* __restrict__ id_of_run, const int32_t* __restrict__ run_len,
+                                 const int32_t* __restrict__ run_start, const int32_t* __restrict__ num_runs,
+                                 const int32_t* __restrict__ order, const S* __restrict__ dout, float* dtable,
+                                 int64_t D) {
+  const int64_t d = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
+  if (d >= D) return;
+  const int32_t nr = *num_runs;
+  for (int32_t r = blockIdx.x; r < nr; r += gridDim.x) {
+    const int32_t v = id_of_run[r];
+    if (v < 0) continue;
+    const int32_t j0 = run_start[r], n = run_len[r];
+    float acc = dtable[int64_t(v) * D + d];
+    int32_t j = 0;
+    for (; j + 16 <= n; j += 16) {  // 16 loads in flight, added in order
+      float x[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) x[u] = ld(dout, int64_t(order[j0 + j + u]) * D + d);
+#pragma unroll
+      for (int u = 0; u < 16; ++u) acc += x[u];
     }
+    for (; j < n; ++j) acc += ld(dout, int64_t(order[j0 + j]) * D + d);
+    dtable[int64_t(v) * D + d] = acc;
   }
 }
 
@@ -229,29 +226,45 @@ __global__ void k_taps(Taps* ytaps, Taps* xtaps, int64_t h, int64_t w, int64_t G
     else xtaps[i - h] = axis_taps(i - h, w, G);
   }
 }
+// Taps are nondecreasing along an axis (src = i (G-1) / (n-1) and floor are monotone), so the image rows whose tap
+// a is table row g form one range: yr[g*2 + a] = [first, last + 1) (empty: {0, 0}); likewise xr for columns.
+__global__ void k_tap_ranges(const Taps* ytaps, const Taps* xtaps, int64_t h, int64_t w, int64_t G, int2* yr,
+                             int2* xr) {
+  Q3VL_GRID_LOOP(q, 4 * G) {
+    const bool is_x = q >= 2 * G;
+    const int64_t g = (q % (2 * G)) / 2, a = q % 2, n = is_x ? w : h;
+    const Taps* t = is_x ? xtaps : ytaps;
+    int lo = -1, hi = -1;
+    for (int64_t i = 0; i < n; ++i)
+      if ((a ? t[i].t1 : t[i].t0) == g) {
+        if (lo < 0) lo = int(i);
+        hi = int(i) + 1;
+      }
+    (is_x ? xr : yr)[g * 2 + a] = lo < 0 ? make_int2(0, 0) : make_int2(lo, hi);
+  }
+}
 // Backward as a gather: block (table row g, 128-column chunk); each thread owns one column d and sums, in a fixed
 // order, every (patch, tap) that reads table row g, then adds once into dtable (it alone writes it).
 template <class S>
 __global__ void k_pos_embed_bwd(const S* __restrict__ dout, const Taps* __restrict__ ytaps,
-                                const Taps* __restrict__ xtaps, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
+                                const Taps* __restrict__ xtaps, const int2* __restrict__ yr,
+                                const int2* __restrict__ xr, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
                                 int64_t merge, float* dtable) {
   const int64_t d = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
   if (d >= D) return;
   const int64_t bw = w / merge, hw = h * w;
   for (int64_t g = blockIdx.x; g < G * G; g += gridDim.x) {
-    const int32_t gy = int32_t(g / G), gx = int32_t(g % G);
+    const int64_t gy = g / G, gx = g % G;
     float acc = 0.f;
-    for (int64_t iy = 0; iy < h; ++iy) {
-      const Taps ty = ytaps[iy];
-      for (int a = 0; a < 2; ++a) {
-        if ((a ? ty.t1 : ty.t0) != gy) continue;
-        const float wy = a ? ty.w1 : ty.w0;
+    for (int a = 0; a < 2; ++a) {
+      const int2 ry = yr[gy * 2 + a];
+      for (int iy = ry.x; iy < ry.y; ++iy) {
+        const float wy = a ? ytaps[iy].w1 : ytaps[iy].w0;
         const int64_t br = iy / merge, ir = iy % merge;
-        for (int64_t ix = 0; ix < w; ++ix) {
-          const Taps tx = xtaps[ix];
-          for (int b = 0; b < 2; ++b) {
-            if ((b ? tx.t1 : tx.t0) != gx) continue;
-            const float wgt = wy * (b ? tx.w1 : tx.w0);
+        for (int b = 0; b < 2; ++b) {
+          const int2 rx = xr[gx * 2 + b];
+          for (int ix = rx.x; ix < rx.y; ++ix) {
+            const float wgt = wy * (b ? xtaps[ix].w1 : xtaps[ix].w0);
             const int64_t within = ((br * bw + ix / merge) * merge + ir) * merge + ix % merge;
             for (int64_t tt = 0; tt < t; ++tt) acc += wgt * ld(dout, (tt * hw + within) * D + d);
           }
@@ -388,9 +401,36 @@ void embedding_fwd(const Exec& x, const int32_t* ids, const void* table, void* o
 void embedding_bwd(const Exec& x, const int32_t* ids, const void* dout, float* dtable, int64_t N, int64_t D,
                    DType dt) {
   if (!dtable || N <= 0 || D <= 0) return;  // null: frozen
-  const int blocks = int(std::min<int64_t>(N, 65535));
+  Q3VL_CHECK(N < (int64_t(1) << 31), "embedding_bwd: too many positions");
+  const auto s = stream_of(x);
+  const int n = int(N);
+  // Workspace: sorted ids, positions (in, sorted), run ids, run lengths, run starts, run count, CUB's scratch.
+  const size_t arr = (size_t(N) * sizeof(int32_t) + 255) / 256 * 256;
+  char* w = static_cast<char*>(x.ws);
+  auto* keys = reinterpret_cast<int32_t*>(w);
+  auto* pos_in = reinterpret_cast<int32_t*>(w + arr);
+  auto* order = reinterpret_cast<int32_t*>(w + 2 * arr);
+  auto* id_of_run = reinterpret_cast<int32_t*>(w + 3 * arr);
+  auto* run_len = reinterpret_cast<int32_t*>(w + 4 * arr);
+  auto* run_start = reinterpret_cast<int32_t*>(w + 5 * arr);
+  auto* num_runs = reinterpret_cast<int32_t*>(w + 6 * arr);
+  void* tmp = w + 6 * arr + 256;
+  size_t t1 = 0, t2 = 0, t3 = 0;
+  Q3VL_CU(cub::DeviceRadixSort::SortPairs(nullptr, t1, ids, keys, pos_in, order, n, 0, 32, s));
+  Q3VL_CU(cub::DeviceRunLengthEncode::Encode(nullptr, t2, keys, id_of_run, run_len, num_runs, n, s));
+  Q3VL_CU(cub::DeviceScan::ExclusiveSum(nullptr, t3, run_len, run_start, n, s));
+  const size_t tb = std::max({t1, t2, t3});
+  Q3VL_CHECK(6 * arr + 256 + tb <= x.ws_bytes, "embedding_bwd: workspace too small");
+  k_iota<<<grid_for(N), 256, 0, s>>>(pos_in, N);
+  Q3VL_LAUNCHED();
+  Q3VL_CU(cudaMemsetAsync(run_len, 0, size_t(N) * sizeof(int32_t), s));  // the scan reads past the last run
+  Q3VL_CU(cub::DeviceRadixSort::SortPairs(tmp, t1, ids, keys, pos_in, order, n, 0, 32, s));
+  Q3VL_CU(cub::DeviceRunLengthEncode::Encode(tmp, t2, keys, id_of_run, run_len, num_runs, n, s));
+  Q3VL_CU(cub::DeviceScan::ExclusiveSum(tmp, t3, run_len, run_start, n, s));
+  const dim3 grid(unsigned(std::min<int64_t>(N, 8192)), unsigned((D + 255) / 256));
   by_dtype(dt, [&]<class S>() {
-    k_embedding_bwd<S><<<blocks, 256, 0, stream_of(x)>>>(ids, static_cast<const S*>(dout), dtable, N, D);
+    k_embedding_runs<S><<<grid, 256, 0, s>>>(id_of_run, run_len, run_start, num_runs, order,
+                                             static_cast<const S*>(dout), dtable, D);
     Q3VL_LAUNCHED();
   });
 }
@@ -426,15 +466,21 @@ void pos_embed_bwd(const Exec& x, const void* dout, int64_t G, int64_t D, int64_
                    int64_t merge, float* dtable, DType dt) {
   Q3VL_CHECK(merge > 0 && h % merge == 0 && w % merge == 0, "pos_embed: grid not divisible by the merge size");
   if (!dtable || t * h * w <= 0 || D <= 0 || G <= 0) return;  // null: frozen
-  Q3VL_CHECK(size_t(h + w) * sizeof(Taps) <= x.ws_bytes, "pos_embed_bwd: workspace too small for the tap tables");
+  Q3VL_CHECK(size_t(h + w) * sizeof(Taps) + size_t(4 * G) * sizeof(int2) <= x.ws_bytes,
+             "pos_embed_bwd: workspace too small for the tap tables");
+  const auto s = stream_of(x);
   auto* ytaps = static_cast<Taps*>(x.ws);
   auto* xtaps = ytaps + h;
-  k_taps<<<grid_for(h + w), 256, 0, stream_of(x)>>>(ytaps, xtaps, h, w, G);
+  auto* yr = reinterpret_cast<int2*>(xtaps + w);
+  auto* xr = yr + 2 * G;
+  k_taps<<<grid_for(h + w), 256, 0, s>>>(ytaps, xtaps, h, w, G);
+  Q3VL_LAUNCHED();
+  k_tap_ranges<<<grid_for(4 * G, 64), 64, 0, s>>>(ytaps, xtaps, h, w, G, yr, xr);
   Q3VL_LAUNCHED();
   const dim3 grid(unsigned(std::min<int64_t>(G * G, 65535)), unsigned((D + 127) / 128));
   by_dtype(dt, [&]<class S>() {
-    k_pos_embed_bwd<S><<<grid, 128, 0, stream_of(x)>>>(static_cast<const S*>(dout), ytaps, xtaps, G, D, t, h, w,
-                                                       merge, dtable);
+    k_pos_embed_bwd<S><<<grid, 128, 0, s>>>(static_cast<const S*>(dout), ytaps, xtaps, yr, xr, G, D, t, h, w, merge,
+                                            dtable);
     Q3VL_LAUNCHED();
   });
 }

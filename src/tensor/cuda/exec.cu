@@ -4,6 +4,11 @@
 
 namespace q3vl::dev::cuda {
 
+int device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;  // no driver or no device: none
+}
+
 Exec make_exec(size_t ws_bytes) {
   Exec x;
   x.device = Device::CUDA;
@@ -49,6 +54,10 @@ void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
 
 void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
   if (bytes && dst != src) Q3VL_CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(x)));
+}
+
+void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
+  Q3VL_CU(cudaMemGetInfo(free_bytes, total_bytes));
 }
 
 }  // namespace q3vl::dev::cuda

@@ -4,6 +4,7 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <mutex>
 
 #include "tensor/cuda/common.cuh"
 
@@ -244,8 +245,9 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
 //   DX:  dxg[s+m, n] += sum_k dy[s+m, k] W[e][k, n]    (M = bucket rows, N = n_in,  K = n_out)
 //   DW:  dW[e][m, n] += sum_k dy[s+k, m] xg[s+k, n]    (M = n_out, N = n_in, K = bucket rows; F32)
 // FWD/DX: blockIdx.y walks the M tiles of all experts back to back (tile_prefix, so no block idles on an empty
-// expert); DW: blockIdx.z = expert. Shared tiles keep the operand's contiguous dimension contiguous (16-byte loads),
-// and the WMMA fragment layout (row/col major) reads them in place.
+// expert); DW: blockIdx.z = expert. Shared tiles keep the operand's contiguous dimension contiguous (16-byte
+// cp.async copies, a 3-stage pipeline), and the WMMA fragment layout (row/col major) reads them in place. No split-K,
+// one block per output tile: dW and dxg accumulate deterministically.
 enum Mode { FWD = 0, DX = 1, DW = 2 };
 constexpr int BM = 128, BN = 128;
 template <class S> constexpr int bk() { return sizeof(S) == 4 ? 16 : 32; }
@@ -257,18 +259,28 @@ template <class S> __device__ __forceinline__ S zero_of() {
   return z;
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned sa = unsigned(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // sh[r][c] (row stride LD) = g[(r0 + r) * ldg + c0 + c], zero outside [rmax, cmax); c is the contiguous dimension.
+// Whole 16-byte vectors go through cp.async (waited for by the pipeline); edges and unaligned operands are stored
+// directly (visible after the pipeline's next __syncthreads).
 template <class S, int ROWS, int COLS, int LD>
 __device__ __forceinline__ void load_tile(S* sh, const S* g, int64_t ldg, int64_t r0, int64_t c0, int64_t rmax,
                                           int64_t cmax, bool vec) {
   constexpr int VEC = 16 / int(sizeof(S));
   constexpr int CV = COLS / VEC;
+#pragma unroll
   for (int v = threadIdx.x; v < ROWS * CV; v += 256) {
     const int r = v / CV, c = (v % CV) * VEC;
     const int64_t gr = r0 + r, gc = c0 + c;
     S* d = sh + r * LD + c;
     if (vec && gr < rmax && gc + VEC <= cmax) {
-      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(g + gr * ldg + gc);
+      cp_async16(d, g + gr * ldg + gc);
     } else {
 #pragma unroll
       for (int u = 0; u < VEC; ++u) d[u] = (gr < rmax && gc + u < cmax) ? g[gr * ldg + gc + u] : zero_of<S>();
@@ -287,17 +299,27 @@ __device__ __forceinline__ int expert_of_tile(const int32_t* tile_prefix, int E,
   return lo;
 }
 
+constexpr int kStages = 3;  // cp.async pipeline depth
+template <class S, int MODE> struct GTile {
+  static constexpr int BK = bk<S>(), P = pad<S>();
+  static constexpr bool A_KC = MODE != DW;  // A's contiguous dimension is k (else m)
+  static constexpr bool B_KC = MODE == FWD;  // B's contiguous dimension is k (else n)
+  static constexpr int LDA = A_KC ? BK + P : BM + P, LDB = B_KC ? BK + P : BN + P;
+  static constexpr int SA = A_KC ? BM * LDA : BK * LDA, SB = B_KC ? BN * LDB : BK * LDB;
+  static constexpr size_t smem = size_t(kStages) * (SA + SB) * sizeof(S);
+  static_assert((SA * sizeof(S)) % 128 == 0 && ((SA + SB) * sizeof(S)) % 128 == 0, "stage alignment");
+  static_assert(smem >= 8 * 256 * sizeof(float), "epilogue staging reuses the pipeline buffers");
+};
+
 template <class S, int MODE>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 2)  // two blocks an SM: at most 128 registers
     k_grouped(const S* __restrict__ A, const S* __restrict__ B, void* C, const int32_t* __restrict__ start,
               const int32_t* __restrict__ tile_prefix, int E, int64_t n_in, int64_t n_out, bool vecA, bool vecB) {
-  constexpr int BK = bk<S>(), P = pad<S>();
-  constexpr bool A_KC = MODE != DW;  // A's contiguous dimension is k (else m)
-  constexpr bool B_KC = MODE == FWD;  // B's contiguous dimension is k (else n)
-  constexpr int LDA = A_KC ? BK + P : BM + P, LDB = B_KC ? BK + P : BN + P;
-  constexpr int SA = A_KC ? BM * LDA : BK * LDA, SB = B_KC ? BN * LDB : BK * LDB;
-  __shared__ __align__(128) S As[SA];
-  __shared__ __align__(128) S Bs[SB];
+  using T = GTile<S, MODE>;
+  constexpr int BK = T::BK, LDA = T::LDA, LDB = T::LDB, SA = T::SA, SB = T::SB;
+  constexpr bool A_KC = T::A_KC, B_KC = T::B_KC;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  S* const smem = reinterpret_cast<S*>(smem_raw);
 
   int e;
   int64_t m0;
@@ -333,7 +355,9 @@ __global__ void __launch_bounds__(256)
   if (m0 >= M || n0 >= N || K <= 0) return;  // DW of an expert with no rows adds nothing
 
   const int tid = threadIdx.x;
-  auto load = [&](int64_t k0) {
+  auto load = [&](int st, int64_t k0) {
+    S* As = smem + st * (SA + SB);
+    S* Bs = As + SA;
     if constexpr (A_KC) load_tile<S, BM, BK, LDA>(As, a0, lda, m0, k0, M, K, vecA);
     else load_tile<S, BK, BM, LDA>(As, a0, lda, k0, m0, K, M, vecA);
     if constexpr (B_KC) load_tile<S, BN, BK, LDB>(Bs, b0, ldb, n0, k0, N, K, vecB);
@@ -352,14 +376,33 @@ __global__ void __launch_bounds__(256)
       c[m * ldc + n] += v;
     }
   };
+  // Multi-stage pipeline: tile kt computes while tiles kt+1 .. kt+kStages-1 are in flight. The barrier at the top of
+  // an iteration both publishes tile kt and frees the stage that tile kt+kStages-1 overwrites (read at kt-1).
+  const int64_t nk = (K + BK - 1) / BK;
+  auto mainloop = [&](auto&& compute) {
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < nk) load(st, st * int64_t(BK));
+      cp_commit();
+    }
+    for (int64_t kt = 0; kt < nk; ++kt) {
+      cp_wait<kStages - 2>();
+      __syncthreads();
+      const int64_t nt = kt + kStages - 1;
+      if (nt < nk) load(int(nt % kStages), nt * BK);
+      cp_commit();
+      const S* As = smem + int(kt % kStages) * (SA + SB);
+      compute(As, As + SA);
+    }
+    cp_wait<0>();
+    __syncthreads();  // the buffers are free for the epilogue
+  };
 
   if constexpr (sizeof(S) == 4) {
     // fp32: SIMT, 8x8 outputs a thread at (ty + 16 i, tx + 16 j).
     const int tx = tid & 15, ty = tid >> 4;
     float acc[8][8] = {};
-    for (int64_t k0 = 0; k0 < K; k0 += BK) {
-      load(k0);
-      __syncthreads();
+    mainloop([&](const S* As, const S* Bs) {
 #pragma unroll
       for (int kk = 0; kk < BK; ++kk) {
         float av[8], bv[8];
@@ -372,8 +415,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
           for (int j = 0; j < 8; ++j) acc[i][j] += av[i] * bv[j];
       }
-      __syncthreads();
-    }
+    });
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -383,16 +425,13 @@ __global__ void __launch_bounds__(256)
     using namespace nvcuda;
     using LA = std::conditional_t<A_KC, wmma::row_major, wmma::col_major>;
     using LB = std::conditional_t<B_KC, wmma::col_major, wmma::row_major>;
-    __shared__ __align__(128) float stage[8][16 * 16];
     const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-    for (int64_t k0 = 0; k0 < K; k0 += BK) {
-      load(k0);
-      __syncthreads();
+    mainloop([&](const S* As, const S* Bs) {
 #pragma unroll
       for (int kk = 0; kk < BK; kk += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, S, LA> fa[4];
@@ -412,9 +451,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
           for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
       }
-      __syncthreads();
-    }
-    float* sw = stage[warp];
+    });
+    float* sw = reinterpret_cast<float*>(smem_raw) + warp * 256;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -476,8 +514,13 @@ void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t
       Q3VL_CHECK(tiles <= 65535, "grouped_linear: too many rows for one launch");
       grid.y = unsigned(tiles);
     }
-    k_grouped<S, MODE><<<grid, 256, 0, s>>>(static_cast<const S*>(A), static_cast<const S*>(B), C, start, tile_prefix,
-                                            int(E), n_in, n_out, vecA, vecB);
+    constexpr size_t smem = GTile<S, MODE>::smem;
+    static std::once_flag once;  // per instantiation: allow more than 48 KiB of dynamic shared memory
+    std::call_once(once, [] {
+      Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    });
+    k_grouped<S, MODE><<<grid, 256, smem, s>>>(static_cast<const S*>(A), static_cast<const S*>(B), C, start,
+                                               tile_prefix, int(E), n_in, n_out, vecA, vecB);
     Q3VL_LAUNCHED();
   });
 }
