@@ -261,7 +261,9 @@ int run_train(const Deck& deck) {
     ls.on = compute == DType::F16;
     ls.scale = deck.real("optim.loss_scale");
     ls.window = deck.integer("optim.loss_scale_window");
-    gpu = std::make_unique<DevTrainer>(getenv("Q3VL_DEVICE_ON_CPU") ? Device::CPU : Device::CUDA, cfg, trainable, compute, b, deck.str("train.recompute") == "block", ls);
+    // Q3VL_DEVICE_ON_CPU=1 (tests): the same training path on the CPU op layer, where CI has no GPU.
+    gpu = std::make_unique<DevTrainer>(getenv("Q3VL_DEVICE_ON_CPU") ? Device::CPU : Device::CUDA, cfg, trainable,
+                                       compute, b, deck.str("train.recompute") == "block", ls);
     log_info(gpu->memory_report());
   }
 
@@ -461,9 +463,13 @@ int run_train(const Deck& deck) {
       // fp16: an overflow of the scaled gradient is how dynamic loss scaling finds its scale, not a failing run.
       const bool scale_overflow = gpu && gpu->loss_scaling().on && std::isfinite(loss) && gpu->loss_scaling().scale > 1;
       if (!scale_overflow) ++st.skipped_in_row;
-      log_warn("step " + std::to_string(step1) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
-               " (loss " + std::to_string(loss) + ", grad norm " + std::to_string(gnorm) +
-               "): step skipped, weights and optimizer state unchanged");
+      if (scale_overflow)
+        log_info("step " + std::to_string(step1) + ": fp16 gradients overflowed at loss scale " +
+                 std::to_string(gpu->loss_scaling().scale) + ": step skipped, the scale halves");
+      else
+        log_warn("step " + std::to_string(step1) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
+                 " (loss " + std::to_string(loss) + ", grad norm " + std::to_string(gnorm) +
+                 "): step skipped, weights and optimizer state unchanged");
       if (st.skipped_in_row >= max_skipped)
         fail_all("step " + std::to_string(step1) + ": " + std::to_string(st.skipped_in_row) +
                  " steps in a row had a non-finite loss or gradient (train.max_skipped = " +
