@@ -43,10 +43,10 @@ int device_count() {
 #endif
 }
 
-Exec make_exec(Device d, size_t ws_bytes) {
+Exec make_exec(Device d, size_t ws_bytes, int gpu) {
   if (d == Device::CPU) return Exec{};
 #ifdef Q3VL_CUDA
-  return cuda::make_exec(ws_bytes);
+  return cuda::make_exec(ws_bytes, gpu);
 #else
   fail("this q3vl was built without CUDA (make CUDA=1)");
 #endif

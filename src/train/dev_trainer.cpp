@@ -8,9 +8,9 @@
 
 namespace q3vl {
 
-DevTrainer::DevTrainer(Device d, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
+DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
                        const DevBudget& budget, bool recompute, LossScaling ls)
-    : ex_(dev::make_exec(d)), trainable_(trainable), ls_(ls) {
+    : ex_(dev::make_exec(d, size_t(256) << 20, gpu)), trainable_(trainable), ls_(ls) {
   model_ = std::make_unique<DevModel>(cfg, ex_, dt);
   model_->set_recompute(recompute);
   model_->reserve(budget);

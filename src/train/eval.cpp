@@ -98,7 +98,7 @@ int run_eval(const Deck& deck) {
     if (aux && !cfg.moe()) log_warn("eval.router_aux_loss = true on a dense model: the aux loss is 0");
     EvalResult r;
     if (deck.str("model.backend") == "cuda") {  // the device model, with the host model's weights
-      dev::Exec ex = dev::make_exec(Device::CUDA);
+      dev::Exec ex = dev::make_exec(Device::CUDA, size_t(256) << 20, std::max(0, rt.where().gpu));
       {
         DevModel dm(cfg, ex, compute_dtype(deck.str("model.dtype")));
         dm.reserve(budget_for(batch, cfg.vision.patch_dim()));

@@ -262,7 +262,8 @@ int run_train(const Deck& deck) {
     ls.scale = deck.real("optim.loss_scale");
     ls.window = deck.integer("optim.loss_scale_window");
     // Q3VL_DEVICE_ON_CPU=1 (tests): the same training path on the CPU op layer, where CI has no GPU.
-    gpu = std::make_unique<DevTrainer>(getenv("Q3VL_DEVICE_ON_CPU") ? Device::CPU : Device::CUDA, cfg, trainable,
+    gpu = std::make_unique<DevTrainer>(getenv("Q3VL_DEVICE_ON_CPU") ? Device::CPU : Device::CUDA,
+                                       std::max(0, rt.where().gpu), cfg, trainable,
                                        compute, b, deck.str("train.recompute") == "block", ls);
     log_info(gpu->memory_report());
   }

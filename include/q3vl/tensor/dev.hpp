@@ -33,8 +33,9 @@ struct Exec {
 };
 // GPUs visible to this process (0 in a build without CUDA).
 int device_count();
-// A CUDA Exec on the current device with its own stream and `ws_bytes` of workspace; a CPU Exec needs nothing.
-Exec make_exec(Device d, size_t ws_bytes = size_t(256) << 20);
+// A CUDA Exec on GPU `gpu` (made the calling thread's current device: the rank's GPU, Placement::gpu) with its own
+// stream and `ws_bytes` of workspace; a CPU Exec needs nothing.
+Exec make_exec(Device d, size_t ws_bytes = size_t(256) << 20, int gpu = 0);
 void destroy_exec(Exec& x);
 void synchronize(const Exec& x);
 // Device memory (host memory on the CPU). Used when arenas are sized, never inside a step.

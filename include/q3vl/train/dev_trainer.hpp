@@ -23,7 +23,7 @@ struct LossScaling {
 class DevTrainer {
  public:
   // On the GPU in training; the CPU (fp32) runs the same code in tests.
-  DevTrainer(Device d, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt, const DevBudget& budget,
+  DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt, const DevBudget& budget,
              bool recompute, LossScaling ls);
   ~DevTrainer();
 

@@ -6,7 +6,7 @@
 namespace q3vl::dev::cuda {
 
 int device_count();
-Exec make_exec(size_t ws_bytes);
+Exec make_exec(size_t ws_bytes, int gpu);
 void destroy_exec(Exec& x);
 void synchronize(const Exec& x);
 void* alloc(const Exec& x, size_t bytes);

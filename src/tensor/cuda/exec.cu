@@ -9,7 +9,8 @@ int device_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;  // no driver or no device: none
 }
 
-Exec make_exec(size_t ws_bytes) {
+Exec make_exec(size_t ws_bytes, int gpu) {
+  Q3VL_CU(cudaSetDevice(gpu));
   Exec x;
   x.device = Device::CUDA;
   cudaStream_t s = nullptr;
