@@ -23,14 +23,12 @@ expect_log() {
   pass "$name"
 }
 job_field() { scontrol show job "$1" 2>/dev/null | grep -oP "\b$2=\K\S+" | head -1; }
-# wait_job ID SECONDS: until the job has left the queue; its requeue hold is cut short (see below).
+# wait_job ID SECONDS: until the job has left the queue. A requeued job waits out Slurm's hold (start.sh
+# shortens it to 21 s); starting it early races the old run's step daemons (see jobs/common.sh).
 wait_job() {
   local id=$1 t=$((SECONDS + $2))
   while ((SECONDS < t)); do
-    local s; s=$(squeue -h -j "$id" -o %T 2>/dev/null)
-    [[ -z $s ]] && return 0
-    # Slurm keeps a requeued job ineligible for about two minutes; start it now to keep the suite short.
-    [[ $s == PENDING && $(job_field "$id" Restarts) != 0 ]] && scontrol update JobId="$id" StartTime=now 2>/dev/null
+    [[ -z $(squeue -h -j "$id" -o %T 2>/dev/null) ]] && return 0
     sleep 1
   done
   scancel "$id"
