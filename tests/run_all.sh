@@ -25,24 +25,24 @@ run() {
   printf '%-28s ' "$name"
   "$@" >"$log" 2>&1
   local rc=$?
-  local p f s line
+  local p f s line why=""
   p=$(grep -oP '^\[  PASSED  \] \K[0-9]+' "$log" | tail -1)
   f=$(grep -oP '^\[  FAILED  \] \K[0-9]+(?= tests?, listed below)' "$log" | tail -1)
   s=$(grep -oP '^\[  SKIPPED \] \K[0-9]+(?= tests?, listed below)' "$log" | tail -1)
   if [[ -n $p || -n $f ]]; then
     # GoogleTest: "FILE:LINE: Skipped", the GTEST_SKIP message, then "[  SKIPPED ] Suite.Test (N ms)".
-    while IFS= read -r line; do skip_list+=("$name: $line"); done < <(awk '
-      / Skipped$/ { why = ""; getline why; next }
-      /^\[  SKIPPED \] [^ ]+ \([0-9]+ ms\)$/ { print $4 " — " (why == "" ? "no reason given" : why) }' "$log")
+    why=$(awk '/ Skipped$/ { why = ""; getline why; next }
+               /^\[  SKIPPED \] [^ ]+ \([0-9]+ ms\)$/ { print $4 " — " (why == "" ? "no reason given" : why) }' "$log")
   else  # a script: its own "N passed, N failed[, N skipped]" line and "skip: NAME — REASON" lines
     line=$(grep -P '^[0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?$' "$log" | tail -1)
     if [[ -n $line ]]; then
       p=$(grep -oP '^[0-9]+' <<<"$line") f=$(grep -oP '[0-9]+(?= failed)' <<<"$line")
       s=$(grep -oP '[0-9]+(?= skipped)' <<<"$line")
-      while IFS= read -r line; do skip_list+=("$name: $line"); done < <(grep -oP '^skip:? +\K.*' "$log")
+      why=$(grep -oP '^skip:? +\K.*' "$log")
     elif ((rc == 0)); then p=1 f=0  # neither: one test, judged by its exit code
     else p=0 f=1; fi
   fi
+  [[ -n $why ]] && while IFS= read -r line; do skip_list+=("$name: $line"); done <<<"$why"
   p=${p:-0} f=${f:-0} s=${s:-0}
   if ((rc != 0 && f == 0)); then f=1; fi  # crashed or a rank failed outside a test
   passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
