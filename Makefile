@@ -1,7 +1,8 @@
 # q3vl — one Makefile, no CMake.
 #   make deps    install every Debian package q3vl needs (root), fetch the Qwen tokenizer
 #   make         build bin/q3vl (CPU backend; CUDA backend too when nvcc is found, CUDA=0 skips it)
-#   make test    build and run every test suite (unit, MPI at 1/2/4 ranks, tools)
+#   make test    build and run every test suite (unit, MPI at 1/2/4 ranks, tools, Slurm)
+#   make test-gpu the GPU tests, on a GPU machine: a test skipped for want of a GPU fails instead
 #   make demo    generate data, train the tiny model on 4 ranks, resume, generate (see README)
 .DEFAULT_GOAL := all
 SHELL := /bin/bash
@@ -74,6 +75,11 @@ tests: bin/q3vl bin/unit_tests bin/mpi_tests
 test: tests
 	@bash tests/run_all.sh
 
+# Q3VL_REQUIRE_GPU=1 turns the GPU tests' "no GPU" skip into a failure (tests/gpu.hpp).
+GPU_TESTS := *Cuda*:*Gpu*:*GPU*
+test-gpu: bin/unit_tests
+	Q3VL_REQUIRE_GPU=1 OPENBLAS_NUM_THREADS=1 bin/unit_tests --gtest_filter='$(GPU_TESTS)'
+
 # Debian packages. apt-get needs root; CI and the README run this as root.
 DEB_PKGS := build-essential g++ make git pkg-config mpich libmpich-dev libhdf5-mpich-dev hdf5-tools \
             libopenblas-dev libgtest-dev libtomlplusplus-dev nlohmann-json3-dev libpcre2-dev \
@@ -110,5 +116,5 @@ demo: bin/q3vl
 clean:
 	rm -rf build bin
 
-.PHONY: all deps test tests clean demo
+.PHONY: all deps test test-gpu tests clean demo
 -include $(shell find build/obj -name '*.d' 2>/dev/null)
