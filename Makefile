@@ -76,7 +76,7 @@ test: tests
 	@bash tests/run_all.sh
 
 # Q3VL_REQUIRE_GPU=1 turns the GPU tests' "no GPU" skip into a failure (tests/gpu.hpp).
-GPU_TESTS := *Cuda*:*Gpu*:*GPU*
+GPU_TESTS := BackendOps.*:*Cuda*:*Gpu*:*GPU*
 test-gpu: bin/unit_tests
 	Q3VL_REQUIRE_GPU=1 OPENBLAS_NUM_THREADS=1 bin/unit_tests --gtest_filter='$(GPU_TESTS)'
 

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "gpu_guard.hpp"
+#include "../gpu.hpp"
 #include "q3vl/core/dtype.hpp"
 #include "q3vl/tensor/dev.hpp"
 #include "q3vl/tensor/ops.hpp"
@@ -473,7 +473,7 @@ void run_table(DType dt, Device target) {
 
 }  // namespace
 
-TEST(BackendOps, Fp32) { run_table(DType::F32, test::gpu_available() ? Device::CUDA : Device::CPU); }
+TEST(BackendOps, Fp32) { run_table(DType::F32, test::have_gpu() ? Device::CUDA : Device::CPU); }
 TEST(BackendOps, Bf16) {
   Q3VL_NEED_GPU();
   run_table(DType::BF16, Device::CUDA);

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <random>
 
-#include "gpu_guard.hpp"
+#include "../gpu.hpp"
 #include "q3vl/model/dev_layers.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/tensor/ops.hpp"

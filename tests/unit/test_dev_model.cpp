@@ -1,7 +1,7 @@
 // The device model's own behaviour beyond golden parity (test_golden.cpp): recomputation per block changes nothing.
 #include <gtest/gtest.h>
 
-#include "gpu_guard.hpp"
+#include "../gpu.hpp"
 #include "q3vl/train/eval.hpp"
 
 using namespace q3vl;

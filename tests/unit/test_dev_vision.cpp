@@ -10,7 +10,7 @@
 #include <random>
 #include <utility>
 
-#include "gpu_guard.hpp"
+#include "../gpu.hpp"
 #include "q3vl/model/dev_vision.hpp"
 #include "q3vl/model/layers.hpp"
 #include "q3vl/model/params.hpp"

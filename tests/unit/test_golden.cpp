@@ -10,7 +10,7 @@
 
 #include "q3vl/io/h5.hpp"
 #include "q3vl/model/config.hpp"
-#include "gpu_guard.hpp"
+#include "../gpu.hpp"
 #include "q3vl/train/eval.hpp"
 
 using namespace q3vl;
