@@ -1,6 +1,7 @@
 #include "q3vl/app/modes.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 
 #include "q3vl/core/error.hpp"
@@ -8,6 +9,8 @@
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/data/synth.hpp"
 #include "q3vl/runtime/check.hpp"
+#include "q3vl/runtime/runtime.hpp"
+#include "q3vl/tensor/dev.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/train/train.hpp"
 #include "q3vl/train/eval.hpp"
@@ -27,6 +30,17 @@ int on_cpu_fp32(const Deck& d, const char* mode, int (*run)(const Deck&)) {
          "set model.dtype = \"fp32\"");
   return run(d);
 }
+// train and eval: the compute the deck asks for exists here, checked before any work.
+int with_compute(const Deck& d, int (*run)(const Deck&)) {
+  const bool cuda = d.str("model.backend") == "cuda";
+  if (cuda && dev::device_count() == 0 && !std::getenv("Q3VL_DEVICE_ON_CPU"))
+    fail("model.backend = \"cuda\": no GPU is visible to rank " + std::to_string(Runtime::get().where().rank) + " on " +
+         Runtime::get().where().host + " (a build without CUDA, no driver, or CUDA_VISIBLE_DEVICES empty)");
+  if (!cuda && d.str("model.dtype") != "fp32")
+    fail("model.dtype = \"" + d.str("model.dtype") + "\": the CPU backend computes in fp32; set model.dtype = \"fp32\" "
+         "or model.backend = \"cuda\"");
+  return run(d);
+}
 }  // namespace
 
 bool ModeArgs::has(const std::string& f) const { return std::find(flags.begin(), flags.end(), f) != flags.end(); }
@@ -44,9 +58,9 @@ const std::vector<Mode>& modes() {
        },
        {"--decode"}, true},
       {"train", "train with ZeRO data parallelism (AdamW, checkpoints, metrics.jsonl)",
-       [](const Deck& d, const ModeArgs&) { return run_train(d); }},
+       [](const Deck& d, const ModeArgs&) { return with_compute(d, run_train); }},
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
-       [](const Deck& d, const ModeArgs&) { return run_eval(d); }},
+       [](const Deck& d, const ModeArgs&) { return with_compute(d, run_eval); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",
        [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "generate", run_generate); }},
       {"synth", "the demo's synthetic data: PNG pictures of coloured shapes and train/eval JSONL conversations",

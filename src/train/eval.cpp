@@ -107,9 +107,6 @@ int run_eval(const Deck& deck) {
       }
       dev::destroy_exec(ex);
     } else {
-      if (deck.str("model.dtype") != "fp32")
-        fail("model.dtype = \"" + deck.str("model.dtype") + "\": the CPU backend computes in fp32; set model.dtype = "
-             "\"fp32\" or model.backend = \"cuda\"");
       r = evaluate(model, batch, deck.boolean("eval.grads"), aux);
     }
 

@@ -180,13 +180,7 @@ int run_train(const Deck& deck) {
   if (on_gpu && nranks != 1)
     fail_all("model.backend = \"cuda\" trains on one GPU (one rank) so far; run with mpiexec -n 1 (ZeRO over NCCL across "
              "GPUs is not built yet)");
-  if (on_gpu && dev::device_count() == 0 && !getenv("Q3VL_DEVICE_ON_CPU"))
-    fail_all("model.backend = \"cuda\": no GPU is visible to rank 0 on " + rt.where().host +
-             " (a build without CUDA, no driver, or CUDA_VISIBLE_DEVICES empty)");
-  const DType compute = compute_dtype(deck.str("model.dtype"));
-  if (!on_gpu && compute != DType::F32)
-    fail_all("model.dtype = \"" + deck.str("model.dtype") + "\": the CPU backend computes in fp32; set model.dtype = "
-             "\"fp32\" or model.backend = \"cuda\"");
+  const DType compute = compute_dtype(deck.str("model.dtype"));  // app/modes.cpp checked it fits the backend
   Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu);
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
