@@ -61,8 +61,10 @@ int dispatch(int argc, char** argv) {
       fail_all("mode " + mode + " does not take the flag '" + f + "'");
 
   Runtime& rt = Runtime::get();
+  // Until the deck says otherwise, its default: a rank stopped before the deck is read ends the job too.
+  rt.set_timeout(std::stod(find_key("runtime.timeout")->def));
   Deck deck = rt.load_deck(deck_path, overrides, mode);
-  rt.world().set_timeout(deck.real("runtime.timeout"));
+  rt.set_timeout(deck.real("runtime.timeout"));
   if (deck.boolean("run.rank_logs")) Log::get().open_rank_file(deck.str("run.out_dir"));
   if (!m->quiet) {
     const Placement& p = rt.where();

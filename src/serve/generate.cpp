@@ -241,7 +241,7 @@ int run_generate(const Deck& deck) {
                   wall_seconds() - t0, out.c_str());
     log_info(msg);
   }
-  rt.world().barrier();
+  idle_barrier(rt.world(), "waiting for rank 0 to generate");
   return 0;
 }
 
