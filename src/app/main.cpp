@@ -65,6 +65,7 @@ int dispatch(int argc, char** argv) {
   rt.set_timeout(std::stod(find_key("runtime.timeout")->def));
   Deck deck = rt.load_deck(deck_path, overrides, mode);
   rt.set_timeout(deck.real("runtime.timeout"));
+  check_paths(deck, mode, rt.world());
   if (deck.boolean("run.rank_logs")) Log::get().open_rank_file(deck.str("run.out_dir"));
   if (!m->quiet) {
     const Placement& p = rt.where();
