@@ -13,6 +13,7 @@
 #include <regex>
 #include <set>
 
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 
@@ -615,6 +616,7 @@ std::string write_checkpoint(const std::string& dir_in, MPI_Comm comm, const Ckp
       if (!d.ok()) fail_all(ws + ": cannot create dataset: " + h5_reason());
       set_attr(d, "checksum", sums[i], ws);
       transfer(d, s, rounds[i], dxpl, true, ws);
+      if (i == 0) debug_stop_point("checkpoint");  // test hook: a rank stops in the middle of a write
     }
     if (H5Fflush(file, H5F_SCOPE_GLOBAL) < 0) fail_all(w + ": flush failed: " + h5_reason());
     if (!file.reset()) fail_all(w + ": close failed: " + h5_reason());
