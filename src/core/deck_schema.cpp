@@ -76,6 +76,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"prepare.max_tokens", T::Int, "0", "samples with more tokens are bad (0: no limit)", 0, 1e12},
       {"prepare.on_error", T::String, "fail", "a bad record or image: fail (naming it) or skip (drop and count it)",
        -kBig, kBig, {"fail", "skip"}},
+      {"prepare.overwrite", T::Bool, "false", "replace a dataset already in prepare.output (otherwise refused); the "
+       "old one stays until the new one is complete"},
 
       // train
       {"train.steps", T::Int, "100", "optimizer steps", 0, 1e12},

@@ -529,6 +529,25 @@ void set_checkpoint_io_chunk(int64_t elements) {
   g_io_chunk = elements;
 }
 
+uint64_t file_checksum(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open '" + path + "' to verify its checksum");
+  std::vector<char> buf(size_t(1) << 20);  // a multiple of 4: words stay aligned across reads
+  uint64_t sum = 0;
+  int64_t words = 0;
+  while (in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    const size_t got = size_t(in.gcount());
+    if (got == 0) break;
+    std::fill(buf.begin() + std::ptrdiff_t(got), buf.begin() + std::ptrdiff_t((got + 3) / 4 * 4), 0);
+    const int64_t n = int64_t((got + 3) / 4);
+    sum += ckpt_checksum(reinterpret_cast<const float*>(buf.data()), words, n);
+    words += n;
+  }
+  if (in.bad()) fail("cannot read '" + path + "' to verify its checksum");
+  return sum;
+}
+
 uint64_t ckpt_checksum(const float* data, int64_t begin, int64_t count) {
   uint64_t sum = 0;
   for (int64_t i = 0; i < count; ++i) {
