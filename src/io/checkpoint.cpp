@@ -798,8 +798,16 @@ std::string find_resume_checkpoint(const std::string& dir_in, std::vector<std::s
       note("skipping " + path + ": " + why, true);
       continue;
     }
-    // `latest` is written after the rename, so a crash in between leaves it one behind: step order wins.
-    if (!latest.empty() && latest != name) note("'latest' names " + latest + ", but " + name + " is newer", false);
+    // `latest` is written after the rename, so a crash in between leaves it one behind: step order wins. It
+    // names a newer step when that one was damaged and skipped above.
+    if (!latest.empty() && latest != name) {
+      static const std::regex step_re(R"(step_(\d{8,18})\.h5)");
+      std::smatch m;
+      const bool newer = std::regex_match(latest, m, step_re) && std::stoll(m[1].str()) > s;
+      note("'latest' names " + latest + (newer ? ", which is damaged or missing; " + name + " is the newest complete one"
+                                                : ", but " + name + " is newer"),
+           false);
+    }
     note("resuming from " + path, false);
     return path;
   }
