@@ -1,5 +1,6 @@
 #include "q3vl/runtime/watchdog.hpp"
 
+#include <signal.h>
 #include <time.h>
 
 #include <atomic>
@@ -13,6 +14,7 @@
 
 #include "q3vl/runtime/mpi_comm.hpp"
 #include "q3vl/runtime/runtime.hpp"
+#include "q3vl/runtime/stop.hpp"
 
 namespace q3vl {
 
@@ -79,7 +81,10 @@ void run() {
   int64_t deadline = 0;  // this rank's deferred abort
   while (!g->quit) {
     g->beats->store(now_ns());
-    const double t = g->timeout.load();
+    // As in Comm::wait: once SIGTERM came, a silent rank is waited for at most Comm::kTermGrace.
+    const double timeout = g->timeout.load();
+    const bool term = stop_signal_pending() == SIGTERM;
+    const double t = term && (timeout <= 0 || timeout > Comm::kTermGrace) ? Comm::kTermGrace : timeout;
     std::vector<Silent> s;
     if (g->since && t > 0) s = silent_ranks(int64_t(t * 1e9));
     if (s.empty()) {
@@ -98,11 +103,11 @@ void run() {
       }
       if (lowest != g->rank && !deadline) deadline = now_ns() + kDefer;
       if (lowest == g->rank || now_ns() > deadline) {
-        char secs[32];
-        std::snprintf(secs, sizeof secs, "%g s", t);
+        char limit[96];
+        if (t != timeout) std::snprintf(limit, sizeof limit, "%g s (SIGTERM received; runtime.timeout = %g s)", t, timeout);
+        else std::snprintf(limit, sizeof limit, "runtime.timeout = %g s", t);
         const std::string msg = "watchdog: " + g->what + Comm::where() + " cannot finish: no sign of life from " +
-                                describe(s) + ", longer than runtime.timeout = " + secs +
-                                " (stopped or dead); ending the job";
+                                describe(s) + ", longer than " + limit + " (stopped or dead); ending the job";
         lk.unlock();
         abort_local(msg);  // MPI_Abort from this thread: the main thread is blocked inside MPI
       }

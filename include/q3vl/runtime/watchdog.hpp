@@ -5,7 +5,8 @@
 // heartbeat (the node's monotonic clock) in a shared-memory window among the ranks of its node. While the main
 // thread is inside a Blocking region, that thread checks the other ranks' heartbeats: a rank silent for longer
 // than runtime.timeout (SIGSTOPped, or dead) ends the job with MPI_Abort, naming the region, the step and the
-// rank. A slow but live rank (a large checkpoint on a slow disk) keeps its heartbeat and is waited for.
+// rank (once SIGTERM came, after Comm::kTermGrace at most). A slow but live rank (a large checkpoint on a slow
+// disk) keeps its heartbeat and is waited for.
 // Comm::wait uses the heartbeats to name silent ranks in its own message. Ranks on other nodes are not visible
 // from here: their node-mates' watchdogs name them.
 #pragma once
