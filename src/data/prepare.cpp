@@ -102,8 +102,8 @@ fs::path partial_dir(const fs::path& out) {
   return p.string() + ".partial";
 }
 
-// What a dataset folder holds besides dot files: index.json and shard-*.h5. Anything else means the folder is
-// not (only) a dataset, and replacing it as a whole would delete it.
+// What a dataset folder holds: index.json, shard-*.h5 and dot files (markers such as the job scripts' .done).
+// Anything else means the folder is not (only) a dataset, and replacing it as a whole would delete it.
 bool dataset_file(const std::string& name) {
   return name == "index.json" || name == "index.json.tmp" || (name.rfind("shard-", 0) == 0 && name.size() > 9 &&
                                                               name.compare(name.size() - 3, 3, ".h5") == 0);
@@ -115,20 +115,20 @@ void check_output(const fs::path& out, bool overwrite) {
   std::error_code ec;
   if (!fs::exists(out, ec)) return;
   if (!fs::is_directory(out, ec)) fail(key + " is a file; it must be a dataset folder");
-  std::string foreign;
-  bool dataset = false, empty = true;
+  std::string foreign, any;
+  bool dataset = false;
   for (const auto& e : fs::directory_iterator(out)) {
     const std::string n = e.path().filename().string();
-    empty = false;
+    if (any.empty()) any = n;
     if (n == "index.json") dataset = true;
     if (!dataset_file(n) && n[0] != '.' && foreign.empty()) foreign = n;
   }
-  if (empty) return;
+  if (any.empty()) return;
   if (!foreign.empty())
     fail(key + " holds files that are not part of a dataset (such as '" + foreign +
          "'); a dataset replaces its folder as a whole: choose a new or empty folder");
   if (!overwrite)
-    fail(key + (dataset ? " already holds a dataset (index.json)" : " already holds dataset shards") +
+    fail(key + (dataset ? " already holds a dataset (index.json)" : " is not empty ('" + any + "')") +
          "; set prepare.overwrite = true to replace it, or choose another folder");
 }
 
