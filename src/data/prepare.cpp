@@ -203,12 +203,13 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
     fs::remove_all(part);  // left by a killed run
     fs::create_directories(part);
   });
-  // Ends the run on every rank, leaving the output as it was.
+  // Ends the run on every rank (all call it together), the output as it was when any of them returns.
   auto give_up = [&](const std::string& msg) {
     if (rank == 0) {
       std::error_code ec;
       fs::remove_all(part, ec);
     }
+    comm.barrier();
     fail_all(msg);
   };
 
