@@ -317,6 +317,7 @@ TEST(Prepare, ExistingDatasetIsKept) {
   EXPECT_NE(msg.find("bad.jsonl:2: "), std::string::npos) << msg;
   EXPECT_EQ(index(), before);
   EXPECT_FALSE(fs::exists(ds + ".partial"));
+  w.comm.barrier();  // before rank 0 makes the next run's .partial
   again.overwrite = true;
   EXPECT_EQ(error(again), "");
   EXPECT_NE(index(), before);
