@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/paths.hpp"
 #include "q3vl/data/prepare.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/data/synth.hpp"
@@ -42,6 +43,46 @@ int with_compute(const Deck& d, int (*run)(const Deck&)) {
   return run(d);
 }
 }  // namespace
+
+void check_paths(const Deck& d, const std::string& mode, Comm& world) {
+  // Reads are checked on rank 0 (every rank reads the same files); writes on every rank that writes.
+  const bool root = world.rank() == 0;
+  std::string err;
+  auto need = [&](bool on, const std::string& problem) {
+    if (on && err.empty()) err = problem;
+  };
+  auto given = [&](const char* key) { return !d.str(key).empty(); };
+  const std::string out = d.str("run.out_dir");
+  need(d.boolean("run.rank_logs") || (mode == "train" && root), need_writable_dir("run.out_dir", out));
+  if (mode == "prepare" || mode == "tokenize" || mode == "generate")
+    need(root, need_file("tokenizer.path", d.str("tokenizer.path")));
+  if ((mode == "train" || mode == "eval" || mode == "generate") && given("model.hf")) {
+    need(root, need_dir("model.hf", d.str("model.hf")));
+    need(root, need_file("model.hf's config", d.str("model.hf") + "/config.json"));
+  }
+  if (mode == "prepare") {
+    need(root, need_file("prepare.input", d.str("prepare.input")));
+    if (given("prepare.image_root")) need(root, need_dir("prepare.image_root", d.str("prepare.image_root")));
+    // prepare.output: prepare_dataset checks it (a dataset there needs prepare.overwrite) before any work.
+  } else if (mode == "train") {
+    if (d.str("train.dataset") != "synthetic") need(root, need_file_or_dir("train.dataset", d.str("train.dataset")));
+    const std::string r = d.str("train.resume");
+    if (r != "auto" && r != "never") need(root, need_file("train.resume", r));
+    // Every rank writes its part of each checkpoint: found unwritable now, not after all the steps.
+    if (given("checkpoint.dir")) need(true, need_writable_dir("checkpoint.dir", d.str("checkpoint.dir")));
+    else need(true, need_writable_dir("checkpoint.dir (run.out_dir/checkpoints)", out + "/checkpoints"));
+  } else if (mode == "eval") {
+    need(root, need_file("eval.batch", d.str("eval.batch")));
+    need(root, need_output_file("eval.output", d.str("eval.output")));
+  } else if (mode == "generate") {
+    need(root, need_file("generate.prompts", d.str("generate.prompts")));
+    need(root, need_output_file("generate.output", d.str("generate.output")));
+    if (given("generate.checkpoint")) need(root, need_file_or_dir("generate.checkpoint", d.str("generate.checkpoint")));
+  } else if (mode == "synth") {
+    need(root, need_writable_dir("synth.dir", d.str("synth.dir")));
+  }
+  agree_or_fail(world, err);
+}
 
 bool ModeArgs::has(const std::string& f) const { return std::find(flags.begin(), flags.end(), f) != flags.end(); }
 

@@ -76,6 +76,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"prepare.max_tokens", T::Int, "0", "samples with more tokens are bad (0: no limit)", 0, 1e12},
       {"prepare.on_error", T::String, "fail", "a bad record or image: fail (naming it) or skip (drop and count it)",
        -kBig, kBig, {"fail", "skip"}},
+      {"prepare.overwrite", T::Bool, "false", "replace a dataset already in prepare.output (otherwise refused); the "
+       "old one stays until the new one is complete"},
 
       // train
       {"train.steps", T::Int, "100", "optimizer steps", 0, 1e12},
@@ -147,6 +149,11 @@ const std::vector<KeySpec>& deck_schema() {
       {"runtime.debug_sleep_rank", T::Int, "-1", "test hook: this rank sleeps before a collective in check (-1: none)",
        -1, 1 << 30},
       {"runtime.debug_sleep_seconds", T::Real, "0", "test hook: how long runtime.debug_sleep_rank sleeps", 0, 1e6},
+      {"runtime.debug_stop_rank", T::Int, "-1", "test hook: this rank stops itself (SIGSTOP) in train at "
+       "runtime.debug_stop_step and _phase (-1: none)", -1, 1 << 30},
+      {"runtime.debug_stop_step", T::Int, "1", "test hook: the step at which runtime.debug_stop_rank stops", 1, 1e12},
+      {"runtime.debug_stop_phase", T::String, "forward", "test hook: where runtime.debug_stop_rank stops", -kBig, kBig,
+       {"forward", "backward", "checkpoint"}},
   };
   return schema;
 }

@@ -135,7 +135,7 @@ int run_synth(const Deck& deck) {
              std::to_string(deck.integer("synth.eval_samples")) + " eval pictures of " +
              std::to_string(deck.integer("synth.size")) + " px -> " + dir + "/{train,eval}.jsonl");
   }
-  rt.world().barrier();
+  idle_barrier(rt.world(), "waiting for rank 0 to draw the pictures");
   return 0;
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/tensor/ops.hpp"
 
@@ -56,6 +57,7 @@ void BasicModel<T>::release_storage() {
 
 template <class T>
 void BasicModel<T>::enter(int id, bool bwd) {
+  debug_stop_point(bwd ? "backward" : "forward");  // test hook, off unless runtime.debug_stop_rank is set
   if (!hooks_) return;
   const int u = table_.params()[id].unit;
   bwd ? hooks_->before_backward(u) : hooks_->before_forward(u);

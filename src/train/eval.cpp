@@ -129,7 +129,7 @@ int run_eval(const Deck& deck) {
                   static_cast<long long>(model.supervised_tokens()), out.c_str());
     log_info(line);
   }
-  rt.world().barrier();
+  idle_barrier(rt.world(), "waiting for rank 0 to evaluate");
   return 0;
 }
 

@@ -16,6 +16,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/data/shards.hpp"
@@ -24,6 +25,7 @@
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
+#include "q3vl/runtime/watchdog.hpp"
 #include "q3vl/train/dev_trainer.hpp"
 #include "q3vl/train/flops.hpp"
 #include "q3vl/train/loader.hpp"
@@ -152,12 +154,24 @@ std::string hms(double s) {
   return buf;
 }
 
-// Seconds since `t0`, added to `acc`.
+// Seconds since `t0`, added to `acc`; the watchdog names the phase in its messages.
 struct Phase {
   double& acc;
   double t0 = wall_seconds();
+  Phase(double& acc, const char* name) : acc(acc) { Comm::set_phase(name); }
   ~Phase() { acc += wall_seconds() - t0; }
 };
+
+// Checkpoint I/O is collective HDF5 on the raw communicator, blocking inside MPI-IO where Comm::wait's deadline
+// cannot reach: a timed barrier first names a rank that does not arrive, and the liveness watchdog (Blocking)
+// ends the job if a rank stops in the middle.
+template <class F>
+auto guarded_io(Comm& world, const char* phase, const std::string& what, F&& f) {
+  Comm::set_phase(phase);
+  world.barrier();
+  Blocking guard(what);
+  return f();
+}
 
 }  // namespace
 
@@ -166,6 +180,7 @@ int run_train(const Deck& deck) {
   Runtime& rt = Runtime::get();
   Comm& world = rt.world();
   const int rank = world.rank(), nranks = world.size();
+  Comm::set_phase("start-up");
   const int stage = int(deck.integer("parallel.zero_stage"));
   const std::string out_dir = deck.str("run.out_dir");
   const std::string ckdir = deck.str("checkpoint.dir").empty() ? out_dir + "/checkpoints" : deck.str("checkpoint.dir");
@@ -292,7 +307,9 @@ int run_train(const Deck& deck) {
     world.broadcast_string(err, 0);
     if (!err.empty()) fail_all(err);
     const CkptMeta meta = read_checkpoint_meta(path);
-    read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));  // names a reshaped tensor
+    guarded_io(world, "checkpoint read", "checkpoint I/O on " + path, [&] {  // names a reshaped tensor
+      read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));
+    });
     // Same shapes but another computation (RoPE base, norm eps, token ids...): as wrong, and silent.
     if (!meta.hf_config_json.empty())
       if (const std::string d = config_difference(parse_hf_config(meta.hf_config_json, path + ": hf_config_json"), cfg);
@@ -353,8 +370,9 @@ int run_train(const Deck& deck) {
     meta.state_json = to_json(st, nranks, stage);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
     meta.hf_config_json = cfg_json;
-    const std::string p =
-        write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
+    const std::string p = guarded_io(world, "checkpoint write", "checkpoint I/O in " + ckdir, [&] {
+      return write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
+    });
     log_info("checkpoint " + p);
   };
 
@@ -367,18 +385,19 @@ int run_train(const Deck& deck) {
   int64_t done = 0, last_saved = -1;
   while (st.step < stop) {
     Comm::set_step(long(st.step + 1));
+    debug_stop_step(long(st.step + 1));
     const double t_step = wall_seconds();
     double t_data = 0, t_fwd = 0, t_bwd = 0, t_comm = 0, t_opt = 0;
     StepData sd;
     {
-      Phase p{t_data};
+      Phase p{t_data, "data loading"};
       sd = loader.next();
     }
     FlopCounts fc = count_flops(sd.micro);
     double counts[3 + FlopCounts::kFields] = {double(sd.supervised), double(sd.tokens), double(sd.dropped)};
     std::copy(fc.data(), fc.data() + FlopCounts::kFields, counts + 3);
     {
-      Phase p{t_comm};
+      Phase p{t_comm, "step counts"};
       world.all_reduce(counts, 3 + FlopCounts::kFields, DType::F64, ReduceOp::Sum);
     }
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
@@ -391,34 +410,34 @@ int run_train(const Deck& deck) {
       const int64_t n = sd.micro_supervised[i];
       if (n == 0) continue;
       {
-        Phase p{t_fwd};
+        Phase p{t_fwd, "forward"};
         loss_sum += gpu->forward(sd.micro[i]) * double(n);
         Q3VL_CHECK(gpu->supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }
-      Phase p{t_bwd};
+      Phase p{t_bwd, "backward"};
       gpu->backward(n_global > 0 ? double(n) / n_global : 0.0);
     }
     for (size_t i = 0; i < sd.micro.size() && !gpu; ++i) {
       const int64_t n = sd.micro_supervised[i];
       {
-        Phase p{t_comm};
+        Phase p{t_comm, "ZeRO before forward"};
         engine.before_forward();
       }
       if (n > 0) {
-        Phase p{t_fwd};
+        Phase p{t_fwd, "forward"};
         loss_sum += model.forward(sd.micro[i], true) * double(n);
         Q3VL_CHECK(model.supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }
       {
-        Phase p{t_comm};
+        Phase p{t_comm, "ZeRO before backward"};
         engine.before_backward(n_global > 0 ? double(n) / n_global : 0.0);
       }
       if (n > 0) {
-        Phase p{t_bwd};
+        Phase p{t_bwd, "backward"};
         model.backward();
       }
       {
-        Phase p{t_comm};
+        Phase p{t_comm, "ZeRO after backward"};
         engine.after_backward();
       }
     }
@@ -427,12 +446,12 @@ int run_train(const Deck& deck) {
     double loss, gnorm;
     bool grads_finite = true;
     if (gpu) {
-      Phase p{t_opt};
+      Phase p{t_opt, "gradient norm"};
       loss = loss_sum / std::max(1.0, n_global);
       gnorm = std::sqrt(gpu->grad_norm_sq(&grads_finite));
       if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count) grads_finite = false, gnorm = NAN;
     } else {
-      Phase p{t_comm};
+      Phase p{t_comm, "gradient reduction, loss and norm"};
       engine.finish_grads();
       loss = world.sum(loss_sum) / std::max(1.0, n_global);
       gnorm = std::sqrt(engine.grad_norm_sq());
@@ -441,7 +460,7 @@ int run_train(const Deck& deck) {
     const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && grads_finite;
     if (finite) {
       {
-        Phase p{t_opt};
+        Phase p{t_opt, "optimizer"};
         const double coef = clip > 0 && gnorm > clip ? clip / (gnorm + 1e-6) : 1.0;
         ++st.adam_t;
         if (gpu) gpu->update(hp, lr, coef, st.adam_t);
@@ -450,7 +469,7 @@ int run_train(const Deck& deck) {
             adamw_update(sp.master, sp.grad, sp.exp_avg, sp.exp_avg_sq, sp.count, hp, lr,
                          sp.no_decay ? 0.0 : hp.weight_decay, coef, st.adam_t);
       }
-      Phase p{t_comm};
+      Phase p{t_comm, "ZeRO after update"};
       engine.after_update();
       st.skipped_in_row = 0;
     } else {
@@ -483,6 +502,7 @@ int run_train(const Deck& deck) {
     tm.add("train: comm", t_comm), tm.add("train: optimizer", t_opt);
     st.wall = wall0 + (wall_seconds() - t_start);
     const double elapsed = wall_seconds() - t_job, eta = elapsed / double(done) * double(stop - st.step);
+    Comm::set_phase("metrics");
     const double rss = world.max(rss_mib());
     // Memory by kind, the largest rank's: activations kept for backward (their peak this step), the ZeRO
     // shards, and the gathered working set (stage 3: unit pool incl. its cache of released buffers).
@@ -528,6 +548,7 @@ int run_train(const Deck& deck) {
     }
     // A signal (Slurm's USR1 warning, SIGTERM), runtime.walltime or a STOP file: all ranks agree here.
     stop_note_step(dt);
+    Comm::set_phase("stop check");
     std::string why;
     const bool stop_now = should_stop(world, &why) && st.step < stop;
     if ((every > 0 && st.step % every == 0) || st.step == stop || stop_now) {

@@ -316,6 +316,9 @@ TEST(Checkpoint, ResumeSkipsPartialAndTruncated) {
   EXPECT_TRUE(contains_note(notes, "ignoring", "step_00000003.h5.partial"));
   EXPECT_TRUE(contains_note(notes, "skipping " + step_path(d, 2), "truncated"));
   EXPECT_TRUE(contains_note(notes, "resuming from", step_path(d, 1)));
+  // `latest` still names step 3, which was skipped: older is not "newer".
+  EXPECT_TRUE(contains_note(notes, "'latest' names step_00000003.h5, which is damaged or missing",
+                            "step_00000001.h5 is the newest complete one"));
 
   auto ts = small_tensors();
   Slices rd = make_slices(ts, zero_split(total(ts), rank_of(), size_of()), false);
