@@ -11,6 +11,8 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
+#include <chrono>
 
 #ifdef Q3VL_CUDA
 #include <cuda_runtime_api.h>
@@ -24,6 +26,8 @@
 namespace q3vl {
 
 namespace {
+
+constexpr int kAbortGraceMs = 1000;
 Runtime* g_runtime = nullptr;
 
 std::string hostname() {
@@ -209,6 +213,9 @@ void abort_local(const std::string& msg) {
   // MPICH prints "Abort(1) on node N (rank R in comm 0): application called MPI_Abort..." from this process;
   // the message above already says what happened and where. (MPIR_CVAR_SUPPRESS_ABORT_MESSAGE only blanks the
   // text after the colon in MPICH 4.0: the "Abort(1) on node" line stays.)
+  // Give mpiexec's proxy time to forward the line: MPI_Abort has it kill every rank and exit, and on a busy node
+  // what still sits in the stderr pipe was lost (the job then ended without saying why).
+  std::this_thread::sleep_for(std::chrono::milliseconds(kAbortGraceMs));
   if (int null = ::open("/dev/null", O_WRONLY); null >= 0) ::dup2(null, 2);
   MPI_Abort(MPI_COMM_WORLD, 1);
   std::exit(1);
