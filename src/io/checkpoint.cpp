@@ -222,6 +222,12 @@ CkptMeta bcast_meta(MPI_Comm comm, const CkptMeta& m) {
 
 // ---- HDF5 pieces ----
 
+// ROMIO takes what precedes a colon in a file name for a file-system type ("lustre:", "ufs:") and refuses a path
+// such as "runs/lr:3e-3/..." as an unsupported one; naming the generic driver keeps such paths working.
+std::string mpiio_name(const std::string& path) {
+  return path.find(':') == std::string::npos ? path : "ufs:" + path;
+}
+
 Hid parallel_fapl(MPI_Comm comm) {
   Hid fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
   if (H5Pset_fapl_mpio(fapl, comm, MPI_INFO_NULL) < 0) fail_all("checkpoint: cannot set up the MPI-IO driver");
@@ -596,7 +602,7 @@ std::string write_checkpoint(const std::string& dir_in, MPI_Comm comm, const Ckp
     Hid fapl = parallel_fapl(comm);
     Hid fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
     H5Pset_obj_track_times(fcpl, 0);  // no timestamps: same inputs, same bytes
-    Hid file(H5Fcreate(partial.c_str(), H5F_ACC_TRUNC, fcpl, fapl), H5Fclose);
+    Hid file(H5Fcreate(mpiio_name(partial).c_str(), H5F_ACC_TRUNC, fcpl, fapl), H5Fclose);
     if (!file.ok()) fail_all(w + ": cannot create: " + h5_reason());
 
     set_attr(file, "format", std::string(kFormat), w);
@@ -669,7 +675,7 @@ void read_checkpoint(const std::string& path, MPI_Comm comm, const std::vector<C
   const std::vector<int64_t> rounds = prelude(comm, e, slices, "read_checkpoint");
 
   Hid fapl = parallel_fapl(comm);
-  Hid file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl), H5Fclose);
+  Hid file(H5Fopen(mpiio_name(path).c_str(), H5F_ACC_RDONLY, fapl), H5Fclose);
   if (!file.ok()) fail_all("checkpoint '" + path + "': cannot open: " + h5_reason());
 
   // All shapes first: a different model is refused before anything is read.

@@ -124,6 +124,12 @@ if grep -q "resumed from .*step_00000010.h5" "$tmp/resume2.log" && cmp_ckpt "$(c
 mpiexec -n 2 $q train "${common[@]}" run.out_dir="$tmp/half4" train.resume="$tmp/half4/checkpoints/step_00000010.h5" \
   >"$tmp/resume42.log" 2>&1; ok_run $? resume42
 cmp_losses half4 np2 1e-5 && cmp_ckpt "$(ckpt half4)" "$(ckpt np2)" 1e-5 && pass "resume-on-2-of-4-ranks" || bad "resume-on-2-of-4-ranks"
+# A colon in the run folder (ROMIO reads "name:" as a file-system type): checkpoints are written and resumed.
+train "colon:dir" 2 train.steps=2 checkpoint.every=1; ok_run $? "colon:dir"
+mpiexec -n 2 $q train "${common[@]}" run.out_dir="$tmp/colon:dir" train.steps=3 train.resume=auto \
+  >"$tmp/colon2.log" 2>&1; ok_run $? colon2
+grep -q "resumed from .*colon:dir/checkpoints/step_00000002.h5" "$tmp/colon2.log" && pass "colon-in-path" ||
+  bad "colon-in-path: $(grep -iE 'error|resum' "$tmp/colon:dir.log" "$tmp/colon2.log" | head -3)"
 # Metrics: only the first line after the resume says "resumed"; time.wall carries over and grows; mfu is a
 # fraction computed from the logged FLOP count.
 $py - "$tmp/half4/metrics.jsonl" <<'PY' && pass "metrics-resumed-wall-mfu" || bad "metrics-resumed-wall-mfu"
