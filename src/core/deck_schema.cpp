@@ -109,6 +109,20 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.debug_nan_count", T::Int, "1", "test hook: how many steps in a row train.debug_nan_step poisons", 1,
        1e12},
 
+      // lora: low-rank adapters on a frozen base (PEFT's LoRA: y = W x + scale * B A dropout(x))
+      {"lora.rank", T::Int, "0", "adapter rank r (0: no adapters, full or part fine-tuning as train.tune_*)", 0,
+       1 << 20},
+      {"lora.alpha", T::Real, "16", "adapter scale numerator: scale = alpha / r (alpha / sqrt(r) with lora.rslora)",
+       0, 1e9},
+      {"lora.dropout", T::Real, "0", "dropout on the adapter's input (training only)", 0, 0.999},
+      {"lora.targets", T::String, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+       "comma-separated module name patterns (PEFT target_modules: a name ending in .PATTERN, or a glob with *, over "
+       "HF names without .weight); eligible: text q/k/v/o_proj, gate/up/down_proj, mlp.gate (router), vision "
+       "attn.qkv/attn.proj/mlp.linear_fc1/fc2, merger linear_fc1/fc2"},
+      {"lora.rslora", T::Bool, "false", "rank-stabilised scaling alpha / sqrt(r)"},
+      {"lora.adapter", T::String, "", "PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start "
+       "from (train) or to apply on top of the base (eval, generate)"},
+
       // optim: AdamW and the learning-rate schedule
       {"optim.weight_decay", T::Real, "0.0", "decoupled weight decay (none on norms and biases)", 0, 10},
       {"optim.beta1", T::Real, "0.9", "AdamW beta1", 0, 0.999999},

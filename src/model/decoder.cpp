@@ -6,6 +6,7 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/layers.hpp"
+#include "q3vl/model/lora.hpp"
 #include "q3vl/model/params.hpp"
 #include "q3vl/tensor/ops.hpp"
 
@@ -39,6 +40,9 @@ static void qkv_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T*
   ops::linear_fwd(c.ln1.data(), P.p[f + tlay::q_proj], (const T*)nullptr, c.qraw.data(), N, H, Dq);
   ops::linear_fwd(c.ln1.data(), P.p[f + tlay::k_proj], (const T*)nullptr, c.kraw.data(), N, H, Dk);
   ops::linear_fwd(c.ln1.data(), P.p[f + tlay::v_proj], (const T*)nullptr, c.v.data(), N, H, Dk);
+  lora_fwd(P, f + tlay::q_proj, c.ln1.data(), N, c.qraw.data(), Dq);
+  lora_fwd(P, f + tlay::k_proj, c.ln1.data(), N, c.kraw.data(), Dk);
+  lora_fwd(P, f + tlay::v_proj, c.ln1.data(), N, c.v.data(), Dk);
   ops::rmsnorm_fwd(c.qraw.data(), P.p[f + tlay::q_norm], c.q.data(), c.rq.data(), N * nh, hd, tc.rms_eps);
   ops::rmsnorm_fwd(c.kraw.data(), P.p[f + tlay::k_norm], c.k.data(), c.rk.data(), N * nkv, hd, tc.rms_eps);
   ops::rope_fwd(c.q.data(), cos, sin, N, nh, hd);
@@ -54,6 +58,7 @@ static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool
   c.r2.resize(N);
   std::vector<T> tmp(N * H);
   ops::linear_fwd(c.att.data(), P.p[f + tlay::o_proj], (const T*)nullptr, tmp.data(), N, Dq, H);
+  lora_fwd(P, f + tlay::o_proj, c.att.data(), N, tmp.data(), H);
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
   c.x1.assign(x, x + N * H);
   ops::rmsnorm_fwd(x, P.p[f + tlay::post_norm], c.ln2.data(), c.r2.data(), N, H, tc.rms_eps);
@@ -64,8 +69,11 @@ static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool
     c.gu.resize(N * 2 * I);
     c.act.resize(N * I);
     ops::linear_fwd(c.ln2.data(), fused_gate_up(P, f, I, H), (const T*)nullptr, c.gu.data(), N, H, 2 * I);
+    lora_fwd(P, f + tlay::gate_proj, c.ln2.data(), N, c.gu.data(), 2 * I);  // gate: columns [0, I) of gu
+    lora_fwd(P, f + tlay::up_proj, c.ln2.data(), N, c.gu.data() + I, 2 * I);
     ops::swiglu_fwd(c.gu.data(), c.act.data(), N, I);
     ops::linear_fwd(c.act.data(), P.p[f + tlay::down_proj], (const T*)nullptr, tmp.data(), N, I, H);
+    lora_fwd(P, f + tlay::down_proj, c.act.data(), N, tmp.data(), H);
   }
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
 }
@@ -146,7 +154,10 @@ void decoder_layer_bwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
     const int64_t I = tc.intermediate;
     std::vector<T> dact(N * I), dgu(N * 2 * I);
     ops::linear_bwd(dx, c.act.data(), P.p[f + tlay::down_proj], dact.data(), P.g[f + tlay::down_proj], nul, N, I, H);
+    lora_bwd(P, f + tlay::down_proj, dx, H, c.act.data(), N, dact.data());
     ops::swiglu_bwd(dact.data(), c.gu.data(), dgu.data(), N, I);
+    lora_bwd(P, f + tlay::gate_proj, dgu.data(), 2 * I, c.ln2.data(), N, dln.data());
+    lora_bwd(P, f + tlay::up_proj, dgu.data() + I, 2 * I, c.ln2.data(), N, dln.data());
     ops::linear_bwd(dgu.data(), c.ln2.data(), fused_gate_up(P, f, I, H), dln.data(), P.g[f + tlay::gate_proj], nul, N,
                     H, 2 * I);
   }
@@ -154,6 +165,7 @@ void decoder_layer_bwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
   // Attention branch.
   std::vector<T> datt(N * Dq), dq(N * Dq), dk(N * Dk), dv(N * Dk), dqr(N * Dq), dkr(N * Dk);
   ops::linear_bwd(dx, c.att.data(), P.p[f + tlay::o_proj], datt.data(), P.g[f + tlay::o_proj], nul, N, Dq, H);
+  lora_bwd(P, f + tlay::o_proj, dx, H, c.att.data(), N, datt.data());
   ops::attention_bwd(datt.data(), c.q.data(), c.k.data(), c.v.data(), c.att.data(), c.lse.data(), dq.data(),
                      dk.data(), dv.data(), cu.data(), (int64_t)cu.size() - 1, nh, nkv, hd, true,
                      T(1 / std::sqrt((double)hd)));
@@ -167,6 +179,9 @@ void decoder_layer_bwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
   ops::linear_bwd(dqr.data(), c.ln1.data(), P.p[f + tlay::q_proj], dln.data(), P.g[f + tlay::q_proj], nul, N, H, Dq);
   ops::linear_bwd(dkr.data(), c.ln1.data(), P.p[f + tlay::k_proj], dln.data(), P.g[f + tlay::k_proj], nul, N, H, Dk);
   ops::linear_bwd(dv.data(), c.ln1.data(), P.p[f + tlay::v_proj], dln.data(), P.g[f + tlay::v_proj], nul, N, H, Dk);
+  lora_bwd(P, f + tlay::q_proj, dqr.data(), Dq, c.ln1.data(), N, dln.data());
+  lora_bwd(P, f + tlay::k_proj, dkr.data(), Dk, c.ln1.data(), N, dln.data());
+  lora_bwd(P, f + tlay::v_proj, dv.data(), Dk, c.ln1.data(), N, dln.data());
   ops::rmsnorm_bwd(dln.data(), c.x.data(), P.p[f + tlay::in_norm], c.r1.data(), dx, P.g[f + tlay::in_norm], N, H);
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "q3vl/model/layers.hpp"
+#include "q3vl/model/lora.hpp"
 #include "q3vl/model/params.hpp"
 #include "q3vl/tensor/ops.hpp"
 
@@ -15,6 +16,7 @@ void moe_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* x, int
   const int64_t H = tc.hidden, E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
   std::vector<T> logits(N * E);
   ops::linear_fwd(x, P.p[f + tlay::router], (const T*)nullptr, logits.data(), N, H, E);
+  lora_fwd(P, f + tlay::router, x, N, logits.data(), E);
   c.w.resize(R);
   ops::router_fwd(logits.data(), probs, idx, c.w.data(), N, E, k);
   // Bucket (token, slot) pairs by expert, tokens in increasing order inside a bucket.
@@ -84,6 +86,7 @@ void moe_bwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* dout, 
   if (aux_dlogits)
     for (int64_t i = 0; i < N * E; ++i) dlogits[i] += aux_dlogits[i];
   ops::linear_bwd(dlogits.data(), x, P.p[f + tlay::router], dx, P.g[f + tlay::router], (T*)nullptr, N, H, E);
+  lora_bwd(P, f + tlay::router, dlogits.data(), E, x, N, dx);
 }
 
 #define Q3VL_INST(T)                                                                                               \

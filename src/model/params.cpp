@@ -2,6 +2,7 @@
 #include "q3vl/model/params.hpp"
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/model/lora.hpp"
 
 namespace q3vl {
 
@@ -10,11 +11,38 @@ const char* part_name(Part p) {
     case Part::Vision: return "vision";
     case Part::Merger: return "merger";
     case Part::LLM: return "llm";
+    case Part::Lora: return "lora";
   }
   return "?";
 }
 
+// Adapters go at the end of the unit of the linear they wrap, so that base offsets are the same with and without
+// them (gate_proj/up_proj stay adjacent) and ZeRO gathers them with their base weight.
+void ParamTable::add_lora() {
+  const LoraConfig& lc = cfg_.lora;
+  if (!lc.on() || units_.empty()) return;
+  lora_hit_.resize(lc.targets.size());
+  const std::vector<int> base = units_.back().params;
+  for (int id : base) {
+    const std::string name = params_[size_t(id)].name;
+    if (!lora_eligible(name)) continue;
+    const std::string module = name.substr(0, name.size() - 7);  // without ".weight"
+    bool hit = false;
+    for (size_t k = 0; k < lc.targets.size(); ++k)
+      if (lora_pattern_match(lc.targets[k], module)) hit = lora_hit_[k] = true;
+    if (!hit) continue;
+    const int64_t out = params_[size_t(id)].shape[0], in = params_[size_t(id)].shape[1];
+    const int a = add(module + ".lora_A.weight", {lc.rank, in}, Part::Lora);
+    add(module + ".lora_B.weight", {out, lc.rank}, Part::Lora);
+    lora_a_.resize(params_.size(), -1);
+    lora_base_.resize(params_.size(), -1);
+    lora_a_[size_t(id)] = a;
+    lora_base_[size_t(a)] = lora_base_[size_t(a) + 1] = id;
+  }
+}
+
 void ParamTable::begin_unit(const std::string& name) {
+  add_lora();
   UnitInfo u;
   u.name = name;
   u.offset = total_;
@@ -129,6 +157,17 @@ ParamTable::ParamTable(const ModelConfig& cfg) : cfg_(cfg) {
   begin_unit("head");
   norm_ = add(tp + "norm.weight", {H}, Part::LLM, true);
   head_ = t.tie_embeddings ? embed_ : add("lm_head.weight", {t.vocab, H}, Part::LLM);
+  add_lora();
+  if (cfg.lora.on()) {
+    lora_a_.resize(params_.size(), -1);
+    lora_base_.resize(params_.size(), -1);
+    for (size_t k = 0; k < cfg.lora.targets.size(); ++k)
+      if (!lora_hit_[k])
+        fail("lora.targets: pattern '" + cfg.lora.targets[k] +
+             "' matches no linear of this model (eligible: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+             "down_proj, mlp.gate, attn.qkv, attn.proj, mlp.linear_fc1, mlp.linear_fc2, merger.linear_fc1, "
+             "merger.linear_fc2, or a glob such as 'layers.*.self_attn.q_proj')");
+  }
 }
 
 int ParamTable::find(const std::string& name) const {

@@ -21,6 +21,9 @@ BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage) : cfg_(cfg)
   }
   int slot = 0;
   for (int l = 0; l < cfg.text.layers; ++l) moe_slot_.push_back(table_.moe_layer(l) ? slot++ : -1);
+  lora_.table = &table_;
+  lora_.scale = cfg.lora.scale();
+  lora_.dropout = cfg.lora.dropout;
   rebind();
 }
 
@@ -31,7 +34,7 @@ void BasicModel<T>::rebind() {
   for (size_t i = 0; i < pp_.size(); ++i) {
     const ParamInfo& p = table_.params()[i];
     pp_[i] = unit_p_[p.unit] ? unit_p_[p.unit] + p.offset : nullptr;
-    gp_[i] = unit_g_[p.unit] ? unit_g_[p.unit] + p.offset : nullptr;
+    gp_[i] = unit_g_[p.unit] && (trainable_.empty() || trainable_[i]) ? unit_g_[p.unit] + p.offset : nullptr;
   }
 }
 
@@ -42,7 +45,7 @@ void BasicModel<T>::bind_unit(int unit, T* params, T* grads) {
   unit_g_[unit] = grads;
   for (int id : table_.units()[unit].params) {  // only this unit's pointers: ZeRO-3 binds twice per use
     pp_[id] = params ? params + table_.params()[id].offset : nullptr;
-    gp_[id] = grads ? grads + table_.params()[id].offset : nullptr;
+    gp_[id] = grads && (trainable_.empty() || trainable_[size_t(id)]) ? grads + table_.params()[id].offset : nullptr;
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/layers.hpp"
+#include "q3vl/model/lora.hpp"
 #include "q3vl/model/params.hpp"
 #include "q3vl/tensor/ops.hpp"
 
@@ -79,20 +80,26 @@ void vision_block_fwd(const VisionConfig& vc, const ParamView<T>& P, int f, T* x
                      vc.ln_eps);
   // qkv rows are [q; k; v] blocks, each head-major: three GEMMs on row blocks of one weight.
   T* qkv[3] = {c.q.data(), c.k.data(), c.v.data()};
-  for (int j = 0; j < 3; ++j) ops::linear_fwd(c.ln1.data(), qkv_w + j * D * D, qkv_b + j * D, qkv[j], N, D, D);
+  for (int j = 0; j < 3; ++j) {
+    ops::linear_fwd(c.ln1.data(), qkv_w + j * D * D, qkv_b + j * D, qkv[j], N, D, D);
+    lora_fwd(P, f + vblk::qkv_w, c.ln1.data(), N, qkv[j], D, j * D, D);  // PEFT wraps qkv whole: rows j*D.. of B
+  }
   ops::rope_fwd(c.q.data(), cos, sin, N, nh, hd);
   ops::rope_fwd(c.k.data(), cos, sin, N, nh, hd);
   ops::attention_fwd(c.q.data(), c.k.data(), c.v.data(), c.att.data(), c.lse.data(), cu.data(),
                      (int64_t)cu.size() - 1, nh, nh, hd, false, T(1 / std::sqrt((double)hd)));
   std::vector<T> tmp(N * D);
   ops::linear_fwd(c.att.data(), P.p[f + vblk::proj_w], P.p[f + vblk::proj_b], tmp.data(), N, D, D);
+  lora_fwd(P, f + vblk::proj_w, c.att.data(), N, tmp.data(), D);
   for (int64_t i = 0; i < N * D; ++i) x[i] += tmp[i];
   c.x1.assign(x, x + N * D);
   ops::layernorm_fwd(x, P.p[f + vblk::norm2_w], P.p[f + vblk::norm2_b], c.ln2.data(), c.m2.data(), c.r2.data(), N, D,
                      vc.ln_eps);
   ops::linear_fwd(c.ln2.data(), P.p[f + vblk::fc1_w], P.p[f + vblk::fc1_b], c.h.data(), N, D, I);
+  lora_fwd(P, f + vblk::fc1_w, c.ln2.data(), N, c.h.data(), I);
   ops::gelu_tanh_fwd(c.h.data(), c.a.data(), N * I);
   ops::linear_fwd(c.a.data(), P.p[f + vblk::fc2_w], P.p[f + vblk::fc2_b], tmp.data(), N, I, D);
+  lora_fwd(P, f + vblk::fc2_w, c.a.data(), N, tmp.data(), D);
   for (int64_t i = 0; i < N * D; ++i) x[i] += tmp[i];
 }
 
@@ -104,15 +111,18 @@ void vision_block_bwd(const VisionConfig& vc, const ParamView<T>& P, int f, T* d
   std::vector<T> da(N * I), dh(N * I), dln(N * D);
   ops::linear_bwd(dx, c.a.data(), P.p[f + vblk::fc2_w], da.data(), P.g[f + vblk::fc2_w], P.g[f + vblk::fc2_b], N, I,
                   D);
+  lora_bwd(P, f + vblk::fc2_w, dx, D, c.a.data(), N, da.data());
   ops::gelu_tanh_bwd(da.data(), c.h.data(), dh.data(), N * I);
   ops::linear_bwd(dh.data(), c.ln2.data(), P.p[f + vblk::fc1_w], dln.data(), P.g[f + vblk::fc1_w],
                   P.g[f + vblk::fc1_b], N, D, I);
+  lora_bwd(P, f + vblk::fc1_w, dh.data(), I, c.ln2.data(), N, dln.data());
   ops::layernorm_bwd(dln.data(), c.x1.data(), P.p[f + vblk::norm2_w], c.m2.data(), c.r2.data(), dx,
                      P.g[f + vblk::norm2_w], P.g[f + vblk::norm2_b], N, D);
   // Attention branch.
   std::vector<T> datt(N * D), dq(N * D), dk(N * D), dv(N * D);
   ops::linear_bwd(dx, c.att.data(), P.p[f + vblk::proj_w], datt.data(), P.g[f + vblk::proj_w], P.g[f + vblk::proj_b],
                   N, D, D);
+  lora_bwd(P, f + vblk::proj_w, dx, D, c.att.data(), N, datt.data());
   ops::attention_bwd(datt.data(), c.q.data(), c.k.data(), c.v.data(), c.att.data(), c.lse.data(), dq.data(),
                      dk.data(), dv.data(), cu.data(), (int64_t)cu.size() - 1, nh, nh, hd, false,
                      T(1 / std::sqrt((double)hd)));
@@ -121,9 +131,12 @@ void vision_block_bwd(const VisionConfig& vc, const ParamView<T>& P, int f, T* d
   std::fill(dln.begin(), dln.end(), T(0));
   const T* d3[3] = {dq.data(), dk.data(), dv.data()};
   const T* qkv_w = P.p[f + vblk::qkv_w];
-  for (int j = 0; j < 3; ++j)
-    ops::linear_bwd(d3[j], c.ln1.data(), qkv_w + j * D * D, dln.data(), P.g[f + vblk::qkv_w] + j * D * D,
-                    P.g[f + vblk::qkv_b] + j * D, N, D, D);
+  for (int j = 0; j < 3; ++j) {
+    ops::linear_bwd(d3[j], c.ln1.data(), qkv_w + j * D * D, dln.data(),
+                    P.g[f + vblk::qkv_w] ? P.g[f + vblk::qkv_w] + j * D * D : nullptr,
+                    P.g[f + vblk::qkv_b] ? P.g[f + vblk::qkv_b] + j * D : nullptr, N, D, D);
+    lora_bwd(P, f + vblk::qkv_w, d3[j], D, c.ln1.data(), N, dln.data(), j * D, D);
+  }
   ops::layernorm_bwd(dln.data(), c.x.data(), P.p[f + vblk::norm1_w], c.m1.data(), c.r1.data(), dx,
                      P.g[f + vblk::norm1_w], P.g[f + vblk::norm1_b], N, D);
 }

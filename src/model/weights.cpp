@@ -43,10 +43,53 @@ std::vector<float> to_hf_layout(const ParamTable& t, int id, const float* data) 
 
 std::vector<NamedTensor> grads_hf(Model& m) {
   std::vector<NamedTensor> out;
-  for (size_t id = 0; id < m.table().params().size(); ++id)
-    out.push_back({m.table().params()[id].name, hf_shape(m.table(), (int)id),
+  const bool lora = m.config().lora.on();
+  for (size_t id = 0; id < m.table().params().size(); ++id) {
+    const ParamInfo& p = m.table().params()[id];
+    if (lora && p.part != Part::Lora) continue;  // a frozen base has no gradients; adapters go under PEFT's names
+    out.push_back({lora ? peft_name(p.name) : p.name, hf_shape(m.table(), (int)id),
                    to_hf_layout(m.table(), (int)id, m.grad((int)id))});
+  }
   return out;
+}
+
+SliceBytes load_lora_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices) {
+  const std::string file = dir + "/adapter_model.safetensors";
+  const Safetensors st = Safetensors::open(file);
+  SliceBytes b;
+  for (const ParamInfo& p : t.params()) {
+    if (p.part != Part::Lora) continue;
+    const std::string n = peft_name(p.name);
+    if (!st.has(n))
+      fail(file + ": missing tensor " + n + " " + shape_str(p.shape) + " (lora.targets wraps " +
+           p.name.substr(0, p.name.rfind(".lora_")) + "; the adapter does not)");
+    if (st.info(n).shape != p.shape)
+      fail(file + ": tensor " + n + " has shape " + shape_str(st.info(n).shape) + ", lora.rank and the model need " +
+           shape_str(p.shape));
+    b.all += int64_t(st.info(n).nbytes);
+  }
+  for (const auto& [name, info] : st.tensors()) {
+    const std::string prefix = "base_model.model.";
+    const int id = name.rfind(prefix, 0) == 0 ? t.find(name.substr(prefix.size())) : -1;
+    if (id < 0 || t.param(id).part != Part::Lora)
+      fail(file + ": unexpected tensor " + name + " (not an adapter of this model under lora.targets)");
+  }
+  for (const ParamSlice& s : slices) {
+    if (s.count == 0) continue;
+    const ParamInfo& p = t.param(s.param);
+    if (p.part != Part::Lora) fail("load_lora_slices: " + p.name + " is not an adapter");
+    st.read_f32_range(peft_name(p.name), s.begin, s.count, s.dst);
+    b.mine += s.count * int64_t(st_dtype_size(st.info(peft_name(p.name)).dtype));
+  }
+  return b;
+}
+
+void load_lora_adapter(Model& m, const std::string& dir) {
+  std::vector<ParamSlice> all;
+  for (size_t id = 0; id < m.table().params().size(); ++id)
+    if (m.table().params()[id].part == Part::Lora)
+      all.push_back({int(id), 0, m.table().params()[id].numel, m.param(int(id))});
+  load_lora_slices(m.table(), dir, all);
 }
 
 // Every table tensor present with its on-disk shape, and nothing else in the files.
@@ -54,6 +97,7 @@ static void check_hf_tensors(const ParamTable& t, const Safetensors& st, const s
   const bool v5 = t.config().experts_v5_layout;
   for (size_t id = 0; id < t.params().size(); ++id) {
     const ParamInfo& p = t.params()[id];
+    if (p.part == Part::Lora) continue;  // adapters live in a PEFT folder (lora.adapter), not in the base model
     const auto want = hf_shape(t, (int)id);
     if (!st.has(p.name))
       fail(dir + ": missing tensor " + p.name + " (expected shape " + shape_str(want) + ")");
@@ -77,6 +121,10 @@ void load_hf_weights(Model& m, const std::string& dir) {
   check_hf_tensors(t, st, dir);
   for (size_t id = 0; id < t.params().size(); ++id) {
     const ParamInfo& p = t.params()[id];
+    if (p.part == Part::Lora) {  // PEFT's fresh adapter (B = 0: the base model's output); lora.adapter replaces it
+      init_param_range(p, 0, 0.0, 0, p.numel, m.param((int)id));
+      continue;
+    }
     std::vector<float> v = st.read_f32(p.name);
     if (is_expert(p.name) && !t.config().experts_v5_layout) {  // disk -> compute
       const auto d = hf_shape(t, (int)id);
@@ -90,10 +138,12 @@ SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std
   const Safetensors st = Safetensors::open(dir);
   check_hf_tensors(t, st, dir);
   SliceBytes b;
-  for (const ParamInfo& p : t.params()) b.all += int64_t(st.info(p.name).nbytes);
+  for (const ParamInfo& p : t.params())
+    if (p.part != Part::Lora) b.all += int64_t(st.info(p.name).nbytes);
   for (const ParamSlice& s : slices) {
     if (s.count == 0) continue;
     const ParamInfo& p = t.param(s.param);
+    if (p.part == Part::Lora) fail("load_hf_slices: " + p.name + " is an adapter (load it with load_lora_slices)");
     const int64_t es = int64_t(st_dtype_size(st.info(p.name).dtype));
     if (!is_expert(p.name) || t.config().experts_v5_layout) {  // same layout on disk
       st.read_f32_range(p.name, s.begin, s.count, s.dst);
@@ -130,6 +180,14 @@ void init_param_range(const ParamInfo& p, uint64_t seed, double std, int64_t beg
   if (p.no_decay) return (void)std::fill(out, out + count, T(is_bias(p.name) ? 0 : 1));
   uint64_t key = splitmix64(seed);
   for (unsigned char c : p.name) key = splitmix64(key ^ c);
+  if (p.part == Part::Lora) {
+    // PEFT: B = 0; A = kaiming_uniform(a = sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)) (gain sqrt(1/3) * sqrt(3/in)).
+    if (ends_with(p.name, ".lora_B.weight")) return (void)std::fill(out, out + count, T(0));
+    const double bound = 1.0 / std::sqrt(double(p.shape[1]));
+    for (int64_t j = 0; j < count; ++j)
+      out[j] = T(bound * (2.0 * (double(splitmix64(key ^ splitmix64(uint64_t(begin + j))) >> 11) * 0x1p-53) - 1.0));
+    return;
+  }
   // Box-Muller on counter k gives elements 2k (cosine) and 2k+1 (sine); u1 in (0, 1] keeps the log finite.
   const int64_t end = begin + count;
   for (int64_t k = begin / 2; 2 * k < end; ++k) {

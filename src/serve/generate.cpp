@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -122,13 +123,22 @@ GenPrompt make_prompt(const std::string& line_text, const std::string& file, lon
 namespace {
 
 // Weights from a training checkpoint: model/<hf name> at full shape, in the compute layout train writes.
-void load_checkpoint_weights(Model& m, const std::string& path) {
+// A LoRA checkpoint holds only the adapters (adapters_only): the base comes from the trained deck's model.hf first.
+void load_checkpoint_weights(Model& m, const std::string& path, bool adapters_only = false) {
   std::vector<CkptSlice> slices;
   for (size_t id = 0; id < m.table().params().size(); ++id) {
     const ParamInfo& p = m.table().params()[id];
+    if (adapters_only && p.part != Part::Lora) continue;
     slices.push_back({"model/" + p.name, p.shape, 0, p.numel, m.param((int)id)});
   }
   read_checkpoint(path, MPI_COMM_SELF, slices);
+}
+
+// The deck a checkpoint was trained with, when it trained adapters (null otherwise).
+std::unique_ptr<Deck> lora_trained_deck(const std::string& ck) {
+  if (ck.empty()) return nullptr;
+  auto d = std::make_unique<Deck>(Deck::parse(read_checkpoint_meta(ck).deck_toml, ck, {}, ""));
+  return d->integer("lora.rank") > 0 ? std::move(d) : nullptr;
 }
 
 // generate.checkpoint names a file, or a checkpoint folder whose newest complete checkpoint is taken.
@@ -163,7 +173,9 @@ int run_generate(const Deck& deck) {
   // One process does the work; the others only wait, so that the mode also runs under mpiexec.
   if (rt.where().rank == 0) {
     const std::string ck = checkpoint_path(deck);
-    const ModelConfig cfg = model_config(deck, ck);
+    const std::unique_ptr<Deck> lora_deck = lora_trained_deck(ck);
+    ModelConfig cfg = model_config(deck, ck);
+    cfg.lora = lora_config(lora_deck ? *lora_deck : deck);
     const Tokenizer tok = Tokenizer::load(deck.str("tokenizer.path"));
     ImageConfig icfg;
     icfg.patch = cfg.vision.patch;
@@ -202,12 +214,23 @@ int run_generate(const Deck& deck) {
     Model model(cfg);
     {
       ScopedTimer t("generate: load weights");
-      if (!ck.empty()) {
+      if (lora_deck) {  // the trained base, then the checkpoint's adapters
+        const std::string hf = lora_deck->str("model.hf");
+        log_info("generate: base " + (hf.empty() ? "random init (seed " + std::to_string(lora_deck->integer("run.seed")) + ")" : hf) +
+                 ", adapters from " + ck);
+        if (hf.empty()) model.init_random(uint64_t(lora_deck->integer("run.seed")));
+        else load_hf_weights(model, hf);
+        load_checkpoint_weights(model, ck, true);
+      } else if (!ck.empty()) {
         log_info("generate: weights from " + ck);
         load_checkpoint_weights(model, ck);
       }
       else if (!deck.str("model.hf").empty()) load_hf_weights(model, deck.str("model.hf"));
       else model.init_random(deck.integer("run.seed"));
+      if (!lora_deck && !deck.str("lora.adapter").empty()) {
+        log_info("generate: adapters from " + deck.str("lora.adapter"));
+        load_lora_adapter(model, deck.str("lora.adapter"));
+      }
     }
 
     if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);

@@ -88,10 +88,19 @@ int run_eval(const Deck& deck) {
   // One process does the work; the others only wait, so that the mode also runs under mpiexec.
   if (rt.where().rank == 0) {
     ModelConfig cfg = load_hf_config(dir + "/config.json");
+    cfg.lora = lora_config(deck);
+    if (cfg.lora.on() && deck.str("model.backend") == "cuda")
+      fail_all("lora.rank > 0 runs on the CPU backend so far (model.backend = \"cpu\")");
     Model model(cfg);
+    if (cfg.lora.on()) {  // a frozen base: gradients (eval.grads) for the adapters only
+      std::vector<bool> tr;
+      for (const ParamInfo& p : model.table().params()) tr.push_back(p.part == Part::Lora);
+      model.set_trainable(tr);
+    }
     {
       ScopedTimer t("eval: load weights");
       load_hf_weights(model, dir);
+      if (!deck.str("lora.adapter").empty()) load_lora_adapter(model, deck.str("lora.adapter"));
     }
     Batch batch = read_batch_h5(deck.str("eval.batch"), cfg.vision.patch_dim());
     const bool aux = deck.boolean("eval.router_aux_loss");

@@ -22,6 +22,7 @@
 #include "q3vl/data/shards.hpp"
 #include "q3vl/io/checkpoint.hpp"
 #include "q3vl/runtime/stop.hpp"
+#include "q3vl/model/lora.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
@@ -89,16 +90,73 @@ TrainState from_json(const std::string& text, const std::string& path) {
 // The model, and the config.json text that checkpoints keep: model.hf's file unchanged (nothing it says is
 // lost), else the preset's.
 ModelConfig model_config(const Deck& d, std::string* json_text) {
-  if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json", json_text);
-  if (!d.str("model.preset").empty()) {
-    ModelConfig c = preset_config(d.str("model.preset"));
+  ModelConfig c;
+  if (!d.str("model.hf").empty()) {
+    c = load_hf_config(d.str("model.hf") + "/config.json", json_text);
+  } else if (!d.str("model.preset").empty()) {
+    c = preset_config(d.str("model.preset"));
     *json_text = hf_config_json(c);
-    return c;
+  } else {
+    fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
   }
-  fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
+  c.lora = lora_config(d);
+  return c;
+}
+
+// LoRA: which base the adapters were trained on. A sum over elements (ckpt_checksum) weighted per tensor, so each
+// rank adds its own shard and any rank count gets the same number; rank 0's value is the one written.
+std::string lora_base_identity(const ZeroEngine& e, Comm& shard, bool on) {
+  if (!on) return "";
+  uint64_t h = 0;
+  for (const ShardPiece& p : e.pieces())
+    if (!p.trainable) h += (2 * uint64_t(p.param) + 1) * ckpt_checksum(p.master, p.begin, p.count);
+  int64_t v = int64_t(h);
+  shard.all_reduce(&v, 1, DType::I64);  // wraps mod 2^64 like the sum it stands for
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)v);
+  return buf;
+}
+
+std::string with_lora(const std::string& state_json, const LoraConfig& c, const std::string& base_id) {
+  if (!c.on()) return state_json;
+  json j = json::parse(state_json);
+  j["lora"] = {{"rank", c.rank}, {"alpha", c.alpha}, {"rslora", c.rslora}, {"dropout", c.dropout},
+               {"targets", c.targets}, {"base", base_id}};
+  return j.dump();
+}
+
+// A LoRA checkpoint holds the adapters only: resuming them on another base (or with another scale) would train on
+// silently, so it is refused, naming what differs.
+void check_lora_resume(const std::string& state_json, const std::string& path, const LoraConfig& c,
+                       const std::string& base_id) {
+  json j;
+  try {
+    j = json::parse(state_json);
+  } catch (const std::exception& e) {
+    fail_all("checkpoint '" + path + "': training state is unreadable: " + e.what());
+  }
+  const bool had = j.contains("lora");
+  if (had != c.on())
+    fail_all("checkpoint '" + path + "' " + (had ? "holds LoRA adapters but lora.rank = 0 here"
+                                                 : "is a full fine-tuning checkpoint but lora.rank > 0 here") +
+             ": resume with the deck it was written with (or train.resume = never)");
+  if (!had) return;
+  const json& l = j["lora"];
+  if (l.value("base", "") != base_id)
+    fail_all("checkpoint '" + path + "' holds adapters trained on another base model (base weights fingerprint " +
+             l.value("base", std::string("?")) + ", this run's model.hf gives " + base_id +
+             "): resume against the base it was trained on");
+  if (l.value("alpha", 0.0) != c.alpha || l.value("rslora", false) != c.rslora)
+    fail_all("checkpoint '" + path + "': lora.alpha/lora.rslora differ from the run that wrote it (alpha " +
+             std::to_string(l.value("alpha", 0.0)) + (l.value("rslora", false) ? ", rslora" : "") + ")");
 }
 
 std::vector<bool> trainable_flags(const ParamTable& t, const Deck& d) {
+  if (t.config().lora.on()) {  // the adapters, and nothing else: the base is frozen whatever train.tune_* say
+    std::vector<bool> out;
+    for (const auto& p : t.params()) out.push_back(p.part == Part::Lora);
+    return out;
+  }
   const bool v = d.boolean("train.tune_vision"), m = d.boolean("train.tune_merger"), l = d.boolean("train.tune_llm");
   std::vector<bool> out;
   for (const auto& p : t.params()) out.push_back(p.part == Part::Vision ? v : p.part == Part::Merger ? m : l);
@@ -120,6 +178,7 @@ std::vector<CkptSlice> ckpt_slices(const ZeroEngine& e, const ParamTable& t, con
   for (const auto& [kind, prefix] : kinds) {
     for (size_t i = 0; i < t.params().size(); ++i) {
       if (kind != Master && !trainable[i]) continue;  // frozen tensors have no optimizer state
+      if (t.config().lora.on() && !trainable[i]) continue;  // LoRA: the base comes from model.hf, not the checkpoint
       CkptSlice s;
       s.dataset = prefix + t.param(int(i)).name;
       s.shape = t.param(int(i)).shape;
@@ -196,10 +255,16 @@ int run_train(const Deck& deck) {
     fail_all("model.backend = \"cuda\" trains on one GPU (one rank) so far; run with mpiexec -n 1 (ZeRO over NCCL across "
              "GPUs is not built yet)");
   const DType compute = compute_dtype(deck.str("model.dtype"));  // app/modes.cpp checked it fits the backend
+  if (on_gpu && cfg.lora.on())
+    fail_all("lora.rank > 0 trains on the CPU backend so far (model.backend = \"cpu\"); LoRA on CUDA comes with the "
+             "device model's adapters");
   Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu);
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
+  model.set_trainable(trainable);
+  model.lora().seed = seed;
 
+  std::string base_id;  // LoRA: the frozen base's fingerprint, kept in checkpoints
   // Hybrid: shard over the node, replicate over the ranks with the same local rank on the other nodes.
   Comm* shard = &world;
   std::unique_ptr<Comm> replica;
@@ -215,9 +280,18 @@ int run_train(const Deck& deck) {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
     // ever holds the whole model. The values do not depend on the rank count.
     ScopedTimer t("train: init weights");
-    const std::string hf = deck.str("model.hf");
-    const SliceBytes b = hf.empty() ? init_random_slices(table, seed, 0.02, engine.master_slices())
-                                    : load_hf_slices(table, hf, engine.master_slices());
+    const std::string hf = deck.str("model.hf"), adapter = deck.str("lora.adapter");
+    std::vector<ParamSlice> base, lora;
+    for (const ParamSlice& sl : engine.master_slices())
+      (table.param(sl.param).part == Part::Lora ? lora : base).push_back(sl);
+    const SliceBytes b = hf.empty() ? init_random_slices(table, seed, 0.02, base) : load_hf_slices(table, hf, base);
+    if (!lora.empty() || cfg.lora.on()) {
+      const SliceBytes la = adapter.empty() ? init_random_slices(table, seed, 0.02, lora)
+                                            : load_lora_slices(table, adapter, lora);
+      log_info("adapters: " + (adapter.empty() ? std::string("PEFT init (A kaiming-uniform, B zero)") : adapter) +
+               ", " + std::to_string(la.mine) + " bytes on this rank");
+    }
+    base_id = lora_base_identity(engine, *shard, cfg.lora.on());
     engine.shards_filled();
     char buf[256];
     std::snprintf(buf, sizeof buf, "weights: %s sharded %s, %.1f MiB on this rank (of %.1f MiB)",
@@ -236,6 +310,18 @@ int run_train(const Deck& deck) {
            "); activation recomputation: " + deck.str("train.recompute") + "; gathers in " +
            deck.str("parallel.gather_dtype"));
   log_info(engine.memory_report());
+  if (cfg.lora.on()) {
+    const LoraSize ls = lora_size(cfg);
+    char buf[320];
+    std::snprintf(buf, sizeof buf,
+                  "lora: rank %d, alpha %g%s, dropout %g, %lld linears wrapped, %lld adapter parameters (%.4f%% of "
+                  "the %lld frozen); trained state (fp32 master, grad, 2 AdamW moments) %.2f MiB over all ranks, "
+                  "full fine-tuning would be %.2f MiB",
+                  cfg.lora.rank, cfg.lora.alpha, cfg.lora.rslora ? " (rsLoRA)" : "", cfg.lora.dropout,
+                  (long long)ls.wrapped, (long long)ls.params, 100.0 * double(ls.params) / double(ls.base),
+                  (long long)ls.base, double(ls.state_bytes()) / (1 << 20), double(ls.base * 16) / (1 << 20));
+    log_info(buf);
+  }
 
   // Data.
   const int64_t seq_len = deck.integer("data.seq_len");
@@ -307,6 +393,7 @@ int run_train(const Deck& deck) {
     world.broadcast_string(err, 0);
     if (!err.empty()) fail_all(err);
     const CkptMeta meta = read_checkpoint_meta(path);
+    check_lora_resume(meta.state_json, path, cfg.lora, base_id);
     guarded_io(world, "checkpoint read", "checkpoint I/O on " + path, [&] {  // names a reshaped tensor
       read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));
     });
@@ -367,7 +454,7 @@ int run_train(const Deck& deck) {
     meta.tokens_seen = st.tokens;
     meta.world_size = nranks;
     meta.deck_toml = deck.to_toml();
-    meta.state_json = to_json(st, nranks, stage);
+    meta.state_json = with_lora(to_json(st, nranks, stage), cfg.lora, base_id);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
     meta.hf_config_json = cfg_json;
     const std::string p = guarded_io(world, "checkpoint write", "checkpoint I/O in " + ckdir, [&] {
@@ -425,6 +512,9 @@ int run_train(const Deck& deck) {
       }
       if (n > 0) {
         Phase p{t_fwd, "forward"};
+        // lora.dropout's mask: a new draw per (step, rank, micro-batch), the same again in a recomputed forward
+        model.lora().train = true;
+        model.lora().nonce = (uint64_t(st.step) * uint64_t(nranks) + uint64_t(rank)) * 4096 + i;
         loss_sum += model.forward(sd.micro[i], true) * double(n);
         Q3VL_CHECK(model.supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }

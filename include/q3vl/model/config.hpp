@@ -47,6 +47,18 @@ struct TextConfig {
   bool operator==(const TextConfig&) const = default;
 };
 
+// Low-rank adapters (PEFT LoRA) on the linears whose module names match `targets` (src/model/lora.cpp).
+// rank 0: none. Part of the model's shape: the parameter table holds the adapters next to the linears they wrap.
+struct LoraConfig {
+  int rank = 0;
+  double alpha = 16, dropout = 0;
+  bool rslora = false;
+  std::vector<std::string> targets;  // PEFT target_modules patterns
+  bool on() const { return rank > 0; }
+  double scale() const;              // alpha / r, or alpha / sqrt(r) (rsLoRA)
+  bool operator==(const LoraConfig&) const = default;
+};
+
 struct ModelConfig {
   std::string architecture;         // Qwen3VLForConditionalGeneration | Qwen3VLMoeForConditionalGeneration
   std::string transformers_version; // from config.json; decides the MoE expert layout on disk
@@ -61,6 +73,7 @@ struct ModelConfig {
   // Expert tensors on disk: false = released layout gate_up [E,H,2Im], down [E,Im,H];
   // true = transformers-5 module layout gate_up [E,2Im,H], down [E,H,Im].
   bool experts_v5_layout = false;
+  LoraConfig lora;                  // from the deck's [lora], never from config.json
 
   bool moe() const { return text.num_experts > 0; }
   bool is_moe_layer(int l) const;   // HF rule: not in mlp_only_layers and (l+1) % decoder_sparse_step == 0

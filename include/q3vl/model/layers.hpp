@@ -15,10 +15,14 @@ template <class... V> int64_t vec_bytes(const V&... v) {
   return (int64_t(0) + ... + int64_t(v.capacity() * sizeof(typename V::value_type)));
 }
 
-// Weights and gradients by parameter id (gradient pointers may be null for a frozen part).
+struct LoraRun;  // model/lora.hpp
+
+// Weights and gradients by parameter id (gradient pointers may be null for a frozen part); lora: the adapters'
+// run-time settings (null: no adapters), read by lora_fwd/lora_bwd beside each wrapped linear.
 template <class T> struct ParamView {
   T* const* p;
   T* const* g;
+  const LoraRun* lora = nullptr;
 };
 
 // ---- vision (src/model/vision.cpp) ------------------------------------------------------------------------------

@@ -12,7 +12,8 @@
 namespace q3vl {
 
 // Freezing groups (spec 9): deepstack mergers belong to vision, the main merger to merger, the rest of text to llm.
-enum class Part { Vision, Merger, LLM };
+// Lora: the adapters (model/lora.hpp), the only trained part when lora.rank > 0.
+enum class Part { Vision, Merger, LLM, Lora };
 const char* part_name(Part p);
 
 struct ParamInfo {
@@ -66,10 +67,15 @@ class ParamTable {
   int final_norm() const { return norm_; }
   int lm_head() const { return head_; }      // == embed_tokens() when tied
   bool moe_layer(int l) const { return moe_.at(l); }
+  // LoRA: the lora_A id of a base weight's adapter (lora_B is the next id), -1 when it has none; the base weight
+  // an adapter parameter wraps (-1 for base parameters).
+  int lora_a(int id) const { return lora_a_.empty() ? -1 : lora_a_[size_t(id)]; }
+  int lora_base(int id) const { return lora_base_.empty() ? -1 : lora_base_[size_t(id)]; }
 
  private:
   int add(const std::string& name, std::vector<int64_t> shape, Part part, bool no_decay = false);
   void begin_unit(const std::string& name);
+  void add_lora();  // adapters for the current unit's targeted linears, at its end
 
   ModelConfig cfg_;
   std::vector<ParamInfo> params_;
@@ -79,6 +85,8 @@ class ParamTable {
   int vemb_ = -1, merger_ = -1, embed_ = -1, norm_ = -1, head_ = -1;
   std::vector<int> vblk_, ds_, layer_;
   std::vector<bool> moe_;
+  std::vector<int> lora_a_, lora_base_;
+  std::vector<bool> lora_hit_;  // per target pattern: matched something
 };
 
 }  // namespace q3vl

@@ -9,6 +9,7 @@
 #include "q3vl/model/config.hpp"
 #include "q3vl/model/hooks.hpp"
 #include "q3vl/model/layers.hpp"
+#include "q3vl/model/lora.hpp"
 #include "q3vl/model/params.hpp"
 
 namespace q3vl {
@@ -70,6 +71,14 @@ class BasicModel {
   // any pass calls a subsequence of it (no images: no vision units). The same on every rank.
   std::vector<int> unit_order(bool backward) const;
   void zero_grads();
+  // Only these parameters get gradients (the others' grad pointers stay null even in a bound unit: a frozen LoRA
+  // base computes no weight gradient at all). Empty: all.
+  void set_trainable(const std::vector<bool>& trainable) {
+    trainable_ = trainable;
+    rebind();
+  }
+  // The adapters' run-time settings (lora.dropout's seed and per-micro-step nonce, training or not).
+  LoraRun& lora() { return lora_; }
   // Norm weights 1, biases 0, everything else N(0, std^2) (tests and demos); the values of init_param_range.
   void init_random(uint64_t seed, double std = 0.02);
 
@@ -116,7 +125,7 @@ class BasicModel {
   // seqs[s]); ds (may be empty) is added at vis_ after the first layers. Returns each segment's last-row logits.
   std::vector<T> extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
                         const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds, KvCache<T>& cache);
-  ParamView<T> view() const { return {pp_.data(), gp_.data()}; }
+  ParamView<T> view() const { return {pp_.data(), gp_.data(), cfg_.lora.on() ? &lora_ : nullptr}; }
   void rebind();
   // Hook calls for the unit holding parameter `id`.
   void enter(int id, bool bwd);
@@ -127,6 +136,8 @@ class BasicModel {
   std::vector<T> store_p_, store_g_;
   std::vector<T*> unit_p_, unit_g_, pp_, gp_;
   UnitHooks* hooks_ = nullptr;
+  std::vector<bool> trainable_;
+  LoraRun lora_;
 
   // Saved by forward for backward.
   bool kept_ = false, aux_on_ = false, recompute_ = false;
@@ -181,6 +192,11 @@ struct SliceBytes {
 // load_hf_weights for slices only: the same checks (every tensor present with its shape, none unexpected), then
 // only the slices' bytes are read (released-layout MoE experts: each expert a slice touches, whole).
 SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
+// LoRA (model/lora.hpp): the adapters of a PEFT folder (DIR/adapter_model.safetensors, tensors under PEFT's names)
+// for slices of the table's adapter parameters (every adapter present with its shape, nothing else), and for a
+// whole model.
+SliceBytes load_lora_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
+void load_lora_adapter(Model& m, const std::string& dir);
 // Model::init_random's values for slices only (bitwise the same).
 SliceBytes init_random_slices(const ParamTable& t, uint64_t seed, double std, const std::vector<ParamSlice>& slices);
 // The initial value of element j of a tensor is a pure function of (seed, its name, j, std) - a counter-based

@@ -1,0 +1,60 @@
+// LoRA (PEFT semantics): a targeted linear y = W x + b becomes y = W x + b + scale * B A dropout(x), with
+// A [r, in] (kaiming-uniform, a = sqrt(5), as PEFT) and B [out, r] (zeros). The adapters are ordinary parameters of
+// the table (Part::Lora), in the ZeRO unit of the linear they wrap, named like the base weight with ".weight"
+// replaced by ".lora_A.weight" / ".lora_B.weight"; PEFT's names add "base_model.model." in front.
+// Forward and backward are stateless (backward recomputes A dropout(x) from the linear's saved input and the
+// counter-based dropout mask), so activation recomputation and any rank count see the same adapters.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "q3vl/model/config.hpp"
+#include "q3vl/model/layers.hpp"
+
+namespace q3vl {
+
+class Deck;
+class ParamTable;
+
+// [lora] of the deck; bad values are errors naming the key.
+LoraConfig lora_config(const Deck& d);
+// Does module name (HF name without ".weight") match one pattern (PEFT: equal, or ends with ".pattern"; '*' globs)?
+bool lora_pattern_match(const std::string& pattern, const std::string& module);
+// Linears LoRA may wrap: 2-D weights of q/k/v/o_proj, gate/up/down_proj, the MoE router, the vision blocks' and
+// mergers' linears (not embeddings, LM head, patch embedding or 3-D expert tensors).
+bool lora_eligible(const std::string& hf_name);
+// The PEFT name of an adapter parameter of the table ("base_model.model." + name).
+std::string peft_name(const std::string& table_name);
+
+// Adapter sizing without allocating (for the planner): elements of all A and B matrices for cfg.lora.
+struct LoraSize {
+  int64_t wrapped = 0;   // linears wrapped
+  int64_t params = 0;    // adapter elements (A + B)
+  int64_t base = 0;      // base elements (frozen)
+  // Trained state: fp32 masters + grads + two AdamW moments, per element.
+  int64_t state_bytes() const { return params * 4 * 4; }
+};
+LoraSize lora_size(const ModelConfig& cfg);
+
+// What the layers need at run time; the Model owns one and points ParamView::lora at it.
+struct LoraRun {
+  const ParamTable* table = nullptr;
+  double scale = 0, dropout = 0;
+  bool train = false;         // dropout only while training (PEFT in eval mode applies none)
+  uint64_t seed = 0, nonce = 0;  // dropout mask = f(seed, nonce, parameter, element): set per micro-step
+};
+
+// y[n*ldy + j] += scale * (B A drop(x))[n, o0 + j] for j < nout (nout < 0: all rows of B), when `id` (a base
+// weight) has an adapter; no-op otherwise. x [N, in].
+template <class T> void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy,
+                                 int64_t o0 = 0, int64_t nout = -1);
+// The backward of that part: dA, dB (+)= their gradients, dx (+)= the input gradient (dx may be null).
+template <class T> void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N,
+                                 T* dx, int64_t o0 = 0, int64_t nout = -1);
+
+// Base weights with the adapters folded in (W += scale * B A) for every wrapped linear of a full-storage model
+// (export --merge, and the merged-forward test). Returns the number of linears merged.
+template <class T> int lora_merge(const ParamTable& t, double scale, T* const* params);
+
+}  // namespace q3vl

@@ -1,0 +1,253 @@
+// LoRA adapters beside the linears they wrap (model/lora.hpp): deck section, target matching, sizing, forward and
+// backward, merging.
+#include "q3vl/model/lora.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "q3vl/core/deck.hpp"
+#include "q3vl/core/error.hpp"
+#include "q3vl/model/params.hpp"
+
+namespace q3vl {
+
+double LoraConfig::scale() const { return rank <= 0 ? 0.0 : rslora ? alpha / std::sqrt(double(rank)) : alpha / rank; }
+
+static bool ends_with(const std::string& s, const std::string& suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+static std::vector<std::string> split_targets(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const size_t a = item.find_first_not_of(" \t"), b = item.find_last_not_of(" \t");
+    if (a == std::string::npos) fail_all("lora.targets: empty pattern in '" + text + "'");
+    out.push_back(item.substr(a, b - a + 1));
+  }
+  if (out.empty()) fail_all("lora.targets is empty: name at least one module pattern (e.g. q_proj)");
+  return out;
+}
+
+// lora.adapter's adapter_config.json fills what the deck leaves out (an eval or generate names only the folder);
+// what both give must agree.
+static void merge_adapter_config(LoraConfig& c, const Deck& d) {
+  const std::string dir = d.str("lora.adapter"), path = dir + "/adapter_config.json";
+  std::ifstream in(path);
+  if (!in) fail_all("lora.adapter: cannot read '" + path + "' (a PEFT adapter folder holds adapter_config.json)");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    fail_all("lora.adapter: '" + path + "' is not valid JSON: " + e.what());
+  }
+  auto need = [&](const char* key) -> const nlohmann::json& {
+    if (!j.contains(key)) fail_all("lora.adapter: '" + path + "' has no \"" + key + "\"");
+    return j[key];
+  };
+  try {
+    const int r = need("r").get<int>();
+    const double alpha = need("lora_alpha").get<double>();
+    const bool rs = j.value("use_rslora", false);
+    std::vector<std::string> targets;
+    const auto& t = need("target_modules");
+    if (t.is_string()) fail_all("lora.adapter: '" + path + "': target_modules as a regex is not supported, only a list");
+    for (const auto& x : t) targets.push_back(x.get<std::string>());
+    auto clash = [&](const char* key, const std::string& deck, const std::string& file) {
+      fail_all(std::string(key) + " = " + deck + " but the adapter '" + path + "' says " + file);
+    };
+    if (d.given("lora.rank") && c.rank != r) clash("lora.rank", std::to_string(c.rank), "r = " + std::to_string(r));
+    if (d.given("lora.alpha") && c.alpha != alpha) clash("lora.alpha", std::to_string(c.alpha), "lora_alpha = " + std::to_string(alpha));
+    if (d.given("lora.rslora") && c.rslora != rs) clash("lora.rslora", c.rslora ? "true" : "false", rs ? "use_rslora = true" : "use_rslora = false");
+    c.rank = r;
+    c.alpha = alpha;
+    c.rslora = rs;
+    if (!d.given("lora.targets")) c.targets = targets;  // the adapter's own (exact module names)
+    if (j.contains("lora_dropout") && !d.given("lora.dropout")) c.dropout = j["lora_dropout"].get<double>();
+  } catch (const nlohmann::json::exception& e) {
+    fail_all("lora.adapter: '" + path + "': " + e.what());
+  }
+}
+
+LoraConfig lora_config(const Deck& d) {
+  LoraConfig c;
+  c.rank = int(d.integer("lora.rank"));
+  c.alpha = d.real("lora.alpha");
+  c.dropout = d.real("lora.dropout");
+  c.rslora = d.boolean("lora.rslora");
+  c.targets = split_targets(d.str("lora.targets"));
+  if (!d.str("lora.adapter").empty()) merge_adapter_config(c, d);
+  if (c.rank == 0) {
+    for (const char* k : {"lora.alpha", "lora.dropout", "lora.targets", "lora.rslora"})
+      if (d.given(k)) fail_all(std::string(k) + " is set but lora.rank = 0 (no adapters): set lora.rank > 0");
+    return LoraConfig{};
+  }
+  if (!(c.alpha > 0)) fail_all("lora.alpha must be > 0 with lora.rank > 0");
+  return c;
+}
+
+// PEFT: a list entry matches a module whose name equals it or ends with "." + it; we add '*' (any run of characters).
+static bool glob(const char* p, const char* s) {
+  if (!*p) return !*s;
+  if (*p == '*') return glob(p + 1, s) || (*s && glob(p, s + 1));
+  return *s == *p && glob(p + 1, s + 1);
+}
+bool lora_pattern_match(const std::string& pattern, const std::string& module) {
+  if (pattern.find('*') != std::string::npos)
+    return glob(pattern.c_str(), module.c_str()) || glob(("*." + pattern).c_str(), module.c_str());
+  return module == pattern || ends_with(module, "." + pattern);
+}
+
+bool lora_eligible(const std::string& n) {
+  static const char* const ok[] = {
+      "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+      "mlp.gate_proj.weight",    "mlp.up_proj.weight",      "mlp.down_proj.weight",    "mlp.gate.weight",
+      "attn.qkv.weight",         "attn.proj.weight",        "linear_fc1.weight",       "linear_fc2.weight"};
+  if (n.find(".lora_") != std::string::npos) return false;
+  for (const char* s : ok)
+    if (ends_with(n, std::string(".") + s)) return true;
+  return false;
+}
+
+std::string peft_name(const std::string& table_name) { return "base_model.model." + table_name; }
+
+LoraSize lora_size(const ModelConfig& cfg) {
+  const ParamTable t(cfg);  // names and shapes only: no tensor is allocated
+  LoraSize s;
+  for (const ParamInfo& p : t.params()) {
+    if (p.part == Part::Lora) s.params += p.numel;
+    else s.base += p.numel;
+  }
+  for (size_t i = 0; i < t.params().size(); ++i) s.wrapped += t.lora_a(int(i)) >= 0;
+  return s;
+}
+
+// ---- forward and backward ----------------------------------------------------------------------------------
+
+static uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// dropout(x) of one call: a pure function of (seed, nonce, adapter, element), so backward redraws the forward's mask.
+template <class T>
+static const T* dropped(const LoraRun& L, int a, const T* x, int64_t N, int64_t in, std::vector<T>& buf) {
+  if (!L.train || L.dropout <= 0) return x;
+  const uint64_t key = splitmix64(splitmix64(L.seed ^ splitmix64(L.nonce)) ^ uint64_t(a));
+  const T keep = T(1 / (1 - L.dropout));
+  buf.resize(size_t(N * in));
+  for (int64_t i = 0; i < N * in; ++i) {
+    const double u = double(splitmix64(key ^ splitmix64(uint64_t(i))) >> 11) * 0x1p-53;
+    buf[size_t(i)] = u < L.dropout ? T(0) : x[i] * keep;
+  }
+  return buf.data();
+}
+
+// u[N, r] = xd A^T
+template <class T> static void down(const T* xd, const T* A, int64_t N, int64_t in, int64_t r, T* u) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < r; ++k) {
+      T s = 0;
+      for (int64_t i = 0; i < in; ++i) s += xd[n * in + i] * A[k * in + i];
+      u[n * r + k] = s;
+    }
+}
+
+template <class T>
+void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy, int64_t o0, int64_t nout) {
+  if (!P.lora || N == 0) return;
+  const int a = P.lora->table->lora_a(id);
+  if (a < 0) return;
+  const ParamInfo& pa = P.lora->table->param(a);
+  const int64_t r = pa.shape[0], in = pa.shape[1];
+  if (nout < 0) nout = P.lora->table->param(a + 1).shape[0] - o0;
+  std::vector<T> buf, u(size_t(N * r));
+  down(dropped(*P.lora, a, x, N, in, buf), P.p[a], N, in, r, u.data());
+  const T* B = P.p[a + 1];
+  const T s = T(P.lora->scale);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < nout; ++j) {
+      T acc = 0;
+      for (int64_t k = 0; k < r; ++k) acc += B[(o0 + j) * r + k] * u[n * r + k];
+      y[n * ldy + j] += s * acc;
+    }
+}
+
+template <class T>
+void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N, T* dx, int64_t o0,
+              int64_t nout) {
+  if (!P.lora || N == 0) return;
+  const int a = P.lora->table->lora_a(id);
+  if (a < 0) return;
+  const ParamInfo& pa = P.lora->table->param(a);
+  const int64_t r = pa.shape[0], in = pa.shape[1];
+  if (nout < 0) nout = P.lora->table->param(a + 1).shape[0] - o0;
+  std::vector<T> buf, u(size_t(N * r)), du(size_t(N * r), T(0));
+  const T* xd = dropped(*P.lora, a, x, N, in, buf);
+  down(xd, P.p[a], N, in, r, u.data());  // recomputed: r is small next to the linear's out
+  const T *A = P.p[a], *B = P.p[a + 1];
+  T *dA = P.g[a], *dB = P.g[a + 1];
+  const T s = T(P.lora->scale);
+  // y = s B u: dB[o0+j] += s dy_j u^T, du = s B^T dy.
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < nout; ++j) {
+      const T g = s * dy[n * lddy + j];
+      if (g == T(0)) continue;
+      for (int64_t k = 0; k < r; ++k) {
+        if (dB) dB[(o0 + j) * r + k] += g * u[n * r + k];
+        du[n * r + k] += g * B[(o0 + j) * r + k];
+      }
+    }
+  // u = xd A^T: dA += du^T xd, dxd = du A, dx += dropout mask * dxd (the mask's scale included: dxd -> xd/x).
+  if (dA)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < r; ++k) {
+        const T g = du[n * r + k];
+        for (int64_t i = 0; i < in; ++i) dA[k * in + i] += g * xd[n * in + i];
+      }
+  if (!dx) return;
+  const bool drop = xd != x;
+  const T keep = drop ? T(1 / (1 - P.lora->dropout)) : T(1);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < in; ++i) {
+      T acc = 0;
+      for (int64_t k = 0; k < r; ++k) acc += du[n * r + k] * A[k * in + i];
+      // dropped elements have xd == 0 exactly; kept ones carry the 1/(1-p) factor
+      if (drop) acc = xd[n * in + i] == T(0) && x[n * in + i] != T(0) ? T(0) : acc * keep;
+      dx[n * in + i] += acc;
+    }
+}
+
+template <class T> int lora_merge(const ParamTable& t, double scale, T* const* params) {
+  int merged = 0;
+  for (size_t id = 0; id < t.params().size(); ++id) {
+    const int a = t.lora_a(int(id));
+    if (a < 0) continue;
+    const int64_t r = t.param(a).shape[0], in = t.param(a).shape[1], out = t.param(a + 1).shape[0];
+    const T *A = params[a], *B = params[a + 1];
+    T* W = params[id];
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i) {
+        T acc = 0;
+        for (int64_t k = 0; k < r; ++k) acc += B[o * r + k] * A[k * in + i];
+        W[o * in + i] += T(scale) * acc;
+      }
+    ++merged;
+  }
+  return merged;
+}
+
+#define Q3VL_INST(T)                                                                                          \
+  template void lora_fwd<T>(const ParamView<T>&, int, const T*, int64_t, T*, int64_t, int64_t, int64_t);     \
+  template void lora_bwd<T>(const ParamView<T>&, int, const T*, int64_t, const T*, int64_t, T*, int64_t,     \
+                            int64_t);                                                                         \
+  template int lora_merge<T>(const ParamTable&, double, T* const*);
+Q3VL_INST(float)
+Q3VL_INST(double)
+#undef Q3VL_INST
+
+}  // namespace q3vl

@@ -1,0 +1,224 @@
+// LoRA (model/lora.hpp): adapter gradients against central differences on every wrapped linear (text attention and
+// MLP, MoE router, vision blocks, mergers; with and without dropout), the merged-weights forward against the adapter
+// forward, the frozen base getting no gradient, the [lora] deck checks and the adapter sizing.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <functional>
+#include <set>
+
+#include "q3vl/core/deck.hpp"
+#include "q3vl/core/error.hpp"
+#include "q3vl/model/lora.hpp"
+#include "q3vl/model/qwen3vl.hpp"
+#include "tiny_model.hpp"
+
+using namespace q3vl;
+using q3vl::test::tiny;
+using q3vl::test::tiny_batch;
+
+namespace {
+
+const std::vector<std::string> kAll = {"q_proj", "k_proj",   "v_proj",    "o_proj",      "gate_proj",  "up_proj",
+                                       "down_proj", "mlp.gate", "attn.qkv", "attn.proj", "linear_fc1", "linear_fc2"};
+
+ModelConfig lora_tiny(bool moe, int rank, double dropout, bool rslora) {
+  ModelConfig c = tiny(moe, false);
+  c.lora.rank = rank;
+  c.lora.alpha = 3;
+  c.lora.dropout = dropout;
+  c.lora.rslora = rslora;
+  c.lora.targets = kAll;
+  return c;
+}
+
+// B is zero at PEFT's init, which would make every A gradient zero: give B values so both are checked.
+template <class T> void randomise_b(BasicModel<T>& m, uint64_t seed) {
+  std::mt19937 rng(uint32_t(seed));
+  std::normal_distribution<double> nd(0.0, 0.3);
+  for (size_t id = 0; id < m.table().params().size(); ++id) {
+    const ParamInfo& p = m.table().params()[id];
+    if (p.part == Part::Lora && p.name.find(".lora_B.") != std::string::npos)
+      for (int64_t j = 0; j < p.numel; ++j) m.param(int(id))[j] = T(nd(rng));
+  }
+}
+
+std::vector<bool> adapters_only(const ParamTable& t) {
+  std::vector<bool> tr;
+  for (const ParamInfo& p : t.params()) tr.push_back(p.part == Part::Lora);
+  return tr;
+}
+
+void gradcheck(bool moe, double dropout, bool rslora) {
+  const ModelConfig cfg = lora_tiny(moe, 3, dropout, rslora);
+  BasicModel<double> m(cfg);
+  m.init_random(7, 0.3);
+  randomise_b(m, 5);
+  m.set_trainable(adapters_only(m.table()));
+  m.lora().train = dropout > 0;
+  m.lora().seed = 11;
+  m.lora().nonce = 3;  // a fixed mask: forward is then a deterministic function of the weights
+  std::mt19937 rng(3);
+  const Batch b = tiny_batch(rng);
+  m.zero_grads();
+  ASSERT_TRUE(std::isfinite(m.forward(b, true, nullptr, nullptr, moe)));
+  m.backward();
+  std::uniform_int_distribution<int64_t> pick(0, 1 << 30);
+  std::set<std::string> wrapped;
+  for (size_t id = 0; id < m.table().params().size(); ++id) {
+    const ParamInfo& p = m.table().params()[id];
+    if (p.part != Part::Lora) {
+      EXPECT_EQ(m.grad(int(id)), nullptr) << p.name << ": a frozen base weight must get no gradient";
+      continue;
+    }
+    wrapped.insert(m.table().param(m.table().lora_base(int(id))).name);
+    double* w = m.param(int(id));
+    const double* g = m.grad(int(id));
+    ASSERT_NE(g, nullptr) << p.name;
+    for (int rep = 0; rep < 3; ++rep) {
+      const int64_t j = pick(rng) % p.numel;
+      const double w0 = w[j], h = 1e-5;
+      w[j] = w0 + h;
+      const double lp = m.forward(b, false, nullptr, nullptr, moe);
+      w[j] = w0 - h;
+      const double lm = m.forward(b, false, nullptr, nullptr, moe);
+      w[j] = w0;
+      const double num = (lp - lm) / (2 * h);
+      EXPECT_NEAR(g[j], num, 1e-7 + 1e-5 * std::fabs(num)) << p.name << " [" << j << "]";
+    }
+  }
+  // Every eligible linear of the tiny model is wrapped: 2 vision blocks x 4, 3 mergers x 2, text layers x 7 (MoE
+  // layer: 4 attention + router).
+  EXPECT_EQ(wrapped.size(), size_t(8 + 6 + (moe ? 7 + 5 : 14))) << "moe " << moe;
+}
+
+}  // namespace
+
+TEST(Lora, DenseAdapterGradcheck) { gradcheck(false, 0.0, false); }
+TEST(Lora, MoeAdapterGradcheckRsLora) { gradcheck(true, 0.0, true); }
+TEST(Lora, DropoutAdapterGradcheck) { gradcheck(false, 0.3, false); }
+
+// W + scale B A in place of the adapters gives the same logits (PEFT's merge_and_unload).
+TEST(Lora, MergedEqualsAdapterForward) {
+  for (bool moe : {false, true}) {
+    const ModelConfig cfg = lora_tiny(moe, 4, 0.0, false);
+    ModelConfig plain = cfg;
+    plain.lora = LoraConfig{};
+    Model a(cfg), merged(plain);
+    a.init_random(9, 0.2);
+    randomise_b(a, 6);
+    merged.init_random(9, 0.2);  // the same base: values are a function of (seed, name, index)
+    // Fold a's adapters into merged's copy of the base (by name: adapters shift the ids after them).
+    std::vector<float*> ptrs(a.table().params().size());
+    for (size_t i = 0; i < ptrs.size(); ++i) {
+      const ParamInfo& p = a.table().params()[i];
+      ptrs[i] = p.part == Part::Lora ? a.param(int(i)) : merged.param(merged.table().id(p.name));
+    }
+    EXPECT_EQ(lora_merge(a.table(), cfg.lora.scale(), ptrs.data()), moe ? 8 + 6 + 12 : 8 + 6 + 14);
+    std::mt19937 rng(4);
+    const Batch b = tiny_batch(rng);
+    std::vector<float> la, lm;
+    const double lossa = a.forward(b, false, &la), lossm = merged.forward(b, false, &lm);
+    EXPECT_NEAR(lossa, lossm, 1e-5);
+    ASSERT_EQ(la.size(), lm.size());
+    double worst = 0;
+    for (size_t i = 0; i < la.size(); ++i) worst = std::max(worst, double(std::fabs(la[i] - lm[i])));
+    EXPECT_LT(worst, 1e-5) << "moe " << moe;
+    // And the adapters do something: without them the logits differ.
+    Model base(plain);
+    base.init_random(9, 0.2);
+    std::vector<float> lb;
+    base.forward(b, false, &lb);
+    double diff = 0;
+    for (size_t i = 0; i < la.size(); ++i) diff = std::max(diff, double(std::fabs(la[i] - lb[i])));
+    EXPECT_GT(diff, 1e-3);
+  }
+}
+
+// PEFT's init: B zero (the wrapped model computes what the base does), A uniform in +-1/sqrt(in).
+TEST(Lora, PeftInit) {
+  const ModelConfig cfg = lora_tiny(false, 4, 0.0, false);
+  Model m(cfg);
+  m.init_random(1, 0.02);
+  int a_seen = 0;
+  for (size_t id = 0; id < m.table().params().size(); ++id) {
+    const ParamInfo& p = m.table().params()[id];
+    if (p.part != Part::Lora) continue;
+    const float* w = m.param(int(id));
+    if (p.name.find(".lora_B.") != std::string::npos) {
+      for (int64_t j = 0; j < p.numel; ++j) ASSERT_EQ(w[j], 0.f) << p.name;
+      continue;
+    }
+    ++a_seen;
+    const double bound = 1 / std::sqrt(double(p.shape[1]));
+    double mx = 0;
+    for (int64_t j = 0; j < p.numel; ++j) {
+      ASSERT_LE(std::fabs(w[j]), bound) << p.name;
+      mx = std::max(mx, double(std::fabs(w[j])));
+    }
+    EXPECT_GT(mx, 0.5 * bound) << p.name;
+  }
+  EXPECT_GT(a_seen, 10);
+}
+
+TEST(Lora, ScaleAndSizing) {
+  LoraConfig c;
+  c.rank = 16;
+  c.alpha = 32;
+  EXPECT_DOUBLE_EQ(c.scale(), 2.0);
+  c.rslora = true;
+  EXPECT_DOUBLE_EQ(c.scale(), 8.0);
+  ModelConfig cfg = tiny(false, false);
+  cfg.lora.rank = 2;
+  cfg.lora.targets = {"q_proj", "v_proj"};
+  const LoraSize s = lora_size(cfg);
+  // q_proj [32,32]: A [2,32] + B [32,2]; v_proj [16,32]: A [2,32] + B [16,2]; two layers.
+  EXPECT_EQ(s.wrapped, 4);
+  EXPECT_EQ(s.params, 2 * (64 + 64 + 64 + 32));
+  EXPECT_EQ(s.state_bytes(), s.params * 16);
+  const Model m(cfg);
+  EXPECT_EQ(m.table().total(), s.base + s.params);
+}
+
+TEST(Lora, PatternsAndNames) {
+  EXPECT_TRUE(lora_pattern_match("q_proj", "model.language_model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(lora_pattern_match("proj", "model.language_model.layers.0.self_attn.q_proj"));
+  EXPECT_TRUE(lora_pattern_match("mlp.gate", "model.language_model.layers.0.mlp.gate"));
+  EXPECT_FALSE(lora_pattern_match("gate", "model.language_model.layers.0.mlp.gate_proj"));
+  EXPECT_TRUE(lora_pattern_match("layers.1.*.q_proj", "model.language_model.layers.1.self_attn.q_proj"));
+  EXPECT_FALSE(lora_pattern_match("layers.1.*.q_proj", "model.language_model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(lora_eligible("model.language_model.embed_tokens.weight"));
+  EXPECT_FALSE(lora_eligible("model.visual.patch_embed.proj.weight"));
+  EXPECT_TRUE(lora_eligible("model.visual.merger.linear_fc1.weight"));
+  EXPECT_EQ(peft_name("model.language_model.layers.0.self_attn.q_proj.lora_A.weight"),
+            "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight");
+}
+
+static std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Lora, BadKeysAreRefusedNamingThem) {
+  EXPECT_NE(error_of([] { Deck::load("", {"lora.rnak=4"}, "train"); }).find("lora.rank"), std::string::npos);
+  EXPECT_NE(error_of([] { Deck::load("", {"lora.rank=-1"}, "train"); }).find("lora.rank"), std::string::npos);
+  EXPECT_NE(error_of([] { Deck::load("", {"lora.dropout=1.5"}, "train"); }).find("lora.dropout"), std::string::npos);
+  EXPECT_NE(error_of([] { lora_config(Deck::load("", {"lora.alpha=8"}, "train")); }).find("lora.alpha"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { lora_config(Deck::load("", {"lora.rank=4", "lora.targets=q_proj,,v_proj"}, "train")); })
+                .find("lora.targets"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { lora_config(Deck::load("", {"lora.rank=4", "lora.adapter=/nonexistent"}, "train")); })
+                .find("lora.adapter"),
+            std::string::npos);
+  ModelConfig cfg = tiny(false, false);
+  cfg.lora = lora_config(Deck::load("", {"lora.rank=4", "lora.targets=q_proj,qq_proj"}, "train"));
+  const std::string e = error_of([&] { Model m(cfg); });
+  EXPECT_NE(e.find("lora.targets"), std::string::npos) << e;
+  EXPECT_NE(e.find("'qq_proj'"), std::string::npos) << e;
+}
