@@ -103,6 +103,27 @@ def to_bf16_bits(a):
     return out
 
 
+def write_file(path, tensors, dtype):
+    """One safetensors file of (name, shape, callable returning the fp32 array), stored as dtype "F32" or "BF16";
+    returns the bytes of tensor data."""
+    size = 4 if dtype == "F32" else 2
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, _ in tensors:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * size
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name, shape, get in tensors:
+            a = np.asarray(get(), dtype=np.float32)
+            if list(a.shape) != list(shape):
+                raise ToolError(f"tensor {name}: shape {list(a.shape)}, expected {list(shape)}")
+            f.write((to_bf16_bits(a) if dtype == "BF16" else a.astype("<f4")).tobytes())
+    return off
+
+
 def write_sharded(out_dir, tensors, dtype, shard_bytes):
     """Writes tensors as model-0000i-of-0000n.safetensors (stored as dtype "F32" or "BF16", at most
     shard_bytes of data each unless one tensor is larger) and model.safetensors.index.json. `tensors` is a
@@ -120,22 +141,8 @@ def write_sharded(out_dir, tensors, dtype, shard_bytes):
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, off = {"__metadata__": {"format": "pt"}}, 0
-        for name, shape, _, nbytes in shard:
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
-            off += nbytes
-            weight_map[name] = fname
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
-        with open(os.path.join(out_dir, fname), "wb") as f:
-            f.write(struct.pack("<Q", len(text)) + text)
-            for name, shape, get, nbytes in shard:
-                a = np.asarray(get(), dtype=np.float32)
-                if list(a.shape) != list(shape):
-                    raise ToolError(f"tensor {name}: shape {list(a.shape)}, expected {list(shape)}")
-                data = (to_bf16_bits(a) if dtype == "BF16" else a.astype("<f4")).tobytes()
-                f.write(data)
-        total += off
+        total += write_file(os.path.join(out_dir, fname), [(n, s, g) for n, s, g, _ in shard], dtype)
+        weight_map.update({name: fname for name, _, _, _ in shard})
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         f.write("\n")

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# LoRA end to end on the CPU (tests/data/golden/dense_tied/model as the frozen base, the synthetic dataset): 1, 2 and
+# 4 ranks give the same losses and adapters; a stopped and resumed run is bitwise a straight one; checkpoints hold
+# the adapters and their AdamW state only; a resume against another base (or a full fine-tuning checkpoint) is
+# refused; tools/export_hf --lora writes a PEFT adapter folder that eval loads back (lora.adapter), giving the loss
+# of tools/export_hf --merge's folded model and adapter gradients under PEFT's names; bad [lora] keys are refused
+# naming the key.
+source "$(dirname "$0")/../lib.sh"
+g=tests/data/golden/dense_tied
+model=$g/model
+common=(model.hf=$model data.seq_len=32 train.global_batch=8 train.steps=6 train.lr=2e-3 train.micro_batch=2
+        train.resume=never lora.rank=4 lora.alpha=8
+        "lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,attn.qkv,linear_fc1,merger.linear_fc2")
+train() {
+  local name=$1 np=$2; shift 2
+  mpiexec -n "$np" $q train "${common[@]}" run.out_dir="$tmp/$name" "$@" >"$tmp/$name.log" 2>&1
+}
+ok_run() { if [[ $1 -ne 0 ]]; then bad "$2: exit $1: $(tail -5 "$tmp/$2.log")"; return 1; fi; }
+ckpt() { ls "$tmp/$1/checkpoints"/step_*.h5 | tail -1; }
+cmp_losses() {
+  $py - "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" "$3" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 6, f"{len(a)} vs {len(b)} steps"
+for x, y in zip(a, b):
+    d = abs(x["loss"] - y["loss"]) / abs(y["loss"])
+    assert d <= float(sys.argv[3]), f"step {x['step']}: loss {x['loss']} vs {y['loss']} (rel {d:.2e})"
+PY
+}
+# cmp_ckpt A B TOL: the same datasets; TOL 0: bitwise, else relative norm difference.
+cmp_ckpt() {
+  $py - "$1" "$2" "$3" <<'PY'
+import h5py, numpy as np, sys
+tol = float(sys.argv[3])
+with h5py.File(sys.argv[1]) as fa, h5py.File(sys.argv[2]) as fb:
+    na, nb = [], []
+    fa.visititems(lambda n, o: na.append(n) if isinstance(o, h5py.Dataset) else None)
+    fb.visititems(lambda n, o: nb.append(n) if isinstance(o, h5py.Dataset) else None)
+    assert sorted(na) == sorted(nb), f"dataset lists differ: {set(na) ^ set(nb)}"
+    for n in na:
+        a, b = fa[n][()], fb[n][()]
+        if tol == 0:
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{n} differs"
+        else:
+            d = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+            assert d <= (tol if n.startswith("model/") else 10 * tol), f"{n}: relative difference {d:.2e}"
+PY
+}
+
+# (a) 1, 2 and 4 ranks: the same losses (1e-5) and adapters; the loss falls; only adapters are trained and kept.
+train r1 1; ok_run $? r1 && train r2 2; ok_run $? r2 && train r4 4; ok_run $? r4 && {
+  cmp_losses r1 r2 1e-5 && cmp_losses r1 r4 1e-5 && pass "1/2/4 ranks: same losses" || bad "1/2/4 ranks: losses differ"
+  cmp_ckpt "$(ckpt r1)" "$(ckpt r4)" 1e-5 && pass "1/4 ranks: same adapters and moments" || bad "1/4 ranks: adapters differ"
+  $py - "$(ckpt r2)" "$tmp/r2/metrics.jsonl" <<'PY' && pass "checkpoint: adapters + AdamW state only" || bad "checkpoint contents"
+import h5py, json, sys
+names = []
+h5py.File(sys.argv[1]).visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+assert names and all(".lora_A." in n or ".lora_B." in n for n in names), [n for n in names if ".lora_" not in n][:3]
+kinds = {n.split("/")[0] + "/" + n.split("/")[1] if n.startswith("optim") else "model" for n in names}
+assert kinds == {"model", "optim/exp_avg", "optim/exp_avg_sq"}, kinds
+assert sum(n.startswith("model/") and ".lora_A." in n for n in names) >= 14 + 2 + 2 + 1, len(names)
+m = [json.loads(l) for l in open(sys.argv[2])]
+assert m[-1]["loss"] < m[0]["loss"], (m[0]["loss"], m[-1]["loss"])
+PY
+  grep -q "lora: rank 4, alpha 8" "$tmp/r1.log" && grep -q "full fine-tuning would be" "$tmp/r1.log" &&
+    pass "memory report counts adapters" || bad "memory report: no lora line in $(grep -c . "$tmp/r1.log") lines"
+}
+
+# (b) stop after 3 steps, resume (on another rank count too): bitwise the straight run on the same count.
+train s2 2 train.stop_after=3; rc=$?
+if [[ $rc -eq 0 || $rc -eq 3 ]]; then
+  cp -r "$tmp/s2" "$tmp/s4"
+  train s2 2 train.resume=auto; ok_run $? s2 && {
+    cmp_ckpt "$(ckpt s2)" "$(ckpt r2)" 0 && pass "stop and resume: bitwise" || bad "stop and resume differs"
+  }
+  train s4 4 train.resume=auto; ok_run $? s4 && {
+    cmp_ckpt "$(ckpt s4)" "$(ckpt r2)" 1e-5 && pass "resume on 4 ranks from 2" || bad "resume on another rank count"
+  }
+  # (c) another base (one weight changed) is refused, and so is a full fine-tuning checkpoint.
+  mkdir -p "$tmp/other" && cp $model/* "$tmp/other/" && $py - "$tmp/other/model.safetensors" <<'PY'
+import json, struct, sys
+with open(sys.argv[1], "r+b") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    h = json.loads(f.read(n))
+    e = h["model.language_model.layers.0.mlp.down_proj.weight"]
+    f.seek(8 + n + e["data_offsets"][0]); b = bytearray(f.read(4)); b[3] ^= 0x01; f.seek(-4, 1); f.write(b)
+PY
+  expect "resume against another base refused" 1 "another base model" \
+    mpiexec -n 2 $q train "${common[@]}" run.out_dir="$tmp/s2" train.resume="$(ckpt s2)" model.hf="$tmp/other"
+else
+  bad "stop_after: exit $rc: $(tail -5 "$tmp/s2.log")"
+fi
+mpiexec -n 1 $q train model.hf=$model data.seq_len=32 train.global_batch=8 train.steps=1 train.micro_batch=2 \
+  train.resume=never run.out_dir="$tmp/full" >"$tmp/full.log" 2>&1; ok_run $? full && expect "full checkpoint refused" 1 \
+  "full fine-tuning checkpoint but lora.rank > 0" mpiexec -n 1 $q train "${common[@]}" run.out_dir="$tmp/x" \
+  train.resume="$(ckpt full)"
+
+# (d) export --lora: a PEFT folder; eval with lora.adapter equals eval of the --merge export (1e-5), and its grads
+# are the adapters' under PEFT names.
+if [[ -f "$(ckpt r2 2>/dev/null)" ]]; then
+  tools/export_hf --lora "$(ckpt r2)" "$tmp/adapter" >"$tmp/exp.log" 2>&1 &&
+    tools/export_hf --merge --dtype fp32 "$(ckpt r2)" "$tmp/merged" >>"$tmp/exp.log" 2>&1 ||
+    bad "export: $(tail -3 "$tmp/exp.log")"
+  $py - "$tmp/adapter" <<'PY' && pass "export --lora: PEFT adapter folder" || bad "export --lora folder"
+import json, sys, os
+sys.path.insert(0, "tools")
+from q3vl_tools import safetensors
+c = json.load(open(os.path.join(sys.argv[1], "adapter_config.json")))
+assert c["peft_type"] == "LORA" and c["r"] == 4 and c["lora_alpha"] == 8, c
+t = safetensors.read_header(os.path.join(sys.argv[1], "adapter_model.safetensors"))
+names = [n for n in t if n != "__metadata__"]
+assert "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight" in names, names[:3]
+assert all(n.startswith("base_model.model.") and (n.endswith(".lora_A.weight") or n.endswith(".lora_B.weight")) for n in names)
+assert len(names) == 2 * len(c["target_modules"]), (len(names), len(c["target_modules"]))
+PY
+  scalar() { h5dump -m '%.17g' -d "$2" "$1" | awk '/\(0\)/ {print $2}'; }
+  $q eval model.hf=$model lora.adapter="$tmp/adapter" eval.batch=$g/batch.h5 eval.output="$tmp/ea.h5" \
+    eval.grads=true >"$tmp/ea.log" 2>&1 && $q eval model.hf="$tmp/merged" eval.batch=$g/batch.h5 \
+    eval.output="$tmp/em.h5" >"$tmp/em.log" 2>&1 && $q eval model.hf=$model eval.batch=$g/batch.h5 \
+    eval.output="$tmp/eb.h5" >"$tmp/eb.log" 2>&1 && $py - "$tmp/ea.h5" "$tmp/em.h5" "$tmp/eb.h5" <<'PY' \
+    && pass "export -> lora.adapter round trip equals --merge" || bad "round trip: $(tail -2 "$tmp/ea.log")"
+import h5py, numpy as np, sys
+a, m, b = (h5py.File(p) for p in sys.argv[1:])
+la, lm, lb = (float(f["loss"][()]) for f in (a, m, b))
+assert abs(la - lm) <= 1e-5 * abs(lm), (la, lm)
+assert abs(la - lb) > 1e-4, ("the adapters change nothing", la, lb)
+d = np.abs(a["logits"][()] - m["logits"][()]).max()
+assert d < 1e-4, d
+g = []
+a["grads"].visititems(lambda n, o: g.append(n) if isinstance(o, h5py.Dataset) else None)
+assert g and all(n.startswith("base_model.model.") and ".lora_" in n for n in g), g[:3]
+assert any(np.abs(a["grads"][n][()]).max() > 0 for n in g if ".lora_A." in n)
+PY
+fi
+
+# (e) bad [lora] keys name the key.
+expect "unknown lora key" 1 "lora.rnak.*did you mean 'lora.rank'" $q train model.hf=$model lora.rnak=4
+expect "targets matching nothing" 1 "lora.targets: pattern 'qq_proj'" $q train "${common[@]}" \
+  lora.targets=q_proj,qq_proj run.out_dir="$tmp/bad"
+expect "lora key without rank" 1 "lora.alpha is set but lora.rank = 0" $q train model.hf=$model lora.alpha=4 \
+  run.out_dir="$tmp/bad"
+expect "adapter of another rank" 1 "lora.rank = 8 but the adapter" $q eval model.hf=$model lora.rank=8 \
+  lora.adapter="$tmp/adapter" eval.batch=$g/batch.h5 eval.output="$tmp/o.h5"
+finish
