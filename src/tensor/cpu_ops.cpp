@@ -371,6 +371,7 @@ void embedding_fwd(const int64_t* ids, const T* table, T* out, int64_t N, int64_
 }
 template <class T>
 void embedding_bwd(const int64_t* ids, const T* dout, T* dtable, int64_t N, int64_t D) {
+  if (!dtable) return;  // frozen
   for (int64_t i = 0; i < N; ++i)
     for (int64_t d = 0; d < D; ++d) dtable[ids[i] * D + d] += dout[i * D + d];
 }
