@@ -31,6 +31,18 @@ static std::vector<std::string> split_targets(const std::string& text) {
   return out;
 }
 
+// A key differing from its default. Deck::given() cannot tell: the resolved deck that ranks receive names every key.
+static bool set_in(const Deck& d, const std::string& key) {
+  const KeySpec* k = find_key(key);
+  switch (k->type) {
+    case KeyType::Int: return d.integer(key) != std::stoll(k->def);
+    case KeyType::Real: return d.real(key) != std::stod(k->def);
+    case KeyType::Bool: return d.boolean(key) != (k->def == "true");
+    case KeyType::String: return d.str(key) != k->def;
+  }
+  return true;
+}
+
 // lora.adapter's adapter_config.json fills what the deck leaves out (an eval or generate names only the folder);
 // what both give must agree.
 static void merge_adapter_config(LoraConfig& c, const Deck& d) {
@@ -58,14 +70,14 @@ static void merge_adapter_config(LoraConfig& c, const Deck& d) {
     auto clash = [&](const char* key, const std::string& deck, const std::string& file) {
       fail_all(std::string(key) + " = " + deck + " but the adapter '" + path + "' says " + file);
     };
-    if (d.given("lora.rank") && c.rank != r) clash("lora.rank", std::to_string(c.rank), "r = " + std::to_string(r));
-    if (d.given("lora.alpha") && c.alpha != alpha) clash("lora.alpha", std::to_string(c.alpha), "lora_alpha = " + std::to_string(alpha));
-    if (d.given("lora.rslora") && c.rslora != rs) clash("lora.rslora", c.rslora ? "true" : "false", rs ? "use_rslora = true" : "use_rslora = false");
+    if (set_in(d, "lora.rank") && c.rank != r) clash("lora.rank", std::to_string(c.rank), "r = " + std::to_string(r));
+    if (set_in(d, "lora.alpha") && c.alpha != alpha) clash("lora.alpha", std::to_string(c.alpha), "lora_alpha = " + std::to_string(alpha));
+    if (set_in(d, "lora.rslora") && c.rslora != rs) clash("lora.rslora", c.rslora ? "true" : "false", rs ? "use_rslora = true" : "use_rslora = false");
     c.rank = r;
     c.alpha = alpha;
     c.rslora = rs;
-    if (!d.given("lora.targets")) c.targets = targets;  // the adapter's own (exact module names)
-    if (j.contains("lora_dropout") && !d.given("lora.dropout")) c.dropout = j["lora_dropout"].get<double>();
+    if (!set_in(d, "lora.targets")) c.targets = targets;  // the adapter's own (exact module names)
+    if (j.contains("lora_dropout") && !set_in(d, "lora.dropout")) c.dropout = j["lora_dropout"].get<double>();
   } catch (const nlohmann::json::exception& e) {
     fail_all("lora.adapter: '" + path + "': " + e.what());
   }
@@ -81,7 +93,7 @@ LoraConfig lora_config(const Deck& d) {
   if (!d.str("lora.adapter").empty()) merge_adapter_config(c, d);
   if (c.rank == 0) {
     for (const char* k : {"lora.alpha", "lora.dropout", "lora.targets", "lora.rslora"})
-      if (d.given(k)) fail_all(std::string(k) + " is set but lora.rank = 0 (no adapters): set lora.rank > 0");
+      if (set_in(d, k)) fail_all(std::string(k) + " is set but lora.rank = 0 (no adapters): set lora.rank > 0");
     return LoraConfig{};
   }
   if (!(c.alpha > 0)) fail_all("lora.alpha must be > 0 with lora.rank > 0");
