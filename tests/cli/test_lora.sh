@@ -134,6 +134,23 @@ assert any(np.abs(a["grads"][n][()]).max() > 0 for n in g if ".lora_A." in n)
 PY
 fi
 
+# generate (a base with the Qwen vocabulary: model.preset=tiny, random init): from the LoRA checkpoint (base drawn
+# from its deck's seed) and from the base + the exported adapter folder, the same answers.
+$q synth synth.dir="$tmp/d" synth.train_samples=1 synth.eval_samples=3 >/dev/null 2>&1
+gen() { $q generate generate.prompts="$tmp/d/eval.jsonl" generate.min_pixels=4096 generate.max_new_tokens=5 \
+          run.timing=false "$@" >>"$tmp/gen.log" 2>&1; }
+mpiexec -n 2 $q train model.preset=tiny data.seq_len=64 train.global_batch=4 train.steps=2 train.lr=1e-2 \
+  train.resume=never lora.rank=2 run.seed=5 run.out_dir="$tmp/t" >"$tmp/t.log" 2>&1 &&
+  tools/export_hf --lora "$(ckpt t)" "$tmp/tad" >>"$tmp/gen.log" 2>&1 &&
+  gen generate.checkpoint="$tmp/t/checkpoints" generate.output="$tmp/g1.jsonl" &&
+  gen model.preset=tiny run.seed=5 lora.adapter="$tmp/tad" generate.output="$tmp/g2.jsonl" &&
+  $py - "$tmp"/g1.jsonl "$tmp"/g2.jsonl <<'PY' && pass "generate: LoRA checkpoint = base + adapter folder" ||
+import json, sys
+a, b = ([json.loads(l)["answer"] for l in open(p)] for p in sys.argv[1:])
+assert len(a) == 3 and a == b, (a, b)
+PY
+  bad "generate with adapters: $(tail -3 "$tmp/t.log" "$tmp/gen.log")"
+
 # (e) bad [lora] keys name the key.
 expect "unknown lora key" 1 "lora.rnak.*did you mean 'lora.rank'" $q train model.hf=$model lora.rnak=4
 expect "targets matching nothing" 1 "lora.targets: pattern 'qq_proj'" $q train "${common[@]}" \
