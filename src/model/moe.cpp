@@ -65,6 +65,9 @@ void moe_bwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* dout, 
   }
   ops::swiglu_fwd(c.gu.data(), act.data(), R, Im);  // recomputed, cheaper than keeping it
   std::vector<T> dact, dgu, dxg;
+  // Frozen experts (LoRA base): null gradients stay null per expert.
+  T* const gdown = P.g[f + tlay::experts_down];
+  T* const ggu = P.g[f + tlay::experts_gate_up];
   for (int64_t e = 0; e < E; ++e) {
     const int64_t s = c.start[e], n = c.start[e + 1] - s;
     if (n == 0) continue;
@@ -72,10 +75,10 @@ void moe_bwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* dout, 
     dgu.assign(n * 2 * Im, T(0));
     dxg.assign(n * H, T(0));
     ops::linear_bwd(dyg.data() + s * H, act.data() + s * Im, P.p[f + tlay::experts_down] + e * H * Im, dact.data(),
-                    P.g[f + tlay::experts_down] + e * H * Im, (T*)nullptr, n, Im, H);
+                    gdown ? gdown + e * H * Im : nullptr, (T*)nullptr, n, Im, H);
     ops::swiglu_bwd(dact.data(), c.gu.data() + s * 2 * Im, dgu.data(), n, Im);
     ops::linear_bwd(dgu.data(), xg.data() + s * H, P.p[f + tlay::experts_gate_up] + e * 2 * Im * H, dxg.data(),
-                    P.g[f + tlay::experts_gate_up] + e * 2 * Im * H, (T*)nullptr, n, H, 2 * Im);
+                    ggu ? ggu + e * 2 * Im * H : nullptr, (T*)nullptr, n, H, 2 * Im);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = c.rows[s + j] / k;
       for (int64_t d = 0; d < H; ++d) dx[t * H + d] += dxg[j * H + d];
