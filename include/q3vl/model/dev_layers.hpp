@@ -2,6 +2,10 @@
 // raw device pointers with a run-time dtype, so one layer code runs on the CPU (fp32, the reference) and on CUDA
 // (fp32, bf16, fp16). Contexts and scratch are carved from arenas sized once from the config and the token count
 // (Arena's counting mode is the sizing the planner reuses); nothing is allocated inside a step.
+// LoRA (model/lora.hpp) is not here yet: train and eval refuse lora.rank > 0 on model.backend = cuda. Its place is
+// beside each wrapped linear, as in decoder.cpp/vision.cpp/merger.cpp: two thin GEMMs (u = drop(x) A^T kept or
+// recomputed, y += scale u B^T; backward dB, du, dA, dx), the dropout mask from lora.cpp's counter hash, A/B in the
+// unit's parameter buffer at the table's offsets, and base weight gradients skipped (null) for the frozen base.
 #pragma once
 #include <cstddef>
 #include <cstdint>
