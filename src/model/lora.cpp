@@ -112,15 +112,24 @@ bool lora_pattern_match(const std::string& pattern, const std::string& module) {
   return module == pattern || ends_with(module, "." + pattern);
 }
 
+static const char* const kEligible[] = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj",    "mlp.gate",         "attn.qkv",         "attn.proj",        "linear_fc1",    "linear_fc2"};
+
 bool lora_eligible(const std::string& n) {
-  static const char* const ok[] = {
-      "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-      "mlp.gate_proj.weight",    "mlp.up_proj.weight",      "mlp.down_proj.weight",    "mlp.gate.weight",
-      "attn.qkv.weight",         "attn.proj.weight",        "linear_fc1.weight",       "linear_fc2.weight"};
   if (n.find(".lora_") != std::string::npos) return false;
-  for (const char* s : ok)
-    if (ends_with(n, std::string(".") + s)) return true;
+  for (const char* s : kEligible)
+    if (ends_with(n, std::string(".") + s + ".weight")) return true;
   return false;
+}
+
+bool lora_standard_module(const std::string& pattern) {
+  for (const char* s : kEligible) {
+    const std::string e = s;
+    if (e == pattern || ends_with(e, "." + pattern)) return true;
+  }
+  return pattern == "merger.linear_fc1" || pattern == "merger.linear_fc2" || pattern == "mlp.linear_fc1" ||
+         pattern == "mlp.linear_fc2";
 }
 
 std::string peft_name(const std::string& table_name) { return "base_model.model." + table_name; }

@@ -1,10 +1,18 @@
 // Parameter table: built once from the config, in the order the model runs (vision, mergers, text, head).
 #include "q3vl/model/params.hpp"
 
+#include <algorithm>
+
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/lora.hpp"
 
 namespace q3vl {
+
+static std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ",") + s;
+  return out;
+}
 
 const char* part_name(Part p) {
   switch (p) {
@@ -161,8 +169,12 @@ ParamTable::ParamTable(const ModelConfig& cfg) : cfg_(cfg) {
   if (cfg.lora.on()) {
     lora_a_.resize(params_.size(), -1);
     lora_base_.resize(params_.size(), -1);
+    // A standard module name this architecture lacks (gate_proj on an all-MoE model, mlp.gate on a dense one) is
+    // fine, so that one target list serves both; anything else that wraps nothing is a typo.
+    if (std::all_of(lora_a_.begin(), lora_a_.end(), [](int a) { return a < 0; }))
+      fail("lora.targets: no linear of this model matches '" + join(cfg.lora.targets) + "'");
     for (size_t k = 0; k < cfg.lora.targets.size(); ++k)
-      if (!lora_hit_[k])
+      if (!lora_hit_[k] && !lora_standard_module(cfg.lora.targets[k]))
         fail("lora.targets: pattern '" + cfg.lora.targets[k] +
              "' matches no linear of this model (eligible: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
              "down_proj, mlp.gate, attn.qkv, attn.proj, mlp.linear_fc1, mlp.linear_fc2, merger.linear_fc1, "

@@ -222,4 +222,9 @@ TEST(Lora, BadKeysAreRefusedNamingThem) {
   const std::string e = error_of([&] { Model m(cfg); });
   EXPECT_NE(e.find("lora.targets"), std::string::npos) << e;
   EXPECT_NE(e.find("'qq_proj'"), std::string::npos) << e;
+  // A standard module this architecture lacks (the router on a dense model) is no error: one list serves both.
+  cfg.lora.targets = {"q_proj", "mlp.gate"};
+  EXPECT_EQ(error_of([&] { Model m(cfg); }), "");
+  cfg.lora.targets = {"mlp.gate"};
+  EXPECT_NE(error_of([&] { Model m(cfg); }).find("no linear of this model matches"), std::string::npos);
 }

@@ -24,6 +24,9 @@ bool lora_pattern_match(const std::string& pattern, const std::string& module);
 // Linears LoRA may wrap: 2-D weights of q/k/v/o_proj, gate/up/down_proj, the MoE router, the vision blocks' and
 // mergers' linears (not embeddings, LM head, patch embedding or 3-D expert tensors).
 bool lora_eligible(const std::string& hf_name);
+// A pattern naming one of those module kinds (q_proj, mlp.gate, linear_fc1, ...): absent from some architectures
+// (gate_proj on an all-MoE model), so matching nothing there is no error; any other pattern must match.
+bool lora_standard_module(const std::string& pattern);
 // The PEFT name of an adapter parameter of the table ("base_model.model." + name).
 std::string peft_name(const std::string& table_name);
 
