@@ -70,6 +70,8 @@ def part(hf_name):
 
 
 def trainable(deck, hf_name):
+    if (deck or {}).get("lora", {}).get("rank", 0) > 0:  # LoRA: the adapters only, whatever train.tune_* say
+        return ".lora_A." in hf_name or ".lora_B." in hf_name
     return bool((deck or {}).get("train", {}).get(part(hf_name), True))
 
 
