@@ -16,9 +16,10 @@ DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_
   return b;
 }
 
-DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute) {
+DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
+                                  Device d) {
   DevTrainerMemory m;
-  m.model = DevModel::plan(cfg, dt, budget, recompute, kWorkspaceBytes);
+  m.model = DevModel::plan(cfg, dt, budget, recompute, d == Device::CUDA ? kWorkspaceBytes : 0);
   m.optimizer = 3 * moment_bytes(ParamTable(cfg)) + kNormBytes;
   return m;
 }

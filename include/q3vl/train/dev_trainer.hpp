@@ -36,7 +36,9 @@ class DevTrainer {
   static constexpr int64_t kWorkspaceBytes = int64_t(256) << 20;  // the Exec's GEMM/attention workspace
   static constexpr int64_t kNormBytes = 16;                       // norm sum + non-finite count
   // What a DevTrainer built with these arguments allocates on its device, without allocating (the planner's sizing).
-  static DevTrainerMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute);
+  // (A CPU Exec has no workspace: tests size the CPU op layer with Device::CPU.)
+  static DevTrainerMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
+                               Device d = Device::CUDA);
   static int64_t moment_bytes(const ParamTable& t) { return t.total() * 4; }  // one of master, m, v
   // On the GPU in training; the CPU (fp32) runs the same code in tests.
   DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt, const DevBudget& budget,
