@@ -523,11 +523,13 @@ void choose_layout(Deck& d) {
   d.set("parallel.hybrid", c.layout.hybrid ? "true" : "false");
   d.set("train.micro_batch", std::to_string(c.layout.micro_batch));
   d.set("train.recompute", c.layout.recompute ? "block" : "none");
+  const std::string unit = cuda ? "GPU" : "rank";
   log_info("parallel.layout = auto: " + c.layout.describe() + " for " + std::to_string(hw.ranks()) + " rank(s) on " +
-           std::to_string(hw.nodes) + " node(s): the fastest predicted (" + fmt("%.3g", c.t_step) + " s a step) of " +
-           std::to_string(n_fit) + " layouts that fit " + gib(hw.gpu_mem) + " GiB per " +
-           (cuda ? "GPU" : "rank") + " and " + gib(hw.host_mem) + " GiB per node (it needs " + gib(c.gpu_need) +
-           " GiB and " + gib(c.host_node) + " GiB)");
+           std::to_string(hw.nodes) + " node(s): the fastest predicted of " + std::to_string(n_fit) +
+           " built layouts that fit" + (cuda ? " (" + fmt("%.3g", c.t_step) + " s a step)" : " (CPU ranks: ranked by "
+           "the planner's GPU time model, only the order counts)") + "; it needs " + gib(c.gpu_need) + " GiB per " +
+           unit + " of " + gib(hw.gpu_mem) + (cuda ? ", " + gib(c.host_node) + " GiB host per node of " +
+           gib(hw.host_mem) : std::string()) + (c.layout.recompute ? "; recomputation: the faster layouts without it do not fit" : ""));
 }
 
 }  // namespace q3vl
