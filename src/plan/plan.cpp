@@ -465,6 +465,11 @@ int run_plan(const Deck& d) {
   // The smallest hardware of this kind, with and without offload (asked either way: it is the question users have).
   std::printf("\nfewest nodes of %d x %s with %s GiB host each:\n", hw.gpus_per_node, hw.gpu.c_str(),
               gib(hw.host_mem).c_str());
+  {  // The floor no layout beats: the model states alone (masters, moments, gradients) spread over every GPU.
+    const int64_t states = t.total() * 4 + trained * 12;
+    std::printf("  %-22s %lld GPUs (%s GiB of model states / %s GiB, nothing else counted)\n", "lower bound:",
+                (long long)((states + hw.gpu_mem - 1) / hw.gpu_mem), gib(states).c_str(), gib(hw.gpu_mem).c_str());
+  }
   for (bool off : {false, true}) {
     Candidate c;
     const int nodes = fewest_nodes(w, hw, off, &c);
