@@ -137,12 +137,15 @@ std::string Layout::deck_lines(DType gather) const {
   return s;
 }
 
-std::string Bytes::largest() const {
-  const std::pair<int64_t, const char*> k[] = {{weights, "weights"},         {gathered, "gathered units"},
-                                               {grads, "gradients"},         {optimizer, "optimizer state"},
-                                               {activations, "activations"}, {workspace, "workspace"},
-                                               {comm, "comm buffers"}};
-  return std::max_element(std::begin(k), std::end(k))->second;
+std::string Bytes::largest(int n) const {
+  std::pair<int64_t, const char*> k[] = {{weights, "weights"},         {gathered, "gathered units"},
+                                         {grads, "gradients"},         {optimizer, "optimizer state"},
+                                         {activations, "activations"}, {workspace, "workspace"},
+                                         {comm, "comm buffers"}};
+  std::stable_sort(std::begin(k), std::end(k), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string s;
+  for (int i = 0; i < n && k[i].first > 0; ++i) s += (i ? ", " : "") + std::string(k[i].second) + " " + gib(k[i].first);
+  return s;
 }
 
 // ---- workload ----
@@ -252,7 +255,7 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   c.gpu_need = c.gpu.total() + kGpuReserve;
   c.fits = c.gpu_need <= hw.gpu_mem && c.host_node <= hw.host_mem;
   if (c.gpu_need > hw.gpu_mem)
-    c.why = "GPU needs " + gib(c.gpu_need) + " GiB of " + gib(hw.gpu_mem) + " (most: " + c.gpu.largest() + ")";
+    c.why = "GPU needs " + gib(c.gpu_need) + " GiB of " + gib(hw.gpu_mem) + " (most: " + c.gpu.largest(1) + " GiB)";
   if (c.host_node > hw.host_mem)
     c.why += std::string(c.why.empty() ? "" : "; ") + "host needs " + gib(c.host_node) + " GiB per node of " +
              gib(hw.host_mem);
@@ -456,11 +459,8 @@ int run_plan(const Deck& d) {
     std::printf("\nnothing fits on %d x %d %s with %s GiB host per node.\n  closest: %s: %s\n", hw.nodes,
                 hw.gpus_per_node, hw.gpu.c_str(), gib(hw.host_mem).c_str(), best.layout.describe().c_str(),
                 best.why.c_str());
-    std::printf("  dominant: per GPU %s (%s GiB); per host rank %s (%s GiB)\n", best.gpu.largest().c_str(),
-                gib(std::max({best.gpu.weights, best.gpu.gathered, best.gpu.grads, best.gpu.optimizer,
-                              best.gpu.activations, best.gpu.workspace, best.gpu.comm}))
-                    .c_str(),
-                best.host.largest().c_str(), gib(best.host.optimizer).c_str());
+    std::printf("  dominant, GiB per GPU: %s; per host rank: %s\n", best.gpu.largest(3).c_str(),
+                best.host.largest(3).c_str());
   }
   // The smallest hardware of this kind, with and without offload (asked either way: it is the question users have).
   std::printf("\nfewest nodes of %d x %s with %s GiB host each:\n", hw.gpus_per_node, hw.gpu.c_str(),

@@ -13,7 +13,7 @@ grep -q 'nothing fits on 4 x 2 A100-80GB' <<<"$out" && pass "235b-4x2-a100: says
   || bad "235b-4x2-a100: no 'nothing fits' line: $out"
 grep -qE '235\.[0-9]+ B parameters' <<<"$out" && pass "235b: parameter count" || bad "235b: parameter count: $out"
 grep -qE '\(3\.7[0-9] TB\)' <<<"$out" && pass "235b: model states ~3.77 TB" || bad "235b: model states: $out"
-grep -qE 'dominant: per GPU' <<<"$out" && pass "235b: names what dominates" || bad "235b: dominant: $out"
+grep -qE 'dominant, GiB per GPU: [a-z]' <<<"$out" && pass "235b: names what dominates" || bad "235b: dominant: $out"
 # The smallest machine: more nodes than the 4 given, both with and without offload, offload needing fewer.
 no=$(grep -oP 'no offload: +\K[0-9]+(?= node)' <<<"$out"); off=$(grep -oP 'with optimizer offload: +\K[0-9]+(?= node)' <<<"$out")
 if [[ -n $no && -n $off ]] && ((no > 4 && off > 4 && off <= no)); then pass "235b: fewest nodes ($no, offload $off)"

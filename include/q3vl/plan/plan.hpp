@@ -58,7 +58,7 @@ struct Layout {
 struct Bytes {
   int64_t weights = 0, gathered = 0, grads = 0, optimizer = 0, activations = 0, workspace = 0, comm = 0;
   int64_t total() const { return weights + gathered + grads + optimizer + activations + workspace + comm; }
-  std::string largest() const;  // name of the largest kind
+  std::string largest(int n) const;  // the n largest kinds with their GiB, largest first
 };
 
 // What is being trained: the deck's model, precision, sequence and batch, the trained parameters.
