@@ -350,7 +350,8 @@ std::string row(const Candidate& c) {
                 l.stage, l.offload ? "yes" : "no", l.hybrid ? "yes" : "no", l.ep, (long long)l.micro_batch,
                 l.recompute ? "block" : "none", gib(b.weights).c_str(), gib(b.gathered).c_str(), gib(b.grads).c_str(),
                 gib(b.optimizer).c_str(), gib(b.activations).c_str(), gib(b.workspace).c_str(), gib(b.comm).c_str(),
-                gib(c.gpu_need).c_str(), gib(c.host_node).c_str(), c.t_step, c.t_comm, c.fits ? "fits" : "no");
+                gib(c.gpu_need).c_str(), gib(c.host_node).c_str(), c.t_step, c.t_comm,
+                c.fits ? (c.layout.offload ? "fits (offload not built)" : "fits") : "no");
   return buf;
 }
 
