@@ -444,6 +444,9 @@ int run_plan(const Deck& d) {
   if (hw.ranks() > 1)
     std::printf("  (several GPUs: ZeRO over NCCL is not built yet; these are the design's numbers from the same "
                 "sizing functions.)\n");
+  if (w.cfg.moe())
+    std::printf("  (MoE: expert-parallel degrees are listed as ep 1 until expert parallelism is built; each MoE "
+                "decoder layer is one ZeRO unit with all its experts.)\n");
 
   const Candidate& best = cs.front();
   int rc = 0;
