@@ -9,6 +9,7 @@
 #include "q3vl/data/prepare.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/data/synth.hpp"
+#include "q3vl/plan/plan.hpp"
 #include "q3vl/runtime/check.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/tensor/dev.hpp"
@@ -99,11 +100,19 @@ const std::vector<Mode>& modes() {
        },
        {"--decode"}, true},
       {"train", "train with ZeRO data parallelism (AdamW, checkpoints, metrics.jsonl)",
-       [](const Deck& d, const ModeArgs&) { return with_compute(d, run_train); }},
+       [](const Deck& d, const ModeArgs&) {
+         if (d.str("parallel.layout") != "auto") return with_compute(d, run_train);
+         Deck chosen = d;  // the planner's choice for the devices this job has
+         choose_layout(chosen);
+         return with_compute(chosen, run_train);
+       }},
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
        [](const Deck& d, const ModeArgs&) { return with_compute(d, run_eval); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",
        [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "generate", run_generate); }},
+      {"plan", "memory and step time of every training layout for the deck's model on plan.* hardware; the fastest "
+               "that fits and its deck lines, or the smallest machine that would",
+       [](const Deck& d, const ModeArgs&) { return run_plan(d); }, {}, true},
       {"synth", "the demo's synthetic data: PNG pictures of coloured shapes and train/eval JSONL conversations",
        [](const Deck& d, const ModeArgs&) { return run_synth(d); }},
   };

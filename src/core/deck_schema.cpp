@@ -135,6 +135,25 @@ const std::vector<KeySpec>& deck_schema() {
        "the all-gather bytes and the forward and backward use the fp32 master weights rounded to bf16 (masters, "
        "gradients and AdamW state stay fp32)", -kBig, kBig, {"fp32", "bf16"}},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
+      {"parallel.layout", T::String, "deck", "train: deck (use parallel.zero_stage, parallel.hybrid, "
+       "train.micro_batch and train.recompute as given) or auto (choose them as `q3vl plan` would for the devices "
+       "and ranks this job has, and say why)", -kBig, kBig, {"deck", "auto"}},
+
+      // plan: the machine `q3vl plan` sizes for (a GPU preset; the other keys override its values)
+      {"plan.nodes", T::Int, "1", "plan: nodes", 1, 1 << 20},
+      {"plan.gpus_per_node", T::Int, "8", "plan: GPUs per node (one rank each)", 1, 1024},
+      {"plan.gpu", T::String, "H200-141GB", "plan: GPU preset (memory, dense bf16 TFLOP/s, NVLink and network speeds)",
+       -kBig, kBig, {"A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"}},
+      {"plan.host_mem", T::String, "1TiB", "plan: host memory per node, with a unit (256GiB, 512GB, 2TiB)"},
+      {"plan.gpu_mem", T::String, "", "plan: memory per GPU with a unit (default: the preset's)"},
+      {"plan.gpu_tflops", T::Real, "0", "plan: dense bf16 TFLOP/s per GPU (0: the preset's)", 0, 1e6},
+      {"plan.link_gbps", T::Real, "0", "plan: network between nodes in Gbit/s per GPU (0: the preset's)", 0, 1e7},
+      {"plan.nvlink_gbps", T::Real, "0", "plan: NVLink within a node in Gbit/s per GPU and direction (0: the preset's)",
+       0, 1e7},
+      {"plan.show", T::Int, "12", "plan: candidate layouts listed (fastest that fit first, then the closest misses)",
+       1, 10000},
+      {"plan.for", T::String, "train", "plan: size a training run or serving (serve: tensor/pipeline degrees, weight "
+       "precision, KV-cache capacity)", -kBig, kBig, {"train", "serve"}},
 
       // runtime
       {"runtime.timeout", T::Real, "600", "seconds a collective may take before the watchdog stops the job", 0.001,

@@ -10,20 +10,13 @@
 
 namespace q3vl {
 
-ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable)
-    : model_(model), shard_(shard), replica_(replica), stage_(stage), trainable_(trainable) {
-  const ParamTable& t = model.table();
+ZeroLayout zero_layout(const ParamTable& t, int n, int r, int stage, const std::vector<bool>& trainable) {
   Q3VL_CHECK(stage >= 1 && stage <= 3, "ZeRO stage must be 1, 2 or 3");
   Q3VL_CHECK(trainable.size() == t.params().size(), "one trainable flag per parameter");
-  Q3VL_CHECK(stage == 3 || model.params(), "ZeRO stages 1/2 compute on the model's full weights: build it with storage");
-  const int n = shard.size(), r = shard.rank();
-
-  // Sizes and offsets first (pieces point into buffers allocated afterwards).
-  int64_t master_total = 0, comm_total = 0, opt_total = 0;
-  struct Offs { int64_t master, comm, opt; };
-  std::vector<Offs> offs;
+  Q3VL_CHECK(n >= 1 && r >= 0 && r < n, "ZeRO layout: rank outside the shard group");
+  ZeroLayout L;
   for (const UnitInfo& ui : t.units()) {
-    Unit u;
+    ZeroUnit u;
     u.numel = ui.numel;
     u.shard = (ui.numel + n - 1) / n;
     u.lo = std::min<int64_t>(int64_t(r) * u.shard, ui.numel);
@@ -34,10 +27,10 @@ ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, cons
       u.counts.push_back(size_t(std::min<int64_t>(lo + u.shard, ui.numel) - lo));
       u.displs.push_back(size_t(int64_t(q) * u.shard));
     }
-    u.piece_lo = pieces_.size();
-    u.master_off = master_total;
-    master_total += u.shard;
-    if (u.trainable) u.comm_off = comm_total, comm_total += u.shard;
+    u.piece_lo = L.pieces.size();
+    u.master_off = L.master;
+    L.master += u.shard;
+    if (u.trainable) u.comm_off = L.comm, L.comm += u.shard;
     for (int p : ui.params) {
       const ParamInfo& pi = t.param(p);
       int64_t a = std::max(u.lo, pi.offset), b = std::min(u.lo + u.count, pi.offset + pi.numel);
@@ -48,30 +41,40 @@ ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, cons
       sp.count = b - a;
       sp.trainable = trainable[p];
       sp.no_decay = pi.no_decay;
-      pieces_.push_back(sp);
-      offs.push_back({u.master_off + (a - u.lo), u.comm_off + (a - u.lo), sp.trainable ? opt_total : -1});
-      if (sp.trainable) opt_total += sp.count;
+      L.pieces.push_back(sp);
+      L.offs.push_back({u.master_off + (a - u.lo), u.comm_off + (a - u.lo), sp.trainable ? L.opt : -1});
+      if (sp.trainable) L.opt += sp.count;
     }
-    u.piece_hi = pieces_.size();
-    units_.push_back(std::move(u));
+    u.piece_hi = L.pieces.size();
+    L.units.push_back(std::move(u));
   }
-  master_.assign(master_total, 0.f);
-  comm_buf_.assign(comm_total, 0.f);
-  exp_avg_.assign(opt_total, 0.f);
-  exp_avg_sq_.assign(opt_total, 0.f);
-  grads_.assign(opt_total, 0.f);
-  if (stage_ == 1) full_grads_.assign(t.total(), 0.f);
+  if (stage == 1) L.full_grads = t.total();  // stage 1 accumulates full gradients, reduce-scattered once per step
+  return L;
+}
+
+ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable)
+    : model_(model), shard_(shard), replica_(replica), stage_(stage), trainable_(trainable) {
+  Q3VL_CHECK(stage == 3 || model.params(), "ZeRO stages 1/2 compute on the model's full weights: build it with storage");
+  ZeroLayout L = zero_layout(model.table(), shard.size(), shard.rank(), stage, trainable);
+  units_ = std::move(L.units);
+  pieces_ = std::move(L.pieces);
+  master_.assign(L.master, 0.f);
+  comm_buf_.assign(L.comm, 0.f);
+  exp_avg_.assign(L.opt, 0.f);
+  exp_avg_sq_.assign(L.opt, 0.f);
+  grads_.assign(L.opt, 0.f);
+  full_grads_.assign(L.full_grads, 0.f);
   for (size_t i = 0; i < pieces_.size(); ++i) {
     ShardPiece& sp = pieces_[i];
-    sp.master = master_.data() + offs[i].master;
+    sp.master = master_.data() + L.offs[i].master;
     if (sp.trainable) {
-      sp.grad = grads_.data() + offs[i].opt;
-      sp.exp_avg = exp_avg_.data() + offs[i].opt;
-      sp.exp_avg_sq = exp_avg_sq_.data() + offs[i].opt;
+      sp.grad = grads_.data() + L.offs[i].opt;
+      sp.exp_avg = exp_avg_.data() + L.offs[i].opt;
+      sp.exp_avg_sq = exp_avg_sq_.data() + L.offs[i].opt;
     }
   }
   comm_offs_.resize(pieces_.size());
-  for (size_t i = 0; i < pieces_.size(); ++i) comm_offs_[i] = offs[i].comm;
+  for (size_t i = 0; i < pieces_.size(); ++i) comm_offs_[i] = L.offs[i].comm;
   if (stage_ == 3) stream_setup();
 }
 
@@ -88,6 +91,23 @@ ZeroMemory ZeroEngine::memory() const {
   m.comm = int64_t(comm_buf_.size()) * 4;
   m.working = stage_ == 3 ? held_peak_ : model_.table().total() * 8;
   if (stage_ == 3) m.pool_bound = stream_bound();
+  return m;
+}
+
+ZeroMemory ZeroEngine::plan(const ParamTable& t, int n, int r, int stage, const std::vector<bool>& trainable,
+                            const std::vector<int>& backward_order) {
+  const ZeroLayout L = zero_layout(t, n, r, stage, trainable);
+  ZeroMemory m;
+  m.master = L.master * 4;
+  m.exp_avg = m.exp_avg_sq = L.opt * 4;
+  m.grads = (L.opt + L.full_grads) * 4;
+  m.comm = L.comm * 4;
+  if (stage == 3) {
+    const PoolSlots s = pool_slots(t, backward_order);
+    m.pool_bound = 4 * s.biggest * (s.params + s.grads);
+  } else {
+    m.working = t.total() * 8;
+  }
   return m;
 }
 

@@ -35,20 +35,29 @@ void ZeroEngine::stream_setup() {
 // Parameters: the slot being used, the prefetched next one and an enclosing use (the LM head's two units).
 // Gradients: every unit between its first and last backward use at one point of the order, plus the ones whose
 // reduce-scatter is in flight.
-int64_t ZeroEngine::stream_bound() const {
-  int64_t biggest = 0;
-  for (const Unit& u : units_) biggest = std::max(biggest, u.numel);
-  const std::vector<int>& o = order_[1];
-  std::vector<int> first(units_.size(), -1);
-  for (size_t k = 0; k < o.size(); ++k)
+ZeroEngine::PoolSlots ZeroEngine::pool_slots(const ParamTable& t, const std::vector<int>& o) {
+  const size_t nu = t.units().size();
+  PoolSlots s;
+  for (const UnitInfo& u : t.units()) s.biggest = std::max(s.biggest, u.numel);
+  std::vector<int> first(nu, -1), last(nu, -1);
+  for (size_t k = 0; k < o.size(); ++k) {
     if (first[size_t(o[k])] < 0) first[size_t(o[k])] = int(k);
+    last[size_t(o[k])] = int(k);
+  }
   int64_t open_max = 0;
   for (size_t k = 0; k < o.size(); ++k) {
     int64_t open = 0;
-    for (size_t u = 0; u < units_.size(); ++u) open += first[u] <= int(k) && int(k) <= last_use_[u];
+    for (size_t u = 0; u < nu; ++u) open += first[u] <= int(k) && int(k) <= last[u];
     open_max = std::max(open_max, open);
   }
-  return 4 * biggest * (3 + open_max + int64_t(kMaxPendingReduces));
+  s.params = 3;
+  s.grads = open_max + int64_t(kMaxPendingReduces);
+  return s;
+}
+
+int64_t ZeroEngine::stream_bound() const {
+  const PoolSlots s = pool_slots(model_.table(), order_[1]);
+  return 4 * s.biggest * (s.params + s.grads);
 }
 
 // Unit buffers are recycled: allocating and zeroing fresh ones at every use cost page faults and memsets that

@@ -86,27 +86,6 @@ TrainState from_json(const std::string& text, const std::string& path) {
   }
 }
 
-// The model, and the config.json text that checkpoints keep: model.hf's file unchanged (nothing it says is
-// lost), else the preset's.
-ModelConfig model_config(const Deck& d, std::string* json_text) {
-  if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json", json_text);
-  if (!d.str("model.preset").empty()) {
-    ModelConfig c = preset_config(d.str("model.preset"));
-    *json_text = hf_config_json(c);
-    return c;
-  }
-  fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
-}
-
-std::vector<bool> trainable_flags(const ParamTable& t, const Deck& d) {
-  const bool v = d.boolean("train.tune_vision"), m = d.boolean("train.tune_merger"), l = d.boolean("train.tune_llm");
-  std::vector<bool> out;
-  for (const auto& p : t.params()) out.push_back(p.part == Part::Vision ? v : p.part == Part::Merger ? m : l);
-  if (std::none_of(out.begin(), out.end(), [](bool b) { return b; }))
-    fail_all("train.tune_vision, train.tune_merger and train.tune_llm are all false: nothing to train");
-  return out;
-}
-
 // Every rank lists every tensor in the same order (the checkpoint calls are collective); a rank's slice of a
 // tensor is its shard's intersection with it (count 0 where none, or when it is not this group's writer).
 std::vector<CkptSlice> ckpt_slices(const ZeroEngine& e, const ParamTable& t, const std::vector<bool>& trainable,
@@ -174,6 +153,27 @@ auto guarded_io(Comm& world, const char* phase, const std::string& what, F&& f) 
 }
 
 }  // namespace
+
+// The model, and the config.json text that checkpoints keep: model.hf's file unchanged (nothing it says is
+// lost), else the preset's.
+ModelConfig model_config(const Deck& d, std::string* json_text) {
+  if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json", json_text);
+  if (!d.str("model.preset").empty()) {
+    ModelConfig c = preset_config(d.str("model.preset"));
+    *json_text = hf_config_json(c);
+    return c;
+  }
+  fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
+}
+
+std::vector<bool> trainable_flags(const ParamTable& t, const Deck& d) {
+  const bool v = d.boolean("train.tune_vision"), m = d.boolean("train.tune_merger"), l = d.boolean("train.tune_llm");
+  std::vector<bool> out;
+  for (const auto& p : t.params()) out.push_back(p.part == Part::Vision ? v : p.part == Part::Merger ? m : l);
+  if (std::none_of(out.begin(), out.end(), [](bool b) { return b; }))
+    fail_all("train.tune_vision, train.tune_merger and train.tune_llm are all false: nothing to train");
+  return out;
+}
 
 int run_train(const Deck& deck) {
   const double t_start = wall_seconds();  // metrics' time.wall counts start-up too
@@ -260,12 +260,7 @@ int run_train(const Deck& deck) {
   // The GPU's arenas are sized once for the largest micro-batch the loader can make.
   std::unique_ptr<DevTrainer> gpu;
   if (on_gpu) {
-    DevBudget b;
-    b.tokens = lo.micro_batch * seq_len;
-    // An image token stands for merge^2 patches; train.max_patches bounds them when images are a small share.
-    b.patches = deck.integer("train.max_patches") > 0 ? deck.integer("train.max_patches")
-                                                      : b.tokens * cfg.vision.merge * cfg.vision.merge;
-    b.segments = b.tokens;  // packed samples: at most one per token (4 bytes each)
+    const DevBudget b = train_budget(cfg, lo.micro_batch, seq_len, deck.integer("train.max_patches"));
     LossScaling ls;
     ls.on = compute == DType::F16;
     ls.scale = deck.real("optim.loss_scale");

@@ -52,6 +52,28 @@ struct ZeroMemory {
   int64_t state() const { return master + exp_avg + exp_avg_sq + grads; }
 };
 
+// One unit's shard geometry on one rank (from the parameter table and the group size alone).
+struct ZeroUnit {
+  int64_t numel = 0, shard = 0;  // real elements, shard size (padded / group size)
+  int64_t lo = 0, count = 0;     // this rank's real range [lo, lo+count) in the unit
+  bool trainable = false;        // any trainable parameter in it
+  int64_t master_off = 0, comm_off = 0;
+  size_t piece_lo = 0, piece_hi = 0;  // its pieces
+  std::vector<size_t> counts, displs;
+};
+
+// Everything one rank's engine allocates, sized before anything is: the engine's constructor allocates exactly
+// these and the planner (plan/) calls the same function without allocating (DESIGN.md "Size once").
+struct ZeroLayout {
+  std::vector<ZeroUnit> units;
+  std::vector<ShardPiece> pieces;  // pointers null
+  struct Offs { int64_t master, comm, opt; };
+  std::vector<Offs> offs;          // per piece: offsets in the master, comm and optimizer buffers (opt -1: frozen)
+  int64_t master = 0, opt = 0, comm = 0, full_grads = 0;  // elements: master shard, moments/grad shard each,
+                                                          // reduce-scatter landing buffer, stage 1's full grads
+};
+ZeroLayout zero_layout(const ParamTable& t, int group_size, int rank, int stage, const std::vector<bool>& trainable);
+
 class ZeroEngine {
  public:
   // trainable: one flag per table parameter (frozen ones get no optimizer state, no grads and no update).
@@ -64,6 +86,15 @@ class ZeroEngine {
   int stage() const { return stage_; }
   const std::vector<ShardPiece>& pieces() const { return pieces_; }
   ZeroMemory memory() const;
+  // What memory() will say on rank `rank` of a `group_size` shard group, from the table alone (no allocation):
+  // the planner's sizing. working: stages 1/2 the Model's full params + grads, stage 3 0 (pool_bound instead).
+  // backward_order: Model::unit_order(true).
+  static ZeroMemory plan(const ParamTable& t, int group_size, int rank, int stage, const std::vector<bool>& trainable,
+                         const std::vector<int>& backward_order);
+  // Stage 3's unit pool: at most `params` gathered units and `grads` unit gradient buffers exist at once, none larger
+  // than `biggest` elements (stream_bound() = 4 bytes x biggest x (params + grads)). Devices size it per dtype.
+  struct PoolSlots { int64_t biggest = 0, params = 0, grads = 0; };
+  static PoolSlots pool_slots(const ParamTable& t, const std::vector<int>& backward_order);
   // What one rank would hold without any sharding (same trainable set), for the report and tests.
   ZeroMemory unsharded() const;
   std::string memory_report() const;
@@ -110,14 +141,7 @@ class ZeroEngine {
   void poison_grads();
 
  private:
-  struct Unit {
-    int64_t numel = 0, shard = 0;  // real elements, shard size (padded / group size)
-    int64_t lo = 0, count = 0;     // this rank's real range [lo, lo+count) in the unit
-    bool trainable = false;        // any trainable parameter in it
-    int64_t master_off = 0, comm_off = 0;
-    size_t piece_lo = 0, piece_hi = 0;  // its pieces_
-    std::vector<size_t> counts, displs;
-  };
+  using Unit = ZeroUnit;
   void wait_reduce();
   void accumulate_comm();  // comm_buf_ -> trainable grad shards
 
