@@ -10,13 +10,16 @@
 
 namespace q3vl {
 
-ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable)
-    : model_(model), shard_(shard), replica_(replica), stage_(stage), trainable_(trainable) {
+ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
+                       ExpertParallel* ep)
+    : model_(model), shard_(shard), replica_(replica), ep_(ep), stage_(stage), trainable_(trainable) {
   const ParamTable& t = model.table();
   Q3VL_CHECK(stage >= 1 && stage <= 3, "ZeRO stage must be 1, 2 or 3");
   Q3VL_CHECK(trainable.size() == t.params().size(), "one trainable flag per parameter");
   Q3VL_CHECK(stage == 3 || model.params(), "ZeRO stages 1/2 compute on the model's full weights: build it with storage");
-  const int n = shard.size(), r = shard.rank();
+  Q3VL_CHECK(!ep || (ep->size() == t.ep().size && ep->rank() == t.ep().rank),
+             "the expert-parallel group is not the model's expert split");
+  Q3VL_CHECK(!ep || !replica || replica->size() == 1, "expert parallelism with hybrid sharding is not supported");
 
   // Sizes and offsets first (pieces point into buffers allocated afterwards).
   int64_t master_total = 0, comm_total = 0, opt_total = 0;
@@ -24,8 +27,10 @@ ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, cons
   std::vector<Offs> offs;
   for (const UnitInfo& ui : t.units()) {
     Unit u;
+    u.experts = ep_ && ui.experts;
+    const int n = comm(u).size(), r = comm(u).rank();
     u.numel = ui.numel;
-    u.shard = (ui.numel + n - 1) / n;
+    u.shard = shard_size(ui.numel, n);
     u.lo = std::min<int64_t>(int64_t(r) * u.shard, ui.numel);
     u.count = std::min<int64_t>(u.lo + u.shard, ui.numel) - u.lo;
     for (int p : ui.params) u.trainable = u.trainable || trainable[p];
@@ -40,11 +45,11 @@ ZeroEngine::ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, cons
     if (u.trainable) u.comm_off = comm_total, comm_total += u.shard;
     for (int p : ui.params) {
       const ParamInfo& pi = t.param(p);
-      int64_t a = std::max(u.lo, pi.offset), b = std::min(u.lo + u.count, pi.offset + pi.numel);
+      int64_t a = std::max(u.lo, pi.offset), b = std::min(u.lo + u.count, pi.offset + pi.held);
       if (a >= b) continue;
       ShardPiece sp;
       sp.param = p;
-      sp.begin = a - pi.offset;
+      sp.begin = pi.held_begin + (a - pi.offset);  // in the whole tensor: checkpoints and loaders see full shapes
       sp.count = b - a;
       sp.trainable = trainable[p];
       sp.no_decay = pi.no_decay;
@@ -88,6 +93,26 @@ ZeroMemory ZeroEngine::memory() const {
   m.comm = int64_t(comm_buf_.size()) * 4;
   m.working = stage_ == 3 ? held_peak_ : model_.table().total() * 8;
   if (stage_ == 3) m.pool_bound = stream_bound();
+  return m;
+}
+
+ZeroMemory ZeroEngine::estimate(const ModelConfig& cfg, const ZeroLayout& l, const std::vector<bool>& trainable) {
+  if (const std::string e = expert_layout_error(cfg, l.world, l.ep); !e.empty()) fail(e);
+  const ParamTable t(cfg, {l.ep, 0});  // every EP rank holds as many experts
+  Q3VL_CHECK(trainable.size() == t.params().size(), "one trainable flag per parameter");
+  const int shard = l.hybrid ? l.node_ranks : l.world;
+  ZeroMemory m;
+  for (const UnitInfo& ui : t.units()) {
+    const int n = ui.experts && l.ep > 1 ? l.world / l.ep : shard;
+    const int64_t s = shard_size(ui.numel, n);
+    bool tr = false;
+    for (int p : ui.params) tr = tr || trainable[size_t(p)];
+    m.master += 4 * s;
+    if (!tr) continue;
+    m.exp_avg += 4 * s, m.exp_avg_sq += 4 * s, m.grads += 4 * s, m.comm += 4 * s;
+    if (l.stage == 1) m.grads += 4 * ui.numel;  // the full accumulator
+  }
+  if (l.stage != 3) m.working = 8 * t.total();
   return m;
 }
 
@@ -158,6 +183,7 @@ void ZeroEngine::shards_filled() {
 void ZeroEngine::gather_params() {
   if (stage_ == 3) return;
   std::vector<std::unique_ptr<CommRequest>> reqs;
+  std::vector<Comm*> comms;
   std::vector<size_t> done;
   // bf16: the rounded shards go out of one buffer and the gathered units land in another, 2 bytes an element.
   std::vector<uint16_t> send, recv;
@@ -171,14 +197,16 @@ void ZeroEngine::gather_params() {
     if (!u.trainable && gathered_once_) continue;
     const int64_t off = model_.table().units()[i].offset;
     if (gather_bf16_) f32_to_bf16(master_.data() + u.master_off, u.count, send.data() + u.master_off);
-    reqs.push_back(gather_bf16_ ? shard_.iall_gatherv(send.data() + u.master_off, size_t(u.count), recv.data() + off,
+    Comm& c = comm(u);
+    comms.push_back(&c);
+    reqs.push_back(gather_bf16_ ? c.iall_gatherv(send.data() + u.master_off, size_t(u.count), recv.data() + off,
                                                       u.counts, u.displs, DType::BF16)
-                                : shard_.iall_gatherv(master_.data() + u.master_off, size_t(u.count),
+                                : c.iall_gatherv(master_.data() + u.master_off, size_t(u.count),
                                                       model_.params() + off, u.counts, u.displs, DType::F32));
     gathered_bytes_ += u.numel * (gather_bf16_ ? 2 : 4);
     done.push_back(i);
   }
-  for (auto& r : reqs) shard_.wait(std::move(r));
+  for (size_t i = 0; i < reqs.size(); ++i) comms[i]->wait(std::move(reqs[i]));
   if (gather_bf16_)
     for (size_t i : done) {
       const UnitInfo& ui = model_.table().units()[i];
@@ -198,6 +226,7 @@ void ZeroEngine::before_forward() {
 
 void ZeroEngine::before_backward(double scale) {
   scale_ = scale;
+  if (ep_) ep_->set_scale(scale);  // owners scale the expert gradients of each rank's tokens
   if (stage_ == 3) {
     end_pass();
     begin_pass(true);
@@ -215,21 +244,21 @@ void ZeroEngine::after_backward() {
     const Unit& u = units_[i];
     if (!u.trainable) continue;
     float* g = model_.grads() + t.units()[i].offset;
-    const float s = float(scale);
+    const float s = u.experts ? 1.f : float(scale);  // expert units: scaled per source rank by the MoE block
     if (stage_ == 1) {
       float* acc = full_grads_.data() + t.units()[i].offset;
       for (int64_t j = 0; j < u.numel; ++j) acc[j] += s * g[j];
     } else {
       for (int64_t j = 0; j < u.numel; ++j) g[j] *= s;
-      pending_.push_back(shard_.ireduce_scatterv(g, comm_buf_.data() + u.comm_off, u.counts, DType::F32,
-                                                 ReduceOp::Sum));
+      pending_.emplace_back(&comm(u), comm(u).ireduce_scatterv(g, comm_buf_.data() + u.comm_off, u.counts,
+                                                               DType::F32, ReduceOp::Sum));
     }
   }
 }
 
 void ZeroEngine::wait_reduce() {
   if (pending_.empty()) return;
-  for (auto& r : pending_) shard_.wait(std::move(r));
+  for (auto& [c, r] : pending_) c->wait(std::move(r));
   pending_.clear();
   accumulate_comm();
 }
@@ -247,14 +276,15 @@ void ZeroEngine::finish_grads() {
   wait_reduce();
   if (stage_ == 1) {
     const ParamTable& t = model_.table();
-    std::vector<std::unique_ptr<CommRequest>> reqs;
     for (size_t i = 0; i < units_.size(); ++i) {
       const Unit& u = units_[i];
       if (!u.trainable) continue;
-      reqs.push_back(shard_.ireduce_scatterv(full_grads_.data() + t.units()[i].offset, comm_buf_.data() + u.comm_off,
-                                             u.counts, DType::F32, ReduceOp::Sum));
+      pending_.emplace_back(&comm(u), comm(u).ireduce_scatterv(full_grads_.data() + t.units()[i].offset,
+                                                               comm_buf_.data() + u.comm_off, u.counts, DType::F32,
+                                                               ReduceOp::Sum));
     }
-    for (auto& r : reqs) shard_.wait(std::move(r));
+    for (auto& [c, r] : pending_) c->wait(std::move(r));
+    pending_.clear();
     accumulate_comm();
   }
   if (replica_ && replica_->size() > 1 && !grads_.empty())
