@@ -88,7 +88,7 @@ void moe_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* x, int
       for (int64_t i = 0; i < cnt_recv[p * El + j]; ++i) c.perm.push_back(at[p * El + j] + i), c.src.push_back(p);
     c.ostart[j + 1] = int64_t(c.perm.size());
   }
-  if (c.ex) c.ex->note_received(int64_t(c.perm.size()));
+  if (c.ex && !c.recomputed) c.ex->note_received(int64_t(c.perm.size()));
   to_expert_major(c, arrived, c.xo, H);
 
   const int64_t Ro = int64_t(c.perm.size());

@@ -106,6 +106,7 @@ void BasicModel<T>::idle_pass(bool backward) {
     enter(table_.experts(l), backward);
     MoeCtx<T>& c = idle_[l];
     c.ex = ex_;
+    c.recomputed = backward;
     if (!backward || recompute_) moe_fwd<T>(tc, P, table_.layer(l), nullptr, 0, nullptr, nullptr, nullptr, c);
     if (backward) moe_bwd<T>(tc, P, table_.layer(l), nullptr, nullptr, 0, nullptr, nullptr, nullptr, nullptr, c);
     if (backward) c = {};
@@ -330,6 +331,7 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
     enter_layer(l, false);
     DecoderCtx<T>& c = slim ? dscratch_ : dctx_[keep ? l : 0];
     c.moe.ex = ex_;
+    c.moe.recomputed = false;
     decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, x.data(), N, st_.cu, tcos_.data(), tsin_.data(),
                       ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr, c);
     if (slim) dctx_[l].x.swap(c.x);
@@ -502,6 +504,7 @@ void BasicModel<T>::backward() {
     if (recompute_) {  // rewrites probs/idx with the values they already hold
       std::vector<T> xin = std::move(dctx_[l].x);  // freed after this backward anyway
       dscratch_.moe.ex = ex_;
+      dscratch_.moe.recomputed = true;
       decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, xin.data(), N, st_.cu, tcos_.data(), tsin_.data(), probs,
                         idx, dscratch_);
       c = &dscratch_;

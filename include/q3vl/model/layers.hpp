@@ -69,6 +69,7 @@ std::vector<int64_t> mrope_positions(const ModelConfig& cfg, const int64_t* ids,
 // their experts and come back; without, "sent" rows are this rank's own.
 template <class T> struct MoeCtx {
   ExpertExchange* ex = nullptr;   // null: every expert is local
+  bool recomputed = false;        // a backward's recomputation: its dispatch is not counted again
   std::vector<T> w;               // [N,k] renormalised routing weights
   std::vector<int64_t> start;     // [E+1] offsets of each expert's rows in the gathered buffers
   std::vector<int64_t> rows;      // gathered row -> token*k + slot
