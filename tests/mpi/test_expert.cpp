@@ -81,6 +81,23 @@ TEST(Expert, BadLayoutsAreRefusedNamingTheKey) {
             std::string::npos);
   EXPECT_NE(expert_layout_error(dense, 2, 2).find("dense"), std::string::npos);
   EXPECT_ANY_THROW(ParamTable(moe, ExpertSplit{3, 0}));
+  // The decks' layouts: 235B-A22B at EP 8 on 8 ranks, 30B-A3B at EP 2 on 2 (input/); 128 experts never split by 3.
+  EXPECT_EQ(expert_layout_error(preset_config("235B-A22B"), 8, 8), "");
+  EXPECT_EQ(expert_layout_error(preset_config("30B-A3B"), 2, 2), "");
+  EXPECT_NE(expert_layout_error(preset_config("30B-A3B"), 6, 3), "");
+}
+
+// The planner's figures for the 30B-A3B deck's layout: EP 2 on 2 ranks holds the experts' state once per expert,
+// as ZeRO-3 over 2 ranks does, but gathers only its 64 experts of a layer.
+TEST(Expert, EstimateForThe30bDeck) {
+  const ModelConfig cfg = preset_config("30B-A3B");
+  const ParamTable t(cfg);
+  const std::vector<bool> all(t.params().size(), true);
+  const ZeroMemory ep2 = ZeroEngine::estimate(cfg, {2, 2, 3}, all), ep1 = ZeroEngine::estimate(cfg, {2, 1, 3}, all);
+  EXPECT_NEAR(double(ep2.master), double(ep1.master), 1e-6 * double(ep1.master));
+  EXPECT_NEAR(double(ep1.master), 2.0 * double(t.total()), 64.0 * double(t.units().size()));  // 4 bytes / 2 ranks
+  const ZeroMemory s1 = ZeroEngine::estimate(cfg, {2, 2, 1}, all);
+  EXPECT_LT(double(s1.working), 0.55 * 8.0 * double(t.total()));  // stage 1 holds half the experts in full
 }
 
 TEST(Expert, EstimateIsWhatTheEngineAllocates) {
