@@ -118,22 +118,27 @@ ZeroMemory ZeroEngine::estimate(const ModelConfig& cfg, const ZeroLayout& l, con
 
 ZeroMemory ZeroEngine::unsharded() const {
   const ParamTable& t = model_.table();
-  int64_t trainable = 0;
-  for (size_t p = 0; p < t.params().size(); ++p)
+  int64_t trainable = 0, all = 0;  // whole tensors (expert parallelism holds only some experts: not t.total())
+  for (size_t p = 0; p < t.params().size(); ++p) {
+    all += t.param(int(p)).numel;
     if (trainable_[p]) trainable += t.param(int(p)).numel;
+  }
   ZeroMemory m;
-  m.master = t.total() * 4;
+  m.master = all * 4;
   m.exp_avg = m.exp_avg_sq = m.grads = trainable * 4;
-  m.working = t.total() * 8;
+  m.working = all * 8;
   return m;
 }
 
 std::string ZeroEngine::memory_report() const {
   const ZeroMemory m = memory(), u = unsharded();
   auto mib = [](int64_t b) { return double(b) / (1 << 20); };
+  const std::string ep_note = ep_ ? "; experts: " + std::to_string(ep_->size()) + "-way expert parallel, " +
+                                        std::to_string(ep_->replicas().size()) + "-way shards"
+                                  : "";
   char buf[1024];
   std::snprintf(buf, sizeof buf,
-                "memory per rank (ZeRO stage %d, %d-way shards%s):\n"
+                "memory per rank (ZeRO stage %d, %d-way shards%s%s):\n"
                 "  %-30s %12s %12s\n"
                 "  %-30s %10.2f MiB %10.2f MiB\n"
                 "  %-30s %10.2f MiB %10.2f MiB\n"
@@ -142,7 +147,8 @@ std::string ZeroEngine::memory_report() const {
                 "  %-30s %10.2f MiB %10.2f MiB  (%.3f of unsharded)\n"
                 "  %-30s %10.2f MiB\n"
                 "  %-30s %10.2f MiB  (%s)",
-                stage_, shard_.size(), replica_ && replica_->size() > 1 ? ", hybrid" : "", "", "this rank",
+                stage_, shard_.size(), replica_ && replica_->size() > 1 ? ", hybrid" : "", ep_note.c_str(), "",
+                "this rank",
                 "unsharded", "fp32 master weights", mib(m.master), mib(u.master), "AdamW exp_avg", mib(m.exp_avg),
                 mib(u.exp_avg), "AdamW exp_avg_sq", mib(m.exp_avg_sq), mib(u.exp_avg_sq), "gradient accumulator",
                 mib(m.grads), mib(u.grads), "total ZeRO state", mib(m.state()), mib(u.state()),
