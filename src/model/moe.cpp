@@ -103,6 +103,7 @@ void moe_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* x, int
     ops::linear_fwd(act.data() + s * Im, P.p[f + tlay::experts_down] + e * H * Im, (const T*)nullptr,
                     yo.data() + s * H, n, Im, H);
   }
+  if (!c.ex) std::vector<T>().swap(c.xo);  // all local: backward regathers the rows from x, not kept twice
   // Combine: the outputs go back to the ranks their tokens came from, in the order they were sent.
   std::vector<T> back;
   to_arrival(c, yo.data(), back, H);
@@ -137,6 +138,10 @@ void moe_bwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* dout, 
   exchange(c.ex, dyg, c.send_rows, arrived, c.recv_rows, H);
   to_expert_major(c, arrived, dyo, H);
   const int64_t Ro = int64_t(c.perm.size());
+  if (!c.ex) {
+    c.xo.resize(Ro * H);
+    for (int64_t j = 0; j < R; ++j) std::copy(x + (c.rows[j] / k) * H, x + (c.rows[j] / k + 1) * H, &c.xo[j * H]);
+  }
   std::vector<T> act(Ro * Im), dxo(Ro * H, T(0));
   ops::swiglu_fwd(c.gu.data(), act.data(), Ro, Im);  // recomputed, cheaper than keeping it
   // Weight gradients of rows from other ranks carry their rank's micro-step scale: scaled copies of the inputs
