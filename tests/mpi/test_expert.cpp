@@ -1,11 +1,13 @@
 // Expert parallelism on 1, 2 and 4 ranks (EP groups of min(2, ranks) consecutive ranks): the golden MoE model's
 // logits, loss, aux loss and every gradient equal transformers' when its experts are split over the group (the
 // group's first rank runs the batch, the others only serve its tokens); bad layouts are refused naming the key;
-// the engine's EP sizing (the planner's) is what it allocates.
+// the engine's EP sizing (the planner's) is what it allocates; the all-to-alls are under the watchdog.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/h5.hpp"
@@ -126,4 +128,29 @@ TEST(Expert, EstimateIsWhatTheEngineAllocates) {
       if (model.table().units()[size_t(p.unit)].experts) whole += p.numel;
     EXPECT_EQ(int64_t(world.sum(double(mine))), whole);
   }
+}
+
+// The dispatch's all-to-alls wait under the watchdog like every collective: a rank that does not arrive is named.
+TEST(Expert, AllToAllIsWatched) {
+  MpiComm world(MPI_COMM_WORLD);
+  const int n = world.size(), late = n - 1;
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+  world.set_timeout(0.3);
+  ExpertParallel ep(world, n);  // its communicators keep the timeout
+  std::vector<int64_t> send(size_t(n), 1), recv(size_t(n), 0);
+  if (world.rank() == late) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    ep.group().set_timeout(0);
+    ep.counts(send.data(), recv.data(), 1);
+  } else {
+    try {
+      ep.counts(send.data(), recv.data(), 1);
+      ADD_FAILURE() << "expected the watchdog to fire";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("collective all_to_all"), std::string::npos) << m;
+      EXPECT_NE(m.find("ranks that did not arrive: " + std::to_string(late)), std::string::npos) << m;
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
