@@ -40,7 +40,8 @@ TEST(Expert, GoldenGradientsThroughExpertParallelism) {
   const Batch batch = read_batch_h5(kDir + "/batch.h5", cfg.vision.patch_dim());
   const bool runs = ep.rank() == 0;
   double loss = 0, aux = 0;
-  if (runs) loss = model.forward(batch, true, nullptr, &aux, true);
+  std::vector<float> logits;
+  if (runs) loss = model.forward(batch, true, &logits, &aux, true);
   else model.idle_pass(false);
   ep.set_scale(1.0);
   if (runs) model.backward();
@@ -52,6 +53,17 @@ TEST(Expert, GoldenGradientsThroughExpertParallelism) {
     const double wl = want.read_scalar<double>("loss"), wa = want.read_scalar<double>("aux_loss");
     EXPECT_LE(std::fabs(loss - wl), 1e-5 * std::fabs(wl)) << loss << " vs " << wl;
     EXPECT_LE(std::fabs(aux - wa), 1e-5 * std::fabs(wa)) << aux << " vs " << wa;
+    const std::vector<float> ref = want.read<float>("logits");
+    ASSERT_EQ(ref.size(), logits.size());
+    const int64_t V = cfg.text.vocab;
+    double max_ref = 0, max_diff = 0;
+    for (int64_t p = 0; p < int64_t(batch.B) * batch.S; ++p)
+      for (int64_t v = 0; batch.attention_mask[size_t(p)] && v < V; ++v) {
+        max_ref = std::max(max_ref, std::fabs(double(ref[size_t(p * V + v)])));
+        max_diff = std::max(max_diff, std::fabs(double(ref[size_t(p * V + v)]) - logits[size_t(p * V + v)]));
+      }
+    EXPECT_GT(max_ref, 0.1);
+    EXPECT_LE(max_diff, 1e-4 * max_ref);
   }
   // Gradients this rank computed: every one on the running rank; the experts it holds on every rank (the
   // golden file is in the compute layout, transformers 5).
