@@ -429,7 +429,9 @@ int run_train(const Deck& deck) {
       if (n == 0) continue;
       {
         Phase p{t_fwd, "forward"};
-        loss_sum += gpu->forward(sd.micro[i]) * double(n);
+        double aux = 0;
+        loss_sum += gpu->forward(sd.micro[i], &aux, aux_on) * double(n);
+        aux_sum += aux * double(n);
         Q3VL_CHECK(gpu->supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }
       Phase p{t_bwd, "backward"};

@@ -3,7 +3,8 @@
 # trained 20 steps on 4 ranks with parallel.ep = 1, 2 and 4 gives the same losses and final checkpoint; micro-steps
 # where some ranks have no tokens (they still serve the others' experts) under ZeRO-1 with recomputation match too;
 # metrics.jsonl reports the experts' load and the all-to-all time; a checkpoint written at EP 4 resumes at EP 2 on
-# 2 ranks and continues the same curve; bad layouts are refused naming the key.
+# 2 ranks and continues the same curve; the aux loss is the same on the device training path; bad layouts are
+# refused naming the key.
 source "$(dirname "$0")/../lib.sh"
 model=$tmp/moe8
 $py tests/tools/make_hf_model.py tests/data/golden/moe/model/config.json "$model" num_local_experts=8 \
@@ -58,6 +59,14 @@ done
 grep -q "resumed from .*step_00000010.h5 (step 10, written by 4 rank(s); now 2)" "$tmp/resume2.log" &&
   cmp_losses half ep4 1e-5 && cmp_ckpt "$(ckpt half)" "$(ckpt half1)" 1e-5 && pass "resume-ep4-as-ep2-on-2-ranks" ||
   bad "resume-ep4-as-ep2-on-2-ranks"
+
+# (e) The aux loss on model.backend = cuda's training path (run on the CPU op layer) as on the CPU backend, and it
+# changes the run.
+Q3VL_DEVICE_ON_CPU=1 train dev 1 model.backend=cuda train.steps=5; ok_run $? dev
+train cpu 1 train.steps=5; ok_run $? cpu
+train noaux 1 train.steps=5 train.router_aux_loss=false; ok_run $? noaux
+cmp_losses dev cpu 1e-5 && ! cmp_losses noaux cpu 1e-3 2>/dev/null && pass "aux-loss-device-path" ||
+  bad "aux-loss-device-path"
 
 # (d) Bad layouts: one clear message naming the key, exit 1.
 expect "ep-not-dividing-ranks" 1 "parallel.ep = 3 does not divide the 4 ranks" \
