@@ -110,8 +110,8 @@ ZeroMemory ZeroEngine::estimate(const ModelConfig& cfg, const ZeroLayout& l, con
     m.master += 4 * s;
     if (!tr) continue;
     m.exp_avg += 4 * s, m.exp_avg_sq += 4 * s, m.grads += 4 * s, m.comm += 4 * s;
-    if (l.stage == 1) m.grads += 4 * ui.numel;  // the full accumulator
   }
+  if (l.stage == 1) m.grads += 4 * t.total();  // the full gradient accumulator
   if (l.stage != 3) m.working = 8 * t.total();
   return m;
 }

@@ -4,6 +4,10 @@
 // (the LM head reads the final norm's unit and, when tied, the embeddings' unit): before(a), before(b), after(b),
 // after(a). A unit may be used several times per pass; Model::unit_order() lists the before_* calls in order.
 #pragma once
+#include <cstdint>
+#include <vector>
+
+#include "q3vl/core/dtype.hpp"
 
 namespace q3vl {
 
@@ -14,15 +18,6 @@ struct UnitHooks {
   virtual void before_backward(int unit) = 0;  // the unit's grads must be bound (accumulated into) after this
   virtual void after_backward(int unit) = 0;
 };
-
-}  // namespace q3vl
-
-#include <cstdint>
-#include <vector>
-
-#include "q3vl/core/dtype.hpp"
-
-namespace q3vl {
 
 // Expert parallelism seam (DESIGN.md "Expert parallelism"): the MoE block moves rows of tokens to the ranks owning
 // their experts and back through this; the MPI implementation is parallel/expert.hpp's (NCCL's goes beside it).

@@ -74,7 +74,7 @@ class ZeroEngine {
   // ZeRO state and working set per rank for a layout, computed from the table alone (nothing allocated): what
   // memory() reports once built, the stage-3 pool bound aside (0 here). Rank 0's figures (the largest shard).
   static ZeroMemory estimate(const ModelConfig& cfg, const ZeroLayout& l, const std::vector<bool>& trainable);
-  // Elements of unit u a rank of a shard group of n ranks holds (the shard size; its last rank may hold fewer).
+  // Elements of a unit of `numel` that each rank of an n-rank shard group holds (the last may hold fewer).
   static int64_t shard_size(int64_t numel, int n) { return (numel + n - 1) / n; }
   ~ZeroEngine();
   ZeroEngine(const ZeroEngine&) = delete;
