@@ -37,6 +37,8 @@ for x in r:
     assert e["all_to_all_s"] > 0 and x["router_aux_loss"] > 0.9, x
 assert all("experts" not in json.loads(l) for l in open(sys.argv[2]))
 PY
+out=$(tools/plot_metrics -o "$tmp/plots" "$tmp/ep4/metrics.jsonl" 2>&1) && [[ -s $tmp/plots/experts.png ]] &&
+  pass "plot-expert-load" || bad "plot-expert-load: $out"
 
 # (b) Ranks without tokens: 2 samples on 4 ranks, one a micro-step; ZeRO-1 and recomputation, EP 4 vs 1.
 for e in 1 4; do
