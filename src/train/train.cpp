@@ -53,7 +53,7 @@ struct TrainState {
   LoaderCursor cursor;
 };
 
-std::string to_json(const TrainState& s, int world, int stage) {
+std::string to_json(const TrainState& s, int world, int stage, int ep) {
   json j = {{"step", s.step},
             {"schedule_step", s.step},
             {"adam_t", s.adam_t},
@@ -64,7 +64,8 @@ std::string to_json(const TrainState& s, int world, int stage) {
             {"loss_scale", s.loss_scale},
             {"cursor", {{"epoch", s.cursor.epoch}, {"position", s.cursor.position}}},
             {"world_size", world},
-            {"zero_stage", stage}};
+            {"zero_stage", stage},
+            {"expert_parallel", ep}};  // for the record: any EP degree resumes any checkpoint
   return j.dump();
 }
 
@@ -384,7 +385,7 @@ int run_train(const Deck& deck) {
     meta.tokens_seen = st.tokens;
     meta.world_size = nranks;
     meta.deck_toml = deck.to_toml();
-    meta.state_json = to_json(st, nranks, stage);
+    meta.state_json = to_json(st, nranks, stage, ep_size);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
     meta.hf_config_json = cfg_json;
     const std::string p = guarded_io(world, "checkpoint write", "checkpoint I/O in " + ckdir, [&] {
