@@ -99,6 +99,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.tune_vision", T::Bool, "true", "train the vision tower and the DeepStack mergers"},
       {"train.tune_merger", T::Bool, "true", "train the main patch merger"},
       {"train.tune_llm", T::Bool, "true", "train the decoder, embeddings and LM head"},
+      {"train.router_aux_loss", T::Bool, "false", "MoE: add router_aux_loss_coef x the load-balancing loss of each "
+       "micro-batch (transformers' output_router_logits=True)"},
       {"train.recompute", T::String, "none", "activation recomputation: none (backward uses the activations forward "
        "kept) or block (forward keeps only each decoder layer's and ViT block's input; backward reruns that block: "
        "less memory, about a third more compute)", -kBig, kBig, {"none", "block"}},
@@ -135,6 +137,9 @@ const std::vector<KeySpec>& deck_schema() {
        "the all-gather bytes and the forward and backward use the fp32 master weights rounded to bf16 (masters, "
        "gradients and AdamW state stay fp32)", -kBig, kBig, {"fp32", "bf16"}},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
+      {"parallel.ep", T::Int, "1", "expert parallelism (MoE): groups of N consecutive ranks split every MoE layer's "
+       "experts, E/N whole experts a rank, tokens dispatched to them by all-to-all; N divides the rank count and "
+       "the expert count", 1, 1e6},
       {"parallel.layout", T::String, "deck", "train: deck (use parallel.zero_stage, parallel.hybrid, "
        "train.micro_batch and train.recompute as given) or auto (choose them as `q3vl plan` would for the devices "
        "and ranks this job has, and say why)", -kBig, kBig, {"deck", "auto"}},

@@ -10,7 +10,7 @@
 namespace q3vl {
 
 template <class T>
-BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage) : cfg_(cfg), table_(cfg) {
+BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage, ExpertSplit ep) : cfg_(cfg), table_(cfg, ep) {
   if (with_storage) {
     store_p_.assign(table_.total(), T(0));
     store_g_.assign(table_.total(), T(0));
@@ -71,11 +71,59 @@ void BasicModel<T>::leave(int id, bool bwd) {
 }
 
 template <class T>
+void BasicModel<T>::enter_layer(int l, bool bwd) {
+  enter(table_.layer(l), bwd);
+  if (table_.experts(l) >= 0) enter(table_.experts(l), bwd);
+}
+
+template <class T>
+void BasicModel<T>::leave_layer(int l, bool bwd) {
+  if (table_.experts(l) >= 0) leave(table_.experts(l), bwd);
+  leave(table_.layer(l), bwd);
+}
+
+template <class T>
+void BasicModel<T>::set_experts(ExpertExchange* ex) {
+  Q3VL_CHECK(!ex || ex->size() == table_.ep().size, "the expert exchange's group is not the parameter table's split");
+  ex_ = ex;
+}
+
+template <class T>
+void BasicModel<T>::need_all_experts(const char* what) const {
+  if (table_.ep().size > 1 && !ex_)
+    fail(std::string(what) + " needs every expert on this rank, or an expert exchange (parallel.ep > 1 in train only)");
+}
+
+template <class T>
+void BasicModel<T>::idle_pass(bool backward) {
+  if (!ex_) return;
+  const ParamView<T> P = view();
+  const TextConfig& tc = cfg_.text;
+  if (!backward) idle_.assign(tc.layers, {});
+  for (int i = 0; i < tc.layers; ++i) {
+    const int l = backward ? tc.layers - 1 - i : i;
+    if (table_.experts(l) < 0) continue;
+    enter(table_.experts(l), backward);
+    MoeCtx<T>& c = idle_[l];
+    c.ex = ex_;
+    c.recomputed = backward;
+    if (!backward || recompute_) moe_fwd<T>(tc, P, table_.layer(l), nullptr, 0, nullptr, nullptr, nullptr, c);
+    if (backward) moe_bwd<T>(tc, P, table_.layer(l), nullptr, nullptr, 0, nullptr, nullptr, nullptr, nullptr, c);
+    if (backward) c = {};
+    leave(table_.experts(l), backward);
+  }
+}
+
+template <class T>
 std::vector<int> BasicModel<T>::unit_order(bool backward) const {
   const VisionConfig& vc = cfg_.vision;
   const int layers = cfg_.text.layers;
   std::vector<int> o;
   auto use = [&](int id) { o.push_back(table_.params()[id].unit); };
+  auto layer = [&](int l) {
+    use(table_.layer(l));
+    if (table_.experts(l) >= 0) use(table_.experts(l));
+  };
   const int head = table_.params()[table_.final_norm()].unit, lm = table_.params()[table_.lm_head()].unit;
   if (!backward) {
     use(table_.vision_embed());
@@ -86,14 +134,14 @@ std::vector<int> BasicModel<T>::unit_order(bool backward) const {
     }
     use(table_.merger());
     use(table_.embed_tokens());
-    for (int l = 0; l < layers; ++l) use(table_.layer(l));
+    for (int l = 0; l < layers; ++l) layer(l);
     use(table_.final_norm());
     if (lm != head) use(table_.lm_head());
     return o;
   }
   use(table_.final_norm());
   if (lm != head) use(table_.lm_head());
-  for (int l = layers - 1; l >= 0; --l) use(table_.layer(l));
+  for (int l = layers - 1; l >= 0; --l) layer(l);
   use(table_.embed_tokens());
   use(table_.merger());
   for (int i = vc.depth - 1; i >= 0; --i) {
@@ -115,7 +163,7 @@ template <class T>
 void BasicModel<T>::init_random(uint64_t seed, double std) {
   for (size_t i = 0; i < pp_.size(); ++i) {
     const ParamInfo& p = table_.params()[i];
-    init_param_range(p, seed, std, 0, p.numel, pp_[i]);
+    init_param_range(p, seed, std, p.held_begin, p.held, pp_[i]);
   }
 }
 
@@ -251,6 +299,7 @@ std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::
 template <class T>
 double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
                           std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
+  need_all_experts("forward");
   const VisionConfig& vc = cfg_.vision;
   const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
@@ -279,12 +328,14 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
   dctx_.assign(keep ? tc.layers : 1, {});
   for (int l = 0; l < tc.layers; ++l) {
     const int ms = moe_slot_[l];
-    enter(table_.layer(l), false);
+    enter_layer(l, false);
     DecoderCtx<T>& c = slim ? dscratch_ : dctx_[keep ? l : 0];
+    c.moe.ex = ex_;
+    c.moe.recomputed = false;
     decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, x.data(), N, st_.cu, tcos_.data(), tsin_.data(),
                       ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr, c);
     if (slim) dctx_[l].x.swap(c.x);
-    leave(table_.layer(l), false);
+    leave_layer(l, false);
     if ((size_t)l < nds)  // DeepStack: add merged features of ViT block deepstack_indexes[l] at visual positions
       for (size_t j = 0; j < vis_.size(); ++j)
         for (int64_t d = 0; d < H; ++d) x[vis_[j] * H + d] += ds[l][j * H + d];
@@ -331,6 +382,7 @@ template <class T>
 std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
                                      const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds,
                                      KvCache<T>& cache) {
+  if (table_.ep().size > 1) fail("generation needs every expert on this rank (parallel.ep = 1)");
   const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
   const int64_t N = cu.back(), H = tc.hidden, V = tc.vocab, nseg = (int64_t)seqs.size();
@@ -338,10 +390,10 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   ops::mrope_table(pos3.data(), N, (int64_t)tc.head_dim, tc.rope_theta, tc.mrope_section.data(), cos.data(),
                    sin.data());
   for (int l = 0; l < tc.layers; ++l) {
-    enter(table_.layer(l), false);
+    enter_layer(l, false);
     decoder_layer_infer(cfg_, P, table_.layer(l), moe_slot_[l] >= 0, x.data(), N, cu, seqs, cos.data(), sin.data(),
                         cache, l);
-    leave(table_.layer(l), false);
+    leave_layer(l, false);
     if ((size_t)l < ds.size())  // DeepStack, as in run(): only prompts hold visual tokens
       for (size_t j = 0; j < vis_.size(); ++j)
         for (int64_t d = 0; d < H; ++d) x[vis_[j] * H + d] += ds[l][j * H + d];
@@ -447,10 +499,12 @@ void BasicModel<T>::backward() {
     const int ms = moe_slot_[l];
     T* probs = ms >= 0 ? probs_.data() + ms * N * E : nullptr;
     int64_t* idx = ms >= 0 ? idx_.data() + ms * N * K : nullptr;
-    enter(table_.layer(l), true);
+    enter_layer(l, true);
     DecoderCtx<T>* c = &dctx_[l];
     if (recompute_) {  // rewrites probs/idx with the values they already hold
       std::vector<T> xin = std::move(dctx_[l].x);  // freed after this backward anyway
+      dscratch_.moe.ex = ex_;
+      dscratch_.moe.recomputed = true;
       decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, xin.data(), N, st_.cu, tcos_.data(), tsin_.data(), probs,
                         idx, dscratch_);
       c = &dscratch_;
@@ -459,7 +513,7 @@ void BasicModel<T>::backward() {
     decoder_layer_bwd(cfg_, P, table_.layer(l), ms >= 0, dx.data(), N, st_.cu, tcos_.data(), tsin_.data(), probs, idx,
                       ms >= 0 && aux_on_ ? aux_dl.data() + ms * N * E : nullptr, *c);
     dctx_[l] = {};  // done with this layer's activations
-    leave(table_.layer(l), true);
+    leave_layer(l, true);
   }
   // Image positions were overwritten by the vision tokens: their embedding rows get no gradient.
   std::vector<T> dimg(vis_.size() * H);

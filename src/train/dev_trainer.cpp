@@ -89,7 +89,9 @@ void DevTrainer::to_host(const ZeroEngine& e) const {
 
 void DevTrainer::begin_step() { model_->zero_grads(); }
 
-double DevTrainer::forward(const PackedBatch& b) { return model_->forward(b, true); }
+double DevTrainer::forward(const PackedBatch& b, double* aux_out, bool aux_loss) {
+  return model_->forward(b, true, nullptr, aux_out, aux_loss);
+}
 
 void DevTrainer::backward(double weight) { model_->backward(float(weight * (ls_.on ? ls_.scale : 1.0))); }
 

@@ -23,6 +23,7 @@
 #include "q3vl/io/checkpoint.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/parallel/expert.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/watchdog.hpp"
@@ -52,7 +53,7 @@ struct TrainState {
   LoaderCursor cursor;
 };
 
-std::string to_json(const TrainState& s, int world, int stage) {
+std::string to_json(const TrainState& s, int world, int stage, int ep) {
   json j = {{"step", s.step},
             {"schedule_step", s.step},
             {"adam_t", s.adam_t},
@@ -63,7 +64,8 @@ std::string to_json(const TrainState& s, int world, int stage) {
             {"loss_scale", s.loss_scale},
             {"cursor", {{"epoch", s.cursor.epoch}, {"position", s.cursor.position}}},
             {"world_size", world},
-            {"zero_stage", stage}};
+            {"zero_stage", stage},
+            {"expert_parallel", ep}};  // for the record: any EP degree resumes any checkpoint
   return j.dump();
 }
 
@@ -196,7 +198,19 @@ int run_train(const Deck& deck) {
     fail_all("model.backend = \"cuda\" trains on one GPU (one rank) so far; run with mpiexec -n 1 (ZeRO over NCCL across "
              "GPUs is not built yet)");
   const DType compute = compute_dtype(deck.str("model.dtype"));  // app/modes.cpp checked it fits the backend
-  Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu);
+  // Expert parallelism: this rank's model holds only its experts; the exchange moves tokens to the others'.
+  const int ep_size = int(deck.integer("parallel.ep"));
+  if (const std::string e = expert_layout_error(cfg, nranks, ep_size); !e.empty()) fail_all(e);
+  if (ep_size > 1 && on_gpu)
+    fail_all("parallel.ep > 1 needs several ranks; model.backend = \"cuda\" trains on one GPU so far (the NCCL "
+             "all-to-all is not built yet)");
+  if (ep_size > 1 && deck.boolean("parallel.hybrid"))
+    fail_all("parallel.ep > 1 with parallel.hybrid = true is not supported: shard over all ranks (hybrid = false)");
+  std::unique_ptr<ExpertParallel> ep;
+  if (ep_size > 1) ep = std::make_unique<ExpertParallel>(world, ep_size);
+  Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu, ep ? ep->split() : ExpertSplit{});
+  model.set_experts(ep.get());
+  const bool aux_on = deck.boolean("train.router_aux_loss") && cfg.moe();
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
 
@@ -210,7 +224,7 @@ int run_train(const Deck& deck) {
     shard = &rt.node_comm();
     replica = world.split(p.local_rank, p.node);
   }
-  ZeroEngine engine(model, *shard, replica.get(), on_gpu ? 3 : stage, trainable);
+  ZeroEngine engine(model, *shard, replica.get(), on_gpu ? 3 : stage, trainable, ep.get());
   {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
     // ever holds the whole model. The values do not depend on the rank count.
@@ -234,7 +248,11 @@ int run_train(const Deck& deck) {
            (deck.boolean("train.tune_vision") ? "on" : "off") + ", merger " +
            (deck.boolean("train.tune_merger") ? "on" : "off") + ", llm " + (deck.boolean("train.tune_llm") ? "on" : "off") +
            "); activation recomputation: " + deck.str("train.recompute") + "; gathers in " +
-           deck.str("parallel.gather_dtype"));
+           deck.str("parallel.gather_dtype") +
+           (ep ? "; expert parallelism: " + std::to_string(ep_size) + " ranks a group, " +
+                     std::to_string(table.experts_per_rank()) + " experts a rank, expert units sharded over " +
+                     std::to_string(ep->replicas().size()) + " rank(s)"
+               : std::string()));
   log_info(engine.memory_report());
 
   // Data.
@@ -362,7 +380,7 @@ int run_train(const Deck& deck) {
     meta.tokens_seen = st.tokens;
     meta.world_size = nranks;
     meta.deck_toml = deck.to_toml();
-    meta.state_json = to_json(st, nranks, stage);
+    meta.state_json = to_json(st, nranks, stage, ep_size);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
     meta.hf_config_json = cfg_json;
     const std::string p = guarded_io(world, "checkpoint write", "checkpoint I/O in " + ckdir, [&] {
@@ -400,13 +418,16 @@ int run_train(const Deck& deck) {
     engine.begin_step();
     if (gpu) gpu->begin_step();
     const int64_t gathered0 = engine.gathered_bytes();
-    double loss_sum = 0;
+    double loss_sum = 0, aux_sum = 0;
+    if (ep) ep->reset_stats();
     for (size_t i = 0; i < sd.micro.size() && gpu; ++i) {  // one GPU: no collectives between micro-batches
       const int64_t n = sd.micro_supervised[i];
       if (n == 0) continue;
       {
         Phase p{t_fwd, "forward"};
-        loss_sum += gpu->forward(sd.micro[i]) * double(n);
+        double aux = 0;
+        loss_sum += gpu->forward(sd.micro[i], &aux, aux_on) * double(n);
+        aux_sum += aux * double(n);
         Q3VL_CHECK(gpu->supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }
       Phase p{t_bwd, "backward"};
@@ -420,8 +441,13 @@ int run_train(const Deck& deck) {
       }
       if (n > 0) {
         Phase p{t_fwd, "forward"};
-        loss_sum += model.forward(sd.micro[i], true) * double(n);
+        double aux = 0;
+        loss_sum += model.forward(sd.micro[i], true, nullptr, &aux, aux_on) * double(n);
+        aux_sum += aux * double(n);
         Q3VL_CHECK(model.supervised_tokens() == n, "the loader and the model count supervised targets differently");
+      } else if (ep) {
+        Phase p{t_fwd, "forward"};
+        model.idle_pass(false);  // this rank's experts still serve the others' tokens
       }
       {
         Phase p{t_comm, "ZeRO before backward"};
@@ -430,6 +456,9 @@ int run_train(const Deck& deck) {
       if (n > 0) {
         Phase p{t_bwd, "backward"};
         model.backward();
+      } else if (ep) {
+        Phase p{t_bwd, "backward"};
+        model.idle_pass(true);
       }
       {
         Phase p{t_comm, "ZeRO after backward"};
@@ -506,6 +535,13 @@ int run_train(const Deck& deck) {
     if (gpu) mem[0] = 0, mem[2] = double(gpu->device_bytes());  // the GPU's arena is fixed: its bytes are "working"
     world.all_reduce(mem, 3, DType::F64, ReduceOp::Max);
     model.reset_activation_peak();
+    // Load balance: rows (token, expert) that each rank's experts received this step, and the all-to-all time.
+    double ep_stats[3] = {0, 0, 0};
+    if (ep) {
+      const double r = double(ep->received());
+      ep_stats[0] = world.max(r), ep_stats[1] = world.min(r), ep_stats[2] = world.max(ep->seconds());
+    }
+    const double aux_mean = cfg.moe() ? world.sum(aux_sum) / std::max(1.0, n_global) : 0.0;
     if (rank == 0) {
       // MFU as DESIGN.md defines it; the inputs go next to it.
       const double flops = train_flops(table, fc);
@@ -530,6 +566,10 @@ int run_train(const Deck& deck) {
                 {"skipped_total", st.skipped_total},
                 {"dropped_samples", int64_t(counts[2])}};
       if (first_line) j["resumed"] = true;
+      if (cfg.moe()) j["router_aux_loss"] = aux_mean;
+      if (ep)
+        j["experts"] = {{"ep", ep_size}, {"tokens_max", int64_t(ep_stats[0])}, {"tokens_min", int64_t(ep_stats[1])},
+                        {"all_to_all_s", ep_stats[2]}};
       if (gpu && gpu->loss_scaling().on) j["loss_scale"] = gpu->loss_scaling().scale;
       first_line = false;
       if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;

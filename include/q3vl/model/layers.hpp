@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "q3vl/model/config.hpp"
+#include "q3vl/model/hooks.hpp"
 
 namespace q3vl {
 
@@ -64,12 +65,21 @@ std::vector<int64_t> mrope_positions(const ModelConfig& cfg, const int64_t* ids,
                                      const std::vector<int64_t>& grid_thw);
 
 // ---- decoder layer (src/model/decoder.cpp) and MoE block (src/model/moe.cpp) ------------------------------------
+// With expert parallelism (ex set, P.p pointing at this rank's experts only) the gathered rows go to the ranks owning
+// their experts and come back; without, "sent" rows are this rank's own.
 template <class T> struct MoeCtx {
+  ExpertExchange* ex = nullptr;   // null: every expert is local
+  bool recomputed = false;        // a backward's recomputation: its dispatch is not counted again
   std::vector<T> w;               // [N,k] renormalised routing weights
   std::vector<int64_t> start;     // [E+1] offsets of each expert's rows in the gathered buffers
   std::vector<int64_t> rows;      // gathered row -> token*k + slot
-  std::vector<T> gu, y;           // gathered [R, 2Im] pre-activation and [R, H] expert outputs
-  int64_t bytes() const { return vec_bytes(w, start, rows, gu, y); }
+  std::vector<T> y;               // gathered [R, H] expert outputs (combined back)
+  // Owner side: the rows this rank's experts got, expert-major (rank-major as they arrive: perm[i] is the
+  // arrival position of expert-major row i).
+  std::vector<int64_t> send_rows, recv_rows;  // per group rank
+  std::vector<int64_t> ostart, perm, src;     // [El+1] expert offsets; arrival row; sending rank of each row
+  std::vector<T> xo, gu;          // [Ro, H] inputs and [Ro, 2Im] pre-activations
+  int64_t bytes() const { return vec_bytes(w, start, rows, y, send_rows, recv_rows, ostart, perm, src, xo, gu); }
 };
 // out[N,H] = MoE(x); probs [N,E] and idx [N,k] are written to caller-owned slots (pooled for the aux loss).
 template <class T> void moe_fwd(const TextConfig& tc, const ParamView<T>& P, int first, const T* x, int64_t N, T* out,

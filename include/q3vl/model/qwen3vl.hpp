@@ -48,7 +48,8 @@ class BasicModel {
  public:
   // with_storage=false: no full params/grads are ever allocated (ZeRO-3, whose engine binds each unit to a
   // gathered buffer only while it is used); params() and grads() are null and every unit points nowhere.
-  explicit BasicModel(const ModelConfig& cfg, bool with_storage = true);
+  // ep: this rank's share of the MoE experts (expert parallelism; the table holds only those), see set_experts.
+  explicit BasicModel(const ModelConfig& cfg, bool with_storage = true, ExpertSplit ep = {});
 
   const ModelConfig& config() const { return cfg_; }
   ParamTable& table() { return table_; }
@@ -66,6 +67,13 @@ class BasicModel {
   void release_storage();
   // Called around every unit use by forward and backward (prefill/decode too); null: none.
   void set_hooks(UnitHooks* h) { hooks_ = h; }
+  // Expert parallelism: the exchange that moves MoE rows to the ranks owning their experts (its group is the
+  // table's ExpertSplit). Null: every expert is local. Generation and eval need every expert local.
+  void set_experts(ExpertExchange* ex);
+  // A micro-step without tokens on this rank still serves the other ranks' tokens routed to its experts: the same
+  // exchanges in the same order as forward (backward) of a batch, with no rows of its own. Nothing without
+  // an exchange.
+  void idle_pass(bool backward);
   // The units' before_forward (backward: before_backward) calls of one pass over a batch with images, in order;
   // any pass calls a subsequence of it (no images: no vision units). The same on every rank.
   std::vector<int> unit_order(bool backward) const;
@@ -121,12 +129,18 @@ class BasicModel {
   // Hook calls for the unit holding parameter `id`.
   void enter(int id, bool bwd);
   void leave(int id, bool bwd);
+  // Decoder layer l's units: the layer's, then its experts' (MoE).
+  void enter_layer(int l, bool bwd);
+  void leave_layer(int l, bool bwd);
+  void need_all_experts(const char* what) const;
 
   ModelConfig cfg_;
   ParamTable table_;
   std::vector<T> store_p_, store_g_;
   std::vector<T*> unit_p_, unit_g_, pp_, gp_;
   UnitHooks* hooks_ = nullptr;
+  ExpertExchange* ex_ = nullptr;
+  std::vector<MoeCtx<T>> idle_;  // idle_pass's owner-side contexts per layer
 
   // Saved by forward for backward.
   bool kept_ = false, aux_on_ = false, recompute_ = false;

@@ -51,7 +51,7 @@ class DevTrainer {
 
   void begin_step();
   // Loss of a micro-batch (kept for backward); backward adds weight * its gradient (weight = n / n_global).
-  double forward(const PackedBatch& b);
+  double forward(const PackedBatch& b, double* aux_out = nullptr, bool aux_loss = false);
   int64_t supervised_tokens() const { return model_->supervised_tokens(); }
   void backward(double weight);
   // Squared norm of the (unscaled) gradient of the trainable parameters; false when any element is not finite.
