@@ -49,6 +49,25 @@ const std::vector<KeySpec>& deck_schema() {
        1e12},
       {"generate.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
 
+      // serve: the OpenAI-compatible server (rank 0 speaks HTTP)
+      {"serve.host", T::String, "127.0.0.1", "address to listen on (0.0.0.0: every interface)"},
+      {"serve.port", T::Int, "8000", "TCP port (0: any free port, printed at start-up)", 0, 65535},
+      {"serve.checkpoint", T::String, "", "training checkpoint (step_*.h5, or a folder: its newest) to serve"},
+      {"serve.model_name", T::String, "", "model id clients send and /v1/models lists (default: the model folder's name)"},
+      {"serve.image_dir", T::String, "", "folder whose files requests may name as images (empty: data: URLs only)"},
+      {"serve.max_context", T::Int, "4096", "longest prompt plus answer in tokens", 2, 1 << 24},
+      {"serve.max_tokens", T::Int, "256", "answer length when a request gives no max_tokens", 1, 1 << 24},
+      {"serve.max_batch", T::Int, "64", "most sequences decoded together", 1, 1 << 20},
+      {"serve.step_tokens", T::Int, "256", "tokens per engine step: one per running sequence, the rest prompt chunks",
+       1, 1 << 24},
+      {"serve.kv_block", T::Int, "16", "KV-cache block size in tokens", 1, 1 << 16},
+      {"serve.kv_mib", T::Real, "512", "KV-cache memory in MiB (requests that do not fit wait in the queue)", 0.001,
+       1e9},
+      {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (HF default)", 1, 1e12},
+      {"serve.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
+      {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},
+      {"serve.http_threads", T::Int, "128", "HTTP worker threads (each open stream holds one)", 1, 1 << 16},
+
       // synth: the demo's synthetic pictures (q3vl synth)
       {"synth.dir", T::String, "", "output folder: images/, train.jsonl, eval.jsonl", -kBig, kBig, {}, {"synth"}},
       {"synth.train_samples", T::Int, "2000", "training pictures", 0, 1e9},

@@ -43,6 +43,18 @@ TokenStream token_stream(const PackedBatch& b);
 // Patches of the images in grid (checked: positive grids divisible by the merge size, n_pixels matching).
 int64_t image_patches(const VisionConfig& vc, size_t n_pixels, const std::vector<int64_t>& grid);
 
+// One sequence's share of a continuous-batching step (BasicModel::step): tokens appended to cache sequence seq.
+// pos3 [3][n]: their M-RoPE positions (a prompt chunk: a slice of mrope_positions over the whole prompt; empty:
+// the sequence's next positions, as for generated tokens). img [n_img_tokens, H] and ds [deepstack][n_img_tokens*H]:
+// the vision features of the chunk's image tokens, in order (empty without images).
+template <class T>
+struct StepSegment {
+  int seq = 0;
+  std::vector<int64_t> ids, pos3;
+  std::vector<T> img;
+  std::vector<std::vector<T>> ds;
+};
+
 template <class T>
 class BasicModel {
  public:
@@ -102,6 +114,14 @@ class BasicModel {
                          const std::vector<int64_t>& grid, KvCache<T>& cache);
   // Appends tokens[i] to cached sequence seqs[i] (text tokens only) and returns their next-token logits [n, V].
   std::vector<T> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens, KvCache<T>& cache);
+  // Continuous batching (serve): prompt chunks and generated tokens of several sequences in one pass, each segment
+  // extending its own cache sequence (added by the caller with cache.add()). Returns each segment's last-row
+  // logits [segs, V]. Blocks are reserved as needed; a full pool is an error (the caller reserves ahead).
+  std::vector<T> step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache);
+  // The vision tower and mergers alone, for one prompt's images (pixels/grid as prefill): features of its image
+  // tokens img [n, H] and the DeepStack features ds [deepstack][n*H].
+  void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<T>& img,
+                       std::vector<std::vector<T>>& ds);
 
  private:
   using Stream = TokenStream;
