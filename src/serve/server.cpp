@@ -559,7 +559,15 @@ void Server::engine_loop() {
       segs.push_back(std::move(g));
       who.push_back(j.get());
     }
-    std::vector<float> logits = model_->step(segs, cache_);
+    std::vector<float> logits;
+    try {
+      logits = model_->step(segs, cache_);
+    } catch (const Error& e) {  // fails this step's requests, not the server
+      log_warn(std::string("serve: a step failed: ") + e.what());
+      for (Job* j : who) j->error = e.what(), finish(*j, "error");
+      std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
+      continue;
+    }
     metrics_.steps++;
     const double now = wall_seconds();
     for (size_t s = 0; s < segs.size(); ++s) {
@@ -595,6 +603,8 @@ void Server::engine_loop() {
       else j.cv.notify_all();
     }
     std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
+    metrics_.running = (int64_t)running_.size();
+    metrics_.kv_used = cache_.used_blocks();
   }
 }
 
@@ -652,7 +662,8 @@ int Server::run() {
   svr.set_error_handler([](const httplib::Request& q, httplib::Response& r) {
     if (!r.body.empty()) return;
     const std::string m = r.status == 404 ? "no route " + q.method + " " + q.path
-                          : r.status == 413 ? "the request body is larger than serve.max_body_mib"
+                          : r.status == 413 ? "the request body is too large (serve.max_body_mib; a form-encoded body: "
+                                              "8 KiB: send Content-Type: application/json)"
                                             : "HTTP " + std::to_string(r.status);
     r.set_content(error_body({r.status, m, r.status == 404 ? "not_found_error" : "invalid_request_error"}),
                   "application/json");
