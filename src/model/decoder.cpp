@@ -48,12 +48,13 @@ static void qkv_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T*
 // x += o_proj(c.att); then post_norm -> dense MLP or MoE -> residual.
 template <class T>
 static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool moe, T* x, int64_t N, T* probs,
-                        int64_t* idx, DecoderCtx<T>& c) {
+                        int64_t* idx, DecoderCtx<T>& c, const PartialSum<T>& reduce = {}) {
   const int64_t H = tc.hidden, Dq = (int64_t)tc.heads * tc.head_dim;
   c.ln2.resize(N * H);
   c.r2.resize(N);
   std::vector<T> tmp(N * H);
   ops::linear_fwd(c.att.data(), P.p[f + tlay::o_proj], (const T*)nullptr, tmp.data(), N, Dq, H);
+  if (reduce) reduce(tmp.data(), N * H);
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
   c.x1.assign(x, x + N * H);
   ops::rmsnorm_fwd(x, P.p[f + tlay::post_norm], c.ln2.data(), c.r2.data(), N, H, tc.rms_eps);
@@ -67,6 +68,7 @@ static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool
     ops::swiglu_fwd(c.gu.data(), c.act.data(), N, I);
     ops::linear_fwd(c.act.data(), P.p[f + tlay::down_proj], (const T*)nullptr, tmp.data(), N, I, H);
   }
+  if (reduce) reduce(tmp.data(), N * H);
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
 }
 
@@ -88,7 +90,7 @@ void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
 template <class T>
 void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int f, bool moe, T* x, int64_t N,
                          const std::vector<int64_t>& cu, const std::vector<int>& seqs, const T* cos, const T* sin,
-                         KvCache<T>& cache, int layer) {
+                         KvCache<T>& cache, int layer, const PartialSum<T>& reduce) {
   const TextConfig& tc = cfg.text;
   const int64_t nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd, grp = nh / nkv;
   const T scale = T(1 / std::sqrt((double)hd));
@@ -132,7 +134,7 @@ void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int f, b
   }
   std::vector<T> probs(moe ? N * tc.num_experts : 0);
   std::vector<int64_t> idx(moe ? N * tc.experts_per_tok : 0);
-  out_mlp_fwd(tc, P, f, moe, x, N, probs.data(), idx.data(), c);
+  out_mlp_fwd(tc, P, f, moe, x, N, probs.data(), idx.data(), c, reduce);
 }
 
 template <class T>
@@ -206,6 +208,13 @@ int KvCache<T>::add() {
 }
 
 template <class T>
+void KvCache<T>::open(int s) {
+  while (batch() <= s) len.push_back(-1), next_pos.push_back(0), table.emplace_back();
+  if (len[s] >= 0) fail("KV cache: sequence slot " + std::to_string(s) + " is in use");
+  len[s] = next_pos[s] = 0;
+}
+
+template <class T>
 void KvCache<T>::release(int s) {
   for (auto it = table[s].rbegin(); it != table[s].rend(); ++it) free_blocks.push_back(*it);
   table[s].clear();
@@ -240,7 +249,7 @@ bool KvCache<T>::reserve(int s, int64_t n) {
                                      DecoderCtx<T>&);                                                             \
   template void decoder_layer_infer<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,           \
                                        const std::vector<int64_t>&, const std::vector<int>&, const T*, const T*,  \
-                                       KvCache<T>&, int);                                                         \
+                                       KvCache<T>&, int, const PartialSum<T>&);                                   \
   template void decoder_layer_bwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
                                      const std::vector<int64_t>&, const T*, const T*, const T*, const int64_t*,   \
                                      const T*, DecoderCtx<T>&);

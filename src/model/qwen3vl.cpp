@@ -333,7 +333,8 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
                                      KvCache<T>& cache) {
   const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
-  const int64_t N = cu.back(), H = tc.hidden, V = tc.vocab, nseg = (int64_t)seqs.size();
+  const int64_t N = cu.back(), H = tc.hidden, nseg = (int64_t)seqs.size();
+  const int64_t v0 = head_v0_, V = head_v1_ > 0 ? head_v1_ - head_v0_ : tc.vocab;  // this rank's vocabulary rows
   for (int64_t s = 0; s < nseg; ++s)
     if (!cache.reserve(seqs[s], cu[s + 1] - cu[s]))
       fail("KV cache full: " + std::to_string(cache.max_blocks) + " blocks of " + std::to_string(cache.block) +
@@ -344,7 +345,7 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   for (int l = 0; l < tc.layers; ++l) {
     enter(table_.layer(l), false);
     decoder_layer_infer(cfg_, P, table_.layer(l), moe_slot_[l] >= 0, x.data(), N, cu, seqs, cos.data(), sin.data(),
-                        cache, l);
+                        cache, l, tp_reduce_);
     leave(table_.layer(l), false);
     if ((size_t)l < ds.size())  // DeepStack, as in run(): only prompts hold visual tokens
       for (size_t j = 0; j < vis_.size(); ++j)
@@ -358,7 +359,7 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   enter(table_.final_norm(), false);
   if (tied_head) enter(table_.lm_head(), false);
   ops::rmsnorm_fwd(last.data(), P.p[table_.final_norm()], h.data(), r.data(), nseg, H, tc.rms_eps);
-  ops::linear_fwd(h.data(), P.p[table_.lm_head()], (const T*)nullptr, logits.data(), nseg, H, V);
+  ops::linear_fwd(h.data(), P.p[table_.lm_head()] + v0 * H, (const T*)nullptr, logits.data(), nseg, H, V);
   if (tied_head) leave(table_.lm_head(), false);
   leave(table_.final_norm(), false);
   return logits;

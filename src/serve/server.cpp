@@ -1,6 +1,7 @@
 #include "q3vl/serve/server.hpp"
 
 #include <httplib.h>
+#include <mpi.h>
 
 #include <algorithm>
 #include <atomic>
@@ -22,6 +23,7 @@
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/serve/generate.hpp"
+#include "q3vl/serve/tp.hpp"
 
 namespace q3vl {
 
@@ -128,7 +130,12 @@ class Server {
   json response_object(const Job& job, bool chat, const std::string& id);
   std::string metrics_text();
   // Engine side.
+  void load();
   void engine_loop();
+  // One model step on every rank of the tensor-parallel group: rank 0 sends the plan (cache slots opened and
+  // released since the last step, the segments), every rank runs its slice, rank 0 gets the whole logits [segs, V].
+  std::vector<float> run_step(std::vector<StepSegment<float>>& segs, bool stop = false);
+  void worker_loop();
   void admit();
   void finish(Job& job, const std::string& reason);
   void emit(Job& job, bool final);
@@ -138,7 +145,7 @@ class Server {
   std::unique_ptr<Tokenizer> tok_;
   ImageConfig icfg_;
   SamplingParams base_;
-  std::string model_name_, image_dir_;
+  std::string model_name_, image_dir_, checkpoint_;
   int64_t max_context_ = 0, max_tokens_ = 0, max_batch_ = 0, step_tokens_ = 0;
   std::atomic<int64_t> next_id_{1};
   double created_ = 0;
@@ -150,6 +157,10 @@ class Server {
   std::deque<std::shared_ptr<Job>> waiting_;   // engine only
   std::vector<std::shared_ptr<Job>> running_;  // engine only
   KvCache<float> cache_;
+  int rank_ = 0, tp_ = 1;
+  std::pair<int64_t, int64_t> vocab_rows_;
+  bool stopped_ = false;
+  std::vector<int64_t> ops_;  // (slot, next_pos) opened, (slot, -1) released, since the last step (for the replicas)
 };
 
 std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
@@ -471,7 +482,7 @@ void Server::emit(Job& job, bool final) {
 }
 
 void Server::finish(Job& job, const std::string& reason) {
-  if (job.slot >= 0) cache_.release(job.slot), job.slot = -1;
+  if (job.slot >= 0) ops_.insert(ops_.end(), {job.slot, -1}), cache_.release(job.slot), job.slot = -1;
   {
     std::lock_guard<std::mutex> g(job.m);
     if (job.finish.empty()) job.finish = reason;
@@ -501,6 +512,7 @@ void Server::admit() {
       if (!job->prompt.grid.empty()) model_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
       job->pos3 = mrope_positions(model_->config(), job->prompt.ids.data(), {0, n}, job->prompt.grid);
     } catch (const Error& e) {
+      cache_.release(job->slot), job->slot = -1;  // never opened on the other ranks
       job->error = e.what();
       finish(*job, "error");
       continue;
@@ -508,6 +520,7 @@ void Server::admit() {
     int64_t next = 0;
     for (int64_t p : job->pos3) next = std::max(next, p + 1);
     cache_.next_pos[job->slot] = next;
+    ops_.insert(ops_.end(), {job->slot, next});
     running_.push_back(job);
   }
 }
@@ -561,7 +574,7 @@ void Server::engine_loop() {
     }
     std::vector<float> logits;
     try {
-      logits = model_->step(segs, cache_);
+      logits = run_step(segs);
     } catch (const Error& e) {  // fails this step's requests, not the server
       log_warn(std::string("serve: a step failed: ") + e.what());
       for (Job* j : who) j->error = e.what(), finish(*j, "error");
@@ -608,11 +621,152 @@ void Server::engine_loop() {
   }
 }
 
-int Server::run() {
+void Server::load() {
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &tp_);
+  if (deck_.integer("serve.tp") != 0 && deck_.integer("serve.tp") != tp_)
+    fail("serve.tp = " + std::to_string(deck_.integer("serve.tp")) + " but " + std::to_string(tp_) +
+         " ranks run: the tensor-parallel group is all ranks (replicas of a group are not supported yet)");
   const ModelSource src = model_source(deck_, "serve.checkpoint");
-  tok_ = std::make_unique<Tokenizer>(Tokenizer::load(deck_.str("tokenizer.path")));
-  model_ = load_model(deck_, src);
+  checkpoint_ = src.checkpoint;
+  std::unique_ptr<Model> full = load_model(deck_, src);
+  if (tp_ == 1) {
+    model_ = std::move(full);
+  } else {  // each rank keeps its slice; the full weights go once it is cut
+    model_ = std::make_unique<Model>(tp_config(full->config(), rank_, tp_));
+    tp_shard_weights(*full, *model_, rank_, tp_);
+    full.reset();
+    vocab_rows_ = tp_vocab_rows(model_->config().text.vocab, rank_, tp_);
+    model_->set_tensor_parallel(
+        [](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
+        vocab_rows_.first, vocab_rows_.second);
+    if (rank_ == 0)
+      log_info("serve: tensor parallel over " + std::to_string(tp_) + " ranks: " +
+               std::to_string(model_->config().text.heads) + " query heads, " +
+               std::to_string(model_->config().text.kv_heads) + " key/value heads, " +
+               std::to_string(model_->config().text.intermediate) + " MLP rows and " +
+               std::to_string(vocab_rows_.second - vocab_rows_.first) + " vocabulary rows per rank");
+  }
+  // The KV cache: fixed blocks from the budget (per rank: a rank caches only its key/value heads), allocated once.
   const ModelConfig& cfg = model_->config();
+  const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
+  cache_.block = deck_.integer("serve.kv_block");
+  const int64_t per_block = 2 * cfg.text.layers * cache_.block * row * (int64_t)sizeof(float);
+  cache_.max_blocks = std::max<int64_t>(1, (int64_t)(deck_.real("serve.kv_mib") * 1048576.0) / per_block);
+  cache_.reset(cfg.text.layers, row);
+  metrics_.kv_total = cache_.max_blocks;
+  char msg[256];
+  std::snprintf(msg, sizeof msg, "serve: KV cache %lld blocks of %lld tokens (%.1f MiB, %lld tokens)",
+                (long long)cache_.max_blocks, (long long)cache_.block, cache_.max_blocks * per_block / 1048576.0,
+                (long long)(cache_.max_blocks * cache_.block));
+  if (rank_ == 0) log_info(msg);
+}
+
+namespace {
+// A broadcast the waiting ranks poll with short sleeps: MPICH spins in a blocking one, and a server waits for
+// requests most of the time.
+void bcast_polling(int64_t* buf, int n) {
+  MPI_Request r;
+  MPI_Ibcast(buf, n, MPI_INT64_T, 0, MPI_COMM_WORLD, &r);
+  for (int done = 0;;) {
+    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+}  // namespace
+
+std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop) {
+  if (tp_ == 1) return model_->step(segs, cache_);
+  // The plan: ints [ops..., nseg, per segment: slot, n ids, ids, n pos, pos, img floats, ds count, ds floats...],
+  // floats [img, ds...]; a header [stop, ints, floats] first.
+  std::vector<int64_t> ints;
+  std::vector<float> floats;
+  int64_t head[3] = {stop ? 1 : 0, 0, 0};
+  if (rank_ == 0) {
+    ints.push_back((int64_t)ops_.size());
+    ints.insert(ints.end(), ops_.begin(), ops_.end());
+    ops_.clear();
+    ints.push_back((int64_t)segs.size());
+    for (const auto& g : segs) {
+      ints.insert(ints.end(), {(int64_t)g.seq, (int64_t)g.ids.size()});
+      ints.insert(ints.end(), g.ids.begin(), g.ids.end());
+      ints.push_back((int64_t)g.pos3.size());
+      ints.insert(ints.end(), g.pos3.begin(), g.pos3.end());
+      ints.insert(ints.end(), {(int64_t)g.img.size(), (int64_t)g.ds.size()});
+      floats.insert(floats.end(), g.img.begin(), g.img.end());
+      for (const auto& d : g.ds) ints.push_back((int64_t)d.size()), floats.insert(floats.end(), d.begin(), d.end());
+    }
+    head[1] = (int64_t)ints.size(), head[2] = (int64_t)floats.size();
+  }
+  bcast_polling(head, 3);
+  if (head[0]) {
+    stopped_ = true;
+    return {};
+  }
+  ints.resize(head[1]);
+  floats.resize(head[2]);
+  MPI_Bcast(ints.data(), (int)ints.size(), MPI_INT64_T, 0, MPI_COMM_WORLD);
+  MPI_Bcast(floats.data(), (int)floats.size(), MPI_FLOAT, 0, MPI_COMM_WORLD);
+  if (rank_ != 0) {  // replay the cache's slot changes, then the segments
+    size_t i = 0, f = 0;
+    const int64_t nops = ints[i++];
+    for (int64_t k = 0; k < nops; k += 2, i += 2)
+      if (ints[i + 1] < 0) cache_.release((int)ints[i]);
+      else cache_.open((int)ints[i]), cache_.next_pos[ints[i]] = ints[i + 1];
+    segs.assign(ints[i++], {});
+    for (auto& g : segs) {
+      g.seq = (int)ints[i++];
+      const int64_t n = ints[i++];
+      g.ids.assign(ints.begin() + i, ints.begin() + i + n), i += n;
+      const int64_t np = ints[i++];
+      g.pos3.assign(ints.begin() + i, ints.begin() + i + np), i += np;
+      const int64_t ni = ints[i++], nd = ints[i++];
+      g.img.assign(floats.begin() + f, floats.begin() + f + ni), f += ni;
+      for (int64_t d = 0; d < nd; ++d) {
+        const int64_t nf = ints[i++];
+        g.ds.emplace_back(floats.begin() + f, floats.begin() + f + nf), f += nf;
+      }
+    }
+  }
+  // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
+  const std::vector<float> local = model_->step(segs, cache_);
+  const int64_t V = model_->config().text.vocab, ns = (int64_t)segs.size();
+  std::vector<int> counts(tp_), offs(tp_);
+  for (int r = 0; r < tp_; ++r) {
+    const auto [a, b] = tp_vocab_rows(V, r, tp_);
+    counts[r] = (int)(ns * (b - a)), offs[r] = r ? offs[r - 1] + counts[r - 1] : 0;
+  }
+  std::vector<float> all(rank_ == 0 ? ns * V : 0), logits(rank_ == 0 ? ns * V : 0);
+  MPI_Gatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0,
+              MPI_COMM_WORLD);
+  if (rank_ != 0) return {};
+  for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
+    const auto [a, b] = tp_vocab_rows(V, r, tp_);
+    for (int64_t s = 0; s < ns; ++s)
+      std::copy(&all[offs[r] + s * (b - a)], &all[offs[r] + (s + 1) * (b - a)], &logits[s * V + a]);
+  }
+  return logits;
+}
+
+void Server::worker_loop() {
+  while (!stopped_) {
+    std::vector<StepSegment<float>> segs;
+    try {
+      run_step(segs);
+    } catch (const Error& e) {  // rank 0 met the same error in the same step and goes on
+    }
+  }
+}
+
+int Server::run() {
+  load();
+  if (rank_ != 0) {
+    worker_loop();
+    return 0;
+  }
+  const ModelConfig& cfg = model_->config();
+  tok_ = std::make_unique<Tokenizer>(Tokenizer::load(deck_.str("tokenizer.path")));
   icfg_.patch = cfg.vision.patch;
   icfg_.temporal_patch = cfg.vision.temporal_patch;
   icfg_.merge = cfg.vision.merge;
@@ -626,23 +780,10 @@ int Server::run() {
   image_dir_ = deck_.str("serve.image_dir");
   model_name_ = deck_.str("serve.model_name");
   if (model_name_.empty()) {
-    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : src.checkpoint;
+    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : checkpoint_;
     model_name_ = from.empty() ? "q3vl-" + deck_.str("model.preset") : fs::path(from).filename().string();
     if (model_name_.empty()) model_name_ = fs::path(from).parent_path().filename().string();
   }
-  // The KV cache: fixed blocks from the budget, allocated once.
-  const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
-  cache_.block = deck_.integer("serve.kv_block");
-  const int64_t per_block = 2 * cfg.text.layers * cache_.block * row * (int64_t)sizeof(float);
-  cache_.max_blocks = std::max<int64_t>(1, (int64_t)(deck_.real("serve.kv_mib") * 1048576.0) / per_block);
-  cache_.reset(cfg.text.layers, row);
-  metrics_.kv_total = cache_.max_blocks;
-  char msg[256];
-  std::snprintf(msg, sizeof msg, "serve: KV cache %lld blocks of %lld tokens (%.1f MiB, %lld tokens)",
-                (long long)cache_.max_blocks, (long long)cache_.block, cache_.max_blocks * per_block / 1048576.0,
-                (long long)(cache_.max_blocks * cache_.block));
-  log_info(msg);
-
   httplib::Server svr;
   const int threads = (int)deck_.integer("serve.http_threads");
   svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
@@ -702,6 +843,10 @@ int Server::run() {
   for (auto& j : waiting_) finish(*j, "length");
   svr.stop();
   http.join();
+  if (tp_ > 1) {  // the other ranks leave their loop
+    std::vector<StepSegment<float>> none;
+    run_step(none, true);
+  }
   return 0;
 }
 
@@ -710,11 +855,8 @@ int Server::run() {
 int run_serve(const Deck& deck) {
   Runtime& rt = Runtime::get();
   stop_init(0, deck.str("run.out_dir"));  // SIGTERM ends serving cleanly on every rank
-  int rc = 0;
-  if (rt.where().rank == 0) {
-    Server s(deck);
-    rc = s.run();
-  }
+  Server s(deck);
+  const int rc = s.run();
   idle_barrier(rt.world(), "waiting for rank 0 to serve");
   return rc;
 }

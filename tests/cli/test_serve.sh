@@ -3,7 +3,7 @@
 # with images as data URLs and as paths under serve.image_dir, streaming and not, greedy answers equal to
 # `q3vl generate`'s, bad requests answered with OpenAI error objects while the server stays up, 32 concurrent
 # streams with some clients leaving mid-answer, a KV cache too small for two requests queueing them, /metrics,
-# SIGTERM, and rank 0 serving under mpiexec.
+# SIGTERM, and tensor parallelism over 2 and 4 ranks.
 source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
 client=tests/cli/serve_client.mjs
@@ -105,11 +105,17 @@ if start small $q serve model.preset=tiny serve.kv_block=32 serve.kv_mib=0.02; t
   [[ $o == *'KV-cache blocks'*' 413' ]] && pass "a request larger than the whole cache: 413" || bad "too big: $o"
 fi
 
-# Under mpiexec: rank 0 serves, the other ranks wait, SIGTERM ends them all.
-if start np2 mpiexec -n 2 $q serve model.preset=tiny serve.kv_mib=8; then
-  MAX_TOKENS=6 node_c answers $tmp/d/eval.jsonl data >$tmp/a_np2.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
-  same_answers "mpiexec -n 2: answers == generate" $tmp/a_np2.jsonl
-fi
+# Tensor parallel over 2 and 4 ranks (heads, MLP rows and vocabulary split; with 4, each kv head on 2 ranks): rank 0
+# serves, all ranks compute, the greedy answers stay generate's.
+for n in 2 4; do
+  if start tp$n mpiexec -n $n $q serve model.preset=tiny serve.kv_mib=8; then
+    grep -q "tensor parallel over $n ranks" $tmp/tp$n.log || bad "tp$n: $(grep serve: $tmp/tp$n.log)"
+    node_c answers $tmp/d/eval.jsonl stream >$tmp/a_tp$n.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+    same_answers "TP = $n: streamed answers == generate" $tmp/a_tp$n.jsonl
+    kill -TERM ${pids[-1]}; wait ${pids[-1]}; rc=$?
+    [[ $rc -eq 0 ]] && pass "TP = $n: SIGTERM ends every rank" || bad "tp$n: exit $rc $(tail -3 $tmp/tp$n.log)"
+  fi
+done
 stop_all
 expect no-model 1 "serve needs a model" $q serve serve.port=0
 expect bad-image-dir 1 "serve.image_dir" $q serve model.preset=tiny serve.image_dir=$tmp/nothere

@@ -4,6 +4,7 @@
 // gradients; residual blocks work in place: dx holds dL/d(out) on entry and dL/d(in) on return.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "q3vl/model/config.hpp"
@@ -114,6 +115,7 @@ template <class T> struct KvCache {
   void reset(int layers, int64_t row_);
   int batch() const { return (int)len.size(); }
   int add();                   // a new empty sequence (a released slot is reused)
+  void open(int s);            // slot s as a new empty sequence (a replica following another cache's add())
   void release(int s);         // frees the sequence's blocks and slot
   int64_t blocks_for(int64_t tokens) const { return (tokens + block - 1) / block; }
   int64_t free_count() const;  // blocks that can still be handed out
@@ -128,9 +130,13 @@ template <class T> struct KvCache {
 };
 // Inference through one layer: N new tokens in segments cu, segment s extending cache sequence seqs[s]. A new token
 // attends to its sequence's cached tokens and the new ones up to itself; the new keys and values are appended.
+// Tensor parallelism (serve): a layer holding a slice of the heads and of the MLP's intermediate rows computes partial
+// sums of o_proj's and down_proj's outputs; reduce (when set) sums them over the group, in place.
+template <class T> using PartialSum = std::function<void(T*, int64_t)>;
 template <class T> void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int first, bool moe, T* x,
                                             int64_t N, const std::vector<int64_t>& cu, const std::vector<int>& seqs,
-                                            const T* cos, const T* sin, KvCache<T>& cache, int layer);
+                                            const T* cos, const T* sin, KvCache<T>& cache, int layer,
+                                            const PartialSum<T>& reduce = {});
 
 // ---- LM head + cross-entropy (src/model/loss.cpp), chunked over rows so logits are never all in memory ----------
 // Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null, otherwise only the

@@ -118,6 +118,12 @@ class BasicModel {
   // extending its own cache sequence (added by the caller with cache.add()). Returns each segment's last-row
   // logits [segs, V]. Blocks are reserved as needed; a full pool is an error (the caller reserves ahead).
   std::vector<T> step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache);
+  // Tensor-parallel inference: this model holds one rank's slice of every decoder layer (serve/tp.hpp shards it);
+  // reduce sums the partial attention and MLP outputs over the group, and the LM head computes only vocabulary rows
+  // [v0, v1), so prefill/decode/step return [rows, v1 - v0] logits.
+  void set_tensor_parallel(PartialSum<T> reduce, int64_t v0, int64_t v1) {
+    tp_reduce_ = std::move(reduce), head_v0_ = v0, head_v1_ = v1;
+  }
   // The vision tower and mergers alone, for one prompt's images (pixels/grid as prefill): features of its image
   // tokens img [n, H] and the DeepStack features ds [deepstack][n*H].
   void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<T>& img,
@@ -166,6 +172,8 @@ class BasicModel {
   std::vector<int64_t> idx_;               // pooled top-k [nmoe*N, k]
   std::vector<int> moe_slot_;              // decoder layer -> MoE slot (-1: dense)
   int64_t count_ = 0;
+  PartialSum<T> tp_reduce_;
+  int64_t head_v0_ = 0, head_v1_ = 0;  // LM-head rows computed (v1 = 0: all)
 };
 
 using Model = BasicModel<float>;
