@@ -45,7 +45,7 @@ const std::vector<KeySpec>& deck_schema() {
       {"generate.temperature", T::Real, "0", "sampling temperature (0: greedy)", 0, 100},
       {"generate.top_k", T::Int, "0", "sample among the k most likely tokens (0: all)", 0, 1 << 30},
       {"generate.top_p", T::Real, "1", "nucleus sampling: smallest set of tokens with this much probability", 0, 1},
-      {"generate.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (HF default)", 1,
+      {"generate.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json, else HF's)", 1,
        1e12},
       {"generate.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
 
@@ -65,7 +65,7 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.kv_block", T::Int, "16", "KV-cache block size in tokens", 1, 1 << 16},
       {"serve.kv_mib", T::Real, "512", "KV-cache memory in MiB (requests that do not fit wait in the queue)", 0.001,
        1e9},
-      {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (HF default)", 1, 1e12},
+      {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json)", 1, 1e12},
       {"serve.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
       {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},
       {"serve.http_threads", T::Int, "128", "HTTP worker threads (each open stream holds one)", 1, 1 << 16},

@@ -197,6 +197,40 @@ std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src) {
   return model;
 }
 
+std::string tokenizer_file(const Deck& d) {
+  const std::string dir = d.str("model.hf");
+  if (!d.given("tokenizer.path") && !dir.empty() && fs::is_regular_file(dir + "/tokenizer.json"))
+    return dir + "/tokenizer.json";
+  return d.str("tokenizer.path");
+}
+
+ImageConfig image_config(const Deck& d, const std::string& mode, const ModelConfig& cfg) {
+  ImageConfig ic;
+  ic.patch = cfg.vision.patch;
+  ic.temporal_patch = cfg.vision.temporal_patch;
+  ic.merge = cfg.vision.merge;
+  ic.min_pixels = d.integer(mode + ".min_pixels");
+  ic.max_pixels = d.integer(mode + ".max_pixels");
+  // The bounds the model was trained with travel in its directory (tools/export_hf writes them); the deck wins.
+  const std::string pp = d.str("model.hf") + "/preprocessor_config.json";
+  if (d.str("model.hf").empty() || !fs::is_regular_file(pp)) return ic;
+  try {
+    std::ifstream f(pp);
+    const nlohmann::json j = nlohmann::json::parse(f);
+    const nlohmann::json size = j.value("size", nlohmann::json::object());
+    if (!d.given(mode + ".min_pixels"))
+      ic.min_pixels = size.value("shortest_edge", j.value("min_pixels", ic.min_pixels));
+    if (!d.given(mode + ".max_pixels"))
+      ic.max_pixels = size.value("longest_edge", j.value("max_pixels", ic.max_pixels));
+  } catch (const nlohmann::json::exception& e) {
+    fail(pp + ": " + e.what());
+  }
+  if (ic.min_pixels > ic.max_pixels)
+    fail(pp + ": the image bounds are reversed (min_pixels " + std::to_string(ic.min_pixels) + " > max_pixels " +
+         std::to_string(ic.max_pixels) + ")");
+  return ic;
+}
+
 SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok) {
   SamplingParams sp;
   sp.stop = {cfg.eos_token_id};
@@ -211,13 +245,8 @@ int run_generate(const Deck& deck) {
   if (rt.where().rank == 0) {
     const ModelSource src = model_source(deck, "generate.checkpoint");
     const ModelConfig& cfg = src.cfg;
-    const Tokenizer tok = Tokenizer::load(deck.str("tokenizer.path"));
-    ImageConfig icfg;
-    icfg.patch = cfg.vision.patch;
-    icfg.temporal_patch = cfg.vision.temporal_patch;
-    icfg.merge = cfg.vision.merge;
-    icfg.min_pixels = deck.integer("generate.min_pixels");
-    icfg.max_pixels = deck.integer("generate.max_pixels");
+    const Tokenizer tok = Tokenizer::load(tokenizer_file(deck));
+    const ImageConfig icfg = image_config(deck, "generate", cfg);
 
     SamplingParams sp = model_sampling(cfg, tok);
     sp.temperature = deck.real("generate.temperature");

@@ -766,12 +766,8 @@ int Server::run() {
     return 0;
   }
   const ModelConfig& cfg = model_->config();
-  tok_ = std::make_unique<Tokenizer>(Tokenizer::load(deck_.str("tokenizer.path")));
-  icfg_.patch = cfg.vision.patch;
-  icfg_.temporal_patch = cfg.vision.temporal_patch;
-  icfg_.merge = cfg.vision.merge;
-  icfg_.min_pixels = deck_.integer("serve.min_pixels");
-  icfg_.max_pixels = deck_.integer("serve.max_pixels");
+  tok_ = std::make_unique<Tokenizer>(Tokenizer::load(tokenizer_file(deck_)));
+  icfg_ = image_config(deck_, "serve", cfg);
   base_ = model_sampling(cfg, *tok_);
   max_context_ = deck_.integer("serve.max_context");
   max_tokens_ = deck_.integer("serve.max_tokens");

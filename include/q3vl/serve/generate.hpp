@@ -68,6 +68,11 @@ struct ModelSource {
 };
 ModelSource model_source(const Deck& deck, const std::string& checkpoint_key);
 std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src);
+// A model directory is self-sufficient: tokenizer.json and the image pixel bounds (preprocessor_config.json's
+// size.shortest_edge / longest_edge) come from model.hf unless the deck gives tokenizer.path / MODE.min_pixels /
+// MODE.max_pixels (MODE: "generate" or "serve").
+std::string tokenizer_file(const Deck& d);
+ImageConfig image_config(const Deck& d, const std::string& mode, const ModelConfig& cfg);
 // What every request of a model shares: stop on eos; never the padded vocabulary or the image/video pads.
 SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok);
 
