@@ -205,7 +205,8 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
   if (body.contains("stop") && !body["stop"].is_null()) {
     const json& s = body["stop"];
     if (s.is_string()) job->stops.push_back(s.get<std::string>());
-    else if (s.is_array() && s.size() <= 4 && std::all_of(s.begin(), s.end(), [](const json& x) { return x.is_string(); }))
+    else if (s.is_array() && s.size() <= 4 &&
+             std::all_of(s.begin(), s.end(), [](const json& x) { return x.is_string(); }))
       for (const json& x : s) job->stops.push_back(x.get<std::string>());
     else refuse(400, "'stop' must be a string or an array of at most 4 strings", "stop");
     std::erase_if(job->stops, [](const std::string& x) { return x.empty(); });
@@ -539,7 +540,10 @@ void Server::engine_loop() {
     for (auto it = waiting_.begin(); it != waiting_.end();)
       if ((*it)->cancelled) finish(**it, "cancelled"), it = waiting_.erase(it), metrics_.queue--;
       else ++it;
-    std::erase_if(running_, [&](const std::shared_ptr<Job>& j) { return j->cancelled ? (finish(*j, "cancelled"), true) : false; });
+    std::erase_if(running_, [&](const std::shared_ptr<Job>& j) {
+      if (j->cancelled) finish(*j, "cancelled");
+      return (bool)j->cancelled;
+    });
     admit();
     metrics_.running = (int64_t)running_.size();
     metrics_.kv_used = cache_.used_blocks();
@@ -784,14 +788,16 @@ int Server::run() {
   const int threads = (int)deck_.integer("serve.http_threads");
   svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   svr.set_payload_max_length((size_t)(deck_.real("serve.max_body_mib") * 1048576.0));
-  svr.Post("/v1/chat/completions", [this](const httplib::Request& q, httplib::Response& r) { handle_completion(q, r, true); });
-  svr.Post("/v1/completions", [this](const httplib::Request& q, httplib::Response& r) { handle_completion(q, r, false); });
+  using Req = httplib::Request;
+  using Res = httplib::Response;
+  svr.Post("/v1/chat/completions", [this](const Req& q, Res& r) { handle_completion(q, r, true); });
+  svr.Post("/v1/completions", [this](const Req& q, Res& r) { handle_completion(q, r, false); });
   svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& r) {
     json m = {{"id", model_name_}, {"object", "model"}, {"created", (int64_t)created_}, {"owned_by", "q3vl"},
               {"max_model_len", max_context_}};
     r.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
   });
-  svr.Get("/health", [](const httplib::Request&, httplib::Response& r) { r.set_content("{\"status\":\"ok\"}", "application/json"); });
+  svr.Get("/health", [](const Req&, Res& r) { r.set_content("{\"status\":\"ok\"}", "application/json"); });
   svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& r) {
     r.set_content(metrics_text(), "text/plain; version=0.0.4");
   });
