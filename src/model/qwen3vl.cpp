@@ -385,14 +385,19 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   if (table_.ep().size > 1) fail("generation needs every expert on this rank (parallel.ep = 1)");
   const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
-  const int64_t N = cu.back(), H = tc.hidden, V = tc.vocab, nseg = (int64_t)seqs.size();
+  const int64_t N = cu.back(), H = tc.hidden, nseg = (int64_t)seqs.size();
+  const int64_t v0 = head_v0_, V = head_v1_ > 0 ? head_v1_ - head_v0_ : tc.vocab;  // this rank's vocabulary rows
+  for (int64_t s = 0; s < nseg; ++s)
+    if (!cache.reserve(seqs[s], cu[s + 1] - cu[s]))
+      fail("KV cache full: " + std::to_string(cache.max_blocks) + " blocks of " + std::to_string(cache.block) +
+           " tokens are in use");
   std::vector<T> cos(N * tc.head_dim / 2), sin(cos.size());
   ops::mrope_table(pos3.data(), N, (int64_t)tc.head_dim, tc.rope_theta, tc.mrope_section.data(), cos.data(),
                    sin.data());
   for (int l = 0; l < tc.layers; ++l) {
     enter_layer(l, false);
     decoder_layer_infer(cfg_, P, table_.layer(l), moe_slot_[l] >= 0, x.data(), N, cu, seqs, cos.data(), sin.data(),
-                        cache, l);
+                        cache, l, tp_reduce_);
     leave_layer(l, false);
     if ((size_t)l < ds.size())  // DeepStack, as in run(): only prompts hold visual tokens
       for (size_t j = 0; j < vis_.size(); ++j)
@@ -406,7 +411,7 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   enter(table_.final_norm(), false);
   if (tied_head) enter(table_.lm_head(), false);
   ops::rmsnorm_fwd(last.data(), P.p[table_.final_norm()], h.data(), r.data(), nseg, H, tc.rms_eps);
-  ops::linear_fwd(h.data(), P.p[table_.lm_head()], (const T*)nullptr, logits.data(), nseg, H, V);
+  ops::linear_fwd(h.data(), P.p[table_.lm_head()] + v0 * H, (const T*)nullptr, logits.data(), nseg, H, V);
   if (tied_head) leave(table_.lm_head(), false);
   leave(table_.final_norm(), false);
   return logits;
@@ -432,10 +437,8 @@ std::vector<T> BasicModel<T>::prefill(const std::vector<std::vector<int64_t>>& p
   std::vector<T> x = embed(ids, img);
   const std::vector<int64_t> pos = mrope_positions(cfg_, ids.data(), cu, grid);
   const int64_t N = (int64_t)ids.size();
-  cache.len.assign(B, 0);
-  cache.next_pos.assign(B, 0);
-  cache.k.assign((size_t)cfg_.text.layers * B, {});
-  cache.v.assign(cache.k.size(), {});
+  cache.reset(cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim);
+  for (int b = 0; b < B; ++b) cache.add();
   for (int b = 0; b < B; ++b)
     for (int row = 0; row < 3; ++row)
       for (int64_t i = cu[b]; i < cu[b + 1]; ++i) cache.next_pos[b] = std::max(cache.next_pos[b], pos[row * N + i] + 1);
@@ -460,6 +463,57 @@ std::vector<T> BasicModel<T>::decode(const std::vector<int>& seqs, const std::ve
   }
   std::vector<T> x = embed(tokens, {});
   return extend(x, cu, pos, seqs, {}, cache);
+}
+
+template <class T>
+void BasicModel<T>::vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid,
+                                    std::vector<T>& img, std::vector<std::vector<T>>& ds) {
+  kept_ = false;
+  encode_images(pixels, grid, false, img, ds);
+  vctx_.clear();
+}
+
+template <class T>
+std::vector<T> BasicModel<T>::step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache) {
+  kept_ = false;
+  const int64_t H = cfg_.text.hidden;
+  const size_t nds = cfg_.vision.deepstack_indexes.size();
+  std::vector<int64_t> ids, cu{0};
+  std::vector<int> seqs;
+  std::vector<T> img;
+  std::vector<std::vector<T>> ds(nds);
+  bool any_ds = false;
+  for (const StepSegment<T>& g : segs) {
+    const int s = g.seq;
+    if (s < 0 || s >= cache.batch() || cache.len[s] < 0) fail("step: no cached sequence " + std::to_string(s));
+    if (g.ids.empty()) fail("step: an empty segment for sequence " + std::to_string(s));
+    ids.insert(ids.end(), g.ids.begin(), g.ids.end());
+    cu.push_back((int64_t)ids.size());
+    seqs.push_back(s);
+    img.insert(img.end(), g.img.begin(), g.img.end());
+    if (!g.ds.empty()) {
+      if (g.ds.size() != nds) fail("step: DeepStack features for " + std::to_string(g.ds.size()) + " layers");
+      any_ds = true;
+      for (size_t j = 0; j < nds; ++j) ds[j].insert(ds[j].end(), g.ds[j].begin(), g.ds[j].end());
+    }
+  }
+  const int64_t N = (int64_t)ids.size();
+  // Positions: given with the prompt's tokens (M-RoPE of the whole prompt), else the sequence's next position.
+  std::vector<int64_t> pos(3 * N);
+  for (size_t g = 0; g < segs.size(); ++g) {
+    const int64_t n = cu[g + 1] - cu[g];
+    if (!segs[g].pos3.empty() && (int64_t)segs[g].pos3.size() != 3 * n)
+      fail("step: " + std::to_string(segs[g].pos3.size()) + " positions for " + std::to_string(n) + " tokens");
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = segs[g].pos3.empty() ? cache.next_pos[seqs[g]]++ : -1;
+      for (int row = 0; row < 3; ++row) pos[row * N + cu[g] + i] = p >= 0 ? p : segs[g].pos3[row * n + i];
+    }
+  }
+  std::vector<T> x = embed(ids, img);
+  if (any_ds)
+    for (size_t j = 0; j < nds; ++j)
+      if ((int64_t)ds[j].size() != (int64_t)vis_.size() * H) fail("step: DeepStack features do not match the image tokens");
+  return extend(x, cu, pos, seqs, any_ds ? ds : std::vector<std::vector<T>>{}, cache);
 }
 
 template <class T>
