@@ -143,8 +143,9 @@ TEST(Synth, AnswersReadAsEnglish) {
   EXPECT_EQ(synth_answer(orange, 1), "an orange square");
 }
 
-// Only the picture tells the answer: within one answer the place, size, background and shade spread widely, so
-// that neither a fixed position nor the background's level nor a single shade carries it.
+// Only the picture tells the answer: within one answer the place, size, background and shade spread, so that
+// neither a fixed position nor the background's level nor a single shade carries it. (Place and size spread as far
+// as the demo's model learns them in its budget: the centre moves by up to 5% of the side, the radius by 30%.)
 TEST(Synth, PicturesVaryInMoreThanTheAnswer) {
   std::map<std::string, std::vector<Reading>> by_answer;
   std::map<int, std::vector<Reading>> by_colour;
@@ -161,9 +162,9 @@ TEST(Synth, PicturesVaryInMoreThanTheAnswer) {
   };
   for (const auto& [answer, rs] : by_answer) {
     ASSERT_GE(rs.size(), 40u) << answer;
-    EXPECT_GT(spread(rs, &Reading::cx), 20) << answer << ": the shape stays in one place";
-    EXPECT_GT(spread(rs, &Reading::cy), 20) << answer << ": the shape stays in one place";
-    EXPECT_GT(spread(rs, &Reading::width), 15) << answer << ": the shape keeps its size";
+    EXPECT_GT(spread(rs, &Reading::cx), 4) << answer << ": the shape stays in one place";
+    EXPECT_GT(spread(rs, &Reading::cy), 4) << answer << ": the shape stays in one place";
+    EXPECT_GT(spread(rs, &Reading::width), 8) << answer << ": the shape keeps its size";
     EXPECT_GT(spread(rs, &Reading::background), 60) << answer << ": the background keeps its level";
   }
   // Shade: one colour is drawn darker and brighter (the mean level of the shape's pixels; noise averages out).
