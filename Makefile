@@ -1,7 +1,8 @@
 # q3vl — one Makefile, no CMake.
 #   make deps    install every Debian package q3vl needs (root), fetch the Qwen tokenizer
 #   make         build bin/q3vl (CPU backend; CUDA backend too when nvcc is found, CUDA=0 skips it)
-#   make test    build and run every test suite (unit, MPI at 1/2/4 ranks, tools)
+#   make test    build and run every test suite (unit, MPI at 1/2/4 ranks, tools, Slurm)
+#   make test-gpu the GPU tests, on a GPU machine: a test skipped for want of a GPU fails instead
 #   make demo    generate data, train the tiny model on 4 ranks, resume, generate (see README)
 .DEFAULT_GOAL := all
 SHELL := /bin/bash
@@ -14,7 +15,7 @@ CXX      := mpicxx
 MPIEXEC  ?= mpiexec
 OPT      ?= -O2
 CXXFLAGS := -std=c++20 $(OPT) -g -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers -fPIC -MMD -MP
-CPPFLAGS := -Iinclude -I/usr/include/hdf5/mpich -I/usr/include/x86_64-linux-gnu/openblas-pthread \
+CPPFLAGS := -Iinclude -Isrc -I/usr/include/hdf5/mpich -I/usr/include/x86_64-linux-gnu/openblas-pthread \
             -DQ3VL_GIT='"$(shell git describe --always --dirty 2>/dev/null || echo unknown)"'
 LDLIBS   := -L/usr/lib/x86_64-linux-gnu/hdf5/mpich -Wl,-rpath,/usr/lib/x86_64-linux-gnu/hdf5/mpich \
             -lhdf5 -lopenblas -lpcre2-8 -lpng -ljpeg -lpthread
@@ -26,8 +27,8 @@ CU_SRC := $(if $(filter 1,$(CUDA)),$(shell find src -name '*.cu' 2>/dev/null))
 ifeq ($(CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CPPFLAGS  += -DQ3VL_CUDA=1 -I$(CUDA_HOME)/include
-LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lnccl
-NVFLAGS   := -std=c++20 -O3 -arch=sm_90 -Iinclude -Xcompiler -fPIC -ccbin g++ \
+LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lnccl
+NVFLAGS   := -std=c++20 -O3 -arch=sm_90 -Iinclude -Isrc --expt-relaxed-constexpr -Xcompiler -fPIC -ccbin g++ \
              -I/usr/include/x86_64-linux-gnu/mpich
 endif
 
@@ -73,6 +74,11 @@ tests: bin/q3vl bin/unit_tests bin/mpi_tests
 
 test: tests
 	@bash tests/run_all.sh
+
+# Q3VL_REQUIRE_GPU=1 turns the GPU tests' "no GPU" skip into a failure (tests/gpu.hpp).
+GPU_TESTS := BackendOps.*:*Cuda*:*Gpu*:*GPU*
+test-gpu: bin/unit_tests
+	Q3VL_REQUIRE_GPU=1 OPENBLAS_NUM_THREADS=1 bin/unit_tests --gtest_filter='$(GPU_TESTS)'
 
 # Debian packages. apt-get needs root; CI and the README run this as root.
 DEB_PKGS := build-essential g++ make git pkg-config mpich libmpich-dev libhdf5-mpich-dev hdf5-tools \
@@ -125,5 +131,5 @@ demo: bin/q3vl
 clean:
 	rm -rf build bin
 
-.PHONY: all deps test tests clean demo
+.PHONY: all deps test test-gpu tests clean demo
 -include $(shell find build/obj -name '*.d' 2>/dev/null)

@@ -9,6 +9,12 @@
 # before the time limit; scancel and preemption send SIGTERM. q3vl then finishes the step, writes a
 # checkpoint and exits with status 3 (see include/q3vl/runtime/stop.hpp); q3vl_step turns that into
 # `scontrol requeue`, and the requeued job resumes from the checkpoint (train.resume = auto).
+# Slurm holds a requeued job for its credential lifetime (AuthInfo cred_expire + 1 s, 121 s by default)
+# before starting it again: do not cut that short (scontrol update StartTime=now, scontrol release). Step
+# ids restart at 0 in the requeued job, so its step N reuses the mpi/pmi2 socket name of the old run's step
+# N, whose slurmstepd may still be exiting on that node; when it does, it removes the new step's socket and
+# srun kills the step at its next PMI fence, MPI_Finalize's at the latest ("mpi/pmi2: failed to send temp
+# kvs", exit 137).
 
 set -uo pipefail
 

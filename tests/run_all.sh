@@ -1,40 +1,59 @@
 #!/usr/bin/env bash
-# Runs every test suite and ends with one summary line "N passed, N failed".
-# The MPI suite runs at 1, 2 and 4 ranks; a failure on any rank fails the suite.
+# Runs every test suite and ends with one summary line "N passed, N failed, N skipped", after the list of
+# every skipped check with its reason. The MPI suite runs at 1, 2 and 4 ranks; a failure on any rank fails
+# the suite. Q3VL_REQUIRE_SLURM=1 makes a missing Slurm a failure (Q3VL_REQUIRE_GPU=1, read by the GPU
+# tests themselves, does the same for a missing GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 MPIEXEC=${MPIEXEC:-mpiexec}
 log_dir=build/test-logs
 mkdir -p "$log_dir"
-passed=0 failed=0 failed_suites=()
+passed=0 failed=0 skipped=0 failed_suites=() skip_list=()
 
-# run NAME CMD...: one suite; counts GoogleTest's pass/fail lines (or the exit code for plain scripts).
+# skip_suite NAME REASON: a whole suite that cannot run here.
+skip_suite() {
+  printf '%-28s skipped: %s\n' "$1" "$2"
+  skipped=$((skipped + 1)) skip_list+=("$1: whole suite — $2")
+}
+
+# run NAME CMD...: one suite; counts GoogleTest's pass/fail/skip lines (or a script's own summary line, or
+# the exit code), and collects the reason of every skip.
 run() {
   local name=$1; shift
   local log="$log_dir/$name.log" t0=$SECONDS
   printf '%-28s ' "$name"
   "$@" >"$log" 2>&1
   local rc=$?
-  local p f
+  local p f s line why=""
   p=$(grep -oP '^\[  PASSED  \] \K[0-9]+' "$log" | tail -1)
   f=$(grep -oP '^\[  FAILED  \] \K[0-9]+(?= tests?, listed below)' "$log" | tail -1)
-  if [[ -z $p && -z $f ]]; then  # a script: its own "N passed, N failed" line
-    p=$(grep -oP '^\K[0-9]+(?= passed, [0-9]+ failed$)' "$log" | tail -1)
-    f=$(grep -oP '^[0-9]+ passed, \K[0-9]+(?= failed$)' "$log" | tail -1)
+  s=$(grep -oP '^\[  SKIPPED \] \K[0-9]+(?= tests?, listed below)' "$log" | tail -1)
+  if [[ -n $p || -n $f ]]; then
+    # GoogleTest: "FILE:LINE: Skipped", the GTEST_SKIP message, then "[  SKIPPED ] Suite.Test (N ms)".
+    why=$(awk '/ Skipped$/ { why = ""; getline why; next }
+               /^\[  SKIPPED \] [^ ]+ \([0-9]+ ms\)$/ { print $4 " — " (why == "" ? "no reason given" : why) }' "$log")
+  else  # a script: its own "N passed, N failed[, N skipped]" line and "skip: NAME — REASON" lines
+    line=$(grep -P '^[0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?$' "$log" | tail -1)
+    if [[ -n $line ]]; then
+      p=$(grep -oP '^[0-9]+' <<<"$line") f=$(grep -oP '[0-9]+(?= failed)' <<<"$line")
+      s=$(grep -oP '[0-9]+(?= skipped)' <<<"$line")
+      why=$(grep -oP '^skip:? +\K.*' "$log")
+    elif ((rc == 0)); then p=1 f=0  # neither: one test, judged by its exit code
+    else p=0 f=1; fi
   fi
-  if [[ -z $p && -z $f ]]; then  # neither: one test, judged by its exit code
-    if ((rc == 0)); then p=1 f=0; else p=0 f=1; fi
-  fi
-  p=${p:-0} f=${f:-0}
+  [[ -n $why ]] && while IFS= read -r line; do skip_list+=("$name: $line"); done <<<"$why"
+  p=${p:-0} f=${f:-0} s=${s:-0}
   if ((rc != 0 && f == 0)); then f=1; fi  # crashed or a rank failed outside a test
-  passed=$((passed + p)) failed=$((failed + f))
+  passed=$((passed + p)) failed=$((failed + f)) skipped=$((skipped + s))
+  local skips=""
+  ((s > 0)) && skips=", $s skipped"
   if ((f > 0)); then
     failed_suites+=("$name")
-    echo "FAILED ($p passed, $f failed, $((SECONDS - t0)) s) — log: $log"
+    echo "FAILED ($p passed, $f failed$skips, $((SECONDS - t0)) s) — log: $log"
     grep -E '^\[  FAILED  \]|Failure|error' "$log" | head -20 | sed 's/^/    /'
   else
-    echo "ok ($p passed, $((SECONDS - t0)) s)"
+    echo "ok ($p passed$skips, $((SECONDS - t0)) s)"
   fi
 }
 
@@ -50,9 +69,17 @@ if command -v slurmctld >/dev/null; then
   run slurm-start bash tests/slurm/start.sh
   run slurm bash tests/slurm/test_slurm.sh
   bash tests/slurm/stop.sh >/dev/null 2>&1
+elif [[ ${Q3VL_REQUIRE_SLURM:-0} == 1 ]]; then
+  run slurm bash -c 'echo "slurmctld not found and Q3VL_REQUIRE_SLURM=1 (make deps installs slurm-wlm)"; exit 1'
+else
+  skip_suite slurm "slurmctld not found (make deps installs slurm-wlm; Q3VL_REQUIRE_SLURM=1 makes this a failure)"
 fi
 
 echo
+if ((${#skip_list[@]})); then
+  echo "skipped checks:"
+  printf '  %s\n' "${skip_list[@]}"
+fi
 ((${#failed_suites[@]})) && echo "failed suites: ${failed_suites[*]}"
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed, $skipped skipped"
 ((failed == 0))

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "q3vl/app/modes.hpp"
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
@@ -61,8 +62,13 @@ int dispatch(int argc, char** argv) {
       fail_all("mode " + mode + " does not take the flag '" + f + "'");
 
   Runtime& rt = Runtime::get();
+  // Until the deck says otherwise, its default: a rank stopped before the deck is read ends the job too.
+  rt.set_timeout(std::stod(find_key("runtime.timeout")->def));
   Deck deck = rt.load_deck(deck_path, overrides, mode);
-  rt.world().set_timeout(deck.real("runtime.timeout"));
+  rt.set_timeout(deck.real("runtime.timeout"));
+  debug_stop_arm(int(deck.integer("runtime.debug_stop_rank")), long(deck.integer("runtime.debug_stop_step")),
+                 deck.str("runtime.debug_stop_phase"));
+  check_paths(deck, mode, rt.world());
   if (deck.boolean("run.rank_logs")) Log::get().open_rank_file(deck.str("run.out_dir"));
   if (!m->quiet) {
     const Placement& p = rt.where();

@@ -1,13 +1,17 @@
 #include "q3vl/app/modes.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/paths.hpp"
 #include "q3vl/data/prepare.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/data/synth.hpp"
 #include "q3vl/runtime/check.hpp"
+#include "q3vl/runtime/runtime.hpp"
+#include "q3vl/tensor/dev.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/train/train.hpp"
 #include "q3vl/train/eval.hpp"
@@ -15,19 +19,70 @@
 namespace q3vl {
 
 namespace {
-// The model's passes run on the CPU backend in fp32 so far (the CUDA backend has its kernels and their tests, not
-// the model passes): refuse a deck that asks for more rather than silently run something else.
+// generate runs on the CPU backend in fp32 so far (train and eval run the device model on CUDA too): refuse a deck
+// that asks for more rather than silently run something else.
 int on_cpu_fp32(const Deck& d, const char* mode, int (*run)(const Deck&)) {
   if (d.str("model.backend") != "cpu")
     fail("model.backend = \"" + d.str("model.backend") + "\": `q3vl " + mode +
-         "` runs on the CPU backend only in this build (the CUDA backend has its kernels, not yet the model passes); "
+         "` runs on the CPU backend only so far (on CUDA: `q3vl train` and `q3vl eval`); "
          "set model.backend = \"cpu\"");
   if (d.str("model.dtype") != "fp32")
     fail("model.dtype = \"" + d.str("model.dtype") + "\": the CPU backend computes in fp32; "
          "set model.dtype = \"fp32\"");
   return run(d);
 }
+// train and eval: the compute the deck asks for exists here, checked before any work.
+int with_compute(const Deck& d, int (*run)(const Deck&)) {
+  const bool cuda = d.str("model.backend") == "cuda";
+  if (cuda && dev::device_count() == 0 && !std::getenv("Q3VL_DEVICE_ON_CPU"))
+    fail("model.backend = \"cuda\": no GPU is visible to rank " + std::to_string(Runtime::get().where().rank) + " on " +
+         Runtime::get().where().host + " (a build without CUDA, no driver, or CUDA_VISIBLE_DEVICES empty)");
+  if (!cuda && d.str("model.dtype") != "fp32")
+    fail("model.dtype = \"" + d.str("model.dtype") + "\": the CPU backend computes in fp32; set model.dtype = \"fp32\" "
+         "or model.backend = \"cuda\"");
+  return run(d);
+}
 }  // namespace
+
+void check_paths(const Deck& d, const std::string& mode, Comm& world) {
+  // Reads are checked on rank 0 (every rank reads the same files); writes on every rank that writes.
+  const bool root = world.rank() == 0;
+  std::string err;
+  auto need = [&](bool on, const std::string& problem) {
+    if (on && err.empty()) err = problem;
+  };
+  auto given = [&](const char* key) { return !d.str(key).empty(); };
+  const std::string out = d.str("run.out_dir");
+  need(d.boolean("run.rank_logs") || (mode == "train" && root), need_writable_dir("run.out_dir", out));
+  if (mode == "prepare" || mode == "tokenize" || mode == "generate")
+    need(root, need_file("tokenizer.path", d.str("tokenizer.path")));
+  if ((mode == "train" || mode == "eval" || mode == "generate") && given("model.hf")) {
+    need(root, need_dir("model.hf", d.str("model.hf")));
+    need(root, need_file("model.hf's config", d.str("model.hf") + "/config.json"));
+  }
+  if (mode == "prepare") {
+    need(root, need_file("prepare.input", d.str("prepare.input")));
+    if (given("prepare.image_root")) need(root, need_dir("prepare.image_root", d.str("prepare.image_root")));
+    // prepare.output: prepare_dataset checks it (a dataset there needs prepare.overwrite) before any work.
+  } else if (mode == "train") {
+    if (d.str("train.dataset") != "synthetic") need(root, need_file_or_dir("train.dataset", d.str("train.dataset")));
+    const std::string r = d.str("train.resume");
+    if (r != "auto" && r != "never") need(root, need_file("train.resume", r));
+    // Every rank writes its part of each checkpoint: found unwritable now, not after all the steps.
+    if (given("checkpoint.dir")) need(true, need_writable_dir("checkpoint.dir", d.str("checkpoint.dir")));
+    else need(true, need_writable_dir("checkpoint.dir (run.out_dir/checkpoints)", out + "/checkpoints"));
+  } else if (mode == "eval") {
+    need(root, need_file("eval.batch", d.str("eval.batch")));
+    need(root, need_output_file("eval.output", d.str("eval.output")));
+  } else if (mode == "generate") {
+    need(root, need_file("generate.prompts", d.str("generate.prompts")));
+    need(root, need_output_file("generate.output", d.str("generate.output")));
+    if (given("generate.checkpoint")) need(root, need_file_or_dir("generate.checkpoint", d.str("generate.checkpoint")));
+  } else if (mode == "synth") {
+    need(root, need_writable_dir("synth.dir", d.str("synth.dir")));
+  }
+  agree_or_fail(world, err);
+}
 
 bool ModeArgs::has(const std::string& f) const { return std::find(flags.begin(), flags.end(), f) != flags.end(); }
 
@@ -44,9 +99,9 @@ const std::vector<Mode>& modes() {
        },
        {"--decode"}, true},
       {"train", "train with ZeRO data parallelism (AdamW, checkpoints, metrics.jsonl)",
-       [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "train", run_train); }},
+       [](const Deck& d, const ModeArgs&) { return with_compute(d, run_train); }},
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
-       [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "eval", run_eval); }},
+       [](const Deck& d, const ModeArgs&) { return with_compute(d, run_eval); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",
        [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "generate", run_generate); }},
       {"synth", "the demo's synthetic data: PNG pictures of coloured shapes and train/eval JSONL conversations",

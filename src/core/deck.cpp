@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -169,6 +170,8 @@ std::string closest_key(const std::string& name) {
 Deck Deck::load(const std::string& path, const std::vector<std::string>& overrides, const std::string& mode) {
   std::string text;
   if (!path.empty()) {
+    // An ifstream opens a folder and reads nothing: that would run on the defaults.
+    if (std::filesystem::is_directory(path)) fail_all("deck '" + path + "' is a folder; it must be a TOML file");
     std::ifstream f(path, std::ios::binary);
     if (!f) fail_all("cannot open deck '" + path + "'");
     std::ostringstream ss;
@@ -233,6 +236,7 @@ Deck Deck::parse(const std::string& toml_text, const std::string& origin, const 
 
 void Deck::set(const std::string& key, const std::string& value_text) {
   std::string where = "command line: '" + key + "=" + value_text + "'";
+  if (key.empty()) fail_all(where + ": the override lacks a key (the form is section.key=value)");
   const KeySpec* k = find_key(key);
   if (!k) fail_all(where + ": unknown key '" + key + "' (did you mean '" + closest_key(key) + "'?)");
   DeckValue v = parse_text(*k, value_text, where);

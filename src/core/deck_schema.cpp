@@ -23,8 +23,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"model.preset", T::String, "", "built-in size when starting from scratch",
        -kBig, kBig, {"", "tiny", "demo", "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B"}},
       {"model.backend", T::String, "cpu", "compute backend", -kBig, kBig, {"cpu", "cuda"}},
-      {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights", -kBig, kBig,
-       {"fp32", "bf16"}},
+      {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights (bf16/fp16 on cuda)",
+       -kBig, kBig, {"fp32", "bf16", "fp16"}},
 
       // eval: one forward (and optionally backward) pass over a batch file
       {"eval.batch", T::String, "", "HDF5 batch: input_ids, attention_mask, labels, pixel_values, image_grid_thw",
@@ -79,6 +79,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"prepare.max_tokens", T::Int, "0", "samples with more tokens are bad (0: no limit)", 0, 1e12},
       {"prepare.on_error", T::String, "fail", "a bad record or image: fail (naming it) or skip (drop and count it)",
        -kBig, kBig, {"fail", "skip"}},
+      {"prepare.overwrite", T::Bool, "false", "replace a dataset already in prepare.output (otherwise refused); the "
+       "old one stays until the new one is complete"},
 
       // train
       {"train.steps", T::Int, "100", "optimizer steps", 0, 1e12},
@@ -91,6 +93,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.dataset", T::String, "synthetic",
        "training data: a dataset folder made by `q3vl prepare`, or synthetic (deterministic generated samples)"},
       {"train.synthetic_samples", T::Int, "256", "number of synthetic samples (train.dataset = synthetic)", 1, 1e9},
+      {"train.synthetic_image_px", T::Int, "64", "side of the synthetic samples' square image in pixels", 1, 1 << 16},
+      {"train.synthetic_image_every", T::Int, "3", "every Nth synthetic sample has an image (0: none)", 0, 1 << 30},
+      {"train.max_patches", T::Int, "0", "model.backend = cuda: image patches per micro-batch the GPU's activation "
+       "arena is sized for (0: as if every token were an image token)", 0, 1e12},
       {"train.stop_after", T::Int, "0", "stop (with a checkpoint) after this many steps in this job (0: run to "
        "train.steps); the schedule still spans train.steps", 0, 1e12},
       {"train.tune_vision", T::Bool, "true", "train the vision tower and the DeepStack mergers"},
@@ -111,6 +117,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"optim.beta1", T::Real, "0.9", "AdamW beta1", 0, 0.999999},
       {"optim.beta2", T::Real, "0.999", "AdamW beta2", 0, 0.99999999},
       {"optim.eps", T::Real, "1e-8", "AdamW epsilon", 0, 1},
+      {"optim.loss_scale", T::Real, "65536", "model.dtype = fp16: initial dynamic loss scale (halved on overflow, "
+       "the step skipped; doubled after optim.loss_scale_window good steps)", 1, 4294967296.0},
+      {"optim.loss_scale_window", T::Int, "1000", "model.dtype = fp16: good steps before the loss scale doubles", 1,
+       1e9},
       {"optim.clip", T::Real, "1.0", "clip the global gradient norm to this (0: no clipping)", 0, 1e12},
       {"optim.schedule", T::String, "cosine", "learning-rate decay after warmup", -kBig, kBig,
        {"cosine", "linear", "constant"}},
@@ -135,11 +145,18 @@ const std::vector<KeySpec>& deck_schema() {
       {"runtime.peak_flops", T::Real, "989e12",
        "peak FLOP/s of one rank for the metrics' mfu (default: H100/H200 dense bf16, also on the CPU backend)", 1,
        1e18},
+      {"runtime.gpus_per_node", T::Int, "0", "check: fail unless every node has at least this many GPUs visible",
+       0, 1 << 20},
       {"runtime.walltime", T::Real, "0", "wall-clock budget in seconds (0: none); checkpoint and stop before it", 0,
        1e12},
       {"runtime.debug_sleep_rank", T::Int, "-1", "test hook: this rank sleeps before a collective in check (-1: none)",
        -1, 1 << 30},
       {"runtime.debug_sleep_seconds", T::Real, "0", "test hook: how long runtime.debug_sleep_rank sleeps", 0, 1e6},
+      {"runtime.debug_stop_rank", T::Int, "-1", "test hook: this rank stops itself (SIGSTOP) in train at "
+       "runtime.debug_stop_step and _phase (-1: none)", -1, 1 << 30},
+      {"runtime.debug_stop_step", T::Int, "1", "test hook: the step at which runtime.debug_stop_rank stops", 1, 1e12},
+      {"runtime.debug_stop_phase", T::String, "forward", "test hook: where runtime.debug_stop_rank stops", -kBig, kBig,
+       {"forward", "backward", "checkpoint"}},
   };
   return schema;
 }

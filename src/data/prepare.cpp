@@ -1,8 +1,12 @@
 #include "q3vl/data/prepare.hpp"
 
+#include <fcntl.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <climits>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -11,6 +15,7 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
+#include "q3vl/core/paths.hpp"
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/shards.hpp"
 #include "q3vl/data/tokenizer.hpp"
@@ -91,6 +96,63 @@ std::string shard_name(int rank, long k) {
 
 bool blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
 
+fs::path partial_dir(const fs::path& out) {
+  fs::path p = out;
+  if (!p.has_filename()) p = p.parent_path();  // "data/shards/"
+  return p.string() + ".partial";
+}
+
+// What a dataset folder holds: index.json, shard-*.h5 and dot files (markers such as the job scripts' .done).
+// Anything else means the folder is not (only) a dataset, and replacing it as a whole would delete it.
+bool dataset_file(const std::string& name) {
+  return name == "index.json" || name == "index.json.tmp" || (name.rfind("shard-", 0) == 0 && name.size() > 9 &&
+                                                              name.compare(name.size() - 3, 3, ".h5") == 0);
+}
+
+// prepare.output before any work: new, empty, or a dataset that prepare.overwrite allows to replace.
+void check_output(const fs::path& out, bool overwrite) {
+  const std::string key = "prepare.output '" + out.string() + "'";
+  std::error_code ec;
+  if (!fs::exists(out, ec)) return;
+  if (!fs::is_directory(out, ec)) fail(key + " is a file; it must be a dataset folder");
+  std::string foreign, any;
+  bool dataset = false;
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string n = e.path().filename().string();
+    if (any.empty()) any = n;
+    if (n == "index.json") dataset = true;
+    if (!dataset_file(n) && n[0] != '.' && foreign.empty()) foreign = n;
+  }
+  if (any.empty()) return;
+  if (!foreign.empty())
+    fail(key + " holds files that are not part of a dataset (such as '" + foreign +
+         "'); a dataset replaces its folder as a whole: choose a new or empty folder");
+  if (!overwrite)
+    fail(key + (dataset ? " already holds a dataset (index.json)" : " is not empty ('" + any + "')") +
+         "; set prepare.overwrite = true to replace it, or choose another folder");
+}
+
+// The finished dataset replaces the output folder in one step (Linux: an atomic exchange); the old one is
+// removed only then.
+void publish(const fs::path& part, const fs::path& out) {
+  std::error_code ec;
+  if (!fs::exists(out, ec)) {
+    fs::rename(part, out);
+    return;
+  }
+  if (renameat2(AT_FDCWD, part.c_str(), AT_FDCWD, out.c_str(), RENAME_EXCHANGE) != 0) {
+    if (errno != EINVAL && errno != ENOSYS)
+      fail("cannot move " + part.string() + " into place at " + out.string() + ": " + std::strerror(errno));
+    const fs::path old = part.string() + ".old";  // a filesystem without the exchange: two renames
+    fs::remove_all(old);
+    fs::rename(out, old);
+    fs::rename(part, out);
+    fs::remove_all(old);
+    return;
+  }
+  fs::remove_all(part);  // now the old dataset
+}
+
 // Rank 0 runs `f`; its error (if any) becomes a collective one.
 template <class F>
 void on_root(Comm& comm, F&& f) {
@@ -113,6 +175,7 @@ std::string PrepareSummary::text() const {
   std::string s = "prepare: " + std::to_string(records) + " record(s) -> " + std::to_string(samples) + " sample(s) (" +
                   std::to_string(tokens) + " tokens, " + std::to_string(supervised) + " supervised, " +
                   std::to_string(images) + " images) in " + std::to_string(shards) + " shard(s)";
+  if (unsupervised > 0) s += "; " + std::to_string(unsupervised) + " sample(s) without supervised tokens";
   int64_t dropped_total = 0;
   std::string why;
   for (const auto& [reason, n] : dropped) {
@@ -128,25 +191,39 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
   const fs::path out_dir(opt.output);
   const fs::path root = opt.image_root.empty() ? fs::path(opt.input).parent_path() : fs::path(opt.image_root);
 
-  // Every rank reads the same files: their errors are collective.
+  // Every rank reads the same files: their errors are collective. (An ifstream also opens a folder.)
+  if (const std::string e = need_file("prepare.input", opt.input); !e.empty()) fail_all(e);
   std::ifstream in(opt.input);
   if (!in) fail_all("prepare.input: cannot open '" + opt.input + "'");
-  // A fresh folder: an old index.json or shard must not mix with this run's.
+  // Written like a checkpoint: into <output>.partial, which replaces <output> only once complete, so that a
+  // failed or killed prepare leaves an existing dataset as it was.
+  const fs::path part = partial_dir(out_dir);
   on_root(comm, [&] {
-    fs::create_directories(out_dir);
-    for (const auto& e : fs::directory_iterator(out_dir)) {
-      const std::string n = e.path().filename().string();
-      if (n == "index.json" || (n.rfind("shard-", 0) == 0 && e.path().extension() == ".h5")) fs::remove(e.path());
-    }
+    check_output(out_dir, opt.overwrite);
+    fs::remove_all(part);  // left by a killed run
+    fs::create_directories(part);
   });
+  // Ends the run on every rank (all call it together), the output as it was when any of them returns.
+  auto give_up = [&](const std::string& msg) {
+    if (rank == 0) {
+      std::error_code ec;
+      fs::remove_all(part, ec);
+    }
+    comm.barrier();
+    fail_all(msg);
+  };
 
   int64_t counts[kReasons] = {};
   int64_t records = 0, samples = 0, tokens = 0, supervised = 0, images = 0, shards = 0;
   long fail_line = LONG_MAX;
   std::string fail_msg;
   ShardBuilder builder;
+  std::string sums;            // of this rank's shards, for index.json: 16 hex digits each
+  int64_t unsupervised = 0;    // samples without a supervised token (no assistant answer)
   auto flush = [&] {
-    builder.write((out_dir / shard_name(rank, shards)).string(), opt.input);
+    const std::string path = (part / shard_name(rank, shards)).string();
+    builder.write(path, opt.input);
+    sums += shard_checksum(path);
     ++shards;
   };
   std::string text;
@@ -160,7 +237,11 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
       builder.add(p.enc.input_ids, p.enc.labels, p.images, p.grids, line);
       ++samples;
       tokens += int64_t(p.enc.input_ids.size());
-      supervised += std::count_if(p.enc.labels.begin(), p.enc.labels.end(), [](int32_t l) { return l != -100; });
+      const int64_t sup = std::count_if(p.enc.labels.begin(), p.enc.labels.end(), [](int32_t l) { return l != -100; });
+      supervised += sup;
+      if (sup == 0 && unsupervised++ < kWarnLimit)
+        log_warn(opt.input + ":" + std::to_string(line) + ": no supervised tokens (no assistant answer): the sample "
+                 "teaches nothing");
       images += int64_t(p.images.size());
       if (long(builder.samples()) == opt.shard_size) flush();
     } catch (const BadSample& bad) {
@@ -182,29 +263,44 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
     int64_t root_rank = fail_line == first ? rank : size;
     comm.all_reduce(&root_rank, 1, DType::I64, ReduceOp::Min);
     comm.broadcast_string(fail_msg, int(root_rank));
-    fail_all(fail_msg + " (prepare.on_error = \"skip\" drops such samples)");
+    give_up(fail_msg + " (prepare.on_error = \"skip\" drops such samples)");
   }
 
-  std::vector<int64_t> tot{records, samples, tokens, supervised, images, shards};
+  std::vector<int64_t> tot{records, samples, tokens, supervised, images, shards, unsupervised};
   tot.insert(tot.end(), counts, counts + kReasons);
   comm.all_reduce(tot.data(), tot.size(), DType::I64, ReduceOp::Sum);
   std::vector<int64_t> per_rank(size_t(size), 0);
   comm.all_gather(&shards, per_rank.data(), 1, DType::I64);
+  std::vector<size_t> sum_counts(per_rank.size(), 0), sum_displs(per_rank.size(), 0);
+  for (int r = 0; r < size; ++r) sum_counts[size_t(r)] = size_t(per_rank[size_t(r)]) * 16;
+  for (int r = 1; r < size; ++r) sum_displs[size_t(r)] = sum_displs[size_t(r - 1)] + sum_counts[size_t(r - 1)];
+  std::string all_sums(size_t(tot[5]) * 16, '0');
+  comm.all_gatherv(sums.data(), sums.size(), all_sums.data(), sum_counts, sum_displs, DType::U8);
 
-  PrepareSummary sum{tot[0], tot[1], tot[2], tot[3], tot[4], tot[5], {}};
+  PrepareSummary sum{tot[0], tot[1], tot[2], tot[3], tot[4], tot[5], tot[6], {}};
   for (int r = 0; r < kReasons; ++r)
-    if (tot[6 + r] > 0) sum.dropped[kReasonNames[r]] = tot[6 + r];
+    if (tot[7 + r] > 0) sum.dropped[kReasonNames[r]] = tot[7 + r];
+  // A dataset that cannot train is refused here, not at the first step.
+  if (sum.records == 0) give_up("prepare.input '" + opt.input + "' holds no records (an empty file?)");
+  if (sum.samples == 0)
+    give_up("prepare.input '" + opt.input + "': all " + std::to_string(sum.records) + " record(s) were dropped: " +
+            sum.text());
+  if (sum.supervised == 0)
+    give_up("prepare.input '" + opt.input + "': none of the " + std::to_string(sum.samples) +
+            " sample(s) has a supervised token (no assistant answers): nothing to train on");
 
-  on_root(comm, [&] {
+  std::string err;
+  if (rank == 0) try {
     json list = json::array();
-    for (int r = 0; r < size; ++r)
-      for (long k = 0; k < per_rank[r]; ++k) {
+    for (int r = 0, i = 0; r < size; ++r)
+      for (long k = 0; k < per_rank[r]; ++k, ++i) {
         const std::string name = shard_name(r, k);
-        H5File f = H5File::open((out_dir / name).string());
+        H5File f = H5File::open((part / name).string());
         list.push_back({{"file", name},
                         {"samples", f.attr_int("/", "samples")},
                         {"tokens", f.attr_int("/", "tokens")},
-                        {"images", f.attr_int("/", "images")}});
+                        {"images", f.attr_int("/", "images")},
+                        {"checksum", all_sums.substr(size_t(i) * 16, 16)}});
       }
     const ImageConfig& ic = opt.image;
     json man = {{"format", "q3vl-dataset"},
@@ -225,18 +321,22 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
                 {"samples", sum.samples},
                 {"tokens", sum.tokens},
                 {"supervised_tokens", sum.supervised},
+                {"unsupervised_samples", sum.unsupervised},
                 {"images", sum.images},
                 {"dropped", sum.dropped},
                 {"shards", list}};
-    // Written aside and renamed: a reader never sees half a manifest.
-    const fs::path tmp = out_dir / "index.json.tmp";
     {
-      std::ofstream o(tmp);
+      std::ofstream o(part / "index.json");
       o << man.dump(1) << "\n";
-      if (!o) fail("cannot write " + tmp.string());
+      o.close();
+      if (!o) fail("cannot write " + (part / "index.json").string());
     }
-    fs::rename(tmp, out_dir / "index.json");
-  });
+    publish(part, out_dir);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  comm.broadcast_string(err, 0);
+  if (!err.empty()) give_up(err);
   return sum;
 }
 
@@ -248,6 +348,7 @@ int run_prepare(const Deck& deck) {
   opt.shard_size = long(deck.integer("prepare.shard_size"));
   opt.max_tokens = long(deck.integer("prepare.max_tokens"));
   opt.skip_bad = deck.str("prepare.on_error") == "skip";
+  opt.overwrite = deck.boolean("prepare.overwrite");
   opt.image.min_pixels = long(deck.integer("prepare.min_pixels"));
   opt.image.max_pixels = long(deck.integer("prepare.max_pixels"));
   opt.image.min_side = int(deck.integer("prepare.min_side"));

@@ -1,11 +1,13 @@
 #include "q3vl/data/shards.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/io/checkpoint.hpp"
 
 namespace q3vl {
 
@@ -84,6 +86,12 @@ void ShardBuilder::write(const std::string& path, const std::string& source) {
   *this = ShardBuilder();
 }
 
+std::string shard_checksum(const std::string& path) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(file_checksum(path)));
+  return buf;
+}
+
 // ---- reading ----
 
 struct ShardDataset::Shard {
@@ -91,7 +99,21 @@ struct ShardDataset::Shard {
   std::string name;
   std::vector<int64_t> token_off, image_off, lines, pixel_off;
   std::vector<int32_t> hw, grid;
+  std::string checksum;   // from index.json ("" in datasets made before checksums were kept)
+  bool verified = false;  // under mu_
 };
+
+// The first read from a shard checks its bytes against index.json: once per shard per run (per reading rank),
+// which costs one sequential read of the file, while damage inside the data (same size, consistent offsets)
+// would otherwise train silently.
+void ShardDataset::verify(Shard& sh) const {
+  if (sh.verified || sh.checksum.empty()) return;
+  const std::string got = shard_checksum((fs::path(dir_) / sh.name).string());
+  if (sh.checksum != got)
+    fail("dataset " + dir_ + ": shard " + sh.name + " does not match its checksum in index.json (" + sh.checksum +
+         ", the file gives " + got + "): it changed or was damaged after q3vl prepare; prepare the dataset again");
+  sh.verified = true;
+}
 
 ShardDataset::~ShardDataset() = default;
 
@@ -104,6 +126,7 @@ ShardDataset::ShardDataset(const std::string& path) {
   struct Entry {
     std::string file;
     int64_t samples, tokens, images;
+    std::string checksum;
   };
   std::vector<Entry> entries;
   int64_t samples = 0;  // total in the manifest
@@ -124,7 +147,8 @@ ShardDataset::ShardDataset(const std::string& path) {
     image_.min_side = im.at("min_side");
     for (int c = 0; c < 3; ++c) image_.mean[c] = im.at("mean").at(c), image_.std[c] = im.at("std").at(c);
     for (const json& e : man.at("shards"))
-      entries.push_back({e.at("file").get<std::string>(), e.at("samples"), e.at("tokens"), e.at("images")});
+      entries.push_back({e.at("file").get<std::string>(), e.at("samples"), e.at("tokens"), e.at("images"),
+                         e.value("checksum", std::string())});
     samples = man.at("samples").get<int64_t>();
   } catch (const json::exception& e) {
     fail(index.string() + ": malformed manifest: " + e.what());
@@ -135,7 +159,8 @@ ShardDataset::ShardDataset(const std::string& path) {
     const std::string what = "dataset " + dir_ + ": shard " + name;
     std::unique_ptr<Shard> sh;
     try {
-      sh = std::make_unique<Shard>(Shard{H5File::open((fs::path(dir_) / name).string()), name, {}, {}, {}, {}, {}, {}});
+      sh = std::make_unique<Shard>(
+          Shard{H5File::open((fs::path(dir_) / name).string()), name, {}, {}, {}, {}, {}, {}, entry.checksum, false});
     } catch (const Error& e) {
       fail(what + " cannot be opened (missing, truncated or corrupt): " + e.what());
     }
@@ -213,6 +238,7 @@ std::vector<RgbImage> ShardDataset::images(size_t index) const {
   const Shard& sh = *shards_[r.shard];
   std::vector<RgbImage> out;
   std::lock_guard<std::mutex> lock(mu_);
+  verify(*shards_[r.shard]);
   for (int64_t k = sh.image_off[r.local]; k < sh.image_off[r.local + 1]; ++k) {
     RgbImage im;
     im.h = sh.hw[2 * k];
@@ -231,6 +257,7 @@ Sample ShardDataset::get(size_t index) const {
   std::vector<int32_t> ids(static_cast<size_t>(n)), labels(static_cast<size_t>(n));
   {
     std::lock_guard<std::mutex> lock(mu_);
+    verify(*shards_[r.shard]);
     read_slice(sh.file, "input_ids", H5T_NATIVE_INT32, uint64_t(a), uint64_t(n), ids.data());
     read_slice(sh.file, "labels", H5T_NATIVE_INT32, uint64_t(a), uint64_t(n), labels.data());
   }

@@ -153,7 +153,7 @@ int run_synth(const Deck& deck) {
              std::to_string(n.eval) + " held-out pictures of " + std::to_string(deck.integer("synth.size")) +
              " px -> " + dir + (n.val ? "/{train,val,eval}.jsonl" : "/{train,eval}.jsonl"));
   }
-  rt.world().barrier();
+  idle_barrier(rt.world(), "waiting for rank 0 to draw the pictures");
   return 0;
 }
 

@@ -13,6 +13,7 @@
 #include <regex>
 #include <set>
 
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 
@@ -528,6 +529,25 @@ void set_checkpoint_io_chunk(int64_t elements) {
   g_io_chunk = elements;
 }
 
+uint64_t file_checksum(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open '" + path + "' to verify its checksum");
+  std::vector<char> buf(size_t(1) << 20);  // a multiple of 4: words stay aligned across reads
+  uint64_t sum = 0;
+  int64_t words = 0;
+  while (in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    const size_t got = size_t(in.gcount());
+    if (got == 0) break;
+    std::fill(buf.begin() + std::ptrdiff_t(got), buf.begin() + std::ptrdiff_t((got + 3) / 4 * 4), 0);
+    const int64_t n = int64_t((got + 3) / 4);
+    sum += ckpt_checksum(reinterpret_cast<const float*>(buf.data()), words, n);
+    words += n;
+  }
+  if (in.bad()) fail("cannot read '" + path + "' to verify its checksum");
+  return sum;
+}
+
 uint64_t ckpt_checksum(const float* data, int64_t begin, int64_t count) {
   uint64_t sum = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -615,6 +635,7 @@ std::string write_checkpoint(const std::string& dir_in, MPI_Comm comm, const Ckp
       if (!d.ok()) fail_all(ws + ": cannot create dataset: " + h5_reason());
       set_attr(d, "checksum", sums[i], ws);
       transfer(d, s, rounds[i], dxpl, true, ws);
+      if (i == 0) debug_stop_point("checkpoint");  // test hook: a rank stops in the middle of a write
     }
     if (H5Fflush(file, H5F_SCOPE_GLOBAL) < 0) fail_all(w + ": flush failed: " + h5_reason());
     if (!file.reset()) fail_all(w + ": close failed: " + h5_reason());
@@ -777,8 +798,16 @@ std::string find_resume_checkpoint(const std::string& dir_in, std::vector<std::s
       note("skipping " + path + ": " + why, true);
       continue;
     }
-    // `latest` is written after the rename, so a crash in between leaves it one behind: step order wins.
-    if (!latest.empty() && latest != name) note("'latest' names " + latest + ", but " + name + " is newer", false);
+    // `latest` is written after the rename, so a crash in between leaves it one behind: step order wins. It
+    // names a newer step when that one was damaged and skipped above.
+    if (!latest.empty() && latest != name) {
+      static const std::regex step_re(R"(step_(\d{8,18})\.h5)");
+      std::smatch m;
+      const bool newer = std::regex_match(latest, m, step_re) && std::stoll(m[1].str()) > s;
+      note("'latest' names " + latest + (newer ? ", which is damaged or missing; " + name + " is the newest complete one"
+                                                : ", but " + name + " is newer"),
+           false);
+    }
     note("resuming from " + path, false);
     return path;
   }

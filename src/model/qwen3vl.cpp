@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/tensor/ops.hpp"
 
@@ -56,6 +57,7 @@ void BasicModel<T>::release_storage() {
 
 template <class T>
 void BasicModel<T>::enter(int id, bool bwd) {
+  debug_stop_point(bwd ? "backward" : "forward");  // test hook, off unless runtime.debug_stop_rank is set
   if (!hooks_) return;
   const int u = table_.params()[id].unit;
   bwd ? hooks_->before_backward(u) : hooks_->before_forward(u);
@@ -117,13 +119,12 @@ void BasicModel<T>::init_random(uint64_t seed, double std) {
   }
 }
 
-template <class T>
-double BasicModel<T>::forward(const Batch& b, bool keep, std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
+TokenStream token_stream(const Batch& b) {
   const size_t n = (size_t)b.B * b.S;
   if (b.input_ids.size() != n) fail("batch: input_ids has " + std::to_string(b.input_ids.size()) + " entries, B*S = " + std::to_string(n));
   if (!b.attention_mask.empty() && b.attention_mask.size() != n) fail("batch: attention_mask size != B*S");
   if (!b.labels.empty() && b.labels.size() != n) fail("batch: labels size != B*S");
-  Stream s;
+  TokenStream s;
   s.cu.push_back(0);
   for (int r = 0; r < b.B; ++r) {
     for (int t = 0; t < b.S; ++t) {
@@ -136,17 +137,15 @@ double BasicModel<T>::forward(const Batch& b, bool keep, std::vector<T>* logits_
     s.cu.push_back((int64_t)s.ids.size());
   }
   s.out_rows = (int64_t)n;
-  return run(std::move(s), b.pixel_values, b.image_grid_thw, keep, logits_out, aux_out, aux_loss);
+  return s;
 }
 
-template <class T>
-double BasicModel<T>::forward(const PackedBatch& b, bool keep, std::vector<T>* logits_out, double* aux_out,
-                              bool aux_loss) {
+TokenStream token_stream(const PackedBatch& b) {
   const int64_t N = (int64_t)b.input_ids.size();
   if (b.cu_seqlens.empty() || b.cu_seqlens.front() != 0 || b.cu_seqlens.back() != N)
     fail("packed batch: cu_seqlens must start at 0 and end at the token count " + std::to_string(N));
   if (!b.labels.empty() && (int64_t)b.labels.size() != N) fail("packed batch: labels size != input_ids size");
-  Stream s;
+  TokenStream s;
   s.ids = b.input_ids;
   s.cu = b.cu_seqlens;
   s.targets.assign(N, -100);
@@ -158,7 +157,32 @@ double BasicModel<T>::forward(const PackedBatch& b, bool keep, std::vector<T>* l
   s.orig.resize(N);
   for (int64_t i = 0; i < N; ++i) s.orig[i] = i;
   s.out_rows = N;
-  return run(std::move(s), b.pixel_values, b.image_grid_thw, keep, logits_out, aux_out, aux_loss);
+  return s;
+}
+
+int64_t image_patches(const VisionConfig& vc, size_t n_pixels, const std::vector<int64_t>& grid) {
+  if (grid.size() % 3) fail("image_grid_thw must have 3 entries per image");
+  int64_t Np = 0;
+  for (size_t i = 0; i < grid.size(); i += 3) {
+    if (grid[i] <= 0 || grid[i + 1] % vc.merge || grid[i + 2] % vc.merge || grid[i + 1] <= 0 || grid[i + 2] <= 0)
+      fail("image_grid_thw row " + std::to_string(i / 3) + " is not a positive grid divisible by the merge size");
+    Np += grid[i] * grid[i + 1] * grid[i + 2];
+  }
+  if ((int64_t)n_pixels != Np * vc.patch_dim())
+    fail("pixel_values has " + std::to_string(n_pixels) + " values, image_grid_thw needs " + std::to_string(Np) +
+         " patches x " + std::to_string(vc.patch_dim()));
+  return Np;
+}
+
+template <class T>
+double BasicModel<T>::forward(const Batch& b, bool keep, std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
+  return run(token_stream(b), b.pixel_values, b.image_grid_thw, keep, logits_out, aux_out, aux_loss);
+}
+
+template <class T>
+double BasicModel<T>::forward(const PackedBatch& b, bool keep, std::vector<T>* logits_out, double* aux_out,
+                              bool aux_loss) {
+  return run(token_stream(b), b.pixel_values, b.image_grid_thw, keep, logits_out, aux_out, aux_loss);
 }
 
 template <class T>
@@ -167,16 +191,7 @@ void BasicModel<T>::encode_images(const std::vector<float>& pixels, const std::v
   const VisionConfig& vc = cfg_.vision;
   const ParamView<T> P = view();
   const int64_t H = cfg_.text.hidden, Dv = vc.hidden;
-  if (grid.size() % 3) fail("image_grid_thw must have 3 entries per image");
-  int64_t Np = 0;
-  for (size_t i = 0; i < grid.size(); i += 3) {
-    if (grid[i] <= 0 || grid[i + 1] % vc.merge || grid[i + 2] % vc.merge || grid[i + 1] <= 0 || grid[i + 2] <= 0)
-      fail("image_grid_thw row " + std::to_string(i / 3) + " is not a positive grid divisible by the merge size");
-    Np += grid[i] * grid[i + 1] * grid[i + 2];
-  }
-  if ((int64_t)pixels.size() != Np * vc.patch_dim())
-    fail("pixel_values has " + std::to_string(pixels.size()) + " values, image_grid_thw needs " +
-         std::to_string(Np) + " patches x " + std::to_string(vc.patch_dim()));
+  const int64_t Np = image_patches(vc, pixels.size(), grid);
   const size_t nds = vc.deepstack_indexes.size();
   img.assign(Np / 4 * H, T(0));
   ds.assign(nds, std::vector<T>(Np / 4 * H));

@@ -1,6 +1,8 @@
 // HF safetensors <-> model, through the parameter table. Only MoE expert tensors differ between the file and our
 // compute layout (transformers-5 module layout): the released files store them transposed per expert (spec 8.3).
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <cmath>
 
 #include "q3vl/core/error.hpp"
@@ -145,10 +147,24 @@ template void init_param_range(const ParamInfo&, uint64_t, double, int64_t, int6
 SliceBytes init_random_slices(const ParamTable& t, uint64_t seed, double std, const std::vector<ParamSlice>& slices) {
   SliceBytes b;
   b.all = t.total() * int64_t(sizeof(float));
+  // Every value is a pure function of its index, so chunks can be drawn on all cores (a 2B model is ~1e9 draws).
+  std::vector<ParamSlice> chunks;
+  constexpr int64_t kChunk = int64_t(1) << 20;
   for (const ParamSlice& s : slices) {
-    init_param_range(t.param(s.param), seed, std, s.begin, s.count, s.dst);
     b.mine += s.count * int64_t(sizeof(float));
+    for (int64_t o = 0; o < s.count; o += kChunk)
+      chunks.push_back({s.param, s.begin + o, std::min(kChunk, s.count - o), s.dst + o});
   }
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next++) < chunks.size();)
+      init_param_range(t.param(chunks[i].param), seed, std, chunks[i].begin, chunks[i].count, chunks[i].dst);
+  };
+  const unsigned n = std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), unsigned(chunks.size()));
+  std::vector<std::thread> pool;
+  for (unsigned i = 1; i < n; ++i) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
   return b;
 }
 

@@ -29,7 +29,7 @@ namespace {
 struct RankInfo {
   char host[64];
   char device[64];
-  int local_rank, gpu;
+  int local_rank, local_size, gpu, gpus_visible;
   double host_mem_gb, gpu_mem_gb, disk_free_gb;
   int driver_version, runtime_version;
   char write_error[96];  // why a file cannot be created in out_dir; empty when it can
@@ -50,7 +50,9 @@ RankInfo probe(const Deck& deck) {
   std::snprintf(r.host, sizeof r.host, "%s", p.host.c_str());
   std::snprintf(r.device, sizeof r.device, "cpu");
   r.local_rank = p.local_rank;
+  r.local_size = p.local_size;
   r.gpu = p.gpu;
+  r.gpus_visible = p.gpus_visible;
   struct sysinfo si {};
   if (sysinfo(&si) == 0) r.host_mem_gb = double(si.totalram) * si.mem_unit / 1e9;
   std::error_code ec;
@@ -98,9 +100,18 @@ int run_check(const Deck& deck) {
 
   // Every rank must have what the deck asks for; name the first that does not.
   std::string problems;
+  const int64_t gpus_per_node = deck.integer("runtime.gpus_per_node");
   for (int r = 0; r < n; ++r) {
     if (deck.str("model.backend") == "cuda" && all[r].gpu < 0)
       problems += "  rank " + std::to_string(r) + " on " + all[r].host + ": no GPU visible (model.backend = cuda)\n";
+    // A node's count, said once by its first rank.
+    if (all[r].local_rank == 0 && all[r].gpus_visible < gpus_per_node) {
+      const int others = all[r].local_size - 1;
+      problems += "  rank " + std::to_string(r) + " on " + all[r].host +
+                  (others ? " (and its " + std::to_string(others) + " other rank(s) there)" : "") + ": " +
+                  std::to_string(all[r].gpus_visible) + " GPU(s) visible, runtime.gpus_per_node = " +
+                  std::to_string(gpus_per_node) + "\n";
+    }
     if (all[r].disk_free_gb >= 0 && all[r].disk_free_gb < 1.0)
       problems += "  rank " + std::to_string(r) + " on " + all[r].host + ": less than 1 GB free in " +
                   deck.str("run.out_dir") + "\n";

@@ -3,14 +3,22 @@
 
 #include <mpi.h>
 
+#include <signal.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <numeric>
 #include <thread>
 
 #include <unistd.h>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/runtime/stop.hpp"
+#include "q3vl/runtime/watchdog.hpp"
 
 namespace q3vl {
 
@@ -74,52 +82,20 @@ std::unique_ptr<MpiRequest> start(Comm& c, const char* what) {
 
 class MpiBoard : public ProgressBoard {
  public:
-  explicit MpiBoard(MPI_Comm comm) {
-    int size = 0, rank = 0;
-    MPI_Comm_size(comm, &size);
-    MPI_Comm_rank(comm, &rank);
-    check(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shm_), "board split");
-    int local_size = 0;
-    MPI_Comm_size(shm_, &local_size);
-    int64_t* mine = nullptr;
-    check(MPI_Win_allocate_shared(sizeof(int64_t), sizeof(int64_t), MPI_INFO_NULL, shm_, &mine, &win_),
-          "board window");
-    *mine = 0;
-    MPI_Win_lock_all(MPI_MODE_NOCHECK, win_);  // one passive epoch for the board's lifetime
-    mine_ = mine;
-    // Which rank of `comm` owns each local slot.
-    std::vector<int> owner(size_t(local_size), 0);
-    check(MPI_Allgather(&rank, 1, MPI_INT, owner.data(), 1, MPI_INT, shm_), "board owners");
-    slots_.assign(size_t(size), nullptr);
-    for (int l = 0; l < local_size; ++l) {
-      MPI_Aint bytes = 0;
-      int disp = 0;
-      int64_t* p = nullptr;
-      check(MPI_Win_shared_query(win_, l, &bytes, &disp, &p), "board query");
-      slots_[size_t(owner[size_t(l)])] = p;
-    }
-    MPI_Barrier(shm_);  // every slot is zeroed before anyone reads it
-  }
-  ~MpiBoard() override {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (finalized) return;
-    MPI_Win_unlock_all(win_);
-    MPI_Win_free(&win_);
-    MPI_Comm_free(&shm_);
-  }
-  void publish(long seq) override { std::atomic_ref<int64_t>(*mine_).store(seq, std::memory_order_release); }
+  explicit MpiBoard(MPI_Comm comm) : slots_(comm) {}
+  void publish(long seq) override { slots_.store(seq); }
   long read(int rank) const override {
-    int64_t* p = slots_[size_t(rank)];
-    return p ? long(std::atomic_ref<int64_t>(*p).load(std::memory_order_acquire)) : -1;
+    int64_t v = 0;
+    return slots_.load(rank, &v) ? long(v) : -1;
   }
 
  private:
-  MPI_Comm shm_ = MPI_COMM_NULL;
-  MPI_Win win_ = MPI_WIN_NULL;
-  int64_t* mine_ = nullptr;
-  std::vector<int64_t*> slots_;  // by rank of the communicator; null on other nodes
+  NodeSlots slots_;
 };
+
+// True while an exception unwinds the stack: a peer that hung or failed may never join a collective free, so
+// destructors leak their MPI objects instead (the process is about to end).
+bool unwinding() { return std::uncaught_exceptions() > 0; }
 
 // "0-3,6" from sorted ranks.
 std::string rank_ranges(const std::vector<int>& ranks) {
@@ -135,18 +111,73 @@ std::string rank_ranges(const std::vector<int>& ranks) {
 
 }  // namespace
 
+NodeSlots::NodeSlots(MPI_Comm comm) {
+  int size = 0, rank = 0;
+  MPI_Comm_size(comm, &size);
+  MPI_Comm_rank(comm, &rank);
+  check(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shm_), "board split");
+  int local_size = 0;
+  MPI_Comm_size(shm_, &local_size);
+  int64_t* mine = nullptr;
+  check(MPI_Win_allocate_shared(sizeof(int64_t), sizeof(int64_t), MPI_INFO_NULL, shm_, &mine, &win_),
+        "board window");
+  *mine = 0;
+  MPI_Win_lock_all(MPI_MODE_NOCHECK, win_);  // one passive epoch for the window's lifetime
+  mine_ = mine;
+  // Which rank of `comm` owns each local slot.
+  std::vector<int> owner(size_t(local_size), 0);
+  check(MPI_Allgather(&rank, 1, MPI_INT, owner.data(), 1, MPI_INT, shm_), "board owners");
+  slots_.assign(size_t(size), nullptr);
+  for (int l = 0; l < local_size; ++l) {
+    MPI_Aint bytes = 0;
+    int disp = 0;
+    int64_t* p = nullptr;
+    check(MPI_Win_shared_query(win_, l, &bytes, &disp, &p), "board query");
+    slots_[size_t(owner[size_t(l)])] = p;
+  }
+  MPI_Barrier(shm_);  // every slot is zeroed before anyone reads it
+}
+
+NodeSlots::~NodeSlots() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized || unwinding()) return;  // MPI_Win_free is collective (a barrier in MPICH)
+  MPI_Win_unlock_all(win_);
+  MPI_Win_free(&win_);
+  MPI_Comm_free(&shm_);
+}
+
+void NodeSlots::store(int64_t v) { std::atomic_ref<int64_t>(*mine_).store(v, std::memory_order_release); }
+
+bool NodeSlots::load(int rank, int64_t* v) const {
+  int64_t* p = slots_[size_t(rank)];
+  if (p) *v = std::atomic_ref<int64_t>(*p).load(std::memory_order_acquire);
+  return p;
+}
+
 std::unique_ptr<ProgressBoard> make_mpi_board(MPI_Comm comm) { return std::make_unique<MpiBoard>(comm); }
 
 MpiComm::MpiComm(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   board_ = make_mpi_board(comm_);
+  // World ranks for messages: a rank of a sub-communicator means nothing to the user.
+  MPI_Group g = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  MPI_Comm_group(comm_, &g);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  std::vector<int> mine(size_t(size_), 0);
+  std::iota(mine.begin(), mine.end(), 0);
+  world_ranks_.assign(size_t(size_), 0);
+  MPI_Group_translate_ranks(g, size_, mine.data(), world, world_ranks_.data());
+  MPI_Group_free(&g);
+  MPI_Group_free(&world);
 }
 
 MpiComm::~MpiComm() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (owned_ && !finalized) MPI_Comm_free(&comm_);
+  board_.reset();
+  if (owned_ && !finalized && !unwinding()) MPI_Comm_free(&comm_);
 }
 
 std::unique_ptr<CommRequest> MpiComm::iall_gather(const void* send, void* recv, size_t count, DType t) {
@@ -234,7 +265,15 @@ std::unique_ptr<CommRequest> MpiComm::ibarrier() {
 std::unique_ptr<Comm> MpiComm::split(int color, int key) const {
   MPI_Comm sub;
   check(MPI_Comm_split(comm_, color, key, &sub), "comm_split");
-  return std::make_unique<MpiComm>(sub, true);
+  auto c = std::make_unique<MpiComm>(sub, true);
+  c->set_timeout(timeout());  // the watchdog covers sub-communicators too (ZeRO's gathers, hybrid groups)
+  return c;
+}
+
+std::string Comm::where() {
+  std::string s = step_ >= 0 ? " at step " + std::to_string(step_) : std::string();
+  if (phase_) s += (s.empty() ? " in " : " (") + std::string(phase_) + (step_ >= 0 ? ")" : "");
+  return s;
 }
 
 void Comm::wait(std::unique_ptr<CommRequest> req) {
@@ -244,38 +283,50 @@ void Comm::wait(std::unique_ptr<CommRequest> req) {
   while (!req->test()) {
     // Poll tight first (small collectives finish in microseconds), then back off to spare the cores.
     if (++spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(spins > 100000 ? 1000 : 50));
-    if (timeout_ > 0 && std::chrono::duration<double>(clock::now() - t0).count() > timeout_) {
-      char host[256] = "?";
+    if (spins % 64) continue;
+    const bool term = stop_signal_pending() == SIGTERM;
+    const double limit = term && (timeout_ <= 0 || timeout_ > kTermGrace) ? kTermGrace : timeout_;
+    const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+    if (limit > 0 && waited > limit) {
+      char host[256] = "?", limit_text[96];
       gethostname(host, sizeof host);
+      if (term) std::snprintf(limit_text, sizeof limit_text, "%g s (SIGTERM received; runtime.timeout = %g s)", limit, timeout_);
+      else std::snprintf(limit_text, sizeof limit_text, "runtime.timeout = %g s", limit);
       abort_inflight();
+      const std::string silent = watchdog_silent(kSilentSeconds);
       // Local kind: the app aborts the job; the peers may be stuck where they are.
       fail("watchdog: collective " + req->what() + (req->seq > 0 ? " #" + std::to_string(req->seq) : "") +
            " on a " + std::to_string(size()) + "-rank " + kind() + " communicator did not complete within " +
-           "runtime.timeout = " + std::to_string(timeout_) + " s" +
-           (step_ >= 0 ? " at step " + std::to_string(step_) : std::string()) + "; " + stragglers(req->seq) +
-           " (rank " + std::to_string(rank()) + " on " + host + " waited)");
+           limit_text + where() + "; " +
+           stragglers(req->seq, silent) + " (rank " + std::to_string(world_rank(rank())) + " on " + host + " waited)");
     }
   }
 }
 
-std::string Comm::stragglers(long seq) const {
-  if (!board_ || seq <= 0) return "the ranks that did not arrive are unknown";
+std::string Comm::stragglers(long seq, const std::string& silent) const {
+  // A rank that stopped inside the collective has started it too: only its silence names it.
+  const std::string stopped = silent.empty() ? "" : "no sign of life from " + silent + " (stopped or dead?)";
+  if (!board_ || seq <= 0) return stopped.empty() ? "the ranks that did not arrive are unknown" : stopped;
   std::vector<int> behind, unknown;
   std::string detail;
   for (int r = 0; r < size(); ++r) {
     long s = board_->read(r);
-    if (s < 0) unknown.push_back(r);
+    if (s < 0) unknown.push_back(world_rank(r));
     else if (s < seq) {
-      behind.push_back(r);
-      if (behind.size() <= 8) detail += (detail.empty() ? "" : ", ") + std::to_string(r) + " at #" + std::to_string(s);
+      behind.push_back(world_rank(r));
+      if (behind.size() <= 8)
+        detail += (detail.empty() ? "" : ", ") + std::to_string(world_rank(r)) + " at #" + std::to_string(s);
     }
   }
+  std::sort(behind.begin(), behind.end());
+  std::sort(unknown.begin(), unknown.end());
   std::string out;
   if (!behind.empty())
     out = "ranks that did not arrive: " + rank_ranges(behind) + " (" + detail + (behind.size() > 8 ? ", ..." : "") +
           ")";
   if (!unknown.empty())
     out += (out.empty() ? "" : "; ") + std::string("not known for ranks on other nodes: ") + rank_ranges(unknown);
+  if (!stopped.empty()) return out.empty() ? stopped : out + "; " + stopped;
   return out.empty() ? "every rank started collective #" + std::to_string(seq) +
                            ": the ranks called different collectives, or the transport stalled"
                      : out;

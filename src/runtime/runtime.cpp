@@ -1,6 +1,7 @@
 #include "q3vl/runtime/runtime.hpp"
 
 #include <mpi.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,8 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
+#include <chrono>
 
 #ifdef Q3VL_CUDA
 #include <cuda_runtime_api.h>
@@ -18,10 +21,13 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
+#include "q3vl/runtime/watchdog.hpp"
 
 namespace q3vl {
 
 namespace {
+
+constexpr int kAbortGraceMs = 1000;
 Runtime* g_runtime = nullptr;
 
 std::string hostname() {
@@ -97,7 +103,14 @@ Deck Runtime::load_deck(const std::string& path, const std::vector<std::string>&
   return Deck::parse(text, path.empty() ? "<defaults>" : path, {}, "");
 }
 
+void Runtime::set_timeout(double seconds) {
+  world_->set_timeout(seconds);
+  node_->set_timeout(seconds);
+  watchdog_start(MPI_COMM_WORLD, seconds);
+}
+
 std::string Runtime::timing_table() {
+  Blocking guard("timing table (raw MPI gathers of the timers)");
   // Union of region names over ranks, so a region only some ranks entered still lines up.
   std::string mine;
   for (const auto& [name, t] : Timers::get().regions()) mine += name + '\n';
@@ -139,6 +152,7 @@ std::string Runtime::timing_table() {
 }
 
 void Runtime::finalize() {
+  watchdog_stop();
   node_.reset();
   world_.reset();
   int fin = 0;
@@ -157,13 +171,53 @@ void exit_collective(const std::string& msg) {
   std::exit(1);
 }
 
+void agree_or_fail(Comm& c, const std::string& err) {
+  const int n = c.size();
+  int64_t first = err.empty() ? n : c.rank();
+  c.all_reduce(&first, 1, DType::I64, ReduceOp::Min);
+  if (first == n) return;
+  std::string msg = err;
+  c.broadcast_string(msg, int(first));
+  if (n > 1) {
+    std::string host = c.rank() == int(first) ? hostname() : "";
+    c.broadcast_string(host, int(first));
+    msg = "rank " + std::to_string(c.world_rank(int(first))) + " (" + host + "): " + msg;
+  }
+  fail_all(msg);
+}
+
+void idle_barrier(Comm& c, const std::string& what) {
+  const double t = c.timeout();
+  c.set_timeout(0);
+  {
+    Blocking guard(what);
+    c.barrier();
+  }
+  c.set_timeout(t);
+}
+
 void abort_local(const std::string& msg) {
-  int rank = 0, inited = 0;
+  int rank = 0, size = 1, inited = 0, finalized = 0;
   MPI_Initialized(&inited);
-  if (inited) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Finalized(&finalized);
+  if (inited && !finalized) MPI_Comm_rank(MPI_COMM_WORLD, &rank), MPI_Comm_size(MPI_COMM_WORLD, &size);
   std::fprintf(stderr, "q3vl: error on rank %d (%s): %s\n", rank, hostname().c_str(), msg.c_str());
   std::fflush(stderr);
-  if (inited) MPI_Abort(MPI_COMM_WORLD, 1);
+  if (!inited || finalized) std::exit(1);
+  if (size == 1) {
+    // Nobody to take down: end as a collective error does, without MPICH's abort report.
+    watchdog_stop();
+    MPI_Finalize();
+    std::exit(1);
+  }
+  // MPICH prints "Abort(1) on node N (rank R in comm 0): application called MPI_Abort..." from this process;
+  // the message above already says what happened and where. (MPIR_CVAR_SUPPRESS_ABORT_MESSAGE only blanks the
+  // text after the colon in MPICH 4.0: the "Abort(1) on node" line stays.)
+  // Give mpiexec's proxy time to forward the line: MPI_Abort has it kill every rank and exit, and on a busy node
+  // what still sits in the stderr pipe was lost (the job then ended without saying why).
+  std::this_thread::sleep_for(std::chrono::milliseconds(kAbortGraceMs));
+  if (int null = ::open("/dev/null", O_WRONLY); null >= 0) ::dup2(null, 2);
+  MPI_Abort(MPI_COMM_WORLD, 1);
   std::exit(1);
 }
 

@@ -30,6 +30,11 @@ struct State {
 struct sigaction g_prev_usr1 {}, g_prev_term {};
 
 void on_signal(int sig) {
+  if (sig == SIGTERM && g_signal == SIGTERM) {  // asked twice: end now, without the checkpoint
+    signal(SIGTERM, SIG_DFL);
+    raise(SIGTERM);
+    return;
+  }
   g_signal = sig;
   const struct sigaction& prev = sig == SIGUSR1 ? g_prev_usr1 : g_prev_term;
   if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN && !(prev.sa_flags & SA_SIGINFO))
@@ -111,6 +116,8 @@ bool should_stop(Comm& world, std::string* why) {
 
 StopReason stop_reason() { return g.reason; }
 
-int stop_exit_status() { return g.reason == StopReason::StopFile ? 0 : kExitRequeue; }
+int stop_exit_status() { return g.reason == StopReason::None ? 0 : kExitRequeue; }
+
+int stop_signal_pending() { return g_signal; }
 
 }  // namespace q3vl

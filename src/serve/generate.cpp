@@ -196,6 +196,8 @@ int run_generate(const Deck& deck) {
       prompts.push_back(make_prompt(text, in, ln, tok, icfg, max_context));
       lines.push_back(ln);
     }
+    // Nothing to answer would still replace the output with an empty file.
+    if (prompts.empty()) fail("generate.prompts '" + in + "' holds no prompts (an empty file?)");
     log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
     Model model(cfg);
     {
@@ -241,7 +243,7 @@ int run_generate(const Deck& deck) {
                   wall_seconds() - t0, out.c_str());
     log_info(msg);
   }
-  rt.world().barrier();
+  idle_barrier(rt.world(), "waiting for rank 0 to generate");
   return 0;
 }
 

@@ -74,8 +74,8 @@ void layernorm_bwd(const T* dy, const T* x, const T* w, const T* mean, const T* 
       T gw = gi[d] * w[d];
       a += gw;
       c += gw * xh;
-      dw[d] += gi[d] * xh;
-      db[d] += gi[d];
+      if (dw) dw[d] += gi[d] * xh;  // null: frozen
+      if (db) db[d] += gi[d];
     }
     a /= T(D);
     c /= T(D);
@@ -108,7 +108,7 @@ void rmsnorm_bwd(const T* dy, const T* x, const T* w, const T* rstd, T* dx, T* d
     T r = rstd[i], c = 0;
     for (int64_t d = 0; d < D; ++d) {
       c += gi[d] * w[d] * xi[d];
-      dw[d] += gi[d] * xi[d] * r;
+      if (dw) dw[d] += gi[d] * xi[d] * r;  // null: frozen
     }
     c *= r * r * r / T(D);
     if (dx)
@@ -518,6 +518,7 @@ void pos_embed_fwd(const T* table, int64_t G, int64_t D, int64_t t, int64_t h, i
 }
 template <class T>
 void pos_embed_bwd(const T* dout, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w, int64_t merge, T* dtable) {
+  if (!dtable) return;  // frozen
   for (int64_t p = 0; p < t * h * w; ++p) {
     int64_t idx[4];
     float wt[4];

@@ -57,6 +57,30 @@ EvalResult evaluate(Model& model, const Batch& batch, bool grads, bool aux_loss)
   return r;
 }
 
+EvalResult evaluate(DevModel& model, Model& host, const Batch& batch, bool grads, bool aux_loss) {
+  EvalResult r;
+  model.zero_grads();
+  {
+    ScopedTimer t("eval: forward");
+    r.loss = model.forward(batch, grads, &r.logits, &r.aux, aux_loss);
+  }
+  if (grads) {
+    ScopedTimer t("eval: backward");
+    model.backward();
+    model.grads_to_host(host.grads());
+    r.grads = grads_hf(host);
+  }
+  return r;
+}
+
+DevBudget budget_for(const Batch& batch, int64_t patch_dim) {
+  DevBudget b;
+  b.tokens = int64_t(batch.B) * batch.S;
+  b.patches = int64_t(batch.pixel_values.size()) / patch_dim;
+  b.segments = batch.B;
+  return b;
+}
+
 int run_eval(const Deck& deck) {
   Runtime& rt = Runtime::get();
   const std::string dir = deck.str("model.hf");
@@ -72,7 +96,19 @@ int run_eval(const Deck& deck) {
     Batch batch = read_batch_h5(deck.str("eval.batch"), cfg.vision.patch_dim());
     const bool aux = deck.boolean("eval.router_aux_loss");
     if (aux && !cfg.moe()) log_warn("eval.router_aux_loss = true on a dense model: the aux loss is 0");
-    EvalResult r = evaluate(model, batch, deck.boolean("eval.grads"), aux);
+    EvalResult r;
+    if (deck.str("model.backend") == "cuda") {  // the device model, with the host model's weights
+      dev::Exec ex = dev::make_exec(Device::CUDA, size_t(256) << 20, std::max(0, rt.where().gpu));
+      {
+        DevModel dm(cfg, ex, compute_dtype(deck.str("model.dtype")));
+        dm.reserve(budget_for(batch, cfg.vision.patch_dim()));
+        dm.set_params(model.params());
+        r = evaluate(dm, model, batch, deck.boolean("eval.grads"), aux);
+      }
+      dev::destroy_exec(ex);
+    } else {
+      r = evaluate(model, batch, deck.boolean("eval.grads"), aux);
+    }
 
     const std::string out = deck.str("eval.output");
     if (auto parent = std::filesystem::path(out).parent_path(); !parent.empty())
@@ -93,7 +129,7 @@ int run_eval(const Deck& deck) {
                   static_cast<long long>(model.supervised_tokens()), out.c_str());
     log_info(line);
   }
-  rt.world().barrier();
+  idle_barrier(rt.world(), "waiting for rank 0 to evaluate");
   return 0;
 }
 

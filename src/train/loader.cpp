@@ -158,9 +158,14 @@ StepData Loader::next() {
   return out;
 }
 
-SyntheticDataset::SyntheticDataset(const ModelConfig& cfg, size_t size, uint64_t seed, int min_len, int max_len)
-    : cfg_(cfg), size_(size), seed_(seed), min_len_(min_len), max_len_(std::max(min_len, max_len)) {
+SyntheticDataset::SyntheticDataset(const ModelConfig& cfg, size_t size, uint64_t seed, int min_len, int max_len,
+                                   int image_px, int image_every)
+    : cfg_(cfg), size_(size), seed_(seed), min_len_(min_len), max_len_(std::max(min_len, max_len)),
+      grid_(image_px / cfg.vision.patch), image_every_(image_every) {
   Q3VL_CHECK(min_len >= 2, "synthetic samples need at least 2 tokens");
+  if (image_every > 0 && (image_px % (cfg.vision.patch * cfg.vision.merge) || grid_ <= 0))
+    fail_all("train.synthetic_image_px = " + std::to_string(image_px) + " must be a positive multiple of " +
+             std::to_string(cfg.vision.patch * cfg.vision.merge) + " (patch x merge)");
 }
 
 size_t SyntheticDataset::length(size_t index) const {
@@ -181,13 +186,13 @@ Sample SyntheticDataset::get(size_t index) const {
   s.input_ids.resize(size_t(n));
   s.labels.assign(size_t(n), -100);
   for (auto& t : s.input_ids) t = int64_t(rng.below(uint64_t(text_vocab)));
-  const int64_t m = cfg_.vision.merge, img_tokens = (4 / m) * (4 / m);
-  if (index % 3 == 0 && n >= 2 * (img_tokens + 5)) {
+  const int64_t m = cfg_.vision.merge, g = grid_, img_tokens = (g / m) * (g / m);
+  if (image_every_ > 0 && index % size_t(image_every_) == 0 && n >= 2 * (img_tokens + 5)) {
     s.input_ids[3] = cfg_.vision_start_token_id;
     for (int64_t k = 0; k < img_tokens; ++k) s.input_ids[size_t(4 + k)] = cfg_.image_token_id;
     s.input_ids[size_t(4 + img_tokens)] = cfg_.vision_end_token_id;
-    s.image_grid_thw = {1, 4, 4};
-    s.pixel_values.resize(size_t(16) * cfg_.vision.patch_dim());
+    s.image_grid_thw = {1, g, g};
+    s.pixel_values.resize(size_t(g * g) * cfg_.vision.patch_dim());
     for (auto& p : s.pixel_values) p = float(int64_t(rng.below(2001)) - 1000) / 1000.f;
   }
   // The answer: an affine sequence modulo the text vocabulary, starting from the prompt's last token.

@@ -16,6 +16,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/data/shards.hpp"
@@ -24,6 +25,8 @@
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
+#include "q3vl/runtime/watchdog.hpp"
+#include "q3vl/train/dev_trainer.hpp"
 #include "q3vl/train/flops.hpp"
 #include "q3vl/train/loader.hpp"
 #include "q3vl/train/optim.hpp"
@@ -45,6 +48,7 @@ struct TrainState {
   int64_t tokens = 0;          // tokens seen
   int64_t skipped_total = 0, skipped_in_row = 0;
   double wall = 0;             // seconds of training before this job (earlier jobs of the run)
+  double loss_scale = 0;       // fp16 dynamic loss scale (0: none)
   LoaderCursor cursor;
 };
 
@@ -56,6 +60,7 @@ std::string to_json(const TrainState& s, int world, int stage) {
             {"skipped_total", s.skipped_total},
             {"skipped_in_row", s.skipped_in_row},
             {"wall", s.wall},
+            {"loss_scale", s.loss_scale},
             {"cursor", {{"epoch", s.cursor.epoch}, {"position", s.cursor.position}}},
             {"world_size", world},
             {"zero_stage", stage}};
@@ -72,6 +77,7 @@ TrainState from_json(const std::string& text, const std::string& path) {
     s.skipped_total = j.at("skipped_total");
     s.skipped_in_row = j.at("skipped_in_row");
     s.wall = j.value("wall", 0.0);  // absent in checkpoints written before it was kept
+    s.loss_scale = j.value("loss_scale", 0.0);
     s.cursor.epoch = j.at("cursor").at("epoch");
     s.cursor.position = j.at("cursor").at("position");
     return s;
@@ -148,12 +154,24 @@ std::string hms(double s) {
   return buf;
 }
 
-// Seconds since `t0`, added to `acc`.
+// Seconds since `t0`, added to `acc`; the watchdog names the phase in its messages.
 struct Phase {
   double& acc;
   double t0 = wall_seconds();
+  Phase(double& acc, const char* name) : acc(acc) { Comm::set_phase(name); }
   ~Phase() { acc += wall_seconds() - t0; }
 };
+
+// Checkpoint I/O is collective HDF5 on the raw communicator, blocking inside MPI-IO where Comm::wait's deadline
+// cannot reach: a timed barrier first names a rank that does not arrive, and the liveness watchdog (Blocking)
+// ends the job if a rank stops in the middle.
+template <class F>
+auto guarded_io(Comm& world, const char* phase, const std::string& what, F&& f) {
+  Comm::set_phase(phase);
+  world.barrier();
+  Blocking guard(what);
+  return f();
+}
 
 }  // namespace
 
@@ -162,6 +180,7 @@ int run_train(const Deck& deck) {
   Runtime& rt = Runtime::get();
   Comm& world = rt.world();
   const int rank = world.rank(), nranks = world.size();
+  Comm::set_phase("start-up");
   const int stage = int(deck.integer("parallel.zero_stage"));
   const std::string out_dir = deck.str("run.out_dir");
   const std::string ckdir = deck.str("checkpoint.dir").empty() ? out_dir + "/checkpoints" : deck.str("checkpoint.dir");
@@ -170,7 +189,14 @@ int run_train(const Deck& deck) {
   // Stage 3's model never holds the full weights (stages 1/2 compute on them; they get them by gathering).
   std::string cfg_json;
   const ModelConfig cfg = model_config(deck, &cfg_json);
-  Model model(cfg, /*with_storage=*/stage != 3);
+  // model.backend = "cuda": the device model computes; the host keeps only the engine's shards (checkpoint I/O), as
+  // stage 3 does, so no full host copy of the weights exists.
+  const bool on_gpu = deck.str("model.backend") == "cuda";
+  if (on_gpu && nranks != 1)
+    fail_all("model.backend = \"cuda\" trains on one GPU (one rank) so far; run with mpiexec -n 1 (ZeRO over NCCL across "
+             "GPUs is not built yet)");
+  const DType compute = compute_dtype(deck.str("model.dtype"));  // app/modes.cpp checked it fits the backend
+  Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu);
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
 
@@ -184,7 +210,7 @@ int run_train(const Deck& deck) {
     shard = &rt.node_comm();
     replica = world.split(p.local_rank, p.node);
   }
-  ZeroEngine engine(model, *shard, replica.get(), stage, trainable);
+  ZeroEngine engine(model, *shard, replica.get(), on_gpu ? 3 : stage, trainable);
   {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
     // ever holds the whole model. The values do not depend on the rank count.
@@ -216,7 +242,9 @@ int run_train(const Deck& deck) {
   std::unique_ptr<Dataset> data;
   if (deck.str("train.dataset") == "synthetic")
     data = std::make_unique<SyntheticDataset>(cfg, size_t(deck.integer("train.synthetic_samples")), seed,
-                                              int(std::max<int64_t>(2, seq_len / 4)), int(seq_len + seq_len / 4));
+                                              int(std::max<int64_t>(2, seq_len / 4)), int(seq_len + seq_len / 4),
+                                              int(deck.integer("train.synthetic_image_px")),
+                                              int(deck.integer("train.synthetic_image_every")));
   else
     data = std::make_unique<ShardDataset>(deck.str("train.dataset"));
   log_info("data: " + std::to_string(data->size()) + " samples from " + deck.str("train.dataset"));
@@ -228,6 +256,26 @@ int run_train(const Deck& deck) {
   lo.seed = seed;
   lo.drop_overlong = deck.str("data.overlong") == "drop";
   Loader loader(*data, cfg, lo, rank, nranks);
+
+  // The GPU's arenas are sized once for the largest micro-batch the loader can make.
+  std::unique_ptr<DevTrainer> gpu;
+  if (on_gpu) {
+    DevBudget b;
+    b.tokens = lo.micro_batch * seq_len;
+    // An image token stands for merge^2 patches; train.max_patches bounds them when images are a small share.
+    b.patches = deck.integer("train.max_patches") > 0 ? deck.integer("train.max_patches")
+                                                      : b.tokens * cfg.vision.merge * cfg.vision.merge;
+    b.segments = b.tokens;  // packed samples: at most one per token (4 bytes each)
+    LossScaling ls;
+    ls.on = compute == DType::F16;
+    ls.scale = deck.real("optim.loss_scale");
+    ls.window = deck.integer("optim.loss_scale_window");
+    // Q3VL_DEVICE_ON_CPU=1 (tests): the same training path on the CPU op layer, where CI has no GPU.
+    gpu = std::make_unique<DevTrainer>(getenv("Q3VL_DEVICE_ON_CPU") ? Device::CPU : Device::CUDA,
+                                       std::max(0, rt.where().gpu), cfg, trainable,
+                                       compute, b, deck.str("train.recompute") == "block", ls);
+    log_info(gpu->memory_report());
+  }
 
   // Resume.
   TrainState st;
@@ -259,7 +307,9 @@ int run_train(const Deck& deck) {
     world.broadcast_string(err, 0);
     if (!err.empty()) fail_all(err);
     const CkptMeta meta = read_checkpoint_meta(path);
-    read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));  // names a reshaped tensor
+    guarded_io(world, "checkpoint read", "checkpoint I/O on " + path, [&] {  // names a reshaped tensor
+      read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));
+    });
     // Same shapes but another computation (RoPE base, norm eps, token ids...): as wrong, and silent.
     if (!meta.hf_config_json.empty())
       if (const std::string d = config_difference(parse_hf_config(meta.hf_config_json, path + ": hf_config_json"), cfg);
@@ -271,6 +321,8 @@ int run_train(const Deck& deck) {
              std::to_string(meta.world_size) + " rank(s); now " + std::to_string(nranks) + ")");
   }
   engine.gather_params();
+  if (gpu) gpu->from_host(engine);
+  if (gpu && st.loss_scale > 0) gpu->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
   {
     const double peak = peak_rss_mib();
     char buf[160];
@@ -309,6 +361,7 @@ int run_train(const Deck& deck) {
   }
   auto save = [&]() {
     ScopedTimer t("train: checkpoint");
+    if (gpu) gpu->to_host(engine);
     CkptMeta meta;
     meta.step = st.step;
     meta.tokens_seen = st.tokens;
@@ -317,8 +370,9 @@ int run_train(const Deck& deck) {
     meta.state_json = to_json(st, nranks, stage);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
     meta.hf_config_json = cfg_json;
-    const std::string p =
-        write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
+    const std::string p = guarded_io(world, "checkpoint write", "checkpoint I/O in " + ckdir, [&] {
+      return write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
+    });
     log_info("checkpoint " + p);
   };
 
@@ -331,85 +385,112 @@ int run_train(const Deck& deck) {
   int64_t done = 0, last_saved = -1;
   while (st.step < stop) {
     Comm::set_step(long(st.step + 1));
+    debug_stop_step(long(st.step + 1));
     const double t_step = wall_seconds();
     double t_data = 0, t_fwd = 0, t_bwd = 0, t_comm = 0, t_opt = 0;
     StepData sd;
     {
-      Phase p{t_data};
+      Phase p{t_data, "data loading"};
       sd = loader.next();
     }
     FlopCounts fc = count_flops(sd.micro);
     double counts[3 + FlopCounts::kFields] = {double(sd.supervised), double(sd.tokens), double(sd.dropped)};
     std::copy(fc.data(), fc.data() + FlopCounts::kFields, counts + 3);
     {
-      Phase p{t_comm};
+      Phase p{t_comm, "step counts"};
       world.all_reduce(counts, 3 + FlopCounts::kFields, DType::F64, ReduceOp::Sum);
     }
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
     engine.begin_step();
+    if (gpu) gpu->begin_step();
     const int64_t gathered0 = engine.gathered_bytes();
     double loss_sum = 0;
-    for (size_t i = 0; i < sd.micro.size(); ++i) {
+    for (size_t i = 0; i < sd.micro.size() && gpu; ++i) {  // one GPU: no collectives between micro-batches
+      const int64_t n = sd.micro_supervised[i];
+      if (n == 0) continue;
+      {
+        Phase p{t_fwd, "forward"};
+        loss_sum += gpu->forward(sd.micro[i]) * double(n);
+        Q3VL_CHECK(gpu->supervised_tokens() == n, "the loader and the model count supervised targets differently");
+      }
+      Phase p{t_bwd, "backward"};
+      gpu->backward(n_global > 0 ? double(n) / n_global : 0.0);
+    }
+    for (size_t i = 0; i < sd.micro.size() && !gpu; ++i) {
       const int64_t n = sd.micro_supervised[i];
       {
-        Phase p{t_comm};
+        Phase p{t_comm, "ZeRO before forward"};
         engine.before_forward();
       }
       if (n > 0) {
-        Phase p{t_fwd};
+        Phase p{t_fwd, "forward"};
         loss_sum += model.forward(sd.micro[i], true) * double(n);
         Q3VL_CHECK(model.supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }
       {
-        Phase p{t_comm};
+        Phase p{t_comm, "ZeRO before backward"};
         engine.before_backward(n_global > 0 ? double(n) / n_global : 0.0);
       }
       if (n > 0) {
-        Phase p{t_bwd};
+        Phase p{t_bwd, "backward"};
         model.backward();
       }
       {
-        Phase p{t_comm};
+        Phase p{t_comm, "ZeRO after backward"};
         engine.after_backward();
       }
     }
     const int64_t step1 = st.step + 1;
     if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count && rank == 0) engine.poison_grads();
     double loss, gnorm;
-    {
-      Phase p{t_comm};
+    bool grads_finite = true;
+    if (gpu) {
+      Phase p{t_opt, "gradient norm"};
+      loss = loss_sum / std::max(1.0, n_global);
+      gnorm = std::sqrt(gpu->grad_norm_sq(&grads_finite));
+      if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count) grads_finite = false, gnorm = NAN;
+    } else {
+      Phase p{t_comm, "gradient reduction, loss and norm"};
       engine.finish_grads();
       loss = world.sum(loss_sum) / std::max(1.0, n_global);
       gnorm = std::sqrt(engine.grad_norm_sq());
     }
     const double lr = sched.at(st.step);
-    const bool finite = std::isfinite(loss) && std::isfinite(gnorm);
+    const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && grads_finite;
     if (finite) {
       {
-        Phase p{t_opt};
+        Phase p{t_opt, "optimizer"};
         const double coef = clip > 0 && gnorm > clip ? clip / (gnorm + 1e-6) : 1.0;
         ++st.adam_t;
+        if (gpu) gpu->update(hp, lr, coef, st.adam_t);
         for (const ShardPiece& sp : engine.pieces())
-          if (sp.trainable)
+          if (sp.trainable && !gpu)
             adamw_update(sp.master, sp.grad, sp.exp_avg, sp.exp_avg_sq, sp.count, hp, lr,
                          sp.no_decay ? 0.0 : hp.weight_decay, coef, st.adam_t);
       }
-      Phase p{t_comm};
+      Phase p{t_comm, "ZeRO after update"};
       engine.after_update();
       st.skipped_in_row = 0;
     } else {
       ++st.skipped_total;
-      ++st.skipped_in_row;
-      log_warn("step " + std::to_string(step1) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
-               " (loss " + std::to_string(loss) + ", grad norm " + std::to_string(gnorm) +
-               "): step skipped, weights and optimizer state unchanged");
+      // fp16: an overflow of the scaled gradient is how dynamic loss scaling finds its scale, not a failing run.
+      const bool scale_overflow = gpu && gpu->loss_scaling().on && std::isfinite(loss) && gpu->loss_scaling().scale > 1;
+      if (!scale_overflow) ++st.skipped_in_row;
+      if (scale_overflow)
+        log_info("step " + std::to_string(step1) + ": fp16 gradients overflowed at loss scale " +
+                 std::to_string(gpu->loss_scaling().scale) + ": step skipped, the scale halves");
+      else
+        log_warn("step " + std::to_string(step1) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
+                 " (loss " + std::to_string(loss) + ", grad norm " + std::to_string(gnorm) +
+                 "): step skipped, weights and optimizer state unchanged");
       if (st.skipped_in_row >= max_skipped)
         fail_all("step " + std::to_string(step1) + ": " + std::to_string(st.skipped_in_row) +
                  " steps in a row had a non-finite loss or gradient (train.max_skipped = " +
                  std::to_string(max_skipped) + "); stopping. Lower train.lr or check the data; the last checkpoint" +
                  (last_saved >= 0 ? " is step " + std::to_string(last_saved) : " is the one this run started from"));
     }
+    if (gpu) gpu->after_step(finite), st.loss_scale = gpu->loss_scaling().on ? gpu->loss_scaling().scale : 0;
     st.step = step1;
     st.tokens += int64_t(counts[1]);
     st.cursor = loader.cursor();
@@ -421,11 +502,13 @@ int run_train(const Deck& deck) {
     tm.add("train: comm", t_comm), tm.add("train: optimizer", t_opt);
     st.wall = wall0 + (wall_seconds() - t_start);
     const double elapsed = wall_seconds() - t_job, eta = elapsed / double(done) * double(stop - st.step);
+    Comm::set_phase("metrics");
     const double rss = world.max(rss_mib());
     // Memory by kind, the largest rank's: activations kept for backward (their peak this step), the ZeRO
     // shards, and the gathered working set (stage 3: unit pool incl. its cache of released buffers).
     const ZeroMemory zm = engine.memory();
     double mem[3] = {double(model.activation_peak()), double(zm.state() + zm.comm), double(zm.working)};
+    if (gpu) mem[0] = 0, mem[2] = double(gpu->device_bytes());  // the GPU's arena is fixed: its bytes are "working"
     world.all_reduce(mem, 3, DType::F64, ReduceOp::Max);
     model.reset_activation_peak();
     if (rank == 0) {
@@ -452,6 +535,7 @@ int run_train(const Deck& deck) {
                 {"skipped_total", st.skipped_total},
                 {"dropped_samples", int64_t(counts[2])}};
       if (first_line) j["resumed"] = true;
+      if (gpu && gpu->loss_scaling().on) j["loss_scale"] = gpu->loss_scaling().scale;
       first_line = false;
       if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;
       std::fprintf(metrics, "%s\n", j.dump().c_str());
@@ -464,6 +548,7 @@ int run_train(const Deck& deck) {
     }
     // A signal (Slurm's USR1 warning, SIGTERM), runtime.walltime or a STOP file: all ranks agree here.
     stop_note_step(dt);
+    Comm::set_phase("stop check");
     std::string why;
     const bool stop_now = should_stop(world, &why) && st.step < stop;
     if ((every > 0 && st.step % every == 0) || st.step == stop || stop_now) {

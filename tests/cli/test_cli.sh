@@ -31,17 +31,18 @@ if [[ $rc -eq 0 ]] && grep -q "check passed: 2 rank(s)" <<<"$out" && grep -q '^z
 else
   bad "check-2-ranks: rc=$rc: $out"
 fi
-# check fails naming the rank and host that lacks a resource.
-out=$(mpiexec -n 2 $q check model.backend=cuda run.out_dir="$tmp/out" 2>&1); rc=$?
-if [[ $rc -eq 1 ]] && grep -qE "rank 1 on .*: no GPU visible" <<<"$out"; then
+# check fails naming the rank and host that lacks a resource: more GPUs per node than any host has.
+# The node is named once, by its first rank.
+out=$(mpiexec -n 2 $q check runtime.gpus_per_node=4096 run.out_dir="$tmp/out" 2>&1); rc=$?
+want="^ +rank 0 on $(hostname) \(and its 1 other rank\(s\) there\): [0-9]+ GPU\(s\) visible, runtime.gpus_per_node = 4096$"
+if [[ $rc -eq 1 ]] && grep -q "check failed" <<<"$out" && grep -qE "$want" <<<"$out" &&
+   ! grep -q "rank 1 on" <<<"$out"; then
   pass "check-missing-gpu"
-elif [[ $rc -eq 0 ]] && grep -q "gpu0" <<<"$out"; then
-  pass "check-missing-gpu (GPUs present: nothing is missing)"
 else
   bad "check-missing-gpu: rc=$rc: $out"
 fi
 
-# Compute modes refuse what this build cannot do instead of silently running on the CPU in fp32.
+# Compute modes refuse what this machine cannot do (no GPU here; bf16 on the CPU) instead of silently running in fp32.
 for kv in model.backend=cuda model.dtype=bf16; do
   out=$($q train "$kv" run.out_dir="$tmp/out" 2>&1); rc=$?
   if [[ $rc -ne 0 ]] && grep -q "error.*: ${kv%%=*} = \"" <<<"$out" && [[ ! -e $tmp/out/metrics.jsonl ]]; then

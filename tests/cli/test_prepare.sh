@@ -30,7 +30,7 @@ if [[ $rc -eq 1 && $n -eq 1 && ! -e $tmp/bad/index.json ]]; then pass "fail-name
 
 expect skip-counts 0 'prepare: 9 record\(s\) -> 3 sample\(s\) .*; dropped 6 \(aspect ratio beyond 200:1 1, bad record 2, image too small 1, missing image 1, unreadable image 1\)' \
   mpiexec -n 4 $q prepare prepare.input=$d/bad.jsonl prepare.output="$tmp/skip" prepare.on_error=skip $small
-expect missing-input 1 "prepare.input: cannot open '$tmp/none.jsonl'" \
+expect missing-input 1 "prepare.input '$tmp/none.jsonl' does not exist; it must be a file" \
   $q prepare prepare.input="$tmp/none.jsonl" prepare.output="$tmp/x"
 expect required-key 1 "prepare.output" $q prepare prepare.input=$d/train.jsonl
 expect bad-on-error 1 "prepare.on_error" $q prepare prepare.input=$d/train.jsonl prepare.output="$tmp/x" prepare.on_error=maybe

@@ -3,7 +3,8 @@
 # synthetic dataset: the same global batch gives the same losses and weights on 1, 2 and 4 ranks, for any
 # micro-batch x accumulation split and ZeRO stage; a stopped and resumed run is bitwise identical to a straight
 # one (and agrees when resumed on another rank count); activation recomputation changes no bit; hybrid sharding over
-# two (MPICH clique) nodes matches flat sharding; non-finite steps are skipped, then stop the run; frozen
+# two (MPICH clique) nodes matches flat sharding; the device (GPU) training path run on the CPU op layer matches and
+# resumes across; non-finite steps are skipped, then stop the run; frozen
 # parts stay as loaded; a checkpoint of another model is refused.
 source "$(dirname "$0")/../lib.sh"
 model=tests/data/golden/dense_tied/model
@@ -178,6 +179,15 @@ with h5py.File(sys.argv[1]) as f:
     assert "optim/exp_avg/" + t in f
 PY
 then pass "freeze-vision"; else bad "freeze-vision"; fi
+
+# (j) model.backend = cuda's training path (device model, device AdamW, checkpoints through the engine) run on the
+# CPU op layer (Q3VL_DEVICE_ON_CPU=1; the GPU machine runs it on the H200): one rank, the same losses as the CPU
+# backend; its checkpoint resumes on the CPU backend on 2 ranks and the run ends where the straight one does.
+Q3VL_DEVICE_ON_CPU=1 train dev1 1 model.backend=cuda; ok_run $? dev1
+cmp_losses dev1 np1 1e-5 && cmp_ckpt "$(ckpt dev1)" "$(ckpt np1)" 1e-5 && pass "device-path-vs-cpu" || bad "device-path-vs-cpu"
+Q3VL_DEVICE_ON_CPU=1 train devhalf 1 model.backend=cuda train.stop_after=10 train.resume=auto; ok_run $? devhalf
+train devhalf 2 train.resume=auto; ok_run $? devhalf
+cmp_losses devhalf np1 1e-5 && pass "device-checkpoint-resumes-on-cpu" || bad "device-checkpoint-resumes-on-cpu"
 
 # A checkpoint of a model with the same shapes but another RoPE base is refused, naming the key.
 mkdir -p "$tmp/theta" && cp $model/* "$tmp/theta/" &&

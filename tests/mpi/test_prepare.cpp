@@ -257,6 +257,72 @@ TEST(Prepare, BrokenShardsAreRefused) {
 
   msg = open_error(tmp.dir + "/none");
   EXPECT_NE(msg.find("cannot open"), std::string::npos) << msg;
+
+  // Same size, same layout, other bytes: the checksum in index.json refuses it at the first read.
+  d = fresh("damaged");
+  {
+    haddr_t at = HADDR_UNDEF;  // the token ids' bytes in the file (every shard has some)
+    {
+      const H5File f = H5File::open(d + "/" + shard);
+      const hid_t px = H5Dopen2(f.id(), "input_ids", H5P_DEFAULT);
+      at = H5Dget_offset(px);
+      H5Dclose(px);
+    }
+    ASSERT_NE(at, HADDR_UNDEF);
+    std::fstream f(d + "/" + shard, std::ios::in | std::ios::out | std::ios::binary);
+    std::string bytes(16, '\0');
+    f.seekg(std::streamoff(at));
+    f.read(bytes.data(), 16);
+    for (char& c : bytes) c = char(~c);
+    f.seekp(std::streamoff(at));
+    f.write(bytes.data(), 16);
+  }
+  const ShardDataset damaged(d);
+  msg = "";
+  try {
+    for (size_t i = 0; i < damaged.size(); ++i) damaged.get(i);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("shard " + shard + " does not match its checksum in index.json"), std::string::npos) << msg;
+}
+
+// An existing dataset is replaced only with overwrite, and a failed prepare leaves it as it was.
+TEST(Prepare, ExistingDatasetIsKept) {
+  World w;
+  SharedTmp tmp(w);
+  const std::string ds = tmp.dir + "/ds";
+  prepare_dataset(options("train.jsonl", ds), tokenizer(), w.comm);
+  auto index = [&] {
+    std::ifstream in(ds + "/index.json");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string before = index();
+  auto error = [&](PrepareOptions o) -> std::string {
+    try {
+      prepare_dataset(o, tokenizer(), w.comm);
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.collective());
+      return e.what();
+    }
+    return "";
+  };
+  PrepareOptions again = options("train.jsonl", ds);
+  again.shard_size = 3;
+  std::string msg = error(again);
+  EXPECT_NE(msg.find("already holds a dataset (index.json); set prepare.overwrite = true"), std::string::npos) << msg;
+  PrepareOptions bad = options("bad.jsonl", ds);
+  bad.overwrite = true;
+  msg = error(bad);
+  EXPECT_NE(msg.find("bad.jsonl:2: "), std::string::npos) << msg;
+  EXPECT_EQ(index(), before);
+  EXPECT_FALSE(fs::exists(ds + ".partial"));
+  w.comm.barrier();  // before rank 0 makes the next run's .partial
+  again.overwrite = true;
+  EXPECT_EQ(error(again), "");
+  EXPECT_NE(index(), before);
+  if (w.r == 0) EXPECT_EQ(ShardDataset(ds).size(), 11u);
+  EXPECT_FALSE(fs::exists(ds + ".partial"));
 }
 
 }  // namespace

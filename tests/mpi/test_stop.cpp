@@ -68,7 +68,7 @@ TEST(Stop, StopFileIsSeenByAllRanksAndConsumed) {
   EXPECT_TRUE(should_stop(w.comm, &why));
   EXPECT_NE(why.find("/STOP found"), std::string::npos) << why;
   EXPECT_EQ(stop_reason(), StopReason::StopFile);
-  EXPECT_EQ(stop_exit_status(), 0);  // asked for: no requeue
+  EXPECT_EQ(stop_exit_status(), kExitRequeue);  // like the signals: checkpoint written, status 3
   w.comm.barrier();
   EXPECT_FALSE(std::filesystem::exists(dir + "/STOP"));
   EXPECT_TRUE(std::filesystem::exists(dir + "/STOP.done"));

@@ -49,3 +49,33 @@ TEST(Watchdog, ProgressBoardCountsEachCommunicatorSeparately) {
   EXPECT_EQ(comm.begin_collective(), 3);
   EXPECT_EQ(half->begin_collective(), 2);
 }
+
+// ZeRO's gathers and hybrid groups run on split communicators: they keep the timeout, and name world ranks.
+TEST(Watchdog, SplitKeepsTheTimeoutAndNamesWorldRanks) {
+  MpiComm comm{MPI_COMM_WORLD};
+  const int n = comm.size(), r = comm.rank();
+  comm.set_timeout(0.3);
+  auto half = comm.split(r % 2, r);
+  EXPECT_EQ(half->timeout(), 0.3);
+  if (n < 4) GTEST_SKIP() << "needs 4 ranks";
+  half->barrier();  // #1
+  const int late = n - 1;  // world rank; in its half it is rank (n - 1) / 2
+  if (r % 2 == late % 2) {
+    if (r == late) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      half->set_timeout(0);
+      half->barrier();
+    } else {
+      try {
+        half->barrier();
+        ADD_FAILURE() << "expected the watchdog to fire";
+      } catch (const Error& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("ranks that did not arrive: " + std::to_string(late) + " (" + std::to_string(late) + " at #1)"),
+                  std::string::npos) << m;
+        EXPECT_NE(m.find("(rank " + std::to_string(r) + " on "), std::string::npos) << m;
+      }
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}

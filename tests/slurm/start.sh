@@ -4,6 +4,9 @@
 # Idempotent: a cluster left from an earlier run is stopped first. Clients find it through SLURM_CONF:
 #   source "${Q3VL_SLURM_DIR:-/tmp/q3vl-slurm}/env"
 # The node declares 4 CPUs whatever the machine has (config_overrides), so 4-task jobs run on 2 cores.
+# A requeued job is held for cred_expire + 1 s before it starts again: 21 s here (Slurm's default 121 s),
+# with a scheduling pass every 2 s (not 60), so that the requeue test stays short. Never cut the hold
+# shorter (jobs/common.sh says why).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dir=${Q3VL_SLURM_DIR:-/tmp/q3vl-slurm}
@@ -31,7 +34,7 @@ SlurmctldHost=$node(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=20
 CredType=cred/munge
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
@@ -46,6 +49,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none

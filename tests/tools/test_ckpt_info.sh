@@ -62,7 +62,7 @@ expect "missing file" 1 "no such file" $ci $tmp/none.h5
 expect "directory without latest" 1 "without a 'latest'" $ci $tmp
 
 # A real checkpoint from a short training run (the checksums are checkpoint.cpp's).
-if bin/q3vl --help 2>&1 | grep -q '^  train '; then
+if needs "real training run" bin/q3vl mpiexec; then
   if mpiexec -n 2 bin/q3vl train model.hf=$g train.steps=2 run.out_dir=$tmp/run data.seq_len=64 train.global_batch=2 \
       train.synthetic_samples=8 >$tmp/train.log 2>&1; then
     out=$($ci --check $tmp/run/checkpoints 2>&1) && grep -q "step_00000002.h5: OK" <<<"$out" && grep -q "^world_size *2$" <<<"$out" &&

@@ -127,7 +127,7 @@ for n, t in e.items():
     assert hfconfig.to_released_layout(n, f["model/" + n][()]).tobytes() == t.raw().tobytes(), n
 EOF
 }
-if bin/q3vl --help 2>&1 | grep -q '^  train '; then
+if needs "real training run" bin/q3vl mpiexec; then
   run() { mpiexec -n 2 bin/q3vl train run.out_dir=$tmp/$1 data.seq_len=64 train.global_batch=2 \
           train.synthetic_samples=8 "${@:2}" >$tmp/$1.log 2>&1 || bad "q3vl train $*: $(tail -3 $tmp/$1.log)"; }
   run run model.hf=$G/moe/model train.steps=2

@@ -53,7 +53,7 @@ expect "labels count" 1 "2 labels for 1 metrics" tools/summarize --labels a,b $A
 expect "bad smooth" 1 "--smooth must be" tools/plot_metrics --smooth 1.5 $A
 
 # --- a real short run, resumed from an earlier checkpoint (its steps go back: one restart) ---
-if bin/q3vl --help 2>&1 | grep -q '^  train '; then
+if needs "real training run" bin/q3vl mpiexec; then
   train() { mpiexec -n 2 bin/q3vl train model.hf=tests/data/golden/moe/model run.out_dir=$tmp/real data.seq_len=64 \
             train.global_batch=2 train.synthetic_samples=8 train.steps=4 checkpoint.every=2 checkpoint.keep=5 "$@" \
             >>$tmp/train.log 2>&1 || bad "q3vl train $*: $(tail -3 $tmp/train.log)"; }

@@ -103,6 +103,9 @@ TEST(Deck, CommandLineOverrides) {
   EXPECT_NE(m.find("not of the form section.key=value"), std::string::npos) << m;
   m = deck_error("", {"run.rank_logs=yes"});
   EXPECT_NE(m.find("expects a boolean"), std::string::npos) << m;
+  m = deck_error("", {"=3"});  // not a misspelling of any key
+  EXPECT_NE(m.find("command line: '=3': the override lacks a key"), std::string::npos) << m;
+  EXPECT_EQ(m.find("did you mean"), std::string::npos) << m;
 }
 
 TEST(Deck, ResolvedTextRoundTrips) {
@@ -130,5 +133,16 @@ TEST(Deck, MissingFile) {
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cannot open deck '/nonexistent/deck.toml'"), std::string::npos);
+  }
+}
+
+TEST(Deck, FolderIsNotADeck) {
+  // An ifstream opens a folder and reads nothing: that must not run on the defaults.
+  try {
+    Deck::load("/tmp", {}, "check");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.collective());
+    EXPECT_NE(std::string(e.what()).find("deck '/tmp' is a folder; it must be a TOML file"), std::string::npos) << e.what();
   }
 }

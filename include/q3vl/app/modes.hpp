@@ -22,6 +22,11 @@ struct Mode {
 };
 
 const std::vector<Mode>& modes();
+
+class Comm;
+// Every path argument the mode uses is what it must be (file, folder, writable), before any work; collective over
+// `world`, the error printed once. (prepare.output has its own rules: prepare_dataset.)
+void check_paths(const Deck& deck, const std::string& mode, Comm& world);
 const Mode* find_mode(const std::string& name);
 
 }  // namespace q3vl

@@ -8,6 +8,8 @@
 //   image_pixels uint8 [sum h*w*3] (resized RGB, row-major), image_pixel_offsets int64 [m+1],
 //   image_hw int32 [m, 2] (resized height, width), image_grid int32 [m, 3] (t, h, w in patches)
 //   attributes on "/": format "q3vl-shard", version, source (the JSONL path), samples, tokens, images
+// index.json lists each shard with its counts and "checksum" (shard_checksum), which the first read from the shard
+// in a run verifies.
 // The global order of samples is the order of their source lines, whatever the shards and ranks that made them.
 #pragma once
 #include <cstdint>
@@ -39,6 +41,9 @@ class ShardBuilder {
   std::vector<uint8_t> pixels_;
 };
 
+// What index.json stores for a shard file: 16 hex digits of io/checkpoint.hpp's file_checksum.
+std::string shard_checksum(const std::string& path);
+
 class ShardDataset : public Dataset {
  public:
   // `path`: the dataset folder or its index.json. Checks every shard's layout against the manifest; a missing,
@@ -63,6 +68,7 @@ class ShardDataset : public Dataset {
     uint32_t shard, local;
   };
   const Ref& at(size_t index) const;
+  void verify(Shard& sh) const;  // checksum on first read; caller holds mu_
 
   std::string dir_, source_;
   ImageConfig image_;

@@ -80,6 +80,10 @@ void set_checkpoint_io_chunk(int64_t elements);
 // verifies it whenever the slices it is given cover the whole tensor.
 uint64_t ckpt_checksum(const float* data, int64_t begin, int64_t count);
 
+// The same sum over a whole file's bytes, read as little-endian 32-bit words (the last one zero-padded): what
+// dataset shards are checked with (data/shards.hpp). An unreadable file is an error naming it.
+uint64_t file_checksum(const std::string& path);
+
 // A complete checkpoint's problem ("" if it looks fine): not HDF5, truncated, not a q3vl checkpoint,
 // missing attributes, step attribute differing from the file name, a dataset not fully stored.
 std::string checkpoint_problem(const std::string& path);

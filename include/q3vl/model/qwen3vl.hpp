@@ -32,6 +32,17 @@ struct PackedBatch {
   std::vector<int64_t> image_grid_thw;
 };
 
+// The token stream a forward runs on: padded positions dropped, labels shifted inside each sample. orig: the row in
+// logits_out of each token; out_rows: the rows of logits_out.
+struct TokenStream {
+  std::vector<int64_t> ids, targets, cu, orig;
+  int64_t out_rows = 0;
+};
+TokenStream token_stream(const Batch& b);
+TokenStream token_stream(const PackedBatch& b);
+// Patches of the images in grid (checked: positive grids divisible by the merge size, n_pixels matching).
+int64_t image_patches(const VisionConfig& vc, size_t n_pixels, const std::vector<int64_t>& grid);
+
 template <class T>
 class BasicModel {
  public:
@@ -93,10 +104,7 @@ class BasicModel {
   std::vector<T> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens, KvCache<T>& cache);
 
  private:
-  struct Stream {
-    std::vector<int64_t> ids, targets, cu, orig;  // orig: row in logits_out for each token
-    int64_t out_rows = 0;
-  };
+  using Stream = TokenStream;
   double run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
              std::vector<T>* logits_out, double* aux_out, bool aux_loss);
   // Vision tower and mergers: img [Np/4, H] and one DeepStack feature set per deepstack index.

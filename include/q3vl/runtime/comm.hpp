@@ -1,7 +1,9 @@
 // Communicator interface on flat buffers. The MPI implementation is here; NCCL implements the same
 // interface for device buffers. Every collective starts nonblocking and is waited on with a deadline
 // (runtime.timeout): a collective that does not complete in time fails naming itself, the step and the
-// ranks that did not arrive, instead of hanging the job.
+// ranks that did not arrive, instead of hanging the job. Sub-communicators made by split() inherit the timeout;
+// ranks are named by their MPI_COMM_WORLD rank. After SIGTERM a wait gives up sooner (kTermGrace), so that a
+// job with a stopped rank still ends when it is cancelled.
 //
 // Naming the ranks that did not arrive: before each collective a rank publishes how many collectives
 // it has started on the communicator (its sequence number) on a ProgressBoard that the others can read
@@ -51,6 +53,7 @@ class Comm {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string kind() const = 0;  // "mpi", "nccl"
+  virtual int world_rank(int r) const { return r; }  // rank r of this communicator in MPI_COMM_WORLD
 
   // Nonblocking collectives. `count` is per rank where a collective has one block per rank.
   // all_gather: send[count] -> recv[size*count] (rank r's block at r*count).
@@ -122,18 +125,27 @@ class Comm {
   double min(double x) { all_reduce(&x, 1, DType::F64, ReduceOp::Min); return x; }
   void broadcast_string(std::string& s, int root);
 
-  // Watchdog settings: seconds a collective may take (<= 0: forever), and the step named in messages.
+  // Watchdog settings: seconds a collective may take (<= 0: forever), and the step and phase ("forward",
+  // "checkpoint write", ...) named in messages.
   void set_timeout(double seconds) { timeout_ = seconds; }
   double timeout() const { return timeout_; }
   static void set_step(long step) { step_ = step; }
+  static long step() { return step_; }
+  static void set_phase(const char* phase) { phase_ = phase; }
+  static const char* phase() { return phase_; }
+  // " at step N (phase)", or "" before the first step: the tail of watchdog messages.
+  static std::string where();
+  // Seconds a collective still waits once SIGTERM has arrived (when runtime.timeout is longer).
+  static constexpr double kTermGrace = 10;
 
  private:
   double timeout_ = 0;
   static inline long step_ = -1;
+  static inline const char* phase_ = nullptr;
 
  protected:
-  // Who is behind collective #seq, from the board, for the watchdog's message.
-  std::string stragglers(long seq) const;
+  // Who is behind collective #seq, from the board, and who is silent (watchdog_silent), for the watchdog's message.
+  std::string stragglers(long seq, const std::string& silent = "") const;
   std::unique_ptr<ProgressBoard> board_;
   long seq_ = 0;
 };

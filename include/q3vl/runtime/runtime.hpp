@@ -32,6 +32,10 @@ class Runtime {
   // A deck error is collective: every rank throws the same message.
   Deck load_deck(const std::string& path, const std::vector<std::string>& overrides, const std::string& mode);
 
+  // runtime.timeout on the world and node communicators (split() passes it on) and the liveness watchdog
+  // (runtime/watchdog.hpp), which the first call starts. Collective.
+  void set_timeout(double seconds);
+
   // Gather per-region timers into the exit table (rank 0 prints min/avg/max over ranks).
   std::string timing_table();
 
@@ -42,8 +46,19 @@ class Runtime {
   std::unique_ptr<Comm> world_, node_;
 };
 
+// Collective over `c`, for checks each rank makes for itself (a path it will write): when any rank has a
+// problem (err not empty), every rank fails with the lowest such rank's message, which names that rank and host
+// when there are several ranks, and it is printed once.
+void agree_or_fail(Comm& c, const std::string& err);
+
+// Where rank 0 alone works (generate, eval, synth) and the others wait for it: no deadline (the work may take
+// hours), but a silent rank still ends the job (the liveness watchdog). Collective.
+void idle_barrier(Comm& c, const std::string& what);
+
 // How the app ends a run on an error (see core/error.hpp for the two kinds).
 [[noreturn]] void exit_collective(const std::string& msg);  // rank 0 prints, all finalize, exit 1
-[[noreturn]] void abort_local(const std::string& msg);      // this rank prints with rank+host, MPI_Abort
+// This rank prints with rank and host, then MPI_Abort (one rank: finalize and exit 1). MPICH's own
+// "Abort(1) on node ..." line is kept off stderr: ours says more. Callable from the watchdog's thread.
+[[noreturn]] void abort_local(const std::string& msg);
 
 }  // namespace q3vl

@@ -3,6 +3,9 @@
 //    preemption; Slurm sends SIGKILL KillWait seconds later);
 //  - the wall-clock budget runtime.walltime: stop when the next step and a checkpoint would not fit;
 //  - a file named STOP in run.out_dir (rank 0 looks; it is renamed STOP.done so the next run goes on).
+// All three write a checkpoint and exit with status 3. A second SIGTERM ends the process at once (the default
+// action), and a pending SIGTERM shortens collective waits (Comm::kTermGrace): a job whose ranks cannot meet
+// any more still ends when it is cancelled.
 // Every rank calls should_stop() at the same step boundary; one all-reduce makes them all agree, so a
 // signal delivered to one rank stops all of them at the same step.
 //
@@ -25,8 +28,8 @@
 
 namespace q3vl {
 
-// Exit status for "stopped early, checkpoint written, requeue me" (signal or walltime). The job
-// scripts in jobs/ turn it into `scontrol requeue`. A STOP file ends the run with status 0 instead.
+// Exit status for "stopped early, checkpoint written" (signal, walltime or STOP file). The job scripts in
+// jobs/ turn it into `scontrol requeue`; the requeued job resumes (the STOP file was renamed STOP.done).
 constexpr int kExitRequeue = 3;
 
 enum class StopReason { None, Signal, Walltime, StopFile };
@@ -46,5 +49,8 @@ bool should_stop(Comm& world, std::string* why = nullptr);
 // After should_stop() returned true: the reason (the same on every rank) and the exit status for it.
 StopReason stop_reason();
 int stop_exit_status();
+
+// The stop signal this process received since stop_init (SIGUSR1, SIGTERM), or 0. Any thread.
+int stop_signal_pending();
 
 }  // namespace q3vl

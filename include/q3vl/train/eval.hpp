@@ -4,6 +4,7 @@
 #include <string>
 
 #include "q3vl/core/deck.hpp"
+#include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 
 namespace q3vl {
@@ -18,6 +19,10 @@ struct EvalResult {
   std::vector<NamedTensor> grads;  // by HF name, in the on-disk layout (empty unless asked)
 };
 EvalResult evaluate(Model& model, const Batch& batch, bool grads, bool aux_loss);
+// The same pass on the device model; `host` holds the table and receives the gradients for grads_hf.
+EvalResult evaluate(DevModel& model, Model& host, const Batch& batch, bool grads, bool aux_loss);
+// What a DevModel must be sized for to run `batch`.
+DevBudget budget_for(const Batch& batch, int64_t patch_dim);
 
 int run_eval(const Deck& deck);
 

@@ -67,11 +67,12 @@ class Loader {
 int64_t supervised_targets(const std::vector<int64_t>& labels);
 
 // A deterministic synthetic dataset (tests and the demo until the HDF5 shard dataset is wired): sample i is a
-// function of (seed, i) alone. Lengths vary in [min_len, max_len]; every third sample carries one image of
-// grid (1, 4, 4) (4 merged tokens) early on; labels supervise the second half, a learnable sequence; plain text ids stay below the special ids.
+// function of (seed, i) alone. Lengths vary in [min_len, max_len]; every `image_every`-th sample carries one image of
+// grid (1, g, g), g = image_px / patch (default 64 px: 4 merged tokens) early on; labels supervise the second half, a learnable sequence; plain text ids stay below the special ids.
 class SyntheticDataset : public Dataset {
  public:
-  SyntheticDataset(const ModelConfig& cfg, size_t size, uint64_t seed, int min_len, int max_len);
+  SyntheticDataset(const ModelConfig& cfg, size_t size, uint64_t seed, int min_len, int max_len, int image_px = 64,
+                   int image_every = 3);
   size_t size() const override { return size_; }
   Sample get(size_t index) const override;
   size_t length(size_t index) const override;
@@ -82,6 +83,7 @@ class SyntheticDataset : public Dataset {
   size_t size_;
   uint64_t seed_;
   int min_len_, max_len_;
+  int grid_, image_every_;  // image grid side in patches; 0: no images
 };
 
 }  // namespace q3vl

@@ -1,0 +1,15 @@
+// Test hook (runtime.debug_stop_rank/_step/_phase): one rank stops itself with SIGSTOP when it reaches a phase of
+// a step, as a process that hangs or is suspended would, so that the fault suite (tests/cli/test_faults.sh) hits
+// forward, backward and a checkpoint write at a known point. The phases are where debug_stop_point() is called:
+// "forward" and "backward" at a pass's first unit use (model/qwen3vl.cpp), "checkpoint" after the first tensor
+// of a checkpoint write (io/checkpoint.cpp).
+#pragma once
+#include <string>
+
+namespace q3vl {
+
+void debug_stop_arm(int rank, long step, const std::string& phase);  // rank < 0: off
+void debug_stop_step(long step);                                       // the step being run
+void debug_stop_point(const char* phase);                              // stops here if armed for it
+
+}  // namespace q3vl

@@ -1,0 +1,70 @@
+// Layers on the device op layer (tensor/dev.hpp): the same forward and backward as layers.hpp's templates, but on
+// raw device pointers with a run-time dtype, so one layer code runs on the CPU (fp32, the reference) and on CUDA
+// (fp32, bf16, fp16). Contexts and scratch are carved from arenas sized once from the config and the token count
+// (Arena's counting mode is the sizing the planner reuses); nothing is allocated inside a step.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "q3vl/model/config.hpp"
+#include "q3vl/tensor/dev.hpp"
+
+namespace q3vl {
+
+// A bump allocator over one device block. With base == nullptr it only counts (sizing); carving the same sequence
+// from a real block of the counted size then cannot run out.
+struct Arena {
+  char* base = nullptr;
+  size_t cap = 0, used = 0;
+  void* take(size_t bytes);
+  template <class T = void> T* take(int64_t n, DType t) { return static_cast<T*>(take(size_t(n) * dtype_size(t))); }
+  void reset() { used = 0; }
+};
+
+// Weights by parameter id in the compute dtype (device pointers), gradients F32 (null: frozen or forward only).
+struct DevParams {
+  const void* const* p;
+  float* const* g;
+};
+
+// Element offset into a dt array.
+inline void* at(void* p, int64_t i, DType t) { return static_cast<char*>(p) + i * int64_t(dtype_size(t)); }
+inline const void* at(const void* p, int64_t i, DType t) {
+  return static_cast<const char*>(p) + i * int64_t(dtype_size(t));
+}
+
+// What a decoder layer's backward needs from its forward (dt arrays unless noted). MoE layers keep the routing and
+// the experts' pre-activations; probs/idx are pooled by the caller for the aux loss.
+struct DevDecoderCtx {
+  void *x, *ln1, *qraw, *kraw, *q, *k, *v, *att, *x1, *ln2, *gu, *act;
+  float *r1, *rq, *rk, *lse, *r2;
+  float* w;                      // MoE: [N,k] routing weights
+  int32_t *start, *rows, *pos;   // MoE: expert buckets
+  void *egu, *ey;                // MoE: [R,2Im] pre-activation, [R,H] expert outputs
+  void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt);
+};
+// Temporaries of one layer's forward or backward, shared by all layers (not kept).
+struct DevDecoderScratch {
+  void *tmp, *dln, *dact, *dgu, *datt, *dq, *dk, *dv, *dqr, *dkr;
+  void *logits, *xg, *eact, *dyg, *edact, *edgu, *dxg, *dlogits;  // MoE
+  float* dw;                                                      // MoE: [R]
+  void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt);
+};
+
+// Packed segments on the device: cu [nseg+1] int32 and the longest segment.
+struct DevSegments {
+  const int32_t* cu = nullptr;
+  int64_t nseg = 0, max_len = 0;
+};
+
+// x[N,H] in place (the residual stream). probs [N,E] F32 / idx [N,k] int32: caller-owned slots (MoE).
+void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
+                     int64_t N, const DevSegments& seg, const float* cos, const float* sin, float* probs,
+                     int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt);
+// dx holds dL/d(out) on entry and dL/d(in) on return; aux_dlogits [N,E] in dt (may be null) joins the router's
+// logit gradient.
+void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* dx,
+                     int64_t N, const DevSegments& seg, const float* cos, const float* sin, const float* probs,
+                     const int32_t* idx, const void* aux_dlogits, DevDecoderCtx& c, DevDecoderScratch& s, DType dt);
+
+}  // namespace q3vl

@@ -1,0 +1,89 @@
+// Qwen3-VL on the device op layer: the whole forward and backward (vision tower, mergers, DeepStack, decoder, final
+// norm, chunked LM head + loss, aux loss) on an Exec, with weights in the compute dtype and F32 gradients in device
+// buffers, every activation carved from one arena sized by reserve() before the first step. On the CPU in fp32 it
+// computes what BasicModel<float> computes (tests/unit/test_dev_model.cpp); on CUDA it is the GPU model.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "q3vl/model/dev_layers.hpp"
+#include "q3vl/model/qwen3vl.hpp"
+
+namespace q3vl {
+
+// model.dtype's names: fp32, bf16, fp16.
+DType compute_dtype(const std::string& name);
+
+// Token and patch budget of one forward: what the arena is sized for.
+struct DevBudget {
+  int64_t tokens = 0, patches = 0, segments = 0;  // segments: packed samples
+};
+
+// Bytes a DevModel allocates on its device, by kind (the memory report; the planner's sizing).
+struct DevMemory {
+  int64_t weights = 0, grads = 0, activations = 0, workspace = 0;
+  int64_t total() const { return weights + grads + activations + workspace; }
+};
+
+class DevModel {
+ public:
+  DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt);
+  ~DevModel();
+  DevModel(const DevModel&) = delete;
+  DevModel& operator=(const DevModel&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  const ParamTable& table() const { return table_; }
+  DType dtype() const { return dt_; }
+  const dev::Exec& exec() const { return ex_; }
+
+  // Activation recomputation per block (train.recompute = "block"), set before reserve(): forward keeps only each
+  // decoder layer's and ViT block's input; backward reruns that block into one shared context just before its
+  // backward (the same ops on the same inputs: bitwise the same activations).
+  void set_recompute(bool on);
+  bool recompute() const { return recompute_; }
+  // Sizes and allocates every activation, context and scratch buffer for forwards within `b` (throws naming the
+  // budget when a batch exceeds it). Called once; the memory is then fixed.
+  void reserve(const DevBudget& b);
+  DevMemory memory() const;
+  // What reserve(b) would allocate for activations, without allocating (the planner's sizing).
+  static int64_t activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute = false);
+
+  // Weights in the compute dtype, table order (unit offsets as in ParamTable): from fp32 host values (the full
+  // table, or one unit), or converted on the device from fp32 device masters.
+  void set_params(const float* host_all);
+  void set_params_from_device(const float* dev_f32_all);
+  void* params() { return params_; }
+  float* grads() { return grads_; }
+  void zero_grads();
+  void grads_to_host(float* host_all) const;
+
+  double forward(const Batch& b, bool keep, std::vector<float>* logits_out = nullptr, double* aux_out = nullptr,
+                 bool aux_loss = false);
+  double forward(const PackedBatch& b, bool keep, std::vector<float>* logits_out = nullptr,
+                 double* aux_out = nullptr, bool aux_loss = false);
+  // Accumulates the gradient of the last kept forward's loss (times loss_scale: fp16 loss scaling) into grads().
+  void backward(float loss_scale = 1.f);
+  int64_t supervised_tokens() const { return count_; }
+
+ private:
+  struct Impl;
+  double run(TokenStream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
+             std::vector<float>* logits_out, double* aux_out, bool aux_loss);
+
+  ModelConfig cfg_;
+  ParamTable table_;
+  dev::Exec ex_;
+  DType dt_;
+  void* params_ = nullptr;
+  float* grads_ = nullptr;
+  std::vector<const void*> pp_;
+  std::vector<float*> gp_;
+  std::unique_ptr<Impl> impl_;
+  int64_t count_ = 0;
+  bool kept_ = false, aux_on_ = false, recompute_ = false;
+};
+
+}  // namespace q3vl

@@ -1,0 +1,53 @@
+// The device op layer (DESIGN.md "Device execution"): every computation of the model as a named op on raw
+// pointers with run-time dtypes, executed where an Exec says (the CPU, or a CUDA stream). The CPU implementation
+// (src/tensor/dev_cpu.cpp) is the reference: it runs the fp32 ops:: templates. The CUDA one (src/tensor/cuda/)
+// is tested against it op by op (tests/unit/test_backend_ops.cpp). Layer code calls these ops only, so it reads the
+// same for both.
+//
+// Conventions, shared by every op:
+//  - `dt` is the dtype of activations, their gradients and weights as gathered: F32, BF16 or F16 (the CPU
+//    implements F32 only). Math inside a kernel is fp32 whatever dt is.
+//  - Weight and bias gradients (dW, db, norm dw, dtable) are F32 and accumulated (+=): they are the ZeRO gradient
+//    accumulators. Each may be null (a frozen part): the op then computes only the input gradient.
+//  - Backward ops ACCUMULATE (+=) into every gradient output, activations too (as ops:: does); callers zero them.
+//  - Saved statistics (mean, rstd, lse), rope tables (cos/sin), router probabilities and routing weights are F32.
+//  - Indices are int32: token ids, targets (-100 = ignored), cu_seqlens, expert ids, row maps.
+//  - Pointers are device pointers (host pointers on the CPU). Ops never allocate, free or synchronise; scratch
+//    comes from Exec::ws. Scalars that a step reduces (losses, norms) are accumulated into device memory.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "q3vl/core/dtype.hpp"
+#include "q3vl/tensor/tensor.hpp"
+
+namespace q3vl::dev {
+
+// Where ops run. On CUDA: the stream, the cuBLASLt handle and a workspace, all owned by the Exec.
+struct Exec {
+  Device device = Device::CPU;
+  void* stream = nullptr;  // cudaStream_t
+  void* blas = nullptr;    // cublasLtHandle_t
+  void* ws = nullptr;      // device scratch (GEMM workspace, attention dq accumulators, reductions)
+  size_t ws_bytes = 0;
+};
+// GPUs visible to this process (0 in a build without CUDA).
+int device_count();
+// A CUDA Exec on GPU `gpu` (made the calling thread's current device: the rank's GPU, Placement::gpu) with its own
+// stream and `ws_bytes` of workspace; a CPU Exec needs nothing.
+Exec make_exec(Device d, size_t ws_bytes = size_t(256) << 20, int gpu = 0);
+void destroy_exec(Exec& x);
+void synchronize(const Exec& x);
+// Device memory (host memory on the CPU). Used when arenas are sized, never inside a step.
+void* alloc(const Exec& x, size_t bytes);
+void release(const Exec& x, void* p);
+// Copies on the Exec's stream (host<->device, device<->device); to_host waits for completion.
+void to_device(const Exec& x, void* dst, const void* src, size_t bytes);
+void to_host(const Exec& x, void* dst, const void* src, size_t bytes);
+void copy(const Exec& x, void* dst, const void* src, size_t bytes);
+// Free and total memory of the device (the CPU: 0 and 0, not tracked here).
+void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes);
+
+#include "q3vl/tensor/dev_ops.inc"
+
+}  // namespace q3vl::dev

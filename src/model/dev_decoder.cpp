@@ -1,0 +1,162 @@
+// Text decoder layer on the device op layer (spec 4.3, 4.4, 4.7, 4.8): RMSNorm -> GQA attention with QK-norm and
+// M-RoPE -> residual; RMSNorm -> dense SwiGLU MLP or MoE block -> residual. The op sequence is decoder.cpp's, so on
+// the CPU in fp32 it computes what the templated layer computes.
+#include <cmath>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/model/dev_layers.hpp"
+#include "q3vl/model/params.hpp"
+
+namespace q3vl {
+
+void* Arena::take(size_t bytes) {
+  const size_t start = (used + 255) & ~size_t(255);  // 256-byte alignment: vector loads, cuBLASLt
+  used = start + bytes;
+  if (!base) return nullptr;
+  Q3VL_CHECK(used <= cap, "arena of " + std::to_string(cap) + " bytes overrun (sizing and carving disagree)");
+  return base + start;
+}
+
+void DevDecoderCtx::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt) {
+  const int64_t H = tc.hidden, Dq = int64_t(tc.heads) * tc.head_dim, Dk = int64_t(tc.kv_heads) * tc.head_dim;
+  x = a.take(N * H, dt), ln1 = a.take(N * H, dt), qraw = a.take(N * Dq, dt), kraw = a.take(N * Dk, dt);
+  q = a.take(N * Dq, dt), k = a.take(N * Dk, dt), v = a.take(N * Dk, dt), att = a.take(N * Dq, dt);
+  x1 = a.take(N * H, dt), ln2 = a.take(N * H, dt);
+  r1 = a.take<float>(N, DType::F32), rq = a.take<float>(N * tc.heads, DType::F32);
+  rk = a.take<float>(N * tc.kv_heads, DType::F32), lse = a.take<float>(N * tc.heads, DType::F32);
+  r2 = a.take<float>(N, DType::F32);
+  gu = act = egu = ey = nullptr, w = nullptr, start = rows = pos = nullptr;
+  if (!moe) {
+    gu = a.take(N * 2 * tc.intermediate, dt), act = a.take(N * tc.intermediate, dt);
+  } else {
+    const int64_t R = N * tc.experts_per_tok;
+    w = a.take<float>(R, DType::F32);
+    start = a.take<int32_t>(tc.num_experts + 1, DType::I32);
+    rows = a.take<int32_t>(R, DType::I32), pos = a.take<int32_t>(R, DType::I32);
+    egu = a.take(R * 2 * tc.moe_intermediate, dt), ey = a.take(R * H, dt);
+  }
+}
+
+void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt) {
+  const int64_t H = tc.hidden, Dq = int64_t(tc.heads) * tc.head_dim, Dk = int64_t(tc.kv_heads) * tc.head_dim;
+  tmp = a.take(N * H, dt), dln = a.take(N * H, dt), datt = a.take(N * Dq, dt);
+  dq = a.take(N * Dq, dt), dk = a.take(N * Dk, dt), dv = a.take(N * Dk, dt);
+  dqr = a.take(N * Dq, dt), dkr = a.take(N * Dk, dt);
+  dact = a.take(N * tc.intermediate, dt), dgu = a.take(N * 2 * tc.intermediate, dt);
+  logits = xg = eact = dyg = edact = edgu = dxg = dlogits = nullptr, dw = nullptr;
+  if (moe) {
+    const int64_t R = N * tc.experts_per_tok, E = tc.num_experts, Im = tc.moe_intermediate;
+    logits = a.take(N * E, dt), dlogits = a.take(N * E, dt), dw = a.take<float>(R, DType::F32);
+    xg = a.take(R * H, dt), eact = a.take(R * Im, dt), dyg = a.take(R * H, dt);
+    edact = a.take(R * Im, dt), edgu = a.take(R * 2 * Im, dt), dxg = a.take(R * H, dt);
+  }
+}
+
+namespace {
+// The dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent.
+const void* fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
+  Q3VL_CHECK(P.p[f + tlay::up_proj] == at(P.p[f + tlay::gate_proj], I * H, dt), "gate_proj/up_proj must be adjacent");
+  Q3VL_CHECK(!P.g[f + tlay::gate_proj] || P.g[f + tlay::up_proj] == P.g[f + tlay::gate_proj] + I * H,
+             "gate_proj/up_proj grads must be adjacent");
+  return P.p[f + tlay::gate_proj];
+}
+void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
+}  // namespace
+
+void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
+                     int64_t N, const DevSegments& seg, const float* cos, const float* sin, float* probs,
+                     int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
+  const TextConfig& tc = cfg.text;
+  const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
+  dev::copy(ex, c.x, x, size_t(N * H) * dtype_size(dt));
+  dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
+  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::q_proj], nullptr, c.qraw, N, H, Dq, dt);
+  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::k_proj], nullptr, c.kraw, N, H, Dk, dt);
+  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::v_proj], nullptr, c.v, N, H, Dk, dt);
+  dev::rmsnorm_fwd(ex, c.qraw, P.p[f + tlay::q_norm], c.q, c.rq, N * nh, hd, tc.rms_eps, dt);
+  dev::rmsnorm_fwd(ex, c.kraw, P.p[f + tlay::k_norm], c.k, c.rk, N * nkv, hd, tc.rms_eps, dt);
+  dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
+  dev::rope_fwd(ex, c.k, cos, sin, N, nkv, hd, dt);
+  dev::attention_fwd(ex, c.q, c.k, c.v, c.att, c.lse, seg.cu, seg.nseg, seg.max_len, N, nh, nkv, hd, true,
+                     float(1 / std::sqrt(double(hd))), dt);
+  dev::linear_fwd(ex, c.att, P.p[f + tlay::o_proj], nullptr, s.tmp, N, Dq, H, dt);
+  dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
+  dev::copy(ex, c.x1, x, size_t(N * H) * dtype_size(dt));
+  dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
+  if (moe) {
+    const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
+    dev::linear_fwd(ex, c.ln2, P.p[f + tlay::router], nullptr, s.logits, N, H, E, dt);
+    dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, dt);
+    dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
+    dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
+    dev::grouped_linear_fwd(ex, s.xg, P.p[f + tlay::experts_gate_up], c.start, c.egu, R, E, H, 2 * Im, dt);
+    dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);
+    dev::grouped_linear_fwd(ex, s.eact, P.p[f + tlay::experts_down], c.start, c.ey, R, E, Im, H, dt);
+    dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
+  } else {
+    const int64_t I = tc.intermediate;
+    dev::linear_fwd(ex, c.ln2, fused_gate_up(P, f, I, H, dt), nullptr, c.gu, N, H, 2 * I, dt);
+    dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
+    dev::linear_fwd(ex, c.act, P.p[f + tlay::down_proj], nullptr, s.tmp, N, I, H, dt);
+  }
+  dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
+}
+
+void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* dx,
+                     int64_t N, const DevSegments& seg, const float* cos, const float* sin, const float* probs,
+                     const int32_t* idx, const void* aux_dlogits, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
+  const TextConfig& tc = cfg.text;
+  const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
+  // MLP / MoE branch.
+  zero(ex, s.dln, N * H, dt);
+  if (moe) {
+    const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
+    zero(ex, s.dyg, R * H, dt);
+    dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, dt);
+    dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
+    zero(ex, s.edact, R * Im, dt);
+    dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[f + tlay::experts_down], c.start, s.edact,
+                            P.g[f + tlay::experts_down], R, E, Im, H, dt);
+    zero(ex, s.edgu, R * 2 * Im, dt);
+    dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, dt);
+    dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
+    zero(ex, s.dxg, R * H, dt);
+    dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[f + tlay::experts_gate_up], c.start, s.dxg,
+                            P.g[f + tlay::experts_gate_up], R, E, H, 2 * Im, dt);
+    dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, dt);
+    zero(ex, s.dlogits, N * E, dt);
+    dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, dt);
+    if (aux_dlogits) dev::axpy(ex, 1.f, aux_dlogits, s.dlogits, N * E, dt);
+    dev::linear_bwd(ex, s.dlogits, c.ln2, P.p[f + tlay::router], s.dln, P.g[f + tlay::router], nullptr, N, H, E, dt);
+  } else {
+    const int64_t I = tc.intermediate;
+    zero(ex, s.dact, N * I, dt);
+    zero(ex, s.dgu, N * 2 * I, dt);
+    dev::linear_bwd(ex, dx, c.act, P.p[f + tlay::down_proj], s.dact, P.g[f + tlay::down_proj], nullptr, N, I, H, dt);
+    dev::swiglu_bwd(ex, s.dact, c.gu, s.dgu, N, I, dt);
+    dev::linear_bwd(ex, s.dgu, c.ln2, fused_gate_up(P, f, I, H, dt), s.dln, P.g[f + tlay::gate_proj], nullptr, N, H,
+                    2 * I, dt);
+  }
+  dev::rmsnorm_bwd(ex, s.dln, c.x1, P.p[f + tlay::post_norm], c.r2, dx, P.g[f + tlay::post_norm], N, H, dt);
+  // Attention branch.
+  zero(ex, s.datt, N * Dq, dt);
+  zero(ex, s.dq, N * Dq, dt);
+  zero(ex, s.dk, N * Dk, dt);
+  zero(ex, s.dv, N * Dk, dt);
+  zero(ex, s.dqr, N * Dq, dt);
+  zero(ex, s.dkr, N * Dk, dt);
+  dev::linear_bwd(ex, dx, c.att, P.p[f + tlay::o_proj], s.datt, P.g[f + tlay::o_proj], nullptr, N, Dq, H, dt);
+  dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
+                     nkv, hd, true, float(1 / std::sqrt(double(hd))), dt);
+  dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
+  dev::rope_bwd(ex, s.dk, cos, sin, N, nkv, hd, dt);
+  dev::rmsnorm_bwd(ex, s.dq, c.qraw, P.p[f + tlay::q_norm], c.rq, s.dqr, P.g[f + tlay::q_norm], N * nh, hd, dt);
+  dev::rmsnorm_bwd(ex, s.dk, c.kraw, P.p[f + tlay::k_norm], c.rk, s.dkr, P.g[f + tlay::k_norm], N * nkv, hd, dt);
+  zero(ex, s.dln, N * H, dt);
+  dev::linear_bwd(ex, s.dqr, c.ln1, P.p[f + tlay::q_proj], s.dln, P.g[f + tlay::q_proj], nullptr, N, H, Dq, dt);
+  dev::linear_bwd(ex, s.dkr, c.ln1, P.p[f + tlay::k_proj], s.dln, P.g[f + tlay::k_proj], nullptr, N, H, Dk, dt);
+  dev::linear_bwd(ex, s.dv, c.ln1, P.p[f + tlay::v_proj], s.dln, P.g[f + tlay::v_proj], nullptr, N, H, Dk, dt);
+  dev::rmsnorm_bwd(ex, s.dln, c.x, P.p[f + tlay::in_norm], c.r1, dx, P.g[f + tlay::in_norm], N, H, dt);
+}
+
+}  // namespace q3vl

@@ -1,0 +1,21 @@
+// The CUDA side of the device op layer: the launchers behind q3vl::dev's ops when Exec::device is CUDA. The public
+// ops (src/tensor/dev_cpu.cpp) forward here; each launcher enqueues on the Exec's stream and never synchronises.
+#pragma once
+#include "q3vl/tensor/dev.hpp"
+
+namespace q3vl::dev::cuda {
+
+int device_count();
+Exec make_exec(size_t ws_bytes, int gpu);
+void destroy_exec(Exec& x);
+void synchronize(const Exec& x);
+void* alloc(const Exec& x, size_t bytes);
+void release(const Exec& x, void* p);
+void to_device(const Exec& x, void* dst, const void* src, size_t bytes);
+void to_host(const Exec& x, void* dst, const void* src, size_t bytes);
+void copy(const Exec& x, void* dst, const void* src, size_t bytes);
+void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes);
+
+#include "q3vl/tensor/dev_ops.inc"
+
+}  // namespace q3vl::dev::cuda

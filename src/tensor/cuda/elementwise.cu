@@ -1,0 +1,488 @@
+// Elementwise ops, activations, rotary, embeddings, row moves and the vision position embedding. Grid-stride loops,
+// fp32 math on any storage dtype, formulas written as ops:: writes them. Every backward is deterministic: the
+// many-to-one ones (embedding_bwd, pos_embed_bwd) sum per destination row in a fixed order instead of atomics.
+#include <algorithm>
+
+#include <cub/cub.cuh>
+
+#include "tensor/cuda/common.cuh"
+
+namespace q3vl::dev::cuda {
+
+namespace {
+
+#define Q3VL_GRID_LOOP(i, n) \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+// ---- fill / convert / axpy / scale ----------------------------------------------------------------------------------
+template <class S> __global__ void k_fill(S* p, int64_t n, float v) {
+  Q3VL_GRID_LOOP(i, n) st(p, i, v);
+}
+template <class T> __global__ void k_fill_raw(T* p, int64_t n, T v) {
+  Q3VL_GRID_LOOP(i, n) p[i] = v;
+}
+template <class D, class S> __global__ void k_convert(D* dst, const S* src, int64_t n) {
+  Q3VL_GRID_LOOP(i, n) st(dst, i, ld(src, i));
+}
+template <class S> __global__ void k_axpy(float alpha, const S* a, S* y, int64_t n) {
+  Q3VL_GRID_LOOP(i, n) st(y, i, ld(y, i) + alpha * ld(a, i));
+}
+template <class S> __global__ void k_scale(S* y, int64_t n, float alpha) {
+  Q3VL_GRID_LOOP(i, n) st(y, i, ld(y, i) * alpha);
+}
+
+// ---- activations ----------------------------------------------------------------------------------------------------
+template <class S> __global__ void k_gelu_tanh_fwd(const S* x, S* y, int64_t n) {
+  Q3VL_GRID_LOOP(i, n) {
+    const float v = ld(x, i);
+    st(y, i, 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + 0.044715f * v * v * v))));
+  }
+}
+template <class S> __global__ void k_gelu_tanh_bwd(const S* dy, const S* x, S* dx, int64_t n) {
+  Q3VL_GRID_LOOP(i, n) {
+    const float v = ld(x, i);
+    const float t = tanhf(kSqrt2OverPi * (v + 0.044715f * v * v * v));
+    const float g = 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + float(3 * 0.044715) * v * v);
+    st(dx, i, ld(dx, i) + ld(dy, i) * g);
+  }
+}
+template <class S> __global__ void k_gelu_erf_fwd(const S* x, S* y, int64_t n) {
+  Q3VL_GRID_LOOP(i, n) {
+    const float v = ld(x, i);
+    st(y, i, 0.5f * v * (1.f + erff(v * kInvSqrt2)));
+  }
+}
+template <class S> __global__ void k_gelu_erf_bwd(const S* dy, const S* x, S* dx, int64_t n) {
+  Q3VL_GRID_LOOP(i, n) {
+    const float v = ld(x, i);
+    const float g = 0.5f * (1.f + erff(v * kInvSqrt2)) + v * expf(-0.5f * v * v) * kInvSqrt2Pi;
+    st(dx, i, ld(dx, i) + ld(dy, i) * g);
+  }
+}
+template <class S> __global__ void k_swiglu_fwd(const S* gu, S* y, int64_t N, int64_t I) {
+  Q3VL_GRID_LOOP(e, N * I) {
+    const int64_t i = e / I, j = e % I;
+    const float g = ld(gu, i * 2 * I + j), u = ld(gu, i * 2 * I + I + j);
+    st(y, e, g / (1.f + expf(-g)) * u);
+  }
+}
+template <class S> __global__ void k_swiglu_bwd(const S* dy, const S* gu, S* dgu, int64_t N, int64_t I) {
+  Q3VL_GRID_LOOP(e, N * I) {
+    const int64_t i = e / I, j = e % I;
+    const int64_t ig = i * 2 * I + j, iu = ig + I;
+    const float g = ld(gu, ig), u = ld(gu, iu);
+    const float s = 1.f / (1.f + expf(-g));
+    const float d = ld(dy, e);
+    st(dgu, ig, ld(dgu, ig) + d * u * s * (1.f + g * (1.f - s)));
+    st(dgu, iu, ld(dgu, iu) + d * g * s);
+  }
+}
+
+// ---- rotary: one thread per (token, head, d < hd/2) pair ------------------------------------------------------------
+template <class S>
+__global__ void k_rope(S* x, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd, float sign) {
+  const int64_t half = hd / 2;
+  Q3VL_GRID_LOOP(e, N * heads * half) {
+    const int64_t d = e % half, ih = e / half, i = ih / heads;
+    S* xi = x + ih * hd;
+    const float c = cos[i * half + d], s = sin[i * half + d];
+    const float a = ld(xi, d), b = ld(xi, d + half);
+    st(xi, d, a * c - sign * b * s);
+    st(xi, d + half, b * c + sign * a * s);
+  }
+}
+
+// ---- row moves: raw copies in the widest unit that every row's bytes and pointers allow -------------------------
+template <class U>
+__global__ void k_copy_rows(const char* src, const int32_t* ids, int64_t div, int64_t V, char* dst, int64_t R,
+                            int64_t row_units) {
+  // dst row i = src row ids[i] / div (ids null: row i); an id outside [0, V) yields a NaN-patterned row (V > 0 only)
+  Q3VL_GRID_LOOP(e, R * row_units) {
+    const int64_t i = e / row_units, u = e % row_units;
+    const int64_t r = ids ? int64_t(ids[i]) / div : i;
+    U* d = reinterpret_cast<U*>(dst) + i * row_units + u;
+    if (V > 0 && (r < 0 || r >= V)) {
+      U bad;
+      memset(&bad, 0xff, sizeof(U));  // all-ones: NaN in fp32, bf16 and fp16
+      *d = bad;
+    } else {
+      *d = reinterpret_cast<const U*>(src)[r * row_units + u];
+    }
+  }
+}
+void copy_rows(const Exec& x, const void* src, const int32_t* ids, int64_t div, int64_t V, void* dst, int64_t R,
+               size_t row_bytes) {
+  if (R <= 0 || row_bytes == 0) return;
+  const uintptr_t al = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | row_bytes;
+  const auto* s = static_cast<const char*>(src);
+  auto* d = static_cast<char*>(dst);
+  if (al % 16 == 0) {
+    const int64_t u = int64_t(row_bytes / 16);
+    k_copy_rows<uint4><<<grid_for(R * u), 256, 0, stream_of(x)>>>(s, ids, div, V, d, R, u);
+  } else if (al % 4 == 0) {
+    const int64_t u = int64_t(row_bytes / 4);
+    k_copy_rows<uint32_t><<<grid_for(R * u), 256, 0, stream_of(x)>>>(s, ids, div, V, d, R, u);
+  } else {
+    const int64_t u = int64_t(row_bytes / 2);
+    k_copy_rows<uint16_t><<<grid_for(R * u), 256, 0, stream_of(x)>>>(s, ids, div, V, d, R, u);
+  }
+  Q3VL_LAUNCHED();
+}
+
+template <class S>
+__global__ void k_scatter_rows(const S* src, const int32_t* rows, S* dst, int64_t R, int64_t D, bool accumulate) {
+  Q3VL_GRID_LOOP(e, R * D) {
+    const int64_t i = e / D, j = e % D;
+    const int64_t o = int64_t(rows[i]) * D + j;
+    st(dst, o, accumulate ? ld(dst, o) + ld(src, e) : ld(src, e));
+  }
+}
+
+// ---- embedding backward, deterministic ------------------------------------------------------------------------------
+// The positions are stably sorted by id (CUB radix sort), so each id's positions form one run in increasing order;
+// a thread per (run, column) then adds the run's dout rows into dtable[id] in exactly the reference's order, alone
+// writing that element. O(N log N) whatever the repetition (image-pad ids repeat thousands of times).
+__global__ void k_iota(int32_t* p, int64_t n) {
+  Q3VL_GRID_LOOP(i, n) p[i] = int32_t(i);
+}
+template <class S>
+__global__ void k_embedding_runs(const int32_t* __restrict__ id_of_run, const int32_t* __restrict__ run_len,
+                                 const int32_t* __restrict__ run_start, const int32_t* __restrict__ num_runs,
+                                 const int32_t* __restrict__ order, const S* __restrict__ dout, float* dtable,
+                                 int64_t D) {
+  const int64_t d = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
+  if (d >= D) return;
+  const int32_t nr = *num_runs;
+  for (int32_t r = blockIdx.x; r < nr; r += gridDim.x) {
+    const int32_t v = id_of_run[r];
+    if (v < 0) continue;
+    const int32_t j0 = run_start[r], n = run_len[r];
+    float acc = dtable[int64_t(v) * D + d];
+    int32_t j = 0;
+    for (; j + 16 <= n; j += 16) {  // 16 loads in flight, added in order
+      float x[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) x[u] = ld(dout, int64_t(order[j0 + j + u]) * D + d);
+#pragma unroll
+      for (int u = 0; u < 16; ++u) acc += x[u];
+    }
+    for (; j < n; ++j) acc += ld(dout, int64_t(order[j0 + j]) * D + d);
+    dtable[int64_t(v) * D + d] = acc;
+  }
+}
+
+// ---- vision position embedding --------------------------------------------------------------------------------------
+// One axis of align_corners bilinear (cpu_ops.cpp axis_taps), in the same fp32 operations.
+struct Taps {
+  int32_t t0, t1;
+  float w0, w1;
+};
+__device__ __forceinline__ Taps axis_taps(int64_t i, int64_t n, int64_t G) {
+  const float src = float(i * (G - 1)) / float(n - 1 > 1 ? n - 1 : 1);
+  const float fl = floorf(src);
+  Taps t;
+  t.t0 = int32_t(min(int64_t(fl), G - 1));
+  t.t1 = int32_t(min(int64_t(fl) + 1, G - 1));
+  t.w0 = fmaxf(0.f, 1.f - fabsf(src - fl - 0.f));
+  t.w1 = fmaxf(0.f, 1.f - fabsf(src - fl - 1.f));
+  return t;
+}
+// Patch p in (t, br, bc, ir, ic) order -> its image row and column.
+__device__ __forceinline__ void patch_rc(int64_t p, int64_t h, int64_t w, int64_t merge, int64_t& row, int64_t& col) {
+  const int64_t within = p % (h * w), bw = w / merge;
+  const int64_t ic = within % merge, ir = (within / merge) % merge;
+  const int64_t bc = (within / (merge * merge)) % bw, br = within / (merge * merge * bw);
+  row = br * merge + ir;
+  col = bc * merge + ic;
+}
+
+template <class S>
+__global__ void k_pos_embed_fwd(const S* table, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w, int64_t merge,
+                                S* out) {
+  Q3VL_GRID_LOOP(e, t * h * w * D) {
+    const int64_t p = e / D, d = e % D;
+    int64_t r, c;
+    patch_rc(p, h, w, merge, r, c);
+    const Taps ty = axis_taps(r, h, G), tx = axis_taps(c, w, G);
+    const int32_t yy[2] = {ty.t0, ty.t1}, xx[2] = {tx.t0, tx.t1};
+    const float wy[2] = {ty.w0, ty.w1}, wx[2] = {tx.w0, tx.w1};
+    float acc = 0.f;
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) acc += (wy[a] * wx[b]) * ld(table, (int64_t(yy[a]) * G + xx[b]) * D + d);
+    st(out, e, ld(out, e) + acc);
+  }
+}
+
+// Taps of every image row (ytaps[0..h)) and column (xtaps[0..w)), for the backward's gather.
+__global__ void k_taps(Taps* ytaps, Taps* xtaps, int64_t h, int64_t w, int64_t G) {
+  Q3VL_GRID_LOOP(i, h + w) {
+    if (i < h) ytaps[i] = axis_taps(i, h, G);
+    else xtaps[i - h] = axis_taps(i - h, w, G);
+  }
+}
+// Taps are nondecreasing along an axis (src = i (G-1) / (n-1) and floor are monotone), so the image rows whose tap
+// a is table row g form one range: yr[g*2 + a] = [first, last + 1) (empty: {0, 0}); likewise xr for columns.
+__global__ void k_tap_ranges(const Taps* ytaps, const Taps* xtaps, int64_t h, int64_t w, int64_t G, int2* yr,
+                             int2* xr) {
+  Q3VL_GRID_LOOP(q, 4 * G) {
+    const bool is_x = q >= 2 * G;
+    const int64_t g = (q % (2 * G)) / 2, a = q % 2, n = is_x ? w : h;
+    const Taps* t = is_x ? xtaps : ytaps;
+    int lo = -1, hi = -1;
+    for (int64_t i = 0; i < n; ++i)
+      if ((a ? t[i].t1 : t[i].t0) == g) {
+        if (lo < 0) lo = int(i);
+        hi = int(i) + 1;
+      }
+    (is_x ? xr : yr)[g * 2 + a] = lo < 0 ? make_int2(0, 0) : make_int2(lo, hi);
+  }
+}
+// Backward as a gather: block (table row g, 128-column chunk); each thread owns one column d and sums, in a fixed
+// order, every (patch, tap) that reads table row g, then adds once into dtable (it alone writes it).
+template <class S>
+__global__ void k_pos_embed_bwd(const S* __restrict__ dout, const Taps* __restrict__ ytaps,
+                                const Taps* __restrict__ xtaps, const int2* __restrict__ yr,
+                                const int2* __restrict__ xr, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
+                                int64_t merge, float* dtable) {
+  const int64_t d = blockIdx.y * int64_t(blockDim.x) + threadIdx.x;
+  if (d >= D) return;
+  const int64_t bw = w / merge, hw = h * w;
+  for (int64_t g = blockIdx.x; g < G * G; g += gridDim.x) {
+    const int64_t gy = g / G, gx = g % G;
+    float acc = 0.f;
+    for (int a = 0; a < 2; ++a) {
+      const int2 ry = yr[gy * 2 + a];
+      for (int iy = ry.x; iy < ry.y; ++iy) {
+        const float wy = a ? ytaps[iy].w1 : ytaps[iy].w0;
+        const int64_t br = iy / merge, ir = iy % merge;
+        for (int b = 0; b < 2; ++b) {
+          const int2 rx = xr[gx * 2 + b];
+          for (int ix = rx.x; ix < rx.y; ++ix) {
+            const float wgt = wy * (b ? xtaps[ix].w1 : xtaps[ix].w0);
+            const int64_t within = ((br * bw + ix / merge) * merge + ir) * merge + ix % merge;
+            for (int64_t tt = 0; tt < t; ++tt) acc += wgt * ld(dout, (tt * hw + within) * D + d);
+          }
+        }
+      }
+    }
+    dtable[g * D + d] += acc;
+  }
+}
+
+}  // namespace
+
+// ---- public launchers -------------------------------------------------------------------------------------------------
+void fill(const Exec& x, void* p, DType t, int64_t n, float value) {
+  if (n <= 0) return;
+  if (t == DType::I32) {
+    k_fill_raw<int32_t><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<int32_t*>(p), n, int32_t(value));
+    Q3VL_LAUNCHED();
+    return;
+  }
+  if (t == DType::F64) {
+    k_fill_raw<double><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<double*>(p), n, double(value));
+    Q3VL_LAUNCHED();
+    return;
+  }
+  by_dtype(t, [&]<class S>() {
+    k_fill<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(p), n, value);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void convert(const Exec& x, void* dst, DType dt_dst, const void* src, DType dt_src, int64_t n) {
+  if (n <= 0) return;
+  if (dt_dst == dt_src) {
+    if (dst != src)
+      Q3VL_CU(cudaMemcpyAsync(dst, src, size_t(n) * dtype_size(dt_src), cudaMemcpyDeviceToDevice, stream_of(x)));
+    return;
+  }
+  by_dtype(dt_dst, [&]<class D>() {
+    by_dtype(dt_src, [&]<class S>() {
+      k_convert<D, S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<D*>(dst), static_cast<const S*>(src), n);
+      Q3VL_LAUNCHED();
+    });
+  });
+}
+
+void axpy(const Exec& x, float alpha, const void* a, void* y, int64_t n, DType dt) {
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_axpy<S><<<grid_for(n), 256, 0, stream_of(x)>>>(alpha, static_cast<const S*>(a), static_cast<S*>(y), n);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void scale(const Exec& x, void* y, int64_t n, float alpha, DType dt) {
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_scale<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(y), n, alpha);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void gelu_tanh_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_gelu_tanh_fwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(in), static_cast<S*>(y), n);
+    Q3VL_LAUNCHED();
+  });
+}
+void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_gelu_tanh_bwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(in),
+                                                               static_cast<S*>(din), n);
+    Q3VL_LAUNCHED();
+  });
+}
+void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_gelu_erf_fwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(in), static_cast<S*>(y), n);
+    Q3VL_LAUNCHED();
+  });
+}
+void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_gelu_erf_bwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(in),
+                                                              static_cast<S*>(din), n);
+    Q3VL_LAUNCHED();
+  });
+}
+void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DType dt) {
+  if (N * I <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_swiglu_fwd<S><<<grid_for(N * I), 256, 0, stream_of(x)>>>(static_cast<const S*>(gu), static_cast<S*>(y), N, I);
+    Q3VL_LAUNCHED();
+  });
+}
+void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, DType dt) {
+  if (N * I <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_swiglu_bwd<S><<<grid_for(N * I), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(gu),
+                                                                static_cast<S*>(dgu), N, I);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void rope_fwd(const Exec& x, void* q, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
+              DType dt) {
+  const int64_t n = N * heads * (hd / 2);
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_rope<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(q), cos, sin, N, heads, hd, 1.f);
+    Q3VL_LAUNCHED();
+  });
+}
+void rope_bwd(const Exec& x, void* dq, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
+              DType dt) {
+  const int64_t n = N * heads * (hd / 2);
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_rope<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(dq), cos, sin, N, heads, hd, -1.f);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void embedding_fwd(const Exec& x, const int32_t* ids, const void* table, void* out, int64_t N, int64_t D, int64_t V,
+                   DType dt) {
+  // No host check of the ids (they live on the device): an id outside [0, V) gives a NaN row.
+  copy_rows(x, table, ids, 1, std::max<int64_t>(V, 1), out, N, size_t(D) * dtype_size(dt));
+}
+
+void embedding_bwd(const Exec& x, const int32_t* ids, const void* dout, float* dtable, int64_t N, int64_t D,
+                   DType dt) {
+  if (!dtable || N <= 0 || D <= 0) return;  // null: frozen
+  Q3VL_CHECK(N < (int64_t(1) << 31), "embedding_bwd: too many positions");
+  const auto s = stream_of(x);
+  const int n = int(N);
+  // Workspace: sorted ids, positions (in, sorted), run ids, run lengths, run starts, run count, CUB's scratch.
+  const size_t arr = (size_t(N) * sizeof(int32_t) + 255) / 256 * 256;
+  char* w = static_cast<char*>(x.ws);
+  auto* keys = reinterpret_cast<int32_t*>(w);
+  auto* pos_in = reinterpret_cast<int32_t*>(w + arr);
+  auto* order = reinterpret_cast<int32_t*>(w + 2 * arr);
+  auto* id_of_run = reinterpret_cast<int32_t*>(w + 3 * arr);
+  auto* run_len = reinterpret_cast<int32_t*>(w + 4 * arr);
+  auto* run_start = reinterpret_cast<int32_t*>(w + 5 * arr);
+  auto* num_runs = reinterpret_cast<int32_t*>(w + 6 * arr);
+  void* tmp = w + 6 * arr + 256;
+  size_t t1 = 0, t2 = 0, t3 = 0;
+  Q3VL_CU(cub::DeviceRadixSort::SortPairs(nullptr, t1, ids, keys, pos_in, order, n, 0, 32, s));
+  Q3VL_CU(cub::DeviceRunLengthEncode::Encode(nullptr, t2, keys, id_of_run, run_len, num_runs, n, s));
+  Q3VL_CU(cub::DeviceScan::ExclusiveSum(nullptr, t3, run_len, run_start, n, s));
+  const size_t tb = std::max({t1, t2, t3});
+  Q3VL_CHECK(6 * arr + 256 + tb <= x.ws_bytes, "embedding_bwd: workspace too small");
+  k_iota<<<grid_for(N), 256, 0, s>>>(pos_in, N);
+  Q3VL_LAUNCHED();
+  Q3VL_CU(cudaMemsetAsync(run_len, 0, size_t(N) * sizeof(int32_t), s));  // the scan reads past the last run
+  Q3VL_CU(cub::DeviceRadixSort::SortPairs(tmp, t1, ids, keys, pos_in, order, n, 0, 32, s));
+  Q3VL_CU(cub::DeviceRunLengthEncode::Encode(tmp, t2, keys, id_of_run, run_len, num_runs, n, s));
+  Q3VL_CU(cub::DeviceScan::ExclusiveSum(tmp, t3, run_len, run_start, n, s));
+  const dim3 grid(unsigned(std::min<int64_t>(N, 8192)), unsigned((D + 255) / 256));
+  by_dtype(dt, [&]<class S>() {
+    k_embedding_runs<S><<<grid, 256, 0, s>>>(id_of_run, run_len, run_start, num_runs, order,
+                                             static_cast<const S*>(dout), dtable, D);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void gather_rows(const Exec& x, const void* src, const int32_t* rows, int64_t div, void* dst, int64_t R, int64_t D,
+                 DType dt) {
+  copy_rows(x, src, rows, div, 0, dst, R, size_t(D) * dtype_size(dt));
+}
+
+void scatter_rows(const Exec& x, const void* src, const int32_t* rows, void* dst, int64_t R, int64_t D,
+                  bool accumulate, DType dt) {
+  if (R * D <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_scatter_rows<S><<<grid_for(R * D), 256, 0, stream_of(x)>>>(static_cast<const S*>(src), rows,
+                                                                  static_cast<S*>(dst), R, D, accumulate);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void pos_embed_fwd(const Exec& x, const void* table, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
+                   int64_t merge, void* out, DType dt) {
+  Q3VL_CHECK(merge > 0 && h % merge == 0 && w % merge == 0, "pos_embed: grid not divisible by the merge size");
+  const int64_t n = t * h * w * D;
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_pos_embed_fwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(table), G, D, t, h, w, merge,
+                                                               static_cast<S*>(out));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void pos_embed_bwd(const Exec& x, const void* dout, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
+                   int64_t merge, float* dtable, DType dt) {
+  Q3VL_CHECK(merge > 0 && h % merge == 0 && w % merge == 0, "pos_embed: grid not divisible by the merge size");
+  if (!dtable || t * h * w <= 0 || D <= 0 || G <= 0) return;  // null: frozen
+  Q3VL_CHECK(size_t(h + w) * sizeof(Taps) + size_t(4 * G) * sizeof(int2) <= x.ws_bytes,
+             "pos_embed_bwd: workspace too small for the tap tables");
+  const auto s = stream_of(x);
+  auto* ytaps = static_cast<Taps*>(x.ws);
+  auto* xtaps = ytaps + h;
+  auto* yr = reinterpret_cast<int2*>(xtaps + w);
+  auto* xr = yr + 2 * G;
+  k_taps<<<grid_for(h + w), 256, 0, s>>>(ytaps, xtaps, h, w, G);
+  Q3VL_LAUNCHED();
+  k_tap_ranges<<<grid_for(4 * G, 64), 64, 0, s>>>(ytaps, xtaps, h, w, G, yr, xr);
+  Q3VL_LAUNCHED();
+  const dim3 grid(unsigned(std::min<int64_t>(G * G, 65535)), unsigned((D + 127) / 128));
+  by_dtype(dt, [&]<class S>() {
+    k_pos_embed_bwd<S><<<grid, 128, 0, s>>>(static_cast<const S*>(dout), ytaps, xtaps, yr, xr, G, D, t, h, w, merge,
+                                            dtable);
+    Q3VL_LAUNCHED();
+  });
+}
+
+}  // namespace q3vl::dev::cuda

@@ -1,0 +1,64 @@
+// The CUDA Exec: a non-blocking stream, a cuBLASLt handle and a workspace on the current device; memory and copies.
+// The only place that allocates, frees or synchronises (ops never do).
+#include "tensor/cuda/common.cuh"
+
+namespace q3vl::dev::cuda {
+
+int device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;  // no driver or no device: none
+}
+
+Exec make_exec(size_t ws_bytes, int gpu) {
+  Q3VL_CU(cudaSetDevice(gpu));
+  Exec x;
+  x.device = Device::CUDA;
+  cudaStream_t s = nullptr;
+  Q3VL_CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  x.stream = s;
+  cublasLtHandle_t h = nullptr;
+  Q3VL_CUBLAS(cublasLtCreate(&h));
+  x.blas = h;
+  if (ws_bytes) Q3VL_CU(cudaMalloc(&x.ws, ws_bytes));
+  x.ws_bytes = ws_bytes;
+  return x;
+}
+
+void destroy_exec(Exec& x) {
+  if (x.stream) Q3VL_CU(cudaStreamSynchronize(stream_of(x)));  // pending work may still use ws
+  if (x.ws) Q3VL_CU(cudaFree(x.ws));
+  if (x.blas) Q3VL_CUBLAS(cublasLtDestroy(static_cast<cublasLtHandle_t>(x.blas)));
+  if (x.stream) Q3VL_CU(cudaStreamDestroy(stream_of(x)));
+  x = Exec{};
+}
+
+void synchronize(const Exec& x) { Q3VL_CU(cudaStreamSynchronize(stream_of(x))); }
+
+void* alloc(const Exec& x, size_t bytes) {
+  void* p = nullptr;
+  Q3VL_CU(cudaMalloc(&p, bytes ? bytes : 1));  // a valid pointer even for empty buffers, as the CPU side
+  return p;
+}
+
+void release(const Exec& x, void* p) {
+  if (p) Q3VL_CU(cudaFree(p));  // cudaFree synchronises the device: fine outside a step
+}
+
+void to_device(const Exec& x, void* dst, const void* src, size_t bytes) {
+  if (bytes) Q3VL_CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(x)));
+}
+
+void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
+  if (bytes) Q3VL_CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(x)));
+  Q3VL_CU(cudaStreamSynchronize(stream_of(x)));  // the caller reads dst next
+}
+
+void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
+  if (bytes && dst != src) Q3VL_CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(x)));
+}
+
+void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
+  Q3VL_CU(cudaMemGetInfo(free_bytes, total_bytes));
+}
+
+}  // namespace q3vl::dev::cuda

@@ -1,0 +1,133 @@
+// Cross-entropy over a large vocabulary: one block per row, an online (max, sum) pass over the logits, then a pass
+// that adds scale * (softmax - onehot) into dlogits. The row losses are summed into *loss_sum by a second, single-block
+// kernel in a fixed order (deterministic, unlike per-row double atomics).
+#include <algorithm>
+#include <cmath>
+
+#include "tensor/cuda/common.cuh"
+
+namespace q3vl::dev::cuda {
+
+namespace {
+
+constexpr int kThreads = 512;
+
+template <class S, int V> struct alignas(V > 1 ? 16 : alignof(S)) Pack {
+  S v[V];
+};
+
+// Online softmax state: running max m and sum of exp(x - m).
+struct MS {
+  float m, s;
+};
+__device__ __forceinline__ MS ms_merge(MS a, MS b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};  // both empty (or all -inf)
+  return {m, (a.m == -INFINITY ? 0.f : a.s * expf(a.m - m)) + (b.m == -INFINITY ? 0.f : b.s * expf(b.m - m))};
+}
+__device__ __forceinline__ void ms_add(MS& a, float x) {
+  if (x > a.m) {
+    a.s = (a.m == -INFINITY ? 0.f : a.s * expf(a.m - x)) + 1.f;
+    a.m = x;
+  } else if (x != -INFINITY) {
+    a.s += expf(x - a.m);  // NaN x lands here and propagates
+  }
+}
+
+template <class S, int V>
+__global__ void __launch_bounds__(kThreads)
+    k_cross_entropy(const S* __restrict__ logits, const int32_t* __restrict__ target, float* __restrict__ loss,
+                    S* __restrict__ dlogits, int64_t N, int64_t Vocab, float scale) {
+  __shared__ MS sh[kThreads / 32];
+  __shared__ MS total;
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    const int32_t t = target[i];
+    if (t == -100) {
+      if (tid == 0) loss[i] = 0.f;
+      continue;  // uniform across the block
+    }
+    const bool valid = t >= 0 && t < Vocab;
+    const S* x = logits + i * Vocab;
+    MS a{-INFINITY, 0.f};
+    for (int64_t j = int64_t(tid) * V; j < Vocab; j += int64_t(kThreads) * V) {
+      const Pack<S, V> pk = *reinterpret_cast<const Pack<S, V>*>(x + j);
+#pragma unroll
+      for (int u = 0; u < V; ++u) ms_add(a, ld(pk.v, u));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      MS b{__shfl_xor_sync(0xffffffffu, a.m, o), __shfl_xor_sync(0xffffffffu, a.s, o)};
+      a = ms_merge(a, b);
+    }
+    if (lane == 0) sh[wid] = a;
+    __syncthreads();
+    if (tid == 0) {
+      MS r = sh[0];
+      for (int w = 1; w < kThreads / 32; ++w) r = ms_merge(r, sh[w]);
+      total = r;
+    }
+    __syncthreads();
+    const float lse = total.m + logf(total.s);
+    if (tid == 0) loss[i] = valid ? lse - ld(x, t) : NAN;  // a target outside the vocabulary poisons the loss
+    if (dlogits && valid) {
+      S* g = dlogits + i * Vocab;
+      for (int64_t j = int64_t(tid) * V; j < Vocab; j += int64_t(kThreads) * V) {
+        const Pack<S, V> pk = *reinterpret_cast<const Pack<S, V>*>(x + j);
+        Pack<S, V> gk = *reinterpret_cast<const Pack<S, V>*>(g + j);
+#pragma unroll
+        for (int u = 0; u < V; ++u) {
+          float v = ld(gk.v, u) + scale * expf(ld(pk.v, u) - lse);
+          if (j + u == t) v -= scale;
+          st(gk.v, u, v);
+        }
+        *reinterpret_cast<Pack<S, V>*>(g + j) = gk;
+      }
+    }
+    __syncthreads();  // `total` is rewritten for the next row
+  }
+}
+
+// *sum += sum of loss[0..N) in double, one block, fixed order.
+__global__ void k_sum_rows(const float* __restrict__ loss, int64_t N, double* sum) {
+  __shared__ double sh[256];
+  double a = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) a += double(loss[i]);
+  sh[threadIdx.x] = a;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (int(threadIdx.x) < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *sum += sh[0];
+}
+
+}  // namespace
+
+void cross_entropy(const Exec& x, const void* logits, const int32_t* target, float* loss, void* dlogits,
+                   double* loss_sum, int64_t N, int64_t V, float scale, DType dt) {
+  if (N <= 0) return;
+  float* rows = loss;
+  if (!rows) {  // the per-row losses still go somewhere for the sum
+    Q3VL_CHECK(size_t(N) * sizeof(float) <= x.ws_bytes, "cross_entropy: workspace too small for the row losses");
+    rows = static_cast<float*>(x.ws);
+  }
+  const int blocks = int(std::min<int64_t>(N, 1 << 20));
+  by_dtype(dt, [&]<class S>() {
+    constexpr int VW = 16 / sizeof(S);
+    const auto al = reinterpret_cast<uintptr_t>(logits) | reinterpret_cast<uintptr_t>(dlogits);
+    const auto* lg = static_cast<const S*>(logits);
+    auto* dg = static_cast<S*>(dlogits);
+    if (V % VW == 0 && al % 16 == 0)
+      k_cross_entropy<S, VW><<<blocks, kThreads, 0, stream_of(x)>>>(lg, target, rows, dg, N, V, scale);
+    else
+      k_cross_entropy<S, 1><<<blocks, kThreads, 0, stream_of(x)>>>(lg, target, rows, dg, N, V, scale);
+    Q3VL_LAUNCHED();
+  });
+  if (loss_sum) {
+    k_sum_rows<<<1, 256, 0, stream_of(x)>>>(rows, N, loss_sum);
+    Q3VL_LAUNCHED();
+  }
+}
+
+}  // namespace q3vl::dev::cuda

@@ -1,0 +1,699 @@
+// MoE on the device: router softmax/top-k, the load-balancing loss, the expert bucketing plan (a stable counting
+// sort), the grouped expert GEMMs (one launch for all experts, tensor cores for bf16/fp16) and the combine/unpermute
+// row moves. Everything is deterministic: no floating-point atomics, fixed reduction orders.
+#include <mma.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "tensor/cuda/common.cuh"
+
+namespace q3vl::dev::cuda {
+
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kMaxExperts = 1024;  // router: a 32-bit "taken" mask per lane
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// ---- router -----------------------------------------------------------------------------------------------------
+// One warp per row. Softmax as the reference (sequential sum in expert order), then k rounds of a warp argmax
+// ordered by (probability desc, index asc): ties go to the lower index, as torch.topk and ops::router_fwd.
+template <class S>
+__global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ probs, int32_t* __restrict__ idx,
+                             float* __restrict__ w, int64_t N, int E, int k) {
+  extern __shared__ float sbuf[];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+  float* buf = sbuf + wid * E;
+  for (int64_t i = blockIdx.x * int64_t(wpb) + wid; i < N; i += int64_t(gridDim.x) * wpb) {
+    const S* z = logits + i * E;
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32) {
+      const float v = ld(z, e);
+      buf[e] = v;
+      mx = fmaxf(mx, v);
+    }
+    mx = warp_max(mx);
+    for (int e = lane; e < E; e += 32) buf[e] = expf(buf[e] - mx);
+    __syncwarp();
+    float sum = 0.f;
+    if (lane == 0)
+      for (int e = 0; e < E; ++e) sum += buf[e];
+    sum = __shfl_sync(kFull, sum, 0);
+    __syncwarp();  // lane 0 read every buf[e] before they are overwritten
+    for (int e = lane; e < E; e += 32) {
+      const float p = buf[e] / sum;
+      buf[e] = p;
+      probs[i * E + e] = p;
+    }
+    uint32_t taken = 0;  // bit q: element lane + 32 q already selected
+    float sel = 0.f;
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      float bv = 0.f;
+      for (int e = lane, q = 0; e < E; e += 32, ++q)
+        if (!((taken >> q) & 1u) && (best < 0 || buf[e] > bv)) best = e, bv = buf[e];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const int ob = __shfl_xor_sync(kFull, best, o);
+        const float ov = __shfl_xor_sync(kFull, bv, o);
+        if (ob >= 0 && (best < 0 || ov > bv || (!(bv > ov) && ob < best))) best = ob, bv = ov;
+      }
+      if ((best & 31) == lane) taken |= 1u << (best >> 5);
+      sel += bv;
+      if (lane == 0) idx[i * k + j] = best;
+    }
+    __syncwarp();
+    if (lane == 0)
+      for (int j = 0; j < k; ++j) w[i * k + j] = buf[idx[i * k + j]] / sel;
+    __syncwarp();  // buf is reused by the next row
+  }
+}
+
+// One warp per row: dw[N,k] -> dlogits (+=) through the renormalisation and the softmax (ops::router_bwd).
+template <class S>
+__global__ void k_router_bwd(const float* __restrict__ dw, const float* __restrict__ probs,
+                             const int32_t* __restrict__ idx, S* __restrict__ dlogits, int64_t N, int E, int k) {
+  const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+  for (int64_t i = blockIdx.x * int64_t(wpb) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * wpb) {
+    const float* p = probs + i * E;
+    const int32_t* id = idx + i * k;
+    const float* g = dw + i * k;
+    float sel = 0.f, dot = 0.f, pdp = 0.f;
+    for (int j = 0; j < k; ++j) sel += p[id[j]];
+    for (int j = 0; j < k; ++j) dot += g[j] * p[id[j]] / sel;
+    for (int j = 0; j < k; ++j) pdp += p[id[j]] * ((g[j] - dot) / sel);
+    for (int e = lane; e < E; e += 32) {
+      float dp = 0.f;
+      for (int j = 0; j < k; ++j)
+        if (id[j] == e) dp = (g[j] - dot) / sel;
+      st(dlogits, i * E + e, ld(dlogits, i * E + e) + p[e] * (dp - pdp));
+    }
+  }
+}
+
+// ---- load-balancing loss ----------------------------------------------------------------------------------------
+// Selection counts per expert (integer atomics: exact whatever the order).
+__global__ void k_expert_counts(const int32_t* __restrict__ idx, int64_t R, int E, int32_t* cnt) {
+  extern __shared__ int32_t hist[];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < R; r += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t e = idx[r];
+    if (e >= 0 && e < E) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (hist[e]) atomicAdd(&cnt[e], hist[e]);
+}
+// Column sums of probs over a chunk of rows, in double: block (32 experts x 8 row lanes), partial per chunk.
+__global__ void k_prob_colsum(const float* __restrict__ probs, int64_t N, int E, int64_t rows_per, double* part) {
+  __shared__ double sh[8][33];
+  const int64_t e = blockIdx.x * 32 + threadIdx.x;
+  const int64_t r0 = blockIdx.y * rows_per, r1 = min(N, r0 + rows_per);
+  double a = 0;
+  if (e < E)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) a += double(probs[r * E + e]);
+  sh[threadIdx.y][threadIdx.x] = a;
+  __syncthreads();
+  if (threadIdx.y == 0 && e < E) {
+    double s = 0;
+    for (int y = 0; y < 8; ++y) s += sh[y][threadIdx.x];
+    part[blockIdx.y * E + e] = s;
+  }
+}
+// f[e] = count / N; *aux += E * sum_e f_e * mean_e (as ops::aux_loss_fwd, the expert sum in order).
+__global__ void k_aux_final(const int32_t* __restrict__ cnt, const double* __restrict__ part, int64_t chunks, int64_t N,
+                            int E, float* f, double* aux) {
+  __shared__ double term[kMaxExperts];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    double pm = 0;
+    for (int64_t c = 0; c < chunks; ++c) pm += part[c * E + e];
+    const float fe = float(double(cnt[e]) / double(N));
+    f[e] = fe;
+    term[e] = double(fe) * (pm / double(N));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && aux) {
+    double a = 0;
+    for (int e = 0; e < E; ++e) a += term[e];
+    *aux += a * E;
+  }
+}
+
+template <class S>
+__global__ void k_aux_bwd(const float* __restrict__ probs, const float* __restrict__ f, float coef,
+                          S* __restrict__ dlogits, int64_t N, int E) {
+  const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+  for (int64_t i = blockIdx.x * int64_t(wpb) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * wpb) {
+    const float* p = probs + i * E;
+    float pg = 0.f;
+    for (int e = lane; e < E; e += 32) pg += p[e] * (coef * float(E) * f[e] / float(N));
+    pg = warp_sum(pg);
+    for (int e = lane; e < E; e += 32) {
+      const float g = coef * float(E) * f[e] / float(N);
+      st(dlogits, i * E + e, ld(dlogits, i * E + e) + p[e] * (g - pg));
+    }
+  }
+}
+
+// ---- plan: a stable counting sort of the R = N*k (token, slot) pairs by expert -------------------------------------
+// Each warp owns a chunk of kChunk consecutive pairs. Pass 1 counts per (chunk, expert); pass 2 turns the counts into
+// each chunk's first slot per expert (experts in order, chunks in order inside an expert); pass 3 places the pairs,
+// 32 at a time in increasing order, ranking equal experts by lane (__match_any_sync). Pair r lands at the same place
+// as in the sequential reference: after every earlier pair of its expert.
+constexpr int kChunk = 512;
+
+__global__ void k_plan_count(const int32_t* __restrict__ idx, int64_t R, int E, int64_t nchunks, int32_t* cnt) {
+  const int lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.x * int64_t(blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (b >= nchunks) return;  // whole warp
+  int32_t* row = cnt + b * E;
+  for (int e = lane; e < E; e += 32) row[e] = 0;
+  __syncwarp();
+  for (int64_t r0 = b * kChunk; r0 < min(R, (b + 1) * kChunk); r0 += 32) {
+    const int64_t r = r0 + lane;
+    const int32_t e = r < R ? idx[r] : -1;
+    const unsigned peers = __match_any_sync(kFull, e);
+    if (e >= 0 && lane == __ffs(peers) - 1) row[e] += __popc(peers);  // one writer per expert per step
+    __syncwarp();
+  }
+}
+
+// One block: exclusive offsets per (chunk, expert) and start[E+1].
+__global__ void k_plan_scan(int32_t* cnt, int64_t nchunks, int E, int32_t* start) {
+  __shared__ int32_t tot[kMaxExperts];
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t t = 0;
+    for (int64_t b = 0; b < nchunks; ++b) {
+      const int32_t c = cnt[b * E + e];
+      cnt[b * E + e] = t;
+      t += c;
+    }
+    tot[e] = t;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t s = 0;
+    for (int e = 0; e < E; ++e) {
+      start[e] = s;
+      const int32_t t = tot[e];
+      tot[e] = s;
+      s += t;
+    }
+    start[E] = s;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    for (int64_t b = 0; b < nchunks; ++b) cnt[b * E + e] += tot[e];
+}
+
+__global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, int64_t nchunks, int32_t* off,
+                            int32_t* rows, int32_t* pos) {
+  const int lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.x * int64_t(blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (b >= nchunks) return;
+  int32_t* next = off + b * E;
+  for (int64_t r0 = b * kChunk; r0 < min(R, (b + 1) * kChunk); r0 += 32) {
+    const int64_t r = r0 + lane;
+    const int32_t e = r < R ? idx[r] : -1;
+    const unsigned peers = __match_any_sync(kFull, e);
+    if (e >= 0) {
+      const int32_t j = next[e] + __popc(peers & ((1u << lane) - 1u));
+      rows[j] = int32_t(r);
+      pos[r] = j;
+    }
+    __syncwarp();  // every lane read next[e] before the leader advances it
+    if (e >= 0 && lane == __ffs(peers) - 1) next[e] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// ---- grouped expert GEMM --------------------------------------------------------------------------------------------
+// C = op(A) op(B) per expert, one launch. Modes:
+//   FWD: y[s+m, n]  = sum_k xg[s+m, k] W[e][n, k]      (M = bucket rows, N = n_out, K = n_in; overwrite)
+//   DX:  dxg[s+m, n] += sum_k dy[s+m, k] W[e][k, n]    (M = bucket rows, N = n_in,  K = n_out)
+//   DW:  dW[e][m, n] += sum_k dy[s+k, m] xg[s+k, n]    (M = n_out, N = n_in, K = bucket rows; F32)
+// FWD/DX: blockIdx.y walks the M tiles of all experts back to back (tile_prefix, so no block idles on an empty
+// expert); DW: blockIdx.z = expert. Shared tiles keep the operand's contiguous dimension contiguous (16-byte
+// cp.async copies, a 3-stage pipeline), and the WMMA fragment layout (row/col major) reads them in place. No split-K,
+// one block per output tile: dW and dxg accumulate deterministically.
+enum Mode { FWD = 0, DX = 1, DW = 2 };
+constexpr int BM = 128, BN = 128;
+template <class S> constexpr int bk() { return sizeof(S) == 4 ? 16 : 32; }
+template <class S> constexpr int pad() { return 16 / int(sizeof(S)); }  // keeps rows 16-byte multiples
+
+template <class S> __device__ __forceinline__ S zero_of() {
+  S z;
+  st(&z, 0, 0.f);
+  return z;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned sa = unsigned(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// sh[r][c] (row stride LD) = g[(r0 + r) * ldg + c0 + c], zero outside [rmax, cmax); c is the contiguous dimension.
+// Whole 16-byte vectors go through cp.async (waited for by the pipeline); edges and unaligned operands are stored
+// directly (visible after the pipeline's next __syncthreads).
+template <class S, int ROWS, int COLS, int LD>
+__device__ __forceinline__ void load_tile(S* sh, const S* g, int64_t ldg, int64_t r0, int64_t c0, int64_t rmax,
+                                          int64_t cmax, bool vec) {
+  constexpr int VEC = 16 / int(sizeof(S));
+  constexpr int CV = COLS / VEC;
+#pragma unroll
+  for (int v = threadIdx.x; v < ROWS * CV; v += 256) {
+    const int r = v / CV, c = (v % CV) * VEC;
+    const int64_t gr = r0 + r, gc = c0 + c;
+    S* d = sh + r * LD + c;
+    if (vec && gr < rmax && gc + VEC <= cmax) {
+      cp_async16(d, g + gr * ldg + gc);
+    } else {
+#pragma unroll
+      for (int u = 0; u < VEC; ++u) d[u] = (gr < rmax && gc + u < cmax) ? g[gr * ldg + gc + u] : zero_of<S>();
+    }
+  }
+}
+
+// The last expert e with tile_prefix[e] <= t (empty experts share their successor's prefix).
+__device__ __forceinline__ int expert_of_tile(const int32_t* tile_prefix, int E, int32_t t) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_prefix[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+constexpr int kStages = 3;  // cp.async pipeline depth
+template <class S, int MODE> struct GTile {
+  static constexpr int BK = bk<S>(), P = pad<S>();
+  static constexpr bool A_KC = MODE != DW;  // A's contiguous dimension is k (else m)
+  static constexpr bool B_KC = MODE == FWD;  // B's contiguous dimension is k (else n)
+  static constexpr int LDA = A_KC ? BK + P : BM + P, LDB = B_KC ? BK + P : BN + P;
+  static constexpr int SA = A_KC ? BM * LDA : BK * LDA, SB = B_KC ? BN * LDB : BK * LDB;
+  static constexpr size_t smem = size_t(kStages) * (SA + SB) * sizeof(S);
+  static_assert((SA * sizeof(S)) % 128 == 0 && ((SA + SB) * sizeof(S)) % 128 == 0, "stage alignment");
+  static_assert(smem >= 8 * 256 * sizeof(float), "epilogue staging reuses the pipeline buffers");
+};
+
+template <class S, int MODE>
+__global__ void __launch_bounds__(256, 2)  // two blocks an SM: at most 128 registers
+    k_grouped(const S* __restrict__ A, const S* __restrict__ B, void* C, const int32_t* __restrict__ start,
+              const int32_t* __restrict__ tile_prefix, int E, int64_t n_in, int64_t n_out, bool vecA, bool vecB) {
+  using T = GTile<S, MODE>;
+  constexpr int BK = T::BK, LDA = T::LDA, LDB = T::LDB, SA = T::SA, SB = T::SB;
+  constexpr bool A_KC = T::A_KC, B_KC = T::B_KC;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  S* const smem = reinterpret_cast<S*>(smem_raw);
+
+  int e;
+  int64_t m0;
+  if constexpr (MODE == DW) {
+    e = blockIdx.z;
+    m0 = int64_t(blockIdx.y) * BM;
+  } else {
+    const int32_t t = int32_t(blockIdx.y);
+    if (t >= tile_prefix[E]) return;
+    e = expert_of_tile(tile_prefix, E, t);
+    m0 = int64_t(t - tile_prefix[e]) * BM;
+  }
+  const int64_t n0 = int64_t(blockIdx.x) * BN;
+  const int64_t s = start[e], rows = start[e + 1] - s;
+  int64_t M, N, K, lda, ldb, ldc;
+  const S *a0, *b0;
+  if constexpr (MODE == FWD) {
+    M = rows, N = n_out, K = n_in;
+    a0 = A + s * n_in, lda = n_in;
+    b0 = B + int64_t(e) * n_out * n_in, ldb = n_in;
+    ldc = n_out;
+  } else if constexpr (MODE == DX) {
+    M = rows, N = n_in, K = n_out;
+    a0 = A + s * n_out, lda = n_out;
+    b0 = B + int64_t(e) * n_out * n_in, ldb = n_in;
+    ldc = n_in;
+  } else {
+    M = n_out, N = n_in, K = rows;
+    a0 = A + s * n_out, lda = n_out;
+    b0 = B + s * n_in, ldb = n_in;
+    ldc = n_in;
+  }
+  if (m0 >= M || n0 >= N || K <= 0) return;  // DW of an expert with no rows adds nothing
+
+  const int tid = threadIdx.x;
+  auto load = [&](int st, int64_t k0) {
+    S* As = smem + st * (SA + SB);
+    S* Bs = As + SA;
+    if constexpr (A_KC) load_tile<S, BM, BK, LDA>(As, a0, lda, m0, k0, M, K, vecA);
+    else load_tile<S, BK, BM, LDA>(As, a0, lda, k0, m0, K, M, vecA);
+    if constexpr (B_KC) load_tile<S, BN, BK, LDB>(Bs, b0, ldb, n0, k0, N, K, vecB);
+    else load_tile<S, BK, BN, LDB>(Bs, b0, ldb, k0, n0, K, N, vecB);
+  };
+  // Output element (m, n) of this tile, m and n inside the tile.
+  auto put = [&](int64_t m, int64_t n, float v) {
+    if (m >= M || n >= N) return;
+    if constexpr (MODE == FWD) {
+      st(static_cast<S*>(C) + s * n_out, m * ldc + n, v);
+    } else if constexpr (MODE == DX) {
+      S* c = static_cast<S*>(C) + s * n_in;
+      st(c, m * ldc + n, ld(c, m * ldc + n) + v);
+    } else {
+      float* c = static_cast<float*>(C) + int64_t(e) * n_out * n_in;
+      c[m * ldc + n] += v;
+    }
+  };
+  // Multi-stage pipeline: tile kt computes while tiles kt+1 .. kt+kStages-1 are in flight. The barrier at the top of
+  // an iteration both publishes tile kt and frees the stage that tile kt+kStages-1 overwrites (read at kt-1).
+  const int64_t nk = (K + BK - 1) / BK;
+  auto mainloop = [&](auto&& compute) {
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < nk) load(st, st * int64_t(BK));
+      cp_commit();
+    }
+    for (int64_t kt = 0; kt < nk; ++kt) {
+      cp_wait<kStages - 2>();
+      __syncthreads();
+      const int64_t nt = kt + kStages - 1;
+      if (nt < nk) load(int(nt % kStages), nt * BK);
+      cp_commit();
+      const S* As = smem + int(kt % kStages) * (SA + SB);
+      compute(As, As + SA);
+    }
+    cp_wait<0>();
+    __syncthreads();  // the buffers are free for the epilogue
+  };
+
+  if constexpr (sizeof(S) == 4) {
+    // fp32: SIMT, 8x8 outputs a thread at (ty + 16 i, tx + 16 j).
+    const int tx = tid & 15, ty = tid >> 4;
+    float acc[8][8] = {};
+    mainloop([&](const S* As, const S* Bs) {
+#pragma unroll
+      for (int kk = 0; kk < BK; ++kk) {
+        float av[8], bv[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) av[i] = A_KC ? As[(ty + 16 * i) * LDA + kk] : As[kk * LDA + ty + 16 * i];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) bv[j] = B_KC ? Bs[(tx + 16 * j) * LDB + kk] : Bs[kk * LDB + tx + 16 * j];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[i][j] += av[i] * bv[j];
+      }
+    });
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) put(m0 + ty + 16 * i, n0 + tx + 16 * j, acc[i][j]);
+  } else {
+    // bf16/fp16: WMMA 16x16x16, fp32 accumulators. 8 warps as 2 (m) x 4 (n), 64 x 32 outputs a warp.
+    using namespace nvcuda;
+    using LA = std::conditional_t<A_KC, wmma::row_major, wmma::col_major>;
+    using LB = std::conditional_t<B_KC, wmma::col_major, wmma::row_major>;
+    const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+    mainloop([&](const S* As, const S* Bs) {
+#pragma unroll
+      for (int kk = 0; kk < BK; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, S, LA> fa[4];
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, S, LB> fb[2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int mr = wm * 64 + 16 * i;
+          wmma::load_matrix_sync(fa[i], A_KC ? As + mr * LDA + kk : As + kk * LDA + mr, LDA);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int nc = wn * 32 + 16 * j;
+          wmma::load_matrix_sync(fb[j], B_KC ? Bs + nc * LDB + kk : Bs + kk * LDB + nc, LDB);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+      }
+    });
+    float* sw = reinterpret_cast<float*>(smem_raw) + warp * 256;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        wmma::store_matrix_sync(sw, acc[i][j], 16, wmma::mem_row_major);
+        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int q = u * 32 + lane, r = q >> 4, c = q & 15;  // a half-warp per row: 16 consecutive columns
+          put(m0 + wm * 64 + 16 * i + r, n0 + wn * 32 + 16 * j + c, sw[q]);
+        }
+        __syncwarp();
+      }
+  }
+}
+
+// tile_prefix[e] = sum over e' < e of ceil(rows(e') / BM), tile_prefix[E] = the total (one warp).
+__global__ void k_tile_prefix(const int32_t* __restrict__ start, int E, int32_t* tile_prefix) {
+  const int lane = threadIdx.x;
+  const int per = (E + 31) / 32, e0 = lane * per, e1 = min(E, e0 + per);
+  int32_t local = 0;
+  for (int e = e0; e < e1; ++e) local += (start[e + 1] - start[e] + BM - 1) / BM;
+  int32_t incl = local;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t v = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += v;
+  }
+  int32_t run = incl - local;
+  for (int e = e0; e < e1; ++e) {
+    tile_prefix[e] = run;
+    run += (start[e + 1] - start[e] + BM - 1) / BM;
+  }
+  if (lane == 31) tile_prefix[E] = incl;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <int MODE>
+void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t* start, int64_t R, int64_t E,
+             int64_t n_in, int64_t n_out, DType dt, int64_t lda, int64_t ldb) {
+  Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear: expert count out of range");
+  const auto s = stream_of(x);
+  int32_t* tile_prefix = static_cast<int32_t*>(x.ws);
+  if (MODE != DW) {
+    Q3VL_CHECK(size_t(E + 1) * sizeof(int32_t) <= x.ws_bytes, "grouped_linear: workspace too small");
+    k_tile_prefix<<<1, 32, 0, s>>>(start, int(E), tile_prefix);
+    Q3VL_LAUNCHED();
+  }
+  by_dtype(dt, [&]<class S>() {
+    constexpr int VEC = 16 / int(sizeof(S));
+    const bool vecA = aligned16(A) && lda % VEC == 0, vecB = aligned16(B) && ldb % VEC == 0;
+    const int64_t N = MODE == FWD ? n_out : n_in;
+    dim3 grid(unsigned((N + BN - 1) / BN), 1, 1);
+    if (MODE == DW) {
+      grid.y = unsigned((n_out + BM - 1) / BM);
+      grid.z = unsigned(E);
+    } else {
+      const int64_t tiles = (R + BM - 1) / BM + E;  // >= sum over experts of ceil(rows / BM)
+      Q3VL_CHECK(tiles <= 65535, "grouped_linear: too many rows for one launch");
+      grid.y = unsigned(tiles);
+    }
+    constexpr size_t smem = GTile<S, MODE>::smem;
+    static std::once_flag once;  // per instantiation: allow more than 48 KiB of dynamic shared memory
+    std::call_once(once, [] {
+      Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    });
+    k_grouped<S, MODE><<<grid, 256, smem, s>>>(static_cast<const S*>(A), static_cast<const S*>(B), C, start,
+                                               tile_prefix, int(E), n_in, n_out, vecA, vecB);
+    Q3VL_LAUNCHED();
+  });
+}
+
+// ---- combine / unpermute ----------------------------------------------------------------------------------------
+template <class S>
+__global__ void k_combine_fwd(const S* __restrict__ y, const int32_t* __restrict__ pos, const float* __restrict__ w,
+                              S* __restrict__ out, int64_t N, int k, int64_t H) {
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < N * H; q += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = q / H, d = q % H;
+    float acc = 0.f;
+    for (int s = 0; s < k; ++s) acc += w[t * k + s] * ld(y, int64_t(pos[t * k + s]) * H + d);
+    st(out, q, acc);
+  }
+}
+// One warp per (token, slot) pair r: dw[r] = <dout[t], y[pos]>, dy[pos] += w[r] dout[t] (pos distinct: no races).
+template <class S>
+__global__ void k_combine_bwd(const S* __restrict__ dout, const S* __restrict__ y, const int32_t* __restrict__ pos,
+                              const float* __restrict__ w, float* __restrict__ dw, S* __restrict__ dy, int64_t R,
+                              int k, int64_t H) {
+  const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+  for (int64_t r = blockIdx.x * int64_t(wpb) + (threadIdx.x >> 5); r < R; r += int64_t(gridDim.x) * wpb) {
+    const S* g = dout + (r / k) * H;
+    const int64_t pr = int64_t(pos[r]) * H;
+    const float wr = w[r];
+    float acc = 0.f;
+    for (int64_t d = lane; d < H; d += 32) {
+      const float gd = ld(g, d);
+      acc += gd * ld(y, pr + d);
+      st(dy, pr + d, ld(dy, pr + d) + wr * gd);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) dw[r] = acc;
+  }
+}
+template <class S>
+__global__ void k_unpermute_add(const S* __restrict__ src, const int32_t* __restrict__ pos, S* __restrict__ dst,
+                                int64_t N, int k, int64_t H) {
+  for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < N * H; q += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = q / H, d = q % H;
+    float acc = ld(dst, q);
+    for (int s = 0; s < k; ++s) acc += ld(src, int64_t(pos[t * k + s]) * H + d);
+    st(dst, q, acc);
+  }
+}
+
+int warp_rows_grid(int64_t rows, int warps_per_block) { return grid_for(rows, warps_per_block); }
+
+}  // namespace
+
+// ---- public launchers -------------------------------------------------------------------------------------------------
+void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, float* w, int64_t N, int64_t E,
+                int64_t k, DType dt) {
+  Q3VL_CHECK(k >= 1 && k <= E, "router: experts_per_tok must be in [1, num_experts]");
+  Q3VL_CHECK(E <= kMaxExperts, "router: at most 1024 experts on CUDA");
+  if (N <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_router_fwd<S><<<warp_rows_grid(N, 4), 128, 4 * E * sizeof(float), stream_of(x)>>>(
+        static_cast<const S*>(logits), probs, idx, w, N, int(E), int(k));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void router_bwd(const Exec& x, const float* dw, const float* probs, const int32_t* idx, void* dlogits, int64_t N,
+                int64_t E, int64_t k, DType dt) {
+  if (N <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_router_bwd<S><<<warp_rows_grid(N, 8), 256, 0, stream_of(x)>>>(dw, probs, idx, static_cast<S*>(dlogits), N,
+                                                                     int(E), int(k));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void aux_loss_fwd(const Exec& x, const float* probs, const int32_t* idx, float* f, double* aux, int64_t N, int64_t E,
+                  int64_t k) {
+  if (N <= 0) return;  // as the reference: f untouched, aux += 0
+  Q3VL_CHECK(E <= kMaxExperts, "aux_loss: at most 1024 experts on CUDA");
+  const auto s = stream_of(x);
+  const int64_t tiles = (E + 31) / 32;
+  const size_t cnt_bytes = (size_t(E) * sizeof(int32_t) + 15) / 16 * 16;
+  int64_t chunks = std::min<int64_t>(std::max<int64_t>(1, 1024 / tiles), (N + 63) / 64);
+  chunks = std::min<int64_t>(chunks, int64_t((x.ws_bytes - std::min(x.ws_bytes, cnt_bytes)) / (sizeof(double) * E)));
+  Q3VL_CHECK(chunks >= 1, "aux_loss: workspace too small");
+  const int64_t rows_per = (N + chunks - 1) / chunks;
+  chunks = (N + rows_per - 1) / rows_per;
+  auto* cnt = static_cast<int32_t*>(x.ws);
+  auto* part = reinterpret_cast<double*>(static_cast<char*>(x.ws) + cnt_bytes);
+  Q3VL_CU(cudaMemsetAsync(cnt, 0, size_t(E) * sizeof(int32_t), s));
+  const int64_t R = N * k;
+  k_expert_counts<<<std::min(grid_for(R), 1024), 256, E * sizeof(int32_t), s>>>(idx, R, int(E), cnt);
+  Q3VL_LAUNCHED();
+  k_prob_colsum<<<dim3(unsigned(tiles), unsigned(chunks)), dim3(32, 8), 0, s>>>(probs, N, int(E), rows_per, part);
+  Q3VL_LAUNCHED();
+  k_aux_final<<<1, 1024, 0, s>>>(cnt, part, chunks, N, int(E), f, aux);
+  Q3VL_LAUNCHED();
+}
+
+void aux_loss_bwd(const Exec& x, const float* probs, const float* f, float coef, void* dlogits, int64_t N, int64_t E,
+                  DType dt) {
+  if (N <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_aux_bwd<S><<<warp_rows_grid(N, 8), 256, 0, stream_of(x)>>>(probs, f, coef, static_cast<S*>(dlogits), N, int(E));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E, int32_t* start, int32_t* rows,
+              int32_t* pos) {
+  Q3VL_CHECK(E >= 1 && E <= kMaxExperts, "moe_plan: expert count out of range (at most 1024 on CUDA)");
+  const auto s = stream_of(x);
+  const int64_t R = N * k;
+  if (R <= 0) {
+    Q3VL_CU(cudaMemsetAsync(start, 0, size_t(E + 1) * sizeof(int32_t), s));
+    return;
+  }
+  const int64_t nchunks = (R + kChunk - 1) / kChunk;
+  Q3VL_CHECK(size_t(nchunks) * size_t(E) * sizeof(int32_t) <= x.ws_bytes, "moe_plan: workspace too small");
+  auto* cnt = static_cast<int32_t*>(x.ws);
+  const int blocks = int((nchunks + 7) / 8);  // 8 warps a block, a chunk a warp
+  k_plan_count<<<blocks, 256, 0, s>>>(idx, R, int(E), nchunks, cnt);
+  Q3VL_LAUNCHED();
+  k_plan_scan<<<1, 1024, 0, s>>>(cnt, nchunks, int(E), start);
+  Q3VL_LAUNCHED();
+  k_plan_fill<<<blocks, 256, 0, s>>>(idx, R, int(E), nchunks, cnt, rows, pos);
+  Q3VL_LAUNCHED();
+}
+
+void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int32_t* start, void* y, int64_t R,
+                        int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+  if (R <= 0 || n_out <= 0) return;
+  if (n_in <= 0) {  // empty inner dimension: y = 0
+    by_dtype(dt, [&]<class S>() { Q3VL_CU(cudaMemsetAsync(y, 0, size_t(R * n_out) * sizeof(S), stream_of(x))); });
+    return;
+  }
+  grouped<FWD>(x, xg, W, y, start, R, E, n_in, n_out, dt, n_in, n_in);
+}
+
+void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
+                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+  if (R <= 0 || n_in <= 0 || n_out <= 0) return;
+  if (dxg) grouped<DX>(x, dy, W, dxg, start, R, E, n_in, n_out, dt, n_out, n_in);
+  if (dW) grouped<DW>(x, dy, xg, dW, start, R, E, n_in, n_out, dt, n_out, n_in);
+}
+
+void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,
+                     int64_t H, DType dt) {
+  if (N * H <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_combine_fwd<S><<<grid_for(N * H), 256, 0, stream_of(x)>>>(static_cast<const S*>(y), pos, w,
+                                                                 static_cast<S*>(out), N, int(k), H);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32_t* pos, const float* w, float* dw,
+                     void* dy, int64_t N, int64_t k, int64_t H, DType dt) {
+  const int64_t R = N * k;
+  if (R <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_combine_bwd<S><<<warp_rows_grid(R, 8), 256, 0, stream_of(x)>>>(
+        static_cast<const S*>(dout), static_cast<const S*>(y), pos, w, dw, static_cast<S*>(dy), R, int(k), H);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void unpermute_add(const Exec& x, const void* src, const int32_t* pos, void* dst, int64_t N, int64_t k, int64_t H,
+                   DType dt) {
+  if (N * H <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_unpermute_add<S><<<grid_for(N * H), 256, 0, stream_of(x)>>>(static_cast<const S*>(src), pos,
+                                                                   static_cast<S*>(dst), N, int(k), H);
+    Q3VL_LAUNCHED();
+  });
+}
+
+}  // namespace q3vl::dev::cuda

@@ -1,0 +1,338 @@
+// RMSNorm and LayerNorm over the last dim: one warp per row (fp32 math, 16-byte vector loads when every row is
+// aligned). Weight/bias gradients are column sums over rows, done deterministically: per-chunk partials in x.ws,
+// then a fixed-order sum over chunks (no atomics, so results do not depend on scheduling).
+#include <algorithm>
+
+#include "tensor/cuda/common.cuh"
+
+namespace q3vl::dev::cuda {
+
+namespace {
+
+constexpr int kWarps = 8;  // rows per 256-thread block
+
+__device__ __forceinline__ float warp_sum(float v) {
+  // xor butterfly: every lane ends with the same value
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// V consecutive elements at p[i] (i a multiple of V; 16-byte aligned when V > 1).
+template <class S, int V> struct alignas(V > 1 ? 16 : alignof(S)) Pack {
+  S v[V];
+};
+template <class S, int V> __device__ __forceinline__ void ldv(const S* p, int64_t i, float (&f)[V]) {
+  const Pack<S, V> pk = *reinterpret_cast<const Pack<S, V>*>(p + i);
+#pragma unroll
+  for (int j = 0; j < V; ++j) f[j] = ld(pk.v, j);
+}
+template <class S, int V> __device__ __forceinline__ void stv(S* p, int64_t i, const float (&f)[V]) {
+  Pack<S, V> pk;
+#pragma unroll
+  for (int j = 0; j < V; ++j) st(pk.v, j, f[j]);
+  *reinterpret_cast<Pack<S, V>*>(p + i) = pk;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+// Vector width for rows of D elements of S when every listed pointer (null ones ignored) is 16-byte aligned.
+template <class S> int vec_width(int64_t D, std::initializer_list<const void*> ptrs) {
+  constexpr int V = 16 / sizeof(S);
+  if (D % V != 0) return 1;
+  for (const void* p : ptrs)
+    if (p && !aligned16(p)) return 1;
+  return V;
+}
+
+// ---- forward ----------------------------------------------------------------------------------------------------
+template <class S, int V>
+__global__ void k_rms_fwd(const S* __restrict__ x, const S* __restrict__ w, S* __restrict__ y, float* __restrict__ rstd,
+                          int64_t N, int64_t D, float eps) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
+    const S* xi = x + i * D;
+    float ss = 0.f;
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float a[V];
+      ldv<S, V>(xi, d, a);
+#pragma unroll
+      for (int j = 0; j < V; ++j) ss += a[j] * a[j];
+    }
+    ss = warp_sum(ss);
+    const float r = 1.f / sqrtf(ss / float(D) + eps);
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float a[V], wv[V], o[V];
+      ldv<S, V>(xi, d, a);
+      ldv<S, V>(w, d, wv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = wv[j] * (a[j] * r);
+      stv<S, V>(y + i * D, d, o);
+    }
+    if (lane == 0) rstd[i] = r;
+  }
+}
+
+template <class S, int V>
+__global__ void k_ln_fwd(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b, S* __restrict__ y,
+                         float* __restrict__ mean, float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
+    const S* xi = x + i * D;
+    float s = 0.f;
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float a[V];
+      ldv<S, V>(xi, d, a);
+#pragma unroll
+      for (int j = 0; j < V; ++j) s += a[j];
+    }
+    const float mu = warp_sum(s) / float(D);
+    float var = 0.f;  // two-pass (biased) variance, as the reference
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float a[V];
+      ldv<S, V>(xi, d, a);
+#pragma unroll
+      for (int j = 0; j < V; ++j) var += (a[j] - mu) * (a[j] - mu);
+    }
+    var = warp_sum(var) / float(D);
+    const float r = 1.f / sqrtf(var + eps);
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float a[V], wv[V], bv[V], o[V];
+      ldv<S, V>(xi, d, a);
+      ldv<S, V>(w, d, wv);
+      ldv<S, V>(b, d, bv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = (a[j] - mu) * r * wv[j] + bv[j];
+      stv<S, V>(y + i * D, d, o);
+    }
+    if (lane == 0) {
+      mean[i] = mu;
+      rstd[i] = r;
+    }
+  }
+}
+
+// ---- backward: input gradient (one warp per row, din +=) ----------------------------------------------------------
+template <class S, int V>
+__global__ void k_rms_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
+                             const float* __restrict__ rstd, S* __restrict__ dx, int64_t N, int64_t D) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
+    const S* xi = x + i * D;
+    const S* gi = dy + i * D;
+    const float r = rstd[i];
+    float c = 0.f;
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float a[V], g[V], wv[V];
+      ldv<S, V>(xi, d, a);
+      ldv<S, V>(gi, d, g);
+      ldv<S, V>(w, d, wv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) c += g[j] * wv[j] * a[j];
+    }
+    c = warp_sum(c) * (r * r * r / float(D));
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float a[V], g[V], wv[V], o[V];
+      ldv<S, V>(xi, d, a);
+      ldv<S, V>(gi, d, g);
+      ldv<S, V>(w, d, wv);
+      ldv<S, V>(dx + i * D, d, o);
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] += g[j] * wv[j] * r - a[j] * c;
+      stv<S, V>(dx + i * D, d, o);
+    }
+  }
+}
+
+template <class S, int V>
+__global__ void k_ln_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
+                            const float* __restrict__ mean, const float* __restrict__ rstd, S* __restrict__ dx,
+                            int64_t N, int64_t D) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
+    const S* xi = x + i * D;
+    const S* gi = dy + i * D;
+    const float mu = mean[i], r = rstd[i];
+    float a = 0.f, c = 0.f;  // mean(g*w), mean(g*w*xhat)
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float xv[V], g[V], wv[V];
+      ldv<S, V>(xi, d, xv);
+      ldv<S, V>(gi, d, g);
+      ldv<S, V>(w, d, wv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float gw = g[j] * wv[j];
+        a += gw;
+        c += gw * ((xv[j] - mu) * r);
+      }
+    }
+    a = warp_sum(a) / float(D);
+    c = warp_sum(c) / float(D);
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float xv[V], g[V], wv[V], o[V];
+      ldv<S, V>(xi, d, xv);
+      ldv<S, V>(gi, d, g);
+      ldv<S, V>(w, d, wv);
+      ldv<S, V>(dx + i * D, d, o);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float xh = (xv[j] - mu) * r;
+        o[j] += r * (g[j] * wv[j] - a - xh * c);
+      }
+      stv<S, V>(dx + i * D, d, o);
+    }
+  }
+}
+
+// ---- backward: weight/bias gradients as column sums ---------------------------------------------------------------
+// Block (32 columns x 8 row lanes) sums its chunk of rows; LN: out0 = dw (g * xhat), out1 = db (g); RMS: out0 = dw
+// (g * x * r). `direct` (one chunk): add into dw/db; otherwise write the chunk's partial row.
+template <class S, bool LN>
+__global__ void k_norm_wgrad(const S* __restrict__ dy, const S* __restrict__ x, const float* __restrict__ mean,
+                             const float* __restrict__ rstd, int64_t N, int64_t D, int64_t rows_per, float* out0,
+                             float* out1, bool direct) {
+  __shared__ float sh0[8][33], sh1[8][33];
+  const int64_t col = blockIdx.x * 32 + threadIdx.x;
+  const int64_t r0 = blockIdx.y * rows_per, r1 = min(N, r0 + rows_per);
+  float a0 = 0.f, a1 = 0.f;
+  if (col < D)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      const float g = ld(dy, r * D + col), xv = ld(x, r * D + col);
+      if (LN) {
+        a0 += g * ((xv - mean[r]) * rstd[r]);
+        a1 += g;
+      } else {
+        a0 += g * xv * rstd[r];
+      }
+    }
+  sh0[threadIdx.y][threadIdx.x] = a0;
+  sh1[threadIdx.y][threadIdx.x] = a1;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < D) {
+    float s0 = 0.f, s1 = 0.f;
+    for (int y = 0; y < 8; ++y) {
+      s0 += sh0[y][threadIdx.x];
+      s1 += sh1[y][threadIdx.x];
+    }
+    if (direct) {
+      if (out0) out0[col] += s0;
+      if (LN && out1) out1[col] += s1;
+    } else {
+      if (out0) out0[blockIdx.y * D + col] = s0;
+      if (LN && out1) out1[blockIdx.y * D + col] = s1;
+    }
+  }
+}
+
+// dst[col] += sum over chunks of part[chunk * D + col], fixed order (block: 32 columns x 8 chunk lanes).
+__global__ void k_chunk_sum(const float* __restrict__ part, int64_t chunks, int64_t D, float* dst) {
+  __shared__ float sh[8][33];
+  const int64_t col = blockIdx.x * 32 + threadIdx.x;
+  float a = 0.f;
+  if (col < D)
+    for (int64_t c = threadIdx.y; c < chunks; c += 8) a += part[c * D + col];
+  sh[threadIdx.y][threadIdx.x] = a;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < D) {
+    float s = 0.f;
+    for (int y = 0; y < 8; ++y) s += sh[y][threadIdx.x];
+    dst[col] += s;
+  }
+}
+
+template <bool LN>
+void norm_wgrad(const Exec& x, const void* dy, const void* in, const float* mean, const float* rstd, float* dw,
+                float* db, int64_t N, int64_t D, DType dt) {
+  if (!LN) db = nullptr;
+  if (N <= 0 || D <= 0 || (!dw && !db)) return;
+  const int64_t tiles = (D + 31) / 32, nout = (dw ? 1 : 0) + (db ? 1 : 0);
+  int64_t chunks = std::max<int64_t>(1, 2048 / tiles);
+  chunks = std::min<int64_t>(chunks, (N + 31) / 32);  // at least 32 rows a chunk
+  chunks = std::min<int64_t>(chunks, int64_t(x.ws_bytes / (sizeof(float) * size_t(D * nout))));
+  chunks = std::max<int64_t>(chunks, 1);
+  const int64_t rows_per = (N + chunks - 1) / chunks;
+  chunks = (N + rows_per - 1) / rows_per;
+  const bool direct = chunks == 1;
+  float* p0 = direct ? dw : (dw ? static_cast<float*>(x.ws) : nullptr);
+  float* p1 = direct ? db : (db ? static_cast<float*>(x.ws) + (dw ? chunks * D : 0) : nullptr);
+  by_dtype(dt, [&]<class S>() {
+    k_norm_wgrad<S, LN><<<dim3(unsigned(tiles), unsigned(chunks)), dim3(32, 8), 0, stream_of(x)>>>(
+        static_cast<const S*>(dy), static_cast<const S*>(in), mean, rstd, N, D, rows_per, p0, p1, direct);
+    Q3VL_LAUNCHED();
+  });
+  if (direct) return;
+  if (dw) {
+    k_chunk_sum<<<unsigned(tiles), dim3(32, 8), 0, stream_of(x)>>>(p0, chunks, D, dw);
+    Q3VL_LAUNCHED();
+  }
+  if (db) {
+    k_chunk_sum<<<unsigned(tiles), dim3(32, 8), 0, stream_of(x)>>>(p1, chunks, D, db);
+    Q3VL_LAUNCHED();
+  }
+}
+
+int row_blocks(int64_t N) { return grid_for(N, kWarps); }
+
+}  // namespace
+
+void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
+                 DType dt) {
+  if (N <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    const S *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
+    S* yo = static_cast<S*>(y);
+    if (vec_width<S>(D, {in, w, y}) > 1)
+      k_rms_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, yo, rstd, N, D, float(eps));
+    else
+      k_rms_fwd<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, yo, rstd, N, D, float(eps));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
+                 float* dw, int64_t N, int64_t D, DType dt) {
+  if (N <= 0) return;
+  if (din)
+    by_dtype(dt, [&]<class S>() {
+      const S *g = static_cast<const S*>(dy), *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
+      S* dx = static_cast<S*>(din);
+      if (vec_width<S>(D, {dy, in, w, din}) > 1)
+        k_rms_bwd_dx<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, rstd, dx, N, D);
+      else
+        k_rms_bwd_dx<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, rstd, dx, N, D);
+      Q3VL_LAUNCHED();
+    });
+  norm_wgrad<false>(x, dy, in, nullptr, rstd, dw, nullptr, N, D, dt);
+}
+
+void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, void* y, float* mean, float* rstd,
+                   int64_t N, int64_t D, double eps, DType dt) {
+  if (N <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    const S *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w), *bi = static_cast<const S*>(b);
+    S* yo = static_cast<S*>(y);
+    if (vec_width<S>(D, {in, w, b, y}) > 1)
+      k_ln_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, bi, yo, mean, rstd, N, D,
+                                                                           float(eps));
+    else
+      k_ln_fwd<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, bi, yo, mean, rstd, N, D, float(eps));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void layernorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
+                   void* din, float* dw, float* db, int64_t N, int64_t D, DType dt) {
+  if (N <= 0) return;
+  if (din)
+    by_dtype(dt, [&]<class S>() {
+      const S *g = static_cast<const S*>(dy), *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
+      S* dx = static_cast<S*>(din);
+      if (vec_width<S>(D, {dy, in, w, din}) > 1)
+        k_ln_bwd_dx<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, N, D);
+      else
+        k_ln_bwd_dx<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, N, D);
+      Q3VL_LAUNCHED();
+    });
+  norm_wgrad<true>(x, dy, in, mean, rstd, dw, db, N, D, dt);
+}
+
+}  // namespace q3vl::dev::cuda

@@ -1,0 +1,404 @@
+// The device op layer's public entry points. Each op forwards to its CUDA launcher when the Exec is on a GPU and
+// otherwise runs the CPU reference: the fp32 ops:: templates (the same code the double gradient checks run), so the
+// CUDA kernels are tested against exactly what the CPU model computes.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/tensor/dev.hpp"
+#include "q3vl/tensor/ops.hpp"
+#include "q3vl/train/optim.hpp"
+
+#ifdef Q3VL_CUDA
+#include "tensor/cuda/dev_cuda.hpp"
+#define ON_CUDA(x, call) \
+  if ((x).device == Device::CUDA) return cuda::call
+#else
+#define ON_CUDA(x, call) \
+  if ((x).device == Device::CUDA) fail("this q3vl was built without CUDA (make CUDA=1)")
+#endif
+
+namespace q3vl::dev {
+
+namespace {
+// The CPU reference computes in fp32 only; a bf16/fp16 model runs on the GPU.
+void need_f32(DType dt, const char* op) {
+  if (dt != DType::F32)
+    fail(std::string("dev::") + op + ": the CPU implementation takes fp32, not " + dtype_name(dt) +
+         " (bf16/fp16 compute needs model.backend = \"cuda\")");
+}
+const float* F(const void* p) { return static_cast<const float*>(p); }
+float* F(void* p) { return static_cast<float*>(p); }
+// ops:: takes int64 indices; the device layer int32 (half the bytes on the GPU). Small arrays, converted per call.
+std::vector<int64_t> widen(const int32_t* p, int64_t n) { return std::vector<int64_t>(p, p + n); }
+}  // namespace
+
+int device_count() {
+#ifdef Q3VL_CUDA
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
+
+Exec make_exec(Device d, size_t ws_bytes, int gpu) {
+  if (d == Device::CPU) return Exec{};
+#ifdef Q3VL_CUDA
+  return cuda::make_exec(ws_bytes, gpu);
+#else
+  fail("this q3vl was built without CUDA (make CUDA=1)");
+#endif
+}
+void destroy_exec(Exec& x) { ON_CUDA(x, destroy_exec(x)); }
+void synchronize(const Exec& x) { ON_CUDA(x, synchronize(x)); }
+void* alloc(const Exec& x, size_t bytes) {
+  ON_CUDA(x, alloc(x, bytes));
+  void* p = std::calloc(1, bytes ? bytes : 1);
+  if (!p) fail("dev::alloc: out of host memory for " + std::to_string(bytes) + " bytes");
+  return p;
+}
+void release(const Exec& x, void* p) {
+  ON_CUDA(x, release(x, p));
+  std::free(p);
+}
+void to_device(const Exec& x, void* dst, const void* src, size_t bytes) {
+  ON_CUDA(x, to_device(x, dst, src, bytes));
+  std::memcpy(dst, src, bytes);
+}
+void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
+  ON_CUDA(x, to_host(x, dst, src, bytes));
+  std::memcpy(dst, src, bytes);
+}
+void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
+  ON_CUDA(x, copy(x, dst, src, bytes));
+  std::memmove(dst, src, bytes);
+}
+
+void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
+  ON_CUDA(x, memory_info(x, free_bytes, total_bytes));
+  *free_bytes = *total_bytes = 0;
+}
+
+// ---- elementwise and conversions ------------------------------------------------------------------------------
+void fill(const Exec& x, void* p, DType t, int64_t n, float value) {
+  ON_CUDA(x, fill(x, p, t, n, value));
+  need_f32(t, "fill");
+  std::fill(F(p), F(p) + n, value);
+}
+void convert(const Exec& x, void* dst, DType dt_dst, const void* src, DType dt_src, int64_t n) {
+  ON_CUDA(x, convert(x, dst, dt_dst, src, dt_src, n));
+  if (dt_dst == dt_src) return (void)std::memmove(dst, src, size_t(n) * dtype_size(dt_src));
+  // The host side of gathers and checkpoints: fp32 <-> bf16/fp16 with round-to-nearest-even.
+  auto* d16 = static_cast<uint16_t*>(dst);
+  auto* s16 = static_cast<const uint16_t*>(src);
+  if (dt_src == DType::F32 && dt_dst == DType::BF16) return f32_to_bf16(F(src), n, d16);
+  if (dt_src == DType::BF16 && dt_dst == DType::F32) return bf16_to_f32(s16, n, F(dst));
+  if (dt_src == DType::F32 && dt_dst == DType::F16)
+    return (void)std::transform(F(src), F(src) + n, d16, [](float v) { return f32_to_f16(v); });
+  if (dt_src == DType::F16 && dt_dst == DType::F32)
+    return (void)std::transform(s16, s16 + n, F(dst), [](uint16_t v) { return f16_to_f32(v); });
+  fail(std::string("dev::convert: ") + dtype_name(dt_src) + " -> " + dtype_name(dt_dst) + " is not supported");
+}
+void axpy(const Exec& x, float alpha, const void* a, void* y, int64_t n, DType dt) {
+  ON_CUDA(x, axpy(x, alpha, a, y, n, dt));
+  need_f32(dt, "axpy");
+  for (int64_t i = 0; i < n; ++i) F(y)[i] += alpha * F(a)[i];
+}
+void scale(const Exec& x, void* y, int64_t n, float alpha, DType dt) {
+  ON_CUDA(x, scale(x, y, n, alpha, dt));
+  need_f32(dt, "scale");
+  for (int64_t i = 0; i < n; ++i) F(y)[i] *= alpha;
+}
+
+// ---- GEMM ---------------------------------------------------------------------------------------------------------
+void gemm(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
+          const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType dt, DType ct) {
+  ON_CUDA(x, gemm(x, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dt, ct));
+  need_f32(dt, "gemm");
+  need_f32(ct, "gemm");
+  ops::gemm<float>(ta, tb, M, N, K, alpha, F(A), lda, F(B), ldb, beta, F(C), ldc);
+}
+void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
+                int64_t n_out, DType dt) {
+  ON_CUDA(x, linear_fwd(x, in, W, b, y, N, n_in, n_out, dt));
+  need_f32(dt, "linear_fwd");
+  ops::linear_fwd(F(in), F(W), F(b), F(y), N, n_in, n_out);
+}
+void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
+                int64_t N, int64_t n_in, int64_t n_out, DType dt) {
+  ON_CUDA(x, linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, dt));
+  need_f32(dt, "linear_bwd");
+  ops::linear_bwd(F(dy), F(in), F(W), F(din), dW, db, N, n_in, n_out);
+}
+
+// ---- norms ------------------------------------------------------------------------------------------------------------
+void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
+                 DType dt) {
+  ON_CUDA(x, rmsnorm_fwd(x, in, w, y, rstd, N, D, eps, dt));
+  need_f32(dt, "rmsnorm_fwd");
+  ops::rmsnorm_fwd(F(in), F(w), F(y), rstd, N, D, eps);
+}
+void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
+                 float* dw, int64_t N, int64_t D, DType dt) {
+  ON_CUDA(x, rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, dt));
+  need_f32(dt, "rmsnorm_bwd");
+  ops::rmsnorm_bwd(F(dy), F(in), F(w), rstd, F(din), dw, N, D);
+}
+void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, void* y, float* mean, float* rstd,
+                   int64_t N, int64_t D, double eps, DType dt) {
+  ON_CUDA(x, layernorm_fwd(x, in, w, b, y, mean, rstd, N, D, eps, dt));
+  need_f32(dt, "layernorm_fwd");
+  ops::layernorm_fwd(F(in), F(w), F(b), F(y), mean, rstd, N, D, eps);
+}
+void layernorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
+                   void* din, float* dw, float* db, int64_t N, int64_t D, DType dt) {
+  ON_CUDA(x, layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, dt));
+  need_f32(dt, "layernorm_bwd");
+  ops::layernorm_bwd(F(dy), F(in), F(w), mean, rstd, F(din), dw, db, N, D);
+}
+
+// ---- activations ----------------------------------------------------------------------------------------------------
+void gelu_tanh_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
+  ON_CUDA(x, gelu_tanh_fwd(x, in, y, n, dt));
+  need_f32(dt, "gelu_tanh_fwd");
+  ops::gelu_tanh_fwd(F(in), F(y), n);
+}
+void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
+  ON_CUDA(x, gelu_tanh_bwd(x, dy, in, din, n, dt));
+  need_f32(dt, "gelu_tanh_bwd");
+  ops::gelu_tanh_bwd(F(dy), F(in), F(din), n);
+}
+void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
+  ON_CUDA(x, gelu_erf_fwd(x, in, y, n, dt));
+  need_f32(dt, "gelu_erf_fwd");
+  ops::gelu_erf_fwd(F(in), F(y), n);
+}
+void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
+  ON_CUDA(x, gelu_erf_bwd(x, dy, in, din, n, dt));
+  need_f32(dt, "gelu_erf_bwd");
+  ops::gelu_erf_bwd(F(dy), F(in), F(din), n);
+}
+void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DType dt) {
+  ON_CUDA(x, swiglu_fwd(x, gu, y, N, I, dt));
+  need_f32(dt, "swiglu_fwd");
+  ops::swiglu_fwd(F(gu), F(y), N, I);
+}
+void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, DType dt) {
+  ON_CUDA(x, swiglu_bwd(x, dy, gu, dgu, N, I, dt));
+  need_f32(dt, "swiglu_bwd");
+  ops::swiglu_bwd(F(dy), F(gu), F(dgu), N, I);
+}
+
+// ---- rotary -----------------------------------------------------------------------------------------------------------
+void rope_fwd(const Exec& x, void* q, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
+              DType dt) {
+  ON_CUDA(x, rope_fwd(x, q, cos, sin, N, heads, hd, dt));
+  need_f32(dt, "rope_fwd");
+  ops::rope_fwd(F(q), cos, sin, N, heads, hd);
+}
+void rope_bwd(const Exec& x, void* dq, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
+              DType dt) {
+  ON_CUDA(x, rope_bwd(x, dq, cos, sin, N, heads, hd, dt));
+  need_f32(dt, "rope_bwd");
+  ops::rope_bwd(F(dq), cos, sin, N, heads, hd);
+}
+
+// ---- attention --------------------------------------------------------------------------------------------------------
+void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
+                   const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                   bool causal, float scale, DType dt) {
+  ON_CUDA(x, attention_fwd(x, q, k, v, out, lse, cu, nseg, max_len, N, nh, nkv, hd, causal, scale, dt));
+  need_f32(dt, "attention_fwd");
+  const auto cu64 = widen(cu, nseg + 1);
+  ops::attention_fwd(F(q), F(k), F(v), F(out), lse, cu64.data(), nseg, nh, nkv, hd, causal, scale);
+}
+void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
+                   const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
+                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, DType dt) {
+  ON_CUDA(x, attention_bwd(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
+                           dt));
+  need_f32(dt, "attention_bwd");
+  const auto cu64 = widen(cu, nseg + 1);
+  ops::attention_bwd(F(dout), F(q), F(k), F(v), F(out), lse, F(dq), F(dk), F(dv), cu64.data(), nseg, nh, nkv, hd,
+                     causal, scale);
+}
+
+// ---- embeddings and row moves ---------------------------------------------------------------------------------------
+void embedding_fwd(const Exec& x, const int32_t* ids, const void* table, void* out, int64_t N, int64_t D, int64_t V,
+                   DType dt) {
+  ON_CUDA(x, embedding_fwd(x, ids, table, out, N, D, V, dt));
+  need_f32(dt, "embedding_fwd");
+  const auto id64 = widen(ids, N);
+  ops::embedding_fwd(id64.data(), F(table), F(out), N, D, V);
+}
+void embedding_bwd(const Exec& x, const int32_t* ids, const void* dout, float* dtable, int64_t N, int64_t D,
+                   DType dt) {
+  ON_CUDA(x, embedding_bwd(x, ids, dout, dtable, N, D, dt));
+  need_f32(dt, "embedding_bwd");
+  const auto id64 = widen(ids, N);
+  ops::embedding_bwd(id64.data(), F(dout), dtable, N, D);
+}
+void gather_rows(const Exec& x, const void* src, const int32_t* rows, int64_t div, void* dst, int64_t R, int64_t D,
+                 DType dt) {
+  ON_CUDA(x, gather_rows(x, src, rows, div, dst, R, D, dt));
+  need_f32(dt, "gather_rows");
+  for (int64_t i = 0; i < R; ++i) std::copy_n(F(src) + rows[i] / div * D, D, F(dst) + i * D);
+}
+void scatter_rows(const Exec& x, const void* src, const int32_t* rows, void* dst, int64_t R, int64_t D,
+                  bool accumulate, DType dt) {
+  ON_CUDA(x, scatter_rows(x, src, rows, dst, R, D, accumulate, dt));
+  need_f32(dt, "scatter_rows");
+  for (int64_t i = 0; i < R; ++i) {
+    float* d = F(dst) + int64_t(rows[i]) * D;
+    const float* s = F(src) + i * D;
+    for (int64_t j = 0; j < D; ++j) d[j] = accumulate ? d[j] + s[j] : s[j];
+  }
+}
+void pos_embed_fwd(const Exec& x, const void* table, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
+                   int64_t merge, void* out, DType dt) {
+  ON_CUDA(x, pos_embed_fwd(x, table, G, D, t, h, w, merge, out, dt));
+  need_f32(dt, "pos_embed_fwd");
+  ops::pos_embed_fwd(F(table), G, D, t, h, w, merge, F(out));
+}
+void pos_embed_bwd(const Exec& x, const void* dout, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
+                   int64_t merge, float* dtable, DType dt) {
+  ON_CUDA(x, pos_embed_bwd(x, dout, G, D, t, h, w, merge, dtable, dt));
+  need_f32(dt, "pos_embed_bwd");
+  ops::pos_embed_bwd(F(dout), G, D, t, h, w, merge, dtable);
+}
+
+// ---- loss ------------------------------------------------------------------------------------------------------------
+void cross_entropy(const Exec& x, const void* logits, const int32_t* target, float* loss, void* dlogits,
+                   double* loss_sum, int64_t N, int64_t V, float scale, DType dt) {
+  ON_CUDA(x, cross_entropy(x, logits, target, loss, dlogits, loss_sum, N, V, scale, dt));
+  need_f32(dt, "cross_entropy");
+  const auto t64 = widen(target, N);
+  const double s = ops::cross_entropy(F(logits), t64.data(), loss, F(dlogits), N, V, scale);
+  if (loss_sum) *loss_sum += s;
+}
+
+// ---- MoE ---------------------------------------------------------------------------------------------------------------
+void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, float* w, int64_t N, int64_t E,
+                int64_t k, DType dt) {
+  ON_CUDA(x, router_fwd(x, logits, probs, idx, w, N, E, k, dt));
+  need_f32(dt, "router_fwd");
+  std::vector<int64_t> i64(N * k);
+  ops::router_fwd(F(logits), probs, i64.data(), w, N, E, k);
+  std::copy(i64.begin(), i64.end(), idx);
+}
+void router_bwd(const Exec& x, const float* dw, const float* probs, const int32_t* idx, void* dlogits, int64_t N,
+                int64_t E, int64_t k, DType dt) {
+  ON_CUDA(x, router_bwd(x, dw, probs, idx, dlogits, N, E, k, dt));
+  need_f32(dt, "router_bwd");
+  const auto i64 = widen(idx, N * k);
+  ops::router_bwd(dw, probs, i64.data(), F(dlogits), N, E, k);
+}
+void aux_loss_fwd(const Exec& x, const float* probs, const int32_t* idx, float* f, double* aux, int64_t N, int64_t E,
+                  int64_t k) {
+  ON_CUDA(x, aux_loss_fwd(x, probs, idx, f, aux, N, E, k));
+  const auto i64 = widen(idx, N * k);
+  const double a = ops::aux_loss_fwd(probs, i64.data(), N, E, k, f);
+  if (aux) *aux += a;
+}
+void aux_loss_bwd(const Exec& x, const float* probs, const float* f, float coef, void* dlogits, int64_t N, int64_t E,
+                  DType dt) {
+  ON_CUDA(x, aux_loss_bwd(x, probs, f, coef, dlogits, N, E, dt));
+  need_f32(dt, "aux_loss_bwd");
+  ops::aux_loss_bwd(probs, f, coef, F(dlogits), N, E);
+}
+void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E, int32_t* start, int32_t* rows,
+              int32_t* pos) {
+  ON_CUDA(x, moe_plan(x, idx, N, k, E, start, rows, pos));
+  const int64_t R = N * k;
+  std::fill(start, start + E + 1, 0);
+  for (int64_t r = 0; r < R; ++r) start[idx[r] + 1]++;
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int32_t> next(start, start + E);
+  for (int64_t r = 0; r < R; ++r) {  // r increases, so tokens increase inside each bucket
+    const int32_t j = next[idx[r]]++;
+    rows[j] = int32_t(r);
+    pos[r] = j;
+  }
+}
+void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int32_t* start, void* y, int64_t R,
+                        int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+  ON_CUDA(x, grouped_linear_fwd(x, xg, W, start, y, R, E, n_in, n_out, dt));
+  need_f32(dt, "grouped_linear_fwd");
+  for (int64_t e = 0; e < E; ++e)
+    ops::linear_fwd(F(xg) + start[e] * n_in, F(W) + e * n_out * n_in, (const float*)nullptr, F(y) + start[e] * n_out,
+                    start[e + 1] - start[e], n_in, n_out);
+}
+void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
+                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+  ON_CUDA(x, grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, dt));
+  need_f32(dt, "grouped_linear_bwd");
+  for (int64_t e = 0; e < E; ++e)
+    ops::linear_bwd(F(dy) + start[e] * n_out, F(xg) + start[e] * n_in, F(W) + e * n_out * n_in,
+                    dxg ? F(dxg) + start[e] * n_in : nullptr, dW ? dW + e * n_out * n_in : nullptr, (float*)nullptr,
+                    start[e + 1] - start[e], n_in, n_out);
+}
+void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,
+                     int64_t H, DType dt) {
+  ON_CUDA(x, moe_combine_fwd(x, y, pos, w, out, N, k, H, dt));
+  need_f32(dt, "moe_combine_fwd");
+  for (int64_t t = 0; t < N; ++t) {
+    float* o = F(out) + t * H;
+    std::fill(o, o + H, 0.f);
+    for (int64_t s = 0; s < k; ++s) {
+      const float* yr = F(y) + int64_t(pos[t * k + s]) * H;
+      const float ws = w[t * k + s];
+      for (int64_t d = 0; d < H; ++d) o[d] += ws * yr[d];
+    }
+  }
+}
+void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32_t* pos, const float* w, float* dw,
+                     void* dy, int64_t N, int64_t k, int64_t H, DType dt) {
+  ON_CUDA(x, moe_combine_bwd(x, dout, y, pos, w, dw, dy, N, k, H, dt));
+  need_f32(dt, "moe_combine_bwd");
+  for (int64_t r = 0; r < N * k; ++r) {
+    const float* g = F(dout) + r / k * H;
+    const float* yr = F(y) + int64_t(pos[r]) * H;
+    float* dyr = F(dy) + int64_t(pos[r]) * H;
+    float acc = 0;
+    for (int64_t d = 0; d < H; ++d) {
+      acc += g[d] * yr[d];
+      dyr[d] += w[r] * g[d];
+    }
+    dw[r] = acc;
+  }
+}
+void unpermute_add(const Exec& x, const void* src, const int32_t* pos, void* dst, int64_t N, int64_t k, int64_t H,
+                   DType dt) {
+  ON_CUDA(x, unpermute_add(x, src, pos, dst, N, k, H, dt));
+  need_f32(dt, "unpermute_add");
+  for (int64_t r = 0; r < N * k; ++r) {
+    const float* s = F(src) + int64_t(pos[r]) * H;
+    float* d = F(dst) + r / k * H;
+    for (int64_t j = 0; j < H; ++j) d[j] += s[j];
+  }
+}
+
+// ---- optimizer and reductions ----------------------------------------------------------------------------------------
+void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t n, double beta1, double beta2,
+           double eps, double lr, double weight_decay, double gscale, int64_t t) {
+  ON_CUDA(x, adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t));
+  AdamWConfig c;
+  c.beta1 = beta1, c.beta2 = beta2, c.eps = eps;
+  adamw_update(p, g, m, v, n, c, lr, weight_decay, gscale, t);
+}
+void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc, int32_t* nonfinite) {
+  ON_CUDA(x, sum_squares(x, a, n, dt, acc, nonfinite));
+  need_f32(dt, "sum_squares");
+  double s = 0;
+  int32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = F(a)[i];
+    if (std::isfinite(v)) s += double(v) * v; else ++bad;
+  }
+  *acc += s;
+  if (nonfinite) *nonfinite += bad;
+}
+
+}  // namespace q3vl::dev

@@ -1,0 +1,49 @@
+// The device model's own behaviour beyond golden parity (test_golden.cpp): recomputation per block changes nothing.
+#include <gtest/gtest.h>
+
+#include "../gpu.hpp"
+#include "q3vl/train/eval.hpp"
+
+using namespace q3vl;
+
+namespace {
+// Loss and every gradient of the golden MoE case (images, DeepStack, MoE + aux) with and without recomputation.
+void recompute_case(Device d, double tol) {
+  const std::string dir = "tests/data/golden/moe";
+  const ModelConfig cfg = load_hf_config(dir + "/model/config.json");
+  Model host(cfg);
+  load_hf_weights(host, dir + "/model");
+  const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
+  dev::Exec ex = dev::make_exec(d);
+  std::vector<float> g[2];
+  double loss[2];
+  int64_t act[2];
+  for (int rc = 0; rc < 2; ++rc) {
+    DevModel m(cfg, ex, DType::F32);
+    m.set_recompute(rc == 1);
+    m.reserve(budget_for(batch, cfg.vision.patch_dim()));
+    m.set_params(host.params());
+    loss[rc] = m.forward(batch, true, nullptr, nullptr, true);
+    m.backward();
+    g[rc].resize(m.table().total());
+    m.grads_to_host(g[rc].data());
+    act[rc] = m.memory().activations;
+  }
+  dev::destroy_exec(ex);
+  EXPECT_NEAR(loss[0], loss[1], tol * std::abs(loss[0]));
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < g[0].size(); ++i)
+    worst = std::max(worst, double(std::abs(g[0][i] - g[1][i]))), scale = std::max(scale, double(std::abs(g[0][i])));
+  EXPECT_LE(worst, tol * scale) << "recomputation changed a gradient";
+  EXPECT_LT(act[1], act[0]) << "recomputation must keep fewer activation bytes";
+  std::printf("  recompute on %s: loss %.9g vs %.9g, max grad diff %.2e, activations %lld -> %lld bytes\n",
+              d == Device::CUDA ? "cuda" : "cpu", loss[0], loss[1], worst, (long long)act[0], (long long)act[1]);
+}
+}  // namespace
+
+TEST(DevModel, RecomputeIsBitwiseOnCpu) { recompute_case(Device::CPU, 0.0); }
+// On the GPU the embedding and position-embedding backward accumulate with atomics: equal up to summation order.
+TEST(DevModel, RecomputeMatchesOnCuda) {
+  Q3VL_NEED_GPU();
+  recompute_case(Device::CUDA, 1e-6);
+}

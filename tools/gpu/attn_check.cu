@@ -1,0 +1,323 @@
+// Standalone GPU check of the CUDA attention kernels (src/tensor/cuda/attention.cu) against a naive fp64 host
+// reference, plus timings at the 2B model's shape. Build (from the repo root):
+//   nvcc -std=c++20 -O3 -arch=sm_90 -Iinclude -Isrc --expt-relaxed-constexpr -ccbin g++ \
+//     -I/usr/include/x86_64-linux-gnu/mpich -DQ3VL_CUDA=1 tools/gpu/attn_check.cu src/tensor/cuda/attention.cu \
+//     src/core/dtype.cpp -o /tmp/attn_check
+// Run: /tmp/attn_check [--no-timing] [--no-checks] [--small (few short cases, no timing: for racecheck)].
+// Exit 1 on any failed case.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tensor/cuda/common.cuh"
+
+using namespace q3vl;
+using q3vl::dev::Exec;
+
+#define CK(call)                                                                                       \
+  do {                                                                                                 \
+    cudaError_t e_ = (call);                                                                           \
+    if (e_ != cudaSuccess) {                                                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));      \
+      std::exit(2);                                                                                    \
+    }                                                                                                  \
+  } while (0)
+
+namespace {
+
+struct Ref {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+// Naive fp64 reference: full score matrix per (segment, head). Tasks over (kv head, segment) own disjoint rows of
+// dq (the group's heads) and dk/dv, so they run in parallel without races.
+void reference(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+               const std::vector<float>& dout, const std::vector<int>& cu, int N, int nh, int nkv, int hd,
+               bool causal, double scale, Ref& R) {
+  const int nseg = int(cu.size()) - 1, grp = nh / nkv;
+  const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd;
+  R.out.assign(size_t(N) * ldq, 0.0);
+  R.lse.assign(size_t(N) * nh, 0.0);
+  R.dq.assign(size_t(N) * ldq, 0.0);
+  R.dk.assign(size_t(N) * ldk, 0.0);
+  R.dv.assign(size_t(N) * ldk, 0.0);
+  auto task = [&](int kh, int s) {
+    const int b0 = cu[s], L = cu[s + 1] - cu[s];
+    std::vector<double> P(size_t(L) * L), dP(size_t(L) * L);
+    for (int h = kh * grp; h < (kh + 1) * grp; ++h) {
+      auto Q = [&](int i, int d) { return double(q[(b0 + i) * ldq + h * hd + d]); };
+      auto K = [&](int j, int d) { return double(k[(b0 + j) * ldk + kh * hd + d]); };
+      auto V = [&](int j, int d) { return double(v[(b0 + j) * ldk + kh * hd + d]); };
+      auto G = [&](int i, int d) { return double(dout[(b0 + i) * ldq + h * hd + d]); };
+      for (int i = 0; i < L; ++i) {
+        const int n = causal ? i + 1 : L;
+        double mx = -INFINITY;
+        for (int j = 0; j < n; ++j) {
+          double a = 0;
+          for (int d = 0; d < hd; ++d) a += Q(i, d) * K(j, d);
+          P[size_t(i) * L + j] = a * scale;
+          mx = std::max(mx, a * scale);
+        }
+        double sum = 0;
+        for (int j = 0; j < n; ++j) sum += (P[size_t(i) * L + j] = std::exp(P[size_t(i) * L + j] - mx));
+        for (int j = 0; j < n; ++j) P[size_t(i) * L + j] /= sum;
+        R.lse[size_t(b0 + i) * nh + h] = mx + std::log(sum);
+        for (int d = 0; d < hd; ++d) {
+          double a = 0;
+          for (int j = 0; j < n; ++j) a += P[size_t(i) * L + j] * V(j, d);
+          R.out[(b0 + i) * ldq + h * hd + d] = a;
+        }
+        double Di = 0;
+        for (int j = 0; j < n; ++j) {
+          double a = 0;
+          for (int d = 0; d < hd; ++d) a += G(i, d) * V(j, d);
+          dP[size_t(i) * L + j] = a;
+          Di += P[size_t(i) * L + j] * a;
+        }
+        for (int j = 0; j < n; ++j) {
+          const double p = P[size_t(i) * L + j];
+          const double ds = p * (dP[size_t(i) * L + j] - Di) * scale;
+          for (int d = 0; d < hd; ++d) {
+            R.dq[(b0 + i) * ldq + h * hd + d] += ds * K(j, d);
+            R.dk[(b0 + j) * ldk + kh * hd + d] += ds * Q(i, d);
+            R.dv[(b0 + j) * ldk + kh * hd + d] += p * G(i, d);
+          }
+        }
+      }
+    }
+  };
+  std::vector<std::pair<int, int>> tasks;
+  for (int s = 0; s < nseg; ++s)
+    for (int kh = 0; kh < nkv; ++kh) tasks.push_back({kh, s});
+  std::sort(tasks.begin(), tasks.end(), [&](auto a, auto b) {
+    return cu[a.second + 1] - cu[a.second] > cu[b.second + 1] - cu[b.second];
+  });
+  std::atomic<size_t> next{0};
+  const unsigned nt = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> th;
+  for (unsigned t = 0; t < nt; ++t)
+    th.emplace_back([&] {
+      for (size_t i; (i = next++) < tasks.size();) task(tasks[i].first, tasks[i].second);
+    });
+  for (auto& t : th) t.join();
+}
+
+// Values on a 1/16 grid within [-8, 8): exact in bf16, fp16 and fp32, so every dtype sees the same inputs.
+std::vector<float> grid_values(size_t n, double sigma, std::mt19937& rng) {
+  std::normal_distribution<double> nd(0.0, sigma);
+  std::vector<float> x(n);
+  for (auto& e : x) e = float(std::clamp(std::round(nd(rng) * 16.0) / 16.0, -8.0, 127.0 / 16.0));
+  return x;
+}
+
+std::vector<uint8_t> to_dt(const std::vector<float>& x, DType dt) {
+  std::vector<uint8_t> b(x.size() * dtype_size(dt));
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (dt == DType::F32) std::memcpy(&b[i * 4], &x[i], 4);
+    else {
+      uint16_t h = dt == DType::BF16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+      std::memcpy(&b[i * 2], &h, 2);
+    }
+  }
+  return b;
+}
+std::vector<float> from_dt(const std::vector<uint8_t>& b, DType dt) {
+  const size_t n = b.size() / dtype_size(dt);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (dt == DType::F32) std::memcpy(&x[i], &b[i * 4], 4);
+    else {
+      uint16_t h;
+      std::memcpy(&h, &b[i * 2], 2);
+      x[i] = dt == DType::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    }
+  }
+  return x;
+}
+
+void* upload(const std::vector<uint8_t>& b) {
+  void* p;
+  CK(cudaMalloc(&p, std::max<size_t>(b.size(), 16)));
+  CK(cudaMemcpy(p, b.data(), b.size(), cudaMemcpyHostToDevice));
+  return p;
+}
+std::vector<uint8_t> download(const void* p, size_t bytes) {
+  std::vector<uint8_t> b(bytes);
+  CK(cudaMemcpy(b.data(), p, bytes, cudaMemcpyDeviceToHost));
+  return b;
+}
+
+// max|a - b| / max|b|, with a = got - base (the backward accumulates onto base).
+double nerr(const std::vector<float>& got, const std::vector<double>& ref, const std::vector<float>* base = nullptr) {
+  double e = 0, m = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double a = double(got[i]) - (base ? double((*base)[i]) : 0.0);
+    if (!std::isfinite(a)) return INFINITY;
+    e = std::max(e, std::fabs(a - ref[i]));
+    m = std::max(m, std::fabs(ref[i]));
+  }
+  return m > 0 ? e / m : e;
+}
+
+int run_checks(Exec& x, bool small) {
+  // small: short segments and fewer shapes, for compute-sanitizer's racecheck
+  const std::vector<int> lens = small ? std::vector<int>{1, 37, 0, 130} : std::vector<int>{1, 37, 0, 64, 200, 513};
+  std::vector<int> cu = {0};
+  for (int L : lens) cu.push_back(cu.back() + L);
+  const int N = cu.back(), nseg = int(lens.size()), max_len = *std::max_element(lens.begin(), lens.end());
+  int32_t* dcu;
+  CK(cudaMalloc(&dcu, cu.size() * 4));
+  CK(cudaMemcpy(dcu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+  struct Heads { int nh, nkv; };
+  int fails = 0;
+  for (int hd : {64, 72, 128, 96})
+    for (Heads H : {Heads{16, 8}, Heads{8, 8}})
+      for (bool causal : {true, false}) {
+        if (hd == 96 && H.nh == 8) continue;  // 96: one extra geometry for the 16-bit SIMT fallback
+        if (small && (hd == 64 || H.nh == 8)) continue;
+        const int nh = H.nh, nkv = H.nkv;
+        const double scale = 1.0 / std::sqrt(double(hd));
+        std::mt19937 rng(1234 + hd * 7 + nh + causal);
+        const size_t nq = size_t(N) * nh * hd, nk = size_t(N) * nkv * hd;
+        auto q = grid_values(nq, 1.5, rng), k = grid_values(nk, 1.0, rng), v = grid_values(nk, 1.0, rng);
+        auto g = grid_values(nq, 1.0, rng);
+        auto dq0 = grid_values(nq, 0.05, rng), dk0 = grid_values(nk, 0.05, rng), dv0 = grid_values(nk, 0.05, rng);
+        Ref R;
+        reference(q, k, v, g, cu, N, nh, nkv, hd, causal, scale, R);
+        for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+          const size_t es = dtype_size(dt);
+          void *Q = upload(to_dt(q, dt)), *K = upload(to_dt(k, dt)), *V = upload(to_dt(v, dt)),
+               *G = upload(to_dt(g, dt));
+          void *dQ = upload(to_dt(dq0, dt)), *dK = upload(to_dt(dk0, dt)), *dV = upload(to_dt(dv0, dt));
+          void* O;
+          float* lse;
+          CK(cudaMalloc(&O, nq * es));
+          CK(cudaMalloc(&lse, size_t(N) * nh * 4));
+          dev::cuda::attention_fwd(x, Q, K, V, O, lse, dcu, nseg, max_len, N, nh, nkv, hd, causal, float(scale), dt);
+          dev::cuda::attention_bwd(x, G, Q, K, V, O, lse, dQ, dK, dV, dcu, nseg, max_len, N, nh, nkv, hd, causal,
+                                   float(scale), dt);
+          CK(cudaStreamSynchronize(dev::cuda::stream_of(x)));
+          CK(cudaGetLastError());
+          auto out = from_dt(download(O, nq * es), dt);
+          std::vector<float> lsev(size_t(N) * nh);
+          CK(cudaMemcpy(lsev.data(), lse, lsev.size() * 4, cudaMemcpyDeviceToHost));
+          auto gdq = from_dt(download(dQ, nq * es), dt), gdk = from_dt(download(dK, nk * es), dt),
+               gdv = from_dt(download(dV, nk * es), dt);
+          // the base the kernel saw is the rounded init (exact here: grid values)
+          const double e_out = nerr(out, R.out), e_lse = nerr(lsev, R.lse), e_dq = nerr(gdq, R.dq, &dq0),
+                       e_dk = nerr(gdk, R.dk, &dk0), e_dv = nerr(gdv, R.dv, &dv0);
+          const double tol = dt == DType::F32 ? 2e-4 : dt == DType::F16 ? 1e-2 : 4e-2;
+          const double tol_lse = dt == DType::F32 ? 1e-5 : 2e-3;
+          const bool ok = e_out < tol && e_lse < tol_lse && e_dq < tol && e_dk < tol && e_dv < tol;
+          fails += !ok;
+          std::printf("hd=%3d nh=%2d nkv=%d causal=%d %-4s  out %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e  %s\n", hd,
+                      nh, nkv, int(causal), dtype_name(dt), e_out, e_lse, e_dq, e_dk, e_dv, ok ? "PASS" : "FAIL");
+          std::fflush(stdout);
+          for (void* p : {Q, K, V, G, dQ, dK, dV, O, static_cast<void*>(lse)}) CK(cudaFree(p));
+        }
+      }
+  CK(cudaFree(dcu));
+  return fails;
+}
+
+__global__ void fill_random(void* p, size_t n, uint32_t seed, float amp, int kind) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    const float f = (float(h) * (1.f / 4294967296.f) * 2.f - 1.f) * amp;
+    if (kind == 0) static_cast<float*>(p)[i] = f;
+    else if (kind == 1) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16(f);
+    else static_cast<__half*>(p)[i] = __float2half(f);
+  }
+}
+
+void time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int hd, bool causal, DType dt) {
+  const int N = nseg * L;
+  std::vector<int> cu(nseg + 1);
+  for (int s = 0; s <= nseg; ++s) cu[s] = s * L;
+  int32_t* dcu;
+  CK(cudaMalloc(&dcu, cu.size() * 4));
+  CK(cudaMemcpy(dcu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+  const size_t nq = size_t(N) * nh * hd, nk = size_t(N) * nkv * hd, es = dtype_size(dt);
+  void *Q, *K, *V, *O, *G, *dQ, *dK, *dV;
+  float* lse;
+  for (void** p : {&Q, &O, &G, &dQ}) CK(cudaMalloc(p, nq * es));
+  for (void** p : {&K, &V, &dK, &dV}) CK(cudaMalloc(p, nk * es));
+  CK(cudaMalloc(&lse, size_t(N) * nh * 4));
+  const int bf = dt == DType::F32 ? 0 : dt == DType::BF16 ? 1 : 2;
+  uint32_t seed = 1;
+  for (void* p : {Q, G, dQ}) fill_random<<<1024, 256>>>(p, nq, seed++, 2.f, bf);
+  for (void* p : {K, V, dK, dV}) fill_random<<<1024, 256>>>(p, nk, seed++, 2.f, bf);
+  CK(cudaDeviceSynchronize());
+  const float scale = 1.f / std::sqrt(float(hd));
+  auto fwd = [&] { dev::cuda::attention_fwd(x, Q, K, V, O, lse, dcu, nseg, L, N, nh, nkv, hd, causal, scale, dt); };
+  auto bwd = [&] {
+    dev::cuda::attention_bwd(x, G, Q, K, V, O, lse, dQ, dK, dV, dcu, nseg, L, N, nh, nkv, hd, causal, scale, dt);
+  };
+  cudaStream_t st = dev::cuda::stream_of(x);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  auto timeit = [&](auto&& f) {
+    for (int i = 0; i < 3; ++i) f();
+    const int reps = 20;
+    CK(cudaEventRecord(e0, st));
+    for (int i = 0; i < reps; ++i) f();
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    return double(ms) / reps;
+  };
+  const double tf = timeit(fwd), tb = timeit(bwd);
+  const double flops_f = 4.0 * nh * hd * double(nseg) * double(L) * double(L) / (causal ? 2.0 : 1.0);
+  std::printf("timing %-8s nseg=%d L=%d nh=%d nkv=%d hd=%d causal=%d %s: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms %.1f "
+              "TFLOP/s\n",
+              name, nseg, L, nh, nkv, hd, int(causal), dtype_name(dt), tf, flops_f / tf * 1e-9, tb,
+              2.5 * flops_f / tb * 1e-9);
+  for (void* p : {Q, K, V, O, G, dQ, dK, dV, static_cast<void*>(lse), static_cast<void*>(dcu)}) CK(cudaFree(p));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool timing = true, checks = true, small = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--no-timing") timing = false;
+    if (std::string(argv[i]) == "--no-checks") checks = false;
+    if (std::string(argv[i]) == "--small") small = true, timing = false;
+  }
+  Exec x;
+  x.device = Device::CUDA;
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  x.stream = st;
+  x.ws_bytes = size_t(64) << 20;
+  CK(cudaMalloc(&x.ws, x.ws_bytes));
+  int fails = 0;
+  try {
+    if (checks) fails = run_checks(x, small);
+    if (timing) {
+      time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::BF16);
+      time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::F16);
+      time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::F32);  // SIMT parity path
+      time_case(x, "vision", 16, 1024, 16, 16, 72, false, DType::BF16);
+      time_case(x, "hd64", 4, 4096, 16, 8, 64, true, DType::BF16);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+  std::printf("%s: %d failed case(s)\n", fails ? "FAIL" : "PASS", fails);
+  CK(cudaFree(x.ws));
+  CK(cudaStreamDestroy(st));
+  return fails ? 1 : 0;
+}
