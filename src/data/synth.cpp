@@ -49,7 +49,7 @@ bool in_polygon(const std::vector<std::pair<double, double>>& p, double x, doubl
 bool inside(int s, double dx, double dy, double r) {
   switch (s) {
     case 0: return dx * dx + dy * dy <= r * r;
-    case 1: return std::fabs(dx) <= 0.8 * r && std::fabs(dy) <= 0.8 * r;
+    case 1: return std::fabs(dx) <= r && std::fabs(dy) <= r;  // as wide as the circle: its corners tell them apart
     case 2: return in_polygon({{0, -r}, {0.866 * r, 0.5 * r}, {-0.866 * r, 0.5 * r}}, dx, dy);
     case 3: {
       std::vector<std::pair<double, double>> p;
