@@ -9,10 +9,12 @@
 #include "q3vl/data/prepare.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/data/synth.hpp"
+#include "q3vl/plan/plan.hpp"
 #include "q3vl/runtime/check.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/tensor/dev.hpp"
 #include "q3vl/serve/generate.hpp"
+#include "q3vl/serve/server.hpp"
 #include "q3vl/train/train.hpp"
 #include "q3vl/train/eval.hpp"
 
@@ -54,9 +56,12 @@ void check_paths(const Deck& d, const std::string& mode, Comm& world) {
   auto given = [&](const char* key) { return !d.str(key).empty(); };
   const std::string out = d.str("run.out_dir");
   need(d.boolean("run.rank_logs") || (mode == "train" && root), need_writable_dir("run.out_dir", out));
-  if (mode == "prepare" || mode == "tokenize" || mode == "generate")
+  if (mode == "prepare" || mode == "tokenize")
     need(root, need_file("tokenizer.path", d.str("tokenizer.path")));
-  if ((mode == "train" || mode == "eval" || mode == "generate") && given("model.hf")) {
+  if (mode == "generate" || mode == "serve")  // the model directory's tokenizer.json, unless the deck names one
+    need(root, need_file(tokenizer_file(d) == d.str("tokenizer.path") ? "tokenizer.path" : "model.hf's tokenizer",
+                         tokenizer_file(d)));
+  if ((mode == "train" || mode == "eval" || mode == "generate" || mode == "serve") && given("model.hf")) {
     need(root, need_dir("model.hf", d.str("model.hf")));
     need(root, need_file("model.hf's config", d.str("model.hf") + "/config.json"));
   }
@@ -78,6 +83,9 @@ void check_paths(const Deck& d, const std::string& mode, Comm& world) {
     need(root, need_file("generate.prompts", d.str("generate.prompts")));
     need(root, need_output_file("generate.output", d.str("generate.output")));
     if (given("generate.checkpoint")) need(root, need_file_or_dir("generate.checkpoint", d.str("generate.checkpoint")));
+  } else if (mode == "serve") {
+    if (given("serve.checkpoint")) need(root, need_file_or_dir("serve.checkpoint", d.str("serve.checkpoint")));
+    if (given("serve.image_dir")) need(root, need_dir("serve.image_dir", d.str("serve.image_dir")));
   } else if (mode == "synth") {
     need(root, need_writable_dir("synth.dir", d.str("synth.dir")));
   }
@@ -99,11 +107,21 @@ const std::vector<Mode>& modes() {
        },
        {"--decode"}, true},
       {"train", "train with ZeRO data parallelism (AdamW, checkpoints, metrics.jsonl)",
-       [](const Deck& d, const ModeArgs&) { return with_compute(d, run_train); }},
+       [](const Deck& d, const ModeArgs&) {
+         if (d.str("parallel.layout") != "auto") return with_compute(d, run_train);
+         Deck chosen = d;  // the planner's choice for the devices this job has
+         choose_layout(chosen);
+         return with_compute(chosen, run_train);
+       }},
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
        [](const Deck& d, const ModeArgs&) { return with_compute(d, run_eval); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",
        [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "generate", run_generate); }},
+      {"plan", "memory and step time of every training layout for the deck's model on plan.* hardware; the fastest "
+               "that fits and its deck lines, or the smallest machine that would",
+       [](const Deck& d, const ModeArgs&) { return run_plan(d); }, {}, true},
+      {"serve", "OpenAI-compatible HTTP server (chat with images, SSE streaming) with continuous batching",
+       [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "serve", run_serve); }},
       {"synth", "the demo's synthetic data: PNG pictures of coloured shapes and train/eval JSONL conversations",
        [](const Deck& d, const ModeArgs&) { return run_synth(d); }},
   };

@@ -257,6 +257,20 @@ double Deck::real(const std::string& key) const { return std::get<double>(get(ke
 const std::string& Deck::str(const std::string& key) const { return std::get<std::string>(get(key, KeyType::String)); }
 bool Deck::given(const std::string& key) const { return given_.count(key) > 0; }
 
+std::string Deck::given_keys() const {
+  std::string out;
+  for (const auto& [k, on] : given_)
+    if (on) out += k + "\n";
+  return out;
+}
+
+void Deck::set_given_keys(const std::string& lines) {
+  given_.clear();
+  std::istringstream in(lines);
+  for (std::string k; std::getline(in, k);)
+    if (!k.empty()) given_[k] = true;
+}
+
 std::string Deck::to_toml() const {
   std::ostringstream out;
   std::string section;

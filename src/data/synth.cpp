@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -48,7 +49,7 @@ bool in_polygon(const std::vector<std::pair<double, double>>& p, double x, doubl
 bool inside(int s, double dx, double dy, double r) {
   switch (s) {
     case 0: return dx * dx + dy * dy <= r * r;
-    case 1: return std::fabs(dx) <= 0.8 * r && std::fabs(dy) <= 0.8 * r;
+    case 1: return std::fabs(dx) <= r && std::fabs(dy) <= r;  // as wide as the circle: its corners tell them apart
     case 2: return in_polygon({{0, -r}, {0.866 * r, 0.5 * r}, {-0.866 * r, 0.5 * r}}, dx, dy);
     case 3: {
       std::vector<std::pair<double, double>> p;
@@ -67,6 +68,11 @@ bool inside(int s, double dx, double dy, double r) {
 
 }  // namespace
 
+std::string synth_answer(int colour, int shape) {
+  const std::string c = synth_colours()[colour].name;
+  return std::string(std::strchr("aeiou", c[0]) ? "an " : "a ") + c + " " + synth_shapes()[shape];
+}
+
 SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size) {
   if (size < 16) fail("synth: pictures need at least 16 pixels a side, got " + std::to_string(size));
   std::seed_seq seq{uint64_t(seed), uint64_t(seed >> 32), uint64_t(split), uint64_t(index)};
@@ -78,37 +84,47 @@ SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size) {
   s.shape = (int)pick(synth_shapes().size());
   s.colour = (int)pick(synth_colours().size());
   s.question = kQuestions[pick(std::size(kQuestions))];
-  s.answer = std::string("a ") + synth_colours()[s.colour].name + " " + synth_shapes()[s.shape];
-  // Large shapes near the centre on little noise: at the demo's 16 image tokens a small star and a small cross blur
-  // together, and a tiny vision tower learns a silhouette at a few positions much faster than anywhere.
+  s.answer = synth_answer(s.colour, s.shape);
+  // Everything but the answer varies, so that only looking at the picture gives it: the size, the place, the
+  // background (grey level, a slight tint, a gradient, the noise) and the shade of the colour. Size and place vary
+  // as much as the demo's model learns within its budget (docs/PERFORMANCE.md: shapes that move twice as far, or
+  // shrink further, cost it a fifth of its accuracy); background and shade cost it nothing, so they vary widely.
+  // The background stays grey next to the dullest shade (green at 0.78) and every shade is nearest its own colour.
   const double r = uni(0.34, 0.44) * size;
-  const double jitter = std::clamp(size / 2.0 - r - 1, 0.0, 0.05 * size);
-  const double cx = size / 2.0 + uni(-jitter, jitter), cy = size / 2.0 + uni(-jitter, jitter);
-  const int bg = (int)uni(20, 60), noise = 8;
-  const uint8_t* fg = synth_colours()[s.colour].rgb;
+  const double room = std::min(size / 2.0 - r - 1, 0.05 * size);
+  const double cx = size / 2.0 + uni(-room, room), cy = size / 2.0 + uni(-room, room);
+  const double grey = uni(10, 100), gx = uni(-15, 15) / size, gy = uni(-15, 15) / size;
+  const double tint[3] = {uni(-8, 8), uni(-8, 8), uni(-8, 8)};
+  const double shade = uni(0.78, 1.05);
+  double fg[3];
+  for (int c = 0; c < 3; ++c) fg[c] = shade * synth_colours()[s.colour].rgb[c] + uni(-8, 8);
+  const int noise = 3 + (int)pick(8);
   s.image.w = s.image.h = size;
   s.image.px.resize((size_t)size * size * 3);
   for (int y = 0; y < size; ++y)
     for (int x = 0; x < size; ++x) {
       const bool in = inside(s.shape, x + 0.5 - cx, y + 0.5 - cy, r);
+      const double bg = grey + gx * (x - size / 2.0) + gy * (y - size / 2.0);
       for (int c = 0; c < 3; ++c) {
-        const int v = (in ? fg[c] : bg) + (int)pick(2 * noise + 1) - noise;
+        const int v = (int)std::lround(in ? fg[c] : bg + tint[c]) + (int)pick(2 * noise + 1) - noise;
         s.image.px[((size_t)y * size + x) * 3 + c] = (uint8_t)std::clamp(v, 0, 255);
       }
     }
   return s;
 }
 
-void write_synth(const std::string& dir, int64_t train, int64_t eval, int size, uint64_t seed) {
+void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_t seed, uint64_t eval_seed) {
   fs::create_directories(fs::path(dir) / "images");
-  const char* names[] = {"train", "eval"};
-  const int64_t counts[] = {train, eval};
-  for (int split = 0; split < 2; ++split) {
+  // Split k draws from stream (seed, k); the held-out split from its own seed, which nothing was tuned on.
+  const char* names[] = {"train", "val", "eval"};
+  const int64_t counts[] = {n.train, n.val, n.eval};
+  for (int split = 0; split < 3; ++split) {
+    if (split == 1 && counts[split] == 0) continue;  // no validation split asked for: no empty val.jsonl either
     const std::string path = (fs::path(dir) / (std::string(names[split]) + ".jsonl")).string();
     std::ofstream out(path + ".partial");
     if (!out) fail(path + ": cannot write");
     for (int64_t i = 0; i < counts[split]; ++i) {
-      const SynthSample s = synth_sample(seed, split, i, size);
+      const SynthSample s = synth_sample(split == 2 ? eval_seed : seed, split, i, size);
       char img[64];
       std::snprintf(img, sizeof img, "images/%s_%06lld.png", names[split], (long long)i);
       write_png((fs::path(dir) / img).string(), s.image);
@@ -129,11 +145,13 @@ int run_synth(const Deck& deck) {
   Runtime& rt = Runtime::get();
   if (rt.where().rank == 0) {
     const std::string dir = deck.str("synth.dir");
-    write_synth(dir, deck.integer("synth.train_samples"), deck.integer("synth.eval_samples"),
-                (int)deck.integer("synth.size"), (uint64_t)deck.integer("synth.seed"));
-    log_info("synth: " + std::to_string(deck.integer("synth.train_samples")) + " train and " +
-             std::to_string(deck.integer("synth.eval_samples")) + " eval pictures of " +
-             std::to_string(deck.integer("synth.size")) + " px -> " + dir + "/{train,eval}.jsonl");
+    const SynthCounts n{deck.integer("synth.train_samples"), deck.integer("synth.val_samples"),
+                        deck.integer("synth.eval_samples")};
+    write_synth(dir, n, (int)deck.integer("synth.size"), (uint64_t)deck.integer("synth.seed"),
+                (uint64_t)deck.integer("synth.eval_seed"));
+    log_info("synth: " + std::to_string(n.train) + " train, " + std::to_string(n.val) + " validation and " +
+             std::to_string(n.eval) + " held-out pictures of " + std::to_string(deck.integer("synth.size")) +
+             " px -> " + dir + (n.val ? "/{train,val,eval}.jsonl" : "/{train,eval}.jsonl"));
   }
   idle_barrier(rt.world(), "waiting for rank 0 to draw the pictures");
   return 0;

@@ -52,13 +52,17 @@ static void qkv_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T*
 // x += o_proj(c.att); then post_norm -> dense MLP or MoE -> residual.
 template <class T>
 static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool moe, T* x, int64_t N, T* probs,
-                        int64_t* idx, DecoderCtx<T>& c) {
+                        int64_t* idx, DecoderCtx<T>& c, const PartialSum<T>& reduce = {}) {
   const int64_t H = tc.hidden, Dq = (int64_t)tc.heads * tc.head_dim;
+  // Tensor parallelism (serve) runs merged weights: an adapter's A and B would need the base's split, and a
+  // replicated term would be summed once per rank (serve folds adapters in before it shards, server.cpp).
+  Q3VL_CHECK(!(reduce && P.lora), "LoRA adapters under tensor parallelism: merge them into the base first");
   c.ln2.resize(N * H);
   c.r2.resize(N);
   std::vector<T> tmp(N * H);
   ops::linear_fwd(c.att.data(), P.p[f + tlay::o_proj], (const T*)nullptr, tmp.data(), N, Dq, H);
   lora_fwd(P, f + tlay::o_proj, c.att.data(), N, tmp.data(), H);
+  if (reduce) reduce(tmp.data(), N * H);  // the partial sums, LoRA term included
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
   c.x1.assign(x, x + N * H);
   ops::rmsnorm_fwd(x, P.p[f + tlay::post_norm], c.ln2.data(), c.r2.data(), N, H, tc.rms_eps);
@@ -75,6 +79,7 @@ static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool
     ops::linear_fwd(c.act.data(), P.p[f + tlay::down_proj], (const T*)nullptr, tmp.data(), N, I, H);
     lora_fwd(P, f + tlay::down_proj, c.act.data(), N, tmp.data(), H);
   }
+  if (reduce) reduce(tmp.data(), N * H);
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
 }
 
@@ -96,7 +101,7 @@ void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
 template <class T>
 void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int f, bool moe, T* x, int64_t N,
                          const std::vector<int64_t>& cu, const std::vector<int>& seqs, const T* cos, const T* sin,
-                         KvCache<T>& cache, int layer) {
+                         KvCache<T>& cache, int layer, const PartialSum<T>& reduce) {
   const TextConfig& tc = cfg.text;
   const int64_t nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd, grp = nh / nkv;
   const T scale = T(1 / std::sqrt((double)hd));
@@ -105,11 +110,12 @@ void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int f, b
   c.att.resize(N * Dq);
   std::vector<T> w;
   for (size_t s = 0; s + 1 < cu.size(); ++s) {
-    std::vector<T>& K = cache.k[(size_t)layer * cache.batch() + seqs[s]];
-    std::vector<T>& V = cache.v[(size_t)layer * cache.batch() + seqs[s]];
-    const int64_t L0 = (int64_t)K.size() / Dk;
-    K.insert(K.end(), c.k.begin() + cu[s] * Dk, c.k.begin() + cu[s + 1] * Dk);
-    V.insert(V.end(), c.v.begin() + cu[s] * Dk, c.v.begin() + cu[s + 1] * Dk);
+    const int sq = seqs[s];
+    const int64_t L0 = cache.len[sq];  // extend() adds the new tokens to len after the last layer
+    for (int64_t i = cu[s]; i < cu[s + 1]; ++i) {
+      std::copy(&c.k[i * Dk], &c.k[(i + 1) * Dk], cache.key(layer, sq, L0 + i - cu[s]));
+      std::copy(&c.v[i * Dk], &c.v[(i + 1) * Dk], cache.val(layer, sq, L0 + i - cu[s]));
+    }
     // One query at a time against all keys up to its own position: exact softmax, no blocking needed.
     for (int64_t i = cu[s]; i < cu[s + 1]; ++i) {
       const int64_t keys = L0 + (i - cu[s]) + 1;
@@ -119,8 +125,9 @@ void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int f, b
         const int64_t ko = (h / grp) * hd;
         T mx = -std::numeric_limits<T>::infinity();
         for (int64_t j = 0; j < keys; ++j) {
+          const T* K = cache.key(layer, sq, j) + ko;
           T dot = 0;
-          for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[j * Dk + ko + d];
+          for (int64_t d = 0; d < hd; ++d) dot += q[d] * K[d];
           w[j] = dot * scale;
           mx = std::max(mx, w[j]);
         }
@@ -128,15 +135,17 @@ void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int f, b
         for (int64_t j = 0; j < keys; ++j) sum += (w[j] = std::exp(w[j] - mx));
         T* o = c.att.data() + i * Dq + h * hd;
         std::fill(o, o + hd, T(0));
-        for (int64_t j = 0; j < keys; ++j)
-          for (int64_t d = 0; d < hd; ++d) o[d] += w[j] * V[j * Dk + ko + d];
+        for (int64_t j = 0; j < keys; ++j) {
+          const T* V = cache.val(layer, sq, j) + ko;
+          for (int64_t d = 0; d < hd; ++d) o[d] += w[j] * V[d];
+        }
         for (int64_t d = 0; d < hd; ++d) o[d] /= sum;
       }
     }
   }
   std::vector<T> probs(moe ? N * tc.num_experts : 0);
   std::vector<int64_t> idx(moe ? N * tc.experts_per_tok : 0);
-  out_mlp_fwd(tc, P, f, moe, x, N, probs.data(), idx.data(), c);
+  out_mlp_fwd(tc, P, f, moe, x, N, probs.data(), idx.data(), c, reduce);
 }
 
 template <class T>
@@ -185,18 +194,87 @@ void decoder_layer_bwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
   ops::rmsnorm_bwd(dln.data(), c.x.data(), P.p[f + tlay::in_norm], c.r1.data(), dx, P.g[f + tlay::in_norm], N, H);
 }
 
+template <class T>
+void KvCache<T>::reset(int layers, int64_t row_) {
+  row = row_;
+  len.clear();
+  next_pos.clear();
+  table.clear();
+  k.assign(layers, {});
+  v.assign(layers, {});
+  free_blocks.clear();
+  pool_blocks = 0;
+  if (max_blocks > 0) {  // a fixed pool: allocated once, up front
+    pool_blocks = max_blocks;
+    for (auto* pool : {&k, &v})
+      for (auto& p : *pool) p.assign(max_blocks * block * row, T(0));
+    for (int64_t b = max_blocks - 1; b >= 0; --b) free_blocks.push_back((int32_t)b);
+  }
+}
+
+template <class T>
+int KvCache<T>::add() {
+  for (int s = 0; s < batch(); ++s)
+    if (len[s] < 0) {
+      len[s] = next_pos[s] = 0;
+      return s;
+    }
+  len.push_back(0);
+  next_pos.push_back(0);
+  table.emplace_back();
+  return batch() - 1;
+}
+
+template <class T>
+void KvCache<T>::open(int s) {
+  while (batch() <= s) len.push_back(-1), next_pos.push_back(0), table.emplace_back();
+  if (len[s] >= 0) fail("KV cache: sequence slot " + std::to_string(s) + " is in use");
+  len[s] = next_pos[s] = 0;
+}
+
+template <class T>
+void KvCache<T>::release(int s) {
+  for (auto it = table[s].rbegin(); it != table[s].rend(); ++it) free_blocks.push_back(*it);
+  table[s].clear();
+  len[s] = -1;
+}
+
+template <class T>
+int64_t KvCache<T>::free_count() const {
+  return max_blocks > 0 ? (int64_t)free_blocks.size() : std::numeric_limits<int64_t>::max();
+}
+
+template <class T>
+bool KvCache<T>::reserve(int s, int64_t n) {
+  const int64_t need = blocks_for(len[s] + n) - (int64_t)table[s].size();
+  if (need <= 0) return true;
+  if (need > free_count()) return false;
+  for (int64_t i = 0; i < need; ++i) {
+    if (free_blocks.empty()) {  // a growing pool (generate): one more block in every layer
+      for (auto* pool : {&k, &v})
+        for (auto& p : *pool) p.resize((pool_blocks + 1) * block * row);
+      free_blocks.push_back((int32_t)pool_blocks++);
+    }
+    table[s].push_back(free_blocks.back());
+    free_blocks.pop_back();
+  }
+  return true;
+}
+
 #define Q3VL_INST(T)                                                                                               \
   template void decoder_layer_fwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
                                      const std::vector<int64_t>&, const T*, const T*, T*, int64_t*,               \
                                      DecoderCtx<T>&);                                                             \
   template void decoder_layer_infer<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,           \
                                        const std::vector<int64_t>&, const std::vector<int>&, const T*, const T*,  \
-                                       KvCache<T>&, int);                                                         \
+                                       KvCache<T>&, int, const PartialSum<T>&);                                   \
   template void decoder_layer_bwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
                                      const std::vector<int64_t>&, const T*, const T*, const T*, const int64_t*,   \
                                      const T*, DecoderCtx<T>&);
 Q3VL_INST(float)
 Q3VL_INST(double)
+template struct KvCache<float>;
+template struct KvCache<double>;
 #undef Q3VL_INST
 
 }  // namespace q3vl

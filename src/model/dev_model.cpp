@@ -122,8 +122,8 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt)
     : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), impl_(std::make_unique<Impl>()) {
   if (ex.device == Device::CPU && dt != DType::F32)
     fail_all(std::string("model.dtype = ") + dtype_name(dt) + " needs model.backend = \"cuda\" (the CPU computes fp32)");
-  params_ = dev::alloc(ex_, size_t(table_.total()) * dtype_size(dt_));
-  grads_ = static_cast<float*>(dev::alloc(ex_, size_t(table_.total()) * 4));
+  params_ = dev::alloc(ex_, size_t(weight_bytes(table_, dt_)));
+  grads_ = static_cast<float*>(dev::alloc(ex_, size_t(grad_bytes(table_))));
   for (const ParamInfo& p : table_.params()) {
     const int64_t off = table_.units()[p.unit].offset + p.offset;
     pp_.push_back(at(params_, off, dt_));
@@ -144,31 +144,42 @@ void DevModel::set_recompute(bool on) {
   recompute_ = impl_->recompute = on;
 }
 
-int64_t DevModel::activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute) {
-  Impl i;
+size_t DevModel::size_arena(Impl& i, const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute) {
   i.b = b;
+  i.b.segments = std::max<int64_t>(b.segments, 1);
   i.recompute = recompute;
   Arena count;
   i.carve(count, cfg, dt);
-  return int64_t(count.used);
+  return count.used;
+}
+
+int64_t DevModel::activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute) {
+  Impl i;
+  return int64_t(size_arena(i, cfg, dt, b, recompute));
+}
+
+DevMemory DevModel::plan(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute, int64_t ws_bytes) {
+  const ParamTable t(cfg);
+  DevMemory m;
+  m.weights = weight_bytes(t, dt);
+  m.grads = grad_bytes(t);
+  m.activations = activation_bytes(cfg, dt, b, recompute);
+  m.workspace = ws_bytes;
+  return m;
 }
 
 void DevModel::reserve(const DevBudget& b) {
   Q3VL_CHECK(!impl_->block, "DevModel::reserve is called once");
-  impl_->b = b;
-  impl_->b.segments = std::max<int64_t>(b.segments, 1);
-  Arena count;
-  impl_->carve(count, cfg_, dt_);
-  impl_->bytes = count.used;
-  impl_->block = dev::alloc(ex_, count.used);
-  Arena a{static_cast<char*>(impl_->block), count.used};
+  impl_->bytes = size_arena(*impl_, cfg_, dt_, b, impl_->recompute);
+  impl_->block = dev::alloc(ex_, impl_->bytes);
+  Arena a{static_cast<char*>(impl_->block), impl_->bytes};
   impl_->carve(a, cfg_, dt_);
 }
 
 DevMemory DevModel::memory() const {
   DevMemory m;
-  m.weights = table_.total() * int64_t(dtype_size(dt_));
-  m.grads = table_.total() * 4;
+  m.weights = weight_bytes(table_, dt_);
+  m.grads = grad_bytes(table_);
   m.activations = int64_t(impl_->bytes);
   m.workspace = int64_t(ex_.ws_bytes);
   return m;

@@ -71,8 +71,10 @@ int ParamTable::add(const std::string& name, std::vector<int64_t> shape, Part pa
   UnitInfo& u = units_.back();
   p.unit = (int)units_.size() - 1;
   p.offset = u.numel;
-  u.numel += p.numel;
-  total_ += p.numel;
+  p.held = u.experts ? p.numel / ep_.size : p.numel;  // the caller checked that E divides
+  p.held_begin = u.experts ? ep_.rank * p.held : 0;
+  u.numel += p.held;
+  total_ += p.held;
   const int id = (int)params_.size();
   u.params.push_back(id);
   by_name_[name] = id;
@@ -80,7 +82,7 @@ int ParamTable::add(const std::string& name, std::vector<int64_t> shape, Part pa
   return id;
 }
 
-ParamTable::ParamTable(const ModelConfig& cfg) : cfg_(cfg) {
+ParamTable::ParamTable(const ModelConfig& cfg, ExpertSplit ep) : cfg_(cfg), ep_(ep) {
   const VisionConfig& v = cfg.vision;
   const TextConfig& t = cfg.text;
   const int64_t Dv = v.hidden, Iv = v.intermediate, Dm = 4 * Dv, Dout = v.out_hidden;
@@ -152,10 +154,17 @@ ParamTable::ParamTable(const ModelConfig& cfg) : cfg_(cfg) {
     if (moe) {
       const int64_t E = t.num_experts, Im = t.moe_intermediate;
       if (t.experts_per_tok <= 0 || t.experts_per_tok > E) fail("num_experts_per_tok must be in [1, num_experts]");
+      if (ep.size < 1 || ep.rank < 0 || ep.rank >= ep.size || E % ep.size)
+        fail("expert parallelism: " + std::to_string(ep.size) + " ranks cannot split " + std::to_string(E) +
+             " experts evenly (parallel.ep must divide num_experts)");
       add(b + "mlp.gate.weight", {E, H}, Part::LLM);
-      add(b + "mlp.experts.gate_up_proj", {E, 2 * Im, H}, Part::LLM);
+      // The experts are a unit of their own: expert parallelism splits them, ZeRO shards them over other ranks.
+      begin_unit("language_model.layers." + std::to_string(l) + ".mlp.experts");
+      units_.back().experts = true;
+      experts_.push_back(add(b + "mlp.experts.gate_up_proj", {E, 2 * Im, H}, Part::LLM));
       add(b + "mlp.experts.down_proj", {E, H, Im}, Part::LLM);
     } else {
+      experts_.push_back(-1);
       add(b + "mlp.gate_proj.weight", {t.intermediate, H}, Part::LLM);
       add(b + "mlp.up_proj.weight", {t.intermediate, H}, Part::LLM);
       add(b + "mlp.down_proj.weight", {H, t.intermediate}, Part::LLM);

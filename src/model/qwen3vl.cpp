@@ -10,7 +10,7 @@
 namespace q3vl {
 
 template <class T>
-BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage) : cfg_(cfg), table_(cfg) {
+BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage, ExpertSplit ep) : cfg_(cfg), table_(cfg, ep) {
   if (with_storage) {
     store_p_.assign(table_.total(), T(0));
     store_g_.assign(table_.total(), T(0));
@@ -74,11 +74,59 @@ void BasicModel<T>::leave(int id, bool bwd) {
 }
 
 template <class T>
+void BasicModel<T>::enter_layer(int l, bool bwd) {
+  enter(table_.layer(l), bwd);
+  if (table_.experts(l) >= 0) enter(table_.experts(l), bwd);
+}
+
+template <class T>
+void BasicModel<T>::leave_layer(int l, bool bwd) {
+  if (table_.experts(l) >= 0) leave(table_.experts(l), bwd);
+  leave(table_.layer(l), bwd);
+}
+
+template <class T>
+void BasicModel<T>::set_experts(ExpertExchange* ex) {
+  Q3VL_CHECK(!ex || ex->size() == table_.ep().size, "the expert exchange's group is not the parameter table's split");
+  ex_ = ex;
+}
+
+template <class T>
+void BasicModel<T>::need_all_experts(const char* what) const {
+  if (table_.ep().size > 1 && !ex_)
+    fail(std::string(what) + " needs every expert on this rank, or an expert exchange (parallel.ep > 1 in train only)");
+}
+
+template <class T>
+void BasicModel<T>::idle_pass(bool backward) {
+  if (!ex_) return;
+  const ParamView<T> P = view();
+  const TextConfig& tc = cfg_.text;
+  if (!backward) idle_.assign(tc.layers, {});
+  for (int i = 0; i < tc.layers; ++i) {
+    const int l = backward ? tc.layers - 1 - i : i;
+    if (table_.experts(l) < 0) continue;
+    enter(table_.experts(l), backward);
+    MoeCtx<T>& c = idle_[l];
+    c.ex = ex_;
+    c.recomputed = backward;
+    if (!backward || recompute_) moe_fwd<T>(tc, P, table_.layer(l), nullptr, 0, nullptr, nullptr, nullptr, c);
+    if (backward) moe_bwd<T>(tc, P, table_.layer(l), nullptr, nullptr, 0, nullptr, nullptr, nullptr, nullptr, c);
+    if (backward) c = {};
+    leave(table_.experts(l), backward);
+  }
+}
+
+template <class T>
 std::vector<int> BasicModel<T>::unit_order(bool backward) const {
   const VisionConfig& vc = cfg_.vision;
   const int layers = cfg_.text.layers;
   std::vector<int> o;
   auto use = [&](int id) { o.push_back(table_.params()[id].unit); };
+  auto layer = [&](int l) {
+    use(table_.layer(l));
+    if (table_.experts(l) >= 0) use(table_.experts(l));
+  };
   const int head = table_.params()[table_.final_norm()].unit, lm = table_.params()[table_.lm_head()].unit;
   if (!backward) {
     use(table_.vision_embed());
@@ -89,14 +137,14 @@ std::vector<int> BasicModel<T>::unit_order(bool backward) const {
     }
     use(table_.merger());
     use(table_.embed_tokens());
-    for (int l = 0; l < layers; ++l) use(table_.layer(l));
+    for (int l = 0; l < layers; ++l) layer(l);
     use(table_.final_norm());
     if (lm != head) use(table_.lm_head());
     return o;
   }
   use(table_.final_norm());
   if (lm != head) use(table_.lm_head());
-  for (int l = layers - 1; l >= 0; --l) use(table_.layer(l));
+  for (int l = layers - 1; l >= 0; --l) layer(l);
   use(table_.embed_tokens());
   use(table_.merger());
   for (int i = vc.depth - 1; i >= 0; --i) {
@@ -118,7 +166,7 @@ template <class T>
 void BasicModel<T>::init_random(uint64_t seed, double std) {
   for (size_t i = 0; i < pp_.size(); ++i) {
     const ParamInfo& p = table_.params()[i];
-    init_param_range(p, seed, std, 0, p.numel, pp_[i]);
+    init_param_range(p, seed, std, p.held_begin, p.held, pp_[i]);
   }
 }
 
@@ -254,6 +302,7 @@ std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::
 template <class T>
 double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
                           std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
+  need_all_experts("forward");
   const VisionConfig& vc = cfg_.vision;
   const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
@@ -282,12 +331,14 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
   dctx_.assign(keep ? tc.layers : 1, {});
   for (int l = 0; l < tc.layers; ++l) {
     const int ms = moe_slot_[l];
-    enter(table_.layer(l), false);
+    enter_layer(l, false);
     DecoderCtx<T>& c = slim ? dscratch_ : dctx_[keep ? l : 0];
+    c.moe.ex = ex_;
+    c.moe.recomputed = false;
     decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, x.data(), N, st_.cu, tcos_.data(), tsin_.data(),
                       ms >= 0 ? probs_.data() + ms * N * E : nullptr, ms >= 0 ? idx_.data() + ms * N * K : nullptr, c);
     if (slim) dctx_[l].x.swap(c.x);
-    leave(table_.layer(l), false);
+    leave_layer(l, false);
     if ((size_t)l < nds)  // DeepStack: add merged features of ViT block deepstack_indexes[l] at visual positions
       for (size_t j = 0; j < vis_.size(); ++j)
         for (int64_t d = 0; d < H; ++d) x[vis_[j] * H + d] += ds[l][j * H + d];
@@ -334,17 +385,23 @@ template <class T>
 std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
                                      const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds,
                                      KvCache<T>& cache) {
+  if (table_.ep().size > 1) fail("generation needs every expert on this rank (parallel.ep = 1)");
   const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
-  const int64_t N = cu.back(), H = tc.hidden, V = tc.vocab, nseg = (int64_t)seqs.size();
+  const int64_t N = cu.back(), H = tc.hidden, nseg = (int64_t)seqs.size();
+  const int64_t v0 = head_v0_, V = head_v1_ > 0 ? head_v1_ - head_v0_ : tc.vocab;  // this rank's vocabulary rows
+  for (int64_t s = 0; s < nseg; ++s)
+    if (!cache.reserve(seqs[s], cu[s + 1] - cu[s]))
+      fail("KV cache full: " + std::to_string(cache.max_blocks) + " blocks of " + std::to_string(cache.block) +
+           " tokens are in use");
   std::vector<T> cos(N * tc.head_dim / 2), sin(cos.size());
   ops::mrope_table(pos3.data(), N, (int64_t)tc.head_dim, tc.rope_theta, tc.mrope_section.data(), cos.data(),
                    sin.data());
   for (int l = 0; l < tc.layers; ++l) {
-    enter(table_.layer(l), false);
+    enter_layer(l, false);
     decoder_layer_infer(cfg_, P, table_.layer(l), moe_slot_[l] >= 0, x.data(), N, cu, seqs, cos.data(), sin.data(),
-                        cache, l);
-    leave(table_.layer(l), false);
+                        cache, l, tp_reduce_);
+    leave_layer(l, false);
     if ((size_t)l < ds.size())  // DeepStack, as in run(): only prompts hold visual tokens
       for (size_t j = 0; j < vis_.size(); ++j)
         for (int64_t d = 0; d < H; ++d) x[vis_[j] * H + d] += ds[l][j * H + d];
@@ -357,7 +414,7 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   enter(table_.final_norm(), false);
   if (tied_head) enter(table_.lm_head(), false);
   ops::rmsnorm_fwd(last.data(), P.p[table_.final_norm()], h.data(), r.data(), nseg, H, tc.rms_eps);
-  ops::linear_fwd(h.data(), P.p[table_.lm_head()], (const T*)nullptr, logits.data(), nseg, H, V);
+  ops::linear_fwd(h.data(), P.p[table_.lm_head()] + v0 * H, (const T*)nullptr, logits.data(), nseg, H, V);
   if (tied_head) leave(table_.lm_head(), false);
   leave(table_.final_norm(), false);
   return logits;
@@ -383,10 +440,8 @@ std::vector<T> BasicModel<T>::prefill(const std::vector<std::vector<int64_t>>& p
   std::vector<T> x = embed(ids, img);
   const std::vector<int64_t> pos = mrope_positions(cfg_, ids.data(), cu, grid);
   const int64_t N = (int64_t)ids.size();
-  cache.len.assign(B, 0);
-  cache.next_pos.assign(B, 0);
-  cache.k.assign((size_t)cfg_.text.layers * B, {});
-  cache.v.assign(cache.k.size(), {});
+  cache.reset(cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim);
+  for (int b = 0; b < B; ++b) cache.add();
   for (int b = 0; b < B; ++b)
     for (int row = 0; row < 3; ++row)
       for (int64_t i = cu[b]; i < cu[b + 1]; ++i) cache.next_pos[b] = std::max(cache.next_pos[b], pos[row * N + i] + 1);
@@ -411,6 +466,57 @@ std::vector<T> BasicModel<T>::decode(const std::vector<int>& seqs, const std::ve
   }
   std::vector<T> x = embed(tokens, {});
   return extend(x, cu, pos, seqs, {}, cache);
+}
+
+template <class T>
+void BasicModel<T>::vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid,
+                                    std::vector<T>& img, std::vector<std::vector<T>>& ds) {
+  kept_ = false;
+  encode_images(pixels, grid, false, img, ds);
+  vctx_.clear();
+}
+
+template <class T>
+std::vector<T> BasicModel<T>::step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache) {
+  kept_ = false;
+  const int64_t H = cfg_.text.hidden;
+  const size_t nds = cfg_.vision.deepstack_indexes.size();
+  std::vector<int64_t> ids, cu{0};
+  std::vector<int> seqs;
+  std::vector<T> img;
+  std::vector<std::vector<T>> ds(nds);
+  bool any_ds = false;
+  for (const StepSegment<T>& g : segs) {
+    const int s = g.seq;
+    if (s < 0 || s >= cache.batch() || cache.len[s] < 0) fail("step: no cached sequence " + std::to_string(s));
+    if (g.ids.empty()) fail("step: an empty segment for sequence " + std::to_string(s));
+    ids.insert(ids.end(), g.ids.begin(), g.ids.end());
+    cu.push_back((int64_t)ids.size());
+    seqs.push_back(s);
+    img.insert(img.end(), g.img.begin(), g.img.end());
+    if (!g.ds.empty()) {
+      if (g.ds.size() != nds) fail("step: DeepStack features for " + std::to_string(g.ds.size()) + " layers");
+      any_ds = true;
+      for (size_t j = 0; j < nds; ++j) ds[j].insert(ds[j].end(), g.ds[j].begin(), g.ds[j].end());
+    }
+  }
+  const int64_t N = (int64_t)ids.size();
+  // Positions: given with the prompt's tokens (M-RoPE of the whole prompt), else the sequence's next position.
+  std::vector<int64_t> pos(3 * N);
+  for (size_t g = 0; g < segs.size(); ++g) {
+    const int64_t n = cu[g + 1] - cu[g];
+    if (!segs[g].pos3.empty() && (int64_t)segs[g].pos3.size() != 3 * n)
+      fail("step: " + std::to_string(segs[g].pos3.size()) + " positions for " + std::to_string(n) + " tokens");
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = segs[g].pos3.empty() ? cache.next_pos[seqs[g]]++ : -1;
+      for (int row = 0; row < 3; ++row) pos[row * N + cu[g] + i] = p >= 0 ? p : segs[g].pos3[row * n + i];
+    }
+  }
+  std::vector<T> x = embed(ids, img);
+  if (any_ds)
+    for (size_t j = 0; j < nds; ++j)
+      if ((int64_t)ds[j].size() != (int64_t)vis_.size() * H) fail("step: DeepStack features do not match the image tokens");
+  return extend(x, cu, pos, seqs, any_ds ? ds : std::vector<std::vector<T>>{}, cache);
 }
 
 template <class T>
@@ -450,10 +556,12 @@ void BasicModel<T>::backward() {
     const int ms = moe_slot_[l];
     T* probs = ms >= 0 ? probs_.data() + ms * N * E : nullptr;
     int64_t* idx = ms >= 0 ? idx_.data() + ms * N * K : nullptr;
-    enter(table_.layer(l), true);
+    enter_layer(l, true);
     DecoderCtx<T>* c = &dctx_[l];
     if (recompute_) {  // rewrites probs/idx with the values they already hold
       std::vector<T> xin = std::move(dctx_[l].x);  // freed after this backward anyway
+      dscratch_.moe.ex = ex_;
+      dscratch_.moe.recomputed = true;
       decoder_layer_fwd(cfg_, P, table_.layer(l), ms >= 0, xin.data(), N, st_.cu, tcos_.data(), tsin_.data(), probs,
                         idx, dscratch_);
       c = &dscratch_;
@@ -462,7 +570,7 @@ void BasicModel<T>::backward() {
     decoder_layer_bwd(cfg_, P, table_.layer(l), ms >= 0, dx.data(), N, st_.cu, tcos_.data(), tsin_.data(), probs, idx,
                       ms >= 0 && aux_on_ ? aux_dl.data() + ms * N * E : nullptr, *c);
     dctx_[l] = {};  // done with this layer's activations
-    leave(table_.layer(l), true);
+    leave_layer(l, true);
   }
   // Image positions were overwritten by the vision tokens: their embedding rows get no gradient.
   std::vector<T> dimg(vis_.size() * H);

@@ -18,6 +18,10 @@ void ZeroEngine::stream_setup() {
   // Duplicates (collective): each carries one fixed order of collectives.
   gather_comm_ = shard_.split(0, shard_.rank());
   reduce_comm_ = shard_.split(0, shard_.rank());
+  if (ep_) {
+    egather_comm_ = ep_->replicas().split(0, ep_->replicas().rank());
+    ereduce_comm_ = ep_->replicas().split(0, ep_->replicas().rank());
+  }
   order_[0] = model_.unit_order(false);
   order_[1] = model_.unit_order(true);
   last_use_.assign(nu, -1);
@@ -35,20 +39,29 @@ void ZeroEngine::stream_setup() {
 // Parameters: the slot being used, the prefetched next one and an enclosing use (the LM head's two units).
 // Gradients: every unit between its first and last backward use at one point of the order, plus the ones whose
 // reduce-scatter is in flight.
-int64_t ZeroEngine::stream_bound() const {
-  int64_t biggest = 0;
-  for (const Unit& u : units_) biggest = std::max(biggest, u.numel);
-  const std::vector<int>& o = order_[1];
-  std::vector<int> first(units_.size(), -1);
-  for (size_t k = 0; k < o.size(); ++k)
+ZeroEngine::PoolSlots ZeroEngine::pool_slots(const ParamTable& t, const std::vector<int>& o) {
+  const size_t nu = t.units().size();
+  PoolSlots s;
+  for (const UnitInfo& u : t.units()) s.biggest = std::max(s.biggest, u.numel);
+  std::vector<int> first(nu, -1), last(nu, -1);
+  for (size_t k = 0; k < o.size(); ++k) {
     if (first[size_t(o[k])] < 0) first[size_t(o[k])] = int(k);
+    last[size_t(o[k])] = int(k);
+  }
   int64_t open_max = 0;
   for (size_t k = 0; k < o.size(); ++k) {
     int64_t open = 0;
-    for (size_t u = 0; u < units_.size(); ++u) open += first[u] <= int(k) && int(k) <= last_use_[u];
+    for (size_t u = 0; u < nu; ++u) open += first[u] <= int(k) && int(k) <= last[u];
     open_max = std::max(open_max, open);
   }
-  return 4 * biggest * (3 + open_max + int64_t(kMaxPendingReduces));
+  s.params = 3;
+  s.grads = open_max + int64_t(kMaxPendingReduces);
+  return s;
+}
+
+int64_t ZeroEngine::stream_bound() const {
+  const PoolSlots s = pool_slots(model_.table(), order_[1]);
+  return 4 * s.biggest * (s.params + s.grads);
 }
 
 // Unit buffers are recycled: allocating and zeroing fresh ones at every use cost page faults and memsets that
@@ -122,7 +135,7 @@ void ZeroEngine::issue_gather(size_t k) {
   gathered_bytes_ += u.numel * (gather_bf16_ ? 2 : 4);
   if (!gather_bf16_) {
     alloc(s.buf, u.numel, false);  // the gather writes every element
-    s.req = gather_comm_->iall_gatherv(master_.data() + u.master_off, size_t(u.count), s.buf.data(), u.counts,
+    s.req = gcomm(u).iall_gatherv(master_.data() + u.master_off, size_t(u.count), s.buf.data(), u.counts,
                                        u.displs, DType::F32);
     return;
   }
@@ -131,7 +144,7 @@ void ZeroEngine::issue_gather(size_t k) {
   alloc(s.recv, (u.numel + 1) / 2, false);
   uint16_t* snd = reinterpret_cast<uint16_t*>(s.send.data());
   f32_to_bf16(master_.data() + u.master_off, u.count, snd);
-  s.req = gather_comm_->iall_gatherv(snd, size_t(u.count), reinterpret_cast<uint16_t*>(s.recv.data()), u.counts,
+  s.req = gcomm(u).iall_gatherv(snd, size_t(u.count), reinterpret_cast<uint16_t*>(s.recv.data()), u.counts,
                                      u.displs, DType::BF16);
 }
 
@@ -156,7 +169,7 @@ void ZeroEngine::unuse(int unit) {
 void ZeroEngine::enter_slot(size_t k) {
   Slot& s = slots_[k];
   const size_t u = size_t(s.unit);
-  gather_comm_->wait(std::move(s.req));
+  gcomm(units_[u]).wait(std::move(s.req));
   if (gather_bf16_) {
     release(s.send);
     alloc(s.buf, units_[u].numel, false);
@@ -194,9 +207,11 @@ void ZeroEngine::issue_ready_reduces() {
       continue;
     }
     float* g = gbuf_[u].data();
-    const float s = float(scale_);
-    for (int64_t j = 0; j < units_[u].numel; ++j) g[j] *= s;
-    rs_pending_.emplace_back(int(u), reduce_comm_->ireduce_scatterv(g, comm_buf_.data() + units_[u].comm_off,
+    if (!units_[u].experts) {  // expert units: scaled per source rank by the MoE block
+      const float s = float(scale_);
+      for (int64_t j = 0; j < units_[u].numel; ++j) g[j] *= s;
+    }
+    rs_pending_.emplace_back(int(u), rcomm(units_[u]).ireduce_scatterv(g, comm_buf_.data() + units_[u].comm_off,
                                                                    units_[u].counts, DType::F32, ReduceOp::Sum));
   }
   while (!rs_pending_.empty() && (rs_pending_.size() > kMaxPendingReduces || rs_pending_.front().second->test()))
@@ -206,8 +221,8 @@ void ZeroEngine::issue_ready_reduces() {
 void ZeroEngine::complete_reduce() {
   auto [unit, req] = std::move(rs_pending_.front());
   rs_pending_.erase(rs_pending_.begin());
-  reduce_comm_->wait(std::move(req));
   const Unit& u = units_[size_t(unit)];
+  rcomm(u).wait(std::move(req));
   for (size_t i = u.piece_lo; i < u.piece_hi; ++i) {
     const ShardPiece& sp = pieces_[i];
     if (!sp.trainable) continue;

@@ -89,10 +89,11 @@ Runtime& Runtime::get() {
 
 Deck Runtime::load_deck(const std::string& path, const std::vector<std::string>& overrides, const std::string& mode) {
   // Rank 0 alone reads the file; the others get either the resolved text or rank 0's error message.
-  std::string text, error;
+  std::string text, given, error;
   if (place_.rank == 0) {
     try {
-      text = Deck::load(path, overrides, mode).to_toml();
+      const Deck d = Deck::load(path, overrides, mode);
+      text = d.to_toml(), given = d.given_keys();
     } catch (const Error& e) {
       error = e.what();
     }
@@ -100,7 +101,10 @@ Deck Runtime::load_deck(const std::string& path, const std::vector<std::string>&
   world_->broadcast_string(error, 0);
   if (!error.empty()) fail_all(error);
   world_->broadcast_string(text, 0);
-  return Deck::parse(text, path.empty() ? "<defaults>" : path, {}, "");
+  world_->broadcast_string(given, 0);
+  Deck d = Deck::parse(text, path.empty() ? "<defaults>" : path, {}, "");
+  d.set_given_keys(given);  // a default stays a default (model-directory settings may replace it)
+  return d;
 }
 
 void Runtime::set_timeout(double seconds) {

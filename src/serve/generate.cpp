@@ -92,28 +92,44 @@ std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prom
   return out;
 }
 
+GenPrompt encode_prompt(const Conversation& c, const std::vector<RgbImage>& images, const Tokenizer& tok,
+                        const ImageConfig& icfg) {
+  if (images.size() != c.images.size())
+    fail(c.where() + ": " + std::to_string(images.size()) + " pictures for " + std::to_string(c.images.size()) + " images");
+  GenPrompt p;
+  std::vector<ImageGrid> grids;
+  for (size_t i = 0; i < images.size(); ++i) {
+    try {
+      ImageGrid g = preprocess(images[i], icfg, p.pixels, c.images[i]);
+      grids.push_back(g);
+      p.grid.insert(p.grid.end(), {g.t, g.h, g.w});
+    } catch (const Error& e) {
+      fail(c.where() + ": image '" + c.images[i] + "': " + e.what());
+    }
+  }
+  const EncodedChat e = encode_conversation(c, tok, grids, icfg.merge);
+  p.ids.assign(e.input_ids.begin(), e.input_ids.end());
+  for (int32_t id : tok.encode("<|im_start|>assistant\n")) p.ids.push_back(id);
+  return p;
+}
+
 GenPrompt make_prompt(const std::string& line_text, const std::string& file, long line, const Tokenizer& tok,
                       const ImageConfig& icfg, int64_t max_context) {
   Conversation c = parse_line(line_text, file, line);
   // The answer the model is to give is not part of the prompt.
   while (!c.messages.empty() && c.messages.back().role == "assistant") c.messages.pop_back();
   if (c.messages.empty()) fail(c.where() + ": the record has no prompt (only assistant turns)");
-  GenPrompt p;
-  std::vector<ImageGrid> grids;
+  std::vector<RgbImage> images;
   for (const std::string& img : c.images) {
     const fs::path path = fs::path(img).is_absolute() ? fs::path(img) : fs::path(file).parent_path() / img;
     if (!fs::exists(path)) fail(c.where() + ": image '" + img + "' not found (looked for " + path.string() + ")");
     try {
-      ImageGrid g = preprocess(load_image(path.string()), icfg, p.pixels, path.string());
-      grids.push_back(g);
-      p.grid.insert(p.grid.end(), {g.t, g.h, g.w});
+      images.push_back(load_image(path.string()));
     } catch (const Error& e) {
       fail(c.where() + ": image '" + img + "': " + e.what());
     }
   }
-  const EncodedChat e = encode_conversation(c, tok, grids, icfg.merge);
-  p.ids.assign(e.input_ids.begin(), e.input_ids.end());
-  for (int32_t id : tok.encode("<|im_start|>assistant\n")) p.ids.push_back(id);
+  GenPrompt p = encode_prompt(c, images, tok, icfg);
   if ((int64_t)p.ids.size() > max_context)
     fail(c.where() + ": the prompt has " + std::to_string(p.ids.size()) + " tokens, more than generate.max_context = " +
          std::to_string(max_context));
@@ -141,19 +157,19 @@ std::unique_ptr<Deck> lora_trained_deck(const std::string& ck) {
   return d->integer("lora.rank") > 0 ? std::move(d) : nullptr;
 }
 
-// generate.checkpoint names a file, or a checkpoint folder whose newest complete checkpoint is taken.
-std::string checkpoint_path(const Deck& d) {
-  const std::string ck = d.str("generate.checkpoint");
+// A checkpoint key names a file, or a checkpoint folder whose newest complete checkpoint is taken.
+std::string checkpoint_path(const Deck& d, const std::string& key) {
+  const std::string ck = d.str(key);
   if (ck.empty() || !fs::is_directory(ck)) return ck;
   std::vector<std::string> notes;
   const std::string found = find_resume_checkpoint(ck, &notes);
   for (const auto& n : notes)
-    if (n.find("skip") != std::string::npos) log_warn("generate: " + n);  // damaged checkpoints passed over
+    if (n.find("skip") != std::string::npos) log_warn(key + ": " + n);  // damaged checkpoints passed over
   if (found.empty()) fail(ck + ": no complete checkpoint in this folder");
   return found;
 }
 
-ModelConfig model_config(const Deck& d, const std::string& ck) {
+ModelConfig model_config(const Deck& d, const std::string& ck, const std::string& key) {
   if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json");
   if (!d.str("model.preset").empty()) return preset_config(d.str("model.preset"));
   if (!ck.empty()) {  // the model the checkpoint was trained as: its config.json, else (older files) its deck's
@@ -163,36 +179,110 @@ ModelConfig model_config(const Deck& d, const std::string& ck) {
     if (!trained.str("model.hf").empty()) return load_hf_config(trained.str("model.hf") + "/config.json");
     if (!trained.str("model.preset").empty()) return preset_config(trained.str("model.preset"));
   }
-  fail("generate needs a model: model.hf=DIR, model.preset=NAME (random weights) or generate.checkpoint=FILE");
+  const std::string mode = key.substr(0, key.find('.'));
+  fail(mode + " needs a model: model.hf=DIR, model.preset=NAME (random weights) or " + key + "=FILE");
 }
 
 }  // namespace
+
+ModelSource model_source(const Deck& deck, const std::string& checkpoint_key) {
+  ModelSource src;
+  src.mode = checkpoint_key.substr(0, checkpoint_key.find('.'));
+  src.checkpoint = checkpoint_path(deck, checkpoint_key);
+  src.cfg = model_config(deck, src.checkpoint, checkpoint_key);
+  // A LoRA checkpoint holds only its adapters: the base is the trained deck's (model.hf, else its random init).
+  const std::unique_ptr<Deck> trained = lora_trained_deck(src.checkpoint);
+  src.cfg.lora = lora_config(trained ? *trained : deck);
+  if (trained) {
+    src.adapters_only = true;
+    src.base_hf = trained->str("model.hf");
+    src.base_seed = uint64_t(trained->integer("run.seed"));
+  }
+  return src;
+}
+
+std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src) {
+  auto model = std::make_unique<Model>(src.cfg);
+  ScopedTimer t(src.mode + ": load weights");
+  if (src.adapters_only) {  // the trained base, then the checkpoint's adapters
+    log_info(src.mode + ": base " +
+             (src.base_hf.empty() ? "random init (seed " + std::to_string(src.base_seed) + ")" : src.base_hf) +
+             ", adapters from " + src.checkpoint);
+    if (src.base_hf.empty()) model->init_random(src.base_seed);
+    else load_hf_weights(*model, src.base_hf);
+    load_checkpoint_weights(*model, src.checkpoint, true);
+  } else if (!src.checkpoint.empty()) {
+    log_info(src.mode + ": weights from " + src.checkpoint);
+    load_checkpoint_weights(*model, src.checkpoint);
+  } else if (!deck.str("model.hf").empty()) {
+    load_hf_weights(*model, deck.str("model.hf"));
+  } else {
+    model->init_random(deck.integer("run.seed"));
+  }
+  if (!src.adapters_only && !deck.str("lora.adapter").empty()) {
+    log_info(src.mode + ": adapters from " + deck.str("lora.adapter"));
+    load_lora_adapter(*model, deck.str("lora.adapter"));
+  }
+  return model;
+}
+
+std::string tokenizer_file(const Deck& d) {
+  const std::string dir = d.str("model.hf");
+  if (!d.given("tokenizer.path") && !dir.empty() && fs::is_regular_file(dir + "/tokenizer.json"))
+    return dir + "/tokenizer.json";
+  return d.str("tokenizer.path");
+}
+
+ImageConfig image_config(const Deck& d, const std::string& mode, const ModelConfig& cfg) {
+  ImageConfig ic;
+  ic.patch = cfg.vision.patch;
+  ic.temporal_patch = cfg.vision.temporal_patch;
+  ic.merge = cfg.vision.merge;
+  ic.min_pixels = d.integer(mode + ".min_pixels");
+  ic.max_pixels = d.integer(mode + ".max_pixels");
+  // The bounds the model was trained with travel in its directory (tools/export_hf writes them); the deck wins.
+  const std::string pp = d.str("model.hf") + "/preprocessor_config.json";
+  if (d.str("model.hf").empty() || !fs::is_regular_file(pp)) return ic;
+  try {
+    std::ifstream f(pp);
+    const nlohmann::json j = nlohmann::json::parse(f);
+    const nlohmann::json size = j.value("size", nlohmann::json::object());
+    if (!d.given(mode + ".min_pixels"))
+      ic.min_pixels = size.value("shortest_edge", j.value("min_pixels", ic.min_pixels));
+    if (!d.given(mode + ".max_pixels"))
+      ic.max_pixels = size.value("longest_edge", j.value("max_pixels", ic.max_pixels));
+  } catch (const nlohmann::json::exception& e) {
+    fail(pp + ": " + e.what());
+  }
+  if (ic.min_pixels > ic.max_pixels)
+    fail(pp + ": the image bounds are reversed (min_pixels " + std::to_string(ic.min_pixels) + " > max_pixels " +
+         std::to_string(ic.max_pixels) + ")");
+  return ic;
+}
+
+SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok) {
+  SamplingParams sp;
+  sp.stop = {cfg.eos_token_id};
+  sp.vocab_limit = std::min<int64_t>(cfg.text.vocab, (int64_t)tok.vocab_size());
+  sp.banned = {cfg.image_token_id, cfg.video_token_id};
+  return sp;
+}
 
 int run_generate(const Deck& deck) {
   Runtime& rt = Runtime::get();
   // One process does the work; the others only wait, so that the mode also runs under mpiexec.
   if (rt.where().rank == 0) {
-    const std::string ck = checkpoint_path(deck);
-    const std::unique_ptr<Deck> lora_deck = lora_trained_deck(ck);
-    ModelConfig cfg = model_config(deck, ck);
-    cfg.lora = lora_config(lora_deck ? *lora_deck : deck);
-    const Tokenizer tok = Tokenizer::load(deck.str("tokenizer.path"));
-    ImageConfig icfg;
-    icfg.patch = cfg.vision.patch;
-    icfg.temporal_patch = cfg.vision.temporal_patch;
-    icfg.merge = cfg.vision.merge;
-    icfg.min_pixels = deck.integer("generate.min_pixels");
-    icfg.max_pixels = deck.integer("generate.max_pixels");
+    const ModelSource src = model_source(deck, "generate.checkpoint");
+    const ModelConfig& cfg = src.cfg;
+    const Tokenizer tok = Tokenizer::load(tokenizer_file(deck));
+    const ImageConfig icfg = image_config(deck, "generate", cfg);
 
-    SamplingParams sp;
+    SamplingParams sp = model_sampling(cfg, tok);
     sp.temperature = deck.real("generate.temperature");
     sp.top_k = (int)deck.integer("generate.top_k");
     sp.top_p = deck.real("generate.top_p");
     sp.seed = (uint64_t)deck.integer("run.seed");
     sp.max_new_tokens = (int)deck.integer("generate.max_new_tokens");
-    sp.stop = {cfg.eos_token_id};
-    sp.vocab_limit = std::min<int64_t>(cfg.text.vocab, (int64_t)tok.vocab_size());
-    sp.banned = {cfg.image_token_id, cfg.video_token_id};
     const int64_t max_context = deck.integer("generate.max_context");
 
     const std::string in = deck.str("generate.prompts"), out = deck.str("generate.output");
@@ -211,28 +301,7 @@ int run_generate(const Deck& deck) {
     // Nothing to answer would still replace the output with an empty file.
     if (prompts.empty()) fail("generate.prompts '" + in + "' holds no prompts (an empty file?)");
     log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
-    Model model(cfg);
-    {
-      ScopedTimer t("generate: load weights");
-      if (lora_deck) {  // the trained base, then the checkpoint's adapters
-        const std::string hf = lora_deck->str("model.hf");
-        log_info("generate: base " + (hf.empty() ? "random init (seed " + std::to_string(lora_deck->integer("run.seed")) + ")" : hf) +
-                 ", adapters from " + ck);
-        if (hf.empty()) model.init_random(uint64_t(lora_deck->integer("run.seed")));
-        else load_hf_weights(model, hf);
-        load_checkpoint_weights(model, ck, true);
-      } else if (!ck.empty()) {
-        log_info("generate: weights from " + ck);
-        load_checkpoint_weights(model, ck);
-      }
-      else if (!deck.str("model.hf").empty()) load_hf_weights(model, deck.str("model.hf"));
-      else model.init_random(deck.integer("run.seed"));
-      if (!lora_deck && !deck.str("lora.adapter").empty()) {
-        log_info("generate: adapters from " + deck.str("lora.adapter"));
-        load_lora_adapter(model, deck.str("lora.adapter"));
-      }
-    }
-
+    const std::unique_ptr<Model> model = load_model(deck, src);
     if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);
     const std::string tmp = out + ".partial";  // an existing output is never left half-written
     std::ofstream o(tmp);
@@ -245,7 +314,7 @@ int run_generate(const Deck& deck) {
       std::vector<GenResult> res;
       {
         ScopedTimer t("generate: batches");
-        res = generate(model, batch, sp, b0);
+        res = generate(*model, batch, sp, b0);
       }
       for (size_t i = 0; i < res.size(); ++i) {
         const std::vector<int32_t> ids(res[i].tokens.begin(), res[i].tokens.end());

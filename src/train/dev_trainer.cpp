@@ -8,18 +8,41 @@
 
 namespace q3vl {
 
+DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_len, int64_t max_patches) {
+  DevBudget b;
+  b.tokens = micro_batch * seq_len;
+  b.patches = max_patches > 0 ? max_patches : b.tokens * cfg.vision.merge * cfg.vision.merge;
+  b.segments = b.tokens;  // packed samples: at most one per token (4 bytes each)
+  return b;
+}
+
+DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
+                                  Device d) {
+  DevTrainerMemory m;
+  m.model = DevModel::plan(cfg, dt, budget, recompute, d == Device::CUDA ? kWorkspaceBytes : 0);
+  m.optimizer = 3 * moment_bytes(ParamTable(cfg)) + kNormBytes;
+  return m;
+}
+
+DevTrainerMemory DevTrainer::memory() const {
+  DevTrainerMemory m;
+  m.model = model_->memory();
+  m.optimizer = 3 * moment_bytes(*table_) + kNormBytes;
+  return m;
+}
+
 DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
                        const DevBudget& budget, bool recompute, LossScaling ls)
-    : ex_(dev::make_exec(d, size_t(256) << 20, gpu)), trainable_(trainable), ls_(ls) {
+    : ex_(dev::make_exec(d, size_t(kWorkspaceBytes), gpu)), trainable_(trainable), ls_(ls) {
   model_ = std::make_unique<DevModel>(cfg, ex_, dt);
   model_->set_recompute(recompute);
   model_->reserve(budget);
   table_ = &model_->table();
   const int64_t n = table_->total();
-  master_ = static_cast<float*>(dev::alloc(ex_, size_t(n) * 4));
-  m_ = static_cast<float*>(dev::alloc(ex_, size_t(n) * 4));
-  v_ = static_cast<float*>(dev::alloc(ex_, size_t(n) * 4));
-  norm_ = static_cast<double*>(dev::alloc(ex_, 16));
+  master_ = static_cast<float*>(dev::alloc(ex_, size_t(moment_bytes(*table_))));
+  m_ = static_cast<float*>(dev::alloc(ex_, size_t(moment_bytes(*table_))));
+  v_ = static_cast<float*>(dev::alloc(ex_, size_t(moment_bytes(*table_))));
+  norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
   dev::fill(ex_, m_, DType::F32, n, 0.f);
   dev::fill(ex_, v_, DType::F32, n, 0.f);
   for (size_t i = 0; i < table_->params().size(); ++i) {
@@ -66,7 +89,9 @@ void DevTrainer::to_host(const ZeroEngine& e) const {
 
 void DevTrainer::begin_step() { model_->zero_grads(); }
 
-double DevTrainer::forward(const PackedBatch& b) { return model_->forward(b, true); }
+double DevTrainer::forward(const PackedBatch& b, double* aux_out, bool aux_loss) {
+  return model_->forward(b, true, nullptr, aux_out, aux_loss);
+}
 
 void DevTrainer::backward(double weight) { model_->backward(float(weight * (ls_.on ? ls_.scale : 1.0))); }
 
@@ -101,10 +126,6 @@ void DevTrainer::after_step(bool finite) {
     ls_.scale *= 2;
     ls_.good = 0;
   }
-}
-
-int64_t DevTrainer::device_bytes() const {
-  return model_->memory().total() + 3 * table_->total() * 4 + 16;
 }
 
 std::string DevTrainer::memory_report() const {

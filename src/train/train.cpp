@@ -24,6 +24,7 @@
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/parallel/expert.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/watchdog.hpp"
@@ -53,7 +54,7 @@ struct TrainState {
   LoaderCursor cursor;
 };
 
-std::string to_json(const TrainState& s, int world, int stage) {
+std::string to_json(const TrainState& s, int world, int stage, int ep) {
   json j = {{"step", s.step},
             {"schedule_step", s.step},
             {"adam_t", s.adam_t},
@@ -64,7 +65,8 @@ std::string to_json(const TrainState& s, int world, int stage) {
             {"loss_scale", s.loss_scale},
             {"cursor", {{"epoch", s.cursor.epoch}, {"position", s.cursor.position}}},
             {"world_size", world},
-            {"zero_stage", stage}};
+            {"zero_stage", stage},
+            {"expert_parallel", ep}};  // for the record: any EP degree resumes any checkpoint
   return j.dump();
 }
 
@@ -85,22 +87,6 @@ TrainState from_json(const std::string& text, const std::string& path) {
   } catch (const std::exception& e) {
     fail_all("checkpoint '" + path + "': training state is unreadable: " + e.what());
   }
-}
-
-// The model, and the config.json text that checkpoints keep: model.hf's file unchanged (nothing it says is
-// lost), else the preset's.
-ModelConfig model_config(const Deck& d, std::string* json_text) {
-  ModelConfig c;
-  if (!d.str("model.hf").empty()) {
-    c = load_hf_config(d.str("model.hf") + "/config.json", json_text);
-  } else if (!d.str("model.preset").empty()) {
-    c = preset_config(d.str("model.preset"));
-    *json_text = hf_config_json(c);
-  } else {
-    fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
-  }
-  c.lora = lora_config(d);
-  return c;
 }
 
 // LoRA: which base the adapters were trained on. A sum over elements (ckpt_checksum) weighted per tensor, so each
@@ -149,20 +135,6 @@ void check_lora_resume(const std::string& state_json, const std::string& path, c
   if (l.value("alpha", 0.0) != c.alpha || l.value("rslora", false) != c.rslora)
     fail_all("checkpoint '" + path + "': lora.alpha/lora.rslora differ from the run that wrote it (alpha " +
              std::to_string(l.value("alpha", 0.0)) + (l.value("rslora", false) ? ", rslora" : "") + ")");
-}
-
-std::vector<bool> trainable_flags(const ParamTable& t, const Deck& d) {
-  if (t.config().lora.on()) {  // the adapters, and nothing else: the base is frozen whatever train.tune_* say
-    std::vector<bool> out;
-    for (const auto& p : t.params()) out.push_back(p.part == Part::Lora);
-    return out;
-  }
-  const bool v = d.boolean("train.tune_vision"), m = d.boolean("train.tune_merger"), l = d.boolean("train.tune_llm");
-  std::vector<bool> out;
-  for (const auto& p : t.params()) out.push_back(p.part == Part::Vision ? v : p.part == Part::Merger ? m : l);
-  if (std::none_of(out.begin(), out.end(), [](bool b) { return b; }))
-    fail_all("train.tune_vision, train.tune_merger and train.tune_llm are all false: nothing to train");
-  return out;
 }
 
 // Every rank lists every tensor in the same order (the checkpoint calls are collective); a rank's slice of a
@@ -234,6 +206,36 @@ auto guarded_io(Comm& world, const char* phase, const std::string& what, F&& f) 
 
 }  // namespace
 
+// The model, and the config.json text that checkpoints keep: model.hf's file unchanged (nothing it says is
+// lost), else the preset's.
+ModelConfig model_config(const Deck& d, std::string* json_text) {
+  ModelConfig c;
+  if (!d.str("model.hf").empty()) {
+    c = load_hf_config(d.str("model.hf") + "/config.json", json_text);
+  } else if (!d.str("model.preset").empty()) {
+    c = preset_config(d.str("model.preset"));
+    *json_text = hf_config_json(c);
+  } else {
+    fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
+  }
+  c.lora = lora_config(d);
+  return c;
+}
+
+std::vector<bool> trainable_flags(const ParamTable& t, const Deck& d) {
+  if (t.config().lora.on()) {  // the adapters, and nothing else: the base is frozen whatever train.tune_* say
+    std::vector<bool> out;
+    for (const auto& p : t.params()) out.push_back(p.part == Part::Lora);
+    return out;
+  }
+  const bool v = d.boolean("train.tune_vision"), m = d.boolean("train.tune_merger"), l = d.boolean("train.tune_llm");
+  std::vector<bool> out;
+  for (const auto& p : t.params()) out.push_back(p.part == Part::Vision ? v : p.part == Part::Merger ? m : l);
+  if (std::none_of(out.begin(), out.end(), [](bool b) { return b; }))
+    fail_all("train.tune_vision, train.tune_merger and train.tune_llm are all false: nothing to train");
+  return out;
+}
+
 int run_train(const Deck& deck) {
   const double t_start = wall_seconds();  // metrics' time.wall counts start-up too
   Runtime& rt = Runtime::get();
@@ -258,7 +260,19 @@ int run_train(const Deck& deck) {
   if (on_gpu && cfg.lora.on())
     fail_all("lora.rank > 0 trains on the CPU backend so far (model.backend = \"cpu\"); LoRA on CUDA comes with the "
              "device model's adapters");
-  Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu);
+  // Expert parallelism: this rank's model holds only its experts; the exchange moves tokens to the others'.
+  const int ep_size = int(deck.integer("parallel.ep"));
+  if (const std::string e = expert_layout_error(cfg, nranks, ep_size); !e.empty()) fail_all(e);
+  if (ep_size > 1 && on_gpu)
+    fail_all("parallel.ep > 1 needs several ranks; model.backend = \"cuda\" trains on one GPU so far (the NCCL "
+             "all-to-all is not built yet)");
+  if (ep_size > 1 && deck.boolean("parallel.hybrid"))
+    fail_all("parallel.ep > 1 with parallel.hybrid = true is not supported: shard over all ranks (hybrid = false)");
+  std::unique_ptr<ExpertParallel> ep;
+  if (ep_size > 1) ep = std::make_unique<ExpertParallel>(world, ep_size);
+  Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu, ep ? ep->split() : ExpertSplit{});
+  model.set_experts(ep.get());
+  const bool aux_on = deck.boolean("train.router_aux_loss") && cfg.moe();
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
   model.set_trainable(trainable);
@@ -275,7 +289,7 @@ int run_train(const Deck& deck) {
     shard = &rt.node_comm();
     replica = world.split(p.local_rank, p.node);
   }
-  ZeroEngine engine(model, *shard, replica.get(), on_gpu ? 3 : stage, trainable);
+  ZeroEngine engine(model, *shard, replica.get(), on_gpu ? 3 : stage, trainable, ep.get());
   {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
     // ever holds the whole model. The values do not depend on the rank count.
@@ -308,7 +322,11 @@ int run_train(const Deck& deck) {
            (deck.boolean("train.tune_vision") ? "on" : "off") + ", merger " +
            (deck.boolean("train.tune_merger") ? "on" : "off") + ", llm " + (deck.boolean("train.tune_llm") ? "on" : "off") +
            "); activation recomputation: " + deck.str("train.recompute") + "; gathers in " +
-           deck.str("parallel.gather_dtype"));
+           deck.str("parallel.gather_dtype") +
+           (ep ? "; expert parallelism: " + std::to_string(ep_size) + " ranks a group, " +
+                     std::to_string(table.experts_per_rank()) + " experts a rank, expert units sharded over " +
+                     std::to_string(ep->replicas().size()) + " rank(s)"
+               : std::string()));
   log_info(engine.memory_report());
   if (cfg.lora.on()) {
     const LoraSize ls = lora_size(cfg);
@@ -346,12 +364,7 @@ int run_train(const Deck& deck) {
   // The GPU's arenas are sized once for the largest micro-batch the loader can make.
   std::unique_ptr<DevTrainer> gpu;
   if (on_gpu) {
-    DevBudget b;
-    b.tokens = lo.micro_batch * seq_len;
-    // An image token stands for merge^2 patches; train.max_patches bounds them when images are a small share.
-    b.patches = deck.integer("train.max_patches") > 0 ? deck.integer("train.max_patches")
-                                                      : b.tokens * cfg.vision.merge * cfg.vision.merge;
-    b.segments = b.tokens;  // packed samples: at most one per token (4 bytes each)
+    const DevBudget b = train_budget(cfg, lo.micro_batch, seq_len, deck.integer("train.max_patches"));
     LossScaling ls;
     ls.on = compute == DType::F16;
     ls.scale = deck.real("optim.loss_scale");
@@ -454,7 +467,7 @@ int run_train(const Deck& deck) {
     meta.tokens_seen = st.tokens;
     meta.world_size = nranks;
     meta.deck_toml = deck.to_toml();
-    meta.state_json = with_lora(to_json(st, nranks, stage), cfg.lora, base_id);
+    meta.state_json = with_lora(to_json(st, nranks, stage, ep_size), cfg.lora, base_id);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
     meta.hf_config_json = cfg_json;
     const std::string p = guarded_io(world, "checkpoint write", "checkpoint I/O in " + ckdir, [&] {
@@ -492,13 +505,16 @@ int run_train(const Deck& deck) {
     engine.begin_step();
     if (gpu) gpu->begin_step();
     const int64_t gathered0 = engine.gathered_bytes();
-    double loss_sum = 0;
+    double loss_sum = 0, aux_sum = 0;
+    if (ep) ep->reset_stats();
     for (size_t i = 0; i < sd.micro.size() && gpu; ++i) {  // one GPU: no collectives between micro-batches
       const int64_t n = sd.micro_supervised[i];
       if (n == 0) continue;
       {
         Phase p{t_fwd, "forward"};
-        loss_sum += gpu->forward(sd.micro[i]) * double(n);
+        double aux = 0;
+        loss_sum += gpu->forward(sd.micro[i], &aux, aux_on) * double(n);
+        aux_sum += aux * double(n);
         Q3VL_CHECK(gpu->supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }
       Phase p{t_bwd, "backward"};
@@ -515,8 +531,13 @@ int run_train(const Deck& deck) {
         // lora.dropout's mask: a new draw per (step, rank, micro-batch), the same again in a recomputed forward
         model.lora().train = true;
         model.lora().nonce = (uint64_t(st.step) * uint64_t(nranks) + uint64_t(rank)) * 4096 + i;
-        loss_sum += model.forward(sd.micro[i], true) * double(n);
+        double aux = 0;
+        loss_sum += model.forward(sd.micro[i], true, nullptr, &aux, aux_on) * double(n);
+        aux_sum += aux * double(n);
         Q3VL_CHECK(model.supervised_tokens() == n, "the loader and the model count supervised targets differently");
+      } else if (ep) {
+        Phase p{t_fwd, "forward"};
+        model.idle_pass(false);  // this rank's experts still serve the others' tokens
       }
       {
         Phase p{t_comm, "ZeRO before backward"};
@@ -525,6 +546,9 @@ int run_train(const Deck& deck) {
       if (n > 0) {
         Phase p{t_bwd, "backward"};
         model.backward();
+      } else if (ep) {
+        Phase p{t_bwd, "backward"};
+        model.idle_pass(true);
       }
       {
         Phase p{t_comm, "ZeRO after backward"};
@@ -601,6 +625,13 @@ int run_train(const Deck& deck) {
     if (gpu) mem[0] = 0, mem[2] = double(gpu->device_bytes());  // the GPU's arena is fixed: its bytes are "working"
     world.all_reduce(mem, 3, DType::F64, ReduceOp::Max);
     model.reset_activation_peak();
+    // Load balance: rows (token, expert) that each rank's experts received this step, and the all-to-all time.
+    double ep_stats[3] = {0, 0, 0};
+    if (ep) {
+      const double r = double(ep->received());
+      ep_stats[0] = world.max(r), ep_stats[1] = world.min(r), ep_stats[2] = world.max(ep->seconds());
+    }
+    const double aux_mean = cfg.moe() ? world.sum(aux_sum) / std::max(1.0, n_global) : 0.0;
     if (rank == 0) {
       // MFU as DESIGN.md defines it; the inputs go next to it.
       const double flops = train_flops(table, fc);
@@ -625,6 +656,10 @@ int run_train(const Deck& deck) {
                 {"skipped_total", st.skipped_total},
                 {"dropped_samples", int64_t(counts[2])}};
       if (first_line) j["resumed"] = true;
+      if (cfg.moe()) j["router_aux_loss"] = aux_mean;
+      if (ep)
+        j["experts"] = {{"ep", ep_size}, {"tokens_max", int64_t(ep_stats[0])}, {"tokens_min", int64_t(ep_stats[1])},
+                        {"all_to_all_s", ep_stats[2]}};
       if (gpu && gpu->loss_scaling().on) j["loss_scale"] = gpu->loss_scaling().scale;
       first_line = false;
       if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;

@@ -3,8 +3,9 @@
 # 4 ranks give the same losses and adapters; a stopped and resumed run is bitwise a straight one; checkpoints hold
 # the adapters and their AdamW state only; a resume against another base (or a full fine-tuning checkpoint) is
 # refused; tools/export_hf --lora writes a PEFT adapter folder that eval loads back (lora.adapter), giving the loss
-# of tools/export_hf --merge's folded model and adapter gradients under PEFT's names; bad [lora] keys are refused
-# naming the key.
+# of tools/export_hf --merge's folded model and adapter gradients under PEFT's names; generate and serve (also
+# tensor-parallel) answer alike from a LoRA checkpoint; a MoE's router adapters train the same under expert
+# parallelism; bad [lora] keys are refused naming the key.
 source "$(dirname "$0")/../lib.sh"
 g=tests/data/golden/dense_tied
 model=$g/model
@@ -156,6 +157,62 @@ a, b = ([json.loads(l)["answer"] for l in open(p)] for p in sys.argv[1:])
 assert len(a) == 3 and a == b, (a, b)
 PY
   bad "generate with adapters: $(tail -3 "$tmp/t.log" "$tmp/gen.log")"
+
+# serve (the model_source/load_model generate uses): the LoRA checkpoint's greedy answers are generate's, on one rank
+# and under tensor parallelism over 2 (the adapters folded into the base before the split).
+if [[ -f third_party/npm/node_modules/openai/package.json ]] && command -v node >/dev/null && [[ -f $tmp/g1.jsonl ]]; then
+  for n in 1 2; do
+    mpiexec -n $n $q serve serve.checkpoint="$tmp/t/checkpoints" serve.port=0 \
+      serve.min_pixels=4096 serve.model_name=q3vl-tiny serve.kv_mib=8 run.timing=false >"$tmp/serve$n.log" 2>&1 &
+    spid=$!
+    port=""
+    for _ in $(seq 300); do
+      port=$(grep -oP 'serve: model .* on http://127\.0\.0\.1:\K[0-9]+' "$tmp/serve$n.log")
+      [[ -n $port ]] && break
+      kill -0 $spid 2>/dev/null || break
+      sleep 0.2
+    done
+    if [[ -n $port ]]; then
+      MAX_TOKENS=5 node tests/cli/serve_client.mjs $port q3vl-tiny answers "$tmp/d/eval.jsonl" data >"$tmp/s$n.jsonl" \
+        2>"$tmp/serr.log"
+      $py - "$tmp/g1.jsonl" "$tmp/s$n.jsonl" <<'PY' && pass "serve (TP $n): LoRA checkpoint answers = generate's" ||
+import json, sys
+gen = {r["line"]: r["answer"] for r in map(json.loads, open(sys.argv[1]))}
+got = [json.loads(l) for l in open(sys.argv[2]) if '"line"' in l]
+assert len(got) == 3 and all(r.get("answer") == gen[r["line"]] for r in got), (got, gen)
+PY
+        bad "serve TP $n with adapters: $(head -c 400 "$tmp/s$n.jsonl") $(tail -3 "$tmp/serr.log")"
+      [[ $n -eq 1 ]] || grep -q "LoRA adapters folded into the base for tensor parallelism" "$tmp/serve$n.log" ||
+        bad "serve TP $n: no fold logged"
+    else
+      bad "serve TP $n with adapters did not come up: $(tail -5 "$tmp/serve$n.log")"
+    fi
+    kill -TERM $spid 2>/dev/null; wait $spid 2>/dev/null
+  done
+else
+  skip "serve with adapters" "no OpenAI node client (bash tools/fetch_tokenizer.sh installs it)"
+fi
+
+# (f) MoE (8 experts, top-3): adapters on attention and the router, the experts frozen (null gradients per expert);
+# expert parallelism (EP 2 on 2 ranks, EP 4 on 4) trains the same adapters as EP 1.
+moe=$tmp/moe8
+if $py tests/tools/make_hf_model.py tests/data/golden/moe/model/config.json "$moe" num_local_experts=8 \
+     num_experts_per_tok=3 >/dev/null; then
+  mtrain() {
+    local name=$1 np=$2; shift 2
+    mpiexec -n "$np" $q train model.hf=$moe data.seq_len=32 train.global_batch=8 train.steps=6 train.lr=2e-3 \
+      train.micro_batch=2 train.resume=never lora.rank=4 lora.alpha=8 lora.targets=q_proj,v_proj,o_proj,mlp.gate \
+      run.out_dir="$tmp/$name" "$@" >"$tmp/$name.log" 2>&1
+  }
+  mtrain m1 2 parallel.ep=1; ok_run $? m1 && mtrain m2 2 parallel.ep=2; ok_run $? m2 &&
+    mtrain m4 4 parallel.ep=4; ok_run $? m4 && {
+    cmp_losses m2 m1 1e-5 && cmp_losses m4 m1 1e-5 && pass "MoE LoRA: EP 2 and 4 = EP 1 losses" ||
+      bad "MoE LoRA under EP: losses differ"
+    cmp_ckpt "$(ckpt m4)" "$(ckpt m1)" 1e-5 && pass "MoE LoRA: EP 4 = EP 1 adapters" || bad "MoE LoRA EP: adapters differ"
+  }
+else
+  bad "make MoE model"
+fi
 
 # (e) bad [lora] keys name the key.
 expect "unknown lora key" 1 "lora.rnak.*did you mean 'lora.rank'" $q train model.hf=$model lora.rnak=4

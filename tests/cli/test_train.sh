@@ -17,45 +17,6 @@ train() {
   local name=$1 np=$2; shift 2
   mpiexec -n "$np" $q train "${common[@]}" run.out_dir="$tmp/$name" "$@" >"$tmp/$name.log" 2>&1
 }
-# cmp_losses A B TOL: per-step losses of two runs agree to TOL relative.
-cmp_losses() {
-  $py - "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" "$3" <<'PY'
-import json, sys
-a = [json.loads(l) for l in open(sys.argv[1])]
-b = [json.loads(l) for l in open(sys.argv[2])]
-tol = float(sys.argv[3])
-assert len(a) == len(b) and len(a) > 0, f"{len(a)} vs {len(b)} steps"
-for x, y in zip(a, b):
-    assert x["step"] == y["step"], (x["step"], y["step"])
-    d = abs(x["loss"] - y["loss"]) / abs(y["loss"])
-    assert d <= tol, f"step {x['step']}: loss {x['loss']} vs {y['loss']} (rel {d:.2e})"
-PY
-}
-# cmp_ckpt FILE_A FILE_B TOL: every dataset present in both with the same shape; weights agree to TOL and AdamW
-# moments to 10 TOL in norm, ||a-b|| / ||b|| (TOL 0: bitwise). Norms, not elements: Adam's first steps move an
-# element whose gradient is at rounding level by +-lr whatever its size, so a few such elements differ more.
-cmp_ckpt() {
-  $py - "$1" "$2" "$3" <<'PY'
-import h5py, numpy as np, sys
-tol = float(sys.argv[3])
-with h5py.File(sys.argv[1]) as fa, h5py.File(sys.argv[2]) as fb:
-    na, nb = [], []
-    fa.visititems(lambda n, o: na.append(n) if isinstance(o, h5py.Dataset) else None)
-    fb.visititems(lambda n, o: nb.append(n) if isinstance(o, h5py.Dataset) else None)
-    assert sorted(na) == sorted(nb), f"dataset lists differ: {set(na) ^ set(nb)}"
-    assert any(n.startswith("optim/exp_avg_sq/") for n in na)
-    for n in na:
-        a, b = fa[n][()], fb[n][()]
-        assert a.shape == b.shape, n
-        if tol == 0:
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{n} differs"
-        else:
-            d = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
-            assert d <= (tol if n.startswith("model/") else 10 * tol), f"{n}: relative difference {d:.2e}"
-PY
-}
-ckpt() { ls "$tmp/$1/checkpoints"/step_*.h5 | tail -1; }
-ok_run() { if [[ $1 -ne 0 ]]; then bad "$2: exit $1: $(tail -5 "$tmp/$2.log")"; return 1; fi; }
 
 # (a) 1, 2 and 4 ranks, ZeRO-3, same global batch: losses and final weights and moments agree.
 for n in 1 2 4; do train np$n $n parallel.zero_stage=3; ok_run $? np$n; done

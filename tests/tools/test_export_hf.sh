@@ -135,8 +135,18 @@ if needs "real training run" bin/q3vl mpiexec; then
   same_tensors "real run" $tmp/run/checkpoints/step_00000002.h5 $tmp/from_run
   a=$(loss $tmp/from_run $G/moe/batch.h5)
   [[ $a =~ ^[0-9.]+$ ]] && ok "real run: the export evaluates (loss $a)" || bad "real run eval: $a"
-  run tiny model.preset=tiny train.steps=1
+  run tiny model.preset=tiny train.steps=1 prepare.min_pixels=16384
   $ex --dtype fp32 $tmp/tiny/checkpoints $tmp/from_tiny >/dev/null || bad "export of a preset checkpoint"
+  grep -q '"shortest_edge": 16384' $tmp/from_tiny/preprocessor_config.json &&
+    ok "the export carries the trained pixel bounds" || bad "pixel bounds: $(cat $tmp/from_tiny/preprocessor_config.json)"
+  # The exported directory is self-sufficient: generate, run from elsewhere, takes its tokenizer and pixel bounds
+  # (a 64x64 picture becomes 128x128 = 16 image tokens at 16384 pixels, 64 at the default 65536).
+  bin/q3vl synth synth.dir=$tmp/sd synth.train_samples=1 synth.eval_samples=1 run.timing=false >/dev/null 2>&1
+  (cd $tmp && $OLDPWD/bin/q3vl generate model.hf=from_tiny generate.prompts=sd/eval.jsonl generate.output=gen.jsonl \
+     generate.max_new_tokens=2 run.timing=false >gen.log 2>&1) &&
+    $py -c "import json,sys; r=json.load(open(sys.argv[1])); sys.exit(not 16 <= r['prompt_tokens'] < 40)" $tmp/gen.jsonl &&
+    ok "generate from another folder: the model directory's tokenizer and pixel bounds" ||
+    bad "self-sufficient model dir: $(tail -3 $tmp/gen.log) $(cat $tmp/gen.jsonl 2>/dev/null)"
   same_tensors "preset tiny" $tmp/tiny/checkpoints/step_00000001.h5 $tmp/from_tiny
   $py -c "import h5py,numpy as np; f=h5py.File('$tmp/text.h5','w'); f['input_ids']=np.array([[151644,872,198,9707,151645]]); f['labels']=np.array([[-100,-100,198,9707,151645]])"
   a=$(loss $tmp/from_tiny $tmp/text.h5)

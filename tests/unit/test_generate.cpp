@@ -237,6 +237,79 @@ TEST(Generate, RopeDeltasContinueAfterTheLargestPosition) {
   EXPECT_EQ(cache.len[0], 6);
 }
 
+// serve's path: prompts fed in chunks that straddle images, mixed in one step with another sequence's decoding, over
+// a paged cache of small blocks (a released slot and its blocks reused) == prefill + decode.
+TEST(Generate, StepChunksOverPagedCacheEqualPrefillAndDecode) {
+  Model m(tiny(false));
+  m.init_random(5, 0.5);
+  const int64_t V = 64, H = 32;
+  std::vector<GenPrompt> ps(2);
+  ps[0].ids = {7, 60, 60, 60, 8, 9};
+  ps[1].ids = {5, 6, 60, 60, 60, 9, 10, 11, 12};
+  for (auto& p : ps) {
+    p.grid = {1, 6, 2};
+    for (int i = 0; i < 12 * 1536; ++i) p.pixels.push_back(std::sin(0.01f * i + (float)p.ids[0]));
+  }
+  KvCache<float> ref;
+  std::vector<float> pixels = ps[0].pixels;
+  pixels.insert(pixels.end(), ps[1].pixels.begin(), ps[1].pixels.end());
+  const std::vector<float> l0 = m.prefill({ps[0].ids, ps[1].ids}, pixels, {1, 6, 2, 1, 6, 2}, ref);
+  const std::vector<float> l1 = m.decode({0, 1}, {3, 4}, ref);
+
+  KvCache<float> c;
+  c.block = 2;
+  c.max_blocks = 16;
+  c.reset(3, 2 * 8);
+  const int junk = c.add();  // a sequence that comes and goes first: its slot and blocks are reused
+  ASSERT_TRUE(c.reserve(junk, 7));
+  c.release(junk);
+  std::vector<int> slot;
+  std::vector<std::vector<int64_t>> pos;
+  std::vector<std::vector<float>> img(2);
+  std::vector<std::vector<std::vector<float>>> ds(2);
+  std::vector<int64_t> fed(2, 0), vis(2, 0);
+  for (int i = 0; i < 2; ++i) {
+    slot.push_back(c.add());
+    const int64_t n = (int64_t)ps[i].ids.size();
+    pos.push_back(mrope_positions(m.config(), ps[i].ids.data(), {0, n}, ps[i].grid));
+    m.vision_features(ps[i].pixels, ps[i].grid, img[i], ds[i]);
+    for (int64_t p : pos[i]) c.next_pos[slot[i]] = std::max(c.next_pos[slot[i]], p + 1);
+  }
+  EXPECT_EQ(slot[0], junk);
+  auto chunk = [&](int i, int64_t k) {
+    const int64_t n = (int64_t)ps[i].ids.size(), a = fed[i], b = a + k;
+    StepSegment<float> g;
+    g.seq = slot[i];
+    g.ids.assign(ps[i].ids.begin() + a, ps[i].ids.begin() + b);
+    for (int row = 0; row < 3; ++row) g.pos3.insert(g.pos3.end(), pos[i].begin() + row * n + a, pos[i].begin() + row * n + b);
+    const int64_t nv = std::count(g.ids.begin(), g.ids.end(), 60);
+    g.img.assign(img[i].begin() + vis[i] * H, img[i].begin() + (vis[i] + nv) * H);
+    for (const auto& d : ds[i]) g.ds.emplace_back(d.begin() + vis[i] * H, d.begin() + (vis[i] + nv) * H);
+    vis[i] += nv, fed[i] = b;
+    return g;
+  };
+  auto near = [&](const float* a, const float* b, const std::string& what) {
+    for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(a[v], b[v], 1e-5) << what << " logit " << v;
+  };
+  m.step({chunk(0, 2)}, c);                                   // prompt 0: its first token and an image token
+  std::vector<float> l = m.step({chunk(0, 4), chunk(1, 3)}, c);  // prompt 0 done; prompt 1 into its image
+  near(&l[0], &l0[0], "prompt 0");
+  l = m.step({StepSegment<float>{slot[0], {3}, {}, {}, {}}, chunk(1, 6)}, c);  // decode 0 while prompt 1 finishes
+  near(&l[0], &l1[0], "decode 0");
+  near(&l[V], &l0[V], "prompt 1");
+  l = m.step({StepSegment<float>{slot[1], {4}, {}, {}, {}}}, c);
+  near(&l[0], &l1[V], "decode 1");
+  EXPECT_EQ(c.len[slot[0]], 7);
+  EXPECT_EQ(c.len[slot[1]], 10);
+  EXPECT_EQ(c.used_blocks(), 4 + 5);
+  c.release(slot[1]);
+  EXPECT_EQ(c.used_blocks(), 4);
+  // A full pool refuses, and step names it.
+  const int big = c.add();
+  EXPECT_FALSE(c.reserve(big, 2 * 13));
+  EXPECT_THROW(m.step({StepSegment<float>{big, std::vector<int64_t>(26, 5), {}, {}, {}}}, c), Error);
+}
+
 TEST(Sampler, GreedyTopKTopPAndSeeds) {
   const std::vector<float> l = {0.f, 3.f, 1.f, 3.f, 2.f, -1.f};
   SamplingParams sp;

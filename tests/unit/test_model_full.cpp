@@ -170,8 +170,12 @@ TEST(ModelFull, ParamTableNamesUnitsParts) {
   EXPECT_EQ(t.param(t.id("lm_head.weight")).part, Part::LLM);
   EXPECT_TRUE(t.param(t.id("model.language_model.layers.0.self_attn.q_norm.weight")).no_decay);
   EXPECT_FALSE(t.param(t.id("model.language_model.layers.0.self_attn.q_proj.weight")).no_decay);
-  // Units: embed, 2 blocks, mergers, embed_tokens, 2 layers, head; contiguous offsets.
-  ASSERT_EQ(t.units().size(), 8u);
+  // Units: embed, 2 blocks, mergers, embed_tokens, 2 layers (layer 0's experts a unit of their own), head;
+  // contiguous offsets.
+  ASSERT_EQ(t.units().size(), 9u);
+  EXPECT_EQ(t.units()[size_t(t.param(t.experts(0)).unit)].name, "language_model.layers.0.mlp.experts");
+  EXPECT_TRUE(t.units()[size_t(t.param(t.experts(0)).unit)].experts);
+  EXPECT_LT(t.experts(1), 0);
   int64_t off = 0;
   for (const auto& u : t.units()) {
     EXPECT_EQ(u.offset, off);
@@ -184,6 +188,15 @@ TEST(ModelFull, ParamTableNamesUnitsParts) {
     off += u.numel;
   }
   EXPECT_EQ(off, t.total());
+  // Expert parallelism over 2 ranks: rank 1 holds experts 2 and 3 of the [4, ...] tensors (full shapes kept).
+  ParamTable half(cfg, ExpertSplit{2, 1});
+  const ParamInfo& gu = half.param(half.experts(0));
+  EXPECT_EQ(gu.shape, (std::vector<int64_t>{4, 32, 32}));
+  EXPECT_EQ(gu.held, gu.numel / 2);
+  EXPECT_EQ(gu.held_begin, gu.numel / 2);
+  EXPECT_EQ(half.units()[size_t(gu.unit)].numel, t.units()[size_t(gu.unit)].numel / 2);
+  EXPECT_EQ(half.total(), t.total() - t.units()[size_t(gu.unit)].numel / 2);
+  EXPECT_EQ(half.experts_per_rank(), 2);
   cfg.text.tie_embeddings = true;
   ParamTable tt(cfg);
   EXPECT_LT(tt.find("lm_head.weight"), 0);

@@ -1,7 +1,10 @@
-// The demo's synthetic data: deterministic files for a seed, the requested counts, PNGs that decode, and answers that
-// say what was drawn (the colour from the dominant saturated pixels, the shape from how they fill their box).
+// The demo's synthetic data: deterministic files for its seeds, the requested counts, PNGs that decode, answers that
+// say what was drawn (the colour from the dominant saturated pixels, the shape from how they fill their box), and
+// pictures that vary in more than the answer (place, size, background, shade).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -30,31 +33,44 @@ std::vector<std::string> lines(const fs::path& p) {
   return out;
 }
 
-// What a reader of the picture would answer: colour = nearest palette entry to the mean of the saturated pixels;
-// shape from the fill ratio of their bounding box and where their centroid sits in it.
-std::string read_picture(const RgbImage& im) {
-  double sum[3] = {0, 0, 0}, cy = 0;
+struct Reading {
+  std::string answer;
+  // Centroid, box width and mean level of the shape's pixels; mean level of the background.
+  double cx = 0, cy = 0, width = 0, level = 0, background = 0;
+};
+
+// What a reader of the picture would answer: colour = the palette entry that, at its best brightness, is nearest
+// the mean of the saturated pixels (shades vary); shape from the fill ratio of their bounding box and where their
+// centroid sits in it.
+Reading read_picture(const RgbImage& im) {
+  double sum[3] = {0, 0, 0}, cx = 0, cy = 0, bg = 0;
   int n = 0, x0 = im.w, x1 = -1, y0 = im.h, y1 = -1;
   for (int y = 0; y < im.h; ++y)
     for (int x = 0; x < im.w; ++x) {
       const uint8_t* p = &im.px[((size_t)y * im.w + x) * 3];
-      if (std::max({p[0], p[1], p[2]}) - std::min({p[0], p[1], p[2]}) < 80) continue;  // grey background
+      if (std::max({p[0], p[1], p[2]}) - std::min({p[0], p[1], p[2]}) < 55) {  // grey background, however tinted
+        bg += (p[0] + p[1] + p[2]) / 3.0;
+        continue;
+      }
       for (int c = 0; c < 3; ++c) sum[c] += p[c];
-      ++n, cy += y;
+      ++n, cx += x, cy += y;
       x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
     }
-  if (n == 0) return "nothing";
+  if (n == 0) return {"nothing"};
   std::string colour;
   double best = 1e300;
   for (const auto& c : synth_colours()) {
-    double d = 0;
-    for (int k = 0; k < 3; ++k) d += (sum[k] / n - c.rgb[k]) * (sum[k] / n - c.rgb[k]);
+    double dot = 0, norm = 0, d = 0;
+    for (int k = 0; k < 3; ++k) dot += sum[k] / n * c.rgb[k], norm += double(c.rgb[k]) * c.rgb[k];
+    for (int k = 0; k < 3; ++k) d += std::pow(sum[k] / n - dot / norm * c.rgb[k], 2);
     if (d < best) best = d, colour = c.name;
   }
   const double fill = n / double((x1 - x0 + 1) * (y1 - y0 + 1));
   const double low = (cy / n - y0) / (y1 - y0 + 1);  // 0.5: centroid in the middle; the triangle's is lower
   const char* shape = fill > 0.9 ? "square" : fill > 0.65 ? "circle" : fill < 0.42 ? "star" : low > 0.58 ? "triangle" : "cross";
-  return "a " + colour + " " + shape;
+  const char* article = std::string("aeiou").find(colour[0]) != std::string::npos ? "an " : "a ";
+  return {article + colour + " " + shape, cx / n,        cy / n, double(x1 - x0 + 1),
+          (sum[0] + sum[1] + sum[2]) / (3.0 * n), bg / (im.w * im.h - n)};
 }
 
 }  // namespace
@@ -62,20 +78,30 @@ std::string read_picture(const RgbImage& im) {
 TEST(Synth, DeterministicCountsDecodableAndAnswersMatchThePictures) {
   const fs::path dir = fs::temp_directory_path() / ("q3vl_synth_" + std::to_string(getpid()));
   fs::remove_all(dir);
-  write_synth((dir / "a").string(), 60, 12, 64, 5);
-  write_synth((dir / "b").string(), 60, 12, 64, 5);
-  write_synth((dir / "c").string(), 60, 12, 64, 6);
+  write_synth((dir / "a").string(), {60, 10, 12}, 64, 5, 7);
+  write_synth((dir / "b").string(), {60, 10, 12}, 64, 5, 7);
+  write_synth((dir / "c").string(), {60, 10, 12}, 64, 6, 7);
+  write_synth((dir / "d").string(), {60, 10, 12}, 64, 5, 8);
+  write_synth((dir / "e").string(), {60, 0, 12}, 64, 5, 7);
 
-  for (const char* f : {"train.jsonl", "eval.jsonl", "images/train_000007.png", "images/eval_000011.png"})
-    EXPECT_EQ(slurp(dir / "a" / f), slurp(dir / "b" / f)) << f << " differs for the same seed";
+  for (const char* f : {"train.jsonl", "val.jsonl", "eval.jsonl", "images/train_000007.png", "images/val_000009.png",
+                        "images/eval_000011.png"})
+    EXPECT_EQ(slurp(dir / "a" / f), slurp(dir / "b" / f)) << f << " differs for the same seeds";
+  // synth.seed draws train and val, synth.eval_seed the held-out pictures, and neither touches the other's.
   EXPECT_NE(slurp(dir / "a" / "train.jsonl"), slurp(dir / "c" / "train.jsonl")) << "the seed changes nothing";
-  EXPECT_NE(slurp(dir / "a" / "images/train_000000.png"), slurp(dir / "a" / "images/eval_000000.png"))
-      << "train and eval share pictures";
+  EXPECT_NE(slurp(dir / "a" / "images/val_000000.png"), slurp(dir / "c" / "images/val_000000.png"));
+  EXPECT_EQ(slurp(dir / "a" / "images/eval_000000.png"), slurp(dir / "c" / "images/eval_000000.png"));
+  EXPECT_NE(slurp(dir / "a" / "images/eval_000000.png"), slurp(dir / "d" / "images/eval_000000.png"));
+  EXPECT_EQ(slurp(dir / "a" / "images/train_000000.png"), slurp(dir / "d" / "images/train_000000.png"));
+  EXPECT_NE(slurp(dir / "a" / "images/train_000000.png"), slurp(dir / "a" / "images/val_000000.png"))
+      << "train and val share pictures";
+  EXPECT_EQ(slurp(dir / "a" / "eval.jsonl"), slurp(dir / "e" / "eval.jsonl"));
+  EXPECT_FALSE(fs::exists(dir / "e" / "val.jsonl")) << "no validation split was asked for";
 
   std::map<std::string, int> seen;
-  for (const char* split : {"train", "eval"}) {
+  for (const char* split : {"train", "val", "eval"}) {
     const auto recs = lines(dir / "a" / (std::string(split) + ".jsonl"));
-    ASSERT_EQ(recs.size(), std::string(split) == "train" ? 60u : 12u) << split;
+    ASSERT_EQ(recs.size(), std::string(split) == "train" ? 60u : std::string(split) == "val" ? 10u : 12u) << split;
     for (size_t i = 0; i < recs.size(); ++i) {
       const auto j = nlohmann::json::parse(recs[i]);
       const auto& msgs = j.at("messages");
@@ -89,20 +115,59 @@ TEST(Synth, DeterministicCountsDecodableAndAnswersMatchThePictures) {
       ASSERT_EQ(im.w, 64);
       ASSERT_EQ(im.h, 64);
       const std::string answer = msgs[1].at("content");
-      EXPECT_EQ(read_picture(im), answer) << split << " line " << i + 1 << " (" << img << ")";
-      ++seen[answer.substr(answer.find(' ', 2) + 1)];
+      EXPECT_EQ(read_picture(im).answer, answer) << split << " line " << i + 1 << " (" << img << ")";
+      ++seen[answer.substr(answer.rfind(' ') + 1)];
     }
   }
-  EXPECT_EQ(seen.size(), synth_shapes().size()) << "every shape should occur in 72 pictures";
+  EXPECT_EQ(seen.size(), synth_shapes().size()) << "every shape should occur in 82 pictures";
   fs::remove_all(dir);
 }
 
 TEST(Synth, SampleAgreesWithItsAnswer) {
-  for (int i = 0; i < 1000; ++i) {
-    const SynthSample s = synth_sample(9, 0, i, 64);
-    EXPECT_EQ(s.answer, std::string("a ") + synth_colours()[s.colour].name + " " + synth_shapes()[s.shape]);
-    EXPECT_EQ(read_picture(s.image), s.answer) << "sample " << i;
-    EXPECT_FALSE(s.question.empty());
-  }
+  for (int split = 0; split < 3; ++split)
+    for (int i = 0; i < 1000; ++i) {
+      const SynthSample s = synth_sample(9, split, i, 64);
+      EXPECT_EQ(s.answer, synth_answer(s.colour, s.shape));
+      EXPECT_EQ(read_picture(s.image).answer, s.answer) << "split " << split << " sample " << i;
+      EXPECT_FALSE(s.question.empty());
+    }
   EXPECT_THROW(synth_sample(1, 0, 0, 8), std::exception);
+}
+
+TEST(Synth, AnswersReadAsEnglish) {
+  EXPECT_EQ(synth_answer(0, 0), "a red circle");
+  int orange = -1;
+  for (size_t c = 0; c < synth_colours().size(); ++c)
+    if (std::string(synth_colours()[c].name) == "orange") orange = (int)c;
+  ASSERT_GE(orange, 0);
+  EXPECT_EQ(synth_answer(orange, 1), "an orange square");
+}
+
+// Only the picture tells the answer: within one answer the place, size, background and shade spread, so that
+// neither a fixed position nor the background's level nor a single shade carries it. (Place and size spread as far
+// as the demo's model learns them in its budget: the centre moves by up to 5% of the side, the radius by 30%.)
+TEST(Synth, PicturesVaryInMoreThanTheAnswer) {
+  std::map<std::string, std::vector<Reading>> by_answer;
+  std::map<int, std::vector<Reading>> by_colour;
+  for (int i = 0; i < 3000; ++i) {
+    const SynthSample s = synth_sample(11, 0, i, 64);
+    by_answer[s.answer].push_back(read_picture(s.image));
+    by_colour[s.colour].push_back(by_answer[s.answer].back());
+  }
+  EXPECT_EQ(by_answer.size(), synth_colours().size() * synth_shapes().size());
+  auto spread = [](const std::vector<Reading>& rs, double Reading::*f) {
+    double lo = 1e300, hi = -1e300;
+    for (const auto& r : rs) lo = std::min(lo, r.*f), hi = std::max(hi, r.*f);
+    return hi - lo;
+  };
+  for (const auto& [answer, rs] : by_answer) {
+    ASSERT_GE(rs.size(), 40u) << answer;
+    EXPECT_GT(spread(rs, &Reading::cx), 4) << answer << ": the shape stays in one place";
+    EXPECT_GT(spread(rs, &Reading::cy), 4) << answer << ": the shape stays in one place";
+    EXPECT_GT(spread(rs, &Reading::width), 8) << answer << ": the shape keeps its size";
+    EXPECT_GT(spread(rs, &Reading::background), 60) << answer << ": the background keeps its level";
+  }
+  // Shade: one colour is drawn darker and brighter (the mean level of the shape's pixels; noise averages out).
+  for (const auto& [c, rs] : by_colour)
+    EXPECT_GT(spread(rs, &Reading::level), 25) << synth_colours()[c].name << " has one shade only";
 }

@@ -45,6 +45,10 @@ class Deck {
   double real(const std::string& key) const;
   const std::string& str(const std::string& key) const;
   bool given(const std::string& key) const;  // set by the file or the command line (not a default)
+  // The given keys, one per line, and their restoration on a deck parsed from another's to_toml() (which writes
+  // defaults too): what Runtime::load_deck broadcasts with the resolved text.
+  std::string given_keys() const;
+  void set_given_keys(const std::string& lines);
 
   // Set a value programmatically (checked like an override).
   void set(const std::string& key, const std::string& value_text);

@@ -1,8 +1,9 @@
 // `q3vl synth`: the demo's synthetic data set. Each picture shows one shape (circle, square, triangle, star, cross)
-// in one colour at a random place and size on a noisy dark-grey background; the conversation asks what the picture
-// shows and the answer is exactly "a <colour> <shape>". Written as PNGs plus train.jsonl and eval.jsonl in the
-// messages format (image paths relative to the JSONL). Deterministic for a seed; the two splits draw from
-// different streams.
+// in one colour (of varying shade) at a random place and size on a noisy, tinted, graded grey background; the
+// conversation asks what the picture shows and the answer is exactly "a <colour> <shape>" ("an orange ...").
+// Written as PNGs plus train.jsonl, val.jsonl (validation: what the demo was tuned on) and eval.jsonl (held out)
+// in the messages format (image paths relative to the JSONL). Deterministic for its seeds; every split draws
+// from its own stream, and the held-out one from its own seed.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -26,11 +27,19 @@ struct SynthSample {
   std::string question, answer;
 };
 
-// Sample `index` of split 0 (train) or 1 (eval), size x size pixels.
+// "a red circle", "an orange square".
+std::string synth_answer(int colour, int shape);
+
+// Sample `index` of split 0 (train), 1 (val) or 2 (eval), size x size pixels.
 SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size);
 
-// Writes dir/images/{train,eval}_NNNNNN.png, dir/train.jsonl and dir/eval.jsonl.
-void write_synth(const std::string& dir, int64_t train, int64_t eval, int size, uint64_t seed);
+struct SynthCounts {
+  int64_t train = 0, val = 0, eval = 0;
+};
+
+// Writes dir/images/{train,val,eval}_NNNNNN.png and dir/{train,val,eval}.jsonl (val.jsonl only if counts.val > 0):
+// train and val from `seed`, eval from `eval_seed`.
+void write_synth(const std::string& dir, const SynthCounts& counts, int size, uint64_t seed, uint64_t eval_seed);
 
 int run_synth(const Deck& deck);
 

@@ -50,6 +50,11 @@ class DevModel {
   DevMemory memory() const;
   // What reserve(b) would allocate for activations, without allocating (the planner's sizing).
   static int64_t activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute = false);
+  // What the constructor allocates: the weights in dt and the fp32 gradients, both full (the planner's sizing).
+  static int64_t weight_bytes(const ParamTable& t, DType dt) { return t.total() * int64_t(dtype_size(dt)); }
+  static int64_t grad_bytes(const ParamTable& t) { return t.total() * 4; }
+  // memory() of a model built with these arguments, reserved for b, on an Exec with ws_bytes of workspace.
+  static DevMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute, int64_t ws_bytes);
 
   // Weights in the compute dtype, table order (unit offsets as in ParamTable): from fp32 host values (the full
   // table, or one unit), or converted on the device from fp32 device masters.
@@ -70,6 +75,8 @@ class DevModel {
 
  private:
   struct Impl;
+  // reserve() and activation_bytes() size the arena here, the one place.
+  static size_t size_arena(Impl& i, const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute);
   double run(TokenStream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
              std::vector<float>* logits_out, double* aux_out, bool aux_loss);
 

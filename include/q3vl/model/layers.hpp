@@ -4,9 +4,11 @@
 // gradients; residual blocks work in place: dx holds dL/d(out) on entry and dL/d(in) on return.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "q3vl/model/config.hpp"
+#include "q3vl/model/hooks.hpp"
 
 namespace q3vl {
 
@@ -68,12 +70,21 @@ std::vector<int64_t> mrope_positions(const ModelConfig& cfg, const int64_t* ids,
                                      const std::vector<int64_t>& grid_thw);
 
 // ---- decoder layer (src/model/decoder.cpp) and MoE block (src/model/moe.cpp) ------------------------------------
+// With expert parallelism (ex set, P.p pointing at this rank's experts only) the gathered rows go to the ranks owning
+// their experts and come back; without, "sent" rows are this rank's own.
 template <class T> struct MoeCtx {
+  ExpertExchange* ex = nullptr;   // null: every expert is local
+  bool recomputed = false;        // a backward's recomputation: its dispatch is not counted again
   std::vector<T> w;               // [N,k] renormalised routing weights
   std::vector<int64_t> start;     // [E+1] offsets of each expert's rows in the gathered buffers
   std::vector<int64_t> rows;      // gathered row -> token*k + slot
-  std::vector<T> gu, y;           // gathered [R, 2Im] pre-activation and [R, H] expert outputs
-  int64_t bytes() const { return vec_bytes(w, start, rows, gu, y); }
+  std::vector<T> y;               // gathered [R, H] expert outputs (combined back)
+  // Owner side: the rows this rank's experts got, expert-major (rank-major as they arrive: perm[i] is the
+  // arrival position of expert-major row i).
+  std::vector<int64_t> send_rows, recv_rows;  // per group rank
+  std::vector<int64_t> ostart, perm, src;     // [El+1] expert offsets; arrival row; sending rank of each row
+  std::vector<T> xo, gu;          // [Ro, H] inputs and [Ro, 2Im] pre-activations
+  int64_t bytes() const { return vec_bytes(w, start, rows, y, send_rows, recv_rows, ostart, perm, src, xo, gu); }
 };
 // out[N,H] = MoE(x); probs [N,E] and idx [N,k] are written to caller-owned slots (pooled for the aux loss).
 template <class T> void moe_fwd(const TextConfig& tc, const ParamView<T>& P, int first, const T* x, int64_t N, T* out,
@@ -98,20 +109,48 @@ template <class T> void decoder_layer_bwd(const ModelConfig& cfg, const ParamVie
                                           const T* probs, const int64_t* idx, const T* aux_dlogits,
                                           DecoderCtx<T>& c);
 
-// Generation (src/model/decoder.cpp): each decoder layer's keys (after QK-norm and RoPE) and values for a batch of
-// sequences, so that a new token only attends to what is cached.
+// Generation (src/model/decoder.cpp): each decoder layer's keys (after QK-norm and RoPE) and values, paged: one pool
+// of fixed-size blocks per layer and a block table per sequence (vLLM's PagedAttention layout), so that sequences
+// of a continuously batched server come and go without moving anyone's cache. A new token only attends to what is
+// cached. max_blocks = 0 lets the pool grow on demand (generate); serve fixes it from its memory budget.
 template <class T> struct KvCache {
-  std::vector<int64_t> len;          // [B] tokens cached per sequence
-  std::vector<int64_t> next_pos;     // [B] M-RoPE position of the next token (spec 4.6 rope_deltas: max prompt position
-                                     // + 1, then one more per generated token, on all three rows)
-  std::vector<std::vector<T>> k, v;  // [layer * B + b]: [len, kv_heads, head_dim]
+  int64_t block = 16;                       // tokens per block
+  int64_t max_blocks = 0;                   // pool size limit in blocks (0: none)
+  int64_t row = 0;                          // kv_heads * head_dim
+  std::vector<int64_t> len;                 // [slot] tokens cached per sequence (-1: a free slot)
+  std::vector<int64_t> next_pos;            // [slot] M-RoPE position of the next token (spec 4.6 rope_deltas: max
+                                            // prompt position + 1, then one more per generated token, on all rows)
+  std::vector<std::vector<int32_t>> table;  // [slot] block ids, in token order
+  std::vector<std::vector<T>> k, v;         // [layer]: pool [blocks * block, row]
+  std::vector<int32_t> free_blocks;
+  int64_t pool_blocks = 0;
+
+  // Empties the cache for `layers` layers of `row` values per token (keeps block and max_blocks).
+  void reset(int layers, int64_t row_);
   int batch() const { return (int)len.size(); }
+  int add();                   // a new empty sequence (a released slot is reused)
+  void open(int s);            // slot s as a new empty sequence (a replica following another cache's add())
+  void release(int s);         // frees the sequence's blocks and slot
+  int64_t blocks_for(int64_t tokens) const { return (tokens + block - 1) / block; }
+  int64_t free_count() const;  // blocks that can still be handed out
+  int64_t used_blocks() const { return pool_blocks - (int64_t)free_blocks.size(); }
+  // Room for n more tokens of sequence s; false (nothing changed) when the pool cannot give enough blocks.
+  bool reserve(int s, int64_t n);
+  T* key(int layer, int s, int64_t pos) { return &k[layer][at(s, pos)]; }
+  T* val(int layer, int s, int64_t pos) { return &v[layer][at(s, pos)]; }
+
+ private:
+  int64_t at(int s, int64_t pos) const { return ((int64_t)table[s][pos / block] * block + pos % block) * row; }
 };
 // Inference through one layer: N new tokens in segments cu, segment s extending cache sequence seqs[s]. A new token
 // attends to its sequence's cached tokens and the new ones up to itself; the new keys and values are appended.
+// Tensor parallelism (serve): a layer holding a slice of the heads and of the MLP's intermediate rows computes partial
+// sums of o_proj's and down_proj's outputs; reduce (when set) sums them over the group, in place.
+template <class T> using PartialSum = std::function<void(T*, int64_t)>;
 template <class T> void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int first, bool moe, T* x,
                                             int64_t N, const std::vector<int64_t>& cu, const std::vector<int>& seqs,
-                                            const T* cos, const T* sin, KvCache<T>& cache, int layer);
+                                            const T* cos, const T* sin, KvCache<T>& cache, int layer,
+                                            const PartialSum<T>& reduce = {});
 
 // ---- LM head + cross-entropy (src/model/loss.cpp), chunked over rows so logits are never all in memory ----------
 // Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null, otherwise only the

@@ -21,16 +21,26 @@ struct ParamInfo {
   std::vector<int64_t> shape;  // compute layout (MoE experts: gate_up [E,2Im,H], down [E,H,Im] = transformers-5)
   int64_t numel = 0;
   int unit = 0;                // ZeRO unit index
-  int64_t offset = 0;          // element offset inside the unit's flat buffer
+  int64_t offset = 0;          // element offset inside the unit's flat buffer (of the elements held)
+  // Expert parallelism: this rank holds elements [held_begin, held_begin + held) of the row-major tensor (its
+  // E/ep experts, contiguous since experts lead the shape); every other tensor is held whole (0, numel).
+  int64_t held_begin = 0, held = 0;
   Part part = Part::LLM;
   bool no_decay = false;       // norms and biases
 };
 
 struct UnitInfo {
   std::string name;            // e.g. "visual.blocks.3", "language_model.layers.0", "head"
-  int64_t numel = 0;
+  int64_t numel = 0;           // elements this rank holds (the held parts of its parameters)
   int64_t offset = 0;          // offset of this unit in a single concatenated buffer (Model's default storage)
   std::vector<int> params;     // ids, in layout order
+  bool experts = false;        // a MoE layer's experts ("language_model.layers.3.mlp.experts"): split over EP ranks
+};
+
+// Expert parallelism (parallel.ep): `size` ranks split every MoE layer's experts, rank `rank` holding experts
+// [rank*E/size, (rank+1)*E/size) whole. Every other parameter is held whole by every rank.
+struct ExpertSplit {
+  int size = 1, rank = 0;
 };
 
 // Layer-local parameter order (id = first + index). Table order within a layer is this order.
@@ -47,7 +57,7 @@ enum { router = mlp0, experts_gate_up = mlp1, experts_down = mlp2 };  // MoE
 
 class ParamTable {
  public:
-  explicit ParamTable(const ModelConfig& cfg);
+  explicit ParamTable(const ModelConfig& cfg, ExpertSplit ep = {});
 
   const ModelConfig& config() const { return cfg_; }
   const std::vector<ParamInfo>& params() const { return params_; }
@@ -55,7 +65,9 @@ class ParamTable {
   const ParamInfo& param(int id) const { return params_.at(id); }
   int id(const std::string& name) const;    // error naming the tensor when absent
   int find(const std::string& name) const;  // -1 when absent
-  int64_t total() const { return total_; }  // sum of all units
+  int64_t total() const { return total_; }  // sum of all units (elements held)
+  const ExpertSplit& ep() const { return ep_; }
+  int experts_per_rank() const { return cfg_.text.num_experts / ep_.size; }
 
   // First parameter id of each group (see the layer-local enums above).
   int vision_embed() const { return vemb_; }
@@ -71,6 +83,7 @@ class ParamTable {
   // an adapter parameter wraps (-1 for base parameters).
   int lora_a(int id) const { return lora_a_.empty() ? -1 : lora_a_[size_t(id)]; }
   int lora_base(int id) const { return lora_base_.empty() ? -1 : lora_base_[size_t(id)]; }
+  int experts(int l) const { return experts_.at(l); }  // first param of layer l's experts unit (-1: dense layer)
 
  private:
   int add(const std::string& name, std::vector<int64_t> shape, Part part, bool no_decay = false);
@@ -83,7 +96,8 @@ class ParamTable {
   std::unordered_map<std::string, int> by_name_;
   int64_t total_ = 0;
   int vemb_ = -1, merger_ = -1, embed_ = -1, norm_ = -1, head_ = -1;
-  std::vector<int> vblk_, ds_, layer_;
+  ExpertSplit ep_;
+  std::vector<int> vblk_, ds_, layer_, experts_;
   std::vector<bool> moe_;
   std::vector<int> lora_a_, lora_base_;
   std::vector<bool> lora_hit_;  // per target pattern: matched something

@@ -44,12 +44,25 @@ TokenStream token_stream(const PackedBatch& b);
 // Patches of the images in grid (checked: positive grids divisible by the merge size, n_pixels matching).
 int64_t image_patches(const VisionConfig& vc, size_t n_pixels, const std::vector<int64_t>& grid);
 
+// One sequence's share of a continuous-batching step (BasicModel::step): tokens appended to cache sequence seq.
+// pos3 [3][n]: their M-RoPE positions (a prompt chunk: a slice of mrope_positions over the whole prompt; empty:
+// the sequence's next positions, as for generated tokens). img [n_img_tokens, H] and ds [deepstack][n_img_tokens*H]:
+// the vision features of the chunk's image tokens, in order (empty without images).
+template <class T>
+struct StepSegment {
+  int seq = 0;
+  std::vector<int64_t> ids, pos3;
+  std::vector<T> img;
+  std::vector<std::vector<T>> ds;
+};
+
 template <class T>
 class BasicModel {
  public:
   // with_storage=false: no full params/grads are ever allocated (ZeRO-3, whose engine binds each unit to a
   // gathered buffer only while it is used); params() and grads() are null and every unit points nowhere.
-  explicit BasicModel(const ModelConfig& cfg, bool with_storage = true);
+  // ep: this rank's share of the MoE experts (expert parallelism; the table holds only those), see set_experts.
+  explicit BasicModel(const ModelConfig& cfg, bool with_storage = true, ExpertSplit ep = {});
 
   const ModelConfig& config() const { return cfg_; }
   ParamTable& table() { return table_; }
@@ -67,6 +80,13 @@ class BasicModel {
   void release_storage();
   // Called around every unit use by forward and backward (prefill/decode too); null: none.
   void set_hooks(UnitHooks* h) { hooks_ = h; }
+  // Expert parallelism: the exchange that moves MoE rows to the ranks owning their experts (its group is the
+  // table's ExpertSplit). Null: every expert is local. Generation and eval need every expert local.
+  void set_experts(ExpertExchange* ex);
+  // A micro-step without tokens on this rank still serves the other ranks' tokens routed to its experts: the same
+  // exchanges in the same order as forward (backward) of a batch, with no rows of its own. Nothing without
+  // an exchange.
+  void idle_pass(bool backward);
   // The units' before_forward (backward: before_backward) calls of one pass over a batch with images, in order;
   // any pass calls a subsequence of it (no images: no vision units). The same on every rank.
   std::vector<int> unit_order(bool backward) const;
@@ -111,6 +131,20 @@ class BasicModel {
                          const std::vector<int64_t>& grid, KvCache<T>& cache);
   // Appends tokens[i] to cached sequence seqs[i] (text tokens only) and returns their next-token logits [n, V].
   std::vector<T> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens, KvCache<T>& cache);
+  // Continuous batching (serve): prompt chunks and generated tokens of several sequences in one pass, each segment
+  // extending its own cache sequence (added by the caller with cache.add()). Returns each segment's last-row
+  // logits [segs, V]. Blocks are reserved as needed; a full pool is an error (the caller reserves ahead).
+  std::vector<T> step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache);
+  // Tensor-parallel inference: this model holds one rank's slice of every decoder layer (serve/tp.hpp shards it);
+  // reduce sums the partial attention and MLP outputs over the group, and the LM head computes only vocabulary rows
+  // [v0, v1), so prefill/decode/step return [rows, v1 - v0] logits.
+  void set_tensor_parallel(PartialSum<T> reduce, int64_t v0, int64_t v1) {
+    tp_reduce_ = std::move(reduce), head_v0_ = v0, head_v1_ = v1;
+  }
+  // The vision tower and mergers alone, for one prompt's images (pixels/grid as prefill): features of its image
+  // tokens img [n, H] and the DeepStack features ds [deepstack][n*H].
+  void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<T>& img,
+                       std::vector<std::vector<T>>& ds);
 
  private:
   using Stream = TokenStream;
@@ -130,6 +164,10 @@ class BasicModel {
   // Hook calls for the unit holding parameter `id`.
   void enter(int id, bool bwd);
   void leave(int id, bool bwd);
+  // Decoder layer l's units: the layer's, then its experts' (MoE).
+  void enter_layer(int l, bool bwd);
+  void leave_layer(int l, bool bwd);
+  void need_all_experts(const char* what) const;
 
   ModelConfig cfg_;
   ParamTable table_;
@@ -138,6 +176,8 @@ class BasicModel {
   UnitHooks* hooks_ = nullptr;
   std::vector<bool> trainable_;
   LoraRun lora_;
+  ExpertExchange* ex_ = nullptr;
+  std::vector<MoeCtx<T>> idle_;  // idle_pass's owner-side contexts per layer
 
   // Saved by forward for backward.
   bool kept_ = false, aux_on_ = false, recompute_ = false;
@@ -157,6 +197,8 @@ class BasicModel {
   std::vector<int64_t> idx_;               // pooled top-k [nmoe*N, k]
   std::vector<int> moe_slot_;              // decoder layer -> MoE slot (-1: dense)
   int64_t count_ = 0;
+  PartialSum<T> tp_reduce_;
+  int64_t head_v0_ = 0, head_v1_ = 0;  // LM-head rows computed (v1 = 0: all)
 };
 
 using Model = BasicModel<float>;

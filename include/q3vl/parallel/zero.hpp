@@ -16,6 +16,10 @@
 // moves past it. Gathers and reduce-scatters go over two duplicates of the shard communicator, so that
 // each has one fixed order (gathers: the pass order; reduce-scatters: the order of each unit's last use).
 //
+// Expert parallelism (parallel/expert.hpp): each MoE layer's experts are a unit of their own holding only this
+// rank's experts; it is sharded over the ranks that hold the same experts (ExpertParallel::replicas()), not over
+// the shard group, and its gradients (already scaled per source rank by the MoE block) are reduced over them only.
+//
 // Hybrid sharding: the shard group is one node and `replica` joins the ranks holding the same shard on other
 // nodes; gradient shards are all-reduced over it once per step.
 #pragma once
@@ -26,6 +30,7 @@
 
 #include "q3vl/model/hooks.hpp"
 #include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/parallel/expert.hpp"
 #include "q3vl/runtime/comm.hpp"
 
 namespace q3vl {
@@ -52,11 +57,55 @@ struct ZeroMemory {
   int64_t state() const { return master + exp_avg + exp_avg_sq + grads; }
 };
 
+// One unit's shard geometry on one rank (from the parameter table and the group size alone).
+struct ZeroUnit {
+  int64_t numel = 0, shard = 0;  // real elements, shard size (padded / group size)
+  bool experts = false;          // sharded over the expert replicas (gather/reduce over ep_->replicas())
+  int64_t lo = 0, count = 0;     // this rank's real range [lo, lo+count) in the unit
+  bool trainable = false;        // any trainable parameter in it
+  int64_t master_off = 0, comm_off = 0;
+  size_t piece_lo = 0, piece_hi = 0;  // its pieces
+  std::vector<size_t> counts, displs;
+};
+
+// A group that shards units: its size and this rank's place in it.
+struct ShardGroup {
+  int size = 1, rank = 0;
+};
+
+// Everything one rank's engine allocates, sized before anything is: the engine's constructor allocates exactly
+// these and the planner (plan/) calls the same function without allocating (DESIGN.md "Size once").
+struct ZeroLayout {
+  std::vector<ZeroUnit> units;
+  std::vector<ShardPiece> pieces;  // pointers null
+  struct Offs { int64_t master, comm, opt; };
+  std::vector<Offs> offs;          // per piece: offsets in the master, comm and optimizer buffers (opt -1: frozen)
+  int64_t master = 0, opt = 0, comm = 0, full_grads = 0;  // elements: master shard, moments/grad shard each,
+                                                          // reduce-scatter landing buffer, stage 1's full grads
+};
+// `experts`: the expert replicas' group (expert parallelism), or null: expert units are sharded like the rest.
+ZeroLayout zero_layout(const ParamTable& t, ShardGroup shard, const ShardGroup* experts, int stage,
+                       const std::vector<bool>& trainable);
+
+// A layout to size without building anything, by degrees (the tests and start-up checks of expert layouts).
+struct ZeroSpec {
+  int world = 1, ep = 1, stage = 3;
+  bool hybrid = false;
+  int node_ranks = 1;  // hybrid: ranks per node (the shard group)
+};
+
 class ZeroEngine {
  public:
   // trainable: one flag per table parameter (frozen ones get no optimizer state, no grads and no update).
   // `replica` may be null (no hybrid). Both comms must outlive the engine.
-  ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable);
+  // `ep` (may be null: every expert local) must be the Model's exchange, made on the shard group = the world.
+  ZeroEngine(Model& model, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
+             ExpertParallel* ep = nullptr);
+  // ZeRO state and working set per rank for a layout, computed from the table alone (nothing allocated): what
+  // memory() reports once built, the stage-3 pool bound aside (0 here). Rank 0's figures (the largest shard).
+  static ZeroMemory estimate(const ModelConfig& cfg, const ZeroSpec& l, const std::vector<bool>& trainable);
+  // Elements of a unit of `numel` that each rank of an n-rank shard group holds (the last may hold fewer).
+  static int64_t shard_size(int64_t numel, int n) { return (numel + n - 1) / n; }
   ~ZeroEngine();
   ZeroEngine(const ZeroEngine&) = delete;
   ZeroEngine& operator=(const ZeroEngine&) = delete;
@@ -64,6 +113,16 @@ class ZeroEngine {
   int stage() const { return stage_; }
   const std::vector<ShardPiece>& pieces() const { return pieces_; }
   ZeroMemory memory() const;
+  // What memory() will say on rank `rank` of a `group_size` shard group, from the table alone (no allocation):
+  // the planner's sizing. working: stages 1/2 the Model's full params + grads, stage 3 0 (pool_bound instead).
+  // backward_order: Model::unit_order(true).
+  // experts: the expert replicas' group under expert parallelism (null: none).
+  static ZeroMemory plan(const ParamTable& t, int group_size, int rank, int stage, const std::vector<bool>& trainable,
+                         const std::vector<int>& backward_order, const ShardGroup* experts = nullptr);
+  // Stage 3's unit pool: at most `params` gathered units and `grads` unit gradient buffers exist at once, none larger
+  // than `biggest` elements (stream_bound() = 4 bytes x biggest x (params + grads)). Devices size it per dtype.
+  struct PoolSlots { int64_t biggest = 0, params = 0, grads = 0; };
+  static PoolSlots pool_slots(const ParamTable& t, const std::vector<int>& backward_order);
   // What one rank would hold without any sharding (same trainable set), for the report and tests.
   ZeroMemory unsharded() const;
   std::string memory_report() const;
@@ -110,15 +169,12 @@ class ZeroEngine {
   void poison_grads();
 
  private:
-  struct Unit {
-    int64_t numel = 0, shard = 0;  // real elements, shard size (padded / group size)
-    int64_t lo = 0, count = 0;     // this rank's real range [lo, lo+count) in the unit
-    bool trainable = false;        // any trainable parameter in it
-    int64_t master_off = 0, comm_off = 0;
-    size_t piece_lo = 0, piece_hi = 0;  // its pieces_
-    std::vector<size_t> counts, displs;
-  };
+  using Unit = ZeroUnit;
   void wait_reduce();
+  Comm& comm(const Unit& u) const { return u.experts ? ep_->replicas() : shard_; }
+  // Stage 3's per-unit communicator duplicates.
+  Comm& gcomm(const Unit& u) const { return u.experts ? *egather_comm_ : *gather_comm_; }
+  Comm& rcomm(const Unit& u) const { return u.experts ? *ereduce_comm_ : *reduce_comm_; }
   void accumulate_comm();  // comm_buf_ -> trainable grad shards
 
   // Stage 3 unit streaming (zero_stream.cpp).
@@ -153,20 +209,21 @@ class ZeroEngine {
   Model& model_;
   Comm& shard_;
   Comm* replica_;
+  ExpertParallel* ep_;
   int stage_;
   std::vector<bool> trainable_;
   std::vector<Unit> units_;
   std::vector<ShardPiece> pieces_;
   std::vector<float> master_, exp_avg_, exp_avg_sq_, grads_, comm_buf_, full_grads_;
   std::vector<int64_t> comm_offs_;  // per piece: its offset in comm_buf_
-  std::vector<std::unique_ptr<CommRequest>> pending_;
+  std::vector<std::pair<Comm*, std::unique_ptr<CommRequest>>> pending_;
   bool gathered_once_ = false;
   bool gather_bf16_ = false;
   int64_t gathered_bytes_ = 0;
   double scale_ = 1.0;
 
   Hooks hooks_{*this};
-  std::unique_ptr<Comm> gather_comm_, reduce_comm_;
+  std::unique_ptr<Comm> gather_comm_, reduce_comm_, egather_comm_, ereduce_comm_;
   std::vector<int> order_[2];          // Model::unit_order(false / true)
   std::vector<int> last_use_, rs_order_;  // backward: each unit's last slot; units by it
   bool backward_ = false, in_pass_ = false;

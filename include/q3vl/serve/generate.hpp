@@ -2,6 +2,7 @@
 // model or a training checkpoint, with a KV cache (Model::prefill / Model::decode) and greedy or seeded sampling.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 namespace q3vl {
 
 class Tokenizer;
+struct Conversation;
 
 struct SamplingParams {
   double temperature = 0;     // 0: greedy (argmax, lowest id on ties)
@@ -51,6 +53,35 @@ std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prom
 // file:line (bad record, unknown role, missing or unreadable image, prompt longer than max_context tokens).
 GenPrompt make_prompt(const std::string& line_text, const std::string& file, long line, const Tokenizer& tok,
                       const ImageConfig& icfg, int64_t max_context);
+
+// generate's make_prompt after parsing, and serve's: a conversation whose images are given decoded (in
+// c.images order) -> template, image pads, pixels, "<|im_start|>assistant\n" appended. Errors name c.where().
+GenPrompt encode_prompt(const Conversation& c, const std::vector<RgbImage>& images, const Tokenizer& tok,
+                        const ImageConfig& icfg);
+
+// The model generate and serve run, chosen by the deck: model.hf, model.preset (random weights) or the checkpoint
+// under checkpoint_key (a file, or a folder: its newest complete checkpoint; config from the checkpoint).
+struct ModelSource {
+  std::string mode;        // "generate" or "serve", for messages
+  std::string checkpoint;  // resolved file, or empty
+  ModelConfig cfg;         // cfg.lora: the LoRA checkpoint's trained [lora], else the deck's (lora.adapter)
+  // A LoRA checkpoint (its trained deck has lora.rank > 0) holds only adapters: load_model builds its base first
+  // from the trained deck's model.hf, else its random init from run.seed.
+  bool adapters_only = false;
+  std::string base_hf;
+  uint64_t base_seed = 0;
+};
+ModelSource model_source(const Deck& deck, const std::string& checkpoint_key);
+// The weights: base (checkpoint, model.hf or random), then the adapters (the LoRA checkpoint's, or lora.adapter's
+// PEFT folder on top of a base).
+std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src);
+// A model directory is self-sufficient: tokenizer.json and the image pixel bounds (preprocessor_config.json's
+// size.shortest_edge / longest_edge) come from model.hf unless the deck gives tokenizer.path / MODE.min_pixels /
+// MODE.max_pixels (MODE: "generate" or "serve").
+std::string tokenizer_file(const Deck& d);
+ImageConfig image_config(const Deck& d, const std::string& mode, const ModelConfig& cfg);
+// What every request of a model shares: stop on eos; never the padded vocabulary or the image/video pads.
+SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok);
 
 int run_generate(const Deck& deck);
 

@@ -20,8 +20,26 @@ struct LossScaling {
   int64_t good = 0;       // good steps since the last change
 };
 
+// The arena budget train sizes the GPU for: the largest micro-batch the loader can make. An image token stands for
+// merge^2 patches; max_patches (train.max_patches, 0: as if every token were an image token) bounds them.
+DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_len, int64_t max_patches);
+
+// A DevTrainer's device memory by kind: the model's, plus fp32 masters, both AdamW moments and the norm scratch.
+struct DevTrainerMemory {
+  DevMemory model;
+  int64_t optimizer = 0;
+  int64_t total() const { return model.total() + optimizer; }
+};
+
 class DevTrainer {
  public:
+  static constexpr int64_t kWorkspaceBytes = int64_t(256) << 20;  // the Exec's GEMM/attention workspace
+  static constexpr int64_t kNormBytes = 16;                       // norm sum + non-finite count
+  // What a DevTrainer built with these arguments allocates on its device, without allocating (the planner's sizing).
+  // (A CPU Exec has no workspace: tests size the CPU op layer with Device::CPU.)
+  static DevTrainerMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
+                               Device d = Device::CUDA);
+  static int64_t moment_bytes(const ParamTable& t) { return t.total() * 4; }  // one of master, m, v
   // On the GPU in training; the CPU (fp32) runs the same code in tests.
   DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt, const DevBudget& budget,
              bool recompute, LossScaling ls);
@@ -33,7 +51,7 @@ class DevTrainer {
 
   void begin_step();
   // Loss of a micro-batch (kept for backward); backward adds weight * its gradient (weight = n / n_global).
-  double forward(const PackedBatch& b);
+  double forward(const PackedBatch& b, double* aux_out = nullptr, bool aux_loss = false);
   int64_t supervised_tokens() const { return model_->supervised_tokens(); }
   void backward(double weight);
   // Squared norm of the (unscaled) gradient of the trainable parameters; false when any element is not finite.
@@ -46,7 +64,8 @@ class DevTrainer {
   void set_loss_scale(double s) { ls_.scale = s; }
 
   std::string memory_report() const;
-  int64_t device_bytes() const;  // everything this trainer allocated on the GPU
+  DevTrainerMemory memory() const;  // what this trainer allocated on its device
+  int64_t device_bytes() const { return memory().total(); }
 
  private:
   struct Run {  // adjacent parameters with the same flags: one optimizer launch

@@ -1,0 +1,544 @@
+// The planner (include/q3vl/plan/plan.hpp). Bytes come from the allocators' own sizing functions; the time model is
+// FLOPs / GEMM rate + bytes / link bandwidth with the overlap the ZeRO engine implements.
+#include "q3vl/plan/plan.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/model/dev_model.hpp"
+#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/runtime/runtime.hpp"
+#include "q3vl/tensor/dev.hpp"
+#include "q3vl/train/dev_trainer.hpp"
+#include "q3vl/train/flops.hpp"
+#include "q3vl/train/train.hpp"
+
+namespace q3vl {
+
+namespace {
+
+constexpr double kGiB = double(int64_t(1) << 30);
+// Model assumptions that are not byte counts (stated in the report). A GEMM-bound step reaches about half the
+// dense peak (DESIGN.md's target is 55-60% MFU); collectives about 80% of the link.
+constexpr double kGemmEfficiency = 0.5;
+constexpr double kLinkEfficiency = 0.8;
+constexpr double kHbmEfficiency = 0.7;
+constexpr double kHostMemGBs = 100;                  // host memory bandwidth per node for the CPU AdamW (offload)
+constexpr int64_t kGpuReserve = int64_t(3) << 29;    // 1.5 GiB: CUDA context, NCCL buffers, allocator slack
+constexpr int64_t kHostReserve = int64_t(16) << 30;  // per node: OS, the processes' code, the loader, MPI
+constexpr double kAdamBytes = 28;                    // AdamW reads p, g, m, v and writes p, m, v (fp32)
+
+std::string gib(int64_t b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", double(b) / kGiB);
+  return buf;
+}
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+}  // namespace
+
+// ---- hardware ----
+
+const std::vector<std::string>& gpu_preset_names() {
+  static const std::vector<std::string> n = {"A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"};
+  return n;
+}
+
+Hardware gpu_preset(const std::string& name) {
+  // Memory as the driver reports it; dense bf16 peak; NVLink per direction; one NIC per GPU (HDR 200 Gbit/s on
+  // A100 systems, NDR 400 on H100/H200); HBM bandwidth; PCIe 4 (A100) or 5 effective per direction.
+  Hardware h;
+  h.gpu = name;
+  const int64_t MiB = int64_t(1) << 20;
+  if (name == "A100-40GB") h.gpu_mem = 40960 * MiB, h.tflops = 312, h.nvlink_gbps = 2400, h.link_gbps = 200,
+                           h.hbm_gbs = 1555, h.pcie_gbs = 25;
+  else if (name == "A100-80GB") h.gpu_mem = 81920 * MiB, h.tflops = 312, h.nvlink_gbps = 2400, h.link_gbps = 200,
+                                h.hbm_gbs = 2039, h.pcie_gbs = 25;
+  else if (name == "H100-80GB") h.gpu_mem = 81559 * MiB, h.tflops = 989, h.nvlink_gbps = 3600, h.link_gbps = 400,
+                                h.hbm_gbs = 3350, h.pcie_gbs = 50;
+  else if (name == "H200-141GB") h.gpu_mem = 143771 * MiB, h.tflops = 989, h.nvlink_gbps = 3600, h.link_gbps = 400,
+                                 h.hbm_gbs = 4800, h.pcie_gbs = 50;
+  else {
+    std::string list;
+    for (const auto& n : gpu_preset_names()) list += (list.empty() ? "" : ", ") + n;
+    fail_all("plan.gpu = \"" + name + "\": unknown GPU (presets: " + list +
+             "; or give plan.gpu_mem, plan.gpu_tflops, plan.link_gbps by hand)");
+  }
+  return h;
+}
+
+int64_t parse_bytes(const std::string& key, const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit((unsigned char)text[i]) || text[i] == '.')) ++i;
+  const std::string num = text.substr(0, i);
+  std::string unit = text.substr(i);
+  unit.erase(0, unit.find_first_not_of(' '));
+  const std::string ex = " (e.g. 256GiB, 80GB, 2TiB)";
+  if (num.empty() || std::count(num.begin(), num.end(), '.') > 1)
+    fail_all(key + " = \"" + text + "\": not a memory size" + ex);
+  if (unit.empty()) fail_all(key + " = \"" + text + "\": a memory size needs a unit" + ex);
+  static const std::map<std::string, double> units = {
+      {"B", 1},      {"KB", 1e3},         {"MB", 1e6},         {"GB", 1e9},         {"TB", 1e12},
+      {"KiB", 1024}, {"MiB", 1048576.0},  {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+  auto u = units.find(unit);
+  if (u == units.end()) fail_all(key + " = \"" + text + "\": unknown unit '" + unit + "'" + ex);
+  const double v = std::stod(num) * u->second;
+  if (!(v >= 1)) fail_all(key + " = \"" + text + "\": must be more than zero bytes");
+  return int64_t(v);
+}
+
+Hardware hardware_from_deck(const Deck& d) {
+  Hardware h = gpu_preset(d.str("plan.gpu"));
+  h.nodes = int(d.integer("plan.nodes"));
+  h.gpus_per_node = int(d.integer("plan.gpus_per_node"));
+  h.host_mem = parse_bytes("plan.host_mem", d.str("plan.host_mem"));
+  if (!d.str("plan.gpu_mem").empty()) h.gpu_mem = parse_bytes("plan.gpu_mem", d.str("plan.gpu_mem")), h.gpu += "*";
+  if (d.real("plan.gpu_tflops") > 0) h.tflops = d.real("plan.gpu_tflops"), h.gpu += "*";
+  if (d.real("plan.link_gbps") > 0) h.link_gbps = d.real("plan.link_gbps");
+  if (d.real("plan.nvlink_gbps") > 0) h.nvlink_gbps = d.real("plan.nvlink_gbps");
+  return h;
+}
+
+std::string Hardware::describe() const {
+  return std::to_string(nodes) + " node(s) x " + std::to_string(gpus_per_node) + " " + gpu + " (" + gib(gpu_mem) +
+         " GiB, " + fmt("%.0f", tflops) + " TFLOP/s bf16, NVLink " + fmt("%.0f", nvlink_gbps) + " Gbit/s, network " +
+         fmt("%.0f", link_gbps) + " Gbit/s per GPU), host " + gib(host_mem) + " GiB per node";
+}
+
+// ---- layouts ----
+
+std::string Layout::describe() const {
+  return "ZeRO-" + std::to_string(stage) + (offload ? " + optimizer offload" : "") + (hybrid ? ", hybrid" : "") +
+         (ep > 1 ? ", EP " + std::to_string(ep) : "") + ", micro-batch " + std::to_string(micro_batch) +
+         ", recompute " + (recompute ? "block" : "none");
+}
+
+std::string Layout::deck_lines(DType gather) const {
+  std::string s = "[parallel]\nzero_stage = " + std::to_string(stage) + "\nhybrid = " + (hybrid ? "true" : "false") +
+                  "\n";
+  if (gather != DType::F32) s += "gather_dtype = \"bf16\"\n";
+  if (offload) s += "# offload_optimizer = true   # not built yet: optimizer state on the host\n";
+  if (ep > 1) s += "# ep = " + std::to_string(ep) + "   # not built yet: expert parallelism\n";
+  s += "[train]\nmicro_batch = " + std::to_string(micro_batch) + "\nrecompute = \"" + (recompute ? "block" : "none") +
+       "\"\n";
+  return s;
+}
+
+std::string Bytes::largest(int n) const {
+  std::pair<int64_t, const char*> k[] = {{weights, "weights"},         {gathered, "gathered units"},
+                                         {grads, "gradients"},         {optimizer, "optimizer state"},
+                                         {activations, "activations"}, {workspace, "workspace"},
+                                         {comm, "comm buffers"}};
+  std::stable_sort(std::begin(k), std::end(k), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string s;
+  for (int i = 0; i < n && k[i].first > 0; ++i) s += (i ? ", " : "") + std::string(k[i].second) + " " + gib(k[i].first);
+  return s;
+}
+
+// ---- workload ----
+
+Workload workload_from_deck(const Deck& d, std::string* note) {
+  Workload w;
+  std::string json;
+  const std::string hf = d.str("model.hf");
+  if (!hf.empty() && !std::filesystem::exists(hf + "/config.json")) {
+    // Planning happens before the weights are downloaded: a released size named in the path is enough.
+    std::string best;
+    for (const auto& n : preset_names())
+      if (hf.find(n) != std::string::npos && n.size() > best.size()) best = n;
+    if (best.empty())
+      fail_all("model.hf = \"" + hf + "\": no config.json there, and the path names no built-in size (" +
+               "give model.preset instead)");
+    w.cfg = preset_config(best);
+    w.model_name = best;
+    if (note) *note = "model.hf's config.json is not here: sizing the built-in " + best + " (the released config)";
+  } else {
+    w.cfg = model_config(d, &json);
+    w.model_name = !d.str("model.preset").empty() ? d.str("model.preset") : hf;
+  }
+  w.dt = compute_dtype(d.str("model.dtype"));
+  w.seq_len = d.integer("data.seq_len");
+  w.global_batch = d.integer("train.global_batch");
+  w.max_patches = d.integer("train.max_patches");
+  const Model m(w.cfg, /*with_storage=*/false);
+  w.trainable = trainable_flags(m.table(), d);
+  w.backward_order = m.unit_order(true);
+  return w;
+}
+
+ZeroMemory host_zero_bytes(const Workload& w, int n, int r, int stage) {
+  return ZeroEngine::plan(ParamTable(w.cfg), n, r, stage, w.trainable, w.backward_order);
+}
+
+// ---- one layout ----
+
+namespace {
+
+// The largest value of each kind over a shard group's ranks (rank 0 holds the most unless frozen tensors sit
+// unevenly). Cached: the search sizes the same groups many times.
+ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int stage) {
+  // Keyed by what the layout depends on: the table (its size and unit count stand for it), the trained set, n, stage.
+  static std::map<std::tuple<int64_t, size_t, std::vector<bool>, int, int>, ZeroMemory> cache;
+  auto key = std::make_tuple(t.total(), t.units().size(), w.trainable, n, stage);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  ZeroMemory m;
+  auto mx = [](int64_t& a, int64_t b) { a = std::max(a, b); };
+  for (int r = 0; r < n; r += std::max(1, n / 16)) {  // evenly spread ranks: the pieces repeat with the rank
+    const ZeroMemory z = ZeroEngine::plan(t, n, r, stage, w.trainable, w.backward_order);
+    mx(m.master, z.master), mx(m.exp_avg, z.exp_avg), mx(m.exp_avg_sq, z.exp_avg_sq), mx(m.grads, z.grads);
+    mx(m.comm, z.comm), mx(m.working, z.working), mx(m.pool_bound, z.pool_bound);
+  }
+  return cache[key] = m;
+}
+
+}  // namespace
+
+Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
+  Candidate c;
+  c.layout = l;
+  const ParamTable t(w.cfg);
+  const int R = hw.ranks(), n = l.hybrid ? hw.gpus_per_node : R;
+  const int64_t g = int64_t(dtype_size(w.dt));
+  const DevBudget budget = train_budget(w.cfg, l.micro_batch, w.seq_len, w.max_patches);
+  int64_t trained = 0;
+  for (size_t i = 0; i < w.trainable.size(); ++i) trained += w.trainable[i] ? t.param(int(i)).numel : 0;
+
+  // GPU bytes.
+  if (R == 1) {
+    // One GPU is what train runs today: the DevTrainer, sized by its own function.
+    const DevTrainerMemory d = DevTrainer::plan(w.cfg, w.dt, budget, l.recompute);
+    c.gpu.weights = d.model.weights;
+    c.gpu.grads = d.model.grads;
+    c.gpu.optimizer = l.offload ? 0 : d.optimizer;
+    c.gpu.activations = d.model.activations;
+    c.gpu.workspace = d.model.workspace;
+    c.built = !l.offload && !l.hybrid && l.ep == 1;
+  } else {
+    // Several GPUs (ZeRO over NCCL, not built yet): the ZeRO engine's shards on the device, its stage-3 pool in the
+    // compute dtype, and the one-GPU model's weights, gradients, arena and workspace where the stage keeps them.
+    const ZeroMemory z = zero_max(w, t, n, l.stage);
+    if (l.stage < 3) {
+      c.gpu.weights = DevModel::weight_bytes(t, w.dt);
+      c.gpu.grads = DevModel::grad_bytes(t) + z.grads;  // the model's full gradients + the shard accumulator
+    } else {
+      const ZeroEngine::PoolSlots s = ZeroEngine::pool_slots(t, w.backward_order);
+      c.gpu.gathered = s.biggest * (s.params * g + s.grads * 4);
+      c.gpu.grads = z.grads;
+    }
+    c.gpu.optimizer = l.offload ? 0 : z.master + z.exp_avg + z.exp_avg_sq + DevTrainer::kNormBytes;
+    c.gpu.activations = DevModel::activation_bytes(w.cfg, w.dt, budget, l.recompute);
+    c.gpu.workspace = DevTrainer::kWorkspaceBytes;
+    c.gpu.comm = z.comm;
+  }
+  // Host bytes per rank: train keeps the ZeRO engine's shards on the host on the GPU path too (stage 3: checkpoint
+  // staging; offload would update them there in place), so they are the same with or without offload.
+  {
+    const ZeroMemory h = zero_max(w, t, n, 3);
+    c.host.optimizer = h.master + h.exp_avg + h.exp_avg_sq;
+    c.host.grads = h.grads;
+    c.host.comm = h.comm;
+  }
+  c.host_node = int64_t(hw.gpus_per_node) * c.host.total() + kHostReserve;
+  c.gpu_need = c.gpu.total() + kGpuReserve;
+  c.fits = c.gpu_need <= hw.gpu_mem && c.host_node <= hw.host_mem;
+  if (c.gpu_need > hw.gpu_mem)
+    c.why = "GPU needs " + gib(c.gpu_need) + " GiB of " + gib(hw.gpu_mem) + " (most: " + c.gpu.largest(1) + " GiB)";
+  if (c.host_node > hw.host_mem)
+    c.why += std::string(c.why.empty() ? "" : "; ") + "host needs " + gib(c.host_node) + " GiB per node of " +
+             gib(hw.host_mem);
+
+  // Time. Each rank runs micro_steps micro-batches of micro_batch packed sequences per step (text tokens only:
+  // images add their patches' ViT FLOPs).
+  c.micro_steps = std::max<int64_t>(1, (w.global_batch + int64_t(R) * l.micro_batch - 1) / (int64_t(R) * l.micro_batch));
+  FlopCounts fc;
+  fc.tokens = double(l.micro_batch * w.seq_len);
+  fc.text_keys = double(l.micro_batch) * double(w.seq_len) * double(w.seq_len + 1) / 2;
+  const double flops_micro = train_flops(t, fc);
+  c.flops = flops_micro * double(c.micro_steps) * R;  // model FLOPs of the step (MFU's numerator)
+  const double rate = hw.tflops * 1e12 * kGemmEfficiency;
+  const double t_micro = flops_micro * (l.recompute ? 4.0 / 3.0 : 1.0) / rate;  // recompute: one more forward
+  c.t_compute = t_micro * double(c.micro_steps);
+  // Ring collectives move (n-1)/n of the buffer per rank; a group spanning nodes runs at the network's speed.
+  const bool spans = !l.hybrid && hw.nodes > 1;
+  const double bw = (spans ? hw.link_gbps : hw.nvlink_gbps) / 8 * 1e9 * kLinkEfficiency;
+  const double f = n > 1 ? double(n - 1) / n : 0.0, P = double(t.total()), Ptr = double(trained);
+  const double gather = P * double(g) * f / bw, reduce = Ptr * 4 * f / bw;
+  double exposed = 0;
+  if (R > 1) {
+    if (l.stage == 3) {
+      // Each unit is gathered for forward and backward (prefetched one ahead) and its gradients reduce-scattered
+      // as soon as complete: hidden behind compute up to the compute time; the first gather is not.
+      const ZeroEngine::PoolSlots s = ZeroEngine::pool_slots(t, w.backward_order);
+      const double per_micro = 2 * gather + reduce;
+      exposed = double(c.micro_steps) * std::max(0.0, per_micro - t_micro) + double(s.biggest) * double(g) * f / bw;
+    } else if (l.stage == 2) {
+      // Reduce-scatters overlap the next micro-step's forward (a third of it); the last one and the gather after
+      // the update are exposed.
+      exposed = double(c.micro_steps - 1) * std::max(0.0, reduce - t_micro / 3) + reduce + gather;
+    } else {
+      exposed = reduce + gather;  // once per step, after the last backward and after the update
+    }
+    if (l.hybrid && hw.nodes > 1)  // gradient shards all-reduced across nodes, blocking, in finish_grads
+      exposed += 2 * (Ptr * 4 / n) * double(hw.nodes - 1) / hw.nodes / (hw.link_gbps / 8 * 1e9 * kLinkEfficiency);
+  }
+  c.t_comm = exposed;
+  const double shard = Ptr / n;
+  if (!l.offload) {
+    c.t_opt = kAdamBytes * shard / (hw.hbm_gbs * 1e9 * kHbmEfficiency);
+  } else {
+    // Gradients down and updated masters up over PCIe; AdamW on the host's memory bandwidth, shared by its ranks.
+    c.t_opt = 8 * shard / (hw.pcie_gbs * 1e9) + kAdamBytes * shard * hw.gpus_per_node / (kHostMemGBs * 1e9);
+  }
+  c.t_step = c.t_compute + c.t_comm + c.t_opt;
+  return c;
+}
+
+std::vector<Candidate> plan_candidates(const Workload& w, const Hardware& hw) {
+  std::vector<Candidate> out;
+  const int R = hw.ranks();
+  for (int stage : {1, 2, 3})
+    for (bool offload : {false, true})
+      for (bool hybrid : {false, true}) {
+        if (hybrid && (hw.nodes < 2 || hw.gpus_per_node < 2)) continue;
+        if (R == 1 && stage != 3) continue;  // one GPU: the stages are the same (nothing to shard)
+        for (int ep : {1})  // expert parallelism: another issue; its degrees go here
+          for (int64_t mb : {1, 2, 4, 8}) {
+            if (mb > 1 && int64_t(R) * mb > w.global_batch) break;  // ranks would sit idle
+            for (bool rc : {false, true}) {
+              Layout l;
+              l.stage = stage, l.offload = offload, l.hybrid = hybrid, l.ep = ep, l.micro_batch = mb, l.recompute = rc;
+              out.push_back(sized_layout(w, hw, l));
+            }
+          }
+      }
+  std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.fits != b.fits) return a.fits;
+    if (a.fits) {  // equal times (to 3 digits): the one that needs less memory
+      const double ta = std::stod(fmt("%.3g", a.t_step)), tb = std::stod(fmt("%.3g", b.t_step));
+      return ta != tb ? ta < tb : a.gpu_need < b.gpu_need;
+    }
+    // Misses: the one closest to fitting first.
+    auto over = [](const Candidate& c) { return double(c.gpu_need) + double(c.host_node) * 1e-3; };
+    return over(a) < over(b);
+  });
+  return out;
+}
+
+// ---- q3vl plan ----
+
+namespace {
+
+std::string row(const Candidate& c) {
+  const Layout& l = c.layout;
+  const Bytes& b = c.gpu;
+  char buf[400];
+  std::snprintf(buf, sizeof buf,
+                "  %d  %-3s %-3s %2d %3lld %-5s | %7s %7s %7s %7s %7s %5s %5s | %7s %8s | %8.2f %6.2f %s",
+                l.stage, l.offload ? "yes" : "no", l.hybrid ? "yes" : "no", l.ep, (long long)l.micro_batch,
+                l.recompute ? "block" : "none", gib(b.weights).c_str(), gib(b.gathered).c_str(), gib(b.grads).c_str(),
+                gib(b.optimizer).c_str(), gib(b.activations).c_str(), gib(b.workspace).c_str(), gib(b.comm).c_str(),
+                gib(c.gpu_need).c_str(), gib(c.host_node).c_str(), c.t_step, c.t_comm,
+                c.fits ? (c.layout.offload ? "fits (offload not built)" : "fits") : "no");
+  return buf;
+}
+
+const char* kHeader =
+    "  ZeRO off hyb ep  mb recmp | weights gathrd   grads   optim  activ  work  comm | GPU tot host/node |   step s "
+    "comm s\n";
+
+// Fewest nodes of this kind (same GPU, GPUs and host memory per node) on which some layout with this offload fits.
+int fewest_nodes(const Workload& w, Hardware hw, bool offload, Candidate* best) {
+  auto fits = [&](int nodes, Candidate* out) {
+    hw.nodes = nodes;
+    for (const Candidate& c : plan_candidates(w, hw))
+      if (c.fits && c.layout.offload == offload) {
+        if (out) *out = c;
+        return true;
+      }
+    return false;
+  };
+  int hi = 1;
+  while (!fits(hi, nullptr)) {
+    if (hi >= 4096) return -1;
+    hi *= 2;
+  }
+  int lo = hi / 2;  // lo does not fit (or is 0)
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    (fits(mid, nullptr) ? hi : lo) = mid;
+  }
+  fits(hi, best);
+  return hi;
+}
+
+int plan_serve(const Deck& d, const Workload& w, const Hardware& hw) {
+  // A first version: weights split over tensor x pipeline degrees, what is left of each GPU for the KV cache.
+  // (Serving is another issue; its sizing functions replace these lines when it lands.)
+  const ParamTable t(w.cfg);
+  const TextConfig& tc = w.cfg.text;
+  const int64_t ctx = d.integer("generate.max_context") + d.integer("generate.max_new_tokens");
+  std::printf("serve layouts (weights split evenly over TP x PP; KV cache bf16, context %lld tokens):\n",
+              (long long)ctx);
+  std::printf("  TP  PP weights  | weights/GPU  KV/token/GPU  KV capacity       sequences\n");
+  bool any = false;
+  for (int pp = 1; pp <= hw.nodes; pp *= 2)
+    for (int tp = 1; tp <= hw.gpus_per_node; tp *= 2)
+      for (const char* prec : {"bf16", "int8"}) {
+        const int64_t wbytes = t.total() * (prec[0] == 'b' ? 2 : 1) / (int64_t(tp) * pp);
+        const int64_t kv_heads = std::max<int64_t>(1, tc.kv_heads / tp);
+        const int64_t kv_tok = 2 * kv_heads * tc.head_dim * 2 * ((tc.layers + pp - 1) / pp);
+        const int64_t left = hw.gpu_mem - kGpuReserve - DevTrainer::kWorkspaceBytes - wbytes;
+        const int64_t tokens = left > 0 ? left / kv_tok : 0;
+        any = any || tokens >= ctx;
+        std::printf("  %2d  %2d  %-5s   | %8s GiB  %9lld B  %9lld tok  %9lld\n", tp, pp, prec, gib(wbytes).c_str(),
+                    (long long)kv_tok, (long long)tokens, (long long)(tokens / ctx));
+      }
+  return any ? 0 : 2;
+}
+
+}  // namespace
+
+int run_plan(const Deck& d) {
+  const Hardware hw = hardware_from_deck(d);
+  std::string note;
+  const Workload w = workload_from_deck(d, &note);
+  const ParamTable t(w.cfg);
+  if (Runtime::get().world().rank() != 0) return 0;  // one report
+  int64_t trained = 0;
+  for (size_t i = 0; i < w.trainable.size(); ++i) trained += w.trainable[i] ? t.param(int(i)).numel : 0;
+  std::printf("plan: Qwen3-VL %s, %.2f B parameters (%.2f B trained), compute %s\n", w.model_name.c_str(),
+              double(t.total()) / 1e9, double(trained) / 1e9, dtype_name(w.dt));
+  if (!note.empty()) std::printf("  %s\n", note.c_str());
+  std::printf("hardware: %s\n", hw.describe().c_str());
+  if (d.str("plan.for") == "serve") return plan_serve(d, w, hw);
+  std::printf("training: seq_len %lld, global batch %lld sequences, %d rank(s)\n", (long long)w.seq_len,
+              (long long)w.global_batch, hw.ranks());
+  std::printf("model states unsharded: fp32 masters %s GiB, AdamW moments %s GiB, fp32 gradients %s GiB: %s GiB in "
+              "all (%.2f TB)\n",
+              gib(t.total() * 4).c_str(), gib(trained * 8).c_str(), gib(trained * 4).c_str(),
+              gib(t.total() * 4 + trained * 12).c_str(), double(t.total() * 4 + trained * 12) / 1e12);
+  std::printf("machine totals: GPU %s GiB, host %s GiB\n", gib(int64_t(hw.ranks()) * hw.gpu_mem).c_str(),
+              gib(int64_t(hw.nodes) * hw.host_mem).c_str());
+
+  const std::vector<Candidate> cs = plan_candidates(w, hw);
+  std::printf("\ncandidates, GiB per GPU (the largest rank) and per node's host; step time predicted:\n%s", kHeader);
+  const size_t show = std::min(cs.size(), size_t(d.integer("plan.show")));
+  for (size_t i = 0; i < show; ++i) std::printf("%s\n", row(cs[i]).c_str());
+  if (show < cs.size()) std::printf("  ... %zu more (plan.show)\n", cs.size() - show);
+  std::printf("  (GPU tot adds %s GiB of CUDA context and NCCL; host/node adds %s GiB for the OS and processes. "
+              "Time: FLOPs at %.0f%% of peak, links at %.0f%%, the ZeRO engine's overlap; text tokens only.)\n",
+              gib(kGpuReserve).c_str(), gib(kHostReserve).c_str(), kGemmEfficiency * 100, kLinkEfficiency * 100);
+  if (hw.ranks() > 1)
+    std::printf("  (several GPUs: ZeRO over NCCL is not built yet; these are the design's numbers from the same "
+                "sizing functions.)\n");
+  if (w.cfg.moe())
+    std::printf("  (MoE: expert-parallel degrees are listed as ep 1 until expert parallelism is built; each MoE "
+                "decoder layer is one ZeRO unit with all its experts.)\n");
+
+  const Candidate& best = cs.front();
+  int rc = 0;
+  if (best.fits) {
+    const double tokens = double(w.global_batch * w.seq_len);
+    std::printf("\nfastest that fits: %s\n  %s GiB per GPU of %s, %s GiB host per node of %s; step %.2f s "
+                "(compute %.2f, exposed comm %.2f, optimizer %.2f), %.0f tokens/s, MFU %.0f%%\n",
+                best.layout.describe().c_str(), gib(best.gpu_need).c_str(), gib(hw.gpu_mem).c_str(),
+                gib(best.host_node).c_str(), gib(hw.host_mem).c_str(), best.t_step, best.t_compute, best.t_comm,
+                best.t_opt, tokens / best.t_step, 100 * best.flops / best.t_step / (hw.tflops * 1e12 * hw.ranks()));
+    std::printf("deck lines:\n%s", best.layout.deck_lines(w.dt).c_str());
+  } else {
+    rc = 2;
+    std::printf("\nnothing fits on %d x %d %s with %s GiB host per node.\n  closest: %s: %s\n", hw.nodes,
+                hw.gpus_per_node, hw.gpu.c_str(), gib(hw.host_mem).c_str(), best.layout.describe().c_str(),
+                best.why.c_str());
+    std::printf("  dominant, GiB per GPU: %s; per host rank: %s\n", best.gpu.largest(3).c_str(),
+                best.host.largest(3).c_str());
+  }
+  // The smallest hardware of this kind, with and without offload (asked either way: it is the question users have).
+  std::printf("\nfewest nodes of %d x %s with %s GiB host each:\n", hw.gpus_per_node, hw.gpu.c_str(),
+              gib(hw.host_mem).c_str());
+  {  // The floor no layout beats: the model states alone (masters, moments, gradients) spread over every GPU.
+    const int64_t states = t.total() * 4 + trained * 12;
+    std::printf("  %-22s %lld GPUs (%s GiB of model states / %s GiB, nothing else counted)\n", "lower bound:",
+                (long long)((states + hw.gpu_mem - 1) / hw.gpu_mem), gib(states).c_str(), gib(hw.gpu_mem).c_str());
+  }
+  for (bool off : {false, true}) {
+    Candidate c;
+    const int nodes = fewest_nodes(w, hw, off, &c);
+    if (nodes < 0) std::printf("  %-22s none up to 4096 nodes\n", off ? "with optimizer offload:" : "no offload:");
+    else
+      std::printf("  %-22s %d node(s) = %d GPUs: %s, %s GiB per GPU, %s GiB host per node, step %.2f s\n",
+                  off ? "with optimizer offload:" : "no offload:", nodes, nodes * hw.gpus_per_node,
+                  c.layout.describe().c_str(), gib(c.gpu_need).c_str(), gib(c.host_node).c_str(), c.t_step);
+  }
+  return rc;
+}
+
+// ---- parallel.layout = "auto" ----
+
+void choose_layout(Deck& d) {
+  Runtime& rt = Runtime::get();
+  Comm& world = rt.world();
+  const Placement& p = rt.where();
+  const bool cuda = d.str("model.backend") == "cuda";
+  // The machine this job has: its ranks and nodes, the smallest device and host memory over the ranks.
+  Hardware hw = gpu_preset("H200-141GB");  // speeds only rank layouts against each other
+  hw.gpu = cuda ? "this GPU" : "CPU rank";
+  hw.nodes = p.nodes;
+  hw.gpus_per_node = int(world.max(p.local_size));
+  const double host = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  hw.host_mem = int64_t(world.min(host));
+  // CPU ranks: the "device" is the rank's share of the node's memory, which then holds the ZeRO shards already.
+  double dev_mem = host / hw.gpus_per_node;
+  if (!cuda) hw.host_mem = int64_t(1) << 62;
+  if (cuda && dev::device_count() > 0) {
+    dev::Exec ex = dev::make_exec(Device::CUDA, 0, std::max(0, p.gpu));
+    size_t free_b = 0, total_b = 0;
+    dev::memory_info(ex, &free_b, &total_b);
+    dev::destroy_exec(ex);
+    dev_mem = double(total_b);
+  }
+  hw.gpu_mem = int64_t(world.min(dev_mem));
+  Workload w = workload_from_deck(d);
+  if (!cuda) w.dt = DType::F32;
+  std::vector<Candidate> cs = plan_candidates(w, hw);
+  // Only what train runs: no offload or EP yet, and several CUDA ranks not at all.
+  cs.erase(std::remove_if(cs.begin(), cs.end(),
+                          [&](const Candidate& c) {
+                            return c.layout.offload || c.layout.ep > 1 || (cuda && hw.ranks() == 1 && !c.built);
+                          }),
+           cs.end());
+  if (cs.empty() || !cs.front().fits) {
+    const std::string why = cs.empty() ? "no layout is built for this job" : cs.front().why;
+    fail_all("parallel.layout = \"auto\": no layout fits " + std::to_string(hw.ranks()) + " rank(s) here (" + why +
+             "); run `q3vl plan` on this deck with plan.* for the machine to see what would");
+  }
+  const Candidate& c = cs.front();
+  int n_fit = 0;
+  for (const Candidate& x : cs) n_fit += x.fits;
+  d.set("parallel.zero_stage", std::to_string(c.layout.stage));
+  d.set("parallel.hybrid", c.layout.hybrid ? "true" : "false");
+  d.set("train.micro_batch", std::to_string(c.layout.micro_batch));
+  d.set("train.recompute", c.layout.recompute ? "block" : "none");
+  const std::string unit = cuda ? "GPU" : "rank";
+  log_info("parallel.layout = auto: " + c.layout.describe() + " for " + std::to_string(hw.ranks()) + " rank(s) on " +
+           std::to_string(hw.nodes) + " node(s): the fastest predicted of " + std::to_string(n_fit) +
+           " built layouts that fit" + (cuda ? " (" + fmt("%.3g", c.t_step) + " s a step)" : " (CPU ranks: ranked by "
+           "the planner's GPU time model, only the order counts)") + "; it needs " + gib(c.gpu_need) + " GiB per " +
+           unit + " of " + gib(hw.gpu_mem) + (cuda ? ", " + gib(c.host_node) + " GiB host per node of " +
+           gib(hw.host_mem) : std::string()) + (c.layout.recompute ? "; recomputation: the faster layouts without it do not fit" : ""));
+}
+
+}  // namespace q3vl

@@ -1,0 +1,889 @@
+#include "q3vl/serve/server.hpp"
+
+#include <httplib.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/data/chat.hpp"
+#include "q3vl/data/tokenizer.hpp"
+#include "q3vl/runtime/runtime.hpp"
+#include "q3vl/runtime/stop.hpp"
+#include "q3vl/serve/generate.hpp"
+#include "q3vl/serve/tp.hpp"
+
+namespace q3vl {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+// A request the server refuses: HTTP status and the OpenAI error object's fields.
+struct HttpError {
+  int status;
+  std::string message, type = "invalid_request_error", param;
+};
+[[noreturn]] void refuse(int status, const std::string& msg, const std::string& param = "") {
+  throw HttpError{status, msg, status == 404 ? "not_found_error" : "invalid_request_error", param};
+}
+
+std::string error_body(const HttpError& e) {
+  json err = {{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
+  if (!e.param.empty()) err["param"] = e.param;
+  return json{{"error", err}}.dump();
+}
+
+// One request from HTTP thread to engine and back. The engine owns the fields below `engine only`; the rest are
+// guarded by m.
+struct Job {
+  // Set before the engine sees it.
+  bool chat = true, stream = false, include_usage = false;
+  GenPrompt prompt;
+  SamplingParams sp;
+  std::vector<std::string> stops;
+  double t_arrival = 0;
+
+  std::mutex m;
+  std::condition_variable cv;
+  std::string text;       // released to the client: complete UTF-8, stop strings cut off
+  bool done = false;
+  std::string finish;     // "stop" or "length"
+  std::string error;      // the engine failed this request (500)
+  int64_t completion_tokens = 0;
+  std::atomic<bool> cancelled{false};  // the client went away
+
+  // Engine only.
+  int slot = -1;
+  int64_t fed = 0;        // prompt tokens in the cache
+  int64_t pending = -1;   // sampled token still to be fed
+  int64_t vis_fed = 0;    // image tokens fed so far
+  std::vector<int64_t> out, pos3;
+  std::vector<float> img;
+  std::vector<std::vector<float>> ds;
+  std::mt19937_64 rng;
+  bool first_token = false;
+  double t_first = 0;
+};
+
+// Counters for /metrics (Prometheus text).
+struct Metrics {
+  std::atomic<int64_t> requests{0}, errors{0}, prompt_tokens{0}, completion_tokens{0};
+  std::atomic<int64_t> queue{0}, running{0}, kv_used{0}, kv_total{0}, steps{0};
+  std::mutex m;
+  double ttft_sum = 0, tpot_sum = 0;
+  int64_t ttft_n = 0, tpot_n = 0;
+};
+
+std::string b64decode(std::string_view in) {
+  static const std::string chars = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve(in.size() * 3 / 4);
+  uint32_t acc = 0;
+  int bits = 0;
+  for (char c : in) {
+    if (c == '=' || c == '\n' || c == '\r' || c == ' ') continue;
+    const size_t v = chars.find(c == '-' ? '+' : c == '_' ? '/' : c);
+    if (v == std::string::npos) refuse(400, "image data URL: the base64 payload has a character outside base64");
+    acc = (acc << 6) | (uint32_t)v;
+    if ((bits += 6) >= 8) out.push_back(char((acc >> (bits -= 8)) & 0xff));
+  }
+  return out;
+}
+
+// Length of the longest suffix of text that begins some stop string (held back while streaming).
+size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>& stops) {
+  size_t keep = 0;
+  for (const auto& s : stops)
+    for (size_t n = std::min(s.size() - 1, text.size()); n > keep; --n)
+      if (text.compare(text.size() - n, n, s, 0, n) == 0) {
+        keep = n;
+        break;
+      }
+  return keep;
+}
+
+class Server {
+ public:
+  explicit Server(const Deck& d) : deck_(d) {}
+  int run();
+
+ private:
+  // HTTP side.
+  void handle_completion(const httplib::Request& req, httplib::Response& res, bool chat);
+  std::shared_ptr<Job> parse_request(const json& body, bool chat);
+  RgbImage fetch_image(const std::string& url, size_t index);
+  void reply_stream(const std::shared_ptr<Job>& job, httplib::Response& res, bool chat);
+  json response_object(const Job& job, bool chat, const std::string& id);
+  std::string metrics_text();
+  // Engine side.
+  void load();
+  void engine_loop();
+  // One model step on every rank of the tensor-parallel group: rank 0 sends the plan (cache slots opened and
+  // released since the last step, the segments), every rank runs its slice, rank 0 gets the whole logits [segs, V].
+  std::vector<float> run_step(std::vector<StepSegment<float>>& segs, bool stop = false);
+  void worker_loop();
+  void admit();
+  void finish(Job& job, const std::string& reason);
+  void emit(Job& job, bool final);
+
+  const Deck& deck_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Tokenizer> tok_;
+  ImageConfig icfg_;
+  SamplingParams base_;
+  std::string model_name_, image_dir_, checkpoint_;
+  int64_t max_context_ = 0, max_tokens_ = 0, max_batch_ = 0, step_tokens_ = 0;
+  std::atomic<int64_t> next_id_{1};
+  double created_ = 0;
+  Metrics metrics_;
+
+  std::mutex in_m_;
+  std::condition_variable in_cv_;
+  std::deque<std::shared_ptr<Job>> incoming_;
+  std::deque<std::shared_ptr<Job>> waiting_;   // engine only
+  std::vector<std::shared_ptr<Job>> running_;  // engine only
+  KvCache<float> cache_;
+  int rank_ = 0, tp_ = 1;
+  std::pair<int64_t, int64_t> vocab_rows_;
+  bool stopped_ = false;
+  std::vector<int64_t> ops_;  // (slot, next_pos) opened, (slot, -1) released, since the last step (for the replicas)
+};
+
+std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
+  if (!body.is_object()) refuse(400, "the request body must be a JSON object");
+  auto job = std::make_shared<Job>();
+  job->sp = base_;
+  // Typed fields: a wrong type is the client's mistake, named in the message.
+  auto num = [&](const char* key, double lo, double hi, bool integer) -> std::optional<double> {
+    if (!body.contains(key) || body[key].is_null()) return std::nullopt;
+    const json& v = body[key];
+    if (!v.is_number() || (integer && !v.is_number_integer()))
+      refuse(400, std::string("'") + key + "' must be " + (integer ? "an integer" : "a number"), key);
+    const double x = v.get<double>();
+    if (x < lo || x > hi)
+      refuse(400, std::string("'") + key + "' = " + v.dump() + " is outside [" + json(lo).dump() + ", " +
+                      json(hi).dump() + "]", key);
+    return x;
+  };
+  if (body.contains("model") && !body["model"].is_string()) refuse(400, "'model' must be a string", "model");
+  if (body.contains("model") && body["model"] != model_name_)
+    refuse(404, "the model '" + body["model"].get<std::string>() + "' does not exist; this server serves '" +
+                    model_name_ + "'", "model");
+  if (auto n = num("n", 1, 1e9, true); n && *n != 1) refuse(400, "only n = 1 is supported", "n");
+  if (auto t = num("temperature", 0, 2, false)) job->sp.temperature = *t;
+  if (auto p = num("top_p", 0, 1, false)) {
+    if (*p <= 0) refuse(400, "'top_p' must be greater than 0", "top_p");
+    job->sp.top_p = *p;
+  }
+  if (auto k = num("top_k", -1, 1e9, true)) job->sp.top_k = std::max(0, (int)*k);  // -1 (vLLM) and 0: all
+  std::optional<double> mt = num("max_tokens", 1, 1e9, true);
+  if (auto m2 = num("max_completion_tokens", 1, 1e9, true)) mt = m2;
+  std::random_device rd;
+  job->sp.seed = rd();
+  if (auto s = num("seed", -9.2e18, 9.2e18, true)) job->sp.seed = (uint64_t)body["seed"].get<int64_t>();
+  if (body.contains("stream") && !body["stream"].is_null()) {
+    if (!body["stream"].is_boolean()) refuse(400, "'stream' must be true or false", "stream");
+    job->stream = body["stream"].get<bool>();
+  }
+  if (body.contains("stream_options") && body["stream_options"].is_object() &&
+      body["stream_options"].value("include_usage", false))
+    job->include_usage = true;
+  if (body.contains("stop") && !body["stop"].is_null()) {
+    const json& s = body["stop"];
+    if (s.is_string()) job->stops.push_back(s.get<std::string>());
+    else if (s.is_array() && s.size() <= 4 &&
+             std::all_of(s.begin(), s.end(), [](const json& x) { return x.is_string(); }))
+      for (const json& x : s) job->stops.push_back(x.get<std::string>());
+    else refuse(400, "'stop' must be a string or an array of at most 4 strings", "stop");
+    std::erase_if(job->stops, [](const std::string& x) { return x.empty(); });
+  }
+
+  if (chat) {
+    if (!body.contains("messages")) refuse(400, "'messages' is required", "messages");
+    const json& msgs = body["messages"];
+    if (!msgs.is_array() || msgs.empty()) refuse(400, "'messages' must be a non-empty array", "messages");
+    // The training-data record format of data/chat.hpp, with image i named "image i": parse_record then checks
+    // roles and order exactly as for generate.
+    json rec = {{"messages", json::array()}};
+    std::vector<RgbImage> images;
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      const json& m = msgs[i];
+      const std::string where = "messages[" + std::to_string(i) + "]";
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+        refuse(400, where + " must be an object with a string 'role'", "messages");
+      json content = json::array();
+      const json c = m.value("content", json());
+      if (c.is_string()) {
+        content.push_back({{"type", "text"}, {"text", c}});
+      } else if (c.is_array()) {
+        for (const json& part : c) {
+          const std::string type = part.is_object() ? part.value("type", "") : "";
+          if (type == "text" && part.contains("text") && part["text"].is_string()) {
+            content.push_back({{"type", "text"}, {"text", part["text"]}});
+          } else if (type == "image_url" && part.contains("image_url")) {
+            const json& iu = part["image_url"];
+            const json url = iu.is_object() ? iu.value("url", json()) : iu;
+            if (!url.is_string()) refuse(400, where + ": 'image_url.url' must be a string", "messages");
+            images.push_back(fetch_image(url.get<std::string>(), images.size() + 1));
+            content.push_back({{"type", "image"}, {"image", "image " + std::to_string(images.size())}});
+          } else {
+            refuse(400, where + ": a content part must be {\"type\": \"text\", \"text\": ...} or {\"type\": "
+                            "\"image_url\", \"image_url\": {\"url\": ...}}", "messages");
+          }
+        }
+      } else if (!c.is_null()) {
+        refuse(400, where + ": 'content' must be a string or an array of parts", "messages");
+      }
+      rec["messages"].push_back({{"role", m["role"]}, {"content", content}});
+    }
+    if (rec["messages"].back()["role"] == "assistant")
+      refuse(400, "the last message is the assistant's: there is nothing to answer", "messages");
+    try {
+      const Conversation conv = parse_record(rec, "request", 0);
+      job->prompt = encode_prompt(conv, images, *tok_, icfg_);
+    } catch (const Error& e) {
+      std::string msg = e.what();
+      if (msg.rfind("request:0: ", 0) == 0) msg = msg.substr(11);
+      refuse(msg.find("image '") != std::string::npos ? 422 : 400, msg, "messages");
+    }
+  } else {
+    if (!body.contains("prompt")) refuse(400, "'prompt' is required", "prompt");
+    json p = body["prompt"];
+    if (p.is_array() && p.size() == 1 && p[0].is_string()) p = p[0];
+    if (!p.is_string()) refuse(400, "'prompt' must be a string (or an array of one string)", "prompt");
+    for (int32_t id : tok_->encode(p.get<std::string>())) job->prompt.ids.push_back(id);
+    if (job->prompt.ids.empty()) refuse(400, "'prompt' is empty", "prompt");
+  }
+  const int64_t n = (int64_t)job->prompt.ids.size();
+  if (n >= max_context_)
+    refuse(413, "the prompt has " + std::to_string(n) + " tokens; this server's context is " +
+                    std::to_string(max_context_) + " tokens (serve.max_context)", chat ? "messages" : "prompt");
+  job->sp.max_new_tokens = (int)std::min<int64_t>(mt ? (int64_t)*mt : max_tokens_, max_context_ - n);
+  const int64_t blocks = cache_.blocks_for(n + job->sp.max_new_tokens);
+  if (blocks > cache_.max_blocks)
+    refuse(413, "the prompt and max_tokens need " + std::to_string(blocks) + " KV-cache blocks; the whole cache has " +
+                    std::to_string(cache_.max_blocks) + " (serve.kv_mib)", "max_tokens");
+  std::seed_seq seq{uint64_t(job->sp.seed), uint64_t(job->sp.seed >> 32), uint64_t(0)};
+  job->rng.seed(seq);  // generate's stream for prompt 0: a seeded request answers as generate does
+  return job;
+}
+
+RgbImage Server::fetch_image(const std::string& url, size_t index) {
+  const std::string name = "image " + std::to_string(index);
+  std::string bytes;
+  if (url.rfind("data:", 0) == 0) {
+    const size_t comma = url.find(',');
+    if (comma == std::string::npos || url.substr(0, comma).find(";base64") == std::string::npos)
+      refuse(400, name + ": a data URL must be data:<type>;base64,<payload>", "messages");
+    bytes = b64decode(std::string_view(url).substr(comma + 1));
+  } else if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0) {
+    refuse(400, name + ": remote image URLs are not fetched by this server; send the picture as a data: URL "
+                       "(or a path under the folder serve.image_dir names)", "messages");
+  } else {
+    std::string path = url.rfind("file://", 0) == 0 ? url.substr(7) : url;
+    if (image_dir_.empty())
+      refuse(400, name + ": local image paths are off (set serve.image_dir to allow a folder); send a data: URL",
+             "messages");
+    // Resolved with links and "..", then it must lie inside the image folder.
+    std::error_code ec;
+    const fs::path root = fs::canonical(image_dir_, ec);
+    const fs::path p = fs::weakly_canonical(fs::path(path).is_absolute() ? fs::path(path) : root / path, ec);
+    const std::string r = root.string() + "/";
+    if (ec || p.string().rfind(r, 0) != 0)
+      refuse(400, name + ": '" + path + "' is outside serve.image_dir", "messages");
+    if (!fs::is_regular_file(p)) refuse(400, name + ": '" + path + "' not found under serve.image_dir", "messages");
+    try {
+      return load_image(p.string());
+    } catch (const Error& e) {
+      refuse(422, name + ": " + e.what(), "messages");
+    }
+  }
+  try {
+    return decode_image((const uint8_t*)bytes.data(), bytes.size(), name);
+  } catch (const Error& e) {
+    refuse(422, std::string(e.what()), "messages");
+  }
+}
+
+json Server::response_object(const Job& job, bool chat, const std::string& id) {
+  const int64_t pt = (int64_t)job.prompt.ids.size();
+  json choice = {{"index", 0}, {"finish_reason", job.finish}, {"logprobs", nullptr}};
+  if (chat) choice["message"] = {{"role", "assistant"}, {"content", job.text}};
+  else choice["text"] = job.text;
+  return {{"id", id},
+          {"object", chat ? "chat.completion" : "text_completion"},
+          {"created", (int64_t)created_},
+          {"model", model_name_},
+          {"choices", json::array({choice})},
+          {"usage",
+           {{"prompt_tokens", pt}, {"completion_tokens", job.completion_tokens},
+            {"total_tokens", pt + job.completion_tokens}}}};
+}
+
+void Server::handle_completion(const httplib::Request& req, httplib::Response& res, bool chat) {
+  metrics_.requests++;
+  std::shared_ptr<Job> job;
+  try {
+    json body;
+    try {
+      body = json::parse(req.body);
+    } catch (const json::exception& e) {
+      refuse(400, std::string("malformed JSON in the request body: ") + e.what());
+    }
+    job = parse_request(body, chat);
+  } catch (const HttpError& e) {
+    metrics_.errors++;
+    res.status = e.status;
+    res.set_content(error_body(e), "application/json");
+    return;
+  }
+  job->t_arrival = wall_seconds();
+  metrics_.prompt_tokens += (int64_t)job->prompt.ids.size();
+  {
+    std::lock_guard<std::mutex> g(in_m_);
+    incoming_.push_back(job);
+    metrics_.queue++;
+  }
+  in_cv_.notify_one();
+  if (job->stream) return reply_stream(job, res, chat);
+  std::unique_lock<std::mutex> l(job->m);
+  job->cv.wait(l, [&] { return job->done; });
+  if (!job->error.empty()) {
+    res.status = 500;
+    res.set_content(error_body({500, job->error, "server_error"}), "application/json");
+    return;
+  }
+  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
+  res.set_content(response_object(*job, chat, id).dump(-1, ' ', false, json::error_handler_t::replace),
+                  "application/json");
+}
+
+void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& res, bool chat) {
+  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
+  auto sent = std::make_shared<size_t>(0);
+  auto started = std::make_shared<bool>(false);
+  auto chunk = [this, id, chat](const json& delta_or_text, const json& finish) {
+    json c = {{"index", 0}, {"finish_reason", finish}, {"logprobs", nullptr}};
+    if (chat) c["delta"] = delta_or_text;
+    else c["text"] = delta_or_text;
+    json o = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
+              {"created", (int64_t)created_}, {"model", model_name_}, {"choices", json::array({c})}};
+    return "data: " + o.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+  };
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, job, sent, started, chunk, chat, id](size_t, httplib::DataSink& sink) {
+        auto write = [&](const std::string& s) {
+          if (!sink.write(s.data(), s.size())) {
+            job->cancelled = true;  // the client went away: the engine frees its sequence
+            return false;
+          }
+          return true;
+        };
+        if (!*started && chat) {
+          *started = true;
+          if (!write(chunk({{"role", "assistant"}, {"content", ""}}, nullptr))) return false;
+        }
+        std::string delta, finish, error;
+        bool done;
+        int64_t ct;
+        {
+          std::unique_lock<std::mutex> l(job->m);
+          job->cv.wait_for(l, std::chrono::milliseconds(200), [&] { return job->done || job->text.size() > *sent; });
+          delta = job->text.substr(*sent);
+          *sent = job->text.size();
+          done = job->done, finish = job->finish, error = job->error, ct = job->completion_tokens;
+        }
+        if (!done && delta.empty() && !sink.is_writable()) {
+          job->cancelled = true;
+          return false;
+        }
+        if (!delta.empty() && !write(chunk(chat ? json{{"content", delta}} : json(delta), nullptr))) return false;
+        if (!done) return true;
+        if (!error.empty()) {
+          write("data: " + error_body({500, error, "server_error"}) + "\n\n");
+        } else {
+          write(chunk(chat ? json::object() : json(""), finish));
+          if (job->include_usage) {
+            const int64_t pt = (int64_t)job->prompt.ids.size();
+            json o = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                      {"created", (int64_t)created_}, {"model", model_name_}, {"choices", json::array()},
+                      {"usage", {{"prompt_tokens", pt}, {"completion_tokens", ct}, {"total_tokens", pt + ct}}}};
+            write("data: " + o.dump() + "\n\n");
+          }
+        }
+        write("data: [DONE]\n\n");
+        sink.done();
+        return true;
+      },
+      [job](bool success) {
+        if (!success) job->cancelled = true;
+      });
+}
+
+std::string Server::metrics_text() {
+  std::ostringstream o;
+  auto metric = [&](const char* name, const char* type, const char* help, double v) {
+    o << "# HELP " << name << " " << help << "\n# TYPE " << name << " " << type << "\n" << name << " " << v << "\n";
+  };
+  metric("q3vl_requests_total", "counter", "completion requests received", (double)metrics_.requests);
+  metric("q3vl_request_errors_total", "counter", "requests refused with a 4xx error", (double)metrics_.errors);
+  metric("q3vl_prompt_tokens_total", "counter", "prompt tokens of accepted requests", (double)metrics_.prompt_tokens);
+  metric("q3vl_generation_tokens_total", "counter", "tokens generated", (double)metrics_.completion_tokens);
+  metric("q3vl_queue_length", "gauge", "requests waiting for admission", (double)metrics_.queue);
+  metric("q3vl_batch_size", "gauge", "sequences in the running batch", (double)metrics_.running);
+  metric("q3vl_kv_blocks_used", "gauge", "KV-cache blocks in use", (double)metrics_.kv_used);
+  metric("q3vl_kv_blocks_total", "gauge", "KV-cache blocks", (double)metrics_.kv_total);
+  metric("q3vl_engine_steps_total", "counter", "batched model steps", (double)metrics_.steps);
+  std::lock_guard<std::mutex> g(metrics_.m);
+  o << "# HELP q3vl_time_to_first_token_seconds arrival to first generated token\n"
+       "# TYPE q3vl_time_to_first_token_seconds summary\n"
+    << "q3vl_time_to_first_token_seconds_sum " << metrics_.ttft_sum << "\nq3vl_time_to_first_token_seconds_count "
+    << metrics_.ttft_n << "\n";
+  o << "# HELP q3vl_time_per_output_token_seconds time per generated token after the first\n"
+       "# TYPE q3vl_time_per_output_token_seconds summary\n"
+    << "q3vl_time_per_output_token_seconds_sum " << metrics_.tpot_sum
+    << "\nq3vl_time_per_output_token_seconds_count " << metrics_.tpot_n << "\n";
+  return o.str();
+}
+
+// Releases the text a client may see: everything decoded so far, less an incomplete UTF-8 character and less a
+// tail that may still become a stop string; cut at a stop string found.
+void Server::emit(Job& job, bool final) {
+  const std::vector<int32_t> ids(job.out.begin(), job.out.end());
+  std::string full = tok_->decode(ids);
+  size_t cut = std::string::npos;
+  for (const auto& s : job.stops) cut = std::min(cut, full.find(s));
+  bool stop_hit = cut != std::string::npos;
+  if (stop_hit) full.resize(cut);
+  else if (!final) {
+    // Qwen's byte-level tokens split characters: U+FFFD at the end is a character still being decoded.
+    while (full.size() >= 3 && full.compare(full.size() - 3, 3, "\xEF\xBF\xBD") == 0) full.resize(full.size() - 3);
+    full.resize(full.size() - stop_prefix_tail(full, job.stops));
+  }
+  std::lock_guard<std::mutex> g(job.m);
+  if (full.size() > job.text.size() || stop_hit || final) job.text = full;
+  job.completion_tokens = (int64_t)job.out.size();
+  if (stop_hit) job.finish = "stop";
+}
+
+void Server::finish(Job& job, const std::string& reason) {
+  if (job.slot >= 0) ops_.insert(ops_.end(), {job.slot, -1}), cache_.release(job.slot), job.slot = -1;
+  {
+    std::lock_guard<std::mutex> g(job.m);
+    if (job.finish.empty()) job.finish = reason;
+    job.done = true;
+  }
+  job.cv.notify_all();
+  metrics_.completion_tokens += (int64_t)job.out.size();
+  if (job.out.size() > 1) {
+    std::lock_guard<std::mutex> g(metrics_.m);
+    metrics_.tpot_sum += wall_seconds() - job.t_first;
+    metrics_.tpot_n += (int64_t)job.out.size() - 1;
+  }
+}
+
+// FIFO admission: the head of the queue waits until the cache has blocks for its prompt and max_tokens, so that a
+// running sequence never runs out of cache (no preemption needed) and a full cache queues instead of failing.
+void Server::admit() {
+  while (!waiting_.empty() && (int64_t)running_.size() < max_batch_) {
+    std::shared_ptr<Job> job = waiting_.front();
+    const int64_t n = (int64_t)job->prompt.ids.size();
+    if (cache_.blocks_for(n + job->sp.max_new_tokens) > cache_.free_count()) break;
+    waiting_.pop_front();
+    metrics_.queue--;
+    job->slot = cache_.add();
+    cache_.reserve(job->slot, n + job->sp.max_new_tokens);
+    try {
+      if (!job->prompt.grid.empty()) model_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
+      job->pos3 = mrope_positions(model_->config(), job->prompt.ids.data(), {0, n}, job->prompt.grid);
+    } catch (const Error& e) {
+      cache_.release(job->slot), job->slot = -1;  // never opened on the other ranks
+      job->error = e.what();
+      finish(*job, "error");
+      continue;
+    }
+    int64_t next = 0;
+    for (int64_t p : job->pos3) next = std::max(next, p + 1);
+    cache_.next_pos[job->slot] = next;
+    ops_.insert(ops_.end(), {job->slot, next});
+    running_.push_back(job);
+  }
+}
+
+void Server::engine_loop() {
+  const ModelConfig& cfg = model_->config();
+  const int64_t H = cfg.text.hidden, V = cfg.text.vocab;
+  while (!stop_signal_pending()) {
+    {
+      std::unique_lock<std::mutex> l(in_m_);
+      if (incoming_.empty() && running_.empty() && waiting_.empty())
+        in_cv_.wait_for(l, std::chrono::milliseconds(200));
+      while (!incoming_.empty()) waiting_.push_back(incoming_.front()), incoming_.pop_front();
+    }
+    // Clients gone while queued or running: their sequences and blocks go back at once.
+    for (auto it = waiting_.begin(); it != waiting_.end();)
+      if ((*it)->cancelled) finish(**it, "cancelled"), it = waiting_.erase(it), metrics_.queue--;
+      else ++it;
+    std::erase_if(running_, [&](const std::shared_ptr<Job>& j) {
+      if (j->cancelled) finish(*j, "cancelled");
+      return (bool)j->cancelled;
+    });
+    admit();
+    metrics_.running = (int64_t)running_.size();
+    metrics_.kv_used = cache_.used_blocks();
+    if (running_.empty()) continue;
+
+    // One step: a token of every decoding sequence, then prompt chunks up to serve.step_tokens in all.
+    std::vector<StepSegment<float>> segs;
+    std::vector<Job*> who;
+    int64_t budget = step_tokens_;
+    for (auto& j : running_)
+      if (j->pending >= 0) {
+        segs.push_back({j->slot, {j->pending}, {}, {}, {}});
+        who.push_back(j.get());
+        budget--;
+      }
+    for (auto& j : running_) {
+      const int64_t n = (int64_t)j->prompt.ids.size();
+      if (j->fed >= n || budget <= 0) continue;
+      const int64_t a = j->fed, b = std::min(n, a + budget);
+      StepSegment<float> g;
+      g.seq = j->slot;
+      g.ids.assign(j->prompt.ids.begin() + a, j->prompt.ids.begin() + b);
+      for (int row = 0; row < 3; ++row)
+        g.pos3.insert(g.pos3.end(), j->pos3.begin() + row * n + a, j->pos3.begin() + row * n + b);
+      const int64_t nv = std::count(g.ids.begin(), g.ids.end(), (int64_t)cfg.image_token_id);
+      g.img.assign(j->img.begin() + j->vis_fed * H, j->img.begin() + (j->vis_fed + nv) * H);
+      for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
+      j->vis_fed += nv;
+      budget -= b - a;
+      segs.push_back(std::move(g));
+      who.push_back(j.get());
+    }
+    std::vector<float> logits;
+    try {
+      logits = run_step(segs);
+    } catch (const Error& e) {  // fails this step's requests, not the server
+      log_warn(std::string("serve: a step failed: ") + e.what());
+      for (Job* j : who) j->error = e.what(), finish(*j, "error");
+      std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
+      continue;
+    }
+    metrics_.steps++;
+    const double now = wall_seconds();
+    for (size_t s = 0; s < segs.size(); ++s) {
+      Job& j = *who[s];
+      const int64_t n = (int64_t)j.prompt.ids.size();
+      if (j.pending < 0) {  // a prompt chunk: sample only after its last one
+        j.fed += (int64_t)segs[s].ids.size();
+        if (j.fed < n) continue;
+        j.img.clear(), j.ds.clear();
+      }
+      const int64_t t = sample_token(&logits[s * V], V, j.sp, j.rng);
+      if (!j.first_token) {
+        j.first_token = true;
+        j.t_first = now;
+        std::lock_guard<std::mutex> g(metrics_.m);
+        metrics_.ttft_sum += now - j.t_arrival, metrics_.ttft_n++;
+      }
+      std::string reason;
+      if (std::find(j.sp.stop.begin(), j.sp.stop.end(), t) != j.sp.stop.end()) {
+        reason = "stop";
+      } else {
+        j.out.push_back(t);
+        j.pending = t;
+        if ((int64_t)j.out.size() >= j.sp.max_new_tokens) reason = "length";
+      }
+      emit(j, !reason.empty());
+      bool stop_string;
+      {
+        std::lock_guard<std::mutex> g(j.m);
+        stop_string = !j.finish.empty();
+      }
+      if (!reason.empty() || stop_string) finish(j, reason);
+      else j.cv.notify_all();
+    }
+    std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
+    metrics_.running = (int64_t)running_.size();
+    metrics_.kv_used = cache_.used_blocks();
+  }
+}
+
+namespace {
+// Tensor parallelism splits the base linears; adapters would need A and B split the same way (and a replicated
+// LoRA term would be summed once per rank). Inference needs no separate adapters: fold them in (W += scale B A,
+// as export --merge does) and shard a plain model.
+std::unique_ptr<Model> fold_lora(Model& m) {
+  const ParamTable& t = m.table();
+  std::vector<float*> ptrs(t.params().size());
+  for (size_t id = 0; id < ptrs.size(); ++id) ptrs[id] = m.param((int)id);
+  const int n = lora_merge(t, m.config().lora.scale(), ptrs.data());
+  ModelConfig c = m.config();
+  c.lora = {};
+  auto base = std::make_unique<Model>(c);
+  for (size_t id = 0; id < base->table().params().size(); ++id) {
+    const ParamInfo& p = base->table().params()[id];
+    const float* src = m.param(t.id(p.name));
+    std::copy(src, src + p.numel, base->param((int)id));
+  }
+  log_info("serve: " + std::to_string(n) + " LoRA adapters folded into the base for tensor parallelism");
+  return base;
+}
+}  // namespace
+
+void Server::load() {
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &tp_);
+  if (deck_.integer("serve.tp") != 0 && deck_.integer("serve.tp") != tp_)
+    fail("serve.tp = " + std::to_string(deck_.integer("serve.tp")) + " but " + std::to_string(tp_) +
+         " ranks run: the tensor-parallel group is all ranks (replicas of a group are not supported yet)");
+  const ModelSource src = model_source(deck_, "serve.checkpoint");
+  checkpoint_ = src.checkpoint;
+  std::unique_ptr<Model> full = load_model(deck_, src);
+  if (tp_ > 1 && full->config().lora.on()) full = fold_lora(*full);
+  if (tp_ == 1) {
+    model_ = std::move(full);
+  } else {  // each rank keeps its slice; the full weights go once it is cut
+    model_ = std::make_unique<Model>(tp_config(full->config(), rank_, tp_));
+    tp_shard_weights(*full, *model_, rank_, tp_);
+    full.reset();
+    vocab_rows_ = tp_vocab_rows(model_->config().text.vocab, rank_, tp_);
+    model_->set_tensor_parallel(
+        [](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
+        vocab_rows_.first, vocab_rows_.second);
+    if (rank_ == 0)
+      log_info("serve: tensor parallel over " + std::to_string(tp_) + " ranks: " +
+               std::to_string(model_->config().text.heads) + " query heads, " +
+               std::to_string(model_->config().text.kv_heads) + " key/value heads, " +
+               std::to_string(model_->config().text.intermediate) + " MLP rows and " +
+               std::to_string(vocab_rows_.second - vocab_rows_.first) + " vocabulary rows per rank");
+  }
+  // The KV cache: fixed blocks from the budget (per rank: a rank caches only its key/value heads), allocated once.
+  const ModelConfig& cfg = model_->config();
+  const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
+  cache_.block = deck_.integer("serve.kv_block");
+  const int64_t per_block = 2 * cfg.text.layers * cache_.block * row * (int64_t)sizeof(float);
+  cache_.max_blocks = std::max<int64_t>(1, (int64_t)(deck_.real("serve.kv_mib") * 1048576.0) / per_block);
+  cache_.reset(cfg.text.layers, row);
+  metrics_.kv_total = cache_.max_blocks;
+  char msg[256];
+  std::snprintf(msg, sizeof msg, "serve: KV cache %lld blocks of %lld tokens (%.1f MiB, %lld tokens)",
+                (long long)cache_.max_blocks, (long long)cache_.block, cache_.max_blocks * per_block / 1048576.0,
+                (long long)(cache_.max_blocks * cache_.block));
+  if (rank_ == 0) log_info(msg);
+}
+
+namespace {
+// A broadcast the waiting ranks poll with short sleeps: MPICH spins in a blocking one, and a server waits for
+// requests most of the time.
+void bcast_polling(int64_t* buf, int n) {
+  MPI_Request r;
+  MPI_Ibcast(buf, n, MPI_INT64_T, 0, MPI_COMM_WORLD, &r);
+  for (int done = 0;;) {
+    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+}  // namespace
+
+std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop) {
+  if (tp_ == 1) return model_->step(segs, cache_);
+  // The plan: ints [ops..., nseg, per segment: slot, n ids, ids, n pos, pos, img floats, ds count, ds floats...],
+  // floats [img, ds...]; a header [stop, ints, floats] first.
+  std::vector<int64_t> ints;
+  std::vector<float> floats;
+  int64_t head[3] = {stop ? 1 : 0, 0, 0};
+  if (rank_ == 0) {
+    ints.push_back((int64_t)ops_.size());
+    ints.insert(ints.end(), ops_.begin(), ops_.end());
+    ops_.clear();
+    ints.push_back((int64_t)segs.size());
+    for (const auto& g : segs) {
+      ints.insert(ints.end(), {(int64_t)g.seq, (int64_t)g.ids.size()});
+      ints.insert(ints.end(), g.ids.begin(), g.ids.end());
+      ints.push_back((int64_t)g.pos3.size());
+      ints.insert(ints.end(), g.pos3.begin(), g.pos3.end());
+      ints.insert(ints.end(), {(int64_t)g.img.size(), (int64_t)g.ds.size()});
+      floats.insert(floats.end(), g.img.begin(), g.img.end());
+      for (const auto& d : g.ds) ints.push_back((int64_t)d.size()), floats.insert(floats.end(), d.begin(), d.end());
+    }
+    head[1] = (int64_t)ints.size(), head[2] = (int64_t)floats.size();
+  }
+  bcast_polling(head, 3);
+  if (head[0]) {
+    stopped_ = true;
+    return {};
+  }
+  ints.resize(head[1]);
+  floats.resize(head[2]);
+  MPI_Bcast(ints.data(), (int)ints.size(), MPI_INT64_T, 0, MPI_COMM_WORLD);
+  MPI_Bcast(floats.data(), (int)floats.size(), MPI_FLOAT, 0, MPI_COMM_WORLD);
+  if (rank_ != 0) {  // replay the cache's slot changes, then the segments
+    size_t i = 0, f = 0;
+    const int64_t nops = ints[i++];
+    for (int64_t k = 0; k < nops; k += 2, i += 2)
+      if (ints[i + 1] < 0) cache_.release((int)ints[i]);
+      else cache_.open((int)ints[i]), cache_.next_pos[ints[i]] = ints[i + 1];
+    segs.assign(ints[i++], {});
+    for (auto& g : segs) {
+      g.seq = (int)ints[i++];
+      const int64_t n = ints[i++];
+      g.ids.assign(ints.begin() + i, ints.begin() + i + n), i += n;
+      const int64_t np = ints[i++];
+      g.pos3.assign(ints.begin() + i, ints.begin() + i + np), i += np;
+      const int64_t ni = ints[i++], nd = ints[i++];
+      g.img.assign(floats.begin() + f, floats.begin() + f + ni), f += ni;
+      for (int64_t d = 0; d < nd; ++d) {
+        const int64_t nf = ints[i++];
+        g.ds.emplace_back(floats.begin() + f, floats.begin() + f + nf), f += nf;
+      }
+    }
+  }
+  // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
+  const std::vector<float> local = model_->step(segs, cache_);
+  const int64_t V = model_->config().text.vocab, ns = (int64_t)segs.size();
+  std::vector<int> counts(tp_), offs(tp_);
+  for (int r = 0; r < tp_; ++r) {
+    const auto [a, b] = tp_vocab_rows(V, r, tp_);
+    counts[r] = (int)(ns * (b - a)), offs[r] = r ? offs[r - 1] + counts[r - 1] : 0;
+  }
+  std::vector<float> all(rank_ == 0 ? ns * V : 0), logits(rank_ == 0 ? ns * V : 0);
+  MPI_Gatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0,
+              MPI_COMM_WORLD);
+  if (rank_ != 0) return {};
+  for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
+    const auto [a, b] = tp_vocab_rows(V, r, tp_);
+    for (int64_t s = 0; s < ns; ++s)
+      std::copy(&all[offs[r] + s * (b - a)], &all[offs[r] + (s + 1) * (b - a)], &logits[s * V + a]);
+  }
+  return logits;
+}
+
+void Server::worker_loop() {
+  while (!stopped_) {
+    std::vector<StepSegment<float>> segs;
+    try {
+      run_step(segs);
+    } catch (const Error& e) {  // rank 0 met the same error in the same step and goes on
+    }
+  }
+}
+
+int Server::run() {
+  load();
+  if (rank_ != 0) {
+    worker_loop();
+    return 0;
+  }
+  const ModelConfig& cfg = model_->config();
+  tok_ = std::make_unique<Tokenizer>(Tokenizer::load(tokenizer_file(deck_)));
+  icfg_ = image_config(deck_, "serve", cfg);
+  base_ = model_sampling(cfg, *tok_);
+  max_context_ = deck_.integer("serve.max_context");
+  max_tokens_ = deck_.integer("serve.max_tokens");
+  max_batch_ = deck_.integer("serve.max_batch");
+  step_tokens_ = deck_.integer("serve.step_tokens");
+  image_dir_ = deck_.str("serve.image_dir");
+  model_name_ = deck_.str("serve.model_name");
+  if (model_name_.empty()) {
+    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : checkpoint_;
+    model_name_ = from.empty() ? "q3vl-" + deck_.str("model.preset") : fs::path(from).filename().string();
+    if (model_name_.empty()) model_name_ = fs::path(from).parent_path().filename().string();
+  }
+  httplib::Server svr;
+  const int threads = (int)deck_.integer("serve.http_threads");
+  svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  svr.set_payload_max_length((size_t)(deck_.real("serve.max_body_mib") * 1048576.0));
+  using Req = httplib::Request;
+  using Res = httplib::Response;
+  svr.Post("/v1/chat/completions", [this](const Req& q, Res& r) { handle_completion(q, r, true); });
+  svr.Post("/v1/completions", [this](const Req& q, Res& r) { handle_completion(q, r, false); });
+  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& r) {
+    json m = {{"id", model_name_}, {"object", "model"}, {"created", (int64_t)created_}, {"owned_by", "q3vl"},
+              {"max_model_len", max_context_}};
+    r.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
+  });
+  svr.Get("/health", [](const Req&, Res& r) { r.set_content("{\"status\":\"ok\"}", "application/json"); });
+  svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& r) {
+    r.set_content(metrics_text(), "text/plain; version=0.0.4");
+  });
+  // Anything httplib answers itself (unknown path, body too large) gets the OpenAI error object too.
+  svr.set_error_handler([](const httplib::Request& q, httplib::Response& r) {
+    if (!r.body.empty()) return;
+    const std::string m = r.status == 404 ? "no route " + q.method + " " + q.path
+                          : r.status == 413 ? "the request body is too large (serve.max_body_mib; a form-encoded body: "
+                                              "8 KiB: send Content-Type: application/json)"
+                                            : "HTTP " + std::to_string(r.status);
+    r.set_content(error_body({r.status, m, r.status == 404 ? "not_found_error" : "invalid_request_error"}),
+                  "application/json");
+  });
+  svr.set_exception_handler([](const httplib::Request&, httplib::Response& r, std::exception_ptr ep) {
+    std::string m = "internal error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      m = e.what();
+    } catch (...) {
+    }
+    r.status = 500;
+    r.set_content(error_body({500, m, "server_error"}), "application/json");
+  });
+  const std::string host = deck_.str("serve.host");
+  int port = (int)deck_.integer("serve.port");
+  if (port == 0) port = svr.bind_to_any_port(host);
+  else if (!svr.bind_to_port(host, port)) port = -1;
+  if (port < 0) fail("serve: cannot listen on " + host + ":" + std::to_string(deck_.integer("serve.port")) +
+                     " (in use, or not an address of this host)");
+  created_ = (double)std::time(nullptr);
+  std::thread http([&] { svr.listen_after_bind(); });
+  log_info("serve: model '" + model_name_ + "' on http://" + host + ":" + std::to_string(port) +
+           " (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics)");
+  try {
+    engine_loop();
+  } catch (...) {
+    svr.stop();
+    http.join();
+    throw;
+  }
+  log_info("serve: stopping (signal " + std::to_string(stop_signal_pending()) + ")");
+  // Requests still open get what they have so far.
+  for (auto& j : running_) finish(*j, "length");
+  for (auto& j : waiting_) finish(*j, "length");
+  svr.stop();
+  http.join();
+  if (tp_ > 1) {  // the other ranks leave their loop
+    std::vector<StepSegment<float>> none;
+    run_step(none, true);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int run_serve(const Deck& deck) {
+  Runtime& rt = Runtime::get();
+  stop_init(0, deck.str("run.out_dir"));  // SIGTERM ends serving cleanly on every rank
+  Server s(deck);
+  const int rc = s.run();
+  idle_barrier(rt.world(), "waiting for rank 0 to serve");
+  return rc;
+}
+
+}  // namespace q3vl

@@ -1,0 +1,120 @@
+// The official OpenAI Node client (npm `openai`, in third_party/npm) against `q3vl serve`, for
+// tests/cli/test_serve.sh. Usage: node serve_client.mjs PORT MODEL COMMAND ARGS...
+//   answers EVAL.jsonl data|path|stream   one request per record at a time; JSON line per answer
+//   parallel EVAL.jsonl N DROP            N streaming requests at once over the records; every DROP-th client
+//                                         aborts after its first content chunk; JSON line per finished answer
+//   errors IMAGE.png                      bad requests: each must get its status and the server stays up
+import { createRequire } from 'node:module';
+import fs from 'node:fs';
+import path from 'node:path';
+
+const require = createRequire(path.resolve('third_party/npm') + '/');
+const OpenAI = require('openai').default ?? require('openai');
+const [port, model, cmd, ...args] = process.argv.slice(2);
+const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 300000 });
+
+function records(file) {
+  return fs.readFileSync(file, 'utf8').split('\n').filter((l) => l.trim()).map((l) => JSON.parse(l));
+}
+const dataUrl = (file) => 'data:image/png;base64,' + fs.readFileSync(file).toString('base64');
+// A training-data record's prompt (its user turn) as OpenAI chat messages.
+function messages(rec, dir, how) {
+  const user = rec.messages.find((m) => m.role === 'user');
+  const content = user.content.map((p) =>
+    p.type === 'image'
+      ? { type: 'image_url', image_url: { url: how === 'path' ? p.image : dataUrl(path.join(dir, p.image)) } }
+      : { type: 'text', text: p.text });
+  return [{ role: 'user', content }];
+}
+const out = (o) => process.stdout.write(JSON.stringify(o) + '\n');
+
+async function ask(rec, dir, how, maxTokens, onChunk) {
+  const body = { model, messages: messages(rec, dir, how), max_tokens: maxTokens, temperature: 0 };
+  if (how !== 'stream') {
+    const r = await client.chat.completions.create(body);
+    return { answer: r.choices[0].message.content, finish: r.choices[0].finish_reason, usage: r.usage, id: r.id };
+  }
+  const stream = await client.chat.completions.create({ ...body, stream: true, stream_options: { include_usage: true } });
+  let answer = '', finish = null, usage = null, chunks = 0;
+  for await (const c of stream) {
+    if (c.usage) usage = c.usage;
+    if (!c.choices.length) continue;
+    if (c.choices[0].delta?.content) {
+      answer += c.choices[0].delta.content;
+      if (onChunk && onChunk(++chunks, stream)) return null;
+    }
+    if (c.choices[0].finish_reason) finish = c.choices[0].finish_reason;
+  }
+  return { answer, finish, usage, chunks };
+}
+
+const maxTokens = Number(process.env.MAX_TOKENS ?? 6);
+if (cmd === 'answers') {
+  const [file, how] = args;
+  const recs = records(file);
+  for (let i = 0; i < recs.length; i++) out({ line: i + 1, ...(await ask(recs[i], path.dirname(file), how, maxTokens)) });
+} else if (cmd === 'parallel') {
+  const [file, n, drop] = [args[0], Number(args[1]), Number(args[2])];
+  const recs = records(file);
+  const jobs = [];
+  let aborted = 0;
+  for (let k = 0; k < n; k++) {
+    const line = (k % recs.length) + 1;
+    const quit = drop > 0 && k % drop === drop - 1;
+    jobs.push(ask(recs[line - 1], path.dirname(file), 'stream', maxTokens, (chunks, stream) => {
+      if (!quit) return false;
+      stream.controller.abort();  // the client goes away mid-stream
+      aborted++;
+      return true;
+    }).then((r) => r && out({ line, ...r }), (e) => { if (!quit) out({ line, error: String(e) }); }));
+  }
+  await Promise.all(jobs);
+  out({ aborted });
+} else if (cmd === 'errors') {
+  const [png] = args;
+  const user = (content) => [{ role: 'user', content }];
+  const img = (url) => user([{ type: 'image_url', image_url: { url } }, { type: 'text', text: 'What is it?' }]);
+  const cases = [
+    ['remote-url', 400, /remote image URLs are not fetched/, { messages: img('https://example.com/a.png') }],
+    ['bad-image', 422, /image 1: .*(JPEG|PNG|decode|corrupt)/i, { messages: img('data:image/png;base64,iVBORw0KGgoAAAAA') }],
+    ['bad-base64', 400, /base64/, { messages: img('data:image/png;base64,%%%%') }],
+    ['path-outside', 400, /outside serve.image_dir/, { messages: img('../../etc/passwd') }],
+    ['wrong-type', 400, /'max_tokens' must be an integer/, { messages: user('hi'), max_tokens: 'many' }],
+    ['n-2', 400, /only n = 1/, { messages: user('hi'), n: 2 }],
+    ['bad-role', 400, /unknown role 'robot'/, { messages: [{ role: 'robot', content: 'hi' }] }],
+    ['too-long', 413, /the prompt has [0-9]+ tokens; this server's context is/, { messages: user('hello '.repeat(5000)) }],
+    ['unknown-model', 404, /does not exist/, { messages: user('hi'), model: 'gpt-9' }],
+    ['no-messages', 400, /'messages' is required/, {}],
+  ];
+  for (const [name, status, pat, body] of cases) {
+    try {
+      await client.chat.completions.create({ model, max_tokens: 2, ...body });
+      out({ name, ok: false, why: 'no error' });
+    } catch (e) {
+      const msg = e?.error?.message ?? e?.message ?? String(e);
+      const ok = e.status === status && pat.test(msg) && e?.error?.type !== undefined;
+      out({ name, ok, why: `status ${e.status}, error ${JSON.stringify(e.error)}` });
+    }
+  }
+  // Plain completions, streamed, with a stop string, after all those errors.
+  const r = await client.completions.create({ model, prompt: 'The cat', max_tokens: 4, temperature: 0 });
+  const s = await client.completions.create({ model, prompt: 'The cat', max_tokens: 4, temperature: 0, stream: true });
+  let text = '';
+  for await (const c of s) text += c.choices[0]?.text ?? '';
+  out({ name: 'completions', ok: r.choices[0].text === text && r.usage.completion_tokens >= 1, why: `${JSON.stringify(r)} vs stream ${JSON.stringify(text)}` });
+  const m = await client.models.list();
+  out({ name: 'models', ok: m.data.length === 1 && m.data[0].id === model, why: JSON.stringify(m.data) });
+  // A stop string cuts the answer before it (the greedy answer up to its second character).
+  const full = (await client.chat.completions.create({ model, messages: img(dataUrl(png)), max_tokens: 6, temperature: 0 })).choices[0].message.content;
+  const stop = full.slice(1, 3);
+  const cut = full.indexOf(stop);
+  const st = await client.chat.completions.create({ model, messages: img(dataUrl(png)), max_tokens: 6, temperature: 0, stop: [stop] });
+  out({ name: 'stop-string', ok: stop.length === 2 && st.choices[0].message.content === full.slice(0, cut) && st.choices[0].finish_reason === 'stop', why: `full ${JSON.stringify(full)} stop ${JSON.stringify(stop)} got ${JSON.stringify(st.choices[0])}` });
+  // Seeded sampling: the same seed gives the same answer.
+  const samp = (seed) => client.chat.completions.create({ model, messages: img(dataUrl(png)), max_tokens: 6, temperature: 1.5, top_k: 50, top_p: 0.9, seed });
+  const [a, b] = [await samp(7), await samp(7)];
+  out({ name: 'seeded-sampling', ok: a.choices[0].message.content === b.choices[0].message.content, why: `${a.choices[0].message.content} vs ${b.choices[0].message.content}` });
+} else {
+  console.error(`unknown command ${cmd}`);
+  process.exit(2);
+}

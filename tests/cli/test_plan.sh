@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# `q3vl plan` and `parallel.layout = "auto"`: the 235B-A22B answers (nothing fits on 4 x 2 A100-80GB with 256 GiB
+# hosts; the model states are ~3.77 TB), a 2B deck that fits one H200 with its deck lines, a serve plan, bad
+# inputs named by key with a non-zero exit, and train choosing its own layout on CPU ranks. (The bytes themselves
+# are checked against the allocators in tests/unit/test_plan.cpp and tests/mpi/test_plan.cpp.)
+source "$(dirname "$0")/../lib.sh"
+needs plan bin/q3vl || finish
+big=(input/qwen3vl_235b.deck plan.nodes=4 plan.gpus_per_node=2 plan.gpu=A100-80GB plan.host_mem=256GiB)
+
+out=$($q plan "${big[@]}" 2>&1); rc=$?
+[[ $rc == 2 ]] && pass "235b-4x2-a100: exit 2 (nothing fits)" || bad "235b-4x2-a100: exit $rc, wanted 2: $out"
+grep -q 'nothing fits on 4 x 2 A100-80GB' <<<"$out" && pass "235b-4x2-a100: says nothing fits" \
+  || bad "235b-4x2-a100: no 'nothing fits' line: $out"
+grep -qE '235\.[0-9]+ B parameters' <<<"$out" && pass "235b: parameter count" || bad "235b: parameter count: $out"
+grep -qE '\(3\.7[0-9] TB\)' <<<"$out" && pass "235b: model states ~3.77 TB" || bad "235b: model states: $out"
+grep -qE 'dominant, GiB per GPU: [a-z]' <<<"$out" && pass "235b: names what dominates" || bad "235b: dominant: $out"
+# The smallest machine: more nodes than the 4 given, both with and without offload, offload needing fewer.
+no=$(grep -oP 'no offload: +\K[0-9]+(?= node)' <<<"$out"); off=$(grep -oP 'with optimizer offload: +\K[0-9]+(?= node)' <<<"$out")
+if [[ -n $no && -n $off ]] && ((no > 4 && off > 4 && off <= no)); then pass "235b: fewest nodes ($no, offload $off)"
+else bad "235b: fewest nodes: '$no' / '$off': $out"; fi
+
+out=$($q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 plan.gpu=H200-141GB 2>&1); rc=$?
+[[ $rc == 0 ]] && grep -q 'fastest that fits' <<<"$out" && grep -q '^zero_stage = ' <<<"$out" \
+  && grep -q '^micro_batch = ' <<<"$out" && pass "2b-one-h200: fits, with deck lines" || bad "2b-one-h200: exit $rc: $out"
+expect "serve-plan" 0 'KV capacity' $q plan input/qwen3vl_8b_sft.deck plan.for=serve plan.gpu=H100-80GB
+
+expect "bad-gpu" 1 "plan.gpu" $q plan "${big[@]}" plan.gpu=B200
+expect "zero-nodes" 1 "plan.nodes" $q plan "${big[@]}" plan.nodes=0
+expect "no-unit" 1 'plan.host_mem = "256": a memory size needs a unit' $q plan "${big[@]}" plan.host_mem=256
+expect "bad-unit" 1 "plan.gpu_mem = \"80 gigs\"" $q plan "${big[@]}" "plan.gpu_mem=80 gigs"
+
+# train picks a layout itself and says which and why; the run uses it.
+needs auto-train mpiexec && {
+  mpiexec -n 2 $q train model.hf=tests/data/golden/dense_tied/model data.seq_len=32 train.global_batch=8 \
+    train.steps=2 train.resume=never parallel.layout=auto run.out_dir="$tmp/auto" >"$tmp/auto.log" 2>&1; rc=$?
+  chosen=$(grep -oP 'parallel.layout = auto: ZeRO-\K[123]' "$tmp/auto.log")
+  if [[ $rc == 0 && -n $chosen ]] && grep -q "ZeRO stage $chosen" "$tmp/auto.log" && grep -q 'fastest predicted' "$tmp/auto.log"
+  then pass "auto-train: chose ZeRO-$chosen and trained with it"
+  else bad "auto-train: exit $rc: $(tail -5 "$tmp/auto.log")"; fi
+}
+finish

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# `q3vl serve` through the official OpenAI Node client (tests/cli/serve_client.mjs) on a random tiny model: chat
+# with images as data URLs and as paths under serve.image_dir, streaming and not, greedy answers equal to
+# `q3vl generate`'s, bad requests answered with OpenAI error objects while the server stays up, 32 concurrent
+# streams with some clients leaving mid-answer, a KV cache too small for two requests queueing them, /metrics,
+# SIGTERM, and tensor parallelism over 2 and 4 ranks.
+source "$(dirname "$0")/../lib.sh"
+q=${Q3VL:-bin/q3vl}
+client=tests/cli/serve_client.mjs
+needs node-client node || finish
+[[ -f third_party/npm/node_modules/openai/package.json ]] ||
+  { skip node-client "the OpenAI client is not in third_party/npm (bash tools/fetch_tokenizer.sh installs it)"; finish; }
+
+$q synth synth.dir=$tmp/d synth.train_samples=1 synth.eval_samples=6 synth.seed=3 run.timing=false >/dev/null 2>&1 ||
+  { bad "synth failed"; finish; }
+# The reference: generate's greedy answers for the held-out prompts.
+$q generate model.preset=tiny generate.prompts=$tmp/d/eval.jsonl generate.min_pixels=4096 generate.max_new_tokens=6 \
+  generate.output=$tmp/gen.jsonl run.timing=false >$tmp/gen.log 2>&1 || bad "generate failed: $(tail -3 $tmp/gen.log)"
+
+pids=()
+# start NAME ARGS...: a server on a free port in the background; sets $port (empty when it did not come up).
+start() {
+  local name=$1; shift
+  "$@" serve.port=0 serve.min_pixels=4096 serve.image_dir=$tmp/d run.timing=false >$tmp/$name.log 2>&1 &
+  pids+=($!)
+  port=""
+  for _ in $(seq 300); do
+    port=$(grep -oP 'serve: model .* on http://127\.0\.0\.1:\K[0-9]+' $tmp/$name.log)
+    [[ -n $port ]] && return 0
+    kill -0 ${pids[-1]} 2>/dev/null || break
+    sleep 0.2
+  done
+  bad "$name: the server did not come up: $(tail -5 $tmp/$name.log)"
+  return 1
+}
+stop_all() { for p in "${pids[@]}"; do kill -TERM $p 2>/dev/null; done; wait 2>/dev/null; }
+trap 'stop_all; rm -rf "$tmp"' EXIT
+health() { curl -sf -m 5 http://127.0.0.1:$port/health >/dev/null; }
+node_c() { node $client $port q3vl-tiny "$@"; }
+
+# same_answers NAME FILE: FILE's answers (serve) equal generate's, line by line, and are complete.
+same_answers() {
+  $py - "$tmp/gen.jsonl" "$2" <<'EOF' && pass "$1" || bad "$1: $(head -c 600 $2)"
+import json, sys
+gen = {r["line"]: r for r in map(json.loads, open(sys.argv[1]))}
+got = [json.loads(l) for l in open(sys.argv[2]) if '"line"' in l]
+assert got, "no answers"
+for r in got:
+    g = gen[r["line"]]
+    assert "error" not in r, r
+    assert r["answer"] == g["answer"], (r, g)
+    assert r["finish"] == ("stop" if g["stop"] == "eos" else "length"), (r, g)
+    if r.get("usage"):
+        assert r["usage"]["prompt_tokens"] == g["prompt_tokens"] and r["usage"]["completion_tokens"] == g["new_tokens"], (r, g)
+EOF
+}
+
+if start main $q serve model.preset=tiny serve.kv_mib=64; then
+  node_c answers $tmp/d/eval.jsonl data >$tmp/a_data.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+  same_answers "chat with data: URL images == generate (greedy, usage)" $tmp/a_data.jsonl
+  node_c answers $tmp/d/eval.jsonl stream >$tmp/a_stream.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+  same_answers "streamed chat == generate" $tmp/a_stream.jsonl
+  node_c answers $tmp/d/eval.jsonl path >$tmp/a_path.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+  same_answers "images by path under serve.image_dir == generate" $tmp/a_path.jsonl
+
+  node_c errors $tmp/d/images/eval_000000.png >$tmp/errs.jsonl 2>$tmp/err.log || bad "client errors: $(tail -3 $tmp/err.log)"
+  while read -r l; do
+    n=$($py -c 'import json,sys; r=json.loads(sys.argv[1]); print(r["name"], r["ok"])' "$l")
+    [[ $n == *True ]] && pass "${n% True}" || bad "${n% False}: $l"
+  done <$tmp/errs.jsonl
+  [[ $(wc -l <$tmp/errs.jsonl) -ge 14 ]] || bad "error cases: only $(wc -l <$tmp/errs.jsonl) ran"
+  o=$(curl -s -m 5 -w ' %{http_code}' -d '{"messages": [' http://127.0.0.1:$port/v1/chat/completions)
+  [[ $o == *'"invalid_request_error"'*' 400' ]] && pass "malformed JSON: 400 error object" || bad "malformed JSON: $o"
+  o=$($py -c 'import json; print(json.dumps({"prompt": "hello " * 5000}))' |
+        curl -s -m 20 -w ' %{http_code}' -H 'Content-Type: application/json' --data-binary @- \
+          http://127.0.0.1:$port/v1/completions)
+  [[ $o == *"this server's context is 4096 tokens"*' 413' ]] && pass "completions: prompt longer than the context: 413" ||
+    bad "long prompt: ${o: -300}"
+
+  # 32 streams at once, every 4th client leaving after its first chunk: the others get complete greedy answers.
+  node_c parallel $tmp/d/eval.jsonl 32 4 >$tmp/par.jsonl 2>$tmp/err.log || bad "client parallel: $(tail -3 $tmp/err.log)"
+  [[ $(grep -c '"line"' $tmp/par.jsonl) -eq 24 && $(grep -c '"aborted":8' $tmp/par.jsonl) -eq 1 ]] &&
+    pass "32 streams: 24 answers, 8 clients left" || bad "32 streams: $(grep -c '"line"' $tmp/par.jsonl) answers: $(tail -3 $tmp/par.jsonl)"
+  same_answers "32 concurrent streams == generate" $tmp/par.jsonl
+  sleep 0.5
+  m=$(curl -s -m 5 http://127.0.0.1:$port/metrics)
+  grep -qE '^q3vl_kv_blocks_used 0$' <<<"$m" && grep -qE '^q3vl_batch_size 0$' <<<"$m" &&
+    pass "left clients' sequences freed (metrics: 0 KV blocks, batch 0)" || bad "metrics after the streams: $m"
+  for k in q3vl_requests_total q3vl_generation_tokens_total q3vl_queue_length q3vl_time_to_first_token_seconds_count \
+           q3vl_time_per_output_token_seconds_sum; do
+    grep -qE "^$k [0-9.e+]+$" <<<"$m" || bad "metrics: no $k"
+  done
+  health && pass "server up after errors and disconnects" || bad "server down: $(tail -5 $tmp/main.log)"
+  kill -TERM ${pids[0]}; wait ${pids[0]}; rc=$?
+  [[ $rc -eq 0 ]] && grep -q 'serve: stopping' $tmp/main.log && pass "SIGTERM: clean exit" || bad "SIGTERM: rc $rc $(tail -3 $tmp/main.log)"
+fi
+
+# A cache of one block of 32 tokens fits one request (prompt ~20 tokens + 6) at a time: the rest wait, none fails.
+if start small $q serve model.preset=tiny serve.kv_block=32 serve.kv_mib=0.02; then
+  grep -q 'KV cache 1 blocks of 32 tokens' $tmp/small.log || bad "small cache: $(grep 'KV cache' $tmp/small.log)"
+  node_c parallel $tmp/d/eval.jsonl 6 0 >$tmp/q.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+  [[ $(grep -c '"line"' $tmp/q.jsonl) -eq 6 ]] && pass "full KV cache: requests queue" || bad "queue: $(cat $tmp/q.jsonl)"
+  same_answers "queued answers == generate" $tmp/q.jsonl
+  o=$(curl -s -m 5 -w ' %{http_code}' -d '{"prompt": "hi", "max_tokens": 100}' http://127.0.0.1:$port/v1/completions)
+  [[ $o == *'KV-cache blocks'*' 413' ]] && pass "a request larger than the whole cache: 413" || bad "too big: $o"
+fi
+
+# Tensor parallel over 2 and 4 ranks (heads, MLP rows and vocabulary split; with 4, each kv head on 2 ranks): rank 0
+# serves, all ranks compute, the greedy answers stay generate's.
+for n in 2 4; do
+  if start tp$n mpiexec -n $n $q serve model.preset=tiny serve.kv_mib=8; then
+    grep -q "tensor parallel over $n ranks" $tmp/tp$n.log || bad "tp$n: $(grep serve: $tmp/tp$n.log)"
+    node_c answers $tmp/d/eval.jsonl stream >$tmp/a_tp$n.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+    same_answers "TP = $n: streamed answers == generate" $tmp/a_tp$n.jsonl
+    kill -TERM ${pids[-1]}; wait ${pids[-1]}; rc=$?
+    [[ $rc -eq 0 ]] && pass "TP = $n: SIGTERM ends every rank" || bad "tp$n: exit $rc $(tail -3 $tmp/tp$n.log)"
+  fi
+done
+stop_all
+expect no-model 1 "serve needs a model" $q serve serve.port=0
+expect bad-image-dir 1 "serve.image_dir" $q serve model.preset=tiny serve.image_dir=$tmp/nothere
+finish

@@ -1,0 +1,103 @@
+// The planner: its bad-input errors name the key, and for one GPU (the DevTrainer, run here on the CPU op layer) its
+// predicted bytes are what the trainer allocates, kind by kind. (Several ranks: tests/mpi/test_plan.cpp.)
+#include <gtest/gtest.h>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/model/dev_model.hpp"
+#include "q3vl/plan/plan.hpp"
+#include "q3vl/train/dev_trainer.hpp"
+
+using namespace q3vl;
+
+namespace {
+
+// The error message of f(), or "" when it does not throw.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+Deck plan_deck(std::vector<std::string> overrides) {
+  overrides.push_back("model.preset=tiny");
+  return Deck::parse("", "test", overrides, "plan");
+}
+
+}  // namespace
+
+TEST(Plan, MemorySizesNeedAUnit) {
+  EXPECT_EQ(parse_bytes("plan.host_mem", "256GiB"), int64_t(256) << 30);
+  EXPECT_EQ(parse_bytes("plan.host_mem", "80GB"), int64_t(80e9));
+  EXPECT_EQ(parse_bytes("plan.gpu_mem", "1.5TiB"), int64_t(3) << 39);
+  for (const char* bad : {"256", "256 gigs", "GiB", "1.2.3GB", ""}) {
+    const std::string e = error_of([&] { parse_bytes("plan.host_mem", bad); });
+    EXPECT_NE(e.find("plan.host_mem"), std::string::npos) << bad << ": " << e;
+  }
+  EXPECT_NE(error_of([] { parse_bytes("plan.host_mem", "256"); }).find("needs a unit"), std::string::npos);
+}
+
+TEST(Plan, BadHardwareIsNamed) {
+  EXPECT_NE(error_of([] { gpu_preset("B200"); }).find("plan.gpu = \"B200\": unknown GPU"), std::string::npos);
+  EXPECT_NE(error_of([] { plan_deck({"plan.gpu=B200"}); }).find("plan.gpu"), std::string::npos);
+  EXPECT_NE(error_of([] { plan_deck({"plan.nodes=0"}); }).find("plan.nodes"), std::string::npos);
+  EXPECT_NE(error_of([] { plan_deck({"plan.gpus_per_node=0"}); }).find("plan.gpus_per_node"), std::string::npos);
+  EXPECT_NE(error_of([] { hardware_from_deck(plan_deck({"plan.host_mem=512"})); }).find("plan.host_mem"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { hardware_from_deck(plan_deck({"plan.gpu_mem=80"})); }).find("plan.gpu_mem"),
+            std::string::npos);
+  const Hardware h = hardware_from_deck(plan_deck({"plan.gpu=A100-80GB", "plan.nodes=4", "plan.gpus_per_node=2",
+                                                   "plan.host_mem=256GiB"}));
+  EXPECT_EQ(h.ranks(), 8);
+  EXPECT_EQ(h.gpu_mem, int64_t(80) << 30);
+  EXPECT_EQ(h.host_mem, int64_t(256) << 30);
+  EXPECT_EQ(h.tflops, 312);
+}
+
+// One GPU: the planner's bytes (through sized_layout, as `q3vl plan` reports them) are the DevTrainer's allocation.
+TEST(Plan, OneGpuBytesAreTheTrainersAllocation) {
+  Workload w = workload_from_deck(plan_deck({"data.seq_len=64", "train.global_batch=4", "model.dtype=fp32"}));
+  Hardware hw = gpu_preset("H200-141GB");
+  for (bool rc : {false, true})
+    for (int64_t mb : {1, 2}) {
+      const DevBudget b = train_budget(w.cfg, mb, w.seq_len, w.max_patches);
+      DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, rc, LossScaling{});
+      const DevTrainerMemory got = tr.memory();
+      const DevTrainerMemory want = DevTrainer::plan(w.cfg, DType::F32, b, rc, Device::CPU);
+      EXPECT_EQ(got.model.weights, want.model.weights);
+      EXPECT_EQ(got.model.grads, want.model.grads);
+      EXPECT_EQ(got.model.activations, want.model.activations) << "recompute " << rc << " micro-batch " << mb;
+      EXPECT_EQ(got.model.workspace, want.model.workspace);
+      EXPECT_EQ(got.optimizer, want.optimizer);
+      Layout l;
+      l.micro_batch = mb, l.recompute = rc;
+      const Candidate c = sized_layout(w, hw, l);
+      EXPECT_EQ(c.gpu.weights, got.model.weights);
+      EXPECT_EQ(c.gpu.grads, got.model.grads);
+      EXPECT_EQ(c.gpu.activations, got.model.activations);
+      EXPECT_EQ(c.gpu.optimizer, got.optimizer);
+      EXPECT_EQ(c.gpu.workspace, DevTrainer::kWorkspaceBytes);  // a CUDA Exec's (the CPU's has none)
+      EXPECT_TRUE(c.built);
+    }
+}
+
+TEST(Plan, FastestFittingFirstAndMoreMemoryNeverHurts) {
+  Workload w = workload_from_deck(plan_deck({"data.seq_len=512", "train.global_batch=16"}));
+  Hardware hw = gpu_preset("A100-40GB");
+  hw.nodes = 2, hw.gpus_per_node = 4, hw.host_mem = int64_t(256) << 30;
+  const auto cs = plan_candidates(w, hw);
+  ASSERT_FALSE(cs.empty());
+  ASSERT_TRUE(cs.front().fits);
+  for (size_t i = 1; i < cs.size(); ++i)
+    if (cs[i].fits) {
+      EXPECT_LE(cs[0].t_step, cs[i].t_step * 1.001);
+    }
+  // Sharding more ways shrinks what each GPU holds.
+  Layout l;
+  Hardware big = hw;
+  big.nodes = 4;
+  EXPECT_LT(sized_layout(w, big, l).gpu.optimizer, sized_layout(w, hw, l).gpu.optimizer);
+}
