@@ -131,7 +131,7 @@ std::string Layout::deck_lines(DType gather) const {
                   "\n";
   if (gather != DType::F32) s += "gather_dtype = \"bf16\"\n";
   if (offload) s += "# offload_optimizer = true   # not built yet: optimizer state on the host\n";
-  if (ep > 1) s += "# ep = " + std::to_string(ep) + "   # not built yet: expert parallelism\n";
+  if (ep > 1) s += "ep = " + std::to_string(ep) + "\n";
   s += "[train]\nmicro_batch = " + std::to_string(micro_batch) + "\nrecompute = \"" + (recompute ? "block" : "none") +
        "\"\n";
   return s;
@@ -189,15 +189,18 @@ namespace {
 
 // The largest value of each kind over a shard group's ranks (rank 0 holds the most unless frozen tensors sit
 // unevenly). Cached: the search sizes the same groups many times.
-ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int stage) {
+// ep > 1: the expert units are sharded over the n / ep ranks holding the same experts (groups of ep consecutive
+// ranks split the experts, as ExpertParallel lays them out).
+ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int stage, int ep = 1) {
   // Keyed by what the layout depends on: the table (its size and unit count stand for it), the trained set, n, stage.
-  static std::map<std::tuple<int64_t, size_t, std::vector<bool>, int, int>, ZeroMemory> cache;
-  auto key = std::make_tuple(t.total(), t.units().size(), w.trainable, n, stage);
+  static std::map<std::tuple<int64_t, size_t, std::vector<bool>, int, int, int>, ZeroMemory> cache;
+  auto key = std::make_tuple(t.total(), t.units().size(), w.trainable, n, stage, ep);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   ZeroMemory m;
   auto mx = [](int64_t& a, int64_t b) { a = std::max(a, b); };
   for (int r = 0; r < n; r += std::max(1, n / 16)) {  // evenly spread ranks: the pieces repeat with the rank
-    const ZeroMemory z = ZeroEngine::plan(t, n, r, stage, w.trainable, w.backward_order);
+    const ShardGroup experts{n / ep, r / ep};
+    const ZeroMemory z = ZeroEngine::plan(t, n, r, stage, w.trainable, w.backward_order, ep > 1 ? &experts : nullptr);
     mx(m.master, z.master), mx(m.exp_avg, z.exp_avg), mx(m.exp_avg_sq, z.exp_avg_sq), mx(m.grads, z.grads);
     mx(m.comm, z.comm), mx(m.working, z.working), mx(m.pool_bound, z.pool_bound);
   }
@@ -209,7 +212,7 @@ ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int stage) {
 Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   Candidate c;
   c.layout = l;
-  const ParamTable t(w.cfg);
+  const ParamTable t(w.cfg, {l.ep, 0});  // under expert parallelism a rank holds E/ep experts of every MoE layer
   const int R = hw.ranks(), n = l.hybrid ? hw.gpus_per_node : R;
   const int64_t g = int64_t(dtype_size(w.dt));
   const DevBudget budget = train_budget(w.cfg, l.micro_batch, w.seq_len, w.max_patches);
@@ -229,7 +232,7 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   } else {
     // Several GPUs (ZeRO over NCCL, not built yet): the ZeRO engine's shards on the device, its stage-3 pool in the
     // compute dtype, and the one-GPU model's weights, gradients, arena and workspace where the stage keeps them.
-    const ZeroMemory z = zero_max(w, t, n, l.stage);
+    const ZeroMemory z = zero_max(w, t, n, l.stage, l.ep);
     if (l.stage < 3) {
       c.gpu.weights = DevModel::weight_bytes(t, w.dt);
       c.gpu.grads = DevModel::grad_bytes(t) + z.grads;  // the model's full gradients + the shard accumulator
@@ -246,7 +249,7 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   // Host bytes per rank: train keeps the ZeRO engine's shards on the host on the GPU path too (stage 3: checkpoint
   // staging; offload would update them there in place), so they are the same with or without offload.
   {
-    const ZeroMemory h = zero_max(w, t, n, 3);
+    const ZeroMemory h = zero_max(w, t, n, 3, l.ep);
     c.host.optimizer = h.master + h.exp_avg + h.exp_avg_sq;
     c.host.grads = h.grads;
     c.host.comm = h.comm;
@@ -291,6 +294,18 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
     } else {
       exposed = reduce + gather;  // once per step, after the last backward and after the update
     }
+    if (l.ep > 1) {
+      // Expert all-to-all, blocking (not overlapped): each MoE layer sends every routed (token, expert) row of
+      // `hidden` values to its owner and back (dispatch, combine) in forward, again in backward, and once more in a
+      // recomputed forward; (ep-1)/ep of the rows leave the rank, over NVLink while the EP group is inside a node.
+      const TextConfig& tc = w.cfg.text;
+      int moe_layers = 0;
+      for (int i = 0; i < tc.layers; ++i) moe_layers += t.moe_layer(i) ? 1 : 0;
+      const double rows = double(l.micro_batch * w.seq_len) * tc.experts_per_tok;
+      const double bytes = rows * tc.hidden * double(g) * 2 * (l.recompute ? 3 : 2) * moe_layers;
+      const double ep_bw = (l.ep <= hw.gpus_per_node ? hw.nvlink_gbps : hw.link_gbps) / 8 * 1e9 * kLinkEfficiency;
+      exposed += double(c.micro_steps) * bytes * double(l.ep - 1) / l.ep / ep_bw;
+    }
     if (l.hybrid && hw.nodes > 1)  // gradient shards all-reduced across nodes, blocking, in finish_grads
       exposed += 2 * (Ptr * 4 / n) * double(hw.nodes - 1) / hw.nodes / (hw.link_gbps / 8 * 1e9 * kLinkEfficiency);
   }
@@ -314,7 +329,9 @@ std::vector<Candidate> plan_candidates(const Workload& w, const Hardware& hw) {
       for (bool hybrid : {false, true}) {
         if (hybrid && (hw.nodes < 2 || hw.gpus_per_node < 2)) continue;
         if (R == 1 && stage != 3) continue;  // one GPU: the stages are the same (nothing to shard)
-        for (int ep : {1})  // expert parallelism: another issue; its degrees go here
+        for (int ep = 1; ep <= R; ep *= 2) {
+          // Expert parallelism: degrees dividing the ranks and the experts; not with hybrid sharding (refused).
+          if (ep > 1 && (!w.cfg.moe() || R % ep || w.cfg.text.num_experts % ep || hybrid)) continue;
           for (int64_t mb : {1, 2, 4, 8}) {
             if (mb > 1 && int64_t(R) * mb > w.global_batch) break;  // ranks would sit idle
             for (bool rc : {false, true}) {
@@ -323,6 +340,7 @@ std::vector<Candidate> plan_candidates(const Workload& w, const Hardware& hw) {
               out.push_back(sized_layout(w, hw, l));
             }
           }
+        }
       }
   std::stable_sort(out.begin(), out.end(), [](const Candidate& a, const Candidate& b) {
     if (a.fits != b.fits) return a.fits;
@@ -445,8 +463,9 @@ int run_plan(const Deck& d) {
     std::printf("  (several GPUs: ZeRO over NCCL is not built yet; these are the design's numbers from the same "
                 "sizing functions.)\n");
   if (w.cfg.moe())
-    std::printf("  (MoE: expert-parallel degrees are listed as ep 1 until expert parallelism is built; each MoE "
-                "decoder layer is one ZeRO unit with all its experts.)\n");
+    std::printf("  (MoE: each MoE layer's experts are a ZeRO unit of their own; with ep > 1 a rank holds E/ep of "
+                "them, sharded over the ranks holding the same experts, and the all-to-all is counted as exposed. "
+                "Expert parallelism runs on CPU ranks today; on GPUs it waits for NCCL.)\n");
 
   const Candidate& best = cs.front();
   int rc = 0;
@@ -469,9 +488,9 @@ int run_plan(const Deck& d) {
   // The smallest hardware of this kind, with and without offload (asked either way: it is the question users have).
   std::printf("\nfewest nodes of %d x %s with %s GiB host each:\n", hw.gpus_per_node, hw.gpu.c_str(),
               gib(hw.host_mem).c_str());
-  {  // The floor no layout beats: the model states alone (masters, moments, gradients) spread over every GPU.
+  {  // The floor no layout without offload beats: the model states alone (masters, moments, gradients) on the GPUs.
     const int64_t states = t.total() * 4 + trained * 12;
-    std::printf("  %-22s %lld GPUs (%s GiB of model states / %s GiB, nothing else counted)\n", "lower bound:",
+    std::printf("  %-22s %lld GPUs (%s GiB of model states / %s GiB, nothing else counted)\n", "bound without offload:",
                 (long long)((states + hw.gpu_mem - 1) / hw.gpu_mem), gib(states).c_str(), gib(hw.gpu_mem).c_str());
   }
   for (bool off : {false, true}) {

@@ -19,6 +19,11 @@ no=$(grep -oP 'no offload: +\K[0-9]+(?= node)' <<<"$out"); off=$(grep -oP 'with 
 if [[ -n $no && -n $off ]] && ((no > 4 && off > 4 && off <= no)); then pass "235b: fewest nodes ($no, offload $off)"
 else bad "235b: fewest nodes: '$no' / '$off': $out"; fi
 
+# Expert parallelism is among the candidates, and the fewest-GPU answer without offload uses it (a rank then holds
+# E/ep of each MoE layer's experts, which is what makes 235B fit on fewer GPUs).
+grep -qE 'no offload: .*ZeRO-3, EP [0-9]+' <<<"$out" && pass "235b: fewest GPUs use expert parallelism" ||
+  bad "235b: no EP layout in the fewest-GPU answer: $(grep -A3 'fewest nodes' <<<"$out")"
+
 out=$($q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 plan.gpu=H200-141GB 2>&1); rc=$?
 [[ $rc == 0 ]] && grep -q 'fastest that fits' <<<"$out" && grep -q '^zero_stage = ' <<<"$out" \
   && grep -q '^micro_batch = ' <<<"$out" && pass "2b-one-h200: fits, with deck lines" || bad "2b-one-h200: exit $rc: $out"
