@@ -38,14 +38,15 @@ expect() {
 }
 
 # Training runs' comparisons (run NAMEs are folders under $tmp; FILEs are checkpoints):
-# cmp_losses A B TOL: per-step losses of two runs agree to TOL relative.
+# cmp_losses A B TOL [STEPS]: per-step losses of two runs agree to TOL relative (and each logged STEPS steps).
 cmp_losses() {
-  $py - "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" "$3" <<'PY'
+  $py - "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" "$3" "${4:-0}" <<'PY'
 import json, sys
 a = [json.loads(l) for l in open(sys.argv[1])]
 b = [json.loads(l) for l in open(sys.argv[2])]
-tol = float(sys.argv[3])
+tol, steps = float(sys.argv[3]), int(sys.argv[4])
 assert len(a) == len(b) and len(a) > 0, f"{len(a)} vs {len(b)} steps"
+assert steps == 0 or len(a) == steps, f"{len(a)} steps, wanted {steps}"
 for x, y in zip(a, b):
     assert x["step"] == y["step"], (x["step"], y["step"])
     d = abs(x["loss"] - y["loss"]) / abs(y["loss"])

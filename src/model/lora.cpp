@@ -9,6 +9,7 @@
 
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/hash.hpp"
 #include "q3vl/model/params.hpp"
 
 namespace q3vl {
@@ -147,13 +148,6 @@ LoraSize lora_size(const ModelConfig& cfg) {
 
 // ---- forward and backward ----------------------------------------------------------------------------------
 
-static uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // dropout(x) of one call: a pure function of (seed, nonce, adapter, element), so backward redraws the forward's mask.
 template <class T>
 static const T* dropped(const LoraRun& L, int a, const T* x, int64_t N, int64_t in, std::vector<T>& buf) {
@@ -168,6 +162,11 @@ static const T* dropped(const LoraRun& L, int a, const T* x, int64_t N, int64_t 
   return buf.data();
 }
 
+// The lora_A id of the adapter on parameter `id` when this call has one to run (lora_B is the next id), else -1.
+template <class T> static int adapter_of(const ParamView<T>& P, int id, int64_t N) {
+  return P.lora && N > 0 ? P.lora->table->lora_a(id) : -1;
+}
+
 // u[N, r] = xd A^T
 template <class T> static void down(const T* xd, const T* A, int64_t N, int64_t in, int64_t r, T* u) {
   for (int64_t n = 0; n < N; ++n)
@@ -180,11 +179,9 @@ template <class T> static void down(const T* xd, const T* A, int64_t N, int64_t 
 
 template <class T>
 void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy, int64_t o0, int64_t nout) {
-  if (!P.lora || N == 0) return;
-  const int a = P.lora->table->lora_a(id);
+  const int a = adapter_of(P, id, N);
   if (a < 0) return;
-  const ParamInfo& pa = P.lora->table->param(a);
-  const int64_t r = pa.shape[0], in = pa.shape[1];
+  const int64_t r = P.lora->table->param(a).shape[0], in = P.lora->table->param(a).shape[1];
   if (nout < 0) nout = P.lora->table->param(a + 1).shape[0] - o0;
   std::vector<T> buf, u(size_t(N * r));
   down(dropped(*P.lora, a, x, N, in, buf), P.p[a], N, in, r, u.data());
@@ -201,11 +198,9 @@ void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_
 template <class T>
 void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N, T* dx, int64_t o0,
               int64_t nout) {
-  if (!P.lora || N == 0) return;
-  const int a = P.lora->table->lora_a(id);
+  const int a = adapter_of(P, id, N);
   if (a < 0) return;
-  const ParamInfo& pa = P.lora->table->param(a);
-  const int64_t r = pa.shape[0], in = pa.shape[1];
+  const int64_t r = P.lora->table->param(a).shape[0], in = P.lora->table->param(a).shape[1];
   if (nout < 0) nout = P.lora->table->param(a + 1).shape[0] - o0;
   std::vector<T> buf, u(size_t(N * r)), du(size_t(N * r), T(0));
   const T* xd = dropped(*P.lora, a, x, N, in, buf);

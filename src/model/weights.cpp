@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/hash.hpp"
 #include "q3vl/io/safetensors.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/tensor/tensor.hpp"  // shape_str
@@ -167,13 +168,6 @@ SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std
 }
 
 static bool is_bias(const std::string& name) { return ends_with(name, ".bias"); }
-
-static uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 template <class T>
 void init_param_range(const ParamInfo& p, uint64_t seed, double std, int64_t begin, int64_t count, T* out) {
