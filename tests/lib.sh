@@ -11,6 +11,8 @@ py=/usr/bin/python3
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 fails=0 passes=0 skips=0
 
+# Never `cmd | grep -q PAT` here: grep leaves at the first match, cmd's next write dies of SIGPIPE and pipefail
+# fails the check at random (a sub-make's "Leaving directory" line did, in CI). Use grep -q PAT <<<"$(cmd)".
 # pass NAME: one check passed. bad MESSAGE: one check failed (MESSAGE starts with the check's name).
 # skip NAME REASON: a check that did not run; tests/run_all.sh lists every "skip: " line with its reason.
 pass() { echo "ok: $1"; passes=$((passes + 1)); }

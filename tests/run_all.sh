@@ -9,7 +9,7 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 MPIEXEC=${MPIEXEC:-mpiexec}
 log_dir=build/test-logs
 mkdir -p "$log_dir"
-passed=0 failed=0 skipped=0 failed_suites=() skip_list=()
+passed=0 failed=0 skipped=0 failed_suites=() skip_list=() fail_list=()
 
 # skip_suite NAME REASON: a whole suite that cannot run here.
 skip_suite() {
@@ -51,7 +51,11 @@ run() {
   if ((f > 0)); then
     failed_suites+=("$name")
     echo "FAILED ($p passed, $f failed$skips, $((SECONDS - t0)) s) — log: $log"
-    grep -E '^\[  FAILED  \]|Failure|error' "$log" | head -20 | sed 's/^/    /'
+    # What failed, also listed again at the end: CI shows only the tail of this output.
+    line=$(grep -E '^FAIL: |^\[  FAILED  \] [^ ]+ \(|: Failure$' "$log" | head -8)
+    [[ -z $line ]] && line="exit $rc; last line: $(tail -1 "$log")"
+    sed 's/^/    /' <<<"$line"
+    while IFS= read -r line; do fail_list+=("$name: ${line:0:300}"); done <<<"$line"
   else
     echo "ok ($p passed$skips, $((SECONDS - t0)) s)"
   fi
@@ -80,6 +84,10 @@ if ((${#skip_list[@]})); then
   echo "skipped checks:"
   printf '  %s\n' "${skip_list[@]}"
 fi
-((${#failed_suites[@]})) && echo "failed suites: ${failed_suites[*]}"
+if ((${#failed_suites[@]})); then
+  echo "failed checks (logs in $log_dir):"
+  printf '  %s\n' "${fail_list[@]}"
+  echo "failed suites: ${failed_suites[*]}"
+fi
 echo "$passed passed, $failed failed, $skipped skipped"
 ((failed == 0))

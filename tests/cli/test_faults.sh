@@ -57,7 +57,7 @@ descendants() {
 rank_pid() {
   local p
   for p in $(descendants "$1"); do
-    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "PMI_RANK=$2" && { echo "$p"; return; }
+    grep -qx "PMI_RANK=$2" <<<"$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null)" && { echo "$p"; return; }
   done
 }
 now() { echo $(($(date +%s%N) / 1000000)); }  # ms
