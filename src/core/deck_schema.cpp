@@ -21,7 +21,7 @@ const std::vector<KeySpec>& deck_schema() {
       // model: what is built or loaded
       {"model.hf", T::String, "", "Hugging Face model directory (config.json + safetensors) to load"},
       {"model.preset", T::String, "", "built-in size when starting from scratch",
-       -kBig, kBig, {"", "tiny", "demo", "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B"}},
+       -kBig, kBig, {"", "tiny", "tiny-moe", "demo", "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B"}},
       {"model.backend", T::String, "cpu", "compute backend", -kBig, kBig, {"cpu", "cuda"}},
       {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights (bf16/fp16 on cuda)",
        -kBig, kBig, {"fp32", "bf16", "fp16"}},

@@ -302,7 +302,7 @@ std::string hf_config_json(const ModelConfig& c) {
   return j.dump(2) + "\n";
 }
 
-std::vector<std::string> preset_names() { return {"2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B", "tiny", "demo"}; }
+std::vector<std::string> preset_names() { return {"2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B", "tiny", "tiny-moe", "demo"}; }
 
 ModelConfig preset_config(const std::string& name) {
   ModelConfig c;
@@ -337,6 +337,12 @@ ModelConfig preset_config(const std::string& name) {
   } else if (name == "tiny") {
     // For tests and the CPU demo: real vocabulary (the demo uses the real tokenizer), everything else tiny.
     vision(2, 64, 128, 64, {0}), text(64, 128, 2, 4, 2, true);
+    v.heads = 4;
+    t.head_dim = 16;
+    t.mrope_section = {4, 2, 2};
+  } else if (name == "tiny-moe") {
+    // tiny with 4 experts (top-2) in every layer: the MoE paths (serving, expert and tensor parallelism) in seconds.
+    vision(2, 64, 128, 64, {0}), text(64, 128, 2, 4, 2, true), experts(4, 2, 32);
     v.heads = 4;
     t.head_dim = 16;
     t.mrope_section = {4, 2, 2};

@@ -9,13 +9,14 @@ namespace q3vl {
 
 namespace {
 struct Split {
-  int64_t q0, nq, kv0, nkv, i0, ni;  // query heads, kv heads, intermediate rows of this rank
+  int64_t q0, nq, kv0, nkv, i0, ni, m0, nm;  // query heads, kv heads, MLP rows, each expert's rows of this rank
 };
 Split split(const TextConfig& t, int rank, int size) {
   const std::string tp = "serve.tp = " + std::to_string(size);
-  if (t.num_experts > 0) fail(tp + ": tensor parallelism of MoE layers is not supported yet; use serve.tp = 1");
   if (t.heads % size) fail(tp + " does not divide the " + std::to_string(t.heads) + " attention heads");
   if (t.intermediate % size) fail(tp + " does not divide the MLP's " + std::to_string(t.intermediate) + " rows");
+  if (t.num_experts > 0 && t.moe_intermediate % size)
+    fail(tp + " does not divide each expert's " + std::to_string(t.moe_intermediate) + " rows");
   if (size <= t.kv_heads ? t.kv_heads % size : size % t.kv_heads)
     fail(tp + " and the " + std::to_string(t.kv_heads) + " key/value heads: one must divide the other");
   Split s;
@@ -23,6 +24,7 @@ Split split(const TextConfig& t, int rank, int size) {
   s.nkv = std::max(1, t.kv_heads / size);
   s.kv0 = size <= t.kv_heads ? rank * s.nkv : s.q0 / (t.heads / t.kv_heads);  // replicated: the group of its queries
   s.ni = t.intermediate / size, s.i0 = rank * s.ni;
+  s.nm = t.moe_intermediate / size, s.m0 = rank * s.nm;
   return s;
 }
 }  // namespace
@@ -33,6 +35,7 @@ ModelConfig tp_config(const ModelConfig& full, int rank, int size) {
   c.text.heads = (int)s.nq;
   c.text.kv_heads = (int)s.nkv;
   c.text.intermediate = (int)s.ni;
+  c.text.moe_intermediate = (int)s.nm;
   return c;
 }
 
@@ -63,19 +66,30 @@ void tp_shard_weights(Model& full, Model& local, int rank, int size) {
     for (int l = 0; l < t.layers && which < 0; ++l)
       if ((int)id >= full.table().layer(l) && (int)id < full.table().layer(l) + tlay::count)
         which = (int)id - full.table().layer(l);
-    const int64_t rows = pf.shape[0], cols = pf.shape[1];
-    auto take_rows = [&](int64_t r0, int64_t n) { std::copy(src + r0 * cols, src + (r0 + n) * cols, dst); };
+    // Experts [E, rows, cols] split like dense weights, expert by expert; a 2-D weight is one "expert".
+    const bool experts = pf.shape.size() == 3;
+    const int64_t ne = experts ? pf.shape[0] : 1, rows = pf.shape[experts], cols = pf.shape[experts + 1];
+    const int64_t out = pl.numel / ne;  // elements of one expert's slice
+    auto take_rows = [&](int64_t r0, int64_t n, int64_t at = 0) {
+      for (int64_t e = 0; e < ne; ++e)
+        std::copy(src + (e * rows + r0) * cols, src + (e * rows + r0 + n) * cols, dst + e * out + at * cols);
+    };
     auto take_cols = [&](int64_t c0, int64_t n) {
-      for (int64_t r = 0; r < rows; ++r) std::copy(src + r * cols + c0, src + r * cols + c0 + n, dst + r * n);
+      for (int64_t e = 0; e < ne; ++e)
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy(src + (e * rows + r) * cols + c0, src + (e * rows + r) * cols + c0 + n, dst + e * out + r * n);
     };
     switch (which) {
       case tlay::q_proj: take_rows(s.q0 * hd, s.nq * hd); break;
       case tlay::k_proj:
       case tlay::v_proj: take_rows(s.kv0 * hd, s.nkv * hd); break;
       case tlay::o_proj: take_cols(s.q0 * hd, s.nq * hd); break;
-      case tlay::gate_proj:
-      case tlay::up_proj: take_rows(s.i0, s.ni); break;
-      case tlay::down_proj: take_cols(s.i0, s.ni); break;
+      case tlay::gate_proj:  // the router when MoE: whole on every rank, copied above
+      case tlay::up_proj:
+        if (!experts) take_rows(s.i0, s.ni);
+        else take_rows(s.m0, s.nm), take_rows(rows / 2 + s.m0, s.nm, s.nm);  // gate rows, then up rows
+        break;
+      case tlay::down_proj: experts ? take_cols(s.m0, s.nm) : take_cols(s.i0, s.ni); break;
       default: fail("tp: no rule to split " + pf.name);
     }
   }

@@ -40,7 +40,7 @@ node_c() { node $client $port q3vl-tiny "$@"; }
 
 # same_answers NAME FILE: FILE's answers (serve) equal generate's, line by line, and are complete.
 same_answers() {
-  $py - "$tmp/gen.jsonl" "$2" <<'EOF' && pass "$1" || bad "$1: $(head -c 600 $2)"
+  $py - "${ref:-$tmp/gen.jsonl}" "$2" <<'EOF' && pass "$1" || bad "$1: $(head -c 600 $2)"
 import json, sys
 gen = {r["line"]: r for r in map(json.loads, open(sys.argv[1]))}
 got = [json.loads(l) for l in open(sys.argv[2]) if '"line"' in l]
@@ -116,6 +116,14 @@ for n in 2 4; do
     [[ $rc -eq 0 ]] && pass "TP = $n: SIGTERM ends every rank" || bad "tp$n: exit $rc $(tail -3 $tmp/tp$n.log)"
   fi
 done
+# A MoE model over 2 ranks: every expert's rows split, the router whole on each rank; answers equal generate's.
+$q generate model.preset=tiny-moe generate.prompts=$tmp/d/eval.jsonl generate.min_pixels=4096 \
+  generate.max_new_tokens=6 generate.output=$tmp/gen_moe.jsonl run.timing=false >$tmp/gen_moe.log 2>&1 ||
+  bad "generate tiny-moe failed: $(tail -3 $tmp/gen_moe.log)"
+if start moe_tp2 mpiexec -n 2 $q serve model.preset=tiny-moe serve.kv_mib=8 serve.model_name=q3vl-tiny; then
+  node_c answers $tmp/d/eval.jsonl >$tmp/a_moe.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+  ref=$tmp/gen_moe.jsonl same_answers "MoE, TP = 2: answers == generate" $tmp/a_moe.jsonl
+fi
 stop_all
 expect no-model 1 "serve needs a model" $q serve serve.port=0
 expect bad-image-dir 1 "serve.image_dir" $q serve model.preset=tiny serve.image_dir=$tmp/nothere

@@ -1,10 +1,11 @@
 // Tensor-parallel inference (serve/tp.hpp) at 1, 2 and 4 ranks: every rank holds its slice of the decoder and of
 // the LM head's vocabulary; prompt chunks with an image and decoded tokens give the full model's logits to 1e-5
-// (with 4 ranks each key/value head is replicated on two ranks).
+// (with 4 ranks each key/value head is replicated on two ranks), for a dense and a MoE model.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <cmath>
+#include <string>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/qwen3vl.hpp"
@@ -41,11 +42,13 @@ ModelConfig tp_tiny(bool moe = false) {
 
 }  // namespace
 
-TEST(ServeTp, ShardedLogitsEqualTheFullModel) {
+class ServeTp : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ServeTp, ShardedLogitsEqualTheFullModel) {
   int rank, size;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  Model full(tp_tiny());
+  Model full(tp_tiny(GetParam()));
   full.init_random(11, 0.3);
   Model local(tp_config(full.config(), rank, size));
   tp_shard_weights(full, local, rank, size);
@@ -70,13 +73,16 @@ TEST(ServeTp, ShardedLogitsEqualTheFullModel) {
   }
   MPI_Allreduce(MPI_IN_PLACE, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   EXPECT_LT(worst, 1e-5) << size << " ranks";
-  EXPECT_GT(worst + 1, 0);
+  EXPECT_GT(worst + 1, 0);  // not NaN
 }
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, ServeTp, ::testing::Bool(),
+                         [](const auto& i) { return i.param ? std::string("Moe") : std::string("Dense"); });
 
-TEST(ServeTp, RefusesWhatDoesNotSplit) {
-  int size;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  EXPECT_THROW(tp_config(tp_tiny(true), 0, 2), Error);  // MoE
+TEST(ServeTpSplit, RefusesWhatDoesNotSplit) {
+  EXPECT_NO_THROW(tp_config(tp_tiny(true), 0, 4));
+  ModelConfig m = tp_tiny(true);
+  m.text.moe_intermediate = 18;  // not a multiple of 4
+  EXPECT_THROW(tp_config(m, 0, 4), Error);
   ModelConfig c = tp_tiny();
   c.text.heads = 6, c.text.kv_heads = 3;
   EXPECT_THROW(tp_config(c, 0, 4), Error);

@@ -1,7 +1,8 @@
 // Tensor parallelism for serving (Megatron-LM's layout) over the ranks of a group: rank r of tp holds query heads
 // [r*nh/tp, (r+1)*nh/tp) with the key/value heads they read (a kv head is replicated when tp > kv_heads, as vLLM
 // does), q/k/v and gate/up split by rows (column-parallel), o_proj and down_proj split by columns (row-parallel,
-// their partial outputs summed over the group), and the LM head's vocabulary rows split (vocab-parallel; the tied
+// their partial outputs summed over the group; a MoE layer splits every expert's rows the same way and keeps the
+// router whole, so each rank routes alike and the one sum after the experts completes them), and the LM head's vocabulary rows split (vocab-parallel; the tied
 // embedding stays whole on every rank). The vision tower is not split: rank 0 runs it and sends each step's image
 // features with the step, which costs one broadcast of n_image_tokens x hidden floats instead of a whole tower per rank.
 #pragma once
@@ -13,7 +14,7 @@
 namespace q3vl {
 
 // The decoder shape rank `rank` of `size` holds; fails naming what does not divide (heads, kv heads,
-// intermediate) or a MoE model (experts are not split yet).
+// intermediate, each expert's intermediate).
 ModelConfig tp_config(const ModelConfig& full, int rank, int size);
 // Copies this rank's slices of full's weights into local (built from tp_config(full.config(), rank, size)).
 void tp_shard_weights(Model& full, Model& local, int rank, int size);
