@@ -63,8 +63,9 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.step_tokens", T::Int, "256", "tokens per engine step: one per running sequence, the rest prompt chunks",
        1, 1 << 24},
       {"serve.kv_block", T::Int, "16", "KV-cache block size in tokens", 1, 1 << 16},
-      {"serve.kv_mib", T::Real, "512", "KV-cache memory in MiB (requests that do not fit wait in the queue)", 0.001,
-       1e9},
+      {"serve.kv_mib", T::Real, "0", "KV-cache memory per rank in MiB (requests that do not fit wait in the queue); "
+       "0: what serve.max_batch x serve.max_context can use, at most half of the rank's share of available memory",
+       0, 1e9},
       {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json)", 1, 1e12},
       {"serve.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
       {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},

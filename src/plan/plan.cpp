@@ -1,6 +1,7 @@
 // The planner (include/q3vl/plan/plan.hpp). Bytes come from the allocators' own sizing functions; the time model is
 // FLOPs / GEMM rate + bytes / link bandwidth with the overlap the ZeRO engine implements.
 #include "q3vl/plan/plan.hpp"
+#include "q3vl/serve/tp.hpp"
 
 #include <unistd.h>
 
@@ -416,8 +417,7 @@ int plan_serve(const Deck& d, const Workload& w, const Hardware& hw) {
     for (int tp = 1; tp <= hw.gpus_per_node; tp *= 2)
       for (const char* prec : {"bf16", "int8"}) {
         const int64_t wbytes = t.total() * (prec[0] == 'b' ? 2 : 1) / (int64_t(tp) * pp);
-        const int64_t kv_heads = std::max<int64_t>(1, tc.kv_heads / tp);
-        const int64_t kv_tok = 2 * kv_heads * tc.head_dim * 2 * ((tc.layers + pp - 1) / pp);
+        const int64_t kv_tok = tp_kv_bytes_per_token(tc, tp, (tc.layers + pp - 1) / pp, 2);
         const int64_t left = hw.gpu_mem - kGpuReserve - DevTrainer::kWorkspaceBytes - wbytes;
         const int64_t tokens = left > 0 ? left / kv_tok : 0;
         any = any || tokens >= ctx;

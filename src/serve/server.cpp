@@ -9,12 +9,15 @@
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <thread>
+
+#include <unistd.h>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
@@ -647,6 +650,18 @@ std::unique_ptr<Model> fold_lora(Model& m) {
 }
 }  // namespace
 
+namespace {
+// MemAvailable of /proc/meminfo (what the kernel can give without swapping), else the free pages.
+int64_t available_memory() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  while (f >> key >> kib)
+    if (key == "MemAvailable:") return kib * 1024;
+  return int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGE_SIZE));
+}
+}  // namespace
+
 void Server::load() {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &tp_);
@@ -678,14 +693,30 @@ void Server::load() {
   const ModelConfig& cfg = model_->config();
   const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
   cache_.block = deck_.integer("serve.kv_block");
-  const int64_t per_block = 2 * cfg.text.layers * cache_.block * row * (int64_t)sizeof(float);
-  cache_.max_blocks = std::max<int64_t>(1, (int64_t)(deck_.real("serve.kv_mib") * 1048576.0) / per_block);
+  const int64_t per_block =
+      cache_.block * tp_kv_bytes_per_token(cfg.text, 1, cfg.text.layers, (int)sizeof(float));  // cfg is the slice
+  double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
+  std::string how = "serve.kv_mib";
+  if (kv_bytes == 0) {  // auto: no more than the deck's batch and context can fill, no more than memory allows
+    const double need = double(deck_.integer("serve.max_batch")) * double(deck_.integer("serve.max_context") + cache_.block) * double(per_block / cache_.block);
+    MPI_Comm node;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    int local = 1;
+    MPI_Comm_size(node, &local);
+    MPI_Comm_free(&node);
+    const double room = 0.5 * double(available_memory()) / local;  // after the weights: they are loaded by now
+    kv_bytes = std::min(need, room);
+    MPI_Allreduce(MPI_IN_PLACE, &kv_bytes, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);  // every rank the same blocks
+    how = kv_bytes == need ? "auto: what serve.max_batch x serve.max_context can use"
+                           : "auto: half of this rank's share of the available memory";
+  }
+  cache_.max_blocks = std::max<int64_t>(1, (int64_t)kv_bytes / per_block);
   cache_.reset(cfg.text.layers, row);
   metrics_.kv_total = cache_.max_blocks;
   char msg[256];
-  std::snprintf(msg, sizeof msg, "serve: KV cache %lld blocks of %lld tokens (%.1f MiB, %lld tokens)",
+  std::snprintf(msg, sizeof msg, "serve: KV cache %lld blocks of %lld tokens (%.1f MiB, %lld tokens; %s)",
                 (long long)cache_.max_blocks, (long long)cache_.block, cache_.max_blocks * per_block / 1048576.0,
-                (long long)(cache_.max_blocks * cache_.block));
+                (long long)(cache_.max_blocks * cache_.block), how.c_str());
   if (rank_ == 0) log_info(msg);
 }
 

@@ -39,6 +39,10 @@ ModelConfig tp_config(const ModelConfig& full, int rank, int size) {
   return c;
 }
 
+int64_t tp_kv_bytes_per_token(const TextConfig& t, int size, int layers, int elem) {
+  return 2 * int64_t(std::max(1, t.kv_heads / size)) * t.head_dim * layers * elem;
+}
+
 std::pair<int64_t, int64_t> tp_vocab_rows(int64_t vocab, int rank, int size) {
   const int64_t per = (vocab + size - 1) / size;
   return {std::min(vocab, rank * per), std::min(vocab, (rank + 1) * per)};

@@ -55,7 +55,11 @@ for r in got:
 EOF
 }
 
-if start main $q serve model.preset=tiny serve.kv_mib=64; then
+if start main $q serve model.preset=tiny serve.max_batch=40; then
+  # serve.kv_mib = 0 (default): what 40 sequences of 4096 tokens (+ a block) can fill at 512 B a token (tiny: 2
+  # layers x keys and values x 2 kv heads x 16 x fp32), 80.3 MiB (any machine that runs these tests has 161 MiB free).
+  grep -q "KV cache 10280 blocks of 16 tokens (80.3 MiB, 164480 tokens; auto: what serve.max_batch x serve.max_context" \
+    $tmp/main.log && pass "KV cache sized from max_batch x max_context" || bad "auto KV: $(grep 'KV cache' $tmp/main.log)"
   node_c answers $tmp/d/eval.jsonl data >$tmp/a_data.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
   same_answers "chat with data: URL images == generate (greedy, usage)" $tmp/a_data.jsonl
   node_c answers $tmp/d/eval.jsonl stream >$tmp/a_stream.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"

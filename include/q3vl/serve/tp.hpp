@@ -18,6 +18,10 @@ namespace q3vl {
 ModelConfig tp_config(const ModelConfig& full, int rank, int size);
 // Copies this rank's slices of full's weights into local (built from tp_config(full.config(), rank, size)).
 void tp_shard_weights(Model& full, Model& local, int rank, int size);
+// KV-cache bytes of one token on one rank of a TP group: keys and values of the kv heads it holds (one when there
+// are more ranks than kv heads), for `layers` layers, `elem` bytes each. serve sizes its cache and `q3vl plan`
+// its serve layouts with it.
+int64_t tp_kv_bytes_per_token(const TextConfig& t, int size, int layers, int elem);
 // Vocabulary rows [v0, v1) of this rank's LM-head slice.
 std::pair<int64_t, int64_t> tp_vocab_rows(int64_t vocab, int rank, int size);
 
