@@ -10,36 +10,18 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/serve/tp.hpp"
+#include "../unit/tiny_model.hpp"
 
 using namespace q3vl;
 
 namespace {
-
+// The whole-model tests' tiny model (its MoE: one MoE and one dense layer), vocabulary 70: not a multiple of 4, so
+// the last rank's vocabulary slice is shorter.
 ModelConfig tp_tiny(bool moe = false) {
-  ModelConfig c;
-  c.vision.depth = 1;
-  c.vision.hidden = 32;
-  c.vision.intermediate = 48;
-  c.vision.heads = 2;
-  c.vision.num_position_embeddings = 16;
-  c.vision.out_hidden = 32;
-  c.vision.deepstack_indexes = {0};
-  c.text.vocab = 70;  // not a multiple of 4: the last rank's vocabulary slice is shorter
-  c.text.hidden = 32;
-  c.text.intermediate = 48;
-  c.text.layers = 2;
-  c.text.heads = 4;
-  c.text.kv_heads = 2;
-  c.text.head_dim = 8;
-  c.text.mrope_section = {2, 1, 1};
-  c.text.rope_theta = 10000;
-  c.text.tie_embeddings = true;
-  if (moe) c.text.num_experts = 4, c.text.experts_per_tok = 2, c.text.moe_intermediate = 16;
-  c.image_token_id = 60;
-  c.video_token_id = 61;
+  ModelConfig c = test::tiny(moe, true);
+  c.text.vocab = 70;
   return c;
 }
-
 }  // namespace
 
 class ServeTp : public ::testing::TestWithParam<bool> {};
