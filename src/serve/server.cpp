@@ -94,7 +94,7 @@ struct Job {
 struct Metrics {
   std::atomic<int64_t> requests{0}, errors{0}, prompt_tokens{0}, completion_tokens{0};
   std::atomic<int64_t> queue{0}, running{0}, kv_used{0}, kv_total{0}, steps{0};
-  std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, cancelled{0};
+  std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, evicted{0}, cancelled{0};
   std::mutex m;
   double ttft_sum = 0, tpot_sum = 0;
   int64_t ttft_n = 0, tpot_n = 0;
@@ -579,6 +579,8 @@ std::string Server::metrics_text() {
          (double)metrics_.prefix_hit_tokens);
   metric("q3vl_prefix_cache_blocks", "gauge", "KV-cache blocks kept by the prefix cache (shared or evictable)",
          (double)metrics_.prefix_blocks);
+  metric("q3vl_prefix_cache_evicted_blocks_total", "counter", "cached blocks freed for new requests",
+         (double)metrics_.evicted);
   metric("q3vl_requests_cancelled_total", "counter", "requests whose client left before the answer",
          (double)metrics_.cancelled);
   std::lock_guard<std::mutex> g(metrics_.m);
@@ -655,6 +657,7 @@ bool Server::evict_one() {
     const auto c = prefix_.find(it->second);
     if (cache_.refs[c->second.block] != 1) continue;
     kv({kDrop, c->second.block});
+    metrics_.evicted++;
     prefix_.erase(c);
     lru_.erase(it);
     return true;
