@@ -5,7 +5,7 @@
 # streams with some clients leaving mid-answer, a KV cache too small for two requests queueing them, /metrics,
 # SIGTERM, and tensor parallelism over 2 and 4 ranks. Prefix sharing (on by default): requests that share prompt
 # starts answer as with serve.prefix_cache=false while prefilling fewer tokens, on 1 and 2 ranks; cached blocks are
-# evicted for new requests; a non-streaming client that leaves cancels its request.
+# evicted for new requests; a non-streaming client that leaves cancels its request; tools/bench_serve's table.
 source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
 client=tests/cli/serve_client.mjs
@@ -119,6 +119,21 @@ if start main $q serve model.preset=tiny serve.kv_mib=64; then
            q3vl_time_per_output_token_seconds_sum; do
     grep -qE "^$k [0-9.e+]+$" <<<"$m" || bad "metrics: no $k"
   done
+  # tools/bench_serve: its table's counts are the server's (requests, output tokens), the shared system prompt hits.
+  g0=$(curl -s -m 5 http://127.0.0.1:$port/metrics | grep -oP '^q3vl_generation_tokens_total \K[0-9]+')
+  tools/bench_serve --port $port -n 8 -c 4 --prompt-words 6 --system-words 24 --max-tokens 5 --label t >$tmp/bench.md 2>$tmp/err.log ||
+    bad "bench_serve: $(tail -3 $tmp/err.log)"
+  g1=$(curl -s -m 5 http://127.0.0.1:$port/metrics | grep -oP '^q3vl_generation_tokens_total \K[0-9]+')
+  $py - $tmp/bench.md $((g1 - g0)) <<'EOF' && pass "bench_serve: one table, counts match the server's" || bad "bench_serve: $(cat $tmp/bench.md)"
+import sys
+rows = [[c.strip() for c in l.strip().strip("|").split("|")] for l in open(sys.argv[1]) if l.startswith("|")]
+assert len(rows) == 3 and set(rows[1]) == {"---"}, rows
+r = dict(zip(rows[0], rows[2]))
+assert (r["run"], r["requests"], r["concurrency"], r["errors"]) == ("t", "8", "4", "0"), r
+assert int(r["output tok"]) == int(sys.argv[2]) > 0, (r, sys.argv[2])
+assert float(r["req/s"]) > 0 and float(r["output tok/s"]) > 0 and float(r["prefix hits %"]) > 0, r
+assert 0 < float(r["TTFT p50 ms"]) <= float(r["TTFT p99 ms"]) and float(r["TPOT mean ms"]) > 0, r
+EOF
   # A non-streaming client that leaves: its request stops decoding and gives its blocks back.
   c0=$(curl -s -m 5 http://127.0.0.1:$port/metrics | grep -oP '^q3vl_requests_cancelled_total \K[0-9]+')
   node_c abort 400 >$tmp/abort.jsonl 2>$tmp/err.log || bad "client abort: $(tail -3 $tmp/err.log)"
