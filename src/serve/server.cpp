@@ -78,7 +78,6 @@ struct Job {
   int64_t fed = 0;        // prompt tokens in the cache
   int64_t pending = -1;   // sampled token still to be fed
   int64_t vis_fed = 0;    // image tokens fed so far
-  int64_t shared = 0;     // prompt tokens whose KV blocks came from the prefix cache
   int64_t next0 = 0;      // position of the first generated token
   std::vector<int64_t> out, pos3;
   std::vector<uint64_t> tkeys;  // prompt tokens' prefix-cache content (token_keys)
@@ -240,7 +239,7 @@ class Server {
   void kv(std::vector<int64_t> op);
   int64_t evictable() const;
   bool evict_one();
-  void touch(uint64_t key);
+  void touch(const std::vector<uint64_t>& chain);
   void cache_blocks(Job& job);
   void update_kv_metrics();
   void emit(Job& job, bool final);
@@ -665,11 +664,16 @@ bool Server::evict_one() {
   return false;
 }
 
-void Server::touch(uint64_t key) {
-  Cached& c = prefix_.at(key);
-  lru_.erase(c.stamp);
-  c.stamp = ++tick_;
-  lru_[c.stamp] = key;
+// Marks a sequence's cached blocks as just used, the deepest first in line for eviction: a block outlives the blocks
+// after it, which are no use without it.
+void Server::touch(const std::vector<uint64_t>& chain) {
+  for (auto k = chain.rbegin(); k != chain.rend(); ++k) {
+    const auto c = prefix_.find(*k);
+    if (c == prefix_.end()) continue;
+    lru_.erase(c->second.stamp);
+    c->second.stamp = ++tick_;
+    lru_[c->second.stamp] = *k;
+  }
 }
 
 // Puts the sequence's full blocks not yet cached into the prefix cache (prompt tokens, then generated ones: their
@@ -690,8 +694,8 @@ void Server::cache_blocks(Job& j) {
     const int32_t blk = cache_.table[j.slot][b];
     kv({kHold, blk});
     prefix_[key] = {blk, 0};
-    touch(key);
   }
+  touch(j.chain);
 }
 
 void Server::update_kv_metrics() {
@@ -758,12 +762,12 @@ void Server::admit() {
       std::vector<int64_t> op = {kShare, slot, (int64_t)hit.size()};
       op.insert(op.end(), hit.begin(), hit.end());
       kv(op);
-      for (auto k = chain.rbegin(); k != chain.rend(); ++k) touch(*k);  // deepest first in line for eviction
+      touch(chain);
     }
     while (cache_.free_count() < need && evict_one()) {
     }
     kv({kReserve, slot, n + job->sp.max_new_tokens - shared});
-    job->fed = job->shared = shared;
+    job->fed = shared;
     job->vis_fed = vis_shared;
     job->chain = std::move(chain);
     metrics_.prefix_hit_tokens += shared;
