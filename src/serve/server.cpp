@@ -130,7 +130,8 @@ size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>&
 // Prefix-cache keys. A token's content is its id, its three M-RoPE positions (a prefix is reused only where the
 // new request computes the same positions) and, for an image's tokens, a hash of that image's pixels and grid (two
 // images have the same placeholder ids). A block's key chains its parent's key with its tokens' content, so it
-// names everything up to and including the block.
+// names everything up to and including the block. Keys are 64-bit: two different prefixes would meet with odds of
+// about n^2 / 2^64 for n cached blocks, which is why the tokens themselves are not kept to compare.
 uint64_t mix(uint64_t h, uint64_t x) { return splitmix64(h ^ splitmix64(x)); }
 constexpr uint64_t kRootKey = 0x7133766c70726566ull;
 
