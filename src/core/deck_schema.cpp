@@ -66,6 +66,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.kv_mib", T::Real, "0", "KV-cache memory per rank in MiB (requests that do not fit wait in the queue); "
        "0: what serve.max_batch x serve.max_context can use, at most half of the rank's share of available memory",
        0, 1e9},
+      {"serve.prefix_cache", T::Bool, "true", "reuse the KV blocks of earlier requests with the same prompt start (same "
+       "tokens, images and positions); finished requests' blocks stay cached until the space is needed"},
       {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json)", 1, 1e12},
       {"serve.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
       {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},

@@ -203,9 +203,11 @@ void KvCache<T>::reset(int layers, int64_t row_) {
   k.assign(layers, {});
   v.assign(layers, {});
   free_blocks.clear();
+  refs.clear();
   pool_blocks = 0;
   if (max_blocks > 0) {  // a fixed pool: allocated once, up front
     pool_blocks = max_blocks;
+    refs.assign(max_blocks, 0);
     for (auto* pool : {&k, &v})
       for (auto& p : *pool) p.assign(max_blocks * block * row, T(0));
     for (int64_t b = max_blocks - 1; b >= 0; --b) free_blocks.push_back((int32_t)b);
@@ -234,9 +236,26 @@ void KvCache<T>::open(int s) {
 
 template <class T>
 void KvCache<T>::release(int s) {
-  for (auto it = table[s].rbegin(); it != table[s].rend(); ++it) free_blocks.push_back(*it);
+  for (auto it = table[s].rbegin(); it != table[s].rend(); ++it) drop(*it);
   table[s].clear();
   len[s] = -1;
+}
+
+template <class T>
+void KvCache<T>::drop(int32_t b) {
+  if (refs[b] <= 0) fail("KV cache: block " + std::to_string(b) + " dropped but not held");
+  if (--refs[b] == 0) free_blocks.push_back(b);
+}
+
+template <class T>
+void KvCache<T>::share(int s, const std::vector<int32_t>& blocks) {
+  if (len[s] != 0 || !table[s].empty()) fail("KV cache: shared blocks must start sequence " + std::to_string(s));
+  for (int32_t b : blocks) {
+    if (b < 0 || b >= pool_blocks || refs[b] <= 0) fail("KV cache: block " + std::to_string(b) + " is not cached");
+    refs[b]++;
+    table[s].push_back(b);
+  }
+  len[s] = (int64_t)blocks.size() * block;
 }
 
 template <class T>
@@ -254,7 +273,9 @@ bool KvCache<T>::reserve(int s, int64_t n) {
       for (auto* pool : {&k, &v})
         for (auto& p : *pool) p.resize((pool_blocks + 1) * block * row);
       free_blocks.push_back((int32_t)pool_blocks++);
+      refs.push_back(0);
     }
+    refs[free_blocks.back()] = 1;
     table[s].push_back(free_blocks.back());
     free_blocks.pop_back();
   }

@@ -2,24 +2,31 @@
 
 #include <httplib.h>
 #include <mpi.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include <unistd.h>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/hash.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/tokenizer.hpp"
@@ -74,7 +81,10 @@ struct Job {
   int64_t fed = 0;        // prompt tokens in the cache
   int64_t pending = -1;   // sampled token still to be fed
   int64_t vis_fed = 0;    // image tokens fed so far
+  int64_t next0 = 0;      // position of the first generated token
   std::vector<int64_t> out, pos3;
+  std::vector<uint64_t> tkeys;  // prompt tokens' prefix-cache content (token_keys)
+  std::vector<uint64_t> chain;  // prefix-cache keys of the sequence's full blocks so far
   std::vector<float> img;
   std::vector<std::vector<float>> ds;
   std::mt19937_64 rng;
@@ -86,6 +96,7 @@ struct Job {
 struct Metrics {
   std::atomic<int64_t> requests{0}, errors{0}, prompt_tokens{0}, completion_tokens{0};
   std::atomic<int64_t> queue{0}, running{0}, kv_used{0}, kv_total{0}, steps{0};
+  std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, evicted{0}, cancelled{0};
   std::mutex m;
   double ttft_sum = 0, tpot_sum = 0;
   int64_t ttft_n = 0, tpot_n = 0;
@@ -119,6 +130,93 @@ size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>&
   return keep;
 }
 
+// Prefix-cache keys. A token's content is its id, its three M-RoPE positions (a prefix is reused only where the
+// new request computes the same positions) and, for an image's tokens, a hash of that image's pixels and grid (two
+// images have the same placeholder ids). A block's key chains its parent's key with its tokens' content, so it
+// names everything up to and including the block. Keys are 64-bit: two different prefixes would meet with odds of
+// about n^2 / 2^64 for n cached blocks, which is why the tokens themselves are not kept to compare.
+uint64_t mix(uint64_t h, uint64_t x) { return splitmix64(h ^ splitmix64(x)); }
+constexpr uint64_t kRootKey = 0x7133766c70726566ull;
+
+std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, int64_t image_id) {
+  int64_t patches = 0;
+  for (size_t g = 0; g + 2 < p.grid.size(); g += 3) patches += p.grid[g] * p.grid[g + 1] * p.grid[g + 2];
+  const int64_t per = patches ? (int64_t)p.pixels.size() / patches : 0;  // floats per patch
+  std::vector<uint64_t> img;
+  for (size_t g = 0, off = 0; g + 2 < p.grid.size(); g += 3) {
+    uint64_t h = mix(mix(mix(kRootKey, p.grid[g]), p.grid[g + 1]), p.grid[g + 2]);
+    const size_t m = (size_t)(p.grid[g] * p.grid[g + 1] * p.grid[g + 2] * per);
+    for (size_t k = off; k < off + m && k < p.pixels.size(); ++k) {
+      uint32_t bits;
+      std::memcpy(&bits, &p.pixels[k], 4);
+      h = mix(h, bits);
+    }
+    off += m;
+    img.push_back(h);
+  }
+  const int64_t n = (int64_t)p.ids.size();
+  std::vector<uint64_t> keys(n);
+  int64_t image = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t x = mix(mix(mix((uint64_t)p.ids[i], pos3[i]), pos3[n + i]), pos3[2 * n + i]);
+    if (p.ids[i] == image_id) {
+      if (i == 0 || p.ids[i - 1] != image_id) ++image;  // a run of placeholders is one image
+      x = mix(x, image < (int64_t)img.size() ? img[image] : 0);
+    }
+    keys[i] = x;
+  }
+  return keys;
+}
+
+uint64_t block_key(uint64_t parent, const uint64_t* tokens, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) parent = mix(parent, tokens[i]);
+  return parent;
+}
+
+// httplib 0.11 does not tell a handler whether its client is still there. The connection's socket is the one with
+// the request's address pair (unique while this handler holds the connection); a peek says whether it was closed.
+int connection_fd(const httplib::Request& q) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc/self/fd", ec)) {
+    const int fd = std::atoi(e.path().filename().c_str());
+    sockaddr_storage a{}, l{};
+    socklen_t an = sizeof a, ln = sizeof l;
+    if (getpeername(fd, (sockaddr*)&a, &an) != 0 || getsockname(fd, (sockaddr*)&l, &ln) != 0) continue;
+    char host[NI_MAXHOST], port[NI_MAXSERV], lport[NI_MAXSERV];
+    if (getnameinfo((sockaddr*)&a, an, host, sizeof host, port, sizeof port, NI_NUMERICHOST | NI_NUMERICSERV) ||
+        getnameinfo((sockaddr*)&l, ln, nullptr, 0, lport, sizeof lport, NI_NUMERICSERV))
+      continue;
+    if (q.remote_addr == host && q.remote_port == std::atoi(port) && q.local_port == std::atoi(lport)) return fd;
+  }
+  return -1;
+}
+bool peer_closed(int fd) {
+  pollfd p{fd, POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
+  char c;
+  return recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+// KV-cache changes rank 0 makes, replayed by the other ranks in the same order before the next step: the same block
+// ids on every rank, so a shared block holds the same tokens everywhere (rank 0 decides, the others follow).
+enum KvOp : int64_t { kOpen, kRelease, kShare, kReserve, kHold, kDrop };
+size_t apply_kv(KvCache<float>& c, const std::vector<int64_t>& o, size_t i) {
+  const int s = (int)o[i + 1];
+  switch (o[i]) {
+    case kOpen: c.open(s), c.next_pos[s] = o[i + 2]; return i + 3;
+    case kRelease: c.release(s); return i + 2;
+    case kShare: c.share(s, std::vector<int32_t>(o.begin() + i + 3, o.begin() + i + 3 + o[i + 2])); return i + 3 + o[i + 2];
+    case kReserve:
+      if (!c.reserve(s, o[i + 2])) fail("KV cache: no room for " + std::to_string(o[i + 2]) + " tokens of sequence " +
+                                        std::to_string(s));
+      return i + 3;
+    case kHold: c.hold(s); return i + 2;
+    case kDrop: c.drop(s); return i + 2;
+  }
+  fail("KV cache: unknown change " + std::to_string(o[i]) + " in a step plan");
+}
+
 class Server {
  public:
   explicit Server(const Deck& d) : deck_(d) {}
@@ -141,6 +239,13 @@ class Server {
   void worker_loop();
   void admit();
   void finish(Job& job, const std::string& reason);
+  // The KV cache and its prefix cache (rank 0 only; each change goes through kv() for the replicas).
+  void kv(std::vector<int64_t> op);
+  int64_t evictable() const;
+  bool evict_one();
+  void touch(const std::vector<uint64_t>& chain);
+  void cache_blocks(Job& job);
+  void update_kv_metrics();
   void emit(Job& job, bool final);
 
   const Deck& deck_;
@@ -163,7 +268,17 @@ class Server {
   int rank_ = 0, tp_ = 1;
   std::pair<int64_t, int64_t> vocab_rows_;
   bool stopped_ = false;
-  std::vector<int64_t> ops_;  // (slot, next_pos) opened, (slot, -1) released, since the last step (for the replicas)
+  std::vector<int64_t> ops_;  // KvOps since the last step (for the replicas)
+  // The prefix cache: full blocks by key, each holding one reference; evictable when that is the only one, least
+  // recently used first.
+  bool prefix_on_ = true;
+  struct Cached {
+    int32_t block;
+    uint64_t stamp;
+  };
+  std::unordered_map<uint64_t, Cached> prefix_;
+  std::map<uint64_t, uint64_t> lru_;  // stamp -> key
+  uint64_t tick_ = 0;
 };
 
 std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
@@ -363,8 +478,16 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
   }
   in_cv_.notify_one();
   if (job->stream) return reply_stream(job, res, chat);
+  // A client that leaves before its answer cancels the request, as a stream's does.
+  const int fd = connection_fd(req);
   std::unique_lock<std::mutex> l(job->m);
-  job->cv.wait(l, [&] { return job->done; });
+  while (!job->cv.wait_for(l, std::chrono::milliseconds(100), [&] { return job->done; }))
+    if (fd >= 0 && peer_closed(fd)) {
+      job->cancelled = true;
+      in_cv_.notify_one();
+      res.status = 499;  // nobody reads it
+      return;
+    }
   if (!job->error.empty()) {
     res.status = 500;
     res.set_content(error_body({500, job->error, "server_error"}), "application/json");
@@ -453,6 +576,16 @@ std::string Server::metrics_text() {
   metric("q3vl_kv_blocks_used", "gauge", "KV-cache blocks in use", (double)metrics_.kv_used);
   metric("q3vl_kv_blocks_total", "gauge", "KV-cache blocks", (double)metrics_.kv_total);
   metric("q3vl_engine_steps_total", "counter", "batched model steps", (double)metrics_.steps);
+  metric("q3vl_prefill_tokens_total", "counter", "prompt tokens computed (not taken from the prefix cache)",
+         (double)metrics_.prefill_tokens);
+  metric("q3vl_prefix_cache_hit_tokens_total", "counter", "prompt tokens whose KV blocks came from the prefix cache",
+         (double)metrics_.prefix_hit_tokens);
+  metric("q3vl_prefix_cache_blocks", "gauge", "KV-cache blocks kept by the prefix cache (shared or evictable)",
+         (double)metrics_.prefix_blocks);
+  metric("q3vl_prefix_cache_evicted_blocks_total", "counter", "cached blocks freed for new requests",
+         (double)metrics_.evicted);
+  metric("q3vl_requests_cancelled_total", "counter", "requests whose client left before the answer",
+         (double)metrics_.cancelled);
   std::lock_guard<std::mutex> g(metrics_.m);
   o << "# HELP q3vl_time_to_first_token_seconds arrival to first generated token\n"
        "# TYPE q3vl_time_to_first_token_seconds summary\n"
@@ -486,7 +619,16 @@ void Server::emit(Job& job, bool final) {
 }
 
 void Server::finish(Job& job, const std::string& reason) {
-  if (job.slot >= 0) ops_.insert(ops_.end(), {job.slot, -1}), cache_.release(job.slot), job.slot = -1;
+  if (job.slot >= 0) {
+    if (reason != "error") cache_blocks(job);  // its answer's blocks too: a chat resends them next turn
+    const int64_t blocks = (int64_t)cache_.table[job.slot].size();
+    kv({kRelease, job.slot});
+    job.slot = -1;
+    if (reason == "cancelled")
+      log_info("serve: a request cancelled (its client left) after " + std::to_string(job.out.size()) +
+               " tokens; its " + std::to_string(blocks) + " KV blocks released");
+  }
+  if (reason == "cancelled") metrics_.cancelled++;
   {
     std::lock_guard<std::mutex> g(job.m);
     if (job.finish.empty()) job.finish = reason;
@@ -501,30 +643,138 @@ void Server::finish(Job& job, const std::string& reason) {
   }
 }
 
+void Server::kv(std::vector<int64_t> op) {
+  apply_kv(cache_, op, 0);
+  if (tp_ > 1) ops_.insert(ops_.end(), op.begin(), op.end());
+}
+
+int64_t Server::evictable() const {
+  int64_t n = 0;
+  for (const auto& [key, c] : prefix_) n += cache_.refs[c.block] == 1;
+  return n;
+}
+
+// Frees the least recently used cached block no sequence holds.
+bool Server::evict_one() {
+  for (auto it = lru_.begin(); it != lru_.end(); ++it) {
+    const auto c = prefix_.find(it->second);
+    if (cache_.refs[c->second.block] != 1) continue;
+    kv({kDrop, c->second.block});
+    metrics_.evicted++;
+    prefix_.erase(c);
+    lru_.erase(it);
+    return true;
+  }
+  return false;
+}
+
+// Marks a sequence's cached blocks as just used, the deepest first in line for eviction: a block outlives the blocks
+// after it, which are no use without it.
+void Server::touch(const std::vector<uint64_t>& chain) {
+  for (auto k = chain.rbegin(); k != chain.rend(); ++k) {
+    const auto c = prefix_.find(*k);
+    if (c == prefix_.end()) continue;
+    lru_.erase(c->second.stamp);
+    c->second.stamp = ++tick_;
+    lru_[c->second.stamp] = *k;
+  }
+}
+
+// Puts the sequence's full blocks not yet cached into the prefix cache (prompt tokens, then generated ones: their
+// positions follow the prompt's on all three rows).
+void Server::cache_blocks(Job& j) {
+  if (!prefix_on_ || j.slot < 0) return;
+  const int64_t B = cache_.block, n = (int64_t)j.prompt.ids.size(), full = cache_.len[j.slot] / B;
+  std::vector<uint64_t> t;
+  for (int64_t b = (int64_t)j.chain.size(); b < full; ++b) {
+    t.assign(B, 0);
+    for (int64_t i = b * B; i < (b + 1) * B; ++i) {
+      const int64_t p = j.next0 + i - n;
+      t[i - b * B] = i < n ? j.tkeys[i] : mix(mix(mix((uint64_t)j.out[i - n], p), p), p);
+    }
+    const uint64_t key = block_key(j.chain.empty() ? kRootKey : j.chain.back(), t.data(), B);
+    j.chain.push_back(key);
+    if (prefix_.count(key)) continue;  // computed by another request meanwhile: keep the first
+    const int32_t blk = cache_.table[j.slot][b];
+    kv({kHold, blk});
+    prefix_[key] = {blk, 0};
+  }
+  touch(j.chain);
+}
+
+void Server::update_kv_metrics() {
+  const int64_t idle = evictable();
+  metrics_.kv_used = cache_.used_blocks() - idle;
+  metrics_.prefix_blocks = (int64_t)prefix_.size();
+}
+
 // FIFO admission: the head of the queue waits until the cache has blocks for its prompt and max_tokens, so that a
 // running sequence never runs out of cache (no preemption needed) and a full cache queues instead of failing.
+// Cached prefix blocks no sequence uses count as free: they are evicted (least recently used first) before anyone
+// waits for them.
 void Server::admit() {
+  const ModelConfig& cfg = model_->config();
+  const int64_t B = cache_.block;
   while (!waiting_.empty() && (int64_t)running_.size() < max_batch_) {
     std::shared_ptr<Job> job = waiting_.front();
-    const int64_t n = (int64_t)job->prompt.ids.size();
-    if (cache_.blocks_for(n + job->sp.max_new_tokens) > cache_.free_count()) break;
-    waiting_.pop_front();
-    metrics_.queue--;
-    job->slot = cache_.add();
-    cache_.reserve(job->slot, n + job->sp.max_new_tokens);
+    const std::vector<int64_t>& ids = job->prompt.ids;
+    const int64_t n = (int64_t)ids.size();
     try {
-      if (!job->prompt.grid.empty()) model_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
-      job->pos3 = mrope_positions(model_->config(), job->prompt.ids.data(), {0, n}, job->prompt.grid);
+      if (job->pos3.empty()) {
+        job->pos3 = mrope_positions(cfg, ids.data(), {0, n}, job->prompt.grid);
+        for (int64_t p : job->pos3) job->next0 = std::max(job->next0, p + 1);
+        if (prefix_on_) job->tkeys = token_keys(job->prompt, job->pos3, cfg.image_token_id);
+      }
     } catch (const Error& e) {
-      cache_.release(job->slot), job->slot = -1;  // never opened on the other ranks
+      waiting_.pop_front(), metrics_.queue--;
       job->error = e.what();
       finish(*job, "error");
       continue;
     }
-    int64_t next = 0;
-    for (int64_t p : job->pos3) next = std::max(next, p + 1);
-    cache_.next_pos[job->slot] = next;
-    ops_.insert(ops_.end(), {job->slot, next});
+    // The longest cached prefix of full blocks, short of the last prompt token (its logits give the first answer
+    // token, so it is always computed).
+    std::vector<int32_t> hit;
+    std::vector<uint64_t> chain;
+    for (int64_t b = 0; prefix_on_ && (b + 1) * B <= n - 1; ++b) {
+      const uint64_t key = block_key(chain.empty() ? kRootKey : chain.back(), &job->tkeys[b * B], B);
+      const auto it = prefix_.find(key);
+      if (it == prefix_.end()) break;
+      hit.push_back(it->second.block);
+      chain.push_back(key);
+    }
+    const int64_t need = cache_.blocks_for(n + job->sp.max_new_tokens) - (int64_t)hit.size();
+    int64_t hit_idle = 0;  // evictable now, but this request will hold them
+    for (int32_t b : hit) hit_idle += cache_.refs[b] == 1;
+    if (need > cache_.free_count() + evictable() - hit_idle) break;
+    waiting_.pop_front();
+    metrics_.queue--;
+    const int64_t shared = (int64_t)hit.size() * B;
+    const int64_t vis_shared = std::count(ids.begin(), ids.begin() + shared, (int64_t)cfg.image_token_id);
+    try {  // the vision tower only when some image token is still to compute
+      if (!job->prompt.grid.empty() && std::count(ids.begin() + shared, ids.end(), (int64_t)cfg.image_token_id) > 0)
+        model_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
+    } catch (const Error& e) {
+      job->error = e.what();
+      finish(*job, "error");
+      continue;
+    }
+    int slot = 0;
+    while (slot < cache_.batch() && cache_.len[slot] >= 0) ++slot;
+    job->slot = slot;
+    kv({kOpen, slot, job->next0});
+    if (!hit.empty()) {
+      std::vector<int64_t> op = {kShare, slot, (int64_t)hit.size()};
+      op.insert(op.end(), hit.begin(), hit.end());
+      kv(op);
+      touch(chain);
+    }
+    while (cache_.free_count() < need && evict_one()) {
+    }
+    kv({kReserve, slot, n + job->sp.max_new_tokens - shared});
+    job->fed = shared;
+    job->vis_fed = vis_shared;
+    job->chain = std::move(chain);
+    metrics_.prefix_hit_tokens += shared;
     running_.push_back(job);
   }
 }
@@ -549,7 +799,7 @@ void Server::engine_loop() {
     });
     admit();
     metrics_.running = (int64_t)running_.size();
-    metrics_.kv_used = cache_.used_blocks();
+    update_kv_metrics();
     if (running_.empty()) continue;
 
     // One step: a token of every decoding sequence, then prompt chunks up to serve.step_tokens in all.
@@ -576,6 +826,7 @@ void Server::engine_loop() {
       for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
       j->vis_fed += nv;
       budget -= b - a;
+      metrics_.prefill_tokens += b - a;
       segs.push_back(std::move(g));
       who.push_back(j.get());
     }
@@ -597,6 +848,7 @@ void Server::engine_loop() {
         j.fed += (int64_t)segs[s].ids.size();
         if (j.fed < n) continue;
         j.img.clear(), j.ds.clear();
+        cache_blocks(j);  // later requests may share the prompt while this one decodes
       }
       const int64_t t = sample_token(&logits[s * V], V, j.sp, j.rng);
       if (!j.first_token) {
@@ -624,7 +876,7 @@ void Server::engine_loop() {
     }
     std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
     metrics_.running = (int64_t)running_.size();
-    metrics_.kv_used = cache_.used_blocks();
+    update_kv_metrics();
   }
 }
 
@@ -735,7 +987,7 @@ void bcast_polling(int64_t* buf, int n) {
 }  // namespace
 
 std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop) {
-  if (tp_ == 1) return model_->step(segs, cache_);
+  if (tp_ == 1) return model_->step(segs, cache_);  // kv() recorded nothing
   // The plan: ints [ops..., nseg, per segment: slot, n ids, ids, n pos, pos, img floats, ds count, ds floats...],
   // floats [img, ds...]; a header [stop, ints, floats] first.
   std::vector<int64_t> ints;
@@ -767,11 +1019,9 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
   MPI_Bcast(ints.data(), (int)ints.size(), MPI_INT64_T, 0, MPI_COMM_WORLD);
   MPI_Bcast(floats.data(), (int)floats.size(), MPI_FLOAT, 0, MPI_COMM_WORLD);
   if (rank_ != 0) {  // replay the cache's slot changes, then the segments
-    size_t i = 0, f = 0;
-    const int64_t nops = ints[i++];
-    for (int64_t k = 0; k < nops; k += 2, i += 2)
-      if (ints[i + 1] < 0) cache_.release((int)ints[i]);
-      else cache_.open((int)ints[i]), cache_.next_pos[ints[i]] = ints[i + 1];
+    size_t i = 1, f = 0;
+    const size_t ops_end = 1 + (size_t)ints[0];
+    while (i < ops_end) i = apply_kv(cache_, ints, i);
     segs.assign(ints[i++], {});
     for (auto& g : segs) {
       g.seq = (int)ints[i++];
@@ -830,6 +1080,7 @@ int Server::run() {
   max_context_ = deck_.integer("serve.max_context");
   max_tokens_ = deck_.integer("serve.max_tokens");
   max_batch_ = deck_.integer("serve.max_batch");
+  prefix_on_ = deck_.boolean("serve.prefix_cache");
   step_tokens_ = deck_.integer("serve.step_tokens");
   image_dir_ = deck_.str("serve.image_dir");
   model_name_ = deck_.str("serve.model_name");

@@ -4,6 +4,9 @@
 //   parallel EVAL.jsonl N DROP            N streaming requests at once over the records; every DROP-th client
 //                                         aborts after its first content chunk; JSON line per finished answer
 //   errors IMAGE.png                      bad requests: each must get its status and the server stays up
+//   prefix DIR                            requests that share prompt starts, one at a time (greedy); JSON line per
+//                                         answer with /metrics' prefix-cache hit and prefill tokens it added
+//   abort MS                              a non-streaming request for 3000 tokens whose client leaves after MS ms
 import { createRequire } from 'node:module';
 import fs from 'node:fs';
 import path from 'node:path';
@@ -114,6 +117,48 @@ if (cmd === 'answers') {
   const samp = (seed) => client.chat.completions.create({ model, messages: img(dataUrl(png)), max_tokens: 6, temperature: 1.5, top_k: 50, top_p: 0.9, seed });
   const [a, b] = [await samp(7), await samp(7)];
   out({ name: 'seeded-sampling', ok: a.choices[0].message.content === b.choices[0].message.content, why: `${a.choices[0].message.content} vs ${b.choices[0].message.content}` });
+} else if (cmd === 'prefix') {
+  const [dir] = args;
+  const metric = async (name) => {
+    const text = await (await fetch(`http://127.0.0.1:${port}/metrics`)).text();
+    return Number(text.match(new RegExp(`^${name} (\\S+)$`, 'm'))[1]);
+  };
+  const words = (n, from) => Array.from({ length: n }, (_, i) => ['red', 'blue', 'square', 'star', 'small', 'the', 'a', 'shape'][(i * 7 + from) % 8]).join(' ');
+  const img = (f, text) => [{ role: 'user', content: [{ type: 'image_url', image_url: { url: dataUrl(path.join(dir, 'images', f)) } }, { type: 'text', text }] }];
+  const system = { role: 'system', content: 'You answer questions about pictures. ' + words(30, 1) };
+  const q = 'What is in this image? ' + words(12, 3);
+  const steps = [
+    ['image', img('eval_000000.png', q)],
+    ['image-again', img('eval_000000.png', q)],          // all full blocks but the last token's from the cache
+    ['other-image', img('eval_000001.png', q)],          // same placeholder tokens, other pixels: no reuse past them
+    ['system-a', [system, { role: 'user', content: 'Which colour is the sky?' }]],
+    ['system-b', [system, { role: 'user', content: 'Which shape has five points?' }]],  // shares part of a block
+  ];
+  const answers = {};
+  const turn2 = () => [system, { role: 'user', content: 'Which colour is the sky?' }, { role: 'assistant', content: answers['system-a'] }, { role: 'user', content: 'And the grass?' }];
+  // The next turn of a chat resends the history: its blocks (the answer's too) come from the cache.
+  for (const [name, msgs] of [...steps, ['second-turn', turn2]]) {
+    const messages = typeof msgs === 'function' ? msgs() : msgs;
+    const [h0, p0] = [await metric('q3vl_prefix_cache_hit_tokens_total'), await metric('q3vl_prefill_tokens_total')];
+    const r = await client.chat.completions.create({ model, messages, max_tokens: maxTokens, temperature: 0 });
+    const answer = r.choices[0].message.content;
+    const [hit, prefill] = [(await metric('q3vl_prefix_cache_hit_tokens_total')) - h0, (await metric('q3vl_prefill_tokens_total')) - p0];
+    // A random model's greedy answers say little (often one token repeated); a seeded sample follows the logits.
+    const s = await client.chat.completions.create({ model, messages, max_tokens: 8, temperature: 1, seed: 5 });
+    out({ name, answer, sample: s.choices[0].message.content, prompt_tokens: r.usage.prompt_tokens, hit, prefill });
+    answers[name] = answer;
+  }
+} else if (cmd === 'abort') {
+  const ms = Number(args[0]);
+  const ac = new AbortController();
+  setTimeout(() => ac.abort(), ms);
+  const t0 = Date.now();
+  try {
+    const r = await client.completions.create({ model, prompt: 'The dog ran', max_tokens: 3000, temperature: 0 }, { signal: ac.signal });
+    out({ aborted: false, finish: r.choices[0].finish_reason, tokens: r.usage.completion_tokens, ms: Date.now() - t0 });
+  } catch (e) {
+    out({ aborted: true, error: String(e), ms: Date.now() - t0 });
+  }
 } else {
   console.error(`unknown command ${cmd}`);
   process.exit(2);

@@ -3,7 +3,9 @@
 # with images as data URLs and as paths under serve.image_dir, streaming and not, greedy answers equal to
 # `q3vl generate`'s, bad requests answered with OpenAI error objects while the server stays up, 32 concurrent
 # streams with some clients leaving mid-answer, a KV cache too small for two requests queueing them, /metrics,
-# SIGTERM, and tensor parallelism over 2 and 4 ranks.
+# SIGTERM, and tensor parallelism over 2 and 4 ranks. Prefix sharing (on by default): requests that share prompt
+# starts answer as with serve.prefix_cache=false while prefilling fewer tokens, on 1 and 2 ranks; cached blocks are
+# evicted for new requests; a non-streaming client that leaves cancels its request; tools/bench_serve's table.
 source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
 client=tests/cli/serve_client.mjs
@@ -55,11 +57,38 @@ for r in got:
 EOF
 }
 
+# check_prefix ON OFF: the prefix command's answers with the prefix cache (ON) equal those without (OFF); the hits
+# are whole 16-token blocks where the prompts share them, and prefill computes only the rest.
+check_prefix() {
+  $py - "$1" "$2" <<'EOF' && pass "prefix cache: same greedy answers, hits where prompts share blocks, less prefill" || bad "prefix cache: $(cat $1)"
+import json, sys
+on, off = ({r["name"]: r for r in map(json.loads, open(f))} for f in sys.argv[1:3])
+B = 16
+assert on.keys() == off.keys() and len(on) == 6, (on.keys(), off.keys())
+for n, r in on.items():
+    assert (r["answer"], r["sample"], r["prompt_tokens"]) == (off[n]["answer"], off[n]["sample"], off[n]["prompt_tokens"]), (r, off[n])
+    assert off[n]["hit"] == 0 and off[n]["prefill"] == r["prompt_tokens"], off[n]
+    assert r["hit"] % B == 0 and r["prefill"] == r["prompt_tokens"] - r["hit"], r
+assert on["image"]["hit"] == 0 and on["system-a"]["hit"] == 0, on
+assert on["image-again"]["hit"] == (on["image-again"]["prompt_tokens"] - 1) // B * B > 0, on["image-again"]
+assert on["other-image"]["hit"] < on["image-again"]["hit"], on["other-image"]       # other pixels, same ids
+assert 0 < on["system-b"]["hit"] <= on["system-b"]["prompt_tokens"] - B, on["system-b"]  # the system prompt only
+assert on["second-turn"]["hit"] >= on["system-a"]["prompt_tokens"] // B * B, on["second-turn"]
+assert sum(r["prefill"] for r in on.values()) < sum(r["prefill"] for r in off.values())
+assert len({r["sample"] for r in on.values()}) > 1, "the samples do not depend on the prompt"
+EOF
+}
+if start nopfx $q serve model.preset=tiny serve.kv_mib=8 serve.prefix_cache=false; then
+  node_c prefix $tmp/d >$tmp/pfx_off.jsonl 2>$tmp/err.log || bad "client prefix: $(tail -3 $tmp/err.log)"
+  kill -TERM ${pids[-1]}; wait ${pids[-1]}
+fi
 if start main $q serve model.preset=tiny serve.max_batch=40; then
   # serve.kv_mib = 0 (default): what 40 sequences of 4096 tokens (+ a block) can fill at 512 B a token (tiny: 2
   # layers x keys and values x 2 kv heads x 16 x fp32), 80.3 MiB (any machine that runs these tests has 161 MiB free).
   grep -q "KV cache 10280 blocks of 16 tokens (80.3 MiB, 164480 tokens; auto: what serve.max_batch x serve.max_context" \
     $tmp/main.log && pass "KV cache sized from max_batch x max_context" || bad "auto KV: $(grep 'KV cache' $tmp/main.log)"
+  node_c prefix $tmp/d >$tmp/pfx_on.jsonl 2>$tmp/err.log || bad "client prefix: $(tail -3 $tmp/err.log)"
+  check_prefix $tmp/pfx_on.jsonl $tmp/pfx_off.jsonl
   node_c answers $tmp/d/eval.jsonl data >$tmp/a_data.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
   same_answers "chat with data: URL images == generate (greedy, usage)" $tmp/a_data.jsonl
   node_c answers $tmp/d/eval.jsonl stream >$tmp/a_stream.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
@@ -94,17 +123,48 @@ if start main $q serve model.preset=tiny serve.max_batch=40; then
            q3vl_time_per_output_token_seconds_sum; do
     grep -qE "^$k [0-9.e+]+$" <<<"$m" || bad "metrics: no $k"
   done
+  # tools/bench_serve: its table's counts are the server's (requests, output tokens), the shared system prompt hits.
+  g0=$(curl -s -m 5 http://127.0.0.1:$port/metrics | grep -oP '^q3vl_generation_tokens_total \K[0-9]+')
+  tools/bench_serve --port $port -n 8 -c 4 --prompt-words 6 --system-words 24 --max-tokens 5 --label t >$tmp/bench.md 2>$tmp/err.log ||
+    bad "bench_serve: $(tail -3 $tmp/err.log)"
+  g1=$(curl -s -m 5 http://127.0.0.1:$port/metrics | grep -oP '^q3vl_generation_tokens_total \K[0-9]+')
+  $py - $tmp/bench.md $((g1 - g0)) <<'EOF' && pass "bench_serve: one table, counts match the server's" || bad "bench_serve: $(cat $tmp/bench.md)"
+import sys
+rows = [[c.strip() for c in l.strip().strip("|").split("|")] for l in open(sys.argv[1]) if l.startswith("|")]
+assert len(rows) == 3 and set(rows[1]) == {"---"}, rows
+r = dict(zip(rows[0], rows[2]))
+assert (r["run"], r["requests"], r["concurrency"], r["errors"]) == ("t", "8", "4", "0"), r
+assert int(r["output tok"]) == int(sys.argv[2]) > 0, (r, sys.argv[2])
+assert float(r["req/s"]) > 0 and float(r["output tok/s"]) > 0 and float(r["prefix hits %"]) > 0, r
+assert 0 < float(r["TTFT p50 ms"]) <= float(r["TTFT p99 ms"]) and float(r["TPOT mean ms"]) > 0, r
+EOF
+  # A non-streaming client that leaves: its request stops decoding and gives its blocks back.
+  c0=$(curl -s -m 5 http://127.0.0.1:$port/metrics | grep -oP '^q3vl_requests_cancelled_total \K[0-9]+')
+  node_c abort 400 >$tmp/abort.jsonl 2>$tmp/err.log || bad "client abort: $(tail -3 $tmp/err.log)"
+  sleep 0.5
+  m=$(curl -s -m 5 http://127.0.0.1:$port/metrics)
+  grep -q '"aborted":true' $tmp/abort.jsonl && grep -qE "^q3vl_requests_cancelled_total $((c0 + 1))$" <<<"$m" &&
+    grep -qE '^q3vl_kv_blocks_used 0$' <<<"$m" && grep -qE '^q3vl_batch_size 0$' <<<"$m" &&
+    grep -qE 'serve: a request cancelled \(its client left\) after [0-9]+ tokens; its 188 KV blocks released' $tmp/main.log &&
+    pass "non-streaming client left: request cancelled, its 188 blocks back" ||
+    bad "non-streaming abort: $(cat $tmp/abort.jsonl) $(grep -E 'cancelled|kv_blocks_used|batch_size' <<<"$m") $(tail -2 $tmp/main.log)"
+  node_c answers $tmp/d/eval.jsonl data >$tmp/a_after.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+  same_answers "answers after the cancelled request == generate" $tmp/a_after.jsonl
   health && pass "server up after errors and disconnects" || bad "server down: $(tail -5 $tmp/main.log)"
-  kill -TERM ${pids[0]}; wait ${pids[0]}; rc=$?
+  kill -TERM ${pids[-1]}; wait ${pids[-1]}; rc=$?
   [[ $rc -eq 0 ]] && grep -q 'serve: stopping' $tmp/main.log && pass "SIGTERM: clean exit" || bad "SIGTERM: rc $rc $(tail -3 $tmp/main.log)"
 fi
 
-# A cache of one block of 32 tokens fits one request (prompt ~20 tokens + 6) at a time: the rest wait, none fails.
-if start small $q serve model.preset=tiny serve.kv_block=32 serve.kv_mib=0.02; then
-  grep -q 'KV cache 1 blocks of 32 tokens' $tmp/small.log || bad "small cache: $(grep 'KV cache' $tmp/small.log)"
+# A cache of 5 blocks of 8 tokens fits one request (prompt ~20 tokens + 6: 4 blocks) at a time: the rest wait,
+# none fails, and the blocks finished requests leave in the prefix cache are evicted for them.
+if start small $q serve model.preset=tiny serve.kv_block=8 serve.kv_mib=0.02; then
+  grep -q 'KV cache 5 blocks of 8 tokens' $tmp/small.log || bad "small cache: $(grep 'KV cache' $tmp/small.log)"
   node_c parallel $tmp/d/eval.jsonl 6 0 >$tmp/q.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
   [[ $(grep -c '"line"' $tmp/q.jsonl) -eq 6 ]] && pass "full KV cache: requests queue" || bad "queue: $(cat $tmp/q.jsonl)"
   same_answers "queued answers == generate" $tmp/q.jsonl
+  m=$(curl -s -m 5 http://127.0.0.1:$port/metrics)
+  grep -qE '^q3vl_prefix_cache_evicted_blocks_total [1-9][0-9]*$' <<<"$m" && grep -qE '^q3vl_prefix_cache_blocks [1-5]$' <<<"$m" &&
+    pass "full cache of evictable prefix blocks: evicted, nobody failed" || bad "eviction: $(grep prefix <<<"$m")"
   o=$(curl -s -m 5 -w ' %{http_code}' -d '{"prompt": "hi", "max_tokens": 100}' http://127.0.0.1:$port/v1/completions)
   [[ $o == *'KV-cache blocks'*' 413' ]] && pass "a request larger than the whole cache: 413" || bad "too big: $o"
 fi
@@ -116,6 +176,11 @@ for n in 2 4; do
     grep -q "tensor parallel over $n ranks" $tmp/tp$n.log || bad "tp$n: $(grep serve: $tmp/tp$n.log)"
     node_c answers $tmp/d/eval.jsonl stream >$tmp/a_tp$n.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
     same_answers "TP = $n: streamed answers == generate" $tmp/a_tp$n.jsonl
+    if [[ $n == 2 ]]; then  # rank 0 decides what is shared, rank 1 follows: the same answers, hits and prefill
+      node_c prefix $tmp/d >$tmp/pfx_tp2.jsonl 2>$tmp/err.log || bad "client prefix: $(tail -3 $tmp/err.log)"
+      cmp -s $tmp/pfx_tp2.jsonl $tmp/pfx_on.jsonl && pass "TP = 2: prefix-cache answers and hits == TP = 1" ||
+        bad "TP = 2 prefix: $(diff $tmp/pfx_tp2.jsonl $tmp/pfx_on.jsonl | head -5)"
+    fi
     kill -TERM ${pids[-1]}; wait ${pids[-1]}; rc=$?
     [[ $rc -eq 0 ]] && pass "TP = $n: SIGTERM ends every rank" || bad "tp$n: exit $rc $(tail -3 $tmp/tp$n.log)"
   fi

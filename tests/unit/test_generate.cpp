@@ -310,6 +310,48 @@ TEST(Generate, StepChunksOverPagedCacheEqualPrefillAndDecode) {
   EXPECT_THROW(m.step({StepSegment<float>{big, std::vector<int64_t>(26, 5), {}, {}, {}}}, c), Error);
 }
 
+// serve's prefix cache: a sequence that starts with another's full blocks and computes only its own tail gets the
+// logits of computing everything; the blocks live while anyone holds them.
+TEST(Generate, SharedPrefixBlocksEqualComputingThem) {
+  Model m(tiny(false));
+  m.init_random(5, 0.5);
+  const int64_t V = 64;
+  const std::vector<int64_t> ids = {7, 3, 9, 11, 2, 5, 6, 1, 4};
+  const int64_t n = (int64_t)ids.size();
+  const std::vector<int64_t> pos = mrope_positions(m.config(), ids.data(), {0, n}, {});
+  auto seg = [&](int s, int64_t a, int64_t b) {
+    StepSegment<float> g;
+    g.seq = s;
+    g.ids.assign(ids.begin() + a, ids.begin() + b);
+    for (int row = 0; row < 3; ++row) g.pos3.insert(g.pos3.end(), pos.begin() + row * n + a, pos.begin() + row * n + b);
+    return g;
+  };
+  KvCache<float> c;
+  c.block = 2;
+  c.max_blocks = 12;
+  c.reset(3, 2 * 8);
+  const int a = c.add();
+  ASSERT_TRUE(c.reserve(a, n));
+  const std::vector<float> full = m.step({seg(a, 0, n)}, c);
+  const std::vector<int32_t> prefix(c.table[a].begin(), c.table[a].begin() + 3);  // 6 tokens
+  const int b = c.add();
+  c.share(b, prefix);
+  EXPECT_EQ(c.len[b], 6);
+  const std::vector<float> tail = m.step({seg(b, 6, n)}, c);
+  for (int64_t v = 0; v < V; ++v) ASSERT_NEAR(tail[v], full[v], 1e-5) << "logit " << v;
+  EXPECT_EQ(c.used_blocks(), 5 + 2);  // b's own: tokens 6..8
+  c.release(a);
+  EXPECT_EQ(c.used_blocks(), 3 + 2);  // the shared blocks stay with b
+  c.hold(prefix[0]);
+  c.release(b);
+  EXPECT_EQ(c.used_blocks(), 1);
+  c.drop(prefix[0]);
+  EXPECT_EQ(c.used_blocks(), 0);
+  EXPECT_THROW(c.drop(prefix[0]), Error);
+  const int d = c.add();
+  EXPECT_THROW(c.share(d, {prefix[1]}), Error);  // freed: nothing to share
+}
+
 TEST(Sampler, GreedyTopKTopPAndSeeds) {
   const std::vector<float> l = {0.f, 3.f, 1.f, 3.f, 2.f, -1.f};
   SamplingParams sp;

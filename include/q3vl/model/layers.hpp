@@ -113,6 +113,8 @@ template <class T> void decoder_layer_bwd(const ModelConfig& cfg, const ParamVie
 // of fixed-size blocks per layer and a block table per sequence (vLLM's PagedAttention layout), so that sequences
 // of a continuously batched server come and go without moving anyone's cache. A new token only attends to what is
 // cached. max_blocks = 0 lets the pool grow on demand (generate); serve fixes it from its memory budget.
+// Blocks are refcounted so that sequences with the same prompt start can share them (serve's prefix cache holds a
+// reference of its own on the blocks it keeps): a block returns to the free list when its last holder lets go.
 template <class T> struct KvCache {
   int64_t block = 16;                       // tokens per block
   int64_t max_blocks = 0;                   // pool size limit in blocks (0: none)
@@ -123,6 +125,7 @@ template <class T> struct KvCache {
   std::vector<std::vector<int32_t>> table;  // [slot] block ids, in token order
   std::vector<std::vector<T>> k, v;         // [layer]: pool [blocks * block, row]
   std::vector<int32_t> free_blocks;
+  std::vector<int32_t> refs;                // [block] holders: sequences whose table lists it, plus hold()s
   int64_t pool_blocks = 0;
 
   // Empties the cache for `layers` layers of `row` values per token (keeps block and max_blocks).
@@ -130,7 +133,11 @@ template <class T> struct KvCache {
   int batch() const { return (int)len.size(); }
   int add();                   // a new empty sequence (a released slot is reused)
   void open(int s);            // slot s as a new empty sequence (a replica following another cache's add())
-  void release(int s);         // frees the sequence's blocks and slot
+  void release(int s);         // lets go of the sequence's blocks (freed when no one else holds them) and slot
+  // Starts empty sequence s with full blocks another sequence computed (its first blocks.size() * block tokens).
+  void share(int s, const std::vector<int32_t>& blocks);
+  void hold(int32_t b) { refs[b]++; }  // one more holder of block b
+  void drop(int32_t b);                // one holder fewer: freed when none is left
   int64_t blocks_for(int64_t tokens) const { return (tokens + block - 1) / block; }
   int64_t free_count() const;  // blocks that can still be handed out
   int64_t used_blocks() const { return pool_blocks - (int64_t)free_blocks.size(); }
