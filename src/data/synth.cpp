@@ -70,13 +70,15 @@ bool inside(int s, double dx, double dy, double r) {
 
 SynthFormat synth_format(const std::string& name) {
   if (name == "sentence") return SynthFormat::Sentence;
+  if (name == "shape-first") return SynthFormat::ShapeFirst;
   if (name == "fields") return SynthFormat::Fields;
-  fail("synth.answer_format: '" + name + "' is not one of sentence, fields");
+  fail("synth.answer_format: '" + name + "' is not one of sentence, shape-first, fields");
 }
 
 std::string synth_answer(int colour, int shape, SynthFormat format) {
   const std::string c = synth_colours()[colour].name;
   if (format == SynthFormat::Fields) return "shape: " + synth_shapes()[shape] + ", colour: " + c;
+  if (format == SynthFormat::ShapeFirst) return "a " + synth_shapes()[shape] + " " + c;  // every shape takes "a"
   return std::string(std::strchr("aeiou", c[0]) ? "an " : "a ") + c + " " + synth_shapes()[shape];
 }
 

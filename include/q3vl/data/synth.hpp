@@ -29,10 +29,10 @@ struct SynthSample {
 };
 
 // How the answer names what the picture shows; the picture does not depend on it.
-enum class SynthFormat { Sentence, Fields };
-SynthFormat synth_format(const std::string& name);  // synth.answer_format: "sentence" or "fields"
+enum class SynthFormat { Sentence, ShapeFirst, Fields };
+SynthFormat synth_format(const std::string& name);  // synth.answer_format: "sentence", "shape-first", "fields"
 
-// Sentence: "a red circle", "an orange square". Fields: "shape: circle, colour: red".
+// Sentence: "a red circle", "an orange square". ShapeFirst: "a circle red". Fields: "shape: circle, colour: red".
 std::string synth_answer(int colour, int shape, SynthFormat format = SynthFormat::Sentence);
 
 // Sample `index` of split 0 (train), 1 (val) or 2 (eval), size x size pixels.
