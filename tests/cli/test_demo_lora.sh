@@ -40,9 +40,7 @@ with h5py.File(base) as f:
     f["model"].visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
     assert set(names) == set(st), set(names) ^ set(st)
     for n in names:
-        e = st[n]
-        a = np.fromfile(e.path, dtype=np.float32, count=e.nbytes // 4, offset=e.offset).reshape(e.shape)
-        assert np.array_equal(a.view(np.uint32), f["model"][n][()].view(np.uint32)), n
+        assert st[n].dtype == "F32" and np.array_equal(st[n].f32().view(np.uint32), f["model"][n][()].view(np.uint32)), n
     sizes = []  # full fine-tuning's state: the base checkpoint's weights and moments
     f.visititems(lambda n, o: sizes.append(o.nbytes) if isinstance(o, h5py.Dataset) and n.startswith(("model/", "optim/")) else None)
     full = sum(sizes)
