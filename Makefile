@@ -149,8 +149,8 @@ DEMO_LORA_NP   ?= 4
 DEMO_LORA_ARGS ?=
 DEMO_LORA_MIN_ACCURACY ?= 90
 demo-lora: bin/q3vl
-	@test -f $(DEMO_OUT)/checkpoints/latest || { echo "demo-lora: no trained demo model: $(DEMO_OUT)/checkpoints has no \
-	  checkpoint ('latest'); run make demo first (or set DEMO_OUT to a finished demo's folder)" >&2; exit 1; }
+	@test -f $(DEMO_OUT)/checkpoints/latest || { echo "demo-lora: no trained demo model: $(DEMO_OUT)/checkpoints" \
+	  "has no checkpoint ('latest'); run make demo first (or set DEMO_OUT to a finished demo's folder)" >&2; exit 1; }
 	rm -rf $(DEMO_LORA_OUT)
 	@export OPENBLAS_NUM_THREADS=1; set -eo pipefail; t0=$$(date +%s); \
 	  a="$(call demo_paths,$(DEMO_LORA_OUT)) model.hf=$(DEMO_LORA_OUT)/base $(DEMO_LORA_ARGS)"; \
