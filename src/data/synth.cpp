@@ -68,12 +68,21 @@ bool inside(int s, double dx, double dy, double r) {
 
 }  // namespace
 
-std::string synth_answer(int colour, int shape) {
+SynthFormat synth_format(const std::string& name) {
+  if (name == "sentence") return SynthFormat::Sentence;
+  if (name == "shape-first") return SynthFormat::ShapeFirst;
+  if (name == "fields") return SynthFormat::Fields;
+  fail("synth.answer_format: '" + name + "' is not one of sentence, shape-first, fields");
+}
+
+std::string synth_answer(int colour, int shape, SynthFormat format) {
   const std::string c = synth_colours()[colour].name;
+  if (format == SynthFormat::Fields) return "shape: " + synth_shapes()[shape] + ", colour: " + c;
+  if (format == SynthFormat::ShapeFirst) return "a " + synth_shapes()[shape] + " " + c;  // every shape takes "a"
   return std::string(std::strchr("aeiou", c[0]) ? "an " : "a ") + c + " " + synth_shapes()[shape];
 }
 
-SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size) {
+SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size, SynthFormat format) {
   if (size < 16) fail("synth: pictures need at least 16 pixels a side, got " + std::to_string(size));
   std::seed_seq seq{uint64_t(seed), uint64_t(seed >> 32), uint64_t(split), uint64_t(index)};
   std::mt19937_64 rng(seq);
@@ -84,7 +93,7 @@ SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size) {
   s.shape = (int)pick(synth_shapes().size());
   s.colour = (int)pick(synth_colours().size());
   s.question = kQuestions[pick(std::size(kQuestions))];
-  s.answer = synth_answer(s.colour, s.shape);
+  s.answer = synth_answer(s.colour, s.shape, format);
   // Everything but the answer varies, so that only looking at the picture gives it: the size, the place, the
   // background (grey level, a slight tint, a gradient, the noise) and the shade of the colour. Size and place vary
   // as much as the demo's model learns within its budget (docs/PERFORMANCE.md: shapes that move twice as far, or
@@ -113,7 +122,8 @@ SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size) {
   return s;
 }
 
-void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_t seed, uint64_t eval_seed) {
+void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_t seed, uint64_t eval_seed,
+                 SynthFormat format) {
   fs::create_directories(fs::path(dir) / "images");
   // Split k draws from stream (seed, k); the held-out split from its own seed, which nothing was tuned on.
   const char* names[] = {"train", "val", "eval"};
@@ -124,7 +134,7 @@ void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_
     std::ofstream out(path + ".partial");
     if (!out) fail(path + ": cannot write");
     for (int64_t i = 0; i < counts[split]; ++i) {
-      const SynthSample s = synth_sample(split == 2 ? eval_seed : seed, split, i, size);
+      const SynthSample s = synth_sample(split == 2 ? eval_seed : seed, split, i, size, format);
       char img[64];
       std::snprintf(img, sizeof img, "images/%s_%06lld.png", names[split], (long long)i);
       write_png((fs::path(dir) / img).string(), s.image);
@@ -148,10 +158,10 @@ int run_synth(const Deck& deck) {
     const SynthCounts n{deck.integer("synth.train_samples"), deck.integer("synth.val_samples"),
                         deck.integer("synth.eval_samples")};
     write_synth(dir, n, (int)deck.integer("synth.size"), (uint64_t)deck.integer("synth.seed"),
-                (uint64_t)deck.integer("synth.eval_seed"));
+                (uint64_t)deck.integer("synth.eval_seed"), synth_format(deck.str("synth.answer_format")));
     log_info("synth: " + std::to_string(n.train) + " train, " + std::to_string(n.val) + " validation and " +
              std::to_string(n.eval) + " held-out pictures of " + std::to_string(deck.integer("synth.size")) +
-             " px -> " + dir + (n.val ? "/{train,val,eval}.jsonl" : "/{train,eval}.jsonl"));
+             " px, " + deck.str("synth.answer_format") + " answers -> " + dir + (n.val ? "/{train,val,eval}.jsonl" : "/{train,eval}.jsonl"));
   }
   idle_barrier(rt.world(), "waiting for rank 0 to draw the pictures");
   return 0;

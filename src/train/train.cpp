@@ -339,6 +339,13 @@ int run_train(const Deck& deck) {
                   (long long)ls.wrapped, (long long)ls.params, 100.0 * double(ls.params) / double(ls.base),
                   (long long)ls.base, double(ls.state_bytes()) / (1 << 20), double(ls.base * 16) / (1 << 20));
     log_info(buf);
+    // What a checkpoint keeps (fp32 weights + 2 AdamW moments), in bytes: the demo-lora's comparison.
+    const int64_t kept = ls.params * 12, full = ls.base * 12;
+    std::snprintf(buf, sizeof buf,
+                  "lora: adapters + AdamW state %lld bytes, full fine-tuning's weights + AdamW state %lld bytes "
+                  "(%.0fx more)",
+                  (long long)kept, (long long)full, double(full) / double(kept));
+    log_info(buf);
   }
 
   // Data.

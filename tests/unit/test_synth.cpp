@@ -143,6 +143,27 @@ TEST(Synth, AnswersReadAsEnglish) {
   EXPECT_EQ(synth_answer(orange, 1), "an orange square");
 }
 
+// synth.answer_format changes the answers only: the same pictures and questions as "sentence" (the default).
+TEST(Synth, AnswerFormatsChangeOnlyTheAnswer) {
+  EXPECT_EQ(synth_answer(0, 0, SynthFormat::Fields), "shape: circle, colour: red");
+  EXPECT_EQ(synth_answer(0, 0, SynthFormat::ShapeFirst), "a circle red");
+  EXPECT_EQ(synth_format("sentence"), SynthFormat::Sentence);
+  EXPECT_EQ(synth_format("shape-first"), SynthFormat::ShapeFirst);
+  EXPECT_EQ(synth_format("fields"), SynthFormat::Fields);
+  EXPECT_THROW(synth_format("prose"), std::exception);
+  for (int i = 0; i < 50; ++i) {
+    const SynthSample a = synth_sample(9, 2, i, 64);
+    const std::string shape = synth_shapes()[a.shape], colour = synth_colours()[a.colour].name;
+    for (auto [f, want] : {std::pair{SynthFormat::Fields, "shape: " + shape + ", colour: " + colour},
+                           std::pair{SynthFormat::ShapeFirst, "a " + shape + " " + colour}}) {
+      const SynthSample b = synth_sample(9, 2, i, 64, f);
+      EXPECT_EQ(a.image.px, b.image.px);
+      EXPECT_EQ(a.question, b.question);
+      EXPECT_EQ(b.answer, want);
+    }
+  }
+}
+
 // Only the picture tells the answer: within one answer the place, size, background and shade spread, so that
 // neither a fixed position nor the background's level nor a single shade carries it. (Place and size spread as far
 // as the demo's model learns them in its budget: the centre moves by up to 5% of the side, the radius by 30%.)
