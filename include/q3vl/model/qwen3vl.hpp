@@ -160,6 +160,7 @@ class BasicModel {
   };
   WeightBytes quantize_int8();
   bool int8() const { return !q8_.empty(); }
+  const Int8Weight* int8_param(int id) const { return int8() && q8_[size_t(id)].q ? &q8_[size_t(id)] : nullptr; }
 
   // The vision tower and mergers alone, for one prompt's images (pixels/grid as prefill): features of its image
   // tokens img [n, H] and the DeepStack features ds [deepstack][n*H].
