@@ -28,6 +28,18 @@ BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage, ExpertSplit
   rebind();
 }
 
+std::vector<bool> int8_params(const ParamTable& t) {
+  std::vector<bool> q(t.params().size(), false);
+  for (int l = 0; l < t.config().text.layers; ++l) {
+    const int f = t.layer(l);
+    for (int i : {tlay::q_proj, tlay::k_proj, tlay::v_proj, tlay::o_proj}) q[f + i] = true;
+    if (t.moe_layer(l)) q[t.experts(l)] = q[t.experts(l) + 1] = true;  // gate_up, down
+    else q[f + tlay::gate_proj] = q[f + tlay::up_proj] = q[f + tlay::down_proj] = true;
+  }
+  q[t.lm_head()] = true;  // tied: the embedding table too
+  return q;
+}
+
 template <class T>
 void BasicModel<T>::need_fp32(const char* what) const {
   if (int8()) fail(std::string(what) + ": the model holds int8 weights (model.weight_dtype = \"int8\"), for inference only");
@@ -38,14 +50,7 @@ typename BasicModel<T>::WeightBytes BasicModel<T>::quantize_int8() {
   need_fp32("quantize_int8");
   need_all_experts("quantize_int8");
   if (store_p_.empty()) fail("quantize_int8: the model has no weights of its own (ZeRO-bound units)");
-  std::vector<bool> q(table_.params().size(), false);
-  for (int l = 0; l < cfg_.text.layers; ++l) {
-    const int f = table_.layer(l);
-    for (int i : {tlay::q_proj, tlay::k_proj, tlay::v_proj, tlay::o_proj}) q[f + i] = true;
-    if (table_.moe_layer(l)) q[table_.experts(l)] = q[table_.experts(l) + 1] = true;  // gate_up, down
-    else q[f + tlay::gate_proj] = q[f + tlay::up_proj] = q[f + tlay::down_proj] = true;
-  }
-  q[table_.lm_head()] = true;  // tied: the embedding table too
+  const std::vector<bool> q = int8_params(table_);
   WeightBytes b;
   int64_t nq = 0, rows = 0, kept = 0;
   for (size_t id = 0; id < q.size(); ++id) {
@@ -352,7 +357,7 @@ std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::
   const int64_t N = (int64_t)ids.size(), H = cfg_.text.hidden;
   std::vector<T> x(N * H);
   enter(table_.embed_tokens(), false);
-  if (const Int8Weight* w = view().int8(table_.embed_tokens()))  // tied to an int8 head
+  if (const Int8Weight* w = view().int8(table_.embed_tokens()))  // tied to the int8 head: a row is a token
     ops::embedding_int8_fwd(ids.data(), w->q, w->scale, x.data(), N, H, (int64_t)cfg_.text.vocab);
   else
     ops::embedding_fwd(ids.data(), view().p[table_.embed_tokens()], x.data(), N, H, (int64_t)cfg_.text.vocab);

@@ -240,8 +240,8 @@ std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mo
     b = m.quantize_int8();
   }
   std::snprintf(msg, sizeof msg,
-                "%s: weights int8: %.2f MiB against %.2f MiB in fp32 (%.2fx smaller): %.2f MiB int8 linears + %.2f MiB "
-                "of their scales + %.2f MiB kept fp32 (norms, router, vision tower, untied embeddings)",
+                "%s: weights int8: %.2f MiB against %.2f MiB in fp32 (%.2fx smaller): %.2f MiB int8 + %.2f MiB "
+                "of their scales + %.2f MiB kept fp32 (vision tower, norms, router, untied embeddings)",
                 mode.c_str(), mib(b.now()), mib(b.fp32), double(b.fp32) / double(b.now()), mib(b.int8), mib(b.scales),
                 mib(b.kept));
   return msg;

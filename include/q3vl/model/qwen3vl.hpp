@@ -144,13 +144,14 @@ class BasicModel {
   // Weight-only int8 for inference (generate and serve with model.weight_dtype = "int8"): every linear of the text
   // decoder (q/k/v/o_proj, the MLP's gate/up/down_proj or the MoE experts) and the LM head become int8 with one fp32
   // scale per output channel (ops::quantize_int8_rows), and their fp32 copies are freed with every gradient, once,
-  // after loading (and after tensor-parallel sharding: the scales are those of the rows a rank holds). Stays fp32:
-  // the norms (one value per channel: quantizing them saves nothing), the MoE router (E x H, and its top-k choice
-  // flips on small errors), the vision tower and mergers (run once per image, so compute-bound, not the per-token
-  // weight reads int8 is for; their error would reach every image token and, through DeepStack, several layers),
-  // LoRA adapters, and untied token embeddings (one row read per token, never a product). Tied embeddings are the
-  // head's int8 rows: a lookup dequantizes its row. After this the model is inference only: forward without
-  // keep_for_backward, prefill, decode, step.
+  // after loading (and after tensor-parallel sharding: the scales are those of the rows a rank holds). Tied token
+  // embeddings are the head's int8 rows (a row is a token: a lookup dequantizes it by its own scale). Stays fp32:
+  // untied token embeddings (read one row per token, never multiplied through; quantized too, they raised the MoE
+  // golden model's logits error from 1.8% to 7.2%, docs/PERFORMANCE.md), the norms (one value per channel: nothing
+  // to save), the MoE router (E x H, small, and its top-k choice flips on small errors), the vision tower and
+  // mergers (run once per image, so compute-bound, not the per-token weight reads int8 is for; their error would
+  // reach every image token and, through DeepStack, several decoder layers), and LoRA adapters. After this the
+  // model is inference only: forward without keep_for_backward, prefill, decode, step.
   struct WeightBytes {
     int64_t fp32 = 0;    // every weight in fp32 (before)
     int64_t int8 = 0;    // the quantized weights
@@ -229,6 +230,9 @@ class BasicModel {
 };
 
 using Model = BasicModel<float>;
+
+// The parameters BasicModel::quantize_int8 holds in int8, by id (sizing without a model: planner, reports).
+std::vector<bool> int8_params(const ParamTable& t);
 
 // Load HF safetensors (one file or a directory) into the model through the parameter table (src/model/weights.cpp).
 // Every table tensor must be present with the right shape; unexpected tensors are errors; lm_head.weight is
