@@ -42,7 +42,8 @@ std::vector<bool> int8_params(const ParamTable& t) {
 
 template <class T>
 void BasicModel<T>::need_fp32(const char* what) const {
-  if (int8()) fail(std::string(what) + ": the model holds int8 weights (model.weight_dtype = \"int8\"), for inference only");
+  if (int8())
+    fail(std::string(what) + ": the model holds int8 weights (model.weight_dtype = \"int8\"), for inference only");
 }
 
 template <class T>

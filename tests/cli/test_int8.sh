@@ -36,7 +36,8 @@ grep -qE 'generate: weights fp32: [0-9.]+ MiB' $tmp/fp32.log && pass "fp32: weig
   bad "fp32 weight line: $(grep weights $tmp/fp32.log)"
 line=$(grep -oE 'generate: weights int8: [0-9.]+ MiB against [0-9.]+ MiB in fp32' $tmp/int8.log)
 read -r now was < <(grep -oE '[0-9.]+ MiB' <<<"$line" | tr -d ' MiB' | tr '\n' ' ')
-if [[ -n $line ]] && $py -c "import sys; n, w = map(float, sys.argv[1:]); sys.exit(not (0 < n < w / 2))" "$now" "$was"; then
+half() { $py -c "import sys; n, w = map(float, sys.argv[1:]); sys.exit(not (0 < n < w / 2))" "$@"; }
+if [[ -n $line ]] && half "$now" "$was"; then
   pass "int8: weight bytes reported, under half of fp32 ($now of $was MiB)"
 else
   bad "int8 weight line: $(grep weights $tmp/int8.log)"
@@ -77,7 +78,8 @@ if needs node-client node && [[ -f third_party/npm/node_modules/openai/package.j
     node tests/cli/serve_client.mjs $port demo answers $tmp/d/eval.jsonl data >$tmp/$name.jsonl 2>$tmp/$name.err ||
       bad "$name client: $(tail -3 $tmp/$name.err)"
     kill -TERM ${pids[-1]}; wait ${pids[-1]} || bad "$name: exit $? after SIGTERM"
-    grep -qE "serve: weights int8: .* MiB in fp32" $tmp/$name.log || bad "$name: no weight line: $(grep weights $tmp/$name.log)"
+    grep -qE "serve: weights int8: .* MiB in fp32" $tmp/$name.log ||
+      bad "$name: no weight line: $(grep weights $tmp/$name.log)"
   }
   serve serve1 1 && agree "serve: int8 answers == generate's at int8 on all 16 prompts" int8 serve1 16
   serve serve2 2 && agree "serve, TP = 2 (scales of each rank's rows): int8 answers == fp32's on >= 14 of 16" \
