@@ -24,6 +24,9 @@ namespace {
 // generate runs on the CPU backend in fp32 so far (train and eval run the device model on CUDA too): refuse a deck
 // that asks for more rather than silently run something else.
 int on_cpu_fp32(const Deck& d, const char* mode, int (*run)(const Deck&)) {
+  if (d.str("model.weight_dtype") == "int8" && d.str("model.backend") != "cpu")
+    fail("model.weight_dtype = \"int8\" with model.backend = \"" + d.str("model.backend") +
+         "\": the int8 linear (ops::linear_int8_fwd) has no CUDA kernel yet; set model.backend = \"cpu\"");
   if (d.str("model.backend") != "cpu")
     fail("model.backend = \"" + d.str("model.backend") + "\": `q3vl " + mode +
          "` runs on the CPU backend only so far (on CUDA: `q3vl train` and `q3vl eval`); "
@@ -35,6 +38,9 @@ int on_cpu_fp32(const Deck& d, const char* mode, int (*run)(const Deck&)) {
 }
 // train and eval: the compute the deck asks for exists here, checked before any work.
 int with_compute(const Deck& d, int (*run)(const Deck&)) {
+  if (d.str("model.weight_dtype") != "fp32")  // quantized weights have no gradient and no master to update
+    fail("model.weight_dtype = \"" + d.str("model.weight_dtype") +
+         "\": int8 weights are for inference (generate, serve); train and eval need model.weight_dtype = \"fp32\"");
   const bool cuda = d.str("model.backend") == "cuda";
   if (cuda && dev::device_count() == 0 && !std::getenv("Q3VL_DEVICE_ON_CPU"))
     fail("model.backend = \"cuda\": no GPU is visible to rank " + std::to_string(Runtime::get().where().rank) + " on " +

@@ -12,9 +12,23 @@
 
 namespace q3vl {
 
-// Dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent.
+template <class T>
+void param_linear(const ParamView<T>& P, int id, int64_t row0, const T* x, T* y, int64_t N, int64_t in, int64_t out) {
+  if (const Int8Weight* w = P.int8(id))
+    ops::linear_int8_fwd(x, w->q + row0 * in, w->scale + row0, (const T*)nullptr, y, N, in, out);
+  else
+    ops::linear_fwd(x, P.p[id] + row0 * in, (const T*)nullptr, y, N, in, out);
+}
+
+// Dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent (their int8
+// copies too, BasicModel::quantize_int8).
 template <class T>
 static const T* fused_gate_up(const ParamView<T>& P, int f, int64_t I, int64_t H) {
+  if (const Int8Weight* g = P.int8(f + tlay::gate_proj)) {
+    const Int8Weight* u = P.int8(f + tlay::up_proj);
+    Q3VL_CHECK(u && u->q == g->q + I * H && u->scale == g->scale + I, "int8 gate_proj/up_proj must be adjacent");
+    return nullptr;
+  }
   Q3VL_CHECK(P.p[f + tlay::up_proj] == P.p[f + tlay::gate_proj] + I * H, "gate_proj/up_proj must be adjacent");
   // Null grads: bound for forward only (ZeRO-3).
   Q3VL_CHECK(!P.g[f + tlay::gate_proj] || P.g[f + tlay::up_proj] == P.g[f + tlay::gate_proj] + I * H,
@@ -37,9 +51,9 @@ static void qkv_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T*
   c.rq.resize(N * nh);
   c.rk.resize(N * nkv);
   ops::rmsnorm_fwd(x, P.p[f + tlay::in_norm], c.ln1.data(), c.r1.data(), N, H, tc.rms_eps);
-  ops::linear_fwd(c.ln1.data(), P.p[f + tlay::q_proj], (const T*)nullptr, c.qraw.data(), N, H, Dq);
-  ops::linear_fwd(c.ln1.data(), P.p[f + tlay::k_proj], (const T*)nullptr, c.kraw.data(), N, H, Dk);
-  ops::linear_fwd(c.ln1.data(), P.p[f + tlay::v_proj], (const T*)nullptr, c.v.data(), N, H, Dk);
+  param_linear(P, f + tlay::q_proj, 0, c.ln1.data(), c.qraw.data(), N, H, Dq);
+  param_linear(P, f + tlay::k_proj, 0, c.ln1.data(), c.kraw.data(), N, H, Dk);
+  param_linear(P, f + tlay::v_proj, 0, c.ln1.data(), c.v.data(), N, H, Dk);
   lora_fwd(P, f + tlay::q_proj, c.ln1.data(), N, c.qraw.data(), Dq);
   lora_fwd(P, f + tlay::k_proj, c.ln1.data(), N, c.kraw.data(), Dk);
   lora_fwd(P, f + tlay::v_proj, c.ln1.data(), N, c.v.data(), Dk);
@@ -60,7 +74,7 @@ static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool
   c.ln2.resize(N * H);
   c.r2.resize(N);
   std::vector<T> tmp(N * H);
-  ops::linear_fwd(c.att.data(), P.p[f + tlay::o_proj], (const T*)nullptr, tmp.data(), N, Dq, H);
+  param_linear(P, f + tlay::o_proj, 0, c.att.data(), tmp.data(), N, Dq, H);
   lora_fwd(P, f + tlay::o_proj, c.att.data(), N, tmp.data(), H);
   if (reduce) reduce(tmp.data(), N * H);  // the partial sums, LoRA term included
   for (int64_t i = 0; i < N * H; ++i) x[i] += tmp[i];
@@ -72,11 +86,12 @@ static void out_mlp_fwd(const TextConfig& tc, const ParamView<T>& P, int f, bool
     const int64_t I = tc.intermediate;
     c.gu.resize(N * 2 * I);
     c.act.resize(N * I);
-    ops::linear_fwd(c.ln2.data(), fused_gate_up(P, f, I, H), (const T*)nullptr, c.gu.data(), N, H, 2 * I);
+    fused_gate_up(P, f, I, H);
+    param_linear(P, f + tlay::gate_proj, 0, c.ln2.data(), c.gu.data(), N, H, 2 * I);  // [gate; up] in one
     lora_fwd(P, f + tlay::gate_proj, c.ln2.data(), N, c.gu.data(), 2 * I);  // gate: columns [0, I) of gu
     lora_fwd(P, f + tlay::up_proj, c.ln2.data(), N, c.gu.data() + I, 2 * I);
     ops::swiglu_fwd(c.gu.data(), c.act.data(), N, I);
-    ops::linear_fwd(c.act.data(), P.p[f + tlay::down_proj], (const T*)nullptr, tmp.data(), N, I, H);
+    param_linear(P, f + tlay::down_proj, 0, c.act.data(), tmp.data(), N, I, H);
     lora_fwd(P, f + tlay::down_proj, c.act.data(), N, tmp.data(), H);
   }
   if (reduce) reduce(tmp.data(), N * H);
@@ -283,6 +298,7 @@ bool KvCache<T>::reserve(int s, int64_t n) {
 }
 
 #define Q3VL_INST(T)                                                                                               \
+  template void param_linear<T>(const ParamView<T>&, int, int64_t, const T*, T*, int64_t, int64_t, int64_t);       \
   template void decoder_layer_fwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
                                      const std::vector<int64_t>&, const T*, const T*, T*, int64_t*,               \
                                      DecoderCtx<T>&);                                                             \

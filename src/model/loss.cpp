@@ -56,12 +56,16 @@ static void softmax_grad_inplace(T* z, const int64_t* target, int64_t n, int64_t
 
 template <class T>
 double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H, int64_t V,
-                        T* logits_out) {
+                        T* logits_out, const Int8Weight* W8) {
+  const auto head = [&](const T* x, T* y, int64_t n) {
+    if (W8) ops::linear_int8_fwd(x, W8->q, W8->scale, (const T*)nullptr, y, n, H, V);
+    else ops::linear_fwd(x, W, (const T*)nullptr, y, n, H, V);
+  };
   double total = 0;
   if (logits_out) {
     for (int64_t i0 = 0; i0 < N; i0 += kHeadChunk) {
       const int64_t n = std::min(kHeadChunk, N - i0);
-      ops::linear_fwd(h + i0 * H, W, (const T*)nullptr, logits_out + i0 * V, n, H, V);
+      head(h + i0 * H, logits_out + i0 * V, n);
       total += ops::cross_entropy(logits_out + i0 * V, target + i0, (T*)nullptr, (T*)nullptr, n, V, T(0));
     }
     return total;
@@ -74,7 +78,7 @@ double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N
   for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
     const int64_t n = std::min(kHeadChunk, R - r0);
     gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
-    ops::linear_fwd(hb.data(), W, (const T*)nullptr, lg, n, H, V);
+    head(hb.data(), lg, n);
     total += ops::cross_entropy(lg, tb.data(), (T*)nullptr, (T*)nullptr, n, V, T(0));
   }
   return total;
@@ -101,7 +105,8 @@ void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, 
 }
 
 #define Q3VL_INST(T)                                                                                            \
-  template double lm_head_loss_fwd<T>(const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, T*);      \
+  template double lm_head_loss_fwd<T>(const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, T*,         \
+                                      const Int8Weight*);                                                      \
   template void lm_head_loss_bwd<T>(const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, T, T*, T*);
 Q3VL_INST(float)
 Q3VL_INST(double)

@@ -113,11 +113,9 @@ void moe_fwd(const TextConfig& tc, const ParamView<T>& P, int f, const T* x, int
   for (int64_t e = 0; e < El; ++e) {
     const int64_t s = c.ostart[e], n = c.ostart[e + 1] - s;
     if (n == 0) continue;
-    ops::linear_fwd(c.xo.data() + s * H, P.p[eg] + e * 2 * Im * H, (const T*)nullptr,
-                    c.gu.data() + s * 2 * Im, n, H, 2 * Im);
+    param_linear(P, eg, e * 2 * Im, c.xo.data() + s * H, c.gu.data() + s * 2 * Im, n, H, 2 * Im);
     ops::swiglu_fwd(c.gu.data() + s * 2 * Im, act.data() + s * Im, n, Im);
-    ops::linear_fwd(act.data() + s * Im, P.p[eg + 1] + e * H * Im, (const T*)nullptr,
-                    yo.data() + s * H, n, Im, H);
+    param_linear(P, eg + 1, e * H, act.data() + s * Im, yo.data() + s * H, n, Im, H);
   }
   if (!c.ex) std::vector<T>().swap(c.xo);  // all local: backward regathers the rows from x, not kept twice
   // Combine: the outputs go back to the ranks their tokens came from, in the order they were sent.

@@ -2,6 +2,7 @@
 #include "q3vl/model/qwen3vl.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
@@ -27,8 +28,76 @@ BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage, ExpertSplit
   rebind();
 }
 
+std::vector<bool> int8_params(const ParamTable& t) {
+  std::vector<bool> q(t.params().size(), false);
+  for (int l = 0; l < t.config().text.layers; ++l) {
+    const int f = t.layer(l);
+    for (int i : {tlay::q_proj, tlay::k_proj, tlay::v_proj, tlay::o_proj}) q[f + i] = true;
+    if (t.moe_layer(l)) q[t.experts(l)] = q[t.experts(l) + 1] = true;  // gate_up, down
+    else q[f + tlay::gate_proj] = q[f + tlay::up_proj] = q[f + tlay::down_proj] = true;
+  }
+  q[t.lm_head()] = true;  // tied: the embedding table too
+  return q;
+}
+
+template <class T>
+void BasicModel<T>::need_fp32(const char* what) const {
+  if (int8())
+    fail(std::string(what) + ": the model holds int8 weights (model.weight_dtype = \"int8\"), for inference only");
+}
+
+template <class T>
+typename BasicModel<T>::WeightBytes BasicModel<T>::quantize_int8() {
+  need_fp32("quantize_int8");
+  need_all_experts("quantize_int8");
+  if (store_p_.empty()) fail("quantize_int8: the model has no weights of its own (ZeRO-bound units)");
+  const std::vector<bool> q = int8_params(table_);
+  WeightBytes b;
+  int64_t nq = 0, rows = 0, kept = 0;
+  for (size_t id = 0; id < q.size(); ++id) {
+    const ParamInfo& p = table_.params()[id];
+    if (q[id]) nq += p.numel, rows += p.numel / p.shape.back();
+    else kept += p.numel;
+  }
+  q8_store_.resize(nq);
+  q8_scales_.resize(rows);
+  q8_.assign(q.size(), {});
+  std::vector<T> keep(kept);
+  // In id order, so that gate_proj and up_proj stay adjacent (the fused [gate; up] product).
+  for (size_t id = 0, oq = 0, os = 0, ok = 0; id < q.size(); ++id) {
+    const ParamInfo& p = table_.params()[id];
+    if (!q[id]) {
+      std::copy(pp_[id], pp_[id] + p.numel, keep.data() + ok);
+      pp_[id] = keep.data() + ok;
+      ok += p.numel;
+      continue;
+    }
+    const int64_t cols = p.shape.back(), r = p.numel / cols;
+    if constexpr (std::is_same_v<T, float>) {
+      ops::quantize_int8_rows(pp_[id], r, cols, q8_store_.data() + oq, q8_scales_.data() + os);
+    } else {  // the double model of the gradient checks
+      const std::vector<float> w(pp_[id], pp_[id] + p.numel);
+      ops::quantize_int8_rows(w.data(), r, cols, q8_store_.data() + oq, q8_scales_.data() + os);
+    }
+    q8_[id] = {q8_store_.data() + oq, q8_scales_.data() + os};
+    pp_[id] = nullptr;
+    oq += p.numel, os += r;
+  }
+  b.fp32 = (int64_t)store_p_.size() * (int64_t)sizeof(float);
+  b.int8 = nq, b.scales = rows * (int64_t)sizeof(float), b.kept = kept * (int64_t)sizeof(float);
+  // The fp32 masters and every gradient go: inference needs neither.
+  store_p_.swap(keep);
+  std::vector<T>().swap(keep);
+  std::vector<T>().swap(store_g_);
+  std::fill(unit_p_.begin(), unit_p_.end(), nullptr);
+  std::fill(unit_g_.begin(), unit_g_.end(), nullptr);
+  std::fill(gp_.begin(), gp_.end(), nullptr);
+  return b;
+}
+
 template <class T>
 void BasicModel<T>::rebind() {
+  need_fp32("rebind");
   pp_.resize(table_.params().size());
   gp_.resize(table_.params().size());
   for (size_t i = 0; i < pp_.size(); ++i) {
@@ -40,6 +109,7 @@ void BasicModel<T>::rebind() {
 
 template <class T>
 void BasicModel<T>::bind_unit(int unit, T* params, T* grads) {
+  need_fp32("bind_unit");
   Q3VL_CHECK(unit >= 0 && unit < (int)unit_p_.size(), "bind_unit: no such unit");
   unit_p_[unit] = params;
   unit_g_[unit] = grads;
@@ -51,6 +121,7 @@ void BasicModel<T>::bind_unit(int unit, T* params, T* grads) {
 
 template <class T>
 void BasicModel<T>::release_storage() {
+  need_fp32("release_storage");
   std::vector<T>().swap(store_p_);
   std::vector<T>().swap(store_g_);
   std::fill(unit_p_.begin(), unit_p_.end(), nullptr);
@@ -164,6 +235,7 @@ void BasicModel<T>::zero_grads() {
 
 template <class T>
 void BasicModel<T>::init_random(uint64_t seed, double std) {
+  need_fp32("init_random");
   for (size_t i = 0; i < pp_.size(); ++i) {
     const ParamInfo& p = table_.params()[i];
     init_param_range(p, seed, std, p.held_begin, p.held, pp_[i]);
@@ -286,7 +358,10 @@ std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::
   const int64_t N = (int64_t)ids.size(), H = cfg_.text.hidden;
   std::vector<T> x(N * H);
   enter(table_.embed_tokens(), false);
-  ops::embedding_fwd(ids.data(), view().p[table_.embed_tokens()], x.data(), N, H, (int64_t)cfg_.text.vocab);
+  if (const Int8Weight* w = view().int8(table_.embed_tokens()))  // tied to the int8 head: a row is a token
+    ops::embedding_int8_fwd(ids.data(), w->q, w->scale, x.data(), N, H, (int64_t)cfg_.text.vocab);
+  else
+    ops::embedding_fwd(ids.data(), view().p[table_.embed_tokens()], x.data(), N, H, (int64_t)cfg_.text.vocab);
   leave(table_.embed_tokens(), false);
   // Image tokens are replaced by the image features, row-major over the batch, in pixel_values order.
   vis_.clear();
@@ -303,6 +378,7 @@ template <class T>
 double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
                           std::vector<T>* logits_out, double* aux_out, bool aux_loss) {
   need_all_experts("forward");
+  if (keep) need_fp32("a training forward");
   const VisionConfig& vc = cfg_.vision;
   const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
@@ -356,7 +432,7 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
   const bool tied_head = table_.params()[table_.lm_head()].unit != table_.params()[table_.final_norm()].unit;
   if (tied_head) enter(table_.lm_head(), false);
   const double ce = lm_head_loss_fwd(hf_.data(), P.p[table_.lm_head()], st_.targets.data(), N, H, V,
-                                     logits_out ? logits.data() : nullptr);
+                                     logits_out ? logits.data() : nullptr, P.int8(table_.lm_head()));
   if (tied_head) leave(table_.lm_head(), false);
   leave(table_.final_norm(), false);
   if (logits_out) {
@@ -414,7 +490,7 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   enter(table_.final_norm(), false);
   if (tied_head) enter(table_.lm_head(), false);
   ops::rmsnorm_fwd(last.data(), P.p[table_.final_norm()], h.data(), r.data(), nseg, H, tc.rms_eps);
-  ops::linear_fwd(h.data(), P.p[table_.lm_head()] + v0 * H, (const T*)nullptr, logits.data(), nseg, H, V);
+  param_linear(P, table_.lm_head(), v0, h.data(), logits.data(), nseg, H, V);
   if (tied_head) leave(table_.lm_head(), false);
   leave(table_.final_norm(), false);
   return logits;

@@ -226,6 +226,27 @@ std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src) {
   return model;
 }
 
+std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode) {
+  const auto mib = [](int64_t b) { return b / 1048576.0; };
+  char msg[320];
+  if (deck.str("model.weight_dtype") != "int8") {
+    std::snprintf(msg, sizeof msg, "%s: weights fp32: %.2f MiB", mode.c_str(),
+                  mib(m.table().total() * (int64_t)sizeof(float)));
+    return msg;
+  }
+  Model::WeightBytes b;
+  {
+    ScopedTimer t(mode + ": quantize int8");
+    b = m.quantize_int8();
+  }
+  std::snprintf(msg, sizeof msg,
+                "%s: weights int8: %.2f MiB against %.2f MiB in fp32 (%.2fx smaller): %.2f MiB int8 + %.2f MiB "
+                "of their scales + %.2f MiB kept fp32 (vision tower, norms, router, untied embeddings)",
+                mode.c_str(), mib(b.now()), mib(b.fp32), double(b.fp32) / double(b.now()), mib(b.int8), mib(b.scales),
+                mib(b.kept));
+  return msg;
+}
+
 std::string tokenizer_file(const Deck& d) {
   const std::string dir = d.str("model.hf");
   if (!d.given("tokenizer.path") && !dir.empty() && fs::is_regular_file(dir + "/tokenizer.json"))
@@ -302,6 +323,7 @@ int run_generate(const Deck& deck) {
     if (prompts.empty()) fail("generate.prompts '" + in + "' holds no prompts (an empty file?)");
     log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
     const std::unique_ptr<Model> model = load_model(deck, src);
+    log_info(apply_weight_dtype(*model, deck, "generate"));
     if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);
     const std::string tmp = out + ".partial";  // an existing output is never left half-written
     std::ofstream o(tmp);

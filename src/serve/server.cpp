@@ -941,6 +941,9 @@ void Server::load() {
                std::to_string(model_->config().text.intermediate) + " MLP rows and " +
                std::to_string(vocab_rows_.second - vocab_rows_.first) + " vocabulary rows per rank");
   }
+  // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone.
+  const std::string wmsg = apply_weight_dtype(*model_, deck_, "serve");
+  if (rank_ == 0) log_info(wmsg + (tp_ > 1 ? " per rank" : ""));
   // The KV cache: fixed blocks from the budget (per rank: a rank caches only its key/value heads), allocated once.
   const ModelConfig& cfg = model_->config();
   const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;

@@ -44,6 +44,61 @@ void linear_bwd(const T* dy, const T* x, const T* W, T* dx, T* dW, T* db, int64_
       for (int64_t o = 0; o < out; ++o) db[o] += dy[i * out + o];
 }
 
+// ---- weight-only int8 ---------------------------------------------------------------------------------------------
+void quantize_int8_rows(const float* W, int64_t rows, int64_t cols, int8_t* q, float* scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* w = W + r * cols;
+    float amax = 0;
+    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(w[c]));
+    if (!std::isfinite(amax)) fail("quantize_int8: row " + std::to_string(r) + " holds a non-finite weight");
+    scale[r] = amax / 127.0f;
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    for (int64_t c = 0; c < cols; ++c)
+      q[r * cols + c] = (int8_t)std::clamp(std::lround(w[c] * inv), -127L, 127L);
+  }
+}
+
+// Rows of q widened per tile: 64 Ki elements of T, so a tile stays in cache while the GEMM reads it N times.
+constexpr int64_t kInt8TileElems = 1 << 16;
+
+// t = T(q): in blocks of a fixed 64 so that -O2's cheap vectorizer takes the loop (no remainder to handle).
+template <class T>
+static void widen_int8(const int8_t* __restrict q, T* __restrict t, int64_t n) {
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    for (int j = 0; j < 64; ++j) t[i + j] = T(q[i + j]);
+  for (; i < n; ++i) t[i] = T(q[i]);
+}
+
+template <class T>
+void linear_int8_fwd(const T* x, const int8_t* q, const float* scale, const T* b, T* y, int64_t N, int64_t in,
+                     int64_t out) {
+  if (N == 0 || out == 0) return;
+  const int64_t R = std::clamp<int64_t>(kInt8TileElems / std::max<int64_t>(in, 1), 1, out);
+  std::vector<T> tile(R * in);
+  for (int64_t o0 = 0; o0 < out; o0 += R) {
+    const int64_t n = std::min(R, out - o0);
+    widen_int8(q + o0 * in, tile.data(), n * in);  // exact: |q| <= 127
+    gemm<T>(false, true, N, n, in, T(1), x, in, tile.data(), in, T(0), y + o0, out);
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    T* yi = y + i * out;
+    for (int64_t o = 0; o < out; ++o) yi[o] = yi[o] * T(scale[o]) + (b ? b[o] : T(0));
+  }
+}
+
+template <class T>
+void embedding_int8_fwd(const int64_t* ids, const int8_t* q, const float* scale, T* out, int64_t N, int64_t D,
+                        int64_t V) {
+  for (int64_t i = 0; i < N; ++i) {
+    if (ids[i] < 0 || ids[i] >= V)
+      fail("embedding: token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
+           " outside vocabulary [0," + std::to_string(V) + ")");
+    const int8_t* r = q + ids[i] * D;
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = T(r[d]) * T(scale[ids[i]]);
+  }
+}
+
 // ---- LayerNorm --------------------------------------------------------------------------------------------------
 template <class T>
 void layernorm_fwd(const T* x, const T* w, const T* b, T* y, T* mean, T* rstd, int64_t N, int64_t D, double eps) {
@@ -533,6 +588,8 @@ void pos_embed_bwd(const T* dout, int64_t G, int64_t D, int64_t t, int64_t h, in
 #define Q3VL_OPS_INST(T)                                                                                            \
   template void linear_fwd<T>(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t);                       \
   template void linear_bwd<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, int64_t);               \
+  template void linear_int8_fwd<T>(const T*, const int8_t*, const float*, const T*, T*, int64_t, int64_t, int64_t); \
+  template void embedding_int8_fwd<T>(const int64_t*, const int8_t*, const float*, T*, int64_t, int64_t, int64_t);  \
   template void layernorm_fwd<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double);             \
   template void layernorm_bwd<T>(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t); \
   template void rmsnorm_fwd<T>(const T*, const T*, T*, T*, int64_t, int64_t, double);                             \

@@ -1,6 +1,6 @@
 // Generation with the KV cache: greedy decoding equals, token by token, the argmax of a full forward (no cache) over
-// the growing sequence, on the HF golden models (dense tied, MoE) and on random tiny models with images; batched
-// prompts do not disturb each other; the sampler; the training head that skips unsupervised rows.
+// the growing sequence, on the HF golden models (dense tied, MoE; all three at int8) and on random tiny models with
+// images; batched prompts do not disturb each other; the sampler; the training head that skips unsupervised rows.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -111,13 +111,15 @@ void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps
               steps, prompts.size(), worst);
 }
 
-void check_golden(const std::string& name) {
+// int8: the model quantized (model.weight_dtype = "int8"), cached and full passes on the same int8 weights.
+void check_golden(const std::string& name, bool int8 = false) {
   const std::string dir = "tests/data/golden/" + name;
   const ModelConfig cfg = load_hf_config(dir + "/model/config.json");
   Model model(cfg);
   load_hf_weights(model, dir + "/model");
+  if (int8) model.quantize_int8();
   const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
-  check_greedy(model, prompts_of(cfg, batch), 10, name);
+  check_greedy(model, prompts_of(cfg, batch), 10, name + (int8 ? " int8" : ""));
 }
 
 ModelConfig tiny(bool moe) {
@@ -180,6 +182,10 @@ std::vector<GenPrompt> tiny_prompts() {
 
 TEST(Generate, GreedyEqualsFullForwardArgmaxGoldenDense) { check_golden("dense_tied"); }
 TEST(Generate, GreedyEqualsFullForwardArgmaxGoldenMoe) { check_golden("moe"); }
+// The int8 paths of prefill/decode (the head's rows, the tied embedding's rows, the experts) agree with forward's.
+TEST(Generate, Int8GreedyEqualsFullForwardArgmaxGolden) {
+  for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_golden(c, true);
+}
 
 TEST(Generate, GreedyEqualsFullForwardArgmaxTinyImages) {
   for (bool moe : {false, true}) {

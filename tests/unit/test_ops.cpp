@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gradcheck.hpp"
+#include "q3vl/core/error.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 using namespace q3vl;
@@ -302,4 +303,94 @@ TEST(Ops, PosEmbedInterpolation) {
   V dt(tab.size());
   ops::pos_embed_bwd(R.data(), G, D, t, h, w, m, dt.data());
   expect_grad("dtable", tab, dt, f);
+}
+
+// ---- weight-only int8 -------------------------------------------------------------------------------------------
+// Quantization: symmetric per row (absmax/127), so every weight is within half a step of its row's grid and the
+// row's largest weight is exact; an all-zero row stays zero.
+TEST(Ops, QuantizeInt8RowsRoundTrip) {
+  std::mt19937 rng(21);
+  const int64_t rows = 9, cols = 37;
+  std::vector<float> W(rows * cols);
+  std::normal_distribution<float> nd(0, 0.05f);
+  for (auto& w : W) w = nd(rng);
+  for (int64_t c = 0; c < cols; ++c) W[4 * cols + c] = 0;  // a zero row
+  W[2 * cols + 5] = -3.0f;                                   // an outlier sets its row's scale only
+  std::vector<int8_t> q(W.size());
+  std::vector<float> s(rows);
+  ops::quantize_int8_rows(W.data(), rows, cols, q.data(), s.data());
+  EXPECT_EQ(s[4], 0.0f);
+  EXPECT_FLOAT_EQ(s[2], 3.0f / 127);
+  EXPECT_EQ(q[2 * cols + 5], -127);
+  for (int64_t r = 0; r < rows; ++r) {
+    float amax = 0;
+    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(W[r * cols + c]));
+    EXPECT_FLOAT_EQ(s[r], amax / 127) << "row " << r;
+    for (int64_t c = 0; c < cols; ++c) {
+      EXPECT_LE(std::abs(int(q[r * cols + c])), 127);
+      EXPECT_LE(std::fabs(q[r * cols + c] * s[r] - W[r * cols + c]), 0.5f * s[r] * (1 + 1e-5f) + 1e-12f)
+          << "row " << r << " col " << c;
+    }
+  }
+}
+
+// The int8 linear against the fp32 linear on the dequantized weights (q * scale), in double so that only the op's
+// own arithmetic differs: shapes that take one tile, several, and a ragged last one (the tile holds 65536 / in rows).
+TEST(Ops, LinearInt8MatchesDequantizedLinear) {
+  std::mt19937 rng(22);
+  std::uniform_int_distribution<int> qd(-127, 127);
+  std::uniform_real_distribution<float> sd(1e-4f, 2e-2f);
+  struct Shape { int64_t N, in, out; };
+  for (const Shape sh : {Shape{1, 7, 5}, Shape{5, 64, 300}, Shape{3, 1000, 131}, Shape{2, 70000, 3}}) {
+    std::vector<int8_t> q(sh.out * sh.in);
+    for (auto& v : q) v = (int8_t)qd(rng);
+    std::vector<float> s(sh.out);
+    for (auto& v : s) v = sd(rng);
+    s[0] = 0;  // a zero row
+    V x = randn(sh.N * sh.in, rng), b = randn(sh.out, rng), W(q.size());
+    for (int64_t o = 0; o < sh.out; ++o)
+      for (int64_t i = 0; i < sh.in; ++i) W[o * sh.in + i] = double(q[o * sh.in + i]) * double(s[o]);
+    for (const bool bias : {false, true}) {
+      V want(sh.N * sh.out), got(sh.N * sh.out, 12345.0);  // got: overwritten, not accumulated
+      ops::linear_fwd(x.data(), W.data(), bias ? b.data() : nullptr, want.data(), sh.N, sh.in, sh.out);
+      ops::linear_int8_fwd(x.data(), q.data(), s.data(), bias ? b.data() : nullptr, got.data(), sh.N, sh.in, sh.out);
+      double worst = 0, scale = 0;
+      for (size_t i = 0; i < want.size(); ++i)
+        worst = std::max(worst, std::fabs(got[i] - want[i])), scale = std::max(scale, std::fabs(want[i]));
+      EXPECT_LE(worst, 1e-12 * scale) << "N " << sh.N << " in " << sh.in << " out " << sh.out << " bias " << bias;
+    }
+  }
+  // fp32: the same within float rounding of the sums.
+  const int64_t N = 4, in = 96, out = 2000;
+  std::vector<int8_t> q(out * in);
+  for (auto& v : q) v = (int8_t)qd(rng);
+  std::vector<float> s(out), x(N * in), W(out * in), want(N * out), got(N * out);
+  for (auto& v : s) v = sd(rng);
+  std::normal_distribution<float> nd;
+  for (auto& v : x) v = nd(rng);
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t i = 0; i < in; ++i) W[o * in + i] = float(q[o * in + i]) * s[o];
+  ops::linear_fwd(x.data(), W.data(), (const float*)nullptr, want.data(), N, in, out);
+  ops::linear_int8_fwd(x.data(), q.data(), s.data(), (const float*)nullptr, got.data(), N, in, out);
+  float worst = 0, scale = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    worst = std::max(worst, std::fabs(got[i] - want[i])), scale = std::max(scale, std::fabs(want[i]));
+  EXPECT_LE(worst, 1e-5f * scale);
+}
+
+TEST(Ops, EmbeddingInt8IsTheDequantizedRow) {
+  std::mt19937 rng(23);
+  const int64_t Vn = 11, D = 6;
+  std::vector<float> table(Vn * D), s(Vn);
+  std::normal_distribution<float> nd;
+  for (auto& v : table) v = nd(rng);
+  std::vector<int8_t> q(table.size());
+  ops::quantize_int8_rows(table.data(), Vn, D, q.data(), s.data());
+  const std::vector<int64_t> ids{3, 0, 10, 3};
+  std::vector<float> out(ids.size() * D);
+  ops::embedding_int8_fwd(ids.data(), q.data(), s.data(), out.data(), (int64_t)ids.size(), D, Vn);
+  for (size_t i = 0; i < ids.size(); ++i)
+    for (int64_t d = 0; d < D; ++d) EXPECT_EQ(out[i * D + d], float(q[ids[i] * D + d]) * s[ids[i]]);
+  const int64_t bad = Vn;
+  EXPECT_THROW(ops::embedding_int8_fwd(&bad, q.data(), s.data(), out.data(), 1, D, Vn), Error);
 }

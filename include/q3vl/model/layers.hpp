@@ -19,13 +19,27 @@ template <class... V> int64_t vec_bytes(const V&... v) {
 
 struct LoraRun;  // model/lora.hpp
 
+// A parameter held as weight-only int8 (inference, model.weight_dtype = "int8"): q [rows, cols] with rows the output
+// channels (MoE experts: [E*rows, cols]) and one fp32 scale per row; W ~= q * scale[row]. Null q: held in fp32.
+struct Int8Weight {
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;
+};
+
 // Weights and gradients by parameter id (gradient pointers may be null for a frozen part); lora: the adapters'
-// run-time settings (null: no adapters), read by lora_fwd/lora_bwd beside each wrapped linear.
+// run-time settings (null: no adapters), read by lora_fwd/lora_bwd beside each wrapped linear; q8: the int8 copies
+// by parameter id (null: every weight fp32); a parameter held in int8 has a null p.
 template <class T> struct ParamView {
   T* const* p;
   T* const* g;
   const LoraRun* lora = nullptr;
+  const Int8Weight* q8 = nullptr;
+  const Int8Weight* int8(int id) const { return q8 && q8[id].q ? &q8[id] : nullptr; }
 };
+// y[N,out] = x[N,in] W^T for rows [row0, row0 + out) of parameter id (row0: an expert's or a vocabulary slice's first
+// row): through its int8 copy when the view holds one, else the fp32 weight (src/model/decoder.cpp).
+template <class T> void param_linear(const ParamView<T>& P, int id, int64_t row0, const T* x, T* y, int64_t N,
+                                     int64_t in, int64_t out);
 
 // ---- vision (src/model/vision.cpp) ------------------------------------------------------------------------------
 // Per-patch (row, col) full-resolution coordinates in patch order (t, br, bc, ir, ic) for all images.
@@ -162,8 +176,9 @@ template <class T> void decoder_layer_infer(const ModelConfig& cfg, const ParamV
 // ---- LM head + cross-entropy (src/model/loss.cpp), chunked over rows so logits are never all in memory ----------
 // Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null, otherwise only the
 // supervised rows go through the head.
+// W8 (may be null): the head held in int8 instead of W (inference).
 template <class T> double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H,
-                                           int64_t V, T* logits_out);
+                                           int64_t V, T* logits_out, const Int8Weight* W8 = nullptr);
 // Recomputes the logits of the supervised rows chunk by chunk; dh, dW (+)= gradients of scale * summed CE.
 template <class T> void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H,
                                          int64_t V, T scale, T* dh, T* dW);

@@ -141,6 +141,28 @@ class BasicModel {
   void set_tensor_parallel(PartialSum<T> reduce, int64_t v0, int64_t v1) {
     tp_reduce_ = std::move(reduce), head_v0_ = v0, head_v1_ = v1;
   }
+  // Weight-only int8 for inference (generate and serve with model.weight_dtype = "int8"): every linear of the text
+  // decoder (q/k/v/o_proj, the MLP's gate/up/down_proj or the MoE experts) and the LM head become int8 with one fp32
+  // scale per output channel (ops::quantize_int8_rows), and their fp32 copies are freed with every gradient, once,
+  // after loading (and after tensor-parallel sharding: the scales are those of the rows a rank holds). Tied token
+  // embeddings are the head's int8 rows (a row is a token: a lookup dequantizes it by its own scale). Stays fp32:
+  // untied token embeddings (read one row per token, never multiplied through; quantized too, they raised the MoE
+  // golden model's logits error from 1.8% to 7.2%, docs/PERFORMANCE.md), the norms (one value per channel: nothing
+  // to save), the MoE router (E x H, small, and its top-k choice flips on small errors), the vision tower and
+  // mergers (run once per image, so compute-bound, not the per-token weight reads int8 is for; their error would
+  // reach every image token and, through DeepStack, several decoder layers), and LoRA adapters. After this the
+  // model is inference only: forward without keep_for_backward, prefill, decode, step.
+  struct WeightBytes {
+    int64_t fp32 = 0;    // every weight in fp32 (before)
+    int64_t int8 = 0;    // the quantized weights
+    int64_t scales = 0;  // their fp32 scales
+    int64_t kept = 0;    // the weights left in fp32
+    int64_t now() const { return int8 + scales + kept; }
+  };
+  WeightBytes quantize_int8();
+  bool int8() const { return !q8_.empty(); }
+  const Int8Weight* int8_param(int id) const { return int8() && q8_[size_t(id)].q ? &q8_[size_t(id)] : nullptr; }
+
   // The vision tower and mergers alone, for one prompt's images (pixels/grid as prefill): features of its image
   // tokens img [n, H] and the DeepStack features ds [deepstack][n*H].
   void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<T>& img,
@@ -159,7 +181,10 @@ class BasicModel {
   // seqs[s]); ds (may be empty) is added at vis_ after the first layers. Returns each segment's last-row logits.
   std::vector<T> extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
                         const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds, KvCache<T>& cache);
-  ParamView<T> view() const { return {pp_.data(), gp_.data(), cfg_.lora.on() ? &lora_ : nullptr}; }
+  ParamView<T> view() const {
+    return {pp_.data(), gp_.data(), cfg_.lora.on() ? &lora_ : nullptr, q8_.empty() ? nullptr : q8_.data()};
+  }
+  void need_fp32(const char* what) const;  // fails on an int8 model
   void rebind();
   // Hook calls for the unit holding parameter `id`.
   void enter(int id, bool bwd);
@@ -172,6 +197,9 @@ class BasicModel {
   ModelConfig cfg_;
   ParamTable table_;
   std::vector<T> store_p_, store_g_;
+  std::vector<int8_t> q8_store_;  // quantize_int8: the int8 weights in parameter id order, their scales, views by id
+  std::vector<float> q8_scales_;
+  std::vector<Int8Weight> q8_;
   std::vector<T*> unit_p_, unit_g_, pp_, gp_;
   UnitHooks* hooks_ = nullptr;
   std::vector<bool> trainable_;
@@ -202,6 +230,9 @@ class BasicModel {
 };
 
 using Model = BasicModel<float>;
+
+// The parameters BasicModel::quantize_int8 holds in int8, by id (sizing without a model: planner, reports).
+std::vector<bool> int8_params(const ParamTable& t);
 
 // Load HF safetensors (one file or a directory) into the model through the parameter table (src/model/weights.cpp).
 // Every table tensor must be present with the right shape; unexpected tensors are errors; lm_head.weight is

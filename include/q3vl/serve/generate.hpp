@@ -75,6 +75,9 @@ ModelSource model_source(const Deck& deck, const std::string& checkpoint_key);
 // The weights: base (checkpoint, model.hf or random), then the adapters (the LoRA checkpoint's, or lora.adapter's
 // PEFT folder on top of a base).
 std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src);
+// model.weight_dtype: "int8" quantizes the loaded (for serve: the rank's tensor-parallel slice of the) weights in
+// place (Model::quantize_int8); either way returns the start-up line on weight memory, int8 against fp32.
+std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode);
 // A model directory is self-sufficient: tokenizer.json and the image pixel bounds (preprocessor_config.json's
 // size.shortest_edge / longest_edge) come from model.hf unless the deck gives tokenizer.path / MODE.min_pixels /
 // MODE.max_pixels (MODE: "generate" or "serve").
