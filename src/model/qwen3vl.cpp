@@ -88,11 +88,16 @@ typename BasicModel<T>::WeightBytes BasicModel<T>::quantize_int8() {
   // The fp32 masters and every gradient go: inference needs neither.
   store_p_.swap(keep);
   std::vector<T>().swap(keep);
-  std::vector<T>().swap(store_g_);
   std::fill(unit_p_.begin(), unit_p_.end(), nullptr);
+  drop_gradients();
+  return b;
+}
+
+template <class T>
+void BasicModel<T>::drop_gradients() {
+  std::vector<T>().swap(store_g_);
   std::fill(unit_g_.begin(), unit_g_.end(), nullptr);
   std::fill(gp_.begin(), gp_.end(), nullptr);
-  return b;
 }
 
 template <class T>

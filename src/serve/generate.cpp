@@ -230,6 +230,7 @@ std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mo
   const auto mib = [](int64_t b) { return b / 1048576.0; };
   char msg[320];
   if (deck.str("model.weight_dtype") != "int8") {
+    m.drop_gradients();
     std::snprintf(msg, sizeof msg, "%s: weights fp32: %.2f MiB", mode.c_str(),
                   mib(m.table().total() * (int64_t)sizeof(float)));
     return msg;

@@ -160,6 +160,8 @@ class BasicModel {
     int64_t now() const { return int8 + scales + kept; }
   };
   WeightBytes quantize_int8();
+  // Inference only (generate, serve): frees the gradient storage, as large as the weights.
+  void drop_gradients();
   bool int8() const { return !q8_.empty(); }
   const Int8Weight* int8_param(int id) const { return int8() && q8_[size_t(id)].q ? &q8_[size_t(id)] : nullptr; }
 
