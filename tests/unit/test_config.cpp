@@ -97,7 +97,7 @@ TEST(Config, PresetsAreConsistent) {
     EXPECT_EQ(c.vision.patch_dim(), 1536) << name;
     EXPECT_FALSE(c.experts_v5_layout) << name;
     EXPECT_EQ(c.transformers_version, "4.57.0") << name;  // the released schema and expert layout
-    EXPECT_EQ(c.moe(), name == "30B-A3B" || name == "235B-A22B") << name;
+    EXPECT_EQ(c.moe(), name == "30B-A3B" || name == "235B-A22B" || name == "tiny-moe") << name;
   }
   ModelConfig tiny = preset_config("tiny");
   EXPECT_EQ(tiny.text.hidden, 64);
