@@ -136,7 +136,9 @@ TEST(Lora, MergedEqualsAdapterForward) {
       const ParamInfo& p = ta.params()[i];
       ptrs[i] = p.part == Part::Lora ? a.param(int(i)) : merged.param(merged.table().id(p.name));
     }
-    if (tie) EXPECT_NE(error_of([&] { lora_merge(ta, cfg.lora.scale(), ptrs.data()); }).find("tied head"), std::string::npos);
+    if (tie) {  // refused before anything is folded: the embeddings would change too
+      EXPECT_NE(error_of([&] { lora_merge(ta, cfg.lora.scale(), ptrs.data()); }).find("tied head"), std::string::npos);
+    }
     EXPECT_EQ(lora_merge(ta, cfg.lora.scale(), ptrs.data(), tie ? head : nullptr), moe ? 8 + 4 + 12 + 1 : 8 + 4 + 14 + 1);
     std::mt19937 rng(4);
     const Batch b = tiny_batch(rng);

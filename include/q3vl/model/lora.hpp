@@ -1,7 +1,8 @@
 // LoRA (PEFT semantics): a targeted linear y = W x + b becomes y = W x + b + scale * B A dropout(x), with
 // A [r, in] (kaiming-uniform, a = sqrt(5), as PEFT) and B [out, r] (zeros). The adapters are ordinary parameters of
 // the table (Part::Lora), in the ZeRO unit of the linear they wrap, named like the base weight with ".weight"
-// replaced by ".lora_A.weight" / ".lora_B.weight"; PEFT's names add "base_model.model." in front.
+// replaced by ".lora_A.weight" / ".lora_B.weight" (the LM head's: "lm_head.lora_A.weight", in the head unit, also
+// when the head is the tied embedding); PEFT's names add "base_model.model." in front.
 // Forward and backward are stateless (backward recomputes A dropout(x) from the linear's saved input and the
 // counter-based dropout mask), so activation recomputation and any rank count see the same adapters.
 #pragma once
