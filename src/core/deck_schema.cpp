@@ -153,7 +153,7 @@ const std::vector<KeySpec>& deck_schema() {
       {"lora.targets", T::String, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
        "comma-separated module name patterns (PEFT target_modules: a name ending in .PATTERN, or a glob with *, over "
        "HF names without .weight); eligible: text q/k/v/o_proj, gate/up/down_proj, mlp.gate (router), vision "
-       "attn.qkv/attn.proj/mlp.linear_fc1/fc2, merger linear_fc1/fc2"},
+       "attn.qkv/attn.proj/mlp.linear_fc1/fc2, merger linear_fc1/fc2, lm_head (the LM head's output side, tied or not)"},
       {"lora.rslora", T::Bool, "false", "rank-stabilised scaling alpha / sqrt(r)"},
       {"lora.adapter", T::String, "", "PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start "
        "from (train) or to apply on top of the base (eval, generate, serve)"},

@@ -11,6 +11,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/hash.hpp"
 #include "q3vl/model/params.hpp"
+#include "q3vl/tensor/ops.hpp"
 
 namespace q3vl {
 
@@ -148,11 +149,13 @@ LoraSize lora_size(const ModelConfig& cfg) {
 
 // ---- forward and backward ----------------------------------------------------------------------------------
 
-// dropout(x) of one call: a pure function of (seed, nonce, adapter, element), so backward redraws the forward's mask.
+// dropout(x) of one call: a pure function of (seed, nonce, adapter, salt, element), so backward redraws the forward's
+// mask (salt: the LM head's chunk, which both passes cut alike).
 template <class T>
-static const T* dropped(const LoraRun& L, int a, const T* x, int64_t N, int64_t in, std::vector<T>& buf) {
+static const T* dropped(const LoraRun& L, int a, uint64_t salt, const T* x, int64_t N, int64_t in, std::vector<T>& buf) {
   if (!L.train || L.dropout <= 0) return x;
-  const uint64_t key = splitmix64(splitmix64(L.seed ^ splitmix64(L.nonce)) ^ uint64_t(a));
+  uint64_t key = splitmix64(splitmix64(L.seed ^ splitmix64(L.nonce)) ^ uint64_t(a));
+  if (salt) key = splitmix64(key ^ salt);
   const T keep = T(1 / (1 - L.dropout));
   buf.resize(size_t(N * in));
   for (int64_t i = 0; i < N * in; ++i) {
@@ -167,101 +170,77 @@ template <class T> static int adapter_of(const ParamView<T>& P, int id, int64_t 
   return P.lora && N > 0 ? P.lora->table->lora_a(id) : -1;
 }
 
-// u[N, r] = xd A^T
-template <class T> static void down(const T* xd, const T* A, int64_t N, int64_t in, int64_t r, T* u) {
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < r; ++k) {
-      T s = 0;
-      for (int64_t i = 0; i < in; ++i) s += xd[n * in + i] * A[k * in + i];
-      u[n * r + k] = s;
-    }
-}
-
+// Rank-r GEMMs (cblas through ops::gemm): u [N, r] = xd A^T, then y += scale u B^T.
 template <class T>
-void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy, int64_t o0, int64_t nout) {
+void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy, int64_t o0, int64_t nout,
+              uint64_t salt) {
   const int a = adapter_of(P, id, N);
   if (a < 0) return;
   const int64_t r = P.lora->table->param(a).shape[0], in = P.lora->table->param(a).shape[1];
   if (nout < 0) nout = P.lora->table->param(a + 1).shape[0] - o0;
   std::vector<T> buf, u(size_t(N * r));
-  down(dropped(*P.lora, a, x, N, in, buf), P.p[a], N, in, r, u.data());
-  const T* B = P.p[a + 1];
-  const T s = T(P.lora->scale);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < nout; ++j) {
-      T acc = 0;
-      for (int64_t k = 0; k < r; ++k) acc += B[(o0 + j) * r + k] * u[n * r + k];
-      y[n * ldy + j] += s * acc;
-    }
+  ops::gemm(false, true, N, r, in, T(1), dropped(*P.lora, a, salt, x, N, in, buf), in, P.p[a], in, T(0), u.data(), r);
+  ops::gemm(false, true, N, nout, r, T(P.lora->scale), u.data(), r, P.p[a + 1] + o0 * r, r, T(1), y, ldy);
 }
 
 template <class T>
 void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N, T* dx, int64_t o0,
-              int64_t nout) {
+              int64_t nout, uint64_t salt) {
   const int a = adapter_of(P, id, N);
   if (a < 0) return;
   const int64_t r = P.lora->table->param(a).shape[0], in = P.lora->table->param(a).shape[1];
   if (nout < 0) nout = P.lora->table->param(a + 1).shape[0] - o0;
-  std::vector<T> buf, u(size_t(N * r)), du(size_t(N * r), T(0));
-  const T* xd = dropped(*P.lora, a, x, N, in, buf);
-  down(xd, P.p[a], N, in, r, u.data());  // recomputed: r is small next to the linear's out
-  const T *A = P.p[a], *B = P.p[a + 1];
+  std::vector<T> buf, u(size_t(N * r)), du(size_t(N * r));
+  const T* xd = dropped(*P.lora, a, salt, x, N, in, buf);
+  const T *A = P.p[a], *B = P.p[a + 1] + o0 * r;
   T *dA = P.g[a], *dB = P.g[a + 1];
   const T s = T(P.lora->scale);
-  // y = s B u: dB[o0+j] += s dy_j u^T, du = s B^T dy.
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < nout; ++j) {
-      const T g = s * dy[n * lddy + j];
-      if (g == T(0)) continue;
-      for (int64_t k = 0; k < r; ++k) {
-        if (dB) dB[(o0 + j) * r + k] += g * u[n * r + k];
-        du[n * r + k] += g * B[(o0 + j) * r + k];
-      }
-    }
+  ops::gemm(false, true, N, r, in, T(1), xd, in, A, in, T(0), u.data(), r);  // recomputed: r is small next to out
+  // y = s u B^T: dB[o0 + j] += s dy_j^T u, du = s dy B.
+  if (dB) ops::gemm(true, false, nout, r, N, s, dy, lddy, u.data(), r, T(1), dB + o0 * r, r);
+  ops::gemm(false, false, N, r, nout, s, dy, lddy, B, r, T(0), du.data(), r);
   // u = xd A^T: dA += du^T xd, dxd = du A, dx += dropout mask * dxd (the mask's scale included: dxd -> xd/x).
-  if (dA)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < r; ++k) {
-        const T g = du[n * r + k];
-        for (int64_t i = 0; i < in; ++i) dA[k * in + i] += g * xd[n * in + i];
-      }
+  if (dA) ops::gemm(true, false, r, in, N, T(1), du.data(), r, xd, in, T(1), dA, in);
   if (!dx) return;
-  const bool drop = xd != x;
-  const T keep = drop ? T(1 / (1 - P.lora->dropout)) : T(1);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t i = 0; i < in; ++i) {
-      T acc = 0;
-      for (int64_t k = 0; k < r; ++k) acc += du[n * r + k] * A[k * in + i];
-      // dropped elements have xd == 0 exactly; kept ones carry the 1/(1-p) factor
-      if (drop) acc = xd[n * in + i] == T(0) && x[n * in + i] != T(0) ? T(0) : acc * keep;
-      dx[n * in + i] += acc;
-    }
+  if (xd == x) {
+    ops::gemm(false, false, N, in, r, T(1), du.data(), r, A, in, T(1), dx, in);
+    return;
+  }
+  std::vector<T> dxd(size_t(N * in));
+  ops::gemm(false, false, N, in, r, T(1), du.data(), r, A, in, T(0), dxd.data(), in);
+  const T keep = T(1 / (1 - P.lora->dropout));
+  // dropped elements have xd == 0 exactly; kept ones carry the 1/(1-p) factor
+  for (int64_t i = 0; i < N * in; ++i) dx[i] += xd[i] == T(0) && x[i] != T(0) ? T(0) : dxd[size_t(i)] * keep;
 }
 
-template <class T> int lora_merge(const ParamTable& t, double scale, T* const* params) {
+template <class T> int lora_merge(const ParamTable& t, double scale, T* const* params, T* untied_head) {
+  const int head = t.lora_a(t.lm_head());
+  if (head >= 0 && lora_tied_head(t, head) && !untied_head)  // before anything is changed
+    fail("lora: the LM head's adapter cannot be folded into a tied head (the input embeddings would change too): "
+         "untie it, giving the head its own copy of the embeddings");
   int merged = 0;
   for (size_t id = 0; id < t.params().size(); ++id) {
     const int a = t.lora_a(int(id));
     if (a < 0) continue;
     const int64_t r = t.param(a).shape[0], in = t.param(a).shape[1], out = t.param(a + 1).shape[0];
-    const T *A = params[a], *B = params[a + 1];
     T* W = params[id];
-    for (int64_t o = 0; o < out; ++o)
-      for (int64_t i = 0; i < in; ++i) {
-        T acc = 0;
-        for (int64_t k = 0; k < r; ++k) acc += B[o * r + k] * A[k * in + i];
-        W[o * in + i] += T(scale) * acc;
-      }
+    if (lora_tied_head(t, a)) W = untied_head;  // W is the embedding too: the adapter adapts the output side only
+    ops::gemm(false, false, out, in, r, T(scale), params[a + 1], r, params[a], in, T(1), W, in);
     ++merged;
   }
   return merged;
 }
 
+bool lora_tied_head(const ParamTable& t, int a) {
+  return t.lora_base(a) == t.lm_head() && t.lm_head() == t.embed_tokens();
+}
+
 #define Q3VL_INST(T)                                                                                          \
-  template void lora_fwd<T>(const ParamView<T>&, int, const T*, int64_t, T*, int64_t, int64_t, int64_t);     \
+  template void lora_fwd<T>(const ParamView<T>&, int, const T*, int64_t, T*, int64_t, int64_t, int64_t,     \
+                            uint64_t);                                                                        \
   template void lora_bwd<T>(const ParamView<T>&, int, const T*, int64_t, const T*, int64_t, T*, int64_t,     \
-                            int64_t);                                                                         \
-  template int lora_merge<T>(const ParamTable&, double, T* const*);
+                            int64_t, uint64_t);                                                               \
+  template int lora_merge<T>(const ParamTable&, double, T* const*, T*);
 Q3VL_INST(float)
 Q3VL_INST(double)
 #undef Q3VL_INST

@@ -1,11 +1,13 @@
 // LM head + causal-LM cross-entropy (spec 4.9, 5.1), chunked over rows: only a chunk of logits exists at a time
 // and the backward recomputes them instead of keeping [N, V]. Rows without a target skip the head (in training most
-// rows are prompt or image tokens) unless the caller wants every row's logits.
+// rows are prompt or image tokens) unless the caller wants every row's logits. A LoRA adapter on the head (module
+// lm_head) adds its rank-r GEMMs per chunk, its gradients beside the head's.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "q3vl/model/layers.hpp"
+#include "q3vl/model/lora.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 namespace q3vl {
@@ -54,18 +56,23 @@ static void softmax_grad_inplace(T* z, const int64_t* target, int64_t n, int64_t
   }
 }
 
+// logits of n rows: h W^T (+ scale (h A^T) B^T); chunk: the dropout salt, the same in forward and backward.
 template <class T>
-double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H, int64_t V,
-                        T* logits_out, const Int8Weight* W8) {
-  const auto head = [&](const T* x, T* y, int64_t n) {
-    if (W8) ops::linear_int8_fwd(x, W8->q, W8->scale, (const T*)nullptr, y, n, H, V);
-    else ops::linear_fwd(x, W, (const T*)nullptr, y, n, H, V);
-  };
+static void head_fwd(const ParamView<T>& P, int head, const T* h, T* lg, int64_t n, int64_t H, int64_t V,
+                     uint64_t chunk) {
+  if (const Int8Weight* w = P.int8(head)) ops::linear_int8_fwd(h, w->q, w->scale, (const T*)nullptr, lg, n, H, V);
+  else ops::linear_fwd(h, P.p[head], (const T*)nullptr, lg, n, H, V);
+  lora_fwd(P, head, h, n, lg, V, 0, -1, chunk);
+}
+
+template <class T>
+double lm_head_loss_fwd(const ParamView<T>& P, int head, const T* h, const int64_t* target, int64_t N, int64_t H,
+                        int64_t V, T* logits_out) {
   double total = 0;
   if (logits_out) {
     for (int64_t i0 = 0; i0 < N; i0 += kHeadChunk) {
       const int64_t n = std::min(kHeadChunk, N - i0);
-      head(h + i0 * H, logits_out + i0 * V, n);
+      head_fwd(P, head, h + i0 * H, logits_out + i0 * V, n, H, V, uint64_t(i0 / kHeadChunk + 1));
       total += ops::cross_entropy(logits_out + i0 * V, target + i0, (T*)nullptr, (T*)nullptr, n, V, T(0));
     }
     return total;
@@ -78,15 +85,15 @@ double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N
   for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
     const int64_t n = std::min(kHeadChunk, R - r0);
     gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
-    head(hb.data(), lg, n);
+    head_fwd(P, head, hb.data(), lg, n, H, V, uint64_t(r0 / kHeadChunk + 1));
     total += ops::cross_entropy(lg, tb.data(), (T*)nullptr, (T*)nullptr, n, V, T(0));
   }
   return total;
 }
 
 template <class T>
-void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H, int64_t V, T scale, T* dh,
-                      T* dW) {
+void lm_head_loss_bwd(const ParamView<T>& P, int head, const T* h, const int64_t* target, int64_t N, int64_t H,
+                      int64_t V, T scale, T* dh) {
   const std::vector<int64_t> rows = supervised_rows(target, N);
   const int64_t R = (int64_t)rows.size(), C = std::min(R, kHeadChunk);
   std::vector<T> hb(C * H), dhb(C * H);
@@ -94,20 +101,23 @@ void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, 
   T* lg = scratch<T>(C * V);
   for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
     const int64_t n = std::min(kHeadChunk, R - r0);
+    const uint64_t chunk = uint64_t(r0 / kHeadChunk + 1);
     gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
-    ops::linear_fwd(hb.data(), W, (const T*)nullptr, lg, n, H, V);
+    head_fwd(P, head, hb.data(), lg, n, H, V, chunk);
     softmax_grad_inplace(lg, tb.data(), n, V, scale);
     std::fill(dhb.begin(), dhb.begin() + n * H, T(0));
-    ops::linear_bwd(lg, hb.data(), W, dhb.data(), dW, (T*)nullptr, n, H, V);
+    ops::linear_bwd(lg, hb.data(), P.p[head], dhb.data(), P.g[head], (T*)nullptr, n, H, V);
+    lora_bwd(P, head, lg, V, hb.data(), n, dhb.data(), 0, -1, chunk);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t d = 0; d < H; ++d) dh[rows[r0 + r] * H + d] += dhb[r * H + d];
   }
 }
 
 #define Q3VL_INST(T)                                                                                            \
-  template double lm_head_loss_fwd<T>(const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, T*,         \
-                                      const Int8Weight*);                                                      \
-  template void lm_head_loss_bwd<T>(const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, T, T*, T*);
+  template double lm_head_loss_fwd<T>(const ParamView<T>&, int, const T*, const int64_t*, int64_t, int64_t,     \
+                                      int64_t, T*);                                                           \
+  template void lm_head_loss_bwd<T>(const ParamView<T>&, int, const T*, const int64_t*, int64_t, int64_t,       \
+                                    int64_t, T, T*);
 Q3VL_INST(float)
 Q3VL_INST(double)
 #undef Q3VL_INST

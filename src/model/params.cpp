@@ -25,20 +25,18 @@ const char* part_name(Part p) {
 }
 
 // Adapters go at the end of the unit of the linear they wrap, so that base offsets are the same with and without
-// them (gate_proj/up_proj stay adjacent) and ZeRO gathers them with their base weight.
+// them (gate_proj/up_proj stay adjacent) and ZeRO gathers them with their base weight. The LM head's (module
+// "lm_head", as PEFT names it) goes in the head unit even when the head is the embedding: only the output
+// projection is adapted, and the embedding unit stays as it was.
 void ParamTable::add_lora() {
   const LoraConfig& lc = cfg_.lora;
   if (!lc.on() || units_.empty()) return;
   lora_hit_.resize(lc.targets.size());
-  const std::vector<int> base = units_.back().params;
-  for (int id : base) {
-    const std::string name = params_[size_t(id)].name;
-    if (!lora_eligible(name)) continue;
-    const std::string module = name.substr(0, name.size() - 7);  // without ".weight"
+  auto wrap = [&](int id, const std::string& module) {
     bool hit = false;
     for (size_t k = 0; k < lc.targets.size(); ++k)
       if (lora_pattern_match(lc.targets[k], module)) hit = lora_hit_[k] = true;
-    if (!hit) continue;
+    if (!hit) return;
     const int64_t out = params_[size_t(id)].shape[0], in = params_[size_t(id)].shape[1];
     const int a = add(module + ".lora_A.weight", {lc.rank, in}, Part::Lora);
     add(module + ".lora_B.weight", {out, lc.rank}, Part::Lora);
@@ -46,7 +44,13 @@ void ParamTable::add_lora() {
     lora_base_.resize(params_.size(), -1);
     lora_a_[size_t(id)] = a;
     lora_base_[size_t(a)] = lora_base_[size_t(a) + 1] = id;
+  };
+  const std::vector<int> base = units_.back().params;
+  for (int id : base) {
+    const std::string name = params_[size_t(id)].name;
+    if (lora_eligible(name)) wrap(id, name.substr(0, name.size() - 7));  // module: without ".weight"
   }
+  if (units_.back().name == "head" && head_ >= 0) wrap(head_, "lm_head");
 }
 
 void ParamTable::begin_unit(const std::string& name) {
@@ -187,7 +191,7 @@ ParamTable::ParamTable(const ModelConfig& cfg, ExpertSplit ep) : cfg_(cfg), ep_(
         fail("lora.targets: pattern '" + cfg.lora.targets[k] +
              "' matches no linear of this model (eligible: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
              "down_proj, mlp.gate, attn.qkv, attn.proj, mlp.linear_fc1, mlp.linear_fc2, merger.linear_fc1, "
-             "merger.linear_fc2, or a glob such as 'layers.*.self_attn.q_proj')");
+             "merger.linear_fc2, lm_head, or a glob such as 'layers.*.self_attn.q_proj')");
   }
 }
 

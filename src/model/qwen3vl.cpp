@@ -436,8 +436,8 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
   if (logits_out) logits.resize(N * V);
   const bool tied_head = table_.params()[table_.lm_head()].unit != table_.params()[table_.final_norm()].unit;
   if (tied_head) enter(table_.lm_head(), false);
-  const double ce = lm_head_loss_fwd(hf_.data(), P.p[table_.lm_head()], st_.targets.data(), N, H, V,
-                                     logits_out ? logits.data() : nullptr, P.int8(table_.lm_head()));
+  const double ce = lm_head_loss_fwd(P, table_.lm_head(), hf_.data(), st_.targets.data(), N, H, V,
+                                     logits_out ? logits.data() : nullptr);
   if (tied_head) leave(table_.lm_head(), false);
   leave(table_.final_norm(), false);
   if (logits_out) {
@@ -496,6 +496,7 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
   if (tied_head) enter(table_.lm_head(), false);
   ops::rmsnorm_fwd(last.data(), P.p[table_.final_norm()], h.data(), r.data(), nseg, H, tc.rms_eps);
   param_linear(P, table_.lm_head(), v0, h.data(), logits.data(), nseg, H, V);
+  lora_fwd(P, table_.lm_head(), h.data(), nseg, logits.data(), V, v0, V);  // this rank's rows of B
   if (tied_head) leave(table_.lm_head(), false);
   leave(table_.final_norm(), false);
   return logits;
@@ -616,8 +617,8 @@ void BasicModel<T>::backward() {
   enter(table_.final_norm(), true);
   if (tied_head) enter(table_.lm_head(), true);
   if (count_)
-    lm_head_loss_bwd(hf_.data(), P.p[table_.lm_head()], st_.targets.data(), N, H, V, T(1.0 / (double)count_),
-                     dh.data(), P.g[table_.lm_head()]);
+    lm_head_loss_bwd(P, table_.lm_head(), hf_.data(), st_.targets.data(), N, H, V, T(1.0 / (double)count_),
+                     dh.data());
   if (tied_head) leave(table_.lm_head(), true);
   ops::rmsnorm_bwd(dh.data(), xf_.data(), P.p[table_.final_norm()], rf_.data(), dx.data(), P.g[table_.final_norm()], N,
                    H);

@@ -886,18 +886,25 @@ namespace {
 // as export --merge does) and shard a plain model.
 std::unique_ptr<Model> fold_lora(Model& m) {
   const ParamTable& t = m.table();
-  std::vector<float*> ptrs(t.params().size());
-  for (size_t id = 0; id < ptrs.size(); ++id) ptrs[id] = m.param((int)id);
-  const int n = lora_merge(t, m.config().lora.scale(), ptrs.data());
+  // An adapter on a tied head would change the embeddings too: the folded model gets an untied head of its own.
+  const int ha = t.lora_a(t.lm_head());
+  const bool untie = ha >= 0 && lora_tied_head(t, ha);
   ModelConfig c = m.config();
   c.lora = {};
+  if (untie) c.text.tie_embeddings = false;
   auto base = std::make_unique<Model>(c);
   for (size_t id = 0; id < base->table().params().size(); ++id) {
     const ParamInfo& p = base->table().params()[id];
-    const float* src = m.param(t.id(p.name));
+    const float* src = m.param(untie && (int)id == base->table().lm_head() ? t.embed_tokens() : t.id(p.name));
     std::copy(src, src + p.numel, base->param((int)id));
   }
-  log_info("serve: " + std::to_string(n) + " LoRA adapters folded into the base for tensor parallelism");
+  std::vector<float*> ptrs(t.params().size());
+  for (size_t id = 0; id < ptrs.size(); ++id)
+    ptrs[id] = t.params()[id].part == Part::Lora ? m.param((int)id) : base->param(base->table().id(t.params()[id].name));
+  const int n = lora_merge(t, m.config().lora.scale(), ptrs.data(),
+                           untie ? base->param(base->table().lm_head()) : nullptr);
+  log_info("serve: " + std::to_string(n) + " LoRA adapters folded into the base for tensor parallelism" +
+           (untie ? " (the LM head's into an untied copy of the embeddings)" : ""));
   return base;
 }
 }  // namespace

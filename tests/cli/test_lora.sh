@@ -5,7 +5,9 @@
 # refused; tools/export_hf --lora writes a PEFT adapter folder that eval loads back (lora.adapter), giving the loss
 # of tools/export_hf --merge's folded model and adapter gradients under PEFT's names; generate and serve (also
 # tensor-parallel) answer alike from a LoRA checkpoint; a MoE's router adapters train the same under expert
-# parallelism; bad [lora] keys are refused naming the key.
+# parallelism; an adapter on the tied LM head (module lm_head) trains alike on 1 and 2 ranks, exports under PEFT's
+# name and merges into an untied head (the embeddings unchanged), and serve under TP folds it into an untied head
+# giving generate's answers; bad [lora] keys are refused naming the key.
 source "$(dirname "$0")/../lib.sh"
 g=tests/data/golden/dense_tied
 model=$g/model
@@ -116,7 +118,8 @@ $q synth synth.dir="$tmp/d" synth.train_samples=1 synth.eval_samples=3 >/dev/nul
 gen() { $q generate generate.prompts="$tmp/d/eval.jsonl" generate.min_pixels=4096 generate.max_new_tokens=5 \
           run.timing=false "$@" >>"$tmp/gen.log" 2>&1; }
 mpiexec -n 2 $q train model.preset=tiny data.seq_len=64 train.global_batch=4 train.steps=2 train.lr=1e-2 \
-  train.resume=never lora.rank=2 run.seed=5 run.out_dir="$tmp/t" >"$tmp/t.log" 2>&1 &&
+  train.resume=never lora.rank=2 run.seed=5 run.out_dir="$tmp/t" \
+  lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head >"$tmp/t.log" 2>&1 &&
   tools/export_hf --lora "$(ckpt t)" "$tmp/tad" >>"$tmp/gen.log" 2>&1 &&
   gen generate.checkpoint="$tmp/t/checkpoints" generate.output="$tmp/g1.jsonl" &&
   gen model.preset=tiny run.seed=5 lora.adapter="$tmp/tad" generate.output="$tmp/g2.jsonl" &&
@@ -151,8 +154,8 @@ got = [json.loads(l) for l in open(sys.argv[2]) if '"line"' in l]
 assert len(got) == 3 and all(r.get("answer") == gen[r["line"]] for r in got), (got, gen)
 PY
         bad "serve TP $n with adapters: $(head -c 400 "$tmp/s$n.jsonl") $(tail -3 "$tmp/serr.log")"
-      [[ $n -eq 1 ]] || grep -q "LoRA adapters folded into the base for tensor parallelism" "$tmp/serve$n.log" ||
-        bad "serve TP $n: no fold logged"
+      [[ $n -eq 1 ]] || grep -q "LoRA adapters folded into the base for tensor parallelism (the LM head's into an untied" \
+        "$tmp/serve$n.log" || bad "serve TP $n: no fold (with the tied head untied) logged"
     else
       bad "serve TP $n with adapters did not come up: $(tail -5 "$tmp/serve$n.log")"
     fi
@@ -182,6 +185,49 @@ if $py tests/tools/make_hf_model.py tests/data/golden/moe/model/config.json "$mo
 else
   bad "make MoE model"
 fi
+
+# (g) the tied LM head's adapter (lm_head): 1 = 2 = 4 ranks, resume; PEFT's name; --merge unties the head (embeddings as the
+# base's, lm_head.weight = embeddings + scale B A) and its eval equals base + adapter folder's.
+htrain() { train "$@" lora.targets=q_proj,v_proj,lm_head train.steps=3; }
+htrain h1 1; ok_run $? h1 && htrain h2 2; ok_run $? h2 && htrain h4 4; ok_run $? h4 && {
+  cmp_losses h1 h2 1e-5 3 && cmp_losses h1 h4 1e-5 3 && pass "lm_head adapter: 1 = 2 = 4 ranks" ||
+    bad "lm_head adapter: losses differ"
+  # Resume: with dropout (masks differ by rank count, by design) on the same count bitwise; without, on 4 from 2.
+  htrain hs 2 train.stop_after=2 lora.dropout=0.1; htrain hs 2 train.resume=auto lora.dropout=0.1 &&
+    htrain hd 2 lora.dropout=0.1 && cmp_ckpt "$(ckpt hs)" "$(ckpt hd)" 0 &&
+    pass "lm_head adapter with dropout: stop and resume bitwise" || bad "lm_head adapter: resume with dropout differs"
+  htrain hx 2 train.stop_after=2; htrain hx 4 train.resume=auto && cmp_ckpt "$(ckpt hx)" "$(ckpt h4)" 1e-5 &&
+    pass "lm_head adapter: stopped on 2 ranks, resumed on 4 = straight 4" || bad "lm_head adapter: resume on 4 differs"
+  tools/export_hf --lora "$(ckpt h2)" "$tmp/had" >"$tmp/hexp.log" 2>&1 &&
+    tools/export_hf --merge --dtype fp32 "$(ckpt h2)" "$tmp/hmerged" >>"$tmp/hexp.log" 2>&1 &&
+    $q eval model.hf=$model lora.adapter="$tmp/had" eval.batch=$g/batch.h5 eval.output="$tmp/ha.h5" >"$tmp/ha.log" 2>&1 &&
+    $q eval model.hf="$tmp/hmerged" eval.batch=$g/batch.h5 eval.output="$tmp/hm.h5" >"$tmp/hm.log" 2>&1 &&
+    $py - "$tmp/had" "$tmp/hmerged" $model "$tmp/ha.h5" "$tmp/hm.h5" "$(ckpt h2)" <<'PY' &&
+import h5py, json, os, sys
+import numpy as np
+sys.path.insert(0, "tools")
+from q3vl_tools import safetensors
+ad, merged, base, ea, em, ck = sys.argv[1:]
+names = [n for n in safetensors.read_header(os.path.join(ad, "adapter_model.safetensors")) if n != "__metadata__"]
+assert "base_model.model.lm_head.lora_A.weight" in names and "base_model.model.lm_head.lora_B.weight" in names, names
+assert "lm_head" in json.load(open(os.path.join(ad, "adapter_config.json")))["target_modules"]
+c = json.load(open(os.path.join(merged, "config.json")))
+assert json.load(open(os.path.join(base, "config.json"))).get("tie_word_embeddings") and not c["tie_word_embeddings"], c
+m, b = ({n: x.f32() for n, x in safetensors.open_dir(d).items()} for d in (merged, base))
+e = "model.language_model.embed_tokens.weight"
+assert "lm_head.weight" in m and "lm_head.weight" not in b
+assert np.array_equal(np.asarray(m[e], np.float32), np.asarray(b[e], np.float32)), "the embeddings changed"
+k = h5py.File(ck)
+A, B = k["model/lm_head.lora_A.weight"][()], k["model/lm_head.lora_B.weight"][()]
+assert np.abs(B).max() > 0, "B never trained"
+want = b[e].astype(np.float64) + 2.0 * (B.astype(np.float64) @ A.astype(np.float64))  # alpha 8 / rank 4
+assert np.abs(m["lm_head.weight"] - want).max() < 1e-6
+la, lm = (float(h5py.File(p)["loss"][()]) for p in (ea, em))
+assert abs(la - lm) <= 1e-5 * abs(lm), (la, lm)
+PY
+    pass "lm_head adapter: PEFT name, --merge unties the head, eval equal" ||
+    bad "lm_head adapter export/merge: $(tail -3 "$tmp/hexp.log" "$tmp/ha.log")"
+}
 
 # (e) bad [lora] keys name the key.
 expect "unknown lora key" 1 "lora.rnak.*did you mean 'lora.rank'" $q train model.hf=$model lora.rnak=4

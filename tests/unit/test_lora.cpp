@@ -1,6 +1,7 @@
 // LoRA (model/lora.hpp): adapter gradients against central differences on every wrapped linear (text attention and
 // MLP, MoE router, vision blocks, mergers; with and without dropout), the merged-weights forward against the adapter
-// forward, the frozen base getting no gradient, the [lora] deck checks and the adapter sizing.
+// forward, the frozen base getting no gradient, the [lora] deck checks and the adapter sizing. The LM head's adapter
+// (module lm_head) is in every check, on tied and untied heads.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,10 +22,11 @@ using q3vl::test::tiny_batch;
 namespace {
 
 const std::vector<std::string> kAll = {"q_proj", "k_proj",   "v_proj",    "o_proj",      "gate_proj",  "up_proj",
-                                       "down_proj", "mlp.gate", "attn.qkv", "attn.proj", "linear_fc1", "linear_fc2"};
+                                       "down_proj", "mlp.gate", "attn.qkv", "attn.proj", "linear_fc1", "linear_fc2",
+                                       "lm_head"};
 
-ModelConfig lora_tiny(bool moe, int rank, double dropout, bool rslora) {
-  ModelConfig c = tiny(moe, false);
+ModelConfig lora_tiny(bool moe, int rank, double dropout, bool rslora, bool tie = false) {
+  ModelConfig c = tiny(moe, tie);
   c.lora.rank = rank;
   c.lora.alpha = 3;
   c.lora.dropout = dropout;
@@ -51,8 +53,8 @@ std::vector<bool> adapters_only(const ParamTable& t) {
   return tr;
 }
 
-void gradcheck(bool moe, double dropout, bool rslora) {
-  const ModelConfig cfg = lora_tiny(moe, 3, dropout, rslora);
+void gradcheck(bool moe, double dropout, bool rslora, bool tie = false) {
+  const ModelConfig cfg = lora_tiny(moe, 3, dropout, rslora, tie);
   BasicModel<double> m(cfg);
   m.init_random(7, 0.3);
   randomise_b(m, 5);
@@ -90,8 +92,9 @@ void gradcheck(bool moe, double dropout, bool rslora) {
     }
   }
   // Every eligible linear of the tiny model is wrapped: 2 vision blocks x 4, 2 mergers (main, DeepStack) x 2, text layers x 7 (MoE
-  // layer: 4 attention + router).
-  EXPECT_EQ(wrapped.size(), size_t(8 + 4 + (moe ? 7 + 5 : 14))) << "moe " << moe;
+  // layer: 4 attention + router), the LM head (tied: the embedding's weight, output side only).
+  EXPECT_EQ(wrapped.size(), size_t(8 + 4 + (moe ? 7 + 5 : 14) + 1)) << "moe " << moe;
+  EXPECT_TRUE(wrapped.count(m.table().param(m.table().lm_head()).name)) << "the LM head has no adapter";
 }
 
 }  // namespace
@@ -99,24 +102,44 @@ void gradcheck(bool moe, double dropout, bool rslora) {
 TEST(Lora, DenseAdapterGradcheck) { gradcheck(false, 0.0, false); }
 TEST(Lora, MoeAdapterGradcheckRsLora) { gradcheck(true, 0.0, true); }
 TEST(Lora, DropoutAdapterGradcheck) { gradcheck(false, 0.3, false); }
+TEST(Lora, TiedHeadAdapterGradcheck) { gradcheck(false, 0.3, false, true); }
 
-// W + scale B A in place of the adapters gives the same logits (PEFT's merge_and_unload).
+static std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// W + scale B A in place of the adapters gives the same logits (PEFT's merge_and_unload). A tied head's adapter folds
+// into an untied head (a copy of the embeddings): the embedding lookup is not adapted.
 TEST(Lora, MergedEqualsAdapterForward) {
-  for (bool moe : {false, true}) {
-    const ModelConfig cfg = lora_tiny(moe, 4, 0.0, false);
+  for (int kind = 0; kind < 3; ++kind) {
+    const bool moe = kind == 1, tie = kind == 2;
+    const ModelConfig cfg = lora_tiny(moe, 4, 0.0, false, tie);
     ModelConfig plain = cfg;
     plain.lora = LoraConfig{};
+    plain.text.tie_embeddings = false;
     Model a(cfg), merged(plain);
     a.init_random(9, 0.2);
     randomise_b(a, 6);
     merged.init_random(9, 0.2);  // the same base: values are a function of (seed, name, index)
+    const ParamTable& ta = a.table();
+    const int64_t VH = ta.param(ta.lm_head()).numel;
+    float* head = merged.param(merged.table().lm_head());
+    if (tie) std::copy(a.param(ta.embed_tokens()), a.param(ta.embed_tokens()) + VH, head);
     // Fold a's adapters into merged's copy of the base (by name: adapters shift the ids after them).
-    std::vector<float*> ptrs(a.table().params().size());
+    std::vector<float*> ptrs(ta.params().size());
     for (size_t i = 0; i < ptrs.size(); ++i) {
-      const ParamInfo& p = a.table().params()[i];
+      const ParamInfo& p = ta.params()[i];
       ptrs[i] = p.part == Part::Lora ? a.param(int(i)) : merged.param(merged.table().id(p.name));
     }
-    EXPECT_EQ(lora_merge(a.table(), cfg.lora.scale(), ptrs.data()), moe ? 8 + 4 + 12 : 8 + 4 + 14);
+    if (tie) {  // refused before anything is folded: the embeddings would change too
+      EXPECT_NE(error_of([&] { lora_merge(ta, cfg.lora.scale(), ptrs.data()); }).find("tied head"), std::string::npos);
+    }
+    EXPECT_EQ(lora_merge(ta, cfg.lora.scale(), ptrs.data(), tie ? head : nullptr), moe ? 8 + 4 + 12 + 1 : 8 + 4 + 14 + 1);
     std::mt19937 rng(4);
     const Batch b = tiny_batch(rng);
     std::vector<float> la, lm;
@@ -125,9 +148,11 @@ TEST(Lora, MergedEqualsAdapterForward) {
     ASSERT_EQ(la.size(), lm.size());
     double worst = 0;
     for (size_t i = 0; i < la.size(); ++i) worst = std::max(worst, double(std::fabs(la[i] - lm[i])));
-    EXPECT_LT(worst, 1e-5) << "moe " << moe;
+    EXPECT_LT(worst, 1e-5) << "kind " << kind;
     // And the adapters do something: without them the logits differ.
-    Model base(plain);
+    ModelConfig bare = cfg;
+    bare.lora = LoraConfig{};
+    Model base(bare);
     base.init_random(9, 0.2);
     std::vector<float> lb;
     base.forward(b, false, &lb);
@@ -135,6 +160,46 @@ TEST(Lora, MergedEqualsAdapterForward) {
     for (size_t i = 0; i < la.size(); ++i) diff = std::max(diff, double(std::fabs(la[i] - lb[i])));
     EXPECT_GT(diff, 1e-3);
   }
+}
+
+// The head's adapter alone, tied: generation (prefill) gives the training forward's last-row logits, and those differ
+// from the base's by exactly scale * (h A^T) B^T's effect (the embedding rows are not touched).
+TEST(Lora, TiedHeadAdapterInGeneration) {
+  ModelConfig cfg = tiny(false, true);
+  cfg.lora.rank = 2;
+  cfg.lora.alpha = 4;
+  cfg.lora.targets = {"lm_head"};
+  Model m(cfg);
+  m.init_random(3, 0.2);
+  randomise_b(m, 8);
+  const ParamTable& t = m.table();
+  ASSERT_EQ(t.lm_head(), t.embed_tokens());
+  ASSERT_GE(t.lora_a(t.lm_head()), 0);
+  EXPECT_EQ(t.param(t.lora_a(t.lm_head())).name, "lm_head.lora_A.weight");
+  EXPECT_EQ(t.param(t.lora_a(t.lm_head()) + 1).shape, (std::vector<int64_t>{cfg.text.vocab, 2}));
+  EXPECT_EQ(t.params()[size_t(t.lora_a(t.lm_head()))].unit, t.params()[size_t(t.final_norm())].unit);
+  const std::vector<int64_t> ids = {1, 5, 9, 13, 7, 3};
+  Batch b;
+  b.B = 1, b.S = int(ids.size()), b.input_ids = ids;
+  std::vector<float> full;
+  m.forward(b, false, &full);
+  KvCache<float> cache;
+  const std::vector<float> last = m.prefill({ids}, {}, {}, cache);
+  const int64_t V = cfg.text.vocab;
+  ASSERT_EQ(int64_t(last.size()), V);
+  double worst = 0, moved = 0;
+  ModelConfig bare = cfg;
+  bare.lora = {};
+  Model base(bare);
+  base.init_random(3, 0.2);
+  std::vector<float> fb;
+  base.forward(b, false, &fb);
+  for (int64_t v = 0; v < V; ++v) {
+    worst = std::max(worst, double(std::fabs(last[v] - full[(ids.size() - 1) * V + v])));
+    moved = std::max(moved, double(std::fabs(last[v] - fb[(ids.size() - 1) * V + v])));
+  }
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_GT(moved, 1e-3);
 }
 
 // PEFT's init: B zero (the wrapped model computes what the base does), A uniform in +-1/sqrt(in).
@@ -180,6 +245,14 @@ TEST(Lora, ScaleAndSizing) {
   EXPECT_EQ(s.state_bytes(), s.params * 16);
   const Model m(cfg);
   EXPECT_EQ(m.table().total(), s.base + s.params);
+  // The LM head of a tied model: A [2, H=32] + B [V=64, 2]; the base is not counted twice.
+  ModelConfig tied = tiny(false, true);
+  tied.lora.rank = 2;
+  tied.lora.targets = {"lm_head"};
+  const LoraSize h = lora_size(tied);
+  EXPECT_EQ(h.wrapped, 1);
+  EXPECT_EQ(h.params, 2 * 32 + 64 * 2);
+  EXPECT_EQ(Model(tied).table().total(), h.base + h.params);
 }
 
 TEST(Lora, PatternsAndNames) {
@@ -192,17 +265,10 @@ TEST(Lora, PatternsAndNames) {
   EXPECT_FALSE(lora_eligible("model.language_model.embed_tokens.weight"));
   EXPECT_FALSE(lora_eligible("model.visual.patch_embed.proj.weight"));
   EXPECT_TRUE(lora_eligible("model.visual.merger.linear_fc1.weight"));
+  EXPECT_FALSE(lora_eligible("lm_head.weight"));  // wrapped apart, as module lm_head, tied or not
+  EXPECT_EQ(peft_name("lm_head.lora_B.weight"), "base_model.model.lm_head.lora_B.weight");
   EXPECT_EQ(peft_name("model.language_model.layers.0.self_attn.q_proj.lora_A.weight"),
             "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight");
-}
-
-static std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(Lora, BadKeysAreRefusedNamingThem) {

@@ -174,13 +174,13 @@ template <class T> void decoder_layer_infer(const ModelConfig& cfg, const ParamV
                                             const PartialSum<T>& reduce = {});
 
 // ---- LM head + cross-entropy (src/model/loss.cpp), chunked over rows so logits are never all in memory ----------
-// Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null, otherwise only the
-// supervised rows go through the head.
-// W8 (may be null): the head held in int8 instead of W (inference).
-template <class T> double lm_head_loss_fwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H,
-                                           int64_t V, T* logits_out, const Int8Weight* W8 = nullptr);
-// Recomputes the logits of the supervised rows chunk by chunk; dh, dW (+)= gradients of scale * summed CE.
-template <class T> void lm_head_loss_bwd(const T* h, const T* W, const int64_t* target, int64_t N, int64_t H,
-                                         int64_t V, T scale, T* dh, T* dW);
+// The head is parameter `head` of P (with its LoRA adapter, if any; held in int8 when P.int8(head), inference). Returns the summed CE over rows whose
+// target != -100; logits_out [N,V] is filled when non-null, otherwise only the supervised rows go through the head.
+template <class T> double lm_head_loss_fwd(const ParamView<T>& P, int head, const T* h, const int64_t* target,
+                                           int64_t N, int64_t H, int64_t V, T* logits_out);
+// Recomputes the logits of the supervised rows chunk by chunk; dh, P.g[head] (when not null) and the adapter's
+// gradients (+)= gradients of scale * summed CE.
+template <class T> void lm_head_loss_bwd(const ParamView<T>& P, int head, const T* h, const int64_t* target,
+                                         int64_t N, int64_t H, int64_t V, T scale, T* dh);
 
 }  // namespace q3vl

@@ -1,7 +1,8 @@
 // LoRA (PEFT semantics): a targeted linear y = W x + b becomes y = W x + b + scale * B A dropout(x), with
 // A [r, in] (kaiming-uniform, a = sqrt(5), as PEFT) and B [out, r] (zeros). The adapters are ordinary parameters of
 // the table (Part::Lora), in the ZeRO unit of the linear they wrap, named like the base weight with ".weight"
-// replaced by ".lora_A.weight" / ".lora_B.weight"; PEFT's names add "base_model.model." in front.
+// replaced by ".lora_A.weight" / ".lora_B.weight" (the LM head's: "lm_head.lora_A.weight", in the head unit, also
+// when the head is the tied embedding); PEFT's names add "base_model.model." in front.
 // Forward and backward are stateless (backward recomputes A dropout(x) from the linear's saved input and the
 // counter-based dropout mask), so activation recomputation and any rank count see the same adapters.
 #pragma once
@@ -22,7 +23,8 @@ LoraConfig lora_config(const Deck& d);
 // Does module name (HF name without ".weight") match one pattern (PEFT: equal, or ends with ".pattern"; '*' globs)?
 bool lora_pattern_match(const std::string& pattern, const std::string& module);
 // Linears LoRA may wrap: 2-D weights of q/k/v/o_proj, gate/up/down_proj, the MoE router, the vision blocks' and
-// mergers' linears (not embeddings, LM head, patch embedding or 3-D expert tensors).
+// mergers' linears (not embeddings, patch embedding or 3-D expert tensors). The LM head is wrapped apart (module
+// "lm_head", tied or not: ParamTable), as PEFT wraps the lm_head Linear; a tied embedding lookup stays unadapted.
 bool lora_eligible(const std::string& hf_name);
 // A pattern naming one of those module kinds (q_proj, mlp.gate, linear_fc1, ...): absent from some architectures
 // (gate_proj on an all-MoE model), so matching nothing there is no error; any other pattern must match.
@@ -50,14 +52,18 @@ struct LoraRun {
 
 // y[n*ldy + j] += scale * (B A drop(x))[n, o0 + j] for j < nout (nout < 0: all rows of B), when `id` (a base
 // weight) has an adapter; no-op otherwise. x [N, in].
+// salt: mixed into the dropout mask (the LM head's chunk: its rows are cut the same in forward and backward).
 template <class T> void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy,
-                                 int64_t o0 = 0, int64_t nout = -1);
+                                 int64_t o0 = 0, int64_t nout = -1, uint64_t salt = 0);
 // The backward of that part: dA, dB (+)= their gradients, dx (+)= the input gradient (dx may be null).
 template <class T> void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N,
-                                 T* dx, int64_t o0 = 0, int64_t nout = -1);
+                                 T* dx, int64_t o0 = 0, int64_t nout = -1, uint64_t salt = 0);
 
 // Base weights with the adapters folded in (W += scale * B A) for every wrapped linear of a full-storage model
-// (export --merge, and the merged-forward test). Returns the number of linears merged.
-template <class T> int lora_merge(const ParamTable& t, double scale, T* const* params);
+// (serve's tensor parallelism, and the merged-forward test). Returns the number of linears merged. A tied LM head's
+// adapter folds into untied_head (the caller's copy of the embeddings, the head of an untied model); null: refused.
+template <class T> int lora_merge(const ParamTable& t, double scale, T* const* params, T* untied_head = nullptr);
+// Is adapter `a` (its lora_A id) the LM head's on a table whose head is the embedding?
+bool lora_tied_head(const ParamTable& t, int a);
 
 }  // namespace q3vl
