@@ -15,6 +15,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/model/dev_model.hpp"
+#include "q3vl/model/lora.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/tensor/dev.hpp"
@@ -164,6 +165,7 @@ Workload workload_from_deck(const Deck& d, std::string* note) {
       fail_all("model.hf = \"" + hf + "\": no config.json there, and the path names no built-in size (" +
                "give model.preset instead)");
     w.cfg = preset_config(best);
+    w.cfg.lora = lora_config(d);  // what model_config adds to a config.json
     w.model_name = best;
     if (note) *note = "model.hf's config.json is not here: sizing the built-in " + best + " (the released config)";
   } else {

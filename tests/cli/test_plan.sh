@@ -24,6 +24,25 @@ else bad "235b: fewest nodes: '$no' / '$off': $out"; fi
 grep -qE 'no offload: .*ZeRO-3, EP [0-9]+' <<<"$out" && pass "235b: fewest GPUs use expert parallelism" ||
   bad "235b: no EP layout in the fewest-GPU answer: $(grep -A3 'fewest nodes' <<<"$out")"
 
+# LoRA on the same machine (input/qwen3vl_235b_lora.deck): only the adapters are trained, so the model states drop
+# below 1 TB and it fits, with the frozen base's fp32 shards on the hosts (offload); without offload it needs more
+# nodes than the 4 given.
+out=$($q plan input/qwen3vl_235b_lora.deck "${big[@]:1}" 2>&1); rc=$?
+grep -qE '235\.[0-9]+ B parameters \(0\.0[0-9] B trained\)' <<<"$out" && grep -qE '\(0\.9[0-9] TB\)' <<<"$out" &&
+  pass "235b-lora: only the adapters trained, 0.9x TB of model states" || bad "235b-lora: sizes: $(head -6 <<<"$out")"
+no=$(grep -oP 'no offload: +\K[0-9]+(?= node)' <<<"$out")
+[[ $rc == 0 ]] && grep -q 'fastest that fits: ZeRO-3 + optimizer offload' <<<"$out" && [[ -n $no ]] && ((no > 4)) &&
+  pass "235b-lora: fits 4 x 2 A100-80GB with offload ($no nodes without)" || bad "235b-lora: exit $rc: $out"
+# Its job script runs the full fine-tune's steps with the LoRA deck (srun and squeue stand-ins record the calls).
+mkdir -p $tmp/fake
+printf '#!/bin/sh\necho "srun $*"\n' >$tmp/fake/srun
+printf '#!/bin/sh\necho 1-00:00:00\n' >$tmp/fake/squeue
+chmod +x $tmp/fake/*
+job=$(PATH=$tmp/fake:$PATH SLURM_JOB_ID=7 SLURM_CPUS_PER_TASK=4 bash jobs/qwen3vl_235b_lora.slurm train.steps=5 2>&1)
+grep -qx "srun --mpi=pmi2 --kill-on-bad-exit=1 bin/q3vl check input/qwen3vl_235b_lora.deck run.out_dir=out/qwen3vl_235b_lora" <<<"$job" &&
+  grep -qx "srun .* bin/q3vl train input/qwen3vl_235b_lora.deck run.out_dir=out/qwen3vl_235b_lora model.hf=models/Qwen3-VL-235B-A22B-Instruct runtime.walltime=86400 train.steps=5" <<<"$job" &&
+  pass "235b-lora job: check and train with the LoRA deck" || bad "235b-lora job: $job"
+
 out=$($q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 plan.gpu=H200-141GB 2>&1); rc=$?
 [[ $rc == 0 ]] && grep -q 'fastest that fits' <<<"$out" && grep -q '^zero_stage = ' <<<"$out" \
   && grep -q '^micro_batch = ' <<<"$out" && pass "2b-one-h200: fits, with deck lines" || bad "2b-one-h200: exit $rc: $out"
