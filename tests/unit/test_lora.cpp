@@ -17,6 +17,7 @@
 
 using namespace q3vl;
 using q3vl::test::tiny;
+using q3vl::test::fd_check;
 using q3vl::test::tiny_batch;
 
 namespace {
@@ -67,7 +68,6 @@ void gradcheck(bool moe, double dropout, bool rslora, bool tie = false) {
   m.zero_grads();
   ASSERT_TRUE(std::isfinite(m.forward(b, true, nullptr, nullptr, moe)));
   m.backward();
-  std::uniform_int_distribution<int64_t> pick(0, 1 << 30);
   std::set<std::string> wrapped;
   for (size_t id = 0; id < m.table().params().size(); ++id) {
     const ParamInfo& p = m.table().params()[id];
@@ -76,20 +76,8 @@ void gradcheck(bool moe, double dropout, bool rslora, bool tie = false) {
       continue;
     }
     wrapped.insert(m.table().param(m.table().lora_base(int(id))).name);
-    double* w = m.param(int(id));
-    const double* g = m.grad(int(id));
-    ASSERT_NE(g, nullptr) << p.name;
-    for (int rep = 0; rep < 3; ++rep) {
-      const int64_t j = pick(rng) % p.numel;
-      const double w0 = w[j], h = 1e-5;
-      w[j] = w0 + h;
-      const double lp = m.forward(b, false, nullptr, nullptr, moe);
-      w[j] = w0 - h;
-      const double lm = m.forward(b, false, nullptr, nullptr, moe);
-      w[j] = w0;
-      const double num = (lp - lm) / (2 * h);
-      EXPECT_NEAR(g[j], num, 1e-7 + 1e-5 * std::fabs(num)) << p.name << " [" << j << "]";
-    }
+    ASSERT_NE(m.grad(int(id)), nullptr) << p.name;
+    fd_check(m, b, moe, int(id), rng, 3, 1e-7);
   }
   // Every eligible linear of the tiny model is wrapped: 2 vision blocks x 4, 2 mergers (main, DeepStack) x 2, text layers x 7 (MoE
   // layer: 4 attention + router), the LM head (tied: the embedding's weight, output side only).

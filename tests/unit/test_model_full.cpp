@@ -15,6 +15,7 @@
 
 using namespace q3vl;
 using q3vl::test::tiny;
+using q3vl::test::fd_check;
 using q3vl::test::tiny_batch;
 
 namespace {
@@ -41,24 +42,10 @@ void check_model(bool moe, bool tie, bool aux) {
   }
   m.backward();
 
-  std::uniform_int_distribution<int64_t> pick(0, 1 << 30);
   int checked = 0;
   for (size_t id = 0; id < m.table().params().size(); ++id) {
-    const ParamInfo& p = m.table().params()[id];
-    double* w = m.param((int)id);
-    const double* g = m.grad((int)id);
-    for (int rep = 0; rep < 3; ++rep) {
-      const int64_t j = pick(rng) % p.numel;
-      const double w0 = w[j], h = 1e-5;
-      w[j] = w0 + h;
-      const double lp = m.forward(b, false, nullptr, nullptr, aux);
-      w[j] = w0 - h;
-      const double lm = m.forward(b, false, nullptr, nullptr, aux);
-      w[j] = w0;
-      const double num = (lp - lm) / (2 * h);
-      EXPECT_NEAR(g[j], num, 1e-6 + 1e-5 * std::fabs(num)) << p.name << " [" << j << "]";
-      ++checked;
-    }
+    fd_check(m, b, aux, (int)id, rng, 3, 1e-6);
+    checked += 3;
   }
   EXPECT_GT(checked, 100);
 }

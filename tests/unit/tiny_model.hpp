@@ -1,6 +1,9 @@
 // A tiny Qwen3-VL (dense or MoE, tied or not) and a padded two-sample batch with two images of different grids:
 // shared by the whole-model tests (gradient checks, LoRA).
 #pragma once
+#include <gtest/gtest.h>
+
+#include <cmath>
 #include <random>
 
 #include "q3vl/model/qwen3vl.hpp"
@@ -59,6 +62,27 @@ inline Batch tiny_batch(std::mt19937& rng) {
   b.pixel_values.resize((16 + 12) * 1536);
   for (auto& v : b.pixel_values) v = nd(rng);
   return b;
+}
+
+// Central differences of the loss at `reps` random elements of parameter `id`, each against its analytic gradient
+// (after forward(b, true) and backward()) to abs_tol + 1e-5 relative. The weights are left as they were.
+inline void fd_check(BasicModel<double>& m, const Batch& b, bool aux, int id, std::mt19937& rng, int reps,
+                     double abs_tol) {
+  const ParamInfo& p = m.table().param(id);
+  double* w = m.param(id);
+  const double* g = m.grad(id);
+  std::uniform_int_distribution<int64_t> pick(0, 1 << 30);
+  for (int rep = 0; rep < reps; ++rep) {
+    const int64_t j = pick(rng) % p.numel;
+    const double w0 = w[j], h = 1e-5;
+    w[j] = w0 + h;
+    const double lp = m.forward(b, false, nullptr, nullptr, aux);
+    w[j] = w0 - h;
+    const double lm = m.forward(b, false, nullptr, nullptr, aux);
+    w[j] = w0;
+    const double num = (lp - lm) / (2 * h);
+    EXPECT_NEAR(g[j], num, abs_tol + 1e-5 * std::fabs(num)) << p.name << " [" << j << "]";
+  }
 }
 
 }  // namespace q3vl::test
