@@ -165,13 +165,13 @@ Workload workload_from_deck(const Deck& d, std::string* note) {
       fail_all("model.hf = \"" + hf + "\": no config.json there, and the path names no built-in size (" +
                "give model.preset instead)");
     w.cfg = preset_config(best);
-    w.cfg.lora = lora_config(d);  // what model_config adds to a config.json
     w.model_name = best;
     if (note) *note = "model.hf's config.json is not here: sizing the built-in " + best + " (the released config)";
   } else {
     w.cfg = model_config(d, &json);
     w.model_name = !d.str("model.preset").empty() ? d.str("model.preset") : hf;
   }
+  w.cfg.lora = lora_config(d);  // model_config's too, for the released config named by the path
   w.dt = compute_dtype(d.str("model.dtype"));
   w.seq_len = d.integer("data.seq_len");
   w.global_batch = d.integer("train.global_batch");

@@ -955,18 +955,15 @@ void Server::load() {
   const ModelConfig& cfg = model_->config();
   const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
   cache_.block = deck_.integer("serve.kv_block");
-  const int64_t per_block =
-      cache_.block * tp_kv_bytes_per_token(cfg.text, 1, cfg.text.layers, (int)sizeof(float));  // cfg is the slice
+  const int64_t per_token = tp_kv_bytes_per_token(cfg.text, 1, cfg.text.layers, (int)sizeof(float));  // cfg: a slice
+  const int64_t per_block = cache_.block * per_token;
   double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
   std::string how = "serve.kv_mib";
   if (kv_bytes == 0) {  // auto: no more than the deck's batch and context can fill, no more than memory allows
-    const double need = double(deck_.integer("serve.max_batch")) * double(deck_.integer("serve.max_context") + cache_.block) * double(per_block / cache_.block);
-    MPI_Comm node;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-    int local = 1;
-    MPI_Comm_size(node, &local);
-    MPI_Comm_free(&node);
-    const double room = 0.5 * double(available_memory()) / local;  // after the weights: they are loaded by now
+    const double need = double(deck_.integer("serve.max_batch")) *
+                        double(deck_.integer("serve.max_context") + cache_.block) * double(per_token);
+    // After the weights (they are loaded by now), shared by the ranks on this node.
+    const double room = 0.5 * double(available_memory()) / Runtime::get().where().local_size;
     kv_bytes = std::min(need, room);
     MPI_Allreduce(MPI_IN_PLACE, &kv_bytes, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);  // every rank the same blocks
     how = kv_bytes == need ? "auto: what serve.max_batch x serve.max_context can use"
