@@ -82,4 +82,8 @@ expect "no demo base: named, with make demo" 2 "no trained demo model: $tmp/none
   mk demo-lora DEMO_OUT=$tmp/none DEMO_LORA_OUT=$tmp/o2
 [[ ! -e $tmp/o2 ]] && pass "nothing written without a base" || bad "$tmp/o2 was created without a base"
 
+expect "bad answer format named" 1 'synth.answer_format = "bogus" is not one of "sentence", "shape-first", "fields"' \
+  $q synth synth.answer_format=bogus synth.dir=$tmp/bogus run.timing=false
+[[ ! -e $tmp/bogus ]] && pass "nothing written for a bad answer format" || bad "$tmp/bogus was created"
+
 finish
