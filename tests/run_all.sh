@@ -52,7 +52,7 @@ run() {
     failed_suites+=("$name")
     echo "FAILED ($p passed, $f failed$skips, $((SECONDS - t0)) s) — log: $log"
     # What failed, also listed again at the end: CI shows only the tail of this output.
-    line=$(grep -E '^FAIL: |^\[  FAILED  \] [^ ]+ \(|: Failure$' "$log" | head -8)
+    line=$(grep -E '^FAIL[: ] |^\[  FAILED  \] [^ ]+ \(|: Failure$' "$log" | head -8)
     [[ -z $line ]] && line="exit $rc; last line: $(tail -1 "$log")"
     sed 's/^/    /' <<<"$line"
     while IFS= read -r line; do fail_list+=("$name: ${line:0:300}"); done <<<"$line"
