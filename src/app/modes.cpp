@@ -21,33 +21,31 @@
 namespace q3vl {
 
 namespace {
-// generate runs on the CPU backend in fp32 so far (train and eval run the device model on CUDA too): refuse a deck
-// that asks for more rather than silently run something else.
-int on_cpu_fp32(const Deck& d, const char* mode, int (*run)(const Deck&)) {
-  if (d.str("model.weight_dtype") == "int8" && d.str("model.backend") != "cpu")
-    fail("model.weight_dtype = \"int8\" with model.backend = \"" + d.str("model.backend") +
-         "\": the int8 linear (ops::linear_int8_fwd) has no CUDA kernel yet; set model.backend = \"cpu\"");
-  if (d.str("model.backend") != "cpu")
-    fail("model.backend = \"" + d.str("model.backend") + "\": `q3vl " + mode +
-         "` runs on the CPU backend only so far (on CUDA: `q3vl train` and `q3vl eval`); "
-         "set model.backend = \"cpu\"");
-  if (d.str("model.dtype") != "fp32")
-    fail("model.dtype = \"" + d.str("model.dtype") + "\": the CPU backend computes in fp32; "
-         "set model.dtype = \"fp32\"");
-  return run(d);
-}
-// train and eval: the compute the deck asks for exists here, checked before any work.
-int with_compute(const Deck& d, int (*run)(const Deck&)) {
-  if (d.str("model.weight_dtype") != "fp32")  // quantized weights have no gradient and no master to update
-    fail("model.weight_dtype = \"" + d.str("model.weight_dtype") +
-         "\": int8 weights are for inference (generate, serve); train and eval need model.weight_dtype = \"fp32\"");
+// The compute the deck asks for exists here, checked before any work. Inference (generate, serve) may hold int8
+// weights on the CPU; train and eval need fp32 weights (no gradient or master for int8).
+void check_compute(const Deck& d, const char* mode, bool inference) {
   const bool cuda = d.str("model.backend") == "cuda";
+  if (d.str("model.weight_dtype") != "fp32") {
+    if (!inference)
+      fail("model.weight_dtype = \"" + d.str("model.weight_dtype") +
+           "\": int8 weights are for inference (generate, serve); train and eval need model.weight_dtype = \"fp32\"");
+    if (cuda)
+      fail("model.weight_dtype = \"int8\" with model.backend = \"cuda\": the int8 linear (ops::linear_int8_fwd) has "
+           "no CUDA kernel yet; set model.backend = \"cpu\", or keep model.weight_dtype = \"fp32\" and use "
+           "model.dtype = \"bf16\" on the GPU");
+  }
   if (cuda && dev::device_count() == 0 && !std::getenv("Q3VL_DEVICE_ON_CPU"))
     fail("model.backend = \"cuda\": no GPU is visible to rank " + std::to_string(Runtime::get().where().rank) + " on " +
          Runtime::get().where().host + " (a build without CUDA, no driver, or CUDA_VISIBLE_DEVICES empty)");
   if (!cuda && d.str("model.dtype") != "fp32")
     fail("model.dtype = \"" + d.str("model.dtype") + "\": the CPU backend computes in fp32; set model.dtype = \"fp32\" "
          "or model.backend = \"cuda\"");
+  if (cuda && std::string(mode) == "generate")
+    fail("model.backend = \"cuda\": `q3vl generate` runs on the CPU backend only so far (on CUDA: `q3vl serve`, "
+         "`q3vl train` and `q3vl eval`); set model.backend = \"cpu\"");
+}
+int with_compute(const Deck& d, int (*run)(const Deck&)) {
+  check_compute(d, "train", false);
   return run(d);
 }
 }  // namespace
@@ -122,12 +120,12 @@ const std::vector<Mode>& modes() {
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
        [](const Deck& d, const ModeArgs&) { return with_compute(d, run_eval); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",
-       [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "generate", run_generate); }},
+       [](const Deck& d, const ModeArgs&) { return check_compute(d, "generate", true), run_generate(d); }},
       {"plan", "memory and step time of every training layout for the deck's model on plan.* hardware; the fastest "
                "that fits and its deck lines, or the smallest machine that would",
        [](const Deck& d, const ModeArgs&) { return run_plan(d); }, {}, true},
       {"serve", "OpenAI-compatible HTTP server (chat with images, SSE streaming) with continuous batching",
-       [](const Deck& d, const ModeArgs&) { return on_cpu_fp32(d, "serve", run_serve); }},
+       [](const Deck& d, const ModeArgs&) { return check_compute(d, "serve", true), run_serve(d); }},
       {"synth", "the demo's synthetic data: PNG pictures of coloured shapes and train/eval JSONL conversations",
        [](const Deck& d, const ModeArgs&) { return run_synth(d); }},
   };

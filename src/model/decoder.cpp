@@ -215,8 +215,8 @@ void KvCache<T>::reset(int layers, int64_t row_) {
   len.clear();
   next_pos.clear();
   table.clear();
-  k.assign(layers, {});
-  v.assign(layers, {});
+  k.assign(host_pool ? layers : 0, {});
+  v.assign(host_pool ? layers : 0, {});
   free_blocks.clear();
   refs.clear();
   pool_blocks = 0;

@@ -61,6 +61,27 @@ const void* fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType
   return P.p[f + tlay::gate_proj];
 }
 void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
+// The second half of a layer's forward: c.ln2 -> dense SwiGLU MLP or MoE block -> s.tmp [N,H].
+void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, bool moe, int64_t N, float* probs,
+             int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
+  const int64_t H = tc.hidden;
+  if (moe) {
+    const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
+    dev::linear_fwd(ex, c.ln2, P.p[f + tlay::router], nullptr, s.logits, N, H, E, dt);
+    dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, dt);
+    dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
+    dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
+    dev::grouped_linear_fwd(ex, s.xg, P.p[f + tlay::experts_gate_up], c.start, c.egu, R, E, H, 2 * Im, dt);
+    dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);
+    dev::grouped_linear_fwd(ex, s.eact, P.p[f + tlay::experts_down], c.start, c.ey, R, E, Im, H, dt);
+    dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
+  } else {
+    const int64_t I = tc.intermediate;
+    dev::linear_fwd(ex, c.ln2, fused_gate_up(P, f, I, H, dt), nullptr, c.gu, N, H, 2 * I, dt);
+    dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
+    dev::linear_fwd(ex, c.act, P.p[f + tlay::down_proj], nullptr, s.tmp, N, I, H, dt);
+  }
+}
 }  // namespace
 
 void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
@@ -83,22 +104,33 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
   dev::copy(ex, c.x1, x, size_t(N * H) * dtype_size(dt));
   dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
-  if (moe) {
-    const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
-    dev::linear_fwd(ex, c.ln2, P.p[f + tlay::router], nullptr, s.logits, N, H, E, dt);
-    dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, dt);
-    dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
-    dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-    dev::grouped_linear_fwd(ex, s.xg, P.p[f + tlay::experts_gate_up], c.start, c.egu, R, E, H, 2 * Im, dt);
-    dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);
-    dev::grouped_linear_fwd(ex, s.eact, P.p[f + tlay::experts_down], c.start, c.ey, R, E, Im, H, dt);
-    dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
-  } else {
-    const int64_t I = tc.intermediate;
-    dev::linear_fwd(ex, c.ln2, fused_gate_up(P, f, I, H, dt), nullptr, c.gu, N, H, 2 * I, dt);
-    dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
-    dev::linear_fwd(ex, c.act, P.p[f + tlay::down_proj], nullptr, s.tmp, N, I, H, dt);
-  }
+  mlp_fwd(ex, tc, P, f, moe, N, probs, idx, c, s, dt);
+  dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
+}
+
+void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
+                       int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
+                       int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce, DType dt) {
+  const TextConfig& tc = cfg.text;
+  const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
+  dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
+  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::q_proj], nullptr, c.qraw, N, H, Dq, dt);
+  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::k_proj], nullptr, c.kraw, N, H, Dk, dt);
+  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::v_proj], nullptr, c.v, N, H, Dk, dt);
+  dev::rmsnorm_fwd(ex, c.qraw, P.p[f + tlay::q_norm], c.q, c.rq, N * nh, hd, tc.rms_eps, dt);
+  dev::rmsnorm_fwd(ex, c.kraw, P.p[f + tlay::k_norm], c.k, c.rk, N * nkv, hd, tc.rms_eps, dt);
+  dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
+  dev::rope_fwd(ex, c.k, cos, sin, N, nkv, hd, dt);
+  dev::scatter_rows(ex, c.k, kv.slots, kv.k, N, Dk, false, dt);
+  dev::scatter_rows(ex, c.v, kv.slots, kv.v, N, Dk, false, dt);
+  dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
+                           kv.max_q, kv.max_ctx, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
+  dev::linear_fwd(ex, c.att, P.p[f + tlay::o_proj], nullptr, s.tmp, N, Dq, H, dt);
+  if (reduce) reduce(s.tmp, N * H);
+  dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
+  dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
+  mlp_fwd(ex, tc, P, f, moe, N, probs, idx, c, s, dt);
+  if (reduce) reduce(s.tmp, N * H);
   dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_vision.hpp"
@@ -118,26 +119,20 @@ struct DevModel::Impl {
   }
 };
 
-DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt)
+DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads)
     : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), impl_(std::make_unique<Impl>()) {
   if (ex.device == Device::CPU && dt != DType::F32)
     fail_all(std::string("model.dtype = ") + dtype_name(dt) + " needs model.backend = \"cuda\" (the CPU computes fp32)");
   params_ = dev::alloc(ex_, size_t(weight_bytes(table_, dt_)));
-  grads_ = static_cast<float*>(dev::alloc(ex_, size_t(grad_bytes(table_))));
+  if (grads) grads_ = static_cast<float*>(dev::alloc(ex_, size_t(grad_bytes(table_))));
   for (const ParamInfo& p : table_.params()) {
     const int64_t off = table_.units()[p.unit].offset + p.offset;
     pp_.push_back(at(params_, off, dt_));
-    gp_.push_back(grads_ + off);
+    gp_.push_back(grads_ ? grads_ + off : nullptr);
   }
-  zero_grads();
+  if (grads_) zero_grads();
 }
 
-DevModel::~DevModel() {
-  dev::synchronize(ex_);
-  if (impl_->block) dev::release(ex_, impl_->block);
-  dev::release(ex_, params_);
-  dev::release(ex_, grads_);
-}
 
 void DevModel::set_recompute(bool on) {
   Q3VL_CHECK(!impl_->block, "DevModel::set_recompute comes before reserve()");
@@ -179,8 +174,8 @@ void DevModel::reserve(const DevBudget& b) {
 DevMemory DevModel::memory() const {
   DevMemory m;
   m.weights = weight_bytes(table_, dt_);
-  m.grads = grad_bytes(table_);
-  m.activations = int64_t(impl_->bytes);
+  m.grads = grads_ ? grad_bytes(table_) : 0;
+  m.activations = int64_t(impl_->bytes) + (infer_ ? int64_t(infer_->bytes) : 0);
   m.workspace = int64_t(ex_.ws_bytes);
   return m;
 }
@@ -188,10 +183,21 @@ DevMemory DevModel::memory() const {
 void DevModel::set_params(const float* host_all) {
   const int64_t n = table_.total();
   if (dt_ == DType::F32) return dev::to_device(ex_, params_, host_all, size_t(n) * 4);
-  // Through the gradient buffer as fp32 staging (it is zeroed again after).
-  dev::to_device(ex_, grads_, host_all, size_t(n) * 4);
-  dev::convert(ex_, params_, dt_, grads_, DType::F32, n);
-  zero_grads();
+  if (grads_) {  // through the gradient buffer as fp32 staging (it is zeroed again after)
+    dev::to_device(ex_, grads_, host_all, size_t(n) * 4);
+    dev::convert(ex_, params_, dt_, grads_, DType::F32, n);
+    return zero_grads();
+  }
+  // Inference: through a staging buffer of at most 256 MiB, once at load.
+  const int64_t chunk = std::min<int64_t>(n, int64_t(64) << 20);
+  float* stage = static_cast<float*>(dev::alloc(ex_, size_t(chunk) * 4));
+  for (int64_t i = 0; i < n; i += chunk) {
+    const int64_t m = std::min(chunk, n - i);
+    dev::to_device(ex_, stage, host_all + i, size_t(m) * 4);
+    dev::convert(ex_, at(params_, i, dt_), dt_, stage, DType::F32, m);
+  }
+  dev::synchronize(ex_);
+  dev::release(ex_, stage);
 }
 void DevModel::set_params_from_device(const float* f32) { dev::convert(ex_, params_, dt_, f32, DType::F32, table_.total()); }
 void DevModel::zero_grads() { dev::fill(ex_, grads_, DType::F32, table_.total(), 0.f); }
@@ -212,10 +218,64 @@ void up32(const dev::Exec& ex, int32_t* dst, const std::vector<int64_t>& v) {
   const std::vector<int32_t> w(v.begin(), v.end());
   dev::to_device(ex, dst, w.data(), w.size() * 4);
 }
+// fp32 host values into a dt device array (rounded on the host: the values are on the host anyway).
+void up_dt(const dev::Exec& ex, void* dst, const float* src, size_t n, DType dt) {
+  if (dt == DType::F32) return dev::to_device(ex, dst, src, n * 4);
+  std::vector<uint16_t> h(n);
+  if (dt == DType::BF16) f32_to_bf16(src, int64_t(n), h.data());
+  else std::transform(src, src + n, h.begin(), [](float v) { return f32_to_f16(v); });
+  dev::to_device(ex, dst, h.data(), n * 2);
+}
+// A dt device array to fp32 host values.
+void down_f32(const dev::Exec& ex, float* dst, const void* src, size_t n, DType dt) {
+  if (dt == DType::F32) return dev::to_host(ex, dst, src, n * 4);
+  std::vector<uint16_t> h(n);
+  dev::to_host(ex, h.data(), src, n * 2);
+  for (size_t i = 0; i < n; ++i) dst[i] = dt == DType::BF16 ? bf16_to_f32(h[i]) : f16_to_f32(h[i]);
+}
 void budget_check(int64_t need, int64_t have, const char* what) {
   if (need > have)
     fail("the batch needs " + std::to_string(need) + " " + what + ", the model was sized for " + std::to_string(have) +
          " (train.seq_len / micro-batch / image limits)");
+}
+
+// Device buffers of a vision pass (carved by the training or the inference arena).
+struct VisionBufs {
+  void *pixels, *vx, *img;
+  std::vector<void*> ds;
+  float *vcos, *vsin;
+  int32_t* vcu;
+};
+// The vision tower, the merger and the DeepStack mergers over Np patches of host pixels: b.img [Np/4, H] and b.ds.
+// ctx(i) is block i's context; keep_in (may be null) receives each block's input (recomputation). Returns the
+// attention segments (per image and temporal group), which the backward reuses.
+DevSegments vision_tower(const dev::Exec& ex, const ModelConfig& cfg, const ParamTable& t, const DevParams& P,
+                  const std::vector<float>& pixels, const std::vector<int64_t>& grid, int64_t Np, const VisionBufs& b,
+                  const std::function<DevVisionBlockCtx&(int)>& ctx, void* const* keep_in, DevVisionScratch& scr,
+                  DevMergerCtx& m, std::vector<DevMergerCtx>& dsm, DType dt) {
+  const VisionConfig& vc = cfg.vision;
+  const std::vector<int64_t> vcu = vision_cu_seqlens(grid);
+  const int64_t vseg = int64_t(vcu.size()) - 1;
+  int64_t vmax = 0;
+  for (int64_t k = 0; k < vseg; ++k) vmax = std::max(vmax, vcu[k + 1] - vcu[k]);
+  up32(ex, b.vcu, vcu);
+  std::vector<int64_t> row, col;
+  vision_patch_coords(grid, vc.merge, row, col);
+  std::vector<float> c(Np * vc.head_dim() / 2), sn(c.size());
+  ops::vision_rope_table(row.data(), col.data(), Np, int64_t(vc.head_dim()), c.data(), sn.data());
+  dev::to_device(ex, b.vcos, c.data(), c.size() * 4);
+  dev::to_device(ex, b.vsin, sn.data(), sn.size() * 4);
+  up_dt(ex, b.pixels, pixels.data(), pixels.size(), dt);
+  const DevSegments vs{b.vcu, vseg, vmax};
+  dev_vision_embed_fwd(ex, vc, P, t.vision_embed(), b.pixels, grid, Np, b.vx, dt);
+  for (int i = 0; i < vc.depth; ++i) {
+    if (keep_in) dev::copy(ex, keep_in[i], b.vx, size_t(Np * vc.hidden) * dtype_size(dt));
+    dev_vision_block_fwd(ex, vc, P, t.vision_block(i), b.vx, Np, vs, b.vcos, b.vsin, ctx(i), scr, dt);
+    for (size_t j = 0; j < vc.deepstack_indexes.size(); ++j)
+      if (vc.deepstack_indexes[j] == i) dev_merger_fwd(ex, vc, P, t.deepstack_merger(j), true, b.vx, Np, b.ds[j], dsm[j], dt);
+  }
+  dev_merger_fwd(ex, vc, P, t.merger(), false, b.vx, Np, b.img, m, dt);
+  return vs;
 }
 }  // namespace
 
@@ -269,37 +329,10 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
 
   // Vision tower, mergers and DeepStack features.
   if (I.Np > 0) {
-    const std::vector<int64_t> vcu = vision_cu_seqlens(grid);
-    I.vseg = int64_t(vcu.size()) - 1;
-    I.vmax = 0;
-    for (int64_t k = 0; k < I.vseg; ++k) I.vmax = std::max(I.vmax, vcu[k + 1] - vcu[k]);
-    up32(ex_, I.vcu, vcu);
-    std::vector<int64_t> row, col;
-    vision_patch_coords(grid, vc.merge, row, col);
-    std::vector<float> c(I.Np * vc.head_dim() / 2), sn(c.size());
-    ops::vision_rope_table(row.data(), col.data(), I.Np, int64_t(vc.head_dim()), c.data(), sn.data());
-    dev::to_device(ex_, I.vcos, c.data(), c.size() * 4);
-    dev::to_device(ex_, I.vsin, sn.data(), sn.size() * 4);
-    // Pixels arrive as fp32 and are rounded to dt on the host (the batch is on the host anyway).
-    if (dt_ == DType::F32) {
-      dev::to_device(ex_, I.pixels, pixels.data(), pixels.size() * 4);
-    } else {
-      std::vector<uint16_t> h(pixels.size());
-      if (dt_ == DType::BF16) f32_to_bf16(pixels.data(), int64_t(pixels.size()), h.data());
-      else std::transform(pixels.begin(), pixels.end(), h.begin(), [](float v) { return f32_to_f16(v); });
-      dev::to_device(ex_, I.pixels, h.data(), h.size() * 2);
-    }
-    const DevSegments vs{I.vcu, I.vseg, I.vmax};
-    dev_vision_embed_fwd(ex_, vc, P, table_.vision_embed(), I.pixels, grid, I.Np, I.vx, dt_);
-    for (int i = 0; i < vc.depth; ++i) {
-      if (recompute_) dev::copy(ex_, I.vxin[i], I.vx, size_t(I.Np * vc.hidden) * dtype_size(dt_));
-      dev_vision_block_fwd(ex_, vc, P, table_.vision_block(i), I.vx, I.Np, vs, I.vcos, I.vsin,
-                           recompute_ ? I.vwork : I.vctx[i], I.vscr, dt_);
-      for (size_t j = 0; j < nds; ++j)
-        if (vc.deepstack_indexes[j] == i)
-          dev_merger_fwd(ex_, vc, P, table_.deepstack_merger(j), true, I.vx, I.Np, I.ds[j], I.dsctx[j], dt_);
-    }
-    dev_merger_fwd(ex_, vc, P, table_.merger(), false, I.vx, I.Np, I.img, I.mctx, dt_);
+    const DevSegments vs = vision_tower(ex_, cfg_, table_, P, pixels, grid, I.Np, {I.pixels, I.vx, I.img, I.ds, I.vcos, I.vsin, I.vcu},
+                 [&](int i) -> DevVisionBlockCtx& { return recompute_ ? I.vwork : I.vctx[i]; },
+                 recompute_ ? I.vxin.data() : nullptr, I.vscr, I.mctx, I.dsctx, dt_);
+    I.vseg = vs.nseg, I.vmax = vs.max_len;
   }
 
   // Token embeddings with the image features over the image tokens.
@@ -434,6 +467,206 @@ void DevModel::backward(float loss_scale) {
     }
     dev_vision_embed_bwd(ex_, vc, P, table_.vision_embed(), I.pixels, I.grid, I.Np, I.dv, dt_);
   }
+}
+
+
+// ---- Inference ---------------------------------------------------------------------------------------------------
+
+struct DevModel::Infer {
+  InferBudget b;
+  void* block = nullptr;
+  size_t bytes = 0;
+  std::vector<void*> k, v;  // [layer] pools [kv_blocks * block, kv_heads * head_dim]
+  DevDecoderCtx dwork[2];   // [0] dense, [1] MoE: one layer at a time, nothing kept
+  DevDecoderScratch dscr;
+  int32_t *ids, *cu, *ctx, *table, *slots, *vis, *last;
+  float *tcos, *tsin, *rf, *lgf, *probs, *red;
+  int32_t* idx;
+  void *x, *img, *hb, *hf, *lg;
+  std::vector<void*> ds;
+  // Vision pass.
+  DevVisionBlockCtx vwork;
+  DevVisionScratch vscr;
+  DevMergerCtx mctx;
+  std::vector<DevMergerCtx> dsctx;
+  VisionBufs vb{};
+  // Tensor parallelism.
+  std::function<void(float*, int64_t)> host_sum;
+  std::vector<float> host_red;
+  int64_t v0 = 0, v1 = 0;
+
+  void carve(Arena& a, const ModelConfig& cfg, DType dt) {
+    const TextConfig& tc = cfg.text;
+    const VisionConfig& vc = cfg.vision;
+    const ParamTable t(cfg);
+    const int64_t T = std::max<int64_t>(b.tokens, 1), S = std::max<int64_t>(b.segments, 1), H = tc.hidden;
+    const int64_t V = tc.vocab, P = b.patches, Pm = P / 4, nds = int64_t(vc.deepstack_indexes.size());
+    const int64_t row = int64_t(tc.kv_heads) * tc.head_dim, pool = b.kv_blocks * b.block * row;
+    k.assign(tc.layers, nullptr), v.assign(tc.layers, nullptr);
+    for (int l = 0; l < tc.layers; ++l) k[l] = a.take(pool, dt), v[l] = a.take(pool, dt);
+    bool kinds[2] = {false, false};
+    for (int l = 0; l < tc.layers; ++l) kinds[t.moe_layer(l)] = true;
+    for (int m = 0; m < 2; ++m)
+      if (kinds[m]) dwork[m].carve(a, tc, m == 1, T, dt);
+    dscr.carve(a, tc, kinds[1], T, dt);
+    ids = a.take<int32_t>(T, DType::I32), cu = a.take<int32_t>(S + 1, DType::I32);
+    ctx = a.take<int32_t>(S, DType::I32), table = a.take<int32_t>(S * std::max<int64_t>(b.seq_blocks, 1), DType::I32);
+    slots = a.take<int32_t>(T, DType::I32), vis = a.take<int32_t>(T, DType::I32), last = a.take<int32_t>(S, DType::I32);
+    tcos = a.take<float>(T * tc.head_dim / 2, DType::F32), tsin = a.take<float>(T * tc.head_dim / 2, DType::F32);
+    x = a.take(T * H, dt), img = a.take(T * H, dt);
+    ds.assign(nds, nullptr);
+    for (auto& p : ds) p = a.take(T * H, dt);
+    hb = a.take(S * H, dt), hf = a.take(S * H, dt), rf = a.take<float>(S, DType::F32);
+    lg = a.take(S * V, dt), lgf = a.take<float>(S * V, DType::F32);
+    probs = a.take<float>(kinds[1] ? T * tc.num_experts : 1, DType::F32);
+    idx = a.take<int32_t>(kinds[1] ? T * tc.experts_per_tok : 1, DType::I32);
+    red = a.take<float>(T * H, DType::F32);
+    vb = {};
+    dsctx.assign(P ? nds : 0, {});
+    if (!P) return;
+    vwork.carve(a, vc, P, dt);
+    vscr.carve(a, vc, P, dt);
+    mctx.carve(a, vc, false, P, dt);
+    for (auto& c : dsctx) c.carve(a, vc, true, P, dt);
+    vb.pixels = a.take(P * vc.patch_dim(), dt), vb.vx = a.take(P * vc.hidden, dt), vb.img = a.take(Pm * H, dt);
+    vb.ds.assign(nds, nullptr);
+    for (auto& p : vb.ds) p = a.take(Pm * H, dt);
+    vb.vcos = a.take<float>(P * vc.head_dim() / 2, DType::F32), vb.vsin = a.take<float>(P * vc.head_dim() / 2, DType::F32);
+    vb.vcu = a.take<int32_t>(Pm + 1, DType::I32);
+  }
+};
+
+DevModel::~DevModel() {
+  dev::synchronize(ex_);
+  if (impl_->block) dev::release(ex_, impl_->block);
+  if (infer_ && infer_->block) dev::release(ex_, infer_->block);
+  dev::release(ex_, params_);
+  if (grads_) dev::release(ex_, grads_);
+}
+
+int64_t DevModel::kv_pool_bytes(const ModelConfig& cfg, DType dt, int64_t blocks, int64_t block) {
+  return 2 * int64_t(cfg.text.layers) * blocks * block * cfg.text.kv_heads * cfg.text.head_dim * int64_t(dtype_size(dt));
+}
+
+int64_t DevModel::infer_bytes(const ModelConfig& cfg, DType dt, const InferBudget& b) {
+  Infer i;
+  i.b = b;
+  Arena count;
+  i.carve(count, cfg, dt);
+  return int64_t(count.used);
+}
+
+void DevModel::reserve_infer(const InferBudget& b) {
+  if (!infer_) infer_ = std::make_unique<Infer>();
+  Infer& J = *infer_;
+  Q3VL_CHECK(!J.block, "DevModel::reserve_infer is called once");
+  J.b = b;
+  J.bytes = size_t(infer_bytes(cfg_, dt_, b));
+  J.block = dev::alloc(ex_, J.bytes);
+  Arena a{static_cast<char*>(J.block), J.bytes};
+  J.carve(a, cfg_, dt_);
+  dev::fill(ex_, J.block, DType::F32, int64_t(J.bytes / 4), 0.f);  // no stale values in a pool row, ever
+}
+
+void DevModel::set_tensor_parallel(std::function<void(float*, int64_t)> host_sum, int64_t v0, int64_t v1) {
+  if (!infer_) infer_ = std::make_unique<Infer>();
+  infer_->host_sum = std::move(host_sum), infer_->v0 = v0, infer_->v1 = v1;
+}
+
+void DevModel::vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid,
+                               std::vector<float>& img, std::vector<std::vector<float>>& ds) {
+  Q3VL_CHECK(infer_ && infer_->block, "DevModel::reserve_infer must size the model before inference");
+  Infer& J = *infer_;
+  const int64_t Np = image_patches(cfg_.vision, pixels.size(), grid), H = cfg_.text.hidden;
+  budget_check(Np, J.b.patches, "image patches");
+  img.clear(), ds.assign(cfg_.vision.deepstack_indexes.size(), {});
+  if (Np == 0) return;
+  const DevParams P{pp_.data(), gp_.data()};
+  vision_tower(ex_, cfg_, table_, P, pixels, grid, Np, J.vb, [&](int) -> DevVisionBlockCtx& { return J.vwork; },
+               nullptr, J.vscr, J.mctx, J.dsctx, dt_);
+  img.resize(Np / 4 * H);
+  down_f32(ex_, img.data(), J.vb.img, img.size(), dt_);
+  for (size_t j = 0; j < ds.size(); ++j) {
+    ds[j].resize(img.size());
+    down_f32(ex_, ds[j].data(), J.vb.ds[j], img.size(), dt_);
+  }
+}
+
+std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache) {
+  Q3VL_CHECK(infer_ && infer_->block, "DevModel::reserve_infer must size the model before inference");
+  Infer& J = *infer_;
+  Q3VL_CHECK(!cache.host_pool && cache.block == J.b.block && cache.max_blocks == J.b.kv_blocks,
+             "DevModel::step: the cache's bookkeeping must describe this model's pools");
+  const TextConfig& tc = cfg_.text;
+  const int64_t H = tc.hidden, bs = cache.block;
+  const int64_t v0 = J.v0, V = J.v1 > 0 ? J.v1 - J.v0 : tc.vocab;  // this rank's vocabulary rows
+  StepPack<float> pk = pack_step(cfg_, segs, cache);
+  const int64_t N = int64_t(pk.ids.size()), S = int64_t(pk.seqs.size()), SB = std::max<int64_t>(J.b.seq_blocks, 1);
+  budget_check(N, J.b.tokens, "new tokens in one step");
+  budget_check(S, J.b.segments, "sequences in one step");
+  for (int64_t s = 0; s < S; ++s)
+    if (!cache.reserve(pk.seqs[s], pk.cu[s + 1] - pk.cu[s]))
+      fail("KV cache full: " + std::to_string(cache.max_blocks) + " blocks of " + std::to_string(bs) +
+           " tokens are in use");
+  // Paged metadata: each segment's context and block table, each new token's pool row.
+  std::vector<int64_t> ctx(S), table(S * SB, 0), slots(N), last(S), vis;
+  int64_t max_q = 0, max_ctx = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int q = pk.seqs[s];
+    const int64_t n = pk.cu[s + 1] - pk.cu[s], L = cache.len[q];
+    ctx[s] = L + n, last[s] = pk.cu[s + 1] - 1;
+    budget_check(cache.blocks_for(ctx[s]), SB, "KV blocks for one sequence");
+    std::copy(cache.table[q].begin(), cache.table[q].end(), table.begin() + s * SB);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = L + i;
+      slots[pk.cu[s] + i] = int64_t(cache.table[q][p / bs]) * bs + p % bs;
+    }
+    max_q = std::max(max_q, n), max_ctx = std::max(max_ctx, ctx[s]);
+  }
+  for (int64_t i = 0; i < N; ++i)
+    if (pk.ids[i] == cfg_.image_token_id) vis.push_back(i);
+  const int64_t nvis = int64_t(vis.size());
+  up32(ex_, J.ids, pk.ids), up32(ex_, J.cu, pk.cu), up32(ex_, J.ctx, ctx), up32(ex_, J.table, table);
+  up32(ex_, J.slots, slots), up32(ex_, J.last, last), up32(ex_, J.vis, vis);
+  {
+    std::vector<float> c(N * tc.head_dim / 2), sn(c.size());
+    ops::mrope_table(pk.pos.data(), N, int64_t(tc.head_dim), tc.rope_theta, tc.mrope_section.data(), c.data(), sn.data());
+    dev::to_device(ex_, J.tcos, c.data(), c.size() * 4);
+    dev::to_device(ex_, J.tsin, sn.data(), sn.size() * 4);
+  }
+  const DevParams P{pp_.data(), gp_.data()};
+  dev::embedding_fwd(ex_, J.ids, pp_[table_.embed_tokens()], J.x, N, H, tc.vocab, dt_);
+  if (nvis) {
+    up_dt(ex_, J.img, pk.img.data(), pk.img.size(), dt_);
+    dev::scatter_rows(ex_, J.img, J.vis, J.x, nvis, H, false, dt_);
+    for (size_t j = 0; j < pk.ds.size(); ++j) up_dt(ex_, J.ds[j], pk.ds[j].data(), pk.ds[j].size(), dt_);
+  }
+  DevPartialSum reduce;
+  if (J.host_sum)  // fp32 through the host: [n] dt -> F32 -> host -> sum over the group -> back
+    reduce = [&](void* y, int64_t n) {
+      J.host_red.resize(size_t(n));
+      dev::convert(ex_, J.red, DType::F32, y, dt_, n);
+      dev::to_host(ex_, J.host_red.data(), J.red, size_t(n) * 4);
+      J.host_sum(J.host_red.data(), n);
+      dev::to_device(ex_, J.red, J.host_red.data(), size_t(n) * 4);
+      dev::convert(ex_, y, dt_, J.red, DType::F32, n);
+    };
+  for (int l = 0; l < tc.layers; ++l) {
+    const bool moe = table_.moe_layer(l);
+    const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, S, max_q, max_ctx};
+    dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, N, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
+                      moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, dt_);
+    if (size_t(l) < pk.ds.size() && nvis) dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
+  }
+  for (int64_t s = 0; s < S; ++s) cache.len[pk.seqs[s]] += pk.cu[s + 1] - pk.cu[s];
+  // Final norm and the LM head (this rank's rows) on each segment's last row only.
+  dev::gather_rows(ex_, J.x, J.last, 1, J.hb, S, H, dt_);
+  dev::rmsnorm_fwd(ex_, J.hb, pp_[table_.final_norm()], J.hf, J.rf, S, H, tc.rms_eps, dt_);
+  dev::linear_fwd(ex_, J.hf, at(pp_[table_.lm_head()], v0 * H, dt_), nullptr, J.lg, S, H, V, dt_);
+  dev::convert(ex_, J.lgf, DType::F32, J.lg, dt_, S * V);
+  std::vector<float> logits(size_t(S * V));
+  dev::to_host(ex_, logits.data(), J.lgf, logits.size() * 4);
+  return logits;
 }
 
 }  // namespace q3vl

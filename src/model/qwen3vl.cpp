@@ -559,46 +559,57 @@ void BasicModel<T>::vision_features(const std::vector<float>& pixels, const std:
 }
 
 template <class T>
-std::vector<T> BasicModel<T>::step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache) {
-  kept_ = false;
-  const int64_t H = cfg_.text.hidden;
-  const size_t nds = cfg_.vision.deepstack_indexes.size();
-  std::vector<int64_t> ids, cu{0};
-  std::vector<int> seqs;
-  std::vector<T> img;
-  std::vector<std::vector<T>> ds(nds);
+StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvCache<T>& cache) {
+  const int64_t H = cfg.text.hidden;
+  const size_t nds = cfg.vision.deepstack_indexes.size();
+  StepPack<T> k;
+  k.ds.resize(nds);
   bool any_ds = false;
   for (const StepSegment<T>& g : segs) {
     const int s = g.seq;
     if (s < 0 || s >= cache.batch() || cache.len[s] < 0) fail("step: no cached sequence " + std::to_string(s));
     if (g.ids.empty()) fail("step: an empty segment for sequence " + std::to_string(s));
-    ids.insert(ids.end(), g.ids.begin(), g.ids.end());
-    cu.push_back((int64_t)ids.size());
-    seqs.push_back(s);
-    img.insert(img.end(), g.img.begin(), g.img.end());
+    k.ids.insert(k.ids.end(), g.ids.begin(), g.ids.end());
+    k.cu.push_back((int64_t)k.ids.size());
+    k.seqs.push_back(s);
+    k.img.insert(k.img.end(), g.img.begin(), g.img.end());
     if (!g.ds.empty()) {
       if (g.ds.size() != nds) fail("step: DeepStack features for " + std::to_string(g.ds.size()) + " layers");
       any_ds = true;
-      for (size_t j = 0; j < nds; ++j) ds[j].insert(ds[j].end(), g.ds[j].begin(), g.ds[j].end());
+      for (size_t j = 0; j < nds; ++j) k.ds[j].insert(k.ds[j].end(), g.ds[j].begin(), g.ds[j].end());
     }
   }
-  const int64_t N = (int64_t)ids.size();
+  const int64_t N = (int64_t)k.ids.size();
   // Positions: given with the prompt's tokens (M-RoPE of the whole prompt), else the sequence's next position.
-  std::vector<int64_t> pos(3 * N);
+  k.pos.resize(3 * N);
   for (size_t g = 0; g < segs.size(); ++g) {
-    const int64_t n = cu[g + 1] - cu[g];
+    const int64_t n = k.cu[g + 1] - k.cu[g];
     if (!segs[g].pos3.empty() && (int64_t)segs[g].pos3.size() != 3 * n)
       fail("step: " + std::to_string(segs[g].pos3.size()) + " positions for " + std::to_string(n) + " tokens");
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t p = segs[g].pos3.empty() ? cache.next_pos[seqs[g]]++ : -1;
-      for (int row = 0; row < 3; ++row) pos[row * N + cu[g] + i] = p >= 0 ? p : segs[g].pos3[row * n + i];
+      const int64_t p = segs[g].pos3.empty() ? cache.next_pos[k.seqs[g]]++ : -1;
+      for (int row = 0; row < 3; ++row) k.pos[row * N + k.cu[g] + i] = p >= 0 ? p : segs[g].pos3[row * n + i];
     }
   }
-  std::vector<T> x = embed(ids, img);
-  if (any_ds)
+  const int64_t nimg = (int64_t)std::count(k.ids.begin(), k.ids.end(), (int64_t)cfg.image_token_id);
+  if (nimg * H != (int64_t)k.img.size())
+    fail("image features and image tokens do not match: " + std::to_string(nimg) + " tokens with id " +
+         std::to_string(cfg.image_token_id) + ", " + std::to_string(k.img.size() / H) + " merged image features");
+  if (any_ds) {
     for (size_t j = 0; j < nds; ++j)
-      if ((int64_t)ds[j].size() != (int64_t)vis_.size() * H) fail("step: DeepStack features do not match the image tokens");
-  return extend(x, cu, pos, seqs, any_ds ? ds : std::vector<std::vector<T>>{}, cache);
+      if ((int64_t)k.ds[j].size() != nimg * H) fail("step: DeepStack features do not match the image tokens");
+  } else {
+    k.ds.clear();
+  }
+  return k;
+}
+
+template <class T>
+std::vector<T> BasicModel<T>::step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache) {
+  kept_ = false;
+  StepPack<T> k = pack_step(cfg_, segs, cache);
+  std::vector<T> x = embed(k.ids, k.img);
+  return extend(x, k.cu, k.pos, k.seqs, k.ds, cache);
 }
 
 template <class T>
@@ -710,5 +721,7 @@ int64_t BasicModel<T>::activation_bytes() const {
 
 template class BasicModel<float>;
 template class BasicModel<double>;
+template StepPack<float> pack_step(const ModelConfig&, const std::vector<StepSegment<float>>&, KvCache<float>&);
+template StepPack<double> pack_step(const ModelConfig&, const std::vector<StepSegment<double>>&, KvCache<double>&);
 
 }  // namespace q3vl

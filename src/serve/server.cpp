@@ -30,6 +30,7 @@
 #include "q3vl/core/log.hpp"
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/tokenizer.hpp"
+#include "q3vl/model/dev_model.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/serve/generate.hpp"
@@ -220,6 +221,10 @@ size_t apply_kv(KvCache<float>& c, const std::vector<int64_t>& o, size_t i) {
 class Server {
  public:
   explicit Server(const Deck& d) : deck_(d) {}
+  ~Server() {
+    dev_.reset();
+    if (ex_.device == Device::CUDA) dev::destroy_exec(ex_);
+  }
   int run();
 
  private:
@@ -249,7 +254,16 @@ class Server {
   void emit(Job& job, bool final);
 
   const Deck& deck_;
+  // The model: on the host (model.backend = "cpu"), or on the device op layer (model.backend = "cuda": the GPU, or
+  // the CPU op layer with Q3VL_DEVICE_ON_CPU=1 for tests), where only cfg_ stays on the host.
   std::unique_ptr<Model> model_;
+  std::unique_ptr<DevModel> dev_;
+  dev::Exec ex_{};
+  ModelConfig cfg_;
+  std::vector<float> local_step(const std::vector<StepSegment<float>>& segs) {
+    return dev_ ? dev_->step(segs, cache_) : model_->step(segs, cache_);
+  }
+  void load_device();
   std::unique_ptr<Tokenizer> tok_;
   ImageConfig icfg_;
   SamplingParams base_;
@@ -713,7 +727,7 @@ void Server::update_kv_metrics() {
 // Cached prefix blocks no sequence uses count as free: they are evicted (least recently used first) before anyone
 // waits for them.
 void Server::admit() {
-  const ModelConfig& cfg = model_->config();
+  const ModelConfig& cfg = cfg_;
   const int64_t B = cache_.block;
   while (!waiting_.empty() && (int64_t)running_.size() < max_batch_) {
     std::shared_ptr<Job> job = waiting_.front();
@@ -752,7 +766,8 @@ void Server::admit() {
     const int64_t vis_shared = std::count(ids.begin(), ids.begin() + shared, (int64_t)cfg.image_token_id);
     try {  // the vision tower only when some image token is still to compute
       if (!job->prompt.grid.empty() && std::count(ids.begin() + shared, ids.end(), (int64_t)cfg.image_token_id) > 0)
-        model_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
+        dev_ ? dev_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds)
+             : model_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
     } catch (const Error& e) {
       job->error = e.what();
       finish(*job, "error");
@@ -780,7 +795,7 @@ void Server::admit() {
 }
 
 void Server::engine_loop() {
-  const ModelConfig& cfg = model_->config();
+  const ModelConfig& cfg = cfg_;
   const int64_t H = cfg.text.hidden, V = cfg.text.vocab;
   while (!stop_signal_pending()) {
     {
@@ -930,7 +945,8 @@ void Server::load() {
   const ModelSource src = model_source(deck_, "serve.checkpoint");
   checkpoint_ = src.checkpoint;
   std::unique_ptr<Model> full = load_model(deck_, src);
-  if (tp_ > 1 && full->config().lora.on()) full = fold_lora(*full);
+  // The device model has no adapters: fold them for it too.
+  if ((tp_ > 1 || deck_.str("model.backend") == "cuda") && full->config().lora.on()) full = fold_lora(*full);
   if (tp_ == 1) {
     model_ = std::move(full);
   } else {  // each rank keeps its slice; the full weights go once it is cut
@@ -951,8 +967,10 @@ void Server::load() {
   // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone.
   const std::string wmsg = apply_weight_dtype(*model_, deck_, "serve");
   if (rank_ == 0) log_info(wmsg + (tp_ > 1 ? " per rank" : ""));
+  cfg_ = model_->config();
+  if (deck_.str("model.backend") == "cuda") return load_device();
   // The KV cache: fixed blocks from the budget (per rank: a rank caches only its key/value heads), allocated once.
-  const ModelConfig& cfg = model_->config();
+  const ModelConfig& cfg = cfg_;
   const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
   cache_.block = deck_.integer("serve.kv_block");
   const int64_t per_token = tp_kv_bytes_per_token(cfg.text, 1, cfg.text.layers, (int)sizeof(float));  // cfg: a slice
@@ -979,6 +997,70 @@ void Server::load() {
   if (rank_ == 0) log_info(msg);
 }
 
+// model.backend = "cuda": the rank's slice goes to the device in model.dtype, the host copy is freed, and the KV pools
+// take what the device has left after the weights and the step buffers (or serve.kv_mib).
+void Server::load_device() {
+  const Placement& where = Runtime::get().where();
+  const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
+  const DType dt = compute_dtype(deck_.str("model.dtype"));
+  ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, size_t(256) << 20, std::max(0, where.gpu));
+  const int64_t block = deck_.integer("serve.kv_block"), ctx = deck_.integer("serve.max_context");
+  const int64_t batch = deck_.integer("serve.max_batch");
+  DevModel::InferBudget b;
+  b.tokens = std::max(deck_.integer("serve.step_tokens"), batch);  // decodes go first, chunks fill to step_tokens
+  b.segments = batch;
+  b.patches = 4 * ctx;  // a merged image token is 4 patches, and a request's image tokens fit in its context
+  b.block = block;
+  b.seq_blocks = (ctx + block - 1) / block + 1;
+  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false);
+  dev_->set_params(model_->params());
+  model_.reset();
+  if (tp_ > 1)
+    dev_->set_tensor_parallel(
+        [](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
+        vocab_rows_.first, vocab_rows_.second);
+  const int64_t per_block = DevModel::kv_pool_bytes(cfg_, dt, 1, block);
+  const int64_t step_bytes = DevModel::infer_bytes(cfg_, dt, b);  // with no KV blocks yet
+  double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
+  std::string how = "serve.kv_mib";
+  size_t free_b = 0, total_b = 0;
+  if (!on_cpu) dev::memory_info(ex_, &free_b, &total_b);
+  if (kv_bytes == 0) {
+    const double need = double(batch) * double(ctx + block) * double(per_block) / double(block);
+    // What is left after the weights (loaded), the workspace (made) and the step buffers, less 5% of the device for
+    // cuBLAS and the allocator; on the CPU op layer, as the host backend sizes it.
+    const double room = on_cpu ? 0.5 * double(available_memory()) / where.local_size
+                               : double(free_b) - double(step_bytes) - 0.05 * double(total_b);
+    kv_bytes = std::max(0.0, std::min(need, room));
+    how = kv_bytes == need ? "auto: what serve.max_batch x serve.max_context can use"
+                           : (on_cpu ? "auto: half of this rank's share of the available memory"
+                                     : "auto: the device memory left after the weights and step buffers");
+  }
+  MPI_Allreduce(MPI_IN_PLACE, &kv_bytes, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);  // every rank the same blocks
+  b.kv_blocks = (int64_t)kv_bytes / per_block;
+  if (b.kv_blocks < b.seq_blocks)
+    fail("serve: room for " + std::to_string(b.kv_blocks) + " KV blocks of " + std::to_string(block) +
+         " tokens, fewer than one request of serve.max_context = " + std::to_string(ctx) + " needs (" +
+         std::to_string(b.seq_blocks) + "); lower serve.max_context, serve.step_tokens or serve.max_batch, raise "
+         "serve.kv_mib, or add ranks (serve.tp)");
+  dev_->reserve_infer(b);
+  cache_.block = block;
+  cache_.max_blocks = b.kv_blocks;
+  cache_.host_pool = false;
+  cache_.reset(cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim);
+  metrics_.kv_total = cache_.max_blocks;
+  const DevMemory m = dev_->memory();
+  char msg[400];
+  std::snprintf(msg, sizeof msg,
+                "serve: on %s%s, %s: weights %.2f GiB, step and vision buffers %.2f GiB, KV cache %lld blocks of %lld "
+                "tokens (%.2f GiB, %lld tokens; %s)%s",
+                on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(std::max(0, where.gpu)).c_str(),
+                dtype_name(dt), m.weights / 1073741824.0, step_bytes / 1073741824.0, (long long)b.kv_blocks,
+                (long long)block, b.kv_blocks * per_block / 1073741824.0, (long long)(b.kv_blocks * block), how.c_str(),
+                tp_ > 1 ? " per rank" : "");
+  if (rank_ == 0) log_info(msg);
+}
+
 namespace {
 // A broadcast the waiting ranks poll with short sleeps: MPICH spins in a blocking one, and a server waits for
 // requests most of the time.
@@ -994,7 +1076,7 @@ void bcast_polling(int64_t* buf, int n) {
 }  // namespace
 
 std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop) {
-  if (tp_ == 1) return model_->step(segs, cache_);  // kv() recorded nothing
+  if (tp_ == 1) return local_step(segs);  // kv() recorded nothing
   // The plan: ints [ops..., nseg, per segment: slot, n ids, ids, n pos, pos, img floats, ds count, ds floats...],
   // floats [img, ds...]; a header [stop, ints, floats] first.
   std::vector<int64_t> ints;
@@ -1045,8 +1127,8 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     }
   }
   // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
-  const std::vector<float> local = model_->step(segs, cache_);
-  const int64_t V = model_->config().text.vocab, ns = (int64_t)segs.size();
+  const std::vector<float> local = local_step(segs);
+  const int64_t V = cfg_.text.vocab, ns = (int64_t)segs.size();
   std::vector<int> counts(tp_), offs(tp_);
   for (int r = 0; r < tp_; ++r) {
     const auto [a, b] = tp_vocab_rows(V, r, tp_);
@@ -1080,7 +1162,7 @@ int Server::run() {
     worker_loop();
     return 0;
   }
-  const ModelConfig& cfg = model_->config();
+  const ModelConfig& cfg = cfg_;
   tok_ = std::make_unique<Tokenizer>(Tokenizer::load(tokenizer_file(deck_)));
   icfg_ = image_config(deck_, "serve", cfg);
   base_ = model_sampling(cfg, *tok_);

@@ -193,6 +193,21 @@ if start moe_tp2 mpiexec -n 2 $q serve model.preset=tiny-moe serve.kv_mib=8 serv
   node_c answers $tmp/d/eval.jsonl >$tmp/a_moe.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
   ref=$tmp/gen_moe.jsonl same_answers "MoE, TP = 2: answers == generate" $tmp/a_moe.jsonl
 fi
+# The device model (model.backend = "cuda": DevModel::step over a paged KV cache on the device): on the GPU where one
+# is visible, else on the CPU op layer (Q3VL_DEVICE_ON_CPU=1), so CI runs the same path. fp32: generate's answers.
+if nvidia-smi -L >/dev/null 2>&1; then on=(env); where=GPU; else on=(env Q3VL_DEVICE_ON_CPU=1); where="CPU op layer"; fi
+for n in 1 2; do
+  if start dev$n "${on[@]}" mpiexec -n $n $q serve model.preset=tiny model.backend=cuda serve.kv_mib=8; then
+    grep -q "serve: on .*fp32: weights" $tmp/dev$n.log || bad "dev$n: $(grep serve: $tmp/dev$n.log)"
+    node_c answers $tmp/d/eval.jsonl stream >$tmp/a_dev$n.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+    same_answers "device model on the $where, $n rank(s): streamed answers == generate" $tmp/a_dev$n.jsonl
+    kill -TERM ${pids[-1]}; wait ${pids[-1]}
+  fi
+done
+if start dev_moe "${on[@]}" $q serve model.preset=tiny-moe model.backend=cuda serve.kv_mib=8 serve.model_name=q3vl-tiny; then
+  node_c answers $tmp/d/eval.jsonl >$tmp/a_dev_moe.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+  ref=$tmp/gen_moe.jsonl same_answers "MoE on the device model ($where): answers == generate" $tmp/a_dev_moe.jsonl
+fi
 stop_all
 expect no-model 1 "serve needs a model" $q serve serve.port=0
 expect bad-image-dir 1 "serve.image_dir" $q serve model.preset=tiny serve.image_dir=$tmp/nothere

@@ -17,7 +17,14 @@ host=$(hostname)
 # They count in lib.sh's counters, so finish reports them (and run_all.sh lists the "skip  " lines).
 pass() { echo "ok    $1"; passes=$((passes + 1)); }
 skip() { echo "skip  $1 — $2"; skips=$((skips + 1)); }
-bad() { echo "FAIL  $1"; shift; for f in "$@"; do [[ -f $f ]] && tail -n 25 "$f" | sed 's/^/      /'; done; fails=$((fails + 1)); }
+# The FAIL line itself carries the first log's last line: run_all.sh repeats FAIL lines at the end, where CI shows them.
+bad() {
+  local msg=$1 last=""; shift
+  [[ -f ${1:-} ]] && last=$(grep -v '^[[:space:]]*$' "$1" | tail -n 1)
+  echo "FAIL  $msg${last:+ — last line of ${1##*/}: ${last:0:200}}"
+  for f in "$@"; do [[ -f $f ]] && tail -n 25 "$f" | sed 's/^/      /'; done
+  fails=$((fails + 1))
+}
 # expect_log NAME LOG PATTERN...: every extended regex is in LOG.
 expect_log() {
   local name=$1 log=$2; shift 2
@@ -88,7 +95,7 @@ if [[ -f input/demo.deck ]]; then
 else smoke_deck="" smoke_args=("${tiny[@]}" train.steps=2); fi
 id=$(DECK=$smoke_deck OUT=$work/smoke sbatch --parsable --output="$work/smoke-%j.out" jobs/smoke.slurm \
   "${smoke_args[@]}")
-if wait_job "$id" 240 && [[ $(job_field "$id" JobState) == COMPLETED ]]; then
+if wait_job "$id" 600 && [[ $(job_field "$id" JobState) == COMPLETED ]]; then
   expect_log "smoke job (4 tasks): check and train complete" "$work/smoke-$id.out" \
     "check passed: 4 rank\(s\)" "training done: step 2"
 else bad "smoke job $id: $(job_field "$id" JobState)" "$work/smoke-$id.out"; fi
@@ -97,14 +104,15 @@ else bad "smoke job $id: $(job_field "$id" JobState)" "$work/smoke-$id.out"; fi
 run=("${tiny[@]}" train.steps=5 checkpoint.every=0)
 srun --mpi=pmi2 -n 4 bin/q3vl train "${run[@]}" run.out_dir="$work/ref" >"$work/ref.log" 2>&1 \
   || bad "uninterrupted reference run" "$work/ref.log"
+t_pre=$SECONDS
 id=$(DECK= OUT=$work/pre sbatch --parsable --output="$work/pre-%j.out" jobs/smoke.slurm "${run[@]}")
 # Signal once the first step is logged, so the run is mid-way and its handlers are installed.
 for _ in $(seq 120); do [[ -s $work/pre/metrics.jsonl ]] && break; sleep 1; done
 scancel --signal=USR1 "$id"
 log=$work/pre-$id.out
 ref=$work/ref/checkpoints/step_00000005.h5 got=$work/pre/checkpoints/step_00000005.h5
-if ! wait_job "$id" 240 || [[ $(job_field "$id" JobState) != COMPLETED ]]; then
-  bad "preempted job $id: $(job_field "$id" JobState)" "$log"
+if ! wait_job "$id" 600 || [[ $(job_field "$id" JobState) != COMPLETED ]]; then
+  bad "preempted job $id: $(job_field "$id" JobState) after $((SECONDS - t_pre)) s" "$log"
 elif [[ $(job_field "$id" Restarts) != 1 ]]; then
   bad "preempted job was requeued once (Restarts=$(job_field "$id" Restarts))" "$log"
 elif expect_log "SIGUSR1 -> checkpoint, exit 3, requeue, resume, done" "$log" \

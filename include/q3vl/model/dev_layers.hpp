@@ -9,6 +9,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "q3vl/model/config.hpp"
 #include "q3vl/tensor/dev.hpp"
@@ -70,5 +71,20 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
 void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* dx,
                      int64_t N, const DevSegments& seg, const float* cos, const float* sin, const float* probs,
                      const int32_t* idx, const void* aux_dlogits, DevDecoderCtx& c, DevDecoderScratch& s, DType dt);
+
+// Inference through one layer against a paged KV cache (serve; layers.hpp's decoder_layer_infer on the device): N
+// new tokens x[N,H] in place; their keys/values (after QK-norm and RoPE) are written to pool rows slots[N] of
+// k_pool/v_pool [rows, nkv, hd] and each attends to its sequence's cache (cache: dev::paged_attention_fwd's
+// arguments). Only the forward's buffers of c and s are used, nothing is kept. reduce (may be empty) sums a
+// tensor-parallel slice's partial o_proj and MLP outputs [N,H] over the group, in place.
+struct DevPagedCache {
+  void *k, *v;                 // this layer's pools
+  const int32_t *slots, *cu, *ctx, *table;
+  int64_t max_blocks, block, nseg, max_q, max_ctx;
+};
+using DevPartialSum = std::function<void(void*, int64_t)>;
+void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
+                       int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
+                       int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce, DType dt);
 
 }  // namespace q3vl

@@ -4,6 +4,7 @@
 // computes what BasicModel<float> computes (tests/unit/test_dev_model.cpp); on CUDA it is the GPU model.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,7 +30,8 @@ struct DevMemory {
 
 class DevModel {
  public:
-  DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt);
+  // grads = false: inference only (serve), no gradient buffer.
+  DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true);
   ~DevModel();
   DevModel(const DevModel&) = delete;
   DevModel& operator=(const DevModel&) = delete;
@@ -73,8 +75,29 @@ class DevModel {
   void backward(float loss_scale = 1.f);
   int64_t supervised_tokens() const { return count_; }
 
+  // ---- Inference (serve): BasicModel::step and vision_features on the device --------------------------------------
+  // A step of up to `tokens` new tokens in up to `segments` segments, a vision pass of up to `patches` patches, and
+  // the KV pools: kv_blocks blocks of `block` tokens per layer, a sequence spanning at most seq_blocks blocks.
+  struct InferBudget {
+    int64_t tokens = 0, segments = 0, patches = 0, kv_blocks = 0, block = 16, seq_blocks = 0;
+  };
+  // Bytes reserve_infer(b) allocates: the KV pools and the step and vision buffers (serve sizes its cache with it).
+  static int64_t kv_pool_bytes(const ModelConfig& cfg, DType dt, int64_t blocks, int64_t block);
+  static int64_t infer_bytes(const ModelConfig& cfg, DType dt, const InferBudget& b);
+  void reserve_infer(const InferBudget& b);
+  // cache: the bookkeeping (KvCache::host_pool = false, its max_blocks and block those of the budget); the keys and
+  // values are in this model's pools. Returns each segment's last-row logits [segs, V] (V: the tensor-parallel rows).
+  std::vector<float> step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache);
+  // The vision tower and mergers for one prompt's images: img [n, H] and ds [deepstack][n*H] on the host.
+  void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<float>& img,
+                       std::vector<std::vector<float>>& ds);
+  // Tensor parallelism (a tp_config slice): host_sum adds the partial [n] outputs of the group in place (fp32 on the
+  // host, through MPI; NCCL on the device is the NCCL issue's); the head computes vocabulary rows [v0, v1).
+  void set_tensor_parallel(std::function<void(float*, int64_t)> host_sum, int64_t v0, int64_t v1);
+
  private:
   struct Impl;
+  struct Infer;
   // reserve() and activation_bytes() size the arena here, the one place.
   static size_t size_arena(Impl& i, const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute);
   double run(TokenStream&& s, const std::vector<float>& pixels, const std::vector<int64_t>& grid, bool keep,
@@ -89,6 +112,7 @@ class DevModel {
   std::vector<const void*> pp_;
   std::vector<float*> gp_;
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<Infer> infer_;
   int64_t count_ = 0;
   bool kept_ = false, aux_on_ = false, recompute_ = false;
 };

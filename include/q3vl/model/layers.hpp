@@ -133,6 +133,7 @@ template <class T> struct KvCache {
   int64_t block = 16;                       // tokens per block
   int64_t max_blocks = 0;                   // pool size limit in blocks (0: none)
   int64_t row = 0;                          // kv_heads * head_dim
+  bool host_pool = true;                    // false: bookkeeping only, the pools live elsewhere (the device model)
   std::vector<int64_t> len;                 // [slot] tokens cached per sequence (-1: a free slot)
   std::vector<int64_t> next_pos;            // [slot] M-RoPE position of the next token (spec 4.6 rope_deltas: max
                                             // prompt position + 1, then one more per generated token, on all rows)

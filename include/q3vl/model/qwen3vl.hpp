@@ -56,6 +56,20 @@ struct StepSegment {
   std::vector<std::vector<T>> ds;
 };
 
+// A step's segments packed (BasicModel::step, DevModel::step): ids with segment offsets cu and cache sequences seqs;
+// M-RoPE positions pos [3][N] (a segment's pos3, else its sequence's next positions, which this advances); the image
+// features in token order and the DeepStack features (ds empty when no segment brings any). Fails naming the segment
+// that does not fit the cache state or itself.
+template <class T>
+struct StepPack {
+  std::vector<int64_t> ids, cu{0}, pos;
+  std::vector<int> seqs;
+  std::vector<T> img;
+  std::vector<std::vector<T>> ds;
+};
+template <class T>
+StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvCache<T>& cache);
+
 template <class T>
 class BasicModel {
  public:

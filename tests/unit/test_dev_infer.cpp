@@ -1,0 +1,181 @@
+// Serving on the device model (DevModel::step / vision_features over a paged KV cache on the device) against the host
+// model's (BasicModel::step), on the three transformers-initialised golden models (dense tied, dense untied, MoE):
+// two prompts with an image each, fed in chunks that end mid-image and mid-block, one decoding while the other is
+// still in its prompt, then greedy decoding of both; every step's logits compared. The pool is shuffled by a sequence
+// that comes and goes first, so block tables are not the identity. On the CPU (fp32) the device path is the CPU op
+// layer: it runs in CI; on CUDA in fp32, bf16 and fp16 (make test-gpu).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "../gpu.hpp"
+#include "q3vl/core/error.hpp"
+#include "q3vl/model/dev_model.hpp"
+#include "q3vl/model/layers.hpp"
+
+using namespace q3vl;
+
+namespace {
+
+struct Prompt {
+  std::vector<int64_t> ids, pos;  // pos [3][n]
+  std::vector<int64_t> grid;
+  std::vector<float> pixels;
+};
+
+// Text ids around one image of grid [1, gh, gw]: vision start, the image tokens, vision end.
+Prompt make_prompt(const ModelConfig& cfg, int64_t gh, int64_t gw, int pre, int post, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int64_t> tok(1, std::min<int64_t>(cfg.text.vocab, 240) - 1);
+  std::normal_distribution<float> px(0.f, 1.f);
+  Prompt p;
+  for (int i = 0; i < pre; ++i) p.ids.push_back(tok(rng));
+  p.ids.push_back(cfg.vision_start_token_id);
+  p.ids.insert(p.ids.end(), gh * gw / (cfg.vision.merge * cfg.vision.merge), cfg.image_token_id);
+  p.ids.push_back(cfg.vision_end_token_id);
+  for (int i = 0; i < post; ++i) p.ids.push_back(tok(rng));
+  p.grid = {1, gh, gw};
+  p.pixels.resize(size_t(gh * gw * cfg.vision.patch_dim()));
+  for (float& v : p.pixels) v = px(rng);
+  const int64_t n = int64_t(p.ids.size());
+  p.pos = mrope_positions(cfg, p.ids.data(), {0, n}, p.grid);
+  return p;
+}
+
+// The logits of every step of one schedule, through either model.
+struct Runner {
+  std::function<std::vector<float>(const std::vector<StepSegment<float>>&, KvCache<float>&)> step;
+  std::function<void(const Prompt&, std::vector<float>&, std::vector<std::vector<float>>&)> vision;
+};
+
+std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vector<Prompt>& ps, KvCache<float>& c,
+                                         const Runner& r, std::vector<std::vector<int64_t>>& greedy, bool record,
+                                         std::vector<std::vector<float>>* img_out) {
+  const int64_t H = cfg.text.hidden, V = cfg.text.vocab;
+  const int junk = c.add();  // comes and goes first: its slot and (shuffled) blocks are reused
+  EXPECT_TRUE(c.reserve(junk, 3 * c.block + 1));
+  c.release(junk);
+  std::vector<int> slot;
+  std::vector<std::vector<float>> img(ps.size());
+  std::vector<std::vector<std::vector<float>>> ds(ps.size());
+  std::vector<int64_t> fed(ps.size(), 0), vis(ps.size(), 0);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    slot.push_back(c.add());
+    r.vision(ps[i], img[i], ds[i]);
+    for (int64_t p : ps[i].pos) c.next_pos[slot[i]] = std::max(c.next_pos[slot[i]], p + 1);
+  }
+  if (img_out) *img_out = img;
+  auto chunk = [&](size_t i, int64_t k) {
+    const int64_t n = int64_t(ps[i].ids.size()), a = fed[i], b = std::min(n, a + k);
+    StepSegment<float> g;
+    g.seq = slot[i];
+    g.ids.assign(ps[i].ids.begin() + a, ps[i].ids.begin() + b);
+    for (int row = 0; row < 3; ++row)
+      g.pos3.insert(g.pos3.end(), ps[i].pos.begin() + row * n + a, ps[i].pos.begin() + row * n + b);
+    const int64_t nv = std::count(g.ids.begin(), g.ids.end(), int64_t(cfg.image_token_id));
+    g.img.assign(img[i].begin() + vis[i] * H, img[i].begin() + (vis[i] + nv) * H);
+    if (nv)
+      for (const auto& d : ds[i]) g.ds.emplace_back(d.begin() + vis[i] * H, d.begin() + (vis[i] + nv) * H);
+    vis[i] += nv, fed[i] = b;
+    return g;
+  };
+  auto decode = [&](size_t i, size_t t) { return StepSegment<float>{slot[i], {greedy[i][t]}, {}, {}, {}}; };
+  auto argmax = [&](const std::vector<float>& l, int64_t row) {
+    return int64_t(std::max_element(l.begin() + row * V, l.begin() + (row + 1) * V) - (l.begin() + row * V));
+  };
+  std::vector<std::vector<float>> out;
+  auto run = [&](const std::vector<StepSegment<float>>& segs) { out.push_back(r.step(segs, c)); return out.back(); };
+  run({chunk(0, 5)});                            // prompt 0 into its image
+  std::vector<float> l = run({chunk(0, 100), chunk(1, 7)});  // prompt 0 done, prompt 1 mid-image
+  if (record) greedy[0].push_back(argmax(l, 0));
+  l = run({decode(0, 0), chunk(1, 100)});        // decode 0 while prompt 1 finishes
+  if (record) greedy[0].push_back(argmax(l, 0)), greedy[1].push_back(argmax(l, 1));
+  for (size_t t = 1; t < 6; ++t) {
+    l = run({decode(0, t), decode(1, t - 1)});
+    if (record) greedy[0].push_back(argmax(l, 0)), greedy[1].push_back(argmax(l, 1));
+  }
+  return out;
+}
+
+void infer_case(const std::string& name, Device d, DType dt, double tol) {
+  const std::string dir = "tests/data/golden/" + name + "/model";
+  const ModelConfig cfg = load_hf_config(dir + "/config.json");
+  Model host(cfg);
+  load_hf_weights(host, dir);
+  const std::vector<Prompt> ps{make_prompt(cfg, 4, 4, 3, 9, 1), make_prompt(cfg, 4, 8, 6, 5, 2)};
+  const int64_t block = 4, blocks = 24;
+
+  KvCache<float> hc;
+  hc.block = block, hc.max_blocks = blocks;
+  hc.reset(cfg.text.layers, int64_t(cfg.text.kv_heads) * cfg.text.head_dim);
+  std::vector<std::vector<int64_t>> greedy(2);
+  std::vector<std::vector<float>> himg;
+  const Runner hr{[&](const std::vector<StepSegment<float>>& s, KvCache<float>& c) { return host.step(s, c); },
+                  [&](const Prompt& p, std::vector<float>& img, std::vector<std::vector<float>>& ds) {
+                    host.vision_features(p.pixels, p.grid, img, ds);
+                  }};
+  const auto ref = schedule(cfg, ps, hc, hr, greedy, true, &himg);
+
+  dev::Exec ex = dev::make_exec(d);
+  std::vector<std::vector<float>> got, dimg;
+  {
+    DevModel m(cfg, ex, dt, /*grads=*/false);
+    m.set_params(host.params());
+    m.reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/64, blocks, block, /*seq_blocks=*/12});
+    KvCache<float> dc;
+    dc.block = block, dc.max_blocks = blocks, dc.host_pool = false;
+    dc.reset(cfg.text.layers, int64_t(cfg.text.kv_heads) * cfg.text.head_dim);
+    const Runner dr{[&](const std::vector<StepSegment<float>>& s, KvCache<float>& c) { return m.step(s, c); },
+                    [&](const Prompt& p, std::vector<float>& img, std::vector<std::vector<float>>& ds) {
+                      m.vision_features(p.pixels, p.grid, img, ds);
+                    }};
+    got = schedule(cfg, ps, dc, dr, greedy, false, &dimg);
+    EXPECT_EQ(dc.used_blocks(), hc.used_blocks());
+    // Budgets are enforced with a message, not overrun.
+    const int big = dc.add();
+    EXPECT_THROW(m.step({StepSegment<float>{big, std::vector<int64_t>(33, 5), {}, {}, {}}}, dc), Error);
+  }
+  dev::destroy_exec(ex);
+
+  double worst_img = 0, scale_img = 0;
+  for (size_t i = 0; i < himg.size(); ++i) {
+    ASSERT_EQ(himg[i].size(), dimg[i].size());
+    for (size_t j = 0; j < himg[i].size(); ++j)
+      worst_img = std::max(worst_img, double(std::abs(himg[i][j] - dimg[i][j]))),
+      scale_img = std::max(scale_img, double(std::abs(himg[i][j])));
+  }
+  EXPECT_LE(worst_img, tol * scale_img) << "image features";
+  ASSERT_EQ(ref.size(), got.size());
+  double worst = 0;
+  for (size_t s = 0; s < ref.size(); ++s) {
+    ASSERT_EQ(ref[s].size(), got[s].size()) << "step " << s;
+    double diff = 0, scale = 0;
+    for (size_t j = 0; j < ref[s].size(); ++j)
+      diff = std::max(diff, double(std::abs(ref[s][j] - got[s][j]))), scale = std::max(scale, double(std::abs(ref[s][j])));
+    worst = std::max(worst, diff / scale);
+    EXPECT_LE(diff, tol * scale) << name << " step " << s;
+  }
+  std::printf("  %s on %s %s: %zu steps, logits max|diff|/max|logit| %.2e, image features %.2e\n", name.c_str(),
+              d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), ref.size(), worst, worst_img / scale_img);
+}
+
+}  // namespace
+
+TEST(DevInfer, StepMatchesHostOnCpu) {
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5);
+}
+TEST(DevInfer, StepMatchesHostOnCudaFp32) {
+  Q3VL_NEED_GPU();
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4);
+}
+TEST(DevInfer, StepMatchesHostOnCudaBf16) {
+  Q3VL_NEED_GPU();
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2);
+}
+TEST(DevInfer, StepMatchesHostOnCudaFp16) {
+  Q3VL_NEED_GPU();
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F16, 1e-2);
+}
