@@ -224,6 +224,56 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
   ops::attention_bwd(F(dout), F(q), F(k), F(v), F(out), lse, F(dq), F(dk), F(dv), cu64.data(), nseg, nh, nkv, hd,
                      causal, scale);
 }
+// Plain loops in double: for each query row and head, the scores of positions [0, p] read through the block table,
+// a max-subtracted softmax, the weighted sum of values. The reference the CUDA kernel is tested against.
+void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const void* v_pool, void* out,
+                         const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
+                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
+                         int64_t nkv, int64_t hd, float scale, DType dt) {
+  ON_CUDA(x, paged_attention_fwd(x, q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg, max_q, max_ctx,
+                                 N, nh, nkv, hd, scale, dt));
+  need_f32(dt, "paged_attention_fwd");
+  Q3VL_CHECK(nkv > 0 && nh % nkv == 0 && block >= 1,
+             "paged_attention_fwd: heads must be a multiple of kv heads and the block size at least 1");
+  const float *Q = F(q), *K = F(k_pool), *V = F(v_pool);
+  float* O = F(out);
+  const int64_t G = nh / nkv;
+  std::vector<double> s, o(hd);
+  for (int64_t g = 0; g < nseg; ++g) {
+    const int64_t r0 = cu[g], n = cu[g + 1] - r0, c = ctx[g];
+    Q3VL_CHECK(n >= 0 && c >= n && (max_blocks * block >= c),
+               "paged_attention_fwd: segment " + std::to_string(g) + " has " + std::to_string(n) +
+                   " new tokens, a context of " + std::to_string(c) + " and room for " +
+                   std::to_string(max_blocks * block));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = c - n + i;  // the row's position: keys [0, p]
+      s.assign(p + 1, 0.0);
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t kh = h / G;
+        const float* qr = Q + ((r0 + i) * nh + h) * hd;
+        double mx = -INFINITY;
+        for (int64_t j = 0; j <= p; ++j) {
+          const int64_t row = int64_t(table[g * max_blocks + j / block]) * block + j % block;
+          const float* kr = K + (row * nkv + kh) * hd;
+          double d = 0;
+          for (int64_t e = 0; e < hd; ++e) d += double(qr[e]) * kr[e];
+          s[j] = d * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= p; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        std::fill(o.begin(), o.end(), 0.0);
+        for (int64_t j = 0; j <= p; ++j) {
+          const int64_t row = int64_t(table[g * max_blocks + j / block]) * block + j % block;
+          const float* vr = V + (row * nkv + kh) * hd;
+          for (int64_t e = 0; e < hd; ++e) o[e] += s[j] * vr[e];
+        }
+        float* orow = O + ((r0 + i) * nh + h) * hd;
+        for (int64_t e = 0; e < hd; ++e) orow[e] = float(o[e] / sum);
+      }
+    }
+  }
+}
 
 // ---- embeddings and row moves ---------------------------------------------------------------------------------------
 void embedding_fwd(const Exec& x, const int32_t* ids, const void* table, void* out, int64_t N, int64_t D, int64_t V,

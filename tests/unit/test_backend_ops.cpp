@@ -146,6 +146,38 @@ std::vector<double> cu_of(const std::vector<int64_t>& lens) {
   return cu;
 }
 
+// A paged KV layout for segments of (new rows, context): the segments' blocks are a shuffled subset of a pool that
+// has `spare` blocks more, and the table's entries past a segment's blocks name spare blocks, so a kernel that reads
+// rows no table entry in range references reads random values, not zeros.
+struct Paged {
+  std::vector<double> cu{0}, ctx, table;
+  int64_t N = 0, max_blocks = 0, pool_rows = 0, max_q = 0, max_ctx = 0;
+};
+Paged paged_layout(const std::vector<std::pair<int64_t, int64_t>>& segs, int64_t block, int64_t spare) {
+  Paged P;
+  int64_t used = 0;
+  for (auto [n, c] : segs) {
+    const int64_t nb = (c + block - 1) / block;
+    used += nb;
+    P.max_blocks = std::max(P.max_blocks, nb + 2);
+    P.N += n;
+    P.cu.push_back(double(P.N));
+    P.ctx.push_back(double(c));
+    P.max_q = std::max(P.max_q, n);
+    P.max_ctx = std::max(P.max_ctx, c);
+  }
+  std::vector<int64_t> ids(used + spare);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  int64_t next = 0;
+  for (auto [n, c] : segs) {
+    const int64_t nb = (c + block - 1) / block;
+    for (int64_t j = 0; j < P.max_blocks; ++j) P.table.push_back(double(j < nb ? ids[next++] : ids[used + j % spare]));
+  }
+  P.pool_rows = (used + spare) * block;
+  return P;
+}
+
 // Router inputs for the backward ops: probabilities and top-k from the CPU router on random logits.
 void route(int64_t N, int64_t E, int64_t k, std::vector<double>& probs, std::vector<double>& idx) {
   auto z = randn(N * E);
@@ -304,6 +336,36 @@ std::vector<Case> all_cases(DType dt) {
                                  nseg, maxl, N, nh, nkv, hd, causal, sc, t);
             });
       }
+
+  // paged attention: decode rows (context 1 and 700), a fresh prompt of 37, a chunk of 64 continuing 200 tokens, in one
+  // call; shuffled block tables over a pool of random values; then decode-only calls with long contexts (split keys on
+  // the GPU), an odd block size with hd 16, and a longer prefill chunk.
+  {
+    using Segs = std::vector<std::pair<int64_t, int64_t>>;
+    auto paged = [&](const std::string& name, const Segs& segs, int64_t block, int64_t nh, int64_t nkv, int64_t hd) {
+      const Paged L = paged_layout(segs, block, 5);
+      const float sc = float(1 / std::sqrt(double(hd)));
+      const int64_t N = L.N, mb = L.max_blocks, nseg = int64_t(segs.size()), mq = L.max_q, mc = L.max_ctx;
+      add("paged_attention_fwd", name + " b" + std::to_string(block) + " " + dims({nh, nkv, hd}), kAttn,
+          {in("q", K::Act, randn(N * nh * hd)), in("k_pool", K::Act, randn(L.pool_rows * nkv * hd)),
+           in("v_pool", K::Act, randn(L.pool_rows * nkv * hd)), out("out", K::Act, randn(N * nh * hd)),
+           in("cu", K::I32, L.cu), in("ctx", K::I32, L.ctx), in("table", K::I32, L.table)},
+          [=](auto& x, auto& p, DType t) {
+            dev::paged_attention_fwd(x, p[0], p[1], p[2], p[3], P<int32_t>(p, 4), P<int32_t>(p, 5), P<int32_t>(p, 6),
+                                     mb, block, nseg, mq, mc, N, nh, nkv, hd, sc, t);
+          });
+    };
+    const Segs mixed{{1, 1}, {1, 700}, {37, 37}, {64, 264}};
+    for (int64_t block : {16, 32})
+      for (auto [nh, nkv] : {std::pair<int64_t, int64_t>{4, 2}, {8, 1}, {2, 2}})
+        for (int64_t hd : {64, 72, 128}) paged("n/ctx{1/1,1/700,37/37,64/264}", mixed, block, nh, nkv, hd);
+    const Segs decode{{1, 5000}, {1, 1}, {1, 3333}, {1, 17}};
+    paged("decode ctx{5000,1,3333,17}", decode, 16, 8, 1, 128);
+    paged("decode ctx{5000,1,3333,17}", decode, 32, 4, 2, 64);
+    paged("decode ctx{5000,1,3333,17}", decode, 16, 2, 2, 72);
+    paged("n/ctx{3/40,1/9,20/20}", {{3, 40}, {1, 9}, {20, 20}}, 5, 4, 2, 16);
+    paged("n/ctx{700/1000,1/300}", {{700, 1000}, {1, 300}}, 16, 4, 1, 64);
+  }
 
   // embeddings and row moves (ids repeat: the backward accumulates)
   {
@@ -474,6 +536,57 @@ void run_table(DType dt, Device target) {
 }  // namespace
 
 TEST(BackendOps, Fp32) { run_table(DType::F32, test::have_gpu() ? Device::CUDA : Device::CPU); }
+// The paged reference pinned to the packed one: with each segment a whole fresh prompt (ctx = n) stored contiguously
+// in the pool (blocks in order, the rest of the pool random), paged_attention_fwd is ops::attention_fwd (causal).
+TEST(BackendOps, PagedAttentionMatchesAttention) {
+  const std::vector<int64_t> lens{1, 37, 64, 130};
+  const int64_t N = 232, nseg = 4;
+  for (int64_t hd : {16, 64, 72})
+    for (auto [nh, nkv] : {std::pair<int64_t, int64_t>{4, 2}, {2, 2}, {8, 1}})
+      for (int64_t block : {16, 32}) {
+        const float sc = float(1 / std::sqrt(double(hd)));
+        auto rf = [](int64_t n) {
+          auto d = randn(n);
+          return std::vector<float>(d.begin(), d.end());
+        };
+        std::vector<float> q = rf(N * nh * hd), k = rf(N * nkv * hd), v = rf(N * nkv * hd), want(N * nh * hd),
+                           lse(N * nh), got(N * nh * hd, NAN);
+        std::vector<int64_t> cu64{0};
+        std::vector<int32_t> cu{0}, ctx, table;
+        int64_t max_blocks = 0, blocks = 0;
+        for (int64_t l : lens) max_blocks = std::max(max_blocks, (l + block - 1) / block);
+        std::vector<int64_t> base;
+        for (int64_t l : lens) {
+          cu64.push_back(cu64.back() + l);
+          cu.push_back(int32_t(cu64.back()));
+          ctx.push_back(int32_t(l));
+          base.push_back(blocks);
+          const int64_t nb = (l + block - 1) / block;
+          for (int64_t j = 0; j < max_blocks; ++j) table.push_back(int32_t(j < nb ? blocks + j : 0));
+          blocks += nb;
+        }
+        const int64_t row = nkv * hd;
+        std::vector<float> kp = rf((blocks + 2) * block * row), vp = rf((blocks + 2) * block * row);
+        for (int64_t s = 0; s < nseg; ++s)
+          for (int64_t j = 0; j < lens[s]; ++j) {
+            std::copy_n(&k[(cu64[s] + j) * row], row, &kp[(base[s] * block + j) * row]);
+            std::copy_n(&v[(cu64[s] + j) * row], row, &vp[(base[s] * block + j) * row]);
+          }
+        ops::attention_fwd(q.data(), k.data(), v.data(), want.data(), lse.data(), cu64.data(), nseg, nh, nkv, hd, true,
+                           sc);
+        dev::paged_attention_fwd(dev::Exec{}, q.data(), kp.data(), vp.data(), got.data(), cu.data(), ctx.data(),
+                                 table.data(), max_blocks, block, nseg, 130, 130, N, nh, nkv, hd, sc, DType::F32);
+        double maxref = 0, maxdiff = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+          maxref = std::max(maxref, double(std::abs(want[i])));
+          const double d = std::abs(double(got[i]) - want[i]);
+          maxdiff = std::max(maxdiff, std::isnan(d) ? INFINITY : d);
+        }
+        std::printf("  paged vs packed attention %s b%lld: err %.2e\n", dims({nh, nkv, hd}).c_str(), (long long)block,
+                    maxdiff / maxref);
+        EXPECT_LE(maxdiff / maxref, 1e-5) << dims({nh, nkv, hd}) << " block " << block;
+      }
+}
 TEST(BackendOps, Bf16) {
   Q3VL_NEED_GPU();
   run_table(DType::BF16, Device::CUDA);
