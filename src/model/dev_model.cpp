@@ -171,14 +171,6 @@ void DevModel::reserve(const DevBudget& b) {
   impl_->carve(a, cfg_, dt_);
 }
 
-DevMemory DevModel::memory() const {
-  DevMemory m;
-  m.weights = weight_bytes(table_, dt_);
-  m.grads = grads_ ? grad_bytes(table_) : 0;
-  m.activations = int64_t(impl_->bytes) + (infer_ ? int64_t(infer_->bytes) : 0);
-  m.workspace = int64_t(ex_.ws_bytes);
-  return m;
-}
 
 void DevModel::set_params(const float* host_all) {
   const int64_t n = table_.total();
@@ -542,6 +534,15 @@ DevModel::~DevModel() {
   if (infer_ && infer_->block) dev::release(ex_, infer_->block);
   dev::release(ex_, params_);
   if (grads_) dev::release(ex_, grads_);
+}
+
+DevMemory DevModel::memory() const {
+  DevMemory m;
+  m.weights = weight_bytes(table_, dt_);
+  m.grads = grads_ ? grad_bytes(table_) : 0;
+  m.activations = int64_t(impl_->bytes) + (infer_ ? int64_t(infer_->bytes) : 0);
+  m.workspace = int64_t(ex_.ws_bytes);
+  return m;
 }
 
 int64_t DevModel::kv_pool_bytes(const ModelConfig& cfg, DType dt, int64_t blocks, int64_t block) {
