@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Issue 18's GPU checks in one call on the GPU machine (from the repo root, the packed runtime sourced):
+#   tools/gpu/serve_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]     PARTS: "unit tiny 8b" (default: all; a call is 600 s)
+# - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
+#   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
+# - `q3vl serve` with model.backend = cuda against `q3vl generate` on the CPU: the same greedy answers for 16
+#   held-out prompts with images, random tiny dense and MoE models, 1 rank and 2 tensor-parallel ranks, fp32; bf16
+#   agreement reported;
+# - the 8B shape (random weights, bf16) served from one H200: load, memory, and tools/bench_serve's throughput, time
+#   to first token and per output token at concurrency 1 and 32.
+# Everything lands in OUTDIR/results.tgz, refreshed after every part so that a call cut short returns what finished.
+set -u
+q=$1 ut=$2 final=$3 parts=${4:-unit tiny 8b} out=/tmp/results
+part() { [[ " $parts " == *" $1 "* ]]; }
+mkdir -p "$out" "$final"
+pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
+export OPENBLAS_NUM_THREADS=1
+say() { echo "$*" >>"$out/summary.txt"; }
+nvidia-smi -L >"$out/summary.txt"
+say "node: $(command -v node || echo none)"
+
+t0=$SECONDS
+part unit && Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='BackendOps.*:DevInfer.*:DevLayers.*:DevVision.*:DevModel.*:Golden.*' \
+  >"$out/unit.log" 2>&1
+part unit && say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$out/unit.log" | tr '\n' ' ')"
+grep -E 'paged_attention.*(FAIL|fail)|^\[  FAILED|on cuda (fp32|bf16|fp16):' "$out/unit.log" >>"$out/summary.txt"
+pack
+
+# ---- serve on the GPU against generate on the CPU -------------------------------------------------------------
+d=/tmp/d
+"$q" synth synth.dir=$d synth.train_samples=1 synth.eval_samples=16 synth.seed=3 run.timing=false >/dev/null 2>&1
+for m in tiny tiny-moe; do
+  "$q" generate model.preset=$m generate.prompts=$d/eval.jsonl generate.min_pixels=4096 generate.max_new_tokens=16 \
+    generate.output=/tmp/gen_$m.jsonl run.timing=false >"$out/gen_$m.log" 2>&1 || say "generate $m failed"
+done
+# answers PORT EVAL OUT [CONCURRENCY]: greedy chat answers for every record (its user turn, images as data URLs).
+answers() {
+  python3 - "$@" <<'EOF'
+import base64, json, os, sys, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+port, evalf, outf = sys.argv[1], sys.argv[2], sys.argv[3]
+conc = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+recs = [json.loads(l) for l in open(evalf) if l.strip()]
+def ask(i):
+    user = next(m for m in recs[i]["messages"] if m["role"] == "user")
+    content = []
+    for p in user["content"]:
+        if p["type"] == "image":
+            b = base64.b64encode(open(os.path.join(os.path.dirname(evalf), p["image"]), "rb").read()).decode()
+            content.append({"type": "image_url", "image_url": {"url": "data:image/png;base64," + b}})
+        else:
+            content.append({"type": "text", "text": p["text"]})
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 16, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    r = json.load(urllib.request.urlopen(req, timeout=600))
+    return {"line": i + 1, "answer": r["choices"][0]["message"]["content"], "usage": r["usage"]}
+with ThreadPoolExecutor(conc) as ex:
+    res = list(ex.map(ask, range(len(recs))))
+with open(outf, "w") as f:
+    for r in res: f.write(json.dumps(r) + "\n")
+EOF
+}
+# compare GEN GOT: how many answers equal generate's
+compare() {
+  python3 - "$1" "$2" <<'EOF'
+import json, sys
+gen = {r["line"]: r["answer"] for r in map(json.loads, open(sys.argv[1]))}
+got = [json.loads(l) for l in open(sys.argv[2])]
+same = sum(gen[r["line"]] == r["answer"] for r in got)
+print(f"{same}/{len(gen)} answers equal generate's")
+EOF
+}
+# serve_case NAME TIMEOUT CMD...: a server on a free port, the 16 answers, compared with generate's
+serve_case() {
+  local name=$1 t=$2; shift 2
+  local t0=$SECONDS port="" ref=/tmp/gen_tiny.jsonl
+  [[ $name == *moe* ]] && ref=/tmp/gen_tiny-moe.jsonl
+  timeout "$t" "$@" serve.port=0 serve.min_pixels=4096 serve.model_name=m run.timing=false >"$out/$name.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 600); do
+    port=$(grep -oP 'on http://127\.0\.0\.1:\K[0-9]+' "$out/$name.log")
+    [[ -n $port ]] && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.2
+  done
+  if [[ -z $port ]]; then say "$name: did not come up: $(tail -2 "$out/$name.log" | tr '\n' ' ')"; pack; return; fi
+  answers "$port" $d/eval.jsonl "$out/$name.jsonl" 4 2>>"$out/$name.log"
+  say "$name: $(compare $ref "$out/$name.jsonl" 2>&1 | tail -1) ($((SECONDS - t0)) s); $(grep -oP 'serve: on .*' "$out/$name.log" | head -1)"
+  kill -TERM $pid; wait $pid
+  pack
+}
+part tiny || parts+=" skip-tiny"
+[[ $parts == *skip-tiny* ]] || {
+serve_case tiny_gpu_1 120 "$q" serve model.preset=tiny model.backend=cuda
+serve_case tiny_gpu_tp2 120 mpiexec -n 2 "$q" serve model.preset=tiny model.backend=cuda
+serve_case tiny-moe_gpu_1 120 "$q" serve model.preset=tiny-moe model.backend=cuda
+serve_case tiny-moe_gpu_tp2 120 mpiexec -n 2 "$q" serve model.preset=tiny-moe model.backend=cuda
+serve_case tiny_gpu_bf16 120 "$q" serve model.preset=tiny model.backend=cuda model.dtype=bf16
+}
+part 8b || exit 0
+
+# ---- the 8B shape in bf16 on one H200 -----------------------------------------------------------------------------
+(while sleep 2; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader >>"$out/smi_8b.txt"; done) &
+smi=$!
+t0=$SECONDS
+timeout 400 "$q" serve model.preset=8B model.backend=cuda model.dtype=bf16 serve.port=0 serve.max_context=8192 \
+  serve.max_batch=64 serve.step_tokens=2048 run.timing=false >"$out/serve_8b.log" 2>&1 &
+pid=$!
+port=""
+for _ in $(seq 1500); do
+  port=$(grep -oP 'on http://127\.0\.0\.1:\K[0-9]+' "$out/serve_8b.log")
+  [[ -n $port ]] && break
+  kill -0 $pid 2>/dev/null || break
+  sleep 0.2
+done
+say "8B: up after $((SECONDS - t0)) s: $(grep -oP 'serve: on .*' "$out/serve_8b.log" | head -1)"
+pack
+if [[ -n $port ]]; then
+  png=$(ls $d/images/*.png | head -1)
+  for c in 1 32; do
+    timeout 150 python3 tools/bench_serve --port "$port" -n $((c == 1 ? 8 : 96)) -c $c --prompt-words 200 \
+      --image "$png" --max-tokens 128 --label "8B bf16 c=$c" --timeout 120 >>"$out/bench_8b.txt" 2>&1
+    pack
+  done
+  cat "$out/bench_8b.txt" >>"$out/summary.txt"
+  kill -TERM $pid; wait $pid
+fi
+kill $smi
+say "8B: peak memory.used, utilization: $(sort -t, -k1 -n "$out/smi_8b.txt" | tail -1)"
+pack
