@@ -107,7 +107,7 @@ srun --mpi=pmi2 -n 4 bin/q3vl train "${run[@]}" run.out_dir="$work/ref" >"$work/
 t_pre=$SECONDS
 id=$(DECK= OUT=$work/pre sbatch --parsable --output="$work/pre-%j.out" jobs/smoke.slurm "${run[@]}")
 # Signal once the first step is logged, so the run is mid-way and its handlers are installed.
-for _ in $(seq 120); do [[ -s $work/pre/metrics.jsonl ]] && break; sleep 1; done
+for _ in $(seq 400); do [[ -s $work/pre/metrics.jsonl ]] && break; sleep 1; done
 scancel --signal=USR1 "$id"
 log=$work/pre-$id.out
 ref=$work/ref/checkpoints/step_00000005.h5 got=$work/pre/checkpoints/step_00000005.h5
