@@ -174,19 +174,23 @@ void DevModel::reserve(const DevBudget& b) {
 
 void DevModel::set_params(const float* host_all) {
   const int64_t n = table_.total();
-  if (dt_ == DType::F32) return dev::to_device(ex_, params_, host_all, size_t(n) * 4);
-  if (grads_) {  // through the gradient buffer as fp32 staging (it is zeroed again after)
+  if (dt_ != DType::F32 && grads_) {  // through the gradient buffer as fp32 staging (it is zeroed again after)
     dev::to_device(ex_, grads_, host_all, size_t(n) * 4);
     dev::convert(ex_, params_, dt_, grads_, DType::F32, n);
     return zero_grads();
   }
-  // Inference: through a staging buffer of at most 256 MiB, once at load.
+  set_params(0, host_all, n);
+}
+void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
+  Q3VL_CHECK(offset >= 0 && offset + n <= table_.total(), "DevModel::set_params: a range outside the table");
+  if (dt_ == DType::F32) return dev::to_device(ex_, at(params_, offset, dt_), host, size_t(n) * 4);
+  // Through a staging buffer of at most 256 MiB, at load only.
   const int64_t chunk = std::min<int64_t>(n, int64_t(64) << 20);
   float* stage = static_cast<float*>(dev::alloc(ex_, size_t(chunk) * 4));
   for (int64_t i = 0; i < n; i += chunk) {
     const int64_t m = std::min(chunk, n - i);
-    dev::to_device(ex_, stage, host_all + i, size_t(m) * 4);
-    dev::convert(ex_, at(params_, i, dt_), dt_, stage, DType::F32, m);
+    dev::to_device(ex_, stage, host + i, size_t(m) * 4);
+    dev::convert(ex_, at(params_, offset + i, dt_), dt_, stage, DType::F32, m);
   }
   dev::synchronize(ex_);
   dev::release(ex_, stage);

@@ -226,6 +226,35 @@ std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src) {
   return model;
 }
 
+bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& t,
+                    const std::function<void(int64_t, const float*, int64_t)>& sink) {
+  if (src.adapters_only || !deck.str("lora.adapter").empty() || src.cfg.lora.on()) return false;
+  ScopedTimer tm(src.mode + ": load weights");
+  const bool ck = !src.checkpoint.empty(), hf = !ck && !deck.str("model.hf").empty();
+  log_info(src.mode + ": weights streamed a unit at a time from " +
+           (ck ? src.checkpoint : hf ? deck.str("model.hf") : "a random init (seed " + std::to_string(deck.integer("run.seed")) + ")"));
+  std::vector<float> buf;
+  for (const UnitInfo& u : t.units()) {
+    buf.resize(size_t(u.numel));
+    std::vector<ParamSlice> ps;
+    std::vector<CkptSlice> cs;
+    for (int id : u.params) {
+      const ParamInfo& p = t.param(id);
+      ps.push_back({id, 0, p.numel, buf.data() + p.offset});
+      cs.push_back({"model/" + p.name, p.shape, 0, p.numel, buf.data() + p.offset});
+    }
+    if (ck) {
+      read_checkpoint(src.checkpoint, MPI_COMM_SELF, cs);
+    } else if (hf) {
+      load_hf_slices(t, deck.str("model.hf"), ps);
+    } else {
+      init_random_slices(t, uint64_t(deck.integer("run.seed")), 0.02, ps);  // on every core
+    }
+    sink(u.offset, buf.data(), u.numel);
+  }
+  return true;
+}
+
 std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode) {
   const auto mib = [](int64_t b) { return b / 1048576.0; };
   char msg[320];

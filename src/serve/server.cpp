@@ -263,7 +263,7 @@ class Server {
   std::vector<float> local_step(const std::vector<StepSegment<float>>& segs) {
     return dev_ ? dev_->step(segs, cache_) : model_->step(segs, cache_);
   }
-  void load_device();
+  void load_device(const ModelSource& src);
   std::unique_ptr<Tokenizer> tok_;
   ImageConfig icfg_;
   SamplingParams base_;
@@ -944,6 +944,10 @@ void Server::load() {
          " ranks run: the tensor-parallel group is all ranks (replicas of a group are not supported yet)");
   const ModelSource src = model_source(deck_, "serve.checkpoint");
   checkpoint_ = src.checkpoint;
+  if (deck_.str("model.backend") == "cuda" && tp_ == 1) {  // streamed to the device when it can be
+    cfg_ = src.cfg;
+    return load_device(src);
+  }
   std::unique_ptr<Model> full = load_model(deck_, src);
   // The device model has no adapters: fold them for it too.
   if ((tp_ > 1 || deck_.str("model.backend") == "cuda") && full->config().lora.on()) full = fold_lora(*full);
@@ -968,7 +972,7 @@ void Server::load() {
   const std::string wmsg = apply_weight_dtype(*model_, deck_, "serve");
   if (rank_ == 0) log_info(wmsg + (tp_ > 1 ? " per rank" : ""));
   cfg_ = model_->config();
-  if (deck_.str("model.backend") == "cuda") return load_device();
+  if (deck_.str("model.backend") == "cuda") return load_device(src);
   // The KV cache: fixed blocks from the budget (per rank: a rank caches only its key/value heads), allocated once.
   const ModelConfig& cfg = cfg_;
   const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
@@ -999,7 +1003,7 @@ void Server::load() {
 
 // model.backend = "cuda": the rank's slice goes to the device in model.dtype, the host copy is freed, and the KV pools
 // take what the device has left after the weights and the step buffers (or serve.kv_mib).
-void Server::load_device() {
+void Server::load_device(const ModelSource& src) {
   const Placement& where = Runtime::get().where();
   const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
   const DType dt = compute_dtype(deck_.str("model.dtype"));
@@ -1012,9 +1016,23 @@ void Server::load_device() {
   b.patches = 4 * ctx;  // a merged image token is 4 patches, and a request's image tokens fit in its context
   b.block = block;
   b.seq_blocks = (ctx + block - 1) / block + 1;
-  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false);
-  dev_->set_params(model_->params());
-  model_.reset();
+  // One rank: the weights stream from their source a unit at a time (the host never holds the fp32 model); a
+  // tensor-parallel slice, or a model with adapters to fold, comes from the host model.
+  if (!model_) {
+    dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false);
+    if (!stream_weights(deck_, src, dev_->table(),
+                        [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); })) {
+      dev_.reset();
+      model_ = load_model(deck_, src);
+      if (model_->config().lora.on()) model_ = fold_lora(*model_);
+      cfg_ = model_->config();
+    }
+  }
+  if (model_) {
+    dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false);
+    dev_->set_params(model_->params());
+    model_.reset();
+  }
   if (tp_ > 1)
     dev_->set_tensor_parallel(
         [](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },

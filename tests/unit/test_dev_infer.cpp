@@ -6,15 +6,22 @@
 // layer: it runs in CI; on CUDA in fp32, bf16 and fp16 (make test-gpu).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstring>
+#include <filesystem>
 #include <cmath>
 #include <cstdio>
 #include <random>
 
 #include "../gpu.hpp"
+#include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/io/checkpoint.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/layers.hpp"
+#include "q3vl/serve/generate.hpp"
 
 using namespace q3vl;
 
@@ -186,4 +193,33 @@ TEST(DevInfer, StepMatchesHostOnCudaBf16) {
 TEST(DevInfer, StepMatchesHostOnCudaFp16) {
   Q3VL_NEED_GPU();
   for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F16, 1e-2);
+}
+
+// serve's streamed load (one unit at a time, for the device model) gives load_model's weights bitwise: from a model
+// directory, a random init, and a training checkpoint.
+TEST(StreamWeights, EqualLoadModel) {
+  namespace fs = std::filesystem;
+  const std::string hf = "tests/data/golden/moe/model", dir = (fs::temp_directory_path() /
+                                                                ("q3vl_stream_" + std::to_string(::getpid()))).string();
+  // A checkpoint of the golden model with every weight changed, so reading the directory instead would show.
+  Model m(load_hf_config(hf + "/config.json"));
+  load_hf_weights(m, hf);
+  std::vector<float> changed(m.params(), m.params() + m.table().total());
+  for (float& v : changed) v = 2 * v + 0.25f;
+  std::vector<CkptSlice> slices;
+  for (const ParamInfo& p : m.table().params())
+    slices.push_back({"model/" + p.name, p.shape, 0, p.numel, changed.data() + m.table().units()[p.unit].offset + p.offset});
+  const std::string ck = write_checkpoint(dir, MPI_COMM_WORLD, CkptMeta{5, 0, 1, "", "{}", "test", ""}, slices, 1);
+  for (const std::vector<std::string>& ov : std::vector<std::vector<std::string>>{
+           {"model.hf=" + hf}, {"model.preset=tiny-moe", "run.seed=7"}, {"model.hf=" + hf, "serve.checkpoint=" + ck}}) {
+    const Deck d = Deck::parse("", "test", ov, "serve");
+    const ModelSource src = model_source(d, "serve.checkpoint");
+    const auto full = load_model(d, src);
+    std::vector<float> got(size_t(full->table().total()), -1e30f);
+    ASSERT_TRUE(stream_weights(d, src, full->table(), [&](int64_t off, const float* v, int64_t n) {
+      std::copy(v, v + n, got.begin() + off);
+    }));
+    EXPECT_EQ(0, std::memcmp(got.data(), full->params(), got.size() * sizeof(float))) << ov.back();
+  }
+  fs::remove_all(dir);
 }

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Issue 18's GPU checks in one call on the GPU machine (from the repo root, the packed runtime sourced):
-#   tools/gpu/serve_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]     PARTS: "unit tiny 8b" (default: all; a call is 600 s)
+#   tools/gpu/serve_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]     PARTS: "unit tiny 8b 30b" (default: all; a call is 600 s)
 # - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
 #   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
 # - `q3vl serve` with model.backend = cuda against `q3vl generate` on the CPU: the same greedy answers for 16
 #   held-out prompts with images, random tiny dense and MoE models, 1 rank and 2 tensor-parallel ranks, fp32; bf16
 #   agreement reported;
-# - the 8B shape (random weights, bf16) served from one H200: load, memory, and tools/bench_serve's throughput, time
-#   to first token and per output token at concurrency 1 and 32.
+# - the 8B and 30B-A3B shapes (random weights streamed to the device, bf16) served from one H200: load, memory, and
+#   tools/bench_serve's throughput, time to first token and per output token at concurrency 1 and 32.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part so that a call cut short returns what finished.
 set -u
-q=$1 ut=$2 final=$3 parts=${4:-unit tiny 8b} out=/tmp/results
+q=$1 ut=$2 final=$3 parts=${4:-unit tiny 8b 30b} out=/tmp/results
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -20,11 +20,13 @@ nvidia-smi -L >"$out/summary.txt"
 say "node: $(command -v node || echo none)"
 
 t0=$SECONDS
-part unit && Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='BackendOps.*:DevInfer.*:DevLayers.*:DevVision.*:DevModel.*:Golden.*' \
+if part unit; then
+Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='BackendOps.*:DevInfer.*:DevLayers.*:DevVision.*:DevModel.*:Golden.*:StreamWeights.*' \
   >"$out/unit.log" 2>&1
-part unit && say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$out/unit.log" | tr '\n' ' ')"
+say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$out/unit.log" | tr '\n' ' ')"
 grep -E 'paged_attention.*(FAIL|fail)|^\[  FAILED|on cuda (fp32|bf16|fp16):' "$out/unit.log" >>"$out/summary.txt"
 pack
+fi
 
 # ---- serve on the GPU against generate on the CPU -------------------------------------------------------------
 d=/tmp/d
@@ -98,34 +100,39 @@ serve_case tiny-moe_gpu_1 120 "$q" serve model.preset=tiny-moe model.backend=cud
 serve_case tiny-moe_gpu_tp2 120 mpiexec -n 2 "$q" serve model.preset=tiny-moe model.backend=cuda
 serve_case tiny_gpu_bf16 120 "$q" serve model.preset=tiny model.backend=cuda model.dtype=bf16
 }
-part 8b || exit 0
 
-# ---- the 8B shape in bf16 on one H200 -----------------------------------------------------------------------------
-(while sleep 2; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader >>"$out/smi_8b.txt"; done) &
-smi=$!
-t0=$SECONDS
-timeout 400 "$q" serve model.preset=8B model.backend=cuda model.dtype=bf16 serve.port=0 serve.max_context=8192 \
-  serve.max_batch=64 serve.step_tokens=2048 run.timing=false >"$out/serve_8b.log" 2>&1 &
-pid=$!
-port=""
-for _ in $(seq 1500); do
-  port=$(grep -oP 'on http://127\.0\.0\.1:\K[0-9]+' "$out/serve_8b.log")
-  [[ -n $port ]] && break
-  kill -0 $pid 2>/dev/null || break
-  sleep 0.2
-done
-say "8B: up after $((SECONDS - t0)) s: $(grep -oP 'serve: on .*' "$out/serve_8b.log" | head -1)"
-pack
-if [[ -n $port ]]; then
-  png=$(ls $d/images/*.png | head -1)
-  for c in 1 32; do
-    timeout 150 python3 tools/bench_serve --port "$port" -n $((c == 1 ? 8 : 96)) -c $c --prompt-words 200 \
-      --image "$png" --max-tokens 128 --label "8B bf16 c=$c" --timeout 120 >>"$out/bench_8b.txt" 2>&1
-    pack
+# ---- big shapes in bf16 on one H200: random weights streamed to the device -------------------------------------
+# big NAME PRESET: serve it, then tools/bench_serve at concurrency 1 and 32 (200 words and a picture, 128 tokens).
+big() {
+  local name=$1 preset=$2 t0=$SECONDS port="" c
+  (while sleep 2; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader >>"$out/smi_$name.txt"; done) &
+  local smi=$!
+  timeout 420 "$q" serve model.preset=$preset model.backend=cuda model.dtype=bf16 serve.port=0 serve.max_context=8192 \
+    serve.max_batch=64 serve.step_tokens=2048 run.timing=false >"$out/serve_$name.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1500); do
+    port=$(grep -oP 'on http://127\.0\.0\.1:\K[0-9]+' "$out/serve_$name.log")
+    [[ -n $port ]] && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.2
   done
-  cat "$out/bench_8b.txt" >>"$out/summary.txt"
-  kill -TERM $pid; wait $pid
-fi
-kill $smi
-say "8B: peak memory.used, utilization: $(sort -t, -k1 -n "$out/smi_8b.txt" | tail -1)"
-pack
+  say "$name: up after $((SECONDS - t0)) s: $(grep -oP 'serve: (on|weights streamed) .*|load weights .*' "$out/serve_$name.log" | tr '\n' ' ')"
+  pack
+  if [[ -n $port ]]; then
+    png=$(ls $d/images/*.png | head -1)
+    for c in 1 32; do
+      timeout 150 python3 tools/bench_serve --port "$port" -n $((c == 1 ? 8 : 96)) -c $c --prompt-words 200 \
+        --image "$png" --max-tokens 128 --label "$name bf16 c=$c" --timeout 120 >>"$out/bench_$name.txt" 2>&1
+      pack
+    done
+    cat "$out/bench_$name.txt" >>"$out/summary.txt"
+    kill -TERM $pid; wait $pid
+  else
+    tail -5 "$out/serve_$name.log" >>"$out/summary.txt"
+  fi
+  kill $smi
+  say "$name: peak memory.used, utilization: $(sort -t, -k1 -n "$out/smi_$name.txt" | tail -1)"
+  pack
+}
+part 8b && big 8b 8B
+part 30b && big 30b-a3b 30B-A3B

@@ -2,6 +2,7 @@
 // model or a training checkpoint, with a KV cache (Model::prefill / Model::decode) and greedy or seeded sampling.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -75,6 +76,12 @@ ModelSource model_source(const Deck& deck, const std::string& checkpoint_key);
 // The weights: base (checkpoint, model.hf or random), then the adapters (the LoRA checkpoint's, or lora.adapter's
 // PEFT folder on top of a base).
 std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src);
+// load_model's weights one unit at a time, for a model that lives on a device: sink(offset, values, n) receives each
+// unit's values (table order; offset: the unit's place in the concatenated table), so the host never holds more than
+// the largest unit (a MoE layer's experts). Returns false, having done
+// nothing, for what only load_model does: adapters (a LoRA checkpoint, lora.adapter or a [lora] deck).
+bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& t,
+                    const std::function<void(int64_t, const float*, int64_t)>& sink);
 // model.weight_dtype: "int8" quantizes the loaded (for serve: the rank's tensor-parallel slice of the) weights in
 // place (Model::quantize_int8); either way returns the start-up line on weight memory, int8 against fp32.
 std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode);
