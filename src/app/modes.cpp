@@ -23,7 +23,7 @@ namespace q3vl {
 namespace {
 // The compute the deck asks for exists here, checked before any work. Inference (generate, serve) may hold int8
 // weights on the CPU; train and eval need fp32 weights (no gradient or master for int8).
-void check_compute(const Deck& d, const char* mode, bool inference) {
+void check_compute(const Deck& d, bool inference) {
   const bool cuda = d.str("model.backend") == "cuda";
   if (d.str("model.weight_dtype") != "fp32") {
     if (!inference)
@@ -40,12 +40,9 @@ void check_compute(const Deck& d, const char* mode, bool inference) {
   if (!cuda && d.str("model.dtype") != "fp32")
     fail("model.dtype = \"" + d.str("model.dtype") + "\": the CPU backend computes in fp32; set model.dtype = \"fp32\" "
          "or model.backend = \"cuda\"");
-  if (cuda && std::string(mode) == "generate")
-    fail("model.backend = \"cuda\": `q3vl generate` runs on the CPU backend only so far (on CUDA: `q3vl serve`, "
-         "`q3vl train` and `q3vl eval`); set model.backend = \"cpu\"");
 }
 int with_compute(const Deck& d, int (*run)(const Deck&)) {
-  check_compute(d, "train", false);
+  check_compute(d, false);
   return run(d);
 }
 }  // namespace
@@ -120,12 +117,12 @@ const std::vector<Mode>& modes() {
       {"eval", "forward (and backward) of a HF model over a batch file: logits, loss, grads to HDF5",
        [](const Deck& d, const ModeArgs&) { return with_compute(d, run_eval); }},
       {"generate", "answers for JSONL prompts with images (KV cache; greedy or seeded sampling) to JSONL",
-       [](const Deck& d, const ModeArgs&) { return check_compute(d, "generate", true), run_generate(d); }},
+       [](const Deck& d, const ModeArgs&) { return check_compute(d, true), run_generate(d); }},
       {"plan", "memory and step time of every training layout for the deck's model on plan.* hardware; the fastest "
                "that fits and its deck lines, or the smallest machine that would",
        [](const Deck& d, const ModeArgs&) { return run_plan(d); }, {}, true},
       {"serve", "OpenAI-compatible HTTP server (chat with images, SSE streaming) with continuous batching",
-       [](const Deck& d, const ModeArgs&) { return check_compute(d, "serve", true), run_serve(d); }},
+       [](const Deck& d, const ModeArgs&) { return check_compute(d, true), run_serve(d); }},
       {"synth", "the demo's synthetic data: PNG pictures of coloured shapes and train/eval JSONL conversations",
        [](const Deck& d, const ModeArgs&) { return run_synth(d); }},
   };

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -16,6 +18,8 @@
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/io/checkpoint.hpp"
+#include "q3vl/model/dev_model.hpp"
+#include "q3vl/model/lora.hpp"
 #include "q3vl/runtime/runtime.hpp"
 
 namespace q3vl {
@@ -52,25 +56,35 @@ int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, s
   return ids[keep - 1];
 }
 
-std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
+std::vector<float> HostGenModel::prefill(const std::vector<GenPrompt>& prompts) {
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<float> pixels;
+  std::vector<int64_t> grid;
+  for (const GenPrompt& p : prompts) {
+    ids.push_back(p.ids);
+    pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
+    grid.insert(grid.end(), p.grid.begin(), p.grid.end());
+  }
+  cache_ = {};
+  return m_.prefill(ids, pixels, grid, cache_);
+}
+
+std::vector<float> HostGenModel::decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) {
+  return m_.decode(seqs, tokens, cache_);
+}
+
+std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
                                 size_t first_index) {
   const size_t B = prompts.size();
   std::vector<GenResult> out(B);
   if (B == 0 || sp.max_new_tokens <= 0) return out;
-  std::vector<std::vector<int64_t>> ids;
-  std::vector<float> pixels;
-  std::vector<int64_t> grid;
   std::vector<std::mt19937_64> rng;
   for (size_t i = 0; i < B; ++i) {
-    ids.push_back(prompts[i].ids);
-    pixels.insert(pixels.end(), prompts[i].pixels.begin(), prompts[i].pixels.end());
-    grid.insert(grid.end(), prompts[i].grid.begin(), prompts[i].grid.end());
     std::seed_seq seq{uint64_t(sp.seed), uint64_t(sp.seed >> 32), uint64_t(first_index + i)};
     rng.emplace_back(seq);
   }
-  const int64_t V = model.config().text.vocab;
-  KvCache<float> cache;
-  std::vector<float> logits = model.prefill(ids, pixels, grid, cache);
+  const int64_t V = model.vocab();
+  std::vector<float> logits = model.prefill(prompts);
   std::vector<int> active(B);
   std::iota(active.begin(), active.end(), 0);
   while (!active.empty()) {
@@ -87,9 +101,15 @@ std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prom
       if ((int)out[i].tokens.size() < sp.max_new_tokens) next.push_back(i), toks.push_back(t);
     }
     active = next;
-    if (!active.empty()) logits = model.decode(active, toks, cache);
+    if (!active.empty()) logits = model.decode(active, toks);
   }
   return out;
+}
+
+std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
+                                size_t first_index) {
+  HostGenModel m(model);
+  return generate(m, prompts, sp, first_index);
 }
 
 GenPrompt encode_prompt(const Conversation& c, const std::vector<RgbImage>& images, const Tokenizer& tok,
@@ -277,6 +297,30 @@ std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mo
   return msg;
 }
 
+std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::string& why) {
+  const ParamTable& t = m.table();
+  // An adapter on a tied head would change the embeddings too: the folded model gets an untied head of its own.
+  const int ha = t.lora_a(t.lm_head());
+  const bool untie = ha >= 0 && lora_tied_head(t, ha);
+  ModelConfig c = m.config();
+  c.lora = {};
+  if (untie) c.text.tie_embeddings = false;
+  auto base = std::make_unique<Model>(c);
+  for (size_t id = 0; id < base->table().params().size(); ++id) {
+    const ParamInfo& p = base->table().params()[id];
+    const float* src = m.param(untie && (int)id == base->table().lm_head() ? t.embed_tokens() : t.id(p.name));
+    std::copy(src, src + p.numel, base->param((int)id));
+  }
+  std::vector<float*> ptrs(t.params().size());
+  for (size_t id = 0; id < ptrs.size(); ++id)
+    ptrs[id] = t.params()[id].part == Part::Lora ? m.param((int)id) : base->param(base->table().id(t.params()[id].name));
+  const int n = lora_merge(t, m.config().lora.scale(), ptrs.data(),
+                           untie ? base->param(base->table().lm_head()) : nullptr);
+  log_info(mode + ": " + std::to_string(n) + " LoRA adapters folded into the base for " + why +
+           (untie ? " (the LM head's into an untied copy of the embeddings)" : ""));
+  return base;
+}
+
 std::string tokenizer_file(const Deck& d) {
   const std::string dir = d.str("model.hf");
   if (!d.given("tokenizer.path") && !dir.empty() && fs::is_regular_file(dir + "/tokenizer.json"))
@@ -319,6 +363,101 @@ SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok) {
   return sp;
 }
 
+namespace {
+
+// model.backend = "cuda": the device model on the rank's GPU (or the CPU op layer under Q3VL_DEVICE_ON_CPU=1, so
+// that CI runs the same path), weights in model.dtype. A batch's prompts go in one step, a segment each (its M-RoPE
+// positions, its images' features from the device's vision pass), then one single-token segment per unfinished
+// prompt, over the device's KV pools; cache_ is their bookkeeping, started afresh for each batch.
+class DevGenModel : public GenModel {
+ public:
+  DevGenModel(Model& host, bool on_cpu, int gpu, DType dt, const DevModel::InferBudget& b) {
+    ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, size_t(256) << 20, gpu);
+    m_ = std::make_unique<DevModel>(host.config(), ex_, dt, /*grads=*/false);
+    m_->set_params(host.params());
+    if (!on_cpu) {  // the step buffers and KV pools in what the weights left, with 5% of the device to spare
+      size_t free_b = 0, total_b = 0;
+      dev::memory_info(ex_, &free_b, &total_b);
+      const double need = double(DevModel::infer_bytes(host.config(), dt, b));
+      if (need > double(free_b) - 0.05 * double(total_b))
+        fail("generate: the step buffers and KV cache need " + gib(need) + " GiB, but GPU " + std::to_string(gpu) +
+             " has " + gib(double(free_b)) + " GiB free after the weights; lower generate.batch, "
+             "generate.max_new_tokens or generate.max_pixels");
+    }
+    m_->reserve_infer(b);
+    cache_.block = b.block;
+    cache_.max_blocks = b.kv_blocks;
+    cache_.host_pool = false;
+  }
+  ~DevGenModel() override {
+    m_.reset();
+    if (ex_.device == Device::CUDA) dev::destroy_exec(ex_);
+  }
+  const DevModel& model() const { return *m_; }
+  int64_t vocab() const override { return m_->config().text.vocab; }
+
+  std::vector<float> prefill(const std::vector<GenPrompt>& prompts) override {
+    const ModelConfig& cfg = m_->config();
+    cache_.reset(cfg.text.layers, (int64_t)cfg.text.kv_heads * cfg.text.head_dim);
+    std::vector<StepSegment<float>> segs(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const GenPrompt& p = prompts[i];
+      StepSegment<float>& g = segs[i];
+      g.seq = cache_.add();  // prompt i of the batch is sequence i, as decode's seqs say
+      g.ids = p.ids;
+      g.pos3 = mrope_positions(cfg, p.ids.data(), {0, (int64_t)p.ids.size()}, p.grid);
+      for (int64_t q : g.pos3) cache_.next_pos[g.seq] = std::max(cache_.next_pos[g.seq], q + 1);
+      if (!p.grid.empty()) m_->vision_features(p.pixels, p.grid, g.img, g.ds);
+    }
+    return m_->step(segs, cache_);
+  }
+  std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) override {
+    std::vector<StepSegment<float>> segs(seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) segs[i].seq = seqs[i], segs[i].ids = {tokens[i]};
+    return m_->step(segs, cache_);  // no pos3: each sequence's next position
+  }
+
+  static std::string gib(double bytes) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.2f", bytes / 1073741824.0);
+    return b;
+  }
+
+ private:
+  dev::Exec ex_{};
+  std::unique_ptr<DevModel> m_;
+  KvCache<float> cache_;
+};
+
+// What the device model is sized for: generate's batches of bs prompts (in file order), each prompt with room for
+// max_new tokens: a prefill step of a batch's prompts together, a decode step of up to bs tokens, the vision pass
+// of the prompt with the most patches, and KV blocks for the batch that needs the most.
+DevModel::InferBudget generate_budget(const ModelConfig& cfg, const std::vector<GenPrompt>& prompts, size_t bs,
+                                      int64_t max_new) {
+  DevModel::InferBudget b;
+  KvCache<float> c;  // its block size and blocks_for
+  b.block = c.block;
+  int64_t longest = 0;
+  for (size_t b0 = 0; b0 < prompts.size(); b0 += bs) {
+    int64_t tokens = 0, blocks = 0, n = 0;
+    for (size_t i = b0; i < std::min(prompts.size(), b0 + bs); ++i, ++n) {
+      const GenPrompt& p = prompts[i];
+      const int64_t len = (int64_t)p.ids.size();
+      tokens += len;
+      blocks += c.blocks_for(len + max_new);
+      longest = std::max(longest, len);
+      b.patches = std::max(b.patches, image_patches(cfg.vision, p.pixels.size(), p.grid));
+    }
+    b.tokens = std::max({b.tokens, tokens, n});
+    b.segments = std::max(b.segments, n);
+    b.kv_blocks = std::max(b.kv_blocks, blocks);
+  }
+  b.seq_blocks = c.blocks_for(longest + max_new);
+  return b;
+}
+
+}  // namespace
+
 int run_generate(const Deck& deck) {
   Runtime& rt = Runtime::get();
   // One process does the work; the others only wait, so that the mode also runs under mpiexec.
@@ -352,13 +491,39 @@ int run_generate(const Deck& deck) {
     // Nothing to answer would still replace the output with an empty file.
     if (prompts.empty()) fail("generate.prompts '" + in + "' holds no prompts (an empty file?)");
     log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
-    const std::unique_ptr<Model> model = load_model(deck, src);
-    log_info(apply_weight_dtype(*model, deck, "generate"));
+    std::unique_ptr<Model> model = load_model(deck, src);
+    const size_t bs = (size_t)deck.integer("generate.batch");
+    std::unique_ptr<GenModel> gm;
+    if (deck.str("model.backend") == "cuda") {
+      // The device model has no adapters: they are folded into the base first.
+      if (model->config().lora.on()) model = fold_lora(*model, "generate", "the device model");
+      log_info(apply_weight_dtype(*model, deck, "generate"));
+      const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
+      const int gpu = std::max(0, rt.where().gpu);
+      const DType dt = compute_dtype(deck.str("model.dtype"));
+      const DevModel::InferBudget b = generate_budget(cfg, prompts, bs, sp.max_new_tokens);
+      auto d = std::make_unique<DevGenModel>(*model, on_cpu, gpu, dt, b);
+      model.reset();  // the weights are on the device now
+      const DevMemory m = d->model().memory();
+      const int64_t kv = DevModel::kv_pool_bytes(d->model().config(), dt, b.kv_blocks, b.block);
+      char msg[400];
+      std::snprintf(msg, sizeof msg,
+                    "generate: on %s%s, %s: weights %s GiB, step and vision buffers %s GiB, KV cache %lld blocks of "
+                    "%lld tokens (%s GiB; for batches of up to %lld prompts)",
+                    on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(gpu).c_str(), dtype_name(dt),
+                    DevGenModel::gib(double(m.weights)).c_str(), DevGenModel::gib(double(m.activations - kv)).c_str(),
+                    (long long)b.kv_blocks, (long long)b.block, DevGenModel::gib(double(kv)).c_str(),
+                    (long long)b.segments);
+      log_info(msg);
+      gm = std::move(d);
+    } else {
+      log_info(apply_weight_dtype(*model, deck, "generate"));
+      gm = std::make_unique<HostGenModel>(*model);
+    }
     if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);
     const std::string tmp = out + ".partial";  // an existing output is never left half-written
     std::ofstream o(tmp);
     if (!o) fail(out + ": cannot write");
-    const size_t bs = (size_t)deck.integer("generate.batch");
     int64_t new_tokens = 0;
     const double t0 = wall_seconds();
     for (size_t b0 = 0; b0 < prompts.size(); b0 += bs) {
@@ -366,7 +531,7 @@ int run_generate(const Deck& deck) {
       std::vector<GenResult> res;
       {
         ScopedTimer t("generate: batches");
-        res = generate(*model, batch, sp, b0);
+        res = generate(*gm, batch, sp, b0);
       }
       for (size_t i = 0; i < res.size(); ++i) {
         const std::vector<int32_t> ids(res[i].tokens.begin(), res[i].tokens.end());

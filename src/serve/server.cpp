@@ -896,35 +896,6 @@ void Server::engine_loop() {
 }
 
 namespace {
-// Tensor parallelism splits the base linears; adapters would need A and B split the same way (and a replicated
-// LoRA term would be summed once per rank). Inference needs no separate adapters: fold them in (W += scale B A,
-// as export --merge does) and shard a plain model.
-std::unique_ptr<Model> fold_lora(Model& m) {
-  const ParamTable& t = m.table();
-  // An adapter on a tied head would change the embeddings too: the folded model gets an untied head of its own.
-  const int ha = t.lora_a(t.lm_head());
-  const bool untie = ha >= 0 && lora_tied_head(t, ha);
-  ModelConfig c = m.config();
-  c.lora = {};
-  if (untie) c.text.tie_embeddings = false;
-  auto base = std::make_unique<Model>(c);
-  for (size_t id = 0; id < base->table().params().size(); ++id) {
-    const ParamInfo& p = base->table().params()[id];
-    const float* src = m.param(untie && (int)id == base->table().lm_head() ? t.embed_tokens() : t.id(p.name));
-    std::copy(src, src + p.numel, base->param((int)id));
-  }
-  std::vector<float*> ptrs(t.params().size());
-  for (size_t id = 0; id < ptrs.size(); ++id)
-    ptrs[id] = t.params()[id].part == Part::Lora ? m.param((int)id) : base->param(base->table().id(t.params()[id].name));
-  const int n = lora_merge(t, m.config().lora.scale(), ptrs.data(),
-                           untie ? base->param(base->table().lm_head()) : nullptr);
-  log_info("serve: " + std::to_string(n) + " LoRA adapters folded into the base for tensor parallelism" +
-           (untie ? " (the LM head's into an untied copy of the embeddings)" : ""));
-  return base;
-}
-}  // namespace
-
-namespace {
 // MemAvailable of /proc/meminfo (what the kernel can give without swapping), else the free pages.
 int64_t available_memory() {
   std::ifstream f("/proc/meminfo");
@@ -949,8 +920,10 @@ void Server::load() {
     return load_device(src);
   }
   std::unique_ptr<Model> full = load_model(deck_, src);
-  // The device model has no adapters: fold them for it too.
-  if ((tp_ > 1 || deck_.str("model.backend") == "cuda") && full->config().lora.on()) full = fold_lora(*full);
+  // Tensor parallelism splits the base linears; adapters would need A and B split the same way (and a replicated
+  // LoRA term would be summed once per rank). The device model has no adapters either: fold them for both.
+  if ((tp_ > 1 || deck_.str("model.backend") == "cuda") && full->config().lora.on())
+    full = fold_lora(*full, "serve", tp_ > 1 ? "tensor parallelism" : "the device model");
   if (tp_ == 1) {
     model_ = std::move(full);
   } else {  // each rank keeps its slice; the full weights go once it is cut

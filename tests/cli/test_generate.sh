@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `q3vl synth`, `q3vl generate` and tools/score_answers end to end on a random tiny model (preset tiny: the real
-# vocabulary and tokenizer): files and counts, determinism, batching that changes nothing, bad prompts that fail
-# naming file and line. Greedy decoding against full forwards is tests/unit/test_generate.cpp.
+# vocabulary and tokenizer): files and counts, determinism, batching that changes nothing, the device model
+# (model.backend = cuda; the CPU op layer without a GPU) giving the CPU's answers, bad prompts that fail naming file
+# and line. Greedy decoding against full forwards is tests/unit/test_generate.cpp.
 source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
 run() { "$@" >"$tmp/log" 2>&1 || { bad "$* failed: $(tail -5 "$tmp/log")"; return 1; }; }
@@ -36,6 +37,28 @@ run gen generate.output=$tmp/s1.jsonl generate.temperature=1.5 generate.top_k=50
   run gen generate.output=$tmp/s2.jsonl generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9
 cmp -s $tmp/s1.jsonl $tmp/s2.jsonl && pass "seeded sampling is deterministic" || bad "sampling differs for one seed"
 ! cmp -s $tmp/s1.jsonl $tmp/a.jsonl && pass "sampling differs from greedy" || bad "temperature 1.5 gave the greedy answers"
+
+# The device model (model.backend = cuda: DevModel::step over a paged KV cache on the device): on the GPU where one
+# is visible, else on the CPU op layer (Q3VL_DEVICE_ON_CPU=1), so CI runs the same path. fp32, dense and MoE, greedy
+# and seeded sampling (on the host, from the device's logits): the CPU backend's answers; batches of 4 and 2.
+if nvidia-smi -L >/dev/null 2>&1; then on=(env); where=GPU; else on=(env Q3VL_DEVICE_ON_CPU=1); where="CPU op layer"; fi
+samp=(generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9)
+devgen() {  # devgen PRESET NAME ARGS...: the CPU answers (tiny: those above) and the device model's, compared
+  local preset=$1 name=$2; shift 2
+  local ref=$tmp/$name.jsonl
+  [[ $preset == tiny ]] || run $q generate model.preset=$preset generate.prompts=$tmp/d/eval.jsonl \
+    generate.min_pixels=4096 generate.max_new_tokens=6 run.timing=false generate.output=$ref "$@" || return
+  run "${on[@]}" $q generate model.preset=$preset model.backend=cuda generate.prompts=$tmp/d/eval.jsonl \
+    generate.min_pixels=4096 generate.max_new_tokens=6 run.timing=false generate.batch=4 \
+    generate.output=$tmp/dev_$name.jsonl "$@" || return
+  grep -q "generate: on .*, fp32: weights .* KV cache" $tmp/log || bad "dev $name: no device line: $(grep generate: $tmp/log)"
+  cmp -s $tmp/dev_$name.jsonl $ref && pass "device model on the $where, $preset $name: answers == CPU" ||
+    bad "device $preset $name: $(diff $tmp/dev_$name.jsonl $ref | head -4)"
+}
+devgen tiny a
+devgen tiny s1 "${samp[@]}"
+devgen tiny-moe moe
+devgen tiny-moe moe_s "${samp[@]}"
 
 # The scorer: the held-out answers themselves score 100%, the random model's do not.
 python3 -c "

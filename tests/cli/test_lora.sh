@@ -4,10 +4,10 @@
 # the adapters and their AdamW state only; a resume against another base (or a full fine-tuning checkpoint) is
 # refused; tools/export_hf --lora writes a PEFT adapter folder that eval loads back (lora.adapter), giving the loss
 # of tools/export_hf --merge's folded model and adapter gradients under PEFT's names; generate and serve (also
-# tensor-parallel) answer alike from a LoRA checkpoint; a MoE's router adapters train the same under expert
-# parallelism; an adapter on the tied LM head (module lm_head) trains alike on 1 and 2 ranks, exports under PEFT's
-# name and merges into an untied head (the embeddings unchanged), and serve under TP folds it into an untied head
-# giving generate's answers; bad [lora] keys are refused naming the key.
+# tensor-parallel, and generate on the device model: adapters folded) answer alike from a LoRA checkpoint; a MoE's
+# router adapters train the same under expert parallelism; an adapter on the tied LM head (module lm_head) trains
+# alike on 1 and 2 ranks, exports under PEFT's name and merges into an untied head (the embeddings unchanged), and
+# serve under TP folds it into an untied head giving generate's answers; bad [lora] keys are refused naming the key.
 source "$(dirname "$0")/../lib.sh"
 g=tests/data/golden/dense_tied
 model=$g/model
@@ -129,6 +129,12 @@ a, b = ([json.loads(l)["answer"] for l in open(p)] for p in sys.argv[1:])
 assert len(a) == 3 and a == b, (a, b)
 PY
   bad "generate with adapters: $(tail -3 "$tmp/t.log" "$tmp/gen.log")"
+# The device model (CPU op layer) has no adapters: generate folds them (the tied head's into an untied copy) first.
+[[ -f $tmp/g1.jsonl ]] && Q3VL_DEVICE_ON_CPU=1 gen generate.checkpoint="$tmp/t/checkpoints" model.backend=cuda \
+  generate.output="$tmp/g3.jsonl" && cmp -s "$tmp/g1.jsonl" "$tmp/g3.jsonl" &&
+  grep -q "LoRA adapters folded into the base for the device model (the LM head's into an untied" \
+    "$tmp/gen.log" && pass "generate on the device model: LoRA checkpoint folded, the CPU's answers" ||
+  bad "generate with adapters on the device model: $(tail -3 "$tmp/gen.log")"
 
 # serve (the model_source/load_model generate uses): the LoRA checkpoint's greedy answers are generate's, on one rank
 # and under tensor parallelism over 2 (the adapters folded into the base before the split).

@@ -1,5 +1,6 @@
 // `q3vl generate`: answers for prompts with images, read from a JSONL file in the training-data format, by a HF
-// model or a training checkpoint, with a KV cache (Model::prefill / Model::decode) and greedy or seeded sampling.
+// model or a training checkpoint, with a KV cache and greedy or seeded sampling, on the host model (Model::prefill /
+// Model::decode) or the device model (model.backend = "cuda": DevModel::step over a paged KV cache on the device).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -44,8 +45,35 @@ struct GenResult {
   bool stopped = false;         // ended on a stop token (else on max_new_tokens)
 };
 
+// What generate's loop runs on: a batch's prompts, then one token more for some of them. Logits come to the host
+// (fp32 [rows, vocab]), where the sampling, the stop tokens and the batching are the same for every model.
+class GenModel {
+ public:
+  virtual ~GenModel() = default;
+  virtual int64_t vocab() const = 0;
+  // Starts a batch (the previous one's cache is dropped): the logits of each prompt's last token [B, V].
+  virtual std::vector<float> prefill(const std::vector<GenPrompt>& prompts) = 0;
+  // Appends tokens[i] to prompt seqs[i] of the batch: its next logits [n, V].
+  virtual std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) = 0;
+};
+// The host model (Model::prefill / Model::decode over a growing host KV cache).
+class HostGenModel : public GenModel {
+ public:
+  explicit HostGenModel(Model& m) : m_(m) {}
+  int64_t vocab() const override { return m_.config().text.vocab; }
+  std::vector<float> prefill(const std::vector<GenPrompt>& prompts) override;
+  std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) override;
+
+ private:
+  Model& m_;
+  KvCache<float> cache_;
+};
+
 // Generates for a batch of prompts at once (one prefill, then one decode step per token for the unfinished ones).
 // Prompt i's sampling stream is seeded by (sp.seed, first_index + i), so answers do not depend on the batching.
+std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
+                                size_t first_index = 0);
+// On the host model.
 std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
                                 size_t first_index = 0);
 
@@ -85,6 +113,10 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
 // model.weight_dtype: "int8" quantizes the loaded (for serve: the rank's tensor-parallel slice of the) weights in
 // place (Model::quantize_int8); either way returns the start-up line on weight memory, int8 against fp32.
 std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode);
+// Inference needs no separate adapters: a model with LoRA adapters as a plain model with them folded in (W += scale
+// B A, as export --merge does), for what has no adapters (tensor parallelism, the device model; `why` says which in
+// the log line). An adapter on a tied head gives the folded model an untied head of its own.
+std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::string& why);
 // A model directory is self-sufficient: tokenizer.json and the image pixel bounds (preprocessor_config.json's
 // size.shortest_edge / longest_edge) come from model.hf unless the deck gives tokenizer.path / MODE.min_pixels /
 // MODE.max_pixels (MODE: "generate" or "serve").
