@@ -997,7 +997,7 @@ void Server::load_device(const ModelSource& src) {
                         [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); })) {
       dev_.reset();
       model_ = load_model(deck_, src);
-      if (model_->config().lora.on()) model_ = fold_lora(*model_);
+      if (model_->config().lora.on()) model_ = fold_lora(*model_, "serve", "the device model");
       cfg_ = model_->config();
     }
   }
