@@ -68,6 +68,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.step_tokens", T::Int, "256", "tokens per engine step: one per running sequence, the rest prompt chunks",
        1, 1 << 24},
       {"serve.kv_block", T::Int, "16", "KV-cache block size in tokens", 1, 1 << 16},
+      {"serve.timeout", T::Real, "0", "seconds a request may take from its arrival (0: no limit): one still queued "
+       "then gets 503, a running one ends with what it has (finish_reason \"length\")", 0, 1e9},
       {"serve.kv_mib", T::Real, "0", "KV-cache memory per rank in MiB (requests that do not fit wait in the queue); "
        "0: what serve.max_batch x serve.max_context can use, at most half of the rank's share of available memory",
        0, 1e9},

@@ -246,33 +246,45 @@ std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src) {
   return model;
 }
 
-bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& t,
+bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& local,
+                    const std::function<std::vector<ParamSlice>(const UnitInfo&, float*)>& slices_of,
                     const std::function<void(int64_t, const float*, int64_t)>& sink) {
   if (src.adapters_only || !deck.str("lora.adapter").empty() || src.cfg.lora.on()) return false;
   ScopedTimer tm(src.mode + ": load weights");
+  const ParamTable full(src.cfg);
   const bool ck = !src.checkpoint.empty(), hf = !ck && !deck.str("model.hf").empty();
   log_info(src.mode + ": weights streamed a unit at a time from " +
-           (ck ? src.checkpoint : hf ? deck.str("model.hf") : "a random init (seed " + std::to_string(deck.integer("run.seed")) + ")"));
+           (ck ? src.checkpoint
+               : hf ? deck.str("model.hf") : "a random init (seed " + std::to_string(deck.integer("run.seed")) + ")"));
   std::vector<float> buf;
-  for (const UnitInfo& u : t.units()) {
+  for (const UnitInfo& u : local.units()) {
     buf.resize(size_t(u.numel));
-    std::vector<ParamSlice> ps;
-    std::vector<CkptSlice> cs;
-    for (int id : u.params) {
-      const ParamInfo& p = t.param(id);
-      ps.push_back({id, 0, p.numel, buf.data() + p.offset});
-      cs.push_back({"model/" + p.name, p.shape, 0, p.numel, buf.data() + p.offset});
-    }
+    const std::vector<ParamSlice> ps = slices_of(u, buf.data());
     if (ck) {
+      std::vector<CkptSlice> cs;
+      for (const ParamSlice& p : ps)
+        cs.push_back({"model/" + full.param(p.param).name, full.param(p.param).shape, p.begin, p.count, p.dst});
       read_checkpoint(src.checkpoint, MPI_COMM_SELF, cs);
     } else if (hf) {
-      load_hf_slices(t, deck.str("model.hf"), ps);
+      load_hf_slices(full, deck.str("model.hf"), ps);
     } else {
-      init_random_slices(t, uint64_t(deck.integer("run.seed")), 0.02, ps);  // on every core
+      init_random_slices(full, uint64_t(deck.integer("run.seed")), 0.02, ps);  // on every core
     }
     sink(u.offset, buf.data(), u.numel);
   }
   return true;
+}
+
+bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& t,
+                    const std::function<void(int64_t, const float*, int64_t)>& sink) {
+  return stream_weights(
+      deck, src, t,
+      [&](const UnitInfo& u, float* buf) {
+        std::vector<ParamSlice> ps;
+        for (int id : u.params) ps.push_back({id, 0, t.param(id).numel, buf + t.param(id).offset});
+        return ps;
+      },
+      sink);
 }
 
 std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode) {

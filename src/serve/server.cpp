@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <cstring>
@@ -73,7 +74,8 @@ struct Job {
   std::string text;       // released to the client: complete UTF-8, stop strings cut off
   bool done = false;
   std::string finish;     // "stop" or "length"
-  std::string error;      // the engine failed this request (500)
+  std::string error;      // the engine failed this request (status: 500; 503 timed out in the queue)
+  int status = 500;
   int64_t completion_tokens = 0;
   std::atomic<bool> cancelled{false};  // the client went away
 
@@ -97,7 +99,8 @@ struct Job {
 struct Metrics {
   std::atomic<int64_t> requests{0}, errors{0}, prompt_tokens{0}, completion_tokens{0};
   std::atomic<int64_t> queue{0}, running{0}, kv_used{0}, kv_total{0}, steps{0};
-  std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, evicted{0}, cancelled{0};
+  std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, evicted{0}, cancelled{0},
+      timed_out{0};
   std::mutex m;
   double ttft_sum = 0, tpot_sum = 0;
   int64_t ttft_n = 0, tpot_n = 0;
@@ -264,11 +267,19 @@ class Server {
     return dev_ ? dev_->step(segs, cache_) : model_->step(segs, cache_);
   }
   void load_device(const ModelSource& src);
+  void log_tp() const {
+    if (rank_ == 0 && tp_ > 1)
+      log_info("serve: tensor parallel over " + std::to_string(tp_) + " ranks: " + std::to_string(cfg_.text.heads) +
+               " query heads, " + std::to_string(cfg_.text.kv_heads) + " key/value heads, " +
+               std::to_string(cfg_.text.intermediate) + " MLP rows and " +
+               std::to_string(vocab_rows_.second - vocab_rows_.first) + " vocabulary rows per rank");
+  }
   std::unique_ptr<Tokenizer> tok_;
   ImageConfig icfg_;
   SamplingParams base_;
   std::string model_name_, image_dir_, checkpoint_;
   int64_t max_context_ = 0, max_tokens_ = 0, max_batch_ = 0, step_tokens_ = 0;
+  double timeout_ = 0;  // serve.timeout
   std::atomic<int64_t> next_id_{1};
   double created_ = 0;
   Metrics metrics_;
@@ -503,8 +514,8 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
       return;
     }
   if (!job->error.empty()) {
-    res.status = 500;
-    res.set_content(error_body({500, job->error, "server_error"}), "application/json");
+    res.status = job->status;
+    res.set_content(error_body({job->status, job->error, "server_error"}), "application/json");
     return;
   }
   const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
@@ -556,7 +567,7 @@ void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& re
         if (!delta.empty() && !write(chunk(chat ? json{{"content", delta}} : json(delta), nullptr))) return false;
         if (!done) return true;
         if (!error.empty()) {
-          write("data: " + error_body({500, error, "server_error"}) + "\n\n");
+          write("data: " + error_body({job->status, error, "server_error"}) + "\n\n");
         } else {
           write(chunk(chat ? json::object() : json(""), finish));
           if (job->include_usage) {
@@ -600,6 +611,8 @@ std::string Server::metrics_text() {
          (double)metrics_.evicted);
   metric("q3vl_requests_cancelled_total", "counter", "requests whose client left before the answer",
          (double)metrics_.cancelled);
+  metric("q3vl_requests_timed_out_total", "counter", "requests past serve.timeout (queued: 503; running: cut short)",
+         (double)metrics_.timed_out);
   std::lock_guard<std::mutex> g(metrics_.m);
   o << "# HELP q3vl_time_to_first_token_seconds arrival to first generated token\n"
        "# TYPE q3vl_time_to_first_token_seconds summary\n"
@@ -812,6 +825,24 @@ void Server::engine_loop() {
       if (j->cancelled) finish(*j, "cancelled");
       return (bool)j->cancelled;
     });
+    // serve.timeout: a request still queued gets 503; a running one ends with what it has ("length").
+    if (timeout_ > 0) {
+      const double now = wall_seconds();
+      for (auto it = waiting_.begin(); it != waiting_.end();)
+        if (now - (*it)->t_arrival > timeout_) {
+          (*it)->error = "the request waited " + std::to_string(int(now - (*it)->t_arrival)) +
+                         " s in the queue, past serve.timeout; the server is busy, try again later";
+          (*it)->status = 503;
+          finish(**it, "error"), it = waiting_.erase(it), metrics_.queue--, metrics_.timed_out++;
+        } else {
+          ++it;
+        }
+      std::erase_if(running_, [&](const std::shared_ptr<Job>& j) {
+        if (now - j->t_arrival <= timeout_) return false;
+        finish(*j, "length"), metrics_.timed_out++;
+        return true;
+      });
+    }
     admit();
     metrics_.running = (int64_t)running_.size();
     update_kv_metrics();
@@ -915,8 +946,13 @@ void Server::load() {
          " ranks run: the tensor-parallel group is all ranks (replicas of a group are not supported yet)");
   const ModelSource src = model_source(deck_, "serve.checkpoint");
   checkpoint_ = src.checkpoint;
-  if (deck_.str("model.backend") == "cuda" && tp_ == 1) {  // streamed to the device when it can be
-    cfg_ = src.cfg;
+  // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
+  // never holds the fp32 model; adapters to fold need the host model first.
+  const bool adapters = src.adapters_only || !deck_.str("lora.adapter").empty() || src.cfg.lora.on();
+  if (deck_.str("model.backend") == "cuda" && !adapters) {
+    cfg_ = tp_ > 1 ? tp_config(src.cfg, rank_, tp_) : src.cfg;
+    if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, rank_, tp_);
+    log_tp();
     return load_device(src);
   }
   std::unique_ptr<Model> full = load_model(deck_, src);
@@ -934,17 +970,12 @@ void Server::load() {
     model_->set_tensor_parallel(
         [](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
         vocab_rows_.first, vocab_rows_.second);
-    if (rank_ == 0)
-      log_info("serve: tensor parallel over " + std::to_string(tp_) + " ranks: " +
-               std::to_string(model_->config().text.heads) + " query heads, " +
-               std::to_string(model_->config().text.kv_heads) + " key/value heads, " +
-               std::to_string(model_->config().text.intermediate) + " MLP rows and " +
-               std::to_string(vocab_rows_.second - vocab_rows_.first) + " vocabulary rows per rank");
   }
   // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone.
   const std::string wmsg = apply_weight_dtype(*model_, deck_, "serve");
   if (rank_ == 0) log_info(wmsg + (tp_ > 1 ? " per rank" : ""));
   cfg_ = model_->config();
+  log_tp();
   if (deck_.str("model.backend") == "cuda") return load_device(src);
   // The KV cache: fixed blocks from the budget (per rank: a rank caches only its key/value heads), allocated once.
   const ModelConfig& cfg = cfg_;
@@ -989,22 +1020,45 @@ void Server::load_device(const ModelSource& src) {
   b.patches = 4 * ctx;  // a merged image token is 4 patches, and a request's image tokens fit in its context
   b.block = block;
   b.seq_blocks = (ctx + block - 1) / block + 1;
-  // One rank: the weights stream from their source a unit at a time (the host never holds the fp32 model); a
-  // tensor-parallel slice, or a model with adapters to fold, comes from the host model.
-  if (!model_) {
-    dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false);
-    if (!stream_weights(deck_, src, dev_->table(),
-                        [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); })) {
-      dev_.reset();
-      model_ = load_model(deck_, src);
-      if (model_->config().lora.on()) model_ = fold_lora(*model_, "serve", "the device model");
-      cfg_ = model_->config();
+  // Fits before anything is allocated: the slice's weights, the step buffers and one request's KV blocks.
+  if (!on_cpu) {
+    size_t free0 = 0, total0 = 0;
+    dev::memory_info(ex_, &free0, &total0);
+    const double need = double(DevModel::weight_bytes(ParamTable(cfg_), dt)) + double(DevModel::infer_bytes(cfg_, dt, b)) +
+                        double(DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, block)) + 0.05 * double(total0);
+    if (need > double(free0)) {
+      // The weights split further over more ranks; the rest stays per rank.
+      const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt)), rest = need - w;
+      const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt));
+      const int ranks = std::max(tp_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
+      char msg[512];
+      std::snprintf(msg, sizeof msg,
+                    "serve: rank %d needs %.1f GiB on GPU %d (its slice of the weights in %s %.1f GiB, step buffers and "
+                    "one request's KV cache %.1f GiB, 5%% reserve), which has %.1f GiB free: serve over about %d GPUs "
+                    "(mpiexec -n N; serve.tp = N), or lower serve.max_context / serve.step_tokens / serve.max_batch%s",
+                    rank_, need / 1073741824.0, std::max(0, where.gpu), dtype_name(dt), w / 1073741824.0,
+                    (rest - 0.05 * double(total0)) / 1073741824.0, double(free0) / 1073741824.0, ranks,
+                    dt == DType::F32 ? ", or model.dtype = \"bf16\"" : "");
+      fail(msg);
     }
   }
-  if (model_) {
-    dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false);
+  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false);
+  if (model_) {  // from the host model (adapters folded)
     dev_->set_params(model_->params());
     model_.reset();
+  } else {  // streamed: each unit's pieces of the source's tensors (tp_slices: all of them at one rank)
+    const ParamTable full(src.cfg);
+    const ParamTable& local = dev_->table();
+    const bool ok = stream_weights(
+        deck_, src, local,
+        [&](const UnitInfo& u, float* buf) {
+          return tp_slices(full, local, rank_, tp_, [&](int id) -> float* {
+            const ParamInfo& p = local.param(id);
+            return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
+          });
+        },
+        [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); });
+    Q3VL_CHECK(ok, "serve: these weights cannot be streamed");
   }
   if (tp_ > 1)
     dev_->set_tensor_parallel(
@@ -1162,6 +1216,7 @@ int Server::run() {
   max_batch_ = deck_.integer("serve.max_batch");
   prefix_on_ = deck_.boolean("serve.prefix_cache");
   step_tokens_ = deck_.integer("serve.step_tokens");
+  timeout_ = deck_.real("serve.timeout");
   image_dir_ = deck_.str("serve.image_dir");
   model_name_ = deck_.str("serve.model_name");
   if (model_name_.empty()) {

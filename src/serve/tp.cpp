@@ -1,6 +1,7 @@
 #include "q3vl/serve/tp.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <string>
 
 #include "q3vl/core/error.hpp"
@@ -48,47 +49,44 @@ std::pair<int64_t, int64_t> tp_vocab_rows(int64_t vocab, int rank, int size) {
   return {std::min(vocab, rank * per), std::min(vocab, (rank + 1) * per)};
 }
 
-void tp_shard_weights(Model& full, Model& local, int rank, int size) {
+std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& local, int rank, int size,
+                                  const std::function<float*(int)>& dst_of) {
   const TextConfig& t = full.config().text;
   const Split s = split(t, rank, size);
   const int64_t hd = t.head_dim;
-  for (int l = 0; l < t.layers; ++l) {
-    const int f = full.table().layer(l);
-    if (local.table().layer(l) != f) fail("tp: the local parameter table differs from the full one");
-  }
-  for (size_t id = 0; id < full.table().params().size(); ++id) {
-    const ParamInfo& pf = full.table().params()[id];
-    const ParamInfo& pl = local.table().params()[id];
-    const float* src = full.param((int)id);
-    float* dst = local.param((int)id);
+  for (int l = 0; l < t.layers; ++l)
+    if (local.layer(l) != full.layer(l)) fail("tp: the local parameter table differs from the full one");
+  std::vector<ParamSlice> out;
+  for (size_t id = 0; id < full.params().size(); ++id) {
+    const ParamInfo& pf = full.params()[id];
+    const ParamInfo& pl = local.params()[id];
+    float* dst = dst_of((int)id);
+    if (!dst) continue;
     if (pf.shape == pl.shape) {
-      std::copy(src, src + pf.numel, dst);
+      out.push_back({(int)id, 0, pf.numel, dst});
       continue;
     }
     // Which decoder tensor: its offset from its layer's first id.
     int which = -1;
     for (int l = 0; l < t.layers && which < 0; ++l)
-      if ((int)id >= full.table().layer(l) && (int)id < full.table().layer(l) + tlay::count)
-        which = (int)id - full.table().layer(l);
+      if ((int)id >= full.layer(l) && (int)id < full.layer(l) + tlay::count) which = (int)id - full.layer(l);
     // Experts [E, rows, cols] split like dense weights, expert by expert; a 2-D weight is one "expert".
     const bool experts = pf.shape.size() == 3;
     const int64_t ne = experts ? pf.shape[0] : 1, rows = pf.shape[experts], cols = pf.shape[experts + 1];
-    const int64_t out = pl.numel / ne;  // elements of one expert's slice
+    const int64_t per = pl.numel / ne;  // elements of one expert's slice
     auto take_rows = [&](int64_t r0, int64_t n, int64_t at = 0) {
-      for (int64_t e = 0; e < ne; ++e)
-        std::copy(src + (e * rows + r0) * cols, src + (e * rows + r0 + n) * cols, dst + e * out + at * cols);
+      for (int64_t e = 0; e < ne; ++e) out.push_back({(int)id, (e * rows + r0) * cols, n * cols, dst + e * per + at * cols});
     };
     auto take_cols = [&](int64_t c0, int64_t n) {
       for (int64_t e = 0; e < ne; ++e)
-        for (int64_t r = 0; r < rows; ++r)
-          std::copy(src + (e * rows + r) * cols + c0, src + (e * rows + r) * cols + c0 + n, dst + e * out + r * n);
+        for (int64_t r = 0; r < rows; ++r) out.push_back({(int)id, (e * rows + r) * cols + c0, n, dst + e * per + r * n});
     };
     switch (which) {
       case tlay::q_proj: take_rows(s.q0 * hd, s.nq * hd); break;
       case tlay::k_proj:
       case tlay::v_proj: take_rows(s.kv0 * hd, s.nkv * hd); break;
       case tlay::o_proj: take_cols(s.q0 * hd, s.nq * hd); break;
-      case tlay::gate_proj:  // the router when MoE: whole on every rank, copied above
+      case tlay::gate_proj:  // the router when MoE: whole on every rank, taken above
       case tlay::up_proj:
         if (!experts) take_rows(s.i0, s.ni);
         else take_rows(s.m0, s.nm), take_rows(rows / 2 + s.m0, s.nm, s.nm);  // gate rows, then up rows
@@ -96,6 +94,14 @@ void tp_shard_weights(Model& full, Model& local, int rank, int size) {
       case tlay::down_proj: experts ? take_cols(s.m0, s.nm) : take_cols(s.i0, s.ni); break;
       default: fail("tp: no rule to split " + pf.name);
     }
+  }
+  return out;
+}
+
+void tp_shard_weights(Model& full, Model& local, int rank, int size) {
+  for (const ParamSlice& p : tp_slices(full.table(), local.table(), rank, size, [&](int id) { return local.param(id); })) {
+    const float* src = full.param(p.param) + p.begin;
+    std::copy(src, src + p.count, p.dst);
   }
 }
 

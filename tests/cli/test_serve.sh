@@ -155,6 +155,39 @@ EOF
   [[ $rc -eq 0 ]] && grep -q 'serve: stopping' $tmp/main.log && pass "SIGTERM: clean exit" || bad "SIGTERM: rc $rc $(tail -3 $tmp/main.log)"
 fi
 
+# serve.timeout: one sequence at a time and six long requests at once, 1 s each: the first runs its second and ends
+# with what it has ("length"), the next may start and be cut too, those still queued past their second get 503 with
+# an error object; every one is counted and the server goes on.
+if start timeout $q serve model.preset=tiny serve.max_batch=1 serve.timeout=1 serve.model_name=q3vl-tiny; then
+  cp=()
+  for i in 1 2 3 4 5 6; do
+    curl -s -m 60 -o $tmp/to$i.json -w '%{http_code}' -d '{"prompt": "hi", "max_tokens": 3000}' \
+      http://127.0.0.1:$port/v1/completions >$tmp/to$i.code &
+    cp+=($!)
+  done
+  wait "${cp[@]}"
+  m=$(curl -s -m 5 http://127.0.0.1:$port/metrics)
+  $py - $tmp "$(grep -oP '^q3vl_requests_timed_out_total \K[0-9]+' <<<"$m")" <<'EOF2' && health &&
+import json, sys
+d, counted = sys.argv[1], int(sys.argv[2])
+cut = busy = 0
+for i in range(1, 7):
+    code, r = open(f"{d}/to{i}.code").read(), json.load(open(f"{d}/to{i}.json"))
+    if code == "503":
+        assert "serve.timeout" in r["error"]["message"] and r["error"]["type"] == "server_error", r
+        busy += 1
+    else:
+        assert code == "200", (code, r)
+        if r["choices"][0]["finish_reason"] == "length":
+            assert 0 <= r["usage"]["completion_tokens"] < 3000, r["usage"]
+            cut += 1
+assert cut >= 1 and busy >= 1 and counted == cut + busy, (cut, busy, counted)
+EOF2
+    pass "serve.timeout: running requests cut short (length), queued ones 503, all counted, server up" ||
+    bad "timeout: $(cat $tmp/to*.code) $(head -c 300 $tmp/to6.json) $(grep timed_out <<<"$m")"
+  kill -TERM ${pids[-1]}; wait ${pids[-1]}
+fi
+
 # A cache of 5 blocks of 8 tokens fits one request (prompt ~20 tokens + 6: 4 blocks) at a time: the rest wait,
 # none fails, and the blocks finished requests leave in the prefix cache are evicted for them.
 if start small $q serve model.preset=tiny serve.kv_block=8 serve.kv_mib=0.02; then

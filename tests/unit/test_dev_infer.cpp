@@ -22,6 +22,7 @@
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/layers.hpp"
 #include "q3vl/serve/generate.hpp"
+#include "q3vl/serve/tp.hpp"
 
 using namespace q3vl;
 
@@ -222,4 +223,32 @@ TEST(StreamWeights, EqualLoadModel) {
     EXPECT_EQ(0, std::memcmp(got.data(), full->params(), got.size() * sizeof(float))) << ov.back();
   }
   fs::remove_all(dir);
+}
+
+// A tensor-parallel rank's slice streamed from the source (tp_slices: rows, columns, experts' rows, kv heads shared
+// when there are more ranks than kv heads) equals tp_shard_weights's cut of the whole model, bitwise.
+TEST(StreamWeights, TensorParallelSlicesEqualSharding) {
+  for (const char* preset : {"tiny", "tiny-moe"}) {
+    const Deck d = Deck::parse("", "test", {std::string("model.preset=") + preset, "run.seed=3"}, "serve");
+    const ModelSource src = model_source(d, "serve.checkpoint");
+    const auto full = load_model(d, src);
+    for (int size : {2, 4})
+      for (int rank = 0; rank < size; ++rank) {
+        Model cut(tp_config(full->config(), rank, size));
+        tp_shard_weights(*full, cut, rank, size);
+        const ParamTable& local = cut.table();
+        std::vector<float> got(size_t(local.total()), -1e30f);
+        ASSERT_TRUE(stream_weights(
+            d, src, local,
+            [&](const UnitInfo& u, float* buf) {
+              return tp_slices(full->table(), local, rank, size, [&](int id) -> float* {
+                const ParamInfo& p = local.param(id);
+                return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
+              });
+            },
+            [&](int64_t off, const float* v, int64_t n) { std::copy(v, v + n, got.begin() + off); }));
+        EXPECT_EQ(0, std::memcmp(got.data(), cut.params(), got.size() * sizeof(float)))
+            << preset << " rank " << rank << " of " << size;
+      }
+  }
 }

@@ -110,6 +110,11 @@ std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src);
 // nothing, for what only load_model does: adapters (a LoRA checkpoint, lora.adapter or a [lora] deck).
 bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& t,
                     const std::function<void(int64_t, const float*, int64_t)>& sink);
+// The same for a model whose table `local` holds pieces of the source's tensors (a tensor-parallel slice):
+// slices_of(unit, buf) names them, as slices of the full table (src.cfg's) written into the unit's buffer buf.
+bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& local,
+                    const std::function<std::vector<ParamSlice>(const UnitInfo&, float*)>& slices_of,
+                    const std::function<void(int64_t, const float*, int64_t)>& sink);
 // model.weight_dtype: "int8" quantizes the loaded (for serve: the rank's tensor-parallel slice of the) weights in
 // place (Model::quantize_int8); either way returns the start-up line on weight memory, int8 against fp32.
 std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode);

@@ -7,6 +7,8 @@
 // features with the step, which costs one broadcast of n_image_tokens x hidden floats instead of a whole tower per rank.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <vector>
 #include <utility>
 
 #include "q3vl/model/qwen3vl.hpp"
@@ -16,6 +18,11 @@ namespace q3vl {
 // The decoder shape rank `rank` of `size` holds; fails naming what does not divide (heads, kv heads,
 // intermediate, each expert's intermediate).
 ModelConfig tp_config(const ModelConfig& full, int rank, int size);
+// The pieces of full's tensors that rank `rank` of `size` holds, as slices of the full table (elements of a full
+// tensor, row-major) with their places in the local model's parameters (local: the table of tp_config's slice):
+// dst_of(id) is where local parameter id starts, null to leave it out. A row-parallel weight is one slice per row.
+std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& local, int rank, int size,
+                                  const std::function<float*(int)>& dst_of);
 // Copies this rank's slices of full's weights into local (built from tp_config(full.config(), rank, size)).
 void tp_shard_weights(Model& full, Model& local, int rank, int size);
 // KV-cache bytes of one token on one rank of a TP group: keys and values of the kv heads it holds (one when there
