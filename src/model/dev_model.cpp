@@ -119,15 +119,37 @@ struct DevModel::Impl {
   }
 };
 
-DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads)
-    : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), impl_(std::make_unique<Impl>()) {
+bool DevModel::stage_owns(const ParamTable& t, const DevStage& s, int u) {
+  const UnitInfo& U = t.units()[size_t(u)];
+  const int p = U.params.front(), L = t.config().text.layers, l1 = s.l1 < 0 ? L : s.l1;
+  for (int l = 0; l < L; ++l)  // a decoder layer's unit, or its experts'
+    if (p >= t.layer(l) && p < t.layer(l) + tlay::count) return l >= s.l0 && l < l1;
+  const auto holds = [&](int id) { return std::find(U.params.begin(), U.params.end(), id) != U.params.end(); };
+  if (holds(t.final_norm()) || holds(t.lm_head())) return s.last || (s.first && t.lm_head() == t.embed_tokens() &&
+                                                                     holds(t.embed_tokens()));
+  return s.first;  // the embeddings, the vision tower and the mergers
+}
+
+int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s) {
+  int64_t n = 0;
+  for (size_t u = 0; u < t.units().size(); ++u) n += stage_owns(t, s, int(u)) ? t.units()[u].numel : 0;
+  return n * int64_t(dtype_size(dt));
+}
+
+DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage)
+    : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), stage_(stage), impl_(std::make_unique<Impl>()) {
+  Q3VL_CHECK(stage.whole() || !grads, "DevModel: a pipeline stage is for inference (grads = false)");
   if (ex.device == Device::CPU && dt != DType::F32)
     fail_all(std::string("model.dtype = ") + dtype_name(dt) + " needs model.backend = \"cuda\" (the CPU computes fp32)");
-  params_ = dev::alloc(ex_, size_t(weight_bytes(table_, dt_)));
+  // The units the stage holds, packed in table order (the whole model: the table's own offsets).
+  unit_off_.assign(table_.units().size(), -1);
+  for (size_t u = 0; u < table_.units().size(); ++u)
+    if (stage_owns(table_, stage_, int(u))) unit_off_[u] = held_, held_ += table_.units()[u].numel;
+  params_ = dev::alloc(ex_, size_t(held_) * dtype_size(dt_));
   if (grads) grads_ = static_cast<float*>(dev::alloc(ex_, size_t(grad_bytes(table_))));
   for (const ParamInfo& p : table_.params()) {
-    const int64_t off = table_.units()[p.unit].offset + p.offset;
-    pp_.push_back(at(params_, off, dt_));
+    const int64_t off = table_.units()[p.unit].offset + p.offset, mine = unit_off_[p.unit];
+    pp_.push_back(mine < 0 ? nullptr : at(params_, mine + p.offset, dt_));
     gp_.push_back(grads_ ? grads_ + off : nullptr);
   }
   if (grads_) zero_grads();
@@ -183,17 +205,26 @@ void DevModel::set_params(const float* host_all) {
 }
 void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   Q3VL_CHECK(offset >= 0 && offset + n <= table_.total(), "DevModel::set_params: a range outside the table");
-  if (dt_ == DType::F32) return dev::to_device(ex_, at(params_, offset, dt_), host, size_t(n) * 4);
-  // Through a staging buffer of at most 256 MiB, at load only.
-  const int64_t chunk = std::min<int64_t>(n, int64_t(64) << 20);
-  float* stage = static_cast<float*>(dev::alloc(ex_, size_t(chunk) * 4));
-  for (int64_t i = 0; i < n; i += chunk) {
-    const int64_t m = std::min(chunk, n - i);
-    dev::to_device(ex_, stage, host + i, size_t(m) * 4);
-    dev::convert(ex_, at(params_, offset + i, dt_), dt_, stage, DType::F32, m);
+  // The held units' parts of the range, each to its packed place, through a staging buffer of at most 256 MiB.
+  float* stage = nullptr;
+  if (dt_ != DType::F32) stage = static_cast<float*>(dev::alloc(ex_, size_t(std::min<int64_t>(n, int64_t(64) << 20)) * 4));
+  for (size_t u = 0; u < table_.units().size(); ++u) {
+    const UnitInfo& U = table_.units()[u];
+    const int64_t a = std::max(offset, U.offset), b = std::min(offset + n, U.offset + U.numel);
+    if (unit_off_[u] < 0 || a >= b) continue;
+    const int64_t to = unit_off_[u] + (a - U.offset);
+    if (!stage) {
+      dev::to_device(ex_, at(params_, to, dt_), host + (a - offset), size_t(b - a) * 4);
+      continue;
+    }
+    for (int64_t i = a; i < b; i += int64_t(64) << 20) {
+      const int64_t m = std::min(int64_t(64) << 20, b - i);
+      dev::to_device(ex_, stage, host + (i - offset), size_t(m) * 4);
+      dev::convert(ex_, at(params_, to + (i - a), dt_), dt_, stage, DType::F32, m);
+    }
   }
   dev::synchronize(ex_);
-  dev::release(ex_, stage);
+  if (stage) dev::release(ex_, stage);
 }
 void DevModel::set_params_from_device(const float* f32) { dev::convert(ex_, params_, dt_, f32, DType::F32, table_.total()); }
 void DevModel::zero_grads() { dev::fill(ex_, grads_, DType::F32, table_.total(), 0.f); }
@@ -470,6 +501,7 @@ void DevModel::backward(float loss_scale) {
 
 struct DevModel::Infer {
   InferBudget b;
+  DevStage st;
   void* block = nullptr;
   size_t bytes = 0;
   std::vector<void*> k, v;  // [layer] pools [kv_blocks * block, kv_heads * head_dim]
@@ -496,10 +528,11 @@ struct DevModel::Infer {
     const VisionConfig& vc = cfg.vision;
     const ParamTable t(cfg);
     const int64_t T = std::max<int64_t>(b.tokens, 1), S = std::max<int64_t>(b.segments, 1), H = tc.hidden;
-    const int64_t V = tc.vocab, P = b.patches, Pm = P / 4, nds = int64_t(vc.deepstack_indexes.size());
+    const int64_t V = tc.vocab, P = st.first ? b.patches : 0, Pm = P / 4, nds = int64_t(vc.deepstack_indexes.size());
     const int64_t row = int64_t(tc.kv_heads) * tc.head_dim, pool = b.kv_blocks * b.block * row;
+    const int l1 = st.l1 < 0 ? tc.layers : st.l1;
     k.assign(tc.layers, nullptr), v.assign(tc.layers, nullptr);
-    for (int l = 0; l < tc.layers; ++l) k[l] = a.take(pool, dt), v[l] = a.take(pool, dt);
+    for (int l = st.l0; l < l1; ++l) k[l] = a.take(pool, dt), v[l] = a.take(pool, dt);
     bool kinds[2] = {false, false};
     for (int l = 0; l < tc.layers; ++l) kinds[t.moe_layer(l)] = true;
     for (int m = 0; m < 2; ++m)
@@ -542,20 +575,22 @@ DevModel::~DevModel() {
 
 DevMemory DevModel::memory() const {
   DevMemory m;
-  m.weights = weight_bytes(table_, dt_);
+  m.weights = held_ * int64_t(dtype_size(dt_));
   m.grads = grads_ ? grad_bytes(table_) : 0;
   m.activations = int64_t(impl_->bytes) + (infer_ ? int64_t(infer_->bytes) : 0);
   m.workspace = int64_t(ex_.ws_bytes);
   return m;
 }
 
-int64_t DevModel::kv_pool_bytes(const ModelConfig& cfg, DType dt, int64_t blocks, int64_t block) {
-  return 2 * int64_t(cfg.text.layers) * blocks * block * cfg.text.kv_heads * cfg.text.head_dim * int64_t(dtype_size(dt));
+int64_t DevModel::kv_pool_bytes(const ModelConfig& cfg, DType dt, int64_t blocks, int64_t block, const DevStage& s) {
+  const int64_t layers = (s.l1 < 0 ? cfg.text.layers : s.l1) - s.l0;
+  return 2 * layers * blocks * block * cfg.text.kv_heads * cfg.text.head_dim * int64_t(dtype_size(dt));
 }
 
-int64_t DevModel::infer_bytes(const ModelConfig& cfg, DType dt, const InferBudget& b) {
+int64_t DevModel::infer_bytes(const ModelConfig& cfg, DType dt, const InferBudget& b, const DevStage& s) {
   Infer i;
   i.b = b;
+  i.st = s;
   Arena count;
   i.carve(count, cfg, dt);
   return int64_t(count.used);
@@ -566,7 +601,8 @@ void DevModel::reserve_infer(const InferBudget& b) {
   Infer& J = *infer_;
   Q3VL_CHECK(!J.block, "DevModel::reserve_infer is called once");
   J.b = b;
-  J.bytes = size_t(infer_bytes(cfg_, dt_, b));
+  J.st = stage_;
+  J.bytes = size_t(infer_bytes(cfg_, dt_, b, stage_));
   J.block = dev::alloc(ex_, J.bytes);
   Arena a{static_cast<char*>(J.block), J.bytes};
   J.carve(a, cfg_, dt_);
@@ -582,6 +618,7 @@ void DevModel::vision_features(const std::vector<float>& pixels, const std::vect
                                std::vector<float>& img, std::vector<std::vector<float>>& ds) {
   Q3VL_CHECK(infer_ && infer_->block, "DevModel::reserve_infer must size the model before inference");
   Infer& J = *infer_;
+  Q3VL_CHECK(stage_.first, "DevModel::vision_features: only the first pipeline stage holds the vision tower");
   const int64_t Np = image_patches(cfg_.vision, pixels.size(), grid), H = cfg_.text.hidden;
   budget_check(Np, J.b.patches, "image patches");
   img.clear(), ds.assign(cfg_.vision.deepstack_indexes.size(), {});
@@ -597,7 +634,8 @@ void DevModel::vision_features(const std::vector<float>& pixels, const std::vect
   }
 }
 
-std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache) {
+std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache,
+                                  const std::vector<float>* x_in, std::vector<float>* x_out) {
   Q3VL_CHECK(infer_ && infer_->block, "DevModel::reserve_infer must size the model before inference");
   Infer& J = *infer_;
   Q3VL_CHECK(!cache.host_pool && cache.block == J.b.block && cache.max_blocks == J.b.kv_blocks,
@@ -640,12 +678,19 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     dev::to_device(ex_, J.tsin, sn.data(), sn.size() * 4);
   }
   const DevParams P{pp_.data(), gp_.data()};
-  dev::embedding_fwd(ex_, J.ids, pp_[table_.embed_tokens()], J.x, N, H, tc.vocab, dt_);
-  if (nvis) {
-    up_dt(ex_, J.img, pk.img.data(), pk.img.size(), dt_);
-    dev::scatter_rows(ex_, J.img, J.vis, J.x, nvis, H, false, dt_);
-    for (size_t j = 0; j < pk.ds.size(); ++j) up_dt(ex_, J.ds[j], pk.ds[j].data(), pk.ds[j].size(), dt_);
+  const int l0 = stage_.l0, l1 = stage_.l1 < 0 ? tc.layers : stage_.l1;
+  if (stage_.first) {
+    dev::embedding_fwd(ex_, J.ids, pp_[table_.embed_tokens()], J.x, N, H, tc.vocab, dt_);
+    if (nvis) {
+      up_dt(ex_, J.img, pk.img.data(), pk.img.size(), dt_);
+      dev::scatter_rows(ex_, J.img, J.vis, J.x, nvis, H, false, dt_);
+    }
+  } else {  // the previous stage's output
+    Q3VL_CHECK(x_in && int64_t(x_in->size()) == N * H, "DevModel::step: a later pipeline stage needs its input x_in");
+    up_dt(ex_, J.x, x_in->data(), x_in->size(), dt_);
   }
+  if (nvis && l0 < int(pk.ds.size()))  // DeepStack features for this stage's layers
+    for (size_t j = size_t(l0); j < pk.ds.size() && int(j) < l1; ++j) up_dt(ex_, J.ds[j], pk.ds[j].data(), pk.ds[j].size(), dt_);
   DevPartialSum reduce;
   if (J.host_sum)  // fp32 through the host: [n] dt -> F32 -> host -> sum over the group -> back
     reduce = [&](void* y, int64_t n) {
@@ -656,7 +701,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
       dev::to_device(ex_, J.red, J.host_red.data(), size_t(n) * 4);
       dev::convert(ex_, y, dt_, J.red, DType::F32, n);
     };
-  for (int l = 0; l < tc.layers; ++l) {
+  for (int l = l0; l < l1; ++l) {
     const bool moe = table_.moe_layer(l);
     const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, S, max_q, max_ctx};
     dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, N, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
@@ -664,6 +709,12 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     if (size_t(l) < pk.ds.size() && nvis) dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
   }
   for (int64_t s = 0; s < S; ++s) cache.len[pk.seqs[s]] += pk.cu[s + 1] - pk.cu[s];
+  if (!stage_.last) {  // the next stage's input
+    Q3VL_CHECK(x_out, "DevModel::step: a pipeline stage before the last needs x_out");
+    x_out->resize(size_t(N * H));
+    down_f32(ex_, x_out->data(), J.x, x_out->size(), dt_);
+    return {};
+  }
   // Final norm and the LM head (this rank's rows) on each segment's last row only.
   dev::gather_rows(ex_, J.x, J.last, 1, J.hb, S, H, dt_);
   dev::rmsnorm_fwd(ex_, J.hb, pp_[table_.final_norm()], J.hf, J.rf, S, H, tc.rms_eps, dt_);

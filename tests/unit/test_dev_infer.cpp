@@ -111,7 +111,9 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
 // flips: steps allowed beyond tol. With random routers, bf16's rounding can flip one token's top-k experts, which
 // changes that token's logits wholesale (the golden MoE model in bf16 flips one decode step of eight; fp16 and fp32
 // none). A wrong kernel or index would miss every step, not one.
-void infer_case(const std::string& name, Device d, DType dt, double tol, int flips = 0) {
+// splits: pipeline stage boundaries (serve.pp): the device model as a chain of stages, each holding its layers'
+// units only, the hidden states passed on through the host as serve passes them between ranks.
+void infer_case(const std::string& name, Device d, DType dt, double tol, int flips = 0, std::vector<int> splits = {}) {
   const std::string dir = "tests/data/golden/" + name + "/model";
   const ModelConfig cfg = load_hf_config(dir + "/config.json");
   Model host(cfg);
@@ -133,21 +135,42 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
   dev::Exec ex = dev::make_exec(d);
   std::vector<std::vector<float>> got, dimg;
   {
-    DevModel m(cfg, ex, dt, /*grads=*/false);
-    m.set_params(host.params());
-    m.reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/64, blocks, block, /*seq_blocks=*/12});
+    std::vector<int> cut{0};
+    cut.insert(cut.end(), splits.begin(), splits.end());
+    cut.push_back(cfg.text.layers);
+    std::vector<std::unique_ptr<DevModel>> st;  // the stages, in order (one: the whole model)
+    for (size_t k = 0; k + 1 < cut.size(); ++k) {
+      const DevStage g{cut[k], k + 2 == cut.size() ? -1 : cut[k + 1], k == 0, k + 2 == cut.size()};
+      st.push_back(std::make_unique<DevModel>(cfg, ex, dt, /*grads=*/false, g));
+      st.back()->set_params(host.params());
+      st.back()->reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/64, blocks, block, /*seq_blocks=*/12});
+      if (st.size() > 1) EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt));
+    }
     KvCache<float> dc;
     dc.block = block, dc.max_blocks = blocks, dc.host_pool = false;
     dc.reset(cfg.text.layers, int64_t(cfg.text.kv_heads) * cfg.text.head_dim);
-    const Runner dr{[&](const std::vector<StepSegment<float>>& s, KvCache<float>& c) { return m.step(s, c); },
+    const Runner dr{[&](const std::vector<StepSegment<float>>& s, KvCache<float>& c) {
+                      // Every stage keeps the same bookkeeping (serve: each rank replays it): a copy per stage.
+                      std::vector<float> x, y, out;
+                      const KvCache<float> before = c;
+                      for (size_t k = 0; k < st.size(); ++k) {
+                        KvCache<float> mine = before;
+                        KvCache<float>& use = k == 0 ? c : mine;
+                        out = st[k]->step(s, use, k ? &x : nullptr, &y);
+                        x.swap(y);
+                      }
+                      return out;
+                    },
                     [&](const Prompt& p, std::vector<float>& img, std::vector<std::vector<float>>& ds) {
-                      m.vision_features(p.pixels, p.grid, img, ds);
+                      st[0]->vision_features(p.pixels, p.grid, img, ds);
                     }};
     got = schedule(cfg, ps, dc, dr, greedy, false, &dimg);
     EXPECT_EQ(dc.used_blocks(), hc.used_blocks());
     // Budgets are enforced with a message, not overrun.
     const int big = dc.add();
-    EXPECT_THROW(m.step({StepSegment<float>{big, std::vector<int64_t>(33, 5), {}, {}, {}}}, dc), Error);
+    std::vector<float> sink;
+    EXPECT_THROW(st[0]->step({StepSegment<float>{big, std::vector<int64_t>(33, 5), {}, {}, {}}}, dc, nullptr, &sink),
+                 Error);
   }
   dev::destroy_exec(ex);
 
@@ -172,8 +195,8 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
     else worst_kept = std::max(worst_kept, diff / scale);
   }
   EXPECT_LE(over, flips) << name << ": " << over << " steps beyond " << tol << " (worst " << worst << ")";
-  std::printf("  %s on %s %s: %zu steps, logits max|diff|/max|logit| %.2e (%d beyond %.0e; the others %.2e), image "
-              "features %.2e\n", name.c_str(), d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), ref.size(), worst,
+  std::printf("  %s%s on %s %s: %zu steps, logits max|diff|/max|logit| %.2e (%d beyond %.0e; the others %.2e), image "
+              "features %.2e\n", name.c_str(), splits.empty() ? "" : (" in " + std::to_string(splits.size() + 1) + " stages").c_str(), d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), ref.size(), worst,
               over, tol, worst_kept, worst_img / scale_img);
 }
 
@@ -181,6 +204,18 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
 
 TEST(DevInfer, StepMatchesHostOnCpu) {
   for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5);
+}
+// serve.pp: the same steps through pipeline stages (the MoE model's DeepStack layer 1 on the second stage; the
+// untied model in three stages of one layer each; the tied model's embeddings on the first and last stage).
+TEST(DevInfer, PipelineStagesMatchHostOnCpu) {
+  infer_case("dense_tied", Device::CPU, DType::F32, 1e-5, 0, {1});
+  infer_case("dense_untied", Device::CPU, DType::F32, 1e-5, 0, {1, 2});
+  infer_case("moe", Device::CPU, DType::F32, 1e-5, 0, {1});
+}
+TEST(DevInfer, PipelineStagesMatchHostOnCuda) {
+  Q3VL_NEED_GPU();
+  infer_case("dense_untied", Device::CUDA, DType::F32, 1e-4, 0, {1, 2});
+  infer_case("moe", Device::CUDA, DType::BF16, 3e-2, 1, {1});
 }
 TEST(DevInfer, StepMatchesHostOnCudaFp32) {
   Q3VL_NEED_GPU();

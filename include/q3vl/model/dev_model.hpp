@@ -28,10 +28,18 @@ struct DevMemory {
   int64_t total() const { return weights + grads + activations + workspace; }
 };
 
+// A pipeline stage (serve.pp): decoder layers [l0, l1) (l1 < 0: to the end), with `first` the embeddings and the
+// vision tower, with `last` the final norm and the LM head (a tied head: the embeddings too). Default: everything.
+struct DevStage {
+  int l0 = 0, l1 = -1;
+  bool first = true, last = true;
+  bool whole() const { return l0 == 0 && l1 < 0 && first && last; }
+};
+
 class DevModel {
  public:
-  // grads = false: inference only (serve), no gradient buffer.
-  DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true);
+  // grads = false: inference only (serve), no gradient buffer. A stage (inference only) holds only its units.
+  DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true, DevStage stage = {});
   ~DevModel();
   DevModel(const DevModel&) = delete;
   DevModel& operator=(const DevModel&) = delete;
@@ -53,7 +61,10 @@ class DevModel {
   // What reserve(b) would allocate for activations, without allocating (the planner's sizing).
   static int64_t activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute = false);
   // What the constructor allocates: the weights in dt and the fp32 gradients, both full (the planner's sizing).
-  static int64_t weight_bytes(const ParamTable& t, DType dt) { return t.total() * int64_t(dtype_size(dt)); }
+  static int64_t weight_bytes(const ParamTable& t, DType dt, const DevStage& s = {});
+  // Whether a stage holds unit u of the table.
+  static bool stage_owns(const ParamTable& t, const DevStage& s, int u);
+  const DevStage& stage() const { return stage_; }
   static int64_t grad_bytes(const ParamTable& t) { return t.total() * 4; }
   // memory() of a model built with these arguments, reserved for b, on an Exec with ws_bytes of workspace.
   static DevMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute, int64_t ws_bytes);
@@ -84,12 +95,15 @@ class DevModel {
     int64_t tokens = 0, segments = 0, patches = 0, kv_blocks = 0, block = 16, seq_blocks = 0;
   };
   // Bytes reserve_infer(b) allocates: the KV pools and the step and vision buffers (serve sizes its cache with it).
-  static int64_t kv_pool_bytes(const ModelConfig& cfg, DType dt, int64_t blocks, int64_t block);
-  static int64_t infer_bytes(const ModelConfig& cfg, DType dt, const InferBudget& b);
+  static int64_t kv_pool_bytes(const ModelConfig& cfg, DType dt, int64_t blocks, int64_t block, const DevStage& s = {});
+  static int64_t infer_bytes(const ModelConfig& cfg, DType dt, const InferBudget& b, const DevStage& s = {});
   void reserve_infer(const InferBudget& b);
   // cache: the bookkeeping (KvCache::host_pool = false, its max_blocks and block those of the budget); the keys and
   // values are in this model's pools. Returns each segment's last-row logits [segs, V] (V: the tensor-parallel rows).
-  std::vector<float> step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache);
+  // A pipeline stage after the first takes the previous stage's hidden states x_in [N, H] (fp32, host); one before
+  // the last returns nothing and leaves its output in x_out.
+  std::vector<float> step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache,
+                          const std::vector<float>* x_in = nullptr, std::vector<float>* x_out = nullptr);
   // The vision tower and mergers for one prompt's images: img [n, H] and ds [deepstack][n*H] on the host.
   void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<float>& img,
                        std::vector<std::vector<float>>& ds);
@@ -109,6 +123,9 @@ class DevModel {
   ParamTable table_;
   dev::Exec ex_;
   DType dt_;
+  DevStage stage_;
+  std::vector<int64_t> unit_off_;  // [unit] its place in params_ (elements), -1 when the stage does not hold it
+  int64_t held_ = 0;               // elements in params_
   void* params_ = nullptr;
   float* grads_ = nullptr;
   std::vector<const void*> pp_;
