@@ -268,6 +268,13 @@ class Server {
   }
   void load_device(const ModelSource& src);
   void log_tp() const {
+    if (rank_ == 0 && pp_ > 1) {
+      std::string st;
+      for (int k = 0, L = cfg_.text.layers; k < pp_; ++k)
+        st += (k ? ", " : "") + std::to_string(L * k / pp_) + "-" + std::to_string(L * (k + 1) / pp_ - 1);
+      log_info("serve: pipeline of " + std::to_string(pp_) + " stages of " + std::to_string(tp_) +
+               " rank(s) each, decoder layers " + st + " (stage 0 also the embeddings and vision tower, the last the head)");
+    }
     if (rank_ == 0 && tp_ > 1)
       log_info("serve: tensor parallel over " + std::to_string(tp_) + " ranks: " + std::to_string(cfg_.text.heads) +
                " query heads, " + std::to_string(cfg_.text.kv_heads) + " key/value heads, " +
@@ -290,7 +297,11 @@ class Server {
   std::deque<std::shared_ptr<Job>> waiting_;   // engine only
   std::vector<std::shared_ptr<Job>> running_;  // engine only
   KvCache<float> cache_;
-  int rank_ = 0, tp_ = 1;
+  // The layout: world_ ranks = pp_ pipeline stages of tp_ tensor-parallel ranks; this rank is trank_ of stage_ and
+  // computes in tpc_ (its stage's ranks). Rank 0 (stage 0, trank 0) serves HTTP and runs the engine.
+  int rank_ = 0, world_ = 1, tp_ = 1, pp_ = 1, stage_ = 0, trank_ = 0;
+  MPI_Comm tpc_ = MPI_COMM_WORLD;
+  DevStage dstage_;
   std::pair<int64_t, int64_t> vocab_rows_;
   bool stopped_ = false;
   std::vector<int64_t> ops_;  // KvOps since the last step (for the replicas)
@@ -672,7 +683,7 @@ void Server::finish(Job& job, const std::string& reason) {
 
 void Server::kv(std::vector<int64_t> op) {
   apply_kv(cache_, op, 0);
-  if (tp_ > 1) ops_.insert(ops_.end(), op.begin(), op.end());
+  if (world_ > 1) ops_.insert(ops_.end(), op.begin(), op.end());
 }
 
 int64_t Server::evictable() const {
@@ -940,18 +951,30 @@ int64_t available_memory() {
 
 void Server::load() {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-  MPI_Comm_size(MPI_COMM_WORLD, &tp_);
-  if (deck_.integer("serve.tp") != 0 && deck_.integer("serve.tp") != tp_)
-    fail("serve.tp = " + std::to_string(deck_.integer("serve.tp")) + " but " + std::to_string(tp_) +
-         " ranks run: the tensor-parallel group is all ranks (replicas of a group are not supported yet)");
-  const ModelSource src = model_source(deck_, "serve.checkpoint");
+  MPI_Comm_size(MPI_COMM_WORLD, &world_);
+  pp_ = (int)deck_.integer("serve.pp");
+  tp_ = deck_.integer("serve.tp") != 0 ? (int)deck_.integer("serve.tp") : world_ / pp_;
+  if (tp_ * pp_ != world_)
+    fail("serve.tp = " + std::to_string(deck_.integer("serve.tp")) + " and serve.pp = " + std::to_string(pp_) + " with " +
+         std::to_string(world_) + " ranks: serve.tp x serve.pp must be the number of ranks (serve.tp = 0: the ranks / "
+         "serve.pp; replicas of a group are not supported yet)");
+  stage_ = rank_ / tp_, trank_ = rank_ % tp_;
+  MPI_Comm_split(MPI_COMM_WORLD, stage_, trank_, &tpc_);  const ModelSource src = model_source(deck_, "serve.checkpoint");
   checkpoint_ = src.checkpoint;
   // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
   // never holds the fp32 model; adapters to fold need the host model first.
   const bool adapters = src.adapters_only || !deck_.str("lora.adapter").empty() || src.cfg.lora.on();
+  if (pp_ > 1) {
+    const int L = src.cfg.text.layers;
+    if (deck_.str("model.backend") != "cuda")
+      fail("serve.pp = " + std::to_string(pp_) + " needs model.backend = \"cuda\": pipeline stages are the device "
+           "model's (the CPU backend serves with tensor parallelism, serve.tp)");
+    if (pp_ > L) fail("serve.pp = " + std::to_string(pp_) + ": more stages than the model's " + std::to_string(L) + " layers");
+    dstage_ = {L * stage_ / pp_, stage_ + 1 == pp_ ? -1 : L * (stage_ + 1) / pp_, stage_ == 0, stage_ + 1 == pp_};
+  }
   if (deck_.str("model.backend") == "cuda" && !adapters) {
-    cfg_ = tp_ > 1 ? tp_config(src.cfg, rank_, tp_) : src.cfg;
-    if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, rank_, tp_);
+    cfg_ = tp_ > 1 ? tp_config(src.cfg, trank_, tp_) : src.cfg;
+    if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, trank_, tp_);
     log_tp();
     return load_device(src);
   }
@@ -963,12 +986,12 @@ void Server::load() {
   if (tp_ == 1) {
     model_ = std::move(full);
   } else {  // each rank keeps its slice; the full weights go once it is cut
-    model_ = std::make_unique<Model>(tp_config(full->config(), rank_, tp_));
-    tp_shard_weights(*full, *model_, rank_, tp_);
+    model_ = std::make_unique<Model>(tp_config(full->config(), trank_, tp_));
+    tp_shard_weights(*full, *model_, trank_, tp_);
     full.reset();
-    vocab_rows_ = tp_vocab_rows(model_->config().text.vocab, rank_, tp_);
+    vocab_rows_ = tp_vocab_rows(model_->config().text.vocab, trank_, tp_);
     model_->set_tensor_parallel(
-        [](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
+        [this](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, tpc_); },
         vocab_rows_.first, vocab_rows_.second);
   }
   // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone.
@@ -1024,25 +1047,26 @@ void Server::load_device(const ModelSource& src) {
   if (!on_cpu) {
     size_t free0 = 0, total0 = 0;
     dev::memory_info(ex_, &free0, &total0);
-    const double need = double(DevModel::weight_bytes(ParamTable(cfg_), dt)) + double(DevModel::infer_bytes(cfg_, dt, b)) +
-                        double(DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, block)) + 0.05 * double(total0);
+    const double need = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_)) +
+                        double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
+                        double(DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, block, dstage_)) + 0.05 * double(total0);
     if (need > double(free0)) {
       // The weights split further over more ranks; the rest stays per rank.
-      const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt)), rest = need - w;
+      const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_)), rest = need - w;
       const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt));
-      const int ranks = std::max(tp_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
+      const int ranks = std::max(world_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
       char msg[512];
       std::snprintf(msg, sizeof msg,
                     "serve: rank %d needs %.1f GiB on GPU %d (its slice of the weights in %s %.1f GiB, step buffers and "
                     "one request's KV cache %.1f GiB, 5%% reserve), which has %.1f GiB free: serve over about %d GPUs "
-                    "(mpiexec -n N; serve.tp = N), or lower serve.max_context / serve.step_tokens / serve.max_batch%s",
+                    "(mpiexec -n N; serve.tp x serve.pp = N), or lower serve.max_context / serve.step_tokens / serve.max_batch%s",
                     rank_, need / 1073741824.0, std::max(0, where.gpu), dtype_name(dt), w / 1073741824.0,
                     (rest - 0.05 * double(total0)) / 1073741824.0, double(free0) / 1073741824.0, ranks,
                     dt == DType::F32 ? ", or model.dtype = \"bf16\"" : "");
       fail(msg);
     }
   }
-  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false);
+  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_);
   if (model_) {  // from the host model (adapters folded)
     dev_->set_params(model_->params());
     model_.reset();
@@ -1052,7 +1076,8 @@ void Server::load_device(const ModelSource& src) {
     const bool ok = stream_weights(
         deck_, src, local,
         [&](const UnitInfo& u, float* buf) {
-          return tp_slices(full, local, rank_, tp_, [&](int id) -> float* {
+          if (!DevModel::stage_owns(local, dstage_, int(&u - local.units().data()))) return std::vector<ParamSlice>{};
+          return tp_slices(full, local, trank_, tp_, [&](int id) -> float* {
             const ParamInfo& p = local.param(id);
             return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
           });
@@ -1062,10 +1087,10 @@ void Server::load_device(const ModelSource& src) {
   }
   if (tp_ > 1)
     dev_->set_tensor_parallel(
-        [](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); },
+        [this](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, tpc_); },
         vocab_rows_.first, vocab_rows_.second);
-  const int64_t per_block = DevModel::kv_pool_bytes(cfg_, dt, 1, block);
-  const int64_t step_bytes = DevModel::infer_bytes(cfg_, dt, b);  // with no KV blocks yet
+  const int64_t per_block = DevModel::kv_pool_bytes(cfg_, dt, 1, block, dstage_);
+  const int64_t step_bytes = DevModel::infer_bytes(cfg_, dt, b, dstage_);  // with no KV blocks yet
   double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
   std::string how = "serve.kv_mib";
   size_t free_b = 0, total_b = 0;
@@ -1121,7 +1146,7 @@ void bcast_polling(int64_t* buf, int n) {
 }  // namespace
 
 std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop) {
-  if (tp_ == 1) return local_step(segs);  // kv() recorded nothing
+  if (world_ == 1) return local_step(segs);  // kv() recorded nothing
   // The plan: ints [ops..., nseg, per segment: slot, n ids, ids, n pos, pos, img floats, ds count, ds floats...],
   // floats [img, ds...]; a header [stop, ints, floats] first.
   std::vector<int64_t> ints;
@@ -1172,21 +1197,40 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     }
   }
   // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
-  const std::vector<float> local = local_step(segs);
   const int64_t V = cfg_.text.vocab, ns = (int64_t)segs.size();
+  std::vector<float> local, logits(rank_ == 0 ? ns * V : 0);
+  if (pp_ > 1) {  // the hidden states go from stage to stage, rank trank_ to rank trank_; the last has the logits
+    int64_t N = 0;
+    for (const auto& g : segs) N += (int64_t)g.ids.size();
+    std::vector<float> x(stage_ > 0 ? N * cfg_.text.hidden : 0), y;
+    if (stage_ > 0) MPI_Recv(x.data(), (int)x.size(), MPI_FLOAT, rank_ - tp_, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    local = dev_->step(segs, cache_, stage_ > 0 ? &x : nullptr, &y);
+    if (stage_ + 1 < pp_) {
+      MPI_Send(y.data(), (int)y.size(), MPI_FLOAT, rank_ + tp_, 1, MPI_COMM_WORLD);
+      if (rank_ == 0)
+        MPI_Recv(logits.data(), (int)logits.size(), MPI_FLOAT, (pp_ - 1) * tp_, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      return logits;
+    }
+  } else {
+    local = local_step(segs);
+  }
   std::vector<int> counts(tp_), offs(tp_);
   for (int r = 0; r < tp_; ++r) {
     const auto [a, b] = tp_vocab_rows(V, r, tp_);
     counts[r] = (int)(ns * (b - a)), offs[r] = r ? offs[r - 1] + counts[r - 1] : 0;
   }
-  std::vector<float> all(rank_ == 0 ? ns * V : 0), logits(rank_ == 0 ? ns * V : 0);
-  MPI_Gatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0,
-              MPI_COMM_WORLD);
-  if (rank_ != 0) return {};
+  std::vector<float> all(trank_ == 0 ? ns * V : 0);
+  logits.resize(trank_ == 0 ? ns * V : 0);
+  MPI_Gatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_);
+  if (trank_ != 0) return {};
   for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
     const auto [a, b] = tp_vocab_rows(V, r, tp_);
     for (int64_t s = 0; s < ns; ++s)
       std::copy(&all[offs[r] + s * (b - a)], &all[offs[r] + (s + 1) * (b - a)], &logits[s * V + a]);
+  }
+  if (rank_ != 0) {  // the last stage's first rank: the logits to the engine
+    MPI_Send(logits.data(), (int)logits.size(), MPI_FLOAT, 0, 2, MPI_COMM_WORLD);
+    return {};
   }
   return logits;
 }

@@ -241,6 +241,20 @@ if start dev_moe "${on[@]}" $q serve model.preset=tiny-moe model.backend=cuda se
   node_c answers $tmp/d/eval.jsonl >$tmp/a_dev_moe.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
   ref=$tmp/gen_moe.jsonl same_answers "MoE on the device model ($where): answers == generate" $tmp/a_dev_moe.jsonl
 fi
+# Pipeline stages (serve.pp): 2 stages of 1 rank, 2 stages of 2 tensor-parallel ranks, and the MoE model in 2; each
+# rank holds only its stage's layers, the hidden states go from stage to stage; answers stay generate's.
+for lay in "2 2 tiny gen" "4 2 tiny gen" "2 2 tiny-moe gen_moe"; do
+  read -r n pp m g <<<"$lay"
+  if start pp$n$m "${on[@]}" mpiexec -n $n $q serve model.preset=$m model.backend=cuda serve.pp=$pp serve.kv_mib=8 \
+      serve.model_name=q3vl-tiny; then
+    grep -q "serve: pipeline of $pp stages of $((n / pp)) rank(s) each" $tmp/pp$n$m.log || bad "pp$n$m: $(grep serve: $tmp/pp$n$m.log)"
+    node_c answers $tmp/d/eval.jsonl stream >$tmp/a_pp$n$m.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+    ref=$tmp/$g.jsonl same_answers "$m, $pp stages x TP $((n / pp)) ($where): streamed answers == generate" $tmp/a_pp$n$m.jsonl
+    kill -TERM ${pids[-1]}; wait ${pids[-1]}
+  fi
+done
+expect pp-needs-device 1 'serve.pp = 2 needs model.backend = "cuda"' mpiexec -n 2 $q serve model.preset=tiny serve.pp=2
+expect pp-layout 1 'serve.tp x serve.pp must be the number of ranks' mpiexec -n 3 $q serve model.preset=tiny serve.pp=2
 stop_all
 expect no-model 1 "serve needs a model" $q serve serve.port=0
 expect bad-image-dir 1 "serve.image_dir" $q serve model.preset=tiny serve.image_dir=$tmp/nothere

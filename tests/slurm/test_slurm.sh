@@ -101,22 +101,26 @@ if wait_job "$id" 600 && [[ $(job_field "$id" JobState) == COMPLETED ]]; then
 else bad "smoke job $id: $(job_field "$id" JobState)" "$work/smoke-$id.out"; fi
 
 # --- preemption: SIGUSR1 mid-run -> checkpoint, exit 3 -> requeue -> resume -> same final weights --
-run=("${tiny[@]}" train.steps=5 checkpoint.every=0)
+# 40 steps: the signal must land while the run is still training. With 5 (as before) a fast machine finished all
+# of them between the first metrics line and the signal's arrival (poll interval plus Slurm's delivery), and the
+# job completed unpreempted (Restarts=0): the suite's one flaky check in CI.
+run=("${tiny[@]}" train.steps=40 checkpoint.every=0)
 srun --mpi=pmi2 -n 4 bin/q3vl train "${run[@]}" run.out_dir="$work/ref" >"$work/ref.log" 2>&1 \
   || bad "uninterrupted reference run" "$work/ref.log"
 t_pre=$SECONDS
 id=$(DECK= OUT=$work/pre sbatch --parsable --output="$work/pre-%j.out" jobs/smoke.slurm "${run[@]}")
 # Signal once the first step is logged, so the run is mid-way and its handlers are installed.
-for _ in $(seq 400); do [[ -s $work/pre/metrics.jsonl ]] && break; sleep 1; done
+for _ in $(seq 2000); do [[ -s $work/pre/metrics.jsonl ]] && break; sleep 0.2; done
 scancel --signal=USR1 "$id"
 log=$work/pre-$id.out
-ref=$work/ref/checkpoints/step_00000005.h5 got=$work/pre/checkpoints/step_00000005.h5
+ref=$work/ref/checkpoints/step_00000040.h5 got=$work/pre/checkpoints/step_00000040.h5
 if ! wait_job "$id" 600 || [[ $(job_field "$id" JobState) != COMPLETED ]]; then
   bad "preempted job $id: $(job_field "$id" JobState) after $((SECONDS - t_pre)) s" "$log"
 elif [[ $(job_field "$id" Restarts) != 1 ]]; then
   bad "preempted job was requeued once (Restarts=$(job_field "$id" Restarts))" "$log"
-elif expect_log "SIGUSR1 -> checkpoint, exit 3, requeue, resume, done" "$log" \
-    "stopping early: SIGUSR1 received" "exit 3\): requeueing" "restart 1" "training done: step 5"; then
+elif expect_log "SIGUSR1 -> checkpoint at step $(grep -oP 'checkpoint of step \K[0-9]+' "$log" | head -1) of 40, exit 3, \
+requeue, resume, done" "$log" \
+    "stopping early: SIGUSR1 received" "exit 3\): requeueing" "restart 1" "training done: step 40"; then
   if ! needs "resumed run's final checkpoint equals the uninterrupted run's" h5diff; then :
   elif h5diff -q "$ref" "$got" /model /model && h5diff -q "$ref" "$got" /optim /optim; then
     pass "resumed run's final checkpoint equals the uninterrupted run's"
