@@ -1093,14 +1093,17 @@ void Server::load_device(const ModelSource& src) {
   const int64_t step_bytes = DevModel::infer_bytes(cfg_, dt, b, dstage_);  // with no KV blocks yet
   double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
   std::string how = "serve.kv_mib";
+  // Ranks that share a GPU (more ranks on the node than GPUs) split what it has left once all weights are in.
   size_t free_b = 0, total_b = 0;
+  const int share = std::max(1, where.local_size / std::max(1, where.gpus_visible));
+  MPI_Barrier(MPI_COMM_WORLD);
   if (!on_cpu) dev::memory_info(ex_, &free_b, &total_b);
   if (kv_bytes == 0) {
     const double need = double(batch) * double(ctx + block) * double(per_block) / double(block);
     // What is left after the weights (loaded), the workspace (made) and the step buffers, less 5% of the device for
     // cuBLAS and the allocator; on the CPU op layer, as the host backend sizes it.
     const double room = on_cpu ? 0.5 * double(available_memory()) / where.local_size
-                               : double(free_b) - double(step_bytes) - 0.05 * double(total_b);
+                               : (double(free_b) - 0.05 * double(total_b)) / share - double(step_bytes);
     kv_bytes = std::max(0.0, std::min(need, room));
     how = kv_bytes == need ? "auto: what serve.max_batch x serve.max_context can use"
                            : (on_cpu ? "auto: half of this rank's share of the available memory"

@@ -99,16 +99,24 @@ serve_case tiny_gpu_tp2 120 mpiexec -n 2 "$q" serve model.preset=tiny model.back
 serve_case tiny-moe_gpu_1 120 "$q" serve model.preset=tiny-moe model.backend=cuda
 serve_case tiny-moe_gpu_tp2 120 mpiexec -n 2 "$q" serve model.preset=tiny-moe model.backend=cuda
 serve_case tiny_gpu_bf16 120 "$q" serve model.preset=tiny model.backend=cuda model.dtype=bf16
+serve_case tiny_gpu_pp2 120 mpiexec -n 2 "$q" serve model.preset=tiny model.backend=cuda serve.pp=2
+serve_case tiny-moe_gpu_pp2 120 mpiexec -n 2 "$q" serve model.preset=tiny-moe model.backend=cuda serve.pp=2
+serve_case tiny_gpu_pp2tp2 120 mpiexec -n 4 "$q" serve model.preset=tiny model.backend=cuda serve.pp=2 serve.kv_mib=64
 }
 
 # ---- big shapes in bf16 on one H200: random weights streamed to the device -------------------------------------
 # big NAME PRESET: serve it, then tools/bench_serve at concurrency 1 and 32 (200 words and a picture, 128 tokens).
 big() {
   local name=$1 preset=$2 t0=$SECONDS port="" c
+  shift 2  # the rest: the launcher's words before q3vl (e.g. mpiexec -n 2), then -- and extra keys
   (while sleep 2; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader >>"$out/smi_$name.txt"; done) &
   local smi=$!
-  timeout 420 "$q" serve model.preset=$preset model.backend=cuda model.dtype=bf16 serve.port=0 serve.max_context=8192 \
-    serve.max_batch=64 serve.step_tokens=2048 run.timing=false >"$out/serve_$name.log" 2>&1 &
+  local pre=() extra=()
+  while (($#)) && [[ $1 != -- ]]; do pre+=("$1"); shift; done
+  (($#)) && shift && extra=("$@")
+  timeout 420 "${pre[@]}" "$q" serve model.preset=$preset model.backend=cuda model.dtype=bf16 serve.port=0 \
+    serve.max_context=8192 serve.max_batch=64 serve.step_tokens=2048 run.timing=false "${extra[@]}" \
+    >"$out/serve_$name.log" 2>&1 &
   local pid=$!
   for _ in $(seq 1500); do
     port=$(grep -oP 'on http://127\.0\.0\.1:\K[0-9]+' "$out/serve_$name.log")
@@ -116,7 +124,7 @@ big() {
     kill -0 $pid 2>/dev/null || break
     sleep 0.2
   done
-  say "$name: up after $((SECONDS - t0)) s: $(grep -oP 'serve: (on|weights streamed) .*|load weights .*' "$out/serve_$name.log" | tr '\n' ' ')"
+  say "$name: up after $((SECONDS - t0)) s: $(grep -oP 'serve: (on|weights streamed|pipeline) .*|load weights .*' "$out/serve_$name.log" | tr '\n' ' ')"
   pack
   if [[ -n $port ]]; then
     png=$(ls $d/images/*.png | head -1)
@@ -136,3 +144,4 @@ big() {
 }
 part 8b && big 8b 8B
 part 30b && big 30b-a3b 30B-A3B
+part 8bpp && big 8b-pp2 8B mpiexec -n 2 -- serve.pp=2
