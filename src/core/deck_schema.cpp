@@ -57,11 +57,12 @@ const std::vector<KeySpec>& deck_schema() {
       // serve: the OpenAI-compatible server (rank 0 speaks HTTP)
       {"serve.host", T::String, "127.0.0.1", "address to listen on (0.0.0.0: every interface)"},
       {"serve.port", T::Int, "8000", "TCP port (0: any free port, printed at start-up)", 0, 65535},
-      {"serve.tp", T::Int, "0", "tensor-parallel ranks per pipeline stage (0: the ranks / serve.pp; heads, MLP rows "
-       "and vocabulary split over them)", 0, 1 << 20},
-      {"serve.pp", T::Int, "1", "pipeline stages (model.backend = cuda): consecutive groups of serve.tp ranks, each "
+      {"serve.tp", T::Int, "0", "tensor-parallel ranks per pipeline stage (heads, MLP rows and vocabulary split over "
+       "them); 0: auto (the ranks / serve.pp)", 0, 1 << 20},
+      {"serve.pp", T::Int, "0", "pipeline stages (model.backend = cuda): consecutive groups of serve.tp ranks, each "
        "holding an equal share of the decoder layers (the first also the embeddings and vision tower, the last the "
-       "head); hidden states pass from stage to stage", 1, 1 << 16},
+       "head); hidden states pass from stage to stage. 0: auto (with serve.tp = 0: one stage per node on the device "
+       "model, tensor parallelism within a node; else 1)", 0, 1 << 16},
       {"serve.checkpoint", T::String, "", "training checkpoint (step_*.h5, or a folder: its newest) to serve"},
       {"serve.model_name", T::String, "", "model id clients send and /v1/models lists (default: the model folder's name)"},
       {"serve.image_dir", T::String, "", "folder whose files requests may name as images (empty: data: URLs only)"},

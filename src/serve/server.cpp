@@ -952,14 +952,14 @@ int64_t available_memory() {
 void Server::load() {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_);
-  pp_ = (int)deck_.integer("serve.pp");
-  tp_ = deck_.integer("serve.tp") != 0 ? (int)deck_.integer("serve.tp") : world_ / pp_;
-  if (tp_ * pp_ != world_)
-    fail("serve.tp = " + std::to_string(deck_.integer("serve.tp")) + " and serve.pp = " + std::to_string(pp_) + " with " +
-         std::to_string(world_) + " ranks: serve.tp x serve.pp must be the number of ranks (serve.tp = 0: the ranks / "
-         "serve.pp; replicas of a group are not supported yet)");
+  const ModelSource src = model_source(deck_, "serve.checkpoint");
+  const ServeLayout lay = serve_layout(world_, Runtime::get().where().nodes, (int)deck_.integer("serve.tp"),
+                                       (int)deck_.integer("serve.pp"), deck_.str("model.backend") == "cuda",
+                                       src.cfg.text.layers);
+  tp_ = lay.tp, pp_ = lay.pp;
+  if (rank_ == 0 && world_ > 1) log_info(lay.why);
   stage_ = rank_ / tp_, trank_ = rank_ % tp_;
-  MPI_Comm_split(MPI_COMM_WORLD, stage_, trank_, &tpc_);  const ModelSource src = model_source(deck_, "serve.checkpoint");
+  MPI_Comm_split(MPI_COMM_WORLD, stage_, trank_, &tpc_);
   checkpoint_ = src.checkpoint;
   // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
   // never holds the fp32 model; adapters to fold need the host model first.

@@ -7,6 +7,7 @@
 // features with the step, which costs one broadcast of n_image_tokens x hidden floats instead of a whole tower per rank.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <functional>
 #include <vector>
 #include <utility>
@@ -14,6 +15,16 @@
 #include "q3vl/model/qwen3vl.hpp"
 
 namespace q3vl {
+
+// serve's layout of `world` ranks on `nodes` nodes: serve.tp x serve.pp (0: auto). Auto: pipeline stages across nodes
+// and tensor parallelism within one (the inter-node links carry a step's hidden states once per stage instead of two
+// all-reduces per layer), on the device model (device) with at least one layer per stage; else tensor parallelism over
+// all ranks. `why` says what was picked and why; fails naming the keys when the product is not the rank count.
+struct ServeLayout {
+  int tp = 1, pp = 1;
+  std::string why;
+};
+ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, bool device, int layers);
 
 // The decoder shape rank `rank` of `size` holds; fails naming what does not divide (heads, kv heads,
 // intermediate, each expert's intermediate).
