@@ -29,10 +29,6 @@ void check_compute(const Deck& d, bool inference) {
     if (!inference)
       fail("model.weight_dtype = \"" + d.str("model.weight_dtype") +
            "\": int8 weights are for inference (generate, serve); train and eval need model.weight_dtype = \"fp32\"");
-    if (cuda)
-      fail("model.weight_dtype = \"int8\" with model.backend = \"cuda\": the int8 linear (ops::linear_int8_fwd) has "
-           "no CUDA kernel yet; set model.backend = \"cpu\", or keep model.weight_dtype = \"fp32\" and use "
-           "model.dtype = \"bf16\" on the GPU");
   }
   if (cuda && dev::device_count() == 0 && !std::getenv("Q3VL_DEVICE_ON_CPU"))
     fail("model.backend = \"cuda\": no GPU is visible to rank " + std::to_string(Runtime::get().where().rank) + " on " +

@@ -52,13 +52,23 @@ void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t 
   }
 }
 
+void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
+                int64_t n_out, DType dt) {
+  if (P.q8 && P.q8[id]) return dev::linear_int8_fwd(ex, x, P.q8[id], P.s8[id], nullptr, y, N, n_in, n_out, dt);
+  dev::linear_fwd(ex, x, P.p[id], nullptr, y, N, n_in, n_out, dt);
+}
+
 namespace {
-// The dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent.
-const void* fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
-  Q3VL_CHECK(P.p[f + tlay::up_proj] == at(P.p[f + tlay::gate_proj], I * H, dt), "gate_proj/up_proj must be adjacent");
-  Q3VL_CHECK(!P.g[f + tlay::gate_proj] || P.g[f + tlay::up_proj] == P.g[f + tlay::gate_proj] + I * H,
-             "gate_proj/up_proj grads must be adjacent");
-  return P.p[f + tlay::gate_proj];
+// The dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent (so does the
+// int8 layout, rows and scales). Returns gate_proj's id.
+int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
+  const int g = f + tlay::gate_proj, u = f + tlay::up_proj;
+  if (P.q8 && P.q8[g])
+    Q3VL_CHECK(P.q8[u] == P.q8[g] + I * H && P.s8[u] == P.s8[g] + I, "int8 gate_proj/up_proj must be adjacent");
+  else
+    Q3VL_CHECK(P.p[u] == at(P.p[g], I * H, dt), "gate_proj/up_proj must be adjacent");
+  Q3VL_CHECK(!P.g[g] || P.g[u] == P.g[g] + I * H, "gate_proj/up_proj grads must be adjacent");
+  return g;
 }
 void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
 // The second half of a layer's forward: c.ln2 -> dense SwiGLU MLP or MoE block -> s.tmp [N,H].
@@ -77,9 +87,9 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
   } else {
     const int64_t I = tc.intermediate;
-    dev::linear_fwd(ex, c.ln2, fused_gate_up(P, f, I, H, dt), nullptr, c.gu, N, H, 2 * I, dt);
+    dev_linear(ex, P, fused_gate_up(P, f, I, H, dt), c.ln2, c.gu, N, H, 2 * I, dt);
     dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
-    dev::linear_fwd(ex, c.act, P.p[f + tlay::down_proj], nullptr, s.tmp, N, I, H, dt);
+    dev_linear(ex, P, f + tlay::down_proj, c.act, s.tmp, N, I, H, dt);
   }
 }
 }  // namespace
@@ -91,16 +101,16 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   dev::copy(ex, c.x, x, size_t(N * H) * dtype_size(dt));
   dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
-  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::q_proj], nullptr, c.qraw, N, H, Dq, dt);
-  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::k_proj], nullptr, c.kraw, N, H, Dk, dt);
-  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::v_proj], nullptr, c.v, N, H, Dk, dt);
+  dev_linear(ex, P, f + tlay::q_proj, c.ln1, c.qraw, N, H, Dq, dt);
+  dev_linear(ex, P, f + tlay::k_proj, c.ln1, c.kraw, N, H, Dk, dt);
+  dev_linear(ex, P, f + tlay::v_proj, c.ln1, c.v, N, H, Dk, dt);
   dev::rmsnorm_fwd(ex, c.qraw, P.p[f + tlay::q_norm], c.q, c.rq, N * nh, hd, tc.rms_eps, dt);
   dev::rmsnorm_fwd(ex, c.kraw, P.p[f + tlay::k_norm], c.k, c.rk, N * nkv, hd, tc.rms_eps, dt);
   dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
   dev::rope_fwd(ex, c.k, cos, sin, N, nkv, hd, dt);
   dev::attention_fwd(ex, c.q, c.k, c.v, c.att, c.lse, seg.cu, seg.nseg, seg.max_len, N, nh, nkv, hd, true,
                      float(1 / std::sqrt(double(hd))), dt);
-  dev::linear_fwd(ex, c.att, P.p[f + tlay::o_proj], nullptr, s.tmp, N, Dq, H, dt);
+  dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
   dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
   dev::copy(ex, c.x1, x, size_t(N * H) * dtype_size(dt));
   dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
@@ -114,9 +124,9 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
-  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::q_proj], nullptr, c.qraw, N, H, Dq, dt);
-  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::k_proj], nullptr, c.kraw, N, H, Dk, dt);
-  dev::linear_fwd(ex, c.ln1, P.p[f + tlay::v_proj], nullptr, c.v, N, H, Dk, dt);
+  dev_linear(ex, P, f + tlay::q_proj, c.ln1, c.qraw, N, H, Dq, dt);
+  dev_linear(ex, P, f + tlay::k_proj, c.ln1, c.kraw, N, H, Dk, dt);
+  dev_linear(ex, P, f + tlay::v_proj, c.ln1, c.v, N, H, Dk, dt);
   dev::rmsnorm_fwd(ex, c.qraw, P.p[f + tlay::q_norm], c.q, c.rq, N * nh, hd, tc.rms_eps, dt);
   dev::rmsnorm_fwd(ex, c.kraw, P.p[f + tlay::k_norm], c.k, c.rk, N * nkv, hd, tc.rms_eps, dt);
   dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
@@ -125,7 +135,7 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   dev::scatter_rows(ex, c.v, kv.slots, kv.v, N, Dk, false, dt);
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
                            kv.max_q, kv.max_ctx, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
-  dev::linear_fwd(ex, c.att, P.p[f + tlay::o_proj], nullptr, s.tmp, N, Dq, H, dt);
+  dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
   if (reduce) reduce(s.tmp, N * H);
   dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
   dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
@@ -166,8 +176,8 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
     zero(ex, s.dgu, N * 2 * I, dt);
     dev::linear_bwd(ex, dx, c.act, P.p[f + tlay::down_proj], s.dact, P.g[f + tlay::down_proj], nullptr, N, I, H, dt);
     dev::swiglu_bwd(ex, s.dact, c.gu, s.dgu, N, I, dt);
-    dev::linear_bwd(ex, s.dgu, c.ln2, fused_gate_up(P, f, I, H, dt), s.dln, P.g[f + tlay::gate_proj], nullptr, N, H,
-                    2 * I, dt);
+    dev::linear_bwd(ex, s.dgu, c.ln2, P.p[fused_gate_up(P, f, I, H, dt)], s.dln, P.g[f + tlay::gate_proj], nullptr, N,
+                    H, 2 * I, dt);
   }
   dev::rmsnorm_bwd(ex, s.dln, c.x1, P.p[f + tlay::post_norm], c.r2, dx, P.g[f + tlay::post_norm], N, H, dt);
   // Attention branch.

@@ -130,26 +130,56 @@ bool DevModel::stage_owns(const ParamTable& t, const DevStage& s, int u) {
   return s.first;  // the embeddings, the vision tower and the mergers
 }
 
-int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s) {
-  int64_t n = 0;
-  for (size_t u = 0; u < t.units().size(); ++u) n += stage_owns(t, s, int(u)) ? t.units()[u].numel : 0;
-  return n * int64_t(dtype_size(dt));
+bool DevModel::int8_param(const ParamTable& t, int id) {
+  if (t.lm_head() == id) return t.lm_head() != t.embed_tokens();
+  for (int l = 0; l < t.config().text.layers; ++l) {
+    const int k = id - t.layer(l);
+    if (k < 0 || k >= tlay::count) continue;
+    if (k == tlay::q_proj || k == tlay::k_proj || k == tlay::v_proj || k == tlay::o_proj) return true;
+    return !t.moe_layer(l) && (k == tlay::gate_proj || k == tlay::up_proj || k == tlay::down_proj);
+  }
+  return false;
 }
 
-DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage)
+int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s, bool int8) {
+  int64_t n = 0;
+  for (size_t u = 0; u < t.units().size(); ++u)
+    if (stage_owns(t, s, int(u)))
+      for (int id : t.units()[u].params) {
+        const ParamInfo& p = t.param(id);
+        n += int8 && int8_param(t, id) ? p.numel + p.shape[0] * 4 : p.numel * int64_t(dtype_size(dt));
+      }
+  return n;
+}
+
+DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage, bool int8)
     : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), stage_(stage), impl_(std::make_unique<Impl>()) {
-  Q3VL_CHECK(stage.whole() || !grads, "DevModel: a pipeline stage is for inference (grads = false)");
+  Q3VL_CHECK((stage.whole() && !int8) || !grads, "DevModel: pipeline stages and int8 weights are for inference");
   if (ex.device == Device::CPU && dt != DType::F32)
     fail_all(std::string("model.dtype = ") + dtype_name(dt) + " needs model.backend = \"cuda\" (the CPU computes fp32)");
-  // The units the stage holds, packed in table order (the whole model: the table's own offsets).
-  unit_off_.assign(table_.units().size(), -1);
+  // The parameters of the units the stage holds, packed in table order (the whole model in dt: the table's own
+  // offsets); int8 weights in q8_, their scales in s8_.
+  par_off_.assign(table_.params().size(), -1), scl_off_.assign(table_.params().size(), -1);
   for (size_t u = 0; u < table_.units().size(); ++u)
-    if (stage_owns(table_, stage_, int(u))) unit_off_[u] = held_, held_ += table_.units()[u].numel;
+    if (stage_owns(table_, stage_, int(u)))
+      for (int id : table_.units()[u].params) {
+        const ParamInfo& p = table_.param(id);
+        if (int8 && int8_param(table_, id)) par_off_[id] = held8_, held8_ += p.numel, scl_off_[id] = rows8_, rows8_ += p.shape[0];
+        else par_off_[id] = held_, held_ += p.numel;
+      }
   params_ = dev::alloc(ex_, size_t(held_) * dtype_size(dt_));
+  if (held8_) {
+    q8_ = static_cast<int8_t*>(dev::alloc(ex_, size_t(held8_)));
+    s8_ = static_cast<float*>(dev::alloc(ex_, size_t(rows8_) * 4));
+  }
   if (grads) grads_ = static_cast<float*>(dev::alloc(ex_, size_t(grad_bytes(table_))));
   for (const ParamInfo& p : table_.params()) {
-    const int64_t off = table_.units()[p.unit].offset + p.offset, mine = unit_off_[p.unit];
-    pp_.push_back(mine < 0 ? nullptr : at(params_, mine + p.offset, dt_));
+    const int id = int(pp_.size());
+    const int64_t off = table_.units()[p.unit].offset + p.offset, mine = par_off_[id];
+    const bool i8 = scl_off_[id] >= 0;
+    pp_.push_back(mine < 0 || i8 ? nullptr : at(params_, mine, dt_));
+    q8p_.push_back(i8 ? q8_ + mine : nullptr);
+    s8p_.push_back(i8 ? s8_ + scl_off_[id] : nullptr);
     gp_.push_back(grads_ ? grads_ + off : nullptr);
   }
   if (grads_) zero_grads();
@@ -205,22 +235,38 @@ void DevModel::set_params(const float* host_all) {
 }
 void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   Q3VL_CHECK(offset >= 0 && offset + n <= table_.total(), "DevModel::set_params: a range outside the table");
-  // The held units' parts of the range, each to its packed place, through a staging buffer of at most 256 MiB.
+  // The held parameters' parts of the range, each to its packed place, through a staging buffer of at most 256 MiB;
+  // an int8 weight, which must arrive whole, is quantized here first.
+  constexpr int64_t kChunk = int64_t(64) << 20;
   float* stage = nullptr;
-  if (dt_ != DType::F32) stage = static_cast<float*>(dev::alloc(ex_, size_t(std::min<int64_t>(n, int64_t(64) << 20)) * 4));
-  for (size_t u = 0; u < table_.units().size(); ++u) {
-    const UnitInfo& U = table_.units()[u];
-    const int64_t a = std::max(offset, U.offset), b = std::min(offset + n, U.offset + U.numel);
-    if (unit_off_[u] < 0 || a >= b) continue;
-    const int64_t to = unit_off_[u] + (a - U.offset);
+  if (dt_ != DType::F32) stage = static_cast<float*>(dev::alloc(ex_, size_t(std::min<int64_t>(n, kChunk)) * 4));
+  std::vector<int8_t> q;
+  std::vector<float> sc;
+  for (size_t id = 0; id < table_.params().size(); ++id) {
+    const ParamInfo& p = table_.param(int(id));
+    const int64_t start = table_.units()[p.unit].offset + p.offset;
+    const int64_t a = std::max(offset, start), b = std::min(offset + n, start + p.numel);
+    if (par_off_[id] < 0 || a >= b) continue;
+    if (scl_off_[id] >= 0) {
+      Q3VL_CHECK(a == start && b == start + p.numel, "DevModel::set_params: int8 weight " + p.name + " must arrive whole");
+      const int64_t rows = p.shape[0], cols = p.numel / rows;
+      q.resize(size_t(p.numel)), sc.resize(size_t(rows));
+      ops::quantize_int8_rows(host + (a - offset), rows, cols, q.data(), sc.data());
+      dev::to_device(ex_, q8_ + par_off_[id], q.data(), q.size());
+      dev::to_device(ex_, s8_ + scl_off_[id], sc.data(), sc.size() * 4);
+      dev::synchronize(ex_);  // q and sc are reused
+      continue;
+    }
+    const int64_t to = par_off_[id] + (a - start);
     if (!stage) {
       dev::to_device(ex_, at(params_, to, dt_), host + (a - offset), size_t(b - a) * 4);
       continue;
     }
-    for (int64_t i = a; i < b; i += int64_t(64) << 20) {
-      const int64_t m = std::min(int64_t(64) << 20, b - i);
+    for (int64_t i = a; i < b; i += kChunk) {
+      const int64_t m = std::min(kChunk, b - i);
       dev::to_device(ex_, stage, host + (i - offset), size_t(m) * 4);
       dev::convert(ex_, at(params_, to + (i - a), dt_), dt_, stage, DType::F32, m);
+      dev::synchronize(ex_);  // the staging buffer is reused
     }
   }
   dev::synchronize(ex_);
@@ -312,7 +358,7 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
   Q3VL_CHECK(I.block, "DevModel::reserve must size the model before a forward");
   const VisionConfig& vc = cfg_.vision;
   const TextConfig& tc = cfg_.text;
-  const DevParams P{pp_.data(), gp_.data()};
+  const DevParams P = dparams();
   const int64_t N = int64_t(s.ids.size()), H = tc.hidden, V = tc.vocab, E = tc.num_experts, K = tc.experts_per_tok;
   const size_t nds = vc.deepstack_indexes.size();
   kept_ = false;
@@ -429,7 +475,7 @@ void DevModel::backward(float loss_scale) {
   Impl& I = *impl_;
   const VisionConfig& vc = cfg_.vision;
   const TextConfig& tc = cfg_.text;
-  const DevParams P{pp_.data(), gp_.data()};
+  const DevParams P = dparams();
   const int64_t N = I.N, H = tc.hidden, V = tc.vocab, E = tc.num_experts, K = tc.experts_per_tok;
   const size_t nds = vc.deepstack_indexes.size();
 
@@ -570,12 +616,13 @@ DevModel::~DevModel() {
   if (impl_->block) dev::release(ex_, impl_->block);
   if (infer_ && infer_->block) dev::release(ex_, infer_->block);
   dev::release(ex_, params_);
+  if (q8_) dev::release(ex_, q8_), dev::release(ex_, s8_);
   if (grads_) dev::release(ex_, grads_);
 }
 
 DevMemory DevModel::memory() const {
   DevMemory m;
-  m.weights = held_ * int64_t(dtype_size(dt_));
+  m.weights = held_ * int64_t(dtype_size(dt_)) + held8_ + rows8_ * 4;
   m.grads = grads_ ? grad_bytes(table_) : 0;
   m.activations = int64_t(impl_->bytes) + (infer_ ? int64_t(infer_->bytes) : 0);
   m.workspace = int64_t(ex_.ws_bytes);
@@ -623,7 +670,7 @@ void DevModel::vision_features(const std::vector<float>& pixels, const std::vect
   budget_check(Np, J.b.patches, "image patches");
   img.clear(), ds.assign(cfg_.vision.deepstack_indexes.size(), {});
   if (Np == 0) return;
-  const DevParams P{pp_.data(), gp_.data()};
+  const DevParams P = dparams();
   vision_tower(ex_, cfg_, table_, P, pixels, grid, Np, J.vb, [&](int) -> DevVisionBlockCtx& { return J.vwork; },
                nullptr, J.vscr, J.mctx, J.dsctx, dt_);
   img.resize(Np / 4 * H);
@@ -677,7 +724,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     dev::to_device(ex_, J.tcos, c.data(), c.size() * 4);
     dev::to_device(ex_, J.tsin, sn.data(), sn.size() * 4);
   }
-  const DevParams P{pp_.data(), gp_.data()};
+  const DevParams P = dparams();
   const int l0 = stage_.l0, l1 = stage_.l1 < 0 ? tc.layers : stage_.l1;
   if (stage_.first) {
     dev::embedding_fwd(ex_, J.ids, pp_[table_.embed_tokens()], J.x, N, H, tc.vocab, dt_);
@@ -718,7 +765,9 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   // Final norm and the LM head (this rank's rows) on each segment's last row only.
   dev::gather_rows(ex_, J.x, J.last, 1, J.hb, S, H, dt_);
   dev::rmsnorm_fwd(ex_, J.hb, pp_[table_.final_norm()], J.hf, J.rf, S, H, tc.rms_eps, dt_);
-  dev::linear_fwd(ex_, J.hf, at(pp_[table_.lm_head()], v0 * H, dt_), nullptr, J.lg, S, H, V, dt_);
+  const int head = table_.lm_head();
+  if (q8p_[head]) dev::linear_int8_fwd(ex_, J.hf, q8p_[head] + v0 * H, s8p_[head] + v0, nullptr, J.lg, S, H, V, dt_);
+  else dev::linear_fwd(ex_, J.hf, at(pp_[head], v0 * H, dt_), nullptr, J.lg, S, H, V, dt_);
   dev::convert(ex_, J.lgf, DType::F32, J.lg, dt_, S * V);
   std::vector<float> logits(size_t(S * V));
   dev::to_host(ex_, logits.data(), J.lgf, logits.size() * 4);

@@ -383,9 +383,9 @@ namespace {
 // prompt, over the device's KV pools; cache_ is their bookkeeping, started afresh for each batch.
 class DevGenModel : public GenModel {
  public:
-  DevGenModel(Model& host, bool on_cpu, int gpu, DType dt, const DevModel::InferBudget& b) {
+  DevGenModel(Model& host, bool on_cpu, int gpu, DType dt, bool int8, const DevModel::InferBudget& b) {
     ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, size_t(256) << 20, gpu);
-    m_ = std::make_unique<DevModel>(host.config(), ex_, dt, /*grads=*/false);
+    m_ = std::make_unique<DevModel>(host.config(), ex_, dt, /*grads=*/false, DevStage{}, int8);
     m_->set_params(host.params());
     if (!on_cpu) {  // the step buffers and KV pools in what the weights left, with 5% of the device to spare
       size_t free_b = 0, total_b = 0;
@@ -509,20 +509,22 @@ int run_generate(const Deck& deck) {
     if (deck.str("model.backend") == "cuda") {
       // The device model has no adapters: they are folded into the base first.
       if (model->config().lora.on()) model = fold_lora(*model, "generate", "the device model");
-      log_info(apply_weight_dtype(*model, deck, "generate"));
+      model->drop_gradients();  // int8: the device model quantizes as the weights arrive
       const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
       const int gpu = std::max(0, rt.where().gpu);
       const DType dt = compute_dtype(deck.str("model.dtype"));
       const DevModel::InferBudget b = generate_budget(cfg, prompts, bs, sp.max_new_tokens);
-      auto d = std::make_unique<DevGenModel>(*model, on_cpu, gpu, dt, b);
+      const bool int8 = deck.str("model.weight_dtype") == "int8";
+      auto d = std::make_unique<DevGenModel>(*model, on_cpu, gpu, dt, int8, b);
       model.reset();  // the weights are on the device now
       const DevMemory m = d->model().memory();
       const int64_t kv = DevModel::kv_pool_bytes(d->model().config(), dt, b.kv_blocks, b.block);
       char msg[400];
       std::snprintf(msg, sizeof msg,
-                    "generate: on %s%s, %s: weights %s GiB, step and vision buffers %s GiB, KV cache %lld blocks of "
+                    "generate: on %s%s, %s%s: weights %s GiB, step and vision buffers %s GiB, KV cache %lld blocks of "
                     "%lld tokens (%s GiB; for batches of up to %lld prompts)",
                     on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(gpu).c_str(), dtype_name(dt),
+                    int8 ? " with int8 linears" : "",
                     DevGenModel::gib(double(m.weights)).c_str(), DevGenModel::gib(double(m.activations - kv)).c_str(),
                     (long long)b.kv_blocks, (long long)b.block, DevGenModel::gib(double(kv)).c_str(),
                     (long long)b.segments);

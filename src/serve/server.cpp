@@ -994,9 +994,11 @@ void Server::load() {
         [this](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, tpc_); },
         vocab_rows_.first, vocab_rows_.second);
   }
-  // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone.
-  const std::string wmsg = apply_weight_dtype(*model_, deck_, "serve");
-  if (rank_ == 0) log_info(wmsg + (tp_ > 1 ? " per rank" : ""));
+  // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone (the device
+  // model quantizes as the weights arrive).
+  if (deck_.str("model.backend") == "cuda") model_->drop_gradients();
+  else if (const std::string wmsg = apply_weight_dtype(*model_, deck_, "serve"); rank_ == 0)
+    log_info(wmsg + (tp_ > 1 ? " per rank" : ""));
   cfg_ = model_->config();
   log_tp();
   if (deck_.str("model.backend") == "cuda") return load_device(src);
@@ -1034,6 +1036,7 @@ void Server::load_device(const ModelSource& src) {
   const Placement& where = Runtime::get().where();
   const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
   const DType dt = compute_dtype(deck_.str("model.dtype"));
+  const bool int8 = deck_.str("model.weight_dtype") == "int8";  // the decoder's linears and an untied head
   ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, size_t(256) << 20, std::max(0, where.gpu));
   const int64_t block = deck_.integer("serve.kv_block"), ctx = deck_.integer("serve.max_context");
   const int64_t batch = deck_.integer("serve.max_batch");
@@ -1047,13 +1050,13 @@ void Server::load_device(const ModelSource& src) {
   if (!on_cpu) {
     size_t free0 = 0, total0 = 0;
     dev::memory_info(ex_, &free0, &total0);
-    const double need = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_)) +
+    const double need = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, int8)) +
                         double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
                         double(DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, block, dstage_)) + 0.05 * double(total0);
     if (need > double(free0)) {
       // The weights split further over more ranks; the rest stays per rank.
-      const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_)), rest = need - w;
-      const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt));
+      const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, int8)), rest = need - w;
+      const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt, {}, int8));
       const int ranks = std::max(world_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
       char msg[512];
       std::snprintf(msg, sizeof msg,
@@ -1066,7 +1069,7 @@ void Server::load_device(const ModelSource& src) {
       fail(msg);
     }
   }
-  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_);
+  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, int8);
   if (model_) {  // from the host model (adapters folded)
     dev_->set_params(model_->params());
     model_.reset();
@@ -1125,10 +1128,10 @@ void Server::load_device(const ModelSource& src) {
   const DevMemory m = dev_->memory();
   char msg[400];
   std::snprintf(msg, sizeof msg,
-                "serve: on %s%s, %s: weights %.2f GiB, step and vision buffers %.2f GiB, KV cache %lld blocks of %lld "
-                "tokens (%.2f GiB, %lld tokens; %s)%s",
+                "serve: on %s%s, %s%s: weights %.2f GiB, step and vision buffers %.2f GiB, KV cache %lld blocks of "
+                "%lld tokens (%.2f GiB, %lld tokens; %s)%s",
                 on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(std::max(0, where.gpu)).c_str(),
-                dtype_name(dt), m.weights / 1073741824.0, step_bytes / 1073741824.0, (long long)b.kv_blocks,
+                dtype_name(dt), int8 ? " with int8 linears" : "", m.weights / 1073741824.0, step_bytes / 1073741824.0, (long long)b.kv_blocks,
                 (long long)block, b.kv_blocks * per_block / 1073741824.0, (long long)(b.kv_blocks * block), how.c_str(),
                 tp_ > 1 ? " per rank" : "");
   if (rank_ == 0) log_info(msg);

@@ -11,8 +11,6 @@ deck=input/demo.deck
 quiet=(run.timing=false run.out_dir=$tmp/o)
 
 expect bad-value 1 "model.weight_dtype.*int4" $q generate $deck model.weight_dtype=int4
-expect not-on-cuda 1 'model.weight_dtype = "int8" with model.backend = "cuda".*no CUDA kernel' \
-  $q serve model.preset=tiny model.weight_dtype=int8 model.backend=cuda serve.port=0
 expect not-for-training 1 'model.weight_dtype = "int8": int8 weights are for inference' \
   $q train input/train_tiny.deck model.weight_dtype=int8 train.steps=1 run.out_dir=$tmp/t
 
@@ -59,6 +57,19 @@ assert same >= int(sys.argv[3]), [(a[i]["answer"], b[i]["answer"]) for i in a if
 EOF
 }
 agree "generate: int8 answers == fp32's on >= 14 of 16 prompts" fp32 int8 14
+
+# The device model (model.backend = cuda: the GPU where there is one, else the CPU op layer) holds the decoder's
+# linears in int8 (dev::linear_int8_fwd): its answers agree with fp32's as the host's int8 do.
+if nvidia-smi -L >/dev/null 2>&1; then on=(env); else on=(env Q3VL_DEVICE_ON_CPU=1); fi
+for w in fp32 int8; do
+  "${on[@]}" $q generate $deck generate.checkpoint=$ck generate.prompts=$tmp/d/eval.jsonl \
+    generate.output=$tmp/dev_$w.jsonl generate.max_new_tokens=6 model.backend=cuda model.weight_dtype=$w "${quiet[@]}" \
+    >$tmp/dev_$w.log 2>&1 || bad "device $w: $(tail -3 $tmp/dev_$w.log)"
+done
+agree "device model: int8 answers == fp32's on >= 14 of 16 prompts" dev_fp32 dev_int8 14
+grep -q 'with int8 linears' $tmp/dev_int8.log && ! grep -q 'with int8 linears' $tmp/dev_fp32.log &&
+  pass "device model: the start-up line says the linears are int8 (DevInfer.Int8* checks the bytes and the logits)" ||
+  bad "device int8 weights: $(grep 'generate: on' $tmp/dev_*.log)"
 
 # serve at int8 through the OpenAI client: the answers of generate at int8 (and, over 2 ranks, of fp32 on most).
 if needs node-client node && [[ -f third_party/npm/node_modules/openai/package.json ]]; then

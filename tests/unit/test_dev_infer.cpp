@@ -23,6 +23,7 @@
 #include "q3vl/model/layers.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/serve/tp.hpp"
+#include "q3vl/tensor/ops.hpp"
 
 using namespace q3vl;
 
@@ -113,11 +114,28 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
 // none). A wrong kernel or index would miss every step, not one.
 // splits: pipeline stage boundaries (serve.pp): the device model as a chain of stages, each holding its layers'
 // units only, the hidden states passed on through the host as serve passes them between ranks.
-void infer_case(const std::string& name, Device d, DType dt, double tol, int flips = 0, std::vector<int> splits = {}) {
+// int8: the device model holds its int8_param linears in int8; the host reference computes with those matrices
+// quantized and dequantized again (ops::quantize_int8_rows), so only the arithmetic differs.
+void infer_case(const std::string& name, Device d, DType dt, double tol, int flips = 0, std::vector<int> splits = {},
+                bool int8 = false) {
   const std::string dir = "tests/data/golden/" + name + "/model";
   const ModelConfig cfg = load_hf_config(dir + "/config.json");
   Model host(cfg);
   load_hf_weights(host, dir);
+  const std::vector<float> original(host.params(), host.params() + host.table().total());
+  int quantized = 0;
+  for (size_t id = 0; int8 && id < host.table().params().size(); ++id)
+    if (DevModel::int8_param(host.table(), int(id))) {
+      const ParamInfo& p = host.table().param(int(id));
+      const int64_t rows = p.shape[0], cols = p.numel / rows;
+      std::vector<int8_t> q(size_t(p.numel));
+      std::vector<float> sc(static_cast<size_t>(rows));
+      float* w = host.param(int(id));
+      ops::quantize_int8_rows(w, rows, cols, q.data(), sc.data());
+      for (int64_t i = 0; i < p.numel; ++i) w[i] = float(q[size_t(i)]) * sc[size_t(i / cols)];
+      quantized++;
+    }
+  if (int8) EXPECT_GT(quantized, 0);
   const std::vector<Prompt> ps{make_prompt(cfg, 4, 4, 3, 9, 1), make_prompt(cfg, 4, 8, 6, 5, 2)};
   const int64_t block = 4, blocks = 24;
 
@@ -141,8 +159,9 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
     std::vector<std::unique_ptr<DevModel>> st;  // the stages, in order (one: the whole model)
     for (size_t k = 0; k + 1 < cut.size(); ++k) {
       const DevStage g{cut[k], k + 2 == cut.size() ? -1 : cut[k + 1], k == 0, k + 2 == cut.size()};
-      st.push_back(std::make_unique<DevModel>(cfg, ex, dt, /*grads=*/false, g));
-      st.back()->set_params(host.params());
+      st.push_back(std::make_unique<DevModel>(cfg, ex, dt, /*grads=*/false, g, int8));
+      st.back()->set_params(original.data());
+      if (int8) EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g));
       st.back()->reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/64, blocks, block, /*seq_blocks=*/12});
       if (st.size() > 1) EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt));
     }
@@ -195,8 +214,8 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
     else worst_kept = std::max(worst_kept, diff / scale);
   }
   EXPECT_LE(over, flips) << name << ": " << over << " steps beyond " << tol << " (worst " << worst << ")";
-  std::printf("  %s%s on %s %s: %zu steps, logits max|diff|/max|logit| %.2e (%d beyond %.0e; the others %.2e), image "
-              "features %.2e\n", name.c_str(), splits.empty() ? "" : (" in " + std::to_string(splits.size() + 1) + " stages").c_str(), d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), ref.size(), worst,
+  std::printf("  %s%s%s on %s %s: %zu steps, logits max|diff|/max|logit| %.2e (%d beyond %.0e; the others %.2e), image "
+              "features %.2e\n", name.c_str(), int8 ? " int8" : "", splits.empty() ? "" : (" in " + std::to_string(splits.size() + 1) + " stages").c_str(), d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), ref.size(), worst,
               over, tol, worst_kept, worst_img / scale_img);
 }
 
@@ -216,6 +235,16 @@ TEST(DevInfer, PipelineStagesMatchHostOnCuda) {
   Q3VL_NEED_GPU();
   infer_case("dense_untied", Device::CUDA, DType::F32, 1e-4, 0, {1, 2});
   infer_case("moe", Device::CUDA, DType::BF16, 3e-2, 1, {1});
+}
+// model.weight_dtype = "int8" on the device model: q/k/v/o, dense gate/up/down and an untied head in int8.
+TEST(DevInfer, Int8MatchesQuantizedHostOnCpu) {
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5, 0, {}, true);
+  infer_case("dense_untied", Device::CPU, DType::F32, 1e-5, 0, {1}, true);
+}
+TEST(DevInfer, Int8MatchesQuantizedHostOnCuda) {
+  Q3VL_NEED_GPU();
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4, 0, {}, true);
+  for (const char* n : {"dense_tied", "dense_untied"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2, 0, {}, true);
 }
 TEST(DevInfer, StepMatchesHostOnCudaFp32) {
   Q3VL_NEED_GPU();

@@ -145,3 +145,4 @@ big() {
 part 8b && big 8b 8B
 part 30b && big 30b-a3b 30B-A3B
 part 8bpp && big 8b-pp2 8B mpiexec -n 2 -- serve.pp=2
+part 8bint8 && big 8b-int8 8B -- model.weight_dtype=int8

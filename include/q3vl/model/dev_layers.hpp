@@ -30,7 +30,14 @@ struct Arena {
 struct DevParams {
   const void* const* p;
   float* const* g;
+  // Inference with int8 weights (model.weight_dtype = "int8"): per id its int8 rows and fp32 row scales, null for a
+  // weight held in dt (then in p).
+  const int8_t* const* q8 = nullptr;
+  const float* const* s8 = nullptr;
 };
+// y[N, n_out] = x[N, n_in] W^T for parameter id (no bias), W its int8 rows when it has them, else its dt weight.
+void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
+                int64_t n_out, DType dt);
 
 // Element offset into a dt array.
 inline void* at(void* p, int64_t i, DType t) { return static_cast<char*>(p) + i * int64_t(dtype_size(t)); }

@@ -38,8 +38,14 @@ struct DevStage {
 
 class DevModel {
  public:
-  // grads = false: inference only (serve), no gradient buffer. A stage (inference only) holds only its units.
-  DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true, DevStage stage = {});
+  // grads = false: inference only (serve), no gradient buffer. A stage (inference only) holds only its units. int8
+  // (inference only): the linears int8_param names are held as int8 rows with fp32 scales (quantized on the host as
+  // the weights arrive, ops::quantize_int8_rows: what the host model's int8 mode does to the same matrices).
+  DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true, DevStage stage = {},
+           bool int8 = false);
+  // The linears held in int8 with model.weight_dtype = "int8": the decoder's q/k/v/o_proj and dense gate/up/down_proj,
+  // and an untied LM head. MoE experts, the router, norms, embeddings (a tied head) and the vision tower stay in dt.
+  static bool int8_param(const ParamTable& t, int id);
   ~DevModel();
   DevModel(const DevModel&) = delete;
   DevModel& operator=(const DevModel&) = delete;
@@ -61,7 +67,7 @@ class DevModel {
   // What reserve(b) would allocate for activations, without allocating (the planner's sizing).
   static int64_t activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute = false);
   // What the constructor allocates: the weights in dt and the fp32 gradients, both full (the planner's sizing).
-  static int64_t weight_bytes(const ParamTable& t, DType dt, const DevStage& s = {});
+  static int64_t weight_bytes(const ParamTable& t, DType dt, const DevStage& s = {}, bool int8 = false);
   // Whether a stage holds unit u of the table.
   static bool stage_owns(const ParamTable& t, const DevStage& s, int u);
   const DevStage& stage() const { return stage_; }
@@ -124,8 +130,16 @@ class DevModel {
   dev::Exec ex_;
   DType dt_;
   DevStage stage_;
-  std::vector<int64_t> unit_off_;  // [unit] its place in params_ (elements), -1 when the stage does not hold it
-  int64_t held_ = 0;               // elements in params_
+  std::vector<int64_t> par_off_;  // [id] its place in params_ (elements) or in q8_, -1 when the stage does not hold it
+  std::vector<int64_t> scl_off_;  // [id] its first scale in s8_ (int8 weights), else -1
+  int64_t held_ = 0, held8_ = 0, rows8_ = 0;  // elements in params_, in q8_, scales in s8_
+  int8_t* q8_ = nullptr;
+  float* s8_ = nullptr;
+  std::vector<const int8_t*> q8p_;
+  std::vector<const float*> s8p_;
+  DevParams dparams() const {
+    return {pp_.data(), gp_.data(), q8_ ? q8p_.data() : nullptr, q8_ ? s8p_.data() : nullptr};
+  }
   void* params_ = nullptr;
   float* grads_ = nullptr;
   std::vector<const void*> pp_;
