@@ -126,6 +126,12 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
   need_f32(dt, "linear_fwd");
   ops::linear_fwd(F(in), F(W), F(b), F(y), N, n_in, n_out);
 }
+void linear_int8_fwd(const Exec& x, const void* in, const int8_t* q, const float* scale, const void* b, void* y,
+                     int64_t N, int64_t n_in, int64_t n_out, DType dt) {
+  ON_CUDA(x, linear_int8_fwd(x, in, q, scale, b, y, N, n_in, n_out, dt));
+  need_f32(dt, "linear_int8_fwd");
+  ops::linear_int8_fwd(F(in), q, scale, F(b), F(y), N, n_in, n_out);
+}
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, DType dt) {
   ON_CUDA(x, linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, dt));

@@ -24,8 +24,9 @@ using namespace q3vl;
 
 namespace {
 
-// What an argument holds on the device: activations in the case's dtype, or a fixed dtype.
-enum class Kind { Act, F32, I32, F64 };
+// What an argument holds on the device: activations in the case's dtype, or a fixed dtype. I8: int8 values (the
+// weights of the int8 linear), held as DType::U8 bytes (two's complement); inputs only.
+enum class Kind { Act, F32, I32, F64, I8 };
 
 struct Arg {
   std::string name;
@@ -49,6 +50,7 @@ DType dtype_of(Kind k, DType act) {
     case Kind::Act: return act;
     case Kind::F32: return DType::F32;
     case Kind::I32: return DType::I32;
+    case Kind::I8: return DType::U8;
     default: return DType::F64;
   }
 }
@@ -60,6 +62,7 @@ std::vector<char> encode(const std::vector<double>& v, DType t) {
       case DType::F32: reinterpret_cast<float*>(b.data())[i] = float(v[i]); break;
       case DType::F64: reinterpret_cast<double*>(b.data())[i] = v[i]; break;
       case DType::I32: reinterpret_cast<int32_t*>(b.data())[i] = int32_t(v[i]); break;
+      case DType::U8: reinterpret_cast<int8_t*>(b.data())[i] = int8_t(v[i]); break;  // Kind::I8
       case DType::BF16: reinterpret_cast<uint16_t*>(b.data())[i] = f32_to_bf16(float(v[i])); break;
       case DType::F16: reinterpret_cast<uint16_t*>(b.data())[i] = f32_to_f16(float(v[i])); break;
       default: ADD_FAILURE() << "dtype";
@@ -72,6 +75,7 @@ std::vector<double> decode(const std::vector<char>& b, DType t) {
       case DType::F32: v[i] = reinterpret_cast<const float*>(b.data())[i]; break;
       case DType::F64: v[i] = reinterpret_cast<const double*>(b.data())[i]; break;
       case DType::I32: v[i] = reinterpret_cast<const int32_t*>(b.data())[i]; break;
+      case DType::U8: v[i] = reinterpret_cast<const int8_t*>(b.data())[i]; break;  // Kind::I8
       case DType::BF16: v[i] = bf16_to_f32(reinterpret_cast<const uint16_t*>(b.data())[i]); break;
       case DType::F16: v[i] = f16_to_f32(reinterpret_cast<const uint16_t*>(b.data())[i]); break;
       default: ADD_FAILURE() << "dtype";
@@ -260,6 +264,29 @@ std::vector<Case> all_cases(DType dt) {
           dev::linear_bwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, I, O, t);
         });
   }
+  // Weight-only int8 linear: q and scale from ops::quantize_int8_rows of random weights. N <= 16 is the CUDA GEMV
+  // (n_in 102: no 16-byte rows, the scalar loads), larger N the dequantize + GEMM path; "ws256K" gives that path a
+  // small workspace so that n_out splits into several tiles.
+  for (int64_t N : {1, 3, 16, 17, 300})
+    for (auto [I, O, small_ws] : {std::tuple<int64_t, int64_t, bool>{64, 48, false}, {256, 1000, false},
+                                  {4096, 33, false}, {102, 37, false}, {256, 1000, true}}) {
+      if (small_ws && N <= 16) continue;
+      auto w = randn(O * I, 0.05);
+      std::vector<float> wf(w.begin(), w.end()), sc(O);
+      std::vector<int8_t> q8(O * I);
+      ops::quantize_int8_rows(wf.data(), O, I, q8.data(), sc.data());
+      const std::vector<double> qv(q8.begin(), q8.end()), sv(sc.begin(), sc.end());
+      for (bool bias : {false, true})
+        add("linear_int8_fwd", dims({N, I, O}) + (bias ? " bias" : "") + (small_ws ? " ws256K" : ""), kGemm,
+            {in("x", K::Act, randn(N * I)), in("q", K::I8, qv), in("scale", K::F32, sv), in("b", K::Act, randn(O)),
+             out("y", K::Act, randn(N * O))},
+            [=](auto& x, auto& p, DType t) {
+              dev::Exec xs = x;
+              if (small_ws) xs.ws_bytes = std::min<size_t>(x.ws_bytes, size_t(256) << 10);
+              dev::linear_int8_fwd(xs, p[0], P<int8_t>(p, 1), P<float>(p, 2), bias ? p[3] : nullptr, p[4], N, I, O,
+                                   t);
+            });
+    }
 
   // norms (D = 128: QK-norm rows; 1152: the vision width; 200: odd)
   for (auto [N, D] : {std::pair<int64_t, int64_t>{33, 200}, {528, 128}, {7, 1152}}) {
