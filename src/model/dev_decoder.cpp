@@ -71,6 +71,18 @@ int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
   return g;
 }
 void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
+// The attention's inputs: c.ln1 -> q, k (QK-norm, M-RoPE) and v.
+void qkv_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int64_t N, const float* cos,
+             const float* sin, DevDecoderCtx& c, DType dt) {
+  const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
+  dev_linear(ex, P, f + tlay::q_proj, c.ln1, c.qraw, N, H, Dq, dt);
+  dev_linear(ex, P, f + tlay::k_proj, c.ln1, c.kraw, N, H, Dk, dt);
+  dev_linear(ex, P, f + tlay::v_proj, c.ln1, c.v, N, H, Dk, dt);
+  dev::rmsnorm_fwd(ex, c.qraw, P.p[f + tlay::q_norm], c.q, c.rq, N * nh, hd, tc.rms_eps, dt);
+  dev::rmsnorm_fwd(ex, c.kraw, P.p[f + tlay::k_norm], c.k, c.rk, N * nkv, hd, tc.rms_eps, dt);
+  dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
+  dev::rope_fwd(ex, c.k, cos, sin, N, nkv, hd, dt);
+}
 // The second half of a layer's forward: c.ln2 -> dense SwiGLU MLP or MoE block -> s.tmp [N,H].
 void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, bool moe, int64_t N, float* probs,
              int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
@@ -98,16 +110,10 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
                      int64_t N, const DevSegments& seg, const float* cos, const float* sin, float* probs,
                      int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
   const TextConfig& tc = cfg.text;
-  const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
+  const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd;
   dev::copy(ex, c.x, x, size_t(N * H) * dtype_size(dt));
   dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
-  dev_linear(ex, P, f + tlay::q_proj, c.ln1, c.qraw, N, H, Dq, dt);
-  dev_linear(ex, P, f + tlay::k_proj, c.ln1, c.kraw, N, H, Dk, dt);
-  dev_linear(ex, P, f + tlay::v_proj, c.ln1, c.v, N, H, Dk, dt);
-  dev::rmsnorm_fwd(ex, c.qraw, P.p[f + tlay::q_norm], c.q, c.rq, N * nh, hd, tc.rms_eps, dt);
-  dev::rmsnorm_fwd(ex, c.kraw, P.p[f + tlay::k_norm], c.k, c.rk, N * nkv, hd, tc.rms_eps, dt);
-  dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
-  dev::rope_fwd(ex, c.k, cos, sin, N, nkv, hd, dt);
+  qkv_fwd(ex, tc, P, f, N, cos, sin, c, dt);
   dev::attention_fwd(ex, c.q, c.k, c.v, c.att, c.lse, seg.cu, seg.nseg, seg.max_len, N, nh, nkv, hd, true,
                      float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
@@ -124,13 +130,7 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
-  dev_linear(ex, P, f + tlay::q_proj, c.ln1, c.qraw, N, H, Dq, dt);
-  dev_linear(ex, P, f + tlay::k_proj, c.ln1, c.kraw, N, H, Dk, dt);
-  dev_linear(ex, P, f + tlay::v_proj, c.ln1, c.v, N, H, Dk, dt);
-  dev::rmsnorm_fwd(ex, c.qraw, P.p[f + tlay::q_norm], c.q, c.rq, N * nh, hd, tc.rms_eps, dt);
-  dev::rmsnorm_fwd(ex, c.kraw, P.p[f + tlay::k_norm], c.k, c.rk, N * nkv, hd, tc.rms_eps, dt);
-  dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
-  dev::rope_fwd(ex, c.k, cos, sin, N, nkv, hd, dt);
+  qkv_fwd(ex, tc, P, f, N, cos, sin, c, dt);
   dev::scatter_rows(ex, c.k, kv.slots, kv.k, N, Dk, false, dt);
   dev::scatter_rows(ex, c.v, kv.slots, kv.v, N, Dk, false, dt);
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,

@@ -881,15 +881,7 @@ size_t dkdv_simt_smem(int hd) { return (size_t(2 * 64 + 2 * 32) * (hd + 1) + 2 *
 size_t dq_simt_smem(int hd) { return (size_t(2 * 64 + 2 * 32) * (hd + 1) + 64 * 33) * sizeof(float); }
 
 // ---- host side --------------------------------------------------------------------------------------------------------
-template <class... KA, class... A>
-void launch(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
-  if (smem > 48 * 1024)
-    Q3VL_CU(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kern<<<grid, threads, smem, st>>>(a...);
-  Q3VL_LAUNCHED();
-}
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // Shape checks shared by fwd and bwd; false: nothing to do.
 bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd) {

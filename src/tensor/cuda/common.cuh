@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "q3vl/core/error.hpp"
@@ -59,6 +60,17 @@ template <class F> void by_dtype(DType dt, F&& f) {
     default: fail(std::string("CUDA op: unsupported dtype ") + dtype_name(dt));
   }
 }
+
+// A launch with dynamic shared memory (above 48 KiB it must be allowed first), checked.
+template <class... KA, class... A>
+void launch(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
+  if (smem > 48 * 1024)
+    Q3VL_CU(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kern<<<grid, threads, smem, st>>>(a...);
+  Q3VL_LAUNCHED();
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 inline int grid_for(int64_t n, int block = 256) {
   int64_t g = (n + block - 1) / block;

@@ -488,7 +488,6 @@ __global__ void k_tile_prefix(const int32_t* __restrict__ start, int E, int32_t*
   if (lane == 31) tile_prefix[E] = incl;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <int MODE>
 void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t* start, int64_t R, int64_t E,

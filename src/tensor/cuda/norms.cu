@@ -34,7 +34,6 @@ template <class S, int V> __device__ __forceinline__ void stv(S* p, int64_t i, c
   *reinterpret_cast<Pack<S, V>*>(p + i) = pk;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 // Vector width for rows of D elements of S when every listed pointer (null ones ignored) is 16-byte aligned.
 template <class S> int vec_width(int64_t D, std::initializer_list<const void*> ptrs) {
   constexpr int V = 16 / sizeof(S);

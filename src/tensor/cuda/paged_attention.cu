@@ -207,15 +207,7 @@ __global__ void paged_combine(const float* __restrict__ part_acc, const float* _
   }
 }
 
-template <class... KA, class... A>
-void launch(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
-  if (smem > 48 * 1024)
-    Q3VL_CU(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kern<<<grid, threads, smem, st>>>(a...);
-  Q3VL_LAUNCHED();
-}
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace
 
