@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <map>
 
 #include "q3vl/core/error.hpp"
@@ -406,26 +407,46 @@ int fewest_nodes(const Workload& w, Hardware hw, bool offload, Candidate* best) 
 }
 
 int plan_serve(const Deck& d, const Workload& w, const Hardware& hw) {
-  // A first version: weights split over tensor x pipeline degrees, what is left of each GPU for the KV cache.
-  // (Serving is another issue; its sizing functions replace these lines when it lands.)
-  const ParamTable t(w.cfg);
+  // serve's own sizing (Server::load_device): on each GPU the fullest pipeline stage's slice of the weights
+  // (DevModel::weight_bytes), its step and vision buffers (infer_bytes for serve.step_tokens, serve.max_batch and
+  // serve.max_context), the workspace and the reserve; what is left holds the KV cache (kv_pool_bytes).
   const TextConfig& tc = w.cfg.text;
-  const int64_t ctx = d.integer("generate.max_context") + d.integer("generate.max_new_tokens");
-  std::printf("serve layouts (weights split evenly over TP x PP; KV cache bf16, context %lld tokens):\n",
-              (long long)ctx);
-  std::printf("  TP  PP weights  | weights/GPU  KV/token/GPU  KV capacity       sequences\n");
+  const int64_t ctx = d.integer("serve.max_context"), block = d.integer("serve.kv_block");
+  DevModel::InferBudget b;
+  b.segments = d.integer("serve.max_batch");
+  b.tokens = std::max(d.integer("serve.step_tokens"), b.segments);
+  b.patches = 4 * ctx, b.block = block, b.seq_blocks = (ctx + block - 1) / block + 1;
+  std::printf("serve layouts (serve's sizing: the fullest stage's slice of the weights, step buffers for %lld tokens "
+              "and %lld sequences, KV cache bf16, context %lld tokens):\n",
+              (long long)b.tokens, (long long)b.segments, (long long)ctx);
+  std::printf("  TP  PP weights  | weights/GPU  buffers/GPU  KV/token/GPU  KV capacity       sequences\n");
   bool any = false;
-  for (int pp = 1; pp <= hw.nodes; pp *= 2)
-    for (int tp = 1; tp <= hw.gpus_per_node; tp *= 2)
-      for (const char* prec : {"bf16", "int8"}) {
-        const int64_t wbytes = t.total() * (prec[0] == 'b' ? 2 : 1) / (int64_t(tp) * pp);
-        const int64_t kv_tok = tp_kv_bytes_per_token(tc, tp, (tc.layers + pp - 1) / pp, 2);
-        const int64_t left = hw.gpu_mem - kGpuReserve - DevTrainer::kWorkspaceBytes - wbytes;
-        const int64_t tokens = left > 0 ? left / kv_tok : 0;
-        any = any || tokens >= ctx;
-        std::printf("  %2d  %2d  %-5s   | %8s GiB  %9lld B  %9lld tok  %9lld\n", tp, pp, prec, gib(wbytes).c_str(),
-                    (long long)kv_tok, (long long)tokens, (long long)(tokens / ctx));
+  for (int pp = 1; pp <= hw.nodes && pp <= tc.layers; pp *= 2)
+    for (int tp = 1; tp <= hw.gpus_per_node; tp *= 2) {
+      ModelConfig slice;
+      try {
+        slice = tp_config(w.cfg, 0, tp);
+      } catch (const Error& e) {
+        std::printf("  %2d  %2d          | %s\n", tp, pp, e.what());
+        continue;
       }
+      const ParamTable t(slice);
+      for (const bool int8 : {false, true}) {
+        int64_t wmax = 0, bmax = 0, kvtok = 0, tokens = std::numeric_limits<int64_t>::max();
+        for (int s = 0; s < pp; ++s) {
+          const DevStage st{tc.layers * s / pp, s + 1 == pp ? -1 : tc.layers * (s + 1) / pp, s == 0, s + 1 == pp};
+          const int64_t wb = DevModel::weight_bytes(t, DType::BF16, st, int8);
+          const int64_t buf = DevModel::infer_bytes(slice, DType::BF16, b, st);
+          const int64_t kv = DevModel::kv_pool_bytes(slice, DType::BF16, 1, 1, st);
+          const int64_t left = hw.gpu_mem - kGpuReserve - int64_t(DevModel::kInferWorkspace) - wb - buf;
+          wmax = std::max(wmax, wb), bmax = std::max(bmax, buf), kvtok = std::max(kvtok, kv);
+          tokens = std::min(tokens, left > 0 ? left / kv : 0);
+        }
+        any = any || tokens >= ctx;
+        std::printf("  %2d  %2d  %-5s   | %8s GiB  %8s GiB  %9lld B  %9lld tok  %9lld\n", tp, pp, int8 ? "int8" : "bf16",
+                    gib(wmax).c_str(), gib(bmax).c_str(), (long long)kvtok, (long long)tokens, (long long)(tokens / ctx));
+      }
+    }
   return any ? 0 : 2;
 }
 

@@ -384,7 +384,7 @@ namespace {
 class DevGenModel : public GenModel {
  public:
   DevGenModel(Model& host, bool on_cpu, int gpu, DType dt, bool int8, const DevModel::InferBudget& b) {
-    ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, size_t(256) << 20, gpu);
+    ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, gpu);
     m_ = std::make_unique<DevModel>(host.config(), ex_, dt, /*grads=*/false, DevStage{}, int8);
     m_->set_params(host.params());
     if (!on_cpu) {  // the step buffers and KV pools in what the weights left, with 5% of the device to spare

@@ -97,6 +97,8 @@ class DevModel {
   // ---- Inference (serve): BasicModel::step and vision_features on the device --------------------------------------
   // A step of up to `tokens` new tokens in up to `segments` segments, a vision pass of up to `patches` patches, and
   // the KV pools: kv_blocks blocks of `block` tokens per layer, a sequence spanning at most seq_blocks blocks.
+  // The workspace of an inference Exec (serve, generate): cuBLASLt, the attention splits, int8 tiles.
+  static constexpr size_t kInferWorkspace = size_t(256) << 20;
   struct InferBudget {
     int64_t tokens = 0, segments = 0, patches = 0, kv_blocks = 0, block = 16, seq_blocks = 0;
   };
