@@ -141,6 +141,9 @@ size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>&
 // about n^2 / 2^64 for n cached blocks, which is why the tokens themselves are not kept to compare.
 uint64_t mix(uint64_t h, uint64_t x) { return splitmix64(h ^ splitmix64(x)); }
 constexpr uint64_t kRootKey = 0x7133766c70726566ull;
+// One token's content: its id and its three M-RoPE positions (prompt tokens and generated ones alike, so that a chat
+// resending an answer finds the answer's blocks).
+uint64_t token_key(int64_t id, int64_t t, int64_t h, int64_t w) { return mix(mix(mix(uint64_t(id), t), h), w); }
 
 std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, int64_t image_id) {
   int64_t patches = 0;
@@ -162,7 +165,7 @@ std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>&
   std::vector<uint64_t> keys(n);
   int64_t image = -1;
   for (int64_t i = 0; i < n; ++i) {
-    uint64_t x = mix(mix(mix((uint64_t)p.ids[i], pos3[i]), pos3[n + i]), pos3[2 * n + i]);
+    uint64_t x = token_key(p.ids[i], pos3[i], pos3[n + i], pos3[2 * n + i]);
     if (p.ids[i] == image_id) {
       if (i == 0 || p.ids[i - 1] != image_id) ++image;  // a run of placeholders is one image
       x = mix(x, image < (int64_t)img.size() ? img[image] : 0);
@@ -728,7 +731,7 @@ void Server::cache_blocks(Job& j) {
     t.assign(B, 0);
     for (int64_t i = b * B; i < (b + 1) * B; ++i) {
       const int64_t p = j.next0 + i - n;
-      t[i - b * B] = i < n ? j.tkeys[i] : mix(mix(mix((uint64_t)j.out[i - n], p), p), p);
+      t[i - b * B] = i < n ? j.tkeys[i] : token_key(j.out[i - n], p, p, p);
     }
     const uint64_t key = block_key(j.chain.empty() ? kRootKey : j.chain.back(), t.data(), B);
     j.chain.push_back(key);
@@ -953,9 +956,9 @@ void Server::load() {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_);
   const ModelSource src = model_source(deck_, "serve.checkpoint");
+  const bool cuda = deck_.str("model.backend") == "cuda";
   const ServeLayout lay = serve_layout(world_, Runtime::get().where().nodes, (int)deck_.integer("serve.tp"),
-                                       (int)deck_.integer("serve.pp"), deck_.str("model.backend") == "cuda",
-                                       src.cfg.text.layers);
+                                       (int)deck_.integer("serve.pp"), cuda, src.cfg.text.layers);
   tp_ = lay.tp, pp_ = lay.pp;
   if (rank_ == 0 && world_ > 1) log_info(lay.why);
   stage_ = rank_ / tp_, trank_ = rank_ % tp_;
@@ -964,15 +967,11 @@ void Server::load() {
   // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
   // never holds the fp32 model; adapters to fold need the host model first.
   const bool adapters = src.adapters_only || !deck_.str("lora.adapter").empty() || src.cfg.lora.on();
-  if (pp_ > 1) {
+  if (pp_ > 1) {  // serve_layout checked the stages against the backend and the layers
     const int L = src.cfg.text.layers;
-    if (deck_.str("model.backend") != "cuda")
-      fail("serve.pp = " + std::to_string(pp_) + " needs model.backend = \"cuda\": pipeline stages are the device "
-           "model's (the CPU backend serves with tensor parallelism, serve.tp)");
-    if (pp_ > L) fail("serve.pp = " + std::to_string(pp_) + ": more stages than the model's " + std::to_string(L) + " layers");
     dstage_ = {L * stage_ / pp_, stage_ + 1 == pp_ ? -1 : L * (stage_ + 1) / pp_, stage_ == 0, stage_ + 1 == pp_};
   }
-  if (deck_.str("model.backend") == "cuda" && !adapters) {
+  if (cuda && !adapters) {
     cfg_ = tp_ > 1 ? tp_config(src.cfg, trank_, tp_) : src.cfg;
     if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, trank_, tp_);
     log_tp();
@@ -981,7 +980,7 @@ void Server::load() {
   std::unique_ptr<Model> full = load_model(deck_, src);
   // Tensor parallelism splits the base linears; adapters would need A and B split the same way (and a replicated
   // LoRA term would be summed once per rank). The device model has no adapters either: fold them for both.
-  if ((tp_ > 1 || deck_.str("model.backend") == "cuda") && full->config().lora.on())
+  if ((tp_ > 1 || cuda) && full->config().lora.on())
     full = fold_lora(*full, "serve", tp_ > 1 ? "tensor parallelism" : "the device model");
   if (tp_ == 1) {
     model_ = std::move(full);
@@ -996,12 +995,12 @@ void Server::load() {
   }
   // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone (the device
   // model quantizes as the weights arrive).
-  if (deck_.str("model.backend") == "cuda") model_->drop_gradients();
+  if (cuda) model_->drop_gradients();
   else if (const std::string wmsg = apply_weight_dtype(*model_, deck_, "serve"); rank_ == 0)
     log_info(wmsg + (tp_ > 1 ? " per rank" : ""));
   cfg_ = model_->config();
   log_tp();
-  if (deck_.str("model.backend") == "cuda") return load_device(src);
+  if (cuda) return load_device(src);
   // The KV cache: fixed blocks from the budget (per rank: a rank caches only its key/value heads), allocated once.
   const ModelConfig& cfg = cfg_;
   const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
@@ -1050,12 +1049,12 @@ void Server::load_device(const ModelSource& src) {
   if (!on_cpu) {
     size_t free0 = 0, total0 = 0;
     dev::memory_info(ex_, &free0, &total0);
-    const double need = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, int8)) +
-                        double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
+    const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, int8));
+    const double need = w + double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
                         double(DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, block, dstage_)) + 0.05 * double(total0);
     if (need > double(free0)) {
       // The weights split further over more ranks; the rest stays per rank.
-      const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, int8)), rest = need - w;
+      const double rest = need - w;
       const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt, {}, int8));
       const int ranks = std::max(world_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
       char msg[512];

@@ -43,6 +43,11 @@ ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, bool devi
     fail("serve.tp = " + std::to_string(tp_key) + " and serve.pp = " + std::to_string(pp_key) + " with " +
          std::to_string(world) + " ranks: serve.tp x serve.pp must be the number of ranks (0: auto; replicas of a "
          "group are not supported yet)");
+  if (l.pp > 1 && !device)
+    fail("serve.pp = " + std::to_string(l.pp) + " needs model.backend = \"cuda\": pipeline stages are the device "
+         "model's (the CPU backend serves with tensor parallelism over all ranks, serve.tp)");
+  if (l.pp > layers)
+    fail("serve.pp = " + std::to_string(l.pp) + ": more stages than the model's " + std::to_string(layers) + " layers");
   const std::string picked = "TP " + std::to_string(l.tp) + " x PP " + std::to_string(l.pp) + " over " +
                              std::to_string(world) + " rank(s) on " + std::to_string(nodes) + " node(s)";
   if (pp_key == 0 && tp_key == 0)

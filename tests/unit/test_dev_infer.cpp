@@ -135,7 +135,9 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
       for (int64_t i = 0; i < p.numel; ++i) w[i] = float(q[size_t(i)]) * sc[size_t(i / cols)];
       quantized++;
     }
-  if (int8) EXPECT_GT(quantized, 0);
+  if (int8) {
+    EXPECT_GT(quantized, 0);
+  }
   const std::vector<Prompt> ps{make_prompt(cfg, 4, 4, 3, 9, 1), make_prompt(cfg, 4, 8, 6, 5, 2)};
   const int64_t block = 4, blocks = 24;
 
@@ -161,9 +163,13 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
       const DevStage g{cut[k], k + 2 == cut.size() ? -1 : cut[k + 1], k == 0, k + 2 == cut.size()};
       st.push_back(std::make_unique<DevModel>(cfg, ex, dt, /*grads=*/false, g, int8));
       st.back()->set_params(original.data());
-      if (int8) EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g));
+      if (int8) {
+        EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g));
+      }
       st.back()->reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/64, blocks, block, /*seq_blocks=*/12});
-      if (st.size() > 1) EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt));
+      if (st.size() > 1) {
+        EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt));
+      }
     }
     KvCache<float> dc;
     dc.block = block, dc.max_blocks = blocks, dc.host_pool = false;
@@ -336,4 +342,7 @@ TEST(ServeLayout, AutoAndGiven) {
   EXPECT_THROW(serve_layout(3, 1, 0, 2, true, 36), Error);           // 3 ranks do not split into 2 stages
   EXPECT_THROW(serve_layout(8, 1, 3, 0, true, 36), Error);
   EXPECT_THROW(serve_layout(8, 1, 4, 4, true, 36), Error);
+  EXPECT_THROW(serve_layout(4, 1, 0, 2, false, 36), Error);          // stages on the host model
+  EXPECT_THROW(serve_layout(16, 2, 4, 0, false, 36), Error);         // ... also when serve.tp leaves them
+  EXPECT_THROW(serve_layout(8, 1, 0, 8, true, 4), Error);            // more stages than layers
 }

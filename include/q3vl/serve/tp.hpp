@@ -19,7 +19,8 @@ namespace q3vl {
 // serve's layout of `world` ranks on `nodes` nodes: serve.tp x serve.pp (0: auto). Auto: pipeline stages across nodes
 // and tensor parallelism within one (the inter-node links carry a step's hidden states once per stage instead of two
 // all-reduces per layer), on the device model (device) with at least one layer per stage; else tensor parallelism over
-// all ranks. `why` says what was picked and why; fails naming the keys when the product is not the rank count.
+// all ranks. `why` says what was picked and why. Fails naming the keys when the product is not the rank count, and
+// when stages are asked of the host model or outnumber the layers.
 struct ServeLayout {
   int tp = 1, pp = 1;
   std::string why;
