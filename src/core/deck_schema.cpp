@@ -63,6 +63,9 @@ const std::vector<KeySpec>& deck_schema() {
        "holding an equal share of the decoder layers (the first also the embeddings and vision tower, the last the "
        "head); hidden states pass from stage to stage. 0: auto (with serve.tp = 0: one stage per node on the device "
        "model, tensor parallelism within a node; else 1)", 0, 1 << 16},
+      {"serve.tp_comm", T::String, "auto", "how tensor-parallel ranks add their partial sums on the device model: nccl "
+       "(on the GPUs, in model.dtype), mpi (fp32 through the host), auto (nccl when the group's ranks each have their "
+       "own GPU, else mpi: NCCL refuses two ranks on one GPU)", -kBig, kBig, {"auto", "nccl", "mpi"}},
       {"serve.checkpoint", T::String, "", "training checkpoint (step_*.h5, or a folder: its newest) to serve"},
       {"serve.model_name", T::String, "", "model id clients send and /v1/models lists (default: the model folder's name)"},
       {"serve.image_dir", T::String, "", "folder whose files requests may name as images (empty: data: URLs only)"},

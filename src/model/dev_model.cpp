@@ -565,7 +565,7 @@ struct DevModel::Infer {
   std::vector<DevMergerCtx> dsctx;
   VisionBufs vb{};
   // Tensor parallelism.
-  std::function<void(float*, int64_t)> host_sum;
+  Comm* tp = nullptr;
   std::vector<float> host_red;
   int64_t v0 = 0, v1 = 0;
 
@@ -656,9 +656,10 @@ void DevModel::reserve_infer(const InferBudget& b) {
   dev::fill(ex_, J.block, DType::F32, int64_t(J.bytes / 4), 0.f);  // no stale values in a pool row, ever
 }
 
-void DevModel::set_tensor_parallel(std::function<void(float*, int64_t)> host_sum, int64_t v0, int64_t v1) {
+void DevModel::set_tensor_parallel(Comm* comm, int64_t v0, int64_t v1) {
   if (!infer_) infer_ = std::make_unique<Infer>();
-  infer_->host_sum = std::move(host_sum), infer_->v0 = v0, infer_->v1 = v1;
+  Q3VL_CHECK(!comm || comm->kind() != "nccl" || ex_.device == Device::CUDA, "an NCCL group needs the model on a GPU");
+  infer_->tp = comm, infer_->v0 = v0, infer_->v1 = v1;
 }
 
 void DevModel::vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid,
@@ -739,12 +740,15 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   if (nvis && l0 < int(pk.ds.size()))  // DeepStack features for this stage's layers
     for (size_t j = size_t(l0); j < pk.ds.size() && int(j) < l1; ++j) up_dt(ex_, J.ds[j], pk.ds[j].data(), pk.ds[j].size(), dt_);
   DevPartialSum reduce;
-  if (J.host_sum)  // fp32 through the host: [n] dt -> F32 -> host -> sum over the group -> back
+  std::unique_ptr<CommRequest> last_sum;  // NCCL: the step's latest sum, waited on before anything leaves the device
+  if (J.tp && J.tp->kind() == "nccl")
+    reduce = [&](void* y, int64_t n) { last_sum = J.tp->iall_reduce(y, y, size_t(n), dt_, ReduceOp::Sum); };
+  else if (J.tp)  // fp32 through the host: [n] dt -> F32 -> host -> sum over the group -> back
     reduce = [&](void* y, int64_t n) {
       J.host_red.resize(size_t(n));
       dev::convert(ex_, J.red, DType::F32, y, dt_, n);
       dev::to_host(ex_, J.host_red.data(), J.red, size_t(n) * 4);
-      J.host_sum(J.host_red.data(), n);
+      J.tp->all_reduce(J.host_red.data(), size_t(n), DType::F32);
       dev::to_device(ex_, J.red, J.host_red.data(), size_t(n) * 4);
       dev::convert(ex_, y, dt_, J.red, DType::F32, n);
     };
@@ -756,6 +760,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     if (size_t(l) < pk.ds.size() && nvis) dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
   }
   for (int64_t s = 0; s < S; ++s) cache.len[pk.seqs[s]] += pk.cu[s + 1] - pk.cu[s];
+  if (last_sum) J.tp->wait(std::move(last_sum));  // the group's sums are done (or the watchdog names who is missing)
   if (!stage_.last) {  // the next stage's input
     Q3VL_CHECK(x_out, "DevModel::step: a pipeline stage before the last needs x_out");
     x_out->resize(size_t(N * H));

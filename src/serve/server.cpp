@@ -32,6 +32,8 @@
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/model/dev_model.hpp"
+#include "q3vl/runtime/mpi_comm.hpp"
+#include "q3vl/runtime/nccl_comm.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/serve/generate.hpp"
@@ -229,6 +231,7 @@ class Server {
   explicit Server(const Deck& d) : deck_(d) {}
   ~Server() {
     dev_.reset();
+    tp_comm_.reset();  // after the model that sums through it, before the stream it runs on
     if (ex_.device == Device::CUDA) dev::destroy_exec(ex_);
   }
   int run();
@@ -264,6 +267,7 @@ class Server {
   // the CPU op layer with Q3VL_DEVICE_ON_CPU=1 for tests), where only cfg_ stays on the host.
   std::unique_ptr<Model> model_;
   std::unique_ptr<DevModel> dev_;
+  std::unique_ptr<Comm> tp_comm_;  // the device model's tensor-parallel group: NCCL or MPI (serve.tp_comm)
   dev::Exec ex_{};
   ModelConfig cfg_;
   std::vector<float> local_step(const std::vector<StepSegment<float>>& segs) {
@@ -1087,10 +1091,20 @@ void Server::load_device(const ModelSource& src) {
         [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); });
     Q3VL_CHECK(ok, "serve: these weights cannot be streamed");
   }
-  if (tp_ > 1)
-    dev_->set_tensor_parallel(
-        [this](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, tpc_); },
-        vocab_rows_.first, vocab_rows_.second);
+  std::string sums;
+  if (tp_ > 1) {
+    std::string how = deck_.str("serve.tp_comm");
+    int own = where.local_size <= where.gpus_visible;  // every rank of the node on a GPU of its own
+    MPI_Allreduce(MPI_IN_PLACE, &own, 1, MPI_INT, MPI_MIN, tpc_);
+    if (how == "auto") how = own && !on_cpu ? "nccl" : "mpi";
+    if (how == "nccl" && on_cpu) fail("serve.tp_comm = \"nccl\" needs the model on GPUs (Q3VL_DEVICE_ON_CPU is set)");
+    if (how == "nccl") tp_comm_ = make_nccl_comm(tpc_, ex_, deck_.real("runtime.timeout"));
+    else tp_comm_ = std::make_unique<MpiComm>(tpc_), tp_comm_->set_timeout(deck_.real("runtime.timeout"));
+    dev_->set_tensor_parallel(tp_comm_.get(), vocab_rows_.first, vocab_rows_.second);
+    sums = how == "nccl" ? "; tensor-parallel sums over NCCL " + nccl_version() + " in " + dtype_name(dt)
+                         : "; tensor-parallel sums over MPI in fp32 through the host" +
+                               std::string(own || on_cpu ? "" : " (ranks share a GPU)");
+  }
   const int64_t per_block = DevModel::kv_pool_bytes(cfg_, dt, 1, block, dstage_);
   const int64_t step_bytes = DevModel::infer_bytes(cfg_, dt, b, dstage_);  // with no KV blocks yet
   double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
@@ -1125,14 +1139,14 @@ void Server::load_device(const ModelSource& src) {
   cache_.reset(cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim);
   metrics_.kv_total = cache_.max_blocks;
   const DevMemory m = dev_->memory();
-  char msg[400];
+  char msg[640];
   std::snprintf(msg, sizeof msg,
                 "serve: on %s%s, %s%s: weights %.2f GiB, step and vision buffers %.2f GiB, KV cache %lld blocks of "
-                "%lld tokens (%.2f GiB, %lld tokens; %s)%s",
+                "%lld tokens (%.2f GiB, %lld tokens; %s)%s%s",
                 on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(std::max(0, where.gpu)).c_str(),
                 dtype_name(dt), int8 ? " with int8 linears" : "", m.weights / 1073741824.0, step_bytes / 1073741824.0, (long long)b.kv_blocks,
                 (long long)block, b.kv_blocks * per_block / 1073741824.0, (long long)(b.kv_blocks * block), how.c_str(),
-                tp_ > 1 ? " per rank" : "");
+                tp_ > 1 ? " per rank" : "", sums.c_str());
   if (rank_ == 0) log_info(msg);
 }
 

@@ -1,20 +1,40 @@
 // Tensor-parallel inference (serve/tp.hpp) at 1, 2 and 4 ranks: every rank holds its slice of the decoder and of
 // the LM head's vocabulary; prompt chunks with an image and decoded tokens give the full model's logits to 1e-5
 // (with 4 ranks each key/value head is replicated on two ranks), for a dense and a MoE model; int8 after the split.
+// The device model's slices likewise (DevModel::step over a paged cache), their sums through MPI on the CPU op layer
+// and through NCCL on GPUs.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <functional>
 #include <cstdio>
 #include <memory>
 #include <string>
 
+#include "../gpu.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/model/dev_model.hpp"
+#include "q3vl/model/layers.hpp"
 #include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/runtime/mpi_comm.hpp"
+#include "q3vl/runtime/nccl_comm.hpp"
+#include "q3vl/runtime/runtime.hpp"
 #include "q3vl/serve/tp.hpp"
 #include "../unit/tiny_model.hpp"
 
 using namespace q3vl;
+
+namespace {
+// The rank's node and GPU (Runtime::init is idempotent; the test main initialised MPI).
+const Placement& placement() {
+  int argc = 0;
+  char** argv = nullptr;
+  return Runtime::init(&argc, &argv).where();
+}
+}  // namespace
 
 namespace {
 // The whole-model tests' tiny model (its MoE: one MoE and one dense layer), vocabulary 70: not a multiple of 4, so
@@ -128,3 +148,130 @@ TEST(ServeTpSplit, RefusesWhatDoesNotSplit) {
   EXPECT_THROW(tp_config(c, 0, 4), Error);
   EXPECT_NO_THROW(tp_config(tp_tiny(), 0, 4));
 }
+
+namespace {
+// Rows [v0, v1) of the logits of run_tokens' prompt fed through `step` in two chunks (the first ending mid-image),
+// then of 4 decoded tokens. vision: the image's features and DeepStack features.
+using StepFn = std::function<std::vector<float>(const std::vector<StepSegment<float>>&, KvCache<float>&)>;
+using VisionFn = std::function<void(const std::vector<float>&, const std::vector<int64_t>&, std::vector<float>&,
+                                    std::vector<std::vector<float>>&)>;
+std::vector<float> step_tokens(const ModelConfig& cfg, const StepFn& step, const VisionFn& vision, KvCache<float>& c,
+                               int64_t v0, int64_t v1) {
+  const std::vector<int64_t> ids = {7, 60, 60, 60, 8, 9}, grid = {1, 6, 2};
+  const int64_t n = int64_t(ids.size()), H = cfg.text.hidden;
+  std::vector<float> px;
+  for (int i = 0; i < 12 * 1536; ++i) px.push_back(std::cos(0.003f * i));
+  std::vector<float> img;
+  std::vector<std::vector<float>> ds;
+  vision(px, grid, img, ds);
+  const std::vector<int64_t> pos = mrope_positions(cfg, ids.data(), {0, n}, grid);
+  const int seq = c.add();
+  for (int64_t p : pos) c.next_pos[seq] = std::max(c.next_pos[seq], p + 1);
+  std::vector<float> rows, lg;
+  int64_t vis = 0;
+  for (auto [a, b] : {std::pair<int64_t, int64_t>{0, 3}, {3, n}}) {
+    StepSegment<float> g;
+    g.seq = seq;
+    g.ids.assign(ids.begin() + a, ids.begin() + b);
+    for (int r = 0; r < 3; ++r) g.pos3.insert(g.pos3.end(), pos.begin() + r * n + a, pos.begin() + r * n + b);
+    const int64_t nv = std::count(g.ids.begin(), g.ids.end(), int64_t(cfg.image_token_id));
+    g.img.assign(img.begin() + vis * H, img.begin() + (vis + nv) * H);
+    if (nv)
+      for (const auto& d : ds) g.ds.emplace_back(d.begin() + vis * H, d.begin() + (vis + nv) * H);
+    vis += nv;
+    lg = step({g}, c);
+  }
+  for (int t = 0; t < 5; ++t) {
+    const int64_t off = int64_t(lg.size()) == v1 - v0 ? 0 : v0;
+    rows.insert(rows.end(), lg.begin() + off, lg.begin() + off + (v1 - v0));
+    if (t < 4) lg = step({StepSegment<float>{seq, {10 + t}, {}, {}, {}}}, c);
+  }
+  return rows;
+}
+
+KvCache<float> cache_of(const ModelConfig& cfg, bool host_pool) {
+  KvCache<float> c;
+  c.block = 4, c.max_blocks = 16, c.host_pool = host_pool;
+  c.reset(cfg.text.layers, int64_t(cfg.text.kv_heads) * cfg.text.head_dim);
+  return c;
+}
+
+// This rank's device slice in dtype dt, summing through `comm` ("mpi" or "nccl"), against the full host model.
+std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::string& comm_kind) {
+  int rank, size;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  Model local(tp_config(full.config(), rank, size));
+  tp_shard_weights(full, local, rank, size);
+  const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
+  dev::Exec ex = dev::make_exec(d, size_t(64) << 20, std::max(0, placement().gpu));
+  std::vector<float> rows;
+  {
+    std::unique_ptr<Comm> comm = comm_kind == "nccl" ? make_nccl_comm(MPI_COMM_WORLD, ex, 60)
+                                                     : std::unique_ptr<Comm>(std::make_unique<MpiComm>(MPI_COMM_WORLD));
+    DevModel dm(local.config(), ex, dt, /*grads=*/false);
+    dm.set_params(local.params());
+    dm.reserve_infer({/*tokens=*/16, /*segments=*/2, /*patches=*/16, /*kv_blocks=*/16, /*block=*/4, /*seq_blocks=*/8});
+    dm.set_tensor_parallel(comm.get(), v0, v1);
+    KvCache<float> c = cache_of(local.config(), false);
+    rows = step_tokens(
+        local.config(), [&](const auto& s, KvCache<float>& k) { return dm.step(s, k); },
+        [&](const auto& px, const auto& g, auto& img, auto& ds) { dm.vision_features(px, g, img, ds); }, c, v0, v1);
+  }
+  dev::destroy_exec(ex);
+  return rows;
+}
+
+std::vector<float> host_tokens(Model& full) {
+  int rank, size;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
+  KvCache<float> c = cache_of(full.config(), true);
+  return step_tokens(
+      full.config(), [&](const auto& s, KvCache<float>& k) { return full.step(s, k); },
+      [&](const auto& px, const auto& g, auto& img, auto& ds) { full.vision_features(px, g, img, ds); }, c, v0, v1);
+}
+}  // namespace
+
+class DevTp : public ::testing::TestWithParam<bool> {};
+
+// The device path on the CPU op layer, sums through MPI (serve.tp_comm = mpi): runs in CI.
+TEST_P(DevTp, SlicesEqualTheFullModelOnCpu) {
+  Model full(tp_tiny(GetParam()));
+  full.init_random(11, 0.3);
+  const std::vector<float> want = host_tokens(full);
+  const double worst = max_diff(dev_slice_tokens(full, Device::CPU, DType::F32, "mpi"), want);
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_GT(worst + 1, 0);
+}
+
+// On GPUs: fp32 slices summing through NCCL and through MPI give the full model's logits; in bf16 NCCL sums in bf16
+// and MPI in fp32, near each other (bf16's rounding of partial sums, not a wrong row or rank).
+TEST_P(DevTp, NcclSlicesEqualTheFullModelGpu) {
+  Q3VL_NEED_GPU();
+  const Placement& p = placement();
+  if (p.local_size > dev::device_count())
+    setenv("NCCL_HOSTID", ("q3vl-test-" + std::to_string(p.rank)).c_str(), 0);  // NCCL: one GPU per host, else
+  Model full(tp_tiny(GetParam()));
+  full.init_random(11, 0.3);
+  const std::vector<float> want = host_tokens(full);
+  double big = 0;
+  for (float x : want) big = std::max(big, double(std::fabs(x)));
+  MPI_Allreduce(MPI_IN_PLACE, &big, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  const double nccl = max_diff(dev_slice_tokens(full, Device::CUDA, DType::F32, "nccl"), want);
+  const double mpi = max_diff(dev_slice_tokens(full, Device::CUDA, DType::F32, "mpi"), want);
+  const std::vector<float> b_nccl = dev_slice_tokens(full, Device::CUDA, DType::BF16, "nccl");
+  const double bf = max_diff(b_nccl, dev_slice_tokens(full, Device::CUDA, DType::BF16, "mpi"));
+  const double bf_full = max_diff(b_nccl, want);
+  if (p.rank == 0)
+    std::printf("[ dev tp   ] %d ranks: fp32 max|diff| nccl %.2e, mpi %.2e; bf16 nccl vs mpi %.2e, vs fp32 host "
+                "%.2e (max|logit| %.2f)\n", p.size, nccl, mpi, bf, bf_full, big);
+  EXPECT_LT(nccl, 1e-5);
+  EXPECT_LT(mpi, 1e-5);
+  EXPECT_LT(bf, 0.02 * big);
+  EXPECT_LT(bf_full, 0.05 * big);
+  EXPECT_GT(nccl + mpi + bf + 1, 0);  // not NaN
+}
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, DevTp, ::testing::Bool(),
+                         [](const auto& i) { return i.param ? std::string("Moe") : std::string("Dense"); });

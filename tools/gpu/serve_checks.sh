@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Issue 18's GPU checks in one call on the GPU machine (from the repo root, the packed runtime sourced):
 #   tools/gpu/serve_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]     PARTS: "unit tiny 8b 30b" (default: all; a call is 600 s)
+#   more parts: nccl (NcclComm and the device model's TP sums, bin/mpi_tests at 2 and 4 ranks as $MPI_TESTS; serve with
+#   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
+#   generate on the 8B shape: the PyTorch baseline), 8bpp, 8bint8.
 # - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
 #   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
 # - `q3vl serve` with model.backend = cuda against `q3vl generate` on the CPU: the same greedy answers for 16
@@ -23,7 +26,7 @@ t0=$SECONDS
 if part unit; then
 Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='BackendOps.*:DevInfer.*:DevLayers.*:DevVision.*:DevModel.*:Golden.*:StreamWeights.*' \
   >"$out/unit.log" 2>&1
-say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$out/unit.log" | tr '\n' ' ')"
+say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit.log" | tr '\n' ' ')"
 grep -E 'paged_attention.*(FAIL|fail)|^\[  FAILED|on cuda (fp32|bf16|fp16):' "$out/unit.log" >>"$out/summary.txt"
 pack
 fi
@@ -92,8 +95,31 @@ serve_case() {
   kill -TERM $pid; wait $pid
   pack
 }
-part tiny || parts+=" skip-tiny"
+# NCCL refuses two ranks on one GPU unless each says it is on a host of its own (NCCL_HOSTID); then it talks between
+# them over sockets, as between nodes: the code path of two GPUs, not their speed. A launcher word for mpiexec.
+hostid=/tmp/nccl_hostid
+printf '#!/bin/sh\nNCCL_HOSTID=q3vl-rank-$PMI_RANK exec "$@"\n' >$hostid && chmod +x $hostid
+export NCCL_SOCKET_IFNAME=lo NCCL_NVLS_ENABLE=0
+if part nccl; then
+  mt=${MPI_TESTS:-/tmp/rt/bin/mpi_tests}
+  for n in 2 4; do
+    t1=$SECONDS
+    Q3VL_REQUIRE_GPU=1 timeout 150 mpiexec -n $n "$mt" --gtest_filter='Nccl*:*DevTp*' >"$out/mpi_nccl_np$n.log" 2>&1
+    say "mpi_tests np$n: rc=$? $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/mpi_nccl_np$n.log" | sort -u | tr '\n' ' ')"
+    grep -E 'dev tp|FAILED  \]|Failure' "$out/mpi_nccl_np$n.log" | sort -u | head -8 >>"$out/summary.txt"
+    pack
+  done
+fi
+part tiny || part nccl || parts+=" skip-tiny"
 [[ $parts == *skip-tiny* ]] || {
+if part nccl; then
+serve_case tiny_gpu_tp2_nccl 120 mpiexec -n 2 $hostid "$q" serve model.preset=tiny model.backend=cuda serve.tp_comm=nccl
+serve_case tiny-moe_gpu_tp2_nccl 120 mpiexec -n 2 $hostid "$q" serve model.preset=tiny-moe model.backend=cuda serve.tp_comm=nccl
+serve_case tiny_gpu_tp4_nccl 120 mpiexec -n 4 $hostid "$q" serve model.preset=tiny model.backend=cuda serve.tp_comm=nccl serve.kv_mib=64
+serve_case tiny_gpu_pp2tp2_nccl 120 mpiexec -n 4 $hostid "$q" serve model.preset=tiny model.backend=cuda serve.pp=2 serve.tp_comm=nccl serve.kv_mib=64
+serve_case tiny_gpu_tp2_nccl_bf16 120 mpiexec -n 2 $hostid "$q" serve model.preset=tiny model.backend=cuda model.dtype=bf16 serve.tp_comm=nccl
+fi
+if part tiny; then
 serve_case tiny_gpu_1 120 "$q" serve model.preset=tiny model.backend=cuda
 serve_case tiny_gpu_tp2 120 mpiexec -n 2 "$q" serve model.preset=tiny model.backend=cuda
 serve_case tiny-moe_gpu_1 120 "$q" serve model.preset=tiny-moe model.backend=cuda
@@ -102,6 +128,7 @@ serve_case tiny_gpu_bf16 120 "$q" serve model.preset=tiny model.backend=cuda mod
 serve_case tiny_gpu_pp2 120 mpiexec -n 2 "$q" serve model.preset=tiny model.backend=cuda serve.pp=2
 serve_case tiny-moe_gpu_pp2 120 mpiexec -n 2 "$q" serve model.preset=tiny-moe model.backend=cuda serve.pp=2
 serve_case tiny_gpu_pp2tp2 120 mpiexec -n 4 "$q" serve model.preset=tiny model.backend=cuda serve.pp=2 serve.kv_mib=64
+fi
 }
 
 # ---- big shapes in bf16 on one H200: random weights streamed to the device -------------------------------------
@@ -146,3 +173,13 @@ part 8b && big 8b 8B
 part 30b && big 30b-a3b 30B-A3B
 part 8bpp && big 8b-pp2 8B mpiexec -n 2 -- serve.pp=2
 part 8bint8 && big 8b-int8 8B -- model.weight_dtype=int8
+part 8btp2 && big 8b-tp2-nccl 8B mpiexec -n 2 $hostid -- serve.tp_comm=nccl
+part 8btp2 && big 8b-tp2-mpi 8B mpiexec -n 2 -- serve.tp_comm=mpi
+if part hfbase; then
+  t1=$SECONDS
+  timeout 300 python3 tools/gpu/hf_serve_baseline.py --preset 8B --batch 32 >"$out/hfbase.txt" 2>"$out/hfbase.err"
+  say "hfbase: rc=$? $((SECONDS - t1)) s"
+  cat "$out/hfbase.txt" >>"$out/summary.txt"
+  tail -3 "$out/hfbase.err" >>"$out/summary.txt"
+  pack
+fi

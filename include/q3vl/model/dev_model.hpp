@@ -11,6 +11,7 @@
 
 #include "q3vl/model/dev_layers.hpp"
 #include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/runtime/comm.hpp"
 
 namespace q3vl {
 
@@ -115,9 +116,10 @@ class DevModel {
   // The vision tower and mergers for one prompt's images: img [n, H] and ds [deepstack][n*H] on the host.
   void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<float>& img,
                        std::vector<std::vector<float>>& ds);
-  // Tensor parallelism (a tp_config slice): host_sum adds the partial [n] outputs of the group in place (fp32 on the
-  // host, through MPI; NCCL on the device is the NCCL issue's); the head computes vocabulary rows [v0, v1).
-  void set_tensor_parallel(std::function<void(float*, int64_t)> host_sum, int64_t v0, int64_t v1);
+  // Tensor parallelism (a tp_config slice): `comm` (the group; it outlives the model) adds the partial outputs of the
+  // group: an NCCL one on the device buffers in the model's dtype, in order on the stream (a step waits once, at its
+  // end, under the watchdog); an MPI one in fp32 through the host. The head computes vocabulary rows [v0, v1).
+  void set_tensor_parallel(Comm* comm, int64_t v0, int64_t v1);
 
  private:
   struct Impl;
