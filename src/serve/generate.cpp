@@ -246,10 +246,14 @@ std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src) {
   return model;
 }
 
+bool has_adapters(const Deck& deck, const ModelSource& src) {
+  return src.adapters_only || !deck.str("lora.adapter").empty() || src.cfg.lora.on();
+}
+
 bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& local,
                     const std::function<std::vector<ParamSlice>(const UnitInfo&, float*)>& slices_of,
                     const std::function<void(int64_t, const float*, int64_t)>& sink) {
-  if (src.adapters_only || !deck.str("lora.adapter").empty() || src.cfg.lora.on()) return false;
+  if (has_adapters(deck, src)) return false;
   ScopedTimer tm(src.mode + ": load weights");
   const ParamTable full(src.cfg);
   const bool ck = !src.checkpoint.empty(), hf = !ck && !deck.str("model.hf").empty();
@@ -383,14 +387,16 @@ namespace {
 // prompt, over the device's KV pools; cache_ is their bookkeeping, started afresh for each batch.
 class DevGenModel : public GenModel {
  public:
-  DevGenModel(Model& host, bool on_cpu, int gpu, DType dt, bool int8, const DevModel::InferBudget& b) {
+  // load: puts the weights into the model (streamed from their source, or a host model's).
+  DevGenModel(const ModelConfig& cfg, bool on_cpu, int gpu, DType dt, bool int8, const DevModel::InferBudget& b,
+              const std::function<void(DevModel&)>& load) {
     ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, gpu);
-    m_ = std::make_unique<DevModel>(host.config(), ex_, dt, /*grads=*/false, DevStage{}, int8);
-    m_->set_params(host.params());
+    m_ = std::make_unique<DevModel>(cfg, ex_, dt, /*grads=*/false, DevStage{}, int8);
+    load(*m_);
     if (!on_cpu) {  // the step buffers and KV pools in what the weights left, with 5% of the device to spare
       size_t free_b = 0, total_b = 0;
       dev::memory_info(ex_, &free_b, &total_b);
-      const double need = double(DevModel::infer_bytes(host.config(), dt, b));
+      const double need = double(DevModel::infer_bytes(cfg, dt, b));
       if (need > double(free_b) - 0.05 * double(total_b))
         fail("generate: the step buffers and KV cache need " + gib(need) + " GiB, but GPU " + std::to_string(gpu) +
              " has " + gib(double(free_b)) + " GiB free after the weights; lower generate.batch, "
@@ -503,19 +509,26 @@ int run_generate(const Deck& deck) {
     // Nothing to answer would still replace the output with an empty file.
     if (prompts.empty()) fail("generate.prompts '" + in + "' holds no prompts (an empty file?)");
     log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
-    std::unique_ptr<Model> model = load_model(deck, src);
     const size_t bs = (size_t)deck.integer("generate.batch");
     std::unique_ptr<GenModel> gm;
+    std::unique_ptr<Model> model;  // the host model (the CPU backend; the device's when adapters need folding)
     if (deck.str("model.backend") == "cuda") {
-      // The device model has no adapters: they are folded into the base first.
-      if (model->config().lora.on()) model = fold_lora(*model, "generate", "the device model");
-      model->drop_gradients();  // int8: the device model quantizes as the weights arrive
       const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
       const int gpu = std::max(0, rt.where().gpu);
       const DType dt = compute_dtype(deck.str("model.dtype"));
       const DevModel::InferBudget b = generate_budget(cfg, prompts, bs, sp.max_new_tokens);
-      const bool int8 = deck.str("model.weight_dtype") == "int8";
-      auto d = std::make_unique<DevGenModel>(*model, on_cpu, gpu, dt, int8, b);
+      const bool int8 = deck.str("model.weight_dtype") == "int8";  // the device model quantizes as weights arrive
+      // The weights stream to the device a unit at a time, so the host never holds the fp32 model; the device model
+      // has no adapters, so with adapters the host model comes first and they are folded into the base (which may
+      // untie the head: the device model takes the folded model's config).
+      if (has_adapters(deck, src)) {
+        model = load_model(deck, src);
+        if (model->config().lora.on()) model = fold_lora(*model, "generate", "the device model");
+      }
+      auto d = std::make_unique<DevGenModel>(model ? model->config() : cfg, on_cpu, gpu, dt, int8, b, [&](DevModel& dm) {
+        if (model) return dm.set_params(model->params());
+        stream_weights(deck, src, dm.table(), [&](int64_t off, const float* v, int64_t n) { dm.set_params(off, v, n); });
+      });
       model.reset();  // the weights are on the device now
       const DevMemory m = d->model().memory();
       const int64_t kv = DevModel::kv_pool_bytes(d->model().config(), dt, b.kv_blocks, b.block);
@@ -531,6 +544,7 @@ int run_generate(const Deck& deck) {
       log_info(msg);
       gm = std::move(d);
     } else {
+      model = load_model(deck, src);
       log_info(apply_weight_dtype(*model, deck, "generate"));
       gm = std::make_unique<HostGenModel>(*model);
     }

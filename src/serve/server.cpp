@@ -970,7 +970,7 @@ void Server::load() {
   checkpoint_ = src.checkpoint;
   // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
   // never holds the fp32 model; adapters to fold need the host model first.
-  const bool adapters = src.adapters_only || !deck_.str("lora.adapter").empty() || src.cfg.lora.on();
+  const bool adapters = has_adapters(deck_, src);
   if (pp_ > 1) {  // serve_layout checked the stages against the backend and the layers
     const int L = src.cfg.text.layers;
     dstage_ = {L * stage_ / pp_, stage_ + 1 == pp_ ? -1 : L * (stage_ + 1) / pp_, stage_ == 0, stage_ + 1 == pp_};

@@ -52,6 +52,9 @@ devgen() {  # devgen PRESET NAME ARGS...: the CPU answers (tiny: those above) an
     generate.min_pixels=4096 generate.max_new_tokens=6 run.timing=false generate.batch=4 \
     generate.output=$tmp/dev_$name.jsonl "$@" || return
   grep -q "generate: on .*, fp32: weights .* KV cache" $tmp/log || bad "dev $name: no device line: $(grep generate: $tmp/log)"
+  # The host never builds the fp32 model: the weights go to the device a unit at a time.
+  grep -q "generate: weights streamed a unit at a time from a random init" $tmp/log ||
+    bad "dev $name: weights not streamed: $(grep generate: $tmp/log)"
   cmp -s $tmp/dev_$name.jsonl $ref && pass "device model on the $where, $preset $name: answers == CPU" ||
     bad "device $preset $name: $(diff $tmp/dev_$name.jsonl $ref | head -4)"
 }

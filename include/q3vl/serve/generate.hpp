@@ -104,10 +104,11 @@ ModelSource model_source(const Deck& deck, const std::string& checkpoint_key);
 // The weights: base (checkpoint, model.hf or random), then the adapters (the LoRA checkpoint's, or lora.adapter's
 // PEFT folder on top of a base).
 std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src);
+// Adapters come with the weights (a LoRA checkpoint, lora.adapter or a [lora] deck): only load_model loads them.
+bool has_adapters(const Deck& deck, const ModelSource& src);
 // load_model's weights one unit at a time, for a model that lives on a device: sink(offset, values, n) receives each
 // unit's values (table order; offset: the unit's place in the concatenated table), so the host never holds more than
-// the largest unit (a MoE layer's experts). Returns false, having done
-// nothing, for what only load_model does: adapters (a LoRA checkpoint, lora.adapter or a [lora] deck).
+// the largest unit (a MoE layer's experts). Returns false, having done nothing, when has_adapters.
 bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& t,
                     const std::function<void(int64_t, const float*, int64_t)>& sink);
 // The same for a model whose table `local` holds pieces of the source's tensors (a tensor-parallel slice):
