@@ -760,9 +760,13 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     if (size_t(l) < pk.ds.size() && nvis) dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
   }
   for (int64_t s = 0; s < S; ++s) cache.len[pk.seqs[s]] += pk.cu[s + 1] - pk.cu[s];
-  if (last_sum) J.tp->wait(std::move(last_sum));  // the group's sums are done (or the watchdog names who is missing)
+  // Before anything leaves the device: the group's sums are done (or the watchdog names who is missing).
+  auto sums_done = [&] {
+    if (last_sum) J.tp->wait(std::move(last_sum));
+  };
   if (!stage_.last) {  // the next stage's input
     Q3VL_CHECK(x_out, "DevModel::step: a pipeline stage before the last needs x_out");
+    sums_done();
     x_out->resize(size_t(N * H));
     down_f32(ex_, x_out->data(), J.x, x_out->size(), dt_);
     return {};
@@ -774,6 +778,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   if (q8p_[head]) dev::linear_int8_fwd(ex_, J.hf, q8p_[head] + v0 * H, s8p_[head] + v0, nullptr, J.lg, S, H, V, dt_);
   else dev::linear_fwd(ex_, J.hf, at(pp_[head], v0 * H, dt_), nullptr, J.lg, S, H, V, dt_);
   dev::convert(ex_, J.lgf, DType::F32, J.lg, dt_, S * V);
+  sums_done();
   std::vector<float> logits(size_t(S * V));
   dev::to_host(ex_, logits.data(), J.lgf, logits.size() * 4);
   return logits;

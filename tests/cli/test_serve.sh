@@ -232,6 +232,11 @@ if nvidia-smi -L >/dev/null 2>&1; then on=(env); where=GPU; else on=(env Q3VL_DE
 for n in 1 2; do
   if start dev$n "${on[@]}" mpiexec -n $n $q serve model.preset=tiny model.backend=cuda serve.kv_mib=8; then
     grep -q "serve: on .*fp32: weights" $tmp/dev$n.log || bad "dev$n: $(grep serve: $tmp/dev$n.log)"
+    # Ranks sharing a GPU, or on the CPU op layer: the sums go through the host (NCCL's case: tests/mpi/test_nccl.cpp).
+    if ((n == 2)); then
+      grep -q "tensor-parallel sums over MPI in fp32 through the host" $tmp/dev2.log && pass "dev2: TP sums over MPI" ||
+        bad "dev2: $(grep 'serve: on' $tmp/dev2.log)"
+    fi
     node_c answers $tmp/d/eval.jsonl stream >$tmp/a_dev$n.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
     same_answers "device model on the $where, $n rank(s): streamed answers == generate" $tmp/a_dev$n.jsonl
     kill -TERM ${pids[-1]}; wait ${pids[-1]}
@@ -253,6 +258,8 @@ for lay in "2 2 tiny gen" "4 2 tiny gen" "2 2 tiny-moe gen_moe"; do
     kill -TERM ${pids[-1]}; wait ${pids[-1]}
   fi
 done
+[[ $where == GPU ]] || expect nccl-needs-gpu 1 'serve.tp_comm = "nccl" needs the model on GPUs' \
+  env Q3VL_DEVICE_ON_CPU=1 mpiexec -n 2 $q serve model.preset=tiny model.backend=cuda serve.tp_comm=nccl serve.port=0
 expect pp-needs-device 1 'serve.pp = 2 needs model.backend = "cuda"' mpiexec -n 2 $q serve model.preset=tiny serve.pp=2
 expect pp-layout 1 'serve.tp x serve.pp must be the number of ranks' mpiexec -n 3 $q serve model.preset=tiny serve.pp=2
 stop_all
