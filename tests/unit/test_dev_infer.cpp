@@ -16,6 +16,7 @@
 #include <random>
 
 #include "../gpu.hpp"
+#include "../int8_ref.hpp"
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/checkpoint.hpp"
@@ -124,20 +125,8 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
   Model host(cfg);
   load_hf_weights(host, dir);
   const std::vector<float> original(host.params(), host.params() + host.table().total());
-  int quantized = 0, experts = 0;
-  for (size_t id = 0; int8 && id < host.table().params().size(); ++id)
-    if (DevModel::int8_param(host.table(), int(id))) {
-      const ParamInfo& p = host.table().param(int(id));
-      const int64_t rows = DevModel::int8_rows(p), cols = p.numel / rows;
-      experts += p.shape.size() == 3;
-      std::vector<int8_t> q(size_t(p.numel));
-      std::vector<float> sc(static_cast<size_t>(rows));
-      float* w = host.param(int(id));
-      ops::quantize_int8_rows(w, rows, cols, q.data(), sc.data());
-      for (int64_t i = 0; i < p.numel; ++i) w[i] = float(q[size_t(i)]) * sc[size_t(i / cols)];
-      quantized++;
-    }
   if (int8) {
+    const auto [quantized, experts] = test::dequantize_int8_params(host);
     EXPECT_GT(quantized, 0);
     int moe = 0;
     for (int l = 0; l < cfg.text.layers; ++l) moe += host.table().moe_layer(l);
