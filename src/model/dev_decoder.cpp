@@ -59,6 +59,12 @@ void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, 
 }
 
 namespace {
+// The experts' product, int8 when the model holds them so (serving with model.weight_dtype = "int8").
+void grouped_linear(const dev::Exec& ex, const DevParams& P, int id, const void* xg, const int32_t* start, void* y,
+                    int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+  if (P.q8 && P.q8[id]) return dev::grouped_linear_int8_fwd(ex, xg, P.q8[id], P.s8[id], start, y, R, E, n_in, n_out, dt);
+  dev::grouped_linear_fwd(ex, xg, P.p[id], start, y, R, E, n_in, n_out, dt);
+}
 // The dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent (so does the
 // int8 layout, rows and scales). Returns gate_proj's id.
 int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
@@ -93,9 +99,9 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, dt);
     dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
     dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-    dev::grouped_linear_fwd(ex, s.xg, P.p[f + tlay::experts_gate_up], c.start, c.egu, R, E, H, 2 * Im, dt);
+    grouped_linear(ex, P, f + tlay::experts_gate_up, s.xg, c.start, c.egu, R, E, H, 2 * Im, dt);
     dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);
-    dev::grouped_linear_fwd(ex, s.eact, P.p[f + tlay::experts_down], c.start, c.ey, R, E, Im, H, dt);
+    grouped_linear(ex, P, f + tlay::experts_down, s.eact, c.start, c.ey, R, E, Im, H, dt);
     dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
   } else {
     const int64_t I = tc.intermediate;

@@ -136,10 +136,13 @@ bool DevModel::int8_param(const ParamTable& t, int id) {
     const int k = id - t.layer(l);
     if (k < 0 || k >= tlay::count) continue;
     if (k == tlay::q_proj || k == tlay::k_proj || k == tlay::v_proj || k == tlay::o_proj) return true;
-    return !t.moe_layer(l) && (k == tlay::gate_proj || k == tlay::up_proj || k == tlay::down_proj);
+    if (t.moe_layer(l)) return k == tlay::experts_gate_up || k == tlay::experts_down;
+    return k == tlay::gate_proj || k == tlay::up_proj || k == tlay::down_proj;
   }
   return false;
 }
+
+int64_t DevModel::int8_rows(const ParamInfo& p) { return p.numel / p.shape.back(); }
 
 int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s, bool int8) {
   int64_t n = 0;
@@ -147,7 +150,7 @@ int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s,
     if (stage_owns(t, s, int(u)))
       for (int id : t.units()[u].params) {
         const ParamInfo& p = t.param(id);
-        n += int8 && int8_param(t, id) ? p.numel + p.shape[0] * 4 : p.numel * int64_t(dtype_size(dt));
+        n += int8 && int8_param(t, id) ? p.numel + int8_rows(p) * 4 : p.numel * int64_t(dtype_size(dt));
       }
   return n;
 }
@@ -164,7 +167,7 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
     if (stage_owns(table_, stage_, int(u)))
       for (int id : table_.units()[u].params) {
         const ParamInfo& p = table_.param(id);
-        if (int8 && int8_param(table_, id)) par_off_[id] = held8_, held8_ += p.numel, scl_off_[id] = rows8_, rows8_ += p.shape[0];
+        if (int8 && int8_param(table_, id)) par_off_[id] = held8_, held8_ += p.numel, scl_off_[id] = rows8_, rows8_ += int8_rows(p);
         else par_off_[id] = held_, held_ += p.numel;
       }
   params_ = dev::alloc(ex_, size_t(held_) * dtype_size(dt_));
@@ -249,7 +252,7 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
     if (par_off_[id] < 0 || a >= b) continue;
     if (scl_off_[id] >= 0) {
       Q3VL_CHECK(a == start && b == start + p.numel, "DevModel::set_params: int8 weight " + p.name + " must arrive whole");
-      const int64_t rows = p.shape[0], cols = p.numel / rows;
+      const int64_t rows = int8_rows(p), cols = p.numel / rows;
       q.resize(size_t(p.numel)), sc.resize(size_t(rows));
       ops::quantize_int8_rows(host + (a - offset), rows, cols, q.data(), sc.data());
       dev::to_device(ex_, q8_ + par_off_[id], q.data(), q.size());

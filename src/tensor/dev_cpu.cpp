@@ -386,6 +386,14 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
     ops::linear_fwd(F(xg) + start[e] * n_in, F(W) + e * n_out * n_in, (const float*)nullptr, F(y) + start[e] * n_out,
                     start[e + 1] - start[e], n_in, n_out);
 }
+void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, const float* scale, const int32_t* start,
+                             void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+  ON_CUDA(x, grouped_linear_int8_fwd(x, xg, q, scale, start, y, R, E, n_in, n_out, dt));
+  need_f32(dt, "grouped_linear_int8_fwd");
+  for (int64_t e = 0; e < E; ++e)
+    ops::linear_int8_fwd(F(xg) + start[e] * n_in, q + e * n_out * n_in, scale + e * n_out, (const float*)nullptr,
+                         F(y) + start[e] * n_out, start[e + 1] - start[e], n_in, n_out);
+}
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
                         float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
   ON_CUDA(x, grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, dt));

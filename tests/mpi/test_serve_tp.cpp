@@ -15,6 +15,7 @@
 #include <string>
 
 #include "../gpu.hpp"
+#include "../int8_ref.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/layers.hpp"
@@ -196,20 +197,24 @@ KvCache<float> cache_of(const ModelConfig& cfg, bool host_pool) {
   return c;
 }
 
-// This rank's device slice in dtype dt, summing through `comm` ("mpi" or "nccl"), against the full host model.
-std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::string& comm_kind) {
+// This rank's device slice in dtype dt, summing through `comm` ("mpi" or "nccl"), against the full host model; int8:
+// the slice holds its int8_param weights in int8 (quantized after the split, as serve does).
+std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::string& comm_kind, bool int8 = false) {
   int rank, size;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   Model local(tp_config(full.config(), rank, size));
   tp_shard_weights(full, local, rank, size);
   const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
-  dev::Exec ex = dev::make_exec(d, size_t(64) << 20, std::max(0, placement().gpu));
+  const Placement& pl = placement();
+  if (comm_kind == "nccl" && pl.local_size > dev::device_count())
+    setenv("NCCL_HOSTID", ("q3vl-test-" + std::to_string(pl.rank)).c_str(), 0);  // NCCL: one GPU per host, else
+  dev::Exec ex = dev::make_exec(d, size_t(64) << 20, std::max(0, pl.gpu));
   std::vector<float> rows;
   {
     std::unique_ptr<Comm> comm = comm_kind == "nccl" ? make_nccl_comm(MPI_COMM_WORLD, ex, 60)
                                                      : std::unique_ptr<Comm>(std::make_unique<MpiComm>(MPI_COMM_WORLD));
-    DevModel dm(local.config(), ex, dt, /*grads=*/false);
+    DevModel dm(local.config(), ex, dt, /*grads=*/false, {}, int8);
     dm.set_params(local.params());
     dm.reserve_infer({/*tokens=*/16, /*segments=*/2, /*patches=*/16, /*kv_blocks=*/16, /*block=*/4, /*seq_blocks=*/8});
     dm.set_tensor_parallel(comm.get(), v0, v1);
@@ -246,13 +251,41 @@ TEST_P(DevTp, SlicesEqualTheFullModelOnCpu) {
   EXPECT_GT(worst + 1, 0);
 }
 
+// int8 slices: each rank quantizes the rows it holds (the MoE model's expert slices too), and computes what the host
+// slice computes with those rows quantized and dequantized again (fp32; max|diff| / max|logit| returned).
+double int8_slices_vs_host(bool moe, Device d, const std::string& comm_kind) {
+  int rank, size;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  Model full(tp_tiny(moe));
+  full.init_random(11, 0.3);
+  std::unique_ptr<Model> local = shard(full, rank, size);
+  const auto [quantized, experts] = test::dequantize_int8_params(*local);
+  EXPECT_GT(quantized, 0);
+  EXPECT_EQ(experts > 0, moe);
+  const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
+  KvCache<float> c = cache_of(local->config(), true);
+  const std::vector<float> want = step_tokens(
+      local->config(), [&](const auto& s, KvCache<float>& k) { return local->step(s, k); },
+      [&](const auto& px, const auto& g, auto& img, auto& ds) { local->vision_features(px, g, img, ds); }, c, v0, v1);
+  double big = 0;
+  for (float x : want) big = std::max(big, double(std::fabs(x)));
+  MPI_Allreduce(MPI_IN_PLACE, &big, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  const double worst = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, true), want) / std::max(1.0, big);
+  if (rank == 0)
+    std::printf("[ dev tp   ] %d ranks int8 through %s: max|diff|/max|logit| %.2e\n", size, comm_kind.c_str(), worst);
+  EXPECT_GT(worst + 1, 0);  // not NaN
+  return worst;
+}
+TEST_P(DevTp, Int8SlicesEqualQuantizedHostSlicesOnCpu) {
+  EXPECT_LT(int8_slices_vs_host(GetParam(), Device::CPU, "mpi"), 1e-5);
+}
+
 // On GPUs: fp32 slices summing through NCCL and through MPI give the full model's logits; in bf16 NCCL sums in bf16
 // and MPI in fp32, near each other (bf16's rounding of partial sums, not a wrong row or rank).
 TEST_P(DevTp, NcclSlicesEqualTheFullModelGpu) {
   Q3VL_NEED_GPU();
   const Placement& p = placement();
-  if (p.local_size > dev::device_count())
-    setenv("NCCL_HOSTID", ("q3vl-test-" + std::to_string(p.rank)).c_str(), 0);  // NCCL: one GPU per host, else
   Model full(tp_tiny(GetParam()));
   full.init_random(11, 0.3);
   const std::vector<float> want = host_tokens(full);
@@ -272,6 +305,10 @@ TEST_P(DevTp, NcclSlicesEqualTheFullModelGpu) {
   EXPECT_LT(bf, 0.02 * big);
   EXPECT_LT(bf_full, 0.05 * big);
   EXPECT_GT(nccl + mpi + bf + 1, 0);  // not NaN
+}
+TEST_P(DevTp, Int8NcclSlicesEqualQuantizedHostSlicesGpu) {
+  Q3VL_NEED_GPU();
+  EXPECT_LT(int8_slices_vs_host(GetParam(), Device::CUDA, "nccl"), 1e-4);
 }
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, DevTp, ::testing::Bool(),
                          [](const auto& i) { return i.param ? std::string("Moe") : std::string("Dense"); });

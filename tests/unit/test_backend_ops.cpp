@@ -199,6 +199,21 @@ void plan(const std::vector<double>& idx, int64_t E, std::vector<double>& start,
   pos.assign(ps.begin(), ps.end());
 }
 
+// start[E+1] of rows whose experts are `expert` (sorted by expert, as moe_plan buckets them).
+std::vector<double> starts_of(const std::vector<double>& expert, int64_t E) {
+  std::vector<double> st(size_t(E) + 1, 0);
+  for (double e : expert) st[size_t(e) + 1]++;
+  for (int64_t e = 0; e < E; ++e) st[size_t(e) + 1] += st[size_t(e)];
+  return st;
+}
+// Random int8 experts q [E, O, I] and their row scales, from ops::quantize_int8_rows of random weights.
+void int8_experts(int64_t E, int64_t O, int64_t I, std::vector<int8_t>& q, std::vector<float>& sc) {
+  auto w = randn(E * O * I, 0.05);
+  const std::vector<float> wf(w.begin(), w.end());
+  q.resize(size_t(E * O * I)), sc.resize(size_t(E * O));
+  ops::quantize_int8_rows(wf.data(), E * O, I, q.data(), sc.data());
+}
+
 std::vector<Case> all_cases(DType dt) {
   std::vector<Case> cs;
   auto add = [&](std::string op, std::string shape, Tol tol, std::vector<Arg> args,
@@ -286,6 +301,39 @@ std::vector<Case> all_cases(DType dt) {
               dev::linear_int8_fwd(xs, p[0], P<int8_t>(p, 1), P<float>(p, 2), bias ? p[3] : nullptr, p[4], N, I, O,
                                    t);
             });
+    }
+
+  // Weight-only int8 experts. Rows spread over the even experts (the odd ones have none) or all in one; R <= 8 E is the
+  // CUDA GEMV over the experts with rows (R 40 and 64 with more than 16 rows an expert: several passes), larger R
+  // dequantizes groups of experts into ws for the grouped GEMM ("ws2": room for two experts a group; "ws0": for none,
+  // which falls back to the GEMV). n_in 256: 16-byte rows; 72: 4-byte; 102: neither.
+  struct Experts {
+    int64_t R, E;
+    bool one;
+    int ws;  // 0: the Exec's, 2: two experts, -1: none
+  };
+  for (auto [R, E, one, ws] : {Experts{1, 16, false, 0}, {18, 8, false, 0}, {64, 128, false, 0}, {64, 8, false, 0},
+                               {40, 8, true, 0}, {300, 8, false, 0}, {300, 8, true, 0}, {300, 8, false, 2},
+                               {300, 8, false, -1}})
+    for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 96}, {72, 40}, {102, 37}}) {
+      std::vector<double> ex = one ? std::vector<double>(size_t(R), double(E / 2)) : randi(R, (E + 1) / 2);
+      if (!one)
+        for (double& e : ex) e *= 2;
+      std::sort(ex.begin(), ex.end());
+      std::vector<int8_t> q8;
+      std::vector<float> sc;
+      int8_experts(E, O, I, q8, sc);
+      add("grouped_linear_int8_fwd",
+          dims({R, E, I, O}) + (one ? " one" : "") + (ws > 0 ? " ws2" : ws < 0 ? " ws0" : ""), kGemm,
+          {in("xg", K::Act, randn(R * I)), in("q", K::I8, std::vector<double>(q8.begin(), q8.end())),
+           in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())), in("start", K::I32, starts_of(ex, E)),
+           out("y", K::Act, randn(R * O))},
+          [=](auto& x, auto& p, DType t) {
+            dev::Exec xs = x;
+            if (ws) xs.ws_bytes = std::min<size_t>(x.ws_bytes, ws < 0 ? 4096 : 256 + 2 * size_t(O * I) * dtype_size(t));
+            dev::grouped_linear_int8_fwd(xs, p[0], P<int8_t>(p, 1), P<float>(p, 2), P<int32_t>(p, 3), p[4], R, E, I,
+                                         O, t);
+          });
     }
 
   // norms (D = 128: QK-norm rows; 1152: the vision width; 200: odd)
@@ -613,6 +661,33 @@ TEST(BackendOps, PagedAttentionMatchesAttention) {
                     maxdiff / maxref);
         EXPECT_LE(maxdiff / maxref, 1e-5) << dims({nh, nkv, hd}) << " block " << block;
       }
+}
+// The int8 experts' reference is grouped_linear_fwd on the dequantized weights (q * scale), up to rounding: the
+// reference scales the fp32 sums, the dequantized product scales each weight.
+TEST(BackendOps, GroupedInt8IsDequantizedGrouped) {
+  const int64_t E = 6, I = 40, O = 24, R = 23;
+  std::vector<double> ex = randi(R, E - 1);  // the last expert has no rows
+  ex[0] = ex[1] = 0;
+  std::sort(ex.begin(), ex.end());
+  const std::vector<double> sd = starts_of(ex, E);
+  const std::vector<int32_t> start(sd.begin(), sd.end());
+  std::vector<int8_t> q;
+  std::vector<float> sc;
+  int8_experts(E, O, I, q, sc);
+  std::vector<float> w(q.size());
+  for (size_t i = 0; i < q.size(); ++i) w[i] = float(q[i]) * sc[i / size_t(I)];
+  const auto xd = randn(R * I);
+  const std::vector<float> x(xd.begin(), xd.end());
+  std::vector<float> want(size_t(R * O), NAN), got(size_t(R * O), NAN);
+  dev::grouped_linear_fwd(dev::Exec{}, x.data(), w.data(), start.data(), want.data(), R, E, I, O, DType::F32);
+  dev::grouped_linear_int8_fwd(dev::Exec{}, x.data(), q.data(), sc.data(), start.data(), got.data(), R, E, I, O,
+                               DType::F32);
+  double maxref = 0, maxdiff = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    maxref = std::max(maxref, double(std::abs(want[i]))),
+    maxdiff = std::max(maxdiff, std::isnan(got[i]) ? INFINITY : double(std::abs(got[i] - want[i])));
+  EXPECT_GT(maxref, 0.0);
+  EXPECT_LE(maxdiff / maxref, 1e-6);
 }
 TEST(BackendOps, Bf16) {
   Q3VL_NEED_GPU();

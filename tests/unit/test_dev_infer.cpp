@@ -16,6 +16,7 @@
 #include <random>
 
 #include "../gpu.hpp"
+#include "../int8_ref.hpp"
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/checkpoint.hpp"
@@ -114,8 +115,9 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
 // none). A wrong kernel or index would miss every step, not one.
 // splits: pipeline stage boundaries (serve.pp): the device model as a chain of stages, each holding its layers'
 // units only, the hidden states passed on through the host as serve passes them between ranks.
-// int8: the device model holds its int8_param linears in int8; the host reference computes with those matrices
-// quantized and dequantized again (ops::quantize_int8_rows), so only the arithmetic differs.
+// int8: the device model holds its int8_param linears (the MoE model's experts too) in int8; the host reference
+// computes with those matrices quantized and dequantized again (ops::quantize_int8_rows, the same rows), so only the
+// arithmetic differs.
 void infer_case(const std::string& name, Device d, DType dt, double tol, int flips = 0, std::vector<int> splits = {},
                 bool int8 = false) {
   const std::string dir = "tests/data/golden/" + name + "/model";
@@ -123,20 +125,12 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
   Model host(cfg);
   load_hf_weights(host, dir);
   const std::vector<float> original(host.params(), host.params() + host.table().total());
-  int quantized = 0;
-  for (size_t id = 0; int8 && id < host.table().params().size(); ++id)
-    if (DevModel::int8_param(host.table(), int(id))) {
-      const ParamInfo& p = host.table().param(int(id));
-      const int64_t rows = p.shape[0], cols = p.numel / rows;
-      std::vector<int8_t> q(size_t(p.numel));
-      std::vector<float> sc(static_cast<size_t>(rows));
-      float* w = host.param(int(id));
-      ops::quantize_int8_rows(w, rows, cols, q.data(), sc.data());
-      for (int64_t i = 0; i < p.numel; ++i) w[i] = float(q[size_t(i)]) * sc[size_t(i / cols)];
-      quantized++;
-    }
   if (int8) {
+    const auto [quantized, experts] = test::dequantize_int8_params(host);
     EXPECT_GT(quantized, 0);
+    int moe = 0;
+    for (int l = 0; l < cfg.text.layers; ++l) moe += host.table().moe_layer(l);
+    EXPECT_EQ(experts, 2 * moe) << "every MoE layer's gate_up and down";
   }
   const std::vector<Prompt> ps{make_prompt(cfg, 4, 4, 3, 9, 1), make_prompt(cfg, 4, 8, 6, 5, 2)};
   const int64_t block = 4, blocks = 24;
@@ -165,6 +159,7 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
       st.back()->set_params(original.data());
       if (int8) {
         EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g));
+        EXPECT_EQ(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g, true));
       }
       st.back()->reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/64, blocks, block, /*seq_blocks=*/12});
       if (st.size() > 1) {
@@ -242,15 +237,18 @@ TEST(DevInfer, PipelineStagesMatchHostOnCuda) {
   infer_case("dense_untied", Device::CUDA, DType::F32, 1e-4, 0, {1, 2});
   infer_case("moe", Device::CUDA, DType::BF16, 3e-2, 1, {1});
 }
-// model.weight_dtype = "int8" on the device model: q/k/v/o, dense gate/up/down and an untied head in int8.
+// model.weight_dtype = "int8" on the device model: q/k/v/o, dense gate/up/down, MoE experts and an untied head in
+// int8.
 TEST(DevInfer, Int8MatchesQuantizedHostOnCpu) {
   for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5, 0, {}, true);
   infer_case("dense_untied", Device::CPU, DType::F32, 1e-5, 0, {1}, true);
+  infer_case("moe", Device::CPU, DType::F32, 1e-5, 0, {1}, true);
 }
 TEST(DevInfer, Int8MatchesQuantizedHostOnCuda) {
   Q3VL_NEED_GPU();
   for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4, 0, {}, true);
   for (const char* n : {"dense_tied", "dense_untied"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2, 0, {}, true);
+  infer_case("moe", Device::CUDA, DType::BF16, 3e-2, 1, {}, true);  // flips: see infer_case
 }
 TEST(DevInfer, StepMatchesHostOnCudaFp32) {
   Q3VL_NEED_GPU();

@@ -44,9 +44,12 @@ class DevModel {
   // the weights arrive, ops::quantize_int8_rows: what the host model's int8 mode does to the same matrices).
   DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true, DevStage stage = {},
            bool int8 = false);
-  // The linears held in int8 with model.weight_dtype = "int8": the decoder's q/k/v/o_proj and dense gate/up/down_proj,
-  // and an untied LM head. MoE experts, the router, norms, embeddings (a tied head) and the vision tower stay in dt.
+  // The linears held in int8 with model.weight_dtype = "int8": the decoder's q/k/v/o_proj, dense gate/up/down_proj,
+  // MoE experts' gate_up/down, and an untied LM head. The router, norms, embeddings (a tied head) and the vision tower
+  // stay in dt.
   static bool int8_param(const ParamTable& t, int id);
+  // Its int8 rows, one fp32 scale each: every row of the last dim (an expert tensor [E, out, in] has E * out).
+  static int64_t int8_rows(const ParamInfo& p);
   ~DevModel();
   DevModel(const DevModel&) = delete;
   DevModel& operator=(const DevModel&) = delete;

@@ -6,6 +6,10 @@
 //  - larger N (prefill chunks): tiles of rows dequantized into Exec::ws in dt (q * scale rounded to dt), each
 //    multiplied by the cuBLASLt GEMM of gemm.cu into its columns of y (ldc = n_out); the bias is broadcast into y
 //    first and the GEMMs accumulate onto it (beta = 1), so y is rounded to dt once.
+// Experts (dev::grouped_linear_int8_fwd): q[E, out, in], one scale per row of every expert. Decode-sized R runs the
+// same GEMV with grid.y over the experts that have rows (at most min(E, R) of them; the others' weights are never
+// read), a block looping over its expert's rows 16 at a time; larger R dequantizes groups of experts into Exec::ws
+// (experts without rows skipped) and runs grouped_linear_fwd (moe.cu) on each group.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -22,6 +26,7 @@ constexpr int kRows = 4;                // output rows per warp: each x value lo
 constexpr int kGroup = 16;              // int8 columns per lane per step: one 16-byte load per row
 constexpr int kStep = 32 * kGroup;      // columns per warp step (512)
 constexpr int kGemvMaxN = 16;           // larger N takes the dequantize + GEMM path
+constexpr int kGroupedGemvRows = 8;     // experts: the GEMV up to 8 rows per expert on average (decode steps)
 constexpr size_t kSmemBudget = 96 << 10;  // staged x (fp32) per block; above 48 KiB needs the opt-in attribute
 
 // int8 -> fp32 without I2F (a quarter-rate conversion): each byte biased to unsigned (xor 0x80) is placed into the
@@ -105,14 +110,13 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows][NB], const uint4 (&
   }
 }
 
-// Block: kWarps warps, warp w owning rows (blockIdx.x * kWarps + w) * kRows + [0, kRows). x[n, n_in] staged kc columns
-// at a time into dynamic shared memory (n * kc floats).
+// One block's rows of y = (in q^T) * scale + b: kWarps warps, warp w owning rows (blockIdx.x * kWarps + w) * kRows +
+// [0, kRows). x[n, n_in] staged kc columns at a time into xs (n * kc floats of dynamic shared memory); the block
+// synchronizes before it stages, so it may be called again on other rows.
 template <class S, int NB, bool VEC>
-__global__ void __launch_bounds__(kWarps * 32, 2)
-    k_int8_gemv(const S* __restrict__ in, const int8_t* __restrict__ q, const float* __restrict__ scale,
-                const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out, int kc) {
-  extern __shared__ float4 smem_f4[];
-  float* xs = reinterpret_cast<float*>(smem_f4);
+__device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const int8_t* __restrict__ q,
+                                          const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y,
+                                          int n, int64_t n_in, int64_t n_out, int kc, float* xs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t row0 = (int64_t(blockIdx.x) * kWarps + warp) * kRows;
 
@@ -164,33 +168,86 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   }
 }
 
+// The slot-th expert (in order) that has rows, -1 when fewer have: one warp's ballots over start.
+__device__ __forceinline__ int busy_expert(const int32_t* __restrict__ start, int E, int slot) {
+  const int lane = threadIdx.x & 31;
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane;
+    const bool busy = e < E && start[e + 1] > start[e];
+    const unsigned m = __ballot_sync(0xffffffffu, busy);
+    if (slot < __popc(m)) {
+      const unsigned hit = __ballot_sync(0xffffffffu, busy && __popc(m & ((1u << lane) - 1)) == slot);
+      return e0 + __ffs(int(hit)) - 1;
+    }
+    slot -= __popc(m);
+  }
+  return -1;
+}
+
+// start null: one matrix, n rows of in. Else experts: blockIdx.y picks the blockIdx.y-th expert with rows (q, scale
+// and the rows of in and y its own), whose rows go through n at a time (n <= NB; an expert's rows are at most R).
+template <class S, int NB, bool VEC>
+__global__ void __launch_bounds__(kWarps * 32, 2)
+    k_int8_gemv(const S* __restrict__ in, const int8_t* __restrict__ q, const float* __restrict__ scale,
+                const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out, int kc,
+                const int32_t* __restrict__ start, int E) {
+  extern __shared__ float4 smem_f4[];
+  float* xs = reinterpret_cast<float*>(smem_f4);
+  if (!start) return gemv_rows<S, NB, VEC>(in, q, scale, b, y, n, n_in, n_out, kc, xs);
+  const int e = busy_expert(start, E, int(blockIdx.y));
+  if (e < 0) return;
+  const int64_t r1 = start[e + 1];
+  for (int64_t r = start[e]; r < r1; r += n)
+    gemv_rows<S, NB, VEC>(in + r * n_in, q + int64_t(e) * n_out * n_in, scale + int64_t(e) * n_out, b,
+                          y + r * n_out, int(min(int64_t(n), r1 - r)), n_in, n_out, kc, xs);
+}
+
+// n: rows of in (experts: at most NB per pass); start/E: the experts (null: one matrix), R their rows.
 template <class S, int NB>
 void launch_gemv(const Exec& x, const S* in, const int8_t* q, const float* scale, const S* b, S* y, int n,
-                 int64_t n_in, int64_t n_out) {
+                 int64_t n_in, int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
   // Columns staged per chunk: a multiple of kStep (keeps the swizzle's 128-byte rows), all of n_in when it fits.
   const int64_t fit = std::max<int64_t>(kStep, int64_t(kSmemBudget / (sizeof(float) * size_t(n))) / kStep * kStep);
   const int kc = int(std::min<int64_t>(fit, std::max<int64_t>(kStep, (n_in + kStep - 1) / kStep * kStep)));
   const size_t smem = sizeof(float) * size_t(n) * size_t(kc);
+  // Every expert's rows stay 16-byte aligned when n_in is a multiple of 16.
   const bool vec = n_in % kGroup == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
-  const int64_t blocks = (n_out + kWarps * kRows - 1) / (kWarps * kRows);
+  const dim3 grid(unsigned((n_out + kWarps * kRows - 1) / (kWarps * kRows)), start ? unsigned(std::min(E, R)) : 1u);
   auto go = [&](auto kernel) {
-    if (smem > (48 << 10))
-      Q3VL_CU(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBudget)));
-    kernel<<<unsigned(blocks), kWarps * 32, smem, stream_of(x)>>>(in, q, scale, b, y, n, n_in, n_out, kc);
-    Q3VL_LAUNCHED();
+    launch(kernel, grid, kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, kc, start, int(E));
   };
   if (vec) go(k_int8_gemv<S, NB, true>);
   else go(k_int8_gemv<S, NB, false>);
+}
+
+// The GEMV for n rows (experts: up to n rows per expert and pass), NB the smallest bucket that holds n.
+void gemv(const Exec& x, const void* in, const int8_t* q, const float* scale, const void* b, void* y, int64_t n,
+          int64_t n_in, int64_t n_out, DType dt, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
+  by_dtype(dt, [&]<class S>() {
+    const S* i = static_cast<const S*>(in);
+    const S* bb = static_cast<const S*>(b);
+    S* o = static_cast<S*>(y);
+    const int m = int(n);
+    if (m <= 1) launch_gemv<S, 1>(x, i, q, scale, bb, o, m, n_in, n_out, start, E, R);
+    else if (m <= 2) launch_gemv<S, 2>(x, i, q, scale, bb, o, m, n_in, n_out, start, E, R);
+    else if (m <= 4) launch_gemv<S, 4>(x, i, q, scale, bb, o, m, n_in, n_out, start, E, R);
+    else if (m <= 8) launch_gemv<S, 8>(x, i, q, scale, bb, o, m, n_in, n_out, start, E, R);
+    else launch_gemv<S, 16>(x, i, q, scale, bb, o, m, n_in, n_out, start, E, R);
+  });
 }
 
 // ---- dequantize + GEMM (larger N) ---------------------------------------------------------------------------------
 constexpr size_t kGemmWs = size_t(32) << 20;    // the head of ws left to cuBLASLt (as gemm.cu uses at most)
 constexpr size_t kTileBytes = size_t(32) << 20;  // a dequantized tile: large GEMMs, still mostly L2-resident
 
-// t[r, :] = q[r, :] * scale[r] rounded to S, for r < R. VEC4: n_in % 4 == 0 and q 4-byte aligned.
+// t[r, :] = q[r, :] * scale[r] rounded to S, for r < R, in group z = blockIdx.z (an expert: q, scale and t R rows
+// further on each; skipped when start says it has no rows). VEC4: n_in % 4 == 0 and q 4-byte aligned.
 template <class S, bool VEC4>
 __global__ void k_dequant_rows(const int8_t* __restrict__ q, const float* __restrict__ scale, S* __restrict__ t,
-                               int64_t R, int64_t n_in) {
+                               int64_t R, int64_t n_in, const int32_t* __restrict__ start) {
+  const int64_t z = blockIdx.z;
+  if (start && start[z + 1] == start[z]) return;
+  q += z * R * n_in, scale += z * R, t += z * R * n_in;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t r = blockIdx.y; r < R; r += gridDim.y) {
     const float s = scale[r];
@@ -209,6 +266,17 @@ __global__ void k_dequant_rows(const int8_t* __restrict__ q, const float* __rest
         st(tr, c, float(qr[c]) * s);
     }
   }
+}
+// groups x R rows of q into t (start: per-expert skip, see k_dequant_rows).
+template <class S>
+void dequant_rows(const Exec& x, const int8_t* q, const float* scale, S* t, int64_t R, int64_t n_in, int64_t groups,
+                  const int32_t* start) {
+  const bool vec4 = n_in % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0;
+  const int64_t per_row = vec4 ? n_in / 4 : n_in;
+  const dim3 grid(unsigned(std::clamp<int64_t>((per_row + 255) / 256, 1, 64)), unsigned(std::min<int64_t>(R, 65535)),
+                  unsigned(groups));
+  if (vec4) launch(k_dequant_rows<S, true>, grid, 256, 0, stream_of(x), q, scale, t, R, n_in, start);
+  else launch(k_dequant_rows<S, false>, grid, 256, 0, stream_of(x), q, scale, t, R, n_in, start);
 }
 
 // y[i, :] = b for every row i < N.
@@ -242,23 +310,36 @@ void int8_dequant_gemm(const Exec& x, const void* in, const int8_t* q, const flo
       k_bias_broadcast<S><<<grid, 256, 0, stream_of(x)>>>(static_cast<S*>(y), static_cast<const S*>(b), N, n_out);
       Q3VL_LAUNCHED();
     }
-    const bool vec4 = n_in % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0;
     for (int64_t r0 = 0; r0 < n_out; r0 += R) {
       const int64_t rt = std::min(R, n_out - r0);
-      const int64_t per_row = vec4 ? n_in / 4 : n_in;
-      const dim3 grid(unsigned(std::clamp<int64_t>((per_row + 255) / 256, 1, 64)),
-                      unsigned(std::min<int64_t>(rt, 65535)));
-      if (vec4)
-        k_dequant_rows<S, true><<<grid, 256, 0, stream_of(x)>>>(q + r0 * n_in, scale + r0, static_cast<S*>(tile), rt,
-                                                                 n_in);
-      else
-        k_dequant_rows<S, false><<<grid, 256, 0, stream_of(x)>>>(q + r0 * n_in, scale + r0, static_cast<S*>(tile),
-                                                                  rt, n_in);
-      Q3VL_LAUNCHED();
+      dequant_rows<S>(x, q + r0 * n_in, scale + r0, static_cast<S*>(tile), rt, n_in, 1, nullptr);
       cuda::gemm(xg, false, true, N, rt, n_in, 1.f, in, n_in, tile, n_in, b ? 1.f : 0.f, static_cast<char*>(y) + r0 * es,
                  n_out, dt, dt);
     }
   });
+}
+
+// Experts by groups that fit the workspace: each group's experts with rows dequantized into the tile [g, n_out, n_in],
+// then grouped_linear_fwd over the group (start + e0: the rows stay absolute). ws holds grouped_linear's tile index at
+// its head, the tile after. False (nothing done) when ws cannot hold one expert.
+bool int8_grouped_dequant(const Exec& x, const void* xg, const int8_t* q, const float* scale, const int32_t* start,
+                          void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+  const size_t head = (size_t(E + 1) * sizeof(int32_t) + 255) / 256 * 256;
+  const size_t expert = size_t(n_out * n_in) * dtype_size(dt);
+  if (x.ws_bytes < head + expert) return false;
+  const int64_t g = std::min<int64_t>(E, int64_t(std::min(x.ws_bytes - head, std::max(kTileBytes, expert)) / expert));
+  Exec xh = x;  // grouped_linear's share: the head
+  xh.ws_bytes = head;
+  void* tile = static_cast<char*>(x.ws) + head;
+  by_dtype(dt, [&]<class S>() {
+    for (int64_t e0 = 0; e0 < E; e0 += g) {
+      const int64_t ng = std::min(g, E - e0);
+      dequant_rows<S>(x, q + e0 * n_out * n_in, scale + e0 * n_out, static_cast<S*>(tile), n_out, n_in, ng,
+                      start + e0);
+      cuda::grouped_linear_fwd(xh, xg, tile, start + e0, y, R, ng, n_in, n_out, dt);
+    }
+  });
+  return true;
 }
 
 }  // namespace
@@ -267,17 +348,16 @@ void linear_int8_fwd(const Exec& x, const void* in, const int8_t* q, const float
                      int64_t N, int64_t n_in, int64_t n_out, DType dt) {
   if (N <= 0 || n_out <= 0) return;
   if (N > kGemvMaxN) return int8_dequant_gemm(x, in, q, scale, b, y, N, n_in, n_out, dt);
-  by_dtype(dt, [&]<class S>() {
-    const S* i = static_cast<const S*>(in);
-    const S* bb = static_cast<const S*>(b);
-    S* o = static_cast<S*>(y);
-    const int n = int(N);
-    if (n <= 1) launch_gemv<S, 1>(x, i, q, scale, bb, o, n, n_in, n_out);
-    else if (n <= 2) launch_gemv<S, 2>(x, i, q, scale, bb, o, n, n_in, n_out);
-    else if (n <= 4) launch_gemv<S, 4>(x, i, q, scale, bb, o, n, n_in, n_out);
-    else if (n <= 8) launch_gemv<S, 8>(x, i, q, scale, bb, o, n, n_in, n_out);
-    else launch_gemv<S, 16>(x, i, q, scale, bb, o, n, n_in, n_out);
-  });
+  gemv(x, in, q, scale, b, y, N, n_in, n_out, dt);
+}
+
+void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, const float* scale, const int32_t* start,
+                             void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+  if (R <= 0 || n_out <= 0) return;
+  Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear_int8: expert count out of range");
+  if (R > kGroupedGemvRows * E && n_in > 0 && int8_grouped_dequant(x, xg, q, scale, start, y, R, E, n_in, n_out, dt))
+    return;
+  gemv(x, xg, q, scale, nullptr, y, std::min<int64_t>(R, kGemvMaxN), n_in, n_out, dt, start, E, R);
 }
 
 }  // namespace q3vl::dev::cuda
