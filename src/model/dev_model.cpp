@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/parallel.hpp"
 #include "q3vl/model/dev_vision.hpp"
 #include "q3vl/tensor/ops.hpp"
 
@@ -254,7 +255,16 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
       Q3VL_CHECK(a == start && b == start + p.numel, "DevModel::set_params: int8 weight " + p.name + " must arrive whole");
       const int64_t rows = int8_rows(p), cols = p.numel / rows;
       q.resize(size_t(p.numel)), sc.resize(size_t(rows));
-      ops::quantize_int8_rows(host + (a - offset), rows, cols, q.data(), sc.data());
+      // On every core: a 30B-A3B's experts are 29 G weights to quantize at start-up.
+      const int64_t per = std::max<int64_t>(1, (int64_t(1) << 20) / cols);  // about 1 Mi weights per item
+      parallel_for((rows + per - 1) / per, [&](int64_t i) {
+        const int64_t r0 = i * per, nr = std::min(per, rows - r0);
+        try {
+          ops::quantize_int8_rows(host + (a - offset) + r0 * cols, nr, cols, q.data() + r0 * cols, sc.data() + r0);
+        } catch (const Error& e) {
+          fail(p.name + ", rows from " + std::to_string(r0) + ": " + e.what());
+        }
+      });
       dev::to_device(ex_, q8_ + par_off_[id], q.data(), q.size());
       dev::to_device(ex_, s8_ + scl_off_[id], sc.data(), sc.size() * 4);
       dev::synchronize(ex_);  // q and sc are reused

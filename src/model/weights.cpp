@@ -7,6 +7,7 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/hash.hpp"
+#include "q3vl/core/parallel.hpp"
 #include "q3vl/io/safetensors.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/tensor/tensor.hpp"  // shape_str
@@ -207,16 +208,10 @@ SliceBytes init_random_slices(const ParamTable& t, uint64_t seed, double std, co
     for (int64_t o = 0; o < s.count; o += kChunk)
       chunks.push_back({s.param, s.begin + o, std::min(kChunk, s.count - o), s.dst + o});
   }
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next++) < chunks.size();)
-      init_param_range(t.param(chunks[i].param), seed, std, chunks[i].begin, chunks[i].count, chunks[i].dst);
-  };
-  const unsigned n = std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), unsigned(chunks.size()));
-  std::vector<std::thread> pool;
-  for (unsigned i = 1; i < n; ++i) pool.emplace_back(work);
-  work();
-  for (auto& th : pool) th.join();
+  parallel_for(int64_t(chunks.size()), [&](int64_t i) {
+    const ParamSlice& c = chunks[size_t(i)];
+    init_param_range(t.param(c.param), seed, std, c.begin, c.count, c.dst);
+  });
   return b;
 }
 

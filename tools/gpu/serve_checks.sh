@@ -95,6 +95,16 @@ serve_case() {
   kill -TERM $pid; wait $pid
   pack
 }
+# generate on the GPU (the weights streamed to the device) against generate on the CPU: the same greedy answers.
+if part gencuda; then
+  for m in tiny tiny-moe; do
+    "$q" generate model.preset=$m model.backend=cuda generate.prompts=$d/eval.jsonl generate.min_pixels=4096 \
+      generate.max_new_tokens=16 generate.output=/tmp/gencuda_$m.jsonl run.timing=false >"$out/gencuda_$m.log" 2>&1
+    say "generate on cuda, $m: rc=$? $(cmp -s /tmp/gencuda_$m.jsonl /tmp/gen_$m.jsonl && echo 'answers == CPU' || echo 'answers DIFFER'); $(grep -oE 'weights streamed[^;]*' "$out/gencuda_$m.log" | head -1)"
+  done
+  pack
+fi
+
 # NCCL refuses two ranks on one GPU unless each says it is on a host of its own (NCCL_HOSTID); then it talks between
 # them over sockets, as between nodes: the code path of two GPUs, not their speed. A launcher word for mpiexec.
 hostid=/tmp/nccl_hostid
@@ -104,9 +114,9 @@ if part nccl; then
   mt=${MPI_TESTS:-/tmp/rt/bin/mpi_tests}
   for n in 2 4; do
     t1=$SECONDS
-    Q3VL_REQUIRE_GPU=1 timeout 150 mpiexec -n $n "$mt" --gtest_filter='Nccl*:*DevTp*' >"$out/mpi_nccl_np$n.log" 2>&1
+    Q3VL_REQUIRE_GPU=1 timeout 150 mpiexec -n $n "$mt" --gtest_filter='Nccl*:*DevTp*:*Int8*' >"$out/mpi_nccl_np$n.log" 2>&1
     say "mpi_tests np$n: rc=$? $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/mpi_nccl_np$n.log" | sort -u | tr '\n' ' ')"
-    grep -E 'dev tp|FAILED  \]|Failure' "$out/mpi_nccl_np$n.log" | sort -u | head -8 >>"$out/summary.txt"
+    grep -E 'dev tp|int8|FAILED  \]|Failure' "$out/mpi_nccl_np$n.log" | sort -u | head -12 >>"$out/summary.txt"
     pack
   done
 fi
@@ -173,6 +183,7 @@ part 8b && big 8b 8B
 part 30b && big 30b-a3b 30B-A3B
 part 8bpp && big 8b-pp2 8B mpiexec -n 2 -- serve.pp=2
 part 8bint8 && big 8b-int8 8B -- model.weight_dtype=int8
+part 30bint8 && big 30b-a3b-int8 30B-A3B -- model.weight_dtype=int8
 part 8btp2 && big 8b-tp2-nccl 8B mpiexec -n 2 $hostid -- serve.tp_comm=nccl
 part 8btp2 && big 8b-tp2-mpi 8B mpiexec -n 2 -- serve.tp_comm=mpi
 if part hfbase; then
