@@ -11,6 +11,7 @@
 #include <string>
 
 #include "../gpu.hpp"
+#include "ranks.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
 #include "q3vl/runtime/nccl_comm.hpp"
@@ -19,14 +20,7 @@
 
 using namespace q3vl;
 
-namespace {
-// The rank's node and GPU (Runtime::init is idempotent; the test main initialised MPI).
-const Placement& placement() {
-  int argc = 0;
-  char** argv = nullptr;
-  return Runtime::init(&argc, &argv).where();
-}
-}  // namespace
+using test::placement;
 
 namespace {
 struct NcclWorld {
@@ -36,10 +30,8 @@ struct NcclWorld {
   std::unique_ptr<Comm> nccl;
   std::vector<void*> bufs;
   NcclWorld() {
-    const Placement& p = placement();
-    if (p.local_size > dev::device_count()) setenv("NCCL_HOSTID", ("q3vl-test-" + std::to_string(r)).c_str(), 0);
-    x = dev::make_exec(Device::CUDA, size_t(1) << 20, std::max(0, p.gpu));
-    nccl = make_nccl_comm(MPI_COMM_WORLD, x, 60);
+    x = dev::make_exec(Device::CUDA, size_t(1) << 20, std::max(0, placement().gpu));
+    nccl = test::test_nccl_comm(MPI_COMM_WORLD, x);
   }
   ~NcclWorld() {
     nccl.reset();

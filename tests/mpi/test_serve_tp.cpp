@@ -15,6 +15,7 @@
 #include <string>
 
 #include "../gpu.hpp"
+#include "ranks.hpp"
 #include "../int8_ref.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
@@ -28,14 +29,7 @@
 
 using namespace q3vl;
 
-namespace {
-// The rank's node and GPU (Runtime::init is idempotent; the test main initialised MPI).
-const Placement& placement() {
-  int argc = 0;
-  char** argv = nullptr;
-  return Runtime::init(&argc, &argv).where();
-}
-}  // namespace
+using test::placement;
 
 namespace {
 // The whole-model tests' tiny model (its MoE: one MoE and one dense layer), vocabulary 70: not a multiple of 4, so
@@ -206,13 +200,10 @@ std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::
   Model local(tp_config(full.config(), rank, size));
   tp_shard_weights(full, local, rank, size);
   const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
-  const Placement& pl = placement();
-  if (comm_kind == "nccl" && pl.local_size > dev::device_count())
-    setenv("NCCL_HOSTID", ("q3vl-test-" + std::to_string(pl.rank)).c_str(), 0);  // NCCL: one GPU per host, else
-  dev::Exec ex = dev::make_exec(d, size_t(64) << 20, std::max(0, pl.gpu));
+  dev::Exec ex = dev::make_exec(d, size_t(64) << 20, std::max(0, placement().gpu));
   std::vector<float> rows;
   {
-    std::unique_ptr<Comm> comm = comm_kind == "nccl" ? make_nccl_comm(MPI_COMM_WORLD, ex, 60)
+    std::unique_ptr<Comm> comm = comm_kind == "nccl" ? test::test_nccl_comm(MPI_COMM_WORLD, ex)
                                                      : std::unique_ptr<Comm>(std::make_unique<MpiComm>(MPI_COMM_WORLD));
     DevModel dm(local.config(), ex, dt, /*grads=*/false, {}, int8);
     dm.set_params(local.params());
