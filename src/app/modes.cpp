@@ -21,14 +21,16 @@
 namespace q3vl {
 
 namespace {
-// The compute the deck asks for exists here, checked before any work. Inference (generate, serve) may hold int8
-// weights on the CPU; train and eval need fp32 weights (no gradient or master for int8).
+// The compute the deck asks for exists here, checked before any work. Inference (generate, serve) may hold int8,
+// bf16 or fp16 weights on the CPU (int8 on the device); train and eval need fp32 weights (no gradient or master for
+// them).
 void check_compute(const Deck& d, bool inference) {
   const bool cuda = d.str("model.backend") == "cuda";
-  if (d.str("model.weight_dtype") != "fp32") {
+  if (const std::string w = d.str("model.weight_dtype"); w != "fp32") {
     if (!inference)
-      fail("model.weight_dtype = \"" + d.str("model.weight_dtype") +
-           "\": int8 weights are for inference (generate, serve); train and eval need model.weight_dtype = \"fp32\"");
+      fail("model.weight_dtype = \"" + w + "\": " + w +
+           " weights are for inference (generate, serve); train and eval need model.weight_dtype = \"fp32\"");
+    if (cuda) device_int8(d);  // refuses bf16/fp16 there
   }
   if (cuda && dev::device_count() == 0 && !std::getenv("Q3VL_DEVICE_ON_CPU"))
     fail("model.backend = \"cuda\": no GPU is visible to rank " + std::to_string(Runtime::get().where().rank) + " on " +

@@ -27,8 +27,9 @@ const std::vector<KeySpec>& deck_schema() {
       {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights (bf16/fp16 on cuda)",
        -kBig, kBig, {"fp32", "bf16", "fp16"}},
       {"model.weight_dtype", T::String, "fp32",
-       "generate/serve: weights of the text decoder's linears and LM head (int8: weight-only, per output channel)",
-       -kBig, kBig, {"fp32", "int8"}},
+       "generate/serve: storage of the text decoder's linears and LM head (int8: weight-only, per output channel; "
+       "bf16/fp16: the CPU backend only, computing in fp32; on cuda set model.dtype instead)",
+       -kBig, kBig, {"fp32", "int8", "bf16", "fp16"}},
 
       // eval: one forward (and optionally backward) pass over a batch file
       {"eval.batch", T::String, "", "HDF5 batch: input_ids, attention_mask, labels, pixel_values, image_grid_thw",

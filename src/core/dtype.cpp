@@ -27,20 +27,6 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  uint32_t x;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24
-    float v = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -v : v;
-  }
-  if (exp == 31) x = sign | 0x7f800000u | (mant << 13);
-  else x = sign | ((exp + 112) << 23) | (mant << 13);
-  float f;
-  std::memcpy(&f, &x, 4);
-  return f;
-}
-
 uint16_t f32_to_f16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);

@@ -14,19 +14,21 @@ namespace q3vl {
 
 template <class T>
 void param_linear(const ParamView<T>& P, int id, int64_t row0, const T* x, T* y, int64_t N, int64_t in, int64_t out) {
-  if (const Int8Weight* w = P.int8(id))
-    ops::linear_int8_fwd(x, w->q + row0 * in, w->scale + row0, (const T*)nullptr, y, N, in, out);
-  else
+  if (const LowWeight* w = P.lowp(id)) {
+    const LowWeight r = w->from_row(row0, in);
+    r.visit([&](const auto* rows) { ops::linear_lowp_fwd(x, rows, r.scale, (const T*)nullptr, y, N, in, out); });
+  } else
     ops::linear_fwd(x, P.p[id] + row0 * in, (const T*)nullptr, y, N, in, out);
 }
 
-// Dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent (their int8
-// copies too, BasicModel::quantize_int8).
+// Dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent (their
+// low-precision copies too, BasicModel::lower_weights).
 template <class T>
 static const T* fused_gate_up(const ParamView<T>& P, int f, int64_t I, int64_t H) {
-  if (const Int8Weight* g = P.int8(f + tlay::gate_proj)) {
-    const Int8Weight* u = P.int8(f + tlay::up_proj);
-    Q3VL_CHECK(u && u->q == g->q + I * H && u->scale == g->scale + I, "int8 gate_proj/up_proj must be adjacent");
+  if (const LowWeight* g = P.lowp(f + tlay::gate_proj)) {
+    const LowWeight* u = P.lowp(f + tlay::up_proj);
+    Q3VL_CHECK(u && u->w == g->from_row(I, H).w && u->scale == g->from_row(I, H).scale,
+               "low-precision gate_proj/up_proj must be adjacent");
     return nullptr;
   }
   Q3VL_CHECK(P.p[f + tlay::up_proj] == P.p[f + tlay::gate_proj] + I * H, "gate_proj/up_proj must be adjacent");

@@ -60,7 +60,8 @@ static void softmax_grad_inplace(T* z, const int64_t* target, int64_t n, int64_t
 template <class T>
 static void head_fwd(const ParamView<T>& P, int head, const T* h, T* lg, int64_t n, int64_t H, int64_t V,
                      uint64_t chunk) {
-  if (const Int8Weight* w = P.int8(head)) ops::linear_int8_fwd(h, w->q, w->scale, (const T*)nullptr, lg, n, H, V);
+  if (const LowWeight* w = P.lowp(head))
+    w->visit([&](const auto* rows) { ops::linear_lowp_fwd(h, rows, w->scale, (const T*)nullptr, lg, n, H, V); });
   else ops::linear_fwd(h, P.p[head], (const T*)nullptr, lg, n, H, V);
   lora_fwd(P, head, h, n, lg, V, 0, -1, chunk);
 }

@@ -2,6 +2,7 @@
 #include "q3vl/model/qwen3vl.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 
 #include "q3vl/core/debug.hpp"
@@ -28,7 +29,16 @@ BasicModel<T>::BasicModel(const ModelConfig& cfg, bool with_storage, ExpertSplit
   rebind();
 }
 
-std::vector<bool> int8_params(const ParamTable& t) {
+const char* low_dtype_name(LowDtype d) {
+  switch (d) {
+    case LowDtype::I8: return "int8";
+    case LowDtype::BF16: return "bf16";
+    case LowDtype::F16: return "fp16";
+  }
+  return "?";
+}
+
+std::vector<bool> low_params(const ParamTable& t) {
   std::vector<bool> q(t.params().size(), false);
   for (int l = 0; l < t.config().text.layers; ++l) {
     const int f = t.layer(l);
@@ -42,16 +52,38 @@ std::vector<bool> int8_params(const ParamTable& t) {
 
 template <class T>
 void BasicModel<T>::need_fp32(const char* what) const {
-  if (int8())
-    fail(std::string(what) + ": the model holds int8 weights (model.weight_dtype = \"int8\"), for inference only");
+  if (lowered()) {
+    const std::string d = low_dtype_name(low_.front().dtype);
+    fail(std::string(what) + ": the model holds " + d + " weights (model.weight_dtype = \"" + d +
+         "\"), for inference only");
+  }
 }
 
+namespace {
+// Parameter `name`'s n weights W (fp32) into dt at out (int8: rows of `cols` with their scales).
+void lower_param(LowDtype dt, const std::string& name, const float* W, int64_t n, int64_t cols, char* out,
+                 float* scale) {
+  int64_t bad = -1;
+  switch (dt) {
+    case LowDtype::I8: return ops::quantize_int8_rows(W, n / cols, cols, reinterpret_cast<int8_t*>(out), scale);
+    case LowDtype::BF16: bad = ops::round_to(W, n, reinterpret_cast<Bf16*>(out)); break;
+    case LowDtype::F16: bad = ops::round_to(W, n, reinterpret_cast<Fp16*>(out)); break;
+  }
+  if (bad < 0) return;
+  const std::string d = low_dtype_name(dt), at = "model.weight_dtype = \"" + d + "\": parameter " + name + " holds ";
+  if (!std::isfinite(W[bad])) fail(at + "a non-finite weight at element " + std::to_string(bad));
+  fail(at + std::to_string(W[bad]) + " at element " + std::to_string(bad) + ", beyond " + d + "'s range" +
+       (dt == LowDtype::F16 ? " (|w| < 65520); use \"bf16\" (fp32's range) or \"fp32\"" : ""));
+}
+}  // namespace
+
 template <class T>
-typename BasicModel<T>::WeightBytes BasicModel<T>::quantize_int8() {
-  need_fp32("quantize_int8");
-  need_all_experts("quantize_int8");
-  if (store_p_.empty()) fail("quantize_int8: the model has no weights of its own (ZeRO-bound units)");
-  const std::vector<bool> q = int8_params(table_);
+typename BasicModel<T>::WeightBytes BasicModel<T>::lower_weights(LowDtype dt) {
+  need_fp32("lower_weights");
+  need_all_experts("lower_weights");
+  if (store_p_.empty()) fail("lower_weights: the model has no weights of its own (ZeRO-bound units)");
+  const std::vector<bool> q = low_params(table_);
+  const int64_t esize = dt == LowDtype::I8 ? 1 : 2;
   WeightBytes b;
   int64_t nq = 0, rows = 0, kept = 0;
   for (size_t id = 0; id < q.size(); ++id) {
@@ -59,32 +91,37 @@ typename BasicModel<T>::WeightBytes BasicModel<T>::quantize_int8() {
     if (q[id]) nq += p.numel, rows += p.numel / p.shape.back();
     else kept += p.numel;
   }
-  q8_store_.resize(nq);
-  q8_scales_.resize(rows);
-  q8_.assign(q.size(), {});
+  if (dt != LowDtype::I8) rows = 0;  // no scales
+  std::vector<char> store(nq * esize);
+  std::vector<float> scales(rows);
+  std::vector<LowWeight> views(q.size(), LowWeight{dt});  // every entry names dt (need_fp32 reads the first)
   std::vector<T> keep(kept);
-  // In id order, so that gate_proj and up_proj stay adjacent (the fused [gate; up] product).
+  std::vector<T*> pp = pp_;
+  // In id order, so that gate_proj and up_proj stay adjacent (the fused [gate; up] product). Into new storage, and
+  // the model changed only once every parameter converted: a refused weight leaves it as it was.
   for (size_t id = 0, oq = 0, os = 0, ok = 0; id < q.size(); ++id) {
     const ParamInfo& p = table_.params()[id];
     if (!q[id]) {
       std::copy(pp_[id], pp_[id] + p.numel, keep.data() + ok);
-      pp_[id] = keep.data() + ok;
+      pp[id] = keep.data() + ok;
       ok += p.numel;
       continue;
     }
-    const int64_t cols = p.shape.back(), r = p.numel / cols;
+    const int64_t cols = p.shape.back();
+    float* sc = dt == LowDtype::I8 ? scales.data() + os : nullptr;
     if constexpr (std::is_same_v<T, float>) {
-      ops::quantize_int8_rows(pp_[id], r, cols, q8_store_.data() + oq, q8_scales_.data() + os);
+      lower_param(dt, p.name, pp_[id], p.numel, cols, store.data() + oq * esize, sc);
     } else {  // the double model of the gradient checks
       const std::vector<float> w(pp_[id], pp_[id] + p.numel);
-      ops::quantize_int8_rows(w.data(), r, cols, q8_store_.data() + oq, q8_scales_.data() + os);
+      lower_param(dt, p.name, w.data(), p.numel, cols, store.data() + oq * esize, sc);
     }
-    q8_[id] = {q8_store_.data() + oq, q8_scales_.data() + os};
-    pp_[id] = nullptr;
-    oq += p.numel, os += r;
+    views[id] = {dt, store.data() + oq * esize, sc};
+    pp[id] = nullptr;
+    oq += p.numel, os += sc ? p.numel / cols : 0;
   }
   b.fp32 = (int64_t)store_p_.size() * (int64_t)sizeof(float);
-  b.int8 = nq, b.scales = rows * (int64_t)sizeof(float), b.kept = kept * (int64_t)sizeof(float);
+  b.low = nq * esize, b.scales = rows * (int64_t)sizeof(float), b.kept = kept * (int64_t)sizeof(float);
+  low_store_.swap(store), low_scales_.swap(scales), low_.swap(views), pp_.swap(pp);
   // The fp32 masters and every gradient go: inference needs neither.
   store_p_.swap(keep);
   std::vector<T>().swap(keep);
@@ -363,8 +400,10 @@ std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::
   const int64_t N = (int64_t)ids.size(), H = cfg_.text.hidden;
   std::vector<T> x(N * H);
   enter(table_.embed_tokens(), false);
-  if (const Int8Weight* w = view().int8(table_.embed_tokens()))  // tied to the int8 head: a row is a token
-    ops::embedding_int8_fwd(ids.data(), w->q, w->scale, x.data(), N, H, (int64_t)cfg_.text.vocab);
+  if (const LowWeight* w = view().lowp(table_.embed_tokens()))  // tied to the low-precision head: a row is a token
+    w->visit([&](const auto* rows) {
+      ops::embedding_lowp_fwd(ids.data(), rows, w->scale, x.data(), N, H, (int64_t)cfg_.text.vocab);
+    });
   else
     ops::embedding_fwd(ids.data(), view().p[table_.embed_tokens()], x.data(), N, H, (int64_t)cfg_.text.vocab);
   leave(table_.embed_tokens(), false);

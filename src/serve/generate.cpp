@@ -293,24 +293,36 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
 
 std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode) {
   const auto mib = [](int64_t b) { return b / 1048576.0; };
-  char msg[320];
-  if (deck.str("model.weight_dtype") != "int8") {
+  char msg[360];
+  const std::string w = deck.str("model.weight_dtype");
+  if (w == "fp32") {
     m.drop_gradients();
     std::snprintf(msg, sizeof msg, "%s: weights fp32: %.2f MiB", mode.c_str(),
                   mib(m.table().total() * (int64_t)sizeof(float)));
     return msg;
   }
+  const LowDtype dt = w == "int8" ? LowDtype::I8 : w == "bf16" ? LowDtype::BF16 : LowDtype::F16;  // the deck's choices
   Model::WeightBytes b;
   {
-    ScopedTimer t(mode + ": quantize int8");
-    b = m.quantize_int8();
+    ScopedTimer t(mode + ": weights to " + w);
+    b = m.lower_weights(dt);
   }
+  char scales[64] = "";
+  if (b.scales) std::snprintf(scales, sizeof scales, " + %.2f MiB of their scales", mib(b.scales));
   std::snprintf(msg, sizeof msg,
-                "%s: weights int8: %.2f MiB against %.2f MiB in fp32 (%.2fx smaller): %.2f MiB int8 + %.2f MiB "
-                "of their scales + %.2f MiB kept fp32 (vision tower, norms, router, untied embeddings)",
-                mode.c_str(), mib(b.now()), mib(b.fp32), double(b.fp32) / double(b.now()), mib(b.int8), mib(b.scales),
-                mib(b.kept));
+                "%s: weights %s: %.2f MiB against %.2f MiB in fp32 (%.2fx smaller): %.2f MiB %s%s + %.2f MiB kept fp32 "
+                "(vision tower, norms, router, untied embeddings)",
+                mode.c_str(), w.c_str(), mib(b.now()), mib(b.fp32), double(b.fp32) / double(b.now()), mib(b.low),
+                w.c_str(), scales, mib(b.kept));
   return msg;
+}
+
+bool device_int8(const Deck& deck) {
+  const std::string w = deck.str("model.weight_dtype");
+  if (w == "bf16" || w == "fp16")
+    fail("model.weight_dtype = \"" + w + "\" is for the CPU backend: with model.backend = \"cuda\" the device model "
+         "stores every weight in model.dtype; set model.dtype = \"" + w + "\" (and model.weight_dtype = \"fp32\")");
+  return w == "int8";
 }
 
 std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::string& why) {
@@ -517,7 +529,7 @@ int run_generate(const Deck& deck) {
       const int gpu = std::max(0, rt.where().gpu);
       const DType dt = compute_dtype(deck.str("model.dtype"));
       const DevModel::InferBudget b = generate_budget(cfg, prompts, bs, sp.max_new_tokens);
-      const bool int8 = deck.str("model.weight_dtype") == "int8";  // the device model quantizes as weights arrive
+      const bool int8 = device_int8(deck);  // the device model quantizes as weights arrive
       // The weights stream to the device a unit at a time, so the host never holds the fp32 model; the device model
       // has no adapters, so with adapters the host model comes first and they are folded into the base (which may
       // untie the head: the device model takes the folded model's config).

@@ -1039,7 +1039,7 @@ void Server::load_device(const ModelSource& src) {
   const Placement& where = Runtime::get().where();
   const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
   const DType dt = compute_dtype(deck_.str("model.dtype"));
-  const bool int8 = deck_.str("model.weight_dtype") == "int8";  // the decoder's linears, experts, an untied head
+  const bool int8 = device_int8(deck_);  // the decoder's linears, experts, an untied head
   ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, std::max(0, where.gpu));
   const int64_t block = deck_.integer("serve.kv_block"), ctx = deck_.integer("serve.max_context");
   const int64_t batch = deck_.integer("serve.max_batch");

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "q3vl/core/error.hpp"
@@ -58,44 +59,58 @@ void quantize_int8_rows(const float* W, int64_t rows, int64_t cols, int8_t* q, f
   }
 }
 
-// Rows of q widened per tile: 64 Ki elements of T, so a tile stays in cache while the GEMM reads it N times.
-constexpr int64_t kInt8TileElems = 1 << 16;
+template <class S>
+int64_t round_to(const float* W, int64_t n, S* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<S, Bf16>) out[i] = {f32_to_bf16(W[i])};
+    else out[i] = {f32_to_f16(W[i])};
+    if (!std::isfinite(widen(out[i]))) return i;  // not finite already, or fp16 overflow (rounded to infinity)
+  }
+  return -1;
+}
+template int64_t round_to<Bf16>(const float*, int64_t, Bf16*);
+template int64_t round_to<Fp16>(const float*, int64_t, Fp16*);
 
-// t = T(q): in blocks of a fixed 64 so that -O2's cheap vectorizer takes the loop (no remainder to handle).
-template <class T>
-static void widen_int8(const int8_t* __restrict q, T* __restrict t, int64_t n) {
+// Rows of w widened per tile: 64 Ki elements of T, so a tile stays in cache while the GEMM reads it N times.
+constexpr int64_t kLowpTileElems = 1 << 16;
+
+// t = T(w): in blocks of a fixed 64 so that -O2's cheap vectorizer takes the loop (no remainder to handle).
+template <class T, class S>
+static void widen_rows(const S* __restrict w, T* __restrict t, int64_t n) {
   int64_t i = 0;
   for (; i + 64 <= n; i += 64)
-    for (int j = 0; j < 64; ++j) t[i + j] = T(q[i + j]);
-  for (; i < n; ++i) t[i] = T(q[i]);
+    for (int j = 0; j < 64; ++j) t[i + j] = T(widen(w[i + j]));
+  for (; i < n; ++i) t[i] = T(widen(w[i]));
 }
 
-template <class T>
-void linear_int8_fwd(const T* x, const int8_t* q, const float* scale, const T* b, T* y, int64_t N, int64_t in,
+template <class T, class S>
+void linear_lowp_fwd(const T* x, const S* w, const float* scale, const T* b, T* y, int64_t N, int64_t in,
                      int64_t out) {
   if (N == 0 || out == 0) return;
-  const int64_t R = std::clamp<int64_t>(kInt8TileElems / std::max<int64_t>(in, 1), 1, out);
+  const int64_t R = std::clamp<int64_t>(kLowpTileElems / std::max<int64_t>(in, 1), 1, out);
   std::vector<T> tile(R * in);
   for (int64_t o0 = 0; o0 < out; o0 += R) {
     const int64_t n = std::min(R, out - o0);
-    widen_int8(q + o0 * in, tile.data(), n * in);  // exact: |q| <= 127
+    widen_rows(w + o0 * in, tile.data(), n * in);  // exact: every int8, bf16 and fp16 value is a float
     gemm<T>(false, true, N, n, in, T(1), x, in, tile.data(), in, T(0), y + o0, out);
   }
+  if (!scale && !b) return;
   for (int64_t i = 0; i < N; ++i) {
     T* yi = y + i * out;
-    for (int64_t o = 0; o < out; ++o) yi[o] = yi[o] * T(scale[o]) + (b ? b[o] : T(0));
+    for (int64_t o = 0; o < out; ++o) yi[o] = yi[o] * (scale ? T(scale[o]) : T(1)) + (b ? b[o] : T(0));
   }
 }
 
-template <class T>
-void embedding_int8_fwd(const int64_t* ids, const int8_t* q, const float* scale, T* out, int64_t N, int64_t D,
+template <class T, class S>
+void embedding_lowp_fwd(const int64_t* ids, const S* w, const float* scale, T* out, int64_t N, int64_t D,
                         int64_t V) {
   for (int64_t i = 0; i < N; ++i) {
     if (ids[i] < 0 || ids[i] >= V)
       fail("embedding: token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
            " outside vocabulary [0," + std::to_string(V) + ")");
-    const int8_t* r = q + ids[i] * D;
-    for (int64_t d = 0; d < D; ++d) out[i * D + d] = T(r[d]) * T(scale[ids[i]]);
+    const S* r = w + ids[i] * D;
+    const T s = scale ? T(scale[ids[i]]) : T(1);
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = T(widen(r[d])) * s;
   }
 }
 
@@ -585,11 +600,15 @@ void pos_embed_bwd(const T* dout, int64_t G, int64_t D, int64_t t, int64_t h, in
 }
 
 // ---- instantiations ---------------------------------------------------------------------------------------------
+#define Q3VL_LOWP_INST(T, S)                                                                                        \
+  template void linear_lowp_fwd<T, S>(const T*, const S*, const float*, const T*, T*, int64_t, int64_t, int64_t);  \
+  template void embedding_lowp_fwd<T, S>(const int64_t*, const S*, const float*, T*, int64_t, int64_t, int64_t);
 #define Q3VL_OPS_INST(T)                                                                                            \
   template void linear_fwd<T>(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t);                       \
   template void linear_bwd<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, int64_t);               \
-  template void linear_int8_fwd<T>(const T*, const int8_t*, const float*, const T*, T*, int64_t, int64_t, int64_t); \
-  template void embedding_int8_fwd<T>(const int64_t*, const int8_t*, const float*, T*, int64_t, int64_t, int64_t);  \
+  Q3VL_LOWP_INST(T, int8_t)                                                                                       \
+  Q3VL_LOWP_INST(T, Bf16)                                                                                         \
+  Q3VL_LOWP_INST(T, Fp16)                                                                                         \
   template void layernorm_fwd<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double);             \
   template void layernorm_bwd<T>(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t); \
   template void rmsnorm_fwd<T>(const T*, const T*, T*, T*, int64_t, int64_t, double);                             \

@@ -130,7 +130,7 @@ void linear_int8_fwd(const Exec& x, const void* in, const int8_t* q, const float
                      int64_t N, int64_t n_in, int64_t n_out, DType dt) {
   ON_CUDA(x, linear_int8_fwd(x, in, q, scale, b, y, N, n_in, n_out, dt));
   need_f32(dt, "linear_int8_fwd");
-  ops::linear_int8_fwd(F(in), q, scale, F(b), F(y), N, n_in, n_out);
+  ops::linear_lowp_fwd(F(in), q, scale, F(b), F(y), N, n_in, n_out);
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, DType dt) {
@@ -391,7 +391,7 @@ void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, con
   ON_CUDA(x, grouped_linear_int8_fwd(x, xg, q, scale, start, y, R, E, n_in, n_out, dt));
   need_f32(dt, "grouped_linear_int8_fwd");
   for (int64_t e = 0; e < E; ++e)
-    ops::linear_int8_fwd(F(xg) + start[e] * n_in, q + e * n_out * n_in, scale + e * n_out, (const float*)nullptr,
+    ops::linear_lowp_fwd(F(xg) + start[e] * n_in, q + e * n_out * n_in, scale + e * n_out, (const float*)nullptr,
                          F(y) + start[e] * n_out, start[e + 1] - start[e], n_in, n_out);
 }
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# model.weight_dtype = "int8" (weight-only, per output channel) for `q3vl generate` and `q3vl serve` on the demo
-# model trained for 40 steps on its synthetic pictures: int8 answers are well formed and equal fp32's on at least
-# 14 of 16 held-out prompts (a short-trained model has some small logit margins, and greedy decoding turns one
-# flipped token into a different answer: "most", not "all"), serve at int8 gives generate's int8 answers (the same
-# weights and code), tensor parallelism over 2 ranks quantizes each rank's rows; the start-up line reports weight
-# bytes at int8 against fp32; bad values of the key, and the combinations that cannot run, are refused by name.
+# model.weight_dtype = "int8" (weight-only, per output channel), "bf16" and "fp16" (the CPU backend: 16-bit storage,
+# fp32 compute) for `q3vl generate` and `q3vl serve` on the demo model trained for 40 steps on its synthetic pictures:
+# int8 answers are well formed and equal fp32's on at least 14 of 16 held-out prompts (a short-trained model has some
+# small logit margins, and greedy decoding turns one flipped token into a different answer: "most", not "all"), bf16
+# and fp16 too, with held-out accuracy within a point of fp32's; serve at int8 (fp16) gives generate's int8 (fp16)
+# answers (the same weights and code), tensor parallelism over 2 ranks converts each rank's rows (int8, bf16); the
+# start-up line reports weight bytes against fp32; bad values of the key, and the combinations that cannot run, are
+# refused by name.
 source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
 deck=input/demo.deck
@@ -13,6 +15,8 @@ quiet=(run.timing=false run.out_dir=$tmp/o)
 expect bad-value 1 "model.weight_dtype.*int4" $q generate $deck model.weight_dtype=int4
 expect not-for-training 1 'model.weight_dtype = "int8": int8 weights are for inference' \
   $q train input/train_tiny.deck model.weight_dtype=int8 train.steps=1 run.out_dir=$tmp/t
+expect fp16-not-for-training 1 'model.weight_dtype = "fp16": fp16 weights are for inference' \
+  $q train input/train_tiny.deck model.weight_dtype=fp16 train.steps=1 run.out_dir=$tmp/t
 
 # The model: 240 pictures, 40 steps (about 20 s on 2 cores); its answers are phrases of the demo's form.
 $q synth $deck synth.dir=$tmp/d synth.train_samples=240 synth.val_samples=0 synth.eval_samples=16 "${quiet[@]}" \
@@ -22,6 +26,10 @@ $q synth $deck synth.dir=$tmp/d synth.train_samples=240 synth.val_samples=0 synt
     optim.warmup_steps=3 checkpoint.every=0 "${quiet[@]}" >$tmp/train.log 2>&1 ||
   { bad "training the model failed: $(tail -3 $tmp/train.log $tmp/prep.log)"; finish; }
 ck=$tmp/o/checkpoints
+# The device model stores every weight in model.dtype: bf16/fp16 storage there is model.dtype's, not this key's.
+expect bf16-not-on-device 1 'model.weight_dtype = "bf16" is for the CPU backend.*set model.dtype = "bf16"' \
+  env Q3VL_DEVICE_ON_CPU=1 $q generate $deck generate.checkpoint=$ck generate.prompts=$tmp/d/eval.jsonl \
+  generate.output=$tmp/never.jsonl model.backend=cuda model.weight_dtype=bf16 "${quiet[@]}"
 
 gen() {  # gen NAME ARGS...: generate's answers for the 16 held-out prompts into $tmp/NAME.jsonl
   local name=$1; shift
@@ -30,16 +38,25 @@ gen() {  # gen NAME ARGS...: generate's answers for the 16 held-out prompts into
 }
 gen fp32
 gen int8 model.weight_dtype=int8
+gen bf16 model.weight_dtype=bf16
+gen fp16 model.weight_dtype=fp16
 grep -qE 'generate: weights fp32: [0-9.]+ MiB' $tmp/fp32.log && pass "fp32: weight bytes reported" ||
   bad "fp32 weight line: $(grep weights $tmp/fp32.log)"
-line=$(grep -oE 'generate: weights int8: [0-9.]+ MiB against [0-9.]+ MiB in fp32' $tmp/int8.log)
-read -r now was < <(grep -oE '[0-9.]+ MiB' <<<"$line" | tr -d ' MiB' | tr '\n' ' ')
-half() { $py -c "import sys; n, w = map(float, sys.argv[1:]); sys.exit(not (0 < n < w / 2))" "$@"; }
-if [[ -n $line ]] && half "$now" "$was"; then
-  pass "int8: weight bytes reported, under half of fp32 ($now of $was MiB)"
-else
-  bad "int8 weight line: $(grep weights $tmp/int8.log)"
-fi
+# weights W MAX: the start-up line of $tmp/W.log reports W's bytes, fewer than MAX times fp32's.
+weights() {
+  local line now was
+  line=$(grep -oE "generate: weights $1: [0-9.]+ MiB against [0-9.]+ MiB in fp32" $tmp/$1.log)
+  read -r now was < <(grep -oE '[0-9.]+ MiB' <<<"$line" | tr -d ' MiB' | tr '\n' ' ')
+  if [[ -n $line ]] && $py -c "import sys; n, w, f = map(float, sys.argv[1:]); sys.exit(not (0 < n < w * f))" \
+    "$now" "$was" "$2"; then
+    pass "$1: weight bytes reported, under $2 of fp32 ($now of $was MiB)"
+  else
+    bad "$1 weight line: $(grep weights $tmp/$1.log)"
+  fi
+}
+weights int8 0.5
+weights bf16 0.75  # the vision tower, norms and untied embeddings stay fp32
+weights fp16 0.75
 
 # agree NAME A B MIN: answers of A and B, line by line, all well formed (a word or more, no error) and equal on at
 # least MIN of them.
@@ -57,6 +74,16 @@ assert same >= int(sys.argv[3]), [(a[i]["answer"], b[i]["answer"]) for i in a if
 EOF
 }
 agree "generate: int8 answers == fp32's on >= 14 of 16 prompts" fp32 int8 14
+# Held-out accuracy (exact answers, tools/score_answers) of bf16 and fp16 storage within a point of fp32's.
+acc() { tools/score_answers $tmp/$1.jsonl $tmp/d/eval.jsonl | grep -oP '^accuracy: \K[0-9.]+'; }
+a32=$(acc fp32)
+for w in bf16 fp16; do
+  agree "generate: $w answers == fp32's on >= 14 of 16 prompts" fp32 $w 14
+  aw=$(acc $w)
+  $py -c "import sys; a, b = map(float, sys.argv[1:]); sys.exit(abs(a - b) > 1)" "$a32" "$aw" &&
+    pass "generate: $w held-out accuracy $aw% against fp32's $a32%" ||
+    bad "generate: $w held-out accuracy $aw% against fp32's $a32%"
+done
 
 # The device model (model.backend = cuda: the GPU where there is one, else the CPU op layer) holds the decoder's
 # linears in int8 (dev::linear_int8_fwd): its answers agree with fp32's as the host's int8 do.
@@ -75,9 +102,10 @@ grep -q 'with int8 linears' $tmp/dev_int8.log && ! grep -q 'with int8 linears' $
 if needs node-client node && [[ -f third_party/npm/node_modules/openai/package.json ]]; then
   pids=()
   trap 'for p in "${pids[@]}"; do kill -TERM $p 2>/dev/null; done; wait 2>/dev/null; rm -rf "$tmp"' EXIT
-  serve() {  # serve NAME NP: a server on NP ranks, asked the 16 prompts (non-streaming); answers to $tmp/NAME.jsonl
-    local name=$1 np=$2 port=""
-    mpiexec -n $np $q serve $deck serve.checkpoint=$ck model.weight_dtype=int8 serve.port=0 serve.kv_mib=8 \
+  serve() {  # serve NAME NP W: a server on NP ranks with weights W, asked the 16 prompts (non-streaming); answers to
+    # $tmp/NAME.jsonl
+    local name=$1 np=$2 w=$3 port=""
+    mpiexec -n $np $q serve $deck serve.checkpoint=$ck model.weight_dtype=$w serve.port=0 serve.kv_mib=8 \
       serve.min_pixels=16384 serve.max_pixels=16384 serve.model_name=demo "${quiet[@]}" >$tmp/$name.log 2>&1 &
     pids+=($!)
     for _ in $(seq 300); do
@@ -89,11 +117,14 @@ if needs node-client node && [[ -f third_party/npm/node_modules/openai/package.j
     node tests/cli/serve_client.mjs $port demo answers $tmp/d/eval.jsonl data >$tmp/$name.jsonl 2>$tmp/$name.err ||
       bad "$name client: $(tail -3 $tmp/$name.err)"
     kill -TERM ${pids[-1]}; wait ${pids[-1]} || bad "$name: exit $? after SIGTERM"
-    grep -qE "serve: weights int8: .* MiB in fp32" $tmp/$name.log ||
+    grep -qE "serve: weights $w: .* MiB in fp32" $tmp/$name.log ||
       bad "$name: no weight line: $(grep weights $tmp/$name.log)"
   }
-  serve serve1 1 && agree "serve: int8 answers == generate's at int8 on all 16 prompts" int8 serve1 16
-  serve serve2 2 && agree "serve, TP = 2 (scales of each rank's rows): int8 answers == fp32's on >= 14 of 16" \
+  serve serve1 1 int8 && agree "serve: int8 answers == generate's at int8 on all 16 prompts" int8 serve1 16
+  serve serve2 2 int8 && agree "serve, TP = 2 (scales of each rank's rows): int8 answers == fp32's on >= 14 of 16" \
     fp32 serve2 14
+  serve serve_fp16 1 fp16 && agree "serve: fp16 answers == generate's at fp16 on all 16 prompts" fp16 serve_fp16 16
+  serve serve_bf16 2 bf16 && agree "serve, TP = 2 (each rank's rows in bf16): bf16 answers == fp32's on >= 14 of 16" \
+    fp32 serve_bf16 14
 fi
 finish

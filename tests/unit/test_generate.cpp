@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include "q3vl/core/error.hpp"
@@ -111,15 +112,16 @@ void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps
               steps, prompts.size(), worst);
 }
 
-// int8: the model quantized (model.weight_dtype = "int8"), cached and full passes on the same int8 weights.
-void check_golden(const std::string& name, bool int8 = false) {
+// low: the model's weights converted (model.weight_dtype = "int8", "bf16", "fp16"), cached and full passes on the
+// same converted weights.
+void check_golden(const std::string& name, std::optional<LowDtype> low = {}) {
   const std::string dir = "tests/data/golden/" + name;
   const ModelConfig cfg = load_hf_config(dir + "/model/config.json");
   Model model(cfg);
   load_hf_weights(model, dir + "/model");
-  if (int8) model.quantize_int8();
+  if (low) model.lower_weights(*low);
   const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
-  check_greedy(model, prompts_of(cfg, batch), 10, name + (int8 ? " int8" : ""));
+  check_greedy(model, prompts_of(cfg, batch), 10, name + (low ? std::string(" ") + low_dtype_name(*low) : ""));
 }
 
 ModelConfig tiny(bool moe) {
@@ -184,7 +186,12 @@ TEST(Generate, GreedyEqualsFullForwardArgmaxGoldenDense) { check_golden("dense_t
 TEST(Generate, GreedyEqualsFullForwardArgmaxGoldenMoe) { check_golden("moe"); }
 // The int8 paths of prefill/decode (the head's rows, the tied embedding's rows, the experts) agree with forward's.
 TEST(Generate, Int8GreedyEqualsFullForwardArgmaxGolden) {
-  for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_golden(c, true);
+  for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_golden(c, LowDtype::I8);
+}
+// bf16/fp16 weights widened by the same products: the tied embedding's and the experts' rows in 16 bits.
+TEST(Generate, HalfWeightsGreedyEqualsFullForwardArgmaxGolden) {
+  for (const char* c : {"dense_tied", "moe"}) check_golden(c, LowDtype::BF16);
+  check_golden("dense_untied", LowDtype::F16);
 }
 
 TEST(Generate, GreedyEqualsFullForwardArgmaxTinyImages) {

@@ -353,7 +353,7 @@ TEST(Ops, LinearInt8MatchesDequantizedLinear) {
     for (const bool bias : {false, true}) {
       V want(sh.N * sh.out), got(sh.N * sh.out, 12345.0);  // got: overwritten, not accumulated
       ops::linear_fwd(x.data(), W.data(), bias ? b.data() : nullptr, want.data(), sh.N, sh.in, sh.out);
-      ops::linear_int8_fwd(x.data(), q.data(), s.data(), bias ? b.data() : nullptr, got.data(), sh.N, sh.in, sh.out);
+      ops::linear_lowp_fwd(x.data(), q.data(), s.data(), bias ? b.data() : nullptr, got.data(), sh.N, sh.in, sh.out);
       double worst = 0, scale = 0;
       for (size_t i = 0; i < want.size(); ++i)
         worst = std::max(worst, std::fabs(got[i] - want[i])), scale = std::max(scale, std::fabs(want[i]));
@@ -371,7 +371,7 @@ TEST(Ops, LinearInt8MatchesDequantizedLinear) {
   for (int64_t o = 0; o < out; ++o)
     for (int64_t i = 0; i < in; ++i) W[o * in + i] = float(q[o * in + i]) * s[o];
   ops::linear_fwd(x.data(), W.data(), (const float*)nullptr, want.data(), N, in, out);
-  ops::linear_int8_fwd(x.data(), q.data(), s.data(), (const float*)nullptr, got.data(), N, in, out);
+  ops::linear_lowp_fwd(x.data(), q.data(), s.data(), (const float*)nullptr, got.data(), N, in, out);
   float worst = 0, scale = 0;
   for (size_t i = 0; i < want.size(); ++i)
     worst = std::max(worst, std::fabs(got[i] - want[i])), scale = std::max(scale, std::fabs(want[i]));
@@ -388,9 +388,9 @@ TEST(Ops, EmbeddingInt8IsTheDequantizedRow) {
   ops::quantize_int8_rows(table.data(), Vn, D, q.data(), s.data());
   const std::vector<int64_t> ids{3, 0, 10, 3};
   std::vector<float> out(ids.size() * D);
-  ops::embedding_int8_fwd(ids.data(), q.data(), s.data(), out.data(), (int64_t)ids.size(), D, Vn);
+  ops::embedding_lowp_fwd(ids.data(), q.data(), s.data(), out.data(), (int64_t)ids.size(), D, Vn);
   for (size_t i = 0; i < ids.size(); ++i)
     for (int64_t d = 0; d < D; ++d) EXPECT_EQ(out[i * D + d], float(q[ids[i] * D + d]) * s[ids[i]]);
   const int64_t bad = Vn;
-  EXPECT_THROW(ops::embedding_int8_fwd(&bad, q.data(), s.data(), out.data(), 1, D, Vn), Error);
+  EXPECT_THROW(ops::embedding_lowp_fwd(&bad, q.data(), s.data(), out.data(), 1, D, Vn), Error);
 }

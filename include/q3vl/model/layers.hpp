@@ -7,6 +7,7 @@
 #include <functional>
 #include <vector>
 
+#include "q3vl/core/dtype.hpp"
 #include "q3vl/model/config.hpp"
 #include "q3vl/model/hooks.hpp"
 
@@ -19,25 +20,43 @@ template <class... V> int64_t vec_bytes(const V&... v) {
 
 struct LoraRun;  // model/lora.hpp
 
-// A parameter held as weight-only int8 (inference, model.weight_dtype = "int8"): q [rows, cols] with rows the output
-// channels (MoE experts: [E*rows, cols]) and one fp32 scale per row; W ~= q * scale[row]. Null q: held in fp32.
-struct Int8Weight {
-  const int8_t* q = nullptr;
+// A parameter held in low precision for inference (model.weight_dtype = "int8", "bf16" or "fp16"): rows [rows, cols]
+// with rows the output channels (MoE experts: [E*rows, cols]) in dtype: int8 with one fp32 scale per row,
+// W ~= q * scale[row], or bf16/fp16 rounded to nearest even (scale null). Null w: held in fp32.
+enum class LowDtype : uint8_t { I8, BF16, F16 };
+const char* low_dtype_name(LowDtype d);  // "int8", "bf16", "fp16": the values of model.weight_dtype
+struct LowWeight {
+  LowDtype dtype = LowDtype::I8;
+  const void* w = nullptr;
   const float* scale = nullptr;
+  template <class S> const S* as() const { return static_cast<const S*>(w); }
+  // The view from row r of a matrix with `cols` columns (an expert's rows, a vocabulary slice, up_proj after gate).
+  LowWeight from_row(int64_t r, int64_t cols) const {
+    const int64_t bytes = dtype == LowDtype::I8 ? 1 : 2;
+    return {dtype, static_cast<const char*>(w) + r * cols * bytes, scale ? scale + r : nullptr};
+  }
+  // f(const S* rows) for the stored type S (int8_t, Bf16, Fp16): the products are templates on it.
+  template <class F> void visit(F&& f) const {
+    switch (dtype) {
+      case LowDtype::I8: return f(as<int8_t>());
+      case LowDtype::BF16: return f(as<Bf16>());
+      case LowDtype::F16: return f(as<Fp16>());
+    }
+  }
 };
 
 // Weights and gradients by parameter id (gradient pointers may be null for a frozen part); lora: the adapters'
-// run-time settings (null: no adapters), read by lora_fwd/lora_bwd beside each wrapped linear; q8: the int8 copies
-// by parameter id (null: every weight fp32); a parameter held in int8 has a null p.
+// run-time settings (null: no adapters), read by lora_fwd/lora_bwd beside each wrapped linear; low: the
+// low-precision copies by parameter id (null: every weight fp32); a parameter held in low precision has a null p.
 template <class T> struct ParamView {
   T* const* p;
   T* const* g;
   const LoraRun* lora = nullptr;
-  const Int8Weight* q8 = nullptr;
-  const Int8Weight* int8(int id) const { return q8 && q8[id].q ? &q8[id] : nullptr; }
+  const LowWeight* low = nullptr;
+  const LowWeight* lowp(int id) const { return low && low[id].w ? &low[id] : nullptr; }
 };
 // y[N,out] = x[N,in] W^T for rows [row0, row0 + out) of parameter id (row0: an expert's or a vocabulary slice's first
-// row): through its int8 copy when the view holds one, else the fp32 weight (src/model/decoder.cpp).
+// row): through its low-precision copy when the view holds one, else the fp32 weight (src/model/decoder.cpp).
 template <class T> void param_linear(const ParamView<T>& P, int id, int64_t row0, const T* x, T* y, int64_t N,
                                      int64_t in, int64_t out);
 
@@ -175,8 +194,8 @@ template <class T> void decoder_layer_infer(const ModelConfig& cfg, const ParamV
                                             const PartialSum<T>& reduce = {});
 
 // ---- LM head + cross-entropy (src/model/loss.cpp), chunked over rows so logits are never all in memory ----------
-// The head is parameter `head` of P (with its LoRA adapter, if any; held in int8 when P.int8(head), inference). Returns the summed CE over rows whose
-// target != -100; logits_out [N,V] is filled when non-null, otherwise only the supervised rows go through the head.
+// The head is parameter `head` of P (with its LoRA adapter, if any; held in low precision when P.lowp(head),
+// inference). Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null, otherwise only the supervised rows go through the head.
 template <class T> double lm_head_loss_fwd(const ParamView<T>& P, int head, const T* h, const int64_t* target,
                                            int64_t N, int64_t H, int64_t V, T* logits_out);
 // Recomputes the logits of the supervised rows chunk by chunk; dh, P.g[head] (when not null) and the adapter's

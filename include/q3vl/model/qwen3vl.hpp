@@ -155,29 +155,31 @@ class BasicModel {
   void set_tensor_parallel(PartialSum<T> reduce, int64_t v0, int64_t v1) {
     tp_reduce_ = std::move(reduce), head_v0_ = v0, head_v1_ = v1;
   }
-  // Weight-only int8 for inference (generate and serve with model.weight_dtype = "int8"): every linear of the text
-  // decoder (q/k/v/o_proj, the MLP's gate/up/down_proj or the MoE experts) and the LM head become int8 with one fp32
-  // scale per output channel (ops::quantize_int8_rows), and their fp32 copies are freed with every gradient, once,
-  // after loading (and after tensor-parallel sharding: the scales are those of the rows a rank holds). Tied token
-  // embeddings are the head's int8 rows (a row is a token: a lookup dequantizes it by its own scale). Stays fp32:
-  // untied token embeddings (read one row per token, never multiplied through; quantized too, they raised the MoE
-  // golden model's logits error from 1.8% to 7.2%, docs/PERFORMANCE.md), the norms (one value per channel: nothing
-  // to save), the MoE router (E x H, small, and its top-k choice flips on small errors), the vision tower and
-  // mergers (run once per image, so compute-bound, not the per-token weight reads int8 is for; their error would
-  // reach every image token and, through DeepStack, several decoder layers), and LoRA adapters. After this the
-  // model is inference only: forward without keep_for_backward, prefill, decode, step.
+  // Low-precision weights for inference (generate and serve with model.weight_dtype = "int8", "bf16" or "fp16"):
+  // every linear of the text decoder (q/k/v/o_proj, the MLP's gate/up/down_proj or the MoE experts) and the LM head
+  // (low_params) are stored in dt and their fp32 copies are freed with every gradient, once, after loading (and
+  // after tensor-parallel sharding: int8's scales are those of the rows a rank holds). int8: one fp32 scale per
+  // output channel (ops::quantize_int8_rows); bf16/fp16: rounded to nearest even, no scale (a weight beyond fp16's
+  // range is refused by name). The products widen tiles of rows to fp32 (ops::linear_lowp_fwd): the CPU computes in
+  // fp32, the point is the memory. Tied token embeddings are the head's rows (a row is a token: a lookup widens it,
+  // by its own scale for int8). Stays fp32: untied token embeddings (read one row per token, never multiplied
+  // through; in int8 they raised the MoE golden model's logits error from 1.8% to 7.2%, docs/PERFORMANCE.md), the
+  // norms (one value per channel: nothing to save), the MoE router (E x H, small, and its top-k choice flips on small
+  // errors), the vision tower and mergers (run once per image, so compute-bound, not the per-token weight reads this
+  // is for; their error would reach every image token and, through DeepStack, several decoder layers), and LoRA
+  // adapters. After this the model is inference only: forward without keep_for_backward, prefill, decode, step.
   struct WeightBytes {
     int64_t fp32 = 0;    // every weight in fp32 (before)
-    int64_t int8 = 0;    // the quantized weights
-    int64_t scales = 0;  // their fp32 scales
+    int64_t low = 0;     // the low-precision weights
+    int64_t scales = 0;  // their fp32 scales (int8)
     int64_t kept = 0;    // the weights left in fp32
-    int64_t now() const { return int8 + scales + kept; }
+    int64_t now() const { return low + scales + kept; }
   };
-  WeightBytes quantize_int8();
+  WeightBytes lower_weights(LowDtype dt);
   // Inference only (generate, serve): frees the gradient storage, as large as the weights.
   void drop_gradients();
-  bool int8() const { return !q8_.empty(); }
-  const Int8Weight* int8_param(int id) const { return int8() && q8_[size_t(id)].q ? &q8_[size_t(id)] : nullptr; }
+  bool lowered() const { return !low_.empty(); }
+  const LowWeight* low_param(int id) const { return lowered() && low_[size_t(id)].w ? &low_[size_t(id)] : nullptr; }
 
   // The vision tower and mergers alone, for one prompt's images (pixels/grid as prefill): features of its image
   // tokens img [n, H] and the DeepStack features ds [deepstack][n*H].
@@ -198,9 +200,9 @@ class BasicModel {
   std::vector<T> extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
                         const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds, KvCache<T>& cache);
   ParamView<T> view() const {
-    return {pp_.data(), gp_.data(), cfg_.lora.on() ? &lora_ : nullptr, q8_.empty() ? nullptr : q8_.data()};
+    return {pp_.data(), gp_.data(), cfg_.lora.on() ? &lora_ : nullptr, low_.empty() ? nullptr : low_.data()};
   }
-  void need_fp32(const char* what) const;  // fails on an int8 model
+  void need_fp32(const char* what) const;  // fails on a model holding low-precision weights
   void rebind();
   // Hook calls for the unit holding parameter `id`.
   void enter(int id, bool bwd);
@@ -213,9 +215,10 @@ class BasicModel {
   ModelConfig cfg_;
   ParamTable table_;
   std::vector<T> store_p_, store_g_;
-  std::vector<int8_t> q8_store_;  // quantize_int8: the int8 weights in parameter id order, their scales, views by id
-  std::vector<float> q8_scales_;
-  std::vector<Int8Weight> q8_;
+  // lower_weights: the low-precision weights in parameter id order (bytes), int8's scales, views by id.
+  std::vector<char> low_store_;
+  std::vector<float> low_scales_;
+  std::vector<LowWeight> low_;
   std::vector<T*> unit_p_, unit_g_, pp_, gp_;
   UnitHooks* hooks_ = nullptr;
   std::vector<bool> trainable_;
@@ -247,8 +250,8 @@ class BasicModel {
 
 using Model = BasicModel<float>;
 
-// The parameters BasicModel::quantize_int8 holds in int8, by id (sizing without a model: planner, reports).
-std::vector<bool> int8_params(const ParamTable& t);
+// The parameters BasicModel::lower_weights holds in low precision, by id (sizing without a model: planner, reports).
+std::vector<bool> low_params(const ParamTable& t);
 
 // Load HF safetensors (one file or a directory) into the model through the parameter table (src/model/weights.cpp).
 // Every table tensor must be present with the right shape; unexpected tensors are errors; lm_head.weight is

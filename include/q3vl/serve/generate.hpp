@@ -116,9 +116,12 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
 bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& local,
                     const std::function<std::vector<ParamSlice>(const UnitInfo&, float*)>& slices_of,
                     const std::function<void(int64_t, const float*, int64_t)>& sink);
-// model.weight_dtype: "int8" quantizes the loaded (for serve: the rank's tensor-parallel slice of the) weights in
-// place (Model::quantize_int8); either way returns the start-up line on weight memory, int8 against fp32.
+// model.weight_dtype: "int8", "bf16" or "fp16" converts the loaded (for serve: the rank's tensor-parallel slice of
+// the) weights in place (Model::lower_weights); either way returns the start-up line on weight memory, against fp32.
 std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode);
+// model.weight_dtype for the device model (model.backend = "cuda"): true for "int8" (its linears quantized as the
+// weights arrive); "bf16"/"fp16" are refused, naming model.dtype, the device's storage of every weight.
+bool device_int8(const Deck& deck);
 // Inference needs no separate adapters: a model with LoRA adapters as a plain model with them folded in (W += scale
 // B A, as export --merge does), for what has no adapters (tensor parallelism, the device model; `why` says which in
 // the log line). An adapter on a tied head gives the folded model an untied head of its own.

@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include "q3vl/core/dtype.hpp"
+
 namespace q3vl::ops {
 
 // ---- linear: y[N,out] = x[N,in] W[out,in]^T + b -------------------------------------------------------------
@@ -15,17 +17,21 @@ template <class T> void linear_bwd(const T* dy, const T* x, const T* W, T* dx, T
 template <class T> void gemm(bool transA, bool transB, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
                              int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
 
-// ---- weight-only int8 (inference: generate and serve with model.weight_dtype = "int8") -------------------------
+// ---- low-precision weights (inference: generate and serve with model.weight_dtype = "int8", "bf16" or "fp16") ----
 // Symmetric per-row quantization of W[rows, cols], a row being one output channel: scale[r] = max|W[r,:]| / 127,
 // q = round(W / scale) in [-127, 127] (an all-zero row: scale 0, q 0), so that W ~= q * scale[r].
 void quantize_int8_rows(const float* W, int64_t rows, int64_t cols, int8_t* q, float* scale);
-// y[N,out] = x[N,in] (q * scale)^T + b with q[out,in] int8 and scale[out] fp32 (b may be null). The rows are widened
-// a tile at a time (never the whole weight in T) and the scale applied after the product: y[:,o] = scale[o] x.q[o,:].
-template <class T> void linear_int8_fwd(const T* x, const int8_t* q, const float* scale, const T* b, T* y, int64_t N,
-                                        int64_t in, int64_t out);
-// embedding_fwd on an int8 table (a tied LM head: one row = one token = one output channel of the head).
-template <class T> void embedding_int8_fwd(const int64_t* ids, const int8_t* q, const float* scale, T* out, int64_t N,
-                                           int64_t D, int64_t V);
+// W[n] rounded to nearest even into S (Bf16 or Fp16). Returns the index of the first weight S cannot hold (not
+// finite, or beyond fp16's range), -1 when all converted; the caller names the parameter.
+template <class S> int64_t round_to(const float* W, int64_t n, S* out);
+// y[N,out] = x[N,in] W^T + b with W[out,in] stored as S (int8_t with scale[out] fp32, W = q * scale[row]; Bf16 or
+// Fp16 with scale null), b may be null. The rows are widened to T a tile at a time (never the whole weight in T:
+// exact, every S value is a float) and the scale applied after the product: y[:,o] = scale[o] x.q[o,:].
+template <class T, class S> void linear_lowp_fwd(const T* x, const S* w, const float* scale, const T* b, T* y,
+                                                 int64_t N, int64_t in, int64_t out);
+// embedding_fwd on a table stored as S (a tied LM head: one row = one token = one output channel of the head).
+template <class T, class S> void embedding_lowp_fwd(const int64_t* ids, const S* w, const float* scale, T* out,
+                                                    int64_t N, int64_t D, int64_t V);
 
 // ---- norms over the last dim D (N rows) ----------------------------------------------------------------------
 // LayerNorm with weight+bias; saves mean and rstd per row for the backward.
