@@ -321,7 +321,9 @@ TEST(Prepare, ExistingDatasetIsKept) {
   again.overwrite = true;
   EXPECT_EQ(error(again), "");
   EXPECT_NE(index(), before);
-  if (w.r == 0) EXPECT_EQ(ShardDataset(ds).size(), 11u);
+  if (w.r == 0) {
+    EXPECT_EQ(ShardDataset(ds).size(), 11u);
+  }
   EXPECT_FALSE(fs::exists(ds + ".partial"));
 }
 

@@ -37,7 +37,9 @@ StepView run_step(const Dataset& d, LoaderOptions o, int nranks, LoaderCursor c,
     for (size_t i = 0; i < s.micro.size(); ++i) {
       const PackedBatch& b = s.micro[i];
       EXPECT_LE(int64_t(b.input_ids.size()), o.micro_batch * o.seq_len);
-      if (!b.input_ids.empty()) EXPECT_EQ(b.cu_seqlens.back(), int64_t(b.input_ids.size()));
+      if (!b.input_ids.empty()) {
+        EXPECT_EQ(b.cu_seqlens.back(), int64_t(b.input_ids.size()));
+      }
       sup += s.micro_supervised[i];
     }
     EXPECT_EQ(sup, s.supervised);

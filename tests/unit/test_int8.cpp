@@ -104,7 +104,9 @@ void check_case(const std::string& name, LowDtype dt = LowDtype::I8) {
   EXPECT_LE(e8.rel_l2, sum_eps) << name;
   EXPECT_GT(e8.rel_l2, 0.0) << name << ": " << low_dtype_name(dt) << " logits identical to fp32: nothing was converted";
   // 16-bit storage: the greedy token at most positions is fp32's (a random-init model has small logit margins).
-  if (dt != LowDtype::I8) EXPECT_GE(eq.top1, 0.9) << name;
+  if (dt != LowDtype::I8) {
+    EXPECT_GE(eq.top1, 0.9) << name;
+  }
 }
 
 }  // namespace
