@@ -106,9 +106,11 @@ if part gencuda; then
 fi
 
 # NCCL refuses two ranks on one GPU unless each says it is on a host of its own (NCCL_HOSTID); then it talks between
-# them over sockets, as between nodes: the code path of two GPUs, not their speed. A launcher word for mpiexec.
+# them over sockets, as between nodes: the code path of two GPUs, not their speed. A launcher word for mpiexec; on a
+# machine with a GPU per rank it sets nothing (NCCL then uses NVLink).
 hostid=/tmp/nccl_hostid
-printf '#!/bin/sh\nNCCL_HOSTID=q3vl-rank-$PMI_RANK exec "$@"\n' >$hostid && chmod +x $hostid
+printf '#!/bin/sh\n[ "$(nvidia-smi -L | wc -l)" -lt "${PMI_SIZE:-1}" ] && export NCCL_HOSTID=q3vl-rank-$PMI_RANK\nexec "$@"\n' \
+  >$hostid && chmod +x $hostid
 export NCCL_SOCKET_IFNAME=lo NCCL_NVLS_ENABLE=0
 if part nccl; then
   mt=${MPI_TESTS:-/tmp/rt/bin/mpi_tests}
