@@ -53,9 +53,10 @@ void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t 
 }
 
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt) {
-  if (P.q8 && P.q8[id]) return dev::linear_int8_fwd(ex, x, P.q8[id], P.s8[id], nullptr, y, N, n_in, n_out, dt);
-  dev::linear_fwd(ex, x, P.p[id], nullptr, y, N, n_in, n_out, dt);
+                int64_t n_out, DType dt, int64_t row0) {
+  if (P.q8 && P.q8[id])
+    return dev::linear_int8_fwd(ex, x, P.q8[id] + row0 * n_in, P.s8[id] + row0, nullptr, y, N, n_in, n_out, dt);
+  dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt);
 }
 
 namespace {

@@ -787,9 +787,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   // Final norm and the LM head (this rank's rows) on each segment's last row only.
   dev::gather_rows(ex_, J.x, J.last, 1, J.hb, S, H, dt_);
   dev::rmsnorm_fwd(ex_, J.hb, pp_[table_.final_norm()], J.hf, J.rf, S, H, tc.rms_eps, dt_);
-  const int head = table_.lm_head();
-  if (q8p_[head]) dev::linear_int8_fwd(ex_, J.hf, q8p_[head] + v0 * H, s8p_[head] + v0, nullptr, J.lg, S, H, V, dt_);
-  else dev::linear_fwd(ex_, J.hf, at(pp_[head], v0 * H, dt_), nullptr, J.lg, S, H, V, dt_);
+  dev_linear(ex_, P, table_.lm_head(), J.hf, J.lg, S, H, V, dt_, v0);
   dev::convert(ex_, J.lgf, DType::F32, J.lg, dt_, S * V);
   sums_done();
   std::vector<float> logits(size_t(S * V));

@@ -411,11 +411,8 @@ int plan_serve(const Deck& d, const Workload& w, const Hardware& hw) {
   // (DevModel::weight_bytes), its step and vision buffers (infer_bytes for serve.step_tokens, serve.max_batch and
   // serve.max_context), the workspace and the reserve; what is left holds the KV cache (kv_pool_bytes).
   const TextConfig& tc = w.cfg.text;
-  const int64_t ctx = d.integer("serve.max_context"), block = d.integer("serve.kv_block");
-  DevModel::InferBudget b;
-  b.segments = d.integer("serve.max_batch");
-  b.tokens = std::max(d.integer("serve.step_tokens"), b.segments);
-  b.patches = 4 * ctx, b.block = block, b.seq_blocks = (ctx + block - 1) / block + 1;
+  const int64_t ctx = d.integer("serve.max_context");
+  const DevModel::InferBudget b = serve_budget(d);
   std::printf("serve layouts (serve's sizing: the fullest stage's slice of the weights, step buffers for %lld tokens "
               "and %lld sequences, KV cache bf16, context %lld tokens):\n",
               (long long)b.tokens, (long long)b.segments, (long long)ctx);
@@ -434,7 +431,7 @@ int plan_serve(const Deck& d, const Workload& w, const Hardware& hw) {
       for (const bool int8 : {false, true}) {
         int64_t wmax = 0, bmax = 0, kvtok = 0, tokens = std::numeric_limits<int64_t>::max();
         for (int s = 0; s < pp; ++s) {
-          const DevStage st{tc.layers * s / pp, s + 1 == pp ? -1 : tc.layers * (s + 1) / pp, s == 0, s + 1 == pp};
+          const DevStage st = DevStage::of(s, pp, tc.layers);
           const int64_t wb = DevModel::weight_bytes(t, DType::BF16, st, int8);
           const int64_t buf = DevModel::infer_bytes(slice, DType::BF16, b, st);
           const int64_t kv = DevModel::kv_pool_bytes(slice, DType::BF16, 1, 1, st);

@@ -267,7 +267,12 @@ class Server {
   // the CPU op layer with Q3VL_DEVICE_ON_CPU=1 for tests), where only cfg_ stays on the host.
   std::unique_ptr<Model> model_;
   std::unique_ptr<DevModel> dev_;
-  std::unique_ptr<Comm> tp_comm_;  // the device model's tensor-parallel group: NCCL or MPI (serve.tp_comm)
+  std::unique_ptr<Comm> tp_comm_;  // the tensor-parallel group's sums: MPI, or NCCL on the device (serve.tp_comm)
+  std::unique_ptr<Comm> tp_mpi() const {  // the group over MPI, under the collectives' watchdog
+    auto c = std::make_unique<MpiComm>(tpc_);
+    c->set_timeout(deck_.real("runtime.timeout"));
+    return c;
+  }
   dev::Exec ex_{};
   ModelConfig cfg_;
   std::vector<float> local_step(const std::vector<StepSegment<float>>& segs) {
@@ -277,8 +282,10 @@ class Server {
   void log_tp() const {
     if (rank_ == 0 && pp_ > 1) {
       std::string st;
-      for (int k = 0, L = cfg_.text.layers; k < pp_; ++k)
-        st += (k ? ", " : "") + std::to_string(L * k / pp_) + "-" + std::to_string(L * (k + 1) / pp_ - 1);
+      for (int k = 0; k < pp_; ++k) {
+        const DevStage s = DevStage::of(k, pp_, cfg_.text.layers);
+        st += (k ? ", " : "") + std::to_string(s.l0) + "-" + std::to_string((s.l1 < 0 ? cfg_.text.layers : s.l1) - 1);
+      }
       log_info("serve: pipeline of " + std::to_string(pp_) + " stages of " + std::to_string(tp_) +
                " rank(s) each, decoder layers " + st + " (stage 0 also the embeddings and vision tower, the last the head)");
     }
@@ -971,10 +978,7 @@ void Server::load() {
   // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
   // never holds the fp32 model; adapters to fold need the host model first.
   const bool adapters = has_adapters(deck_, src);
-  if (pp_ > 1) {  // serve_layout checked the stages against the backend and the layers
-    const int L = src.cfg.text.layers;
-    dstage_ = {L * stage_ / pp_, stage_ + 1 == pp_ ? -1 : L * (stage_ + 1) / pp_, stage_ == 0, stage_ + 1 == pp_};
-  }
+  if (pp_ > 1) dstage_ = DevStage::of(stage_, pp_, src.cfg.text.layers);  // serve_layout checked the stages
   if (cuda && !adapters) {
     cfg_ = tp_ > 1 ? tp_config(src.cfg, trank_, tp_) : src.cfg;
     if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, trank_, tp_);
@@ -993,9 +997,11 @@ void Server::load() {
     tp_shard_weights(*full, *model_, trank_, tp_);
     full.reset();
     vocab_rows_ = tp_vocab_rows(model_->config().text.vocab, trank_, tp_);
-    model_->set_tensor_parallel(
-        [this](float* x, int64_t n) { MPI_Allreduce(MPI_IN_PLACE, x, (int)n, MPI_FLOAT, MPI_SUM, tpc_); },
-        vocab_rows_.first, vocab_rows_.second);
+    if (!cuda) {  // the device model's group is load_device's
+      tp_comm_ = tp_mpi();
+      model_->set_tensor_parallel([this](float* x, int64_t n) { tp_comm_->all_reduce(x, size_t(n), DType::F32); },
+                                  vocab_rows_.first, vocab_rows_.second);
+    }
   }
   // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone (the device
   // model quantizes as the weights arrive).
@@ -1043,12 +1049,7 @@ void Server::load_device(const ModelSource& src) {
   ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, std::max(0, where.gpu));
   const int64_t block = deck_.integer("serve.kv_block"), ctx = deck_.integer("serve.max_context");
   const int64_t batch = deck_.integer("serve.max_batch");
-  DevModel::InferBudget b;
-  b.tokens = std::max(deck_.integer("serve.step_tokens"), batch);  // decodes go first, chunks fill to step_tokens
-  b.segments = batch;
-  b.patches = 4 * ctx;  // a merged image token is 4 patches, and a request's image tokens fit in its context
-  b.block = block;
-  b.seq_blocks = (ctx + block - 1) / block + 1;
+  DevModel::InferBudget b = serve_budget(deck_);
   // Fits before anything is allocated: the slice's weights, the step buffers and one request's KV blocks.
   if (!on_cpu) {
     size_t free0 = 0, total0 = 0;
@@ -1093,15 +1094,14 @@ void Server::load_device(const ModelSource& src) {
   }
   std::string sums;
   if (tp_ > 1) {
-    std::string how = deck_.str("serve.tp_comm");
+    std::string kind = deck_.str("serve.tp_comm");
     int own = where.local_size <= where.gpus_visible;  // every rank of the node on a GPU of its own
     MPI_Allreduce(MPI_IN_PLACE, &own, 1, MPI_INT, MPI_MIN, tpc_);
-    if (how == "auto") how = own && !on_cpu ? "nccl" : "mpi";
-    if (how == "nccl" && on_cpu) fail("serve.tp_comm = \"nccl\" needs the model on GPUs (Q3VL_DEVICE_ON_CPU is set)");
-    if (how == "nccl") tp_comm_ = make_nccl_comm(tpc_, ex_, deck_.real("runtime.timeout"));
-    else tp_comm_ = std::make_unique<MpiComm>(tpc_), tp_comm_->set_timeout(deck_.real("runtime.timeout"));
+    if (kind == "auto") kind = own && !on_cpu ? "nccl" : "mpi";
+    if (kind == "nccl" && on_cpu) fail("serve.tp_comm = \"nccl\" needs the model on GPUs (Q3VL_DEVICE_ON_CPU is set)");
+    tp_comm_ = kind == "nccl" ? make_nccl_comm(tpc_, ex_, deck_.real("runtime.timeout")) : tp_mpi();
     dev_->set_tensor_parallel(tp_comm_.get(), vocab_rows_.first, vocab_rows_.second);
-    sums = how == "nccl" ? "; tensor-parallel sums over NCCL " + nccl_version() + " in " + dtype_name(dt)
+    sums = kind == "nccl" ? "; tensor-parallel sums over NCCL " + nccl_version() + " in " + dtype_name(dt)
                          : "; tensor-parallel sums over MPI in fp32 through the host" +
                                std::string(own || on_cpu ? "" : " (ranks share a GPU)");
   }

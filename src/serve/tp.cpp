@@ -60,6 +60,17 @@ ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, bool devi
   return l;
 }
 
+DevModel::InferBudget serve_budget(const Deck& d) {
+  const int64_t ctx = d.integer("serve.max_context"), block = d.integer("serve.kv_block");
+  DevModel::InferBudget b;
+  b.segments = d.integer("serve.max_batch");
+  b.tokens = std::max(d.integer("serve.step_tokens"), b.segments);  // decodes go first, chunks fill to step_tokens
+  b.patches = 4 * ctx;  // a merged image token is 4 patches, and a request's image tokens fit in its context
+  b.block = block;
+  b.seq_blocks = (ctx + block - 1) / block + 1;
+  return b;
+}
+
 ModelConfig tp_config(const ModelConfig& full, int rank, int size) {
   const Split s = split(full.text, rank, size);
   ModelConfig c = full;

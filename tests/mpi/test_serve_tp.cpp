@@ -67,9 +67,10 @@ std::unique_ptr<Model> shard(Model& full, int rank, int size) {
   return local;
 }
 
+// Largest |a - b| (b empty: |a|) over every rank's rows.
 double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double w = 0;
-  for (size_t i = 0; i < a.size(); ++i) w = std::max(w, (double)std::fabs(a[i] - b[i]));
+  for (size_t i = 0; i < a.size(); ++i) w = std::max(w, (double)std::fabs(a[i] - (b.empty() ? 0.f : b[i])));
   MPI_Allreduce(MPI_IN_PLACE, &w, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return w;
 }
@@ -101,9 +102,7 @@ TEST(ServeTpInt8, QuantizesEachRanksRows) {
   for (int64_t r = v0; r < v1; ++r) ASSERT_EQ(lh->scale[r], fh->scale[r]) << r;
 
   const std::vector<float> want = run_tokens(full, v0, v1), got = run_tokens(*local, v0, v1);
-  double big = 0;
-  for (float x : want) big = std::max(big, (double)std::fabs(x));
-  MPI_Allreduce(MPI_IN_PLACE, &big, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  const double big = max_diff(want, {});
   const double d8 = max_diff(got, want), dq = max_diff(run_tokens(fullq, v0, v1), want);
   if (rank == 0)
     std::printf("[ int8 tp  ] %d ranks: max|diff|/max|logit| against fp32 %.2e (one rank's int8: %.2e)\n", size,
@@ -140,9 +139,7 @@ TEST(ServeTpHalf, ConvertsEachRanksRows) {
     for (int64_t i = v0 * H; i < v1 * H; ++i) ASSERT_EQ(lh->as<uint16_t>()[i], fh->as<uint16_t>()[i]) << i;
 
     const std::vector<float> want = run_tokens(full, v0, v1), got = run_tokens(*local, v0, v1);
-    double big = 0;
-    for (float x : want) big = std::max(big, (double)std::fabs(x));
-    MPI_Allreduce(MPI_IN_PLACE, &big, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    const double big = max_diff(want, {});
     const double d = max_diff(got, want), d1 = max_diff(run_tokens(fullh, v0, v1), want);
     if (rank == 0)
       std::printf("[ %s tp  ] %d ranks: max|diff|/max|logit| against fp32 %.2e (one rank's %s: %.2e)\n",
@@ -298,9 +295,7 @@ double int8_slices_vs_host(bool moe, Device d, const std::string& comm_kind) {
   const std::vector<float> want = step_tokens(
       local->config(), [&](const auto& s, KvCache<float>& k) { return local->step(s, k); },
       [&](const auto& px, const auto& g, auto& img, auto& ds) { local->vision_features(px, g, img, ds); }, c, v0, v1);
-  double big = 0;
-  for (float x : want) big = std::max(big, double(std::fabs(x)));
-  MPI_Allreduce(MPI_IN_PLACE, &big, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  const double big = max_diff(want, {});
   const double worst = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, true), want) / std::max(1.0, big);
   if (rank == 0)
     std::printf("[ dev tp   ] %d ranks int8 through %s: max|diff|/max|logit| %.2e\n", size, comm_kind.c_str(), worst);
@@ -319,9 +314,7 @@ TEST_P(DevTp, NcclSlicesEqualTheFullModelGpu) {
   Model full(tp_tiny(GetParam()));
   full.init_random(11, 0.3);
   const std::vector<float> want = host_tokens(full);
-  double big = 0;
-  for (float x : want) big = std::max(big, double(std::fabs(x)));
-  MPI_Allreduce(MPI_IN_PLACE, &big, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  const double big = max_diff(want, {});
   const double nccl = max_diff(dev_slice_tokens(full, Device::CUDA, DType::F32, "nccl"), want);
   const double mpi = max_diff(dev_slice_tokens(full, Device::CUDA, DType::F32, "mpi"), want);
   const std::vector<float> b_nccl = dev_slice_tokens(full, Device::CUDA, DType::BF16, "nccl");

@@ -35,9 +35,10 @@ struct DevParams {
   const int8_t* const* q8 = nullptr;
   const float* const* s8 = nullptr;
 };
-// y[N, n_out] = x[N, n_in] W^T for parameter id (no bias), W its int8 rows when it has them, else its dt weight.
+// y[N, n_out] = x[N, n_in] W^T for rows [row0, row0 + n_out) of parameter id (no bias; row0: a vocabulary slice's
+// first row), W its int8 rows when it has them, else its dt weight.
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt);
+                int64_t n_out, DType dt, int64_t row0 = 0);
 
 // Element offset into a dt array.
 inline void* at(void* p, int64_t i, DType t) { return static_cast<char*>(p) + i * int64_t(dtype_size(t)); }

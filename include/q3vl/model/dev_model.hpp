@@ -35,6 +35,10 @@ struct DevStage {
   int l0 = 0, l1 = -1;
   bool first = true, last = true;
   bool whole() const { return l0 == 0 && l1 < 0 && first && last; }
+  // Stage s of `stages` equal shares of `layers` decoder layers (serve.pp: serve and the planner cut alike).
+  static DevStage of(int s, int stages, int layers) {
+    return {layers * s / stages, s + 1 == stages ? -1 : layers * (s + 1) / stages, s == 0, s + 1 == stages};
+  }
 };
 
 class DevModel {

@@ -12,6 +12,8 @@
 #include <vector>
 #include <utility>
 
+#include "q3vl/core/deck.hpp"
+#include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 
 namespace q3vl {
@@ -26,6 +28,10 @@ struct ServeLayout {
   std::string why;
 };
 ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, bool device, int layers);
+// What the device model is sized for under the deck's serve.* keys (serve and the planner alike): a step of
+// serve.step_tokens tokens (at least one per sequence) in up to serve.max_batch sequences, a vision pass for a prompt
+// as long as serve.max_context, blocks of serve.kv_block tokens; no KV blocks yet (serve sizes them from what is left).
+DevModel::InferBudget serve_budget(const Deck& d);
 
 // The decoder shape rank `rank` of `size` holds; fails naming what does not divide (heads, kv heads,
 // intermediate, each expert's intermediate).
