@@ -26,6 +26,9 @@ const std::vector<KeySpec>& deck_schema() {
        kBig, {"cpu", "cuda"}},
       {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights (bf16/fp16 on cuda)",
        -kBig, kBig, {"fp32", "bf16", "fp16"}},
+      {"model.cuda_graphs", T::Bool, "true",
+       "generate/serve on the GPU: decode steps (one new token per sequence) replay as CUDA graphs, one per bucket of "
+       "sequence counts (1, 4, 8, then multiples of 8), instead of launching some 600 kernels each"},
       {"model.weight_dtype", T::String, "fp32",
        "generate/serve: storage of the text decoder's linears and LM head (int8: weight-only, per output channel; "
        "bf16/fp16: the CPU backend only, computing in fp32; on cuda set model.dtype instead)",

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
 #include "q3vl/core/parallel.hpp"
 #include "q3vl/model/dev_vision.hpp"
 #include "q3vl/tensor/ops.hpp"
@@ -581,6 +583,9 @@ struct DevModel::Infer {
   Comm* tp = nullptr;
   std::vector<float> host_red;
   int64_t v0 = 0, v1 = 0;
+  // Decode steps as graphs, by padded segment count (set_graphs); off after a capture the device refused.
+  bool graphs = false, graphs_failed = false;
+  std::map<int64_t, void*> graph;
 
   void carve(Arena& a, const ModelConfig& cfg, DType dt) {
     const TextConfig& tc = cfg.text;
@@ -627,6 +632,8 @@ struct DevModel::Infer {
 DevModel::~DevModel() {
   dev::synchronize(ex_);
   if (impl_->block) dev::release(ex_, impl_->block);
+  if (infer_)
+    for (auto& [n, g] : infer_->graph) dev::graph_destroy(ex_, g);
   if (infer_ && infer_->block) dev::release(ex_, infer_->block);
   dev::release(ex_, params_);
   if (q8_) dev::release(ex_, q8_), dev::release(ex_, s8_);
@@ -675,6 +682,20 @@ void DevModel::set_tensor_parallel(Comm* comm, int64_t v0, int64_t v1) {
   infer_->tp = comm, infer_->v0 = v0, infer_->v1 = v1;
 }
 
+void DevModel::set_graphs(bool on) {
+  if (!infer_) infer_ = std::make_unique<Infer>();
+  infer_->graphs = on;
+}
+
+int64_t DevModel::graphs_recorded() const { return infer_ ? int64_t(infer_->graph.size()) : 0; }
+
+// 1, 4, 8, then multiples of 8: at most 12 graphs for 64 sequences, and a padded row costs a decode GEMM little
+// (it reads the weights once for all rows); never above `most` (the step buffers' rows).
+int64_t DevModel::decode_bucket(int64_t segments, int64_t most) {
+  const int64_t b = segments <= 1 ? 1 : segments <= 4 ? 4 : (segments + 7) / 8 * 8;
+  return std::max(segments, std::min(b, most));
+}
+
 void DevModel::vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid,
                                std::vector<float>& img, std::vector<std::vector<float>>& ds) {
   Q3VL_CHECK(infer_ && infer_->block, "DevModel::reserve_infer must size the model before inference");
@@ -712,13 +733,33 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     if (!cache.reserve(pk.seqs[s], pk.cu[s + 1] - pk.cu[s]))
       fail("KV cache full: " + std::to_string(cache.max_blocks) + " blocks of " + std::to_string(bs) +
            " tokens are in use");
+  std::vector<int64_t> vis;
+  for (int64_t i = 0; i < N; ++i)
+    if (pk.ids[i] == cfg_.image_token_id) vis.push_back(i);
+  const int64_t nvis = int64_t(vis.size());
+  // A decode step (a new token per sequence, no image rows) is padded to Sp one-token segments, each padded one of
+  // context 1 whose key goes nowhere (slot -1): every size below then depends on Sp alone, which a graph needs. Its
+  // contexts are bounded by a sequence's blocks, not this step's longest (the attention's key split reads each
+  // segment's own length).
+  const bool host_sums = J.tp && J.tp->kind() != "nccl";
+  const bool decode = J.graphs && N == S && nvis == 0 && !host_sums;
+  const int64_t Sp = decode ? decode_bucket(S, std::min(J.b.segments, J.b.tokens)) : S, Np = N + (Sp - S);
+  if (Sp > S) {
+    pk.ids.resize(size_t(Np), 0);
+    for (int64_t s = S; s < Sp; ++s) pk.cu.push_back(pk.cu.back() + 1);
+    std::vector<int64_t> pos(size_t(3 * Np), 0);
+    for (int r = 0; r < 3; ++r) std::copy_n(&pk.pos[size_t(r * N)], N, &pos[size_t(r * Np)]);
+    pk.pos.swap(pos);
+  }
   // Paged metadata: each segment's context and block table, each new token's pool row.
-  std::vector<int64_t> ctx(S), table(S * SB, 0), slots(N), last(S), vis;
+  std::vector<int64_t> ctx(Sp, 1), table(Sp * SB, 0), slots(Np, -1), last(Sp);
   int64_t max_q = 0, max_ctx = 0;
-  for (int64_t s = 0; s < S; ++s) {
+  for (int64_t s = 0; s < Sp; ++s) {
+    last[s] = pk.cu[s + 1] - 1;
+    if (s >= S) continue;
     const int q = pk.seqs[s];
     const int64_t n = pk.cu[s + 1] - pk.cu[s], L = cache.len[q];
-    ctx[s] = L + n, last[s] = pk.cu[s + 1] - 1;
+    ctx[s] = L + n;
     budget_check(cache.blocks_for(ctx[s]), SB, "KV blocks for one sequence");
     std::copy(cache.table[q].begin(), cache.table[q].end(), table.begin() + s * SB);
     for (int64_t i = 0; i < n; ++i) {
@@ -727,26 +768,21 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     }
     max_q = std::max(max_q, n), max_ctx = std::max(max_ctx, ctx[s]);
   }
-  for (int64_t i = 0; i < N; ++i)
-    if (pk.ids[i] == cfg_.image_token_id) vis.push_back(i);
-  const int64_t nvis = int64_t(vis.size());
+  if (decode) max_q = 1, max_ctx = SB * bs;
   up32(ex_, J.ids, pk.ids), up32(ex_, J.cu, pk.cu), up32(ex_, J.ctx, ctx), up32(ex_, J.table, table);
   up32(ex_, J.slots, slots), up32(ex_, J.last, last), up32(ex_, J.vis, vis);
   {
-    std::vector<float> c(N * tc.head_dim / 2), sn(c.size());
-    ops::mrope_table(pk.pos.data(), N, int64_t(tc.head_dim), tc.rope_theta, tc.mrope_section.data(), c.data(), sn.data());
+    std::vector<float> c(Np * tc.head_dim / 2), sn(c.size());
+    ops::mrope_table(pk.pos.data(), Np, int64_t(tc.head_dim), tc.rope_theta, tc.mrope_section.data(), c.data(),
+                     sn.data());
     dev::to_device(ex_, J.tcos, c.data(), c.size() * 4);
     dev::to_device(ex_, J.tsin, sn.data(), sn.size() * 4);
   }
   const DevParams P = dparams();
   const int l0 = stage_.l0, l1 = stage_.l1 < 0 ? tc.layers : stage_.l1;
   if (stage_.first) {
-    dev::embedding_fwd(ex_, J.ids, pp_[table_.embed_tokens()], J.x, N, H, tc.vocab, dt_);
-    if (nvis) {
-      up_dt(ex_, J.img, pk.img.data(), pk.img.size(), dt_);
-      dev::scatter_rows(ex_, J.img, J.vis, J.x, nvis, H, false, dt_);
-    }
-  } else {  // the previous stage's output
+    if (nvis) up_dt(ex_, J.img, pk.img.data(), pk.img.size(), dt_);
+  } else {  // the previous stage's output (a padded row keeps whatever the buffer held: rows never mix)
     Q3VL_CHECK(x_in && int64_t(x_in->size()) == N * H, "DevModel::step: a later pipeline stage needs its input x_in");
     up_dt(ex_, J.x, x_in->data(), x_in->size(), dt_);
   }
@@ -754,7 +790,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     for (size_t j = size_t(l0); j < pk.ds.size() && int(j) < l1; ++j) up_dt(ex_, J.ds[j], pk.ds[j].data(), pk.ds[j].size(), dt_);
   DevPartialSum reduce;
   std::unique_ptr<CommRequest> last_sum;  // NCCL: the step's latest sum, waited on before anything leaves the device
-  if (J.tp && J.tp->kind() == "nccl")
+  if (J.tp && !host_sums)
     reduce = [&](void* y, int64_t n) { last_sum = J.tp->iall_reduce(y, y, size_t(n), dt_, ReduceOp::Sum); };
   else if (J.tp)  // fp32 through the host: [n] dt -> F32 -> host -> sum over the group -> back
     reduce = [&](void* y, int64_t n) {
@@ -765,31 +801,54 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
       dev::to_device(ex_, J.red, J.host_red.data(), size_t(n) * 4);
       dev::convert(ex_, y, dt_, J.red, DType::F32, n);
     };
-  for (int l = l0; l < l1; ++l) {
-    const bool moe = table_.moe_layer(l);
-    const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, S, max_q, max_ctx};
-    dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, N, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
-                      moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, dt_);
-    if (size_t(l) < pk.ds.size() && nvis) dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
+  // Everything on the device from the token ids to the logits: a decode step's graph, or run as it is enqueued.
+  auto body = [&] {
+    if (stage_.first) {
+      dev::embedding_fwd(ex_, J.ids, pp_[table_.embed_tokens()], J.x, Np, H, tc.vocab, dt_);
+      if (nvis) dev::scatter_rows(ex_, J.img, J.vis, J.x, nvis, H, false, dt_);
+    }
+    for (int l = l0; l < l1; ++l) {
+      const bool moe = table_.moe_layer(l);
+      const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, Sp, max_q, max_ctx};
+      dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, Np, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
+                        moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, dt_);
+      if (size_t(l) < pk.ds.size() && nvis) dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
+    }
+    if (!stage_.last) return;
+    // Final norm and the LM head (this rank's rows) on each segment's last row only.
+    dev::gather_rows(ex_, J.x, J.last, 1, J.hb, Sp, H, dt_);
+    dev::rmsnorm_fwd(ex_, J.hb, pp_[table_.final_norm()], J.hf, J.rf, Sp, H, tc.rms_eps, dt_);
+    dev_linear(ex_, P, table_.lm_head(), J.hf, J.lg, Sp, H, V, dt_, v0);
+    dev::convert(ex_, J.lgf, DType::F32, J.lg, dt_, Sp * V);
+  };
+  void* graph = nullptr;
+  if (decode && !J.tp && !J.graphs_failed) {  // NCCL's sums wait on events of their own: not recorded (yet)
+    auto it = J.graph.find(Sp);
+    if (it != J.graph.end()) {
+      graph = it->second;
+    } else if (dev::capture_begin(ex_)) {
+      try {
+        body();
+      } catch (...) {
+        dev::graph_destroy(ex_, dev::capture_end(ex_));
+        throw;
+      }
+      graph = dev::capture_end(ex_);
+      if (graph) J.graph[Sp] = graph;
+      else J.graphs_failed = true, log_warn("the device refused to record a decode step as a graph: steps run op by op");
+    }
   }
+  if (graph) dev::graph_launch(ex_, graph);
+  else body();
   for (int64_t s = 0; s < S; ++s) cache.len[pk.seqs[s]] += pk.cu[s + 1] - pk.cu[s];
   // Before anything leaves the device: the group's sums are done (or the watchdog names who is missing).
-  auto sums_done = [&] {
-    if (last_sum) J.tp->wait(std::move(last_sum));
-  };
+  if (last_sum) J.tp->wait(std::move(last_sum));
   if (!stage_.last) {  // the next stage's input
     Q3VL_CHECK(x_out, "DevModel::step: a pipeline stage before the last needs x_out");
-    sums_done();
     x_out->resize(size_t(N * H));
     down_f32(ex_, x_out->data(), J.x, x_out->size(), dt_);
     return {};
   }
-  // Final norm and the LM head (this rank's rows) on each segment's last row only.
-  dev::gather_rows(ex_, J.x, J.last, 1, J.hb, S, H, dt_);
-  dev::rmsnorm_fwd(ex_, J.hb, pp_[table_.final_norm()], J.hf, J.rf, S, H, tc.rms_eps, dt_);
-  dev_linear(ex_, P, table_.lm_head(), J.hf, J.lg, S, H, V, dt_, v0);
-  dev::convert(ex_, J.lgf, DType::F32, J.lg, dt_, S * V);
-  sums_done();
   std::vector<float> logits(size_t(S * V));
   dev::to_host(ex_, logits.data(), J.lgf, logits.size() * 4);
   return logits;

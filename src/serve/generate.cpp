@@ -26,33 +26,55 @@ namespace q3vl {
 
 namespace fs = std::filesystem;
 
+// O(V) per row, never a sort of the vocabulary (a server samples dozens of 151936-entry rows a step): greedy is one
+// scan of the floats; sampling sorts only the prefix that top_k / top_p keep, found by selecting ever larger heads.
 int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, std::mt19937_64& rng) {
-  const double ninf = -std::numeric_limits<double>::infinity();
-  std::vector<double> l(logits, logits + V);
-  if (sp.vocab_limit > 0)
-    for (int64_t v = sp.vocab_limit; v < V; ++v) l[v] = ninf;
+  const int64_t lim = sp.vocab_limit > 0 ? std::min(sp.vocab_limit, V) : V;
+  std::vector<char> ban;
   for (int64_t b : sp.banned)
-    if (b >= 0 && b < V) l[b] = ninf;
-  if (sp.temperature <= 0) return std::max_element(l.begin(), l.end()) - l.begin();  // first maximum
-
+    if (b >= 0 && b < lim) ban.resize(size_t(lim), 0), ban[size_t(b)] = 1;
+  const auto allowed = [&](int64_t v) { return ban.empty() || !ban[size_t(v)]; };
+  if (sp.temperature <= 0) {  // the first maximum among the allowed ids
+    int64_t best = -1;
+    for (int64_t v = 0; v < lim; ++v)
+      if ((best < 0 || logits[v] > logits[best]) && allowed(v)) best = v;
+    return std::max<int64_t>(best, 0);
+  }
   // Candidates by decreasing logit (ties: lower id first), cut to top_k, softmax at the temperature, cut to top_p.
-  std::vector<int64_t> ids(V);
-  std::iota(ids.begin(), ids.end(), 0);
-  const auto by_logit = [&](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); };
-  const int64_t k = sp.top_k > 0 ? std::min<int64_t>(sp.top_k, V) : V;
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), by_logit);
-  ids.resize(k);
-  std::vector<double> p(k);
+  std::vector<int64_t> ids;
+  ids.reserve(size_t(lim));
+  for (int64_t v = 0; v < lim; ++v)
+    if (allowed(v)) ids.push_back(v);
+  if (ids.empty()) return 0;
+  const auto by_logit = [&](int64_t a, int64_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  const int64_t n = int64_t(ids.size()), k = sp.top_k > 0 ? std::min<int64_t>(sp.top_k, n) : n;
+  if (k < n) std::nth_element(ids.begin(), ids.begin() + k, ids.end(), by_logit), ids.resize(size_t(k));
+  float top = logits[ids[0]];
+  for (int64_t v : ids) top = std::max(top, logits[v]);
+  const double inv_t = 1 / sp.temperature;
   double sum = 0;
-  for (int64_t i = 0; i < k; ++i) sum += (p[i] = std::exp((l[ids[i]] - l[ids[0]]) / sp.temperature));
-  int64_t keep = 0;
-  double mass = 0;
-  while (keep < k && p[keep] > 0 && (keep == 0 || mass < sp.top_p * sum)) mass += p[keep++];
+  for (int64_t v : ids) sum += std::exp(double(logits[v] - top) * inv_t);
+  const auto p = [&](int64_t v) { return std::exp(double(logits[v] - top) * inv_t); };
+  // The kept ids: the shortest prefix of the sorted order whose mass reaches top_p of the sum (all when top_p >= 1:
+  // then order does not matter and nothing is sorted).
+  int64_t keep = k;
+  double mass = sum;
+  if (sp.top_p < 1) {
+    for (int64_t m = std::min<int64_t>(k, 64);; m = std::min(k, 4 * m)) {
+      std::nth_element(ids.begin(), ids.begin() + (m - 1), ids.end(), by_logit);
+      std::sort(ids.begin(), ids.begin() + m, by_logit);
+      keep = 0, mass = 0;
+      while (keep < m && (keep == 0 || mass < sp.top_p * sum)) mass += p(ids[keep++]);
+      if (keep < m || mass >= sp.top_p * sum || m == k) break;
+    }
+  }
   // 53 random bits: the same draw on every platform for a seed.
   const double u = double(rng() >> 11) * 0x1.0p-53 * mass;
   double acc = 0;
   for (int64_t i = 0; i < keep; ++i)
-    if ((acc += p[i]) > u) return ids[i];
+    if ((acc += p(ids[i])) > u) return ids[i];
   return ids[keep - 1];
 }
 
@@ -424,6 +446,7 @@ class DevGenModel : public GenModel {
     if (ex_.device == Device::CUDA) dev::destroy_exec(ex_);
   }
   const DevModel& model() const { return *m_; }
+  DevModel& model() { return *m_; }
   int64_t vocab() const override { return m_->config().text.vocab; }
 
   std::vector<float> prefill(const std::vector<GenPrompt>& prompts) override {
@@ -542,6 +565,7 @@ int run_generate(const Deck& deck) {
         stream_weights(deck, src, dm.table(), [&](int64_t off, const float* v, int64_t n) { dm.set_params(off, v, n); });
       });
       model.reset();  // the weights are on the device now
+      d->model().set_graphs(deck.boolean("model.cuda_graphs"));
       const DevMemory m = d->model().memory();
       const int64_t kv = DevModel::kv_pool_bytes(d->model().config(), dt, b.kv_blocks, b.block);
       char msg[400];

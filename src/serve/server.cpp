@@ -29,6 +29,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/hash.hpp"
 #include "q3vl/core/log.hpp"
+#include "q3vl/core/parallel.hpp"
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/model/dev_model.hpp"
@@ -912,16 +913,26 @@ void Server::engine_loop() {
     }
     metrics_.steps++;
     const double now = wall_seconds();
+    std::vector<size_t> rows;  // the segments that sample: a decode, or a prompt's last chunk
     for (size_t s = 0; s < segs.size(); ++s) {
       Job& j = *who[s];
-      const int64_t n = (int64_t)j.prompt.ids.size();
       if (j.pending < 0) {  // a prompt chunk: sample only after its last one
         j.fed += (int64_t)segs[s].ids.size();
-        if (j.fed < n) continue;
+        if (j.fed < (int64_t)j.prompt.ids.size()) continue;
         j.img.clear(), j.ds.clear();
         cache_blocks(j);  // later requests may share the prompt while this one decodes
       }
-      const int64_t t = sample_token(&logits[s * V], V, j.sp, j.rng);
+      rows.push_back(s);
+    }
+    // On every core: each job draws from its own random stream, so the order of the rows does not matter.
+    std::vector<int64_t> tok(segs.size());
+    parallel_for((int64_t)rows.size(), [&](int64_t i) {
+      const size_t s = rows[i];
+      tok[s] = sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
+    });
+    for (size_t s : rows) {
+      Job& j = *who[s];
+      const int64_t t = tok[s];
       if (!j.first_token) {
         j.first_token = true;
         j.t_first = now;
@@ -1074,6 +1085,7 @@ void Server::load_device(const ModelSource& src) {
     }
   }
   dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, int8);
+  dev_->set_graphs(deck_.boolean("model.cuda_graphs"));
   if (model_) {  // from the host model (adapters folded)
     dev_->set_params(model_->params());
     model_.reset();

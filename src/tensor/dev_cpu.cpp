@@ -76,6 +76,20 @@ void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
   std::memmove(dst, src, bytes);
 }
 
+bool capture_begin(const Exec& x) {
+  ON_CUDA(x, capture_begin(x));
+  return false;
+}
+void* capture_end(const Exec& x) {
+  ON_CUDA(x, capture_end(x));
+  return nullptr;
+}
+void graph_launch(const Exec& x, void* g) {
+  ON_CUDA(x, graph_launch(x, g));
+  fail("dev::graph_launch: the CPU has no graphs");
+}
+void graph_destroy(const Exec& x, void* g) { ON_CUDA(x, graph_destroy(g)); }
+
 void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
   ON_CUDA(x, memory_info(x, free_bytes, total_bytes));
   *free_bytes = *total_bytes = 0;
@@ -307,6 +321,7 @@ void scatter_rows(const Exec& x, const void* src, const int32_t* rows, void* dst
   ON_CUDA(x, scatter_rows(x, src, rows, dst, R, D, accumulate, dt));
   need_f32(dt, "scatter_rows");
   for (int64_t i = 0; i < R; ++i) {
+    if (rows[i] < 0) continue;
     float* d = F(dst) + int64_t(rows[i]) * D;
     const float* s = F(src) + i * D;
     for (int64_t j = 0; j < D; ++j) d[j] = accumulate ? d[j] + s[j] : s[j];

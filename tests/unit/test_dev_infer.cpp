@@ -118,8 +118,10 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
 // int8: the device model holds its int8_param linears (the MoE model's experts too) in int8; the host reference
 // computes with those matrices quantized and dequantized again (ops::quantize_int8_rows, the same rows), so only the
 // arithmetic differs.
+// graphs: decode steps padded to a bucket of segments (the schedule's two decoding sequences become four), and on a
+// GPU recorded once as a graph that the later decode steps replay with new tokens, positions and block tables.
 void infer_case(const std::string& name, Device d, DType dt, double tol, int flips = 0, std::vector<int> splits = {},
-                bool int8 = false) {
+                bool int8 = false, bool graphs = false) {
   const std::string dir = "tests/data/golden/" + name + "/model";
   const ModelConfig cfg = load_hf_config(dir + "/config.json");
   Model host(cfg);
@@ -162,6 +164,7 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
         EXPECT_EQ(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g, true));
       }
       st.back()->reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/64, blocks, block, /*seq_blocks=*/12});
+      st.back()->set_graphs(graphs);
       if (st.size() > 1) {
         EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt));
       }
@@ -186,6 +189,8 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
                     }};
     got = schedule(cfg, ps, dc, dr, greedy, false, &dimg);
     EXPECT_EQ(dc.used_blocks(), hc.used_blocks());
+    for (auto& m : st)  // one bucket (two sequences padded to four), recorded once, replayed by the later steps
+      EXPECT_EQ(m->graphs_recorded(), graphs && d == Device::CUDA ? 1 : 0);
     // Budgets are enforced with a message, not overrun.
     const int big = dc.add();
     std::vector<float> sink;
@@ -215,8 +220,8 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, int fli
     else worst_kept = std::max(worst_kept, diff / scale);
   }
   EXPECT_LE(over, flips) << name << ": " << over << " steps beyond " << tol << " (worst " << worst << ")";
-  std::printf("  %s%s%s on %s %s: %zu steps, logits max|diff|/max|logit| %.2e (%d beyond %.0e; the others %.2e), image "
-              "features %.2e\n", name.c_str(), int8 ? " int8" : "", splits.empty() ? "" : (" in " + std::to_string(splits.size() + 1) + " stages").c_str(), d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), ref.size(), worst,
+  std::printf("  %s%s%s%s on %s %s: %zu steps, logits max|diff|/max|logit| %.2e (%d beyond %.0e; the others %.2e), image "
+              "features %.2e\n", name.c_str(), int8 ? " int8" : "", graphs ? " padded decode" : "", splits.empty() ? "" : (" in " + std::to_string(splits.size() + 1) + " stages").c_str(), d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), ref.size(), worst,
               over, tol, worst_kept, worst_img / scale_img);
 }
 
@@ -249,6 +254,17 @@ TEST(DevInfer, Int8MatchesQuantizedHostOnCuda) {
   for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4, 0, {}, true);
   for (const char* n : {"dense_tied", "dense_untied"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2, 0, {}, true);
   infer_case("moe", Device::CUDA, DType::BF16, 3e-2, 1, {}, true);  // flips: see infer_case
+}
+// model.cuda_graphs: padded decode steps on the CPU op layer; recorded and replayed as CUDA graphs on a GPU.
+TEST(DevInfer, PaddedDecodeMatchesHostOnCpu) {
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5, 0, {}, false, true);
+  infer_case("moe", Device::CPU, DType::F32, 1e-5, 0, {1}, true, true);
+}
+TEST(DevInfer, DecodeGraphsMatchHostOnCuda) {
+  Q3VL_NEED_GPU();
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4, 0, {}, false, true);
+  infer_case("dense_untied", Device::CUDA, DType::BF16, 3e-2, 0, {1, 2}, false, true);
+  infer_case("moe", Device::CUDA, DType::BF16, 3e-2, 1, {}, true, true);
 }
 TEST(DevInfer, StepMatchesHostOnCudaFp32) {
   Q3VL_NEED_GPU();

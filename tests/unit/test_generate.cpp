@@ -8,6 +8,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <set>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/config.hpp"
@@ -399,6 +400,42 @@ TEST(Sampler, GreedyTopKTopPAndSeeds) {
   for (int i = 0; i < 200; ++i) {
     const int64_t t = sample_token(l.data(), 6, sp, a);
     EXPECT_TRUE(t == 1 || t == 3) << t;
+  }
+}
+
+// top_p over a vocabulary whose nucleus is far longer than the first head sample_token sorts (64): the kept ids must
+// be exactly the sorted prefix a full sort gives, whatever number of rounds finds it.
+TEST(Sampler, TopPNucleusEqualsAFullSort) {
+  const int64_t V = 3000;
+  std::mt19937 g(5);
+  std::uniform_real_distribution<float> u(0.f, 0.5f);
+  std::vector<float> l(V);
+  for (float& v : l) v = u(g);
+  for (double top_p : {0.02, 0.5, 0.97}) {
+    std::vector<int64_t> ids(V);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    double sum = 0, mass = 0;
+    for (float v : l) sum += std::exp(double(v - l[ids[0]]));  // as sample_token rounds it
+    std::set<int64_t> nucleus;
+    for (int64_t v : ids) {
+      if (!nucleus.empty() && mass >= top_p * sum) break;
+      mass += std::exp(double(l[v] - l[ids[0]])), nucleus.insert(v);
+    }
+    SamplingParams sp;
+    sp.temperature = 1, sp.top_p = top_p;
+    std::mt19937_64 rng(11);
+    std::set<int64_t> seen;
+    const int draws = 8000;
+    for (int i = 0; i < draws; ++i) {
+      const int64_t t = sample_token(l.data(), V, sp, rng);
+      ASSERT_TRUE(nucleus.count(t)) << "top_p " << top_p << ": token " << t << " is outside the nucleus of "
+                                    << nucleus.size();
+      seen.insert(t);
+    }
+    // Nearly flat probabilities: draws reach about 1 - exp(-draws / size) of the nucleus.
+    const double n = double(nucleus.size());
+    EXPECT_GE(double(seen.size()), 0.9 * n * (1 - std::exp(-draws / n))) << "top_p " << top_p;
   }
 }
 

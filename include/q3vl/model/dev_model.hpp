@@ -127,6 +127,13 @@ class DevModel {
   // group: an NCCL one on the device buffers in the model's dtype, in order on the stream (a step waits once, at its
   // end, under the watchdog); an MPI one in fp32 through the host. The head computes vocabulary rows [v0, v1).
   void set_tensor_parallel(Comm* comm, int64_t v0, int64_t v1);
+  // Decode steps (every segment one new token, no image rows) padded to a bucket of segments (decode_bucket), so
+  // that their sizes repeat, and on a GPU recorded once per bucket as a graph that later steps replay (model.
+  // cuda_graphs). Not with a tensor-parallel group that sums through the host. Padding runs on the CPU op layer too,
+  // where the tests check it.
+  void set_graphs(bool on);
+  static int64_t decode_bucket(int64_t segments, int64_t most);
+  int64_t graphs_recorded() const;
 
  private:
   struct Impl;

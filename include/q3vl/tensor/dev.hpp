@@ -47,6 +47,16 @@ void to_host(const Exec& x, void* dst, const void* src, size_t bytes);
 void copy(const Exec& x, void* dst, const void* src, size_t bytes);
 // Free and total memory of the device (the CPU: 0 and 0, not tracked here).
 void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes);
+// Graphs (CUDA graphs): the ops enqueued between capture_begin and capture_end are recorded, not run, and then
+// replay with one launch; a decode step's ~600 kernel launches cost the host more than the GPU takes to run them.
+// A graph replays the same pointers and sizes, so what changes between replays must sit in device buffers.
+// capture_begin is false where there are no graphs (the CPU: the caller runs its ops eagerly); capture_end gives the
+// graph, or null when an op could not be recorded (the caller then runs eagerly too). While capturing, the stream
+// runs nothing: capture_end must follow, exceptions included.
+bool capture_begin(const Exec& x);
+void* capture_end(const Exec& x);
+void graph_launch(const Exec& x, void* g);
+void graph_destroy(const Exec& x, void* g);
 
 #include "q3vl/tensor/dev_ops.inc"
 

@@ -15,6 +15,10 @@ void to_device(const Exec& x, void* dst, const void* src, size_t bytes);
 void to_host(const Exec& x, void* dst, const void* src, size_t bytes);
 void copy(const Exec& x, void* dst, const void* src, size_t bytes);
 void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes);
+bool capture_begin(const Exec& x);
+void* capture_end(const Exec& x);
+void graph_launch(const Exec& x, void* g);
+void graph_destroy(void* g);
 
 #include "q3vl/tensor/dev_ops.inc"
 

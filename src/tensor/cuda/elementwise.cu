@@ -137,6 +137,7 @@ template <class S>
 __global__ void k_scatter_rows(const S* src, const int32_t* rows, S* dst, int64_t R, int64_t D, bool accumulate) {
   Q3VL_GRID_LOOP(e, R * D) {
     const int64_t i = e / D, j = e % D;
+    if (rows[i] < 0) continue;
     const int64_t o = int64_t(rows[i]) * D + j;
     st(dst, o, accumulate ? ld(dst, o) + ld(src, e) : ld(src, e));
   }

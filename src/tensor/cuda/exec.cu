@@ -61,4 +61,34 @@ void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
   Q3VL_CU(cudaMemGetInfo(free_bytes, total_bytes));
 }
 
+// Thread-local capture: another thread's CUDA calls (serve's HTTP side, an NCCL proxy) neither join nor break it.
+bool capture_begin(const Exec& x) {
+  Q3VL_CU(cudaStreamBeginCapture(stream_of(x), cudaStreamCaptureModeThreadLocal));
+  return true;
+}
+
+void* capture_end(const Exec& x) {
+  cudaGraph_t g = nullptr;
+  const cudaError_t e = cudaStreamEndCapture(stream_of(x), &g);
+  if (e != cudaSuccess || !g) {  // an op that cannot be recorded invalidated the capture: the caller runs eagerly
+    (void)cudaGetLastError();
+    if (g) cudaGraphDestroy(g);
+    return nullptr;
+  }
+  cudaGraphExec_t ge = nullptr;
+  const cudaError_t i = cudaGraphInstantiate(&ge, g, 0);
+  Q3VL_CU(cudaGraphDestroy(g));
+  if (i != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return ge;
+}
+
+void graph_launch(const Exec& x, void* g) { Q3VL_CU(cudaGraphLaunch(static_cast<cudaGraphExec_t>(g), stream_of(x))); }
+
+void graph_destroy(void* g) {
+  if (g) Q3VL_CU(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g)));
+}
+
 }  // namespace q3vl::dev::cuda
