@@ -336,6 +336,26 @@ std::vector<Case> all_cases(DType dt) {
           });
     }
 
+  // Experts in the activation dtype, rows spread as above. R <= 8 E is the CUDA GEMV over the experts with rows (the
+  // int8 experts' GEMV on W in the activation dtype; R 40 and 64 with more than 16 rows an expert: several passes),
+  // larger R the tiled grouped GEMM (65 x 8: just past the rule). n_in 256: 16-byte rows in every dtype; 72: also
+  // (8 or 4 elements, 16 bytes, divide it); 102: scalar loads in every dtype; 2048: 16 staged rows take two chunks.
+  for (auto [R, E, one] : {std::tuple<int64_t, int64_t, bool>{1, 16, false}, {18, 8, false}, {64, 128, false},
+                           {64, 8, false}, {40, 8, true}, {65, 8, false}, {300, 8, false}, {300, 8, true}})
+    for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 96}, {72, 40}, {102, 37}, {2048, 48}}) {
+      if (I == 2048 && !(R == 64 && E == 8)) continue;
+      std::vector<double> ex = one ? std::vector<double>(size_t(R), double(E / 2)) : randi(R, (E + 1) / 2);
+      if (!one)
+        for (double& e : ex) e *= 2;
+      std::sort(ex.begin(), ex.end());
+      add("grouped_linear_fwd", dims({R, E, I, O}) + (one ? " one" : ""), kGemm,
+          {in("xg", K::Act, randn(R * I)), in("W", K::Act, randn(E * O * I, 0.1)),
+           in("start", K::I32, starts_of(ex, E)), out("y", K::Act, randn(R * O))},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[3], R, E, I, O, t);
+          });
+    }
+
   // norms (D = 128: QK-norm rows; 1152: the vision width; 200: odd)
   for (auto [N, D] : {std::pair<int64_t, int64_t>{33, 200}, {528, 128}, {7, 1152}}) {
     add("rmsnorm_fwd", dims({N, D}), kReduce,

@@ -1,12 +1,17 @@
 // MoE on the device: router softmax/top-k, the load-balancing loss, the expert bucketing plan (a stable counting
-// sort), the grouped expert GEMMs (one launch for all experts, tensor cores for bf16/fp16) and the combine/unpermute
-// row moves. Everything is deterministic: no floating-point atomics, fixed reduction orders.
+// sort), the grouped expert GEMMs and the combine/unpermute row moves. Everything is deterministic: no floating-point
+// atomics, fixed reduction orders.
+// Grouped expert forward: decode-sized R (<= 8 rows an expert on average) runs the weight-streaming GEMV of gemv.cuh
+// over only the experts that have rows (found on the device from start), so a decode step reads the weights of the
+// few experts its tokens chose instead of walking every expert's tiles; larger R (prefill, training batches) and the
+// backward run the tiled grouped GEMM below (one launch for all experts, tensor cores for bf16/fp16).
 #include <mma.h>
 
 #include <algorithm>
 #include <mutex>
 
 #include "tensor/cuda/common.cuh"
+#include "tensor/cuda/gemv.cuh"
 
 namespace q3vl::dev::cuda {
 
@@ -652,6 +657,14 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
   if (R <= 0 || n_out <= 0) return;
   if (n_in <= 0) {  // empty inner dimension: y = 0
     by_dtype(dt, [&]<class S>() { Q3VL_CU(cudaMemsetAsync(y, 0, size_t(R * n_out) * sizeof(S), stream_of(x))); });
+    return;
+  }
+  if (R <= wgemv::kGroupedRows * E) {  // decode: the GEMV, up to kMaxN rows an expert a pass
+    Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear: expert count out of range");
+    by_dtype(dt, [&]<class S>() {
+      wgemv::gemv<S, S>(x, static_cast<const S*>(xg), static_cast<const S*>(W), nullptr, nullptr, static_cast<S*>(y),
+                        std::min<int64_t>(R, wgemv::kMaxN), n_in, n_out, start, E, R);
+    });
     return;
   }
   grouped<FWD>(x, xg, W, y, start, R, E, n_in, n_out, dt, n_in, n_in);
