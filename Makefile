@@ -53,7 +53,7 @@ build/obj/%.o: %.cpp
 
 build/obj/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -DQ3VL_CUDA=1 -c $< -o $@
+	$(NVCC) $(NVFLAGS) -DQ3VL_CUDA=1 -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 build/libq3vl.a: $(LIB_OBJ)
 	@mkdir -p $(dir $@)

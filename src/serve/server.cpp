@@ -1245,6 +1245,11 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
   } else {
     local = local_step(segs);
   }
+  if (tp_ == 1) {  // the whole vocabulary already: no gather, no copies of [segs, V]
+    if (rank_ == 0) return local;
+    MPI_Send(local.data(), (int)local.size(), MPI_FLOAT, 0, 2, MPI_COMM_WORLD);
+    return {};
+  }
   std::vector<int> counts(tp_), offs(tp_);
   for (int r = 0; r < tp_; ++r) {
     const auto [a, b] = tp_vocab_rows(V, r, tp_);

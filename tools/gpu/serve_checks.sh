@@ -3,7 +3,8 @@
 #   tools/gpu/serve_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]     PARTS: "unit tiny 8b 30b" (default: all; a call is 600 s)
 #   more parts: nccl (NcclComm and the device model's TP sums, bin/mpi_tests at 2 and 4 ranks as $MPI_TESTS; serve with
 #   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
-#   generate on the 8B shape: the PyTorch baseline), 8bpp, 8bint8.
+#   generate on the 8B shape: the PyTorch baseline), 8bpp, 8bint8, 8bnog and 30bnog (model.cuda_graphs = false: decode
+#   steps launched op by op, against the default's graphs).
 # - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
 #   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
 # - `q3vl serve` with model.backend = cuda against `q3vl generate` on the CPU: the same greedy answers for 16
@@ -183,6 +184,8 @@ big() {
 }
 part 8b && big 8b 8B
 part 30b && big 30b-a3b 30B-A3B
+part 8bnog && big 8b-nograph 8B -- model.cuda_graphs=false
+part 30bnog && big 30b-a3b-nograph 30B-A3B -- model.cuda_graphs=false
 part 8bpp && big 8b-pp2 8B mpiexec -n 2 -- serve.pp=2
 part 8bint8 && big 8b-int8 8B -- model.weight_dtype=int8
 part 30bint8 && big 30b-a3b-int8 30B-A3B -- model.weight_dtype=int8
