@@ -91,7 +91,7 @@ DEB_PKGS := build-essential g++ make git pkg-config mpich libmpich-dev libhdf5-m
             libopenblas-dev libgtest-dev libtomlplusplus-dev nlohmann-json3-dev libpcre2-dev \
             libpng-dev libjpeg62-turbo-dev libcpp-httplib-dev nodejs npm \
             python3 python3-numpy python3-h5py python3-matplotlib python3-pil \
-            slurm-wlm munge
+            slurm-wlm munge iproute2
 deps:
 	@if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  command -v npm >/dev/null && PKGS="$(filter-out npm,$(DEB_PKGS))" || PKGS="$(DEB_PKGS)"; \

@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <mpi.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -963,6 +964,26 @@ void Server::engine_loop() {
 }
 
 namespace {
+// cpp-httplib listens with a backlog of 5, compiled into Debian's library: 32 clients connecting at once overflow it,
+// and some network stacks answer the overflow with a reset ("Connection reset by peer" at the start of a request,
+// seen on the GPU machine). listen() again on the bound socket, found among this process's descriptors, widens it.
+void widen_backlog(int port) {
+  for (const auto& e : fs::directory_iterator("/proc/self/fd")) {
+    const int fd = std::atoi(e.path().filename().c_str());
+    int on = 0;
+    socklen_t n = sizeof on;
+    sockaddr_storage a{};
+    socklen_t an = sizeof a;
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &n) != 0 || !on) continue;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&a), &an) != 0) continue;
+    const int p = a.ss_family == AF_INET    ? ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port)
+                  : a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&a)->sin6_port)
+                                            : -1;
+    if (p == port && ::listen(fd, SOMAXCONN) != 0)
+      log_warn(std::string("serve: could not widen the listen backlog: ") + std::strerror(errno));
+  }
+}
+
 // MemAvailable of /proc/meminfo (what the kernel can give without swapping), else the free pages.
 int64_t available_memory() {
   std::ifstream f("/proc/meminfo");
@@ -1348,6 +1369,7 @@ int Server::run() {
   else if (!svr.bind_to_port(host, port)) port = -1;
   if (port < 0) fail("serve: cannot listen on " + host + ":" + std::to_string(deck_.integer("serve.port")) +
                      " (in use, or not an address of this host)");
+  widen_backlog(port);
   created_ = (double)std::time(nullptr);
   std::thread http([&] { svr.listen_after_bind(); });
   log_info("serve: model '" + model_name_ + "' on http://" + host + ":" + std::to_string(port) +

@@ -87,6 +87,12 @@ if start main $q serve model.preset=tiny serve.max_batch=40; then
   # layers x keys and values x 2 kv heads x 16 x fp32), 80.3 MiB (any machine that runs these tests has 161 MiB free).
   grep -q "KV cache 10280 blocks of 16 tokens (80.3 MiB, 164480 tokens; auto: what serve.max_batch x serve.max_context" \
     $tmp/main.log && pass "KV cache sized from max_batch x max_context" || bad "auto KV: $(grep 'KV cache' $tmp/main.log)"
+  # Clients connecting at once must not overflow the listen queue (cpp-httplib's own backlog is 5): ss's Send-Q of a
+  # listening socket is its backlog.
+  bl=$(ss -ltnH "sport = :$port" 2>/dev/null | awk '{print $3}' | head -1)
+  if [[ -z $bl ]]; then skip "listen backlog" "ss (iproute2, make deps) is not installed"
+  elif ((bl >= 128)); then pass "listen backlog $bl"
+  else bad "listen backlog $bl: cpp-httplib's 5 was not widened"; fi
   node_c prefix $tmp/d >$tmp/pfx_on.jsonl 2>$tmp/err.log || bad "client prefix: $(tail -3 $tmp/err.log)"
   check_prefix $tmp/pfx_on.jsonl $tmp/pfx_off.jsonl
   node_c answers $tmp/d/eval.jsonl data >$tmp/a_data.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
