@@ -4,6 +4,7 @@
 #include "q3vl/model/dev_model.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -585,7 +586,9 @@ struct DevModel::Infer {
   int64_t v0 = 0, v1 = 0;
   // Decode steps as graphs, by padded segment count (set_graphs); off after a capture the device refused.
   bool graphs = false, graphs_failed = false;
-  std::map<int64_t, void*> graph;
+  std::map<std::array<int64_t, 4>, void*> graph;  // by (segments, argmax, limit, banned)
+  int32_t *bidx, *banned;  // greedy steps: [S] ids, [kMaxBanned] ids never chosen
+  float* bval;
 
   void carve(Arena& a, const ModelConfig& cfg, DType dt) {
     const TextConfig& tc = cfg.text;
@@ -614,6 +617,8 @@ struct DevModel::Infer {
     probs = a.take<float>(kinds[1] ? T * tc.num_experts : 1, DType::F32);
     idx = a.take<int32_t>(kinds[1] ? T * tc.experts_per_tok : 1, DType::I32);
     red = a.take<float>(T * H, DType::F32);
+    bidx = a.take<int32_t>(S, DType::I32), bval = a.take<float>(S, DType::F32);
+    banned = a.take<int32_t>(kMaxBanned, DType::I32);
     vb = {};
     dsctx.assign(P ? nds : 0, {});
     if (!P) return;
@@ -717,7 +722,7 @@ void DevModel::vision_features(const std::vector<float>& pixels, const std::vect
 }
 
 std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache,
-                                  const std::vector<float>* x_in, std::vector<float>* x_out) {
+                                  const std::vector<float>* x_in, std::vector<float>* x_out, Argmax* best) {
   Q3VL_CHECK(infer_ && infer_->block, "DevModel::reserve_infer must size the model before inference");
   Infer& J = *infer_;
   Q3VL_CHECK(!cache.host_pool && cache.block == J.b.block && cache.max_blocks == J.b.kv_blocks,
@@ -778,6 +783,13 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     dev::to_device(ex_, J.tcos, c.data(), c.size() * 4);
     dev::to_device(ex_, J.tsin, sn.data(), sn.size() * 4);
   }
+  if (best && !stage_.last) best = nullptr;  // only the last stage has logits
+  if (best) {
+    Q3VL_CHECK(int64_t(best->banned.size()) <= kMaxBanned, "DevModel::step: more than " +
+                                                                std::to_string(kMaxBanned) + " banned ids");
+    up32(ex_, J.banned, best->banned);
+  }
+  const int64_t nban = best ? int64_t(best->banned.size()) : 0, limit = best ? best->limit : 0;
   const DevParams P = dparams();
   const int l0 = stage_.l0, l1 = stage_.l1 < 0 ? tc.layers : stage_.l1;
   if (stage_.first) {
@@ -820,10 +832,12 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     dev::rmsnorm_fwd(ex_, J.hb, pp_[table_.final_norm()], J.hf, J.rf, Sp, H, tc.rms_eps, dt_);
     dev_linear(ex_, P, table_.lm_head(), J.hf, J.lg, Sp, H, V, dt_, v0);
     dev::convert(ex_, J.lgf, DType::F32, J.lg, dt_, Sp * V);
+    if (best) dev::argmax_rows(ex_, J.lgf, Sp, V, v0, limit, J.banned, nban, J.bidx, J.bval);
   };
   void* graph = nullptr;
   if (decode && !J.tp && !J.graphs_failed) {  // NCCL's sums wait on events of their own: not recorded (yet)
-    auto it = J.graph.find(Sp);
+    const std::array<int64_t, 4> key{Sp, best != nullptr, limit, nban};
+    auto it = J.graph.find(key);
     if (it != J.graph.end()) {
       graph = it->second;
     } else if (dev::capture_begin(ex_)) {
@@ -834,7 +848,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
         throw;
       }
       graph = dev::capture_end(ex_);
-      if (graph) J.graph[Sp] = graph;
+      if (graph) J.graph[key] = graph;
       else J.graphs_failed = true, log_warn("the device refused to record a decode step as a graph: steps run op by op");
     }
   }
@@ -847,6 +861,12 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     Q3VL_CHECK(x_out, "DevModel::step: a pipeline stage before the last needs x_out");
     x_out->resize(size_t(N * H));
     down_f32(ex_, x_out->data(), J.x, x_out->size(), dt_);
+    return {};
+  }
+  if (best) {
+    best->id.resize(size_t(S)), best->val.resize(size_t(S));
+    dev::to_host(ex_, best->id.data(), J.bidx, size_t(S) * 4);
+    dev::to_host(ex_, best->val.data(), J.bval, size_t(S) * 4);
     return {};
   }
   std::vector<float> logits(size_t(S * V));

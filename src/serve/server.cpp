@@ -251,7 +251,9 @@ class Server {
   void engine_loop();
   // One model step on every rank of the tensor-parallel group: rank 0 sends the plan (cache slots opened and
   // released since the last step, the segments), every rank runs its slice, rank 0 gets the whole logits [segs, V].
-  std::vector<float> run_step(std::vector<StepSegment<float>>& segs, bool stop = false);
+  // best (greedy steps): rank 0 gets each segment's argmax id in best->id instead of the logits.
+  std::vector<float> run_step(std::vector<StepSegment<float>>& segs, bool stop = false,
+                              DevModel::Argmax* best = nullptr);
   void worker_loop();
   void admit();
   void finish(Job& job, const std::string& reason);
@@ -277,8 +279,17 @@ class Server {
   }
   dev::Exec ex_{};
   ModelConfig cfg_;
-  std::vector<float> local_step(const std::vector<StepSegment<float>>& segs) {
-    return dev_ ? dev_->step(segs, cache_) : model_->step(segs, cache_);
+  // This rank's rows of the logits, or (best) their argmax: on the device, or the op's CPU reference on the host's.
+  std::vector<float> local_step(const std::vector<StepSegment<float>>& segs, DevModel::Argmax* best = nullptr) {
+    if (dev_) return dev_->step(segs, cache_, nullptr, nullptr, best);
+    std::vector<float> l = model_->step(segs, cache_);
+    if (!best) return l;
+    const int64_t ns = (int64_t)segs.size(), v0 = tp_ > 1 ? vocab_rows_.first : 0;
+    const std::vector<int32_t> ban(best->banned.begin(), best->banned.end());
+    best->id.resize(ns), best->val.resize(ns);
+    dev::argmax_rows(dev::Exec{}, l.data(), ns, ns ? (int64_t)l.size() / ns : 0, v0, best->limit, ban.data(),
+                     (int64_t)ban.size(), best->id.data(), best->val.data());
+    return {};
   }
   void load_device(const ModelSource& src);
   void log_tp() const {
@@ -903,9 +914,16 @@ void Server::engine_loop() {
       segs.push_back(std::move(g));
       who.push_back(j.get());
     }
+    // All greedy (the usual serving case): the device returns each row's argmax, not [segs, V] of logits.
+    DevModel::Argmax best;
+    const bool greedy =
+        (int64_t)base_.banned.size() <= DevModel::kMaxBanned && std::all_of(who.begin(), who.end(), [&](const Job* j) {
+          return j->sp.temperature <= 0 && j->sp.banned == base_.banned && j->sp.vocab_limit == base_.vocab_limit;
+        });
+    best.limit = base_.vocab_limit > 0 ? base_.vocab_limit : cfg.text.vocab, best.banned = base_.banned;
     std::vector<float> logits;
     try {
-      logits = run_step(segs);
+      logits = run_step(segs, false, greedy ? &best : nullptr);
     } catch (const Error& e) {  // fails this step's requests, not the server
       log_warn(std::string("serve: a step failed: ") + e.what());
       for (Job* j : who) j->error = e.what(), finish(*j, "error");
@@ -929,7 +947,7 @@ void Server::engine_loop() {
     std::vector<int64_t> tok(segs.size());
     parallel_for((int64_t)rows.size(), [&](int64_t i) {
       const size_t s = rows[i];
-      tok[s] = sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
+      tok[s] = greedy ? std::max<int64_t>(best.id[s], 0) : sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
     });
     for (size_t s : rows) {
       Job& j = *who[s];
@@ -1197,10 +1215,10 @@ void bcast_polling(int64_t* buf, int n) {
 }
 }  // namespace
 
-std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop) {
-  if (world_ == 1) return local_step(segs);  // kv() recorded nothing
-  // The plan: ints [ops..., nseg, per segment: slot, n ids, ids, n pos, pos, img floats, ds count, ds floats...],
-  // floats [img, ds...]; a header [stop, ints, floats] first.
+std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax* best) {
+  if (world_ == 1) return local_step(segs, best);  // kv() recorded nothing
+  // The plan: ints [ops..., greedy (0, or 1 + banned count: limit, banned...), nseg, per segment: slot, n ids, ids,
+  // n pos, pos, img floats, ds count, ds floats...], floats [img, ds...]; a header [stop, ints, floats] first.
   std::vector<int64_t> ints;
   std::vector<float> floats;
   int64_t head[3] = {stop ? 1 : 0, 0, 0};
@@ -1208,6 +1226,8 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     ints.push_back((int64_t)ops_.size());
     ints.insert(ints.end(), ops_.begin(), ops_.end());
     ops_.clear();
+    ints.push_back(best ? 1 + (int64_t)best->banned.size() : 0);
+    if (best) ints.push_back(best->limit), ints.insert(ints.end(), best->banned.begin(), best->banned.end());
     ints.push_back((int64_t)segs.size());
     for (const auto& g : segs) {
       ints.insert(ints.end(), {(int64_t)g.seq, (int64_t)g.ids.size()});
@@ -1229,10 +1249,16 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
   floats.resize(head[2]);
   MPI_Bcast(ints.data(), (int)ints.size(), MPI_INT64_T, 0, MPI_COMM_WORLD);
   MPI_Bcast(floats.data(), (int)floats.size(), MPI_FLOAT, 0, MPI_COMM_WORLD);
+  DevModel::Argmax mine;  // a greedy step's on the other ranks
   if (rank_ != 0) {  // replay the cache's slot changes, then the segments
     size_t i = 1, f = 0;
     const size_t ops_end = 1 + (size_t)ints[0];
     while (i < ops_end) i = apply_kv(cache_, ints, i);
+    if (const int64_t g = ints[i++]) {
+      mine.limit = ints[i++];
+      mine.banned.assign(ints.begin() + i, ints.begin() + i + (g - 1)), i += g - 1;
+      best = &mine;
+    }
     segs.assign(ints[i++], {});
     for (auto& g : segs) {
       g.seq = (int)ints[i++];
@@ -1250,21 +1276,46 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
   }
   // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
   const int64_t V = cfg_.text.vocab, ns = (int64_t)segs.size();
-  std::vector<float> local, logits(rank_ == 0 ? ns * V : 0);
+  const int last0 = (pp_ - 1) * tp_;  // the last stage's first rank: it sends the result to rank 0
+  std::vector<float> local, logits;
   if (pp_ > 1) {  // the hidden states go from stage to stage, rank trank_ to rank trank_; the last has the logits
     int64_t N = 0;
     for (const auto& g : segs) N += (int64_t)g.ids.size();
     std::vector<float> x(stage_ > 0 ? N * cfg_.text.hidden : 0), y;
     if (stage_ > 0) MPI_Recv(x.data(), (int)x.size(), MPI_FLOAT, rank_ - tp_, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-    local = dev_->step(segs, cache_, stage_ > 0 ? &x : nullptr, &y);
+    local = dev_->step(segs, cache_, stage_ > 0 ? &x : nullptr, &y, best);
     if (stage_ + 1 < pp_) {
       MPI_Send(y.data(), (int)y.size(), MPI_FLOAT, rank_ + tp_, 1, MPI_COMM_WORLD);
-      if (rank_ == 0)
-        MPI_Recv(logits.data(), (int)logits.size(), MPI_FLOAT, (pp_ - 1) * tp_, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      if (rank_ != 0) return {};
+      if (best) {
+        best->id.resize(ns);
+        MPI_Recv(best->id.data(), (int)ns, MPI_INT32_T, last0, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        return {};
+      }
+      logits.resize(ns * V);
+      MPI_Recv(logits.data(), (int)logits.size(), MPI_FLOAT, last0, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
       return logits;
     }
   } else {
-    local = local_step(segs);
+    local = local_step(segs, best);
+  }
+  if (best) {  // each rank's best of its rows: the group's first takes the best of those (ties: the lower id)
+    if (tp_ > 1) {
+      std::vector<float> vals(trank_ == 0 ? ns * tp_ : 0);
+      std::vector<int32_t> ids(vals.size());
+      MPI_Gather(best->val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_);
+      MPI_Gather(best->id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_);
+      if (trank_ != 0) return {};
+      for (int64_t s = 0; s < ns; ++s)
+        for (int r = 0; r < tp_; ++r) {
+          const float v = vals[r * ns + s];
+          const int32_t id = ids[r * ns + s];
+          int32_t& b = best->id[s];
+          if (id >= 0 && (b < 0 || v > best->val[s] || (v == best->val[s] && id < b))) b = id, best->val[s] = v;
+        }
+    }
+    if (trank_ == 0 && rank_ != 0) MPI_Send(best->id.data(), (int)ns, MPI_INT32_T, 0, 2, MPI_COMM_WORLD);
+    return {};
   }
   if (tp_ == 1) {  // the whole vocabulary already: no gather, no copies of [segs, V]
     if (rank_ == 0) return local;
@@ -1277,9 +1328,9 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     counts[r] = (int)(ns * (b - a)), offs[r] = r ? offs[r - 1] + counts[r - 1] : 0;
   }
   std::vector<float> all(trank_ == 0 ? ns * V : 0);
-  logits.resize(trank_ == 0 ? ns * V : 0);
   MPI_Gatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_);
   if (trank_ != 0) return {};
+  logits.resize(ns * V);
   for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
     const auto [a, b] = tp_vocab_rows(V, r, tp_);
     for (int64_t s = 0; s < ns; ++s)

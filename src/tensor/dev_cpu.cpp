@@ -2,6 +2,7 @@
 // otherwise runs the CPU reference: the fp32 ops:: templates (the same code the double gradient checks run), so the
 // CUDA kernels are tested against exactly what the CPU model computes.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -341,6 +342,18 @@ void pos_embed_bwd(const Exec& x, const void* dout, int64_t G, int64_t D, int64_
 }
 
 // ---- loss ------------------------------------------------------------------------------------------------------------
+void argmax_rows(const Exec& x, const float* logits, int64_t S, int64_t V, int64_t v0, int64_t limit,
+                 const int32_t* banned, int64_t nb, int32_t* idx, float* val) {
+  ON_CUDA(x, argmax_rows(x, logits, S, V, v0, limit, banned, nb, idx, val));
+  for (int64_t i = 0; i < S; ++i) {
+    const float* r = logits + i * V;
+    int64_t best = -1;
+    for (int64_t c = 0; c < V && v0 + c < limit; ++c)
+      if ((best < 0 || r[c] > r[best]) && std::find(banned, banned + nb, int32_t(v0 + c)) == banned + nb) best = c;
+    idx[i] = best < 0 ? -1 : int32_t(v0 + best);
+    val[i] = best < 0 ? -FLT_MAX : r[best];
+  }
+}
 void cross_entropy(const Exec& x, const void* logits, const int32_t* target, float* loss, void* dlogits,
                    double* loss_sum, int64_t N, int64_t V, float scale, DType dt) {
   ON_CUDA(x, cross_entropy(x, logits, target, loss, dlogits, loss_sum, N, V, scale, dt));

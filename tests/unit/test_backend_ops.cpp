@@ -513,6 +513,25 @@ std::vector<Case> all_cases(DType dt) {
         });
   }
 
+  // Greedy argmax over F32 logits (serve's greedy steps): ties (the row maximum copied to a later column, which must
+  // lose), a banned maximum, a vocabulary limit inside the slice, a slice starting at v0, a row with nothing allowed.
+  for (auto [S, V, v0, limit] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{7, 1000, 0, 1000}, {5, 151936, 0, 151643},
+                                 {6, 700, 300, 900}, {3, 64, 500, 400}}) {
+    std::vector<double> lg = randn(S * V, 3);
+    for (int64_t i = 0; i < S && V > 20; ++i) {
+      const int64_t m = std::max_element(lg.begin() + i * V, lg.begin() + (i + 1) * V) - (lg.begin() + i * V);
+      if (i % 2 == 0) lg[i * V + (m + 7) % V] = lg[i * V + m] + (i % 4 == 0 ? 0.0 : 1.0);  // a tie, or a new max
+    }
+    const std::vector<double> banned = {double(v0 + 10), double(v0 + 11), 151655, double(v0 + 3)};
+    for (int64_t i = 0; i < S; ++i) lg[i * V + std::min<int64_t>(V - 1, 10)] = 99;  // banned when v0 + 10 is
+    add("argmax_rows", dims({S, V, v0, limit}), kElem,
+        {in("logits", K::F32, lg), in("banned", K::I32, banned), out("idx", K::I32, randi(S, 9), true),
+         out("val", K::F32, randn(S))},
+        [=](auto& x, auto& p, DType) {
+          dev::argmax_rows(x, P<float>(p, 0), S, V, v0, limit, P<int32_t>(p, 1), 4, P<int32_t>(p, 2), P<float>(p, 3));
+        });
+  }
+
   // MoE: router, aux loss, buckets, grouped GEMMs, combine
   for (auto [N, E, k] : {std::tuple<int64_t, int64_t, int64_t>{31, 16, 4}, {9, 8, 2}}) {
     add("router_fwd", dims({N, E, k}), kReduce,

@@ -118,8 +118,19 @@ class DevModel {
   // values are in this model's pools. Returns each segment's last-row logits [segs, V] (V: the tensor-parallel rows).
   // A pipeline stage after the first takes the previous stage's hidden states x_in [N, H] (fp32, host); one before
   // the last returns nothing and leaves its output in x_out.
+  // Greedy steps (`best`): instead of the logits, each segment's first maximum over this rank's vocabulary rows among
+  // ids below `limit` and not `banned` (sample_token at temperature 0): its id (-1: none of this rank's rows) and
+  // logit. Then [segs, V] never leaves the device.
+  static constexpr int kMaxBanned = 16;
+  struct Argmax {
+    int64_t limit = 0;
+    std::vector<int64_t> banned;
+    std::vector<int32_t> id;  // out, [segs]
+    std::vector<float> val;   // out, [segs]
+  };
   std::vector<float> step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache,
-                          const std::vector<float>* x_in = nullptr, std::vector<float>* x_out = nullptr);
+                          const std::vector<float>* x_in = nullptr, std::vector<float>* x_out = nullptr,
+                          Argmax* best = nullptr);
   // The vision tower and mergers for one prompt's images: img [n, H] and ds [deepstack][n*H] on the host.
   void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<float>& img,
                        std::vector<std::vector<float>>& ds);

@@ -1,7 +1,9 @@
 // Cross-entropy over a large vocabulary: one block per row, an online (max, sum) pass over the logits, then a pass
 // that adds scale * (softmax - onehot) into dlogits. The row losses are summed into *loss_sum by a second, single-block
-// kernel in a fixed order (deterministic, unlike per-row double atomics).
+// kernel in a fixed order (deterministic, unlike per-row double atomics). Serving's greedy argmax is the same shape: a
+// block per row, a strided scan, then warp and block reductions.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 
 #include "tensor/cuda/common.cuh"
@@ -128,6 +130,53 @@ void cross_entropy(const Exec& x, const void* logits, const int32_t* target, flo
     k_sum_rows<<<1, 256, 0, stream_of(x)>>>(rows, N, loss_sum);
     Q3VL_LAUNCHED();
   }
+}
+
+// ---- greedy argmax --------------------------------------------------------------------------------------------------
+namespace {
+// (value, column) pairs: the larger value wins, ties to the lower column; column -1 is "none".
+__device__ __forceinline__ bool better(float v, int c, float bv, int bc) {
+  return bc < 0 || (c >= 0 && (v > bv || (v == bv && c < bc)));
+}
+__global__ void __launch_bounds__(kThreads)
+    k_argmax_rows(const float* __restrict__ logits, int64_t V, int64_t v0, int64_t limit,
+                  const int32_t* __restrict__ banned, int nb, int32_t* __restrict__ idx, float* __restrict__ val) {
+  const float* r = logits + int64_t(blockIdx.x) * V;
+  const int64_t n = min(V, max(limit - v0, int64_t(0)));
+  float bv = -INFINITY;
+  int bc = -1;
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {  // a thread's columns rise: strict > keeps the first
+    const float v = r[c];
+    if (bc >= 0 && !(v > bv)) continue;
+    bool ban = false;
+    for (int j = 0; j < nb; ++j) ban |= banned[j] == v0 + c;
+    if (!ban) bv = v, bc = int(c);
+  }
+  for (int o = 16; o; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oc = __shfl_xor_sync(0xffffffffu, bc, o);
+    if (better(ov, oc, bv, bc)) bv = ov, bc = oc;
+  }
+  __shared__ float sv[kThreads / 32];
+  __shared__ int sc[kThreads / 32];
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) sv[w] = bv, sc[w] = bc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 1; k < int(blockDim.x / 32); ++k)
+      if (better(sv[k], sc[k], bv, bc)) bv = sv[k], bc = sc[k];
+    idx[blockIdx.x] = bc < 0 ? -1 : int32_t(v0 + bc);
+    val[blockIdx.x] = bc < 0 ? -FLT_MAX : bv;
+  }
+}
+}  // namespace
+
+void argmax_rows(const Exec& x, const float* logits, int64_t S, int64_t V, int64_t v0, int64_t limit,
+                 const int32_t* banned, int64_t nb, int32_t* idx, float* val) {
+  if (S <= 0) return;
+  Q3VL_CHECK(S <= 65535 * 16 && V < (int64_t(1) << 31) && nb >= 0 && nb <= 1024, "argmax_rows: sizes out of range");
+  k_argmax_rows<<<unsigned(S), kThreads, 0, stream_of(x)>>>(logits, V, v0, limit, banned, int(nb), idx, val);
+  Q3VL_LAUNCHED();
 }
 
 }  // namespace q3vl::dev::cuda
