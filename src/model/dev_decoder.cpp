@@ -85,10 +85,8 @@ void qkv_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
   dev_linear(ex, P, f + tlay::q_proj, c.ln1, c.qraw, N, H, Dq, dt);
   dev_linear(ex, P, f + tlay::k_proj, c.ln1, c.kraw, N, H, Dk, dt);
   dev_linear(ex, P, f + tlay::v_proj, c.ln1, c.v, N, H, Dk, dt);
-  dev::rmsnorm_fwd(ex, c.qraw, P.p[f + tlay::q_norm], c.q, c.rq, N * nh, hd, tc.rms_eps, dt);
-  dev::rmsnorm_fwd(ex, c.kraw, P.p[f + tlay::k_norm], c.k, c.rk, N * nkv, hd, tc.rms_eps, dt);
-  dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
-  dev::rope_fwd(ex, c.k, cos, sin, N, nkv, hd, dt);
+  dev::qk_norm_rope_fwd(ex, c.qraw, c.kraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, c.k, c.rq, c.rk, cos,
+                        sin, N, nh, nkv, hd, tc.rms_eps, dt);
 }
 // The second half of a layer's forward: c.ln2 -> dense SwiGLU MLP or MoE block -> s.tmp [N,H].
 void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, bool moe, int64_t N, float* probs,
@@ -133,10 +131,12 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
 
 void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
                        int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
-                       int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce, DType dt) {
+                       int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce,
+                       const void* pending, DType dt) {
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
-  dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
+  if (pending) dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
+  else dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
   qkv_fwd(ex, tc, P, f, N, cos, sin, c, dt);
   dev::scatter_rows(ex, c.k, kv.slots, kv.k, N, Dk, false, dt);
   dev::scatter_rows(ex, c.v, kv.slots, kv.v, N, Dk, false, dt);
@@ -144,11 +144,9 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
                            kv.max_q, kv.max_ctx, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
   if (reduce) reduce(s.tmp, N * H);
-  dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
-  dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
+  dev::residual_rmsnorm_fwd(ex, s.tmp, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
   mlp_fwd(ex, tc, P, f, moe, N, probs, idx, c, s, dt);
   if (reduce) reduce(s.tmp, N * H);
-  dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
 }
 
 void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* dx,

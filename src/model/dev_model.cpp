@@ -819,13 +819,19 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
       dev::embedding_fwd(ex_, J.ids, pp_[table_.embed_tokens()], J.x, Np, H, tc.vocab, dt_);
       if (nvis) dev::scatter_rows(ex_, J.img, J.vis, J.x, nvis, H, false, dt_);
     }
+    const void* pending = nullptr;  // a layer's MLP output, added with the next layer's first norm
     for (int l = l0; l < l1; ++l) {
       const bool moe = table_.moe_layer(l);
       const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, Sp, max_q, max_ctx};
       dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, Np, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
-                        moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, dt_);
-      if (size_t(l) < pk.ds.size() && nvis) dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
+                        moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, pending, dt_);
+      pending = J.dscr.tmp;
+      if (size_t(l) < pk.ds.size() && nvis) {
+        dev::axpy(ex_, 1.f, pending, J.x, Np * H, dt_), pending = nullptr;
+        dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
+      }
     }
+    if (pending) dev::axpy(ex_, 1.f, pending, J.x, Np * H, dt_);
     if (!stage_.last) return;
     // Final norm and the LM head (this rank's rows) on each segment's last row only.
     dev::gather_rows(ex_, J.x, J.last, 1, J.hb, Sp, H, dt_);

@@ -155,6 +155,21 @@ void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, vo
 }
 
 // ---- norms ------------------------------------------------------------------------------------------------------------
+void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N,
+                          int64_t D, double eps, DType dt) {
+  ON_CUDA(x, residual_rmsnorm_fwd(x, a, io, w, y, rstd, N, D, eps, dt));
+  axpy(x, 1.f, a, io, N * D, dt);
+  rmsnorm_fwd(x, io, w, y, rstd, N, D, eps, dt);
+}
+void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const void* wq, const void* wk, void* q,
+                      void* k, float* rq, float* rk, const float* cos, const float* sin, int64_t N, int64_t nh,
+                      int64_t nkv, int64_t hd, double eps, DType dt) {
+  ON_CUDA(x, qk_norm_rope_fwd(x, qraw, kraw, wq, wk, q, k, rq, rk, cos, sin, N, nh, nkv, hd, eps, dt));
+  rmsnorm_fwd(x, qraw, wq, q, rq, N * nh, hd, eps, dt);
+  rmsnorm_fwd(x, kraw, wk, k, rk, N * nkv, hd, eps, dt);
+  rope_fwd(x, q, cos, sin, N, nh, hd, dt);
+  rope_fwd(x, k, cos, sin, N, nkv, hd, dt);
+}
 void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
                  DType dt) {
   ON_CUDA(x, rmsnorm_fwd(x, in, w, y, rstd, N, D, eps, dt));

@@ -362,6 +362,12 @@ std::vector<Case> all_cases(DType dt) {
         {in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)), out("y", K::Act, randn(N * D)),
          out("rstd", K::F32, randn(N))},
         [=](auto& x, auto& p, DType t) { dev::rmsnorm_fwd(x, p[0], p[1], p[2], P<float>(p, 3), N, D, 1e-6, t); });
+    add("residual_rmsnorm_fwd", dims({N, D}), kReduce,
+        {in("a", K::Act, randn(N * D)), out("io", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
+         out("y", K::Act, randn(N * D)), out("rstd", K::F32, randn(N))},
+        [=](auto& x, auto& p, DType t) {
+          dev::residual_rmsnorm_fwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), N, D, 1e-6, t);
+        });
     add("rmsnorm_bwd", dims({N, D}), kReduce,
         {in("dy", K::Act, randn(N * D)), in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
          in("rstd", K::F32, randu(N, 0.5, 2)), out("dx", K::Act, randn(N * D)), out("dw", K::F32, randn(D))},
@@ -393,6 +399,17 @@ std::vector<Case> all_cases(DType dt) {
     add("rope_fwd", dims({N, H, hd}), kElem,
         {out("x", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
         [=](auto& x, auto& p, DType t) { dev::rope_fwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
+    for (auto [nh, nkv] : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}}) {
+      add("qk_norm_rope_fwd", dims({N, nh, nkv, hd}), kReduce,
+          {in("qraw", K::Act, randn(N * nh * hd)), in("kraw", K::Act, randn(N * nkv * hd)),
+           in("wq", K::Act, randu(hd, 0.5, 1.5)), in("wk", K::Act, randu(hd, 0.5, 1.5)),
+           out("q", K::Act, randn(N * nh * hd)), out("k", K::Act, randn(N * nkv * hd)), out("rq", K::F32, randn(N * nh)),
+           out("rk", K::F32, randn(N * nkv)), in("cos", K::F32, c), in("sin", K::F32, s)},
+          [=](auto& x, auto& p, DType t) {
+            dev::qk_norm_rope_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], P<float>(p, 6), P<float>(p, 7),
+                                  P<float>(p, 8), P<float>(p, 9), N, nh, nkv, hd, 1e-6, t);
+          });
+    }
     add("rope_bwd", dims({N, H, hd}), kElem,
         {out("dx", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
         [=](auto& x, auto& p, DType t) { dev::rope_bwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });

@@ -84,7 +84,9 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
 // new tokens x[N,H] in place; their keys/values (after QK-norm and RoPE) are written to pool rows slots[N] of
 // k_pool/v_pool [rows, nkv, hd] and each attends to its sequence's cache (cache: dev::paged_attention_fwd's
 // arguments). Only the forward's buffers of c and s are used, nothing is kept. reduce (may be empty) sums a
-// tensor-parallel slice's partial o_proj and MLP outputs [N,H] over the group, in place.
+// tensor-parallel slice's partial o_proj and MLP outputs [N,H] over the group, in place. Residual adds go with the
+// next norm (dev::residual_rmsnorm_fwd): `pending` (may be null) is the previous layer's MLP output, added to x here,
+// and this layer leaves its own MLP output in s.tmp, not yet added (the caller adds the last one).
 struct DevPagedCache {
   void *k, *v;                 // this layer's pools
   const int32_t *slots, *cu, *ctx, *table;
@@ -93,6 +95,7 @@ struct DevPagedCache {
 using DevPartialSum = std::function<void(void*, int64_t)>;
 void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
                        int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
-                       int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce, DType dt);
+                       int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce,
+                       const void* pending, DType dt);
 
 }  // namespace q3vl

@@ -71,6 +71,79 @@ __global__ void k_rms_fwd(const S* __restrict__ x, const S* __restrict__ w, S* _
   }
 }
 
+// io += a (stored in S), then k_rms_fwd over io: each lane rereads the columns it wrote, so the norm sees the
+// rounded sums, as axpy then rmsnorm_fwd do.
+template <class S, int V>
+__global__ void k_residual_rms_fwd(const S* __restrict__ a, S* __restrict__ io, const S* __restrict__ w,
+                                   S* __restrict__ y, float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
+    S* xi = io + i * D;
+    float ss = 0.f;
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float u[V], v[V];
+      ldv<S, V>(xi, d, u);
+      ldv<S, V>(a + i * D, d, v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) u[j] += v[j];
+      stv<S, V>(xi, d, u);
+      ldv<S, V>(xi, d, u);
+#pragma unroll
+      for (int j = 0; j < V; ++j) ss += u[j] * u[j];
+    }
+    ss = warp_sum(ss);
+    const float r = 1.f / sqrtf(ss / float(D) + eps);
+    for (int64_t d = lane * V; d < D; d += 32 * V) {
+      float u[V], wv[V], o[V];
+      ldv<S, V>(xi, d, u);
+      ldv<S, V>(w, d, wv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = wv[j] * (u[j] * r);
+      stv<S, V>(y + i * D, d, o);
+    }
+    if (lane == 0 && rstd) rstd[i] = r;
+  }
+}
+
+// A warp per head row of q (the first N*nh rows) or k: its rstd, then each lane's pairs (d, d + hd/2) normalised,
+// rounded to S (as rmsnorm_fwd stores them) and rotated with the row's token's cos/sin (as rope_fwd).
+template <class S>
+__device__ __forceinline__ float round_to(float v) {
+  S t;
+  st(&t, 0, v);
+  return ld(&t, 0);
+}
+template <class S>
+__global__ void k_qk_norm_rope(const S* __restrict__ qraw, const S* __restrict__ kraw, const S* __restrict__ wq,
+                               const S* __restrict__ wk, S* __restrict__ q, S* __restrict__ k, float* __restrict__ rq,
+                               float* __restrict__ rk, const float* __restrict__ cos, const float* __restrict__ sin,
+                               int64_t N, int nh, int nkv, int hd, float eps) {
+  const int lane = threadIdx.x & 31, half = hd / 2;
+  const int64_t rows = N * (nh + nkv);
+  for (int64_t r = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); r < rows; r += int64_t(gridDim.x) * kWarps) {
+    const bool isq = r < N * nh;
+    const int64_t row = isq ? r : r - N * nh, tok = row / (isq ? nh : nkv);
+    const S* x = (isq ? qraw : kraw) + row * hd;
+    const S* w = isq ? wq : wk;
+    S* o = (isq ? q : k) + row * hd;
+    float ss = 0.f;
+    for (int d = lane; d < hd; d += 32) {
+      const float v = ld(x, d);
+      ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const float rs = 1.f / sqrtf(ss / float(hd) + eps);
+    for (int d = lane; d < half; d += 32) {
+      const float a = round_to<S>(ld(w, d) * (ld(x, d) * rs));
+      const float b = round_to<S>(ld(w, d + half) * (ld(x, d + half) * rs));
+      const float c = cos[tok * half + d], s = sin[tok * half + d];
+      st(o, d, a * c - b * s);
+      st(o, d + half, b * c + a * s);
+    }
+    if (lane == 0) (isq ? rq : rk)[row] = rs;
+  }
+}
+
 template <class S, int V>
 __global__ void k_ln_fwd(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b, S* __restrict__ y,
                          float* __restrict__ mean, float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
@@ -283,6 +356,34 @@ void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* r
       k_rms_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, yo, rstd, N, D, float(eps));
     else
       k_rms_fwd<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, yo, rstd, N, D, float(eps));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N,
+                          int64_t D, double eps, DType dt) {
+  if (N <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    const S *ai = static_cast<const S*>(a), *wi = static_cast<const S*>(w);
+    S *xo = static_cast<S*>(io), *yo = static_cast<S*>(y);
+    if (vec_width<S>(D, {a, io, w, y}) > 1)
+      k_residual_rms_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D,
+                                                                                     float(eps));
+    else
+      k_residual_rms_fwd<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D, float(eps));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const void* wq, const void* wk, void* q,
+                      void* k, float* rq, float* rk, const float* cos, const float* sin, int64_t N, int64_t nh,
+                      int64_t nkv, int64_t hd, double eps, DType dt) {
+  if (N <= 0) return;
+  Q3VL_CHECK(hd % 2 == 0 && hd <= 4096 && nh + nkv <= 65536, "qk_norm_rope_fwd: head dim must be even");
+  by_dtype(dt, [&]<class S>() {
+    k_qk_norm_rope<S><<<row_blocks(N * (nh + nkv)), 256, 0, stream_of(x)>>>(
+        static_cast<const S*>(qraw), static_cast<const S*>(kraw), static_cast<const S*>(wq), static_cast<const S*>(wk),
+        static_cast<S*>(q), static_cast<S*>(k), rq, rk, cos, sin, N, int(nh), int(nkv), int(hd), float(eps));
     Q3VL_LAUNCHED();
   });
 }
