@@ -356,8 +356,8 @@ std::vector<Case> all_cases(DType dt) {
           });
     }
 
-  // norms (D = 128: QK-norm rows; 1152: the vision width; 200: odd)
-  for (auto [N, D] : {std::pair<int64_t, int64_t>{33, 200}, {528, 128}, {7, 1152}}) {
+  // norms (D = 128: QK-norm rows; 1152: the vision width, and with 1030 (unaligned) few rows: a block per row; 200: odd)
+  for (auto [N, D] : {std::pair<int64_t, int64_t>{33, 200}, {528, 128}, {7, 1152}, {5, 1030}}) {
     add("rmsnorm_fwd", dims({N, D}), kReduce,
         {in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)), out("y", K::Act, randn(N * D)),
          out("rstd", K::F32, randn(N))},

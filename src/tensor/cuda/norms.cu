@@ -105,6 +105,53 @@ __global__ void k_residual_rms_fwd(const S* __restrict__ a, S* __restrict__ io, 
   }
 }
 
+// Few rows (decode steps): a block per row, so that a row's loads are spread over 256 threads instead of waiting one
+// after another in one warp (a 4096-wide row is 16 dependent 16-byte loads a lane there, twice). RES: the residual
+// add first, as k_residual_rms_fwd. The same math; only the order of the sum of squares differs.
+constexpr int kRowThreads = 256;
+template <class S, int V, bool RES>
+__global__ void __launch_bounds__(kRowThreads)
+    k_rms_row_block(const S* __restrict__ a, S* __restrict__ io, const S* __restrict__ w, S* __restrict__ y,
+                    float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
+  __shared__ float part[kRowThreads / 32];
+  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+    S* xi = io + i * D;
+    float ss = 0.f;
+    for (int64_t d = threadIdx.x * V; d < D; d += int64_t(kRowThreads) * V) {
+      float u[V];
+      ldv<S, V>(xi, d, u);
+      if constexpr (RES) {
+        float v[V];
+        ldv<S, V>(a + i * D, d, v);
+#pragma unroll
+        for (int j = 0; j < V; ++j) u[j] += v[j];
+        stv<S, V>(xi, d, u);
+        ldv<S, V>(xi, d, u);
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) ss += u[j] * u[j];
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < kRowThreads / 32; ++k) ss += part[k];
+    const float r = 1.f / sqrtf(ss / float(D) + eps);
+    for (int64_t d = threadIdx.x * V; d < D; d += int64_t(kRowThreads) * V) {
+      float u[V], wv[V], o[V];
+      ldv<S, V>(xi, d, u);
+      ldv<S, V>(w, d, wv);
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = wv[j] * (u[j] * r);
+      stv<S, V>(y + i * D, d, o);
+    }
+    if (threadIdx.x == 0 && rstd) rstd[i] = r;
+    __syncthreads();  // part is rewritten for the next row
+  }
+}
+constexpr int64_t kRowBlockMaxN = 64;  // up to this many rows: a block per row
+
 // A warp per head row of q (the first N*nh rows) or k: its rstd, then each lane's pairs (d, d + hd/2) normalised,
 // rounded to S (as rmsnorm_fwd stores them) and rotated with the row's token's cos/sin (as rope_fwd).
 template <class S>
@@ -352,10 +399,20 @@ void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* r
   by_dtype(dt, [&]<class S>() {
     const S *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
     S* yo = static_cast<S*>(y);
-    if (vec_width<S>(D, {in, w, y}) > 1)
+    const bool vec = vec_width<S>(D, {in, w, y}) > 1;
+    if (N <= kRowBlockMaxN && D >= 1024) {  // read-only here: io is in, RES = false never writes it
+      S* xm = const_cast<S*>(xi);
+      if (vec)
+        k_rms_row_block<S, 16 / sizeof(S), false><<<unsigned(N), kRowThreads, 0, stream_of(x)>>>(nullptr, xm, wi, yo,
+                                                                                                 rstd, N, D, float(eps));
+      else
+        k_rms_row_block<S, 1, false><<<unsigned(N), kRowThreads, 0, stream_of(x)>>>(nullptr, xm, wi, yo, rstd, N, D,
+                                                                                    float(eps));
+    } else if (vec) {
       k_rms_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, yo, rstd, N, D, float(eps));
-    else
+    } else {
       k_rms_fwd<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, yo, rstd, N, D, float(eps));
+    }
     Q3VL_LAUNCHED();
   });
 }
@@ -366,7 +423,15 @@ void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w,
   by_dtype(dt, [&]<class S>() {
     const S *ai = static_cast<const S*>(a), *wi = static_cast<const S*>(w);
     S *xo = static_cast<S*>(io), *yo = static_cast<S*>(y);
-    if (vec_width<S>(D, {a, io, w, y}) > 1)
+    const bool vec = vec_width<S>(D, {a, io, w, y}) > 1;
+    if (N <= kRowBlockMaxN && D >= 1024) {
+      if (vec)
+        k_rms_row_block<S, 16 / sizeof(S), true><<<unsigned(N), kRowThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd,
+                                                                                                N, D, float(eps));
+      else
+        k_rms_row_block<S, 1, true><<<unsigned(N), kRowThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D,
+                                                                                   float(eps));
+    } else if (vec)
       k_residual_rms_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D,
                                                                                      float(eps));
     else
