@@ -44,80 +44,24 @@ template <class S> int vec_width(int64_t D, std::initializer_list<const void*> p
 }
 
 // ---- forward ----------------------------------------------------------------------------------------------------
-template <class S, int V>
-__global__ void k_rms_fwd(const S* __restrict__ x, const S* __restrict__ w, S* __restrict__ y, float* __restrict__ rstd,
-                          int64_t N, int64_t D, float eps) {
-  const int lane = threadIdx.x & 31;
-  for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
-    const S* xi = x + i * D;
-    float ss = 0.f;
-    for (int64_t d = lane * V; d < D; d += 32 * V) {
-      float a[V];
-      ldv<S, V>(xi, d, a);
-#pragma unroll
-      for (int j = 0; j < V; ++j) ss += a[j] * a[j];
-    }
-    ss = warp_sum(ss);
-    const float r = 1.f / sqrtf(ss / float(D) + eps);
-    for (int64_t d = lane * V; d < D; d += 32 * V) {
-      float a[V], wv[V], o[V];
-      ldv<S, V>(xi, d, a);
-      ldv<S, V>(w, d, wv);
-#pragma unroll
-      for (int j = 0; j < V; ++j) o[j] = wv[j] * (a[j] * r);
-      stv<S, V>(y + i * D, d, o);
-    }
-    if (lane == 0) rstd[i] = r;
-  }
-}
-
-// io += a (stored in S), then k_rms_fwd over io: each lane rereads the columns it wrote, so the norm sees the
-// rounded sums, as axpy then rmsnorm_fwd do.
-template <class S, int V>
-__global__ void k_residual_rms_fwd(const S* __restrict__ a, S* __restrict__ io, const S* __restrict__ w,
-                                   S* __restrict__ y, float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
-  const int lane = threadIdx.x & 31;
-  for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
+// A row per T threads: T = 32, a warp per row, for many rows; T = 256, a block per row, for the few rows of decode
+// steps, whose loads would otherwise wait one after another in one warp (a 4096-wide row: 16 dependent 16-byte loads
+// a lane, twice). RES: io += a first, stored in S and reread, so that the norm sees the rounded sums (as axpy then
+// rmsnorm_fwd); without it io is only read.
+constexpr int kNormThreads = 256;
+template <class S, int V, int T, bool RES>
+__global__ void __launch_bounds__(kNormThreads)
+    k_rms_fwd(const S* __restrict__ a, S* __restrict__ io, const S* __restrict__ w, S* __restrict__ y,
+              float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
+  constexpr int R = kNormThreads / T;  // rows a block
+  __shared__ float part[kNormThreads / 32];
+  const int t = threadIdx.x % T;
+  for (int64_t i0 = blockIdx.x * int64_t(R); i0 < N; i0 += int64_t(gridDim.x) * R) {  // uniform: the block syncs
+    const int64_t i = i0 + threadIdx.x / T;
+    const bool live = i < N;
     S* xi = io + i * D;
     float ss = 0.f;
-    for (int64_t d = lane * V; d < D; d += 32 * V) {
-      float u[V], v[V];
-      ldv<S, V>(xi, d, u);
-      ldv<S, V>(a + i * D, d, v);
-#pragma unroll
-      for (int j = 0; j < V; ++j) u[j] += v[j];
-      stv<S, V>(xi, d, u);
-      ldv<S, V>(xi, d, u);
-#pragma unroll
-      for (int j = 0; j < V; ++j) ss += u[j] * u[j];
-    }
-    ss = warp_sum(ss);
-    const float r = 1.f / sqrtf(ss / float(D) + eps);
-    for (int64_t d = lane * V; d < D; d += 32 * V) {
-      float u[V], wv[V], o[V];
-      ldv<S, V>(xi, d, u);
-      ldv<S, V>(w, d, wv);
-#pragma unroll
-      for (int j = 0; j < V; ++j) o[j] = wv[j] * (u[j] * r);
-      stv<S, V>(y + i * D, d, o);
-    }
-    if (lane == 0 && rstd) rstd[i] = r;
-  }
-}
-
-// Few rows (decode steps): a block per row, so that a row's loads are spread over 256 threads instead of waiting one
-// after another in one warp (a 4096-wide row is 16 dependent 16-byte loads a lane there, twice). RES: the residual
-// add first, as k_residual_rms_fwd. The same math; only the order of the sum of squares differs.
-constexpr int kRowThreads = 256;
-template <class S, int V, bool RES>
-__global__ void __launch_bounds__(kRowThreads)
-    k_rms_row_block(const S* __restrict__ a, S* __restrict__ io, const S* __restrict__ w, S* __restrict__ y,
-                    float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
-  __shared__ float part[kRowThreads / 32];
-  for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
-    S* xi = io + i * D;
-    float ss = 0.f;
-    for (int64_t d = threadIdx.x * V; d < D; d += int64_t(kRowThreads) * V) {
+    for (int64_t d = t * V; live && d < D; d += int64_t(T) * V) {
       float u[V];
       ldv<S, V>(xi, d, u);
       if constexpr (RES) {
@@ -132,13 +76,15 @@ __global__ void __launch_bounds__(kRowThreads)
       for (int j = 0; j < V; ++j) ss += u[j] * u[j];
     }
     ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    ss = 0.f;
+    if constexpr (T > 32) {
+      if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+      __syncthreads();
+      ss = 0.f;
 #pragma unroll
-    for (int k = 0; k < kRowThreads / 32; ++k) ss += part[k];
+      for (int k = 0; k < T / 32; ++k) ss += part[k];
+    }
     const float r = 1.f / sqrtf(ss / float(D) + eps);
-    for (int64_t d = threadIdx.x * V; d < D; d += int64_t(kRowThreads) * V) {
+    for (int64_t d = t * V; live && d < D; d += int64_t(T) * V) {
       float u[V], wv[V], o[V];
       ldv<S, V>(xi, d, u);
       ldv<S, V>(w, d, wv);
@@ -146,11 +92,10 @@ __global__ void __launch_bounds__(kRowThreads)
       for (int j = 0; j < V; ++j) o[j] = wv[j] * (u[j] * r);
       stv<S, V>(y + i * D, d, o);
     }
-    if (threadIdx.x == 0 && rstd) rstd[i] = r;
-    __syncthreads();  // part is rewritten for the next row
+    if (live && t == 0 && rstd) rstd[i] = r;
+    if constexpr (T > 32) __syncthreads();  // part is rewritten for the next row
   }
 }
-constexpr int64_t kRowBlockMaxN = 64;  // up to this many rows: a block per row
 
 // A warp per head row of q (the first N*nh rows) or k: its rstd, then each lane's pairs (d, d + hd/2) normalised,
 // rounded to S (as rmsnorm_fwd stores them) and rotated with the row's token's cos/sin (as rope_fwd).
@@ -393,51 +338,36 @@ int row_blocks(int64_t N) { return grid_for(N, kWarps); }
 
 }  // namespace
 
-void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
-                 DType dt) {
-  if (N <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    const S *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
-    S* yo = static_cast<S*>(y);
-    const bool vec = vec_width<S>(D, {in, w, y}) > 1;
-    if (N <= kRowBlockMaxN && D >= 1024) {  // read-only here: io is in, RES = false never writes it
-      S* xm = const_cast<S*>(xi);
-      if (vec)
-        k_rms_row_block<S, 16 / sizeof(S), false><<<unsigned(N), kRowThreads, 0, stream_of(x)>>>(nullptr, xm, wi, yo,
-                                                                                                 rstd, N, D, float(eps));
-      else
-        k_rms_row_block<S, 1, false><<<unsigned(N), kRowThreads, 0, stream_of(x)>>>(nullptr, xm, wi, yo, rstd, N, D,
-                                                                                    float(eps));
-    } else if (vec) {
-      k_rms_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, yo, rstd, N, D, float(eps));
-    } else {
-      k_rms_fwd<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, yo, rstd, N, D, float(eps));
-    }
-    Q3VL_LAUNCHED();
-  });
-}
-
-void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N,
-                          int64_t D, double eps, DType dt) {
+namespace {
+// rmsnorm_fwd and residual_rmsnorm_fwd: a block per row for up to 64 rows of 1024 or more, else a warp per row.
+void rms_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N, int64_t D,
+             double eps, DType dt) {
   if (N <= 0) return;
   by_dtype(dt, [&]<class S>() {
     const S *ai = static_cast<const S*>(a), *wi = static_cast<const S*>(w);
     S *xo = static_cast<S*>(io), *yo = static_cast<S*>(y);
-    const bool vec = vec_width<S>(D, {a, io, w, y}) > 1;
-    if (N <= kRowBlockMaxN && D >= 1024) {
-      if (vec)
-        k_rms_row_block<S, 16 / sizeof(S), true><<<unsigned(N), kRowThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd,
-                                                                                                N, D, float(eps));
-      else
-        k_rms_row_block<S, 1, true><<<unsigned(N), kRowThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D,
-                                                                                   float(eps));
-    } else if (vec)
-      k_residual_rms_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D,
-                                                                                     float(eps));
-    else
-      k_residual_rms_fwd<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D, float(eps));
+    const bool vec = vec_width<S>(D, {a, io, w, y}) > 1, row_block = N <= 64 && D >= 1024;
+    const unsigned grid = unsigned(row_block ? N : row_blocks(N));
+    auto go = [&]<int V, int T>() {
+      if (a) k_rms_fwd<S, V, T, true><<<grid, kNormThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D, float(eps));
+      else k_rms_fwd<S, V, T, false><<<grid, kNormThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D, float(eps));
+    };
+    constexpr int VW = 16 / sizeof(S);
+    if (row_block) vec ? go.template operator()<VW, 256>() : go.template operator()<1, 256>();
+    else vec ? go.template operator()<VW, 32>() : go.template operator()<1, 32>();
     Q3VL_LAUNCHED();
   });
+}
+}  // namespace
+
+void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
+                 DType dt) {
+  rms_fwd(x, nullptr, const_cast<void*>(in), w, y, rstd, N, D, eps, dt);  // io is only read without a
+}
+
+void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N,
+                          int64_t D, double eps, DType dt) {
+  rms_fwd(x, a, io, w, y, rstd, N, D, eps, dt);
 }
 
 void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const void* wq, const void* wk, void* q,
