@@ -19,8 +19,11 @@ void* Arena::take(size_t bytes) {
 
 void DevDecoderCtx::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt) {
   const int64_t H = tc.hidden, Dq = int64_t(tc.heads) * tc.head_dim, Dk = int64_t(tc.kv_heads) * tc.head_dim;
-  x = a.take(N * H, dt), ln1 = a.take(N * H, dt), qraw = a.take(N * Dq, dt), kraw = a.take(N * Dk, dt);
-  q = a.take(N * Dq, dt), k = a.take(N * Dk, dt), v = a.take(N * Dk, dt), att = a.take(N * Dq, dt);
+  // qraw, kraw and v in one block: separate [N, D] arrays for training, the rows [q | k | v] of serving's fused
+  // projection (dev::qkv_to_cache_fwd).
+  x = a.take(N * H, dt), ln1 = a.take(N * H, dt), qraw = a.take(N * (Dq + 2 * Dk), dt);
+  kraw = qraw ? q3vl::at(qraw, N * Dq, dt) : nullptr, v = qraw ? q3vl::at(qraw, N * (Dq + Dk), dt) : nullptr;
+  q = a.take(N * Dq, dt), k = a.take(N * Dk, dt), att = a.take(N * Dq, dt);
   x1 = a.take(N * H, dt), ln2 = a.take(N * H, dt);
   r1 = a.take<float>(N, DType::F32), rq = a.take<float>(N * tc.heads, DType::F32);
   rk = a.take<float>(N * tc.kv_heads, DType::F32), lse = a.take<float>(N * tc.heads, DType::F32);
@@ -76,6 +79,17 @@ int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
     Q3VL_CHECK(P.p[u] == at(P.p[g], I * H, dt), "gate_proj/up_proj must be adjacent");
   Q3VL_CHECK(!P.g[g] || P.g[u] == P.g[g] + I * H, "gate_proj/up_proj grads must be adjacent");
   return g;
+}
+// q_proj, k_proj and v_proj as one [Dq + 2 Dk, H] matrix where the weights lie adjacent (the device model keeps
+// them so, int8 rows and scales too): q_proj's id, else -1.
+int fused_qkv(const DevParams& P, int f, int64_t Dq, int64_t Dk, int64_t H, DType dt) {
+  const int q = f + tlay::q_proj, k = f + tlay::k_proj, v = f + tlay::v_proj;
+  if (P.q8 && P.q8[q])
+    return P.q8[k] == P.q8[q] + Dq * H && P.q8[v] == P.q8[k] + Dk * H && P.s8[k] == P.s8[q] + Dq &&
+                   P.s8[v] == P.s8[k] + Dk
+               ? q
+               : -1;
+  return P.p[k] == at(P.p[q], Dq * H, dt) && P.p[v] == at(P.p[k], Dk * H, dt) ? q : -1;
 }
 void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
 // The attention's inputs: c.ln1 -> q, k (QK-norm, M-RoPE) and v.
@@ -137,9 +151,15 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   if (pending) dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
   else dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
-  qkv_fwd(ex, tc, P, f, N, cos, sin, c, dt);
-  dev::scatter_rows(ex, c.k, kv.slots, kv.k, N, Dk, false, dt);
-  dev::scatter_rows(ex, c.v, kv.slots, kv.v, N, Dk, false, dt);
+  if (const int qkv = fused_qkv(P, f, Dq, Dk, H, dt); qkv >= 0) {  // one GEMM, then q and the new keys/values
+    dev_linear(ex, P, qkv, c.ln1, c.qraw, N, H, Dq + 2 * Dk, dt);
+    dev::qkv_to_cache_fwd(ex, c.qraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, cos,
+                          sin, N, nh, nkv, hd, tc.rms_eps, dt);
+  } else {
+    qkv_fwd(ex, tc, P, f, N, cos, sin, c, dt);
+    dev::scatter_rows(ex, c.k, kv.slots, kv.k, N, Dk, false, dt);
+    dev::scatter_rows(ex, c.v, kv.slots, kv.v, N, Dk, false, dt);
+  }
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
                            kv.max_q, kv.max_ctx, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);

@@ -170,6 +170,24 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
   rope_fwd(x, q, cos, sin, N, nh, hd, dt);
   rope_fwd(x, k, cos, sin, N, nkv, hd, dt);
 }
+void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void* wk, void* q, void* k_pool,
+                      void* v_pool, const int32_t* slots, const float* cos, const float* sin, int64_t N, int64_t nh,
+                      int64_t nkv, int64_t hd, double eps, DType dt) {
+  ON_CUDA(x, qkv_to_cache_fwd(x, qkv, wq, wk, q, k_pool, v_pool, slots, cos, sin, N, nh, nkv, hd, eps, dt));
+  need_f32(dt, "qkv_to_cache_fwd");
+  const int64_t Dq = nh * hd, Dk = nkv * hd, ld = Dq + 2 * Dk;
+  std::vector<float> qr(N * Dq), kr(N * Dk), v(N * Dk), k(N * Dk), rq(N * nh), rk(N * nkv);
+  for (int64_t i = 0; i < N; ++i) {
+    const float* row = F(qkv) + i * ld;
+    std::copy(row, row + Dq, &qr[i * Dq]);
+    std::copy(row + Dq, row + Dq + Dk, &kr[i * Dk]);
+    std::copy(row + Dq + Dk, row + ld, &v[i * Dk]);
+  }
+  qk_norm_rope_fwd(x, qr.data(), kr.data(), wq, wk, q, k.data(), rq.data(), rk.data(), cos, sin, N, nh, nkv, hd, eps,
+                   dt);
+  scatter_rows(x, k.data(), slots, k_pool, N, Dk, false, dt);
+  scatter_rows(x, v.data(), slots, v_pool, N, Dk, false, dt);
+}
 void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
                  DType dt) {
   ON_CUDA(x, rmsnorm_fwd(x, in, w, y, rstd, N, D, eps, dt));

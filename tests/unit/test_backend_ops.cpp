@@ -410,6 +410,23 @@ std::vector<Case> all_cases(DType dt) {
                                   P<float>(p, 8), P<float>(p, 9), N, nh, nkv, hd, 1e-6, t);
           });
     }
+    {  // serving's fused projection rows into q and the pools: 4 query heads, 2 kv heads, slots shuffled, two -1
+      const int64_t nh = 4, nkv = 2, Dk = nkv * hd, rows = 3 * N;
+      std::vector<double> slots(rows);
+      std::iota(slots.begin(), slots.end(), 0.0);
+      std::shuffle(slots.begin(), slots.end(), rng);
+      slots.resize(N);
+      slots[2] = slots[9] = -1;
+      add("qkv_to_cache_fwd", dims({N, nh, nkv, hd}), kReduce,
+          {in("qkv", K::Act, randn(N * (nh + 2 * nkv) * hd)), in("wq", K::Act, randu(hd, 0.5, 1.5)),
+           in("wk", K::Act, randu(hd, 0.5, 1.5)), out("q", K::Act, randn(N * nh * hd)),
+           out("k_pool", K::Act, randn(rows * Dk)), out("v_pool", K::Act, randn(rows * Dk)),
+           in("slots", K::I32, slots), in("cos", K::F32, c), in("sin", K::F32, s)},
+          [=](auto& x, auto& p, DType t) {
+            dev::qkv_to_cache_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], P<int32_t>(p, 6), P<float>(p, 7),
+                                  P<float>(p, 8), N, nh, nkv, hd, 1e-6, t);
+          });
+    }
     add("rope_bwd", dims({N, H, hd}), kElem,
         {out("dx", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
         [=](auto& x, auto& p, DType t) { dev::rope_bwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });

@@ -97,8 +97,11 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 }
 
-// A warp per head row of q (the first N*nh rows) or k: its rstd, then each lane's pairs (d, d + hd/2) normalised,
-// rounded to S (as rmsnorm_fwd stores them) and rotated with the row's token's cos/sin (as rope_fwd).
+// A warp per head row of q (the first N*nh rows), k (the next N*nkv) or, with vin, v (the last N*nkv): q and k
+// rows get their rstd, then each lane's pairs (d, d + hd/2) normalised, rounded to S (as rmsnorm_fwd stores them) and
+// rotated with the row's token's cos/sin (as rope_fwd); v rows are copied. Inputs: token rows ldq / ldk apart (the
+// fused projection's [q | k | v] rows, or separate arrays). Outputs: q [N, nh, hd]; k and v at pool rows slots[tok]
+// (negative: not stored), or k [N, nkv, hd] without slots. rq/rk may be null.
 template <class S>
 __device__ __forceinline__ float round_to(float v) {
   S t;
@@ -106,18 +109,35 @@ __device__ __forceinline__ float round_to(float v) {
   return ld(&t, 0);
 }
 template <class S>
-__global__ void k_qk_norm_rope(const S* __restrict__ qraw, const S* __restrict__ kraw, const S* __restrict__ wq,
-                               const S* __restrict__ wk, S* __restrict__ q, S* __restrict__ k, float* __restrict__ rq,
-                               float* __restrict__ rk, const float* __restrict__ cos, const float* __restrict__ sin,
-                               int64_t N, int nh, int nkv, int hd, float eps) {
+__global__ void k_qk_norm_rope(const S* __restrict__ qin, const S* __restrict__ kin, const S* __restrict__ vin,
+                               int64_t ldq, int64_t ldk, const S* __restrict__ wq, const S* __restrict__ wk,
+                               S* __restrict__ q, S* __restrict__ k, S* __restrict__ vout,
+                               const int32_t* __restrict__ slots, float* __restrict__ rq, float* __restrict__ rk,
+                               const float* __restrict__ cos, const float* __restrict__ sin, int64_t N, int nh, int nkv,
+                               int hd, float eps) {
   const int lane = threadIdx.x & 31, half = hd / 2;
-  const int64_t rows = N * (nh + nkv);
+  const int64_t nq = N * nh, nk = N * nkv, rows = nq + nk + (vin ? nk : 0);
   for (int64_t r = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); r < rows; r += int64_t(gridDim.x) * kWarps) {
-    const bool isq = r < N * nh;
-    const int64_t row = isq ? r : r - N * nh, tok = row / (isq ? nh : nkv);
-    const S* x = (isq ? qraw : kraw) + row * hd;
-    const S* w = isq ? wq : wk;
-    S* o = (isq ? q : k) + row * hd;
+    const int kind = r < nq ? 0 : r < nq + nk ? 1 : 2;  // q, k, v
+    const int64_t row = kind == 0 ? r : kind == 1 ? r - nq : r - nq - nk;
+    const int heads = kind == 0 ? nh : nkv;
+    const int64_t tok = row / heads, h = row - tok * heads;
+    const S* x = (kind == 0 ? qin : kind == 1 ? kin : vin) + tok * (kind == 0 ? ldq : ldk) + h * hd;
+    S* o;
+    if (kind == 0) {
+      o = q + row * hd;
+    } else if (slots) {
+      const int64_t slot = slots[tok];
+      if (slot < 0) continue;
+      o = (kind == 1 ? k : vout) + (slot * nkv + h) * hd;
+    } else {
+      o = k + row * hd;
+    }
+    if (kind == 2) {
+      for (int d = lane; d < hd; d += 32) o[d] = x[d];
+      continue;
+    }
+    const S* w = kind == 0 ? wq : wk;
     float ss = 0.f;
     for (int d = lane; d < hd; d += 32) {
       const float v = ld(x, d);
@@ -132,7 +152,8 @@ __global__ void k_qk_norm_rope(const S* __restrict__ qraw, const S* __restrict__
       st(o, d, a * c - b * s);
       st(o, d + half, b * c + a * s);
     }
-    if (lane == 0) (isq ? rq : rk)[row] = rs;
+    float* rr = kind == 0 ? rq : rk;
+    if (lane == 0 && rr) rr[row] = rs;
   }
 }
 
@@ -377,8 +398,25 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
   Q3VL_CHECK(hd % 2 == 0 && hd <= 4096 && nh + nkv <= 65536, "qk_norm_rope_fwd: head dim must be even");
   by_dtype(dt, [&]<class S>() {
     k_qk_norm_rope<S><<<row_blocks(N * (nh + nkv)), 256, 0, stream_of(x)>>>(
-        static_cast<const S*>(qraw), static_cast<const S*>(kraw), static_cast<const S*>(wq), static_cast<const S*>(wk),
-        static_cast<S*>(q), static_cast<S*>(k), rq, rk, cos, sin, N, int(nh), int(nkv), int(hd), float(eps));
+        static_cast<const S*>(qraw), static_cast<const S*>(kraw), nullptr, nh * hd, nkv * hd, static_cast<const S*>(wq),
+        static_cast<const S*>(wk), static_cast<S*>(q), static_cast<S*>(k), nullptr, nullptr, rq, rk, cos, sin, N,
+        int(nh), int(nkv), int(hd), float(eps));
+    Q3VL_LAUNCHED();
+  });
+}
+
+void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void* wk, void* q, void* k_pool,
+                      void* v_pool, const int32_t* slots, const float* cos, const float* sin, int64_t N, int64_t nh,
+                      int64_t nkv, int64_t hd, double eps, DType dt) {
+  if (N <= 0) return;
+  Q3VL_CHECK(hd % 2 == 0 && hd <= 4096 && nh + nkv <= 65536, "qkv_to_cache_fwd: head dim must be even");
+  const int64_t ld = (nh + 2 * nkv) * hd;
+  by_dtype(dt, [&]<class S>() {
+    const S* in = static_cast<const S*>(qkv);
+    k_qk_norm_rope<S><<<row_blocks(N * (nh + 2 * nkv)), 256, 0, stream_of(x)>>>(
+        in, in + nh * hd, in + (nh + nkv) * hd, ld, ld, static_cast<const S*>(wq), static_cast<const S*>(wk),
+        static_cast<S*>(q), static_cast<S*>(k_pool), static_cast<S*>(v_pool), slots, nullptr, nullptr, cos, sin, N,
+        int(nh), int(nkv), int(hd), float(eps));
     Q3VL_LAUNCHED();
   });
 }
