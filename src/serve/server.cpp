@@ -943,12 +943,16 @@ void Server::engine_loop() {
       }
       rows.push_back(s);
     }
-    // On every core: each job draws from its own random stream, so the order of the rows does not matter.
+    // Sampled rows on every core (each job draws from its own random stream, so their order does not matter);
+    // greedy ones are already picked.
     std::vector<int64_t> tok(segs.size());
-    parallel_for((int64_t)rows.size(), [&](int64_t i) {
-      const size_t s = rows[i];
-      tok[s] = greedy ? std::max<int64_t>(best.id[s], 0) : sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
-    });
+    if (greedy)
+      for (size_t s : rows) tok[s] = std::max<int64_t>(best.id[s], 0);
+    else
+      parallel_for((int64_t)rows.size(), [&](int64_t i) {
+        const size_t s = rows[i];
+        tok[s] = sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
+      });
     for (size_t s : rows) {
       Job& j = *who[s];
       const int64_t t = tok[s];
