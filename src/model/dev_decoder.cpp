@@ -2,6 +2,8 @@
 // M-RoPE -> residual; RMSNorm -> dense SwiGLU MLP or MoE block -> residual. The op sequence is decoder.cpp's, so on
 // the CPU in fp32 it computes what the templated layer computes.
 #include <cmath>
+#include <initializer_list>
+#include <string>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_layers.hpp"
@@ -69,27 +71,24 @@ void grouped_linear(const dev::Exec& ex, const DevParams& P, int id, const void*
   if (P.q8 && P.q8[id]) return dev::grouped_linear_int8_fwd(ex, xg, P.q8[id], P.s8[id], start, y, R, E, n_in, n_out, dt);
   dev::grouped_linear_fwd(ex, xg, P.p[id], start, y, R, E, n_in, n_out, dt);
 }
-// The dense MLP runs gate and up as one [2I, H] matrix: the table keeps gate_proj and up_proj adjacent (so does the
-// int8 layout, rows and scales). Returns gate_proj's id.
-int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
-  const int g = f + tlay::gate_proj, u = f + tlay::up_proj;
-  if (P.q8 && P.q8[g])
-    Q3VL_CHECK(P.q8[u] == P.q8[g] + I * H && P.s8[u] == P.s8[g] + I, "int8 gate_proj/up_proj must be adjacent");
-  else
-    Q3VL_CHECK(P.p[u] == at(P.p[g], I * H, dt), "gate_proj/up_proj must be adjacent");
-  Q3VL_CHECK(!P.g[g] || P.g[u] == P.g[g] + I * H, "gate_proj/up_proj grads must be adjacent");
-  return g;
+// Consecutive linears of a layer run as one matrix: the table keeps them adjacent, and so do the device model's int8
+// rows and scales and the gradients. rows: each one's output rows; returns the first one's id.
+int fused(const DevParams& P, int first, std::initializer_list<int64_t> rows, int64_t n_in, DType dt,
+          const std::string& what) {
+  int id = first;
+  for (auto r = rows.begin(); r + 1 != rows.end(); ++r, ++id) {
+    if (P.q8 && P.q8[first])
+      Q3VL_CHECK(P.q8[id + 1] == P.q8[id] + *r * n_in && P.s8[id + 1] == P.s8[id] + *r,
+                 "int8 " + what + " must be adjacent");
+    else
+      Q3VL_CHECK(P.p[id + 1] == at(P.p[id], *r * n_in, dt), what + " must be adjacent");
+    Q3VL_CHECK(!P.g[id] || P.g[id + 1] == P.g[id] + *r * n_in, what + " grads must be adjacent");
+  }
+  return first;
 }
-// q_proj, k_proj and v_proj as one [Dq + 2 Dk, H] matrix where the weights lie adjacent (the device model keeps
-// them so, int8 rows and scales too): q_proj's id, else -1.
-int fused_qkv(const DevParams& P, int f, int64_t Dq, int64_t Dk, int64_t H, DType dt) {
-  const int q = f + tlay::q_proj, k = f + tlay::k_proj, v = f + tlay::v_proj;
-  if (P.q8 && P.q8[q])
-    return P.q8[k] == P.q8[q] + Dq * H && P.q8[v] == P.q8[k] + Dk * H && P.s8[k] == P.s8[q] + Dq &&
-                   P.s8[v] == P.s8[k] + Dk
-               ? q
-               : -1;
-  return P.p[k] == at(P.p[q], Dq * H, dt) && P.p[v] == at(P.p[k], Dk * H, dt) ? q : -1;
+// The dense MLP's gate and up as one [2I, H] matrix. Returns gate_proj's id.
+int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
+  return fused(P, f + tlay::gate_proj, {I, I}, H, dt, "gate_proj/up_proj");
 }
 void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
 // The attention's inputs: c.ln1 -> q, k (QK-norm, M-RoPE) and v.
@@ -151,15 +150,11 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   if (pending) dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
   else dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
-  if (const int qkv = fused_qkv(P, f, Dq, Dk, H, dt); qkv >= 0) {  // one GEMM, then q and the new keys/values
-    dev_linear(ex, P, qkv, c.ln1, c.qraw, N, H, Dq + 2 * Dk, dt);
-    dev::qkv_to_cache_fwd(ex, c.qraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, cos,
-                          sin, N, nh, nkv, hd, tc.rms_eps, dt);
-  } else {
-    qkv_fwd(ex, tc, P, f, N, cos, sin, c, dt);
-    dev::scatter_rows(ex, c.k, kv.slots, kv.k, N, Dk, false, dt);
-    dev::scatter_rows(ex, c.v, kv.slots, kv.v, N, Dk, false, dt);
-  }
+  // q_proj, k_proj and v_proj as one GEMM into [q | k | v] rows, then q and the new keys and values in one pass.
+  dev_linear(ex, P, fused(P, f + tlay::q_proj, {Dq, Dk, Dk}, H, dt, "q_proj/k_proj/v_proj"), c.ln1, c.qraw, N, H,
+             Dq + 2 * Dk, dt);
+  dev::qkv_to_cache_fwd(ex, c.qraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, cos, sin,
+                        N, nh, nkv, hd, tc.rms_eps, dt);
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
                            kv.max_q, kv.max_ctx, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);

@@ -21,25 +21,28 @@
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/runtime/runtime.hpp"
+#include "q3vl/tensor/dev.hpp"
 
 namespace q3vl {
 
 namespace fs = std::filesystem;
 
-// O(V) per row, never a sort of the vocabulary (a server samples dozens of 151936-entry rows a step): greedy is one
-// scan of the floats; sampling sorts only the prefix that top_k / top_p keep, found by selecting ever larger heads.
+// O(V) per row, never a sort of the vocabulary (a server samples dozens of 151936-entry rows a step): greedy is
+// dev::argmax_rows's CPU reference, the same pick serve's greedy steps make on the device; sampling sorts only the
+// prefix that top_k / top_p keep, found by selecting ever larger heads.
 int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, std::mt19937_64& rng) {
   const int64_t lim = sp.vocab_limit > 0 ? std::min(sp.vocab_limit, V) : V;
+  if (sp.temperature <= 0) {  // the first maximum among the allowed ids
+    const std::vector<int32_t> banned(sp.banned.begin(), sp.banned.end());
+    int32_t id = 0;
+    float val = 0;
+    dev::argmax_rows(dev::Exec{}, logits, 1, V, 0, lim, banned.data(), int64_t(banned.size()), &id, &val);
+    return std::max<int64_t>(id, 0);
+  }
   std::vector<char> ban;
   for (int64_t b : sp.banned)
     if (b >= 0 && b < lim) ban.resize(size_t(lim), 0), ban[size_t(b)] = 1;
   const auto allowed = [&](int64_t v) { return ban.empty() || !ban[size_t(v)]; };
-  if (sp.temperature <= 0) {  // the first maximum among the allowed ids
-    int64_t best = -1;
-    for (int64_t v = 0; v < lim; ++v)
-      if ((best < 0 || logits[v] > logits[best]) && allowed(v)) best = v;
-    return std::max<int64_t>(best, 0);
-  }
   // Candidates by decreasing logit (ties: lower id first), cut to top_k, softmax at the temperature, cut to top_p.
   std::vector<int64_t> ids;
   ids.reserve(size_t(lim));
