@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
-q=bin/q3vl
+q=${Q3VL_BIN:-bin/q3vl}
 py=/usr/bin/python3
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 fails=0 passes=0 skips=0

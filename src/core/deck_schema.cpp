@@ -228,6 +228,9 @@ const std::vector<KeySpec>& deck_schema() {
       {"runtime.peak_flops", T::Real, "989e12",
        "peak FLOP/s of one rank for the metrics' mfu (default: H100/H200 dense bf16, also on the CPU backend)", 1,
        1e18},
+      {"runtime.share_gpus", T::Bool, "false",
+       "train on model.backend = cuda: let more ranks than a node has GPUs share them (NCCL_HOSTID set per rank; "
+       "tests and checks, never fast)"},
       {"runtime.gpus_per_node", T::Int, "0", "check: fail unless every node has at least this many GPUs visible",
        0, 1 << 20},
       {"runtime.walltime", T::Real, "0", "wall-clock budget in seconds (0: none); checkpoint and stop before it", 0,

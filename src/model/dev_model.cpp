@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/core/parallel.hpp"
@@ -159,39 +160,77 @@ int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s,
   return n;
 }
 
-DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage, bool int8)
-    : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), stage_(stage), impl_(std::make_unique<Impl>()) {
+DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage, bool int8,
+                   DevHold hold)
+    : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), stage_(stage), hold_(hold), impl_(std::make_unique<Impl>()) {
   Q3VL_CHECK((stage.whole() && !int8) || !grads, "DevModel: pipeline stages and int8 weights are for inference");
+  Q3VL_CHECK(hold.group >= 1 && (hold.full || grads), "DevModel: a ZeRO hold is for training");
   if (ex.device == Device::CPU && dt != DType::F32)
     fail_all(std::string("model.dtype = ") + dtype_name(dt) + " needs model.backend = \"cuda\" (the CPU computes fp32)");
   // The parameters of the units the stage holds, packed in table order (the whole model in dt: the table's own
-  // offsets); int8 weights in q8_, their scales in s8_.
+  // offsets, each unit padded to the hold's group); int8 weights in q8_, their scales in s8_.
   par_off_.assign(table_.params().size(), -1), scl_off_.assign(table_.params().size(), -1);
+  ubase_.assign(table_.units().size(), -1);
   for (size_t u = 0; u < table_.units().size(); ++u)
-    if (stage_owns(table_, stage_, int(u)))
+    if (stage_owns(table_, stage_, int(u))) {
+      ubase_[u] = held_;
       for (int id : table_.units()[u].params) {
         const ParamInfo& p = table_.param(id);
         if (int8 && int8_param(table_, id)) par_off_[id] = held8_, held8_ += p.numel, scl_off_[id] = rows8_, rows8_ += int8_rows(p);
         else par_off_[id] = held_, held_ += p.numel;
       }
-  params_ = dev::alloc(ex_, size_t(held_) * dtype_size(dt_));
+      if (!int8) held_ = ubase_[u] + padded(table_.units()[u].numel, hold.group);
+    }
+  if (!hold.full) held_ = 0;  // ZeRO-3: units are bound while in use
+  params_ = held_ ? dev::alloc(ex_, size_t(held_) * dtype_size(dt_)) : nullptr;
   if (held8_) {
     q8_ = static_cast<int8_t*>(dev::alloc(ex_, size_t(held8_)));
     s8_ = static_cast<float*>(dev::alloc(ex_, size_t(rows8_) * 4));
   }
-  if (grads) grads_ = static_cast<float*>(dev::alloc(ex_, size_t(grad_bytes(table_))));
-  for (const ParamInfo& p : table_.params()) {
-    const int id = int(pp_.size());
-    const int64_t off = table_.units()[p.unit].offset + p.offset, mine = par_off_[id];
+  if (grads && hold.full) grads_ = static_cast<float*>(dev::alloc(ex_, size_t(held_) * 4));
+  for (size_t id = 0; id < table_.params().size(); ++id) {
+    const int64_t mine = par_off_[id];
     const bool i8 = scl_off_[id] >= 0;
-    pp_.push_back(mine < 0 || i8 ? nullptr : at(params_, mine, dt_));
+    pp_.push_back(mine < 0 || i8 || !params_ ? nullptr : at(params_, mine, dt_));
     q8p_.push_back(i8 ? q8_ + mine : nullptr);
     s8p_.push_back(i8 ? s8_ + scl_off_[id] : nullptr);
-    gp_.push_back(grads_ ? grads_ + off : nullptr);
+    gp_.push_back(grads_ ? grads_ + mine : nullptr);
   }
   if (grads_) zero_grads();
 }
 
+void DevModel::bind_unit(int u, const void* params, float* grads) {
+  for (int id : table_.units()[size_t(u)].params) {
+    const int64_t off = table_.param(id).offset;
+    pp_[size_t(id)] = params ? at(params, off, dt_) : nullptr;
+    gp_[size_t(id)] = grads ? grads + off : nullptr;
+  }
+}
+
+void DevModel::enter(int id, bool bwd) {
+  debug_stop_point(bwd ? "backward" : "forward");  // test hook, off unless runtime.debug_stop_rank is set
+  if (hooks_) bwd ? hooks_->before_backward(table_.param(id).unit) : hooks_->before_forward(table_.param(id).unit);
+}
+void DevModel::leave(int id, bool bwd) {
+  if (hooks_) bwd ? hooks_->after_backward(table_.param(id).unit) : hooks_->after_forward(table_.param(id).unit);
+}
+void DevModel::enter_layer(int l, bool bwd) {
+  enter(table_.layer(l), bwd);
+  if (table_.experts(l) >= 0) enter(table_.experts(l), bwd);
+}
+void DevModel::leave_layer(int l, bool bwd) {
+  if (table_.experts(l) >= 0) leave(table_.experts(l), bwd);
+  leave(table_.layer(l), bwd);
+}
+// The final norm's unit, and around it the LM head's when that is another (tied: the embeddings').
+void DevModel::enter_head(bool bwd) {
+  enter(table_.final_norm(), bwd);
+  if (table_.param(table_.lm_head()).unit != table_.param(table_.final_norm()).unit) enter(table_.lm_head(), bwd);
+}
+void DevModel::leave_head(bool bwd) {
+  if (table_.param(table_.lm_head()).unit != table_.param(table_.final_norm()).unit) leave(table_.lm_head(), bwd);
+  leave(table_.final_norm(), bwd);
+}
 
 void DevModel::set_recompute(bool on) {
   Q3VL_CHECK(!impl_->block, "DevModel::set_recompute comes before reserve()");
@@ -212,16 +251,6 @@ int64_t DevModel::activation_bytes(const ModelConfig& cfg, DType dt, const DevBu
   return int64_t(size_arena(i, cfg, dt, b, recompute));
 }
 
-DevMemory DevModel::plan(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute, int64_t ws_bytes) {
-  const ParamTable t(cfg);
-  DevMemory m;
-  m.weights = weight_bytes(t, dt);
-  m.grads = grad_bytes(t);
-  m.activations = activation_bytes(cfg, dt, b, recompute);
-  m.workspace = ws_bytes;
-  return m;
-}
-
 void DevModel::reserve(const DevBudget& b) {
   Q3VL_CHECK(!impl_->block, "DevModel::reserve is called once");
   impl_->bytes = size_arena(*impl_, cfg_, dt_, b, impl_->recompute);
@@ -233,6 +262,7 @@ void DevModel::reserve(const DevBudget& b) {
 
 void DevModel::set_params(const float* host_all) {
   const int64_t n = table_.total();
+  Q3VL_CHECK(hold_.group == 1 && hold_.full, "DevModel::set_params: the whole table needs an unpadded model");
   if (dt_ != DType::F32 && grads_) {  // through the gradient buffer as fp32 staging (it is zeroed again after)
     dev::to_device(ex_, grads_, host_all, size_t(n) * 4);
     dev::convert(ex_, params_, dt_, grads_, DType::F32, n);
@@ -288,9 +318,13 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   dev::synchronize(ex_);
   if (stage) dev::release(ex_, stage);
 }
-void DevModel::set_params_from_device(const float* f32) { dev::convert(ex_, params_, dt_, f32, DType::F32, table_.total()); }
-void DevModel::zero_grads() { dev::fill(ex_, grads_, DType::F32, table_.total(), 0.f); }
+void DevModel::set_params_from_device(const float* f32) {
+  Q3VL_CHECK(hold_.group == 1 && hold_.full, "DevModel::set_params_from_device needs an unpadded model");
+  dev::convert(ex_, params_, dt_, f32, DType::F32, table_.total());
+}
+void DevModel::zero_grads() { dev::fill(ex_, grads_, DType::F32, held_, 0.f); }
 void DevModel::grads_to_host(float* host_all) const {
+  Q3VL_CHECK(hold_.group == 1 && hold_.full, "DevModel::grads_to_host needs an unpadded model");
   dev::to_host(ex_, host_all, grads_, size_t(table_.total()) * 4);
 }
 
@@ -341,8 +375,12 @@ struct VisionBufs {
 DevSegments vision_tower(const dev::Exec& ex, const ModelConfig& cfg, const ParamTable& t, const DevParams& P,
                   const std::vector<float>& pixels, const std::vector<int64_t>& grid, int64_t Np, const VisionBufs& b,
                   const std::function<DevVisionBlockCtx&(int)>& ctx, void* const* keep_in, DevVisionScratch& scr,
-                  DevMergerCtx& m, std::vector<DevMergerCtx>& dsm, DType dt) {
+                  DevMergerCtx& m, std::vector<DevMergerCtx>& dsm, DType dt,
+                  const std::function<void(int id, bool in)>& use = nullptr) {
   const VisionConfig& vc = cfg.vision;
+  auto hook = [&](int id, bool in) {
+    if (use) use(id, in);
+  };
   const std::vector<int64_t> vcu = vision_cu_seqlens(grid);
   const int64_t vseg = int64_t(vcu.size()) - 1;
   int64_t vmax = 0;
@@ -356,14 +394,24 @@ DevSegments vision_tower(const dev::Exec& ex, const ModelConfig& cfg, const Para
   dev::to_device(ex, b.vsin, sn.data(), sn.size() * 4);
   up_dt(ex, b.pixels, pixels.data(), pixels.size(), dt);
   const DevSegments vs{b.vcu, vseg, vmax};
+  hook(t.vision_embed(), true);
   dev_vision_embed_fwd(ex, vc, P, t.vision_embed(), b.pixels, grid, Np, b.vx, dt);
+  hook(t.vision_embed(), false);
   for (int i = 0; i < vc.depth; ++i) {
     if (keep_in) dev::copy(ex, keep_in[i], b.vx, size_t(Np * vc.hidden) * dtype_size(dt));
+    hook(t.vision_block(i), true);
     dev_vision_block_fwd(ex, vc, P, t.vision_block(i), b.vx, Np, vs, b.vcos, b.vsin, ctx(i), scr, dt);
+    hook(t.vision_block(i), false);
     for (size_t j = 0; j < vc.deepstack_indexes.size(); ++j)
-      if (vc.deepstack_indexes[j] == i) dev_merger_fwd(ex, vc, P, t.deepstack_merger(j), true, b.vx, Np, b.ds[j], dsm[j], dt);
+      if (vc.deepstack_indexes[j] == i) {
+        hook(t.deepstack_merger(j), true);
+        dev_merger_fwd(ex, vc, P, t.deepstack_merger(j), true, b.vx, Np, b.ds[j], dsm[j], dt);
+        hook(t.deepstack_merger(j), false);
+      }
   }
+  hook(t.merger(), true);
   dev_merger_fwd(ex, vc, P, t.merger(), false, b.vx, Np, b.img, m, dt);
+  hook(t.merger(), false);
   return vs;
 }
 }  // namespace
@@ -420,12 +468,15 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
   if (I.Np > 0) {
     const DevSegments vs = vision_tower(ex_, cfg_, table_, P, pixels, grid, I.Np, {I.pixels, I.vx, I.img, I.ds, I.vcos, I.vsin, I.vcu},
                  [&](int i) -> DevVisionBlockCtx& { return recompute_ ? I.vwork : I.vctx[i]; },
-                 recompute_ ? I.vxin.data() : nullptr, I.vscr, I.mctx, I.dsctx, dt_);
+                 recompute_ ? I.vxin.data() : nullptr, I.vscr, I.mctx, I.dsctx, dt_,
+                 [&](int id, bool in) { in ? enter(id, false) : leave(id, false); });
     I.vseg = vs.nseg, I.vmax = vs.max_len;
   }
 
   // Token embeddings with the image features over the image tokens.
+  enter(table_.embed_tokens(), false);
   dev::embedding_fwd(ex_, I.ids, pp_[table_.embed_tokens()], I.x, N, H, V, dt_);
+  leave(table_.embed_tokens(), false);
   if (I.nvis) dev::scatter_rows(ex_, I.img, I.vis, I.x, I.nvis, H, false, dt_);
 
   // Decoder with DeepStack injection after the first layers.
@@ -437,12 +488,15 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
     int32_t* ix = moe ? I.idx + slot * N * K : nullptr;
     slot += moe;
     if (recompute_) dev::copy(ex_, I.dxin[l], I.x, size_t(N * H) * dtype_size(dt_));
+    enter_layer(l, false);
     dev_decoder_fwd(ex_, cfg_, P, table_.layer(l), moe, I.x, N, seg, I.tcos, I.tsin, pr, ix,
                     recompute_ ? I.dwork[moe] : I.dctx[l], I.dscr, dt_);
+    leave_layer(l, false);
     if (size_t(l) < nds && I.nvis) dev::scatter_rows(ex_, I.ds[l], I.vis, I.x, I.nvis, H, true, dt_);
   }
 
   // Final norm (I.x is its input, kept), LM head and loss.
+  enter_head(false);
   dev::rmsnorm_fwd(ex_, I.x, pp_[table_.final_norm()], I.hf, I.rf, N, H, tc.rms_eps, dt_);
   const void* W = pp_[table_.lm_head()];
   if (logits_out) {  // every row's logits (eval): chunks of rows in order
@@ -473,6 +527,7 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
       dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, nullptr, I.sums, n, V, 0.f, dt_);
     }
   }
+  leave_head(false);
   const int64_t nmoe = slot;
   if (nmoe > 0) dev::aux_loss_fwd(ex_, I.probs, I.idx, I.aux_f, I.sums + 1, nmoe * N, E, K);
   double sums[2];
@@ -497,6 +552,7 @@ void DevModel::backward(float loss_scale) {
 
   // LM head: recompute each chunk's logits, d(CE)/d(logits), then the head's input and weight gradients.
   dev::fill(ex_, I.dh, dt_, N * H, 0.f);
+  enter_head(true);
   const void* W = pp_[table_.lm_head()];
   for (int64_t r0 = 0; r0 < I.nsup; r0 += I.head_rows) {
     const int64_t n = std::min(I.head_rows, I.nsup - r0);
@@ -511,6 +567,7 @@ void DevModel::backward(float loss_scale) {
   }
   dev::fill(ex_, I.dx, dt_, N * H, 0.f);
   dev::rmsnorm_bwd(ex_, I.dh, I.x, pp_[table_.final_norm()], I.rf, I.dx, gp_[table_.final_norm()], N, H, dt_);
+  leave_head(true);
 
   int64_t nmoe = 0;
   for (int l = 0; l < tc.layers; ++l) nmoe += table_.moe_layer(l);
@@ -528,10 +585,12 @@ void DevModel::backward(float loss_scale) {
     const int32_t* ix = moe ? I.idx + slot * N * K : nullptr;
     const void* adl = moe && aux_on_ ? at(I.aux_dl, slot * N * E, dt_) : nullptr;
     DevDecoderCtx* c = recompute_ ? &I.dwork[moe] : &I.dctx[l];
+    enter_layer(l, true);
     if (recompute_)  // rerun into the shared context; probs/idx get the values they already hold
       dev_decoder_fwd(ex_, cfg_, P, table_.layer(l), moe, I.dxin[l], N, seg, I.tcos, I.tsin, const_cast<float*>(pr),
                       const_cast<int32_t*>(ix), *c, I.dscr, dt_);
     dev_decoder_bwd(ex_, cfg_, P, table_.layer(l), moe, I.dx, N, seg, I.tcos, I.tsin, pr, ix, adl, *c, I.dscr, dt_);
+    leave_layer(l, true);
   }
   // Image positions were overwritten by the image features: their rows go to the merger, not the embedding.
   if (I.nvis) {
@@ -539,22 +598,33 @@ void DevModel::backward(float loss_scale) {
     dev::fill(ex_, I.dh, dt_, I.nvis * H, 0.f);
     dev::scatter_rows(ex_, I.dh, I.vis, I.dx, I.nvis, H, false, dt_);
   }
+  enter(table_.embed_tokens(), true);
   dev::embedding_bwd(ex_, I.ids, I.dx, gp_[table_.embed_tokens()], N, H, dt_);
+  leave(table_.embed_tokens(), true);
 
   if (I.Np > 0) {
     const DevSegments vs{I.vcu, I.vseg, I.vmax};
     dev::fill(ex_, I.dv, dt_, I.Np * vc.hidden, 0.f);
+    enter(table_.merger(), true);
     dev_merger_bwd(ex_, vc, P, table_.merger(), false, I.dimg, I.Np, I.dv, I.mctx, I.mscr, dt_);
+    leave(table_.merger(), true);
     for (int i = vc.depth - 1; i >= 0; --i) {
       for (size_t j = 0; j < nds; ++j)
-        if (vc.deepstack_indexes[j] == i && j < size_t(tc.layers))
+        if (vc.deepstack_indexes[j] == i && j < size_t(tc.layers)) {
+          enter(table_.deepstack_merger(j), true);
           dev_merger_bwd(ex_, vc, P, table_.deepstack_merger(j), true, I.dds[j], I.Np, I.dv, I.dsctx[j], I.mscr, dt_);
+          leave(table_.deepstack_merger(j), true);
+        }
       DevVisionBlockCtx* c = recompute_ ? &I.vwork : &I.vctx[i];
+      enter(table_.vision_block(i), true);
       if (recompute_)
         dev_vision_block_fwd(ex_, vc, P, table_.vision_block(i), I.vxin[i], I.Np, vs, I.vcos, I.vsin, *c, I.vscr, dt_);
       dev_vision_block_bwd(ex_, vc, P, table_.vision_block(i), I.dv, I.Np, vs, I.vcos, I.vsin, *c, I.vscr, dt_);
+      leave(table_.vision_block(i), true);
     }
+    enter(table_.vision_embed(), true);
     dev_vision_embed_bwd(ex_, vc, P, table_.vision_embed(), I.pixels, I.grid, I.Np, I.dv, dt_);
+    leave(table_.vision_embed(), true);
   }
 }
 
@@ -640,7 +710,7 @@ DevModel::~DevModel() {
   if (infer_)
     for (auto& [n, g] : infer_->graph) dev::graph_destroy(ex_, g);
   if (infer_ && infer_->block) dev::release(ex_, infer_->block);
-  dev::release(ex_, params_);
+  if (params_) dev::release(ex_, params_);
   if (q8_) dev::release(ex_, q8_), dev::release(ex_, s8_);
   if (grads_) dev::release(ex_, grads_);
 }
@@ -648,7 +718,7 @@ DevModel::~DevModel() {
 DevMemory DevModel::memory() const {
   DevMemory m;
   m.weights = held_ * int64_t(dtype_size(dt_)) + held8_ + rows8_ * 4;
-  m.grads = grads_ ? grad_bytes(table_) : 0;
+  m.grads = grads_ ? held_ * 4 : 0;
   m.activations = int64_t(impl_->bytes) + (infer_ ? int64_t(infer_->bytes) : 0);
   m.workspace = int64_t(ex_.ws_bytes);
   return m;

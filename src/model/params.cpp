@@ -206,4 +206,42 @@ int ParamTable::id(const std::string& name) const {
   return i;
 }
 
+std::vector<int> unit_order(const ParamTable& t, bool backward) {
+  const VisionConfig& vc = t.config().vision;
+  const int layers = t.config().text.layers;
+  std::vector<int> o;
+  auto use = [&](int id) { o.push_back(t.params()[id].unit); };
+  auto layer = [&](int l) {
+    use(t.layer(l));
+    if (t.experts(l) >= 0) use(t.experts(l));
+  };
+  const int head = t.params()[t.final_norm()].unit, lm = t.params()[t.lm_head()].unit;
+  if (!backward) {
+    use(t.vision_embed());
+    for (int i = 0; i < vc.depth; ++i) {
+      use(t.vision_block(i));
+      for (size_t j = 0; j < vc.deepstack_indexes.size(); ++j)
+        if (vc.deepstack_indexes[j] == i) use(t.deepstack_merger(j));
+    }
+    use(t.merger());
+    use(t.embed_tokens());
+    for (int l = 0; l < layers; ++l) layer(l);
+    use(t.final_norm());
+    if (lm != head) use(t.lm_head());
+    return o;
+  }
+  use(t.final_norm());
+  if (lm != head) use(t.lm_head());
+  for (int l = layers - 1; l >= 0; --l) layer(l);
+  use(t.embed_tokens());
+  use(t.merger());
+  for (int i = vc.depth - 1; i >= 0; --i) {
+    for (size_t j = 0; j < vc.deepstack_indexes.size(); ++j)
+      if (vc.deepstack_indexes[j] == i && j < (size_t)layers) use(t.deepstack_merger(j));
+    use(t.vision_block(i));
+  }
+  use(t.vision_embed());
+  return o;
+}
+
 }  // namespace q3vl

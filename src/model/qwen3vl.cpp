@@ -232,41 +232,7 @@ void BasicModel<T>::idle_pass(bool backward) {
 
 template <class T>
 std::vector<int> BasicModel<T>::unit_order(bool backward) const {
-  const VisionConfig& vc = cfg_.vision;
-  const int layers = cfg_.text.layers;
-  std::vector<int> o;
-  auto use = [&](int id) { o.push_back(table_.params()[id].unit); };
-  auto layer = [&](int l) {
-    use(table_.layer(l));
-    if (table_.experts(l) >= 0) use(table_.experts(l));
-  };
-  const int head = table_.params()[table_.final_norm()].unit, lm = table_.params()[table_.lm_head()].unit;
-  if (!backward) {
-    use(table_.vision_embed());
-    for (int i = 0; i < vc.depth; ++i) {
-      use(table_.vision_block(i));
-      for (size_t j = 0; j < vc.deepstack_indexes.size(); ++j)
-        if (vc.deepstack_indexes[j] == i) use(table_.deepstack_merger(j));
-    }
-    use(table_.merger());
-    use(table_.embed_tokens());
-    for (int l = 0; l < layers; ++l) layer(l);
-    use(table_.final_norm());
-    if (lm != head) use(table_.lm_head());
-    return o;
-  }
-  use(table_.final_norm());
-  if (lm != head) use(table_.lm_head());
-  for (int l = layers - 1; l >= 0; --l) layer(l);
-  use(table_.embed_tokens());
-  use(table_.merger());
-  for (int i = vc.depth - 1; i >= 0; --i) {
-    for (size_t j = 0; j < vc.deepstack_indexes.size(); ++j)
-      if (vc.deepstack_indexes[j] == i && j < (size_t)layers) use(table_.deepstack_merger(j));
-    use(table_.vision_block(i));
-  }
-  use(table_.vision_embed());
-  return o;
+  return q3vl::unit_order(table_, backward);
 }
 
 template <class T>

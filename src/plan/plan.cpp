@@ -224,18 +224,21 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   for (size_t i = 0; i < w.trainable.size(); ++i) trained += w.trainable[i] ? t.param(int(i)).numel : 0;
 
   // GPU bytes.
-  if (R == 1) {
-    // One GPU is what train runs today: the DevTrainer, sized by its own function.
-    const DevTrainerMemory d = DevTrainer::plan(w.cfg, w.dt, budget, l.recompute);
+  if (!l.offload && l.ep == 1) {
+    // What train allocates: the DevTrainer's own sizing, ZeRO over the shard group.
+    const DevTrainerMemory d = DevTrainer::plan(w.cfg, w.dt, budget, l.recompute, w.trainable, n, l.stage);
     c.gpu.weights = d.model.weights;
-    c.gpu.grads = d.model.grads;
-    c.gpu.optimizer = l.offload ? 0 : d.optimizer;
+    c.gpu.grads = d.model.grads + d.zero.grads;
+    c.gpu.optimizer = d.optimizer();
+    c.gpu.gathered = d.zero.pool;
     c.gpu.activations = d.model.activations;
     c.gpu.workspace = d.model.workspace;
-    c.built = !l.offload && !l.hybrid && l.ep == 1;
+    c.gpu.comm = d.zero.comm;
+    c.built = true;
   } else {
-    // Several GPUs (ZeRO over NCCL, not built yet): the ZeRO engine's shards on the device, its stage-3 pool in the
-    // compute dtype, and the one-GPU model's weights, gradients, arena and workspace where the stage keeps them.
+    // Not built yet (optimizer offload, expert parallelism on GPUs): the host engine's shards on the device, its
+    // stage-3 pool in the compute dtype, and the model's weights, gradients, arena and workspace where the stage
+    // keeps them.
     const ZeroMemory z = zero_max(w, t, n, l.stage, l.ep);
     if (l.stage < 3) {
       c.gpu.weights = DevModel::weight_bytes(t, w.dt);
@@ -479,9 +482,6 @@ int run_plan(const Deck& d) {
   std::printf("  (GPU tot adds %s GiB of CUDA context and NCCL; host/node adds %s GiB for the OS and processes. "
               "Time: FLOPs at %.0f%% of peak, links at %.0f%%, the ZeRO engine's overlap; text tokens only.)\n",
               gib(kGpuReserve).c_str(), gib(kHostReserve).c_str(), kGemmEfficiency * 100, kLinkEfficiency * 100);
-  if (hw.ranks() > 1)
-    std::printf("  (several GPUs: ZeRO over NCCL is not built yet; these are the design's numbers from the same "
-                "sizing functions.)\n");
   if (w.cfg.moe())
     std::printf("  (MoE: each MoE layer's experts are a ZeRO unit of their own; with ep > 1 a rank holds E/ep of "
                 "them, sharded over the ranks holding the same experts, and the all-to-all is counted as exposed. "
@@ -553,11 +553,9 @@ void choose_layout(Deck& d) {
   Workload w = workload_from_deck(d);
   if (!cuda) w.dt = DType::F32;
   std::vector<Candidate> cs = plan_candidates(w, hw);
-  // Only what train runs: no offload or EP yet, and several CUDA ranks not at all.
+  // Only what train runs: no offload yet, and expert parallelism on CPU ranks only.
   cs.erase(std::remove_if(cs.begin(), cs.end(),
-                          [&](const Candidate& c) {
-                            return c.layout.offload || c.layout.ep > 1 || (cuda && hw.ranks() == 1 && !c.built);
-                          }),
+                          [&](const Candidate& c) { return c.layout.offload || c.layout.ep > 1 || (cuda && !c.built); }),
            cs.end());
   if (cs.empty() || !cs.front().fits) {
     const std::string why = cs.empty() ? "no layout is built for this job" : cs.front().why;

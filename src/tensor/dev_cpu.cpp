@@ -91,6 +91,14 @@ void graph_launch(const Exec& x, void* g) {
 }
 void graph_destroy(const Exec& x, void* g) { ON_CUDA(x, graph_destroy(g)); }
 
+void* event_create(const Exec& x) {
+  ON_CUDA(x, event_create(x));
+  return nullptr;
+}
+void event_destroy(const Exec& x, void* e) { ON_CUDA(x, event_destroy(e)); }
+void event_record(const Exec& x, void* e) { ON_CUDA(x, event_record(x, e)); }
+void event_wait(const Exec& x, void* e) { ON_CUDA(x, event_wait(x, e)); }
+
 void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
   ON_CUDA(x, memory_info(x, free_bytes, total_bytes));
   *free_bytes = *total_bytes = 0;

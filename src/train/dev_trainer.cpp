@@ -5,6 +5,8 @@
 #include <cstring>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/runtime/mpi_comm.hpp"
+#include "q3vl/runtime/nccl_comm.hpp"
 
 namespace q3vl {
 
@@ -17,104 +19,131 @@ DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_
 }
 
 DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
-                                  Device d) {
+                                  const std::vector<bool>& trainable, int group, int stage, Device d) {
+  const ParamTable t(cfg);
   DevTrainerMemory m;
-  m.model = DevModel::plan(cfg, dt, budget, recompute, d == Device::CUDA ? kWorkspaceBytes : 0);
-  m.optimizer = 3 * moment_bytes(ParamTable(cfg)) + kNormBytes;
+  m.model.weights = stage == 3 ? 0 : int64_t(dtype_size(dt)) * [&] {
+    int64_t n = 0;
+    for (const UnitInfo& u : t.units()) n += DevModel::padded(u.numel, group);
+    return n;
+  }();
+  m.model.grads = stage == 3 ? 0 : m.model.weights / int64_t(dtype_size(dt)) * 4;
+  m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
+  m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
+  m.zero = DevZero::plan(t, group, stage, trainable, dt);
+  m.norm = kNormBytes;
   return m;
 }
 
 DevTrainerMemory DevTrainer::memory() const {
   DevTrainerMemory m;
   m.model = model_->memory();
-  m.optimizer = 3 * moment_bytes(*table_) + kNormBytes;
+  m.zero = zero_->memory();
+  m.norm = kNormBytes;
   return m;
 }
 
+namespace {
+std::unique_ptr<Comm> nccl_over(const Comm& c, const dev::Exec& ex) {
+  const auto* m = dynamic_cast<const MpiComm*>(&c);
+  Q3VL_CHECK(m, "DevTrainer: the shard group must be an MPI communicator (NCCL is made over its ranks)");
+  return make_nccl_comm(m->handle(), ex, c.timeout());
+}
+}  // namespace
+
 DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
-                       const DevBudget& budget, bool recompute, LossScaling ls)
-    : ex_(dev::make_exec(d, size_t(kWorkspaceBytes), gpu)), trainable_(trainable), ls_(ls) {
-  model_ = std::make_unique<DevModel>(cfg, ex_, dt);
+                       const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica, int stage)
+    : ex_(dev::make_exec(d, size_t(kWorkspaceBytes), gpu)), shard_(shard), ls_(ls) {
+  // GPU ranks exchange device buffers over NCCL; CPU ranks' buffers are host memory, which MPI moves.
+  Comm* dshard = &shard;
+  Comm* drep = replica && replica->size() > 1 ? replica : nullptr;
+  // NCCL runs on a stream of its own (cx_), so that a unit's gather overlaps the compute before it.
+  if (d == Device::CUDA && (shard.size() > 1 || drep)) cx_ = dev::make_exec(d, 0, gpu);
+  if (d == Device::CUDA && shard.size() > 1) nccl_shard_ = nccl_over(shard, cx_), dshard = nccl_shard_.get();
+  if (d == Device::CUDA && drep) nccl_replica_ = nccl_over(*drep, cx_), drep = nccl_replica_.get();
+  model_ = std::make_unique<DevModel>(cfg, ex_, dt, true, DevStage{}, false, DevZero::hold(dshard->size(), stage));
   model_->set_recompute(recompute);
   model_->reserve(budget);
-  table_ = &model_->table();
-  const int64_t n = table_->total();
-  master_ = static_cast<float*>(dev::alloc(ex_, size_t(moment_bytes(*table_))));
-  m_ = static_cast<float*>(dev::alloc(ex_, size_t(moment_bytes(*table_))));
-  v_ = static_cast<float*>(dev::alloc(ex_, size_t(moment_bytes(*table_))));
+  zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
-  dev::fill(ex_, m_, DType::F32, n, 0.f);
-  dev::fill(ex_, v_, DType::F32, n, 0.f);
-  for (size_t i = 0; i < table_->params().size(); ++i) {
-    if (!trainable_[i]) continue;
-    const ParamInfo& p = table_->param(int(i));
-    const int64_t off = table_->units()[p.unit].offset + p.offset;
-    if (!runs_.empty() && runs_.back().off + runs_.back().n == off && runs_.back().no_decay == p.no_decay)
-      runs_.back().n += p.numel;
+  const ZeroLayout& L = zero_->layout();
+  for (size_t i = 0; i < L.pieces.size(); ++i) {
+    const ShardPiece& p = L.pieces[i];
+    if (!p.trainable) continue;
+    const ZeroLayout::Offs& o = L.offs[i];
+    Run* b = runs_.empty() ? nullptr : &runs_.back();
+    if (b && b->master + b->n == o.master && b->grad + b->n == o.comm && b->opt + b->n == o.opt &&
+        b->no_decay == p.no_decay)
+      b->n += p.count;
     else
-      runs_.push_back({off, p.numel, p.no_decay});
+      runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay});
   }
 }
 
 DevTrainer::~DevTrainer() {
   dev::synchronize(ex_);
+  zero_.reset();
   model_.reset();
-  for (void* p : {(void*)master_, (void*)m_, (void*)v_, (void*)norm_}) dev::release(ex_, p);
+  dev::release(ex_, norm_);
+  nccl_replica_.reset();
+  nccl_shard_.reset();
+  if (cx_.stream) dev::destroy_exec(cx_);
   dev::destroy_exec(ex_);
 }
 
+std::string DevTrainer::comm_kind() const { return nccl_shard_ ? "nccl" : shard_.size() > 1 ? "mpi" : "none"; }
+
 void DevTrainer::from_host(const ZeroEngine& e) {
-  for (const ShardPiece& sp : e.pieces()) {
-    const ParamInfo& p = table_->param(sp.param);
-    const int64_t off = table_->units()[p.unit].offset + p.offset + sp.begin;
-    const size_t bytes = size_t(sp.count) * 4;
-    dev::to_device(ex_, master_ + off, sp.master, bytes);
-    if (sp.exp_avg) dev::to_device(ex_, m_ + off, sp.exp_avg, bytes);
-    if (sp.exp_avg_sq) dev::to_device(ex_, v_ + off, sp.exp_avg_sq, bytes);
-  }
-  model_->set_params_from_device(master_);
+  zero_->from_host(e.pieces());
+  zero_->refresh_params();
   dev::synchronize(ex_);
 }
 
-void DevTrainer::to_host(const ZeroEngine& e) const {
-  for (const ShardPiece& sp : e.pieces()) {
-    const ParamInfo& p = table_->param(sp.param);
-    const int64_t off = table_->units()[p.unit].offset + p.offset + sp.begin;
-    const size_t bytes = size_t(sp.count) * 4;
-    dev::to_host(ex_, sp.master, master_ + off, bytes);
-    if (sp.exp_avg) dev::to_host(ex_, sp.exp_avg, m_ + off, bytes);
-    if (sp.exp_avg_sq) dev::to_host(ex_, sp.exp_avg_sq, v_ + off, bytes);
-  }
-}
+void DevTrainer::to_host(const ZeroEngine& e) const { zero_->to_host(e.pieces()); }
 
-void DevTrainer::begin_step() { model_->zero_grads(); }
+void DevTrainer::begin_step() { zero_->begin_step(); }
 
 double DevTrainer::forward(const PackedBatch& b, double* aux_out, bool aux_loss) {
-  return model_->forward(b, true, nullptr, aux_out, aux_loss);
+  zero_->begin_pass(false);
+  const double loss = model_->forward(b, true, nullptr, aux_out, aux_loss);
+  zero_->end_pass();
+  return loss;
 }
 
-void DevTrainer::backward(double weight) { model_->backward(float(weight * (ls_.on ? ls_.scale : 1.0))); }
+void DevTrainer::backward(double weight) {
+  zero_->begin_pass(true);
+  model_->backward(float(weight * (ls_.on ? ls_.scale : 1.0)));
+  zero_->end_pass();
+  zero_->after_backward();
+}
+
+void DevTrainer::idle() { zero_->idle(); }
+
+void DevTrainer::finish_grads() { zero_->finish_grads(); }
 
 double DevTrainer::grad_norm_sq(bool* finite) {
   const double zero[2] = {0, 0};
   dev::to_device(ex_, norm_, zero, sizeof zero);
   auto* bad = reinterpret_cast<int32_t*>(norm_ + 1);
-  for (const Run& r : runs_) dev::sum_squares(ex_, model_->grads() + r.off, r.n, DType::F32, norm_, bad);
+  for (const Run& r : runs_) dev::sum_squares(ex_, zero_->grads() + r.grad, r.n, DType::F32, norm_, bad);
   double got[2];
   dev::to_host(ex_, got, norm_, sizeof got);
   int32_t nonfinite;
   std::memcpy(&nonfinite, &got[1], 4);
-  *finite = nonfinite == 0 && std::isfinite(got[0]);
+  double sums[2] = {got[0], double(nonfinite)};
+  shard_.all_reduce(sums, 2, DType::F64, ReduceOp::Sum);  // a host reduction of two scalars
+  *finite = sums[1] == 0 && std::isfinite(sums[0]);
   const double s = ls_.on ? ls_.scale : 1.0;
-  return got[0] / (s * s);
+  return sums[0] / (s * s);
 }
 
 void DevTrainer::update(const AdamWConfig& hp, double lr, double gscale, int64_t t) {
   const double g = gscale / (ls_.on ? ls_.scale : 1.0);  // unscale inside the update
   for (const Run& r : runs_)
-    dev::adamw(ex_, master_ + r.off, model_->grads() + r.off, m_ + r.off, v_ + r.off, r.n, hp.beta1, hp.beta2, hp.eps,
-               lr, r.no_decay ? 0.0 : hp.weight_decay, g, t);
-  model_->set_params_from_device(master_);
+    dev::adamw(ex_, zero_->master() + r.master, zero_->grads() + r.grad, zero_->exp_avg() + r.opt,
+               zero_->exp_avg_sq() + r.opt, r.n, hp.beta1, hp.beta2, hp.eps, lr, r.no_decay ? 0.0 : hp.weight_decay,
+               g, t);
+  zero_->refresh_params();
 }
 
 void DevTrainer::after_step(bool finite) {
@@ -129,16 +158,21 @@ void DevTrainer::after_step(bool finite) {
 }
 
 std::string DevTrainer::memory_report() const {
-  const DevMemory m = model_->memory();
+  const DevTrainerMemory m = memory();
   size_t free_b = 0, total_b = 0;
   dev::memory_info(ex_, &free_b, &total_b);
   const double MiB = 1 << 20;
-  char buf[400];
+  char buf[640];
   std::snprintf(buf, sizeof buf,
-                "GPU memory: weights %.0f MiB (%s), gradients %.0f MiB, fp32 masters + AdamW %.0f MiB, activations "
-                "%.0f MiB (arena), workspace %.0f MiB; %.0f MiB free of %.0f MiB",
-                m.weights / MiB, dtype_name(model_->dtype()), m.grads / MiB, 3.0 * table_->total() * 4 / MiB,
-                m.activations / MiB, m.workspace / MiB, free_b / MiB, total_b / MiB);
+                "%s memory per rank (ZeRO stage %d, %d-way shards%s): weights %.3f MiB (%s), gradients %.3f MiB, "
+                "fp32 masters %.3f MiB, AdamW moments %.3f MiB, gradient shard %.3f MiB, landing + %s shard %.3f "
+                "MiB, unit pool %.3f MiB, activations %.1f MiB (arena), workspace %.0f MiB; total %.1f MiB; %.0f MiB "
+                "free of %.0f MiB",
+                ex_.device == Device::CUDA ? "GPU" : "device (CPU op layer)", zero_->stage(), shard_.size(),
+                comm_kind() == "none" ? "" : (", " + comm_kind()).c_str(), m.model.weights / MiB,
+                dtype_name(model_->dtype()), m.model.grads / MiB, m.zero.master / MiB, m.zero.moments / MiB,
+                m.zero.grads / MiB, dtype_name(model_->dtype()), m.zero.comm / MiB, m.zero.pool / MiB,
+                m.model.activations / MiB, m.model.workspace / MiB, m.total() / MiB, free_b / MiB, total_b / MiB);
   return buf;
 }
 

@@ -253,9 +253,14 @@ int run_train(const Deck& deck) {
   // model.backend = "cuda": the device model computes; the host keeps only the engine's shards (checkpoint I/O), as
   // stage 3 does, so no full host copy of the weights exists.
   const bool on_gpu = deck.str("model.backend") == "cuda";
-  if (on_gpu && nranks != 1)
-    fail_all("model.backend = \"cuda\" trains on one GPU (one rank) so far; run with mpiexec -n 1 (ZeRO over NCCL across "
-             "GPUs is not built yet)");
+  if (on_gpu && !getenv("Q3VL_DEVICE_ON_CPU") && !deck.boolean("runtime.share_gpus")) {
+    // One rank a GPU: NCCL refuses two ranks on one device, and sharing one is for tests, never fast.
+    const Placement& p = rt.where();
+    if (world.max(p.local_size > std::max(1, p.gpus_visible) ? 1 : 0) > 0)
+      fail_all("model.backend = \"cuda\": " + std::to_string(p.local_size) + " ranks on node " + p.host + " but " +
+               std::to_string(p.gpus_visible) + " GPU(s) visible: run one rank per GPU, or set runtime.share_gpus = "
+               "true to let ranks share them (tests; each rank needs NCCL_HOSTID set to a value of its own)");
+  }
   const DType compute = compute_dtype(deck.str("model.dtype"));  // app/modes.cpp checked it fits the backend
   if (on_gpu && cfg.lora.on())
     fail_all("lora.rank > 0 trains on the CPU backend so far (model.backend = \"cpu\"); LoRA on CUDA comes with the "
@@ -327,7 +332,7 @@ int run_train(const Deck& deck) {
                      std::to_string(table.experts_per_rank()) + " experts a rank, expert units sharded over " +
                      std::to_string(ep->replicas().size()) + " rank(s)"
                : std::string()));
-  log_info(engine.memory_report());
+  if (!on_gpu) log_info(engine.memory_report());  // the device path's: the DevTrainer's line below
   if (cfg.lora.on()) {
     const LoraSize ls = lora_size(cfg);
     char buf[320];
@@ -378,8 +383,8 @@ int run_train(const Deck& deck) {
     ls.window = deck.integer("optim.loss_scale_window");
     // Q3VL_DEVICE_ON_CPU=1 (tests): the same training path on the CPU op layer, where CI has no GPU.
     gpu = std::make_unique<DevTrainer>(getenv("Q3VL_DEVICE_ON_CPU") ? Device::CPU : Device::CUDA,
-                                       std::max(0, rt.where().gpu), cfg, trainable,
-                                       compute, b, deck.str("train.recompute") == "block", ls);
+                                       std::max(0, rt.where().gpu), cfg, trainable, compute, b,
+                                       deck.str("train.recompute") == "block", ls, *shard, replica.get(), stage);
     log_info(gpu->memory_report());
   }
 
@@ -511,12 +516,16 @@ int run_train(const Deck& deck) {
     const double n_global = counts[0];
     engine.begin_step();
     if (gpu) gpu->begin_step();
-    const int64_t gathered0 = engine.gathered_bytes();
+    const int64_t gathered0 = gpu ? gpu->gathered_bytes() : engine.gathered_bytes();
     double loss_sum = 0, aux_sum = 0;
     if (ep) ep->reset_stats();
-    for (size_t i = 0; i < sd.micro.size() && gpu; ++i) {  // one GPU: no collectives between micro-batches
+    for (size_t i = 0; i < sd.micro.size() && gpu; ++i) {
       const int64_t n = sd.micro_supervised[i];
-      if (n == 0) continue;
+      if (n == 0) {  // nothing to compute here, but the other ranks' collectives wait for this one's
+        Phase p{t_comm, "ZeRO (a micro-batch without supervised tokens)"};
+        gpu->idle();
+        continue;
+      }
       {
         Phase p{t_fwd, "forward"};
         double aux = 0;
@@ -567,8 +576,12 @@ int run_train(const Deck& deck) {
     double loss, gnorm;
     bool grads_finite = true;
     if (gpu) {
+      {
+        Phase p{t_comm, "gradient reduction and loss"};
+        gpu->finish_grads();
+        loss = world.sum(loss_sum) / std::max(1.0, n_global);
+      }
       Phase p{t_opt, "gradient norm"};
-      loss = loss_sum / std::max(1.0, n_global);
       gnorm = std::sqrt(gpu->grad_norm_sq(&grads_finite));
       if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count) grads_finite = false, gnorm = NAN;
     } else {
@@ -656,7 +669,7 @@ int run_train(const Deck& deck) {
                 {"time", {{"wall", st.wall}, {"step", dt}, {"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd}, {"comm", t_comm},
                           {"optimizer", t_opt}}},
                 {"rss_mib", rss},
-                {"gathered_mib", double(engine.gathered_bytes() - gathered0) / (1 << 20)},
+                {"gathered_mib", double((gpu ? gpu->gathered_bytes() : engine.gathered_bytes()) - gathered0) / (1 << 20)},
                 {"memory_mib", {{"activations", mem[0] / (1 << 20)}, {"zero_state", mem[1] / (1 << 20)},
                                 {"working", mem[2] / (1 << 20)}}},
                 {"skipped", !finite},

@@ -156,6 +156,43 @@ Q3VL_DEVICE_ON_CPU=1 train devhalf 1 model.backend=cuda train.stop_after=10 trai
 train devhalf 2 train.resume=auto; ok_run $? devhalf
 cmp_losses devhalf np1 1e-5 && pass "device-checkpoint-resumes-on-cpu" || bad "device-checkpoint-resumes-on-cpu"
 
+# (j2) The device path over several ranks: ZeRO on device buffers (MPI between ranks of the CPU op layer here; NCCL
+# between GPU ranks on the GPU machine, tools/gpu/train_checks.sh). 2 and 4 ranks at ZeRO-3, 2 at stages 1 and 2,
+# hybrid over two (MPICH clique) nodes, all against one device rank (dev1); recomputation bitwise; the ZeRO state
+# per rank at 2 ranks half of one rank's; a 4-rank checkpoint resumes on 1 device rank and on 2 CPU ranks.
+dev() { local name=$1 np=$2; shift 2; Q3VL_DEVICE_ON_CPU=1 train "$name" "$np" model.backend=cuda "$@"; }
+same() {  # same NAME REF TOL: losses and the final checkpoint
+  cmp_losses "$1" "$2" "$3" && cmp_ckpt "$(ckpt "$1")" "$(ckpt "$2")" "$3"
+}
+for n in 2 4; do
+  dev devz3_$n $n && same devz3_$n dev1 1e-5 && pass "device-zero3-$n-ranks-vs-1" || bad "device-zero3-$n-ranks-vs-1"
+done
+for st in 1 2; do
+  dev devz${st}_2 2 parallel.zero_stage=$st && same devz${st}_2 dev1 1e-5 && pass "device-zero$st-2-ranks-vs-1" ||
+    bad "device-zero$st-2-ranks-vs-1"
+done
+MPIR_CVAR_NUM_CLIQUES=2 dev devhyb 4 parallel.hybrid=true
+if grep -q "2-way shards" "$tmp/devhyb.log" && same devhyb dev1 1e-5; then pass "device-hybrid-2-nodes-vs-1"
+else bad "device-hybrid-2-nodes-vs-1: $(grep -m1 'memory per rank' "$tmp/devhyb.log")"; fi
+dev devrc 2 train.recompute=block && same devrc devz3_2 0 && pass "device-recompute-bitwise" || bad "device-recompute-bitwise"
+# "fp32 masters X MiB, AdamW moments Y MiB, gradient shard Z MiB" on rank 0: at 2 ranks half of one rank's (each unit
+# padded to the group: within 1%).
+if $py - "$tmp/dev1.log" "$tmp/devz3_2.log" <<'PY'
+import re, sys
+def state(path):
+    line = next(l for l in open(path) if "memory per rank" in l and "fp32 masters" in l)
+    return [float(re.search(k + r" ([0-9.]+) MiB", line).group(1)) for k in ("fp32 masters", "AdamW moments", "gradient shard")]
+one, two = state(sys.argv[1]), state(sys.argv[2])
+assert all(o > 0 and abs(t / o - 0.5) < 0.01 for o, t in zip(one, two)), (one, two)
+PY
+then pass "device-zero-state-halves"; else bad "device-zero-state-halves: $(grep -h 'memory per rank' "$tmp/dev1.log" "$tmp/devz3_2.log")"; fi
+dev devq4 4 train.stop_after=10; ok_run $? devq4
+cp -r "$tmp/devq4" "$tmp/devq4cpu" && cp -r "$tmp/devq4" "$tmp/devq4dev"
+dev devq4dev 1 train.resume=auto && cmp_losses devq4dev dev1 1e-5 && pass "device-4-ranks-resume-on-1-device-rank" ||
+  bad "device-4-ranks-resume-on-1-device-rank"
+train devq4cpu 2 train.resume=auto && cmp_losses devq4cpu np1 1e-5 && pass "device-4-ranks-resume-on-2-cpu-ranks" ||
+  bad "device-4-ranks-resume-on-2-cpu-ranks"
+
 # A checkpoint of a model with the same shapes but another RoPE base is refused, naming the key.
 mkdir -p "$tmp/theta" && cp $model/* "$tmp/theta/" &&
   sed -i 's/"rope_theta": 5000000.0/"rope_theta": 10000.0/' "$tmp/theta/config.json"

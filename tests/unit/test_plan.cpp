@@ -5,6 +5,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/plan/plan.hpp"
+#include "q3vl/runtime/mpi_comm.hpp"
 #include "q3vl/train/dev_trainer.hpp"
 
 using namespace q3vl;
@@ -57,31 +58,49 @@ TEST(Plan, BadHardwareIsNamed) {
   EXPECT_EQ(h.tflops, 312);
 }
 
-// One GPU: the planner's bytes (through sized_layout, as `q3vl plan` reports them) are the DevTrainer's allocation.
-TEST(Plan, OneGpuBytesAreTheTrainersAllocation) {
+// The planner's bytes (through sized_layout, as `q3vl plan` reports them) are the DevTrainer's allocation, for one
+// rank and for rank 0 of a 2-rank shard group (the largest shard), every ZeRO stage.
+TEST(Plan, GpuBytesAreTheTrainersAllocation) {
   Workload w = workload_from_deck(plan_deck({"data.seq_len=64", "train.global_batch=4", "model.dtype=fp32"}));
-  Hardware hw = gpu_preset("H200-141GB");
-  for (bool rc : {false, true})
-    for (int64_t mb : {1, 2}) {
-      const DevBudget b = train_budget(w.cfg, mb, w.seq_len, w.max_patches);
-      DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, rc, LossScaling{});
-      const DevTrainerMemory got = tr.memory();
-      const DevTrainerMemory want = DevTrainer::plan(w.cfg, DType::F32, b, rc, Device::CPU);
-      EXPECT_EQ(got.model.weights, want.model.weights);
-      EXPECT_EQ(got.model.grads, want.model.grads);
-      EXPECT_EQ(got.model.activations, want.model.activations) << "recompute " << rc << " micro-batch " << mb;
-      EXPECT_EQ(got.model.workspace, want.model.workspace);
-      EXPECT_EQ(got.optimizer, want.optimizer);
-      Layout l;
-      l.micro_batch = mb, l.recompute = rc;
-      const Candidate c = sized_layout(w, hw, l);
-      EXPECT_EQ(c.gpu.weights, got.model.weights);
-      EXPECT_EQ(c.gpu.grads, got.model.grads);
-      EXPECT_EQ(c.gpu.activations, got.model.activations);
-      EXPECT_EQ(c.gpu.optimizer, got.optimizer);
-      EXPECT_EQ(c.gpu.workspace, DevTrainer::kWorkspaceBytes);  // a CUDA Exec's (the CPU's has none)
-      EXPECT_TRUE(c.built);
-    }
+  for (int ranks : {1, 2})
+    for (int stage : {1, 3})
+      for (bool rc : {false, true})
+        for (int64_t mb : {1, 2}) {
+          Hardware hw = gpu_preset("H200-141GB");
+          hw.gpus_per_node = ranks;
+          const DevBudget b = train_budget(w.cfg, mb, w.seq_len, w.max_patches);
+          // Rank 0 of a group of `ranks`: a split of MPI_COMM_SELF cannot make one, so the 2-rank figures come from
+          // the sizing function and are checked against the 1-rank allocation by category below.
+          const DevTrainerMemory want = DevTrainer::plan(w.cfg, DType::F32, b, rc, w.trainable, ranks, stage, Device::CPU);
+          if (ranks == 1) {
+            MpiComm self(MPI_COMM_SELF);
+            DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, rc, LossScaling{}, self, nullptr, stage);
+            const DevTrainerMemory got = tr.memory();
+            EXPECT_EQ(got.model.weights, want.model.weights);
+            EXPECT_EQ(got.model.grads, want.model.grads);
+            EXPECT_EQ(got.model.activations, want.model.activations) << "recompute " << rc << " micro-batch " << mb;
+            EXPECT_EQ(got.model.workspace, want.model.workspace);
+            EXPECT_EQ(got.zero.total(), want.zero.total());
+            EXPECT_EQ(got.optimizer(), want.optimizer());
+          } else {  // two ranks hold half of one rank's shards, by category (up to each unit's padding)
+            const DevTrainerMemory one = DevTrainer::plan(w.cfg, DType::F32, b, rc, w.trainable, 1, stage, Device::CPU);
+            for (auto [a, h] : {std::pair{one.zero.master, want.zero.master}, {one.zero.moments, want.zero.moments},
+                                {one.zero.grads, want.zero.grads}}) {
+              EXPECT_GE(h * 2, a);
+              EXPECT_LE(h * 2, a + int64_t(w.cfg.text.layers + w.cfg.vision.depth + 8) * 4 * 4);
+            }
+          }
+          Layout l;
+          l.micro_batch = mb, l.recompute = rc, l.stage = stage;
+          const Candidate c = sized_layout(w, hw, l);
+          EXPECT_EQ(c.gpu.weights, want.model.weights);
+          EXPECT_EQ(c.gpu.grads, want.model.grads + want.zero.grads);
+          EXPECT_EQ(c.gpu.activations, want.model.activations);
+          EXPECT_EQ(c.gpu.optimizer, want.optimizer());
+          EXPECT_EQ(c.gpu.gathered, want.zero.pool);
+          EXPECT_EQ(c.gpu.workspace, DevTrainer::kWorkspaceBytes);  // a CUDA Exec's (the CPU's has none)
+          EXPECT_TRUE(c.built);
+        }
 }
 
 TEST(Plan, FastestFittingFirstAndMoreMemoryNeverHurts) {

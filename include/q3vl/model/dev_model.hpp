@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "q3vl/model/dev_layers.hpp"
+#include "q3vl/model/hooks.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/runtime/comm.hpp"
 
@@ -41,13 +42,22 @@ struct DevStage {
   }
 };
 
+// How a training model holds its weights and gradients for ZeRO (parallel/dev_zero.hpp): each unit padded to a
+// multiple of `group` elements, so that an all-gather of `group` equal shards lands in place and a reduce-scatter
+// reads equal blocks; `full` = false (ZeRO-3): no storage at all, each unit's weights and gradients are bound
+// (bind_unit) by the unit hooks only while the unit is in use.
+struct DevHold {
+  int group = 1;
+  bool full = true;
+};
+
 class DevModel {
  public:
   // grads = false: inference only (serve), no gradient buffer. A stage (inference only) holds only its units. int8
   // (inference only): the linears int8_param names are held as int8 rows with fp32 scales (quantized on the host as
   // the weights arrive, ops::quantize_int8_rows: what the host model's int8 mode does to the same matrices).
   DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true, DevStage stage = {},
-           bool int8 = false);
+           bool int8 = false, DevHold hold = {});
   // The linears held in int8 with model.weight_dtype = "int8": the decoder's q/k/v/o_proj, dense gate/up/down_proj,
   // MoE experts' gate_up/down, and an untied LM head. The router, norms, embeddings (a tied head) and the vision tower
   // stay in dt.
@@ -80,8 +90,6 @@ class DevModel {
   static bool stage_owns(const ParamTable& t, const DevStage& s, int u);
   const DevStage& stage() const { return stage_; }
   static int64_t grad_bytes(const ParamTable& t) { return t.total() * 4; }
-  // memory() of a model built with these arguments, reserved for b, on an Exec with ws_bytes of workspace.
-  static DevMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute, int64_t ws_bytes);
 
   // Weights in the compute dtype, table order (unit offsets as in ParamTable): from fp32 host values (the full
   // table, or one unit), or converted on the device from fp32 device masters.
@@ -92,6 +100,15 @@ class DevModel {
   void* params() { return params_; }
   float* grads() { return grads_; }
   void zero_grads();
+  // ZeRO. The hooks (model/hooks.hpp) around every use of a unit's weights, in unit_order()'s order; a unit's
+  // weights (dt) and gradients (F32; null: none computed) read from and accumulated into these buffers while bound,
+  // laid out as the unit's ParamInfo::offset says (null, null: unbound).
+  void set_hooks(UnitHooks* h) { hooks_ = h; }
+  void bind_unit(int u, const void* params, float* grads);
+  // Where unit u starts in params() and grads() (elements: units padded to the hold's group), and a padded size.
+  int64_t unit_base(int u) const { return ubase_[size_t(u)]; }
+  int64_t held() const { return held_; }
+  static int64_t padded(int64_t numel, int group) { return (numel + group - 1) / group * group; }
   void grads_to_host(float* host_all) const;
 
   double forward(const Batch& b, bool keep, std::vector<float>* logits_out = nullptr, double* aux_out = nullptr,
@@ -161,6 +178,15 @@ class DevModel {
   DevStage stage_;
   std::vector<int64_t> par_off_;  // [id] its place in params_ (elements) or in q8_, -1 when the stage does not hold it
   std::vector<int64_t> scl_off_;  // [id] its first scale in s8_ (int8 weights), else -1
+  std::vector<int64_t> ubase_;    // [unit] its first element in params_ and grads_, -1 when not held
+  DevHold hold_;
+  UnitHooks* hooks_ = nullptr;
+  void enter(int id, bool bwd);  // the hooks around a use of the unit holding parameter id
+  void leave(int id, bool bwd);
+  void enter_layer(int l, bool bwd);
+  void leave_layer(int l, bool bwd);
+  void enter_head(bool bwd);
+  void leave_head(bool bwd);
   int64_t held_ = 0, held8_ = 0, rows8_ = 0;  // elements in params_, in q8_, scales in s8_
   int8_t* q8_ = nullptr;
   float* s8_ = nullptr;

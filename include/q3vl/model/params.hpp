@@ -103,4 +103,9 @@ class ParamTable {
   std::vector<bool> lora_hit_;  // per target pattern: matched something
 };
 
+// The units' uses of one pass over a batch with images, in order (backward: the backward pass's): every model's
+// forward and backward call their unit hooks (hooks.hpp) in a subsequence of it (no images: no vision units), the
+// same on every rank. ZeRO-3 walks it to keep every rank's gathers and reduce-scatters matched.
+std::vector<int> unit_order(const ParamTable& t, bool backward);
+
 }  // namespace q3vl

@@ -58,6 +58,14 @@ void* capture_end(const Exec& x);
 void graph_launch(const Exec& x, void* g);
 void graph_destroy(const Exec& x, void* g);
 
+// Events order two Execs of one device (compute and communication streams): event_record marks the work enqueued on
+// x so far; event_wait makes x's later work wait for the mark (on the device: the host goes on). The CPU runs
+// everything in program order and has none (null; the calls do nothing).
+void* event_create(const Exec& x);
+void event_destroy(const Exec& x, void* e);
+void event_record(const Exec& x, void* e);
+void event_wait(const Exec& x, void* e);
+
 #include "q3vl/tensor/dev_ops.inc"
 
 }  // namespace q3vl::dev

@@ -1,6 +1,3 @@
-// Training state on one GPU (model.backend = "cuda"): the device model, fp32 master weights and AdamW moments in
-// device memory, the gradient norm, AdamW and dynamic fp16 loss scaling there. The ZeRO engine's host shards stay
-// what checkpoints read and write: to_host before a checkpoint, from_host after start-up or a resume.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -8,6 +5,7 @@
 #include <vector>
 
 #include "q3vl/model/dev_model.hpp"
+#include "q3vl/parallel/dev_zero.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/train/optim.hpp"
 
@@ -24,60 +22,78 @@ struct LossScaling {
 // merge^2 patches; max_patches (train.max_patches, 0: as if every token were an image token) bounds them.
 DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_len, int64_t max_patches);
 
-// A DevTrainer's device memory by kind: the model's, plus fp32 masters, both AdamW moments and the norm scratch.
+// A DevTrainer's device memory by kind: the model's (stage 3: no weights or gradients of its own), the ZeRO shards
+// and pools, and the norm scratch.
 struct DevTrainerMemory {
   DevMemory model;
-  int64_t optimizer = 0;
-  int64_t total() const { return model.total() + optimizer; }
+  DevZeroMemory zero;
+  int64_t norm = 0;
+  int64_t optimizer() const { return zero.master + zero.moments + norm; }  // fp32 masters + AdamW moments
+  int64_t total() const { return model.total() + zero.total() + norm; }
 };
 
+// Training on one device per rank (model.backend): the device model, and ZeRO-1/2/3 over the ranks (DevZero) with
+// the fp32 master shards and AdamW moments in device memory; the gradient norm, AdamW and dynamic fp16 loss scaling
+// there. On GPUs the shards move over NCCL (a communicator per group, on the trainer's stream), on CPU ranks (the CPU
+// op layer) over MPI. The host engine's shards stay what checkpoints read and write: to_host before a checkpoint,
+// from_host after start-up or a resume.
 class DevTrainer {
  public:
   static constexpr int64_t kWorkspaceBytes = int64_t(256) << 20;  // the Exec's GEMM/attention workspace
   static constexpr int64_t kNormBytes = 16;                       // norm sum + non-finite count
-  // What a DevTrainer built with these arguments allocates on its device, without allocating (the planner's sizing).
-  // (A CPU Exec has no workspace: tests size the CPU op layer with Device::CPU.)
+  // What a DevTrainer built with these arguments allocates on its device, without allocating (the planner's sizing):
+  // rank 0's, the largest shard. (A CPU Exec has no workspace: tests size the CPU op layer with Device::CPU.)
   static DevTrainerMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
+                               const std::vector<bool>& trainable, int group = 1, int stage = 3,
                                Device d = Device::CUDA);
-  static int64_t moment_bytes(const ParamTable& t) { return t.total() * 4; }  // one of master, m, v
-  // On the GPU in training; the CPU (fp32) runs the same code in tests.
-  DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt, const DevBudget& budget,
-             bool recompute, LossScaling ls);
+  // shard: the group ZeRO shards over, replica (may be null): hybrid sharding's replicas; both host (MPI) comms that
+  // outlive the trainer. On CUDA the trainer makes its NCCL communicators over the same ranks.
+  DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
+             const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica = nullptr,
+             int stage = 3);
   ~DevTrainer();
 
-  // Masters and moments from the engine's pieces (one rank: each piece a whole tensor), and the compute weights.
+  // Masters and moments from the host engine's pieces (the same layout), and the compute weights.
   void from_host(const ZeroEngine& e);
   void to_host(const ZeroEngine& e) const;
 
   void begin_step();
-  // Loss of a micro-batch (kept for backward); backward adds weight * its gradient (weight = n / n_global).
+  // Loss of a micro-batch (kept for backward); backward adds weight * its gradient (weight = n / n_global). A rank
+  // without tokens in a micro-step calls idle() instead of both: its collectives still run.
   double forward(const PackedBatch& b, double* aux_out = nullptr, bool aux_loss = false);
   int64_t supervised_tokens() const { return model_->supervised_tokens(); }
   void backward(double weight);
-  // Squared norm of the (unscaled) gradient of the trainable parameters; false when any element is not finite.
+  void idle();
+  // The step's gradient shards complete (after the last micro-step).
+  void finish_grads();
+  // Squared norm of the (unscaled) gradient of the trainable parameters over every rank; false when any element is
+  // not finite on any rank.
   double grad_norm_sq(bool* finite);
-  // AdamW on every trainable parameter (gscale: clipping), then the compute weights from the masters.
+  // AdamW on every trainable parameter of this rank's shard (gscale: clipping), then the compute weights.
   void update(const AdamWConfig& hp, double lr, double gscale, int64_t t);
   // Dynamic loss scaling after a step: an overflow halves the scale, `window` good steps double it.
   void after_step(bool finite);
   const LossScaling& loss_scaling() const { return ls_; }
   void set_loss_scale(double s) { ls_.scale = s; }
+  // The communicator the shards move over ("nccl", "mpi", "none" for one rank).
+  std::string comm_kind() const;
+  int64_t gathered_bytes() const { return zero_->gathered_bytes(); }
 
   std::string memory_report() const;
   DevTrainerMemory memory() const;  // what this trainer allocated on its device
   int64_t device_bytes() const { return memory().total(); }
 
  private:
-  struct Run {  // adjacent parameters with the same flags: one optimizer launch
-    int64_t off = 0, n = 0;
+  struct Run {  // adjacent trainable pieces with the same flags: one optimizer launch
+    int64_t master = 0, grad = 0, opt = 0, n = 0;
     bool no_decay = false;
   };
-  dev::Exec ex_;
+  dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
+  Comm& shard_;
+  std::unique_ptr<Comm> nccl_shard_, nccl_replica_;
   std::unique_ptr<DevModel> model_;
-  const ParamTable* table_ = nullptr;
-  std::vector<bool> trainable_;
+  std::unique_ptr<DevZero> zero_;
   std::vector<Run> runs_;
-  float *master_ = nullptr, *m_ = nullptr, *v_ = nullptr;
   double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows
   LossScaling ls_;
 };

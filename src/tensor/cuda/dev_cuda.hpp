@@ -19,6 +19,10 @@ bool capture_begin(const Exec& x);
 void* capture_end(const Exec& x);
 void graph_launch(const Exec& x, void* g);
 void graph_destroy(void* g);
+void* event_create(const Exec& x);
+void event_destroy(void* e);
+void event_record(const Exec& x, void* e);
+void event_wait(const Exec& x, void* e);
 
 #include "q3vl/tensor/dev_ops.inc"
 

@@ -91,4 +91,18 @@ void graph_destroy(void* g) {
   if (g) Q3VL_CU(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g)));
 }
 
+void* event_create(const Exec& x) {
+  cudaEvent_t e = nullptr;
+  Q3VL_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+void event_destroy(void* e) {
+  if (e) Q3VL_CU(cudaEventDestroy(static_cast<cudaEvent_t>(e)));
+}
+
+void event_record(const Exec& x, void* e) { Q3VL_CU(cudaEventRecord(static_cast<cudaEvent_t>(e), stream_of(x))); }
+
+void event_wait(const Exec& x, void* e) { Q3VL_CU(cudaStreamWaitEvent(stream_of(x), static_cast<cudaEvent_t>(e), 0)); }
+
 }  // namespace q3vl::dev::cuda

@@ -1,0 +1,140 @@
+// ZeRO-1/2/3 of a DevModel's units on device buffers (DESIGN.md "Training data flow"), through a Comm whose
+// collectives take this device's pointers: NCCL between GPU ranks, MPI between CPU ranks (the CPU op layer's buffers
+// are host memory).
+//
+// The geometry is zero_layout()'s, so a rank's shard pieces are the host engine's (checkpoints read and write them
+// through it): unit u is padded to s * n elements (n the group size, s = ZeroUnit::shard) and rank r owns
+// [r*s, (r+1)*s). Here every rank holds, on its device:
+//   - the fp32 master shard of every unit [layout.master] and a copy in the compute dtype (what gathers send);
+//   - trainable units' fp32 gradient shard and its reduce-scatter landing buffer [layout.comm each];
+//   - the AdamW moments of the trainable pieces [layout.opt each] (the trainer's optimizer runs on them).
+// Collectives are the even ones (all_gather, reduce_scatter of s elements a rank): NCCL's fast paths.
+//
+// Stages 1/2: the model holds its full weights in the compute dtype and its full fp32 gradients, units padded
+// (DevHold). Gathers after every update (trainable units) fill the weights in place; stage 1 reduce-scatters the
+// gradients once per step, stage 2 after every micro-step (then zeroes them).
+// Stage 3: the model holds nothing. Through its unit hooks each use of a unit is bound to a pool slot that the
+// gather filled (the next unit of unit_order() is gathered while this one computes), and each unit's gradients go
+// to a zeroed pool buffer from its first backward use to its last, then are reduce-scattered. Every rank walks the
+// whole order, so units a rank did not use (no images: the vision tower) still take part in every collective.
+//
+// Ordering. An MPI Comm completes on the host: a gather is waited when its unit is entered, a reduce-scatter before
+// its landing buffer is added. An NCCL Comm runs on a communication stream (`comm_ex`; without one, on the model's
+// stream, in order with its kernels): the next unit's gather runs there while this unit computes, a unit's
+// reduce-scatter as soon as its last backward use is enqueued, and the streams wait for each other on events only
+// (a slot's gather landed, a slot's last use done, a gradient slot read). The host waits for the requests under the
+// watchdog before it reads anything from the device (the end of a forward pass: the loss) and at the end of a step,
+// so a rank that never arrives is named instead of hanging a stream.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "q3vl/model/dev_model.hpp"
+#include "q3vl/parallel/zero.hpp"
+
+namespace q3vl {
+
+// A DevZero's device bytes by kind (the log's memory lines; the planner's sizing).
+struct DevZeroMemory {
+  int64_t master = 0, moments = 0, grads = 0, comm = 0;  // fp32 shards; comm: landing + the dt copy of the masters
+  int64_t pool = 0;                                       // stage 3: gathered unit slots and gradient slots
+  int64_t total() const { return master + moments + grads + comm + pool; }
+};
+
+class DevZero final : UnitHooks {
+ public:
+  // `shard` and `replica` (hybrid sharding; may be null) take the model's device buffers and outlive the engine.
+  // comm_ex: the Exec (stream) an NCCL `shard`/`replica` runs on when it is not the model's; null: the model's.
+  DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
+          const dev::Exec* comm_ex = nullptr);
+  ~DevZero() override;
+  DevZero(const DevZero&) = delete;
+  DevZero& operator=(const DevZero&) = delete;
+  // The DevHold a model for this engine needs.
+  static DevHold hold(int group, int stage) { return {group, stage != 3}; }
+  // What an engine allocates, without allocating: rank 0's (the largest) shard.
+  static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt);
+  DevZeroMemory memory() const { return mem_; }
+
+  int stage() const { return stage_; }
+  const ZeroLayout& layout() const { return L_; }
+  float* master() { return master_; }
+  float* grads() { return gshard_; }  // at ZeroLayout::Offs::comm
+  float* exp_avg() { return m_; }     // at ZeroLayout::Offs::opt
+  float* exp_avg_sq() { return v_; }
+
+  // Master shards and moments from (to) the host engine's pieces of the same layout: start-up, resume, checkpoints.
+  void from_host(const std::vector<ShardPiece>& host);
+  void to_host(const std::vector<ShardPiece>& host) const;
+  // After the masters changed (start-up, every update): the dt copy, and stages 1/2 the model's weights.
+  void refresh_params();
+
+  // One optimizer step: begin_step(); per micro-step { forward pass; backward pass; after_backward() } (a rank with
+  // no tokens runs the passes without compute: idle()); finish_grads(); optimizer on the shards; refresh_params().
+  void begin_step();
+  void begin_pass(bool backward);
+  void end_pass();
+  void after_backward();
+  void idle();
+  void finish_grads();
+  // Collectives so far that moved parameters, in bytes received by this rank.
+  int64_t gathered_bytes() const { return gathered_; }
+
+ private:
+  struct Slot {
+    int unit = -1;
+    int buf = -1;  // index into pslot_
+    std::unique_ptr<CommRequest> req;
+  };
+  void before_forward(int u) override { use(u); }
+  void after_forward(int u) override { unuse(u); }
+  void before_backward(int u) override { use(u); }
+  void after_backward(int u) override { unuse(u); }
+  void use(int u);
+  void unuse(int u);
+  void enter_slot(size_t k);
+  void leave_slot(size_t k);
+  void issue_gather(size_t k);
+  // Reduce-scatters unit u's full gradients at `g` (padded) into its shard: through the landing buffer, added.
+  void reduce_unit(int u, const float* g);
+  void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
+  void drain();  // the host waits for every request in flight (under the watchdog)
+  void c2m();    // the communication stream waits for the work enqueued on the model's so far
+  void m2c();    // and the other way round
+  void* wshard(int64_t off) const;
+
+  DevModel& model_;
+  const dev::Exec ex_;
+  Comm& shard_;
+  Comm* replica_;
+  int stage_;
+  DType dt_;
+  bool ordered_;  // collectives run on a stream (NCCL), not on the host
+  dev::Exec cx_;  // the communication stream's Exec (the model's when there is none of its own)
+  bool split_;    // cx_ is not the model's: events order the two
+  void *ev_c2m_ = nullptr, *ev_m2c_ = nullptr;
+  std::vector<void*> ev_ready_, ev_free_, ev_gfree_;  // per pool slot: gather landed, last use done; grad slot read
+  ZeroLayout L_;
+  std::vector<int64_t> gbase_;  // [unit] its first element of the full padded gradients (stages 1/2: the model's)
+  float *master_ = nullptr, *gshard_ = nullptr, *land_ = nullptr, *m_ = nullptr, *v_ = nullptr;
+  void* wcopy_ = nullptr;  // masters in dt (null: dt is fp32, the masters themselves)
+  DevZeroMemory mem_;
+  int64_t gathered_ = 0;
+  bool gathered_once_ = false;
+  std::vector<std::pair<Comm*, std::unique_ptr<CommRequest>>> inflight_;
+  // Stage 3.
+  int64_t slot_elems_ = 0;
+  std::vector<void*> pslot_;
+  std::vector<float*> gslot_;
+  std::vector<int> pfree_, gfree_;
+  std::vector<int> order_[2], last_use_, rs_order_;
+  std::vector<Slot> slots_;
+  size_t next_ = 0, rs_next_ = 0;
+  bool backward_ = false, in_pass_ = false;
+  std::vector<int> held_, gbuf_;  // [unit] its slot, its gradient slot (-1: none)
+  std::vector<char> done_;
+};
+
+}  // namespace q3vl

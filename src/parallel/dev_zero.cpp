@@ -1,0 +1,330 @@
+#include "q3vl/parallel/dev_zero.hpp"
+
+#include <algorithm>
+
+#include "q3vl/core/error.hpp"
+
+namespace q3vl {
+
+namespace {
+
+constexpr int kParamSlots = 3;  // the unit in use, the prefetched next one, an enclosing use (the LM head's two units)
+
+int64_t slot_elems(const ZeroLayout& L, int group) {
+  int64_t m = 0;
+  for (const ZeroUnit& u : L.units) m = std::max(m, u.shard * group);
+  return m;
+}
+
+// Stage 3's gradient slots: every unit between its first and last backward use at one point of the order, and one
+// whose reduce-scatter is being issued.
+int grad_slots(const ParamTable& t) { return int(ZeroEngine::pool_slots(t, unit_order(t, true)).grads); }
+
+DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt) {
+  DevZeroMemory m;
+  const int64_t d = int64_t(dtype_size(dt));
+  m.master = L.master * 4;
+  m.moments = 2 * L.opt * 4;
+  m.grads = L.comm * 4;
+  m.comm = L.comm * 4 + (dt == DType::F32 ? 0 : L.master * d);
+  if (stage == 3) m.pool = slot_elems(L, group) * (kParamSlots * d + grad_slots(t) * 4);
+  return m;
+}
+
+}  // namespace
+
+DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt) {
+  return sizes(t, zero_layout(t, {group, 0}, nullptr, stage, trainable), group, stage, dt);
+}
+
+DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
+                 const dev::Exec* comm_ex)
+    : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), stage_(stage), dt_(m.dtype()),
+      ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
+      split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream) {
+  const ParamTable& t = m.table();
+  const int n = shard.size();
+  L_ = zero_layout(t, {n, shard.rank()}, nullptr, stage, trainable);
+  Q3VL_CHECK(t.ep().size == 1, "DevZero: expert parallelism is not on the device model yet");
+  Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
+  mem_ = sizes(t, L_, n, stage, dt_);
+  auto f32 = [&](int64_t k) {
+    float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
+    dev::fill(ex_, p, DType::F32, k, 0.f);
+    return p;
+  };
+  master_ = f32(L_.master), gshard_ = f32(L_.comm), land_ = f32(L_.comm), m_ = f32(L_.opt), v_ = f32(L_.opt);
+  if (dt_ != DType::F32) wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(dt_));
+  if (split_) ev_c2m_ = dev::event_create(ex_), ev_m2c_ = dev::event_create(ex_);
+  const size_t nu = t.units().size();
+  gbase_.resize(nu);
+  for (size_t u = 0; u < nu; ++u) {
+    gbase_[u] = stage == 3 ? 0 : m.unit_base(int(u));
+    Q3VL_CHECK(stage == 3 || gbase_[u] % n == 0, "DevZero: the model's units are not padded to the shard group");
+  }
+  if (stage != 3) return;
+  order_[0] = unit_order(t, false);
+  order_[1] = unit_order(t, true);
+  last_use_.assign(nu, -1);
+  for (size_t k = 0; k < order_[1].size(); ++k) last_use_[size_t(order_[1][k])] = int(k);
+  for (size_t u = 0; u < nu; ++u) {
+    Q3VL_CHECK(last_use_[u] >= 0, "ZeRO-3: unit " + t.units()[u].name + " is not used by backward");
+    rs_order_.push_back(int(u));
+  }
+  std::sort(rs_order_.begin(), rs_order_.end(), [&](int a, int b) { return last_use_[a] < last_use_[b]; });
+  slot_elems_ = slot_elems(L_, n);
+  auto event = [&] { return split_ ? dev::event_create(ex_) : nullptr; };
+  for (int i = 0; i < kParamSlots; ++i) {
+    pslot_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(dt_))), pfree_.push_back(i);
+    ev_ready_.push_back(event()), ev_free_.push_back(event());
+  }
+  for (int i = 0, g = grad_slots(t); i < g; ++i) {
+    gslot_.push_back(static_cast<float*>(dev::alloc(ex_, size_t(slot_elems_) * 4))), gfree_.push_back(i);
+    ev_gfree_.push_back(event());
+  }
+  held_.assign(nu, -1), gbuf_.assign(nu, -1), done_.assign(nu, 0);
+  model_.set_hooks(this);
+}
+
+DevZero::~DevZero() {
+  dev::synchronize(ex_);
+  if (stage_ == 3) model_.set_hooks(nullptr);
+  for (void* p : {(void*)master_, (void*)gshard_, (void*)land_, (void*)m_, (void*)v_, wcopy_})
+    if (p) dev::release(ex_, p);
+  dev::synchronize(cx_);
+  for (void* p : pslot_) dev::release(ex_, p);
+  for (float* p : gslot_) dev::release(ex_, p);
+  for (auto* v : {&ev_ready_, &ev_free_, &ev_gfree_})
+    for (void* e : *v) dev::event_destroy(ex_, e);
+  dev::event_destroy(ex_, ev_c2m_), dev::event_destroy(ex_, ev_m2c_);
+}
+
+void* DevZero::wshard(int64_t off) const {
+  return wcopy_ ? at(wcopy_, off, dt_) : static_cast<void*>(master_ + off);
+}
+
+// Host pieces and this layout's pieces are the same list (one zero_layout of the same group).
+void DevZero::from_host(const std::vector<ShardPiece>& host) {
+  Q3VL_CHECK(host.size() == L_.pieces.size(), "DevZero: the host engine's shard is another layout");
+  for (size_t i = 0; i < host.size(); ++i) {
+    const ShardPiece& h = host[i];
+    Q3VL_CHECK(h.param == L_.pieces[i].param && h.begin == L_.pieces[i].begin && h.count == L_.pieces[i].count,
+               "DevZero: the host engine's shard is another layout");
+    const size_t bytes = size_t(h.count) * 4;
+    dev::to_device(ex_, master_ + L_.offs[i].master, h.master, bytes);
+    if (L_.offs[i].opt >= 0 && h.exp_avg) {
+      dev::to_device(ex_, m_ + L_.offs[i].opt, h.exp_avg, bytes);
+      dev::to_device(ex_, v_ + L_.offs[i].opt, h.exp_avg_sq, bytes);
+    }
+  }
+  dev::synchronize(ex_);
+}
+
+void DevZero::to_host(const std::vector<ShardPiece>& host) const {
+  for (size_t i = 0; i < host.size(); ++i) {
+    const ShardPiece& h = host[i];
+    const size_t bytes = size_t(h.count) * 4;
+    dev::to_host(ex_, h.master, master_ + L_.offs[i].master, bytes);
+    if (L_.offs[i].opt >= 0 && h.exp_avg) {
+      dev::to_host(ex_, h.exp_avg, m_ + L_.offs[i].opt, bytes);
+      dev::to_host(ex_, h.exp_avg_sq, v_ + L_.offs[i].opt, bytes);
+    }
+  }
+}
+
+void DevZero::settle(Comm& c, std::unique_ptr<CommRequest> r) {
+  if (ordered_) inflight_.emplace_back(&c, std::move(r));
+  else c.wait(std::move(r));
+}
+
+void DevZero::drain() {
+  for (auto& [c, r] : inflight_) c->wait(std::move(r));
+  inflight_.clear();
+}
+
+void DevZero::c2m() {
+  if (!split_) return;
+  dev::event_record(ex_, ev_c2m_);
+  dev::event_wait(cx_, ev_c2m_);
+}
+
+void DevZero::m2c() {
+  if (!split_) return;
+  dev::event_record(cx_, ev_m2c_);
+  dev::event_wait(ex_, ev_m2c_);
+}
+
+void DevZero::refresh_params() {
+  if (wcopy_) dev::convert(ex_, wcopy_, dt_, master_, DType::F32, L_.master);
+  if (stage_ == 3) return;
+  const int n = shard_.size();
+  const size_t d = dtype_size(dt_);
+  char* full = static_cast<char*>(model_.params());
+  c2m();  // the updated masters, and the model's last reads of its weights
+  for (size_t i = 0; i < L_.units.size(); ++i) {
+    const ZeroUnit& u = L_.units[i];
+    if (!u.trainable && gathered_once_) continue;  // the optimizer changed nothing there
+    void* dst = full + gbase_[i] * int64_t(d);
+    if (n == 1) dev::copy(ex_, dst, wshard(u.master_off), size_t(u.shard) * d);
+    else settle(shard_, shard_.iall_gather(wshard(u.master_off), dst, size_t(u.shard), dt_));
+    gathered_ += u.shard * n * int64_t(d);
+  }
+  gathered_once_ = true;
+  m2c();
+  drain();
+}
+
+// The caller has made the communication stream wait for whatever wrote g.
+void DevZero::reduce_unit(int ui, const float* g) {
+  const ZeroUnit& u = L_.units[size_t(ui)];
+  if (shard_.size() == 1) return dev::axpy(ex_, 1.f, g, gshard_ + u.comm_off, u.shard, DType::F32);
+  settle(shard_, shard_.ireduce_scatter(g, land_ + u.comm_off, size_t(u.shard), DType::F32, ReduceOp::Sum));
+  dev::axpy(cx_, 1.f, land_ + u.comm_off, gshard_ + u.comm_off, u.shard, DType::F32);
+}
+
+void DevZero::begin_step() {
+  dev::fill(ex_, gshard_, DType::F32, L_.comm, 0.f);
+  if (stage_ != 3) model_.zero_grads();
+}
+
+void DevZero::after_backward() {
+  if (stage_ != 2) return;
+  c2m();
+  for (size_t i = 0; i < L_.units.size(); ++i)
+    if (L_.units[i].trainable) reduce_unit(int(i), model_.grads() + gbase_[i]);
+  m2c();
+  drain();  // before the next forward reads the loss from the device
+  model_.zero_grads();  // after the reduce-scatters read them
+}
+
+void DevZero::idle() {
+  begin_pass(false), end_pass();
+  begin_pass(true), end_pass();
+  after_backward();
+}
+
+void DevZero::finish_grads() {
+  c2m();
+  if (stage_ == 1)
+    for (size_t i = 0; i < L_.units.size(); ++i)
+      if (L_.units[i].trainable) reduce_unit(int(i), model_.grads() + gbase_[i]);
+  if (replica_ && replica_->size() > 1 && L_.comm > 0)
+    settle(*replica_, replica_->iall_reduce(gshard_, gshard_, size_t(L_.comm), DType::F32, ReduceOp::Sum));
+  m2c();
+  drain();
+}
+
+// ---- Stage 3: the unit stream ------------------------------------------------------------------------------------
+
+void DevZero::begin_pass(bool backward) {
+  if (stage_ != 3) return;
+  Q3VL_CHECK(!in_pass_, "ZeRO-3: a pass began before the previous one ended");
+  in_pass_ = true, backward_ = backward;
+  const std::vector<int>& o = order_[backward];
+  slots_.clear();
+  slots_.resize(o.size());
+  for (size_t k = 0; k < o.size(); ++k) slots_[k].unit = o[k];
+  next_ = 0;
+  if (backward) std::fill(done_.begin(), done_.end(), 0), rs_next_ = 0;
+  c2m();  // the masters' dt copy, and everything before the pass
+  if (!slots_.empty()) issue_gather(0);
+}
+
+void DevZero::end_pass() {
+  if (stage_ != 3) return;
+  Q3VL_CHECK(in_pass_, "ZeRO-3: a pass ended that never began");
+  const ParamTable& t = model_.table();
+  for (size_t u = 0; u < held_.size(); ++u)
+    Q3VL_CHECK(held_[u] < 0, "ZeRO-3: unit " + t.units()[u].name + " still in use at the end of a pass");
+  while (next_ < slots_.size()) {  // units this rank did not use still take part in every collective
+    enter_slot(next_);
+    leave_slot(next_++);
+  }
+  if (backward_) Q3VL_CHECK(rs_next_ == rs_order_.size(), "ZeRO-3: gradients of some unit were never completed");
+  else drain();  // the forward's loss is read next
+  in_pass_ = false;
+}
+
+void DevZero::issue_gather(size_t k) {
+  Slot& s = slots_[k];
+  const ZeroUnit& u = L_.units[size_t(s.unit)];
+  Q3VL_CHECK(!pfree_.empty(), "ZeRO-3: the unit pool is exhausted (a bug: more units in use than kParamSlots)");
+  s.buf = pfree_.back();
+  pfree_.pop_back();
+  const int n = shard_.size();
+  if (n == 1) {
+    dev::copy(ex_, pslot_[size_t(s.buf)], wshard(u.master_off), size_t(u.shard) * dtype_size(dt_));
+  } else {
+    if (split_) dev::event_wait(cx_, ev_free_[size_t(s.buf)]);  // the slot's last use is done
+    s.req = shard_.iall_gather(wshard(u.master_off), pslot_[size_t(s.buf)], size_t(u.shard), dt_);
+    if (split_) dev::event_record(cx_, ev_ready_[size_t(s.buf)]);
+  }
+  gathered_ += u.shard * n * int64_t(dtype_size(dt_));
+}
+
+void DevZero::use(int unit) {
+  Q3VL_CHECK(in_pass_, "ZeRO-3: the model used a unit outside a pass");
+  Q3VL_CHECK(held_[size_t(unit)] < 0, "ZeRO-3: unit " + model_.table().units()[size_t(unit)].name + " used twice at once");
+  while (next_ < slots_.size() && slots_[next_].unit != unit) {
+    enter_slot(next_);
+    leave_slot(next_++);
+  }
+  if (next_ == slots_.size())
+    fail("ZeRO-3: unit " + model_.table().units()[size_t(unit)].name +
+         " used out of unit_order()'s order (a bug: the order must list every use)");
+  enter_slot(next_++);
+}
+
+void DevZero::unuse(int unit) {
+  Q3VL_CHECK(held_[size_t(unit)] >= 0,
+             "ZeRO-3: unit " + model_.table().units()[size_t(unit)].name + " released but not in use");
+  leave_slot(size_t(held_[size_t(unit)]));
+}
+
+void DevZero::enter_slot(size_t k) {
+  Slot& s = slots_[k];
+  const size_t u = size_t(s.unit);
+  if (s.req) {
+    settle(shard_, std::move(s.req));
+    if (split_) dev::event_wait(ex_, ev_ready_[size_t(s.buf)]);
+  }
+  if (k + 1 < slots_.size()) issue_gather(k + 1);  // the next unit's gather, ahead of this unit's compute
+  float* g = nullptr;
+  if (backward_ && L_.units[u].trainable) {
+    if (gbuf_[u] < 0) {  // backward accumulates into it from its first use to its last
+      Q3VL_CHECK(!gfree_.empty(), "ZeRO-3: the gradient pool is exhausted (a bug: pool_slots() sized it)");
+      gbuf_[u] = gfree_.back();
+      gfree_.pop_back();
+      if (split_) dev::event_wait(ex_, ev_gfree_[size_t(gbuf_[u])]);  // its last reduce-scatter has read it
+      dev::fill(ex_, gslot_[size_t(gbuf_[u])], DType::F32, L_.units[u].shard * shard_.size(), 0.f);
+    }
+    g = gslot_[size_t(gbuf_[u])];
+  }
+  model_.bind_unit(int(u), pslot_[size_t(s.buf)], g);
+  held_[u] = int(k);
+}
+
+void DevZero::leave_slot(size_t k) {
+  Slot& s = slots_[k];
+  const size_t u = size_t(s.unit);
+  model_.bind_unit(int(u), nullptr, nullptr);
+  held_[u] = -1;
+  if (split_) dev::event_record(ex_, ev_free_[size_t(s.buf)]);
+  pfree_.push_back(s.buf);  // a later gather into it waits for this unit's compute (stream order, event, or host)
+  s.buf = -1;
+  if (!backward_ && k + 1 == slots_.size()) drain();  // the forward's loss is read next
+  if (!backward_ || last_use_[u] != int(k)) return;
+  done_[u] = 1;
+  if (shard_.size() > 1) c2m();  // the unit's gradients are complete
+  // Units complete in the order of their last use, which is rs_order_: each is reduce-scattered as it completes.
+  while (rs_next_ < rs_order_.size() && done_[size_t(rs_order_[rs_next_])]) {
+    const size_t r = size_t(rs_order_[rs_next_++]);
+    if (gbuf_[r] < 0) continue;  // frozen: no gradients
+    reduce_unit(int(r), gslot_[size_t(gbuf_[r])]);
+    if (split_) dev::event_record(cx_, ev_gfree_[size_t(gbuf_[r])]);
+    gfree_.push_back(gbuf_[r]);
+    gbuf_[r] = -1;
+  }
+}
+
+}  // namespace q3vl

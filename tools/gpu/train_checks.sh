@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
+# from the repo root with the packed runtime sourced:
+#   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]      PARTS (default all): unit zero bf16 resume stop bench
+# - unit: the device-model suites with Q3VL_REQUIRE_GPU=1;
+# - zero: the demo model, 20 steps in fp32 on 1 GPU rank, then 2 and 4 ranks sharing the GPU through NCCL
+#   (NCCL_HOSTID per rank) at ZeRO-3, 2 ranks at stages 1 and 2, 4 ranks hybrid (two MPICH "nodes" of 2): every
+#   step's loss against 1 rank's (1e-5);
+# - bf16: 1 and 2 ranks in bf16 against fp32 (2%);
+# - resume: 4 GPU ranks stop at step 10; the checkpoint resumes on 1 GPU rank and on 2 CPU ranks, the curves against
+#   the straight run;
+# - stop: one of 2 GPU ranks stops itself (SIGSTOP) before a collective: the job ends within runtime.timeout,
+#   naming the collective and the rank;
+# - bench: the 2B shape (input/bench_2b_gpu.deck) on one H200 at ZeRO-3 and ZeRO-1: tokens/s, MFU, device memory.
+# Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
+set -u
+q=$1 ut=$2 final=$3 parts=${4:-unit zero bf16 resume stop bench} out=/tmp/results
+part() { [[ " $parts " == *" $1 "* ]]; }
+mkdir -p "$out" "$final"
+pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
+say() { echo "$*" >>"$out/summary.txt"; }
+export OPENBLAS_NUM_THREADS=1 NCCL_SOCKET_IFNAME=lo NCCL_NVLS_ENABLE=0
+nvidia-smi -L >"$out/summary.txt"
+# NCCL refuses two ranks on one GPU unless each says it is on a host of its own (NCCL_HOSTID): the code path of
+# several GPUs, not their speed. On a machine with a GPU per rank the launcher sets nothing.
+hostid=/tmp/nccl_hostid
+printf '#!/bin/sh\n[ "$(nvidia-smi -L | wc -l)" -lt "${PMI_SIZE:-1}" ] && export NCCL_HOSTID=q3vl-rank-$PMI_RANK\nexec "$@"\n' \
+  >$hostid && chmod +x $hostid
+demo="input/demo.deck train.dataset=synthetic train.synthetic_samples=2000 train.steps=20 checkpoint.every=0
+      run.timing=false runtime.timeout=120"
+gpu="model.backend=cuda runtime.share_gpus=true"
+run() {  # run NAME NP TIMEOUT ARGS...: one training run, its log and metrics
+  local name=$1 np=$2 t=$3; shift 3
+  local t0=$SECONDS
+  timeout "$t" mpiexec -n "$np" $hostid "$q" train $demo run.out_dir=/tmp/runs/$name "$@" >"$out/$name.log" 2>&1
+  say "$name: rc=$? $((SECONDS - t0)) s"
+  cp /tmp/runs/$name/metrics.jsonl "$out/$name.jsonl" 2>/dev/null
+  pack
+}
+cmp() {  # cmp NAME REF TOL: every step's loss within TOL (relative) of the reference run's
+  python3 - "$out/$1.jsonl" "$out/$2.jsonl" "$3" "$1 vs $2" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, sys
+a, b = ({json.loads(l)["step"]: json.loads(l)["loss"] for l in open(f)} for f in sys.argv[1:3])
+tol, what = float(sys.argv[3]), sys.argv[4]
+common = sorted(set(a) & set(b))
+worst = max(abs(a[s] - b[s]) / abs(b[s]) for s in common) if common else float("nan")
+ok = bool(common) and worst == worst and worst <= tol
+print(f"{'PASS' if ok else 'FAIL'} {what}: {len(common)} steps, worst relative loss difference {worst:.2e} (bound {tol:g})")
+PY
+  pack
+}
+
+if part unit; then
+  t0=$SECONDS
+  Q3VL_REQUIRE_GPU=1 timeout 150 "$ut" --gtest_filter='DevLayers.*:DevVision.*:DevModel.*:Golden.*' >"$out/unit.log" 2>&1
+  say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit.log" | tr '\n' ' ')"
+  pack
+fi
+
+if part zero; then
+  run z3_1 1 120 $gpu
+  for n in 2 4; do run z3_$n $n 150 $gpu && cmp z3_$n z3_1 1e-5; done
+  for st in 1 2; do run z${st}_2 2 150 $gpu parallel.zero_stage=$st && cmp z${st}_2 z3_1 1e-5; done
+  MPIR_CVAR_NUM_CLIQUES=2 run hybrid_4 4 150 $gpu parallel.hybrid=true && cmp hybrid_4 z3_1 1e-5
+  grep -h "memory per rank" "$out"/z3_1.log "$out"/z3_2.log "$out"/z1_2.log | head -3 >>"$out/summary.txt"
+  pack
+fi
+
+if part bf16; then
+  [[ -f $out/z3_1.jsonl ]] || run z3_1 1 120 $gpu
+  run bf16_1 1 120 $gpu model.dtype=bf16 && cmp bf16_1 z3_1 2e-2
+  run bf16_2 2 150 $gpu model.dtype=bf16 && cmp bf16_2 z3_1 2e-2 && cmp bf16_2 bf16_1 2e-2
+fi
+
+if part resume; then
+  [[ -f $out/z3_1.jsonl ]] || run z3_1 1 120 $gpu
+  run half_4 4 150 $gpu train.stop_after=10 checkpoint.every=10
+  rm -rf /tmp/runs/resume_gpu1 /tmp/runs/resume_cpu2
+  cp -r /tmp/runs/half_4 /tmp/runs/resume_gpu1 && cp -r /tmp/runs/half_4 /tmp/runs/resume_cpu2
+  run resume_gpu1 1 120 $gpu train.resume=auto && cmp resume_gpu1 z3_1 1e-5
+  run resume_cpu2 2 200 train.resume=auto && cmp resume_cpu2 z3_1 1e-5
+  grep -h "resumed from" "$out"/resume_*.log >>"$out/summary.txt"
+  pack
+fi
+
+if part stop; then
+  t0=$SECONDS
+  timeout 120 mpiexec -n 2 $hostid "$q" train $demo run.out_dir=/tmp/runs/stop $gpu runtime.timeout=15 \
+    runtime.debug_stop_rank=1 runtime.debug_stop_step=3 runtime.debug_stop_phase=forward >"$out/stop.log" 2>&1
+  say "stop: rc=$? after $((SECONDS - t0)) s (runtime.timeout = 15): $(grep -m1 -E 'did not|timed out|timeout' "$out/stop.log")"
+  pack
+fi
+
+if part bench; then
+  for st in 3 1; do
+    rm -rf /tmp/runs/bench$st
+    (while sleep 0.5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done >"$out/bench${st}_mem.txt") &
+    mem=$!
+    ("$q" train input/bench_2b_gpu.deck parallel.zero_stage=$st run.out_dir=/tmp/runs/bench$st >"$out/bench$st.log" 2>&1) &
+    b=$!
+    for _ in $(seq 120); do
+      sleep 1
+      [[ -f /tmp/runs/bench$st/metrics.jsonl ]] && (($(wc -l </tmp/runs/bench$st/metrics.jsonl) >= 8)) && break
+      kill -0 $b 2>/dev/null || break
+    done
+    kill $b 2>/dev/null; pkill -f bench_2b_gpu; kill $mem; wait $b 2>/dev/null
+    cp /tmp/runs/bench$st/metrics.jsonl "$out/bench$st.jsonl" 2>/dev/null
+    say "bench stage $st: max GPU memory used $(sort -n "$out/bench${st}_mem.txt" | tail -1) MiB; $(python3 -c "
+import json,sys
+l=[json.loads(x) for x in open('$out/bench$st.jsonl')]
+print(f'{len(l)} steps, last: {l[-1][\"tokens_per_s\"]:.0f} tok/s, mfu {l[-1][\"mfu\"]:.3f}, step {l[-1][\"time\"][\"step\"]:.3f} s')
+" 2>&1)"
+    grep -m1 "memory per rank" "$out/bench$st.log" >>"$out/summary.txt"
+    pack
+  done
+fi
+pack
