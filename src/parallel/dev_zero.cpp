@@ -240,6 +240,7 @@ void DevZero::end_pass() {
     enter_slot(next_);
     leave_slot(next_++);
   }
+  if (backward_) reduce_done(slots_.size());
   if (backward_) Q3VL_CHECK(rs_next_ == rs_order_.size(), "ZeRO-3: gradients of some unit were never completed");
   else drain();  // the forward's loss is read next
   in_pass_ = false;
@@ -288,6 +289,7 @@ void DevZero::enter_slot(size_t k) {
     settle(shard_, std::move(s.req));
     if (split_) dev::event_wait(ex_, ev_ready_[size_t(s.buf)]);
   }
+  if (backward_ && k >= 2) reduce_done(k - 1);
   if (k + 1 < slots_.size()) issue_gather(k + 1);  // the next unit's gather, ahead of this unit's compute
   float* g = nullptr;
   if (backward_ && L_.units[u].trainable) {
@@ -313,13 +315,20 @@ void DevZero::leave_slot(size_t k) {
   pfree_.push_back(s.buf);  // a later gather into it waits for this unit's compute (stream order, event, or host)
   s.buf = -1;
   if (!backward_ && k + 1 == slots_.size()) drain();  // the forward's loss is read next
-  if (!backward_ || last_use_[u] != int(k)) return;
-  done_[u] = 1;
-  if (shard_.size() > 1) c2m();  // the unit's gradients are complete
-  // Units complete in the order of their last use, which is rs_order_: each is reduce-scattered as it completes.
-  while (rs_next_ < rs_order_.size() && done_[size_t(rs_order_[rs_next_])]) {
+  if (backward_ && last_use_[u] == int(k)) done_[u] = 1;  // reduce-scattered when slot k + 2 is entered
+}
+
+// Reduce-scatters, in rs_order_, the units whose last backward use is a slot below `upto`. Every rank issues them at
+// the same points of the pass (entering slot k: those of slot k - 2, then the gather of slot k + 1; the rest at its
+// end), whether the model computed with a unit, nested two uses (the LM head) or only walked past it: collectives on
+// one communicator and one stream must come in one order on every rank.
+void DevZero::reduce_done(size_t upto) {
+  bool waited = false;
+  while (rs_next_ < rs_order_.size() && size_t(last_use_[size_t(rs_order_[rs_next_])]) < upto) {
     const size_t r = size_t(rs_order_[rs_next_++]);
+    Q3VL_CHECK(done_[r], "ZeRO-3: unit " + model_.table().units()[r].name + " reduce-scattered before its last use ended");
     if (gbuf_[r] < 0) continue;  // frozen: no gradients
+    if (!waited && shard_.size() > 1) c2m(), waited = true;  // its gradients are complete on the compute stream
     reduce_unit(int(r), gslot_[size_t(gbuf_[r])]);
     if (split_) dev::event_record(cx_, ev_gfree_[size_t(gbuf_[r])]);
     gfree_.push_back(gbuf_[r]);

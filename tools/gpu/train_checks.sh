@@ -27,7 +27,7 @@ hostid=/tmp/nccl_hostid
 printf '#!/bin/sh\n[ "$(nvidia-smi -L | wc -l)" -lt "${PMI_SIZE:-1}" ] && export NCCL_HOSTID=q3vl-rank-$PMI_RANK\nexec "$@"\n' \
   >$hostid && chmod +x $hostid
 demo="input/demo.deck train.dataset=synthetic train.synthetic_samples=2000 train.steps=20 checkpoint.every=0
-      run.timing=false runtime.timeout=120"
+      run.timing=false runtime.timeout=60"
 gpu="model.backend=cuda runtime.share_gpus=true"
 run() {  # run NAME NP TIMEOUT ARGS...: one training run, its log and metrics
   local name=$1 np=$2 t=$3; shift 3
@@ -59,9 +59,9 @@ fi
 
 if part zero; then
   run z3_1 1 120 $gpu
-  for n in 2 4; do run z3_$n $n 150 $gpu && cmp z3_$n z3_1 1e-5; done
-  for st in 1 2; do run z${st}_2 2 150 $gpu parallel.zero_stage=$st && cmp z${st}_2 z3_1 1e-5; done
-  MPIR_CVAR_NUM_CLIQUES=2 run hybrid_4 4 150 $gpu parallel.hybrid=true && cmp hybrid_4 z3_1 1e-5
+  for n in 2 4; do run z3_$n $n 100 $gpu && cmp z3_$n z3_1 1e-5; done
+  for st in 1 2; do run z${st}_2 2 100 $gpu parallel.zero_stage=$st && cmp z${st}_2 z3_1 1e-5; done
+  MPIR_CVAR_NUM_CLIQUES=2 run hybrid_4 4 100 $gpu parallel.hybrid=true && cmp hybrid_4 z3_1 1e-5
   grep -h "memory per rank" "$out"/z3_1.log "$out"/z3_2.log "$out"/z1_2.log | head -3 >>"$out/summary.txt"
   pack
 fi
@@ -69,12 +69,12 @@ fi
 if part bf16; then
   [[ -f $out/z3_1.jsonl ]] || run z3_1 1 120 $gpu
   run bf16_1 1 120 $gpu model.dtype=bf16 && cmp bf16_1 z3_1 2e-2
-  run bf16_2 2 150 $gpu model.dtype=bf16 && cmp bf16_2 z3_1 2e-2 && cmp bf16_2 bf16_1 2e-2
+  run bf16_2 2 100 $gpu model.dtype=bf16 && cmp bf16_2 z3_1 2e-2 && cmp bf16_2 bf16_1 2e-2
 fi
 
 if part resume; then
   [[ -f $out/z3_1.jsonl ]] || run z3_1 1 120 $gpu
-  run half_4 4 150 $gpu train.stop_after=10 checkpoint.every=10
+  run half_4 4 100 $gpu train.stop_after=10 checkpoint.every=10
   rm -rf /tmp/runs/resume_gpu1 /tmp/runs/resume_cpu2
   cp -r /tmp/runs/half_4 /tmp/runs/resume_gpu1 && cp -r /tmp/runs/half_4 /tmp/runs/resume_cpu2
   run resume_gpu1 1 120 $gpu train.resume=auto && cmp resume_gpu1 z3_1 1e-5

@@ -15,8 +15,9 @@
 // gradients once per step, stage 2 after every micro-step (then zeroes them).
 // Stage 3: the model holds nothing. Through its unit hooks each use of a unit is bound to a pool slot that the
 // gather filled (the next unit of unit_order() is gathered while this one computes), and each unit's gradients go
-// to a zeroed pool buffer from its first backward use to its last, then are reduce-scattered. Every rank walks the
-// whole order, so units a rank did not use (no images: the vision tower) still take part in every collective.
+// to a zeroed pool buffer from its first backward use to its last, then are reduce-scattered (two slots later, a
+// point every rank reaches alike). Every rank walks the whole order, so units a rank did not use (no images: the
+// vision tower; a micro-batch without tokens: all) still take part in every collective, in the same order.
 //
 // Ordering. An MPI Comm completes on the host: a gather is waited when its unit is entered, a reduce-scatter before
 // its landing buffer is added. An NCCL Comm runs on a communication stream (`comm_ex`; without one, on the model's
@@ -97,6 +98,7 @@ class DevZero final : UnitHooks {
   void enter_slot(size_t k);
   void leave_slot(size_t k);
   void issue_gather(size_t k);
+  void reduce_done(size_t upto);
   // Reduce-scatters unit u's full gradients at `g` (padded) into its shard: through the landing buffer, added.
   void reduce_unit(int u, const float* g);
   void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
