@@ -26,7 +26,7 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
   m.master = L.master * 4;
   m.moments = 2 * L.opt * 4;
   m.grads = L.comm * 4;
-  m.comm = L.comm * 4 + (dt == DType::F32 ? 0 : L.master * d);
+  m.comm = (group > 1 ? L.comm * 4 : 0) + (dt == DType::F32 ? 0 : L.master * d);  // one rank adds in place
   if (stage == 3) m.pool = slot_elems(L, group) * (kParamSlots * d + grad_slots(t) * 4);
   return m;
 }
@@ -53,7 +53,8 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
     dev::fill(ex_, p, DType::F32, k, 0.f);
     return p;
   };
-  master_ = f32(L_.master), gshard_ = f32(L_.comm), land_ = f32(L_.comm), m_ = f32(L_.opt), v_ = f32(L_.opt);
+  master_ = f32(L_.master), gshard_ = f32(L_.comm), m_ = f32(L_.opt), v_ = f32(L_.opt);
+  land_ = f32(n > 1 ? L_.comm : 0);
   if (dt_ != DType::F32) wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(dt_));
   if (split_) ev_c2m_ = dev::event_create(ex_), ev_m2c_ = dev::event_create(ex_);
   const size_t nu = t.units().size();
