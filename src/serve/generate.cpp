@@ -18,6 +18,7 @@
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/io/checkpoint.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/runtime/runtime.hpp"

@@ -10,7 +10,6 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/tensor/dev.hpp"
 #include "q3vl/tensor/ops.hpp"
-#include "q3vl/train/optim.hpp"
 
 #ifdef Q3VL_CUDA
 #include "tensor/cuda/dev_cuda.hpp"
@@ -517,9 +516,17 @@ void unpermute_add(const Exec& x, const void* src, const int32_t* pos, void* dst
 void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t n, double beta1, double beta2,
            double eps, double lr, double weight_decay, double gscale, int64_t t) {
   ON_CUDA(x, adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t));
-  AdamWConfig c;
-  c.beta1 = beta1, c.beta2 = beta2, c.eps = eps;
-  adamw_update(p, g, m, v, n, c, lr, weight_decay, gscale, t);
+  // PyTorch's semantics: decoupled weight decay p *= 1 - lr*wd before the Adam step; t counts updates from 1.
+  const double bc1 = 1.0 - std::pow(beta1, double(t)), bc2 = 1.0 - std::pow(beta2, double(t));
+  const float b1 = float(beta1), b2 = float(beta2), gs = float(gscale);
+  const float step = float(lr / bc1), sqrt_bc2 = float(std::sqrt(bc2)), e = float(eps);
+  const float decay = float(1.0 - lr * weight_decay);
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i] * gs;
+    m[i] = b1 * m[i] + (1.f - b1) * gi;
+    v[i] = b2 * v[i] + (1.f - b2) * gi * gi;
+    p[i] = p[i] * decay - step * m[i] / (std::sqrt(v[i]) / sqrt_bc2 + e);
+  }
 }
 void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc, int32_t* nonfinite) {
   ON_CUDA(x, sum_squares(x, a, n, dt, acc, nonfinite));

@@ -5,6 +5,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/io/h5.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/tensor/tensor.hpp"
 

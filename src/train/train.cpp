@@ -21,6 +21,7 @@
 #include "q3vl/core/log.hpp"
 #include "q3vl/data/shards.hpp"
 #include "q3vl/io/checkpoint.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/model/qwen3vl.hpp"
@@ -600,8 +601,8 @@ int run_train(const Deck& deck) {
         if (gpu) gpu->update(hp, lr, coef, st.adam_t);
         for (const ShardPiece& sp : engine.pieces())
           if (sp.trainable && !gpu)
-            adamw_update(sp.master, sp.grad, sp.exp_avg, sp.exp_avg_sq, sp.count, hp, lr,
-                         sp.no_decay ? 0.0 : hp.weight_decay, coef, st.adam_t);
+            dev::adamw(dev::Exec{}, sp.master, sp.grad, sp.exp_avg, sp.exp_avg_sq, sp.count, hp.beta1, hp.beta2,
+                       hp.eps, lr, sp.no_decay ? 0.0 : hp.weight_decay, coef, st.adam_t);
       }
       Phase p{t_comm, "ZeRO after update"};
       engine.after_update();

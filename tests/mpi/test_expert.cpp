@@ -11,6 +11,7 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/h5.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/config.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/expert.hpp"

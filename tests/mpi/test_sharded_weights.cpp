@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "../hf_dir.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
 

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "q3vl/model/config.hpp"
+#include "q3vl/tensor/dev.hpp"
 #include "q3vl/train/loader.hpp"
 #include "q3vl/train/optim.hpp"
 
@@ -137,7 +138,7 @@ TEST(TrainOptim, AdamWMatchesHandComputedSteps) {
   const double g[3] = {0.5, -0.2, 0.1}, lr = 0.01, wd = 0.1;
   for (int t = 1; t <= 3; ++t) {
     float gf = float(g[t - 1]);
-    adamw_update(&p, &gf, &m, &v, 1, c, lr, wd, 0.5, t);
+    dev::adamw(dev::Exec{}, &p, &gf, &m, &v, 1, c.beta1, c.beta2, c.eps, lr, wd, 0.5, t);  // the CPU reference
     const double gs = g[t - 1] * 0.5;
     P *= 1 - lr * wd;
     M = 0.9 * M + 0.1 * gs;

@@ -20,6 +20,7 @@
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/checkpoint.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/layers.hpp"
 #include "q3vl/serve/generate.hpp"

@@ -3,6 +3,7 @@
 
 #include "../gpu.hpp"
 #include "q3vl/train/eval.hpp"
+#include "q3vl/io/hf_weights.hpp"
 
 using namespace q3vl;
 

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/config.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/train/eval.hpp"

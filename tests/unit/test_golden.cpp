@@ -9,6 +9,7 @@
 #include <set>
 
 #include "q3vl/io/h5.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/config.hpp"
 #include "../gpu.hpp"
 #include "q3vl/train/eval.hpp"

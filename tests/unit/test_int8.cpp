@@ -9,6 +9,7 @@
 #include <random>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/config.hpp"
 #include "q3vl/io/h5.hpp"
 #include "q3vl/tensor/ops.hpp"

@@ -10,6 +10,7 @@
 
 #include "gradcheck.hpp"
 #include "tiny_model.hpp"
+#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/io/safetensors.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 

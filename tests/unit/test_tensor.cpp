@@ -8,23 +8,6 @@
 
 using namespace q3vl;
 
-TEST(Tensor, ViewsShareStorage) {
-  Tensor t = Tensor::zeros({4, 3}, DType::F32);
-  Tensor rows = t.slice(1, 3);
-  EXPECT_EQ(rows.shape(), (std::vector<int64_t>{2, 3}));
-  rows.ptr<float>()[0] = 5.f;
-  EXPECT_EQ(t.ptr<float>()[3], 5.f);
-  Tensor v = t.view({-1});
-  EXPECT_EQ(v.numel(), 12);
-  Tensor w = t.flat(5, 4);
-  w.ptr<float>()[0] = 7.f;
-  EXPECT_EQ(t.ptr<float>()[5], 7.f);
-  EXPECT_THROW(t.view({5, 3}), Error);
-  EXPECT_THROW(t.slice(2, 5), Error);
-  EXPECT_THROW(t.ptr<int64_t>(), Error);
-  EXPECT_EQ(t.describe(), "fp32[4,3] cpu");
-}
-
 TEST(Tensor, Bf16AndF16Conversions) {
   // bf16: round to nearest even on the 16 dropped bits.
   EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);

@@ -11,6 +11,7 @@
 
 #include "../hf_dir.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/io/hf_weights.hpp"
 
 using namespace q3vl;
 namespace fs = std::filesystem;

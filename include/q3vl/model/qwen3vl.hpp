@@ -253,16 +253,15 @@ using Model = BasicModel<float>;
 // The parameters BasicModel::lower_weights holds in low precision, by id (sizing without a model: planner, reports).
 std::vector<bool> low_params(const ParamTable& t);
 
-// Load HF safetensors (one file or a directory) into the model through the parameter table (src/model/weights.cpp).
-// Every table tensor must be present with the right shape; unexpected tensors are errors; lm_head.weight is
-// absent when tied. MoE experts are read in the released [E,H,2Im]/[E,Im,H] or the transformers-5
-// [E,2Im,H]/[E,H,Im] layout as cfg.experts_v5_layout says, and checked against it.
-void load_hf_weights(Model& m, const std::string& dir);
 // On-disk shape of a table tensor for this config (differs from the compute shape only for MoE experts).
 std::vector<int64_t> hf_shape(const ParamTable& t, int id);
 // Convert one tensor (weights or grads) from our compute layout to the on-disk layout (copy for everything but
 // MoE experts, which are transposed in the released layout).
 std::vector<float> to_hf_layout(const ParamTable& t, int id, const float* data);
+// The other way: a tensor as read from the file (on-disk layout) in our compute layout.
+std::vector<float> from_hf_layout(const ParamTable& t, int id, std::vector<float> disk);
+// Whether a table tensor is a MoE layer's experts (their layout on disk depends on config.experts_v5_layout).
+bool hf_expert(const ParamTable& t, int id);
 // Every gradient under its HF name, in the on-disk shape and layout (for eval's grads/<hf name> dumps).
 struct NamedTensor {
   std::string name;
@@ -281,14 +280,6 @@ struct ParamSlice {
 struct SliceBytes {
   int64_t mine = 0, all = 0;  // bytes read (or drawn) for the slices, and for the whole model
 };
-// load_hf_weights for slices only: the same checks (every tensor present with its shape, none unexpected), then
-// only the slices' bytes are read (released-layout MoE experts: each expert a slice touches, whole).
-SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
-// LoRA (model/lora.hpp): the adapters of a PEFT folder (DIR/adapter_model.safetensors, tensors under PEFT's names)
-// for slices of the table's adapter parameters (every adapter present with its shape, nothing else), and for a
-// whole model.
-SliceBytes load_lora_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
-void load_lora_adapter(Model& m, const std::string& dir);
 // Model::init_random's values for slices only (bitwise the same).
 SliceBytes init_random_slices(const ParamTable& t, uint64_t seed, double std, const std::vector<ParamSlice>& slices);
 // The initial value of element j of a tensor is a pure function of (seed, its name, j, std) - a counter-based

@@ -8,7 +8,7 @@ namespace q3vl::dev::cuda {
 
 namespace {
 
-// adamw_update (src/train/optim.cpp) element for element: the constants come from the host in the same double
+// dev::adamw's CPU reference (src/tensor/dev_cpu.cpp) element for element: the constants come from the host in the same double
 // arithmetic, and the explicit _rn intrinsics keep nvcc from fusing into FMAs, so the result is bitwise the
 // reference's (which the host compiler builds without FMA contraction on plain x86-64).
 __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
@@ -84,7 +84,7 @@ __global__ void k_sumsq_final(const double* __restrict__ psum, const int32_t* __
 void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t n, double beta1, double beta2,
            double eps, double lr, double weight_decay, double gscale, int64_t t) {
   if (n <= 0) return;
-  // The same constants as adamw_update, computed the same way.
+  // The same constants as the CPU reference, computed the same way.
   const double bc1 = 1.0 - std::pow(beta1, double(t)), bc2 = 1.0 - std::pow(beta2, double(t));
   const float b1 = float(beta1), b2 = float(beta2), gs = float(gscale);
   const float step = float(lr / bc1), sqrt_bc2 = float(std::sqrt(bc2)), e = float(eps);
