@@ -20,26 +20,29 @@ int64_t slot_elems(const ZeroLayout& L, int group) {
 // whose reduce-scatter is being issued.
 int grad_slots(const ParamTable& t) { return int(ZeroEngine::pool_slots(t, unit_order(t, true)).grads); }
 
-DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt) {
+DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd) {
   DevZeroMemory m;
-  const int64_t d = int64_t(dtype_size(dt));
+  const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L, group);
+  const int64_t staging = gd == dt ? 0 : (stage == 3 ? kParamSlots : 1) * slot * g;
   m.master = L.master * 4;
   m.moments = 2 * L.opt * 4;
   m.grads = L.comm * 4;
-  m.comm = (group > 1 ? L.comm * 4 : 0) + (dt == DType::F32 ? 0 : L.master * d);  // one rank adds in place
-  if (stage == 3) m.pool = slot_elems(L, group) * (kParamSlots * d + grad_slots(t) * 4);
+  m.comm = (group > 1 ? L.comm * 4 : 0) + (gd == DType::F32 ? 0 : L.master * g);  // one rank adds in place
+  m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging;
   return m;
 }
 
 }  // namespace
 
-DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt) {
-  return sizes(t, zero_layout(t, {group, 0}, nullptr, stage, trainable), group, stage, dt);
+DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
+                            DType gather) {
+  return sizes(t, zero_layout(t, {group, 0}, nullptr, stage, trainable), group, stage, dt, gather);
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
-                 const dev::Exec* comm_ex)
+                 const dev::Exec* comm_ex, DType gather)
     : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), stage_(stage), dt_(m.dtype()),
+      gd_(gather == DType::BF16 && m.dtype() == DType::F32 ? DType::BF16 : m.dtype()), conv_(gd_ != dt_),
       ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
       split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream) {
   const ParamTable& t = m.table();
@@ -47,7 +50,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   L_ = zero_layout(t, {n, shard.rank()}, nullptr, stage, trainable);
   Q3VL_CHECK(t.ep().size == 1, "DevZero: expert parallelism is not on the device model yet");
   Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
-  mem_ = sizes(t, L_, n, stage, dt_);
+  mem_ = sizes(t, L_, n, stage, dt_, gd_);
   auto f32 = [&](int64_t k) {
     float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
     dev::fill(ex_, p, DType::F32, k, 0.f);
@@ -55,7 +58,9 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   };
   master_ = f32(L_.master), gshard_ = f32(L_.comm), m_ = f32(L_.opt), v_ = f32(L_.opt);
   land_ = f32(n > 1 ? L_.comm : 0);
-  if (dt_ != DType::F32) wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(dt_));
+  if (gd_ != DType::F32) wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_));
+  slot_elems_ = slot_elems(L_, n);
+  if (conv_ && stage != 3) stg_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(gd_)));
   if (split_) ev_c2m_ = dev::event_create(ex_), ev_m2c_ = dev::event_create(ex_);
   const size_t nu = t.units().size();
   gbase_.resize(nu);
@@ -73,10 +78,10 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
     rs_order_.push_back(int(u));
   }
   std::sort(rs_order_.begin(), rs_order_.end(), [&](int a, int b) { return last_use_[a] < last_use_[b]; });
-  slot_elems_ = slot_elems(L_, n);
   auto event = [&] { return split_ ? dev::event_create(ex_) : nullptr; };
   for (int i = 0; i < kParamSlots; ++i) {
     pslot_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(dt_))), pfree_.push_back(i);
+    if (conv_) stg_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(gd_)));
     ev_ready_.push_back(event()), ev_free_.push_back(event());
   }
   for (int i = 0, g = grad_slots(t); i < g; ++i) {
@@ -94,6 +99,7 @@ DevZero::~DevZero() {
     if (p) dev::release(ex_, p);
   dev::synchronize(cx_);
   for (void* p : pslot_) dev::release(ex_, p);
+  for (void* p : stg_) dev::release(ex_, p);
   for (float* p : gslot_) dev::release(ex_, p);
   for (auto* v : {&ev_ready_, &ev_free_, &ev_gfree_})
     for (void* e : *v) dev::event_destroy(ex_, e);
@@ -101,7 +107,21 @@ DevZero::~DevZero() {
 }
 
 void* DevZero::wshard(int64_t off) const {
-  return wcopy_ ? at(wcopy_, off, dt_) : static_cast<void*>(master_ + off);
+  return wcopy_ ? at(wcopy_, off, gd_) : static_cast<void*>(master_ + off);
+}
+
+std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, void* stg) {
+  const int n = shard_.size();
+  gathered_ += u.shard * n * int64_t(dtype_size(gd_));
+  if (n == 1) {
+    dev::convert(ex_, dst, dt_, wshard(u.master_off), gd_, u.shard);  // a copy unless conv_
+    return nullptr;
+  }
+  auto r = shard_.iall_gather(wshard(u.master_off), conv_ ? stg : dst, size_t(u.shard), gd_);
+  if (!conv_) return r;
+  if (!ordered_) shard_.wait(std::move(r));  // MPI: the host widens what arrived
+  dev::convert(cx_, dst, dt_, stg, gd_, u.shard * n);
+  return r;
 }
 
 // Host pieces and this layout's pieces are the same list (one zero_layout of the same group).
@@ -156,19 +176,15 @@ void DevZero::m2c() {
 }
 
 void DevZero::refresh_params() {
-  if (wcopy_) dev::convert(ex_, wcopy_, dt_, master_, DType::F32, L_.master);
+  if (wcopy_) dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
   if (stage_ == 3) return;
-  const int n = shard_.size();
   const size_t d = dtype_size(dt_);
   char* full = static_cast<char*>(model_.params());
   c2m();  // the updated masters, and the model's last reads of its weights
   for (size_t i = 0; i < L_.units.size(); ++i) {
     const ZeroUnit& u = L_.units[i];
     if (!u.trainable && gathered_once_) continue;  // the optimizer changed nothing there
-    void* dst = full + gbase_[i] * int64_t(d);
-    if (n == 1) dev::copy(ex_, dst, wshard(u.master_off), size_t(u.shard) * d);
-    else settle(shard_, shard_.iall_gather(wshard(u.master_off), dst, size_t(u.shard), dt_));
-    gathered_ += u.shard * n * int64_t(d);
+    if (auto r = gather_unit(u, full + gbase_[i] * int64_t(d), conv_ ? stg_[0] : nullptr)) settle(shard_, std::move(r));
   }
   gathered_once_ = true;
   m2c();
@@ -253,15 +269,10 @@ void DevZero::issue_gather(size_t k) {
   Q3VL_CHECK(!pfree_.empty(), "ZeRO-3: the unit pool is exhausted (a bug: more units in use than kParamSlots)");
   s.buf = pfree_.back();
   pfree_.pop_back();
-  const int n = shard_.size();
-  if (n == 1) {
-    dev::copy(ex_, pslot_[size_t(s.buf)], wshard(u.master_off), size_t(u.shard) * dtype_size(dt_));
-  } else {
-    if (split_) dev::event_wait(cx_, ev_free_[size_t(s.buf)]);  // the slot's last use is done
-    s.req = shard_.iall_gather(wshard(u.master_off), pslot_[size_t(s.buf)], size_t(u.shard), dt_);
-    if (split_) dev::event_record(cx_, ev_ready_[size_t(s.buf)]);
-  }
-  gathered_ += u.shard * n * int64_t(dtype_size(dt_));
+  const size_t b = size_t(s.buf);
+  if (split_) dev::event_wait(cx_, ev_free_[b]);  // the slot's last use is done
+  s.req = gather_unit(u, pslot_[b], conv_ ? stg_[b] : nullptr);
+  if (split_) dev::event_record(cx_, ev_ready_[b]);
 }
 
 void DevZero::use(int unit) {

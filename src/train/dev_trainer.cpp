@@ -19,7 +19,8 @@ DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_
 }
 
 DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
-                                  const std::vector<bool>& trainable, int group, int stage, Device d) {
+                                  const std::vector<bool>& trainable, int group, int stage, Device d,
+                                  bool gather_bf16) {
   const ParamTable t(cfg);
   DevTrainerMemory m;
   m.model.weights = stage == 3 ? 0 : int64_t(dtype_size(dt)) * [&] {
@@ -30,7 +31,7 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.grads = stage == 3 ? 0 : m.model.weights / int64_t(dtype_size(dt)) * 4;
   m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
-  m.zero = DevZero::plan(t, group, stage, trainable, dt);
+  m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt);
   m.norm = kNormBytes;
   return m;
 }
@@ -52,11 +53,13 @@ std::unique_ptr<Comm> nccl_over(const Comm& c, const dev::Exec& ex) {
 }  // namespace
 
 DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
-                       const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica, int stage)
+                       const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica, int stage,
+                       bool gather_bf16)
     : ex_(dev::make_exec(d, size_t(kWorkspaceBytes), gpu)), shard_(shard), ls_(ls) {
   // GPU ranks exchange device buffers over NCCL; CPU ranks' buffers are host memory, which MPI moves.
   Comm* dshard = &shard;
   Comm* drep = replica && replica->size() > 1 ? replica : nullptr;
+  hybrid_ = drep != nullptr;
   // NCCL runs on a stream of its own (cx_), so that a unit's gather overlaps the compute before it.
   if (d == Device::CUDA && (shard.size() > 1 || drep)) cx_ = dev::make_exec(d, 0, gpu);
   if (d == Device::CUDA && shard.size() > 1) nccl_shard_ = nccl_over(shard, cx_), dshard = nccl_shard_.get();
@@ -64,7 +67,8 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   model_ = std::make_unique<DevModel>(cfg, ex_, dt, true, DevStage{}, false, DevZero::hold(dshard->size(), stage));
   model_->set_recompute(recompute);
   model_->reserve(budget);
-  zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr);
+  zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
+                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
   const ZeroLayout& L = zero_->layout();
   for (size_t i = 0; i < L.pieces.size(); ++i) {
@@ -169,7 +173,7 @@ std::string DevTrainer::memory_report() const {
                 "MiB, unit pool %.3f MiB, activations %.1f MiB (arena), workspace %.0f MiB; total %.1f MiB; %.0f MiB "
                 "free of %.0f MiB",
                 ex_.device == Device::CUDA ? "GPU" : "device (CPU op layer)", zero_->stage(), shard_.size(),
-                comm_kind() == "none" ? "" : (", " + comm_kind()).c_str(), m.model.weights / MiB,
+                ((hybrid_ ? ", hybrid" : "") + (comm_kind() == "none" ? "" : ", " + comm_kind())).c_str(), m.model.weights / MiB,
                 dtype_name(model_->dtype()), m.model.grads / MiB, m.zero.master / MiB, m.zero.moments / MiB,
                 m.zero.grads / MiB, dtype_name(model_->dtype()), m.zero.comm / MiB, m.zero.pool / MiB,
                 m.model.activations / MiB, m.model.workspace / MiB, m.total() / MiB, free_b / MiB, total_b / MiB);

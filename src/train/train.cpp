@@ -251,10 +251,11 @@ int run_train(const Deck& deck) {
   // Stage 3's model never holds the full weights (stages 1/2 compute on them; they get them by gathering).
   std::string cfg_json;
   const ModelConfig cfg = model_config(deck, &cfg_json);
-  // model.backend = "cuda": the device model computes; the host keeps only the engine's shards (checkpoint I/O), as
-  // stage 3 does, so no full host copy of the weights exists.
+  // model.backend = "cuda": the device model computes on the rank's GPU; "cpu": on the CPU op layer, except LoRA and
+  // expert parallelism, which only the host model has so far. On the device path the host keeps only the engine's
+  // shards (checkpoint I/O and start-up), as stage 3 does, so no full host copy of the weights exists.
   const bool on_gpu = deck.str("model.backend") == "cuda";
-  if (on_gpu && !getenv("Q3VL_DEVICE_ON_CPU") && !deck.boolean("runtime.share_gpus")) {
+  if (on_gpu && !deck.boolean("runtime.share_gpus")) {
     // One rank a GPU: NCCL refuses two ranks on one device, and sharing one is for tests, never fast.
     const Placement& p = rt.where();
     if (world.max(p.local_size > std::max(1, p.gpus_visible) ? 1 : 0) > 0)
@@ -276,7 +277,8 @@ int run_train(const Deck& deck) {
     fail_all("parallel.ep > 1 with parallel.hybrid = true is not supported: shard over all ranks (hybrid = false)");
   std::unique_ptr<ExpertParallel> ep;
   if (ep_size > 1) ep = std::make_unique<ExpertParallel>(world, ep_size);
-  Model model(cfg, /*with_storage=*/stage != 3 && !on_gpu, ep ? ep->split() : ExpertSplit{});
+  const bool on_dev = on_gpu || (!cfg.lora.on() && ep_size == 1);
+  Model model(cfg, /*with_storage=*/stage != 3 && !on_dev, ep ? ep->split() : ExpertSplit{});
   model.set_experts(ep.get());
   const bool aux_on = deck.boolean("train.router_aux_loss") && cfg.moe();
   const ParamTable& table = model.table();
@@ -295,7 +297,7 @@ int run_train(const Deck& deck) {
     shard = &rt.node_comm();
     replica = world.split(p.local_rank, p.node);
   }
-  ZeroEngine engine(model, *shard, replica.get(), on_gpu ? 3 : stage, trainable, ep.get());
+  ZeroEngine engine(model, *shard, replica.get(), on_dev ? 3 : stage, trainable, ep.get());
   {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
     // ever holds the whole model. The values do not depend on the rank count.
@@ -333,7 +335,7 @@ int run_train(const Deck& deck) {
                      std::to_string(table.experts_per_rank()) + " experts a rank, expert units sharded over " +
                      std::to_string(ep->replicas().size()) + " rank(s)"
                : std::string()));
-  if (!on_gpu) log_info(engine.memory_report());  // the device path's: the DevTrainer's line below
+  if (!on_dev) log_info(engine.memory_report());  // the device path's: the DevTrainer's line below
   if (cfg.lora.on()) {
     const LoraSize ls = lora_size(cfg);
     char buf[320];
@@ -374,19 +376,18 @@ int run_train(const Deck& deck) {
   lo.drop_overlong = deck.str("data.overlong") == "drop";
   Loader loader(*data, cfg, lo, rank, nranks);
 
-  // The GPU's arenas are sized once for the largest micro-batch the loader can make.
-  std::unique_ptr<DevTrainer> gpu;
-  if (on_gpu) {
+  // The device's arenas are sized once for the largest micro-batch the loader can make.
+  std::unique_ptr<DevTrainer> trainer;
+  if (on_dev) {
     const DevBudget b = train_budget(cfg, lo.micro_batch, seq_len, deck.integer("train.max_patches"));
     LossScaling ls;
     ls.on = compute == DType::F16;
     ls.scale = deck.real("optim.loss_scale");
     ls.window = deck.integer("optim.loss_scale_window");
-    // Q3VL_DEVICE_ON_CPU=1 (tests): the same training path on the CPU op layer, where CI has no GPU.
-    gpu = std::make_unique<DevTrainer>(getenv("Q3VL_DEVICE_ON_CPU") ? Device::CPU : Device::CUDA,
-                                       std::max(0, rt.where().gpu), cfg, trainable, compute, b,
-                                       deck.str("train.recompute") == "block", ls, *shard, replica.get(), stage);
-    log_info(gpu->memory_report());
+    trainer = std::make_unique<DevTrainer>(on_gpu ? Device::CUDA : Device::CPU, std::max(0, rt.where().gpu), cfg,
+                                           trainable, compute, b, deck.str("train.recompute") == "block", ls, *shard,
+                                           replica.get(), stage, deck.str("parallel.gather_dtype") == "bf16");
+    log_info(trainer->memory_report());
   }
 
   // Resume.
@@ -434,8 +435,8 @@ int run_train(const Deck& deck) {
              std::to_string(meta.world_size) + " rank(s); now " + std::to_string(nranks) + ")");
   }
   engine.gather_params();
-  if (gpu) gpu->from_host(engine);
-  if (gpu && st.loss_scale > 0) gpu->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
+  if (trainer) trainer->from_host(engine);
+  if (trainer && st.loss_scale > 0) trainer->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
   {
     const double peak = peak_rss_mib();
     char buf[160];
@@ -474,7 +475,7 @@ int run_train(const Deck& deck) {
   }
   auto save = [&]() {
     ScopedTimer t("train: checkpoint");
-    if (gpu) gpu->to_host(engine);
+    if (trainer) trainer->to_host(engine);
     CkptMeta meta;
     meta.step = st.step;
     meta.tokens_seen = st.tokens;
@@ -516,28 +517,28 @@ int run_train(const Deck& deck) {
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
     engine.begin_step();
-    if (gpu) gpu->begin_step();
-    const int64_t gathered0 = gpu ? gpu->gathered_bytes() : engine.gathered_bytes();
+    if (trainer) trainer->begin_step();
+    const int64_t gathered0 = trainer ? trainer->gathered_bytes() : engine.gathered_bytes();
     double loss_sum = 0, aux_sum = 0;
     if (ep) ep->reset_stats();
-    for (size_t i = 0; i < sd.micro.size() && gpu; ++i) {
+    for (size_t i = 0; i < sd.micro.size() && trainer; ++i) {
       const int64_t n = sd.micro_supervised[i];
       if (n == 0) {  // nothing to compute here, but the other ranks' collectives wait for this one's
         Phase p{t_comm, "ZeRO (a micro-batch without supervised tokens)"};
-        gpu->idle();
+        trainer->idle();
         continue;
       }
       {
         Phase p{t_fwd, "forward"};
         double aux = 0;
-        loss_sum += gpu->forward(sd.micro[i], &aux, aux_on) * double(n);
+        loss_sum += trainer->forward(sd.micro[i], &aux, aux_on) * double(n);
         aux_sum += aux * double(n);
-        Q3VL_CHECK(gpu->supervised_tokens() == n, "the loader and the model count supervised targets differently");
+        Q3VL_CHECK(trainer->supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }
       Phase p{t_bwd, "backward"};
-      gpu->backward(n_global > 0 ? double(n) / n_global : 0.0);
+      trainer->backward(n_global > 0 ? double(n) / n_global : 0.0);
     }
-    for (size_t i = 0; i < sd.micro.size() && !gpu; ++i) {
+    for (size_t i = 0; i < sd.micro.size() && !trainer; ++i) {
       const int64_t n = sd.micro_supervised[i];
       {
         Phase p{t_comm, "ZeRO before forward"};
@@ -576,14 +577,14 @@ int run_train(const Deck& deck) {
     if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count && rank == 0) engine.poison_grads();
     double loss, gnorm;
     bool grads_finite = true;
-    if (gpu) {
+    if (trainer) {
       {
         Phase p{t_comm, "gradient reduction and loss"};
-        gpu->finish_grads();
+        trainer->finish_grads();
         loss = world.sum(loss_sum) / std::max(1.0, n_global);
       }
       Phase p{t_opt, "gradient norm"};
-      gnorm = std::sqrt(gpu->grad_norm_sq(&grads_finite));
+      gnorm = std::sqrt(trainer->grad_norm_sq(&grads_finite));
       if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count) grads_finite = false, gnorm = NAN;
     } else {
       Phase p{t_comm, "gradient reduction, loss and norm"};
@@ -598,9 +599,9 @@ int run_train(const Deck& deck) {
         Phase p{t_opt, "optimizer"};
         const double coef = clip > 0 && gnorm > clip ? clip / (gnorm + 1e-6) : 1.0;
         ++st.adam_t;
-        if (gpu) gpu->update(hp, lr, coef, st.adam_t);
+        if (trainer) trainer->update(hp, lr, coef, st.adam_t);
         for (const ShardPiece& sp : engine.pieces())
-          if (sp.trainable && !gpu)
+          if (sp.trainable && !trainer)
             dev::adamw(dev::Exec{}, sp.master, sp.grad, sp.exp_avg, sp.exp_avg_sq, sp.count, hp.beta1, hp.beta2,
                        hp.eps, lr, sp.no_decay ? 0.0 : hp.weight_decay, coef, st.adam_t);
       }
@@ -610,11 +611,11 @@ int run_train(const Deck& deck) {
     } else {
       ++st.skipped_total;
       // fp16: an overflow of the scaled gradient is how dynamic loss scaling finds its scale, not a failing run.
-      const bool scale_overflow = gpu && gpu->loss_scaling().on && std::isfinite(loss) && gpu->loss_scaling().scale > 1;
+      const bool scale_overflow = trainer && trainer->loss_scaling().on && std::isfinite(loss) && trainer->loss_scaling().scale > 1;
       if (!scale_overflow) ++st.skipped_in_row;
       if (scale_overflow)
         log_info("step " + std::to_string(step1) + ": fp16 gradients overflowed at loss scale " +
-                 std::to_string(gpu->loss_scaling().scale) + ": step skipped, the scale halves");
+                 std::to_string(trainer->loss_scaling().scale) + ": step skipped, the scale halves");
       else
         log_warn("step " + std::to_string(step1) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
                  " (loss " + std::to_string(loss) + ", grad norm " + std::to_string(gnorm) +
@@ -625,7 +626,7 @@ int run_train(const Deck& deck) {
                  std::to_string(max_skipped) + "); stopping. Lower train.lr or check the data; the last checkpoint" +
                  (last_saved >= 0 ? " is step " + std::to_string(last_saved) : " is the one this run started from"));
     }
-    if (gpu) gpu->after_step(finite), st.loss_scale = gpu->loss_scaling().on ? gpu->loss_scaling().scale : 0;
+    if (trainer) trainer->after_step(finite), st.loss_scale = trainer->loss_scaling().on ? trainer->loss_scaling().scale : 0;
     st.step = step1;
     st.tokens += int64_t(counts[1]);
     st.cursor = loader.cursor();
@@ -643,7 +644,11 @@ int run_train(const Deck& deck) {
     // shards, and the gathered working set (stage 3: unit pool incl. its cache of released buffers).
     const ZeroMemory zm = engine.memory();
     double mem[3] = {double(model.activation_peak()), double(zm.state() + zm.comm), double(zm.working)};
-    if (gpu) mem[0] = 0, mem[2] = double(gpu->device_bytes());  // the GPU's arena is fixed: its bytes are "working"
+    if (trainer) {  // the arena (activations) and the device's other buffers are fixed at start-up
+      const DevTrainerMemory m = trainer->memory();
+      mem[0] = double(m.model.activations), mem[1] = double(m.zero.total() - m.zero.pool);
+      mem[2] = double(m.total() - m.model.activations - mem[1]);
+    }
     world.all_reduce(mem, 3, DType::F64, ReduceOp::Max);
     model.reset_activation_peak();
     // Load balance: rows (token, expert) that each rank's experts received this step, and the all-to-all time.
@@ -670,7 +675,7 @@ int run_train(const Deck& deck) {
                 {"time", {{"wall", st.wall}, {"step", dt}, {"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd}, {"comm", t_comm},
                           {"optimizer", t_opt}}},
                 {"rss_mib", rss},
-                {"gathered_mib", double((gpu ? gpu->gathered_bytes() : engine.gathered_bytes()) - gathered0) / (1 << 20)},
+                {"gathered_mib", double((trainer ? trainer->gathered_bytes() : engine.gathered_bytes()) - gathered0) / (1 << 20)},
                 {"memory_mib", {{"activations", mem[0] / (1 << 20)}, {"zero_state", mem[1] / (1 << 20)},
                                 {"working", mem[2] / (1 << 20)}}},
                 {"skipped", !finite},
@@ -681,7 +686,7 @@ int run_train(const Deck& deck) {
       if (ep)
         j["experts"] = {{"ep", ep_size}, {"tokens_max", int64_t(ep_stats[0])}, {"tokens_min", int64_t(ep_stats[1])},
                         {"all_to_all_s", ep_stats[2]}};
-      if (gpu && gpu->loss_scaling().on) j["loss_scale"] = gpu->loss_scaling().scale;
+      if (trainer && trainer->loss_scaling().on) j["loss_scale"] = trainer->loss_scaling().scale;
       first_line = false;
       if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;
       std::fprintf(metrics, "%s\n", j.dump().c_str());

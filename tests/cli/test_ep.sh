@@ -62,12 +62,12 @@ grep -q "resumed from .*step_00000010.h5 (step 10, written by 4 rank(s); now 2)"
   cmp_losses half ep4 1e-5 && cmp_ckpt "$(ckpt half)" "$(ckpt half1)" 1e-5 && pass "resume-ep4-as-ep2-on-2-ranks" ||
   bad "resume-ep4-as-ep2-on-2-ranks"
 
-# (e) The aux loss on model.backend = cuda's training path (run on the CPU op layer) as on the CPU backend, and it
-# changes the run.
-Q3VL_DEVICE_ON_CPU=1 train dev 1 model.backend=cuda train.steps=5; ok_run $? dev
-train cpu 1 train.steps=5; ok_run $? cpu
-train noaux 1 train.steps=5 train.router_aux_loss=false; ok_run $? noaux
-cmp_losses dev cpu 1e-5 && ! cmp_losses noaux cpu 1e-3 2>/dev/null && pass "aux-loss-device-path" ||
+# (e) The aux loss on the device model (parallel.ep = 1: the CPU op layer) as on the host model (expert parallelism
+# runs there), and it changes the run.
+train auxdev 2 train.steps=5; ok_run $? auxdev
+train auxhost 2 train.steps=5 parallel.ep=2; ok_run $? auxhost
+train noaux 2 train.steps=5 train.router_aux_loss=false; ok_run $? noaux
+cmp_losses auxdev auxhost 1e-5 && ! cmp_losses noaux auxdev 1e-3 2>/dev/null && pass "aux-loss-device-path" ||
   bad "aux-loss-device-path"
 
 # (d) Bad layouts: one clear message naming the key, exit 1.

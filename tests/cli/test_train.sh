@@ -3,8 +3,8 @@
 # synthetic dataset: the same global batch gives the same losses and weights on 1, 2 and 4 ranks, for any
 # micro-batch x accumulation split and ZeRO stage; a stopped and resumed run is bitwise identical to a straight
 # one (and agrees when resumed on another rank count); activation recomputation changes no bit; hybrid sharding over
-# two (MPICH clique) nodes matches flat sharding; the device (GPU) training path run on the CPU op layer matches and
-# resumes across; non-finite steps are skipped, then stop the run; frozen
+# two (MPICH clique) nodes matches flat sharding; the ZeRO state per rank shrinks with the ranks; non-finite steps are
+# skipped, then stop the run; frozen
 # parts stay as loaded; a checkpoint of another model is refused.
 source "$(dirname "$0")/../lib.sh"
 model=tests/data/golden/dense_tied/model
@@ -23,7 +23,19 @@ for n in 1 2 4; do train np$n $n parallel.zero_stage=3; ok_run $? np$n; done
 for n in 2 4; do
   if cmp_losses np$n np1 1e-5 && cmp_ckpt "$(ckpt np$n)" "$(ckpt np1)" 1e-5; then pass "ranks-$n-vs-1"; else bad "ranks-$n-vs-1"; fi
 done
-grep -q "(0.250 of unsharded)" "$tmp/np4.log" && pass "memory-report-4-ranks" || bad "memory-report-4-ranks: $(grep -A8 'memory per rank' "$tmp/np4.log")"
+# The ZeRO state per rank by kind (the "memory per rank" line, rank 0's: fp32 masters, AdamW moments, gradient shard)
+# at 2 and 4 ranks is 1/2 and 1/4 of one rank's (each unit padded to the group: within 1%).
+if $py - "$tmp/np1.log" "$tmp/np2.log" "$tmp/np4.log" <<'PY'
+import re, sys
+def state(path):
+    line = next(l for l in open(path) if "memory per rank" in l and "fp32 masters" in l)
+    return [float(re.search(k + r" ([0-9.]+) MiB", line).group(1)) for k in ("fp32 masters", "AdamW moments", "gradient shard")]
+one = state(sys.argv[1])
+for n, path in ((2, sys.argv[2]), (4, sys.argv[3])):
+    got = state(path)
+    assert all(o > 0 and abs(g * n / o - 1) < 0.01 for o, g in zip(one, got)), (n, one, got)
+PY
+then pass "memory-zero-state-by-ranks"; else bad "memory-zero-state-by-ranks: $(grep -h 'memory per rank' "$tmp"/np[124].log)"; fi
 # The loss goes down.
 $py -c "import json,sys; l=[json.loads(x)['loss'] for x in open('$tmp/np1/metrics.jsonl')]; sys.exit(not sum(l[-5:]) < sum(l[:5]) - 0.2)" \
   && pass "loss-decreases" || bad "loss-decreases"
@@ -48,7 +60,8 @@ if cmp_losses recompute np2 0 && cmp_ckpt "$(ckpt recompute)" "$(ckpt np2)" 0 &&
    $py - "$tmp/recompute/metrics.jsonl" "$tmp/np2/metrics.jsonl" <<'PY'
 import json, sys
 r, k = ([json.loads(l)["memory_mib"]["activations"] for l in open(f)] for f in sys.argv[1:3])
-assert all(0 < a < 0.8 * b for a, b in zip(r, k)), f"activations kept, recompute vs not: {r[:3]} vs {k[:3]} MiB"
+# The activation arena: every layer's context becomes one shared one (the head's and the scratch buffers stay).
+assert all(0 < a < 0.9 * b for a, b in zip(r, k)), f"activations kept, recompute vs not: {r[:3]} vs {k[:3]} MiB"
 PY
 then pass "recompute-bitwise-less-memory"; else bad "recompute-bitwise-less-memory"; fi
 grep -q "activation recomputation: block" "$tmp/recompute.log" || bad "recompute-logged"
@@ -147,51 +160,14 @@ with h5py.File(sys.argv[1]) as f:
 PY
 then pass "freeze-vision"; else bad "freeze-vision"; fi
 
-# (j) model.backend = cuda's training path (device model, device AdamW, checkpoints through the engine) run on the
-# CPU op layer (Q3VL_DEVICE_ON_CPU=1; the GPU machine runs it on the H200): one rank, the same losses as the CPU
-# backend; its checkpoint resumes on the CPU backend on 2 ranks and the run ends where the straight one does.
-Q3VL_DEVICE_ON_CPU=1 train dev1 1 model.backend=cuda; ok_run $? dev1
-cmp_losses dev1 np1 1e-5 && cmp_ckpt "$(ckpt dev1)" "$(ckpt np1)" 1e-5 && pass "device-path-vs-cpu" || bad "device-path-vs-cpu"
-Q3VL_DEVICE_ON_CPU=1 train devhalf 1 model.backend=cuda train.stop_after=10 train.resume=auto; ok_run $? devhalf
-train devhalf 2 train.resume=auto; ok_run $? devhalf
-cmp_losses devhalf np1 1e-5 && pass "device-checkpoint-resumes-on-cpu" || bad "device-checkpoint-resumes-on-cpu"
-
-# (j2) The device path over several ranks: ZeRO on device buffers (MPI between ranks of the CPU op layer here; NCCL
-# between GPU ranks on the GPU machine, tools/gpu/train_checks.sh). 2 and 4 ranks at ZeRO-3, 2 at stages 1 and 2,
-# hybrid over two (MPICH clique) nodes, all against one device rank (dev1); recomputation bitwise; the ZeRO state
-# per rank at 2 ranks half of one rank's; a 4-rank checkpoint resumes on 1 device rank and on 2 CPU ranks.
-dev() { local name=$1 np=$2; shift 2; Q3VL_DEVICE_ON_CPU=1 train "$name" "$np" model.backend=cuda "$@"; }
-same() {  # same NAME REF TOL: losses and the final checkpoint
-  cmp_losses "$1" "$2" "$3" && cmp_ckpt "$(ckpt "$1")" "$(ckpt "$2")" "$3"
-}
-for n in 2 4; do
-  dev devz3_$n $n && same devz3_$n dev1 1e-5 && pass "device-zero3-$n-ranks-vs-1" || bad "device-zero3-$n-ranks-vs-1"
-done
-for st in 1 2; do
-  dev devz${st}_2 2 parallel.zero_stage=$st && same devz${st}_2 dev1 1e-5 && pass "device-zero$st-2-ranks-vs-1" ||
-    bad "device-zero$st-2-ranks-vs-1"
-done
-MPIR_CVAR_NUM_CLIQUES=2 dev devhyb 4 parallel.hybrid=true
-if grep -q "2-way shards" "$tmp/devhyb.log" && same devhyb dev1 1e-5; then pass "device-hybrid-2-nodes-vs-1"
-else bad "device-hybrid-2-nodes-vs-1: $(grep -m1 'memory per rank' "$tmp/devhyb.log")"; fi
-dev devrc 2 train.recompute=block && same devrc devz3_2 0 && pass "device-recompute-bitwise" || bad "device-recompute-bitwise"
-# "fp32 masters X MiB, AdamW moments Y MiB, gradient shard Z MiB" on rank 0: at 2 ranks half of one rank's (each unit
-# padded to the group: within 1%).
-if $py - "$tmp/dev1.log" "$tmp/devz3_2.log" <<'PY'
-import re, sys
-def state(path):
-    line = next(l for l in open(path) if "memory per rank" in l and "fp32 masters" in l)
-    return [float(re.search(k + r" ([0-9.]+) MiB", line).group(1)) for k in ("fp32 masters", "AdamW moments", "gradient shard")]
-one, two = state(sys.argv[1]), state(sys.argv[2])
-assert all(o > 0 and abs(t / o - 0.5) < 0.01 for o, t in zip(one, two)), (one, two)
-PY
-then pass "device-zero-state-halves"; else bad "device-zero-state-halves: $(grep -h 'memory per rank' "$tmp/dev1.log" "$tmp/devz3_2.log")"; fi
-dev devq4 4 train.stop_after=10; ok_run $? devq4
-cp -r "$tmp/devq4" "$tmp/devq4cpu" && cp -r "$tmp/devq4" "$tmp/devq4dev"
-dev devq4dev 1 train.resume=auto && cmp_losses devq4dev dev1 1e-5 && pass "device-4-ranks-resume-on-1-device-rank" ||
-  bad "device-4-ranks-resume-on-1-device-rank"
-train devq4cpu 2 train.resume=auto && cmp_losses devq4cpu np1 1e-5 && pass "device-4-ranks-resume-on-2-cpu-ranks" ||
-  bad "device-4-ranks-resume-on-2-cpu-ranks"
+# (j) A 4-rank checkpoint resumes on one rank and continues the curve.
+cp -r "$tmp/half4" "$tmp/half41"
+rm -f "$tmp/half41/checkpoints/step_00000020.h5"
+head -10 "$tmp/half4/metrics.jsonl" >"$tmp/half41/metrics.jsonl"  # the 4-rank steps, without the 2-rank resume's
+mpiexec -n 1 $q train "${common[@]}" run.out_dir="$tmp/half41" train.resume="$tmp/half41/checkpoints/step_00000010.h5" \
+  >"$tmp/resume41.log" 2>&1; ok_run $? resume41
+cmp_losses half41 np1 1e-5 && cmp_ckpt "$(ckpt half41)" "$(ckpt np1)" 1e-5 && pass "resume-on-1-of-4-ranks" ||
+  bad "resume-on-1-of-4-ranks"
 
 # A checkpoint of a model with the same shapes but another RoPE base is refused, naming the key.
 mkdir -p "$tmp/theta" && cp $model/* "$tmp/theta/" &&

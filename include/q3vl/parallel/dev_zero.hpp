@@ -48,15 +48,19 @@ class DevZero final : UnitHooks {
  public:
   // `shard` and `replica` (hybrid sharding; may be null) take the model's device buffers and outlive the engine.
   // comm_ex: the Exec (stream) an NCCL `shard`/`replica` runs on when it is not the model's; null: the model's.
+  // gather: the dtype units travel in, the model's by default; BF16 with an fp32 model (parallel.gather_dtype) sends
+  // the masters rounded to bf16 and widens them in the pool (half the bytes; the model computes with the rounded
+  // weights, as the host engine's bf16 gathers do).
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
-          const dev::Exec* comm_ex = nullptr);
+          const dev::Exec* comm_ex = nullptr, DType gather = DType::F32);
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
   // The DevHold a model for this engine needs.
   static DevHold hold(int group, int stage) { return {group, stage != 3}; }
   // What an engine allocates, without allocating: rank 0's (the largest) shard.
-  static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt);
+  static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
+                            DType gather);
   DevZeroMemory memory() const { return mem_; }
 
   int stage() const { return stage_; }
@@ -106,13 +110,17 @@ class DevZero final : UnitHooks {
   void c2m();    // the communication stream waits for the work enqueued on the model's so far
   void m2c();    // and the other way round
   void* wshard(int64_t off) const;
+  // Unit u (its shard at wshard) gathered in full into dst (dt), through staging buffer `stg` when conv_; on the
+  // communication stream (NCCL), or waited (MPI), or a copy (one rank). MPI's widening waits for the request.
+  std::unique_ptr<CommRequest> gather_unit(const ZeroUnit& u, void* dst, void* stg);
 
   DevModel& model_;
   const dev::Exec ex_;
   Comm& shard_;
   Comm* replica_;
   int stage_;
-  DType dt_;
+  DType dt_, gd_;  // compute; what gathers send
+  bool conv_;      // gd_ is not dt_: gathers land in staging (stg_) and are widened
   bool ordered_;  // collectives run on a stream (NCCL), not on the host
   dev::Exec cx_;  // the communication stream's Exec (the model's when there is none of its own)
   bool split_;    // cx_ is not the model's: events order the two
@@ -128,7 +136,7 @@ class DevZero final : UnitHooks {
   std::vector<std::pair<Comm*, std::unique_ptr<CommRequest>>> inflight_;
   // Stage 3.
   int64_t slot_elems_ = 0;
-  std::vector<void*> pslot_;
+  std::vector<void*> pslot_, stg_;  // stg_: per pool slot (stage 3) or one (stages 1/2), in gd_ (conv_ only)
   std::vector<float*> gslot_;
   std::vector<int> pfree_, gfree_;
   std::vector<int> order_[2], last_use_, rs_order_;

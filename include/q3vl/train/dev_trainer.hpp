@@ -45,12 +45,13 @@ class DevTrainer {
   // rank 0's, the largest shard. (A CPU Exec has no workspace: tests size the CPU op layer with Device::CPU.)
   static DevTrainerMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
                                const std::vector<bool>& trainable, int group = 1, int stage = 3,
-                               Device d = Device::CUDA);
+                               Device d = Device::CUDA, bool gather_bf16 = false);
   // shard: the group ZeRO shards over, replica (may be null): hybrid sharding's replicas; both host (MPI) comms that
   // outlive the trainer. On CUDA the trainer makes its NCCL communicators over the same ranks.
+  // gather_bf16 (parallel.gather_dtype = "bf16", fp32 compute): units travel as the masters rounded to bf16.
   DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
              const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica = nullptr,
-             int stage = 3);
+             int stage = 3, bool gather_bf16 = false);
   ~DevTrainer();
 
   // Masters and moments from the host engine's pieces (the same layout), and the compute weights.
@@ -96,6 +97,7 @@ class DevTrainer {
   std::vector<Run> runs_;
   double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows
   LossScaling ls_;
+  bool hybrid_ = false;  // gradient shards all-reduced across replicas (parallel.hybrid over several nodes)
 };
 
 }  // namespace q3vl
