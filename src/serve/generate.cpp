@@ -242,6 +242,7 @@ ModelSource model_source(const Deck& deck, const std::string& checkpoint_key) {
   if (trained) {
     src.adapters_only = true;
     src.base_hf = trained->str("model.hf");
+    src.base_adapter = trained->str("lora.adapter");
     src.base_seed = uint64_t(trained->integer("run.seed"));
   }
   return src;
@@ -256,6 +257,7 @@ std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src) {
              ", adapters from " + src.checkpoint);
     if (src.base_hf.empty()) model->init_random(src.base_seed);
     else load_hf_weights(*model, src.base_hf);
+    if (!src.base_adapter.empty()) load_lora_adapter(*model, src.base_adapter);  // its adapters: the checkpoint's
     load_checkpoint_weights(*model, src.checkpoint, true);
   } else if (!src.checkpoint.empty()) {
     log_info(src.mode + ": weights from " + src.checkpoint);

@@ -308,8 +308,9 @@ int run_train(const Deck& deck) {
       (table.param(sl.param).part == Part::Lora ? lora : base).push_back(sl);
     const SliceBytes b = hf.empty() ? init_random_slices(table, seed, 0.02, base) : load_hf_slices(table, hf, base);
     if (!lora.empty() || cfg.lora.on()) {
+      // A PEFT folder also replaces the base weights it carries (lm_head.base_layer.weight): after the base.
       const SliceBytes la = adapter.empty() ? init_random_slices(table, seed, 0.02, lora)
-                                            : load_lora_slices(table, adapter, lora);
+                                            : load_lora_slices(table, adapter, engine.master_slices());
       log_info("adapters: " + (adapter.empty() ? std::string("PEFT init (A kaiming-uniform, B zero)") : adapter) +
                ", " + std::to_string(la.mine) + " bytes on this rank");
     }

@@ -7,7 +7,9 @@
 # tensor-parallel, and generate on the device model: adapters folded) answer alike from a LoRA checkpoint; a MoE's
 # router adapters train the same under expert parallelism; an adapter on the tied LM head (module lm_head) trains
 # alike on 1 and 2 ranks, exports under PEFT's name and merges into an untied head (the embeddings unchanged), and
-# serve under TP folds it into an untied head giving generate's answers; bad [lora] keys are refused naming the key.
+# serve under TP folds it into an untied head giving generate's answers; a PEFT folder with the head's full weights
+# (lm_head.base_layer.weight, as PEFT saves it) replaces the base's in eval and train, and export keeps or merges
+# them; bad [lora] keys are refused naming the key.
 source "$(dirname "$0")/../lib.sh"
 g=tests/data/golden/dense_tied
 model=$g/model
@@ -234,6 +236,66 @@ PY
     pass "lm_head adapter: PEFT name, --merge unties the head, eval equal" ||
     bad "lm_head adapter export/merge: $(tail -3 "$tmp/hexp.log" "$tmp/ha.log")"
 }
+
+# (h) PEFT saves an adapter on lm_head with the layer's full weights (lm_head.base_layer.weight): they replace the base's
+# (this tied model's embeddings) in eval and in train's sliced start-up, exactly as a base holding them; a wrong shape
+# is refused naming file and tensor; export --lora keeps them beside the adapters, --merge applies them.
+if [[ -d $tmp/had ]] && $py - "$tmp/had" $model "$tmp/hbl" "$tmp/hbase" "$tmp/hbad" <<'PY'; then
+import os, shutil, sys
+import numpy as np
+sys.path.insert(0, "tools")
+from q3vl_tools import safetensors
+had, model, hbl, hbase, hbad = sys.argv[1:]
+e, head = "model.language_model.embed_tokens.weight", "base_model.model.lm_head.base_layer.weight"
+base = safetensors.open_dir(model)
+new = (1.5 * base[e].f32() + 0.01 * np.random.default_rng(1).standard_normal(base[e].shape)).astype(np.float32)
+ad = safetensors.read_header(os.path.join(had, "adapter_model.safetensors"))
+def folder(dst, extra):
+    os.makedirs(dst)
+    shutil.copy(os.path.join(had, "adapter_config.json"), dst)
+    safetensors.write_file(os.path.join(dst, "adapter_model.safetensors"),
+                           [(n, x.shape, x.f32) for n, x in sorted(ad.items())] + extra, "F32")
+folder(hbl, [(head, list(new.shape), lambda: new)])
+folder(hbad, [(head, [new.shape[0], new.shape[1] - 1], lambda: new[:, 1:])])
+shutil.copytree(model, hbase)
+safetensors.write_file(os.path.join(hbase, "model.safetensors"),
+                       [(n, x.shape, (lambda: new) if n == e else x.f32) for n, x in sorted(base.items())], "F32")
+PY
+  head=base_model.model.lm_head.base_layer.weight
+  ev() { local o=$1; shift; $q eval eval.batch=$g/batch.h5 eval.output="$tmp/$o.h5" "$@" >"$tmp/$o.log" 2>&1; }
+  same() { $py - "$@" <<'PY'; }  # same TOL A.h5 B.h5 [DIFFERENT.h5]: losses equal to TOL, and unlike the third
+import h5py, sys
+tol, (a, b, *c) = float(sys.argv[1]), (float(h5py.File(p)["loss"][()]) for p in sys.argv[2:])
+assert abs(a - b) <= tol * abs(b), (a, b)
+assert all(abs(a - x) > 1e-4 for x in c), ("the base weights change nothing", a, c)
+PY
+  ev hbe model.hf=$model lora.adapter="$tmp/hbl" && ev hbr model.hf="$tmp/hbase" lora.adapter="$tmp/had" &&
+    grep -q "replaces the base's model.language_model.embed_tokens.weight by $head" "$tmp/hbe.log" &&
+    same 0 "$tmp/hbe.h5" "$tmp/hbr.h5" "$tmp/ha.h5" && pass "eval: lm_head.base_layer.weight replaces the tied embeddings" ||
+    bad "eval with lm_head.base_layer.weight: $(tail -3 "$tmp/hbe.log")"
+  expect "lm_head.base_layer.weight of another shape refused" 1 \
+    "hbad/adapter_model.safetensors: tensor $head has shape \[256,63\], but it replaces the base model's model.language_model.embed_tokens.weight .*\[256,64\]" \
+    $q eval model.hf=$model lora.adapter="$tmp/hbad" eval.batch=$g/batch.h5 eval.output="$tmp/o.h5"
+  # 2 ranks: each reads its shard of the embeddings from the folder; the same run as on the replaced base, bitwise.
+  htrain hb 2 lora.adapter="$tmp/hbl"; ok_run $? hb && htrain hr 2 model.hf="$tmp/hbase" lora.adapter="$tmp/had"
+  ok_run $? hr && cmp_losses hb hr 0 3 && cmp_ckpt "$(ckpt hb)" "$(ckpt hr)" 0 &&
+    pass "train from the folder = train on the replaced base (bitwise)" || bad "train with lm_head.base_layer.weight"
+  if [[ -f $(ckpt hb 2>/dev/null) ]]; then
+    tools/export_hf --lora "$(ckpt hb)" "$tmp/hbad2" >"$tmp/hbx.log" 2>&1 &&
+      tools/export_hf --merge --dtype fp32 "$(ckpt hb)" "$tmp/hbm" >>"$tmp/hbx.log" 2>&1 &&
+      tools/export_hf --merge --dtype fp32 "$(ckpt hr)" "$tmp/hrm" >>"$tmp/hbx.log" 2>&1 &&
+      ev hbe2 model.hf=$model lora.adapter="$tmp/hbad2" && ev hbm model.hf="$tmp/hbm" && ev hrm model.hf="$tmp/hrm" &&
+      grep -q "with the base weights of $tmp/hbl" "$tmp/hbx.log" && same 0 "$tmp/hbm.h5" "$tmp/hrm.h5" &&
+      same 1e-5 "$tmp/hbe2.h5" "$tmp/hbm.h5" && pass "export: --lora keeps lm_head.base_layer.weight, --merge applies it" ||
+      bad "export with lm_head.base_layer.weight: $(tail -3 "$tmp/hbx.log")"
+    mv "$tmp/hbl" "$tmp/hbl.away"
+    expect "export: the starting PEFT folder gone" 1 "lora.adapter = '$tmp/hbl'.*not here" \
+      tools/export_hf --lora "$(ckpt hb)" "$tmp/o8"
+    mv "$tmp/hbl.away" "$tmp/hbl"
+  fi
+else
+  bad "PEFT folder with lm_head.base_layer.weight: none made"
+fi
 
 # (e) bad [lora] keys name the key.
 expect "unknown lora key" 1 "lora.rnak.*did you mean 'lora.rank'" $q train model.hf=$model lora.rnak=4

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tools/export_hf: golden HF directories and checkpoints -> HF directories that the C++ loader reads with
 # the same loss as the original, every tensor bitwise equal (tests/tools/st_compare.py); the other files;
-# sharding, bf16, presets, a real short training run; bad input.
+# sharding, bf16, presets, a real short training run; LoRA adapters on the MoE router (--lora refused: PEFT cannot
+# load them; --merge); bad input.
 source "$(dirname "$0")/../lib.sh"
 ex=tools/export_hf
 G=tests/data/golden
@@ -173,6 +174,19 @@ print(r['step'], r['loss'], r['grad_norm'])" $1; }
   del_config $tmp/tiny/checkpoints/step_00000001.h5 $tmp/old_tiny.h5
   expect "older preset checkpoint" 1 "no root attribute hf_config_json.*model.preset = 'tiny'.*give --config" \
     $ex $tmp/old_tiny.h5 $tmp/o6
+  # LoRA on the MoE router (mlp.gate): PEFT cannot wrap transformers 5's Qwen3VLMoeTextTopKRouter, so --lora refuses
+  # (writing nothing) and points to --merge, which works; without the router --lora writes the folder.
+  run router model.hf=$G/moe/model train.steps=1 lora.rank=2 lora.targets=q_proj,mlp.gate
+  expect "--lora of router adapters refused" 1 \
+    "error: .*MoE router \(lora.targets mlp.gate, e.g. model.language_model.layers.0.mlp.gate\), which PEFT cannot load.*\"Target module Qwen3VLMoeTextTopKRouter\(\) is not supported\".*--merge" \
+    $ex --lora $tmp/router/checkpoints $tmp/o7
+  [[ ! -e $tmp/o7 && ! -e $tmp/o7.partial ]] && ok "--lora of router adapters writes nothing" || bad "left $(ls -d $tmp/o7*)"
+  $ex --merge --dtype fp32 $tmp/router/checkpoints $tmp/router_merged >/dev/null &&
+    a=$(loss $tmp/router_merged $G/moe/batch.h5) && [[ $a =~ ^[0-9.]+$ ]] &&
+    ok "router adapters: --merge writes a model that evaluates (loss $a)" || bad "router --merge: $a"
+  run norouter model.hf=$G/moe/model train.steps=1 lora.rank=2 lora.targets=q_proj
+  $ex --lora $tmp/norouter/checkpoints $tmp/norouter_ad >/dev/null && [[ -f $tmp/norouter_ad/adapter_model.safetensors ]] &&
+    ok "MoE adapters without the router: --lora writes the folder" || bad "MoE --lora without the router"
 fi
 
 # --- bad input ---

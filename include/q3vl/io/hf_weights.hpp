@@ -16,10 +16,16 @@ void load_hf_weights(Model& m, const std::string& dir);
 // load_hf_weights for slices only: the same checks (every tensor present with its shape, none unexpected), then
 // only the slices' bytes are read (released-layout MoE experts: each expert a slice touches, whole).
 SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
-// LoRA (model/lora.hpp): the adapters of a PEFT folder (DIR/adapter_model.safetensors, tensors under PEFT's names)
-// for slices of the table's adapter parameters (every adapter present with its shape, nothing else), and for a
-// whole model.
+// LoRA (model/lora.hpp): a PEFT folder (DIR/adapter_model.safetensors, tensors under PEFT's names) read into
+// slices of any parameters, after the base (load_hf_weights/load_hf_slices/init): every adapter must be present with
+// its shape; the base weights PEFT saves beside the adapters replace the base's, as PEFT's load_state_dict does (a
+// wrapped layer's "base_model.model.<module>.base_layer.weight", e.g. lm_head or embed_tokens in target_modules;
+// "base_model.model.<module>.weight" for save_embedding_layers or modules_to_save), each with the base's on-disk
+// shape; a tied head is the embedding, so its lm_head weights replace the embeddings too (PEFT's tied lm_head
+// shares the embedding's storage; of both, lm_head's wins, loaded last as in PEFT); anything else is refused
+// naming file and tensor. Slices of base parameters the file does not hold are left as they are.
 SliceBytes load_lora_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
+// The same for a whole model.
 void load_lora_adapter(Model& m, const std::string& dir);
 
 }  // namespace q3vl

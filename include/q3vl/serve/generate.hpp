@@ -95,9 +95,10 @@ struct ModelSource {
   std::string checkpoint;  // resolved file, or empty
   ModelConfig cfg;         // cfg.lora: the LoRA checkpoint's trained [lora], else the deck's (lora.adapter)
   // A LoRA checkpoint (its trained deck has lora.rank > 0) holds only adapters: load_model builds its base first
-  // from the trained deck's model.hf, else its random init from run.seed.
+  // from the trained deck's model.hf, else its random init from run.seed, with the base weights of the PEFT folder
+  // the run started from (its lora.adapter: lm_head.base_layer.weight and the like replace the base's).
   bool adapters_only = false;
-  std::string base_hf;
+  std::string base_hf, base_adapter;
   uint64_t base_seed = 0;
 };
 ModelSource model_source(const Deck& deck, const std::string& checkpoint_key);
