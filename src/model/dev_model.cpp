@@ -318,10 +318,6 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   dev::synchronize(ex_);
   if (stage) dev::release(ex_, stage);
 }
-void DevModel::set_params_from_device(const float* f32) {
-  Q3VL_CHECK(hold_.group == 1 && hold_.full, "DevModel::set_params_from_device needs an unpadded model");
-  dev::convert(ex_, params_, dt_, f32, DType::F32, table_.total());
-}
 void DevModel::zero_grads() { dev::fill(ex_, grads_, DType::F32, held_, 0.f); }
 void DevModel::grads_to_host(float* host_all) const {
   Q3VL_CHECK(hold_.group == 1 && hold_.full, "DevModel::grads_to_host needs an unpadded model");

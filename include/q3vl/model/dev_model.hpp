@@ -92,11 +92,10 @@ class DevModel {
   static int64_t grad_bytes(const ParamTable& t) { return t.total() * 4; }
 
   // Weights in the compute dtype, table order (unit offsets as in ParamTable): from fp32 host values (the full
-  // table, or one unit), or converted on the device from fp32 device masters.
+  // table, or one unit). Training fills them through ZeRO (parallel/dev_zero.hpp) instead.
   void set_params(const float* host_all);
   // Table elements [offset, offset + n) from fp32 host values (a unit at a time: the streamed load of serve).
   void set_params(int64_t offset, const float* host, int64_t n);
-  void set_params_from_device(const float* dev_f32_all);
   void* params() { return params_; }
   float* grads() { return grads_; }
   void zero_grads();
