@@ -91,6 +91,15 @@ int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
   return fused(P, f + tlay::gate_proj, {I, I}, H, dt, "gate_proj/up_proj");
 }
 void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
+// The experts' first id (gate_up; down follows): right after the router, unless LoRA put the layer unit's adapters
+// in between (adapters go at the end of the unit they wrap, the experts are a unit of their own); the table knows.
+int experts_id(const DevParams& P, int f) {
+  if (!P.lora) return f + tlay::experts_gate_up;
+  const ParamTable& t = *P.lora->table;
+  for (int l = 0; l < t.config().text.layers; ++l)
+    if (t.layer(l) == f) return t.experts(l);
+  fail("dev_decoder: parameter " + std::to_string(f) + " starts no decoder layer");
+}
 // The attention's inputs: c.ln1 -> q, k (QK-norm, M-RoPE) and v.
 void qkv_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int64_t N, const float* cos,
              const float* sin, DevDecoderCtx& c, DType dt) {
@@ -98,6 +107,9 @@ void qkv_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
   dev_linear(ex, P, f + tlay::q_proj, c.ln1, c.qraw, N, H, Dq, dt);
   dev_linear(ex, P, f + tlay::k_proj, c.ln1, c.kraw, N, H, Dk, dt);
   dev_linear(ex, P, f + tlay::v_proj, c.ln1, c.v, N, H, Dk, dt);
+  dev_lora_fwd(ex, P, f + tlay::q_proj, c.ln1, N, c.qraw, Dq, dt);
+  dev_lora_fwd(ex, P, f + tlay::k_proj, c.ln1, N, c.kraw, Dk, dt);
+  dev_lora_fwd(ex, P, f + tlay::v_proj, c.ln1, N, c.v, Dk, dt);
   dev::qk_norm_rope_fwd(ex, c.qraw, c.kraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, c.k, c.rq, c.rk, cos,
                         sin, N, nh, nkv, hd, tc.rms_eps, dt);
 }
@@ -108,18 +120,23 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
   if (moe) {
     const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
     dev::linear_fwd(ex, c.ln2, P.p[f + tlay::router], nullptr, s.logits, N, H, E, dt);
+    dev_lora_fwd(ex, P, f + tlay::router, c.ln2, N, s.logits, E, dt);
     dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, dt);
     dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
     dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-    grouped_linear(ex, P, f + tlay::experts_gate_up, s.xg, c.start, c.egu, R, E, H, 2 * Im, dt);
+    const int eg = experts_id(P, f);
+    grouped_linear(ex, P, eg, s.xg, c.start, c.egu, R, E, H, 2 * Im, dt);
     dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);
-    grouped_linear(ex, P, f + tlay::experts_down, s.eact, c.start, c.ey, R, E, Im, H, dt);
+    grouped_linear(ex, P, eg + 1, s.eact, c.start, c.ey, R, E, Im, H, dt);
     dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
   } else {
     const int64_t I = tc.intermediate;
     dev_linear(ex, P, fused_gate_up(P, f, I, H, dt), c.ln2, c.gu, N, H, 2 * I, dt);
+    dev_lora_fwd(ex, P, f + tlay::gate_proj, c.ln2, N, c.gu, 2 * I, dt);  // gate: columns [0, I) of gu
+    dev_lora_fwd(ex, P, f + tlay::up_proj, c.ln2, N, at(c.gu, I, dt), 2 * I, dt);
     dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
     dev_linear(ex, P, f + tlay::down_proj, c.act, s.tmp, N, I, H, dt);
+    dev_lora_fwd(ex, P, f + tlay::down_proj, c.act, N, s.tmp, H, dt);
   }
 }
 }  // namespace
@@ -135,6 +152,7 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   dev::attention_fwd(ex, c.q, c.k, c.v, c.att, c.lse, seg.cu, seg.nseg, seg.max_len, N, nh, nkv, hd, true,
                      float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
+  dev_lora_fwd(ex, P, f + tlay::o_proj, c.att, N, s.tmp, H, dt);
   dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
   dev::copy(ex, c.x1, x, size_t(N * H) * dtype_size(dt));
   dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
@@ -148,6 +166,7 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
                        const void* pending, DType dt) {
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
+  Q3VL_CHECK(!P.lora, "dev_decoder_infer: serving folds LoRA adapters into the weights first (lora_merge)");
   if (pending) dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
   else dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
   // q_proj, k_proj and v_proj as one GEMM into [q | k | v] rows, then q and the new keys and values in one pass.
@@ -173,29 +192,33 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   zero(ex, s.dln, N * H, dt);
   if (moe) {
     const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
+    const int eg = experts_id(P, f);
     zero(ex, s.dyg, R * H, dt);
     dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, dt);
     dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
     zero(ex, s.edact, R * Im, dt);
-    dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[f + tlay::experts_down], c.start, s.edact,
-                            P.g[f + tlay::experts_down], R, E, Im, H, dt);
+    dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H,
+                            dt);
     zero(ex, s.edgu, R * 2 * Im, dt);
     dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, dt);
     dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
     zero(ex, s.dxg, R * H, dt);
-    dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[f + tlay::experts_gate_up], c.start, s.dxg,
-                            P.g[f + tlay::experts_gate_up], R, E, H, 2 * Im, dt);
+    dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, dt);
     dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, dt);
     zero(ex, s.dlogits, N * E, dt);
     dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, dt);
     if (aux_dlogits) dev::axpy(ex, 1.f, aux_dlogits, s.dlogits, N * E, dt);
     dev::linear_bwd(ex, s.dlogits, c.ln2, P.p[f + tlay::router], s.dln, P.g[f + tlay::router], nullptr, N, H, E, dt);
+    dev_lora_bwd(ex, P, f + tlay::router, s.dlogits, E, c.ln2, N, s.dln, dt);
   } else {
     const int64_t I = tc.intermediate;
     zero(ex, s.dact, N * I, dt);
     zero(ex, s.dgu, N * 2 * I, dt);
     dev::linear_bwd(ex, dx, c.act, P.p[f + tlay::down_proj], s.dact, P.g[f + tlay::down_proj], nullptr, N, I, H, dt);
+    dev_lora_bwd(ex, P, f + tlay::down_proj, dx, H, c.act, N, s.dact, dt);
     dev::swiglu_bwd(ex, s.dact, c.gu, s.dgu, N, I, dt);
+    dev_lora_bwd(ex, P, f + tlay::gate_proj, s.dgu, 2 * I, c.ln2, N, s.dln, dt);
+    dev_lora_bwd(ex, P, f + tlay::up_proj, at(s.dgu, I, dt), 2 * I, c.ln2, N, s.dln, dt);
     dev::linear_bwd(ex, s.dgu, c.ln2, P.p[fused_gate_up(P, f, I, H, dt)], s.dln, P.g[f + tlay::gate_proj], nullptr, N,
                     H, 2 * I, dt);
   }
@@ -208,6 +231,7 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   zero(ex, s.dqr, N * Dq, dt);
   zero(ex, s.dkr, N * Dk, dt);
   dev::linear_bwd(ex, dx, c.att, P.p[f + tlay::o_proj], s.datt, P.g[f + tlay::o_proj], nullptr, N, Dq, H, dt);
+  dev_lora_bwd(ex, P, f + tlay::o_proj, dx, H, c.att, N, s.datt, dt);
   dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
                      nkv, hd, true, float(1 / std::sqrt(double(hd))), dt);
   dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
@@ -218,6 +242,9 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   dev::linear_bwd(ex, s.dqr, c.ln1, P.p[f + tlay::q_proj], s.dln, P.g[f + tlay::q_proj], nullptr, N, H, Dq, dt);
   dev::linear_bwd(ex, s.dkr, c.ln1, P.p[f + tlay::k_proj], s.dln, P.g[f + tlay::k_proj], nullptr, N, H, Dk, dt);
   dev::linear_bwd(ex, s.dv, c.ln1, P.p[f + tlay::v_proj], s.dln, P.g[f + tlay::v_proj], nullptr, N, H, Dk, dt);
+  dev_lora_bwd(ex, P, f + tlay::q_proj, s.dqr, Dq, c.ln1, N, s.dln, dt);
+  dev_lora_bwd(ex, P, f + tlay::k_proj, s.dkr, Dk, c.ln1, N, s.dln, dt);
+  dev_lora_bwd(ex, P, f + tlay::v_proj, s.dv, Dk, c.ln1, N, s.dln, dt);
   dev::rmsnorm_bwd(ex, s.dln, c.x, P.p[f + tlay::in_norm], c.r1, dx, P.g[f + tlay::in_norm], N, H, dt);
 }
 

@@ -60,6 +60,7 @@ struct DevModel::Impl {
   // Streams and gradients (dt unless noted).
   void *x, *hf, *dh, *dx, *hb, *lg, *dlg, *dhb, *pixels, *vx, *dv, *img, *dimg;
   std::vector<void*> ds, dds;
+  DevLora lora;  // adapters' run state and scratch (nothing carved without adapters)
   float *rf, *rowloss, *probs, *aux_f;
   int32_t* idx;
   void* aux_dl;
@@ -102,6 +103,7 @@ struct DevModel::Impl {
     aux_dl = a.take(std::max<int64_t>(1, nmoe * T * E), dt);
     aux_f = a.take<float>(std::max<int64_t>(1, E), DType::F32);
     sums = a.take<double>(2, DType::F64);
+    lora.carve(a, cfg, T, P, dt);
     // Vision tower (only when the budget has patches).
     vctx.assign(P && !recompute ? vc.depth : 0, {});
     vxin.assign(P && recompute ? vc.depth : 0, nullptr);
@@ -163,6 +165,9 @@ int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s,
 DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage, bool int8,
                    DevHold hold)
     : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), stage_(stage), hold_(hold), impl_(std::make_unique<Impl>()) {
+  impl_->lora.table = &table_;
+  impl_->lora.scale = float(cfg.lora.scale());
+  impl_->lora.dropout = cfg.lora.dropout;
   Q3VL_CHECK((stage.whole() && !int8) || !grads, "DevModel: pipeline stages and int8 weights are for inference");
   Q3VL_CHECK(hold.group >= 1 && (hold.full || grads), "DevModel: a ZeRO hold is for training");
   if (ex.device == Device::CPU && dt != DType::F32)
@@ -199,12 +204,25 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
   if (grads_) zero_grads();
 }
 
+DevParams DevModel::dparams() const {
+  // Adapters run in the training arena's passes (train, eval); serving folds them into the weights first.
+  const DevLora* lora = cfg_.lora.on() && impl_->block ? &impl_->lora : nullptr;
+  return {pp_.data(), gp_.data(), q8_ ? q8p_.data() : nullptr, q8_ ? s8p_.data() : nullptr, lora};
+}
+DevLora& DevModel::lora() { return impl_->lora; }
+
 void DevModel::bind_unit(int u, const void* params, float* grads) {
   for (int id : table_.units()[size_t(u)].params) {
     const int64_t off = table_.param(id).offset;
     pp_[size_t(id)] = params ? at(params, off, dt_) : nullptr;
-    gp_[size_t(id)] = grads ? grads + off : nullptr;
+    gp_[size_t(id)] = grads && !frozen(id) ? grads + off : nullptr;
   }
+}
+void DevModel::set_frozen(const std::vector<bool>& trainable) {
+  Q3VL_CHECK(trainable.size() == table_.params().size(), "DevModel::set_frozen: one flag per parameter");
+  trainable_ = trainable;
+  for (size_t id = 0; id < gp_.size(); ++id)
+    if (frozen(int(id))) gp_[id] = nullptr;
 }
 
 void DevModel::enter(int id, bool bwd) {
@@ -503,6 +521,7 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
     for (int64_t r0 = 0; r0 < N; r0 += I.head_rows) {
       const int64_t n = std::min(I.head_rows, N - r0);
       dev::linear_fwd(ex_, at(I.hf, r0 * H, dt_), W, nullptr, I.lg, n, H, V, dt_);
+      dev_lora_fwd(ex_, P, table_.lm_head(), at(I.hf, r0 * H, dt_), n, I.lg, V, dt_, 0, -1, r0);
       dev::cross_entropy(ex_, I.lg, I.head_t + r0, I.rowloss, nullptr, I.sums, n, V, 0.f, dt_);
       chunk.resize(n * V);
       if (dt_ == DType::F32) {
@@ -520,6 +539,7 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
       const int64_t n = std::min(I.head_rows, I.nsup - r0);
       dev::gather_rows(ex_, I.hf, I.sup + r0, 1, I.hb, n, H, dt_);
       dev::linear_fwd(ex_, I.hb, W, nullptr, I.lg, n, H, V, dt_);
+      dev_lora_fwd(ex_, P, table_.lm_head(), I.hb, n, I.lg, V, dt_, 0, -1, r0);
       dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, nullptr, I.sums, n, V, 0.f, dt_);
     }
   }
@@ -554,11 +574,13 @@ void DevModel::backward(float loss_scale) {
     const int64_t n = std::min(I.head_rows, I.nsup - r0);
     dev::gather_rows(ex_, I.hf, I.sup + r0, 1, I.hb, n, H, dt_);
     dev::linear_fwd(ex_, I.hb, W, nullptr, I.lg, n, H, V, dt_);
+    dev_lora_fwd(ex_, P, table_.lm_head(), I.hb, n, I.lg, V, dt_, 0, -1, r0);
     dev::fill(ex_, I.dlg, dt_, n * V, 0.f);
     dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, I.dlg, nullptr, n, V,
                        float(loss_scale / double(I.nsup)), dt_);
     dev::fill(ex_, I.dhb, dt_, n * H, 0.f);
     dev::linear_bwd(ex_, I.dlg, I.hb, W, I.dhb, gp_[table_.lm_head()], nullptr, n, H, V, dt_);
+    dev_lora_bwd(ex_, P, table_.lm_head(), I.dlg, V, I.hb, n, I.dhb, dt_, 0, -1, r0);
     dev::scatter_rows(ex_, I.dhb, I.sup + r0, I.dh, n, H, false, dt_);
   }
   dev::fill(ex_, I.dx, dt_, N * H, 0.f);

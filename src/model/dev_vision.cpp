@@ -109,19 +109,24 @@ void dev_vision_block_fwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   // qkv rows are [q; k; v] blocks, each head-major: three GEMMs on row blocks of one weight, so q, k and v come out
   // as the contiguous [N, heads, hd] arrays the rotary and attention ops take.
   void* qkv[3] = {c.q, c.k, c.v};
-  for (int j = 0; j < 3; ++j)
+  for (int j = 0; j < 3; ++j) {
     dev::linear_fwd(ex, c.ln1, block(P.p[f + vblk::qkv_w], j, D * D, dt), block(P.p[f + vblk::qkv_b], j, D, dt),
                     qkv[j], N, D, D, dt);
+    dev_lora_fwd(ex, P, f + vblk::qkv_w, c.ln1, N, qkv[j], D, dt, j * D, D);  // PEFT wraps qkv whole: rows j*D.. of B
+  }
   dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
   dev::rope_fwd(ex, c.k, cos, sin, N, nh, hd, dt);
   dev::attention_fwd(ex, c.q, c.k, c.v, c.att, c.lse, seg.cu, seg.nseg, seg.max_len, N, nh, nh, hd, false, scale, dt);
   dev::linear_fwd(ex, c.att, P.p[f + vblk::proj_w], P.p[f + vblk::proj_b], s.tmp, N, D, D, dt);
+  dev_lora_fwd(ex, P, f + vblk::proj_w, c.att, N, s.tmp, D, dt);
   dev::axpy(ex, 1.f, s.tmp, x, N * D, dt);
   dev::copy(ex, c.x1, x, size_t(N * D) * dtype_size(dt));
   dev::layernorm_fwd(ex, x, P.p[f + vblk::norm2_w], P.p[f + vblk::norm2_b], c.ln2, c.m2, c.r2, N, D, vc.ln_eps, dt);
   dev::linear_fwd(ex, c.ln2, P.p[f + vblk::fc1_w], P.p[f + vblk::fc1_b], c.h, N, D, I, dt);
+  dev_lora_fwd(ex, P, f + vblk::fc1_w, c.ln2, N, c.h, I, dt);
   dev::gelu_tanh_fwd(ex, c.h, c.a, N * I, dt);
   dev::linear_fwd(ex, c.a, P.p[f + vblk::fc2_w], P.p[f + vblk::fc2_b], s.tmp, N, I, D, dt);
+  dev_lora_fwd(ex, P, f + vblk::fc2_w, c.a, N, s.tmp, D, dt);
   dev::axpy(ex, 1.f, s.tmp, x, N * D, dt);
 }
 
@@ -135,9 +140,11 @@ void dev_vision_block_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   zero(ex, s.dh, N * I, dt);
   zero(ex, s.dln, N * D, dt);
   dev::linear_bwd(ex, dx, c.a, P.p[f + vblk::fc2_w], s.da, P.g[f + vblk::fc2_w], P.g[f + vblk::fc2_b], N, I, D, dt);
+  dev_lora_bwd(ex, P, f + vblk::fc2_w, dx, D, c.a, N, s.da, dt);
   dev::gelu_tanh_bwd(ex, s.da, c.h, s.dh, N * I, dt);
   dev::linear_bwd(ex, s.dh, c.ln2, P.p[f + vblk::fc1_w], s.dln, P.g[f + vblk::fc1_w], P.g[f + vblk::fc1_b], N, D, I,
                   dt);
+  dev_lora_bwd(ex, P, f + vblk::fc1_w, s.dh, I, c.ln2, N, s.dln, dt);
   dev::layernorm_bwd(ex, s.dln, c.x1, P.p[f + vblk::norm2_w], c.m2, c.r2, dx, P.g[f + vblk::norm2_w],
                      P.g[f + vblk::norm2_b], N, D, dt);
   // Attention branch.
@@ -147,6 +154,7 @@ void dev_vision_block_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   zero(ex, s.dv, N * D, dt);
   dev::linear_bwd(ex, dx, c.att, P.p[f + vblk::proj_w], s.datt, P.g[f + vblk::proj_w], P.g[f + vblk::proj_b], N, D, D,
                   dt);
+  dev_lora_bwd(ex, P, f + vblk::proj_w, dx, D, c.att, N, s.datt, dt);
   dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
                      nh, hd, false, scale, dt);
   dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
@@ -156,6 +164,7 @@ void dev_vision_block_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   for (int j = 0; j < 3; ++j)
     dev::linear_bwd(ex, d3[j], c.ln1, block(P.p[f + vblk::qkv_w], j, D * D, dt), s.dln,
                     block(P.g[f + vblk::qkv_w], j, D * D), block(P.g[f + vblk::qkv_b], j, D), N, D, D, dt);
+  for (int j = 0; j < 3; ++j) dev_lora_bwd(ex, P, f + vblk::qkv_w, d3[j], D, c.ln1, N, s.dln, dt, j * D, D);
   dev::layernorm_bwd(ex, s.dln, c.x, P.p[f + vblk::norm1_w], c.m1, c.r1, dx, P.g[f + vblk::norm1_w],
                      P.g[f + vblk::norm1_b], N, D, dt);
 }
@@ -172,8 +181,10 @@ void dev_merger_fwd(const dev::Exec& ex, const VisionConfig& vc, const DevParams
   dev::copy(ex, c.x, x, size_t(N * D) * dtype_size(dt));
   dev::layernorm_fwd(ex, x, P.p[f + vmrg::norm_w], P.p[f + vmrg::norm_b], c.ln, c.m, c.r, rows, dim, vc.ln_eps, dt);
   dev::linear_fwd(ex, c.ln, P.p[f + vmrg::fc1_w], P.p[f + vmrg::fc1_b], c.h, M, Dm, Dm, dt);
+  dev_lora_fwd(ex, P, f + vmrg::fc1_w, c.ln, M, c.h, Dm, dt);
   dev::gelu_erf_fwd(ex, c.h, c.a, M * Dm, dt);
   dev::linear_fwd(ex, c.a, P.p[f + vmrg::fc2_w], P.p[f + vmrg::fc2_b], y, M, Dm, Dout, dt);
+  dev_lora_fwd(ex, P, f + vmrg::fc2_w, c.a, M, y, Dout, dt);
 }
 
 void dev_merger_bwd(const dev::Exec& ex, const VisionConfig& vc, const DevParams& P, int f, bool post, const void* dy,
@@ -186,9 +197,11 @@ void dev_merger_bwd(const dev::Exec& ex, const VisionConfig& vc, const DevParams
   zero(ex, s.dln, N * D, dt);
   dev::linear_bwd(ex, dy, c.a, P.p[f + vmrg::fc2_w], s.da, P.g[f + vmrg::fc2_w], P.g[f + vmrg::fc2_b], M, Dm, Dout,
                   dt);
+  dev_lora_bwd(ex, P, f + vmrg::fc2_w, dy, Dout, c.a, M, s.da, dt);
   dev::gelu_erf_bwd(ex, s.da, c.h, s.dh, M * Dm, dt);
   dev::linear_bwd(ex, s.dh, c.ln, P.p[f + vmrg::fc1_w], s.dln, P.g[f + vmrg::fc1_w], P.g[f + vmrg::fc1_b], M, Dm, Dm,
                   dt);
+  dev_lora_bwd(ex, P, f + vmrg::fc1_w, s.dh, Dm, c.ln, M, s.dln, dt);
   dev::layernorm_bwd(ex, s.dln, c.x, P.p[f + vmrg::norm_w], c.m, c.r, dx, P.g[f + vmrg::norm_w], P.g[f + vmrg::norm_b],
                      rows, dim, dt);
 }

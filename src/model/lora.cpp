@@ -149,19 +149,20 @@ LoraSize lora_size(const ModelConfig& cfg) {
 
 // ---- forward and backward ----------------------------------------------------------------------------------
 
-// dropout(x) of one call: a pure function of (seed, nonce, adapter, salt, element), so backward redraws the forward's
-// mask (salt: the LM head's chunk, which both passes cut alike).
+uint64_t lora_dropout_key(uint64_t seed, uint64_t nonce, int a) {
+  return splitmix64(splitmix64(seed ^ splitmix64(nonce)) ^ uint64_t(a));
+}
+
+// dropout(x) of one call: element (row0 + row, col) keeps or drops as dropout_drops(key, (row0 + row) * in + col)
+// says, so backward redraws the forward's mask, and the device model (dev::dropout_fwd) draws the same one.
 template <class T>
-static const T* dropped(const LoraRun& L, int a, uint64_t salt, const T* x, int64_t N, int64_t in, std::vector<T>& buf) {
+static const T* dropped(const LoraRun& L, int a, int64_t row0, const T* x, int64_t N, int64_t in,
+                        std::vector<T>& buf) {
   if (!L.train || L.dropout <= 0) return x;
-  uint64_t key = splitmix64(splitmix64(L.seed ^ splitmix64(L.nonce)) ^ uint64_t(a));
-  if (salt) key = splitmix64(key ^ salt);
+  const uint64_t key = lora_dropout_key(L.seed, L.nonce, a);
   const T keep = T(1 / (1 - L.dropout));
   buf.resize(size_t(N * in));
-  for (int64_t i = 0; i < N * in; ++i) {
-    const double u = double(splitmix64(key ^ splitmix64(uint64_t(i))) >> 11) * 0x1p-53;
-    buf[size_t(i)] = u < L.dropout ? T(0) : x[i] * keep;
-  }
+  for (int64_t i = 0; i < N * in; ++i) buf[size_t(i)] = dropout_drops(key, row0 * in + i, L.dropout) ? T(0) : x[i] * keep;
   return buf.data();
 }
 
@@ -173,25 +174,25 @@ template <class T> static int adapter_of(const ParamView<T>& P, int id, int64_t 
 // Rank-r GEMMs (cblas through ops::gemm): u [N, r] = xd A^T, then y += scale u B^T.
 template <class T>
 void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy, int64_t o0, int64_t nout,
-              uint64_t salt) {
+              int64_t row0) {
   const int a = adapter_of(P, id, N);
   if (a < 0) return;
   const int64_t r = P.lora->table->param(a).shape[0], in = P.lora->table->param(a).shape[1];
   if (nout < 0) nout = P.lora->table->param(a + 1).shape[0] - o0;
   std::vector<T> buf, u(size_t(N * r));
-  ops::gemm(false, true, N, r, in, T(1), dropped(*P.lora, a, salt, x, N, in, buf), in, P.p[a], in, T(0), u.data(), r);
+  ops::gemm(false, true, N, r, in, T(1), dropped(*P.lora, a, row0, x, N, in, buf), in, P.p[a], in, T(0), u.data(), r);
   ops::gemm(false, true, N, nout, r, T(P.lora->scale), u.data(), r, P.p[a + 1] + o0 * r, r, T(1), y, ldy);
 }
 
 template <class T>
 void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N, T* dx, int64_t o0,
-              int64_t nout, uint64_t salt) {
+              int64_t nout, int64_t row0) {
   const int a = adapter_of(P, id, N);
   if (a < 0) return;
   const int64_t r = P.lora->table->param(a).shape[0], in = P.lora->table->param(a).shape[1];
   if (nout < 0) nout = P.lora->table->param(a + 1).shape[0] - o0;
   std::vector<T> buf, u(size_t(N * r)), du(size_t(N * r));
-  const T* xd = dropped(*P.lora, a, salt, x, N, in, buf);
+  const T* xd = dropped(*P.lora, a, row0, x, N, in, buf);
   const T *A = P.p[a], *B = P.p[a + 1] + o0 * r;
   T *dA = P.g[a], *dB = P.g[a + 1];
   const T s = T(P.lora->scale);
@@ -209,8 +210,9 @@ void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T*
   std::vector<T> dxd(size_t(N * in));
   ops::gemm(false, false, N, in, r, T(1), du.data(), r, A, in, T(0), dxd.data(), in);
   const T keep = T(1 / (1 - P.lora->dropout));
-  // dropped elements have xd == 0 exactly; kept ones carry the 1/(1-p) factor
-  for (int64_t i = 0; i < N * in; ++i) dx[i] += xd[i] == T(0) && x[i] != T(0) ? T(0) : dxd[size_t(i)] * keep;
+  const uint64_t key = lora_dropout_key(P.lora->seed, P.lora->nonce, a);
+  for (int64_t i = 0; i < N * in; ++i)
+    if (!dropout_drops(key, row0 * in + i, P.lora->dropout)) dx[i] += dxd[size_t(i)] * keep;
 }
 
 template <class T> int lora_merge(const ParamTable& t, double scale, T* const* params, T* untied_head) {
@@ -237,9 +239,9 @@ bool lora_tied_head(const ParamTable& t, int a) {
 
 #define Q3VL_INST(T)                                                                                          \
   template void lora_fwd<T>(const ParamView<T>&, int, const T*, int64_t, T*, int64_t, int64_t, int64_t,     \
-                            uint64_t);                                                                        \
+                            int64_t);                                                                        \
   template void lora_bwd<T>(const ParamView<T>&, int, const T*, int64_t, const T*, int64_t, T*, int64_t,     \
-                            int64_t, uint64_t);                                                               \
+                            int64_t, int64_t);                                                               \
   template int lora_merge<T>(const ParamTable&, double, T* const*, T*);
 Q3VL_INST(float)
 Q3VL_INST(double)

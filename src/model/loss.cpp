@@ -56,14 +56,15 @@ static void softmax_grad_inplace(T* z, const int64_t* target, int64_t n, int64_t
   }
 }
 
-// logits of n rows: h W^T (+ scale (h A^T) B^T); chunk: the dropout salt, the same in forward and backward.
+// logits of n rows: h W^T (+ scale (h A^T) B^T); row0: the rows' first index among the head's input rows (their
+// place in the adapter's dropout mask, the same in forward and backward).
 template <class T>
 static void head_fwd(const ParamView<T>& P, int head, const T* h, T* lg, int64_t n, int64_t H, int64_t V,
-                     uint64_t chunk) {
+                     int64_t row0) {
   if (const LowWeight* w = P.lowp(head))
     w->visit([&](const auto* rows) { ops::linear_lowp_fwd(h, rows, w->scale, (const T*)nullptr, lg, n, H, V); });
   else ops::linear_fwd(h, P.p[head], (const T*)nullptr, lg, n, H, V);
-  lora_fwd(P, head, h, n, lg, V, 0, -1, chunk);
+  lora_fwd(P, head, h, n, lg, V, 0, -1, row0);
 }
 
 template <class T>
@@ -73,7 +74,7 @@ double lm_head_loss_fwd(const ParamView<T>& P, int head, const T* h, const int64
   if (logits_out) {
     for (int64_t i0 = 0; i0 < N; i0 += kHeadChunk) {
       const int64_t n = std::min(kHeadChunk, N - i0);
-      head_fwd(P, head, h + i0 * H, logits_out + i0 * V, n, H, V, uint64_t(i0 / kHeadChunk + 1));
+      head_fwd(P, head, h + i0 * H, logits_out + i0 * V, n, H, V, i0);
       total += ops::cross_entropy(logits_out + i0 * V, target + i0, (T*)nullptr, (T*)nullptr, n, V, T(0));
     }
     return total;
@@ -86,7 +87,7 @@ double lm_head_loss_fwd(const ParamView<T>& P, int head, const T* h, const int64
   for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
     const int64_t n = std::min(kHeadChunk, R - r0);
     gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
-    head_fwd(P, head, hb.data(), lg, n, H, V, uint64_t(r0 / kHeadChunk + 1));
+    head_fwd(P, head, hb.data(), lg, n, H, V, r0);
     total += ops::cross_entropy(lg, tb.data(), (T*)nullptr, (T*)nullptr, n, V, T(0));
   }
   return total;
@@ -102,13 +103,12 @@ void lm_head_loss_bwd(const ParamView<T>& P, int head, const T* h, const int64_t
   T* lg = scratch<T>(C * V);
   for (int64_t r0 = 0; r0 < R; r0 += kHeadChunk) {
     const int64_t n = std::min(kHeadChunk, R - r0);
-    const uint64_t chunk = uint64_t(r0 / kHeadChunk + 1);
     gather_rows(h, target, rows, r0, n, H, hb.data(), tb.data());
-    head_fwd(P, head, hb.data(), lg, n, H, V, chunk);
+    head_fwd(P, head, hb.data(), lg, n, H, V, r0);
     softmax_grad_inplace(lg, tb.data(), n, V, scale);
     std::fill(dhb.begin(), dhb.begin() + n * H, T(0));
     ops::linear_bwd(lg, hb.data(), P.p[head], dhb.data(), P.g[head], (T*)nullptr, n, H, V);
-    lora_bwd(P, head, lg, V, hb.data(), n, dhb.data(), 0, -1, chunk);
+    lora_bwd(P, head, lg, V, hb.data(), n, dhb.data(), 0, -1, r0);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t d = 0; d < H; ++d) dh[rows[r0 + r] * H + d] += dhb[r * H + d];
   }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/hash.hpp"
 #include "q3vl/tensor/dev.hpp"
 #include "q3vl/tensor/ops.hpp"
 
@@ -132,6 +133,19 @@ void scale(const Exec& x, void* y, int64_t n, float alpha, DType dt) {
   ON_CUDA(x, scale(x, y, n, alpha, dt));
   need_f32(dt, "scale");
   for (int64_t i = 0; i < n; ++i) F(y)[i] *= alpha;
+}
+void dropout_fwd(const Exec& x, const void* in, void* y, int64_t n, double p, uint64_t key, int64_t first, DType dt) {
+  ON_CUDA(x, dropout_fwd(x, in, y, n, p, key, first, dt));
+  need_f32(dt, "dropout_fwd");
+  const float keep = float(1 / (1 - p));
+  for (int64_t i = 0; i < n; ++i) F(y)[i] = dropout_drops(key, first + i, p) ? 0.f : F(in)[i] * keep;
+}
+void dropout_bwd(const Exec& x, const void* dy, void* dx, int64_t n, double p, uint64_t key, int64_t first, DType dt) {
+  ON_CUDA(x, dropout_bwd(x, dy, dx, n, p, key, first, dt));
+  need_f32(dt, "dropout_bwd");
+  const float keep = float(1 / (1 - p));
+  for (int64_t i = 0; i < n; ++i)
+    if (!dropout_drops(key, first + i, p)) F(dx)[i] += F(dy)[i] * keep;
 }
 
 // ---- GEMM ---------------------------------------------------------------------------------------------------------

@@ -232,6 +232,11 @@ std::vector<Case> all_cases(DType dt) {
         [n](auto& x, auto& p, DType t) { dev::fill(x, p[0], t, n, 0.375f); });
     add("convert", dims({n}), kElem, {in("a", K::F32, randn(n)), out("y", K::Act, randn(n))},
         [n](auto& x, auto& p, DType t) { dev::convert(x, p[1], t, p[0], DType::F32, n); });
+    // LoRA's dropout: the CUDA mask must be the CPU's bit for bit (a dropped element off by one is a 100% error).
+    add("dropout_fwd", dims({n}), kElem, {in("x", K::Act, randn(n)), out("y", K::Act, randn(n))},
+        [n](auto& x, auto& p, DType t) { dev::dropout_fwd(x, p[0], p[1], n, 0.3, 0x5eedull + uint64_t(n), 7 * n, t); });
+    add("dropout_bwd", dims({n}), kElem, {in("dy", K::Act, randn(n)), out("dx", K::Act, randn(n))},
+        [n](auto& x, auto& p, DType t) { dev::dropout_bwd(x, p[0], p[1], n, 0.1, 0xd0ull + uint64_t(n), 0, t); });
     add("gelu_tanh_fwd", dims({n}), kElem, {in("x", K::Act, randn(n, 2)), out("y", K::Act, randn(n))},
         [n](auto& x, auto& p, DType t) { dev::gelu_tanh_fwd(x, p[0], p[1], n, t); });
     add("gelu_tanh_bwd", dims({n}), kElem,

@@ -9,10 +9,13 @@
 #include <functional>
 #include <set>
 
+#include "../gpu.hpp"
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/train/eval.hpp"
 #include "tiny_model.hpp"
 
 using namespace q3vl;
@@ -281,4 +284,72 @@ TEST(Lora, BadKeysAreRefusedNamingThem) {
   EXPECT_EQ(error_of([&] { Model m(cfg); }), "");
   cfg.lora.targets = {"mlp.gate"};
   EXPECT_NE(error_of([&] { Model m(cfg); }).find("no linear of this model matches"), std::string::npos);
+}
+
+// The device model's adapters (model/dev_lora.cpp) against the host model's, on every wrapped linear with dropout
+// in training mode: the same loss and the same gradient of every adapter matrix, and none for the frozen base. The
+// CPU op layer runs the host's fp32 arithmetic; CUDA's fp32 agrees to rounding.
+namespace {
+void device_equals_host(bool moe, bool tie, double dropout, Device d, double tol) {
+  SCOPED_TRACE(std::string(moe ? "moe" : "dense") + (tie ? ", tied" : "") + ", dropout " + std::to_string(dropout));
+  const ModelConfig cfg = lora_tiny(moe, 3, dropout, false, tie);
+  BasicModel<float> host(cfg);
+  host.init_random(7, 0.3);
+  randomise_b(host, 5);
+  const std::vector<bool> tr = adapters_only(host.table());
+  host.set_trainable(tr);
+  host.lora().train = true, host.lora().seed = 11, host.lora().nonce = 3;
+  std::mt19937 rng(3);
+  const Batch b = tiny_batch(rng);
+  host.zero_grads();
+  const double want = host.forward(b, true, nullptr, nullptr, moe);
+  host.backward();
+
+  dev::Exec ex = dev::make_exec(d);
+  double got;
+  std::vector<float> g(size_t(host.table().total()));
+  {
+    DevModel m(cfg, ex, DType::F32);
+    m.reserve(budget_for(b, cfg.vision.patch_dim()));
+    m.set_params(host.params());
+    m.set_frozen(tr);
+    m.lora().train = true, m.lora().seed = 11, m.lora().nonce = 3;
+    got = m.forward(b, true, nullptr, nullptr, moe);
+    m.backward();
+    m.grads_to_host(g.data());
+  }
+  dev::destroy_exec(ex);
+  ASSERT_TRUE(std::isfinite(want) && std::isfinite(got));
+  EXPECT_NEAR(got, want, tol * std::abs(want));
+  const ParamTable& t = host.table();
+  int checked = 0;
+  for (size_t id = 0; id < t.params().size(); ++id) {
+    const ParamInfo& p = t.param(int(id));
+    const float* dg = g.data() + t.units()[size_t(p.unit)].offset + p.offset;
+    if (p.part != Part::Lora) {
+      for (int64_t j = 0; j < p.numel; ++j) ASSERT_EQ(dg[j], 0.f) << p.name << ": a frozen base weight got a gradient";
+      continue;
+    }
+    const float* hg = host.grad(int(id));
+    double scale = 0;
+    for (int64_t j = 0; j < p.numel; ++j) scale = std::max(scale, double(std::abs(hg[j])));
+    ASSERT_GT(scale, 0) << p.name << ": the host gradient is zero, the comparison would prove nothing";
+    for (int64_t j = 0; j < p.numel; ++j)  // written so that NaN fails
+      ASSERT_TRUE(std::abs(dg[j] - hg[j]) <= tol * scale) << p.name << "[" << j << "]: " << dg[j] << " vs " << hg[j];
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2 * (8 + 4 + (moe ? 7 + 5 : 14) + 1)) << "every adapter matrix compared";
+}
+}  // namespace
+
+TEST(Lora, DeviceModelEqualsHostModelOnCpu) {
+  for (bool moe : {false, true})
+    for (bool tie : {false, true})
+      for (double p : {0.0, 0.2}) device_equals_host(moe, tie, p, Device::CPU, 1e-5);
+}
+TEST(Lora, DeviceModelEqualsHostModelOnCuda) {
+  Q3VL_NEED_GPU();
+  for (bool moe : {false, true})
+    for (bool tie : {false, true})
+      for (double p : {0.0, 0.2}) device_equals_host(moe, tie, p, Device::CUDA, 1e-4);
 }

@@ -2,10 +2,9 @@
 // raw device pointers with a run-time dtype, so one layer code runs on the CPU (fp32, the reference) and on CUDA
 // (fp32, bf16, fp16). Contexts and scratch are carved from arenas sized once from the config and the token count
 // (Arena's counting mode is the sizing the planner reuses); nothing is allocated inside a step.
-// LoRA (model/lora.hpp) is not here yet: train and eval refuse lora.rank > 0 on model.backend = cuda. Its place is
-// beside each wrapped linear, as in decoder.cpp/vision.cpp/merger.cpp: two thin GEMMs (u = drop(x) A^T kept or
-// recomputed, y += scale u B^T; backward dB, du, dA, dx), the dropout mask from lora.cpp's counter hash, A/B in the
-// unit's parameter buffer at the table's offsets, and base weight gradients skipped (null) for the frozen base.
+// LoRA (model/lora.hpp) sits beside each wrapped linear (dev_lora_fwd / dev_lora_bwd): two thin GEMMs, the dropout
+// mask from lora.cpp's counter hash, A and B in the unit's parameter buffer at the table's offsets; a frozen base
+// has null gradients.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -26,6 +25,9 @@ struct Arena {
   void reset() { used = 0; }
 };
 
+class ParamTable;
+struct DevLora;
+
 // Weights by parameter id in the compute dtype (device pointers), gradients F32 (null: frozen or forward only).
 struct DevParams {
   const void* const* p;
@@ -34,11 +36,34 @@ struct DevParams {
   // weight held in dt (then in p).
   const int8_t* const* q8 = nullptr;
   const float* const* s8 = nullptr;
+  const DevLora* lora = nullptr;  // adapters (null: none)
 };
 // y[N, n_out] = x[N, n_in] W^T for rows [row0, row0 + n_out) of parameter id (no bias; row0: a vocabulary slice's
 // first row), W its int8 rows when it has them, else its dt weight.
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
                 int64_t n_out, DType dt, int64_t row0 = 0);
+
+// LoRA adapters at run time (model/lora.hpp's LoraRun on the device): the table that pairs base weights with their
+// adapters, the scale and dropout, and scratch carved once: u, du [rows, r] and a dropout buffer [rows * in].
+struct DevLora {
+  const ParamTable* table = nullptr;
+  float scale = 0;
+  double dropout = 0;
+  bool train = false;            // dropout only while training
+  uint64_t seed = 0, nonce = 0;  // the mask's key: lora_dropout_key(seed, nonce, adapter)
+  void *u = nullptr, *du = nullptr, *xd = nullptr;
+  int64_t rows = 0, elems = 0;   // capacity: rows of u/du, elements of xd
+  // The scratch for passes of up to `tokens` text rows and `patches` vision rows (nothing without adapters).
+  void carve(Arena& a, const ModelConfig& cfg, int64_t tokens, int64_t patches, DType dt);
+};
+// y[n*ldy + j] (+)= scale * (B A drop(x))[n, o0 + j] for j < nout (nout < 0: every row of B) when base weight `id`
+// has an adapter, else nothing; x [N, in] are rows row0.. of the adapter's input in this pass (their place in the
+// dropout mask). lora_fwd's arithmetic, on the device.
+void dev_lora_fwd(const dev::Exec& ex, const DevParams& P, int id, const void* x, int64_t N, void* y, int64_t ldy,
+                  DType dt, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
+// Its backward: dA, dB (+)= their gradients (null: frozen), dx (+)= the input gradient (dx may be null).
+void dev_lora_bwd(const dev::Exec& ex, const DevParams& P, int id, const void* dy, int64_t lddy, const void* x,
+                  int64_t N, void* dx, DType dt, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
 
 // Element offset into a dt array.
 inline void* at(void* p, int64_t i, DType t) { return static_cast<char*>(p) + i * int64_t(dtype_size(t)); }

@@ -117,6 +117,12 @@ class DevModel {
   // Accumulates the gradient of the last kept forward's loss (times loss_scale: fp16 loss scaling) into grads().
   void backward(float loss_scale = 1.f);
   int64_t supervised_tokens() const { return count_; }
+  // LoRA (cfg.lora.on()): the adapters' run state; set train, seed and nonce (the dropout mask's key) before a
+  // forward, as model/lora.hpp's LoraRun. The adapters are parameters of the table like any other.
+  DevLora& lora();
+  // Parameters without gradients (a LoRA base, train.tune_* = false): their gradient pointers stay null, so no
+  // weight gradient is computed for them; the ZeRO hold's buffers still have their place.
+  void set_frozen(const std::vector<bool>& trainable);
 
   // ---- Inference (serve): BasicModel::step and vision_features on the device --------------------------------------
   // A step of up to `tokens` new tokens in up to `segments` segments, a vision pass of up to `patches` patches, and
@@ -180,6 +186,8 @@ class DevModel {
   std::vector<int64_t> ubase_;    // [unit] its first element in params_ and grads_, -1 when not held
   DevHold hold_;
   UnitHooks* hooks_ = nullptr;
+  std::vector<bool> trainable_;  // empty: every parameter has gradients
+  bool frozen(int id) const { return !trainable_.empty() && !trainable_[size_t(id)]; }
   void enter(int id, bool bwd);  // the hooks around a use of the unit holding parameter id
   void leave(int id, bool bwd);
   void enter_layer(int l, bool bwd);
@@ -191,9 +199,7 @@ class DevModel {
   float* s8_ = nullptr;
   std::vector<const int8_t*> q8p_;
   std::vector<const float*> s8p_;
-  DevParams dparams() const {
-    return {pp_.data(), gp_.data(), q8_ ? q8p_.data() : nullptr, q8_ ? s8p_.data() : nullptr};
-  }
+  DevParams dparams() const;
   void* params_ = nullptr;
   float* grads_ = nullptr;
   std::vector<const void*> pp_;

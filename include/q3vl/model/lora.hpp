@@ -4,7 +4,8 @@
 // replaced by ".lora_A.weight" / ".lora_B.weight" (the LM head's: "lm_head.lora_A.weight", in the head unit, also
 // when the head is the tied embedding); PEFT's names add "base_model.model." in front.
 // Forward and backward are stateless (backward recomputes A dropout(x) from the linear's saved input and the
-// counter-based dropout mask), so activation recomputation and any rank count see the same adapters.
+// counter-based dropout mask), so activation recomputation and any rank count see the same adapters. The host
+// templates here and the device model's (model/dev_layers.hpp, dev_lora_*) compute the same, masks included.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -50,14 +51,18 @@ struct LoraRun {
   uint64_t seed = 0, nonce = 0;  // dropout mask = f(seed, nonce, parameter, element): set per micro-step
 };
 
+// The dropout mask's key of adapter `a` (its lora_A id) in the micro-step `nonce` of a run seeded `seed`; element
+// (row, col) of an adapter's input [rows, in] draws at row * in + col (core/hash.hpp's dropout_drops).
+uint64_t lora_dropout_key(uint64_t seed, uint64_t nonce, int a);
+
 // y[n*ldy + j] += scale * (B A drop(x))[n, o0 + j] for j < nout (nout < 0: all rows of B), when `id` (a base
-// weight) has an adapter; no-op otherwise. x [N, in].
-// salt: mixed into the dropout mask (the LM head's chunk: its rows are cut the same in forward and backward).
+// weight) has an adapter; no-op otherwise. x [N, in]: rows row0.. of the adapter's input in this pass (the LM head's
+// chunks), which places them in the dropout mask.
 template <class T> void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy,
-                                 int64_t o0 = 0, int64_t nout = -1, uint64_t salt = 0);
+                                 int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
 // The backward of that part: dA, dB (+)= their gradients, dx (+)= the input gradient (dx may be null).
 template <class T> void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N,
-                                 T* dx, int64_t o0 = 0, int64_t nout = -1, uint64_t salt = 0);
+                                 T* dx, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
 
 // Base weights with the adapters folded in (W += scale * B A) for every wrapped linear of a full-storage model
 // (serve's tensor parallelism, and the merged-forward test). Returns the number of linears merged. A tied LM head's

@@ -5,6 +5,7 @@
 
 #include <cub/cub.cuh>
 
+#include "q3vl/core/hash.hpp"
 #include "tensor/cuda/common.cuh"
 
 namespace q3vl::dev::cuda {
@@ -33,6 +34,14 @@ template <class S> __global__ void k_axpy(float alpha, const S* a, S* y, int64_t
 }
 template <class S> __global__ void k_scale(S* y, int64_t n, float alpha) {
   Q3VL_GRID_LOOP(i, n) st(y, i, ld(y, i) * alpha);
+}
+// acc: y += mask(a) (backward), else y = mask(a).
+template <class S>
+__global__ void k_dropout(const S* a, S* y, int64_t n, double p, float keep, uint64_t key, int64_t first, bool acc) {
+  Q3VL_GRID_LOOP(i, n) {
+    const float v = dropout_drops(key, first + i, p) ? 0.f : ld(a, i) * keep;
+    st(y, i, acc ? ld(y, i) + v : v);
+  }
 }
 
 // ---- activations ----------------------------------------------------------------------------------------------------
@@ -324,6 +333,23 @@ void scale(const Exec& x, void* y, int64_t n, float alpha, DType dt) {
   if (n <= 0) return;
   by_dtype(dt, [&]<class S>() {
     k_scale<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(y), n, alpha);
+    Q3VL_LAUNCHED();
+  });
+}
+
+void dropout_fwd(const Exec& x, const void* in, void* y, int64_t n, double p, uint64_t key, int64_t first, DType dt) {
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_dropout<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(in), static_cast<S*>(y), n, p,
+                                                         float(1 / (1 - p)), key, first, false);
+    Q3VL_LAUNCHED();
+  });
+}
+void dropout_bwd(const Exec& x, const void* dy, void* dx, int64_t n, double p, uint64_t key, int64_t first, DType dt) {
+  if (n <= 0) return;
+  by_dtype(dt, [&]<class S>() {
+    k_dropout<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<S*>(dx), n, p,
+                                                         float(1 / (1 - p)), key, first, true);
     Q3VL_LAUNCHED();
   });
 }
