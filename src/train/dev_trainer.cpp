@@ -66,6 +66,7 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   if (d == Device::CUDA && drep) nccl_replica_ = nccl_over(*drep, cx_), drep = nccl_replica_.get();
   model_ = std::make_unique<DevModel>(cfg, ex_, dt, true, DevStage{}, false, DevZero::hold(dshard->size(), stage));
   model_->set_recompute(recompute);
+  model_->set_frozen(trainable);  // a LoRA base, train.tune_* = false: no weight gradients computed
   model_->reserve(budget);
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
                                     gather_bf16 && dt == DType::F32 ? DType::BF16 : dt);

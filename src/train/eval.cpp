@@ -43,21 +43,6 @@ Batch read_batch_h5(const std::string& path, int64_t patch_dim) {
   return b;
 }
 
-EvalResult evaluate(Model& model, const Batch& batch, bool grads, bool aux_loss) {
-  EvalResult r;
-  model.zero_grads();
-  {
-    ScopedTimer t("eval: forward");
-    r.loss = model.forward(batch, grads, &r.logits, &r.aux, aux_loss);
-  }
-  if (grads) {
-    ScopedTimer t("eval: backward");
-    model.backward();
-    r.grads = grads_hf(model);
-  }
-  return r;
-}
-
 EvalResult evaluate(DevModel& model, Model& host, const Batch& batch, bool grads, bool aux_loss) {
   EvalResult r;
   model.zero_grads();
@@ -90,11 +75,11 @@ int run_eval(const Deck& deck) {
   if (rt.where().rank == 0) {
     ModelConfig cfg = load_hf_config(dir + "/config.json");
     cfg.lora = lora_config(deck);
-    if (cfg.lora.on() && deck.str("model.backend") == "cuda")
-      fail_all("lora.rank > 0 runs on the CPU backend so far (model.backend = \"cpu\")");
+    // The host model only holds the weights as read and names the gradients (grads_hf); the device model computes,
+    // on the CPU op layer or the GPU.
     Model model(cfg);
+    std::vector<bool> tr;
     if (cfg.lora.on()) {  // a frozen base: gradients (eval.grads) for the adapters only
-      std::vector<bool> tr;
       for (const ParamInfo& p : model.table().params()) tr.push_back(p.part == Part::Lora);
       model.set_trainable(tr);
     }
@@ -107,18 +92,18 @@ int run_eval(const Deck& deck) {
     const bool aux = deck.boolean("eval.router_aux_loss");
     if (aux && !cfg.moe()) log_warn("eval.router_aux_loss = true on a dense model: the aux loss is 0");
     EvalResult r;
-    if (deck.str("model.backend") == "cuda") {  // the device model, with the host model's weights
-      dev::Exec ex = dev::make_exec(Device::CUDA, size_t(256) << 20, std::max(0, rt.where().gpu));
-      {
-        DevModel dm(cfg, ex, compute_dtype(deck.str("model.dtype")));
-        dm.reserve(budget_for(batch, cfg.vision.patch_dim()));
-        dm.set_params(model.params());
-        r = evaluate(dm, model, batch, deck.boolean("eval.grads"), aux);
-      }
-      dev::destroy_exec(ex);
-    } else {
-      r = evaluate(model, batch, deck.boolean("eval.grads"), aux);
+    int64_t supervised = 0;
+    const bool cuda = deck.str("model.backend") == "cuda";
+    dev::Exec ex = dev::make_exec(cuda ? Device::CUDA : Device::CPU, size_t(256) << 20, std::max(0, rt.where().gpu));
+    {
+      DevModel dm(cfg, ex, compute_dtype(deck.str("model.dtype")));
+      if (!tr.empty()) dm.set_frozen(tr);
+      dm.reserve(budget_for(batch, cfg.vision.patch_dim()));
+      dm.set_params(model.params());
+      r = evaluate(dm, model, batch, deck.boolean("eval.grads"), aux);
+      supervised = dm.supervised_tokens();
     }
+    dev::destroy_exec(ex);
 
     const std::string out = deck.str("eval.output");
     if (auto parent = std::filesystem::path(out).parent_path(); !parent.empty())
@@ -136,7 +121,7 @@ int run_eval(const Deck& deck) {
     char line[256];
     std::snprintf(line, sizeof line, "eval: loss %.8f%s over %lld supervised tokens -> %s", r.loss,
                   aux ? (" (aux " + std::to_string(r.aux) + ")").c_str() : "",
-                  static_cast<long long>(model.supervised_tokens()), out.c_str());
+                  static_cast<long long>(supervised), out.c_str());
     log_info(line);
   }
   idle_barrier(rt.world(), "waiting for rank 0 to evaluate");

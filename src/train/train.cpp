@@ -264,9 +264,6 @@ int run_train(const Deck& deck) {
                "true to let ranks share them (tests; each rank needs NCCL_HOSTID set to a value of its own)");
   }
   const DType compute = compute_dtype(deck.str("model.dtype"));  // app/modes.cpp checked it fits the backend
-  if (on_gpu && cfg.lora.on())
-    fail_all("lora.rank > 0 trains on the CPU backend so far (model.backend = \"cpu\"); LoRA on CUDA comes with the "
-             "device model's adapters");
   // Expert parallelism: this rank's model holds only its experts; the exchange moves tokens to the others'.
   const int ep_size = int(deck.integer("parallel.ep"));
   if (const std::string e = expert_layout_error(cfg, nranks, ep_size); !e.empty()) fail_all(e);
@@ -277,7 +274,7 @@ int run_train(const Deck& deck) {
     fail_all("parallel.ep > 1 with parallel.hybrid = true is not supported: shard over all ranks (hybrid = false)");
   std::unique_ptr<ExpertParallel> ep;
   if (ep_size > 1) ep = std::make_unique<ExpertParallel>(world, ep_size);
-  const bool on_dev = on_gpu || (!cfg.lora.on() && ep_size == 1);
+  const bool on_dev = on_gpu || ep_size == 1;
   Model model(cfg, /*with_storage=*/stage != 3 && !on_dev, ep ? ep->split() : ExpertSplit{});
   model.set_experts(ep.get());
   const bool aux_on = deck.boolean("train.router_aux_loss") && cfg.moe();
@@ -531,6 +528,8 @@ int run_train(const Deck& deck) {
       }
       {
         Phase p{t_fwd, "forward"};
+        // lora.dropout's mask: a new draw per (step, rank, micro-batch), the same again in a recomputed forward
+        trainer->set_lora_draw(seed, (uint64_t(st.step) * uint64_t(nranks) + uint64_t(rank)) * 4096 + i);
         double aux = 0;
         loss_sum += trainer->forward(sd.micro[i], &aux, aux_on) * double(n);
         aux_sum += aux * double(n);

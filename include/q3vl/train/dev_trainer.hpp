@@ -63,6 +63,11 @@ class DevTrainer {
   // without tokens in a micro-step calls idle() instead of both: its collectives still run.
   double forward(const PackedBatch& b, double* aux_out = nullptr, bool aux_loss = false);
   int64_t supervised_tokens() const { return model_->supervised_tokens(); }
+  // LoRA's dropout draw for the next forward and its backward (model/lora.hpp: a new nonce per micro-step).
+  void set_lora_draw(uint64_t seed, uint64_t nonce) {
+    DevLora& l = model_->lora();
+    l.train = true, l.seed = seed, l.nonce = nonce;
+  }
   void backward(double weight);
   void idle();
   // The step's gradient shards complete (after the last micro-step).

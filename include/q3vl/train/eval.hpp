@@ -18,8 +18,7 @@ struct EvalResult {
   double loss = 0, aux = 0;
   std::vector<NamedTensor> grads;  // by HF name, in the on-disk layout (empty unless asked)
 };
-EvalResult evaluate(Model& model, const Batch& batch, bool grads, bool aux_loss);
-// The same pass on the device model; `host` holds the table and receives the gradients for grads_hf.
+// The pass on the device model; `host` holds the table and receives the gradients for grads_hf.
 EvalResult evaluate(DevModel& model, Model& host, const Batch& batch, bool grads, bool aux_loss);
 // What a DevModel must be sized for to run `batch`.
 DevBudget budget_for(const Batch& batch, int64_t patch_dim);
