@@ -2,9 +2,10 @@
 """PEFT goldens for q3vl's LoRA (issue 21): logits, loss and the gradient of every adapter matrix, from
 transformers + peft in fp32, for the committed golden base models (dense and MoE, with images).
 
-NOT RUN YET: it needs PyTorch, transformers 5.x and peft, which only the GPU machine has. Run it there:
+Run on the GPU machine (PyTorch, transformers 5.17 and peft 0.21 are there; tools/gpu/train_checks.sh's
+"goldens" part does it):
 
-    python tools/make_lora_goldens.py OUTDIR [--cases dense_tied,moe] [--device cpu|cuda]
+    python tools/make_lora_goldens.py OUTDIR [--cases dense_tied,dense_untied,moe] [--device cpu|cuda]
 
 and copy OUTDIR/<case>/ to tests/data/golden/<case>/lora/. Per case it reads tests/data/golden/<case>/model and
 batch.h5 (the base and the batch of the model goldens) and writes
@@ -13,10 +14,13 @@ batch.h5 (the base and the batch of the model goldens) and writes
     OUTDIR/<case>/expected.h5    logits (f32 [B,S,V]), loss (f64), grads/<PEFT tensor name> (f32) for every
                                  lora_A / lora_B; attrs: r, lora_alpha, use_rslora, target_modules
 q3vl's side: `q3vl eval model.hf=<case>/model lora.adapter=OUTDIR/<case>/adapter eval.batch=<case>/batch.h5
-eval.grads=true` must give the same logits and grads to 1e-4 and the loss to 1e-5; base gradients are not computed
-(the base has requires_grad False here as well). Targets: the text attention and MLP projections, the MoE router,
-the vision blocks' qkv/proj/fc and the mergers' fc (q3vl's eligible linears; MoE experts are fused 3-D parameters
-that q3vl does not wrap).
+eval.grads=true` must give the same logits and grads to 2e-5 and the loss to 1e-5 (tests/unit/test_lora.cpp, on the
+CPU op layer and on CUDA); base gradients are not computed
+(the base has requires_grad False here as well). Targets: the text attention and MLP projections, the vision blocks'
+qkv/proj/fc, the mergers' fc and lm_head (PEFT then saves the head's weights beside the adapters, as
+lm_head.base_layer.weight). Not the MoE router: PEFT cannot wrap transformers 5.17's Qwen3VLMoeTextTopKRouter (the
+script keeps only nn.Linear modules); q3vl's router adapters are checked against the host model and finite
+differences instead (test_lora.cpp). MoE experts are fused 3-D parameters that neither wraps.
 """
 import argparse
 import json
@@ -26,7 +30,7 @@ import sys
 HERE = os.path.dirname(os.path.realpath(__file__))
 REPO = os.path.dirname(HERE)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "mlp.gate", "attn.qkv",
-           "attn.proj", "linear_fc1", "linear_fc2"]
+           "attn.proj", "linear_fc1", "linear_fc2", "lm_head"]
 
 
 def run_case(name, args):
@@ -81,7 +85,7 @@ def run_case(name, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("outdir")
-    p.add_argument("--cases", default="dense_tied,moe")
+    p.add_argument("--cases", default="dense_tied,dense_untied,moe")
     p.add_argument("--device", default="cpu")
     p.add_argument("--rslora", action="store_true")
     args = p.parse_args()

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
 # from the repo root with the packed runtime sourced:
-#   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]      PARTS (default all): unit zero bf16 resume stop bench
-# - unit: the device-model suites with Q3VL_REQUIRE_GPU=1;
+#   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
+#   PARTS (default all): goldens unit lora zero bf16 resume stop bench
+# - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
+#   into OUTDIR's results (to commit);
+# - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
+# - lora: the demo model with adapters on every kind of linear and the LM head, 20 steps in fp32 on 1, 2 and 4 GPU
+#   ranks: every step's loss against 1 GPU rank's (1e-5); with dropout 0.1, 2 GPU ranks against 2 CPU ranks;
 # - zero: the demo model, 20 steps in fp32 on 1 GPU rank, then 2 and 4 ranks sharing the GPU through NCCL
 #   (NCCL_HOSTID per rank) at ZeRO-3, 2 ranks at stages 1 and 2, 4 ranks hybrid (two MPICH "nodes" of 2): every
 #   step's loss against 1 rank's (1e-5);
@@ -14,7 +19,8 @@
 # - bench: the 2B shape (input/bench_2b_gpu.deck) on one H200 at ZeRO-3 and ZeRO-1: tokens/s, MFU, device memory.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
-q=$1 ut=$2 final=$3 parts=${4:-unit zero bf16 resume stop bench} out=/tmp/results
+q=$1 ut=$2 final=$3 out=/tmp/results
+parts=${4:-goldens unit lora zero bf16 resume stop bench}
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -50,10 +56,33 @@ PY
   pack
 }
 
+if part goldens; then
+  t0=$SECONDS
+  timeout 300 python3 tools/make_lora_goldens.py /tmp/lora_goldens >"$out/goldens.log" 2>&1
+  say "goldens: rc=$? $((SECONDS - t0)) s: $(grep -c 'target patterns' "$out/goldens.log") cases"
+  for c in /tmp/lora_goldens/*/; do rm -rf "tests/data/golden/$(basename "$c")/lora" && cp -r "$c" "tests/data/golden/$(basename "$c")/lora"; done
+  cp -r /tmp/lora_goldens "$out/lora_goldens"
+  pack
+fi
+
 if part unit; then
   t0=$SECONDS
-  Q3VL_REQUIRE_GPU=1 timeout 150 "$ut" --gtest_filter='DevLayers.*:DevVision.*:DevModel.*:Golden.*' >"$out/unit.log" 2>&1
+  Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='DevLayers.*:DevVision.*:DevModel.*:Golden.*:Lora.*:BackendOps.*' \
+    >"$out/unit.log" 2>&1
   say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit.log" | tr '\n' ' ')"
+  pack
+fi
+
+if part lora; then
+  # The rank count changes which rows share a micro-batch and so the dropout draws: 1 = 2 = 4 ranks without dropout;
+  # with it, 2 GPU ranks against 2 CPU ranks (the same masks on both devices).
+  lora="lora.rank=8 lora.alpha=16
+        lora.targets=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,attn.qkv,attn.proj,linear_fc1,linear_fc2,lm_head"
+  run lora_1 1 120 $gpu $lora
+  for n in 2 4; do run lora_$n $n 100 $gpu $lora && cmp lora_$n lora_1 1e-5; done
+  run lora_drop_2 2 100 $gpu $lora lora.dropout=0.1 train.steps=6
+  run lora_drop_cpu2 2 200 $lora lora.dropout=0.1 train.steps=6 && cmp lora_drop_cpu2 lora_drop_2 1e-5
+  grep -h "lora: rank\|memory per rank" "$out"/lora_1.log >>"$out/summary.txt"
   pack
 fi
 
