@@ -216,7 +216,9 @@ TEST(Expert, DeviceModelEqualsEveryExpertLocal) {
         m.idle_pass(false);
         m.idle_pass(true);
       }
-      if (ep.size() > 1) EXPECT_GT(ep.received(), received) << "this rank's experts served no row";
+      if (ep.size() > 1) {
+        EXPECT_GT(ep.received(), received) << "this rank's experts served no row";
+      }
       if (runs) {
         EXPECT_NEAR(loss, ref_loss, 1e-6 * std::fabs(ref_loss));
         EXPECT_NEAR(aux, ref_aux, 1e-6 * std::fabs(ref_aux));
