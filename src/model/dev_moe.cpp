@@ -51,7 +51,7 @@ void route(const dev::Exec& ex, const TextConfig& tc, int64_t N, DevDecoderCtx& 
     ostart[size_t(j + 1)] = int32_t(perm.size());
   }
   c.ro = arrived;
-  dev::to_device(ex, c.perm, perm.data(), perm.size() * 4);
+  if (arrived > 0) dev::to_device(ex, c.perm, perm.data(), perm.size() * 4);
   dev::to_device(ex, c.ostart, ostart.data(), ostart.size() * 4);
 }
 
