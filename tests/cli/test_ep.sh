@@ -23,6 +23,13 @@ for e in 1 2 4; do train ep$e 4 parallel.ep=$e; ok_run $? ep$e; done
 for e in 2 4; do
   cmp_losses ep$e ep1 1e-5 && cmp_ckpt "$(ckpt ep$e)" "$(ckpt ep1)" 1e-5 && pass "ep-$e-vs-1" || bad "ep-$e-vs-1"
 done
+# The gradient norm counts every expert's piece once over the world (each is in one rank's shard).
+$py - "$tmp"/ep{1,2,4}/metrics.jsonl <<'PY' && pass "grad-norm-ep-vs-1" || bad "grad-norm-ep-vs-1"
+import json, sys
+one, *eps = ([json.loads(l)["grad_norm"] for l in open(f)] for f in sys.argv[1:])
+for g in eps:
+    assert len(g) == len(one) == 20 and all(abs(x - y) <= 1e-5 * y for x, y in zip(g, one)), (g, one)
+PY
 grep -q "expert parallelism: 4 ranks a group, 2 experts a rank" "$tmp/ep4.log" && pass "ep-logged" ||
   bad "ep-logged: $(grep 'model:' "$tmp/ep4.log")"
 # The aux loss is in the loss (metrics carry it) and each rank's experts got tokens: the most and the least any rank
