@@ -192,7 +192,8 @@ void DevZero::refresh_params() {
   for (size_t i = 0; i < L_.units.size(); ++i) {
     const ZeroUnit& u = L_.units[i];
     if (!u.trainable && gathered_once_) continue;  // the optimizer changed nothing there
-    if (auto r = gather_unit(u, full + gbase_[i] * int64_t(d), conv_ ? stg_[0] : nullptr)) settle(comm(u), std::move(r));
+    if (auto r = gather_unit(u, full + gbase_[i] * int64_t(d), conv_ ? stg_[0] : nullptr))
+      settle(comm(u), std::move(r));
   }
   gathered_once_ = true;
   m2c();
@@ -319,7 +320,8 @@ void DevZero::enter_slot(size_t k) {
       gbuf_[u] = gfree_.back();
       gfree_.pop_back();
       if (split_) dev::event_wait(ex_, ev_gfree_[size_t(gbuf_[u])]);  // its last reduce-scatter has read it
-      dev::fill(ex_, gslot_[size_t(gbuf_[u])], DType::F32, L_.units[u].shard * int64_t(L_.units[u].counts.size()), 0.f);
+      const ZeroUnit& z = L_.units[u];
+      dev::fill(ex_, gslot_[size_t(gbuf_[u])], DType::F32, z.shard * int64_t(z.counts.size()), 0.f);
     }
     g = gslot_[size_t(gbuf_[u])];
   }
@@ -349,7 +351,7 @@ void DevZero::reduce_done(size_t upto) {
     const size_t r = size_t(rs_order_[rs_next_++]);
     Q3VL_CHECK(done_[r], "ZeRO-3: unit " + model_.table().units()[r].name + " reduce-scattered before its last use ended");
     if (gbuf_[r] < 0) continue;  // frozen: no gradients
-    if (!waited && comm(L_.units[r]).size() > 1) c2m(), waited = true;  // its gradients are complete on the compute stream
+    if (!waited && comm(L_.units[r]).size() > 1) c2m(), waited = true;  // its gradients are complete on the model's
     reduce_unit(int(r), gslot_[size_t(gbuf_[r])]);
     if (split_) dev::event_record(cx_, ev_gfree_[size_t(gbuf_[r])]);
     gfree_.push_back(gbuf_[r]);

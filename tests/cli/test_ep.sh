@@ -47,13 +47,17 @@ PY
 out=$(tools/plot_metrics -o "$tmp/plots" "$tmp/ep4/metrics.jsonl" 2>&1) && [[ -s $tmp/plots/experts.png ]] &&
   pass "plot-expert-load" || bad "plot-expert-load: $out"
 
-# (b) Ranks without tokens: 2 samples on 4 ranks, one a micro-step; ZeRO-1 and recomputation, EP 4 vs 1.
+# (b) Ranks without tokens: 2 samples on 4 ranks, one a micro-step; ZeRO-1 with recomputation and ZeRO-3 without
+# (the idle ranks' experts gathered and reduce-scattered in the unit stream), EP 4 vs 1.
 for e in 1 4; do
   train idle$e 4 parallel.ep=$e train.global_batch=2 train.micro_batch=1 train.steps=4 parallel.zero_stage=1 \
     train.recompute=block; ok_run $? idle$e
+  train idle3_$e 4 parallel.ep=$e train.global_batch=2 train.micro_batch=1 train.steps=4; ok_run $? idle3_$e
 done
 cmp_losses idle4 idle1 1e-5 && cmp_ckpt "$(ckpt idle4)" "$(ckpt idle1)" 1e-5 && pass "idle-ranks-zero1-recompute" ||
   bad "idle-ranks-zero1-recompute"
+cmp_losses idle3_4 idle3_1 1e-5 && cmp_ckpt "$(ckpt idle3_4)" "$(ckpt idle3_1)" 1e-5 && pass "idle-ranks-zero3" ||
+  bad "idle-ranks-zero3"
 
 # (c) Written at EP 4 on 4 ranks after 10 steps, resumed at EP 2 on 2 ranks: the same curve as EP 4 straight, and the
 # same weights as the checkpoint resumed at EP 1 on 2 ranks. (Weights of 2- and 4-rank runs differ more than 1e-5

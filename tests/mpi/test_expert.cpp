@@ -230,8 +230,8 @@ TEST(Expert, DeviceModelEqualsEveryExpertLocal) {
         const ParamInfo& p = t.param(int(i));
         const bool expert = t.units()[size_t(p.unit)].experts;
         if (!runs && !expert) continue;
-        const float* want = (expert ? gsum : g).data() + full.units()[size_t(p.unit)].offset + full.param(int(i)).offset +
-                            p.held_begin;
+        const float* want =
+            (expert ? gsum : g).data() + full.units()[size_t(p.unit)].offset + full.param(int(i)).offset + p.held_begin;
         const double e = rel_l2(m.grads() + m.unit_base(p.unit) + p.offset, want, p.held);
         EXPECT_LE(e, 1e-5) << p.name << " (rank " << world.rank() << ")";
         ++checked;
