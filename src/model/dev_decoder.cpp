@@ -19,7 +19,7 @@ void* Arena::take(size_t bytes) {
   return base + start;
 }
 
-void DevDecoderCtx::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt) {
+void DevDecoderCtx::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt, int ep) {
   const int64_t H = tc.hidden, Dq = int64_t(tc.heads) * tc.head_dim, Dk = int64_t(tc.kv_heads) * tc.head_dim;
   // qraw, kraw and v in one block: separate [N, D] arrays for training, the rows [q | k | v] of serving's fused
   // projection (dev::qkv_to_cache_fwd).
@@ -34,26 +34,32 @@ void DevDecoderCtx::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, D
   if (!moe) {
     gu = a.take(N * 2 * tc.intermediate, dt), act = a.take(N * tc.intermediate, dt);
   } else {
-    const int64_t R = N * tc.experts_per_tok;
+    const int64_t R = N * tc.experts_per_tok, Ro = ep * R;  // Ro: every rank of the group sends its R rows here
     w = a.take<float>(R, DType::F32);
     start = a.take<int32_t>(tc.num_experts + 1, DType::I32);
     rows = a.take<int32_t>(R, DType::I32), pos = a.take<int32_t>(R, DType::I32);
-    egu = a.take(R * 2 * tc.moe_intermediate, dt), ey = a.take(R * H, dt);
+    egu = a.take(Ro * 2 * tc.moe_intermediate, dt), ey = a.take(R * H, dt);
+    xo = nullptr, perm = ostart = nullptr, ro_cap = Ro;
+    if (ep > 1)
+      xo = a.take(Ro * H, dt), perm = a.take<int32_t>(Ro, DType::I32),
+      ostart = a.take<int32_t>(tc.num_experts / ep + 1, DType::I32);
   }
 }
 
-void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt) {
+void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt, int ep) {
   const int64_t H = tc.hidden, Dq = int64_t(tc.heads) * tc.head_dim, Dk = int64_t(tc.kv_heads) * tc.head_dim;
   tmp = a.take(N * H, dt), dln = a.take(N * H, dt), datt = a.take(N * Dq, dt);
   dq = a.take(N * Dq, dt), dk = a.take(N * Dk, dt), dv = a.take(N * Dk, dt);
   dqr = a.take(N * Dq, dt), dkr = a.take(N * Dk, dt);
   dact = a.take(N * tc.intermediate, dt), dgu = a.take(N * 2 * tc.intermediate, dt);
   logits = xg = eact = dyg = edact = edgu = dxg = dlogits = nullptr, dw = nullptr;
+  arr = yo = nullptr;
   if (moe) {
-    const int64_t R = N * tc.experts_per_tok, E = tc.num_experts, Im = tc.moe_intermediate;
+    const int64_t R = N * tc.experts_per_tok, Ro = ep * R, E = tc.num_experts, Im = tc.moe_intermediate;
     logits = a.take(N * E, dt), dlogits = a.take(N * E, dt), dw = a.take<float>(R, DType::F32);
-    xg = a.take(R * H, dt), eact = a.take(R * Im, dt), dyg = a.take(R * H, dt);
-    edact = a.take(R * Im, dt), edgu = a.take(R * 2 * Im, dt), dxg = a.take(R * H, dt);
+    xg = a.take(R * H, dt), eact = a.take(Ro * Im, dt), dyg = a.take(R * H, dt);
+    edact = a.take(Ro * Im, dt), edgu = a.take(Ro * 2 * Im, dt), dxg = a.take(R * H, dt);
+    if (ep > 1) arr = a.take(Ro * H, dt), yo = a.take(Ro * H, dt);
   }
 }
 
@@ -62,6 +68,14 @@ void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, 
   if (P.q8 && P.q8[id])
     return dev::linear_int8_fwd(ex, x, P.q8[id] + row0 * n_in, P.s8[id] + row0, nullptr, y, N, n_in, n_out, dt);
   dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt);
+}
+
+int dev_experts_id(const DevParams& P, int f) {
+  if (!P.lora) return f + tlay::experts_gate_up;
+  const ParamTable& t = *P.lora->table;
+  for (int l = 0; l < t.config().text.layers; ++l)
+    if (t.layer(l) == f) return t.experts(l);
+  fail("dev_decoder: parameter " + std::to_string(f) + " starts no decoder layer");
 }
 
 namespace {
@@ -91,15 +105,6 @@ int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
   return fused(P, f + tlay::gate_proj, {I, I}, H, dt, "gate_proj/up_proj");
 }
 void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
-// The experts' first id (gate_up; down follows): right after the router, unless LoRA put the layer unit's adapters
-// in between (adapters go at the end of the unit they wrap, the experts are a unit of their own); the table knows.
-int experts_id(const DevParams& P, int f) {
-  if (!P.lora) return f + tlay::experts_gate_up;
-  const ParamTable& t = *P.lora->table;
-  for (int l = 0; l < t.config().text.layers; ++l)
-    if (t.layer(l) == f) return t.experts(l);
-  fail("dev_decoder: parameter " + std::to_string(f) + " starts no decoder layer");
-}
 // The attention's inputs: c.ln1 -> q, k (QK-norm, M-RoPE) and v.
 void qkv_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int64_t N, const float* cos,
              const float* sin, DevDecoderCtx& c, DType dt) {
@@ -124,7 +129,8 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, dt);
     dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
     dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-    const int eg = experts_id(P, f);
+    if (c.ex) return dev_moe_experts_fwd(ex, tc, P, f, N, c, s, dt);  // expert parallelism: on their owners
+    const int eg = dev_experts_id(P, f);
     grouped_linear(ex, P, eg, s.xg, c.start, c.egu, R, E, H, 2 * Im, dt);
     dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);
     grouped_linear(ex, P, eg + 1, s.eact, c.start, c.ey, R, E, Im, H, dt);
@@ -192,18 +198,21 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   zero(ex, s.dln, N * H, dt);
   if (moe) {
     const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
-    const int eg = experts_id(P, f);
-    zero(ex, s.dyg, R * H, dt);
-    dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, dt);
-    dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
-    zero(ex, s.edact, R * Im, dt);
-    dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H,
-                            dt);
-    zero(ex, s.edgu, R * 2 * Im, dt);
-    dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, dt);
-    dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-    zero(ex, s.dxg, R * H, dt);
-    dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, dt);
+    if (c.ex) {  // expert parallelism: the experts' part on their owners
+      dev_moe_experts_bwd(ex, tc, P, f, dx, N, c, s, dt);
+    } else {
+      const int eg = dev_experts_id(P, f);
+      zero(ex, s.dyg, R * H, dt);
+      dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, dt);
+      dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
+      zero(ex, s.edact, R * Im, dt);
+      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, dt);
+      zero(ex, s.edgu, R * 2 * Im, dt);
+      dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, dt);
+      dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
+      zero(ex, s.dxg, R * H, dt);
+      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, dt);
+    }
     dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, dt);
     zero(ex, s.dlogits, N * E, dt);
     dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, dt);

@@ -80,16 +80,16 @@ struct DevModel::Impl {
     const size_t nds = vc.deepstack_indexes.size();
     head_rows = std::min(T, kHeadRows);
     dctx.assign(recompute ? 0 : tc.layers, {});
-    for (int l = 0; l < int(dctx.size()); ++l) dctx[l].carve(a, tc, t.moe_layer(l), T, dt);
+    for (int l = 0; l < int(dctx.size()); ++l) dctx[l].carve(a, tc, t.moe_layer(l), T, dt, b.ep);
     dxin.assign(recompute ? tc.layers : 0, nullptr);
     for (auto& p : dxin) p = a.take(T * H, dt);
     if (recompute) {
       bool kinds[2] = {false, false};
       for (int l = 0; l < tc.layers; ++l) kinds[t.moe_layer(l)] = true;
       for (int m = 0; m < 2; ++m)
-        if (kinds[m]) dwork[m].carve(a, tc, m == 1, T, dt);
+        if (kinds[m]) dwork[m].carve(a, tc, m == 1, T, dt, b.ep);
     }
-    dscr.carve(a, tc, nmoe > 0, T, dt);
+    dscr.carve(a, tc, nmoe > 0, T, dt, b.ep);
     ids = a.take<int32_t>(T, DType::I32), cu = a.take<int32_t>(b.segments + 1, DType::I32);
     vis = a.take<int32_t>(T, DType::I32), sup = a.take<int32_t>(T, DType::I32), sup_t = a.take<int32_t>(T, DType::I32);
     head_t = a.take<int32_t>(T, DType::I32);
@@ -157,19 +157,20 @@ int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s,
     if (stage_owns(t, s, int(u)))
       for (int id : t.units()[u].params) {
         const ParamInfo& p = t.param(id);
-        n += int8 && int8_param(t, id) ? p.numel + int8_rows(p) * 4 : p.numel * int64_t(dtype_size(dt));
+        n += int8 && int8_param(t, id) ? p.numel + int8_rows(p) * 4 : p.held * int64_t(dtype_size(dt));
       }
   return n;
 }
 
 DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage, bool int8,
-                   DevHold hold)
-    : cfg_(cfg), table_(cfg), ex_(ex), dt_(dt), stage_(stage), hold_(hold), impl_(std::make_unique<Impl>()) {
+                   DevHold hold, ExpertSplit ep)
+    : cfg_(cfg), table_(cfg, ep), ex_(ex), dt_(dt), stage_(stage), hold_(hold), impl_(std::make_unique<Impl>()) {
   impl_->lora.table = &table_;
   impl_->lora.scale = float(cfg.lora.scale());
   impl_->lora.dropout = cfg.lora.dropout;
   Q3VL_CHECK((stage.whole() && !int8) || !grads, "DevModel: pipeline stages and int8 weights are for inference");
   Q3VL_CHECK(hold.group >= 1 && (hold.full || grads), "DevModel: a ZeRO hold is for training");
+  Q3VL_CHECK(ep.size == 1 || (grads && !int8), "DevModel: expert parallelism is for training");
   if (ex.device == Device::CPU && dt != DType::F32)
     fail_all(std::string("model.dtype = ") + dtype_name(dt) + " needs model.backend = \"cuda\" (the CPU computes fp32)");
   // The parameters of the units the stage holds, packed in table order (the whole model in dt: the table's own
@@ -182,7 +183,7 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
       for (int id : table_.units()[u].params) {
         const ParamInfo& p = table_.param(id);
         if (int8 && int8_param(table_, id)) par_off_[id] = held8_, held8_ += p.numel, scl_off_[id] = rows8_, rows8_ += int8_rows(p);
-        else par_off_[id] = held_, held_ += p.numel;
+        else par_off_[id] = held_, held_ += p.held;  // expert parallelism: this rank's experts
       }
       if (!int8) held_ = ubase_[u] + padded(table_.units()[u].numel, hold.group);
     }
@@ -255,6 +256,13 @@ void DevModel::set_recompute(bool on) {
   recompute_ = impl_->recompute = on;
 }
 
+void DevModel::set_experts(ExpertExchange* ex) {
+  Q3VL_CHECK(!impl_->block, "DevModel::set_experts comes before reserve()");
+  Q3VL_CHECK((ex ? ex->size() : 1) == table_.ep().size && (!ex || ex->rank() == table_.ep().rank),
+             "DevModel::set_experts: the exchange's group is not the table's expert split");
+  ep_ = ex && ex->size() > 1 ? ex : nullptr;
+}
+
 size_t DevModel::size_arena(Impl& i, const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute) {
   i.b = b;
   i.b.segments = std::max<int64_t>(b.segments, 1);
@@ -271,10 +279,13 @@ int64_t DevModel::activation_bytes(const ModelConfig& cfg, DType dt, const DevBu
 
 void DevModel::reserve(const DevBudget& b) {
   Q3VL_CHECK(!impl_->block, "DevModel::reserve is called once");
+  Q3VL_CHECK(b.ep == (ep_ ? ep_->size() : 1), "DevModel::reserve: the budget's ep is not the expert exchange's size");
   impl_->bytes = size_arena(*impl_, cfg_, dt_, b, impl_->recompute);
   impl_->block = dev::alloc(ex_, impl_->bytes);
   Arena a{static_cast<char*>(impl_->block), impl_->bytes};
   impl_->carve(a, cfg_, dt_);
+  for (auto& c : impl_->dctx) c.ex = ep_;
+  for (auto& c : impl_->dwork) c.ex = ep_;
 }
 
 
@@ -290,6 +301,7 @@ void DevModel::set_params(const float* host_all) {
 }
 void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   Q3VL_CHECK(offset >= 0 && offset + n <= table_.total(), "DevModel::set_params: a range outside the table");
+  Q3VL_CHECK(table_.ep().size == 1, "DevModel::set_params: an expert-parallel model is filled through ZeRO");
   // The held parameters' parts of the range, each to its packed place, through a staging buffer of at most 256 MiB;
   // an int8 weight, which must arrive whole, is quantized here first.
   constexpr int64_t kChunk = int64_t(64) << 20;
@@ -503,8 +515,9 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
     slot += moe;
     if (recompute_) dev::copy(ex_, I.dxin[l], I.x, size_t(N * H) * dtype_size(dt_));
     enter_layer(l, false);
-    dev_decoder_fwd(ex_, cfg_, P, table_.layer(l), moe, I.x, N, seg, I.tcos, I.tsin, pr, ix,
-                    recompute_ ? I.dwork[moe] : I.dctx[l], I.dscr, dt_);
+    DevDecoderCtx& c = recompute_ ? I.dwork[moe] : I.dctx[l];
+    dev_decoder_fwd(ex_, cfg_, P, table_.layer(l), moe, I.x, N, seg, I.tcos, I.tsin, pr, ix, c, I.dscr, dt_);
+    if (moe && ep_) ep_->note_received(c.ro);  // the experts' load (a recomputed forward is not counted again)
     leave_layer(l, false);
     if (size_t(l) < nds && I.nvis) dev::scatter_rows(ex_, I.ds[l], I.vis, I.x, I.nvis, H, true, dt_);
   }
@@ -646,6 +659,23 @@ void DevModel::backward(float loss_scale) {
   }
 }
 
+void DevModel::idle_pass(bool backward) {
+  if (!ep_) return;
+  Impl& I = *impl_;
+  Q3VL_CHECK(I.block, "DevModel::reserve must size the model before a pass");
+  const DevParams P = dparams();
+  const int L = cfg_.text.layers;
+  for (int i = 0; i < L; ++i) {
+    const int l = backward ? L - 1 - i : i;
+    if (table_.experts(l) < 0) continue;
+    DevDecoderCtx& c = recompute_ ? I.dwork[1] : I.dctx[l];
+    enter(table_.experts(l), backward);
+    if (!backward || recompute_) dev_moe_experts_fwd(ex_, cfg_.text, P, table_.layer(l), 0, c, I.dscr, dt_);
+    if (!backward) ep_->note_received(c.ro);
+    if (backward) dev_moe_experts_bwd(ex_, cfg_.text, P, table_.layer(l), nullptr, 0, c, I.dscr, dt_);
+    leave(table_.experts(l), backward);
+  }
+}
 
 // ---- Inference ---------------------------------------------------------------------------------------------------
 

@@ -10,9 +10,10 @@ namespace {
 
 constexpr int kParamSlots = 3;  // the unit in use, the prefetched next one, an enclosing use (the LM head's two units)
 
-int64_t slot_elems(const ZeroLayout& L, int group) {
+// The largest gathered unit: its shard times its group (the experts' replicas or the shard group).
+int64_t slot_elems(const ZeroLayout& L) {
   int64_t m = 0;
-  for (const ZeroUnit& u : L.units) m = std::max(m, u.shard * group);
+  for (const ZeroUnit& u : L.units) m = std::max(m, u.shard * int64_t(u.counts.size()));
   return m;
 }
 
@@ -22,7 +23,7 @@ int grad_slots(const ParamTable& t) { return int(ZeroEngine::pool_slots(t, unit_
 
 DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd) {
   DevZeroMemory m;
-  const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L, group);
+  const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
   const int64_t staging = gd == dt ? 0 : (stage == 3 ? kParamSlots : 1) * slot * g;
   m.master = L.master * 4;
   m.moments = 2 * L.opt * 4;
@@ -36,19 +37,25 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
 
 DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
                             DType gather) {
-  return sizes(t, zero_layout(t, {group, 0}, nullptr, stage, trainable), group, stage, dt, gather);
+  const ShardGroup experts{group / t.ep().size, 0};
+  return sizes(t, zero_layout(t, {group, 0}, t.ep().size > 1 ? &experts : nullptr, stage, trainable), group, stage,
+               dt, gather);
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
-                 const dev::Exec* comm_ex, DType gather)
-    : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), stage_(stage), dt_(m.dtype()),
+                 const dev::Exec* comm_ex, DType gather, Comm* experts)
+    : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), experts_(experts), stage_(stage), dt_(m.dtype()),
       gd_(gather == DType::BF16 && m.dtype() == DType::F32 ? DType::BF16 : m.dtype()), conv_(gd_ != dt_),
       ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
       split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream) {
   const ParamTable& t = m.table();
   const int n = shard.size();
-  L_ = zero_layout(t, {n, shard.rank()}, nullptr, stage, trainable);
-  Q3VL_CHECK(t.ep().size == 1, "DevZero: expert parallelism is not on the device model yet");
+  Q3VL_CHECK(t.ep().size == 1 || (experts && experts->size() * t.ep().size == n && !(replica && replica->size() > 1)),
+             "DevZero: an expert split needs the experts' replica group (shard group / ep ranks), and no replicas");
+  Q3VL_CHECK(!experts || experts->size() == 1 || experts->kind() == shard.kind(),
+             "DevZero: the experts' group must move device buffers as the shard group does");
+  const ShardGroup eg{experts ? experts->size() : 1, experts ? experts->rank() : 0};
+  L_ = zero_layout(t, {n, shard.rank()}, t.ep().size > 1 ? &eg : nullptr, stage, trainable);
   Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
   mem_ = sizes(t, L_, n, stage, dt_, gd_);
   auto f32 = [&](int64_t k) {
@@ -59,7 +66,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   master_ = f32(L_.master), gshard_ = f32(L_.comm), m_ = f32(L_.opt), v_ = f32(L_.opt);
   land_ = f32(n > 1 ? L_.comm : 0);
   if (gd_ != DType::F32) wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_));
-  slot_elems_ = slot_elems(L_, n);
+  slot_elems_ = slot_elems(L_);
   if (conv_ && stage != 3) stg_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(gd_)));
   if (split_) ev_c2m_ = dev::event_create(ex_), ev_m2c_ = dev::event_create(ex_);
   const size_t nu = t.units().size();
@@ -111,15 +118,16 @@ void* DevZero::wshard(int64_t off) const {
 }
 
 std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, void* stg) {
-  const int n = shard_.size();
+  Comm& c = comm(u);
+  const int n = c.size();
   gathered_ += u.shard * n * int64_t(dtype_size(gd_));
   if (n == 1) {
     dev::convert(ex_, dst, dt_, wshard(u.master_off), gd_, u.shard);  // a copy unless conv_
     return nullptr;
   }
-  auto r = shard_.iall_gather(wshard(u.master_off), conv_ ? stg : dst, size_t(u.shard), gd_);
+  auto r = c.iall_gather(wshard(u.master_off), conv_ ? stg : dst, size_t(u.shard), gd_);
   if (!conv_) return r;
-  if (!ordered_) shard_.wait(std::move(r));  // MPI: the host widens what arrived
+  if (!ordered_) c.wait(std::move(r));  // MPI: the host widens what arrived
   dev::convert(cx_, dst, dt_, stg, gd_, u.shard * n);
   return r;
 }
@@ -184,7 +192,8 @@ void DevZero::refresh_params() {
   for (size_t i = 0; i < L_.units.size(); ++i) {
     const ZeroUnit& u = L_.units[i];
     if (!u.trainable && gathered_once_) continue;  // the optimizer changed nothing there
-    if (auto r = gather_unit(u, full + gbase_[i] * int64_t(d), conv_ ? stg_[0] : nullptr)) settle(shard_, std::move(r));
+    if (auto r = gather_unit(u, full + gbase_[i] * int64_t(d), conv_ ? stg_[0] : nullptr))
+      settle(comm(u), std::move(r));
   }
   gathered_once_ = true;
   m2c();
@@ -194,8 +203,9 @@ void DevZero::refresh_params() {
 // The caller has made the communication stream wait for whatever wrote g.
 void DevZero::reduce_unit(int ui, const float* g) {
   const ZeroUnit& u = L_.units[size_t(ui)];
-  if (shard_.size() == 1) return dev::axpy(ex_, 1.f, g, gshard_ + u.comm_off, u.shard, DType::F32);
-  settle(shard_, shard_.ireduce_scatter(g, land_ + u.comm_off, size_t(u.shard), DType::F32, ReduceOp::Sum));
+  Comm& c = comm(u);
+  if (c.size() == 1) return dev::axpy(ex_, 1.f, g, gshard_ + u.comm_off, u.shard, DType::F32);
+  settle(c, c.ireduce_scatter(g, land_ + u.comm_off, size_t(u.shard), DType::F32, ReduceOp::Sum));
   dev::axpy(cx_, 1.f, land_ + u.comm_off, gshard_ + u.comm_off, u.shard, DType::F32);
 }
 
@@ -298,7 +308,7 @@ void DevZero::enter_slot(size_t k) {
   Slot& s = slots_[k];
   const size_t u = size_t(s.unit);
   if (s.req) {
-    settle(shard_, std::move(s.req));
+    settle(comm(L_.units[u]), std::move(s.req));
     if (split_) dev::event_wait(ex_, ev_ready_[size_t(s.buf)]);
   }
   if (backward_ && k >= 2) reduce_done(k - 1);
@@ -310,7 +320,8 @@ void DevZero::enter_slot(size_t k) {
       gbuf_[u] = gfree_.back();
       gfree_.pop_back();
       if (split_) dev::event_wait(ex_, ev_gfree_[size_t(gbuf_[u])]);  // its last reduce-scatter has read it
-      dev::fill(ex_, gslot_[size_t(gbuf_[u])], DType::F32, L_.units[u].shard * shard_.size(), 0.f);
+      const ZeroUnit& z = L_.units[u];
+      dev::fill(ex_, gslot_[size_t(gbuf_[u])], DType::F32, z.shard * int64_t(z.counts.size()), 0.f);
     }
     g = gslot_[size_t(gbuf_[u])];
   }
@@ -340,7 +351,7 @@ void DevZero::reduce_done(size_t upto) {
     const size_t r = size_t(rs_order_[rs_next_++]);
     Q3VL_CHECK(done_[r], "ZeRO-3: unit " + model_.table().units()[r].name + " reduce-scattered before its last use ended");
     if (gbuf_[r] < 0) continue;  // frozen: no gradients
-    if (!waited && shard_.size() > 1) c2m(), waited = true;  // its gradients are complete on the compute stream
+    if (!waited && comm(L_.units[r]).size() > 1) c2m(), waited = true;  // its gradients are complete on the model's
     reduce_unit(int(r), gslot_[size_t(gbuf_[r])]);
     if (split_) dev::event_record(cx_, ev_gfree_[size_t(gbuf_[r])]);
     gfree_.push_back(gbuf_[r]);

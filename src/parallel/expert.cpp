@@ -33,8 +33,13 @@ void ExpertParallel::rows(const void* send, const std::vector<int64_t>& send_row
     sc[p] = size_t(send_rows[p] * width), sd[p] = s, s += sc[p];
     rc[p] = size_t(recv_rows[p] * width), rd[p] = r, r += rc[p];
   }
-  group_->all_to_allv(send, sc, sd, recv, rc, rd, t);
+  (rows_comm_ ? *rows_comm_ : *group_).all_to_allv(send, sc, sd, recv, rc, rd, t);
   seconds_ += wall_seconds() - t0;
+}
+
+void ExpertParallel::set_rows_comm(Comm* c) {
+  Q3VL_CHECK(!c || (c->size() == size() && c->rank() == rank()), "ExpertParallel: a rows communicator of other ranks");
+  rows_comm_ = c;
 }
 
 void ExpertParallel::counts(const int64_t* send, int64_t* recv, int64_t n) {

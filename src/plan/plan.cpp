@@ -219,7 +219,8 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   const ParamTable t(w.cfg, {l.ep, 0});  // under expert parallelism a rank holds E/ep experts of every MoE layer
   const int R = hw.ranks(), n = l.hybrid ? hw.gpus_per_node : R;
   const int64_t g = int64_t(dtype_size(w.dt));
-  const DevBudget budget = train_budget(w.cfg, l.micro_batch, w.seq_len, w.max_patches);
+  DevBudget budget = train_budget(w.cfg, l.micro_batch, w.seq_len, w.max_patches);
+  budget.ep = l.ep;  // an owner's experts are sized for the rows of its whole EP group
   int64_t trained = 0;
   for (size_t i = 0; i < w.trainable.size(); ++i) trained += w.trainable[i] ? t.param(int(i)).numel : 0;
 
@@ -485,7 +486,8 @@ int run_plan(const Deck& d) {
   if (w.cfg.moe())
     std::printf("  (MoE: each MoE layer's experts are a ZeRO unit of their own; with ep > 1 a rank holds E/ep of "
                 "them, sharded over the ranks holding the same experts, and the all-to-all is counted as exposed. "
-                "Expert parallelism runs on CPU ranks today; on GPUs it waits for NCCL.)\n");
+                "A rank's expert buffers are sized for the rows of its whole EP group (dropless). On GPUs the "
+                "all-to-all runs over NCCL, not measured yet.)\n");
 
   const Candidate& best = cs.front();
   int rc = 0;

@@ -21,7 +21,7 @@ DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_
 DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
                                   const std::vector<bool>& trainable, int group, int stage, Device d,
                                   bool gather_bf16) {
-  const ParamTable t(cfg);
+  const ParamTable t(cfg, {budget.ep, 0});  // under expert parallelism: E/ep experts a layer
   DevTrainerMemory m;
   m.model.weights = stage == 3 ? 0 : int64_t(dtype_size(dt)) * [&] {
     int64_t n = 0;
@@ -54,7 +54,7 @@ std::unique_ptr<Comm> nccl_over(const Comm& c, const dev::Exec& ex) {
 
 DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
                        const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica, int stage,
-                       bool gather_bf16)
+                       bool gather_bf16, ExpertParallel* ep)
     : ex_(dev::make_exec(d, size_t(kWorkspaceBytes), gpu)), shard_(shard), ls_(ls) {
   // GPU ranks exchange device buffers over NCCL; CPU ranks' buffers are host memory, which MPI moves.
   Comm* dshard = &shard;
@@ -64,12 +64,22 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   if (d == Device::CUDA && (shard.size() > 1 || drep)) cx_ = dev::make_exec(d, 0, gpu);
   if (d == Device::CUDA && shard.size() > 1) nccl_shard_ = nccl_over(shard, cx_), dshard = nccl_shard_.get();
   if (d == Device::CUDA && drep) nccl_replica_ = nccl_over(*drep, cx_), drep = nccl_replica_.get();
-  model_ = std::make_unique<DevModel>(cfg, ex_, dt, true, DevStage{}, false, DevZero::hold(dshard->size(), stage));
+  // Expert parallelism: rows over the group in order with the model's kernels; expert units over their replicas.
+  DevBudget b = budget;
+  Comm* dexperts = nullptr;
+  if (ep && ep->size() > 1) {
+    ep_ = ep, b.ep = ep->size(), dexperts = &ep->replicas();
+    if (d == Device::CUDA) ep->set_rows_comm((nccl_ep_ = nccl_over(ep->group(), ex_)).get());
+    if (d == Device::CUDA && dexperts->size() > 1) dexperts = (nccl_experts_ = nccl_over(*dexperts, cx_)).get();
+  }
+  model_ = std::make_unique<DevModel>(cfg, ex_, dt, true, DevStage{}, false, DevZero::hold(dshard->size(), stage),
+                                      ep_ ? ep_->split() : ExpertSplit{});
   model_->set_recompute(recompute);
   model_->set_frozen(trainable);  // a LoRA base, train.tune_* = false: no weight gradients computed
-  model_->reserve(budget);
+  model_->set_experts(ep_);
+  model_->reserve(b);
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
-                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt);
+                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
   const ZeroLayout& L = zero_->layout();
   for (size_t i = 0; i < L.pieces.size(); ++i) {
@@ -90,6 +100,9 @@ DevTrainer::~DevTrainer() {
   zero_.reset();
   model_.reset();
   dev::release(ex_, norm_);
+  if (ep_) ep_->set_rows_comm(nullptr);
+  nccl_ep_.reset();
+  nccl_experts_.reset();
   nccl_replica_.reset();
   nccl_shard_.reset();
   if (cx_.stream) dev::destroy_exec(cx_);
@@ -122,7 +135,12 @@ void DevTrainer::backward(double weight) {
   zero_->after_backward();
 }
 
-void DevTrainer::idle() { zero_->idle(); }
+void DevTrainer::idle() {
+  if (!ep_) return zero_->idle();
+  zero_->begin_pass(false), model_->idle_pass(false), zero_->end_pass();
+  zero_->begin_pass(true), model_->idle_pass(true), zero_->end_pass();
+  zero_->after_backward();
+}
 
 void DevTrainer::finish_grads() { zero_->finish_grads(); }
 

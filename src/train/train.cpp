@@ -251,9 +251,9 @@ int run_train(const Deck& deck) {
   // Stage 3's model never holds the full weights (stages 1/2 compute on them; they get them by gathering).
   std::string cfg_json;
   const ModelConfig cfg = model_config(deck, &cfg_json);
-  // model.backend = "cuda": the device model computes on the rank's GPU; "cpu": on the CPU op layer, except LoRA and
-  // expert parallelism, which only the host model has so far. On the device path the host keeps only the engine's
-  // shards (checkpoint I/O and start-up), as stage 3 does, so no full host copy of the weights exists.
+  // model.backend = "cuda": the device model computes on the rank's GPU; "cpu": on the CPU op layer, except LoRA,
+  // which only the host model has so far. On the device path the host keeps only the engine's shards (checkpoint I/O
+  // and start-up), as stage 3 does, so no full host copy of the weights exists.
   const bool on_gpu = deck.str("model.backend") == "cuda";
   if (on_gpu && !deck.boolean("runtime.share_gpus")) {
     // One rank a GPU: NCCL refuses two ranks on one device, and sharing one is for tests, never fast.
@@ -267,14 +267,11 @@ int run_train(const Deck& deck) {
   // Expert parallelism: this rank's model holds only its experts; the exchange moves tokens to the others'.
   const int ep_size = int(deck.integer("parallel.ep"));
   if (const std::string e = expert_layout_error(cfg, nranks, ep_size); !e.empty()) fail_all(e);
-  if (ep_size > 1 && on_gpu)
-    fail_all("parallel.ep > 1 needs several ranks; model.backend = \"cuda\" trains on one GPU so far (the NCCL "
-             "all-to-all is not built yet)");
   if (ep_size > 1 && deck.boolean("parallel.hybrid"))
     fail_all("parallel.ep > 1 with parallel.hybrid = true is not supported: shard over all ranks (hybrid = false)");
   std::unique_ptr<ExpertParallel> ep;
   if (ep_size > 1) ep = std::make_unique<ExpertParallel>(world, ep_size);
-  const bool on_dev = on_gpu || ep_size == 1;
+  const bool on_dev = true;
   Model model(cfg, /*with_storage=*/stage != 3 && !on_dev, ep ? ep->split() : ExpertSplit{});
   model.set_experts(ep.get());
   const bool aux_on = deck.boolean("train.router_aux_loss") && cfg.moe();
@@ -384,7 +381,8 @@ int run_train(const Deck& deck) {
     ls.window = deck.integer("optim.loss_scale_window");
     trainer = std::make_unique<DevTrainer>(on_gpu ? Device::CUDA : Device::CPU, std::max(0, rt.where().gpu), cfg,
                                            trainable, compute, b, deck.str("train.recompute") == "block", ls, *shard,
-                                           replica.get(), stage, deck.str("parallel.gather_dtype") == "bf16");
+                                           replica.get(), stage, deck.str("parallel.gather_dtype") == "bf16",
+                                           ep.get());
     log_info(trainer->memory_report());
   }
 

@@ -1,7 +1,8 @@
 // Expert parallelism on 1, 2 and 4 ranks (EP groups of min(2, ranks) consecutive ranks): the golden MoE model's
 // logits, loss, aux loss and every gradient equal transformers' when its experts are split over the group (the
 // group's first rank runs the batch, the others only serve its tokens); bad layouts are refused naming the key;
-// the engine's EP sizing (the planner's) is what it allocates; the all-to-alls are under the watchdog.
+// the engine's EP sizing (the planner's) is what it allocates; the all-to-alls are under the watchdog. The device model
+// (CPU op layer) with its experts split equals it with every expert local, busy and idle ranks alike.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -13,6 +14,7 @@
 #include "q3vl/io/h5.hpp"
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/config.hpp"
+#include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/parallel/expert.hpp"
 #include "q3vl/parallel/zero.hpp"
@@ -143,6 +145,100 @@ TEST(Expert, EstimateIsWhatTheEngineAllocates) {
       if (model.table().units()[size_t(p.unit)].experts) whole += p.numel;
     EXPECT_EQ(int64_t(world.sum(double(mine))), whole);
   }
+}
+
+namespace {
+// Another batch of the same shapes: the text tokens (not the vision ones, 250..253) and their labels remapped.
+Batch remapped(Batch b) {
+  for (auto* v : {&b.input_ids, &b.labels})
+    for (int64_t& id : *v)
+      if (id >= 0 && id < 250) id = (id * 7 + 11) % 250;
+  return b;
+}
+double rel_l2(const float* a, const float* b, int64_t n) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) num += double(a[i] - b[i]) * double(a[i] - b[i]), den += double(b[i]) * b[i];
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+}  // namespace
+
+// The device model on the CPU op layer with its experts split over EP groups of 2 equals the same model with every
+// expert local, on each rank's own batch: the group's second rank runs another batch at another micro-step weight
+// (its rows reach the first rank's experts already weighted), or no batch at all (it only serves the first rank's
+// rows: idle_pass), with and without recomputation. Loss, aux loss and logits per rank, every non-expert gradient per
+// rank, and each expert's gradient on its owner against the sum over the group of the all-local gradients.
+TEST(Expert, DeviceModelEqualsEveryExpertLocal) {
+  MpiComm world(MPI_COMM_WORLD);
+  const ModelConfig cfg = load_hf_config(kDir + "/model/config.json");
+  ExpertParallel ep(world, ep_size(world));
+  Model host(cfg);
+  load_hf_weights(host, kDir + "/model");
+  const Batch golden = read_batch_h5(kDir + "/batch.h5", cfg.vision.patch_dim());
+  const Batch batch = ep.rank() == 0 ? golden : remapped(golden);
+  const double weight = ep.rank() == 0 ? 1.0 : 0.37;
+  const ParamTable& full = host.table();
+  dev::Exec ex = dev::make_exec(Device::CPU);
+  for (int idle = 0; idle < 2; ++idle)
+    for (int rc = 0; rc < 2; ++rc) {
+      SCOPED_TRACE(std::string(idle ? "idle second rank" : "busy ranks") + (rc ? ", recomputation" : ""));
+      const bool runs = !(idle && ep.rank() == 1);
+      DevModel ref(cfg, ex, DType::F32);
+      ref.set_recompute(rc == 1);
+      ref.reserve(budget_for(batch, cfg.vision.patch_dim()));
+      ref.set_params(host.params());
+      std::vector<float> ref_logits, logits, g(size_t(full.total()), 0.f);
+      double ref_loss = 0, ref_aux = 0, loss = 0, aux = 0;
+      if (runs) {
+        ref_loss = ref.forward(batch, true, &ref_logits, &ref_aux, true);
+        ref.backward(float(weight));
+        ref.grads_to_host(g.data());
+      }
+      std::vector<float> gsum(g);  // the experts' gradients summed over the group
+      ep.group().all_reduce(gsum.data(), gsum.size(), DType::F32);
+
+      DevModel m(cfg, ex, DType::F32, true, {}, false, {}, ep.split());
+      const ParamTable& t = m.table();
+      m.set_recompute(rc == 1);
+      m.set_experts(&ep);
+      DevBudget b = budget_for(batch, cfg.vision.patch_dim());
+      b.ep = ep.size();
+      m.reserve(b);
+      for (size_t i = 0; i < t.params().size(); ++i) {  // this rank's part of every tensor
+        const ParamInfo& p = t.param(int(i));
+        dev::to_device(ex, at(m.params(), m.unit_base(p.unit) + p.offset, DType::F32),
+                       host.param(int(i)) + p.held_begin, size_t(p.held) * 4);
+      }
+      const int64_t received = ep.received();
+      if (runs) {
+        loss = m.forward(batch, true, &logits, &aux, true);
+        m.backward(float(weight));
+      } else {
+        m.idle_pass(false);
+        m.idle_pass(true);
+      }
+      if (ep.size() > 1) {
+        EXPECT_GT(ep.received(), received) << "this rank's experts served no row";
+      }
+      if (runs) {
+        EXPECT_NEAR(loss, ref_loss, 1e-6 * std::fabs(ref_loss));
+        EXPECT_NEAR(aux, ref_aux, 1e-6 * std::fabs(ref_aux));
+        ASSERT_EQ(logits.size(), ref_logits.size());
+        EXPECT_LE(rel_l2(logits.data(), ref_logits.data(), int64_t(logits.size())), 1e-6);
+      }
+      int checked = 0;
+      for (size_t i = 0; i < t.params().size(); ++i) {
+        const ParamInfo& p = t.param(int(i));
+        const bool expert = t.units()[size_t(p.unit)].experts;
+        if (!runs && !expert) continue;
+        const float* want =
+            (expert ? gsum : g).data() + full.units()[size_t(p.unit)].offset + full.param(int(i)).offset + p.held_begin;
+        const double e = rel_l2(m.grads() + m.unit_base(p.unit) + p.offset, want, p.held);
+        EXPECT_LE(e, 1e-5) << p.name << " (rank " << world.rank() << ")";
+        ++checked;
+      }
+      EXPECT_GT(checked, 0);
+    }
+  dev::destroy_exec(ex);
 }
 
 // The dispatch's all-to-alls wait under the watchdog like every collective: a rank that does not arrive is named.

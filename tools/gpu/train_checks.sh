@@ -2,7 +2,7 @@
 # Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
-#   PARTS (default all): goldens unit lora zero bf16 resume stop bench
+#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -11,6 +11,8 @@
 # - zero: the demo model, 20 steps in fp32 on 1 GPU rank, then 2 and 4 ranks sharing the GPU through NCCL
 #   (NCCL_HOSTID per rank) at ZeRO-3, 2 ranks at stages 1 and 2, 4 ranks hybrid (two MPICH "nodes" of 2): every
 #   step's loss against 1 rank's (1e-5);
+# - ep: the golden MoE model (4 experts, top-2, aux loss) in fp32: EP 2 on 2 and 4 GPU ranks and EP 4 on 4 (rows over
+#   NCCL on the model's stream, expert units over their replicas), every step's loss against EP 1 on 1 rank (1e-5);
 # - bf16: 1 and 2 ranks in bf16 against fp32 (2%);
 # - resume: 4 GPU ranks stop at step 10; the checkpoint resumes on 1 GPU rank and on 2 CPU ranks, the curves against
 #   the straight run;
@@ -20,7 +22,7 @@
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
-parts=${4:-goldens unit lora zero bf16 resume stop bench}
+parts=${4:-goldens unit lora zero ep bf16 resume stop bench}
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -92,6 +94,14 @@ if part zero; then
   for st in 1 2; do run z${st}_2 2 100 $gpu parallel.zero_stage=$st && cmp z${st}_2 z3_1 1e-5; done
   MPIR_CVAR_NUM_CLIQUES=2 run hybrid_4 4 100 $gpu parallel.hybrid=true && cmp hybrid_4 z3_1 1e-5
   grep -h "memory per rank" "$out"/z3_1.log "$out"/z3_2.log "$out"/z1_2.log | head -3 >>"$out/summary.txt"
+  pack
+fi
+
+if part ep; then
+  moe="model.hf=tests/data/golden/moe/model train.router_aux_loss=true"
+  run ep1_1 1 120 $gpu $moe
+  for l in 2_2 2_4 4_4; do run ep$l ${l#*_} 100 $gpu $moe parallel.ep=${l%_*} && cmp ep$l ep1_1 1e-5; done
+  grep -h "memory per rank" "$out"/ep2_2.log | head -1 >>"$out/summary.txt"
   pack
 fi
 

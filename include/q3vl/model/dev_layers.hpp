@@ -9,8 +9,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "q3vl/model/config.hpp"
+#include "q3vl/model/hooks.hpp"
 #include "q3vl/tensor/dev.hpp"
 
 namespace q3vl {
@@ -65,6 +67,11 @@ void dev_lora_fwd(const dev::Exec& ex, const DevParams& P, int id, const void* x
 void dev_lora_bwd(const dev::Exec& ex, const DevParams& P, int id, const void* dy, int64_t lddy, const void* x,
                   int64_t N, void* dx, DType dt, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
 
+// The first id of the experts (gate_up; down follows) of the decoder layer whose first id is f: right after the
+// router, unless LoRA put the layer unit's adapters in between (adapters go at the end of the unit they wrap, the
+// experts are a unit of their own).
+int dev_experts_id(const DevParams& P, int f);
+
 // Element offset into a dt array.
 inline void* at(void* p, int64_t i, DType t) { return static_cast<char*>(p) + i * int64_t(dtype_size(t)); }
 inline const void* at(const void* p, int64_t i, DType t) {
@@ -78,15 +85,23 @@ struct DevDecoderCtx {
   float *r1, *rq, *rk, *lse, *r2;
   float* w;                      // MoE: [N,k] routing weights
   int32_t *start, *rows, *pos;   // MoE: expert buckets
-  void *egu, *ey;                // MoE: [R,2Im] pre-activation, [R,H] expert outputs
-  void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt);
+  void *egu, *ey;                // MoE: [R,2Im] pre-activation (EP: [Ro,2Im]), [R,H] expert outputs
+  // Expert parallelism (ex non-null, a group of `ep` ranks): the rows this rank's E/ep experts received, expert-major
+  // (xo [Ro,H]; perm [Ro]: each one's row in arrival order; ostart [E/ep+1]), and the dispatch's rows per group rank.
+  ExpertExchange* ex = nullptr;
+  void* xo = nullptr;
+  int32_t *perm = nullptr, *ostart = nullptr;
+  int64_t ro = 0, ro_cap = 0;
+  std::vector<int64_t> send_rows, recv_rows;
+  void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt, int ep = 1);
 };
 // Temporaries of one layer's forward or backward, shared by all layers (not kept).
 struct DevDecoderScratch {
   void *tmp, *dln, *dact, *dgu, *datt, *dq, *dk, *dv, *dqr, *dkr;
   void *logits, *xg, *eact, *dyg, *edact, *edgu, *dxg, *dlogits;  // MoE
   float* dw;                                                      // MoE: [R]
-  void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt);
+  void *arr = nullptr, *yo = nullptr;  // expert parallelism: [Ro,H] rows in arrival order, and expert-major
+  void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt, int ep = 1);
 };
 
 // Packed segments on the device: cu [nseg+1] int32 and the longest segment.
@@ -104,6 +119,16 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
 void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* dx,
                      int64_t N, const DevSegments& seg, const float* cos, const float* sin, const float* probs,
                      const int32_t* idx, const void* aux_dlogits, DevDecoderCtx& c, DevDecoderScratch& s, DType dt);
+
+// Expert parallelism (DESIGN.md): the experts' part of a MoE block when c.ex splits them over a group, the owners
+// running the rows routed to their experts. Forward: s.xg [R,H] (gathered by c.rows, expert-major) -> dispatch ->
+// local experts -> combine -> s.tmp [N,H] (N = 0: an idle rank, which only serves the others). Backward: dout [N,H]
+// -> c.ey's gradient -> owners -> s.dxg [R,H] (the rows' input gradients in s.xg's order) and s.dw [R]. Every rank
+// of the group makes the same exchange calls, whatever its N.
+void dev_moe_experts_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int first, int64_t N,
+                         DevDecoderCtx& c, DevDecoderScratch& s, DType dt);
+void dev_moe_experts_bwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int first, const void* dout,
+                         int64_t N, DevDecoderCtx& c, DevDecoderScratch& s, DType dt);
 
 // Inference through one layer against a paged KV cache (serve; layers.hpp's decoder_layer_infer on the device): N
 // new tokens x[N,H] in place; their keys/values (after QK-norm and RoPE) are written to pool rows slots[N] of

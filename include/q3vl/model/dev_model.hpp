@@ -22,6 +22,7 @@ DType compute_dtype(const std::string& name);
 // Token and patch budget of one forward: what the arena is sized for.
 struct DevBudget {
   int64_t tokens = 0, patches = 0, segments = 0;  // segments: packed samples
+  int ep = 1;  // expert parallelism: the group's size (an owner's experts get up to ep x tokens x top-k rows)
 };
 
 // Bytes a DevModel allocates on its device, by kind (the memory report; the planner's sizing).
@@ -56,8 +57,10 @@ class DevModel {
   // grads = false: inference only (serve), no gradient buffer. A stage (inference only) holds only its units. int8
   // (inference only): the linears int8_param names are held as int8 rows with fp32 scales (quantized on the host as
   // the weights arrive, ops::quantize_int8_rows: what the host model's int8 mode does to the same matrices).
+  // ep: this rank's share of the MoE experts (expert parallelism, training; the table then holds E/ep experts of
+  // each MoE layer), with set_experts.
   DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true, DevStage stage = {},
-           bool int8 = false, DevHold hold = {});
+           bool int8 = false, DevHold hold = {}, ExpertSplit ep = {});
   // The linears held in int8 with model.weight_dtype = "int8": the decoder's q/k/v/o_proj, dense gate/up/down_proj,
   // MoE experts' gate_up/down, and an untied LM head. The router, norms, embeddings (a tied head) and the vision tower
   // stay in dt.
@@ -77,6 +80,12 @@ class DevModel {
   // decoder layer's and ViT block's input; backward reruns that block into one shared context just before its
   // backward (the same ops on the same inputs: bitwise the same activations).
   void set_recompute(bool on);
+  // Expert parallelism: the exchange (its buffers device pointers: NCCL on GPUs, MPI on CPU ranks) that moves rows
+  // to the owners of their experts; set before reserve(), whose budget's ep is its size. It outlives the model.
+  void set_experts(ExpertExchange* ex);
+  // A rank without tokens in a micro-step still serves the others' rows with its experts: the MoE layers' exchanges
+  // (forward, or backward: recomputed forward first under recomputation) with no rows of its own.
+  void idle_pass(bool backward);
   bool recompute() const { return recompute_; }
   // Sizes and allocates every activation, context and scratch buffer for forwards within `b` (throws naming the
   // budget when a batch exceeds it). Called once; the memory is then fixed.
@@ -188,6 +197,7 @@ class DevModel {
   UnitHooks* hooks_ = nullptr;
   std::vector<bool> trainable_;  // empty: every parameter has gradients
   bool frozen(int id) const { return !trainable_.empty() && !trainable_[size_t(id)]; }
+  ExpertExchange* ep_ = nullptr;
   void enter(int id, bool bwd);  // the hooks around a use of the unit holding parameter id
   void leave(int id, bool bwd);
   void enter_layer(int l, bool bwd);

@@ -20,7 +20,8 @@ struct UnitHooks {
 };
 
 // Expert parallelism seam (DESIGN.md "Expert parallelism"): the MoE block moves rows of tokens to the ranks owning
-// their experts and back through this; the MPI implementation is parallel/expert.hpp's (NCCL's goes beside it).
+// their experts and back through this: parallel/expert.hpp's, over MPI (host buffers: the host model, and the device
+// model on CPU ranks) or NCCL (the device model's buffers on GPUs).
 // Every rank of the group makes the same calls in the same order, also with no tokens of its own.
 struct ExpertExchange {
   virtual ~ExpertExchange() = default;

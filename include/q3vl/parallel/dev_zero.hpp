@@ -9,6 +9,10 @@
 //   - trainable units' fp32 gradient shard and its reduce-scatter landing buffer [layout.comm each];
 //   - the AdamW moments of the trainable pieces [layout.opt each] (the trainer's optimizer runs on them).
 // Collectives are the even ones (all_gather, reduce_scatter of s elements a rank): NCCL's fast paths.
+// Expert parallelism (the model's table holds E/ep experts of each MoE layer): the experts' units are sharded over
+// the ranks holding the same experts (`experts`, ExpertParallel::replicas() or NCCL over its ranks), as zero_layout()
+// lays them out for the host engine; their gradients are reduce-scattered over that group only. Each element of the
+// model is then in exactly one rank's gradient shard, so a norm summed over the world counts it once.
 //
 // Stages 1/2: the model holds its full weights in the compute dtype and its full fp32 gradients, units padded
 // (DevHold). Gathers after every update (trainable units) fill the weights in place; stage 1 reduce-scatters the
@@ -51,14 +55,16 @@ class DevZero final : UnitHooks {
   // gather: the dtype units travel in, the model's by default; BF16 with an fp32 model (parallel.gather_dtype) sends
   // the masters rounded to bf16 and widens them in the pool (half the bytes; the model computes with the rounded
   // weights, as the host engine's bf16 gathers do).
+  // experts: the expert replicas' group, needed when the model's table splits its experts (not with a replica).
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
-          const dev::Exec* comm_ex = nullptr, DType gather = DType::F32);
+          const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr);
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
   // The DevHold a model for this engine needs.
   static DevHold hold(int group, int stage) { return {group, stage != 3}; }
-  // What an engine allocates, without allocating: rank 0's (the largest) shard.
+  // What an engine allocates, without allocating: rank 0's (the largest) shard. t.ep(): the expert split (the expert
+  // replicas' group is group / t.ep().size ranks).
   static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
                             DType gather);
   DevZeroMemory memory() const { return mem_; }
@@ -110,6 +116,7 @@ class DevZero final : UnitHooks {
   void c2m();    // the communication stream waits for the work enqueued on the model's so far
   void m2c();    // and the other way round
   void* wshard(int64_t off) const;
+  Comm& comm(const ZeroUnit& u) const { return u.experts ? *experts_ : shard_; }  // the unit's shard group
   // Unit u (its shard at wshard) gathered in full into dst (dt), through staging buffer `stg` when conv_; on the
   // communication stream (NCCL), or waited (MPI), or a copy (one rank). MPI's widening waits for the request.
   std::unique_ptr<CommRequest> gather_unit(const ZeroUnit& u, void* dst, void* stg);
@@ -118,6 +125,7 @@ class DevZero final : UnitHooks {
   const dev::Exec ex_;
   Comm& shard_;
   Comm* replica_;
+  Comm* experts_;
   int stage_;
   DType dt_, gd_;  // compute; what gathers send
   bool conv_;      // gd_ is not dt_: gathers land in staging (stg_) and are widened

@@ -1,8 +1,9 @@
 // Expert parallelism over MPI (DESIGN.md "Expert parallelism"): the world is cut into EP groups of `ep` consecutive
 // ranks; rank r is EP rank r % ep of group r / ep and owns experts [(r % ep)*E/ep, ...) of every MoE layer. The
 // ranks with the same EP rank (one per group) hold the same experts: ZeRO shards those experts over them and
-// reduces their gradients over them only. Rows move by MPI_Alltoallv on the group (Comm's watchdog covers it);
-// an NCCL exchange implements the same ExpertExchange on device buffers.
+// reduces their gradients over them only. Rows move by MPI_Alltoallv on the group (Comm's watchdog covers it), or,
+// for a device model on GPUs, over an NCCL communicator of the same ranks (set_rows_comm: device buffers, in order on
+// the model's stream); counts always go through the MPI group (host arrays).
 #pragma once
 #include <memory>
 #include <string>
@@ -25,6 +26,9 @@ class ExpertParallel final : public ExpertExchange {
   ExpertSplit split() const { return {size(), rank()}; }
   Comm& group() { return *group_; }
   Comm& replicas() { return *replicas_; }  // the ranks holding this rank's experts
+  // The communicator rows() moves rows over instead of the MPI group (null: the group): the same ranks in the same
+  // order, e.g. NCCL on the device model's stream. rows() waits for it (under the watchdog). It outlives its use.
+  void set_rows_comm(Comm* c);
 
   void rows(const void* send, const std::vector<int64_t>& send_rows, void* recv,
             const std::vector<int64_t>& recv_rows, int64_t width, DType t) override;
@@ -41,6 +45,7 @@ class ExpertParallel final : public ExpertExchange {
 
  private:
   std::unique_ptr<Comm> group_, replicas_;
+  Comm* rows_comm_ = nullptr;
   std::vector<double> scales_;
   int64_t received_ = 0;
   double seconds_ = 0;

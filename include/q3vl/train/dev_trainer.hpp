@@ -49,9 +49,12 @@ class DevTrainer {
   // shard: the group ZeRO shards over, replica (may be null): hybrid sharding's replicas; both host (MPI) comms that
   // outlive the trainer. On CUDA the trainer makes its NCCL communicators over the same ranks.
   // gather_bf16 (parallel.gather_dtype = "bf16", fp32 compute): units travel as the masters rounded to bf16.
+  // ep (may be null; it outlives the trainer): expert parallelism over the shard group (no replicas): the model holds
+  // this rank's experts, its rows move through ep (on GPUs over NCCL of ep's group, on the model's stream) and the
+  // experts' units are sharded over ep's replicas. (plan(): budget.ep.)
   DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
              const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica = nullptr,
-             int stage = 3, bool gather_bf16 = false);
+             int stage = 3, bool gather_bf16 = false, ExpertParallel* ep = nullptr);
   ~DevTrainer();
 
   // Masters and moments from the host engine's pieces (the same layout), and the compute weights.
@@ -60,7 +63,8 @@ class DevTrainer {
 
   void begin_step();
   // Loss of a micro-batch (kept for backward); backward adds weight * its gradient (weight = n / n_global). A rank
-  // without tokens in a micro-step calls idle() instead of both: its collectives still run.
+  // without tokens in a micro-step calls idle() instead of both: its collectives still run (and its experts serve
+  // the others' rows).
   double forward(const PackedBatch& b, double* aux_out = nullptr, bool aux_loss = false);
   int64_t supervised_tokens() const { return model_->supervised_tokens(); }
   // LoRA's dropout draw for the next forward and its backward (model/lora.hpp: a new nonce per micro-step).
@@ -96,7 +100,8 @@ class DevTrainer {
   };
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
   Comm& shard_;
-  std::unique_ptr<Comm> nccl_shard_, nccl_replica_;
+  std::unique_ptr<Comm> nccl_shard_, nccl_replica_, nccl_ep_, nccl_experts_;  // nccl_ep_: the rows, nccl_experts_: ZeRO
+  ExpertParallel* ep_ = nullptr;
   std::unique_ptr<DevModel> model_;
   std::unique_ptr<DevZero> zero_;
   std::vector<Run> runs_;
