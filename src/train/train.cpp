@@ -248,12 +248,11 @@ int run_train(const Deck& deck) {
   const std::string ckdir = deck.str("checkpoint.dir").empty() ? out_dir + "/checkpoints" : deck.str("checkpoint.dir");
   const uint64_t seed = uint64_t(deck.integer("run.seed"));
 
-  // Stage 3's model never holds the full weights (stages 1/2 compute on them; they get them by gathering).
   std::string cfg_json;
   const ModelConfig cfg = model_config(deck, &cfg_json);
-  // model.backend = "cuda": the device model computes on the rank's GPU; "cpu": on the CPU op layer, except LoRA,
-  // which only the host model has so far. On the device path the host keeps only the engine's shards (checkpoint I/O
-  // and start-up), as stage 3 does, so no full host copy of the weights exists.
+  // The device model computes: on the rank's GPU (model.backend = "cuda") or on the CPU op layer ("cpu"). The host
+  // keeps only the ZeRO engine's shards, for start-up and checkpoint I/O, in the device trainer's layout; no rank
+  // ever holds a full host copy of the weights.
   const bool on_gpu = deck.str("model.backend") == "cuda";
   if (on_gpu && !deck.boolean("runtime.share_gpus")) {
     // One rank a GPU: NCCL refuses two ranks on one device, and sharing one is for tests, never fast.
@@ -271,14 +270,10 @@ int run_train(const Deck& deck) {
     fail_all("parallel.ep > 1 with parallel.hybrid = true is not supported: shard over all ranks (hybrid = false)");
   std::unique_ptr<ExpertParallel> ep;
   if (ep_size > 1) ep = std::make_unique<ExpertParallel>(world, ep_size);
-  const bool on_dev = true;
-  Model model(cfg, /*with_storage=*/stage != 3 && !on_dev, ep ? ep->split() : ExpertSplit{});
-  model.set_experts(ep.get());
+  Model model(cfg, /*with_storage=*/false, ep ? ep->split() : ExpertSplit{});  // the table, for the engine
   const bool aux_on = deck.boolean("train.router_aux_loss") && cfg.moe();
   const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
-  model.set_trainable(trainable);
-  model.lora().seed = seed;
 
   std::string base_id;  // LoRA: the frozen base's fingerprint, kept in checkpoints
   // Hybrid: shard over the node, replicate over the ranks with the same local rank on the other nodes.
@@ -291,7 +286,7 @@ int run_train(const Deck& deck) {
     shard = &rt.node_comm();
     replica = world.split(p.local_rank, p.node);
   }
-  ZeroEngine engine(model, *shard, replica.get(), on_dev ? 3 : stage, trainable, ep.get());
+  ZeroEngine engine(model, *shard, replica.get(), 3, trainable, ep.get());
   {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
     // ever holds the whole model. The values do not depend on the rank count.
@@ -316,8 +311,6 @@ int run_train(const Deck& deck) {
                   hf.empty() ? "draw" : "read", double(b.mine) / (1 << 20), double(b.all) / (1 << 20));
     log_info(buf);
   }
-  model.set_recompute(deck.str("train.recompute") == "block");
-  engine.set_gather_bf16(deck.str("parallel.gather_dtype") == "bf16");
   int64_t n_trainable = 0;
   for (size_t i = 0; i < trainable.size(); ++i) n_trainable += trainable[i] ? table.param(int(i)).numel : 0;
   log_info("model: " + std::to_string(table.total()) + " parameters in " + std::to_string(table.units().size()) +
@@ -330,7 +323,6 @@ int run_train(const Deck& deck) {
                      std::to_string(table.experts_per_rank()) + " experts a rank, expert units sharded over " +
                      std::to_string(ep->replicas().size()) + " rank(s)"
                : std::string()));
-  if (!on_dev) log_info(engine.memory_report());  // the device path's: the DevTrainer's line below
   if (cfg.lora.on()) {
     const LoraSize ls = lora_size(cfg);
     char buf[320];
@@ -373,7 +365,7 @@ int run_train(const Deck& deck) {
 
   // The device's arenas are sized once for the largest micro-batch the loader can make.
   std::unique_ptr<DevTrainer> trainer;
-  if (on_dev) {
+  {
     const DevBudget b = train_budget(cfg, lo.micro_batch, seq_len, deck.integer("train.max_patches"));
     LossScaling ls;
     ls.on = compute == DType::F16;
@@ -430,9 +422,8 @@ int run_train(const Deck& deck) {
     log_info("resumed from " + path + " (step " + std::to_string(st.step) + ", written by " +
              std::to_string(meta.world_size) + " rank(s); now " + std::to_string(nranks) + ")");
   }
-  engine.gather_params();
-  if (trainer) trainer->from_host(engine);
-  if (trainer && st.loss_scale > 0) trainer->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
+  trainer->from_host(engine);
+  if (st.loss_scale > 0) trainer->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
   {
     const double peak = peak_rss_mib();
     char buf[160];
@@ -471,7 +462,7 @@ int run_train(const Deck& deck) {
   }
   auto save = [&]() {
     ScopedTimer t("train: checkpoint");
-    if (trainer) trainer->to_host(engine);
+    trainer->to_host(engine);
     CkptMeta meta;
     meta.step = st.step;
     meta.tokens_seen = st.tokens;
@@ -512,12 +503,11 @@ int run_train(const Deck& deck) {
     }
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
-    engine.begin_step();
-    if (trainer) trainer->begin_step();
-    const int64_t gathered0 = trainer ? trainer->gathered_bytes() : engine.gathered_bytes();
+    trainer->begin_step();
+    const int64_t gathered0 = trainer->gathered_bytes();
     double loss_sum = 0, aux_sum = 0;
     if (ep) ep->reset_stats();
-    for (size_t i = 0; i < sd.micro.size() && trainer; ++i) {
+    for (size_t i = 0; i < sd.micro.size(); ++i) {
       const int64_t n = sd.micro_supervised[i];
       if (n == 0) {  // nothing to compute here, but the other ranks' collectives wait for this one's
         Phase p{t_comm, "ZeRO (a micro-batch without supervised tokens)"};
@@ -536,59 +526,18 @@ int run_train(const Deck& deck) {
       Phase p{t_bwd, "backward"};
       trainer->backward(n_global > 0 ? double(n) / n_global : 0.0);
     }
-    for (size_t i = 0; i < sd.micro.size() && !trainer; ++i) {
-      const int64_t n = sd.micro_supervised[i];
-      {
-        Phase p{t_comm, "ZeRO before forward"};
-        engine.before_forward();
-      }
-      if (n > 0) {
-        Phase p{t_fwd, "forward"};
-        // lora.dropout's mask: a new draw per (step, rank, micro-batch), the same again in a recomputed forward
-        model.lora().train = true;
-        model.lora().nonce = (uint64_t(st.step) * uint64_t(nranks) + uint64_t(rank)) * 4096 + i;
-        double aux = 0;
-        loss_sum += model.forward(sd.micro[i], true, nullptr, &aux, aux_on) * double(n);
-        aux_sum += aux * double(n);
-        Q3VL_CHECK(model.supervised_tokens() == n, "the loader and the model count supervised targets differently");
-      } else if (ep) {
-        Phase p{t_fwd, "forward"};
-        model.idle_pass(false);  // this rank's experts still serve the others' tokens
-      }
-      {
-        Phase p{t_comm, "ZeRO before backward"};
-        engine.before_backward(n_global > 0 ? double(n) / n_global : 0.0);
-      }
-      if (n > 0) {
-        Phase p{t_bwd, "backward"};
-        model.backward();
-      } else if (ep) {
-        Phase p{t_bwd, "backward"};
-        model.idle_pass(true);
-      }
-      {
-        Phase p{t_comm, "ZeRO after backward"};
-        engine.after_backward();
-      }
-    }
     const int64_t step1 = st.step + 1;
-    if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count && rank == 0) engine.poison_grads();
     double loss, gnorm;
     bool grads_finite = true;
-    if (trainer) {
-      {
-        Phase p{t_comm, "gradient reduction and loss"};
-        trainer->finish_grads();
-        loss = world.sum(loss_sum) / std::max(1.0, n_global);
-      }
+    {
+      Phase p{t_comm, "gradient reduction and loss"};
+      trainer->finish_grads();
+      loss = world.sum(loss_sum) / std::max(1.0, n_global);
+    }
+    {
       Phase p{t_opt, "gradient norm"};
       gnorm = std::sqrt(trainer->grad_norm_sq(&grads_finite));
       if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count) grads_finite = false, gnorm = NAN;
-    } else {
-      Phase p{t_comm, "gradient reduction, loss and norm"};
-      engine.finish_grads();
-      loss = world.sum(loss_sum) / std::max(1.0, n_global);
-      gnorm = std::sqrt(engine.grad_norm_sq());
     }
     const double lr = sched.at(st.step);
     const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && grads_finite;
@@ -597,19 +546,14 @@ int run_train(const Deck& deck) {
         Phase p{t_opt, "optimizer"};
         const double coef = clip > 0 && gnorm > clip ? clip / (gnorm + 1e-6) : 1.0;
         ++st.adam_t;
-        if (trainer) trainer->update(hp, lr, coef, st.adam_t);
-        for (const ShardPiece& sp : engine.pieces())
-          if (sp.trainable && !trainer)
-            dev::adamw(dev::Exec{}, sp.master, sp.grad, sp.exp_avg, sp.exp_avg_sq, sp.count, hp.beta1, hp.beta2,
-                       hp.eps, lr, sp.no_decay ? 0.0 : hp.weight_decay, coef, st.adam_t);
+        trainer->update(hp, lr, coef, st.adam_t);
       }
-      Phase p{t_comm, "ZeRO after update"};
-      engine.after_update();
       st.skipped_in_row = 0;
     } else {
       ++st.skipped_total;
       // fp16: an overflow of the scaled gradient is how dynamic loss scaling finds its scale, not a failing run.
-      const bool scale_overflow = trainer && trainer->loss_scaling().on && std::isfinite(loss) && trainer->loss_scaling().scale > 1;
+      const bool scale_overflow =
+          trainer->loss_scaling().on && std::isfinite(loss) && trainer->loss_scaling().scale > 1;
       if (!scale_overflow) ++st.skipped_in_row;
       if (scale_overflow)
         log_info("step " + std::to_string(step1) + ": fp16 gradients overflowed at loss scale " +
@@ -624,7 +568,8 @@ int run_train(const Deck& deck) {
                  std::to_string(max_skipped) + "); stopping. Lower train.lr or check the data; the last checkpoint" +
                  (last_saved >= 0 ? " is step " + std::to_string(last_saved) : " is the one this run started from"));
     }
-    if (trainer) trainer->after_step(finite), st.loss_scale = trainer->loss_scaling().on ? trainer->loss_scaling().scale : 0;
+    trainer->after_step(finite);
+    st.loss_scale = trainer->loss_scaling().on ? trainer->loss_scaling().scale : 0;
     st.step = step1;
     st.tokens += int64_t(counts[1]);
     st.cursor = loader.cursor();
@@ -638,17 +583,12 @@ int run_train(const Deck& deck) {
     const double elapsed = wall_seconds() - t_job, eta = elapsed / double(done) * double(stop - st.step);
     Comm::set_phase("metrics");
     const double rss = world.max(rss_mib());
-    // Memory by kind, the largest rank's: activations kept for backward (their peak this step), the ZeRO
-    // shards, and the gathered working set (stage 3: unit pool incl. its cache of released buffers).
-    const ZeroMemory zm = engine.memory();
-    double mem[3] = {double(model.activation_peak()), double(zm.state() + zm.comm), double(zm.working)};
-    if (trainer) {  // the arena (activations) and the device's other buffers are fixed at start-up
-      const DevTrainerMemory m = trainer->memory();
-      mem[0] = double(m.model.activations), mem[1] = double(m.zero.total() - m.zero.pool);
-      mem[2] = double(m.total() - m.model.activations - mem[1]);
-    }
+    // Device memory by kind, the largest rank's, fixed at start-up: the activation arena, the ZeRO state and
+    // shards, and the rest (the unit pool, the model's held weights and gradients, the workspace).
+    const DevTrainerMemory m = trainer->memory();
+    double mem[3] = {double(m.model.activations), double(m.zero.total() - m.zero.pool), 0};
+    mem[2] = double(m.total()) - mem[0] - mem[1];
     world.all_reduce(mem, 3, DType::F64, ReduceOp::Max);
-    model.reset_activation_peak();
     // Load balance: rows (token, expert) that each rank's experts received this step, and the all-to-all time.
     double ep_stats[3] = {0, 0, 0};
     if (ep) {
@@ -673,7 +613,7 @@ int run_train(const Deck& deck) {
                 {"time", {{"wall", st.wall}, {"step", dt}, {"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd}, {"comm", t_comm},
                           {"optimizer", t_opt}}},
                 {"rss_mib", rss},
-                {"gathered_mib", double((trainer ? trainer->gathered_bytes() : engine.gathered_bytes()) - gathered0) / (1 << 20)},
+                {"gathered_mib", double(trainer->gathered_bytes() - gathered0) / (1 << 20)},
                 {"memory_mib", {{"activations", mem[0] / (1 << 20)}, {"zero_state", mem[1] / (1 << 20)},
                                 {"working", mem[2] / (1 << 20)}}},
                 {"skipped", !finite},
@@ -684,7 +624,7 @@ int run_train(const Deck& deck) {
       if (ep)
         j["experts"] = {{"ep", ep_size}, {"tokens_max", int64_t(ep_stats[0])}, {"tokens_min", int64_t(ep_stats[1])},
                         {"all_to_all_s", ep_stats[2]}};
-      if (trainer && trainer->loss_scaling().on) j["loss_scale"] = trainer->loss_scaling().scale;
+      if (trainer->loss_scaling().on) j["loss_scale"] = trainer->loss_scaling().scale;
       first_line = false;
       if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;
       std::fprintf(metrics, "%s\n", j.dump().c_str());
