@@ -57,10 +57,36 @@ struct HttpError {
   throw HttpError{status, msg, status == 404 ? "not_found_error" : "invalid_request_error", param};
 }
 
+// Every JSON the server writes: a message may quote what a client sent (a path, a parser's last bytes), and a
+// string that is not UTF-8 makes json::dump throw, outside any handler when httplib answers a 404 itself. Invalid
+// bytes become U+FFFD.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 std::string error_body(const HttpError& e) {
   json err = {{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
   if (!e.param.empty()) err["param"] = e.param;
-  return json{{"error", err}}.dump();
+  return dump(json{{"error", err}});
+}
+
+// The offset of the first byte of s that does not belong to well-formed UTF-8 (RFC 3629: no overlong forms, no
+// surrogates, nothing above U+10FFFF), or npos.
+size_t utf8_error(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = (unsigned char)s[i];
+    const size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return i;
+    uint32_t cp = n == 1 ? c : c & (0x7f >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto b = (unsigned char)s[i + k];
+      if ((b >> 6) != 2) return i;
+      cp = cp << 6 | (b & 0x3f);
+    }
+    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10ffff ||
+        (cp >= 0xd800 && cp <= 0xdfff))
+      return i;
+    i += n;
+  }
+  return std::string_view::npos;
 }
 
 // One request from HTTP thread to engine and back. The engine owns the fields below `engine only`; the rest are
@@ -380,9 +406,12 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     if (!body["stream"].is_boolean()) refuse(400, "'stream' must be true or false", "stream");
     job->stream = body["stream"].get<bool>();
   }
-  if (body.contains("stream_options") && body["stream_options"].is_object() &&
-      body["stream_options"].value("include_usage", false))
-    job->include_usage = true;
+  if (body.contains("stream_options") && !body["stream_options"].is_null()) {
+    const json& so = body["stream_options"];
+    if (!so.is_object() || (so.contains("include_usage") && !so["include_usage"].is_boolean()))
+      refuse(400, "'stream_options' must be an object with a boolean 'include_usage'", "stream_options");
+    job->include_usage = so.value("include_usage", false);
+  }
   if (body.contains("stop") && !body["stop"].is_null()) {
     const json& s = body["stop"];
     if (s.is_string()) job->stops.push_back(s.get<std::string>());
@@ -412,7 +441,8 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
         content.push_back({{"type", "text"}, {"text", c}});
       } else if (c.is_array()) {
         for (const json& part : c) {
-          const std::string type = part.is_object() ? part.value("type", "") : "";
+          const json t = part.is_object() ? part.value("type", json()) : json();
+          const std::string type = t.is_string() ? t.get<std::string>() : "";
           if (type == "text" && part.contains("text") && part["text"].is_string()) {
             content.push_back({{"type", "text"}, {"text", part["text"]}});
           } else if (type == "image_url" && part.contains("image_url")) {
@@ -520,6 +550,8 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
   std::shared_ptr<Job> job;
   try {
     json body;
+    if (const size_t bad = utf8_error(req.body); bad != std::string::npos)
+      refuse(400, "the request body is not valid UTF-8 (byte " + std::to_string(bad) + ")");
     try {
       body = json::parse(req.body);
     } catch (const json::exception& e) {
@@ -557,8 +589,7 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
     return;
   }
   const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
-  res.set_content(response_object(*job, chat, id).dump(-1, ' ', false, json::error_handler_t::replace),
-                  "application/json");
+  res.set_content(dump(response_object(*job, chat, id)), "application/json");
 }
 
 void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& res, bool chat) {
@@ -571,7 +602,7 @@ void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& re
     else c["text"] = delta_or_text;
     json o = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
               {"created", (int64_t)created_}, {"model", model_name_}, {"choices", json::array({c})}};
-    return "data: " + o.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+    return "data: " + dump(o) + "\n\n";
   };
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
@@ -613,7 +644,7 @@ void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& re
             json o = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
                       {"created", (int64_t)created_}, {"model", model_name_}, {"choices", json::array()},
                       {"usage", {{"prompt_tokens", pt}, {"completion_tokens", ct}, {"total_tokens", pt + ct}}}};
-            write("data: " + o.dump() + "\n\n");
+            write("data: " + dump(o) + "\n\n");
           }
         }
         write("data: [DONE]\n\n");
@@ -1391,11 +1422,24 @@ int Server::run() {
   svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& r) {
     json m = {{"id", model_name_}, {"object", "model"}, {"created", (int64_t)created_}, {"owned_by", "q3vl"},
               {"max_model_len", max_context_}};
-    r.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
+    r.set_content(dump(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
   });
   svr.Get("/health", [](const Req&, Res& r) { r.set_content("{\"status\":\"ok\"}", "application/json"); });
   svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& r) {
     r.set_content(metrics_text(), "text/plain; version=0.0.4");
+  });
+  // A path that is not UTF-8 (GET /%FF) names no route; said so before any handler quotes it. Bodies are checked in
+  // handle_completion (read after this).
+  // A body with neither length nor chunks is read until the client closes (httplib 0.11): 411 instead, at once.
+  svr.set_pre_routing_handler([](const Req& q, Res& r) {
+    std::string m;
+    if (utf8_error(q.path) != std::string::npos) r.status = 400, m = "the request path is not valid UTF-8";
+    else if ((q.method == "POST" || q.method == "PUT" || q.method == "PATCH") && !q.has_header("Content-Length") &&
+             q.get_header_value("Transfer-Encoding") != "chunked")
+      r.status = 411, m = q.method + " needs Content-Length (or Transfer-Encoding: chunked)";
+    else return httplib::Server::HandlerResponse::Unhandled;
+    r.set_content(error_body({r.status, m}), "application/json");
+    return httplib::Server::HandlerResponse::Handled;
   });
   // Anything httplib answers itself (unknown path, body too large) gets the OpenAI error object too.
   svr.set_error_handler([](const httplib::Request& q, httplib::Response& r) {
