@@ -88,6 +88,9 @@ const std::vector<KeySpec>& deck_schema() {
        "tokens, images and positions); finished requests' blocks stay cached until the space is needed"},
       {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json)", 1, 1e12},
       {"serve.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
+      {"serve.max_image_pixels", T::Int, "67108864", "most pixels a request's images may decode to, all together "
+       "(checked from their headers before decoding; a larger JPEG is decoded at 1/2 to 1/8 scale; larger: 413)",
+       1, 1e12},
       {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},
       {"serve.http_threads", T::Int, "128", "HTTP worker threads (each open stream holds one)", 1, 1 << 16},
 

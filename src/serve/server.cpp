@@ -25,6 +25,8 @@
 #include <thread>
 #include <unordered_map>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "q3vl/core/error.hpp"
@@ -32,6 +34,7 @@
 #include "q3vl/core/log.hpp"
 #include "q3vl/core/parallel.hpp"
 #include "q3vl/data/chat.hpp"
+#include "q3vl/data/image.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
@@ -268,7 +271,9 @@ class Server {
   // HTTP side.
   void handle_completion(const httplib::Request& req, httplib::Response& res, bool chat);
   std::shared_ptr<Job> parse_request(const json& body, bool chat);
-  RgbImage fetch_image(const std::string& url, size_t index);
+  std::string image_bytes(const std::string& url, size_t index);
+  std::string read_image_file(const std::string& path, const std::string& name);
+  std::vector<RgbImage> decode_images(const std::vector<std::string>& bytes);
   void reply_stream(const std::shared_ptr<Job>& job, httplib::Response& res, bool chat);
   json response_object(const Job& job, bool chat, const std::string& id);
   std::string metrics_text();
@@ -339,6 +344,7 @@ class Server {
   SamplingParams base_;
   std::string model_name_, image_dir_, checkpoint_;
   int64_t max_context_ = 0, max_tokens_ = 0, max_batch_ = 0, step_tokens_ = 0;
+  int64_t max_image_pixels_ = 0, max_body_ = 0;  // serve.max_image_pixels; serve.max_body_mib in bytes
   double timeout_ = 0;  // serve.timeout
   std::atomic<int64_t> next_id_{1};
   double created_ = 0;
@@ -429,7 +435,7 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     // The training-data record format of data/chat.hpp, with image i named "image i": parse_record then checks
     // roles and order exactly as for generate.
     json rec = {{"messages", json::array()}};
-    std::vector<RgbImage> images;
+    std::vector<std::string> encoded;  // the images' files, decoded once all are known
     for (size_t i = 0; i < msgs.size(); ++i) {
       const json& m = msgs[i];
       const std::string where = "messages[" + std::to_string(i) + "]";
@@ -449,8 +455,8 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
             const json& iu = part["image_url"];
             const json url = iu.is_object() ? iu.value("url", json()) : iu;
             if (!url.is_string()) refuse(400, where + ": 'image_url.url' must be a string", "messages");
-            images.push_back(fetch_image(url.get<std::string>(), images.size() + 1));
-            content.push_back({{"type", "image"}, {"image", "image " + std::to_string(images.size())}});
+            encoded.push_back(image_bytes(url.get<std::string>(), encoded.size() + 1));
+            content.push_back({{"type", "image"}, {"image", "image " + std::to_string(encoded.size())}});
           } else {
             refuse(400, where + ": a content part must be {\"type\": \"text\", \"text\": ...} or {\"type\": "
                             "\"image_url\", \"image_url\": {\"url\": ...}}", "messages");
@@ -463,6 +469,7 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     }
     if (rec["messages"].back()["role"] == "assistant")
       refuse(400, "the last message is the assistant's: there is nothing to answer", "messages");
+    const std::vector<RgbImage> images = decode_images(encoded);
     try {
       const Conversation conv = parse_record(rec, "request", 0);
       job->prompt = encode_prompt(conv, images, *tok_, icfg_);
@@ -493,41 +500,108 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
   return job;
 }
 
-RgbImage Server::fetch_image(const std::string& url, size_t index) {
+// An image's file: a data: URL's payload, or a file under serve.image_dir. Decoded later (decode_images), once the
+// sizes of all a request's images are known.
+std::string Server::image_bytes(const std::string& url, size_t index) {
   const std::string name = "image " + std::to_string(index);
-  std::string bytes;
   if (url.rfind("data:", 0) == 0) {
     const size_t comma = url.find(',');
     if (comma == std::string::npos || url.substr(0, comma).find(";base64") == std::string::npos)
       refuse(400, name + ": a data URL must be data:<type>;base64,<payload>", "messages");
-    bytes = b64decode(std::string_view(url).substr(comma + 1));
-  } else if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0) {
+    return b64decode(std::string_view(url).substr(comma + 1));
+  }
+  if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0)
     refuse(400, name + ": remote image URLs are not fetched by this server; send the picture as a data: URL "
                        "(or a path under the folder serve.image_dir names)", "messages");
-  } else {
-    std::string path = url.rfind("file://", 0) == 0 ? url.substr(7) : url;
-    if (image_dir_.empty())
-      refuse(400, name + ": local image paths are off (set serve.image_dir to allow a folder); send a data: URL",
-             "messages");
-    // Resolved with links and "..", then it must lie inside the image folder.
-    std::error_code ec;
-    const fs::path root = fs::canonical(image_dir_, ec);
-    const fs::path p = fs::weakly_canonical(fs::path(path).is_absolute() ? fs::path(path) : root / path, ec);
-    const std::string r = root.string() + "/";
-    if (ec || p.string().rfind(r, 0) != 0)
-      refuse(400, name + ": '" + path + "' is outside serve.image_dir", "messages");
-    if (!fs::is_regular_file(p)) refuse(400, name + ": '" + path + "' not found under serve.image_dir", "messages");
+  const std::string path = url.rfind("file://", 0) == 0 ? url.substr(7) : url;
+  if (image_dir_.empty())
+    refuse(400, name + ": local image paths are off (set serve.image_dir to allow a folder); send a data: URL",
+           "messages");
+  return read_image_file(path, name);
+}
+
+// The file is opened first and judged by what was opened: the kernel's name for the descriptor (links and ".."
+// resolved, whatever the path said) must lie inside serve.image_dir. Checking a path and then opening it would let a
+// link swapped in between, or one after a missing component (weakly_canonical stops resolving there), escape. A file
+// outside, missing, unreadable or not a regular file gets the same 400: the answer tells nothing about what exists
+// outside the folder.
+std::string Server::read_image_file(const std::string& path, const std::string& name) {
+  std::error_code ec;
+  const fs::path root = fs::canonical(image_dir_, ec);
+  const fs::path p = fs::path(path).is_absolute() ? fs::path(path) : root / path;
+  auto refused = [&]() { refuse(400, name + ": '" + path + "' is not a readable file under serve.image_dir", "messages"); };
+  // O_NONBLOCK: a FIFO must not hang the handler in open().
+  const int fd = ec ? -1 : ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) refused();
+  std::string bytes;
+  bool inside = false;
+  struct stat st {};
+  {
+    std::error_code e2;
+    const fs::path real = fs::read_symlink("/proc/self/fd/" + std::to_string(fd), e2);
+    const std::string r = root.string() == "/" ? "/" : root.string() + "/";
+    inside = !e2 && real.string().rfind(r, 0) == 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  }
+  if (inside && st.st_size > max_body_) {
+    ::close(fd);
+    refuse(413, name + ": '" + path + "' is " + std::to_string(st.st_size) + " bytes, more than a request body may "
+                "be (serve.max_body_mib)", "messages");
+  }
+  if (inside) {
+    bytes.resize((size_t)st.st_size);
+    size_t got = 0;
+    for (ssize_t n; got < bytes.size() && (n = ::read(fd, bytes.data() + got, bytes.size() - got)) > 0;) got += n;
+    bytes.resize(got);
+  }
+  ::close(fd);
+  if (!inside) refused();
+  return bytes;
+}
+
+// Decodes a request's images after checking, from their headers alone, what they would cost: the image tokens they
+// become (smart_resize's size) must leave room in serve.max_context, and the pixels decoded for all of them must
+// stay within serve.max_image_pixels. A JPEG larger than that is decoded at 1/2, 1/4 or 1/8 (libjpeg's scaled IDCT),
+// never below the size the model sees; a PNG cannot be, and is refused. A decompression bomb (a small file of a huge
+// image) is thus refused before a pixel is decoded.
+std::vector<RgbImage> Server::decode_images(const std::vector<std::string>& bytes) {
+  std::vector<int> scale(bytes.size(), 1);
+  int64_t tokens = 0, pixels = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const std::string name = "image " + std::to_string(i + 1);
     try {
-      return load_image(p.string());
+      const ImageHeader h = read_image_header((const uint8_t*)bytes[i].data(), bytes[i].size(), name);
+      if (h.w <= 0 || h.h <= 0 || h.w > INT32_MAX || h.h > INT32_MAX)
+        fail(name + ": image has no pixels or is too large (" + std::to_string(h.w) + "x" + std::to_string(h.h) + ")");
+      const auto [th, tw] = smart_resize((int)h.h, (int)h.w, icfg_.factor(), icfg_.min_pixels, icfg_.max_pixels, name);
+      tokens += int64_t(th) * tw / (int64_t(icfg_.factor()) * icfg_.factor()) + 2;  // + vision start and end
+      if (tokens >= max_context_)
+        refuse(413, name + " is " + std::to_string(h.w) + "x" + std::to_string(h.h) + ": the images so far become " +
+                        std::to_string(tokens) + " tokens; this server's context is " + std::to_string(max_context_) +
+                        " tokens (serve.max_context; serve.max_pixels sets an image's size)", "messages");
+      const int64_t left = max_image_pixels_ - pixels;
+      auto side = [](long n, int s) { return (n + s - 1) / s; };
+      while (h.w * h.h / (int64_t(scale[i]) * scale[i]) > left && h.jpeg && scale[i] < 8 &&
+             side(h.w, scale[i] * 2) >= tw && side(h.h, scale[i] * 2) >= th)
+        scale[i] *= 2;
+      const int64_t px = int64_t(side(h.w, scale[i])) * side(h.h, scale[i]);
+      if (px > left)
+        refuse(413, name + " is " + std::to_string(h.w) + "x" + std::to_string(h.h) + " (" + std::to_string(px) +
+                        " pixels decoded" + (h.jpeg ? " at the smallest scale the model's size allows" : "") +
+                        "); this request's images may decode to " + std::to_string(max_image_pixels_) +
+                        " pixels in all (serve.max_image_pixels)", "messages");
+      pixels += px;
     } catch (const Error& e) {
-      refuse(422, name + ": " + e.what(), "messages");
+      refuse(422, e.what(), "messages");
     }
   }
-  try {
-    return decode_image((const uint8_t*)bytes.data(), bytes.size(), name);
-  } catch (const Error& e) {
-    refuse(422, std::string(e.what()), "messages");
-  }
+  std::vector<RgbImage> images;
+  for (size_t i = 0; i < bytes.size(); ++i) try {
+      images.push_back(decode_image((const uint8_t*)bytes[i].data(), bytes[i].size(),
+                                    "image " + std::to_string(i + 1), scale[i]));
+    } catch (const Error& e) {
+      refuse(422, e.what(), "messages");
+    }
+  return images;
 }
 
 json Server::response_object(const Job& job, bool chat, const std::string& id) {
@@ -1405,6 +1479,8 @@ int Server::run() {
   step_tokens_ = deck_.integer("serve.step_tokens");
   timeout_ = deck_.real("serve.timeout");
   image_dir_ = deck_.str("serve.image_dir");
+  max_image_pixels_ = deck_.integer("serve.max_image_pixels");
+  max_body_ = (int64_t)(deck_.real("serve.max_body_mib") * 1048576.0);
   model_name_ = deck_.str("serve.model_name");
   if (model_name_.empty()) {
     const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : checkpoint_;

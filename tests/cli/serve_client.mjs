@@ -81,7 +81,7 @@ if (cmd === 'answers') {
     ['remote-url', 400, /remote image URLs are not fetched/, { messages: img('https://example.com/a.png') }],
     ['bad-image', 422, /image 1: .*(JPEG|PNG|decode|corrupt)/i, { messages: img('data:image/png;base64,iVBORw0KGgoAAAAA') }],
     ['bad-base64', 400, /base64/, { messages: img('data:image/png;base64,%%%%') }],
-    ['path-outside', 400, /outside serve.image_dir/, { messages: img('../../etc/passwd') }],
+    ['path-outside', 400, /'..\/..\/etc\/passwd' is not a readable file under serve.image_dir/, { messages: img('../../etc/passwd') }],
     ['wrong-type', 400, /'max_tokens' must be an integer/, { messages: user('hi'), max_tokens: 'many' }],
     ['n-2', 400, /only n = 1/, { messages: user('hi'), n: 2 }],
     ['bad-role', 400, /unknown role 'robot'/, { messages: [{ role: 'robot', content: 'hi' }] }],

@@ -29,6 +29,48 @@ metric() { curl -s -m 5 "$(url /metrics)" | grep -oP "^$1 \K[0-9]+"; }
 # code ARGS...: curl's HTTP status and body, "STATUS BODY".
 code() { curl -s -m 10 -o $tmp/body -w '%{http_code}' "$@"; echo " $(cat $tmp/body)"; }
 
+# The images: one inside serve.image_dir; links from inside to a picture and a text file outside it; bombs (small
+# files of 12000x12000 pixels: a PNG of zeros, 140 KB of zlib; a JPEG); a PNG whose header is right and whose data
+# is not (decoding it fails: a request that is answered otherwise decoded nothing).
+mkdir -p $tmp/imgs $tmp/outside
+$py - $tmp <<'EOF' || bad "making the test images failed"
+import base64, struct, sys, zlib
+from PIL import Image
+d = sys.argv[1]
+Image.new("RGB", (64, 48), (200, 30, 90)).save(f"{d}/imgs/in.png")
+Image.new("RGB", (256, 256), (20, 130, 90)).save(f"{d}/imgs/big.png")
+Image.new("RGB", (64, 48), (10, 30, 90)).save(f"{d}/outside/secret.png")
+open(f"{d}/outside/notes.txt", "w").write("not a picture\n")
+def png(w, h, idat):
+    chunk = lambda t, b: struct.pack(">I", len(b)) + t + b + struct.pack(">I", zlib.crc32(t + b))
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+z = zlib.compressobj(9)
+idat = b"".join(z.compress(b"\0" * 12001) for _ in range(12000)) + z.flush()
+open(f"{d}/bomb.png", "wb").write(png(12000, 12000, idat))
+open(f"{d}/broken.png", "wb").write(png(300, 300, b"\x78\x9c garbage"))
+Image.new("L", (12000, 12000), 128).save(f"{d}/bomb.jpg", quality=50)
+for n in ("bomb.png", "bomb.jpg", "broken.png"):
+    open(f"{d}/{n}.b64", "w").write(base64.b64encode(open(f"{d}/{n}", "rb").read()).decode())
+EOF
+ln -s $tmp/outside/secret.png $tmp/imgs/link.png
+ln -s $tmp/outside/notes.txt $tmp/imgs/text.txt
+# chat URL...: a chat request body with these images (a data: URL for a file name ending in .b64) and a question.
+chat() {
+  $py - "$@" <<'EOF'
+import json, sys
+url = lambda u: "data:image/png;base64," + open(u).read() if u.endswith(".b64") else u
+parts = [{"type": "image_url", "image_url": {"url": url(u)}} for u in sys.argv[1:]]
+print(json.dumps({"messages": [{"role": "user", "content": parts + [{"type": "text", "text": "What is it?"}]}],
+                  "max_tokens": 2, "temperature": 0}))
+EOF
+}
+post_chat() {
+  chat "$@" >$tmp/req.json
+  code -H 'Content-Type: application/json' --data-binary @$tmp/req.json "$(url /v1/chat/completions)"
+}
+rss() { grep -oP "^$1:\s+\K[0-9]+" /proc/$pid/status; }  # kB
+
 # --- Fuzz: bounded, seeded (a failure names its seed and request), loopback only ---------------------------------
 if start fuzz $q serve model.preset=tiny serve.max_context=256 serve.max_tokens=4; then
   o=$(code "$(url /%FF)")
@@ -52,6 +94,46 @@ if start fuzz $q serve model.preset=tiny serve.max_context=256 serve.max_tokens=
     grep -qE '^q3vl_kv_blocks_used 0$' <<<"$m" &&
     pass "after the fuzz: up, /health ok, requests ($((r1 - r0))) = refused ($((e1 - e0))) + answered ($ok), queue and cache empty" ||
     bad "after the fuzz: pid $(kill -0 $pid 2>&1 && echo alive) requests $r0->$r1 errors $e0->$e1 ok $ok; $(tail -3 $tmp/fuzz.log)"
+  kill -TERM $pid; wait $pid
+fi
+
+if start images $q serve model.preset=tiny serve.max_context=512 serve.max_tokens=4 serve.image_dir=$tmp/imgs \
+    serve.min_pixels=4096 serve.max_pixels=65536; then
+  # serve.image_dir: a path is judged by the file it opens. Outside, through a link after a missing component, a
+  # text file outside, or missing: the same 400, which says nothing of what exists outside.
+  o=$(post_chat in.png)
+  [[ $o == 200* ]] && pass "image_dir: a picture inside is read" || bad "image_dir inside: $o"
+  for p in nonexist/../link.png link.png nonexist/../text.txt text.txt $tmp/outside/secret.png missing.png \
+           ../outside/secret.png; do
+    o=$(post_chat $p)
+    [[ $o == "400 "*"'$p' is not a readable file under serve.image_dir"* ]] && pass "image_dir: '$p' refused, 400" ||
+      bad "image_dir: '$p': $o"
+  done
+
+  # Bombs: four 12000x12000 PNGs (144 Mpx each, past serve.max_image_pixels = 64 Mpx; a PNG cannot be decoded
+  # smaller) refused from their headers, in well under a second, with no memory to speak of.
+  rss0=$(rss VmRSS) t0=$(date +%s.%N)
+  o=$(post_chat $tmp/bomb.png.b64 $tmp/bomb.png.b64 $tmp/bomb.png.b64 $tmp/bomb.png.b64)
+  dt=$($py -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 2))" $t0 $(date +%s.%N))
+  extra=$(( ($(rss VmHWM) - rss0) / 1024 ))
+  [[ $o == "413 "*"image 1 is 12000x12000 (144000000 pixels decoded)"*"serve.max_image_pixels"* ]] &&
+    $py -c "import sys; sys.exit(not float(sys.argv[1]) < 1)" $dt && ((extra < 100)) &&
+    pass "4 PNG bombs in one request: 413 in $dt s, at most $extra MB more RSS at the peak" ||
+    bad "PNG bombs: $dt s, $extra MB: ${o:0:300}"
+  # What cannot fit serve.max_context is refused before anything is decoded: 8 images of 66 tokens past 512, the
+  # first of which would fail to decode (422) had it been.
+  o=$(post_chat $tmp/broken.png.b64 big.png big.png big.png big.png big.png big.png big.png)
+  [[ $o == "413 "*"image 8 is 256x256: the images so far become 528 tokens; this server's context is 512"* ]] &&
+    pass "images past serve.max_context: 413 before decoding" || bad "context from headers: ${o:0:300}"
+  o=$(post_chat $tmp/broken.png.b64)
+  [[ $o == "422 "*"image 1: corrupt"* ]] && pass "that corrupt PNG alone: 422" || bad "broken PNG: ${o:0:300}"
+  # A JPEG bomb is decoded at 1/2 (36 Mpx, within the budget, still above the model's 256x256): answered, for a
+  # fraction of the 576 MB a full decode to RGB takes.
+  rss0=$(rss VmRSS)
+  o=$(post_chat $tmp/bomb.jpg.b64)
+  extra=$(( ($(rss VmHWM) - rss0) / 1024 ))
+  [[ $o == 200* ]] && ((extra < 300)) && pass "a 12000x12000 JPEG: answered from a scaled decode ($extra MB more RSS)" ||
+    bad "JPEG bomb: $extra MB: ${o:0:300}"
   kill -TERM $pid; wait $pid
 fi
 
