@@ -194,7 +194,10 @@ const std::vector<KeySpec>& deck_schema() {
       // checkpoint
       {"checkpoint.every", T::Int, "0", "write a checkpoint every N steps (0: only at the end)", 0, 1e12},
       {"checkpoint.dir", T::String, "", "checkpoint directory (default: run.out_dir/checkpoints)"},
-      {"checkpoint.keep", T::Int, "3", "keep the newest N checkpoints", 1, 1e9},
+      {"checkpoint.keep", T::Int, "3", "keep the newest N checkpoints (of this run: another run's are never deleted)",
+       1, 1e9},
+      {"checkpoint.overwrite", T::Bool, "false", "a checkpoint folder holding another run's checkpoints: move them "
+       "into <dir>/replaced.N and go on (false: refuse to start)"},
 
       // parallel
       {"parallel.zero_stage", T::Int, "3", "ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters sharded", 1, 3},
