@@ -60,6 +60,8 @@ const std::vector<KeySpec>& deck_schema() {
 
       // serve: the OpenAI-compatible server (rank 0 speaks HTTP)
       {"serve.host", T::String, "127.0.0.1", "address to listen on (0.0.0.0: every interface)"},
+      {"serve.api_key", T::String, "", "clients must send Authorization: Bearer <this key> (401 otherwise; /health "
+       "needs none); empty: the environment variable Q3VL_API_KEY, else no key"},
       {"serve.port", T::Int, "8000", "TCP port (0: any free port, printed at start-up)", 0, 65535},
       {"serve.tp", T::Int, "0", "tensor-parallel ranks per pipeline stage (heads, MLP rows and vocabulary split over "
        "them); 0: auto (the ranks / serve.pp)", 0, 1 << 20},

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -54,7 +55,7 @@ namespace {
 // A request the server refuses: HTTP status and the OpenAI error object's fields.
 struct HttpError {
   int status;
-  std::string message, type = "invalid_request_error", param;
+  std::string message, type = "invalid_request_error", param, code;
 };
 [[noreturn]] void refuse(int status, const std::string& msg, const std::string& param = "") {
   throw HttpError{status, msg, status == 404 ? "not_found_error" : "invalid_request_error", param};
@@ -68,7 +69,16 @@ std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_hand
 std::string error_body(const HttpError& e) {
   json err = {{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
   if (!e.param.empty()) err["param"] = e.param;
+  if (!e.code.empty()) err["code"] = e.code;
   return dump(json{{"error", err}});
+}
+
+// Whether an Authorization header is "Bearer <key>", in time that depends on the lengths only.
+bool bearer_matches(const std::string& header, const std::string& key) {
+  const std::string want = "Bearer " + key;
+  unsigned diff = header.size() != want.size();
+  for (size_t i = 0; i < want.size(); ++i) diff |= (unsigned char)want[i] ^ (unsigned char)(i < header.size() ? header[i] : 0);
+  return diff == 0;
 }
 
 // The offset of the first byte of s that does not belong to well-formed UTF-8 (RFC 3629: no overlong forms, no
@@ -1506,15 +1516,26 @@ int Server::run() {
   });
   // A path that is not UTF-8 (GET /%FF) names no route; said so before any handler quotes it. Bodies are checked in
   // handle_completion (read after this).
+  // serve.api_key (else Q3VL_API_KEY): every route but /health wants "Authorization: Bearer <key>", as OpenAI's API
+  // does; the comparison takes the same time wherever the first difference is.
+  std::string key = deck_.str("serve.api_key");
+  if (const char* e = std::getenv("Q3VL_API_KEY"); key.empty() && e) key = e;
+  const std::string host = deck_.str("serve.host");
+  if (key.empty() && host != "localhost" && host != "::1" && host.rfind("127.", 0) != 0)
+    log_warn("serve: listening on " + host + " without an API key: anyone who can reach this port can use the model "
+             "(set serve.api_key or the environment variable Q3VL_API_KEY)");
   // A body with neither length nor chunks is read until the client closes (httplib 0.11): 411 instead, at once.
-  svr.set_pre_routing_handler([](const Req& q, Res& r) {
-    std::string m;
-    if (utf8_error(q.path) != std::string::npos) r.status = 400, m = "the request path is not valid UTF-8";
+  svr.set_pre_routing_handler([key](const Req& q, Res& r) {
+    std::string m, type = "invalid_request_error";
+    if (!key.empty() && q.path != "/health" && !bearer_matches(q.get_header_value("Authorization"), key))
+      r.status = 401, m = q.has_header("Authorization") ? "incorrect API key provided" : "an API key is required "
+          "(Authorization: Bearer <key>)";
+    else if (utf8_error(q.path) != std::string::npos) r.status = 400, m = "the request path is not valid UTF-8";
     else if ((q.method == "POST" || q.method == "PUT" || q.method == "PATCH") && !q.has_header("Content-Length") &&
              q.get_header_value("Transfer-Encoding") != "chunked")
       r.status = 411, m = q.method + " needs Content-Length (or Transfer-Encoding: chunked)";
     else return httplib::Server::HandlerResponse::Unhandled;
-    r.set_content(error_body({r.status, m}), "application/json");
+    r.set_content(error_body({r.status, m, type, "", r.status == 401 ? "invalid_api_key" : ""}), "application/json");
     return httplib::Server::HandlerResponse::Handled;
   });
   // Anything httplib answers itself (unknown path, body too large) gets the OpenAI error object too.
@@ -1538,7 +1559,6 @@ int Server::run() {
     r.status = 500;
     r.set_content(error_body({500, m, "server_error"}), "application/json");
   });
-  const std::string host = deck_.str("serve.host");
   int port = (int)deck_.integer("serve.port");
   if (port == 0) port = svr.bind_to_any_port(host);
   else if (!svr.bind_to_port(host, port)) port = -1;

@@ -553,7 +553,7 @@ int run_train(const Deck& deck) {
     meta.step = st.step;
     meta.tokens_seen = st.tokens;
     meta.world_size = nranks;
-    meta.deck_toml = deck.to_toml();
+    meta.deck_toml = deck.to_toml(/*hide_secrets=*/true);
     meta.state_json = with_lora(to_json(st, nranks, stage, ep_size), cfg.lora, base_id);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
     meta.hf_config_json = cfg_json;

@@ -137,5 +137,40 @@ if start images $q serve model.preset=tiny serve.max_context=512 serve.max_token
   kill -TERM $pid; wait $pid
 fi
 
+# --- API keys: Q3VL_API_KEY (the deck's serve.api_key is the same key, hidden in the log's echo) -----------------
+if start auth env Q3VL_API_KEY=sekret-42 $q serve model.preset=tiny serve.max_context=256 serve.max_tokens=2; then
+  o=$(code "$(url /health)")
+  [[ $o == '200 '* ]] && pass "api key: /health needs none" || bad "api key /health: $o"
+  o=$(code "$(url /metrics)")
+  [[ $o == '401 '*'"code":"invalid_api_key"'*'an API key is required'* ]] && pass "api key: none sent, 401 error object" ||
+    bad "api key none: $o"
+  o=$(code -H 'Authorization: Bearer sekret-4' "$(url /v1/models)")
+  [[ $o == '401 '*'incorrect API key'* ]] && pass "api key: a wrong one, 401" || bad "api key wrong: $o"
+  o=$(code -H 'Authorization: Bearer sekret-42' "$(url /v1/models)")
+  [[ $o == '200 '*'"object":"list"'* ]] && pass "api key: the right one, 200" || bad "api key right: $o"
+  # The official OpenAI client: its apiKey goes through, a wrong one is its AuthenticationError (401).
+  if needs openai-client node && [[ -f third_party/npm/node_modules/openai/package.json ]]; then
+    o=$(Q3VL_CLIENT_KEY=sekret-42 node tests/cli/serve_client.mjs $port q3vl-tiny hello 2>&1)
+    [[ $(grep -c '"ok":true' <<<"$o") == 2 ]] && pass "api key: the openai client's apiKey, streamed and not" ||
+      bad "openai client with the key: $o"
+    o=$(Q3VL_CLIENT_KEY=wrong node tests/cli/serve_client.mjs $port q3vl-tiny hello 2>&1)
+    [[ $(grep -c '"status":401,"code":"invalid_api_key"' <<<"$o") == 2 ]] && pass "api key: the openai client, wrong key: 401" ||
+      bad "openai client with a wrong key: $o"
+  fi
+  kill -TERM $pid; wait $pid
+fi
+# Listening beyond loopback without a key is said at start; a key in the deck is hidden in the log's echo.
+if start open $q serve model.preset=tiny serve.host=0.0.0.0; then
+  kill -TERM $pid; wait $pid
+  grep -q "listening on 0.0.0.0 without an API key" $tmp/open.log && pass "no key on 0.0.0.0: warned" ||
+    bad "no warning: $(grep serve: $tmp/open.log)"
+fi
+if start keyed $q serve model.preset=tiny serve.host=0.0.0.0 serve.api_key=deck-key-7; then
+  kill -TERM $pid; wait $pid
+  ! grep -q "without an API key" $tmp/keyed.log && grep -q 'api_key = "<hidden>"' $tmp/keyed.log &&
+    ! grep -q deck-key-7 $tmp/keyed.log && pass "key in the deck: no warning, hidden in the echo" ||
+    bad "keyed: $(grep -E 'api_key|API key' $tmp/keyed.log)"
+fi
+
 stop_all
 finish
