@@ -94,6 +94,13 @@ const std::vector<KeySpec>& deck_schema() {
        "(checked from their headers before decoding; a larger JPEG is decoded at 1/2 to 1/8 scale; larger: 413)",
        1, 1e12},
       {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},
+      {"serve.header_timeout", T::Real, "10", "seconds a request head may take from its first byte (slower: 408 and "
+       "closed)", 0.1, 1e6},
+      {"serve.read_timeout", T::Real, "30", "seconds a whole request may take to arrive, head and body (and a client "
+       "to take an answer's bytes)", 0.1, 1e6},
+      {"serve.max_client_connections", T::Int, "64", "open connections per client address (more: its oldest one "
+       "waiting for a request head is closed; 429 when all are busy)", 1, 1 << 20},
+      {"serve.max_connections", T::Int, "512", "open connections in all (more: 503)", 1, 1 << 20},
       {"serve.http_threads", T::Int, "128", "HTTP worker threads (each open stream holds one)", 1, 1 << 16},
 
       // synth: the demo's synthetic pictures (q3vl synth)

@@ -267,6 +267,240 @@ size_t apply_kv(KvCache<float>& c, const std::vector<int64_t>& o, size_t i) {
   fail("KV cache: unknown change " + std::to_string(o[i]) + " in a step plan");
 }
 
+// ---- The HTTP front ----------------------------------------------------------------------------------------------
+// cpp-httplib 0.11 gives a connection a pool thread from accept to close: a client trickling its head a byte a second
+// holds one as long as it likes, and 130 of them starve /health (issue 33). httplib still parses and routes here, but
+// a connection reaches a thread only with a whole request head in hand: one reader thread polls every connection that
+// is between requests or inside a head, with a deadline for the head (serve.header_timeout) and one for idle
+// keep-alive; the body must follow within serve.read_timeout of the head's first byte. GET /health and /metrics run on
+// threads of their own, so a pool busy with long completions still answers them. A client address holds at most
+// serve.max_client_connections: a new one closes its oldest connection that is waiting for a head (a slow client's,
+// never a request's), or is refused with 429 when all are busy. Bytes read past a request (pipelining) stay with the
+// connection for the next one, which httplib's per-request stream dropped.
+class HttpFront : public httplib::Server {
+ public:
+  struct Limits {
+    double header_timeout = 10, read_timeout = 30, keep_alive = 5;
+    int per_client = 64, max_connections = 512, threads = 128;
+  };
+  explicit HttpFront(const Limits& l) : lim_(l) {
+    // httplib's accept loop hands each socket to process_and_close_socket through its task queue: run at once (it
+    // only registers the socket) rather than on a pool thread.
+    struct Inline : httplib::TaskQueue {
+      void enqueue(std::function<void()> fn) override { fn(); }
+      void shutdown() override {}
+    };
+    new_task_queue = [] { return new Inline; };
+    if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) fail(std::string("serve: pipe: ") + std::strerror(errno));
+    pool_ = std::make_unique<httplib::ThreadPool>(size_t(l.threads));
+    fast_ = std::make_unique<httplib::ThreadPool>(2);
+    reader_ = std::thread([this] { reader_loop(); });
+  }
+  // After listen_after_bind has returned (Server::stop): the reader, then the pools, then every socket.
+  ~HttpFront() override {
+    stop_ = true;
+    wake();
+    reader_.join();
+    pool_->shutdown();
+    fast_->shutdown();
+    for (auto& c : conns_) ::close(c->fd);
+    ::close(wake_[0]), ::close(wake_[1]);
+  }
+
+ private:
+  struct Conn {
+    int fd = -1;
+    std::string addr, buf;  // buf: bytes read and not yet parsed
+    double t_open = 0, t_head = 0, t_idle = 0;  // t_head: first byte of the current head (0: none yet)
+    bool busy = false;                          // on a worker thread
+  };
+  class Stream;
+  bool process_and_close_socket(socket_t sock) override;
+  void reader_loop();
+  void serve(const std::shared_ptr<Conn>& c);
+  void close_conn(const std::shared_ptr<Conn>& c, int status = 0);  // m_ held; status: a last answer
+  void wake() { [[maybe_unused]] ssize_t n = ::write(wake_[1], "w", 1); }
+
+  Limits lim_;
+  std::mutex m_;
+  std::vector<std::shared_ptr<Conn>> conns_;
+  int wake_[2] = {-1, -1};
+  std::atomic<bool> stop_{false};
+  std::unique_ptr<httplib::ThreadPool> pool_, fast_;
+  std::thread reader_;
+};
+
+// Set by a handler that answered before httplib read the request's body (the pre-routing refusals): the unread body
+// would be parsed as the next request, so the connection closes after the answer.
+thread_local bool t_close_after = false;
+
+bool wait_fd(int fd, short events, double seconds) {
+  pollfd p{fd, events, 0};
+  return poll(&p, 1, std::max(0, int(seconds * 1000))) > 0 && (p.revents & events);
+}
+
+// One connection's bytes for httplib: buffered ones first, then the socket, each read under the request's deadline.
+class HttpFront::Stream : public httplib::Stream {
+ public:
+  Stream(int fd, std::string buf, double deadline, double write_timeout)
+      : fd_(fd), buf_(std::move(buf)), deadline_(deadline), write_timeout_(write_timeout) {}
+  bool is_readable() const override { return off_ < buf_.size() || wait_fd(fd_, POLLIN, deadline_ - wall_seconds()); }
+  bool is_writable() const override { return wait_fd(fd_, POLLOUT, write_timeout_) && !peer_closed(fd_); }
+  ssize_t read(char* p, size_t n) override {
+    if (off_ >= buf_.size()) {
+      if (!wait_fd(fd_, POLLIN, deadline_ - wall_seconds())) return -1;
+      buf_.resize(16384), off_ = 0;
+      const ssize_t r = ::recv(fd_, buf_.data(), buf_.size(), 0);
+      buf_.resize(std::max<ssize_t>(r, 0));
+      if (r <= 0) return r < 0 ? -1 : 0;
+    }
+    n = std::min(n, buf_.size() - off_);
+    std::memcpy(p, buf_.data() + off_, n);
+    off_ += n;
+    return ssize_t(n);
+  }
+  ssize_t write(const char* p, size_t n) override {
+    size_t done = 0;
+    while (done < n) {
+      if (!wait_fd(fd_, POLLOUT, write_timeout_)) return -1;
+      const ssize_t w = ::send(fd_, p + done, n - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w < 0 && errno != EAGAIN && errno != EINTR) return -1;
+      done += size_t(std::max<ssize_t>(w, 0));
+    }
+    return ssize_t(n);
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { address(true, ip, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { address(false, ip, port); }
+  socket_t socket() const override { return fd_; }
+  std::string leftover() const { return buf_.substr(std::min(off_, buf_.size())); }
+
+ private:
+  void address(bool peer, std::string& ip, int& port) const {
+    sockaddr_storage a{};
+    socklen_t n = sizeof a;
+    char host[NI_MAXHOST] = "", serv[NI_MAXSERV] = "0";
+    if ((peer ? getpeername(fd_, (sockaddr*)&a, &n) : getsockname(fd_, (sockaddr*)&a, &n)) == 0)
+      getnameinfo((sockaddr*)&a, n, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
+    ip = host, port = std::atoi(serv);
+  }
+  int fd_;
+  std::string buf_;
+  size_t off_ = 0;
+  double deadline_, write_timeout_;
+};
+
+// A short answer written straight to the socket (the connection is closed after it).
+void answer_and_close(int fd, int status, const std::string& message) {
+  const std::string body = error_body({status, message});
+  const char* text = status == 408 ? "Request Timeout" : status == 429 ? "Too Many Requests"
+                     : status == 431 ? "Request Header Fields Too Large" : "Service Unavailable";
+  const std::string head = "HTTP/1.1 " + std::to_string(status) + " " + text +
+                           "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                           "\r\nConnection: close\r\n\r\n";
+  [[maybe_unused]] ssize_t n = ::send(fd, (head + body).data(), head.size() + body.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  ::shutdown(fd, SHUT_WR);
+}
+
+bool HttpFront::process_and_close_socket(socket_t sock) {
+  std::string ip;
+  int port = 0;
+  Stream(sock, "", 0, 0).get_remote_ip_and_port(ip, port);
+  const double now = wall_seconds();
+  std::lock_guard<std::mutex> g(m_);
+  if ((int)conns_.size() >= lim_.max_connections) {
+    answer_and_close(sock, 503, "the server has serve.max_connections open connections; try again later");
+    ::close(sock);
+    return false;
+  }
+  std::shared_ptr<Conn> oldest;
+  int mine = 0;
+  for (const auto& c : conns_)
+    if (c->addr == ip && (++mine, !c->busy) && (!oldest || c->t_open < oldest->t_open)) oldest = c;
+  if (mine >= lim_.per_client) {
+    if (!oldest) {
+      answer_and_close(sock, 429, "this address has serve.max_client_connections requests open; try again later");
+      ::close(sock);
+      return false;
+    }
+    close_conn(oldest, 408);
+  }
+  auto c = std::make_shared<Conn>();
+  c->fd = sock, c->addr = ip, c->t_open = c->t_idle = now;
+  conns_.push_back(c);
+  wake();
+  return true;
+}
+
+void HttpFront::close_conn(const std::shared_ptr<Conn>& c, int status) {
+  if (status) answer_and_close(c->fd, status, "the request head did not arrive in time (serve.header_timeout)");
+  ::close(c->fd);
+  std::erase(conns_, c);
+}
+
+void HttpFront::reader_loop() {
+  std::vector<pollfd> fds;
+  std::vector<std::shared_ptr<Conn>> who;
+  std::vector<char> tmp(16384);
+  while (!stop_) {
+    fds.assign(1, pollfd{wake_[0], POLLIN, 0});
+    who.assign(1, nullptr);
+    {
+      std::lock_guard<std::mutex> g(m_);
+      for (const auto& c : conns_)
+        if (!c->busy) fds.push_back({c->fd, POLLIN, 0}), who.push_back(c);
+    }
+    poll(fds.data(), fds.size(), 100);
+    char drain[64];
+    while (::read(wake_[0], drain, sizeof drain) > 0) {
+    }
+    const double now = wall_seconds();
+    std::lock_guard<std::mutex> g(m_);
+    for (size_t i = 1; i < fds.size(); ++i) {
+      const auto& c = who[i];
+      if (c->busy || std::find(conns_.begin(), conns_.end(), c) == conns_.end()) continue;
+      if (fds[i].revents) {
+        const ssize_t n = ::recv(c->fd, tmp.data(), tmp.size(), MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          close_conn(c);
+          continue;
+        }
+        if (n > 0 && c->buf.empty()) c->t_head = now;
+        if (n > 0) c->buf.append(tmp.data(), size_t(n));
+      }
+      if (c->buf.find("\r\n\r\n") != std::string::npos) {  // a whole head: to a worker
+        c->busy = true;
+        const bool quick = c->buf.rfind("GET /health", 0) == 0 || c->buf.rfind("GET /metrics", 0) == 0;
+        (quick ? fast_ : pool_)->enqueue([this, c] { serve(c); });
+      } else if (c->buf.size() > 65536) {
+        answer_and_close(c->fd, 431, "the request head is larger than 64 KiB");
+        close_conn(c);
+      } else if (c->t_head > 0 && now - c->t_head > lim_.header_timeout) {
+        close_conn(c, 408);
+      } else if (c->t_head == 0 && now - c->t_idle > lim_.keep_alive) {
+        close_conn(c);
+      }
+    }
+  }
+}
+
+void HttpFront::serve(const std::shared_ptr<Conn>& c) {
+  Stream strm(c->fd, std::move(c->buf), c->t_head + lim_.read_timeout, lim_.read_timeout);
+  bool closed = false, ok = false;
+  t_close_after = false;
+  try {
+    ok = process_request(strm, stop_, closed, nullptr);
+    closed |= t_close_after;
+  } catch (...) {  // httplib catches a handler's; anything else ends the connection, not the server
+  }
+  std::lock_guard<std::mutex> g(m_);
+  c->buf = strm.leftover();
+  c->t_idle = wall_seconds();
+  c->t_head = c->buf.empty() ? 0 : c->t_idle;  // pipelined: the next head has begun
+  c->busy = false;
+  if (!ok || closed || stop_) close_conn(c);
+  wake();
+}
+
 class Server {
  public:
   explicit Server(const Deck& d) : deck_(d) {}
@@ -284,7 +518,7 @@ class Server {
   std::string image_bytes(const std::string& url, size_t index);
   std::string read_image_file(const std::string& path, const std::string& name);
   std::vector<RgbImage> decode_images(const std::vector<std::string>& bytes);
-  void reply_stream(const std::shared_ptr<Job>& job, httplib::Response& res, bool chat);
+  void reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res, bool chat);
   json response_object(const Job& job, bool chat, const std::string& id);
   std::string metrics_text();
   // Engine side.
@@ -656,7 +890,7 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
     metrics_.queue++;
   }
   in_cv_.notify_one();
-  if (job->stream) return reply_stream(job, res, chat);
+  if (job->stream) return reply_stream(job, req, res, chat);
   // A client that leaves before its answer cancels the request, as a stream's does.
   const int fd = connection_fd(req);
   std::unique_lock<std::mutex> l(job->m);
@@ -676,7 +910,8 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
   res.set_content(dump(response_object(*job, chat, id)), "application/json");
 }
 
-void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& res, bool chat) {
+void Server::reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res,
+                          bool chat) {
   const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
   auto sent = std::make_shared<size_t>(0);
   auto started = std::make_shared<bool>(false);
@@ -689,7 +924,14 @@ void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& re
     return "data: " + dump(o) + "\n\n";
   };
   res.set_header("Cache-Control", "no-cache");
-  res.set_chunked_content_provider(
+  // HTTP/1.0 has no chunked encoding: the stream ends where the connection does.
+  const bool http10 = req.version == "HTTP/1.0";
+  if (http10) res.set_header("Connection", "close");
+  using Provide = void (httplib::Response::*)(const std::string&, httplib::ContentProviderWithoutLength,
+                                              httplib::ContentProviderResourceReleaser);
+  const Provide provide = http10 ? static_cast<Provide>(&httplib::Response::set_content_provider)
+                                 : &httplib::Response::set_chunked_content_provider;
+  (res.*provide)(
       "text/event-stream",
       [this, job, sent, started, chunk, chat, id](size_t, httplib::DataSink& sink) {
         auto write = [&](const std::string& s) {
@@ -1497,9 +1739,13 @@ int Server::run() {
     model_name_ = from.empty() ? "q3vl-" + deck_.str("model.preset") : fs::path(from).filename().string();
     if (model_name_.empty()) model_name_ = fs::path(from).parent_path().filename().string();
   }
-  httplib::Server svr;
-  const int threads = (int)deck_.integer("serve.http_threads");
-  svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  HttpFront::Limits lim;
+  lim.threads = (int)deck_.integer("serve.http_threads");
+  lim.header_timeout = deck_.real("serve.header_timeout");
+  lim.read_timeout = deck_.real("serve.read_timeout");
+  lim.per_client = (int)deck_.integer("serve.max_client_connections");
+  lim.max_connections = (int)deck_.integer("serve.max_connections");
+  HttpFront svr(lim);
   svr.set_payload_max_length((size_t)(deck_.real("serve.max_body_mib") * 1048576.0));
   using Req = httplib::Request;
   using Res = httplib::Response;
@@ -1535,6 +1781,8 @@ int Server::run() {
              q.get_header_value("Transfer-Encoding") != "chunked")
       r.status = 411, m = q.method + " needs Content-Length (or Transfer-Encoding: chunked)";
     else return httplib::Server::HandlerResponse::Unhandled;
+    t_close_after = true;
+    r.set_header("Connection", "close");
     r.set_content(error_body({r.status, m, type, "", r.status == 401 ? "invalid_api_key" : ""}), "application/json");
     return httplib::Server::HandlerResponse::Handled;
   });

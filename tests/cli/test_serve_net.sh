@@ -72,7 +72,7 @@ post_chat() {
 rss() { grep -oP "^$1:\s+\K[0-9]+" /proc/$pid/status; }  # kB
 
 # --- Fuzz: bounded, seeded (a failure names its seed and request), loopback only ---------------------------------
-if start fuzz $q serve model.preset=tiny serve.max_context=256 serve.max_tokens=4; then
+if start fuzz $q serve model.preset=tiny serve.max_context=256 serve.max_tokens=4 serve.read_timeout=2; then
   o=$(code "$(url /%FF)")
   [[ $o == '400 '*'not valid UTF-8'*'"invalid_request_error"'* ]] && kill -0 $pid && pass "GET /%FF: 400 error object, server up" ||
     bad "GET /%FF: $o $(tail -2 $tmp/fuzz.log)"
