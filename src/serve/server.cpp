@@ -318,7 +318,7 @@ class HttpFront : public httplib::Server {
   bool process_and_close_socket(socket_t sock) override;
   void reader_loop();
   void serve(const std::shared_ptr<Conn>& c);
-  void close_conn(const std::shared_ptr<Conn>& c, int status = 0);  // m_ held; status: a last answer
+  void close_conn(const std::shared_ptr<Conn>& c, const char* why = nullptr);  // m_ held; why: a last 408 answer
   void wake() { [[maybe_unused]] ssize_t n = ::write(wake_[1], "w", 1); }
 
   Limits lim_;
@@ -422,7 +422,7 @@ bool HttpFront::process_and_close_socket(socket_t sock) {
       ::close(sock);
       return false;
     }
-    close_conn(oldest, 408);
+    close_conn(oldest, "closed for a newer connection from this address (serve.max_client_connections)");
   }
   auto c = std::make_shared<Conn>();
   c->fd = sock, c->addr = ip, c->t_open = c->t_idle = now;
@@ -431,8 +431,8 @@ bool HttpFront::process_and_close_socket(socket_t sock) {
   return true;
 }
 
-void HttpFront::close_conn(const std::shared_ptr<Conn>& c, int status) {
-  if (status) answer_and_close(c->fd, status, "the request head did not arrive in time (serve.header_timeout)");
+void HttpFront::close_conn(const std::shared_ptr<Conn>& c, const char* why) {
+  if (why) answer_and_close(c->fd, 408, why);
   ::close(c->fd);
   std::erase(conns_, c);
 }
@@ -475,7 +475,7 @@ void HttpFront::reader_loop() {
         answer_and_close(c->fd, 431, "the request head is larger than 64 KiB");
         close_conn(c);
       } else if (c->t_head > 0 && now - c->t_head > lim_.header_timeout) {
-        close_conn(c, 408);
+        close_conn(c, "the request head did not arrive in time (serve.header_timeout)");
       } else if (c->t_head == 0 && now - c->t_idle > lim_.keep_alive) {
         close_conn(c);
       }

@@ -3,7 +3,8 @@
 # requests (the server stays up, never answers 5xx, and /metrics' counters add up), invalid UTF-8 in paths and
 # bodies (400), symlinks out of serve.image_dir (the same 400 whether the target exists or not), decompression bombs
 # (refused from their headers, fast and without the memory), API keys (Bearer, 401, /health exempt, the official
-# OpenAI client), slow clients (/health answers while 128 of them trickle headers), pipelining and HTTP/1.0.
+# OpenAI client), slow clients (/health answers within 1 s while 128 of them trickle heads; they get 408), three
+# pipelined requests answered, and a streamed answer to HTTP/1.0 without chunked encoding.
 source "$(dirname "$0")/../lib.sh"
 needs python3 $py || finish
 
@@ -134,6 +135,29 @@ if start images $q serve model.preset=tiny serve.max_context=512 serve.max_token
   extra=$(( ($(rss VmHWM) - rss0) / 1024 ))
   [[ $o == 200* ]] && ((extra < 300)) && pass "a 12000x12000 JPEG: answered from a scaled decode ($extra MB more RSS)" ||
     bad "JPEG bomb: $extra MB: ${o:0:300}"
+  kill -TERM $pid; wait $pid
+fi
+
+# --- Slow clients, pipelining, HTTP/1.0 ---------------------------------------------------------------------------
+# 128 clients from one address trickle a head a byte a second (the limit per address is 64: the oldest slow ones are
+# closed for newer connections; the rest get 408 at serve.header_timeout): /health answers within a second all along.
+if start slow $q serve model.preset=tiny serve.max_context=256 serve.header_timeout=4 serve.http_threads=8; then
+  o=$($py tests/cli/http_slow.py $port slow 128 7 2>&1)
+  $py - "$o" <<'EOF' && pass "128 slow clients: /health within 1 s every time, the slow ones closed: $o" || bad "slow clients: $o"
+import json, sys
+r = json.loads(sys.argv[1])
+assert r["probes"] >= 5 and r["failed"] == 0 and r["worst"] < 1.0, r
+assert r["ends"]["open"] == 0 and r["ends"]["408"] >= 1, r
+EOF
+  o=$($py tests/cli/http_slow.py $port pipeline 3 2>&1)
+  [[ $o == 3 ]] && pass "3 pipelined requests: 3 answers" || bad "pipelining: $o answers"
+  o=$($py tests/cli/http_slow.py $port http10 2>&1)
+  $py - "$o" <<'EOF' && pass "HTTP/1.0 stream: no chunked encoding, events until [DONE], then closed: $o" || bad "HTTP/1.0 stream: $o"
+import json, sys
+r = json.loads(sys.argv[1])
+assert r["status"] == "200" and r["framing"] == ["Connection: close"] and r["events"] >= 2 and r["done"] and r["closed"], r
+EOF
+  curl -sf -m 2 "$(url /health)" >/dev/null && pass "server up after the slow clients" || bad "server down: $(tail -3 $tmp/slow.log)"
   kill -TERM $pid; wait $pid
 fi
 
