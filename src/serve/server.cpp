@@ -267,6 +267,30 @@ size_t apply_kv(KvCache<float>& c, const std::vector<int64_t>& o, size_t i) {
   fail("KV cache: unknown change " + std::to_string(o[i]) + " in a step plan");
 }
 
+// A nonblocking MPI operation of the serving loop, waited on under comm's deadline (runtime.timeout): a rank that stops
+// makes the wait fail naming the operation and the ranks behind, and the server ends (is_watchdog), instead of hanging
+// in an unwatched MPI call, or going on with collectives out of step, which corrupted memory once the rank woke up.
+// counted: a collective that every rank of comm starts (its sequence number names the ranks behind); a
+// point-to-point transfer is not, and a stopped peer is named by its silence.
+class MpiOp : public CommRequest {
+ public:
+  explicit MpiOp(const char* what) : CommRequest(what) {}
+  bool test() override {
+    int done = 0;
+    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+    return done;
+  }
+  MPI_Request r = MPI_REQUEST_NULL;
+};
+template <class F>
+void watched(Comm& c, const char* what, bool counted, F start) {
+  auto op = std::make_unique<MpiOp>(what);
+  if (counted) op->seq = c.begin_collective();
+  start(&op->r);
+  c.wait(std::move(op));
+}
+bool is_watchdog(const Error& e) { return std::string_view(e.what()).starts_with("watchdog:"); }
+
 // ---- The HTTP front ----------------------------------------------------------------------------------------------
 // cpp-httplib 0.11 gives a connection a pool thread from accept to close: a client trickling its head a byte a second
 // holds one as long as it likes, and 130 of them starve /health (issue 33). httplib still parses and routes here, but
@@ -547,6 +571,16 @@ class Server {
   std::unique_ptr<Model> model_;
   std::unique_ptr<DevModel> dev_;
   std::unique_ptr<Comm> tp_comm_;  // the tensor-parallel group's sums: MPI, or NCCL on the device (serve.tp_comm)
+  // The step plan's broadcasts, the stages' transfers (world_c_) and the group's gathers (tpc_c_), under the watchdog.
+  std::unique_ptr<Comm> world_c_, tpc_c_;
+  template <class T>
+  void send(const T* p, size_t n, MPI_Datatype t, int to, int tag, const char* what) {
+    watched(*world_c_, what, false, [&](MPI_Request* r) { MPI_Isend(p, (int)n, t, to, tag, MPI_COMM_WORLD, r); });
+  }
+  template <class T>
+  void recv(T* p, size_t n, MPI_Datatype t, int from, int tag, const char* what) {
+    watched(*world_c_, what, false, [&](MPI_Request* r) { MPI_Irecv(p, (int)n, t, from, tag, MPI_COMM_WORLD, r); });
+  }
   std::unique_ptr<Comm> tp_mpi() const {  // the group over MPI, under the collectives' watchdog
     auto c = std::make_unique<MpiComm>(tpc_);
     c->set_timeout(deck_.real("runtime.timeout"));
@@ -607,6 +641,8 @@ class Server {
   DevStage dstage_;
   std::pair<int64_t, int64_t> vocab_rows_;
   bool stopped_ = false;
+  std::atomic<bool> healthy_{true};    // false once the engine has stopped
+  std::atomic<double> step_since_{0};  // when the model step under way began (0: none)
   std::vector<int64_t> ops_;  // KvOps since the last step (for the replicas)
   // The prefix cache: full blocks by key, each holding one reference; evictable when that is the only one, least
   // recently used first.
@@ -1280,8 +1316,15 @@ void Server::engine_loop() {
     best.limit = base_.vocab_limit > 0 ? base_.vocab_limit : cfg.text.vocab, best.banned = base_.banned;
     std::vector<float> logits;
     try {
+      step_since_ = wall_seconds();
       logits = run_step(segs, false, greedy ? &best : nullptr);
+      step_since_ = 0;
     } catch (const Error& e) {  // fails this step's requests, not the server
+      step_since_ = 0;
+      if (is_watchdog(e)) {  // a rank did not keep up: the group is out of step, and the server ends
+        healthy_ = false;
+        throw;
+      }
       log_warn(std::string("serve: a step failed: ") + e.what());
       for (Job* j : who) j->error = e.what(), finish(*j, "error");
       std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
@@ -1385,6 +1428,9 @@ void Server::load() {
   if (rank_ == 0 && world_ > 1) log_info(lay.why);
   stage_ = rank_ / tp_, trank_ = rank_ % tp_;
   MPI_Comm_split(MPI_COMM_WORLD, stage_, trank_, &tpc_);
+  world_c_ = std::make_unique<MpiComm>(MPI_COMM_WORLD);
+  world_c_->set_timeout(deck_.real("runtime.timeout"));
+  tpc_c_ = tp_mpi();
   checkpoint_ = src.checkpoint;
   // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
   // never holds the fp32 model; adapters to fold need the host model first.
@@ -1563,16 +1609,14 @@ void Server::load_device(const ModelSource& src) {
 }
 
 namespace {
-// A broadcast the waiting ranks poll with short sleeps: MPICH spins in a blocking one, and a server waits for
-// requests most of the time.
-void bcast_polling(int64_t* buf, int n) {
-  MPI_Request r;
-  MPI_Ibcast(buf, n, MPI_INT64_T, 0, MPI_COMM_WORLD, &r);
-  for (int done = 0;;) {
-    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
-    if (done) return;
-    std::this_thread::sleep_for(std::chrono::microseconds(500));
-  }
+// The step plan's header, which the waiting ranks receive with short sleeps and no deadline (MPICH spins in a blocking
+// broadcast, and a server waits for requests most of the time); rank 0 sends it under the watchdog.
+void bcast_head(Comm& world, int64_t* buf, int n) {
+  auto op = std::make_unique<MpiOp>("serve: step plan header (broadcast)");
+  op->seq = world.begin_collective();
+  MPI_Ibcast(buf, n, MPI_INT64_T, 0, MPI_COMM_WORLD, &op->r);
+  if (world.rank() == 0) return world.wait(std::move(op));
+  while (!op->test()) std::this_thread::sleep_for(std::chrono::microseconds(500));
 }
 }  // namespace
 
@@ -1601,15 +1645,15 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     }
     head[1] = (int64_t)ints.size(), head[2] = (int64_t)floats.size();
   }
-  bcast_polling(head, 3);
+  bcast_head(*world_c_, head, 3);
   if (head[0]) {
     stopped_ = true;
     return {};
   }
   ints.resize(head[1]);
   floats.resize(head[2]);
-  MPI_Bcast(ints.data(), (int)ints.size(), MPI_INT64_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(floats.data(), (int)floats.size(), MPI_FLOAT, 0, MPI_COMM_WORLD);
+  world_c_->broadcast(ints.data(), ints.size(), DType::I64, 0);
+  world_c_->broadcast(floats.data(), floats.size(), DType::F32, 0);
   DevModel::Argmax mine;  // a greedy step's on the other ranks
   if (rank_ != 0) {  // replay the cache's slot changes, then the segments
     size_t i = 1, f = 0;
@@ -1643,18 +1687,18 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     int64_t N = 0;
     for (const auto& g : segs) N += (int64_t)g.ids.size();
     std::vector<float> x(stage_ > 0 ? N * cfg_.text.hidden : 0), y;
-    if (stage_ > 0) MPI_Recv(x.data(), (int)x.size(), MPI_FLOAT, rank_ - tp_, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    if (stage_ > 0) recv(x.data(), x.size(), MPI_FLOAT, rank_ - tp_, 1, "serve: hidden states from the previous stage");
     local = dev_->step(segs, cache_, stage_ > 0 ? &x : nullptr, &y, best);
     if (stage_ + 1 < pp_) {
-      MPI_Send(y.data(), (int)y.size(), MPI_FLOAT, rank_ + tp_, 1, MPI_COMM_WORLD);
+      send(y.data(), y.size(), MPI_FLOAT, rank_ + tp_, 1, "serve: hidden states to the next stage");
       if (rank_ != 0) return {};
       if (best) {
         best->id.resize(ns);
-        MPI_Recv(best->id.data(), (int)ns, MPI_INT32_T, last0, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        recv(best->id.data(), ns, MPI_INT32_T, last0, 2, "serve: argmax ids from the last stage");
         return {};
       }
       logits.resize(ns * V);
-      MPI_Recv(logits.data(), (int)logits.size(), MPI_FLOAT, last0, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      recv(logits.data(), logits.size(), MPI_FLOAT, last0, 2, "serve: logits from the last stage");
       return logits;
     }
   } else {
@@ -1664,8 +1708,12 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     if (tp_ > 1) {
       std::vector<float> vals(trank_ == 0 ? ns * tp_ : 0);
       std::vector<int32_t> ids(vals.size());
-      MPI_Gather(best->val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_);
-      MPI_Gather(best->id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_);
+      watched(*tpc_c_, "serve: argmax values (gather)", true, [&](MPI_Request* r) {
+        MPI_Igather(best->val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_, r);
+      });
+      watched(*tpc_c_, "serve: argmax ids (gather)", true, [&](MPI_Request* r) {
+        MPI_Igather(best->id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_, r);
+      });
       if (trank_ != 0) return {};
       for (int64_t s = 0; s < ns; ++s)
         for (int r = 0; r < tp_; ++r) {
@@ -1675,12 +1723,12 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
           if (id >= 0 && (b < 0 || v > best->val[s] || (v == best->val[s] && id < b))) b = id, best->val[s] = v;
         }
     }
-    if (trank_ == 0 && rank_ != 0) MPI_Send(best->id.data(), (int)ns, MPI_INT32_T, 0, 2, MPI_COMM_WORLD);
+    if (trank_ == 0 && rank_ != 0) send(best->id.data(), ns, MPI_INT32_T, 0, 2, "serve: argmax ids to rank 0");
     return {};
   }
   if (tp_ == 1) {  // the whole vocabulary already: no gather, no copies of [segs, V]
     if (rank_ == 0) return local;
-    MPI_Send(local.data(), (int)local.size(), MPI_FLOAT, 0, 2, MPI_COMM_WORLD);
+    send(local.data(), local.size(), MPI_FLOAT, 0, 2, "serve: logits to rank 0");
     return {};
   }
   std::vector<int> counts(tp_), offs(tp_);
@@ -1689,7 +1737,9 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     counts[r] = (int)(ns * (b - a)), offs[r] = r ? offs[r - 1] + counts[r - 1] : 0;
   }
   std::vector<float> all(trank_ == 0 ? ns * V : 0);
-  MPI_Gatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_);
+  watched(*tpc_c_, "serve: logits (gather)", true, [&](MPI_Request* r) {
+    MPI_Igatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_, r);
+  });
   if (trank_ != 0) return {};
   logits.resize(ns * V);
   for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
@@ -1698,7 +1748,7 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
       std::copy(&all[offs[r] + s * (b - a)], &all[offs[r] + (s + 1) * (b - a)], &logits[s * V + a]);
   }
   if (rank_ != 0) {  // the last stage's first rank: the logits to the engine
-    MPI_Send(logits.data(), (int)logits.size(), MPI_FLOAT, 0, 2, MPI_COMM_WORLD);
+    send(logits.data(), logits.size(), MPI_FLOAT, 0, 2, "serve: logits to rank 0");
     return {};
   }
   return logits;
@@ -1710,6 +1760,7 @@ void Server::worker_loop() {
     try {
       run_step(segs);
     } catch (const Error& e) {  // rank 0 met the same error in the same step and goes on
+      if (is_watchdog(e)) throw;  // unless a rank stopped: then the job ends
     }
   }
 }
@@ -1756,7 +1807,20 @@ int Server::run() {
               {"max_model_len", max_context_}};
     r.set_content(dump(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
   });
-  svr.Get("/health", [](const Req&, Res& r) { r.set_content("{\"status\":\"ok\"}", "application/json"); });
+  // Unhealthy (503) once the engine has stopped, or while a model step has run for more than half of
+  // runtime.timeout (a rank has stopped, most likely; the watchdog ends the server at the full timeout).
+  const double stall = deck_.real("runtime.timeout") / 2;
+  svr.Get("/health", [this, stall](const Req&, Res& r) {
+    const double since = step_since_, now = wall_seconds();
+    std::string why;
+    if (!healthy_) why = "the engine has stopped";
+    else if (since > 0 && stall > 0 && now - since > stall)
+      why = "a model step has run for " + std::to_string(int(now - since)) + " s (runtime.timeout = " +
+            std::to_string(int(2 * stall)) + " s): a rank of the group does not answer";
+    if (why.empty()) return r.set_content("{\"status\":\"ok\"}", "application/json");
+    r.status = 503;
+    r.set_content(dump({{"status", "unhealthy"}, {"reason", why}}), "application/json");
+  });
   svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& r) {
     r.set_content(metrics_text(), "text/plain; version=0.0.4");
   });
@@ -1819,7 +1883,21 @@ int Server::run() {
            " (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics)");
   try {
     engine_loop();
-  } catch (...) {
+  } catch (const std::exception& e) {
+    // Every open request gets its error, so that the HTTP threads return and the server can end.
+    healthy_ = false;
+    std::vector<std::shared_ptr<Job>> open(running_.begin(), running_.end());
+    open.insert(open.end(), waiting_.begin(), waiting_.end());
+    {
+      std::lock_guard<std::mutex> g(in_m_);
+      open.insert(open.end(), incoming_.begin(), incoming_.end());
+      incoming_.clear();
+    }
+    for (auto& j : open) {
+      j->error = std::string("the server stopped: ") + e.what(), j->status = 503;
+      j->slot = -1;  // its cache slot goes with the server
+      finish(*j, "error");
+    }
     svr.stop();
     http.join();
     throw;

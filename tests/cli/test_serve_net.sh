@@ -161,6 +161,46 @@ EOF
   kill -TERM $pid; wait $pid
 fi
 
+# --- Tensor parallel with a stopped rank ---------------------------------------------------------------------------
+# rank_pid PID RANK: the process of MPI rank RANK below PID (mpiexec's proxies set PMI_RANK).
+descendants() {
+  local f st ppid
+  for f in /proc/[0-9]*/stat; do
+    { read -r st <"$f"; } 2>/dev/null || continue
+    read -r _ ppid _ <<<"${st##*) }"
+    [[ $ppid == "$1" ]] && { f=${f#/proc/}; echo "${f%/stat}"; descendants "${f%/stat}"; }
+  done
+}
+rank_pid() {
+  local p
+  for p in $(descendants "$1"); do
+    grep -qx "PMI_RANK=$2" <<<"$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null)" && { echo "$p"; return; }
+  done
+}
+# TP = 2, runtime.timeout = 6 s, rank 1 stopped (SIGSTOP) before a request: /health turns 503 while the step hangs,
+# the request gets an error, and the server exits non-zero within the timeout + 5 s naming rank 1 and the collective.
+if needs "tp-stopped-rank" mpiexec && start tpstop timeout -k 3 60 mpiexec -n 2 $q serve model.preset=tiny \
+    serve.kv_mib=8 runtime.timeout=6 serve.max_tokens=4; then
+  r1=$(rank_pid $pid 1)
+  kill -STOP $r1
+  t0=$(date +%s%N)
+  curl -s -m 30 -o $tmp/tpstop.json -w '%{http_code}' -d '{"prompt": "hi"}' "$(url /v1/completions)" >$tmp/tpstop.code &
+  sleep 4.5
+  h=$(curl -s -m 2 -w ' %{http_code}' "$(url /health)")
+  wait $pid; rc=$?
+  dt=$(( ($(date +%s%N) - t0) / 1000000 ))
+  kill -CONT $r1 2>/dev/null; wait
+  [[ $h == *'a rank of the group does not answer'*'"status":"unhealthy"'*' 503' ]] && pass "stopped rank: /health 503 before the end" ||
+    bad "stopped rank: /health said $h"
+  ((rc != 0 && rc != 124 && dt < 11000)) && grep -qE "watchdog: collective .* did not complete within runtime.timeout = 6 s.*(rank 1|1 at #)" $tmp/tpstop.log &&
+    pass "stopped rank: the server exits ($rc) in $dt ms, naming rank 1" ||
+    bad "stopped rank: exit $rc after $dt ms: $(grep -E 'watchdog|error' $tmp/tpstop.log | head -3)"
+  [[ $(cat $tmp/tpstop.code) == 503 ]] && grep -q 'the server stopped: watchdog' $tmp/tpstop.json &&
+    pass "stopped rank: the open request answered 503" || bad "stopped rank: request $(cat $tmp/tpstop.code) $(cat $tmp/tpstop.json)"
+  ! grep -qE "munmap_chunk|double free|corrupted|Segmentation" $tmp/tpstop.log && pass "stopped rank: no memory corruption" ||
+    bad "stopped rank: $(grep -E 'munmap_chunk|double free|corrupted|Segmentation' $tmp/tpstop.log)"
+fi
+
 # --- API keys: Q3VL_API_KEY (the deck's serve.api_key is the same key, hidden in the log's echo) -----------------
 if start auth env Q3VL_API_KEY=sekret-42 $q serve model.preset=tiny serve.max_context=256 serve.max_tokens=2; then
   o=$(code "$(url /health)")
