@@ -11,6 +11,7 @@
 #include <toml++/toml.h>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/paths.hpp"
 
 namespace q3vl {
 
@@ -89,7 +90,8 @@ DeckValue parse_default(const KeySpec& k) {
     case KeyType::Bool: return k.def == "true";
     case KeyType::Int: return int64_t(std::stoll(k.def));
     case KeyType::Real: return std::stod(k.def);
-    case KeyType::String: return k.def;
+    // The default tokenizer ships with q3vl: found from any working directory (core/paths.hpp).
+    case KeyType::String: return k.name == "tokenizer.path" ? shipped_file(k.def, "share/q3vl/tokenizer.json") : k.def;
   }
   return k.def;
 }

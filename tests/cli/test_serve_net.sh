@@ -201,6 +201,29 @@ if needs "tp-stopped-rank" mpiexec && start tpstop timeout -k 3 60 mpiexec -n 2 
     bad "stopped rank: $(grep -E 'munmap_chunk|double free|corrupted|Segmentation' $tmp/tpstop.log)"
 fi
 
+# --- From a job folder: the checkout's binary and an installed one find their tokenizer -----------------------------
+mkdir -p $tmp/job
+for how in checkout installed; do
+  if [[ $how == installed ]]; then
+    make -s install PREFIX=$tmp/inst >$tmp/install.log 2>&1 || { bad "make install: $(tail -3 $tmp/install.log)"; continue; }
+    exe=$tmp/inst/bin/q3vl
+    [[ -f $tmp/inst/share/q3vl/tokenizer.json && -f $tmp/inst/share/q3vl/input/train_tiny.deck &&
+       -f $tmp/inst/share/q3vl/jobs/common.sh && -x $tmp/inst/share/q3vl/tools/summarize ]] &&
+      grep -qx "set root $tmp/inst" $tmp/inst/share/modulefiles/q3vl/* && pass "make install: binary, data, modulefile" ||
+      bad "make install: $(ls -R $tmp/inst | head -20)"
+  else
+    exe=$(realpath $q)
+  fi
+  cd $tmp/job
+  started=0; start job_$how $exe serve model.preset=tiny serve.max_context=256 && started=1
+  cd - >/dev/null
+  if ((started)); then
+    o=$(code -d '{"prompt": "hi", "max_tokens": 2}' "$(url /v1/completions)")
+    [[ $o == 200* ]] && pass "serve from a job folder ($how binary)" || bad "job folder ($how): $o"
+    kill -TERM $pid; wait $pid
+  fi
+done
+
 # --- API keys: Q3VL_API_KEY (the deck's serve.api_key is the same key, hidden in the log's echo) -----------------
 if start auth env Q3VL_API_KEY=sekret-42 $q serve model.preset=tiny serve.max_context=256 serve.max_tokens=2; then
   o=$(code "$(url /health)")
