@@ -1883,8 +1883,15 @@ int Server::run() {
            " (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics)");
   try {
     engine_loop();
-  } catch (const std::exception& e) {
+  } catch (...) {
     // Every open request gets its error, so that the HTTP threads return and the server can end.
+    std::string why = "internal error";
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+    }
     healthy_ = false;
     std::vector<std::shared_ptr<Job>> open(running_.begin(), running_.end());
     open.insert(open.end(), waiting_.begin(), waiting_.end());
@@ -1894,7 +1901,7 @@ int Server::run() {
       incoming_.clear();
     }
     for (auto& j : open) {
-      j->error = std::string("the server stopped: ") + e.what(), j->status = 503;
+      j->error = "the server stopped: " + why, j->status = 503;
       j->slot = -1;  // its cache slot goes with the server
       finish(*j, "error");
     }
