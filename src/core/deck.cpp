@@ -11,6 +11,7 @@
 #include <toml++/toml.h>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/paths.hpp"
 
 namespace q3vl {
 
@@ -89,7 +90,8 @@ DeckValue parse_default(const KeySpec& k) {
     case KeyType::Bool: return k.def == "true";
     case KeyType::Int: return int64_t(std::stoll(k.def));
     case KeyType::Real: return std::stod(k.def);
-    case KeyType::String: return k.def;
+    // The default tokenizer ships with q3vl: found from any working directory (core/paths.hpp).
+    case KeyType::String: return k.name == "tokenizer.path" ? shipped_file(k.def, "share/q3vl/tokenizer.json") : k.def;
   }
   return k.def;
 }
@@ -271,13 +273,15 @@ void Deck::set_given_keys(const std::string& lines) {
     if (!k.empty()) given_[k] = true;
 }
 
-std::string Deck::to_toml() const {
+std::string Deck::to_toml(bool hide_secrets) const {
   std::ostringstream out;
   std::string section;
   for (const auto& k : deck_schema()) {
     std::string s = k.name.substr(0, k.name.find('.'));
     if (s != section) out << (section.empty() ? "" : "\n") << "[" << s << "]\n", section = s;
-    out << k.name.substr(s.size() + 1) << " = " << value_text(values_.at(k.name)) << "\n";
+    const auto* str = std::get_if<std::string>(&values_.at(k.name));
+    const bool secret = hide_secrets && k.name.ends_with("api_key") && str && !str->empty();
+    out << k.name.substr(s.size() + 1) << " = " << (secret ? "\"<hidden>\"" : value_text(values_.at(k.name))) << "\n";
   }
   return out.str();
 }

@@ -60,6 +60,8 @@ const std::vector<KeySpec>& deck_schema() {
 
       // serve: the OpenAI-compatible server (rank 0 speaks HTTP)
       {"serve.host", T::String, "127.0.0.1", "address to listen on (0.0.0.0: every interface)"},
+      {"serve.api_key", T::String, "", "clients must send Authorization: Bearer <this key> (401 otherwise; /health "
+       "needs none); empty: the environment variable Q3VL_API_KEY, else no key"},
       {"serve.port", T::Int, "8000", "TCP port (0: any free port, printed at start-up)", 0, 65535},
       {"serve.tp", T::Int, "0", "tensor-parallel ranks per pipeline stage (heads, MLP rows and vocabulary split over "
        "them); 0: auto (the ranks / serve.pp)", 0, 1 << 20},
@@ -88,7 +90,17 @@ const std::vector<KeySpec>& deck_schema() {
        "tokens, images and positions); finished requests' blocks stay cached until the space is needed"},
       {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json)", 1, 1e12},
       {"serve.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
+      {"serve.max_image_pixels", T::Int, "67108864", "most pixels a request's images may decode to, all together "
+       "(checked from their headers before decoding; a larger JPEG is decoded at 1/2 to 1/8 scale; larger: 413)",
+       1, 1e12},
       {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},
+      {"serve.header_timeout", T::Real, "10", "seconds a request head may take from its first byte (slower: 408 and "
+       "closed)", 0.1, 1e6},
+      {"serve.read_timeout", T::Real, "30", "seconds a whole request may take to arrive, head and body (and a client "
+       "to take an answer's bytes)", 0.1, 1e6},
+      {"serve.max_client_connections", T::Int, "64", "open connections per client address (more: its oldest one "
+       "waiting for a request head is closed; 429 when all are busy)", 1, 1 << 20},
+      {"serve.max_connections", T::Int, "512", "open connections in all (more: 503)", 1, 1 << 20},
       {"serve.http_threads", T::Int, "128", "HTTP worker threads (each open stream holds one)", 1, 1 << 16},
 
       // synth: the demo's synthetic pictures (q3vl synth)
@@ -191,7 +203,10 @@ const std::vector<KeySpec>& deck_schema() {
       // checkpoint
       {"checkpoint.every", T::Int, "0", "write a checkpoint every N steps (0: only at the end)", 0, 1e12},
       {"checkpoint.dir", T::String, "", "checkpoint directory (default: run.out_dir/checkpoints)"},
-      {"checkpoint.keep", T::Int, "3", "keep the newest N checkpoints", 1, 1e9},
+      {"checkpoint.keep", T::Int, "3", "keep the newest N checkpoints (of this run: another run's are never deleted)",
+       1, 1e9},
+      {"checkpoint.overwrite", T::Bool, "false", "a checkpoint folder holding another run's checkpoints: move them "
+       "into <dir>/replaced.N and go on (false: refuse to start)"},
 
       // parallel
       {"parallel.zero_stage", T::Int, "3", "ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters sharded", 1, 3},

@@ -67,4 +67,14 @@ std::string need_output_file(const std::string& key, const std::string& path) {
   return need_writable_dir(key + "'s folder", parent.empty() ? "." : parent.string());
 }
 
+std::string shipped_file(const std::string& rel, const std::string& installed) {
+  std::error_code ec;
+  if (fs::path(rel).is_absolute() || fs::exists(rel, ec)) return rel;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return rel;
+  for (const fs::path& p : {exe.parent_path().parent_path() / rel, exe.parent_path().parent_path() / installed})
+    if (fs::exists(p, ec)) return p.lexically_normal().string();
+  return rel;
+}
+
 }  // namespace q3vl

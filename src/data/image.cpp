@@ -188,16 +188,21 @@ bool jpeg_pixels_phase(JpegRead* j, uint8_t* buf, size_t stride) {
   return true;
 }
 
-RgbImage decode_jpeg(const uint8_t* data, size_t size, const std::string& name) {
-  JpegRead j;
+void jpeg_init(JpegRead& j) {
   j.cinfo.err = jpeg_std_error(&j.err.mgr);
   j.err.mgr.error_exit = jpeg_on_error;
   j.err.mgr.emit_message = jpeg_on_message;
   j.err.msg[0] = 0;
   jpeg_create_decompress(&j.cinfo);
+}
+
+RgbImage decode_jpeg(const uint8_t* data, size_t size, const std::string& name, int scale) {
+  JpegRead j;
+  jpeg_init(j);
   bool ok = jpeg_read_header_phase(&j, data, size);
   if (ok) {
-    const long w = j.cinfo.image_width, h = j.cinfo.image_height;
+    j.cinfo.scale_num = 1, j.cinfo.scale_denom = unsigned(scale);  // the IDCT at 1/scale: no full-size buffer
+    const long w = (j.cinfo.image_width + scale - 1) / scale, h = (j.cinfo.image_height + scale - 1) / scale;
     if (w <= 0 || h <= 0 || w * h > kMaxDecodePixels) {
       jpeg_destroy_decompress(&j.cinfo);
       check_dims(w, h, name);
@@ -295,12 +300,34 @@ inline uint8_t clip8(int32_t ss) { return uint8_t(std::clamp(ss >> kPrecisionBit
 
 // ---- public --------------------------------------------------------------------------------------------
 
-RgbImage decode_image(const uint8_t* data, size_t size, const std::string& name) {
+ImageHeader read_image_header(const uint8_t* data, size_t size, const std::string& name) {
   static const uint8_t png_sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
   if (size == 0) fail(name + ": empty image file");
-  if (size >= 8 && std::memcmp(data, png_sig, 8) == 0) return decode_png(data, size, name);
-  if (size >= 3 && data[0] == 0xff && data[1] == 0xd8 && data[2] == 0xff) return decode_jpeg(data, size, name);
+  ImageHeader h;
+  if (size >= 8 && std::memcmp(data, png_sig, 8) == 0) {
+    // IHDR is the first chunk (PNG spec 11.2.2): length, "IHDR", width and height big-endian.
+    if (size < 24 || std::memcmp(data + 12, "IHDR", 4) != 0) fail(name + ": corrupt or truncated PNG file: no IHDR");
+    auto be32 = [&](size_t o) { return uint32_t(data[o]) << 24 | data[o + 1] << 16 | data[o + 2] << 8 | data[o + 3]; };
+    h.w = long(be32(16)), h.h = long(be32(20));
+    return h;
+  }
+  if (size >= 3 && data[0] == 0xff && data[1] == 0xd8 && data[2] == 0xff) {
+    JpegRead j;  // jpeg_read_header reads the markers up to the first scan: no pixel is decoded
+    jpeg_init(j);
+    const bool ok = jpeg_read_header_phase(&j, data, size);
+    h.w = j.cinfo.image_width, h.h = j.cinfo.image_height, h.jpeg = true;
+    jpeg_destroy_decompress(&j.cinfo);
+    if (!ok) fail(name + ": corrupt or truncated JPEG file: " + j.err.msg);
+    return h;
+  }
   fail(name + ": unsupported image format (only JPEG and PNG are read)");
+}
+
+RgbImage decode_image(const uint8_t* data, size_t size, const std::string& name, int scale) {
+  const ImageHeader h = read_image_header(data, size, name);
+  if (scale != 1 && (!h.jpeg || (scale != 2 && scale != 4 && scale != 8)))
+    fail(name + ": cannot decode at 1/" + std::to_string(scale) + " (JPEG only, at 1/2, 1/4 or 1/8)");
+  return h.jpeg ? decode_jpeg(data, size, name, scale) : decode_png(data, size, name);
 }
 
 RgbImage load_image(const std::string& path) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <set>
 
@@ -201,7 +202,7 @@ void count_and_checksum(MPI_Comm comm, const std::vector<CkptSlice>& slices, std
 // Rank 0's metadata on every rank (the values written must be identical everywhere).
 CkptMeta bcast_meta(MPI_Comm comm, const CkptMeta& m) {
   std::string packed;
-  for (const std::string* s : {&m.deck_toml, &m.state_json, &m.build, &m.hf_config_json}) {
+  for (const std::string* s : {&m.deck_toml, &m.state_json, &m.build, &m.hf_config_json, &m.run_id}) {
     uint64_t n = s->size();
     packed.append(reinterpret_cast<const char*>(&n), 8).append(*s);
   }
@@ -209,7 +210,7 @@ CkptMeta bcast_meta(MPI_Comm comm, const CkptMeta& m) {
   packed = bcast_string(comm, packed, 0);
   CkptMeta out = m;
   size_t pos = 0;
-  for (std::string* s : {&out.deck_toml, &out.state_json, &out.build, &out.hf_config_json}) {
+  for (std::string* s : {&out.deck_toml, &out.state_json, &out.build, &out.hf_config_json, &out.run_id}) {
     uint64_t n;
     std::memcpy(&n, packed.data() + pos, 8);
     *s = packed.substr(pos + 8, n);
@@ -329,7 +330,9 @@ std::string read_meta(hid_t f, CkptMeta* m) {
   for (auto [name, dst] : std::initializer_list<std::pair<const char*, std::string*>>{
            {"deck", &m->deck_toml}, {"state_json", &m->state_json}, {"build", &m->build}})
     if (std::string e = get_attr_str(f, name, dst); !e.empty()) return e;
-  // Optional: files written before it was kept still resume.
+  // Optional: files written before they were kept still resume.
+  if (H5Aexists(f, "run_id") > 0)
+    if (std::string e = get_attr_str(f, "run_id", &m->run_id); !e.empty()) return e;
   if (H5Aexists(f, "hf_config_json") > 0) return get_attr_str(f, "hf_config_json", &m->hf_config_json);
   return "";
 }
@@ -438,9 +441,18 @@ void fsync_path(const std::string& path, bool dir) {
   }
 }
 
+// The run that wrote a complete checkpoint ("" for files written before runs had ids), or nullopt where its
+// attributes cannot be read.
+std::optional<std::string> run_of(const std::string& path) {
+  Hid f;
+  CkptMeta m;
+  if (!open_serial(path, &f).empty() || !read_meta(f, &m).empty()) return std::nullopt;
+  return m.run_id;
+}
+
 // Rank 0 after every rank closed the .partial: publish it, point `latest` at it, prune. "" or the error.
 std::string publish(const std::string& dir, const std::string& partial, const std::string& final_name,
-                    int64_t step, int keep_last) {
+                    int64_t step, const std::string& run_id, int keep_last) {
   std::string final_path = dir + "/" + final_name;
   fsync_path(partial, false);
   if (std::rename(partial.c_str(), final_path.c_str()) != 0)
@@ -458,11 +470,13 @@ std::string publish(const std::string& dir, const std::string& partial, const st
     return "checkpoint: cannot rename '" + tmp + "' to '" + latest + "': " + std::strerror(errno);
   fsync_path(dir, true);
 
-  // Prune: the written checkpoint always stays; of the others, the newest keep_last-1 by step.
+  // Prune: the written checkpoint always stays; of this run's others, the newest keep_last-1 by step. Another
+  // run's files (or unreadable ones) are never deleted: a checkpoint someone may still want is not ours to lose.
   DirListing l = list_dir(dir);
   int kept = 1;
   for (const auto& [s, name] : l.complete) {
     if (name == final_name) continue;
+    if (run_of(dir + "/" + name) != run_id) continue;
     if (s > step) log_warn("checkpoint: " + dir + "/" + name + " is newer than the step just written (" +
                            std::to_string(step) + ")");
     if (keep_last <= 0 || kept < keep_last) {
@@ -614,6 +628,7 @@ std::string write_checkpoint(const std::string& dir_in, MPI_Comm comm, const Ckp
     set_attr(file, "state_json", meta.state_json, w);
     set_attr(file, "build", meta.build, w);
     set_attr(file, "hf_config_json", meta.hf_config_json, w);
+    set_attr(file, "run_id", meta.run_id, w);
 
     Hid gcpl(H5Pcreate(H5P_GROUP_CREATE), H5Pclose);
     H5Pset_obj_track_times(gcpl, 0);
@@ -648,7 +663,7 @@ std::string write_checkpoint(const std::string& dir_in, MPI_Comm comm, const Ckp
   }
 
   MPI_Barrier(comm);  // every rank's data is in the file before it is published
-  agree(comm, rank == 0 ? publish(dir, partial, final_name, meta.step, keep_last) : "");
+  agree(comm, rank == 0 ? publish(dir, partial, final_name, meta.step, meta.run_id, keep_last) : "");
   return dir + "/" + final_name;
 }
 
@@ -781,7 +796,7 @@ std::string checkpoint_problem(const std::string& path) {
   return "";
 }
 
-std::string find_resume_checkpoint(const std::string& dir_in, std::vector<std::string>* notes) {
+std::vector<std::string> resume_candidates(const std::string& dir_in, std::vector<std::string>* notes) {
   const std::string dir = without_trailing_slash(dir_in);
   auto note = [&](const std::string& s, bool warn) {
     if (notes) notes->push_back(s);
@@ -790,7 +805,7 @@ std::string find_resume_checkpoint(const std::string& dir_in, std::vector<std::s
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     note("no checkpoint directory '" + dir + "'", false);
-    return "";
+    return {};
   }
   DirListing l = list_dir(dir);
   for (const auto& [s, name] : l.partial)
@@ -798,6 +813,7 @@ std::string find_resume_checkpoint(const std::string& dir_in, std::vector<std::s
   std::string latest;
   if (std::ifstream in(dir + "/latest"); in) std::getline(in, latest);
 
+  std::vector<std::string> out;
   for (const auto& [s, name] : l.complete) {
     std::string path = dir + "/" + name;
     if (std::string why = checkpoint_problem(path); !why.empty()) {
@@ -806,7 +822,7 @@ std::string find_resume_checkpoint(const std::string& dir_in, std::vector<std::s
     }
     // `latest` is written after the rename, so a crash in between leaves it one behind: step order wins. It
     // names a newer step when that one was damaged and skipped above.
-    if (!latest.empty() && latest != name) {
+    if (out.empty() && !latest.empty() && latest != name) {
       static const std::regex step_re(R"(step_(\d{8,18})\.h5)");
       std::smatch m;
       const bool newer = std::regex_match(latest, m, step_re) && std::stoll(m[1].str()) > s;
@@ -814,11 +830,41 @@ std::string find_resume_checkpoint(const std::string& dir_in, std::vector<std::s
                                                 : ", but " + name + " is newer"),
            false);
     }
-    note("resuming from " + path, false);
-    return path;
+    if (out.empty()) note("resuming from " + path, false);
+    out.push_back(path);
   }
-  note("no complete checkpoint in '" + dir + "'", false);
-  return "";
+  if (out.empty()) note("no complete checkpoint in '" + dir + "'", false);
+  return out;
+}
+
+std::string find_resume_checkpoint(const std::string& dir, std::vector<std::string>* notes) {
+  const std::vector<std::string> c = resume_candidates(dir, notes);
+  return c.empty() ? "" : c.front();
+}
+
+std::vector<std::string> other_runs_checkpoints(const std::string& dir_in, const std::string& run_id) {
+  const std::string dir = without_trailing_slash(dir_in);
+  std::vector<std::string> out;
+  for (const auto& [s, name] : list_dir(dir).complete)
+    if (const auto r = run_of(dir + "/" + name); !r || *r != run_id) out.push_back(dir + "/" + name);
+  return out;
+}
+
+std::string move_checkpoints_aside(const std::string& dir_in, const std::vector<std::string>& files) {
+  const std::string dir = without_trailing_slash(dir_in);
+  std::string aside;
+  for (int k = 1;; ++k)  // the first free name: earlier replacements stay as they were
+    if (aside = dir + "/replaced." + std::to_string(k); !fs::exists(aside)) break;
+  std::error_code ec;
+  fs::create_directories(aside, ec);
+  if (ec) fail("checkpoint.overwrite: cannot create '" + aside + "': " + ec.message());
+  for (const std::string& f : files) {
+    fs::rename(f, aside + "/" + fs::path(f).filename().string(), ec);
+    if (ec) fail("checkpoint.overwrite: cannot move '" + f + "' to '" + aside + "': " + ec.message());
+  }
+  if (fs::exists(dir + "/latest")) fs::rename(dir + "/latest", aside + "/latest", ec);
+  fsync_path(dir, true);
+  return aside;
 }
 
 }  // namespace q3vl

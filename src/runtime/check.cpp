@@ -65,7 +65,7 @@ RankInfo probe(const Deck& deck) {
   if (p.gpu >= 0) {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, p.gpu) == cudaSuccess) {
-      std::snprintf(r.device, sizeof r.device, "gpu%d %s", p.gpu, prop.name);
+      std::snprintf(r.device, sizeof r.device, "gpu%d %.48s", p.gpu, prop.name);  // a name cut to the record
       r.gpu_mem_gb = double(prop.totalGlobalMem) / 1e9;
     }
     cudaDriverGetVersion(&r.driver_version);

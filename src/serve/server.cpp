@@ -13,6 +13,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -25,6 +26,8 @@
 #include <thread>
 #include <unordered_map>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "q3vl/core/error.hpp"
@@ -32,6 +35,7 @@
 #include "q3vl/core/log.hpp"
 #include "q3vl/core/parallel.hpp"
 #include "q3vl/data/chat.hpp"
+#include "q3vl/data/image.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
@@ -51,16 +55,51 @@ namespace {
 // A request the server refuses: HTTP status and the OpenAI error object's fields.
 struct HttpError {
   int status;
-  std::string message, type = "invalid_request_error", param;
+  std::string message, type = "invalid_request_error", param, code;
 };
 [[noreturn]] void refuse(int status, const std::string& msg, const std::string& param = "") {
   throw HttpError{status, msg, status == 404 ? "not_found_error" : "invalid_request_error", param};
 }
 
+// Every JSON the server writes: a message may quote what a client sent (a path, a parser's last bytes), and a
+// string that is not UTF-8 makes json::dump throw, outside any handler when httplib answers a 404 itself. Invalid
+// bytes become U+FFFD.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 std::string error_body(const HttpError& e) {
   json err = {{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
   if (!e.param.empty()) err["param"] = e.param;
-  return json{{"error", err}}.dump();
+  if (!e.code.empty()) err["code"] = e.code;
+  return dump(json{{"error", err}});
+}
+
+// Whether an Authorization header is "Bearer <key>", in time that depends on the lengths only.
+bool bearer_matches(const std::string& header, const std::string& key) {
+  const std::string want = "Bearer " + key;
+  unsigned diff = header.size() != want.size();
+  for (size_t i = 0; i < want.size(); ++i) diff |= (unsigned char)want[i] ^ (unsigned char)(i < header.size() ? header[i] : 0);
+  return diff == 0;
+}
+
+// The offset of the first byte of s that does not belong to well-formed UTF-8 (RFC 3629: no overlong forms, no
+// surrogates, nothing above U+10FFFF), or npos.
+size_t utf8_error(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = (unsigned char)s[i];
+    const size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return i;
+    uint32_t cp = n == 1 ? c : c & (0x7f >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto b = (unsigned char)s[i + k];
+      if ((b >> 6) != 2) return i;
+      cp = cp << 6 | (b & 0x3f);
+    }
+    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10ffff ||
+        (cp >= 0xd800 && cp <= 0xdfff))
+      return i;
+    i += n;
+  }
+  return std::string_view::npos;
 }
 
 // One request from HTTP thread to engine and back. The engine owns the fields below `engine only`; the rest are
@@ -228,6 +267,264 @@ size_t apply_kv(KvCache<float>& c, const std::vector<int64_t>& o, size_t i) {
   fail("KV cache: unknown change " + std::to_string(o[i]) + " in a step plan");
 }
 
+// A nonblocking MPI operation of the serving loop, waited on under comm's deadline (runtime.timeout): a rank that stops
+// makes the wait fail naming the operation and the ranks behind, and the server ends (is_watchdog), instead of hanging
+// in an unwatched MPI call, or going on with collectives out of step, which corrupted memory once the rank woke up.
+// counted: a collective that every rank of comm starts (its sequence number names the ranks behind); a
+// point-to-point transfer is not, and a stopped peer is named by its silence.
+class MpiOp : public CommRequest {
+ public:
+  explicit MpiOp(const char* what) : CommRequest(what) {}
+  bool test() override {
+    int done = 0;
+    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+    return done;
+  }
+  MPI_Request r = MPI_REQUEST_NULL;
+};
+template <class F>
+void watched(Comm& c, const char* what, bool counted, F start) {
+  auto op = std::make_unique<MpiOp>(what);
+  if (counted) op->seq = c.begin_collective();
+  start(&op->r);
+  c.wait(std::move(op));
+}
+bool is_watchdog(const Error& e) { return std::string_view(e.what()).starts_with("watchdog:"); }
+
+// ---- The HTTP front ----------------------------------------------------------------------------------------------
+// cpp-httplib 0.11 gives a connection a pool thread from accept to close: a client trickling its head a byte a second
+// holds one as long as it likes, and 130 of them starve /health (issue 33). httplib still parses and routes here, but
+// a connection reaches a thread only with a whole request head in hand: one reader thread polls every connection that
+// is between requests or inside a head, with a deadline for the head (serve.header_timeout) and one for idle
+// keep-alive; the body must follow within serve.read_timeout of the head's first byte. GET /health and /metrics run on
+// threads of their own, so a pool busy with long completions still answers them. A client address holds at most
+// serve.max_client_connections: a new one closes its oldest connection that is waiting for a head (a slow client's,
+// never a request's), or is refused with 429 when all are busy. Bytes read past a request (pipelining) stay with the
+// connection for the next one, which httplib's per-request stream dropped.
+class HttpFront : public httplib::Server {
+ public:
+  struct Limits {
+    double header_timeout = 10, read_timeout = 30, keep_alive = 5;
+    int per_client = 64, max_connections = 512, threads = 128;
+  };
+  explicit HttpFront(const Limits& l) : lim_(l) {
+    // httplib's accept loop hands each socket to process_and_close_socket through its task queue: run at once (it
+    // only registers the socket) rather than on a pool thread.
+    struct Inline : httplib::TaskQueue {
+      void enqueue(std::function<void()> fn) override { fn(); }
+      void shutdown() override {}
+    };
+    new_task_queue = [] { return new Inline; };
+    if (pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) fail(std::string("serve: pipe: ") + std::strerror(errno));
+    pool_ = std::make_unique<httplib::ThreadPool>(size_t(l.threads));
+    fast_ = std::make_unique<httplib::ThreadPool>(2);
+    reader_ = std::thread([this] { reader_loop(); });
+  }
+  // After listen_after_bind has returned (Server::stop): the reader, then the pools, then every socket.
+  ~HttpFront() override {
+    stop_ = true;
+    wake();
+    reader_.join();
+    pool_->shutdown();
+    fast_->shutdown();
+    for (auto& c : conns_) ::close(c->fd);
+    ::close(wake_[0]), ::close(wake_[1]);
+  }
+
+ private:
+  struct Conn {
+    int fd = -1;
+    std::string addr, buf;  // buf: bytes read and not yet parsed
+    double t_open = 0, t_head = 0, t_idle = 0;  // t_head: first byte of the current head (0: none yet)
+    bool busy = false;                          // on a worker thread
+  };
+  class Stream;
+  bool process_and_close_socket(socket_t sock) override;
+  void reader_loop();
+  void serve(const std::shared_ptr<Conn>& c);
+  void close_conn(const std::shared_ptr<Conn>& c, const char* why = nullptr);  // m_ held; why: a last 408 answer
+  void wake() { [[maybe_unused]] ssize_t n = ::write(wake_[1], "w", 1); }
+
+  Limits lim_;
+  std::mutex m_;
+  std::vector<std::shared_ptr<Conn>> conns_;
+  int wake_[2] = {-1, -1};
+  std::atomic<bool> stop_{false};
+  std::unique_ptr<httplib::ThreadPool> pool_, fast_;
+  std::thread reader_;
+};
+
+// Set by a handler that answered before httplib read the request's body (the pre-routing refusals): the unread body
+// would be parsed as the next request, so the connection closes after the answer.
+thread_local bool t_close_after = false;
+
+bool wait_fd(int fd, short events, double seconds) {
+  pollfd p{fd, events, 0};
+  return poll(&p, 1, std::max(0, int(seconds * 1000))) > 0 && (p.revents & events);
+}
+
+// One connection's bytes for httplib: buffered ones first, then the socket, each read under the request's deadline.
+class HttpFront::Stream : public httplib::Stream {
+ public:
+  Stream(int fd, std::string buf, double deadline, double write_timeout)
+      : fd_(fd), buf_(std::move(buf)), deadline_(deadline), write_timeout_(write_timeout) {}
+  bool is_readable() const override { return off_ < buf_.size() || wait_fd(fd_, POLLIN, deadline_ - wall_seconds()); }
+  bool is_writable() const override { return wait_fd(fd_, POLLOUT, write_timeout_) && !peer_closed(fd_); }
+  ssize_t read(char* p, size_t n) override {
+    if (off_ >= buf_.size()) {
+      if (!wait_fd(fd_, POLLIN, deadline_ - wall_seconds())) return -1;
+      buf_.resize(16384), off_ = 0;
+      const ssize_t r = ::recv(fd_, buf_.data(), buf_.size(), 0);
+      buf_.resize(std::max<ssize_t>(r, 0));
+      if (r <= 0) return r < 0 ? -1 : 0;
+    }
+    n = std::min(n, buf_.size() - off_);
+    std::memcpy(p, buf_.data() + off_, n);
+    off_ += n;
+    return ssize_t(n);
+  }
+  ssize_t write(const char* p, size_t n) override {
+    size_t done = 0;
+    while (done < n) {
+      if (!wait_fd(fd_, POLLOUT, write_timeout_)) return -1;
+      const ssize_t w = ::send(fd_, p + done, n - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w < 0 && errno != EAGAIN && errno != EINTR) return -1;
+      done += size_t(std::max<ssize_t>(w, 0));
+    }
+    return ssize_t(n);
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { address(true, ip, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { address(false, ip, port); }
+  socket_t socket() const override { return fd_; }
+  std::string leftover() const { return buf_.substr(std::min(off_, buf_.size())); }
+
+ private:
+  void address(bool peer, std::string& ip, int& port) const {
+    sockaddr_storage a{};
+    socklen_t n = sizeof a;
+    char host[NI_MAXHOST] = "", serv[NI_MAXSERV] = "0";
+    if ((peer ? getpeername(fd_, (sockaddr*)&a, &n) : getsockname(fd_, (sockaddr*)&a, &n)) == 0)
+      getnameinfo((sockaddr*)&a, n, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
+    ip = host, port = std::atoi(serv);
+  }
+  int fd_;
+  std::string buf_;
+  size_t off_ = 0;
+  double deadline_, write_timeout_;
+};
+
+// A short answer written straight to the socket (the connection is closed after it).
+void answer_and_close(int fd, int status, const std::string& message) {
+  const std::string body = error_body({status, message});
+  const char* text = status == 408 ? "Request Timeout" : status == 429 ? "Too Many Requests"
+                     : status == 431 ? "Request Header Fields Too Large" : "Service Unavailable";
+  const std::string head = "HTTP/1.1 " + std::to_string(status) + " " + text +
+                           "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+                           "\r\nConnection: close\r\n\r\n";
+  [[maybe_unused]] ssize_t n = ::send(fd, (head + body).data(), head.size() + body.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  ::shutdown(fd, SHUT_WR);
+}
+
+bool HttpFront::process_and_close_socket(socket_t sock) {
+  std::string ip;
+  int port = 0;
+  Stream(sock, "", 0, 0).get_remote_ip_and_port(ip, port);
+  const double now = wall_seconds();
+  std::lock_guard<std::mutex> g(m_);
+  if ((int)conns_.size() >= lim_.max_connections) {
+    answer_and_close(sock, 503, "the server has serve.max_connections open connections; try again later");
+    ::close(sock);
+    return false;
+  }
+  std::shared_ptr<Conn> oldest;
+  int mine = 0;
+  for (const auto& c : conns_)
+    if (c->addr == ip && (++mine, !c->busy) && (!oldest || c->t_open < oldest->t_open)) oldest = c;
+  if (mine >= lim_.per_client) {
+    if (!oldest) {
+      answer_and_close(sock, 429, "this address has serve.max_client_connections requests open; try again later");
+      ::close(sock);
+      return false;
+    }
+    close_conn(oldest, "closed for a newer connection from this address (serve.max_client_connections)");
+  }
+  auto c = std::make_shared<Conn>();
+  c->fd = sock, c->addr = ip, c->t_open = c->t_idle = now;
+  conns_.push_back(c);
+  wake();
+  return true;
+}
+
+void HttpFront::close_conn(const std::shared_ptr<Conn>& c, const char* why) {
+  if (why) answer_and_close(c->fd, 408, why);
+  ::close(c->fd);
+  std::erase(conns_, c);
+}
+
+void HttpFront::reader_loop() {
+  std::vector<pollfd> fds;
+  std::vector<std::shared_ptr<Conn>> who;
+  std::vector<char> tmp(16384);
+  while (!stop_) {
+    fds.assign(1, pollfd{wake_[0], POLLIN, 0});
+    who.assign(1, nullptr);
+    {
+      std::lock_guard<std::mutex> g(m_);
+      for (const auto& c : conns_)
+        if (!c->busy) fds.push_back({c->fd, POLLIN, 0}), who.push_back(c);
+    }
+    poll(fds.data(), fds.size(), 100);
+    char drain[64];
+    while (::read(wake_[0], drain, sizeof drain) > 0) {
+    }
+    const double now = wall_seconds();
+    std::lock_guard<std::mutex> g(m_);
+    for (size_t i = 1; i < fds.size(); ++i) {
+      const auto& c = who[i];
+      if (c->busy || std::find(conns_.begin(), conns_.end(), c) == conns_.end()) continue;
+      if (fds[i].revents) {
+        const ssize_t n = ::recv(c->fd, tmp.data(), tmp.size(), MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          close_conn(c);
+          continue;
+        }
+        if (n > 0 && c->buf.empty()) c->t_head = now;
+        if (n > 0) c->buf.append(tmp.data(), size_t(n));
+      }
+      if (c->buf.find("\r\n\r\n") != std::string::npos) {  // a whole head: to a worker
+        c->busy = true;
+        const bool quick = c->buf.rfind("GET /health", 0) == 0 || c->buf.rfind("GET /metrics", 0) == 0;
+        (quick ? fast_ : pool_)->enqueue([this, c] { serve(c); });
+      } else if (c->buf.size() > 65536) {
+        answer_and_close(c->fd, 431, "the request head is larger than 64 KiB");
+        close_conn(c);
+      } else if (c->t_head > 0 && now - c->t_head > lim_.header_timeout) {
+        close_conn(c, "the request head did not arrive in time (serve.header_timeout)");
+      } else if (c->t_head == 0 && now - c->t_idle > lim_.keep_alive) {
+        close_conn(c);
+      }
+    }
+  }
+}
+
+void HttpFront::serve(const std::shared_ptr<Conn>& c) {
+  Stream strm(c->fd, std::move(c->buf), c->t_head + lim_.read_timeout, lim_.read_timeout);
+  bool closed = false, ok = false;
+  t_close_after = false;
+  try {
+    ok = process_request(strm, stop_, closed, nullptr);
+    closed |= t_close_after;
+  } catch (...) {  // httplib catches a handler's; anything else ends the connection, not the server
+  }
+  std::lock_guard<std::mutex> g(m_);
+  c->buf = strm.leftover();
+  c->t_idle = wall_seconds();
+  c->t_head = c->buf.empty() ? 0 : c->t_idle;  // pipelined: the next head has begun
+  c->busy = false;
+  if (!ok || closed || stop_) close_conn(c);
+  wake();
+}
+
 class Server {
  public:
   explicit Server(const Deck& d) : deck_(d) {}
@@ -242,8 +539,10 @@ class Server {
   // HTTP side.
   void handle_completion(const httplib::Request& req, httplib::Response& res, bool chat);
   std::shared_ptr<Job> parse_request(const json& body, bool chat);
-  RgbImage fetch_image(const std::string& url, size_t index);
-  void reply_stream(const std::shared_ptr<Job>& job, httplib::Response& res, bool chat);
+  std::string image_bytes(const std::string& url, size_t index);
+  std::string read_image_file(const std::string& path, const std::string& name);
+  std::vector<RgbImage> decode_images(const std::vector<std::string>& bytes);
+  void reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res, bool chat);
   json response_object(const Job& job, bool chat, const std::string& id);
   std::string metrics_text();
   // Engine side.
@@ -272,6 +571,16 @@ class Server {
   std::unique_ptr<Model> model_;
   std::unique_ptr<DevModel> dev_;
   std::unique_ptr<Comm> tp_comm_;  // the tensor-parallel group's sums: MPI, or NCCL on the device (serve.tp_comm)
+  // The step plan's broadcasts, the stages' transfers (world_c_) and the group's gathers (tpc_c_), under the watchdog.
+  std::unique_ptr<Comm> world_c_, tpc_c_;
+  template <class T>
+  void send(const T* p, size_t n, MPI_Datatype t, int to, int tag, const char* what) {
+    watched(*world_c_, what, false, [&](MPI_Request* r) { MPI_Isend(p, (int)n, t, to, tag, MPI_COMM_WORLD, r); });
+  }
+  template <class T>
+  void recv(T* p, size_t n, MPI_Datatype t, int from, int tag, const char* what) {
+    watched(*world_c_, what, false, [&](MPI_Request* r) { MPI_Irecv(p, (int)n, t, from, tag, MPI_COMM_WORLD, r); });
+  }
   std::unique_ptr<Comm> tp_mpi() const {  // the group over MPI, under the collectives' watchdog
     auto c = std::make_unique<MpiComm>(tpc_);
     c->set_timeout(deck_.real("runtime.timeout"));
@@ -313,6 +622,7 @@ class Server {
   SamplingParams base_;
   std::string model_name_, image_dir_, checkpoint_;
   int64_t max_context_ = 0, max_tokens_ = 0, max_batch_ = 0, step_tokens_ = 0;
+  int64_t max_image_pixels_ = 0, max_body_ = 0;  // serve.max_image_pixels; serve.max_body_mib in bytes
   double timeout_ = 0;  // serve.timeout
   std::atomic<int64_t> next_id_{1};
   double created_ = 0;
@@ -331,6 +641,8 @@ class Server {
   DevStage dstage_;
   std::pair<int64_t, int64_t> vocab_rows_;
   bool stopped_ = false;
+  std::atomic<bool> healthy_{true};    // false once the engine has stopped
+  std::atomic<double> step_since_{0};  // when the model step under way began (0: none)
   std::vector<int64_t> ops_;  // KvOps since the last step (for the replicas)
   // The prefix cache: full blocks by key, each holding one reference; evictable when that is the only one, least
   // recently used first.
@@ -380,9 +692,12 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     if (!body["stream"].is_boolean()) refuse(400, "'stream' must be true or false", "stream");
     job->stream = body["stream"].get<bool>();
   }
-  if (body.contains("stream_options") && body["stream_options"].is_object() &&
-      body["stream_options"].value("include_usage", false))
-    job->include_usage = true;
+  if (body.contains("stream_options") && !body["stream_options"].is_null()) {
+    const json& so = body["stream_options"];
+    if (!so.is_object() || (so.contains("include_usage") && !so["include_usage"].is_boolean()))
+      refuse(400, "'stream_options' must be an object with a boolean 'include_usage'", "stream_options");
+    job->include_usage = so.value("include_usage", false);
+  }
   if (body.contains("stop") && !body["stop"].is_null()) {
     const json& s = body["stop"];
     if (s.is_string()) job->stops.push_back(s.get<std::string>());
@@ -400,7 +715,7 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     // The training-data record format of data/chat.hpp, with image i named "image i": parse_record then checks
     // roles and order exactly as for generate.
     json rec = {{"messages", json::array()}};
-    std::vector<RgbImage> images;
+    std::vector<std::string> encoded;  // the images' files, decoded once all are known
     for (size_t i = 0; i < msgs.size(); ++i) {
       const json& m = msgs[i];
       const std::string where = "messages[" + std::to_string(i) + "]";
@@ -412,15 +727,16 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
         content.push_back({{"type", "text"}, {"text", c}});
       } else if (c.is_array()) {
         for (const json& part : c) {
-          const std::string type = part.is_object() ? part.value("type", "") : "";
+          const json t = part.is_object() ? part.value("type", json()) : json();
+          const std::string type = t.is_string() ? t.get<std::string>() : "";
           if (type == "text" && part.contains("text") && part["text"].is_string()) {
             content.push_back({{"type", "text"}, {"text", part["text"]}});
           } else if (type == "image_url" && part.contains("image_url")) {
             const json& iu = part["image_url"];
             const json url = iu.is_object() ? iu.value("url", json()) : iu;
             if (!url.is_string()) refuse(400, where + ": 'image_url.url' must be a string", "messages");
-            images.push_back(fetch_image(url.get<std::string>(), images.size() + 1));
-            content.push_back({{"type", "image"}, {"image", "image " + std::to_string(images.size())}});
+            encoded.push_back(image_bytes(url.get<std::string>(), encoded.size() + 1));
+            content.push_back({{"type", "image"}, {"image", "image " + std::to_string(encoded.size())}});
           } else {
             refuse(400, where + ": a content part must be {\"type\": \"text\", \"text\": ...} or {\"type\": "
                             "\"image_url\", \"image_url\": {\"url\": ...}}", "messages");
@@ -433,6 +749,7 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     }
     if (rec["messages"].back()["role"] == "assistant")
       refuse(400, "the last message is the assistant's: there is nothing to answer", "messages");
+    const std::vector<RgbImage> images = decode_images(encoded);
     try {
       const Conversation conv = parse_record(rec, "request", 0);
       job->prompt = encode_prompt(conv, images, *tok_, icfg_);
@@ -463,41 +780,108 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
   return job;
 }
 
-RgbImage Server::fetch_image(const std::string& url, size_t index) {
+// An image's file: a data: URL's payload, or a file under serve.image_dir. Decoded later (decode_images), once the
+// sizes of all a request's images are known.
+std::string Server::image_bytes(const std::string& url, size_t index) {
   const std::string name = "image " + std::to_string(index);
-  std::string bytes;
   if (url.rfind("data:", 0) == 0) {
     const size_t comma = url.find(',');
     if (comma == std::string::npos || url.substr(0, comma).find(";base64") == std::string::npos)
       refuse(400, name + ": a data URL must be data:<type>;base64,<payload>", "messages");
-    bytes = b64decode(std::string_view(url).substr(comma + 1));
-  } else if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0) {
+    return b64decode(std::string_view(url).substr(comma + 1));
+  }
+  if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0)
     refuse(400, name + ": remote image URLs are not fetched by this server; send the picture as a data: URL "
                        "(or a path under the folder serve.image_dir names)", "messages");
-  } else {
-    std::string path = url.rfind("file://", 0) == 0 ? url.substr(7) : url;
-    if (image_dir_.empty())
-      refuse(400, name + ": local image paths are off (set serve.image_dir to allow a folder); send a data: URL",
-             "messages");
-    // Resolved with links and "..", then it must lie inside the image folder.
-    std::error_code ec;
-    const fs::path root = fs::canonical(image_dir_, ec);
-    const fs::path p = fs::weakly_canonical(fs::path(path).is_absolute() ? fs::path(path) : root / path, ec);
-    const std::string r = root.string() + "/";
-    if (ec || p.string().rfind(r, 0) != 0)
-      refuse(400, name + ": '" + path + "' is outside serve.image_dir", "messages");
-    if (!fs::is_regular_file(p)) refuse(400, name + ": '" + path + "' not found under serve.image_dir", "messages");
+  const std::string path = url.rfind("file://", 0) == 0 ? url.substr(7) : url;
+  if (image_dir_.empty())
+    refuse(400, name + ": local image paths are off (set serve.image_dir to allow a folder); send a data: URL",
+           "messages");
+  return read_image_file(path, name);
+}
+
+// The file is opened first and judged by what was opened: the kernel's name for the descriptor (links and ".."
+// resolved, whatever the path said) must lie inside serve.image_dir. Checking a path and then opening it would let a
+// link swapped in between, or one after a missing component (weakly_canonical stops resolving there), escape. A file
+// outside, missing, unreadable or not a regular file gets the same 400: the answer tells nothing about what exists
+// outside the folder.
+std::string Server::read_image_file(const std::string& path, const std::string& name) {
+  std::error_code ec;
+  const fs::path root = fs::canonical(image_dir_, ec);
+  const fs::path p = fs::path(path).is_absolute() ? fs::path(path) : root / path;
+  auto refused = [&]() { refuse(400, name + ": '" + path + "' is not a readable file under serve.image_dir", "messages"); };
+  // O_NONBLOCK: a FIFO must not hang the handler in open().
+  const int fd = ec ? -1 : ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) refused();
+  std::string bytes;
+  bool inside = false;
+  struct stat st {};
+  {
+    std::error_code e2;
+    const fs::path real = fs::read_symlink("/proc/self/fd/" + std::to_string(fd), e2);
+    const std::string r = root.string() == "/" ? "/" : root.string() + "/";
+    inside = !e2 && real.string().rfind(r, 0) == 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  }
+  if (inside && st.st_size > max_body_) {
+    ::close(fd);
+    refuse(413, name + ": '" + path + "' is " + std::to_string(st.st_size) + " bytes, more than a request body may "
+                "be (serve.max_body_mib)", "messages");
+  }
+  if (inside) {
+    bytes.resize((size_t)st.st_size);
+    size_t got = 0;
+    for (ssize_t n; got < bytes.size() && (n = ::read(fd, bytes.data() + got, bytes.size() - got)) > 0;) got += n;
+    bytes.resize(got);
+  }
+  ::close(fd);
+  if (!inside) refused();
+  return bytes;
+}
+
+// Decodes a request's images after checking, from their headers alone, what they would cost: the image tokens they
+// become (smart_resize's size) must leave room in serve.max_context, and the pixels decoded for all of them must
+// stay within serve.max_image_pixels. A JPEG larger than that is decoded at 1/2, 1/4 or 1/8 (libjpeg's scaled IDCT),
+// never below the size the model sees; a PNG cannot be, and is refused. A decompression bomb (a small file of a huge
+// image) is thus refused before a pixel is decoded.
+std::vector<RgbImage> Server::decode_images(const std::vector<std::string>& bytes) {
+  std::vector<int> scale(bytes.size(), 1);
+  int64_t tokens = 0, pixels = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const std::string name = "image " + std::to_string(i + 1);
     try {
-      return load_image(p.string());
+      const ImageHeader h = read_image_header((const uint8_t*)bytes[i].data(), bytes[i].size(), name);
+      if (h.w <= 0 || h.h <= 0 || h.w > INT32_MAX || h.h > INT32_MAX)
+        fail(name + ": image has no pixels or is too large (" + std::to_string(h.w) + "x" + std::to_string(h.h) + ")");
+      const auto [th, tw] = smart_resize((int)h.h, (int)h.w, icfg_.factor(), icfg_.min_pixels, icfg_.max_pixels, name);
+      tokens += int64_t(th) * tw / (int64_t(icfg_.factor()) * icfg_.factor()) + 2;  // + vision start and end
+      if (tokens >= max_context_)
+        refuse(413, name + " is " + std::to_string(h.w) + "x" + std::to_string(h.h) + ": the images so far become " +
+                        std::to_string(tokens) + " tokens; this server's context is " + std::to_string(max_context_) +
+                        " tokens (serve.max_context; serve.max_pixels sets an image's size)", "messages");
+      const int64_t left = max_image_pixels_ - pixels;
+      auto side = [](long n, int s) { return (n + s - 1) / s; };
+      while (h.w * h.h / (int64_t(scale[i]) * scale[i]) > left && h.jpeg && scale[i] < 8 &&
+             side(h.w, scale[i] * 2) >= tw && side(h.h, scale[i] * 2) >= th)
+        scale[i] *= 2;
+      const int64_t px = int64_t(side(h.w, scale[i])) * side(h.h, scale[i]);
+      if (px > left)
+        refuse(413, name + " is " + std::to_string(h.w) + "x" + std::to_string(h.h) + " (" + std::to_string(px) +
+                        " pixels decoded" + (h.jpeg ? " at the smallest scale the model's size allows" : "") +
+                        "); this request's images may decode to " + std::to_string(max_image_pixels_) +
+                        " pixels in all (serve.max_image_pixels)", "messages");
+      pixels += px;
     } catch (const Error& e) {
-      refuse(422, name + ": " + e.what(), "messages");
+      refuse(422, e.what(), "messages");
     }
   }
-  try {
-    return decode_image((const uint8_t*)bytes.data(), bytes.size(), name);
-  } catch (const Error& e) {
-    refuse(422, std::string(e.what()), "messages");
-  }
+  std::vector<RgbImage> images;
+  for (size_t i = 0; i < bytes.size(); ++i) try {
+      images.push_back(decode_image((const uint8_t*)bytes[i].data(), bytes[i].size(),
+                                    "image " + std::to_string(i + 1), scale[i]));
+    } catch (const Error& e) {
+      refuse(422, e.what(), "messages");
+    }
+  return images;
 }
 
 json Server::response_object(const Job& job, bool chat, const std::string& id) {
@@ -520,6 +904,8 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
   std::shared_ptr<Job> job;
   try {
     json body;
+    if (const size_t bad = utf8_error(req.body); bad != std::string::npos)
+      refuse(400, "the request body is not valid UTF-8 (byte " + std::to_string(bad) + ")");
     try {
       body = json::parse(req.body);
     } catch (const json::exception& e) {
@@ -540,7 +926,7 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
     metrics_.queue++;
   }
   in_cv_.notify_one();
-  if (job->stream) return reply_stream(job, res, chat);
+  if (job->stream) return reply_stream(job, req, res, chat);
   // A client that leaves before its answer cancels the request, as a stream's does.
   const int fd = connection_fd(req);
   std::unique_lock<std::mutex> l(job->m);
@@ -557,11 +943,11 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
     return;
   }
   const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
-  res.set_content(response_object(*job, chat, id).dump(-1, ' ', false, json::error_handler_t::replace),
-                  "application/json");
+  res.set_content(dump(response_object(*job, chat, id)), "application/json");
 }
 
-void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& res, bool chat) {
+void Server::reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res,
+                          bool chat) {
   const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
   auto sent = std::make_shared<size_t>(0);
   auto started = std::make_shared<bool>(false);
@@ -571,10 +957,17 @@ void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& re
     else c["text"] = delta_or_text;
     json o = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
               {"created", (int64_t)created_}, {"model", model_name_}, {"choices", json::array({c})}};
-    return "data: " + o.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+    return "data: " + dump(o) + "\n\n";
   };
   res.set_header("Cache-Control", "no-cache");
-  res.set_chunked_content_provider(
+  // HTTP/1.0 has no chunked encoding: the stream ends where the connection does.
+  const bool http10 = req.version == "HTTP/1.0";
+  if (http10) res.set_header("Connection", "close");
+  using Provide = void (httplib::Response::*)(const std::string&, httplib::ContentProviderWithoutLength,
+                                              httplib::ContentProviderResourceReleaser);
+  const Provide provide = http10 ? static_cast<Provide>(&httplib::Response::set_content_provider)
+                                 : &httplib::Response::set_chunked_content_provider;
+  (res.*provide)(
       "text/event-stream",
       [this, job, sent, started, chunk, chat, id](size_t, httplib::DataSink& sink) {
         auto write = [&](const std::string& s) {
@@ -613,7 +1006,7 @@ void Server::reply_stream(const std::shared_ptr<Job>& job, httplib::Response& re
             json o = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
                       {"created", (int64_t)created_}, {"model", model_name_}, {"choices", json::array()},
                       {"usage", {{"prompt_tokens", pt}, {"completion_tokens", ct}, {"total_tokens", pt + ct}}}};
-            write("data: " + o.dump() + "\n\n");
+            write("data: " + dump(o) + "\n\n");
           }
         }
         write("data: [DONE]\n\n");
@@ -923,8 +1316,15 @@ void Server::engine_loop() {
     best.limit = base_.vocab_limit > 0 ? base_.vocab_limit : cfg.text.vocab, best.banned = base_.banned;
     std::vector<float> logits;
     try {
+      step_since_ = wall_seconds();
       logits = run_step(segs, false, greedy ? &best : nullptr);
+      step_since_ = 0;
     } catch (const Error& e) {  // fails this step's requests, not the server
+      step_since_ = 0;
+      if (is_watchdog(e)) {  // a rank did not keep up: the group is out of step, and the server ends
+        healthy_ = false;
+        throw;
+      }
       log_warn(std::string("serve: a step failed: ") + e.what());
       for (Job* j : who) j->error = e.what(), finish(*j, "error");
       std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
@@ -1028,6 +1428,9 @@ void Server::load() {
   if (rank_ == 0 && world_ > 1) log_info(lay.why);
   stage_ = rank_ / tp_, trank_ = rank_ % tp_;
   MPI_Comm_split(MPI_COMM_WORLD, stage_, trank_, &tpc_);
+  world_c_ = std::make_unique<MpiComm>(MPI_COMM_WORLD);
+  world_c_->set_timeout(deck_.real("runtime.timeout"));
+  tpc_c_ = tp_mpi();
   checkpoint_ = src.checkpoint;
   // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
   // never holds the fp32 model; adapters to fold need the host model first.
@@ -1206,16 +1609,14 @@ void Server::load_device(const ModelSource& src) {
 }
 
 namespace {
-// A broadcast the waiting ranks poll with short sleeps: MPICH spins in a blocking one, and a server waits for
-// requests most of the time.
-void bcast_polling(int64_t* buf, int n) {
-  MPI_Request r;
-  MPI_Ibcast(buf, n, MPI_INT64_T, 0, MPI_COMM_WORLD, &r);
-  for (int done = 0;;) {
-    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
-    if (done) return;
-    std::this_thread::sleep_for(std::chrono::microseconds(500));
-  }
+// The step plan's header, which the waiting ranks receive with short sleeps and no deadline (MPICH spins in a blocking
+// broadcast, and a server waits for requests most of the time); rank 0 sends it under the watchdog.
+void bcast_head(Comm& world, int64_t* buf, int n) {
+  auto op = std::make_unique<MpiOp>("serve: step plan header (broadcast)");
+  op->seq = world.begin_collective();
+  MPI_Ibcast(buf, n, MPI_INT64_T, 0, MPI_COMM_WORLD, &op->r);
+  if (world.rank() == 0) return world.wait(std::move(op));
+  while (!op->test()) std::this_thread::sleep_for(std::chrono::microseconds(500));
 }
 }  // namespace
 
@@ -1244,15 +1645,15 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     }
     head[1] = (int64_t)ints.size(), head[2] = (int64_t)floats.size();
   }
-  bcast_polling(head, 3);
+  bcast_head(*world_c_, head, 3);
   if (head[0]) {
     stopped_ = true;
     return {};
   }
   ints.resize(head[1]);
   floats.resize(head[2]);
-  MPI_Bcast(ints.data(), (int)ints.size(), MPI_INT64_T, 0, MPI_COMM_WORLD);
-  MPI_Bcast(floats.data(), (int)floats.size(), MPI_FLOAT, 0, MPI_COMM_WORLD);
+  world_c_->broadcast(ints.data(), ints.size(), DType::I64, 0);
+  world_c_->broadcast(floats.data(), floats.size(), DType::F32, 0);
   DevModel::Argmax mine;  // a greedy step's on the other ranks
   if (rank_ != 0) {  // replay the cache's slot changes, then the segments
     size_t i = 1, f = 0;
@@ -1286,18 +1687,18 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     int64_t N = 0;
     for (const auto& g : segs) N += (int64_t)g.ids.size();
     std::vector<float> x(stage_ > 0 ? N * cfg_.text.hidden : 0), y;
-    if (stage_ > 0) MPI_Recv(x.data(), (int)x.size(), MPI_FLOAT, rank_ - tp_, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    if (stage_ > 0) recv(x.data(), x.size(), MPI_FLOAT, rank_ - tp_, 1, "serve: hidden states from the previous stage");
     local = dev_->step(segs, cache_, stage_ > 0 ? &x : nullptr, &y, best);
     if (stage_ + 1 < pp_) {
-      MPI_Send(y.data(), (int)y.size(), MPI_FLOAT, rank_ + tp_, 1, MPI_COMM_WORLD);
+      send(y.data(), y.size(), MPI_FLOAT, rank_ + tp_, 1, "serve: hidden states to the next stage");
       if (rank_ != 0) return {};
       if (best) {
         best->id.resize(ns);
-        MPI_Recv(best->id.data(), (int)ns, MPI_INT32_T, last0, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        recv(best->id.data(), ns, MPI_INT32_T, last0, 2, "serve: argmax ids from the last stage");
         return {};
       }
       logits.resize(ns * V);
-      MPI_Recv(logits.data(), (int)logits.size(), MPI_FLOAT, last0, 2, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      recv(logits.data(), logits.size(), MPI_FLOAT, last0, 2, "serve: logits from the last stage");
       return logits;
     }
   } else {
@@ -1307,8 +1708,12 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     if (tp_ > 1) {
       std::vector<float> vals(trank_ == 0 ? ns * tp_ : 0);
       std::vector<int32_t> ids(vals.size());
-      MPI_Gather(best->val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_);
-      MPI_Gather(best->id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_);
+      watched(*tpc_c_, "serve: argmax values (gather)", true, [&](MPI_Request* r) {
+        MPI_Igather(best->val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_, r);
+      });
+      watched(*tpc_c_, "serve: argmax ids (gather)", true, [&](MPI_Request* r) {
+        MPI_Igather(best->id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_, r);
+      });
       if (trank_ != 0) return {};
       for (int64_t s = 0; s < ns; ++s)
         for (int r = 0; r < tp_; ++r) {
@@ -1318,12 +1723,12 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
           if (id >= 0 && (b < 0 || v > best->val[s] || (v == best->val[s] && id < b))) b = id, best->val[s] = v;
         }
     }
-    if (trank_ == 0 && rank_ != 0) MPI_Send(best->id.data(), (int)ns, MPI_INT32_T, 0, 2, MPI_COMM_WORLD);
+    if (trank_ == 0 && rank_ != 0) send(best->id.data(), ns, MPI_INT32_T, 0, 2, "serve: argmax ids to rank 0");
     return {};
   }
   if (tp_ == 1) {  // the whole vocabulary already: no gather, no copies of [segs, V]
     if (rank_ == 0) return local;
-    MPI_Send(local.data(), (int)local.size(), MPI_FLOAT, 0, 2, MPI_COMM_WORLD);
+    send(local.data(), local.size(), MPI_FLOAT, 0, 2, "serve: logits to rank 0");
     return {};
   }
   std::vector<int> counts(tp_), offs(tp_);
@@ -1332,7 +1737,9 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
     counts[r] = (int)(ns * (b - a)), offs[r] = r ? offs[r - 1] + counts[r - 1] : 0;
   }
   std::vector<float> all(trank_ == 0 ? ns * V : 0);
-  MPI_Gatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_);
+  watched(*tpc_c_, "serve: logits (gather)", true, [&](MPI_Request* r) {
+    MPI_Igatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_, r);
+  });
   if (trank_ != 0) return {};
   logits.resize(ns * V);
   for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
@@ -1341,7 +1748,7 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
       std::copy(&all[offs[r] + s * (b - a)], &all[offs[r] + (s + 1) * (b - a)], &logits[s * V + a]);
   }
   if (rank_ != 0) {  // the last stage's first rank: the logits to the engine
-    MPI_Send(logits.data(), (int)logits.size(), MPI_FLOAT, 0, 2, MPI_COMM_WORLD);
+    send(logits.data(), logits.size(), MPI_FLOAT, 0, 2, "serve: logits to rank 0");
     return {};
   }
   return logits;
@@ -1353,6 +1760,7 @@ void Server::worker_loop() {
     try {
       run_step(segs);
     } catch (const Error& e) {  // rank 0 met the same error in the same step and goes on
+      if (is_watchdog(e)) throw;  // unless a rank stopped: then the job ends
     }
   }
 }
@@ -1374,15 +1782,21 @@ int Server::run() {
   step_tokens_ = deck_.integer("serve.step_tokens");
   timeout_ = deck_.real("serve.timeout");
   image_dir_ = deck_.str("serve.image_dir");
+  max_image_pixels_ = deck_.integer("serve.max_image_pixels");
+  max_body_ = (int64_t)(deck_.real("serve.max_body_mib") * 1048576.0);
   model_name_ = deck_.str("serve.model_name");
   if (model_name_.empty()) {
     const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : checkpoint_;
     model_name_ = from.empty() ? "q3vl-" + deck_.str("model.preset") : fs::path(from).filename().string();
     if (model_name_.empty()) model_name_ = fs::path(from).parent_path().filename().string();
   }
-  httplib::Server svr;
-  const int threads = (int)deck_.integer("serve.http_threads");
-  svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  HttpFront::Limits lim;
+  lim.threads = (int)deck_.integer("serve.http_threads");
+  lim.header_timeout = deck_.real("serve.header_timeout");
+  lim.read_timeout = deck_.real("serve.read_timeout");
+  lim.per_client = (int)deck_.integer("serve.max_client_connections");
+  lim.max_connections = (int)deck_.integer("serve.max_connections");
+  HttpFront svr(lim);
   svr.set_payload_max_length((size_t)(deck_.real("serve.max_body_mib") * 1048576.0));
   using Req = httplib::Request;
   using Res = httplib::Response;
@@ -1391,11 +1805,50 @@ int Server::run() {
   svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& r) {
     json m = {{"id", model_name_}, {"object", "model"}, {"created", (int64_t)created_}, {"owned_by", "q3vl"},
               {"max_model_len", max_context_}};
-    r.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
+    r.set_content(dump(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
   });
-  svr.Get("/health", [](const Req&, Res& r) { r.set_content("{\"status\":\"ok\"}", "application/json"); });
+  // Unhealthy (503) once the engine has stopped, or while a model step has run for more than half of
+  // runtime.timeout (a rank has stopped, most likely; the watchdog ends the server at the full timeout).
+  const double stall = deck_.real("runtime.timeout") / 2;
+  svr.Get("/health", [this, stall](const Req&, Res& r) {
+    const double since = step_since_, now = wall_seconds();
+    std::string why;
+    if (!healthy_) why = "the engine has stopped";
+    else if (since > 0 && stall > 0 && now - since > stall)
+      why = "a model step has run for " + std::to_string(int(now - since)) + " s (runtime.timeout = " +
+            std::to_string(int(2 * stall)) + " s): a rank of the group does not answer";
+    if (why.empty()) return r.set_content("{\"status\":\"ok\"}", "application/json");
+    r.status = 503;
+    r.set_content(dump({{"status", "unhealthy"}, {"reason", why}}), "application/json");
+  });
   svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& r) {
     r.set_content(metrics_text(), "text/plain; version=0.0.4");
+  });
+  // A path that is not UTF-8 (GET /%FF) names no route; said so before any handler quotes it. Bodies are checked in
+  // handle_completion (read after this).
+  // serve.api_key (else Q3VL_API_KEY): every route but /health wants "Authorization: Bearer <key>", as OpenAI's API
+  // does; the comparison takes the same time wherever the first difference is.
+  std::string key = deck_.str("serve.api_key");
+  if (const char* e = std::getenv("Q3VL_API_KEY"); key.empty() && e) key = e;
+  const std::string host = deck_.str("serve.host");
+  if (key.empty() && host != "localhost" && host != "::1" && host.rfind("127.", 0) != 0)
+    log_warn("serve: listening on " + host + " without an API key: anyone who can reach this port can use the model "
+             "(set serve.api_key or the environment variable Q3VL_API_KEY)");
+  // A body with neither length nor chunks is read until the client closes (httplib 0.11): 411 instead, at once.
+  svr.set_pre_routing_handler([key](const Req& q, Res& r) {
+    std::string m, type = "invalid_request_error";
+    if (!key.empty() && q.path != "/health" && !bearer_matches(q.get_header_value("Authorization"), key))
+      r.status = 401, m = q.has_header("Authorization") ? "incorrect API key provided" : "an API key is required "
+          "(Authorization: Bearer <key>)";
+    else if (utf8_error(q.path) != std::string::npos) r.status = 400, m = "the request path is not valid UTF-8";
+    else if ((q.method == "POST" || q.method == "PUT" || q.method == "PATCH") && !q.has_header("Content-Length") &&
+             q.get_header_value("Transfer-Encoding") != "chunked")
+      r.status = 411, m = q.method + " needs Content-Length (or Transfer-Encoding: chunked)";
+    else return httplib::Server::HandlerResponse::Unhandled;
+    t_close_after = true;
+    r.set_header("Connection", "close");
+    r.set_content(error_body({r.status, m, type, "", r.status == 401 ? "invalid_api_key" : ""}), "application/json");
+    return httplib::Server::HandlerResponse::Handled;
   });
   // Anything httplib answers itself (unknown path, body too large) gets the OpenAI error object too.
   svr.set_error_handler([](const httplib::Request& q, httplib::Response& r) {
@@ -1418,7 +1871,6 @@ int Server::run() {
     r.status = 500;
     r.set_content(error_body({500, m, "server_error"}), "application/json");
   });
-  const std::string host = deck_.str("serve.host");
   int port = (int)deck_.integer("serve.port");
   if (port == 0) port = svr.bind_to_any_port(host);
   else if (!svr.bind_to_port(host, port)) port = -1;
@@ -1432,6 +1884,27 @@ int Server::run() {
   try {
     engine_loop();
   } catch (...) {
+    // Every open request gets its error, so that the HTTP threads return and the server can end.
+    std::string why = "internal error";
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      why = e.what();
+    } catch (...) {
+    }
+    healthy_ = false;
+    std::vector<std::shared_ptr<Job>> open(running_.begin(), running_.end());
+    open.insert(open.end(), waiting_.begin(), waiting_.end());
+    {
+      std::lock_guard<std::mutex> g(in_m_);
+      open.insert(open.end(), incoming_.begin(), incoming_.end());
+      incoming_.clear();
+    }
+    for (auto& j : open) {
+      j->error = "the server stopped: " + why, j->status = 503;
+      j->slot = -1;  // its cache slot goes with the server
+      finish(*j, "error");
+    }
     svr.stop();
     http.join();
     throw;

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
@@ -237,6 +238,56 @@ std::vector<bool> trainable_flags(const ParamTable& t, const Deck& d) {
   return out;
 }
 
+// Which checkpoints a run may resume from (newest first; empty: a fresh run) and the run's id. Decided on rank 0
+// before anything is allocated. A folder holding checkpoints of another run (a fresh run into a used out_dir, or a
+// resume whose folder also holds someone else's files) is refused: their rotation and `latest` would mix, and the
+// next resume = auto would continue whichever run has the highest step. checkpoint.overwrite = true moves them
+// aside instead.
+struct ResumePlan {
+  std::vector<std::string> candidates;
+  std::string run_id;
+};
+ResumePlan plan_resume(const Deck& deck, const std::string& ckdir, Comm& world) {
+  ResumePlan p;
+  std::string err;
+  if (world.rank() == 0) try {
+      const std::string resume = deck.str("train.resume");
+      std::vector<std::string> notes;
+      if (resume == "auto") p.candidates = resume_candidates(ckdir, &notes);
+      else if (resume != "never") p.candidates = {resume};
+      for (const auto& n : notes) log_info("resume: " + n);
+      if (p.candidates.empty()) {
+        char id[17];
+        std::snprintf(id, sizeof id, "%016llx", (unsigned long long)std::random_device{}() << 32 ^ std::random_device{}());
+        p.run_id = id;
+      } else {
+        p.run_id = read_checkpoint_meta(p.candidates.front()).run_id;
+      }
+      if (const auto others = other_runs_checkpoints(ckdir, p.run_id); !others.empty()) {
+        const std::string what = std::to_string(others.size()) + " checkpoint(s) of another run (" +
+                                 fs::path(others.front()).filename().string() + (others.size() > 1 ? ", ..." : "") + ")";
+        if (!deck.boolean("checkpoint.overwrite"))
+          err = "checkpoint.dir '" + ckdir + "' holds " + what + ", and this run " +
+                (p.candidates.empty() ? "starts afresh (train.resume = " + resume + ")" : "resumes " + p.candidates.front()) +
+                ": its checkpoints would rotate and be resumed with those. Resume that run (train.resume = auto), "
+                "write elsewhere (run.out_dir, checkpoint.dir), or set checkpoint.overwrite = true to move them aside";
+        else
+          log_warn("checkpoint.overwrite: " + what + " moved to " + move_checkpoints_aside(ckdir, others));
+      }
+    } catch (const Error& e) {
+      err = e.what();
+    }
+  world.broadcast_string(err, 0);
+  if (!err.empty()) fail_all(err);
+  std::string packed;
+  for (const auto& c : p.candidates) packed += c + '\n';
+  world.broadcast_string(packed, 0);
+  world.broadcast_string(p.run_id, 0);
+  p.candidates.clear();
+  for (size_t a = 0, b; (b = packed.find('\n', a)) != std::string::npos; a = b + 1) p.candidates.push_back(packed.substr(a, b - a));
+  return p;
+}
+
 int run_train(const Deck& deck) {
   const double t_start = wall_seconds();  // metrics' time.wall counts start-up too
   Runtime& rt = Runtime::get();
@@ -247,6 +298,7 @@ int run_train(const Deck& deck) {
   const std::string out_dir = deck.str("run.out_dir");
   const std::string ckdir = deck.str("checkpoint.dir").empty() ? out_dir + "/checkpoints" : deck.str("checkpoint.dir");
   const uint64_t seed = uint64_t(deck.integer("run.seed"));
+  const ResumePlan plan = plan_resume(deck, ckdir, world);
 
   std::string cfg_json;
   const ModelConfig cfg = model_config(deck, &cfg_json);
@@ -358,6 +410,19 @@ int run_train(const Deck& deck) {
   lo.global_batch = deck.integer("train.global_batch");
   lo.micro_batch = deck.integer("train.micro_batch");
   lo.grad_accum = deck.integer("train.grad_accum");
+  {
+    // A rank's samples of a micro-step: ceil(ceil(global_batch / ranks) / grad_accum). A larger micro_batch packs
+    // the same micro-batches (each sample is at most seq_len tokens) and only sizes buffers that stay empty.
+    const int64_t share = ((lo.global_batch + nranks - 1) / nranks + lo.grad_accum - 1) / lo.grad_accum;
+    if (lo.micro_batch > share) {
+      if (rank == 0)
+        log_warn("train.micro_batch = " + std::to_string(lo.micro_batch) + " is more than the " + std::to_string(share) +
+                 " sample(s) a rank gets per micro-step (train.global_batch = " + std::to_string(lo.global_batch) +
+                 " over " + std::to_string(nranks) + " rank(s), train.grad_accum = " + std::to_string(lo.grad_accum) +
+                 "): using " + std::to_string(share));
+      lo.micro_batch = share;
+    }
+  }
   lo.seq_len = seq_len;
   lo.seed = seed;
   lo.drop_overlong = deck.str("data.overlong") == "drop";
@@ -378,26 +443,20 @@ int run_train(const Deck& deck) {
     log_info(trainer->memory_report());
   }
 
-  // Resume.
+  // Resume: from the newest candidate whose tensors match their checksums; a corrupt one (its file intact, its
+  // numbers not: every rank finds the same sums) is skipped with a warning, as a truncated one is.
   TrainState st;
-  std::string resume = deck.str("train.resume"), path;
-  if (resume == "auto") {
-    std::vector<std::string> notes;
-    if (rank == 0) path = find_resume_checkpoint(ckdir, &notes);
-    world.broadcast_string(path, 0);
-    for (const auto& n : notes) log_info("resume: " + n);
-  } else if (resume != "never") {
-    path = resume;
-  }
-  if (!path.empty()) {
+  std::string path;
+  for (size_t c = 0; c < plan.candidates.size() && path.empty(); ++c) {
+    const std::string& cand = plan.candidates[c];
     ScopedTimer t("train: resume");
     std::string err;
     if (rank == 0) {
       // read_checkpoint refuses missing or reshaped tensors; this also refuses tensors this model lacks.
       try {
-        for (const auto& [name, shape] : checkpoint_shapes(path))
+        for (const auto& [name, shape] : checkpoint_shapes(cand))
           if (table.find(name.substr(6)) < 0) {
-            err = "checkpoint '" + path + "' was written for a different model: it has tensor " + name +
+            err = "checkpoint '" + cand + "' was written for a different model: it has tensor " + name +
                   ", which this model does not";
             break;
           }
@@ -407,21 +466,34 @@ int run_train(const Deck& deck) {
     }
     world.broadcast_string(err, 0);
     if (!err.empty()) fail_all(err);
-    const CkptMeta meta = read_checkpoint_meta(path);
-    check_lora_resume(meta.state_json, path, cfg.lora, base_id);
-    guarded_io(world, "checkpoint read", "checkpoint I/O on " + path, [&] {  // names a reshaped tensor
-      read_checkpoint(path, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));
-    });
+    const CkptMeta meta = read_checkpoint_meta(cand);
+    check_lora_resume(meta.state_json, cand, cfg.lora, base_id);
+    try {
+      guarded_io(world, "checkpoint read", "checkpoint I/O on " + cand, [&] {  // names a reshaped tensor
+        read_checkpoint(cand, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));
+      });
+    } catch (const Error& e) {
+      const bool corrupt = e.collective() && std::string(e.what()).find("does not match its checksum") != std::string::npos;
+      if (!corrupt || deck.str("train.resume") != "auto") throw;
+      if (rank == 0)
+        log_warn(std::string("resume: skipping ") + e.what() +
+                 (c + 1 < plan.candidates.size() ? "; falling back to " + plan.candidates[c + 1] : "; starting afresh"));
+      continue;  // the next candidate's read overwrites every tensor this one filled
+    }
     // Same shapes but another computation (RoPE base, norm eps, token ids...): as wrong, and silent.
     if (!meta.hf_config_json.empty())
-      if (const std::string d = config_difference(parse_hf_config(meta.hf_config_json, path + ": hf_config_json"), cfg);
+      if (const std::string d = config_difference(parse_hf_config(meta.hf_config_json, cand + ": hf_config_json"), cfg);
           !d.empty())
-        fail_all("checkpoint '" + path + "' was written for a different model configuration: " + d);
-    st = from_json(meta.state_json, path);
+        fail_all("checkpoint '" + cand + "' was written for a different model configuration: " + d);
+    st = from_json(meta.state_json, cand);
     loader.set_cursor(st.cursor);
-    log_info("resumed from " + path + " (step " + std::to_string(st.step) + ", written by " +
+    log_info("resumed from " + cand + " (step " + std::to_string(st.step) + ", written by " +
              std::to_string(meta.world_size) + " rank(s); now " + std::to_string(nranks) + ")");
+    path = cand;
   }
+  if (path.empty() && !plan.candidates.empty())  // every candidate corrupt: the weights must be drawn again
+    fail_all("resume: no checkpoint in '" + ckdir + "' matches its checksums (see the warnings above); move them "
+             "aside or set train.resume = never");
   trainer->from_host(engine);
   if (st.loss_scale > 0) trainer->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
   {
@@ -467,10 +539,11 @@ int run_train(const Deck& deck) {
     meta.step = st.step;
     meta.tokens_seen = st.tokens;
     meta.world_size = nranks;
-    meta.deck_toml = deck.to_toml();
+    meta.deck_toml = deck.to_toml(/*hide_secrets=*/true);
     meta.state_json = with_lora(to_json(st, nranks, stage, ep_size), cfg.lora, base_id);
     meta.build = std::string("q3vl git ") + Q3VL_GIT;
     meta.hf_config_json = cfg_json;
+    meta.run_id = plan.run_id;
     const std::string p = guarded_io(world, "checkpoint write", "checkpoint I/O in " + ckdir, [&] {
       return write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
     });

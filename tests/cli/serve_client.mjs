@@ -7,6 +7,8 @@
 //   prefix DIR                            requests that share prompt starts, one at a time (greedy); JSON line per
 //                                         answer with /metrics' prefix-cache hit and prefill tokens it added
 //   abort MS                              a non-streaming request for 3000 tokens whose client leaves after MS ms
+//   hello                                 one short chat, streamed and not: {ok, answer} or {status, code, message}
+// The API key the client sends is $Q3VL_CLIENT_KEY (default 'unused': a server without a key ignores it).
 import { createRequire } from 'node:module';
 import fs from 'node:fs';
 import path from 'node:path';
@@ -14,7 +16,7 @@ import path from 'node:path';
 const require = createRequire(path.resolve('third_party/npm') + '/');
 const OpenAI = require('openai').default ?? require('openai');
 const [port, model, cmd, ...args] = process.argv.slice(2);
-const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 300000 });
+const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: process.env.Q3VL_CLIENT_KEY ?? 'unused', maxRetries: 0, timeout: 300000 });
 
 function records(file) {
   return fs.readFileSync(file, 'utf8').split('\n').filter((l) => l.trim()).map((l) => JSON.parse(l));
@@ -81,7 +83,7 @@ if (cmd === 'answers') {
     ['remote-url', 400, /remote image URLs are not fetched/, { messages: img('https://example.com/a.png') }],
     ['bad-image', 422, /image 1: .*(JPEG|PNG|decode|corrupt)/i, { messages: img('data:image/png;base64,iVBORw0KGgoAAAAA') }],
     ['bad-base64', 400, /base64/, { messages: img('data:image/png;base64,%%%%') }],
-    ['path-outside', 400, /outside serve.image_dir/, { messages: img('../../etc/passwd') }],
+    ['path-outside', 400, /'..\/..\/etc\/passwd' is not a readable file under serve.image_dir/, { messages: img('../../etc/passwd') }],
     ['wrong-type', 400, /'max_tokens' must be an integer/, { messages: user('hi'), max_tokens: 'many' }],
     ['n-2', 400, /only n = 1/, { messages: user('hi'), n: 2 }],
     ['bad-role', 400, /unknown role 'robot'/, { messages: [{ role: 'robot', content: 'hi' }] }],
@@ -158,6 +160,18 @@ if (cmd === 'answers') {
     out({ aborted: false, finish: r.choices[0].finish_reason, tokens: r.usage.completion_tokens, ms: Date.now() - t0 });
   } catch (e) {
     out({ aborted: true, error: String(e), ms: Date.now() - t0 });
+  }
+} else if (cmd === 'hello') {
+  const body = { model, messages: [{ role: 'user', content: 'hi' }], max_tokens: 2, temperature: 0 };
+  for (const stream of [false, true]) {
+    try {
+      let answer = '';
+      if (stream) for await (const c of await client.chat.completions.create({ ...body, stream })) answer += c.choices[0]?.delta?.content ?? '';
+      else answer = (await client.chat.completions.create(body)).choices[0].message.content;
+      out({ stream, ok: true, answer });
+    } catch (e) {
+      out({ stream, status: e.status, code: e.code ?? e.error?.code, type: e.type ?? e.error?.type, message: e.message });
+    }
   }
 } else {
   console.error(`unknown command ${cmd}`);

@@ -10,7 +10,10 @@
 #  6 a shard damaged after prepare (same size) is refused naming it;
 #  7 samples without supervised tokens are counted; an empty input or one without any is an error;
 #  8 clearer messages: auto-resume after a damaged newest checkpoint, an override without a key, no MPICH abort
-#    noise after a single-rank error.
+#    noise after a single-rank error;
+#  9 (issue 33) a fresh run into a folder of another run's checkpoints is refused, or moves them aside with
+#    checkpoint.overwrite, and then resumes as its own run; a newest checkpoint whose numbers fail their checksums
+#    is skipped with a warning naming it, and the run resumes from the one before.
 # And no existing dataset, checkpoint or output file is changed by any failed command here.
 source "$(dirname "$0")/../lib.sh"
 d=tests/data/prepare
@@ -250,6 +253,40 @@ for n in 1 2; do
   else bad "no-abort-noise-np$n: exit $rc: $out"; fi
 done
 unchanged messages
+
+# --- 9: runs that lose nothing ------------------------------------------------------------------------------------
+case_ 9
+# keep/run holds step 2 and 4 of one run. A fresh run (resume = never) into it would rotate them with its own and
+# leave `latest` to whichever step is higher: refused, nothing changed.
+cp -r "$tmp/keep/run" "$tmp/used"
+expect fresh-run-refused 1 "checkpoint.dir '$tmp/used/checkpoints' holds 2 checkpoint\(s\) of another run \(step_00000004.h5, \.\.\.\), and this run starts afresh \(train.resume = never\).*checkpoint.overwrite = true" \
+  mpiexec -n 2 $q train "${tiny[@]}" run.out_dir="$tmp/used" train.steps=3 train.resume=never
+diff -r "$tmp/keep/run/checkpoints" "$tmp/used/checkpoints" >/dev/null && pass "fresh-run-refused-changes-nothing" ||
+  bad "fresh-run-refused-changes-nothing: $(ls -R "$tmp/used/checkpoints")"
+# With checkpoint.overwrite the old ones go to replaced.1 (bitwise as they were); the new run's steps 2 and 3 are
+# kept, `latest` names step 3, and resume = auto continues the new run.
+out=$(mpiexec -n 2 $q train "${tiny[@]}" run.out_dir="$tmp/used" train.steps=3 train.resume=never checkpoint.overwrite=true 2>&1)
+ls1=$(cd "$tmp/used/checkpoints" && ls | tr '\n' ' ')
+grep -q "checkpoint.overwrite: 2 checkpoint(s) of another run (step_00000004.h5, ...) moved to $tmp/used/checkpoints/replaced.1" <<<"$out" &&
+  [[ $ls1 == "latest replaced.1 step_00000002.h5 step_00000003.h5 " ]] && [[ $(cat "$tmp/used/checkpoints/latest") == step_00000003.h5 ]] &&
+  cmp -s "$tmp/keep/run/checkpoints/step_00000004.h5" "$tmp/used/checkpoints/replaced.1/step_00000004.h5" &&
+  pass "overwrite-moves-aside" || bad "overwrite-moves-aside: $ls1 $(grep -E 'overwrite|error' <<<"$out")"
+out=$(mpiexec -n 2 $q train "${tiny[@]}" run.out_dir="$tmp/used" train.steps=4 2>&1)
+grep -q "resumed from $tmp/used/checkpoints/step_00000003.h5" <<<"$out" && pass "overwrite-then-resume-own-run" ||
+  bad "overwrite-then-resume-own-run: $(grep -E 'resum|error' <<<"$out")"
+# A newest checkpoint whose file is sound and whose numbers are not (one weight changed in place, same size):
+# skipped with a warning naming it and the tensor, and the run resumes from step 2 (was: exit 1).
+cp -r "$tmp/keep/run" "$tmp/corrupt"
+$py - "$tmp/corrupt/checkpoints/step_00000004.h5" <<'PY'
+import h5py, sys
+with h5py.File(sys.argv[1], "r+") as f:
+    d = f["model/model.language_model.norm.weight"]
+    d[0] = d[0] + 1.0
+PY
+out=$(mpiexec -n 2 $q train "${tiny[@]}" run.out_dir="$tmp/corrupt" train.steps=4 2>&1); rc=$?
+[[ $rc -eq 0 ]] && grep -q "resume: skipping checkpoint '$tmp/corrupt/checkpoints/step_00000004.h5' is corrupt: tensor model/model.language_model.norm.weight does not match its checksum; falling back to $tmp/corrupt/checkpoints/step_00000002.h5" <<<"$out" &&
+  grep -q "resumed from $tmp/corrupt/checkpoints/step_00000002.h5" <<<"$out" && pass "checksum-corrupt-newest-skipped" ||
+  bad "checksum-corrupt-newest-skipped: exit $rc: $(grep -E 'resum|error|skipping' <<<"$out")"
 
 echo "test_faults: $((SECONDS - t_suite)) s"
 finish

@@ -184,5 +184,12 @@ if [[ $rc -eq 1 ]] && grep -q "written for a different model: tensor model/" "$t
 else
   bad "resume-refuses-other-model: rc=$rc: $(tail -3 "$tmp/other.log")"
 fi
+# train.micro_batch past a rank's share of the global batch (8 over 2 ranks: 4 a micro-step) is said and lowered:
+# the same losses, bitwise, as micro_batch = 4 (issue 33).
+train mb8 2 train.micro_batch=8 train.steps=3; ok_run $? mb8
+train mb4 2 train.micro_batch=4 train.steps=3; ok_run $? mb4
+grep -q "train.micro_batch = 8 is more than the 4 sample(s) a rank gets per micro-step (train.global_batch = 8 over 2 rank(s), train.grad_accum = 1): using 4" \
+  "$tmp/mb8.log" && cmp_losses mb8 mb4 0 3 && pass "micro-batch-past-share-said-and-lowered" ||
+  bad "micro-batch-past-share-said-and-lowered: $(grep -E 'micro_batch|error' "$tmp/mb8.log")"
 
 finish

@@ -334,6 +334,40 @@ TEST(Checkpoint, ResumeSkipsPartialAndTruncated) {
   EXPECT_EQ(find_resume_checkpoint(d, nullptr), step_path(d, 4));
 }
 
+// Rotation deletes only the writing run's checkpoints (issue 33): run "b" writing into run "a"'s folder with
+// keep 1 leaves a's files, and other_runs_checkpoints names them; moving them aside keeps their bytes.
+TEST(Checkpoint, RotationKeepsOtherRunsAndMovesThemAside) {
+  TmpDir dir;
+  const std::string d = dir.path;
+  auto write_run = [&](const std::string& run, std::initializer_list<int> steps, int keep) {
+    for (int step : steps) {
+      Slices w = make_slices(small_tensors(), zero_split(total(small_tensors()), rank_of(), size_of()), true, step);
+      CkptMeta m = meta_for(step);
+      m.run_id = run;
+      write_checkpoint(d, MPI_COMM_WORLD, m, w.slices, keep);
+    }
+  };
+  write_run("a", {4, 6}, 1);  // a keeps its newest: step 6
+  write_run("b", {1, 2, 3}, 1);
+  if (rank_of() == 0) {
+    std::set<std::string> names;
+    for (auto& e : fs::directory_iterator(d)) names.insert(e.path().filename().string());
+    EXPECT_EQ(names, (std::set<std::string>{"latest", "step_00000003.h5", "step_00000006.h5"}));
+    EXPECT_EQ(read_checkpoint_meta(step_path(d, 6)).run_id, "a");
+    EXPECT_EQ(read_checkpoint_meta(step_path(d, 3)).run_id, "b");
+    EXPECT_EQ(other_runs_checkpoints(d, "b"), std::vector<std::string>{step_path(d, 6)});
+    EXPECT_EQ(other_runs_checkpoints(d, "a"), std::vector<std::string>{step_path(d, 3)});
+    EXPECT_EQ(other_runs_checkpoints(d, "c").size(), 2u);
+    const std::string aside = move_checkpoints_aside(d, other_runs_checkpoints(d, "b"));
+    EXPECT_EQ(aside, d + "/replaced.1");
+    EXPECT_TRUE(fs::exists(aside + "/step_00000006.h5") && fs::exists(aside + "/latest"));
+    EXPECT_EQ(read_checkpoint_meta(aside + "/step_00000006.h5").run_id, "a");
+    EXPECT_TRUE(other_runs_checkpoints(d, "b").empty());
+    EXPECT_EQ(move_checkpoints_aside(d, {}), d + "/replaced.2");  // an earlier replacement stays as it was
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 TEST(Checkpoint, StaleLatestLosesToNewerCompleteFile) {
   // A crash between the rename and the update of `latest`.
   TmpDir dir;

@@ -115,6 +115,55 @@ TEST(ImageDecode, FromMemoryEqualsFromFile) {
   }
 }
 
+std::vector<uint8_t> file_bytes(const std::string& file) {
+  std::ifstream f(kDir + file, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// The header's size is the decoded size, for every golden file of both formats (what a server budgets with).
+TEST(ImageHeader, SizeEqualsTheDecodedSize) {
+  int n = 0;
+  for (const auto& c : golden()["decode"]) {
+    const std::string file = c["file"].get<std::string>();
+    const std::vector<uint8_t> b = file_bytes(file);
+    const q3vl::ImageHeader h = q3vl::read_image_header(b.data(), b.size(), file);
+    EXPECT_EQ(h.w, c["w"].get<int>()) << file;
+    EXPECT_EQ(h.h, c["h"].get<int>()) << file;
+    EXPECT_EQ(h.jpeg, file.ends_with(".jpg")) << file;
+    ++n;
+  }
+  EXPECT_GE(n, 4);
+}
+
+// A JPEG decoded at 1/s has sides ceil(side / s) and is the full decode averaged over s x s blocks, to within 1.5
+// of 255 on average (libjpeg's scaled IDCT is a low-pass of the same picture; PIL's draft() gives the same pixels).
+// Files without chroma subsampling: the test pictures are noise, whose subsampled chroma the scaled upsampling
+// smooths differently. A PNG cannot be scaled and says so.
+TEST(ImageDecode, JpegScaledDecode) {
+  for (const std::string file : {"photo_444_31x17.jpg", "gray_40x24.jpg", "cmyk_24x16.jpg"}) {
+    const std::vector<uint8_t> b = file_bytes(file);
+    const RgbImage full = q3vl::decode_image(b.data(), b.size(), file);
+    for (int s : {2, 4, 8}) {
+      const RgbImage im = q3vl::decode_image(b.data(), b.size(), file, s);
+      ASSERT_EQ(im.w, (full.w + s - 1) / s) << file;
+      ASSERT_EQ(im.h, (full.h + s - 1) / s) << file;
+      double err = 0;
+      const int bh = full.h / s, bw = full.w / s;
+      for (int y = 0; y < bh; ++y)
+        for (int x = 0; x < bw; ++x)
+          for (int c = 0; c < 3; ++c) {
+            double avg = 0;
+            for (int dy = 0; dy < s; ++dy)
+              for (int dx = 0; dx < s; ++dx) avg += full.px[((y * s + dy) * full.w + x * s + dx) * 3 + c];
+            err += std::abs(avg / (s * s) - im.px[(y * im.w + x) * 3 + c]);
+          }
+      EXPECT_LT(err / (bh * bw * 3), 1.5) << file << " at 1/" << s;
+    }
+  }
+  const std::vector<uint8_t> p = file_bytes("pal8_40x30_trns.png");
+  expect_error([&] { q3vl::decode_image(p.data(), p.size(), "pal", 2); }, {"pal", "JPEG only"});
+}
+
 TEST(ImageErrors, BrokenFilesFailNamingTheFile) {
   const std::map<std::string, std::string> words = {
       {"truncated", "truncated"}, {"corrupt", "corrupt"}, {"unsupported", "unsupported"}, {"empty", "empty"}};

@@ -53,8 +53,9 @@ class Deck {
   // Set a value programmatically (checked like an override).
   void set(const std::string& key, const std::string& value_text);
 
-  // The resolved deck as TOML text, every key with its value (parses back to an identical deck).
-  std::string to_toml() const;
+  // The resolved deck as TOML text, every key with its value (parses back to an identical deck). hide_secrets: keys
+  // named *api_key read "<hidden>" (the log's echo and checkpoints, which others read).
+  std::string to_toml(bool hide_secrets = false) const;
 
  private:
   const DeckValue& get(const std::string& key, KeyType type) const;

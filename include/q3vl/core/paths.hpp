@@ -14,4 +14,10 @@ std::string need_writable_dir(const std::string& key, const std::string& path);
 // A file this process can write: not a folder, and its folder writable (made if missing).
 std::string need_output_file(const std::string& key, const std::string& path);
 
+// A data file the repository ships (the tokenizer), named relative to the repository root: as given when it exists
+// from the working directory or is absolute; else beside the executable, <exe>/../<rel> (bin/q3vl in a checkout) or
+// <exe>/../<installed> (make install: bin/ and share/q3vl/); else unchanged, for the check to name. Job folders are
+// rarely the repository root.
+std::string shipped_file(const std::string& rel, const std::string& installed);
+
 }  // namespace q3vl

@@ -22,7 +22,16 @@ struct RgbImage {
 // replicated, palettes are looked up, 16-bit colour keeps the high byte, 16-bit grey saturates at 255,
 // CMYK uses PIL's formula. No EXIF rotation and no gamma handling, as in PIL.
 RgbImage load_image(const std::string& path);
-RgbImage decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors);
+// scale 2, 4 or 8 (JPEG only): decoded at 1/scale of each side by libjpeg's scaled IDCT (sides rounded up), which
+// never holds the full-size image: how a server reads pictures too large to decode whole. Not PIL's pixels.
+RgbImage decode_image(const uint8_t* data, size_t size, const std::string& name_for_errors, int scale = 1);
+
+// A JPEG's or PNG's size from its header, without decoding: what a server checks against its budgets first.
+struct ImageHeader {
+  long w = 0, h = 0;
+  bool jpeg = false;  // else PNG
+};
+ImageHeader read_image_header(const uint8_t* data, size_t size, const std::string& name_for_errors);
 
 // Write 8-bit RGB as a PNG file (rgb holds w*h*3 bytes).
 void write_png(const std::string& path, const uint8_t* rgb, int w, int h);

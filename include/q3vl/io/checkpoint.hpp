@@ -29,6 +29,8 @@ struct CkptMeta {
   std::string state_json;       // training state: data cursor, schedule position, loss scale, skipped steps...
   std::string build;            // q3vl version + git commit
   std::string hf_config_json;   // the model's HF config.json, so that tools need no other file ("" in older files)
+  std::string run_id;           // the training run that wrote it: a fresh run draws one, a resumed run keeps it
+                                // ("" in older files); rotation deletes only the writing run's checkpoints
 };
 
 // Collective over `comm`. Writes <dir>/step_%08d.h5.partial, flushes, renames to step_%08d.h5, then rewrites
@@ -36,13 +38,14 @@ struct CkptMeta {
 // Returns the final path.
 // File: root attributes format = "q3vl-checkpoint", format_version = 1 (int64), step, tokens_seen,
 // world_size (int64; the size of `comm`, whatever meta.world_size says), deck, state_json, build,
-// hf_config_json (variable-length UTF-8; files written before hf_config_json was kept lack it, and readers
-// leave it empty); one contiguous little-endian fp32 dataset per slice, at its full shape, with a uint64
+// hf_config_json, run_id (variable-length UTF-8; files written before they were kept lack them, and readers
+// leave them empty); one contiguous little-endian fp32 dataset per slice, at its full shape, with a uint64
 // attribute "checksum" (see ckpt_checksum). Rank 0's meta is the one written. No timestamps: the
 // same inputs give the same bytes. Every rank passes the same datasets in the same order, and the ranks'
 // counts must add up to each tensor's size (both checked: an error on every rank, nothing published).
-// keep_last <= 0 keeps all; the checkpoint just written is always kept; older *.partial files are removed;
-// other files in dir are left alone.
+// keep_last <= 0 keeps all, and counts only checkpoints of meta.run_id (root attribute run_id): another run's are
+// never deleted; the checkpoint just written is always kept; older *.partial files are removed; other files in dir
+// are left alone.
 std::string write_checkpoint(const std::string& dir, MPI_Comm comm, const CkptMeta& meta,
                              const std::vector<CkptSlice>& slices, int keep_last);
 
@@ -60,6 +63,15 @@ std::map<std::string, std::vector<int64_t>> checkpoint_shapes(const std::string&
 // (truncated, unreadable, missing attributes) are skipped with a warning naming them and why.
 // `notes` receives the human-readable story ("resuming from ...", "skipping ... because ...").
 std::string find_resume_checkpoint(const std::string& dir, std::vector<std::string>* notes);
+// Every complete and structurally sound checkpoint in dir, newest first (the first is find_resume_checkpoint's):
+// a resume that finds the newest corrupt inside (a checksum) falls back to the next.
+std::vector<std::string> resume_candidates(const std::string& dir, std::vector<std::string>* notes);
+
+// Complete checkpoints in dir written by a run other than run_id (or whose attributes cannot be read), newest first:
+// a fresh run refuses such a folder, where its rotation and `latest` would mix with another run's.
+std::vector<std::string> other_runs_checkpoints(const std::string& dir, const std::string& run_id);
+// checkpoint.overwrite: moves files and `latest` into a new <dir>/replaced.N; returns that folder.
+std::string move_checkpoints_aside(const std::string& dir, const std::vector<std::string>& files);
 
 // --- Building blocks, exposed for tests and tools ---
 
