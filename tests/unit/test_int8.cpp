@@ -99,7 +99,7 @@ void check_case(const std::string& name, LowDtype dt = LowDtype::I8) {
               "%.1f%% (with fp32's: %.1f%%); bound (sum of %d weight errors) %.3e; weights %.2f MiB -> %.2f MiB\n",
               low_dtype_name(dt), name.c_str(), e8.rel_l2, e32.rel_l2, e8.rel_max, 100 * e8.top1, 100 * eq.top1, nq,
               sum_eps, wb.fp32 / 1048576.0, wb.now() / 1048576.0);
-  EXPECT_LE(e32.rel_l2, 1e-4) << name << ": the unconverted model must match transformers first";
+  EXPECT_LE(e32.rel_l2, 2e-5) << name << ": the unconverted model must match transformers first";
   EXPECT_LE(e8.rel_l2, sum_eps) << name;
   EXPECT_GT(e8.rel_l2, 0.0) << name << ": " << low_dtype_name(dt) << " logits identical to fp32: nothing was converted";
   // 16-bit storage: the greedy token at most positions is fp32's (a random-init model has small logit margins).
