@@ -126,7 +126,7 @@ double decoder_vs_template(bool moe, Device target, DType dt) {
   dev_decoder_fwd(ex, cfg, P, f, moe, dxv, N, seg, dcos, dsin, dprobs, didx, dc, ds, dt);
   const auto xo = down(ex, dxv, N * H, dt);
   void* ddx = up(ex, dy, dt);
-  void* daux = moe ? up(ex, aux, dt) : nullptr;
+  void* daux = moe ? up(ex, aux, DType::F32) : nullptr;  // the router's gradients are fp32
   dev_decoder_bwd(ex, cfg, P, f, moe, ddx, N, seg, dcos, dsin, dprobs, didx, daux, dc, ds, dt);
   const auto dxo = down(ex, ddx, N * H, dt);
   const auto go = down(ex, dgrads, T.total(), DType::F32);

@@ -24,7 +24,8 @@ struct Bounds {
   double logits, loss, grad;
 };
 // fp32 (the CPU model, the device model on the CPU and on CUDA): measured at most 1.8e-6 (logits), 1.3e-7 (loss) and
-// 4.2e-6 (gradients) on the CPU, about 4e-6 on CUDA (2026-12-01); the bounds leave a margin of 5-10x (README).
+// 4.2e-6 (gradients) on the CPU (2026-12-01), 1.5e-6, 1.4e-7 and 4.0e-6 on an H200 (docs/PERFORMANCE.md); the
+// bounds leave a margin of 5-15x (README).
 constexpr Bounds kFp32{2e-5, 2e-6, 2e-5};
 
 // The templated CPU model (dev == nullptr) or the device model on `dev` in `dt`. plant_nan: one logit and one
@@ -122,9 +123,12 @@ TEST(Golden, CudaFp32MatchesTransformers) {
   Q3VL_NEED_GPU();
   for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_case(c, &kCuda);
 }
+// MoE's gradients to 5e-2 (measured 4.0e-2 with the router in bf16, 2026-11-30; fp32 since); its logits as the dense
+// models' (2.1e-2 measured, as dense_untied's, which has no router: the bf16 activations' rounding).
 TEST(Golden, CudaBf16MatchesTransformers) {
   Q3VL_NEED_GPU();
-  for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_case(c, &kCuda, DType::BF16, {3e-2, 1e-2, 1.5e-1});
+  for (const char* c : {"dense_tied", "dense_untied"}) check_case(c, &kCuda, DType::BF16, {3e-2, 1e-2, 1.5e-1});
+  check_case("moe", &kCuda, DType::BF16, {3e-2, 1e-2, 5e-2});
 }
 TEST(Golden, CudaFp16MatchesTransformers) {
   Q3VL_NEED_GPU();

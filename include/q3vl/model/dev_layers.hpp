@@ -59,7 +59,7 @@ struct DevDecoderCtx {
 // Temporaries of one layer's forward or backward, shared by all layers (not kept).
 struct DevDecoderScratch {
   void *tmp, *dln, *dact, *dgu, *datt, *dq, *dk, *dv, *dqr, *dkr;
-  void *logits, *xg, *eact, *dyg, *edact, *edgu, *dxg, *dlogits;  // MoE
+  void *logits, *xg, *eact, *dyg, *edact, *edgu, *dxg, *dlogits;  // MoE (logits, dlogits: [N,E] F32)
   float* dw;                                                      // MoE: [R]
   void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt);
 };
@@ -74,7 +74,7 @@ struct DevSegments {
 void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
                      int64_t N, const DevSegments& seg, const float* cos, const float* sin, float* probs,
                      int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt);
-// dx holds dL/d(out) on entry and dL/d(in) on return; aux_dlogits [N,E] in dt (may be null) joins the router's
+// dx holds dL/d(out) on entry and dL/d(in) on return; aux_dlogits [N,E] F32 (may be null) joins the router's
 // logit gradient.
 void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* dx,
                      int64_t N, const DevSegments& seg, const float* cos, const float* sin, const float* probs,
