@@ -16,9 +16,9 @@ passed=0 failed=0 skipped=0 failed_suites=() skip_list=() fail_list=()
 # every check is skipped, each with its reason, is reported as skipped instead. Suites not listed: at least 1.
 declare -A min_checks=(
   [unit]=180 [mpi-np1]=75 [mpi-np2]=75 [mpi-np4]=75
-  [test_cli]=16 [test_demo]=8 [test_demo_lora]=9 [test_ep]=8 [test_eval]=8 [test_faults]=25 [test_generate]=14
-  [test_int8]=20 [test_lora]=28 [test_plan]=10 [test_prepare]=6 [test_serve]=30 [test_train]=14
-  [test_ckpt_info]=15 [test_export_hf]=20 [test_metrics_tools]=12 [slurm-start]=1 [slurm]=10
+  [test_cli]=16 [test_demo]=8 [test_demo_lora]=9 [test_ep]=10 [test_eval]=8 [test_faults]=25 [test_generate]=18
+  [test_int8]=18 [test_lora]=26 [test_plan]=14 [test_prepare]=9 [test_serve]=24 [test_train]=15
+  [test_ckpt_info]=20 [test_export_hf]=36 [test_metrics_tools]=25 [slurm-start]=1 [slurm]=8
 )
 
 # skip_suite NAME REASON: a whole suite that cannot run here.
