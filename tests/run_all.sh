@@ -29,7 +29,8 @@ skip_suite() {
 
 # one_check CMD...: a command that is one check, judged by its exit code, with the summary line run reads.
 one_check() {
-  if "$@"; then echo "1 passed, 0 failed, 0 skipped"; else echo "FAIL: $* exited $?"; echo "0 passed, 1 failed, 0 skipped"; fi
+  if "$@"; then echo "1 passed, 0 failed, 0 skipped"
+  else echo "FAIL: $* exited $?"; echo "0 passed, 1 failed, 0 skipped"; fi
 }
 
 # run NAME CMD...: one suite; counts GoogleTest's pass/fail/skip lines (or a script's own summary line), holds the

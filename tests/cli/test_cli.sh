@@ -60,7 +60,8 @@ $py -c "import h5py, numpy as np, sys
 for p in sys.argv[1:]:
     with h5py.File(p, 'w') as f: f['model/w'] = np.array([1, np.nan], 'f4'); f['optim/exp_avg_sq/w'] = np.ones(2, 'f4')
 " $tmp/nan1.h5 $tmp/nan2.h5
-out=$(cmp_ckpt $tmp/nan1.h5 $tmp/nan2.h5 0 2>&1) && bad "cmp_ckpt passed two checkpoints holding NaN" ||
-  { grep -q "model/w: NaN or Inf" <<<"$out" && pass "cmp_ckpt: NaN fails, bitwise equal or not" || bad "cmp_ckpt: $out"; }
+if out=$(cmp_ckpt $tmp/nan1.h5 $tmp/nan2.h5 0 2>&1); then bad "cmp_ckpt passed two checkpoints holding NaN"
+elif grep -q "model/w: NaN or Inf" <<<"$out"; then pass "cmp_ckpt: NaN fails, bitwise equal or not"
+else bad "cmp_ckpt: $out"; fi
 
 finish

@@ -97,9 +97,8 @@ if [[ -d $demo/checkpoints && -f $demo/data/eval.jsonl ]]; then
       bad "demo model: $w held-out accuracy ${aw:-none}% against fp32's $a32%"
   done
 else
-  for w in fp32 int8 bf16 fp16; do
-    skip "demo model: $w held-out accuracy" "no trained demo in $demo (make demo, the README's first command, writes it)"
-  done
+  why="no trained demo in $demo (make demo, the README's first command, writes it)"
+  for w in fp32 int8 bf16 fp16; do skip "demo model: $w held-out accuracy" "$why"; done
 fi
 
 # The device model (model.backend = cuda: the GPU where there is one, else the CPU op layer) holds the decoder's

@@ -86,8 +86,8 @@ void check_case(const std::string& name, const Device* dev = nullptr, DType dt =
     std::vector<float> gr = want.read<float>(ds, &gshape);
     ASSERT_EQ(gshape, g.shape) << g.name;
     if (test::max_abs(gr) == 0) {  // an unused row or expert: ours zero, or (bf16, fp16) within rounding of it
-      EXPECT_LE(test::max_abs(g.data), dt == DType::F32 ? 0.0 : 1e-6) << name << ": " << g.name
-                                                                       << " has zero reference gradient but ours is not";
+      EXPECT_LE(test::max_abs(g.data), dt == DType::F32 ? 0.0 : 1e-6)
+          << name << ": " << g.name << " has zero reference gradient but ours is not";
       continue;
     }
     const double e = test::rel_norm_diff(g.data, gr);  // +inf for NaN or Inf
