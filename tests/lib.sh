@@ -28,6 +28,14 @@ needs() {
   done
 }
 
+# node_client_missing: why the OpenAI Node client (tests/cli/serve_client.mjs) cannot run here, or nothing.
+node_client_missing() {
+  if ! command -v node >/dev/null; then echo "node not found (make deps installs nodejs)"
+  elif [[ ! -f third_party/npm/node_modules/openai/package.json ]]; then
+    echo "the OpenAI client is not in third_party/npm (bash tools/fetch_tokenizer.sh installs it)"
+  fi
+}
+
 # expect NAME RC PATTERN CMD...: the command (a program or a shell function) exits with RC and its output,
 # stdout and stderr together, matches the extended regular expression PATTERN.
 expect() {
@@ -37,6 +45,16 @@ expect() {
   if [[ $rc -ne $want_rc ]]; then bad "$name: exit $rc, wanted $want_rc; output: $out"; return; fi
   if ! grep -qE -- "$pat" <<<"$out"; then bad "$name: output does not match /$pat/: $out"; return; fi
   pass "$name"
+}
+
+# holds EXPR X...: the Python expression EXPR over x[0], x[1], ... (the numbers X) is true, and every X is a finite
+# number. Never awk's or Python's bare `a < b`: false for NaN, so `exit(a > tol)` passes a NaN and awk reads "nan"
+# or an empty string as 0; here a missing value, NaN or Inf fails.
+holds() {
+  $py -c 'import math, sys
+try: x = [float(v) for v in sys.argv[2:]]
+except ValueError: sys.exit(1)
+sys.exit(not (all(map(math.isfinite, x)) and eval(sys.argv[1], {"abs": abs}, {"x": x})))' "$@"
 }
 
 # Training runs' comparisons (run NAMEs are folders under $tmp; FILEs are checkpoints):
@@ -55,9 +73,10 @@ for x, y in zip(a, b):
     assert d <= tol, f"step {x['step']}: loss {x['loss']} vs {y['loss']} (rel {d:.2e})"
 PY
 }
-# cmp_ckpt FILE_A FILE_B TOL: every dataset present in both with the same shape; weights agree to TOL and AdamW
-# moments to 10 TOL in norm, ||a-b|| / ||b|| (TOL 0: bitwise). Norms, not elements: Adam's first steps move an
-# element whose gradient is at rounding level by +-lr whatever its size, so a few such elements differ more.
+# cmp_ckpt FILE_A FILE_B TOL: every dataset present in both with the same shape, every value finite (two runs that
+# diverge to the same NaN are bitwise equal); weights agree to TOL and AdamW moments to 10 TOL in norm,
+# ||a-b|| / ||b|| (TOL 0: bitwise). Norms, not elements: Adam's first steps move an element whose gradient is at
+# rounding level by +-lr whatever its size, so a few such elements differ more.
 cmp_ckpt() {
   $py - "$1" "$2" "$3" <<'PY'
 import h5py, numpy as np, sys
@@ -71,6 +90,7 @@ with h5py.File(sys.argv[1]) as fa, h5py.File(sys.argv[2]) as fb:
     for n in na:
         a, b = fa[n][()], fb[n][()]
         assert a.shape == b.shape, n
+        assert np.isfinite(a).all() and np.isfinite(b).all(), f"{n}: NaN or Inf"
         if tol == 0:
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{n} differs"
         else:

@@ -56,7 +56,8 @@ void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t 
   arr = yo = nullptr;
   if (moe) {
     const int64_t R = N * tc.experts_per_tok, Ro = ep * R, E = tc.num_experts, Im = tc.moe_intermediate;
-    logits = a.take(N * E, dt), dlogits = a.take(N * E, dt), dw = a.take<float>(R, DType::F32);
+    logits = a.take<float>(N * E, DType::F32), dlogits = a.take<float>(N * E, DType::F32);  // the router: fp32
+    dw = a.take<float>(R, DType::F32);
     xg = a.take(R * H, dt), eact = a.take(Ro * Im, dt), dyg = a.take(R * H, dt);
     edact = a.take(Ro * Im, dt), edgu = a.take(Ro * 2 * Im, dt), dxg = a.take(R * H, dt);
     if (ep > 1) arr = a.take(Ro * H, dt), yo = a.take(Ro * H, dt);
@@ -124,9 +125,12 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
   const int64_t H = tc.hidden;
   if (moe) {
     const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
-    dev::linear_fwd(ex, c.ln2, P.p[f + tlay::router], nullptr, s.logits, N, H, E, dt);
-    dev_lora_fwd(ex, P, f + tlay::router, c.ln2, N, s.logits, E, dt);
-    dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, dt);
+    // The router in fp32 under bf16/fp16 compute (Megatron's advice for MoE stability; autocast keeps its softmax in
+    // fp32): logits written in fp32 by the GEMM (its dt operands, fp32 accumulation), softmax, top-k and the combine
+    // weights from them in fp32. Rounding the logits to bf16 flipped near-tied top-k choices and moved the weights.
+    dev::gemm(ex, false, true, N, E, H, 1.f, c.ln2, H, P.p[f + tlay::router], H, 0.f, s.logits, E, dt, DType::F32);
+    dev_lora_fwd(ex, P, f + tlay::router, c.ln2, N, s.logits, E, dt, 0, -1, 0, /*y_f32=*/true);
+    dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, DType::F32);
     dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
     dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
     if (c.ex) return dev_moe_experts_fwd(ex, tc, P, f, N, c, s, dt);  // expert parallelism: on their owners
@@ -214,11 +218,15 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
       dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, dt);
     }
     dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, dt);
-    zero(ex, s.dlogits, N * E, dt);
-    dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, dt);
-    if (aux_dlogits) dev::axpy(ex, 1.f, aux_dlogits, s.dlogits, N * E, dt);
-    dev::linear_bwd(ex, s.dlogits, c.ln2, P.p[f + tlay::router], s.dln, P.g[f + tlay::router], nullptr, N, H, E, dt);
-    dev_lora_bwd(ex, P, f + tlay::router, s.dlogits, E, c.ln2, N, s.dln, dt);
+    // The logit gradients of the combine weights and of the aux loss summed in fp32, rounded once to dt for the
+    // router's GEMMs (whose other operands are dt), into s.logits (fp32-sized, free after the forward).
+    zero(ex, s.dlogits, N * E, DType::F32);
+    dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, DType::F32);
+    if (aux_dlogits) dev::axpy(ex, 1.f, aux_dlogits, s.dlogits, N * E, DType::F32);
+    void* dl = s.dlogits;
+    if (dt != DType::F32) dev::convert(ex, dl = s.logits, dt, s.dlogits, DType::F32, N * E);
+    dev::linear_bwd(ex, dl, c.ln2, P.p[f + tlay::router], s.dln, P.g[f + tlay::router], nullptr, N, H, E, dt);
+    dev_lora_bwd(ex, P, f + tlay::router, dl, E, c.ln2, N, s.dln, dt);
   } else {
     const int64_t I = tc.intermediate;
     zero(ex, s.dact, N * I, dt);

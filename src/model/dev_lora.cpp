@@ -55,7 +55,7 @@ void check_rows(const DevLora& L, int64_t N) {
 }  // namespace
 
 void dev_lora_fwd(const dev::Exec& ex, const DevParams& P, int id, const void* x, int64_t N, void* y, int64_t ldy,
-                  DType dt, int64_t o0, int64_t nout, int64_t row0) {
+                  DType dt, int64_t o0, int64_t nout, int64_t row0, bool y_f32) {
   const Adapter A = adapter_of(P, id, N);
   if (A.a < 0) return;
   const DevLora& L = *P.lora;
@@ -64,7 +64,7 @@ void dev_lora_fwd(const dev::Exec& ex, const DevParams& P, int id, const void* x
   const void* xd = dropped(ex, L, A, x, N, row0, dt);
   dev::gemm(ex, false, true, N, A.r, A.in, 1.f, xd, A.in, P.p[A.a], A.in, 0.f, L.u, A.r, dt, dt);
   dev::gemm(ex, false, true, N, nout, A.r, L.scale, L.u, A.r, at(P.p[A.a + 1], o0 * A.r, dt), A.r, 1.f, y, ldy, dt,
-            dt);
+            y_f32 ? DType::F32 : dt);
 }
 
 void dev_lora_bwd(const dev::Exec& ex, const DevParams& P, int id, const void* dy, int64_t lddy, const void* x,

@@ -100,7 +100,7 @@ struct DevModel::Impl {
     rf = a.take<float>(T, DType::F32), rowloss = a.take<float>(head_rows, DType::F32);
     probs = a.take<float>(std::max<int64_t>(1, nmoe * T * E), DType::F32);
     idx = a.take<int32_t>(std::max<int64_t>(1, nmoe * T * K), DType::I32);
-    aux_dl = a.take(std::max<int64_t>(1, nmoe * T * E), dt);
+    aux_dl = a.take(std::max<int64_t>(1, nmoe * T * E), DType::F32);  // F32: the router's gradient (dev_decoder_bwd)
     aux_f = a.take<float>(std::max<int64_t>(1, E), DType::F32);
     sums = a.take<double>(2, DType::F64);
     lora.carve(a, cfg, T, P, dt);
@@ -603,8 +603,9 @@ void DevModel::backward(float loss_scale) {
   int64_t nmoe = 0;
   for (int l = 0; l < tc.layers; ++l) nmoe += table_.moe_layer(l);
   if (aux_on_) {
-    dev::fill(ex_, I.aux_dl, dt_, nmoe * N * E, 0.f);
-    dev::aux_loss_bwd(ex_, I.probs, I.aux_f, float(tc.router_aux_loss_coef * loss_scale), I.aux_dl, nmoe * N, E, dt_);
+    dev::fill(ex_, I.aux_dl, DType::F32, nmoe * N * E, 0.f);
+    dev::aux_loss_bwd(ex_, I.probs, I.aux_f, float(tc.router_aux_loss_coef * loss_scale), I.aux_dl, nmoe * N, E,
+                      DType::F32);
   }
   const DevSegments seg{I.cu, I.nseg, I.max_len};
   int64_t slot = nmoe;
@@ -614,7 +615,7 @@ void DevModel::backward(float loss_scale) {
     slot -= moe;
     const float* pr = moe ? I.probs + slot * N * E : nullptr;
     const int32_t* ix = moe ? I.idx + slot * N * K : nullptr;
-    const void* adl = moe && aux_on_ ? at(I.aux_dl, slot * N * E, dt_) : nullptr;
+    const void* adl = moe && aux_on_ ? at(I.aux_dl, slot * N * E, DType::F32) : nullptr;
     DevDecoderCtx* c = recompute_ ? &I.dwork[moe] : &I.dctx[l];
     enter_layer(l, true);
     if (recompute_)  // rerun into the shared context; probs/idx get the values they already hold

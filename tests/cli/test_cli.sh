@@ -52,4 +52,16 @@ for kv in model.backend=cuda model.dtype=bf16; do
   fi
 done
 
+# The suites' own numeric checks (tests/lib.sh) fail on NaN, Inf and a missing value: holds, and cmp_ckpt on two
+# checkpoints bitwise equal with the same NaN.
+! holds 'abs(x[0] - x[1]) <= 1' nan 1 && ! holds 'abs(x[0] - x[1]) <= 1' 1 -inf && ! holds 'x[0] >= 50' "" &&
+  holds 'x[0] >= 50' 50 && pass "holds: NaN, Inf and a missing value fail" || bad "holds passed NaN, Inf or nothing"
+$py -c "import h5py, numpy as np, sys
+for p in sys.argv[1:]:
+    with h5py.File(p, 'w') as f: f['model/w'] = np.array([1, np.nan], 'f4'); f['optim/exp_avg_sq/w'] = np.ones(2, 'f4')
+" $tmp/nan1.h5 $tmp/nan2.h5
+if out=$(cmp_ckpt $tmp/nan1.h5 $tmp/nan2.h5 0 2>&1); then bad "cmp_ckpt passed two checkpoints holding NaN"
+elif grep -q "model/w: NaN or Inf" <<<"$out"; then pass "cmp_ckpt: NaN fails, bitwise equal or not"
+else bad "cmp_ckpt: $out"; fi
+
 finish

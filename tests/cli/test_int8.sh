@@ -48,8 +48,7 @@ weights() {
   local line now was
   line=$(grep -oE "generate: weights $1: [0-9.]+ MiB against [0-9.]+ MiB in fp32" $tmp/$1.log)
   read -r now was < <(grep -oE '[0-9.]+ MiB' <<<"$line" | tr -d ' MiB' | tr '\n' ' ')
-  if [[ -n $line ]] && $py -c "import sys; n, w, f = map(float, sys.argv[1:]); sys.exit(not (0 < n < w * f))" \
-    "$now" "$was" "$2"; then
+  if holds '0 < x[0] < x[1] * x[2]' "$now" "$was" "$2"; then
     pass "$1: weight bytes reported, under $2 of fp32 ($now of $was MiB)"
   else
     bad "$1 weight line: $(grep weights $tmp/$1.log)"
@@ -88,17 +87,18 @@ if [[ -d $demo/checkpoints && -f $demo/data/eval.jsonl ]]; then
       bad "demo model, $w: $(tail -3 $tmp/demo_$w.log)"
   done
   a32=$(acc fp32)
-  $py -c "import sys; sys.exit(float(sys.argv[1]) < 50)" "${a32:-0}" &&
+  holds 'x[0] >= 50' "$a32" &&
     pass "demo model: fp32 held-out accuracy $a32% (a trained demo)" ||
     bad "demo model: fp32 held-out accuracy ${a32:-none}% is not a trained model's (>= 50%): $demo"
   for w in int8 bf16 fp16; do
     aw=$(acc $w)
-    $py -c "import sys; a, b = map(float, sys.argv[1:]); sys.exit(abs(a - b) > 1)" "${a32:-0}" "${aw:-999}" &&
+    holds 'abs(x[0] - x[1]) <= 1' "$a32" "$aw" &&
       pass "demo model: $w held-out accuracy $aw% against fp32's $a32%" ||
       bad "demo model: $w held-out accuracy ${aw:-none}% against fp32's $a32%"
   done
 else
-  skip "demo-model accuracy" "no trained demo in $demo (make demo, the README's first command, writes it)"
+  why="no trained demo in $demo (make demo, the README's first command, writes it)"
+  for w in fp32 int8 bf16 fp16; do skip "demo model: $w held-out accuracy" "$why"; done
 fi
 
 # The device model (model.backend = cuda: the GPU where there is one, else the CPU op layer) holds the decoder's
@@ -115,7 +115,14 @@ grep -q 'with int8 linears' $tmp/dev_int8.log && ! grep -q 'with int8 linears' $
   bad "device int8 weights: $(grep 'generate: on' $tmp/dev_*.log)"
 
 # serve at int8 through the OpenAI client: the answers of generate at int8 (and, over 2 ranks, of fp32 on most).
-if needs node-client node && [[ -f third_party/npm/node_modules/openai/package.json ]]; then
+serve_checks=("serve: int8 answers == generate's at int8 on all 16 prompts"
+              "serve, TP = 2 (scales of each rank's rows): int8 answers == fp32's on >= 14 of 16"
+              "serve: fp16 answers == generate's at fp16 on all 16 prompts"
+              "serve, TP = 2 (each rank's rows in bf16): bf16 answers == fp32's on >= 14 of 16")
+no_client=$(node_client_missing)
+if [[ -n $no_client ]]; then
+  for c in "${serve_checks[@]}"; do skip "$c" "$no_client"; done
+else
   pids=()
   trap 'for p in "${pids[@]}"; do kill -TERM $p 2>/dev/null; done; wait 2>/dev/null; rm -rf "$tmp"' EXIT
   serve() {  # serve NAME NP W: a server on NP ranks with weights W, asked the 16 prompts (non-streaming); answers to
@@ -136,11 +143,9 @@ if needs node-client node && [[ -f third_party/npm/node_modules/openai/package.j
     grep -qE "serve: weights $w: .* MiB in fp32" $tmp/$name.log ||
       bad "$name: no weight line: $(grep weights $tmp/$name.log)"
   }
-  serve serve1 1 int8 && agree "serve: int8 answers == generate's at int8 on all 16 prompts" int8 serve1 16
-  serve serve2 2 int8 && agree "serve, TP = 2 (scales of each rank's rows): int8 answers == fp32's on >= 14 of 16" \
-    fp32 serve2 14
-  serve serve_fp16 1 fp16 && agree "serve: fp16 answers == generate's at fp16 on all 16 prompts" fp16 serve_fp16 16
-  serve serve_bf16 2 bf16 && agree "serve, TP = 2 (each rank's rows in bf16): bf16 answers == fp32's on >= 14 of 16" \
-    fp32 serve_bf16 14
+  serve serve1 1 int8 && agree "${serve_checks[0]}" int8 serve1 16
+  serve serve2 2 int8 && agree "${serve_checks[1]}" fp32 serve2 14
+  serve serve_fp16 1 fp16 && agree "${serve_checks[2]}" fp16 serve_fp16 16
+  serve serve_bf16 2 bf16 && agree "${serve_checks[3]}" fp32 serve_bf16 14
 fi
 finish

@@ -140,7 +140,9 @@ PY
 
 # serve (the model_source/load_model generate uses): the LoRA checkpoint's greedy answers are generate's, on one rank
 # and under tensor parallelism over 2 (the adapters folded into the base before the split).
-if [[ -f third_party/npm/node_modules/openai/package.json ]] && command -v node >/dev/null && [[ -f $tmp/g1.jsonl ]]; then
+no_client=$(node_client_missing)
+[[ -f $tmp/g1.jsonl ]] || no_client=${no_client:-"no generate answers to compare with (generate failed above)"}
+if [[ -z $no_client ]]; then
   for n in 1 2; do
     mpiexec -n $n $q serve serve.checkpoint="$tmp/t/checkpoints" serve.port=0 \
       serve.min_pixels=4096 serve.model_name=q3vl-tiny serve.kv_mib=8 run.timing=false >"$tmp/serve$n.log" 2>&1 &
@@ -170,7 +172,7 @@ PY
     kill -TERM $spid 2>/dev/null; wait $spid 2>/dev/null
   done
 else
-  skip "serve with adapters" "no OpenAI node client (bash tools/fetch_tokenizer.sh installs it)"
+  for n in 1 2; do skip "serve (TP $n): LoRA checkpoint answers = generate's" "$no_client"; done
 fi
 
 # (f) MoE (8 experts, top-3): adapters on attention and the router, the experts frozen (null gradients per expert);

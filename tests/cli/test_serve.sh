@@ -9,9 +9,8 @@
 source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
 client=tests/cli/serve_client.mjs
-needs node-client node || finish
-[[ -f third_party/npm/node_modules/openai/package.json ]] ||
-  { skip node-client "the OpenAI client is not in third_party/npm (bash tools/fetch_tokenizer.sh installs it)"; finish; }
+why=$(node_client_missing)
+[[ -z $why ]] || { skip "test_serve (every check: each needs the client)" "$why"; finish; }
 
 $q synth synth.dir=$tmp/d synth.train_samples=1 synth.eval_samples=6 synth.seed=3 run.timing=false >/dev/null 2>&1 ||
   { bad "synth failed"; finish; }

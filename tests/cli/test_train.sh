@@ -77,7 +77,7 @@ import json, sys
 h, f = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
 assert all(abs(a["gathered_mib"] * 2 - b["gathered_mib"]) < 1e-9 and b["gathered_mib"] > 0 for a, b in zip(h, f))
 d = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(h, f)]
-assert 0 < max(d) < 2e-2, f"bf16 vs fp32 gathers: loss differences {d[:5]}"
+assert all(0 <= x < 2e-2 for x in d) and max(d) > 0, f"bf16 vs fp32 gathers: loss differences {d[:5]}"  # NaN fails
 PY
 then pass "bf16-gathers"; else bad "bf16-gathers"; fi
 

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "../compare.hpp"
 #include "../gpu.hpp"
 #include "ranks.hpp"
 #include "../int8_ref.hpp"
@@ -67,10 +68,10 @@ std::unique_ptr<Model> shard(Model& full, int rank, int size) {
   return local;
 }
 
-// Largest |a - b| (b empty: |a|) over every rank's rows.
+// Largest |a - b| (b empty: |a|) over every rank's rows; +inf when any rank has NaN or Inf (compare.hpp), so every
+// bound below fails on them.
 double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double w = 0;
-  for (size_t i = 0; i < a.size(); ++i) w = std::max(w, (double)std::fabs(a[i] - (b.empty() ? 0.f : b[i])));
+  double w = b.empty() ? test::max_abs(a) : test::max_diff(a, b);
   MPI_Allreduce(MPI_IN_PLACE, &w, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   return w;
 }
@@ -164,7 +165,6 @@ TEST_P(ServeTp, ShardedLogitsEqualTheFullModel) {
   const auto [v0, v1] = tp_vocab_rows(70, rank, size);
   const double worst = max_diff(run_tokens(*local, v0, v1), run_tokens(full, v0, v1));
   EXPECT_LT(worst, 1e-5) << size << " ranks";
-  EXPECT_GT(worst + 1, 0);  // not NaN
 }
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, ServeTp, ::testing::Bool(),
                          [](const auto& i) { return i.param ? std::string("Moe") : std::string("Dense"); });
@@ -275,7 +275,6 @@ TEST_P(DevTp, SlicesEqualTheFullModelOnCpu) {
   const std::vector<float> want = host_tokens(full);
   const double worst = max_diff(dev_slice_tokens(full, Device::CPU, DType::F32, "mpi"), want);
   EXPECT_LT(worst, 1e-5);
-  EXPECT_GT(worst + 1, 0);
 }
 
 // int8 slices: each rank quantizes the rows it holds (the MoE model's expert slices too), and computes what the host
@@ -296,10 +295,10 @@ double int8_slices_vs_host(bool moe, Device d, const std::string& comm_kind) {
       local->config(), [&](const auto& s, KvCache<float>& k) { return local->step(s, k); },
       [&](const auto& px, const auto& g, auto& img, auto& ds) { local->vision_features(px, g, img, ds); }, c, v0, v1);
   const double big = max_diff(want, {});
-  const double worst = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, true), want) / std::max(1.0, big);
+  const double d8 = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, true), want);
+  const double worst = d8 == test::kNonFinite ? d8 : d8 / std::max(1.0, big);  // inf / inf would be NaN
   if (rank == 0)
     std::printf("[ dev tp   ] %d ranks int8 through %s: max|diff|/max|logit| %.2e\n", size, comm_kind.c_str(), worst);
-  EXPECT_GT(worst + 1, 0);  // not NaN
   return worst;
 }
 TEST_P(DevTp, Int8SlicesEqualQuantizedHostSlicesOnCpu) {
@@ -327,7 +326,7 @@ TEST_P(DevTp, NcclSlicesEqualTheFullModelGpu) {
   EXPECT_LT(mpi, 1e-5);
   EXPECT_LT(bf, 0.02 * big);
   EXPECT_LT(bf_full, 0.05 * big);
-  EXPECT_GT(nccl + mpi + bf + 1, 0);  // not NaN
+  EXPECT_GT(bf_full, 0.0) << "bf16 logits identical to fp32's: nothing ran in bf16";
 }
 TEST_P(DevTp, Int8NcclSlicesEqualQuantizedHostSlicesGpu) {
   Q3VL_NEED_GPU();

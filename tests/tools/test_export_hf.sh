@@ -93,7 +93,7 @@ for n, e in b.items():
     assert np.all(np.abs(y - x) <= np.abs(x) * 2.0**-8), n  # the nearer one
 EOF
 a=$(loss $tmp/bf16 $G/moe/batch.h5) b=$(loss $G/moe/model $G/moe/batch.h5)
-awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d < 0.02 * b) }' &&
+holds 'abs(x[0] - x[1]) < 0.02 * abs(x[1])' "$a" "$b" &&
   ok "bf16 loads: loss $a (fp32 $b)" || bad "bf16 loss $a vs fp32 $b"
 
 # --- checkpoint -> HF directory ---

@@ -5,12 +5,14 @@
 #include <cmath>
 #include <random>
 
+#include "../compare.hpp"
 #include "../gpu.hpp"
 #include "q3vl/model/dev_layers.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 using namespace q3vl;
+using test::rel_max_diff;  // NaN and Inf fail (compare.hpp)
 
 namespace {
 
@@ -41,13 +43,6 @@ std::vector<float> randn(int64_t n, std::mt19937& g, float s = 1) {
   std::vector<float> v(n);
   for (auto& e : v) e = d(g);
   return v;
-}
-
-// Normalised error max|a-b| / max|b|.
-double nerr(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, m = 0;
-  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, double(std::abs(a[i] - b[i]))), m = std::max(m, double(std::abs(b[i])));
-  return d / std::max(m, 1e-30);
 }
 
 std::vector<float> down(const dev::Exec& ex, const void* p, int64_t n, DType dt) {
@@ -131,19 +126,19 @@ double decoder_vs_template(bool moe, Device target, DType dt) {
   dev_decoder_fwd(ex, cfg, P, f, moe, dxv, N, seg, dcos, dsin, dprobs, didx, dc, ds, dt);
   const auto xo = down(ex, dxv, N * H, dt);
   void* ddx = up(ex, dy, dt);
-  void* daux = moe ? up(ex, aux, dt) : nullptr;
+  void* daux = moe ? up(ex, aux, DType::F32) : nullptr;  // the router's gradients are fp32
   dev_decoder_bwd(ex, cfg, P, f, moe, ddx, N, seg, dcos, dsin, dprobs, didx, daux, dc, ds, dt);
   const auto dxo = down(ex, ddx, N * H, dt);
   const auto go = down(ex, dgrads, T.total(), DType::F32);
 
-  double worst = std::max(nerr(xo, x), nerr(dxo, dx));
+  double worst = std::max(rel_max_diff(xo, x), rel_max_diff(dxo, dx));
   std::printf("  decoder %-5s %-4s %-4s out %.2e dx %.2e", moe ? "moe" : "dense", target == Device::CUDA ? "cuda" : "cpu",
-              dtype_name(dt), nerr(xo, x), nerr(dxo, dx));
+              dtype_name(dt), rel_max_diff(xo, x), rel_max_diff(dxo, dx));
   for (int id = f; id < f + tlay::count; ++id) {
     const ParamInfo& p = T.param(id);
     const int64_t off = T.units()[p.unit].offset + p.offset;
     const std::vector<float> a(go.begin() + off, go.begin() + off + p.numel), b(m.grad(id), m.grad(id) + p.numel);
-    worst = std::max(worst, nerr(a, b));
+    worst = std::max(worst, rel_max_diff(a, b));
   }
   std::printf(" worst grad/out %.2e\n", worst);
   for (void* p : {dparams, (void*)dgrads, (void*)arena.base, (void*)dcu, (void*)dcos, (void*)dsin, dxv, (void*)dprobs,

@@ -10,6 +10,7 @@
 #include <random>
 #include <utility>
 
+#include "../compare.hpp"
 #include "../gpu.hpp"
 #include "q3vl/model/dev_vision.hpp"
 #include "q3vl/model/layers.hpp"
@@ -18,6 +19,7 @@
 #include "q3vl/tensor/ops.hpp"
 
 using namespace q3vl;
+using test::rel_max_diff;  // NaN and Inf fail (compare.hpp)
 
 namespace {
 
@@ -47,14 +49,6 @@ std::vector<float> randn(int64_t n, std::mt19937& g, float s = 1) {
   std::vector<float> v(n);
   for (auto& e : v) e = d(g);
   return v;
-}
-
-// Normalised error max|a-b| / max|b|.
-double nerr(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0, m = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    d = std::max(d, double(std::abs(a[i] - b[i]))), m = std::max(m, double(std::abs(b[i])));
-  return d / std::max(m, 1e-30);
 }
 
 std::vector<float> down(const dev::Exec& ex, const void* p, int64_t n, DType dt) {
@@ -187,15 +181,16 @@ double vision_vs_template(Device target, DType dt) {
   dev_vision_embed_bwd(ex, vc, P, fe, dpix, grid, Np, ddv, dt);
   const auto go = down(ex, dgrads, T.total(), DType::F32);
 
-  const double e_emb = nerr(xe_d, xe), e_blk = nerr(xb_d, x), e_img = nerr(img_d, img), e_ds = nerr(ds_d, ds);
-  const double e_dvm = nerr(dvm_d, dvm), e_dvb = nerr(dvb_d, dv);
+  const double e_emb = rel_max_diff(xe_d, xe), e_blk = rel_max_diff(xb_d, x), e_img = rel_max_diff(img_d, img);
+  const double e_ds = rel_max_diff(ds_d, ds);
+  const double e_dvm = rel_max_diff(dvm_d, dvm), e_dvb = rel_max_diff(dvb_d, dv);
   double worst = std::max({e_emb, e_blk, e_img, e_ds, e_dvm, e_dvb}), wgrad = 0;
   for (auto [first, cnt] : groups)
     for (int id = first; id < first + cnt; ++id) {
       const ParamInfo& p = T.param(id);
       const int64_t off = T.units()[p.unit].offset + p.offset;
       const std::vector<float> a(go.begin() + off, go.begin() + off + p.numel), b(m.grad(id), m.grad(id) + p.numel);
-      const double e = nerr(a, b);
+      const double e = rel_max_diff(a, b);
       wgrad = std::max(wgrad, e);
       if (e > 1e-3) std::printf("    %s: %.2e\n", p.name.c_str(), e);
     }

@@ -9,7 +9,9 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <span>
 
+#include "../compare.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/config.hpp"
@@ -101,12 +103,7 @@ void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps
       const float* f = &full[(i * b.S + lastpos[i]) * V];
       std::mt19937_64 unused;
       EXPECT_EQ(res[i].tokens[t], sample_token(f, V, sp, unused)) << what << ": prompt " << i << " step " << t;
-      double mx = 0, diff = 0;
-      for (int64_t v = 0; v < V; ++v) {
-        mx = std::max(mx, std::fabs((double)f[v]));
-        diff = std::max(diff, std::fabs((double)f[v] - cached[i * V + v]));
-      }
-      worst = std::max(worst, diff / mx);
+      worst = std::max(worst, test::rel_max_diff(std::span(cached).subspan(i * V, V), std::span(f, V)));  // NaN: +inf
     }
   }
   EXPECT_LE(worst, 1e-4) << what << ": cached vs. full logits, max |diff| / max |logit|";

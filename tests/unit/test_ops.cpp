@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "../compare.hpp"
 #include "gradcheck.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/tensor/ops.hpp"
@@ -354,10 +355,7 @@ TEST(Ops, LinearInt8MatchesDequantizedLinear) {
       V want(sh.N * sh.out), got(sh.N * sh.out, 12345.0);  // got: overwritten, not accumulated
       ops::linear_fwd(x.data(), W.data(), bias ? b.data() : nullptr, want.data(), sh.N, sh.in, sh.out);
       ops::linear_lowp_fwd(x.data(), q.data(), s.data(), bias ? b.data() : nullptr, got.data(), sh.N, sh.in, sh.out);
-      double worst = 0, scale = 0;
-      for (size_t i = 0; i < want.size(); ++i)
-        worst = std::max(worst, std::fabs(got[i] - want[i])), scale = std::max(scale, std::fabs(want[i]));
-      EXPECT_LE(worst, 1e-12 * scale) << "N " << sh.N << " in " << sh.in << " out " << sh.out << " bias " << bias;
+      EXPECT_LE(test::rel_max_diff(got, want), 1e-12) << "N " << sh.N << " in " << sh.in << " out " << sh.out << " bias " << bias;
     }
   }
   // fp32: the same within float rounding of the sums.
@@ -372,10 +370,7 @@ TEST(Ops, LinearInt8MatchesDequantizedLinear) {
     for (int64_t i = 0; i < in; ++i) W[o * in + i] = float(q[o * in + i]) * s[o];
   ops::linear_fwd(x.data(), W.data(), (const float*)nullptr, want.data(), N, in, out);
   ops::linear_lowp_fwd(x.data(), q.data(), s.data(), (const float*)nullptr, got.data(), N, in, out);
-  float worst = 0, scale = 0;
-  for (size_t i = 0; i < want.size(); ++i)
-    worst = std::max(worst, std::fabs(got[i] - want[i])), scale = std::max(scale, std::fabs(want[i]));
-  EXPECT_LE(worst, 1e-5f * scale);
+  EXPECT_LE(test::rel_max_diff(got, want), 1e-5);  // NaN or Inf: +inf
 }
 
 TEST(Ops, EmbeddingInt8IsTheDequantizedRow) {

@@ -60,9 +60,9 @@ struct DevLora {
 };
 // y[n*ldy + j] (+)= scale * (B A drop(x))[n, o0 + j] for j < nout (nout < 0: every row of B) when base weight `id`
 // has an adapter, else nothing; x [N, in] are rows row0.. of the adapter's input in this pass (their place in the
-// dropout mask). lora_fwd's arithmetic, on the device.
+// dropout mask); y_f32: y is fp32 (the MoE router's logits), else dt. lora_fwd's arithmetic, on the device.
 void dev_lora_fwd(const dev::Exec& ex, const DevParams& P, int id, const void* x, int64_t N, void* y, int64_t ldy,
-                  DType dt, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
+                  DType dt, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0, bool y_f32 = false);
 // Its backward: dA, dB (+)= their gradients (null: frozen), dx (+)= the input gradient (dx may be null).
 void dev_lora_bwd(const dev::Exec& ex, const DevParams& P, int id, const void* dy, int64_t lddy, const void* x,
                   int64_t N, void* dx, DType dt, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
@@ -98,7 +98,7 @@ struct DevDecoderCtx {
 // Temporaries of one layer's forward or backward, shared by all layers (not kept).
 struct DevDecoderScratch {
   void *tmp, *dln, *dact, *dgu, *datt, *dq, *dk, *dv, *dqr, *dkr;
-  void *logits, *xg, *eact, *dyg, *edact, *edgu, *dxg, *dlogits;  // MoE
+  void *logits, *xg, *eact, *dyg, *edact, *edgu, *dxg, *dlogits;  // MoE (logits, dlogits: [N,E] F32)
   float* dw;                                                      // MoE: [R]
   void *arr = nullptr, *yo = nullptr;  // expert parallelism: [Ro,H] rows in arrival order, and expert-major
   void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt, int ep = 1);
@@ -114,7 +114,7 @@ struct DevSegments {
 void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
                      int64_t N, const DevSegments& seg, const float* cos, const float* sin, float* probs,
                      int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt);
-// dx holds dL/d(out) on entry and dL/d(in) on return; aux_dlogits [N,E] in dt (may be null) joins the router's
+// dx holds dL/d(out) on entry and dL/d(in) on return; aux_dlogits [N,E] F32 (may be null) joins the router's
 // logit gradient.
 void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* dx,
                      int64_t N, const DevSegments& seg, const float* cos, const float* sin, const float* probs,
