@@ -8,9 +8,11 @@
 #include <cstdio>
 #include <set>
 
+#include "q3vl/core/deck.hpp"
 #include "q3vl/io/h5.hpp"
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/config.hpp"
+#include "q3vl/model/lora.hpp"
 #include "../compare.hpp"
 #include "../gpu.hpp"
 #include "q3vl/train/eval.hpp"
@@ -29,34 +31,44 @@ struct Bounds {
 constexpr Bounds kFp32{2e-5, 2e-6, 2e-5};
 
 // The templated CPU model (dev == nullptr) or the device model on `dev` in `dt`. plant_nan: one logit and one
-// gradient element replaced by NaN before the comparison (the check's own test).
+// gradient element replaced by NaN before the comparison (the check's own test). lora: PEFT's goldens
+// (tools/make_lora_goldens.py, transformers 5.17 + peft 0.21 in fp32) in <case>/lora: the base with PEFT's own adapter
+// folder (adapters on every eligible linear and lm_head, B random), no aux loss, gradients of the adapters only.
 void check_case(const std::string& name, const Device* dev = nullptr, DType dt = DType::F32, Bounds tol = kFp32,
-                bool plant_nan = false) {
-  const std::string dir = "tests/data/golden/" + name;
+                bool plant_nan = false, bool lora = false) {
+  const std::string dir = "tests/data/golden/" + name, want_dir = lora ? dir + "/lora" : dir;
   ModelConfig cfg = load_hf_config(dir + "/model/config.json");
+  if (lora) cfg.lora = lora_config(Deck::load("", {"lora.adapter=" + want_dir + "/adapter"}, "train"));
   Model model(cfg);
+  std::vector<bool> trainable;
+  for (const ParamInfo& p : model.table().params()) trainable.push_back(!lora || p.part == Part::Lora);
+  model.set_trainable(trainable);
   load_hf_weights(model, dir + "/model");
+  if (lora) load_lora_adapter(model, want_dir + "/adapter");
   Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
+  const bool aux = cfg.moe() && !lora;
   EvalResult r;
   std::string how = "cpu model";
   if (!dev) {  // the host model (until it leaves the product: issue 28)
     model.zero_grads();
-    r.loss = model.forward(batch, true, &r.logits, &r.aux, cfg.moe());
+    r.loss = model.forward(batch, true, &r.logits, &r.aux, aux);
     model.backward();
     r.grads = grads_hf(model);
   } else {
     dev::Exec ex = dev::make_exec(*dev);
     {
       DevModel dm(cfg, ex, dt);
+      dm.set_frozen(trainable);
       dm.reserve(budget_for(batch, cfg.vision.patch_dim()));
       dm.set_params(model.params());
-      r = evaluate(dm, model, batch, true, cfg.moe());
+      r = evaluate(dm, model, batch, true, aux);
     }
     dev::destroy_exec(ex);
     how = std::string(*dev == Device::CUDA ? "cuda" : "cpu") + " device model " + dtype_name(dt);
   }
+  if (lora) how += ", PEFT adapters";
   if (plant_nan) r.logits.at(size_t(cfg.text.vocab) + 3) = r.grads.at(1).data.at(0) = NAN;
-  H5File want = H5File::open(dir + "/expected.h5");
+  H5File want = H5File::open(want_dir + "/expected.h5");
 
   // Logits at real (unpadded) positions; q3vl drops padded positions before the model runs.
   std::vector<int64_t> lshape;
@@ -72,7 +84,7 @@ void check_case(const std::string& name, const Device* dev = nullptr, DType dt =
 
   double loss = want.read_scalar<double>("loss");
   EXPECT_LE(std::fabs(r.loss - loss), tol.loss * std::fabs(loss)) << name << ": loss " << r.loss << " vs " << loss;
-  if (cfg.moe()) {
+  if (aux) {
     double aux = want.read_scalar<double>("aux_loss");
     EXPECT_LE(std::fabs(r.aux - aux), tol.loss * std::fabs(aux)) << name << ": aux " << r.aux << " vs " << aux;
   }
@@ -83,7 +95,7 @@ void check_case(const std::string& name, const Device* dev = nullptr, DType dt =
   std::string worst_name;
   for (const auto& g : r.grads) {
     ours.insert(g.name);
-    const std::string ds = "grads/" + g.name;
+    const std::string ds = "grads/" + g.name;  // adapters: grads_hf names them as PEFT saves them
     ASSERT_TRUE(want.exists(ds)) << name << ": transformers has no gradient for " << g.name;
     std::vector<int64_t> gshape;
     std::vector<float> gr = want.read<float>(ds, &gshape);
@@ -119,6 +131,14 @@ TEST(Golden, NanFails) {
 constexpr Device kCpu = Device::CPU, kCuda = Device::CUDA;
 TEST(Golden, DeviceModelOnCpuMatchesTransformers) {
   for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_case(c, &kCpu);
+}
+// LoRA against PEFT, on the CPU op layer and on CUDA, at the fp32 bounds.
+TEST(Golden, LoraOnCpuMatchesPeft) {
+  for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_case(c, &kCpu, DType::F32, kFp32, false, true);
+}
+TEST(Golden, CudaLoraMatchesPeft) {
+  Q3VL_NEED_GPU();
+  for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_case(c, &kCuda, DType::F32, kFp32, false, true);
 }
 // On the GPU: fp32 at the CPU's bounds; bf16 and fp16 within their rounding (activations and weights stored in
 // 8 or 11 bits of mantissa through every layer, fp32 accumulation).

@@ -14,8 +14,6 @@
 #include "../gpu.hpp"
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
-#include "q3vl/io/h5.hpp"
-#include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/model/qwen3vl.hpp"
@@ -323,15 +321,13 @@ void device_equals_host(bool moe, bool tie, double dropout, Device d, double tol
     const ParamInfo& p = t.param(int(id));
     const float* dg = g.data() + t.units()[size_t(p.unit)].offset + p.offset;
     if (p.part != Part::Lora) {
-      for (int64_t j = 0; j < p.numel; ++j) ASSERT_EQ(dg[j], 0.f) << p.name << ": a frozen base weight got a gradient";
+      EXPECT_EQ(test::max_abs(std::span<const float>(dg, size_t(p.numel))), 0.0)
+          << p.name << ": a frozen base weight got a gradient";
       continue;
     }
-    const float* hg = host.grad(int(id));
-    double scale = 0;
-    for (int64_t j = 0; j < p.numel; ++j) scale = std::max(scale, double(std::abs(hg[j])));
-    ASSERT_GT(scale, 0) << p.name << ": the host gradient is zero, the comparison would prove nothing";
-    for (int64_t j = 0; j < p.numel; ++j)  // written so that NaN fails
-      ASSERT_TRUE(std::abs(dg[j] - hg[j]) <= tol * scale) << p.name << "[" << j << "]: " << dg[j] << " vs " << hg[j];
+    const std::span<const float> want(host.grad(int(id)), size_t(p.numel)), mine(dg, size_t(p.numel));
+    ASSERT_GT(test::max_abs(want), 0) << p.name << ": the host gradient is zero, the comparison would prove nothing";
+    EXPECT_LE(test::rel_max_diff(mine, want), tol) << p.name;  // +inf for NaN or Inf
     ++checked;
   }
   EXPECT_EQ(checked, 2 * (8 + 4 + (moe ? 7 + 5 : 14) + 1)) << "every adapter matrix compared";
@@ -348,79 +344,4 @@ TEST(Lora, DeviceModelEqualsHostModelOnCuda) {
   for (bool moe : {false, true})
     for (bool tie : {false, true})
       for (double p : {0.0, 0.2}) device_equals_host(moe, tie, p, Device::CUDA, 1e-4);
-}
-
-// Against PEFT (tools/make_lora_goldens.py, run with transformers 5.17 and peft in fp32): the golden base models with
-// adapters on every eligible linear and the LM head (random B, so A's gradients are not zero), loaded from PEFT's own
-// folder. Logits, loss and every adapter gradient of the device model: on the CPU op layer in CI, on CUDA where a GPU
-// is. Comparisons are written so that NaN fails.
-namespace {
-void peft_case(const std::string& name, Device d) {
-  SCOPED_TRACE(name);
-  const std::string dir = "tests/data/golden/" + name, ad = dir + "/lora/adapter";
-  ModelConfig cfg = load_hf_config(dir + "/model/config.json");
-  cfg.lora = lora_config(Deck::load("", {"lora.adapter=" + ad}, "train"));
-  Model host(cfg);
-  const std::vector<bool> tr = adapters_only(host.table());
-  host.set_trainable(tr);
-  load_hf_weights(host, dir + "/model");
-  load_lora_adapter(host, ad);
-  const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
-  EvalResult r;
-  dev::Exec ex = dev::make_exec(d);
-  {
-    DevModel dm(cfg, ex, DType::F32);
-    dm.set_frozen(tr);
-    dm.reserve(budget_for(batch, cfg.vision.patch_dim()));
-    dm.set_params(host.params());
-    r = evaluate(dm, host, batch, true, false);
-  }
-  dev::destroy_exec(ex);
-  H5File want = H5File::open(dir + "/lora/expected.h5");
-  const std::vector<float> ref = want.read<float>("logits");
-  ASSERT_EQ(r.logits.size(), ref.size());
-  const int64_t V = cfg.text.vocab;
-  double max_ref = 0, max_diff = 0;
-  for (int64_t p = 0; p < int64_t(batch.B) * batch.S; ++p)
-    for (int64_t v = 0; batch.attention_mask[p] && v < V; ++v) {
-      const double diff = std::fabs(double(ref[p * V + v]) - r.logits[p * V + v]);
-      max_ref = std::max(max_ref, std::fabs(double(ref[p * V + v])));
-      if (!(diff <= max_diff)) max_diff = std::isnan(diff) ? INFINITY : diff;
-    }
-  EXPECT_GT(max_ref, 0.1) << "reference logits are degenerate";
-  EXPECT_TRUE(max_diff <= 2e-5 * max_ref) << "logits max |diff| " << max_diff << ", max |logit| " << max_ref;
-  const double loss = want.read_scalar<double>("loss");
-  EXPECT_TRUE(std::fabs(r.loss - loss) <= 1e-5 * std::fabs(loss)) << "loss " << r.loss << " vs " << loss;
-  double worst = 0;
-  std::string worst_name;
-  for (const auto& g : r.grads) {
-    const std::string ds = "grads/" + g.name;  // grads_hf names adapters as PEFT saves them
-    ASSERT_TRUE(want.exists(ds)) << "PEFT has no gradient for " << g.name;
-    const std::vector<float> gr = want.read<float>(ds);
-    ASSERT_EQ(gr.size(), g.data.size()) << g.name;
-    double num = 0, den = 0;
-    for (size_t i = 0; i < gr.size(); ++i)
-      num += (double(g.data[i]) - gr[i]) * (double(g.data[i]) - gr[i]), den += double(gr[i]) * gr[i];
-    if (den == 0) {  // an adapter whose output nothing reads (a DeepStack merger past the text layers)
-      EXPECT_TRUE(num == 0) << g.name << ": zero in PEFT, not in q3vl";
-      continue;
-    }
-    const double rel = std::sqrt(num / den);
-    EXPECT_TRUE(rel <= 2e-5) << g.name << ": relative gradient error " << rel;
-    if (!(rel <= worst)) worst = rel, worst_name = g.name;
-  }
-  EXPECT_EQ(r.grads.size(), want.list("grads").size()) << "every adapter of PEFT's, and only those";
-  std::printf("[ peft     ] %s (%s): logits max|diff|/max|logit| = %.2e, loss rel err = %.2e, worst adapter grad "
-              "rel err = %.2e (%s), %zu adapter matrices\n",
-              name.c_str(), d == Device::CUDA ? "cuda" : "cpu", max_diff / max_ref, std::fabs(r.loss - loss) / loss,
-              worst, worst_name.c_str(), r.grads.size());
-}
-}  // namespace
-
-TEST(Lora, DeviceModelOnCpuMatchesPeft) {
-  for (const char* c : {"dense_tied", "dense_untied", "moe"}) peft_case(c, Device::CPU);
-}
-TEST(Lora, CudaMatchesPeft) {
-  Q3VL_NEED_GPU();
-  for (const char* c : {"dense_tied", "dense_untied", "moe"}) peft_case(c, Device::CUDA);
 }
