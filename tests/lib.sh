@@ -100,6 +100,17 @@ PY
 }
 ckpt() { ls "$tmp/$1/checkpoints"/step_*.h5 | tail -1; }
 ok_run() { if [[ $1 -ne 0 ]]; then bad "$2: exit $1: $(tail -5 "$tmp/$2.log")"; return 1; fi; }
+# server_port LOG PID: the port of a `q3vl serve` started with serve.port=0, once LOG names it (printed); fails when
+# PID exits first or after 60 s.
+server_port() {
+  local p
+  for _ in $(seq 300); do
+    p=$(grep -oP 'serve: model .* on http://[0-9.]+:\K[0-9]+' "$1") && { echo "$p"; return 0; }
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.2
+  done
+  return 1
+}
 
 # finish: the summary line that tests/run_all.sh reads ("N passed, N failed, N skipped"); exits 1 if any check
 # failed.

@@ -131,12 +131,8 @@ else
     mpiexec -n $np $q serve $deck serve.checkpoint=$ck model.weight_dtype=$w serve.port=0 serve.kv_mib=8 \
       serve.min_pixels=16384 serve.max_pixels=16384 serve.model_name=demo "${quiet[@]}" >$tmp/$name.log 2>&1 &
     pids+=($!)
-    for _ in $(seq 300); do
-      port=$(grep -oP 'serve: model .* on http://127\.0\.0\.1:\K[0-9]+' $tmp/$name.log) && break
-      kill -0 ${pids[-1]} 2>/dev/null || break
-      sleep 0.2
-    done
-    [[ -n $port ]] || { bad "$name: the server did not come up: $(tail -3 $tmp/$name.log)"; return 1; }
+    port=$(server_port $tmp/$name.log ${pids[-1]}) ||
+      { bad "$name: the server did not come up: $(tail -3 $tmp/$name.log)"; return 1; }
     node tests/cli/serve_client.mjs $port demo answers $tmp/d/eval.jsonl data >$tmp/$name.jsonl 2>$tmp/$name.err ||
       bad "$name client: $(tail -3 $tmp/$name.err)"
     kill -TERM ${pids[-1]}; wait ${pids[-1]} || bad "$name: exit $? after SIGTERM"

@@ -147,14 +147,7 @@ if [[ -z $no_client ]]; then
     mpiexec -n $n $q serve serve.checkpoint="$tmp/t/checkpoints" serve.port=0 \
       serve.min_pixels=4096 serve.model_name=q3vl-tiny serve.kv_mib=8 run.timing=false >"$tmp/serve$n.log" 2>&1 &
     spid=$!
-    port=""
-    for _ in $(seq 300); do
-      port=$(grep -oP 'serve: model .* on http://127\.0\.0\.1:\K[0-9]+' "$tmp/serve$n.log")
-      [[ -n $port ]] && break
-      kill -0 $spid 2>/dev/null || break
-      sleep 0.2
-    done
-    if [[ -n $port ]]; then
+    if port=$(server_port "$tmp/serve$n.log" $spid); then
       MAX_TOKENS=5 node tests/cli/serve_client.mjs $port q3vl-tiny answers "$tmp/d/eval.jsonl" data >"$tmp/s$n.jsonl" \
         2>"$tmp/serr.log"
       $py - "$tmp/g1.jsonl" "$tmp/s$n.jsonl" <<'PY' && pass "serve (TP $n): LoRA checkpoint answers = generate's" ||

@@ -24,13 +24,7 @@ start() {
   local name=$1; shift
   "$@" serve.port=0 serve.min_pixels=4096 serve.image_dir=$tmp/d run.timing=false >$tmp/$name.log 2>&1 &
   pids+=($!)
-  port=""
-  for _ in $(seq 300); do
-    port=$(grep -oP 'serve: model .* on http://127\.0\.0\.1:\K[0-9]+' $tmp/$name.log)
-    [[ -n $port ]] && return 0
-    kill -0 ${pids[-1]} 2>/dev/null || break
-    sleep 0.2
-  done
+  port=$(server_port $tmp/$name.log ${pids[-1]}) && return 0
   bad "$name: the server did not come up: $(tail -5 $tmp/$name.log)"
   return 1
 }

@@ -13,13 +13,8 @@ pids=()
 start() {
   local name=$1; shift
   "$@" serve.port=0 run.timing=false >$tmp/$name.log 2>&1 &
-  pid=$! pids+=($!) port=""
-  for _ in $(seq 300); do
-    port=$(grep -oP 'serve: model .* on http://[0-9.]+:\K[0-9]+' $tmp/$name.log)
-    [[ -n $port ]] && return 0
-    kill -0 $pid 2>/dev/null || break
-    sleep 0.2
-  done
+  pid=$! pids+=($!)
+  port=$(server_port $tmp/$name.log $pid) && return 0
   bad "$name: the server did not come up: $(tail -5 $tmp/$name.log)"
   return 1
 }
