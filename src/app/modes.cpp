@@ -21,18 +21,17 @@
 namespace q3vl {
 
 namespace {
-// The compute the deck asks for exists here, checked before any work. Inference (generate, serve) may hold int8,
-// bf16 or fp16 weights on the CPU (int8 on the device); train and eval need fp32 weights (no gradient or master for
-// them).
+// The compute the deck asks for exists here, checked before any work. Inference (generate, serve) may hold int8
+// weights; train and eval need fp32 weights (no gradient or master for them).
 void check_compute(const Deck& d, bool inference) {
   const bool cuda = d.str("model.backend") == "cuda";
   if (const std::string w = d.str("model.weight_dtype"); w != "fp32") {
     if (!inference)
       fail("model.weight_dtype = \"" + w + "\": " + w +
            " weights are for inference (generate, serve); train and eval need model.weight_dtype = \"fp32\"");
-    if (cuda) device_int8(d);  // refuses bf16/fp16 there
+    weight_int8(d);  // refuses bf16/fp16
   }
-  if (cuda && dev::device_count() == 0 && !std::getenv("Q3VL_DEVICE_ON_CPU"))
+  if (cuda && dev::device_count() == 0)
     fail("model.backend = \"cuda\": no GPU is visible to rank " + std::to_string(Runtime::get().where().rank) + " on " +
          Runtime::get().where().host + " (a build without CUDA, no driver, or CUDA_VISIBLE_DEVICES empty)");
   if (!cuda && d.str("model.dtype") != "fp32")

@@ -31,7 +31,7 @@ const std::vector<KeySpec>& deck_schema() {
        "sequence counts (1, 4, 8, then multiples of 8), instead of launching some 600 kernels each"},
       {"model.weight_dtype", T::String, "fp32",
        "generate/serve: storage of the text decoder's linears and LM head (int8: weight-only, per output channel; "
-       "bf16/fp16: the CPU backend only, computing in fp32; on cuda set model.dtype instead)",
+       "bf16/fp16 are model.dtype's on cuda, and refused here)",
        -kBig, kBig, {"fp32", "int8", "bf16", "fp16"}},
 
       // eval: one forward (and optionally backward) pass over a batch file

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -82,23 +83,6 @@ int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, s
   return ids[keep - 1];
 }
 
-std::vector<float> HostGenModel::prefill(const std::vector<GenPrompt>& prompts) {
-  std::vector<std::vector<int64_t>> ids;
-  std::vector<float> pixels;
-  std::vector<int64_t> grid;
-  for (const GenPrompt& p : prompts) {
-    ids.push_back(p.ids);
-    pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
-    grid.insert(grid.end(), p.grid.begin(), p.grid.end());
-  }
-  cache_ = {};
-  return m_.prefill(ids, pixels, grid, cache_);
-}
-
-std::vector<float> HostGenModel::decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) {
-  return m_.decode(seqs, tokens, cache_);
-}
-
 std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
                                 size_t first_index) {
   const size_t B = prompts.size();
@@ -130,12 +114,6 @@ std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& p
     if (!active.empty()) logits = model.decode(active, toks);
   }
   return out;
-}
-
-std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
-                                size_t first_index) {
-  HostGenModel m(model);
-  return generate(m, prompts, sp, first_index);
 }
 
 GenPrompt encode_prompt(const Conversation& c, const std::vector<RgbImage>& images, const Tokenizer& tok,
@@ -278,6 +256,33 @@ bool has_adapters(const Deck& deck, const ModelSource& src) {
   return src.adapters_only || !deck.str("lora.adapter").empty() || src.cfg.lora.on();
 }
 
+namespace {
+// The pieces ps of the checkpoint's tensors. A tensor cut into several pieces (a row-parallel weight's columns under
+// tensor parallelism: one range per row) is read once over the range that covers them, then copied out.
+void read_checkpoint_slices(const std::string& path, const ParamTable& full, const std::vector<ParamSlice>& ps) {
+  std::map<int, std::pair<int64_t, int64_t>> cover;  // param -> [begin, end) of its pieces
+  for (const ParamSlice& p : ps) {
+    auto [it, fresh] = cover.try_emplace(p.param, p.begin, p.begin + p.count);
+    if (!fresh) it->second = {std::min(it->second.first, p.begin), std::max(it->second.second, p.begin + p.count)};
+  }
+  std::map<int, std::vector<float>> staged;
+  std::vector<CkptSlice> cs;
+  for (const ParamSlice& p : ps) {
+    const auto [b, e] = cover[p.param];
+    const bool whole_piece = b == p.begin && e == p.begin + p.count;
+    if (!whole_piece && staged.count(p.param)) continue;
+    float* dst = whole_piece ? p.dst : (staged[p.param] = std::vector<float>(size_t(e - b))).data();
+    cs.push_back({"model/" + full.param(p.param).name, full.param(p.param).shape, b, e - b, dst});
+  }
+  read_checkpoint(path, MPI_COMM_SELF, cs);
+  for (const ParamSlice& p : ps)
+    if (auto it = staged.find(p.param); it != staged.end()) {
+      const float* from = it->second.data() + (p.begin - cover[p.param].first);
+      std::copy(from, from + p.count, p.dst);
+    }
+}
+}  // namespace
+
 bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& local,
                     const std::function<std::vector<ParamSlice>(const UnitInfo&, float*)>& slices_of,
                     const std::function<void(int64_t, const float*, int64_t)>& sink) {
@@ -293,10 +298,7 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
     buf.resize(size_t(u.numel));
     const std::vector<ParamSlice> ps = slices_of(u, buf.data());
     if (ck) {
-      std::vector<CkptSlice> cs;
-      for (const ParamSlice& p : ps)
-        cs.push_back({"model/" + full.param(p.param).name, full.param(p.param).shape, p.begin, p.count, p.dst});
-      read_checkpoint(src.checkpoint, MPI_COMM_SELF, cs);
+      read_checkpoint_slices(src.checkpoint, full, ps);
     } else if (hf) {
       load_hf_slices(full, deck.str("model.hf"), ps);
     } else {
@@ -319,37 +321,12 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
       sink);
 }
 
-std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode) {
-  const auto mib = [](int64_t b) { return b / 1048576.0; };
-  char msg[360];
-  const std::string w = deck.str("model.weight_dtype");
-  if (w == "fp32") {
-    m.drop_gradients();
-    std::snprintf(msg, sizeof msg, "%s: weights fp32: %.2f MiB", mode.c_str(),
-                  mib(m.table().total() * (int64_t)sizeof(float)));
-    return msg;
-  }
-  const LowDtype dt = w == "int8" ? LowDtype::I8 : w == "bf16" ? LowDtype::BF16 : LowDtype::F16;  // the deck's choices
-  Model::WeightBytes b;
-  {
-    ScopedTimer t(mode + ": weights to " + w);
-    b = m.lower_weights(dt);
-  }
-  char scales[64] = "";
-  if (b.scales) std::snprintf(scales, sizeof scales, " + %.2f MiB of their scales", mib(b.scales));
-  std::snprintf(msg, sizeof msg,
-                "%s: weights %s: %.2f MiB against %.2f MiB in fp32 (%.2fx smaller): %.2f MiB %s%s + %.2f MiB kept fp32 "
-                "(vision tower, norms, router, untied embeddings)",
-                mode.c_str(), w.c_str(), mib(b.now()), mib(b.fp32), double(b.fp32) / double(b.now()), mib(b.low),
-                w.c_str(), scales, mib(b.kept));
-  return msg;
-}
-
-bool device_int8(const Deck& deck) {
+bool weight_int8(const Deck& deck) {
   const std::string w = deck.str("model.weight_dtype");
   if (w == "bf16" || w == "fp16")
-    fail("model.weight_dtype = \"" + w + "\" is for the CPU backend: with model.backend = \"cuda\" the device model "
-         "stores every weight in model.dtype; set model.dtype = \"" + w + "\" (and model.weight_dtype = \"fp32\")");
+    fail("model.weight_dtype = \"" + w + "\": the model stores every weight in model.dtype; with model.backend = "
+         "\"cuda\" set model.dtype = \"" + w + "\" (and model.weight_dtype = \"fp32\"); the CPU backend computes in "
+         "fp32, where model.weight_dtype = \"int8\" makes the weights 4x smaller");
   return w == "int8";
 }
 
@@ -421,8 +398,7 @@ SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok) {
 
 namespace {
 
-// model.backend = "cuda": the device model on the rank's GPU (or the CPU op layer under Q3VL_DEVICE_ON_CPU=1, so
-// that CI runs the same path), weights in model.dtype. A batch's prompts go in one step, a segment each (its M-RoPE
+// The model on the rank's GPU (model.backend = "cuda"), weights in model.dtype, or on the CPU op layer ("cpu"). A batch's prompts go in one step, a segment each (its M-RoPE
 // positions, its images' features from the device's vision pass), then one single-token segment per unfinished
 // prompt, over the device's KV pools; cache_ is their bookkeeping, started afresh for each batch.
 class DevGenModel : public GenModel {
@@ -438,8 +414,8 @@ class DevGenModel : public GenModel {
       dev::memory_info(ex_, &free_b, &total_b);
       const double need = double(DevModel::infer_bytes(cfg, dt, b));
       if (need > double(free_b) - 0.05 * double(total_b))
-        fail("generate: the step buffers and KV cache need " + gib(need) + " GiB, but GPU " + std::to_string(gpu) +
-             " has " + gib(double(free_b)) + " GiB free after the weights; lower generate.batch, "
+        fail("generate: the step buffers and KV cache need " + bytes_text(need) + ", but GPU " + std::to_string(gpu) +
+             " has " + bytes_text(double(free_b)) + " free after the weights; lower generate.batch, "
              "generate.max_new_tokens or generate.max_pixels");
     }
     m_->reserve_infer(b);
@@ -474,12 +450,6 @@ class DevGenModel : public GenModel {
     std::vector<StepSegment<float>> segs(seqs.size());
     for (size_t i = 0; i < seqs.size(); ++i) segs[i].seq = seqs[i], segs[i].ids = {tokens[i]};
     return m_->step(segs, cache_);  // no pos3: each sequence's next position
-  }
-
-  static std::string gib(double bytes) {
-    char b[32];
-    std::snprintf(b, sizeof b, "%.2f", bytes / 1073741824.0);
-    return b;
   }
 
  private:
@@ -551,44 +521,36 @@ int run_generate(const Deck& deck) {
     if (prompts.empty()) fail("generate.prompts '" + in + "' holds no prompts (an empty file?)");
     log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
     const size_t bs = (size_t)deck.integer("generate.batch");
-    std::unique_ptr<GenModel> gm;
-    std::unique_ptr<Model> model;  // the host model (the CPU backend; the device's when adapters need folding)
-    if (deck.str("model.backend") == "cuda") {
-      const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
-      const int gpu = std::max(0, rt.where().gpu);
-      const DType dt = compute_dtype(deck.str("model.dtype"));
-      const DevModel::InferBudget b = generate_budget(cfg, prompts, bs, sp.max_new_tokens);
-      const bool int8 = device_int8(deck);  // the device model quantizes as weights arrive
-      // The weights stream to the device a unit at a time, so the host never holds the fp32 model; the device model
-      // has no adapters, so with adapters the host model comes first and they are folded into the base (which may
-      // untie the head: the device model takes the folded model's config).
-      if (has_adapters(deck, src)) {
-        model = load_model(deck, src);
-        if (model->config().lora.on()) model = fold_lora(*model, "generate", "the device model");
-      }
-      auto d = std::make_unique<DevGenModel>(model ? model->config() : cfg, on_cpu, gpu, dt, int8, b, [&](DevModel& dm) {
-        if (model) return dm.set_params(model->params());
-        stream_weights(deck, src, dm.table(), [&](int64_t off, const float* v, int64_t n) { dm.set_params(off, v, n); });
-      });
-      model.reset();  // the weights are on the device now
-      d->model().set_graphs(deck.boolean("model.cuda_graphs"));
-      const DevMemory m = d->model().memory();
-      const int64_t kv = DevModel::kv_pool_bytes(d->model().config(), dt, b.kv_blocks, b.block);
+    const bool on_cpu = deck.str("model.backend") != "cuda";
+    const int gpu = std::max(0, rt.where().gpu);
+    const DType dt = compute_dtype(deck.str("model.dtype"));
+    const DevModel::InferBudget b = generate_budget(cfg, prompts, bs, sp.max_new_tokens);
+    const bool int8 = weight_int8(deck);  // quantized as the weights arrive
+    // The weights stream in a unit at a time, so the host never holds the fp32 model twice; adapters are folded into
+    // the base on a host copy first (which may untie the head: the model takes the folded model's config).
+    std::unique_ptr<Model> host;
+    if (has_adapters(deck, src)) {
+      host = load_model(deck, src);
+      if (host->config().lora.on()) host = fold_lora(*host, "generate", "inference");
+    }
+    auto gm = std::make_unique<DevGenModel>(host ? host->config() : cfg, on_cpu, gpu, dt, int8, b, [&](DevModel& dm) {
+      if (host) return dm.set_params(host->params());
+      stream_weights(deck, src, dm.table(), [&](int64_t off, const float* v, int64_t n) { dm.set_params(off, v, n); });
+    });
+    host.reset();
+    gm->model().set_graphs(deck.boolean("model.cuda_graphs"));
+    {
+      const DevMemory m = gm->model().memory();
+      const int64_t kv = DevModel::kv_pool_bytes(gm->model().config(), dt, b.kv_blocks, b.block);
       char msg[400];
       std::snprintf(msg, sizeof msg,
-                    "generate: on %s%s, %s%s: weights %s GiB, step and vision buffers %s GiB, KV cache %lld blocks of "
-                    "%lld tokens (%s GiB; for batches of up to %lld prompts)",
+                    "generate: on %s%s, %s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of "
+                    "%lld tokens (%s; for batches of up to %lld prompts)",
                     on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(gpu).c_str(), dtype_name(dt),
-                    int8 ? " with int8 linears" : "",
-                    DevGenModel::gib(double(m.weights)).c_str(), DevGenModel::gib(double(m.activations - kv)).c_str(),
-                    (long long)b.kv_blocks, (long long)b.block, DevGenModel::gib(double(kv)).c_str(),
-                    (long long)b.segments);
+                    int8 ? " with int8 linears" : "", bytes_text(double(m.weights)).c_str(),
+                    bytes_text(double(m.activations - kv)).c_str(), (long long)b.kv_blocks, (long long)b.block,
+                    bytes_text(double(kv)).c_str(), (long long)b.segments);
       log_info(msg);
-      gm = std::move(d);
-    } else {
-      model = load_model(deck, src);
-      log_info(apply_weight_dtype(*model, deck, "generate"));
-      gm = std::make_unique<HostGenModel>(*model);
     }
     if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);
     const std::string tmp = out + ".partial";  // an existing output is never left half-written

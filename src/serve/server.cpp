@@ -566,9 +566,7 @@ class Server {
   void emit(Job& job, bool final);
 
   const Deck& deck_;
-  // The model: on the host (model.backend = "cpu"), or on the device op layer (model.backend = "cuda": the GPU, or
-  // the CPU op layer with Q3VL_DEVICE_ON_CPU=1 for tests), where only cfg_ stays on the host.
-  std::unique_ptr<Model> model_;
+  // The model on the op layer: the GPU's kernels (model.backend = "cuda") or their CPU references ("cpu").
   std::unique_ptr<DevModel> dev_;
   std::unique_ptr<Comm> tp_comm_;  // the tensor-parallel group's sums: MPI, or NCCL on the device (serve.tp_comm)
   // The step plan's broadcasts, the stages' transfers (world_c_) and the group's gathers (tpc_c_), under the watchdog.
@@ -588,19 +586,8 @@ class Server {
   }
   dev::Exec ex_{};
   ModelConfig cfg_;
-  // This rank's rows of the logits, or (best) their argmax: on the device, or the op's CPU reference on the host's.
-  std::vector<float> local_step(const std::vector<StepSegment<float>>& segs, DevModel::Argmax* best = nullptr) {
-    if (dev_) return dev_->step(segs, cache_, nullptr, nullptr, best);
-    std::vector<float> l = model_->step(segs, cache_);
-    if (!best) return l;
-    const int64_t ns = (int64_t)segs.size(), v0 = tp_ > 1 ? vocab_rows_.first : 0;
-    const std::vector<int32_t> ban(best->banned.begin(), best->banned.end());
-    best->id.resize(ns), best->val.resize(ns);
-    dev::argmax_rows(dev::Exec{}, l.data(), ns, ns ? (int64_t)l.size() / ns : 0, v0, best->limit, ban.data(),
-                     (int64_t)ban.size(), best->id.data(), best->val.data());
-    return {};
-  }
-  void load_device(const ModelSource& src);
+  // The rank's slice of the model (from host: adapters folded, else streamed from src), its step buffers and KV pools.
+  void build_model(const ModelSource& src, std::unique_ptr<Model> host);
   void log_tp() const {
     if (rank_ == 0 && pp_ > 1) {
       std::string st;
@@ -1210,8 +1197,7 @@ void Server::admit() {
     const int64_t vis_shared = std::count(ids.begin(), ids.begin() + shared, (int64_t)cfg.image_token_id);
     try {  // the vision tower only when some image token is still to compute
       if (!job->prompt.grid.empty() && std::count(ids.begin() + shared, ids.end(), (int64_t)cfg.image_token_id) > 0)
-        dev_ ? dev_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds)
-             : model_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
+        dev_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
     } catch (const Error& e) {
       job->error = e.what();
       finish(*job, "error");
@@ -1421,9 +1407,8 @@ void Server::load() {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_);
   const ModelSource src = model_source(deck_, "serve.checkpoint");
-  const bool cuda = deck_.str("model.backend") == "cuda";
   const ServeLayout lay = serve_layout(world_, Runtime::get().where().nodes, (int)deck_.integer("serve.tp"),
-                                       (int)deck_.integer("serve.pp"), cuda, src.cfg.text.layers);
+                                       (int)deck_.integer("serve.pp"), src.cfg.text.layers);
   tp_ = lay.tp, pp_ = lay.pp;
   if (rank_ == 0 && world_ > 1) log_info(lay.why);
   stage_ = rank_ / tp_, trank_ = rank_ % tp_;
@@ -1432,77 +1417,36 @@ void Server::load() {
   world_c_->set_timeout(deck_.real("runtime.timeout"));
   tpc_c_ = tp_mpi();
   checkpoint_ = src.checkpoint;
-  // The device model streams its weights (a rank's slice of them) from their source a unit at a time, so the host
-  // never holds the fp32 model; adapters to fold need the host model first.
-  const bool adapters = has_adapters(deck_, src);
   if (pp_ > 1) dstage_ = DevStage::of(stage_, pp_, src.cfg.text.layers);  // serve_layout checked the stages
-  if (cuda && !adapters) {
-    cfg_ = tp_ > 1 ? tp_config(src.cfg, trank_, tp_) : src.cfg;
-    if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, trank_, tp_);
-    log_tp();
-    return load_device(src);
-  }
-  std::unique_ptr<Model> full = load_model(deck_, src);
-  // Tensor parallelism splits the base linears; adapters would need A and B split the same way (and a replicated
-  // LoRA term would be summed once per rank). The device model has no adapters either: fold them for both.
-  if ((tp_ > 1 || cuda) && full->config().lora.on())
-    full = fold_lora(*full, "serve", tp_ > 1 ? "tensor parallelism" : "the device model");
-  if (tp_ == 1) {
-    model_ = std::move(full);
-  } else {  // each rank keeps its slice; the full weights go once it is cut
-    model_ = std::make_unique<Model>(tp_config(full->config(), trank_, tp_));
-    tp_shard_weights(*full, *model_, trank_, tp_);
-    full.reset();
-    vocab_rows_ = tp_vocab_rows(model_->config().text.vocab, trank_, tp_);
-    if (!cuda) {  // the device model's group is load_device's
-      tp_comm_ = tp_mpi();
-      model_->set_tensor_parallel([this](float* x, int64_t n) { tp_comm_->all_reduce(x, size_t(n), DType::F32); },
-                                  vocab_rows_.first, vocab_rows_.second);
+  // The model streams its weights (a rank's slice of them) from their source a unit at a time, so the host never
+  // holds the fp32 model; adapters to fold need the whole model on the host first (fold_lora).
+  std::unique_ptr<Model> host;
+  if (has_adapters(deck_, src)) {
+    host = load_model(deck_, src);
+    if (host->config().lora.on())  // a replicated LoRA term would be summed once per tensor-parallel rank
+      host = fold_lora(*host, "serve", "serving");
+    if (tp_ > 1) {  // each rank keeps its slice; the full weights go once it is cut
+      auto slice = std::make_unique<Model>(tp_config(host->config(), trank_, tp_));
+      tp_shard_weights(*host, *slice, trank_, tp_);
+      host = std::move(slice);
     }
+    cfg_ = host->config();
+  } else {
+    cfg_ = tp_ > 1 ? tp_config(src.cfg, trank_, tp_) : src.cfg;
   }
-  // After sharding: a rank quantizes only the rows it holds, and the fp32 full model is already gone (the device
-  // model quantizes as the weights arrive).
-  if (cuda) model_->drop_gradients();
-  else if (const std::string wmsg = apply_weight_dtype(*model_, deck_, "serve"); rank_ == 0)
-    log_info(wmsg + (tp_ > 1 ? " per rank" : ""));
-  cfg_ = model_->config();
+  if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, trank_, tp_);
   log_tp();
-  if (cuda) return load_device(src);
-  // The KV cache: fixed blocks from the budget (per rank: a rank caches only its key/value heads), allocated once.
-  const ModelConfig& cfg = cfg_;
-  const int64_t row = (int64_t)cfg.text.kv_heads * cfg.text.head_dim;
-  cache_.block = deck_.integer("serve.kv_block");
-  const int64_t per_token = tp_kv_bytes_per_token(cfg.text, 1, cfg.text.layers, (int)sizeof(float));  // cfg: a slice
-  const int64_t per_block = cache_.block * per_token;
-  double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
-  std::string how = "serve.kv_mib";
-  if (kv_bytes == 0) {  // auto: no more than the deck's batch and context can fill, no more than memory allows
-    const double need = double(deck_.integer("serve.max_batch")) *
-                        double(deck_.integer("serve.max_context") + cache_.block) * double(per_token);
-    // After the weights (they are loaded by now), shared by the ranks on this node.
-    const double room = 0.5 * double(available_memory()) / Runtime::get().where().local_size;
-    kv_bytes = std::min(need, room);
-    MPI_Allreduce(MPI_IN_PLACE, &kv_bytes, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);  // every rank the same blocks
-    how = kv_bytes == need ? "auto: what serve.max_batch x serve.max_context can use"
-                           : "auto: half of this rank's share of the available memory";
-  }
-  cache_.max_blocks = std::max<int64_t>(1, (int64_t)kv_bytes / per_block);
-  cache_.reset(cfg.text.layers, row);
-  metrics_.kv_total = cache_.max_blocks;
-  char msg[256];
-  std::snprintf(msg, sizeof msg, "serve: KV cache %lld blocks of %lld tokens (%.1f MiB, %lld tokens; %s)",
-                (long long)cache_.max_blocks, (long long)cache_.block, cache_.max_blocks * per_block / 1048576.0,
-                (long long)(cache_.max_blocks * cache_.block), how.c_str());
-  if (rank_ == 0) log_info(msg);
+  build_model(src, std::move(host));
 }
 
-// model.backend = "cuda": the rank's slice goes to the device in model.dtype, the host copy is freed, and the KV pools
-// take what the device has left after the weights and the step buffers (or serve.kv_mib).
-void Server::load_device(const ModelSource& src) {
+// The rank's slice goes to the device (model.backend = "cuda") in model.dtype, or stays on the CPU op layer in fp32
+// ("cpu"); the KV pools take what the device has left after the weights and the step buffers (on the CPU: half this
+// rank's share of the available memory), or serve.kv_mib.
+void Server::build_model(const ModelSource& src, std::unique_ptr<Model> host) {
   const Placement& where = Runtime::get().where();
-  const bool on_cpu = std::getenv("Q3VL_DEVICE_ON_CPU") != nullptr;  // tests: the device path on the CPU op layer
+  const bool on_cpu = deck_.str("model.backend") != "cuda";
   const DType dt = compute_dtype(deck_.str("model.dtype"));
-  const bool int8 = device_int8(deck_);  // the decoder's linears, experts, an untied head
+  const bool int8 = weight_int8(deck_);  // the decoder's linears, experts, an untied head
   ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, std::max(0, where.gpu));
   const int64_t block = deck_.integer("serve.kv_block"), ctx = deck_.integer("serve.max_context");
   const int64_t batch = deck_.integer("serve.max_batch");
@@ -1532,9 +1476,9 @@ void Server::load_device(const ModelSource& src) {
   }
   dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, int8);
   dev_->set_graphs(deck_.boolean("model.cuda_graphs"));
-  if (model_) {  // from the host model (adapters folded)
-    dev_->set_params(model_->params());
-    model_.reset();
+  if (host) {  // adapters folded
+    dev_->set_params(host->params());
+    host.reset();
   } else {  // streamed: each unit's pieces of the source's tensors (tp_slices: all of them at one rank)
     const ParamTable full(src.cfg);
     const ParamTable& local = dev_->table();
@@ -1556,7 +1500,7 @@ void Server::load_device(const ModelSource& src) {
     int own = where.local_size <= where.gpus_visible;  // every rank of the node on a GPU of its own
     MPI_Allreduce(MPI_IN_PLACE, &own, 1, MPI_INT, MPI_MIN, tpc_);
     if (kind == "auto") kind = own && !on_cpu ? "nccl" : "mpi";
-    if (kind == "nccl" && on_cpu) fail("serve.tp_comm = \"nccl\" needs the model on GPUs (Q3VL_DEVICE_ON_CPU is set)");
+    if (kind == "nccl" && on_cpu) fail("serve.tp_comm = \"nccl\" needs the model on GPUs (model.backend = \"cuda\")");
     tp_comm_ = kind == "nccl" ? make_nccl_comm(tpc_, ex_, deck_.real("runtime.timeout")) : tp_mpi();
     dev_->set_tensor_parallel(tp_comm_.get(), vocab_rows_.first, vocab_rows_.second);
     sums = kind == "nccl" ? "; tensor-parallel sums over NCCL " + nccl_version() + " in " + dtype_name(dt)
@@ -1599,11 +1543,12 @@ void Server::load_device(const ModelSource& src) {
   const DevMemory m = dev_->memory();
   char msg[640];
   std::snprintf(msg, sizeof msg,
-                "serve: on %s%s, %s%s: weights %.2f GiB, step and vision buffers %.2f GiB, KV cache %lld blocks of "
-                "%lld tokens (%.2f GiB, %lld tokens; %s)%s%s",
+                "serve: on %s%s, %s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of %lld tokens (%s, "
+                "%lld tokens; %s)%s%s",
                 on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(std::max(0, where.gpu)).c_str(),
-                dtype_name(dt), int8 ? " with int8 linears" : "", m.weights / 1073741824.0, step_bytes / 1073741824.0, (long long)b.kv_blocks,
-                (long long)block, b.kv_blocks * per_block / 1073741824.0, (long long)(b.kv_blocks * block), how.c_str(),
+                dtype_name(dt), int8 ? " with int8 linears" : "", bytes_text(double(m.weights)).c_str(),
+                bytes_text(double(step_bytes)).c_str(), (long long)b.kv_blocks, (long long)block,
+                bytes_text(double(b.kv_blocks * per_block)).c_str(), (long long)(b.kv_blocks * block), how.c_str(),
                 tp_ > 1 ? " per rank" : "", sums.c_str());
   if (rank_ == 0) log_info(msg);
 }
@@ -1621,7 +1566,7 @@ void bcast_head(Comm& world, int64_t* buf, int n) {
 }  // namespace
 
 std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax* best) {
-  if (world_ == 1) return local_step(segs, best);  // kv() recorded nothing
+  if (world_ == 1) return dev_->step(segs, cache_, nullptr, nullptr, best);  // kv() recorded nothing
   // The plan: ints [ops..., greedy (0, or 1 + banned count: limit, banned...), nseg, per segment: slot, n ids, ids,
   // n pos, pos, img floats, ds count, ds floats...], floats [img, ds...]; a header [stop, ints, floats] first.
   std::vector<int64_t> ints;
@@ -1702,7 +1647,7 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
       return logits;
     }
   } else {
-    local = local_step(segs, best);
+    local = dev_->step(segs, cache_, nullptr, nullptr, best);
   }
   if (best) {  // each rank's best of its rows: the group's first takes the best of those (ties: the lower id)
     if (tp_ > 1) {

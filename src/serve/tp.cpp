@@ -30,12 +30,12 @@ Split split(const TextConfig& t, int rank, int size) {
 }
 }  // namespace
 
-ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, bool device, int layers) {
+ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, int layers) {
   ServeLayout l;
   l.pp = pp_key, l.tp = tp_key;
   if (l.pp == 0) {
     if (l.tp != 0) l.pp = l.tp > 0 && world % l.tp == 0 ? world / l.tp : 0;
-    else if (device && nodes > 1 && world % nodes == 0 && nodes <= layers) l.pp = nodes;
+    else if (nodes > 1 && world % nodes == 0 && nodes <= layers) l.pp = nodes;
     else l.pp = 1;
   }
   if (l.tp == 0 && l.pp > 0) l.tp = world / l.pp;
@@ -43,18 +43,13 @@ ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, bool devi
     fail("serve.tp = " + std::to_string(tp_key) + " and serve.pp = " + std::to_string(pp_key) + " with " +
          std::to_string(world) + " ranks: serve.tp x serve.pp must be the number of ranks (0: auto; replicas of a "
          "group are not supported yet)");
-  if (l.pp > 1 && !device)
-    fail("serve.pp = " + std::to_string(l.pp) + " needs model.backend = \"cuda\": pipeline stages are the device "
-         "model's (the CPU backend serves with tensor parallelism over all ranks, serve.tp)");
   if (l.pp > layers)
     fail("serve.pp = " + std::to_string(l.pp) + ": more stages than the model's " + std::to_string(layers) + " layers");
   const std::string picked = "TP " + std::to_string(l.tp) + " x PP " + std::to_string(l.pp) + " over " +
                              std::to_string(world) + " rank(s) on " + std::to_string(nodes) + " node(s)";
   if (pp_key == 0 && tp_key == 0)
     l.why = "serve: layout auto: " + picked +
-            (l.pp > 1 ? ": tensor parallel within a node, pipeline stages across nodes"
-                      : nodes > 1 && !device ? ": tensor parallel over all (pipeline stages need model.backend = cuda)"
-                                             : ": tensor parallel over all");
+            (l.pp > 1 ? ": tensor parallel within a node, pipeline stages across nodes" : ": tensor parallel over all");
   else
     l.why = "serve: layout " + picked + " (serve.tp, serve.pp)";
   return l;

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # `q3vl synth`, `q3vl generate` and tools/score_answers end to end on a random tiny model (preset tiny: the real
-# vocabulary and tokenizer): files and counts, determinism, batching that changes nothing, the device model
-# (model.backend = cuda; the CPU op layer without a GPU) giving the CPU's answers, bad prompts that fail naming file
-# and line. Greedy decoding against full forwards is tests/unit/test_generate.cpp.
+# vocabulary and tokenizer): files and counts, determinism, batching that changes nothing, CUDA (where a GPU is)
+# giving the CPU's answers, bad prompts that fail naming file and line. Greedy decoding against full forwards is tests/unit/test_generate.cpp.
 source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
 run() { "$@" >"$tmp/log" 2>&1 || { bad "$* failed: $(tail -5 "$tmp/log")"; return 1; }; }
@@ -38,25 +37,28 @@ run gen generate.output=$tmp/s1.jsonl generate.temperature=1.5 generate.top_k=50
 cmp -s $tmp/s1.jsonl $tmp/s2.jsonl && pass "seeded sampling is deterministic" || bad "sampling differs for one seed"
 ! cmp -s $tmp/s1.jsonl $tmp/a.jsonl && pass "sampling differs from greedy" || bad "temperature 1.5 gave the greedy answers"
 
-# The device model (model.backend = cuda: DevModel::step over a paged KV cache on the device): on the GPU where one
-# is visible, else on the CPU op layer (Q3VL_DEVICE_ON_CPU=1), so CI runs the same path. fp32, dense and MoE, greedy
-# and seeded sampling (on the host, from the device's logits): the CPU backend's answers; batches of 4 and 2.
-if nvidia-smi -L >/dev/null 2>&1; then on=(env); where=GPU; else on=(env Q3VL_DEVICE_ON_CPU=1); where="CPU op layer"; fi
+# One model: DevModel::step over a paged KV cache, on the CPU op layer here (model.backend = cpu), its weights
+# streamed a unit at a time from their source (the host never builds the fp32 model); on the GPU where one is visible
+# (model.backend = cuda), giving the CPU's answers. fp32, dense and MoE, greedy and seeded sampling (on the host, from
+# the model's logits); batches of 4 and 2.
 samp=(generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9)
-devgen() {  # devgen PRESET NAME ARGS...: the CPU answers (tiny: those above) and the device model's, compared
+gpu=0; nvidia-smi -L >/dev/null 2>&1 && gpu=1
+devgen() {  # devgen PRESET NAME ARGS...: the CPU answers (tiny: those above) and, with a GPU, the CUDA ones compared
   local preset=$1 name=$2; shift 2
   local ref=$tmp/$name.jsonl
-  [[ $preset == tiny ]] || run $q generate model.preset=$preset generate.prompts=$tmp/d/eval.jsonl \
-    generate.min_pixels=4096 generate.max_new_tokens=6 run.timing=false generate.output=$ref "$@" || return
-  run "${on[@]}" $q generate model.preset=$preset model.backend=cuda generate.prompts=$tmp/d/eval.jsonl \
+  run $q generate model.preset=$preset generate.prompts=$tmp/d/eval.jsonl generate.min_pixels=4096 \
+    generate.max_new_tokens=6 run.timing=false generate.output=$tmp/cpu_$name.jsonl generate.batch=2 "$@" || return
+  [[ $preset == tiny ]] && { cmp -s $tmp/cpu_$name.jsonl $ref || bad "cpu $name: batch 2 != batch 4"; }
+  grep -q "generate: on the CPU op layer, fp32: weights .* KV cache" $tmp/log &&
+    grep -q "generate: weights streamed a unit at a time from a random init" $tmp/log &&
+    pass "$preset $name: on the CPU op layer, weights streamed" || bad "cpu $name: $(grep generate: $tmp/log)"
+  (( gpu )) || { skip "cuda-$preset-$name" "no GPU visible: CUDA answers against the CPU's run where one is"; return; }
+  run $q generate model.preset=$preset model.backend=cuda generate.prompts=$tmp/d/eval.jsonl \
     generate.min_pixels=4096 generate.max_new_tokens=6 run.timing=false generate.batch=4 \
     generate.output=$tmp/dev_$name.jsonl "$@" || return
-  grep -q "generate: on .*, fp32: weights .* KV cache" $tmp/log || bad "dev $name: no device line: $(grep generate: $tmp/log)"
-  # The host never builds the fp32 model: the weights go to the device a unit at a time.
-  grep -q "generate: weights streamed a unit at a time from a random init" $tmp/log ||
-    bad "dev $name: weights not streamed: $(grep generate: $tmp/log)"
-  cmp -s $tmp/dev_$name.jsonl $ref && pass "device model on the $where, $preset $name: answers == CPU" ||
-    bad "device $preset $name: $(diff $tmp/dev_$name.jsonl $ref | head -4)"
+  grep -q "generate: on GPU .*, fp32: weights .* KV cache" $tmp/log || bad "cuda $name: $(grep generate: $tmp/log)"
+  cmp -s $tmp/dev_$name.jsonl $tmp/cpu_$name.jsonl && pass "CUDA, $preset $name: answers == CPU" ||
+    bad "cuda $preset $name: $(diff $tmp/dev_$name.jsonl $tmp/cpu_$name.jsonl | head -4)"
 }
 devgen tiny a
 devgen tiny s1 "${samp[@]}"

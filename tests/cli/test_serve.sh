@@ -78,7 +78,7 @@ fi
 if start main $q serve model.preset=tiny serve.max_batch=40; then
   # serve.kv_mib = 0 (default): what 40 sequences of 4096 tokens (+ a block) can fill at 512 B a token (tiny: 2
   # layers x keys and values x 2 kv heads x 16 x fp32), 80.3 MiB (any machine that runs these tests has 161 MiB free).
-  grep -q "KV cache 10280 blocks of 16 tokens (80.3 MiB, 164480 tokens; auto: what serve.max_batch x serve.max_context" \
+  grep -q "KV cache 10280 blocks of 16 tokens (80.31 MiB, 164480 tokens; auto: what serve.max_batch x serve.max_context" \
     $tmp/main.log && pass "KV cache sized from max_batch x max_context" || bad "auto KV: $(grep 'KV cache' $tmp/main.log)"
   # Clients connecting at once must not overflow the listen queue (cpp-httplib's own backlog is 5): ss's Send-Q of a
   # listening socket is its backlog.
@@ -187,18 +187,20 @@ EOF2
   kill -TERM ${pids[-1]}; wait ${pids[-1]}
 fi
 
-# A cache of 5 blocks of 8 tokens fits one request (prompt ~20 tokens + 6: 4 blocks) at a time: the rest wait,
-# none fails, and the blocks finished requests leave in the prefix cache are evicted for them.
-if start small $q serve model.preset=tiny serve.kv_block=8 serve.kv_mib=0.02; then
-  grep -q 'KV cache 5 blocks of 8 tokens' $tmp/small.log || bad "small cache: $(grep 'KV cache' $tmp/small.log)"
+# A cache of 6 blocks of 8 tokens fits one request of serve.max_context = 40 (prompt ~20 tokens + 6: 4 blocks) at a
+# time: the rest wait, none fails, and the blocks finished requests leave in the prefix cache are evicted for them.
+if start small $q serve model.preset=tiny serve.kv_block=8 serve.kv_mib=0.024 serve.max_context=40; then
+  grep -q 'KV cache 6 blocks of 8 tokens' $tmp/small.log || bad "small cache: $(grep 'KV cache' $tmp/small.log)"
   node_c parallel $tmp/d/eval.jsonl 6 0 >$tmp/q.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
   [[ $(grep -c '"line"' $tmp/q.jsonl) -eq 6 ]] && pass "full KV cache: requests queue" || bad "queue: $(cat $tmp/q.jsonl)"
   same_answers "queued answers == generate" $tmp/q.jsonl
   m=$(curl -s -m 5 http://127.0.0.1:$port/metrics)
-  grep -qE '^q3vl_prefix_cache_evicted_blocks_total [1-9][0-9]*$' <<<"$m" && grep -qE '^q3vl_prefix_cache_blocks [1-5]$' <<<"$m" &&
+  grep -qE '^q3vl_prefix_cache_evicted_blocks_total [1-9][0-9]*$' <<<"$m" && grep -qE '^q3vl_prefix_cache_blocks [1-6]$' <<<"$m" &&
     pass "full cache of evictable prefix blocks: evicted, nobody failed" || bad "eviction: $(grep prefix <<<"$m")"
-  o=$(curl -s -m 5 -w ' %{http_code}' -d '{"prompt": "hi", "max_tokens": 100}' http://127.0.0.1:$port/v1/completions)
-  [[ $o == *'KV-cache blocks'*' 413' ]] && pass "a request larger than the whole cache: 413" || bad "too big: $o"
+  o=$(curl -s -m 5 -w ' %{http_code}' -d "{\"prompt\": \"$(printf 'hi %.0s' {1..60})\", \"max_tokens\": 4}" \
+    http://127.0.0.1:$port/v1/completions)
+  [[ $o == *"this server's context is 40 tokens"*' 413' ]] && pass "a prompt longer than serve.max_context: 413" ||
+    bad "too long: $o"
 fi
 
 # Tensor parallel over 2 and 4 ranks (heads, MLP rows and vocabulary split; with 4, each kv head on 2 ranks): rank 0
@@ -225,41 +227,40 @@ if start moe_tp2 mpiexec -n 2 $q serve model.preset=tiny-moe serve.kv_mib=8 serv
   node_c answers $tmp/d/eval.jsonl >$tmp/a_moe.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
   ref=$tmp/gen_moe.jsonl same_answers "MoE, TP = 2: answers == generate" $tmp/a_moe.jsonl
 fi
-# The device model (model.backend = "cuda": DevModel::step over a paged KV cache on the device): on the GPU where one
-# is visible, else on the CPU op layer (Q3VL_DEVICE_ON_CPU=1), so CI runs the same path. fp32: generate's answers.
-if nvidia-smi -L >/dev/null 2>&1; then on=(env); where=GPU; else on=(env Q3VL_DEVICE_ON_CPU=1); where="CPU op layer"; fi
-for n in 1 2; do
-  if start dev$n "${on[@]}" mpiexec -n $n $q serve model.preset=tiny model.backend=cuda serve.kv_mib=8; then
-    grep -q "serve: on .*fp32: weights" $tmp/dev$n.log || bad "dev$n: $(grep serve: $tmp/dev$n.log)"
-    # Ranks sharing a GPU, or on the CPU op layer: the sums go through the host (NCCL's case: tests/mpi/test_nccl.cpp).
-    if ((n == 2)); then
-      grep -q "tensor-parallel sums over MPI in fp32 through the host" $tmp/dev2.log && pass "dev2: TP sums over MPI" ||
-        bad "dev2: $(grep 'serve: on' $tmp/dev2.log)"
+# One model: DevModel::step over a paged KV cache, on the CPU op layer above; on the GPU where one is visible
+# (model.backend = "cuda"), fp32: generate's answers.
+grep -q "serve: on the CPU op layer, fp32: weights" $tmp/tp2.log &&
+  grep -q "tensor-parallel sums over MPI in fp32 through the host" $tmp/tp2.log &&
+  pass "TP = 2 on the CPU op layer: sums over MPI" || bad "tp2: $(grep 'serve: on' $tmp/tp2.log)"
+if nvidia-smi -L >/dev/null 2>&1; then
+  for n in 1 2; do
+    if start dev$n mpiexec -n $n $q serve model.preset=tiny model.backend=cuda serve.kv_mib=8; then
+      grep -q "serve: on GPU .*fp32: weights" $tmp/dev$n.log || bad "dev$n: $(grep serve: $tmp/dev$n.log)"
+      node_c answers $tmp/d/eval.jsonl stream >$tmp/a_dev$n.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+      same_answers "CUDA, $n rank(s): streamed answers == generate on the CPU" $tmp/a_dev$n.jsonl
+      kill -TERM ${pids[-1]}; wait ${pids[-1]}
     fi
-    node_c answers $tmp/d/eval.jsonl stream >$tmp/a_dev$n.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
-    same_answers "device model on the $where, $n rank(s): streamed answers == generate" $tmp/a_dev$n.jsonl
-    kill -TERM ${pids[-1]}; wait ${pids[-1]}
+  done
+  if start dev_moe $q serve model.preset=tiny-moe model.backend=cuda serve.kv_mib=8 serve.model_name=q3vl-tiny; then
+    node_c answers $tmp/d/eval.jsonl >$tmp/a_dev_moe.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+    ref=$tmp/gen_moe.jsonl same_answers "MoE on CUDA: answers == generate on the CPU" $tmp/a_dev_moe.jsonl
   fi
-done
-if start dev_moe "${on[@]}" $q serve model.preset=tiny-moe model.backend=cuda serve.kv_mib=8 serve.model_name=q3vl-tiny; then
-  node_c answers $tmp/d/eval.jsonl >$tmp/a_dev_moe.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
-  ref=$tmp/gen_moe.jsonl same_answers "MoE on the device model ($where): answers == generate" $tmp/a_dev_moe.jsonl
+else
+  skip "serve on CUDA: 1 and 2 ranks, MoE" "no GPU visible: tools/gpu's checks run them on the GPU machine"
 fi
 # Pipeline stages (serve.pp): 2 stages of 1 rank, 2 stages of 2 tensor-parallel ranks, and the MoE model in 2; each
 # rank holds only its stage's layers, the hidden states go from stage to stage; answers stay generate's.
 for lay in "2 2 tiny gen" "4 2 tiny gen" "2 2 tiny-moe gen_moe"; do
   read -r n pp m g <<<"$lay"
-  if start pp$n$m "${on[@]}" mpiexec -n $n $q serve model.preset=$m model.backend=cuda serve.pp=$pp serve.kv_mib=8 \
-      serve.model_name=q3vl-tiny; then
+  if start pp$n$m mpiexec -n $n $q serve model.preset=$m serve.pp=$pp serve.kv_mib=8 serve.model_name=q3vl-tiny; then
     grep -q "serve: pipeline of $pp stages of $((n / pp)) rank(s) each" $tmp/pp$n$m.log || bad "pp$n$m: $(grep serve: $tmp/pp$n$m.log)"
     node_c answers $tmp/d/eval.jsonl stream >$tmp/a_pp$n$m.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
-    ref=$tmp/$g.jsonl same_answers "$m, $pp stages x TP $((n / pp)) ($where): streamed answers == generate" $tmp/a_pp$n$m.jsonl
+    ref=$tmp/$g.jsonl same_answers "$m, $pp stages x TP $((n / pp)): streamed answers == generate" $tmp/a_pp$n$m.jsonl
     kill -TERM ${pids[-1]}; wait ${pids[-1]}
   fi
 done
-[[ $where == GPU ]] || expect nccl-needs-gpu 1 'serve.tp_comm = "nccl" needs the model on GPUs' \
-  env Q3VL_DEVICE_ON_CPU=1 mpiexec -n 2 $q serve model.preset=tiny model.backend=cuda serve.tp_comm=nccl serve.port=0
-expect pp-needs-device 1 'serve.pp = 2 needs model.backend = "cuda"' mpiexec -n 2 $q serve model.preset=tiny serve.pp=2
+expect nccl-needs-gpu 1 'serve.tp_comm = "nccl" needs the model on GPUs' \
+  mpiexec -n 2 $q serve model.preset=tiny serve.tp_comm=nccl serve.port=0
 expect pp-layout 1 'serve.tp x serve.pp must be the number of ranks' mpiexec -n 3 $q serve model.preset=tiny serve.pp=2
 stop_all
 expect no-model 1 "serve needs a model" $q serve serve.port=0

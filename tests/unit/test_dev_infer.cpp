@@ -369,26 +369,23 @@ TEST(StreamWeights, TensorParallelSlicesEqualSharding) {
   }
 }
 
-// serve's layout: auto puts pipeline stages across nodes and tensor parallelism within one on the device model, tensor
-// parallelism over everything otherwise; given keys are taken as they are; a product that is not the rank count fails.
+// serve's layout: auto puts pipeline stages across nodes and tensor parallelism within one, tensor parallelism over
+// everything otherwise; given keys are taken as they are; a product that is not the rank count fails.
 TEST(ServeLayout, AutoAndGiven) {
-  auto tp_pp = [](int w, int n, int tp, int pp, bool dev, int L = 36) {
-    const ServeLayout l = serve_layout(w, n, tp, pp, dev, L);
+  auto tp_pp = [](int w, int n, int tp, int pp, int L = 36) {
+    const ServeLayout l = serve_layout(w, n, tp, pp, L);
     return std::pair<int, int>{l.tp, l.pp};
   };
-  EXPECT_EQ(tp_pp(1, 1, 0, 0, true), std::make_pair(1, 1));
-  EXPECT_EQ(tp_pp(8, 1, 0, 0, true), std::make_pair(8, 1));          // one node: TP over its GPUs
-  EXPECT_EQ(tp_pp(16, 2, 0, 0, true), std::make_pair(8, 2));         // two nodes of 8: TP 8 within, PP 2 across
-  EXPECT_EQ(tp_pp(16, 2, 0, 0, false), std::make_pair(16, 1));       // the CPU backend has no stages
-  EXPECT_EQ(tp_pp(8, 8, 0, 0, true, 4), std::make_pair(8, 1));       // more nodes than layers: no stages
-  EXPECT_EQ(tp_pp(16, 2, 4, 0, true), std::make_pair(4, 4));         // serve.tp given: PP fills the rest
-  EXPECT_EQ(tp_pp(16, 2, 0, 4, true), std::make_pair(4, 4));         // serve.pp given: TP fills the rest
-  EXPECT_EQ(tp_pp(6, 1, 3, 2, true), std::make_pair(3, 2));
-  EXPECT_NE(serve_layout(16, 2, 0, 0, true, 36).why.find("layout auto: TP 8 x PP 2"), std::string::npos);
-  EXPECT_THROW(serve_layout(3, 1, 0, 2, true, 36), Error);           // 3 ranks do not split into 2 stages
-  EXPECT_THROW(serve_layout(8, 1, 3, 0, true, 36), Error);
-  EXPECT_THROW(serve_layout(8, 1, 4, 4, true, 36), Error);
-  EXPECT_THROW(serve_layout(4, 1, 0, 2, false, 36), Error);          // stages on the host model
-  EXPECT_THROW(serve_layout(16, 2, 4, 0, false, 36), Error);         // ... also when serve.tp leaves them
-  EXPECT_THROW(serve_layout(8, 1, 0, 8, true, 4), Error);            // more stages than layers
+  EXPECT_EQ(tp_pp(1, 1, 0, 0), std::make_pair(1, 1));
+  EXPECT_EQ(tp_pp(8, 1, 0, 0), std::make_pair(8, 1));          // one node: TP over its GPUs
+  EXPECT_EQ(tp_pp(16, 2, 0, 0), std::make_pair(8, 2));         // two nodes of 8: TP 8 within, PP 2 across
+  EXPECT_EQ(tp_pp(8, 8, 0, 0, 4), std::make_pair(8, 1));       // more nodes than layers: no stages
+  EXPECT_EQ(tp_pp(16, 2, 4, 0), std::make_pair(4, 4));         // serve.tp given: PP fills the rest
+  EXPECT_EQ(tp_pp(16, 2, 0, 4), std::make_pair(4, 4));         // serve.pp given: TP fills the rest
+  EXPECT_EQ(tp_pp(6, 1, 3, 2), std::make_pair(3, 2));
+  EXPECT_NE(serve_layout(16, 2, 0, 0, 36).why.find("layout auto: TP 8 x PP 2"), std::string::npos);
+  EXPECT_THROW(serve_layout(3, 1, 0, 2, 36), Error);           // 3 ranks do not split into 2 stages
+  EXPECT_THROW(serve_layout(8, 1, 3, 0, 36), Error);
+  EXPECT_THROW(serve_layout(8, 1, 4, 4, 36), Error);
+  EXPECT_THROW(serve_layout(8, 1, 0, 8, 4), Error);            // more stages than layers
 }

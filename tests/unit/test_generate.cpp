@@ -22,6 +22,39 @@ using namespace q3vl;
 
 namespace {
 
+// The host model's prefill/decode over a growing host KV cache, as generate's loop sees a model: the reference the
+// product's cached path (DevModel::step, tests/unit/test_dev_infer.cpp) is compared with.
+class HostGenModel : public GenModel {
+ public:
+  explicit HostGenModel(Model& m) : m_(m) {}
+  int64_t vocab() const override { return m_.config().text.vocab; }
+  std::vector<float> prefill(const std::vector<GenPrompt>& prompts) override {
+    std::vector<std::vector<int64_t>> ids;
+    std::vector<float> pixels;
+    std::vector<int64_t> grid;
+    for (const GenPrompt& p : prompts) {
+      ids.push_back(p.ids);
+      pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
+      grid.insert(grid.end(), p.grid.begin(), p.grid.end());
+    }
+    cache_ = {};
+    return m_.prefill(ids, pixels, grid, cache_);
+  }
+  std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) override {
+    return m_.decode(seqs, tokens, cache_);
+  }
+
+ private:
+  Model& m_;
+  KvCache<float> cache_;
+};
+
+std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
+                                size_t first_index = 0) {
+  HostGenModel m(model);
+  return q3vl::generate(m, prompts, sp, first_index);
+}
+
 // Prompts = the unpadded rows of a batch; row r's images are the next ones in pixel_values order.
 std::vector<GenPrompt> prompts_of(const ModelConfig& cfg, const Batch& b) {
   std::vector<GenPrompt> out;

@@ -29,6 +29,13 @@ class Log {
 };
 
 inline void log_info(const std::string& msg) { Log::get().info(msg); }
+// A size for people: "12.34 MiB" below a GiB, else "1.23 GiB".
+inline std::string bytes_text(double bytes) {
+  char b[48];
+  const bool g = bytes >= 1073741824.0;
+  std::snprintf(b, sizeof b, "%.2f %s", bytes / (g ? 1073741824.0 : 1048576.0), g ? "GiB" : "MiB");
+  return b;
+}
 inline void log_warn(const std::string& msg) { Log::get().warn(msg); }
 
 class Timers {

@@ -1,6 +1,6 @@
 // `q3vl generate`: answers for prompts with images, read from a JSONL file in the training-data format, by a HF
-// model or a training checkpoint, with a KV cache and greedy or seeded sampling, on the host model (Model::prefill /
-// Model::decode) or the device model (model.backend = "cuda": DevModel::step over a paged KV cache on the device).
+// model or a training checkpoint, with a KV cache and greedy or seeded sampling: DevModel::step over a paged KV cache,
+// on the GPU (model.backend = "cuda") or on the CPU op layer ("cpu").
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -56,25 +56,9 @@ class GenModel {
   // Appends tokens[i] to prompt seqs[i] of the batch: its next logits [n, V].
   virtual std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) = 0;
 };
-// The host model (Model::prefill / Model::decode over a growing host KV cache).
-class HostGenModel : public GenModel {
- public:
-  explicit HostGenModel(Model& m) : m_(m) {}
-  int64_t vocab() const override { return m_.config().text.vocab; }
-  std::vector<float> prefill(const std::vector<GenPrompt>& prompts) override;
-  std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) override;
-
- private:
-  Model& m_;
-  KvCache<float> cache_;
-};
-
 // Generates for a batch of prompts at once (one prefill, then one decode step per token for the unfinished ones).
 // Prompt i's sampling stream is seeded by (sp.seed, first_index + i), so answers do not depend on the batching.
 std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
-                                size_t first_index = 0);
-// On the host model.
-std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
                                 size_t first_index = 0);
 
 // One JSONL record as a generation prompt: the chat template of data/chat.hpp with the assistant turns at the end
@@ -117,15 +101,11 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
 bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& local,
                     const std::function<std::vector<ParamSlice>(const UnitInfo&, float*)>& slices_of,
                     const std::function<void(int64_t, const float*, int64_t)>& sink);
-// model.weight_dtype: "int8", "bf16" or "fp16" converts the loaded (for serve: the rank's tensor-parallel slice of
-// the) weights in place (Model::lower_weights); either way returns the start-up line on weight memory, against fp32.
-std::string apply_weight_dtype(Model& m, const Deck& deck, const std::string& mode);
-// model.weight_dtype for the device model (model.backend = "cuda"): true for "int8" (its linears quantized as the
-// weights arrive); "bf16"/"fp16" are refused, naming model.dtype, the device's storage of every weight.
-bool device_int8(const Deck& deck);
+// model.weight_dtype: true for "int8" (the model's linears quantized as the weights arrive); "bf16"/"fp16" are
+// refused, naming model.dtype, the storage of every weight (the CPU backend computes in fp32).
+bool weight_int8(const Deck& deck);
 // Inference needs no separate adapters: a model with LoRA adapters as a plain model with them folded in (W += scale
-// B A, as export --merge does), for what has no adapters (tensor parallelism, the device model; `why` says which in
-// the log line). An adapter on a tied head gives the folded model an untied head of its own.
+// B A, as export --merge does), for inference, which runs without adapters (`why` names it in the log line). An adapter on a tied head gives the folded model an untied head of its own.
 std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::string& why);
 // A model directory is self-sufficient: tokenizer.json and the image pixel bounds (preprocessor_config.json's
 // size.shortest_edge / longest_edge) come from model.hf unless the deck gives tokenizer.path / MODE.min_pixels /

@@ -20,14 +20,14 @@ namespace q3vl {
 
 // serve's layout of `world` ranks on `nodes` nodes: serve.tp x serve.pp (0: auto). Auto: pipeline stages across nodes
 // and tensor parallelism within one (the inter-node links carry a step's hidden states once per stage instead of two
-// all-reduces per layer), on the device model (device) with at least one layer per stage; else tensor parallelism over
-// all ranks. `why` says what was picked and why. Fails naming the keys when the product is not the rank count, and
-// when stages are asked of the host model or outnumber the layers.
+// all-reduces per layer), with at least one layer per stage; else tensor parallelism over all ranks. `why` says what
+// was picked and why. Fails naming the keys when the product is not the rank count, and when stages outnumber the
+// layers.
 struct ServeLayout {
   int tp = 1, pp = 1;
   std::string why;
 };
-ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, bool device, int layers);
+ServeLayout serve_layout(int world, int nodes, int tp_key, int pp_key, int layers);
 // What the device model is sized for under the deck's serve.* keys (serve and the planner alike): a step of
 // serve.step_tokens tokens (at least one per sequence) in up to serve.max_batch sequences, a vision pass for a prompt
 // as long as serve.max_context, blocks of serve.kv_block tokens; no KV blocks yet (serve sizes them from what is left).
