@@ -56,9 +56,10 @@ void check_paths(const Deck& d, const std::string& mode, Comm& world) {
   need(d.boolean("run.rank_logs") || (mode == "train" && root), need_writable_dir("run.out_dir", out));
   if (mode == "prepare" || mode == "tokenize")
     need(root, need_file("tokenizer.path", d.str("tokenizer.path")));
-  if (mode == "generate" || mode == "serve")  // the model directory's tokenizer.json, unless the deck names one
-    need(root, need_file(tokenizer_file(d) == d.str("tokenizer.path") ? "tokenizer.path" : "model.hf's tokenizer",
-                         tokenizer_file(d)));
+  if (mode == "generate" || mode == "serve") {  // the model's or checkpoint's tokenizer.json, unless the deck names one
+    const std::string t = tokenizer_file(d, mode);
+    need(root, need_file(t == d.str("tokenizer.path") ? "tokenizer.path" : "the model's tokenizer", t));
+  }
   if ((mode == "train" || mode == "eval" || mode == "generate" || mode == "serve") && given("model.hf")) {
     need(root, need_dir("model.hf", d.str("model.hf")));
     need(root, need_file("model.hf's config", d.str("model.hf") + "/config.json"));

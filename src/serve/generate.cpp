@@ -354,11 +354,21 @@ std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::s
   return base;
 }
 
-std::string tokenizer_file(const Deck& d) {
-  const std::string dir = d.str("model.hf");
-  if (!d.given("tokenizer.path") && !dir.empty() && fs::is_regular_file(dir + "/tokenizer.json"))
-    return dir + "/tokenizer.json";
+std::string tokenizer_file(const Deck& d, const std::string& mode) {
+  if (d.given("tokenizer.path")) return d.str("tokenizer.path");
+  const std::string dir = d.str("model.hf"), ck = d.str(mode + ".checkpoint");
+  if (!dir.empty() && fs::is_regular_file(dir + "/tokenizer.json")) return dir + "/tokenizer.json";
+  if (!ck.empty()) {  // a checkpoint folder carries its run's tokenizer (train copies it there)
+    const fs::path folder = fs::is_directory(ck) ? fs::path(ck) : fs::path(ck).parent_path();
+    if (fs::is_regular_file(folder / "tokenizer.json")) return (folder / "tokenizer.json").string();
+  }
   return d.str("tokenizer.path");
+}
+
+Tokenizer load_tokenizer(const Deck& d, const std::string& mode) {
+  const std::string path = tokenizer_file(d, mode);
+  log_info(mode + ": tokenizer " + path);
+  return Tokenizer::load(path);
 }
 
 ImageConfig image_config(const Deck& d, const std::string& mode, const ModelConfig& cfg) {
@@ -493,7 +503,7 @@ int run_generate(const Deck& deck) {
   if (rt.where().rank == 0) {
     const ModelSource src = model_source(deck, "generate.checkpoint");
     const ModelConfig& cfg = src.cfg;
-    const Tokenizer tok = Tokenizer::load(tokenizer_file(deck));
+    const Tokenizer tok = load_tokenizer(deck, "generate");
     const ImageConfig icfg = image_config(deck, "generate", cfg);
 
     SamplingParams sp = model_sampling(cfg, tok);

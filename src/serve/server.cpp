@@ -1717,7 +1717,7 @@ int Server::run() {
     return 0;
   }
   const ModelConfig& cfg = cfg_;
-  tok_ = std::make_unique<Tokenizer>(Tokenizer::load(tokenizer_file(deck_)));
+  tok_ = std::make_unique<Tokenizer>(load_tokenizer(deck_, "serve"));
   icfg_ = image_config(deck_, "serve", cfg);
   base_ = model_sampling(cfg, *tok_);
   max_context_ = deck_.integer("serve.max_context");

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <utility>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -247,6 +248,24 @@ struct ResumePlan {
   std::vector<std::string> candidates;
   std::string run_id;
 };
+// The checkpoint folder carries the run's tokenizer, so that serve.checkpoint=DIR needs nothing else (generate's
+// tokenizer_file looks there): copied once, through a temporary name, never half-written. Without one (a tokenizer.path
+// that does not exist: the synthetic dataset needs none) a warning says so.
+void carry_tokenizer(const Deck& deck, const std::string& ckdir) {
+  const std::string src = deck.str("tokenizer.path"), dst = ckdir + "/tokenizer.json";
+  std::error_code ec;
+  if (fs::exists(dst, ec)) return;
+  if (!fs::is_regular_file(src, ec)) {
+    static bool said = false;
+    if (!std::exchange(said, true))
+      log_warn("checkpoint: tokenizer.path '" + src + "' is not a file: the checkpoints carry no tokenizer");
+    return;
+  }
+  const std::string tmp = dst + ".partial";
+  if (fs::copy_file(src, tmp, fs::copy_options::overwrite_existing, ec)) fs::rename(tmp, dst, ec);
+  if (ec) log_warn("checkpoint: could not copy the tokenizer to " + dst + ": " + ec.message());
+}
+
 ResumePlan plan_resume(const Deck& deck, const std::string& ckdir, Comm& world) {
   ResumePlan p;
   std::string err;
@@ -548,6 +567,7 @@ int run_train(const Deck& deck) {
       return write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
     });
     log_info("checkpoint " + p);
+    if (world.rank() == 0) carry_tokenizer(deck, ckdir);
   };
 
   log_info("training steps " + std::to_string(st.step + 1) + ".." + std::to_string(stop) + " of " +

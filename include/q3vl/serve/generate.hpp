@@ -109,8 +109,10 @@ bool weight_int8(const Deck& deck);
 std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::string& why);
 // A model directory is self-sufficient: tokenizer.json and the image pixel bounds (preprocessor_config.json's
 // size.shortest_edge / longest_edge) come from model.hf unless the deck gives tokenizer.path / MODE.min_pixels /
-// MODE.max_pixels (MODE: "generate" or "serve").
-std::string tokenizer_file(const Deck& d);
+// MODE.max_pixels (MODE: "generate" or "serve"). So is a checkpoint folder: MODE.checkpoint's folder (or the file's)
+// holds the tokenizer.json its run trained with.
+std::string tokenizer_file(const Deck& d, const std::string& mode);
+Tokenizer load_tokenizer(const Deck& d, const std::string& mode);  // tokenizer_file's, named in the log
 ImageConfig image_config(const Deck& d, const std::string& mode, const ModelConfig& cfg);
 // What every request of a model shares: stop on eos; never the padded vocabulary or the image/video pads.
 SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok);
