@@ -42,6 +42,7 @@
 #include "q3vl/runtime/nccl_comm.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
+#include "q3vl/serve/block_manager.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/serve/tp.hpp"
 
@@ -177,52 +178,6 @@ size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>&
   return keep;
 }
 
-// Prefix-cache keys. A token's content is its id, its three M-RoPE positions (a prefix is reused only where the
-// new request computes the same positions) and, for an image's tokens, a hash of that image's pixels and grid (two
-// images have the same placeholder ids). A block's key chains its parent's key with its tokens' content, so it
-// names everything up to and including the block. Keys are 64-bit: two different prefixes would meet with odds of
-// about n^2 / 2^64 for n cached blocks, which is why the tokens themselves are not kept to compare.
-uint64_t mix(uint64_t h, uint64_t x) { return splitmix64(h ^ splitmix64(x)); }
-constexpr uint64_t kRootKey = 0x7133766c70726566ull;
-// One token's content: its id and its three M-RoPE positions (prompt tokens and generated ones alike, so that a chat
-// resending an answer finds the answer's blocks).
-uint64_t token_key(int64_t id, int64_t t, int64_t h, int64_t w) { return mix(mix(mix(uint64_t(id), t), h), w); }
-
-std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, int64_t image_id) {
-  int64_t patches = 0;
-  for (size_t g = 0; g + 2 < p.grid.size(); g += 3) patches += p.grid[g] * p.grid[g + 1] * p.grid[g + 2];
-  const int64_t per = patches ? (int64_t)p.pixels.size() / patches : 0;  // floats per patch
-  std::vector<uint64_t> img;
-  for (size_t g = 0, off = 0; g + 2 < p.grid.size(); g += 3) {
-    uint64_t h = mix(mix(mix(kRootKey, p.grid[g]), p.grid[g + 1]), p.grid[g + 2]);
-    const size_t m = (size_t)(p.grid[g] * p.grid[g + 1] * p.grid[g + 2] * per);
-    for (size_t k = off; k < off + m && k < p.pixels.size(); ++k) {
-      uint32_t bits;
-      std::memcpy(&bits, &p.pixels[k], 4);
-      h = mix(h, bits);
-    }
-    off += m;
-    img.push_back(h);
-  }
-  const int64_t n = (int64_t)p.ids.size();
-  std::vector<uint64_t> keys(n);
-  int64_t image = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    uint64_t x = token_key(p.ids[i], pos3[i], pos3[n + i], pos3[2 * n + i]);
-    if (p.ids[i] == image_id) {
-      if (i == 0 || p.ids[i - 1] != image_id) ++image;  // a run of placeholders is one image
-      x = mix(x, image < (int64_t)img.size() ? img[image] : 0);
-    }
-    keys[i] = x;
-  }
-  return keys;
-}
-
-uint64_t block_key(uint64_t parent, const uint64_t* tokens, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) parent = mix(parent, tokens[i]);
-  return parent;
-}
-
 // httplib 0.11 does not tell a handler whether its client is still there. The connection's socket is the one with
 // the request's address pair (unique while this handler holds the connection); a peek says whether it was closed.
 int connection_fd(const httplib::Request& q) {
@@ -246,25 +201,6 @@ bool peer_closed(int fd) {
   if (p.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
   char c;
   return recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
-}
-
-// KV-cache changes rank 0 makes, replayed by the other ranks in the same order before the next step: the same block
-// ids on every rank, so a shared block holds the same tokens everywhere (rank 0 decides, the others follow).
-enum KvOp : int64_t { kOpen, kRelease, kShare, kReserve, kHold, kDrop };
-size_t apply_kv(KvCache<float>& c, const std::vector<int64_t>& o, size_t i) {
-  const int s = (int)o[i + 1];
-  switch (o[i]) {
-    case kOpen: c.open(s), c.next_pos[s] = o[i + 2]; return i + 3;
-    case kRelease: c.release(s); return i + 2;
-    case kShare: c.share(s, std::vector<int32_t>(o.begin() + i + 3, o.begin() + i + 3 + o[i + 2])); return i + 3 + o[i + 2];
-    case kReserve:
-      if (!c.reserve(s, o[i + 2])) fail("KV cache: no room for " + std::to_string(o[i + 2]) + " tokens of sequence " +
-                                        std::to_string(s));
-      return i + 3;
-    case kHold: c.hold(s); return i + 2;
-    case kDrop: c.drop(s); return i + 2;
-  }
-  fail("KV cache: unknown change " + std::to_string(o[i]) + " in a step plan");
 }
 
 // A nonblocking MPI operation of the serving loop, waited on under comm's deadline (runtime.timeout): a rank that stops
@@ -556,12 +492,7 @@ class Server {
   void worker_loop();
   void admit();
   void finish(Job& job, const std::string& reason);
-  // The KV cache and its prefix cache (rank 0 only; each change goes through kv() for the replicas).
-  void kv(std::vector<int64_t> op);
-  int64_t evictable() const;
-  bool evict_one();
-  void touch(const std::vector<uint64_t>& chain);
-  void cache_blocks(Job& job);
+  void cache_blocks(Job& j) { blocks_.cache_blocks(j.slot, j.tkeys, j.out, j.next0, j.chain); }
   void update_kv_metrics();
   void emit(Job& job, bool final);
 
@@ -620,7 +551,9 @@ class Server {
   std::deque<std::shared_ptr<Job>> incoming_;
   std::deque<std::shared_ptr<Job>> waiting_;   // engine only
   std::vector<std::shared_ptr<Job>> running_;  // engine only
-  KvCache<float> cache_;
+  // The KV cache's bookkeeping and its prefix cache: rank 0 decides, the other ranks replay its log before each step.
+  BlockManager blocks_;
+  KvCache<float>& cache_ = blocks_.cache();
   // The layout: world_ ranks = pp_ pipeline stages of tp_ tensor-parallel ranks; this rank is trank_ of stage_ and
   // computes in tpc_ (its stage's ranks). Rank 0 (stage 0, trank 0) serves HTTP and runs the engine.
   int rank_ = 0, world_ = 1, tp_ = 1, pp_ = 1, stage_ = 0, trank_ = 0;
@@ -630,17 +563,7 @@ class Server {
   bool stopped_ = false;
   std::atomic<bool> healthy_{true};    // false once the engine has stopped
   std::atomic<double> step_since_{0};  // when the model step under way began (0: none)
-  std::vector<int64_t> ops_;  // KvOps since the last step (for the replicas)
-  // The prefix cache: full blocks by key, each holding one reference; evictable when that is the only one, least
-  // recently used first.
   bool prefix_on_ = true;
-  struct Cached {
-    int32_t block;
-    uint64_t stamp;
-  };
-  std::unordered_map<uint64_t, Cached> prefix_;
-  std::map<uint64_t, uint64_t> lru_;  // stamp -> key
-  uint64_t tick_ = 0;
 };
 
 std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
@@ -1067,7 +990,7 @@ void Server::finish(Job& job, const std::string& reason) {
   if (job.slot >= 0) {
     if (reason != "error") cache_blocks(job);  // its answer's blocks too: a chat resends them next turn
     const int64_t blocks = (int64_t)cache_.table[job.slot].size();
-    kv({kRelease, job.slot});
+    blocks_.release(job.slot);
     job.slot = -1;
     if (reason == "cancelled")
       log_info("serve: a request cancelled (its client left) after " + std::to_string(job.out.size()) +
@@ -1088,69 +1011,10 @@ void Server::finish(Job& job, const std::string& reason) {
   }
 }
 
-void Server::kv(std::vector<int64_t> op) {
-  apply_kv(cache_, op, 0);
-  if (world_ > 1) ops_.insert(ops_.end(), op.begin(), op.end());
-}
-
-int64_t Server::evictable() const {
-  int64_t n = 0;
-  for (const auto& [key, c] : prefix_) n += cache_.refs[c.block] == 1;
-  return n;
-}
-
-// Frees the least recently used cached block no sequence holds.
-bool Server::evict_one() {
-  for (auto it = lru_.begin(); it != lru_.end(); ++it) {
-    const auto c = prefix_.find(it->second);
-    if (cache_.refs[c->second.block] != 1) continue;
-    kv({kDrop, c->second.block});
-    metrics_.evicted++;
-    prefix_.erase(c);
-    lru_.erase(it);
-    return true;
-  }
-  return false;
-}
-
-// Marks a sequence's cached blocks as just used, the deepest first in line for eviction: a block outlives the blocks
-// after it, which are no use without it.
-void Server::touch(const std::vector<uint64_t>& chain) {
-  for (auto k = chain.rbegin(); k != chain.rend(); ++k) {
-    const auto c = prefix_.find(*k);
-    if (c == prefix_.end()) continue;
-    lru_.erase(c->second.stamp);
-    c->second.stamp = ++tick_;
-    lru_[c->second.stamp] = *k;
-  }
-}
-
-// Puts the sequence's full blocks not yet cached into the prefix cache (prompt tokens, then generated ones: their
-// positions follow the prompt's on all three rows).
-void Server::cache_blocks(Job& j) {
-  if (!prefix_on_ || j.slot < 0) return;
-  const int64_t B = cache_.block, n = (int64_t)j.prompt.ids.size(), full = cache_.len[j.slot] / B;
-  std::vector<uint64_t> t;
-  for (int64_t b = (int64_t)j.chain.size(); b < full; ++b) {
-    t.assign(B, 0);
-    for (int64_t i = b * B; i < (b + 1) * B; ++i) {
-      const int64_t p = j.next0 + i - n;
-      t[i - b * B] = i < n ? j.tkeys[i] : token_key(j.out[i - n], p, p, p);
-    }
-    const uint64_t key = block_key(j.chain.empty() ? kRootKey : j.chain.back(), t.data(), B);
-    j.chain.push_back(key);
-    if (prefix_.count(key)) continue;  // computed by another request meanwhile: keep the first
-    const int32_t blk = cache_.table[j.slot][b];
-    kv({kHold, blk});
-    prefix_[key] = {blk, 0};
-  }
-  touch(j.chain);
-}
-
 void Server::update_kv_metrics() {
-  const int64_t idle = evictable();
-  metrics_.kv_used = cache_.used_blocks() - idle;
-  metrics_.prefix_blocks = (int64_t)prefix_.size();
+  metrics_.kv_used = blocks_.used();
+  metrics_.prefix_blocks = blocks_.cached();
+  metrics_.evicted = blocks_.evicted();
 }
 
 // FIFO admission: the head of the queue waits until the cache has blocks for its prompt and max_tokens, so that a
@@ -1176,24 +1040,12 @@ void Server::admit() {
       finish(*job, "error");
       continue;
     }
-    // The longest cached prefix of full blocks, short of the last prompt token (its logits give the first answer
-    // token, so it is always computed).
-    std::vector<int32_t> hit;
-    std::vector<uint64_t> chain;
-    for (int64_t b = 0; prefix_on_ && (b + 1) * B <= n - 1; ++b) {
-      const uint64_t key = block_key(chain.empty() ? kRootKey : chain.back(), &job->tkeys[b * B], B);
-      const auto it = prefix_.find(key);
-      if (it == prefix_.end()) break;
-      hit.push_back(it->second.block);
-      chain.push_back(key);
-    }
-    const int64_t need = cache_.blocks_for(n + job->sp.max_new_tokens) - (int64_t)hit.size();
-    int64_t hit_idle = 0;  // evictable now, but this request will hold them
-    for (int32_t b : hit) hit_idle += cache_.refs[b] == 1;
-    if (need > cache_.free_count() + evictable() - hit_idle) break;
+    const BlockManager::Match hit = blocks_.match(job->tkeys);
+    const int64_t tokens = n + job->sp.max_new_tokens;
+    if (!blocks_.fits(tokens, hit)) break;
     waiting_.pop_front();
     metrics_.queue--;
-    const int64_t shared = (int64_t)hit.size() * B;
+    const int64_t shared = (int64_t)hit.blocks.size() * B;
     const int64_t vis_shared = std::count(ids.begin(), ids.begin() + shared, (int64_t)cfg.image_token_id);
     try {  // the vision tower only when some image token is still to compute
       if (!job->prompt.grid.empty() && std::count(ids.begin() + shared, ids.end(), (int64_t)cfg.image_token_id) > 0)
@@ -1203,22 +1055,10 @@ void Server::admit() {
       finish(*job, "error");
       continue;
     }
-    int slot = 0;
-    while (slot < cache_.batch() && cache_.len[slot] >= 0) ++slot;
-    job->slot = slot;
-    kv({kOpen, slot, job->next0});
-    if (!hit.empty()) {
-      std::vector<int64_t> op = {kShare, slot, (int64_t)hit.size()};
-      op.insert(op.end(), hit.begin(), hit.end());
-      kv(op);
-      touch(chain);
-    }
-    while (cache_.free_count() < need && evict_one()) {
-    }
-    kv({kReserve, slot, n + job->sp.max_new_tokens - shared});
+    job->slot = blocks_.open(tokens, hit, job->next0);
     job->fed = shared;
     job->vis_fed = vis_shared;
-    job->chain = std::move(chain);
+    job->chain = hit.chain;
     metrics_.prefix_hit_tokens += shared;
     running_.push_back(job);
   }
@@ -1535,10 +1375,8 @@ void Server::build_model(const ModelSource& src, std::unique_ptr<Model> host) {
          std::to_string(b.seq_blocks) + "); lower serve.max_context, serve.step_tokens or serve.max_batch, raise "
          "serve.kv_mib, or add ranks (serve.tp)");
   dev_->reserve_infer(b);
-  cache_.block = block;
-  cache_.max_blocks = b.kv_blocks;
-  cache_.host_pool = false;
-  cache_.reset(cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim);
+  blocks_.reset(block, b.kv_blocks, cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim,
+                deck_.boolean("serve.prefix_cache"), world_ > 1);
   metrics_.kv_total = cache_.max_blocks;
   const DevMemory m = dev_->memory();
   char msg[640];
@@ -1566,16 +1404,16 @@ void bcast_head(Comm& world, int64_t* buf, int n) {
 }  // namespace
 
 std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax* best) {
-  if (world_ == 1) return dev_->step(segs, cache_, nullptr, nullptr, best);  // kv() recorded nothing
+  if (world_ == 1) return dev_->step(segs, cache_, nullptr, nullptr, best);  // blocks_ logged nothing
   // The plan: ints [ops..., greedy (0, or 1 + banned count: limit, banned...), nseg, per segment: slot, n ids, ids,
   // n pos, pos, img floats, ds count, ds floats...], floats [img, ds...]; a header [stop, ints, floats] first.
   std::vector<int64_t> ints;
   std::vector<float> floats;
   int64_t head[3] = {stop ? 1 : 0, 0, 0};
   if (rank_ == 0) {
-    ints.push_back((int64_t)ops_.size());
-    ints.insert(ints.end(), ops_.begin(), ops_.end());
-    ops_.clear();
+    const std::vector<int64_t> log = blocks_.take_log();
+    ints.push_back((int64_t)log.size());
+    ints.insert(ints.end(), log.begin(), log.end());
     ints.push_back(best ? 1 + (int64_t)best->banned.size() : 0);
     if (best) ints.push_back(best->limit), ints.insert(ints.end(), best->banned.begin(), best->banned.end());
     ints.push_back((int64_t)segs.size());
@@ -1603,7 +1441,7 @@ std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool 
   if (rank_ != 0) {  // replay the cache's slot changes, then the segments
     size_t i = 1, f = 0;
     const size_t ops_end = 1 + (size_t)ints[0];
-    while (i < ops_end) i = apply_kv(cache_, ints, i);
+    while (i < ops_end) i = BlockManager::apply(cache_, ints, i);
     if (const int64_t g = ints[i++]) {
       mine.limit = ints[i++];
       mine.banned.assign(ints.begin() + i, ints.begin() + i + (g - 1)), i += g - 1;

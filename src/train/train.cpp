@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <iterator>
 #include <utility>
 #include <fstream>
 #include <map>
@@ -249,18 +250,26 @@ struct ResumePlan {
   std::string run_id;
 };
 // The checkpoint folder carries the run's tokenizer, so that serve.checkpoint=DIR needs nothing else (generate's
-// tokenizer_file looks there): copied once, through a temporary name, never half-written. Without one (a tokenizer.path
-// that does not exist: the synthetic dataset needs none) a warning says so.
-void carry_tokenizer(const Deck& deck, const std::string& ckdir) {
-  const std::string src = deck.str("tokenizer.path"), dst = ckdir + "/tokenizer.json";
+// tokenizer_file looks there): copied once per job (replacing another run's that differs), through a temporary name,
+// never half-written. Without one (a tokenizer.path that does not exist: the synthetic dataset needs none) a warning
+// says so.
+bool same_bytes(const std::string& a, const std::string& b) {
   std::error_code ec;
-  if (fs::exists(dst, ec)) return;
+  if (fs::file_size(a, ec) != fs::file_size(b, ec) || ec) return false;
+  std::ifstream fa(a, std::ios::binary), fb(b, std::ios::binary);
+  return std::equal(std::istreambuf_iterator<char>(fa), {}, std::istreambuf_iterator<char>(fb));
+}
+void carry_tokenizer(const Deck& deck, const std::string& ckdir) {
+  static std::string carried;
+  const std::string src = deck.str("tokenizer.path"), dst = ckdir + "/tokenizer.json";
+  if (carried == dst) return;
+  carried = dst;
+  std::error_code ec;
   if (!fs::is_regular_file(src, ec)) {
-    static bool said = false;
-    if (!std::exchange(said, true))
-      log_warn("checkpoint: tokenizer.path '" + src + "' is not a file: the checkpoints carry no tokenizer");
+    log_warn("checkpoint: tokenizer.path '" + src + "' is not a file: the checkpoints carry no tokenizer");
     return;
   }
+  if (fs::exists(dst, ec) && same_bytes(src, dst)) return;
   const std::string tmp = dst + ".partial";
   if (fs::copy_file(src, tmp, fs::copy_options::overwrite_existing, ec)) fs::rename(tmp, dst, ec);
   if (ec) log_warn("checkpoint: could not copy the tokenizer to " + dst + ": " + ec.message());

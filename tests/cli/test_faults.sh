@@ -268,7 +268,7 @@ diff -r "$tmp/keep/run/checkpoints" "$tmp/used/checkpoints" >/dev/null && pass "
 out=$(mpiexec -n 2 $q train "${tiny[@]}" run.out_dir="$tmp/used" train.steps=3 train.resume=never checkpoint.overwrite=true 2>&1)
 ls1=$(cd "$tmp/used/checkpoints" && ls | tr '\n' ' ')
 grep -q "checkpoint.overwrite: 2 checkpoint(s) of another run (step_00000004.h5, ...) moved to $tmp/used/checkpoints/replaced.1" <<<"$out" &&
-  [[ $ls1 == "latest replaced.1 step_00000002.h5 step_00000003.h5 " ]] && [[ $(cat "$tmp/used/checkpoints/latest") == step_00000003.h5 ]] &&
+  [[ $ls1 == "latest replaced.1 step_00000002.h5 step_00000003.h5 tokenizer.json " ]] && [[ $(cat "$tmp/used/checkpoints/latest") == step_00000003.h5 ]] &&
   cmp -s "$tmp/keep/run/checkpoints/step_00000004.h5" "$tmp/used/checkpoints/replaced.1/step_00000004.h5" &&
   pass "overwrite-moves-aside" || bad "overwrite-moves-aside: $ls1 $(grep -E 'overwrite|error' <<<"$out")"
 out=$(mpiexec -n 2 $q train "${tiny[@]}" run.out_dir="$tmp/used" train.steps=4 2>&1)

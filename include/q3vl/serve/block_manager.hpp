@@ -1,0 +1,78 @@
+// The serving engine's block manager (as nano-vllm's and vLLM's): the paged KV cache's bookkeeping (slots, block
+// tables, refcounts; the pools themselves live in the model), the prefix cache over it (full blocks by a key that
+// chains everything before them, least recently used first out), and the log of changes that the other ranks of a
+// tensor-parallel or pipeline group replay before each step, so that every rank holds the same block ids.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <unordered_map>
+#include <vector>
+
+#include "q3vl/model/layers.hpp"
+#include "q3vl/serve/generate.hpp"
+
+namespace q3vl {
+
+// Prefix-cache keys. A token's content is its id, its three M-RoPE positions (a prefix is reused only where the new
+// request computes the same positions) and, for an image's tokens, a hash of that image's pixels and grid (two images
+// have the same placeholder ids). A block's key chains its parent's key with its tokens' content, so it names
+// everything up to and including the block. Keys are 64-bit: two different prefixes would meet with odds of about
+// n^2 / 2^64 for n cached blocks, which is why the tokens themselves are not kept to compare.
+uint64_t token_key(int64_t id, int64_t t, int64_t h, int64_t w);
+// Every prompt token's content (pos3: the prompt's M-RoPE positions, rows t, h, w).
+std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, int64_t image_id);
+
+class BlockManager {
+ public:
+  // blocks of `block` tokens, `layers` layers of `row` values per token (the pools' shape, for the cache's reset).
+  // replicated: other ranks follow this one (changes are logged for them, take_log()).
+  void reset(int64_t block, int64_t blocks, int layers, int64_t row, bool prefix_on, bool replicated);
+  KvCache<float>& cache() { return cache_; }
+  const KvCache<float>& cache() const { return cache_; }
+
+  // A sequence's match in the prefix cache: the longest run of cached full blocks, short of the last prompt token
+  // (its logits give the first answer token, so it is always computed).
+  struct Match {
+    std::vector<int32_t> blocks;
+    std::vector<uint64_t> chain;  // their keys
+  };
+  Match match(const std::vector<uint64_t>& tkeys) const;
+  // Whether `tokens` in all (a prompt and its max_tokens) fit now next to a match: cached blocks no one holds count
+  // as free (they are evicted first).
+  bool fits(int64_t tokens, const Match& m) const;
+  // Opens a sequence for them (m shared, evicting what it must, room reserved): its slot.
+  int open(int64_t tokens, const Match& m, int64_t next_pos);
+  // Puts the sequence's full blocks not cached yet into the prefix cache: prompt tokens (tkeys), then generated ones
+  // (out, their positions following next0 on all three rows). chain: the keys of its blocks so far, extended.
+  void cache_blocks(int slot, const std::vector<uint64_t>& tkeys, const std::vector<int64_t>& out, int64_t next0,
+                    std::vector<uint64_t>& chain);
+  void release(int slot);
+  int64_t evictable() const;  // cached blocks that only the prefix cache holds
+  int64_t used() const { return cache_.used_blocks() - evictable(); }
+  int64_t cached() const { return (int64_t)prefix_.size(); }
+  int64_t evicted() const { return evicted_; }
+
+  // The changes since the last take, for the replicas (replicated only); apply() replays them at a replica.
+  std::vector<int64_t> take_log();
+  static size_t apply(KvCache<float>& c, const std::vector<int64_t>& log, size_t i);
+
+ private:
+  void change(std::vector<int64_t> op);
+  bool evict_one();
+  void touch(const std::vector<uint64_t>& chain);
+
+  KvCache<float> cache_;
+  bool prefix_on_ = true, replicated_ = false;
+  std::vector<int64_t> log_;
+  // Full blocks by key, each holding one reference; evictable when that is the only one, least recently used first.
+  struct Cached {
+    int32_t block;
+    uint64_t stamp;
+  };
+  std::unordered_map<uint64_t, Cached> prefix_;
+  std::map<uint64_t, uint64_t> lru_;  // stamp -> key
+  uint64_t tick_ = 0;
+  int64_t evicted_ = 0;
+};
+
+}  // namespace q3vl

@@ -1,0 +1,184 @@
+#include "q3vl/serve/block_manager.hpp"
+
+#include <cstring>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/hash.hpp"
+
+namespace q3vl {
+
+namespace {
+uint64_t mix(uint64_t h, uint64_t x) { return splitmix64(h ^ splitmix64(x)); }
+constexpr uint64_t kRootKey = 0x7133766c70726566ull;
+
+uint64_t block_key(uint64_t parent, const uint64_t* tokens, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) parent = mix(parent, tokens[i]);
+  return parent;
+}
+
+// The changes rank 0 makes, replayed by the other ranks in the same order before the next step.
+enum KvOp : int64_t { kOpen, kRelease, kShare, kReserve, kHold, kDrop };
+}  // namespace
+
+// One token's content: its id and its three M-RoPE positions (prompt tokens and generated ones alike, so that a chat
+// resending an answer finds the answer's blocks).
+uint64_t token_key(int64_t id, int64_t t, int64_t h, int64_t w) { return mix(mix(mix(uint64_t(id), t), h), w); }
+
+std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, int64_t image_id) {
+  int64_t patches = 0;
+  for (size_t g = 0; g + 2 < p.grid.size(); g += 3) patches += p.grid[g] * p.grid[g + 1] * p.grid[g + 2];
+  const int64_t per = patches ? (int64_t)p.pixels.size() / patches : 0;  // floats per patch
+  std::vector<uint64_t> img;
+  for (size_t g = 0, off = 0; g + 2 < p.grid.size(); g += 3) {
+    uint64_t h = mix(mix(mix(kRootKey, p.grid[g]), p.grid[g + 1]), p.grid[g + 2]);
+    const size_t m = (size_t)(p.grid[g] * p.grid[g + 1] * p.grid[g + 2] * per);
+    for (size_t k = off; k < off + m && k < p.pixels.size(); ++k) {
+      uint32_t bits;
+      std::memcpy(&bits, &p.pixels[k], 4);
+      h = mix(h, bits);
+    }
+    off += m;
+    img.push_back(h);
+  }
+  const int64_t n = (int64_t)p.ids.size();
+  std::vector<uint64_t> keys(n);
+  int64_t image = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t x = token_key(p.ids[i], pos3[i], pos3[n + i], pos3[2 * n + i]);
+    if (p.ids[i] == image_id) {
+      if (i == 0 || p.ids[i - 1] != image_id) ++image;  // a run of placeholders is one image
+      x = mix(x, image < (int64_t)img.size() ? img[image] : 0);
+    }
+    keys[i] = x;
+  }
+  return keys;
+}
+
+void BlockManager::reset(int64_t block, int64_t blocks, int layers, int64_t row, bool prefix_on, bool replicated) {
+  cache_ = {};
+  cache_.block = block;
+  cache_.max_blocks = blocks;
+  cache_.host_pool = false;
+  cache_.reset(layers, row);
+  prefix_on_ = prefix_on, replicated_ = replicated;
+  log_.clear(), prefix_.clear(), lru_.clear();
+  tick_ = 0, evicted_ = 0;
+}
+
+size_t BlockManager::apply(KvCache<float>& c, const std::vector<int64_t>& o, size_t i) {
+  const int s = (int)o[i + 1];
+  switch (o[i]) {
+    case kOpen: c.open(s), c.next_pos[s] = o[i + 2]; return i + 3;
+    case kRelease: c.release(s); return i + 2;
+    case kShare: c.share(s, std::vector<int32_t>(o.begin() + i + 3, o.begin() + i + 3 + o[i + 2])); return i + 3 + o[i + 2];
+    case kReserve:
+      if (!c.reserve(s, o[i + 2])) fail("KV cache: no room for " + std::to_string(o[i + 2]) + " tokens of sequence " +
+                                        std::to_string(s));
+      return i + 3;
+    case kHold: c.hold(s); return i + 2;
+    case kDrop: c.drop(s); return i + 2;
+  }
+  fail("KV cache: unknown change " + std::to_string(o[i]) + " in a step plan");
+}
+
+void BlockManager::change(std::vector<int64_t> op) {
+  apply(cache_, op, 0);
+  if (replicated_) log_.insert(log_.end(), op.begin(), op.end());
+}
+
+std::vector<int64_t> BlockManager::take_log() { return std::exchange(log_, {}); }
+
+int64_t BlockManager::evictable() const {
+  int64_t n = 0;
+  for (const auto& [key, c] : prefix_) n += cache_.refs[c.block] == 1;
+  return n;
+}
+
+// Frees the least recently used cached block no sequence holds.
+bool BlockManager::evict_one() {
+  for (auto it = lru_.begin(); it != lru_.end(); ++it) {
+    const auto c = prefix_.find(it->second);
+    if (cache_.refs[c->second.block] != 1) continue;
+    change({kDrop, c->second.block});
+    evicted_++;
+    prefix_.erase(c);
+    lru_.erase(it);
+    return true;
+  }
+  return false;
+}
+
+// Marks a sequence's cached blocks as just used, the deepest first in line for eviction: a block outlives the blocks
+// after it, which are no use without it.
+void BlockManager::touch(const std::vector<uint64_t>& chain) {
+  for (auto k = chain.rbegin(); k != chain.rend(); ++k) {
+    const auto c = prefix_.find(*k);
+    if (c == prefix_.end()) continue;
+    lru_.erase(c->second.stamp);
+    c->second.stamp = ++tick_;
+    lru_[c->second.stamp] = *k;
+  }
+}
+
+BlockManager::Match BlockManager::match(const std::vector<uint64_t>& tkeys) const {
+  Match m;
+  const int64_t B = cache_.block, n = (int64_t)tkeys.size();
+  for (int64_t b = 0; prefix_on_ && (b + 1) * B <= n - 1; ++b) {
+    const uint64_t key = block_key(m.chain.empty() ? kRootKey : m.chain.back(), &tkeys[b * B], B);
+    const auto it = prefix_.find(key);
+    if (it == prefix_.end()) break;
+    m.blocks.push_back(it->second.block);
+    m.chain.push_back(key);
+  }
+  return m;
+}
+
+bool BlockManager::fits(int64_t tokens, const Match& m) const {
+  const int64_t need = cache_.blocks_for(tokens) - (int64_t)m.blocks.size();
+  int64_t hit_idle = 0;  // evictable now, but this sequence will hold them
+  for (int32_t b : m.blocks) hit_idle += cache_.refs[b] == 1;
+  return need <= cache_.free_count() + evictable() - hit_idle;
+}
+
+int BlockManager::open(int64_t tokens, const Match& m, int64_t next_pos) {
+  int slot = 0;
+  while (slot < cache_.batch() && cache_.len[slot] >= 0) ++slot;
+  change({kOpen, slot, next_pos});
+  if (!m.blocks.empty()) {
+    std::vector<int64_t> op = {kShare, slot, (int64_t)m.blocks.size()};
+    op.insert(op.end(), m.blocks.begin(), m.blocks.end());
+    change(op);
+    touch(m.chain);
+  }
+  const int64_t shared = (int64_t)m.blocks.size() * cache_.block;
+  const int64_t need = cache_.blocks_for(tokens) - (int64_t)m.blocks.size();
+  while (cache_.free_count() < need && evict_one()) {
+  }
+  change({kReserve, slot, tokens - shared});
+  return slot;
+}
+
+void BlockManager::cache_blocks(int slot, const std::vector<uint64_t>& tkeys, const std::vector<int64_t>& out,
+                                int64_t next0, std::vector<uint64_t>& chain) {
+  if (!prefix_on_ || slot < 0) return;
+  const int64_t B = cache_.block, n = (int64_t)tkeys.size(), full = cache_.len[slot] / B;
+  std::vector<uint64_t> t;
+  for (int64_t b = (int64_t)chain.size(); b < full; ++b) {
+    t.assign(B, 0);
+    for (int64_t i = b * B; i < (b + 1) * B; ++i) {
+      const int64_t p = next0 + i - n;
+      t[i - b * B] = i < n ? tkeys[i] : token_key(out[i - n], p, p, p);
+    }
+    const uint64_t key = block_key(chain.empty() ? kRootKey : chain.back(), t.data(), B);
+    chain.push_back(key);
+    if (prefix_.count(key)) continue;  // computed by another sequence meanwhile: keep the first
+    const int32_t blk = cache_.table[slot][b];
+    change({kHold, blk});
+    prefix_[key] = {blk, 0};
+  }
+  touch(chain);
+}
+
+void BlockManager::release(int slot) { change({kRelease, slot}); }
+
+}  // namespace q3vl
