@@ -1,7 +1,6 @@
 #include "q3vl/serve/server.hpp"
 
 #include <httplib.h>
-#include <mpi.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -31,20 +30,17 @@
 #include <unistd.h>
 
 #include "q3vl/core/error.hpp"
-#include "q3vl/core/hash.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/core/parallel.hpp"
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/image.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/model/dev_model.hpp"
-#include "q3vl/runtime/mpi_comm.hpp"
-#include "q3vl/runtime/nccl_comm.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/serve/block_manager.hpp"
 #include "q3vl/serve/generate.hpp"
-#include "q3vl/serve/tp.hpp"
+#include "q3vl/serve/runner.hpp"
 
 namespace q3vl {
 
@@ -202,30 +198,6 @@ bool peer_closed(int fd) {
   char c;
   return recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
-
-// A nonblocking MPI operation of the serving loop, waited on under comm's deadline (runtime.timeout): a rank that stops
-// makes the wait fail naming the operation and the ranks behind, and the server ends (is_watchdog), instead of hanging
-// in an unwatched MPI call, or going on with collectives out of step, which corrupted memory once the rank woke up.
-// counted: a collective that every rank of comm starts (its sequence number names the ranks behind); a
-// point-to-point transfer is not, and a stopped peer is named by its silence.
-class MpiOp : public CommRequest {
- public:
-  explicit MpiOp(const char* what) : CommRequest(what) {}
-  bool test() override {
-    int done = 0;
-    MPI_Test(&r, &done, MPI_STATUS_IGNORE);
-    return done;
-  }
-  MPI_Request r = MPI_REQUEST_NULL;
-};
-template <class F>
-void watched(Comm& c, const char* what, bool counted, F start) {
-  auto op = std::make_unique<MpiOp>(what);
-  if (counted) op->seq = c.begin_collective();
-  start(&op->r);
-  c.wait(std::move(op));
-}
-bool is_watchdog(const Error& e) { return std::string_view(e.what()).starts_with("watchdog:"); }
 
 // ---- The HTTP front ----------------------------------------------------------------------------------------------
 // cpp-httplib 0.11 gives a connection a pool thread from accept to close: a client trickling its head a byte a second
@@ -464,11 +436,6 @@ void HttpFront::serve(const std::shared_ptr<Conn>& c) {
 class Server {
  public:
   explicit Server(const Deck& d) : deck_(d) {}
-  ~Server() {
-    dev_.reset();
-    tp_comm_.reset();  // after the model that sums through it, before the stream it runs on
-    if (ex_.device == Device::CUDA) dev::destroy_exec(ex_);
-  }
   int run();
 
  private:
@@ -482,13 +449,7 @@ class Server {
   json response_object(const Job& job, bool chat, const std::string& id);
   std::string metrics_text();
   // Engine side.
-  void load();
   void engine_loop();
-  // One model step on every rank of the tensor-parallel group: rank 0 sends the plan (cache slots opened and
-  // released since the last step, the segments), every rank runs its slice, rank 0 gets the whole logits [segs, V].
-  // best (greedy steps): rank 0 gets each segment's argmax id in best->id instead of the logits.
-  std::vector<float> run_step(std::vector<StepSegment<float>>& segs, bool stop = false,
-                              DevModel::Argmax* best = nullptr);
   void worker_loop();
   void admit();
   void finish(Job& job, const std::string& reason);
@@ -497,48 +458,10 @@ class Server {
   void emit(Job& job, bool final);
 
   const Deck& deck_;
-  // The model on the op layer: the GPU's kernels (model.backend = "cuda") or their CPU references ("cpu").
-  std::unique_ptr<DevModel> dev_;
-  std::unique_ptr<Comm> tp_comm_;  // the tensor-parallel group's sums: MPI, or NCCL on the device (serve.tp_comm)
-  // The step plan's broadcasts, the stages' transfers (world_c_) and the group's gathers (tpc_c_), under the watchdog.
-  std::unique_ptr<Comm> world_c_, tpc_c_;
-  template <class T>
-  void send(const T* p, size_t n, MPI_Datatype t, int to, int tag, const char* what) {
-    watched(*world_c_, what, false, [&](MPI_Request* r) { MPI_Isend(p, (int)n, t, to, tag, MPI_COMM_WORLD, r); });
-  }
-  template <class T>
-  void recv(T* p, size_t n, MPI_Datatype t, int from, int tag, const char* what) {
-    watched(*world_c_, what, false, [&](MPI_Request* r) { MPI_Irecv(p, (int)n, t, from, tag, MPI_COMM_WORLD, r); });
-  }
-  std::unique_ptr<Comm> tp_mpi() const {  // the group over MPI, under the collectives' watchdog
-    auto c = std::make_unique<MpiComm>(tpc_);
-    c->set_timeout(deck_.real("runtime.timeout"));
-    return c;
-  }
-  dev::Exec ex_{};
-  ModelConfig cfg_;
-  // The rank's slice of the model (from host: adapters folded, else streamed from src), its step buffers and KV pools.
-  void build_model(const ModelSource& src, std::unique_ptr<Model> host);
-  void log_tp() const {
-    if (rank_ == 0 && pp_ > 1) {
-      std::string st;
-      for (int k = 0; k < pp_; ++k) {
-        const DevStage s = DevStage::of(k, pp_, cfg_.text.layers);
-        st += (k ? ", " : "") + std::to_string(s.l0) + "-" + std::to_string((s.l1 < 0 ? cfg_.text.layers : s.l1) - 1);
-      }
-      log_info("serve: pipeline of " + std::to_string(pp_) + " stages of " + std::to_string(tp_) +
-               " rank(s) each, decoder layers " + st + " (stage 0 also the embeddings and vision tower, the last the head)");
-    }
-    if (rank_ == 0 && tp_ > 1)
-      log_info("serve: tensor parallel over " + std::to_string(tp_) + " ranks: " + std::to_string(cfg_.text.heads) +
-               " query heads, " + std::to_string(cfg_.text.kv_heads) + " key/value heads, " +
-               std::to_string(cfg_.text.intermediate) + " MLP rows and " +
-               std::to_string(vocab_rows_.second - vocab_rows_.first) + " vocabulary rows per rank");
-  }
   std::unique_ptr<Tokenizer> tok_;
   ImageConfig icfg_;
   SamplingParams base_;
-  std::string model_name_, image_dir_, checkpoint_;
+  std::string model_name_, image_dir_;
   int64_t max_context_ = 0, max_tokens_ = 0, max_batch_ = 0, step_tokens_ = 0;
   int64_t max_image_pixels_ = 0, max_body_ = 0;  // serve.max_image_pixels; serve.max_body_mib in bytes
   double timeout_ = 0;  // serve.timeout
@@ -554,13 +477,7 @@ class Server {
   // The KV cache's bookkeeping and its prefix cache: rank 0 decides, the other ranks replay its log before each step.
   BlockManager blocks_;
   KvCache<float>& cache_ = blocks_.cache();
-  // The layout: world_ ranks = pp_ pipeline stages of tp_ tensor-parallel ranks; this rank is trank_ of stage_ and
-  // computes in tpc_ (its stage's ranks). Rank 0 (stage 0, trank 0) serves HTTP and runs the engine.
-  int rank_ = 0, world_ = 1, tp_ = 1, pp_ = 1, stage_ = 0, trank_ = 0;
-  MPI_Comm tpc_ = MPI_COMM_WORLD;
-  DevStage dstage_;
-  std::pair<int64_t, int64_t> vocab_rows_;
-  bool stopped_ = false;
+  Runner runner_{deck_, blocks_};
   std::atomic<bool> healthy_{true};    // false once the engine has stopped
   std::atomic<double> step_since_{0};  // when the model step under way began (0: none)
   bool prefix_on_ = true;
@@ -1022,7 +939,7 @@ void Server::update_kv_metrics() {
 // Cached prefix blocks no sequence uses count as free: they are evicted (least recently used first) before anyone
 // waits for them.
 void Server::admit() {
-  const ModelConfig& cfg = cfg_;
+  const ModelConfig& cfg = runner_.config();
   const int64_t B = cache_.block;
   while (!waiting_.empty() && (int64_t)running_.size() < max_batch_) {
     std::shared_ptr<Job> job = waiting_.front();
@@ -1049,7 +966,7 @@ void Server::admit() {
     const int64_t vis_shared = std::count(ids.begin(), ids.begin() + shared, (int64_t)cfg.image_token_id);
     try {  // the vision tower only when some image token is still to compute
       if (!job->prompt.grid.empty() && std::count(ids.begin() + shared, ids.end(), (int64_t)cfg.image_token_id) > 0)
-        dev_->vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
+        runner_.model().vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
     } catch (const Error& e) {
       job->error = e.what();
       finish(*job, "error");
@@ -1065,7 +982,7 @@ void Server::admit() {
 }
 
 void Server::engine_loop() {
-  const ModelConfig& cfg = cfg_;
+  const ModelConfig& cfg = runner_.config();
   const int64_t H = cfg.text.hidden, V = cfg.text.vocab;
   while (!stop_signal_pending()) {
     {
@@ -1143,7 +1060,7 @@ void Server::engine_loop() {
     std::vector<float> logits;
     try {
       step_since_ = wall_seconds();
-      logits = run_step(segs, false, greedy ? &best : nullptr);
+      logits = runner_.step(segs, false, greedy ? &best : nullptr);
       step_since_ = 0;
     } catch (const Error& e) {  // fails this step's requests, not the server
       step_since_ = 0;
@@ -1232,316 +1149,13 @@ void widen_backlog(int port) {
   }
 }
 
-// MemAvailable of /proc/meminfo (what the kernel can give without swapping), else the free pages.
-int64_t available_memory() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  while (f >> key >> kib)
-    if (key == "MemAvailable:") return kib * 1024;
-  return int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGE_SIZE));
-}
 }  // namespace
-
-void Server::load() {
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-  MPI_Comm_size(MPI_COMM_WORLD, &world_);
-  const ModelSource src = model_source(deck_, "serve.checkpoint");
-  const ServeLayout lay = serve_layout(world_, Runtime::get().where().nodes, (int)deck_.integer("serve.tp"),
-                                       (int)deck_.integer("serve.pp"), src.cfg.text.layers);
-  tp_ = lay.tp, pp_ = lay.pp;
-  if (rank_ == 0 && world_ > 1) log_info(lay.why);
-  stage_ = rank_ / tp_, trank_ = rank_ % tp_;
-  MPI_Comm_split(MPI_COMM_WORLD, stage_, trank_, &tpc_);
-  world_c_ = std::make_unique<MpiComm>(MPI_COMM_WORLD);
-  world_c_->set_timeout(deck_.real("runtime.timeout"));
-  tpc_c_ = tp_mpi();
-  checkpoint_ = src.checkpoint;
-  if (pp_ > 1) dstage_ = DevStage::of(stage_, pp_, src.cfg.text.layers);  // serve_layout checked the stages
-  // The model streams its weights (a rank's slice of them) from their source a unit at a time, so the host never
-  // holds the fp32 model; adapters to fold need the whole model on the host first (fold_lora).
-  std::unique_ptr<Model> host;
-  if (has_adapters(deck_, src)) {
-    host = load_model(deck_, src);
-    if (host->config().lora.on())  // a replicated LoRA term would be summed once per tensor-parallel rank
-      host = fold_lora(*host, "serve", "serving");
-    if (tp_ > 1) {  // each rank keeps its slice; the full weights go once it is cut
-      auto slice = std::make_unique<Model>(tp_config(host->config(), trank_, tp_));
-      tp_shard_weights(*host, *slice, trank_, tp_);
-      host = std::move(slice);
-    }
-    cfg_ = host->config();
-  } else {
-    cfg_ = tp_ > 1 ? tp_config(src.cfg, trank_, tp_) : src.cfg;
-  }
-  if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, trank_, tp_);
-  log_tp();
-  build_model(src, std::move(host));
-}
-
-// The rank's slice goes to the device (model.backend = "cuda") in model.dtype, or stays on the CPU op layer in fp32
-// ("cpu"); the KV pools take what the device has left after the weights and the step buffers (on the CPU: half this
-// rank's share of the available memory), or serve.kv_mib.
-void Server::build_model(const ModelSource& src, std::unique_ptr<Model> host) {
-  const Placement& where = Runtime::get().where();
-  const bool on_cpu = deck_.str("model.backend") != "cuda";
-  const DType dt = compute_dtype(deck_.str("model.dtype"));
-  const bool int8 = weight_int8(deck_);  // the decoder's linears, experts, an untied head
-  ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, std::max(0, where.gpu));
-  const int64_t block = deck_.integer("serve.kv_block"), ctx = deck_.integer("serve.max_context");
-  const int64_t batch = deck_.integer("serve.max_batch");
-  DevModel::InferBudget b = serve_budget(deck_);
-  // Fits before anything is allocated: the slice's weights, the step buffers and one request's KV blocks.
-  if (!on_cpu) {
-    size_t free0 = 0, total0 = 0;
-    dev::memory_info(ex_, &free0, &total0);
-    const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, int8));
-    const double need = w + double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
-                        double(DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, block, dstage_)) + 0.05 * double(total0);
-    if (need > double(free0)) {
-      // The weights split further over more ranks; the rest stays per rank.
-      const double rest = need - w;
-      const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt, {}, int8));
-      const int ranks = std::max(world_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
-      char msg[512];
-      std::snprintf(msg, sizeof msg,
-                    "serve: rank %d needs %.1f GiB on GPU %d (its slice of the weights in %s %.1f GiB, step buffers and "
-                    "one request's KV cache %.1f GiB, 5%% reserve), which has %.1f GiB free: serve over about %d GPUs "
-                    "(mpiexec -n N; serve.tp x serve.pp = N), or lower serve.max_context / serve.step_tokens / serve.max_batch%s",
-                    rank_, need / 1073741824.0, std::max(0, where.gpu), dtype_name(dt), w / 1073741824.0,
-                    (rest - 0.05 * double(total0)) / 1073741824.0, double(free0) / 1073741824.0, ranks,
-                    dt == DType::F32 ? ", or model.dtype = \"bf16\"" : "");
-      fail(msg);
-    }
-  }
-  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, int8);
-  dev_->set_graphs(deck_.boolean("model.cuda_graphs"));
-  if (host) {  // adapters folded
-    dev_->set_params(host->params());
-    host.reset();
-  } else {  // streamed: each unit's pieces of the source's tensors (tp_slices: all of them at one rank)
-    const ParamTable full(src.cfg);
-    const ParamTable& local = dev_->table();
-    const bool ok = stream_weights(
-        deck_, src, local,
-        [&](const UnitInfo& u, float* buf) {
-          if (!DevModel::stage_owns(local, dstage_, int(&u - local.units().data()))) return std::vector<ParamSlice>{};
-          return tp_slices(full, local, trank_, tp_, [&](int id) -> float* {
-            const ParamInfo& p = local.param(id);
-            return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
-          });
-        },
-        [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); });
-    Q3VL_CHECK(ok, "serve: these weights cannot be streamed");
-  }
-  std::string sums;
-  if (tp_ > 1) {
-    std::string kind = deck_.str("serve.tp_comm");
-    int own = where.local_size <= where.gpus_visible;  // every rank of the node on a GPU of its own
-    MPI_Allreduce(MPI_IN_PLACE, &own, 1, MPI_INT, MPI_MIN, tpc_);
-    if (kind == "auto") kind = own && !on_cpu ? "nccl" : "mpi";
-    if (kind == "nccl" && on_cpu) fail("serve.tp_comm = \"nccl\" needs the model on GPUs (model.backend = \"cuda\")");
-    tp_comm_ = kind == "nccl" ? make_nccl_comm(tpc_, ex_, deck_.real("runtime.timeout")) : tp_mpi();
-    dev_->set_tensor_parallel(tp_comm_.get(), vocab_rows_.first, vocab_rows_.second);
-    sums = kind == "nccl" ? "; tensor-parallel sums over NCCL " + nccl_version() + " in " + dtype_name(dt)
-                         : "; tensor-parallel sums over MPI in fp32 through the host" +
-                               std::string(own || on_cpu ? "" : " (ranks share a GPU)");
-  }
-  const int64_t per_block = DevModel::kv_pool_bytes(cfg_, dt, 1, block, dstage_);
-  const int64_t step_bytes = DevModel::infer_bytes(cfg_, dt, b, dstage_);  // with no KV blocks yet
-  double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
-  std::string how = "serve.kv_mib";
-  // Ranks that share a GPU (more ranks on the node than GPUs) split what it has left once all weights are in.
-  size_t free_b = 0, total_b = 0;
-  const int share = std::max(1, where.local_size / std::max(1, where.gpus_visible));
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (!on_cpu) dev::memory_info(ex_, &free_b, &total_b);
-  if (kv_bytes == 0) {
-    const double need = double(batch) * double(ctx + block) * double(per_block) / double(block);
-    // What is left after the weights (loaded), the workspace (made) and the step buffers, less 5% of the device for
-    // cuBLAS and the allocator; on the CPU op layer, as the host backend sizes it.
-    const double room = on_cpu ? 0.5 * double(available_memory()) / where.local_size
-                               : (double(free_b) - 0.05 * double(total_b)) / share - double(step_bytes);
-    kv_bytes = std::max(0.0, std::min(need, room));
-    how = kv_bytes == need ? "auto: what serve.max_batch x serve.max_context can use"
-                           : (on_cpu ? "auto: half of this rank's share of the available memory"
-                                     : "auto: the device memory left after the weights and step buffers");
-  }
-  MPI_Allreduce(MPI_IN_PLACE, &kv_bytes, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);  // every rank the same blocks
-  b.kv_blocks = (int64_t)kv_bytes / per_block;
-  if (b.kv_blocks < b.seq_blocks)
-    fail("serve: room for " + std::to_string(b.kv_blocks) + " KV blocks of " + std::to_string(block) +
-         " tokens, fewer than one request of serve.max_context = " + std::to_string(ctx) + " needs (" +
-         std::to_string(b.seq_blocks) + "); lower serve.max_context, serve.step_tokens or serve.max_batch, raise "
-         "serve.kv_mib, or add ranks (serve.tp)");
-  dev_->reserve_infer(b);
-  blocks_.reset(block, b.kv_blocks, cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim,
-                deck_.boolean("serve.prefix_cache"), world_ > 1);
-  metrics_.kv_total = cache_.max_blocks;
-  const DevMemory m = dev_->memory();
-  char msg[640];
-  std::snprintf(msg, sizeof msg,
-                "serve: on %s%s, %s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of %lld tokens (%s, "
-                "%lld tokens; %s)%s%s",
-                on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(std::max(0, where.gpu)).c_str(),
-                dtype_name(dt), int8 ? " with int8 linears" : "", bytes_text(double(m.weights)).c_str(),
-                bytes_text(double(step_bytes)).c_str(), (long long)b.kv_blocks, (long long)block,
-                bytes_text(double(b.kv_blocks * per_block)).c_str(), (long long)(b.kv_blocks * block), how.c_str(),
-                tp_ > 1 ? " per rank" : "", sums.c_str());
-  if (rank_ == 0) log_info(msg);
-}
-
-namespace {
-// The step plan's header, which the waiting ranks receive with short sleeps and no deadline (MPICH spins in a blocking
-// broadcast, and a server waits for requests most of the time); rank 0 sends it under the watchdog.
-void bcast_head(Comm& world, int64_t* buf, int n) {
-  auto op = std::make_unique<MpiOp>("serve: step plan header (broadcast)");
-  op->seq = world.begin_collective();
-  MPI_Ibcast(buf, n, MPI_INT64_T, 0, MPI_COMM_WORLD, &op->r);
-  if (world.rank() == 0) return world.wait(std::move(op));
-  while (!op->test()) std::this_thread::sleep_for(std::chrono::microseconds(500));
-}
-}  // namespace
-
-std::vector<float> Server::run_step(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax* best) {
-  if (world_ == 1) return dev_->step(segs, cache_, nullptr, nullptr, best);  // blocks_ logged nothing
-  // The plan: ints [ops..., greedy (0, or 1 + banned count: limit, banned...), nseg, per segment: slot, n ids, ids,
-  // n pos, pos, img floats, ds count, ds floats...], floats [img, ds...]; a header [stop, ints, floats] first.
-  std::vector<int64_t> ints;
-  std::vector<float> floats;
-  int64_t head[3] = {stop ? 1 : 0, 0, 0};
-  if (rank_ == 0) {
-    const std::vector<int64_t> log = blocks_.take_log();
-    ints.push_back((int64_t)log.size());
-    ints.insert(ints.end(), log.begin(), log.end());
-    ints.push_back(best ? 1 + (int64_t)best->banned.size() : 0);
-    if (best) ints.push_back(best->limit), ints.insert(ints.end(), best->banned.begin(), best->banned.end());
-    ints.push_back((int64_t)segs.size());
-    for (const auto& g : segs) {
-      ints.insert(ints.end(), {(int64_t)g.seq, (int64_t)g.ids.size()});
-      ints.insert(ints.end(), g.ids.begin(), g.ids.end());
-      ints.push_back((int64_t)g.pos3.size());
-      ints.insert(ints.end(), g.pos3.begin(), g.pos3.end());
-      ints.insert(ints.end(), {(int64_t)g.img.size(), (int64_t)g.ds.size()});
-      floats.insert(floats.end(), g.img.begin(), g.img.end());
-      for (const auto& d : g.ds) ints.push_back((int64_t)d.size()), floats.insert(floats.end(), d.begin(), d.end());
-    }
-    head[1] = (int64_t)ints.size(), head[2] = (int64_t)floats.size();
-  }
-  bcast_head(*world_c_, head, 3);
-  if (head[0]) {
-    stopped_ = true;
-    return {};
-  }
-  ints.resize(head[1]);
-  floats.resize(head[2]);
-  world_c_->broadcast(ints.data(), ints.size(), DType::I64, 0);
-  world_c_->broadcast(floats.data(), floats.size(), DType::F32, 0);
-  DevModel::Argmax mine;  // a greedy step's on the other ranks
-  if (rank_ != 0) {  // replay the cache's slot changes, then the segments
-    size_t i = 1, f = 0;
-    const size_t ops_end = 1 + (size_t)ints[0];
-    while (i < ops_end) i = BlockManager::apply(cache_, ints, i);
-    if (const int64_t g = ints[i++]) {
-      mine.limit = ints[i++];
-      mine.banned.assign(ints.begin() + i, ints.begin() + i + (g - 1)), i += g - 1;
-      best = &mine;
-    }
-    segs.assign(ints[i++], {});
-    for (auto& g : segs) {
-      g.seq = (int)ints[i++];
-      const int64_t n = ints[i++];
-      g.ids.assign(ints.begin() + i, ints.begin() + i + n), i += n;
-      const int64_t np = ints[i++];
-      g.pos3.assign(ints.begin() + i, ints.begin() + i + np), i += np;
-      const int64_t ni = ints[i++], nd = ints[i++];
-      g.img.assign(floats.begin() + f, floats.begin() + f + ni), f += ni;
-      for (int64_t d = 0; d < nd; ++d) {
-        const int64_t nf = ints[i++];
-        g.ds.emplace_back(floats.begin() + f, floats.begin() + f + nf), f += nf;
-      }
-    }
-  }
-  // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
-  const int64_t V = cfg_.text.vocab, ns = (int64_t)segs.size();
-  const int last0 = (pp_ - 1) * tp_;  // the last stage's first rank: it sends the result to rank 0
-  std::vector<float> local, logits;
-  if (pp_ > 1) {  // the hidden states go from stage to stage, rank trank_ to rank trank_; the last has the logits
-    int64_t N = 0;
-    for (const auto& g : segs) N += (int64_t)g.ids.size();
-    std::vector<float> x(stage_ > 0 ? N * cfg_.text.hidden : 0), y;
-    if (stage_ > 0) recv(x.data(), x.size(), MPI_FLOAT, rank_ - tp_, 1, "serve: hidden states from the previous stage");
-    local = dev_->step(segs, cache_, stage_ > 0 ? &x : nullptr, &y, best);
-    if (stage_ + 1 < pp_) {
-      send(y.data(), y.size(), MPI_FLOAT, rank_ + tp_, 1, "serve: hidden states to the next stage");
-      if (rank_ != 0) return {};
-      if (best) {
-        best->id.resize(ns);
-        recv(best->id.data(), ns, MPI_INT32_T, last0, 2, "serve: argmax ids from the last stage");
-        return {};
-      }
-      logits.resize(ns * V);
-      recv(logits.data(), logits.size(), MPI_FLOAT, last0, 2, "serve: logits from the last stage");
-      return logits;
-    }
-  } else {
-    local = dev_->step(segs, cache_, nullptr, nullptr, best);
-  }
-  if (best) {  // each rank's best of its rows: the group's first takes the best of those (ties: the lower id)
-    if (tp_ > 1) {
-      std::vector<float> vals(trank_ == 0 ? ns * tp_ : 0);
-      std::vector<int32_t> ids(vals.size());
-      watched(*tpc_c_, "serve: argmax values (gather)", true, [&](MPI_Request* r) {
-        MPI_Igather(best->val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_, r);
-      });
-      watched(*tpc_c_, "serve: argmax ids (gather)", true, [&](MPI_Request* r) {
-        MPI_Igather(best->id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_, r);
-      });
-      if (trank_ != 0) return {};
-      for (int64_t s = 0; s < ns; ++s)
-        for (int r = 0; r < tp_; ++r) {
-          const float v = vals[r * ns + s];
-          const int32_t id = ids[r * ns + s];
-          int32_t& b = best->id[s];
-          if (id >= 0 && (b < 0 || v > best->val[s] || (v == best->val[s] && id < b))) b = id, best->val[s] = v;
-        }
-    }
-    if (trank_ == 0 && rank_ != 0) send(best->id.data(), ns, MPI_INT32_T, 0, 2, "serve: argmax ids to rank 0");
-    return {};
-  }
-  if (tp_ == 1) {  // the whole vocabulary already: no gather, no copies of [segs, V]
-    if (rank_ == 0) return local;
-    send(local.data(), local.size(), MPI_FLOAT, 0, 2, "serve: logits to rank 0");
-    return {};
-  }
-  std::vector<int> counts(tp_), offs(tp_);
-  for (int r = 0; r < tp_; ++r) {
-    const auto [a, b] = tp_vocab_rows(V, r, tp_);
-    counts[r] = (int)(ns * (b - a)), offs[r] = r ? offs[r - 1] + counts[r - 1] : 0;
-  }
-  std::vector<float> all(trank_ == 0 ? ns * V : 0);
-  watched(*tpc_c_, "serve: logits (gather)", true, [&](MPI_Request* r) {
-    MPI_Igatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_, r);
-  });
-  if (trank_ != 0) return {};
-  logits.resize(ns * V);
-  for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
-    const auto [a, b] = tp_vocab_rows(V, r, tp_);
-    for (int64_t s = 0; s < ns; ++s)
-      std::copy(&all[offs[r] + s * (b - a)], &all[offs[r] + (s + 1) * (b - a)], &logits[s * V + a]);
-  }
-  if (rank_ != 0) {  // the last stage's first rank: the logits to the engine
-    send(logits.data(), logits.size(), MPI_FLOAT, 0, 2, "serve: logits to rank 0");
-    return {};
-  }
-  return logits;
-}
 
 void Server::worker_loop() {
-  while (!stopped_) {
+  while (!runner_.stopped()) {
     std::vector<StepSegment<float>> segs;
     try {
-      run_step(segs);
+      runner_.step(segs);
     } catch (const Error& e) {  // rank 0 met the same error in the same step and goes on
       if (is_watchdog(e)) throw;  // unless a rank stopped: then the job ends
     }
@@ -1549,12 +1163,13 @@ void Server::worker_loop() {
 }
 
 int Server::run() {
-  load();
-  if (rank_ != 0) {
+  runner_.load();
+  metrics_.kv_total = cache_.max_blocks;
+  if (runner_.rank() != 0) {
     worker_loop();
     return 0;
   }
-  const ModelConfig& cfg = cfg_;
+  const ModelConfig& cfg = runner_.config();
   tok_ = std::make_unique<Tokenizer>(load_tokenizer(deck_, "serve"));
   icfg_ = image_config(deck_, "serve", cfg);
   base_ = model_sampling(cfg, *tok_);
@@ -1569,7 +1184,7 @@ int Server::run() {
   max_body_ = (int64_t)(deck_.real("serve.max_body_mib") * 1048576.0);
   model_name_ = deck_.str("serve.model_name");
   if (model_name_.empty()) {
-    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : checkpoint_;
+    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : runner_.checkpoint();
     model_name_ = from.empty() ? "q3vl-" + deck_.str("model.preset") : fs::path(from).filename().string();
     if (model_name_.empty()) model_name_ = fs::path(from).parent_path().filename().string();
   }
@@ -1698,9 +1313,9 @@ int Server::run() {
   for (auto& j : waiting_) finish(*j, "length");
   svr.stop();
   http.join();
-  if (tp_ > 1) {  // the other ranks leave their loop
+  if (runner_.world() > 1) {  // the other ranks leave their loop
     std::vector<StepSegment<float>> none;
-    run_step(none, true);
+    runner_.step(none, true);
   }
   return 0;
 }

@@ -1,0 +1,70 @@
+// The serving engine's model runner (as nano-vllm's ModelRunner): the ranks' layout (serve.tp tensor-parallel ranks
+// in each of serve.pp pipeline stages), this rank's slice of the model with its step buffers and KV pools, and the
+// step. Rank 0 runs the engine and sends each step's plan (the block manager's changes since the last step, the
+// segments) to the other ranks, which replay and compute it; the logits, or each row's argmax, come back to rank 0.
+// Every transfer is under the collectives' watchdog (runtime.timeout).
+#pragma once
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "q3vl/core/deck.hpp"
+#include "q3vl/core/error.hpp"
+#include "q3vl/model/dev_model.hpp"
+#include "q3vl/runtime/comm.hpp"
+#include "q3vl/serve/block_manager.hpp"
+
+namespace q3vl {
+
+// A watchdog's error: a rank of the group stopped answering; the server ends instead of going on out of step.
+bool is_watchdog(const Error& e);
+
+class Runner {
+ public:
+  Runner(const Deck& d, BlockManager& blocks);
+  ~Runner();
+  // The layout, the model (streamed from the deck's source; adapters folded first), its step buffers and KV pools
+  // (sized from what the device, or the host, has left), and blocks reset to them.
+  void load();
+  // One model step on every rank: rank 0 passes the segments (the others receive them); rank 0 gets the logits
+  // [segs, V], or with best (greedy steps) each segment's argmax in best->id. stop: rank 0 tells the others to end
+  // (stopped() then).
+  std::vector<float> step(std::vector<StepSegment<float>>& segs, bool stop = false, DevModel::Argmax* best = nullptr);
+  bool stopped() const { return stopped_; }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  const ModelConfig& config() const { return cfg_; }  // this rank's slice (the vocabulary and hidden size whole)
+  DevModel& model() { return *dev_; }
+  const std::string& checkpoint() const { return checkpoint_; }
+
+ private:
+  void build_model(const ModelSource& src, std::unique_ptr<Model> host);
+  void log_tp() const;
+  std::unique_ptr<Comm> tp_mpi() const;  // the group over MPI, under the collectives' watchdog
+  template <class T>
+  void send(const T* p, size_t n, MPI_Datatype t, int to, int tag, const char* what);
+  template <class T>
+  void recv(T* p, size_t n, MPI_Datatype t, int from, int tag, const char* what);
+
+  const Deck& deck_;
+  BlockManager& blocks_;
+  dev::Exec ex_{};
+  std::unique_ptr<DevModel> dev_;
+  std::unique_ptr<Comm> tp_comm_;  // the tensor-parallel group's sums: MPI, or NCCL on the device (serve.tp_comm)
+  // The step plan's broadcasts, the stages' transfers (world_c_) and the group's gathers (tpc_c_), under the watchdog.
+  std::unique_ptr<Comm> world_c_, tpc_c_;
+  ModelConfig cfg_;
+  std::string checkpoint_;
+  // world_ ranks = pp_ pipeline stages of tp_ tensor-parallel ranks; this rank is trank_ of stage_ and computes in
+  // tpc_ (its stage's ranks). Rank 0 (stage 0, trank 0) serves HTTP and runs the engine.
+  int rank_ = 0, world_ = 1, tp_ = 1, pp_ = 1, stage_ = 0, trank_ = 0;
+  MPI_Comm tpc_ = MPI_COMM_WORLD;
+  DevStage dstage_;
+  std::pair<int64_t, int64_t> vocab_rows_;
+  bool stopped_ = false;
+};
+
+}  // namespace q3vl
