@@ -22,7 +22,8 @@
 // (mp4), else the number of video packets the demuxer reads (webm, mkv; what decoding gives, also for variable
 // frame rate); it equals `ffprobe -count_frames`' nb_read_frames for ordinary files.
 //
-// Every failure throws q3vl::Error with the file's name (or the name given for bytes) and FFmpeg's own message:
+// Every failure throws q3vl::Error with the file's name (or the name given for bytes) and FFmpeg's own message
+// (av_strerror, and the last error FFmpeg logged, which names the fault: "moov atom not found"):
 // a missing, corrupt or truncated file, no video stream, a codec without a decoder, zero frames, frames over
 // the caller's size limits (refused from the header, before anything is allocated), an index past the end.
 #pragma once
@@ -68,6 +69,8 @@ class VideoFile {
   const std::string& name() const;
   // Frames at these presentation indices, as RGB (info().width x info().height), in the order asked.
   std::vector<RgbImage> frames(const std::vector<int64_t>& indices);
+  // Frames the decoder has given since the file was opened, wanted or not: what seeking saves (tests, logs).
+  int64_t frames_decoded() const;
 
   struct Impl;
 
