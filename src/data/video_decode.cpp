@@ -361,7 +361,6 @@ struct VideoFile::Impl {
   Orient orient;
   VideoInfo info;
   PacketTable table;
-  bool scanned = false;
   RgbConverter rgb;
   PacketPtr pkt;
   int64_t sent = -1;  // decode position of the last packet sent to the decoder, -1 after a seek
@@ -473,11 +472,10 @@ void VideoFile::Impl::scan() {
     }
     av_packet_unref(pkt.get());
     if (int64_t(table.packets.size()) > limits.max_frames)
-      fail(name + ": has more than " + std::to_string(limits.max_frames) + " frames");
+      fail(name + ": has more than the limit of " + std::to_string(limits.max_frames) + " frames");
   }
   if (err != AVERROR_EOF) fail_av("cannot read the video", err);
   table.finish();
-  scanned = true;
   sent = -2;  // at the end: the next frames() seeks
 }
 
@@ -489,15 +487,12 @@ void VideoFile::Impl::fill_info() {
   info.codec = avcodec_get_name(s->codecpar->codec_id);
   info.width = orient.transpose ? s->codecpar->height : s->codecpar->width;
   info.height = orient.transpose ? s->codecpar->width : s->codecpar->height;
-  if (s->nb_frames > 0) {
-    info.frames = s->nb_frames;
-  } else {
-    scan();
-    info.frames = int64_t(table.shown.size());
-  }
-  if (info.frames > limits.max_frames)
-    fail(name + ": has " + std::to_string(info.frames) + " frames, more than the limit of " +
-         std::to_string(limits.max_frames));
+  if (s->nb_frames > limits.max_frames)
+    fail(name + ": has " + std::to_string(s->nb_frames) + " frames, more than the limit of " +
+         std::to_string(limits.max_frames) + " frames");
+  scan();
+  info.frames = int64_t(table.shown.size());
+  info.nb_frames = s->nb_frames > 0 ? s->nb_frames : 0;
   if (info.frames <= 0) fail(name + ": the video stream has no frames");
   if (s->duration != AV_NOPTS_VALUE && s->duration > 0) info.duration = double(s->duration) * av_q2d(s->time_base);
   else if (fmt->duration != AV_NOPTS_VALUE && fmt->duration > 0) info.duration = double(fmt->duration) / AV_TIME_BASE;
@@ -673,7 +668,6 @@ std::vector<RgbImage> VideoFile::frames(const std::vector<int64_t>& indices) {
   wanted.erase(std::unique(wanted.begin(), wanted.end()), wanted.end());
   std::vector<RgbImage> got(wanted.size());
   if (wanted.empty()) return {};
-  if (!v.scanned) v.scan();
   const bool by_pts = v.table.usable && wanted.back() < int64_t(v.table.shown.size());
   if (!by_pts || !v.frames_by_pts(wanted, got)) v.frames_by_count(wanted, got);
   std::vector<RgbImage> out;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -64,6 +65,16 @@ const std::map<std::string, std::string>& recipes() {
       // variable frame rate: 24 fps for a second, then 12 fps (mp4 stores nb_frames, mkv does not)
       {"vfr.mp4", std::string(kTestsrc) + kVfr + "-c:v libx264 -g 10"},
       {"vfr.mkv", std::string(kTestsrc) + kVfr + "-c:v libx264 -g 10"},
+      {"clip.ts", "-i {dir}/clip.mp4 -c copy"},
+      // an edit list that starts at 0.7 s: the packets before it are read and decoded, their frames discarded
+      {"trim.mp4", "-ss 0.7 -i {dir}/clip.mp4 -c copy"},
+      // VP9 with hidden alt-ref frames (superframes), and VP8
+      {"arf.webm", "-f lavfi -i testsrc=size=160x120:rate=24 -t 2 -c:v libvpx-vp9 -cpu-used 5 -g 24 -auto-alt-ref 1 "
+                   "-lag-in-frames 16"},
+      {"vp8.webm", "-f lavfi -i testsrc=size=160x120:rate=24 -t 2 -c:v libvpx -cpu-used 5 -g 24 -auto-alt-ref 1 "
+                   "-lag-in-frames 16 -b:v 300k"},
+      // no timestamps at all: frames are found by counting, as the command line numbers them
+      {"clip.h264", "-i {dir}/clip.mp4 -c copy -bsf:v h264_mp4toannexb"},
       {"rot90.mp4", "-i {dir}/clip.mp4 -c copy -metadata:s:v rotate=90"},
       {"rot180.mp4", "-i {dir}/clip.mp4 -c copy -metadata:s:v rotate=180"},
       {"rot270.mp4", "-i {dir}/clip.mp4 -c copy -metadata:s:v rotate=270"},
@@ -116,10 +127,14 @@ Fixtures& fx() {
 }
 std::string clip(const std::string& name) { return fx().path(name); }
 
-// Frame n of the file as the ffmpeg command line gives it in rgb24.
-std::string cli_frame(const std::string& path, int64_t n) {
-  return run(std::string(kFfmpeg) + "-i " + path + " -vf \"select='eq(n\\," + std::to_string(n) +
-             ")'\" -vsync 0 -frames:v 1 -f rawvideo -pix_fmt rgb24 -");
+// Frames of the file as the ffmpeg command line gives them in rgb24: select's n, in increasing n, one call.
+std::string cli_frames(const std::string& path, std::vector<int64_t> ns) {
+  std::sort(ns.begin(), ns.end());
+  ns.erase(std::unique(ns.begin(), ns.end()), ns.end());
+  std::string expr;
+  for (int64_t n : ns) expr += (expr.empty() ? "" : "+") + std::string("eq(n\\,") + std::to_string(n) + ")";
+  return run(std::string(kFfmpeg) + "-i " + path + " -vf \"select='" + expr + "'\" -vsync 0 -frames:v " +
+             std::to_string(ns.size()) + " -f rawvideo -pix_fmt rgb24 -");
 }
 
 // ffprobe's view of the video stream (and the container's duration), counting frames by decoding.
@@ -146,16 +161,26 @@ double rational(const std::string& s) {
   return slash == std::string::npos ? std::stod(s) : std::stod(s.substr(0, slash)) / std::stod(s.substr(slash + 1));
 }
 
-// Every byte of the image equals the command line's frame n.
-void expect_cli_frame(const std::string& path, int64_t n, const RgbImage& im) {
-  const std::string ref = cli_frame(path, n);
-  ASSERT_EQ(ref.size(), im.px.size()) << path << " frame " << n << " (" << im.w << "x" << im.h << ")";
-  size_t diff = 0, first = 0;
-  for (size_t i = 0; i < ref.size(); ++i)
-    if (uint8_t(ref[i]) != im.px[i] && diff++ == 0) first = i;
-  EXPECT_EQ(diff, 0u) << path << " frame " << n << ": " << diff << " bytes differ, the first at pixel "
-                      << first / 3 % im.w << "," << first / 3 / im.w << " channel " << first % 3 << " ("
-                      << int(im.px[first]) << " vs the CLI's " << int(uint8_t(ref[first])) << ")";
+// Every byte of each image got[i] equals the command line's frame ns[i].
+void expect_cli_frames(const std::string& path, const std::vector<int64_t>& ns, const std::vector<RgbImage>& got) {
+  ASSERT_EQ(ns.size(), got.size());
+  std::vector<int64_t> sorted(ns);
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  const std::string all = cli_frames(path, ns);
+  for (size_t i = 0; i < ns.size(); ++i) {
+    const RgbImage& im = got[i];
+    const size_t at = size_t(std::lower_bound(sorted.begin(), sorted.end(), ns[i]) - sorted.begin());
+    ASSERT_EQ(all.size(), sorted.size() * im.px.size()) << path << " frame " << ns[i] << " (" << im.w << "x" << im.h
+                                                         << ")";
+    const uint8_t* ref = reinterpret_cast<const uint8_t*>(all.data()) + at * im.px.size();
+    size_t diff = 0, first = 0;
+    for (size_t k = 0; k < im.px.size(); ++k)
+      if (ref[k] != im.px[k] && diff++ == 0) first = k;
+    EXPECT_EQ(diff, 0u) << path << " frame " << ns[i] << ": " << diff << " bytes differ, the first at pixel "
+                        << first / 3 % im.w << "," << first / 3 / im.w << " channel " << first % 3 << " ("
+                        << int(im.px[first]) << " vs the CLI's " << int(ref[first]) << ")";
+  }
 }
 
 // Runs f, which must throw a q3vl::Error whose message contains every one of `parts`.
@@ -169,9 +194,9 @@ void expect_error(F f, const std::vector<std::string>& parts) {
   }
 }
 
-const std::vector<std::string> kDecoded = {"clip.mp4",   "clip.webm",  "vfr.mp4",    "vfr.mkv",
-                                           "rot90.mp4",  "rot180.mp4", "rot270.mp4", "odd.webm",
-                                           "odd444.mp4", "bt709.mp4",  "full.mp4"};
+const std::vector<std::string> kDecoded = {"clip.mp4",  "clip.webm",  "vfr.mp4",    "vfr.mkv",    "clip.ts",
+                                           "trim.mp4",  "arf.webm",   "vp8.webm",   "rot90.mp4",  "rot180.mp4",
+                                           "rot270.mp4", "odd.webm",  "odd444.mp4", "bt709.mp4",  "full.mp4"};
 
 TEST(VideoDecode, ProbeMatchesFfprobeCountFrames) {
   for (const std::string& name : kDecoded) {
@@ -190,6 +215,10 @@ TEST(VideoDecode, ProbeMatchesFfprobeCountFrames) {
   }
   const VideoInfo mp4 = q3vl::probe_video(clip("clip.mp4")), webm = q3vl::probe_video(clip("clip.webm"));
   EXPECT_EQ(mp4.codec, "h264");
+  EXPECT_EQ(mp4.nb_frames, 48);
+  EXPECT_EQ(webm.nb_frames, 0);
+  const VideoInfo trim = q3vl::probe_video(clip("trim.mp4"));
+  EXPECT_GT(trim.nb_frames, trim.frames) << "the edit list should discard some frames";
   EXPECT_EQ(webm.codec, "vp9");
   EXPECT_EQ(mp4.rotation, 0);
   EXPECT_EQ(q3vl::probe_video(clip("rot90.mp4")).rotation, 270);  // "rotate=90" turns it counterclockwise
@@ -198,7 +227,9 @@ TEST(VideoDecode, ProbeMatchesFfprobeCountFrames) {
 }
 
 TEST(VideoDecode, SampledFramesEqualTheFfmpegCommandLine) {
-  for (const std::string& name : kDecoded) {
+  std::vector<std::string> names = kDecoded;
+  names.push_back("clip.h264");
+  for (const std::string& name : names) {
     SCOPED_TRACE(name);
     const std::string p = clip(name);
     q3vl::VideoFile v(p);
@@ -207,11 +238,11 @@ TEST(VideoDecode, SampledFramesEqualTheFfmpegCommandLine) {
     const std::vector<int64_t> want = {n - 1, 0, 5, 5, 13, n / 2, n / 2 + 1, 23};
     const std::vector<RgbImage> got = v.frames(want);
     ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < want.size(); ++i) {
-      EXPECT_EQ(got[i].w, v.info().width);
-      EXPECT_EQ(got[i].h, v.info().height);
-      expect_cli_frame(p, want[i], got[i]);
+    for (const RgbImage& im : got) {
+      EXPECT_EQ(im.w, v.info().width);
+      EXPECT_EQ(im.h, v.info().height);
     }
+    expect_cli_frames(p, want, got);
   }
 }
 
@@ -236,11 +267,11 @@ TEST(VideoDecode, SeeksInsteadOfDecodingTheWholeClip) {
   q3vl::VideoFile v(p);
   ASSERT_EQ(v.info().frames, 480);
   const std::vector<RgbImage> late = v.frames({400});
-  expect_cli_frame(p, 400, late[0]);
+  expect_cli_frames(p, {400}, late);
   EXPECT_LE(v.frames_decoded(), 60) << "decoding frame 400 should start at the keyframe at 384";
   // backwards after forwards, on the same open file
   const std::vector<RgbImage> early = v.frames({3});
-  expect_cli_frame(p, 3, early[0]);
+  expect_cli_frames(p, {3}, early);
   EXPECT_LE(v.frames_decoded(), 70);
 }
 
@@ -261,7 +292,7 @@ TEST(VideoDecode, ThirtyTwoFramesOf640x360InWellUnderASecond) {
               cpu, wall, (long long)v.frames_decoded());
   EXPECT_LT(cpu, 0.5);
   ASSERT_EQ(got.size(), 32u);
-  expect_cli_frame(p, idx[17], got[17]);
+  expect_cli_frames(p, idx, got);
 }
 
 TEST(VideoDecode, BytesInMemoryDecodeAsTheFile) {
@@ -277,9 +308,7 @@ TEST(VideoDecode, BytesInMemoryDecodeAsTheFile) {
     EXPECT_EQ(a.height, b.height);
     const std::vector<RgbImage> f = q3vl::decode_frames(bytes, "upload.mp4", {1, 30, 7});
     ASSERT_EQ(f.size(), 3u);
-    expect_cli_frame(p, 1, f[0]);
-    expect_cli_frame(p, 30, f[1]);
-    expect_cli_frame(p, 7, f[2]);
+    expect_cli_frames(p, {1, 30, 7}, f);
   }
 }
 
@@ -329,7 +358,8 @@ TEST(VideoDecode, HugeFramesAreRefusedFromTheHeader) {
   expect_error([&] { q3vl::probe_video(clip("clip.mp4"), small); }, {"clip.mp4", "320x240", "over the limit"});
   small = {};
   small.max_frames = 40;
-  expect_error([&] { q3vl::probe_video(clip("clip.mp4"), small); }, {"clip.mp4", "48 frames"});
+  expect_error([&] { q3vl::probe_video(clip("clip.mp4"), small); }, {"clip.mp4", "48 frames", "limit of 40 frames"});
+  expect_error([&] { q3vl::probe_video(clip("clip.webm"), small); }, {"clip.webm", "limit of 40 frames"});
 }
 
 TEST(VideoDecode, IndicesPastTheEndAreRefused) {
@@ -338,7 +368,7 @@ TEST(VideoDecode, IndicesPastTheEndAreRefused) {
   expect_error([&] { v.frames({3, 50}); }, {"clip.webm", "frame 50", "past the end", "50 frames"});
   expect_error([&] { v.frames({-1}); }, {"clip.webm", "frame -1"});
   EXPECT_TRUE(v.frames({}).empty());
-  expect_cli_frame(p, 49, v.frames({49})[0]);  // still usable after an error
+  expect_cli_frames(p, {49}, v.frames({49}));  // still usable after an error
 }
 
 TEST(VideoDecode, FrameListsAreDecodedAsImages) {

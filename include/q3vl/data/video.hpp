@@ -18,9 +18,11 @@
 // that is libswscale with the CLI's default flags (bicubic) and the frame's own colour matrix and range, after
 // the display-matrix rotation that ffmpeg's autorotate applies (90/180/270 degrees, and flips).
 //
-// VideoInfo.frames is the count transformers' loaders see: the stream's nb_frames when the container stores it
-// (mp4), else the number of video packets the demuxer reads (webm, mkv; what decoding gives, also for variable
-// frame rate); it equals `ffprobe -count_frames`' nb_read_frames for ordinary files.
+// VideoInfo.frames is the number of frames decoding gives, counted without decoding: the video packets the demuxer
+// reads (less those the container marks to be discarded, as an mp4 edit list does). It equals `ffprobe
+// -count_frames`' nb_read_frames, and the stream's nb_frames where an mp4 stores one (what transformers' PyAV
+// loader reads; kept in nb_frames); webm and mkv store none, and a duration x fps product would be off for
+// variable frame rate. Opening a file reads all its packets once (no decoding; milliseconds for a clip).
 //
 // Every failure throws q3vl::Error with the file's name (or the name given for bytes) and FFmpeg's own message
 // (av_strerror, and the last error FFmpeg logged, which names the fault: "moov atom not found"):
@@ -38,7 +40,8 @@
 namespace q3vl {
 
 struct VideoInfo {
-  int64_t frames = 0;     // frame count (see above)
+  int64_t frames = 0;     // frame count (see above): frames() takes indices 0..frames-1
+  int64_t nb_frames = 0;  // the count the container stores (mp4's nb_frames), 0 when it has none
   double fps = 0;         // average frame rate (the stream's avg_frame_rate; frames/duration when absent)
   double duration = 0;    // seconds (the stream's duration, else the container's, else frames/fps)
   int width = 0;          // frame size as decode_frames returns it: after rotation (90/270 swap the sides)
