@@ -569,6 +569,8 @@ bool VideoFile::Impl::frames_by_pts(const std::vector<int64_t>& wanted, std::vec
   size_t next = 0;
   int64_t seeked = -1;
   bool flushed = false;
+  // A frame whose packet an earlier call sent has come out or was skipped: go back to its keyframe.
+  if (sent >= 0 && table.position(table.shown[size_t(wanted[0])]) <= sent) sent = -2;
   while (next < wanted.size()) {
     const int err = avcodec_receive_frame(dec.get(), frame.get());
     if (err == 0) {

@@ -51,7 +51,7 @@ void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary).write(bytes.data(), std::streamsize(bytes.size()));
 }
 
-constexpr const char* kFfmpeg = "ffmpeg -nostdin -v error -y ";
+constexpr const char* kFfmpeg = "timeout 300 ffmpeg -nostdin -v error -y ";
 constexpr const char* kTestsrc = "-f lavfi -i testsrc=size=320x240:rate=24 -t 2 ";
 constexpr const char* kVp9 = "-c:v libvpx-vp9 -deadline realtime -cpu-used 8 ";
 constexpr const char* kVfr = "-vf \"setpts='if(lt(N,24),N/24,1+(N-24)/12)/TB'\" -vsync vfr ";
@@ -86,6 +86,10 @@ const std::map<std::string, std::string>& recipes() {
       {"long.mp4", "-f lavfi -i testsrc=size=640x360:rate=24 -t 20 -c:v libx264 -g 48 -pix_fmt yuv420p"},
       {"faststart.mp4", std::string(kTestsrc) + "-c:v libx264 -pix_fmt yuv420p -movflags +faststart"},
       {"audio.wav", "-f lavfi -i sine=duration=1"},
+      {"red.png", "-f lavfi -i color=red:s=64x64 -frames:v 1"},
+      // audio with a cover picture, which libavformat lists as a video stream
+      {"cover.m4a", "-f lavfi -i sine=duration=1 -i {dir}/red.png -map 0:a -map 1:v -c:v png -disposition:v:0 "
+                    "attached_pic -c:a aac"},
       {"no_video.mp4", std::string(kTestsrc) + "-frames:v 0 -c:v libx264"},  // a container with no stream
   };
   return r;
@@ -273,6 +277,12 @@ TEST(VideoDecode, SeeksInsteadOfDecodingTheWholeClip) {
   const std::vector<RgbImage> early = v.frames({3});
   expect_cli_frames(p, {3}, early);
   EXPECT_LE(v.frames_decoded(), 70);
+  // one frame after another, each call going on from the last (the ones before were skipped or given)
+  for (const int64_t k : {200, 201, 203, 202, 250}) {
+    const int64_t before = v.frames_decoded();
+    expect_cli_frames(p, {k}, v.frames({k}));
+    EXPECT_LE(v.frames_decoded() - before, 60) << k;
+  }
 }
 
 TEST(VideoDecode, ThirtyTwoFramesOf640x360InWellUnderASecond) {
@@ -331,6 +341,7 @@ TEST(VideoDecode, BadFilesNameTheFileAndSayWhatIsWrong) {
   expect_error([&] { q3vl::probe_video(dir + "/missing.mp4"); }, {"missing.mp4", "No such file"});
   expect_error([&] { q3vl::probe_video(std::string_view(), "empty upload"); }, {"empty upload", "0 bytes"});
   expect_error([&] { q3vl::probe_video(clip("audio.wav")); }, {"audio.wav", "has no video stream"});
+  expect_error([&] { q3vl::probe_video(clip("cover.m4a")); }, {"cover.m4a", "has no video stream"});
   expect_error([&] { q3vl::probe_video(clip("no_video.mp4")); }, {"no_video.mp4", "has no video stream"});
   // a codec FFmpeg has no decoder for: the webm's codec id renamed
   std::string webm = read_bytes(clip("clip.webm"));
