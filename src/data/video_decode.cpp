@@ -674,7 +674,8 @@ std::vector<RgbImage> VideoFile::frames(const std::vector<int64_t>& indices) {
   if (!by_pts || !v.frames_by_pts(wanted, got)) v.frames_by_count(wanted, got);
   std::vector<RgbImage> out;
   out.reserve(indices.size());
-  for (int64_t k : indices) out.push_back(got[size_t(std::lower_bound(wanted.begin(), wanted.end(), k) - wanted.begin())]);
+  for (int64_t k : indices)
+    out.push_back(got[size_t(std::lower_bound(wanted.begin(), wanted.end(), k) - wanted.begin())]);
   return out;
 }
 

@@ -83,6 +83,11 @@ const std::map<std::string, std::string>& recipes() {
       {"bt709.mp4", std::string(kTestsrc) + "-c:v libx264 -pix_fmt yuv420p -colorspace bt709 -color_primaries bt709 "
                                             "-color_trc bt709"},
       {"full.mp4", std::string(kTestsrc) + "-c:v libx264 -pix_fmt yuvj420p"},
+      {"10bit.mp4", std::string(kTestsrc) + "-c:v libx264 -pix_fmt yuv420p10le"},
+      {"422.mp4", std::string(kTestsrc) + "-c:v libx264 -pix_fmt yuv422p"},
+      // 4:2:2 cannot be transposed plane by plane: the command line converts to RGB before it turns the frame
+      {"422rot90.mp4", "-i {dir}/422.mp4 -c copy -metadata:s:v rotate=90"},
+      {"odd444rot90.mp4", "-i {dir}/odd444.mp4 -c copy -metadata:s:v rotate=90"},
       {"long.mp4", "-f lavfi -i testsrc=size=640x360:rate=24 -t 20 -c:v libx264 -g 48 -pix_fmt yuv420p"},
       {"faststart.mp4", std::string(kTestsrc) + "-c:v libx264 -pix_fmt yuv420p -movflags +faststart"},
       {"audio.wav", "-f lavfi -i sine=duration=1"},
@@ -200,7 +205,8 @@ void expect_error(F f, const std::vector<std::string>& parts) {
 
 const std::vector<std::string> kDecoded = {"clip.mp4",  "clip.webm",  "vfr.mp4",    "vfr.mkv",    "clip.ts",
                                            "trim.mp4",  "arf.webm",   "vp8.webm",   "rot90.mp4",  "rot180.mp4",
-                                           "rot270.mp4", "odd.webm",  "odd444.mp4", "bt709.mp4",  "full.mp4"};
+                                           "rot270.mp4", "odd.webm",  "odd444.mp4", "bt709.mp4",  "full.mp4",
+                                           "10bit.mp4", "422.mp4",    "422rot90.mp4", "odd444rot90.mp4"};
 
 TEST(VideoDecode, ProbeMatchesFfprobeCountFrames) {
   for (const std::string& name : kDecoded) {
@@ -211,7 +217,7 @@ TEST(VideoDecode, ProbeMatchesFfprobeCountFrames) {
     EXPECT_EQ(v.frames, std::stoll(ref.at("nb_read_frames")));
     EXPECT_NEAR(v.fps, rational(ref.at("avg_frame_rate")), 1e-9);
     EXPECT_NEAR(v.duration, std::stod(ref.at("duration")), 1e-6);
-    const bool turned = name == "rot90.mp4" || name == "rot270.mp4";
+    const bool turned = name.find("rot90") != std::string::npos || name == "rot270.mp4";
     EXPECT_EQ(v.width, std::stoi(ref.at(turned ? "height" : "width")));
     EXPECT_EQ(v.height, std::stoi(ref.at(turned ? "width" : "height")));
     // ffprobe's rotation is counterclockwise (av_display_rotation_get), ours clockwise

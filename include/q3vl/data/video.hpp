@@ -16,7 +16,13 @@
 // The pixels are the ffmpeg command line's, byte for byte:
 //   ffmpeg -i clip -vf "select='eq(n\,K)'" -vsync 0 -frames:v 1 -f rawvideo -pix_fmt rgb24 -
 // that is libswscale with the CLI's default flags (bicubic) and the frame's own colour matrix and range, after
-// the display-matrix rotation that ffmpeg's autorotate applies (90/180/270 degrees, and flips).
+// the display-matrix rotation that ffmpeg's autorotate applies (90/180/270 degrees, and flips). Checked in
+// tests/unit/test_video_decode.cpp on H.264 (mp4, mkv, ts, raw, 8/10-bit, 4:2:0/4:2:2/4:4:4, BT.709, full range,
+// edit lists, variable frame rate, rotations, odd sizes), VP9 (with alt-ref frames) and VP8.
+//
+// Frames not wanted are not converted, and those no other frame refers to are not even decoded. Decoding runs on
+// the calling thread; decode several videos at once for more speed. A stream whose frame size changes midway is
+// refused (its frames could not be stacked into one video).
 //
 // VideoInfo.frames is the number of frames decoding gives, counted without decoding: the video packets the demuxer
 // reads (less those the container marks to be discarded, as an mp4 edit list does). It equals `ffprobe
