@@ -10,6 +10,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/hash.hpp"
 #include "q3vl/tensor/dev.hpp"
+#include "q3vl/tensor/dev_host.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 #ifdef Q3VL_CUDA
@@ -75,6 +76,22 @@ void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
 void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
   ON_CUDA(x, copy(x, dst, src, bytes));
   std::memmove(dst, src, bytes);
+}
+void* host_alloc(const Exec& x, size_t bytes) {
+  ON_CUDA(x, host_alloc(bytes));
+  const size_t n = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, n);
+  if (!p) fail("dev::host_alloc: out of host memory for " + std::to_string(bytes) + " bytes");
+  std::memset(p, 0, n);
+  return p;
+}
+void host_release(const Exec& x, void* p) {
+  ON_CUDA(x, host_release(p));
+  std::free(p);
+}
+void to_host_async(const Exec& x, void* dst, const void* src, size_t bytes) {
+  ON_CUDA(x, to_host_async(x, dst, src, bytes));
+  std::memcpy(dst, src, bytes);
 }
 
 bool capture_begin(const Exec& x) {
