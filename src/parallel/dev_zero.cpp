@@ -23,12 +23,13 @@ int64_t slot_elems(const ZeroLayout& L) {
 // whose reduce-scatter is being issued.
 int grad_slots(const ParamTable& t) { return int(ZeroEngine::pool_slots(t, unit_order(t, true)).grads); }
 
-DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd, bool off) {
+DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd, bool off,
+                    bool in_place) {
   DevZeroMemory m;
   const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
   const int64_t staging = gd == dt ? 0 : (stage == 3 ? kParamSlots : 1) * slot * g;
-  (off ? m.host_master : m.master) = L.master * 4;
-  (off ? m.host_moments : m.moments) = 2 * L.opt * 4;
+  if (!in_place) (off ? m.host_master : m.master) = L.master * 4;
+  if (!in_place) (off ? m.host_moments : m.moments) = 2 * L.opt * 4;
   m.grads = L.comm * 4;
   m.comm = (group > 1 ? L.comm * 4 : 0) + (gd == DType::F32 && !off ? 0 : L.master * g);  // one rank adds in place
   m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging;
@@ -39,18 +40,18 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
 }  // namespace
 
 DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload) {
+                            DType gather, bool offload, bool in_place) {
   const ShardGroup experts{group / t.ep().size, 0};
   return sizes(t, zero_layout(t, {group, 0}, t.ep().size > 1 ? &experts : nullptr, stage, trainable), group, stage,
-               dt, gather, offload);
+               dt, gather, offload, offload && in_place);
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
-                 const dev::Exec* comm_ex, DType gather, Comm* experts, bool offload)
+                 const dev::Exec* comm_ex, DType gather, Comm* experts, bool offload, const HostState* host)
     : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), experts_(experts), stage_(stage), dt_(m.dtype()),
       gd_(gather == DType::BF16 && m.dtype() == DType::F32 ? DType::BF16 : m.dtype()), conv_(gd_ != dt_),
       ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
-      split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream), off_(offload) {
+      split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream), off_(offload), borrowed_(offload && host) {
   const ParamTable& t = m.table();
   const int n = shard.size();
   Q3VL_CHECK(t.ep().size == 1 || (experts && experts->size() * t.ep().size == n && !(replica && replica->size() > 1)),
@@ -60,29 +61,33 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   const ShardGroup eg{experts ? experts->size() : 1, experts ? experts->rank() : 0};
   L_ = zero_layout(t, {n, shard.rank()}, t.ep().size > 1 ? &eg : nullptr, stage, trainable);
   Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
-  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_);
+  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_);
   auto f32 = [&](int64_t k) {
     float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
     dev::fill(ex_, p, DType::F32, k, 0.f);
     return p;
   };
-  auto host = [&](int64_t bytes) {  // zeroed
+  auto pinned = [&](int64_t bytes, void* p) {  // zeroed, or the caller's p pinned in place
     try {
-      return dev::host_alloc(ex_, size_t(bytes));
+      return p ? (dev::host_register(ex_, p, size_t(bytes)), p) : dev::host_alloc(ex_, size_t(bytes));
     } catch (const Error& e) {
-      fail(std::string("parallel.offload_optimizer = \"cpu\": the pinned host allocation of ") +
-           std::to_string(bytes >> 20) + " MiB was refused (" + e.what() + "); check ulimit -l and the node's "
-           "free memory (`q3vl plan` sizes it)");
+      fail(std::string("parallel.offload_optimizer = \"cpu\": pinning ") + std::to_string(bytes >> 20) +
+           " MiB of host memory was refused (" + e.what() + "); check `ulimit -l` and the node's free memory (`q3vl "
+           "plan` sizes it)");
     }
   };
-  auto opt = [&](int64_t k) { return off_ ? static_cast<float*>(host(std::max<int64_t>(k, 1) * 4)) : f32(k); };
-  master_ = opt(L_.master), gshard_ = f32(L_.comm), m_ = opt(L_.opt), v_ = opt(L_.opt);
+  auto opt = [&](int64_t k, float* theirs) {
+    if (!off_) return f32(k);
+    return static_cast<float*>(borrowed_ && k == 0 ? nullptr : pinned(std::max<int64_t>(k, 1) * 4, theirs));
+  };
+  master_ = opt(L_.master, borrowed_ ? host->master : nullptr), gshard_ = f32(L_.comm);
+  m_ = opt(L_.opt, borrowed_ ? host->exp_avg : nullptr), v_ = opt(L_.opt, borrowed_ ? host->exp_avg_sq : nullptr);
   land_ = f32(n > 1 ? L_.comm : 0);
   if (gd_ != DType::F32 || off_)
     wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_));
   if (off_) {
-    hgrad_ = static_cast<float*>(host(std::max<int64_t>(L_.comm, 1) * 4));
-    hparam_ = host(std::max<int64_t>(L_.master, 1) * int64_t(dtype_size(gd_)));
+    hgrad_ = static_cast<float*>(pinned(std::max<int64_t>(L_.comm, 1) * 4, nullptr));
+    hparam_ = pinned(std::max<int64_t>(L_.master, 1) * int64_t(dtype_size(gd_)), nullptr);
   }
   slot_elems_ = slot_elems(L_);
   if (conv_ && stage != 3) stg_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(gd_)));
@@ -123,7 +128,7 @@ DevZero::~DevZero() {
   for (void* p : {(void*)gshard_, (void*)land_, wcopy_})
     if (p) dev::release(ex_, p);
   for (void* p : {(void*)master_, (void*)m_, (void*)v_})
-    if (p) off_ ? dev::host_release(ex_, p) : dev::release(ex_, p);
+    if (p) borrowed_ ? dev::host_unregister(ex_, p) : off_ ? dev::host_release(ex_, p) : dev::release(ex_, p);
   dev::host_release(ex_, hgrad_), dev::host_release(ex_, hparam_);
   dev::synchronize(cx_);
   for (void* p : pslot_) dev::release(ex_, p);
@@ -161,7 +166,9 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
     Q3VL_CHECK(h.param == L_.pieces[i].param && h.begin == L_.pieces[i].begin && h.count == L_.pieces[i].count,
                "DevZero: the host engine's shard is another layout");
     const size_t bytes = size_t(h.count) * 4;
-    auto put = [&](float* dst, const float* src) { off_ ? (void)std::memcpy(dst, src, bytes) : dev::to_device(ex_, dst, src, bytes); };
+    auto put = [&](float* dst, const float* src) {  // borrowed: the same memory
+      if (dst != src) off_ ? (void)std::memcpy(dst, src, bytes) : dev::to_device(ex_, dst, src, bytes);
+    };
     put(master_ + L_.offs[i].master, h.master);
     if (L_.offs[i].opt >= 0 && h.exp_avg) put(m_ + L_.offs[i].opt, h.exp_avg), put(v_ + L_.offs[i].opt, h.exp_avg_sq);
   }
@@ -174,7 +181,9 @@ void DevZero::to_host(const std::vector<ShardPiece>& host) const {
   for (size_t i = 0; i < host.size(); ++i) {
     const ShardPiece& h = host[i];
     const size_t bytes = size_t(h.count) * 4;
-    auto get = [&](float* dst, const float* src) { off_ ? (void)std::memcpy(dst, src, bytes) : dev::to_host(ex_, dst, src, bytes); };
+    auto get = [&](float* dst, const float* src) {
+      if (dst != src) off_ ? (void)std::memcpy(dst, src, bytes) : dev::to_host(ex_, dst, src, bytes);
+    };
     get(h.master, master_ + L_.offs[i].master);
     if (L_.offs[i].opt >= 0 && h.exp_avg) get(h.exp_avg, m_ + L_.offs[i].opt), get(h.exp_avg_sq, v_ + L_.offs[i].opt);
   }

@@ -133,7 +133,7 @@ std::string Layout::deck_lines(DType gather) const {
   std::string s = "[parallel]\nzero_stage = " + std::to_string(stage) + "\nhybrid = " + (hybrid ? "true" : "false") +
                   "\n";
   if (gather != DType::F32) s += "gather_dtype = \"bf16\"\n";
-  if (offload) s += "# offload_optimizer = true   # not built yet: optimizer state on the host\n";
+  if (offload) s += "offload_optimizer = \"cpu\"\n";
   if (ep > 1) s += "ep = " + std::to_string(ep) + "\n";
   s += "[train]\nmicro_batch = " + std::to_string(micro_batch) + "\nrecompute = \"" + (recompute ? "block" : "none") +
        "\"\n";
@@ -145,6 +145,15 @@ std::string Bytes::largest(int n) const {
                                          {grads, "gradients"},         {optimizer, "optimizer state"},
                                          {activations, "activations"}, {workspace, "workspace"},
                                          {comm, "comm buffers"}};
+  std::stable_sort(std::begin(k), std::end(k), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string s;
+  for (int i = 0; i < n && k[i].first > 0; ++i) s += (i ? ", " : "") + std::string(k[i].second) + " " + gib(k[i].first);
+  return s;
+}
+
+std::string HostBytes::largest(int n) const {
+  std::pair<int64_t, const char*> k[] = {{masters, "fp32 masters"}, {moments, "AdamW moments"}, {grads, "gradients"},
+                                         {comm, "comm buffers"},    {staging, "pinned staging"}};
   std::stable_sort(std::begin(k), std::end(k), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::string s;
   for (int i = 0; i < n && k[i].first > 0; ++i) s += (i ? ", " : "") + std::string(k[i].second) + " " + gib(k[i].first);
@@ -224,10 +233,14 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   int64_t trained = 0;
   for (size_t i = 0; i < w.trainable.size(); ++i) trained += w.trainable[i] ? t.param(int(i)).numel : 0;
 
+  // What train allocates: the DevTrainer's own sizing, ZeRO over the shard group; offloaded, onto the host engine's
+  // shards in place (train's case).
+  Offload off;
+  off.optimizer = off.in_place = l.offload;
+  const DevTrainerMemory d =
+      DevTrainer::plan(w.cfg, w.dt, budget, l.recompute, w.trainable, n, l.stage, Device::CUDA, false, off);
   // GPU bytes.
-  if (!l.offload && l.ep == 1) {
-    // What train allocates: the DevTrainer's own sizing, ZeRO over the shard group.
-    const DevTrainerMemory d = DevTrainer::plan(w.cfg, w.dt, budget, l.recompute, w.trainable, n, l.stage);
+  if (l.ep == 1) {
     c.gpu.weights = d.model.weights;
     c.gpu.grads = d.model.grads + d.zero.grads;
     c.gpu.optimizer = d.optimizer();
@@ -237,7 +250,7 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
     c.gpu.comm = d.zero.comm;
     c.built = true;
   } else {
-    // Not built yet (optimizer offload, expert parallelism on GPUs): the host engine's shards on the device, its
+    // Not built yet (expert parallelism on GPUs): the host engine's shards on the device, its
     // stage-3 pool in the compute dtype, and the model's weights, gradients, arena and workspace where the stage
     // keeps them.
     const ZeroMemory z = zero_max(w, t, n, l.stage, l.ep);
@@ -255,12 +268,14 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
     c.gpu.comm = z.comm;
   }
   // Host bytes per rank: train keeps the ZeRO engine's shards on the host on the GPU path too (stage 3: checkpoint
-  // staging; offload would update them there in place), so they are the same with or without offload.
+  // staging; offload updates them there in place), and offload adds its pinned staging (d.host(): the trainer's).
   {
     const ZeroMemory h = zero_max(w, t, n, 3, l.ep);
-    c.host.optimizer = h.master + h.exp_avg + h.exp_avg_sq;
+    c.host.masters = h.master;
+    c.host.moments = h.exp_avg + h.exp_avg_sq;
     c.host.grads = h.grads;
     c.host.comm = h.comm;
+    c.host.staging = d.host();
   }
   c.host_node = int64_t(hw.gpus_per_node) * c.host.total() + kHostReserve;
   c.gpu_need = c.gpu.total() + kGpuReserve;
@@ -322,8 +337,11 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   if (!l.offload) {
     c.t_opt = kAdamBytes * shard / (hw.hbm_gbs * 1e9 * kHbmEfficiency);
   } else {
-    // Gradients down and updated masters up over PCIe; AdamW on the host's memory bandwidth, shared by its ranks.
-    c.t_opt = 8 * shard / (hw.pcie_gbs * 1e9) + kAdamBytes * shard * hw.gpus_per_node / (kHostMemGBs * 1e9);
+    // The gradient shard down (fp32) and the updated masters up (the compute dtype) over PCIe; AdamW and the
+    // conversion on the host's memory bandwidth, shared by its ranks. Counted as exposed: the copies down overlap
+    // the last backward pass, but the update and the copies up run between the steps.
+    c.t_opt = double(4 + g) * shard / (hw.pcie_gbs * 1e9) +
+              (kAdamBytes + double(g)) * shard * hw.gpus_per_node / (kHostMemGBs * 1e9);
   }
   c.t_step = c.t_compute + c.t_comm + c.t_opt;
   return c;
@@ -377,7 +395,7 @@ std::string row(const Candidate& c) {
                 l.recompute ? "block" : "none", gib(b.weights).c_str(), gib(b.gathered).c_str(), gib(b.grads).c_str(),
                 gib(b.optimizer).c_str(), gib(b.activations).c_str(), gib(b.workspace).c_str(), gib(b.comm).c_str(),
                 gib(c.gpu_need).c_str(), gib(c.host_node).c_str(), c.t_step, c.t_comm,
-                c.fits ? (c.layout.offload ? "fits (offload not built)" : "fits") : "no");
+                c.fits ? (c.layout.offload && !c.built ? "fits (offload not built)" : "fits") : "no");
   return buf;
 }
 
@@ -555,7 +573,8 @@ void choose_layout(Deck& d) {
   Workload w = workload_from_deck(d);
   if (!cuda) w.dt = DType::F32;
   std::vector<Candidate> cs = plan_candidates(w, hw);
-  // Only what train runs: no offload yet, and expert parallelism on CPU ranks only.
+  // Only what train runs (expert parallelism on CPU ranks only), and no offload: that is the deck's choice, of host
+  // memory the job may not own alone.
   cs.erase(std::remove_if(cs.begin(), cs.end(),
                           [&](const Candidate& c) { return c.layout.offload || c.layout.ep > 1 || (cuda && !c.built); }),
            cs.end());

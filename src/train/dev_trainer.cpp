@@ -33,7 +33,7 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
   m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt,
-                         off.optimizer);
+                         off.optimizer, off.in_place);
   m.norm = kNormBytes;
   return m;
 }
@@ -80,8 +80,13 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   model_->set_frozen(trainable);  // a LoRA base, train.tune_* = false: no weight gradients computed
   model_->set_experts(ep_);
   model_->reserve(b);
+  Q3VL_CHECK(!off.in_place || off.state, "DevTrainer: an in-place offload needs the host engine");
+  HostState hs;
+  if (off.optimizer && off.state)
+    hs = {off.state->master_data(), off.state->exp_avg_data(), off.state->exp_avg_sq_data()};
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
-                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off.optimizer);
+                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off.optimizer,
+                                    off.optimizer && off.state ? &hs : nullptr);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
   const ZeroLayout& L = zero_->layout();
   for (size_t i = 0; i < L.pieces.size(); ++i) {

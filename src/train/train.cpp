@@ -179,9 +179,10 @@ int64_t available_memory() {
   return int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGE_SIZE));
 }
 
-// parallel.offload_optimizer = "cpu": the node must hold its ranks' host bytes (the trainer's own sizing, `need`:
-// masters, moments and pinned staging; with the host engine's shards that train keeps on every path, `engine`),
-// checked against MemAvailable before anything is allocated. Collective over the world.
+// parallel.offload_optimizer = "cpu": the node must hold its ranks' host bytes, the largest rank's times the ranks (the
+// host engine's shards that train keeps on every path, `engine`, where the optimizer updates the masters and moments
+// in place; the trainer's own sizing, `need`: the pinned staging), checked against MemAvailable before anything is
+// allocated. Collective over the world.
 void check_offload_memory(Runtime& rt, const DevTrainerMemory& need, const ZeroMemory& engine) {
   Comm& node = rt.node_comm();
   const double mine = double(need.host() + engine.state() + engine.comm);
@@ -192,11 +193,12 @@ void check_offload_memory(Runtime& rt, const DevTrainerMemory& need, const ZeroM
     char buf[640];
     std::snprintf(buf, sizeof buf,
                   "parallel.offload_optimizer = \"cpu\" needs %.1f GiB of host memory per node (%d rank(s) here, the "
-                  "largest: fp32 masters %.1f GiB, AdamW moments %.1f GiB, pinned staging %.1f GiB, checkpoint staging "
-                  "%.1f GiB), this node (%s) has %.1f GiB available (MemAvailable); use more nodes or fewer ranks a "
-                  "node (`q3vl plan` sizes it)",
-                  want / GiB, node.size(), double(need.zero.host_master) / GiB, double(need.zero.host_moments) / GiB,
-                  double(need.zero.host_staging) / GiB, double(engine.state() + engine.comm) / GiB,
+                  "largest: fp32 masters %.1f GiB, AdamW moments %.1f GiB, pinned staging %.1f GiB, gradient and "
+                  "landing shards %.1f GiB), this node (%s) has %.1f GiB available (MemAvailable); use more nodes or "
+                  "fewer ranks a node (`q3vl plan` sizes it)",
+                  want / GiB, node.size(), double(engine.master + need.zero.host_master) / GiB,
+                  double(engine.exp_avg + engine.exp_avg_sq + need.zero.host_moments) / GiB,
+                  double(need.zero.host_staging) / GiB, double(engine.grads + engine.comm) / GiB,
                   rt.where().host.c_str(), have / GiB);
     err = buf;
   }
@@ -384,6 +386,7 @@ int run_train(const Deck& deck) {
   offload.threads = deck.integer("parallel.offload_threads") > 0 ? int(deck.integer("parallel.offload_threads"))
                                                                  : rank_cores(rt.where().local_size);
   offload.pin = deck.integer("parallel.offload_threads") == 0;
+  offload.in_place = offload.optimizer;  // the engine's shards below
   if (offload.optimizer) {
     const DevBudget b = train_budget(cfg, deck.integer("train.micro_batch"), deck.integer("data.seq_len"),
                                      deck.integer("train.max_patches"));
@@ -493,7 +496,11 @@ int run_train(const Deck& deck) {
     trainer = std::make_unique<DevTrainer>(on_gpu ? Device::CUDA : Device::CPU, std::max(0, rt.where().gpu), cfg,
                                            trainable, compute, b, deck.str("train.recompute") == "block", ls, *shard,
                                            replica.get(), stage, deck.str("parallel.gather_dtype") == "bf16",
-                                           ep.get(), offload);
+                                           ep.get(), [&] {
+                                             Offload o = offload;
+                                             o.state = offload.in_place ? &engine : nullptr;
+                                             return o;
+                                           }());
     log_info(trainer->memory_report());
   }
 

@@ -37,7 +37,9 @@
 // pass each unit's shard is copied down to a host copy as soon as its reduce-scatter is enqueued (on the same
 // stream, so after it), and after the update the masters in the gathers' dtype (converted on the host) go up into
 // the device copy that gathers send (wcopy_, then always allocated). Stage 1, hybrid sharding (the replicas'
-// all-reduce comes after) or an unknown micro-step count copy the whole shard down in finish_grads.
+// all-reduce comes after) or an unknown micro-step count copy the whole shard down in finish_grads. The masters and
+// moments can be the caller's (HostState: train passes the host engine's shards, which the update then changes in
+// place, so a checkpoint copies nothing and the host holds them once); DevZero pins them while it lives.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -60,6 +62,13 @@ struct DevZeroMemory {
   int64_t host_total() const { return host_master + host_moments + host_staging; }
 };
 
+// Host buffers an offloaded DevZero updates in place, at the layout's offsets (Offs::master, Offs::opt).
+struct HostState {
+  float* master = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+};
+
 class DevZero final : UnitHooks {
  public:
   // `shard` and `replica` (hybrid sharding; may be null) take the model's device buffers and outlive the engine.
@@ -68,19 +77,19 @@ class DevZero final : UnitHooks {
   // the masters rounded to bf16 and widens them in the pool (half the bytes; the model computes with the rounded
   // weights, as the host engine's bf16 gathers do).
   // experts: the expert replicas' group, needed when the model's table splits its experts (not with a replica).
-  // offload: the masters and moments on the host (see above).
+  // offload: the masters and moments on the host (see above); `host` (may be null: allocated here): the caller's.
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
           const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr,
-          bool offload = false);
+          bool offload = false, const HostState* host = nullptr);
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
   // The DevHold a model for this engine needs.
   static DevHold hold(int group, int stage) { return {group, stage != 3}; }
   // What an engine allocates, without allocating: rank 0's (the largest) shard. t.ep(): the expert split (the expert
-  // replicas' group is group / t.ep().size ranks).
+  // replicas' group is group / t.ep().size ranks). in_place: offloaded onto the caller's HostState (not counted).
   static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload = false);
+                            DType gather, bool offload = false, bool in_place = false);
   DevZeroMemory memory() const { return mem_; }
 
   int stage() const { return stage_; }
@@ -165,6 +174,7 @@ class DevZero final : UnitHooks {
   float *master_ = nullptr, *gshard_ = nullptr, *land_ = nullptr, *m_ = nullptr, *v_ = nullptr;
   void* wcopy_ = nullptr;  // masters in dt (null: dt is fp32, the masters themselves; offloaded: always, on the device)
   bool off_ = false;
+  bool borrowed_ = false;    // offload: master_, m_, v_ are the caller's (pinned here, not allocated)
   float* hgrad_ = nullptr;   // offload: the gradient shard's host copy
   void* hparam_ = nullptr;   // offload: the masters in gd_ on the host
   int micro_ = 0, bwd_ = 0;  // backward passes this step: expected (0: unknown), done

@@ -27,6 +27,10 @@ DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_
 // What lives in host memory instead of the device (parallel.offload_optimizer, parallel.offload_params).
 struct Offload {
   bool optimizer = false;  // "cpu": fp32 masters and AdamW moments on the host, AdamW run there
+  // The masters and moments are the host engine's shards, updated in place (train's case; the planner's sizing says
+  // in_place without an engine): the host holds them once, and checkpoints copy nothing.
+  bool in_place = false;
+  ZeroEngine* state = nullptr;  // the constructor's: that engine (its layout is the trainer's)
   int threads = 1;         // the host AdamW's threads (the caller's counted): the rank's cores, rank_cores()
   bool pin = false;        // bind them to the cores of the rank's affinity mask, one each
 };

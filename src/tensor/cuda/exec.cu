@@ -71,6 +71,14 @@ void host_release(void* p) {
   if (p) Q3VL_CU(cudaFreeHost(p));
 }
 
+void host_register(void* p, size_t bytes) {
+  if (p && bytes) Q3VL_CU(cudaHostRegister(p, bytes, cudaHostRegisterPortable));
+}
+
+void host_unregister(void* p) {
+  if (p) Q3VL_CU(cudaHostUnregister(p));
+}
+
 void to_host_async(const Exec& x, void* dst, const void* src, size_t bytes) {
   if (bytes) Q3VL_CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(x)));
 }
