@@ -217,6 +217,10 @@ const std::vector<KeySpec>& deck_schema() {
        "moments live in host memory (pinned), gradient shards go down as their reduce-scatters finish, AdamW runs on "
        "the rank's cores and the updated shard goes up in the compute dtype; same results and checkpoints (`q3vl plan` "
        "sizes the host memory, train checks the node has it)", -kBig, kBig, {"none", "cpu"}},
+      {"parallel.offload_params", T::String, "none", "none, or frozen (with parallel.offload_optimizer = cpu; a LoRA "
+       "base or train.tune_* = false): no copy of the parameters stays on the device, each unit's fp32 shard streams "
+       "up from the host masters for its gather, prefetched a unit ahead; the device holds only the units in use",
+       -kBig, kBig, {"none", "frozen"}},
       {"parallel.offload_threads", T::Int, "0", "parallel.offload_optimizer = cpu: host threads for AdamW per rank (0: "
        "the rank's cores, from its CPU binding or its share of the node)", 0, 4096},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},

@@ -33,7 +33,7 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
   m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt,
-                         off.optimizer, off.in_place);
+                         off.optimizer, off.in_place, off.params);
   m.norm = kNormBytes;
   return m;
 }
@@ -86,7 +86,7 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
     hs = {off.state->master_data(), off.state->exp_avg_data(), off.state->exp_avg_sq_data()};
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
                                     gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off.optimizer,
-                                    off.optimizer && off.state ? &hs : nullptr);
+                                    off.optimizer && off.state ? &hs : nullptr, off.params);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
   const ZeroLayout& L = zero_->layout();
   for (size_t i = 0; i < L.pieces.size(); ++i) {
@@ -194,8 +194,9 @@ void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t
       const int64_t a = std::max(lo, r->first) - r->first, n = std::min(hi, r->first + r->n) - r->first - a;
       dev::adamw(cpu, p + r->master + a, gr + r->grad + a, m + r->opt + a, v + r->opt + a, n, hp.beta1, hp.beta2,
                  hp.eps, lr, r->no_decay ? 0.0 : hp.weight_decay, g, t);
-      dev::convert(cpu, static_cast<char*>(w) + (r->master + a) * int64_t(dtype_size(gd)), gd, p + r->master + a,
-                   DType::F32, n);
+      if (w)  // streamed parameters: the gathers convert the masters themselves
+        dev::convert(cpu, static_cast<char*>(w) + (r->master + a) * int64_t(dtype_size(gd)), gd, p + r->master + a,
+                     DType::F32, n);
     }
   });
   zero_->refresh_params();
@@ -230,11 +231,14 @@ std::string DevTrainer::memory_report() const {
                 m.model.activations / MiB, m.model.workspace / MiB, m.total() / MiB, free_b / MiB, total_b / MiB);
   std::string s = buf;
   if (zero_->offloaded()) {
+    const ZeroLayout& L = zero_->layout();
     std::snprintf(buf, sizeof buf,
                   "; optimizer offloaded to the host (%s, %d thread(s)): fp32 masters %.3f MiB, AdamW moments %.3f "
-                  "MiB, staging %.3f MiB; host total %.1f MiB",
+                  "MiB%s, staging %.3f MiB%s",
                   ex_.device == Device::CUDA ? "pinned" : "CPU backend: plain memory", pool_->size(),
-                  m.zero.host_master / MiB, m.zero.host_moments / MiB, m.zero.host_staging / MiB, m.host() / MiB);
+                  double(L.master * 4) / MiB, double(L.opt * 8) / MiB,
+                  m.zero.host_master ? "" : " (the host engine's shards, updated in place)", m.zero.host_staging / MiB,
+                  zero_->host_params() ? "" : "; parameters streamed up from them for every gather");
     s += buf;
   }
   return s;

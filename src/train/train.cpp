@@ -387,6 +387,13 @@ int run_train(const Deck& deck) {
                                                                  : rank_cores(rt.where().local_size);
   offload.pin = deck.integer("parallel.offload_threads") == 0;
   offload.in_place = offload.optimizer;  // the engine's shards below
+  offload.params = deck.str("parallel.offload_params") == "frozen";
+  if (offload.params && !offload.optimizer)
+    fail_all("parallel.offload_params = \"frozen\" needs parallel.offload_optimizer = \"cpu\": the parameters are "
+             "streamed from the fp32 masters, which only the offloaded optimizer keeps on the host");
+  if (offload.params && std::all_of(trainable.begin(), trainable.end(), [](bool b) { return b; }))
+    fail_all("parallel.offload_params = \"frozen\" but nothing is frozen (no LoRA adapters, lora.rank = 0, and every "
+             "train.tune_* is true): keep the parameters on the device (parallel.offload_params = \"none\")");
   if (offload.optimizer) {
     const DevBudget b = train_budget(cfg, deck.integer("train.micro_batch"), deck.integer("data.seq_len"),
                                      deck.integer("train.max_patches"));

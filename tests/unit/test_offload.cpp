@@ -44,7 +44,8 @@ TEST(Offload, AdamWLanesAreTheScalarBits) {
   std::normal_distribution<float> d(0.f, 1.f);
   const dev::Exec cpu{};
   for (int64_t n : {1, 3, 4, 5, 7, 8, 17, 64, 1001}) {
-    std::vector<float> p(size_t(n)), g(size_t(n)), m(size_t(n)), v(size_t(n));
+    const size_t N = static_cast<size_t>(n);
+    std::vector<float> p(N), g(N), m(N), v(N);
     for (int64_t i = 0; i < n; ++i) {
       p[size_t(i)] = d(rng), g[size_t(i)] = d(rng) * (i % 5 == 0 ? 1e-6f : 1.f), m[size_t(i)] = 0.1f * d(rng);
       v[size_t(i)] = std::abs(0.01f * d(rng)) * (i % 7 == 0 ? 0.f : 1.f);  // some zero second moments
@@ -64,7 +65,7 @@ TEST(Offload, ThreadPoolCoversEachElementOnce) {
     for (int64_t n : {0, 1, 63, 64, 65, 1000, 4097}) {
       ThreadPool pool(threads);
       ASSERT_EQ(pool.size(), threads);
-      std::vector<std::atomic<int>> hits(size_t(n));
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
       for (int rep = 0; rep < 3; ++rep)  // the same workers, run after run
         pool.run(n, [&](int64_t lo, int64_t hi) {
           ASSERT_TRUE(lo % 64 == 0 && lo < hi && hi <= n);

@@ -40,6 +40,13 @@
 // all-reduce comes after) or an unknown micro-step count copy the whole shard down in finish_grads. The masters and
 // moments can be the caller's (HostState: train passes the host engine's shards, which the update then changes in
 // place, so a checkpoint copies nothing and the host holds them once); DevZero pins them while it lives.
+//
+// Parameters on the host (parallel.offload_params = "frozen", with the optimizer offloaded): no copy of the masters
+// stays on the device (no wcopy_, and no host copy in the gathers' dtype either): every unit's gather starts with its
+// fp32 master shard copied up from the host into a staging buffer of its pool slot, on the stream the gather runs
+// on, converted there, and then gathered as before; the prefetch of the next unit hides the copy behind the compute.
+// A LoRA base is nearly all the parameters, so the host holds them once (in fp32, where the checkpoints read them)
+// and the device only the units in use.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -78,9 +85,10 @@ class DevZero final : UnitHooks {
   // weights, as the host engine's bf16 gathers do).
   // experts: the expert replicas' group, needed when the model's table splits its experts (not with a replica).
   // offload: the masters and moments on the host (see above); `host` (may be null: allocated here): the caller's.
+  // stream (needs offload): the parameters too, every gather from the host masters.
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
           const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr,
-          bool offload = false, const HostState* host = nullptr);
+          bool offload = false, const HostState* host = nullptr, bool stream = false);
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
@@ -89,7 +97,7 @@ class DevZero final : UnitHooks {
   // What an engine allocates, without allocating: rank 0's (the largest) shard. t.ep(): the expert split (the expert
   // replicas' group is group / t.ep().size ranks). in_place: offloaded onto the caller's HostState (not counted).
   static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload = false, bool in_place = false);
+                            DType gather, bool offload = false, bool in_place = false, bool stream = false);
   DevZeroMemory memory() const { return mem_; }
 
   int stage() const { return stage_; }
@@ -100,7 +108,8 @@ class DevZero final : UnitHooks {
   float* exp_avg() { return m_; }      // at ZeroLayout::Offs::opt
   float* exp_avg_sq() { return v_; }
   // Offloaded: the host copy of the gradient shard (at Offs::comm), complete once grads_on_host() returns; the
-  // masters in gather_dtype() on the host (at Offs::master), which the optimizer refreshes before refresh_params().
+  // masters in gather_dtype() on the host (at Offs::master), which the optimizer refreshes before refresh_params()
+  // (null when streamed: the gathers convert the masters themselves).
   const float* host_grads() const { return hgrad_; }
   void* host_params() { return hparam_; }
   DType gather_dtype() const { return gd_; }
@@ -154,7 +163,9 @@ class DevZero final : UnitHooks {
   Comm& comm(const ZeroUnit& u) const { return u.experts ? *experts_ : shard_; }  // the unit's shard group
   // Unit u (its shard at wshard) gathered in full into dst (dt), through staging buffer `stg` when conv_; on the
   // communication stream (NCCL), or waited (MPI), or a copy (one rank). MPI's widening waits for the request.
-  std::unique_ptr<CommRequest> gather_unit(const ZeroUnit& u, void* dst, void* stg);
+  // Streamed: the shard is copied up into slot `slot`'s staging first, on `x`.
+  std::unique_ptr<CommRequest> gather_unit(const ZeroUnit& u, void* dst, void* stg, size_t slot);
+  const void* staged(const ZeroUnit& u, size_t slot, const dev::Exec& x);
 
   DevModel& model_;
   const dev::Exec ex_;
@@ -175,6 +186,8 @@ class DevZero final : UnitHooks {
   void* wcopy_ = nullptr;  // masters in dt (null: dt is fp32, the masters themselves; offloaded: always, on the device)
   bool off_ = false;
   bool borrowed_ = false;    // offload: master_, m_, v_ are the caller's (pinned here, not allocated)
+  bool stream_ = false;      // parameters on the host: gathers start from master_
+  std::vector<void*> up_, upc_;  // streamed: per pool slot (stage 3) or one, the fp32 shard up and in gd_ (conv.)
   float* hgrad_ = nullptr;   // offload: the gradient shard's host copy
   void* hparam_ = nullptr;   // offload: the masters in gd_ on the host
   int micro_ = 0, bwd_ = 0;  // backward passes this step: expected (0: unknown), done

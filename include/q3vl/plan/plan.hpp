@@ -45,6 +45,7 @@ Hardware hardware_from_deck(const Deck& d);
 struct Layout {
   int stage = 3;            // parallel.zero_stage
   bool offload = false;     // parallel.offload_optimizer = "cpu": fp32 masters and AdamW moments on the host
+  bool host_params = false; // parallel.offload_params = "frozen" (with offload): parameters streamed from the host
   bool hybrid = false;      // parallel.hybrid: shard within a node, replicate across nodes
   int ep = 1;               // expert-parallel degree (parallel.ep): not built yet, always 1 here. EP would divide
                             // the expert units' bytes by ep and add all-to-all time; the place is sized_layout().

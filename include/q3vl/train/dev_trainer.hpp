@@ -31,6 +31,8 @@ struct Offload {
   // in_place without an engine): the host holds them once, and checkpoints copy nothing.
   bool in_place = false;
   ZeroEngine* state = nullptr;  // the constructor's: that engine (its layout is the trainer's)
+  bool params = false;     // parallel.offload_params = "frozen" (needs `optimizer`): no parameter copy on the device,
+                           // every unit's gather streams its shard up from the host masters (DevZero's stream)
   int threads = 1;         // the host AdamW's threads (the caller's counted): the rank's cores, rank_cores()
   bool pin = false;        // bind them to the cores of the rank's affinity mask, one each
 };
