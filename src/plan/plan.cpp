@@ -222,6 +222,19 @@ ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int stage, in
   return cache[key] = m;
 }
 
+// DevTrainer::plan for a layout, cached as zero_max is (the search sizes the same layouts for every node count).
+DevTrainerMemory trainer_bytes(const Workload& w, const ParamTable& t, const DevBudget& b, const Layout& l, int n) {
+  using Key = std::tuple<int64_t, size_t, std::vector<bool>, DType, int64_t, int64_t, int64_t, int, int, int, int>;
+  static std::map<Key, DevTrainerMemory> cache;
+  const Key key{t.total(), t.units().size(), w.trainable, w.dt, b.tokens, b.patches, b.segments, b.ep, n, l.stage,
+                int(l.recompute) + 2 * int(l.offload) + 4 * int(l.host_params)};
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  Offload off;
+  off.optimizer = off.in_place = l.offload;  // onto the host engine's shards in place, as train does
+  off.params = l.host_params;
+  return cache[key] = DevTrainer::plan(w.cfg, w.dt, b, l.recompute, w.trainable, n, l.stage, Device::CUDA, false, off);
+}
+
 }  // namespace
 
 Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
@@ -238,11 +251,7 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   // GPU bytes: what train allocates, the DevTrainer's own sizing (ZeRO over the shard group; expert units over their
   // replicas; offloaded, onto the host engine's shards in place, as train does). Expert parallelism on GPUs is sized
   // the same way but not built (measured) yet.
-  Offload off;
-  off.optimizer = off.in_place = l.offload;
-  off.params = l.host_params;
-  const DevTrainerMemory d =
-      DevTrainer::plan(w.cfg, w.dt, budget, l.recompute, w.trainable, n, l.stage, Device::CUDA, false, off);
+  const DevTrainerMemory d = trainer_bytes(w, t, budget, l, n);
   c.gpu.weights = d.model.weights;
   c.gpu.grads = d.model.grads + d.zero.grads;
   c.gpu.optimizer = d.optimizer();
