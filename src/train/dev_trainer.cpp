@@ -191,12 +191,16 @@ void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t
   pool_->run(run_elems_, [&](int64_t lo, int64_t hi) {
     auto r = std::upper_bound(runs_.begin(), runs_.end(), lo, [](int64_t x, const Run& q) { return x < q.first; }) - 1;
     for (; r != runs_.end() && r->first < hi; ++r) {
-      const int64_t a = std::max(lo, r->first) - r->first, n = std::min(hi, r->first + r->n) - r->first - a;
-      dev::adamw(cpu, p + r->master + a, gr + r->grad + a, m + r->opt + a, v + r->opt + a, n, hp.beta1, hp.beta2,
-                 hp.eps, lr, r->no_decay ? 0.0 : hp.weight_decay, g, t);
-      if (w)  // streamed parameters: the gathers convert the masters themselves
-        dev::convert(cpu, static_cast<char*>(w) + (r->master + a) * int64_t(dtype_size(gd)), gd, p + r->master + a,
-                     DType::F32, n);
+      const int64_t a0 = std::max(lo, r->first) - r->first, end = std::min(hi, r->first + r->n) - r->first;
+      // Blocks small enough that the conversion reads the masters AdamW just wrote from the cache.
+      for (int64_t a = a0, n; a < end; a += n) {
+        n = std::min<int64_t>(kHostBlock, end - a);
+        dev::adamw(cpu, p + r->master + a, gr + r->grad + a, m + r->opt + a, v + r->opt + a, n, hp.beta1, hp.beta2,
+                   hp.eps, lr, r->no_decay ? 0.0 : hp.weight_decay, g, t);
+        if (w)  // streamed parameters: the gathers convert the masters themselves
+          dev::convert(cpu, static_cast<char*>(w) + (r->master + a) * int64_t(dtype_size(gd)), gd, p + r->master + a,
+                       DType::F32, n);
+      }
     }
   });
   zero_->refresh_params();

@@ -57,6 +57,7 @@ class DevTrainer {
  public:
   static constexpr int64_t kWorkspaceBytes = int64_t(256) << 20;  // the Exec's GEMM/attention workspace
   static constexpr int64_t kNormBytes = 16;                       // norm sum + non-finite count
+  static constexpr int64_t kHostBlock = 8192;  // offloaded AdamW: elements updated, then converted, at a time
   // What a DevTrainer built with these arguments allocates on its device, without allocating (the planner's sizing):
   // rank 0's, the largest shard. (A CPU Exec has no workspace: tests size the CPU op layer with Device::CPU.)
   static DevTrainerMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
