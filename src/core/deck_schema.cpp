@@ -213,6 +213,16 @@ const std::vector<KeySpec>& deck_schema() {
       {"parallel.gather_dtype", T::String, "fp32", "precision of the weights ZeRO gathers for compute: bf16 halves "
        "the all-gather bytes and the forward and backward use the fp32 master weights rounded to bf16 (masters, "
        "gradients and AdamW state stay fp32)", -kBig, kBig, {"fp32", "bf16"}},
+      {"parallel.offload_optimizer", T::String, "none", "none, or cpu: each rank's fp32 master shard and AdamW "
+       "moments live in host memory (pinned), gradient shards go down as their reduce-scatters finish, AdamW runs on "
+       "the rank's cores and the updated shard goes up in the compute dtype; same results and checkpoints (`q3vl plan` "
+       "sizes the host memory, train checks the node has it)", -kBig, kBig, {"none", "cpu"}},
+      {"parallel.offload_params", T::String, "none", "none, or frozen (with parallel.offload_optimizer = cpu; a LoRA "
+       "base or train.tune_* = false): no copy of the parameters stays on the device, each unit's fp32 shard streams "
+       "up from the host masters for its gather, prefetched a unit ahead; the device holds only the units in use",
+       -kBig, kBig, {"none", "frozen"}},
+      {"parallel.offload_threads", T::Int, "0", "parallel.offload_optimizer = cpu: host threads for AdamW per rank (0: "
+       "the rank's cores, from its CPU binding or its share of the node)", 0, 4096},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
       {"parallel.ep", T::Int, "1", "expert parallelism (MoE): groups of N consecutive ranks split every MoE layer's "
        "experts, E/N whole experts a rank, tokens dispatched to them by all-to-all; N divides the rank count and "

@@ -1,8 +1,10 @@
 #include "q3vl/parallel/dev_zero.hpp"
 
 #include <algorithm>
+#include <cstring>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/tensor/dev_host.hpp"
 
 namespace q3vl {
 
@@ -21,33 +23,45 @@ int64_t slot_elems(const ZeroLayout& L) {
 // whose reduce-scatter is being issued.
 int grad_slots(const ParamTable& t) { return int(ZeroEngine::pool_slots(t, unit_order(t, true)).grads); }
 
-DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd) {
+// The largest shard of a unit (a streamed gather's staging).
+int64_t max_shard(const ZeroLayout& L) {
+  int64_t m = 0;
+  for (const ZeroUnit& u : L.units) m = std::max(m, u.shard);
+  return m;
+}
+
+DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd, bool off,
+                    bool in_place, bool stream) {
   DevZeroMemory m;
   const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
+  const int64_t up = stream ? (stage == 3 ? kParamSlots : 1) * max_shard(L) * (4 + (gd == DType::F32 ? 0 : g)) : 0;
   const int64_t staging = gd == dt ? 0 : (stage == 3 ? kParamSlots : 1) * slot * g;
-  m.master = L.master * 4;
-  m.moments = 2 * L.opt * 4;
+  if (!in_place) (off ? m.host_master : m.master) = L.master * 4;
+  if (!in_place) (off ? m.host_moments : m.moments) = 2 * L.opt * 4;
   m.grads = L.comm * 4;
-  m.comm = (group > 1 ? L.comm * 4 : 0) + (gd == DType::F32 ? 0 : L.master * g);  // one rank adds in place
-  m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging;
+  m.comm = (group > 1 ? L.comm * 4 : 0) + ((gd == DType::F32 && !off) || stream ? 0 : L.master * g);  // 1 rank: +=
+  m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging + up;
+  if (off) m.host_staging = L.comm * 4 + (stream ? 0 : L.master * g);
   return m;
 }
 
 }  // namespace
 
 DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather) {
+                            DType gather, bool offload, bool in_place, bool stream) {
   const ShardGroup experts{group / t.ep().size, 0};
   return sizes(t, zero_layout(t, {group, 0}, t.ep().size > 1 ? &experts : nullptr, stage, trainable), group, stage,
-               dt, gather);
+               dt, gather, offload, offload && in_place, offload && stream);
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
-                 const dev::Exec* comm_ex, DType gather, Comm* experts)
+                 const dev::Exec* comm_ex, DType gather, Comm* experts, bool offload, const HostState* host,
+                 bool stream)
     : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), experts_(experts), stage_(stage), dt_(m.dtype()),
       gd_(gather == DType::BF16 && m.dtype() == DType::F32 ? DType::BF16 : m.dtype()), conv_(gd_ != dt_),
       ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
-      split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream) {
+      split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream), off_(offload), borrowed_(offload && host),
+      stream_(stream) {
   const ParamTable& t = m.table();
   const int n = shard.size();
   Q3VL_CHECK(t.ep().size == 1 || (experts && experts->size() * t.ep().size == n && !(replica && replica->size() > 1)),
@@ -57,15 +71,37 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   const ShardGroup eg{experts ? experts->size() : 1, experts ? experts->rank() : 0};
   L_ = zero_layout(t, {n, shard.rank()}, t.ep().size > 1 ? &eg : nullptr, stage, trainable);
   Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
-  mem_ = sizes(t, L_, n, stage, dt_, gd_);
+  Q3VL_CHECK(!stream || offload, "DevZero: parameters on the host need the masters there (the optimizer offloaded)");
+  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_, stream_);
   auto f32 = [&](int64_t k) {
     float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
     dev::fill(ex_, p, DType::F32, k, 0.f);
     return p;
   };
-  master_ = f32(L_.master), gshard_ = f32(L_.comm), m_ = f32(L_.opt), v_ = f32(L_.opt);
+  auto pinned = [&](int64_t bytes, void* p) {  // zeroed, or the caller's p pinned in place
+    try {
+      return p ? (dev::host_register(ex_, p, size_t(bytes)), p) : dev::host_alloc(ex_, size_t(bytes));
+    } catch (const Error& e) {
+      fail(std::string("parallel.offload_optimizer = \"cpu\": pinning ") + std::to_string(bytes >> 20) +
+           " MiB of host memory was refused (" + e.what() + "); check `ulimit -l` and the node's free memory (`q3vl "
+           "plan` sizes it)");
+    }
+  };
+  auto opt = [&](int64_t k, float* theirs) {
+    if (!off_) return f32(k);
+    return static_cast<float*>(borrowed_ && k == 0 ? nullptr : pinned(std::max<int64_t>(k, 1) * 4, theirs));
+  };
+  master_ = opt(L_.master, borrowed_ ? host->master : nullptr), gshard_ = f32(L_.comm);
+  m_ = opt(L_.opt, borrowed_ ? host->exp_avg : nullptr), v_ = opt(L_.opt, borrowed_ ? host->exp_avg_sq : nullptr);
   land_ = f32(n > 1 ? L_.comm : 0);
-  if (gd_ != DType::F32) wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_));
+  if ((gd_ != DType::F32 || off_) && !stream_)
+    wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_));
+  if (off_) hgrad_ = static_cast<float*>(pinned(std::max<int64_t>(L_.comm, 1) * 4, nullptr));
+  if (off_ && !stream_) hparam_ = pinned(std::max<int64_t>(L_.master, 1) * int64_t(dtype_size(gd_)), nullptr);
+  for (int i = 0, k = stream_ ? (stage == 3 ? kParamSlots : 1) : 0; i < k; ++i) {
+    up_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * 4));
+    if (gd_ != DType::F32) upc_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * dtype_size(gd_)));
+  }
   slot_elems_ = slot_elems(L_);
   if (conv_ && stage != 3) stg_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(gd_)));
   if (split_) ev_c2m_ = dev::event_create(ex_), ev_m2c_ = dev::event_create(ex_);
@@ -102,10 +138,15 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
 DevZero::~DevZero() {
   dev::synchronize(ex_);
   if (stage_ == 3) model_.set_hooks(nullptr);
-  for (void* p : {(void*)master_, (void*)gshard_, (void*)land_, (void*)m_, (void*)v_, wcopy_})
+  for (void* p : {(void*)gshard_, (void*)land_, wcopy_})
     if (p) dev::release(ex_, p);
+  for (void* p : {(void*)master_, (void*)m_, (void*)v_})
+    if (p) borrowed_ ? dev::host_unregister(ex_, p) : off_ ? dev::host_release(ex_, p) : dev::release(ex_, p);
+  dev::host_release(ex_, hgrad_), dev::host_release(ex_, hparam_);
   dev::synchronize(cx_);
   for (void* p : pslot_) dev::release(ex_, p);
+  for (void* p : up_) dev::release(ex_, p);
+  for (void* p : upc_) dev::release(ex_, p);
   for (void* p : stg_) dev::release(ex_, p);
   for (float* p : gslot_) dev::release(ex_, p);
   for (auto* v : {&ev_ready_, &ev_free_, &ev_gfree_})
@@ -117,15 +158,25 @@ void* DevZero::wshard(int64_t off) const {
   return wcopy_ ? at(wcopy_, off, gd_) : static_cast<void*>(master_ + off);
 }
 
-std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, void* stg) {
+// Streamed: the unit's fp32 master shard up from the host into the slot's staging, in gd_ there.
+const void* DevZero::staged(const ZeroUnit& u, size_t slot, const dev::Exec& x) {
+  dev::to_device(x, up_[slot], master_ + u.master_off, size_t(u.shard) * 4);
+  if (gd_ == DType::F32) return up_[slot];
+  dev::convert(x, upc_[slot], gd_, up_[slot], DType::F32, u.shard);
+  return upc_[slot];
+}
+
+std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, void* stg, size_t slot) {
   Comm& c = comm(u);
   const int n = c.size();
   gathered_ += u.shard * n * int64_t(dtype_size(gd_));
   if (n == 1) {
-    dev::convert(ex_, dst, dt_, wshard(u.master_off), gd_, u.shard);  // a copy unless conv_
+    const void* src = stream_ ? staged(u, slot, ex_) : wshard(u.master_off);
+    dev::convert(ex_, dst, dt_, src, gd_, u.shard);  // a copy unless conv_
     return nullptr;
   }
-  auto r = c.iall_gather(wshard(u.master_off), conv_ ? stg : dst, size_t(u.shard), gd_);
+  const void* src = stream_ ? staged(u, slot, cx_) : wshard(u.master_off);
+  auto r = c.iall_gather(src, conv_ ? stg : dst, size_t(u.shard), gd_);
   if (!conv_) return r;
   if (!ordered_) c.wait(std::move(r));  // MPI: the host widens what arrived
   dev::convert(cx_, dst, dt_, stg, gd_, u.shard * n);
@@ -140,12 +191,14 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
     Q3VL_CHECK(h.param == L_.pieces[i].param && h.begin == L_.pieces[i].begin && h.count == L_.pieces[i].count,
                "DevZero: the host engine's shard is another layout");
     const size_t bytes = size_t(h.count) * 4;
-    dev::to_device(ex_, master_ + L_.offs[i].master, h.master, bytes);
-    if (L_.offs[i].opt >= 0 && h.exp_avg) {
-      dev::to_device(ex_, m_ + L_.offs[i].opt, h.exp_avg, bytes);
-      dev::to_device(ex_, v_ + L_.offs[i].opt, h.exp_avg_sq, bytes);
-    }
+    auto put = [&](float* dst, const float* src) {  // borrowed: the same memory
+      if (dst != src) off_ ? (void)std::memcpy(dst, src, bytes) : dev::to_device(ex_, dst, src, bytes);
+    };
+    put(master_ + L_.offs[i].master, h.master);
+    if (L_.offs[i].opt >= 0 && h.exp_avg) put(m_ + L_.offs[i].opt, h.exp_avg), put(v_ + L_.offs[i].opt, h.exp_avg_sq);
   }
+  // Offloaded: the gathers' copy of the masters, on the host (the CPU op layer's rounding), for refresh_params().
+  if (hparam_) dev::convert(dev::Exec{}, hparam_, gd_, master_, DType::F32, L_.master);
   dev::synchronize(ex_);
 }
 
@@ -153,11 +206,11 @@ void DevZero::to_host(const std::vector<ShardPiece>& host) const {
   for (size_t i = 0; i < host.size(); ++i) {
     const ShardPiece& h = host[i];
     const size_t bytes = size_t(h.count) * 4;
-    dev::to_host(ex_, h.master, master_ + L_.offs[i].master, bytes);
-    if (L_.offs[i].opt >= 0 && h.exp_avg) {
-      dev::to_host(ex_, h.exp_avg, m_ + L_.offs[i].opt, bytes);
-      dev::to_host(ex_, h.exp_avg_sq, v_ + L_.offs[i].opt, bytes);
-    }
+    auto get = [&](float* dst, const float* src) {
+      if (dst != src) off_ ? (void)std::memcpy(dst, src, bytes) : dev::to_host(ex_, dst, src, bytes);
+    };
+    get(h.master, master_ + L_.offs[i].master);
+    if (L_.offs[i].opt >= 0 && h.exp_avg) get(h.exp_avg, m_ + L_.offs[i].opt), get(h.exp_avg_sq, v_ + L_.offs[i].opt);
   }
 }
 
@@ -184,7 +237,14 @@ void DevZero::m2c() {
 }
 
 void DevZero::refresh_params() {
-  if (wcopy_) dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
+  if (off_ && !stream_) {  // the trainable units' masters changed (every unit at start-up): up, on the model's stream
+    const size_t g = dtype_size(gd_);
+    for (const ZeroUnit& u : L_.units)
+      if (u.trainable || !gathered_once_)
+        dev::to_device(ex_, at(wcopy_, u.master_off, gd_), at(hparam_, u.master_off, gd_), size_t(u.shard) * g);
+  } else if (wcopy_) {
+    dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
+  }
   if (stage_ == 3) return;
   const size_t d = dtype_size(dt_);
   char* full = static_cast<char*>(model_.params());
@@ -192,7 +252,7 @@ void DevZero::refresh_params() {
   for (size_t i = 0; i < L_.units.size(); ++i) {
     const ZeroUnit& u = L_.units[i];
     if (!u.trainable && gathered_once_) continue;  // the optimizer changed nothing there
-    if (auto r = gather_unit(u, full + gbase_[i] * int64_t(d), conv_ ? stg_[0] : nullptr))
+    if (auto r = gather_unit(u, full + gbase_[i] * int64_t(d), conv_ ? stg_[0] : nullptr, 0))
       settle(comm(u), std::move(r));
   }
   gathered_once_ = true;
@@ -204,24 +264,45 @@ void DevZero::refresh_params() {
 void DevZero::reduce_unit(int ui, const float* g) {
   const ZeroUnit& u = L_.units[size_t(ui)];
   Comm& c = comm(u);
-  if (c.size() == 1) return dev::axpy(ex_, 1.f, g, gshard_ + u.comm_off, u.shard, DType::F32);
+  if (c.size() == 1) {
+    dev::axpy(ex_, 1.f, g, gshard_ + u.comm_off, u.shard, DType::F32);
+    if (last_pass()) down(ex_, u.comm_off, u.shard);
+    return;
+  }
   settle(c, c.ireduce_scatter(g, land_ + u.comm_off, size_t(u.shard), DType::F32, ReduceOp::Sum));
   dev::axpy(cx_, 1.f, land_ + u.comm_off, gshard_ + u.comm_off, u.shard, DType::F32);
+  if (last_pass()) down(cx_, u.comm_off, u.shard);
 }
 
-void DevZero::begin_step() {
+// Stage 1 reduces once, in finish_grads; hybrid sharding all-reduces the shards after the pass: both copy there.
+bool DevZero::last_pass() const {
+  return off_ && stage_ != 1 && micro_ > 0 && bwd_ + 1 == micro_ && !(replica_ && replica_->size() > 1);
+}
+
+void DevZero::down(const dev::Exec& x, int64_t off, int64_t n) {
+  dev::to_host_async(x, hgrad_ + off, gshard_ + off, size_t(n) * 4);
+}
+
+void DevZero::grads_on_host() {
+  dev::synchronize(cx_);
+  dev::synchronize(ex_);
+}
+
+void DevZero::begin_step(int micro_steps) {
+  micro_ = micro_steps, bwd_ = 0;
   dev::fill(ex_, gshard_, DType::F32, L_.comm, 0.f);
   if (stage_ != 3) model_.zero_grads();
 }
 
 void DevZero::after_backward() {
-  if (stage_ != 2) return;
+  if (stage_ != 2) return (void)++bwd_;
   c2m();
   for (size_t i = 0; i < L_.units.size(); ++i)
     if (L_.units[i].trainable) reduce_unit(int(i), model_.grads() + gbase_[i]);
   m2c();
   drain();  // before the next forward reads the loss from the device
   model_.zero_grads();  // after the reduce-scatters read them
+  ++bwd_;
 }
 
 void DevZero::idle() {
@@ -237,6 +318,7 @@ void DevZero::finish_grads() {
       if (L_.units[i].trainable) reduce_unit(int(i), model_.grads() + gbase_[i]);
   if (replica_ && replica_->size() > 1 && L_.comm > 0)
     settle(*replica_, replica_->iall_reduce(gshard_, gshard_, size_t(L_.comm), DType::F32, ReduceOp::Sum));
+  if (off_ && (stage_ == 1 || (replica_ && replica_->size() > 1) || micro_ == 0)) down(cx_, 0, L_.comm);
   m2c();
   drain();
 }
@@ -281,7 +363,7 @@ void DevZero::issue_gather(size_t k) {
   pfree_.pop_back();
   const size_t b = size_t(s.buf);
   if (split_) dev::event_wait(cx_, ev_free_[b]);  // the slot's last use is done
-  s.req = gather_unit(u, pslot_[b], conv_ ? stg_[b] : nullptr);
+  s.req = gather_unit(u, pslot_[b], conv_ ? stg_[b] : nullptr, b);
   if (split_) dev::event_record(cx_, ev_ready_[b]);
 }
 

@@ -124,7 +124,8 @@ std::string Hardware::describe() const {
 // ---- layouts ----
 
 std::string Layout::describe() const {
-  return "ZeRO-" + std::to_string(stage) + (offload ? " + optimizer offload" : "") + (hybrid ? ", hybrid" : "") +
+  return "ZeRO-" + std::to_string(stage) + (offload ? " + optimizer offload" : "") +
+         (host_params ? " + parameters on the host" : "") + (hybrid ? ", hybrid" : "") +
          (ep > 1 ? ", EP " + std::to_string(ep) : "") + ", micro-batch " + std::to_string(micro_batch) +
          ", recompute " + (recompute ? "block" : "none");
 }
@@ -133,7 +134,8 @@ std::string Layout::deck_lines(DType gather) const {
   std::string s = "[parallel]\nzero_stage = " + std::to_string(stage) + "\nhybrid = " + (hybrid ? "true" : "false") +
                   "\n";
   if (gather != DType::F32) s += "gather_dtype = \"bf16\"\n";
-  if (offload) s += "# offload_optimizer = true   # not built yet: optimizer state on the host\n";
+  if (offload) s += "offload_optimizer = \"cpu\"\n";
+  if (host_params) s += "offload_params = \"frozen\"\n";
   if (ep > 1) s += "ep = " + std::to_string(ep) + "\n";
   s += "[train]\nmicro_batch = " + std::to_string(micro_batch) + "\nrecompute = \"" + (recompute ? "block" : "none") +
        "\"\n";
@@ -145,6 +147,15 @@ std::string Bytes::largest(int n) const {
                                          {grads, "gradients"},         {optimizer, "optimizer state"},
                                          {activations, "activations"}, {workspace, "workspace"},
                                          {comm, "comm buffers"}};
+  std::stable_sort(std::begin(k), std::end(k), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string s;
+  for (int i = 0; i < n && k[i].first > 0; ++i) s += (i ? ", " : "") + std::string(k[i].second) + " " + gib(k[i].first);
+  return s;
+}
+
+std::string HostBytes::largest(int n) const {
+  std::pair<int64_t, const char*> k[] = {{masters, "fp32 masters"}, {moments, "AdamW moments"}, {grads, "gradients"},
+                                         {comm, "comm buffers"},    {staging, "pinned staging"}};
   std::stable_sort(std::begin(k), std::end(k), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::string s;
   for (int i = 0; i < n && k[i].first > 0; ++i) s += (i ? ", " : "") + std::string(k[i].second) + " " + gib(k[i].first);
@@ -211,6 +222,19 @@ ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int stage, in
   return cache[key] = m;
 }
 
+// DevTrainer::plan for a layout, cached as zero_max is (the search sizes the same layouts for every node count).
+DevTrainerMemory trainer_bytes(const Workload& w, const ParamTable& t, const DevBudget& b, const Layout& l, int n) {
+  using Key = std::tuple<int64_t, size_t, std::vector<bool>, DType, int64_t, int64_t, int64_t, int, int, int, int>;
+  static std::map<Key, DevTrainerMemory> cache;
+  const Key key{t.total(), t.units().size(), w.trainable, w.dt, b.tokens, b.patches, b.segments, b.ep, n, l.stage,
+                int(l.recompute) + 2 * int(l.offload) + 4 * int(l.host_params)};
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  Offload off;
+  off.optimizer = off.in_place = l.offload;  // onto the host engine's shards in place, as train does
+  off.params = l.host_params;
+  return cache[key] = DevTrainer::plan(w.cfg, w.dt, b, l.recompute, w.trainable, n, l.stage, Device::CUDA, false, off);
+}
+
 }  // namespace
 
 Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
@@ -224,43 +248,27 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   int64_t trained = 0;
   for (size_t i = 0; i < w.trainable.size(); ++i) trained += w.trainable[i] ? t.param(int(i)).numel : 0;
 
-  // GPU bytes.
-  if (!l.offload && l.ep == 1) {
-    // What train allocates: the DevTrainer's own sizing, ZeRO over the shard group.
-    const DevTrainerMemory d = DevTrainer::plan(w.cfg, w.dt, budget, l.recompute, w.trainable, n, l.stage);
-    c.gpu.weights = d.model.weights;
-    c.gpu.grads = d.model.grads + d.zero.grads;
-    c.gpu.optimizer = d.optimizer();
-    c.gpu.gathered = d.zero.pool;
-    c.gpu.activations = d.model.activations;
-    c.gpu.workspace = d.model.workspace;
-    c.gpu.comm = d.zero.comm;
-    c.built = true;
-  } else {
-    // Not built yet (optimizer offload, expert parallelism on GPUs): the host engine's shards on the device, its
-    // stage-3 pool in the compute dtype, and the model's weights, gradients, arena and workspace where the stage
-    // keeps them.
-    const ZeroMemory z = zero_max(w, t, n, l.stage, l.ep);
-    if (l.stage < 3) {
-      c.gpu.weights = DevModel::weight_bytes(t, w.dt);
-      c.gpu.grads = DevModel::grad_bytes(t) + z.grads;  // the model's full gradients + the shard accumulator
-    } else {
-      const ZeroEngine::PoolSlots s = ZeroEngine::pool_slots(t, w.backward_order);
-      c.gpu.gathered = s.biggest * (s.params * g + s.grads * 4);
-      c.gpu.grads = z.grads;
-    }
-    c.gpu.optimizer = l.offload ? 0 : z.master + z.exp_avg + z.exp_avg_sq + DevTrainer::kNormBytes;
-    c.gpu.activations = DevModel::activation_bytes(w.cfg, w.dt, budget, l.recompute);
-    c.gpu.workspace = DevTrainer::kWorkspaceBytes;
-    c.gpu.comm = z.comm;
-  }
+  // GPU bytes: what train allocates, the DevTrainer's own sizing (ZeRO over the shard group; expert units over their
+  // replicas; offloaded, onto the host engine's shards in place, as train does). Expert parallelism on GPUs is sized
+  // the same way but not built (measured) yet.
+  const DevTrainerMemory d = trainer_bytes(w, t, budget, l, n);
+  c.gpu.weights = d.model.weights;
+  c.gpu.grads = d.model.grads + d.zero.grads;
+  c.gpu.optimizer = d.optimizer();
+  c.gpu.gathered = d.zero.pool;
+  c.gpu.activations = d.model.activations;
+  c.gpu.workspace = d.model.workspace;
+  c.gpu.comm = d.zero.comm;
+  c.built = l.ep == 1;
   // Host bytes per rank: train keeps the ZeRO engine's shards on the host on the GPU path too (stage 3: checkpoint
-  // staging; offload would update them there in place), so they are the same with or without offload.
+  // staging; offload updates them there in place), and offload adds its pinned staging (d.host(): the trainer's).
   {
     const ZeroMemory h = zero_max(w, t, n, 3, l.ep);
-    c.host.optimizer = h.master + h.exp_avg + h.exp_avg_sq;
+    c.host.masters = h.master;
+    c.host.moments = h.exp_avg + h.exp_avg_sq;
     c.host.grads = h.grads;
     c.host.comm = h.comm;
+    c.host.staging = d.host();
   }
   c.host_node = int64_t(hw.gpus_per_node) * c.host.total() + kHostReserve;
   c.gpu_need = c.gpu.total() + kGpuReserve;
@@ -317,13 +325,22 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
     if (l.hybrid && hw.nodes > 1)  // gradient shards all-reduced across nodes, blocking, in finish_grads
       exposed += 2 * (Ptr * 4 / n) * double(hw.nodes - 1) / hw.nodes / (hw.link_gbps / 8 * 1e9 * kLinkEfficiency);
   }
+  if (l.host_params) {
+    // Every unit's fp32 shard comes up from the host for its forward and its backward use (stage 3; stages 1/2 once
+    // a step), prefetched a unit ahead: exposed beyond the micro-step's compute, the first unit's never hidden.
+    const double up = P / n * 4 / (hw.pcie_gbs * 1e9);
+    exposed += l.stage == 3 ? double(c.micro_steps) * std::max(0.0, 2 * up - t_micro) : up;
+  }
   c.t_comm = exposed;
   const double shard = Ptr / n;
   if (!l.offload) {
     c.t_opt = kAdamBytes * shard / (hw.hbm_gbs * 1e9 * kHbmEfficiency);
   } else {
-    // Gradients down and updated masters up over PCIe; AdamW on the host's memory bandwidth, shared by its ranks.
-    c.t_opt = 8 * shard / (hw.pcie_gbs * 1e9) + kAdamBytes * shard * hw.gpus_per_node / (kHostMemGBs * 1e9);
+    // The gradient shard down (fp32) and the updated masters up (the compute dtype) over PCIe; AdamW and the
+    // conversion on the host's memory bandwidth, shared by its ranks. Counted as exposed: the copies down overlap
+    // the last backward pass, but the update and the copies up run between the steps.
+    c.t_opt = double(l.host_params ? 4 : 4 + g) * shard / (hw.pcie_gbs * 1e9) +
+              (kAdamBytes + double(g)) * shard * hw.gpus_per_node / (kHostMemGBs * 1e9);
   }
   c.t_step = c.t_compute + c.t_comm + c.t_opt;
   return c;
@@ -333,8 +350,9 @@ std::vector<Candidate> plan_candidates(const Workload& w, const Hardware& hw) {
   std::vector<Candidate> out;
   const int R = hw.ranks();
   for (int stage : {1, 2, 3})
-    for (bool offload : {false, true})
+    for (int offload : {0, 1, 2})  // none, the optimizer, the optimizer and the parameters (something frozen)
       for (bool hybrid : {false, true}) {
+        if (offload == 2 && std::all_of(w.trainable.begin(), w.trainable.end(), [](bool b) { return b; })) continue;
         if (hybrid && (hw.nodes < 2 || hw.gpus_per_node < 2)) continue;
         if (R == 1 && stage != 3) continue;  // one GPU: the stages are the same (nothing to shard)
         for (int ep = 1; ep <= R; ep *= 2) {
@@ -344,7 +362,8 @@ std::vector<Candidate> plan_candidates(const Workload& w, const Hardware& hw) {
             if (mb > 1 && int64_t(R) * mb > w.global_batch) break;  // ranks would sit idle
             for (bool rc : {false, true}) {
               Layout l;
-              l.stage = stage, l.offload = offload, l.hybrid = hybrid, l.ep = ep, l.micro_batch = mb, l.recompute = rc;
+              l.stage = stage, l.offload = offload > 0, l.host_params = offload == 2, l.hybrid = hybrid, l.ep = ep;
+              l.micro_batch = mb, l.recompute = rc;
               out.push_back(sized_layout(w, hw, l));
             }
           }
@@ -373,11 +392,12 @@ std::string row(const Candidate& c) {
   char buf[400];
   std::snprintf(buf, sizeof buf,
                 "  %d  %-3s %-3s %2d %3lld %-5s | %7s %7s %7s %7s %7s %5s %5s | %7s %8s | %8.2f %6.2f %s",
-                l.stage, l.offload ? "yes" : "no", l.hybrid ? "yes" : "no", l.ep, (long long)l.micro_batch,
+                l.stage, l.host_params ? "y+p" : l.offload ? "yes" : "no", l.hybrid ? "yes" : "no", l.ep,
+                (long long)l.micro_batch,
                 l.recompute ? "block" : "none", gib(b.weights).c_str(), gib(b.gathered).c_str(), gib(b.grads).c_str(),
                 gib(b.optimizer).c_str(), gib(b.activations).c_str(), gib(b.workspace).c_str(), gib(b.comm).c_str(),
                 gib(c.gpu_need).c_str(), gib(c.host_node).c_str(), c.t_step, c.t_comm,
-                c.fits ? (c.layout.offload ? "fits (offload not built)" : "fits") : "no");
+                c.fits ? (c.layout.offload && !c.built ? "fits (offload not built)" : "fits") : "no");
   return buf;
 }
 
@@ -555,7 +575,8 @@ void choose_layout(Deck& d) {
   Workload w = workload_from_deck(d);
   if (!cuda) w.dt = DType::F32;
   std::vector<Candidate> cs = plan_candidates(w, hw);
-  // Only what train runs: no offload yet, and expert parallelism on CPU ranks only.
+  // Only what train runs (expert parallelism on CPU ranks only), and no offload: that is the deck's choice, of host
+  // memory the job may not own alone.
   cs.erase(std::remove_if(cs.begin(), cs.end(),
                           [&](const Candidate& c) { return c.layout.offload || c.layout.ep > 1 || (cuda && !c.built); }),
            cs.end());

@@ -6,10 +6,14 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+#ifdef __SSE2__
+#include <immintrin.h>
+#endif
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/hash.hpp"
 #include "q3vl/tensor/dev.hpp"
+#include "q3vl/tensor/dev_host.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 #ifdef Q3VL_CUDA
@@ -75,6 +79,24 @@ void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
 void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
   ON_CUDA(x, copy(x, dst, src, bytes));
   std::memmove(dst, src, bytes);
+}
+void* host_alloc(const Exec& x, size_t bytes) {
+  ON_CUDA(x, host_alloc(bytes));
+  const size_t n = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, n);
+  if (!p) fail("dev::host_alloc: out of host memory for " + std::to_string(bytes) + " bytes");
+  std::memset(p, 0, n);
+  return p;
+}
+void host_release(const Exec& x, void* p) {
+  ON_CUDA(x, host_release(p));
+  std::free(p);
+}
+void host_register(const Exec& x, void* p, size_t bytes) { ON_CUDA(x, host_register(p, bytes)); }
+void host_unregister(const Exec& x, void* p) { ON_CUDA(x, host_unregister(p)); }
+void to_host_async(const Exec& x, void* dst, const void* src, size_t bytes) {
+  ON_CUDA(x, to_host_async(x, dst, src, bytes));
+  std::memcpy(dst, src, bytes);
 }
 
 bool capture_begin(const Exec& x) {
@@ -527,6 +549,36 @@ void unpermute_add(const Exec& x, const void* src, const int32_t* pos, void* dst
 }
 
 // ---- optimizer and reductions ----------------------------------------------------------------------------------------
+namespace {
+// AdamW's element loop, four lanes at a time (the offloaded optimizer runs it on the host's cores): SSE's sqrt and
+// division are IEEE-rounded like the scalar ones and every lane does the scalar loop's operations in its order, so
+// the bits are the scalar loop's (the compiler keeps this loop scalar: sqrt's errno).
+void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, float b1, float b2, float gs, float step,
+                float sqrt_bc2, float e, float decay) {
+  const float c1 = 1.f - b1, c2 = 1.f - b2;
+  int64_t i = 0;
+#ifdef __SSE2__
+  const __m128 B1 = _mm_set1_ps(b1), B2 = _mm_set1_ps(b2), C1 = _mm_set1_ps(c1), C2 = _mm_set1_ps(c2),
+               GS = _mm_set1_ps(gs), ST = _mm_set1_ps(step), SB = _mm_set1_ps(sqrt_bc2), E = _mm_set1_ps(e),
+               D = _mm_set1_ps(decay);
+  for (; i + 4 <= n; i += 4) {
+    const __m128 gi = _mm_mul_ps(_mm_loadu_ps(g + i), GS);
+    const __m128 mi = _mm_add_ps(_mm_mul_ps(B1, _mm_loadu_ps(m + i)), _mm_mul_ps(C1, gi));
+    const __m128 vi = _mm_add_ps(_mm_mul_ps(B2, _mm_loadu_ps(v + i)), _mm_mul_ps(_mm_mul_ps(C2, gi), gi));
+    _mm_storeu_ps(m + i, mi), _mm_storeu_ps(v + i, vi);
+    const __m128 den = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vi), SB), E);
+    _mm_storeu_ps(p + i, _mm_sub_ps(_mm_mul_ps(_mm_loadu_ps(p + i), D), _mm_div_ps(_mm_mul_ps(ST, mi), den)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float gi = g[i] * gs;
+    const float mi = b1 * m[i] + c1 * gi, vi = b2 * v[i] + c2 * gi * gi;
+    m[i] = mi, v[i] = vi;
+    p[i] = p[i] * decay - step * mi / (std::sqrt(vi) / sqrt_bc2 + e);
+  }
+}
+}  // namespace
+
 void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t n, double beta1, double beta2,
            double eps, double lr, double weight_decay, double gscale, int64_t t) {
   ON_CUDA(x, adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t));
@@ -535,12 +587,7 @@ void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t 
   const float b1 = float(beta1), b2 = float(beta2), gs = float(gscale);
   const float step = float(lr / bc1), sqrt_bc2 = float(std::sqrt(bc2)), e = float(eps);
   const float decay = float(1.0 - lr * weight_decay);
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * gs;
-    m[i] = b1 * m[i] + (1.f - b1) * gi;
-    v[i] = b2 * v[i] + (1.f - b2) * gi * gi;
-    p[i] = p[i] * decay - step * m[i] / (std::sqrt(v[i]) / sqrt_bc2 + e);
-  }
+  adamw_loop(p, g, m, v, n, b1, b2, gs, step, sqrt_bc2, e, decay);
 }
 void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc, int32_t* nonfinite) {
   ON_CUDA(x, sum_squares(x, a, n, dt, acc, nonfinite));

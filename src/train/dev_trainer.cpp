@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
@@ -20,7 +21,7 @@ DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_
 
 DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
                                   const std::vector<bool>& trainable, int group, int stage, Device d,
-                                  bool gather_bf16) {
+                                  bool gather_bf16, const Offload& off) {
   const ParamTable t(cfg, {budget.ep, 0});  // under expert parallelism: E/ep experts a layer
   DevTrainerMemory m;
   m.model.weights = stage == 3 ? 0 : int64_t(dtype_size(dt)) * [&] {
@@ -31,7 +32,8 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.grads = stage == 3 ? 0 : m.model.weights / int64_t(dtype_size(dt)) * 4;
   m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
-  m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt);
+  m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt,
+                         off.optimizer, off.in_place, off.params);
   m.norm = kNormBytes;
   return m;
 }
@@ -54,7 +56,7 @@ std::unique_ptr<Comm> nccl_over(const Comm& c, const dev::Exec& ex) {
 
 DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
                        const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica, int stage,
-                       bool gather_bf16, ExpertParallel* ep)
+                       bool gather_bf16, ExpertParallel* ep, const Offload& off)
     : ex_(dev::make_exec(d, size_t(kWorkspaceBytes), gpu)), shard_(shard), ls_(ls) {
   // GPU ranks exchange device buffers over NCCL; CPU ranks' buffers are host memory, which MPI moves.
   Comm* dshard = &shard;
@@ -78,8 +80,13 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   model_->set_frozen(trainable);  // a LoRA base, train.tune_* = false: no weight gradients computed
   model_->set_experts(ep_);
   model_->reserve(b);
+  Q3VL_CHECK(!off.in_place || off.state, "DevTrainer: an in-place offload needs the host engine");
+  HostState hs;
+  if (off.optimizer && off.state)
+    hs = {off.state->master_data(), off.state->exp_avg_data(), off.state->exp_avg_sq_data()};
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
-                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts);
+                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off.optimizer,
+                                    off.optimizer && off.state ? &hs : nullptr, off.params);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
   const ZeroLayout& L = zero_->layout();
   for (size_t i = 0; i < L.pieces.size(); ++i) {
@@ -91,8 +98,10 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
         b->no_decay == p.no_decay)
       b->n += p.count;
     else
-      runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay});
+      runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay, run_elems_});
+    run_elems_ += p.count;
   }
+  if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.threads, off.pin);
 }
 
 DevTrainer::~DevTrainer() {
@@ -119,7 +128,7 @@ void DevTrainer::from_host(const ZeroEngine& e) {
 
 void DevTrainer::to_host(const ZeroEngine& e) const { zero_->to_host(e.pieces()); }
 
-void DevTrainer::begin_step() { zero_->begin_step(); }
+void DevTrainer::begin_step(int micro_steps) { zero_->begin_step(micro_steps); }
 
 double DevTrainer::forward(const PackedBatch& b, double* aux_out, bool aux_loss) {
   zero_->begin_pass(false);
@@ -162,10 +171,38 @@ double DevTrainer::grad_norm_sq(bool* finite) {
 
 void DevTrainer::update(const AdamWConfig& hp, double lr, double gscale, int64_t t) {
   const double g = gscale / (ls_.on ? ls_.scale : 1.0);  // unscale inside the update
+  if (zero_->offloaded()) return host_update(hp, lr, g, t);
   for (const Run& r : runs_)
     dev::adamw(ex_, zero_->master() + r.master, zero_->grads() + r.grad, zero_->exp_avg() + r.opt,
                zero_->exp_avg_sq() + r.opt, r.n, hp.beta1, hp.beta2, hp.eps, lr, r.no_decay ? 0.0 : hp.weight_decay,
                g, t);
+  zero_->refresh_params();
+}
+
+// The offloaded update: every run's elements split evenly over the pool's threads, each range updated by the CPU op
+// layer's AdamW (element by element, so the split changes no bit) and converted to the gathers' dtype for the copy up.
+void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t t) {
+  zero_->grads_on_host();
+  float *p = zero_->master(), *m = zero_->exp_avg(), *v = zero_->exp_avg_sq();
+  const float* gr = zero_->host_grads();
+  void* w = zero_->host_params();
+  const DType gd = zero_->gather_dtype();
+  const dev::Exec cpu{};
+  pool_->run(run_elems_, [&](int64_t lo, int64_t hi) {
+    auto r = std::upper_bound(runs_.begin(), runs_.end(), lo, [](int64_t x, const Run& q) { return x < q.first; }) - 1;
+    for (; r != runs_.end() && r->first < hi; ++r) {
+      const int64_t a0 = std::max(lo, r->first) - r->first, end = std::min(hi, r->first + r->n) - r->first;
+      // Blocks small enough that the conversion reads the masters AdamW just wrote from the cache.
+      for (int64_t a = a0, n; a < end; a += n) {
+        n = std::min<int64_t>(kHostBlock, end - a);
+        dev::adamw(cpu, p + r->master + a, gr + r->grad + a, m + r->opt + a, v + r->opt + a, n, hp.beta1, hp.beta2,
+                   hp.eps, lr, r->no_decay ? 0.0 : hp.weight_decay, g, t);
+        if (w)  // streamed parameters: the gathers convert the masters themselves
+          dev::convert(cpu, static_cast<char*>(w) + (r->master + a) * int64_t(dtype_size(gd)), gd, p + r->master + a,
+                       DType::F32, n);
+      }
+    }
+  });
   zero_->refresh_params();
 }
 
@@ -196,7 +233,19 @@ std::string DevTrainer::memory_report() const {
                 dtype_name(model_->dtype()), m.model.grads / MiB, m.zero.master / MiB, m.zero.moments / MiB,
                 m.zero.grads / MiB, dtype_name(model_->dtype()), m.zero.comm / MiB, m.zero.pool / MiB,
                 m.model.activations / MiB, m.model.workspace / MiB, m.total() / MiB, free_b / MiB, total_b / MiB);
-  return buf;
+  std::string s = buf;
+  if (zero_->offloaded()) {
+    const ZeroLayout& L = zero_->layout();
+    std::snprintf(buf, sizeof buf,
+                  "; optimizer offloaded to the host (%s, %d thread(s)): fp32 masters %.3f MiB, AdamW moments %.3f "
+                  "MiB%s, staging %.3f MiB%s",
+                  ex_.device == Device::CUDA ? "pinned" : "CPU backend: plain memory", pool_->size(),
+                  double(L.master * 4) / MiB, double(L.opt * 8) / MiB,
+                  m.zero.host_master ? "" : " (the host engine's shards, updated in place)", m.zero.host_staging / MiB,
+                  zero_->host_params() ? "" : "; parameters streamed up from them for every gather");
+    s += buf;
+  }
+  return s;
 }
 
 }  // namespace q3vl

@@ -7,6 +7,7 @@
 
 #include <mpi.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +19,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <string>
 
 #include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
@@ -167,6 +169,47 @@ std::vector<CkptSlice> ckpt_slices(const ZeroEngine& e, const ParamTable& t, con
     }
   }
   return out;
+}
+
+// MemAvailable of /proc/meminfo (what the kernel can give without swapping), else the free pages.
+int64_t available_memory() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  while (f >> key >> kib)
+    if (key == "MemAvailable:") return kib * 1024;
+  return int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGE_SIZE));
+}
+
+// parallel.offload_optimizer = "cpu": the node must hold its ranks' host bytes, the largest rank's times the ranks (the
+// host engine's shards that train keeps on every path, `engine`, where the optimizer updates the masters and moments
+// in place; the trainer's own sizing, `need`: the pinned staging), checked against MemAvailable before anything is
+// allocated. Collective over the world.
+void check_offload_memory(Runtime& rt, const DevTrainerMemory& need, const ZeroMemory& engine) {
+  Comm& node = rt.node_comm();
+  const double mine = double(need.host() + engine.state() + engine.comm);
+  const double want = node.sum(mine), have = double(available_memory());
+  const double GiB = double(int64_t(1) << 30);
+  std::string err;
+  if (want > have && node.rank() == 0) {
+    char buf[640];
+    std::snprintf(buf, sizeof buf,
+                  "parallel.offload_optimizer = \"cpu\" needs %.1f GiB of host memory per node (%d rank(s) here, the "
+                  "largest: fp32 masters %.1f GiB, AdamW moments %.1f GiB, pinned staging %.1f GiB, gradient and "
+                  "landing shards %.1f GiB), this node (%s) has %.1f GiB available (MemAvailable); use more nodes or "
+                  "fewer ranks a node (`q3vl plan` sizes it)",
+                  want / GiB, node.size(), double(engine.master + need.zero.host_master) / GiB,
+                  double(engine.exp_avg + engine.exp_avg_sq + need.zero.host_moments) / GiB,
+                  double(need.zero.host_staging) / GiB, double(engine.grads + engine.comm) / GiB,
+                  rt.where().host.c_str(), have / GiB);
+    err = buf;
+  }
+  // The first refusing node's message, on every rank.
+  Comm& world = rt.world();
+  const int who = int(world.min(err.empty() ? double(world.size()) : double(world.rank())));
+  if (who == world.size()) return;
+  world.broadcast_string(err, who);
+  fail_all(err);
 }
 
 double peak_rss_mib() {
@@ -366,6 +409,27 @@ int run_train(const Deck& deck) {
     shard = &rt.node_comm();
     replica = world.split(p.local_rank, p.node);
   }
+  Offload offload;
+  offload.optimizer = deck.str("parallel.offload_optimizer") == "cpu";
+  offload.threads = deck.integer("parallel.offload_threads") > 0 ? int(deck.integer("parallel.offload_threads"))
+                                                                 : rank_cores(rt.where().local_size);
+  offload.pin = deck.integer("parallel.offload_threads") == 0;
+  offload.in_place = offload.optimizer;  // the engine's shards below
+  offload.params = deck.str("parallel.offload_params") == "frozen";
+  if (offload.params && !offload.optimizer)
+    fail_all("parallel.offload_params = \"frozen\" needs parallel.offload_optimizer = \"cpu\": the parameters are "
+             "streamed from the fp32 masters, which only the offloaded optimizer keeps on the host");
+  if (offload.params && std::all_of(trainable.begin(), trainable.end(), [](bool b) { return b; }))
+    fail_all("parallel.offload_params = \"frozen\" but nothing is frozen (no LoRA adapters, lora.rank = 0, and every "
+             "train.tune_* is true): keep the parameters on the device (parallel.offload_params = \"none\")");
+  if (offload.optimizer) {
+    const DevBudget b = train_budget(cfg, deck.integer("train.micro_batch"), deck.integer("data.seq_len"),
+                                     deck.integer("train.max_patches"));
+    const DevTrainerMemory need =
+        DevTrainer::plan(cfg, compute, b, false, trainable, shard->size(), stage, on_gpu ? Device::CUDA : Device::CPU,
+                         deck.str("parallel.gather_dtype") == "bf16", offload);
+    check_offload_memory(rt, need, ZeroEngine::plan(table, shard->size(), 0, 3, trainable, model.unit_order(true)));
+  }
   ZeroEngine engine(model, *shard, replica.get(), 3, trainable, ep.get());
   {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
@@ -467,7 +531,11 @@ int run_train(const Deck& deck) {
     trainer = std::make_unique<DevTrainer>(on_gpu ? Device::CUDA : Device::CPU, std::max(0, rt.where().gpu), cfg,
                                            trainable, compute, b, deck.str("train.recompute") == "block", ls, *shard,
                                            replica.get(), stage, deck.str("parallel.gather_dtype") == "bf16",
-                                           ep.get());
+                                           ep.get(), [&] {
+                                             Offload o = offload;
+                                             o.state = offload.in_place ? &engine : nullptr;
+                                             return o;
+                                           }());
     log_info(trainer->memory_report());
   }
 
@@ -605,7 +673,7 @@ int run_train(const Deck& deck) {
     }
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
-    trainer->begin_step();
+    trainer->begin_step(int(sd.micro.size()));
     const int64_t gathered0 = trainer->gathered_bytes();
     double loss_sum = 0, aux_sum = 0;
     if (ep) ep->reset_stats();

@@ -47,6 +47,22 @@ PY
     pass "memory report counts adapters" || bad "memory report: no lora line in $(grep -c . "$tmp/r1.log") lines"
 }
 
+# (a2) The frozen base on the host (parallel.offload_params = frozen, with the optimizer offloaded, issue 29): no
+# parameter copy on the device, every gather streams its shard up from the host masters: bitwise the same adapters and
+# losses at 1 rank, 2 ranks with dropout (ZeRO-3) and ZeRO-1; refused with nothing frozen or without the optimizer.
+hostbase=(parallel.offload_optimizer=cpu parallel.offload_params=frozen)
+for c in "f1 r1 1" "f3 z3 2 lora.dropout=0.1" "fz1 z1 2 parallel.zero_stage=1 lora.dropout=0.1"; do
+  set -- $c
+  train "$1" "$3" "${hostbase[@]}" "${@:4}"; ok_run $? "$1" && grep -q "parameters streamed up" "$tmp/$1.log" &&
+    cmp_losses "$1" "$2" 0 6 && cmp_ckpt "$(ckpt "$1")" "$(ckpt "$2")" 0 && pass "frozen base on the host: $1 = $2 bitwise" ||
+    bad "frozen base on the host: $1 vs $2"
+done
+expect "offload_params: nothing frozen" 1 'parallel.offload_params = "frozen" but nothing is frozen' \
+  $q train model.hf=$model train.steps=1 "${hostbase[@]}" run.out_dir="$tmp/nf"
+expect "offload_params: needs the optimizer offloaded" 1 \
+  'parallel.offload_params = "frozen" needs parallel.offload_optimizer = "cpu"' \
+  $q train "${common[@]}" parallel.offload_params=frozen run.out_dir="$tmp/nf"
+
 # (b) stop after 3 steps, resume (on another rank count too): bitwise the straight run on the same count.
 train s2 2 train.stop_after=3; rc=$?
 if [[ $rc -eq 0 || $rc -eq 3 ]]; then
@@ -184,6 +200,10 @@ if $py tests/tools/make_hf_model.py tests/data/golden/moe/model/config.json "$mo
       bad "MoE LoRA under EP: losses differ"
     cmp_ckpt "$(ckpt m4)" "$(ckpt m1)" 1e-5 && pass "MoE LoRA: EP 4 = EP 1 adapters" || bad "MoE LoRA EP: adapters differ"
   }
+  # The frozen experts streamed from the host (their own units, sharded over the expert replicas): bitwise EP 2's run.
+  mtrain mf2 2 parallel.ep=2 parallel.offload_optimizer=cpu parallel.offload_params=frozen; ok_run $? mf2 &&
+    cmp_losses mf2 m2 0 6 && cmp_ckpt "$(ckpt mf2)" "$(ckpt m2)" 0 && pass "MoE LoRA, EP 2: frozen base on the host, bitwise" ||
+    bad "MoE LoRA, EP 2: frozen base on the host differs"
 else
   bad "make MoE model"
 fi

@@ -25,14 +25,19 @@ grep -qE 'no offload: .*ZeRO-3, EP [0-9]+' <<<"$out" && pass "235b: fewest GPUs 
   bad "235b: no EP layout in the fewest-GPU answer: $(grep -A3 'fewest nodes' <<<"$out")"
 
 # LoRA on the same machine (input/qwen3vl_235b_lora.deck): only the adapters are trained, so the model states drop
-# below 1 TB and it fits, with the frozen base's fp32 shards on the hosts (offload); without offload it needs more
-# nodes than the 4 given.
+# below 1 TB and it fits with the frozen base on the hosts (parallel.offload_params = frozen: the host engine's fp32
+# shards, streamed up unit by unit; the deck lines say so); without offload it needs more nodes than the 4 given.
 out=$($q plan input/qwen3vl_235b_lora.deck "${big[@]:1}" 2>&1); rc=$?
 grep -qE '235\.[0-9]+ B parameters \(0\.0[0-9] B trained\)' <<<"$out" && grep -qE '\(0\.9[0-9] TB\)' <<<"$out" &&
   pass "235b-lora: only the adapters trained, 0.9x TB of model states" || bad "235b-lora: sizes: $(head -6 <<<"$out")"
 no=$(grep -oP 'no offload: +\K[0-9]+(?= node)' <<<"$out")
-[[ $rc == 0 ]] && grep -q 'fastest that fits: ZeRO-3 + optimizer offload' <<<"$out" && [[ -n $no ]] && ((no > 4)) &&
-  pass "235b-lora: fits 4 x 2 A100-80GB with offload ($no nodes without)" || bad "235b-lora: exit $rc: $out"
+[[ $rc == 0 ]] && grep -q 'fastest that fits: ZeRO-3 + optimizer offload + parameters on the host' <<<"$out" &&
+  grep -qx 'offload_params = "frozen"' <<<"$out" && grep -qx 'offload_optimizer = "cpu"' <<<"$out" &&
+  [[ -n $no ]] && ((no > 4)) && pass "235b-lora: fits 4 x 2 A100-80GB with the frozen base on the hosts ($no nodes without)" ||
+  bad "235b-lora: exit $rc: $out"
+# Host bytes by kind for the offloaded layouts: the masters (the host engine's shards) dominate, pinned staging named.
+grep -qE 'per host rank: fp32 masters [0-9.]+' <<<"$($q plan input/qwen3vl_235b_lora.deck "${big[@]:1}" plan.host_mem=128GiB 2>&1)" &&
+  pass "235b-lora on 128 GiB hosts: host bytes by kind" || bad "235b-lora on 128 GiB hosts: no host breakdown"
 # Its job script runs the full fine-tune's steps with the LoRA deck (srun and squeue stand-ins record the calls).
 mkdir -p $tmp/fake
 printf '#!/bin/sh\necho "srun $*"\n' >$tmp/fake/srun

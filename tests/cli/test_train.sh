@@ -140,6 +140,47 @@ else
   bad "nan-stops-run: rc=$rc: $(tail -3 "$tmp/nanstop.log")"
 fi
 
+# (k) Optimizer offload (parallel.offload_optimizer = cpu, issue 29): masters and moments on the host, AdamW on the
+# rank's threads (3 here, so the split over threads is exercised) with the CPU op layer's arithmetic: every run is
+# bitwise the same run without offload (losses and checkpoints) — 1 and 2 ranks ZeRO-3, stages 1 and 2, gradient
+# accumulation (the shard goes down in the last micro-step), hybrid sharding (after the replicas' all-reduce), bf16
+# gathers (the host's rounding) and a skipped non-finite step; a run stopped with offload resumes without it and the
+# other way round, on the uninterrupted run's curve.
+off=(parallel.offload_optimizer=cpu parallel.offload_threads=3)
+offload_case() {  # NAME REF NP ARGS...: run NAME with offload, bitwise equal to run REF without it
+  local name=$1 ref=$2 np=$3; shift 3
+  train "$name" "$np" "${off[@]}" "$@" || { ok_run 1 "$name"; return; }
+  if grep -q "optimizer offloaded to the host" "$tmp/$name.log" && cmp_losses "$name" "$ref" 0 &&
+     cmp_ckpt "$(ckpt "$name")" "$(ckpt "$ref")" 0; then pass "offload-$name-bitwise"; else bad "offload-$name-bitwise"; fi
+}
+offload_case off_np1 np1 1 parallel.zero_stage=3
+offload_case off_np2 np2 2 parallel.zero_stage=3
+offload_case off_stage1 stage1 2 parallel.zero_stage=1
+offload_case off_stage2 stage2 2 parallel.zero_stage=2
+offload_case off_acc22 acc22 2 train.micro_batch=2 train.grad_accum=2
+MPIR_CVAR_NUM_CLIQUES=2 offload_case off_hybrid hybrid 4 parallel.zero_stage=3 parallel.hybrid=true
+offload_case off_bf16_4 bf16_4 4 parallel.gather_dtype=bf16
+offload_case off_skip3 skip3 1 train.steps=3 optim.schedule=constant train.debug_nan_step=3
+train off_half 2 "${off[@]}" train.stop_after=10; ok_run $? off_half
+mpiexec -n 2 $q train "${common[@]}" run.out_dir="$tmp/off_half" train.resume=auto >"$tmp/off_resume.log" 2>&1
+ok_run $? off_resume
+if grep -q "resumed from .*step_00000010.h5" "$tmp/off_resume.log" && ! grep -q "optimizer offloaded" "$tmp/off_resume.log" &&
+   cmp_losses off_half np2 0 20 && cmp_ckpt "$(ckpt off_half)" "$(ckpt np2)" 0; then pass "offload-resumes-without"
+else bad "offload-resumes-without"; fi
+train on_half 2 train.stop_after=10; ok_run $? on_half
+mpiexec -n 2 $q train "${common[@]}" "${off[@]}" run.out_dir="$tmp/on_half" train.resume=auto >"$tmp/on_resume.log" 2>&1
+ok_run $? on_resume
+if grep -q "resumed from .*step_00000010.h5" "$tmp/on_resume.log" && grep -q "optimizer offloaded" "$tmp/on_resume.log" &&
+   cmp_losses on_half np2 0 20 && cmp_ckpt "$(ckpt on_half)" "$(ckpt np2)" 0; then pass "no-offload-resumes-with"
+else bad "no-offload-resumes-with"; fi
+# A node without the host memory is refused before anything is allocated, naming the key and both sizes (the 8B
+# preset's shards on one rank: far more than this machine has).
+expect offload-host-memory-refused 1 \
+  'parallel.offload_optimizer = "cpu" needs [0-9.]+ GiB of host memory per node \(1 rank\(s\) here.*has [0-9.]+ GiB available \(MemAvailable\)' \
+  $q train "${common[@]}" model.hf= model.preset=8B "${off[@]}" run.out_dir="$tmp/off_8b"
+expect offload-bad-value 1 'parallel.offload_optimizer.*"none", "cpu"' \
+  $q train "${common[@]}" parallel.offload_optimizer=gpu run.out_dir="$tmp/off_bad"
+
 # Freezing: vision frozen keeps the loaded vision weights and writes no vision optimizer state.
 train frozen 2 train.steps=3 train.tune_vision=false; ok_run $? frozen
 if $py - "$(ckpt frozen)" "$model/model.safetensors" <<'PY'

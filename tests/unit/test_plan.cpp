@@ -4,6 +4,8 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
+#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/parallel/zero.hpp"
 #include "q3vl/plan/plan.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
 #include "q3vl/train/dev_trainer.hpp"
@@ -101,6 +103,54 @@ TEST(Plan, GpuBytesAreTheTrainersAllocation) {
           EXPECT_EQ(c.gpu.workspace, DevTrainer::kWorkspaceBytes);  // a CUDA Exec's (the CPU's has none)
           EXPECT_TRUE(c.built);
         }
+}
+
+// Offloaded layouts (issue 29): the planner's device and host bytes are what a DevTrainer offloaded in place onto a
+// host engine allocates (its device bytes, its pinned staging; the engine's shards are the masters and moments), for
+// the optimizer offloaded and for the parameters too (vision frozen); and offloading moves the masters and moments
+// off the device, and the parameter copy with the parameters.
+TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
+  Workload w = workload_from_deck(
+      plan_deck({"data.seq_len=64", "train.global_batch=4", "model.dtype=fp32", "train.tune_vision=false"}));
+  Hardware hw = gpu_preset("H200-141GB");
+  hw.gpus_per_node = 1;
+  const DevBudget b = train_budget(w.cfg, 1, w.seq_len, w.max_patches);
+  MpiComm self(MPI_COMM_SELF);
+  Layout none;
+  none.micro_batch = 1;
+  const Candidate c0 = sized_layout(w, hw, none);
+  for (int stage : {1, 3})
+    for (bool params : {false, true}) {
+      Model model(w.cfg, /*with_storage=*/false);
+      ZeroEngine engine(model, self, nullptr, 3, w.trainable);
+      Offload off;
+      off.optimizer = off.in_place = true, off.params = params, off.state = &engine, off.threads = 2;
+      DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, false, LossScaling{}, self, nullptr, stage,
+                    false, nullptr, off);
+      const DevTrainerMemory got = tr.memory(), want = DevTrainer::plan(w.cfg, DType::F32, b, false, w.trainable, 1,
+                                                                       stage, Device::CPU, false, off);
+      const std::string at = "stage " + std::to_string(stage) + (params ? ", parameters on the host" : "");
+      EXPECT_EQ(got.zero.total(), want.zero.total()) << at;
+      EXPECT_EQ(got.host(), want.host()) << at;
+      EXPECT_EQ(got.zero.master + got.zero.moments + got.zero.host_master + got.zero.host_moments, 0) << at;
+      EXPECT_GT(got.zero.host_staging, 0) << at;
+      Layout l = none;
+      l.stage = stage, l.offload = true, l.host_params = params;
+      const Candidate c = sized_layout(w, hw, l);
+      const ZeroMemory e = engine.memory();
+      EXPECT_EQ(c.host.masters, e.master) << at;
+      EXPECT_EQ(c.host.moments, e.exp_avg + e.exp_avg_sq) << at;
+      EXPECT_EQ(c.host.staging, got.host()) << at;
+      EXPECT_EQ(c.host.total() - c.host.staging, c0.host.total()) << at;  // the engine's shards, with or without
+      EXPECT_EQ(c.gpu.optimizer, DevTrainer::kNormBytes) << at;
+      EXPECT_TRUE(c.built) << at;
+      if (stage == 3) {
+        EXPECT_LT(c.gpu.total(), c0.gpu.total()) << at;
+      }
+      if (stage == 3 && params) {
+        EXPECT_EQ(c.gpu.comm, 0) << at;  // no parameter copy (one rank: no landing buffer)
+      }
+    }
 }
 
 TEST(Plan, FastestFittingFirstAndMoreMemoryNeverHurts) {

@@ -2,7 +2,7 @@
 # Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
-#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench
+#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -19,10 +19,17 @@
 # - stop: one of 2 GPU ranks stops itself (SIGSTOP) before a collective: the job ends within runtime.timeout,
 #   naming the collective and the rank;
 # - bench: the 2B shape (input/bench_2b_gpu.deck) on one H200 at ZeRO-3 and ZeRO-1: tokens/s, MFU, device memory.
+# - offload (issue 29): the optimizer offloaded to the host (parallel.offload_optimizer = cpu; the CPU op layer's
+#   AdamW on the host, the GPU's in the other runs: fp32 rounding apart) on the demo model, 20 steps in fp32 on 1 rank
+#   and 2 ranks sharing the GPU, every step's loss against the same run on the GPU's optimizer (1e-5); fp16 with
+#   dynamic loss scaling started at 2^32 so that the first steps overflow: the same steps skipped, the same scales,
+#   losses within 1e-3; the frozen base on the host (offload_params = frozen) with LoRA against LoRA on the GPU
+#   (1e-5); the 2B shape's step time with and without offload (the issue's bound: at most 1.15x) and the
+#   time.optimizer phase (the host update) of each.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
-parts=${4:-goldens unit lora zero ep bf16 resume stop bench}
+parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload}
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -158,5 +165,51 @@ print(f'{len(l)} steps, last: {l[-1][\"tokens_per_s\"]:.0f} tok/s, mfu {l[-1][\"
     grep -m1 "memory per rank" "$out/bench$st.log" >>"$out/summary.txt"
     pack
   done
+fi
+
+if part offload; then
+  off="parallel.offload_optimizer=cpu"
+  [[ -f $out/z3_1.jsonl ]] || run z3_1 1 120 $gpu
+  [[ -f $out/z3_2.jsonl ]] || run z3_2 2 100 $gpu
+  run off_1 1 120 $gpu $off && cmp off_1 z3_1 1e-5
+  run off_2 2 120 $gpu $off && cmp off_2 z3_2 1e-5 && cmp off_2 off_1 1e-5
+  grep -h "memory per rank" "$out"/off_1.log | head -1 >>"$out/summary.txt"
+  # fp16: the scale starts far too high, so the first steps overflow and are skipped, then the scale settles.
+  fp16="model.dtype=fp16 optim.loss_scale=4294967296 optim.loss_scale_window=5"
+  run fp16_1 1 120 $gpu $fp16 && run off_fp16_1 1 120 $gpu $fp16 $off && cmp off_fp16_1 fp16_1 1e-3 &&
+    python3 - "$out/off_fp16_1.jsonl" "$out/fp16_1.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, sys
+a, b = ([json.loads(l) for l in open(f)] for f in sys.argv[1:3])
+sa, sb = [x["skipped"] for x in a], [x["skipped"] for x in b]
+la, lb = [x.get("loss_scale") for x in a], [x.get("loss_scale") for x in b]
+ok = len(a) == len(b) == 20 and sa == sb and la == lb and any(sa)
+print(f"{'PASS' if ok else 'FAIL'} fp16 offload vs GPU optimizer: skipped steps {[i + 1 for i, s in enumerate(sa) if s]} "
+      f"vs {[i + 1 for i, s in enumerate(sb) if s]}, scales equal: {la == lb} (last {la[-1]})")
+PY
+  lora="lora.rank=8 lora.alpha=16 lora.targets=q_proj,k_proj,v_proj,o_proj"
+  run lora_dev_2 2 100 $gpu $lora && run lora_host_2 2 100 $gpu $lora $off parallel.offload_params=frozen &&
+    cmp lora_host_2 lora_dev_2 1e-5
+  grep -h "memory per rank" "$out"/lora_host_2.log | head -1 >>"$out/summary.txt"
+  # The 2B shape, one H200: steps 3-8 (the first two warm up), offloaded against not.
+  for o in none cpu; do
+    rm -rf /tmp/runs/bench_off_$o
+    timeout 300 "$q" train input/bench_2b_gpu.deck parallel.offload_optimizer=$o run.out_dir=/tmp/runs/bench_off_$o \
+      >"$out/bench_off_$o.log" 2>&1
+    say "bench_off_$o: rc=$?; $(grep -m1 'memory per rank' "$out/bench_off_$o.log")"
+    cp /tmp/runs/bench_off_$o/metrics.jsonl "$out/bench_off_$o.jsonl" 2>/dev/null
+    pack
+  done
+  python3 - "$out/bench_off_cpu.jsonl" "$out/bench_off_none.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+a, b = ([json.loads(l) for l in open(f)][2:] for f in sys.argv[1:3])
+t = lambda r, k: statistics.median(x["time"][k] for x in r)
+ratio = t(a, "step") / t(b, "step")
+ok = len(a) >= 4 and len(b) >= 4 and a[0]["tokens"] == b[0]["tokens"] and ratio <= 1.15
+print(f"{'PASS' if ok else 'FAIL'} 2B step time, offload / GPU optimizer: {t(a, 'step'):.3f} / {t(b, 'step'):.3f} s = "
+      f"{ratio:.3f} (bound 1.15); optimizer phase {t(a, 'optimizer'):.3f} vs {t(b, 'optimizer'):.3f} s; "
+      f"{a[0]['tokens']} tokens a step; tok/s {statistics.median(x['tokens_per_s'] for x in a):.0f} vs "
+      f"{statistics.median(x['tokens_per_s'] for x in b):.0f}")
+PY
+  pack
 fi
 pack

@@ -30,6 +30,23 @@
 // (a slot's gather landed, a slot's last use done, a gradient slot read). The host waits for the requests under the
 // watchdog before it reads anything from the device (the end of a forward pass: the loss) and at the end of a step,
 // so a rank that never arrives is named instead of hanging a stream.
+//
+// Optimizer offload (parallel.offload_optimizer = "cpu"): the fp32 masters and the AdamW moments live in host memory
+// (dev::host_alloc: pinned on CUDA) and the trainer updates them on the host. The gradient shard still accumulates
+// on the device (the norm and the overflow check read it there, as without offload); in the step's last backward
+// pass each unit's shard is copied down to a host copy as soon as its reduce-scatter is enqueued (on the same
+// stream, so after it), and after the update the masters in the gathers' dtype (converted on the host) go up into
+// the device copy that gathers send (wcopy_, then always allocated). Stage 1, hybrid sharding (the replicas'
+// all-reduce comes after) or an unknown micro-step count copy the whole shard down in finish_grads. The masters and
+// moments can be the caller's (HostState: train passes the host engine's shards, which the update then changes in
+// place, so a checkpoint copies nothing and the host holds them once); DevZero pins them while it lives.
+//
+// Parameters on the host (parallel.offload_params = "frozen", with the optimizer offloaded): no copy of the masters
+// stays on the device (no wcopy_, and no host copy in the gathers' dtype either): every unit's gather starts with its
+// fp32 master shard copied up from the host into a staging buffer of its pool slot, on the stream the gather runs
+// on, converted there, and then gathered as before; the prefetch of the next unit hides the copy behind the compute.
+// A LoRA base is nearly all the parameters, so the host holds them once (in fp32, where the checkpoints read them)
+// and the device only the units in use.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -45,7 +62,18 @@ namespace q3vl {
 struct DevZeroMemory {
   int64_t master = 0, moments = 0, grads = 0, comm = 0;  // fp32 shards; comm: landing + the dt copy of the masters
   int64_t pool = 0;                                       // stage 3: gathered unit slots and gradient slots
-  int64_t total() const { return master + moments + grads + comm + pool; }
+  // Optimizer offload: host bytes (pinned on CUDA), not in total(): the fp32 masters, the AdamW moments, and the
+  // staging the copies go through (the gradient shard down, the masters in the gathers' dtype up).
+  int64_t host_master = 0, host_moments = 0, host_staging = 0;
+  int64_t total() const { return master + moments + grads + comm + pool; }  // device bytes
+  int64_t host_total() const { return host_master + host_moments + host_staging; }
+};
+
+// Host buffers an offloaded DevZero updates in place, at the layout's offsets (Offs::master, Offs::opt).
+struct HostState {
+  float* master = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
 };
 
 class DevZero final : UnitHooks {
@@ -56,35 +84,49 @@ class DevZero final : UnitHooks {
   // the masters rounded to bf16 and widens them in the pool (half the bytes; the model computes with the rounded
   // weights, as the host engine's bf16 gathers do).
   // experts: the expert replicas' group, needed when the model's table splits its experts (not with a replica).
+  // offload: the masters and moments on the host (see above); `host` (may be null: allocated here): the caller's.
+  // stream (needs offload): the parameters too, every gather from the host masters.
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
-          const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr);
+          const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr,
+          bool offload = false, const HostState* host = nullptr, bool stream = false);
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
   // The DevHold a model for this engine needs.
   static DevHold hold(int group, int stage) { return {group, stage != 3}; }
   // What an engine allocates, without allocating: rank 0's (the largest) shard. t.ep(): the expert split (the expert
-  // replicas' group is group / t.ep().size ranks).
+  // replicas' group is group / t.ep().size ranks). in_place: offloaded onto the caller's HostState (not counted).
   static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather);
+                            DType gather, bool offload = false, bool in_place = false, bool stream = false);
   DevZeroMemory memory() const { return mem_; }
 
   int stage() const { return stage_; }
   const ZeroLayout& layout() const { return L_; }
-  float* master() { return master_; }
-  float* grads() { return gshard_; }  // at ZeroLayout::Offs::comm
-  float* exp_avg() { return m_; }     // at ZeroLayout::Offs::opt
+  bool offloaded() const { return off_; }
+  float* master() { return master_; }  // offloaded: host memory, as the moments
+  float* grads() { return gshard_; }   // at ZeroLayout::Offs::comm (device)
+  float* exp_avg() { return m_; }      // at ZeroLayout::Offs::opt
   float* exp_avg_sq() { return v_; }
+  // Offloaded: the host copy of the gradient shard (at Offs::comm), complete once grads_on_host() returns; the
+  // masters in gather_dtype() on the host (at Offs::master), which the optimizer refreshes before refresh_params()
+  // (null when streamed: the gathers convert the masters themselves).
+  const float* host_grads() const { return hgrad_; }
+  void* host_params() { return hparam_; }
+  DType gather_dtype() const { return gd_; }
+  void grads_on_host();
 
   // Master shards and moments from (to) the host engine's pieces of the same layout: start-up, resume, checkpoints.
   void from_host(const std::vector<ShardPiece>& host);
   void to_host(const std::vector<ShardPiece>& host) const;
-  // After the masters changed (start-up, every update): the dt copy, and stages 1/2 the model's weights.
+  // After the masters changed (start-up, every update): the dt copy (offloaded: up from host_params()), and stages
+  // 1/2 the model's weights.
   void refresh_params();
 
   // One optimizer step: begin_step(); per micro-step { forward pass; backward pass; after_backward() } (a rank with
   // no tokens runs the passes without compute: idle()); finish_grads(); optimizer on the shards; refresh_params().
-  void begin_step();
+  // micro_steps: the backward passes this step will run (0: unknown), so that an offloaded run copies each unit's
+  // gradient shard down in the last one.
+  void begin_step(int micro_steps = 0);
   void begin_pass(bool backward);
   void end_pass();
   void after_backward();
@@ -111,6 +153,8 @@ class DevZero final : UnitHooks {
   void reduce_done(size_t upto);
   // Reduce-scatters unit u's full gradients at `g` (padded) into its shard: through the landing buffer, added.
   void reduce_unit(int u, const float* g);
+  void down(const dev::Exec& x, int64_t off, int64_t n);  // offload: gradient shard elements to the host copy
+  bool last_pass() const;  // offload: this backward pass's reduce-scatters complete the step's gradient shards
   void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
   void drain();  // the host waits for every request in flight (under the watchdog)
   void c2m();    // the communication stream waits for the work enqueued on the model's so far
@@ -119,7 +163,9 @@ class DevZero final : UnitHooks {
   Comm& comm(const ZeroUnit& u) const { return u.experts ? *experts_ : shard_; }  // the unit's shard group
   // Unit u (its shard at wshard) gathered in full into dst (dt), through staging buffer `stg` when conv_; on the
   // communication stream (NCCL), or waited (MPI), or a copy (one rank). MPI's widening waits for the request.
-  std::unique_ptr<CommRequest> gather_unit(const ZeroUnit& u, void* dst, void* stg);
+  // Streamed: the shard is copied up into slot `slot`'s staging first, on `x`.
+  std::unique_ptr<CommRequest> gather_unit(const ZeroUnit& u, void* dst, void* stg, size_t slot);
+  const void* staged(const ZeroUnit& u, size_t slot, const dev::Exec& x);
 
   DevModel& model_;
   const dev::Exec ex_;
@@ -137,7 +183,14 @@ class DevZero final : UnitHooks {
   ZeroLayout L_;
   std::vector<int64_t> gbase_;  // [unit] its first element of the full padded gradients (stages 1/2: the model's)
   float *master_ = nullptr, *gshard_ = nullptr, *land_ = nullptr, *m_ = nullptr, *v_ = nullptr;
-  void* wcopy_ = nullptr;  // masters in dt (null: dt is fp32, the masters themselves)
+  void* wcopy_ = nullptr;  // masters in dt (null: dt is fp32, the masters themselves; offloaded: always, on the device)
+  bool off_ = false;
+  bool borrowed_ = false;    // offload: master_, m_, v_ are the caller's (pinned here, not allocated)
+  bool stream_ = false;      // parameters on the host: gathers start from master_
+  std::vector<void*> up_, upc_;  // streamed: per pool slot (stage 3) or one, the fp32 shard up and in gd_ (conv.)
+  float* hgrad_ = nullptr;   // offload: the gradient shard's host copy
+  void* hparam_ = nullptr;   // offload: the masters in gd_ on the host
+  int micro_ = 0, bwd_ = 0;  // backward passes this step: expected (0: unknown), done
   DevZeroMemory mem_;
   int64_t gathered_ = 0;
   bool gathered_once_ = false;

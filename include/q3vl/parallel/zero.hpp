@@ -112,6 +112,11 @@ class ZeroEngine {
 
   int stage() const { return stage_; }
   const std::vector<ShardPiece>& pieces() const { return pieces_; }
+  // The shard buffers behind pieces(), at the layout's offsets (Offs::master, Offs::opt): what an offloaded optimizer
+  // updates in place (DevZero's HostState).
+  float* master_data() { return master_.data(); }
+  float* exp_avg_data() { return exp_avg_.data(); }
+  float* exp_avg_sq_data() { return exp_avg_sq_.data(); }
   ZeroMemory memory() const;
   // What memory() will say on rank `rank` of a `group_size` shard group, from the table alone (no allocation):
   // the planner's sizing. working: stages 1/2 the Model's full params + grads, stage 3 0 (pool_bound instead).

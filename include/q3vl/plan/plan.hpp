@@ -3,9 +3,9 @@
 //
 // Size once (DESIGN.md): every byte count comes from the functions the allocators call — ZeroEngine::plan /
 // zero_layout (the ZeRO shards), DevModel::activation_bytes (the activation arena), DevTrainer::plan (one GPU's
-// trainer) — never from a second formula here. What this file adds is the part that is not allocated anywhere yet:
-// how those pieces sit on GPUs for layouts not built so far (several GPUs over NCCL, optimizer offload, expert
-// parallelism), and the time model.
+// trainer, optimizer offload included) — never from a second formula here. What this file adds is the part that is
+// not allocated anywhere yet: how those pieces sit on GPUs for layouts not built so far (expert parallelism on
+// GPUs), and the time model.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -44,7 +44,8 @@ Hardware hardware_from_deck(const Deck& d);
 // A training layout: what the deck lines select.
 struct Layout {
   int stage = 3;            // parallel.zero_stage
-  bool offload = false;     // optimizer state (fp32 masters, AdamW moments) on the host: not built yet
+  bool offload = false;     // parallel.offload_optimizer = "cpu": fp32 masters and AdamW moments on the host
+  bool host_params = false; // parallel.offload_params = "frozen" (with offload): parameters streamed from the host
   bool hybrid = false;      // parallel.hybrid: shard within a node, replicate across nodes
   int ep = 1;               // expert-parallel degree (parallel.ep): not built yet, always 1 here. EP would divide
                             // the expert units' bytes by ep and add all-to-all time; the place is sized_layout().
@@ -61,6 +62,15 @@ struct Bytes {
   std::string largest(int n) const;  // the n largest kinds with their GiB, largest first
 };
 
+// Host bytes per rank by kind: the host engine's shards that train keeps on every path (start-up and checkpoint I/O;
+// an offloaded optimizer updates its masters and moments in place) and the offload's pinned staging (the gradient
+// shard down, the masters in the gathers' dtype up).
+struct HostBytes {
+  int64_t masters = 0, moments = 0, grads = 0, comm = 0, staging = 0;
+  int64_t total() const { return masters + moments + grads + comm + staging; }
+  std::string largest(int n) const;
+};
+
 // What is being trained: the deck's model, precision, sequence and batch, the trained parameters.
 struct Workload {
   ModelConfig cfg;
@@ -75,7 +85,7 @@ Workload workload_from_deck(const Deck& d, std::string* note = nullptr);
 struct Candidate {
   Layout layout;
   Bytes gpu;           // per GPU (the largest rank)
-  Bytes host;          // per rank on the host
+  HostBytes host;      // per rank on the host
   int64_t host_node = 0;  // per node: its ranks' host bytes + the reserve
   int64_t gpu_need = 0;   // gpu.total() + the per-GPU reserve
   double t_compute = 0, t_comm = 0, t_opt = 0, t_step = 0, flops = 0;

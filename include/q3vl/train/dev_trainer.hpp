@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "q3vl/core/thread_pool.hpp"
+
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/parallel/dev_zero.hpp"
 #include "q3vl/parallel/zero.hpp"
@@ -22,6 +24,19 @@ struct LossScaling {
 // merge^2 patches; max_patches (train.max_patches, 0: as if every token were an image token) bounds them.
 DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_len, int64_t max_patches);
 
+// What lives in host memory instead of the device (parallel.offload_optimizer, parallel.offload_params).
+struct Offload {
+  bool optimizer = false;  // "cpu": fp32 masters and AdamW moments on the host, AdamW run there
+  // The masters and moments are the host engine's shards, updated in place (train's case; the planner's sizing says
+  // in_place without an engine): the host holds them once, and checkpoints copy nothing.
+  bool in_place = false;
+  ZeroEngine* state = nullptr;  // the constructor's: that engine (its layout is the trainer's)
+  bool params = false;     // parallel.offload_params = "frozen" (needs `optimizer`): no parameter copy on the device,
+                           // every unit's gather streams its shard up from the host masters (DevZero's stream)
+  int threads = 1;         // the host AdamW's threads (the caller's counted): the rank's cores, rank_cores()
+  bool pin = false;        // bind them to the cores of the rank's affinity mask, one each
+};
+
 // A DevTrainer's device memory by kind: the model's (stage 3: no weights or gradients of its own), the ZeRO shards
 // and pools, and the norm scratch.
 struct DevTrainerMemory {
@@ -29,7 +44,8 @@ struct DevTrainerMemory {
   DevZeroMemory zero;
   int64_t norm = 0;
   int64_t optimizer() const { return zero.master + zero.moments + norm; }  // fp32 masters + AdamW moments
-  int64_t total() const { return model.total() + zero.total() + norm; }
+  int64_t total() const { return model.total() + zero.total() + norm; }     // device bytes
+  int64_t host() const { return zero.host_total(); }                         // offloaded state on the host
 };
 
 // Training on one device per rank (model.backend): the device model, and ZeRO-1/2/3 over the ranks (DevZero) with
@@ -41,27 +57,31 @@ class DevTrainer {
  public:
   static constexpr int64_t kWorkspaceBytes = int64_t(256) << 20;  // the Exec's GEMM/attention workspace
   static constexpr int64_t kNormBytes = 16;                       // norm sum + non-finite count
+  static constexpr int64_t kHostBlock = 8192;  // offloaded AdamW: elements updated, then converted, at a time
   // What a DevTrainer built with these arguments allocates on its device, without allocating (the planner's sizing):
   // rank 0's, the largest shard. (A CPU Exec has no workspace: tests size the CPU op layer with Device::CPU.)
   static DevTrainerMemory plan(const ModelConfig& cfg, DType dt, const DevBudget& budget, bool recompute,
                                const std::vector<bool>& trainable, int group = 1, int stage = 3,
-                               Device d = Device::CUDA, bool gather_bf16 = false);
+                               Device d = Device::CUDA, bool gather_bf16 = false, const Offload& off = {});
   // shard: the group ZeRO shards over, replica (may be null): hybrid sharding's replicas; both host (MPI) comms that
   // outlive the trainer. On CUDA the trainer makes its NCCL communicators over the same ranks.
   // gather_bf16 (parallel.gather_dtype = "bf16", fp32 compute): units travel as the masters rounded to bf16.
   // ep (may be null; it outlives the trainer): expert parallelism over the shard group (no replicas): the model holds
   // this rank's experts, its rows move through ep (on GPUs over NCCL of ep's group, on the model's stream) and the
   // experts' units are sharded over ep's replicas. (plan(): budget.ep.)
+  // off.optimizer: the masters and moments in host memory (DevZero's offload) and AdamW on the host's threads, with
+  // the CPU op layer's arithmetic: on the CPU backend bitwise the run without offload.
   DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
              const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica = nullptr,
-             int stage = 3, bool gather_bf16 = false, ExpertParallel* ep = nullptr);
+             int stage = 3, bool gather_bf16 = false, ExpertParallel* ep = nullptr, const Offload& off = {});
   ~DevTrainer();
 
   // Masters and moments from the host engine's pieces (the same layout), and the compute weights.
   void from_host(const ZeroEngine& e);
   void to_host(const ZeroEngine& e) const;
 
-  void begin_step();
+  // micro_steps: the micro-steps (backward passes, idle ones counted) this step runs (0: unknown).
+  void begin_step(int micro_steps = 0);
   // Loss of a micro-batch (kept for backward); backward adds weight * its gradient (weight = n / n_global). A rank
   // without tokens in a micro-step calls idle() instead of both: its collectives still run (and its experts serve
   // the others' rows).
@@ -97,7 +117,9 @@ class DevTrainer {
   struct Run {  // adjacent trainable pieces with the same flags: one optimizer launch
     int64_t master = 0, grad = 0, opt = 0, n = 0;
     bool no_decay = false;
+    int64_t first = 0;  // its first element among all runs' (the host update's split over threads)
   };
+  void host_update(const AdamWConfig& hp, double lr, double g, int64_t t);
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
   Comm& shard_;
   std::unique_ptr<Comm> nccl_shard_, nccl_replica_, nccl_ep_, nccl_experts_;  // nccl_ep_: the rows, nccl_experts_: ZeRO
@@ -105,6 +127,8 @@ class DevTrainer {
   std::unique_ptr<DevModel> model_;
   std::unique_ptr<DevZero> zero_;
   std::vector<Run> runs_;
+  int64_t run_elems_ = 0;              // elements of all runs
+  std::unique_ptr<ThreadPool> pool_;  // offloaded optimizer's threads
   double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows
   LossScaling ls_;
   bool hybrid_ = false;  // gradient shards all-reduced across replicas (parallel.hybrid over several nodes)

@@ -1,5 +1,8 @@
 // The CUDA Exec: a non-blocking stream, a cuBLASLt handle and a workspace on the current device; memory and copies.
 // The only place that allocates, frees or synchronises (ops never do).
+#include <cstring>
+
+#include "q3vl/tensor/dev_host.hpp"
 #include "tensor/cuda/common.cuh"
 
 namespace q3vl::dev::cuda {
@@ -55,6 +58,29 @@ void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
 
 void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
   if (bytes && dst != src) Q3VL_CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(x)));
+}
+
+void* host_alloc(size_t bytes) {
+  void* p = nullptr;
+  Q3VL_CU(cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable));  // page-locked: copies run asynchronously
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+void host_release(void* p) {
+  if (p) Q3VL_CU(cudaFreeHost(p));
+}
+
+void host_register(void* p, size_t bytes) {
+  if (p && bytes) Q3VL_CU(cudaHostRegister(p, bytes, cudaHostRegisterPortable));
+}
+
+void host_unregister(void* p) {
+  if (p) Q3VL_CU(cudaHostUnregister(p));
+}
+
+void to_host_async(const Exec& x, void* dst, const void* src, size_t bytes) {
+  if (bytes) Q3VL_CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(x)));
 }
 
 void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
