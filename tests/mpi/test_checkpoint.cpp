@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "../errors.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/checkpoint.hpp"
 #include "q3vl/io/h5.hpp"
@@ -146,16 +147,6 @@ struct TmpDir {
     if (rank_of() == 0) fs::remove_all(path);
   }
 };
-
-// The message of the q3vl::Error that f throws ("" if none).
-template <class F> std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 std::string step_path(const std::string& dir, int step) {
   char buf[64];

@@ -6,6 +6,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "../errors.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/config.hpp"
 
@@ -47,17 +48,6 @@ Counts count_params(const ModelConfig& c) {
     }
   }
   return n;
-}
-
-template <class F>
-void expect_error(F f, std::initializer_list<std::string> needles) {
-  try {
-    f();
-    FAIL() << "no error thrown";
-  } catch (const Error& e) {
-    for (auto& s : needles)
-      EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << "message: " << e.what() << "\nmissing: " << s;
-  }
 }
 
 // Writes a modified copy of a fixture and loads it.

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "../errors.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/h5.hpp"
 
@@ -15,17 +16,6 @@ namespace {
 
 std::string tmpfile(const std::string& tag) {
   return (fs::temp_directory_path() / ("q3vl_h5_" + tag + "_" + std::to_string(::getpid()) + ".h5")).string();
-}
-
-template <class F>
-void expect_error(F f, std::initializer_list<std::string> needles) {
-  try {
-    f();
-    FAIL() << "no error thrown";
-  } catch (const Error& e) {
-    for (auto& s : needles)
-      EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << "message: " << e.what() << "\nmissing: " << s;
-  }
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../compare.hpp"
+#include "../errors.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/data/image.hpp"
 
@@ -80,17 +81,6 @@ q3vl::ImageConfig config(const json& c) {
   cfg.min_pixels = c["min_pixels"].get<long>();
   cfg.max_pixels = c["max_pixels"].get<long>();
   return cfg;
-}
-
-// Runs f, which must throw a q3vl::Error whose message contains every one of `parts`.
-template <class F>
-void expect_error(F f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning '" << parts[0] << "'";
-  } catch (const q3vl::Error& e) {
-    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
-  }
 }
 
 TEST(ImageDecode, EveryPngAndJpegMatchesPilConvertRgb) {

@@ -11,6 +11,7 @@
 #include <span>
 
 #include "../compare.hpp"
+#include "../errors.hpp"
 #include "../gpu.hpp"
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
@@ -96,15 +97,6 @@ TEST(Lora, DenseAdapterGradcheck) { gradcheck(false, 0.0, false); }
 TEST(Lora, MoeAdapterGradcheckRsLora) { gradcheck(true, 0.0, true); }
 TEST(Lora, DropoutAdapterGradcheck) { gradcheck(false, 0.3, false); }
 TEST(Lora, TiedHeadAdapterGradcheck) { gradcheck(false, 0.3, false, true); }
-
-static std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // W + scale B A in place of the adapters gives the same logits (PEFT's merge_and_unload). A tied head's adapter folds
 // into an untied head (a copy of the embeddings): the embedding lookup is not adapted.

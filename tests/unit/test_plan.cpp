@@ -2,6 +2,7 @@
 // predicted bytes are what the trainer allocates, kind by kind. (Several ranks: tests/mpi/test_plan.cpp.)
 #include <gtest/gtest.h>
 
+#include "../errors.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/qwen3vl.hpp"
@@ -13,17 +14,6 @@
 using namespace q3vl;
 
 namespace {
-
-// The error message of f(), or "" when it does not throw.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 Deck plan_deck(std::vector<std::string> overrides) {
   overrides.push_back("model.preset=tiny");
