@@ -1,6 +1,7 @@
 #include "q3vl/data/chat.hpp"
 
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "q3vl/core/error.hpp"
@@ -192,8 +193,45 @@ Conversation parse_line(const std::string& text, const std::string& file, long l
 
 VideoConfig VideoRef::config(const VideoConfig& base) const {
   VideoConfig c = base;
-  for (const auto& [key, value] : settings) c = apply_video_overrides(c, key, value, where);
+  for (const auto& [key, value] : settings) {
+    const VideoConfig checked = apply_video_overrides(c, key, value, where);
+    if (!(key == "fps" && !frames.empty())) c = checked;
+  }
   return c;
+}
+
+std::string video_part_name(const VideoRef& v) {
+  return v.where + ": video '" + (v.path.empty() ? v.frames.at(0) + ", ..." : v.path) + "'";
+}
+
+VideoClip load_video_part(const VideoRef& v, const VideoConfig& base, const std::string& root,
+                          const std::string& name) {
+  namespace fs = std::filesystem;
+  const VideoConfig c = v.config(base);
+  if (v.frames.empty())
+    fail(name + ": video files cannot be decoded by this build yet (no FFmpeg decoding layer); give the video as a "
+                "list of frame images");
+  const std::vector<int64_t> idx = sample_frame_indices(int64_t(v.frames.size()), v.source_fps(), c, name);
+  std::vector<RgbImage> frames;
+  for (int64_t i : idx) {
+    const std::string& rel = v.frames[size_t(i)];
+    const fs::path path = fs::path(rel).is_absolute() ? fs::path(rel) : fs::path(root) / rel;
+    const std::string fname = name + " frame " + std::to_string(i + 1) + " '" + rel + "'";
+    if (!fs::is_regular_file(path)) fail(fname + ": no such file " + path.string());
+    try {
+      frames.push_back(load_image(path.string()));
+    } catch (const Error& e) {
+      fail(fname + ": " + e.what());
+    }
+  }
+  return resize_clip(std::move(frames), idx, v.source_fps(), c, name);
+}
+
+double VideoRef::source_fps() const {
+  double fps = 2.0;
+  for (const auto& [key, value] : settings)
+    if (key == "fps") fps = value;
+  return fps;
 }
 
 std::string render_chat(const Conversation& conv, const std::vector<VideoGrid>* videos) {

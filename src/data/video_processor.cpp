@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
 
 namespace q3vl {
@@ -48,6 +49,21 @@ VideoConfig read_video_config(const std::string& path, VideoConfig c) {
     fail(path + ": inconsistent video settings (pixels " + std::to_string(c.min_pixels) + ".." +
          std::to_string(c.max_pixels) + ", frames " + std::to_string(c.min_frames) + ".." +
          std::to_string(c.max_frames) + ", fps " + std::to_string(c.fps) + ")");
+  return c;
+}
+
+VideoConfig video_config(const Deck& d) {
+  VideoConfig c;
+  const std::string hf = d.str("model.hf"), file = hf + "/video_preprocessor_config.json";
+  if (!hf.empty() && std::ifstream(file)) c = read_video_config(file, c);
+  if (d.given("video.fps")) c.fps = d.real("video.fps");
+  if (d.given("video.min_frames")) c.min_frames = int(d.integer("video.min_frames"));
+  if (d.given("video.max_frames")) c.max_frames = int(d.integer("video.max_frames"));
+  if (d.given("video.min_pixels")) c.min_pixels = long(d.integer("video.min_pixels"));
+  if (d.given("video.max_pixels")) c.max_pixels = long(d.integer("video.max_pixels"));
+  if (d.given("video.cap_pixels_per_frame")) c.cap_pixels_per_frame = d.boolean("video.cap_pixels_per_frame");
+  if (c.min_frames > c.max_frames) fail("video.min_frames is larger than video.max_frames");
+  if (c.min_pixels > c.max_pixels) fail("video.min_pixels is larger than video.max_pixels");
   return c;
 }
 

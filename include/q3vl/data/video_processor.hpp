@@ -42,6 +42,11 @@ struct VideoConfig {
 // cap_pixels_per_frame when present); errors name the file.
 VideoConfig read_video_config(const std::string& path, VideoConfig base = {});
 
+// The video settings of a run: model.hf's video_preprocessor_config.json when there is one, else the released
+// values; the deck's video.* keys win where given.
+class Deck;
+VideoConfig video_config(const Deck& d);
+
 // Per-sample overrides as qwen-vl-utils spells them in a video part: fps, min_frames, max_frames, min_pixels,
 // max_pixels or total_pixels (the clip's budget). Other keys of the part are the caller's (type, video, ...).
 // `where` names the record in messages ("file:line: message 2 part 1").
