@@ -376,7 +376,7 @@ std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::
   // Image tokens are replaced by the image features, row-major over the batch, in pixel_values order.
   vis_.clear();
   for (int64_t i = 0; i < N; ++i)
-    if (ids[i] == cfg_.image_token_id) vis_.push_back(i);
+    if (cfg_.visual_token(ids[i])) vis_.push_back(i);
   if ((int64_t)vis_.size() * H != (int64_t)img.size())
     fail("image features and image tokens do not match: " + std::to_string(vis_.size()) + " tokens with id " +
          std::to_string(cfg_.image_token_id) + ", " + std::to_string(img.size() / H) + " merged image features");

@@ -222,7 +222,8 @@ TEST(Prepare, VideoFrameLists) {
   ASSERT_EQ(clips.size(), 1u);
   EXPECT_EQ(clips[0].indices, (std::vector<int64_t>{0, 3, 5, 8}));
   EXPECT_EQ(clips[0].fps, 4.0);
-  const std::string prompt = tokenizer().decode(std::vector<int32_t>(ds.get(0).input_ids.begin(), ds.get(0).input_ids.end()));
+  const Sample first = ds.get(0);
+  const std::string prompt = tokenizer().decode(std::vector<int32_t>(first.input_ids.begin(), first.input_ids.end()));
   EXPECT_NE(prompt.find("<0.4 seconds><|vision_start|><|video_pad|>"), std::string::npos) << prompt;
   EXPECT_NE(prompt.find("<1.6 seconds><|vision_start|>"), std::string::npos) << prompt;
   EXPECT_EQ(ds.videos(1).at(0).indices, (std::vector<int64_t>{0, 3, 5, 8}));
