@@ -20,6 +20,10 @@ CPPFLAGS := -Iinclude -Isrc -I/usr/include/hdf5/mpich -I/usr/include/x86_64-linu
             -DQ3VL_GIT='"$(shell git describe --always --dirty 2>/dev/null || echo unknown)"'
 LDLIBS   := -L/usr/lib/x86_64-linux-gnu/hdf5/mpich -Wl,-rpath,/usr/lib/x86_64-linux-gnu/hdf5/mpich \
             -lhdf5 -lopenblas -lpcre2-8 -lpng -ljpeg -lcpp-httplib -lpthread
+# FFmpeg's libraries decode videos (src/data/video_decode.cpp).
+FFMPEG_LIBS := libavformat libavcodec libswscale libavutil
+CPPFLAGS += $(shell pkg-config --cflags $(FFMPEG_LIBS) 2>/dev/null)
+LDLIBS   += $(or $(shell pkg-config --libs $(FFMPEG_LIBS) 2>/dev/null),-lavformat -lavcodec -lswscale -lavutil)
 
 # CUDA backend: on when nvcc is found, unless CUDA=0.
 NVCC ?= $(shell command -v nvcc 2>/dev/null || (test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc))
@@ -101,6 +105,7 @@ test-gpu: bin/unit_tests
 DEB_PKGS := build-essential g++ make git pkg-config mpich libmpich-dev libhdf5-mpich-dev hdf5-tools \
             libopenblas-dev libgtest-dev libtomlplusplus-dev nlohmann-json3-dev libpcre2-dev \
             libpng-dev libjpeg62-turbo-dev libcpp-httplib-dev nodejs npm \
+            libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg \
             python3 python3-numpy python3-h5py python3-matplotlib python3-pil \
             slurm-wlm munge iproute2
 deps:
