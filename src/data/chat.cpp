@@ -6,6 +6,7 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/data/tokenizer.hpp"
+#include "q3vl/data/video.hpp"
 
 namespace q3vl {
 
@@ -208,9 +209,22 @@ VideoClip load_video_part(const VideoRef& v, const VideoConfig& base, const std:
                           const std::string& name) {
   namespace fs = std::filesystem;
   const VideoConfig c = v.config(base);
-  if (v.frames.empty())
-    fail(name + ": video files cannot be decoded by this build yet (no FFmpeg decoding layer); give the video as a "
-                "list of frame images");
+  if (v.frames.empty()) {  // a file: its frame count and rate from the container, only the sampled frames decoded
+    const fs::path path = fs::path(v.path).is_absolute() ? fs::path(v.path) : fs::path(root) / v.path;
+    if (!fs::is_regular_file(path)) fail(name + ": no such file " + path.string());
+    std::vector<RgbImage> frames;
+    std::vector<int64_t> idx;
+    double fps = 0;
+    try {
+      VideoFile file(path.string());
+      fps = file.info().fps;
+      idx = sample_frame_indices(file.info().frames, fps, c, name);
+      frames = file.frames(idx);
+    } catch (const Error& e) {
+      fail(name + ": " + e.what());
+    }
+    return resize_clip(std::move(frames), idx, fps, c, name);
+  }
   const std::vector<int64_t> idx = sample_frame_indices(int64_t(v.frames.size()), v.source_fps(), c, name);
   std::vector<RgbImage> frames;
   for (int64_t i : idx) {

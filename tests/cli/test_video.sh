@@ -56,6 +56,24 @@ EOF
 cmp -s $tmp/a.jsonl $tmp/b.jsonl && pass "device model == host model on video prompts" ||
   bad "device vs host: $(diff $tmp/a.jsonl $tmp/b.jsonl | head -4)"
 
+# A real file (FFmpeg): 2 s at 10 fps -> int(20/10*2) = 4 frames, linspace(0, 19, 4) rounded = 0, 6, 13, 19; a
+# truncated file fails naming the record and the file.
+if needs "video files" ffmpeg; then
+  ffmpeg -loglevel error -f lavfi -i testsrc=size=64x48:rate=10:duration=2 -pix_fmt yuv420p $tmp/d/clip.mp4 &&
+    head -c 3000 $tmp/d/clip.mp4 >$tmp/d/cut.mp4
+  printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "Colours?"}]}, {"role": "assistant", "content": "Many."}]}' >$tmp/d/file.jsonl
+  run $q prepare prepare.input=$tmp/d/file.jsonl prepare.output=$tmp/fds &&
+    $py -c "import h5py, glob, sys; h = h5py.File(glob.glob('$tmp/fds/shard-*.h5')[0]); \
+sys.exit(not (h['frame_index'][()].tolist() == [0, 6, 13, 19] and h['video_grid'][()].tolist() == [[2, 4, 4]] \
+and h['video_fps'][()].tolist() == [10.0]))" && pass "a video file: sampled frames 0 6 13 19, grid 2x4x4" ||
+    bad "video file shard: $(tail -3 $tmp/log)"
+  run gen generate.prompts=$tmp/d/file.jsonl generate.output=$tmp/f.jsonl && [[ $(wc -l <$tmp/f.jsonl) -eq 1 ]] &&
+    pass "generate answers a video file" || bad "generate on a video file"
+  printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": "cut.mp4"}]}]}' >$tmp/d/cut.jsonl
+  expect "a truncated video file is named" 1 "cut.jsonl:1: message 1 part 1: video 'cut.mp4'" \
+    gen generate.prompts=$tmp/d/cut.jsonl generate.output=$tmp/x.jsonl
+fi
+
 # Bad video parts: named by file, line and part; nothing written.
 printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": ["images/nope.png", "images/nope2.png"]}]}]}' >$tmp/d/bad1.jsonl
 expect "a missing frame is named" 1 "bad1.jsonl:1: message 1 part 1: video 'images/nope.png, ...' frame 1 'images/nope.png': no such file" \

@@ -62,10 +62,10 @@ struct Conversation {
   std::string where() const { return file + ":" + std::to_string(line); }
 };
 
-// A video part read and processed: a list of frame images decoded frame by frame (only the sampled ones, relative
-// paths under `root`), at its source_fps, sampled and resized with v.config(base). `name` names the part in errors
-// (a missing frame: "NAME frame K 'PATH': no such file ..."). Video files need the FFmpeg decoding layer
-// (data/video.hpp), not in this build yet: an error saying so.
+// A video part read and processed (relative paths under `root`): a file probed and only its sampled frames decoded
+// (data/video.hpp, FFmpeg), or a list of frame images decoded frame by frame (only the sampled ones) at its
+// source_fps; sampled and resized with v.config(base). `name` names the part in errors (a missing file: "NAME: no
+// such file ...", a missing frame: "NAME frame K 'PATH': no such file ...").
 VideoClip load_video_part(const VideoRef& v, const VideoConfig& base, const std::string& root, const std::string& name);
 // "FILE:LINE: message M part P: video 'clip.mp4'" (a frame list: its first frame and ", ...").
 std::string video_part_name(const VideoRef& v);

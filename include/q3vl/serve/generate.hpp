@@ -83,7 +83,7 @@ std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prom
 // One JSONL record as a generation prompt: the chat template of data/chat.hpp with the assistant turns at the end
 // dropped and "<|im_start|>assistant\n" appended; images read relative to the JSONL file's folder. Errors name
 // file:line (bad record, unknown role, missing or unreadable image, prompt longer than max_context tokens).
-// Videos: a list of frame images, read relative to the same folder (video files await the FFmpeg layer).
+// Videos: files (FFmpeg, only the sampled frames decoded) or lists of frame images, relative to the same folder.
 GenPrompt make_prompt(const std::string& line_text, const std::string& file, long line, const Tokenizer& tok,
                       const ImageConfig& icfg, int64_t max_context, const VideoConfig& vcfg = {});
 
