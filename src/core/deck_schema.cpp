@@ -139,6 +139,18 @@ const std::vector<KeySpec>& deck_schema() {
       {"prepare.overwrite", T::Bool, "false", "replace a dataset already in prepare.output (otherwise refused); the "
        "old one stays until the new one is complete"},
 
+      // video: sampling and resizing (transformers' Qwen3VLVideoProcessor; default: model.hf's
+      // video_preprocessor_config.json, else the released values); a JSONL video part may override them per sample
+      {"video.fps", T::Real, "2", "frames sampled per second of video", 1e-3, 1000},
+      {"video.min_frames", T::Int, "4", "fewest frames sampled from a clip (fewer if it has fewer)", 1, 1 << 20},
+      {"video.max_frames", T::Int, "768", "most frames sampled from a clip (longer clips are sampled sparser)", 1,
+       1 << 20},
+      {"video.min_pixels", T::Int, "4096", "fewest pixels after resize, over all sampled frames of a clip", 1, 1e12},
+      {"video.max_pixels", T::Int, "25165824", "the clip's pixel budget after resize, over all its sampled frames", 1,
+       1e12},
+      {"video.cap_pixels_per_frame", T::Bool, "false",
+       "cap each frame at min(768 merged tokens, the budget's share) as qwen-vl-utils does (transformers' option)"},
+
       // train
       {"train.steps", T::Int, "100", "optimizer steps", 0, 1e12},
       {"train.lr", T::Real, "1e-4", "peak learning rate", 0, 10},

@@ -1,10 +1,12 @@
 #include "q3vl/data/chat.hpp"
 
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/data/tokenizer.hpp"
+#include "q3vl/data/video.hpp"
 
 namespace q3vl {
 
@@ -37,11 +39,41 @@ void check_roles(Conversation& c) {
     const std::string at = c.where() + ": message " + std::to_string(i + 1);
     if (m.role == "system" && i != 0) fail(at + ": a system message must come first");
     for (const ChatPart& p : m.parts) {
-      if (!p.image) continue;
-      if (m.role != "user") fail(at + ": images are allowed in user turns only (this is a " + m.role + " turn)");
-      c.images.push_back(p.text);
+      if (!p.image && !p.video) continue;
+      if (m.role != "user")
+        fail(at + ": images and videos are allowed in user turns only (this is a " + m.role + " turn)");
+      if (p.image) c.images.push_back(p.text);
     }
   }
+}
+
+VideoRef parse_video(const json& p, const std::string& at) {
+  VideoRef v;
+  v.where = at;
+  if (!p.contains("video")) fail(at + ": a video part needs a \"video\": a path or a list of frame paths");
+  const json& src = p["video"];
+  if (src.is_string()) {
+    v.path = src.get<std::string>();
+    if (v.path.empty()) fail(at + ": empty video path");
+  } else if (src.is_array()) {
+    for (const json& f : src) {
+      if (!f.is_string() || f.get<std::string>().empty()) fail(at + ": \"video\" frames must be non-empty paths");
+      v.frames.push_back(f.get<std::string>());
+    }
+    if (v.frames.empty()) fail(at + ": a video part with no frames");
+  } else {
+    fail(at + ": \"video\" must be a path or a list of frame paths, got " + kind_of(src));
+  }
+  for (const auto& [key, val] : p.items()) {
+    if (key == "type" || key == "video") continue;
+    if (!is_video_override(key))
+      fail(at + ": unknown key \"" + key + "\" in a video part (fps, min_frames, max_frames, min_pixels, "
+           "max_pixels, total_pixels)");
+    if (!val.is_number()) fail(at + ": \"" + key + "\" must be a number, got " + kind_of(val));
+    v.settings.emplace_back(key, val.get<double>());
+  }
+  v.config(VideoConfig{});  // checks the values now, naming the part
+  return v;
 }
 
 Conversation parse_messages(const json& msgs, Conversation c) {
@@ -57,7 +89,7 @@ Conversation parse_messages(const json& msgs, Conversation c) {
     if (!m.contains("content") || m["content"].is_null()) fail(at + " has no \"content\"");
     const json& content = m["content"];
     if (content.is_string()) {
-      out.parts.push_back({false, content.get<std::string>()});
+      out.parts.push_back({false, false, content.get<std::string>()});
     } else if (content.is_array()) {
       for (size_t k = 0; k < content.size(); ++k) {
         const json& p = content[k];
@@ -65,11 +97,16 @@ Conversation parse_messages(const json& msgs, Conversation c) {
         if (!p.is_object() || !p.contains("type") || !p["type"].is_string())
           fail(pat + " must be an object with a \"type\"");
         const std::string type = p["type"].get<std::string>();
+        if (type == "video") {
+          c.videos.push_back(parse_video(p, pat));
+          out.parts.push_back({false, true, c.videos.back().path});
+          continue;
+        }
         const char* key = type == "image" ? "image" : type == "text" ? "text" : nullptr;
-        if (!key) fail(pat + ": unknown type '" + type + "' (types: text, image)");
+        if (!key) fail(pat + ": unknown type '" + type + "' (types: text, image, video)");
         if (!p.contains(key) || !p[key].is_string()) fail(pat + ": a " + type + " part needs a \"" + key + "\" string");
         if (type == "image" && p[key].get<std::string>().empty()) fail(pat + ": empty image path");
-        out.parts.push_back({type == "image", p[key].get<std::string>()});
+        out.parts.push_back({type == "image", false, p[key].get<std::string>()});
       }
     } else {
       fail(at + ": \"content\" must be a string or a list of parts, got " + kind_of(content));
@@ -110,16 +147,16 @@ Conversation parse_llava(const json& rec, Conversation c) {
     else if (from == "system") m.role = "system";
     else fail(at + ": unknown speaker '" + from + "' (from: human, gpt, system)");
     if (m.role != "user") {
-      m.parts.push_back({false, value});
+      m.parts.push_back({false, false, value});
     } else {
       size_t pos = 0;
       while (true) {
         const size_t hit = value.find("<image>", pos);
         const std::string piece = strip(value.substr(pos, hit == std::string::npos ? std::string::npos : hit - pos));
-        if (!piece.empty()) m.parts.push_back({false, piece});
+        if (!piece.empty()) m.parts.push_back({false, false, piece});
         if (hit == std::string::npos) break;
         ++placeholders;
-        if (next_image < images.size()) m.parts.push_back({true, images[next_image++]});
+        if (next_image < images.size()) m.parts.push_back({true, false, images[next_image++]});
         pos = hit + 7;
       }
     }
@@ -155,11 +192,85 @@ Conversation parse_line(const std::string& text, const std::string& file, long l
   return parse_record(rec, file, line);
 }
 
-std::string render_chat(const Conversation& conv) {
+VideoConfig VideoRef::config(const VideoConfig& base) const {
+  VideoConfig c = base;
+  for (const auto& [key, value] : settings) {
+    const VideoConfig checked = apply_video_overrides(c, key, value, where);
+    if (!(key == "fps" && !frames.empty())) c = checked;
+  }
+  return c;
+}
+
+std::string video_part_name(const VideoRef& v) {
+  return v.where + ": video '" + (v.path.empty() ? v.frames.at(0) + ", ..." : v.path) + "'";
+}
+
+VideoClip load_video_part(const VideoRef& v, const VideoConfig& base, const std::string& root,
+                          const std::string& name) {
+  namespace fs = std::filesystem;
+  const VideoConfig c = v.config(base);
+  if (v.frames.empty()) {  // a file: its frame count and rate from the container, only the sampled frames decoded
+    const fs::path path = fs::path(v.path).is_absolute() ? fs::path(v.path) : fs::path(root) / v.path;
+    if (!fs::is_regular_file(path)) fail(name + ": no such file " + path.string());
+    std::vector<RgbImage> frames;
+    std::vector<int64_t> idx;
+    double fps = 0;
+    try {
+      VideoFile file(path.string());
+      fps = file.info().fps;
+      idx = sample_frame_indices(file.info().frames, fps, c, name);
+      frames = file.frames(idx);
+    } catch (const Error& e) {
+      fail(name + ": " + e.what());
+    }
+    return resize_clip(std::move(frames), idx, fps, c, name);
+  }
+  const std::vector<int64_t> idx = sample_frame_indices(int64_t(v.frames.size()), v.source_fps(), c, name);
+  std::vector<RgbImage> frames;
+  for (int64_t i : idx) {
+    const std::string& rel = v.frames[size_t(i)];
+    const fs::path path = fs::path(rel).is_absolute() ? fs::path(rel) : fs::path(root) / rel;
+    const std::string fname = name + " frame " + std::to_string(i + 1) + " '" + rel + "'";
+    if (!fs::is_regular_file(path)) fail(fname + ": no such file " + path.string());
+    try {
+      frames.push_back(load_image(path.string()));
+    } catch (const Error& e) {
+      fail(fname + ": " + e.what());
+    }
+  }
+  return resize_clip(std::move(frames), idx, v.source_fps(), c, name);
+}
+
+double VideoRef::source_fps() const {
+  double fps = 2.0;
+  for (const auto& [key, value] : settings)
+    if (key == "fps") fps = value;
+  return fps;
+}
+
+std::string render_chat(const Conversation& conv, const std::vector<VideoGrid>* videos) {
+  if (videos && videos->size() != conv.videos.size())
+    fail(conv.where() + ": " + std::to_string(conv.videos.size()) + " video(s) but " +
+         std::to_string(videos->size()) + " processed");
   std::string s;
+  size_t video = 0;
   for (const ChatMessage& m : conv.messages) {
     s += "<|im_start|>" + m.role + "\n";
-    for (const ChatPart& p : m.parts) s += p.image ? "<|vision_start|><|image_pad|><|vision_end|>" : p.text;
+    for (const ChatPart& p : m.parts) {
+      if (p.image) {
+        s += "<|vision_start|><|image_pad|><|vision_end|>";
+      } else if (!p.video) {
+        s += p.text;
+      } else if (!videos) {
+        s += "<|vision_start|><|video_pad|><|vision_end|>";
+      } else {
+        const VideoGrid& v = (*videos)[video++];
+        if (v.timestamps.size() != size_t(v.grid.t))
+          fail(conv.where() + ": video " + std::to_string(video) + " has " + std::to_string(v.grid.t) +
+               " temporal patches but " + std::to_string(v.timestamps.size()) + " timestamps");
+        for (double t : v.timestamps) s += timestamp_text(t) + "<|vision_start|><|video_pad|><|vision_end|>";
+      }
+    }
     s += "<|im_end|>\n";
   }
   return s;
@@ -181,15 +292,23 @@ std::vector<int32_t> assistant_labels(const std::vector<int32_t>& ids, int32_t i
 }
 
 EncodedChat encode_conversation(const Conversation& conv, const Tokenizer& tok, const std::vector<ImageGrid>& grids,
-                                int merge) {
+                                int merge, const std::vector<VideoGrid>& videos) {
   if (grids.size() != conv.images.size())
     fail(conv.where() + ": " + std::to_string(conv.images.size()) + " image(s) but " + std::to_string(grids.size()) +
          " grid(s)");
-  const int32_t pad = tok.token_id("<|image_pad|>");
-  const std::vector<int32_t> text_ids = tok.encode(render_chat(conv));
+  const int32_t pad = tok.token_id("<|image_pad|>"), vpad = tok.token_id("<|video_pad|>");
+  const std::vector<int32_t> text_ids = tok.encode(render_chat(conv, &videos));
   EncodedChat out;
-  size_t image = 0;
+  size_t image = 0, video = 0, patch = 0;  // the next image; the next video and its next temporal patch
   for (int32_t id : text_ids) {
+    if (id == vpad) {
+      if (video == videos.size())
+        fail(conv.where() + ": the text contains <|video_pad|> itself; write videos as video parts");
+      const ImageGrid& g = videos[video].grid;
+      out.input_ids.insert(out.input_ids.end(), size_t(g.h) * g.w / (size_t(merge) * merge), vpad);
+      if (++patch == size_t(g.t)) patch = 0, ++video;
+      continue;
+    }
     if (id != pad) {
       out.input_ids.push_back(id);
       continue;
@@ -199,6 +318,8 @@ EncodedChat encode_conversation(const Conversation& conv, const Tokenizer& tok, 
            " image(s)); write images as image parts or <image>");
     out.input_ids.insert(out.input_ids.end(), size_t(image_tokens(grids[image++], merge)), pad);
   }
+  if (video != videos.size() || patch != 0)
+    fail(conv.where() + ": the text contains <|video_pad|> itself; write videos as video parts");
   out.labels = assistant_labels(out.input_ids, tok.token_id("<|im_start|>"), tok.token_id("assistant"),
                                 tok.token_id("<|im_end|>"));
   return out;

@@ -243,26 +243,30 @@ RgbImage decode_jpeg(const uint8_t* data, size_t size, const std::string& name, 
   return im;
 }
 
-// ---- PIL bicubic resampling (Pillow src/libImaging/Resample.c) ------------------------------------------
+// ---- Bicubic resampling: PIL's (Pillow src/libImaging/Resample.c) and torch's uint8 kernel ----------------------
+// Both convolve separably (horizontal pass first, uint8 in between) with integer taps: PIL with a fixed 22-bit
+// precision in int32; torch (ATen UpSampleKernel.cpp, _compute_index_ranges_int16_weights, the kernel torchvision's
+// resize runs on uint8 tensors with antialias) with int16 taps at the largest precision that fits the axis' largest
+// weight, and Keys' cubic written as ((a*x - 5a)*x + 8a)*x - 4a.
 
 constexpr int kPrecisionBits = 32 - 8 - 2;
 
-double bicubic(double x) {
+double bicubic(double x, bool torch) {
   constexpr double a = -0.5;
   if (x < 0.0) x = -x;
   if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
-  if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
+  if (x < 2.0) return torch ? ((a * x - 5 * a) * x + 8 * a) * x - 4 * a : (((x - 5) * x + 8) * x - 4) * a;
   return 0.0;
 }
 
-// Per output index: first input index, tap count, and ksize fixed-point taps.
+// Per output index: first input index, tap count, and ksize fixed-point taps at `prec` bits.
 struct Taps {
-  int ksize = 0;
+  int ksize = 0, prec = kPrecisionBits;
   std::vector<int> first, count;
   std::vector<int32_t> k;
 };
 
-Taps precompute_taps(int in_size, int out_size) {
+Taps precompute_taps(int in_size, int out_size, bool torch) {
   Taps t;
   const double scale = double(in_size) / out_size;
   const double filterscale = std::max(scale, 1.0);  // widen the kernel when shrinking (antialiasing)
@@ -271,30 +275,36 @@ Taps precompute_taps(int in_size, int out_size) {
   t.first.resize(out_size);
   t.count.resize(out_size);
   t.k.assign(size_t(out_size) * t.ksize, 0);
-  std::vector<double> w(t.ksize);
+  std::vector<double> w(size_t(out_size) * t.ksize, 0.0);
+  double wt_max = 0.0;
   for (int xx = 0; xx < out_size; ++xx) {
     const double center = (xx + 0.5) * scale;
     const double ss = 1.0 / filterscale;
-    // Truncating casts, as in Pillow.
+    // Truncating casts, as in Pillow and ATen.
     const int xmin = std::max(int(center - support + 0.5), 0);
-    const int xmax = std::min(int(center + support + 0.5), in_size) - xmin;
+    const int xmax = std::clamp(std::min(int(center + support + 0.5), in_size) - xmin, 0, t.ksize);
+    double* wx = &w[size_t(xx) * t.ksize];
     double ww = 0.0;
     for (int x = 0; x < xmax; ++x) {
-      w[x] = bicubic((x + xmin - center + 0.5) * ss);
-      ww += w[x];
+      wx[x] = bicubic((x + xmin - center + 0.5) * ss, torch);
+      ww += wx[x];
     }
-    for (int x = 0; x < xmax; ++x) {
-      const double v = ww != 0.0 ? w[x] / ww : w[x];
-      t.k[size_t(xx) * t.ksize + x] = v < 0 ? int(-0.5 + v * (1 << kPrecisionBits))
-                                            : int(0.5 + v * (1 << kPrecisionBits));
-    }
+    if (ww != 0.0)
+      for (int x = 0; x < xmax; ++x) wt_max = std::max(wt_max, wx[x] /= ww);
     t.first[xx] = xmin;
     t.count[xx] = xmax;
+  }
+  if (torch)  // the largest precision whose next step would not fit the largest weight in int16
+    for (t.prec = 0; t.prec < 22; ++t.prec)
+      if (int(0.5 + wt_max * (1 << (t.prec + 1))) >= (1 << 15)) break;
+  for (size_t i = 0; i < w.size(); ++i) {
+    const double v = w[i] * (1 << t.prec);
+    t.k[i] = v < 0 ? int(-0.5 + v) : int(0.5 + v);
   }
   return t;
 }
 
-inline uint8_t clip8(int32_t ss) { return uint8_t(std::clamp(ss >> kPrecisionBits, 0, 255)); }
+inline uint8_t clip8(int32_t ss, int prec) { return uint8_t(std::clamp(ss >> prec, 0, 255)); }
 
 }  // namespace
 
@@ -387,17 +397,18 @@ std::pair<int, int> smart_resize(int h, int w, int factor, long min_pixels, long
   return {int(hb), int(wb)};
 }
 
-RgbImage resize_bicubic(const RgbImage& in, int w, int h) {
+namespace {
+RgbImage resize_separable(const RgbImage& in, int w, int h, bool torch) {
   if (w <= 0 || h <= 0) fail("resize_bicubic: bad target size " + std::to_string(w) + "x" + std::to_string(h));
   // Pillow: horizontal pass first (only over the rows the vertical pass reads), uint8 in between.
-  const Taps tv = precompute_taps(in.h, h);
+  const Taps tv = precompute_taps(in.h, h, torch);
   const int y_first = tv.first[0];
   const int y_last = tv.first[h - 1] + tv.count[h - 1];
   RgbImage mid;
   int y_offset = 0;  // row of `in` that mid's row 0 is
   const RgbImage* src = &in;
   if (w != in.w) {
-    const Taps th = precompute_taps(in.w, w);
+    const Taps th = precompute_taps(in.w, w, torch);
     mid.w = w;
     mid.h = y_last - y_first;
     mid.px.resize(size_t(mid.w) * mid.h * 3);
@@ -407,15 +418,15 @@ RgbImage resize_bicubic(const RgbImage& in, int w, int h) {
       for (int xx = 0; xx < w; ++xx) {
         const int32_t* k = &th.k[size_t(xx) * th.ksize];
         const uint8_t* p = row + size_t(th.first[xx]) * 3;
-        int32_t s0 = 1 << (kPrecisionBits - 1), s1 = s0, s2 = s0;
+        int32_t s0 = 1 << (th.prec - 1), s1 = s0, s2 = s0;
         for (int x = 0; x < th.count[xx]; ++x, p += 3) {
           s0 += p[0] * k[x];
           s1 += p[1] * k[x];
           s2 += p[2] * k[x];
         }
-        out[xx * 3 + 0] = clip8(s0);
-        out[xx * 3 + 1] = clip8(s1);
-        out[xx * 3 + 2] = clip8(s2);
+        out[xx * 3 + 0] = clip8(s0, th.prec);
+        out[xx * 3 + 1] = clip8(s1, th.prec);
+        out[xx * 3 + 2] = clip8(s2, th.prec);
       }
     }
     src = &mid;
@@ -434,17 +445,22 @@ RgbImage resize_bicubic(const RgbImage& in, int w, int h) {
   for (int yy = 0; yy < h; ++yy) {
     const int32_t* k = &tv.k[size_t(yy) * tv.ksize];
     const uint8_t* base = &src->px[size_t(tv.first[yy] - y_offset) * stride];
-    std::fill(acc.begin(), acc.end(), 1 << (kPrecisionBits - 1));
+    std::fill(acc.begin(), acc.end(), 1 << (tv.prec - 1));
     for (int y = 0; y < tv.count[yy]; ++y) {
       const uint8_t* r = base + size_t(y) * stride;
       const int32_t ky = k[y];
       for (size_t i = 0; i < stride; ++i) acc[i] += r[i] * ky;
     }
     uint8_t* o = &out.px[size_t(yy) * stride];
-    for (size_t i = 0; i < stride; ++i) o[i] = clip8(acc[i]);
+    for (size_t i = 0; i < stride; ++i) o[i] = clip8(acc[i], tv.prec);
   }
   return out;
 }
+
+}  // namespace
+
+RgbImage resize_bicubic(const RgbImage& in, int w, int h) { return resize_separable(in, w, h, false); }
+RgbImage resize_bicubic_aa(const RgbImage& in, int w, int h) { return resize_separable(in, w, h, true); }
 
 RgbImage resize_for_model(const RgbImage& in, const ImageConfig& cfg, const std::string& name) {
   if (in.w < cfg.min_side || in.h < cfg.min_side)

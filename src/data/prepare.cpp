@@ -45,6 +45,8 @@ struct Prepared {
   EncodedChat enc;
   std::vector<RgbImage> images;
   std::vector<ImageGrid> grids;
+  std::vector<VideoClip> videos;
+  std::vector<ImageGrid> video_grids;
 };
 
 Prepared prepare_record(const std::string& text, long line, const PrepareOptions& opt, const fs::path& root,
@@ -77,8 +79,23 @@ Prepared prepare_record(const std::string& text, long line, const PrepareOptions
     out.images.push_back(resize_for_model(im, ic, name));
     out.grids.push_back({1, out.images.back().h / ic.patch, out.images.back().w / ic.patch});
   }
+  std::vector<VideoGrid> vgrids;
+  for (size_t k = 0; k < conv.videos.size(); ++k) {
+    const VideoRef& v = conv.videos[k];
+    try {
+      out.videos.push_back(load_video_part(v, opt.video, root.string(), video_part_name(v)));
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      throw BadSample{msg.find(": no such file ") != std::string::npos ? kMissing : kUnreadable, msg};
+    }
+    const VideoClip& clip = out.videos.back();
+    const ImageGrid g{clip.temporal_patches(opt.video.temporal_patch), clip.frames[0].h / opt.video.patch,
+                      clip.frames[0].w / opt.video.patch};
+    out.video_grids.push_back(g);
+    vgrids.push_back({g, clip_timestamps(clip.indices, clip.fps, opt.video.temporal_patch)});
+  }
   try {
-    out.enc = encode_conversation(conv, tok, out.grids, ic.merge);
+    out.enc = encode_conversation(conv, tok, out.grids, ic.merge, vgrids);
   } catch (const Error& e) {
     throw BadSample{kBadRecord, e.what()};
   }
@@ -174,7 +191,8 @@ void on_root(Comm& comm, F&& f) {
 std::string PrepareSummary::text() const {
   std::string s = "prepare: " + std::to_string(records) + " record(s) -> " + std::to_string(samples) + " sample(s) (" +
                   std::to_string(tokens) + " tokens, " + std::to_string(supervised) + " supervised, " +
-                  std::to_string(images) + " images) in " + std::to_string(shards) + " shard(s)";
+                  std::to_string(images) + " images" + (videos ? ", " + std::to_string(videos) + " videos" : "") +
+                  ") in " + std::to_string(shards) + " shard(s)";
   if (unsupervised > 0) s += "; " + std::to_string(unsupervised) + " sample(s) without supervised tokens";
   int64_t dropped_total = 0;
   std::string why;
@@ -214,7 +232,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
   };
 
   int64_t counts[kReasons] = {};
-  int64_t records = 0, samples = 0, tokens = 0, supervised = 0, images = 0, shards = 0;
+  int64_t records = 0, samples = 0, tokens = 0, supervised = 0, images = 0, shards = 0, videos = 0;
   long fail_line = LONG_MAX;
   std::string fail_msg;
   ShardBuilder builder;
@@ -234,7 +252,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
     ++records;
     try {
       Prepared p = prepare_record(text, line, opt, root, tok);
-      builder.add(p.enc.input_ids, p.enc.labels, p.images, p.grids, line);
+      builder.add(p.enc.input_ids, p.enc.labels, p.images, p.grids, line, p.videos, p.video_grids);
       ++samples;
       tokens += int64_t(p.enc.input_ids.size());
       const int64_t sup = std::count_if(p.enc.labels.begin(), p.enc.labels.end(), [](int32_t l) { return l != -100; });
@@ -243,6 +261,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
         log_warn(opt.input + ":" + std::to_string(line) + ": no supervised tokens (no assistant answer): the sample "
                  "teaches nothing");
       images += int64_t(p.images.size());
+      videos += int64_t(p.videos.size());
       if (long(builder.samples()) == opt.shard_size) flush();
     } catch (const BadSample& bad) {
       if (!opt.skip_bad) {
@@ -266,7 +285,7 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
     give_up(fail_msg + " (prepare.on_error = \"skip\" drops such samples)");
   }
 
-  std::vector<int64_t> tot{records, samples, tokens, supervised, images, shards, unsupervised};
+  std::vector<int64_t> tot{records, samples, tokens, supervised, images, shards, unsupervised, videos};
   tot.insert(tot.end(), counts, counts + kReasons);
   comm.all_reduce(tot.data(), tot.size(), DType::I64, ReduceOp::Sum);
   std::vector<int64_t> per_rank(size_t(size), 0);
@@ -277,9 +296,11 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
   std::string all_sums(size_t(tot[5]) * 16, '0');
   comm.all_gatherv(sums.data(), sums.size(), all_sums.data(), sum_counts, sum_displs, DType::U8);
 
-  PrepareSummary sum{tot[0], tot[1], tot[2], tot[3], tot[4], tot[5], tot[6], {}};
+  PrepareSummary sum;
+  sum.records = tot[0], sum.samples = tot[1], sum.tokens = tot[2], sum.supervised = tot[3], sum.images = tot[4];
+  sum.shards = tot[5], sum.unsupervised = tot[6], sum.videos = tot[7];
   for (int r = 0; r < kReasons; ++r)
-    if (tot[7 + r] > 0) sum.dropped[kReasonNames[r]] = tot[7 + r];
+    if (tot[8 + r] > 0) sum.dropped[kReasonNames[r]] = tot[8 + r];
   // A dataset that cannot train is refused here, not at the first step.
   if (sum.records == 0) give_up("prepare.input '" + opt.input + "' holds no records (an empty file?)");
   if (sum.samples == 0)
@@ -317,12 +338,24 @@ PrepareSummary prepare_dataset(const PrepareOptions& opt, const Tokenizer& tok, 
                   {"min_side", ic.min_side},
                   {"mean", {ic.mean[0], ic.mean[1], ic.mean[2]}},
                   {"std", {ic.std[0], ic.std[1], ic.std[2]}}}},
+                {"video",
+                 {{"patch", opt.video.patch},
+                  {"temporal_patch", opt.video.temporal_patch},
+                  {"merge", opt.video.merge},
+                  {"fps", opt.video.fps},
+                  {"min_frames", opt.video.min_frames},
+                  {"max_frames", opt.video.max_frames},
+                  {"min_pixels", opt.video.min_pixels},
+                  {"max_pixels", opt.video.max_pixels},
+                  {"mean", {opt.video.mean[0], opt.video.mean[1], opt.video.mean[2]}},
+                  {"std", {opt.video.std[0], opt.video.std[1], opt.video.std[2]}}}},
                 {"records", sum.records},
                 {"samples", sum.samples},
                 {"tokens", sum.tokens},
                 {"supervised_tokens", sum.supervised},
                 {"unsupervised_samples", sum.unsupervised},
                 {"images", sum.images},
+                {"videos", sum.videos},
                 {"dropped", sum.dropped},
                 {"shards", list}};
     {
@@ -353,6 +386,11 @@ int run_prepare(const Deck& deck) {
   opt.image.max_pixels = long(deck.integer("prepare.max_pixels"));
   opt.image.min_side = int(deck.integer("prepare.min_side"));
   if (opt.image.min_pixels > opt.image.max_pixels) fail_all("prepare.min_pixels is larger than prepare.max_pixels");
+  try {
+    opt.video = video_config(deck);
+  } catch (const Error& e) {
+    fail_all(e.what());
+  }
   std::unique_ptr<Tokenizer> tok;
   try {  // every rank reads the same file: the error is collective
     tok = std::make_unique<Tokenizer>(Tokenizer::load(deck.str("tokenizer.path")));

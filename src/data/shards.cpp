@@ -16,7 +16,7 @@ using json = nlohmann::json;
 
 namespace {
 
-const int64_t kShardVersion = 1;
+const int64_t kShardVersion = 2;  // 2: videos
 
 // Reads elements [off, off+n) of a 1-D dataset; the bounds were checked when the shard was opened.
 void read_slice(const H5File& f, const std::string& name, hid_t mem_type, uint64_t off, uint64_t n, void* out) {
@@ -48,7 +48,8 @@ void check_offsets(const std::vector<int64_t>& off, int64_t total, const std::st
 // ---- writing ----
 
 void ShardBuilder::add(const std::vector<int32_t>& input_ids, const std::vector<int32_t>& labels,
-                       const std::vector<RgbImage>& images, const std::vector<ImageGrid>& grids, long line) {
+                       const std::vector<RgbImage>& images, const std::vector<ImageGrid>& grids, long line,
+                       const std::vector<VideoClip>& videos, const std::vector<ImageGrid>& video_grids) {
   Q3VL_CHECK(input_ids.size() == labels.size() && images.size() == grids.size(), "sample parts disagree");
   ids_.insert(ids_.end(), input_ids.begin(), input_ids.end());
   labels_.insert(labels_.end(), labels.begin(), labels.end());
@@ -58,8 +59,23 @@ void ShardBuilder::add(const std::vector<int32_t>& input_ids, const std::vector<
     hw_.insert(hw_.end(), {images[k].h, images[k].w});
     grid_.insert(grid_.end(), {grids[k].t, grids[k].h, grids[k].w});
   }
+  Q3VL_CHECK(videos.size() == video_grids.size(), "videos and their grids disagree");
+  for (size_t i = 0; i < videos.size(); ++i) {
+    const VideoClip& v = videos[i];
+    Q3VL_CHECK(!v.frames.empty() && v.frames.size() == v.indices.size(), "a video without frames");
+    for (size_t k = 0; k < v.frames.size(); ++k) {
+      Q3VL_CHECK(v.frames[k].w == v.frames[0].w && v.frames[k].h == v.frames[0].h, "a video's frames differ");
+      vpixels_.insert(vpixels_.end(), v.frames[k].px.begin(), v.frames[k].px.end());
+      frame_idx_.push_back(v.indices[k]);
+    }
+    frame_off_.push_back(int64_t(frame_idx_.size()));
+    vhw_.insert(vhw_.end(), {v.frames[0].h, v.frames[0].w});
+    vgrid_.insert(vgrid_.end(), {video_grids[i].t, video_grids[i].h, video_grids[i].w});
+    vfps_.push_back(v.fps);
+  }
   token_off_.push_back(int64_t(ids_.size()));
   image_off_.push_back(int64_t(pixel_off_.size() - 1));
+  video_off_.push_back(int64_t(vfps_.size()));
   lines_.push_back(line);
 }
 
@@ -76,6 +92,15 @@ void ShardBuilder::write(const std::string& path, const std::string& source) {
     f.write("image_pixel_offsets", {m + 1}, pixel_off_);
     f.write("image_hw", {m, 2}, hw_);
     f.write("image_grid", {m, 3}, grid_);
+    const int64_t v = int64_t(vfps_.size());
+    f.write("sample_video_offsets", {n + 1}, video_off_);
+    f.write("video_frame_offsets", {v + 1}, frame_off_);
+    f.write("video_hw", {v, 2}, vhw_);
+    f.write("video_grid", {v, 3}, vgrid_);
+    f.write("video_fps", {v}, vfps_);
+    f.write("frame_index", {int64_t(frame_idx_.size())}, frame_idx_);
+    f.write("video_pixels", {int64_t(vpixels_.size())}, vpixels_);
+    f.set_attr("/", "videos", v);
     f.set_attr("/", "format", "q3vl-shard");
     f.set_attr("/", "version", kShardVersion);
     f.set_attr("/", "source", source);
@@ -99,6 +124,9 @@ struct ShardDataset::Shard {
   std::string name;
   std::vector<int64_t> token_off, image_off, lines, pixel_off;
   std::vector<int32_t> hw, grid;
+  std::vector<int64_t> video_off, frame_off, frame_idx, vpixel_off;  // vpixel_off: each video's first byte
+  std::vector<int32_t> vhw, vgrid;
+  std::vector<double> vfps;
   std::string checksum;   // from index.json ("" in datasets made before checksums were kept)
   bool verified = false;  // under mu_
 };
@@ -146,6 +174,13 @@ ShardDataset::ShardDataset(const std::string& path) {
     image_.max_pixels = im.at("max_pixels");
     image_.min_side = im.at("min_side");
     for (int c = 0; c < 3; ++c) image_.mean[c] = im.at("mean").at(c), image_.std[c] = im.at("std").at(c);
+    if (man.contains("video")) {
+      const json& vj = man.at("video");
+      video_.patch = vj.at("patch"), video_.temporal_patch = vj.at("temporal_patch"), video_.merge = vj.at("merge");
+      video_.fps = vj.at("fps"), video_.min_frames = vj.at("min_frames"), video_.max_frames = vj.at("max_frames");
+      video_.min_pixels = vj.at("min_pixels"), video_.max_pixels = vj.at("max_pixels");
+      for (int c = 0; c < 3; ++c) video_.mean[c] = vj.at("mean").at(c), video_.std[c] = vj.at("std").at(c);
+    }
     for (const json& e : man.at("shards"))
       entries.push_back({e.at("file").get<std::string>(), e.at("samples"), e.at("tokens"), e.at("images"),
                          e.value("checksum", std::string())});
@@ -160,7 +195,8 @@ ShardDataset::ShardDataset(const std::string& path) {
     std::unique_ptr<Shard> sh;
     try {
       sh = std::make_unique<Shard>(
-          Shard{H5File::open((fs::path(dir_) / name).string()), name, {}, {}, {}, {}, {}, {}, entry.checksum, false});
+          Shard{H5File::open((fs::path(dir_) / name).string()), name, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {},
+                entry.checksum, false});
     } catch (const Error& e) {
       fail(what + " cannot be opened (missing, truncated or corrupt): " + e.what());
     }
@@ -199,6 +235,7 @@ ShardDataset::ShardDataset(const std::string& path) {
           sh->grid[3 * k] != 1 || sh->grid[3 * k + 1] != h / image_.patch || sh->grid[3 * k + 2] != w / image_.patch)
         fail(what + ": image " + std::to_string(k) + " has an inconsistent size or grid (corrupt shard)");
     }
+    read_videos(*sh, n, what);
     for (size_t i = 0; i < sh->lines.size(); ++i) order_.push_back({sh->lines[i], uint32_t(shards_.size()), uint32_t(i)});
     shards_.push_back(std::move(sh));
   }
@@ -210,6 +247,65 @@ ShardDataset::ShardDataset(const std::string& path) {
   if (samples != int64_t(order_.size()))
     fail("dataset " + dir_ + ": index.json counts " + std::to_string(samples) + " samples, the shards hold " +
          std::to_string(order_.size()));
+}
+
+// The video datasets of a version-2 shard, checked like the images' (a version-1 shard has no videos).
+void ShardDataset::read_videos(Shard& sh, int64_t n, const std::string& what) const {
+  const H5File& f = sh.file;
+  if (!f.exists("sample_video_offsets")) {
+    sh.video_off.assign(size_t(n + 1), 0), sh.frame_off = {0}, sh.vpixel_off = {0};
+    return;
+  }
+  const int64_t v = f.has_attr("/", "videos") ? f.attr_int("/", "videos") : -1;
+  sh.video_off = f.read<int64_t>("sample_video_offsets");
+  sh.frame_off = f.read<int64_t>("video_frame_offsets");
+  sh.frame_idx = f.read<int64_t>("frame_index");
+  sh.vhw = f.read<int32_t>("video_hw");
+  sh.vgrid = f.read<int32_t>("video_grid");
+  sh.vfps = f.read<double>("video_fps");
+  if (v < 0 || sh.video_off.size() != size_t(n + 1) || sh.frame_off.size() != size_t(v + 1) ||
+      sh.vhw.size() != size_t(2 * v) || sh.vgrid.size() != size_t(3 * v) || sh.vfps.size() != size_t(v))
+    fail(what + ": the video datasets disagree in length (corrupt shard)");
+  check_offsets(sh.video_off, v, what + ": sample_video_offsets");
+  check_offsets(sh.frame_off, int64_t(sh.frame_idx.size()), what + ": video_frame_offsets");
+  const int side = video_.patch * video_.merge;
+  sh.vpixel_off = {0};
+  for (int64_t k = 0; k < v; ++k) {
+    const int h = sh.vhw[2 * k], w = sh.vhw[2 * k + 1];
+    const int64_t frames = sh.frame_off[k + 1] - sh.frame_off[k];
+    if (h <= 0 || w <= 0 || h % side || w % side || frames <= 0 || !(sh.vfps[k] > 0) ||
+        sh.vgrid[3 * k] != (frames + video_.temporal_patch - 1) / video_.temporal_patch ||
+        sh.vgrid[3 * k + 1] != h / video_.patch || sh.vgrid[3 * k + 2] != w / video_.patch)
+      fail(what + ": video " + std::to_string(k) + " has an inconsistent size, frame count or grid (corrupt shard)");
+    sh.vpixel_off.push_back(sh.vpixel_off.back() + frames * h * w * 3);
+  }
+  if (!f.is_dataset("video_pixels") || f.shape("video_pixels") != std::vector<int64_t>{sh.vpixel_off.back()})
+    fail(what + ": dataset 'video_pixels' is missing or misshapen");
+}
+
+std::vector<VideoClip> ShardDataset::videos(size_t index) const {
+  const Ref& r = at(index);
+  const Shard& sh = *shards_[r.shard];
+  std::vector<VideoClip> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  verify(*shards_[r.shard]);
+  for (int64_t k = sh.video_off[r.local]; k < sh.video_off[r.local + 1]; ++k) {
+    VideoClip c;
+    c.fps = sh.vfps[size_t(k)];
+    const int h = sh.vhw[2 * k], w = sh.vhw[2 * k + 1];
+    const size_t bytes = size_t(h) * w * 3;
+    for (int64_t fr = sh.frame_off[k]; fr < sh.frame_off[k + 1]; ++fr) {
+      RgbImage im;
+      im.h = h, im.w = w;
+      im.px.resize(bytes);
+      read_slice(sh.file, "video_pixels", H5T_NATIVE_UINT8,
+                 uint64_t(sh.vpixel_off[k]) + uint64_t(fr - sh.frame_off[k]) * bytes, bytes, im.px.data());
+      c.frames.push_back(std::move(im));
+      c.indices.push_back(sh.frame_idx[size_t(fr)]);
+    }
+    out.push_back(std::move(c));
+  }
+  return out;
 }
 
 const ShardDataset::Ref& ShardDataset::at(size_t index) const {
@@ -267,6 +363,10 @@ Sample ShardDataset::get(size_t index) const {
   for (const RgbImage& im : images(index)) {
     const ImageGrid g = patchify(im, image_, s.pixel_values);
     s.image_grid_thw.insert(s.image_grid_thw.end(), {g.t, g.h, g.w});
+  }
+  for (const VideoClip& v : videos(index)) {
+    const ImageGrid g = patchify_clip(v, video_, s.pixel_values_videos);
+    s.video_grid_thw.insert(s.video_grid_thw.end(), {g.t, g.h, g.w});
   }
   return s;
 }

@@ -354,12 +354,29 @@ void DevModel::grads_to_host(float* host_all) const {
   dev::to_host(ex_, host_all, grads_, size_t(table_.total()) * 4);
 }
 
+namespace {
+// Images as they are; with videos, every visual span in input order (model/layers.hpp's visual_input).
+template <class B>
+double forward_visual(const ModelConfig& cfg, const B& b, TokenStream&& s,
+                      const std::function<double(TokenStream&&, const std::vector<float>&,
+                                                 const std::vector<int64_t>&)>& run) {
+  if (b.video_grid_thw.empty() && b.pixel_values_videos.empty()) return run(std::move(s), b.pixel_values, b.image_grid_thw);
+  const VisualInput v = visual_input(cfg, s.ids, b.pixel_values, b.image_grid_thw, b.pixel_values_videos,
+                                     b.video_grid_thw);
+  return run(std::move(s), v.pixels, v.grid);
+}
+}  // namespace
+
 double DevModel::forward(const Batch& b, bool keep, std::vector<float>* logits_out, double* aux_out, bool aux_loss) {
-  return run(token_stream(b), b.pixel_values, b.image_grid_thw, keep, logits_out, aux_out, aux_loss);
+  return forward_visual(cfg_, b, token_stream(b), [&](TokenStream&& s, const auto& px, const auto& g) {
+    return run(std::move(s), px, g, keep, logits_out, aux_out, aux_loss);
+  });
 }
 double DevModel::forward(const PackedBatch& b, bool keep, std::vector<float>* logits_out, double* aux_out,
                          bool aux_loss) {
-  return run(token_stream(b), b.pixel_values, b.image_grid_thw, keep, logits_out, aux_out, aux_loss);
+  return forward_visual(cfg_, b, token_stream(b), [&](TokenStream&& s, const auto& px, const auto& g) {
+    return run(std::move(s), px, g, keep, logits_out, aux_out, aux_loss);
+  });
 }
 
 namespace {
@@ -475,12 +492,13 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
   }
   std::vector<int64_t> vis, sup, sup_t;
   for (int64_t i = 0; i < N; ++i) {
-    if (I.st.ids[i] == cfg_.image_token_id) vis.push_back(i);
+    if (cfg_.visual_token(I.st.ids[i])) vis.push_back(i);
     if (I.st.targets[i] != -100) sup.push_back(i), sup_t.push_back(I.st.targets[i]);
   }
   if (int64_t(vis.size()) * 4 != I.Np)
-    fail("image features and image tokens do not match: " + std::to_string(vis.size()) + " tokens with id " +
-         std::to_string(cfg_.image_token_id) + ", " + std::to_string(I.Np / 4) + " merged image features");
+    fail("vision features and placeholder tokens do not match: " + std::to_string(vis.size()) + " tokens with id " +
+         std::to_string(cfg_.image_token_id) + " or " + std::to_string(cfg_.video_token_id) + ", " +
+         std::to_string(I.Np / 4) + " merged vision features");
   I.nvis = int64_t(vis.size());
   I.nsup = int64_t(sup.size());
   count_ = I.nsup;
@@ -859,7 +877,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
            " tokens are in use");
   std::vector<int64_t> vis;
   for (int64_t i = 0; i < N; ++i)
-    if (pk.ids[i] == cfg_.image_token_id) vis.push_back(i);
+    if (cfg_.visual_token(pk.ids[i])) vis.push_back(i);
   const int64_t nvis = int64_t(vis.size());
   // A decode step (a new token per sequence, no image rows) is padded to Sp one-token segments, each padded one of
   // context 1 whose key goes nowhere (slot -1): every size below then depends on Sp alone, which a graph needs. Its

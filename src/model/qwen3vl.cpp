@@ -376,7 +376,7 @@ std::vector<T> BasicModel<T>::embed(const std::vector<int64_t>& ids, const std::
   // Image tokens are replaced by the image features, row-major over the batch, in pixel_values order.
   vis_.clear();
   for (int64_t i = 0; i < N; ++i)
-    if (ids[i] == cfg_.image_token_id) vis_.push_back(i);
+    if (cfg_.visual_token(ids[i])) vis_.push_back(i);
   if ((int64_t)vis_.size() * H != (int64_t)img.size())
     fail("image features and image tokens do not match: " + std::to_string(vis_.size()) + " tokens with id " +
          std::to_string(cfg_.image_token_id) + ", " + std::to_string(img.size() / H) + " merged image features");
@@ -596,10 +596,11 @@ StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>&
       for (int row = 0; row < 3; ++row) k.pos[row * N + k.cu[g] + i] = p >= 0 ? p : segs[g].pos3[row * n + i];
     }
   }
-  const int64_t nimg = (int64_t)std::count(k.ids.begin(), k.ids.end(), (int64_t)cfg.image_token_id);
+  const int64_t nimg = (int64_t)std::count_if(k.ids.begin(), k.ids.end(), [&](int64_t t) { return cfg.visual_token(t); });
   if (nimg * H != (int64_t)k.img.size())
-    fail("image features and image tokens do not match: " + std::to_string(nimg) + " tokens with id " +
-         std::to_string(cfg.image_token_id) + ", " + std::to_string(k.img.size() / H) + " merged image features");
+    fail("vision features and placeholder tokens do not match: " + std::to_string(nimg) + " tokens with id " +
+         std::to_string(cfg.image_token_id) + " or " + std::to_string(cfg.video_token_id) + ", " +
+         std::to_string(k.img.size() / H) + " merged vision features");
   if (any_ds) {
     for (size_t j = 0; j < nds; ++j)
       if ((int64_t)k.ds[j].size() != nimg * H) fail("step: DeepStack features do not match the image tokens");

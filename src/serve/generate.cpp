@@ -117,28 +117,49 @@ std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& p
 }
 
 GenPrompt encode_prompt(const Conversation& c, const std::vector<RgbImage>& images, const Tokenizer& tok,
-                        const ImageConfig& icfg) {
+                        const ImageConfig& icfg, const std::vector<VideoClip>& videos, const VideoConfig& vcfg) {
   if (images.size() != c.images.size())
     fail(c.where() + ": " + std::to_string(images.size()) + " pictures for " + std::to_string(c.images.size()) + " images");
-  GenPrompt p;
+  if (videos.size() != c.videos.size())
+    fail(c.where() + ": " + std::to_string(videos.size()) + " clips for " + std::to_string(c.videos.size()) + " videos");
   std::vector<ImageGrid> grids;
+  std::vector<std::vector<float>> ipix(images.size()), vpix(videos.size());
   for (size_t i = 0; i < images.size(); ++i) {
     try {
-      ImageGrid g = preprocess(images[i], icfg, p.pixels, c.images[i]);
-      grids.push_back(g);
-      p.grid.insert(p.grid.end(), {g.t, g.h, g.w});
+      grids.push_back(preprocess(images[i], icfg, ipix[i], c.images[i]));
     } catch (const Error& e) {
       fail(c.where() + ": image '" + c.images[i] + "': " + e.what());
     }
   }
-  const EncodedChat e = encode_conversation(c, tok, grids, icfg.merge);
+  std::vector<VideoGrid> vgrids;
+  for (size_t i = 0; i < videos.size(); ++i)
+    vgrids.push_back({patchify_clip(videos[i], vcfg, vpix[i]),
+                      clip_timestamps(videos[i].indices, videos[i].fps, vcfg.temporal_patch)});
+  const EncodedChat e = encode_conversation(c, tok, grids, icfg.merge, vgrids);
+  GenPrompt p;
   p.ids.assign(e.input_ids.begin(), e.input_ids.end());
   for (int32_t id : tok.encode("<|im_start|>assistant\n")) p.ids.push_back(id);
+  // The visual spans in prompt order: the parts' order, a video's temporal patches one by one.
+  size_t image = 0, video = 0;
+  for (const ChatMessage& m : c.messages)
+    for (const ChatPart& part : m.parts) {
+      if (part.image) {
+        const ImageGrid& g = grids[image];
+        p.pixels.insert(p.pixels.end(), ipix[image].begin(), ipix[image].end());
+        p.grid.insert(p.grid.end(), {g.t, g.h, g.w});
+        ++image;
+      } else if (part.video) {
+        const ImageGrid& g = vgrids[video].grid;
+        p.pixels.insert(p.pixels.end(), vpix[video].begin(), vpix[video].end());
+        for (int t = 0; t < g.t; ++t) p.grid.insert(p.grid.end(), {1, g.h, g.w});
+        ++video;
+      }
+    }
   return p;
 }
 
 GenPrompt make_prompt(const std::string& line_text, const std::string& file, long line, const Tokenizer& tok,
-                      const ImageConfig& icfg, int64_t max_context) {
+                      const ImageConfig& icfg, int64_t max_context, const VideoConfig& vcfg) {
   Conversation c = parse_line(line_text, file, line);
   // The answer the model is to give is not part of the prompt.
   while (!c.messages.empty() && c.messages.back().role == "assistant") c.messages.pop_back();
@@ -153,7 +174,10 @@ GenPrompt make_prompt(const std::string& line_text, const std::string& file, lon
       fail(c.where() + ": image '" + img + "': " + e.what());
     }
   }
-  GenPrompt p = encode_prompt(c, images, tok, icfg);
+  std::vector<VideoClip> videos;
+  for (const VideoRef& v : c.videos)
+    videos.push_back(load_video_part(v, vcfg, fs::path(file).parent_path().string(), video_part_name(v)));
+  GenPrompt p = encode_prompt(c, images, tok, icfg, videos, vcfg);
   if ((int64_t)p.ids.size() > max_context)
     fail(c.where() + ": the prompt has " + std::to_string(p.ids.size()) + " tokens, more than generate.max_context = " +
          std::to_string(max_context));
@@ -505,6 +529,8 @@ int run_generate(const Deck& deck) {
     const ModelConfig& cfg = src.cfg;
     const Tokenizer tok = load_tokenizer(deck, "generate");
     const ImageConfig icfg = image_config(deck, "generate", cfg);
+    VideoConfig vcfg = video_config(deck);
+    vcfg.patch = cfg.vision.patch, vcfg.temporal_patch = cfg.vision.temporal_patch, vcfg.merge = cfg.vision.merge;
 
     SamplingParams sp = model_sampling(cfg, tok);
     sp.temperature = deck.real("generate.temperature");
@@ -524,7 +550,7 @@ int run_generate(const Deck& deck) {
     for (std::string text; std::getline(f, text);) {
       ++ln;
       if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-      prompts.push_back(make_prompt(text, in, ln, tok, icfg, max_context));
+      prompts.push_back(make_prompt(text, in, ln, tok, icfg, max_context, vcfg));
       lines.push_back(ln);
     }
     // Nothing to answer would still replace the output with an empty file.

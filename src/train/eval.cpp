@@ -26,20 +26,24 @@ Batch read_batch_h5(const std::string& path, int64_t patch_dim) {
   };
   b.attention_mask = f.exists("attention_mask") ? same("attention_mask") : std::vector<int64_t>(b.input_ids.size(), 1);
   b.labels = f.exists("labels") ? same("labels") : std::vector<int64_t>(b.input_ids.size(), -100);
-  if (f.exists("pixel_values")) {
+  // pixel_values + image_grid_thw, pixel_values_videos + video_grid_thw: transformers' names, each pair optional.
+  const auto visual = [&](const char* px, const char* grid, std::vector<float>& pv, std::vector<int64_t>& g) {
+    if (!f.exists(px) && !f.exists(grid)) return;
+    if (!f.exists(px) || !f.exists(grid)) fail(path + ": " + px + " and " + grid + " go together");
     std::vector<int64_t> ps, gs;
-    b.pixel_values = f.read<float>("pixel_values", &ps);
+    pv = f.read<float>(px, &ps);
     if (ps.size() != 2 || ps[1] != patch_dim)
-      fail(path + ": pixel_values must be [Np," + std::to_string(patch_dim) + "], got " + shape_str(ps));
-    b.image_grid_thw = f.read<int64_t>("image_grid_thw", &gs);
-    if (gs.size() != 2 || gs[1] != 3) fail(path + ": image_grid_thw must be [Nimg,3], got " + shape_str(gs));
+      fail(path + ": " + px + " must be [N," + std::to_string(patch_dim) + "], got " + shape_str(ps));
+    g = f.read<int64_t>(grid, &gs);
+    if (gs.size() != 2 || gs[1] != 3) fail(path + ": " + grid + " must be [n,3], got " + shape_str(gs));
     int64_t patches = 0;
-    for (size_t i = 0; i < b.image_grid_thw.size(); i += 3)
-      patches += b.image_grid_thw[i] * b.image_grid_thw[i + 1] * b.image_grid_thw[i + 2];
+    for (size_t i = 0; i < g.size(); i += 3) patches += g[i] * g[i + 1] * g[i + 2];
     if (patches != ps[0])
-      fail(path + ": image_grid_thw describes " + std::to_string(patches) + " patches, pixel_values has " +
+      fail(path + ": " + grid + " describes " + std::to_string(patches) + " patches, " + px + " has " +
            std::to_string(ps[0]));
-  }
+  };
+  visual("pixel_values", "image_grid_thw", b.pixel_values, b.image_grid_thw);
+  visual("pixel_values_videos", "video_grid_thw", b.pixel_values_videos, b.video_grid_thw);
   return b;
 }
 
@@ -62,7 +66,7 @@ EvalResult evaluate(DevModel& model, Model& host, const Batch& batch, bool grads
 DevBudget budget_for(const Batch& batch, int64_t patch_dim) {
   DevBudget b;
   b.tokens = int64_t(batch.B) * batch.S;
-  b.patches = int64_t(batch.pixel_values.size()) / patch_dim;
+  b.patches = int64_t(batch.pixel_values.size() + batch.pixel_values_videos.size()) / patch_dim;
   b.segments = batch.B;
   return b;
 }

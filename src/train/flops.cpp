@@ -15,6 +15,11 @@ FlopCounts count_flops(const std::vector<PackedBatch>& micro) {
       c.patches += p;
       c.vision_keys += p * p;
     }
+    for (size_t i = 0; i + 2 < b.video_grid_thw.size(); i += 3) {  // attention within each temporal patch
+      const double t = double(b.video_grid_thw[i]), p = double(b.video_grid_thw[i + 1] * b.video_grid_thw[i + 2]);
+      c.patches += t * p;
+      c.vision_keys += t * p * p;
+    }
   }
   return c;
 }

@@ -78,30 +78,39 @@ bool Loader::load(size_t index, Sample& s) const {
   if (s.labels.size() != s.input_ids.size())
     fail(data_.describe(index) + ": labels and input_ids differ in length");
   if (n <= L) return true;
-  // Cut at L only between images: not inside a <|vision_start|> ... <|vision_end|> span and after a whole
-  // number of images' tokens.
+  // Cut at L only between images and videos: not inside a <|vision_start|> ... <|vision_end|> span and after a
+  // whole number of images' and of videos' tokens (a video cut between its temporal patches is not kept).
   bool inside = false;
-  int64_t img_tokens = 0;
+  int64_t img_tokens = 0, vid_tokens = 0;
   for (int64_t i = 0; i < L; ++i) {
     const int64_t t = s.input_ids[i];
     if (t == cfg_.vision_start_token_id) inside = true;
     else if (t == cfg_.vision_end_token_id) inside = false;
     img_tokens += t == cfg_.image_token_id;
+    vid_tokens += t == cfg_.video_token_id;
   }
   const int64_t m2 = int64_t(cfg_.vision.merge) * cfg_.vision.merge;
-  int64_t tokens = 0, rows = 0;
-  size_t keep = 0;
-  for (; keep * 3 + 2 < s.image_grid_thw.size(); ++keep) {
-    const int64_t* g = &s.image_grid_thw[keep * 3];
-    const int64_t patches = g[0] * g[1] * g[2];
-    if (tokens + patches / m2 > img_tokens) break;
-    tokens += patches / m2, rows += patches;
-  }
-  if (inside || tokens != img_tokens) return false;
+  // The leading grids whose tokens make up `want`: their count and pixel rows, or -1 when a grid is cut.
+  const auto whole = [&](const std::vector<int64_t>& grid, int64_t want, int64_t& rows) -> int64_t {
+    int64_t tokens = 0;
+    size_t keep = 0;
+    rows = 0;
+    for (; keep * 3 + 2 < grid.size(); ++keep) {
+      const int64_t patches = grid[keep * 3] * grid[keep * 3 + 1] * grid[keep * 3 + 2];
+      if (tokens + patches / m2 > want) break;
+      tokens += patches / m2, rows += patches;
+    }
+    return tokens == want ? int64_t(keep) : -1;
+  };
+  int64_t irows = 0, vrows = 0;
+  const int64_t ikeep = whole(s.image_grid_thw, img_tokens, irows), vkeep = whole(s.video_grid_thw, vid_tokens, vrows);
+  if (inside || ikeep < 0 || vkeep < 0) return false;
   s.input_ids.resize(L);
   s.labels.resize(L);
-  s.image_grid_thw.resize(keep * 3);
-  s.pixel_values.resize(size_t(rows) * cfg_.vision.patch_dim());
+  s.image_grid_thw.resize(size_t(ikeep) * 3);
+  s.pixel_values.resize(size_t(irows) * cfg_.vision.patch_dim());
+  s.video_grid_thw.resize(size_t(vkeep) * 3);
+  s.pixel_values_videos.resize(size_t(vrows) * cfg_.vision.patch_dim());
   return true;
 }
 
@@ -150,6 +159,9 @@ StepData Loader::next() {
       pb.cu_seqlens.push_back(int64_t(pb.input_ids.size()));
       pb.pixel_values.insert(pb.pixel_values.end(), s.pixel_values.begin(), s.pixel_values.end());
       pb.image_grid_thw.insert(pb.image_grid_thw.end(), s.image_grid_thw.begin(), s.image_grid_thw.end());
+      pb.pixel_values_videos.insert(pb.pixel_values_videos.end(), s.pixel_values_videos.begin(),
+                                    s.pixel_values_videos.end());
+      pb.video_grid_thw.insert(pb.video_grid_thw.end(), s.video_grid_thw.begin(), s.video_grid_thw.end());
     }
     out.tokens += int64_t(pb.input_ids.size());
     out.supervised += out.micro_supervised[b];

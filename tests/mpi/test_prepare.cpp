@@ -16,6 +16,7 @@
 #include "q3vl/data/prepare.hpp"
 #include "q3vl/data/shards.hpp"
 #include "q3vl/data/tokenizer.hpp"
+#include "q3vl/data/video_processor.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
 
 using namespace q3vl;
@@ -149,6 +150,106 @@ TEST(Prepare, RoundTripAgainstInput) {
 }
 
 // Rank 0 alone (shard size 3) and all ranks (shard size 2) make the same dataset.
+// Videos given as lists of frame images (qwen-vl-utils' form; files need the FFmpeg layer): sampled, resized, stored
+// as uint8 frames with their source indices and read back as pixel_values_videos / video_grid_thw, with the prompt
+// expanded per temporal patch; a record mixing a video and an image; a missing frame names the record and frame.
+TEST(Prepare, VideoFrameLists) {
+  World w;
+  SharedTmp tmp(w);
+  const int kFrames = 9;
+  if (w.r == 0) {
+    for (int f = 0; f < kFrames; ++f) {  // 40x30 frames: a square moving right
+      RgbImage im;
+      im.w = 40, im.h = 30;
+      im.px.assign(size_t(40 * 30 * 3), 20);
+      for (int y = 10; y < 20; ++y)
+        for (int x = 3 * f; x < 3 * f + 10; ++x) im.px[size_t(y * 40 + x) * 3] = 230;
+      write_png(tmp.dir + "/f" + std::to_string(f) + ".png", im);
+    }
+    write_png(tmp.dir + "/pic.png", load_image(kData + "img/a.png"));
+    std::ofstream o(tmp.dir + "/v.jsonl");
+    std::string frames;
+    for (int f = 0; f < kFrames; ++f) frames += std::string(f ? ", " : "") + "\"f" + std::to_string(f) + ".png\"";
+    o << R"({"messages": [{"role": "user", "content": [{"type": "video", "video": [)" << frames
+      << R"(], "fps": 4}, {"type": "text", "text": "Where does it go?"}]}, {"role": "assistant", "content": "Right."}]})"
+      << "\n";
+    o << R"({"messages": [{"role": "user", "content": [{"type": "image", "image": "pic.png"}, {"type": "video", "video": [)"
+      << frames << R"(], "max_frames": 4}]}, {"role": "assistant", "content": "A square."}]})" << "\n";
+    o << R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]})" << "\n";
+  }
+  w.comm.barrier();
+  PrepareOptions o = options("", tmp.dir + "/ds");
+  o.input = tmp.dir + "/v.jsonl";
+  const PrepareSummary sum = prepare_dataset(o, tokenizer(), w.comm);
+  EXPECT_EQ(sum.samples, 3);
+  EXPECT_EQ(sum.videos, 2);
+  EXPECT_EQ(sum.images, 1);
+  const ShardDataset ds(o.output);
+  ASSERT_EQ(ds.size(), 3u);
+  std::ifstream in(o.input);
+  std::string text;
+  for (size_t i = 0; i < 3 && std::getline(in, text); ++i) {
+    SCOPED_TRACE("line " + std::to_string(i + 1));
+    const Conversation c = parse_line(text, o.input, long(i + 1));
+    // Directly: sample, load, resize, patchify; the prompt with its timestamps.
+    std::vector<VideoGrid> vg;
+    std::vector<float> vpix;
+    std::vector<int64_t> vgrid;
+    for (const VideoRef& v : c.videos) {
+      const VideoConfig vc = v.config(o.video);
+      const auto idx = sample_frame_indices(int64_t(v.frames.size()), v.source_fps(), vc);
+      std::vector<RgbImage> fr;
+      for (int64_t k : idx) fr.push_back(load_image(tmp.dir + "/" + v.frames[size_t(k)]));
+      const VideoClip clip = resize_clip(fr, idx, v.source_fps(), vc);
+      const ImageGrid g = patchify_clip(clip, vc, vpix);
+      vgrid.insert(vgrid.end(), {g.t, g.h, g.w});
+      vg.push_back({g, clip_timestamps(idx, v.source_fps())});
+    }
+    std::vector<ImageGrid> ig;
+    std::vector<float> ipix;
+    for (const std::string& rel : c.images) ig.push_back(preprocess(load_image(tmp.dir + "/" + rel), o.image, ipix));
+    const EncodedChat e = encode_conversation(c, tokenizer(), ig, 2, vg);
+    const Sample s = ds.get(i);
+    EXPECT_EQ(s.input_ids, std::vector<int64_t>(e.input_ids.begin(), e.input_ids.end()));
+    EXPECT_EQ(s.labels, std::vector<int64_t>(e.labels.begin(), e.labels.end()));
+    EXPECT_EQ(s.video_grid_thw, vgrid);
+    EXPECT_EQ(s.pixel_values_videos, vpix);
+    EXPECT_EQ(s.pixel_values, ipix);
+  }
+  // Line 1: 9 frames at 4 fps -> int(9/4*2) = 4 frames 0, 3, 5, 8 (linspace 0, 2.67, 5.33, 8); two temporal
+  // patches, "<0.4 seconds>" and "<1.6 seconds>". Line 2: 9 frames at 2 fps (the default) -> 9, max_frames 4.
+  const auto clips = ds.videos(0);
+  ASSERT_EQ(clips.size(), 1u);
+  EXPECT_EQ(clips[0].indices, (std::vector<int64_t>{0, 3, 5, 8}));
+  EXPECT_EQ(clips[0].fps, 4.0);
+  const Sample first = ds.get(0);
+  const std::string prompt = tokenizer().decode(std::vector<int32_t>(first.input_ids.begin(), first.input_ids.end()));
+  EXPECT_NE(prompt.find("<0.4 seconds><|vision_start|><|video_pad|>"), std::string::npos) << prompt;
+  EXPECT_NE(prompt.find("<1.6 seconds><|vision_start|>"), std::string::npos) << prompt;
+  EXPECT_EQ(ds.videos(1).at(0).indices, (std::vector<int64_t>{0, 3, 5, 8}));
+  EXPECT_EQ(ds.videos(1).at(0).fps, 2.0);
+  EXPECT_TRUE(ds.videos(2).empty());
+
+  // A missing frame: the record, the video part and the frame are named.
+  if (w.r == 0) {
+    std::ofstream b(tmp.dir + "/bad.jsonl");
+    b << R"({"messages": [{"role": "user", "content": [{"type": "video", "video": ["f0.png", "gone.png"]}]}, )"
+      << R"({"role": "assistant", "content": "x"}]})" << "\n";
+  }
+  w.comm.barrier();
+  PrepareOptions ob = options("", tmp.dir + "/bad_ds");
+  ob.input = tmp.dir + "/bad.jsonl";
+  try {
+    prepare_dataset(ob, tokenizer(), w.comm);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.jsonl:1: message 1 part 1: video 'f0.png, ...' frame 2 'gone.png': no "
+                                         "such file"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Prepare, SameDatasetForAnyRankCount) {
   World w;
   SharedTmp tmp(w);

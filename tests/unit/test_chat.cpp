@@ -2,6 +2,7 @@
 // (tools/golden_chat.py -> tests/data/chat/golden.json), and every bad-record error by its message.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -120,8 +121,8 @@ TEST(Chat, BadRecords) {
              {"message 2 has no \"content\""});
   expect_bad(R"({"messages": [{"role": "user", "content": 3}]})",
              {"message 1: \"content\" must be a string or a list of parts, got a number"});
-  expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}]})",
-             {"message 1 part 1: unknown type 'video'"});
+  expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}]})",
+             {"message 1 part 1: unknown type 'audio' (types: text, image, video)"});
   expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "image"}]}]})",
              {"message 1 part 1: a image part needs a \"image\" string"});
   expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]})",
@@ -130,7 +131,7 @@ TEST(Chat, BadRecords) {
   expect_bad(R"({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]})",
              {"message 2: a system message must come first"});
   expect_bad(R"({"messages": [{"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}]})",
-             {"message 1: images are allowed in user turns only"});
+             {"message 1: images and videos are allowed in user turns only"});
   expect_bad(R"({"image": "a.png", "conversations": [{"from": "human", "value": "<image><image> hi"}]})",
              {"2 <image> placeholder(s) in human turns but 1 image(s)"});
   expect_bad(R"({"image": ["a.png", "b.png"], "conversations": [{"from": "human", "value": "<image> hi"}]})",
@@ -151,6 +152,71 @@ TEST(Chat, PadWrittenInText) {
         << e.what();
   }
   EXPECT_THROW(encode_conversation(c, tokenizer(), {{1, 2, 2}}), Error);  // a grid without an image
+}
+
+// A video part: the template's one pad replaced, per temporal patch, by "<T seconds>" + start + pads + end, and the
+// whole text tokenized at once as Qwen3VLProcessor does (the first timestamp joins the text before it: ":<" is one
+// pre-token, so tokenizing the pieces apart would differ).
+TEST(Chat, VideoExpansion) {
+  const Conversation c = parse_record(json::parse(R"({"messages": [
+      {"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                   {"type": "video", "video": "clip.mp4", "fps": 1, "max_frames": 8},
+                                   {"type": "image", "image": "x.png"}, {"type": "text", "text": "What moves?"}]},
+      {"role": "assistant", "content": "A ball."}]})"), "v.jsonl", 2);
+  ASSERT_EQ(c.videos.size(), 1u);
+  EXPECT_EQ(c.videos[0].path, "clip.mp4");
+  EXPECT_EQ(c.videos[0].config({}).fps, 1.0);
+  EXPECT_EQ(c.videos[0].config({}).max_frames, 8);
+  EXPECT_EQ(render_chat(c), "<|im_start|>user\nLook:<|vision_start|><|video_pad|><|vision_end|>"
+                            "<|vision_start|><|image_pad|><|vision_end|>What moves?<|im_end|>\n"
+                            "<|im_start|>assistant\nA ball.<|im_end|>\n");
+  const VideoGrid v{{2, 4, 6}, {0.3, 1.5}};  // 2 temporal patches of 4x6 patches: 6 pads each
+  const EncodedChat e = encode_conversation(c, tokenizer(), {{1, 2, 2}}, 2, {v});
+  std::string pads6;
+  for (int k = 0; k < 6; ++k) pads6 += "<|video_pad|>";
+  const std::string expanded = "<|im_start|>user\nLook:<0.3 seconds><|vision_start|>" + pads6 +
+                               "<|vision_end|><1.5 seconds><|vision_start|>" + pads6 +
+                               "<|vision_end|><|vision_start|><|image_pad|><|vision_end|>What moves?<|im_end|>\n"
+                               "<|im_start|>assistant\nA ball.<|im_end|>\n";
+  EXPECT_EQ(e.input_ids, tokenizer().encode(expanded));
+  const auto vpad = tokenizer().token_id("<|video_pad|>");
+  EXPECT_EQ(std::count(e.input_ids.begin(), e.input_ids.end(), vpad), 12);
+  std::vector<int32_t> apart = tokenizer().encode("<|im_start|>user\nLook:");
+  const auto ts = tokenizer().encode("<0.3 seconds>");
+  apart.insert(apart.end(), ts.begin(), ts.end());
+  EXPECT_NE(std::vector<int32_t>(e.input_ids.begin(), e.input_ids.begin() + long(apart.size())), apart);
+  // Labels: only the answer.
+  int supervised = 0;
+  for (int32_t l : e.labels) supervised += l != -100;
+  EXPECT_EQ(supervised, int(tokenizer().encode("A ball.<|im_end|>\n").size()));
+  EXPECT_THROW(encode_conversation(c, tokenizer(), {{1, 2, 2}}), Error);  // no processed video
+}
+
+TEST(Chat, BadVideoParts) {
+  const auto expect_bad = [](const char* rec, const std::string& want) {
+    try {
+      parse_record(json::parse(rec), "v.jsonl", 9);
+      ADD_FAILURE() << "no error for " << rec;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "video"}]}]})",
+             "v.jsonl:9: message 1 part 1: a video part needs a \"video\"");
+  expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "video", "video": []}]}]})",
+             "v.jsonl:9: message 1 part 1: a video part with no frames");
+  expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4", "nframes": 4}]}]})",
+             "v.jsonl:9: message 1 part 1: unknown key \"nframes\" in a video part");
+  expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4", "fps": "2"}]}]})",
+             "v.jsonl:9: message 1 part 1: \"fps\" must be a number");
+  expect_bad(R"({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4", "max_frames": 0}]}]})",
+             "v.jsonl:9: message 1 part 1: \"max_frames\" must be a whole number");
+  expect_bad(R"({"messages": [{"role": "assistant", "content": [{"type": "video", "video": "a.mp4"}]}]})",
+             "v.jsonl:9: message 1: images and videos are allowed in user turns only");
+  const Conversation ok = parse_record(json::parse(R"({"messages": [{"role": "user", "content": [
+      {"type": "video", "video": ["f0.png", "f1.png"], "fps": 4}]}]})"), "v.jsonl", 1);
+  EXPECT_EQ(ok.videos.at(0).frames, (std::vector<std::string>{"f0.png", "f1.png"}));
+  EXPECT_TRUE(ok.videos[0].path.empty());
 }
 
 }  // namespace

@@ -14,6 +14,8 @@ struct Sample {
   std::vector<int64_t> labels;          // [n], -100 where not supervised; unshifted (HF convention)
   std::vector<float> pixel_values;      // [Np * 1536], the sample's images in order, normalised
   std::vector<int64_t> image_grid_thw;  // [Nimg * 3]
+  std::vector<float> pixel_values_videos;  // [Nv * 1536], the sample's videos in order (data/video_processor.hpp)
+  std::vector<int64_t> video_grid_thw;     // [Nvid * 3]
 };
 
 class Dataset {

@@ -62,6 +62,9 @@ std::pair<int, int> smart_resize(int h, int w, int factor, long min_pixels, long
 
 // PIL's Image.resize((w, h), Image.BICUBIC) on 8-bit RGB, bit for bit.
 RgbImage resize_bicubic(const RgbImage& in, int w, int h);
+// torch's uint8 bicubic resize with antialias (torchvision.transforms.v2.functional.resize on a uint8 tensor on the
+// CPU, what transformers' video processor runs), bit for bit: int16 taps at a per-axis precision.
+RgbImage resize_bicubic_aa(const RgbImage& in, int w, int h);
 
 // The resized uint8 image the model sees (what the dataset stores); checks min_side and aspect ratio.
 RgbImage resize_for_model(const RgbImage& in, const ImageConfig& cfg, const std::string& name);

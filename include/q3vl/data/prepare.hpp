@@ -18,6 +18,7 @@
 
 #include "q3vl/core/deck.hpp"
 #include "q3vl/data/image.hpp"
+#include "q3vl/data/video_processor.hpp"
 
 namespace q3vl {
 
@@ -33,10 +34,11 @@ struct PrepareOptions {
   bool skip_bad = false;   // on_error = "skip"
   bool overwrite = false;  // replace a dataset already in `output`
   ImageConfig image;
+  VideoConfig video;  // the run's video settings (video_config); a video part's own settings override them
 };
 
 struct PrepareSummary {
-  int64_t records = 0, samples = 0, tokens = 0, supervised = 0, images = 0, shards = 0;
+  int64_t records = 0, samples = 0, tokens = 0, supervised = 0, images = 0, shards = 0, videos = 0;
   int64_t unsupervised = 0;                // samples without a supervised token (kept, counted, reported)
   std::map<std::string, int64_t> dropped;  // reason -> count (reasons with a count only)
   std::string text() const;                // one line for the log

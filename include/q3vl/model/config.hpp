@@ -76,6 +76,8 @@ struct ModelConfig {
   LoraConfig lora;                  // from the deck's [lora], never from config.json
 
   bool moe() const { return text.num_experts > 0; }
+  // A placeholder the vision tower's features replace: an image's or a video's.
+  bool visual_token(int64_t id) const { return id == image_token_id || id == video_token_id; }
   bool is_moe_layer(int l) const;   // HF rule: not in mlp_only_layers and (l+1) % decoder_sparse_step == 0
   bool operator==(const ModelConfig&) const = default;
 };

@@ -22,6 +22,8 @@ struct Batch {
   std::vector<int64_t> input_ids, attention_mask, labels;  // [B*S]
   std::vector<float> pixel_values;                          // [Np * 1536], all images in order
   std::vector<int64_t> image_grid_thw;                      // [Nimg * 3]
+  std::vector<float> pixel_values_videos;                   // [Nv * 1536], all videos in order
+  std::vector<int64_t> video_grid_thw;                      // [Nvid * 3]
 };
 
 // Several samples concatenated in one stream (training). Sample s = tokens [cu_seqlens[s], cu_seqlens[s+1]);
@@ -31,6 +33,8 @@ struct PackedBatch {
   std::vector<int64_t> input_ids, labels, cu_seqlens;
   std::vector<float> pixel_values;
   std::vector<int64_t> image_grid_thw;
+  std::vector<float> pixel_values_videos;
+  std::vector<int64_t> video_grid_thw;
 };
 
 // The token stream a forward runs on: padded positions dropped, labels shifted inside each sample. orig: the row in

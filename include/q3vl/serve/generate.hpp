@@ -11,6 +11,7 @@
 
 #include "q3vl/core/deck.hpp"
 #include "q3vl/data/image.hpp"
+#include "q3vl/data/video_processor.hpp"
 #include "q3vl/model/qwen3vl.hpp"
 
 namespace q3vl {
@@ -35,9 +36,11 @@ struct SamplingParams {
 int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, std::mt19937_64& rng);
 
 struct GenPrompt {
-  std::vector<int64_t> ids;  // the templated prompt, image pads expanded
-  std::vector<float> pixels;  // its images, patchified
-  std::vector<int64_t> grid;  // [Nimg * 3]
+  std::vector<int64_t> ids;  // the templated prompt, image and video pads expanded
+  // Its visual spans in prompt order, patchified: an image, or one temporal patch of a video as a grid [1, h, w]
+  // (model/layers.hpp's visual_input: what mrope_positions, vision_features and step take).
+  std::vector<float> pixels;
+  std::vector<int64_t> grid;  // [spans * 3]
 };
 
 struct GenResult {
@@ -64,13 +67,16 @@ std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& p
 // One JSONL record as a generation prompt: the chat template of data/chat.hpp with the assistant turns at the end
 // dropped and "<|im_start|>assistant\n" appended; images read relative to the JSONL file's folder. Errors name
 // file:line (bad record, unknown role, missing or unreadable image, prompt longer than max_context tokens).
+// Videos: files (FFmpeg, only the sampled frames decoded) or lists of frame images, relative to the same folder.
 GenPrompt make_prompt(const std::string& line_text, const std::string& file, long line, const Tokenizer& tok,
-                      const ImageConfig& icfg, int64_t max_context);
+                      const ImageConfig& icfg, int64_t max_context, const VideoConfig& vcfg = {});
 
 // generate's make_prompt after parsing, and serve's: a conversation whose images are given decoded (in
 // c.images order) -> template, image pads, pixels, "<|im_start|>assistant\n" appended. Errors name c.where().
+// Videos given sampled and resized (in c.videos order, data/video_processor.hpp's VideoClip), patchified with vcfg.
 GenPrompt encode_prompt(const Conversation& c, const std::vector<RgbImage>& images, const Tokenizer& tok,
-                        const ImageConfig& icfg);
+                        const ImageConfig& icfg, const std::vector<VideoClip>& videos = {},
+                        const VideoConfig& vcfg = {});
 
 // The model generate and serve run, chosen by the deck: model.hf, model.preset (random weights) or the checkpoint
 // under checkpoint_key (a file, or a folder: its newest complete checkpoint; config from the checkpoint).

@@ -10,7 +10,8 @@
 namespace q3vl {
 
 // BATCH.h5: input_ids, attention_mask, labels (int64 [B,S]), pixel_values (f32 [Np,1536]), image_grid_thw
-// (int64 [Nimg,3]); pixel_values and image_grid_thw may be absent for text-only batches.
+// (int64 [Nimg,3]), pixel_values_videos (f32 [Nv,1536]) and video_grid_thw (int64 [Nvid,3]); each pixel/grid pair may
+// be absent.
 Batch read_batch_h5(const std::string& path, int64_t patch_dim);
 
 struct EvalResult {

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Videos given as lists of frame images (issue 31) through `q3vl prepare`, `q3vl train` and `q3vl generate` on a
+# random tiny model: the shards hold the videos, training on them runs, generate answers a video prompt with the
+# host and the device model alike, and bad video parts fail naming file, line and part. The processor and model
+# parity are tests/unit/test_video*.cpp; prepare's round trip is tests/mpi/test_prepare.cpp.
+source "$(dirname "$0")/../lib.sh"
+run() { "$@" >"$tmp/log" 2>&1 || { bad "$* failed: $(tail -5 "$tmp/log")"; return 1; }; }
+
+# Frames: synth's pictures (all one size), 8 of them as a clip.
+run $q synth synth.dir=$tmp/d synth.train_samples=8 synth.eval_samples=1 synth.seed=5 || { finish; exit; }
+frames=$(ls $tmp/d/images | head -8 | sed 's|^|"images/|; s|$|"|' | paste -sd, -)
+cat >$tmp/d/video.jsonl <<EOF
+{"messages": [{"role": "user", "content": [{"type": "video", "video": [$frames]}, {"type": "text", "text": "What moves?"}]}, {"role": "assistant", "content": "A shape."}]}
+{"messages": [{"role": "user", "content": [{"type": "image", "image": "images/$(ls $tmp/d/images | head -1)"}, {"type": "video", "video": [$frames], "fps": 4, "max_frames": 4}, {"type": "text", "text": "And here?"}]}, {"role": "assistant", "content": "The same."}]}
+{"messages": [{"role": "user", "content": "No video."}, {"role": "assistant", "content": "Fine."}]}
+EOF
+
+# prepare: three samples, two videos, one image; the manifest carries the video settings.
+run $q prepare prepare.input=$tmp/d/video.jsonl prepare.output=$tmp/ds prepare.min_pixels=4096 &&
+  grep -q "3 sample(s) .* 1 images, 2 videos" $tmp/log && pass "prepare: 3 samples, 1 image, 2 videos" ||
+  bad "prepare summary: $(grep prepare: $tmp/log)"
+$py - "$tmp/ds" <<'EOF' && pass "shards hold the sampled frames, grids and source indices" || bad "shard contents"
+import h5py, json, sys, glob
+man = json.load(open(sys.argv[1] + "/index.json"))
+assert man["videos"] == 2 and man["video"]["fps"] == 2 and man["video"]["max_frames"] == 768, man
+grids, idx = [], []
+for f in sorted(glob.glob(sys.argv[1] + "/shard-*.h5")):
+    h = h5py.File(f)
+    grids += h["video_grid"][()].tolist()
+    idx += h["frame_index"][()].tolist()
+# 8 frames at 2 fps (qwen-vl-utils' default for frame lists): all 8 -> 4 temporal patches; at 4 fps with
+# max_frames 4: int(8/4*2) = 4 frames, linspace(0, 7, 4) rounded = 0, 2, 5, 7 -> 2 temporal patches.
+assert [g[0] for g in grids] == [4, 2], grids
+assert idx == list(range(8)) + [0, 2, 5, 7], idx
+EOF
+
+# train: two steps on the video dataset.
+run $q train input/train_tiny.deck train.dataset=$tmp/ds train.steps=2 train.global_batch=3 train.micro_batch=1 data.seq_len=4096 checkpoint.every=0 run.out_dir=$tmp/out \
+  run.timing=false && pass "train runs on videos" || true
+[[ -s $tmp/out/metrics.jsonl ]] && holds 'x[0] > 0' "$($py -c "import json,sys; print(json.loads(open('$tmp/out/metrics.jsonl').readlines()[-1])['loss'])")" &&
+  pass "a finite training loss" || bad "metrics: $(tail -1 $tmp/out/metrics.jsonl 2>/dev/null)"
+
+# generate: answers to video prompts, the same in a batch of 3 and one by one (each prompt's visual spans stay its own).
+gen() { $q generate model.preset=tiny generate.prompts=$tmp/d/video.jsonl generate.min_pixels=4096 \
+          generate.max_new_tokens=5 run.timing=false "$@"; }
+run gen generate.output=$tmp/a.jsonl &&
+  run gen generate.output=$tmp/b.jsonl generate.batch=1
+[[ $(wc -l <$tmp/a.jsonl) -eq 3 ]] && pass "3 answers" || bad "answers: $(cat $tmp/a.jsonl)"
+$py - "$tmp/a.jsonl" <<'EOF' && pass "video prompts carry their pads" || bad "prompt sizes: $(cat $tmp/a.jsonl)"
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])]
+# Line 1: 4 temporal patches of the synth pictures' grid; line 2 adds an image and 2 patches; line 3 is text.
+assert r[0]["prompt_tokens"] > r[2]["prompt_tokens"] + 4 * 5 and r[1]["prompt_tokens"] > r[2]["prompt_tokens"], r
+EOF
+cmp -s $tmp/a.jsonl $tmp/b.jsonl && pass "video prompts: batch 3 == one by one" ||
+  bad "batching changes video answers: $(diff $tmp/a.jsonl $tmp/b.jsonl | head -4)"
+
+# A real file (FFmpeg): 2 s at 10 fps -> int(20/10*2) = 4 frames, linspace(0, 19, 4) rounded = 0, 6, 13, 19; a
+# truncated file fails naming the record and the file.
+if needs "video files" ffmpeg; then
+  ffmpeg -loglevel error -f lavfi -i testsrc=size=64x48:rate=10:duration=2 -pix_fmt yuv420p $tmp/d/clip.mp4 &&
+    head -c 3000 $tmp/d/clip.mp4 >$tmp/d/cut.mp4
+  printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "Colours?"}]}, {"role": "assistant", "content": "Many."}]}' >$tmp/d/file.jsonl
+  run $q prepare prepare.input=$tmp/d/file.jsonl prepare.output=$tmp/fds &&
+    $py -c "import h5py, glob, sys; h = h5py.File(glob.glob('$tmp/fds/shard-*.h5')[0]); \
+sys.exit(not (h['frame_index'][()].tolist() == [0, 6, 13, 19] and h['video_grid'][()].tolist() == [[2, 4, 4]] \
+and h['video_fps'][()].tolist() == [10.0]))" && pass "a video file: sampled frames 0 6 13 19, grid 2x4x4" ||
+    bad "video file shard: $(tail -3 $tmp/log)"
+  run gen generate.prompts=$tmp/d/file.jsonl generate.output=$tmp/f.jsonl && [[ $(wc -l <$tmp/f.jsonl) -eq 1 ]] &&
+    pass "generate answers a video file" || bad "generate on a video file"
+  printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": "cut.mp4"}]}]}' >$tmp/d/cut.jsonl
+  expect "a truncated video file is named" 1 "cut.jsonl:1: message 1 part 1: video 'cut.mp4'" \
+    gen generate.prompts=$tmp/d/cut.jsonl generate.output=$tmp/x.jsonl
+fi
+
+# Bad video parts: named by file, line and part; nothing written.
+printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": ["images/nope.png", "images/nope2.png"]}]}]}' >$tmp/d/bad1.jsonl
+expect "a missing frame is named" 1 "bad1.jsonl:1: message 1 part 1: video 'images/nope.png, ...' frame 1 'images/nope.png': no such file" \
+  gen generate.prompts=$tmp/d/bad1.jsonl generate.output=$tmp/x.jsonl
+printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4", "frames": 8}]}]}' >$tmp/d/bad2.jsonl
+expect "an unknown video key is named" 1 "bad2.jsonl:1: message 1 part 1: unknown key \"frames\" in a video part" \
+  gen generate.prompts=$tmp/d/bad2.jsonl generate.output=$tmp/x.jsonl
+[[ ! -e $tmp/x.jsonl ]] && pass "nothing written for bad prompts" || bad "an output was written"
+expect "prepare names a bad video setting" 1 "bad3.jsonl:1: message 1 part 1: \"max_frames\" must be a whole number" \
+  bash -c "printf '%s\n' '{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"video\", \"video\": \"c.mp4\", \"max_frames\": -2}]}, {\"role\": \"assistant\", \"content\": \"x\"}]}' >$tmp/d/bad3.jsonl && $q prepare prepare.input=$tmp/d/bad3.jsonl prepare.output=$tmp/ds3"
+finish
