@@ -13,6 +13,7 @@
 #include <sstream>
 #include <thread>
 #include <chrono>
+#include <fstream>
 
 #ifdef Q3VL_CUDA
 #include <cuda_runtime_api.h>
@@ -188,6 +189,15 @@ void agree_or_fail(Comm& c, const std::string& err) {
     msg = "rank " + std::to_string(c.world_rank(int(first))) + " (" + host + "): " + msg;
   }
   fail_all(msg);
+}
+
+int64_t available_memory() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  while (f >> key >> kib)
+    if (key == "MemAvailable:") return kib * 1024;
+  return int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGE_SIZE));
 }
 
 void idle_barrier(Comm& c, const std::string& what) {

@@ -4,12 +4,10 @@
 #include "q3vl/serve/runner.hpp"
 
 #include <mpi.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <fstream>
 #include <thread>
 
 #include "q3vl/core/error.hpp"
@@ -46,16 +44,6 @@ void watched(Comm& c, const char* what, bool counted, F start) {
   if (counted) op->seq = c.begin_collective();
   start(&op->r);
   c.wait(std::move(op));
-}
-
-// MemAvailable of /proc/meminfo (what the kernel can give without swapping), else the free pages.
-int64_t available_memory() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  while (f >> key >> kib)
-    if (key == "MemAvailable:") return kib * 1024;
-  return int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGE_SIZE));
 }
 
 // The step plan's header, which the waiting ranks receive with short sleeps and no deadline (MPICH spins in a blocking

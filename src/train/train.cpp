@@ -171,16 +171,6 @@ std::vector<CkptSlice> ckpt_slices(const ZeroEngine& e, const ParamTable& t, con
   return out;
 }
 
-// MemAvailable of /proc/meminfo (what the kernel can give without swapping), else the free pages.
-int64_t available_memory() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  while (f >> key >> kib)
-    if (key == "MemAvailable:") return kib * 1024;
-  return int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGE_SIZE));
-}
-
 // parallel.offload_optimizer = "cpu": the node must hold its ranks' host bytes, the largest rank's times the ranks (the
 // host engine's shards that train keeps on every path, `engine`, where the optimizer updates the masters and moments
 // in place; the trainer's own sizing, `need`: the pinned staging), checked against MemAvailable before anything is

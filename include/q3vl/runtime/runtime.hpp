@@ -1,6 +1,7 @@
 // The MPI process: init/finalize, where this rank runs (host, node, local rank, GPU), the world
 // communicator, the resolved deck on every rank, and how errors end the run.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,10 @@ void agree_or_fail(Comm& c, const std::string& err);
 // Where rank 0 alone works (generate, eval, synth) and the others wait for it: no deadline (the work may take
 // hours), but a silent rank still ends the job (the liveness watchdog). Collective.
 void idle_barrier(Comm& c, const std::string& what);
+
+// This node's memory the kernel can give without swapping (/proc/meminfo's MemAvailable, else the free pages):
+// what serve's KV cache on the CPU and train's optimizer offload are sized and checked against.
+int64_t available_memory();
 
 // How the app ends a run on an error (see core/error.hpp for the two kinds).
 [[noreturn]] void exit_collective(const std::string& msg);  // rank 0 prints, all finalize, exit 1
