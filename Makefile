@@ -20,10 +20,16 @@ CPPFLAGS := -Iinclude -Isrc -I/usr/include/hdf5/mpich -I/usr/include/x86_64-linu
             -DQ3VL_GIT='"$(shell git describe --always --dirty 2>/dev/null || echo unknown)"'
 LDLIBS   := -L/usr/lib/x86_64-linux-gnu/hdf5/mpich -Wl,-rpath,/usr/lib/x86_64-linux-gnu/hdf5/mpich \
             -lhdf5 -lopenblas -lpcre2-8 -lpng -ljpeg -lcpp-httplib -lpthread
-# FFmpeg's libraries decode videos (src/data/video_decode.cpp).
+# FFmpeg's libraries decode videos (src/data/video_decode.cpp). FFMPEG=0 builds without them (a node without
+# FFmpeg; videos given as lists of frame images still work, video files are refused by name); switch after make clean.
+FFMPEG ?= 1
+ifeq ($(FFMPEG),1)
 FFMPEG_LIBS := libavformat libavcodec libswscale libavutil
 CPPFLAGS += $(shell pkg-config --cflags $(FFMPEG_LIBS) 2>/dev/null)
 LDLIBS   += $(or $(shell pkg-config --libs $(FFMPEG_LIBS) 2>/dev/null),-lavformat -lavcodec -lswscale -lavutil)
+else
+CPPFLAGS += -DQ3VL_FFMPEG=0
+endif
 
 # CUDA backend: on when nvcc is found, unless CUDA=0.
 NVCC ?= $(shell command -v nvcc 2>/dev/null || (test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc))

@@ -8,6 +8,18 @@
 // and count frames instead, as the ffmpeg command line does.
 #include "q3vl/data/video.hpp"
 
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "q3vl/core/error.hpp"
+
+#ifndef Q3VL_FFMPEG
+#define Q3VL_FFMPEG 1
+#endif
+
+#if Q3VL_FFMPEG
 extern "C" {
 #include <libavcodec/avcodec.h>
 #include <libavformat/avformat.h>
@@ -19,15 +31,9 @@ extern "C" {
 }
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdarg>
-#include <cstring>
-#include <fstream>
-#include <iterator>
 #include <map>
-
-#include "q3vl/core/error.hpp"
 
 namespace q3vl {
 namespace {
@@ -678,6 +684,40 @@ std::vector<RgbImage> VideoFile::frames(const std::vector<int64_t>& indices) {
     out.push_back(got[size_t(std::lower_bound(wanted.begin(), wanted.end(), k) - wanted.begin())]);
   return out;
 }
+
+}  // namespace q3vl
+
+#else  // FFMPEG=0: built without FFmpeg's libraries; frame lists still work
+
+namespace q3vl {
+
+struct VideoFile::Impl {
+  VideoInfo info;
+  std::string name;
+};
+
+namespace {
+[[noreturn]] void no_ffmpeg(const std::string& name) {
+  fail(name + ": this q3vl was built without FFmpeg (make FFMPEG=0), so it cannot decode video files; build it "
+       "with FFmpeg's libraries (make deps; make) or give the video as a list of frame images");
+}
+}  // namespace
+
+VideoFile::VideoFile(const std::string& path, const VideoLimits&) { no_ffmpeg(path); }
+VideoFile::VideoFile(std::string_view, const std::string& name, const VideoLimits&) { no_ffmpeg(name); }
+VideoFile::~VideoFile() = default;
+VideoFile::VideoFile(VideoFile&&) noexcept = default;
+VideoFile& VideoFile::operator=(VideoFile&&) noexcept = default;
+const VideoInfo& VideoFile::info() const { return impl_->info; }
+const std::string& VideoFile::name() const { return impl_->name; }
+int64_t VideoFile::frames_decoded() const { return 0; }
+std::vector<RgbImage> VideoFile::frames(const std::vector<int64_t>&) { no_ffmpeg(impl_->name); }
+
+}  // namespace q3vl
+
+#endif  // Q3VL_FFMPEG
+
+namespace q3vl {
 
 VideoInfo probe_video(const std::string& path, const VideoLimits& limits) { return VideoFile(path, limits).info(); }
 VideoInfo probe_video(std::string_view bytes, const std::string& name, const VideoLimits& limits) {

@@ -2,7 +2,7 @@
 # Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
-#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload
+#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload video
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -26,10 +26,13 @@
 #   losses within 1e-3; the frozen base on the host (offload_params = frozen) with LoRA against LoRA on the GPU
 #   (1e-5); the 2B shape's step time with and without offload (the issue's bound: at most 1.15x) and the
 #   time.optimizer phase (the host update) of each.
+# - video (issue 31): tools/make_video_goldens.py (transformers' Qwen3VLVideoProcessor and the model on videos, fp32
+#   on the CPU) into tests/data here and into OUTDIR's results (to commit), then the processor and video golden suites
+#   (the CPU op layer and CUDA) against them.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
-parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload}
+parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload video}
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -210,6 +213,21 @@ print(f"{'PASS' if ok else 'FAIL'} 2B step time, offload / GPU optimizer: {t(a, 
       f"{a[0]['tokens']} tokens a step; tok/s {statistics.median(x['tokens_per_s'] for x in a):.0f} vs "
       f"{statistics.median(x['tokens_per_s'] for x in b):.0f}")
 PY
+  pack
+fi
+
+if part video; then
+  t0=$SECONDS
+  timeout 300 python3 tools/make_video_goldens.py /tmp/video_goldens >"$out/video_goldens.log" 2>&1
+  say "video goldens: rc=$? $((SECONDS - t0)) s: $(tail -1 /tmp/video_goldens/make_video_goldens.log)"
+  cp -r /tmp/video_goldens "$out/video_goldens"
+  mkdir -p tests/data/video && cp /tmp/video_goldens/processor.h5 /tmp/video_goldens/make_video_goldens.log tests/data/video/
+  for c in video_dense video_moe; do rm -rf tests/data/golden/$c && cp -r /tmp/video_goldens/$c tests/data/golden/$c; done
+  pack
+  t0=$SECONDS
+  Q3VL_REQUIRE_GPU=1 timeout 120 "$ut" --gtest_filter='VideoGolden.*:Golden.*Video*:Video*.*-VideoDecode.*' \
+    >"$out/video_unit.log" 2>&1
+  say "video unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/video_unit.log" | tr '\n' ' ')"
   pack
 fi
 pack
