@@ -268,7 +268,11 @@ std::string render_chat(const Conversation& conv, const std::vector<VideoGrid>* 
         if (v.timestamps.size() != size_t(v.grid.t))
           fail(conv.where() + ": video " + std::to_string(video) + " has " + std::to_string(v.grid.t) +
                " temporal patches but " + std::to_string(v.timestamps.size()) + " timestamps");
+        // As transformers 5.17's Qwen3VLProcessor expands the chat template's "<|vision_start|><|video_pad|>
+        // <|vision_end|>": the pad alone is replaced, so the patches sit inside the template's own markers.
+        s += "<|vision_start|>";
         for (double t : v.timestamps) s += timestamp_text(t) + "<|vision_start|><|video_pad|><|vision_end|>";
+        s += "<|vision_end|>";
       }
     }
     s += "<|im_end|>\n";

@@ -154,9 +154,9 @@ TEST(Chat, PadWrittenInText) {
   EXPECT_THROW(encode_conversation(c, tokenizer(), {{1, 2, 2}}), Error);  // a grid without an image
 }
 
-// A video part: the template's one pad replaced, per temporal patch, by "<T seconds>" + start + pads + end, and the
-// whole text tokenized at once as Qwen3VLProcessor does (the first timestamp joins the text before it: ":<" is one
-// pre-token, so tokenizing the pieces apart would differ).
+// A video part: the template's one pad replaced, per temporal patch, by "<T seconds>" + start + pads + end, inside
+// the template's own start and end (as transformers 5.17 expands it: VideoGolden checks the ids against its own), and
+// the whole text tokenized at once as Qwen3VLProcessor does.
 TEST(Chat, VideoExpansion) {
   const Conversation c = parse_record(json::parse(R"({"messages": [
       {"role": "user", "content": [{"type": "text", "text": "Look:"},
@@ -174,17 +174,14 @@ TEST(Chat, VideoExpansion) {
   const EncodedChat e = encode_conversation(c, tokenizer(), {{1, 2, 2}}, 2, {v});
   std::string pads6;
   for (int k = 0; k < 6; ++k) pads6 += "<|video_pad|>";
-  const std::string expanded = "<|im_start|>user\nLook:<0.3 seconds><|vision_start|>" + pads6 +
+  const std::string expanded = "<|im_start|>user\nLook:<|vision_start|><0.3 seconds><|vision_start|>" + pads6 +
                                "<|vision_end|><1.5 seconds><|vision_start|>" + pads6 +
-                               "<|vision_end|><|vision_start|><|image_pad|><|vision_end|>What moves?<|im_end|>\n"
+                               "<|vision_end|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>What moves?"
+                               "<|im_end|>\n"
                                "<|im_start|>assistant\nA ball.<|im_end|>\n";
   EXPECT_EQ(e.input_ids, tokenizer().encode(expanded));
   const auto vpad = tokenizer().token_id("<|video_pad|>");
   EXPECT_EQ(std::count(e.input_ids.begin(), e.input_ids.end(), vpad), 12);
-  std::vector<int32_t> apart = tokenizer().encode("<|im_start|>user\nLook:");
-  const auto ts = tokenizer().encode("<0.3 seconds>");
-  apart.insert(apart.end(), ts.begin(), ts.end());
-  EXPECT_NE(std::vector<int32_t>(e.input_ids.begin(), e.input_ids.begin() + long(apart.size())), apart);
   // Labels: only the answer.
   int supervised = 0;
   for (int32_t l : e.labels) supervised += l != -100;

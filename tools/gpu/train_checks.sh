@@ -2,7 +2,7 @@
 # Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
-#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload video
+#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload video hftrain
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -29,10 +29,13 @@
 # - video (issue 31): tools/make_video_goldens.py (transformers' Qwen3VLVideoProcessor and the model on videos, fp32
 #   on the CPU) into tests/data here and into OUTDIR's results (to commit), then the processor and video golden suites
 #   (the CPU op layer and CUDA) against them.
+# - hftrain (issue 30): the 2B shape in q3vl (ZeRO-3, one rank) and in transformers (tools/gpu/hf_train_baseline.py:
+#   4 x 4096 tokens, one 448 px image a sequence, bf16 autocast, SDPA, fused AdamW) side by side: median tokens/s
+#   over steps 3-8 and their ratio.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
-parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload video}
+parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload video hftrain}
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -212,6 +215,24 @@ print(f"{'PASS' if ok else 'FAIL'} 2B step time, offload / GPU optimizer: {t(a, 
       f"{ratio:.3f} (bound 1.15); optimizer phase {t(a, 'optimizer'):.3f} vs {t(b, 'optimizer'):.3f} s; "
       f"{a[0]['tokens']} tokens a step; tok/s {statistics.median(x['tokens_per_s'] for x in a):.0f} vs "
       f"{statistics.median(x['tokens_per_s'] for x in b):.0f}")
+PY
+  pack
+fi
+
+if part hftrain; then
+  rm -rf /tmp/runs/hft_q3vl
+  timeout 240 "$q" train input/bench_2b_gpu.deck checkpoint.every=0 run.out_dir=/tmp/runs/hft_q3vl >"$out/hft_q3vl.log" 2>&1
+  say "hftrain q3vl: rc=$?"
+  cp /tmp/runs/hft_q3vl/metrics.jsonl "$out/hft_q3vl.jsonl" 2>/dev/null
+  pack
+  timeout 300 python3 tools/gpu/hf_train_baseline.py --out "$out/hft_hf.jsonl" >"$out/hft_hf.log" 2>&1
+  say "hftrain transformers: rc=$? $(tail -1 "$out/hft_hf.log")"
+  python3 - "$out/hft_q3vl.jsonl" "$out/hft_hf.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+q, h = ([json.loads(l) for l in open(f)][2:] for f in sys.argv[1:3])
+tq, th = (statistics.median(x["tokens_per_s"] for x in r) for r in (q, h))
+print(f"2B training, steps 3-8: q3vl {tq:.0f} tokens/s (mfu {statistics.median(x['mfu'] for x in q):.3f}, step "
+      f"{statistics.median(x['time']['step'] for x in q):.3f} s), transformers {th:.0f} tokens/s: {tq / th:.2f}x")
 PY
   pack
 fi

@@ -13,8 +13,10 @@
 //    stripped of ASCII whitespace and dropped when empty. "system" is q3vl's addition; "user"/"assistant" are also read.
 // Template (spec 6.4, Qwen3-VL Instruct): no default system prompt; "<|im_start|>ROLE\n" + content + "<|im_end|>\n";
 // an image is "<|vision_start|><|image_pad|><|vision_end|>", text parts are written raw with nothing in between.
-// A video is "<|vision_start|><|video_pad|><|vision_end|>" in the template; Qwen3VLProcessor replaces that whole, per
-// temporal patch, by "<T seconds><|vision_start|>" + pads + "<|vision_end|>", then tokenizes the text.
+// A video is "<|vision_start|><|video_pad|><|vision_end|>" in the template; Qwen3VLProcessor (transformers 5.17)
+// replaces the pad alone, per temporal patch, by "<T seconds><|vision_start|>" + pads + "<|vision_end|>", so the
+// patches sit inside the template's own markers (the spec's "replaced as a whole" is not what transformers does:
+// tests/data/video/processor.h5), then tokenizes the text.
 // Images and videos are allowed in user turns only, and a system message only first.
 // Labels (spec 5.2, the official rule): -100 everywhere except, after every "<|im_start|>assistant", from two tokens
 // later up to and including the next <|im_end|> and the token after it ("\n").
