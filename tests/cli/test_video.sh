@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Videos given as lists of frame images (issue 31) through `q3vl prepare`, `q3vl train` and `q3vl generate` on a
 # random tiny model: the shards hold the videos, training on them runs, generate answers a video prompt with the
-# host and the device model alike, and bad video parts fail naming file, line and part. The processor and model
+# host and the device model alike, serve answers video_url parts as generate does (one rank and TP = 2, prefix
+# cache, bad videos), and bad video parts fail naming file, line and part. The processor and model
 # parity are tests/unit/test_video*.cpp; prepare's round trip is tests/mpi/test_prepare.cpp.
 source "$(dirname "$0")/../lib.sh"
 run() { "$@" >"$tmp/log" 2>&1 || { bad "$* failed: $(tail -5 "$tmp/log")"; return 1; }; }
@@ -158,6 +159,17 @@ PY
   [[ $(wc -l <$tmp/sv_errs.jsonl) -eq 13 ]] || bad "serve video errors: $(wc -l <$tmp/sv_errs.jsonl) of 13 ran"
   curl -sf -m 5 http://127.0.0.1:$port/health >/dev/null && pass "serve: up after the bad videos" ||
     bad "serve down: $(tail -5 $tmp/sv.log)"
+  kill -TERM $pid; wait $pid
+  # Tensor parallel over 2 ranks: rank 0's video features go out with the step; the samples stay generate's.
+  mpiexec -n 2 $q serve model.preset=tiny serve.port=0 serve.min_pixels=4096 serve.max_context=512 serve.kv_mib=8 \
+    serve.model_name=q3vl-tiny run.timing=false >$tmp/sv_tp.log 2>&1 &
+  pid=$!
+  if port=$(server_port $tmp/sv_tp.log $pid); then
+    SEED=1234 node_v answers $d/seeded.jsonl data >$tmp/sv_tp.jsonl 2>$tmp/sv_err.log || bad "client: $(tail -3 $tmp/sv_err.log)"
+    ref=$tmp/sv_seed_gen.jsonl same_answers "serve, TP = 2: video_url, seeded samples == generate's" $tmp/sv_tp.jsonl
+  else
+    bad "serve video, TP = 2: the server did not come up: $(tail -5 $tmp/sv_tp.log)"
+  fi
   kill -TERM $pid; wait $pid
 }
 if [[ -n $(node_client_missing) ]]; then skip "serve with videos (every check)" "$(node_client_missing)"
