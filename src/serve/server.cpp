@@ -1232,8 +1232,7 @@ int Server::run() {
   const ModelConfig& cfg = runner_.config();
   tok_ = std::make_unique<Tokenizer>(load_tokenizer(deck_, "serve"));
   icfg_ = image_config(deck_, "serve", cfg);
-  vcfg_ = video_config(deck_);
-  vcfg_.patch = cfg.vision.patch, vcfg_.temporal_patch = cfg.vision.temporal_patch, vcfg_.merge = cfg.vision.merge;
+  vcfg_ = video_config(deck_, cfg);
   base_ = model_sampling(cfg, *tok_);
   max_context_ = deck_.integer("serve.max_context");
   max_tokens_ = deck_.integer("serve.max_tokens");
