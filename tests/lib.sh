@@ -112,6 +112,24 @@ server_port() {
   return 1
 }
 
+# same_answers NAME FILE: FILE's answers (serve_client.mjs's JSON lines) equal generate's in $ref (default
+# $tmp/gen.jsonl), line by line, and are complete: text, finish reason, prompt and completion tokens.
+same_answers() {
+  $py - "${ref:-$tmp/gen.jsonl}" "$2" <<'EOF' && pass "$1" || bad "$1: $(head -c 600 $2)"
+import json, sys
+gen = {r["line"]: r for r in map(json.loads, open(sys.argv[1]))}
+got = [json.loads(l) for l in open(sys.argv[2]) if '"line"' in l]
+assert got, "no answers"
+for r in got:
+    g = gen[r["line"]]
+    assert "error" not in r, r
+    assert r["answer"] == g["answer"], (r, g)
+    assert r["finish"] == ("stop" if g["stop"] == "eos" else "length"), (r, g)
+    if r.get("usage"):
+        assert r["usage"]["prompt_tokens"] == g["prompt_tokens"] and r["usage"]["completion_tokens"] == g["new_tokens"], (r, g)
+EOF
+}
+
 # finish: the summary line that tests/run_all.sh reads ("N passed, N failed, N skipped"); exits 1 if any check
 # failed.
 finish() {

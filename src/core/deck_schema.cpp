@@ -74,7 +74,7 @@ const std::vector<KeySpec>& deck_schema() {
        "own GPU, else mpi: NCCL refuses two ranks on one GPU)", -kBig, kBig, {"auto", "nccl", "mpi"}},
       {"serve.checkpoint", T::String, "", "training checkpoint (step_*.h5, or a folder: its newest) to serve"},
       {"serve.model_name", T::String, "", "model id clients send and /v1/models lists (default: the model folder's name)"},
-      {"serve.image_dir", T::String, "", "folder whose files requests may name as images (empty: data: URLs only)"},
+      {"serve.image_dir", T::String, "", "folder whose files requests may name as images and videos (empty: data: URLs only)"},
       {"serve.max_context", T::Int, "4096", "longest prompt plus answer in tokens", 2, 1 << 24},
       {"serve.max_tokens", T::Int, "256", "answer length when a request gives no max_tokens", 1, 1 << 24},
       {"serve.max_batch", T::Int, "64", "most sequences decoded together", 1, 1 << 20},
@@ -91,7 +91,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.min_pixels", T::Int, "65536", "image preprocessing: fewest pixels after resize (default: model.hf's preprocessor_config.json)", 1, 1e12},
       {"serve.max_pixels", T::Int, "16777216", "image preprocessing: most pixels after resize", 1, 1e12},
       {"serve.max_image_pixels", T::Int, "67108864", "most pixels a request's images may decode to, all together "
-       "(checked from their headers before decoding; a larger JPEG is decoded at 1/2 to 1/8 scale; larger: 413)",
+       "(checked from their headers before decoding; a larger JPEG is decoded at 1/2 to 1/8 scale; larger: 413), and "
+       "the most a video's frame may have (larger: 422, from the header)",
        1, 1e12},
       {"serve.max_body_mib", T::Real, "64", "largest request body in MiB (larger: 413)", 0.001, 1e6},
       {"serve.header_timeout", T::Real, "10", "seconds a request head may take from its first byte (slower: 408 and "

@@ -205,6 +205,29 @@ std::string video_part_name(const VideoRef& v) {
   return v.where + ": video '" + (v.path.empty() ? v.frames.at(0) + ", ..." : v.path) + "'";
 }
 
+VideoClip sample_clip(VideoFile& file, const VideoConfig& c, const std::string& name) {
+  const VideoInfo& info = file.info();
+  std::vector<int64_t> idx = sample_frame_indices(info.frames, info.fps, c, name);
+  // resize_clip's size and frames, a chunk at a time: a long clip's full-size frames are never all in memory.
+  const auto [th, tw] = video_smart_resize(int(idx.size()), info.height, info.width, c, name);
+  constexpr size_t kChunk = 16;
+  VideoClip clip;
+  clip.fps = info.fps;
+  clip.frames.reserve(idx.size());
+  for (size_t a = 0; a < idx.size(); a += kChunk) {
+    const std::vector<int64_t> part(idx.begin() + ptrdiff_t(a), idx.begin() + ptrdiff_t(std::min(idx.size(), a + kChunk)));
+    for (RgbImage& f : file.frames(part)) {
+      if (f.h != info.height || f.w != info.width)
+        fail(name + ": a frame is " + std::to_string(f.w) + "x" + std::to_string(f.h) + ", the video's header says " +
+             std::to_string(info.width) + "x" + std::to_string(info.height));
+      clip.frames.push_back(resize_bicubic_aa(f, tw, th));
+      f = RgbImage{};
+    }
+  }
+  clip.indices = std::move(idx);
+  return clip;
+}
+
 VideoClip load_video_part(const VideoRef& v, const VideoConfig& base, const std::string& root,
                           const std::string& name) {
   namespace fs = std::filesystem;
@@ -212,18 +235,13 @@ VideoClip load_video_part(const VideoRef& v, const VideoConfig& base, const std:
   if (v.frames.empty()) {  // a file: its frame count and rate from the container, only the sampled frames decoded
     const fs::path path = fs::path(v.path).is_absolute() ? fs::path(v.path) : fs::path(root) / v.path;
     if (!fs::is_regular_file(path)) fail(name + ": no such file " + path.string());
-    std::vector<RgbImage> frames;
-    std::vector<int64_t> idx;
-    double fps = 0;
     try {
       VideoFile file(path.string());
-      fps = file.info().fps;
-      idx = sample_frame_indices(file.info().frames, fps, c, name);
-      frames = file.frames(idx);
+      return sample_clip(file, c, name);
     } catch (const Error& e) {
-      fail(name + ": " + e.what());
+      const std::string what = e.what();
+      fail(what.rfind(name, 0) == 0 ? what : name + ": " + what);
     }
-    return resize_clip(std::move(frames), idx, fps, c, name);
   }
   const std::vector<int64_t> idx = sample_frame_indices(int64_t(v.frames.size()), v.source_fps(), c, name);
   std::vector<RgbImage> frames;

@@ -24,7 +24,7 @@ enum KvOp : int64_t { kOpen, kRelease, kShare, kReserve, kHold, kDrop };
 // resending an answer finds the answer's blocks).
 uint64_t token_key(int64_t id, int64_t t, int64_t h, int64_t w) { return mix(mix(mix(uint64_t(id), t), h), w); }
 
-std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, int64_t image_id) {
+std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, const ModelConfig& cfg) {
   int64_t patches = 0;
   for (size_t g = 0; g + 2 < p.grid.size(); g += 3) patches += p.grid[g] * p.grid[g + 1] * p.grid[g + 2];
   const int64_t per = patches ? (int64_t)p.pixels.size() / patches : 0;  // floats per patch
@@ -45,8 +45,9 @@ std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>&
   int64_t image = -1;
   for (int64_t i = 0; i < n; ++i) {
     uint64_t x = token_key(p.ids[i], pos3[i], pos3[n + i], pos3[2 * n + i]);
-    if (p.ids[i] == image_id) {
-      if (i == 0 || p.ids[i - 1] != image_id) ++image;  // a run of placeholders is one image
+    if (cfg.visual_token(p.ids[i])) {
+      // A run of placeholders is one span: an image, or one temporal patch of a video (grid [1, h, w]).
+      if (i == 0 || p.ids[i - 1] != p.ids[i]) ++image;
       x = mix(x, image < (int64_t)img.size() ? img[image] : 0);
     }
     keys[i] = x;

@@ -422,6 +422,12 @@ ImageConfig image_config(const Deck& d, const std::string& mode, const ModelConf
   return ic;
 }
 
+VideoConfig video_config(const Deck& d, const ModelConfig& cfg) {
+  VideoConfig v = video_config(d);
+  v.patch = cfg.vision.patch, v.temporal_patch = cfg.vision.temporal_patch, v.merge = cfg.vision.merge;
+  return v;
+}
+
 SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok) {
   SamplingParams sp;
   sp.stop = {cfg.eos_token_id};
@@ -529,8 +535,7 @@ int run_generate(const Deck& deck) {
     const ModelConfig& cfg = src.cfg;
     const Tokenizer tok = load_tokenizer(deck, "generate");
     const ImageConfig icfg = image_config(deck, "generate", cfg);
-    VideoConfig vcfg = video_config(deck);
-    vcfg.patch = cfg.vision.patch, vcfg.temporal_patch = cfg.vision.temporal_patch, vcfg.merge = cfg.vision.merge;
+    const VideoConfig vcfg = video_config(deck, cfg);
 
     SamplingParams sp = model_sampling(cfg, tok);
     sp.temperature = deck.real("generate.temperature");

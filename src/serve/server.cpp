@@ -35,6 +35,8 @@
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/image.hpp"
 #include "q3vl/data/tokenizer.hpp"
+#include "q3vl/data/video.hpp"
+#include "q3vl/data/video_processor.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
@@ -123,7 +125,7 @@ struct Job {
   int slot = -1;
   int64_t fed = 0;        // prompt tokens in the cache
   int64_t pending = -1;   // sampled token still to be fed
-  int64_t vis_fed = 0;    // image tokens fed so far
+  int64_t vis_fed = 0;    // image and video tokens fed so far
   int64_t next0 = 0;      // position of the first generated token
   std::vector<int64_t> out, pos3;
   std::vector<uint64_t> tkeys;  // prompt tokens' prefix-cache content (token_keys)
@@ -146,7 +148,12 @@ struct Metrics {
   int64_t ttft_n = 0, tpot_n = 0;
 };
 
-std::string b64decode(std::string_view in) {
+// A request's image or video: its name in messages ("messages[0] video 1") and its file's bytes.
+struct Media {
+  std::string name, bytes;
+};
+
+std::string b64decode(std::string_view in, const std::string& name) {
   static const std::string chars = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   std::string out;
   out.reserve(in.size() * 3 / 4);
@@ -155,7 +162,8 @@ std::string b64decode(std::string_view in) {
   for (char c : in) {
     if (c == '=' || c == '\n' || c == '\r' || c == ' ') continue;
     const size_t v = chars.find(c == '-' ? '+' : c == '_' ? '/' : c);
-    if (v == std::string::npos) refuse(400, "image data URL: the base64 payload has a character outside base64");
+    if (v == std::string::npos)
+      refuse(400, name + ": the data URL's base64 payload has a character outside base64", "messages");
     acc = (acc << 6) | (uint32_t)v;
     if ((bits += 6) >= 8) out.push_back(char((acc >> (bits -= 8)) & 0xff));
   }
@@ -442,9 +450,10 @@ class Server {
   // HTTP side.
   void handle_completion(const httplib::Request& req, httplib::Response& res, bool chat);
   std::shared_ptr<Job> parse_request(const json& body, bool chat);
-  std::string image_bytes(const std::string& url, size_t index);
-  std::string read_image_file(const std::string& path, const std::string& name);
-  std::vector<RgbImage> decode_images(const std::vector<std::string>& bytes);
+  std::string media_bytes(const json& field, const std::string& type, const std::string& name);
+  std::string read_media_file(const std::string& path, const std::string& name);
+  std::vector<RgbImage> decode_images(const std::vector<Media>& images, int64_t& tokens);
+  std::vector<VideoClip> decode_videos(const std::vector<Media>& videos, int64_t& tokens);
   void reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res, bool chat);
   json response_object(const Job& job, bool chat, const std::string& id);
   std::string metrics_text();
@@ -460,6 +469,7 @@ class Server {
   const Deck& deck_;
   std::unique_ptr<Tokenizer> tok_;
   ImageConfig icfg_;
+  VideoConfig vcfg_;  // video.* (generate's sampling and resizing), the model's patch sizes
   SamplingParams base_;
   std::string model_name_, image_dir_;
   int64_t max_context_ = 0, max_tokens_ = 0, max_batch_ = 0, step_tokens_ = 0;
@@ -539,10 +549,10 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     if (!body.contains("messages")) refuse(400, "'messages' is required", "messages");
     const json& msgs = body["messages"];
     if (!msgs.is_array() || msgs.empty()) refuse(400, "'messages' must be a non-empty array", "messages");
-    // The training-data record format of data/chat.hpp, with image i named "image i": parse_record then checks
-    // roles and order exactly as for generate.
+    // The training-data record format of data/chat.hpp, each image and video named by its part ("messages[0] video
+    // 1"): parse_record then checks roles and order exactly as for generate.
     json rec = {{"messages", json::array()}};
-    std::vector<std::string> encoded;  // the images' files, decoded once all are known
+    std::vector<Media> images, videos;  // their files, decoded once all are known
     for (size_t i = 0; i < msgs.size(); ++i) {
       const json& m = msgs[i];
       const std::string where = "messages[" + std::to_string(i) + "]";
@@ -558,15 +568,16 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
           const std::string type = t.is_string() ? t.get<std::string>() : "";
           if (type == "text" && part.contains("text") && part["text"].is_string()) {
             content.push_back({{"type", "text"}, {"text", part["text"]}});
-          } else if (type == "image_url" && part.contains("image_url")) {
-            const json& iu = part["image_url"];
-            const json url = iu.is_object() ? iu.value("url", json()) : iu;
-            if (!url.is_string()) refuse(400, where + ": 'image_url.url' must be a string", "messages");
-            encoded.push_back(image_bytes(url.get<std::string>(), encoded.size() + 1));
-            content.push_back({{"type", "image"}, {"image", "image " + std::to_string(encoded.size())}});
+          } else if ((type == "image_url" || type == "video_url") && part.contains(type)) {
+            const bool video = type == "video_url";
+            std::vector<Media>& list = video ? videos : images;
+            const std::string name = where + (video ? " video " : " image ") + std::to_string(list.size() + 1);
+            list.push_back({name, media_bytes(part[type], type, name)});
+            content.push_back({{"type", video ? "video" : "image"}, {video ? "video" : "image", name}});
           } else {
-            refuse(400, where + ": a content part must be {\"type\": \"text\", \"text\": ...} or {\"type\": "
-                            "\"image_url\", \"image_url\": {\"url\": ...}}", "messages");
+            refuse(400, where + ": a content part must be {\"type\": \"text\", \"text\": ...}, {\"type\": "
+                            "\"image_url\", \"image_url\": {\"url\": ...}} or {\"type\": \"video_url\", "
+                            "\"video_url\": {\"url\": ...}}", "messages");
           }
         }
       } else if (!c.is_null()) {
@@ -576,10 +587,12 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     }
     if (rec["messages"].back()["role"] == "assistant")
       refuse(400, "the last message is the assistant's: there is nothing to answer", "messages");
-    const std::vector<RgbImage> images = decode_images(encoded);
+    int64_t visual = 0;  // the tokens the images and videos become, checked against serve.max_context as they come
+    const std::vector<RgbImage> pictures = decode_images(images, visual);
+    const std::vector<VideoClip> clips = decode_videos(videos, visual);
     try {
       const Conversation conv = parse_record(rec, "request", 0);
-      job->prompt = encode_prompt(conv, images, *tok_, icfg_);
+      job->prompt = encode_prompt(conv, pictures, *tok_, icfg_, clips, vcfg_);
     } catch (const Error& e) {
       std::string msg = e.what();
       if (msg.rfind("request:0: ", 0) == 0) msg = msg.substr(11);
@@ -607,24 +620,36 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
   return job;
 }
 
-// An image's file: a data: URL's payload, or a file under serve.image_dir. Decoded later (decode_images), once the
-// sizes of all a request's images are known.
-std::string Server::image_bytes(const std::string& url, size_t index) {
-  const std::string name = "image " + std::to_string(index);
+// An image_url's or video_url's file (type: the part's type; field: its value, {"url": ...} or the URL itself): a
+// data: URL's payload (a video's MIME type video/*), or a file under serve.image_dir. Decoded later (decode_images,
+// decode_videos), once the sizes of all a request's images and videos are known. Remote URLs are refused, as vLLM
+// refuses them unless told otherwise.
+std::string Server::media_bytes(const json& field, const std::string& type, const std::string& name) {
+  const json u = field.is_object() ? field.value("url", json()) : field;
+  if (!u.is_string()) refuse(400, name + ": '" + type + ".url' must be a string", "messages");
+  const std::string url = u.get<std::string>();
+  const bool video = type == "video_url";
+  const std::string kind = video ? "video" : "image";
   if (url.rfind("data:", 0) == 0) {
     const size_t comma = url.find(',');
-    if (comma == std::string::npos || url.substr(0, comma).find(";base64") == std::string::npos)
+    const std::string head = url.substr(5, comma == std::string::npos ? 0 : comma - 5);
+    if (comma == std::string::npos || head.find(";base64") == std::string::npos)
       refuse(400, name + ": a data URL must be data:<type>;base64,<payload>", "messages");
-    return b64decode(std::string_view(url).substr(comma + 1));
+    const std::string mime = head.substr(0, head.find(';'));
+    if (video && mime.rfind("video/", 0) != 0 && mime != "application/octet-stream")
+      refuse(400, name + ": a video_url's data URL must be data:video/<type>;base64,<payload>, not data:" + mime,
+             "messages");
+    return b64decode(std::string_view(url).substr(comma + 1), name);
   }
   if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0)
-    refuse(400, name + ": remote image URLs are not fetched by this server; send the picture as a data: URL "
-                       "(or a path under the folder serve.image_dir names)", "messages");
+    refuse(400, name + ": remote " + kind + " URLs are not fetched by this server; send the " +
+                    (video ? "clip" : "picture") + " as a data: URL (or a path under the folder serve.image_dir names)",
+           "messages");
   const std::string path = url.rfind("file://", 0) == 0 ? url.substr(7) : url;
   if (image_dir_.empty())
-    refuse(400, name + ": local image paths are off (set serve.image_dir to allow a folder); send a data: URL",
+    refuse(400, name + ": local " + kind + " paths are off (set serve.image_dir to allow a folder); send a data: URL",
            "messages");
-  return read_image_file(path, name);
+  return read_media_file(path, name);
 }
 
 // The file is opened first and judged by what was opened: the kernel's name for the descriptor (links and ".."
@@ -632,7 +657,7 @@ std::string Server::image_bytes(const std::string& url, size_t index) {
 // link swapped in between, or one after a missing component (weakly_canonical stops resolving there), escape. A file
 // outside, missing, unreadable or not a regular file gets the same 400: the answer tells nothing about what exists
 // outside the folder.
-std::string Server::read_image_file(const std::string& path, const std::string& name) {
+std::string Server::read_media_file(const std::string& path, const std::string& name) {
   std::error_code ec;
   const fs::path root = fs::canonical(image_dir_, ec);
   const fs::path p = fs::path(path).is_absolute() ? fs::path(path) : root / path;
@@ -670,13 +695,14 @@ std::string Server::read_image_file(const std::string& path, const std::string& 
 // stay within serve.max_image_pixels. A JPEG larger than that is decoded at 1/2, 1/4 or 1/8 (libjpeg's scaled IDCT),
 // never below the size the model sees; a PNG cannot be, and is refused. A decompression bomb (a small file of a huge
 // image) is thus refused before a pixel is decoded.
-std::vector<RgbImage> Server::decode_images(const std::vector<std::string>& bytes) {
-  std::vector<int> scale(bytes.size(), 1);
-  int64_t tokens = 0, pixels = 0;
-  for (size_t i = 0; i < bytes.size(); ++i) {
-    const std::string name = "image " + std::to_string(i + 1);
+std::vector<RgbImage> Server::decode_images(const std::vector<Media>& images, int64_t& tokens) {
+  std::vector<int> scale(images.size(), 1);
+  int64_t pixels = 0;
+  for (size_t i = 0; i < images.size(); ++i) {
+    const std::string& name = images[i].name;
+    const std::string& bytes = images[i].bytes;
     try {
-      const ImageHeader h = read_image_header((const uint8_t*)bytes[i].data(), bytes[i].size(), name);
+      const ImageHeader h = read_image_header((const uint8_t*)bytes.data(), bytes.size(), name);
       if (h.w <= 0 || h.h <= 0 || h.w > INT32_MAX || h.h > INT32_MAX)
         fail(name + ": image has no pixels or is too large (" + std::to_string(h.w) + "x" + std::to_string(h.h) + ")");
       const auto [th, tw] = smart_resize((int)h.h, (int)h.w, icfg_.factor(), icfg_.min_pixels, icfg_.max_pixels, name);
@@ -701,14 +727,47 @@ std::vector<RgbImage> Server::decode_images(const std::vector<std::string>& byte
       refuse(422, e.what(), "messages");
     }
   }
-  std::vector<RgbImage> images;
-  for (size_t i = 0; i < bytes.size(); ++i) try {
-      images.push_back(decode_image((const uint8_t*)bytes[i].data(), bytes[i].size(),
-                                    "image " + std::to_string(i + 1), scale[i]));
+  std::vector<RgbImage> out;
+  for (size_t i = 0; i < images.size(); ++i) try {
+      out.push_back(decode_image((const uint8_t*)images[i].bytes.data(), images[i].bytes.size(), images[i].name,
+                                 scale[i]));
     } catch (const Error& e) {
       refuse(422, e.what(), "messages");
     }
-  return images;
+  return out;
+}
+
+// Decodes a request's videos from their bytes (FFmpeg, only the sampled frames), sampled and resized as generate does
+// (video.*: fps, min/max frames, the clip's pixel budget). What a clip costs is known from its header before a frame
+// is decoded: a frame over serve.max_image_pixels (or 16384 on a side) is refused, and the tokens its sampled frames
+// become, added to `tokens` (the request's images before it), must leave room in serve.max_context (413 naming the
+// count). Frames are decoded a few at a time and resized at once, so a long clip never holds all its full-size
+// frames. Any fault of the file (corrupt, truncated, no video stream, a codec without a decoder, no frames) is a 422
+// naming the part, with FFmpeg's reason.
+std::vector<VideoClip> Server::decode_videos(const std::vector<Media>& videos, int64_t& tokens) {
+  VideoLimits lim;
+  lim.max_pixels = std::min<long>(lim.max_pixels, long(max_image_pixels_));
+  std::vector<VideoClip> clips;
+  for (const Media& v : videos) try {
+      VideoFile file(std::string_view(v.bytes), v.name, lim);
+      const VideoInfo& info = file.info();
+      const int64_t n = (int64_t)sample_frame_indices(info.frames, info.fps, vcfg_, v.name).size();
+      const auto [th, tw] = video_smart_resize(int(n), info.height, info.width, vcfg_, v.name);
+      const int64_t f = vcfg_.factor(), patches = (n + vcfg_.temporal_patch - 1) / vcfg_.temporal_patch;
+      const int64_t own = patches * (int64_t(th / f) * (tw / f));
+      tokens += own + 2 * patches;  // + each temporal patch's vision start and end (its timestamp text uncounted)
+      if (tokens >= max_context_)
+        refuse(413, v.name + ": " + std::to_string(n) + " frames sampled (of " + std::to_string(info.frames) + ", " +
+                        std::to_string(info.width) + "x" + std::to_string(info.height) + " resized to " +
+                        std::to_string(tw) + "x" + std::to_string(th) + ") become " + std::to_string(own) +
+                        " video tokens, " + std::to_string(tokens) + " with the request's images and videos so far; "
+                        "this server's context is " + std::to_string(max_context_) + " tokens (serve.max_context; "
+                        "video.fps, video.max_frames and video.max_pixels set a clip's size)", "messages");
+      clips.push_back(sample_clip(file, vcfg_, v.name));
+    } catch (const Error& e) {
+      refuse(422, e.what(), "messages");
+    }
+  return clips;
 }
 
 json Server::response_object(const Job& job, bool chat, const std::string& id) {
@@ -949,7 +1008,7 @@ void Server::admit() {
       if (job->pos3.empty()) {
         job->pos3 = mrope_positions(cfg, ids.data(), {0, n}, job->prompt.grid);
         for (int64_t p : job->pos3) job->next0 = std::max(job->next0, p + 1);
-        if (prefix_on_) job->tkeys = token_keys(job->prompt, job->pos3, cfg.image_token_id);
+        if (prefix_on_) job->tkeys = token_keys(job->prompt, job->pos3, cfg);
       }
     } catch (const Error& e) {
       waiting_.pop_front(), metrics_.queue--;
@@ -963,9 +1022,10 @@ void Server::admit() {
     waiting_.pop_front();
     metrics_.queue--;
     const int64_t shared = (int64_t)hit.blocks.size() * B;
-    const int64_t vis_shared = std::count(ids.begin(), ids.begin() + shared, (int64_t)cfg.image_token_id);
-    try {  // the vision tower only when some image token is still to compute
-      if (!job->prompt.grid.empty() && std::count(ids.begin() + shared, ids.end(), (int64_t)cfg.image_token_id) > 0)
+    const auto visual = [&](int64_t t) { return cfg.visual_token(t); };  // image and video placeholders
+    const int64_t vis_shared = std::count_if(ids.begin(), ids.begin() + shared, visual);
+    try {  // the vision tower only when some image or video token is still to compute
+      if (!job->prompt.grid.empty() && std::count_if(ids.begin() + shared, ids.end(), visual) > 0)
         runner_.model().vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
     } catch (const Error& e) {
       job->error = e.what();
@@ -1041,7 +1101,7 @@ void Server::engine_loop() {
       g.ids.assign(j->prompt.ids.begin() + a, j->prompt.ids.begin() + b);
       for (int row = 0; row < 3; ++row)
         g.pos3.insert(g.pos3.end(), j->pos3.begin() + row * n + a, j->pos3.begin() + row * n + b);
-      const int64_t nv = std::count(g.ids.begin(), g.ids.end(), (int64_t)cfg.image_token_id);
+      const int64_t nv = std::count_if(g.ids.begin(), g.ids.end(), [&](int64_t t) { return cfg.visual_token(t); });
       g.img.assign(j->img.begin() + j->vis_fed * H, j->img.begin() + (j->vis_fed + nv) * H);
       for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
       j->vis_fed += nv;
@@ -1172,6 +1232,7 @@ int Server::run() {
   const ModelConfig& cfg = runner_.config();
   tok_ = std::make_unique<Tokenizer>(load_tokenizer(deck_, "serve"));
   icfg_ = image_config(deck_, "serve", cfg);
+  vcfg_ = video_config(deck_, cfg);
   base_ = model_sampling(cfg, *tok_);
   max_context_ = deck_.integer("serve.max_context");
   max_tokens_ = deck_.integer("serve.max_tokens");

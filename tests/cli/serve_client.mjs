@@ -1,14 +1,17 @@
 // The official OpenAI Node client (npm `openai`, in third_party/npm) against `q3vl serve`, for
 // tests/cli/test_serve.sh. Usage: node serve_client.mjs PORT MODEL COMMAND ARGS...
-//   answers EVAL.jsonl data|path|stream   one request per record at a time; JSON line per answer
+//   answers EVAL.jsonl data|path|stream   one request per record at a time; JSON line per answer (image parts as
+//                                         image_url, video parts as video_url: data: URLs, or paths)
 //   parallel EVAL.jsonl N DROP            N streaming requests at once over the records; every DROP-th client
 //                                         aborts after its first content chunk; JSON line per finished answer
 //   errors IMAGE.png                      bad requests: each must get its status and the server stays up
+//   video-errors DIR                      bad videos (DIR's files, made by test_video.sh): the same
 //   prefix DIR                            requests that share prompt starts, one at a time (greedy); JSON line per
 //                                         answer with /metrics' prefix-cache hit and prefill tokens it added
 //   abort MS                              a non-streaming request for 3000 tokens whose client leaves after MS ms
 //   hello                                 one short chat, streamed and not: {ok, answer} or {status, code, message}
-// The API key the client sends is $Q3VL_CLIENT_KEY (default 'unused': a server without a key ignores it).
+// The API key the client sends is $Q3VL_CLIENT_KEY (default 'unused': a server without a key ignores it). With $SEED,
+// `answers` samples at temperature 1 with that seed (what generate draws for its first prompt) instead of greedily.
 import { createRequire } from 'node:module';
 import fs from 'node:fs';
 import path from 'node:path';
@@ -21,20 +24,23 @@ const client = new OpenAI({ baseURL: `http://127.0.0.1:${port}/v1`, apiKey: proc
 function records(file) {
   return fs.readFileSync(file, 'utf8').split('\n').filter((l) => l.trim()).map((l) => JSON.parse(l));
 }
-const dataUrl = (file) => 'data:image/png;base64,' + fs.readFileSync(file).toString('base64');
+const mimes = { '.png': 'image/png', '.jpg': 'image/jpeg', '.mp4': 'video/mp4', '.webm': 'video/webm', '.mkv': 'video/x-matroska', '.y4m': 'video/x-yuv4mpegpipe', '.m4a': 'video/mp4' };
+const dataUrl = (file, mime) => `data:${mime ?? mimes[path.extname(file)] ?? 'image/png'};base64,` + fs.readFileSync(file).toString('base64');
 // A training-data record's prompt (its user turn) as OpenAI chat messages.
 function messages(rec, dir, how) {
   const user = rec.messages.find((m) => m.role === 'user');
-  const content = user.content.map((p) =>
-    p.type === 'image'
-      ? { type: 'image_url', image_url: { url: how === 'path' ? p.image : dataUrl(path.join(dir, p.image)) } }
-      : { type: 'text', text: p.text });
+  const content = user.content.map((p) => {
+    if (p.type === 'text') return { type: 'text', text: p.text };
+    const url = how === 'path' ? p[p.type] : dataUrl(path.join(dir, p[p.type]));
+    return p.type === 'image' ? { type: 'image_url', image_url: { url } } : { type: 'video_url', video_url: { url } };
+  });
   return [{ role: 'user', content }];
 }
 const out = (o) => process.stdout.write(JSON.stringify(o) + '\n');
 
 async function ask(rec, dir, how, maxTokens, onChunk) {
   const body = { model, messages: messages(rec, dir, how), max_tokens: maxTokens, temperature: 0 };
+  if (process.env.SEED) Object.assign(body, { temperature: 1, seed: Number(process.env.SEED) });  // generate's prompt 0
   if (how !== 'stream') {
     const r = await client.chat.completions.create(body);
     return { answer: r.choices[0].message.content, finish: r.choices[0].finish_reason, usage: r.usage, id: r.id };
@@ -119,6 +125,38 @@ if (cmd === 'answers') {
   const samp = (seed) => client.chat.completions.create({ model, messages: img(dataUrl(png)), max_tokens: 6, temperature: 1.5, top_k: 50, top_p: 0.9, seed });
   const [a, b] = [await samp(7), await samp(7)];
   out({ name: 'seeded-sampling', ok: a.choices[0].message.content === b.choices[0].message.content, why: `${a.choices[0].message.content} vs ${b.choices[0].message.content}` });
+} else if (cmd === 'video-errors') {
+  const [dir] = args;
+  const f = (name) => path.join(dir, name);
+  const vid = (url) => [{ role: 'user', content: [{ type: 'text', text: 'What moves?' }, { type: 'video_url', video_url: { url } }] }];
+  const part = /^messages\[0\] video 1: /;  // every message names the part
+  const cases = [
+    ['video: remote URL', 400, /remote video URLs are not fetched/, vid('https://example.com/a.mp4')],
+    ['video: not a video MIME type', 400, /must be data:video\/<type>;base64/, vid(dataUrl(f('clip.mp4'), 'image/png'))],
+    ['video: bad base64', 400, /base64/, vid('data:video/mp4;base64,%%%%')],
+    ['video: path outside serve.image_dir', 400, /'..\/..\/etc\/passwd' is not a readable file under serve.image_dir/, vid('../../etc/passwd')],
+    ['video: corrupt bytes', 422, /Invalid data found|cannot open/i, vid(dataUrl(f('junk.mp4')))],
+    ['video: truncated file', 422, /moov atom not found|cannot open|Invalid data/i, vid(dataUrl(f('cut.mp4')))],
+    ['video: audio only', 422, /has no video stream/, vid(dataUrl(f('audio.m4a')))],
+    ['video: zero frames', 422, /no frames/, vid(dataUrl(f('empty.y4m')))],
+    ['video: 100000x100000 frames', 422, /100000x100000/, vid(dataUrl(f('huge.y4m')))],
+    ['video: frames over serve.max_image_pixels', 422, /1280x1024.*over the limit/, vid(dataUrl(f('big.mp4')))],
+    ['video: longer than the context', 413, /become [0-9]+ video tokens, [0-9]+ with the request's images and videos so far; this server's context is 512 tokens/, vid(dataUrl(f('long.mp4')))],
+    ['video: in an assistant turn', 400, /user turns only/, [{ role: 'user', content: 'hi' }, { role: 'assistant', content: [{ type: 'video_url', video_url: { url: dataUrl(f('clip.mp4')) } }] }, { role: 'user', content: 'and?' }]],
+  ];
+  for (const [name, status, pat, messages] of cases) {
+    try {
+      await client.chat.completions.create({ model, max_tokens: 2, messages });
+      out({ name, ok: false, why: 'no error' });
+    } catch (e) {
+      const msg = e?.error?.message ?? e?.message ?? String(e);
+      const named = part.test(msg) || name === 'video: in an assistant turn';  // that one: parse_record's "message 2"
+      out({ name, ok: e.status === status && pat.test(msg) && named && e?.error?.type !== undefined, why: `status ${e.status}, error ${JSON.stringify(e.error)}` });
+    }
+  }
+  // The server still answers, a video too.
+  const r = await client.chat.completions.create({ model, max_tokens: 2, temperature: 0, messages: vid(dataUrl(f('clip.mp4'))) });
+  out({ name: 'video: answers after the bad videos', ok: r.choices[0].finish_reason !== undefined && r.usage.prompt_tokens > 20, why: JSON.stringify(r) });
 } else if (cmd === 'prefix') {
   const [dir] = args;
   const metric = async (name) => {

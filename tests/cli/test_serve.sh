@@ -33,23 +33,6 @@ trap 'stop_all; rm -rf "$tmp"' EXIT
 health() { curl -sf -m 5 http://127.0.0.1:$port/health >/dev/null; }
 node_c() { node $client $port q3vl-tiny "$@"; }
 
-# same_answers NAME FILE: FILE's answers (serve) equal generate's, line by line, and are complete.
-same_answers() {
-  $py - "${ref:-$tmp/gen.jsonl}" "$2" <<'EOF' && pass "$1" || bad "$1: $(head -c 600 $2)"
-import json, sys
-gen = {r["line"]: r for r in map(json.loads, open(sys.argv[1]))}
-got = [json.loads(l) for l in open(sys.argv[2]) if '"line"' in l]
-assert got, "no answers"
-for r in got:
-    g = gen[r["line"]]
-    assert "error" not in r, r
-    assert r["answer"] == g["answer"], (r, g)
-    assert r["finish"] == ("stop" if g["stop"] == "eos" else "length"), (r, g)
-    if r.get("usage"):
-        assert r["usage"]["prompt_tokens"] == g["prompt_tokens"] and r["usage"]["completion_tokens"] == g["new_tokens"], (r, g)
-EOF
-}
-
 # check_prefix ON OFF: the prefix command's answers with the prefix cache (ON) equal those without (OFF); the hits
 # are whole 16-token blocks where the prompts share them, and prefill computes only the rest.
 check_prefix() {

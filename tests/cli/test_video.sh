@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Videos given as lists of frame images (issue 31) through `q3vl prepare`, `q3vl train` and `q3vl generate` on a
 # random tiny model: the shards hold the videos, training on them runs, generate answers a video prompt with the
-# host and the device model alike, and bad video parts fail naming file, line and part. The processor and model
+# host and the device model alike, serve answers video_url parts as generate does (one rank and TP = 2, prefix
+# cache, bad videos), and bad video parts fail naming file, line and part. The processor and model
 # parity are tests/unit/test_video*.cpp; prepare's round trip is tests/mpi/test_prepare.cpp.
 source "$(dirname "$0")/../lib.sh"
 run() { "$@" >"$tmp/log" 2>&1 || { bad "$* failed: $(tail -5 "$tmp/log")"; return 1; }; }
@@ -72,6 +73,107 @@ and h['video_fps'][()].tolist() == [10.0]))" && pass "a video file: sampled fram
   expect "a truncated video file is named" 1 "cut.jsonl:1: message 1 part 1: video 'cut.mp4'" \
     gen generate.prompts=$tmp/d/cut.jsonl generate.output=$tmp/x.jsonl
 fi
+
+# serve (issue 31): videos as OpenAI video_url parts through the official Node client, as data: URLs (mp4, webm) and
+# as paths under serve.image_dir, alone, after an image and two in one prompt: generate's greedy answers and prompt
+# sizes. The same clips again hit the prefix cache (/metrics), another clip of the same size (the same token ids)
+# only before its frames. Bad videos get 4xx naming the part (and FFmpeg's reason), a clip longer than the context
+# 413 with its token count, and the server answers on. The clips: 2 s of 64x48 at 10 fps (4 frames sampled).
+serve_video() {
+  local d=$tmp/sv port pid ref=$tmp/sv_gen.jsonl h0 h1 h2 h3 l n
+  mkdir -p $d/images && cp $tmp/d/images/$(ls $tmp/d/images | head -1) $d/images/pic.png
+  local ff="ffmpeg -loglevel error -y -f lavfi -i"
+  $ff testsrc=size=64x48:rate=10:duration=2 -pix_fmt yuv420p $d/clip.mp4 &&
+    $ff mandelbrot=size=64x48:rate=10 -t 2 -pix_fmt yuv420p $d/clip2.mp4 &&
+    $ff testsrc2=size=64x48:rate=10:duration=2 -c:v libvpx-vp9 -pix_fmt yuv420p $d/clip.webm &&
+    $ff testsrc=size=1280x1024:rate=10:duration=0.4 -pix_fmt yuv420p $d/big.mp4 &&
+    $ff testsrc=size=64x48:rate=2:duration=120 -pix_fmt yuv420p $d/long.mp4 &&
+    $ff sine=duration=1 -c:a aac $d/audio.m4a || { bad "serve video: ffmpeg could not make the clips"; return; }
+  head -c 3000 $d/clip.mp4 >$d/cut.mp4
+  head -c 20000 /dev/urandom >$d/junk.mp4
+  printf 'YUV4MPEG2 W320 H240 F24:1 Ip A1:1 C420jpeg\n' >$d/empty.y4m
+  { printf 'YUV4MPEG2 W100000 H100000 F24:1 Ip A1:1 C420jpeg\nFRAME\n'; head -c 1000 /dev/zero; } >$d/huge.y4m
+  local q1='{"type": "text", "text": "What moves?"}' v1='{"type": "video", "video": "clip.mp4"}'
+  printf '%s\n' \
+    "{\"messages\": [{\"role\": \"user\", \"content\": [$v1, $q1]}]}" \
+    "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image\", \"image\": \"images/pic.png\"}, {\"type\": \"video\", \"video\": \"clip.webm\"}, $q1]}]}" \
+    "{\"messages\": [{\"role\": \"user\", \"content\": [$q1, $v1, {\"type\": \"video\", \"video\": \"clip2.mp4\"}]}]}" \
+    >$d/prompts.jsonl
+  gen generate.prompts=$d/prompts.jsonl generate.max_new_tokens=6 generate.output=$ref >$tmp/sv_gen.log 2>&1 ||
+    { bad "serve video: generate failed: $(tail -3 $tmp/sv_gen.log)"; return; }
+  $q serve model.preset=tiny serve.port=0 serve.min_pixels=4096 serve.image_dir=$d serve.max_context=512 \
+    serve.max_image_pixels=1000000 serve.model_name=q3vl-tiny run.timing=false >$tmp/sv.log 2>&1 &
+  pid=$!
+  port=$(server_port $tmp/sv.log $pid) ||
+    { bad "serve video: the server did not come up: $(tail -5 $tmp/sv.log)"; kill $pid; wait $pid; return; }
+  metric() { curl -s -m 5 http://127.0.0.1:$port/metrics | grep -oP "^$1 \K[0-9]+"; }
+  node_v() { node tests/cli/serve_client.mjs $port q3vl-tiny "$@"; }
+  h0=$(metric q3vl_prefix_cache_hit_tokens_total)
+  node_v answers $d/prompts.jsonl data >$tmp/sv_data.jsonl 2>$tmp/sv_err.log || bad "client: $(tail -3 $tmp/sv_err.log)"
+  ref=$ref same_answers "serve: video_url data: URLs (mp4, webm; after an image; two clips) == generate" $tmp/sv_data.jsonl
+  h1=$(metric q3vl_prefix_cache_hit_tokens_total)
+  node_v answers $d/prompts.jsonl path >$tmp/sv_path.jsonl 2>$tmp/sv_err.log || bad "client: $(tail -3 $tmp/sv_err.log)"
+  ref=$ref same_answers "serve: video_url paths under serve.image_dir == generate" $tmp/sv_path.jsonl
+  h2=$(metric q3vl_prefix_cache_hit_tokens_total)
+  # The second pass takes every full block of each prompt (but the last token's) from the cache: the same decoded
+  # frames, whether sent as bytes or named by path. The first took less (prompt 3 starts with text, not the video).
+  $py - "$tmp/sv_data.jsonl" "$h0" "$h1" "$h2" <<'PY' && pass "serve: the same videos again hit the prefix cache" ||
+import json, sys
+r = [json.loads(l) for l in open(sys.argv[1])]
+h0, h1, h2 = map(int, sys.argv[2:5])
+want = sum((x["usage"]["prompt_tokens"] - 1) // 16 * 16 for x in r)
+assert h1 - h0 < want, (h0, h1, want)
+assert h2 - h1 == want > 0, (h1, h2, want)
+PY
+    bad "serve video prefix hits: $h0 $h1 $h2 $(cat $tmp/sv_data.jsonl)"
+  # Another clip of the same size and length (the same token ids and positions as clip.mp4): no hit past its start.
+  printf '%s\n' "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"video\", \"video\": \"clip2.mp4\"}, $q1]}]}" >$d/other.jsonl
+  node_v answers $d/other.jsonl data >$tmp/sv_other.jsonl 2>$tmp/sv_err.log || bad "client: $(tail -3 $tmp/sv_err.log)"
+  h3=$(metric q3vl_prefix_cache_hit_tokens_total)
+  (( h3 - h2 < 16 )) && pass "serve: another clip with the same tokens does not hit past its first frame" ||
+    bad "serve: another clip hit $((h3 - h2)) tokens"
+  # Seeded sampling (temperature 1, generate's seed run.seed for its first prompt, so one generate per prompt): a random
+  # model's greedy answers say little, its samples follow the logits. clip.mp4 and clip2.mp4 alone have the same
+  # token ids: their samples differ only through the frames.
+  cat $d/prompts.jsonl $d/other.jsonl >$d/seeded.jsonl
+  for i in 1 2 3 4; do
+    sed -n ${i}p $d/seeded.jsonl >$d/s$i.jsonl
+    gen generate.prompts=$d/s$i.jsonl generate.max_new_tokens=6 generate.temperature=1 generate.output=$tmp/s$i.jsonl \
+      >$tmp/sv_gen.log 2>&1 || bad "serve video: seeded generate $i failed: $(tail -3 $tmp/sv_gen.log)"
+    sed "s/\"line\": *1,/\"line\":$i,/" $tmp/s$i.jsonl
+  done >$tmp/sv_seed_gen.jsonl
+  SEED=1234 node_v answers $d/seeded.jsonl data >$tmp/sv_seed.jsonl 2>$tmp/sv_err.log || bad "client: $(tail -3 $tmp/sv_err.log)"
+  ref=$tmp/sv_seed_gen.jsonl same_answers "serve: video_url, seeded samples == generate's" $tmp/sv_seed.jsonl
+  $py - "$tmp/sv_seed_gen.jsonl" <<'PY' && pass "seeded samples depend on the frames (clip.mp4 vs clip2.mp4)" ||
+import json, sys
+r = {x["line"]: x for x in map(json.loads, open(sys.argv[1]))}
+assert sorted(r) == [1, 2, 3, 4], r
+assert r[1]["prompt_tokens"] == r[4]["prompt_tokens"] and r[1]["answer"] != r[4]["answer"], (r[1], r[4])
+PY
+    bad "samples do not depend on the frames: $(cat $tmp/sv_seed_gen.jsonl)"
+  node_v video-errors $d >$tmp/sv_errs.jsonl 2>$tmp/sv_err.log || bad "client video-errors: $(tail -3 $tmp/sv_err.log)"
+  while read -r l; do
+    n=$($py -c 'import json,sys; r=json.loads(sys.argv[1]); print(r["name"], r["ok"])' "$l")
+    [[ $n == *True ]] && pass "serve ${n% True}" || bad "serve ${n% False}: $l"
+  done <$tmp/sv_errs.jsonl
+  [[ $(wc -l <$tmp/sv_errs.jsonl) -eq 13 ]] || bad "serve video errors: $(wc -l <$tmp/sv_errs.jsonl) of 13 ran"
+  curl -sf -m 5 http://127.0.0.1:$port/health >/dev/null && pass "serve: up after the bad videos" ||
+    bad "serve down: $(tail -5 $tmp/sv.log)"
+  kill -TERM $pid; wait $pid
+  # Tensor parallel over 2 ranks: rank 0's video features go out with the step; the samples stay generate's.
+  mpiexec -n 2 $q serve model.preset=tiny serve.port=0 serve.min_pixels=4096 serve.max_context=512 serve.kv_mib=8 \
+    serve.model_name=q3vl-tiny run.timing=false >$tmp/sv_tp.log 2>&1 &
+  pid=$!
+  if port=$(server_port $tmp/sv_tp.log $pid); then
+    SEED=1234 node_v answers $d/seeded.jsonl data >$tmp/sv_tp.jsonl 2>$tmp/sv_err.log || bad "client: $(tail -3 $tmp/sv_err.log)"
+    ref=$tmp/sv_seed_gen.jsonl same_answers "serve, TP = 2: video_url, seeded samples == generate's" $tmp/sv_tp.jsonl
+  else
+    bad "serve video, TP = 2: the server did not come up: $(tail -5 $tmp/sv_tp.log)"
+  fi
+  kill -TERM $pid; wait $pid
+}
+if [[ -n $(node_client_missing) ]]; then skip "serve with videos (every check)" "$(node_client_missing)"
+elif needs "serve with videos" ffmpeg; then serve_video; fi
 
 # Bad video parts: named by file, line and part; nothing written.
 printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": ["images/nope.png", "images/nope2.png"]}]}]}' >$tmp/d/bad1.jsonl

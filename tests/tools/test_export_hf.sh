@@ -61,7 +61,11 @@ assert "<|image_pad|>" in tc["chat_template"] and j("chat_template.json")["chat_
 pp = j("preprocessor_config.json")
 assert pp["size"] == {"shortest_edge": 65536, "longest_edge": 16777216} and pp["image_mean"] == [0.5] * 3
 assert pp["patch_size"] == 16 and pp["merge_size"] == 2 and pp["temporal_patch_size"] == 2 and pp["resample"] == 3
-assert j("video_preprocessor_config.json")["fps"] == 2
+vp = j("video_preprocessor_config.json")  # transformers 5.17's Qwen3VLVideoProcessor: the released settings
+want = {"fps": 2, "min_frames": 4, "max_frames": 768, "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "do_sample_frames": True, "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor"}
+assert {k: vp.get(k) for k in want} == want, vp
 g = j("generation_config.json")
 assert g["eos_token_id"] == 254 and g["pad_token_id"] == 255 and g["transformers_version"] == "4.57.0", g
 EOF
@@ -136,10 +140,21 @@ if needs "real training run" bin/q3vl mpiexec; then
   same_tensors "real run" $tmp/run/checkpoints/step_00000002.h5 $tmp/from_run
   a=$(loss $tmp/from_run $G/moe/batch.h5)
   [[ $a =~ ^[0-9.]+$ ]] && ok "real run: the export evaluates (loss $a)" || bad "real run eval: $a"
-  run tiny model.preset=tiny train.steps=1 prepare.min_pixels=16384
+  run tiny model.preset=tiny train.steps=1 prepare.min_pixels=16384 video.fps=1 video.max_frames=64 \
+    video.max_pixels=1000000
   $ex --dtype fp32 $tmp/tiny/checkpoints $tmp/from_tiny >/dev/null || bad "export of a preset checkpoint"
   grep -q '"shortest_edge": 16384' $tmp/from_tiny/preprocessor_config.json &&
     ok "the export carries the trained pixel bounds" || bad "pixel bounds: $(cat $tmp/from_tiny/preprocessor_config.json)"
+  # ... and the run's video settings (its given video.* keys over the released ones).
+  $py - $tmp/from_tiny/video_preprocessor_config.json <<'EOF' && ok "the export carries the run's video settings" ||
+import json, sys
+vp = json.load(open(sys.argv[1]))
+want = {"fps": 1, "min_frames": 4, "max_frames": 64, "size": {"shortest_edge": 4096, "longest_edge": 1000000},
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "do_sample_frames": True,
+        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor"}
+assert {k: vp.get(k) for k in want} == want, vp
+EOF
+    bad "video settings: $(cat $tmp/from_tiny/video_preprocessor_config.json)"
   # The exported directory is self-sufficient: generate, run from elsewhere, takes its tokenizer and pixel bounds
   # (a 64x64 picture becomes 128x128 = 16 image tokens at 16384 pixels, 64 at the default 65536).
   bin/q3vl synth synth.dir=$tmp/sd synth.train_samples=1 synth.eval_samples=1 run.timing=false >/dev/null 2>&1
@@ -148,6 +163,17 @@ if needs "real training run" bin/q3vl mpiexec; then
     $py -c "import json,sys; r=json.load(open(sys.argv[1])); sys.exit(not 16 <= r['prompt_tokens'] < 40)" $tmp/gen.jsonl &&
     ok "generate from another folder: the model directory's tokenizer and pixel bounds" ||
     bad "self-sufficient model dir: $(tail -3 $tmp/gen.log) $(cat $tmp/gen.jsonl 2>/dev/null)"
+  # A 4 s clip at 10 fps: the export's fps 1 samples 4 frames (2 temporal patches), the released fps 2 samples 8 (4).
+  if needs "the export's video settings read back by generate" ffmpeg; then
+    ffmpeg -loglevel error -y -f lavfi -i testsrc=size=64x48:rate=10:duration=4 -pix_fmt yuv420p $tmp/sd/clip.mp4
+    printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}]}' >$tmp/sd/v.jsonl
+    vt() { bin/q3vl generate generate.prompts=$tmp/sd/v.jsonl generate.output=$tmp/v$1.jsonl generate.max_new_tokens=1 \
+             run.timing=false "${@:2}" >$tmp/v$1.log 2>&1 && $py -c "import json,sys; print(json.load(open(sys.argv[1]))['prompt_tokens'])" $tmp/v$1.jsonl; }
+    a=$(vt e model.hf=$tmp/from_tiny) b=$(vt p model.preset=tiny)
+    [[ $a =~ ^[0-9]+$ && $b =~ ^[0-9]+$ ]] && (( b - a >= 2 * 4 )) &&
+      ok "generate on the export samples videos with its settings ($a prompt tokens, $b with the released)" ||
+      bad "video settings read back: $a vs $b: $(tail -2 $tmp/ve.log)"
+  fi
   same_tensors "preset tiny" $tmp/tiny/checkpoints/step_00000001.h5 $tmp/from_tiny
   $py -c "import h5py,numpy as np; f=h5py.File('$tmp/text.h5','w'); f['input_ids']=np.array([[151644,872,198,9707,151645]]); f['labels']=np.array([[-100,-100,198,9707,151645]])"
   a=$(loss $tmp/from_tiny $tmp/text.h5)

@@ -2,7 +2,7 @@
 // shares the first's full blocks (never the block of the last prompt token), refcounts free a block when its last
 // holder lets go, cached blocks no one holds count as free and are evicted least recently used first (the deepest
 // block of a chain before its parents), a full cache says no, and a replica that replays the log holds the same
-// block ids.
+// block ids; token_keys keys image and video placeholders by their spans' pixels.
 #include <gtest/gtest.h>
 
 #include "q3vl/core/error.hpp"
@@ -84,4 +84,36 @@ TEST(BlockManager, PrefixOffSharesNothing) {
   EXPECT_EQ(bm.cached(), 0);
   EXPECT_TRUE(bm.match(k).blocks.empty());
   EXPECT_TRUE(bm.take_log().empty());  // nobody to replay it
+}
+
+// token_keys: an image's and a video's placeholders are keyed by their span's pixels (the same ids, other pixels:
+// other keys from that span on); each run of placeholders is one span (a video's temporal patch), in grid order.
+TEST(BlockManager, TokenKeysFollowImageAndVideoPixels) {
+  ModelConfig cfg;
+  const int64_t I = cfg.image_token_id, V = cfg.video_token_id;
+  // text, an image span of 2 tokens, text, two video temporal patches of 1 token each (grids [1, 1, 2] x 3 spans,
+  // 2 patches of 3 floats each), text.
+  GenPrompt p;
+  p.ids = {1, I, I, 2, V, 3, V, 4};
+  p.grid = {1, 1, 2, 1, 1, 2, 1, 1, 2};
+  p.pixels.resize(3 * 2 * 3);
+  for (size_t k = 0; k < p.pixels.size(); ++k) p.pixels[k] = float(k);
+  const int64_t n = int64_t(p.ids.size());
+  std::vector<int64_t> pos3(3 * size_t(n));
+  for (int64_t r = 0; r < 3; ++r)
+    for (int64_t i = 0; i < n; ++i) pos3[size_t(r * n + i)] = i;
+  const std::vector<uint64_t> base = token_keys(p, pos3, cfg);
+  EXPECT_EQ(token_keys(p, pos3, cfg), base);
+  // Tokens whose spans changed get other keys; the rest keep theirs.
+  auto changed = [&](size_t span) {
+    GenPrompt q = p;
+    q.pixels[span * 6] += 1;
+    const std::vector<uint64_t> k = token_keys(q, pos3, cfg);
+    std::vector<int> diff;
+    for (int64_t i = 0; i < n; ++i) diff.push_back(k[size_t(i)] != base[size_t(i)]);
+    return diff;
+  };
+  EXPECT_EQ(changed(0), (std::vector<int>{0, 1, 1, 0, 0, 0, 0, 0}));  // the image
+  EXPECT_EQ(changed(1), (std::vector<int>{0, 0, 0, 0, 1, 0, 0, 0}));  // the video's first temporal patch
+  EXPECT_EQ(changed(2), (std::vector<int>{0, 0, 0, 0, 0, 0, 1, 0}));  // its second
 }

@@ -22,8 +22,10 @@
 
 #include "../errors.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/data/chat.hpp"
 #include "q3vl/data/image.hpp"
 #include "q3vl/data/video.hpp"
+#include "q3vl/data/video_processor.hpp"
 
 namespace {
 
@@ -315,6 +317,27 @@ TEST(VideoDecode, BytesInMemoryDecodeAsTheFile) {
     const std::vector<RgbImage> f = q3vl::decode_frames(bytes, "upload.mp4", {1, 30, 7});
     ASSERT_EQ(f.size(), 3u);
     expect_cli_frames(p, {1, 30, 7}, f);
+  }
+}
+
+// sample_clip (generate's and serve's path: a chunk of frames at a time, each resized at once) gives resize_clip's
+// clip of all the sampled frames decoded together, over several chunks (48 sampled frames).
+TEST(VideoDecode, SampleClipIsResizeClipOfTheSampledFrames) {
+  q3vl::VideoConfig c;
+  c.fps = 1000, c.max_pixels = 48L * 64 * 64;  // every frame, resized down
+  q3vl::VideoFile v(clip("clip.mp4"));
+  const q3vl::VideoClip got = q3vl::sample_clip(v, c, "clip");
+  const std::vector<int64_t> idx = q3vl::sample_frame_indices(v.info().frames, v.info().fps, c);
+  ASSERT_EQ(idx.size(), 48u);
+  const q3vl::VideoClip want = q3vl::resize_clip(q3vl::decode_frames(clip("clip.mp4"), idx), idx, v.info().fps, c);
+  EXPECT_EQ(got.indices, want.indices);
+  EXPECT_EQ(got.fps, want.fps);
+  ASSERT_EQ(got.frames.size(), want.frames.size());
+  EXPECT_LT(want.frames[0].w, v.info().width);
+  for (size_t i = 0; i < got.frames.size(); ++i) {
+    EXPECT_EQ(got.frames[i].w, want.frames[i].w);
+    EXPECT_EQ(got.frames[i].h, want.frames[i].h);
+    EXPECT_TRUE(got.frames[i].px == want.frames[i].px) << "frame " << i;
   }
 }
 

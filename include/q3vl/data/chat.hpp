@@ -32,6 +32,7 @@
 namespace q3vl {
 
 class Tokenizer;
+class VideoFile;
 
 struct ChatPart {
   bool image = false, video = false;
@@ -69,6 +70,10 @@ struct Conversation {
 // source_fps; sampled and resized with v.config(base). `name` names the part in errors (a missing file: "NAME: no
 // such file ...", a missing frame: "NAME frame K 'PATH': no such file ...").
 VideoClip load_video_part(const VideoRef& v, const VideoConfig& base, const std::string& root, const std::string& name);
+// An open video's clip (generate's and serve's, from a file or a request's bytes): the indices sample_frame_indices
+// picks from its frame count and rate, decoded a few at a time, each frame resized at once to video_smart_resize's
+// size (resize_clip's result, without a long clip's full-size frames all in memory). Errors name `name`.
+VideoClip sample_clip(VideoFile& file, const VideoConfig& c, const std::string& name);
 // "FILE:LINE: message M part P: video 'clip.mp4'" (a frame list: its first frame and ", ...").
 std::string video_part_name(const VideoRef& v);
 

@@ -15,12 +15,14 @@ namespace q3vl {
 
 // Prefix-cache keys. A token's content is its id, its three M-RoPE positions (a prefix is reused only where the new
 // request computes the same positions) and, for an image's tokens, a hash of that image's pixels and grid (two images
-// have the same placeholder ids). A block's key chains its parent's key with its tokens' content, so it names
+// have the same placeholder ids); a video's tokens likewise, a hash per temporal patch of its decoded, resized and
+// normalised frames (so the same clip sent again, as a data: URL or a path, shares its blocks, and another does not). A block's key chains its parent's key with its tokens' content, so it names
 // everything up to and including the block. Keys are 64-bit: two different prefixes would meet with odds of about
 // n^2 / 2^64 for n cached blocks, which is why the tokens themselves are not kept to compare.
 uint64_t token_key(int64_t id, int64_t t, int64_t h, int64_t w);
 // Every prompt token's content (pos3: the prompt's M-RoPE positions, rows t, h, w).
-std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, int64_t image_id);
+// Visual spans: runs of cfg's image or video placeholder, one per grid row of p (GenPrompt's order).
+std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>& pos3, const ModelConfig& cfg);
 
 class BlockManager {
  public:

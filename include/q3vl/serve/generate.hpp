@@ -120,6 +120,9 @@ std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::s
 std::string tokenizer_file(const Deck& d, const std::string& mode);
 Tokenizer load_tokenizer(const Deck& d, const std::string& mode);  // tokenizer_file's, named in the log
 ImageConfig image_config(const Deck& d, const std::string& mode, const ModelConfig& cfg);
+// The run's video sampling and resizing (data/video_processor.hpp's video_config: model.hf's file, the deck's video.*)
+// with the model's patch sizes: what generate and serve process videos with.
+VideoConfig video_config(const Deck& d, const ModelConfig& cfg);
 // What every request of a model shares: stop on eos; never the padded vocabulary or the image/video pads.
 SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok);
 
