@@ -35,7 +35,7 @@ def batch(cfg, b, s, g, dev):
     pixels = torch.randn(b * g * g, patch, device=dev)
     grid = torch.tensor([[1, g, g]] * b, device=dev)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone(), pixel_values=pixels,
-                image_grid_thw=grid)
+                image_grid_thw=grid, mm_token_type_ids=(ids == cfg.image_token_id).long())
 
 
 def main():

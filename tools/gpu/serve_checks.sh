@@ -3,7 +3,8 @@
 #   tools/gpu/serve_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]     PARTS: "unit tiny 8b 30b" (default: all; a call is 600 s)
 #   more parts: nccl (NcclComm and the device model's TP sums, bin/mpi_tests at 2 and 4 ranks as $MPI_TESTS; serve with
 #   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
-#   generate on the 8B shape: the PyTorch baseline), 8bpp, 8bint8, 8bnog and 30bnog (model.cuda_graphs = false: decode
+#   generate on the 8B shape: the PyTorch baseline), video (serving videos on CUDA against generate on the CPU, the 8B
+#   shape's time to first token on a 30 s clip), 8bpp, 8bint8, 8bnog and 30bnog (model.cuda_graphs = false: decode
 #   steps launched op by op, against the default's graphs).
 # - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
 #   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
@@ -103,6 +104,73 @@ if part gencuda; then
       generate.max_new_tokens=16 generate.output=/tmp/gencuda_$m.jsonl run.timing=false >"$out/gencuda_$m.log" 2>&1
     say "generate on cuda, $m: rc=$? $(cmp -s /tmp/gencuda_$m.jsonl /tmp/gen_$m.jsonl && echo 'answers == CPU' || echo 'answers DIFFER'); $(grep -oE 'weights streamed[^;]*' "$out/gencuda_$m.log" | head -1)"
   done
+  pack
+fi
+
+# Videos (issue 31), clips made on the build machine and carried in devpack/clips (the GPU machine has no ffmpeg):
+# serve on CUDA against generate on the CPU, seeded samples (temperature 1, generate's seed for its first prompt, so
+# one generate per prompt); then the 8B shape (random weights, bf16) serving a 30 s clip at 2 fps: time to first
+# token cold and again (the prefix cache), the prompt's tokens, memory.
+# vask PORT DIR CLIP MAX_TOKENS [SEED]: one chat request with the clip as a data: URL; prints one JSON line.
+vask() {
+  python3 - "$@" <<'EOF2'
+import base64, json, sys, time, urllib.request
+port, d, clip, mt = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+url = "data:video/mp4;base64," + base64.b64encode(open(f"{d}/{clip}", "rb").read()).decode()
+body = {"model": "m", "max_tokens": mt, "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                  {"type": "text", "text": "What moves?"}]}]}
+if len(sys.argv) > 5: body.update(temperature=1, seed=int(sys.argv[5]))
+req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+t0 = time.time()
+try:
+    r = json.load(urllib.request.urlopen(req, timeout=600))
+    print(json.dumps({"answer": r["choices"][0]["message"]["content"], "usage": r["usage"], "s": time.time() - t0}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"error": e.code, "body": e.read().decode()[:400], "s": time.time() - t0}))
+EOF2
+}
+vserver() {  # vserver LOG ARGS...: a server in the background; sets vport and vpid
+  "$q" serve serve.port=0 serve.image_dir=/tmp/vd serve.model_name=m run.timing=false "${@:2}" >"$1" 2>&1 &
+  vpid=$! vport=""
+  for _ in $(seq 900); do
+    vport=$(grep -oP 'on http://127\.0\.0\.1:\K[0-9]+' "$1") && break
+    kill -0 $vpid 2>/dev/null || break
+    sleep 0.2
+  done
+  [[ -n $vport ]]
+}
+if part video; then
+  rm -rf /tmp/vd && cp -r devpack/clips /tmp/vd
+  for m in tiny tiny-moe; do
+    for c in clip.mp4 clip2.mp4; do
+      printf '{"messages": [{"role": "user", "content": [{"type": "video", "video": "%s"}, {"type": "text", "text": "What moves?"}]}]}\n' $c >/tmp/vd/p_$c.jsonl
+      "$q" generate model.preset=$m generate.prompts=/tmp/vd/p_$c.jsonl generate.max_new_tokens=8 generate.temperature=1 \
+        generate.output=/tmp/vd/gen_${m}_$c.jsonl run.timing=false >"$out/vgen_${m}_$c.log" 2>&1 || say "video generate $m $c failed"
+    done
+    if vserver "$out/vserve_$m.log" model.preset=$m model.backend=cuda serve.max_context=2048; then
+      for c in clip.mp4 clip2.mp4; do
+        got=$(vask $vport /tmp/vd $c 8 1234)
+        say "video $m $c: serve on cuda $(python3 -c 'import json,sys; g=json.loads(open(sys.argv[1]).readline()); r=json.loads(sys.argv[2]); print("PASS == generate on the CPU" if r.get("answer")==g["answer"] and r["usage"]["prompt_tokens"]==g["prompt_tokens"] else f"FAIL {r} vs {g}")' /tmp/vd/gen_${m}_$c.jsonl "$got")"
+      done
+    else
+      say "video $m: the server did not come up: $(tail -2 "$out/vserve_$m.log" | tr '\n' ' ')"
+    fi
+    kill -TERM $vpid; wait $vpid
+    pack
+  done
+  if vserver "$out/vserve_8b.log" model.preset=8B model.backend=cuda model.dtype=bf16 serve.max_context=16384; then
+    say "8B video: $(grep -oP 'serve: on .*' "$out/vserve_8b.log" | head -1)"
+    for i in 1 2; do say "8B video, 30 s clip (request $i): $(vask $vport /tmp/vd clip30.mp4 1)"; done
+    say "8B video, 30 s clip, 16 tokens: $(vask $vport /tmp/vd clip30.mp4 16 | cut -c1-300)"
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$vport/metrics').read().decode())" \
+      >"$out/vserve_8b_metrics.txt" 2>&1
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader >>"$out/summary.txt"
+  else
+    say "8B video: the server did not come up: $(tail -2 "$out/vserve_8b.log" | tr '\n' ' ')"
+  fi
+  kill -TERM $vpid; wait $vpid
   pack
 fi
 
