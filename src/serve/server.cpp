@@ -10,8 +10,6 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <deque>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -31,18 +29,17 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
-#include "q3vl/core/parallel.hpp"
 #include "q3vl/data/chat.hpp"
 #include "q3vl/data/image.hpp"
 #include "q3vl/data/tokenizer.hpp"
 #include "q3vl/data/video.hpp"
 #include "q3vl/data/video_processor.hpp"
-#include "q3vl/model/dev_model.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/serve/block_manager.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/serve/runner.hpp"
+#include "q3vl/serve/scheduler.hpp"
 
 namespace q3vl {
 
@@ -101,53 +98,6 @@ size_t utf8_error(std::string_view s) {
   return std::string_view::npos;
 }
 
-// One request from HTTP thread to engine and back. The engine owns the fields below `engine only`; the rest are
-// guarded by m.
-struct Job {
-  // Set before the engine sees it.
-  bool chat = true, stream = false, include_usage = false;
-  GenPrompt prompt;
-  SamplingParams sp;
-  std::vector<std::string> stops;
-  double t_arrival = 0;
-
-  std::mutex m;
-  std::condition_variable cv;
-  std::string text;       // released to the client: complete UTF-8, stop strings cut off
-  bool done = false;
-  std::string finish;     // "stop" or "length"
-  std::string error;      // the engine failed this request (status: 500; 503 timed out in the queue)
-  int status = 500;
-  int64_t completion_tokens = 0;
-  std::atomic<bool> cancelled{false};  // the client went away
-
-  // Engine only.
-  int slot = -1;
-  int64_t fed = 0;        // prompt tokens in the cache
-  int64_t pending = -1;   // sampled token still to be fed
-  int64_t vis_fed = 0;    // image and video tokens fed so far
-  int64_t next0 = 0;      // position of the first generated token
-  std::vector<int64_t> out, pos3;
-  std::vector<uint64_t> tkeys;  // prompt tokens' prefix-cache content (token_keys)
-  std::vector<uint64_t> chain;  // prefix-cache keys of the sequence's full blocks so far
-  std::vector<float> img;
-  std::vector<std::vector<float>> ds;
-  std::mt19937_64 rng;
-  bool first_token = false;
-  double t_first = 0;
-};
-
-// Counters for /metrics (Prometheus text).
-struct Metrics {
-  std::atomic<int64_t> requests{0}, errors{0}, prompt_tokens{0}, completion_tokens{0};
-  std::atomic<int64_t> queue{0}, running{0}, kv_used{0}, kv_total{0}, steps{0};
-  std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, evicted{0}, cancelled{0},
-      timed_out{0};
-  std::mutex m;
-  double ttft_sum = 0, tpot_sum = 0;
-  int64_t ttft_n = 0, tpot_n = 0;
-};
-
 // A request's image or video: its name in messages ("messages[0] video 1") and its file's bytes.
 struct Media {
   std::string name, bytes;
@@ -168,18 +118,6 @@ std::string b64decode(std::string_view in, const std::string& name) {
     if ((bits += 6) >= 8) out.push_back(char((acc >> (bits -= 8)) & 0xff));
   }
   return out;
-}
-
-// Length of the longest suffix of text that begins some stop string (held back while streaming).
-size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>& stops) {
-  size_t keep = 0;
-  for (const auto& s : stops)
-    for (size_t n = std::min(s.size() - 1, text.size()); n > keep; --n)
-      if (text.compare(text.size() - n, n, s, 0, n) == 0) {
-        keep = n;
-        break;
-      }
-  return keep;
 }
 
 // httplib 0.11 does not tell a handler whether its client is still there. The connection's socket is the one with
@@ -457,14 +395,8 @@ class Server {
   void reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res, bool chat);
   json response_object(const Job& job, bool chat, const std::string& id);
   std::string metrics_text();
-  // Engine side.
-  void engine_loop();
+  // The other ranks: each step as rank 0 sends it.
   void worker_loop();
-  void admit();
-  void finish(Job& job, const std::string& reason);
-  void cache_blocks(Job& j) { blocks_.cache_blocks(j.slot, j.tkeys, j.out, j.next0, j.chain); }
-  void update_kv_metrics();
-  void emit(Job& job, bool final);
 
   const Deck& deck_;
   std::unique_ptr<Tokenizer> tok_;
@@ -472,25 +404,17 @@ class Server {
   VideoConfig vcfg_;  // video.* (generate's sampling and resizing), the model's patch sizes
   SamplingParams base_;
   std::string model_name_, image_dir_;
-  int64_t max_context_ = 0, max_tokens_ = 0, max_batch_ = 0, step_tokens_ = 0;
+  int64_t max_context_ = 0, max_tokens_ = 0;
   int64_t max_image_pixels_ = 0, max_body_ = 0;  // serve.max_image_pixels; serve.max_body_mib in bytes
-  double timeout_ = 0;  // serve.timeout
   std::atomic<int64_t> next_id_{1};
   double created_ = 0;
   Metrics metrics_;
 
-  std::mutex in_m_;
-  std::condition_variable in_cv_;
-  std::deque<std::shared_ptr<Job>> incoming_;
-  std::deque<std::shared_ptr<Job>> waiting_;   // engine only
-  std::vector<std::shared_ptr<Job>> running_;  // engine only
   // The KV cache's bookkeeping and its prefix cache: rank 0 decides, the other ranks replay its log before each step.
   BlockManager blocks_;
   KvCache<float>& cache_ = blocks_.cache();
   Runner runner_{deck_, blocks_};
-  std::atomic<bool> healthy_{true};    // false once the engine has stopped
-  std::atomic<double> step_since_{0};  // when the model step under way began (0: none)
-  bool prefix_on_ = true;
+  Scheduler sched_{runner_, blocks_, metrics_};  // rank 0's engine
 };
 
 std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
@@ -806,12 +730,7 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
   }
   job->t_arrival = wall_seconds();
   metrics_.prompt_tokens += (int64_t)job->prompt.ids.size();
-  {
-    std::lock_guard<std::mutex> g(in_m_);
-    incoming_.push_back(job);
-    metrics_.queue++;
-  }
-  in_cv_.notify_one();
+  sched_.submit(job);
   if (job->stream) return reply_stream(job, req, res, chat);
   // A client that leaves before its answer cancels the request, as a stream's does.
   const int fd = connection_fd(req);
@@ -819,7 +738,7 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
   while (!job->cv.wait_for(l, std::chrono::milliseconds(100), [&] { return job->done; }))
     if (fd >= 0 && peer_closed(fd)) {
       job->cancelled = true;
-      in_cv_.notify_one();
+      sched_.wake();
       res.status = 499;  // nobody reads it
       return;
     }
@@ -942,252 +861,6 @@ std::string Server::metrics_text() {
   return o.str();
 }
 
-// Releases the text a client may see: everything decoded so far, less an incomplete UTF-8 character and less a
-// tail that may still become a stop string; cut at a stop string found.
-void Server::emit(Job& job, bool final) {
-  const std::vector<int32_t> ids(job.out.begin(), job.out.end());
-  std::string full = tok_->decode(ids);
-  size_t cut = std::string::npos;
-  for (const auto& s : job.stops) cut = std::min(cut, full.find(s));
-  bool stop_hit = cut != std::string::npos;
-  if (stop_hit) full.resize(cut);
-  else if (!final) {
-    // Qwen's byte-level tokens split characters: U+FFFD at the end is a character still being decoded.
-    while (full.size() >= 3 && full.compare(full.size() - 3, 3, "\xEF\xBF\xBD") == 0) full.resize(full.size() - 3);
-    full.resize(full.size() - stop_prefix_tail(full, job.stops));
-  }
-  std::lock_guard<std::mutex> g(job.m);
-  if (full.size() > job.text.size() || stop_hit || final) job.text = full;
-  job.completion_tokens = (int64_t)job.out.size();
-  if (stop_hit) job.finish = "stop";
-}
-
-void Server::finish(Job& job, const std::string& reason) {
-  if (job.slot >= 0) {
-    if (reason != "error") cache_blocks(job);  // its answer's blocks too: a chat resends them next turn
-    const int64_t blocks = (int64_t)cache_.table[job.slot].size();
-    blocks_.release(job.slot);
-    job.slot = -1;
-    if (reason == "cancelled")
-      log_info("serve: a request cancelled (its client left) after " + std::to_string(job.out.size()) +
-               " tokens; its " + std::to_string(blocks) + " KV blocks released");
-  }
-  if (reason == "cancelled") metrics_.cancelled++;
-  {
-    std::lock_guard<std::mutex> g(job.m);
-    if (job.finish.empty()) job.finish = reason;
-    job.done = true;
-  }
-  job.cv.notify_all();
-  metrics_.completion_tokens += (int64_t)job.out.size();
-  if (job.out.size() > 1) {
-    std::lock_guard<std::mutex> g(metrics_.m);
-    metrics_.tpot_sum += wall_seconds() - job.t_first;
-    metrics_.tpot_n += (int64_t)job.out.size() - 1;
-  }
-}
-
-void Server::update_kv_metrics() {
-  metrics_.kv_used = blocks_.used();
-  metrics_.prefix_blocks = blocks_.cached();
-  metrics_.evicted = blocks_.evicted();
-}
-
-// FIFO admission: the head of the queue waits until the cache has blocks for its prompt and max_tokens, so that a
-// running sequence never runs out of cache (no preemption needed) and a full cache queues instead of failing.
-// Cached prefix blocks no sequence uses count as free: they are evicted (least recently used first) before anyone
-// waits for them.
-void Server::admit() {
-  const ModelConfig& cfg = runner_.config();
-  const int64_t B = cache_.block;
-  while (!waiting_.empty() && (int64_t)running_.size() < max_batch_) {
-    std::shared_ptr<Job> job = waiting_.front();
-    const std::vector<int64_t>& ids = job->prompt.ids;
-    const int64_t n = (int64_t)ids.size();
-    try {
-      if (job->pos3.empty()) {
-        job->pos3 = mrope_positions(cfg, ids.data(), {0, n}, job->prompt.grid);
-        for (int64_t p : job->pos3) job->next0 = std::max(job->next0, p + 1);
-        if (prefix_on_) job->tkeys = token_keys(job->prompt, job->pos3, cfg);
-      }
-    } catch (const Error& e) {
-      waiting_.pop_front(), metrics_.queue--;
-      job->error = e.what();
-      finish(*job, "error");
-      continue;
-    }
-    const BlockManager::Match hit = blocks_.match(job->tkeys);
-    const int64_t tokens = n + job->sp.max_new_tokens;
-    if (!blocks_.fits(tokens, hit)) break;
-    waiting_.pop_front();
-    metrics_.queue--;
-    const int64_t shared = (int64_t)hit.blocks.size() * B;
-    const auto visual = [&](int64_t t) { return cfg.visual_token(t); };  // image and video placeholders
-    const int64_t vis_shared = std::count_if(ids.begin(), ids.begin() + shared, visual);
-    try {  // the vision tower only when some image or video token is still to compute
-      if (!job->prompt.grid.empty() && std::count_if(ids.begin() + shared, ids.end(), visual) > 0)
-        runner_.model().vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
-    } catch (const Error& e) {
-      job->error = e.what();
-      finish(*job, "error");
-      continue;
-    }
-    job->slot = blocks_.open(tokens, hit, job->next0);
-    job->fed = shared;
-    job->vis_fed = vis_shared;
-    job->chain = hit.chain;
-    metrics_.prefix_hit_tokens += shared;
-    running_.push_back(job);
-  }
-}
-
-void Server::engine_loop() {
-  const ModelConfig& cfg = runner_.config();
-  const int64_t H = cfg.text.hidden, V = cfg.text.vocab;
-  while (!stop_signal_pending()) {
-    {
-      std::unique_lock<std::mutex> l(in_m_);
-      if (incoming_.empty() && running_.empty() && waiting_.empty())
-        in_cv_.wait_for(l, std::chrono::milliseconds(200));
-      while (!incoming_.empty()) waiting_.push_back(incoming_.front()), incoming_.pop_front();
-    }
-    // Clients gone while queued or running: their sequences and blocks go back at once.
-    for (auto it = waiting_.begin(); it != waiting_.end();)
-      if ((*it)->cancelled) finish(**it, "cancelled"), it = waiting_.erase(it), metrics_.queue--;
-      else ++it;
-    std::erase_if(running_, [&](const std::shared_ptr<Job>& j) {
-      if (j->cancelled) finish(*j, "cancelled");
-      return (bool)j->cancelled;
-    });
-    // serve.timeout: a request still queued gets 503; a running one ends with what it has ("length").
-    if (timeout_ > 0) {
-      const double now = wall_seconds();
-      for (auto it = waiting_.begin(); it != waiting_.end();)
-        if (now - (*it)->t_arrival > timeout_) {
-          (*it)->error = "the request waited " + std::to_string(int(now - (*it)->t_arrival)) +
-                         " s in the queue, past serve.timeout; the server is busy, try again later";
-          (*it)->status = 503;
-          finish(**it, "error"), it = waiting_.erase(it), metrics_.queue--, metrics_.timed_out++;
-        } else {
-          ++it;
-        }
-      std::erase_if(running_, [&](const std::shared_ptr<Job>& j) {
-        if (now - j->t_arrival <= timeout_) return false;
-        finish(*j, "length"), metrics_.timed_out++;
-        return true;
-      });
-    }
-    admit();
-    metrics_.running = (int64_t)running_.size();
-    update_kv_metrics();
-    if (running_.empty()) continue;
-
-    // One step: a token of every decoding sequence, then prompt chunks up to serve.step_tokens in all.
-    std::vector<StepSegment<float>> segs;
-    std::vector<Job*> who;
-    int64_t budget = step_tokens_;
-    for (auto& j : running_)
-      if (j->pending >= 0) {
-        segs.push_back({j->slot, {j->pending}, {}, {}, {}});
-        who.push_back(j.get());
-        budget--;
-      }
-    for (auto& j : running_) {
-      const int64_t n = (int64_t)j->prompt.ids.size();
-      if (j->fed >= n || budget <= 0) continue;
-      const int64_t a = j->fed, b = std::min(n, a + budget);
-      StepSegment<float> g;
-      g.seq = j->slot;
-      g.ids.assign(j->prompt.ids.begin() + a, j->prompt.ids.begin() + b);
-      for (int row = 0; row < 3; ++row)
-        g.pos3.insert(g.pos3.end(), j->pos3.begin() + row * n + a, j->pos3.begin() + row * n + b);
-      const int64_t nv = std::count_if(g.ids.begin(), g.ids.end(), [&](int64_t t) { return cfg.visual_token(t); });
-      g.img.assign(j->img.begin() + j->vis_fed * H, j->img.begin() + (j->vis_fed + nv) * H);
-      for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
-      j->vis_fed += nv;
-      budget -= b - a;
-      metrics_.prefill_tokens += b - a;
-      segs.push_back(std::move(g));
-      who.push_back(j.get());
-    }
-    // All greedy (the usual serving case): the device returns each row's argmax, not [segs, V] of logits.
-    DevModel::Argmax best;
-    const bool greedy =
-        (int64_t)base_.banned.size() <= DevModel::kMaxBanned && std::all_of(who.begin(), who.end(), [&](const Job* j) {
-          return j->sp.temperature <= 0 && j->sp.banned == base_.banned && j->sp.vocab_limit == base_.vocab_limit;
-        });
-    best.limit = base_.vocab_limit > 0 ? base_.vocab_limit : cfg.text.vocab, best.banned = base_.banned;
-    std::vector<float> logits;
-    try {
-      step_since_ = wall_seconds();
-      logits = runner_.step(segs, false, greedy ? &best : nullptr);
-      step_since_ = 0;
-    } catch (const Error& e) {  // fails this step's requests, not the server
-      step_since_ = 0;
-      if (is_watchdog(e)) {  // a rank did not keep up: the group is out of step, and the server ends
-        healthy_ = false;
-        throw;
-      }
-      log_warn(std::string("serve: a step failed: ") + e.what());
-      for (Job* j : who) j->error = e.what(), finish(*j, "error");
-      std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
-      continue;
-    }
-    metrics_.steps++;
-    const double now = wall_seconds();
-    std::vector<size_t> rows;  // the segments that sample: a decode, or a prompt's last chunk
-    for (size_t s = 0; s < segs.size(); ++s) {
-      Job& j = *who[s];
-      if (j.pending < 0) {  // a prompt chunk: sample only after its last one
-        j.fed += (int64_t)segs[s].ids.size();
-        if (j.fed < (int64_t)j.prompt.ids.size()) continue;
-        j.img.clear(), j.ds.clear();
-        cache_blocks(j);  // later requests may share the prompt while this one decodes
-      }
-      rows.push_back(s);
-    }
-    // Sampled rows on every core (each job draws from its own random stream, so their order does not matter);
-    // greedy ones are already picked.
-    std::vector<int64_t> tok(segs.size());
-    if (greedy)
-      for (size_t s : rows) tok[s] = std::max<int64_t>(best.id[s], 0);
-    else
-      parallel_for((int64_t)rows.size(), [&](int64_t i) {
-        const size_t s = rows[i];
-        tok[s] = sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
-      });
-    for (size_t s : rows) {
-      Job& j = *who[s];
-      const int64_t t = tok[s];
-      if (!j.first_token) {
-        j.first_token = true;
-        j.t_first = now;
-        std::lock_guard<std::mutex> g(metrics_.m);
-        metrics_.ttft_sum += now - j.t_arrival, metrics_.ttft_n++;
-      }
-      std::string reason;
-      if (std::find(j.sp.stop.begin(), j.sp.stop.end(), t) != j.sp.stop.end()) {
-        reason = "stop";
-      } else {
-        j.out.push_back(t);
-        j.pending = t;
-        if ((int64_t)j.out.size() >= j.sp.max_new_tokens) reason = "length";
-      }
-      emit(j, !reason.empty());
-      bool stop_string;
-      {
-        std::lock_guard<std::mutex> g(j.m);
-        stop_string = !j.finish.empty();
-      }
-      if (!reason.empty() || stop_string) finish(j, reason);
-      else j.cv.notify_all();
-    }
-    std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
-    metrics_.running = (int64_t)running_.size();
-    update_kv_metrics();
-  }
-}
-
 namespace {
 // cpp-httplib listens with a backlog of 5, compiled into Debian's library: 32 clients connecting at once overflow it,
 // and some network stacks answer the overflow with a reset ("Connection reset by peer" at the start of a request,
@@ -1234,12 +907,9 @@ int Server::run() {
   icfg_ = image_config(deck_, "serve", cfg);
   vcfg_ = video_config(deck_, cfg);
   base_ = model_sampling(cfg, *tok_);
+  sched_.configure(deck_, *tok_, base_);
   max_context_ = deck_.integer("serve.max_context");
   max_tokens_ = deck_.integer("serve.max_tokens");
-  max_batch_ = deck_.integer("serve.max_batch");
-  prefix_on_ = deck_.boolean("serve.prefix_cache");
-  step_tokens_ = deck_.integer("serve.step_tokens");
-  timeout_ = deck_.real("serve.timeout");
   image_dir_ = deck_.str("serve.image_dir");
   max_image_pixels_ = deck_.integer("serve.max_image_pixels");
   max_body_ = (int64_t)(deck_.real("serve.max_body_mib") * 1048576.0);
@@ -1270,9 +940,9 @@ int Server::run() {
   // runtime.timeout (a rank has stopped, most likely; the watchdog ends the server at the full timeout).
   const double stall = deck_.real("runtime.timeout") / 2;
   svr.Get("/health", [this, stall](const Req&, Res& r) {
-    const double since = step_since_, now = wall_seconds();
+    const double since = sched_.step_since(), now = wall_seconds();
     std::string why;
-    if (!healthy_) why = "the engine has stopped";
+    if (!sched_.healthy()) why = "the engine has stopped";
     else if (since > 0 && stall > 0 && now - since > stall)
       why = "a model step has run for " + std::to_string(int(now - since)) + " s (runtime.timeout = " +
             std::to_string(int(2 * stall)) + " s): a rank of the group does not answer";
@@ -1341,7 +1011,7 @@ int Server::run() {
   log_info("serve: model '" + model_name_ + "' on http://" + host + ":" + std::to_string(port) +
            " (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics)");
   try {
-    engine_loop();
+    sched_.run();
   } catch (...) {
     // Every open request gets its error, so that the HTTP threads return and the server can end.
     std::string why = "internal error";
@@ -1351,27 +1021,14 @@ int Server::run() {
       why = e.what();
     } catch (...) {
     }
-    healthy_ = false;
-    std::vector<std::shared_ptr<Job>> open(running_.begin(), running_.end());
-    open.insert(open.end(), waiting_.begin(), waiting_.end());
-    {
-      std::lock_guard<std::mutex> g(in_m_);
-      open.insert(open.end(), incoming_.begin(), incoming_.end());
-      incoming_.clear();
-    }
-    for (auto& j : open) {
-      j->error = "the server stopped: " + why, j->status = 503;
-      j->slot = -1;  // its cache slot goes with the server
-      finish(*j, "error");
-    }
+    sched_.fail_all(why);
     svr.stop();
     http.join();
     throw;
   }
   log_info("serve: stopping (signal " + std::to_string(stop_signal_pending()) + ")");
   // Requests still open get what they have so far.
-  for (auto& j : running_) finish(*j, "length");
-  for (auto& j : waiting_) finish(*j, "length");
+  sched_.finish_open();
   svr.stop();
   http.join();
   if (runner_.world() > 1) {  // the other ranks leave their loop

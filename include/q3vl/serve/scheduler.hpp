@@ -1,0 +1,121 @@
+// The serving engine's scheduler (as nano-vllm's): the queue of requests the HTTP threads hand over, FIFO admission
+// into the running batch over the block manager's paged KV cache, and the step loop on rank 0. Every step mixes
+// chunks of new prompts with one token of each running sequence; the runner computes it on every rank, and the
+// scheduler samples, releases each request's text (emit) and ends requests (finish), which wakes their HTTP threads.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "q3vl/core/deck.hpp"
+#include "q3vl/data/tokenizer.hpp"
+#include "q3vl/serve/block_manager.hpp"
+#include "q3vl/serve/generate.hpp"
+#include "q3vl/serve/runner.hpp"
+
+namespace q3vl {
+
+// One request from HTTP thread to engine and back. The engine owns the fields below `engine only`; the rest are
+// guarded by m.
+struct Job {
+  // Set before the engine sees it.
+  bool chat = true, stream = false, include_usage = false;
+  GenPrompt prompt;
+  SamplingParams sp;
+  std::vector<std::string> stops;
+  double t_arrival = 0;
+
+  std::mutex m;
+  std::condition_variable cv;
+  std::string text;       // released to the client: complete UTF-8, stop strings cut off
+  bool done = false;
+  std::string finish;     // "stop" or "length"
+  std::string error;      // the engine failed this request (status: 500; 503 timed out in the queue)
+  int status = 500;
+  int64_t completion_tokens = 0;
+  std::atomic<bool> cancelled{false};  // the client went away
+
+  // Engine only.
+  int slot = -1;
+  int64_t fed = 0;        // prompt tokens in the cache
+  int64_t pending = -1;   // sampled token still to be fed
+  int64_t vis_fed = 0;    // image and video tokens fed so far
+  int64_t next0 = 0;      // position of the first generated token
+  std::vector<int64_t> out, pos3;
+  std::vector<uint64_t> tkeys;  // prompt tokens' prefix-cache content (token_keys)
+  std::vector<uint64_t> chain;  // prefix-cache keys of the sequence's full blocks so far
+  std::vector<float> img;
+  std::vector<std::vector<float>> ds;
+  std::mt19937_64 rng;
+  bool first_token = false;
+  double t_first = 0;
+};
+
+// Counters for /metrics (Prometheus text).
+struct Metrics {
+  std::atomic<int64_t> requests{0}, errors{0}, prompt_tokens{0}, completion_tokens{0};
+  std::atomic<int64_t> queue{0}, running{0}, kv_used{0}, kv_total{0}, steps{0};
+  std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, evicted{0}, cancelled{0},
+      timed_out{0};
+  std::mutex m;
+  double ttft_sum = 0, tpot_sum = 0;
+  int64_t ttft_n = 0, tpot_n = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(Runner& runner, BlockManager& blocks, Metrics& metrics)
+      : runner_(runner), blocks_(blocks), metrics_(metrics) {}
+  // serve.max_batch, serve.step_tokens, serve.timeout, serve.prefix_cache; tok decodes answers, base is the model's
+  // sampling (a greedy batch's banned tokens and vocabulary limit). Before run().
+  void configure(const Deck& d, const Tokenizer& tok, const SamplingParams& base);
+  // From an HTTP thread: the job joins the queue.
+  void submit(const std::shared_ptr<Job>& job);
+  // From an HTTP thread: a job's client went away (job->cancelled set); the engine looks now.
+  void wake() { in_cv_.notify_one(); }
+  // The step loop on rank 0, until a stop signal. A watchdog's error (a rank stopped) ends it, unhealthy.
+  void run();
+  // The loop failed (why): every open request gets a 503 naming it, and the engine is unhealthy.
+  void fail_all(const std::string& why);
+  // Stopping: requests still open get what they have so far.
+  void finish_open();
+  bool healthy() const { return healthy_; }
+  double step_since() const { return step_since_; }  // when the model step under way began (0: none)
+
+ private:
+  void drop_gone();
+  void admit();
+  // One step: the segments (plan), the model step on every rank, then each sampling row's token.
+  void plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who);
+  void step();
+  void finish(Job& job, const std::string& reason);
+  void cache_blocks(Job& j) { blocks_.cache_blocks(j.slot, j.tkeys, j.out, j.next0, j.chain); }
+  void update_kv_metrics();
+  void emit(Job& job, bool final);
+
+  Runner& runner_;
+  // The KV cache's bookkeeping and its prefix cache: rank 0 decides, the other ranks replay its log before each step.
+  BlockManager& blocks_;
+  Metrics& metrics_;
+  const Tokenizer* tok_ = nullptr;
+  SamplingParams base_;
+  int64_t max_batch_ = 0, step_tokens_ = 0;
+  double timeout_ = 0;  // serve.timeout
+  bool prefix_on_ = true;
+
+  std::mutex in_m_;
+  std::condition_variable in_cv_;
+  std::deque<std::shared_ptr<Job>> incoming_;
+  std::deque<std::shared_ptr<Job>> waiting_;   // engine only
+  std::vector<std::shared_ptr<Job>> running_;  // engine only
+  std::atomic<bool> healthy_{true};    // false once the engine has stopped
+  std::atomic<double> step_since_{0};  // when the model step under way began (0: none)
+};
+
+}  // namespace q3vl

@@ -1,0 +1,329 @@
+#include "q3vl/serve/scheduler.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
+#include "q3vl/core/parallel.hpp"
+#include "q3vl/model/dev_model.hpp"
+#include "q3vl/runtime/stop.hpp"
+
+namespace q3vl {
+
+namespace {
+
+// Length of the longest suffix of text that begins some stop string (held back while streaming).
+size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>& stops) {
+  size_t keep = 0;
+  for (const auto& s : stops)
+    for (size_t n = std::min(s.size() - 1, text.size()); n > keep; --n)
+      if (text.compare(text.size() - n, n, s, 0, n) == 0) {
+        keep = n;
+        break;
+      }
+  return keep;
+}
+
+}  // namespace
+
+void Scheduler::configure(const Deck& d, const Tokenizer& tok, const SamplingParams& base) {
+  tok_ = &tok;
+  base_ = base;
+  max_batch_ = d.integer("serve.max_batch");
+  prefix_on_ = d.boolean("serve.prefix_cache");
+  step_tokens_ = d.integer("serve.step_tokens");
+  timeout_ = d.real("serve.timeout");
+}
+
+void Scheduler::submit(const std::shared_ptr<Job>& job) {
+  {
+    std::lock_guard<std::mutex> g(in_m_);
+    incoming_.push_back(job);
+    metrics_.queue++;
+  }
+  in_cv_.notify_one();
+}
+
+// Releases the text a client may see: everything decoded so far, less an incomplete UTF-8 character and less a
+// tail that may still become a stop string; cut at a stop string found.
+void Scheduler::emit(Job& job, bool final) {
+  const std::vector<int32_t> ids(job.out.begin(), job.out.end());
+  std::string full = tok_->decode(ids);
+  size_t cut = std::string::npos;
+  for (const auto& s : job.stops) cut = std::min(cut, full.find(s));
+  bool stop_hit = cut != std::string::npos;
+  if (stop_hit) full.resize(cut);
+  else if (!final) {
+    // Qwen's byte-level tokens split characters: U+FFFD at the end is a character still being decoded.
+    while (full.size() >= 3 && full.compare(full.size() - 3, 3, "\xEF\xBF\xBD") == 0) full.resize(full.size() - 3);
+    full.resize(full.size() - stop_prefix_tail(full, job.stops));
+  }
+  std::lock_guard<std::mutex> g(job.m);
+  if (full.size() > job.text.size() || stop_hit || final) job.text = full;
+  job.completion_tokens = (int64_t)job.out.size();
+  if (stop_hit) job.finish = "stop";
+}
+
+void Scheduler::finish(Job& job, const std::string& reason) {
+  if (job.slot >= 0) {
+    if (reason != "error") cache_blocks(job);  // its answer's blocks too: a chat resends them next turn
+    const int64_t blocks = (int64_t)blocks_.cache().table[job.slot].size();
+    blocks_.release(job.slot);
+    job.slot = -1;
+    if (reason == "cancelled")
+      log_info("serve: a request cancelled (its client left) after " + std::to_string(job.out.size()) +
+               " tokens; its " + std::to_string(blocks) + " KV blocks released");
+  }
+  if (reason == "cancelled") metrics_.cancelled++;
+  {
+    std::lock_guard<std::mutex> g(job.m);
+    if (job.finish.empty()) job.finish = reason;
+    job.done = true;
+  }
+  job.cv.notify_all();
+  metrics_.completion_tokens += (int64_t)job.out.size();
+  if (job.out.size() > 1) {
+    std::lock_guard<std::mutex> g(metrics_.m);
+    metrics_.tpot_sum += wall_seconds() - job.t_first;
+    metrics_.tpot_n += (int64_t)job.out.size() - 1;
+  }
+}
+
+void Scheduler::update_kv_metrics() {
+  metrics_.kv_used = blocks_.used();
+  metrics_.prefix_blocks = blocks_.cached();
+  metrics_.evicted = blocks_.evicted();
+}
+
+// FIFO admission: the head of the queue waits until the cache has blocks for its prompt and max_tokens, so that a
+// running sequence never runs out of cache (no preemption needed) and a full cache queues instead of failing.
+// Cached prefix blocks no sequence uses count as free: they are evicted (least recently used first) before anyone
+// waits for them.
+void Scheduler::admit() {
+  const ModelConfig& cfg = runner_.config();
+  const int64_t B = blocks_.cache().block;
+  while (!waiting_.empty() && (int64_t)running_.size() < max_batch_) {
+    std::shared_ptr<Job> job = waiting_.front();
+    const std::vector<int64_t>& ids = job->prompt.ids;
+    const int64_t n = (int64_t)ids.size();
+    try {
+      if (job->pos3.empty()) {
+        job->pos3 = mrope_positions(cfg, ids.data(), {0, n}, job->prompt.grid);
+        for (int64_t p : job->pos3) job->next0 = std::max(job->next0, p + 1);
+        if (prefix_on_) job->tkeys = token_keys(job->prompt, job->pos3, cfg);
+      }
+    } catch (const Error& e) {
+      waiting_.pop_front(), metrics_.queue--;
+      job->error = e.what();
+      finish(*job, "error");
+      continue;
+    }
+    const BlockManager::Match hit = blocks_.match(job->tkeys);
+    const int64_t tokens = n + job->sp.max_new_tokens;
+    if (!blocks_.fits(tokens, hit)) break;
+    waiting_.pop_front();
+    metrics_.queue--;
+    const int64_t shared = (int64_t)hit.blocks.size() * B;
+    const auto visual = [&](int64_t t) { return cfg.visual_token(t); };  // image and video placeholders
+    const int64_t vis_shared = std::count_if(ids.begin(), ids.begin() + shared, visual);
+    try {  // the vision tower only when some image or video token is still to compute
+      if (!job->prompt.grid.empty() && std::count_if(ids.begin() + shared, ids.end(), visual) > 0)
+        runner_.model().vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
+    } catch (const Error& e) {
+      job->error = e.what();
+      finish(*job, "error");
+      continue;
+    }
+    job->slot = blocks_.open(tokens, hit, job->next0);
+    job->fed = shared;
+    job->vis_fed = vis_shared;
+    job->chain = hit.chain;
+    metrics_.prefix_hit_tokens += shared;
+    running_.push_back(job);
+  }
+}
+
+void Scheduler::run() {
+  while (!stop_signal_pending()) {
+    {
+      std::unique_lock<std::mutex> l(in_m_);
+      if (incoming_.empty() && running_.empty() && waiting_.empty())
+        in_cv_.wait_for(l, std::chrono::milliseconds(200));
+      while (!incoming_.empty()) waiting_.push_back(incoming_.front()), incoming_.pop_front();
+    }
+    drop_gone();
+    admit();
+    metrics_.running = (int64_t)running_.size();
+    update_kv_metrics();
+    if (running_.empty()) continue;
+    step();
+  }
+}
+
+// Clients gone while queued or running: their sequences and blocks go back at once.
+void Scheduler::drop_gone() {
+  for (auto it = waiting_.begin(); it != waiting_.end();)
+    if ((*it)->cancelled) finish(**it, "cancelled"), it = waiting_.erase(it), metrics_.queue--;
+    else ++it;
+  std::erase_if(running_, [&](const std::shared_ptr<Job>& j) {
+    if (j->cancelled) finish(*j, "cancelled");
+    return (bool)j->cancelled;
+  });
+  // serve.timeout: a request still queued gets 503; a running one ends with what it has ("length").
+  if (timeout_ > 0) {
+    const double now = wall_seconds();
+    for (auto it = waiting_.begin(); it != waiting_.end();)
+      if (now - (*it)->t_arrival > timeout_) {
+        (*it)->error = "the request waited " + std::to_string(int(now - (*it)->t_arrival)) +
+                       " s in the queue, past serve.timeout; the server is busy, try again later";
+        (*it)->status = 503;
+        finish(**it, "error"), it = waiting_.erase(it), metrics_.queue--, metrics_.timed_out++;
+      } else {
+        ++it;
+      }
+    std::erase_if(running_, [&](const std::shared_ptr<Job>& j) {
+      if (now - j->t_arrival <= timeout_) return false;
+      finish(*j, "length"), metrics_.timed_out++;
+      return true;
+    });
+  }
+}
+
+// One step: a token of every decoding sequence, then prompt chunks up to serve.step_tokens in all.
+void Scheduler::plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who) {
+  const ModelConfig& cfg = runner_.config();
+  const int64_t H = cfg.text.hidden;
+  int64_t budget = step_tokens_;
+  for (auto& j : running_)
+    if (j->pending >= 0) {
+      segs.push_back({j->slot, {j->pending}, {}, {}, {}});
+      who.push_back(j.get());
+      budget--;
+    }
+  for (auto& j : running_) {
+    const int64_t n = (int64_t)j->prompt.ids.size();
+    if (j->fed >= n || budget <= 0) continue;
+    const int64_t a = j->fed, b = std::min(n, a + budget);
+    StepSegment<float> g;
+    g.seq = j->slot;
+    g.ids.assign(j->prompt.ids.begin() + a, j->prompt.ids.begin() + b);
+    for (int row = 0; row < 3; ++row)
+      g.pos3.insert(g.pos3.end(), j->pos3.begin() + row * n + a, j->pos3.begin() + row * n + b);
+    const int64_t nv = std::count_if(g.ids.begin(), g.ids.end(), [&](int64_t t) { return cfg.visual_token(t); });
+    g.img.assign(j->img.begin() + j->vis_fed * H, j->img.begin() + (j->vis_fed + nv) * H);
+    for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
+    j->vis_fed += nv;
+    budget -= b - a;
+    metrics_.prefill_tokens += b - a;
+    segs.push_back(std::move(g));
+    who.push_back(j.get());
+  }
+}
+
+void Scheduler::step() {
+  const ModelConfig& cfg = runner_.config();
+  const int64_t V = cfg.text.vocab;
+  std::vector<StepSegment<float>> segs;
+  std::vector<Job*> who;
+  plan(segs, who);
+  // All greedy (the usual serving case): the device returns each row's argmax, not [segs, V] of logits.
+  DevModel::Argmax best;
+  const bool greedy =
+      (int64_t)base_.banned.size() <= DevModel::kMaxBanned && std::all_of(who.begin(), who.end(), [&](const Job* j) {
+        return j->sp.temperature <= 0 && j->sp.banned == base_.banned && j->sp.vocab_limit == base_.vocab_limit;
+      });
+  best.limit = base_.vocab_limit > 0 ? base_.vocab_limit : cfg.text.vocab, best.banned = base_.banned;
+  std::vector<float> logits;
+  try {
+    step_since_ = wall_seconds();
+    logits = runner_.step(segs, false, greedy ? &best : nullptr);
+    step_since_ = 0;
+  } catch (const Error& e) {  // fails this step's requests, not the server
+    step_since_ = 0;
+    if (is_watchdog(e)) {  // a rank did not keep up: the group is out of step, and the server ends
+      healthy_ = false;
+      throw;
+    }
+    log_warn(std::string("serve: a step failed: ") + e.what());
+    for (Job* j : who) j->error = e.what(), finish(*j, "error");
+    std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
+    return;
+  }
+  metrics_.steps++;
+  const double now = wall_seconds();
+  std::vector<size_t> rows;  // the segments that sample: a decode, or a prompt's last chunk
+  for (size_t s = 0; s < segs.size(); ++s) {
+    Job& j = *who[s];
+    if (j.pending < 0) {  // a prompt chunk: sample only after its last one
+      j.fed += (int64_t)segs[s].ids.size();
+      if (j.fed < (int64_t)j.prompt.ids.size()) continue;
+      j.img.clear(), j.ds.clear();
+      cache_blocks(j);  // later requests may share the prompt while this one decodes
+    }
+    rows.push_back(s);
+  }
+  // Sampled rows on every core (each job draws from its own random stream, so their order does not matter);
+  // greedy ones are already picked.
+  std::vector<int64_t> tok(segs.size());
+  if (greedy)
+    for (size_t s : rows) tok[s] = std::max<int64_t>(best.id[s], 0);
+  else
+    parallel_for((int64_t)rows.size(), [&](int64_t i) {
+      const size_t s = rows[i];
+      tok[s] = sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
+    });
+  for (size_t s : rows) {
+    Job& j = *who[s];
+    const int64_t t = tok[s];
+    if (!j.first_token) {
+      j.first_token = true;
+      j.t_first = now;
+      std::lock_guard<std::mutex> g(metrics_.m);
+      metrics_.ttft_sum += now - j.t_arrival, metrics_.ttft_n++;
+    }
+    std::string reason;
+    if (std::find(j.sp.stop.begin(), j.sp.stop.end(), t) != j.sp.stop.end()) {
+      reason = "stop";
+    } else {
+      j.out.push_back(t);
+      j.pending = t;
+      if ((int64_t)j.out.size() >= j.sp.max_new_tokens) reason = "length";
+    }
+    emit(j, !reason.empty());
+    bool stop_string;
+    {
+      std::lock_guard<std::mutex> g(j.m);
+      stop_string = !j.finish.empty();
+    }
+    if (!reason.empty() || stop_string) finish(j, reason);
+    else j.cv.notify_all();
+  }
+  std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
+  metrics_.running = (int64_t)running_.size();
+  update_kv_metrics();
+}
+
+void Scheduler::fail_all(const std::string& why) {
+  healthy_ = false;
+  std::vector<std::shared_ptr<Job>> open(running_.begin(), running_.end());
+  open.insert(open.end(), waiting_.begin(), waiting_.end());
+  {
+    std::lock_guard<std::mutex> g(in_m_);
+    open.insert(open.end(), incoming_.begin(), incoming_.end());
+    incoming_.clear();
+  }
+  for (auto& j : open) {
+    j->error = "the server stopped: " + why, j->status = 503;
+    j->slot = -1;  // its cache slot goes with the server
+    finish(*j, "error");
+  }
+}
+
+void Scheduler::finish_open() {
+  for (auto& j : running_) finish(*j, "length");
+  for (auto& j : waiting_) finish(*j, "length");
+}
+
+}  // namespace q3vl
