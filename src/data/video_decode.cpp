@@ -69,9 +69,10 @@ void hook_libav_log() {
 std::string av_message(int err) {
   char buf[AV_ERROR_MAX_STRING_SIZE] = {0};
   av_strerror(err, buf, sizeof buf);
-  std::string msg = buf;
-  if (!t_last_log.empty() && t_last_log != msg) msg += " (" + t_last_log + ")";
-  return msg;
+  // FFmpeg's logged line names the fault ("moov atom not found"); the code's string can mislead (a y4m header of
+  // 100000x100000 gives EBUSY), so it follows in brackets.
+  if (t_last_log.empty() || t_last_log == buf) return buf;
+  return t_last_log + " (" + buf + ")";
 }
 
 struct FormatClose {
