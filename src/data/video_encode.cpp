@@ -110,6 +110,7 @@ void ClipWriter::open_encoder(int w, int h, double fps) {
   if (fmt_->oformat->flags & AVFMT_GLOBALHEADER) c->flags |= AV_CODEC_FLAG_GLOBAL_HEADER;
   if (encoder_ == "libx264") {
     av_opt_set(c->priv_data, "crf", "16", 0);
+    av_opt_set(c->priv_data, "preset", "veryfast", 0);  // 8 tiny frames: a slower preset saves nothing worth having
   } else {
     c->flags |= AV_CODEC_FLAG_QSCALE;
     c->global_quality = FF_QP2LAMBDA * 2;
