@@ -1,6 +1,6 @@
 // Video decoding with FFmpeg's libraries (libavformat, libavcodec, libswscale): the data/ layer under the video
 // processor (issue 31). It knows nothing of devices, sampling or resizing: it tells what a clip holds and gives the
-// frames asked for, as 8-bit RGB.
+// frames asked for, as 8-bit RGB. encode_video (at the end) does the reverse for `q3vl synth`'s clips and the tests.
 //
 //   VideoInfo info = probe_video("clip.mp4");                 // count, fps, duration, size after rotation
 //   std::vector<RgbImage> f = decode_frames("clip.mp4", {0, 12, 24, 36});
