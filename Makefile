@@ -5,6 +5,7 @@
 #   make test-gpu the GPU tests, on a GPU machine: a test skipped for want of a GPU fails instead
 #   make demo    generate data, train the tiny model on 4 ranks, resume, generate (see README)
 #   make demo-lora  LoRA adapters teach make demo's model another answer format (see README)
+#   make demo-video make demo's model learns synthetic video clips (libavcodec) on 2 ranks, answers held-out ones
 .DEFAULT_GOAL := all
 SHELL := /bin/bash
 # Parallel by default on every core (make -jN still wins).
@@ -187,6 +188,35 @@ demo-lora: bin/q3vl
 	  echo "demo-lora: $$(grep -o 'adapters + AdamW state .*' $(DEMO_LORA_OUT)/train.log)"; \
 	  $(call demo_score,demo-lora,$(DEMO_LORA_OUT),$(DEMO_LORA_MIN_ACCURACY))
 
+# The video demo (input/demo_video.deck): `q3vl synth` (synth.kind = "video") encodes clips of a circle or a square
+# moving left, right, up or down with libavcodec (H.264, else MPEG-4 part 2, as its log says); prepare decodes and
+# samples them as Qwen3-VL's video processor does; make demo's trained model (the newest checkpoint in
+# DEMO_OUT/checkpoints, exported as the start) learns on DEMO_VIDEO_NP CPU ranks to say what moves and which way,
+# answers the held-out clips ("a red circle moving left") and the run fails below DEMO_VIDEO_MIN_ACCURACY percent,
+# as make demo does. DEMO_VIDEO_ARGS, DEMO_VIDEO_OUT, DEMO_VIDEO_NP: as DEMO_ARGS, DEMO_OUT, DEMO_NP (DEMO_VIDEO_OUT
+# is cleared first; DEMO_OUT is only read). 2 ranks: CI's machine has 2 cores, and the run must stay within a few
+# minutes there.
+DEMO_VIDEO_DECK := input/demo_video.deck
+DEMO_VIDEO_OUT  ?= out/demo-video
+DEMO_VIDEO_NP   ?= 2
+DEMO_VIDEO_ARGS ?=
+DEMO_VIDEO_MIN_ACCURACY ?= 90
+demo-video: bin/q3vl
+	@test -f $(DEMO_OUT)/checkpoints/latest || { echo "demo-video: no trained demo model: $(DEMO_OUT)/checkpoints" \
+	  "has no checkpoint ('latest'); run make demo first (or set DEMO_OUT to a finished demo's folder)" >&2; exit 1; }
+	rm -rf $(DEMO_VIDEO_OUT)
+	@export OPENBLAS_NUM_THREADS=1; set -e; t0=$$(date +%s); \
+	  a="$(call demo_paths,$(DEMO_VIDEO_OUT)) model.hf=$(DEMO_VIDEO_OUT)/base $(DEMO_VIDEO_ARGS)"; \
+	  base=$(DEMO_OUT)/checkpoints/$$(cat $(DEMO_OUT)/checkpoints/latest); \
+	  echo "== 1/5 make demo's model ($$base) as the start"; \
+	  tools/export_hf --dtype fp32 $$base $(DEMO_VIDEO_OUT)/base; \
+	  echo "== 2/5 synthetic clips"; bin/q3vl synth $(DEMO_VIDEO_DECK) $$a; \
+	  echo "== 3/5 tokenized shards of the sampled frames"; \
+	  $(MPIEXEC) -n $(DEMO_VIDEO_NP) bin/q3vl prepare $(DEMO_VIDEO_DECK) $$a; \
+	  echo "== 4/5 training"; $(MPIEXEC) -n $(DEMO_VIDEO_NP) bin/q3vl train $(DEMO_VIDEO_DECK) $$a; \
+	  echo "== 5/5 answers for the held-out clips"; bin/q3vl generate $(DEMO_VIDEO_DECK) $$a; \
+	  $(call demo_score,demo-video,$(DEMO_VIDEO_OUT),$(DEMO_VIDEO_MIN_ACCURACY))
+
 clean:
 	rm -rf build bin
 
@@ -213,5 +243,5 @@ install: bin/q3vl $(NPM_STAMP)
 	  'setenv Q3VL_HOME $$root/share/q3vl' >$(PREFIX)/share/modulefiles/q3vl/$(VERSION)
 	@echo "installed q3vl $(VERSION) in $(PREFIX) (module use $(abspath $(PREFIX))/share/modulefiles)"
 
-.PHONY: all deps test test-gpu tests clean demo demo-lora install
+.PHONY: all deps test test-gpu tests clean demo demo-lora demo-video install
 -include $(shell find build/obj -name '*.d' 2>/dev/null)

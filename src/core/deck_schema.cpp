@@ -104,13 +104,19 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.max_connections", T::Int, "512", "open connections in all (more: 503)", 1, 1 << 20},
       {"serve.http_threads", T::Int, "128", "HTTP worker threads (each open stream holds one)", 1, 1 << 16},
 
-      // synth: the demo's synthetic pictures (q3vl synth)
-      {"synth.dir", T::String, "", "output folder: images/, train.jsonl, val.jsonl, eval.jsonl", -kBig, kBig, {},
-       {"synth"}},
+      // synth: the demo's synthetic pictures, or clips (q3vl synth)
+      {"synth.dir", T::String, "", "output folder: images/ (or clips/), train.jsonl, val.jsonl, eval.jsonl", -kBig,
+       kBig, {}, {"synth"}},
+      {"synth.kind", T::String, "image", "image: pictures of a shape; video: clips of a circle or square moving left, "
+       "right, up or down (\"a red circle moving left\"; make demo-video)", -kBig, kBig, {"image", "video"}},
       {"synth.train_samples", T::Int, "2000", "training pictures", 0, 1e9},
       {"synth.val_samples", T::Int, "0", "validation pictures (val.jsonl, drawn with synth.seed: for tuning)", 0, 1e9},
       {"synth.eval_samples", T::Int, "200", "held-out pictures (eval.jsonl, drawn with synth.eval_seed)", 0, 1e9},
-      {"synth.size", T::Int, "64", "picture side in pixels", 16, 4096},
+      {"synth.size", T::Int, "64", "picture side in pixels (video: even, at least 32)", 16, 4096},
+      {"synth.frames", T::Int, "8", "frames per clip (synth.kind = video)", 2, 4096},
+      {"synth.fps", T::Real, "8", "frame rate of the clips (synth.kind = video)", 0.01, 1000},
+      {"synth.encoder", T::String, "", "libavcodec encoder of the clips, e.g. libx264 or mpeg4 (empty: libx264 when "
+       "this libavcodec has it, else mpeg4)"},
       {"synth.seed", T::Int, "1", "seed of the training and validation pictures (same seed, same files)", 0, 9.2e18},
       {"synth.eval_seed", T::Int, "1000001", "seed of the held-out pictures: keep it out of any tuning", 0, 9.2e18},
       {"synth.answer_format", T::String, "sentence",

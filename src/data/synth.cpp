@@ -6,11 +6,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
+#include "q3vl/data/video.hpp"
 #include "q3vl/runtime/runtime.hpp"
 
 namespace q3vl {
@@ -34,6 +36,29 @@ namespace {
 
 const char* kQuestions[] = {"What does the picture show?", "What is in this image?", "Describe the picture briefly.",
                             "What shape and colour do you see?"};
+const char* kClipQuestions[] = {"What does the video show?", "What moves in this clip, and which way?",
+                                "Describe the video briefly.", "What shape and colour do you see, and where is it going?"};
+// Clips show the first two shapes only: a circle or a square (see synth.hpp).
+constexpr int kClipShapes = 2;
+
+// One sample's random stream: split k of seed s, sample i. Plain arithmetic on the raw 64-bit stream: the same
+// pictures with every standard library.
+struct Draw {
+  std::mt19937_64 rng;
+  Draw(uint64_t seed, int split, int64_t index) {
+    std::seed_seq seq{uint64_t(seed), uint64_t(seed >> 32), uint64_t(split), uint64_t(index)};
+    rng.seed(seq);
+  }
+  double uni(double a, double b) { return a + (b - a) * (double(rng() >> 11) * 0x1.0p-53); }
+  size_t pick(size_t n) { return size_t(rng() % n); }
+};
+
+// Everything of a picture but the shape and its place: the background (grey level, a slight tint, a gradient, the
+// noise) and the shade of the colour.
+struct Look {
+  double grey, gx, gy, tint[3], fg[3];
+  int noise;
+};
 
 // Even-odd rule.
 bool in_polygon(const std::vector<std::pair<double, double>>& p, double x, double y) {
@@ -82,50 +107,114 @@ std::string synth_answer(int colour, int shape, SynthFormat format) {
   return std::string(std::strchr("aeiou", c[0]) ? "an " : "a ") + c + " " + synth_shapes()[shape];
 }
 
-SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size, SynthFormat format) {
-  if (size < 16) fail("synth: pictures need at least 16 pixels a side, got " + std::to_string(size));
-  std::seed_seq seq{uint64_t(seed), uint64_t(seed >> 32), uint64_t(split), uint64_t(index)};
-  std::mt19937_64 rng(seq);
-  // Plain arithmetic on the raw 64-bit stream: the same pictures with every standard library.
-  auto uni = [&](double a, double b) { return a + (b - a) * (double(rng() >> 11) * 0x1.0p-53); };
-  auto pick = [&](size_t n) { return size_t(rng() % n); };
-  SynthSample s;
-  s.shape = (int)pick(synth_shapes().size());
-  s.colour = (int)pick(synth_colours().size());
-  s.question = kQuestions[pick(std::size(kQuestions))];
-  s.answer = synth_answer(s.colour, s.shape, format);
-  // Everything but the answer varies, so that only looking at the picture gives it: the size, the place, the
-  // background (grey level, a slight tint, a gradient, the noise) and the shade of the colour. Size and place vary
-  // as much as the demo's model learns within its budget (docs/PERFORMANCE.md: shapes that move twice as far, or
-  // shrink further, cost it a fifth of its accuracy); background and shade cost it nothing, so they vary widely.
-  // The background stays grey next to the dullest shade (green at 0.78) and every shade is nearest its own colour.
-  const double r = uni(0.34, 0.44) * size;
-  const double room = std::min(size / 2.0 - r - 1, 0.05 * size);
-  const double cx = size / 2.0 + uni(-room, room), cy = size / 2.0 + uni(-room, room);
-  const double grey = uni(10, 100), gx = uni(-15, 15) / size, gy = uni(-15, 15) / size;
-  const double tint[3] = {uni(-8, 8), uni(-8, 8), uni(-8, 8)};
-  const double shade = uni(0.78, 1.05);
-  double fg[3];
-  for (int c = 0; c < 3; ++c) fg[c] = shade * synth_colours()[s.colour].rgb[c] + uni(-8, 8);
-  const int noise = 3 + (int)pick(8);
-  s.image.w = s.image.h = size;
-  s.image.px.resize((size_t)size * size * 3);
+namespace {
+
+// The background stays grey next to the dullest shade (green at 0.78) and every shade is nearest its own colour.
+Look draw_look(Draw& d, int colour, int size) {
+  Look l;
+  l.grey = d.uni(10, 100), l.gx = d.uni(-15, 15) / size, l.gy = d.uni(-15, 15) / size;
+  for (double& t : l.tint) t = d.uni(-8, 8);
+  const double shade = d.uni(0.78, 1.05);
+  for (int c = 0; c < 3; ++c) l.fg[c] = shade * synth_colours()[colour].rgb[c] + d.uni(-8, 8);
+  l.noise = 3 + (int)d.pick(8);
+  return l;
+}
+
+// Shape `shape` of radius r centred at (cx, cy) on the look's background, with fresh noise from d.
+RgbImage paint(Draw& d, const Look& l, int size, int shape, double r, double cx, double cy) {
+  RgbImage im;
+  im.w = im.h = size;
+  im.px.resize((size_t)size * size * 3);
   for (int y = 0; y < size; ++y)
     for (int x = 0; x < size; ++x) {
-      const bool in = inside(s.shape, x + 0.5 - cx, y + 0.5 - cy, r);
-      const double bg = grey + gx * (x - size / 2.0) + gy * (y - size / 2.0);
+      const bool in = inside(shape, x + 0.5 - cx, y + 0.5 - cy, r);
+      const double bg = l.grey + l.gx * (x - size / 2.0) + l.gy * (y - size / 2.0);
       for (int c = 0; c < 3; ++c) {
-        const int v = (int)std::lround(in ? fg[c] : bg + tint[c]) + (int)pick(2 * noise + 1) - noise;
-        s.image.px[((size_t)y * size + x) * 3 + c] = (uint8_t)std::clamp(v, 0, 255);
+        const int v = (int)std::lround(in ? l.fg[c] : bg + l.tint[c]) + (int)d.pick(2 * l.noise + 1) - l.noise;
+        im.px[((size_t)y * size + x) * 3 + c] = (uint8_t)std::clamp(v, 0, 255);
       }
     }
+  return im;
+}
+
+}  // namespace
+
+SynthSample synth_sample(uint64_t seed, int split, int64_t index, int size, SynthFormat format) {
+  if (size < 16) fail("synth: pictures need at least 16 pixels a side, got " + std::to_string(size));
+  Draw d(seed, split, index);
+  SynthSample s;
+  s.shape = (int)d.pick(synth_shapes().size());
+  s.colour = (int)d.pick(synth_colours().size());
+  s.question = kQuestions[d.pick(std::size(kQuestions))];
+  s.answer = synth_answer(s.colour, s.shape, format);
+  // Everything but the answer varies, so that only looking at the picture gives it: the size, the place, the
+  // background and the shade of the colour (draw_look). Size and place vary as much as the demo's model learns
+  // within its budget (docs/PERFORMANCE.md: shapes that move twice as far, or shrink further, cost it a fifth of
+  // its accuracy); background and shade cost it nothing, so they vary widely.
+  const double r = d.uni(0.34, 0.44) * size;
+  const double room = std::min(size / 2.0 - r - 1, 0.05 * size);
+  const double cx = size / 2.0 + d.uni(-room, room), cy = size / 2.0 + d.uni(-room, room);
+  const Look look = draw_look(d, s.colour, size);
+  s.image = paint(d, look, size, s.shape, r, cx, cy);
   return s;
 }
 
-void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_t seed, uint64_t eval_seed,
-                 SynthFormat format) {
-  fs::create_directories(fs::path(dir) / "images");
-  // Split k draws from stream (seed, k); the held-out split from its own seed, which nothing was tuned on.
+const std::vector<std::string>& synth_directions() {
+  static const std::vector<std::string> d = {"left", "right", "up", "down"};
+  return d;
+}
+
+std::string synth_clip_answer(int colour, int shape, int direction, SynthFormat format) {
+  return synth_answer(colour, shape, format) + (format == SynthFormat::Fields ? ", moving: " : " moving ") +
+         synth_directions()[direction];
+}
+
+namespace {
+void check_clip_size(int size, int frames) {
+  if (size < 32 || size % 2)
+    fail("synth.size: video frames need an even side of at least 32 pixels, got " + std::to_string(size));
+  if (frames < 2) fail("synth.frames: a clip needs at least 2 frames, got " + std::to_string(frames));
+}
+}  // namespace
+
+SynthClip synth_clip(uint64_t seed, int split, int64_t index, int size, int frames, SynthFormat format) {
+  check_clip_size(size, frames);
+  Draw d(seed, split, index);
+  SynthClip s;
+  s.shape = (int)d.pick(kClipShapes);
+  s.colour = (int)d.pick(synth_colours().size());
+  s.direction = (int)d.pick(synth_directions().size());
+  s.question = kClipQuestions[d.pick(std::size(kClipQuestions))];
+  s.answer = synth_clip_answer(s.colour, s.shape, s.direction, format);
+  // The shape moves a third of the frame, start to end, along its direction, near the middle across it; it stays
+  // whole inside the frame. Its size, start, speed and everything of the look vary.
+  const double r = d.uni(0.24, 0.28) * size;
+  const double travel = d.uni(0.3, 0.38) * size;
+  const double start = d.uni(r + 1, size - r - 1 - travel);
+  const double across = size / 2.0 + d.uni(-0.1, 0.1) * size;
+  const Look look = draw_look(d, s.colour, size);
+  const bool backwards = s.direction == 0 || s.direction == 2, vertical = s.direction >= 2;
+  for (int f = 0; f < frames; ++f) {
+    double along = start + travel * f / (frames - 1);
+    if (backwards) along = size - along;
+    s.frames.push_back(paint(d, look, size, s.shape, r, vertical ? across : along, vertical ? along : across));
+  }
+  return s;
+}
+
+namespace {
+
+// One record of a split: its media part ({"type": "image", ...}), the question and the answer.
+struct SynthRecord {
+  nlohmann::json media;
+  std::string question, answer;
+};
+
+// Writes dir/{train,val,eval}.jsonl (val.jsonl only if counts.val > 0), each split's records made by make(seed,
+// split, index, stem) with stem "train_000012" (make writes the media file it names). Split k draws from stream
+// (seed, k); the held-out split from its own seed, which nothing was tuned on.
+void write_splits(const std::string& dir, const SynthCounts& n, uint64_t seed, uint64_t eval_seed,
+                  const std::function<SynthRecord(uint64_t, int, int64_t, const std::string&)>& make) {
   const char* names[] = {"train", "val", "eval"};
   const int64_t counts[] = {n.train, n.val, n.eval};
   for (int split = 0; split < 3; ++split) {
@@ -133,17 +222,21 @@ void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_
     const std::string path = (fs::path(dir) / (std::string(names[split]) + ".jsonl")).string();
     std::ofstream out(path + ".partial");
     if (!out) fail(path + ": cannot write");
-    for (int64_t i = 0; i < counts[split]; ++i) {
-      const SynthSample s = synth_sample(split == 2 ? eval_seed : seed, split, i, size, format);
-      char img[64];
-      std::snprintf(img, sizeof img, "images/%s_%06lld.png", names[split], (long long)i);
-      write_png((fs::path(dir) / img).string(), s.image);
-      const nlohmann::json rec = {
-          {"messages",
-           {{{"role", "user"},
-             {"content", {{{"type", "image"}, {"image", img}}, {{"type", "text"}, {"text", s.question}}}}},
-            {{"role", "assistant"}, {"content", s.answer}}}}};
-      out << rec.dump() << "\n";
+    try {
+      for (int64_t i = 0; i < counts[split]; ++i) {
+        char stem[64];
+        std::snprintf(stem, sizeof stem, "%s_%06lld", names[split], (long long)i);
+        const SynthRecord r = make(split == 2 ? eval_seed : seed, split, i, stem);
+        const nlohmann::json rec = {
+            {"messages",
+             {{{"role", "user"}, {"content", {r.media, {{"type", "text"}, {"text", r.question}}}}},
+              {{"role", "assistant"}, {"content", r.answer}}}}};
+        out << rec.dump() << "\n";
+      }
+    } catch (...) {  // no half-written records file: the error names what failed
+      out.close();
+      fs::remove(path + ".partial");
+      throw;
     }
     out.close();
     if (!out) fail(path + ": write failed");
@@ -151,19 +244,63 @@ void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_
   }
 }
 
+}  // namespace
+
+void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_t seed, uint64_t eval_seed,
+                 SynthFormat format) {
+  fs::create_directories(fs::path(dir) / "images");
+  write_splits(dir, n, seed, eval_seed, [&](uint64_t sd, int split, int64_t i, const std::string& stem) {
+    SynthSample s = synth_sample(sd, split, i, size, format);
+    const std::string img = "images/" + stem + ".png";
+    write_png((fs::path(dir) / img).string(), s.image);
+    return SynthRecord{{{"type", "image"}, {"image", img}}, std::move(s.question), std::move(s.answer)};
+  });
+}
+
+std::string write_synth_video(const std::string& dir, const SynthCounts& n, const SynthVideo& v, uint64_t seed,
+                              uint64_t eval_seed, SynthFormat format) {
+  check_clip_size(v.size, v.frames);
+  const std::string encoder = v.encoder.empty() ? default_video_encoder() : v.encoder;
+  if (encoder.empty())
+    fail("synth.kind = video: this q3vl was built without FFmpeg (make FFMPEG=0), so it cannot encode clips; build "
+         "it with FFmpeg's libraries (make deps; make)");
+  fs::create_directories(fs::path(dir) / "clips");
+  write_splits(dir, n, seed, eval_seed, [&](uint64_t sd, int split, int64_t i, const std::string& stem) {
+    SynthClip s = synth_clip(sd, split, i, v.size, v.frames, format);
+    const std::string clip = "clips/" + stem + ".mp4";
+    encode_video((fs::path(dir) / clip).string(), s.frames, v.fps, encoder);
+    return SynthRecord{{{"type", "video"}, {"video", clip}}, std::move(s.question), std::move(s.answer)};
+  });
+  return encoder;
+}
+
 int run_synth(const Deck& deck) {
   Runtime& rt = Runtime::get();
+  const bool video = deck.str("synth.kind") == "video";
   if (rt.where().rank == 0) {
     const std::string dir = deck.str("synth.dir");
     const SynthCounts n{deck.integer("synth.train_samples"), deck.integer("synth.val_samples"),
                         deck.integer("synth.eval_samples")};
-    write_synth(dir, n, (int)deck.integer("synth.size"), (uint64_t)deck.integer("synth.seed"),
-                (uint64_t)deck.integer("synth.eval_seed"), synth_format(deck.str("synth.answer_format")));
+    const int size = (int)deck.integer("synth.size");
+    const uint64_t seed = (uint64_t)deck.integer("synth.seed"), eval_seed = (uint64_t)deck.integer("synth.eval_seed");
+    const SynthFormat format = synth_format(deck.str("synth.answer_format"));
+    std::string what = "pictures of " + std::to_string(size) + " px";
+    if (video) {
+      const SynthVideo v{size, (int)deck.integer("synth.frames"), deck.real("synth.fps"), deck.str("synth.encoder")};
+      const std::string enc = write_synth_video(dir, n, v, seed, eval_seed, format);
+      char fps[32];
+      std::snprintf(fps, sizeof fps, "%g", v.fps);
+      what = "clips of " + std::to_string(v.frames) + " frames of " + std::to_string(size) + " px at " + fps +
+             " fps, encoded with " + enc + (enc == "libx264" ? " (H.264)" : "") +
+             (deck.given("synth.encoder") || enc == "libx264" ? "" : " (this libavcodec has no H.264 encoder)");
+    } else {
+      write_synth(dir, n, size, seed, eval_seed, format);
+    }
     log_info("synth: " + std::to_string(n.train) + " train, " + std::to_string(n.val) + " validation and " +
-             std::to_string(n.eval) + " held-out pictures of " + std::to_string(deck.integer("synth.size")) +
-             " px, " + deck.str("synth.answer_format") + " answers -> " + dir + (n.val ? "/{train,val,eval}.jsonl" : "/{train,eval}.jsonl"));
+             std::to_string(n.eval) + " held-out " + what + ", " + deck.str("synth.answer_format") + " answers -> " +
+             dir + (n.val ? "/{train,val,eval}.jsonl" : "/{train,eval}.jsonl"));
   }
-  idle_barrier(rt.world(), "waiting for rank 0 to draw the pictures");
+  idle_barrier(rt.world(), video ? "waiting for rank 0 to make the clips" : "waiting for rank 0 to draw the pictures");
   return 0;
 }
 

@@ -35,9 +35,11 @@ extern "C" {
 #include <cstdarg>
 #include <map>
 
-namespace q3vl {
-namespace {
+#include "data/ffmpeg_util.hpp"
 
+namespace q3vl {
+
+namespace {
 // The last error FFmpeg logged on this thread: it often says more than the error code ("moov atom not found").
 thread_local std::string t_last_log;
 
@@ -54,6 +56,8 @@ void log_callback(void* avcl, int level, const char* fmt, va_list vl) {
   }
   av_log_default_callback(avcl, level, fmt, vl);
 }
+
+}  // namespace
 
 // FFmpeg's messages go into our errors instead of stderr, unless the program chose a log level itself.
 void hook_libav_log() {
@@ -75,20 +79,10 @@ std::string av_message(int err) {
   return t_last_log + " (" + buf + ")";
 }
 
+namespace {
+
 struct FormatClose {
   void operator()(AVFormatContext* f) const { avformat_close_input(&f); }
-};
-struct CodecFree {
-  void operator()(AVCodecContext* c) const { avcodec_free_context(&c); }
-};
-struct FrameFree {
-  void operator()(AVFrame* f) const { av_frame_free(&f); }
-};
-struct PacketFree {
-  void operator()(AVPacket* p) const { av_packet_free(&p); }
-};
-struct SwsFree {
-  void operator()(SwsContext* s) const { sws_freeContext(s); }
 };
 struct IoFree {  // the buffer may have been replaced by libavformat: free the current one
   void operator()(AVIOContext* io) const {
@@ -96,14 +90,6 @@ struct IoFree {  // the buffer may have been replaced by libavformat: free the c
     avio_context_free(&io);
   }
 };
-using FramePtr = std::unique_ptr<AVFrame, FrameFree>;
-using PacketPtr = std::unique_ptr<AVPacket, PacketFree>;
-
-FramePtr new_frame() {
-  FramePtr f(av_frame_alloc());
-  if (!f) fail("video: out of memory allocating a frame");
-  return f;
-}
 
 // ---- bytes in memory as an AVIOContext ------------------------------------------------------------------
 

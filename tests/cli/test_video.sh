@@ -174,6 +174,56 @@ PY
 }
 if [[ -n $(node_client_missing) ]]; then skip "serve with videos (every check)" "$(node_client_missing)"
 elif needs "serve with videos" ffmpeg; then serve_video; fi
+# synth.kind = video: real clips (H.264 when libavcodec has libx264), records naming them, the answers' words, the
+# same bytes for the same seed; a clip through prepare samples 4 of its 8 frames (1 s at 8 fps, video.fps 2).
+if needs "synth video clips" ffprobe; then
+  sv() { $q synth synth.kind=video synth.train_samples=12 synth.val_samples=0 synth.eval_samples=2 run.timing=false "$@"; }
+  run sv synth.dir=$tmp/v1 && grep -q "12 train, 0 validation and 2 held-out clips of 8 frames of 64 px at 8 fps, encoded with libx264 (H.264)" $tmp/log &&
+    pass "synth video: 14 clips, the log names the encoder" || bad "synth video log: $(grep synth: $tmp/log)"
+  [[ $(ffprobe -v error -count_frames -select_streams v:0 -show_entries stream=codec_name,width,height,nb_read_frames,avg_frame_rate \
+       -of csv=p=0 $tmp/v1/clips/eval_000001.mp4) == "h264,64,64,8/1,8" ]] && pass "a clip is H.264, 64x64, 8 frames at 8 fps" ||
+    bad "clip: $(ffprobe -v error -count_frames -show_entries stream=codec_name,width,height,nb_read_frames,avg_frame_rate -of csv=p=0 $tmp/v1/clips/eval_000001.mp4 2>&1)"
+  $py - "$tmp/v1" <<'EOF2' && pass "records: video parts naming the clips, answers 'a <colour> <circle|square> moving <way>'" || bad "synth video records: $(head -2 $tmp/v1/train.jsonl)"
+import json, os, re, sys
+d = sys.argv[1]
+for split, n in (("train", 12), ("eval", 2)):
+    recs = [json.loads(l) for l in open(f"{d}/{split}.jsonl")]
+    assert len(recs) == n, (split, len(recs))
+    for i, r in enumerate(recs):
+        user, answer = r["messages"][0]["content"], r["messages"][1]["content"]
+        assert user[0] == {"type": "video", "video": f"clips/{split}_{i:06d}.mp4"}, user
+        assert os.path.getsize(f"{d}/{user[0]['video']}") > 100
+        assert re.fullmatch(r"an? (red|green|blue|yellow|purple|orange) (circle|square) moving (left|right|up|down)", answer), answer
+assert not os.path.exists(f"{d}/val.jsonl") and not os.path.exists(f"{d}/images")
+EOF2
+  run sv synth.dir=$tmp/v2 && run sv synth.dir=$tmp/v3 synth.seed=2 &&
+    diff -r $tmp/v1 $tmp/v2 >/dev/null && cmp -s $tmp/v1/clips/eval_000000.mp4 $tmp/v3/clips/eval_000000.mp4 &&
+    ! cmp -s $tmp/v1/clips/train_000000.mp4 $tmp/v3/clips/train_000000.mp4 &&
+    pass "synth video is deterministic: same seed, same files; another seed, other training clips" ||
+    bad "synth video determinism: $(diff -rq $tmp/v1 $tmp/v2 | head -3)"
+  run sv synth.dir=$tmp/v4 synth.encoder=mpeg4 synth.size=32 synth.frames=6 synth.fps=12 &&
+    [[ $(ffprobe -v error -count_frames -select_streams v:0 -show_entries stream=codec_name,width,nb_read_frames,avg_frame_rate \
+         -of csv=p=0 $tmp/v4/clips/train_000000.mp4) == "mpeg4,32,12/1,6" ]] && grep -q "encoded with mpeg4," $tmp/log &&
+    pass "synth.encoder=mpeg4, size, frames and fps are the clips'" || bad "mpeg4 clips: $(tail -2 $tmp/log)"
+  run $q prepare prepare.input=$tmp/v1/train.jsonl prepare.output=$tmp/vds &&
+    grep -q "12 sample(s) .* 0 images, 12 videos" $tmp/log &&
+    $py -c "import h5py, glob, sys; h = h5py.File(sorted(glob.glob('$tmp/vds/shard-*.h5'))[0]); \
+sys.exit(not (h['frame_index'][:4].tolist() == [0, 2, 5, 7] and h['video_grid'][0].tolist() == [2, 4, 4]))" &&
+    pass "prepare decodes the synth clips: frames 0 2 5 7, grid 2x4x4" || bad "prepare on synth clips: $(tail -3 $tmp/log)"
+  expect "synth video: an odd size is named" 1 "synth.size: video frames need an even side of at least 32 pixels, got 33" \
+    sv synth.dir=$tmp/v5 synth.size=33
+  expect "synth video: an unknown encoder is named with the clip" 1 "clips/train_000000.mp4: cannot write video: this libavcodec has no video encoder 'nope'" \
+    sv synth.dir=$tmp/v6 synth.encoder=nope
+  [[ ! -e $tmp/v6/train.jsonl && -z $(ls $tmp/v6/clips) ]] && pass "a failed synth leaves no records or clips" ||
+    bad "after a failed synth: $(ls -R $tmp/v6 | head)"
+fi
+# make demo-video: its recipe and its refusal without make demo's model.
+grep -q -- "--min-accuracy 90 " <<<"$(make -n demo-video)" && grep -q "bin/q3vl synth input/demo_video.deck" <<<"$(make -n demo-video)" &&
+  grep -q '^kind = "video"' input/demo_video.deck && pass "make demo-video synthesizes clips and scores against 90%" ||
+  bad "make demo-video's recipe: $(make -n demo-video | grep -E 'synth|score')"
+expect "make demo-video without make demo's model names make demo" 2 "no trained demo model: $tmp/none/checkpoints .*run make demo first" \
+  env -u MAKEFLAGS -u MAKELEVEL make --no-print-directory -o bin/q3vl demo-video DEMO_OUT=$tmp/none DEMO_VIDEO_OUT=$tmp/dvo
+[[ ! -e $tmp/dvo ]] && pass "nothing written without it" || bad "$tmp/dvo was created without a demo model"
 
 # Bad video parts: named by file, line and part; nothing written.
 printf '%s\n' '{"messages": [{"role": "user", "content": [{"type": "video", "video": ["images/nope.png", "images/nope2.png"]}]}]}' >$tmp/d/bad1.jsonl

@@ -192,3 +192,47 @@ TEST(Synth, PicturesVaryInMoreThanTheAnswer) {
   for (const auto& [c, rs] : by_colour)
     EXPECT_GT(spread(rs, &Reading::level), 25) << synth_colours()[c].name << " has one shade only";
 }
+
+// Clips (synth.kind = video): a reader of the first and last frames gives the answer, "a <colour> <circle|square>
+// moving <way>": the colour and shape from each frame as for pictures, the way from where the centroid went.
+TEST(Synth, ClipsShowWhatTheAnswerSays) {
+  std::map<std::string, int> seen;
+  for (int i = 0; i < 200; ++i) {
+    const SynthClip s = synth_clip(3, 0, i, 64, 8);
+    ASSERT_EQ(s.frames.size(), 8u);
+    const Reading a = read_picture(s.frames.front()), b = read_picture(s.frames.back());
+    ASSERT_EQ(a.answer, b.answer) << i;
+    const double dx = b.cx - a.cx, dy = b.cy - a.cy;
+    const char* way = std::fabs(dx) > std::fabs(dy) ? (dx < 0 ? "left" : "right") : (dy < 0 ? "up" : "down");
+    EXPECT_GT(std::max(std::fabs(dx), std::fabs(dy)), 0.25 * 64) << i << ": the shape hardly moves";
+    EXPECT_LT(std::min(std::fabs(dx), std::fabs(dy)), 2.0) << i << ": the shape moves off its line";
+    EXPECT_EQ(s.answer, a.answer + " moving " + way) << i;
+    EXPECT_EQ(s.answer, synth_clip_answer(s.colour, s.shape, s.direction));
+    ++seen[s.answer];
+  }
+  EXPECT_EQ(seen.size(), 2 * synth_colours().size() * synth_directions().size()) << "every answer in 200 clips";
+  EXPECT_EQ(synth_clip_answer(0, 1, 0), "a red square moving left");
+  EXPECT_EQ(synth_clip_answer(0, 0, 3, SynthFormat::Fields), "shape: circle, colour: red, moving: down");
+}
+
+TEST(Synth, ClipsAreDeterministicAndRefuseBadSizes) {
+  const SynthClip a = synth_clip(3, 2, 7, 32, 4), b = synth_clip(3, 2, 7, 32, 4), c = synth_clip(4, 2, 7, 32, 4);
+  ASSERT_EQ(a.frames.size(), 4u);
+  for (size_t f = 0; f < 4; ++f) {
+    EXPECT_EQ(a.frames[f].px, b.frames[f].px);
+    EXPECT_NE(a.frames[f].px, c.frames[f].px);
+  }
+  EXPECT_NE(a.frames[0].px, a.frames[1].px);
+  try {
+    synth_clip(1, 0, 0, 33, 8);
+    ADD_FAILURE() << "an odd side was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("synth.size"), std::string::npos) << e.what();
+  }
+  try {
+    synth_clip(1, 0, 0, 64, 1);
+    ADD_FAILURE() << "a one-frame clip was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("synth.frames"), std::string::npos) << e.what();
+  }
+}

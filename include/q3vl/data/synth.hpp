@@ -5,6 +5,12 @@
 // Written as PNGs plus train.jsonl, val.jsonl (validation: what the demo was tuned on) and eval.jsonl (held out)
 // in the messages format (image paths relative to the JSONL). Deterministic for its seeds; every split draws
 // from its own stream, and the held-out one from its own seed.
+//
+// With synth.kind = "video" (what `make demo-video` trains on) it writes short clips instead (clips/*.mp4, encoded
+// with libavcodec: H.264 when this libavcodec has libx264, else MPEG-4 part 2): a circle or a square of one colour
+// crosses about half the frame to the left, right, up or down on the same kind of background (fresh noise every
+// frame); the answer is "a red circle moving left" (fields: "shape: circle, colour: red, moving: left"), the part
+// {"type": "video", "video": "clips/train_000000.mp4"}.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -47,6 +53,34 @@ struct SynthCounts {
 // train and val from `seed`, eval from `eval_seed`.
 void write_synth(const std::string& dir, const SynthCounts& counts, int size, uint64_t seed, uint64_t eval_seed,
                  SynthFormat format = SynthFormat::Sentence);
+
+// ---- clips (synth.kind = "video") ----
+
+const std::vector<std::string>& synth_directions();  // left, right, up, down: where a clip's shape moves
+
+struct SynthClip {
+  std::vector<RgbImage> frames;
+  int shape = 0, colour = 0, direction = 0;  // indexes into synth_shapes() (0 or 1), synth_colours(), synth_directions()
+  std::string question, answer;
+};
+
+// synth_answer's words and the direction: "a red circle moving left", "shape: circle, colour: red, moving: left".
+std::string synth_clip_answer(int colour, int shape, int direction, SynthFormat format = SynthFormat::Sentence);
+
+// Clip `index` of split 0/1/2: `frames` frames of size x size pixels (size even, at least 32; frames at least 2).
+SynthClip synth_clip(uint64_t seed, int split, int64_t index, int size, int frames,
+                     SynthFormat format = SynthFormat::Sentence);
+
+struct SynthVideo {
+  int size = 64;        // frame side in pixels
+  int frames = 8;       // frames per clip
+  double fps = 8;       // the clips' frame rate
+  std::string encoder;  // a libavcodec encoder; empty: default_video_encoder() (libx264, else mpeg4)
+};
+
+// Writes dir/clips/{train,val,eval}_NNNNNN.mp4 and the JSONL files as write_synth does; returns the encoder used.
+std::string write_synth_video(const std::string& dir, const SynthCounts& counts, const SynthVideo& video,
+                              uint64_t seed, uint64_t eval_seed, SynthFormat format = SynthFormat::Sentence);
 
 int run_synth(const Deck& deck);
 

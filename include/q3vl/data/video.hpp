@@ -1,6 +1,6 @@
 // Video decoding with FFmpeg's libraries (libavformat, libavcodec, libswscale): the data/ layer under the video
 // processor (issue 31). It knows nothing of devices, sampling or resizing: it tells what a clip holds and gives the
-// frames asked for, as 8-bit RGB.
+// frames asked for, as 8-bit RGB. encode_video (at the end) does the reverse for `q3vl synth`'s clips and the tests.
 //
 //   VideoInfo info = probe_video("clip.mp4");                 // count, fps, duration, size after rotation
 //   std::vector<RgbImage> f = decode_frames("clip.mp4", {0, 12, 24, 36});
@@ -99,5 +99,23 @@ std::vector<RgbImage> decode_frames(std::string_view bytes, const std::string& n
 // frames = paths.size(), duration = frames / fps, codec "image", rotation 0.
 VideoInfo probe_frame_list(const std::vector<std::string>& paths, double fps = 2.0);
 std::vector<RgbImage> load_frame_list(const std::vector<std::string>& paths, const std::vector<int64_t>& indices);
+
+// ---- encoding (src/data/video_encode.cpp): `q3vl synth`'s clips, and tests ----------------------------------
+//
+//   std::string enc = encode_video("clips/a.mp4", frames, 8.0);   // -> "libx264" (or "mpeg4" without it)
+//
+// Writes RGB frames (all one size, even sides: 4:2:0 needs them) as a video file at `fps` frames per second, each
+// frame shown for 1/fps s; the container comes from the file name (.mp4, .mkv, .avi, ...). `encoder` names a
+// libavcodec encoder ("libx264", "mpeg4", ...); empty: default_video_encoder(). The pixels become yuv420p with the
+// BT.601 matrix in limited range (what the decoder assumes of untagged video too), at high quality (x264 CRF 16,
+// MPEG-4 q 2): decoded frames are the originals within codec loss. Deterministic: the same frames give the same
+// bytes (one thread, bit-exact flags). The file is written as path + ".partial" and renamed when complete. Returns
+// the encoder used. Throws q3vl::Error naming the file and FFmpeg's message (no such folder, an unknown
+// container or encoder, no frames, frames of different or odd sizes). Built with FFMPEG=0 it always throws.
+std::string encode_video(const std::string& path, const std::vector<RgbImage>& frames, double fps,
+                         const std::string& encoder = "");
+// The encoder encode_video uses by default: H.264 ("libx264") when this libavcodec has it, else MPEG-4 part 2
+// ("mpeg4", always built in). Empty when built without FFmpeg.
+std::string default_video_encoder();
 
 }  // namespace q3vl
