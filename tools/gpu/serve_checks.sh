@@ -4,7 +4,7 @@
 #   more parts: nccl (NcclComm and the device model's TP sums, bin/mpi_tests at 2 and 4 ranks as $MPI_TESTS; serve with
 #   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
 #   generate on the 8B shape: the PyTorch baseline), video (serving videos on CUDA against generate on the CPU, the 8B
-#   shape's time to first token on a 30 s clip), 8bpp, 8bint8, 8bnog and 30bnog (model.cuda_graphs = false: decode
+#   shape's time to first token on a 30 s clip), tpstop (a TP 2 server with a stopped rank, issue 33), 8bpp, 8bint8, 8bnog and 30bnog (model.cuda_graphs = false: decode
 #   steps launched op by op, against the default's graphs).
 # - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
 #   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
@@ -181,6 +181,38 @@ hostid=/tmp/nccl_hostid
 printf '#!/bin/sh\n[ "$(nvidia-smi -L | wc -l)" -lt "${PMI_SIZE:-1}" ] && export NCCL_HOSTID=q3vl-rank-$PMI_RANK\nexec "$@"\n' \
   >$hostid && chmod +x $hostid
 export NCCL_SOCKET_IFNAME=lo NCCL_NVLS_ENABLE=0
+# Issue 33: a TP 2 server on CUDA (NCCL sums, then MPI's), rank 1 stopped (SIGSTOP) before a request: /health 503 while
+# the step hangs, the open request answered 503, the server exits within runtime.timeout + 5 s naming rank 1.
+if part tpstop; then
+  for comm in nccl mpi; do
+    log=$out/tpstop_$comm.log
+    timeout -k 3 90 mpiexec -n 2 $hostid "$q" serve model.preset=tiny model.backend=cuda runtime.share_gpus=true \
+      serve.tp_comm=$comm serve.kv_mib=8 runtime.timeout=6 serve.max_tokens=4 serve.port=0 run.timing=false >$log 2>&1 &
+    pid=$! port=""
+    for _ in $(seq 300); do port=$(grep -oP 'on http://127\.0\.0\.1:\K[0-9]+' $log) && break; sleep 0.2; done
+    r1=""; for p in $(pgrep -f "q3vl serve"); do tr '\0' '\n' </proc/$p/environ | grep -qx PMI_RANK=1 && r1=$p; done
+    kill -STOP $r1; t0=$(date +%s%N)
+    hget() {  # hget PATH [BODY]: status and the start of the answer
+      python3 -c "
+import sys, urllib.request
+body = sys.argv[2].encode() if len(sys.argv) > 2 else None
+try: r = urllib.request.urlopen(urllib.request.Request('http://127.0.0.1:$port' + sys.argv[1], body, {'Content-Type': 'application/json'}), timeout=30); print(r.status, r.read()[:300].decode())
+except urllib.error.HTTPError as e: print(e.code, e.read()[:300].decode())
+except Exception as e: print('exception', e)" "$@"
+    }
+    hget /v1/completions '{"prompt": "hi"}' >$out/tpstop_${comm}_req.txt 2>&1 &
+    sleep 4.5
+    health=$(hget /health)
+    wait $pid; rc=$?; dt=$(( ($(date +%s%N) - t0) / 1000000 ))
+    kill -CONT $r1 2>/dev/null; wait
+    ok=FAIL
+    ((rc != 0 && rc != 124 && dt < 11000)) && [[ $health == 503* ]] && grep -q '^503 .*the server stopped: watchdog' $out/tpstop_${comm}_req.txt &&
+      grep -qE "watchdog: collective .* did not complete within runtime.timeout = 6 s.*ranks that did not arrive: 1" $log && ok=PASS
+    say "$ok tpstop $comm: exit $rc after $dt ms (bound 11000); /health: $health; request: $(cat $out/tpstop_${comm}_req.txt)"
+    grep -m1 "watchdog" $log >>"$out/summary.txt"
+    pack
+  done
+fi
 if part nccl; then
   mt=${MPI_TESTS:-/tmp/rt/bin/mpi_tests}
   for n in 2 4; do
