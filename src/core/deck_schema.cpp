@@ -240,6 +240,12 @@ const std::vector<KeySpec>& deck_schema() {
        "base or train.tune_* = false): no copy of the parameters stays on the device, each unit's fp32 shard streams "
        "up from the host masters for its gather, prefetched a unit ahead; the device holds only the units in use",
        -kBig, kBig, {"none", "frozen"}},
+      {"parallel.offload_update", T::String, "sync", "sync, or delayed (with parallel.offload_optimizer = cpu; "
+       "DeepSpeed's delayed parameter update): step k's host AdamW overlaps step k+1, which computes on the weights "
+       "from before it (gradients one step stale: other numbers than sync); its parameters go up when step k+1 ends. "
+       "A checkpoint lands the update first (the next step computes on its weights), so a resumed run continues the "
+       "curve of a run that wrote checkpoints at the same steps. Costs a second host copy of the "
+       "gradient shard and of the compute-dtype shard", -kBig, kBig, {"sync", "delayed"}},
       {"parallel.offload_threads", T::Int, "0", "parallel.offload_optimizer = cpu: host threads for AdamW per rank (0: "
        "the rank's cores, from its CPU binding or its share of the node)", 0, 4096},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
