@@ -155,6 +155,8 @@ DevZero::~DevZero() {
   for (auto* v : {&ev_ready_, &ev_free_, &ev_gfree_})
     for (void* e : *v) dev::event_destroy(ex_, e);
   dev::event_destroy(ex_, ev_c2m_), dev::event_destroy(ex_, ev_m2c_);
+  if (ux_) dev::synchronize(*ux_);
+  for (void* e : ev_up_) dev::event_destroy(ex_, e);
 }
 
 void* DevZero::wshard(int64_t off) const {
@@ -173,6 +175,8 @@ std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, 
   Comm& c = comm(u);
   const int n = c.size();
   gathered_ += u.shard * n * int64_t(dtype_size(gd_));
+  if (const size_t i = size_t(&u - L_.units.data()); i < up_wait_.size() && up_wait_[i])
+    dev::event_wait(n == 1 ? ex_ : cx_, ev_up_[i]), up_wait_[i] = 0;  // its shard is up (delayed update)
   if (n == 1) {
     const void* src = stream_ ? staged(u, slot, ex_) : wshard(u.master_off);
     dev::convert(ex_, dst, dt_, src, gd_, u.shard);  // a copy unless conv_
@@ -200,6 +204,7 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
     put(master_ + L_.offs[i].master, h.master);
     if (L_.offs[i].opt >= 0 && h.exp_avg) put(m_ + L_.offs[i].opt, h.exp_avg), put(v_ + L_.offs[i].opt, h.exp_avg_sq);
   }
+  gathered_once_ = false;  // every unit changed: the next refresh_params() moves them all
   // Offloaded: the gathers' copy of the masters, on the host (the CPU op layer's rounding), for refresh_params().
   for (void* w : hparam_)
     if (w) dev::convert(dev::Exec{}, w, gd_, master_, DType::F32, L_.master);
@@ -245,8 +250,31 @@ void DevZero::flip_host_buffers() {
   std::swap(hgrad_[0], hgrad_[1]), std::swap(hparam_[0], hparam_[1]);
 }
 
+void DevZero::set_upload_exec(const dev::Exec* x) {
+  Q3VL_CHECK(delayed_ && stage_ == 3, "DevZero: an upload stream is for a delayed update at stage 3");
+  ux_ = x;
+  for (size_t i = 0; i < L_.units.size(); ++i) ev_up_.push_back(dev::event_create(ex_));
+  up_wait_.assign(L_.units.size(), 0);
+}
+
+// On the upload stream (set_upload_exec; only between steps, when no gather reads wcopy_): each trainable unit's
+// shard goes up in the forward pass's order, and the unit's next gather waits for its own copy only, so the copies
+// overlap the next forward pass.
+void DevZero::upload_units(const void* w) {
+  dev::synchronize(*ux_);  // the last step's copies (long done)
+  std::vector<char> sent(L_.units.size(), 0);
+  for (int i : order_[0]) {
+    const ZeroUnit& u = L_.units[size_t(i)];
+    if (!u.trainable || sent[size_t(i)]++) continue;  // a unit the order lists twice goes up once
+    dev::to_device(*ux_, at(wcopy_, u.master_off, gd_), at(w, u.master_off, gd_), size_t(u.shard) * dtype_size(gd_));
+    dev::event_record(*ux_, ev_up_[size_t(i)]), up_wait_[size_t(i)] = 1;
+  }
+}
+
 void DevZero::refresh_params(const void* host_params) {
-  if (off_ && !stream_) {  // the trainable units' masters changed (every unit at start-up): up, on the model's stream
+  if (off_ && !stream_ && ux_ && gathered_once_) {
+    upload_units(host_params ? host_params : hparam_[0]);
+  } else if (off_ && !stream_) {  // the trainable units' masters changed (every unit at start-up): up, on the model's stream
     const void* w = host_params ? host_params : hparam_[0];
     const size_t g = dtype_size(gd_);
     for (const ZeroUnit& u : L_.units)
@@ -255,7 +283,7 @@ void DevZero::refresh_params(const void* host_params) {
   } else if (wcopy_) {
     dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
   }
-  if (stage_ == 3) return;
+  if (stage_ == 3) return (void)(gathered_once_ = true);
   const size_t d = dtype_size(dt_);
   char* full = static_cast<char*>(model_.params());
   c2m();  // the updated masters, and the model's last reads of its weights

@@ -103,6 +103,8 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   }
   if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.threads, off.pin);
   delayed_ = off.optimizer && off.delayed;
+  if (delayed_ && d == Device::CUDA && stage == 3)  // the parameters go up beside the next forward pass
+    ux_ = dev::make_exec(d, 0, gpu), zero_->set_upload_exec(&ux_);
 }
 
 DevTrainer::~DevTrainer() {
@@ -117,6 +119,7 @@ DevTrainer::~DevTrainer() {
   nccl_replica_.reset();
   nccl_shard_.reset();
   if (cx_.stream) dev::destroy_exec(cx_);
+  if (ux_.stream) dev::destroy_exec(ux_);
   dev::destroy_exec(ex_);
 }
 

@@ -2,7 +2,7 @@
 # Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
-#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload video hftrain
+#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -35,7 +35,7 @@
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
-parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload video hftrain}
+parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain}
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -215,6 +215,35 @@ print(f"{'PASS' if ok else 'FAIL'} 2B step time, offload / GPU optimizer: {t(a, 
       f"{ratio:.3f} (bound 1.15); optimizer phase {t(a, 'optimizer'):.3f} vs {t(b, 'optimizer'):.3f} s; "
       f"{a[0]['tokens']} tokens a step; tok/s {statistics.median(x['tokens_per_s'] for x in a):.0f} vs "
       f"{statistics.median(x['tokens_per_s'] for x in b):.0f}")
+PY
+  pack
+fi
+
+if part delayed; then
+  # parallel.offload_update = delayed (issue 29): CUDA (parameters up on their own stream, unit by unit) against the
+  # CPU op layer's run of the same deck, 1 rank, and 2 ranks sharing the GPU against 1; then the 2B step time without
+  # offload, offloaded, and offloaded with the delayed update (the issue's bound: at most 1.15x).
+  dly="parallel.offload_optimizer=cpu parallel.offload_update=delayed"
+  run dly_cuda_1 1 120 $gpu $dly && run dly_cpu_1 1 300 model.backend=cpu $dly && cmp dly_cuda_1 dly_cpu_1 1e-5
+  run dly_cuda_2 2 120 $gpu $dly && cmp dly_cuda_2 dly_cuda_1 1e-5
+  for o in none sync delayed; do
+    a="parallel.offload_optimizer=cpu parallel.offload_update=$o"
+    [[ $o == none ]] && a="parallel.offload_optimizer=none"
+    rm -rf /tmp/runs/bench_dly_$o
+    timeout 300 "$q" train input/bench_2b_gpu.deck $a checkpoint.every=0 run.out_dir=/tmp/runs/bench_dly_$o \
+      >"$out/bench_dly_$o.log" 2>&1
+    say "bench_dly_$o: rc=$?"
+    cp /tmp/runs/bench_dly_$o/metrics.jsonl "$out/bench_dly_$o.jsonl" 2>/dev/null
+    pack
+  done
+  python3 - "$out"/bench_dly_{none,sync,delayed}.jsonl >>"$out/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+n, s, d = ([json.loads(l) for l in open(f)][2:] for f in sys.argv[1:4])
+t = lambda r, k="step": statistics.median(x["time"][k] for x in r)
+ok = min(len(n), len(s), len(d)) >= 4 and n[0]["tokens"] == d[0]["tokens"] and t(d) / t(n) <= 1.15
+print(f"{'PASS' if ok else 'FAIL'} 2B step time: GPU optimizer {t(n):.3f} s, offloaded {t(s):.3f} s ({t(s) / t(n):.3f}x), "
+      f"offloaded + delayed update {t(d):.3f} s ({t(d) / t(n):.3f}x, bound 1.15); optimizer phase {t(n, 'optimizer'):.3f} / "
+      f"{t(s, 'optimizer'):.3f} / {t(d, 'optimizer'):.3f} s; tok/s {statistics.median(x['tokens_per_s'] for x in d):.0f}")
 PY
   pack
 fi
