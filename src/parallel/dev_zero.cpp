@@ -157,6 +157,7 @@ DevZero::~DevZero() {
   dev::event_destroy(ex_, ev_c2m_), dev::event_destroy(ex_, ev_m2c_);
   if (ux_) dev::synchronize(*ux_);
   for (void* e : ev_up_) dev::event_destroy(ex_, e);
+  dev::event_destroy(ex_, ev_down_);
 }
 
 void* DevZero::wshard(int64_t off) const {
@@ -250,14 +251,15 @@ void DevZero::flip_host_buffers() {
   std::swap(hgrad_[0], hgrad_[1]), std::swap(hparam_[0], hparam_[1]);
 }
 
-void DevZero::set_upload_exec(const dev::Exec* x) {
-  Q3VL_CHECK(delayed_ && stage_ == 3, "DevZero: an upload stream is for a delayed update at stage 3");
+void DevZero::set_copy_exec(const dev::Exec* x) {
+  Q3VL_CHECK(off_ && stage_ == 3, "DevZero: a host-copy stream is for an offloaded optimizer at stage 3");
   ux_ = x;
   for (size_t i = 0; i < L_.units.size(); ++i) ev_up_.push_back(dev::event_create(ex_));
+  ev_down_ = dev::event_create(ex_);
   up_wait_.assign(L_.units.size(), 0);
 }
 
-// On the upload stream (set_upload_exec; only between steps, when no gather reads wcopy_): each trainable unit's
+// On the host-copy stream (set_copy_exec; only between steps, when no gather reads wcopy_): each trainable unit's
 // shard goes up in the forward pass's order, and the unit's next gather waits for its own copy only, so the copies
 // overlap the next forward pass.
 void DevZero::upload_units(const void* w) {
@@ -317,13 +319,18 @@ bool DevZero::last_pass() const {
   return off_ && stage_ != 1 && micro_ > 0 && bwd_ + 1 == micro_ && !(replica_ && replica_->size() > 1);
 }
 
+// On the model's stream the copy would wait behind the rest of the backward pass: it goes to the host-copy stream,
+// after the work enqueued so far (the unit's last gradient added).
 void DevZero::down(const dev::Exec& x, int64_t off, int64_t n) {
-  dev::to_host_async(x, hgrad_[0] + off, gshard_ + off, size_t(n) * 4);
+  const dev::Exec* c = &x;
+  if (ux_ && x.stream == ex_.stream) dev::event_record(ex_, ev_down_), dev::event_wait(*ux_, ev_down_), c = ux_;
+  dev::to_host_async(*c, hgrad_[0] + off, gshard_ + off, size_t(n) * 4);
 }
 
 void DevZero::grads_on_host() {
   dev::synchronize(cx_);
   dev::synchronize(ex_);
+  if (ux_) dev::synchronize(*ux_);
 }
 
 void DevZero::begin_step(int micro_steps) {

@@ -103,8 +103,8 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   }
   if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.threads, off.pin);
   delayed_ = off.optimizer && off.delayed;
-  if (delayed_ && d == Device::CUDA && stage == 3)  // the parameters go up beside the next forward pass
-    ux_ = dev::make_exec(d, 0, gpu), zero_->set_upload_exec(&ux_);
+  if (off.optimizer && d == Device::CUDA && stage == 3)  // host copies beside the compute
+    ux_ = dev::make_exec(d, 0, gpu), zero_->set_copy_exec(&ux_);
 }
 
 DevTrainer::~DevTrainer() {
@@ -235,6 +235,7 @@ void DevTrainer::host_adamw(const float* gr, void* w, const AdamWConfig& hp, dou
 }
 
 void DevTrainer::after_step(bool finite) {
+  if (!finite && zero_->offloaded()) zero_->grads_on_host();  // no update read them: the copies down end here
   if (!ls_.on) return;
   if (!finite) {
     ls_.scale = std::max(1.0, ls_.scale / 2);

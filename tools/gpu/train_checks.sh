@@ -203,6 +203,7 @@ PY
       >"$out/bench_off_$o.log" 2>&1
     say "bench_off_$o: rc=$?; $(grep -m1 'memory per rank' "$out/bench_off_$o.log")"
     cp /tmp/runs/bench_off_$o/metrics.jsonl "$out/bench_off_$o.jsonl" 2>/dev/null
+    rm -rf /tmp/runs/bench_off_$o  # its final checkpoint: 25 GB of a 64 GB disk
     pack
   done
   python3 - "$out/bench_off_cpu.jsonl" "$out/bench_off_none.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
@@ -236,6 +237,7 @@ if part delayed; then
       >"$out/bench_dly_$o.log" 2>&1
     say "bench_dly_$o: rc=$?"
     cp /tmp/runs/bench_dly_$o/metrics.jsonl "$out/bench_dly_$o.jsonl" 2>/dev/null
+    rm -rf /tmp/runs/bench_dly_$o  # its final checkpoint: 25 GB of a 64 GB disk
     pack
   done
   python3 - "$out"/bench_dly_{none,sync,delayed}.jsonl >>"$out/summary.txt" 2>&1 <<'PY'
@@ -255,6 +257,7 @@ if part hftrain; then
   timeout 240 "$q" train input/bench_2b_gpu.deck checkpoint.every=0 run.out_dir=/tmp/runs/hft_q3vl >"$out/hft_q3vl.log" 2>&1
   say "hftrain q3vl: rc=$?"
   cp /tmp/runs/hft_q3vl/metrics.jsonl "$out/hft_q3vl.jsonl" 2>/dev/null
+  rm -rf /tmp/runs/hft_q3vl
   pack
   timeout 300 python3 tools/gpu/hf_train_baseline.py --out "$out/hft_hf.jsonl" >"$out/hft_hf.log" 2>&1
   say "hftrain transformers: rc=$? $(tail -1 "$out/hft_hf.log")"

@@ -130,9 +130,10 @@ class DevZero final : UnitHooks {
   // After the masters changed (start-up, every update): the dt copy (offloaded: up from host_params, by default
   // host_params()), and stages 1/2 the model's weights.
   void refresh_params(const void* host_params = nullptr);
-  // Delayed update at stage 3 on CUDA: refresh_params() after the first moves the trainable units up on `x` (a stream
-  // of this device, outliving the engine) in the forward order, each unit's next gather waiting for its own copy.
-  void set_upload_exec(const dev::Exec* x);
+  // Offloaded at stage 3 on CUDA: the host copies run on `x` (a stream of this device, outliving the engine) beside
+  // the compute: the gradient shards down during the last backward pass, and, from the second refresh_params() on,
+  // the trainable units up in the forward order, each unit's next gather waiting for its own copy.
+  void set_copy_exec(const dev::Exec* x);
 
   // One optimizer step: begin_step(); per micro-step { forward pass; backward pass; after_backward() } (a rank with
   // no tokens runs the passes without compute: idle()); finish_grads(); optimizer on the shards; refresh_params().
@@ -167,7 +168,7 @@ class DevZero final : UnitHooks {
   void reduce_unit(int u, const float* g);
   void down(const dev::Exec& x, int64_t off, int64_t n);  // offload: gradient shard elements to the host copy
   bool last_pass() const;  // offload: this backward pass's reduce-scatters complete the step's gradient shards
-  void upload_units(const void* w);  // delayed update: the trainable units' shards up from w, on ux_
+  void upload_units(const void* w);  // offloaded: the trainable units' shards up from w, on ux_
   void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
   void drain();  // the host waits for every request in flight (under the watchdog)
   void c2m();    // the communication stream waits for the work enqueued on the model's so far
@@ -204,8 +205,9 @@ class DevZero final : UnitHooks {
   bool delayed_ = false;     // offload: the host copies below are double-buffered ([1]: the update in flight's)
   float* hgrad_[2] = {};     // offload: the gradient shard's host copy
   void* hparam_[2] = {};     // offload: the masters in gd_ on the host
-  const dev::Exec* ux_ = nullptr;  // delayed update: the upload stream (set_upload_exec)
+  const dev::Exec* ux_ = nullptr;  // offloaded: the host copies' stream (set_copy_exec)
   std::vector<void*> ev_up_;       // per unit: its shard's copy up done
+  void* ev_down_ = nullptr;        // a gradient shard complete on the model's stream
   std::vector<char> up_wait_;      // per unit: its next gather waits for ev_up_
   int micro_ = 0, bwd_ = 0;  // backward passes this step: expected (0: unknown), done
   DevZeroMemory mem_;

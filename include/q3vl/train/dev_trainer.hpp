@@ -131,7 +131,7 @@ class DevTrainer {
   void host_update(const AdamWConfig& hp, double lr, double g, int64_t t);
   void host_adamw(const float* grads, void* params, const AdamWConfig& hp, double lr, double g, int64_t t);
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
-  dev::Exec ux_;       // a delayed update's parameters going up (CUDA, stage 3)
+  dev::Exec ux_;       // an offloaded optimizer's host copies (CUDA, stage 3)
   Comm& shard_;
   std::unique_ptr<Comm> nccl_shard_, nccl_replica_, nccl_ep_, nccl_experts_;  // nccl_ep_: the rows, nccl_experts_: ZeRO
   ExpertParallel* ep_ = nullptr;
