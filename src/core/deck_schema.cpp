@@ -267,6 +267,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"plan.link_gbps", T::Real, "0", "plan: network between nodes in Gbit/s per GPU (0: the preset's)", 0, 1e7},
       {"plan.nvlink_gbps", T::Real, "0", "plan: NVLink within a node in Gbit/s per GPU and direction (0: the preset's)",
        0, 1e7},
+      {"plan.pcie_gbs", T::Real, "0", "plan: host <-> GPU copies in GB/s per direction (0: the preset's; `q3vl check` "
+       "measures it)", 0, 1e6},
+      {"plan.host_gbs", T::Real, "0", "plan: host memory bandwidth per node for the offloaded AdamW in GB/s (0: 100; "
+       "`q3vl check` measures it)", 0, 1e6},
       {"plan.show", T::Int, "12", "plan: candidate layouts listed (fastest that fit first, then the closest misses)",
        1, 10000},
       {"plan.for", T::String, "train", "plan: size a training run or serving (serve: tensor/pipeline degrees, weight "
