@@ -9,14 +9,15 @@
 
 #include "q3vl/io/safetensors.hpp"
 #include "q3vl/model/config.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/weights.hpp"
 
 namespace q3vl::test {
 
 using TensorList = std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, const float*>>>;
 
 // m's weights under their HF names, in the on-disk shape and layout of m's config; `keep` holds the data.
-inline TensorList hf_tensors(Model& m, std::vector<std::vector<float>>& keep) {
+template <class W>  // HostWeights or the test reference's Model
+TensorList hf_tensors(W& m, std::vector<std::vector<float>>& keep) {
   const ParamTable& t = m.table();
   keep.clear();
   keep.reserve(t.params().size());
@@ -42,7 +43,7 @@ inline ModelConfig write_hf_config(const std::string& dir, const std::string& fr
 inline ModelConfig write_hf_dir(const std::string& dir, const std::string& from, const std::string& version,
                                 StDtype dt, uint64_t seed) {
   const ModelConfig cfg = write_hf_config(dir, from, version);
-  Model m(cfg);
+  HostWeights m(cfg);
   m.init_random(seed, 0.5);
   std::vector<std::vector<float>> keep;
   write_safetensors(dir + "/model.safetensors", hf_tensors(m, keep), dt);

@@ -36,7 +36,7 @@ static void check_hf_tensors(const ParamTable& t, const Safetensors& st, const s
 }
 
 // Whole tensors, converted with from_hf_layout: the reference the sliced reads below are tested against.
-void load_hf_weights(Model& m, const std::string& dir) {
+void load_hf_weights(HostWeights& m, const std::string& dir) {
   const ParamTable& t = m.table();
   const Safetensors st = Safetensors::open(dir);
   check_hf_tensors(t, st, dir);
@@ -175,7 +175,7 @@ SliceBytes load_lora_slices(const ParamTable& t, const std::string& dir, const s
   return b;
 }
 
-void load_lora_adapter(Model& m, const std::string& dir) {
+void load_lora_adapter(HostWeights& m, const std::string& dir) {
   std::vector<ParamSlice> all;
   for (size_t id = 0; id < m.table().params().size(); ++id)
     all.push_back({int(id), 0, m.table().params()[id].numel, m.param(int(id))});

@@ -8,7 +8,8 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/hash.hpp"
 #include "q3vl/core/parallel.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/lora.hpp"  // peft_name
+#include "q3vl/model/weights.hpp"
 #include "q3vl/tensor/tensor.hpp"  // shape_str
 
 namespace q3vl {
@@ -51,16 +52,31 @@ std::vector<float> to_hf_layout(const ParamTable& t, int id, const float* data) 
   return std::vector<float>(data, data + p.numel);
 }
 
-std::vector<NamedTensor> grads_hf(Model& m) {
+std::vector<NamedTensor> grads_hf(const HostWeights& w) {
   std::vector<NamedTensor> out;
-  const bool lora = m.config().lora.on();
-  for (size_t id = 0; id < m.table().params().size(); ++id) {
-    const ParamInfo& p = m.table().params()[id];
+  const ParamTable& t = w.table();
+  const bool lora = t.config().lora.on();
+  for (size_t id = 0; id < t.params().size(); ++id) {
+    const ParamInfo& p = t.params()[id];
     if (lora && p.part != Part::Lora) continue;  // a frozen base has no gradients; adapters go under PEFT's names
-    out.push_back({lora ? peft_name(p.name) : p.name, hf_shape(m.table(), (int)id),
-                   to_hf_layout(m.table(), (int)id, m.grad((int)id))});
+    out.push_back({lora ? peft_name(p.name) : p.name, hf_shape(t, (int)id), to_hf_layout(t, (int)id, w.grad((int)id))});
   }
   return out;
+}
+
+HostWeights::HostWeights(const ModelConfig& cfg, bool with_grads)
+    : table_(cfg), p_(size_t(table_.total()), 0.f), g_(with_grads ? size_t(table_.total()) : 0, 0.f) {}
+
+int64_t HostWeights::at(int id) const {
+  const ParamInfo& p = table_.param(id);
+  return table_.units()[size_t(p.unit)].offset + p.offset;
+}
+
+void HostWeights::init_random(uint64_t seed, double std) {
+  for (size_t i = 0; i < table_.params().size(); ++i) {
+    const ParamInfo& p = table_.params()[i];
+    init_param_range(p, seed, std, p.held_begin, p.held, param(int(i)));
+  }
 }
 
 static bool is_bias(const std::string& name) { return ends_with(name, ".bias"); }

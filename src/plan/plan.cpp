@@ -192,9 +192,9 @@ Workload workload_from_deck(const Deck& d, std::string* note) {
   w.global_batch = d.integer("train.global_batch");
   w.max_patches = d.integer("train.max_patches");
   w.delayed_update = d.str("parallel.offload_update") == "delayed";
-  const Model m(w.cfg, /*with_storage=*/false);
-  w.trainable = trainable_flags(m.table(), d);
-  w.backward_order = m.unit_order(true);
+  const ParamTable t(w.cfg);
+  w.trainable = trainable_flags(t, d);
+  w.backward_order = unit_order(t, true);
   return w;
 }
 

@@ -188,7 +188,7 @@ namespace {
 
 // Weights from a training checkpoint: model/<hf name> at full shape, in the compute layout train writes.
 // A LoRA checkpoint holds only the adapters (adapters_only): the base comes from the trained deck's model.hf first.
-void load_checkpoint_weights(Model& m, const std::string& path, bool adapters_only = false) {
+void load_checkpoint_weights(HostWeights& m, const std::string& path, bool adapters_only = false) {
   std::vector<CkptSlice> slices;
   for (size_t id = 0; id < m.table().params().size(); ++id) {
     const ParamInfo& p = m.table().params()[id];
@@ -250,8 +250,8 @@ ModelSource model_source(const Deck& deck, const std::string& checkpoint_key) {
   return src;
 }
 
-std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src) {
-  auto model = std::make_unique<Model>(src.cfg);
+std::unique_ptr<HostWeights> load_model(const Deck& deck, const ModelSource& src) {
+  auto model = std::make_unique<HostWeights>(src.cfg);
   ScopedTimer t(src.mode + ": load weights");
   if (src.adapters_only) {  // the trained base, then the checkpoint's adapters
     log_info(src.mode + ": base " +
@@ -354,7 +354,7 @@ bool weight_int8(const Deck& deck) {
   return w == "int8";
 }
 
-std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::string& why) {
+std::unique_ptr<HostWeights> fold_lora(HostWeights& m, const std::string& mode, const std::string& why) {
   const ParamTable& t = m.table();
   // An adapter on a tied head would change the embeddings too: the folded model gets an untied head of its own.
   const int ha = t.lora_a(t.lm_head());
@@ -362,7 +362,7 @@ std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::s
   ModelConfig c = m.config();
   c.lora = {};
   if (untie) c.text.tie_embeddings = false;
-  auto base = std::make_unique<Model>(c);
+  auto base = std::make_unique<HostWeights>(c);
   for (size_t id = 0; id < base->table().params().size(); ++id) {
     const ParamInfo& p = base->table().params()[id];
     const float* src = m.param(untie && (int)id == base->table().lm_head() ? t.embed_tokens() : t.id(p.name));
@@ -569,7 +569,7 @@ int run_generate(const Deck& deck) {
     const bool int8 = weight_int8(deck);  // quantized as the weights arrive
     // The weights stream in a unit at a time, so the host never holds the fp32 model twice; adapters are folded into
     // the base on a host copy first (which may untie the head: the model takes the folded model's config).
-    std::unique_ptr<Model> host;
+    std::unique_ptr<HostWeights> host;
     if (has_adapters(deck, src)) {
       host = load_model(deck, src);
       if (host->config().lora.on()) host = fold_lora(*host, "generate", "inference");

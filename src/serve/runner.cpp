@@ -114,13 +114,13 @@ void Runner::load() {
   if (pp_ > 1) dstage_ = DevStage::of(stage_, pp_, src.cfg.text.layers);  // serve_layout checked the stages
   // The model streams its weights (a rank's slice of them) from their source a unit at a time, so the host never
   // holds the fp32 model; adapters to fold need the whole model on the host first (fold_lora).
-  std::unique_ptr<Model> host;
+  std::unique_ptr<HostWeights> host;
   if (has_adapters(deck_, src)) {
     host = load_model(deck_, src);
     if (host->config().lora.on())  // a replicated LoRA term would be summed once per tensor-parallel rank
       host = fold_lora(*host, "serve", "serving");
     if (tp_ > 1) {  // each rank keeps its slice; the full weights go once it is cut
-      auto slice = std::make_unique<Model>(tp_config(host->config(), trank_, tp_));
+      auto slice = std::make_unique<HostWeights>(tp_config(host->config(), trank_, tp_));
       tp_shard_weights(*host, *slice, trank_, tp_);
       host = std::move(slice);
     }
@@ -136,7 +136,7 @@ void Runner::load() {
 // The rank's slice goes to the device (model.backend = "cuda") in model.dtype, or stays on the CPU op layer in fp32
 // ("cpu"); the KV pools take what the device has left after the weights and the step buffers (on the CPU: half this
 // rank's share of the available memory), or serve.kv_mib.
-void Runner::build_model(const ModelSource& src, std::unique_ptr<Model> host) {
+void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> host) {
   const Placement& where = Runtime::get().where();
   const bool on_cpu = deck_.str("model.backend") != "cuda";
   const DType dt = compute_dtype(deck_.str("model.dtype"));

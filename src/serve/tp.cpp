@@ -134,7 +134,7 @@ std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& loca
   return out;
 }
 
-void tp_shard_weights(Model& full, Model& local, int rank, int size) {
+void tp_shard_weights(const HostWeights& full, HostWeights& local, int rank, int size) {
   for (const ParamSlice& p : tp_slices(full.table(), local.table(), rank, size, [&](int id) { return local.param(id); })) {
     const float* src = full.param(p.param) + p.begin;
     std::copy(src, src + p.count, p.dst);

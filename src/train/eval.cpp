@@ -47,7 +47,7 @@ Batch read_batch_h5(const std::string& path, int64_t patch_dim) {
   return b;
 }
 
-EvalResult evaluate(DevModel& model, Model& host, const Batch& batch, bool grads, bool aux_loss) {
+EvalResult evaluate(DevModel& model, HostWeights& host, const Batch& batch, bool grads, bool aux_loss) {
   EvalResult r;
   model.zero_grads();
   {
@@ -79,14 +79,12 @@ int run_eval(const Deck& deck) {
   if (rt.where().rank == 0) {
     ModelConfig cfg = load_hf_config(dir + "/config.json");
     cfg.lora = lora_config(deck);
-    // The host model only holds the weights as read and names the gradients (grads_hf); the device model computes,
-    // on the CPU op layer or the GPU.
-    Model model(cfg);
+    // The host weights as read, and the gradients named for the file (grads_hf); the device model computes, on the
+    // CPU op layer or the GPU.
+    HostWeights model(cfg, deck.boolean("eval.grads"));
     std::vector<bool> tr;
-    if (cfg.lora.on()) {  // a frozen base: gradients (eval.grads) for the adapters only
+    if (cfg.lora.on())  // a frozen base: gradients (eval.grads) for the adapters only
       for (const ParamInfo& p : model.table().params()) tr.push_back(p.part == Part::Lora);
-      model.set_trainable(tr);
-    }
     {
       ScopedTimer t("eval: load weights");
       load_hf_weights(model, dir);

@@ -22,6 +22,7 @@
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
 #include "q3vl/train/eval.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 

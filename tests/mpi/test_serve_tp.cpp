@@ -27,6 +27,7 @@
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/serve/tp.hpp"
 #include "../unit/tiny_model.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 

@@ -12,6 +12,7 @@
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 namespace fs = std::filesystem;

@@ -27,6 +27,7 @@
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/serve/tp.hpp"
 #include "q3vl/tensor/ops.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 
@@ -319,7 +320,7 @@ TEST(StreamWeights, EqualLoadModel) {
   const std::string hf = "tests/data/golden/moe/model", dir = (fs::temp_directory_path() /
                                                                 ("q3vl_stream_" + std::to_string(::getpid()))).string();
   // A checkpoint of the golden model with every weight changed, so reading the directory instead would show.
-  Model m(load_hf_config(hf + "/config.json"));
+  HostWeights m(load_hf_config(hf + "/config.json"));
   load_hf_weights(m, hf);
   std::vector<float> changed(m.params(), m.params() + m.table().total());
   for (float& v : changed) v = 2 * v + 0.25f;
@@ -350,7 +351,7 @@ TEST(StreamWeights, TensorParallelSlicesEqualSharding) {
     const auto full = load_model(d, src);
     for (int size : {2, 4})
       for (int rank = 0; rank < size; ++rank) {
-        Model cut(tp_config(full->config(), rank, size));
+        HostWeights cut(tp_config(full->config(), rank, size));
         tp_shard_weights(*full, cut, rank, size);
         const ParamTable& local = cut.table();
         std::vector<float> got(size_t(local.total()), -1e30f);

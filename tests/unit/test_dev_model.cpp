@@ -5,6 +5,7 @@
 #include "../gpu.hpp"
 #include "q3vl/train/eval.hpp"
 #include "q3vl/io/hf_weights.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 

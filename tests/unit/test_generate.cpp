@@ -17,6 +17,7 @@
 #include "q3vl/model/config.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/train/eval.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 

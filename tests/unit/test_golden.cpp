@@ -18,6 +18,7 @@
 #include "../compare.hpp"
 #include "../gpu.hpp"
 #include "q3vl/train/eval.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 
@@ -41,17 +42,19 @@ void check_case(const std::string& name, const Device* dev = nullptr, DType dt =
   const std::string dir = "tests/data/golden/" + name, want_dir = lora ? dir + "/lora" : dir;
   ModelConfig cfg = load_hf_config(dir + "/model/config.json");
   if (lora) cfg.lora = lora_config(Deck::load("", {"lora.adapter=" + want_dir + "/adapter"}, "train"));
-  Model model(cfg);
   std::vector<bool> trainable;
-  for (const ParamInfo& p : model.table().params()) trainable.push_back(!lora || p.part == Part::Lora);
-  model.set_trainable(trainable);
-  load_hf_weights(model, dir + "/model");
-  if (lora) load_lora_adapter(model, want_dir + "/adapter");
+  for (const ParamInfo& p : ParamTable(cfg).params()) trainable.push_back(!lora || p.part == Part::Lora);
+  HostWeights w(cfg, true);
+  load_hf_weights(w, dir + "/model");
+  if (lora) load_lora_adapter(w, want_dir + "/adapter");
   Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
   const bool aux = cfg.moe() && !lora;
   EvalResult r;
   std::string how = "cpu model";
-  if (!dev) {  // the host model (until it leaves the product: issue 28)
+  if (!dev) {  // the test reference's host model
+    Model model(cfg);
+    model.set_trainable(trainable);
+    copy_weights(w, model);
     model.zero_grads();
     r.loss = model.forward(batch, true, &r.logits, &r.aux, aux);
     model.backward();
@@ -62,8 +65,8 @@ void check_case(const std::string& name, const Device* dev = nullptr, DType dt =
       DevModel dm(cfg, ex, dt);
       dm.set_frozen(trainable);
       dm.reserve(budget_for(batch, cfg.vision.patch_dim()));
-      dm.set_params(model.params());
-      r = evaluate(dm, model, batch, true, aux);
+      dm.set_params(w.params());
+      r = evaluate(dm, w, batch, true, aux);
     }
     dev::destroy_exec(ex);
     how = std::string(*dev == Device::CUDA ? "cuda" : "cpu") + " device model " + dtype_name(dt);

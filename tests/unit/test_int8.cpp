@@ -16,6 +16,7 @@
 #include "q3vl/io/h5.hpp"
 #include "q3vl/tensor/ops.hpp"
 #include "q3vl/train/eval.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 

@@ -13,6 +13,7 @@
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/io/safetensors.hpp"
 #include "q3vl/model/qwen3vl.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 using q3vl::test::tiny;

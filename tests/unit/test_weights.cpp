@@ -19,6 +19,7 @@
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/tensor/tensor.hpp"
+#include "../reference/model_io.hpp"
 
 using namespace q3vl;
 namespace fs = std::filesystem;

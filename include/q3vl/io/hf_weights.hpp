@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/weights.hpp"
 
 namespace q3vl {
 
@@ -12,7 +12,7 @@ namespace q3vl {
 // Every table tensor must be present with the right shape; unexpected tensors are errors; lm_head.weight is
 // absent when tied. MoE experts are read in the released [E,H,2Im]/[E,Im,H] or the transformers-5
 // [E,2Im,H]/[E,H,Im] layout as cfg.experts_v5_layout says, and checked against it.
-void load_hf_weights(Model& m, const std::string& dir);
+void load_hf_weights(HostWeights& m, const std::string& dir);
 // load_hf_weights for slices only: the same checks (every tensor present with its shape, none unexpected), then
 // only the slices' bytes are read (released-layout MoE experts: each expert a slice touches, whole).
 SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
@@ -26,6 +26,6 @@ SliceBytes load_hf_slices(const ParamTable& t, const std::string& dir, const std
 // naming file and tensor. Slices of base parameters the file does not hold are left as they are.
 SliceBytes load_lora_slices(const ParamTable& t, const std::string& dir, const std::vector<ParamSlice>& slices);
 // The same for a whole model.
-void load_lora_adapter(Model& m, const std::string& dir);
+void load_lora_adapter(HostWeights& m, const std::string& dir);
 
 }  // namespace q3vl

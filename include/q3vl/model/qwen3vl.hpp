@@ -11,6 +11,7 @@
 #include "q3vl/model/layers.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/model/params.hpp"
+#include "q3vl/model/weights.hpp"
 
 namespace q3vl {
 
@@ -256,40 +257,5 @@ using Model = BasicModel<float>;
 
 // The parameters BasicModel::lower_weights holds in low precision, by id (sizing without a model: planner, reports).
 std::vector<bool> low_params(const ParamTable& t);
-
-// On-disk shape of a table tensor for this config (differs from the compute shape only for MoE experts).
-std::vector<int64_t> hf_shape(const ParamTable& t, int id);
-// Convert one tensor (weights or grads) from our compute layout to the on-disk layout (copy for everything but
-// MoE experts, which are transposed in the released layout).
-std::vector<float> to_hf_layout(const ParamTable& t, int id, const float* data);
-// The other way: a tensor as read from the file (on-disk layout) in our compute layout.
-std::vector<float> from_hf_layout(const ParamTable& t, int id, std::vector<float> disk);
-// Whether a table tensor is a MoE layer's experts (their layout on disk depends on config.experts_v5_layout).
-bool hf_expert(const ParamTable& t, int id);
-// Every gradient under its HF name, in the on-disk shape and layout (for eval's grads/<hf name> dumps).
-struct NamedTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<float> data;
-};
-std::vector<NamedTensor> grads_hf(Model& m);
-
-// Elements [begin, begin+count) of table tensor `param` (row-major, compute layout), written to dst[0, count):
-// e.g. a rank's ZeRO shard of that tensor (ZeroEngine::master_slices()).
-struct ParamSlice {
-  int param = 0;
-  int64_t begin = 0, count = 0;
-  float* dst = nullptr;
-};
-struct SliceBytes {
-  int64_t mine = 0, all = 0;  // bytes read (or drawn) for the slices, and for the whole model
-};
-// Model::init_random's values for slices only (bitwise the same).
-SliceBytes init_random_slices(const ParamTable& t, uint64_t seed, double std, const std::vector<ParamSlice>& slices);
-// The initial value of element j of a tensor is a pure function of (seed, its name, j, std) - a counter-based
-// normal (splitmix64 hash of the counter into Box-Muller) - so that any slice can be drawn without the rest and
-// the weights do not depend on how they are sharded. no_decay tensors: 0 for ".bias", else 1.
-template <class T>
-void init_param_range(const ParamInfo& p, uint64_t seed, double std, int64_t begin, int64_t count, T* out);
 
 }  // namespace q3vl

@@ -94,7 +94,7 @@ struct ModelSource {
 ModelSource model_source(const Deck& deck, const std::string& checkpoint_key);
 // The weights: base (checkpoint, model.hf or random), then the adapters (the LoRA checkpoint's, or lora.adapter's
 // PEFT folder on top of a base).
-std::unique_ptr<Model> load_model(const Deck& deck, const ModelSource& src);
+std::unique_ptr<HostWeights> load_model(const Deck& deck, const ModelSource& src);
 // Adapters come with the weights (a LoRA checkpoint, lora.adapter or a [lora] deck): only load_model loads them.
 bool has_adapters(const Deck& deck, const ModelSource& src);
 // load_model's weights one unit at a time, for a model that lives on a device: sink(offset, values, n) receives each
@@ -112,7 +112,7 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
 bool weight_int8(const Deck& deck);
 // Inference needs no separate adapters: a model with LoRA adapters as a plain model with them folded in (W += scale
 // B A, as export --merge does), for inference, which runs without adapters (`why` names it in the log line). An adapter on a tied head gives the folded model an untied head of its own.
-std::unique_ptr<Model> fold_lora(Model& m, const std::string& mode, const std::string& why);
+std::unique_ptr<HostWeights> fold_lora(HostWeights& m, const std::string& mode, const std::string& why);
 // A model directory is self-sufficient: tokenizer.json and the image pixel bounds (preprocessor_config.json's
 // size.shortest_edge / longest_edge) come from model.hf unless the deck gives tokenizer.path / MODE.min_pixels /
 // MODE.max_pixels (MODE: "generate" or "serve"). So is a checkpoint folder: MODE.checkpoint's folder (or the file's)

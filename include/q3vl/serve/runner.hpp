@@ -41,7 +41,7 @@ class Runner {
   const std::string& checkpoint() const { return checkpoint_; }
 
  private:
-  void build_model(const ModelSource& src, std::unique_ptr<Model> host);
+  void build_model(const ModelSource& src, std::unique_ptr<HostWeights> host);
   void log_tp() const;
   std::unique_ptr<Comm> tp_mpi() const;  // the group over MPI, under the collectives' watchdog
   template <class T>

@@ -42,7 +42,7 @@ ModelConfig tp_config(const ModelConfig& full, int rank, int size);
 std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& local, int rank, int size,
                                   const std::function<float*(int)>& dst_of);
 // Copies this rank's slices of full's weights into local (built from tp_config(full.config(), rank, size)).
-void tp_shard_weights(Model& full, Model& local, int rank, int size);
+void tp_shard_weights(const HostWeights& full, HostWeights& local, int rank, int size);
 // KV-cache bytes of one token on one rank of a TP group: keys and values of the kv heads it holds (one when there
 // are more ranks than kv heads), for `layers` layers, `elem` bytes each. serve sizes its cache and `q3vl plan`
 // its serve layouts with it.

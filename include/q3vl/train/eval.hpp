@@ -20,7 +20,7 @@ struct EvalResult {
   std::vector<NamedTensor> grads;  // by HF name, in the on-disk layout (empty unless asked)
 };
 // The pass on the device model; `host` holds the table and receives the gradients for grads_hf.
-EvalResult evaluate(DevModel& model, Model& host, const Batch& batch, bool grads, bool aux_loss);
+EvalResult evaluate(DevModel& model, HostWeights& host, const Batch& batch, bool grads, bool aux_loss);
 // What a DevModel must be sized for to run `batch`.
 DevBudget budget_for(const Batch& batch, int64_t patch_dim);
 
