@@ -21,7 +21,7 @@ int64_t slot_elems(const ZeroLayout& L) {
 
 // Stage 3's gradient slots: every unit between its first and last backward use at one point of the order, and one
 // whose reduce-scatter is being issued.
-int grad_slots(const ParamTable& t) { return int(ZeroEngine::pool_slots(t, unit_order(t, true)).grads); }
+int grad_slots(const ParamTable& t) { return int(ZeroShards::pool_slots(t, unit_order(t, true)).grads); }
 
 // The largest shard of a unit (a streamed gather's staging).
 int64_t max_shard(const ZeroLayout& L) {

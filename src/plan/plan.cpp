@@ -198,8 +198,8 @@ Workload workload_from_deck(const Deck& d, std::string* note) {
   return w;
 }
 
-ZeroMemory host_zero_bytes(const Workload& w, int n, int r, int stage) {
-  return ZeroEngine::plan(ParamTable(w.cfg), n, r, stage, w.trainable, w.backward_order);
+ZeroMemory host_zero_bytes(const Workload& w, int n, int r) {
+  return ZeroShards::plan(ParamTable(w.cfg), n, r, w.trainable);
 }
 
 // ---- one layout ----
@@ -210,18 +210,18 @@ namespace {
 // unevenly). Cached: the search sizes the same groups many times.
 // ep > 1: the expert units are sharded over the n / ep ranks holding the same experts (groups of ep consecutive
 // ranks split the experts, as ExpertParallel lays them out).
-ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int stage, int ep = 1) {
+ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int ep = 1) {
   // Keyed by what the layout depends on: the table (its size and unit count stand for it), the trained set, n, stage.
-  static std::map<std::tuple<int64_t, size_t, std::vector<bool>, int, int, int>, ZeroMemory> cache;
-  auto key = std::make_tuple(t.total(), t.units().size(), w.trainable, n, stage, ep);
+  static std::map<std::tuple<int64_t, size_t, std::vector<bool>, int, int>, ZeroMemory> cache;
+  auto key = std::make_tuple(t.total(), t.units().size(), w.trainable, n, ep);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   ZeroMemory m;
   auto mx = [](int64_t& a, int64_t b) { a = std::max(a, b); };
   for (int r = 0; r < n; r += std::max(1, n / 16)) {  // evenly spread ranks: the pieces repeat with the rank
     const ShardGroup experts{n / ep, r / ep};
-    const ZeroMemory z = ZeroEngine::plan(t, n, r, stage, w.trainable, w.backward_order, ep > 1 ? &experts : nullptr);
+    const ZeroMemory z = ZeroShards::plan(t, n, r, w.trainable, ep > 1 ? &experts : nullptr);
     mx(m.master, z.master), mx(m.exp_avg, z.exp_avg), mx(m.exp_avg_sq, z.exp_avg_sq), mx(m.grads, z.grads);
-    mx(m.comm, z.comm), mx(m.working, z.working), mx(m.pool_bound, z.pool_bound);
+    mx(m.comm, z.comm);
   }
   return cache[key] = m;
 }
@@ -267,7 +267,7 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   // Host bytes per rank: train keeps the ZeRO engine's shards on the host on the GPU path too (stage 3: checkpoint
   // staging; offload updates them there in place), and offload adds its pinned staging (d.host(): the trainer's).
   {
-    const ZeroMemory h = zero_max(w, t, n, 3, l.ep);
+    const ZeroMemory h = zero_max(w, t, n, l.ep);
     c.host.masters = h.master;
     c.host.moments = h.exp_avg + h.exp_avg_sq;
     c.host.grads = h.grads;
@@ -304,7 +304,7 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
     if (l.stage == 3) {
       // Each unit is gathered for forward and backward (prefetched one ahead) and its gradients reduce-scattered
       // as soon as complete: hidden behind compute up to the compute time; the first gather is not.
-      const ZeroEngine::PoolSlots s = ZeroEngine::pool_slots(t, w.backward_order);
+      const ZeroShards::PoolSlots s = ZeroShards::pool_slots(t, w.backward_order);
       const double per_micro = 2 * gather + reduce;
       exposed = double(c.micro_steps) * std::max(0.0, per_micro - t_micro) + double(s.biggest) * double(g) * f / bw;
     } else if (l.stage == 2) {

@@ -125,14 +125,14 @@ DevTrainer::~DevTrainer() {
 
 std::string DevTrainer::comm_kind() const { return nccl_shard_ ? "nccl" : shard_.size() > 1 ? "mpi" : "none"; }
 
-void DevTrainer::from_host(const ZeroEngine& e) {
+void DevTrainer::from_host(const ZeroShards& e) {
   settle();
   zero_->from_host(e.pieces());
   zero_->refresh_params();
   dev::synchronize(ex_);
 }
 
-void DevTrainer::to_host(const ZeroEngine& e) {
+void DevTrainer::to_host(const ZeroShards& e) {
   settle();
   zero_->to_host(e.pieces());
 }

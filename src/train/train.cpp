@@ -97,7 +97,7 @@ TrainState from_json(const std::string& text, const std::string& path) {
 
 // LoRA: which base the adapters were trained on. A sum over elements (ckpt_checksum) weighted per tensor, so each
 // rank adds its own shard and any rank count gets the same number; rank 0's value is the one written.
-std::string lora_base_identity(const ZeroEngine& e, Comm& shard, bool on) {
+std::string lora_base_identity(const ZeroShards& e, Comm& shard, bool on) {
   if (!on) return "";
   uint64_t h = 0;
   for (const ShardPiece& p : e.pieces())
@@ -145,7 +145,7 @@ void check_lora_resume(const std::string& state_json, const std::string& path, c
 
 // Every rank lists every tensor in the same order (the checkpoint calls are collective); a rank's slice of a
 // tensor is its shard's intersection with it (count 0 where none, or when it is not this group's writer).
-std::vector<CkptSlice> ckpt_slices(const ZeroEngine& e, const ParamTable& t, const std::vector<bool>& trainable,
+std::vector<CkptSlice> ckpt_slices(const ZeroShards& e, const ParamTable& t, const std::vector<bool>& trainable,
                                    bool mine) {
   std::vector<const ShardPiece*> piece(t.params().size(), nullptr);
   for (const ShardPiece& p : e.pieces()) piece[size_t(p.param)] = &p;
@@ -383,9 +383,8 @@ int run_train(const Deck& deck) {
     fail_all("parallel.ep > 1 with parallel.hybrid = true is not supported: shard over all ranks (hybrid = false)");
   std::unique_ptr<ExpertParallel> ep;
   if (ep_size > 1) ep = std::make_unique<ExpertParallel>(world, ep_size);
-  Model model(cfg, /*with_storage=*/false, ep ? ep->split() : ExpertSplit{});  // the table, for the engine
+  const ParamTable table(cfg, ep ? ep->split() : ExpertSplit{});
   const bool aux_on = deck.boolean("train.router_aux_loss") && cfg.moe();
-  const ParamTable& table = model.table();
   const std::vector<bool> trainable = trainable_flags(table, deck);
 
   std::string base_id;  // LoRA: the frozen base's fingerprint, kept in checkpoints
@@ -427,27 +426,26 @@ int run_train(const Deck& deck) {
     const DevTrainerMemory need =
         DevTrainer::plan(cfg, compute, b, false, trainable, shard->size(), stage, on_gpu ? Device::CUDA : Device::CPU,
                          deck.str("parallel.gather_dtype") == "bf16", offload);
-    check_offload_memory(rt, need, ZeroEngine::plan(table, shard->size(), 0, 3, trainable, model.unit_order(true)));
+    check_offload_memory(rt, need, ZeroShards::plan(table, shard->size(), 0, trainable));
   }
-  ZeroEngine engine(model, *shard, replica.get(), 3, trainable, ep.get());
+  ZeroShards shards(table, *shard, trainable, ep.get());
   {
     // Each rank reads (HF files) or draws (seeded init) only its shard, straight into its master weights: no rank
     // ever holds the whole model. The values do not depend on the rank count.
     ScopedTimer t("train: init weights");
     const std::string hf = deck.str("model.hf"), adapter = deck.str("lora.adapter");
     std::vector<ParamSlice> base, lora;
-    for (const ParamSlice& sl : engine.master_slices())
+    for (const ParamSlice& sl : shards.master_slices())
       (table.param(sl.param).part == Part::Lora ? lora : base).push_back(sl);
     const SliceBytes b = hf.empty() ? init_random_slices(table, seed, 0.02, base) : load_hf_slices(table, hf, base);
     if (!lora.empty() || cfg.lora.on()) {
       // A PEFT folder also replaces the base weights it carries (lm_head.base_layer.weight): after the base.
       const SliceBytes la = adapter.empty() ? init_random_slices(table, seed, 0.02, lora)
-                                            : load_lora_slices(table, adapter, engine.master_slices());
+                                            : load_lora_slices(table, adapter, shards.master_slices());
       log_info("adapters: " + (adapter.empty() ? std::string("PEFT init (A kaiming-uniform, B zero)") : adapter) +
                ", " + std::to_string(la.mine) + " bytes on this rank");
     }
-    base_id = lora_base_identity(engine, *shard, cfg.lora.on());
-    engine.shards_filled();
+    base_id = lora_base_identity(shards, *shard, cfg.lora.on());
     char buf[256];
     std::snprintf(buf, sizeof buf, "weights: %s sharded %s, %.1f MiB on this rank (of %.1f MiB)",
                   hf.empty() ? ("random init (seed " + std::to_string(seed) + ")").c_str() : hf.c_str(),
@@ -532,7 +530,7 @@ int run_train(const Deck& deck) {
                                            replica.get(), stage, deck.str("parallel.gather_dtype") == "bf16",
                                            ep.get(), [&] {
                                              Offload o = offload;
-                                             o.state = offload.in_place ? &engine : nullptr;
+                                             o.state = offload.in_place ? &shards : nullptr;
                                              return o;
                                            }());
     log_info(trainer->memory_report());
@@ -565,7 +563,7 @@ int run_train(const Deck& deck) {
     check_lora_resume(meta.state_json, cand, cfg.lora, base_id);
     try {
       guarded_io(world, "checkpoint read", "checkpoint I/O on " + cand, [&] {  // names a reshaped tensor
-        read_checkpoint(cand, MPI_COMM_WORLD, ckpt_slices(engine, table, trainable, true));
+        read_checkpoint(cand, MPI_COMM_WORLD, ckpt_slices(shards, table, trainable, true));
       });
     } catch (const Error& e) {
       const bool corrupt = e.collective() && std::string(e.what()).find("does not match its checksum") != std::string::npos;
@@ -589,7 +587,7 @@ int run_train(const Deck& deck) {
   if (path.empty() && !plan.candidates.empty())  // every candidate corrupt: the weights must be drawn again
     fail_all("resume: no checkpoint in '" + ckdir + "' matches its checksums (see the warnings above); move them "
              "aside or set train.resume = never");
-  trainer->from_host(engine);
+  trainer->from_host(shards);
   if (st.loss_scale > 0) trainer->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
   {
     const double peak = peak_rss_mib();
@@ -629,7 +627,7 @@ int run_train(const Deck& deck) {
   }
   auto save = [&]() {
     ScopedTimer t("train: checkpoint");
-    trainer->to_host(engine);
+    trainer->to_host(shards);
     CkptMeta meta;
     meta.step = st.step;
     meta.tokens_seen = st.tokens;
@@ -640,7 +638,7 @@ int run_train(const Deck& deck) {
     meta.hf_config_json = cfg_json;
     meta.run_id = plan.run_id;
     const std::string p = guarded_io(world, "checkpoint write", "checkpoint I/O in " + ckdir, [&] {
-      return write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(engine, table, trainable, writer), int(keep));
+      return write_checkpoint(ckdir, MPI_COMM_WORLD, meta, ckpt_slices(shards, table, trainable, writer), int(keep));
     });
     log_info("checkpoint " + p);
     if (world.rank() == 0) carry_tokenizer(deck, ckdir);

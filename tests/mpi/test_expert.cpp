@@ -1,7 +1,7 @@
 // Expert parallelism on 1, 2 and 4 ranks (EP groups of min(2, ranks) consecutive ranks): the golden MoE model's
 // logits, loss, aux loss and every gradient equal transformers' when its experts are split over the group (the
 // group's first rank runs the batch, the others only serve its tokens); bad layouts are refused naming the key;
-// the engine's EP sizing (the planner's) is what it allocates; the all-to-alls are under the watchdog. The device model
+// the ZeRO shards' EP sizing (the planner's) is what they allocate; the all-to-alls are under the watchdog. The device model
 // (CPU op layer) with its experts split equals it with every expert local, busy and idle ranks alike.
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -99,46 +99,38 @@ TEST(Expert, BadLayoutsAreRefusedNamingTheKey) {
 }
 
 // The planner's figures for the 30B-A3B deck's layout: EP 2 on 2 ranks holds the experts' state once per expert,
-// as ZeRO-3 over 2 ranks does, but gathers only its 64 experts of a layer.
+// as ZeRO-3 over 2 ranks does.
 TEST(Expert, EstimateForThe30bDeck) {
   const ModelConfig cfg = preset_config("30B-A3B");
   const ParamTable t(cfg);
   const std::vector<bool> all(t.params().size(), true);
-  const ZeroMemory ep2 = ZeroEngine::estimate(cfg, {2, 2, 3}, all), ep1 = ZeroEngine::estimate(cfg, {2, 1, 3}, all);
+  const ZeroMemory ep2 = ZeroShards::estimate(cfg, {2, 2, 3}, all), ep1 = ZeroShards::estimate(cfg, {2, 1, 3}, all);
   EXPECT_NEAR(double(ep2.master), double(ep1.master), 1e-6 * double(ep1.master));
   EXPECT_NEAR(double(ep1.master), 2.0 * double(t.total()), 64.0 * double(t.units().size()));  // 4 bytes / 2 ranks
-  const ZeroMemory s1 = ZeroEngine::estimate(cfg, {2, 2, 1}, all);
-  EXPECT_LT(double(s1.working), 0.55 * 8.0 * double(t.total()));  // stage 1 holds half the experts in full
 }
 
-TEST(Expert, EstimateIsWhatTheEngineAllocates) {
+TEST(Expert, EstimateIsWhatTheShardsAllocate) {
   MpiComm world(MPI_COMM_WORLD);
   const ModelConfig cfg = load_hf_config(kDir + "/model/config.json");
   ExpertParallel ep(world, ep_size(world));
-  for (int stage : {1, 2, 3}) {
-    Model model(cfg, stage != 3, ep.split());
-    model.set_experts(&ep);
-    const std::vector<bool> all(model.table().params().size(), true);
-    ZeroEngine e(model, world, nullptr, stage, all, &ep);
-    const ZeroMemory m = e.memory();
-    const ZeroMemory est = ZeroEngine::estimate(cfg, {world.size(), ep.size(), stage}, all);
-    if (world.rank() == 0) {  // rank 0 holds the largest shard of every unit
-      EXPECT_EQ(est.master, m.master) << "stage " << stage;
-      EXPECT_EQ(est.exp_avg, m.exp_avg) << "stage " << stage;
-      EXPECT_EQ(est.grads, m.grads) << "stage " << stage;
-      EXPECT_EQ(est.comm, m.comm) << "stage " << stage;
-      if (stage != 3) {
-        EXPECT_EQ(est.working, m.working) << "stage " << stage;
-      }
-    }
-    // Each expert element is held by exactly one rank: the sharded experts add up to the whole tensors.
-    int64_t mine = 0, whole = 0;
-    for (const ShardPiece& p : e.pieces())
-      if (model.table().units()[size_t(model.table().param(p.param).unit)].experts) mine += p.count;
-    for (const ParamInfo& p : model.table().params())
-      if (model.table().units()[size_t(p.unit)].experts) whole += p.numel;
-    EXPECT_EQ(int64_t(world.sum(double(mine))), whole);
+  const ParamTable t(cfg, ep.split());
+  const std::vector<bool> all(t.params().size(), true);
+  ZeroShards e(t, world, all, &ep);
+  const ZeroMemory m = e.memory();
+  const ZeroMemory est = ZeroShards::estimate(cfg, {world.size(), ep.size(), 3}, all);
+  if (world.rank() == 0) {  // rank 0 holds the largest shard of every unit
+    EXPECT_EQ(est.master, m.master);
+    EXPECT_EQ(est.exp_avg, m.exp_avg);
+    EXPECT_EQ(est.grads, m.grads);
+    EXPECT_EQ(est.comm, m.comm);
   }
+  // Each expert element is held by exactly one rank: the sharded experts add up to the whole tensors.
+  int64_t mine = 0, whole = 0;
+  for (const ShardPiece& p : e.pieces())
+    if (t.units()[size_t(t.param(p.param).unit)].experts) mine += p.count;
+  for (const ParamInfo& p : t.params())
+    if (t.units()[size_t(p.unit)].experts) whole += p.numel;
+  EXPECT_EQ(int64_t(world.sum(double(mine))), whole);
 }
 
 namespace {

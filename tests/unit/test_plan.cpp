@@ -96,7 +96,7 @@ TEST(Plan, GpuBytesAreTheTrainersAllocation) {
 }
 
 // Offloaded layouts (issue 29): the planner's device and host bytes are what a DevTrainer offloaded in place onto a
-// host engine allocates (its device bytes, its pinned staging; the engine's shards are the masters and moments), for
+// host's ZeroShards allocates (its device bytes, its pinned staging; the shards are the masters and moments), for
 // the optimizer offloaded and for the parameters too (vision frozen); and offloading moves the masters and moments
 // off the device, and the parameter copy with the parameters.
 TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
@@ -111,8 +111,8 @@ TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
   const Candidate c0 = sized_layout(w, hw, none);
   for (int stage : {1, 3})
     for (bool params : {false, true}) {
-      Model model(w.cfg, /*with_storage=*/false);
-      ZeroEngine engine(model, self, nullptr, 3, w.trainable);
+      const ParamTable t(w.cfg);
+      ZeroShards engine(t, self, w.trainable);
       Offload off;
       off.optimizer = off.in_place = true, off.params = params, off.state = &engine, off.threads = 2;
       DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, false, LossScaling{}, self, nullptr, stage,

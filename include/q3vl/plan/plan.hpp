@@ -1,7 +1,7 @@
 // The memory/time planner (`q3vl plan`, `parallel.layout = "auto"`): for a deck's model, sequence length and batch,
 // every candidate training layout with its bytes per GPU and per host by kind and a predicted step time.
 //
-// Size once (DESIGN.md): every byte count comes from the functions the allocators call — ZeroEngine::plan /
+// Size once (DESIGN.md): every byte count comes from the functions the allocators call — ZeroShards::plan /
 // zero_layout (the ZeRO shards), DevModel::activation_bytes (the activation arena), DevTrainer::plan (one GPU's
 // trainer, optimizer offload included) — never from a second formula here. What this file adds is the part that is
 // not allocated anywhere yet: how those pieces sit on GPUs for layouts not built so far (expert parallelism on
@@ -81,7 +81,7 @@ struct Workload {
   DType dt = DType::BF16;       // model.dtype
   int64_t seq_len = 4096, global_batch = 8, max_patches = 0;
   std::vector<bool> trainable;  // per parameter (train.tune_*)
-  std::vector<int> backward_order;  // Model::unit_order(true)
+  std::vector<int> backward_order;  // unit_order(table, true)
   bool delayed_update = false;      // parallel.offload_update = "delayed": offloaded candidates use it
 };
 Workload workload_from_deck(const Deck& d, std::string* note = nullptr);
@@ -103,8 +103,8 @@ struct Candidate {
 Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l);
 // Every candidate (stage, offload, hybrid, ep, micro-batch, recompute), fastest fitting first.
 std::vector<Candidate> plan_candidates(const Workload& w, const Hardware& hw);
-// One CPU rank's ZeRO state on the host as `train` allocates it (model.backend = "cpu"): the test's exact check.
-ZeroMemory host_zero_bytes(const Workload& w, int group_size, int rank, int stage);
+// One rank's ZeRO shards on the host as `train` allocates them (ZeroShards): the test's exact check.
+ZeroMemory host_zero_bytes(const Workload& w, int group_size, int rank);
 
 // `q3vl plan DECK`: the report on stdout; 0 when some layout fits, 2 when none does.
 int run_plan(const Deck& d);

@@ -31,7 +31,7 @@ struct Offload {
   // The masters and moments are the host engine's shards, updated in place (train's case; the planner's sizing says
   // in_place without an engine): the host holds them once, and checkpoints copy nothing.
   bool in_place = false;
-  ZeroEngine* state = nullptr;  // the constructor's: that engine (its layout is the trainer's)
+  ZeroShards* state = nullptr;  // the constructor's: that engine (its layout is the trainer's)
   bool params = false;     // parallel.offload_params = "frozen" (needs `optimizer`): no parameter copy on the device,
                            // every unit's gather streams its shard up from the host masters (DevZero's stream)
   // "delayed" (parallel.offload_update): step k's AdamW runs on the host while step k+1 computes on the weights from
@@ -83,8 +83,8 @@ class DevTrainer {
 
   // Masters and moments from the host engine's pieces (the same layout), and the compute weights.
   // Both land a delayed update first (settle), so a checkpoint holds the state after every step it counts.
-  void from_host(const ZeroEngine& e);
-  void to_host(const ZeroEngine& e);
+  void from_host(const ZeroShards& e);
+  void to_host(const ZeroShards& e);
 
   // micro_steps: the micro-steps (backward passes, idle ones counted) this step runs (0: unknown).
   void begin_step(int micro_steps = 0);
