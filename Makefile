@@ -46,8 +46,10 @@ endif
 
 LIB_SRC  := $(shell find src -name '*.cpp' -not -path 'src/app/*' | sort)
 APP_SRC  := $(shell find src/app -name '*.cpp' | sort)
-UNIT_SRC := $(shell find tests/unit -name '*.cpp' | sort)
-MPI_SRC  := $(shell find tests/mpi -name '*.cpp' | sort)
+# tests/reference: the host model on the ops:: templates (BasicModel), the test binaries' reference, not the product's.
+REF_SRC  := $(shell find tests/reference -name '*.cpp' | sort)
+UNIT_SRC := $(shell find tests/unit -name '*.cpp' | sort) $(REF_SRC)
+MPI_SRC  := $(shell find tests/mpi -name '*.cpp' | sort) $(REF_SRC)
 MAIN_SRC := tests/test_main.cpp
 
 obj = $(patsubst %.cpp,build/obj/%.o,$(1))

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "q3vl/model/dev_model.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "reference/qwen3vl.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 namespace q3vl::test {

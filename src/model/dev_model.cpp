@@ -1,4 +1,5 @@
-// Model assembly on the device op layer (spec 1-5), the same sequence as qwen3vl.cpp's BasicModel::run/backward.
+// Model assembly on the device op layer (spec 1-5), the same sequence as the test reference's host model
+// (tests/reference/qwen3vl.cpp).
 // Host work per forward is the small metadata only: token ids, targets, segment offsets, rotary tables, the rows of
 // image tokens and of supervised targets, uploaded once into buffers carved at reserve().
 #include "q3vl/model/dev_model.hpp"
@@ -355,7 +356,7 @@ void DevModel::grads_to_host(float* host_all) const {
 }
 
 namespace {
-// Images as they are; with videos, every visual span in input order (model/layers.hpp's visual_input).
+// Images as they are; with videos, every visual span in input order (model/positions.hpp's visual_input).
 template <class B>
 double forward_visual(const ModelConfig& cfg, const B& b, TokenStream&& s,
                       const std::function<double(TokenStream&&, const std::vector<float>&,

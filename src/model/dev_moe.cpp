@@ -1,12 +1,13 @@
-// Expert parallelism on the device model (DESIGN.md "Expert parallelism"; moe.cpp is the host model's): the rows a
-// rank gathered for each expert (expert-major, so each owner's are contiguous) go by all-to-all to the ranks owning
-// their experts, which run them expert-major through their E/ep experts' grouped GEMMs and send the outputs back
-// (dispatch, combine); backward sends the output gradients the same way and the input gradients back. Dropless, and
-// every row gets the arithmetic it gets with every expert local: only rows of other ranks join an expert's GEMM.
+// Expert parallelism on the device model (DESIGN.md "Expert parallelism"; tests/reference/moe.cpp is the host
+// model's): the rows a rank gathered for each expert (expert-major, so each owner's are contiguous) go by all-to-all
+// to the ranks owning their experts, which run them expert-major through their E/ep experts' grouped GEMMs and send
+// the outputs back (dispatch, combine); backward sends the output gradients the same way and the input gradients
+// back. Dropless, and every row gets the arithmetic it gets with every expert local: only rows of other ranks join an
+// expert's GEMM.
 //
 // The gradient rows an owner receives already carry their rank's micro-step weight (each rank's backward starts from
 // its weighted loss), so the owner's expert weight gradients need no per-rank scale (ExpertExchange::scales(), which
-// the host model applies because its ZeRO engine scales gradients after the backward).
+// the test reference's host model applies: it scales gradients after the backward).
 #include <string>
 #include <vector>
 

@@ -4,9 +4,33 @@
 #include <algorithm>
 
 #include "q3vl/core/error.hpp"
-#include "q3vl/model/layers.hpp"
+#include "q3vl/model/positions.hpp"
 
 namespace q3vl {
+
+void vision_patch_coords(const std::vector<int64_t>& grid, int m, std::vector<int64_t>& row, std::vector<int64_t>& col) {
+  row.clear();
+  col.clear();
+  for (size_t i = 0; i + 2 < grid.size(); i += 3) {
+    const int64_t t = grid[i], h = grid[i + 1], w = grid[i + 2];
+    for (int64_t tt = 0; tt < t; ++tt)
+      for (int64_t br = 0; br < h / m; ++br)
+        for (int64_t bc = 0; bc < w / m; ++bc)
+          for (int64_t ir = 0; ir < m; ++ir)
+            for (int64_t ic = 0; ic < m; ++ic) {
+              row.push_back(br * m + ir);
+              col.push_back(bc * m + ic);
+            }
+  }
+}
+
+std::vector<int64_t> vision_cu_seqlens(const std::vector<int64_t>& grid) {
+  std::vector<int64_t> cu{0};
+  for (size_t i = 0; i + 2 < grid.size(); i += 3)
+    for (int64_t tt = 0; tt < grid[i]; ++tt) cu.push_back(cu.back() + grid[i + 1] * grid[i + 2]);
+  return cu;
+}
+
 
 std::vector<int64_t> mrope_positions(const ModelConfig& cfg, const int64_t* ids, const std::vector<int64_t>& cu,
                                      const std::vector<int64_t>& grid) {

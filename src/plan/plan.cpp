@@ -17,7 +17,7 @@
 #include "q3vl/core/log.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/lora.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/batch.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/tensor/dev.hpp"
 #include "q3vl/train/dev_trainer.hpp"

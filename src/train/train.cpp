@@ -29,7 +29,7 @@
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/model/lora.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/batch.hpp"
 #include "q3vl/parallel/expert.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"

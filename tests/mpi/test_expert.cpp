@@ -17,7 +17,7 @@
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/config.hpp"
 #include "q3vl/model/dev_model.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 #include "q3vl/parallel/expert.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"

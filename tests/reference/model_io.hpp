@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "q3vl/io/hf_weights.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "qwen3vl.hpp"
 #include "q3vl/model/weights.hpp"
 #include "q3vl/serve/tp.hpp"
 
@@ -50,7 +50,8 @@ inline std::vector<NamedTensor> grads_hf(Model& m) {
 }
 
 inline void tp_shard_weights(Model& full, Model& local, int rank, int size) {
-  for (const ParamSlice& p : tp_slices(full.table(), local.table(), rank, size, [&](int id) { return local.param(id); }))
+  auto dst = [&](int id) { return local.param(id); };
+  for (const ParamSlice& p : tp_slices(full.table(), local.table(), rank, size, dst))
     std::copy(full.param(p.param) + p.begin, full.param(p.param) + p.begin + p.count, p.dst);
 }
 

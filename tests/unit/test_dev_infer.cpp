@@ -23,7 +23,7 @@
 #include "q3vl/io/checkpoint.hpp"
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/model/dev_model.hpp"
-#include "q3vl/model/layers.hpp"
+#include "../reference/layers.hpp"
 #include "q3vl/serve/generate.hpp"
 #include "q3vl/serve/tp.hpp"
 #include "q3vl/tensor/ops.hpp"

@@ -8,7 +8,7 @@
 #include "../compare.hpp"
 #include "../gpu.hpp"
 #include "q3vl/model/dev_layers.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 using namespace q3vl;

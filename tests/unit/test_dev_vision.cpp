@@ -13,9 +13,9 @@
 #include "../compare.hpp"
 #include "../gpu.hpp"
 #include "q3vl/model/dev_vision.hpp"
-#include "q3vl/model/layers.hpp"
+#include "../reference/layers.hpp"
 #include "q3vl/model/params.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 using namespace q3vl;

@@ -17,7 +17,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/lora.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 #include "q3vl/train/eval.hpp"
 #include "tiny_model.hpp"
 

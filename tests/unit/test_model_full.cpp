@@ -12,7 +12,7 @@
 #include "tiny_model.hpp"
 #include "q3vl/io/hf_weights.hpp"
 #include "q3vl/io/safetensors.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 #include "../reference/model_io.hpp"
 
 using namespace q3vl;

@@ -7,7 +7,7 @@
 #include <random>
 
 #include "gradcheck.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 #include "q3vl/tensor/ops.hpp"
 
 using namespace q3vl;

@@ -5,7 +5,7 @@
 #include "../errors.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/plan/plan.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"

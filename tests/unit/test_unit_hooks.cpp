@@ -6,7 +6,7 @@
 
 #include <random>
 
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 #include "q3vl/train/flops.hpp"
 
 using namespace q3vl;

@@ -14,7 +14,7 @@
 #include "../compare.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
-#include "q3vl/model/layers.hpp"
+#include "../reference/layers.hpp"
 #include "q3vl/train/eval.hpp"
 #include "tiny_model.hpp"
 

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <random>
 
-#include "q3vl/model/qwen3vl.hpp"
+#include "../reference/qwen3vl.hpp"
 
 namespace q3vl::test {
 

@@ -1,7 +1,7 @@
 // Test hook (runtime.debug_stop_rank/_step/_phase): one rank stops itself with SIGSTOP when it reaches a phase of
 // a step, as a process that hangs or is suspended would, so that the fault suite (tests/cli/test_faults.sh) hits
 // forward, backward and a checkpoint write at a known point. The phases are where debug_stop_point() is called:
-// "forward" and "backward" at a pass's first unit use (model/qwen3vl.cpp), "checkpoint" after the first tensor
+// "forward" and "backward" at a pass's first unit use (model/dev_model.cpp), "checkpoint" after the first tensor
 // of a checkpoint write (io/checkpoint.cpp).
 #pragma once
 #include <string>

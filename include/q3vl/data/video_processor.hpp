@@ -11,7 +11,7 @@
 //  - per temporal patch the timestamp (t[2i] + t[2i+1]) / 2 with t = index / video_fps, written "<%.1f seconds>".
 // In the prompt each temporal patch is "<T seconds><|vision_start|>" + pads + "<|vision_end|>", all inside the
 // template's "<|vision_start|>" ... "<|vision_end|>" (data/chat.hpp), and
-// the model sees each as an image-like grid [1, h, w] whose placeholder is video_token_id (model/layers.hpp).
+// the model sees each as an image-like grid [1, h, w] whose placeholder is video_token_id (model/positions.hpp).
 #pragma once
 #include <cstdint>
 #include <string>

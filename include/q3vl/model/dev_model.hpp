@@ -1,7 +1,8 @@
 // Qwen3-VL on the device op layer: the whole forward and backward (vision tower, mergers, DeepStack, decoder, final
 // norm, chunked LM head + loss, aux loss) on an Exec, with weights in the compute dtype and F32 gradients in device
 // buffers, every activation carved from one arena sized by reserve() before the first step. On the CPU in fp32 it
-// computes what BasicModel<float> computes (tests/unit/test_dev_model.cpp); on CUDA it is the GPU model.
+// computes what the test reference's host model computes (tests/reference/, tests/unit/test_dev_model.cpp); on CUDA
+// it is the GPU model.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -9,9 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "q3vl/model/batch.hpp"
 #include "q3vl/model/dev_layers.hpp"
 #include "q3vl/model/hooks.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/lora.hpp"
+#include "q3vl/model/positions.hpp"
+#include "q3vl/model/weights.hpp"
 #include "q3vl/runtime/comm.hpp"
 
 namespace q3vl {
@@ -133,7 +137,7 @@ class DevModel {
   // weight gradient is computed for them; the ZeRO hold's buffers still have their place.
   void set_frozen(const std::vector<bool>& trainable);
 
-  // ---- Inference (serve): BasicModel::step and vision_features on the device --------------------------------------
+  // ---- Inference (generate, serve): continuous-batching steps and vision features ----------------------------------
   // A step of up to `tokens` new tokens in up to `segments` segments, a vision pass of up to `patches` patches, and
   // the KV pools: kv_blocks blocks of `block` tokens per layer, a sequence spanning at most seq_blocks blocks.
   // The workspace of an inference Exec (serve, generate): cuBLASLt, the attention splits, int8 tiles.

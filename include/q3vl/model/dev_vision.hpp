@@ -1,5 +1,5 @@
 // The vision tower and the patch mergers on the device op layer (tensor/dev.hpp): the same forward and backward as
-// layers.hpp's vision_embed / vision_block / merger templates (src/model/vision.cpp, merger.cpp), on raw device
+// the test reference's vision_embed / vision_block / merger templates (tests/reference/vision.cpp), on raw device
 // pointers with a run-time dtype, so one code runs on the CPU (fp32, the reference) and on CUDA (fp32, bf16, fp16).
 // Contexts and scratch are carved from arenas like DevDecoderCtx (dev_layers.hpp); nothing is allocated in a step.
 //

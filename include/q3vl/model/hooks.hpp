@@ -1,8 +1,9 @@
-// Unit-boundary hooks: the Model calls them around every use of a ZeRO unit's parameters (DESIGN.md "Training
-// data flow"), so that a ZeRO-3 engine can gather a unit just before it is used, free it right after, and
-// reduce-scatter its gradients as soon as they are complete. Calls nest when one computation needs two units
-// (the LM head reads the final norm's unit and, when tied, the embeddings' unit): before(a), before(b), after(b),
-// after(a). A unit may be used several times per pass; Model::unit_order() lists the before_* calls in order.
+// Unit-boundary hooks: the model (DevModel) calls them around every use of a ZeRO unit's parameters (DESIGN.md
+// "Training data flow"), so that ZeRO-3 (parallel/dev_zero.hpp) can gather a unit just before it is used, free it
+// right after, and reduce-scatter its gradients as soon as they are complete. Calls nest when one computation needs
+// two units (the LM head reads the final norm's unit and, when tied, the embeddings' unit): before(a), before(b),
+// after(b), after(a). A unit may be used several times per pass; unit_order() (params.hpp) lists the before_* calls
+// in order.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -20,8 +21,8 @@ struct UnitHooks {
 };
 
 // Expert parallelism seam (DESIGN.md "Expert parallelism"): the MoE block moves rows of tokens to the ranks owning
-// their experts and back through this: parallel/expert.hpp's, over MPI (host buffers: the host model, and the device
-// model on CPU ranks) or NCCL (the device model's buffers on GPUs).
+// their experts and back through this: parallel/expert.hpp's, over MPI (host buffers: the device model on CPU ranks,
+// and the test reference's host model) or NCCL (the device model's buffers on GPUs).
 // Every rank of the group makes the same calls in the same order, also with no tokens of its own.
 struct ExpertExchange {
   virtual ~ExpertExchange() = default;

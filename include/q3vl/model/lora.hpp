@@ -4,15 +4,14 @@
 // replaced by ".lora_A.weight" / ".lora_B.weight" (the LM head's: "lm_head.lora_A.weight", in the head unit, also
 // when the head is the tied embedding); PEFT's names add "base_model.model." in front.
 // Forward and backward are stateless (backward recomputes A dropout(x) from the linear's saved input and the
-// counter-based dropout mask), so activation recomputation and any rank count see the same adapters. The host
-// templates here and the device model's (model/dev_layers.hpp, dev_lora_*) compute the same, masks included.
+// counter-based dropout mask), so activation recomputation and any rank count see the same adapters. The device
+// model's (model/dev_layers.hpp, dev_lora_*) and the test reference's host layers compute the same, masks included.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "q3vl/model/config.hpp"
-#include "q3vl/model/layers.hpp"
 
 namespace q3vl {
 
@@ -43,7 +42,7 @@ struct LoraSize {
 };
 LoraSize lora_size(const ModelConfig& cfg);
 
-// What the layers need at run time; the Model owns one and points ParamView::lora at it.
+// What the adapters need at run time (the device model's, and the test reference's host layers).
 struct LoraRun {
   const ParamTable* table = nullptr;
   double scale = 0, dropout = 0;
@@ -54,15 +53,6 @@ struct LoraRun {
 // The dropout mask's key of adapter `a` (its lora_A id) in the micro-step `nonce` of a run seeded `seed`; element
 // (row, col) of an adapter's input [rows, in] draws at row * in + col (core/hash.hpp's dropout_drops).
 uint64_t lora_dropout_key(uint64_t seed, uint64_t nonce, int a);
-
-// y[n*ldy + j] += scale * (B A drop(x))[n, o0 + j] for j < nout (nout < 0: all rows of B), when `id` (a base
-// weight) has an adapter; no-op otherwise. x [N, in]: rows row0.. of the adapter's input in this pass (the LM head's
-// chunks), which places them in the dropout mask.
-template <class T> void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy,
-                                 int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
-// The backward of that part: dA, dB (+)= their gradients, dx (+)= the input gradient (dx may be null).
-template <class T> void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N,
-                                 T* dx, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
 
 // Base weights with the adapters folded in (W += scale * B A) for every wrapped linear of a full-storage model
 // (serve's tensor parallelism, and the merged-forward test). Returns the number of linears merged. A tied LM head's

@@ -32,7 +32,7 @@ struct ParamInfo {
 struct UnitInfo {
   std::string name;            // e.g. "visual.blocks.3", "language_model.layers.0", "head"
   int64_t numel = 0;           // elements this rank holds (the held parts of its parameters)
-  int64_t offset = 0;          // offset of this unit in a single concatenated buffer (Model's default storage)
+  int64_t offset = 0;          // offset of this unit in a single concatenated buffer (HostWeights' store)
   std::vector<int> params;     // ids, in layout order
   bool experts = false;        // a MoE layer's experts ("language_model.layers.3.mlp.experts"): split over EP ranks
 };

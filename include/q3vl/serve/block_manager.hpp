@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "q3vl/model/layers.hpp"
+#include "q3vl/model/kv_cache.hpp"
 #include "q3vl/serve/generate.hpp"
 
 namespace q3vl {

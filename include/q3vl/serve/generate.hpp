@@ -12,7 +12,9 @@
 #include "q3vl/core/deck.hpp"
 #include "q3vl/data/image.hpp"
 #include "q3vl/data/video_processor.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/batch.hpp"
+#include "q3vl/model/positions.hpp"
+#include "q3vl/model/weights.hpp"
 
 namespace q3vl {
 
@@ -38,7 +40,7 @@ int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, s
 struct GenPrompt {
   std::vector<int64_t> ids;  // the templated prompt, image and video pads expanded
   // Its visual spans in prompt order, patchified: an image, or one temporal patch of a video as a grid [1, h, w]
-  // (model/layers.hpp's visual_input: what mrope_positions, vision_features and step take).
+  // (model/positions.hpp's visual_input: what mrope_positions, vision_features and step take).
   std::vector<float> pixels;
   std::vector<int64_t> grid;  // [spans * 3]
 };

@@ -14,7 +14,7 @@
 
 #include "q3vl/core/deck.hpp"
 #include "q3vl/model/dev_model.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/weights.hpp"
 
 namespace q3vl {
 

@@ -5,7 +5,7 @@
 
 #include "q3vl/core/deck.hpp"
 #include "q3vl/model/dev_model.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/batch.hpp"
 
 namespace q3vl {
 

@@ -6,7 +6,8 @@
 #include <vector>
 
 #include "q3vl/model/config.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/batch.hpp"
+#include "q3vl/model/params.hpp"
 
 namespace q3vl {
 

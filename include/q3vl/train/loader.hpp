@@ -13,7 +13,7 @@
 
 #include "q3vl/data/dataset.hpp"
 #include "q3vl/model/config.hpp"
-#include "q3vl/model/qwen3vl.hpp"
+#include "q3vl/model/batch.hpp"
 
 namespace q3vl {
 

@@ -1,6 +1,6 @@
 // Patch mergers (spec 2.7, 2.8): 2x2 blocks of patches -> one LLM token. The main merger normalises each patch
 // (over Dv) before the concat; the deepstack mergers normalise the concatenated 4Dv vector. Both use erf GELU.
-#include "q3vl/model/layers.hpp"
+#include "layers.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/model/params.hpp"
 #include "q3vl/tensor/ops.hpp"

@@ -9,7 +9,7 @@
 #include <algorithm>
 
 #include "q3vl/core/error.hpp"
-#include "q3vl/model/layers.hpp"
+#include "layers.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/model/params.hpp"
 #include "q3vl/tensor/ops.hpp"

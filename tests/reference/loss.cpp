@@ -6,7 +6,7 @@
 #include <cmath>
 #include <vector>
 
-#include "q3vl/model/layers.hpp"
+#include "layers.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/tensor/ops.hpp"
 

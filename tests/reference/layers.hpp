@@ -1,4 +1,5 @@
-// Layer-level forward/backward of Qwen3-VL (one source file per layer type in src/model/). Each layer reads its
+// The test reference's host layers of Qwen3-VL on the ops:: templates (one source file per layer type in
+// tests/reference/), in float and double (the finite-difference checks). Each layer reads its
 // weights through a parameter view (pointer per parameter id, see params.hpp) and keeps what its backward needs in a
 // context struct. Backward functions take the gradient of the layer output and ACCUMULATE into input and weight
 // gradients; residual blocks work in place: dx holds dL/d(out) on entry and dL/d(in) on return.
@@ -10,6 +11,9 @@
 #include "q3vl/core/dtype.hpp"
 #include "q3vl/model/config.hpp"
 #include "q3vl/model/hooks.hpp"
+#include "q3vl/model/kv_cache.hpp"
+#include "q3vl/model/lora.hpp"
+#include "q3vl/model/positions.hpp"
 
 namespace q3vl {
 
@@ -17,8 +21,6 @@ namespace q3vl {
 template <class... V> int64_t vec_bytes(const V&... v) {
   return (int64_t(0) + ... + int64_t(v.capacity() * sizeof(typename V::value_type)));
 }
-
-struct LoraRun;  // model/lora.hpp
 
 // A parameter held in low precision for inference (model.weight_dtype = "int8", "bf16" or "fp16"): rows [rows, cols]
 // with rows the output channels (MoE experts: [E*rows, cols]) in dtype: int8 with one fp32 scale per row,
@@ -56,16 +58,11 @@ template <class T> struct ParamView {
   const LowWeight* lowp(int id) const { return low && low[id].w ? &low[id] : nullptr; }
 };
 // y[N,out] = x[N,in] W^T for rows [row0, row0 + out) of parameter id (row0: an expert's or a vocabulary slice's first
-// row): through its low-precision copy when the view holds one, else the fp32 weight (src/model/decoder.cpp).
+// row): through its low-precision copy when the view holds one, else the fp32 weight (tests/reference/decoder.cpp).
 template <class T> void param_linear(const ParamView<T>& P, int id, int64_t row0, const T* x, T* y, int64_t N,
                                      int64_t in, int64_t out);
 
-// ---- vision (src/model/vision.cpp) ------------------------------------------------------------------------------
-// Per-patch (row, col) full-resolution coordinates in patch order (t, br, bc, ir, ic) for all images.
-void vision_patch_coords(const std::vector<int64_t>& grid_thw, int merge, std::vector<int64_t>& row,
-                         std::vector<int64_t>& col);
-// Attention segments: one per (image, temporal group).
-std::vector<int64_t> vision_cu_seqlens(const std::vector<int64_t>& grid_thw);
+// ---- vision (tests/reference/vision.cpp) ------------------------------------------------------------------------------
 
 // Patch embedding (linear on the 1536-vector) plus interpolated position embedding: x[Np, Dv].
 template <class T> void vision_embed_fwd(const VisionConfig& vc, const ParamView<T>& P, int first, const T* pixels,
@@ -84,7 +81,7 @@ template <class T> void vision_block_bwd(const VisionConfig& vc, const ParamView
                                          const std::vector<int64_t>& cu, const T* cos, const T* sin,
                                          VisionBlockCtx<T>& c);
 
-// ---- patch mergers (src/model/merger.cpp) -----------------------------------------------------------------------
+// ---- patch mergers (tests/reference/merger.cpp) -----------------------------------------------------------------------
 // x[N, Dv] -> y[N/4, Dout]. postshuffle=false: LayerNorm over Dv then 2x2 concat (main merger);
 // postshuffle=true: concat then LayerNorm over 4Dv (deepstack mergers). Both: fc1 -> erf GELU -> fc2.
 template <class T> struct MergerCtx {
@@ -96,28 +93,8 @@ template <class T> void merger_fwd(const VisionConfig& vc, const ParamView<T>& P
 template <class T> void merger_bwd(const VisionConfig& vc, const ParamView<T>& P, int first, bool postshuffle,
                                    const T* dy, int64_t N, T* dx, MergerCtx<T>& c);
 
-// ---- text positions (src/model/rope.cpp) ------------------------------------------------------------------------
-// get_rope_index for a packed token stream: each segment [cu[s], cu[s+1]) is one sample starting at position 0;
-// visual spans (image_token_id or video_token_id) consume grid_thw rows in order: one per span, as visual_input
-// orders them (a video's temporal patches are spans of their own, grid [1, h, w]). Returns pos3 [3][N] (T, H, W).
-std::vector<int64_t> mrope_positions(const ModelConfig& cfg, const int64_t* ids, const std::vector<int64_t>& cu,
-                                     const std::vector<int64_t>& grid_thw);
 
-// The images and videos of a batch as the vision tower, the embedding merge and mrope_positions take them: one grid
-// per placeholder span in the order of `ids` (the token stream), the pixel rows reordered to match. A video of grid
-// [T, h, w] becomes T spans of grid [1, h, w] (video_token_id), its rows split by temporal patch: what transformers
-// does (get_rope_index repeats video_grid_thw to T grids of t = 1; the tower attends within each temporal patch and
-// repeats the (h, w) embeddings over t), and it runs images and videos through the tower apart, which per patch row
-// is the same. Fails naming the span whose tokens or grids do not match.
-struct VisualInput {
-  std::vector<float> pixels;
-  std::vector<int64_t> grid;
-};
-VisualInput visual_input(const ModelConfig& cfg, const std::vector<int64_t>& ids, const std::vector<float>& pixels,
-                         const std::vector<int64_t>& image_grid, const std::vector<float>& video_pixels,
-                         const std::vector<int64_t>& video_grid);
-
-// ---- decoder layer (src/model/decoder.cpp) and MoE block (src/model/moe.cpp) ------------------------------------
+// ---- decoder layer (tests/reference/decoder.cpp) and MoE block (tests/reference/moe.cpp) ------------------------------------
 // With expert parallelism (ex set, P.p pointing at this rank's experts only) the gathered rows go to the ranks owning
 // their experts and come back; without, "sent" rows are this rank's own.
 template <class T> struct MoeCtx {
@@ -157,47 +134,6 @@ template <class T> void decoder_layer_bwd(const ModelConfig& cfg, const ParamVie
                                           const T* probs, const int64_t* idx, const T* aux_dlogits,
                                           DecoderCtx<T>& c);
 
-// Generation (src/model/decoder.cpp): each decoder layer's keys (after QK-norm and RoPE) and values, paged: one pool
-// of fixed-size blocks per layer and a block table per sequence (vLLM's PagedAttention layout), so that sequences
-// of a continuously batched server come and go without moving anyone's cache. A new token only attends to what is
-// cached. max_blocks = 0 lets the pool grow on demand (generate); serve fixes it from its memory budget.
-// Blocks are refcounted so that sequences with the same prompt start can share them (serve's prefix cache holds a
-// reference of its own on the blocks it keeps): a block returns to the free list when its last holder lets go.
-template <class T> struct KvCache {
-  int64_t block = 16;                       // tokens per block
-  int64_t max_blocks = 0;                   // pool size limit in blocks (0: none)
-  int64_t row = 0;                          // kv_heads * head_dim
-  bool host_pool = true;                    // false: bookkeeping only, the pools live elsewhere (the device model)
-  std::vector<int64_t> len;                 // [slot] tokens cached per sequence (-1: a free slot)
-  std::vector<int64_t> next_pos;            // [slot] M-RoPE position of the next token (spec 4.6 rope_deltas: max
-                                            // prompt position + 1, then one more per generated token, on all rows)
-  std::vector<std::vector<int32_t>> table;  // [slot] block ids, in token order
-  std::vector<std::vector<T>> k, v;         // [layer]: pool [blocks * block, row]
-  std::vector<int32_t> free_blocks;
-  std::vector<int32_t> refs;                // [block] holders: sequences whose table lists it, plus hold()s
-  int64_t pool_blocks = 0;
-
-  // Empties the cache for `layers` layers of `row` values per token (keeps block and max_blocks).
-  void reset(int layers, int64_t row_);
-  int batch() const { return (int)len.size(); }
-  int add();                   // a new empty sequence (a released slot is reused)
-  void open(int s);            // slot s as a new empty sequence (a replica following another cache's add())
-  void release(int s);         // lets go of the sequence's blocks (freed when no one else holds them) and slot
-  // Starts empty sequence s with full blocks another sequence computed (its first blocks.size() * block tokens).
-  void share(int s, const std::vector<int32_t>& blocks);
-  void hold(int32_t b) { refs[b]++; }  // one more holder of block b
-  void drop(int32_t b);                // one holder fewer: freed when none is left
-  int64_t blocks_for(int64_t tokens) const { return (tokens + block - 1) / block; }
-  int64_t free_count() const;  // blocks that can still be handed out
-  int64_t used_blocks() const { return pool_blocks - (int64_t)free_blocks.size(); }
-  // Room for n more tokens of sequence s; false (nothing changed) when the pool cannot give enough blocks.
-  bool reserve(int s, int64_t n);
-  T* key(int layer, int s, int64_t pos) { return &k[layer][at(s, pos)]; }
-  T* val(int layer, int s, int64_t pos) { return &v[layer][at(s, pos)]; }
-
- private:
-  int64_t at(int s, int64_t pos) const { return ((int64_t)table[s][pos / block] * block + pos % block) * row; }
-};
 // Inference through one layer: N new tokens in segments cu, segment s extending cache sequence seqs[s]. A new token
 // attends to its sequence's cached tokens and the new ones up to itself; the new keys and values are appended.
 // Tensor parallelism (serve): a layer holding a slice of the heads and of the MLP's intermediate rows computes partial
@@ -208,7 +144,7 @@ template <class T> void decoder_layer_infer(const ModelConfig& cfg, const ParamV
                                             const T* cos, const T* sin, KvCache<T>& cache, int layer,
                                             const PartialSum<T>& reduce = {});
 
-// ---- LM head + cross-entropy (src/model/loss.cpp), chunked over rows so logits are never all in memory ----------
+// ---- LM head + cross-entropy (tests/reference/loss.cpp), chunked over rows so logits are never all in memory ----------
 // The head is parameter `head` of P (with its LoRA adapter, if any; held in low precision when P.lowp(head),
 // inference). Returns the summed CE over rows whose target != -100; logits_out [N,V] is filled when non-null, otherwise only the supervised rows go through the head.
 template <class T> double lm_head_loss_fwd(const ParamView<T>& P, int head, const T* h, const int64_t* target,
@@ -217,5 +153,15 @@ template <class T> double lm_head_loss_fwd(const ParamView<T>& P, int head, cons
 // gradients (+)= gradients of scale * summed CE.
 template <class T> void lm_head_loss_bwd(const ParamView<T>& P, int head, const T* h, const int64_t* target,
                                          int64_t N, int64_t H, int64_t V, T scale, T* dh);
+
+// ---- LoRA beside a linear (tests/reference/lora_layers.cpp) ----------------------------------------------------
+// y[n*ldy + j] += scale * (B A drop(x))[n, o0 + j] for j < nout (nout < 0: all rows of B), when `id` (a base
+// weight) has an adapter; no-op otherwise. x [N, in]: rows row0.. of the adapter's input in this pass (the LM head's
+// chunks), which places them in the dropout mask.
+template <class T> void lora_fwd(const ParamView<T>& P, int id, const T* x, int64_t N, T* y, int64_t ldy,
+                                 int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
+// The backward of that part: dA, dB (+)= their gradients, dx (+)= the input gradient (dx may be null).
+template <class T> void lora_bwd(const ParamView<T>& P, int id, const T* dy, int64_t lddy, const T* x, int64_t N,
+                                 T* dx, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
 
 }  // namespace q3vl
