@@ -42,9 +42,9 @@ void check_case(const std::string& name, const Device* dev = nullptr, DType dt =
   const std::string dir = "tests/data/golden/" + name, want_dir = lora ? dir + "/lora" : dir;
   ModelConfig cfg = load_hf_config(dir + "/model/config.json");
   if (lora) cfg.lora = lora_config(Deck::load("", {"lora.adapter=" + want_dir + "/adapter"}, "train"));
-  std::vector<bool> trainable;
-  for (const ParamInfo& p : ParamTable(cfg).params()) trainable.push_back(!lora || p.part == Part::Lora);
   HostWeights w(cfg, true);
+  std::vector<bool> trainable;
+  for (const ParamInfo& p : w.table().params()) trainable.push_back(!lora || p.part == Part::Lora);
   load_hf_weights(w, dir + "/model");
   if (lora) load_lora_adapter(w, want_dir + "/adapter");
   Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
