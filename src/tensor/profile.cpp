@@ -85,7 +85,8 @@ std::vector<Row> rows_of(const std::map<std::string, Agg>& by, double step_ms, s
     out.push_back(r);
   }
   if (v.size() > top) {
-    Row o{"other (" + std::to_string(v.size() - top) + " rows)", ""};
+    const size_t n = v.size() - top;
+    Row o{"other (" + std::to_string(n) + (n == 1 ? " row)" : " rows)"), ""};
     for (size_t i = top; i < v.size(); ++i) o.calls += v[i].second.calls, o.ms += v[i].second.ms;
     o.pct = pct(o.ms);
     out.push_back(o);
