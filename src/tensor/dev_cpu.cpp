@@ -28,9 +28,11 @@
 
 // The profiler's hook (tensor/profile.hpp), in front of every op: off, one predictable branch here and one as the op
 // returns; on, the op is timed under its own name (__func__) with its cost, whichever device runs it.
-#define PROFILED(...)      \
-  prof::Scope prof_scope_; \
-  if (prof::on()) [[unlikely]] prof_scope_.begin(__VA_ARGS__)
+#define PROFILED_IF(cond, ...)            \
+  prof::Scope prof_scope_;                \
+  if (prof::on() && (cond)) [[unlikely]] \
+  prof_scope_.begin(__VA_ARGS__)
+#define PROFILED(...) PROFILED_IF(true, __VA_ARGS__)
 #define DEV_OP(x, cost, call) \
   PROFILED(x, __func__, cost); \
   ON_CUDA(x, call)
@@ -44,11 +46,6 @@ double B(int64_t n, DType t) { return double(n) * double(dtype_size(t)); }
 // of equal segments (the benchmarks' shapes), an upper bound otherwise (the lengths are on the device). Causal: half.
 double attention_flops(int64_t N, int64_t max_len, int64_t nh, int64_t hd, bool causal) {
   return 4.0 * double(N) * double(max_len) * double(nh) * double(hd) * (causal ? 0.5 : 1.0);
-}
-// A copy the host waits for: on CUDA the host's wait (the clock), on the CPU the copy itself.
-void begin_blocking(prof::Scope& s, const Exec& x, const char* name, double bytes) {
-  if (x.device == Device::CUDA) s.begin(Exec{}, name, prof::mem(bytes), prof::Kind::HostWait);
-  else s.begin(x, name, prof::mem(bytes), prof::Kind::Copy);
 }
 // The CPU reference computes in fp32 only; a bf16/fp16 model runs on the GPU.
 void need_f32(DType dt, const char* op) {
@@ -80,9 +77,7 @@ Exec make_exec(Device d, size_t ws_bytes, int gpu) {
 }
 void destroy_exec(Exec& x) { ON_CUDA(x, destroy_exec(x)); }
 void synchronize(const Exec& x) {
-  prof::Scope prof_scope_;
-  if (prof::on() && x.device == Device::CUDA) [[unlikely]]
-    prof_scope_.begin(Exec{}, "synchronize", {}, prof::Kind::HostWait);
+  PROFILED_IF(x.device == Device::CUDA, Exec{}, "synchronize", {}, prof::Kind::HostWait);
   ON_CUDA(x, synchronize(x));
 }
 void* alloc(const Exec& x, size_t bytes) {
@@ -101,8 +96,8 @@ void to_device(const Exec& x, void* dst, const void* src, size_t bytes) {
   std::memcpy(dst, src, bytes);
 }
 void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
-  prof::Scope prof_scope_;
-  if (prof::on()) [[unlikely]] begin_blocking(prof_scope_, x, "to_host", double(bytes));
+  const bool cuda = x.device == Device::CUDA;  // the host waits for the copy: on CUDA that wait is the row
+  PROFILED(cuda ? Exec{} : x, "to_host", prof::mem(double(bytes)), cuda ? prof::Kind::HostWait : prof::Kind::Copy);
   ON_CUDA(x, to_host(x, dst, src, bytes));
   std::memcpy(dst, src, bytes);
 }
@@ -153,9 +148,7 @@ void event_destroy(const Exec& x, void* e) { ON_CUDA(x, event_destroy(e)); }
 void event_record(const Exec& x, void* e) { ON_CUDA(x, event_record(x, e)); }
 // Profiled on CUDA: the time the stream stood still at the wait (events before and after it on x's stream).
 void event_wait(const Exec& x, void* e) {
-  prof::Scope prof_scope_;
-  if (prof::on() && x.device == Device::CUDA) [[unlikely]]
-    prof_scope_.begin(x, "event_wait", {}, prof::Kind::StreamWait);
+  PROFILED_IF(x.device == Device::CUDA, x, "event_wait", {}, prof::Kind::StreamWait);
   ON_CUDA(x, event_wait(x, e));
 }
 void* timing_event_create(const Exec& x) {

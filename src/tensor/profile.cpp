@@ -131,12 +131,12 @@ void begin_step(const dev::Exec& compute) {
   s.compute = compute;
   s.recs.clear();
   s.next = 0;
-  detail::on = true;
+  detail::on.store(true, std::memory_order_relaxed);
 }
 
 Report end_step(int64_t step, double step_s, const std::vector<std::pair<std::string, double>>& phases, size_t top) {
   State& s = state();
-  detail::on = false;
+  detail::on.store(false, std::memory_order_relaxed);
   s.owner = {};
   Report rep;
   rep.step = step;

@@ -6,6 +6,7 @@
 // inside the optimizer phase), and only the outermost region (a CPU op built from other ops counts once).
 // Off, a region costs one predictable branch where it starts and one where it ends.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -29,9 +30,10 @@ inline Cost flop(double flops) { return {flops, 0}; }
 inline Cost mem(double bytes) { return {0, bytes}; }
 
 namespace detail {
-inline bool on = false;  // between begin_step and end_step
-}
-inline bool on() { return detail::on; }
+// Between begin_step and end_step. Atomic (a plain load on x86) because other threads' ops read it too.
+inline std::atomic<bool> on{false};
+}  // namespace detail
+inline bool on() { return detail::on.load(std::memory_order_relaxed); }
 
 // One timed region: begin() (call it only when on()) marks the start on x's stream, the destructor the end.
 class Scope {
