@@ -251,6 +251,12 @@ const std::vector<KeySpec>& deck_schema() {
        "base or train.tune_* = false): no copy of the parameters stays on the device, each unit's fp32 shard streams "
        "up from the host masters for its gather, prefetched a unit ahead; the device holds only the units in use",
        -kBig, kBig, {"none", "frozen"}},
+      {"parallel.offload_update", T::String, "sync", "sync, or delayed (with parallel.offload_optimizer = cpu; "
+       "DeepSpeed's delayed parameter update): step k's host AdamW overlaps step k+1, which computes on the weights "
+       "from before it (gradients one step stale: other numbers than sync); its parameters go up when step k+1 ends. "
+       "A checkpoint lands the update first (the next step computes on its weights), so a resumed run continues the "
+       "curve of a run that wrote checkpoints at the same steps. Costs a second host copy of the "
+       "gradient shard and of the compute-dtype shard", -kBig, kBig, {"sync", "delayed"}},
       {"parallel.offload_threads", T::Int, "0", "parallel.offload_optimizer = cpu: host threads for AdamW per rank (0: "
        "the rank's cores, from its CPU binding or its share of the node)", 0, 4096},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
@@ -272,6 +278,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"plan.link_gbps", T::Real, "0", "plan: network between nodes in Gbit/s per GPU (0: the preset's)", 0, 1e7},
       {"plan.nvlink_gbps", T::Real, "0", "plan: NVLink within a node in Gbit/s per GPU and direction (0: the preset's)",
        0, 1e7},
+      {"plan.pcie_gbs", T::Real, "0", "plan: host <-> GPU copies in GB/s per direction (0: the preset's; `q3vl check` "
+       "measures it)", 0, 1e6},
+      {"plan.host_gbs", T::Real, "0", "plan: host memory bandwidth per node for the offloaded AdamW in GB/s (0: 100; "
+       "`q3vl check` measures it)", 0, 1e6},
       {"plan.show", T::Int, "12", "plan: candidate layouts listed (fastest that fit first, then the closest misses)",
        1, 10000},
       {"plan.for", T::String, "train", "plan: size a training run or serving (serve: tensor/pipeline degrees, weight "

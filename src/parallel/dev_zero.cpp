@@ -31,7 +31,7 @@ int64_t max_shard(const ZeroLayout& L) {
 }
 
 DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd, bool off,
-                    bool in_place, bool stream) {
+                    bool in_place, bool stream, bool delayed) {
   DevZeroMemory m;
   const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
   const int64_t up = stream ? (stage == 3 ? kParamSlots : 1) * max_shard(L) * (4 + (gd == DType::F32 ? 0 : g)) : 0;
@@ -41,27 +41,27 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
   m.grads = L.comm * 4;
   m.comm = (group > 1 ? L.comm * 4 : 0) + ((gd == DType::F32 && !off) || stream ? 0 : L.master * g);  // 1 rank: +=
   m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging + up;
-  if (off) m.host_staging = L.comm * 4 + (stream ? 0 : L.master * g);
+  if (off) m.host_staging = (delayed ? 2 : 1) * (L.comm * 4 + (stream ? 0 : L.master * g));
   return m;
 }
 
 }  // namespace
 
 DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload, bool in_place, bool stream) {
+                            DType gather, bool offload, bool in_place, bool stream, bool delayed) {
   const ShardGroup experts{group / t.ep().size, 0};
   return sizes(t, zero_layout(t, {group, 0}, t.ep().size > 1 ? &experts : nullptr, stage, trainable), group, stage,
-               dt, gather, offload, offload && in_place, offload && stream);
+               dt, gather, offload, offload && in_place, offload && stream, offload && delayed);
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
                  const dev::Exec* comm_ex, DType gather, Comm* experts, bool offload, const HostState* host,
-                 bool stream)
+                 bool stream, bool delayed)
     : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), experts_(experts), stage_(stage), dt_(m.dtype()),
       gd_(gather == DType::BF16 && m.dtype() == DType::F32 ? DType::BF16 : m.dtype()), conv_(gd_ != dt_),
       ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
       split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream), off_(offload), borrowed_(offload && host),
-      stream_(stream) {
+      stream_(stream), delayed_(offload && delayed) {
   const ParamTable& t = m.table();
   const int n = shard.size();
   Q3VL_CHECK(t.ep().size == 1 || (experts && experts->size() * t.ep().size == n && !(replica && replica->size() > 1)),
@@ -72,7 +72,8 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   L_ = zero_layout(t, {n, shard.rank()}, t.ep().size > 1 ? &eg : nullptr, stage, trainable);
   Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
   Q3VL_CHECK(!stream || offload, "DevZero: parameters on the host need the masters there (the optimizer offloaded)");
-  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_, stream_);
+  Q3VL_CHECK(!(stream && delayed), "DevZero: a delayed update cannot stream parameters from the masters it changes");
+  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_, stream_, delayed_);
   auto f32 = [&](int64_t k) {
     float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
     dev::fill(ex_, p, DType::F32, k, 0.f);
@@ -96,8 +97,10 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   land_ = f32(n > 1 ? L_.comm : 0);
   if ((gd_ != DType::F32 || off_) && !stream_)
     wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_));
-  if (off_) hgrad_ = static_cast<float*>(pinned(std::max<int64_t>(L_.comm, 1) * 4, nullptr));
-  if (off_ && !stream_) hparam_ = pinned(std::max<int64_t>(L_.master, 1) * int64_t(dtype_size(gd_)), nullptr);
+  for (int i = 0; i < (delayed_ ? 2 : 1) && off_; ++i) {
+    hgrad_[i] = static_cast<float*>(pinned(std::max<int64_t>(L_.comm, 1) * 4, nullptr));
+    if (!stream_) hparam_[i] = pinned(std::max<int64_t>(L_.master, 1) * int64_t(dtype_size(gd_)), nullptr);
+  }
   for (int i = 0, k = stream_ ? (stage == 3 ? kParamSlots : 1) : 0; i < k; ++i) {
     up_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * 4));
     if (gd_ != DType::F32) upc_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * dtype_size(gd_)));
@@ -142,7 +145,7 @@ DevZero::~DevZero() {
     if (p) dev::release(ex_, p);
   for (void* p : {(void*)master_, (void*)m_, (void*)v_})
     if (p) borrowed_ ? dev::host_unregister(ex_, p) : off_ ? dev::host_release(ex_, p) : dev::release(ex_, p);
-  dev::host_release(ex_, hgrad_), dev::host_release(ex_, hparam_);
+  for (int i = 0; i < 2; ++i) dev::host_release(ex_, hgrad_[i]), dev::host_release(ex_, hparam_[i]);
   dev::synchronize(cx_);
   for (void* p : pslot_) dev::release(ex_, p);
   for (void* p : up_) dev::release(ex_, p);
@@ -152,6 +155,9 @@ DevZero::~DevZero() {
   for (auto* v : {&ev_ready_, &ev_free_, &ev_gfree_})
     for (void* e : *v) dev::event_destroy(ex_, e);
   dev::event_destroy(ex_, ev_c2m_), dev::event_destroy(ex_, ev_m2c_);
+  if (ux_) dev::synchronize(*ux_);
+  for (void* e : ev_up_) dev::event_destroy(ex_, e);
+  dev::event_destroy(ex_, ev_down_);
 }
 
 void* DevZero::wshard(int64_t off) const {
@@ -170,6 +176,8 @@ std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, 
   Comm& c = comm(u);
   const int n = c.size();
   gathered_ += u.shard * n * int64_t(dtype_size(gd_));
+  if (const size_t i = size_t(&u - L_.units.data()); i < up_wait_.size() && up_wait_[i])
+    dev::event_wait(n == 1 ? ex_ : cx_, ev_up_[i]), up_wait_[i] = 0;  // its shard is up (delayed update)
   if (n == 1) {
     const void* src = stream_ ? staged(u, slot, ex_) : wshard(u.master_off);
     dev::convert(ex_, dst, dt_, src, gd_, u.shard);  // a copy unless conv_
@@ -197,8 +205,10 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
     put(master_ + L_.offs[i].master, h.master);
     if (L_.offs[i].opt >= 0 && h.exp_avg) put(m_ + L_.offs[i].opt, h.exp_avg), put(v_ + L_.offs[i].opt, h.exp_avg_sq);
   }
+  gathered_once_ = false;  // every unit changed: the next refresh_params() moves them all
   // Offloaded: the gathers' copy of the masters, on the host (the CPU op layer's rounding), for refresh_params().
-  if (hparam_) dev::convert(dev::Exec{}, hparam_, gd_, master_, DType::F32, L_.master);
+  for (void* w : hparam_)
+    if (w) dev::convert(dev::Exec{}, w, gd_, master_, DType::F32, L_.master);
   dev::synchronize(ex_);
 }
 
@@ -236,16 +246,46 @@ void DevZero::m2c() {
   dev::event_wait(ex_, ev_m2c_);
 }
 
-void DevZero::refresh_params() {
-  if (off_ && !stream_) {  // the trainable units' masters changed (every unit at start-up): up, on the model's stream
+void DevZero::flip_host_buffers() {
+  Q3VL_CHECK(delayed_, "DevZero: only a delayed update double-buffers its host copies");
+  std::swap(hgrad_[0], hgrad_[1]), std::swap(hparam_[0], hparam_[1]);
+}
+
+void DevZero::set_copy_exec(const dev::Exec* x) {
+  Q3VL_CHECK(off_ && stage_ == 3, "DevZero: a host-copy stream is for an offloaded optimizer at stage 3");
+  ux_ = x;
+  for (size_t i = 0; i < L_.units.size(); ++i) ev_up_.push_back(dev::event_create(ex_));
+  ev_down_ = dev::event_create(ex_);
+  up_wait_.assign(L_.units.size(), 0);
+}
+
+// On the host-copy stream (set_copy_exec; only between steps, when no gather reads wcopy_): each trainable unit's
+// shard goes up in the forward pass's order, and the unit's next gather waits for its own copy only, so the copies
+// overlap the next forward pass.
+void DevZero::upload_units(const void* w) {
+  dev::synchronize(*ux_);  // the last step's copies (long done)
+  std::vector<char> sent(L_.units.size(), 0);
+  for (int i : order_[0]) {
+    const ZeroUnit& u = L_.units[size_t(i)];
+    if (!u.trainable || sent[size_t(i)]++) continue;  // a unit the order lists twice goes up once
+    dev::to_device(*ux_, at(wcopy_, u.master_off, gd_), at(w, u.master_off, gd_), size_t(u.shard) * dtype_size(gd_));
+    dev::event_record(*ux_, ev_up_[size_t(i)]), up_wait_[size_t(i)] = 1;
+  }
+}
+
+void DevZero::refresh_params(const void* host_params) {
+  if (off_ && !stream_ && ux_ && gathered_once_) {
+    upload_units(host_params ? host_params : hparam_[0]);
+  } else if (off_ && !stream_) {  // the trainable units' masters changed (every unit at start-up): up, on the model's stream
+    const void* w = host_params ? host_params : hparam_[0];
     const size_t g = dtype_size(gd_);
     for (const ZeroUnit& u : L_.units)
       if (u.trainable || !gathered_once_)
-        dev::to_device(ex_, at(wcopy_, u.master_off, gd_), at(hparam_, u.master_off, gd_), size_t(u.shard) * g);
+        dev::to_device(ex_, at(wcopy_, u.master_off, gd_), at(w, u.master_off, gd_), size_t(u.shard) * g);
   } else if (wcopy_) {
     dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
   }
-  if (stage_ == 3) return;
+  if (stage_ == 3) return (void)(gathered_once_ = true);
   const size_t d = dtype_size(dt_);
   char* full = static_cast<char*>(model_.params());
   c2m();  // the updated masters, and the model's last reads of its weights
@@ -279,13 +319,18 @@ bool DevZero::last_pass() const {
   return off_ && stage_ != 1 && micro_ > 0 && bwd_ + 1 == micro_ && !(replica_ && replica_->size() > 1);
 }
 
+// On the model's stream the copy would wait behind the rest of the backward pass: it goes to the host-copy stream,
+// after the work enqueued so far (the unit's last gradient added).
 void DevZero::down(const dev::Exec& x, int64_t off, int64_t n) {
-  dev::to_host_async(x, hgrad_ + off, gshard_ + off, size_t(n) * 4);
+  const dev::Exec* c = &x;
+  if (ux_ && x.stream == ex_.stream) dev::event_record(ex_, ev_down_), dev::event_wait(*ux_, ev_down_), c = ux_;
+  dev::to_host_async(*c, hgrad_[0] + off, gshard_ + off, size_t(n) * 4);
 }
 
 void DevZero::grads_on_host() {
   dev::synchronize(cx_);
   dev::synchronize(ex_);
+  if (ux_) dev::synchronize(*ux_);
 }
 
 void DevZero::begin_step(int micro_steps) {

@@ -19,7 +19,10 @@
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
+#include "q3vl/core/thread_pool.hpp"
 #include "q3vl/runtime/runtime.hpp"
+#include "q3vl/tensor/dev.hpp"
+#include "q3vl/tensor/dev_host.hpp"
 
 namespace q3vl {
 
@@ -73,6 +76,94 @@ RankInfo probe(const Deck& deck) {
   }
 #endif
   return r;
+}
+
+constexpr int64_t kRateElems = int64_t(16) << 20;  // the host AdamW's elements a rank: 4 x 64 MiB of fp32
+
+std::string fmt_gbs(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f GB/s", v);
+  return b;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// What one rank measured of the rates `q3vl plan` predicts an offloaded step from (plan.host_gbs, plan.pcie_gbs).
+struct Rates {
+  double host_gbs = 0, host_s = 0, up = 0, down = 0;  // the node's host AdamW GB/s; this GPU's copies, GB/s
+  int threads = 0;
+};
+
+// Measured as train uses the node: every rank of the node at once, the host AdamW on each rank's cores (ThreadPool,
+// as parallel.offload_optimizer = "cpu" runs it; 28 bytes of fp32 traffic an element), and on GPU ranks pinned copies
+// of 256 MiB each way.
+Rates offload_rates(const Deck& deck) {
+  Runtime& rt = Runtime::get();
+  Comm& node = rt.node_comm();
+  const Placement& p = rt.where();
+  Rates r;
+  const int64_t n = kRateElems;
+  std::vector<float> w(size_t(n), 0.5f), g(size_t(n), 1e-3f), m(size_t(n), 0.f), v(size_t(n), 0.f);
+  ThreadPool pool(rank_cores(p.local_size), true);
+  r.threads = pool.size();
+  const dev::Exec cpu{};
+  auto adam = [&](int64_t t) {
+    pool.run(n, [&](int64_t lo, int64_t hi) {
+      dev::adamw(cpu, w.data() + lo, g.data() + lo, m.data() + lo, v.data() + lo, hi - lo, 0.9, 0.999, 1e-8, 1e-5,
+                 0.1, 1.0, t);
+    });
+  };
+  adam(1);  // pages touched
+  node.barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int t = 2; t < 5; ++t) adam(t);
+  r.host_s = node.max(seconds_since(t0)) / 3;
+  r.host_gbs = 28.0 * double(n) * p.local_size / r.host_s / 1e9;
+  if (deck.str("model.backend") != "cuda" || p.gpu < 0) return r;
+  const size_t bytes = size_t(256) << 20;
+  dev::Exec x = dev::make_exec(Device::CUDA, 0, p.gpu);
+  void *h = dev::host_alloc(x, bytes), *d = dev::alloc(x, bytes);
+  auto rate = [&](bool up) {
+    auto copy = [&] { up ? dev::to_device(x, d, h, bytes) : dev::to_host(x, h, d, bytes), dev::synchronize(x); };
+    copy();
+    node.barrier();
+    const auto t1 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 4; ++i) copy();
+    return double(bytes) * 4 / node.max(seconds_since(t1)) / 1e9;
+  };
+  r.up = rate(true), r.down = rate(false);
+  dev::host_release(x, h), dev::release(x, d), dev::destroy_exec(x);
+  return r;
+}
+
+// A line per node (its first rank's figures; the copies: its slowest GPU's).
+void report_rates(Comm& world, const Rates& mine) {
+  const Placement& p = Runtime::get().where();
+  std::vector<Rates> all(size_t(world.size()));
+  std::vector<int> local(size_t(world.size())), nodes(size_t(world.size()));
+  world.all_gather(&mine, all.data(), sizeof(Rates), DType::U8);
+  world.all_gather(&p.local_rank, local.data(), 1, DType::I32);
+  world.all_gather(&p.node, nodes.data(), 1, DType::I32);
+  for (int r = 0; r < world.size(); ++r) {
+    if (local[size_t(r)] != 0) continue;
+    const Rates& a = all[size_t(r)];
+    double up = 0, down = 0;
+    for (int q = 0; q < world.size(); ++q)
+      if (nodes[size_t(q)] == nodes[size_t(r)] && all[size_t(q)].up > 0)
+        up = up > 0 ? std::min(up, all[size_t(q)].up) : all[size_t(q)].up,
+        down = down > 0 ? std::min(down, all[size_t(q)].down) : all[size_t(q)].down;
+    char line[400];
+    std::snprintf(line, sizeof line,
+                  "offload rates, node of rank %d: host AdamW %.1f GB/s (its ranks at once, %d thread(s) a rank, %.3f "
+                  "s for %lld elements a rank)%s; for q3vl plan: plan.host_gbs = %.0f",
+                  r, a.host_gbs, a.threads, a.host_s, (long long)kRateElems,
+                  up > 0 ? (", pinned copies per GPU " + fmt_gbs(up) + " up, " + fmt_gbs(down) + " down").c_str()
+                         : " (model.backend = cpu: no GPU copies)",
+                  a.host_gbs);
+    log_info(std::string(line) + (up > 0 ? ", plan.pcie_gbs = " + std::to_string(int(std::min(up, down))) : ""));
+  }
 }
 
 }  // namespace
@@ -144,6 +235,7 @@ int run_check(const Deck& deck) {
                   n > 1 ? algbw * 2.0 * (n - 1) / n : 0.0);
     log_info(line);
   }
+  report_rates(world, offload_rates(deck));
   log_info("check passed: " + std::to_string(n) + " rank(s) on " + std::to_string(rt.where().nodes) + " node(s)");
   return 0;
 }

@@ -33,7 +33,7 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
   m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt,
-                         off.optimizer, off.in_place, off.params);
+                         off.optimizer, off.in_place, off.params, off.delayed);
   m.norm = kNormBytes;
   return m;
 }
@@ -86,7 +86,7 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
     hs = {off.state->master_data(), off.state->exp_avg_data(), off.state->exp_avg_sq_data()};
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
                                     gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off.optimizer,
-                                    off.optimizer && off.state ? &hs : nullptr, off.params);
+                                    off.optimizer && off.state ? &hs : nullptr, off.params, off.delayed);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
   const ZeroLayout& L = zero_->layout();
   for (size_t i = 0; i < L.pieces.size(); ++i) {
@@ -102,9 +102,13 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
     run_elems_ += p.count;
   }
   if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.threads, off.pin);
+  delayed_ = off.optimizer && off.delayed;
+  if (off.optimizer && d == Device::CUDA && stage == 3)  // host copies beside the compute
+    ux_ = dev::make_exec(d, 0, gpu), zero_->set_copy_exec(&ux_);
 }
 
 DevTrainer::~DevTrainer() {
+  if (pending_.valid()) pending_.wait();  // its failure, if any, is moot now
   dev::synchronize(ex_);
   zero_.reset();
   model_.reset();
@@ -115,18 +119,23 @@ DevTrainer::~DevTrainer() {
   nccl_replica_.reset();
   nccl_shard_.reset();
   if (cx_.stream) dev::destroy_exec(cx_);
+  if (ux_.stream) dev::destroy_exec(ux_);
   dev::destroy_exec(ex_);
 }
 
 std::string DevTrainer::comm_kind() const { return nccl_shard_ ? "nccl" : shard_.size() > 1 ? "mpi" : "none"; }
 
 void DevTrainer::from_host(const ZeroEngine& e) {
+  settle();
   zero_->from_host(e.pieces());
   zero_->refresh_params();
   dev::synchronize(ex_);
 }
 
-void DevTrainer::to_host(const ZeroEngine& e) const { zero_->to_host(e.pieces()); }
+void DevTrainer::to_host(const ZeroEngine& e) {
+  settle();
+  zero_->to_host(e.pieces());
+}
 
 void DevTrainer::begin_step(int micro_steps) { zero_->begin_step(micro_steps); }
 
@@ -179,13 +188,33 @@ void DevTrainer::update(const AdamWConfig& hp, double lr, double gscale, int64_t
   zero_->refresh_params();
 }
 
-// The offloaded update: every run's elements split evenly over the pool's threads, each range updated by the CPU op
-// layer's AdamW (element by element, so the split changes no bit) and converted to the gathers' dtype for the copy up.
+// The offloaded update. Synchronous: AdamW on the host, then the parameters up. Delayed: the previous step's update
+// lands first (waited, its parameters up on the model's stream), then this one starts on its own thread over this
+// step's pair of host copies, while the next step computes on the weights from before it.
 void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t t) {
   zero_->grads_on_host();
-  float *p = zero_->master(), *m = zero_->exp_avg(), *v = zero_->exp_avg_sq();
   const float* gr = zero_->host_grads();
   void* w = zero_->host_params();
+  if (!delayed_) {
+    host_adamw(gr, w, hp, lr, g, t);
+    return zero_->refresh_params();
+  }
+  settle();
+  zero_->flip_host_buffers();
+  pending_w_ = w;
+  pending_ = std::async(std::launch::async, [=, this] { host_adamw(gr, w, hp, lr, g, t); });
+}
+
+void DevTrainer::settle() {
+  if (!pending_.valid()) return;
+  pending_.get();  // rethrows the update's failure
+  zero_->refresh_params(pending_w_);
+}
+
+// AdamW over every run's elements, split evenly over the pool's threads, each range updated by the CPU op layer's
+// AdamW (element by element, so the split changes no bit) and converted to the gathers' dtype into w for the copy up.
+void DevTrainer::host_adamw(const float* gr, void* w, const AdamWConfig& hp, double lr, double g, int64_t t) {
+  float *p = zero_->master(), *m = zero_->exp_avg(), *v = zero_->exp_avg_sq();
   const DType gd = zero_->gather_dtype();
   const dev::Exec cpu{};
   pool_->run(run_elems_, [&](int64_t lo, int64_t hi) {
@@ -203,10 +232,10 @@ void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t
       }
     }
   });
-  zero_->refresh_params();
 }
 
 void DevTrainer::after_step(bool finite) {
+  if (!finite && zero_->offloaded()) zero_->grads_on_host();  // no update read them: the copies down end here
   if (!ls_.on) return;
   if (!finite) {
     ls_.scale = std::max(1.0, ls_.scale / 2);
@@ -237,9 +266,10 @@ std::string DevTrainer::memory_report() const {
   if (zero_->offloaded()) {
     const ZeroLayout& L = zero_->layout();
     std::snprintf(buf, sizeof buf,
-                  "; optimizer offloaded to the host (%s, %d thread(s)): fp32 masters %.3f MiB, AdamW moments %.3f "
+                  "; optimizer offloaded to the host (%s, %d thread(s)%s): fp32 masters %.3f MiB, AdamW moments %.3f "
                   "MiB%s, staging %.3f MiB%s",
                   ex_.device == Device::CUDA ? "pinned" : "CPU backend: plain memory", pool_->size(),
+                  delayed_ ? ", update delayed a step" : "",
                   double(L.master * 4) / MiB, double(L.opt * 8) / MiB,
                   m.zero.host_master ? "" : " (the host engine's shards, updated in place)", m.zero.host_staging / MiB,
                   zero_->host_params() ? "" : "; parameters streamed up from them for every gather");

@@ -26,7 +26,8 @@ if [[ $rc -eq 1 && $n -eq 1 ]]; then pass "collective-error-once"; else bad "col
 # check passes on this machine and writes the bandwidth table; the resolved deck is echoed at the top.
 out=$(mpiexec -n 2 $q check run.out_dir="$tmp/out" run.rank_logs=true 2>&1); rc=$?
 if [[ $rc -eq 0 ]] && grep -q "check passed: 2 rank(s)" <<<"$out" && grep -q '^zero_stage = 3$' <<<"$out" &&
-   grep -q 'busbw' <<<"$out" && [[ -s $tmp/out/rank-1.log ]] && grep -q '^Timing' <<<"$out"; then
+   grep -q 'busbw' <<<"$out" && [[ -s $tmp/out/rank-1.log ]] && grep -q '^Timing' <<<"$out" &&
+   grep -qE 'offload rates, node of rank 0: host AdamW [0-9.]+ GB/s .*plan.host_gbs = [1-9][0-9]*$' <<<"$out"; then
   pass "check-2-ranks"
 else
   bad "check-2-ranks: rc=$rc: $out"

@@ -51,6 +51,16 @@ grep -qx "srun --mpi=pmi2 --kill-on-bad-exit=1 bin/q3vl check input/qwen3vl_235b
 out=$($q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 plan.gpu=H200-141GB 2>&1); rc=$?
 [[ $rc == 0 ]] && grep -q 'fastest that fits' <<<"$out" && grep -q '^zero_stage = ' <<<"$out" \
   && grep -q '^micro_batch = ' <<<"$out" && pass "2b-one-h200: fits, with deck lines" || bad "2b-one-h200: exit $rc: $out"
+# The offloaded step's prediction follows the host's AdamW rate (plan.host_gbs, what `q3vl check` measures), and the
+# delayed update (parallel.offload_update = delayed) hides it under the next step, in the deck lines too.
+off_step() { $q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 "$@" 2>&1 |
+  grep -oP 'with optimizer offload: .*step \K[0-9.]+(?= s)'; }
+s100=$(off_step); s25=$(off_step plan.host_gbs=25); sd=$(off_step plan.host_gbs=25 parallel.offload_update=delayed)
+dl=$($q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 parallel.offload_update=delayed plan.show=40 2>&1)
+if [[ -n $s100 && -n $s25 && -n $sd ]] && $py -c "import sys; a,b,c=map(float,sys.argv[1:]); sys.exit(not (b > a + 1 and c < b - 0.3))" \
+     "$s100" "$s25" "$sd" && grep -q 'offload (delayed update)' <<<"$dl"; then
+  pass "offload-step-follows-host-rate-and-delay ($s100 s, $s25 s at 25 GB/s, $sd s delayed)"
+else bad "offload-step-follows-host-rate-and-delay: '$s100' '$s25' '$sd'"; fi
 expect "serve-plan" 0 'KV capacity' $q plan input/qwen3vl_8b_sft.deck plan.for=serve plan.gpu=H100-80GB
 
 expect "bad-gpu" 1 "plan.gpu" $q plan "${big[@]}" plan.gpu=B200

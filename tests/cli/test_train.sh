@@ -173,6 +173,32 @@ ok_run $? on_resume
 if grep -q "resumed from .*step_00000010.h5" "$tmp/on_resume.log" && grep -q "optimizer offloaded" "$tmp/on_resume.log" &&
    cmp_losses on_half np2 0 20 && cmp_ckpt "$(ckpt on_half)" "$(ckpt np2)" 0; then pass "no-offload-resumes-with"
 else bad "no-offload-resumes-with"; fi
+# Delayed update (parallel.offload_update = delayed): step k's host AdamW overlaps step k+1, which computes on the
+# weights from before it. Step 1 is the synchronous run's; step 2 still runs on the initial weights, so its loss is
+# bitwise that of a run whose weights never move (train.lr = 0), and step 3's is not (the first update landed);
+# 2 ranks give 1 rank's run; a run stopped at a checkpoint and resumed is bitwise the straight run that wrote
+# checkpoints at the same steps (a checkpoint lands the update in flight); and it learns.
+dly=("${off[@]}" parallel.offload_update=delayed checkpoint.every=5)
+train lr0 1 train.lr=0 train.steps=4; ok_run $? lr0
+train dly1 1 "${dly[@]}"; ok_run $? dly1
+if grep -q "update delayed a step" "$tmp/dly1.log" && $py - "$tmp/dly1/metrics.jsonl" "$tmp/np1/metrics.jsonl" "$tmp/lr0/metrics.jsonl" <<'PY'
+import json, sys
+d, s, z = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:4])
+assert d[0] == s[0], ("step 1", d[0], s[0])
+assert d[1] == z[1] and d[1] != s[1], ("step 2 on the initial weights", d[1], z[1], s[1])
+assert d[2] != z[2], ("step 3 on the first update's weights", d[2], z[2])
+assert sum(d[-5:]) < sum(d[:5]) - 0.2, ("learns", d)
+PY
+then pass "delayed-update-steps"; else bad "delayed-update-steps"; fi
+train dly2 2 "${dly[@]}" && cmp_losses dly2 dly1 1e-5 && cmp_ckpt "$(ckpt dly2)" "$(ckpt dly1)" 1e-5 \
+  && pass "delayed-update-ranks-2-vs-1" || bad "delayed-update-ranks-2-vs-1"
+train dly_half 2 "${dly[@]}" train.stop_after=10; ok_run $? dly_half
+mpiexec -n 2 $q train "${common[@]}" "${dly[@]}" run.out_dir="$tmp/dly_half" train.resume=auto >"$tmp/dly_resume.log" 2>&1
+if grep -q "resumed from .*step_00000010.h5" "$tmp/dly_resume.log" && cmp_losses dly_half dly2 0 20 &&
+   cmp_ckpt "$(ckpt dly_half)" "$(ckpt dly2)" 0; then pass "delayed-update-resumes-bitwise"
+else bad "delayed-update-resumes-bitwise: $(tail -2 "$tmp/dly_resume.log")"; fi
+expect delayed-needs-offload 1 'parallel.offload_update = "delayed" needs parallel.offload_optimizer = "cpu"' \
+  $q train "${common[@]}" parallel.offload_update=delayed run.out_dir="$tmp/dly_bad"
 # A node without the host memory is refused before anything is allocated, naming the key and both sizes (the 8B
 # preset's shards on one rank: far more than this machine has).
 expect offload-host-memory-refused 1 \

@@ -158,12 +158,13 @@ TEST(Golden, CudaFp32MatchesTransformers) {
   Q3VL_NEED_GPU();
   for (const char* c : {"dense_tied", "dense_untied", "moe"}) check_case(c, &kCuda);
 }
-// MoE's gradients to 5e-2 (measured 4.0e-2 with the router in bf16, 2026-11-30; fp32 since); its logits as the dense
-// models' (2.1e-2 measured, as dense_untied's, which has no router: the bf16 activations' rounding).
+// MoE at issue 34's bounds, logits 2e-2 and gradients 5e-2 (with the router in fp32: 1.9e-2 and 3.9e-2 measured on
+// an H200, 2026-12-01; 4.2e-2 and 2.4e-1 with the router in bf16). The dense models' logits to 3e-2 (dense_untied
+// 2.1e-2: the bf16 activations' rounding, no router involved).
 TEST(Golden, CudaBf16MatchesTransformers) {
   Q3VL_NEED_GPU();
   for (const char* c : {"dense_tied", "dense_untied"}) check_case(c, &kCuda, DType::BF16, {3e-2, 1e-2, 1.5e-1});
-  check_case("moe", &kCuda, DType::BF16, {3e-2, 1e-2, 5e-2});
+  check_case("moe", &kCuda, DType::BF16, {2e-2, 1e-2, 5e-2});
 }
 TEST(Golden, CudaFp16MatchesTransformers) {
   Q3VL_NEED_GPU();

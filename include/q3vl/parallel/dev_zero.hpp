@@ -47,6 +47,11 @@
 // on, converted there, and then gathered as before; the prefetch of the next unit hides the copy behind the compute.
 // A LoRA base is nearly all the parameters, so the host holds them once (in fp32, where the checkpoints read them)
 // and the device only the units in use.
+//
+// Delayed update (parallel.offload_update = "delayed", DeepSpeed's delayed parameter update): the host copies of the
+// gradient shard and of the masters in the gathers' dtype are double-buffered, so that the trainer's AdamW of step k
+// reads one pair while step k+1's gradients come down into the other (flip_host_buffers between them), and the
+// parameters it produced go up (refresh_params(its buffer)) only when step k+1 has ended.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -88,7 +93,7 @@ class DevZero final : UnitHooks {
   // stream (needs offload): the parameters too, every gather from the host masters.
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
           const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr,
-          bool offload = false, const HostState* host = nullptr, bool stream = false);
+          bool offload = false, const HostState* host = nullptr, bool stream = false, bool delayed = false);
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
@@ -97,7 +102,8 @@ class DevZero final : UnitHooks {
   // What an engine allocates, without allocating: rank 0's (the largest) shard. t.ep(): the expert split (the expert
   // replicas' group is group / t.ep().size ranks). in_place: offloaded onto the caller's HostState (not counted).
   static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload = false, bool in_place = false, bool stream = false);
+                            DType gather, bool offload = false, bool in_place = false, bool stream = false,
+                            bool delayed = false);
   DevZeroMemory memory() const { return mem_; }
 
   int stage() const { return stage_; }
@@ -110,17 +116,24 @@ class DevZero final : UnitHooks {
   // Offloaded: the host copy of the gradient shard (at Offs::comm), complete once grads_on_host() returns; the
   // masters in gather_dtype() on the host (at Offs::master), which the optimizer refreshes before refresh_params()
   // (null when streamed: the gathers convert the masters themselves).
-  const float* host_grads() const { return hgrad_; }
-  void* host_params() { return hparam_; }
+  const float* host_grads() const { return hgrad_[0]; }
+  void* host_params() { return hparam_[0]; }
+  // Delayed update: the other pair of host copies becomes host_grads()/host_params() (the update in flight keeps the
+  // pointers it took).
+  void flip_host_buffers();
   DType gather_dtype() const { return gd_; }
   void grads_on_host();
 
   // Master shards and moments from (to) the host engine's pieces of the same layout: start-up, resume, checkpoints.
   void from_host(const std::vector<ShardPiece>& host);
   void to_host(const std::vector<ShardPiece>& host) const;
-  // After the masters changed (start-up, every update): the dt copy (offloaded: up from host_params()), and stages
-  // 1/2 the model's weights.
-  void refresh_params();
+  // After the masters changed (start-up, every update): the dt copy (offloaded: up from host_params, by default
+  // host_params()), and stages 1/2 the model's weights.
+  void refresh_params(const void* host_params = nullptr);
+  // Offloaded at stage 3 on CUDA: the host copies run on `x` (a stream of this device, outliving the engine) beside
+  // the compute: the gradient shards down during the last backward pass, and, from the second refresh_params() on,
+  // the trainable units up in the forward order, each unit's next gather waiting for its own copy.
+  void set_copy_exec(const dev::Exec* x);
 
   // One optimizer step: begin_step(); per micro-step { forward pass; backward pass; after_backward() } (a rank with
   // no tokens runs the passes without compute: idle()); finish_grads(); optimizer on the shards; refresh_params().
@@ -155,6 +168,7 @@ class DevZero final : UnitHooks {
   void reduce_unit(int u, const float* g);
   void down(const dev::Exec& x, int64_t off, int64_t n);  // offload: gradient shard elements to the host copy
   bool last_pass() const;  // offload: this backward pass's reduce-scatters complete the step's gradient shards
+  void upload_units(const void* w);  // offloaded: the trainable units' shards up from w, on ux_
   void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
   void drain();  // the host waits for every request in flight (under the watchdog)
   void c2m();    // the communication stream waits for the work enqueued on the model's so far
@@ -188,8 +202,13 @@ class DevZero final : UnitHooks {
   bool borrowed_ = false;    // offload: master_, m_, v_ are the caller's (pinned here, not allocated)
   bool stream_ = false;      // parameters on the host: gathers start from master_
   std::vector<void*> up_, upc_;  // streamed: per pool slot (stage 3) or one, the fp32 shard up and in gd_ (conv.)
-  float* hgrad_ = nullptr;   // offload: the gradient shard's host copy
-  void* hparam_ = nullptr;   // offload: the masters in gd_ on the host
+  bool delayed_ = false;     // offload: the host copies below are double-buffered ([1]: the update in flight's)
+  float* hgrad_[2] = {};     // offload: the gradient shard's host copy
+  void* hparam_[2] = {};     // offload: the masters in gd_ on the host
+  const dev::Exec* ux_ = nullptr;  // offloaded: the host copies' stream (set_copy_exec)
+  std::vector<void*> ev_up_;       // per unit: its shard's copy up done
+  void* ev_down_ = nullptr;        // a gradient shard complete on the model's stream
+  std::vector<char> up_wait_;      // per unit: its next gather waits for ev_up_
   int micro_ = 0, bwd_ = 0;  // backward passes this step: expected (0: unknown), done
   DevZeroMemory mem_;
   int64_t gathered_ = 0;

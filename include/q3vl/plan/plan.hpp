@@ -29,6 +29,7 @@ struct Hardware {
   double link_gbps = 0;          // between nodes, per GPU, Gbit/s
   double hbm_gbs = 0;            // GPU memory bandwidth, GB/s (the optimizer's speed)
   double pcie_gbs = 0;           // host <-> GPU, GB/s per direction (optimizer offload)
+  double host_gbs = 100;         // host memory bandwidth per node for the host AdamW (offload): `q3vl check`'s figure
   int ranks() const { return nodes * gpus_per_node; }
   std::string describe() const;
 };
@@ -46,6 +47,8 @@ struct Layout {
   int stage = 3;            // parallel.zero_stage
   bool offload = false;     // parallel.offload_optimizer = "cpu": fp32 masters and AdamW moments on the host
   bool host_params = false; // parallel.offload_params = "frozen" (with offload): parameters streamed from the host
+  bool delayed = false;     // parallel.offload_update = "delayed" (with offload, not host_params): the host AdamW
+                            // under the next step
   bool hybrid = false;      // parallel.hybrid: shard within a node, replicate across nodes
   int ep = 1;               // expert-parallel degree (parallel.ep): not built yet, always 1 here. EP would divide
                             // the expert units' bytes by ep and add all-to-all time; the place is sized_layout().
@@ -79,6 +82,7 @@ struct Workload {
   int64_t seq_len = 4096, global_batch = 8, max_patches = 0;
   std::vector<bool> trainable;  // per parameter (train.tune_*)
   std::vector<int> backward_order;  // Model::unit_order(true)
+  bool delayed_update = false;      // parallel.offload_update = "delayed": offloaded candidates use it
 };
 Workload workload_from_deck(const Deck& d, std::string* note = nullptr);
 

@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +34,10 @@ struct Offload {
   ZeroEngine* state = nullptr;  // the constructor's: that engine (its layout is the trainer's)
   bool params = false;     // parallel.offload_params = "frozen" (needs `optimizer`): no parameter copy on the device,
                            // every unit's gather streams its shard up from the host masters (DevZero's stream)
+  // "delayed" (parallel.offload_update): step k's AdamW runs on the host while step k+1 computes on the weights from
+  // before it (DeepSpeed's delayed parameter update: gradients one step stale); its parameters go up when step k+1
+  // ends. Needs the parameters on the device (not `params`); the host copies are double-buffered (DevZero).
+  bool delayed = false;
   int threads = 1;         // the host AdamW's threads (the caller's counted): the rank's cores, rank_cores()
   bool pin = false;        // bind them to the cores of the rank's affinity mask, one each
 };
@@ -77,8 +82,9 @@ class DevTrainer {
   ~DevTrainer();
 
   // Masters and moments from the host engine's pieces (the same layout), and the compute weights.
+  // Both land a delayed update first (settle), so a checkpoint holds the state after every step it counts.
   void from_host(const ZeroEngine& e);
-  void to_host(const ZeroEngine& e) const;
+  void to_host(const ZeroEngine& e);
 
   // micro_steps: the micro-steps (backward passes, idle ones counted) this step runs (0: unknown).
   void begin_step(int micro_steps = 0);
@@ -101,6 +107,9 @@ class DevTrainer {
   double grad_norm_sq(bool* finite);
   // AdamW on every trainable parameter of this rank's shard (gscale: clipping), then the compute weights.
   void update(const AdamWConfig& hp, double lr, double gscale, int64_t t);
+  // A delayed update in flight lands: waited for, its parameters up (the next step computes on them). Nothing
+  // otherwise.
+  void settle();
   // Dynamic loss scaling after a step: an overflow halves the scale, `window` good steps double it.
   void after_step(bool finite);
   const LossScaling& loss_scaling() const { return ls_; }
@@ -121,7 +130,9 @@ class DevTrainer {
     int64_t first = 0;  // its first element among all runs' (the host update's split over threads)
   };
   void host_update(const AdamWConfig& hp, double lr, double g, int64_t t);
+  void host_adamw(const float* grads, void* params, const AdamWConfig& hp, double lr, double g, int64_t t);
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
+  dev::Exec ux_;       // an offloaded optimizer's host copies (CUDA, stage 3)
   Comm& shard_;
   std::unique_ptr<Comm> nccl_shard_, nccl_replica_, nccl_ep_, nccl_experts_;  // nccl_ep_: the rows, nccl_experts_: ZeRO
   ExpertParallel* ep_ = nullptr;
@@ -130,6 +141,9 @@ class DevTrainer {
   std::vector<Run> runs_;
   int64_t run_elems_ = 0;              // elements of all runs
   std::unique_ptr<ThreadPool> pool_;  // offloaded optimizer's threads
+  bool delayed_ = false;              // Offload::delayed
+  std::future<void> pending_;         // the delayed update in flight
+  void* pending_w_ = nullptr;         // the parameters it writes (its host copy in the gathers' dtype)
   double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows
   LossScaling ls_;
   bool hybrid_ = false;  // gradient shards all-reduced across replicas (parallel.hybrid over several nodes)
