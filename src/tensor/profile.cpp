@@ -60,7 +60,7 @@ std::string row_name(const Rec& r) {
     case Kind::HostWait: return std::string("host waits: ") + r.name;
     case Kind::StreamWait:
       return r.side ? "comm stream waits for compute" : "compute stream waits for comm (exposed)";
-    default: return std::string(r.name) + (r.side ? " [comm stream]" : "");
+    default: return std::string(r.name) + (r.side ? " [other stream]" : "");
   }
 }
 

@@ -54,7 +54,7 @@ class Scope {
 // A name that lives as long as the process (collectives' names are built at run time).
 const char* intern(const std::string& name);
 
-// One line of the table: an op (or collective, or wait) by name, with " [comm stream]" when it ran on a stream other
+// One line of the table: an op (or collective, or wait) by name, with " [other stream]" when it ran on a stream other
 // than the compute stream. tflops / gbps are 0 where the op has no FLOP or byte count.
 struct Row {
   std::string name, kind;
