@@ -17,11 +17,22 @@ const std::vector<KeySpec>& deck_schema() {
       {"run.seed", T::Int, "1234", "seed for initialisation, data order and sampling", 0, 9.2e18},
       {"run.rank_logs", T::Bool, "false", "every rank writes out_dir/rank-N.log"},
       {"run.timing", T::Bool, "true", "print the timing table (min/avg/max over ranks) at exit"},
+      {"run.profile", T::Bool, "false",
+       "train: time every device op, copy and collective of a step (CUDA events on the GPU, the clock on the CPU op "
+       "layer) and print a table (calls, ms, % of the step, TFLOP/s or GB/s; the step's phases adding up to its time) "
+       "on rank 0, also written as \"profile\" in that step's metrics.jsonl line"},
+      {"run.profile_step", T::Int, "0", "run.profile: the step profiled (0: every step)", 0, 1e12},
 
       // model: what is built or loaded
       {"model.hf", T::String, "", "Hugging Face model directory (config.json + safetensors) to load"},
       {"model.preset", T::String, "", "built-in size when starting from scratch",
        -kBig, kBig, {"", "tiny", "tiny-moe", "demo", "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B"}},
+      {"model.text_layers", T::Int, "0",
+       "keep the first N decoder layers of the preset or config.json (0: all): a deep model's shapes cut for "
+       "benchmarks (train: with model.preset; at least one layer per DeepStack tap)", 0, 1e6},
+      {"model.vision_layers", T::Int, "0",
+       "keep the first N ViT blocks (0: all); refused where it drops a DeepStack tap (deepstack_visual_indexes)", 0,
+       1e6},
       {"model.backend", T::String, "cpu", "compute backend (cuda: train, eval, generate and serve on the GPU)", -kBig,
        kBig, {"cpu", "cuda"}},
       {"model.dtype", T::String, "fp32", "compute precision of activations and gathered weights (bf16/fp16 on cuda)",

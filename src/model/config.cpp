@@ -362,4 +362,35 @@ ModelConfig preset_config(const std::string& name) {
   return c;
 }
 
+bool cut_depth(ModelConfig& c, int64_t text_layers, int64_t vision_layers) {
+  const std::vector<int>& ds = c.vision.deepstack_indexes;
+  auto bad = [](const char* key, int64_t n, const std::string& why) {
+    fail(std::string(key) + " = " + std::to_string(n) + ": " + why);
+  };
+  if (text_layers > c.text.layers)
+    bad("model.text_layers", text_layers, "the model has " + std::to_string(c.text.layers) + " decoder layers");
+  if (vision_layers > c.vision.depth)
+    bad("model.vision_layers", vision_layers, "the vision tower has " + std::to_string(c.vision.depth) + " blocks");
+  if (text_layers > 0 && text_layers < int64_t(ds.size()))
+    bad("model.text_layers", text_layers,
+        "the vision tower feeds DeepStack features into decoder layers 0.." + std::to_string(ds.size() - 1) +
+            ": keep at least " + std::to_string(ds.size()));
+  const int last = ds.empty() ? -1 : *std::max_element(ds.begin(), ds.end());
+  if (vision_layers > 0 && vision_layers <= last) {
+    std::string list;
+    for (int i : ds) list += (list.empty() ? "" : ", ") + std::to_string(i);
+    bad("model.vision_layers", vision_layers,
+        "drops the DeepStack tap at ViT block " + std::to_string(last) + " (deepstack_visual_indexes [" + list +
+            "]): keep at least " + std::to_string(last + 1) + " blocks");
+  }
+  const bool cut = (text_layers > 0 && text_layers < c.text.layers) || (vision_layers > 0 && vision_layers < c.vision.depth);
+  if (text_layers > 0) {
+    c.text.layers = int(text_layers);
+    std::erase_if(c.text.mlp_only_layers, [&](int l) { return l >= text_layers; });
+  }
+  if (vision_layers > 0) c.vision.depth = int(vision_layers);
+  validate(c, "the model cut by model.text_layers / model.vision_layers");
+  return cut;
+}
+
 }  // namespace q3vl

@@ -19,6 +19,7 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/runtime/stop.hpp"
 #include "q3vl/runtime/watchdog.hpp"
+#include "q3vl/tensor/profile.hpp"
 
 namespace q3vl {
 
@@ -74,9 +75,10 @@ void check(int rc, const char* what) {
 }
 
 // Counts the collective as it starts, so a rank that never gets here stays behind on the board.
-std::unique_ptr<MpiRequest> start(Comm& c, const char* what) {
+std::unique_ptr<MpiRequest> start(Comm& c, const char* what, double bytes = 0) {
   auto r = std::make_unique<MpiRequest>(what);
   r->seq = c.begin_collective();
+  r->bytes = bytes;
   return r;
 }
 
@@ -181,21 +183,21 @@ MpiComm::~MpiComm() {
 }
 
 std::unique_ptr<CommRequest> MpiComm::iall_gather(const void* send, void* recv, size_t count, DType t) {
-  auto r = start(*this, "all_gather");
+  auto r = start(*this, "all_gather", coll_bytes(count * size_t(size_), t));
   check(MPI_Iallgather_c(send, count, mpi_type(t), recv, count, mpi_type(t), comm_, &r->req), "all_gather");
   return r;
 }
 
 std::unique_ptr<CommRequest> MpiComm::ireduce_scatter(const void* send, void* recv, size_t count, DType t,
                                                       ReduceOp op) {
-  auto r = start(*this, "reduce_scatter");
+  auto r = start(*this, "reduce_scatter", coll_bytes(count * size_t(size_), t));
   check(MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(t), mpi_op(op, t, "reduce_scatter"), comm_, &r->req),
         "reduce_scatter");
   return r;
 }
 
 std::unique_ptr<CommRequest> MpiComm::iall_reduce(const void* send, void* recv, size_t count, DType t, ReduceOp op) {
-  auto r = start(*this, "all_reduce");
+  auto r = start(*this, "all_reduce", coll_bytes(count, t));
   check(MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send, recv, count, mpi_type(t), mpi_op(op, t, "all_reduce"),
                          comm_, &r->req),
         "all_reduce");
@@ -203,13 +205,13 @@ std::unique_ptr<CommRequest> MpiComm::iall_reduce(const void* send, void* recv, 
 }
 
 std::unique_ptr<CommRequest> MpiComm::ibroadcast(void* buf, size_t count, DType t, int root) {
-  auto r = start(*this, "broadcast");
+  auto r = start(*this, "broadcast", coll_bytes(count, t));
   check(MPI_Ibcast_c(buf, count, mpi_type(t), root, comm_, &r->req), "broadcast");
   return r;
 }
 
 std::unique_ptr<CommRequest> MpiComm::iall_to_all(const void* send, void* recv, size_t count, DType t) {
-  auto r = start(*this, "all_to_all");
+  auto r = start(*this, "all_to_all", coll_bytes(count * size_t(size_), t));
   check(MPI_Ialltoall_c(send, count, mpi_type(t), recv, count, mpi_type(t), comm_, &r->req), "all_to_all");
   return r;
 }
@@ -218,7 +220,7 @@ std::unique_ptr<CommRequest> MpiComm::iall_gatherv(const void* send, size_t send
                                                    const std::vector<size_t>& counts,
                                                    const std::vector<size_t>& displs, DType t) {
   Q3VL_CHECK(int(counts.size()) == size_ && int(displs.size()) == size_, "all_gatherv needs one count per rank");
-  auto r = start(*this, "all_gatherv");
+  auto r = start(*this, "all_gatherv", coll_bytes(counts, t));
   r->c1 = to_counts(counts);
   r->d1 = to_displs(displs);
   check(MPI_Iallgatherv_c(send, send_count, mpi_type(t), recv, r->c1.data(), r->d1.data(), mpi_type(t), comm_,
@@ -230,7 +232,7 @@ std::unique_ptr<CommRequest> MpiComm::iall_gatherv(const void* send, size_t send
 std::unique_ptr<CommRequest> MpiComm::ireduce_scatterv(const void* send, void* recv, const std::vector<size_t>& counts,
                                                        DType t, ReduceOp op) {
   Q3VL_CHECK(int(counts.size()) == size_, "reduce_scatterv needs one count per rank");
-  auto r = start(*this, "reduce_scatterv");
+  auto r = start(*this, "reduce_scatterv", coll_bytes(counts, t));
   r->c1 = to_counts(counts);
   check(MPI_Ireduce_scatter_c(send, recv, r->c1.data(), mpi_type(t), mpi_op(op, t, "reduce_scatterv"), comm_,
                               &r->req),
@@ -245,7 +247,7 @@ std::unique_ptr<CommRequest> MpiComm::iall_to_allv(const void* send, const std::
   Q3VL_CHECK(int(send_counts.size()) == size_ && int(recv_counts.size()) == size_ &&
                  int(send_displs.size()) == size_ && int(recv_displs.size()) == size_,
              "all_to_allv needs one count and displacement per rank");
-  auto r = start(*this, "all_to_allv");
+  auto r = start(*this, "all_to_allv", coll_bytes(send_counts, t));
   r->c1 = to_counts(send_counts);
   r->d1 = to_displs(send_displs);
   r->c2 = to_counts(recv_counts);
@@ -278,6 +280,10 @@ std::string Comm::where() {
 
 void Comm::wait(std::unique_ptr<CommRequest> req) {
   using clock = std::chrono::steady_clock;
+  prof::Scope prof_scope;  // the host blocked on the collective (run.profile)
+  if (prof::on()) [[unlikely]]
+    prof_scope.begin(dev::Exec{}, prof::intern(kind() + " " + req->what()), prof::mem(req->bytes),
+                     prof::Kind::CommWait);
   auto t0 = clock::now();
   long spins = 0;
   while (!req->test()) {

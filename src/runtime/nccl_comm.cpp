@@ -19,6 +19,7 @@ std::string nccl_version() { return "none"; }
 #include <thread>
 
 #include "q3vl/runtime/mpi_comm.hpp"
+#include "q3vl/tensor/profile.hpp"
 
 namespace q3vl {
 
@@ -109,21 +110,23 @@ class NcclComm : public Comm {
   int world_rank(int r) const override { return boot_.world_rank(r); }
 
   std::unique_ptr<CommRequest> iall_gather(const void* send, void* recv, size_t count, DType t) override {
-    return issue("all_gather", [&] { return ncclAllGather(send, recv, count, nccl_type(t), comm_, stream()); });
+    return issue("all_gather", coll_bytes(count * size_t(size()), t),
+                 [&] { return ncclAllGather(send, recv, count, nccl_type(t), comm_, stream()); });
   }
   std::unique_ptr<CommRequest> ireduce_scatter(const void* send, void* recv, size_t count, DType t,
                                                ReduceOp op) override {
-    return issue("reduce_scatter", [&] {
+    return issue("reduce_scatter", coll_bytes(count * size_t(size()), t), [&] {
       return ncclReduceScatter(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream());
     });
   }
   std::unique_ptr<CommRequest> iall_reduce(const void* send, void* recv, size_t count, DType t,
                                            ReduceOp op) override {
-    return issue("all_reduce",
+    return issue("all_reduce", coll_bytes(count, t),
                  [&] { return ncclAllReduce(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream()); });
   }
   std::unique_ptr<CommRequest> ibroadcast(void* buf, size_t count, DType t, int root) override {
-    return issue("broadcast", [&] { return ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream()); });
+    return issue("broadcast", coll_bytes(count, t),
+                 [&] { return ncclBroadcast(buf, buf, count, nccl_type(t), root, comm_, stream()); });
   }
   // The uneven and all-to-all exchanges are point-to-point pairs in one NCCL group (NCCL has no v-collectives).
   std::unique_ptr<CommRequest> iall_to_all(const void* send, void* recv, size_t count, DType t) override {
@@ -142,7 +145,7 @@ class NcclComm : public Comm {
   std::unique_ptr<CommRequest> ireduce_scatterv(const void* send, void* recv, const std::vector<size_t>& counts,
                                                 DType t, ReduceOp op) override {
     Q3VL_CHECK(int(counts.size()) == size(), "reduce_scatterv needs one count per rank");
-    return issue("reduce_scatterv", [&] {  // block q reduced to rank q
+    return issue("reduce_scatterv", coll_bytes(counts, t), [&] {  // block q reduced to rank q
       ncclResult_t rc = ncclGroupStart();
       size_t off = 0;
       for (int q = 0; q < size() && rc == ncclSuccess; off += counts[size_t(q)], ++q)
@@ -162,7 +165,7 @@ class NcclComm : public Comm {
     return exchange("all_to_allv", send, send_counts, send_displs, recv, recv_counts, recv_displs, t);
   }
   std::unique_ptr<CommRequest> ibarrier() override {
-    return issue("barrier", [&] { return ncclAllReduce(one_, one_, 1, ncclInt32, ncclSum, comm_, stream()); });
+    return issue("barrier", 4, [&] { return ncclAllReduce(one_, one_, 1, ncclInt32, ncclSum, comm_, stream()); });
   }
   std::unique_ptr<Comm> split(int color, int key) const override {
     MPI_Comm sub;
@@ -204,10 +207,14 @@ class NcclComm : public Comm {
 
   // Starts a collective: counted on the board, enqueued (a nonblocking communicator may take the call later: wait
   // until it has, so that the next call finds it in order), an event recorded behind it.
+  // run.profile times it on the stream (events before the call and after NCCL has taken it).
   template <class F>
-  std::unique_ptr<CommRequest> issue(const char* what, F&& call) {
+  std::unique_ptr<CommRequest> issue(const char* what, double bytes, F&& call) {
     const long seq = begin_collective();
     Q3VL_CHECK(comm_, std::string("nccl ") + what + ": the communicator was aborted after an earlier timeout");
+    prof::Scope prof_scope;
+    if (prof::on()) [[unlikely]]
+      prof_scope.begin(x_, prof::intern(std::string("nccl ") + what), prof::mem(bytes), prof::Kind::Collective);
     check(call(), what, __LINE__);
     struct Enqueue : CommRequest {
       NcclComm& c;
@@ -222,6 +229,7 @@ class NcclComm : public Comm {
     cudaEventRecord(e, stream());
     auto r = std::make_unique<NcclRequest>(*this, what, e);
     r->seq = seq;
+    r->bytes = bytes;
     return r;
   }
 
@@ -229,7 +237,7 @@ class NcclComm : public Comm {
                                         const std::vector<size_t>& sd, void* recv, const std::vector<size_t>& rc,
                                         const std::vector<size_t>& rd, DType t) {
     const size_t es = dtype_size(t);
-    return issue(what, [&] {
+    return issue(what, coll_bytes(sc, t), [&] {
       ncclResult_t r = ncclGroupStart();
       for (int q = 0; q < size() && r == ncclSuccess; ++q) {
         const size_t i = size_t(q);

@@ -15,6 +15,7 @@
 #include "q3vl/tensor/dev.hpp"
 #include "q3vl/tensor/dev_host.hpp"
 #include "q3vl/tensor/ops.hpp"
+#include "q3vl/tensor/profile.hpp"
 
 #ifdef Q3VL_CUDA
 #include "tensor/cuda/dev_cuda.hpp"
@@ -25,9 +26,27 @@
   if ((x).device == Device::CUDA) fail("this q3vl was built without CUDA (make CUDA=1)")
 #endif
 
+// The profiler's hook (tensor/profile.hpp), in front of every op: off, one predictable branch here and one as the op
+// returns; on, the op is timed under its own name (__func__) with its cost, whichever device runs it.
+#define PROFILED_IF(cond, ...)            \
+  prof::Scope prof_scope_;                \
+  if (prof::on() && (cond)) [[unlikely]] \
+  prof_scope_.begin(__VA_ARGS__)
+#define PROFILED(...) PROFILED_IF(true, __VA_ARGS__)
+#define DEV_OP(x, cost, call) \
+  PROFILED(x, __func__, cost); \
+  ON_CUDA(x, call)
+
 namespace q3vl::dev {
 
 namespace {
+// Bytes of n elements of t (the profiler's byte counts).
+double B(int64_t n, DType t) { return double(n) * double(dtype_size(t)); }
+// Attention's FLOPs (QK^T and PV, 2 each per multiply-add) as if every segment were max_len long: exact for packs
+// of equal segments (the benchmarks' shapes), an upper bound otherwise (the lengths are on the device). Causal: half.
+double attention_flops(int64_t N, int64_t max_len, int64_t nh, int64_t hd, bool causal) {
+  return 4.0 * double(N) * double(max_len) * double(nh) * double(hd) * (causal ? 0.5 : 1.0);
+}
 // The CPU reference computes in fp32 only; a bf16/fp16 model runs on the GPU.
 void need_f32(DType dt, const char* op) {
   if (dt != DType::F32)
@@ -57,7 +76,10 @@ Exec make_exec(Device d, size_t ws_bytes, int gpu) {
 #endif
 }
 void destroy_exec(Exec& x) { ON_CUDA(x, destroy_exec(x)); }
-void synchronize(const Exec& x) { ON_CUDA(x, synchronize(x)); }
+void synchronize(const Exec& x) {
+  PROFILED_IF(x.device == Device::CUDA, Exec{}, "synchronize", {}, prof::Kind::HostWait);
+  ON_CUDA(x, synchronize(x));
+}
 void* alloc(const Exec& x, size_t bytes) {
   ON_CUDA(x, alloc(x, bytes));
   void* p = std::calloc(1, bytes ? bytes : 1);
@@ -69,14 +91,18 @@ void release(const Exec& x, void* p) {
   std::free(p);
 }
 void to_device(const Exec& x, void* dst, const void* src, size_t bytes) {
+  PROFILED(x, "to_device", prof::mem(double(bytes)), prof::Kind::Copy);
   ON_CUDA(x, to_device(x, dst, src, bytes));
   std::memcpy(dst, src, bytes);
 }
 void to_host(const Exec& x, void* dst, const void* src, size_t bytes) {
+  const bool cuda = x.device == Device::CUDA;  // the host waits for the copy: on CUDA that wait is the row
+  PROFILED(cuda ? Exec{} : x, "to_host", prof::mem(double(bytes)), cuda ? prof::Kind::HostWait : prof::Kind::Copy);
   ON_CUDA(x, to_host(x, dst, src, bytes));
   std::memcpy(dst, src, bytes);
 }
 void copy(const Exec& x, void* dst, const void* src, size_t bytes) {
+  PROFILED(x, "copy", prof::mem(2.0 * double(bytes)), prof::Kind::Copy);
   ON_CUDA(x, copy(x, dst, src, bytes));
   std::memmove(dst, src, bytes);
 }
@@ -95,6 +121,7 @@ void host_release(const Exec& x, void* p) {
 void host_register(const Exec& x, void* p, size_t bytes) { ON_CUDA(x, host_register(p, bytes)); }
 void host_unregister(const Exec& x, void* p) { ON_CUDA(x, host_unregister(p)); }
 void to_host_async(const Exec& x, void* dst, const void* src, size_t bytes) {
+  PROFILED(x, "to_host_async", prof::mem(double(bytes)), prof::Kind::Copy);
   ON_CUDA(x, to_host_async(x, dst, src, bytes));
   std::memcpy(dst, src, bytes);
 }
@@ -119,7 +146,19 @@ void* event_create(const Exec& x) {
 }
 void event_destroy(const Exec& x, void* e) { ON_CUDA(x, event_destroy(e)); }
 void event_record(const Exec& x, void* e) { ON_CUDA(x, event_record(x, e)); }
-void event_wait(const Exec& x, void* e) { ON_CUDA(x, event_wait(x, e)); }
+// Profiled on CUDA: the time the stream stood still at the wait (events before and after it on x's stream).
+void event_wait(const Exec& x, void* e) {
+  PROFILED_IF(x.device == Device::CUDA, x, "event_wait", {}, prof::Kind::StreamWait);
+  ON_CUDA(x, event_wait(x, e));
+}
+void* timing_event_create(const Exec& x) {
+  ON_CUDA(x, timing_event_create(x));
+  return nullptr;
+}
+float event_elapsed_ms(const Exec& x, void* a, void* b) {
+  ON_CUDA(x, event_elapsed_ms(a, b));
+  return 0;
+}
 
 void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
   ON_CUDA(x, memory_info(x, free_bytes, total_bytes));
@@ -128,12 +167,12 @@ void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
 
 // ---- elementwise and conversions ------------------------------------------------------------------------------
 void fill(const Exec& x, void* p, DType t, int64_t n, float value) {
-  ON_CUDA(x, fill(x, p, t, n, value));
+  DEV_OP(x, prof::mem(B(n, t)), fill(x, p, t, n, value));
   need_f32(t, "fill");
   std::fill(F(p), F(p) + n, value);
 }
 void convert(const Exec& x, void* dst, DType dt_dst, const void* src, DType dt_src, int64_t n) {
-  ON_CUDA(x, convert(x, dst, dt_dst, src, dt_src, n));
+  DEV_OP(x, prof::mem(B(n, dt_src) + B(n, dt_dst)), convert(x, dst, dt_dst, src, dt_src, n));
   if (dt_dst == dt_src) return (void)std::memmove(dst, src, size_t(n) * dtype_size(dt_src));
   // The host side of gathers and checkpoints: fp32 <-> bf16/fp16 with round-to-nearest-even.
   auto* d16 = static_cast<uint16_t*>(dst);
@@ -147,23 +186,23 @@ void convert(const Exec& x, void* dst, DType dt_dst, const void* src, DType dt_s
   fail(std::string("dev::convert: ") + dtype_name(dt_src) + " -> " + dtype_name(dt_dst) + " is not supported");
 }
 void axpy(const Exec& x, float alpha, const void* a, void* y, int64_t n, DType dt) {
-  ON_CUDA(x, axpy(x, alpha, a, y, n, dt));
+  DEV_OP(x, prof::mem(3 * B(n, dt)), axpy(x, alpha, a, y, n, dt));
   need_f32(dt, "axpy");
   for (int64_t i = 0; i < n; ++i) F(y)[i] += alpha * F(a)[i];
 }
 void scale(const Exec& x, void* y, int64_t n, float alpha, DType dt) {
-  ON_CUDA(x, scale(x, y, n, alpha, dt));
+  DEV_OP(x, prof::mem(2 * B(n, dt)), scale(x, y, n, alpha, dt));
   need_f32(dt, "scale");
   for (int64_t i = 0; i < n; ++i) F(y)[i] *= alpha;
 }
 void dropout_fwd(const Exec& x, const void* in, void* y, int64_t n, double p, uint64_t key, int64_t first, DType dt) {
-  ON_CUDA(x, dropout_fwd(x, in, y, n, p, key, first, dt));
+  DEV_OP(x, prof::mem(2 * B(n, dt)), dropout_fwd(x, in, y, n, p, key, first, dt));
   need_f32(dt, "dropout_fwd");
   const float keep = float(1 / (1 - p));
   for (int64_t i = 0; i < n; ++i) F(y)[i] = dropout_drops(key, first + i, p) ? 0.f : F(in)[i] * keep;
 }
 void dropout_bwd(const Exec& x, const void* dy, void* dx, int64_t n, double p, uint64_t key, int64_t first, DType dt) {
-  ON_CUDA(x, dropout_bwd(x, dy, dx, n, p, key, first, dt));
+  DEV_OP(x, prof::mem(3 * B(n, dt)), dropout_bwd(x, dy, dx, n, p, key, first, dt));
   need_f32(dt, "dropout_bwd");
   const float keep = float(1 / (1 - p));
   for (int64_t i = 0; i < n; ++i)
@@ -173,26 +212,26 @@ void dropout_bwd(const Exec& x, const void* dy, void* dx, int64_t n, double p, u
 // ---- GEMM ---------------------------------------------------------------------------------------------------------
 void gemm(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
           const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType dt, DType ct) {
-  ON_CUDA(x, gemm(x, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dt, ct));
+  DEV_OP(x, prof::flop(2.0 * double(M) * double(N) * double(K)), gemm(x, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dt, ct));
   need_f32(dt, "gemm");
   need_f32(ct, "gemm");
   ops::gemm<float>(ta, tb, M, N, K, alpha, F(A), lda, F(B), ldb, beta, F(C), ldc);
 }
 void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
                 int64_t n_out, DType dt) {
-  ON_CUDA(x, linear_fwd(x, in, W, b, y, N, n_in, n_out, dt));
+  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out)), linear_fwd(x, in, W, b, y, N, n_in, n_out, dt));
   need_f32(dt, "linear_fwd");
   ops::linear_fwd(F(in), F(W), F(b), F(y), N, n_in, n_out);
 }
 void linear_int8_fwd(const Exec& x, const void* in, const int8_t* q, const float* scale, const void* b, void* y,
                      int64_t N, int64_t n_in, int64_t n_out, DType dt) {
-  ON_CUDA(x, linear_int8_fwd(x, in, q, scale, b, y, N, n_in, n_out, dt));
+  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out)), linear_int8_fwd(x, in, q, scale, b, y, N, n_in, n_out, dt));
   need_f32(dt, "linear_int8_fwd");
   ops::linear_lowp_fwd(F(in), q, scale, F(b), F(y), N, n_in, n_out);
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, DType dt) {
-  ON_CUDA(x, linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, dt));
+  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out) * ((din ? 1 : 0) + (dW ? 1 : 0))), linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, dt));
   need_f32(dt, "linear_bwd");
   ops::linear_bwd(F(dy), F(in), F(W), F(din), dW, db, N, n_in, n_out);
 }
@@ -200,14 +239,14 @@ void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, vo
 // ---- norms ------------------------------------------------------------------------------------------------------------
 void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N,
                           int64_t D, double eps, DType dt) {
-  ON_CUDA(x, residual_rmsnorm_fwd(x, a, io, w, y, rstd, N, D, eps, dt));
+  DEV_OP(x, prof::mem(4 * B(N * D, dt)), residual_rmsnorm_fwd(x, a, io, w, y, rstd, N, D, eps, dt));
   axpy(x, 1.f, a, io, N * D, dt);
   rmsnorm_fwd(x, io, w, y, rstd, N, D, eps, dt);
 }
 void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const void* wq, const void* wk, void* q,
                       void* k, float* rq, float* rk, const float* cos, const float* sin, int64_t N, int64_t nh,
                       int64_t nkv, int64_t hd, double eps, DType dt) {
-  ON_CUDA(x, qk_norm_rope_fwd(x, qraw, kraw, wq, wk, q, k, rq, rk, cos, sin, N, nh, nkv, hd, eps, dt));
+  DEV_OP(x, prof::mem(2 * B(N * (nh + nkv) * hd, dt)), qk_norm_rope_fwd(x, qraw, kraw, wq, wk, q, k, rq, rk, cos, sin, N, nh, nkv, hd, eps, dt));
   rmsnorm_fwd(x, qraw, wq, q, rq, N * nh, hd, eps, dt);
   rmsnorm_fwd(x, kraw, wk, k, rk, N * nkv, hd, eps, dt);
   rope_fwd(x, q, cos, sin, N, nh, hd, dt);
@@ -216,7 +255,7 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
 void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void* wk, void* q, void* k_pool,
                       void* v_pool, const int32_t* slots, const float* cos, const float* sin, int64_t N, int64_t nh,
                       int64_t nkv, int64_t hd, double eps, DType dt) {
-  ON_CUDA(x, qkv_to_cache_fwd(x, qkv, wq, wk, q, k_pool, v_pool, slots, cos, sin, N, nh, nkv, hd, eps, dt));
+  DEV_OP(x, prof::mem(2 * B(N * (nh + 2 * nkv) * hd, dt)), qkv_to_cache_fwd(x, qkv, wq, wk, q, k_pool, v_pool, slots, cos, sin, N, nh, nkv, hd, eps, dt));
   need_f32(dt, "qkv_to_cache_fwd");
   const int64_t Dq = nh * hd, Dk = nkv * hd, ld = Dq + 2 * Dk;
   std::vector<float> qr(N * Dq), kr(N * Dk), v(N * Dk), k(N * Dk), rq(N * nh), rk(N * nkv);
@@ -233,57 +272,57 @@ void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void
 }
 void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
                  DType dt) {
-  ON_CUDA(x, rmsnorm_fwd(x, in, w, y, rstd, N, D, eps, dt));
+  DEV_OP(x, prof::mem(2 * B(N * D, dt)), rmsnorm_fwd(x, in, w, y, rstd, N, D, eps, dt));
   need_f32(dt, "rmsnorm_fwd");
   ops::rmsnorm_fwd(F(in), F(w), F(y), rstd, N, D, eps);
 }
 void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
                  float* dw, int64_t N, int64_t D, DType dt) {
-  ON_CUDA(x, rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, dt));
+  DEV_OP(x, prof::mem(3 * B(N * D, dt)), rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, dt));
   need_f32(dt, "rmsnorm_bwd");
   ops::rmsnorm_bwd(F(dy), F(in), F(w), rstd, F(din), dw, N, D);
 }
 void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, void* y, float* mean, float* rstd,
                    int64_t N, int64_t D, double eps, DType dt) {
-  ON_CUDA(x, layernorm_fwd(x, in, w, b, y, mean, rstd, N, D, eps, dt));
+  DEV_OP(x, prof::mem(2 * B(N * D, dt)), layernorm_fwd(x, in, w, b, y, mean, rstd, N, D, eps, dt));
   need_f32(dt, "layernorm_fwd");
   ops::layernorm_fwd(F(in), F(w), F(b), F(y), mean, rstd, N, D, eps);
 }
 void layernorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
                    void* din, float* dw, float* db, int64_t N, int64_t D, DType dt) {
-  ON_CUDA(x, layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, dt));
+  DEV_OP(x, prof::mem(3 * B(N * D, dt)), layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, dt));
   need_f32(dt, "layernorm_bwd");
   ops::layernorm_bwd(F(dy), F(in), F(w), mean, rstd, F(din), dw, db, N, D);
 }
 
 // ---- activations ----------------------------------------------------------------------------------------------------
 void gelu_tanh_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
-  ON_CUDA(x, gelu_tanh_fwd(x, in, y, n, dt));
+  DEV_OP(x, prof::mem(2 * B(n, dt)), gelu_tanh_fwd(x, in, y, n, dt));
   need_f32(dt, "gelu_tanh_fwd");
   ops::gelu_tanh_fwd(F(in), F(y), n);
 }
 void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
-  ON_CUDA(x, gelu_tanh_bwd(x, dy, in, din, n, dt));
+  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_tanh_bwd(x, dy, in, din, n, dt));
   need_f32(dt, "gelu_tanh_bwd");
   ops::gelu_tanh_bwd(F(dy), F(in), F(din), n);
 }
 void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
-  ON_CUDA(x, gelu_erf_fwd(x, in, y, n, dt));
+  DEV_OP(x, prof::mem(2 * B(n, dt)), gelu_erf_fwd(x, in, y, n, dt));
   need_f32(dt, "gelu_erf_fwd");
   ops::gelu_erf_fwd(F(in), F(y), n);
 }
 void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
-  ON_CUDA(x, gelu_erf_bwd(x, dy, in, din, n, dt));
+  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_erf_bwd(x, dy, in, din, n, dt));
   need_f32(dt, "gelu_erf_bwd");
   ops::gelu_erf_bwd(F(dy), F(in), F(din), n);
 }
 void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DType dt) {
-  ON_CUDA(x, swiglu_fwd(x, gu, y, N, I, dt));
+  DEV_OP(x, prof::mem(3 * B(N * I, dt)), swiglu_fwd(x, gu, y, N, I, dt));
   need_f32(dt, "swiglu_fwd");
   ops::swiglu_fwd(F(gu), F(y), N, I);
 }
 void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, DType dt) {
-  ON_CUDA(x, swiglu_bwd(x, dy, gu, dgu, N, I, dt));
+  DEV_OP(x, prof::mem(5 * B(N * I, dt)), swiglu_bwd(x, dy, gu, dgu, N, I, dt));
   need_f32(dt, "swiglu_bwd");
   ops::swiglu_bwd(F(dy), F(gu), F(dgu), N, I);
 }
@@ -291,13 +330,13 @@ void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_
 // ---- rotary -----------------------------------------------------------------------------------------------------------
 void rope_fwd(const Exec& x, void* q, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
               DType dt) {
-  ON_CUDA(x, rope_fwd(x, q, cos, sin, N, heads, hd, dt));
+  DEV_OP(x, prof::mem(2 * B(N * heads * hd, dt)), rope_fwd(x, q, cos, sin, N, heads, hd, dt));
   need_f32(dt, "rope_fwd");
   ops::rope_fwd(F(q), cos, sin, N, heads, hd);
 }
 void rope_bwd(const Exec& x, void* dq, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
               DType dt) {
-  ON_CUDA(x, rope_bwd(x, dq, cos, sin, N, heads, hd, dt));
+  DEV_OP(x, prof::mem(2 * B(N * heads * hd, dt)), rope_bwd(x, dq, cos, sin, N, heads, hd, dt));
   need_f32(dt, "rope_bwd");
   ops::rope_bwd(F(dq), cos, sin, N, heads, hd);
 }
@@ -306,7 +345,7 @@ void rope_bwd(const Exec& x, void* dq, const float* cos, const float* sin, int64
 void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
                    const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
                    bool causal, float scale, DType dt) {
-  ON_CUDA(x, attention_fwd(x, q, k, v, out, lse, cu, nseg, max_len, N, nh, nkv, hd, causal, scale, dt));
+  DEV_OP(x, prof::flop(attention_flops(N, max_len, nh, hd, causal)), attention_fwd(x, q, k, v, out, lse, cu, nseg, max_len, N, nh, nkv, hd, causal, scale, dt));
   need_f32(dt, "attention_fwd");
   const auto cu64 = widen(cu, nseg + 1);
   ops::attention_fwd(F(q), F(k), F(v), F(out), lse, cu64.data(), nseg, nh, nkv, hd, causal, scale);
@@ -314,7 +353,7 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
 void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
                    const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
                    int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, DType dt) {
-  ON_CUDA(x, attention_bwd(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
+  DEV_OP(x, prof::flop(2.5 * attention_flops(N, max_len, nh, hd, causal)), attention_bwd(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
                            dt));
   need_f32(dt, "attention_bwd");
   const auto cu64 = widen(cu, nseg + 1);
@@ -327,7 +366,7 @@ void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const
                          const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
                          int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
                          int64_t nkv, int64_t hd, float scale, DType dt) {
-  ON_CUDA(x, paged_attention_fwd(x, q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg, max_q, max_ctx,
+  DEV_OP(x, prof::mem(2 * B(N * nh * hd, dt) + 2 * B(nseg * max_ctx * nkv * hd, dt)), paged_attention_fwd(x, q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg, max_q, max_ctx,
                                  N, nh, nkv, hd, scale, dt));
   need_f32(dt, "paged_attention_fwd");
   Q3VL_CHECK(nkv > 0 && nh % nkv == 0 && block >= 1,
@@ -375,27 +414,27 @@ void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const
 // ---- embeddings and row moves ---------------------------------------------------------------------------------------
 void embedding_fwd(const Exec& x, const int32_t* ids, const void* table, void* out, int64_t N, int64_t D, int64_t V,
                    DType dt) {
-  ON_CUDA(x, embedding_fwd(x, ids, table, out, N, D, V, dt));
+  DEV_OP(x, prof::mem(2 * B(N * D, dt)), embedding_fwd(x, ids, table, out, N, D, V, dt));
   need_f32(dt, "embedding_fwd");
   const auto id64 = widen(ids, N);
   ops::embedding_fwd(id64.data(), F(table), F(out), N, D, V);
 }
 void embedding_bwd(const Exec& x, const int32_t* ids, const void* dout, float* dtable, int64_t N, int64_t D,
                    DType dt) {
-  ON_CUDA(x, embedding_bwd(x, ids, dout, dtable, N, D, dt));
+  DEV_OP(x, prof::mem(B(N * D, dt) + 8.0 * double(N * D)), embedding_bwd(x, ids, dout, dtable, N, D, dt));
   need_f32(dt, "embedding_bwd");
   const auto id64 = widen(ids, N);
   ops::embedding_bwd(id64.data(), F(dout), dtable, N, D);
 }
 void gather_rows(const Exec& x, const void* src, const int32_t* rows, int64_t div, void* dst, int64_t R, int64_t D,
                  DType dt) {
-  ON_CUDA(x, gather_rows(x, src, rows, div, dst, R, D, dt));
+  DEV_OP(x, prof::mem(2 * B(R * D, dt)), gather_rows(x, src, rows, div, dst, R, D, dt));
   need_f32(dt, "gather_rows");
   for (int64_t i = 0; i < R; ++i) std::copy_n(F(src) + rows[i] / div * D, D, F(dst) + i * D);
 }
 void scatter_rows(const Exec& x, const void* src, const int32_t* rows, void* dst, int64_t R, int64_t D,
                   bool accumulate, DType dt) {
-  ON_CUDA(x, scatter_rows(x, src, rows, dst, R, D, accumulate, dt));
+  DEV_OP(x, prof::mem((accumulate ? 3 : 2) * B(R * D, dt)), scatter_rows(x, src, rows, dst, R, D, accumulate, dt));
   need_f32(dt, "scatter_rows");
   for (int64_t i = 0; i < R; ++i) {
     if (rows[i] < 0) continue;
@@ -406,13 +445,13 @@ void scatter_rows(const Exec& x, const void* src, const int32_t* rows, void* dst
 }
 void pos_embed_fwd(const Exec& x, const void* table, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
                    int64_t merge, void* out, DType dt) {
-  ON_CUDA(x, pos_embed_fwd(x, table, G, D, t, h, w, merge, out, dt));
+  DEV_OP(x, prof::mem(2 * B(t * h * w * D, dt)), pos_embed_fwd(x, table, G, D, t, h, w, merge, out, dt));
   need_f32(dt, "pos_embed_fwd");
   ops::pos_embed_fwd(F(table), G, D, t, h, w, merge, F(out));
 }
 void pos_embed_bwd(const Exec& x, const void* dout, int64_t G, int64_t D, int64_t t, int64_t h, int64_t w,
                    int64_t merge, float* dtable, DType dt) {
-  ON_CUDA(x, pos_embed_bwd(x, dout, G, D, t, h, w, merge, dtable, dt));
+  DEV_OP(x, prof::mem(B(t * h * w * D, dt) + 8.0 * double(t * h * w * D)), pos_embed_bwd(x, dout, G, D, t, h, w, merge, dtable, dt));
   need_f32(dt, "pos_embed_bwd");
   ops::pos_embed_bwd(F(dout), G, D, t, h, w, merge, dtable);
 }
@@ -420,7 +459,7 @@ void pos_embed_bwd(const Exec& x, const void* dout, int64_t G, int64_t D, int64_
 // ---- loss ------------------------------------------------------------------------------------------------------------
 void argmax_rows(const Exec& x, const float* logits, int64_t S, int64_t V, int64_t v0, int64_t limit,
                  const int32_t* banned, int64_t nb, int32_t* idx, float* val) {
-  ON_CUDA(x, argmax_rows(x, logits, S, V, v0, limit, banned, nb, idx, val));
+  DEV_OP(x, prof::mem(4.0 * double(S * V)), argmax_rows(x, logits, S, V, v0, limit, banned, nb, idx, val));
   for (int64_t i = 0; i < S; ++i) {
     const float* r = logits + i * V;
     int64_t best = -1;
@@ -432,7 +471,7 @@ void argmax_rows(const Exec& x, const float* logits, int64_t S, int64_t V, int64
 }
 void cross_entropy(const Exec& x, const void* logits, const int32_t* target, float* loss, void* dlogits,
                    double* loss_sum, int64_t N, int64_t V, float scale, DType dt) {
-  ON_CUDA(x, cross_entropy(x, logits, target, loss, dlogits, loss_sum, N, V, scale, dt));
+  DEV_OP(x, prof::mem((dlogits ? 3 : 1) * B(N * V, dt)), cross_entropy(x, logits, target, loss, dlogits, loss_sum, N, V, scale, dt));
   need_f32(dt, "cross_entropy");
   const auto t64 = widen(target, N);
   const double s = ops::cross_entropy(F(logits), t64.data(), loss, F(dlogits), N, V, scale);
@@ -442,7 +481,7 @@ void cross_entropy(const Exec& x, const void* logits, const int32_t* target, flo
 // ---- MoE ---------------------------------------------------------------------------------------------------------------
 void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, float* w, int64_t N, int64_t E,
                 int64_t k, DType dt) {
-  ON_CUDA(x, router_fwd(x, logits, probs, idx, w, N, E, k, dt));
+  DEV_OP(x, prof::mem(B(N * E, dt) + 4.0 * double(N * E)), router_fwd(x, logits, probs, idx, w, N, E, k, dt));
   need_f32(dt, "router_fwd");
   std::vector<int64_t> i64(N * k);
   ops::router_fwd(F(logits), probs, i64.data(), w, N, E, k);
@@ -450,27 +489,27 @@ void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, f
 }
 void router_bwd(const Exec& x, const float* dw, const float* probs, const int32_t* idx, void* dlogits, int64_t N,
                 int64_t E, int64_t k, DType dt) {
-  ON_CUDA(x, router_bwd(x, dw, probs, idx, dlogits, N, E, k, dt));
+  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 4.0 * double(N * E)), router_bwd(x, dw, probs, idx, dlogits, N, E, k, dt));
   need_f32(dt, "router_bwd");
   const auto i64 = widen(idx, N * k);
   ops::router_bwd(dw, probs, i64.data(), F(dlogits), N, E, k);
 }
 void aux_loss_fwd(const Exec& x, const float* probs, const int32_t* idx, float* f, double* aux, int64_t N, int64_t E,
                   int64_t k) {
-  ON_CUDA(x, aux_loss_fwd(x, probs, idx, f, aux, N, E, k));
+  DEV_OP(x, prof::mem(4.0 * double(N * E)), aux_loss_fwd(x, probs, idx, f, aux, N, E, k));
   const auto i64 = widen(idx, N * k);
   const double a = ops::aux_loss_fwd(probs, i64.data(), N, E, k, f);
   if (aux) *aux += a;
 }
 void aux_loss_bwd(const Exec& x, const float* probs, const float* f, float coef, void* dlogits, int64_t N, int64_t E,
                   DType dt) {
-  ON_CUDA(x, aux_loss_bwd(x, probs, f, coef, dlogits, N, E, dt));
+  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 8.0 * double(N * E)), aux_loss_bwd(x, probs, f, coef, dlogits, N, E, dt));
   need_f32(dt, "aux_loss_bwd");
   ops::aux_loss_bwd(probs, f, coef, F(dlogits), N, E);
 }
 void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E, int32_t* start, int32_t* rows,
               int32_t* pos) {
-  ON_CUDA(x, moe_plan(x, idx, N, k, E, start, rows, pos));
+  DEV_OP(x, prof::mem(12.0 * double(N * k)), moe_plan(x, idx, N, k, E, start, rows, pos));
   const int64_t R = N * k;
   std::fill(start, start + E + 1, 0);
   for (int64_t r = 0; r < R; ++r) start[idx[r] + 1]++;
@@ -484,7 +523,7 @@ void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E
 }
 void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int32_t* start, void* y, int64_t R,
                         int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  ON_CUDA(x, grouped_linear_fwd(x, xg, W, start, y, R, E, n_in, n_out, dt));
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_fwd(x, xg, W, start, y, R, E, n_in, n_out, dt));
   need_f32(dt, "grouped_linear_fwd");
   for (int64_t e = 0; e < E; ++e)
     ops::linear_fwd(F(xg) + start[e] * n_in, F(W) + e * n_out * n_in, (const float*)nullptr, F(y) + start[e] * n_out,
@@ -492,7 +531,7 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
 }
 void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, const float* scale, const int32_t* start,
                              void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  ON_CUDA(x, grouped_linear_int8_fwd(x, xg, q, scale, start, y, R, E, n_in, n_out, dt));
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_int8_fwd(x, xg, q, scale, start, y, R, E, n_in, n_out, dt));
   need_f32(dt, "grouped_linear_int8_fwd");
   for (int64_t e = 0; e < E; ++e)
     ops::linear_lowp_fwd(F(xg) + start[e] * n_in, q + e * n_out * n_in, scale + e * n_out, (const float*)nullptr,
@@ -500,7 +539,7 @@ void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, con
 }
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
                         float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  ON_CUDA(x, grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, dt));
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, dt));
   need_f32(dt, "grouped_linear_bwd");
   for (int64_t e = 0; e < E; ++e)
     ops::linear_bwd(F(dy) + start[e] * n_out, F(xg) + start[e] * n_in, F(W) + e * n_out * n_in,
@@ -509,7 +548,7 @@ void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const voi
 }
 void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,
                      int64_t H, DType dt) {
-  ON_CUDA(x, moe_combine_fwd(x, y, pos, w, out, N, k, H, dt));
+  DEV_OP(x, prof::mem(B(N * k * H, dt) + B(N * H, dt)), moe_combine_fwd(x, y, pos, w, out, N, k, H, dt));
   need_f32(dt, "moe_combine_fwd");
   for (int64_t t = 0; t < N; ++t) {
     float* o = F(out) + t * H;
@@ -523,7 +562,7 @@ void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const flo
 }
 void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32_t* pos, const float* w, float* dw,
                      void* dy, int64_t N, int64_t k, int64_t H, DType dt) {
-  ON_CUDA(x, moe_combine_bwd(x, dout, y, pos, w, dw, dy, N, k, H, dt));
+  DEV_OP(x, prof::mem(B(N * H, dt) + 3 * B(N * k * H, dt)), moe_combine_bwd(x, dout, y, pos, w, dw, dy, N, k, H, dt));
   need_f32(dt, "moe_combine_bwd");
   for (int64_t r = 0; r < N * k; ++r) {
     const float* g = F(dout) + r / k * H;
@@ -539,7 +578,7 @@ void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32
 }
 void unpermute_add(const Exec& x, const void* src, const int32_t* pos, void* dst, int64_t N, int64_t k, int64_t H,
                    DType dt) {
-  ON_CUDA(x, unpermute_add(x, src, pos, dst, N, k, H, dt));
+  DEV_OP(x, prof::mem(B(N * k * H, dt) + 2 * B(N * H, dt)), unpermute_add(x, src, pos, dst, N, k, H, dt));
   need_f32(dt, "unpermute_add");
   for (int64_t r = 0; r < N * k; ++r) {
     const float* s = F(src) + int64_t(pos[r]) * H;
@@ -581,7 +620,7 @@ void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, float b
 
 void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t n, double beta1, double beta2,
            double eps, double lr, double weight_decay, double gscale, int64_t t) {
-  ON_CUDA(x, adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t));
+  DEV_OP(x, prof::mem(28.0 * double(n)), adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t));
   // PyTorch's semantics: decoupled weight decay p *= 1 - lr*wd before the Adam step; t counts updates from 1.
   const double bc1 = 1.0 - std::pow(beta1, double(t)), bc2 = 1.0 - std::pow(beta2, double(t));
   const float b1 = float(beta1), b2 = float(beta2), gs = float(gscale);
@@ -590,7 +629,7 @@ void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t 
   adamw_loop(p, g, m, v, n, b1, b2, gs, step, sqrt_bc2, e, decay);
 }
 void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc, int32_t* nonfinite) {
-  ON_CUDA(x, sum_squares(x, a, n, dt, acc, nonfinite));
+  DEV_OP(x, prof::mem(B(n, dt)), sum_squares(x, a, n, dt, acc, nonfinite));
   need_f32(dt, "sum_squares");
   double s = 0;
   int32_t bad = 0;

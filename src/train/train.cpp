@@ -17,6 +17,7 @@
 #include <utility>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -34,6 +35,7 @@
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/watchdog.hpp"
+#include "q3vl/tensor/profile.hpp"
 #include "q3vl/train/dev_trainer.hpp"
 #include "q3vl/train/flops.hpp"
 #include "q3vl/train/loader.hpp"
@@ -255,6 +257,8 @@ ModelConfig model_config(const Deck& d, std::string* json_text) {
   } else {
     fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
   }
+  if (cut_depth(c, d.integer("model.text_layers"), d.integer("model.vision_layers")))
+    *json_text = hf_config_json(c);  // what the checkpoints' model is: the cut one
   c.lora = lora_config(d);
   return c;
 }
@@ -363,6 +367,9 @@ int run_train(const Deck& deck) {
 
   std::string cfg_json;
   const ModelConfig cfg = model_config(deck, &cfg_json);
+  if (!deck.str("model.hf").empty() && (deck.integer("model.text_layers") > 0 || deck.integer("model.vision_layers") > 0))
+    fail_all("model.text_layers / model.vision_layers cut the depth of a model drawn at random (model.preset): "
+             "model.hf's weights hold every layer, and loading a part of them is not supported");
   // The device model computes: on the rank's GPU (model.backend = "cuda") or on the CPU op layer ("cpu"). The host
   // keeps only the ZeRO engine's shards, for start-up and checkpoint I/O, in the device trainer's layout; no rank
   // ever holds a full host copy of the weights.
@@ -618,6 +625,8 @@ int run_train(const Deck& deck) {
   const double walltime = deck.real("runtime.walltime");
   const double peak_flops = deck.real("runtime.peak_flops");
   const bool writer = !replica || replica->rank() == 0;
+  const bool profile = deck.boolean("run.profile");
+  const int64_t profile_step = deck.integer("run.profile_step");
 
   std::FILE* metrics = nullptr;
   if (rank == 0) {
@@ -656,6 +665,8 @@ int run_train(const Deck& deck) {
     debug_stop_step(long(st.step + 1));
     const double t_step = wall_seconds();
     double t_data = 0, t_fwd = 0, t_bwd = 0, t_comm = 0, t_opt = 0;
+    const bool profiling = profile && (profile_step == 0 || st.step + 1 == profile_step);
+    if (profiling) prof::begin_step(trainer->exec());
     StepData sd;
     {
       Phase p{t_data, "data loading"};
@@ -743,6 +754,10 @@ int run_train(const Deck& deck) {
     ++done;
 
     const double dt = wall_seconds() - t_step;
+    std::optional<prof::Report> report;  // rank 0's; reading the events waits for the step's device work
+    if (profiling)
+      report = prof::end_step(st.step, dt, {{"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd},
+                                           {"comm", t_comm}, {"optimizer", t_opt}});
     Timers& tm = Timers::get();
     tm.add("train: data", t_data), tm.add("train: forward", t_fwd), tm.add("train: backward", t_bwd);
     tm.add("train: comm", t_comm), tm.add("train: optimizer", t_opt);
@@ -792,6 +807,7 @@ int run_train(const Deck& deck) {
         j["experts"] = {{"ep", ep_size}, {"tokens_max", int64_t(ep_stats[0])}, {"tokens_min", int64_t(ep_stats[1])},
                         {"all_to_all_s", ep_stats[2]}};
       if (trainer->loss_scaling().on) j["loss_scale"] = trainer->loss_scaling().scale;
+      if (report) j["profile"] = report->json();
       first_line = false;
       if (!finite) j["loss"] = std::isfinite(loss) ? json(loss) : json(nullptr), j["grad_norm"] = nullptr;
       std::fprintf(metrics, "%s\n", j.dump().c_str());
@@ -801,6 +817,8 @@ int run_train(const Deck& deck) {
                     (long long)st.step, (long long)steps, loss, lr, gnorm, counts[1] / dt, rss, hms(eta).c_str(),
                     finite ? "" : "  (skipped)");
       log_info(line);
+      if (report)
+        for (const std::string& l : report->table()) log_info(l);
     }
     // A signal (Slurm's USR1 warning, SIGTERM), runtime.walltime or a STOP file: all ranks agree here.
     stop_note_step(dt);
@@ -820,6 +838,7 @@ int run_train(const Deck& deck) {
     }
   }
   if (metrics) std::fclose(metrics);
+  prof::release();
   log_info("training done: step " + std::to_string(st.step) + " of " + std::to_string(steps) + ", " +
            std::to_string(st.skipped_total) + " skipped step(s)");
   return 0;

@@ -259,4 +259,41 @@ grep -q "train.micro_batch = 8 is more than the 4 sample(s) a rank gets per micr
   "$tmp/mb8.log" && cmp_losses mb8 mb4 0 3 && pass "micro-batch-past-share-said-and-lowered" ||
   bad "micro-batch-past-share-said-and-lowered: $(grep -E 'micro_batch|error' "$tmp/mb8.log")"
 
+
+# run.profile (issue 30): step 2's table in the log and its "profile" object in metrics.jsonl (step 1: none); the
+# phases add up to the step, the ops that ran are rows (a ZeRO-3 step on 2 ranks: linear_bwd, MPI gathers).
+# np1 ran without it: nothing written. Never a timing.
+train prof 2 train.steps=2 run.profile=true run.profile_step=2; ok_run $? prof
+if grep -q "profile of step 2 (rank 0, CPU op layer" "$tmp/prof.log" && grep -q "host / unaccounted" "$tmp/prof.log" &&
+   $py - "$tmp/prof/metrics.jsonl" <<'PY'
+import json, math, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+assert "profile" not in lines[0] and "profile" in lines[1], [sorted(l) for l in lines]
+p = lines[1]["profile"]
+assert abs(sum(ph["pct"] for ph in p["phases"]) - 100) < 0.01, p["phases"]
+assert p["phases"][-1]["name"] == "host / unaccounted"
+ops = {o["name"]: o for o in p["ops"]}
+assert ops["linear_bwd"]["calls"] > 0 and ops["linear_bwd"]["tflops"] > 0, ops.get("linear_bwd")
+assert any(n.startswith("host waits: mpi all_gather") for n in ops), sorted(ops)
+assert all(math.isfinite(v) for o in p["ops"] for v in (o["ms"], o["pct"])), p["ops"]
+PY
+then pass "profile-table-and-metrics"; else bad "profile-table-and-metrics: $(grep -A3 'profile of' "$tmp/prof.log")"; fi
+! grep -q '"profile"' "$tmp/np1/metrics.jsonl" && ! grep -q "profile of step" "$tmp/np1.log" && pass "profile-off-writes-nothing" ||
+  bad "profile-off-writes-nothing"
+
+# model.text_layers cuts the preset's depth: one decoder layer fewer is one layer's parameters fewer (tiny: q 64x64,
+# k and v 32x64, o 64x64, gate, up and down 128x64, two norms of 64 and q/k norms of 16: 37024); past the depth, or
+# a vision depth that drops a DeepStack tap, is refused naming the key.
+cut=(model.preset=tiny data.seq_len=32 train.global_batch=2 train.micro_batch=2 train.steps=1 train.resume=never)
+for n in 1 2; do
+  mpiexec -n 1 $q train "${cut[@]}" model.text_layers=$n run.out_dir="$tmp/cut$n" >"$tmp/cut$n.log" 2>&1; ok_run $? cut$n
+done
+params() { grep -oP 'model: \K[0-9]+(?= parameters)' "$tmp/$1.log"; }
+holds "x[1] - x[0] == 37024" "$(params cut1)" "$(params cut2)" && pass "text-layers-cuts-one-layer" ||
+  bad "text-layers-cuts-one-layer: $(params cut1) vs $(params cut2)"
+expect text-layers-past-depth-refused 1 "model.text_layers = 3: the model has 2 decoder layers" \
+  mpiexec -n 1 $q train "${cut[@]}" model.text_layers=3 run.out_dir="$tmp/cut3"
+expect vision-layers-drop-deepstack-refused 1 "model.vision_layers = 2: drops the DeepStack tap at ViT block 2" \
+  mpiexec -n 1 $q train "${cut[@]}" model.preset=demo model.vision_layers=2 run.out_dir="$tmp/cutv"
+
 finish

@@ -238,3 +238,32 @@ TEST(Config, Errors) {
   expect_error([&] { load_hf_config(p.string()); }, {p.string(), "not valid JSON"});
   fs::remove(p);
 }
+
+// model.text_layers / model.vision_layers (issue 30): the first layers kept; a cut past the depth, below the DeepStack
+// taps' decoder layers or dropping a tap's ViT block is refused naming the key.
+TEST(Config, CutDepthKeepsDeepStackValid) {
+  ModelConfig c = preset_config("30B-A3B");
+  EXPECT_TRUE(cut_depth(c, 6, 0));
+  EXPECT_EQ(c.text.layers, 6);
+  EXPECT_EQ(c.vision.depth, preset_config("30B-A3B").vision.depth);
+  ModelConfig full = preset_config("2B");
+  EXPECT_FALSE(cut_depth(full, 0, 0));
+  EXPECT_EQ(full, preset_config("2B"));
+  auto refused = [](int64_t t, int64_t v, const std::string& want) {
+    ModelConfig m = preset_config("2B");  // deepstack_visual_indexes [5, 11, 17], 24 blocks, 28 layers
+    try {
+      cut_depth(m, t, v);
+      ADD_FAILURE() << "expected a refusal: " << want;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  };
+  refused(29, 0, "model.text_layers = 29: the model has 28 decoder layers");
+  refused(2, 0, "model.text_layers = 2: the vision tower feeds DeepStack features into decoder layers 0..2");
+  refused(0, 17, "model.vision_layers = 17: drops the DeepStack tap at ViT block 17");
+  refused(0, 25, "model.vision_layers = 25: the vision tower has 24 blocks");
+  ModelConfig m = preset_config("2B");
+  EXPECT_TRUE(cut_depth(m, 3, 18));
+  EXPECT_EQ(m.text.layers, 3);
+  EXPECT_EQ(m.vision.depth, 18);
+}

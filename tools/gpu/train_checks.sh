@@ -2,7 +2,7 @@
 # Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
-#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain
+#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -32,10 +32,13 @@
 # - hftrain (issue 30): the 2B shape in q3vl (ZeRO-3, one rank) and in transformers (tools/gpu/hf_train_baseline.py:
 #   4 x 4096 tokens, one 448 px image a sequence, bf16 autocast, SDPA, fused AdamW) side by side: median tokens/s
 #   over steps 3-8 and their ratio.
+# - profile (issue 30): the 2B shape (input/bench_2b_gpu.deck) with run.profile = true for 4 steps: step 3's table
+#   (CUDA events) in profile.log, every profiled step's "profile" object in profile.jsonl, and the rows of step 3
+#   whose share of the step is largest in the summary, with the phases and the compute stream's idle time.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
-parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain}
+parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile}
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -283,6 +286,26 @@ if part video; then
   Q3VL_REQUIRE_GPU=1 timeout 120 "$ut" --gtest_filter='VideoGolden.*:Golden.*Video*:Video*.*-VideoDecode.*' \
     >"$out/video_unit.log" 2>&1
   say "video unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/video_unit.log" | tr '\n' ' ')"
+  pack
+fi
+
+if part profile; then
+  rm -rf /tmp/runs/profile
+  t0=$SECONDS
+  timeout 300 "$q" train input/bench_2b_gpu.deck train.steps=4 checkpoint.every=0 run.profile=true \
+    run.profile_step=3 run.out_dir=/tmp/runs/profile >"$out/profile.log" 2>&1
+  say "profile: rc=$? $((SECONDS - t0)) s"
+  cp /tmp/runs/profile/metrics.jsonl "$out/profile.jsonl" 2>/dev/null
+  python3 - "$out/profile.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, sys
+p = next(l["profile"] for l in map(json.loads, open(sys.argv[1])) if "profile" in l)
+print(f"profile of step {p['step']}: {p['step_ms']:.1f} ms, compute stream busy {p['busy_ms']:.1f} ms, "
+      f"exposed communication {p['exposed_comm_ms']:.1f} ms, {p['regions']} regions")
+print("  phases: " + ", ".join(f"{x['name']} {x['ms']:.1f} ms ({x['pct']:.1f}%)" for x in p["phases"]))
+for o in p["ops"][:12]:
+    rate = f"{o['tflops']:.1f} TFLOP/s" if "tflops" in o else f"{o['gbps']:.0f} GB/s" if "gbps" in o else ""
+    print(f"  {o['name']:<44} {o['calls']:>6} {o['ms']:>10.2f} ms {o['pct']:>5.1f}%  {rate}")
+PY
   pack
 fi
 pack

@@ -97,5 +97,11 @@ std::string config_difference(const ModelConfig& checkpoint, const ModelConfig& 
 // Built-in presets: "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B" (and "tiny" for tests/demo).
 ModelConfig preset_config(const std::string& name);
 std::vector<std::string> preset_names();
+// model.text_layers / model.vision_layers: keep the first `text_layers` decoder layers and `vision_layers` ViT blocks
+// of c (0: all), for benchmarks of a deep model's shapes. A cut is refused, naming the key, where it would exceed
+// the model's depth, drop a DeepStack tap (a ViT block in deepstack_visual_indexes: its merger's weights and the
+// decoder layer it feeds would silently change meaning, so it is not clipped) or leave fewer decoder layers than
+// DeepStack taps. Returns whether anything was cut.
+bool cut_depth(ModelConfig& c, int64_t text_layers, int64_t vision_layers);
 
 }  // namespace q3vl

@@ -26,6 +26,14 @@ namespace q3vl {
 
 enum class ReduceOp { Sum, Max, Min };
 
+// Bytes of `count` elements of t, or of the sum of `counts` (what a collective moves, for the profiler).
+inline double coll_bytes(size_t count, DType t) { return double(count) * double(dtype_size(t)); }
+inline double coll_bytes(const std::vector<size_t>& counts, DType t) {
+  size_t n = 0;
+  for (size_t c : counts) n += c;
+  return coll_bytes(n, t);
+}
+
 // An in-flight collective.
 class CommRequest {
  public:
@@ -33,6 +41,7 @@ class CommRequest {
   virtual bool test() = 0;  // true once complete
   const std::string& what() const { return what_; }
   long seq = 0;  // this rank's sequence number of the collective (0: not counted)
+  double bytes = 0;    // what it moves per rank (the profiler's GB/s, tensor/profile.hpp)
 
  protected:
   explicit CommRequest(std::string what) : what_(std::move(what)) {}

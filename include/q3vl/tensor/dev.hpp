@@ -65,6 +65,10 @@ void* event_create(const Exec& x);
 void event_destroy(const Exec& x, void* e);
 void event_record(const Exec& x, void* e);
 void event_wait(const Exec& x, void* e);
+// Timing events (the profiler's, tensor/profile.hpp): recorded with event_record; event_elapsed_ms waits for `b` and
+// gives the milliseconds from `a` to `b`. The CPU has none (null, 0).
+void* timing_event_create(const Exec& x);
+float event_elapsed_ms(const Exec& x, void* a, void* b);
 
 #include "q3vl/tensor/dev_ops.inc"
 

@@ -116,6 +116,7 @@ class DevTrainer {
   void set_loss_scale(double s) { ls_.scale = s; }
   // The communicator the shards move over ("nccl", "mpi", "none" for one rank).
   std::string comm_kind() const;
+  const dev::Exec& exec() const { return ex_; }  // the compute stream
   int64_t gathered_bytes() const { return zero_->gathered_bytes(); }
 
   std::string memory_report() const;

@@ -23,6 +23,8 @@ void* event_create(const Exec& x);
 void event_destroy(void* e);
 void event_record(const Exec& x, void* e);
 void event_wait(const Exec& x, void* e);
+void* timing_event_create(const Exec& x);
+float event_elapsed_ms(void* a, void* b);
 
 #include "q3vl/tensor/dev_ops.inc"
 

@@ -131,4 +131,17 @@ void event_record(const Exec& x, void* e) { Q3VL_CU(cudaEventRecord(static_cast<
 
 void event_wait(const Exec& x, void* e) { Q3VL_CU(cudaStreamWaitEvent(stream_of(x), static_cast<cudaEvent_t>(e), 0)); }
 
+void* timing_event_create(const Exec& x) {
+  cudaEvent_t e = nullptr;
+  Q3VL_CU(cudaEventCreate(&e));
+  return e;
+}
+
+float event_elapsed_ms(void* a, void* b) {
+  Q3VL_CU(cudaEventSynchronize(static_cast<cudaEvent_t>(b)));
+  float ms = 0;
+  Q3VL_CU(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(a), static_cast<cudaEvent_t>(b)));
+  return ms;
+}
+
 }  // namespace q3vl::dev::cuda
