@@ -26,7 +26,7 @@ say "node: $(command -v node || echo none)"
 
 t0=$SECONDS
 if part unit; then
-Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='BackendOps.*:DevInfer.*:DevLayers.*:DevVision.*:DevModel.*:Golden.*:StreamWeights.*' \
+Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='BackendOps.*:DevInfer.*:DevLayers.*:DevVision.*:DevModel.*:Golden.*:StreamWeights.*:Profile.*' \
   >"$out/unit.log" 2>&1
 say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit.log" | tr '\n' ' ')"
 grep -E 'paged_attention.*(FAIL|fail)|^\[  FAILED|on cuda (fp32|bf16|fp16):' "$out/unit.log" >>"$out/summary.txt"

@@ -296,6 +296,7 @@ if part profile; then
     run.profile_step=3 run.out_dir=/tmp/runs/profile >"$out/profile.log" 2>&1
   say "profile: rc=$? $((SECONDS - t0)) s"
   cp /tmp/runs/profile/metrics.jsonl "$out/profile.jsonl" 2>/dev/null
+  rm -rf /tmp/runs/profile  # the final checkpoint: 25 GB
   python3 - "$out/profile.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
 import json, sys
 p = next(l["profile"] for l in map(json.loads, open(sys.argv[1])) if "profile" in l)
