@@ -177,7 +177,7 @@ std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, 
   const int n = c.size();
   gathered_ += u.shard * n * int64_t(dtype_size(gd_));
   if (const size_t i = size_t(&u - L_.units.data()); i < up_wait_.size() && up_wait_[i])
-    dev::event_wait(n == 1 ? ex_ : cx_, ev_up_[i]), up_wait_[i] = 0;  // its shard is up (delayed update)
+    dev::event_wait(n == 1 ? ex_ : cx_, ev_up_[i]), up_wait_[i] = 0;  // its shard is up (upload_units)
   if (n == 1) {
     const void* src = stream_ ? staged(u, slot, ex_) : wshard(u.master_off);
     dev::convert(ex_, dst, dt_, src, gd_, u.shard);  // a copy unless conv_

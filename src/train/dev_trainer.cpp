@@ -189,7 +189,7 @@ void DevTrainer::update(const AdamWConfig& hp, double lr, double gscale, int64_t
 }
 
 // The offloaded update. Synchronous: AdamW on the host, then the parameters up. Delayed: the previous step's update
-// lands first (waited, its parameters up on the model's stream), then this one starts on its own thread over this
+// lands first (waited, its parameters up: refresh_params), then this one starts on its own thread over this
 // step's pair of host copies, while the next step computes on the weights from before it.
 void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t t) {
   zero_->grads_on_host();
