@@ -255,10 +255,12 @@ const std::vector<KeySpec>& deck_schema() {
        "DeepSpeed's delayed parameter update): step k's host AdamW overlaps step k+1, which computes on the weights "
        "from before it (gradients one step stale: other numbers than sync); its parameters go up when step k+1 ends. "
        "A checkpoint lands the update first (the next step computes on its weights), so a resumed run continues the "
-       "curve of a run that wrote checkpoints at the same steps. Costs a second host copy of the "
+       "curve of a run that wrote checkpoints at the same steps. Costs a second device copy of the "
        "gradient shard and of the compute-dtype shard", -kBig, kBig, {"sync", "delayed"}},
       {"parallel.offload_threads", T::Int, "0", "parallel.offload_optimizer = cpu: host threads for AdamW per rank (0: "
        "the rank's cores, from its CPU binding or its share of the node)", 0, 4096},
+      {"parallel.offload_chunk", T::Int, "4194304", "parallel.offload_optimizer = cpu: elements of each of the two "
+       "pinned ring slots the host update's copies go through (gradients down, parameters up)", 256, int64_t(1) << 30},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
       {"parallel.ep", T::Int, "1", "expert parallelism (MoE): groups of N consecutive ranks split every MoE layer's "
        "experts, E/N whole experts a rank, tokens dispatched to them by all-to-all; N divides the rank count and "

@@ -30,33 +30,37 @@ int64_t max_shard(const ZeroLayout& L) {
   return m;
 }
 
+// Offloaded: elements a ring slot holds.
+int64_t ring_chunk(const ZeroLayout& L, int64_t chunk) { return std::max<int64_t>(1, std::min(chunk, L.master)); }
+
 DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd, bool off,
-                    bool in_place, bool stream, bool delayed) {
+                    bool in_place, bool stream, bool delayed, int64_t chunk) {
   DevZeroMemory m;
   const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
   const int64_t up = stream ? (stage == 3 ? kParamSlots : 1) * max_shard(L) * (4 + (gd == DType::F32 ? 0 : g)) : 0;
   const int64_t staging = gd == dt ? 0 : (stage == 3 ? kParamSlots : 1) * slot * g;
+  const int64_t copies = delayed ? 2 : 1;  // delayed: the gradient shard and the parameter copy twice
   if (!in_place) (off ? m.host_master : m.master) = L.master * 4;
   if (!in_place) (off ? m.host_moments : m.moments) = 2 * L.opt * 4;
-  m.grads = L.comm * 4;
-  m.comm = (group > 1 ? L.comm * 4 : 0) + ((gd == DType::F32 && !off) || stream ? 0 : L.master * g);  // 1 rank: +=
+  m.grads = copies * L.comm * 4;
+  m.comm = (group > 1 ? L.comm * 4 : 0) + ((gd == DType::F32 && !off) || stream ? 0 : copies * L.master * g);
   m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging + up;
-  if (off) m.host_staging = (delayed ? 2 : 1) * (L.comm * 4 + (stream ? 0 : L.master * g));
+  if (off) m.host_staging = 2 * ring_chunk(L, chunk) * (4 + (stream ? 0 : g));
   return m;
 }
 
 }  // namespace
 
 DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload, bool in_place, bool stream, bool delayed) {
+                            DType gather, bool offload, bool in_place, bool stream, bool delayed, int64_t chunk) {
   const ShardGroup experts{group / t.ep().size, 0};
   return sizes(t, zero_layout(t, {group, 0}, t.ep().size > 1 ? &experts : nullptr, stage, trainable), group, stage,
-               dt, gather, offload, offload && in_place, offload && stream, offload && delayed);
+               dt, gather, offload, offload && in_place, offload && stream, offload && delayed, chunk);
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
                  const dev::Exec* comm_ex, DType gather, Comm* experts, bool offload, const HostState* host,
-                 bool stream, bool delayed)
+                 bool stream, bool delayed, int64_t chunk)
     : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), experts_(experts), stage_(stage), dt_(m.dtype()),
       gd_(gather == DType::BF16 && m.dtype() == DType::F32 ? DType::BF16 : m.dtype()), conv_(gd_ != dt_),
       ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
@@ -73,7 +77,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
   Q3VL_CHECK(!stream || offload, "DevZero: parameters on the host need the masters there (the optimizer offloaded)");
   Q3VL_CHECK(!(stream && delayed), "DevZero: a delayed update cannot stream parameters from the masters it changes");
-  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_, stream_, delayed_);
+  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_, stream_, delayed_, chunk);
   auto f32 = [&](int64_t k) {
     float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
     dev::fill(ex_, p, DType::F32, k, 0.f);
@@ -88,19 +92,33 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
            "plan` sizes it)");
     }
   };
-  auto opt = [&](int64_t k, float* theirs) {
+  // Offloaded, the masters and moments are host memory the device never reads, but the masters that parameters on
+  // the host are gathered from (pinned, so their copies run asynchronously).
+  const dev::Exec cpu{};
+  auto opt = [&](int64_t k, float* theirs, bool pin) -> float* {
     if (!off_) return f32(k);
-    return static_cast<float*>(borrowed_ && k == 0 ? nullptr : pinned(std::max<int64_t>(k, 1) * 4, theirs));
+    const int64_t bytes = std::max<int64_t>(k, 1) * 4;
+    if (pin) return static_cast<float*>(pinned(bytes, theirs));
+    return theirs ? theirs : static_cast<float*>(dev::host_alloc(cpu, size_t(bytes)));
   };
-  master_ = opt(L_.master, borrowed_ ? host->master : nullptr), gshard_ = f32(L_.comm);
-  m_ = opt(L_.opt, borrowed_ ? host->exp_avg : nullptr), v_ = opt(L_.opt, borrowed_ ? host->exp_avg_sq : nullptr);
+  master_ = opt(L_.master, borrowed_ ? host->master : nullptr, stream_);
+  m_ = opt(L_.opt, borrowed_ ? host->exp_avg : nullptr, false);
+  v_ = opt(L_.opt, borrowed_ ? host->exp_avg_sq : nullptr, false);
+  gshard_ = f32(L_.comm), gprev_ = delayed_ ? f32(L_.comm) : nullptr;
   land_ = f32(n > 1 ? L_.comm : 0);
-  if ((gd_ != DType::F32 || off_) && !stream_)
-    wcopy_ = dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_));
-  for (int i = 0; i < (delayed_ ? 2 : 1) && off_; ++i) {
-    hgrad_[i] = static_cast<float*>(pinned(std::max<int64_t>(L_.comm, 1) * 4, nullptr));
-    if (!stream_) hparam_[i] = pinned(std::max<int64_t>(L_.master, 1) * int64_t(dtype_size(gd_)), nullptr);
+  auto wbuf = [&] { return dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_)); };
+  if ((gd_ != DType::F32 || off_) && !stream_) wcopy_ = wbuf();
+  if (delayed_) wnext_ = wbuf();
+  if (off_) {
+    chunk_ = ring_chunk(L_, chunk);
+    ux_ = dev::make_exec(ex_.device, 0, ex_.gpu);
+    for (Ring& r : ring_) {
+      r.g = static_cast<float*>(pinned(chunk_ * 4, nullptr));
+      r.w = stream_ ? nullptr : pinned(chunk_ * int64_t(dtype_size(gd_)), nullptr);
+      r.down = dev::event_create(ex_);
+    }
   }
+  make_runs();
   for (int i = 0, k = stream_ ? (stage == 3 ? kParamSlots : 1) : 0; i < k; ++i) {
     up_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * 4));
     if (gd_ != DType::F32) upc_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * dtype_size(gd_)));
@@ -141,11 +159,23 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
 DevZero::~DevZero() {
   dev::synchronize(ex_);
   if (stage_ == 3) model_.set_hooks(nullptr);
-  for (void* p : {(void*)gshard_, (void*)land_, wcopy_})
+  for (void* p : {(void*)gshard_, (void*)gprev_, (void*)land_, wcopy_, wnext_})
     if (p) dev::release(ex_, p);
-  for (void* p : {(void*)master_, (void*)m_, (void*)v_})
-    if (p) borrowed_ ? dev::host_unregister(ex_, p) : off_ ? dev::host_release(ex_, p) : dev::release(ex_, p);
-  for (int i = 0; i < 2; ++i) dev::host_release(ex_, hgrad_[i]), dev::host_release(ex_, hparam_[i]);
+  for (void* p : {(void*)master_, (void*)m_, (void*)v_}) {
+    const bool pinned = stream_ && p == master_;
+    if (!p || !off_) {
+      if (p) dev::release(ex_, p);
+    } else if (borrowed_) {
+      if (pinned) dev::host_unregister(ex_, p);
+    } else {
+      dev::host_release(pinned ? ex_ : dev::Exec{}, p);
+    }
+  }
+  if (off_) {
+    dev::synchronize(ux_);
+    for (Ring& r : ring_) dev::host_release(ex_, r.g), dev::host_release(ex_, r.w), dev::event_destroy(ex_, r.down);
+    dev::destroy_exec(ux_);
+  }
   dev::synchronize(cx_);
   for (void* p : pslot_) dev::release(ex_, p);
   for (void* p : up_) dev::release(ex_, p);
@@ -155,9 +185,6 @@ DevZero::~DevZero() {
   for (auto* v : {&ev_ready_, &ev_free_, &ev_gfree_})
     for (void* e : *v) dev::event_destroy(ex_, e);
   dev::event_destroy(ex_, ev_c2m_), dev::event_destroy(ex_, ev_m2c_);
-  if (ux_) dev::synchronize(*ux_);
-  for (void* e : ev_up_) dev::event_destroy(ex_, e);
-  dev::event_destroy(ex_, ev_down_);
 }
 
 void* DevZero::wshard(int64_t off) const {
@@ -176,8 +203,6 @@ std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, 
   Comm& c = comm(u);
   const int n = c.size();
   gathered_ += u.shard * n * int64_t(dtype_size(gd_));
-  if (const size_t i = size_t(&u - L_.units.data()); i < up_wait_.size() && up_wait_[i])
-    dev::event_wait(n == 1 ? ex_ : cx_, ev_up_[i]), up_wait_[i] = 0;  // its shard is up (upload_units)
   if (n == 1) {
     const void* src = stream_ ? staged(u, slot, ex_) : wshard(u.master_off);
     dev::convert(ex_, dst, dt_, src, gd_, u.shard);  // a copy unless conv_
@@ -206,9 +231,6 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
     if (L_.offs[i].opt >= 0 && h.exp_avg) put(m_ + L_.offs[i].opt, h.exp_avg), put(v_ + L_.offs[i].opt, h.exp_avg_sq);
   }
   gathered_once_ = false;  // every unit changed: the next refresh_params() moves them all
-  // Offloaded: the gathers' copy of the masters, on the host (the CPU op layer's rounding), for refresh_params().
-  for (void* w : hparam_)
-    if (w) dev::convert(dev::Exec{}, w, gd_, master_, DType::F32, L_.master);
   dev::synchronize(ex_);
 }
 
@@ -246,43 +268,101 @@ void DevZero::m2c() {
   dev::event_wait(ex_, ev_m2c_);
 }
 
-void DevZero::flip_host_buffers() {
-  Q3VL_CHECK(delayed_, "DevZero: only a delayed update double-buffers its host copies");
-  std::swap(hgrad_[0], hgrad_[1]), std::swap(hparam_[0], hparam_[1]);
-}
-
-void DevZero::set_copy_exec(const dev::Exec* x) {
-  Q3VL_CHECK(off_ && stage_ == 3, "DevZero: a host-copy stream is for an offloaded optimizer at stage 3");
-  ux_ = x;
-  for (size_t i = 0; i < L_.units.size(); ++i) ev_up_.push_back(dev::event_create(ex_));
-  ev_down_ = dev::event_create(ex_);
-  up_wait_.assign(L_.units.size(), 0);
-}
-
-// On the host-copy stream (set_copy_exec; only between steps, when no gather reads wcopy_): each trainable unit's
-// shard goes up in the forward pass's order, and the unit's next gather waits for its own copy only, so the copies
-// overlap the next forward pass.
-void DevZero::upload_units(const void* w) {
-  dev::synchronize(*ux_);  // the last step's copies (long done)
-  std::vector<char> sent(L_.units.size(), 0);
-  for (int i : order_[0]) {
-    const ZeroUnit& u = L_.units[size_t(i)];
-    if (!u.trainable || sent[size_t(i)]++) continue;  // a unit the order lists twice goes up once
-    dev::to_device(*ux_, at(wcopy_, u.master_off, gd_), at(w, u.master_off, gd_), size_t(u.shard) * dtype_size(gd_));
-    dev::event_record(*ux_, ev_up_[size_t(i)]), up_wait_[size_t(i)] = 1;
+void DevZero::make_runs() {
+  for (size_t i = 0; i < L_.pieces.size(); ++i) {
+    const ShardPiece& p = L_.pieces[i];
+    if (!p.trainable) continue;
+    const ZeroLayout::Offs& o = L_.offs[i];
+    Run* b = runs_.empty() ? nullptr : &runs_.back();
+    if (b && b->master + b->n == o.master && b->grad + b->n == o.comm && b->opt + b->n == o.opt &&
+        b->no_decay == p.no_decay)
+      b->n += p.count;
+    else
+      runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay, b ? b->first + b->n : 0});
   }
 }
 
-void DevZero::refresh_params(const void* host_params) {
-  if (off_ && !stream_ && ux_ && gathered_once_) {
-    upload_units(host_params ? host_params : hparam_[0]);
-  } else if (off_ && !stream_) {  // the trainable units' masters changed (every unit at start-up): up, on the model's stream
-    const void* w = host_params ? host_params : hparam_[0];
-    const size_t g = dtype_size(gd_);
-    for (const ZeroUnit& u : L_.units)
-      if (u.trainable || !gathered_once_)
-        dev::to_device(ex_, at(wcopy_, u.master_off, gd_), at(w, u.master_off, gd_), size_t(u.shard) * g);
-  } else if (wcopy_) {
+void DevZero::flip() {
+  Q3VL_CHECK(delayed_, "DevZero: only a delayed update double-buffers the gradient shard");
+  std::swap(gshard_, gprev_);
+}
+
+void DevZero::land() {
+  Q3VL_CHECK(delayed_, "DevZero: only a delayed update double-buffers the parameter copy");
+  std::swap(wcopy_, wnext_);
+}
+
+// The spans in chunks of chunk_ elements, two ring slots in turn, all copies on ux_ in order: chunk c + 1's gradients
+// go down while chunk c is updated; chunk c's parameters go up before chunk c + 2's gradients come down into its
+// slot, so the host's wait for that copy down also covers the slot's copy up (and chunk c's copy down was waited
+// before chunk c was updated).
+void DevZero::ring_walk(const std::vector<Span>& spans, const float* g, void* w, ThreadPool* pool,
+                        const SpanFn& fn) {
+  int64_t total = 0;
+  for (const Span& p : spans) total += p.n;
+  const size_t gs = dtype_size(gd_);
+  // f(span, a, n, x): elements [a, a+n) of a span, x their place in the chunk that starts at c.
+  auto each = [&](int64_t c, int64_t lo, int64_t hi, const auto& f) {
+    int64_t x = 0;  // elements of the spans before
+    for (const Span& p : spans) {
+      const int64_t a = std::max(lo, x), b = std::min(hi, x + p.n);
+      if (a < b) f(p, a - x, b - a, a - c);
+      if ((x += p.n) >= hi) break;
+    }
+  };
+  auto down = [&](int64_t c) {
+    Ring& r = ring_[(c / chunk_) % 2];
+    if (g)
+      each(c, c, std::min(total, c + chunk_), [&](const Span& p, int64_t a, int64_t n, int64_t x) {
+        dev::to_host_async(ux_, r.g + x, g + p.grad + a, size_t(n) * 4);
+      });
+    dev::event_record(ux_, r.down);
+  };
+  if (total > 0) down(0);
+  for (int64_t c = 0; c < total; c += chunk_) {
+    const int64_t e = std::min(total, c + chunk_);
+    if (e < total) down(e);
+    Ring& r = ring_[(c / chunk_) % 2];
+    dev::event_synchronize(ux_, r.down);
+    auto work = [&](int64_t lo, int64_t hi) {
+      each(c, c + lo, c + hi, [&](const Span& p, int64_t a, int64_t n, int64_t x) {
+        fn(p, a, n, r.g + x, r.w ? static_cast<char*>(r.w) + x * int64_t(gs) : nullptr);
+      });
+    };
+    if (pool) pool->run(e - c, work);
+    else work(0, e - c);
+    if (w && r.w)
+      each(c, c, e, [&](const Span& p, int64_t a, int64_t n, int64_t x) {
+        dev::to_device(ux_, at(w, p.master + a, gd_), static_cast<char*>(r.w) + x * int64_t(gs), size_t(n) * gs);
+      });
+  }
+  dev::synchronize(ux_);
+}
+
+// The caller has waited for the step's gradients (the norm read them), so the copies down need no event.
+void DevZero::host_update(ThreadPool& pool, const HostFn& fn) {
+  Q3VL_CHECK(off_, "DevZero: the host update needs the optimizer offloaded");
+  dev::bind_thread(ux_);
+  std::vector<Span> spans;
+  for (const Run& r : runs_) spans.push_back({r.grad, r.master, r.n, &r});
+  ring_walk(spans, delayed_ ? gprev_ : gshard_, stream_ ? nullptr : delayed_ ? wnext_ : wcopy_, &pool,
+            [&](const Span& p, int64_t a, int64_t n, const float* g, void* w) { fn(*p.run, a, n, g, w); });
+}
+
+// Every unit's masters in gd_ (the CPU op layer's rounding) up into w.
+void DevZero::upload_all(void* w) {
+  std::vector<Span> spans;
+  for (const ZeroUnit& u : L_.units) spans.push_back({-1, u.master_off, u.shard, nullptr});
+  ring_walk(spans, nullptr, w, nullptr, [&](const Span& p, int64_t a, int64_t n, const float*, void* out) {
+    dev::convert(dev::Exec{}, out, gd_, master_ + p.master + a, DType::F32, n);
+  });
+}
+
+void DevZero::refresh_params() {
+  if (off_ && !stream_ && !gathered_once_) {  // start-up or a resume: every unit's masters up, into both copies
+    upload_all(wcopy_);
+    if (wnext_) upload_all(wnext_);
+  } else if (wcopy_ && !off_) {
     dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
   }
   if (stage_ == 3) return (void)(gathered_once_ = true);
@@ -306,48 +386,25 @@ void DevZero::reduce_unit(int ui, const float* g) {
   Comm& c = comm(u);
   if (c.size() == 1) {
     dev::axpy(ex_, 1.f, g, gshard_ + u.comm_off, u.shard, DType::F32);
-    if (last_pass()) down(ex_, u.comm_off, u.shard);
     return;
   }
   settle(c, c.ireduce_scatter(g, land_ + u.comm_off, size_t(u.shard), DType::F32, ReduceOp::Sum));
   dev::axpy(cx_, 1.f, land_ + u.comm_off, gshard_ + u.comm_off, u.shard, DType::F32);
-  if (last_pass()) down(cx_, u.comm_off, u.shard);
 }
 
-// Stage 1 reduces once, in finish_grads; hybrid sharding all-reduces the shards after the pass: both copy there.
-bool DevZero::last_pass() const {
-  return off_ && stage_ != 1 && micro_ > 0 && bwd_ + 1 == micro_ && !(replica_ && replica_->size() > 1);
-}
-
-// On the model's stream the copy would wait behind the rest of the backward pass: it goes to the host-copy stream,
-// after the work enqueued so far (the unit's last gradient added).
-void DevZero::down(const dev::Exec& x, int64_t off, int64_t n) {
-  const dev::Exec* c = &x;
-  if (ux_ && x.stream == ex_.stream) dev::event_record(ex_, ev_down_), dev::event_wait(*ux_, ev_down_), c = ux_;
-  dev::to_host_async(*c, hgrad_[0] + off, gshard_ + off, size_t(n) * 4);
-}
-
-void DevZero::grads_on_host() {
-  dev::synchronize(cx_);
-  dev::synchronize(ex_);
-  if (ux_) dev::synchronize(*ux_);
-}
-
-void DevZero::begin_step(int micro_steps) {
-  micro_ = micro_steps, bwd_ = 0;
+void DevZero::begin_step() {
   dev::fill(ex_, gshard_, DType::F32, L_.comm, 0.f);
   if (stage_ != 3) model_.zero_grads();
 }
 
 void DevZero::after_backward() {
-  if (stage_ != 2) return (void)++bwd_;
+  if (stage_ != 2) return;
   c2m();
   for (size_t i = 0; i < L_.units.size(); ++i)
     if (L_.units[i].trainable) reduce_unit(int(i), model_.grads() + gbase_[i]);
   m2c();
   drain();  // before the next forward reads the loss from the device
   model_.zero_grads();  // after the reduce-scatters read them
-  ++bwd_;
 }
 
 void DevZero::idle() {
@@ -363,7 +420,6 @@ void DevZero::finish_grads() {
       if (L_.units[i].trainable) reduce_unit(int(i), model_.grads() + gbase_[i]);
   if (replica_ && replica_->size() > 1 && L_.comm > 0)
     settle(*replica_, replica_->iall_reduce(gshard_, gshard_, size_t(L_.comm), DType::F32, ReduceOp::Sum));
-  if (off_ && (stage_ == 1 || (replica_ && replica_->size() > 1) || micro_ == 0)) down(cx_, 0, L_.comm);
   m2c();
   drain();
 }

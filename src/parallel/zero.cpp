@@ -51,7 +51,6 @@ ZeroLayout zero_layout(const ParamTable& t, ShardGroup shard, const ShardGroup* 
     u.piece_hi = L.pieces.size();
     L.units.push_back(std::move(u));
   }
-  if (stage == 1) L.full_grads = t.total();  // stage 1 accumulates full gradients, reduce-scattered once per step
   return L;
 }
 
@@ -62,15 +61,12 @@ ZeroShards::ZeroShards(const ParamTable& t, const Comm& shard, const std::vector
   const ZeroLayout L = zero_layout(t, {shard.size(), shard.rank()}, ep ? &experts : nullptr, 3, trainable);
   pieces_ = L.pieces;
   master_.assign(L.master, 0.f);
-  comm_buf_.assign(L.comm, 0.f);
   exp_avg_.assign(L.opt, 0.f);
   exp_avg_sq_.assign(L.opt, 0.f);
-  grads_.assign(L.opt, 0.f);
   for (size_t i = 0; i < pieces_.size(); ++i) {
     ShardPiece& sp = pieces_[i];
     sp.master = master_.data() + L.offs[i].master;
     if (sp.trainable) {
-      sp.grad = grads_.data() + L.offs[i].opt;
       sp.exp_avg = exp_avg_.data() + L.offs[i].opt;
       sp.exp_avg_sq = exp_avg_sq_.data() + L.offs[i].opt;
     }
@@ -82,8 +78,6 @@ ZeroMemory ZeroShards::memory() const {
   m.master = int64_t(master_.size()) * 4;
   m.exp_avg = int64_t(exp_avg_.size()) * 4;
   m.exp_avg_sq = int64_t(exp_avg_sq_.size()) * 4;
-  m.grads = int64_t(grads_.size()) * 4;
-  m.comm = int64_t(comm_buf_.size()) * 4;
   return m;
 }
 
@@ -92,8 +86,6 @@ static ZeroMemory layout_bytes(const ZeroLayout& L) {
   ZeroMemory m;
   m.master = L.master * 4;
   m.exp_avg = m.exp_avg_sq = L.opt * 4;
-  m.grads = (L.opt + L.full_grads) * 4;
-  m.comm = L.comm * 4;
   return m;
 }
 

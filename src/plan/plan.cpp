@@ -157,8 +157,8 @@ std::string Bytes::largest(int n) const {
 }
 
 std::string HostBytes::largest(int n) const {
-  std::pair<int64_t, const char*> k[] = {{masters, "fp32 masters"}, {moments, "AdamW moments"}, {grads, "gradients"},
-                                         {comm, "comm buffers"},    {staging, "pinned staging"}};
+  std::pair<int64_t, const char*> k[] = {{masters, "fp32 masters"}, {moments, "AdamW moments"},
+                                         {staging, "pinned staging"}};
   std::stable_sort(std::begin(k), std::end(k), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::string s;
   for (int i = 0; i < n && k[i].first > 0; ++i) s += (i ? ", " : "") + std::string(k[i].second) + " " + gib(k[i].first);
@@ -192,6 +192,7 @@ Workload workload_from_deck(const Deck& d, std::string* note) {
   w.global_batch = d.integer("train.global_batch");
   w.max_patches = d.integer("train.max_patches");
   w.delayed_update = d.str("parallel.offload_update") == "delayed";
+  w.offload_chunk = d.integer("parallel.offload_chunk");
   const ParamTable t(w.cfg);
   w.trainable = trainable_flags(t, d);
   w.backward_order = unit_order(t, true);
@@ -220,22 +221,25 @@ ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int ep = 1) {
   for (int r = 0; r < n; r += std::max(1, n / 16)) {  // evenly spread ranks: the pieces repeat with the rank
     const ShardGroup experts{n / ep, r / ep};
     const ZeroMemory z = ZeroShards::plan(t, n, r, w.trainable, ep > 1 ? &experts : nullptr);
-    mx(m.master, z.master), mx(m.exp_avg, z.exp_avg), mx(m.exp_avg_sq, z.exp_avg_sq), mx(m.grads, z.grads);
-    mx(m.comm, z.comm);
+    mx(m.master, z.master), mx(m.exp_avg, z.exp_avg), mx(m.exp_avg_sq, z.exp_avg_sq);
   }
   return cache[key] = m;
 }
 
 // DevTrainer::plan for a layout, cached as zero_max is (the search sizes the same layouts for every node count).
 DevTrainerMemory trainer_bytes(const Workload& w, const ParamTable& t, const DevBudget& b, const Layout& l, int n) {
-  using Key = std::tuple<int64_t, size_t, std::vector<bool>, DType, int64_t, int64_t, int64_t, int, int, int, int>;
+  using Key =
+      std::tuple<int64_t, size_t, std::vector<bool>, DType, int64_t, int64_t, int64_t, int, int, int, int, int64_t>;
   static std::map<Key, DevTrainerMemory> cache;
   const Key key{t.total(), t.units().size(), w.trainable, w.dt, b.tokens, b.patches, b.segments, b.ep, n, l.stage,
-                int(l.recompute) + 2 * int(l.offload) + 4 * int(l.host_params)};
+                int(l.recompute) + 2 * int(l.offload) + 4 * int(l.host_params) + 8 * int(l.delayed),
+                w.offload_chunk};
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   Offload off;
   off.optimizer = off.in_place = l.offload;  // onto the host engine's shards in place, as train does
   off.params = l.host_params;
+  off.delayed = l.delayed;  // the device gradient shard and parameter copy twice
+  off.chunk = w.offload_chunk;
   return cache[key] = DevTrainer::plan(w.cfg, w.dt, b, l.recompute, w.trainable, n, l.stage, Device::CUDA, false, off);
 }
 
@@ -270,8 +274,6 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
     const ZeroMemory h = zero_max(w, t, n, l.ep);
     c.host.masters = h.master;
     c.host.moments = h.exp_avg + h.exp_avg_sq;
-    c.host.grads = h.grads;
-    c.host.comm = h.comm;
     c.host.staging = d.host();
   }
   c.host_node = int64_t(hw.gpus_per_node) * c.host.total() + kHostReserve;
@@ -340,15 +342,13 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   if (!l.offload) {
     c.t_opt = kAdamBytes * shard / (hw.hbm_gbs * 1e9 * kHbmEfficiency);
   } else {
-    // AdamW and the conversion on the host's memory bandwidth, shared by its ranks. On CUDA the copies (the gradient
-    // shard down in the last backward pass, the parameters up unit by unit beside the next forward) run on a stream
-    // of their own: exposed only where they outlast the compute. The synchronous update runs between the steps; the
-    // delayed one under the next step, exposed where it outlasts it. (One H200, 2B: 0.61 s host update, step 1.86x
-    // synchronous, 1.13x delayed.)
+    // AdamW and the conversion on the host's memory bandwidth, shared by its ranks, and the copies through the ring
+    // (the gradient shard down, the parameters up) behind it, chunk by chunk: the longer of the two. The synchronous
+    // update runs between the steps; the delayed one under the next step, exposed where it outlasts it.
     const double host = (kAdamBytes + double(g)) * shard * hw.gpus_per_node / (hw.host_gbs * 1e9);
     const double copies = double(l.host_params ? 4 : 4 + g) * shard / (hw.pcie_gbs * 1e9);
-    const double compute = c.t_compute + c.t_comm;
-    c.t_opt = std::max(0.0, copies - compute) + (l.delayed ? std::max(0.0, host - compute) : host);
+    const double update = std::max(host, copies), compute = c.t_compute + c.t_comm;
+    c.t_opt = l.delayed ? std::max(0.0, update - compute) : update;
   }
   c.t_step = c.t_compute + c.t_comm + c.t_opt;
   return c;

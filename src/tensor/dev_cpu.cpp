@@ -80,6 +80,7 @@ void synchronize(const Exec& x) {
   PROFILED_IF(x.device == Device::CUDA, Exec{}, "synchronize", {}, prof::Kind::HostWait);
   ON_CUDA(x, synchronize(x));
 }
+void bind_thread(const Exec& x) { ON_CUDA(x, bind_thread(x)); }
 void* alloc(const Exec& x, size_t bytes) {
   ON_CUDA(x, alloc(x, bytes));
   void* p = std::calloc(1, bytes ? bytes : 1);
@@ -150,6 +151,10 @@ void event_record(const Exec& x, void* e) { ON_CUDA(x, event_record(x, e)); }
 void event_wait(const Exec& x, void* e) {
   PROFILED_IF(x.device == Device::CUDA, x, "event_wait", {}, prof::Kind::StreamWait);
   ON_CUDA(x, event_wait(x, e));
+}
+void event_synchronize(const Exec& x, void* e) {
+  PROFILED_IF(x.device == Device::CUDA, Exec{}, "event_synchronize", {}, prof::Kind::HostWait);
+  ON_CUDA(x, event_synchronize(e));
 }
 void* timing_event_create(const Exec& x) {
   ON_CUDA(x, timing_event_create(x));

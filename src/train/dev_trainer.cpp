@@ -33,7 +33,7 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
   m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt,
-                         off.optimizer, off.in_place, off.params, off.delayed);
+                         off.optimizer, off.in_place, off.params, off.delayed, off.chunk);
   m.norm = kNormBytes;
   return m;
 }
@@ -86,25 +86,10 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
     hs = {off.state->master_data(), off.state->exp_avg_data(), off.state->exp_avg_sq_data()};
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
                                     gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off.optimizer,
-                                    off.optimizer && off.state ? &hs : nullptr, off.params, off.delayed);
+                                    off.optimizer && off.state ? &hs : nullptr, off.params, off.delayed, off.chunk);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
-  const ZeroLayout& L = zero_->layout();
-  for (size_t i = 0; i < L.pieces.size(); ++i) {
-    const ShardPiece& p = L.pieces[i];
-    if (!p.trainable) continue;
-    const ZeroLayout::Offs& o = L.offs[i];
-    Run* b = runs_.empty() ? nullptr : &runs_.back();
-    if (b && b->master + b->n == o.master && b->grad + b->n == o.comm && b->opt + b->n == o.opt &&
-        b->no_decay == p.no_decay)
-      b->n += p.count;
-    else
-      runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay, run_elems_});
-    run_elems_ += p.count;
-  }
   if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.threads, off.pin);
   delayed_ = off.optimizer && off.delayed;
-  if (off.optimizer && d == Device::CUDA && stage == 3)  // host copies beside the compute
-    ux_ = dev::make_exec(d, 0, gpu), zero_->set_copy_exec(&ux_);
 }
 
 DevTrainer::~DevTrainer() {
@@ -119,7 +104,6 @@ DevTrainer::~DevTrainer() {
   nccl_replica_.reset();
   nccl_shard_.reset();
   if (cx_.stream) dev::destroy_exec(cx_);
-  if (ux_.stream) dev::destroy_exec(ux_);
   dev::destroy_exec(ex_);
 }
 
@@ -137,7 +121,7 @@ void DevTrainer::to_host(const ZeroShards& e) {
   zero_->to_host(e.pieces());
 }
 
-void DevTrainer::begin_step(int micro_steps) { zero_->begin_step(micro_steps); }
+void DevTrainer::begin_step() { zero_->begin_step(); }
 
 double DevTrainer::forward(const PackedBatch& b, double* aux_out, bool aux_loss) {
   zero_->begin_pass(false);
@@ -166,7 +150,7 @@ double DevTrainer::grad_norm_sq(bool* finite) {
   const double zero[2] = {0, 0};
   dev::to_device(ex_, norm_, zero, sizeof zero);
   auto* bad = reinterpret_cast<int32_t*>(norm_ + 1);
-  for (const Run& r : runs_) dev::sum_squares(ex_, zero_->grads() + r.grad, r.n, DType::F32, norm_, bad);
+  for (const DevZero::Run& r : zero_->runs()) dev::sum_squares(ex_, zero_->grads() + r.grad, r.n, DType::F32, norm_, bad);
   double got[2];
   dev::to_host(ex_, got, norm_, sizeof got);
   int32_t nonfinite;
@@ -181,61 +165,52 @@ double DevTrainer::grad_norm_sq(bool* finite) {
 void DevTrainer::update(const AdamWConfig& hp, double lr, double gscale, int64_t t) {
   const double g = gscale / (ls_.on ? ls_.scale : 1.0);  // unscale inside the update
   if (zero_->offloaded()) return host_update(hp, lr, g, t);
-  for (const Run& r : runs_)
+  for (const DevZero::Run& r : zero_->runs())
     dev::adamw(ex_, zero_->master() + r.master, zero_->grads() + r.grad, zero_->exp_avg() + r.opt,
                zero_->exp_avg_sq() + r.opt, r.n, hp.beta1, hp.beta2, hp.eps, lr, r.no_decay ? 0.0 : hp.weight_decay,
                g, t);
   zero_->refresh_params();
 }
 
-// The offloaded update. Synchronous: AdamW on the host, then the parameters up. Delayed: the previous step's update
-// lands first (waited, its parameters up: refresh_params), then this one starts on its own thread over this
-// step's pair of host copies, while the next step computes on the weights from before it.
+// The offloaded update (DevZero::host_update streams the chunks). Synchronous: the update, then stages 1/2 gather
+// its parameters. Delayed: the previous step's update lands first (settle), then this one starts on its own thread
+// while the next step computes on the weights from before it.
 void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t t) {
-  zero_->grads_on_host();
-  const float* gr = zero_->host_grads();
-  void* w = zero_->host_params();
   if (!delayed_) {
-    host_adamw(gr, w, hp, lr, g, t);
+    host_adamw(hp, lr, g, t);
     return zero_->refresh_params();
   }
   settle();
-  zero_->flip_host_buffers();
-  pending_w_ = w;
-  pending_ = std::async(std::launch::async, [=, this] { host_adamw(gr, w, hp, lr, g, t); });
+  zero_->flip();
+  pending_ = std::async(std::launch::async, [=, this] { host_adamw(hp, lr, g, t); });
 }
 
 void DevTrainer::settle() {
   if (!pending_.valid()) return;
   pending_.get();  // rethrows the update's failure
-  zero_->refresh_params(pending_w_);
+  zero_->land();
+  zero_->refresh_params();
 }
 
-// AdamW over every run's elements, split evenly over the pool's threads, each range updated by the CPU op layer's
-// AdamW (element by element, so the split changes no bit) and converted to the gathers' dtype into w for the copy up.
-void DevTrainer::host_adamw(const float* gr, void* w, const AdamWConfig& hp, double lr, double g, int64_t t) {
+// Each range updated by the CPU op layer's AdamW (element by element, so the split over threads and chunks changes
+// no bit), in blocks small enough that the conversion to the gathers' dtype reads the masters AdamW just wrote from
+// the cache.
+void DevTrainer::host_adamw(const AdamWConfig& hp, double lr, double g, int64_t t) {
   float *p = zero_->master(), *m = zero_->exp_avg(), *v = zero_->exp_avg_sq();
   const DType gd = zero_->gather_dtype();
   const dev::Exec cpu{};
-  pool_->run(run_elems_, [&](int64_t lo, int64_t hi) {
-    auto r = std::upper_bound(runs_.begin(), runs_.end(), lo, [](int64_t x, const Run& q) { return x < q.first; }) - 1;
-    for (; r != runs_.end() && r->first < hi; ++r) {
-      const int64_t a0 = std::max(lo, r->first) - r->first, end = std::min(hi, r->first + r->n) - r->first;
-      // Blocks small enough that the conversion reads the masters AdamW just wrote from the cache.
-      for (int64_t a = a0, n; a < end; a += n) {
-        n = std::min<int64_t>(kHostBlock, end - a);
-        dev::adamw(cpu, p + r->master + a, gr + r->grad + a, m + r->opt + a, v + r->opt + a, n, hp.beta1, hp.beta2,
-                   hp.eps, lr, r->no_decay ? 0.0 : hp.weight_decay, g, t);
-        if (w)  // streamed parameters: the gathers convert the masters themselves
-          dev::convert(cpu, static_cast<char*>(w) + (r->master + a) * int64_t(dtype_size(gd)), gd, p + r->master + a,
-                       DType::F32, n);
-      }
+  zero_->host_update(*pool_, [&](const DevZero::Run& r, int64_t a0, int64_t n0, const float* gr, void* w) {
+    for (int64_t a = 0, n; a < n0; a += n) {
+      n = std::min<int64_t>(kHostBlock, n0 - a);
+      const int64_t x = r.master + a0 + a, o = r.opt + a0 + a;
+      dev::adamw(cpu, p + x, gr + a, m + o, v + o, n, hp.beta1, hp.beta2, hp.eps, lr,
+                 r.no_decay ? 0.0 : hp.weight_decay, g, t);
+      if (w) dev::convert(cpu, static_cast<char*>(w) + a * int64_t(dtype_size(gd)), gd, p + x, DType::F32, n);
     }
   });
 }
 
 void DevTrainer::after_step(bool finite) {
-  if (!finite && zero_->offloaded()) zero_->grads_on_host();  // no update read them: the copies down end here
   if (!ls_.on) return;
   if (!finite) {
     ls_.scale = std::max(1.0, ls_.scale / 2);
@@ -272,7 +247,7 @@ std::string DevTrainer::memory_report() const {
                   delayed_ ? ", update delayed a step" : "",
                   double(L.master * 4) / MiB, double(L.opt * 8) / MiB,
                   m.zero.host_master ? "" : " (the host engine's shards, updated in place)", m.zero.host_staging / MiB,
-                  zero_->host_params() ? "" : "; parameters streamed up from them for every gather");
+                  zero_->parameters_on_host() ? "; parameters streamed up from them for every gather" : "");
     s += buf;
   }
   return s;

@@ -179,7 +179,7 @@ std::vector<CkptSlice> ckpt_slices(const ZeroShards& e, const ParamTable& t, con
 // allocated. Collective over the world.
 void check_offload_memory(Runtime& rt, const DevTrainerMemory& need, const ZeroMemory& engine) {
   Comm& node = rt.node_comm();
-  const double mine = double(need.host() + engine.state() + engine.comm);
+  const double mine = double(need.host() + engine.state());
   const double want = node.sum(mine), have = double(available_memory());
   const double GiB = double(int64_t(1) << 30);
   std::string err;
@@ -187,12 +187,11 @@ void check_offload_memory(Runtime& rt, const DevTrainerMemory& need, const ZeroM
     char buf[640];
     std::snprintf(buf, sizeof buf,
                   "parallel.offload_optimizer = \"cpu\" needs %.1f GiB of host memory per node (%d rank(s) here, the "
-                  "largest: fp32 masters %.1f GiB, AdamW moments %.1f GiB, pinned staging %.1f GiB, gradient and "
-                  "landing shards %.1f GiB), this node (%s) has %.1f GiB available (MemAvailable); use more nodes or "
+                  "largest: fp32 masters %.1f GiB, AdamW moments %.1f GiB, pinned staging %.1f GiB), this node (%s) has %.1f GiB available (MemAvailable); use more nodes or "
                   "fewer ranks a node (`q3vl plan` sizes it)",
                   want / GiB, node.size(), double(engine.master + need.zero.host_master) / GiB,
                   double(engine.exp_avg + engine.exp_avg_sq + need.zero.host_moments) / GiB,
-                  double(need.zero.host_staging) / GiB, double(engine.grads + engine.comm) / GiB,
+                  double(need.zero.host_staging) / GiB,
                   rt.where().host.c_str(), have / GiB);
     err = buf;
   }
@@ -413,6 +412,7 @@ int run_train(const Deck& deck) {
   offload.in_place = offload.optimizer;  // the engine's shards below
   offload.params = deck.str("parallel.offload_params") == "frozen";
   offload.delayed = deck.str("parallel.offload_update") == "delayed";
+  offload.chunk = deck.integer("parallel.offload_chunk");
   if (offload.delayed && !offload.optimizer)
     fail_all("parallel.offload_update = \"delayed\" needs parallel.offload_optimizer = \"cpu\": it overlaps the "
              "host's AdamW with the next step");
@@ -681,7 +681,7 @@ int run_train(const Deck& deck) {
     }
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
-    trainer->begin_step(int(sd.micro.size()));
+    trainer->begin_step();
     const int64_t gathered0 = trainer->gathered_bytes();
     double loss_sum = 0, aux_sum = 0;
     if (ep) ep->reset_stats();

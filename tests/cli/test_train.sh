@@ -141,12 +141,12 @@ else
 fi
 
 # (k) Optimizer offload (parallel.offload_optimizer = cpu, issue 29): masters and moments on the host, AdamW on the
-# rank's threads (3 here, so the split over threads is exercised) with the CPU op layer's arithmetic: every run is
-# bitwise the same run without offload (losses and checkpoints) — 1 and 2 ranks ZeRO-3, stages 1 and 2, gradient
-# accumulation (the shard goes down in the last micro-step), hybrid sharding (after the replicas' all-reduce), bf16
+# rank's threads (3 here, so the split over threads is exercised; the copies through a ring of 1000-element chunks,
+# so runs cross chunk ends) with the CPU op layer's arithmetic: every run is bitwise the same run without offload
+# (losses and checkpoints) — 1 and 2 ranks ZeRO-3, stages 1 and 2, gradient accumulation, hybrid sharding, bf16
 # gathers (the host's rounding) and a skipped non-finite step; a run stopped with offload resumes without it and the
 # other way round, on the uninterrupted run's curve.
-off=(parallel.offload_optimizer=cpu parallel.offload_threads=3)
+off=(parallel.offload_optimizer=cpu parallel.offload_threads=3 parallel.offload_chunk=1000)
 offload_case() {  # NAME REF NP ARGS...: run NAME with offload, bitwise equal to run REF without it
   local name=$1 ref=$2 np=$3; shift 3
   train "$name" "$np" "${off[@]}" "$@" || { ok_run 1 "$name"; return; }

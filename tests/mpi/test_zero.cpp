@@ -20,10 +20,10 @@ TEST(Zero, StateIsOneNthOfUnsharded) {
   const ZeroMemory mine = ZeroShards(t, world, std::vector<bool>(t.params().size(), true)).memory();
   const int n = world.size();
   const int64_t units = int64_t(t.units().size()), full = 4 * t.total();
-  // Master shards: padded units split evenly; moments and gradient shards exactly partition the tensors.
+  // Master shards: padded units split evenly; the moments exactly partition the tensors.
   EXPECT_LE(mine.master * n, full + 4 * units * (n - 1));
   EXPECT_GE(mine.master * n, full);
-  for (int64_t kind : {mine.exp_avg, mine.exp_avg_sq, mine.grads}) {
+  for (int64_t kind : {mine.exp_avg, mine.exp_avg_sq}) {
     EXPECT_EQ(int64_t(world.sum(double(kind))), full);
     EXPECT_LE(kind * n, full + 4 * units * (n - 1));
   }
@@ -41,7 +41,7 @@ TEST(Zero, FrozenTensorsHaveNoOptimizerState) {
     if (!p.trainable) {
       ++frozen_pieces;
       EXPECT_EQ(p.exp_avg, nullptr);
-      EXPECT_EQ(p.grad, nullptr);
+      EXPECT_EQ(p.exp_avg_sq, nullptr);
     }
   }
   int64_t llm = 0;

@@ -2,7 +2,7 @@
 # Issue 28's GPU checks (training over GPU ranks, ZeRO on device buffers through NCCL) in one call on the GPU machine,
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
-#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile
+#   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile big
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -35,10 +35,15 @@
 # - profile (issue 30): the 2B shape (input/bench_2b_gpu.deck) with run.profile = true for 4 steps: step 3's table
 #   (CUDA events) in profile.log, every profiled step's "profile" object in profile.jsonl, and the rows of step 3
 #   whose share of the step is largest in the summary, with the phases and the compute stream's idle time.
+# - big (issue 29): `q3vl check` on CUDA (the host AdamW and pinned copy rates), then `q3vl plan` with those rates and
+#   this host's MemTotal, and the runs it sizes: the 8B shape's full fine-tuning with the optimizer offloaded
+#   (input/bench_8b_offload.deck: delayed update, 4 micro-steps of 4 x 4096 tokens) and the 235B LoRA deck cut to 4
+#   decoder layers with its frozen base on the host (offload_params = frozen), each with its measured GPU and host
+#   memory (device total - free after start-up; peak RSS) and step time beside the plan's.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
-parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile}
+parts=${4:-goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile big}
 part() { [[ " $parts " == *" $1 "* ]]; }
 mkdir -p "$out" "$final"
 pack() { tar czf "$final/results.tgz" -C "$out" . && cp "$out/summary.txt" "$final/"; }
@@ -308,5 +313,38 @@ for o in p["ops"][:12]:
     print(f"  {o['name']:<44} {o['calls']:>6} {o['ms']:>10.2f} ms {o['pct']:>5.1f}%  {rate}")
 PY
   pack
+fi
+if part big; then
+  t0=$SECONDS
+  timeout 120 "$q" check model.backend=cuda >"$out/check.log" 2>&1
+  say "check: rc=$? $((SECONDS - t0)) s: $(grep -m1 'offload rates' "$out/check.log")"
+  hgbs=$(sed -n 's/.*plan.host_gbs = \([0-9.]*\).*/\1/p' "$out/check.log" | head -1)
+  pgbs=$(sed -n 's/.*plan.pcie_gbs = \([0-9.]*\).*/\1/p' "$out/check.log" | head -1)
+  hw="plan.gpus_per_node=1 plan.host_mem=$(awk '/MemTotal/ {print $2}' /proc/meminfo)KiB plan.host_gbs=${hgbs:-0} plan.pcie_gbs=${pgbs:-0}"
+  say "host: $(grep -E 'MemTotal|MemAvailable' /proc/meminfo | tr -s ' ' | tr '\n' ' '); plan inputs: $hw"
+  pack
+  cut="input/qwen3vl_235b_lora.deck model.hf= model.preset=235B-A22B model.text_layers=4 parallel.ep=1
+       train.dataset=synthetic train.synthetic_samples=64 train.synthetic_image_px=448 train.max_patches=8192
+       train.global_batch=2 train.steps=6 train.resume=never checkpoint.every=0 runtime.timeout=300"
+  for b in 8b 235b; do
+    if [[ $b == 8b ]]; then args="input/bench_8b_offload.deck checkpoint.every=0"; else args=$cut; fi
+    "$q" plan $args $hw plan.show=40 >"$out/plan_$b.log" 2>&1
+    rm -rf /tmp/runs/big_$b
+    t0=$SECONDS
+    timeout 420 "$q" train $args run.out_dir=/tmp/runs/big_$b >"$out/big_$b.log" 2>&1
+    say "big_$b: rc=$? $((SECONDS - t0)) s"
+    grep -E "start-up done|memory per rank|error" "$out/big_$b.log" | head -4 >>"$out/summary.txt"
+    cp /tmp/runs/big_$b/metrics.jsonl "$out/big_$b.jsonl" 2>/dev/null
+    rm -rf /tmp/runs/big_$b
+    python3 - "$out/big_$b.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+r = [json.loads(l) for l in open(sys.argv[1])][2:]
+m = lambda k: statistics.median(x[k] for x in r)
+print(f"  steps 3-{len(r) + 2}: step {statistics.median(x['time']['step'] for x in r):.2f} s, {m('tokens_per_s'):.0f} "
+      f"tokens/s, mfu {m('mfu'):.3f}, {r[0]['tokens']} tokens a step, rss {max(x['rss_mib'] for x in r):.0f} MiB, "
+      f"optimizer phase {statistics.median(x['time']['optimizer'] for x in r):.3f} s")
+PY
+    pack
+  done
 fi
 pack

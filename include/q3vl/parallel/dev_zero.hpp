@@ -32,32 +32,34 @@
 // so a rank that never arrives is named instead of hanging a stream.
 //
 // Optimizer offload (parallel.offload_optimizer = "cpu"): the fp32 masters and the AdamW moments live in host memory
-// (dev::host_alloc: pinned on CUDA) and the trainer updates them on the host. The gradient shard still accumulates
-// on the device (the norm and the overflow check read it there, as without offload); in the step's last backward
-// pass each unit's shard is copied down to a host copy as soon as its reduce-scatter is enqueued (on the same
-// stream, so after it), and after the update the masters in the gathers' dtype (converted on the host) go up into
-// the device copy that gathers send (wcopy_, then always allocated). Stage 1, hybrid sharding (the replicas'
-// all-reduce comes after) or an unknown micro-step count copy the whole shard down in finish_grads. The masters and
-// moments can be the caller's (HostState: train passes the host engine's shards, which the update then changes in
-// place, so a checkpoint copies nothing and the host holds them once); DevZero pins them while it lives.
+// (the caller's, HostState: train passes the host engine's shards, which the update then changes in place, so a
+// checkpoint copies nothing and the host holds them once) and the trainer updates them on the host (host_update).
+// The gradient shard still accumulates on the device (the norm and the overflow check read it there, as without
+// offload), and the masters in the gathers' dtype stay on the device (wcopy_, then always allocated). The update
+// streams: chunk by chunk, the gradients come down through a small pinned ring on a copy stream of its own, the
+// chunk is updated on the host's threads, its parameters go up through the ring, and the next chunk's copy down runs
+// behind this one's update. So the host holds the masters and moments and nothing else the size of the model (8B on
+// one 128 GiB host), and no host memory needs pinning but the ring.
 //
 // Parameters on the host (parallel.offload_params = "frozen", with the optimizer offloaded): no copy of the masters
-// stays on the device (no wcopy_, and no host copy in the gathers' dtype either): every unit's gather starts with its
-// fp32 master shard copied up from the host into a staging buffer of its pool slot, on the stream the gather runs
-// on, converted there, and then gathered as before; the prefetch of the next unit hides the copy behind the compute.
-// A LoRA base is nearly all the parameters, so the host holds them once (in fp32, where the checkpoints read them)
-// and the device only the units in use.
+// stays on the device (no wcopy_): every unit's gather starts with its fp32 master shard copied up from the host
+// (pinned, then) into a staging buffer of its pool slot, on the stream the gather runs on, converted there, and then
+// gathered as before; the prefetch of the next unit hides the copy behind the compute. A LoRA base is nearly all the
+// parameters, so the host holds them once (in fp32, where the checkpoints read them) and the device only the units in
+// use.
 //
-// Delayed update (parallel.offload_update = "delayed", DeepSpeed's delayed parameter update): the host copies of the
-// gradient shard and of the masters in the gathers' dtype are double-buffered, so that the trainer's AdamW of step k
-// reads one pair while step k+1's gradients come down into the other (flip_host_buffers between them), and the
-// parameters it produced go up (refresh_params(its buffer)) only when step k+1 has ended.
+// Delayed update (parallel.offload_update = "delayed", DeepSpeed's delayed parameter update): the device gradient
+// shard and the parameter copy are double-buffered, so that step k's update on the host reads one gradient shard and
+// writes one parameter copy while step k+1 accumulates into the other shard and gathers from the other copy; flip()
+// hands the step's gradients to the update, land() the update's parameters to the next step.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "q3vl/core/thread_pool.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/parallel/zero.hpp"
 
@@ -67,8 +69,8 @@ namespace q3vl {
 struct DevZeroMemory {
   int64_t master = 0, moments = 0, grads = 0, comm = 0;  // fp32 shards; comm: landing + the dt copy of the masters
   int64_t pool = 0;                                       // stage 3: gathered unit slots and gradient slots
-  // Optimizer offload: host bytes (pinned on CUDA), not in total(): the fp32 masters, the AdamW moments, and the
-  // staging the copies go through (the gradient shard down, the masters in the gathers' dtype up).
+  // Optimizer offload: host bytes, not in total(): the fp32 masters, the AdamW moments, and the pinned ring the
+  // update's copies go through (the gradient shard down, the masters in the gathers' dtype up).
   int64_t host_master = 0, host_moments = 0, host_staging = 0;
   int64_t total() const { return master + moments + grads + comm + pool; }  // device bytes
   int64_t host_total() const { return host_master + host_moments + host_staging; }
@@ -83,6 +85,8 @@ struct HostState {
 
 class DevZero final : UnitHooks {
  public:
+  // Offloaded: elements a ring slot holds by default (parallel.offload_chunk; a slot holds min(chunk, master shard)).
+  static constexpr int64_t kRingChunk = int64_t(4) << 20;
   // `shard` and `replica` (hybrid sharding; may be null) take the model's device buffers and outlive the engine.
   // comm_ex: the Exec (stream) an NCCL `shard`/`replica` runs on when it is not the model's; null: the model's.
   // gather: the dtype units travel in, the model's by default; BF16 with an fp32 model (parallel.gather_dtype) sends
@@ -93,7 +97,8 @@ class DevZero final : UnitHooks {
   // stream (needs offload): the parameters too, every gather from the host masters.
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
           const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr,
-          bool offload = false, const HostState* host = nullptr, bool stream = false, bool delayed = false);
+          bool offload = false, const HostState* host = nullptr, bool stream = false, bool delayed = false,
+          int64_t chunk = kRingChunk);
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
@@ -103,8 +108,17 @@ class DevZero final : UnitHooks {
   // replicas' group is group / t.ep().size ranks). in_place: offloaded onto the caller's HostState (not counted).
   static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
                             DType gather, bool offload = false, bool in_place = false, bool stream = false,
-                            bool delayed = false);
+                            bool delayed = false, int64_t chunk = kRingChunk);
   DevZeroMemory memory() const { return mem_; }
+
+  // Adjacent trainable pieces with the same flags: one optimizer launch each. `first`: its first element among all
+  // runs' (the run space the host update walks).
+  struct Run {
+    int64_t master = 0, grad = 0, opt = 0, n = 0;
+    bool no_decay = false;
+    int64_t first = 0;
+  };
+  const std::vector<Run>& runs() const { return runs_; }
 
   int stage() const { return stage_; }
   const ZeroLayout& layout() const { return L_; }
@@ -113,33 +127,33 @@ class DevZero final : UnitHooks {
   float* grads() { return gshard_; }   // at ZeroLayout::Offs::comm (device)
   float* exp_avg() { return m_; }      // at ZeroLayout::Offs::opt
   float* exp_avg_sq() { return v_; }
-  // Offloaded: the host copy of the gradient shard (at Offs::comm), complete once grads_on_host() returns; the
-  // masters in gather_dtype() on the host (at Offs::master), which the optimizer refreshes before refresh_params()
-  // (null when streamed: the gathers convert the masters themselves).
-  const float* host_grads() const { return hgrad_[0]; }
-  void* host_params() { return hparam_[0]; }
-  // Delayed update: the other pair of host copies becomes host_grads()/host_params() (the update in flight keeps the
-  // pointers it took).
-  void flip_host_buffers();
   DType gather_dtype() const { return gd_; }
-  void grads_on_host();
+  bool parameters_on_host() const { return stream_; }
+
+  // Offloaded: the update on the host. fn(run, a, n, g, w) for every range [a, a+n) of every run, on the pool's
+  // threads: g holds the range's gradients (host memory), and fn writes the range's new masters in gather_dtype() to
+  // w (null when the parameters stay on the host: the gathers convert the masters themselves). The chunks go down
+  // and up through the pinned ring on the copy stream, each chunk's copy down behind the update of the one before.
+  // Reads the gradient shard and writes the parameter copy the next step gathers; delayed: flip()'s and land()'s
+  // other buffers. Any thread (the device is made the calling thread's current one).
+  using HostFn = std::function<void(const Run& r, int64_t a, int64_t n, const float* g, void* w)>;
+  void host_update(ThreadPool& pool, const HostFn& fn);
+  // Delayed: the step's gradient shard becomes the update's, and the next step accumulates into the other one.
+  void flip();
+  // Delayed: the landed update's parameter copy becomes what the next step gathers (then refresh_params()).
+  void land();
 
   // Master shards and moments from (to) the host engine's pieces of the same layout: start-up, resume, checkpoints.
   void from_host(const std::vector<ShardPiece>& host);
   void to_host(const std::vector<ShardPiece>& host) const;
-  // After the masters changed (start-up, every update): the dt copy (offloaded: up from host_params, by default
-  // host_params()), and stages 1/2 the model's weights.
-  void refresh_params(const void* host_params = nullptr);
-  // Offloaded at stage 3 on CUDA: the host copies run on `x` (a stream of this device, outliving the engine) beside
-  // the compute: the gradient shards down during the last backward pass, and, from the second refresh_params() on,
-  // the trainable units up in the forward order, each unit's next gather waiting for its own copy.
-  void set_copy_exec(const dev::Exec* x);
+  // After the masters changed (start-up, a resume, every update on the device): the dt copy (offloaded: after
+  // from_host, every unit's, both copies when delayed; an offloaded update writes it itself), and stages 1/2 the
+  // model's weights.
+  void refresh_params();
 
   // One optimizer step: begin_step(); per micro-step { forward pass; backward pass; after_backward() } (a rank with
   // no tokens runs the passes without compute: idle()); finish_grads(); optimizer on the shards; refresh_params().
-  // micro_steps: the backward passes this step will run (0: unknown), so that an offloaded run copies each unit's
-  // gradient shard down in the last one.
-  void begin_step(int micro_steps = 0);
+  void begin_step();
   void begin_pass(bool backward);
   void end_pass();
   void after_backward();
@@ -166,9 +180,13 @@ class DevZero final : UnitHooks {
   void reduce_done(size_t upto);
   // Reduce-scatters unit u's full gradients at `g` (padded) into its shard: through the landing buffer, added.
   void reduce_unit(int u, const float* g);
-  void down(const dev::Exec& x, int64_t off, int64_t n);  // offload: gradient shard elements to the host copy
-  bool last_pass() const;  // offload: this backward pass's reduce-scatters complete the step's gradient shards
-  void upload_units(const void* w);  // offloaded: the trainable units' shards up from w, on ux_
+  // Offloaded: walks `spans` (device gradient offset or -1, master offset, count) in ring chunks: each chunk's
+  // gradients down (if any), fn over its spans on the pool (or inline), its parameters up into w (if not null).
+  struct Span { int64_t grad, master, n; const Run* run; };
+  using SpanFn = std::function<void(const Span& p, int64_t a, int64_t n, const float* g, void* w)>;
+  void ring_walk(const std::vector<Span>& spans, const float* g, void* w, ThreadPool* pool, const SpanFn& fn);
+  void make_runs();
+  void upload_all(void* w);  // offloaded: every unit's masters in gd_ up into the copy w
   void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
   void drain();  // the host waits for every request in flight (under the watchdog)
   void c2m();    // the communication stream waits for the work enqueued on the model's so far
@@ -202,14 +220,14 @@ class DevZero final : UnitHooks {
   bool borrowed_ = false;    // offload: master_, m_, v_ are the caller's (pinned here, not allocated)
   bool stream_ = false;      // parameters on the host: gathers start from master_
   std::vector<void*> up_, upc_;  // streamed: per pool slot (stage 3) or one, the fp32 shard up and in gd_ (conv.)
-  bool delayed_ = false;     // offload: the host copies below are double-buffered ([1]: the update in flight's)
-  float* hgrad_[2] = {};     // offload: the gradient shard's host copy
-  void* hparam_[2] = {};     // offload: the masters in gd_ on the host
-  const dev::Exec* ux_ = nullptr;  // offloaded: the host copies' stream (set_copy_exec)
-  std::vector<void*> ev_up_;       // per unit: its shard's copy up done
-  void* ev_down_ = nullptr;        // a gradient shard complete on the model's stream
-  std::vector<char> up_wait_;      // per unit: its next gather waits for ev_up_
-  int micro_ = 0, bwd_ = 0;  // backward passes this step: expected (0: unknown), done
+  bool delayed_ = false;     // offload: gprev_ and wnext_ exist
+  float* gprev_ = nullptr;   // delayed: the gradient shard the update in flight reads
+  void* wnext_ = nullptr;    // delayed: the parameter copy it writes
+  std::vector<Run> runs_;
+  dev::Exec ux_;             // offloaded: the ring's copy stream
+  struct Ring { float* g; void* w; void* down; };  // pinned; the chunk's copy down done
+  Ring ring_[2] = {};
+  int64_t chunk_ = 0;        // elements a ring slot holds
   DevZeroMemory mem_;
   int64_t gathered_ = 0;
   bool gathered_once_ = false;

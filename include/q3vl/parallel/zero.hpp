@@ -25,22 +25,20 @@
 namespace q3vl {
 
 // The intersection of this rank's shard with one tensor: elements [begin, begin+count) of the tensor's
-// row-major flattening. Pointers address `count` elements; exp_avg/exp_avg_sq/grad are null when frozen.
+// row-major flattening. Pointers address `count` elements; exp_avg/exp_avg_sq are null when frozen.
 struct ShardPiece {
   int param = 0;
   int64_t begin = 0, count = 0;
   float* master = nullptr;
-  float* grad = nullptr;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   bool trainable = false, no_decay = false;
 };
 
-// Bytes this rank holds, by kind.
+// Host bytes a rank's ZeroShards hold, by kind (the gradients live on the device: DevZero).
 struct ZeroMemory {
-  int64_t master = 0, exp_avg = 0, exp_avg_sq = 0, grads = 0;  // ZeRO state
-  int64_t comm = 0;                                              // reduce-scatter landing buffer
-  int64_t state() const { return master + exp_avg + exp_avg_sq + grads; }
+  int64_t master = 0, exp_avg = 0, exp_avg_sq = 0;
+  int64_t state() const { return master + exp_avg + exp_avg_sq; }
 };
 
 // One unit's shard geometry on one rank (from the parameter table and the group size alone).
@@ -66,8 +64,8 @@ struct ZeroLayout {
   std::vector<ShardPiece> pieces;  // pointers null
   struct Offs { int64_t master, comm, opt; };
   std::vector<Offs> offs;          // per piece: offsets in the master, comm and optimizer buffers (opt -1: frozen)
-  int64_t master = 0, opt = 0, comm = 0, full_grads = 0;  // elements: master shard, moments/grad shard each,
-                                                          // reduce-scatter landing buffer, stage 1's full grads
+  int64_t master = 0, opt = 0, comm = 0;  // elements: master shard, moments each, gradient shard (and its
+                                          // reduce-scatter landing buffer)
 };
 // `experts`: the expert replicas' group (expert parallelism), or null: expert units are sharded like the rest.
 ZeroLayout zero_layout(const ParamTable& t, ShardGroup shard, const ShardGroup* experts, int stage,
@@ -80,10 +78,11 @@ struct ZeroSpec {
   int node_ranks = 1;  // hybrid: ranks per node (the shard group)
 };
 
-// One rank's ZeRO shards on the host (the stage-3 layout: no full gradient accumulator), sized by zero_layout().
+// One rank's ZeRO shards on the host (the stage-3 layout), sized by zero_layout(): the fp32 masters and the AdamW
+// moments, what checkpoints read and write; no gradients (those stay on the device, DevZero's).
 class ZeroShards {
  public:
-  // trainable: one flag per table parameter (frozen ones get no optimizer state and no gradient shard).
+  // trainable: one flag per table parameter (frozen ones get no optimizer state).
   // `shard`: the shard group (its size and this rank's place). `ep` (may be null: every expert local) must be the
   // table's expert split; its replicas shard the expert units.
   ZeroShards(const ParamTable& t, const Comm& shard, const std::vector<bool>& trainable, ExpertParallel* ep = nullptr);
@@ -114,7 +113,7 @@ class ZeroShards {
 
  private:
   std::vector<ShardPiece> pieces_;
-  std::vector<float> master_, exp_avg_, exp_avg_sq_, grads_, comm_buf_;
+  std::vector<float> master_, exp_avg_, exp_avg_sq_;
 };
 
 }  // namespace q3vl

@@ -66,11 +66,11 @@ struct Bytes {
 };
 
 // Host bytes per rank by kind: the host engine's shards that train keeps on every path (start-up and checkpoint I/O;
-// an offloaded optimizer updates its masters and moments in place) and the offload's pinned staging (the gradient
-// shard down, the masters in the gathers' dtype up).
+// an offloaded optimizer updates its masters and moments in place) and the offload's pinned staging (the ring the
+// gradient shard goes down and the parameters come up through).
 struct HostBytes {
-  int64_t masters = 0, moments = 0, grads = 0, comm = 0, staging = 0;
-  int64_t total() const { return masters + moments + grads + comm + staging; }
+  int64_t masters = 0, moments = 0, staging = 0;
+  int64_t total() const { return masters + moments + staging; }
   std::string largest(int n) const;
 };
 
@@ -83,6 +83,7 @@ struct Workload {
   std::vector<bool> trainable;  // per parameter (train.tune_*)
   std::vector<int> backward_order;  // unit_order(table, true)
   bool delayed_update = false;      // parallel.offload_update = "delayed": offloaded candidates use it
+  int64_t offload_chunk = int64_t(4) << 20;  // parallel.offload_chunk: elements of a slot of the update's ring
 };
 Workload workload_from_deck(const Deck& d, std::string* note = nullptr);
 

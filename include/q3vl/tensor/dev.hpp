@@ -30,6 +30,7 @@ struct Exec {
   void* blas = nullptr;    // cublasLtHandle_t
   void* ws = nullptr;      // device scratch (GEMM workspace, attention dq accumulators, reductions)
   size_t ws_bytes = 0;
+  int gpu = 0;             // the device the stream belongs to
 };
 // GPUs visible to this process (0 in a build without CUDA).
 int device_count();
@@ -38,6 +39,8 @@ int device_count();
 Exec make_exec(Device d, size_t ws_bytes = size_t(256) << 20, int gpu = 0);
 void destroy_exec(Exec& x);
 void synchronize(const Exec& x);
+// Makes x's device the calling thread's current one (a thread other than the one that made x enqueues on it).
+void bind_thread(const Exec& x);
 // Device memory (host memory on the CPU). Used when arenas are sized, never inside a step.
 void* alloc(const Exec& x, size_t bytes);
 void release(const Exec& x, void* p);
@@ -65,6 +68,8 @@ void* event_create(const Exec& x);
 void event_destroy(const Exec& x, void* e);
 void event_record(const Exec& x, void* e);
 void event_wait(const Exec& x, void* e);
+// The host waits until the work an event marks is done.
+void event_synchronize(const Exec& x, void* e);
 // Timing events (the profiler's, tensor/profile.hpp): recorded with event_record; event_elapsed_ms waits for `b` and
 // gives the milliseconds from `a` to `b`. The CPU has none (null, 0).
 void* timing_event_create(const Exec& x);

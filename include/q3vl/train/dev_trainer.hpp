@@ -36,8 +36,10 @@ struct Offload {
                            // every unit's gather streams its shard up from the host masters (DevZero's stream)
   // "delayed" (parallel.offload_update): step k's AdamW runs on the host while step k+1 computes on the weights from
   // before it (DeepSpeed's delayed parameter update: gradients one step stale); its parameters go up when step k+1
-  // ends. Needs the parameters on the device (not `params`); the host copies are double-buffered (DevZero).
+  // ends. Needs the parameters on the device (not `params`); the device gradient shard and parameter copy are
+  // double-buffered (DevZero).
   bool delayed = false;
+  int64_t chunk = DevZero::kRingChunk;  // elements of a slot of the ring the update's copies go through
   int threads = 1;         // the host AdamW's threads (the caller's counted): the rank's cores, rank_cores()
   bool pin = false;        // bind them to the cores of the rank's affinity mask, one each
 };
@@ -86,8 +88,7 @@ class DevTrainer {
   void from_host(const ZeroShards& e);
   void to_host(const ZeroShards& e);
 
-  // micro_steps: the micro-steps (backward passes, idle ones counted) this step runs (0: unknown).
-  void begin_step(int micro_steps = 0);
+  void begin_step();
   // Loss of a micro-batch (kept for backward); backward adds weight * its gradient (weight = n / n_global). A rank
   // without tokens in a micro-step calls idle() instead of both: its collectives still run (and its experts serve
   // the others' rows).
@@ -124,26 +125,17 @@ class DevTrainer {
   int64_t device_bytes() const { return memory().total(); }
 
  private:
-  struct Run {  // adjacent trainable pieces with the same flags: one optimizer launch
-    int64_t master = 0, grad = 0, opt = 0, n = 0;
-    bool no_decay = false;
-    int64_t first = 0;  // its first element among all runs' (the host update's split over threads)
-  };
   void host_update(const AdamWConfig& hp, double lr, double g, int64_t t);
-  void host_adamw(const float* grads, void* params, const AdamWConfig& hp, double lr, double g, int64_t t);
+  void host_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
-  dev::Exec ux_;       // an offloaded optimizer's host copies (CUDA, stage 3)
   Comm& shard_;
   std::unique_ptr<Comm> nccl_shard_, nccl_replica_, nccl_ep_, nccl_experts_;  // nccl_ep_: the rows, nccl_experts_: ZeRO
   ExpertParallel* ep_ = nullptr;
   std::unique_ptr<DevModel> model_;
   std::unique_ptr<DevZero> zero_;
-  std::vector<Run> runs_;
-  int64_t run_elems_ = 0;              // elements of all runs
   std::unique_ptr<ThreadPool> pool_;  // offloaded optimizer's threads
   bool delayed_ = false;              // Offload::delayed
   std::future<void> pending_;         // the delayed update in flight
-  void* pending_w_ = nullptr;         // the parameters it writes (its host copy in the gathers' dtype)
   double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows
   LossScaling ls_;
   bool hybrid_ = false;  // gradient shards all-reduced across replicas (parallel.hybrid over several nodes)

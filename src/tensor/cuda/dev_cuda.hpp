@@ -9,6 +9,7 @@ int device_count();
 Exec make_exec(size_t ws_bytes, int gpu);
 void destroy_exec(Exec& x);
 void synchronize(const Exec& x);
+void bind_thread(const Exec& x);
 void* alloc(const Exec& x, size_t bytes);
 void release(const Exec& x, void* p);
 void to_device(const Exec& x, void* dst, const void* src, size_t bytes);
@@ -23,6 +24,7 @@ void* event_create(const Exec& x);
 void event_destroy(void* e);
 void event_record(const Exec& x, void* e);
 void event_wait(const Exec& x, void* e);
+void event_synchronize(void* e);
 void* timing_event_create(const Exec& x);
 float event_elapsed_ms(void* a, void* b);
 

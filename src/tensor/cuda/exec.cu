@@ -24,6 +24,7 @@ Exec make_exec(size_t ws_bytes, int gpu) {
   x.blas = h;
   if (ws_bytes) Q3VL_CU(cudaMalloc(&x.ws, ws_bytes));
   x.ws_bytes = ws_bytes;
+  x.gpu = gpu;
   return x;
 }
 
@@ -36,6 +37,8 @@ void destroy_exec(Exec& x) {
 }
 
 void synchronize(const Exec& x) { Q3VL_CU(cudaStreamSynchronize(stream_of(x))); }
+
+void bind_thread(const Exec& x) { Q3VL_CU(cudaSetDevice(x.gpu)); }
 
 void* alloc(const Exec& x, size_t bytes) {
   void* p = nullptr;
@@ -130,6 +133,8 @@ void event_destroy(void* e) {
 void event_record(const Exec& x, void* e) { Q3VL_CU(cudaEventRecord(static_cast<cudaEvent_t>(e), stream_of(x))); }
 
 void event_wait(const Exec& x, void* e) { Q3VL_CU(cudaStreamWaitEvent(stream_of(x), static_cast<cudaEvent_t>(e), 0)); }
+
+void event_synchronize(void* e) { Q3VL_CU(cudaEventSynchronize(static_cast<cudaEvent_t>(e))); }
 
 void* timing_event_create(const Exec& x) {
   cudaEvent_t e = nullptr;
