@@ -90,8 +90,7 @@ void dev_moe_experts_bwd(const dev::Exec& ex, const TextConfig& tc, const DevPar
     dev::swiglu_fwd(ex, c.egu, s.eact, Ro, Im, dt);  // recomputed, cheaper than keeping it
     zero(ex, s.edact, Ro * Im, dt);
     dev::grouped_linear_bwd(ex, s.yo, s.eact, P.p[down], c.ostart, s.edact, P.g[down], Ro, El, Im, H, dt);
-    zero(ex, s.edgu, Ro * 2 * Im, dt);
-    dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, Ro, Im, dt);
+    dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, Ro, Im, false, dt);
     zero(ex, s.yo, Ro * H, dt);
     dev::grouped_linear_bwd(ex, s.edgu, c.xo, P.p[gu], c.ostart, s.yo, P.g[gu], Ro, El, H, 2 * Im, dt);
     dev::scatter_rows(ex, s.yo, c.perm, s.arr, Ro, H, false, dt);

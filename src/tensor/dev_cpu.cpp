@@ -57,6 +57,11 @@ const float* F(const void* p) { return static_cast<const float*>(p); }
 float* F(void* p) { return static_cast<float*>(p); }
 // ops:: takes int64 indices; the device layer int32 (half the bytes on the GPU). Small arrays, converted per call.
 std::vector<int64_t> widen(const int32_t* p, int64_t n) { return std::vector<int64_t>(p, p + n); }
+// An input gradient that an op writes (accumulate = false): zeroed, then accumulated into by ops::, which is what the
+// caller's fill and the accumulating op computed.
+void clear_unless(bool accumulate, void* p, int64_t n) {
+  if (!accumulate && p) std::fill(F(p), F(p) + n, 0.f);
+}
 }  // namespace
 
 int device_count() {
@@ -230,9 +235,10 @@ void linear_int8_fwd(const Exec& x, const void* in, const int8_t* q, const float
   ops::linear_lowp_fwd(F(in), q, scale, F(b), F(y), N, n_in, n_out);
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
-                int64_t N, int64_t n_in, int64_t n_out, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out) * ((din ? 1 : 0) + (dW ? 1 : 0))), linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, dt));
+                int64_t N, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
+  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out) * ((din ? 1 : 0) + (dW ? 1 : 0))), linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, accumulate, dt));
   need_f32(dt, "linear_bwd");
+  clear_unless(accumulate, din, N * n_in);
   ops::linear_bwd(F(dy), F(in), F(W), F(din), dW, db, N, n_in, n_out);
 }
 
@@ -277,9 +283,10 @@ void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* r
   ops::rmsnorm_fwd(F(in), F(w), F(y), rstd, N, D, eps);
 }
 void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
-                 float* dw, int64_t N, int64_t D, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(N * D, dt)), rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, dt));
+                 float* dw, int64_t N, int64_t D, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(3 * B(N * D, dt)), rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, accumulate, dt));
   need_f32(dt, "rmsnorm_bwd");
+  clear_unless(accumulate, din, N * D);
   ops::rmsnorm_bwd(F(dy), F(in), F(w), rstd, F(din), dw, N, D);
 }
 void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, void* y, float* mean, float* rstd,
@@ -289,9 +296,10 @@ void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, 
   ops::layernorm_fwd(F(in), F(w), F(b), F(y), mean, rstd, N, D, eps);
 }
 void layernorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
-                   void* din, float* dw, float* db, int64_t N, int64_t D, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(N * D, dt)), layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, dt));
+                   void* din, float* dw, float* db, int64_t N, int64_t D, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(3 * B(N * D, dt)), layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, accumulate, dt));
   need_f32(dt, "layernorm_bwd");
+  clear_unless(accumulate, din, N * D);
   ops::layernorm_bwd(F(dy), F(in), F(w), mean, rstd, F(din), dw, db, N, D);
 }
 
@@ -301,9 +309,10 @@ void gelu_tanh_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) 
   need_f32(dt, "gelu_tanh_fwd");
   ops::gelu_tanh_fwd(F(in), F(y), n);
 }
-void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_tanh_bwd(x, dy, in, din, n, dt));
+void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_tanh_bwd(x, dy, in, din, n, accumulate, dt));
   need_f32(dt, "gelu_tanh_bwd");
+  clear_unless(accumulate, din, n);
   ops::gelu_tanh_bwd(F(dy), F(in), F(din), n);
 }
 void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
@@ -311,9 +320,10 @@ void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
   need_f32(dt, "gelu_erf_fwd");
   ops::gelu_erf_fwd(F(in), F(y), n);
 }
-void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_erf_bwd(x, dy, in, din, n, dt));
+void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_erf_bwd(x, dy, in, din, n, accumulate, dt));
   need_f32(dt, "gelu_erf_bwd");
+  clear_unless(accumulate, din, n);
   ops::gelu_erf_bwd(F(dy), F(in), F(din), n);
 }
 void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DType dt) {
@@ -321,9 +331,11 @@ void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DT
   need_f32(dt, "swiglu_fwd");
   ops::swiglu_fwd(F(gu), F(y), N, I);
 }
-void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, DType dt) {
-  DEV_OP(x, prof::mem(5 * B(N * I, dt)), swiglu_bwd(x, dy, gu, dgu, N, I, dt));
+void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, bool accumulate,
+                DType dt) {
+  DEV_OP(x, prof::mem(5 * B(N * I, dt)), swiglu_bwd(x, dy, gu, dgu, N, I, accumulate, dt));
   need_f32(dt, "swiglu_bwd");
+  clear_unless(accumulate, dgu, N * 2 * I);
   ops::swiglu_bwd(F(dy), F(gu), F(dgu), N, I);
 }
 
@@ -352,10 +364,14 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
 }
 void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
                    const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
-                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, DType dt) {
+                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, bool accumulate,
+                   DType dt) {
   DEV_OP(x, prof::flop(2.5 * attention_flops(N, max_len, nh, hd, causal)), attention_bwd(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
-                           dt));
+                           accumulate, dt));
   need_f32(dt, "attention_bwd");
+  clear_unless(accumulate, dq, N * nh * hd);
+  clear_unless(accumulate, dk, N * nkv * hd);
+  clear_unless(accumulate, dv, N * nkv * hd);
   const auto cu64 = widen(cu, nseg + 1);
   ops::attention_bwd(F(dout), F(q), F(k), F(v), F(out), lse, F(dq), F(dk), F(dv), cu64.data(), nseg, nh, nkv, hd,
                      causal, scale);
@@ -470,9 +486,10 @@ void argmax_rows(const Exec& x, const float* logits, int64_t S, int64_t V, int64
   }
 }
 void cross_entropy(const Exec& x, const void* logits, const int32_t* target, float* loss, void* dlogits,
-                   double* loss_sum, int64_t N, int64_t V, float scale, DType dt) {
-  DEV_OP(x, prof::mem((dlogits ? 3 : 1) * B(N * V, dt)), cross_entropy(x, logits, target, loss, dlogits, loss_sum, N, V, scale, dt));
+                   double* loss_sum, int64_t N, int64_t V, float scale, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem((dlogits ? 3 : 1) * B(N * V, dt)), cross_entropy(x, logits, target, loss, dlogits, loss_sum, N, V, scale, accumulate, dt));
   need_f32(dt, "cross_entropy");
+  clear_unless(accumulate, dlogits, N * V);
   const auto t64 = widen(target, N);
   const double s = ops::cross_entropy(F(logits), t64.data(), loss, F(dlogits), N, V, scale);
   if (loss_sum) *loss_sum += s;
