@@ -164,8 +164,10 @@ class DevZero final : UnitHooks {
   void leave_slot(size_t k);
   void issue_gather(size_t k);
   void reduce_done(size_t upto);
-  // Reduce-scatters unit u's full gradients at `g` (padded) into its shard: through the landing buffer, added.
+  // Reduce-scatters unit u's full gradients at `g` (padded) into its shard: through the landing buffer, added; the
+  // step's first land in the shard itself (one rank: copied), which begin_step does not zero.
   void reduce_unit(int u, const float* g);
+  void zero_unreduced();  // the trainable units' shards that no reduce_unit wrote this step: zeroed
   void down(const dev::Exec& x, int64_t off, int64_t n);  // offload: gradient shard elements to the host copy
   bool last_pass() const;  // offload: this backward pass's reduce-scatters complete the step's gradient shards
   void upload_units(const void* w);  // offloaded: the trainable units' shards up from w, on ux_
@@ -210,6 +212,7 @@ class DevZero final : UnitHooks {
   void* ev_down_ = nullptr;        // a gradient shard complete on the model's stream
   std::vector<char> up_wait_;      // per unit: its next gather waits for ev_up_
   int micro_ = 0, bwd_ = 0;  // backward passes this step: expected (0: unknown), done
+  std::vector<char> reduced_;  // [unit] its gradient shard holds gradients of this step
   DevZeroMemory mem_;
   int64_t gathered_ = 0;
   bool gathered_once_ = false;
