@@ -2,6 +2,7 @@
 // fp32 math on any storage dtype, formulas written as ops:: writes them. Every backward is deterministic: the
 // many-to-one ones (embedding_bwd, pos_embed_bwd) sum per destination row in a fixed order instead of atomics.
 #include <algorithm>
+#include <cmath>
 
 #include <cub/cub.cuh>
 
@@ -295,6 +296,10 @@ __global__ void k_pos_embed_bwd(const S* __restrict__ dout, const Taps* __restri
 // ---- public launchers -------------------------------------------------------------------------------------------------
 void fill(const Exec& x, void* p, DType t, int64_t n, float value) {
   if (n <= 0) return;
+  if (value == 0.f && !std::signbit(value)) {  // +0 is all zero bits in every dtype: a memset, at full bandwidth
+    Q3VL_CU(cudaMemsetAsync(p, 0, size_t(n) * dtype_size(t), stream_of(x)));
+    return;
+  }
   if (t == DType::I32) {
     k_fill_raw<int32_t><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<int32_t*>(p), n, int32_t(value));
     Q3VL_LAUNCHED();
