@@ -200,27 +200,22 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   // MLP / MoE branch. The first op to produce a gradient buffer writes it, the later ones add (dev.hpp).
   if (moe) {
-    zero(ex, s.dln, N * H, dt);
     const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
     if (c.ex) {  // expert parallelism: the experts' part on their owners
       dev_moe_experts_bwd(ex, tc, P, f, dx, N, c, s, dt);
     } else {
       const int eg = dev_experts_id(P, f);
-      zero(ex, s.dyg, R * H, dt);
-      dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, dt);
+      dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, false, dt);
       dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
-      zero(ex, s.edact, R * Im, dt);
-      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, dt);
+      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, false, dt);
       dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, false, dt);
       dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-      zero(ex, s.dxg, R * H, dt);
-      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, dt);
+      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false, dt);
     }
-    dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, dt);
+    dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, false, dt);
     // The logit gradients of the combine weights and of the aux loss summed in fp32, rounded once to dt for the
     // router's GEMMs (whose other operands are dt), into s.logits (fp32-sized, free after the forward).
-    zero(ex, s.dlogits, N * E, DType::F32);
-    dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, DType::F32);
+    dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, false, DType::F32);
     if (aux_dlogits) dev::axpy(ex, 1.f, aux_dlogits, s.dlogits, N * E, DType::F32);
     void* dl = s.dlogits;
     if (dt != DType::F32) dev::convert(ex, dl = s.logits, dt, s.dlogits, DType::F32, N * E);

@@ -619,9 +619,8 @@ void DevModel::backward(float loss_scale) {
   int64_t nmoe = 0;
   for (int l = 0; l < tc.layers; ++l) nmoe += table_.moe_layer(l);
   if (aux_on_) {
-    dev::fill(ex_, I.aux_dl, DType::F32, nmoe * N * E, 0.f);
     dev::aux_loss_bwd(ex_, I.probs, I.aux_f, float(tc.router_aux_loss_coef * loss_scale), I.aux_dl, nmoe * N, E,
-                      DType::F32);
+                      false, DType::F32);
   }
   const DevSegments seg{I.cu, I.nseg, I.max_len};
   int64_t slot = nmoe;

@@ -505,9 +505,10 @@ void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, f
   std::copy(i64.begin(), i64.end(), idx);
 }
 void router_bwd(const Exec& x, const float* dw, const float* probs, const int32_t* idx, void* dlogits, int64_t N,
-                int64_t E, int64_t k, DType dt) {
-  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 4.0 * double(N * E)), router_bwd(x, dw, probs, idx, dlogits, N, E, k, dt));
+                int64_t E, int64_t k, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 4.0 * double(N * E)), router_bwd(x, dw, probs, idx, dlogits, N, E, k, accumulate, dt));
   need_f32(dt, "router_bwd");
+  clear_unless(accumulate, dlogits, N * E);
   const auto i64 = widen(idx, N * k);
   ops::router_bwd(dw, probs, i64.data(), F(dlogits), N, E, k);
 }
@@ -519,9 +520,10 @@ void aux_loss_fwd(const Exec& x, const float* probs, const int32_t* idx, float* 
   if (aux) *aux += a;
 }
 void aux_loss_bwd(const Exec& x, const float* probs, const float* f, float coef, void* dlogits, int64_t N, int64_t E,
-                  DType dt) {
-  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 8.0 * double(N * E)), aux_loss_bwd(x, probs, f, coef, dlogits, N, E, dt));
+                  bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 8.0 * double(N * E)), aux_loss_bwd(x, probs, f, coef, dlogits, N, E, accumulate, dt));
   need_f32(dt, "aux_loss_bwd");
+  clear_unless(accumulate, dlogits, N * E);
   ops::aux_loss_bwd(probs, f, coef, F(dlogits), N, E);
 }
 void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E, int32_t* start, int32_t* rows,
@@ -555,9 +557,10 @@ void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, con
                          F(y) + start[e] * n_out, start[e + 1] - start[e], n_in, n_out);
 }
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
-                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, dt));
+                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, accumulate, dt));
   need_f32(dt, "grouped_linear_bwd");
+  clear_unless(accumulate, dxg, R * n_in);
   for (int64_t e = 0; e < E; ++e)
     ops::linear_bwd(F(dy) + start[e] * n_out, F(xg) + start[e] * n_in, F(W) + e * n_out * n_in,
                     dxg ? F(dxg) + start[e] * n_in : nullptr, dW ? dW + e * n_out * n_in : nullptr, (float*)nullptr,
@@ -578,9 +581,10 @@ void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const flo
   }
 }
 void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32_t* pos, const float* w, float* dw,
-                     void* dy, int64_t N, int64_t k, int64_t H, DType dt) {
-  DEV_OP(x, prof::mem(B(N * H, dt) + 3 * B(N * k * H, dt)), moe_combine_bwd(x, dout, y, pos, w, dw, dy, N, k, H, dt));
+                     void* dy, int64_t N, int64_t k, int64_t H, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(B(N * H, dt) + 3 * B(N * k * H, dt)), moe_combine_bwd(x, dout, y, pos, w, dw, dy, N, k, H, accumulate, dt));
   need_f32(dt, "moe_combine_bwd");
+  clear_unless(accumulate, dy, N * k * H);
   for (int64_t r = 0; r < N * k; ++r) {
     const float* g = F(dout) + r / k * H;
     const float* yr = F(y) + int64_t(pos[r]) * H;
@@ -594,9 +598,10 @@ void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32
   }
 }
 void unpermute_add(const Exec& x, const void* src, const int32_t* pos, void* dst, int64_t N, int64_t k, int64_t H,
-                   DType dt) {
-  DEV_OP(x, prof::mem(B(N * k * H, dt) + 2 * B(N * H, dt)), unpermute_add(x, src, pos, dst, N, k, H, dt));
+                   bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(B(N * k * H, dt) + 2 * B(N * H, dt)), unpermute_add(x, src, pos, dst, N, k, H, accumulate, dt));
   need_f32(dt, "unpermute_add");
+  clear_unless(accumulate, dst, N * H);
   for (int64_t r = 0; r < N * k; ++r) {
     const float* s = F(src) + int64_t(pos[r]) * H;
     float* d = F(dst) + r / k * H;

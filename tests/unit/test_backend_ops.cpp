@@ -596,22 +596,24 @@ std::vector<Case> all_cases(DType dt) {
         });
     std::vector<double> probs, idx, start, pos;
     route(N, E, k, probs, idx);
-    add("router_bwd", dims({N, E, k}), kReduce,
-        {in("dw", K::F32, randn(N * k)), in("probs", K::F32, probs), in("idx", K::I32, idx),
-         out("dlogits", K::Act, randn(N * E))},
-        [=](auto& x, auto& p, DType t) {
-          dev::router_bwd(x, P<float>(p, 0), P<float>(p, 1), P<int32_t>(p, 2), p[3], N, E, k, t);
-        });
+    for (bool acc : {true, false})
+      add("router_bwd", dims({N, E, k}) + mode(acc), kReduce,
+          {in("dw", K::F32, randn(N * k)), in("probs", K::F32, probs), in("idx", K::I32, idx),
+           out("dlogits", K::Act, randn(N * E))},
+          [=](auto& x, auto& p, DType t) {
+            dev::router_bwd(x, P<float>(p, 0), P<float>(p, 1), P<int32_t>(p, 2), p[3], N, E, k, acc, t);
+          });
     add("aux_loss_fwd", dims({N, E, k}), kReduce,
         {in("probs", K::F32, probs), in("idx", K::I32, idx), out("f", K::F32, randn(E)), out("aux", K::F64, {1.5})},
         [=](auto& x, auto& p, DType) {
           dev::aux_loss_fwd(x, P<float>(p, 0), P<int32_t>(p, 1), P<float>(p, 2), P<double>(p, 3), N, E, k);
         });
-    add("aux_loss_bwd", dims({N, E}), kReduce,
-        {in("probs", K::F32, probs), in("f", K::F32, randu(E, 0, 0.5)), out("dlogits", K::Act, randn(N * E))},
-        [=](auto& x, auto& p, DType t) {
-          dev::aux_loss_bwd(x, P<float>(p, 0), P<float>(p, 1), 0.01f, p[2], N, E, t);
-        });
+    for (bool acc : {true, false})
+      add("aux_loss_bwd", dims({N, E}) + mode(acc), kReduce,
+          {in("probs", K::F32, probs), in("f", K::F32, randu(E, 0, 0.5)), out("dlogits", K::Act, randn(N * E))},
+          [=](auto& x, auto& p, DType t) {
+            dev::aux_loss_bwd(x, P<float>(p, 0), P<float>(p, 1), 0.01f, p[2], N, E, acc, t);
+          });
     add("moe_plan", dims({N, E, k}), kElem,
         {in("idx", K::I32, idx), out("start", K::I32, randi(E + 1, 9), true),
          out("rows", K::I32, randi(N * k, 9), true), out("pos", K::I32, randi(N * k, 9), true)},
@@ -626,27 +628,33 @@ std::vector<Case> all_cases(DType dt) {
         [=](auto& x, auto& p, DType t) {
           dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[3], R, E, Hh, Im, t);
         });
-    add("grouped_linear_bwd", dims({R, E, Hh, Im}), kGemm,
-        {in("dy", K::Act, randn(R * Im)), in("xg", K::Act, randn(R * Hh)), in("W", K::Act, randn(E * Im * Hh, 0.1)),
-         in("start", K::I32, start), out("dxg", K::Act, randn(R * Hh)), out("dW", K::F32, randn(E * Im * Hh))},
-        [=](auto& x, auto& p, DType t) {
-          dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, Hh, Im, t);
-        });
+    for (bool acc : {true, false})
+      add("grouped_linear_bwd", dims({R, E, Hh, Im}) + mode(acc), kGemm,
+          {in("dy", K::Act, randn(R * Im)), in("xg", K::Act, randn(R * Hh)),
+           in("W", K::Act, randn(E * Im * Hh, 0.1)), in("start", K::I32, start), out("dxg", K::Act, randn(R * Hh)),
+           out("dW", K::F32, randn(E * Im * Hh))},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, Hh, Im, acc,
+                                    t);
+          });
     add("moe_combine_fwd", dims({N, k, Hh}), kReduce,
         {in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos), in("w", K::F32, randu(R, 0, 1)),
          out("out", K::Act, randn(N * Hh))},
         [=](auto& x, auto& p, DType t) {
           dev::moe_combine_fwd(x, p[0], P<int32_t>(p, 1), P<float>(p, 2), p[3], N, k, Hh, t);
         });
-    add("moe_combine_bwd", dims({N, k, Hh}), kReduce,
-        {in("dout", K::Act, randn(N * Hh)), in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos),
-         in("w", K::F32, randu(R, 0, 1)), out("dw", K::F32, randn(R)), out("dy", K::Act, randn(R * Hh))},
-        [=](auto& x, auto& p, DType t) {
-          dev::moe_combine_bwd(x, p[0], p[1], P<int32_t>(p, 2), P<float>(p, 3), P<float>(p, 4), p[5], N, k, Hh, t);
-        });
-    add("unpermute_add", dims({N, k, Hh}), kReduce,
-        {in("src", K::Act, randn(R * Hh)), in("pos", K::I32, pos), out("dst", K::Act, randn(N * Hh))},
-        [=](auto& x, auto& p, DType t) { dev::unpermute_add(x, p[0], P<int32_t>(p, 1), p[2], N, k, Hh, t); });
+    for (bool acc : {true, false}) {
+      add("moe_combine_bwd", dims({N, k, Hh}) + mode(acc), kReduce,
+          {in("dout", K::Act, randn(N * Hh)), in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos),
+           in("w", K::F32, randu(R, 0, 1)), out("dw", K::F32, randn(R)), out("dy", K::Act, randn(R * Hh))},
+          [=](auto& x, auto& p, DType t) {
+            dev::moe_combine_bwd(x, p[0], p[1], P<int32_t>(p, 2), P<float>(p, 3), P<float>(p, 4), p[5], N, k, Hh, acc,
+                                 t);
+          });
+      add("unpermute_add", dims({N, k, Hh}) + mode(acc), kReduce,
+          {in("src", K::Act, randn(R * Hh)), in("pos", K::I32, pos), out("dst", K::Act, randn(N * Hh))},
+          [=](auto& x, auto& p, DType t) { dev::unpermute_add(x, p[0], P<int32_t>(p, 1), p[2], N, k, Hh, acc, t); });
+    }
   }
 
   // optimizer and reductions (F32 shards whatever the activation dtype)
