@@ -198,71 +198,62 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
                      const int32_t* idx, const void* aux_dlogits, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
-  // MLP / MoE branch.
-  zero(ex, s.dln, N * H, dt);
+  // MLP / MoE branch. The first op to produce a gradient buffer writes it, the later ones add (dev.hpp).
   if (moe) {
     const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
     if (c.ex) {  // expert parallelism: the experts' part on their owners
       dev_moe_experts_bwd(ex, tc, P, f, dx, N, c, s, dt);
     } else {
       const int eg = dev_experts_id(P, f);
-      zero(ex, s.dyg, R * H, dt);
-      dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, dt);
+      dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, false, dt);
       dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
-      zero(ex, s.edact, R * Im, dt);
-      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, dt);
-      zero(ex, s.edgu, R * 2 * Im, dt);
-      dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, dt);
+      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, false, dt);
+      dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, false, dt);
       dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-      zero(ex, s.dxg, R * H, dt);
-      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, dt);
+      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false, dt);
     }
-    dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, dt);
+    dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, false, dt);
     // The logit gradients of the combine weights and of the aux loss summed in fp32, rounded once to dt for the
     // router's GEMMs (whose other operands are dt), into s.logits (fp32-sized, free after the forward).
-    zero(ex, s.dlogits, N * E, DType::F32);
-    dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, DType::F32);
+    dev::router_bwd(ex, s.dw, probs, idx, s.dlogits, N, E, k, false, DType::F32);
     if (aux_dlogits) dev::axpy(ex, 1.f, aux_dlogits, s.dlogits, N * E, DType::F32);
     void* dl = s.dlogits;
     if (dt != DType::F32) dev::convert(ex, dl = s.logits, dt, s.dlogits, DType::F32, N * E);
-    dev::linear_bwd(ex, dl, c.ln2, P.p[f + tlay::router], s.dln, P.g[f + tlay::router], nullptr, N, H, E, dt);
+    dev::linear_bwd(ex, dl, c.ln2, P.p[f + tlay::router], s.dln, P.g[f + tlay::router], nullptr, N, H, E, true, dt);
     dev_lora_bwd(ex, P, f + tlay::router, dl, E, c.ln2, N, s.dln, dt);
   } else {
     const int64_t I = tc.intermediate;
-    zero(ex, s.dact, N * I, dt);
-    zero(ex, s.dgu, N * 2 * I, dt);
-    dev::linear_bwd(ex, dx, c.act, P.p[f + tlay::down_proj], s.dact, P.g[f + tlay::down_proj], nullptr, N, I, H, dt);
+    dev::linear_bwd(ex, dx, c.act, P.p[f + tlay::down_proj], s.dact, P.g[f + tlay::down_proj], nullptr, N, I, H,
+                    false, dt);
     dev_lora_bwd(ex, P, f + tlay::down_proj, dx, H, c.act, N, s.dact, dt);
-    dev::swiglu_bwd(ex, s.dact, c.gu, s.dgu, N, I, dt);
+    dev::swiglu_bwd(ex, s.dact, c.gu, s.dgu, N, I, false, dt);
+    // The gate and up adapters add into s.dln before the fused linear does (lora.cpp's order).
+    const bool lora = dev_lora_on(P, f + tlay::gate_proj) || dev_lora_on(P, f + tlay::up_proj);
+    if (lora) zero(ex, s.dln, N * H, dt);
     dev_lora_bwd(ex, P, f + tlay::gate_proj, s.dgu, 2 * I, c.ln2, N, s.dln, dt);
     dev_lora_bwd(ex, P, f + tlay::up_proj, at(s.dgu, I, dt), 2 * I, c.ln2, N, s.dln, dt);
     dev::linear_bwd(ex, s.dgu, c.ln2, P.p[fused_gate_up(P, f, I, H, dt)], s.dln, P.g[f + tlay::gate_proj], nullptr, N,
-                    H, 2 * I, dt);
+                    H, 2 * I, lora, dt);
   }
-  dev::rmsnorm_bwd(ex, s.dln, c.x1, P.p[f + tlay::post_norm], c.r2, dx, P.g[f + tlay::post_norm], N, H, dt);
+  dev::rmsnorm_bwd(ex, s.dln, c.x1, P.p[f + tlay::post_norm], c.r2, dx, P.g[f + tlay::post_norm], N, H, true, dt);
   // Attention branch.
-  zero(ex, s.datt, N * Dq, dt);
-  zero(ex, s.dq, N * Dq, dt);
-  zero(ex, s.dk, N * Dk, dt);
-  zero(ex, s.dv, N * Dk, dt);
-  zero(ex, s.dqr, N * Dq, dt);
-  zero(ex, s.dkr, N * Dk, dt);
-  dev::linear_bwd(ex, dx, c.att, P.p[f + tlay::o_proj], s.datt, P.g[f + tlay::o_proj], nullptr, N, Dq, H, dt);
+  dev::linear_bwd(ex, dx, c.att, P.p[f + tlay::o_proj], s.datt, P.g[f + tlay::o_proj], nullptr, N, Dq, H, false, dt);
   dev_lora_bwd(ex, P, f + tlay::o_proj, dx, H, c.att, N, s.datt, dt);
   dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
-                     nkv, hd, true, float(1 / std::sqrt(double(hd))), dt);
+                     nkv, hd, true, float(1 / std::sqrt(double(hd))), false, dt);
   dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
   dev::rope_bwd(ex, s.dk, cos, sin, N, nkv, hd, dt);
-  dev::rmsnorm_bwd(ex, s.dq, c.qraw, P.p[f + tlay::q_norm], c.rq, s.dqr, P.g[f + tlay::q_norm], N * nh, hd, dt);
-  dev::rmsnorm_bwd(ex, s.dk, c.kraw, P.p[f + tlay::k_norm], c.rk, s.dkr, P.g[f + tlay::k_norm], N * nkv, hd, dt);
-  zero(ex, s.dln, N * H, dt);
-  dev::linear_bwd(ex, s.dqr, c.ln1, P.p[f + tlay::q_proj], s.dln, P.g[f + tlay::q_proj], nullptr, N, H, Dq, dt);
-  dev::linear_bwd(ex, s.dkr, c.ln1, P.p[f + tlay::k_proj], s.dln, P.g[f + tlay::k_proj], nullptr, N, H, Dk, dt);
-  dev::linear_bwd(ex, s.dv, c.ln1, P.p[f + tlay::v_proj], s.dln, P.g[f + tlay::v_proj], nullptr, N, H, Dk, dt);
+  dev::rmsnorm_bwd(ex, s.dq, c.qraw, P.p[f + tlay::q_norm], c.rq, s.dqr, P.g[f + tlay::q_norm], N * nh, hd, false,
+                   dt);
+  dev::rmsnorm_bwd(ex, s.dk, c.kraw, P.p[f + tlay::k_norm], c.rk, s.dkr, P.g[f + tlay::k_norm], N * nkv, hd, false,
+                   dt);
+  dev::linear_bwd(ex, s.dqr, c.ln1, P.p[f + tlay::q_proj], s.dln, P.g[f + tlay::q_proj], nullptr, N, H, Dq, false, dt);
+  dev::linear_bwd(ex, s.dkr, c.ln1, P.p[f + tlay::k_proj], s.dln, P.g[f + tlay::k_proj], nullptr, N, H, Dk, true, dt);
+  dev::linear_bwd(ex, s.dv, c.ln1, P.p[f + tlay::v_proj], s.dln, P.g[f + tlay::v_proj], nullptr, N, H, Dk, true, dt);
   dev_lora_bwd(ex, P, f + tlay::q_proj, s.dqr, Dq, c.ln1, N, s.dln, dt);
   dev_lora_bwd(ex, P, f + tlay::k_proj, s.dkr, Dk, c.ln1, N, s.dln, dt);
   dev_lora_bwd(ex, P, f + tlay::v_proj, s.dv, Dk, c.ln1, N, s.dln, dt);
-  dev::rmsnorm_bwd(ex, s.dln, c.x, P.p[f + tlay::in_norm], c.r1, dx, P.g[f + tlay::in_norm], N, H, dt);
+  dev::rmsnorm_bwd(ex, s.dln, c.x, P.p[f + tlay::in_norm], c.r1, dx, P.g[f + tlay::in_norm], N, H, true, dt);
 }
 
 }  // namespace q3vl

@@ -54,6 +54,8 @@ void check_rows(const DevLora& L, int64_t N) {
 }
 }  // namespace
 
+bool dev_lora_on(const DevParams& P, int id) { return adapter_of(P, id, 1).a >= 0; }
+
 void dev_lora_fwd(const dev::Exec& ex, const DevParams& P, int id, const void* x, int64_t N, void* y, int64_t ldy,
                   DType dt, int64_t o0, int64_t nout, int64_t row0, bool y_f32) {
   const Adapter A = adapter_of(P, id, N);

@@ -554,7 +554,7 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
       const int64_t n = std::min(I.head_rows, N - r0);
       dev::linear_fwd(ex_, at(I.hf, r0 * H, dt_), W, nullptr, I.lg, n, H, V, dt_);
       dev_lora_fwd(ex_, P, table_.lm_head(), at(I.hf, r0 * H, dt_), n, I.lg, V, dt_, 0, -1, r0);
-      dev::cross_entropy(ex_, I.lg, I.head_t + r0, I.rowloss, nullptr, I.sums, n, V, 0.f, dt_);
+      dev::cross_entropy(ex_, I.lg, I.head_t + r0, I.rowloss, nullptr, I.sums, n, V, 0.f, true, dt_);
       chunk.resize(n * V);
       if (dt_ == DType::F32) {
         dev::to_host(ex_, chunk.data(), I.lg, chunk.size() * 4);
@@ -572,7 +572,7 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
       dev::gather_rows(ex_, I.hf, I.sup + r0, 1, I.hb, n, H, dt_);
       dev::linear_fwd(ex_, I.hb, W, nullptr, I.lg, n, H, V, dt_);
       dev_lora_fwd(ex_, P, table_.lm_head(), I.hb, n, I.lg, V, dt_, 0, -1, r0);
-      dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, nullptr, I.sums, n, V, 0.f, dt_);
+      dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, nullptr, I.sums, n, V, 0.f, true, dt_);
     }
   }
   leave_head(false);
@@ -607,24 +607,20 @@ void DevModel::backward(float loss_scale) {
     dev::gather_rows(ex_, I.hf, I.sup + r0, 1, I.hb, n, H, dt_);
     dev::linear_fwd(ex_, I.hb, W, nullptr, I.lg, n, H, V, dt_);
     dev_lora_fwd(ex_, P, table_.lm_head(), I.hb, n, I.lg, V, dt_, 0, -1, r0);
-    dev::fill(ex_, I.dlg, dt_, n * V, 0.f);
     dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, I.dlg, nullptr, n, V,
-                       float(loss_scale / double(I.nsup)), dt_);
-    dev::fill(ex_, I.dhb, dt_, n * H, 0.f);
-    dev::linear_bwd(ex_, I.dlg, I.hb, W, I.dhb, gp_[table_.lm_head()], nullptr, n, H, V, dt_);
+                       float(loss_scale / double(I.nsup)), false, dt_);
+    dev::linear_bwd(ex_, I.dlg, I.hb, W, I.dhb, gp_[table_.lm_head()], nullptr, n, H, V, false, dt_);
     dev_lora_bwd(ex_, P, table_.lm_head(), I.dlg, V, I.hb, n, I.dhb, dt_, 0, -1, r0);
     dev::scatter_rows(ex_, I.dhb, I.sup + r0, I.dh, n, H, false, dt_);
   }
-  dev::fill(ex_, I.dx, dt_, N * H, 0.f);
-  dev::rmsnorm_bwd(ex_, I.dh, I.x, pp_[table_.final_norm()], I.rf, I.dx, gp_[table_.final_norm()], N, H, dt_);
+  dev::rmsnorm_bwd(ex_, I.dh, I.x, pp_[table_.final_norm()], I.rf, I.dx, gp_[table_.final_norm()], N, H, false, dt_);
   leave_head(true);
 
   int64_t nmoe = 0;
   for (int l = 0; l < tc.layers; ++l) nmoe += table_.moe_layer(l);
   if (aux_on_) {
-    dev::fill(ex_, I.aux_dl, DType::F32, nmoe * N * E, 0.f);
     dev::aux_loss_bwd(ex_, I.probs, I.aux_f, float(tc.router_aux_loss_coef * loss_scale), I.aux_dl, nmoe * N, E,
-                      DType::F32);
+                      false, DType::F32);
   }
   const DevSegments seg{I.cu, I.nseg, I.max_len};
   int64_t slot = nmoe;
@@ -655,15 +651,15 @@ void DevModel::backward(float loss_scale) {
 
   if (I.Np > 0) {
     const DevSegments vs{I.vcu, I.vseg, I.vmax};
-    dev::fill(ex_, I.dv, dt_, I.Np * vc.hidden, 0.f);
     enter(table_.merger(), true);
-    dev_merger_bwd(ex_, vc, P, table_.merger(), false, I.dimg, I.Np, I.dv, I.mctx, I.mscr, dt_);
+    dev_merger_bwd(ex_, vc, P, table_.merger(), false, I.dimg, I.Np, I.dv, false, I.mctx, I.mscr, dt_);
     leave(table_.merger(), true);
     for (int i = vc.depth - 1; i >= 0; --i) {
       for (size_t j = 0; j < nds; ++j)
         if (vc.deepstack_indexes[j] == i && j < size_t(tc.layers)) {
           enter(table_.deepstack_merger(j), true);
-          dev_merger_bwd(ex_, vc, P, table_.deepstack_merger(j), true, I.dds[j], I.Np, I.dv, I.dsctx[j], I.mscr, dt_);
+          dev_merger_bwd(ex_, vc, P, table_.deepstack_merger(j), true, I.dds[j], I.Np, I.dv, true, I.dsctx[j], I.mscr,
+                         dt_);
           leave(table_.deepstack_merger(j), true);
         }
       DevVisionBlockCtx* c = recompute_ ? &I.vwork : &I.vctx[i];

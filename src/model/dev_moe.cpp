@@ -19,8 +19,6 @@ namespace q3vl {
 
 namespace {
 
-void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
-
 // The dispatch's plan, on the host: the rows this rank sends each group rank (its buckets of that rank's experts,
 // from the device's start[E+1]: a dispatch's one device-to-host copy), the rows it receives (the counts' all-to-all),
 // and the arrived rows' expert-major order (expert j's rows from rank 0, then rank 1, ...: moe.cpp's), uploaded to
@@ -78,22 +76,16 @@ void dev_moe_experts_fwd(const dev::Exec& ex, const TextConfig& tc, const DevPar
 void dev_moe_experts_bwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, const void* dout,
                          int64_t N, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
   const int64_t H = tc.hidden, k = tc.experts_per_tok, Im = tc.moe_intermediate, El = tc.num_experts / c.ex->size();
-  const int64_t R = N * k, Ro = c.ro;
+  const int64_t Ro = c.ro;
   const int gu = dev_experts_id(P, f), down = gu + 1;
-  if (N > 0) {
-    zero(ex, s.dyg, R * H, dt);
-    dev::moe_combine_bwd(ex, dout, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, dt);
-  }
+  if (N > 0) dev::moe_combine_bwd(ex, dout, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, false, dt);
   c.ex->rows(s.dyg, c.send_rows, s.arr, c.recv_rows, H, dt);  // output gradients to the owners
   if (Ro > 0) {
     dev::gather_rows(ex, s.arr, c.perm, 1, s.yo, Ro, H, dt);
     dev::swiglu_fwd(ex, c.egu, s.eact, Ro, Im, dt);  // recomputed, cheaper than keeping it
-    zero(ex, s.edact, Ro * Im, dt);
-    dev::grouped_linear_bwd(ex, s.yo, s.eact, P.p[down], c.ostart, s.edact, P.g[down], Ro, El, Im, H, dt);
-    zero(ex, s.edgu, Ro * 2 * Im, dt);
-    dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, Ro, Im, dt);
-    zero(ex, s.yo, Ro * H, dt);
-    dev::grouped_linear_bwd(ex, s.edgu, c.xo, P.p[gu], c.ostart, s.yo, P.g[gu], Ro, El, H, 2 * Im, dt);
+    dev::grouped_linear_bwd(ex, s.yo, s.eact, P.p[down], c.ostart, s.edact, P.g[down], Ro, El, Im, H, false, dt);
+    dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, Ro, Im, false, dt);
+    dev::grouped_linear_bwd(ex, s.edgu, c.xo, P.p[gu], c.ostart, s.yo, P.g[gu], Ro, El, H, 2 * Im, false, dt);
     dev::scatter_rows(ex, s.yo, c.perm, s.arr, Ro, H, false, dt);
   }
   c.ex->rows(s.arr, c.recv_rows, s.dxg, c.send_rows, H, dt);  // input gradients back, in s.xg's order

@@ -42,8 +42,6 @@ void DevMergerScratch::carve(Arena& arena, const VisionConfig& vc, int64_t N, DT
 }
 
 namespace {
-void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
-
 int64_t pos_side(const VisionConfig& vc) {
   const int64_t G = std::lround(std::sqrt(double(vc.num_position_embeddings)));
   if (G * G != vc.num_position_embeddings) fail("vision num_position_embeddings must be a square");
@@ -87,7 +85,7 @@ void dev_vision_embed_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   const int64_t Dv = vc.hidden, G = pos_side(vc);
   check_grid(vc, grid, Np);
   dev::linear_bwd(ex, dx, pixels, P.p[f + vemb::patch_w], nullptr, P.g[f + vemb::patch_w], P.g[f + vemb::patch_b], Np,
-                  int64_t(vc.patch_dim()), Dv, dt);
+                  int64_t(vc.patch_dim()), Dv, true, dt);
   if (!P.g[f + vemb::pos]) return;  // frozen table
   int64_t off = 0;
   for (size_t i = 0; i < grid.size(); i += 3) {
@@ -136,37 +134,31 @@ void dev_vision_block_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   const int64_t D = vc.hidden, I = vc.intermediate, nh = vc.heads, hd = vc.head_dim();
   const float scale = float(1 / std::sqrt(double(hd)));
   // MLP branch: dx (the residual's gradient) also receives the norm2 branch (layernorm_bwd accumulates into it).
-  zero(ex, s.da, N * I, dt);
-  zero(ex, s.dh, N * I, dt);
-  zero(ex, s.dln, N * D, dt);
-  dev::linear_bwd(ex, dx, c.a, P.p[f + vblk::fc2_w], s.da, P.g[f + vblk::fc2_w], P.g[f + vblk::fc2_b], N, I, D, dt);
-  dev_lora_bwd(ex, P, f + vblk::fc2_w, dx, D, c.a, N, s.da, dt);
-  dev::gelu_tanh_bwd(ex, s.da, c.h, s.dh, N * I, dt);
-  dev::linear_bwd(ex, s.dh, c.ln2, P.p[f + vblk::fc1_w], s.dln, P.g[f + vblk::fc1_w], P.g[f + vblk::fc1_b], N, D, I,
+  // The first op to produce a gradient buffer writes it, the later ones add (dev.hpp).
+  dev::linear_bwd(ex, dx, c.a, P.p[f + vblk::fc2_w], s.da, P.g[f + vblk::fc2_w], P.g[f + vblk::fc2_b], N, I, D, false,
                   dt);
+  dev_lora_bwd(ex, P, f + vblk::fc2_w, dx, D, c.a, N, s.da, dt);
+  dev::gelu_tanh_bwd(ex, s.da, c.h, s.dh, N * I, false, dt);
+  dev::linear_bwd(ex, s.dh, c.ln2, P.p[f + vblk::fc1_w], s.dln, P.g[f + vblk::fc1_w], P.g[f + vblk::fc1_b], N, D, I,
+                  false, dt);
   dev_lora_bwd(ex, P, f + vblk::fc1_w, s.dh, I, c.ln2, N, s.dln, dt);
   dev::layernorm_bwd(ex, s.dln, c.x1, P.p[f + vblk::norm2_w], c.m2, c.r2, dx, P.g[f + vblk::norm2_w],
-                     P.g[f + vblk::norm2_b], N, D, dt);
+                     P.g[f + vblk::norm2_b], N, D, true, dt);
   // Attention branch.
-  zero(ex, s.datt, N * D, dt);
-  zero(ex, s.dq, N * D, dt);
-  zero(ex, s.dk, N * D, dt);
-  zero(ex, s.dv, N * D, dt);
   dev::linear_bwd(ex, dx, c.att, P.p[f + vblk::proj_w], s.datt, P.g[f + vblk::proj_w], P.g[f + vblk::proj_b], N, D, D,
-                  dt);
+                  false, dt);
   dev_lora_bwd(ex, P, f + vblk::proj_w, dx, D, c.att, N, s.datt, dt);
   dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
-                     nh, hd, false, scale, dt);
+                     nh, hd, false, scale, false, dt);
   dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
   dev::rope_bwd(ex, s.dk, cos, sin, N, nh, hd, dt);
-  zero(ex, s.dln, N * D, dt);
   const void* d3[3] = {s.dq, s.dk, s.dv};
   for (int j = 0; j < 3; ++j)
     dev::linear_bwd(ex, d3[j], c.ln1, block(P.p[f + vblk::qkv_w], j, D * D, dt), s.dln,
-                    block(P.g[f + vblk::qkv_w], j, D * D), block(P.g[f + vblk::qkv_b], j, D), N, D, D, dt);
+                    block(P.g[f + vblk::qkv_w], j, D * D), block(P.g[f + vblk::qkv_b], j, D), N, D, D, j > 0, dt);
   for (int j = 0; j < 3; ++j) dev_lora_bwd(ex, P, f + vblk::qkv_w, d3[j], D, c.ln1, N, s.dln, dt, j * D, D);
   dev::layernorm_bwd(ex, s.dln, c.x, P.p[f + vblk::norm1_w], c.m1, c.r1, dx, P.g[f + vblk::norm1_w],
-                     P.g[f + vblk::norm1_b], N, D, dt);
+                     P.g[f + vblk::norm1_b], N, D, true, dt);
 }
 
 // ---- patch mergers ---------------------------------------------------------------------------------------------------
@@ -188,22 +180,19 @@ void dev_merger_fwd(const dev::Exec& ex, const VisionConfig& vc, const DevParams
 }
 
 void dev_merger_bwd(const dev::Exec& ex, const VisionConfig& vc, const DevParams& P, int f, bool post, const void* dy,
-                    int64_t N, void* dx, DevMergerCtx& c, DevMergerScratch& s, DType dt) {
+                    int64_t N, void* dx, bool accumulate, DevMergerCtx& c, DevMergerScratch& s, DType dt) {
   Q3VL_CHECK(N % 4 == 0, "merger: " + std::to_string(N) + " patches is not a whole number of 2x2 blocks");
   const int64_t D = vc.hidden, Dm = 4 * D, M = N / 4, Dout = vc.out_hidden;
   const int64_t rows = post ? M : N, dim = post ? Dm : D;
-  zero(ex, s.da, M * Dm, dt);
-  zero(ex, s.dh, M * Dm, dt);
-  zero(ex, s.dln, N * D, dt);
   dev::linear_bwd(ex, dy, c.a, P.p[f + vmrg::fc2_w], s.da, P.g[f + vmrg::fc2_w], P.g[f + vmrg::fc2_b], M, Dm, Dout,
-                  dt);
+                  false, dt);
   dev_lora_bwd(ex, P, f + vmrg::fc2_w, dy, Dout, c.a, M, s.da, dt);
-  dev::gelu_erf_bwd(ex, s.da, c.h, s.dh, M * Dm, dt);
+  dev::gelu_erf_bwd(ex, s.da, c.h, s.dh, M * Dm, false, dt);
   dev::linear_bwd(ex, s.dh, c.ln, P.p[f + vmrg::fc1_w], s.dln, P.g[f + vmrg::fc1_w], P.g[f + vmrg::fc1_b], M, Dm, Dm,
-                  dt);
+                  false, dt);
   dev_lora_bwd(ex, P, f + vmrg::fc1_w, s.dh, Dm, c.ln, M, s.dln, dt);
   dev::layernorm_bwd(ex, s.dln, c.x, P.p[f + vmrg::norm_w], c.m, c.r, dx, P.g[f + vmrg::norm_w], P.g[f + vmrg::norm_b],
-                     rows, dim, dt);
+                     rows, dim, accumulate, dt);
 }
 
 }  // namespace q3vl

@@ -127,6 +127,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   if (conv_ && stage != 3) stg_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(gd_)));
   if (split_) ev_c2m_ = dev::event_create(ex_), ev_m2c_ = dev::event_create(ex_);
   const size_t nu = t.units().size();
+  reduced_.assign(nu, 0);
   gbase_.resize(nu);
   for (size_t u = 0; u < nu; ++u) {
     gbase_[u] = stage == 3 ? 0 : m.unit_base(int(u));
@@ -381,19 +382,33 @@ void DevZero::refresh_params() {
 }
 
 // The caller has made the communication stream wait for whatever wrote g.
+// The step's first gradients of a unit are written, not added to a zeroed shard: the same values (0 + g), without
+// the fill, the landing buffer and the add.
 void DevZero::reduce_unit(int ui, const float* g) {
   const ZeroUnit& u = L_.units[size_t(ui)];
   Comm& c = comm(u);
+  float* shard = gshard_ + u.comm_off;
+  const bool first = !reduced_[size_t(ui)];
+  reduced_[size_t(ui)] = 1;
   if (c.size() == 1) {
-    dev::axpy(ex_, 1.f, g, gshard_ + u.comm_off, u.shard, DType::F32);
+    if (first) dev::copy(ex_, shard, g, size_t(u.shard) * 4);
+    else dev::axpy(ex_, 1.f, g, shard, u.shard, DType::F32);
     return;
   }
-  settle(c, c.ireduce_scatter(g, land_ + u.comm_off, size_t(u.shard), DType::F32, ReduceOp::Sum));
-  dev::axpy(cx_, 1.f, land_ + u.comm_off, gshard_ + u.comm_off, u.shard, DType::F32);
+  float* land = first ? shard : land_ + u.comm_off;
+  settle(c, c.ireduce_scatter(g, land, size_t(u.shard), DType::F32, ReduceOp::Sum));
+  if (!first) dev::axpy(cx_, 1.f, land, shard, u.shard, DType::F32);
+}
+
+// A step without backward passes (none on any rank) reduced nothing: its gradients are zeros.
+void DevZero::zero_unreduced() {
+  for (size_t i = 0; i < L_.units.size(); ++i)
+    if (L_.units[i].trainable && !reduced_[i])
+      dev::fill(ex_, gshard_ + L_.units[i].comm_off, DType::F32, L_.units[i].shard, 0.f);
 }
 
 void DevZero::begin_step() {
-  dev::fill(ex_, gshard_, DType::F32, L_.comm, 0.f);
+  std::fill(reduced_.begin(), reduced_.end(), 0);  // the shard is written by the step's first reductions
   if (stage_ != 3) model_.zero_grads();
 }
 
@@ -414,6 +429,7 @@ void DevZero::idle() {
 }
 
 void DevZero::finish_grads() {
+  if (stage_ != 1) zero_unreduced();  // stage 1 reduces here, below
   c2m();
   if (stage_ == 1)
     for (size_t i = 0; i < L_.units.size(); ++i)

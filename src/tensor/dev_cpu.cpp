@@ -57,6 +57,11 @@ const float* F(const void* p) { return static_cast<const float*>(p); }
 float* F(void* p) { return static_cast<float*>(p); }
 // ops:: takes int64 indices; the device layer int32 (half the bytes on the GPU). Small arrays, converted per call.
 std::vector<int64_t> widen(const int32_t* p, int64_t n) { return std::vector<int64_t>(p, p + n); }
+// An input gradient that an op writes (accumulate = false): zeroed, then accumulated into by ops::, which is what the
+// caller's fill and the accumulating op computed.
+void clear_unless(bool accumulate, void* p, int64_t n) {
+  if (!accumulate && p) std::fill(F(p), F(p) + n, 0.f);
+}
 }  // namespace
 
 int device_count() {
@@ -235,9 +240,10 @@ void linear_int8_fwd(const Exec& x, const void* in, const int8_t* q, const float
   ops::linear_lowp_fwd(F(in), q, scale, F(b), F(y), N, n_in, n_out);
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
-                int64_t N, int64_t n_in, int64_t n_out, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out) * ((din ? 1 : 0) + (dW ? 1 : 0))), linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, dt));
+                int64_t N, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
+  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out) * ((din ? 1 : 0) + (dW ? 1 : 0))), linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, accumulate, dt));
   need_f32(dt, "linear_bwd");
+  clear_unless(accumulate, din, N * n_in);
   ops::linear_bwd(F(dy), F(in), F(W), F(din), dW, db, N, n_in, n_out);
 }
 
@@ -282,9 +288,10 @@ void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* r
   ops::rmsnorm_fwd(F(in), F(w), F(y), rstd, N, D, eps);
 }
 void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
-                 float* dw, int64_t N, int64_t D, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(N * D, dt)), rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, dt));
+                 float* dw, int64_t N, int64_t D, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(3 * B(N * D, dt)), rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, accumulate, dt));
   need_f32(dt, "rmsnorm_bwd");
+  clear_unless(accumulate, din, N * D);
   ops::rmsnorm_bwd(F(dy), F(in), F(w), rstd, F(din), dw, N, D);
 }
 void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, void* y, float* mean, float* rstd,
@@ -294,9 +301,10 @@ void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, 
   ops::layernorm_fwd(F(in), F(w), F(b), F(y), mean, rstd, N, D, eps);
 }
 void layernorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
-                   void* din, float* dw, float* db, int64_t N, int64_t D, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(N * D, dt)), layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, dt));
+                   void* din, float* dw, float* db, int64_t N, int64_t D, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(3 * B(N * D, dt)), layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, accumulate, dt));
   need_f32(dt, "layernorm_bwd");
+  clear_unless(accumulate, din, N * D);
   ops::layernorm_bwd(F(dy), F(in), F(w), mean, rstd, F(din), dw, db, N, D);
 }
 
@@ -306,9 +314,10 @@ void gelu_tanh_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) 
   need_f32(dt, "gelu_tanh_fwd");
   ops::gelu_tanh_fwd(F(in), F(y), n);
 }
-void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_tanh_bwd(x, dy, in, din, n, dt));
+void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_tanh_bwd(x, dy, in, din, n, accumulate, dt));
   need_f32(dt, "gelu_tanh_bwd");
+  clear_unless(accumulate, din, n);
   ops::gelu_tanh_bwd(F(dy), F(in), F(din), n);
 }
 void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
@@ -316,9 +325,10 @@ void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
   need_f32(dt, "gelu_erf_fwd");
   ops::gelu_erf_fwd(F(in), F(y), n);
 }
-void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_erf_bwd(x, dy, in, din, n, dt));
+void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(3 * B(n, dt)), gelu_erf_bwd(x, dy, in, din, n, accumulate, dt));
   need_f32(dt, "gelu_erf_bwd");
+  clear_unless(accumulate, din, n);
   ops::gelu_erf_bwd(F(dy), F(in), F(din), n);
 }
 void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DType dt) {
@@ -326,9 +336,11 @@ void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DT
   need_f32(dt, "swiglu_fwd");
   ops::swiglu_fwd(F(gu), F(y), N, I);
 }
-void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, DType dt) {
-  DEV_OP(x, prof::mem(5 * B(N * I, dt)), swiglu_bwd(x, dy, gu, dgu, N, I, dt));
+void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, bool accumulate,
+                DType dt) {
+  DEV_OP(x, prof::mem(5 * B(N * I, dt)), swiglu_bwd(x, dy, gu, dgu, N, I, accumulate, dt));
   need_f32(dt, "swiglu_bwd");
+  clear_unless(accumulate, dgu, N * 2 * I);
   ops::swiglu_bwd(F(dy), F(gu), F(dgu), N, I);
 }
 
@@ -357,10 +369,14 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
 }
 void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
                    const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
-                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, DType dt) {
+                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, bool accumulate,
+                   DType dt) {
   DEV_OP(x, prof::flop(2.5 * attention_flops(N, max_len, nh, hd, causal)), attention_bwd(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
-                           dt));
+                           accumulate, dt));
   need_f32(dt, "attention_bwd");
+  clear_unless(accumulate, dq, N * nh * hd);
+  clear_unless(accumulate, dk, N * nkv * hd);
+  clear_unless(accumulate, dv, N * nkv * hd);
   const auto cu64 = widen(cu, nseg + 1);
   ops::attention_bwd(F(dout), F(q), F(k), F(v), F(out), lse, F(dq), F(dk), F(dv), cu64.data(), nseg, nh, nkv, hd,
                      causal, scale);
@@ -475,9 +491,10 @@ void argmax_rows(const Exec& x, const float* logits, int64_t S, int64_t V, int64
   }
 }
 void cross_entropy(const Exec& x, const void* logits, const int32_t* target, float* loss, void* dlogits,
-                   double* loss_sum, int64_t N, int64_t V, float scale, DType dt) {
-  DEV_OP(x, prof::mem((dlogits ? 3 : 1) * B(N * V, dt)), cross_entropy(x, logits, target, loss, dlogits, loss_sum, N, V, scale, dt));
+                   double* loss_sum, int64_t N, int64_t V, float scale, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem((dlogits ? 3 : 1) * B(N * V, dt)), cross_entropy(x, logits, target, loss, dlogits, loss_sum, N, V, scale, accumulate, dt));
   need_f32(dt, "cross_entropy");
+  clear_unless(accumulate, dlogits, N * V);
   const auto t64 = widen(target, N);
   const double s = ops::cross_entropy(F(logits), t64.data(), loss, F(dlogits), N, V, scale);
   if (loss_sum) *loss_sum += s;
@@ -493,9 +510,10 @@ void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, f
   std::copy(i64.begin(), i64.end(), idx);
 }
 void router_bwd(const Exec& x, const float* dw, const float* probs, const int32_t* idx, void* dlogits, int64_t N,
-                int64_t E, int64_t k, DType dt) {
-  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 4.0 * double(N * E)), router_bwd(x, dw, probs, idx, dlogits, N, E, k, dt));
+                int64_t E, int64_t k, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 4.0 * double(N * E)), router_bwd(x, dw, probs, idx, dlogits, N, E, k, accumulate, dt));
   need_f32(dt, "router_bwd");
+  clear_unless(accumulate, dlogits, N * E);
   const auto i64 = widen(idx, N * k);
   ops::router_bwd(dw, probs, i64.data(), F(dlogits), N, E, k);
 }
@@ -507,9 +525,10 @@ void aux_loss_fwd(const Exec& x, const float* probs, const int32_t* idx, float* 
   if (aux) *aux += a;
 }
 void aux_loss_bwd(const Exec& x, const float* probs, const float* f, float coef, void* dlogits, int64_t N, int64_t E,
-                  DType dt) {
-  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 8.0 * double(N * E)), aux_loss_bwd(x, probs, f, coef, dlogits, N, E, dt));
+                  bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(2 * B(N * E, dt) + 8.0 * double(N * E)), aux_loss_bwd(x, probs, f, coef, dlogits, N, E, accumulate, dt));
   need_f32(dt, "aux_loss_bwd");
+  clear_unless(accumulate, dlogits, N * E);
   ops::aux_loss_bwd(probs, f, coef, F(dlogits), N, E);
 }
 void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E, int32_t* start, int32_t* rows,
@@ -543,9 +562,10 @@ void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, con
                          F(y) + start[e] * n_out, start[e + 1] - start[e], n_in, n_out);
 }
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
-                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, dt));
+                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, accumulate, dt));
   need_f32(dt, "grouped_linear_bwd");
+  clear_unless(accumulate, dxg, R * n_in);
   for (int64_t e = 0; e < E; ++e)
     ops::linear_bwd(F(dy) + start[e] * n_out, F(xg) + start[e] * n_in, F(W) + e * n_out * n_in,
                     dxg ? F(dxg) + start[e] * n_in : nullptr, dW ? dW + e * n_out * n_in : nullptr, (float*)nullptr,
@@ -566,9 +586,10 @@ void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const flo
   }
 }
 void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32_t* pos, const float* w, float* dw,
-                     void* dy, int64_t N, int64_t k, int64_t H, DType dt) {
-  DEV_OP(x, prof::mem(B(N * H, dt) + 3 * B(N * k * H, dt)), moe_combine_bwd(x, dout, y, pos, w, dw, dy, N, k, H, dt));
+                     void* dy, int64_t N, int64_t k, int64_t H, bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(B(N * H, dt) + 3 * B(N * k * H, dt)), moe_combine_bwd(x, dout, y, pos, w, dw, dy, N, k, H, accumulate, dt));
   need_f32(dt, "moe_combine_bwd");
+  clear_unless(accumulate, dy, N * k * H);
   for (int64_t r = 0; r < N * k; ++r) {
     const float* g = F(dout) + r / k * H;
     const float* yr = F(y) + int64_t(pos[r]) * H;
@@ -582,9 +603,10 @@ void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32
   }
 }
 void unpermute_add(const Exec& x, const void* src, const int32_t* pos, void* dst, int64_t N, int64_t k, int64_t H,
-                   DType dt) {
-  DEV_OP(x, prof::mem(B(N * k * H, dt) + 2 * B(N * H, dt)), unpermute_add(x, src, pos, dst, N, k, H, dt));
+                   bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem(B(N * k * H, dt) + 2 * B(N * H, dt)), unpermute_add(x, src, pos, dst, N, k, H, accumulate, dt));
   need_f32(dt, "unpermute_add");
+  clear_unless(accumulate, dst, N * H);
   for (int64_t r = 0; r < N * k; ++r) {
     const float* s = F(src) + int64_t(pos[r]) * H;
     float* d = F(dst) + r / k * H;

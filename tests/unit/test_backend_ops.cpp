@@ -145,6 +145,9 @@ std::string dims(std::initializer_list<int64_t> d) {
   return s;
 }
 
+// A backward op's input-gradient mode in a case's name: accumulated (as the other gradients) or written.
+std::string mode(bool accumulate) { return accumulate ? "" : " din="; }
+
 // Packed segments: cu_seqlens from lengths.
 std::vector<double> cu_of(const std::vector<int64_t>& lens) {
   std::vector<double> cu{0};
@@ -241,21 +244,25 @@ std::vector<Case> all_cases(DType dt) {
         [n](auto& x, auto& p, DType t) { dev::dropout_bwd(x, p[0], p[1], n, 0.1, 0xd0ull + uint64_t(n), 0, t); });
     add("gelu_tanh_fwd", dims({n}), kElem, {in("x", K::Act, randn(n, 2)), out("y", K::Act, randn(n))},
         [n](auto& x, auto& p, DType t) { dev::gelu_tanh_fwd(x, p[0], p[1], n, t); });
-    add("gelu_tanh_bwd", dims({n}), kElem,
-        {in("dy", K::Act, randn(n)), in("x", K::Act, randn(n, 2)), out("dx", K::Act, randn(n))},
-        [n](auto& x, auto& p, DType t) { dev::gelu_tanh_bwd(x, p[0], p[1], p[2], n, t); });
+    for (bool acc : {true, false})
+      add("gelu_tanh_bwd", dims({n}) + mode(acc), kElem,
+          {in("dy", K::Act, randn(n)), in("x", K::Act, randn(n, 2)), out("dx", K::Act, randn(n))},
+          [n, acc](auto& x, auto& p, DType t) { dev::gelu_tanh_bwd(x, p[0], p[1], p[2], n, acc, t); });
     add("gelu_erf_fwd", dims({n}), kElem, {in("x", K::Act, randn(n, 2)), out("y", K::Act, randn(n))},
         [n](auto& x, auto& p, DType t) { dev::gelu_erf_fwd(x, p[0], p[1], n, t); });
-    add("gelu_erf_bwd", dims({n}), kElem,
-        {in("dy", K::Act, randn(n)), in("x", K::Act, randn(n, 2)), out("dx", K::Act, randn(n))},
-        [n](auto& x, auto& p, DType t) { dev::gelu_erf_bwd(x, p[0], p[1], p[2], n, t); });
+    for (bool acc : {true, false})
+      add("gelu_erf_bwd", dims({n}) + mode(acc), kElem,
+          {in("dy", K::Act, randn(n)), in("x", K::Act, randn(n, 2)), out("dx", K::Act, randn(n))},
+          [n, acc](auto& x, auto& p, DType t) { dev::gelu_erf_bwd(x, p[0], p[1], p[2], n, acc, t); });
   }
   for (auto [N, I] : {std::pair<int64_t, int64_t>{17, 300}, {64, 1024}}) {
     add("swiglu_fwd", dims({N, I}), kElem, {in("gu", K::Act, randn(N * 2 * I, 2)), out("y", K::Act, randn(N * I))},
         [N, I](auto& x, auto& p, DType t) { dev::swiglu_fwd(x, p[0], p[1], N, I, t); });
-    add("swiglu_bwd", dims({N, I}), kElem,
-        {in("dy", K::Act, randn(N * I)), in("gu", K::Act, randn(N * 2 * I, 2)), out("dgu", K::Act, randn(N * 2 * I))},
-        [N, I](auto& x, auto& p, DType t) { dev::swiglu_bwd(x, p[0], p[1], p[2], N, I, t); });
+    for (bool acc : {true, false})
+      add("swiglu_bwd", dims({N, I}) + mode(acc), kElem,
+          {in("dy", K::Act, randn(N * I)), in("gu", K::Act, randn(N * 2 * I, 2)),
+           out("dgu", K::Act, randn(N * 2 * I))},
+          [N, I, acc](auto& x, auto& p, DType t) { dev::swiglu_bwd(x, p[0], p[1], p[2], N, I, acc, t); });
   }
 
   // GEMM and linear
@@ -279,12 +286,13 @@ std::vector<Case> all_cases(DType dt) {
            out("y", K::Act, randn(N * O))},
           [=](auto& x, auto& p, DType t) { dev::linear_fwd(x, p[0], p[1], bias ? p[2] : nullptr, p[3], N, I, O, t); });
     }
-    add("linear_bwd", dims({N, I, O}), kGemm,
-        {in("dy", K::Act, randn(N * O)), in("x", K::Act, randn(N * I)), in("W", K::Act, randn(O * I, 0.05)),
-         out("dx", K::Act, randn(N * I)), out("dW", K::F32, randn(O * I)), out("db", K::F32, randn(O))},
-        [=](auto& x, auto& p, DType t) {
-          dev::linear_bwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, I, O, t);
-        });
+    for (bool acc : {true, false})
+      add("linear_bwd", dims({N, I, O}) + mode(acc), kGemm,
+          {in("dy", K::Act, randn(N * O)), in("x", K::Act, randn(N * I)), in("W", K::Act, randn(O * I, 0.05)),
+           out("dx", K::Act, randn(N * I)), out("dW", K::F32, randn(O * I)), out("db", K::F32, randn(O))},
+          [=](auto& x, auto& p, DType t) {
+            dev::linear_bwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, I, O, acc, t);
+          });
   }
   // Weight-only int8 linear: q and scale from ops::quantize_int8_rows of random weights. N <= 16 is the CUDA GEMV
   // (n_in 102: no 16-byte rows, the scalar loads), larger N the dequantize + GEMM path; "ws256K" gives that path a
@@ -375,26 +383,28 @@ std::vector<Case> all_cases(DType dt) {
         [=](auto& x, auto& p, DType t) {
           dev::residual_rmsnorm_fwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), N, D, 1e-6, t);
         });
-    add("rmsnorm_bwd", dims({N, D}), kReduce,
-        {in("dy", K::Act, randn(N * D)), in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
-         in("rstd", K::F32, randu(N, 0.5, 2)), out("dx", K::Act, randn(N * D)), out("dw", K::F32, randn(D))},
-        [=](auto& x, auto& p, DType t) {
-          dev::rmsnorm_bwd(x, p[0], p[1], p[2], P<float>(p, 3), p[4], P<float>(p, 5), N, D, t);
-        });
+    for (bool acc : {true, false})
+      add("rmsnorm_bwd", dims({N, D}) + mode(acc), kReduce,
+          {in("dy", K::Act, randn(N * D)), in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
+           in("rstd", K::F32, randu(N, 0.5, 2)), out("dx", K::Act, randn(N * D)), out("dw", K::F32, randn(D))},
+          [=](auto& x, auto& p, DType t) {
+            dev::rmsnorm_bwd(x, p[0], p[1], p[2], P<float>(p, 3), p[4], P<float>(p, 5), N, D, acc, t);
+          });
     add("layernorm_fwd", dims({N, D}), kReduce,
         {in("x", K::Act, randn(N * D, 3)), in("w", K::Act, randu(D, 0.5, 1.5)), in("b", K::Act, randn(D)),
          out("y", K::Act, randn(N * D)), out("mean", K::F32, randn(N)), out("rstd", K::F32, randn(N))},
         [=](auto& x, auto& p, DType t) {
           dev::layernorm_fwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, D, 1e-6, t);
         });
-    add("layernorm_bwd", dims({N, D}), kReduce,
-        {in("dy", K::Act, randn(N * D)), in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
-         in("mean", K::F32, randn(N, 0.1)), in("rstd", K::F32, randu(N, 0.5, 2)), out("dx", K::Act, randn(N * D)),
-         out("dw", K::F32, randn(D)), out("db", K::F32, randn(D))},
-        [=](auto& x, auto& p, DType t) {
-          dev::layernorm_bwd(x, p[0], p[1], p[2], P<float>(p, 3), P<float>(p, 4), p[5], P<float>(p, 6),
-                             P<float>(p, 7), N, D, t);
-        });
+    for (bool acc : {true, false})
+      add("layernorm_bwd", dims({N, D}) + mode(acc), kReduce,
+          {in("dy", K::Act, randn(N * D)), in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
+           in("mean", K::F32, randn(N, 0.1)), in("rstd", K::F32, randu(N, 0.5, 2)), out("dx", K::Act, randn(N * D)),
+           out("dw", K::F32, randn(D)), out("db", K::F32, randn(D))},
+          [=](auto& x, auto& p, DType t) {
+            dev::layernorm_bwd(x, p[0], p[1], p[2], P<float>(p, 3), P<float>(p, 4), p[5], P<float>(p, 6),
+                               P<float>(p, 7), N, D, acc, t);
+          });
   }
 
   // rotary, each head dim
@@ -462,15 +472,16 @@ std::vector<Case> all_cases(DType dt) {
         std::vector<int64_t> cu64{0, 1, 38, 102, 232};
         ops::attention_fwd(qf.data(), kf.data(), vf.data(), of.data(), lf.data(), cu64.data(), nseg, nh, nkv, hd,
                            causal, sc);
-        add("attention_bwd", sh, kAttn,
-            {in("dout", K::Act, randn(N * nh * hd)), in("q", K::Act, q), in("k", K::Act, k), in("v", K::Act, v),
-             in("out", K::Act, {of.begin(), of.end()}), in("lse", K::F32, {lf.begin(), lf.end()}),
-             out("dq", K::Act, randn(N * nh * hd)), out("dk", K::Act, randn(N * nkv * hd)),
-             out("dv", K::Act, randn(N * nkv * hd)), in("cu", K::I32, cu_of(lens))},
-            [=](auto& x, auto& p, DType t) {
-              dev::attention_bwd(x, p[0], p[1], p[2], p[3], p[4], P<float>(p, 5), p[6], p[7], p[8], P<int32_t>(p, 9),
-                                 nseg, maxl, N, nh, nkv, hd, causal, sc, t);
-            });
+        for (bool acc : {true, false})
+          add("attention_bwd", sh + mode(acc), kAttn,
+              {in("dout", K::Act, randn(N * nh * hd)), in("q", K::Act, q), in("k", K::Act, k), in("v", K::Act, v),
+               in("out", K::Act, {of.begin(), of.end()}), in("lse", K::F32, {lf.begin(), lf.end()}),
+               out("dq", K::Act, randn(N * nh * hd)), out("dk", K::Act, randn(N * nkv * hd)),
+               out("dv", K::Act, randn(N * nkv * hd)), in("cu", K::I32, cu_of(lens))},
+              [=](auto& x, auto& p, DType t) {
+                dev::attention_bwd(x, p[0], p[1], p[2], p[3], p[4], P<float>(p, 5), p[6], p[7], p[8],
+                                   P<int32_t>(p, 9), nseg, maxl, N, nh, nkv, hd, causal, sc, acc, t);
+              });
       }
 
   // paged attention: decode rows (context 1 and 700), a fresh prompt of 37, a chunk of 64 continuing 200 tokens, in one
@@ -546,12 +557,14 @@ std::vector<Case> all_cases(DType dt) {
   for (auto [N, V] : {std::pair<int64_t, int64_t>{13, 1000}, {5, 151936}}) {
     auto tg = randi(N, V);
     tg[1] = -100;
-    add("cross_entropy", dims({N, V}), V > 100000 ? Tol{1e-4, 5e-3, 2e-2} : kReduce,
-        {in("logits", K::Act, randn(N * V, 3)), in("target", K::I32, tg), out("loss", K::F32, randn(N)),
-         out("dlogits", K::Act, randn(N * V, 1e-4)), out("sum", K::F64, {0.25})},
-        [=](auto& x, auto& p, DType t) {
-          dev::cross_entropy(x, p[0], P<int32_t>(p, 1), P<float>(p, 2), p[3], P<double>(p, 4), N, V, 0.125f, t);
-        });
+    for (bool acc : {true, false})
+      add("cross_entropy", dims({N, V}) + mode(acc), V > 100000 ? Tol{1e-4, 5e-3, 2e-2} : kReduce,
+          {in("logits", K::Act, randn(N * V, 3)), in("target", K::I32, tg), out("loss", K::F32, randn(N)),
+           out("dlogits", K::Act, randn(N * V, acc ? 1e-4 : 1.0)), out("sum", K::F64, {0.25})},
+          [=](auto& x, auto& p, DType t) {
+            dev::cross_entropy(x, p[0], P<int32_t>(p, 1), P<float>(p, 2), p[3], P<double>(p, 4), N, V, 0.125f, acc,
+                               t);
+          });
   }
 
   // Greedy argmax over F32 logits (serve's greedy steps): ties (the row maximum copied to a later column, which must
@@ -583,22 +596,24 @@ std::vector<Case> all_cases(DType dt) {
         });
     std::vector<double> probs, idx, start, pos;
     route(N, E, k, probs, idx);
-    add("router_bwd", dims({N, E, k}), kReduce,
-        {in("dw", K::F32, randn(N * k)), in("probs", K::F32, probs), in("idx", K::I32, idx),
-         out("dlogits", K::Act, randn(N * E))},
-        [=](auto& x, auto& p, DType t) {
-          dev::router_bwd(x, P<float>(p, 0), P<float>(p, 1), P<int32_t>(p, 2), p[3], N, E, k, t);
-        });
+    for (bool acc : {true, false})
+      add("router_bwd", dims({N, E, k}) + mode(acc), kReduce,
+          {in("dw", K::F32, randn(N * k)), in("probs", K::F32, probs), in("idx", K::I32, idx),
+           out("dlogits", K::Act, randn(N * E))},
+          [=](auto& x, auto& p, DType t) {
+            dev::router_bwd(x, P<float>(p, 0), P<float>(p, 1), P<int32_t>(p, 2), p[3], N, E, k, acc, t);
+          });
     add("aux_loss_fwd", dims({N, E, k}), kReduce,
         {in("probs", K::F32, probs), in("idx", K::I32, idx), out("f", K::F32, randn(E)), out("aux", K::F64, {1.5})},
         [=](auto& x, auto& p, DType) {
           dev::aux_loss_fwd(x, P<float>(p, 0), P<int32_t>(p, 1), P<float>(p, 2), P<double>(p, 3), N, E, k);
         });
-    add("aux_loss_bwd", dims({N, E}), kReduce,
-        {in("probs", K::F32, probs), in("f", K::F32, randu(E, 0, 0.5)), out("dlogits", K::Act, randn(N * E))},
-        [=](auto& x, auto& p, DType t) {
-          dev::aux_loss_bwd(x, P<float>(p, 0), P<float>(p, 1), 0.01f, p[2], N, E, t);
-        });
+    for (bool acc : {true, false})
+      add("aux_loss_bwd", dims({N, E}) + mode(acc), kReduce,
+          {in("probs", K::F32, probs), in("f", K::F32, randu(E, 0, 0.5)), out("dlogits", K::Act, randn(N * E))},
+          [=](auto& x, auto& p, DType t) {
+            dev::aux_loss_bwd(x, P<float>(p, 0), P<float>(p, 1), 0.01f, p[2], N, E, acc, t);
+          });
     add("moe_plan", dims({N, E, k}), kElem,
         {in("idx", K::I32, idx), out("start", K::I32, randi(E + 1, 9), true),
          out("rows", K::I32, randi(N * k, 9), true), out("pos", K::I32, randi(N * k, 9), true)},
@@ -613,27 +628,33 @@ std::vector<Case> all_cases(DType dt) {
         [=](auto& x, auto& p, DType t) {
           dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[3], R, E, Hh, Im, t);
         });
-    add("grouped_linear_bwd", dims({R, E, Hh, Im}), kGemm,
-        {in("dy", K::Act, randn(R * Im)), in("xg", K::Act, randn(R * Hh)), in("W", K::Act, randn(E * Im * Hh, 0.1)),
-         in("start", K::I32, start), out("dxg", K::Act, randn(R * Hh)), out("dW", K::F32, randn(E * Im * Hh))},
-        [=](auto& x, auto& p, DType t) {
-          dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, Hh, Im, t);
-        });
+    for (bool acc : {true, false})
+      add("grouped_linear_bwd", dims({R, E, Hh, Im}) + mode(acc), kGemm,
+          {in("dy", K::Act, randn(R * Im)), in("xg", K::Act, randn(R * Hh)),
+           in("W", K::Act, randn(E * Im * Hh, 0.1)), in("start", K::I32, start), out("dxg", K::Act, randn(R * Hh)),
+           out("dW", K::F32, randn(E * Im * Hh))},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, Hh, Im, acc,
+                                    t);
+          });
     add("moe_combine_fwd", dims({N, k, Hh}), kReduce,
         {in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos), in("w", K::F32, randu(R, 0, 1)),
          out("out", K::Act, randn(N * Hh))},
         [=](auto& x, auto& p, DType t) {
           dev::moe_combine_fwd(x, p[0], P<int32_t>(p, 1), P<float>(p, 2), p[3], N, k, Hh, t);
         });
-    add("moe_combine_bwd", dims({N, k, Hh}), kReduce,
-        {in("dout", K::Act, randn(N * Hh)), in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos),
-         in("w", K::F32, randu(R, 0, 1)), out("dw", K::F32, randn(R)), out("dy", K::Act, randn(R * Hh))},
-        [=](auto& x, auto& p, DType t) {
-          dev::moe_combine_bwd(x, p[0], p[1], P<int32_t>(p, 2), P<float>(p, 3), P<float>(p, 4), p[5], N, k, Hh, t);
-        });
-    add("unpermute_add", dims({N, k, Hh}), kReduce,
-        {in("src", K::Act, randn(R * Hh)), in("pos", K::I32, pos), out("dst", K::Act, randn(N * Hh))},
-        [=](auto& x, auto& p, DType t) { dev::unpermute_add(x, p[0], P<int32_t>(p, 1), p[2], N, k, Hh, t); });
+    for (bool acc : {true, false}) {
+      add("moe_combine_bwd", dims({N, k, Hh}) + mode(acc), kReduce,
+          {in("dout", K::Act, randn(N * Hh)), in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos),
+           in("w", K::F32, randu(R, 0, 1)), out("dw", K::F32, randn(R)), out("dy", K::Act, randn(R * Hh))},
+          [=](auto& x, auto& p, DType t) {
+            dev::moe_combine_bwd(x, p[0], p[1], P<int32_t>(p, 2), P<float>(p, 3), P<float>(p, 4), p[5], N, k, Hh, acc,
+                                 t);
+          });
+      add("unpermute_add", dims({N, k, Hh}) + mode(acc), kReduce,
+          {in("src", K::Act, randn(R * Hh)), in("pos", K::I32, pos), out("dst", K::Act, randn(N * Hh))},
+          [=](auto& x, auto& p, DType t) { dev::unpermute_add(x, p[0], P<int32_t>(p, 1), p[2], N, k, Hh, acc, t); });
+    }
   }
 
   // optimizer and reductions (F32 shards whatever the activation dtype)

@@ -172,9 +172,8 @@ double vision_vs_template(Device target, DType dt) {
   void* ddimg = up(ex, dimg, dt);
   void* ddds = up(ex, dds, dt);
   void* ddv = dev::alloc(ex, size_t(Np * Dv) * dtype_size(dt));
-  dev::fill(ex, ddv, dt, Np * Dv, 0.f);
-  dev_merger_bwd(ex, vc, P, fm, false, ddimg, Np, ddv, dmc, dms, dt);
-  dev_merger_bwd(ex, vc, P, fd, true, ddds, Np, ddv, ddc, dms, dt);
+  dev_merger_bwd(ex, vc, P, fm, false, ddimg, Np, ddv, false, dmc, dms, dt);  // writes ddv, unzeroed
+  dev_merger_bwd(ex, vc, P, fd, true, ddds, Np, ddv, true, ddc, dms, dt);
   const auto dvm_d = down(ex, ddv, Np * Dv, dt);
   dev_vision_block_bwd(ex, vc, P, fb, ddv, Np, seg, dcos, dsin, dbc, dvs, dt);
   const auto dvb_d = down(ex, ddv, Np * Dv, dt);

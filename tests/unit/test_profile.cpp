@@ -55,6 +55,9 @@ void check_counts(Device d) {
   // A dense decoder layer's backward: q, k, v, o, the fused gate|up and down, one linear_bwd each.
   EXPECT_EQ(p2.calls.at("linear_bwd") - p1.calls.at("linear_bwd"), 6);
   EXPECT_EQ(p3.calls.at("linear_bwd") - p2.calls.at("linear_bwd"), 6);
+  // It zeroes no buffer: the first op to produce each gradient writes it (dev.hpp).
+  EXPECT_EQ(p2.calls.at("fill"), p1.calls.at("fill"));
+  EXPECT_EQ(p3.calls.at("fill"), p2.calls.at("fill"));
   // Its forward: the same six linears (once each; no recomputation).
   EXPECT_EQ(p2.calls.at("linear_fwd") - p1.calls.at("linear_fwd"), 6);
   EXPECT_EQ(p3.calls.at("linear_fwd") - p2.calls.at("linear_fwd"), 6);

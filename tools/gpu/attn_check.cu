@@ -201,7 +201,7 @@ int run_checks(Exec& x, bool small) {
           CK(cudaMalloc(&lse, size_t(N) * nh * 4));
           dev::cuda::attention_fwd(x, Q, K, V, O, lse, dcu, nseg, max_len, N, nh, nkv, hd, causal, float(scale), dt);
           dev::cuda::attention_bwd(x, G, Q, K, V, O, lse, dQ, dK, dV, dcu, nseg, max_len, N, nh, nkv, hd, causal,
-                                   float(scale), dt);
+                                   float(scale), true, dt);
           CK(cudaStreamSynchronize(dev::cuda::stream_of(x)));
           CK(cudaGetLastError());
           auto out = from_dt(download(O, nq * es), dt);
@@ -258,7 +258,7 @@ void time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int 
   const float scale = 1.f / std::sqrt(float(hd));
   auto fwd = [&] { dev::cuda::attention_fwd(x, Q, K, V, O, lse, dcu, nseg, L, N, nh, nkv, hd, causal, scale, dt); };
   auto bwd = [&] {
-    dev::cuda::attention_bwd(x, G, Q, K, V, O, lse, dQ, dK, dV, dcu, nseg, L, N, nh, nkv, hd, causal, scale, dt);
+    dev::cuda::attention_bwd(x, G, Q, K, V, O, lse, dQ, dK, dV, dcu, nseg, L, N, nh, nkv, hd, causal, scale, true, dt);
   };
   cudaStream_t st = dev::cuda::stream_of(x);
   cudaEvent_t e0, e1;

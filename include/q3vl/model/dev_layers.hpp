@@ -66,6 +66,8 @@ void dev_lora_fwd(const dev::Exec& ex, const DevParams& P, int id, const void* x
 // Its backward: dA, dB (+)= their gradients (null: frozen), dx (+)= the input gradient (dx may be null).
 void dev_lora_bwd(const dev::Exec& ex, const DevParams& P, int id, const void* dy, int64_t lddy, const void* x,
                   int64_t N, void* dx, DType dt, int64_t o0 = 0, int64_t nout = -1, int64_t row0 = 0);
+// Whether base weight `id` has an adapter (dev_lora_fwd and dev_lora_bwd then add to their outputs).
+bool dev_lora_on(const DevParams& P, int id);
 
 // The first id of the experts (gate_up; down follows) of the decoder layer whose first id is f: right after the
 // router, unless LoRA put the layer unit's adapters in between (adapters go at the end of the unit they wrap, the
@@ -104,7 +106,8 @@ struct DevDecoderScratch {
   void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt, int ep = 1);
 };
 
-// Packed segments on the device: cu [nseg+1] int32 and the longest segment.
+// Packed segments on the device: cu [nseg+1] int32 and the longest segment. They cover a pass's rows [0, N) (the
+// backward writes the attention's input gradients over them, dev::attention_bwd).
 struct DevSegments {
   const int32_t* cu = nullptr;
   int64_t nseg = 0, max_len = 0;

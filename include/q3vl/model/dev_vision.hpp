@@ -67,8 +67,9 @@ void dev_vision_block_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
 void dev_merger_fwd(const dev::Exec& ex, const VisionConfig& vc, const DevParams& P, int first, bool postshuffle,
                     const void* x, int64_t N, void* y, DevMergerCtx& c, DType dt);
 // dx[N, D] (+)= dL/dx from dy[N/4, Dout] (accumulates, as merger_bwd: the main and DeepStack mergers' gradients
-// join in one buffer, which the caller zeroes first).
+// join in one buffer; the first merger there writes it, accumulate = false).
 void dev_merger_bwd(const dev::Exec& ex, const VisionConfig& vc, const DevParams& P, int first, bool postshuffle,
-                    const void* dy, int64_t N, void* dx, DevMergerCtx& c, DevMergerScratch& s, DType dt);
+                    const void* dy, int64_t N, void* dx, bool accumulate, DevMergerCtx& c, DevMergerScratch& s,
+                    DType dt);
 
 }  // namespace q3vl

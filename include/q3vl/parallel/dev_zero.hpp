@@ -178,8 +178,10 @@ class DevZero final : UnitHooks {
   void leave_slot(size_t k);
   void issue_gather(size_t k);
   void reduce_done(size_t upto);
-  // Reduce-scatters unit u's full gradients at `g` (padded) into its shard: through the landing buffer, added.
+  // Reduce-scatters unit u's full gradients at `g` (padded) into its shard: through the landing buffer, added; the
+  // step's first land in the shard itself (one rank: copied), which begin_step does not zero.
   void reduce_unit(int u, const float* g);
+  void zero_unreduced();  // the trainable units' shards that no reduce_unit wrote this step: zeroed
   // Offloaded: walks `spans` (device gradient offset or -1, master offset, count) in ring chunks: each chunk's
   // gradients down (if any), fn over its spans on the pool (or inline), its parameters up into w (if not null).
   struct Span { int64_t grad, master, n; const Run* run; };
@@ -228,6 +230,7 @@ class DevZero final : UnitHooks {
   struct Ring { float* g; void* w; void* down; };  // pinned; the chunk's copy down done
   Ring ring_[2] = {};
   int64_t chunk_ = 0;        // elements a ring slot holds
+  std::vector<char> reduced_;  // [unit] its gradient shard holds gradients of this step
   DevZeroMemory mem_;
   int64_t gathered_ = 0;
   bool gathered_once_ = false;

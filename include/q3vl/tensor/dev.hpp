@@ -10,6 +10,9 @@
 //  - Weight and bias gradients (dW, db, norm dw, dtable) are F32 and accumulated (+=): they are the ZeRO gradient
 //    accumulators. Each may be null (a frozen part): the op then computes only the input gradient.
 //  - Backward ops ACCUMULATE (+=) into every gradient output, activations too (as ops:: does); callers zero them.
+//    Those with an `accumulate` argument write (=) their input gradients instead when it is false: the value is the
+//    accumulated one into a zeroed buffer, bit for bit (0 + v), without the fill or the read. The first op to
+//    produce a buffer writes it, the later ones add.
 //  - Saved statistics (mean, rstd, lse), rope tables (cos/sin), router probabilities and routing weights are F32.
 //  - Indices are int32: token ids, targets (-100 = ignored), cu_seqlens, expert ids, row maps.
 //  - Pointers are device pointers (host pointers on the CPU). Ops never allocate, free or synchronise; scratch

@@ -68,15 +68,20 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
-// p[0] += x, p[1] += y on a 4-byte aligned S pair (gradient accumulation).
-template <class S> __device__ __forceinline__ void add2(S* p, float x, float y);
-template <> __device__ __forceinline__ void add2<__nv_bfloat16>(__nv_bfloat16* p, float x, float y) {
-  float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+// p[0] += x, p[1] += y on a 4-byte aligned S pair (gradient accumulation); acc false: p = 0 + (x, y), p unread
+// (dev.hpp).
+template <class S> __device__ __forceinline__ void add2(S* p, float x, float y, bool acc);
+template <> __device__ __forceinline__ void add2<__nv_bfloat16>(__nv_bfloat16* p, float x, float y, bool acc) {
+  const float2 f = acc ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p)) : float2{0.f, 0.f};
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(f.x + x, f.y + y);
 }
-template <> __device__ __forceinline__ void add2<__half>(__half* p, float x, float y) {
-  float2 f = __half22float2(*reinterpret_cast<const __half2*>(p));
+template <> __device__ __forceinline__ void add2<__half>(__half* p, float x, float y, bool acc) {
+  const float2 f = acc ? __half22float2(*reinterpret_cast<const __half2*>(p)) : float2{0.f, 0.f};
   *reinterpret_cast<__half2*>(p) = __floats2half2_rn(f.x + x, f.y + y);
+}
+// The same for one element of any S.
+template <class S> __device__ __forceinline__ void add1(S* p, int64_t i, float x, bool acc) {
+  st(p, i, (acc ? ld(p, i) : 0.f) + x);
 }
 // 2^x on the SFU (inputs are <= 0 or -inf here; flushing tiny results to 0 is harmless).
 __device__ __forceinline__ float fexp2(float x) {
@@ -306,7 +311,7 @@ __global__ void __launch_bounds__(32 * NW) dkdv_tc(const S* __restrict__ dout, c
                                                       const float* __restrict__ lse, const float* __restrict__ Dd,
                                                       S* __restrict__ dk, S* __restrict__ dv,
                                                       const int32_t* __restrict__ cu, int nh, int nkv, float scale,
-                                                      float sl2, bool causal) {
+                                                      float sl2, bool causal, bool acc) {
   constexpr int HDP = Tc<HD>::HDP, LD = Tc<HD>::LD, BN = 16 * NW, BM = 64, QS = 32, NT = 32 * NW;  // QS: queries
                                                                                                    // per inner step
   extern __shared__ __align__(16) unsigned char smraw[];
@@ -448,8 +453,8 @@ __global__ void __launch_bounds__(32 * NW) dkdv_tc(const S* __restrict__ dout, c
     for (int n = 0; n < HDP / 8; ++n) {
       const int d = n * 8 + 2 * t;
       if (d < HD) {
-        add2<S>(dk + row + d, dka[n][2 * r], dka[n][2 * r + 1]);
-        add2<S>(dv + row + d, dva[n][2 * r], dva[n][2 * r + 1]);
+        add2<S>(dk + row + d, dka[n][2 * r], dka[n][2 * r + 1], acc);
+        add2<S>(dv + row + d, dva[n][2 * r], dva[n][2 * r + 1], acc);
       }
     }
   }
@@ -462,7 +467,7 @@ __global__ void __launch_bounds__(kTcThreads) dq_tc(const S* __restrict__ dout, 
                                                     const S* __restrict__ k, const S* __restrict__ v,
                                                     const float* __restrict__ lse, const float* __restrict__ Dd,
                                                     S* __restrict__ dq, const int32_t* __restrict__ cu, int nh,
-                                                    int nkv, float scale, float sl2, bool causal) {
+                                                    int nkv, float scale, float sl2, bool causal, bool acc) {
   constexpr int HDP = Tc<HD>::HDP, LD = Tc<HD>::LD, BM = 64 * MT, WR = 16 * MT;
   extern __shared__ __align__(16) unsigned char smraw[];
   S* sQ = reinterpret_cast<S*>(smraw);
@@ -596,7 +601,7 @@ __global__ void __launch_bounds__(kTcThreads) dq_tc(const S* __restrict__ dout, 
 #pragma unroll
       for (int n = 0; n < HDP / 8; ++n) {
         const int d = n * 8 + 2 * t;
-        if (d < HD) add2<S>(row + d, dqa[mt][n][2 * r], dqa[mt][n][2 * r + 1]);
+        if (d < HD) add2<S>(row + d, dqa[mt][n][2 * r], dqa[mt][n][2 * r + 1], acc);
       }
     }
 }
@@ -723,7 +728,7 @@ __global__ void __launch_bounds__(kSimtThreads) dkdv_simt(const S* __restrict__ 
                                                           const float* __restrict__ lse, const float* __restrict__ Dd,
                                                           S* __restrict__ dk, S* __restrict__ dv,
                                                           const int32_t* __restrict__ cu, int nh, int nkv, int hd,
-                                                          float scale, float sl2, bool causal) {
+                                                          float scale, float sl2, bool causal, bool acc) {
   constexpr int BN = 64, BM = 32, NC = BM / 4;
   extern __shared__ __align__(16) unsigned char smraw[];
   const int lds = hd + 1;
@@ -797,8 +802,8 @@ __global__ void __launch_bounds__(kSimtThreads) dkdv_simt(const S* __restrict__ 
 #pragma unroll
     for (int c = 0; c < DM; ++c)
       if (t + 4 * c < hd) {
-        st(dk, row + t + 4 * c, ld(dk, row + t + 4 * c) + dka[c]);
-        st(dv, row + t + 4 * c, ld(dv, row + t + 4 * c) + dva[c]);
+        add1(dk, row + t + 4 * c, dka[c], acc);
+        add1(dv, row + t + 4 * c, dva[c], acc);
       }
   }
 }
@@ -809,7 +814,8 @@ __global__ void __launch_bounds__(kSimtThreads) dq_simt(const S* __restrict__ do
                                                         const S* __restrict__ k, const S* __restrict__ v,
                                                         const float* __restrict__ lse, const float* __restrict__ Dd,
                                                         S* __restrict__ dq, const int32_t* __restrict__ cu, int nh,
-                                                        int nkv, int hd, float scale, float sl2, bool causal) {
+                                                        int nkv, int hd, float scale, float sl2, bool causal,
+                                                        bool accumulate) {
   constexpr int BM = 64, BN = 32, NC = BN / 4;
   extern __shared__ __align__(16) unsigned char smraw[];
   const int lds = hd + 1;
@@ -872,7 +878,7 @@ __global__ void __launch_bounds__(kSimtThreads) dq_simt(const S* __restrict__ do
     const int64_t row = int64_t(b0 + i) * ldq + int64_t(h) * hd;
 #pragma unroll
     for (int c = 0; c < DM; ++c)
-      if (t + 4 * c < hd) st(dq, row + t + 4 * c, ld(dq, row + t + 4 * c) + acc[c]);
+      if (t + 4 * c < hd) add1(dq, row + t + 4 * c, acc[c], accumulate);
   }
 }
 
@@ -932,7 +938,8 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
 
 void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
                    const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
-                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, DType dt) {
+                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, bool accumulate,
+                   DType dt) {
   if (!check_shape("attention_bwd", nseg, max_len, N, nh, nkv, hd)) return;
   const size_t need = size_t(N) * size_t(nh) * sizeof(float);
   if (x.ws == nullptr || x.ws_bytes < need)
@@ -958,11 +965,11 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
           constexpr int NW = DkvCfg<HD>::NW;
           const dim3 gkt(unsigned((max_len + 16 * NW - 1) / (16 * NW)), unsigned(nkv), unsigned(nseg));
           launch(dkdv_tc<S, HD, NW>, gkt, 32 * NW, dkdv_tc_smem<HD>(sizeof(S)), st, G, Q, K, V, lse,
-                 static_cast<const float*>(Dd), dK, dV, cu, inh, inkv, scale, sl2, causal);
+                 static_cast<const float*>(Dd), dK, dV, cu, inh, inkv, scale, sl2, causal, accumulate);
           using C = DqCfg<HD>;
           const dim3 gt(unsigned((max_len + 64 * C::MT - 1) / (64 * C::MT)), unsigned(nh), unsigned(nseg));
           launch(dq_tc<S, HD, C::MT, C::BN>, gt, kTcThreads, dq_tc_smem<HD>(sizeof(S)), st, G, Q, K, V, lse,
-                 static_cast<const float*>(Dd), dQ, cu, inh, inkv, scale, sl2, causal);
+                 static_cast<const float*>(Dd), dQ, cu, inh, inkv, scale, sl2, causal, accumulate);
         };
         if (hd == 64) run.template operator()<64>();
         else if (hd == 72) run.template operator()<72>();
@@ -972,9 +979,9 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
     }
     auto run = [&]<int DM>() {
       launch(dkdv_simt<S, DM>, gk, kSimtThreads, dkdv_simt_smem(ihd), st, G, Q, K, V, lse,
-             static_cast<const float*>(Dd), dK, dV, cu, inh, inkv, ihd, scale, sl2, causal);
+             static_cast<const float*>(Dd), dK, dV, cu, inh, inkv, ihd, scale, sl2, causal, accumulate);
       launch(dq_simt<S, DM>, gq, kSimtThreads, dq_simt_smem(ihd), st, G, Q, K, V, lse, static_cast<const float*>(Dd),
-             dQ, cu, inh, inkv, ihd, scale, sl2, causal);
+             dQ, cu, inh, inkv, ihd, scale, sl2, causal, accumulate);
     };
     if (hd <= 128) run.template operator()<32>();
     else run.template operator()<64>();

@@ -2,6 +2,7 @@
 // fp32 math on any storage dtype, formulas written as ops:: writes them. Every backward is deterministic: the
 // many-to-one ones (embedding_bwd, pos_embed_bwd) sum per destination row in a fixed order instead of atomics.
 #include <algorithm>
+#include <cmath>
 
 #include <cub/cub.cuh>
 
@@ -18,6 +19,11 @@ namespace {
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+// What a gradient output adds to: its value (accumulate), or the 0 of a zeroed buffer, unread (dev.hpp).
+template <class S> __device__ __forceinline__ float prior(const S* p, int64_t i, bool acc) {
+  return acc ? ld(p, i) : 0.f;
+}
 
 // ---- fill / convert / axpy / scale ----------------------------------------------------------------------------------
 template <class S> __global__ void k_fill(S* p, int64_t n, float v) {
@@ -51,12 +57,12 @@ template <class S> __global__ void k_gelu_tanh_fwd(const S* x, S* y, int64_t n) 
     st(y, i, 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + 0.044715f * v * v * v))));
   }
 }
-template <class S> __global__ void k_gelu_tanh_bwd(const S* dy, const S* x, S* dx, int64_t n) {
+template <class S> __global__ void k_gelu_tanh_bwd(const S* dy, const S* x, S* dx, int64_t n, bool acc) {
   Q3VL_GRID_LOOP(i, n) {
     const float v = ld(x, i);
     const float t = tanhf(kSqrt2OverPi * (v + 0.044715f * v * v * v));
     const float g = 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + float(3 * 0.044715) * v * v);
-    st(dx, i, ld(dx, i) + ld(dy, i) * g);
+    st(dx, i, prior(dx, i, acc) + ld(dy, i) * g);
   }
 }
 template <class S> __global__ void k_gelu_erf_fwd(const S* x, S* y, int64_t n) {
@@ -65,11 +71,11 @@ template <class S> __global__ void k_gelu_erf_fwd(const S* x, S* y, int64_t n) {
     st(y, i, 0.5f * v * (1.f + erff(v * kInvSqrt2)));
   }
 }
-template <class S> __global__ void k_gelu_erf_bwd(const S* dy, const S* x, S* dx, int64_t n) {
+template <class S> __global__ void k_gelu_erf_bwd(const S* dy, const S* x, S* dx, int64_t n, bool acc) {
   Q3VL_GRID_LOOP(i, n) {
     const float v = ld(x, i);
     const float g = 0.5f * (1.f + erff(v * kInvSqrt2)) + v * expf(-0.5f * v * v) * kInvSqrt2Pi;
-    st(dx, i, ld(dx, i) + ld(dy, i) * g);
+    st(dx, i, prior(dx, i, acc) + ld(dy, i) * g);
   }
 }
 template <class S> __global__ void k_swiglu_fwd(const S* gu, S* y, int64_t N, int64_t I) {
@@ -79,15 +85,15 @@ template <class S> __global__ void k_swiglu_fwd(const S* gu, S* y, int64_t N, in
     st(y, e, g / (1.f + expf(-g)) * u);
   }
 }
-template <class S> __global__ void k_swiglu_bwd(const S* dy, const S* gu, S* dgu, int64_t N, int64_t I) {
+template <class S> __global__ void k_swiglu_bwd(const S* dy, const S* gu, S* dgu, int64_t N, int64_t I, bool acc) {
   Q3VL_GRID_LOOP(e, N * I) {
     const int64_t i = e / I, j = e % I;
     const int64_t ig = i * 2 * I + j, iu = ig + I;
     const float g = ld(gu, ig), u = ld(gu, iu);
     const float s = 1.f / (1.f + expf(-g));
     const float d = ld(dy, e);
-    st(dgu, ig, ld(dgu, ig) + d * u * s * (1.f + g * (1.f - s)));
-    st(dgu, iu, ld(dgu, iu) + d * g * s);
+    st(dgu, ig, prior(dgu, ig, acc) + d * u * s * (1.f + g * (1.f - s)));
+    st(dgu, iu, prior(dgu, iu, acc) + d * g * s);
   }
 }
 
@@ -290,6 +296,10 @@ __global__ void k_pos_embed_bwd(const S* __restrict__ dout, const Taps* __restri
 // ---- public launchers -------------------------------------------------------------------------------------------------
 void fill(const Exec& x, void* p, DType t, int64_t n, float value) {
   if (n <= 0) return;
+  if (value == 0.f && !std::signbit(value)) {  // +0 is all zero bits in every dtype: a memset, at full bandwidth
+    Q3VL_CU(cudaMemsetAsync(p, 0, size_t(n) * dtype_size(t), stream_of(x)));
+    return;
+  }
   if (t == DType::I32) {
     k_fill_raw<int32_t><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<int32_t*>(p), n, int32_t(value));
     Q3VL_LAUNCHED();
@@ -361,11 +371,11 @@ void gelu_tanh_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) 
     Q3VL_LAUNCHED();
   });
 }
-void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
+void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, bool accumulate, DType dt) {
   if (n <= 0) return;
   by_dtype(dt, [&]<class S>() {
     k_gelu_tanh_bwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(in),
-                                                               static_cast<S*>(din), n);
+                                                               static_cast<S*>(din), n, accumulate);
     Q3VL_LAUNCHED();
   });
 }
@@ -376,11 +386,11 @@ void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
     Q3VL_LAUNCHED();
   });
 }
-void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, DType dt) {
+void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, bool accumulate, DType dt) {
   if (n <= 0) return;
   by_dtype(dt, [&]<class S>() {
     k_gelu_erf_bwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(in),
-                                                              static_cast<S*>(din), n);
+                                                              static_cast<S*>(din), n, accumulate);
     Q3VL_LAUNCHED();
   });
 }
@@ -391,11 +401,12 @@ void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DT
     Q3VL_LAUNCHED();
   });
 }
-void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, DType dt) {
+void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, bool accumulate,
+                DType dt) {
   if (N * I <= 0) return;
   by_dtype(dt, [&]<class S>() {
     k_swiglu_bwd<S><<<grid_for(N * I), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(gu),
-                                                                static_cast<S*>(dgu), N, I);
+                                                                static_cast<S*>(dgu), N, I, accumulate);
     Q3VL_LAUNCHED();
   });
 }

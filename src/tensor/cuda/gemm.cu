@@ -285,9 +285,10 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
 }
 
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
-                int64_t N, int64_t n_in, int64_t n_out, DType dt) {
+                int64_t N, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
   if (N <= 0) return;  // nothing flows back from zero rows (the CPU reference adds nothing either)
-  if (din) gemm_impl(x, false, false, N, n_in, n_out, 1.f, dy, n_out, W, n_in, 1.f, din, n_in, dt, dt, nullptr);
+  const float beta = accumulate ? 1.f : 0.f;  // 0: din = dy W, what a zeroed din accumulated (C not read)
+  if (din) gemm_impl(x, false, false, N, n_in, n_out, 1.f, dy, n_out, W, n_in, beta, din, n_in, dt, dt, nullptr);
   if (dW) gemm_impl(x, true, false, n_out, n_in, N, 1.f, dy, n_out, in, n_in, 1.f, dW, n_in, dt, DType::F32, nullptr);
   if (db) colsum(x, dy, db, N, n_out, dt);
 }

@@ -1,7 +1,7 @@
 // Cross-entropy over a large vocabulary: one block per row, an online (max, sum) pass over the logits, then a pass
-// that adds scale * (softmax - onehot) into dlogits. The row losses are summed into *loss_sum by a second, single-block
-// kernel in a fixed order (deterministic, unlike per-row double atomics). Serving's greedy argmax is the same shape: a
-// block per row, a strided scan, then warp and block reductions.
+// that adds scale * (softmax - onehot) into dlogits (or writes it: dev.hpp's `accumulate`). The row losses are summed
+// into *loss_sum by a second, single-block kernel in a fixed order (deterministic, unlike per-row double atomics).
+// Serving's greedy argmax is the same shape: a block per row, a strided scan, then warp and block reductions.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -39,17 +39,19 @@ __device__ __forceinline__ void ms_add(MS& a, float x) {
 template <class S, int V>
 __global__ void __launch_bounds__(kThreads)
     k_cross_entropy(const S* __restrict__ logits, const int32_t* __restrict__ target, float* __restrict__ loss,
-                    S* __restrict__ dlogits, int64_t N, int64_t Vocab, float scale) {
+                    S* __restrict__ dlogits, int64_t N, int64_t Vocab, float scale, bool acc) {
   __shared__ MS sh[kThreads / 32];
   __shared__ MS total;
   const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     const int32_t t = target[i];
+    const bool valid = t >= 0 && t < Vocab;
+    if (dlogits && !acc && !valid)  // no gradient: a written row is the zeroed row
+      for (int64_t j = tid; j < Vocab; j += kThreads) st(dlogits + i * Vocab, j, 0.f);
     if (t == -100) {
       if (tid == 0) loss[i] = 0.f;
       continue;  // uniform across the block
     }
-    const bool valid = t >= 0 && t < Vocab;
     const S* x = logits + i * Vocab;
     MS a{-INFINITY, 0.f};
     for (int64_t j = int64_t(tid) * V; j < Vocab; j += int64_t(kThreads) * V) {
@@ -76,7 +78,8 @@ __global__ void __launch_bounds__(kThreads)
       S* g = dlogits + i * Vocab;
       for (int64_t j = int64_t(tid) * V; j < Vocab; j += int64_t(kThreads) * V) {
         const Pack<S, V> pk = *reinterpret_cast<const Pack<S, V>*>(x + j);
-        Pack<S, V> gk = *reinterpret_cast<const Pack<S, V>*>(g + j);
+        Pack<S, V> gk{};  // zeros, unless accumulating
+        if (acc) gk = *reinterpret_cast<const Pack<S, V>*>(g + j);
 #pragma unroll
         for (int u = 0; u < V; ++u) {
           float v = ld(gk.v, u) + scale * expf(ld(pk.v, u) - lse);
@@ -107,7 +110,7 @@ __global__ void k_sum_rows(const float* __restrict__ loss, int64_t N, double* su
 }  // namespace
 
 void cross_entropy(const Exec& x, const void* logits, const int32_t* target, float* loss, void* dlogits,
-                   double* loss_sum, int64_t N, int64_t V, float scale, DType dt) {
+                   double* loss_sum, int64_t N, int64_t V, float scale, bool accumulate, DType dt) {
   if (N <= 0) return;
   float* rows = loss;
   if (!rows) {  // the per-row losses still go somewhere for the sum
@@ -121,9 +124,9 @@ void cross_entropy(const Exec& x, const void* logits, const int32_t* target, flo
     const auto* lg = static_cast<const S*>(logits);
     auto* dg = static_cast<S*>(dlogits);
     if (V % VW == 0 && al % 16 == 0)
-      k_cross_entropy<S, VW><<<blocks, kThreads, 0, stream_of(x)>>>(lg, target, rows, dg, N, V, scale);
+      k_cross_entropy<S, VW><<<blocks, kThreads, 0, stream_of(x)>>>(lg, target, rows, dg, N, V, scale, accumulate);
     else
-      k_cross_entropy<S, 1><<<blocks, kThreads, 0, stream_of(x)>>>(lg, target, rows, dg, N, V, scale);
+      k_cross_entropy<S, 1><<<blocks, kThreads, 0, stream_of(x)>>>(lg, target, rows, dg, N, V, scale, accumulate);
     Q3VL_LAUNCHED();
   });
   if (loss_sum) {

@@ -85,10 +85,16 @@ __global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ p
   }
 }
 
-// One warp per row: dw[N,k] -> dlogits (+=) through the renormalisation and the softmax (ops::router_bwd).
+// What a gradient output adds to: its value (accumulate), or the 0 of a zeroed buffer, unread (dev.hpp).
+template <class S> __device__ __forceinline__ float prior(const S* p, int64_t i, bool acc) {
+  return acc ? ld(p, i) : 0.f;
+}
+
+// One warp per row: dw[N,k] -> dlogits (+= or =) through the renormalisation and the softmax (ops::router_bwd).
 template <class S>
 __global__ void k_router_bwd(const float* __restrict__ dw, const float* __restrict__ probs,
-                             const int32_t* __restrict__ idx, S* __restrict__ dlogits, int64_t N, int E, int k) {
+                             const int32_t* __restrict__ idx, S* __restrict__ dlogits, int64_t N, int E, int k,
+                             bool acc) {
   const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
   for (int64_t i = blockIdx.x * int64_t(wpb) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * wpb) {
     const float* p = probs + i * E;
@@ -102,7 +108,7 @@ __global__ void k_router_bwd(const float* __restrict__ dw, const float* __restri
       float dp = 0.f;
       for (int j = 0; j < k; ++j)
         if (id[j] == e) dp = (g[j] - dot) / sel;
-      st(dlogits, i * E + e, ld(dlogits, i * E + e) + p[e] * (dp - pdp));
+      st(dlogits, i * E + e, prior(dlogits, i * E + e, acc) + p[e] * (dp - pdp));
     }
   }
 }
@@ -158,7 +164,7 @@ __global__ void k_aux_final(const int32_t* __restrict__ cnt, const double* __res
 
 template <class S>
 __global__ void k_aux_bwd(const float* __restrict__ probs, const float* __restrict__ f, float coef,
-                          S* __restrict__ dlogits, int64_t N, int E) {
+                          S* __restrict__ dlogits, int64_t N, int E, bool acc) {
   const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
   for (int64_t i = blockIdx.x * int64_t(wpb) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * wpb) {
     const float* p = probs + i * E;
@@ -167,7 +173,7 @@ __global__ void k_aux_bwd(const float* __restrict__ probs, const float* __restri
     pg = warp_sum(pg);
     for (int e = lane; e < E; e += 32) {
       const float g = coef * float(E) * f[e] / float(N);
-      st(dlogits, i * E + e, ld(dlogits, i * E + e) + p[e] * (g - pg));
+      st(dlogits, i * E + e, prior(dlogits, i * E + e, acc) + p[e] * (g - pg));
     }
   }
 }
@@ -319,7 +325,8 @@ template <class S, int MODE> struct GTile {
 template <class S, int MODE>
 __global__ void __launch_bounds__(256, 2)  // two blocks an SM: at most 128 registers
     k_grouped(const S* __restrict__ A, const S* __restrict__ B, void* C, const int32_t* __restrict__ start,
-              const int32_t* __restrict__ tile_prefix, int E, int64_t n_in, int64_t n_out, bool vecA, bool vecB) {
+              const int32_t* __restrict__ tile_prefix, int E, int64_t n_in, int64_t n_out, bool vecA, bool vecB,
+              bool accumulate) {
   using T = GTile<S, MODE>;
   constexpr int BK = T::BK, LDA = T::LDA, LDB = T::LDB, SA = T::SA, SB = T::SB;
   constexpr bool A_KC = T::A_KC, B_KC = T::B_KC;
@@ -375,7 +382,7 @@ __global__ void __launch_bounds__(256, 2)  // two blocks an SM: at most 128 regi
       st(static_cast<S*>(C) + s * n_out, m * ldc + n, v);
     } else if constexpr (MODE == DX) {
       S* c = static_cast<S*>(C) + s * n_in;
-      st(c, m * ldc + n, ld(c, m * ldc + n) + v);
+      st(c, m * ldc + n, prior(c, m * ldc + n, accumulate) + v);
     } else {
       float* c = static_cast<float*>(C) + int64_t(e) * n_out * n_in;
       c[m * ldc + n] += v;
@@ -496,7 +503,7 @@ __global__ void k_tile_prefix(const int32_t* __restrict__ start, int E, int32_t*
 
 template <int MODE>
 void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t* start, int64_t R, int64_t E,
-             int64_t n_in, int64_t n_out, DType dt, int64_t lda, int64_t ldb) {
+             int64_t n_in, int64_t n_out, DType dt, int64_t lda, int64_t ldb, bool accumulate = true) {
   Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear: expert count out of range");
   const auto s = stream_of(x);
   int32_t* tile_prefix = static_cast<int32_t*>(x.ws);
@@ -524,7 +531,7 @@ void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t
       Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     });
     k_grouped<S, MODE><<<grid, 256, smem, s>>>(static_cast<const S*>(A), static_cast<const S*>(B), C, start,
-                                               tile_prefix, int(E), n_in, n_out, vecA, vecB);
+                                               tile_prefix, int(E), n_in, n_out, vecA, vecB, accumulate);
     Q3VL_LAUNCHED();
   });
 }
@@ -544,7 +551,7 @@ __global__ void k_combine_fwd(const S* __restrict__ y, const int32_t* __restrict
 template <class S>
 __global__ void k_combine_bwd(const S* __restrict__ dout, const S* __restrict__ y, const int32_t* __restrict__ pos,
                               const float* __restrict__ w, float* __restrict__ dw, S* __restrict__ dy, int64_t R,
-                              int k, int64_t H) {
+                              int k, int64_t H, bool accumulate) {
   const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
   for (int64_t r = blockIdx.x * int64_t(wpb) + (threadIdx.x >> 5); r < R; r += int64_t(gridDim.x) * wpb) {
     const S* g = dout + (r / k) * H;
@@ -554,7 +561,7 @@ __global__ void k_combine_bwd(const S* __restrict__ dout, const S* __restrict__ 
     for (int64_t d = lane; d < H; d += 32) {
       const float gd = ld(g, d);
       acc += gd * ld(y, pr + d);
-      st(dy, pr + d, ld(dy, pr + d) + wr * gd);
+      st(dy, pr + d, prior(dy, pr + d, accumulate) + wr * gd);
     }
     acc = warp_sum(acc);
     if (lane == 0) dw[r] = acc;
@@ -562,10 +569,10 @@ __global__ void k_combine_bwd(const S* __restrict__ dout, const S* __restrict__ 
 }
 template <class S>
 __global__ void k_unpermute_add(const S* __restrict__ src, const int32_t* __restrict__ pos, S* __restrict__ dst,
-                                int64_t N, int k, int64_t H) {
+                                int64_t N, int k, int64_t H, bool accumulate) {
   for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < N * H; q += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = q / H, d = q % H;
-    float acc = ld(dst, q);
+    float acc = prior(dst, q, accumulate);
     for (int s = 0; s < k; ++s) acc += ld(src, int64_t(pos[t * k + s]) * H + d);
     st(dst, q, acc);
   }
@@ -589,11 +596,11 @@ void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, f
 }
 
 void router_bwd(const Exec& x, const float* dw, const float* probs, const int32_t* idx, void* dlogits, int64_t N,
-                int64_t E, int64_t k, DType dt) {
+                int64_t E, int64_t k, bool accumulate, DType dt) {
   if (N <= 0) return;
   by_dtype(dt, [&]<class S>() {
     k_router_bwd<S><<<warp_rows_grid(N, 8), 256, 0, stream_of(x)>>>(dw, probs, idx, static_cast<S*>(dlogits), N,
-                                                                     int(E), int(k));
+                                                                     int(E), int(k), accumulate);
     Q3VL_LAUNCHED();
   });
 }
@@ -623,10 +630,11 @@ void aux_loss_fwd(const Exec& x, const float* probs, const int32_t* idx, float* 
 }
 
 void aux_loss_bwd(const Exec& x, const float* probs, const float* f, float coef, void* dlogits, int64_t N, int64_t E,
-                  DType dt) {
+                  bool accumulate, DType dt) {
   if (N <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    k_aux_bwd<S><<<warp_rows_grid(N, 8), 256, 0, stream_of(x)>>>(probs, f, coef, static_cast<S*>(dlogits), N, int(E));
+    k_aux_bwd<S><<<warp_rows_grid(N, 8), 256, 0, stream_of(x)>>>(probs, f, coef, static_cast<S*>(dlogits), N, int(E),
+                                                                  accumulate);
     Q3VL_LAUNCHED();
   });
 }
@@ -671,9 +679,14 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
 }
 
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
-                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  if (R <= 0 || n_in <= 0 || n_out <= 0) return;
-  if (dxg) grouped<DX>(x, dy, W, dxg, start, R, E, n_in, n_out, dt, n_out, n_in);
+                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
+  if (R <= 0 || n_in <= 0) return;
+  if (n_out <= 0) {  // an empty inner dimension adds nothing; a written dxg is zeros
+    if (dxg && !accumulate)
+      by_dtype(dt, [&]<class S>() { Q3VL_CU(cudaMemsetAsync(dxg, 0, size_t(R * n_in) * sizeof(S), stream_of(x))); });
+    return;
+  }
+  if (dxg) grouped<DX>(x, dy, W, dxg, start, R, E, n_in, n_out, dt, n_out, n_in, accumulate);
   if (dW) grouped<DW>(x, dy, xg, dW, start, R, E, n_in, n_out, dt, n_out, n_in);
 }
 
@@ -688,22 +701,23 @@ void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const flo
 }
 
 void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32_t* pos, const float* w, float* dw,
-                     void* dy, int64_t N, int64_t k, int64_t H, DType dt) {
+                     void* dy, int64_t N, int64_t k, int64_t H, bool accumulate, DType dt) {
   const int64_t R = N * k;
   if (R <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    k_combine_bwd<S><<<warp_rows_grid(R, 8), 256, 0, stream_of(x)>>>(
-        static_cast<const S*>(dout), static_cast<const S*>(y), pos, w, dw, static_cast<S*>(dy), R, int(k), H);
+    k_combine_bwd<S><<<warp_rows_grid(R, 8), 256, 0, stream_of(x)>>>(static_cast<const S*>(dout),
+                                                                      static_cast<const S*>(y), pos, w, dw,
+                                                                      static_cast<S*>(dy), R, int(k), H, accumulate);
     Q3VL_LAUNCHED();
   });
 }
 
 void unpermute_add(const Exec& x, const void* src, const int32_t* pos, void* dst, int64_t N, int64_t k, int64_t H,
-                   DType dt) {
+                   bool accumulate, DType dt) {
   if (N * H <= 0) return;
   by_dtype(dt, [&]<class S>() {
     k_unpermute_add<S><<<grid_for(N * H), 256, 0, stream_of(x)>>>(static_cast<const S*>(src), pos,
-                                                                   static_cast<S*>(dst), N, int(k), H);
+                                                                   static_cast<S*>(dst), N, int(k), H, accumulate);
     Q3VL_LAUNCHED();
   });
 }

@@ -27,6 +27,12 @@ template <class S, int V> __device__ __forceinline__ void ldv(const S* p, int64_
 #pragma unroll
   for (int j = 0; j < V; ++j) f[j] = ld(pk.v, j);
 }
+// What an input gradient adds to: its values (accumulate), or the zeros of a zeroed buffer, unread (dev.hpp).
+template <class S, int V> __device__ __forceinline__ void priorv(const S* p, int64_t i, bool acc, float (&f)[V]) {
+  if (acc) return ldv<S, V>(p, i, f);
+#pragma unroll
+  for (int j = 0; j < V; ++j) f[j] = 0.f;
+}
 template <class S, int V> __device__ __forceinline__ void stv(S* p, int64_t i, const float (&f)[V]) {
   Pack<S, V> pk;
 #pragma unroll
@@ -196,10 +202,10 @@ __global__ void k_ln_fwd(const S* __restrict__ x, const S* __restrict__ w, const
   }
 }
 
-// ---- backward: input gradient (one warp per row, din +=) ----------------------------------------------------------
+// ---- backward: input gradient (one warp per row, din += or =) -----------------------------------------------------
 template <class S, int V>
 __global__ void k_rms_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
-                             const float* __restrict__ rstd, S* __restrict__ dx, int64_t N, int64_t D) {
+                             const float* __restrict__ rstd, S* __restrict__ dx, int64_t N, int64_t D, bool acc) {
   const int lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
     const S* xi = x + i * D;
@@ -220,7 +226,7 @@ __global__ void k_rms_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, 
       ldv<S, V>(xi, d, a);
       ldv<S, V>(gi, d, g);
       ldv<S, V>(w, d, wv);
-      ldv<S, V>(dx + i * D, d, o);
+      priorv<S, V>(dx + i * D, d, acc, o);
 #pragma unroll
       for (int j = 0; j < V; ++j) o[j] += g[j] * wv[j] * r - a[j] * c;
       stv<S, V>(dx + i * D, d, o);
@@ -231,7 +237,7 @@ __global__ void k_rms_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, 
 template <class S, int V>
 __global__ void k_ln_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
                             const float* __restrict__ mean, const float* __restrict__ rstd, S* __restrict__ dx,
-                            int64_t N, int64_t D) {
+                            int64_t N, int64_t D, bool acc) {
   const int lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
     const S* xi = x + i * D;
@@ -257,7 +263,7 @@ __global__ void k_ln_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, c
       ldv<S, V>(xi, d, xv);
       ldv<S, V>(gi, d, g);
       ldv<S, V>(w, d, wv);
-      ldv<S, V>(dx + i * D, d, o);
+      priorv<S, V>(dx + i * D, d, acc, o);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         const float xh = (xv[j] - mu) * r;
@@ -422,16 +428,17 @@ void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void
 }
 
 void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
-                 float* dw, int64_t N, int64_t D, DType dt) {
+                 float* dw, int64_t N, int64_t D, bool accumulate, DType dt) {
   if (N <= 0) return;
   if (din)
     by_dtype(dt, [&]<class S>() {
       const S *g = static_cast<const S*>(dy), *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
       S* dx = static_cast<S*>(din);
       if (vec_width<S>(D, {dy, in, w, din}) > 1)
-        k_rms_bwd_dx<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, rstd, dx, N, D);
+        k_rms_bwd_dx<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, rstd, dx, N, D,
+                                                                                  accumulate);
       else
-        k_rms_bwd_dx<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, rstd, dx, N, D);
+        k_rms_bwd_dx<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, rstd, dx, N, D, accumulate);
       Q3VL_LAUNCHED();
     });
   norm_wgrad<false>(x, dy, in, nullptr, rstd, dw, nullptr, N, D, dt);
@@ -453,16 +460,17 @@ void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, 
 }
 
 void layernorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
-                   void* din, float* dw, float* db, int64_t N, int64_t D, DType dt) {
+                   void* din, float* dw, float* db, int64_t N, int64_t D, bool accumulate, DType dt) {
   if (N <= 0) return;
   if (din)
     by_dtype(dt, [&]<class S>() {
       const S *g = static_cast<const S*>(dy), *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
       S* dx = static_cast<S*>(din);
       if (vec_width<S>(D, {dy, in, w, din}) > 1)
-        k_ln_bwd_dx<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, N, D);
+        k_ln_bwd_dx<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, N, D,
+                                                                                 accumulate);
       else
-        k_ln_bwd_dx<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, N, D);
+        k_ln_bwd_dx<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, N, D, accumulate);
       Q3VL_LAUNCHED();
     });
   norm_wgrad<true>(x, dy, in, mean, rstd, dw, db, N, D, dt);
