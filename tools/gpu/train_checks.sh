@@ -24,8 +24,7 @@
 #   and 2 ranks sharing the GPU, every step's loss against the same run on the GPU's optimizer (1e-5); fp16 with
 #   dynamic loss scaling started at 2^32 so that the first steps overflow: the same steps skipped, the same scales,
 #   losses within 1e-3; the frozen base on the host (offload_params = frozen) with LoRA against LoRA on the GPU
-#   (1e-5); the 2B shape's step time with and without offload (the issue's bound: at most 1.15x) and the
-#   time.optimizer phase (the host update) of each.
+#   (1e-5). (The 2B shape's step times with and without offload: part delayed.)
 # - video (issue 31): tools/make_video_goldens.py (transformers' Qwen3VLVideoProcessor and the model on videos, fp32
 #   on the CPU) into tests/data here and into OUTDIR's results (to commit), then the processor and video golden suites
 #   (the CPU op layer and CUDA) against them.
@@ -90,7 +89,7 @@ fi
 
 if part unit; then
   t0=$SECONDS
-  Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='DevLayers.*:DevVision.*:DevModel.*:Golden.*:Lora.*:BackendOps.*' \
+  Q3VL_REQUIRE_GPU=1 timeout 200 "$ut" --gtest_filter='DevLayers.*:DevVision.*:DevModel.*:Golden.*:Lora.*:BackendOps.*:Profile.*' \
     >"$out/unit.log" 2>&1
   say "unit: rc=$? $((SECONDS - t0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit.log" | tr '\n' ' ')"
   pack
@@ -204,27 +203,6 @@ PY
   run lora_dev_2 2 100 $gpu $lora && run lora_host_2 2 100 $gpu $lora $off parallel.offload_params=frozen &&
     cmp lora_host_2 lora_dev_2 1e-5
   grep -h "memory per rank" "$out"/lora_host_2.log | head -1 >>"$out/summary.txt"
-  # The 2B shape, one H200: steps 3-8 (the first two warm up), offloaded against not.
-  for o in none cpu; do
-    rm -rf /tmp/runs/bench_off_$o
-    timeout 300 "$q" train input/bench_2b_gpu.deck parallel.offload_optimizer=$o run.out_dir=/tmp/runs/bench_off_$o \
-      >"$out/bench_off_$o.log" 2>&1
-    say "bench_off_$o: rc=$?; $(grep -m1 'memory per rank' "$out/bench_off_$o.log")"
-    cp /tmp/runs/bench_off_$o/metrics.jsonl "$out/bench_off_$o.jsonl" 2>/dev/null
-    rm -rf /tmp/runs/bench_off_$o  # its final checkpoint: 25 GB of a 64 GB disk
-    pack
-  done
-  python3 - "$out/bench_off_cpu.jsonl" "$out/bench_off_none.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
-import json, statistics, sys
-a, b = ([json.loads(l) for l in open(f)][2:] for f in sys.argv[1:3])
-t = lambda r, k: statistics.median(x["time"][k] for x in r)
-ratio = t(a, "step") / t(b, "step")
-ok = len(a) >= 4 and len(b) >= 4 and a[0]["tokens"] == b[0]["tokens"] and ratio <= 1.15
-print(f"{'PASS' if ok else 'FAIL'} 2B step time, offload / GPU optimizer: {t(a, 'step'):.3f} / {t(b, 'step'):.3f} s = "
-      f"{ratio:.3f} (bound 1.15); optimizer phase {t(a, 'optimizer'):.3f} vs {t(b, 'optimizer'):.3f} s; "
-      f"{a[0]['tokens']} tokens a step; tok/s {statistics.median(x['tokens_per_s'] for x in a):.0f} vs "
-      f"{statistics.median(x['tokens_per_s'] for x in b):.0f}")
-PY
   pack
 fi
 
