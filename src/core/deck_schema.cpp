@@ -259,8 +259,9 @@ const std::vector<KeySpec>& deck_schema() {
        "gradient shard and of the compute-dtype shard", -kBig, kBig, {"sync", "delayed"}},
       {"parallel.offload_threads", T::Int, "0", "parallel.offload_optimizer = cpu: host threads for AdamW per rank (0: "
        "the rank's cores, from its CPU binding or its share of the node)", 0, 4096},
-      {"parallel.offload_chunk", T::Int, "4194304", "parallel.offload_optimizer = cpu: elements of each of the two "
-       "pinned ring slots the host update's copies go through (gradients down, parameters up)", 256, int64_t(1) << 30},
+      {"parallel.offload_chunk", T::Int, "1048576", "parallel.offload_optimizer = cpu: elements of each pinned ring "
+       "slot the host update's copies go through (gradients down, parameters up; two slots per host thread)", 256,
+       int64_t(1) << 30},
       {"parallel.hybrid", T::Bool, "false", "shard within a node, replicate across nodes (all-reduce of gradients)"},
       {"parallel.ep", T::Int, "1", "expert parallelism (MoE): groups of N consecutive ranks split every MoE layer's "
        "experts, E/N whole experts a rank, tokens dispatched to them by all-to-all; N divides the rank count and "

@@ -31,10 +31,10 @@ int64_t max_shard(const ZeroLayout& L) {
 }
 
 // Offloaded: elements a ring slot holds.
-int64_t ring_chunk(const ZeroLayout& L, int64_t chunk) { return std::max<int64_t>(1, std::min(chunk, L.master)); }
+int64_t ring_chunk(const ZeroLayout& L, const RingSpec& r) { return std::max<int64_t>(1, std::min(r.chunk, L.master)); }
 
 DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd, bool off,
-                    bool in_place, bool stream, bool delayed, int64_t chunk) {
+                    bool in_place, bool stream, bool delayed, const RingSpec& ring) {
   DevZeroMemory m;
   const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
   const int64_t up = stream ? (stage == 3 ? kParamSlots : 1) * max_shard(L) * (4 + (gd == DType::F32 ? 0 : g)) : 0;
@@ -45,22 +45,22 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
   m.grads = copies * L.comm * 4;
   m.comm = (group > 1 ? L.comm * 4 : 0) + ((gd == DType::F32 && !off) || stream ? 0 : copies * L.master * g);
   m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging + up;
-  if (off) m.host_staging = 2 * ring_chunk(L, chunk) * (4 + (stream ? 0 : g));
+  if (off) m.host_staging = 2 * int64_t(std::max(1, ring.threads)) * ring_chunk(L, ring) * (4 + (stream ? 0 : g));
   return m;
 }
 
 }  // namespace
 
 DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload, bool in_place, bool stream, bool delayed, int64_t chunk) {
+                            DType gather, bool offload, bool in_place, bool stream, bool delayed, RingSpec ring) {
   const ShardGroup experts{group / t.ep().size, 0};
   return sizes(t, zero_layout(t, {group, 0}, t.ep().size > 1 ? &experts : nullptr, stage, trainable), group, stage,
-               dt, gather, offload, offload && in_place, offload && stream, offload && delayed, chunk);
+               dt, gather, offload, offload && in_place, offload && stream, offload && delayed, ring);
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
                  const dev::Exec* comm_ex, DType gather, Comm* experts, bool offload, const HostState* host,
-                 bool stream, bool delayed, int64_t chunk)
+                 bool stream, bool delayed, RingSpec ring)
     : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), experts_(experts), stage_(stage), dt_(m.dtype()),
       gd_(gather == DType::BF16 && m.dtype() == DType::F32 ? DType::BF16 : m.dtype()), conv_(gd_ != dt_),
       ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
@@ -77,7 +77,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
   Q3VL_CHECK(!stream || offload, "DevZero: parameters on the host need the masters there (the optimizer offloaded)");
   Q3VL_CHECK(!(stream && delayed), "DevZero: a delayed update cannot stream parameters from the masters it changes");
-  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_, stream_, delayed_, chunk);
+  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_, stream_, delayed_, ring);
   auto f32 = [&](int64_t k) {
     float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
     dev::fill(ex_, p, DType::F32, k, 0.f);
@@ -110,8 +110,9 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   if ((gd_ != DType::F32 || off_) && !stream_) wcopy_ = wbuf();
   if (delayed_) wnext_ = wbuf();
   if (off_) {
-    chunk_ = ring_chunk(L_, chunk);
+    chunk_ = ring_chunk(L_, ring);
     ux_ = dev::make_exec(ex_.device, 0, ex_.gpu);
+    ring_.resize(2 * size_t(std::max(1, ring.threads)));
     for (Ring& r : ring_) {
       r.g = static_cast<float*>(pinned(chunk_ * 4, nullptr));
       r.w = stream_ ? nullptr : pinned(chunk_ * int64_t(dtype_size(gd_)), nullptr);
@@ -293,51 +294,62 @@ void DevZero::land() {
   std::swap(wcopy_, wnext_);
 }
 
-// The spans in chunks of chunk_ elements, two ring slots in turn, all copies on ux_ in order: chunk c + 1's gradients
-// go down while chunk c is updated; chunk c's parameters go up before chunk c + 2's gradients come down into its
-// slot, so the host's wait for that copy down also covers the slot's copy up (and chunk c's copy down was waited
-// before chunk c was updated).
+// The spans split evenly over the pool's threads (one share each: the ring has two slots a thread), or one share
+// inline. All copies go on ux_; each thread's own are in its order there, which is all the slots need.
 void DevZero::ring_walk(const std::vector<Span>& spans, const float* g, void* w, ThreadPool* pool,
                         const SpanFn& fn) {
   int64_t total = 0;
   for (const Span& p : spans) total += p.n;
+  const int k = pool ? pool->size() : 1;
+  Q3VL_CHECK(2 * size_t(k) <= ring_.size(), "DevZero: the host update has more threads than the ring has slots");
+  auto share = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) ring_share(spans, total * i / k, total * (i + 1) / k, &ring_[2 * size_t(i)], g, w, fn);
+  };
+  if (pool) pool->run(k, share, 1);
+  else share(0, 1);
+  dev::synchronize(ux_);
+}
+
+// Elements [lo, hi) of the spans in chunks of chunk_, the thread's two slots in turn: chunk c + 1's gradients go
+// down while chunk c is updated; chunk c's parameters go up before chunk c + 2's gradients come down into its slot,
+// so the wait for that copy down also covers the slot's copy up (chunk c's own copy down was waited before chunk c
+// was updated).
+void DevZero::ring_share(const std::vector<Span>& spans, int64_t lo, int64_t hi, Ring* slots, const float* g,
+                         void* w, const SpanFn& fn) {
   const size_t gs = dtype_size(gd_);
-  // f(span, a, n, x): elements [a, a+n) of a span, x their place in the chunk that starts at c.
-  auto each = [&](int64_t c, int64_t lo, int64_t hi, const auto& f) {
+  // f(span, a, n, x): elements [a, a+n) of a span within [c0, c1), x their place in the chunk that starts at c0.
+  auto each = [&](int64_t c0, int64_t c1, const auto& f) {
     int64_t x = 0;  // elements of the spans before
     for (const Span& p : spans) {
-      const int64_t a = std::max(lo, x), b = std::min(hi, x + p.n);
-      if (a < b) f(p, a - x, b - a, a - c);
-      if ((x += p.n) >= hi) break;
+      const int64_t a = std::max(c0, x), b = std::min(c1, x + p.n);
+      if (a < b) f(p, a - x, b - a, a - c0);
+      if ((x += p.n) >= c1) break;
     }
   };
+  auto slot = [&](int64_t c) -> Ring& { return slots[((c - lo) / chunk_) % 2]; };
   auto down = [&](int64_t c) {
-    Ring& r = ring_[(c / chunk_) % 2];
+    Ring& r = slot(c);
     if (g)
-      each(c, c, std::min(total, c + chunk_), [&](const Span& p, int64_t a, int64_t n, int64_t x) {
+      each(c, std::min(hi, c + chunk_), [&](const Span& p, int64_t a, int64_t n, int64_t x) {
         dev::to_host_async(ux_, r.g + x, g + p.grad + a, size_t(n) * 4);
       });
     dev::event_record(ux_, r.down);
   };
-  if (total > 0) down(0);
-  for (int64_t c = 0; c < total; c += chunk_) {
-    const int64_t e = std::min(total, c + chunk_);
-    if (e < total) down(e);
-    Ring& r = ring_[(c / chunk_) % 2];
+  if (lo < hi) down(lo);
+  for (int64_t c = lo; c < hi; c += chunk_) {
+    const int64_t e = std::min(hi, c + chunk_);
+    if (e < hi) down(e);
+    Ring& r = slot(c);
     dev::event_synchronize(ux_, r.down);
-    auto work = [&](int64_t lo, int64_t hi) {
-      each(c, c + lo, c + hi, [&](const Span& p, int64_t a, int64_t n, int64_t x) {
-        fn(p, a, n, r.g + x, r.w ? static_cast<char*>(r.w) + x * int64_t(gs) : nullptr);
-      });
-    };
-    if (pool) pool->run(e - c, work);
-    else work(0, e - c);
-    if (w && r.w)
-      each(c, c, e, [&](const Span& p, int64_t a, int64_t n, int64_t x) {
-        dev::to_device(ux_, at(w, p.master + a, gd_), static_cast<char*>(r.w) + x * int64_t(gs), size_t(n) * gs);
+    char* rw = static_cast<char*>(r.w);
+    each(c, e, [&](const Span& p, int64_t a, int64_t n, int64_t x) {
+      fn(p, a, n, r.g + x, rw ? rw + x * int64_t(gs) : nullptr);
+    });
+    if (w && rw)
+      each(c, e, [&](const Span& p, int64_t a, int64_t n, int64_t x) {
+        dev::to_device(ux_, at(w, p.master + a, gd_), rw + x * int64_t(gs), size_t(n) * gs);
       });
   }
-  dev::synchronize(ux_);
 }
 
 // The caller has waited for the step's gradients (the norm read them), so the copies down need no event.

@@ -101,7 +101,8 @@ TEST(Plan, GpuBytesAreTheTrainersAllocation) {
 // off the device, and the parameter copy with the parameters.
 TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
   Workload w = workload_from_deck(
-      plan_deck({"data.seq_len=64", "train.global_batch=4", "model.dtype=fp32", "train.tune_vision=false"}));
+      plan_deck({"data.seq_len=64", "train.global_batch=4", "model.dtype=fp32", "train.tune_vision=false",
+                 "parallel.offload_threads=2"}));
   Hardware hw = gpu_preset("H200-141GB");
   hw.gpus_per_node = 1;
   const DevBudget b = train_budget(w.cfg, 1, w.seq_len, w.max_patches);
@@ -114,7 +115,7 @@ TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
       const ParamTable t(w.cfg);
       ZeroShards engine(t, self, w.trainable);
       Offload off;
-      off.optimizer = off.in_place = true, off.params = params, off.state = &engine, off.threads = 2;
+      off.optimizer = off.in_place = true, off.params = params, off.state = &engine, off.threads = w.offload_threads;
       DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, false, LossScaling{}, self, nullptr, stage,
                     false, nullptr, off);
       const DevTrainerMemory got = tr.memory(), want = DevTrainer::plan(w.cfg, DType::F32, b, false, w.trainable, 1,

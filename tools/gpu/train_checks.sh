@@ -3,6 +3,7 @@
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
 #   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile big
+#   ring
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -39,6 +40,8 @@
 #   (input/bench_8b_offload.deck: delayed update, 4 micro-steps of 4 x 4096 tokens) and the 235B LoRA deck cut to 4
 #   decoder layers with its frozen base on the host (offload_params = frozen), each with its measured GPU and host
 #   memory (device total - free after start-up; peak RSS) and step time beside the plan's.
+# - ring (issue 29): the 2B shape offloaded, synchronous and delayed, at ring chunks of 1M and 4M elements
+#   (parallel.offload_chunk, two slots per host thread): the step and its optimizer phase (the host update).
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
@@ -323,6 +326,25 @@ print(f"  steps 3-{len(r) + 2}: step {statistics.median(x['time']['step'] for x 
       f"optimizer phase {statistics.median(x['time']['optimizer'] for x in r):.3f} s")
 PY
     pack
+  done
+fi
+if part ring; then
+  for c in 1048576 4194304; do
+    for o in sync delayed; do
+      rm -rf /tmp/runs/ring
+      timeout 200 "$q" train input/bench_2b_gpu.deck parallel.offload_optimizer=cpu parallel.offload_update=$o \
+        parallel.offload_chunk=$c checkpoint.every=0 run.out_dir=/tmp/runs/ring >"$out/ring_${o}_$c.log" 2>&1
+      say "ring_${o}_$c: rc=$?"
+      cp /tmp/runs/ring/metrics.jsonl "$out/ring_${o}_$c.jsonl" 2>/dev/null
+      rm -rf /tmp/runs/ring
+      python3 - "$out/ring_${o}_$c.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+r = [json.loads(l) for l in open(sys.argv[1])][2:]
+t = lambda k: statistics.median(x["time"][k] for x in r)
+print(f"  steps 3-{len(r) + 2}: step {t('step'):.3f} s, optimizer phase {t('optimizer'):.3f} s")
+PY
+      pack
+    done
   done
 fi
 pack

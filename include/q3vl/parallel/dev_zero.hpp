@@ -76,6 +76,13 @@ struct DevZeroMemory {
   int64_t host_total() const { return host_master + host_moments + host_staging; }
 };
 
+// The pinned ring an offloaded update's copies go through: two slots of `chunk` elements for each of its `threads`.
+struct RingSpec {
+  static constexpr int64_t kChunk = int64_t(1) << 20;  // parallel.offload_chunk's default
+  int64_t chunk = kChunk;
+  int threads = 1;
+};
+
 // Host buffers an offloaded DevZero updates in place, at the layout's offsets (Offs::master, Offs::opt).
 struct HostState {
   float* master = nullptr;
@@ -85,8 +92,6 @@ struct HostState {
 
 class DevZero final : UnitHooks {
  public:
-  // Offloaded: elements a ring slot holds by default (parallel.offload_chunk; a slot holds min(chunk, master shard)).
-  static constexpr int64_t kRingChunk = int64_t(4) << 20;
   // `shard` and `replica` (hybrid sharding; may be null) take the model's device buffers and outlive the engine.
   // comm_ex: the Exec (stream) an NCCL `shard`/`replica` runs on when it is not the model's; null: the model's.
   // gather: the dtype units travel in, the model's by default; BF16 with an fp32 model (parallel.gather_dtype) sends
@@ -98,7 +103,7 @@ class DevZero final : UnitHooks {
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
           const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr,
           bool offload = false, const HostState* host = nullptr, bool stream = false, bool delayed = false,
-          int64_t chunk = kRingChunk);
+          RingSpec ring = {});
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
@@ -108,7 +113,7 @@ class DevZero final : UnitHooks {
   // replicas' group is group / t.ep().size ranks). in_place: offloaded onto the caller's HostState (not counted).
   static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
                             DType gather, bool offload = false, bool in_place = false, bool stream = false,
-                            bool delayed = false, int64_t chunk = kRingChunk);
+                            bool delayed = false, RingSpec ring = {});
   DevZeroMemory memory() const { return mem_; }
 
   // Adjacent trainable pieces with the same flags: one optimizer launch each. `first`: its first element among all
@@ -131,9 +136,10 @@ class DevZero final : UnitHooks {
   bool parameters_on_host() const { return stream_; }
 
   // Offloaded: the update on the host. fn(run, a, n, g, w) for every range [a, a+n) of every run, on the pool's
-  // threads: g holds the range's gradients (host memory), and fn writes the range's new masters in gather_dtype() to
-  // w (null when the parameters stay on the host: the gathers convert the masters themselves). The chunks go down
-  // and up through the pinned ring on the copy stream, each chunk's copy down behind the update of the one before.
+  // threads (as many as the ring's): g holds the range's gradients (host memory), and fn writes the range's new
+  // masters in gather_dtype() to w (null when the parameters stay on the host: the gathers convert the masters
+  // themselves). Each thread walks its own share of the runs in chunks through its own two ring slots, each chunk's
+  // copy down behind the update of the one before, its parameters up after it: no thread waits for another.
   // Reads the gradient shard and writes the parameter copy the next step gathers; delayed: flip()'s and land()'s
   // other buffers. Any thread (the device is made the calling thread's current one).
   using HostFn = std::function<void(const Run& r, int64_t a, int64_t n, const float* g, void* w)>;
@@ -182,11 +188,15 @@ class DevZero final : UnitHooks {
   // step's first land in the shard itself (one rank: copied), which begin_step does not zero.
   void reduce_unit(int u, const float* g);
   void zero_unreduced();  // the trainable units' shards that no reduce_unit wrote this step: zeroed
-  // Offloaded: walks `spans` (device gradient offset or -1, master offset, count) in ring chunks: each chunk's
-  // gradients down (if any), fn over its spans on the pool (or inline), its parameters up into w (if not null).
+  // Offloaded: walks `spans` (device gradient offset or -1, master offset, count), split over the pool's threads (or
+  // inline), each share in chunks through the thread's ring slots: the chunk's gradients down (if g), fn over its
+  // spans, its parameters up into w (if not null).
   struct Span { int64_t grad, master, n; const Run* run; };
+  struct Ring { float* g; void* w; void* down; };  // a pinned slot; its chunk's copy down done
   using SpanFn = std::function<void(const Span& p, int64_t a, int64_t n, const float* g, void* w)>;
   void ring_walk(const std::vector<Span>& spans, const float* g, void* w, ThreadPool* pool, const SpanFn& fn);
+  void ring_share(const std::vector<Span>& spans, int64_t lo, int64_t hi, Ring* slots, const float* g, void* w,
+                  const SpanFn& fn);
   void make_runs();
   void upload_all(void* w);  // offloaded: every unit's masters in gd_ up into the copy w
   void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
@@ -227,8 +237,7 @@ class DevZero final : UnitHooks {
   void* wnext_ = nullptr;    // delayed: the parameter copy it writes
   std::vector<Run> runs_;
   dev::Exec ux_;             // offloaded: the ring's copy stream
-  struct Ring { float* g; void* w; void* down; };  // pinned; the chunk's copy down done
-  Ring ring_[2] = {};
+  std::vector<Ring> ring_;   // two slots a thread
   int64_t chunk_ = 0;        // elements a ring slot holds
   std::vector<char> reduced_;  // [unit] its gradient shard holds gradients of this step
   DevZeroMemory mem_;
