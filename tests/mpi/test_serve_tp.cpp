@@ -1,6 +1,6 @@
 // Tensor-parallel inference (serve/tp.hpp) at 1, 2 and 4 ranks: every rank holds its slice of the decoder and of
 // the LM head's vocabulary; prompt chunks with an image and decoded tokens give the full model's logits to 1e-5
-// (with 4 ranks each key/value head is replicated on two ranks), for a dense and a MoE model; int8 after the split.
+// (with 4 ranks each key/value head is replicated on two ranks), for a dense and a MoE model; int8 and fp8 after the split.
 // The device model's slices likewise (DevModel::step over a paged cache), their sums through MPI on the CPU op layer
 // and through NCCL on GPUs.
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 #include "../compare.hpp"
 #include "../gpu.hpp"
 #include "ranks.hpp"
-#include "../int8_ref.hpp"
+#include "../q8_ref.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "../reference/layers.hpp"
@@ -228,9 +228,10 @@ KvCache<float> cache_of(const ModelConfig& cfg, bool host_pool) {
   return c;
 }
 
-// This rank's device slice in dtype dt, summing through `comm` ("mpi" or "nccl"), against the full host model; int8:
-// the slice holds its int8_param weights in int8 (quantized after the split, as serve does).
-std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::string& comm_kind, bool int8 = false) {
+// This rank's device slice in dtype dt, summing through `comm` ("mpi" or "nccl"), against the full host model; quant
+// (int8, fp8): the slice holds its quant_param weights in that format (quantized after the split, as serve does).
+std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::string& comm_kind,
+                                    QFormat quant = QFormat::None) {
   int rank, size;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -242,7 +243,7 @@ std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::
   {
     std::unique_ptr<Comm> comm = comm_kind == "nccl" ? test::test_nccl_comm(MPI_COMM_WORLD, ex)
                                                      : std::unique_ptr<Comm>(std::make_unique<MpiComm>(MPI_COMM_WORLD));
-    DevModel dm(local.config(), ex, dt, /*grads=*/false, {}, int8);
+    DevModel dm(local.config(), ex, dt, /*grads=*/false, {}, quant);
     dm.set_params(local.params());
     dm.reserve_infer({/*tokens=*/16, /*segments=*/2, /*patches=*/16, /*kv_blocks=*/16, /*block=*/4, /*seq_blocks=*/8});
     dm.set_tensor_parallel(comm.get(), v0, v1);
@@ -278,16 +279,16 @@ TEST_P(DevTp, SlicesEqualTheFullModelOnCpu) {
   EXPECT_LT(worst, 1e-5);
 }
 
-// int8 slices: each rank quantizes the rows it holds (the MoE model's expert slices too), and computes what the host
-// slice computes with those rows quantized and dequantized again (fp32; max|diff| / max|logit| returned).
-double int8_slices_vs_host(bool moe, Device d, const std::string& comm_kind) {
+// int8 or fp8 slices: each rank quantizes the rows it holds (the MoE model's expert slices too), and computes what the
+// host slice computes with those rows quantized and dequantized again (fp32; max|diff| / max|logit| returned).
+double q8_slices_vs_host(bool moe, Device d, const std::string& comm_kind, QFormat quant) {
   int rank, size;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   Model full(tp_tiny(moe));
   full.init_random(11, 0.3);
   std::unique_ptr<Model> local = shard(full, rank, size);
-  const auto [quantized, experts] = test::dequantize_int8_params(*local);
+  const auto [quantized, experts] = test::dequantize_q8_params(*local, quant);
   EXPECT_GT(quantized, 0);
   EXPECT_EQ(experts > 0, moe);
   const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
@@ -296,14 +297,18 @@ double int8_slices_vs_host(bool moe, Device d, const std::string& comm_kind) {
       local->config(), [&](const auto& s, KvCache<float>& k) { return local->step(s, k); },
       [&](const auto& px, const auto& g, auto& img, auto& ds) { local->vision_features(px, g, img, ds); }, c, v0, v1);
   const double big = max_diff(want, {});
-  const double d8 = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, true), want);
+  const double d8 = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, quant), want);
   const double worst = d8 == test::kNonFinite ? d8 : d8 / std::max(1.0, big);  // inf / inf would be NaN
   if (rank == 0)
-    std::printf("[ dev tp   ] %d ranks int8 through %s: max|diff|/max|logit| %.2e\n", size, comm_kind.c_str(), worst);
+    std::printf("[ dev tp   ] %d ranks %s through %s: max|diff|/max|logit| %.2e\n", size, qformat_name(quant),
+                comm_kind.c_str(), worst);
   return worst;
 }
 TEST_P(DevTp, Int8SlicesEqualQuantizedHostSlicesOnCpu) {
-  EXPECT_LT(int8_slices_vs_host(GetParam(), Device::CPU, "mpi"), 1e-5);
+  EXPECT_LT(q8_slices_vs_host(GetParam(), Device::CPU, "mpi", QFormat::Int8), 1e-5);
+}
+TEST_P(DevTp, Fp8SlicesEqualQuantizedHostSlicesOnCpu) {
+  EXPECT_LT(q8_slices_vs_host(GetParam(), Device::CPU, "mpi", QFormat::Fp8), 1e-5);
 }
 
 // On GPUs: fp32 slices summing through NCCL and through MPI give the full model's logits; in bf16 NCCL sums in bf16
@@ -331,7 +336,11 @@ TEST_P(DevTp, NcclSlicesEqualTheFullModelGpu) {
 }
 TEST_P(DevTp, Int8NcclSlicesEqualQuantizedHostSlicesGpu) {
   Q3VL_NEED_GPU();
-  EXPECT_LT(int8_slices_vs_host(GetParam(), Device::CUDA, "nccl"), 1e-4);
+  EXPECT_LT(q8_slices_vs_host(GetParam(), Device::CUDA, "nccl", QFormat::Int8), 1e-4);
+}
+TEST_P(DevTp, Fp8NcclSlicesEqualQuantizedHostSlicesGpu) {
+  Q3VL_NEED_GPU();
+  EXPECT_LT(q8_slices_vs_host(GetParam(), Device::CUDA, "nccl", QFormat::Fp8), 1e-4);
 }
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, DevTp, ::testing::Bool(),
                          [](const auto& i) { return i.param ? std::string("Moe") : std::string("Dense"); });
