@@ -21,15 +21,15 @@
 namespace q3vl {
 
 namespace {
-// The compute the deck asks for exists here, checked before any work. Inference (generate, serve) may hold int8
-// weights; train and eval need fp32 weights (no gradient or master for them).
+// The compute the deck asks for exists here, checked before any work. Inference (generate, serve) may hold int8 or
+// fp8 weights; train and eval need fp32 weights (no gradient or master for them).
 void check_compute(const Deck& d, bool inference) {
   const bool cuda = d.str("model.backend") == "cuda";
   if (const std::string w = d.str("model.weight_dtype"); w != "fp32") {
     if (!inference)
       fail("model.weight_dtype = \"" + w + "\": " + w +
            " weights are for inference (generate, serve); train and eval need model.weight_dtype = \"fp32\"");
-    weight_int8(d);  // refuses bf16/fp16
+    weight_quant(d);  // refuses bf16/fp16
   }
   if (cuda && dev::device_count() == 0)
     fail("model.backend = \"cuda\": no GPU is visible to rank " + std::to_string(Runtime::get().where().rank) + " on " +

@@ -41,9 +41,10 @@ const std::vector<KeySpec>& deck_schema() {
        "generate/serve on the GPU: decode steps (one new token per sequence) replay as CUDA graphs, one per bucket of "
        "sequence counts (1, 4, 8, then multiples of 8), instead of launching some 600 kernels each"},
       {"model.weight_dtype", T::String, "fp32",
-       "generate/serve: storage of the text decoder's linears and LM head (int8: weight-only, per output channel; "
+       "generate/serve: storage of the text decoder's linears and LM head (int8, fp8: weight-only, one byte a weight "
+       "and an fp32 scale per output channel, quantized at load; fp8 is E4M3, max 448, as vLLM's per-channel fp8; "
        "bf16/fp16 are model.dtype's on cuda, and refused here)",
-       -kBig, kBig, {"fp32", "int8", "bf16", "fp16"}},
+       -kBig, kBig, {"fp32", "int8", "fp8", "bf16", "fp16"}},
 
       // eval: one forward (and optionally backward) pass over a batch file
       {"eval.batch", T::String, "", "HDF5 batch: input_ids, attention_mask, labels, pixel_values, image_grid_thw",

@@ -27,6 +27,32 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
+const char* qformat_name(QFormat f) {
+  switch (f) {
+    case QFormat::None: return "fp32";
+    case QFormat::Int8: return "int8";
+    case QFormat::Fp8: return "fp8";
+  }
+  return "?";
+}
+
+uint8_t f32_to_fp8_e4m3(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return 0x7f;         // NaN: CUDA's canonical one, whatever the sign
+  if (x > 0x43e80000u) return sign | 0x7e;  // beyond 464 (infinity too): saturated to 448
+  if (x < 0x3c800000u) {                    // below 2^-6, the smallest normal: steps of 2^-9
+    // Scaling by 2^9 is exact; nearbyint rounds half to even (8 is 2^-6, the smallest normal's code).
+    return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(f) * 512.0f));
+  }
+  uint32_t q = (((x >> 23) - 120u) << 3) | ((x >> 20) & 7u);  // exponent rebiased from 127 to 7, 3 mantissa bits
+  const uint32_t rem = x & 0xfffffu;
+  if (rem > 0x80000u || (rem == 0x80000u && (q & 1u))) ++q;  // a carry into the exponent is correct; 464 stays 448
+  return sign | static_cast<uint8_t>(q);
+}
+
 uint16_t f32_to_f16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);

@@ -67,7 +67,7 @@ void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t 
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
                 int64_t n_out, DType dt, int64_t row0) {
   if (P.q8 && P.q8[id])
-    return dev::linear_int8_fwd(ex, x, P.q8[id] + row0 * n_in, P.s8[id] + row0, nullptr, y, N, n_in, n_out, dt);
+    return dev::linear_q8_fwd(ex, x, P.q8[id] + row0 * n_in, P.s8[id] + row0, nullptr, y, N, n_in, n_out, P.qf, dt);
   dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt);
 }
 
@@ -80,13 +80,14 @@ int dev_experts_id(const DevParams& P, int f) {
 }
 
 namespace {
-// The experts' product, int8 when the model holds them so (serving with model.weight_dtype = "int8").
+// The experts' product, in 8 bits when the model holds them so (serving with model.weight_dtype = "int8" or "fp8").
 void grouped_linear(const dev::Exec& ex, const DevParams& P, int id, const void* xg, const int32_t* start, void* y,
                     int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  if (P.q8 && P.q8[id]) return dev::grouped_linear_int8_fwd(ex, xg, P.q8[id], P.s8[id], start, y, R, E, n_in, n_out, dt);
+  if (P.q8 && P.q8[id])
+    return dev::grouped_linear_q8_fwd(ex, xg, P.q8[id], P.s8[id], start, y, R, E, n_in, n_out, P.qf, dt);
   dev::grouped_linear_fwd(ex, xg, P.p[id], start, y, R, E, n_in, n_out, dt);
 }
-// Consecutive linears of a layer run as one matrix: the table keeps them adjacent, and so do the device model's int8
+// Consecutive linears of a layer run as one matrix: the table keeps them adjacent, and so do the device model's 8-bit
 // rows and scales and the gradients. rows: each one's output rows; returns the first one's id.
 int fused(const DevParams& P, int first, std::initializer_list<int64_t> rows, int64_t n_in, DType dt,
           const std::string& what) {
@@ -94,7 +95,7 @@ int fused(const DevParams& P, int first, std::initializer_list<int64_t> rows, in
   for (auto r = rows.begin(); r + 1 != rows.end(); ++r, ++id) {
     if (P.q8 && P.q8[first])
       Q3VL_CHECK(P.q8[id + 1] == P.q8[id] + *r * n_in && P.s8[id + 1] == P.s8[id] + *r,
-                 "int8 " + what + " must be adjacent");
+                 "8-bit " + what + " must be adjacent");
     else
       Q3VL_CHECK(P.p[id + 1] == at(P.p[id], *r * n_in, dt), what + " must be adjacent");
     Q3VL_CHECK(!P.g[id] || P.g[id + 1] == P.g[id] + *r * n_in, what + " grads must be adjacent");

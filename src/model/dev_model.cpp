@@ -138,7 +138,7 @@ bool DevModel::stage_owns(const ParamTable& t, const DevStage& s, int u) {
   return s.first;  // the embeddings, the vision tower and the mergers
 }
 
-bool DevModel::int8_param(const ParamTable& t, int id) {
+bool DevModel::quant_param(const ParamTable& t, int id) {
   if (t.lm_head() == id) return t.lm_head() != t.embed_tokens();
   for (int l = 0; l < t.config().text.layers; ++l) {
     const int k = id - t.layer(l);
@@ -150,32 +150,35 @@ bool DevModel::int8_param(const ParamTable& t, int id) {
   return false;
 }
 
-int64_t DevModel::int8_rows(const ParamInfo& p) { return p.numel / p.shape.back(); }
+int64_t DevModel::quant_rows(const ParamInfo& p) { return p.numel / p.shape.back(); }
 
-int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s, bool int8) {
+int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s, QFormat quant) {
   int64_t n = 0;
   for (size_t u = 0; u < t.units().size(); ++u)
     if (stage_owns(t, s, int(u)))
       for (int id : t.units()[u].params) {
         const ParamInfo& p = t.param(id);
-        n += int8 && int8_param(t, id) ? p.numel + int8_rows(p) * 4 : p.held * int64_t(dtype_size(dt));
+        n += quant != QFormat::None && quant_param(t, id) ? p.numel + quant_rows(p) * 4
+                                                          : p.held * int64_t(dtype_size(dt));
       }
   return n;
 }
 
-DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage, bool int8,
+DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads, DevStage stage, QFormat quant,
                    DevHold hold, ExpertSplit ep)
-    : cfg_(cfg), table_(cfg, ep), ex_(ex), dt_(dt), stage_(stage), hold_(hold), impl_(std::make_unique<Impl>()) {
+    : cfg_(cfg), table_(cfg, ep), ex_(ex), dt_(dt), stage_(stage), hold_(hold), qf_(quant),
+      impl_(std::make_unique<Impl>()) {
+  const bool q8 = quant != QFormat::None;
   impl_->lora.table = &table_;
   impl_->lora.scale = float(cfg.lora.scale());
   impl_->lora.dropout = cfg.lora.dropout;
-  Q3VL_CHECK((stage.whole() && !int8) || !grads, "DevModel: pipeline stages and int8 weights are for inference");
+  Q3VL_CHECK((stage.whole() && !q8) || !grads, "DevModel: pipeline stages and 8-bit weights are for inference");
   Q3VL_CHECK(hold.group >= 1 && (hold.full || grads), "DevModel: a ZeRO hold is for training");
-  Q3VL_CHECK(ep.size == 1 || (grads && !int8), "DevModel: expert parallelism is for training");
+  Q3VL_CHECK(ep.size == 1 || (grads && !q8), "DevModel: expert parallelism is for training");
   if (ex.device == Device::CPU && dt != DType::F32)
     fail_all(std::string("model.dtype = ") + dtype_name(dt) + " needs model.backend = \"cuda\" (the CPU computes fp32)");
   // The parameters of the units the stage holds, packed in table order (the whole model in dt: the table's own
-  // offsets, each unit padded to the hold's group); int8 weights in q8_, their scales in s8_.
+  // offsets, each unit padded to the hold's group); 8-bit weights in q8_, their scales in s8_.
   par_off_.assign(table_.params().size(), -1), scl_off_.assign(table_.params().size(), -1);
   ubase_.assign(table_.units().size(), -1);
   for (size_t u = 0; u < table_.units().size(); ++u)
@@ -183,15 +186,15 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
       ubase_[u] = held_;
       for (int id : table_.units()[u].params) {
         const ParamInfo& p = table_.param(id);
-        if (int8 && int8_param(table_, id)) par_off_[id] = held8_, held8_ += p.numel, scl_off_[id] = rows8_, rows8_ += int8_rows(p);
+        if (q8 && quant_param(table_, id)) par_off_[id] = held8_, held8_ += p.numel, scl_off_[id] = rows8_, rows8_ += quant_rows(p);
         else par_off_[id] = held_, held_ += p.held;  // expert parallelism: this rank's experts
       }
-      if (!int8) held_ = ubase_[u] + padded(table_.units()[u].numel, hold.group);
+      if (!q8) held_ = ubase_[u] + padded(table_.units()[u].numel, hold.group);
     }
   if (!hold.full) held_ = 0;  // ZeRO-3: units are bound while in use
   params_ = held_ ? dev::alloc(ex_, size_t(held_) * dtype_size(dt_)) : nullptr;
   if (held8_) {
-    q8_ = static_cast<int8_t*>(dev::alloc(ex_, size_t(held8_)));
+    q8_ = static_cast<uint8_t*>(dev::alloc(ex_, size_t(held8_)));
     s8_ = static_cast<float*>(dev::alloc(ex_, size_t(rows8_) * 4));
   }
   if (grads && hold.full) grads_ = static_cast<float*>(dev::alloc(ex_, size_t(held_) * 4));
@@ -209,7 +212,8 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
 DevParams DevModel::dparams() const {
   // Adapters run in the training arena's passes (train, eval); serving folds them into the weights first.
   const DevLora* lora = cfg_.lora.on() && impl_->block ? &impl_->lora : nullptr;
-  return {pp_.data(), gp_.data(), q8_ ? q8p_.data() : nullptr, q8_ ? s8p_.data() : nullptr, lora};
+  return {pp_.data(), gp_.data(), q8_ ? q8p_.data() : nullptr, q8_ ? s8p_.data() : nullptr, q8_ ? qf_ : QFormat::None,
+          lora};
 }
 DevLora& DevModel::lora() { return impl_->lora; }
 
@@ -304,11 +308,11 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   Q3VL_CHECK(offset >= 0 && offset + n <= table_.total(), "DevModel::set_params: a range outside the table");
   Q3VL_CHECK(table_.ep().size == 1, "DevModel::set_params: an expert-parallel model is filled through ZeRO");
   // The held parameters' parts of the range, each to its packed place, through a staging buffer of at most 256 MiB;
-  // an int8 weight, which must arrive whole, is quantized here first.
+  // an 8-bit weight, which must arrive whole, is quantized here first.
   constexpr int64_t kChunk = int64_t(64) << 20;
   float* stage = nullptr;
   if (dt_ != DType::F32) stage = static_cast<float*>(dev::alloc(ex_, size_t(std::min<int64_t>(n, kChunk)) * 4));
-  std::vector<int8_t> q;
+  std::vector<uint8_t> q;
   std::vector<float> sc;
   for (size_t id = 0; id < table_.params().size(); ++id) {
     const ParamInfo& p = table_.param(int(id));
@@ -316,15 +320,16 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
     const int64_t a = std::max(offset, start), b = std::min(offset + n, start + p.numel);
     if (par_off_[id] < 0 || a >= b) continue;
     if (scl_off_[id] >= 0) {
-      Q3VL_CHECK(a == start && b == start + p.numel, "DevModel::set_params: int8 weight " + p.name + " must arrive whole");
-      const int64_t rows = int8_rows(p), cols = p.numel / rows;
+      Q3VL_CHECK(a == start && b == start + p.numel,
+                 std::string("DevModel::set_params: ") + qformat_name(qf_) + " weight " + p.name + " must arrive whole");
+      const int64_t rows = quant_rows(p), cols = p.numel / rows;
       q.resize(size_t(p.numel)), sc.resize(size_t(rows));
       // On every core: a 30B-A3B's experts are 29 G weights to quantize at start-up.
       const int64_t per = std::max<int64_t>(1, (int64_t(1) << 20) / cols);  // about 1 Mi weights per item
       parallel_for((rows + per - 1) / per, [&](int64_t i) {
         const int64_t r0 = i * per, nr = std::min(per, rows - r0);
         try {
-          ops::quantize_int8_rows(host + (a - offset) + r0 * cols, nr, cols, q.data() + r0 * cols, sc.data() + r0);
+          ops::quantize_rows(qf_, host + (a - offset) + r0 * cols, nr, cols, q.data() + r0 * cols, sc.data() + r0);
         } catch (const Error& e) {
           fail(p.name + ", rows from " + std::to_string(r0) + ": " + e.what());
         }

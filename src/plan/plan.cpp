@@ -462,11 +462,11 @@ int plan_serve(const Deck& d, const Workload& w, const Hardware& hw) {
         continue;
       }
       const ParamTable t(slice);
-      for (const bool int8 : {false, true}) {
+      for (const QFormat quant : {QFormat::None, QFormat::Int8}) {  // fp8 holds int8's bytes
         int64_t wmax = 0, bmax = 0, kvtok = 0, tokens = std::numeric_limits<int64_t>::max();
         for (int s = 0; s < pp; ++s) {
           const DevStage st = DevStage::of(s, pp, tc.layers);
-          const int64_t wb = DevModel::weight_bytes(t, DType::BF16, st, int8);
+          const int64_t wb = DevModel::weight_bytes(t, DType::BF16, st, quant);
           const int64_t buf = DevModel::infer_bytes(slice, DType::BF16, b, st);
           const int64_t kv = DevModel::kv_pool_bytes(slice, DType::BF16, 1, 1, st);
           const int64_t left = hw.gpu_mem - kGpuReserve - int64_t(DevModel::kInferWorkspace) - wb - buf;
@@ -474,7 +474,8 @@ int plan_serve(const Deck& d, const Workload& w, const Hardware& hw) {
           tokens = std::min(tokens, left > 0 ? left / kv : 0);
         }
         any = any || tokens >= ctx;
-        std::printf("  %2d  %2d  %-5s   | %8s GiB  %8s GiB  %9lld B  %9lld tok  %9lld\n", tp, pp, int8 ? "int8" : "bf16",
+        std::printf("  %2d  %2d  %-8s| %8s GiB  %8s GiB  %9lld B  %9lld tok  %9lld\n", tp, pp,
+                    quant == QFormat::None ? "bf16" : "int8/fp8",
                     gib(wmax).c_str(), gib(bmax).c_str(), (long long)kvtok, (long long)tokens, (long long)(tokens / ctx));
       }
     }

@@ -345,13 +345,13 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
       sink);
 }
 
-bool weight_int8(const Deck& deck) {
+QFormat weight_quant(const Deck& deck) {
   const std::string w = deck.str("model.weight_dtype");
   if (w == "bf16" || w == "fp16")
     fail("model.weight_dtype = \"" + w + "\": the model stores every weight in model.dtype; with model.backend = "
          "\"cuda\" set model.dtype = \"" + w + "\" (and model.weight_dtype = \"fp32\"); the CPU backend computes in "
-         "fp32, where model.weight_dtype = \"int8\" makes the weights 4x smaller");
-  return w == "int8";
+         "fp32, where model.weight_dtype = \"int8\" or \"fp8\" makes the weights 4x smaller");
+  return w == "int8" ? QFormat::Int8 : w == "fp8" ? QFormat::Fp8 : QFormat::None;
 }
 
 std::unique_ptr<HostWeights> fold_lora(HostWeights& m, const std::string& mode, const std::string& why) {
@@ -444,10 +444,10 @@ namespace {
 class DevGenModel : public GenModel {
  public:
   // load: puts the weights into the model (streamed from their source, or a host model's).
-  DevGenModel(const ModelConfig& cfg, bool on_cpu, int gpu, DType dt, bool int8, const DevModel::InferBudget& b,
+  DevGenModel(const ModelConfig& cfg, bool on_cpu, int gpu, DType dt, QFormat quant, const DevModel::InferBudget& b,
               const std::function<void(DevModel&)>& load) {
     ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, gpu);
-    m_ = std::make_unique<DevModel>(cfg, ex_, dt, /*grads=*/false, DevStage{}, int8);
+    m_ = std::make_unique<DevModel>(cfg, ex_, dt, /*grads=*/false, DevStage{}, quant);
     load(*m_);
     if (!on_cpu) {  // the step buffers and KV pools in what the weights left, with 5% of the device to spare
       size_t free_b = 0, total_b = 0;
@@ -566,7 +566,7 @@ int run_generate(const Deck& deck) {
     const int gpu = std::max(0, rt.where().gpu);
     const DType dt = compute_dtype(deck.str("model.dtype"));
     const DevModel::InferBudget b = generate_budget(cfg, prompts, bs, sp.max_new_tokens);
-    const bool int8 = weight_int8(deck);  // quantized as the weights arrive
+    const QFormat quant = weight_quant(deck);  // quantized as the weights arrive
     // The weights stream in a unit at a time, so the host never holds the fp32 model twice; adapters are folded into
     // the base on a host copy first (which may untie the head: the model takes the folded model's config).
     std::unique_ptr<HostWeights> host;
@@ -574,7 +574,7 @@ int run_generate(const Deck& deck) {
       host = load_model(deck, src);
       if (host->config().lora.on()) host = fold_lora(*host, "generate", "inference");
     }
-    auto gm = std::make_unique<DevGenModel>(host ? host->config() : cfg, on_cpu, gpu, dt, int8, b, [&](DevModel& dm) {
+    auto gm = std::make_unique<DevGenModel>(host ? host->config() : cfg, on_cpu, gpu, dt, quant, b, [&](DevModel& dm) {
       if (host) return dm.set_params(host->params());
       stream_weights(deck, src, dm.table(), [&](int64_t off, const float* v, int64_t n) { dm.set_params(off, v, n); });
     });
@@ -585,10 +585,11 @@ int run_generate(const Deck& deck) {
       const int64_t kv = DevModel::kv_pool_bytes(gm->model().config(), dt, b.kv_blocks, b.block);
       char msg[400];
       std::snprintf(msg, sizeof msg,
-                    "generate: on %s%s, %s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of "
+                    "generate: on %s%s, %s%s%s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of "
                     "%lld tokens (%s; for batches of up to %lld prompts)",
                     on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(gpu).c_str(), dtype_name(dt),
-                    int8 ? " with int8 linears" : "", bytes_text(double(m.weights)).c_str(),
+                    quant != QFormat::None ? " with " : "", quant != QFormat::None ? qformat_name(quant) : "",
+                    quant != QFormat::None ? " linears" : "", bytes_text(double(m.weights)).c_str(),
                     bytes_text(double(m.activations - kv)).c_str(), (long long)b.kv_blocks, (long long)b.block,
                     bytes_text(double(kv)).c_str(), (long long)b.segments);
       log_info(msg);

@@ -140,7 +140,7 @@ void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> ho
   const Placement& where = Runtime::get().where();
   const bool on_cpu = deck_.str("model.backend") != "cuda";
   const DType dt = compute_dtype(deck_.str("model.dtype"));
-  const bool int8 = weight_int8(deck_);  // the decoder's linears, experts, an untied head
+  const QFormat quant = weight_quant(deck_);  // the decoder's linears, experts, an untied head
   ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, std::max(0, where.gpu));
   const int64_t block = deck_.integer("serve.kv_block"), ctx = deck_.integer("serve.max_context");
   const int64_t batch = deck_.integer("serve.max_batch");
@@ -149,13 +149,13 @@ void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> ho
   if (!on_cpu) {
     size_t free0 = 0, total0 = 0;
     dev::memory_info(ex_, &free0, &total0);
-    const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, int8));
+    const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, quant));
     const double need = w + double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
                         double(DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, block, dstage_)) + 0.05 * double(total0);
     if (need > double(free0)) {
       // The weights split further over more ranks; the rest stays per rank.
       const double rest = need - w;
-      const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt, {}, int8));
+      const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt, {}, quant));
       const int ranks = std::max(world_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
       char msg[512];
       std::snprintf(msg, sizeof msg,
@@ -168,7 +168,7 @@ void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> ho
       fail(msg);
     }
   }
-  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, int8);
+  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, quant);
   dev_->set_graphs(deck_.boolean("model.cuda_graphs"));
   if (host) {  // adapters folded
     dev_->set_params(host->params());
@@ -234,10 +234,11 @@ void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> ho
   const DevMemory m = dev_->memory();
   char msg[640];
   std::snprintf(msg, sizeof msg,
-                "serve: on %s%s, %s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of %lld tokens (%s, "
+                "serve: on %s%s, %s%s%s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of %lld tokens (%s, "
                 "%lld tokens; %s)%s%s",
                 on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(std::max(0, where.gpu)).c_str(),
-                dtype_name(dt), int8 ? " with int8 linears" : "", bytes_text(double(m.weights)).c_str(),
+                dtype_name(dt), quant != QFormat::None ? " with " : "", quant != QFormat::None ? qformat_name(quant) : "",
+                quant != QFormat::None ? " linears" : "", bytes_text(double(m.weights)).c_str(),
                 bytes_text(double(step_bytes)).c_str(), (long long)b.kv_blocks, (long long)block,
                 bytes_text(double(b.kv_blocks * per_block)).c_str(), (long long)(b.kv_blocks * block), how.c_str(),
                 tp_ > 1 ? " per rank" : "", sums.c_str());

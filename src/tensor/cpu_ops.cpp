@@ -45,17 +45,32 @@ void linear_bwd(const T* dy, const T* x, const T* W, T* dx, T* dW, T* db, int64_
       for (int64_t o = 0; o < out; ++o) db[o] += dy[i * out + o];
 }
 
-// ---- weight-only int8 ---------------------------------------------------------------------------------------------
-void quantize_int8_rows(const float* W, int64_t rows, int64_t cols, int8_t* q, float* scale) {
+// ---- weight-only int8 and fp8 ---------------------------------------------------------------------------------------
+namespace {
+// Row r's weights into q, given its largest magnitude.
+void quantize_row_int8(const float* w, int64_t cols, float amax, int8_t* q, float& scale) {
+  scale = amax / 127.0f;
+  const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+  for (int64_t c = 0; c < cols; ++c) q[c] = (int8_t)std::clamp(std::lround(w[c] * inv), -127L, 127L);
+}
+void quantize_row_fp8(const float* w, int64_t cols, float amax, uint8_t* q, float& scale) {
+  scale = amax / 448.0f;
+  const bool zero = !(scale > 0);  // an all-zero row (or one whose scale underflows)
+  for (int64_t c = 0; c < cols; ++c) q[c] = zero ? 0 : f32_to_fp8_e4m3(w[c] / scale);
+}
+}  // namespace
+
+void quantize_rows(QFormat f, const float* W, int64_t rows, int64_t cols, void* q, float* scale) {
+  if (f != QFormat::Int8 && f != QFormat::Fp8) fail("quantize_rows: the format is int8 or fp8");
   for (int64_t r = 0; r < rows; ++r) {
     const float* w = W + r * cols;
     float amax = 0;
-    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(w[c]));
-    if (!std::isfinite(amax)) fail("quantize_int8: row " + std::to_string(r) + " holds a non-finite weight");
-    scale[r] = amax / 127.0f;
-    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-    for (int64_t c = 0; c < cols; ++c)
-      q[r * cols + c] = (int8_t)std::clamp(std::lround(w[c] * inv), -127L, 127L);
+    bool finite = true;  // std::max skips a NaN: it is looked for apart
+    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(w[c])), finite = finite && std::isfinite(w[c]);
+    if (!finite)
+      fail(std::string("quantize (") + qformat_name(f) + "): row " + std::to_string(r) + " holds a non-finite weight");
+    if (f == QFormat::Int8) quantize_row_int8(w, cols, amax, static_cast<int8_t*>(q) + r * cols, scale[r]);
+    else quantize_row_fp8(w, cols, amax, static_cast<uint8_t*>(q) + r * cols, scale[r]);
   }
 }
 
@@ -91,7 +106,7 @@ void linear_lowp_fwd(const T* x, const S* w, const float* scale, const T* b, T* 
   std::vector<T> tile(R * in);
   for (int64_t o0 = 0; o0 < out; o0 += R) {
     const int64_t n = std::min(R, out - o0);
-    widen_rows(w + o0 * in, tile.data(), n * in);  // exact: every int8, bf16 and fp16 value is a float
+    widen_rows(w + o0 * in, tile.data(), n * in);  // exact: every int8, fp8, bf16 and fp16 value is a float
     gemm<T>(false, true, N, n, in, T(1), x, in, tile.data(), in, T(0), y + o0, out);
   }
   if (!scale && !b) return;
@@ -607,6 +622,7 @@ void pos_embed_bwd(const T* dout, int64_t G, int64_t D, int64_t t, int64_t h, in
   template void linear_fwd<T>(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t);                       \
   template void linear_bwd<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, int64_t);               \
   Q3VL_LOWP_INST(T, int8_t)                                                                                       \
+  Q3VL_LOWP_INST(T, Fp8E4M3)                                                                                      \
   Q3VL_LOWP_INST(T, Bf16)                                                                                         \
   Q3VL_LOWP_INST(T, Fp16)                                                                                         \
   template void layernorm_fwd<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double);             \

@@ -54,6 +54,13 @@ void need_f32(DType dt, const char* op) {
          " (bf16/fp16 compute needs model.backend = \"cuda\")");
 }
 const float* F(const void* p) { return static_cast<const float*>(p); }
+// f(rows) with 8-bit weights q as the type their format widens from (int8_t, Fp8E4M3).
+template <class Fn>
+void by_qformat(QFormat qf, const void* q, Fn&& f) {
+  if (qf == QFormat::Int8) return f(static_cast<const int8_t*>(q));
+  if (qf == QFormat::Fp8) return f(static_cast<const Fp8E4M3*>(q));
+  fail("dev: 8-bit weights are int8 or fp8 (model.weight_dtype)");
+}
 float* F(void* p) { return static_cast<float*>(p); }
 // ops:: takes int64 indices; the device layer int32 (half the bytes on the GPU). Small arrays, converted per call.
 std::vector<int64_t> widen(const int32_t* p, int64_t n) { return std::vector<int64_t>(p, p + n); }
@@ -233,11 +240,11 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
   need_f32(dt, "linear_fwd");
   ops::linear_fwd(F(in), F(W), F(b), F(y), N, n_in, n_out);
 }
-void linear_int8_fwd(const Exec& x, const void* in, const int8_t* q, const float* scale, const void* b, void* y,
-                     int64_t N, int64_t n_in, int64_t n_out, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out)), linear_int8_fwd(x, in, q, scale, b, y, N, n_in, n_out, dt));
-  need_f32(dt, "linear_int8_fwd");
-  ops::linear_lowp_fwd(F(in), q, scale, F(b), F(y), N, n_in, n_out);
+void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t N,
+                   int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
+  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out)), linear_q8_fwd(x, in, q, scale, b, y, N, n_in, n_out, qf, dt));
+  need_f32(dt, "linear_q8_fwd");
+  by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), F(y), N, n_in, n_out); });
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
@@ -553,13 +560,15 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
     ops::linear_fwd(F(xg) + start[e] * n_in, F(W) + e * n_out * n_in, (const float*)nullptr, F(y) + start[e] * n_out,
                     start[e + 1] - start[e], n_in, n_out);
 }
-void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, const float* scale, const int32_t* start,
-                             void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_int8_fwd(x, xg, q, scale, start, y, R, E, n_in, n_out, dt));
-  need_f32(dt, "grouped_linear_int8_fwd");
-  for (int64_t e = 0; e < E; ++e)
-    ops::linear_lowp_fwd(F(xg) + start[e] * n_in, q + e * n_out * n_in, scale + e * n_out, (const float*)nullptr,
-                         F(y) + start[e] * n_out, start[e + 1] - start[e], n_in, n_out);
+void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start,
+                           void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_q8_fwd(x, xg, q, scale, start, y, R, E, n_in, n_out, qf, dt));
+  need_f32(dt, "grouped_linear_q8_fwd");
+  by_qformat(qf, q, [&](const auto* w) {
+    for (int64_t e = 0; e < E; ++e)
+      ops::linear_lowp_fwd(F(xg) + start[e] * n_in, w + e * n_out * n_in, scale + e * n_out, (const float*)nullptr,
+                           F(y) + start[e] * n_out, start[e + 1] - start[e], n_in, n_out);
+  });
 }
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
                         float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {

@@ -74,8 +74,8 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
     if (d == Device::CUDA) ep->set_rows_comm((nccl_ep_ = nccl_over(ep->group(), ex_)).get());
     if (d == Device::CUDA && dexperts->size() > 1) dexperts = (nccl_experts_ = nccl_over(*dexperts, cx_)).get();
   }
-  model_ = std::make_unique<DevModel>(cfg, ex_, dt, true, DevStage{}, false, DevZero::hold(dshard->size(), stage),
-                                      ep_ ? ep_->split() : ExpertSplit{});
+  model_ = std::make_unique<DevModel>(cfg, ex_, dt, true, DevStage{}, QFormat::None,
+                                      DevZero::hold(dshard->size(), stage), ep_ ? ep_->split() : ExpertSplit{});
   model_->set_recompute(recompute);
   model_->set_frozen(trainable);  // a LoRA base, train.tune_* = false: no weight gradients computed
   model_->set_experts(ep_);

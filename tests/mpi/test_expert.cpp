@@ -181,7 +181,7 @@ TEST(Expert, DeviceModelEqualsEveryExpertLocal) {
       std::vector<float> gsum(g);  // the experts' gradients summed over the group
       ep.group().all_reduce(gsum.data(), gsum.size(), DType::F32);
 
-      DevModel m(cfg, ex, DType::F32, true, {}, false, {}, ep.split());
+      DevModel m(cfg, ex, DType::F32, true, {}, QFormat::None, {}, ep.split());
       const ParamTable& t = m.table();
       m.set_recompute(rc == 1);
       m.set_experts(&ep);

@@ -22,11 +22,16 @@ template <class... V> int64_t vec_bytes(const V&... v) {
   return (int64_t(0) + ... + int64_t(v.capacity() * sizeof(typename V::value_type)));
 }
 
-// A parameter held in low precision for inference (model.weight_dtype = "int8", "bf16" or "fp16"): rows [rows, cols]
-// with rows the output channels (MoE experts: [E*rows, cols]) in dtype: int8 with one fp32 scale per row,
-// W ~= q * scale[row], or bf16/fp16 rounded to nearest even (scale null). Null w: held in fp32.
-enum class LowDtype : uint8_t { I8, BF16, F16 };
-const char* low_dtype_name(LowDtype d);  // "int8", "bf16", "fp16": the values of model.weight_dtype
+// A parameter held in low precision for inference (model.weight_dtype = "int8", "fp8", "bf16" or "fp16"): rows
+// [rows, cols] with rows the output channels (MoE experts: [E*rows, cols]) in dtype: int8 or fp8 (E4M3) with one fp32
+// scale per row, W ~= q * scale[row], or bf16/fp16 rounded to nearest even (scale null). Null w: held in fp32.
+enum class LowDtype : uint8_t { I8, BF16, F16, FP8 };
+const char* low_dtype_name(LowDtype d);  // "int8", "bf16", "fp16", "fp8": the values of model.weight_dtype
+// The 8-bit formats, one byte a weight with a scale per row (ops::quantize_rows's QFormat); else 2 bytes, no scale.
+inline bool low_scaled(LowDtype d) { return d == LowDtype::I8 || d == LowDtype::FP8; }
+inline QFormat low_qformat(LowDtype d) {
+  return d == LowDtype::I8 ? QFormat::Int8 : d == LowDtype::FP8 ? QFormat::Fp8 : QFormat::None;
+}
 struct LowWeight {
   LowDtype dtype = LowDtype::I8;
   const void* w = nullptr;
@@ -34,15 +39,16 @@ struct LowWeight {
   template <class S> const S* as() const { return static_cast<const S*>(w); }
   // The view from row r of a matrix with `cols` columns (an expert's rows, a vocabulary slice, up_proj after gate).
   LowWeight from_row(int64_t r, int64_t cols) const {
-    const int64_t bytes = dtype == LowDtype::I8 ? 1 : 2;
+    const int64_t bytes = low_scaled(dtype) ? 1 : 2;
     return {dtype, static_cast<const char*>(w) + r * cols * bytes, scale ? scale + r : nullptr};
   }
-  // f(const S* rows) for the stored type S (int8_t, Bf16, Fp16): the products are templates on it.
+  // f(const S* rows) for the stored type S (int8_t, Bf16, Fp16, Fp8E4M3): the products are templates on it.
   template <class F> void visit(F&& f) const {
     switch (dtype) {
       case LowDtype::I8: return f(as<int8_t>());
       case LowDtype::BF16: return f(as<Bf16>());
       case LowDtype::F16: return f(as<Fp16>());
+      case LowDtype::FP8: return f(as<Fp8E4M3>());
     }
   }
 };

@@ -34,6 +34,7 @@ const char* low_dtype_name(LowDtype d) {
     case LowDtype::I8: return "int8";
     case LowDtype::BF16: return "bf16";
     case LowDtype::F16: return "fp16";
+    case LowDtype::FP8: return "fp8";
   }
   return "?";
 }
@@ -60,12 +61,12 @@ void BasicModel<T>::need_fp32(const char* what) const {
 }
 
 namespace {
-// Parameter `name`'s n weights W (fp32) into dt at out (int8: rows of `cols` with their scales).
+// Parameter `name`'s n weights W (fp32) into dt at out (int8, fp8: rows of `cols` with their scales).
 void lower_param(LowDtype dt, const std::string& name, const float* W, int64_t n, int64_t cols, char* out,
                  float* scale) {
   int64_t bad = -1;
   switch (dt) {
-    case LowDtype::I8: return ops::quantize_int8_rows(W, n / cols, cols, reinterpret_cast<int8_t*>(out), scale);
+    case LowDtype::I8: case LowDtype::FP8: return ops::quantize_rows(low_qformat(dt), W, n / cols, cols, out, scale);
     case LowDtype::BF16: bad = ops::round_to(W, n, reinterpret_cast<Bf16*>(out)); break;
     case LowDtype::F16: bad = ops::round_to(W, n, reinterpret_cast<Fp16*>(out)); break;
   }
@@ -83,7 +84,7 @@ typename BasicModel<T>::WeightBytes BasicModel<T>::lower_weights(LowDtype dt) {
   need_all_experts("lower_weights");
   if (store_p_.empty()) fail("lower_weights: the model has no weights of its own (ZeRO-bound units)");
   const std::vector<bool> q = low_params(table_);
-  const int64_t esize = dt == LowDtype::I8 ? 1 : 2;
+  const int64_t esize = low_scaled(dt) ? 1 : 2;
   WeightBytes b;
   int64_t nq = 0, rows = 0, kept = 0;
   for (size_t id = 0; id < q.size(); ++id) {
@@ -91,7 +92,7 @@ typename BasicModel<T>::WeightBytes BasicModel<T>::lower_weights(LowDtype dt) {
     if (q[id]) nq += p.numel, rows += p.numel / p.shape.back();
     else kept += p.numel;
   }
-  if (dt != LowDtype::I8) rows = 0;  // no scales
+  if (!low_scaled(dt)) rows = 0;  // no scales
   std::vector<char> store(nq * esize);
   std::vector<float> scales(rows);
   std::vector<LowWeight> views(q.size(), LowWeight{dt});  // every entry names dt (need_fp32 reads the first)
@@ -108,7 +109,7 @@ typename BasicModel<T>::WeightBytes BasicModel<T>::lower_weights(LowDtype dt) {
       continue;
     }
     const int64_t cols = p.shape.back();
-    float* sc = dt == LowDtype::I8 ? scales.data() + os : nullptr;
+    float* sc = low_scaled(dt) ? scales.data() + os : nullptr;
     if constexpr (std::is_same_v<T, float>) {
       lower_param(dt, p.name, pp_[id], p.numel, cols, store.data() + oq * esize, sc);
     } else {  // the double model of the gradient checks

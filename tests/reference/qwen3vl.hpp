@@ -104,14 +104,14 @@ class BasicModel {
   void set_tensor_parallel(PartialSum<T> reduce, int64_t v0, int64_t v1) {
     tp_reduce_ = std::move(reduce), head_v0_ = v0, head_v1_ = v1;
   }
-  // Low-precision weights for inference (generate and serve with model.weight_dtype = "int8", "bf16" or "fp16"):
+  // Low-precision weights for inference (generate and serve with model.weight_dtype = "int8", "fp8", "bf16", "fp16"):
   // every linear of the text decoder (q/k/v/o_proj, the MLP's gate/up/down_proj or the MoE experts) and the LM head
   // (low_params) are stored in dt and their fp32 copies are freed with every gradient, once, after loading (and
-  // after tensor-parallel sharding: int8's scales are those of the rows a rank holds). int8: one fp32 scale per
-  // output channel (ops::quantize_int8_rows); bf16/fp16: rounded to nearest even, no scale (a weight beyond fp16's
+  // after tensor-parallel sharding: int8's scales are those of the rows a rank holds). int8, fp8: one fp32 scale per
+  // output channel (ops::quantize_rows); bf16/fp16: rounded to nearest even, no scale (a weight beyond fp16's
   // range is refused by name). The products widen tiles of rows to fp32 (ops::linear_lowp_fwd): the CPU computes in
   // fp32, the point is the memory. Tied token embeddings are the head's rows (a row is a token: a lookup widens it,
-  // by its own scale for int8). Stays fp32: untied token embeddings (read one row per token, never multiplied
+  // by its own scale for int8 and fp8). Stays fp32: untied token embeddings (read one row per token, never multiplied
   // through; in int8 they raised the MoE golden model's logits error from 1.8% to 7.2%, docs/PERFORMANCE.md), the
   // norms (one value per channel: nothing to save), the MoE router (E x H, small, and its top-k choice flips on small
   // errors), the vision tower and mergers (run once per image, so compute-bound, not the per-token weight reads this
@@ -120,7 +120,7 @@ class BasicModel {
   struct WeightBytes {
     int64_t fp32 = 0;    // every weight in fp32 (before)
     int64_t low = 0;     // the low-precision weights
-    int64_t scales = 0;  // their fp32 scales (int8)
+    int64_t scales = 0;  // their fp32 scales (int8, fp8)
     int64_t kept = 0;    // the weights left in fp32
     int64_t now() const { return low + scales + kept; }
   };
@@ -164,7 +164,7 @@ class BasicModel {
   ModelConfig cfg_;
   ParamTable table_;
   std::vector<T> store_p_, store_g_;
-  // lower_weights: the low-precision weights in parameter id order (bytes), int8's scales, views by id.
+  // lower_weights: the low-precision weights in parameter id order (bytes), the 8-bit formats' scales, views by id.
   std::vector<char> low_store_;
   std::vector<float> low_scales_;
   std::vector<LowWeight> low_;

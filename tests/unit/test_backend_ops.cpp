@@ -2,7 +2,7 @@
 // and on the CPU reference from the same inputs (rounded to the case's dtype first, so only compute error is
 // measured), compared by normalised error max|a-b| / max|ref| against a per-op bound. One line per case.
 // On a machine without a GPU every dtype's table is skipped (failed under Q3VL_REQUIRE_GPU=1): the CPU against itself
-// runs the same code on both sides and cannot fail. The paged attention and int8 tests below pin the CPU reference
+// runs the same code on both sides and cannot fail. The paged attention and 8-bit tests below pin the CPU reference
 // itself and run everywhere.
 #include <gtest/gtest.h>
 
@@ -26,8 +26,9 @@ using namespace q3vl;
 
 namespace {
 
-// What an argument holds on the device: activations in the case's dtype, or a fixed dtype. I8: int8 values (the
-// weights of the int8 linear), held as DType::U8 bytes (two's complement); inputs only.
+// What an argument holds on the device: activations in the case's dtype, or a fixed dtype. I8: bytes given as int8
+// values (the weights of the 8-bit linears: int8 values, or fp8 codes as the int8 of the same byte), held as
+// DType::U8 bytes (two's complement); inputs only.
 enum class Kind { Act, F32, I32, F64, I8 };
 
 struct Arg {
@@ -211,12 +212,24 @@ std::vector<double> starts_of(const std::vector<double>& expert, int64_t E) {
   for (int64_t e = 0; e < E; ++e) st[size_t(e) + 1] += st[size_t(e)];
   return st;
 }
-// Random int8 experts q [E, O, I] and their row scales, from ops::quantize_int8_rows of random weights.
-void int8_experts(int64_t E, int64_t O, int64_t I, std::vector<int8_t>& q, std::vector<float>& sc) {
-  auto w = randn(E * O * I, 0.05);
+// Random 8-bit weights of format qf, rows [rows, I] (experts: E * O rows) with their row scales, from
+// ops::quantize_rows of random weights.
+void q8_weights(QFormat qf, int64_t rows, int64_t I, std::vector<uint8_t>& q, std::vector<float>& sc) {
+  auto w = randn(rows * I, 0.05);
   const std::vector<float> wf(w.begin(), w.end());
-  q.resize(size_t(E * O * I)), sc.resize(size_t(E * O));
-  ops::quantize_int8_rows(wf.data(), E * O, I, q.data(), sc.data());
+  q.resize(size_t(rows * I)), sc.resize(size_t(rows));
+  ops::quantize_rows(qf, wf.data(), rows, I, q.data(), sc.data());
+}
+// The bytes as Kind::I8 values (each byte's int8).
+std::vector<double> i8_values(const std::vector<uint8_t>& q) {
+  std::vector<double> v(q.size());
+  for (size_t i = 0; i < q.size(); ++i) v[i] = double(int8_t(q[i]));
+  return v;
+}
+// The weight q[i] * sc[row] of 8-bit rows of I columns, as the products see it.
+float q8_weight(QFormat qf, const std::vector<uint8_t>& q, const std::vector<float>& sc, size_t i, int64_t I) {
+  const float w = qf == QFormat::Int8 ? float(int8_t(q[i])) : fp8_e4m3_to_f32(q[i]);
+  return w * sc[i / size_t(I)];
 }
 
 std::vector<Case> all_cases(DType dt) {
@@ -294,62 +307,67 @@ std::vector<Case> all_cases(DType dt) {
             dev::linear_bwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, I, O, acc, t);
           });
   }
-  // Weight-only int8 linear: q and scale from ops::quantize_int8_rows of random weights. N <= 16 is the CUDA GEMV
-  // (n_in 102: no 16-byte rows, the scalar loads), larger N the dequantize + GEMM path; "ws256K" gives that path a
-  // small workspace so that n_out splits into several tiles.
-  for (int64_t N : {1, 3, 16, 17, 300})
-    for (auto [I, O, small_ws] : {std::tuple<int64_t, int64_t, bool>{64, 48, false}, {256, 1000, false},
-                                  {4096, 33, false}, {102, 37, false}, {256, 1000, true}}) {
-      if (small_ws && N <= 16) continue;
-      auto w = randn(O * I, 0.05);
-      std::vector<float> wf(w.begin(), w.end()), sc(O);
-      std::vector<int8_t> q8(O * I);
-      ops::quantize_int8_rows(wf.data(), O, I, q8.data(), sc.data());
-      const std::vector<double> qv(q8.begin(), q8.end()), sv(sc.begin(), sc.end());
-      for (bool bias : {false, true})
-        add("linear_int8_fwd", dims({N, I, O}) + (bias ? " bias" : "") + (small_ws ? " ws256K" : ""), kGemm,
-            {in("x", K::Act, randn(N * I)), in("q", K::I8, qv), in("scale", K::F32, sv), in("b", K::Act, randn(O)),
-             out("y", K::Act, randn(N * O))},
-            [=](auto& x, auto& p, DType t) {
-              dev::Exec xs = x;
-              if (small_ws) xs.ws_bytes = std::min<size_t>(x.ws_bytes, size_t(256) << 10);
-              dev::linear_int8_fwd(xs, p[0], P<int8_t>(p, 1), P<float>(p, 2), bias ? p[3] : nullptr, p[4], N, I, O,
-                                   t);
-            });
-    }
+  // Weight-only 8-bit linear, int8 and fp8 (E4M3): q and scale from ops::quantize_rows of random weights. N <= 16
+  // is the CUDA GEMV (n_in 102: no 16-byte rows, the scalar loads), larger N the dequantize + GEMM path; "ws256K"
+  // gives that path a small workspace so that n_out splits into several tiles.
+  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
+    for (int64_t N : {1, 3, 4, 16, 17, 64, 300})
+      for (auto [I, O, small_ws] : {std::tuple<int64_t, int64_t, bool>{64, 48, false}, {256, 1000, false},
+                                    {4096, 33, false}, {102, 37, false}, {256, 1000, true}}) {
+        if (small_ws && N <= 16) continue;
+        std::vector<uint8_t> q8;
+        std::vector<float> sc;
+        q8_weights(qf, O, I, q8, sc);
+        const std::vector<double> qv = i8_values(q8), sv(sc.begin(), sc.end());
+        for (bool bias : {false, true})
+          add("linear_q8_fwd",
+              std::string(qformat_name(qf)) + " " + dims({N, I, O}) + (bias ? " bias" : "") +
+                  (small_ws ? " ws256K" : ""),
+              kGemm,
+              {in("x", K::Act, randn(N * I)), in("q", K::I8, qv), in("scale", K::F32, sv), in("b", K::Act, randn(O)),
+               out("y", K::Act, randn(N * O))},
+              [=](auto& x, auto& p, DType t) {
+                dev::Exec xs = x;
+                if (small_ws) xs.ws_bytes = std::min<size_t>(x.ws_bytes, size_t(256) << 10);
+                dev::linear_q8_fwd(xs, p[0], p[1], P<float>(p, 2), bias ? p[3] : nullptr, p[4], N, I, O, qf, t);
+              });
+      }
 
-  // Weight-only int8 experts. Rows spread over the even experts (the odd ones have none) or all in one; R <= 8 E is the
-  // CUDA GEMV over the experts with rows (R 40 and 64 with more than 16 rows an expert: several passes), larger R
-  // dequantizes groups of experts into ws for the grouped GEMM ("ws2": room for two experts a group; "ws0": for none,
-  // which falls back to the GEMV). n_in 256: 16-byte rows; 72: 4-byte; 102: neither.
+  // Weight-only 8-bit experts, int8 and fp8. Rows spread over the even experts (the odd ones have none) or all in
+  // one; R <= 8 E is the CUDA GEMV over the experts with rows (R 40 and 64 with more than 16 rows an expert: several
+  // passes), larger R dequantizes groups of experts into ws for the grouped GEMM ("ws2": room for two experts a group;
+  // "ws0": for none, which falls back to the GEMV). n_in 256: 16-byte rows; 72: 4-byte; 102: neither.
   struct Experts {
     int64_t R, E;
     bool one;
     int ws;  // 0: the Exec's, 2: two experts, -1: none
   };
-  for (auto [R, E, one, ws] : {Experts{1, 16, false, 0}, {18, 8, false, 0}, {64, 128, false, 0}, {64, 8, false, 0},
-                               {40, 8, true, 0}, {300, 8, false, 0}, {300, 8, true, 0}, {300, 8, false, 2},
-                               {300, 8, false, -1}})
-    for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 96}, {72, 40}, {102, 37}}) {
-      std::vector<double> ex = one ? std::vector<double>(size_t(R), double(E / 2)) : randi(R, (E + 1) / 2);
-      if (!one)
-        for (double& e : ex) e *= 2;
-      std::sort(ex.begin(), ex.end());
-      std::vector<int8_t> q8;
-      std::vector<float> sc;
-      int8_experts(E, O, I, q8, sc);
-      add("grouped_linear_int8_fwd",
-          dims({R, E, I, O}) + (one ? " one" : "") + (ws > 0 ? " ws2" : ws < 0 ? " ws0" : ""), kGemm,
-          {in("xg", K::Act, randn(R * I)), in("q", K::I8, std::vector<double>(q8.begin(), q8.end())),
-           in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())), in("start", K::I32, starts_of(ex, E)),
-           out("y", K::Act, randn(R * O))},
-          [=](auto& x, auto& p, DType t) {
-            dev::Exec xs = x;
-            if (ws) xs.ws_bytes = std::min<size_t>(x.ws_bytes, ws < 0 ? 4096 : 256 + 2 * size_t(O * I) * dtype_size(t));
-            dev::grouped_linear_int8_fwd(xs, p[0], P<int8_t>(p, 1), P<float>(p, 2), P<int32_t>(p, 3), p[4], R, E, I,
-                                         O, t);
-          });
-    }
+  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
+    for (auto [R, E, one, ws] : {Experts{1, 16, false, 0}, {4, 16, false, 0}, {18, 8, false, 0}, {64, 128, false, 0},
+                                 {64, 8, false, 0}, {40, 8, true, 0}, {300, 8, false, 0}, {300, 8, true, 0},
+                                 {300, 8, false, 2}, {300, 8, false, -1}})
+      for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 96}, {72, 40}, {102, 37}}) {
+        std::vector<double> ex = one ? std::vector<double>(size_t(R), double(E / 2)) : randi(R, (E + 1) / 2);
+        if (!one)
+          for (double& e : ex) e *= 2;
+        std::sort(ex.begin(), ex.end());
+        std::vector<uint8_t> q8;
+        std::vector<float> sc;
+        q8_weights(qf, E * O, I, q8, sc);
+        add("grouped_linear_q8_fwd",
+            std::string(qformat_name(qf)) + " " + dims({R, E, I, O}) + (one ? " one" : "") +
+                (ws > 0 ? " ws2" : ws < 0 ? " ws0" : ""),
+            kGemm,
+            {in("xg", K::Act, randn(R * I)), in("q", K::I8, i8_values(q8)),
+             in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())), in("start", K::I32, starts_of(ex, E)),
+             out("y", K::Act, randn(R * O))},
+            [=](auto& x, auto& p, DType t) {
+              dev::Exec xs = x;
+              if (ws)
+                xs.ws_bytes = std::min<size_t>(x.ws_bytes, ws < 0 ? 4096 : 256 + 2 * size_t(O * I) * dtype_size(t));
+              dev::grouped_linear_q8_fwd(xs, p[0], p[1], P<float>(p, 2), P<int32_t>(p, 3), p[4], R, E, I, O, qf, t);
+            });
+      }
 
   // Experts in the activation dtype, rows spread as above. R <= 8 E is the CUDA GEMV over the experts with rows (the
   // int8 experts' GEMV on W in the activation dtype; R 40 and 64 with more than 16 rows an expert: several passes),
@@ -766,29 +784,31 @@ TEST(BackendOps, PagedAttentionMatchesAttention) {
         EXPECT_LE(err, 1e-5) << dims({nh, nkv, hd}) << " block " << block;
       }
 }
-// The int8 experts' reference is grouped_linear_fwd on the dequantized weights (q * scale), up to rounding: the
-// reference scales the fp32 sums, the dequantized product scales each weight.
-TEST(BackendOps, GroupedInt8IsDequantizedGrouped) {
+// The 8-bit experts' reference is grouped_linear_fwd on the dequantized weights (q * scale), up to rounding: the
+// reference scales the fp32 sums, the dequantized product scales each weight. int8 and fp8 alike.
+void grouped_q8_is_dequantized_grouped(QFormat qf) {
   const int64_t E = 6, I = 40, O = 24, R = 23;
   std::vector<double> ex = randi(R, E - 1);  // the last expert has no rows
   ex[0] = ex[1] = 0;
   std::sort(ex.begin(), ex.end());
   const std::vector<double> sd = starts_of(ex, E);
   const std::vector<int32_t> start(sd.begin(), sd.end());
-  std::vector<int8_t> q;
+  std::vector<uint8_t> q;
   std::vector<float> sc;
-  int8_experts(E, O, I, q, sc);
+  q8_weights(qf, E * O, I, q, sc);
   std::vector<float> w(q.size());
-  for (size_t i = 0; i < q.size(); ++i) w[i] = float(q[i]) * sc[i / size_t(I)];
+  for (size_t i = 0; i < q.size(); ++i) w[i] = q8_weight(qf, q, sc, i, I);
   const auto xd = randn(R * I);
   const std::vector<float> x(xd.begin(), xd.end());
   std::vector<float> want(size_t(R * O), NAN), got(size_t(R * O), NAN);
   dev::grouped_linear_fwd(dev::Exec{}, x.data(), w.data(), start.data(), want.data(), R, E, I, O, DType::F32);
-  dev::grouped_linear_int8_fwd(dev::Exec{}, x.data(), q.data(), sc.data(), start.data(), got.data(), R, E, I, O,
-                               DType::F32);
+  dev::grouped_linear_q8_fwd(dev::Exec{}, x.data(), q.data(), sc.data(), start.data(), got.data(), R, E, I, O, qf,
+                             DType::F32);
   EXPECT_GT(test::max_abs(want), 0.0);
-  EXPECT_LE(test::rel_max_diff(got, want), 1e-6);  // NaN or Inf: +inf
+  EXPECT_LE(test::rel_max_diff(got, want), 1e-6) << qformat_name(qf);  // NaN or Inf: +inf
 }
+TEST(BackendOps, GroupedInt8IsDequantizedGrouped) { grouped_q8_is_dequantized_grouped(QFormat::Int8); }
+TEST(BackendOps, GroupedFp8IsDequantizedGrouped) { grouped_q8_is_dequantized_grouped(QFormat::Fp8); }
 TEST(BackendOps, Bf16) {
   Q3VL_NEED_GPU();
   run_table(DType::BF16);

@@ -17,7 +17,7 @@
 
 #include "../compare.hpp"
 #include "../gpu.hpp"
-#include "../int8_ref.hpp"
+#include "../q8_ref.hpp"
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/io/checkpoint.hpp"
@@ -130,21 +130,22 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
 // longer flips a token's top-k experts (it did, one decode step of eight, with the router's logits in bf16).
 // splits: pipeline stage boundaries (serve.pp): the device model as a chain of stages, each holding its layers'
 // units only, the hidden states passed on through the host as serve passes them between ranks.
-// int8: the device model holds its int8_param linears (the MoE model's experts too) in int8; the host reference
-// computes with those matrices quantized and dequantized again (ops::quantize_int8_rows, the same rows), so only the
-// arithmetic differs.
+// quant (int8, fp8): the device model holds its quant_param linears (the MoE model's experts too) in that format; the
+// host reference computes with those matrices quantized and dequantized again (ops::quantize_rows, the same rows), so
+// only the arithmetic differs.
 // graphs: decode steps padded to a bucket of segments (the schedule's two decoding sequences become four), and on a
 // GPU recorded once as a graph that the later decode steps replay with new tokens, positions and block tables.
 // nan_step: that step's device logits replaced by NaN before the comparison (the check's own test).
 void infer_case(const std::string& name, Device d, DType dt, double tol, std::vector<int> splits = {},
-                bool int8 = false, bool graphs = false, int nan_step = -1) {
+                QFormat quant = QFormat::None, bool graphs = false, int nan_step = -1) {
   const std::string dir = "tests/data/golden/" + name + "/model";
   const ModelConfig cfg = load_hf_config(dir + "/config.json");
   Model host(cfg);
   load_hf_weights(host, dir);
   const std::vector<float> original(host.params(), host.params() + host.table().total());
-  if (int8) {
-    const auto [quantized, experts] = test::dequantize_int8_params(host);
+  const bool q8 = quant != QFormat::None;
+  if (q8) {
+    const auto [quantized, experts] = test::dequantize_q8_params(host, quant);
     EXPECT_GT(quantized, 0);
     int moe = 0;
     for (int l = 0; l < cfg.text.layers; ++l) moe += host.table().moe_layer(l);
@@ -173,11 +174,11 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, std::ve
     std::vector<std::unique_ptr<DevModel>> st;  // the stages, in order (one: the whole model)
     for (size_t k = 0; k + 1 < cut.size(); ++k) {
       const DevStage g{cut[k], k + 2 == cut.size() ? -1 : cut[k + 1], k == 0, k + 2 == cut.size()};
-      st.push_back(std::make_unique<DevModel>(cfg, ex, dt, /*grads=*/false, g, int8));
+      st.push_back(std::make_unique<DevModel>(cfg, ex, dt, /*grads=*/false, g, quant));
       st.back()->set_params(original.data());
-      if (int8) {
+      if (q8) {
         EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g));
-        EXPECT_EQ(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g, true));
+        EXPECT_EQ(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt, g, quant));
       }
       st.back()->reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/64, blocks, block, /*seq_blocks=*/12});
       st.back()->set_graphs(graphs);
@@ -247,7 +248,7 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, std::ve
     }
   }
   std::printf("  %s%s%s%s on %s %s: %zu steps, logits max|diff|/max|logit| %.2e (bound %.0e), image features %.2e%s\n",
-              name.c_str(), int8 ? " int8" : "", graphs ? " padded decode" : "",
+              name.c_str(), q8 ? (std::string(" ") + qformat_name(quant)).c_str() : "", graphs ? " padded decode" : "",
               splits.empty() ? "" : (" in " + std::to_string(splits.size() + 1) + " stages").c_str(),
               d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), ref.size(), worst, tol, worst_img, ended.c_str());
 }
@@ -261,7 +262,7 @@ TEST(DevInfer, StepMatchesHostOnCpu) {
 // over NaN read as 0 and passed).
 TEST(DevInfer, NanLogitsFail) {
   const auto failures =
-      test::failures_of([] { infer_case("dense_tied", Device::CPU, DType::F32, 1e-5, {}, false, false, 4); });
+      test::failures_of([] { infer_case("dense_tied", Device::CPU, DType::F32, 1e-5, {}, QFormat::None, false, 4); });
   ASSERT_EQ(failures.size(), 1u);
   EXPECT_NE(failures[0].find("dense_tied: step 4 has NaN or Inf logits"), std::string::npos) << failures[0];
 }
@@ -277,28 +278,39 @@ TEST(DevInfer, PipelineStagesMatchHostOnCuda) {
   infer_case("dense_untied", Device::CUDA, DType::F32, 1e-4, {1, 2});
   infer_case("moe", Device::CUDA, DType::BF16, 3e-2, {1});
 }
-// model.weight_dtype = "int8" on the device model: q/k/v/o, dense gate/up/down, MoE experts and an untied head in
-// int8.
-TEST(DevInfer, Int8MatchesQuantizedHostOnCpu) {
-  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5, {}, true);
-  infer_case("dense_untied", Device::CPU, DType::F32, 1e-5, {1}, true);
-  infer_case("moe", Device::CPU, DType::F32, 1e-5, {1}, true);
+// model.weight_dtype = "int8" or "fp8" on the device model: q/k/v/o, dense gate/up/down, MoE experts and an untied
+// head in that format.
+void q8_on_cpu(QFormat f) {
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5, {}, f);
+  infer_case("dense_untied", Device::CPU, DType::F32, 1e-5, {1}, f);
+  infer_case("moe", Device::CPU, DType::F32, 1e-5, {1}, f);
 }
+void q8_on_cuda(QFormat f) {
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4, {}, f);
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2, {}, f);
+}
+TEST(DevInfer, Int8MatchesQuantizedHostOnCpu) { q8_on_cpu(QFormat::Int8); }
+TEST(DevInfer, Fp8MatchesQuantizedHostOnCpu) { q8_on_cpu(QFormat::Fp8); }
 TEST(DevInfer, Int8MatchesQuantizedHostOnCuda) {
   Q3VL_NEED_GPU();
-  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4, {}, true);
-  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2, {}, true);
+  q8_on_cuda(QFormat::Int8);
+}
+TEST(DevInfer, Fp8MatchesQuantizedHostOnCuda) {
+  Q3VL_NEED_GPU();
+  q8_on_cuda(QFormat::Fp8);
 }
 // model.cuda_graphs: padded decode steps on the CPU op layer; recorded and replayed as CUDA graphs on a GPU.
 TEST(DevInfer, PaddedDecodeMatchesHostOnCpu) {
-  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5, {}, false, true);
-  infer_case("moe", Device::CPU, DType::F32, 1e-5, {1}, true, true);
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CPU, DType::F32, 1e-5, {}, QFormat::None, true);
+  infer_case("moe", Device::CPU, DType::F32, 1e-5, {1}, QFormat::Int8, true);
+  infer_case("moe", Device::CPU, DType::F32, 1e-5, {1}, QFormat::Fp8, true);
 }
 TEST(DevInfer, DecodeGraphsMatchHostOnCuda) {
   Q3VL_NEED_GPU();
-  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4, {}, false, true);
-  infer_case("dense_untied", Device::CUDA, DType::BF16, 3e-2, {1, 2}, false, true);
-  infer_case("moe", Device::CUDA, DType::BF16, 3e-2, {}, true, true);
+  for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::F32, 1e-4, {}, QFormat::None, true);
+  infer_case("dense_untied", Device::CUDA, DType::BF16, 3e-2, {1, 2}, QFormat::None, true);
+  infer_case("moe", Device::CUDA, DType::BF16, 3e-2, {}, QFormat::Int8, true);
+  infer_case("moe", Device::CUDA, DType::BF16, 3e-2, {}, QFormat::Fp8, true);
 }
 TEST(DevInfer, StepMatchesHostOnCudaFp32) {
   Q3VL_NEED_GPU();

@@ -1,10 +1,12 @@
-// Low-precision weights for inference (Model::lower_weights: int8, and bf16/fp16 on the CPU backend) on the
-// transformers-initialised golden models (tests/data/golden, see test_golden.cpp): the logits' relative error
+// Low-precision weights for inference (Model::lower_weights: int8, fp8 (E4M3), and bf16/fp16 on the CPU backend) on
+// the transformers-initialised golden models (tests/data/golden, see test_golden.cpp): the logits' relative error
 // against transformers' fp32 logits, printed, under a bound derived from the weights' own rounding error; the
-// converted model refusing training; the widening product against fp32 on the rounded weights; fp16's overflow.
+// converted model refusing training; the widening product against fp32 on the rounded weights; fp16's overflow; the
+// host's E4M3 encoding and decoding, exhaustively (and against CUDA's own host conversion where CUDA is built in).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -17,6 +19,9 @@
 #include "q3vl/tensor/ops.hpp"
 #include "q3vl/train/eval.hpp"
 #include "../reference/model_io.hpp"
+#ifdef Q3VL_CUDA
+#include <cuda_fp8.h>
+#endif
 
 using namespace q3vl;
 
@@ -65,7 +70,8 @@ void check_case(const std::string& name, LowDtype dt = LowDtype::I8) {
   double sum_eps = 0;
   int nq = 0;
   int64_t low_bytes = 0;
-  const int64_t esize = dt == LowDtype::I8 ? 1 : 2;
+  const int64_t esize = low_scaled(dt) ? 1 : 2;
+  int64_t over = 0;  // fp8 weights beyond E4M3's own rounding bound
   for (size_t id = 0; id < fp.table().params().size(); ++id) {
     const LowWeight* w = q8.low_param((int)id);
     const ParamInfo& p = fp.table().params()[id];
@@ -75,12 +81,16 @@ void check_case(const std::string& name, LowDtype dt = LowDtype::I8) {
     }
     EXPECT_EQ(q8.param((int)id), nullptr) << p.name << ": its fp32 copy must be gone";
     EXPECT_EQ(w->dtype, dt) << p.name;
-    EXPECT_EQ(w->scale != nullptr, dt == LowDtype::I8) << p.name << ": scales are int8's only";
+    EXPECT_EQ(w->scale != nullptr, low_scaled(dt)) << p.name << ": scales are int8's and fp8's only";
     const int64_t cols = p.shape.back();
     double num = 0, den = 0;
     for (int64_t i = 0; i < p.numel; ++i) {
       const double W = fp.param((int)id)[i], d = W - stored(*w, i, cols);
       num += d * d, den += W * W;
+      // E4M3 keeps 3 mantissa bits: a weight within half a step, 2^-4 of itself, or of the subnormals' step of 2^-9
+      // (in units of its row's scale) below 2^-6; 1e-6 for the fp32 roundings of W / scale and q * scale.
+      if (dt == LowDtype::FP8)
+        over += std::fabs(d) > (0x1p-4 * std::fabs(W) + 0x1p-10 * w->scale[i / cols]) * (1 + 1e-6) + 1e-30;
     }
     sum_eps += std::sqrt(num / den), ++nq, low_bytes += p.numel * esize;
   }
@@ -88,7 +98,8 @@ void check_case(const std::string& name, LowDtype dt = LowDtype::I8) {
   EXPECT_EQ(nq, cfg.text.layers * (cfg.moe() ? 6 : 7) + 1) << name;
   EXPECT_EQ(wb.low, low_bytes);
   EXPECT_EQ(wb.fp32, fp.table().total() * 4);
-  EXPECT_EQ(wb.scales == 0, dt != LowDtype::I8);
+  EXPECT_EQ(wb.scales == 0, !low_scaled(dt));
+  EXPECT_EQ(over, 0) << name << ": fp8 weights off by more than E4M3's rounding";
   EXPECT_LT(wb.now(), wb.fp32);
 
   std::vector<float> l32, l8;
@@ -104,7 +115,7 @@ void check_case(const std::string& name, LowDtype dt = LowDtype::I8) {
   EXPECT_LE(e8.rel_l2, sum_eps) << name;
   EXPECT_GT(e8.rel_l2, 0.0) << name << ": " << low_dtype_name(dt) << " logits identical to fp32: nothing was converted";
   // 16-bit storage: the greedy token at most positions is fp32's (a random-init model has small logit margins).
-  if (dt != LowDtype::I8) {
+  if (!low_scaled(dt)) {
     EXPECT_GE(eq.top1, 0.9) << name;
   }
 }
@@ -114,26 +125,32 @@ void check_case(const std::string& name, LowDtype dt = LowDtype::I8) {
 TEST(Int8, DenseTiedLogitsNearTransformers) { check_case("dense_tied"); }
 TEST(Int8, DenseUntiedLogitsNearTransformers) { check_case("dense_untied"); }
 TEST(Int8, MoeLogitsNearTransformers) { check_case("moe"); }
+TEST(Fp8, DenseTiedLogitsNearTransformers) { check_case("dense_tied", LowDtype::FP8); }
+TEST(Fp8, DenseUntiedLogitsNearTransformers) { check_case("dense_untied", LowDtype::FP8); }
+TEST(Fp8, MoeLogitsNearTransformers) { check_case("moe", LowDtype::FP8); }
 
 // Quantized weights have no master and no gradient: anything of training is refused, naming the setting.
-TEST(Int8, QuantizedModelIsForInferenceOnly) {
+void check_inference_only(LowDtype dt) {
   const std::string dir = "tests/data/golden/dense_untied";
   const ModelConfig cfg = load_hf_config(dir + "/model/config.json");
   Model m(cfg);
   load_hf_weights(m, dir + "/model");
-  m.lower_weights(LowDtype::I8);
+  m.lower_weights(dt);
   const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
+  const std::string key = std::string("model.weight_dtype = \"") + low_dtype_name(dt) + "\"";
   try {
     m.forward(batch, true);
-    FAIL() << "a training forward ran on int8 weights";
+    FAIL() << "a training forward ran on " << low_dtype_name(dt) << " weights";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("model.weight_dtype"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
   }
   EXPECT_THROW(m.backward(), Error);
   EXPECT_THROW(m.set_trainable({}), Error);
-  EXPECT_THROW(m.lower_weights(LowDtype::I8), Error);
+  EXPECT_THROW(m.lower_weights(dt), Error);
   EXPECT_EQ(m.grads(), nullptr);
 }
+TEST(Int8, QuantizedModelIsForInferenceOnly) { check_inference_only(LowDtype::I8); }
+TEST(Fp8, QuantizedModelIsForInferenceOnly) { check_inference_only(LowDtype::FP8); }
 
 TEST(HalfWeights, Bf16DenseTiedLogitsNearTransformers) { check_case("dense_tied", LowDtype::BF16); }
 TEST(HalfWeights, Bf16DenseUntiedLogitsNearTransformers) { check_case("dense_untied", LowDtype::BF16); }
@@ -237,3 +254,76 @@ TEST(HalfWeights, Fp16OverflowRefusedByName) {
   }
   EXPECT_THROW(m.lower_weights(LowDtype::F16), Error);
 }
+
+// ---- FP8 E4M3 on the host (model.weight_dtype = "fp8") -------------------------------------------------------------
+// Every code decodes to (1 + m/8) 2^(e-7), subnormals m 2^-9, 0x7f/0xff NaN; the table the products widen through is
+// the same.
+TEST(Fp8, E4M3DecodesEveryCode) {
+  for (int c = 0; c < 256; ++c) {
+    const int e = (c >> 3) & 15, m = c & 7;
+    const float f = fp8_e4m3_to_f32(uint8_t(c));
+    EXPECT_EQ(std::bit_cast<uint32_t>(kFp8E4M3[size_t(c)]), std::bit_cast<uint32_t>(f)) << c;
+    if ((c & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(f)) << c;
+      continue;
+    }
+    const float want = (c & 0x80 ? -1.0f : 1.0f) * (e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(float(m), -9));
+    EXPECT_EQ(f, want) << c;
+    EXPECT_EQ(std::signbit(f), (c & 0x80) != 0) << c;  // -0 too
+    EXPECT_EQ(widen(Fp8E4M3{uint8_t(c)}), f) << c;
+  }
+  EXPECT_EQ(fp8_e4m3_to_f32(0x7e), 448.0f);
+  EXPECT_EQ(fp8_e4m3_to_f32(0x08), 0x1p-6f);  // the smallest normal
+  EXPECT_EQ(fp8_e4m3_to_f32(0x01), 0x1p-9f);  // the smallest subnormal
+}
+
+// Encoding: every finite code round-trips; a value halfway between two neighbours goes to the even code, a hair off
+// it to the nearer one; beyond 464 (448 + half a step) and infinities saturate to +-448; NaN is 0x7f, either sign;
+// below half the smallest subnormal is zero (half exactly: zero, the even neighbour).
+TEST(Fp8, E4M3EncodeRoundsToNearestEven) {
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) != 0x7f) ASSERT_EQ(f32_to_fp8_e4m3(fp8_e4m3_to_f32(uint8_t(c))), c) << c;
+  }
+  for (int c = 0; c < 0x7e; ++c)
+    for (const float s : {1.0f, -1.0f}) {
+      const int sign = s < 0 ? 0x80 : 0;
+      const float lo = fp8_e4m3_to_f32(uint8_t(c)), hi = fp8_e4m3_to_f32(uint8_t(c + 1)), mid = (lo + hi) / 2;
+      ASSERT_EQ(mid - lo, hi - mid) << c;  // exact in fp32
+      EXPECT_EQ(f32_to_fp8_e4m3(s * mid), sign | (c % 2 == 0 ? c : c + 1)) << c;
+      EXPECT_EQ(f32_to_fp8_e4m3(s * std::nextafter(mid, 0.0f)), sign | c) << c;
+      EXPECT_EQ(f32_to_fp8_e4m3(s * std::nextafter(mid, 1e9f)), sign | (c + 1)) << c;
+    }
+  EXPECT_EQ(f32_to_fp8_e4m3(464.0f), 0x7e);  // the midpoint to 512 (not a code): down to even 448
+  EXPECT_EQ(f32_to_fp8_e4m3(std::nextafter(464.0f, 1e9f)), 0x7e);
+  EXPECT_EQ(f32_to_fp8_e4m3(1e30f), 0x7e);
+  EXPECT_EQ(f32_to_fp8_e4m3(INFINITY), 0x7e);
+  EXPECT_EQ(f32_to_fp8_e4m3(-INFINITY), 0xfe);
+  EXPECT_EQ(f32_to_fp8_e4m3(NAN), 0x7f);
+  EXPECT_EQ(f32_to_fp8_e4m3(-NAN), 0x7f);
+  EXPECT_EQ(f32_to_fp8_e4m3(0x1p-10f), 0x00);
+  EXPECT_EQ(f32_to_fp8_e4m3(std::nextafter(0x1p-10f, 1.0f)), 0x01);
+  EXPECT_EQ(f32_to_fp8_e4m3(-1e-30f), 0x80);
+}
+
+#ifdef Q3VL_CUDA
+// Bit-exact with CUDA's conversions (cuda_fp8.h's host path, what the device's cvt instructions compute): every
+// exponent, every top 11 mantissa bits, and low bits at and around the rounding points, both signs; every code back.
+TEST(Fp8, E4M3MatchesCudaConversions) {
+  int64_t n = 0, bad = 0;
+  for (uint32_t hi = 0; hi < (1u << 20); ++hi)  // sign, exponent, top 11 mantissa bits
+    for (const uint32_t lo : {0x000u, 0x001u, 0x7ffu, 0x800u, 0x801u, 0xfffu}) {
+      const float f = std::bit_cast<float>(hi << 12 | lo);
+      const uint8_t want = __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
+      bad += f32_to_fp8_e4m3(f) != want, ++n;
+      if (bad == 1 && f32_to_fp8_e4m3(f) != want)
+        ADD_FAILURE() << "f = " << f << " (bits " << std::hex << (hi << 12 | lo) << "): " << int(f32_to_fp8_e4m3(f))
+                      << " against CUDA's " << int(want);
+    }
+  EXPECT_EQ(bad, 0) << "of " << n;
+  for (int c = 0; c < 256; ++c) {
+    const float want = __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(c), __NV_E4M3)));
+    if (std::isnan(want)) EXPECT_TRUE(std::isnan(fp8_e4m3_to_f32(uint8_t(c)))) << c;
+    else EXPECT_EQ(std::bit_cast<uint32_t>(fp8_e4m3_to_f32(uint8_t(c))), std::bit_cast<uint32_t>(want)) << c;
+  }
+}
+#endif

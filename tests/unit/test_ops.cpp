@@ -335,6 +335,75 @@ TEST(Ops, QuantizeInt8RowsRoundTrip) {
   }
 }
 
+// fp8 (E4M3): per row absmax/448, so the row's largest weight is +-448 (exact but for the fp32 rounding of the
+// scale), every weight within half a step of E4M3's grid (2^-4 of itself, or 2^-10 of the scale among the
+// subnormals); an all-zero row stays zero; a non-finite weight is refused, naming the format.
+TEST(Ops, QuantizeFp8RowsRoundTrip) {
+  std::mt19937 rng(24);
+  const int64_t rows = 9, cols = 37;
+  std::vector<float> W(rows * cols);
+  std::normal_distribution<float> nd(0, 0.05f);
+  for (auto& w : W) w = nd(rng);
+  for (int64_t c = 0; c < cols; ++c) W[4 * cols + c] = 0;  // a zero row
+  W[2 * cols + 5] = -300.0f;  // an outlier: its row's smaller weights (below 2^-6 of 448 scales) go subnormal
+  std::vector<uint8_t> q(W.size());
+  std::vector<float> s(rows);
+  ops::quantize_rows(QFormat::Fp8, W.data(), rows, cols, q.data(), s.data());
+  EXPECT_EQ(s[4], 0.0f);
+  EXPECT_FLOAT_EQ(s[2], 300.0f / 448);
+  EXPECT_EQ(q[2 * cols + 5], 0xfe);  // -448
+  int subnormal = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    float amax = 0;
+    for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(W[r * cols + c]));
+    EXPECT_FLOAT_EQ(s[r], amax / 448) << "row " << r;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint8_t b = q[r * cols + c];
+      const float w = W[r * cols + c], back = fp8_e4m3_to_f32(b) * s[r];
+      EXPECT_NE(b & 0x7f, 0x7f) << "NaN code at row " << r << " col " << c;
+      EXPECT_LE(std::fabs(back - w), (0x1p-4f * std::fabs(w) + 0x1p-10f * s[r]) * (1 + 1e-6f) + 1e-30f)
+          << "row " << r << " col " << c;
+      subnormal += (b & 0x78) == 0 && b != 0 && b != 0x80;
+    }
+  }
+  EXPECT_GT(subnormal, 0) << "the outlier's row should reach E4M3's subnormals";
+  W[7] = NAN;
+  try {
+    ops::quantize_rows(QFormat::Fp8, W.data(), rows, cols, q.data(), s.data());
+    FAIL() << "a NaN weight was quantized";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8"), std::string::npos) << e.what();
+  }
+}
+
+// The fp8 linear against the fp32 linear on the dequantized weights (every finite code, random scales), in double:
+// only the op's own arithmetic differs (the widening is exact).
+TEST(Ops, LinearFp8MatchesDequantizedLinear) {
+  std::mt19937 rng(25);
+  std::uniform_int_distribution<int> cd(0, 255);
+  std::uniform_real_distribution<float> sd(1e-4f, 2e-2f);
+  struct Shape { int64_t N, in, out; };
+  for (const Shape sh : {Shape{1, 7, 5}, Shape{5, 64, 300}, Shape{3, 1000, 131}, Shape{2, 70000, 3}}) {
+    std::vector<Fp8E4M3> q(sh.out * sh.in);
+    for (auto& v : q)
+      do v.bits = uint8_t(cd(rng));
+      while ((v.bits & 0x7f) == 0x7f);  // not NaN
+    std::vector<float> s(sh.out);
+    for (auto& v : s) v = sd(rng);
+    s[0] = 0;  // a zero row
+    V x = randn(sh.N * sh.in, rng), b = randn(sh.out, rng), W(q.size());
+    for (int64_t o = 0; o < sh.out; ++o)
+      for (int64_t i = 0; i < sh.in; ++i) W[o * sh.in + i] = double(widen(q[o * sh.in + i])) * double(s[o]);
+    for (const bool bias : {false, true}) {
+      V want(sh.N * sh.out), got(sh.N * sh.out, 12345.0);  // got: overwritten, not accumulated
+      ops::linear_fwd(x.data(), W.data(), bias ? b.data() : nullptr, want.data(), sh.N, sh.in, sh.out);
+      ops::linear_lowp_fwd(x.data(), q.data(), s.data(), bias ? b.data() : nullptr, got.data(), sh.N, sh.in, sh.out);
+      EXPECT_LE(test::rel_max_diff(got, want), 1e-12)
+          << "N " << sh.N << " in " << sh.in << " out " << sh.out << " bias " << bias;
+    }
+  }
+}
+
 // The int8 linear against the fp32 linear on the dequantized weights (q * scale), in double so that only the op's
 // own arithmetic differs: shapes that take one tile, several, and a ragged last one (the tile holds 65536 / in rows).
 TEST(Ops, LinearInt8MatchesDequantizedLinear) {

@@ -3,9 +3,9 @@
 // Build and run (from the repo root, on a GPU machine):
 //   make bin/gemv_bench && bin/gemv_bench [reps]        (reps per timing, default 100, at least 50)
 // For each shape and N it times (a) dev::linear_fwd bf16 (cuBLASLt), (b) wgemv::gemv<bf16, bf16> (N <= 16, its
-// kMaxN), (c) dev::linear_int8_fwd (int8 GEMV for N <= 16, dequant + GEMM above), and prints a markdown table:
-// microseconds (median), weight bandwidth (bytes of W / time, TB/s), the winners, and the max relative difference
-// of (b) and (c) from (a) (max|y - y_a| / max|y_a|; bf16 tolerance ~1e-2, over it is flagged FAIL, exit 1).
+// kMaxN), (c) dev::linear_q8_fwd on int8 weights (int8 GEMV for N <= 16, dequant + GEMM above), and prints a
+// markdown table: microseconds (median), weight bandwidth (bytes of W / time, TB/s), the winners, and the max
+// relative difference of (b) and (c) from (a) (max|y - y_a| / max|y_a|; bf16 tolerance ~1e-2, over it is flagged FAIL, exit 1).
 // Method: every rep reads a different copy of W (the copies together are >= 4 and >= 256 MB, past the 50 MB L2),
 // so no timed W is cache-resident; x (<= 32 rows) may stay in L2, as in a real decode step. The reps are queued
 // behind a spinning kernel so that the host's launch time never shows between the per-rep CUDA events; a row
@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
           dev::cuda::wgemv::gemv<bf16, bf16>(x, in, Wk(k), nullptr, nullptr, yb, N, s.n_in, s.n_out);
         };
         auto run_c = [&](int k) {
-          dev::linear_int8_fwd(x, in, Qk(k), Sk(k), nullptr, yc, N, s.n_in, s.n_out, DType::BF16);
+          dev::linear_q8_fwd(x, in, Qk(k), Sk(k), nullptr, yc, N, s.n_in, s.n_out, QFormat::Int8, DType::BF16);
         };
         const bool has_b = N <= dev::cuda::wgemv::kMaxN;
         // Correctness on copy 0: the three paths compute the same product (W is q * scale exactly).

@@ -4,7 +4,7 @@
 #   more parts: nccl (NcclComm and the device model's TP sums, bin/mpi_tests at 2 and 4 ranks as $MPI_TESTS; serve with
 #   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
 #   generate on the 8B shape: the PyTorch baseline), video (serving videos on CUDA against generate on the CPU, the 8B
-#   shape's time to first token on a 30 s clip), tpstop (a TP 2 server with a stopped rank, issue 33), 8bpp, 8bint8, 8bnog and 30bnog (model.cuda_graphs = false: decode
+#   shape's time to first token on a 30 s clip), tpstop (a TP 2 server with a stopped rank, issue 33), 8bpp, 8bint8, 8bfp8, 30bint8, 30bfp8, 8bnog and 30bnog (model.cuda_graphs = false: decode
 #   steps launched op by op, against the default's graphs).
 # - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
 #   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
@@ -217,9 +217,9 @@ if part nccl; then
   mt=${MPI_TESTS:-/tmp/rt/bin/mpi_tests}
   for n in 2 4; do
     t1=$SECONDS
-    Q3VL_REQUIRE_GPU=1 timeout 150 mpiexec -n $n "$mt" --gtest_filter='Nccl*:*DevTp*:*Int8*' >"$out/mpi_nccl_np$n.log" 2>&1
+    Q3VL_REQUIRE_GPU=1 timeout 150 mpiexec -n $n "$mt" --gtest_filter='Nccl*:*DevTp*:*Int8*:*Fp8*' >"$out/mpi_nccl_np$n.log" 2>&1
     say "mpi_tests np$n: rc=$? $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/mpi_nccl_np$n.log" | sort -u | tr '\n' ' ')"
-    grep -E 'dev tp|int8|FAILED  \]|Failure' "$out/mpi_nccl_np$n.log" | sort -u | head -12 >>"$out/summary.txt"
+    grep -E 'dev tp|int8|fp8|FAILED  \]|Failure' "$out/mpi_nccl_np$n.log" | sort -u | head -12 >>"$out/summary.txt"
     pack
   done
 fi
@@ -289,6 +289,8 @@ part 30bnog && big 30b-a3b-nograph 30B-A3B -- model.cuda_graphs=false
 part 8bpp && big 8b-pp2 8B mpiexec -n 2 -- serve.pp=2
 part 8bint8 && big 8b-int8 8B -- model.weight_dtype=int8
 part 30bint8 && big 30b-a3b-int8 30B-A3B -- model.weight_dtype=int8
+part 8bfp8 && big 8b-fp8 8B -- model.weight_dtype=fp8
+part 30bfp8 && big 30b-a3b-fp8 30B-A3B -- model.weight_dtype=fp8
 part 8btp2 && big 8b-tp2-nccl 8B mpiexec -n 2 $hostid -- serve.tp_comm=nccl
 part 8btp2 && big 8b-tp2-mpi 8B mpiexec -n 2 -- serve.tp_comm=mpi
 if part hfbase; then

@@ -34,14 +34,15 @@ struct DevLora;
 struct DevParams {
   const void* const* p;
   float* const* g;
-  // Inference with int8 weights (model.weight_dtype = "int8"): per id its int8 rows and fp32 row scales, null for a
-  // weight held in dt (then in p).
-  const int8_t* const* q8 = nullptr;
+  // Inference with 8-bit weights (model.weight_dtype = "int8" or "fp8"): per id its rows, one byte a weight in format
+  // qf, and fp32 row scales, null for a weight held in dt (then in p).
+  const uint8_t* const* q8 = nullptr;
   const float* const* s8 = nullptr;
+  QFormat qf = QFormat::None;
   const DevLora* lora = nullptr;  // adapters (null: none)
 };
 // y[N, n_out] = x[N, n_in] W^T for rows [row0, row0 + n_out) of parameter id (no bias; row0: a vocabulary slice's
-// first row), W its int8 rows when it has them, else its dt weight.
+// first row), W its 8-bit rows when it has them, else its dt weight.
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
                 int64_t n_out, DType dt, int64_t row0 = 0);
 

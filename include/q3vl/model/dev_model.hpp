@@ -58,19 +58,20 @@ struct DevHold {
 
 class DevModel {
  public:
-  // grads = false: inference only (serve), no gradient buffer. A stage (inference only) holds only its units. int8
-  // (inference only): the linears int8_param names are held as int8 rows with fp32 scales (quantized on the host as
-  // the weights arrive, ops::quantize_int8_rows: what the host model's int8 mode does to the same matrices).
+  // grads = false: inference only (serve), no gradient buffer. A stage (inference only) holds only its units. quant
+  // (inference only; model.weight_dtype = "int8" or "fp8"): the linears quant_param names are held as 8-bit rows in
+  // that format with fp32 scales (quantized on the host as the weights arrive, ops::quantize_rows: what the host
+  // model's int8/fp8 mode does to the same matrices).
   // ep: this rank's share of the MoE experts (expert parallelism, training; the table then holds E/ep experts of
   // each MoE layer), with set_experts.
   DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true, DevStage stage = {},
-           bool int8 = false, DevHold hold = {}, ExpertSplit ep = {});
-  // The linears held in int8 with model.weight_dtype = "int8": the decoder's q/k/v/o_proj, dense gate/up/down_proj,
-  // MoE experts' gate_up/down, and an untied LM head. The router, norms, embeddings (a tied head) and the vision tower
-  // stay in dt.
-  static bool int8_param(const ParamTable& t, int id);
-  // Its int8 rows, one fp32 scale each: every row of the last dim (an expert tensor [E, out, in] has E * out).
-  static int64_t int8_rows(const ParamInfo& p);
+           QFormat quant = QFormat::None, DevHold hold = {}, ExpertSplit ep = {});
+  // The linears held in 8 bits with model.weight_dtype = "int8" or "fp8": the decoder's q/k/v/o_proj, dense
+  // gate/up/down_proj, MoE experts' gate_up/down, and an untied LM head. The router, norms, embeddings (a tied head)
+  // and the vision tower stay in dt.
+  static bool quant_param(const ParamTable& t, int id);
+  // Its 8-bit rows, one fp32 scale each: every row of the last dim (an expert tensor [E, out, in] has E * out).
+  static int64_t quant_rows(const ParamInfo& p);
   ~DevModel();
   DevModel(const DevModel&) = delete;
   DevModel& operator=(const DevModel&) = delete;
@@ -97,8 +98,9 @@ class DevModel {
   DevMemory memory() const;
   // What reserve(b) would allocate for activations, without allocating (the planner's sizing).
   static int64_t activation_bytes(const ModelConfig& cfg, DType dt, const DevBudget& b, bool recompute = false);
-  // What the constructor allocates: the weights in dt and the fp32 gradients, both full (the planner's sizing).
-  static int64_t weight_bytes(const ParamTable& t, DType dt, const DevStage& s = {}, bool int8 = false);
+  // What the constructor allocates: the weights in dt and the fp32 gradients, both full (the planner's sizing); quant:
+  // the quant_param linears one byte a weight and 4 a row, whichever the format.
+  static int64_t weight_bytes(const ParamTable& t, DType dt, const DevStage& s = {}, QFormat quant = QFormat::None);
   // Whether a stage holds unit u of the table.
   static bool stage_owns(const ParamTable& t, const DevStage& s, int u);
   const DevStage& stage() const { return stage_; }
@@ -140,7 +142,7 @@ class DevModel {
   // ---- Inference (generate, serve): continuous-batching steps and vision features ----------------------------------
   // A step of up to `tokens` new tokens in up to `segments` segments, a vision pass of up to `patches` patches, and
   // the KV pools: kv_blocks blocks of `block` tokens per layer, a sequence spanning at most seq_blocks blocks.
-  // The workspace of an inference Exec (serve, generate): cuBLASLt, the attention splits, int8 tiles.
+  // The workspace of an inference Exec (serve, generate): cuBLASLt, the attention splits, 8-bit weight tiles.
   static constexpr size_t kInferWorkspace = size_t(256) << 20;
   struct InferBudget {
     int64_t tokens = 0, segments = 0, patches = 0, kv_blocks = 0, block = 16, seq_blocks = 0;
@@ -195,7 +197,7 @@ class DevModel {
   DType dt_;
   DevStage stage_;
   std::vector<int64_t> par_off_;  // [id] its place in params_ (elements) or in q8_, -1 when the stage does not hold it
-  std::vector<int64_t> scl_off_;  // [id] its first scale in s8_ (int8 weights), else -1
+  std::vector<int64_t> scl_off_;  // [id] its first scale in s8_ (8-bit weights), else -1
   std::vector<int64_t> ubase_;    // [unit] its first element in params_ and grads_, -1 when not held
   DevHold hold_;
   UnitHooks* hooks_ = nullptr;
@@ -209,9 +211,10 @@ class DevModel {
   void enter_head(bool bwd);
   void leave_head(bool bwd);
   int64_t held_ = 0, held8_ = 0, rows8_ = 0;  // elements in params_, in q8_, scales in s8_
-  int8_t* q8_ = nullptr;
+  QFormat qf_ = QFormat::None;                 // q8_'s format
+  uint8_t* q8_ = nullptr;
   float* s8_ = nullptr;
-  std::vector<const int8_t*> q8p_;
+  std::vector<const uint8_t*> q8p_;
   std::vector<const float*> s8p_;
   DevParams dparams() const;
   void* params_ = nullptr;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "q3vl/core/deck.hpp"
+#include "q3vl/core/dtype.hpp"
 #include "q3vl/data/image.hpp"
 #include "q3vl/data/video_processor.hpp"
 #include "q3vl/model/batch.hpp"
@@ -109,9 +110,10 @@ bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& 
 bool stream_weights(const Deck& deck, const ModelSource& src, const ParamTable& local,
                     const std::function<std::vector<ParamSlice>(const UnitInfo&, float*)>& slices_of,
                     const std::function<void(int64_t, const float*, int64_t)>& sink);
-// model.weight_dtype: true for "int8" (the model's linears quantized as the weights arrive); "bf16"/"fp16" are
-// refused, naming model.dtype, the storage of every weight (the CPU backend computes in fp32).
-bool weight_int8(const Deck& deck);
+// model.weight_dtype as the device model's format: Int8 for "int8", Fp8 for "fp8" (the model's linears quantized as
+// the weights arrive), None for "fp32"; "bf16"/"fp16" are refused, naming model.dtype, the storage of every weight
+// (the CPU backend computes in fp32).
+QFormat weight_quant(const Deck& deck);
 // Inference needs no separate adapters: a model with LoRA adapters as a plain model with them folded in (W += scale
 // B A, as export --merge does), for inference, which runs without adapters (`why` names it in the log line). An adapter on a tied head gives the folded model an untied head of its own.
 std::unique_ptr<HostWeights> fold_lora(HostWeights& m, const std::string& mode, const std::string& why);

@@ -17,16 +17,22 @@ template <class T> void linear_bwd(const T* dy, const T* x, const T* W, T* dx, T
 template <class T> void gemm(bool transA, bool transB, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
                              int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
 
-// ---- low-precision weights (inference: generate and serve with model.weight_dtype = "int8", "bf16" or "fp16") ----
-// Symmetric per-row quantization of W[rows, cols], a row being one output channel: scale[r] = max|W[r,:]| / 127,
-// q = round(W / scale) in [-127, 127] (an all-zero row: scale 0, q 0), so that W ~= q * scale[r].
-void quantize_int8_rows(const float* W, int64_t rows, int64_t cols, int8_t* q, float* scale);
+// ---- low-precision weights (inference: generate and serve with model.weight_dtype = "int8", "fp8", "bf16", "fp16") --
+// Symmetric per-row quantization of W[rows, cols] into one byte a weight in format f, a row being one output channel,
+// so that W ~= q * scale[r] (an all-zero row: scale 0, q 0). Int8: scale[r] = max|W[r,:]| / 127, q = round(W / scale)
+// in [-127, 127]. Fp8: scale[r] = max|W[r,:]| / 448, q = f32_to_fp8_e4m3(W / scale) (nearest even, within +-448: the
+// row's largest weight is exact), as vLLM's per-channel fp8. A non-finite weight is refused.
+void quantize_rows(QFormat f, const float* W, int64_t rows, int64_t cols, void* q, float* scale);
+inline void quantize_int8_rows(const float* W, int64_t rows, int64_t cols, int8_t* q, float* scale) {
+  quantize_rows(QFormat::Int8, W, rows, cols, q, scale);
+}
 // W[n] rounded to nearest even into S (Bf16 or Fp16). Returns the index of the first weight S cannot hold (not
 // finite, or beyond fp16's range), -1 when all converted; the caller names the parameter.
 template <class S> int64_t round_to(const float* W, int64_t n, S* out);
-// y[N,out] = x[N,in] W^T + b with W[out,in] stored as S (int8_t with scale[out] fp32, W = q * scale[row]; Bf16 or
-// Fp16 with scale null), b may be null. The rows are widened to T a tile at a time (never the whole weight in T:
-// exact, every S value is a float) and the scale applied after the product: y[:,o] = scale[o] x.q[o,:].
+// y[N,out] = x[N,in] W^T + b with W[out,in] stored as S (int8_t or Fp8E4M3 with scale[out] fp32, W = q *
+// scale[row]; Bf16 or Fp16 with scale null), b may be null. The rows are widened to T a tile at a time (never the
+// whole weight in T: exact, every S value is a float) and the scale applied after the product: y[:,o] = scale[o]
+// x.q[o,:].
 template <class T, class S> void linear_lowp_fwd(const T* x, const S* w, const float* scale, const T* b, T* y,
                                                  int64_t N, int64_t in, int64_t out);
 // embedding_fwd on a table stored as S (a tied LM head: one row = one token = one output channel of the head).

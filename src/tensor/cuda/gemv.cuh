@@ -1,9 +1,10 @@
-// The weight-streaming GEMV of decode steps, shared by the int8 linear and experts (int8.cu) and the bf16/fp16/fp32
+// The weight-streaming GEMV of decode steps, shared by the int8/fp8 linear and experts (q8.cu) and the bf16/fp16/fp32
 // experts (moe.cu): y[n, n_out] = (x[n, n_in] W^T) * scale + b for n <= kMaxN rows, W [n_out, n_in] read once.
 // A decode step is bound by the bytes of weights it reads, so the weights are streamed with 16-byte non-caching loads
 // and everything else is arranged around that:
-//  - W is int8 with one fp32 scale per output row, or the activation storage type S itself (scale null: 1). A lane
-//    loads 16 bytes of a row per step: kGroup<W> = 16 / sizeof(W) columns (16 int8, 8 bf16/fp16, 4 fp32).
+//  - W is int8 or fp8 E4M3 (__nv_fp8_e4m3) with one fp32 scale per output row, or the activation storage type S
+//    itself (scale null: 1). A lane loads 16 bytes of a row per step: kGroup<W> = 16 / sizeof(W) columns (16 int8 or
+//    fp8, 8 bf16/fp16, 4 fp32).
 //  - each warp owns kRows output rows; the n input rows are staged in shared memory as fp32 (in column chunks when
 //    they do not fit), so every x value read from shared memory feeds kRows rows; fp32 accumulation, warp-shuffle
 //    reduction, scale and bias at the end.
@@ -15,6 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+
+#include <cuda_fp8.h>
 
 #include "tensor/cuda/common.cuh"
 
@@ -30,9 +33,11 @@ template <class W> inline constexpr int kGroup = 16 / int(sizeof(W));  // column
 template <class W> inline constexpr int kStep = 32 * kGroup<W>;         // columns per warp step
 template <class W> inline constexpr int kPieces = kGroup<W> / 4;        // float4 pieces of x per group: 4, 2, 1
 
+// 8-bit weights carry one fp32 scale per output row; the others are the activations' own type (no scale).
+template <class W> inline constexpr bool kScaled = std::is_same_v<W, int8_t> || std::is_same_v<W, __nv_fp8_e4m3>;
 template <class W>
-inline constexpr bool kWeightOk = std::is_same_v<W, int8_t> || std::is_same_v<W, float> ||
-                           std::is_same_v<W, __nv_bfloat16> || std::is_same_v<W, __half>;
+inline constexpr bool kWeightOk = kScaled<W> || std::is_same_v<W, float> || std::is_same_v<W, __nv_bfloat16> ||
+                                  std::is_same_v<W, __half>;
 
 // int8 -> fp32 without I2F (a quarter-rate conversion): each byte biased to unsigned (xor 0x80) is placed into the
 // low mantissa byte of 2^23 (0x4B000000), and 2^23 + 128 subtracted. Exact.
@@ -42,6 +47,15 @@ __device__ __forceinline__ void i8x4_to_f32(uint32_t w, float (&f)[4]) {
   f[1] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7441)) - 8388736.f;
   f[2] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7442)) - 8388736.f;
   f[3] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7443)) - 8388736.f;
+}
+
+// fp8 E4M3 -> fp32, two at a time: cvt.rn.f16x2.e4m3x2 (exact: every E4M3 value is a half), the halves widened.
+// Byte k of w is element k, as i8x4_to_f32's.
+__device__ __forceinline__ void e4m3x4_to_f32(uint32_t w, float (&f)[4]) {
+  const __half2 lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  const __half2 hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+  const float2 a = __half22float2(lo), b = __half22float2(hi);
+  f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int k) {
@@ -54,6 +68,8 @@ template <class W>
 __device__ __forceinline__ void piece_f32(const uint4& v, int t, float (&f)[4]) {
   if constexpr (std::is_same_v<W, int8_t>) {
     i8x4_to_f32(word_of(v, t), f);
+  } else if constexpr (std::is_same_v<W, __nv_fp8_e4m3>) {
+    e4m3x4_to_f32(word_of(v, t), f);
   } else if constexpr (std::is_same_v<W, float>) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) f[k] = __uint_as_float(word_of(v, k));
@@ -83,7 +99,7 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 
 // Staged x: row j of the chunk at j * kc floats; column group c (kGroup columns = kPieces float4 pieces) at c * kGroup,
 // piece i stored in slot i ^ ((c / (8 / kPieces)) % kPieces). A warp reads piece i of groups c = lane + 32 s: the
-// eight lanes of a quarter-warp then hit eight distinct 16-byte bank slots (without the swizzle, int8's 64-byte group
+// eight lanes of a quarter-warp then hit eight distinct 16-byte bank slots (without the swizzle, 8-bit 64-byte group
 // strides conflict 4-way, bf16/fp16's 32-byte ones 2-way; fp32's 16-byte strides need none).
 template <class W>
 __device__ __forceinline__ int swz(int col) {
@@ -151,7 +167,7 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows][NB], const uint4 (&
 
 // One block's rows of y = (in q^T) * scale + b: kWarps warps, warp w owning rows (blockIdx.x * kWarps + w) * kRows +
 // [0, kRows). x[n, n_in] staged kc columns at a time into xs (n * kc floats of dynamic shared memory); the block
-// synchronizes before it stages, so it may be called again on other rows. scale: int8 weights only (else unread).
+// synchronizes before it stages, so it may be called again on other rows. scale: 8-bit weights only (else unread).
 template <class S, class W, int NB, bool VEC>
 __device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const W* __restrict__ q,
                                           const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y,
@@ -196,7 +212,7 @@ __device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const W* __r
   for (int i = 0; i < kRows; ++i) {
     const int64_t r = row0 + i;
     float sc = 1.f;  // weights in the activation type: no scale
-    if constexpr (std::is_same_v<W, int8_t>) sc = r < n_out ? scale[r] : 0.f;
+    if constexpr (kScaled<W>) sc = r < n_out ? scale[r] : 0.f;
     const float bias = (b && r < n_out) ? ld(b, r) : 0.f;
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
@@ -240,7 +256,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   const int64_t r1 = start[e + 1];
   for (int64_t r = start[e]; r < r1; r += n)
     gemv_rows<S, W, NB, VEC>(in + r * n_in, q + int64_t(e) * n_out * n_in,
-                             std::is_same_v<W, int8_t> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
+                             kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
                              int(min(int64_t(n), r1 - r)), n_in, n_out, kc, xs);
 }
 
@@ -264,12 +280,13 @@ void launch_nb(const Exec& x, const S* in, const W* q, const float* scale, const
 }
 
 // The GEMV for n <= kMaxN rows of in (experts: up to n rows per expert and pass, start[E+1] on the device, R rows in
-// all, E <= 65535), NB the smallest bucket that holds n. W: int8_t with its scale, or S (scale null, unread).
+// all, E <= 65535), NB the smallest bucket that holds n. W: int8_t or __nv_fp8_e4m3 with its scale, or S (scale null,
+// unread).
 template <class S, class W>
 void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
           int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
-  static_assert(kWeightOk<W>, "wgemv: weights are int8, fp32, bf16 or fp16");
-  static_assert(std::is_same_v<W, int8_t> || std::is_same_v<W, S>, "wgemv: weights int8 or the activation type");
+  static_assert(kWeightOk<W>, "wgemv: weights are int8, fp8, fp32, bf16 or fp16");
+  static_assert(kScaled<W> || std::is_same_v<W, S>, "wgemv: weights int8, fp8 or the activation type");
   const int m = int(n);
   if (m <= 1) launch_nb<S, W, 1>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
   else if (m <= 2) launch_nb<S, W, 2>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);

@@ -1,11 +1,12 @@
-// Weight-only int8 linear (dev::linear_int8_fwd): q[out,in] int8 with one fp32 scale per output row. Two paths:
+// Weight-only 8-bit linear (dev::linear_q8_fwd): q[out,in] int8 or fp8 E4M3 (QFormat) with one fp32 scale per output
+// row; the two formats share every kernel, templated on the weight type W (int8_t, __nv_fp8_e4m3). Two paths:
 //  - decode-sized N (<= kGemvMaxN): the weight-streaming GEMV of gemv.cuh (shared with moe.cu's bf16/fp16/fp32
-//    experts), here on int8 rows: 16 columns per 16-byte load, half the bytes of bf16 weights (the point of int8 when
-//    a step is bound by memory bandwidth), scale and bias applied to the fp32 sums.
+//    experts), here on 8-bit rows: 16 columns per 16-byte load, half the bytes of bf16 weights (the point of 8-bit
+//    weights when a step is bound by memory bandwidth), scale and bias applied to the fp32 sums.
 //  - larger N (prefill chunks): tiles of rows dequantized into Exec::ws in dt (q * scale rounded to dt), each
 //    multiplied by the cuBLASLt GEMM of gemm.cu into its columns of y (ldc = n_out); the bias is broadcast into y
 //    first and the GEMMs accumulate onto it (beta = 1), so y is rounded to dt once.
-// Experts (dev::grouped_linear_int8_fwd): q[E, out, in], one scale per row of every expert. Decode-sized R (<= 8 rows
+// Experts (dev::grouped_linear_q8_fwd): q[E, out, in], one scale per row of every expert. Decode-sized R (<= 8 rows
 // an expert on average) runs the same GEMV with grid.y over the experts that have rows (at most min(E, R) of them;
 // the others' weights are never read), a block looping over its expert's rows 16 at a time; larger R dequantizes
 // groups of experts into Exec::ws (experts without rows skipped) and runs grouped_linear_fwd (moe.cu) on each group
@@ -21,16 +22,26 @@ namespace q3vl::dev::cuda {
 
 namespace {
 
-// ---- GEMV (small N): gemv.cuh with int8 weights ------------------------------------------------------------------
+// f.template operator()<W>() with W the weight type of format qf.
+template <class F> void by_qformat(QFormat qf, F&& f) {
+  if (qf == QFormat::Int8) return f.template operator()<int8_t>();
+  if (qf == QFormat::Fp8) return f.template operator()<__nv_fp8_e4m3>();
+  fail("dev::linear_q8_fwd: 8-bit weights are int8 or fp8 (model.weight_dtype)");
+}
+
+// ---- GEMV (small N): gemv.cuh with 8-bit weights -----------------------------------------------------------------
 constexpr int kGemvMaxN = wgemv::kMaxN;                // larger N takes the dequantize + GEMM path
 constexpr int kGroupedGemvRows = wgemv::kGroupedRows;  // experts: the GEMV up to 8 rows per expert on average
 
 // The GEMV for n rows (experts: up to n rows per expert and pass).
-void gemv(const Exec& x, const void* in, const int8_t* q, const float* scale, const void* b, void* y, int64_t n,
-          int64_t n_in, int64_t n_out, DType dt, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
+void gemv(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t n,
+          int64_t n_in, int64_t n_out, QFormat qf, DType dt, const int32_t* start = nullptr, int64_t E = 0,
+          int64_t R = 0) {
   by_dtype(dt, [&]<class S>() {
-    wgemv::gemv<S, int8_t>(x, static_cast<const S*>(in), q, scale, static_cast<const S*>(b), static_cast<S*>(y), n,
-                           n_in, n_out, start, E, R);
+    by_qformat(qf, [&]<class W>() {
+      wgemv::gemv<S, W>(x, static_cast<const S*>(in), static_cast<const W*>(q), scale, static_cast<const S*>(b),
+                        static_cast<S*>(y), n, n_in, n_out, start, E, R);
+    });
   });
 }
 
@@ -38,10 +49,22 @@ void gemv(const Exec& x, const void* in, const int8_t* q, const float* scale, co
 constexpr size_t kGemmWs = size_t(32) << 20;    // the head of ws left to cuBLASLt (as gemm.cu uses at most)
 constexpr size_t kTileBytes = size_t(32) << 20;  // a dequantized tile: large GEMMs, still mostly L2-resident
 
+// Four consecutive weights (a 32-bit word, byte k weight k) and one weight, as fp32 (exact).
+template <class W>
+__device__ __forceinline__ void w4_f32(uint32_t w, float (&f)[4]) {
+  if constexpr (std::is_same_v<W, int8_t>) wgemv::i8x4_to_f32(w, f);
+  else wgemv::e4m3x4_to_f32(w, f);
+}
+template <class W>
+__device__ __forceinline__ float w_f32(W q) {
+  if constexpr (std::is_same_v<W, int8_t>) return float(q);
+  else return __half2float(__half(__nv_cvt_fp8_to_halfraw(q.__x, __NV_E4M3)));
+}
+
 // t[r, :] = q[r, :] * scale[r] rounded to S, for r < R, in group z = blockIdx.z (an expert: q, scale and t R rows
 // further on each; skipped when start says it has no rows). VEC4: n_in % 4 == 0 and q 4-byte aligned.
-template <class S, bool VEC4>
-__global__ void k_dequant_rows(const int8_t* __restrict__ q, const float* __restrict__ scale, S* __restrict__ t,
+template <class S, class W, bool VEC4>
+__global__ void k_dequant_rows(const W* __restrict__ q, const float* __restrict__ scale, S* __restrict__ t,
                                int64_t R, int64_t n_in, const int32_t* __restrict__ start) {
   const int64_t z = blockIdx.z;
   if (start && start[z + 1] == start[z]) return;
@@ -49,32 +72,31 @@ __global__ void k_dequant_rows(const int8_t* __restrict__ q, const float* __rest
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t r = blockIdx.y; r < R; r += gridDim.y) {
     const float s = scale[r];
-    const int8_t* qr = q + r * n_in;
+    const W* qr = q + r * n_in;
     S* tr = t + r * n_in;
     if constexpr (VEC4) {
       for (int64_t c4 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c4 * 4 < n_in; c4 += stride) {
-        const char4 v = reinterpret_cast<const char4*>(qr)[c4];
-        st(tr, c4 * 4 + 0, float(v.x) * s);
-        st(tr, c4 * 4 + 1, float(v.y) * s);
-        st(tr, c4 * 4 + 2, float(v.z) * s);
-        st(tr, c4 * 4 + 3, float(v.w) * s);
+        float v[4];
+        w4_f32<W>(reinterpret_cast<const uint32_t*>(qr)[c4], v);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) st(tr, c4 * 4 + k, v[k] * s);
       }
     } else {
       for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < n_in; c += stride)
-        st(tr, c, float(qr[c]) * s);
+        st(tr, c, w_f32(qr[c]) * s);
     }
   }
 }
 // groups x R rows of q into t (start: per-expert skip, see k_dequant_rows).
-template <class S>
-void dequant_rows(const Exec& x, const int8_t* q, const float* scale, S* t, int64_t R, int64_t n_in, int64_t groups,
+template <class S, class W>
+void dequant_rows(const Exec& x, const W* q, const float* scale, S* t, int64_t R, int64_t n_in, int64_t groups,
                   const int32_t* start) {
   const bool vec4 = n_in % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0;
   const int64_t per_row = vec4 ? n_in / 4 : n_in;
   const dim3 grid(unsigned(std::clamp<int64_t>((per_row + 255) / 256, 1, 64)), unsigned(std::min<int64_t>(R, 65535)),
                   unsigned(groups));
-  if (vec4) launch(k_dequant_rows<S, true>, grid, 256, 0, stream_of(x), q, scale, t, R, n_in, start);
-  else launch(k_dequant_rows<S, false>, grid, 256, 0, stream_of(x), q, scale, t, R, n_in, start);
+  if (vec4) launch(k_dequant_rows<S, W, true>, grid, 256, 0, stream_of(x), q, scale, t, R, n_in, start);
+  else launch(k_dequant_rows<S, W, false>, grid, 256, 0, stream_of(x), q, scale, t, R, n_in, start);
 }
 
 // y[i, :] = b for every row i < N.
@@ -85,15 +107,15 @@ __global__ void k_bias_broadcast(S* __restrict__ y, const S* __restrict__ b, int
       y[i * n_out + o] = b[o];
 }
 
-void int8_dequant_gemm(const Exec& x, const void* in, const int8_t* q, const float* scale, const void* b, void* y,
-                       int64_t N, int64_t n_in, int64_t n_out, DType dt) {
+void q8_dequant_gemm(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y,
+                     int64_t N, int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
   const size_t es = dtype_size(dt);
   const size_t gemm_ws = std::min(kGemmWs, x.ws_bytes / 4) / 256 * 256;
   const size_t row_bytes = std::max<size_t>(1, size_t(std::max<int64_t>(n_in, 0)) * es);
   const size_t avail = std::min(x.ws_bytes - gemm_ws, std::max(kTileBytes, row_bytes));
   int64_t R = std::min<int64_t>(n_out, int64_t(avail / row_bytes));
   if (R < 1)
-    fail("dev::linear_int8_fwd: the Exec's workspace (Exec::ws, " + std::to_string(x.ws_bytes) +
+    fail("dev::linear_q8_fwd: the Exec's workspace (Exec::ws, " + std::to_string(x.ws_bytes) +
          " bytes) cannot hold one dequantized weight row (" + std::to_string(row_bytes) + " bytes of " +
          dtype_name(dt) + ") beside " + std::to_string(gemm_ws) +
          " bytes of GEMM workspace; make the Exec with a larger ws_bytes");
@@ -108,20 +130,23 @@ void int8_dequant_gemm(const Exec& x, const void* in, const int8_t* q, const flo
       k_bias_broadcast<S><<<grid, 256, 0, stream_of(x)>>>(static_cast<S*>(y), static_cast<const S*>(b), N, n_out);
       Q3VL_LAUNCHED();
     }
-    for (int64_t r0 = 0; r0 < n_out; r0 += R) {
-      const int64_t rt = std::min(R, n_out - r0);
-      dequant_rows<S>(x, q + r0 * n_in, scale + r0, static_cast<S*>(tile), rt, n_in, 1, nullptr);
-      cuda::gemm(xg, false, true, N, rt, n_in, 1.f, in, n_in, tile, n_in, b ? 1.f : 0.f, static_cast<char*>(y) + r0 * es,
-                 n_out, dt, dt);
-    }
+    by_qformat(qf, [&]<class W>() {
+      for (int64_t r0 = 0; r0 < n_out; r0 += R) {
+        const int64_t rt = std::min(R, n_out - r0);
+        dequant_rows<S>(x, static_cast<const W*>(q) + r0 * n_in, scale + r0, static_cast<S*>(tile), rt, n_in, 1,
+                        nullptr);
+        cuda::gemm(xg, false, true, N, rt, n_in, 1.f, in, n_in, tile, n_in, b ? 1.f : 0.f,
+                   static_cast<char*>(y) + r0 * es, n_out, dt, dt);
+      }
+    });
   });
 }
 
 // Experts by groups that fit the workspace: each group's experts with rows dequantized into the tile [g, n_out, n_in],
 // then grouped_linear_fwd over the group (start + e0: the rows stay absolute). ws holds grouped_linear's tile index at
 // its head, the tile after. False (nothing done) when ws cannot hold one expert.
-bool int8_grouped_dequant(const Exec& x, const void* xg, const int8_t* q, const float* scale, const int32_t* start,
-                          void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+bool q8_grouped_dequant(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start, void* y,
+                        int64_t R, int64_t E, int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
   const size_t head = (size_t(E + 1) * sizeof(int32_t) + 255) / 256 * 256;
   const size_t expert = size_t(n_out * n_in) * dtype_size(dt);
   if (x.ws_bytes < head + expert) return false;
@@ -132,32 +157,35 @@ bool int8_grouped_dequant(const Exec& x, const void* xg, const int8_t* q, const 
   xh.ws_bytes = head;
   void* tile = static_cast<char*>(x.ws) + head;
   by_dtype(dt, [&]<class S>() {
-    for (int64_t e0 = 0; e0 < E; e0 += g) {
-      const int64_t ng = std::min(g, E - e0);
-      dequant_rows<S>(x, q + e0 * n_out * n_in, scale + e0 * n_out, static_cast<S*>(tile), n_out, n_in, ng,
-                      start + e0);
-      cuda::grouped_linear_fwd(xh, xg, tile, start + e0, y, R, ng, n_in, n_out, dt);
-    }
+    by_qformat(qf, [&]<class W>() {
+      for (int64_t e0 = 0; e0 < E; e0 += g) {
+        const int64_t ng = std::min(g, E - e0);
+        dequant_rows<S>(x, static_cast<const W*>(q) + e0 * n_out * n_in, scale + e0 * n_out, static_cast<S*>(tile),
+                        n_out, n_in, ng, start + e0);
+        cuda::grouped_linear_fwd(xh, xg, tile, start + e0, y, R, ng, n_in, n_out, dt);
+      }
+    });
   });
   return true;
 }
 
 }  // namespace
 
-void linear_int8_fwd(const Exec& x, const void* in, const int8_t* q, const float* scale, const void* b, void* y,
-                     int64_t N, int64_t n_in, int64_t n_out, DType dt) {
+void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t N,
+                   int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
   if (N <= 0 || n_out <= 0) return;
-  if (N > kGemvMaxN) return int8_dequant_gemm(x, in, q, scale, b, y, N, n_in, n_out, dt);
-  gemv(x, in, q, scale, b, y, N, n_in, n_out, dt);
+  if (N > kGemvMaxN) return q8_dequant_gemm(x, in, q, scale, b, y, N, n_in, n_out, qf, dt);
+  gemv(x, in, q, scale, b, y, N, n_in, n_out, qf, dt);
 }
 
-void grouped_linear_int8_fwd(const Exec& x, const void* xg, const int8_t* q, const float* scale, const int32_t* start,
-                             void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start,
+                           void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
   if (R <= 0 || n_out <= 0) return;
-  Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear_int8: expert count out of range");
-  if (R > kGroupedGemvRows * E && n_in > 0 && int8_grouped_dequant(x, xg, q, scale, start, y, R, E, n_in, n_out, dt))
+  Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear_q8: expert count out of range");
+  if (R > kGroupedGemvRows * E && n_in > 0 &&
+      q8_grouped_dequant(x, xg, q, scale, start, y, R, E, n_in, n_out, qf, dt))
     return;
-  gemv(x, xg, q, scale, nullptr, y, std::min<int64_t>(R, kGemvMaxN), n_in, n_out, dt, start, E, R);
+  gemv(x, xg, q, scale, nullptr, y, std::min<int64_t>(R, kGemvMaxN), n_in, n_out, qf, dt, start, E, R);
 }
 
 }  // namespace q3vl::dev::cuda
