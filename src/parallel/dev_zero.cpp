@@ -303,7 +303,9 @@ void DevZero::ring_walk(const std::vector<Span>& spans, const float* g, void* w,
   const int k = pool ? pool->size() : 1;
   Q3VL_CHECK(2 * size_t(k) <= ring_.size(), "DevZero: the host update has more threads than the ring has slots");
   auto share = [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) ring_share(spans, total * i / k, total * (i + 1) / k, &ring_[2 * size_t(i)], g, w, fn);
+    dev::bind_thread(ux_);  // a pool thread enqueues on the rank's GPU
+    for (int64_t i = i0; i < i1; ++i)
+      ring_share(spans, total * i / k, total * (i + 1) / k, &ring_[2 * size_t(i)], g, w, fn);
   };
   if (pool) pool->run(k, share, 1);
   else share(0, 1);
@@ -355,7 +357,6 @@ void DevZero::ring_share(const std::vector<Span>& spans, int64_t lo, int64_t hi,
 // The caller has waited for the step's gradients (the norm read them), so the copies down need no event.
 void DevZero::host_update(ThreadPool& pool, const HostFn& fn) {
   Q3VL_CHECK(off_, "DevZero: the host update needs the optimizer offloaded");
-  dev::bind_thread(ux_);
   std::vector<Span> spans;
   for (const Run& r : runs_) spans.push_back({r.grad, r.master, r.n, &r});
   ring_walk(spans, delayed_ ? gprev_ : gshard_, stream_ ? nullptr : delayed_ ? wnext_ : wcopy_, &pool,
