@@ -97,6 +97,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   const dev::Exec cpu{};
   auto opt = [&](int64_t k, float* theirs, bool pin) -> float* {
     if (!off_) return f32(k);
+    if (borrowed_ && k == 0) return nullptr;  // the caller's empty shard: nothing to pin or release
     const int64_t bytes = std::max<int64_t>(k, 1) * 4;
     if (pin) return static_cast<float*>(pinned(bytes, theirs));
     return theirs ? theirs : static_cast<float*>(dev::host_alloc(cpu, size_t(bytes)));
@@ -164,14 +165,11 @@ DevZero::~DevZero() {
   for (void* p : {(void*)gshard_, (void*)gprev_, (void*)land_, wcopy_, wnext_})
     if (p) dev::release(ex_, p);
   for (void* p : {(void*)master_, (void*)m_, (void*)v_}) {
-    const bool pinned = stream_ && p == master_;
-    if (!p || !off_) {
-      if (p) dev::release(ex_, p);
-    } else if (borrowed_) {
-      if (pinned) dev::host_unregister(ex_, p);
-    } else {
-      dev::host_release(pinned ? ex_ : dev::Exec{}, p);
-    }
+    const bool pinned = stream_ && p == master_;  // the rest of the host state is plain memory
+    if (!p) continue;
+    if (!off_) dev::release(ex_, p);
+    else if (!borrowed_) dev::host_release(pinned ? ex_ : dev::Exec{}, p);
+    else if (pinned) dev::host_unregister(ex_, p);
   }
   if (off_) {
     dev::synchronize(ux_);
@@ -280,7 +278,7 @@ void DevZero::make_runs() {
         b->no_decay == p.no_decay)
       b->n += p.count;
     else
-      runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay, b ? b->first + b->n : 0});
+      runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay});
   }
 }
 
@@ -375,7 +373,7 @@ void DevZero::upload_all(void* w) {
 void DevZero::refresh_params() {
   if (off_ && !stream_ && !gathered_once_) {  // start-up or a resume: every unit's masters up, into both copies
     upload_all(wcopy_);
-    if (wnext_) upload_all(wnext_);
+    if (wnext_) dev::copy(ex_, wnext_, wcopy_, size_t(L_.master) * dtype_size(gd_));
   } else if (wcopy_ && !off_) {
     dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
   }

@@ -229,12 +229,12 @@ ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int ep = 1) {
 
 // DevTrainer::plan for a layout, cached as zero_max is (the search sizes the same layouts for every node count).
 DevTrainerMemory trainer_bytes(const Workload& w, const ParamTable& t, const DevBudget& b, const Layout& l, int n) {
-  using Key =
-      std::tuple<int64_t, size_t, std::vector<bool>, DType, int64_t, int64_t, int64_t, int, int, int, int, int64_t>;
+  using Key = std::tuple<int64_t, size_t, std::vector<bool>, DType, int64_t, int64_t, int64_t, int, int, int, int,
+                         int64_t, int>;
   static std::map<Key, DevTrainerMemory> cache;
   const Key key{t.total(), t.units().size(), w.trainable, w.dt, b.tokens, b.patches, b.segments, b.ep, n, l.stage,
                 int(l.recompute) + 2 * int(l.offload) + 4 * int(l.host_params) + 8 * int(l.delayed),
-                w.offload_chunk * 8192 + w.offload_threads};  // threads <= 4096 (the key's bound)
+                w.offload_chunk, w.offload_threads};
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   Offload off;
   off.optimizer = off.in_place = l.offload;  // onto the host engine's shards in place, as train does

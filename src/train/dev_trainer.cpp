@@ -151,7 +151,8 @@ double DevTrainer::grad_norm_sq(bool* finite) {
   const double zero[2] = {0, 0};
   dev::to_device(ex_, norm_, zero, sizeof zero);
   auto* bad = reinterpret_cast<int32_t*>(norm_ + 1);
-  for (const DevZero::Run& r : zero_->runs()) dev::sum_squares(ex_, zero_->grads() + r.grad, r.n, DType::F32, norm_, bad);
+  for (const DevZero::Run& r : zero_->runs())
+    dev::sum_squares(ex_, zero_->grads() + r.grad, r.n, DType::F32, norm_, bad);
   double got[2];
   dev::to_host(ex_, got, norm_, sizeof got);
   int32_t nonfinite;

@@ -187,8 +187,8 @@ void check_offload_memory(Runtime& rt, const DevTrainerMemory& need, const ZeroM
     char buf[640];
     std::snprintf(buf, sizeof buf,
                   "parallel.offload_optimizer = \"cpu\" needs %.1f GiB of host memory per node (%d rank(s) here, the "
-                  "largest: fp32 masters %.1f GiB, AdamW moments %.1f GiB, pinned staging %.1f GiB), this node (%s) has %.1f GiB available (MemAvailable); use more nodes or "
-                  "fewer ranks a node (`q3vl plan` sizes it)",
+                  "largest: fp32 masters %.1f GiB, AdamW moments %.1f GiB, pinned staging %.1f GiB), this node (%s) "
+                  "has %.1f GiB available (MemAvailable); use more nodes or fewer ranks a node (`q3vl plan` sizes it)",
                   want / GiB, node.size(), double(engine.master + need.zero.host_master) / GiB,
                   double(engine.exp_avg + engine.exp_avg_sq + need.zero.host_moments) / GiB,
                   double(need.zero.host_staging) / GiB,

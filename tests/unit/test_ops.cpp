@@ -309,14 +309,20 @@ TEST(Ops, PosEmbedInterpolation) {
 // ---- weight-only int8 -------------------------------------------------------------------------------------------
 // Quantization: symmetric per row (absmax/127), so every weight is within half a step of its row's grid and the
 // row's largest weight is exact; an all-zero row stays zero.
-TEST(Ops, QuantizeInt8RowsRoundTrip) {
-  std::mt19937 rng(21);
-  const int64_t rows = 9, cols = 37;
+// rows x cols weights drawn N(0, 0.05) from `seed`, row 4 all zero, and `outlier` at row 2, column 5.
+static std::vector<float> quant_test_rows(unsigned seed, int64_t rows, int64_t cols, float outlier) {
+  std::mt19937 rng(seed);
   std::vector<float> W(rows * cols);
   std::normal_distribution<float> nd(0, 0.05f);
   for (auto& w : W) w = nd(rng);
-  for (int64_t c = 0; c < cols; ++c) W[4 * cols + c] = 0;  // a zero row
-  W[2 * cols + 5] = -3.0f;                                   // an outlier sets its row's scale only
+  for (int64_t c = 0; c < cols; ++c) W[4 * cols + c] = 0;
+  W[2 * cols + 5] = outlier;
+  return W;
+}
+
+TEST(Ops, QuantizeInt8RowsRoundTrip) {
+  const int64_t rows = 9, cols = 37;
+  const std::vector<float> W = quant_test_rows(21, rows, cols, -3.0f);  // the outlier sets its row's scale only
   std::vector<int8_t> q(W.size());
   std::vector<float> s(rows);
   ops::quantize_int8_rows(W.data(), rows, cols, q.data(), s.data());
@@ -339,13 +345,9 @@ TEST(Ops, QuantizeInt8RowsRoundTrip) {
 // scale), every weight within half a step of E4M3's grid (2^-4 of itself, or 2^-10 of the scale among the
 // subnormals); an all-zero row stays zero; a non-finite weight is refused, naming the format.
 TEST(Ops, QuantizeFp8RowsRoundTrip) {
-  std::mt19937 rng(24);
   const int64_t rows = 9, cols = 37;
-  std::vector<float> W(rows * cols);
-  std::normal_distribution<float> nd(0, 0.05f);
-  for (auto& w : W) w = nd(rng);
-  for (int64_t c = 0; c < cols; ++c) W[4 * cols + c] = 0;  // a zero row
-  W[2 * cols + 5] = -300.0f;  // an outlier: its row's smaller weights (below 2^-6 of 448 scales) go subnormal
+  // The outlier: its row's smaller weights (below 2^-6 of 448 scales) go subnormal.
+  std::vector<float> W = quant_test_rows(24, rows, cols, -300.0f);
   std::vector<uint8_t> q(W.size());
   std::vector<float> s(rows);
   ops::quantize_rows(QFormat::Fp8, W.data(), rows, cols, q.data(), s.data());

@@ -116,12 +116,10 @@ class DevZero final : UnitHooks {
                             bool delayed = false, RingSpec ring = {});
   DevZeroMemory memory() const { return mem_; }
 
-  // Adjacent trainable pieces with the same flags: one optimizer launch each. `first`: its first element among all
-  // runs' (the run space the host update walks).
+  // Adjacent trainable pieces with the same flags: one optimizer launch each.
   struct Run {
     int64_t master = 0, grad = 0, opt = 0, n = 0;
     bool no_decay = false;
-    int64_t first = 0;
   };
   const std::vector<Run>& runs() const { return runs_; }
 
