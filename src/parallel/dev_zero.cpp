@@ -37,7 +37,10 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
                     bool in_place, bool stream, bool delayed, const RingSpec& ring) {
   DevZeroMemory m;
   const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
-  const int64_t up = stream ? (stage == 3 ? kParamSlots : 1) * max_shard(L) * (4 + (gd == DType::F32 ? 0 : g)) : 0;
+  // Streamed: a staging buffer a slot for the shard copied up, but where it lands in the slot itself (one rank, no
+  // conversion).
+  const bool staged = stream && (group > 1 || gd != dt);
+  const int64_t up = staged ? (stage == 3 ? kParamSlots : 1) * max_shard(L) * g : 0;
   const int64_t staging = gd == dt ? 0 : (stage == 3 ? kParamSlots : 1) * slot * g;
   const int64_t copies = delayed ? 2 : 1;  // delayed: the gradient shard and the parameter copy twice
   if (!in_place) (off ? m.host_master : m.master) = L.master * 4;
@@ -46,6 +49,7 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
   m.comm = (group > 1 ? L.comm * 4 : 0) + ((gd == DType::F32 && !off) || stream ? 0 : copies * L.master * g);
   m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging + up;
   if (off) m.host_staging = 2 * int64_t(std::max(1, ring.threads)) * ring_chunk(L, ring) * (4 + (stream ? 0 : g));
+  if (stream && gd != DType::F32) m.host_params = L.master * g;
   return m;
 }
 
@@ -102,7 +106,8 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
     if (pin) return static_cast<float*>(pinned(bytes, theirs));
     return theirs ? theirs : static_cast<float*>(dev::host_alloc(cpu, size_t(bytes)));
   };
-  master_ = opt(L_.master, borrowed_ ? host->master : nullptr, stream_);
+  const bool host_copy = stream_ && gd_ != DType::F32;  // hw_: else the gathers read the (pinned) masters
+  master_ = opt(L_.master, borrowed_ ? host->master : nullptr, stream_ && !host_copy);
   m_ = opt(L_.opt, borrowed_ ? host->exp_avg : nullptr, false);
   v_ = opt(L_.opt, borrowed_ ? host->exp_avg_sq : nullptr, false);
   gshard_ = f32(L_.comm), gprev_ = delayed_ ? f32(L_.comm) : nullptr;
@@ -110,6 +115,8 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   auto wbuf = [&] { return dev::alloc(ex_, size_t(std::max<int64_t>(L_.master, 1)) * dtype_size(gd_)); };
   if ((gd_ != DType::F32 || off_) && !stream_) wcopy_ = wbuf();
   if (delayed_) wnext_ = wbuf();
+  if (host_copy) hw_ = pinned(std::max<int64_t>(L_.master, 1) * int64_t(dtype_size(gd_)), nullptr);
+  solo_up_ = stream_ && stage == 3 && n == 1;
   if (off_) {
     chunk_ = ring_chunk(L_, ring);
     ux_ = dev::make_exec(ex_.device, 0, ex_.gpu);
@@ -121,10 +128,8 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
     }
   }
   make_runs();
-  for (int i = 0, k = stream_ ? (stage == 3 ? kParamSlots : 1) : 0; i < k; ++i) {
-    up_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * 4));
-    if (gd_ != DType::F32) upc_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * dtype_size(gd_)));
-  }
+  for (int i = 0, k = stream_ && (n > 1 || conv_) ? (stage == 3 ? kParamSlots : 1) : 0; i < k; ++i)
+    up_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * dtype_size(gd_)));
   slot_elems_ = slot_elems(L_);
   if (conv_ && stage != 3) stg_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(gd_)));
   if (split_) ev_c2m_ = dev::event_create(ex_), ev_m2c_ = dev::event_create(ex_);
@@ -145,7 +150,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
     rs_order_.push_back(int(u));
   }
   std::sort(rs_order_.begin(), rs_order_.end(), [&](int a, int b) { return last_use_[a] < last_use_[b]; });
-  auto event = [&] { return split_ ? dev::event_create(ex_) : nullptr; };
+  auto event = [&] { return split_ || solo_up_ ? dev::event_create(ex_) : nullptr; };
   for (int i = 0; i < kParamSlots; ++i) {
     pslot_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(dt_))), pfree_.push_back(i);
     if (conv_) stg_.push_back(dev::alloc(ex_, size_t(slot_elems_) * dtype_size(gd_)));
@@ -165,12 +170,13 @@ DevZero::~DevZero() {
   for (void* p : {(void*)gshard_, (void*)gprev_, (void*)land_, wcopy_, wnext_})
     if (p) dev::release(ex_, p);
   for (void* p : {(void*)master_, (void*)m_, (void*)v_}) {
-    const bool pinned = stream_ && p == master_;  // the rest of the host state is plain memory
+    const bool pinned = stream_ && !hw_ && p == master_;  // the rest of the host state is plain memory
     if (!p) continue;
     if (!off_) dev::release(ex_, p);
     else if (!borrowed_) dev::host_release(pinned ? ex_ : dev::Exec{}, p);
     else if (pinned) dev::host_unregister(ex_, p);
   }
+  if (hw_) dev::host_release(ex_, hw_);
   if (off_) {
     dev::synchronize(ux_);
     for (Ring& r : ring_) dev::host_release(ex_, r.g), dev::host_release(ex_, r.w), dev::event_destroy(ex_, r.down);
@@ -179,7 +185,6 @@ DevZero::~DevZero() {
   dev::synchronize(cx_);
   for (void* p : pslot_) dev::release(ex_, p);
   for (void* p : up_) dev::release(ex_, p);
-  for (void* p : upc_) dev::release(ex_, p);
   for (void* p : stg_) dev::release(ex_, p);
   for (float* p : gslot_) dev::release(ex_, p);
   for (auto* v : {&ev_ready_, &ev_free_, &ev_gfree_})
@@ -191,12 +196,35 @@ void* DevZero::wshard(int64_t off) const {
   return wcopy_ ? at(wcopy_, off, gd_) : static_cast<void*>(master_ + off);
 }
 
-// Streamed: the unit's fp32 master shard up from the host into the slot's staging, in gd_ there.
+const void* DevZero::host_params(int64_t off) const {
+  return hw_ ? static_cast<const void*>(at(hw_, off, gd_)) : static_cast<const void*>(master_ + off);
+}
+
+// Streamed: the unit's shard (gd_) up from the host into the slot's staging.
 const void* DevZero::staged(const ZeroUnit& u, size_t slot, const dev::Exec& x) {
-  dev::to_device(x, up_[slot], master_ + u.master_off, size_t(u.shard) * 4);
-  if (gd_ == DType::F32) return up_[slot];
-  dev::convert(x, upc_[slot], gd_, up_[slot], DType::F32, u.shard);
-  return upc_[slot];
+  dev::to_device(x, up_[slot], host_params(u.master_off), size_t(u.shard) * dtype_size(gd_));
+  return up_[slot];
+}
+
+// The copy of the next unit runs on ux_ while the model's stream computes with this one: it waits for the slot's
+// last use (ev_free_) and the model's stream waits for it (ev_ready_, enter_slot).
+void DevZero::solo_up(const ZeroUnit& u, size_t b) {
+  gathered_ += u.shard * int64_t(dtype_size(gd_));
+  dev::event_wait(ux_, ev_free_[b]);
+  if (conv_) dev::convert(ux_, pslot_[b], dt_, staged(u, b, ux_), gd_, u.shard);
+  else dev::to_device(ux_, pslot_[b], host_params(u.master_off), size_t(u.shard) * dtype_size(gd_));
+  dev::event_record(ux_, ev_ready_[b]);
+}
+
+// Every unit the first time (start-up, after from_host), then the trained runs only: the frozen pieces never change,
+// and their fp32 masters may have been released since.
+void DevZero::fill_host_params() {
+  const dev::Exec cpu{};
+  if (!hw_full_)
+    for (const ZeroUnit& u : L_.units) dev::convert(cpu, at(hw_, u.master_off, gd_), gd_, master_ + u.master_off, DType::F32, u.shard);
+  else
+    for (const Run& r : runs_) dev::convert(cpu, at(hw_, r.master, gd_), gd_, master_ + r.master, DType::F32, r.n);
+  hw_full_ = true;
 }
 
 std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, void* stg, size_t slot) {
@@ -204,6 +232,10 @@ std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, 
   const int n = c.size();
   gathered_ += u.shard * n * int64_t(dtype_size(gd_));
   if (n == 1) {
+    if (stream_ && !conv_) {
+      dev::to_device(ex_, dst, host_params(u.master_off), size_t(u.shard) * dtype_size(gd_));
+      return nullptr;
+    }
     const void* src = stream_ ? staged(u, slot, ex_) : wshard(u.master_off);
     dev::convert(ex_, dst, dt_, src, gd_, u.shard);  // a copy unless conv_
     return nullptr;
@@ -223,6 +255,7 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
     const ShardPiece& h = host[i];
     Q3VL_CHECK(h.param == L_.pieces[i].param && h.begin == L_.pieces[i].begin && h.count == L_.pieces[i].count,
                "DevZero: the host engine's shard is another layout");
+    if (!h.master) continue;  // a frozen piece the host engine released: unchanged since start-up (hw_ holds it)
     const size_t bytes = size_t(h.count) * 4;
     auto put = [&](float* dst, const float* src) {  // borrowed: the same memory
       if (dst != src) off_ ? (void)std::memcpy(dst, src, bytes) : dev::to_device(ex_, dst, src, bytes);
@@ -237,6 +270,7 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
 void DevZero::to_host(const std::vector<ShardPiece>& host) const {
   for (size_t i = 0; i < host.size(); ++i) {
     const ShardPiece& h = host[i];
+    if (!h.master) continue;  // released (see from_host)
     const size_t bytes = size_t(h.count) * 4;
     auto get = [&](float* dst, const float* src) {
       if (dst != src) off_ ? (void)std::memcpy(dst, src, bytes) : dev::to_host(ex_, dst, src, bytes);
@@ -343,7 +377,7 @@ void DevZero::ring_share(const std::vector<Span>& spans, int64_t lo, int64_t hi,
     dev::event_synchronize(ux_, r.down);
     char* rw = static_cast<char*>(r.w);
     each(c, e, [&](const Span& p, int64_t a, int64_t n, int64_t x) {
-      fn(p, a, n, r.g + x, rw ? rw + x * int64_t(gs) : nullptr);
+      fn(p, a, n, r.g + x, rw ? rw + x * int64_t(gs) : hw_ ? at(hw_, p.master + a, gd_) : nullptr);
     });
     if (w && rw)
       each(c, e, [&](const Span& p, int64_t a, int64_t n, int64_t x) {
@@ -374,6 +408,8 @@ void DevZero::refresh_params() {
   if (off_ && !stream_ && !gathered_once_) {  // start-up or a resume: every unit's masters up, into both copies
     upload_all(wcopy_);
     if (wnext_) dev::copy(ex_, wnext_, wcopy_, size_t(L_.master) * dtype_size(gd_));
+  } else if (hw_ && !gathered_once_) {  // start-up or a resume: the host copy (the update writes it after)
+    fill_host_params();
   } else if (wcopy_ && !off_) {
     dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
   }
@@ -491,6 +527,7 @@ void DevZero::issue_gather(size_t k) {
   pfree_.pop_back();
   const size_t b = size_t(s.buf);
   if (split_) dev::event_wait(cx_, ev_free_[b]);  // the slot's last use is done
+  if (solo_up_) return solo_up(u, b);
   s.req = gather_unit(u, pslot_[b], conv_ ? stg_[b] : nullptr, b);
   if (split_) dev::event_record(cx_, ev_ready_[b]);
 }
@@ -521,6 +558,7 @@ void DevZero::enter_slot(size_t k) {
     settle(comm(L_.units[u]), std::move(s.req));
     if (split_) dev::event_wait(ex_, ev_ready_[size_t(s.buf)]);
   }
+  if (solo_up_) dev::event_wait(ex_, ev_ready_[size_t(s.buf)]);
   if (backward_ && k >= 2) reduce_done(k - 1);
   if (k + 1 < slots_.size()) issue_gather(k + 1);  // the next unit's gather, ahead of this unit's compute
   float* g = nullptr;
@@ -544,7 +582,7 @@ void DevZero::leave_slot(size_t k) {
   const size_t u = size_t(s.unit);
   model_.bind_unit(int(u), nullptr, nullptr);
   held_[u] = -1;
-  if (split_) dev::event_record(ex_, ev_free_[size_t(s.buf)]);
+  if (split_ || solo_up_) dev::event_record(ex_, ev_free_[size_t(s.buf)]);
   pfree_.push_back(s.buf);  // a later gather into it waits for this unit's compute (stream order, event, or host)
   s.buf = -1;
   if (!backward_ && k + 1 == slots_.size()) drain();  // the forward's loss is read next

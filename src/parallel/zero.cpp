@@ -1,5 +1,8 @@
 #include "q3vl/parallel/zero.hpp"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -75,7 +78,8 @@ ZeroShards::ZeroShards(const ParamTable& t, const Comm& shard, const std::vector
 
 ZeroMemory ZeroShards::memory() const {
   ZeroMemory m;
-  m.master = int64_t(master_.size()) * 4;
+  m.master = int64_t(master_.size()) * 4 - released_;
+  for (const ShardPiece& p : pieces_) m.frozen += p.trainable || !p.master ? 0 : p.count * 4;
   m.exp_avg = int64_t(exp_avg_.size()) * 4;
   m.exp_avg_sq = int64_t(exp_avg_sq_.size()) * 4;
   return m;
@@ -86,7 +90,21 @@ static ZeroMemory layout_bytes(const ZeroLayout& L) {
   ZeroMemory m;
   m.master = L.master * 4;
   m.exp_avg = m.exp_avg_sq = L.opt * 4;
+  for (const ShardPiece& p : L.pieces) m.frozen += p.trainable ? 0 : p.count * 4;
   return m;
+}
+
+int64_t ZeroShards::release_frozen() {
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  int64_t bytes = 0;
+  for (ShardPiece& p : pieces_) {
+    if (p.trainable || !p.master) continue;
+    const uintptr_t a = (uintptr_t(p.master) + page - 1) / page * page, b = uintptr_t(p.master + p.count) / page * page;
+    if (a < b && madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED) == 0) bytes += int64_t(b - a);
+    p.master = nullptr;
+    released_ += p.count * 4;  // what memory() reports: the pieces (the pages at their ends may stay)
+  }
+  return bytes;
 }
 
 ZeroMemory ZeroShards::plan(const ParamTable& t, int n, int r, const std::vector<bool>& trainable,

@@ -158,7 +158,7 @@ std::string Bytes::largest(int n) const {
 
 std::string HostBytes::largest(int n) const {
   std::pair<int64_t, const char*> k[] = {{masters, "fp32 masters"}, {moments, "AdamW moments"},
-                                         {staging, "pinned staging"}};
+                                         {staging, "pinned staging"}, {params, "parameters (pinned)"}};
   std::stable_sort(std::begin(k), std::end(k), [](const auto& a, const auto& b) { return a.first > b.first; });
   std::string s;
   for (int i = 0; i < n && k[i].first > 0; ++i) s += (i ? ", " : "") + std::string(k[i].second) + " " + gib(k[i].first);
@@ -222,7 +222,7 @@ ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int ep = 1) {
   for (int r = 0; r < n; r += std::max(1, n / 16)) {  // evenly spread ranks: the pieces repeat with the rank
     const ShardGroup experts{n / ep, r / ep};
     const ZeroMemory z = ZeroShards::plan(t, n, r, w.trainable, ep > 1 ? &experts : nullptr);
-    mx(m.master, z.master), mx(m.exp_avg, z.exp_avg), mx(m.exp_avg_sq, z.exp_avg_sq);
+    mx(m.master, z.master), mx(m.exp_avg, z.exp_avg), mx(m.exp_avg_sq, z.exp_avg_sq), mx(m.frozen, z.frozen);
   }
   return cache[key] = m;
 }
@@ -273,9 +273,11 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
   // staging; offload updates them there in place), and offload adds its pinned staging (d.host(): the trainer's).
   {
     const ZeroMemory h = zero_max(w, t, n, l.ep);
-    c.host.masters = h.master;
+    // LoRA with its base on the host in the compute dtype: the base's fp32 masters are released (train).
+    c.host.masters = h.master - (w.cfg.lora.on() && d.zero.host_params > 0 ? h.frozen : 0);
     c.host.moments = h.exp_avg + h.exp_avg_sq;
-    c.host.staging = d.host();
+    c.host.params = d.zero.host_params;
+    c.host.staging = d.host() - d.zero.host_params;
   }
   c.host_node = int64_t(hw.gpus_per_node) * c.host.total() + kHostReserve;
   c.gpu_need = c.gpu.total() + kGpuReserve;
@@ -333,9 +335,10 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
       exposed += 2 * (Ptr * 4 / n) * double(hw.nodes - 1) / hw.nodes / (hw.link_gbps / 8 * 1e9 * kLinkEfficiency);
   }
   if (l.host_params) {
-    // Every unit's fp32 shard comes up from the host for its forward and its backward use (stage 3; stages 1/2 once
-    // a step), prefetched a unit ahead: exposed beyond the micro-step's compute, the first unit's never hidden.
-    const double up = P / n * 4 / (hw.pcie_gbs * 1e9);
+    // Every unit's shard comes up from the host in the gathers' dtype for its forward and its backward use (stage 3;
+    // stages 1/2 once a step), prefetched a unit ahead: exposed beyond the micro-step's compute, the first unit's never
+    // hidden.
+    const double up = P / n * double(g) / (hw.pcie_gbs * 1e9);
     exposed += l.stage == 3 ? double(c.micro_steps) * std::max(0.0, 2 * up - t_micro) : up;
   }
   c.t_comm = exposed;

@@ -242,6 +242,13 @@ std::string DevTrainer::memory_report() const {
   std::string s = buf;
   if (zero_->offloaded()) {
     const ZeroLayout& L = zero_->layout();
+    char streamed[160] = "";
+    if (zero_->parameters_on_host())
+      std::snprintf(streamed, sizeof streamed, "; parameters streamed up for every gather from %s",
+                    zero_->host_param_copy()
+                        ? ("their pinned " + std::string(dtype_name(zero_->gather_dtype())) + " copy, " +
+                           std::to_string(m.zero.host_params >> 20) + " MiB").c_str()
+                        : "the masters");
     std::snprintf(buf, sizeof buf,
                   "; optimizer offloaded to the host (%s, %d thread(s)%s): fp32 masters %.3f MiB, AdamW moments %.3f "
                   "MiB%s, staging %.3f MiB%s",
@@ -249,7 +256,7 @@ std::string DevTrainer::memory_report() const {
                   delayed_ ? ", update delayed a step" : "",
                   double(L.master * 4) / MiB, double(L.opt * 8) / MiB,
                   m.zero.host_master ? "" : " (the host engine's shards, updated in place)", m.zero.host_staging / MiB,
-                  zero_->parameters_on_host() ? "; parameters streamed up from them for every gather" : "");
+                  streamed);
     s += buf;
   }
   return s;

@@ -433,7 +433,9 @@ int run_train(const Deck& deck) {
     const DevTrainerMemory need =
         DevTrainer::plan(cfg, compute, b, false, trainable, shard->size(), stage, on_gpu ? Device::CUDA : Device::CPU,
                          deck.str("parallel.gather_dtype") == "bf16", offload);
-    check_offload_memory(rt, need, ZeroShards::plan(table, shard->size(), 0, trainable));
+    ZeroMemory engine = ZeroShards::plan(table, shard->size(), 0, trainable);
+    if (cfg.lora.on() && need.zero.host_params > 0) engine.master -= engine.frozen;  // released below
+    check_offload_memory(rt, need, engine);
   }
   ZeroShards shards(table, *shard, trainable, ep.get());
   {
@@ -595,6 +597,13 @@ int run_train(const Deck& deck) {
     fail_all("resume: no checkpoint in '" + ckdir + "' matches its checksums (see the warnings above); move them "
              "aside or set train.resume = never");
   trainer->from_host(shards);
+  if (cfg.lora.on() && trainer->host_param_copy()) {
+    // The base streams from the trainer's host copy in the compute dtype; LoRA checkpoints do not hold it.
+    const int64_t b = shards.release_frozen();
+    log_info("parallel.offload_params = \"frozen\": the frozen base's fp32 masters released (" +
+             std::to_string(b >> 20) + " MiB on this rank); it streams from its " + deck.str("model.dtype") +
+             " copy on the host");
+  }
   if (st.loss_scale > 0) trainer->set_loss_scale(st.loss_scale);  // a resumed fp16 run keeps its scale
   {
     const double peak = peak_rss_mib();

@@ -57,6 +57,25 @@ for c in "f1 r1 1" "f3 z3 2 lora.dropout=0.1" "fz1 z1 2 parallel.zero_stage=1 lo
     cmp_losses "$1" "$2" 0 6 && cmp_ckpt "$(ckpt "$1")" "$(ckpt "$2")" 0 && pass "frozen base on the host: $1 = $2 bitwise" ||
     bad "frozen base on the host: $1 vs $2"
 done
+# With bf16 gathers the base streams from a pinned bf16 copy on the host and its fp32 masters are given back to the
+# OS: bitwise the same run with bf16 gathers and the base on the device, at 1 rank, 2 ranks (ZeRO-3) and ZeRO-1, and a
+# resume (its checkpoints are written after the release).
+gb=(parallel.gather_dtype=bf16)
+for c in "gh1 gd1 1" "gh3 gd3 2 lora.dropout=0.1" "ghz1 gdz1 2 parallel.zero_stage=1"; do
+  set -- $c
+  train "$2" "$3" "${gb[@]}" "${@:4}" && train "$1" "$3" "${gb[@]}" "${hostbase[@]}" "${@:4}"
+  ok_run $? "$1" && grep -q "fp32 masters released" "$tmp/$1.log" && grep -q "pinned bf16 copy" "$tmp/$1.log" &&
+    cmp_losses "$1" "$2" 0 6 && cmp_ckpt "$(ckpt "$1")" "$(ckpt "$2")" 0 &&
+    pass "frozen base on the host in bf16: $1 = $2 bitwise" || bad "frozen base on the host in bf16: $1 vs $2"
+done
+train ghs 2 "${gb[@]}" "${hostbase[@]}" lora.dropout=0.1 train.stop_after=3; rc=$?
+if [[ $rc -eq 0 || $rc -eq 3 ]]; then
+  train ghs 2 "${gb[@]}" "${hostbase[@]}" lora.dropout=0.1 train.resume=auto; ok_run $? ghs &&
+    cmp_ckpt "$(ckpt ghs)" "$(ckpt gd3)" 0 && pass "frozen base on the host in bf16: stop and resume bitwise" ||
+    bad "frozen base on the host in bf16: resume differs"
+else
+  bad "frozen base on the host in bf16: stopped run rc=$rc"
+fi
 expect "offload_params: nothing frozen" 1 'parallel.offload_params = "frozen" but nothing is frozen' \
   $q train model.hf=$model train.steps=1 "${hostbase[@]}" run.out_dir="$tmp/nf"
 expect "offload_params: needs the optimizer offloaded" 1 \

@@ -144,6 +144,41 @@ TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
     }
 }
 
+// The base on the host in the compute dtype (LoRA, bf16): the trainer pins a bf16 copy of its shard (here fp32 compute
+// with bf16 gathers: the CPU computes fp32), as its own sizing says; the planner (bf16 compute, a GPU's) counts that
+// copy and the engine's shards once the base's fp32 masters are released; the base's pieces lose their masters.
+TEST(Plan, HostParametersInTheComputeDtype) {
+  Workload w = workload_from_deck(
+      plan_deck({"data.seq_len=64", "train.global_batch=4", "lora.rank=4", "parallel.offload_threads=2"}));
+  const DevBudget b = train_budget(w.cfg, 1, w.seq_len, w.max_patches);
+  MpiComm self(MPI_COMM_SELF);
+  const ParamTable t(w.cfg);
+  ZeroShards engine(t, self, w.trainable);
+  const ZeroMemory before = engine.memory();
+  Offload off;
+  off.optimizer = off.in_place = off.params = true, off.state = &engine, off.threads = w.offload_threads;
+  DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, false, LossScaling{}, self, nullptr, 3,
+                /*gather_bf16=*/true, nullptr, off);
+  ASSERT_TRUE(tr.host_param_copy());
+  const DevTrainerMemory got = tr.memory();
+  EXPECT_EQ(got.zero.host_params, before.master / 2);  // every element of the shard, in bf16
+  EXPECT_EQ(got.host(), DevTrainer::plan(w.cfg, DType::F32, b, false, w.trainable, 1, 3, Device::CPU, true, off).host());
+
+  w.dt = DType::BF16;  // a GPU's compute dtype (a deck on this CPU refuses it); the planner needs no GPU
+  Hardware hw = gpu_preset("H200-141GB");
+  hw.gpus_per_node = 1;
+  Layout l;
+  l.micro_batch = 1, l.stage = 3, l.offload = true, l.host_params = true;
+  const Candidate c = sized_layout(w, hw, l);
+  EXPECT_EQ(c.host.params, got.zero.host_params);
+  ASSERT_GT(before.frozen, before.master / 2);  // a LoRA base: nearly all of it
+  EXPECT_GE(engine.release_frozen(), before.frozen / 2);  // the pages inside the pieces
+  const ZeroMemory after = engine.memory();
+  EXPECT_EQ(after.master, before.master - before.frozen);
+  EXPECT_EQ(c.host.masters, after.master);
+  for (const ShardPiece& p : engine.pieces()) EXPECT_EQ(p.master == nullptr, !p.trainable) << p.param;
+}
+
 TEST(Plan, FastestFittingFirstAndMoreMemoryNeverHurts) {
   Workload w = workload_from_deck(plan_deck({"data.seq_len=512", "train.global_batch=16"}));
   Hardware hw = gpu_preset("A100-40GB");

@@ -3,7 +3,7 @@
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
 #   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile big
-#   ring
+#   ring hostbase (BIG="235b": part big's 235B cut alone)
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -40,6 +40,8 @@
 #   (input/bench_8b_offload.deck: delayed update, 4 micro-steps of 4 x 4096 tokens) and the 235B LoRA deck cut to 4
 #   decoder layers with its frozen base on the host (offload_params = frozen), each with its measured GPU and host
 #   memory (device total - free after start-up; peak RSS) and step time beside the plan's.
+# - hostbase (issue 29): LoRA with the frozen base on the host (fp32: streamed from the masters; bf16: from a pinned
+#   bf16 copy, the fp32 masters released) against the base on the device, fp32 and bf16, 1 and 2 ranks (1e-5).
 # - ring (issue 29): the 2B shape offloaded, synchronous and delayed, at ring chunks of 1M and 4M elements
 #   (parallel.offload_chunk, two slots per host thread): the step and its optimizer phase (the host update).
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
@@ -209,6 +211,22 @@ PY
   pack
 fi
 
+if part hostbase; then
+  # The frozen base on the host (issue 29) in fp32 (streamed from the masters) and in bf16 (from a pinned bf16 copy,
+  # the fp32 masters released; at one rank copied up on the ring's stream), against the base on the device: 1 and 2
+  # ranks, every step's loss (bf16: the same weights, so the bound is fp32's too).
+  lora="lora.rank=8 lora.alpha=16 lora.targets=q_proj,k_proj,v_proj,o_proj"
+  hb="parallel.offload_optimizer=cpu parallel.offload_params=frozen"
+  for dt in fp32 bf16; do
+    for np in 1 2; do
+      run hb_dev_${dt}_$np $np 100 $gpu $lora model.dtype=$dt &&
+        run hb_host_${dt}_$np $np 100 $gpu $lora model.dtype=$dt $hb && cmp hb_host_${dt}_$np hb_dev_${dt}_$np 1e-5
+      grep -h "memory per rank\|masters released" "$out"/hb_host_${dt}_$np.log | head -2 >>"$out/summary.txt"
+    done
+  done
+  pack
+fi
+
 if part delayed; then
   # parallel.offload_update = delayed (issue 29): CUDA (parameters up on their own stream, unit by unit) against the
   # CPU op layer's run of the same deck (4 steps; 8 CPU ranks, which CI shows equal to 1), and 2 ranks sharing the GPU
@@ -307,7 +325,7 @@ if part big; then
   cut="input/qwen3vl_235b_lora.deck model.hf= model.preset=235B-A22B model.text_layers=4 parallel.ep=1
        train.dataset=synthetic train.synthetic_samples=64 train.synthetic_image_px=448 train.max_patches=8192
        train.global_batch=2 train.steps=6 train.resume=never checkpoint.every=0 runtime.timeout=300"
-  for b in 8b 235b; do
+  for b in ${BIG:-8b 235b}; do
     if [[ $b == 8b ]]; then args="input/bench_8b_offload.deck checkpoint.every=0"; else args=$cut; fi
     "$q" plan $args $hw plan.show=40 >"$out/plan_$b.log" 2>&1
     rm -rf /tmp/runs/big_$b

@@ -42,11 +42,13 @@
 // one 128 GiB host), and no host memory needs pinning but the ring.
 //
 // Parameters on the host (parallel.offload_params = "frozen", with the optimizer offloaded): no copy of the masters
-// stays on the device (no wcopy_): every unit's gather starts with its fp32 master shard copied up from the host
-// (pinned, then) into a staging buffer of its pool slot, on the stream the gather runs on, converted there, and then
-// gathered as before; the prefetch of the next unit hides the copy behind the compute. A LoRA base is nearly all the
-// parameters, so the host holds them once (in fp32, where the checkpoints read them) and the device only the units in
-// use.
+// stays on the device (no wcopy_). The host holds the parameters in the gathers' dtype (hw_, pinned; the masters
+// themselves when that is fp32), and every unit's gather starts with its shard copied up from there: into a staging
+// buffer of its pool slot on the stream the gather runs on, or, at one rank, straight into its pool slot on the
+// ring's copy stream after the slot's last use, which the model's stream waits for when it enters the unit. The
+// prefetch of the next unit hides the copy behind the compute. The host update writes the trained pieces' new
+// values into hw_ (no copy up). A LoRA base is nearly all the parameters: hw_ holds it in the compute dtype, and the
+// host engine can then release the base's fp32 masters (ZeroShards::release_frozen), which no checkpoint holds.
 //
 // Delayed update (parallel.offload_update = "delayed", DeepSpeed's delayed parameter update): the device gradient
 // shard and the parameter copy are double-buffered, so that step k's update on the host reads one gradient shard and
@@ -71,9 +73,10 @@ struct DevZeroMemory {
   int64_t pool = 0;                                       // stage 3: gathered unit slots and gradient slots
   // Optimizer offload: host bytes, not in total(): the fp32 masters, the AdamW moments, and the pinned ring the
   // update's copies go through (the gradient shard down, the masters in the gathers' dtype up).
-  int64_t host_master = 0, host_moments = 0, host_staging = 0;
+  // Parameters on the host (stream): their copy in the gathers' dtype (none when that is fp32: the masters).
+  int64_t host_master = 0, host_moments = 0, host_staging = 0, host_params = 0;
   int64_t total() const { return master + moments + grads + comm + pool; }  // device bytes
-  int64_t host_total() const { return host_master + host_moments + host_staging; }
+  int64_t host_total() const { return host_master + host_moments + host_staging + host_params; }
 };
 
 // The pinned ring an offloaded update's copies go through: two slots of `chunk` elements for each of its `threads`.
@@ -132,11 +135,14 @@ class DevZero final : UnitHooks {
   float* exp_avg_sq() { return v_; }
   DType gather_dtype() const { return gd_; }
   bool parameters_on_host() const { return stream_; }
+  // Parameters on the host in a dtype other than fp32: gathers never read the fp32 masters after refresh_params(),
+  // nor the frozen pieces' ever again (their host masters may be released).
+  bool host_param_copy() const { return hw_ != nullptr; }
 
   // Offloaded: the update on the host. fn(run, a, n, g, w) for every range [a, a+n) of every run, on the pool's
   // threads (as many as the ring's): g holds the range's gradients (host memory), and fn writes the range's new
-  // masters in gather_dtype() to w (null when the parameters stay on the host: the gathers convert the masters
-  // themselves). Each thread walks its own share of the runs in chunks through its own two ring slots, each chunk's
+  // masters in gather_dtype() to w (parameters on the host: into their host copy; null when that is the fp32
+  // masters themselves). Each thread walks its own share of the runs in chunks through its own two ring slots, each chunk's
   // copy down behind the update of the one before, its parameters up after it: no thread waits for another.
   // Reads the gradient shard and writes the parameter copy the next step gathers; delayed: flip()'s and land()'s
   // other buffers. Any thread (the device is made the calling thread's current one).
@@ -205,9 +211,12 @@ class DevZero final : UnitHooks {
   Comm& comm(const ZeroUnit& u) const { return u.experts ? *experts_ : shard_; }  // the unit's shard group
   // Unit u (its shard at wshard) gathered in full into dst (dt), through staging buffer `stg` when conv_; on the
   // communication stream (NCCL), or waited (MPI), or a copy (one rank). MPI's widening waits for the request.
-  // Streamed: the shard is copied up into slot `slot`'s staging first, on `x`.
+  // Streamed: the shard is copied up from the host first (into slot `slot`'s staging unless it can land in dst).
   std::unique_ptr<CommRequest> gather_unit(const ZeroUnit& u, void* dst, void* stg, size_t slot);
   const void* staged(const ZeroUnit& u, size_t slot, const dev::Exec& x);
+  void solo_up(const ZeroUnit& u, size_t b);  // one rank, streamed: pool slot b filled on ux_ (see the top)
+  const void* host_params(int64_t off) const;  // streamed: the host parameters at master offset off, in gd_
+  void fill_host_params();  // streamed: hw_ from the masters (all units once, then the trained runs)
 
   DevModel& model_;
   const dev::Exec ex_;
@@ -228,8 +237,11 @@ class DevZero final : UnitHooks {
   void* wcopy_ = nullptr;  // masters in dt (null: dt is fp32, the masters themselves; offloaded: always, on the device)
   bool off_ = false;
   bool borrowed_ = false;    // offload: master_, m_, v_ are the caller's (pinned here, not allocated)
-  bool stream_ = false;      // parameters on the host: gathers start from master_
-  std::vector<void*> up_, upc_;  // streamed: per pool slot (stage 3) or one, the fp32 shard up and in gd_ (conv.)
+  bool stream_ = false;      // parameters on the host: gathers start from host_params()
+  void* hw_ = nullptr;       // streamed, gd_ not fp32: the parameters in gd_ on the host (pinned)
+  bool hw_full_ = false;     // hw_ holds every unit (later fills: the trained runs only)
+  bool solo_up_ = false;     // streamed at stage 3 on one rank: copies up on ux_ (solo_up)
+  std::vector<void*> up_;    // streamed: per pool slot (stage 3) or one, the shard up in gd_ (none if solo_up_ && !conv_)
   bool delayed_ = false;     // offload: gprev_ and wnext_ exist
   float* gprev_ = nullptr;   // delayed: the gradient shard the update in flight reads
   void* wnext_ = nullptr;    // delayed: the parameter copy it writes

@@ -38,6 +38,7 @@ struct ShardPiece {
 // Host bytes a rank's ZeroShards hold, by kind (the gradients live on the device: DevZero).
 struct ZeroMemory {
   int64_t master = 0, exp_avg = 0, exp_avg_sq = 0;
+  int64_t frozen = 0;  // of master: the frozen pieces' (ZeroShards::release_frozen can give them back)
   int64_t state() const { return master + exp_avg + exp_avg_sq; }
 };
 
@@ -106,7 +107,11 @@ class ZeroShards {
   float* master_data() { return master_.data(); }
   float* exp_avg_data() { return exp_avg_.data(); }
   float* exp_avg_sq_data() { return exp_avg_sq_.data(); }
-  ZeroMemory memory() const;
+  ZeroMemory memory() const;  // master: what is held (less what release_frozen gave back)
+  // The frozen pieces' masters back to the OS (the whole pages inside them); their pieces' master pointers become
+  // null. For a run whose checkpoints do not hold the frozen tensors (LoRA) and whose gathers no longer read them
+  // (DevZero::host_param_copy). Returns the bytes given back (whole pages; memory() no longer counts the pieces).
+  int64_t release_frozen();
   // Every piece's master as a slice of its tensor: start-up fills them directly (load_hf_slices, init_random_slices),
   // so no rank ever holds the whole model.
   std::vector<ParamSlice> master_slices() const;
@@ -114,6 +119,7 @@ class ZeroShards {
  private:
   std::vector<ShardPiece> pieces_;
   std::vector<float> master_, exp_avg_, exp_avg_sq_;
+  int64_t released_ = 0;  // bytes of the pieces release_frozen() gave back
 };
 
 }  // namespace q3vl

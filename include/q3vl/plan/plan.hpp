@@ -70,7 +70,8 @@ struct Bytes {
 // gradient shard goes down and the parameters come up through).
 struct HostBytes {
   int64_t masters = 0, moments = 0, staging = 0;
-  int64_t total() const { return masters + moments + staging; }
+  int64_t params = 0;  // parameters on the host: their pinned copy in the compute dtype
+  int64_t total() const { return masters + moments + staging + params; }
   std::string largest(int n) const;
 };
 

@@ -119,6 +119,7 @@ class DevTrainer {
   std::string comm_kind() const;
   const dev::Exec& exec() const { return ex_; }  // the compute stream
   int64_t gathered_bytes() const { return zero_->gathered_bytes(); }
+  bool host_param_copy() const { return zero_->host_param_copy(); }  // DevZero's: the frozen masters unread
 
   std::string memory_report() const;
   DevTrainerMemory memory() const;  // what this trainer allocated on its device
