@@ -249,8 +249,9 @@ const std::vector<KeySpec>& deck_schema() {
        "the rank's cores and the updated shard goes up in the compute dtype; same results and checkpoints (`q3vl plan` "
        "sizes the host memory, train checks the node has it)", -kBig, kBig, {"none", "cpu"}},
       {"parallel.offload_params", T::String, "none", "none, or frozen (with parallel.offload_optimizer = cpu; a LoRA "
-       "base or train.tune_* = false): no copy of the parameters stays on the device, each unit's fp32 shard streams "
-       "up from the host masters for its gather, prefetched a unit ahead; the device holds only the units in use",
+       "base or train.tune_* = false): no copy of the parameters stays on the device, each unit's shard streams up "
+       "for its gather, prefetched a unit ahead, from a pinned host copy in the compute dtype (fp32: the masters; a "
+       "LoRA run then releases the base's fp32 masters); the device holds only the units in use",
        -kBig, kBig, {"none", "frozen"}},
       {"parallel.offload_update", T::String, "sync", "sync, or delayed (with parallel.offload_optimizer = cpu; "
        "DeepSpeed's delayed parameter update): step k's host AdamW overlaps step k+1, which computes on the weights "

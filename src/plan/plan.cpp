@@ -192,8 +192,8 @@ Workload workload_from_deck(const Deck& d, std::string* note) {
   w.global_batch = d.integer("train.global_batch");
   w.max_patches = d.integer("train.max_patches");
   w.delayed_update = d.str("parallel.offload_update") == "delayed";
-  w.offload_chunk = d.integer("parallel.offload_chunk");
-  if (d.integer("parallel.offload_threads") > 0) w.offload_threads = int(d.integer("parallel.offload_threads"));
+  w.offload_ring.chunk = d.integer("parallel.offload_chunk");
+  if (d.integer("parallel.offload_threads") > 0) w.offload_ring.threads = int(d.integer("parallel.offload_threads"));
   const ParamTable t(w.cfg);
   w.trainable = trainable_flags(t, d);
   w.backward_order = unit_order(t, true);
@@ -234,13 +234,13 @@ DevTrainerMemory trainer_bytes(const Workload& w, const ParamTable& t, const Dev
   static std::map<Key, DevTrainerMemory> cache;
   const Key key{t.total(), t.units().size(), w.trainable, w.dt, b.tokens, b.patches, b.segments, b.ep, n, l.stage,
                 int(l.recompute) + 2 * int(l.offload) + 4 * int(l.host_params) + 8 * int(l.delayed),
-                w.offload_chunk, w.offload_threads};
+                w.offload_ring.chunk, w.offload_ring.threads};
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   Offload off;
   off.optimizer = off.in_place = l.offload;  // onto the host engine's shards in place, as train does
   off.params = l.host_params;
   off.delayed = l.delayed;  // the device gradient shard and parameter copy twice
-  off.chunk = w.offload_chunk, off.threads = w.offload_threads;
+  off.ring = w.offload_ring;
   return cache[key] = DevTrainer::plan(w.cfg, w.dt, b, l.recompute, w.trainable, n, l.stage, Device::CUDA, false, off);
 }
 

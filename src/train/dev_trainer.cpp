@@ -33,7 +33,7 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
   m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt,
-                         off.optimizer, off.in_place, off.params, off.delayed, RingSpec{off.chunk, off.threads});
+                         off.optimizer, off.in_place, off.params, off.delayed, off.ring);
   m.norm = kNormBytes;
   return m;
 }
@@ -87,9 +87,9 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
                                     gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off.optimizer,
                                     off.optimizer && off.state ? &hs : nullptr, off.params, off.delayed,
-                                    RingSpec{off.chunk, off.threads});
+                                    off.ring);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
-  if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.threads, off.pin);
+  if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.ring.threads, off.pin);
   delayed_ = off.optimizer && off.delayed;
 }
 

@@ -406,13 +406,13 @@ int run_train(const Deck& deck) {
   }
   Offload offload;
   offload.optimizer = deck.str("parallel.offload_optimizer") == "cpu";
-  offload.threads = deck.integer("parallel.offload_threads") > 0 ? int(deck.integer("parallel.offload_threads"))
+  offload.ring.threads = deck.integer("parallel.offload_threads") > 0 ? int(deck.integer("parallel.offload_threads"))
                                                                  : rank_cores(rt.where().local_size);
   offload.pin = deck.integer("parallel.offload_threads") == 0;
   offload.in_place = offload.optimizer;  // the engine's shards below
   offload.params = deck.str("parallel.offload_params") == "frozen";
   offload.delayed = deck.str("parallel.offload_update") == "delayed";
-  offload.chunk = deck.integer("parallel.offload_chunk");
+  offload.ring.chunk = deck.integer("parallel.offload_chunk");
   if (offload.delayed && !offload.optimizer)
     fail_all("parallel.offload_update = \"delayed\" needs parallel.offload_optimizer = \"cpu\": it overlaps the "
              "host's AdamW with the next step");
@@ -420,7 +420,7 @@ int run_train(const Deck& deck) {
     fail_all("parallel.offload_update = \"delayed\" with parallel.offload_params = \"frozen\" is not supported: "
              "the gathers would stream the masters the delayed update is changing (keep the parameters on the device)");
   // The rank's thread that drives the device keeps a core while the delayed update runs.
-  if (offload.delayed && deck.integer("parallel.offload_threads") == 0) offload.threads = std::max(1, offload.threads - 1);
+  if (offload.delayed && deck.integer("parallel.offload_threads") == 0) offload.ring.threads = std::max(1, offload.ring.threads - 1);
   if (offload.params && !offload.optimizer)
     fail_all("parallel.offload_params = \"frozen\" needs parallel.offload_optimizer = \"cpu\": the parameters are "
              "streamed from the fp32 masters, which only the offloaded optimizer keeps on the host");

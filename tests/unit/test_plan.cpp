@@ -115,7 +115,7 @@ TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
       const ParamTable t(w.cfg);
       ZeroShards engine(t, self, w.trainable);
       Offload off;
-      off.optimizer = off.in_place = true, off.params = params, off.state = &engine, off.threads = w.offload_threads;
+      off.optimizer = off.in_place = true, off.params = params, off.state = &engine, off.ring = w.offload_ring;
       DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, false, LossScaling{}, self, nullptr, stage,
                     false, nullptr, off);
       const DevTrainerMemory got = tr.memory(), want = DevTrainer::plan(w.cfg, DType::F32, b, false, w.trainable, 1,
@@ -156,7 +156,7 @@ TEST(Plan, HostParametersInTheComputeDtype) {
   ZeroShards engine(t, self, w.trainable);
   const ZeroMemory before = engine.memory();
   Offload off;
-  off.optimizer = off.in_place = off.params = true, off.state = &engine, off.threads = w.offload_threads;
+  off.optimizer = off.in_place = off.params = true, off.state = &engine, off.ring = w.offload_ring;
   DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, false, LossScaling{}, self, nullptr, 3,
                 /*gather_bf16=*/true, nullptr, off);
   ASSERT_TRUE(tr.host_param_copy());

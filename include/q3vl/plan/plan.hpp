@@ -14,6 +14,7 @@
 #include "q3vl/core/deck.hpp"
 #include "q3vl/core/dtype.hpp"
 #include "q3vl/model/config.hpp"
+#include "q3vl/parallel/dev_zero.hpp"
 #include "q3vl/parallel/zero.hpp"
 
 namespace q3vl {
@@ -84,8 +85,8 @@ struct Workload {
   std::vector<bool> trainable;  // per parameter (train.tune_*)
   std::vector<int> backward_order;  // unit_order(table, true)
   bool delayed_update = false;      // parallel.offload_update = "delayed": offloaded candidates use it
-  int64_t offload_chunk = int64_t(1) << 20;  // parallel.offload_chunk: elements of a slot of the update's ring
-  int offload_threads = 16;  // parallel.offload_threads, the ring's slot pairs (0, the rank's cores: 16 assumed)
+  // parallel.offload_chunk and parallel.offload_threads (the ring's slot pairs; 0, the rank's cores: 16 assumed)
+  RingSpec offload_ring{RingSpec::kChunk, 16};
 };
 Workload workload_from_deck(const Deck& d, std::string* note = nullptr);
 

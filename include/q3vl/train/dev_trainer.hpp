@@ -39,8 +39,9 @@ struct Offload {
   // ends. Needs the parameters on the device (not `params`); the device gradient shard and parameter copy are
   // double-buffered (DevZero).
   bool delayed = false;
-  int64_t chunk = RingSpec::kChunk;  // elements of a slot of the ring the update's copies go through (two a thread)
-  int threads = 1;         // the host AdamW's threads (the caller's counted): the rank's cores, rank_cores()
+  // The ring the update's copies go through: `chunk` elements a slot, two slots for each of its `threads`, the host
+  // AdamW's threads (the caller's counted: the rank's cores, rank_cores()).
+  RingSpec ring;
   bool pin = false;        // bind them to the cores of the rank's affinity mask, one each
 };
 
