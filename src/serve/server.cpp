@@ -36,10 +36,7 @@
 #include "q3vl/data/video_processor.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
-#include "q3vl/serve/block_manager.hpp"
-#include "q3vl/serve/generate.hpp"
-#include "q3vl/serve/runner.hpp"
-#include "q3vl/serve/scheduler.hpp"
+#include "q3vl/serve/engine.hpp"
 
 namespace q3vl {
 
@@ -395,8 +392,6 @@ class Server {
   void reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res, bool chat);
   json response_object(const Job& job, bool chat, const std::string& id);
   std::string metrics_text();
-  // The other ranks: each step as rank 0 sends it.
-  void worker_loop();
 
   const Deck& deck_;
   std::unique_ptr<Tokenizer> tok_;
@@ -408,13 +403,9 @@ class Server {
   int64_t max_image_pixels_ = 0, max_body_ = 0;  // serve.max_image_pixels; serve.max_body_mib in bytes
   std::atomic<int64_t> next_id_{1};
   double created_ = 0;
-  Metrics metrics_;
-
-  // The KV cache's bookkeeping and its prefix cache: rank 0 decides, the other ranks replay its log before each step.
-  BlockManager blocks_;
-  KvCache<float>& cache_ = blocks_.cache();
-  Runner runner_{deck_, blocks_};
-  Scheduler sched_{runner_, blocks_, metrics_};  // rank 0's engine
+  Engine engine_{deck_, serve_config(deck_)};
+  Metrics& metrics_ = engine_.metrics;
+  Scheduler& sched_ = engine_.scheduler;
 };
 
 std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
@@ -535,12 +526,11 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     refuse(413, "the prompt has " + std::to_string(n) + " tokens; this server's context is " +
                     std::to_string(max_context_) + " tokens (serve.max_context)", chat ? "messages" : "prompt");
   job->sp.max_new_tokens = (int)std::min<int64_t>(mt ? (int64_t)*mt : max_tokens_, max_context_ - n);
-  const int64_t blocks = cache_.blocks_for(n + job->sp.max_new_tokens);
-  if (blocks > cache_.max_blocks)
+  const KvCache<float>& kv = engine_.blocks.cache();
+  const int64_t blocks = kv.blocks_for(n + job->sp.max_new_tokens);
+  if (blocks > kv.max_blocks)
     refuse(413, "the prompt and max_tokens need " + std::to_string(blocks) + " KV-cache blocks; the whole cache has " +
-                    std::to_string(cache_.max_blocks) + " (serve.kv_mib)", "max_tokens");
-  std::seed_seq seq{uint64_t(job->sp.seed), uint64_t(job->sp.seed >> 32), uint64_t(0)};
-  job->rng.seed(seq);  // generate's stream for prompt 0: a seeded request answers as generate does
+                    std::to_string(kv.max_blocks) + " (serve.kv_mib)", "max_tokens");
   return job;
 }
 
@@ -884,30 +874,18 @@ void widen_backlog(int port) {
 
 }  // namespace
 
-void Server::worker_loop() {
-  while (!runner_.stopped()) {
-    std::vector<StepSegment<float>> segs;
-    try {
-      runner_.step(segs);
-    } catch (const Error& e) {  // rank 0 met the same error in the same step and goes on
-      if (is_watchdog(e)) throw;  // unless a rank stopped: then the job ends
-    }
-  }
-}
-
 int Server::run() {
-  runner_.load();
-  metrics_.kv_total = cache_.max_blocks;
-  if (runner_.rank() != 0) {
-    worker_loop();
+  engine_.load();
+  if (engine_.runner.rank() != 0) {
+    engine_.runner.follow();
     return 0;
   }
-  const ModelConfig& cfg = runner_.config();
+  const ModelConfig& cfg = engine_.runner.config();
   tok_ = std::make_unique<Tokenizer>(load_tokenizer(deck_, "serve"));
   icfg_ = image_config(deck_, "serve", cfg);
   vcfg_ = video_config(deck_, cfg);
   base_ = model_sampling(cfg, *tok_);
-  sched_.configure(deck_, *tok_, base_);
+  sched_.configure(engine_.config, tok_.get(), base_);
   max_context_ = deck_.integer("serve.max_context");
   max_tokens_ = deck_.integer("serve.max_tokens");
   image_dir_ = deck_.str("serve.image_dir");
@@ -915,7 +893,7 @@ int Server::run() {
   max_body_ = (int64_t)(deck_.real("serve.max_body_mib") * 1048576.0);
   model_name_ = deck_.str("serve.model_name");
   if (model_name_.empty()) {
-    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : runner_.checkpoint();
+    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : engine_.runner.checkpoint();
     model_name_ = from.empty() ? "q3vl-" + deck_.str("model.preset") : fs::path(from).filename().string();
     if (model_name_.empty()) model_name_ = fs::path(from).parent_path().filename().string();
   }
@@ -1031,10 +1009,7 @@ int Server::run() {
   sched_.finish_open();
   svr.stop();
   http.join();
-  if (runner_.world() > 1) {  // the other ranks leave their loop
-    std::vector<StepSegment<float>> none;
-    runner_.step(none, true);
-  }
+  engine_.runner.stop();  // the other ranks leave their loop
   return 0;
 }
 
