@@ -160,8 +160,7 @@ void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> ho
   const std::string sums = tp_ > 1 ? tensor_parallel(on_cpu, dt) : "";
   const std::string how = size_kv(b, on_cpu, dt);
   dev_->reserve_infer(b);
-  blocks_.reset(b.block, b.kv_blocks, cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim,
-                ec_.prefix_cache, world_ > 1);
+  blocks_.reset(b.block, b.kv_blocks, ec_.prefix_cache, world_ > 1);
   const DevMemory m = dev_->memory();
   const int64_t kv = DevModel::kv_pool_bytes(cfg_, dt, b.kv_blocks, b.block, dstage_);
   char msg[640];
@@ -295,8 +294,26 @@ void Runner::stop() {
 
 std::vector<float> Runner::step(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax* best) {
   if (world_ == 1) return dev_->step(segs, blocks_.cache(), nullptr, nullptr, best);  // blocks_ logged nothing
-  // The plan: ints [ops..., greedy (0, or 1 + banned count: limit, banned...), nseg, per segment: slot, n ids, ids,
-  // n pos, pos, img floats, ds count, ds floats...], floats [img, ds...]; a header [stop, ints, floats] first.
+  DevModel::Argmax mine;  // a greedy step's on the other ranks
+  if (!share_plan(segs, stop, best, mine)) return {};
+  // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
+  const std::vector<float> local = run_stage(segs, best);
+  const int64_t ns = (int64_t)segs.size();
+  if (stage_ + 1 < pp_) return rank_ == 0 ? from_last_stage(ns, best) : std::vector<float>{};
+  if (best) {
+    if (tp_ > 1) best_of_group(*best, ns);
+    if (trank_ == 0 && rank_ != 0) send(best->id.data(), ns, MPI_INT32_T, 0, 2, "engine: argmax ids to rank 0");
+    return {};
+  }
+  return logits_to_root(local, ns);
+}
+
+// The step plan, from rank 0 to every rank: ints [ops..., greedy (0, or 1 + banned count: limit, banned...), nseg,
+// per segment: slot, n ids, ids, n pos, pos, img floats, ds count, ds floats...], floats [img, ds...]; a header
+// [stop, ints, floats] first. The other ranks replay the block manager's changes and take the segments (and, for a
+// greedy step, best = &mine). False when rank 0 said stop.
+bool Runner::share_plan(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax*& best,
+                        DevModel::Argmax& mine) {
   std::vector<int64_t> ints;
   std::vector<float> floats;
   int64_t head[3] = {stop ? 1 : 0, 0, 0};
@@ -321,84 +338,89 @@ std::vector<float> Runner::step(std::vector<StepSegment<float>>& segs, bool stop
   bcast_head(*world_c_, head, 3);
   if (head[0]) {
     stopped_ = true;
-    return {};
+    return false;
   }
   ints.resize(head[1]);
   floats.resize(head[2]);
   world_c_->broadcast(ints.data(), ints.size(), DType::I64, 0);
   world_c_->broadcast(floats.data(), floats.size(), DType::F32, 0);
-  DevModel::Argmax mine;  // a greedy step's on the other ranks
-  if (rank_ != 0) {  // replay the cache's slot changes, then the segments
-    size_t i = 1, f = 0;
-    const size_t ops_end = 1 + (size_t)ints[0];
-    while (i < ops_end) i = BlockManager::apply(blocks_.cache(), ints, i);
-    if (const int64_t g = ints[i++]) {
-      mine.limit = ints[i++];
-      mine.banned.assign(ints.begin() + i, ints.begin() + i + (g - 1)), i += g - 1;
-      best = &mine;
-    }
-    segs.assign(ints[i++], {});
-    for (auto& g : segs) {
-      g.seq = (int)ints[i++];
-      const int64_t n = ints[i++];
-      g.ids.assign(ints.begin() + i, ints.begin() + i + n), i += n;
-      const int64_t np = ints[i++];
-      g.pos3.assign(ints.begin() + i, ints.begin() + i + np), i += np;
-      const int64_t ni = ints[i++], nd = ints[i++];
-      g.img.assign(floats.begin() + f, floats.begin() + f + ni), f += ni;
-      for (int64_t d = 0; d < nd; ++d) {
-        const int64_t nf = ints[i++];
-        g.ds.emplace_back(floats.begin() + f, floats.begin() + f + nf), f += nf;
-      }
+  if (rank_ == 0) return true;
+  size_t i = 1, f = 0;
+  const size_t ops_end = 1 + (size_t)ints[0];
+  while (i < ops_end) i = BlockManager::apply(blocks_.cache(), ints, i);
+  if (const int64_t g = ints[i++]) {
+    mine.limit = ints[i++];
+    mine.banned.assign(ints.begin() + i, ints.begin() + i + (g - 1)), i += g - 1;
+    best = &mine;
+  }
+  segs.assign(ints[i++], {});
+  for (auto& g : segs) {
+    g.seq = (int)ints[i++];
+    const int64_t n = ints[i++];
+    g.ids.assign(ints.begin() + i, ints.begin() + i + n), i += n;
+    const int64_t np = ints[i++];
+    g.pos3.assign(ints.begin() + i, ints.begin() + i + np), i += np;
+    const int64_t ni = ints[i++], nd = ints[i++];
+    g.img.assign(floats.begin() + f, floats.begin() + f + ni), f += ni;
+    for (int64_t d = 0; d < nd; ++d) {
+      const int64_t nf = ints[i++];
+      g.ds.emplace_back(floats.begin() + f, floats.begin() + f + nf), f += nf;
     }
   }
-  // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
-  const int64_t V = cfg_.text.vocab, ns = (int64_t)segs.size();
-  const int last0 = (pp_ - 1) * tp_;  // the last stage's first rank: it sends the result to rank 0
-  std::vector<float> local, logits;
-  if (pp_ > 1) {  // the hidden states go from stage to stage, rank trank_ to rank trank_; the last has the logits
+  return true;
+}
+
+// This rank's stage of the step: its layers on the previous stage's hidden states, which go on to the next stage
+// (rank trank_ to rank trank_). The last stage returns its rows of the logits (or, greedy, its argmax in best).
+std::vector<float> Runner::run_stage(const std::vector<StepSegment<float>>& segs, DevModel::Argmax* best) {
+  std::vector<float> x, y;
+  if (stage_ > 0) {
     int64_t N = 0;
     for (const auto& g : segs) N += (int64_t)g.ids.size();
-    std::vector<float> x(stage_ > 0 ? N * cfg_.text.hidden : 0), y;
-    if (stage_ > 0) recv(x.data(), x.size(), MPI_FLOAT, rank_ - tp_, 1, "engine: hidden states from the previous stage");
-    local = dev_->step(segs, blocks_.cache(), stage_ > 0 ? &x : nullptr, &y, best);
-    if (stage_ + 1 < pp_) {
-      send(y.data(), y.size(), MPI_FLOAT, rank_ + tp_, 1, "engine: hidden states to the next stage");
-      if (rank_ != 0) return {};
-      if (best) {
-        best->id.resize(ns);
-        recv(best->id.data(), ns, MPI_INT32_T, last0, 2, "engine: argmax ids from the last stage");
-        return {};
-      }
-      logits.resize(ns * V);
-      recv(logits.data(), logits.size(), MPI_FLOAT, last0, 2, "engine: logits from the last stage");
-      return logits;
-    }
-  } else {
-    local = dev_->step(segs, blocks_.cache(), nullptr, nullptr, best);
+    x.resize(N * cfg_.text.hidden);
+    recv(x.data(), x.size(), MPI_FLOAT, rank_ - tp_, 1, "engine: hidden states from the previous stage");
   }
-  if (best) {  // each rank's best of its rows: the group's first takes the best of those (ties: the lower id)
-    if (tp_ > 1) {
-      std::vector<float> vals(trank_ == 0 ? ns * tp_ : 0);
-      std::vector<int32_t> ids(vals.size());
-      watched(*tpc_c_, "engine: argmax values (gather)", true, [&](MPI_Request* r) {
-        MPI_Igather(best->val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_, r);
-      });
-      watched(*tpc_c_, "engine: argmax ids (gather)", true, [&](MPI_Request* r) {
-        MPI_Igather(best->id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_, r);
-      });
-      if (trank_ != 0) return {};
-      for (int64_t s = 0; s < ns; ++s)
-        for (int r = 0; r < tp_; ++r) {
-          const float v = vals[r * ns + s];
-          const int32_t id = ids[r * ns + s];
-          int32_t& b = best->id[s];
-          if (id >= 0 && (b < 0 || v > best->val[s] || (v == best->val[s] && id < b))) b = id, best->val[s] = v;
-        }
-    }
-    if (trank_ == 0 && rank_ != 0) send(best->id.data(), ns, MPI_INT32_T, 0, 2, "engine: argmax ids to rank 0");
+  std::vector<float> local = dev_->step(segs, blocks_.cache(), stage_ > 0 ? &x : nullptr, pp_ > 1 ? &y : nullptr, best);
+  if (stage_ + 1 < pp_) send(y.data(), y.size(), MPI_FLOAT, rank_ + tp_, 1, "engine: hidden states to the next stage");
+  return local;
+}
+
+// Rank 0 in a pipeline: the step's result from the last stage's first rank.
+std::vector<float> Runner::from_last_stage(int64_t ns, DevModel::Argmax* best) {
+  const int last0 = (pp_ - 1) * tp_;
+  if (best) {
+    best->id.resize(ns);
+    recv(best->id.data(), ns, MPI_INT32_T, last0, 2, "engine: argmax ids from the last stage");
     return {};
   }
+  std::vector<float> logits(ns * cfg_.text.vocab);
+  recv(logits.data(), logits.size(), MPI_FLOAT, last0, 2, "engine: logits from the last stage");
+  return logits;
+}
+
+// Each rank's best of its vocabulary rows: the group's first takes the best of those (ties: the lower id).
+void Runner::best_of_group(DevModel::Argmax& best, int64_t ns) {
+  std::vector<float> vals(trank_ == 0 ? ns * tp_ : 0);
+  std::vector<int32_t> ids(vals.size());
+  watched(*tpc_c_, "engine: argmax values (gather)", true, [&](MPI_Request* r) {
+    MPI_Igather(best.val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_, r);
+  });
+  watched(*tpc_c_, "engine: argmax ids (gather)", true, [&](MPI_Request* r) {
+    MPI_Igather(best.id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_, r);
+  });
+  if (trank_ != 0) return;
+  for (int64_t s = 0; s < ns; ++s)
+    for (int r = 0; r < tp_; ++r) {
+      const float v = vals[r * ns + s];
+      const int32_t id = ids[r * ns + s];
+      int32_t& b = best.id[s];
+      if (id >= 0 && (b < 0 || v > best.val[s] || (v == best.val[s] && id < b))) b = id, best.val[s] = v;
+    }
+}
+
+// The last stage's logits [ns, V] to rank 0: the group's vocabulary slices gathered on its first rank.
+std::vector<float> Runner::logits_to_root(const std::vector<float>& local, int64_t ns) {
+  const int64_t V = cfg_.text.vocab;
   if (tp_ == 1) {  // the whole vocabulary already: no gather, no copies of [segs, V]
     if (rank_ == 0) return local;
     send(local.data(), local.size(), MPI_FLOAT, 0, 2, "engine: logits to rank 0");
@@ -414,7 +436,7 @@ std::vector<float> Runner::step(std::vector<StepSegment<float>>& segs, bool stop
     MPI_Igatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_, r);
   });
   if (trank_ != 0) return {};
-  logits.resize(ns * V);
+  std::vector<float> logits(ns * V);
   for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
     const auto [a, b] = tp_vocab_rows(V, r, tp_);
     for (int64_t s = 0; s < ns; ++s)

@@ -293,35 +293,36 @@ void Scheduler::step() {
       const size_t s = rows[i];
       tok[s] = sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
     });
-  for (size_t s : rows) {
-    Job& j = *who[s];
-    const int64_t t = tok[s];
-    if (!j.first_token) {
-      j.first_token = true;
-      j.t_first = now;
-      std::lock_guard<std::mutex> g(metrics_.m);
-      metrics_.ttft_sum += now - j.t_arrival, metrics_.ttft_n++;
-    }
-    std::string reason;
-    if (std::find(j.sp.stop.begin(), j.sp.stop.end(), t) != j.sp.stop.end()) {
-      reason = "stop";
-    } else {
-      j.out.push_back(t);
-      j.pending = t;
-      if ((int64_t)j.out.size() >= j.sp.max_new_tokens) reason = "length";
-    }
-    if (!j.offline) emit(j, !reason.empty());
-    bool stop_string;
-    {
-      std::lock_guard<std::mutex> g(j.m);
-      stop_string = !j.finish.empty();
-    }
-    if (!reason.empty() || stop_string) finish(j, reason);
-    else j.cv.notify_all();
-  }
+  for (size_t s : rows) advance(*who[s], tok[s], now);
   std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
   metrics_.running = (int64_t)running_.size();
   update_kv_metrics();
+}
+
+// A job's new token t: the end on a stop token, max_tokens or a stop string; else its text so far to the client.
+void Scheduler::advance(Job& j, int64_t t, double now) {
+  if (!j.first_token) {
+    j.first_token = true;
+    j.t_first = now;
+    std::lock_guard<std::mutex> g(metrics_.m);
+    metrics_.ttft_sum += now - j.t_arrival, metrics_.ttft_n++;
+  }
+  std::string reason;
+  if (std::find(j.sp.stop.begin(), j.sp.stop.end(), t) != j.sp.stop.end()) {
+    reason = "stop";
+  } else {
+    j.out.push_back(t);
+    j.pending = t;
+    if ((int64_t)j.out.size() >= j.sp.max_new_tokens) reason = "length";
+  }
+  if (!j.offline) emit(j, !reason.empty());
+  bool stop_string;
+  {
+    std::lock_guard<std::mutex> g(j.m);
+    stop_string = !j.finish.empty();
+  }
+  if (!reason.empty() || stop_string) finish(j, reason);
+  else j.cv.notify_all();
 }
 
 void Scheduler::fail_all(const std::string& why) {

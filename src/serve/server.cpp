@@ -426,7 +426,7 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     refuse(413, "the prompt has " + std::to_string(n) + " tokens; this server's context is " +
                     std::to_string(max_context_) + " tokens (serve.max_context)", chat ? "messages" : "prompt");
   job->sp.max_new_tokens = (int)std::min<int64_t>(mt.value_or(max_tokens_), max_context_ - n);
-  const KvCache<float>& kv = engine_.blocks.cache();
+  const KvCache& kv = engine_.blocks.cache();
   const int64_t blocks = kv.blocks_for(n + job->sp.max_new_tokens);
   if (blocks > kv.max_blocks)
     refuse(413, "the prompt and max_tokens need " + std::to_string(blocks) + " KV-cache blocks; the whole cache has " +

@@ -71,7 +71,7 @@ void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps
     pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
     grid.insert(grid.end(), p.grid.begin(), p.grid.end());
   }
-  KvCache<float> cache;
+  HostKvCache<float> cache;
   std::vector<int> all(prompts.size());
   std::iota(all.begin(), all.end(), 0);
   double worst = 0;
@@ -210,7 +210,7 @@ TEST(Generate, GreedyEqualsFullForwardArgmaxTinyImages) {
 TEST(Generate, DecodeRefusesImageTokens) {
   Model m(tiny(false));
   m.init_random(3, 0.5);
-  KvCache<float> cache;
+  HostKvCache<float> cache;
   m.prefill({{1, 2, 3}}, {}, {}, cache);
   EXPECT_EQ(cache.len[0], 3);
   EXPECT_EQ(cache.next_pos[0], 3);
@@ -222,7 +222,7 @@ TEST(Generate, RopeDeltasContinueAfterTheLargestPosition) {
   // One text token, an image of merged grid 3x1 (6x2 patches), one text token: 5 tokens, but positions run to 4.
   Model m(tiny(false));
   m.init_random(3, 0.5);
-  KvCache<float> cache;
+  HostKvCache<float> cache;
   GenPrompt p;
   p.ids = {7, 60, 60, 60, 8};
   p.grid = {1, 6, 2};
@@ -248,13 +248,13 @@ TEST(Generate, StepChunksOverPagedCacheEqualPrefillAndDecode) {
     p.grid = {1, 6, 2};
     for (int i = 0; i < 12 * 1536; ++i) p.pixels.push_back(std::sin(0.01f * i + (float)p.ids[0]));
   }
-  KvCache<float> ref;
+  HostKvCache<float> ref;
   std::vector<float> pixels = ps[0].pixels;
   pixels.insert(pixels.end(), ps[1].pixels.begin(), ps[1].pixels.end());
   const std::vector<float> l0 = m.prefill({ps[0].ids, ps[1].ids}, pixels, {1, 6, 2, 1, 6, 2}, ref);
   const std::vector<float> l1 = m.decode({0, 1}, {3, 4}, ref);
 
-  KvCache<float> c;
+  HostKvCache<float> c;
   c.block = 2;
   c.max_blocks = 16;
   c.reset(3, 2 * 8);
@@ -324,7 +324,7 @@ TEST(Generate, SharedPrefixBlocksEqualComputingThem) {
     for (int row = 0; row < 3; ++row) g.pos3.insert(g.pos3.end(), pos.begin() + row * n + a, pos.begin() + row * n + b);
     return g;
   };
-  KvCache<float> c;
+  HostKvCache<float> c;
   c.block = 2;
   c.max_blocks = 12;
   c.reset(3, 2 * 8);

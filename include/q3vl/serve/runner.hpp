@@ -62,6 +62,11 @@ class Runner {
   void load_weights(const ModelSource& src, std::unique_ptr<HostWeights> host);
   std::string tensor_parallel(bool on_cpu, DType dt);
   std::string size_kv(DevModel::InferBudget& b, bool on_cpu, DType dt);
+  bool share_plan(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax*& best, DevModel::Argmax& mine);
+  std::vector<float> run_stage(const std::vector<StepSegment<float>>& segs, DevModel::Argmax* best);
+  std::vector<float> from_last_stage(int64_t ns, DevModel::Argmax* best);
+  void best_of_group(DevModel::Argmax& best, int64_t ns);
+  std::vector<float> logits_to_root(const std::vector<float>& local, int64_t ns);
   void log_tp() const;
   std::unique_ptr<Comm> tp_mpi() const;  // the group over MPI, under the collectives' watchdog
   template <class T>

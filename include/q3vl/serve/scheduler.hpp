@@ -101,6 +101,7 @@ class Scheduler {
   // One step: the segments (plan), the model step on every rank, then each sampling row's token.
   void plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who);
   void step();
+  void advance(Job& job, int64_t token, double now);
   void finish(Job& job, const std::string& reason);
   void cache_blocks(Job& j) { blocks_.cache_blocks(j.slot, j.tkeys, j.out, j.next0, j.chain); }
   void update_kv_metrics();
