@@ -61,8 +61,9 @@ const std::vector<KeySpec>& deck_schema() {
       {"generate.checkpoint", T::String, "", "training checkpoint (step_*.h5, or a folder: its newest) to take the weights from"},
       {"generate.max_new_tokens", T::Int, "64", "most tokens generated per prompt (stops earlier on eos)", 0, 1 << 24},
       {"generate.max_context", T::Int, "4096", "longest accepted prompt in tokens", 1, 1 << 24},
-      {"generate.batch", T::Int, "8", "prompts generated together (model.backend = cuda: with the longest prompt and "
-       "max_new_tokens, what the GPU's step buffers and KV cache are sized for)", 1, 1 << 20},
+      {"generate.batch", T::Int, "8", "prompts the engine runs at once (continuous batching: a finished answer's place "
+       "goes to the next prompt); with the prompts and max_new_tokens, what the step buffers and KV cache are sized "
+       "for", 1, 1 << 20},
       {"generate.temperature", T::Real, "0", "sampling temperature (0: greedy)", 0, 100},
       {"generate.top_k", T::Int, "0", "sample among the k most likely tokens (0: all)", 0, 1 << 30},
       {"generate.top_p", T::Real, "1", "nucleus sampling: smallest set of tokens with this much probability", 0, 1},

@@ -64,7 +64,7 @@ int64_t image_patches(const VisionConfig& vc, size_t n_pixels, const std::vector
 }
 
 template <class T>
-StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvCache<T>& cache) {
+StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvTable& cache) {
   const int64_t H = cfg.text.hidden;
   const size_t nds = cfg.vision.deepstack_indexes.size();
   StepPack<T> k;
@@ -111,7 +111,7 @@ StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>&
 }
 
 
-template StepPack<float> pack_step(const ModelConfig&, const std::vector<StepSegment<float>>&, KvCache<float>&);
-template StepPack<double> pack_step(const ModelConfig&, const std::vector<StepSegment<double>>&, KvCache<double>&);
+template StepPack<float> pack_step(const ModelConfig&, const std::vector<StepSegment<float>>&, KvTable&);
+template StepPack<double> pack_step(const ModelConfig&, const std::vector<StepSegment<double>>&, KvTable&);
 
 }  // namespace q3vl

@@ -860,12 +860,11 @@ void DevModel::vision_features(const std::vector<float>& pixels, const std::vect
   }
 }
 
-std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache,
+std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, KvTable& cache,
                                   const std::vector<float>* x_in, std::vector<float>* x_out, Argmax* best) {
   Q3VL_CHECK(infer_ && infer_->block, "DevModel::reserve_infer must size the model before inference");
   Infer& J = *infer_;
-  Q3VL_CHECK(!cache.host_pool && cache.block == J.b.block && cache.max_blocks == J.b.kv_blocks,
-             "DevModel::step: the cache's bookkeeping must describe this model's pools");
+  Q3VL_CHECK(cache.block == J.b.block, "DevModel::step: the block tables must be in this model's block size");
   const TextConfig& tc = cfg_.text;
   const int64_t H = tc.hidden, bs = cache.block;
   const int64_t v0 = J.v0, V = J.v1 > 0 ? J.v1 - J.v0 : tc.vocab;  // this rank's vocabulary rows
@@ -873,10 +872,15 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   const int64_t N = int64_t(pk.ids.size()), S = int64_t(pk.seqs.size()), SB = std::max<int64_t>(J.b.seq_blocks, 1);
   budget_check(N, J.b.tokens, "new tokens in one step");
   budget_check(S, J.b.segments, "sequences in one step");
-  for (int64_t s = 0; s < S; ++s)
-    if (!cache.reserve(pk.seqs[s], pk.cu[s + 1] - pk.cu[s]))
-      fail("KV cache full: " + std::to_string(cache.max_blocks) + " blocks of " + std::to_string(bs) +
-           " tokens are in use");
+  for (int64_t s = 0; s < S; ++s) {
+    const int q = pk.seqs[s];
+    const int64_t n = pk.cu[s + 1] - pk.cu[s];
+    if (cache.room(q) < n)
+      fail("KV cache: sequence " + std::to_string(q) + " holds room for " + std::to_string(cache.room(q)) +
+           " more tokens, not " + std::to_string(n) + " (blocks are reserved before the step)");
+    for (int32_t b : cache.table[q])
+      Q3VL_CHECK(b >= 0 && b < J.b.kv_blocks, "DevModel::step: block " + std::to_string(b) + " is outside the pools");
+  }
   std::vector<int64_t> vis;
   for (int64_t i = 0; i < N; ++i)
     if (cfg_.visual_token(pk.ids[i])) vis.push_back(i);

@@ -1,6 +1,7 @@
 #include "q3vl/serve/block_manager.hpp"
 
 #include <cstring>
+#include <limits>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/hash.hpp"
@@ -55,18 +56,78 @@ std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>&
   return keys;
 }
 
-void BlockManager::reset(int64_t block, int64_t blocks, int layers, int64_t row, bool prefix_on, bool replicated) {
+void KvCache::reset() {
+  len.clear(), next_pos.clear(), table.clear(), free_blocks.clear();
+  refs.assign(max_blocks, 0);
+  pool_blocks = max_blocks;  // a fixed pool: every block free at once
+  for (int64_t b = max_blocks - 1; b >= 0; --b) free_blocks.push_back((int32_t)b);
+}
+
+int KvCache::add() {
+  for (int s = 0; s < batch(); ++s)
+    if (len[s] < 0) {
+      len[s] = next_pos[s] = 0;
+      return s;
+    }
+  len.push_back(0), next_pos.push_back(0), table.emplace_back();
+  return batch() - 1;
+}
+
+void KvCache::open(int s) {
+  while (batch() <= s) len.push_back(-1), next_pos.push_back(0), table.emplace_back();
+  if (len[s] >= 0) fail("KV cache: sequence slot " + std::to_string(s) + " is in use");
+  len[s] = next_pos[s] = 0;
+}
+
+void KvCache::release(int s) {
+  for (auto it = table[s].rbegin(); it != table[s].rend(); ++it) drop(*it);
+  table[s].clear();
+  len[s] = -1;
+}
+
+void KvCache::drop(int32_t b) {
+  if (refs[b] <= 0) fail("KV cache: block " + std::to_string(b) + " dropped but not held");
+  if (--refs[b] == 0) free_blocks.push_back(b);
+}
+
+void KvCache::share(int s, const std::vector<int32_t>& blocks) {
+  if (len[s] != 0 || !table[s].empty()) fail("KV cache: shared blocks must start sequence " + std::to_string(s));
+  for (int32_t b : blocks) {
+    if (b < 0 || b >= pool_blocks || refs[b] <= 0) fail("KV cache: block " + std::to_string(b) + " is not cached");
+    refs[b]++;
+    table[s].push_back(b);
+  }
+  len[s] = (int64_t)blocks.size() * block;
+}
+
+int64_t KvCache::free_count() const {
+  return max_blocks > 0 ? (int64_t)free_blocks.size() : std::numeric_limits<int64_t>::max();
+}
+
+bool KvCache::reserve(int s, int64_t n) {
+  const int64_t need = blocks_for(len[s] + n) - (int64_t)table[s].size();
+  if (need <= 0) return true;
+  if (need > free_count()) return false;
+  for (int64_t i = 0; i < need; ++i) {
+    if (free_blocks.empty()) free_blocks.push_back((int32_t)pool_blocks++), refs.push_back(0);  // a growing pool
+    refs[free_blocks.back()] = 1;
+    table[s].push_back(free_blocks.back());
+    free_blocks.pop_back();
+  }
+  return true;
+}
+
+void BlockManager::reset(int64_t block, int64_t blocks, bool prefix_on, bool replicated) {
   cache_ = {};
   cache_.block = block;
   cache_.max_blocks = blocks;
-  cache_.host_pool = false;
-  cache_.reset(layers, row);
+  cache_.reset();
   prefix_on_ = prefix_on, replicated_ = replicated;
   log_.clear(), prefix_.clear(), lru_.clear();
   tick_ = 0, evicted_ = 0;
 }
 
-size_t BlockManager::apply(KvCache<float>& c, const std::vector<int64_t>& o, size_t i) {
+size_t BlockManager::apply(KvCache& c, const std::vector<int64_t>& o, size_t i) {
   const int s = (int)o[i + 1];
   switch (o[i]) {
     case kOpen: c.open(s), c.next_pos[s] = o[i + 2]; return i + 3;

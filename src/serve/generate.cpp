@@ -10,9 +10,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <limits>
 #include <nlohmann/json.hpp>
-#include <numeric>
 
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
@@ -23,6 +21,8 @@
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/runtime/runtime.hpp"
+#include "q3vl/runtime/watchdog.hpp"
+#include "q3vl/serve/engine.hpp"
 #include "q3vl/tensor/dev.hpp"
 
 namespace q3vl {
@@ -81,39 +81,6 @@ int64_t sample_token(const float* logits, int64_t V, const SamplingParams& sp, s
   for (int64_t i = 0; i < keep; ++i)
     if ((acc += p(ids[i])) > u) return ids[i];
   return ids[keep - 1];
-}
-
-std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
-                                size_t first_index) {
-  const size_t B = prompts.size();
-  std::vector<GenResult> out(B);
-  if (B == 0 || sp.max_new_tokens <= 0) return out;
-  std::vector<std::mt19937_64> rng;
-  for (size_t i = 0; i < B; ++i) {
-    std::seed_seq seq{uint64_t(sp.seed), uint64_t(sp.seed >> 32), uint64_t(first_index + i)};
-    rng.emplace_back(seq);
-  }
-  const int64_t V = model.vocab();
-  std::vector<float> logits = model.prefill(prompts);
-  std::vector<int> active(B);
-  std::iota(active.begin(), active.end(), 0);
-  while (!active.empty()) {
-    std::vector<int> next;
-    std::vector<int64_t> toks;
-    for (size_t j = 0; j < active.size(); ++j) {
-      const int i = active[j];
-      const int64_t t = sample_token(&logits[j * V], V, sp, rng[i]);
-      if (std::find(sp.stop.begin(), sp.stop.end(), t) != sp.stop.end()) {
-        out[i].stopped = true;
-        continue;
-      }
-      out[i].tokens.push_back(t);
-      if ((int)out[i].tokens.size() < sp.max_new_tokens) next.push_back(i), toks.push_back(t);
-    }
-    active = next;
-    if (!active.empty()) logits = model.decode(active, toks);
-  }
-  return out;
 }
 
 GenPrompt encode_prompt(const Conversation& c, const std::vector<RgbImage>& images, const Tokenizer& tok,
@@ -438,189 +405,114 @@ SamplingParams model_sampling(const ModelConfig& cfg, const Tokenizer& tok) {
 
 namespace {
 
-// The model on the rank's GPU (model.backend = "cuda"), weights in model.dtype, or on the CPU op layer ("cpu"). A batch's prompts go in one step, a segment each (its M-RoPE
-// positions, its images' features from the device's vision pass), then one single-token segment per unfinished
-// prompt, over the device's KV pools; cache_ is their bookkeeping, started afresh for each batch.
-class DevGenModel : public GenModel {
- public:
-  // load: puts the weights into the model (streamed from their source, or a host model's).
-  DevGenModel(const ModelConfig& cfg, bool on_cpu, int gpu, DType dt, QFormat quant, const DevModel::InferBudget& b,
-              const std::function<void(DevModel&)>& load) {
-    ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, gpu);
-    m_ = std::make_unique<DevModel>(cfg, ex_, dt, /*grads=*/false, DevStage{}, quant);
-    load(*m_);
-    if (!on_cpu) {  // the step buffers and KV pools in what the weights left, with 5% of the device to spare
-      size_t free_b = 0, total_b = 0;
-      dev::memory_info(ex_, &free_b, &total_b);
-      const double need = double(DevModel::infer_bytes(cfg, dt, b));
-      if (need > double(free_b) - 0.05 * double(total_b))
-        fail("generate: the step buffers and KV cache need " + bytes_text(need) + ", but GPU " + std::to_string(gpu) +
-             " has " + bytes_text(double(free_b)) + " free after the weights; lower generate.batch, "
-             "generate.max_new_tokens or generate.max_pixels");
-    }
-    m_->reserve_infer(b);
-    cache_.block = b.block;
-    cache_.max_blocks = b.kv_blocks;
-    cache_.host_pool = false;
-  }
-  ~DevGenModel() override {
-    m_.reset();
-    if (ex_.device == Device::CUDA) dev::destroy_exec(ex_);
-  }
-  const DevModel& model() const { return *m_; }
-  DevModel& model() { return *m_; }
-  int64_t vocab() const override { return m_->config().text.vocab; }
-
-  std::vector<float> prefill(const std::vector<GenPrompt>& prompts) override {
-    const ModelConfig& cfg = m_->config();
-    cache_.reset(cfg.text.layers, (int64_t)cfg.text.kv_heads * cfg.text.head_dim);
-    std::vector<StepSegment<float>> segs(prompts.size());
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      const GenPrompt& p = prompts[i];
-      StepSegment<float>& g = segs[i];
-      g.seq = cache_.add();  // prompt i of the batch is sequence i, as decode's seqs say
-      g.ids = p.ids;
-      g.pos3 = mrope_positions(cfg, p.ids.data(), {0, (int64_t)p.ids.size()}, p.grid);
-      for (int64_t q : g.pos3) cache_.next_pos[g.seq] = std::max(cache_.next_pos[g.seq], q + 1);
-      if (!p.grid.empty()) m_->vision_features(p.pixels, p.grid, g.img, g.ds);
-    }
-    return m_->step(segs, cache_);
-  }
-  std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) override {
-    std::vector<StepSegment<float>> segs(seqs.size());
-    for (size_t i = 0; i < seqs.size(); ++i) segs[i].seq = seqs[i], segs[i].ids = {tokens[i]};
-    return m_->step(segs, cache_);  // no pos3: each sequence's next position
-  }
-
- private:
-  dev::Exec ex_{};
-  std::unique_ptr<DevModel> m_;
-  KvCache<float> cache_;
+// The prompts file, read and checked on rank 0 before any generation, so that a bad line fails fast.
+struct PromptsFile {
+  std::vector<GenPrompt> prompts;
+  std::vector<long> lines;  // each prompt's line in the file
 };
-
-// What the device model is sized for: generate's batches of bs prompts (in file order), each prompt with room for
-// max_new tokens: a prefill step of a batch's prompts together, a decode step of up to bs tokens, the vision pass
-// of the prompt with the most patches, and KV blocks for the batch that needs the most.
-DevModel::InferBudget generate_budget(const ModelConfig& cfg, const std::vector<GenPrompt>& prompts, size_t bs,
-                                      int64_t max_new) {
-  DevModel::InferBudget b;
-  KvCache<float> c;  // its block size and blocks_for
-  b.block = c.block;
-  int64_t longest = 0;
-  for (size_t b0 = 0; b0 < prompts.size(); b0 += bs) {
-    int64_t tokens = 0, blocks = 0, n = 0;
-    for (size_t i = b0; i < std::min(prompts.size(), b0 + bs); ++i, ++n) {
-      const GenPrompt& p = prompts[i];
-      const int64_t len = (int64_t)p.ids.size();
-      tokens += len;
-      blocks += c.blocks_for(len + max_new);
-      longest = std::max(longest, len);
-      b.patches = std::max(b.patches, image_patches(cfg.vision, p.pixels.size(), p.grid));
-    }
-    b.tokens = std::max({b.tokens, tokens, n});
-    b.segments = std::max(b.segments, n);
-    b.kv_blocks = std::max(b.kv_blocks, blocks);
+PromptsFile read_prompts(const Deck& deck, const ModelConfig& cfg, const Tokenizer& tok) {
+  const ImageConfig icfg = image_config(deck, "generate", cfg);
+  const VideoConfig vcfg = video_config(deck, cfg);
+  const int64_t max_context = deck.integer("generate.max_context");
+  const std::string in = deck.str("generate.prompts");
+  std::ifstream f(in);
+  if (!f) fail(in + ": cannot open the prompts file");
+  PromptsFile pf;
+  long ln = 0;
+  for (std::string text; std::getline(f, text);) {
+    ++ln;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    pf.prompts.push_back(make_prompt(text, in, ln, tok, icfg, max_context, vcfg));
+    pf.lines.push_back(ln);
   }
-  b.seq_blocks = c.blocks_for(longest + max_new);
-  return b;
+  // Nothing to answer would still replace the output with an empty file.
+  if (pf.prompts.empty()) fail("generate.prompts '" + in + "' holds no prompts (an empty file?)");
+  log_info("generate: " + std::to_string(pf.prompts.size()) + " prompt(s) from " + in);
+  return pf;
+}
+
+// generate_config on every rank: rank 0's, from its prompts; the other ranks wait for it without a deadline (rank 0
+// may read images for long).
+EngineConfig shared_config(const Deck& deck, const ModelConfig& cfg, const PromptsFile& pf, int64_t max_new) {
+  Comm& world = Runtime::get().world();
+  EngineConfig c = generate_config(deck, cfg, pf.prompts, max_new);
+  if (world.size() == 1) return c;
+  DevModel::InferBudget& b = c.budget;
+  int64_t v[6] = {b.tokens, b.segments, b.patches, b.kv_blocks, b.block, b.seq_blocks};
+  const double t = world.timeout();
+  world.set_timeout(0);
+  {
+    Blocking guard("waiting for rank 0 to read the prompts");
+    world.broadcast(v, 6, DType::I64, 0);
+  }
+  world.set_timeout(t);
+  b = {v[0], v[1], v[2], v[3], v[4], v[5]};
+  c.step_tokens = b.tokens;
+  return c;
+}
+
+// The answers, in the prompts' order, to generate.output (written whole, then renamed into place).
+void write_answers(const std::string& out, const PromptsFile& pf, const std::vector<int64_t>& prompt_tokens,
+                   const std::vector<GenResult>& res, const Tokenizer& tok) {
+  if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);
+  const std::string tmp = out + ".partial";  // an existing output is never left half-written
+  std::ofstream o(tmp);
+  if (!o) fail(out + ": cannot write");
+  for (size_t i = 0; i < res.size(); ++i) {
+    const std::vector<int32_t> ids(res[i].tokens.begin(), res[i].tokens.end());
+    nlohmann::json rec = {{"line", pf.lines[i]},
+                          {"answer", tok.decode(ids)},
+                          {"prompt_tokens", prompt_tokens[i]},
+                          {"new_tokens", ids.size()},
+                          {"stop", res[i].stopped ? "eos" : "length"}};
+    o << rec.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  }
+  o.close();
+  if (!o) fail(out + ": write failed");
+  fs::rename(tmp, out);
 }
 
 }  // namespace
 
+// The offline driver of the engine: rank 0 reads the prompts, every rank loads its part of the model (the layout of
+// serve.tp x serve.pp), and rank 0 feeds the prompts to the scheduler as jobs, generate.batch at a time with
+// continuous batching, while the other ranks follow its steps.
 int run_generate(const Deck& deck) {
   Runtime& rt = Runtime::get();
-  // One process does the work; the others only wait, so that the mode also runs under mpiexec.
-  if (rt.where().rank == 0) {
-    const ModelSource src = model_source(deck, "generate.checkpoint");
-    const ModelConfig& cfg = src.cfg;
-    const Tokenizer tok = load_tokenizer(deck, "generate");
-    const ImageConfig icfg = image_config(deck, "generate", cfg);
-    const VideoConfig vcfg = video_config(deck, cfg);
-
-    SamplingParams sp = model_sampling(cfg, tok);
+  const bool root = rt.where().rank == 0;
+  const ModelSource src = model_source(deck, "generate.checkpoint");
+  std::unique_ptr<Tokenizer> tok;
+  PromptsFile pf;
+  if (root) {
+    tok = std::make_unique<Tokenizer>(load_tokenizer(deck, "generate"));
+    pf = read_prompts(deck, src.cfg, *tok);
+  }
+  const int64_t max_new = deck.integer("generate.max_new_tokens");
+  Engine e(deck, shared_config(deck, src.cfg, pf, max_new));
+  e.load();
+  if (!root) {
+    e.runner.follow();
+  } else {
+    SamplingParams sp = model_sampling(src.cfg, *tok);
     sp.temperature = deck.real("generate.temperature");
     sp.top_k = (int)deck.integer("generate.top_k");
     sp.top_p = deck.real("generate.top_p");
     sp.seed = (uint64_t)deck.integer("run.seed");
-    sp.max_new_tokens = (int)deck.integer("generate.max_new_tokens");
-    const int64_t max_context = deck.integer("generate.max_context");
-
-    const std::string in = deck.str("generate.prompts"), out = deck.str("generate.output");
-    std::ifstream f(in);
-    if (!f) fail(in + ": cannot open the prompts file");
-    // Every prompt is read and checked before any generation, so that a bad line fails fast.
-    std::vector<GenPrompt> prompts;
-    std::vector<long> lines;
-    long ln = 0;
-    for (std::string text; std::getline(f, text);) {
-      ++ln;
-      if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-      prompts.push_back(make_prompt(text, in, ln, tok, icfg, max_context, vcfg));
-      lines.push_back(ln);
-    }
-    // Nothing to answer would still replace the output with an empty file.
-    if (prompts.empty()) fail("generate.prompts '" + in + "' holds no prompts (an empty file?)");
-    log_info("generate: " + std::to_string(prompts.size()) + " prompt(s) from " + in);
-    const size_t bs = (size_t)deck.integer("generate.batch");
-    const bool on_cpu = deck.str("model.backend") != "cuda";
-    const int gpu = std::max(0, rt.where().gpu);
-    const DType dt = compute_dtype(deck.str("model.dtype"));
-    const DevModel::InferBudget b = generate_budget(cfg, prompts, bs, sp.max_new_tokens);
-    const QFormat quant = weight_quant(deck);  // quantized as the weights arrive
-    // The weights stream in a unit at a time, so the host never holds the fp32 model twice; adapters are folded into
-    // the base on a host copy first (which may untie the head: the model takes the folded model's config).
-    std::unique_ptr<HostWeights> host;
-    if (has_adapters(deck, src)) {
-      host = load_model(deck, src);
-      if (host->config().lora.on()) host = fold_lora(*host, "generate", "inference");
-    }
-    auto gm = std::make_unique<DevGenModel>(host ? host->config() : cfg, on_cpu, gpu, dt, quant, b, [&](DevModel& dm) {
-      if (host) return dm.set_params(host->params());
-      stream_weights(deck, src, dm.table(), [&](int64_t off, const float* v, int64_t n) { dm.set_params(off, v, n); });
-    });
-    host.reset();
-    gm->model().set_graphs(deck.boolean("model.cuda_graphs"));
-    {
-      const DevMemory m = gm->model().memory();
-      const int64_t kv = DevModel::kv_pool_bytes(gm->model().config(), dt, b.kv_blocks, b.block);
-      char msg[400];
-      std::snprintf(msg, sizeof msg,
-                    "generate: on %s%s, %s%s%s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of "
-                    "%lld tokens (%s; for batches of up to %lld prompts)",
-                    on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(gpu).c_str(), dtype_name(dt),
-                    quant != QFormat::None ? " with " : "", quant != QFormat::None ? qformat_name(quant) : "",
-                    quant != QFormat::None ? " linears" : "", bytes_text(double(m.weights)).c_str(),
-                    bytes_text(double(m.activations - kv)).c_str(), (long long)b.kv_blocks, (long long)b.block,
-                    bytes_text(double(kv)).c_str(), (long long)b.segments);
-      log_info(msg);
-    }
-    if (auto parent = fs::path(out).parent_path(); !parent.empty()) fs::create_directories(parent);
-    const std::string tmp = out + ".partial";  // an existing output is never left half-written
-    std::ofstream o(tmp);
-    if (!o) fail(out + ": cannot write");
-    int64_t new_tokens = 0;
+    sp.max_new_tokens = (int)max_new;
+    e.scheduler.configure(e.config, nullptr, sp);
+    std::vector<int64_t> prompt_tokens;
+    for (const GenPrompt& p : pf.prompts) prompt_tokens.push_back((int64_t)p.ids.size());
     const double t0 = wall_seconds();
-    for (size_t b0 = 0; b0 < prompts.size(); b0 += bs) {
-      const std::vector<GenPrompt> batch(prompts.begin() + b0, prompts.begin() + std::min(prompts.size(), b0 + bs));
-      std::vector<GenResult> res;
-      {
-        ScopedTimer t("generate: batches");
-        res = generate(*gm, batch, sp, b0);
-      }
-      for (size_t i = 0; i < res.size(); ++i) {
-        const std::vector<int32_t> ids(res[i].tokens.begin(), res[i].tokens.end());
-        nlohmann::json rec = {{"line", lines[b0 + i]},
-                              {"answer", tok.decode(ids)},
-                              {"prompt_tokens", batch[i].ids.size()},
-                              {"new_tokens", ids.size()},
-                              {"stop", res[i].stopped ? "eos" : "length"}};
-        o << rec.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
-        new_tokens += (int64_t)ids.size();
-      }
+    std::vector<GenResult> res;
+    {
+      ScopedTimer t("generate: batches");
+      res = e.generate(std::move(pf.prompts), sp);
     }
-    o.close();
-    if (!o) fail(out + ": write failed");
-    fs::rename(tmp, out);
+    e.runner.stop();
+    const std::string out = deck.str("generate.output");
+    write_answers(out, pf, prompt_tokens, res, *tok);
+    int64_t new_tokens = 0;
+    for (const GenResult& r : res) new_tokens += (int64_t)r.tokens.size();
     char msg[256];
     std::snprintf(msg, sizeof msg, "generate: %lld new tokens in %.2f s -> %s", (long long)new_tokens,
                   wall_seconds() - t0, out.c_str());

@@ -49,7 +49,7 @@ void watched(Comm& c, const char* what, bool counted, F start) {
 // The step plan's header, which the waiting ranks receive with short sleeps and no deadline (MPICH spins in a blocking
 // broadcast, and a server waits for requests most of the time); rank 0 sends it under the watchdog.
 void bcast_head(Comm& world, int64_t* buf, int n) {
-  auto op = std::make_unique<MpiOp>("serve: step plan header (broadcast)");
+  auto op = std::make_unique<MpiOp>("engine: step plan header (broadcast)");
   op->seq = world.begin_collective();
   MPI_Ibcast(buf, n, MPI_INT64_T, 0, MPI_COMM_WORLD, &op->r);
   if (world.rank() == 0) return world.wait(std::move(op));
@@ -57,7 +57,18 @@ void bcast_head(Comm& world, int64_t* buf, int n) {
 }
 }  // namespace
 
-Runner::Runner(const Deck& d, BlockManager& blocks) : deck_(d), blocks_(blocks) {}
+EngineConfig serve_config(const Deck& d) {
+  EngineConfig c;
+  c.budget = serve_budget(d);
+  c.max_batch = d.integer("serve.max_batch");
+  c.step_tokens = d.integer("serve.step_tokens");
+  c.prefix_cache = d.boolean("serve.prefix_cache");
+  c.timeout = d.real("serve.timeout");
+  c.lower = "serve.max_context / serve.step_tokens / serve.max_batch";
+  return c;
+}
+
+Runner::Runner(const Deck& d, const EngineConfig& c, BlockManager& blocks) : deck_(d), ec_(c), blocks_(blocks) {}
 
 Runner::~Runner() {
   dev_.reset();
@@ -87,11 +98,11 @@ void Runner::log_tp() const {
       const DevStage s = DevStage::of(k, pp_, cfg_.text.layers);
       st += (k ? ", " : "") + std::to_string(s.l0) + "-" + std::to_string((s.l1 < 0 ? cfg_.text.layers : s.l1) - 1);
     }
-    log_info("serve: pipeline of " + std::to_string(pp_) + " stages of " + std::to_string(tp_) +
+    log_info(ec_.mode + ": pipeline of " + std::to_string(pp_) + " stages of " + std::to_string(tp_) +
              " rank(s) each, decoder layers " + st + " (stage 0 also the embeddings and vision tower, the last the head)");
   }
   if (rank_ == 0 && tp_ > 1)
-    log_info("serve: tensor parallel over " + std::to_string(tp_) + " ranks: " + std::to_string(cfg_.text.heads) +
+    log_info(ec_.mode + ": tensor parallel over " + std::to_string(tp_) + " ranks: " + std::to_string(cfg_.text.heads) +
              " query heads, " + std::to_string(cfg_.text.kv_heads) + " key/value heads, " +
              std::to_string(cfg_.text.intermediate) + " MLP rows and " +
              std::to_string(vocab_rows_.second - vocab_rows_.first) + " vocabulary rows per rank");
@@ -100,7 +111,7 @@ void Runner::log_tp() const {
 void Runner::load() {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_);
-  const ModelSource src = model_source(deck_, "serve.checkpoint");
+  const ModelSource src = model_source(deck_, ec_.mode + ".checkpoint");
   const ServeLayout lay = serve_layout(world_, Runtime::get().where().nodes, (int)deck_.integer("serve.tp"),
                                        (int)deck_.integer("serve.pp"), src.cfg.text.layers);
   tp_ = lay.tp, pp_ = lay.pp;
@@ -118,7 +129,7 @@ void Runner::load() {
   if (has_adapters(deck_, src)) {
     host = load_model(deck_, src);
     if (host->config().lora.on())  // a replicated LoRA term would be summed once per tensor-parallel rank
-      host = fold_lora(*host, "serve", "serving");
+      host = fold_lora(*host, ec_.mode, ec_.mode == "serve" ? "serving" : "inference");
     if (tp_ > 1) {  // each rank keeps its slice; the full weights go once it is cut
       auto slice = std::make_unique<HostWeights>(tp_config(host->config(), trank_, tp_));
       tp_shard_weights(*host, *slice, trank_, tp_);
@@ -134,75 +145,108 @@ void Runner::load() {
 }
 
 // The rank's slice goes to the device (model.backend = "cuda") in model.dtype, or stays on the CPU op layer in fp32
-// ("cpu"); the KV pools take what the device has left after the weights and the step buffers (on the CPU: half this
-// rank's share of the available memory), or serve.kv_mib.
+// ("cpu"), with the step buffers and KV pools of the budget (size_kv: its blocks, or what memory allows).
 void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> host) {
   const Placement& where = Runtime::get().where();
   const bool on_cpu = deck_.str("model.backend") != "cuda";
   const DType dt = compute_dtype(deck_.str("model.dtype"));
   const QFormat quant = weight_quant(deck_);  // the decoder's linears, experts, an untied head
   ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, std::max(0, where.gpu));
-  const int64_t block = deck_.integer("serve.kv_block"), ctx = deck_.integer("serve.max_context");
-  const int64_t batch = deck_.integer("serve.max_batch");
-  DevModel::InferBudget b = serve_budget(deck_);
-  // Fits before anything is allocated: the slice's weights, the step buffers and one request's KV blocks.
-  if (!on_cpu) {
-    size_t free0 = 0, total0 = 0;
-    dev::memory_info(ex_, &free0, &total0);
-    const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, quant));
-    const double need = w + double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
-                        double(DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, block, dstage_)) + 0.05 * double(total0);
-    if (need > double(free0)) {
-      // The weights split further over more ranks; the rest stays per rank.
-      const double rest = need - w;
-      const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt, {}, quant));
-      const int ranks = std::max(world_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
-      char msg[512];
-      std::snprintf(msg, sizeof msg,
-                    "serve: rank %d needs %.1f GiB on GPU %d (its slice of the weights in %s %.1f GiB, step buffers and "
-                    "one request's KV cache %.1f GiB, 5%% reserve), which has %.1f GiB free: serve over about %d GPUs "
-                    "(mpiexec -n N; serve.tp x serve.pp = N), or lower serve.max_context / serve.step_tokens / serve.max_batch%s",
-                    rank_, need / 1073741824.0, std::max(0, where.gpu), dtype_name(dt), w / 1073741824.0,
-                    (rest - 0.05 * double(total0)) / 1073741824.0, double(free0) / 1073741824.0, ranks,
-                    dt == DType::F32 ? ", or model.dtype = \"bf16\"" : "");
-      fail(msg);
-    }
-  }
+  DevModel::InferBudget b = ec_.budget;
+  if (!on_cpu) check_room(src, dt, quant);
   dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, quant);
   dev_->set_graphs(deck_.boolean("model.cuda_graphs"));
-  if (host) {  // adapters folded
-    dev_->set_params(host->params());
-    host.reset();
-  } else {  // streamed: each unit's pieces of the source's tensors (tp_slices: all of them at one rank)
-    const ParamTable full(src.cfg);
-    const ParamTable& local = dev_->table();
-    const bool ok = stream_weights(
-        deck_, src, local,
-        [&](const UnitInfo& u, float* buf) {
-          if (!DevModel::stage_owns(local, dstage_, int(&u - local.units().data()))) return std::vector<ParamSlice>{};
-          return tp_slices(full, local, trank_, tp_, [&](int id) -> float* {
-            const ParamInfo& p = local.param(id);
-            return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
-          });
-        },
-        [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); });
-    Q3VL_CHECK(ok, "serve: these weights cannot be streamed");
-  }
-  std::string sums;
-  if (tp_ > 1) {
-    std::string kind = deck_.str("serve.tp_comm");
-    int own = where.local_size <= where.gpus_visible;  // every rank of the node on a GPU of its own
-    MPI_Allreduce(MPI_IN_PLACE, &own, 1, MPI_INT, MPI_MIN, tpc_);
-    if (kind == "auto") kind = own && !on_cpu ? "nccl" : "mpi";
-    if (kind == "nccl" && on_cpu) fail("serve.tp_comm = \"nccl\" needs the model on GPUs (model.backend = \"cuda\")");
-    tp_comm_ = kind == "nccl" ? make_nccl_comm(tpc_, ex_, deck_.real("runtime.timeout")) : tp_mpi();
-    dev_->set_tensor_parallel(tp_comm_.get(), vocab_rows_.first, vocab_rows_.second);
-    sums = kind == "nccl" ? "; tensor-parallel sums over NCCL " + nccl_version() + " in " + dtype_name(dt)
-                         : "; tensor-parallel sums over MPI in fp32 through the host" +
-                               std::string(own || on_cpu ? "" : " (ranks share a GPU)");
-  }
+  load_weights(src, std::move(host));
+  const std::string sums = tp_ > 1 ? tensor_parallel(on_cpu, dt) : "";
+  const std::string how = size_kv(b, on_cpu, dt);
+  dev_->reserve_infer(b);
+  blocks_.reset(b.block, b.kv_blocks, ec_.prefix_cache, world_ > 1);
+  const DevMemory m = dev_->memory();
+  const int64_t kv = DevModel::kv_pool_bytes(cfg_, dt, b.kv_blocks, b.block, dstage_);
+  char msg[640];
+  std::snprintf(msg, sizeof msg,
+                "%s: on %s%s, %s%s%s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of %lld tokens (%s, "
+                "%lld tokens; %s)%s%s",
+                ec_.mode.c_str(), on_cpu ? "the CPU op layer" : "GPU ",
+                on_cpu ? "" : std::to_string(std::max(0, where.gpu)).c_str(), dtype_name(dt),
+                quant != QFormat::None ? " with " : "", quant != QFormat::None ? qformat_name(quant) : "",
+                quant != QFormat::None ? " linears" : "", bytes_text(double(m.weights)).c_str(),
+                bytes_text(double(m.activations - kv)).c_str(), (long long)b.kv_blocks, (long long)b.block,
+                bytes_text(double(kv)).c_str(), (long long)(b.kv_blocks * b.block), how.c_str(),
+                tp_ > 1 ? " per rank" : "", sums.c_str());
+  if (rank_ == 0) log_info(msg);
+}
+
+// Fits before anything is allocated: the slice's weights, the step buffers and the KV pool (one request's, when
+// the pool takes what is left).
+void Runner::check_room(const ModelSource& src, DType dt, QFormat quant) const {
+  const DevModel::InferBudget& b = ec_.budget;
+  const int gpu = std::max(0, Runtime::get().where().gpu);
+  size_t free0 = 0, total0 = 0;
+  dev::memory_info(ex_, &free0, &total0);
+  const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, quant));
+  const double need = w + double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
+                      double(b.kv_blocks ? 0 : DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, b.block, dstage_)) +
+                      0.05 * double(total0);
+  if (need <= double(free0)) return;
+  // The weights split further over more ranks; the rest stays per rank.
+  const double rest = need - w;
+  const double whole = double(DevModel::weight_bytes(ParamTable(src.cfg), dt, {}, quant));
+  const int ranks = std::max(world_ + 1, (int)std::ceil(whole / std::max(1.0, double(free0) - rest)));
+  char msg[640];
+  std::snprintf(msg, sizeof msg,
+                "%s: rank %d needs %.1f GiB on GPU %d (its slice of the weights in %s %.1f GiB, step buffers and "
+                "%s KV cache %.1f GiB, 5%% reserve), which has %.1f GiB free: run over about %d GPUs "
+                "(mpiexec -n N; serve.tp x serve.pp = N), or lower %s%s",
+                ec_.mode.c_str(), rank_, need / 1073741824.0, gpu, dtype_name(dt), w / 1073741824.0,
+                b.kv_blocks ? "the" : "one request's", (rest - 0.05 * double(total0)) / 1073741824.0,
+                double(free0) / 1073741824.0, ranks, ec_.lower.c_str(),
+                dt == DType::F32 ? ", or model.dtype = \"bf16\"" : "");
+  fail(msg);
+}
+
+// The weights streamed (each unit's pieces of the source's tensors; tp_slices: all of them at one rank), or a host
+// model's (adapters folded).
+void Runner::load_weights(const ModelSource& src, std::unique_ptr<HostWeights> host) {
+  if (host) return dev_->set_params(host->params());
+  const ParamTable full(src.cfg);
+  const ParamTable& local = dev_->table();
+  const bool ok = stream_weights(
+      deck_, src, local,
+      [&](const UnitInfo& u, float* buf) {
+        if (!DevModel::stage_owns(local, dstage_, int(&u - local.units().data()))) return std::vector<ParamSlice>{};
+        return tp_slices(full, local, trank_, tp_, [&](int id) -> float* {
+          const ParamInfo& p = local.param(id);
+          return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
+        });
+      },
+      [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); });
+  Q3VL_CHECK(ok, ec_.mode + ": these weights cannot be streamed");
+}
+
+// The tensor-parallel group's sums (serve.tp_comm): NCCL on the device, else MPI through the host. Says which.
+std::string Runner::tensor_parallel(bool on_cpu, DType dt) {
+  const Placement& where = Runtime::get().where();
+  std::string kind = deck_.str("serve.tp_comm");
+  int own = where.local_size <= where.gpus_visible;  // every rank of the node on a GPU of its own
+  MPI_Allreduce(MPI_IN_PLACE, &own, 1, MPI_INT, MPI_MIN, tpc_);
+  if (kind == "auto") kind = own && !on_cpu ? "nccl" : "mpi";
+  if (kind == "nccl" && on_cpu) fail("serve.tp_comm = \"nccl\" needs the model on GPUs (model.backend = \"cuda\")");
+  tp_comm_ = kind == "nccl" ? make_nccl_comm(tpc_, ex_, deck_.real("runtime.timeout")) : tp_mpi();
+  dev_->set_tensor_parallel(tp_comm_.get(), vocab_rows_.first, vocab_rows_.second);
+  return kind == "nccl" ? "; tensor-parallel sums over NCCL " + nccl_version() + " in " + dtype_name(dt)
+                        : "; tensor-parallel sums over MPI in fp32 through the host" +
+                              std::string(own || on_cpu ? "" : " (ranks share a GPU)");
+}
+
+// The KV pool: the budget's blocks (generate: what its prompts need), or serve.kv_mib, or (0) what the device has
+// left after the weights and the step buffers (on the CPU: half this rank's share of the available memory), at most
+// what serve.max_batch x serve.max_context can use. Every rank gets the same blocks. Says how it was sized.
+std::string Runner::size_kv(DevModel::InferBudget& b, bool on_cpu, DType dt) {
+  if (b.kv_blocks > 0) return "what the prompts need, " + std::to_string(ec_.max_batch) + " at a time";
+  const Placement& where = Runtime::get().where();
+  const int64_t block = b.block, ctx = deck_.integer("serve.max_context");
   const int64_t per_block = DevModel::kv_pool_bytes(cfg_, dt, 1, block, dstage_);
-  const int64_t step_bytes = DevModel::infer_bytes(cfg_, dt, b, dstage_);  // with no KV blocks yet
   double kv_bytes = deck_.real("serve.kv_mib") * 1048576.0;
   std::string how = "serve.kv_mib";
   // Ranks that share a GPU (more ranks on the node than GPUs) split what it has left once all weights are in.
@@ -211,11 +255,12 @@ void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> ho
   MPI_Barrier(MPI_COMM_WORLD);
   if (!on_cpu) dev::memory_info(ex_, &free_b, &total_b);
   if (kv_bytes == 0) {
-    const double need = double(batch) * double(ctx + block) * double(per_block) / double(block);
+    const double need = double(ec_.max_batch) * double(ctx + block) * double(per_block) / double(block);
     // What is left after the weights (loaded), the workspace (made) and the step buffers, less 5% of the device for
     // cuBLAS and the allocator; on the CPU op layer, as the host backend sizes it.
     const double room = on_cpu ? 0.5 * double(available_memory()) / where.local_size
-                               : (double(free_b) - 0.05 * double(total_b)) / share - double(step_bytes);
+                               : (double(free_b) - 0.05 * double(total_b)) / share -
+                                     double(DevModel::infer_bytes(cfg_, dt, b, dstage_));
     kv_bytes = std::max(0.0, std::min(need, room));
     how = kv_bytes == need ? "auto: what serve.max_batch x serve.max_context can use"
                            : (on_cpu ? "auto: half of this rank's share of the available memory"
@@ -228,27 +273,47 @@ void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> ho
          " tokens, fewer than one request of serve.max_context = " + std::to_string(ctx) + " needs (" +
          std::to_string(b.seq_blocks) + "); lower serve.max_context, serve.step_tokens or serve.max_batch, raise "
          "serve.kv_mib, or add ranks (serve.tp)");
-  dev_->reserve_infer(b);
-  blocks_.reset(block, b.kv_blocks, cfg_.text.layers, (int64_t)cfg_.text.kv_heads * cfg_.text.head_dim,
-                deck_.boolean("serve.prefix_cache"), world_ > 1);
-  const DevMemory m = dev_->memory();
-  char msg[640];
-  std::snprintf(msg, sizeof msg,
-                "serve: on %s%s, %s%s%s%s: weights %s, step and vision buffers %s, KV cache %lld blocks of %lld tokens (%s, "
-                "%lld tokens; %s)%s%s",
-                on_cpu ? "the CPU op layer" : "GPU ", on_cpu ? "" : std::to_string(std::max(0, where.gpu)).c_str(),
-                dtype_name(dt), quant != QFormat::None ? " with " : "", quant != QFormat::None ? qformat_name(quant) : "",
-                quant != QFormat::None ? " linears" : "", bytes_text(double(m.weights)).c_str(),
-                bytes_text(double(step_bytes)).c_str(), (long long)b.kv_blocks, (long long)block,
-                bytes_text(double(b.kv_blocks * per_block)).c_str(), (long long)(b.kv_blocks * block), how.c_str(),
-                tp_ > 1 ? " per rank" : "", sums.c_str());
-  if (rank_ == 0) log_info(msg);
+  return how;
+}
+
+void Runner::follow() {
+  while (!stopped_) {
+    std::vector<StepSegment<float>> segs;
+    try {
+      step(segs);
+    } catch (const Error& e) {  // rank 0 met the same error in the same step and goes on
+      if (is_watchdog(e)) throw;  // unless a rank stopped: then the job ends
+    }
+  }
+}
+
+void Runner::stop() {
+  std::vector<StepSegment<float>> none;
+  if (world_ > 1) step(none, true);
 }
 
 std::vector<float> Runner::step(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax* best) {
   if (world_ == 1) return dev_->step(segs, blocks_.cache(), nullptr, nullptr, best);  // blocks_ logged nothing
-  // The plan: ints [ops..., greedy (0, or 1 + banned count: limit, banned...), nseg, per segment: slot, n ids, ids,
-  // n pos, pos, img floats, ds count, ds floats...], floats [img, ds...]; a header [stop, ints, floats] first.
+  DevModel::Argmax mine;  // a greedy step's on the other ranks
+  if (!share_plan(segs, stop, best, mine)) return {};
+  // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
+  const std::vector<float> local = run_stage(segs, best);
+  const int64_t ns = (int64_t)segs.size();
+  if (stage_ + 1 < pp_) return rank_ == 0 ? from_last_stage(ns, best) : std::vector<float>{};
+  if (best) {
+    if (tp_ > 1) best_of_group(*best, ns);
+    if (trank_ == 0 && rank_ != 0) send(best->id.data(), ns, MPI_INT32_T, 0, 2, "engine: argmax ids to rank 0");
+    return {};
+  }
+  return logits_to_root(local, ns);
+}
+
+// The step plan, from rank 0 to every rank: ints [ops..., greedy (0, or 1 + banned count: limit, banned...), nseg,
+// per segment: slot, n ids, ids, n pos, pos, img floats, ds count, ds floats...], floats [img, ds...]; a header
+// [stop, ints, floats] first. The other ranks replay the block manager's changes and take the segments (and, for a
+// greedy step, best = &mine). False when rank 0 said stop.
+bool Runner::share_plan(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax*& best,
+                        DevModel::Argmax& mine) {
   std::vector<int64_t> ints;
   std::vector<float> floats;
   int64_t head[3] = {stop ? 1 : 0, 0, 0};
@@ -273,87 +338,92 @@ std::vector<float> Runner::step(std::vector<StepSegment<float>>& segs, bool stop
   bcast_head(*world_c_, head, 3);
   if (head[0]) {
     stopped_ = true;
-    return {};
+    return false;
   }
   ints.resize(head[1]);
   floats.resize(head[2]);
   world_c_->broadcast(ints.data(), ints.size(), DType::I64, 0);
   world_c_->broadcast(floats.data(), floats.size(), DType::F32, 0);
-  DevModel::Argmax mine;  // a greedy step's on the other ranks
-  if (rank_ != 0) {  // replay the cache's slot changes, then the segments
-    size_t i = 1, f = 0;
-    const size_t ops_end = 1 + (size_t)ints[0];
-    while (i < ops_end) i = BlockManager::apply(blocks_.cache(), ints, i);
-    if (const int64_t g = ints[i++]) {
-      mine.limit = ints[i++];
-      mine.banned.assign(ints.begin() + i, ints.begin() + i + (g - 1)), i += g - 1;
-      best = &mine;
-    }
-    segs.assign(ints[i++], {});
-    for (auto& g : segs) {
-      g.seq = (int)ints[i++];
-      const int64_t n = ints[i++];
-      g.ids.assign(ints.begin() + i, ints.begin() + i + n), i += n;
-      const int64_t np = ints[i++];
-      g.pos3.assign(ints.begin() + i, ints.begin() + i + np), i += np;
-      const int64_t ni = ints[i++], nd = ints[i++];
-      g.img.assign(floats.begin() + f, floats.begin() + f + ni), f += ni;
-      for (int64_t d = 0; d < nd; ++d) {
-        const int64_t nf = ints[i++];
-        g.ds.emplace_back(floats.begin() + f, floats.begin() + f + nf), f += nf;
-      }
+  if (rank_ == 0) return true;
+  size_t i = 1, f = 0;
+  const size_t ops_end = 1 + (size_t)ints[0];
+  while (i < ops_end) i = BlockManager::apply(blocks_.cache(), ints, i);
+  if (const int64_t g = ints[i++]) {
+    mine.limit = ints[i++];
+    mine.banned.assign(ints.begin() + i, ints.begin() + i + (g - 1)), i += g - 1;
+    best = &mine;
+  }
+  segs.assign(ints[i++], {});
+  for (auto& g : segs) {
+    g.seq = (int)ints[i++];
+    const int64_t n = ints[i++];
+    g.ids.assign(ints.begin() + i, ints.begin() + i + n), i += n;
+    const int64_t np = ints[i++];
+    g.pos3.assign(ints.begin() + i, ints.begin() + i + np), i += np;
+    const int64_t ni = ints[i++], nd = ints[i++];
+    g.img.assign(floats.begin() + f, floats.begin() + f + ni), f += ni;
+    for (int64_t d = 0; d < nd; ++d) {
+      const int64_t nf = ints[i++];
+      g.ds.emplace_back(floats.begin() + f, floats.begin() + f + nf), f += nf;
     }
   }
-  // A step that fails on one rank fails on all (same shapes, same cache state): the error stays collective.
-  const int64_t V = cfg_.text.vocab, ns = (int64_t)segs.size();
-  const int last0 = (pp_ - 1) * tp_;  // the last stage's first rank: it sends the result to rank 0
-  std::vector<float> local, logits;
-  if (pp_ > 1) {  // the hidden states go from stage to stage, rank trank_ to rank trank_; the last has the logits
+  return true;
+}
+
+// This rank's stage of the step: its layers on the previous stage's hidden states, which go on to the next stage
+// (rank trank_ to rank trank_). The last stage returns its rows of the logits (or, greedy, its argmax in best).
+std::vector<float> Runner::run_stage(const std::vector<StepSegment<float>>& segs, DevModel::Argmax* best) {
+  std::vector<float> x, y;
+  if (stage_ > 0) {
     int64_t N = 0;
     for (const auto& g : segs) N += (int64_t)g.ids.size();
-    std::vector<float> x(stage_ > 0 ? N * cfg_.text.hidden : 0), y;
-    if (stage_ > 0) recv(x.data(), x.size(), MPI_FLOAT, rank_ - tp_, 1, "serve: hidden states from the previous stage");
-    local = dev_->step(segs, blocks_.cache(), stage_ > 0 ? &x : nullptr, &y, best);
-    if (stage_ + 1 < pp_) {
-      send(y.data(), y.size(), MPI_FLOAT, rank_ + tp_, 1, "serve: hidden states to the next stage");
-      if (rank_ != 0) return {};
-      if (best) {
-        best->id.resize(ns);
-        recv(best->id.data(), ns, MPI_INT32_T, last0, 2, "serve: argmax ids from the last stage");
-        return {};
-      }
-      logits.resize(ns * V);
-      recv(logits.data(), logits.size(), MPI_FLOAT, last0, 2, "serve: logits from the last stage");
-      return logits;
-    }
-  } else {
-    local = dev_->step(segs, blocks_.cache(), nullptr, nullptr, best);
+    x.resize(N * cfg_.text.hidden);
+    recv(x.data(), x.size(), MPI_FLOAT, rank_ - tp_, 1, "engine: hidden states from the previous stage");
   }
-  if (best) {  // each rank's best of its rows: the group's first takes the best of those (ties: the lower id)
-    if (tp_ > 1) {
-      std::vector<float> vals(trank_ == 0 ? ns * tp_ : 0);
-      std::vector<int32_t> ids(vals.size());
-      watched(*tpc_c_, "serve: argmax values (gather)", true, [&](MPI_Request* r) {
-        MPI_Igather(best->val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_, r);
-      });
-      watched(*tpc_c_, "serve: argmax ids (gather)", true, [&](MPI_Request* r) {
-        MPI_Igather(best->id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_, r);
-      });
-      if (trank_ != 0) return {};
-      for (int64_t s = 0; s < ns; ++s)
-        for (int r = 0; r < tp_; ++r) {
-          const float v = vals[r * ns + s];
-          const int32_t id = ids[r * ns + s];
-          int32_t& b = best->id[s];
-          if (id >= 0 && (b < 0 || v > best->val[s] || (v == best->val[s] && id < b))) b = id, best->val[s] = v;
-        }
-    }
-    if (trank_ == 0 && rank_ != 0) send(best->id.data(), ns, MPI_INT32_T, 0, 2, "serve: argmax ids to rank 0");
+  std::vector<float> local = dev_->step(segs, blocks_.cache(), stage_ > 0 ? &x : nullptr, pp_ > 1 ? &y : nullptr, best);
+  if (stage_ + 1 < pp_) send(y.data(), y.size(), MPI_FLOAT, rank_ + tp_, 1, "engine: hidden states to the next stage");
+  return local;
+}
+
+// Rank 0 in a pipeline: the step's result from the last stage's first rank.
+std::vector<float> Runner::from_last_stage(int64_t ns, DevModel::Argmax* best) {
+  const int last0 = (pp_ - 1) * tp_;
+  if (best) {
+    best->id.resize(ns);
+    recv(best->id.data(), ns, MPI_INT32_T, last0, 2, "engine: argmax ids from the last stage");
     return {};
   }
+  std::vector<float> logits(ns * cfg_.text.vocab);
+  recv(logits.data(), logits.size(), MPI_FLOAT, last0, 2, "engine: logits from the last stage");
+  return logits;
+}
+
+// Each rank's best of its vocabulary rows: the group's first takes the best of those (ties: the lower id).
+void Runner::best_of_group(DevModel::Argmax& best, int64_t ns) {
+  std::vector<float> vals(trank_ == 0 ? ns * tp_ : 0);
+  std::vector<int32_t> ids(vals.size());
+  watched(*tpc_c_, "engine: argmax values (gather)", true, [&](MPI_Request* r) {
+    MPI_Igather(best.val.data(), (int)ns, MPI_FLOAT, vals.data(), (int)ns, MPI_FLOAT, 0, tpc_, r);
+  });
+  watched(*tpc_c_, "engine: argmax ids (gather)", true, [&](MPI_Request* r) {
+    MPI_Igather(best.id.data(), (int)ns, MPI_INT32_T, ids.data(), (int)ns, MPI_INT32_T, 0, tpc_, r);
+  });
+  if (trank_ != 0) return;
+  for (int64_t s = 0; s < ns; ++s)
+    for (int r = 0; r < tp_; ++r) {
+      const float v = vals[r * ns + s];
+      const int32_t id = ids[r * ns + s];
+      int32_t& b = best.id[s];
+      if (id >= 0 && (b < 0 || v > best.val[s] || (v == best.val[s] && id < b))) b = id, best.val[s] = v;
+    }
+}
+
+// The last stage's logits [ns, V] to rank 0: the group's vocabulary slices gathered on its first rank.
+std::vector<float> Runner::logits_to_root(const std::vector<float>& local, int64_t ns) {
+  const int64_t V = cfg_.text.vocab;
   if (tp_ == 1) {  // the whole vocabulary already: no gather, no copies of [segs, V]
     if (rank_ == 0) return local;
-    send(local.data(), local.size(), MPI_FLOAT, 0, 2, "serve: logits to rank 0");
+    send(local.data(), local.size(), MPI_FLOAT, 0, 2, "engine: logits to rank 0");
     return {};
   }
   std::vector<int> counts(tp_), offs(tp_);
@@ -362,18 +432,18 @@ std::vector<float> Runner::step(std::vector<StepSegment<float>>& segs, bool stop
     counts[r] = (int)(ns * (b - a)), offs[r] = r ? offs[r - 1] + counts[r - 1] : 0;
   }
   std::vector<float> all(trank_ == 0 ? ns * V : 0);
-  watched(*tpc_c_, "serve: logits (gather)", true, [&](MPI_Request* r) {
+  watched(*tpc_c_, "engine: logits (gather)", true, [&](MPI_Request* r) {
     MPI_Igatherv(local.data(), (int)local.size(), MPI_FLOAT, all.data(), counts.data(), offs.data(), MPI_FLOAT, 0, tpc_, r);
   });
   if (trank_ != 0) return {};
-  logits.resize(ns * V);
+  std::vector<float> logits(ns * V);
   for (int r = 0; r < tp_; ++r) {  // rank r's block is [ns, its rows]
     const auto [a, b] = tp_vocab_rows(V, r, tp_);
     for (int64_t s = 0; s < ns; ++s)
       std::copy(&all[offs[r] + s * (b - a)], &all[offs[r] + (s + 1) * (b - a)], &logits[s * V + a]);
   }
   if (rank_ != 0) {  // the last stage's first rank: the logits to the engine
-    send(logits.data(), logits.size(), MPI_FLOAT, 0, 2, "serve: logits to rank 0");
+    send(logits.data(), logits.size(), MPI_FLOAT, 0, 2, "engine: logits to rank 0");
     return {};
   }
   return logits;

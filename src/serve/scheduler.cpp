@@ -28,16 +28,19 @@ size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>&
 
 }  // namespace
 
-void Scheduler::configure(const Deck& d, const Tokenizer& tok, const SamplingParams& base) {
-  tok_ = &tok;
+void Scheduler::configure(const EngineConfig& c, const Tokenizer* tok, const SamplingParams& base) {
+  tok_ = tok;
   base_ = base;
-  max_batch_ = d.integer("serve.max_batch");
-  prefix_on_ = d.boolean("serve.prefix_cache");
-  step_tokens_ = d.integer("serve.step_tokens");
-  timeout_ = d.real("serve.timeout");
+  max_batch_ = c.max_batch;
+  prefix_on_ = c.prefix_cache;
+  step_tokens_ = c.step_tokens;
+  timeout_ = c.timeout;
 }
 
 void Scheduler::submit(const std::shared_ptr<Job>& job) {
+  // generate's stream for prompt `index`: a seeded request answers as generate does for its prompt 0.
+  std::seed_seq seq{uint64_t(job->sp.seed), uint64_t(job->sp.seed >> 32), job->index};
+  job->rng.seed(seq);
   {
     std::lock_guard<std::mutex> g(in_m_);
     incoming_.push_back(job);
@@ -122,7 +125,14 @@ void Scheduler::admit() {
     }
     const BlockManager::Match hit = blocks_.match(job->tkeys);
     const int64_t tokens = n + job->sp.max_new_tokens;
-    if (!blocks_.fits(tokens, hit)) break;
+    if (!blocks_.fits(tokens, hit)) {
+      if (!running_.empty()) break;  // it waits for blocks to come back
+      waiting_.pop_front(), metrics_.queue--;  // the whole cache is not enough
+      job->error = "the prompt and max_tokens need " + std::to_string(blocks_.cache().blocks_for(tokens)) +
+                   " KV-cache blocks; the whole cache has " + std::to_string(blocks_.cache().max_blocks);
+      finish(*job, "error");
+      continue;
+    }
     waiting_.pop_front();
     metrics_.queue--;
     const int64_t shared = (int64_t)hit.blocks.size() * B;
@@ -136,6 +146,7 @@ void Scheduler::admit() {
       finish(*job, "error");
       continue;
     }
+    std::vector<float>().swap(job->prompt.pixels);  // in img and ds now (and the keys)
     job->slot = blocks_.open(tokens, hit, job->next0);
     job->fed = shared;
     job->vis_fed = vis_shared;
@@ -145,20 +156,28 @@ void Scheduler::admit() {
   }
 }
 
+bool Scheduler::tick(bool wait) {
+  {
+    std::unique_lock<std::mutex> l(in_m_);
+    if (wait && incoming_.empty() && running_.empty() && waiting_.empty())
+      in_cv_.wait_for(l, std::chrono::milliseconds(200));
+    while (!incoming_.empty()) waiting_.push_back(incoming_.front()), incoming_.pop_front();
+  }
+  drop_gone();
+  admit();
+  metrics_.running = (int64_t)running_.size();
+  update_kv_metrics();
+  if (running_.empty()) return !waiting_.empty();
+  step();
+  return true;
+}
+
 void Scheduler::run() {
-  while (!stop_signal_pending()) {
-    {
-      std::unique_lock<std::mutex> l(in_m_);
-      if (incoming_.empty() && running_.empty() && waiting_.empty())
-        in_cv_.wait_for(l, std::chrono::milliseconds(200));
-      while (!incoming_.empty()) waiting_.push_back(incoming_.front()), incoming_.pop_front();
-    }
-    drop_gone();
-    admit();
-    metrics_.running = (int64_t)running_.size();
-    update_kv_metrics();
-    if (running_.empty()) continue;
-    step();
+  while (!stop_signal_pending()) tick(true);
+}
+
+void Scheduler::drain() {
+  while (tick(false)) {
   }
 }
 
@@ -274,35 +293,36 @@ void Scheduler::step() {
       const size_t s = rows[i];
       tok[s] = sample_token(&logits[s * V], V, who[s]->sp, who[s]->rng);
     });
-  for (size_t s : rows) {
-    Job& j = *who[s];
-    const int64_t t = tok[s];
-    if (!j.first_token) {
-      j.first_token = true;
-      j.t_first = now;
-      std::lock_guard<std::mutex> g(metrics_.m);
-      metrics_.ttft_sum += now - j.t_arrival, metrics_.ttft_n++;
-    }
-    std::string reason;
-    if (std::find(j.sp.stop.begin(), j.sp.stop.end(), t) != j.sp.stop.end()) {
-      reason = "stop";
-    } else {
-      j.out.push_back(t);
-      j.pending = t;
-      if ((int64_t)j.out.size() >= j.sp.max_new_tokens) reason = "length";
-    }
-    emit(j, !reason.empty());
-    bool stop_string;
-    {
-      std::lock_guard<std::mutex> g(j.m);
-      stop_string = !j.finish.empty();
-    }
-    if (!reason.empty() || stop_string) finish(j, reason);
-    else j.cv.notify_all();
-  }
+  for (size_t s : rows) advance(*who[s], tok[s], now);
   std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
   metrics_.running = (int64_t)running_.size();
   update_kv_metrics();
+}
+
+// A job's new token t: the end on a stop token, max_tokens or a stop string; else its text so far to the client.
+void Scheduler::advance(Job& j, int64_t t, double now) {
+  if (!j.first_token) {
+    j.first_token = true;
+    j.t_first = now;
+    std::lock_guard<std::mutex> g(metrics_.m);
+    metrics_.ttft_sum += now - j.t_arrival, metrics_.ttft_n++;
+  }
+  std::string reason;
+  if (std::find(j.sp.stop.begin(), j.sp.stop.end(), t) != j.sp.stop.end()) {
+    reason = "stop";
+  } else {
+    j.out.push_back(t);
+    j.pending = t;
+    if ((int64_t)j.out.size() >= j.sp.max_new_tokens) reason = "length";
+  }
+  if (!j.offline) emit(j, !reason.empty());
+  bool stop_string;
+  {
+    std::lock_guard<std::mutex> g(j.m);
+    stop_string = !j.finish.empty();
+  }
+  if (!reason.empty() || stop_string) finish(j, reason);
+  else j.cv.notify_all();
 }
 
 void Scheduler::fail_all(const std::string& why) {

@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -36,10 +37,7 @@
 #include "q3vl/data/video_processor.hpp"
 #include "q3vl/runtime/runtime.hpp"
 #include "q3vl/runtime/stop.hpp"
-#include "q3vl/serve/block_manager.hpp"
-#include "q3vl/serve/generate.hpp"
-#include "q3vl/serve/runner.hpp"
-#include "q3vl/serve/scheduler.hpp"
+#include "q3vl/serve/engine.hpp"
 
 namespace q3vl {
 
@@ -61,6 +59,17 @@ struct HttpError {
 // string that is not UTF-8 makes json::dump throw, outside any handler when httplib answers a 404 itself. Invalid
 // bytes become U+FFFD.
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// An exception's message ("internal error" for one that is not a std::exception).
+std::string what_of(std::exception_ptr ep) {
+  try {
+    std::rethrow_exception(ep);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+  }
+  return "internal error";
+}
 
 std::string error_body(const HttpError& e) {
   json err = {{"message", e.message}, {"type", e.type}, {"param", nullptr}, {"code", nullptr}};
@@ -120,23 +129,7 @@ std::string b64decode(std::string_view in, const std::string& name) {
   return out;
 }
 
-// httplib 0.11 does not tell a handler whether its client is still there. The connection's socket is the one with
-// the request's address pair (unique while this handler holds the connection); a peek says whether it was closed.
-int connection_fd(const httplib::Request& q) {
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator("/proc/self/fd", ec)) {
-    const int fd = std::atoi(e.path().filename().c_str());
-    sockaddr_storage a{}, l{};
-    socklen_t an = sizeof a, ln = sizeof l;
-    if (getpeername(fd, (sockaddr*)&a, &an) != 0 || getsockname(fd, (sockaddr*)&l, &ln) != 0) continue;
-    char host[NI_MAXHOST], port[NI_MAXSERV], lport[NI_MAXSERV];
-    if (getnameinfo((sockaddr*)&a, an, host, sizeof host, port, sizeof port, NI_NUMERICHOST | NI_NUMERICSERV) ||
-        getnameinfo((sockaddr*)&l, ln, nullptr, 0, lport, sizeof lport, NI_NUMERICSERV))
-      continue;
-    if (q.remote_addr == host && q.remote_port == std::atoi(port) && q.local_port == std::atoi(lport)) return fd;
-  }
-  return -1;
-}
+// Whether the peer of a connection has closed it (a peek, without waiting).
 bool peer_closed(int fd) {
   pollfd p{fd, POLLIN | POLLRDHUP, 0};
   if (poll(&p, 1, 0) <= 0) return false;
@@ -211,6 +204,9 @@ class HttpFront : public httplib::Server {
 // Set by a handler that answered before httplib read the request's body (the pre-routing refusals): the unread body
 // would be parsed as the next request, so the connection closes after the answer.
 thread_local bool t_close_after = false;
+// The socket of the request this thread handles (httplib 0.11 does not tell a handler whether its client is still
+// there; a handler peeks at it).
+thread_local int t_fd = -1;
 
 bool wait_fd(int fd, short events, double seconds) {
   pollfd p{fd, events, 0};
@@ -364,7 +360,7 @@ void HttpFront::reader_loop() {
 void HttpFront::serve(const std::shared_ptr<Conn>& c) {
   Stream strm(c->fd, std::move(c->buf), c->t_head + lim_.read_timeout, lim_.read_timeout);
   bool closed = false, ok = false;
-  t_close_after = false;
+  t_close_after = false, t_fd = c->fd;
   try {
     ok = process_request(strm, stop_, closed, nullptr);
     closed |= t_close_after;
@@ -388,15 +384,20 @@ class Server {
   // HTTP side.
   void handle_completion(const httplib::Request& req, httplib::Response& res, bool chat);
   std::shared_ptr<Job> parse_request(const json& body, bool chat);
+  std::optional<int64_t> request_fields(const json& body, Job& job);
+  GenPrompt chat_prompt(const json& body);
+  GenPrompt text_prompt(const json& body);
   std::string media_bytes(const json& field, const std::string& type, const std::string& name);
   std::string read_media_file(const std::string& path, const std::string& name);
   std::vector<RgbImage> decode_images(const std::vector<Media>& images, int64_t& tokens);
   std::vector<VideoClip> decode_videos(const std::vector<Media>& videos, int64_t& tokens);
   void reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res, bool chat);
-  json response_object(const Job& job, bool chat, const std::string& id);
+  json envelope(bool chat, bool chunk);
+  json response_object(const Job& job, bool chat);
   std::string metrics_text();
-  // The other ranks: each step as rank 0 sends it.
-  void worker_loop();
+  void configure();
+  void routes(HttpFront& svr);
+  void guards(HttpFront& svr, const std::string& host);
 
   const Deck& deck_;
   std::unique_ptr<Tokenizer> tok_;
@@ -408,20 +409,36 @@ class Server {
   int64_t max_image_pixels_ = 0, max_body_ = 0;  // serve.max_image_pixels; serve.max_body_mib in bytes
   std::atomic<int64_t> next_id_{1};
   double created_ = 0;
-  Metrics metrics_;
-
-  // The KV cache's bookkeeping and its prefix cache: rank 0 decides, the other ranks replay its log before each step.
-  BlockManager blocks_;
-  KvCache<float>& cache_ = blocks_.cache();
-  Runner runner_{deck_, blocks_};
-  Scheduler sched_{runner_, blocks_, metrics_};  // rank 0's engine
+  Engine engine_{deck_, serve_config(deck_)};
+  Metrics& metrics_ = engine_.metrics;
+  Scheduler& sched_ = engine_.scheduler;
 };
 
+// A request as a job for the engine: its sampling fields, then its prompt (chat messages, or a completion's text),
+// which must leave room for an answer in serve.max_context and fit the KV cache with max_tokens.
 std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
   if (!body.is_object()) refuse(400, "the request body must be a JSON object");
   auto job = std::make_shared<Job>();
-  job->sp = base_;
-  // Typed fields: a wrong type is the client's mistake, named in the message.
+  const std::optional<int64_t> mt = request_fields(body, *job);
+  job->prompt = chat ? chat_prompt(body) : text_prompt(body);
+  const int64_t n = (int64_t)job->prompt.ids.size();
+  if (n >= max_context_)
+    refuse(413, "the prompt has " + std::to_string(n) + " tokens; this server's context is " +
+                    std::to_string(max_context_) + " tokens (serve.max_context)", chat ? "messages" : "prompt");
+  job->sp.max_new_tokens = (int)std::min<int64_t>(mt.value_or(max_tokens_), max_context_ - n);
+  const KvCache& kv = engine_.blocks.cache();
+  const int64_t blocks = kv.blocks_for(n + job->sp.max_new_tokens);
+  if (blocks > kv.max_blocks)
+    refuse(413, "the prompt and max_tokens need " + std::to_string(blocks) + " KV-cache blocks; the whole cache has " +
+                    std::to_string(kv.max_blocks) + " (serve.kv_mib)", "max_tokens");
+  return job;
+}
+
+// The fields besides the prompt, typed (a wrong type is the client's mistake, named in the message): the model, the
+// sampling (the model's defaults, a random seed unless given), streaming and stop strings. Returns max_tokens (or
+// max_completion_tokens) when given.
+std::optional<int64_t> Server::request_fields(const json& body, Job& job) {
+  job.sp = base_;
   auto num = [&](const char* key, double lo, double hi, bool integer) -> std::optional<double> {
     if (!body.contains(key) || body[key].is_null()) return std::nullopt;
     const json& v = body[key];
@@ -438,110 +455,104 @@ std::shared_ptr<Job> Server::parse_request(const json& body, bool chat) {
     refuse(404, "the model '" + body["model"].get<std::string>() + "' does not exist; this server serves '" +
                     model_name_ + "'", "model");
   if (auto n = num("n", 1, 1e9, true); n && *n != 1) refuse(400, "only n = 1 is supported", "n");
-  if (auto t = num("temperature", 0, 2, false)) job->sp.temperature = *t;
+  if (auto t = num("temperature", 0, 2, false)) job.sp.temperature = *t;
   if (auto p = num("top_p", 0, 1, false)) {
     if (*p <= 0) refuse(400, "'top_p' must be greater than 0", "top_p");
-    job->sp.top_p = *p;
+    job.sp.top_p = *p;
   }
-  if (auto k = num("top_k", -1, 1e9, true)) job->sp.top_k = std::max(0, (int)*k);  // -1 (vLLM) and 0: all
+  if (auto k = num("top_k", -1, 1e9, true)) job.sp.top_k = std::max(0, (int)*k);  // -1 (vLLM) and 0: all
   std::optional<double> mt = num("max_tokens", 1, 1e9, true);
   if (auto m2 = num("max_completion_tokens", 1, 1e9, true)) mt = m2;
-  std::random_device rd;
-  job->sp.seed = rd();
-  if (auto s = num("seed", -9.2e18, 9.2e18, true)) job->sp.seed = (uint64_t)body["seed"].get<int64_t>();
+  job.sp.seed = std::random_device()();
+  if (num("seed", -9.2e18, 9.2e18, true)) job.sp.seed = (uint64_t)body["seed"].get<int64_t>();
   if (body.contains("stream") && !body["stream"].is_null()) {
     if (!body["stream"].is_boolean()) refuse(400, "'stream' must be true or false", "stream");
-    job->stream = body["stream"].get<bool>();
+    job.stream = body["stream"].get<bool>();
   }
   if (body.contains("stream_options") && !body["stream_options"].is_null()) {
     const json& so = body["stream_options"];
     if (!so.is_object() || (so.contains("include_usage") && !so["include_usage"].is_boolean()))
       refuse(400, "'stream_options' must be an object with a boolean 'include_usage'", "stream_options");
-    job->include_usage = so.value("include_usage", false);
+    job.include_usage = so.value("include_usage", false);
   }
   if (body.contains("stop") && !body["stop"].is_null()) {
     const json& s = body["stop"];
-    if (s.is_string()) job->stops.push_back(s.get<std::string>());
+    if (s.is_string()) job.stops.push_back(s.get<std::string>());
     else if (s.is_array() && s.size() <= 4 &&
              std::all_of(s.begin(), s.end(), [](const json& x) { return x.is_string(); }))
-      for (const json& x : s) job->stops.push_back(x.get<std::string>());
+      for (const json& x : s) job.stops.push_back(x.get<std::string>());
     else refuse(400, "'stop' must be a string or an array of at most 4 strings", "stop");
-    std::erase_if(job->stops, [](const std::string& x) { return x.empty(); });
+    std::erase_if(job.stops, [](const std::string& x) { return x.empty(); });
   }
+  return mt ? std::optional<int64_t>((int64_t)*mt) : std::nullopt;
+}
 
-  if (chat) {
-    if (!body.contains("messages")) refuse(400, "'messages' is required", "messages");
-    const json& msgs = body["messages"];
-    if (!msgs.is_array() || msgs.empty()) refuse(400, "'messages' must be a non-empty array", "messages");
-    // The training-data record format of data/chat.hpp, each image and video named by its part ("messages[0] video
-    // 1"): parse_record then checks roles and order exactly as for generate.
-    json rec = {{"messages", json::array()}};
-    std::vector<Media> images, videos;  // their files, decoded once all are known
-    for (size_t i = 0; i < msgs.size(); ++i) {
-      const json& m = msgs[i];
-      const std::string where = "messages[" + std::to_string(i) + "]";
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-        refuse(400, where + " must be an object with a string 'role'", "messages");
-      json content = json::array();
-      const json c = m.value("content", json());
-      if (c.is_string()) {
-        content.push_back({{"type", "text"}, {"text", c}});
-      } else if (c.is_array()) {
-        for (const json& part : c) {
-          const json t = part.is_object() ? part.value("type", json()) : json();
-          const std::string type = t.is_string() ? t.get<std::string>() : "";
-          if (type == "text" && part.contains("text") && part["text"].is_string()) {
-            content.push_back({{"type", "text"}, {"text", part["text"]}});
-          } else if ((type == "image_url" || type == "video_url") && part.contains(type)) {
-            const bool video = type == "video_url";
-            std::vector<Media>& list = video ? videos : images;
-            const std::string name = where + (video ? " video " : " image ") + std::to_string(list.size() + 1);
-            list.push_back({name, media_bytes(part[type], type, name)});
-            content.push_back({{"type", video ? "video" : "image"}, {video ? "video" : "image", name}});
-          } else {
-            refuse(400, where + ": a content part must be {\"type\": \"text\", \"text\": ...}, {\"type\": "
-                            "\"image_url\", \"image_url\": {\"url\": ...}} or {\"type\": \"video_url\", "
-                            "\"video_url\": {\"url\": ...}}", "messages");
-          }
+// A chat's messages as the training-data record format of data/chat.hpp, each image and video named by its part
+// ("messages[0] video 1"): parse_record then checks roles and order exactly as for generate. The images and videos
+// are decoded once all are known (their cost checked first), then templated with the text.
+GenPrompt Server::chat_prompt(const json& body) {
+  if (!body.contains("messages")) refuse(400, "'messages' is required", "messages");
+  const json& msgs = body["messages"];
+  if (!msgs.is_array() || msgs.empty()) refuse(400, "'messages' must be a non-empty array", "messages");
+  json rec = {{"messages", json::array()}};
+  std::vector<Media> images, videos;
+  for (size_t i = 0; i < msgs.size(); ++i) {
+    const json& m = msgs[i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      refuse(400, where + " must be an object with a string 'role'", "messages");
+    json content = json::array();
+    const json c = m.value("content", json());
+    if (c.is_string()) {
+      content.push_back({{"type", "text"}, {"text", c}});
+    } else if (c.is_array()) {
+      for (const json& part : c) {
+        const json t = part.is_object() ? part.value("type", json()) : json();
+        const std::string type = t.is_string() ? t.get<std::string>() : "";
+        if (type == "text" && part.contains("text") && part["text"].is_string()) {
+          content.push_back({{"type", "text"}, {"text", part["text"]}});
+        } else if ((type == "image_url" || type == "video_url") && part.contains(type)) {
+          const bool video = type == "video_url";
+          std::vector<Media>& list = video ? videos : images;
+          const std::string name = where + (video ? " video " : " image ") + std::to_string(list.size() + 1);
+          list.push_back({name, media_bytes(part[type], type, name)});
+          content.push_back({{"type", video ? "video" : "image"}, {video ? "video" : "image", name}});
+        } else {
+          refuse(400, where + ": a content part must be {\"type\": \"text\", \"text\": ...}, {\"type\": "
+                          "\"image_url\", \"image_url\": {\"url\": ...}} or {\"type\": \"video_url\", "
+                          "\"video_url\": {\"url\": ...}}", "messages");
         }
-      } else if (!c.is_null()) {
-        refuse(400, where + ": 'content' must be a string or an array of parts", "messages");
       }
-      rec["messages"].push_back({{"role", m["role"]}, {"content", content}});
+    } else if (!c.is_null()) {
+      refuse(400, where + ": 'content' must be a string or an array of parts", "messages");
     }
-    if (rec["messages"].back()["role"] == "assistant")
-      refuse(400, "the last message is the assistant's: there is nothing to answer", "messages");
-    int64_t visual = 0;  // the tokens the images and videos become, checked against serve.max_context as they come
-    const std::vector<RgbImage> pictures = decode_images(images, visual);
-    const std::vector<VideoClip> clips = decode_videos(videos, visual);
-    try {
-      const Conversation conv = parse_record(rec, "request", 0);
-      job->prompt = encode_prompt(conv, pictures, *tok_, icfg_, clips, vcfg_);
-    } catch (const Error& e) {
-      std::string msg = e.what();
-      if (msg.rfind("request:0: ", 0) == 0) msg = msg.substr(11);
-      refuse(msg.find("image '") != std::string::npos ? 422 : 400, msg, "messages");
-    }
-  } else {
-    if (!body.contains("prompt")) refuse(400, "'prompt' is required", "prompt");
-    json p = body["prompt"];
-    if (p.is_array() && p.size() == 1 && p[0].is_string()) p = p[0];
-    if (!p.is_string()) refuse(400, "'prompt' must be a string (or an array of one string)", "prompt");
-    for (int32_t id : tok_->encode(p.get<std::string>())) job->prompt.ids.push_back(id);
-    if (job->prompt.ids.empty()) refuse(400, "'prompt' is empty", "prompt");
+    rec["messages"].push_back({{"role", m["role"]}, {"content", content}});
   }
-  const int64_t n = (int64_t)job->prompt.ids.size();
-  if (n >= max_context_)
-    refuse(413, "the prompt has " + std::to_string(n) + " tokens; this server's context is " +
-                    std::to_string(max_context_) + " tokens (serve.max_context)", chat ? "messages" : "prompt");
-  job->sp.max_new_tokens = (int)std::min<int64_t>(mt ? (int64_t)*mt : max_tokens_, max_context_ - n);
-  const int64_t blocks = cache_.blocks_for(n + job->sp.max_new_tokens);
-  if (blocks > cache_.max_blocks)
-    refuse(413, "the prompt and max_tokens need " + std::to_string(blocks) + " KV-cache blocks; the whole cache has " +
-                    std::to_string(cache_.max_blocks) + " (serve.kv_mib)", "max_tokens");
-  std::seed_seq seq{uint64_t(job->sp.seed), uint64_t(job->sp.seed >> 32), uint64_t(0)};
-  job->rng.seed(seq);  // generate's stream for prompt 0: a seeded request answers as generate does
-  return job;
+  if (rec["messages"].back()["role"] == "assistant")
+    refuse(400, "the last message is the assistant's: there is nothing to answer", "messages");
+  int64_t visual = 0;  // the tokens the images and videos become, checked against serve.max_context as they come
+  const std::vector<RgbImage> pictures = decode_images(images, visual);
+  const std::vector<VideoClip> clips = decode_videos(videos, visual);
+  try {
+    const Conversation conv = parse_record(rec, "request", 0);
+    return encode_prompt(conv, pictures, *tok_, icfg_, clips, vcfg_);
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    if (msg.rfind("request:0: ", 0) == 0) msg = msg.substr(11);
+    refuse(msg.find("image '") != std::string::npos ? 422 : 400, msg, "messages");
+  }
+}
+
+// A completion's prompt: a string (or an array of one), tokenized as it is.
+GenPrompt Server::text_prompt(const json& body) {
+  if (!body.contains("prompt")) refuse(400, "'prompt' is required", "prompt");
+  json p = body["prompt"];
+  if (p.is_array() && p.size() == 1 && p[0].is_string()) p = p[0];
+  if (!p.is_string()) refuse(400, "'prompt' must be a string (or an array of one string)", "prompt");
+  GenPrompt g;
+  for (int32_t id : tok_->encode(p.get<std::string>())) g.ids.push_back(id);
+  if (g.ids.empty()) refuse(400, "'prompt' is empty", "prompt");
+  return g;
 }
 
 // An image_url's or video_url's file (type: the part's type; field: its value, {"url": ...} or the URL itself): a
@@ -694,19 +705,27 @@ std::vector<VideoClip> Server::decode_videos(const std::vector<Media>& videos, i
   return clips;
 }
 
-json Server::response_object(const Job& job, bool chat, const std::string& id) {
-  const int64_t pt = (int64_t)job.prompt.ids.size();
+// An answer object's fields besides the choices: its id (a new one for each answer), kind, time and model.
+json Server::envelope(bool chat, bool chunk) {
+  return {{"id", (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++)},
+          {"object", !chat ? "text_completion" : chunk ? "chat.completion.chunk" : "chat.completion"},
+          {"created", (int64_t)created_},
+          {"model", model_name_}};
+}
+
+json usage(const Job& job, int64_t completion) {
+  const int64_t prompt = (int64_t)job.prompt.ids.size();
+  return {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+}
+
+json Server::response_object(const Job& job, bool chat) {
   json choice = {{"index", 0}, {"finish_reason", job.finish}, {"logprobs", nullptr}};
   if (chat) choice["message"] = {{"role", "assistant"}, {"content", job.text}};
   else choice["text"] = job.text;
-  return {{"id", id},
-          {"object", chat ? "chat.completion" : "text_completion"},
-          {"created", (int64_t)created_},
-          {"model", model_name_},
-          {"choices", json::array({choice})},
-          {"usage",
-           {{"prompt_tokens", pt}, {"completion_tokens", job.completion_tokens},
-            {"total_tokens", pt + job.completion_tokens}}}};
+  json o = envelope(chat, false);
+  o["choices"] = json::array({choice});
+  o["usage"] = usage(job, job.completion_tokens);
+  return o;
 }
 
 void Server::handle_completion(const httplib::Request& req, httplib::Response& res, bool chat) {
@@ -733,7 +752,7 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
   sched_.submit(job);
   if (job->stream) return reply_stream(job, req, res, chat);
   // A client that leaves before its answer cancels the request, as a stream's does.
-  const int fd = connection_fd(req);
+  const int fd = t_fd;
   std::unique_lock<std::mutex> l(job->m);
   while (!job->cv.wait_for(l, std::chrono::milliseconds(100), [&] { return job->done; }))
     if (fd >= 0 && peer_closed(fd)) {
@@ -747,21 +766,20 @@ void Server::handle_completion(const httplib::Request& req, httplib::Response& r
     res.set_content(error_body({job->status, job->error, "server_error"}), "application/json");
     return;
   }
-  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
-  res.set_content(dump(response_object(*job, chat, id)), "application/json");
+  res.set_content(dump(response_object(*job, chat)), "application/json");
 }
 
 void Server::reply_stream(const std::shared_ptr<Job>& job, const httplib::Request& req, httplib::Response& res,
                           bool chat) {
-  const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
+  const json head = envelope(chat, true);  // every chunk's
   auto sent = std::make_shared<size_t>(0);
   auto started = std::make_shared<bool>(false);
-  auto chunk = [this, id, chat](const json& delta_or_text, const json& finish) {
+  auto chunk = [head, chat](const json& delta_or_text, const json& finish) {
     json c = {{"index", 0}, {"finish_reason", finish}, {"logprobs", nullptr}};
     if (chat) c["delta"] = delta_or_text;
     else c["text"] = delta_or_text;
-    json o = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
-              {"created", (int64_t)created_}, {"model", model_name_}, {"choices", json::array({c})}};
+    json o = head;
+    o["choices"] = json::array({c});
     return "data: " + dump(o) + "\n\n";
   };
   res.set_header("Cache-Control", "no-cache");
@@ -774,7 +792,7 @@ void Server::reply_stream(const std::shared_ptr<Job>& job, const httplib::Reques
                                  : &httplib::Response::set_chunked_content_provider;
   (res.*provide)(
       "text/event-stream",
-      [this, job, sent, started, chunk, chat, id](size_t, httplib::DataSink& sink) {
+      [job, head, sent, started, chunk, chat](size_t, httplib::DataSink& sink) {
         auto write = [&](const std::string& s) {
           if (!sink.write(s.data(), s.size())) {
             job->cancelled = true;  // the client went away: the engine frees its sequence
@@ -807,10 +825,8 @@ void Server::reply_stream(const std::shared_ptr<Job>& job, const httplib::Reques
         } else {
           write(chunk(chat ? json::object() : json(""), finish));
           if (job->include_usage) {
-            const int64_t pt = (int64_t)job->prompt.ids.size();
-            json o = {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                      {"created", (int64_t)created_}, {"model", model_name_}, {"choices", json::array()},
-                      {"usage", {{"prompt_tokens", pt}, {"completion_tokens", ct}, {"total_tokens", pt + ct}}}};
+            json o = head;
+            o["choices"] = json::array(), o["usage"] = usage(*job, ct);
             write("data: " + dump(o) + "\n\n");
           }
         }
@@ -884,30 +900,15 @@ void widen_backlog(int port) {
 
 }  // namespace
 
-void Server::worker_loop() {
-  while (!runner_.stopped()) {
-    std::vector<StepSegment<float>> segs;
-    try {
-      runner_.step(segs);
-    } catch (const Error& e) {  // rank 0 met the same error in the same step and goes on
-      if (is_watchdog(e)) throw;  // unless a rank stopped: then the job ends
-    }
-  }
-}
-
-int Server::run() {
-  runner_.load();
-  metrics_.kv_total = cache_.max_blocks;
-  if (runner_.rank() != 0) {
-    worker_loop();
-    return 0;
-  }
-  const ModelConfig& cfg = runner_.config();
+// What the HTTP side needs from the deck and the loaded model: the tokenizer, image and video processing, the model's
+// sampling defaults, the limits on requests, and the model's name for clients.
+void Server::configure() {
+  const ModelConfig& cfg = engine_.runner.config();
   tok_ = std::make_unique<Tokenizer>(load_tokenizer(deck_, "serve"));
   icfg_ = image_config(deck_, "serve", cfg);
   vcfg_ = video_config(deck_, cfg);
   base_ = model_sampling(cfg, *tok_);
-  sched_.configure(deck_, *tok_, base_);
+  sched_.configure(engine_.config, tok_.get(), base_);
   max_context_ = deck_.integer("serve.max_context");
   max_tokens_ = deck_.integer("serve.max_tokens");
   image_dir_ = deck_.str("serve.image_dir");
@@ -915,23 +916,18 @@ int Server::run() {
   max_body_ = (int64_t)(deck_.real("serve.max_body_mib") * 1048576.0);
   model_name_ = deck_.str("serve.model_name");
   if (model_name_.empty()) {
-    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : runner_.checkpoint();
+    const std::string from = !deck_.str("model.hf").empty() ? deck_.str("model.hf") : engine_.runner.checkpoint();
     model_name_ = from.empty() ? "q3vl-" + deck_.str("model.preset") : fs::path(from).filename().string();
     if (model_name_.empty()) model_name_ = fs::path(from).parent_path().filename().string();
   }
-  HttpFront::Limits lim;
-  lim.threads = (int)deck_.integer("serve.http_threads");
-  lim.header_timeout = deck_.real("serve.header_timeout");
-  lim.read_timeout = deck_.real("serve.read_timeout");
-  lim.per_client = (int)deck_.integer("serve.max_client_connections");
-  lim.max_connections = (int)deck_.integer("serve.max_connections");
-  HttpFront svr(lim);
-  svr.set_payload_max_length((size_t)(deck_.real("serve.max_body_mib") * 1048576.0));
+}
+
+void Server::routes(HttpFront& svr) {
   using Req = httplib::Request;
   using Res = httplib::Response;
   svr.Post("/v1/chat/completions", [this](const Req& q, Res& r) { handle_completion(q, r, true); });
   svr.Post("/v1/completions", [this](const Req& q, Res& r) { handle_completion(q, r, false); });
-  svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& r) {
+  svr.Get("/v1/models", [this](const Req&, Res& r) {
     json m = {{"id", model_name_}, {"object", "model"}, {"created", (int64_t)created_}, {"owned_by", "q3vl"},
               {"max_model_len", max_context_}};
     r.set_content(dump(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
@@ -950,16 +946,22 @@ int Server::run() {
     r.status = 503;
     r.set_content(dump({{"status", "unhealthy"}, {"reason", why}}), "application/json");
   });
-  svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& r) {
+  svr.Get("/metrics", [this](const Req&, Res& r) {
     r.set_content(metrics_text(), "text/plain; version=0.0.4");
   });
+}
+
+// Before routing: the API key, the path's UTF-8, a body's length; after: httplib's own answers and a handler's
+// exception as OpenAI error objects.
+void Server::guards(HttpFront& svr, const std::string& host) {
+  using Req = httplib::Request;
+  using Res = httplib::Response;
   // A path that is not UTF-8 (GET /%FF) names no route; said so before any handler quotes it. Bodies are checked in
   // handle_completion (read after this).
   // serve.api_key (else Q3VL_API_KEY): every route but /health wants "Authorization: Bearer <key>", as OpenAI's API
   // does; the comparison takes the same time wherever the first difference is.
   std::string key = deck_.str("serve.api_key");
   if (const char* e = std::getenv("Q3VL_API_KEY"); key.empty() && e) key = e;
-  const std::string host = deck_.str("serve.host");
   if (key.empty() && host != "localhost" && host != "::1" && host.rfind("127.", 0) != 0)
     log_warn("serve: listening on " + host + " without an API key: anyone who can reach this port can use the model "
              "(set serve.api_key or the environment variable Q3VL_API_KEY)");
@@ -980,7 +982,7 @@ int Server::run() {
     return httplib::Server::HandlerResponse::Handled;
   });
   // Anything httplib answers itself (unknown path, body too large) gets the OpenAI error object too.
-  svr.set_error_handler([](const httplib::Request& q, httplib::Response& r) {
+  svr.set_error_handler([](const Req& q, Res& r) {
     if (!r.body.empty()) return;
     const std::string m = r.status == 404 ? "no route " + q.method + " " + q.path
                           : r.status == 413 ? "the request body is too large (serve.max_body_mib; a form-encoded body: "
@@ -989,17 +991,30 @@ int Server::run() {
     r.set_content(error_body({r.status, m, r.status == 404 ? "not_found_error" : "invalid_request_error"}),
                   "application/json");
   });
-  svr.set_exception_handler([](const httplib::Request&, httplib::Response& r, std::exception_ptr ep) {
-    std::string m = "internal error";
-    try {
-      std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      m = e.what();
-    } catch (...) {
-    }
+  svr.set_exception_handler([](const Req&, Res& r, std::exception_ptr ep) {
     r.status = 500;
-    r.set_content(error_body({500, m, "server_error"}), "application/json");
+    r.set_content(error_body({500, what_of(ep), "server_error"}), "application/json");
   });
+}
+
+int Server::run() {
+  engine_.load();
+  if (engine_.runner.rank() != 0) {
+    engine_.runner.follow();
+    return 0;
+  }
+  configure();
+  HttpFront::Limits lim;
+  lim.threads = (int)deck_.integer("serve.http_threads");
+  lim.header_timeout = deck_.real("serve.header_timeout");
+  lim.read_timeout = deck_.real("serve.read_timeout");
+  lim.per_client = (int)deck_.integer("serve.max_client_connections");
+  lim.max_connections = (int)deck_.integer("serve.max_connections");
+  HttpFront svr(lim);
+  svr.set_payload_max_length((size_t)max_body_);
+  const std::string host = deck_.str("serve.host");
+  routes(svr);
+  guards(svr, host);
   int port = (int)deck_.integer("serve.port");
   if (port == 0) port = svr.bind_to_any_port(host);
   else if (!svr.bind_to_port(host, port)) port = -1;
@@ -1014,14 +1029,7 @@ int Server::run() {
     sched_.run();
   } catch (...) {
     // Every open request gets its error, so that the HTTP threads return and the server can end.
-    std::string why = "internal error";
-    try {
-      throw;
-    } catch (const std::exception& e) {
-      why = e.what();
-    } catch (...) {
-    }
-    sched_.fail_all(why);
+    sched_.fail_all(what_of(std::current_exception()));
     svr.stop();
     http.join();
     throw;
@@ -1031,10 +1039,7 @@ int Server::run() {
   sched_.finish_open();
   svr.stop();
   http.join();
-  if (runner_.world() > 1) {  // the other ranks leave their loop
-    std::vector<StepSegment<float>> none;
-    runner_.step(none, true);
-  }
+  engine_.runner.stop();  // the other ranks leave their loop
   return 0;
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `q3vl synth`, `q3vl generate` and tools/score_answers end to end on a random tiny model (preset tiny: the real
-# vocabulary and tokenizer): files and counts, determinism, batching that changes nothing, CUDA (where a GPU is)
+# vocabulary and tokenizer): files and counts, determinism, batching and rank counts that change nothing (greedy and
+# seeded sampling: generate drives serve's engine, continuously batched, tensor-parallel over the ranks), CUDA (where a GPU is)
 # giving the CPU's answers, bad prompts that fail naming file and line. Greedy decoding against full forwards is tests/unit/test_generate.cpp.
 source "$(dirname "$0")/../lib.sh"
 q=${Q3VL:-bin/q3vl}
@@ -35,6 +36,12 @@ cmp -s $tmp/a.jsonl $tmp/c.jsonl && pass "2 ranks == 1 rank" || bad "rank count 
 run gen generate.output=$tmp/s1.jsonl generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9 &&
   run gen generate.output=$tmp/s2.jsonl generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9
 cmp -s $tmp/s1.jsonl $tmp/s2.jsonl && pass "seeded sampling is deterministic" || bad "sampling differs for one seed"
+# Prompt i samples from the stream of (run.seed, i), whatever runs beside it in the engine's batch, at any rank count.
+run gen generate.output=$tmp/s3.jsonl generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9 generate.batch=1 &&
+  run mpiexec -n 2 $q generate model.preset=tiny generate.prompts=$tmp/d/eval.jsonl generate.min_pixels=4096 \
+    generate.max_new_tokens=6 generate.output=$tmp/s4.jsonl generate.temperature=1.5 generate.top_k=50 generate.top_p=0.9
+cmp -s $tmp/s1.jsonl $tmp/s3.jsonl && pass "seeded sampling: batch 1 == batch 8" || bad "batching changes samples: $(diff $tmp/s1.jsonl $tmp/s3.jsonl)"
+cmp -s $tmp/s1.jsonl $tmp/s4.jsonl && pass "seeded sampling: 2 ranks == 1 rank" || bad "rank count changes samples"
 ! cmp -s $tmp/s1.jsonl $tmp/a.jsonl && pass "sampling differs from greedy" || bad "temperature 1.5 gave the greedy answers"
 
 # One model: DevModel::step over a paged KV cache, on the CPU op layer here (model.backend = cpu), its weights

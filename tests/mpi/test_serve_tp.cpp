@@ -49,7 +49,7 @@ std::vector<float> run_tokens(Model& m, int64_t v0, int64_t v1) {
   const std::vector<int64_t> grid = {1, 6, 2};
   std::vector<float> px;
   for (int i = 0; i < 12 * 1536; ++i) px.push_back(std::cos(0.003f * i));
-  KvCache<float> cache;
+  HostKvCache<float> cache;
   std::vector<float> lg = m.prefill({ids}, px, grid, cache), rows;
   for (int t = 0; t < 5; ++t) {
     const int64_t off = (int64_t)lg.size() == v1 - v0 ? 0 : v0;
@@ -189,10 +189,10 @@ TEST(ServeTpSplit, RefusesWhatDoesNotSplit) {
 namespace {
 // Rows [v0, v1) of the logits of run_tokens' prompt fed through `step` in two chunks (the first ending mid-image),
 // then of 4 decoded tokens. vision: the image's features and DeepStack features.
-using StepFn = std::function<std::vector<float>(const std::vector<StepSegment<float>>&, KvCache<float>&)>;
+using StepFn = std::function<std::vector<float>(const std::vector<StepSegment<float>>&, KvCache&)>;
 using VisionFn = std::function<void(const std::vector<float>&, const std::vector<int64_t>&, std::vector<float>&,
                                     std::vector<std::vector<float>>&)>;
-std::vector<float> step_tokens(const ModelConfig& cfg, const StepFn& step, const VisionFn& vision, KvCache<float>& c,
+std::vector<float> step_tokens(const ModelConfig& cfg, const StepFn& step, const VisionFn& vision, KvCache& c,
                                int64_t v0, int64_t v1) {
   const std::vector<int64_t> ids = {7, 60, 60, 60, 8, 9}, grid = {1, 6, 2};
   const int64_t n = int64_t(ids.size()), H = cfg.text.hidden;
@@ -216,20 +216,30 @@ std::vector<float> step_tokens(const ModelConfig& cfg, const StepFn& step, const
     if (nv)
       for (const auto& d : ds) g.ds.emplace_back(d.begin() + vis * H, d.begin() + (vis + nv) * H);
     vis += nv;
+    EXPECT_TRUE(c.reserve(seq, b - a));  // as the engine does, before the step
     lg = step({g}, c);
   }
   for (int t = 0; t < 5; ++t) {
     const int64_t off = int64_t(lg.size()) == v1 - v0 ? 0 : v0;
     rows.insert(rows.end(), lg.begin() + off, lg.begin() + off + (v1 - v0));
-    if (t < 4) lg = step({StepSegment<float>{seq, {10 + t}, {}, {}, {}}}, c);
+    if (t == 4) break;
+    EXPECT_TRUE(c.reserve(seq, 1));
+    lg = step({StepSegment<float>{seq, {10 + t}, {}, {}, {}}}, c);
   }
   return rows;
 }
 
-KvCache<float> cache_of(const ModelConfig& cfg, bool host_pool) {
-  KvCache<float> c;
-  c.block = 4, c.max_blocks = 16, c.host_pool = host_pool;
+// The caches of 16 blocks of 4 tokens: a host model's (with its pools), a device model's (block tables only).
+HostKvCache<float> host_cache(const ModelConfig& cfg) {
+  HostKvCache<float> c;
+  c.block = 4, c.max_blocks = 16;
   c.reset(cfg.text.layers, int64_t(cfg.text.kv_heads) * cfg.text.head_dim);
+  return c;
+}
+KvCache dev_cache() {
+  KvCache c;
+  c.block = 4, c.max_blocks = 16;
+  c.reset();
   return c;
 }
 
@@ -252,9 +262,9 @@ std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::
     dm.set_params(local.params());
     dm.reserve_infer({/*tokens=*/16, /*segments=*/2, /*patches=*/16, /*kv_blocks=*/16, /*block=*/4, /*seq_blocks=*/8});
     dm.set_tensor_parallel(comm.get(), v0, v1);
-    KvCache<float> c = cache_of(local.config(), false);
+    KvCache c = dev_cache();
     rows = step_tokens(
-        local.config(), [&](const auto& s, KvCache<float>& k) { return dm.step(s, k); },
+        local.config(), [&](const auto& s, KvCache& k) { return dm.step(s, k); },
         [&](const auto& px, const auto& g, auto& img, auto& ds) { dm.vision_features(px, g, img, ds); }, c, v0, v1);
   }
   dev::destroy_exec(ex);
@@ -266,9 +276,9 @@ std::vector<float> host_tokens(Model& full) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
-  KvCache<float> c = cache_of(full.config(), true);
+  HostKvCache<float> c = host_cache(full.config());
   return step_tokens(
-      full.config(), [&](const auto& s, KvCache<float>& k) { return full.step(s, k); },
+      full.config(), [&](const auto& s, KvCache&) { return full.step(s, c); },
       [&](const auto& px, const auto& g, auto& img, auto& ds) { full.vision_features(px, g, img, ds); }, c, v0, v1);
 }
 }  // namespace
@@ -297,9 +307,9 @@ double q8_slices_vs_host(bool moe, Device d, const std::string& comm_kind, QForm
   EXPECT_GT(quantized, 0);
   EXPECT_EQ(experts > 0, moe);
   const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
-  KvCache<float> c = cache_of(local->config(), true);
+  HostKvCache<float> c = host_cache(local->config());
   const std::vector<float> want = step_tokens(
-      local->config(), [&](const auto& s, KvCache<float>& k) { return local->step(s, k); },
+      local->config(), [&](const auto& s, KvCache&) { return local->step(s, c); },
       [&](const auto& px, const auto& g, auto& img, auto& ds) { local->vision_features(px, g, img, ds); }, c, v0, v1);
   const double big = max_diff(want, {});
   const double d8 = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, quant), want);

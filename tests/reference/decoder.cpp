@@ -118,7 +118,7 @@ void decoder_layer_fwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
 template <class T>
 void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int f, bool moe, T* x, int64_t N,
                          const std::vector<int64_t>& cu, const std::vector<int>& seqs, const T* cos, const T* sin,
-                         KvCache<T>& cache, int layer, const PartialSum<T>& reduce) {
+                         HostKvCache<T>& cache, int layer, const PartialSum<T>& reduce) {
   const TextConfig& tc = cfg.text;
   const int64_t nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd, grp = nh / nkv;
   const T scale = T(1 / std::sqrt((double)hd));
@@ -220,7 +220,7 @@ void decoder_layer_bwd(const ModelConfig& cfg, const ParamView<T>& P, int f, boo
                                      DecoderCtx<T>&);                                                             \
   template void decoder_layer_infer<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,           \
                                        const std::vector<int64_t>&, const std::vector<int>&, const T*, const T*,  \
-                                       KvCache<T>&, int, const PartialSum<T>&);                                   \
+                                       HostKvCache<T>&, int, const PartialSum<T>&);                                   \
   template void decoder_layer_bwd<T>(const ModelConfig&, const ParamView<T>&, int, bool, T*, int64_t,             \
                                      const std::vector<int64_t>&, const T*, const T*, const T*, const int64_t*,   \
                                      const T*, DecoderCtx<T>&);

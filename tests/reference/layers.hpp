@@ -11,7 +11,7 @@
 #include "q3vl/core/dtype.hpp"
 #include "q3vl/model/config.hpp"
 #include "q3vl/model/hooks.hpp"
-#include "q3vl/model/kv_cache.hpp"
+#include "kv_cache.hpp"
 #include "q3vl/model/lora.hpp"
 #include "q3vl/model/positions.hpp"
 
@@ -147,7 +147,7 @@ template <class T> void decoder_layer_bwd(const ModelConfig& cfg, const ParamVie
 template <class T> using PartialSum = std::function<void(T*, int64_t)>;
 template <class T> void decoder_layer_infer(const ModelConfig& cfg, const ParamView<T>& P, int first, bool moe, T* x,
                                             int64_t N, const std::vector<int64_t>& cu, const std::vector<int>& seqs,
-                                            const T* cos, const T* sin, KvCache<T>& cache, int layer,
+                                            const T* cos, const T* sin, HostKvCache<T>& cache, int layer,
                                             const PartialSum<T>& reduce = {});
 
 // ---- LM head + cross-entropy (tests/reference/loss.cpp), chunked over rows so logits are never all in memory ----------

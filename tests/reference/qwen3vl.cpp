@@ -416,7 +416,7 @@ double BasicModel<T>::run(Stream&& s, const std::vector<float>& pixels, const st
 template <class T>
 std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
                                      const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds,
-                                     KvCache<T>& cache) {
+                                     HostKvCache<T>& cache) {
   if (table_.ep().size > 1) fail("generation needs every expert on this rank (parallel.ep = 1)");
   const TextConfig& tc = cfg_.text;
   const ParamView<T> P = view();
@@ -456,7 +456,7 @@ std::vector<T> BasicModel<T>::extend(std::vector<T>& x, const std::vector<int64_
 template <class T>
 std::vector<T> BasicModel<T>::prefill(const std::vector<std::vector<int64_t>>& prompts,
                                       const std::vector<float>& pixels, const std::vector<int64_t>& grid,
-                                      KvCache<T>& cache) {
+                                      HostKvCache<T>& cache) {
   kept_ = false;  // the shared buffers below no longer describe a training forward
   const int B = (int)prompts.size();
   std::vector<int64_t> ids, cu{0};
@@ -485,7 +485,7 @@ std::vector<T> BasicModel<T>::prefill(const std::vector<std::vector<int64_t>>& p
 
 template <class T>
 std::vector<T> BasicModel<T>::decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens,
-                                     KvCache<T>& cache) {
+                                     HostKvCache<T>& cache) {
   kept_ = false;
   const int64_t n = (int64_t)seqs.size();
   if ((int64_t)tokens.size() != n) fail("decode: " + std::to_string(tokens.size()) + " tokens for " + std::to_string(n) + " sequences");
@@ -510,7 +510,7 @@ void BasicModel<T>::vision_features(const std::vector<float>& pixels, const std:
 }
 
 template <class T>
-std::vector<T> BasicModel<T>::step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache) {
+std::vector<T> BasicModel<T>::step(const std::vector<StepSegment<T>>& segs, HostKvCache<T>& cache) {
   kept_ = false;
   StepPack<T> k = pack_step(cfg_, segs, cache);
   std::vector<T> x = embed(k.ids, k.img);

@@ -91,13 +91,13 @@ class BasicModel {
   // pixels/grid): vision tower once, decoder with DeepStack, keys and values cached. Returns the logits of each
   // prompt's last position [B, V]; the LM head runs on those rows only.
   std::vector<T> prefill(const std::vector<std::vector<int64_t>>& prompts, const std::vector<float>& pixels,
-                         const std::vector<int64_t>& grid, KvCache<T>& cache);
+                         const std::vector<int64_t>& grid, HostKvCache<T>& cache);
   // Appends tokens[i] to cached sequence seqs[i] (text tokens only) and returns their next-token logits [n, V].
-  std::vector<T> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens, KvCache<T>& cache);
+  std::vector<T> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens, HostKvCache<T>& cache);
   // Continuous batching (serve): prompt chunks and generated tokens of several sequences in one pass, each segment
   // extending its own cache sequence (added by the caller with cache.add()). Returns each segment's last-row
   // logits [segs, V]. Blocks are reserved as needed; a full pool is an error (the caller reserves ahead).
-  std::vector<T> step(const std::vector<StepSegment<T>>& segs, KvCache<T>& cache);
+  std::vector<T> step(const std::vector<StepSegment<T>>& segs, HostKvCache<T>& cache);
   // Tensor-parallel inference: this model holds one rank's slice of every decoder layer (serve/tp.hpp shards it);
   // reduce sums the partial attention and MLP outputs over the group, and the LM head computes only vocabulary rows
   // [v0, v1), so prefill/decode/step return [rows, v1 - v0] logits.
@@ -147,7 +147,7 @@ class BasicModel {
   // Inference through the decoder for new tokens x [N, H] in segments cu (segment s extends cache sequence
   // seqs[s]); ds (may be empty) is added at vis_ after the first layers. Returns each segment's last-row logits.
   std::vector<T> extend(std::vector<T>& x, const std::vector<int64_t>& cu, const std::vector<int64_t>& pos3,
-                        const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds, KvCache<T>& cache);
+                        const std::vector<int>& seqs, const std::vector<std::vector<T>>& ds, HostKvCache<T>& cache);
   ParamView<T> view() const {
     return {pp_.data(), gp_.data(), cfg_.lora.on() ? &lora_ : nullptr, low_.empty() ? nullptr : low_.data()};
   }

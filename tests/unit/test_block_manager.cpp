@@ -21,10 +21,10 @@ std::vector<uint64_t> keys(uint64_t base, int n) {
 
 TEST(BlockManager, SharesEvictsAndReplicates) {
   BlockManager bm;
-  bm.reset(/*block=*/4, /*blocks=*/8, /*layers=*/1, /*row=*/2, /*prefix_on=*/true, /*replicated=*/true);
-  KvCache<float> replica;
-  replica.block = 4, replica.max_blocks = 8, replica.host_pool = false;
-  replica.reset(1, 2);
+  bm.reset(/*block=*/4, /*blocks=*/8, /*prefix_on=*/true, /*replicated=*/true);
+  KvCache replica;
+  replica.block = 4, replica.max_blocks = 8;
+  replica.reset();
   auto replay = [&] {
     const std::vector<int64_t> log = bm.take_log();
     for (size_t i = 0; i < log.size();) i = BlockManager::apply(replica, log, i);
@@ -75,7 +75,7 @@ TEST(BlockManager, SharesEvictsAndReplicates) {
 
 TEST(BlockManager, PrefixOffSharesNothing) {
   BlockManager bm;
-  bm.reset(4, 8, 1, 2, /*prefix_on=*/false, /*replicated=*/false);
+  bm.reset(4, 8, /*prefix_on=*/false, /*replicated=*/false);
   const std::vector<uint64_t> k = keys(7, 10);
   const int a = bm.open(12, bm.match(k), 10);
   bm.cache().len[a] = 10;

@@ -73,11 +73,11 @@ Prompt make_prompt(const ModelConfig& cfg, int64_t gh, int64_t gw, int pre, int 
 
 // The logits of every step of one schedule, through either model.
 struct Runner {
-  std::function<std::vector<float>(const std::vector<StepSegment<float>>&, KvCache<float>&)> step;
+  std::function<std::vector<float>(const std::vector<StepSegment<float>>&, KvCache&)> step;
   std::function<void(const Prompt&, std::vector<float>&, std::vector<std::vector<float>>&)> vision;
 };
 
-std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vector<Prompt>& ps, KvCache<float>& c,
+std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vector<Prompt>& ps, KvCache& c,
                                          const Runner& r, std::vector<std::vector<int64_t>>& greedy, bool record,
                                          std::vector<std::vector<float>>* img_out) {
   const int64_t H = cfg.text.hidden, V = cfg.text.vocab;
@@ -113,7 +113,11 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
     return int64_t(std::max_element(l.begin() + row * V, l.begin() + (row + 1) * V) - (l.begin() + row * V));
   };
   std::vector<std::vector<float>> out;
-  auto run = [&](const std::vector<StepSegment<float>>& segs) { out.push_back(r.step(segs, c)); return out.back(); };
+  auto run = [&](const std::vector<StepSegment<float>>& segs) {  // the blocks reserved first, as the engine does
+    for (const auto& g : segs) EXPECT_TRUE(c.reserve(g.seq, int64_t(g.ids.size())));
+    out.push_back(r.step(segs, c));
+    return out.back();
+  };
   run({chunk(0, 5)});                            // prompt 0 into its image
   std::vector<float> l = run({chunk(0, 100), chunk(1, 7)});  // prompt 0 done, prompt 1 mid-image
   if (record) greedy[0].push_back(argmax(l, 0));
@@ -154,12 +158,12 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, std::ve
   const std::vector<Prompt> ps{make_prompt(cfg, 4, 4, 3, 9, 1), make_prompt(cfg, 4, 8, 6, 5, 2)};
   const int64_t block = 4, blocks = 24;
 
-  KvCache<float> hc;
+  HostKvCache<float> hc;
   hc.block = block, hc.max_blocks = blocks;
   hc.reset(cfg.text.layers, int64_t(cfg.text.kv_heads) * cfg.text.head_dim);
   std::vector<std::vector<int64_t>> greedy(2);
   std::vector<std::vector<float>> himg;
-  const Runner hr{[&](const std::vector<StepSegment<float>>& s, KvCache<float>& c) { return host.step(s, c); },
+  const Runner hr{[&](const std::vector<StepSegment<float>>& s, KvCache&) { return host.step(s, hc); },
                   [&](const Prompt& p, std::vector<float>& img, std::vector<std::vector<float>>& ds) {
                     host.vision_features(p.pixels, p.grid, img, ds);
                   }};
@@ -186,16 +190,16 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, std::ve
         EXPECT_LT(st.back()->memory().weights, DevModel::weight_bytes(ParamTable(cfg), dt));
       }
     }
-    KvCache<float> dc;
-    dc.block = block, dc.max_blocks = blocks, dc.host_pool = false;
-    dc.reset(cfg.text.layers, int64_t(cfg.text.kv_heads) * cfg.text.head_dim);
-    const Runner dr{[&](const std::vector<StepSegment<float>>& s, KvCache<float>& c) {
+    KvCache dc;
+    dc.block = block, dc.max_blocks = blocks;
+    dc.reset();
+    const Runner dr{[&](const std::vector<StepSegment<float>>& s, KvCache& c) {
                       // Every stage keeps the same bookkeeping (serve: each rank replays it): a copy per stage.
                       std::vector<float> x, y, out;
-                      const KvCache<float> before = c;
+                      const KvCache before = c;
                       for (size_t k = 0; k < st.size(); ++k) {
-                        KvCache<float> mine = before;
-                        KvCache<float>& use = k == 0 ? c : mine;
+                        KvCache mine = before;
+                        KvCache& use = k == 0 ? c : mine;
                         out = st[k]->step(s, use, k ? &x : nullptr, &y);
                         x.swap(y);
                       }

@@ -1,6 +1,7 @@
 // Generation with the KV cache: greedy decoding equals, token by token, the argmax of a full forward (no cache) over
 // the growing sequence, on the HF golden models (dense tied, MoE; all three at int8) and on random tiny models with
-// images; batched prompts do not disturb each other; the sampler; the training head that skips unsupervised rows.
+// images; the sampler; the training head that skips unsupervised rows. (The engine's batching, which must not change
+// answers, is tests/mpi/test_engine.cpp.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -22,39 +23,6 @@
 using namespace q3vl;
 
 namespace {
-
-// The host model's prefill/decode over a growing host KV cache, as generate's loop sees a model: the reference the
-// product's cached path (DevModel::step, tests/unit/test_dev_infer.cpp) is compared with.
-class HostGenModel : public GenModel {
- public:
-  explicit HostGenModel(Model& m) : m_(m) {}
-  int64_t vocab() const override { return m_.config().text.vocab; }
-  std::vector<float> prefill(const std::vector<GenPrompt>& prompts) override {
-    std::vector<std::vector<int64_t>> ids;
-    std::vector<float> pixels;
-    std::vector<int64_t> grid;
-    for (const GenPrompt& p : prompts) {
-      ids.push_back(p.ids);
-      pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
-      grid.insert(grid.end(), p.grid.begin(), p.grid.end());
-    }
-    cache_ = {};
-    return m_.prefill(ids, pixels, grid, cache_);
-  }
-  std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) override {
-    return m_.decode(seqs, tokens, cache_);
-  }
-
- private:
-  Model& m_;
-  KvCache<float> cache_;
-};
-
-std::vector<GenResult> generate(Model& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
-                                size_t first_index = 0) {
-  HostGenModel m(model);
-  return q3vl::generate(m, prompts, sp, first_index);
-}
 
 // Prompts = the unpadded rows of a batch; row r's images are the next ones in pixel_values order.
 std::vector<GenPrompt> prompts_of(const ModelConfig& cfg, const Batch& b) {
@@ -86,14 +54,14 @@ SamplingParams greedy(const ModelConfig& cfg, int steps) {
   return sp;
 }
 
-// Greedy with the cache vs. argmax of full forwards over prompt + generated so far; also the cached logits vs. the
-// full forward's logits at each step.
+// Greedy with the cache (the host model's prefill, then a decode step per token over a growing host KV cache) vs.
+// argmax of full forwards over prompt + generated so far; also the cached logits vs. the full forward's logits at
+// each step.
 void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps, const std::string& what) {
   const ModelConfig& cfg = model.config();
   const int64_t V = cfg.text.vocab;
   const SamplingParams sp = greedy(cfg, steps);
-  const std::vector<GenResult> res = generate(model, prompts, sp);
-  for (size_t i = 0; i < prompts.size(); ++i) ASSERT_EQ((int)res[i].tokens.size(), steps) << what << " prompt " << i;
+  std::vector<std::vector<int64_t>> res(prompts.size());  // each prompt's greedy tokens from the cached logits
 
   std::vector<std::vector<int64_t>> ids;
   std::vector<float> pixels;
@@ -103,7 +71,7 @@ void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps
     pixels.insert(pixels.end(), p.pixels.begin(), p.pixels.end());
     grid.insert(grid.end(), p.grid.begin(), p.grid.end());
   }
-  KvCache<float> cache;
+  HostKvCache<float> cache;
   std::vector<int> all(prompts.size());
   std::iota(all.begin(), all.end(), 0);
   double worst = 0;
@@ -113,8 +81,12 @@ void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps
       cached = model.prefill(ids, pixels, grid, cache);
     } else {
       std::vector<int64_t> last;
-      for (size_t i = 0; i < prompts.size(); ++i) last.push_back(res[i].tokens[t - 1]);
+      for (size_t i = 0; i < prompts.size(); ++i) last.push_back(res[i][t - 1]);
       cached = model.decode(all, last, cache);
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      std::mt19937_64 unused;
+      res[i].push_back(sample_token(&cached[i * V], V, sp, unused));
     }
     // The same sequences right-padded into one batch, no cache.
     Batch b;
@@ -127,7 +99,7 @@ void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps
     std::vector<int64_t> lastpos(b.B);
     for (int i = 0; i < b.B; ++i) {
       std::vector<int64_t> seq = prompts[i].ids;
-      seq.insert(seq.end(), res[i].tokens.begin(), res[i].tokens.begin() + t);
+      seq.insert(seq.end(), res[i].begin(), res[i].begin() + t);
       for (size_t k = 0; k < seq.size(); ++k) b.input_ids[i * b.S + k] = seq[k], b.attention_mask[i * b.S + k] = 1;
       lastpos[i] = (int64_t)seq.size() - 1;
     }
@@ -136,7 +108,7 @@ void check_greedy(Model& model, const std::vector<GenPrompt>& prompts, int steps
     for (int i = 0; i < b.B; ++i) {
       const float* f = &full[(i * b.S + lastpos[i]) * V];
       std::mt19937_64 unused;
-      EXPECT_EQ(res[i].tokens[t], sample_token(f, V, sp, unused)) << what << ": prompt " << i << " step " << t;
+      EXPECT_EQ(res[i][t], sample_token(f, V, sp, unused)) << what << ": prompt " << i << " step " << t;
       worst = std::max(worst, test::rel_max_diff(std::span(cached).subspan(i * V, V), std::span(f, V)));  // NaN: +inf
     }
   }
@@ -235,30 +207,10 @@ TEST(Generate, GreedyEqualsFullForwardArgmaxTinyImages) {
   }
 }
 
-TEST(Generate, BatchingDoesNotChangeAnswers) {
-  Model m(tiny(false));
-  m.init_random(3, 0.5);
-  const auto ps = tiny_prompts();
-  for (double temp : {0.0, 1.0}) {
-    SamplingParams sp = greedy(m.config(), 9);
-    sp.temperature = temp;
-    sp.seed = 99;
-    sp.stop = {62};
-    const auto together = generate(m, ps, sp);
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const auto alone = generate(m, {ps[i]}, sp, i);
-      EXPECT_EQ(alone[0].tokens, together[i].tokens) << "prompt " << i << " temperature " << temp;
-      EXPECT_EQ(alone[0].stopped, together[i].stopped);
-      for (int64_t t : together[i].tokens) EXPECT_TRUE(t != 60 && t != 61 && t != 62) << "banned or stop token " << t;
-    }
-    EXPECT_EQ(generate(m, ps, sp)[0].tokens, together[0].tokens) << "not deterministic";
-  }
-}
-
 TEST(Generate, DecodeRefusesImageTokens) {
   Model m(tiny(false));
   m.init_random(3, 0.5);
-  KvCache<float> cache;
+  HostKvCache<float> cache;
   m.prefill({{1, 2, 3}}, {}, {}, cache);
   EXPECT_EQ(cache.len[0], 3);
   EXPECT_EQ(cache.next_pos[0], 3);
@@ -270,7 +222,7 @@ TEST(Generate, RopeDeltasContinueAfterTheLargestPosition) {
   // One text token, an image of merged grid 3x1 (6x2 patches), one text token: 5 tokens, but positions run to 4.
   Model m(tiny(false));
   m.init_random(3, 0.5);
-  KvCache<float> cache;
+  HostKvCache<float> cache;
   GenPrompt p;
   p.ids = {7, 60, 60, 60, 8};
   p.grid = {1, 6, 2};
@@ -296,13 +248,13 @@ TEST(Generate, StepChunksOverPagedCacheEqualPrefillAndDecode) {
     p.grid = {1, 6, 2};
     for (int i = 0; i < 12 * 1536; ++i) p.pixels.push_back(std::sin(0.01f * i + (float)p.ids[0]));
   }
-  KvCache<float> ref;
+  HostKvCache<float> ref;
   std::vector<float> pixels = ps[0].pixels;
   pixels.insert(pixels.end(), ps[1].pixels.begin(), ps[1].pixels.end());
   const std::vector<float> l0 = m.prefill({ps[0].ids, ps[1].ids}, pixels, {1, 6, 2, 1, 6, 2}, ref);
   const std::vector<float> l1 = m.decode({0, 1}, {3, 4}, ref);
 
-  KvCache<float> c;
+  HostKvCache<float> c;
   c.block = 2;
   c.max_blocks = 16;
   c.reset(3, 2 * 8);
@@ -372,7 +324,7 @@ TEST(Generate, SharedPrefixBlocksEqualComputingThem) {
     for (int row = 0; row < 3; ++row) g.pos3.insert(g.pos3.end(), pos.begin() + row * n + a, pos.begin() + row * n + b);
     return g;
   };
-  KvCache<float> c;
+  HostKvCache<float> c;
   c.block = 2;
   c.max_blocks = 12;
   c.reset(3, 2 * 8);

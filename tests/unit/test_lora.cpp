@@ -164,7 +164,7 @@ TEST(Lora, TiedHeadAdapterInGeneration) {
   b.B = 1, b.S = int(ids.size()), b.input_ids = ids;
   std::vector<float> full;
   m.forward(b, false, &full);
-  KvCache<float> cache;
+  HostKvCache<float> cache;
   const std::vector<float> last = m.prefill({ids}, {}, {}, cache);
   const int64_t V = cfg.text.vocab;
   ASSERT_EQ(int64_t(last.size()), V);

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "q3vl/model/config.hpp"
-#include "q3vl/model/kv_cache.hpp"
+#include "q3vl/model/kv_table.hpp"
 
 namespace q3vl {
 
@@ -67,6 +67,6 @@ struct StepPack {
   std::vector<std::vector<T>> ds;
 };
 template <class T>
-StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvCache<T>& cache);
+StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvTable& cache);
 
 }  // namespace q3vl

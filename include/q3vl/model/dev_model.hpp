@@ -151,8 +151,9 @@ class DevModel {
   static int64_t kv_pool_bytes(const ModelConfig& cfg, DType dt, int64_t blocks, int64_t block, const DevStage& s = {});
   static int64_t infer_bytes(const ModelConfig& cfg, DType dt, const InferBudget& b, const DevStage& s = {});
   void reserve_infer(const InferBudget& b);
-  // cache: the bookkeeping (KvCache::host_pool = false, its max_blocks and block those of the budget); the keys and
-  // values are in this model's pools. Returns each segment's last-row logits [segs, V] (V: the tensor-parallel rows).
+  // cache: the block tables (blocks of the budget's size, ids within its pools), where each segment's sequence already
+  // holds room for its tokens (the engine's block manager reserves them); the keys and values are in this model's
+  // pools. The step appends the tokens to their sequences (len, next_pos). Returns each segment's last-row logits [segs, V] (V: the tensor-parallel rows).
   // A pipeline stage after the first takes the previous stage's hidden states x_in [N, H] (fp32, host); one before
   // the last returns nothing and leaves its output in x_out.
   // Greedy steps (`best`): instead of the logits, each segment's first maximum over this rank's vocabulary rows among
@@ -165,7 +166,7 @@ class DevModel {
     std::vector<int32_t> id;  // out, [segs]
     std::vector<float> val;   // out, [segs]
   };
-  std::vector<float> step(const std::vector<StepSegment<float>>& segs, KvCache<float>& cache,
+  std::vector<float> step(const std::vector<StepSegment<float>>& segs, KvTable& cache,
                           const std::vector<float>* x_in = nullptr, std::vector<float>* x_out = nullptr,
                           Argmax* best = nullptr);
   // The vision tower and mergers for one prompt's images: img [n, H] and ds [deepstack][n*H] on the host.

@@ -1,17 +1,43 @@
 // The serving engine's block manager (as nano-vllm's and vLLM's): the paged KV cache's bookkeeping (slots, block
-// tables, refcounts; the pools themselves live in the model), the prefix cache over it (full blocks by a key that
-// chains everything before them, least recently used first out), and the log of changes that the other ranks of a
-// tensor-parallel or pipeline group replay before each step, so that every rank holds the same block ids.
+// tables, refcounts: KvCache; the pools themselves live in the model, which reads the block tables), the prefix cache
+// over it (full blocks by a key that chains everything before them, least recently used first out), and the log of
+// changes that the other ranks of a tensor-parallel or pipeline group replay before each step, so that every rank
+// holds the same block ids.
 #pragma once
 #include <cstdint>
 #include <map>
 #include <unordered_map>
 #include <vector>
 
-#include "q3vl/model/kv_cache.hpp"
+#include "q3vl/model/kv_table.hpp"
 #include "q3vl/serve/generate.hpp"
 
 namespace q3vl {
+
+// The block tables (KvTable, what a model step reads) with their blocks' bookkeeping: a pool of max_blocks blocks
+// (0: one that grows on demand, as the test reference's host pools do), handed out to sequences as they need room,
+// so that sequences come and go without moving anyone's cache. Blocks are refcounted so that sequences with the same
+// prompt start can share them (the prefix cache holds a reference of its own on the blocks it keeps): a block returns
+// to the free list when its last holder lets go.
+struct KvCache : KvTable {
+  int64_t max_blocks = 0;             // pool size limit in blocks (0: none)
+  std::vector<int32_t> free_blocks;
+  std::vector<int32_t> refs;          // [block] holders: sequences whose table lists it, plus hold()s
+  int64_t pool_blocks = 0;            // blocks handed out at least once, or the fixed pool's
+
+  void reset();                // empties the cache (keeps block and max_blocks)
+  int add();                   // a new empty sequence (a released slot is reused)
+  void open(int s);            // slot s as a new empty sequence (a replica following another cache's add())
+  void release(int s);         // lets go of the sequence's blocks (freed when no one else holds them) and slot
+  // Starts empty sequence s with full blocks another sequence computed (its first blocks.size() * block tokens).
+  void share(int s, const std::vector<int32_t>& blocks);
+  void hold(int32_t b) { refs[b]++; }  // one more holder of block b
+  void drop(int32_t b);                // one holder fewer: freed when none is left
+  int64_t free_count() const;  // blocks that can still be handed out
+  int64_t used_blocks() const { return pool_blocks - (int64_t)free_blocks.size(); }
+  // Room for n more tokens of sequence s; false (nothing changed) when the pool cannot give enough blocks.
+  bool reserve(int s, int64_t n);
+};
 
 // Prefix-cache keys. A token's content is its id, its three M-RoPE positions (a prefix is reused only where the new
 // request computes the same positions) and, for an image's tokens, a hash of that image's pixels and grid (two images
@@ -26,11 +52,11 @@ std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>&
 
 class BlockManager {
  public:
-  // blocks of `block` tokens, `layers` layers of `row` values per token (the pools' shape, for the cache's reset).
-  // replicated: other ranks follow this one (changes are logged for them, take_log()).
-  void reset(int64_t block, int64_t blocks, int layers, int64_t row, bool prefix_on, bool replicated);
-  KvCache<float>& cache() { return cache_; }
-  const KvCache<float>& cache() const { return cache_; }
+  // `blocks` blocks of `block` tokens. replicated: other ranks follow this one (changes are logged for them,
+  // take_log()).
+  void reset(int64_t block, int64_t blocks, bool prefix_on, bool replicated);
+  KvCache& cache() { return cache_; }
+  const KvCache& cache() const { return cache_; }
 
   // A sequence's match in the prefix cache: the longest run of cached full blocks, short of the last prompt token
   // (its logits give the first answer token, so it is always computed).
@@ -56,14 +82,14 @@ class BlockManager {
 
   // The changes since the last take, for the replicas (replicated only); apply() replays them at a replica.
   std::vector<int64_t> take_log();
-  static size_t apply(KvCache<float>& c, const std::vector<int64_t>& log, size_t i);
+  static size_t apply(KvCache& c, const std::vector<int64_t>& log, size_t i);
 
  private:
   void change(std::vector<int64_t> op);
   bool evict_one();
   void touch(const std::vector<uint64_t>& chain);
 
-  KvCache<float> cache_;
+  KvCache cache_;
   bool prefix_on_ = true, replicated_ = false;
   std::vector<int64_t> log_;
   // Full blocks by key, each holding one reference; evictable when that is the only one, least recently used first.

@@ -1,6 +1,7 @@
 // `q3vl generate`: answers for prompts with images, read from a JSONL file in the training-data format, by a HF
-// model or a training checkpoint, with a KV cache and greedy or seeded sampling: DevModel::step over a paged KV cache,
-// on the GPU (model.backend = "cuda") or on the CPU op layer ("cpu").
+// model or a training checkpoint, with greedy or seeded sampling: the offline driver of serve's engine
+// (serve/engine.hpp), on the GPU (model.backend = "cuda") or on the CPU op layer ("cpu"). Also what generate and
+// serve share: prompts, sampling, the model's source and its weights.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -46,26 +47,11 @@ struct GenPrompt {
   std::vector<int64_t> grid;  // [spans * 3]
 };
 
+// One prompt's answer (Engine::generate).
 struct GenResult {
   std::vector<int64_t> tokens;  // generated, without the stop token
   bool stopped = false;         // ended on a stop token (else on max_new_tokens)
 };
-
-// What generate's loop runs on: a batch's prompts, then one token more for some of them. Logits come to the host
-// (fp32 [rows, vocab]), where the sampling, the stop tokens and the batching are the same for every model.
-class GenModel {
- public:
-  virtual ~GenModel() = default;
-  virtual int64_t vocab() const = 0;
-  // Starts a batch (the previous one's cache is dropped): the logits of each prompt's last token [B, V].
-  virtual std::vector<float> prefill(const std::vector<GenPrompt>& prompts) = 0;
-  // Appends tokens[i] to prompt seqs[i] of the batch: its next logits [n, V].
-  virtual std::vector<float> decode(const std::vector<int>& seqs, const std::vector<int64_t>& tokens) = 0;
-};
-// Generates for a batch of prompts at once (one prefill, then one decode step per token for the unfinished ones).
-// Prompt i's sampling stream is seeded by (sp.seed, first_index + i), so answers do not depend on the batching.
-std::vector<GenResult> generate(GenModel& model, const std::vector<GenPrompt>& prompts, const SamplingParams& sp,
-                                size_t first_index = 0);
 
 // One JSONL record as a generation prompt: the chat template of data/chat.hpp with the assistant turns at the end
 // dropped and "<|im_start|>assistant\n" appended; images read relative to the JSONL file's folder. Errors name

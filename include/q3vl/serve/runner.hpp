@@ -22,17 +22,33 @@ namespace q3vl {
 // A watchdog's error: a rank of the group stopped answering; the server ends instead of going on out of step.
 bool is_watchdog(const Error& e);
 
+// What the engine is built for: serve's keys (serve_config), or generate's prompts (generate_config, engine.hpp).
+struct EngineConfig {
+  std::string mode = "serve";    // the deck's section (MODE.checkpoint) and the log's "MODE: "
+  DevModel::InferBudget budget;  // the step buffers; kv_blocks: the KV pool (0: what memory allows, serve.kv_mib)
+  int64_t max_batch = 1;         // sequences running together
+  int64_t step_tokens = 1;       // tokens a step: one per decoding sequence, the rest prompt chunks
+  bool prefix_cache = false;
+  double timeout = 0;            // seconds a request may take from its arrival (0: no limit)
+  std::string lower;             // the keys that shrink what the device must hold, for the messages
+};
+// serve.max_batch, serve.step_tokens, serve.prefix_cache, serve.timeout and serve_budget's step buffers.
+EngineConfig serve_config(const Deck& d);
+
 class Runner {
  public:
-  Runner(const Deck& d, BlockManager& blocks);
+  Runner(const Deck& d, const EngineConfig& c, BlockManager& blocks);
   ~Runner();
   // The layout, the model (streamed from the deck's source; adapters folded first), its step buffers and KV pools
-  // (sized from what the device, or the host, has left), and blocks reset to them.
+  // (the budget's, or sized from what the device, or the host, has left), and blocks reset to them.
   void load();
   // One model step on every rank: rank 0 passes the segments (the others receive them); rank 0 gets the logits
   // [segs, V], or with best (greedy steps) each segment's argmax in best->id. stop: rank 0 tells the others to end
   // (stopped() then).
   std::vector<float> step(std::vector<StepSegment<float>>& segs, bool stop = false, DevModel::Argmax* best = nullptr);
+  // The ranks but 0: every step rank 0 sends, until it stops them (stop(), on rank 0).
+  void follow();
+  void stop();
   bool stopped() const { return stopped_; }
   int rank() const { return rank_; }
   int world() const { return world_; }
@@ -42,6 +58,15 @@ class Runner {
 
  private:
   void build_model(const ModelSource& src, std::unique_ptr<HostWeights> host);
+  void check_room(const ModelSource& src, DType dt, QFormat quant) const;
+  void load_weights(const ModelSource& src, std::unique_ptr<HostWeights> host);
+  std::string tensor_parallel(bool on_cpu, DType dt);
+  std::string size_kv(DevModel::InferBudget& b, bool on_cpu, DType dt);
+  bool share_plan(std::vector<StepSegment<float>>& segs, bool stop, DevModel::Argmax*& best, DevModel::Argmax& mine);
+  std::vector<float> run_stage(const std::vector<StepSegment<float>>& segs, DevModel::Argmax* best);
+  std::vector<float> from_last_stage(int64_t ns, DevModel::Argmax* best);
+  void best_of_group(DevModel::Argmax& best, int64_t ns);
+  std::vector<float> logits_to_root(const std::vector<float>& local, int64_t ns);
   void log_tp() const;
   std::unique_ptr<Comm> tp_mpi() const;  // the group over MPI, under the collectives' watchdog
   template <class T>
@@ -50,6 +75,7 @@ class Runner {
   void recv(T* p, size_t n, MPI_Datatype t, int from, int tag, const char* what);
 
   const Deck& deck_;
+  const EngineConfig& ec_;
   BlockManager& blocks_;
   dev::Exec ex_{};
   std::unique_ptr<DevModel> dev_;

@@ -1,7 +1,8 @@
-// The serving engine's scheduler (as nano-vllm's): the queue of requests the HTTP threads hand over, FIFO admission
-// into the running batch over the block manager's paged KV cache, and the step loop on rank 0. Every step mixes
-// chunks of new prompts with one token of each running sequence; the runner computes it on every rank, and the
-// scheduler samples, releases each request's text (emit) and ends requests (finish), which wakes their HTTP threads.
+// The serving engine's scheduler (as nano-vllm's): the queue of jobs (the HTTP threads' requests, or generate's
+// prompts), FIFO admission into the running batch over the block manager's paged KV cache, and the step loop on
+// rank 0. Every step mixes chunks of new prompts with one token of each running sequence; the runner computes it on
+// every rank, and the scheduler samples, releases each request's text (emit) and ends jobs (finish), which wakes
+// their HTTP threads.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -21,13 +22,15 @@
 
 namespace q3vl {
 
-// One request from HTTP thread to engine and back. The engine owns the fields below `engine only`; the rest are
-// guarded by m.
+// One request from HTTP thread (or generate) to engine and back. The engine owns the fields below `engine only`; the
+// rest are guarded by m.
 struct Job {
   // Set before the engine sees it.
   bool chat = true, stream = false, include_usage = false;
+  bool offline = false;  // generate's: no text released as it runs (the tokens are the answer)
   GenPrompt prompt;
   SamplingParams sp;
+  uint64_t index = 0;  // the sampling stream's: seeded by (sp.seed, index), generate's prompt number (serve: 0)
   std::vector<std::string> stops;
   double t_arrival = 0;
 
@@ -72,15 +75,17 @@ class Scheduler {
  public:
   Scheduler(Runner& runner, BlockManager& blocks, Metrics& metrics)
       : runner_(runner), blocks_(blocks), metrics_(metrics) {}
-  // serve.max_batch, serve.step_tokens, serve.timeout, serve.prefix_cache; tok decodes answers, base is the model's
-  // sampling (a greedy batch's banned tokens and vocabulary limit). Before run().
-  void configure(const Deck& d, const Tokenizer& tok, const SamplingParams& base);
-  // From an HTTP thread: the job joins the queue.
+  // tok decodes answers (null: offline jobs only), base is the model's sampling (a greedy batch's banned tokens and
+  // vocabulary limit). Before run().
+  void configure(const EngineConfig& c, const Tokenizer* tok, const SamplingParams& base);
+  // From an HTTP thread (or generate): the job joins the queue.
   void submit(const std::shared_ptr<Job>& job);
   // From an HTTP thread: a job's client went away (job->cancelled set); the engine looks now.
   void wake() { in_cv_.notify_one(); }
   // The step loop on rank 0, until a stop signal. A watchdog's error (a rank stopped) ends it, unhealthy.
   void run();
+  // Offline (generate): the step loop until every job submitted is done.
+  void drain();
   // The loop failed (why): every open request gets a 503 naming it, and the engine is unhealthy.
   void fail_all(const std::string& why);
   // Stopping: requests still open get what they have so far.
@@ -89,11 +94,14 @@ class Scheduler {
   double step_since() const { return step_since_; }  // when the model step under way began (0: none)
 
  private:
+  // Takes in new jobs, admits, steps: false when there was nothing to do (wait: for a job first, a little while).
+  bool tick(bool wait);
   void drop_gone();
   void admit();
   // One step: the segments (plan), the model step on every rank, then each sampling row's token.
   void plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who);
   void step();
+  void advance(Job& job, int64_t token, double now);
   void finish(Job& job, const std::string& reason);
   void cache_blocks(Job& j) { blocks_.cache_blocks(j.slot, j.tkeys, j.out, j.next0, j.chain); }
   void update_kv_metrics();
