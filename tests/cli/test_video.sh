@@ -90,7 +90,7 @@ serve_video() {
     $ff testsrc=size=64x48:rate=2:duration=120 -pix_fmt yuv420p $d/long.mp4 &&
     $ff sine=duration=1 -c:a aac $d/audio.m4a || { bad "serve video: ffmpeg could not make the clips"; return; }
   head -c 3000 $d/clip.mp4 >$d/cut.mp4
-  head -c 20000 /dev/urandom >$d/junk.mp4
+  yes "q3vl test: these bytes are no video" | head -c 20000 >$d/junk.mp4  # fixed bytes (random ones can probe as a format)
   printf 'YUV4MPEG2 W320 H240 F24:1 Ip A1:1 C420jpeg\n' >$d/empty.y4m
   { printf 'YUV4MPEG2 W100000 H100000 F24:1 Ip A1:1 C420jpeg\nFRAME\n'; head -c 1000 /dev/zero; } >$d/huge.y4m
   local q1='{"type": "text", "text": "What moves?"}' v1='{"type": "video", "video": "clip.mp4"}'
