@@ -260,6 +260,11 @@ const std::vector<KeySpec>& deck_schema() {
        "A checkpoint lands the update first (the next step computes on its weights), so a resumed run continues the "
        "curve of a run that wrote checkpoints at the same steps. Costs a second device copy of the "
        "gradient shard and of the compute-dtype shard", -kBig, kBig, {"sync", "delayed"}},
+      {"parallel.offload_ratio", T::Real, "1", "parallel.offload_optimizer = cpu: the part of each rank's trained "
+       "elements whose masters, moments and AdamW are on the host; the rest stay on the GPU and are updated there "
+       "while the host updates its part, never delayed (DeepSpeed's ZeRO-Offload++ ratio). Below 1 when the host's "
+       "memory bandwidth cannot update the whole shard within a step: `q3vl plan` prints the ratio that hides the "
+       "host update under the step. Not with parallel.offload_params = frozen", 0.01, 1},
       {"parallel.offload_threads", T::Int, "0", "parallel.offload_optimizer = cpu: host threads for AdamW per rank (0: "
        "the rank's cores, from its CPU binding or its share of the node)", 0, 4096},
       {"parallel.offload_chunk", T::Int, "1048576", "parallel.offload_optimizer = cpu: elements of each pinned ring "

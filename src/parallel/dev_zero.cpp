@@ -1,6 +1,7 @@
 #include "q3vl/parallel/dev_zero.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "q3vl/core/error.hpp"
@@ -33,9 +34,39 @@ int64_t max_shard(const ZeroLayout& L) {
 // Offloaded: elements a ring slot holds.
 int64_t ring_chunk(const ZeroLayout& L, const RingSpec& r) { return std::max<int64_t>(1, std::min(r.chunk, L.master)); }
 
-DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd, bool off,
-                    bool in_place, bool stream, bool delayed, const RingSpec& ring) {
+// Partial offload: the units whose trained elements the host updates (1), the rest on the device: the first units of
+// the table holding `ratio` of the model's trained elements (a unit counted where its middle falls). Counted over the
+// whole model, not a rank's shard, so that every rank count splits the same elements (N ranks give 1 rank's numbers,
+// also with a delayed update, where the split decides which elements are a step behind); every unit is sharded
+// evenly, so each rank's part is about `ratio` of its shard.
+std::vector<char> host_units(const ParamTable& t, const std::vector<bool>& trainable, const OffloadSpec& off) {
+  const std::vector<UnitInfo>& us = t.units();
+  std::vector<char> host(us.size(), 1);
+  if (!off.optimizer || off.ratio >= 1) return host;
+  std::vector<double> n(us.size(), 0.0);
+  double total = 0;
+  for (size_t u = 0; u < us.size(); ++u) {
+    for (int p : us[u].params) n[u] += trainable[size_t(p)] ? double(t.param(p).numel) : 0.0;
+    total += n[u];
+  }
+  double before = 0;
+  for (size_t u = 0; u < us.size(); ++u) host[u] = before + n[u] / 2 <= off.ratio * total, before += n[u];
+  return host;
+}
+
+// The trained elements of a rank's shard in the device's units.
+int64_t device_part(const ZeroLayout& L, const std::vector<char>& host) {
+  int64_t k = 0;
+  for (size_t u = 0; u < L.units.size(); ++u)
+    for (size_t i = L.units[u].piece_lo; i < L.units[u].piece_hi && !host[u]; ++i)
+      k += L.offs[i].opt >= 0 ? L.pieces[i].count : 0;
+  return k;
+}
+
+DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd,
+                    const OffloadSpec& o, bool in_place, const std::vector<bool>& trainable) {
   DevZeroMemory m;
+  const bool off = o.optimizer, stream = off && o.params, delayed = off && o.delayed;
   const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
   // Streamed: a staging buffer a slot for the shard copied up, but where it lands in the slot itself (one rank, no
   // conversion).
@@ -45,10 +76,12 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
   const int64_t copies = delayed ? 2 : 1;  // delayed: the gradient shard and the parameter copy twice
   if (!in_place) (off ? m.host_master : m.master) = L.master * 4;
   if (!in_place) (off ? m.host_moments : m.moments) = 2 * L.opt * 4;
+  const int64_t kept = device_part(L, host_units(t, trainable, o));  // partial offload: on the device too
+  m.master += kept * 4, m.moments += 2 * kept * 4;
   m.grads = copies * L.comm * 4;
   m.comm = (group > 1 ? L.comm * 4 : 0) + ((gd == DType::F32 && !off) || stream ? 0 : copies * L.master * g);
   m.pool = (stage == 3 ? slot * (kParamSlots * d + grad_slots(t) * 4) : 0) + staging + up;
-  if (off) m.host_staging = 2 * int64_t(std::max(1, ring.threads)) * ring_chunk(L, ring) * (4 + (stream ? 0 : g));
+  if (off) m.host_staging = 2 * int64_t(std::max(1, o.ring.threads)) * ring_chunk(L, o.ring) * (4 + (stream ? 0 : g));
   if (stream && gd != DType::F32) m.host_params = L.master * g;
   return m;
 }
@@ -56,20 +89,21 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
 }  // namespace
 
 DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload, bool in_place, bool stream, bool delayed, RingSpec ring) {
+                            DType gather, const OffloadSpec& off, bool in_place) {
   const ShardGroup experts{group / t.ep().size, 0};
   return sizes(t, zero_layout(t, {group, 0}, t.ep().size > 1 ? &experts : nullptr, stage, trainable), group, stage,
-               dt, gather, offload, offload && in_place, offload && stream, offload && delayed, ring);
+               dt, gather, off, off.optimizer && in_place, trainable);
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
-                 const dev::Exec* comm_ex, DType gather, Comm* experts, bool offload, const HostState* host,
-                 bool stream, bool delayed, RingSpec ring)
+                 const dev::Exec* comm_ex, DType gather, Comm* experts, const OffloadSpec& off,
+                 const HostState* host)
     : model_(m), ex_(m.exec()), shard_(shard), replica_(replica), experts_(experts), stage_(stage), dt_(m.dtype()),
       gd_(gather == DType::BF16 && m.dtype() == DType::F32 ? DType::BF16 : m.dtype()), conv_(gd_ != dt_),
       ordered_(shard.kind() == "nccl"), cx_(comm_ex ? *comm_ex : m.exec()),
-      split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream), off_(offload), borrowed_(offload && host),
-      stream_(stream), delayed_(offload && delayed) {
+      split_(ordered_ && comm_ex && comm_ex->stream != m.exec().stream), off_(off.optimizer),
+      borrowed_(off.optimizer && host), stream_(off.optimizer && off.params), delayed_(off.optimizer && off.delayed) {
+  const RingSpec& ring = off.ring;
   const ParamTable& t = m.table();
   const int n = shard.size();
   Q3VL_CHECK(t.ep().size == 1 || (experts && experts->size() * t.ep().size == n && !(replica && replica->size() > 1)),
@@ -79,9 +113,11 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   const ShardGroup eg{experts ? experts->size() : 1, experts ? experts->rank() : 0};
   L_ = zero_layout(t, {n, shard.rank()}, t.ep().size > 1 ? &eg : nullptr, stage, trainable);
   Q3VL_CHECK((stage == 3) == (m.params() == nullptr), "DevZero: the model's hold does not match the ZeRO stage");
-  Q3VL_CHECK(!stream || offload, "DevZero: parameters on the host need the masters there (the optimizer offloaded)");
-  Q3VL_CHECK(!(stream && delayed), "DevZero: a delayed update cannot stream parameters from the masters it changes");
-  mem_ = sizes(t, L_, n, stage, dt_, gd_, off_, borrowed_, stream_, delayed_, ring);
+  Q3VL_CHECK(!off.params || off.optimizer, "DevZero: parameters on the host need the masters there (the optimizer offloaded)");
+  Q3VL_CHECK(!(stream_ && delayed_), "DevZero: a delayed update cannot stream parameters from the masters it changes");
+  Q3VL_CHECK(off.ratio > 0 && off.ratio <= 1 && (off.ratio == 1 || !stream_),
+             "DevZero: a part of the update on the device needs the parameters there, and a ratio in (0, 1]");
+  mem_ = sizes(t, L_, n, stage, dt_, gd_, off, borrowed_, trainable);
   auto f32 = [&](int64_t k) {
     float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
     dev::fill(ex_, p, DType::F32, k, 0.f);
@@ -127,7 +163,8 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
       r.down = dev::event_create(ex_);
     }
   }
-  make_runs();
+  make_runs(host_units(t, trainable, off));
+  if (ndev_ > 0) dmaster_ = f32(ndev_), dm_ = f32(ndev_), dv_ = f32(ndev_);
   for (int i = 0, k = stream_ && (n > 1 || conv_) ? (stage == 3 ? kParamSlots : 1) : 0; i < k; ++i)
     up_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * dtype_size(gd_)));
   slot_elems_ = slot_elems(L_);
@@ -167,7 +204,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
 DevZero::~DevZero() {
   dev::synchronize(ex_);
   if (stage_ == 3) model_.set_hooks(nullptr);
-  for (void* p : {(void*)gshard_, (void*)gprev_, (void*)land_, wcopy_, wnext_})
+  for (void* p : {(void*)gshard_, (void*)gprev_, (void*)land_, wcopy_, wnext_, (void*)dmaster_, (void*)dm_, (void*)dv_})
     if (p) dev::release(ex_, p);
   for (void* p : {(void*)master_, (void*)m_, (void*)v_}) {
     const bool pinned = stream_ && !hw_ && p == master_;  // the rest of the host state is plain memory
@@ -263,11 +300,25 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
     put(master_ + L_.offs[i].master, h.master);
     if (L_.offs[i].opt >= 0 && h.exp_avg) put(m_ + L_.offs[i].opt, h.exp_avg), put(v_ + L_.offs[i].opt, h.exp_avg_sq);
   }
+  for (const Run& r : runs_) {  // partial offload: the device's part from the host's copy
+    if (r.dev < 0) continue;
+    dev::to_device(ex_, dmaster_ + r.dev, master_ + r.master, size_t(r.n) * 4);
+    dev::to_device(ex_, dm_ + r.dev, m_ + r.opt, size_t(r.n) * 4);
+    dev::to_device(ex_, dv_ + r.dev, v_ + r.opt, size_t(r.n) * 4);
+  }
   gathered_once_ = false;  // every unit changed: the next refresh_params() moves them all
   dev::synchronize(ex_);
 }
 
+// Partial offload: the device's part first goes down into the host's masters and moments (the host engine's own
+// memory when borrowed), which then hold the whole shard.
 void DevZero::to_host(const std::vector<ShardPiece>& host) const {
+  for (const Run& r : runs_) {
+    if (r.dev < 0) continue;
+    dev::to_host(ex_, master_ + r.master, dmaster_ + r.dev, size_t(r.n) * 4);
+    dev::to_host(ex_, m_ + r.opt, dm_ + r.dev, size_t(r.n) * 4);
+    dev::to_host(ex_, v_ + r.opt, dv_ + r.dev, size_t(r.n) * 4);
+  }
   for (size_t i = 0; i < host.size(); ++i) {
     const ShardPiece& h = host[i];
     if (!h.master) continue;  // released (see from_host)
@@ -302,17 +353,28 @@ void DevZero::m2c() {
   dev::event_wait(ex_, ev_m2c_);
 }
 
-void DevZero::make_runs() {
-  for (size_t i = 0; i < L_.pieces.size(); ++i) {
-    const ShardPiece& p = L_.pieces[i];
-    if (!p.trainable) continue;
-    const ZeroLayout::Offs& o = L_.offs[i];
-    Run* b = runs_.empty() ? nullptr : &runs_.back();
-    if (b && b->master + b->n == o.master && b->grad + b->n == o.comm && b->opt + b->n == o.opt &&
-        b->no_decay == p.no_decay)
-      b->n += p.count;
-    else
-      runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay});
+void DevZero::make_runs(const std::vector<char>& host) {
+  for (size_t u = 0; u < L_.units.size(); ++u)
+    for (size_t i = L_.units[u].piece_lo; i < L_.units[u].piece_hi; ++i) {
+      const ShardPiece& p = L_.pieces[i];
+      if (!p.trainable) continue;
+      const ZeroLayout::Offs& o = L_.offs[i];
+      Run* b = runs_.empty() ? nullptr : &runs_.back();
+      const int64_t dev = host[u] ? -1 : ndev_;  // partial offload: the device's part, compacted
+      if (b && b->master + b->n == o.master && b->grad + b->n == o.comm && b->opt + b->n == o.opt &&
+          b->no_decay == p.no_decay && (b->dev < 0) == (dev < 0))
+        b->n += p.count;
+      else
+        runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay, dev});
+      if (dev >= 0) ndev_ += p.count;
+    }
+}
+
+void DevZero::publish_device_part() {
+  for (const Run& r : runs_) {
+    if (r.dev < 0) continue;
+    dev::convert(ex_, at(wcopy_, r.master, gd_), gd_, dmaster_ + r.dev, DType::F32, r.n);
+    if (wnext_) dev::convert(ex_, at(wnext_, r.master, gd_), gd_, dmaster_ + r.dev, DType::F32, r.n);
   }
 }
 
@@ -390,7 +452,8 @@ void DevZero::ring_share(const std::vector<Span>& spans, int64_t lo, int64_t hi,
 void DevZero::host_update(ThreadPool& pool, const HostFn& fn) {
   Q3VL_CHECK(off_, "DevZero: the host update needs the optimizer offloaded");
   std::vector<Span> spans;
-  for (const Run& r : runs_) spans.push_back({r.grad, r.master, r.n, &r});
+  for (const Run& r : runs_)
+    if (r.dev < 0) spans.push_back({r.grad, r.master, r.n, &r});  // partial offload: the host's part
   ring_walk(spans, delayed_ ? gprev_ : gshard_, stream_ ? nullptr : delayed_ ? wnext_ : wcopy_, &pool,
             [&](const Span& p, int64_t a, int64_t n, const float* g, void* w) { fn(*p.run, a, n, g, w); });
 }

@@ -126,7 +126,9 @@ std::string Hardware::describe() const {
 // ---- layouts ----
 
 std::string Layout::describe() const {
-  return "ZeRO-" + std::to_string(stage) + (offload ? delayed ? " + optimizer offload (delayed update)" : " + optimizer offload" : "") +
+  const std::string part = offload && ratio < 1 ? fmt(" of %.2f of the shard", ratio) : "";
+  return "ZeRO-" + std::to_string(stage) +
+         (offload ? (delayed ? " + optimizer offload" + part + " (delayed update)" : " + optimizer offload" + part) : "") +
          (host_params ? " + parameters on the host" : "") + (hybrid ? ", hybrid" : "") +
          (ep > 1 ? ", EP " + std::to_string(ep) : "") + ", micro-batch " + std::to_string(micro_batch) +
          ", recompute " + (recompute ? "block" : "none");
@@ -138,6 +140,7 @@ std::string Layout::deck_lines(DType gather) const {
   if (gather != DType::F32) s += "gather_dtype = \"bf16\"\n";
   if (offload) s += "offload_optimizer = \"cpu\"\n";
   if (offload && delayed) s += "offload_update = \"delayed\"\n";
+  if (offload && ratio < 1) s += fmt("offload_ratio = %.2f\n", ratio);
   if (host_params) s += "offload_params = \"frozen\"\n";
   if (ep > 1) s += "ep = " + std::to_string(ep) + "\n";
   s += "[train]\nmicro_batch = " + std::to_string(micro_batch) + "\nrecompute = \"" + (recompute ? "block" : "none") +
@@ -194,6 +197,7 @@ Workload workload_from_deck(const Deck& d, std::string* note) {
   w.delayed_update = d.str("parallel.offload_update") == "delayed";
   w.offload_ring.chunk = d.integer("parallel.offload_chunk");
   if (d.integer("parallel.offload_threads") > 0) w.offload_ring.threads = int(d.integer("parallel.offload_threads"));
+  if (d.given("parallel.offload_ratio")) w.offload_ratio = d.real("parallel.offload_ratio");
   const ParamTable t(w.cfg);
   w.trainable = trainable_flags(t, d);
   w.backward_order = unit_order(t, true);
@@ -230,13 +234,14 @@ ZeroMemory zero_max(const Workload& w, const ParamTable& t, int n, int ep = 1) {
 // DevTrainer::plan for a layout, cached as zero_max is (the search sizes the same layouts for every node count).
 DevTrainerMemory trainer_bytes(const Workload& w, const ParamTable& t, const DevBudget& b, const Layout& l, int n) {
   using Key = std::tuple<int64_t, size_t, std::vector<bool>, DType, int64_t, int64_t, int64_t, int, int, int, int,
-                         int64_t, int>;
+                         int64_t, int, double>;
   static std::map<Key, DevTrainerMemory> cache;
   const Key key{t.total(), t.units().size(), w.trainable, w.dt, b.tokens, b.patches, b.segments, b.ep, n, l.stage,
                 int(l.recompute) + 2 * int(l.offload) + 4 * int(l.host_params) + 8 * int(l.delayed),
-                w.offload_ring.chunk, w.offload_ring.threads};
+                w.offload_ring.chunk, w.offload_ring.threads, l.offload ? l.ratio : 1.0};
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   Offload off;
+  off.ratio = l.offload && !l.host_params ? l.ratio : 1.0;
   off.optimizer = off.in_place = l.offload;  // onto the host engine's shards in place, as train does
   off.params = l.host_params;
   off.delayed = l.delayed;  // the device gradient shard and parameter copy twice
@@ -349,10 +354,15 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
     // AdamW and the conversion on the host's memory bandwidth, shared by its ranks, and the copies through the ring
     // (the gradient shard down, the parameters up) behind it, chunk by chunk: the longer of the two. The synchronous
     // update runs between the steps; the delayed one under the next step, exposed where it outlasts it.
-    const double host = (kAdamBytes + double(g)) * shard * hw.gpus_per_node / (hw.host_gbs * 1e9);
-    const double copies = double(l.host_params ? 4 : 4 + g) * shard / (hw.pcie_gbs * 1e9);
+    // Partial offload (ratio < 1): the host's part only; the device updates the rest at once, beside it (sync) or
+    // before the next step (delayed).
+    const double r = l.host_params ? 1.0 : l.ratio;
+    const double host = r * (kAdamBytes + double(g)) * shard * hw.gpus_per_node / (hw.host_gbs * 1e9);
+    const double copies = r * double(l.host_params ? 4 : 4 + g) * shard / (hw.pcie_gbs * 1e9);
+    const double on_device = (1 - r) * (kAdamBytes + double(g)) * shard / (hw.hbm_gbs * 1e9 * kHbmEfficiency);
     const double update = std::max(host, copies), compute = c.t_compute + c.t_comm;
-    c.t_opt = l.delayed ? std::max(0.0, update - compute) : update;
+    c.t_opt = l.delayed ? on_device + std::max(0.0, update - compute) : std::max(update, on_device);
+    c.t_host_update = update / r;  // the whole shard's, what a ratio is sized from
   }
   c.t_step = c.t_compute + c.t_comm + c.t_opt;
   return c;
@@ -377,7 +387,16 @@ std::vector<Candidate> plan_candidates(const Workload& w, const Hardware& hw) {
               l.stage = stage, l.offload = offload > 0, l.host_params = offload == 2, l.hybrid = hybrid, l.ep = ep;
               l.delayed = offload == 1 && w.delayed_update;
               l.micro_batch = mb, l.recompute = rc;
+              if (offload == 1 && w.offload_ratio > 0) l.ratio = w.offload_ratio;
               out.push_back(sized_layout(w, hw, l));
+              if (offload == 1 && w.offload_ratio == 0 && l.delayed) {  // sized: what the step hides, if it fits
+                const Candidate& full = out.back();
+                const double hides = (full.t_compute + full.t_comm) / full.t_host_update;
+                if (hides < 1) {
+                  l.ratio = std::max(0.05, std::floor(hides * 20) / 20);
+                  if (Candidate c = sized_layout(w, hw, l); c.fits) out.back() = c;
+                }
+              }
             }
           }
         }

@@ -32,8 +32,8 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.grads = stage == 3 ? 0 : m.model.weights / int64_t(dtype_size(dt)) * 4;
   m.model.activations = DevModel::activation_bytes(cfg, dt, budget, recompute);
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
-  m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt,
-                         off.optimizer, off.in_place, off.params, off.delayed, off.ring);
+  m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, off,
+                         off.in_place);
   m.norm = kNormBytes;
   return m;
 }
@@ -85,9 +85,8 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   if (off.optimizer && off.state)
     hs = {off.state->master_data(), off.state->exp_avg_data(), off.state->exp_avg_sq_data()};
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
-                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off.optimizer,
-                                    off.optimizer && off.state ? &hs : nullptr, off.params, off.delayed,
-                                    off.ring);
+                                    gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off,
+                                    off.optimizer && off.state ? &hs : nullptr);
   norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
   if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.ring.threads, off.pin);
   delayed_ = off.optimizer && off.delayed;
@@ -176,15 +175,28 @@ void DevTrainer::update(const AdamWConfig& hp, double lr, double gscale, int64_t
 
 // The offloaded update (DevZero::host_update streams the chunks). Synchronous: the update, then stages 1/2 gather
 // its parameters. Delayed: the previous step's update lands first (settle), then this one starts on its own thread
-// while the next step computes on the weights from before it.
+// while the next step computes on the weights from before it. Partial offload: the device's part is enqueued on the
+// model's stream first, so it runs while the host updates its part; it is never delayed.
 void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t t) {
   if (!delayed_) {
+    device_adamw(hp, lr, g, t);
     host_adamw(hp, lr, g, t);
     return zero_->refresh_params();
   }
   settle();
+  device_adamw(hp, lr, g, t);  // this step's gradients, before flip() hands them to the host
   zero_->flip();
   pending_ = std::async(std::launch::async, [=, this] { host_adamw(hp, lr, g, t); });
+}
+
+void DevTrainer::device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t) {
+  if (!zero_->dev_master()) return;
+  for (const DevZero::Run& r : zero_->runs())
+    if (r.dev >= 0)
+      dev::adamw(ex_, zero_->dev_master() + r.dev, zero_->grads() + r.grad, zero_->dev_exp_avg() + r.dev,
+                 zero_->dev_exp_avg_sq() + r.dev, r.n, hp.beta1, hp.beta2, hp.eps, lr,
+                 r.no_decay ? 0.0 : hp.weight_decay, g, t);
+  zero_->publish_device_part();
 }
 
 void DevTrainer::settle() {
@@ -258,6 +270,11 @@ std::string DevTrainer::memory_report() const {
                   m.zero.host_master ? "" : " (the host engine's shards, updated in place)", m.zero.host_staging / MiB,
                   streamed);
     s += buf;
+    if (const int64_t kept = zero_->device_elems(); kept > 0) {
+      std::snprintf(buf, sizeof buf, "; partial offload: %lld of %lld trained elements updated on the device",
+                    (long long)kept, (long long)L.opt);
+      s += buf;
+    }
   }
   return s;
 }

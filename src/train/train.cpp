@@ -413,6 +413,13 @@ int run_train(const Deck& deck) {
   offload.params = deck.str("parallel.offload_params") == "frozen";
   offload.delayed = deck.str("parallel.offload_update") == "delayed";
   offload.ring.chunk = deck.integer("parallel.offload_chunk");
+  offload.ratio = deck.real("parallel.offload_ratio");
+  if (offload.ratio < 1 && !offload.optimizer)
+    fail_all("parallel.offload_ratio below 1 needs parallel.offload_optimizer = \"cpu\": it is "
+             "the part of the update the host runs");
+  if (offload.ratio < 1 && offload.params)
+    fail_all("parallel.offload_ratio below 1 with parallel.offload_params = \"frozen\" is not "
+             "supported: the device's part of the update needs the parameters on the device (use offload_ratio = 1)");
   if (offload.delayed && !offload.optimizer)
     fail_all("parallel.offload_update = \"delayed\" needs parallel.offload_optimizer = \"cpu\": it overlaps the "
              "host's AdamW with the next step");

@@ -81,6 +81,9 @@ expect "offload_params: nothing frozen" 1 'parallel.offload_params = "frozen" bu
 expect "offload_params: needs the optimizer offloaded" 1 \
   'parallel.offload_params = "frozen" needs parallel.offload_optimizer = "cpu"' \
   $q train "${common[@]}" parallel.offload_params=frozen run.out_dir="$tmp/nf"
+expect "offload_params with a partial offload" 1 \
+  'parallel.offload_ratio below 1 with parallel.offload_params = "frozen" is not supported' \
+  $q train "${common[@]}" "${hostbase[@]}" parallel.offload_ratio=0.5 run.out_dir="$tmp/nf"
 
 # (b) stop after 3 steps, resume (on another rank count too): bitwise the straight run on the same count.
 train s2 2 train.stop_after=3; rc=$?

@@ -62,9 +62,16 @@ off_step() { $q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 "
 s100=$(off_step); s25=$(off_step plan.host_gbs=25); sd=$(off_step plan.host_gbs=25 parallel.offload_update=delayed)
 dl=$($q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 parallel.offload_update=delayed plan.show=40 2>&1)
 if [[ -n $s100 && -n $s25 && -n $sd ]] && $py -c "import sys; a,b,c=map(float,sys.argv[1:]); sys.exit(not (b > a + 1 and c < b - 0.3))" \
-     "$s100" "$s25" "$sd" && grep -q 'offload (delayed update)' <<<"$dl"; then
+     "$s100" "$s25" "$sd" && grep -qE 'offload( of [0-9.]+ of the shard)? \(delayed update\)' <<<"$dl"; then
   pass "offload-step-follows-host-rate-and-delay ($s100 s, $s25 s at 25 GB/s, $sd s delayed)"
 else bad "offload-step-follows-host-rate-and-delay: '$s100' '$s25' '$sd'"; fi
+# Partial offload: without parallel.offload_ratio, a delayed update the step cannot hide gets the part it can (deck
+# lines name it), which is faster than all of it on the host (offload_ratio = 1 given).
+part=$($q plan input/bench_2b_gpu.deck plan.nodes=1 plan.gpus_per_node=1 plan.host_gbs=25 parallel.offload_update=delayed 2>&1)
+sf=$(off_step plan.host_gbs=25 parallel.offload_update=delayed parallel.offload_ratio=1)
+if grep -qP '^offload_ratio = 0\.[0-9]+$' <<<"$part" && [[ -n $sf ]] && $py -c "import sys; sys.exit(not float(sys.argv[1]) < float(sys.argv[2]) - 0.2)" "$sd" "$sf"; then
+  pass "offload-ratio-sized-by-the-plan ($sd s against $sf s all on the host)"
+else bad "offload-ratio-sized-by-the-plan: '$sd' '$sf': $(grep -E 'offload_ratio|fastest' <<<"$part")"; fi
 expect "serve-plan" 0 'KV capacity' $q plan input/qwen3vl_8b_sft.deck plan.for=serve plan.gpu=H100-80GB
 
 expect "bad-gpu" 1 "plan.gpu" $q plan "${big[@]}" plan.gpu=B200

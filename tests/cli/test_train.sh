@@ -161,6 +161,20 @@ offload_case off_acc22 acc22 2 train.micro_batch=2 train.grad_accum=2
 MPIR_CVAR_NUM_CLIQUES=2 offload_case off_hybrid hybrid 4 parallel.zero_stage=3 parallel.hybrid=true
 offload_case off_bf16_4 bf16_4 4 parallel.gather_dtype=bf16
 offload_case off_skip3 skip3 1 train.steps=3 optim.schedule=constant train.debug_nan_step=3
+# Partial offload (parallel.offload_ratio < 1): the host updates the first part of each rank's trained elements, the
+# device the rest (the run at the boundary split); bitwise the run without offload, checkpoints and a resume too.
+offload_case off_part_np1 np1 1 parallel.zero_stage=3 parallel.offload_ratio=0.37
+offload_case off_part_np2 np2 2 parallel.zero_stage=3 parallel.offload_ratio=0.5
+offload_case off_part_stage1 stage1 2 parallel.zero_stage=1 parallel.offload_ratio=0.8
+offload_case off_part_bf16_4 bf16_4 4 parallel.gather_dtype=bf16 parallel.offload_ratio=0.25
+if grep -q "partial offload: [0-9]* of [0-9]* trained elements updated on the device" "$tmp/off_part_np1.log"; then
+  pass "offload-partial-reported"; else bad "offload-partial-reported: $(grep -h 'offloaded' "$tmp/off_part_np1.log")"; fi
+train off_part_half 2 "${off[@]}" parallel.offload_ratio=0.5 train.stop_after=10; ok_run $? off_part_half
+mpiexec -n 2 $q train "${common[@]}" "${off[@]}" parallel.offload_ratio=0.3 run.out_dir="$tmp/off_part_half" \
+  train.resume=auto >"$tmp/off_part_resume.log" 2>&1
+if grep -q "resumed from .*step_00000010.h5" "$tmp/off_part_resume.log" && cmp_losses off_part_half np2 0 20 &&
+   cmp_ckpt "$(ckpt off_part_half)" "$(ckpt np2)" 0; then pass "offload-partial-resumes-at-another-ratio"
+else bad "offload-partial-resumes-at-another-ratio: $(tail -2 "$tmp/off_part_resume.log")"; fi
 train off_half 2 "${off[@]}" train.stop_after=10; ok_run $? off_half
 mpiexec -n 2 $q train "${common[@]}" run.out_dir="$tmp/off_half" train.resume=auto >"$tmp/off_resume.log" 2>&1
 ok_run $? off_resume
@@ -197,6 +211,21 @@ mpiexec -n 2 $q train "${common[@]}" "${dly[@]}" run.out_dir="$tmp/dly_half" tra
 if grep -q "resumed from .*step_00000010.h5" "$tmp/dly_resume.log" && cmp_losses dly_half dly2 0 20 &&
    cmp_ckpt "$(ckpt dly_half)" "$(ckpt dly2)" 0; then pass "delayed-update-resumes-bitwise"
 else bad "delayed-update-resumes-bitwise: $(tail -2 "$tmp/dly_resume.log")"; fi
+# Delayed with partial offload: the device's part is updated at once, so step 2 no longer runs on the initial
+# weights (as the fully delayed run's does); 2 ranks give 1 rank's run, and it learns.
+train dlyp1 1 "${dly[@]}" parallel.offload_ratio=0.5; ok_run $? dlyp1
+if $py - "$tmp/dlyp1/metrics.jsonl" "$tmp/np1/metrics.jsonl" "$tmp/lr0/metrics.jsonl" "$tmp/dly1/metrics.jsonl" <<'PY'
+import json, sys
+d, s, z, f = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:5])
+assert d[0] == s[0], ("step 1", d[0], s[0])
+assert d[1] != z[1] and d[1] != f[1], ("step 2 sees the device's part updated", d[1], z[1], f[1])
+assert sum(d[-5:]) < sum(d[:5]) - 0.2, ("learns", d)
+PY
+then pass "delayed-partial-steps"; else bad "delayed-partial-steps"; fi
+train dlyp2 2 "${dly[@]}" parallel.offload_ratio=0.5 && cmp_losses dlyp2 dlyp1 1e-5 &&
+  cmp_ckpt "$(ckpt dlyp2)" "$(ckpt dlyp1)" 1e-5 && pass "delayed-partial-ranks-2-vs-1" || bad "delayed-partial-ranks-2-vs-1"
+expect offload-ratio-needs-offload 1 'parallel.offload_ratio below 1 needs parallel.offload_optimizer = "cpu"' \
+  $q train "${common[@]}" parallel.offload_ratio=0.5 run.out_dir="$tmp/ratio_bad"
 expect delayed-needs-offload 1 'parallel.offload_update = "delayed" needs parallel.offload_optimizer = "cpu"' \
   $q train "${common[@]}" parallel.offload_update=delayed run.out_dir="$tmp/dly_bad"
 # A node without the host memory is refused before anything is allocated, naming the key and both sizes (the 8B

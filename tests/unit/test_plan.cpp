@@ -144,6 +144,70 @@ TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
     }
 }
 
+// Partial offload (parallel.offload_ratio): the trainer keeps the device's part of the masters and moments on the
+// device, as DevTrainer::plan says, at 1 and 2 ranks (every rank's part about the ratio of its shard); the units split
+// alike at any rank count; the planner's layout costs that part's device bytes and hides only the host's part under
+// the step; a delayed deck without a ratio gets one sized to what its step hides (fewer seconds than all on the host).
+TEST(Plan, PartialOffloadKeepsTheRestOnTheDevice) {
+  Workload w = workload_from_deck(plan_deck({"data.seq_len=64", "train.global_batch=4", "model.dtype=fp32",
+                                             "parallel.offload_threads=2"}));
+  const DevBudget b = train_budget(w.cfg, 1, w.seq_len, w.max_patches);
+  MpiComm self(MPI_COMM_SELF);
+  const ParamTable t(w.cfg);
+  int64_t trained = 0, unit_max = 0;  // the model's trained elements, and the most in one unit
+  for (const UnitInfo& u : t.units()) {
+    int64_t n = 0;
+    for (int p : u.params) n += w.trainable[size_t(p)] ? t.param(p).numel : 0;
+    trained += n, unit_max = std::max(unit_max, n);
+  }
+  double kept_at[2];
+  for (double ratio : {0.3, 0.7}) {
+    ZeroShards engine(t, self, w.trainable);
+    Offload off;
+    off.optimizer = off.in_place = true, off.state = &engine, off.ring = w.offload_ring, off.ratio = ratio;
+    DevTrainer tr(Device::CPU, 0, w.cfg, w.trainable, DType::F32, b, false, LossScaling{}, self, nullptr, 3, false,
+                  nullptr, off);
+    const DevTrainerMemory got = tr.memory(), want = DevTrainer::plan(w.cfg, DType::F32, b, false, w.trainable, 1, 3,
+                                                                      Device::CPU, false, off);
+    EXPECT_EQ(got.zero.total(), want.zero.total()) << ratio;
+    EXPECT_EQ(got.zero.moments, 2 * got.zero.master) << ratio;
+    const double kept = double(got.zero.master / 4) / double(trained);  // the device's part of the trained elements
+    // Whole units on either side, each where its middle falls: off the ratio by at most half the largest unit.
+    EXPECT_LE(std::fabs(kept - (1 - ratio)), 0.5 * double(unit_max) / double(trained) + 1e-9) << ratio;
+    kept_at[ratio > 0.5] = kept;
+    // 2 ranks: each keeps its half of the same units (a group of 2 as the planner sizes rank 0's).
+    Offload two = off;
+    two.state = nullptr;
+    const DevZeroMemory half = DevZero::plan(t, 2, 3, w.trainable, DType::F32, DType::F32, two, true);
+    EXPECT_NEAR(double(half.master), double(got.zero.master) / 2, 64.0 * double(t.units().size())) << ratio;
+  }
+  EXPECT_GT(kept_at[0], kept_at[1]);
+  EXPECT_GT(kept_at[1], 0.0);
+  w.dt = DType::BF16;
+  Hardware hw = gpu_preset("H200-141GB");
+  hw.gpus_per_node = 1;
+  hw.host_gbs = 1;  // a slow host: its update outlasts the step
+  hw.host_mem = int64_t(1) << 40;
+  Layout l;
+  l.micro_batch = 1, l.stage = 3, l.offload = true, l.delayed = true;
+  const Candidate all = sized_layout(w, hw, l);
+  l.ratio = 0.5;
+  const Candidate half = sized_layout(w, hw, l);
+  EXPECT_GT(half.gpu.optimizer, all.gpu.optimizer);
+  EXPECT_LT(half.t_opt, all.t_opt);
+  EXPECT_DOUBLE_EQ(half.t_host_update, all.t_host_update);
+  EXPECT_NE(l.deck_lines(w.dt).find("offload_ratio = 0.50"), std::string::npos);
+  w.delayed_update = true;  // no ratio given: sized
+  bool seen = false;
+  for (const Candidate& c : plan_candidates(w, hw))
+    if (c.layout.offload && !c.layout.host_params && c.layout.stage == 3 && c.fits) {
+      seen = true;
+      EXPECT_LT(c.layout.ratio, 1.0) << c.layout.describe();
+      EXPECT_GE(c.layout.ratio, 0.05) << c.layout.describe();
+    }
+  EXPECT_TRUE(seen);
+}
+
 // The base on the host in the compute dtype (LoRA, bf16): the trainer pins a bf16 copy of its shard (here fp32 compute
 // with bf16 gathers: the CPU computes fp32), as its own sizing says; the planner (bf16 compute, a GPU's) counts that
 // copy and the engine's shards once the base's fp32 masters are released; the base's pieces lose their masters.

@@ -54,6 +54,14 @@
 // shard and the parameter copy are double-buffered, so that step k's update on the host reads one gradient shard and
 // writes one parameter copy while step k+1 accumulates into the other shard and gathers from the other copy; flip()
 // hands the step's gradients to the update, land() the update's parameters to the next step.
+//
+// Partial offload (parallel.offload_ratio < 1, DeepSpeed's ZeRO-Offload++ "ratio"): only the units holding the first
+// `ratio` of the model's trained elements are updated on the host; the rest keep fp32 masters and moments on the
+// device (dmaster_, dm_, dv_, compacted: Run::dev) and are updated there, on the model's stream, while the host
+// updates its part, and are written into the parameter copy (both copies when delayed: that part is never stale).
+// The host memory is unchanged (the host engine's shards hold everything; to_host() brings the device part down for
+// checkpoints); the device holds 12 bytes more for every element kept there. A host whose memory bandwidth cannot
+// update the whole shard within a step (a small model's short step) then hides its part under the step.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -86,6 +94,15 @@ struct RingSpec {
   int threads = 1;
 };
 
+// What a DevZero keeps on the host (parallel.offload_*; see the top).
+struct OffloadSpec {
+  bool optimizer = false;  // "cpu": the fp32 masters and AdamW moments on the host, AdamW run there
+  bool params = false;     // "frozen" (needs optimizer): every gather streams its shard up from the host
+  bool delayed = false;    // "delayed" (needs optimizer, not params): the update one step behind
+  RingSpec ring;
+  double ratio = 1;        // the part of the trained elements updated on the host (needs optimizer, not params)
+};
+
 // Host buffers an offloaded DevZero updates in place, at the layout's offsets (Offs::master, Offs::opt).
 struct HostState {
   float* master = nullptr;
@@ -101,12 +118,10 @@ class DevZero final : UnitHooks {
   // the masters rounded to bf16 and widens them in the pool (half the bytes; the model computes with the rounded
   // weights, as the host engine's bf16 gathers do).
   // experts: the expert replicas' group, needed when the model's table splits its experts (not with a replica).
-  // offload: the masters and moments on the host (see above); `host` (may be null: allocated here): the caller's.
-  // stream (needs offload): the parameters too, every gather from the host masters.
+  // off: what stays on the host (see above); `host` (may be null: allocated here): the caller's masters and moments.
   DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
           const dev::Exec* comm_ex = nullptr, DType gather = DType::F32, Comm* experts = nullptr,
-          bool offload = false, const HostState* host = nullptr, bool stream = false, bool delayed = false,
-          RingSpec ring = {});
+          const OffloadSpec& off = {}, const HostState* host = nullptr);
   ~DevZero() override;
   DevZero(const DevZero&) = delete;
   DevZero& operator=(const DevZero&) = delete;
@@ -115,14 +130,14 @@ class DevZero final : UnitHooks {
   // What an engine allocates, without allocating: rank 0's (the largest) shard. t.ep(): the expert split (the expert
   // replicas' group is group / t.ep().size ranks). in_place: offloaded onto the caller's HostState (not counted).
   static DevZeroMemory plan(const ParamTable& t, int group, int stage, const std::vector<bool>& trainable, DType dt,
-                            DType gather, bool offload = false, bool in_place = false, bool stream = false,
-                            bool delayed = false, RingSpec ring = {});
+                            DType gather, const OffloadSpec& off = {}, bool in_place = false);
   DevZeroMemory memory() const { return mem_; }
 
-  // Adjacent trainable pieces with the same flags: one optimizer launch each.
+  // Adjacent trainable pieces with the same flags: one optimizer launch each (partial offload: of the same side).
   struct Run {
     int64_t master = 0, grad = 0, opt = 0, n = 0;
     bool no_decay = false;
+    int64_t dev = -1;  // offloaded with ratio < 1: kept on the device, at this offset of dev_master() and the moments
   };
   const std::vector<Run>& runs() const { return runs_; }
 
@@ -133,6 +148,14 @@ class DevZero final : UnitHooks {
   float* grads() { return gshard_; }   // at ZeroLayout::Offs::comm (device)
   float* exp_avg() { return m_; }      // at ZeroLayout::Offs::opt
   float* exp_avg_sq() { return v_; }
+  // Partial offload: the runs with Run::dev >= 0 (device memory, at Run::dev; null when none).
+  int64_t device_elems() const { return ndev_; }
+  float* dev_master() { return dmaster_; }
+  float* dev_exp_avg() { return dm_; }
+  float* dev_exp_avg_sq() { return dv_; }
+  // Partial offload, after the model's stream updated dev_master(): its values into the parameter copies the next
+  // gathers read (delayed: both), in the gathers' dtype, on that stream.
+  void publish_device_part();
   DType gather_dtype() const { return gd_; }
   bool parameters_on_host() const { return stream_; }
   // Parameters on the host in a dtype other than fp32: gathers never read the fp32 masters after refresh_params(),
@@ -201,7 +224,7 @@ class DevZero final : UnitHooks {
   void ring_walk(const std::vector<Span>& spans, const float* g, void* w, ThreadPool* pool, const SpanFn& fn);
   void ring_share(const std::vector<Span>& spans, int64_t lo, int64_t hi, Ring* slots, const float* g, void* w,
                   const SpanFn& fn);
-  void make_runs();
+  void make_runs(const std::vector<char>& host);  // host[unit] 0: the unit's runs are the device's part (Run::dev)
   void upload_all(void* w);  // offloaded: every unit's masters in gd_ up into the copy w
   void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
   void drain();  // the host waits for every request in flight (under the watchdog)
@@ -243,6 +266,8 @@ class DevZero final : UnitHooks {
   bool solo_up_ = false;     // streamed at stage 3 on one rank: copies up on ux_ (solo_up)
   std::vector<void*> up_;    // streamed: per pool slot (stage 3) or one, the shard up in gd_ (none if solo_up_ && !conv_)
   bool delayed_ = false;     // offload: gprev_ and wnext_ exist
+  float *dmaster_ = nullptr, *dm_ = nullptr, *dv_ = nullptr;  // partial offload: the device's part (Run::dev)
+  int64_t ndev_ = 0;         // its elements
   float* gprev_ = nullptr;   // delayed: the gradient shard the update in flight reads
   void* wnext_ = nullptr;    // delayed: the parameter copy it writes
   std::vector<Run> runs_;

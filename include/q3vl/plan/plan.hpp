@@ -50,6 +50,7 @@ struct Layout {
   bool host_params = false; // parallel.offload_params = "frozen" (with offload): parameters streamed from the host
   bool delayed = false;     // parallel.offload_update = "delayed" (with offload, not host_params): the host AdamW
                             // under the next step
+  double ratio = 1;         // parallel.offload_ratio (with offload, not host_params): the host's part of the update
   bool hybrid = false;      // parallel.hybrid: shard within a node, replicate across nodes
   int ep = 1;               // expert-parallel degree (parallel.ep): not built yet, always 1 here. EP would divide
                             // the expert units' bytes by ep and add all-to-all time; the place is sized_layout().
@@ -87,6 +88,9 @@ struct Workload {
   bool delayed_update = false;      // parallel.offload_update = "delayed": offloaded candidates use it
   // parallel.offload_chunk and parallel.offload_threads (the ring's slot pairs; 0, the rank's cores: 16 assumed)
   RingSpec offload_ring{RingSpec::kChunk, 16};
+  // parallel.offload_ratio when the deck gives it; 0: sized (a delayed update: the part of the shard whose host
+  // update the step hides, if the GPU holds the rest).
+  double offload_ratio = 0;
 };
 Workload workload_from_deck(const Deck& d, std::string* note = nullptr);
 
@@ -97,6 +101,7 @@ struct Candidate {
   int64_t host_node = 0;  // per node: its ranks' host bytes + the reserve
   int64_t gpu_need = 0;   // gpu.total() + the per-GPU reserve
   double t_compute = 0, t_comm = 0, t_opt = 0, t_step = 0, flops = 0;
+  double t_host_update = 0;  // offloaded: the host's update of the whole shard (what offload_ratio is sized from)
   int64_t micro_steps = 0;
   bool fits = false;
   bool built = false;  // train runs this layout today

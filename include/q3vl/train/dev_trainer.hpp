@@ -25,24 +25,15 @@ struct LossScaling {
 // merge^2 patches; max_patches (train.max_patches, 0: as if every token were an image token) bounds them.
 DevBudget train_budget(const ModelConfig& cfg, int64_t micro_batch, int64_t seq_len, int64_t max_patches);
 
-// What lives in host memory instead of the device (parallel.offload_optimizer, parallel.offload_params).
-struct Offload {
-  bool optimizer = false;  // "cpu": fp32 masters and AdamW moments on the host, AdamW run there
+// What lives in host memory instead of the device (parallel.offload_*): DevZero's part (OffloadSpec: optimizer,
+// params, delayed, ring, ratio; "delayed" is DeepSpeed's delayed parameter update: step k's AdamW on the host while
+// step k+1 computes on the weights from before it, gradients one step stale), and the trainer's.
+struct Offload : OffloadSpec {
   // The masters and moments are the host engine's shards, updated in place (train's case; the planner's sizing says
   // in_place without an engine): the host holds them once, and checkpoints copy nothing.
   bool in_place = false;
   ZeroShards* state = nullptr;  // the constructor's: that engine (its layout is the trainer's)
-  bool params = false;     // parallel.offload_params = "frozen" (needs `optimizer`): no parameter copy on the device,
-                           // every unit's gather streams its shard up from the host masters (DevZero's stream)
-  // "delayed" (parallel.offload_update): step k's AdamW runs on the host while step k+1 computes on the weights from
-  // before it (DeepSpeed's delayed parameter update: gradients one step stale); its parameters go up when step k+1
-  // ends. Needs the parameters on the device (not `params`); the device gradient shard and parameter copy are
-  // double-buffered (DevZero).
-  bool delayed = false;
-  // The ring the update's copies go through: `chunk` elements a slot, two slots for each of its `threads`, the host
-  // AdamW's threads (the caller's counted: the rank's cores, rank_cores()).
-  RingSpec ring;
-  bool pin = false;        // bind them to the cores of the rank's affinity mask, one each
+  bool pin = false;             // bind the ring's threads (the host AdamW's) to the rank's cores, one each
 };
 
 // A DevTrainer's device memory by kind: the model's (stage 3: no weights or gradients of its own), the ZeRO shards
@@ -129,6 +120,7 @@ class DevTrainer {
  private:
   void host_update(const AdamWConfig& hp, double lr, double g, int64_t t);
   void host_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);
+  void device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);  // partial offload: the device's part
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
   Comm& shard_;
   std::unique_ptr<Comm> nccl_shard_, nccl_replica_, nccl_ep_, nccl_experts_;  // nccl_ep_: the rows, nccl_experts_: ZeRO
