@@ -3,7 +3,7 @@
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
 #   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile big
-#   ring hostbase (BIG="235b": part big's 235B cut alone)
+#   ring hostbase partial (BIG="235b": part big's 235B cut alone)
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -44,6 +44,9 @@
 #   bf16 copy, the fp32 masters released) against the base on the device, fp32 and bf16, 1 and 2 ranks (1e-5).
 # - ring (issue 29): the 2B shape offloaded, synchronous and delayed, at ring chunks of 1M and 4M elements
 #   (parallel.offload_chunk, two slots per host thread): the step and its optimizer phase (the host update).
+# - partial (issue 29): partial offload (parallel.offload_ratio): the demo model in fp32, 20 steps, ratio 0.5 against
+#   the GPU's optimizer at 1 and 2 ranks, and delayed at 2 ranks against 1; then the 2B shape side by side in one call:
+#   the GPU's optimizer, and the delayed update with the host's part at RATIOS (default "0.7 0.5"): step and ratio.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
@@ -346,6 +349,36 @@ PY
     pack
   done
 fi
+if part partial; then
+  po="parallel.offload_optimizer=cpu parallel.offload_ratio=0.5"
+  [[ -f $out/z3_1.jsonl ]] || run z3_1 1 120 $gpu
+  [[ -f $out/z3_2.jsonl ]] || run z3_2 2 100 $gpu
+  run part_1 1 120 $gpu $po && cmp part_1 z3_1 1e-5
+  run part_2 2 120 $gpu $po && cmp part_2 z3_2 1e-5
+  run partd_1 1 120 $gpu $po parallel.offload_update=delayed &&
+    run partd_2 2 120 $gpu $po parallel.offload_update=delayed && cmp partd_2 partd_1 1e-5
+  grep -h "partial offload" "$out"/part_1.log | head -1 | grep -o "partial offload.*" >>"$out/summary.txt"
+  for r in none ${RATIOS:-0.7 0.5}; do
+    a="parallel.offload_optimizer=cpu parallel.offload_update=delayed parallel.offload_ratio=$r"
+    [[ $r == none ]] && a="parallel.offload_optimizer=none"
+    rm -rf /tmp/runs/bench_part
+    timeout 200 "$q" train input/bench_2b_gpu.deck $a checkpoint.every=0 run.out_dir=/tmp/runs/bench_part \
+      >"$out/bench_part_$r.log" 2>&1
+    say "bench_part_$r: rc=$? $(grep -o 'partial offload: [^;]*' "$out/bench_part_$r.log" | head -1)"
+    cp /tmp/runs/bench_part/metrics.jsonl "$out/bench_part_$r.jsonl" 2>/dev/null
+    rm -rf /tmp/runs/bench_part
+    python3 - "$out/bench_part_none.jsonl" "$out/bench_part_$r.jsonl" "$r" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+n, d = ([json.loads(l) for l in open(f)][2:] for f in sys.argv[1:3])
+t = lambda r, k="step": statistics.median(x["time"][k] for x in r)
+print(f"  2B ratio {sys.argv[3]}: step {t(d):.3f} s against {t(n):.3f} s: {t(d) / t(n):.3f}x (bound 1.15), optimizer phase "
+      f"{t(d, 'optimizer'):.3f} s, tokens {d[0]['tokens']} / {n[0]['tokens']}, tok/s {statistics.median(x['tokens_per_s'] for x in d):.0f}, "
+      f"zero state {d[0].get('memory_mib', {}).get('zero_state', 0):.0f} MiB")
+PY
+    pack
+  done
+fi
+
 if part ring; then
   for c in 1048576 4194304; do
     for o in sync delayed; do
