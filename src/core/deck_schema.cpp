@@ -144,6 +144,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"data.seq_len", T::Int, "4096", "tokens per packed sequence", 8, 1 << 24},
       {"data.overlong", T::String, "truncate", "samples longer than seq_len: truncate (dropped if the cut is inside "
        "an image) or drop", -kBig, kBig, {"truncate", "drop"}},
+      {"data.prefetch", T::Bool, "true", "train: build the next step's batch on a thread of its own while the step "
+       "computes (the same batches; metrics' time.data is the wait for it, time.data_build its build)"},
 
       // prepare: JSONL conversations + images -> HDF5 shards
       {"prepare.input", T::String, "", "JSONL records (messages or LLaVA format)", -kBig, kBig, {}, {"prepare"}},

@@ -1,8 +1,10 @@
 #include "q3vl/train/loader.hpp"
 
 #include <algorithm>
+#include <system_error>
 
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
 
 namespace q3vl {
 
@@ -33,6 +35,8 @@ Loader::Loader(const Dataset& data, const ModelConfig& cfg, const LoaderOptions&
     : data_(data), cfg_(cfg), opt_(opt), rank_(rank), nranks_(nranks) {
   if (data.size() == 0) fail_all("loader: the dataset is empty");
 }
+
+Loader::~Loader() { drop(); }
 
 const std::vector<size_t>& Loader::order(int64_t epoch) const {
   if (epoch != order_epoch_) {
@@ -68,6 +72,7 @@ std::vector<size_t> Loader::take_global(LoaderCursor& c) const {
 }
 
 std::vector<size_t> Loader::peek_global() const {
+  quiesce();  // the order cache is the build's
   LoaderCursor c = cur_;
   return take_global(c);
 }
@@ -115,7 +120,47 @@ bool Loader::load(size_t index, Sample& s) const {
 }
 
 StepData Loader::next() {
-  const std::vector<size_t> global = take_global(cur_);
+  if (!pending_.valid()) return build(cur_);
+  Built b = pending_.get();  // rethrows the build's error
+  cur_ = b.after;
+  return std::move(b.data);
+}
+
+void Loader::prefetch() {
+  if (pending_.valid()) return;
+  try {
+    pending_ = std::async(std::launch::async, [this, c = cur_]() mutable {
+      StepData d = build(c);
+      return Built{std::move(d), c};
+    });
+  } catch (const std::system_error& e) {  // no thread to be had: next() builds the batch itself
+    static bool said = false;
+    if (!said) log_warn(std::string("data.prefetch: cannot start the prefetch thread (") + e.what() +
+                        "): batches are built when needed");
+    said = true;
+  }
+}
+
+void Loader::quiesce() const {
+  if (pending_.valid()) pending_.wait();
+}
+
+void Loader::drop() {
+  if (!pending_.valid()) return;
+  abandon_ = true;
+  pending_.wait();
+  pending_ = {};  // its batch, or its error, is nobody's
+  abandon_ = false;
+}
+
+void Loader::set_cursor(const LoaderCursor& c) {
+  drop();
+  cur_ = c;
+}
+
+StepData Loader::build(LoaderCursor& c) const {
+  const double t0 = wall_seconds();
+  const std::vector<size_t> global = take_global(c);
   const int64_t cap = opt_.micro_batch * opt_.seq_len;
   // Packing of rank q: lists of dataset indices, one per micro-batch.
   auto plan = [&](int q) {
@@ -147,6 +192,7 @@ StepData Loader::next() {
     PackedBatch& pb = out.micro[b];
     pb.cu_seqlens.push_back(0);
     for (size_t idx : bins[b]) {
+      if (abandon_.load(std::memory_order_relaxed)) return out;  // dropped unread: stop reading samples
       out.samples.push_back(idx);
       Sample s;
       if (!load(idx, s)) {
@@ -167,6 +213,7 @@ StepData Loader::next() {
     out.supervised += out.micro_supervised[b];
     if (pb.input_ids.empty()) pb = PackedBatch{};
   }
+  out.build_seconds = wall_seconds() - t0;
   return out;
 }
 

@@ -643,6 +643,7 @@ int run_train(const Deck& deck) {
   const bool writer = !replica || replica->rank() == 0;
   const bool profile = deck.boolean("run.profile");
   const int64_t profile_step = deck.integer("run.profile_step");
+  const bool prefetch = deck.boolean("data.prefetch");
 
   std::FILE* metrics = nullptr;
   if (rank == 0) {
@@ -652,6 +653,7 @@ int run_train(const Deck& deck) {
   }
   auto save = [&]() {
     ScopedTimer t("train: checkpoint");
+    loader.quiesce();  // HDF5 is not thread-safe (no --enable-threadsafe build): no shard read beside the write
     trainer->to_host(shards);
     CkptMeta meta;
     meta.step = st.step;
@@ -685,9 +687,12 @@ int run_train(const Deck& deck) {
     if (profiling) prof::begin_step(trainer->exec());
     StepData sd;
     {
-      Phase p{t_data, "data loading"};
+      Phase p{t_data, "data loading"};  // the wait for this step's batch: about nothing when it was prefetched
       sd = loader.next();
     }
+    // The next step's batch is built on the loader's thread while this one computes (the host mostly waits for the
+    // device or the collectives here). Not past the job's last step: nothing would read it.
+    if (prefetch && st.step + 1 < stop) loader.prefetch();
     FlopCounts fc = count_flops(sd.micro);
     double counts[3 + FlopCounts::kFields] = {double(sd.supervised), double(sd.tokens), double(sd.dropped)};
     std::copy(fc.data(), fc.data() + FlopCounts::kFields, counts + 3);
@@ -809,7 +814,7 @@ int run_train(const Deck& deck) {
                 {"flops", {{"model", flops}, {"peak_per_rank", peak_flops}, {"ranks", nranks}, {"tokens", fc.tokens},
                            {"text_keys", fc.text_keys}, {"patches", fc.patches}, {"vision_keys", fc.vision_keys}}},
                 {"time", {{"wall", st.wall}, {"step", dt}, {"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd}, {"comm", t_comm},
-                          {"optimizer", t_opt}}},
+                          {"optimizer", t_opt}, {"data_build", sd.build_seconds}}},
                 {"rss_mib", rss},
                 {"gathered_mib", double(trainer->gathered_bytes() - gathered0) / (1 << 20)},
                 {"memory_mib", {{"activations", mem[0] / (1 << 20)}, {"zero_state", mem[1] / (1 << 20)},

@@ -197,9 +197,8 @@ expect stop-file-exit-3 3 "stopping early: .*STOP found" \
 
 # --- 6: a shard damaged after prepare -----------------------------------------------------------------------------
 case_ 6
-cp -r "$tmp/keep/data" "$tmp/damaged"
-shard=$(ls "$tmp/damaged" | grep -m1 '^shard-')
-$py - "$tmp/damaged/$shard" <<'PY'
+damage() {  # FILE: 64 random bytes in the middle of a shard's pixels (the file's size unchanged)
+  $py - "$1" <<'PY'
 import h5py, os, sys
 with h5py.File(sys.argv[1]) as f:
     off, n = f["image_pixels"].id.get_offset(), f["image_pixels"].size
@@ -207,9 +206,33 @@ with open(sys.argv[1], "r+b") as f:
     f.seek(off + n // 2)
     f.write(os.urandom(64))
 PY
+}
+cp -r "$tmp/keep/data" "$tmp/damaged"
+shard=$(ls "$tmp/damaged" | grep -m1 '^shard-')
+damage "$tmp/damaged/$shard"
 expect damaged-shard 1 "shard $shard does not match its checksum in index.json" \
   mpiexec -n 2 $q train "${tiny[@]}" run.out_dir="$tmp/dmg" train.dataset="$tmp/damaged" train.steps=2
 unchanged damaged-shard
+# Each shard damaged in turn, 4 steps (16 samples of 12: every shard is read by step 3). A shard first read in step 2
+# or later is read on the prefetch thread (data.prefetch, on by default), during the step before: its error still
+# ends the run in the step that reads it, naming the shard, with exit 1, as without prefetch.
+later=0 same=1
+for s in $(ls "$tmp/keep/data" | grep '^shard-'); do
+  rm -rf "$tmp/dmg_each" && cp -r "$tmp/keep/data" "$tmp/dmg_each" && damage "$tmp/dmg_each/$s"
+  for on in true false; do
+    mpiexec -n 2 $q train "${tiny[@]}" run.out_dir="$tmp/dmg_${s%.h5}_$on" train.dataset="$tmp/dmg_each" \
+      data.prefetch=$on >"$tmp/dmg_$on.log" 2>&1
+    # exit status, steps done, whether the shard is named (by one rank or more: the first error aborts the others)
+    echo "$? $(grep -c 'step [0-9]*/4  loss' "$tmp/dmg_$on.log") $(grep -q "shard $s does not match its checksum" \
+      "$tmp/dmg_$on.log" && echo named)" >"$tmp/dmg_$on.sum"
+  done
+  read -r rc steps named <"$tmp/dmg_true.sum"
+  [[ $rc -eq 1 && $named == named && $(cat "$tmp/dmg_true.sum") == $(cat "$tmp/dmg_false.sum") ]] ||
+    { same=0; echo "damaged $s: prefetch (exit, steps done, named) $(cat "$tmp/dmg_true.sum"), without $(cat "$tmp/dmg_false.sum")"; }
+  ((steps > 0)) && later=$((later + 1))
+done
+((same && later > 0)) && pass "damaged-shard-on-prefetch-thread" ||
+  bad "damaged-shard-on-prefetch-thread: same $same, $later shard(s) first read after step 1"
 
 # --- 7: samples that teach nothing --------------------------------------------------------------------------------
 case_ 7

@@ -288,6 +288,31 @@ grep -q "train.micro_batch = 8 is more than the 4 sample(s) a rank gets per micr
   "$tmp/mb8.log" && cmp_losses mb8 mb4 0 3 && pass "micro-batch-past-share-said-and-lowered" ||
   bad "micro-batch-past-share-said-and-lowered: $(grep -E 'micro_batch|error' "$tmp/mb8.log")"
 
+# (l) data.prefetch (issue 30, on by default): the next step's batch, built on a thread while the step computes, changes
+# no bit: 20 steps over epochs of 36 samples (boundaries in steps 5, 10, 14 and 19), 2 ranks with accumulation, with
+# and without it. The checkpoint of step 5, written with step 6's batch in flight, keeps the consumed batches' cursor
+# (40 samples: epoch 1, position 4), and runs resumed from it, with prefetch and without, go on bitwise on the
+# straight run's curve.
+pf=(train.synthetic_samples=36 train.micro_batch=2 train.grad_accum=2 checkpoint.every=5 checkpoint.keep=5)
+train pf_on 2 "${pf[@]}"; ok_run $? pf_on
+train pf_off 2 "${pf[@]}" data.prefetch=false; ok_run $? pf_off
+cmp_losses pf_on pf_off 0 20 && cmp_ckpt "$(ckpt pf_on)" "$(ckpt pf_off)" 0 && pass "prefetch-bitwise" ||
+  bad "prefetch-bitwise"
+if $py - "$tmp/pf_on/checkpoints/step_00000005.h5" "$tmp/pf_on/metrics.jsonl" <<'PY'
+import h5py, json, sys
+c = json.loads(h5py.File(sys.argv[1]).attrs["state_json"])["cursor"]
+assert c == {"epoch": 1, "position": 4}, c
+t = [json.loads(l)["time"] for l in open(sys.argv[2])]
+assert all(x["data"] >= 0 and x["data_build"] > 0 for x in t), t[:2]
+PY
+then pass "prefetch-checkpoint-cursor"; else bad "prefetch-checkpoint-cursor"; fi
+for on in true false; do
+  mkdir -p "$tmp/pf_res_$on" && head -5 "$tmp/pf_on/metrics.jsonl" >"$tmp/pf_res_$on/metrics.jsonl"
+  mpiexec -n 2 $q train "${common[@]}" "${pf[@]}" data.prefetch=$on run.out_dir="$tmp/pf_res_$on" \
+    train.resume="$tmp/pf_on/checkpoints/step_00000005.h5" >"$tmp/pf_res_$on.log" 2>&1; ok_run $? pf_res_$on
+  cmp_losses pf_res_$on pf_off 0 20 && cmp_ckpt "$(ckpt pf_res_$on)" "$(ckpt pf_off)" 0 &&
+    pass "prefetch-$on-resumes-bitwise" || bad "prefetch-$on-resumes-bitwise"
+done
 
 # run.profile (issue 30): step 2's table in the log and its "profile" object in metrics.jsonl (step 1: none); the
 # phases add up to the step, the ops that ran are rows (a ZeRO-3 step on 2 ranks: linear_bwd, MPI gathers).

@@ -1,11 +1,19 @@
 // The loader's promises, checked by simulating every rank of 1, 2 and 4-rank runs in one process: the same
 // global batches whatever the rank count and micro/accumulation split, a resumable cursor, truncation that
-// never splits an image, and drop mode. Plus AdamW and the schedule against hand-computed values.
+// never splits an image, and drop mode; prefetching (data.prefetch) changes no batch, no cursor and no error. Plus
+// AdamW and the schedule against hand-computed values.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <map>
+#include <memory>
+#include <thread>
+
+#include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
 
 #include "q3vl/model/config.hpp"
 #include "q3vl/tensor/dev.hpp"
@@ -50,7 +58,145 @@ StepView run_step(const Dataset& d, LoaderOptions o, int nranks, LoaderCursor c,
   return v;
 }
 
+// Every field of two batches, bit for bit (the pixels too: == on floats that are never NaN).
+void expect_same(const StepData& a, const StepData& b, const std::string& where) {
+  EXPECT_EQ(a.samples, b.samples) << where;
+  EXPECT_EQ(a.micro_supervised, b.micro_supervised) << where;
+  EXPECT_EQ(a.tokens, b.tokens) << where;
+  EXPECT_EQ(a.supervised, b.supervised) << where;
+  EXPECT_EQ(a.dropped, b.dropped) << where;
+  ASSERT_EQ(a.micro.size(), b.micro.size()) << where;
+  for (size_t i = 0; i < a.micro.size(); ++i) {
+    const PackedBatch &x = a.micro[i], &y = b.micro[i];
+    EXPECT_TRUE(x.input_ids == y.input_ids && x.labels == y.labels && x.cu_seqlens == y.cu_seqlens &&
+                x.pixel_values == y.pixel_values && x.image_grid_thw == y.image_grid_thw &&
+                x.pixel_values_videos == y.pixel_values_videos && x.video_grid_thw == y.video_grid_thw)
+        << where << ", micro-batch " << i;
+  }
+}
+
+// The synthetic samples, through a dataset that can fail on one sample (as a damaged shard's does, naming it) and
+// take its time over each (a slow file system).
+class ProbeDataset : public Dataset {
+ public:
+  ProbeDataset(const Dataset& inner, size_t bad = size_t(-1), int ms = 0) : in_(inner), bad_(bad), ms_(ms) {}
+  size_t size() const override { return in_.size(); }
+  size_t length(size_t i) const override { return in_.length(i); }
+  std::string describe(size_t i) const override { return in_.describe(i); }
+  Sample get(size_t i) const override {
+    ++gets;
+    if (ms_) std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+    if (i == bad_) fail(describe(i) + ": unreadable (test)");
+    return in_.get(i);
+  }
+  mutable std::atomic<int> gets{0};
+
+ private:
+  const Dataset& in_;
+  size_t bad_;
+  int ms_;
+};
+
 }  // namespace
+
+// A prefetching loader hands out the plain loader's batches, and its cursor is the consumed batches' position while
+// the next one is in flight (what a checkpoint keeps): over epoch boundaries, on 1 and 2 ranks, and after a resume
+// (a new loader set to a saved cursor) or a cursor set with a batch in flight.
+TEST(TrainLoader, PrefetchGivesTheSameBatchesAndTheConsumedCursor) {
+  SyntheticDataset d(cfg(), 37, 5, 8, 40);
+  LoaderOptions o;
+  o.global_batch = 8, o.seq_len = 32, o.seed = 11, o.micro_batch = 2, o.grad_accum = 2;
+  for (int n : {1, 2})
+    for (int r = 0; r < n; ++r) {
+      Loader plain(d, cfg(), o, r, n), pre(d, cfg(), o, r, n);
+      std::unique_ptr<Loader> resumed;
+      for (int step = 0; step < 12; ++step) {  // 96 samples: epochs of 37 end in steps 5 and 10
+        const std::string where = std::to_string(n) + " ranks, rank " + std::to_string(r) + ", step " +
+                                  std::to_string(step);
+        const StepData want = plain.next();
+        expect_same(pre.next(), want, where);
+        pre.prefetch();
+        EXPECT_EQ(pre.cursor(), plain.cursor()) << where;
+        if (resumed) {
+          expect_same(resumed->next(), want, where + " (resumed)");
+          resumed->prefetch();
+        }
+        if (step == 3) {  // a checkpoint of step 4, resumed by a new loader that prefetches from the start
+          resumed = std::make_unique<Loader>(d, cfg(), o, r, n);
+          resumed->set_cursor(pre.cursor());
+          resumed->prefetch();
+        }
+      }
+      EXPECT_EQ(plain.cursor().epoch, 2);
+      pre.set_cursor(LoaderCursor{});  // drops the batch in flight
+      expect_same(pre.next(), Loader(d, cfg(), o, r, n).next(), "set_cursor with a batch in flight");
+    }
+}
+
+// A sample that fails in the prefetched build fails the step that consumes it, with the synchronous loader's
+// message and kind, on the caller's thread; the steps before it are unaffected. A failing batch that nobody
+// consumes (the run ends, or the cursor moves) raises nothing.
+TEST(TrainLoader, PrefetchErrorsSurfaceInTheStepThatReadsThem) {
+  SyntheticDataset syn(cfg(), 37, 5, 8, 40);
+  LoaderOptions o;
+  o.global_batch = 8, o.seq_len = 32, o.seed = 11;
+  Loader probe(syn, cfg(), o, 0, 1);
+  probe.next(), probe.next();
+  const size_t bad = probe.peek_global().front();  // the first sample of step 3
+  ProbeDataset d(syn, bad);
+  std::string want;
+  try {
+    Loader plain(d, cfg(), o, 0, 1);
+    plain.next(), plain.next(), plain.next();
+  } catch (const Error& e) {
+    want = e.what();
+    EXPECT_FALSE(e.collective());
+  }
+  ASSERT_NE(want.find("synthetic sample " + std::to_string(bad) + ": unreadable (test)"), std::string::npos) << want;
+  Loader pre(d, cfg(), o, 0, 1);
+  for (int step = 0; step < 2; ++step) {
+    EXPECT_NO_THROW(pre.next());
+    pre.prefetch();
+  }
+  const std::thread::id me = std::this_thread::get_id();
+  try {
+    pre.next();
+    ADD_FAILURE() << "step 3 read the bad sample without an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), want);
+    EXPECT_FALSE(e.collective());
+    EXPECT_EQ(std::this_thread::get_id(), me);
+  }
+  {
+    Loader unread(d, cfg(), o, 0, 1);
+    unread.next(), unread.next();
+    unread.prefetch();  // step 3's batch fails in flight; the loader goes away unread
+    unread.quiesce();
+  }
+  Loader moved(d, cfg(), o, 0, 1);
+  moved.next(), moved.next();
+  moved.prefetch();
+  moved.quiesce();
+  moved.set_cursor(LoaderCursor{});
+  EXPECT_NO_THROW(moved.next());
+}
+
+// A loader that goes away (the run stopped, or failed elsewhere) with a slow batch in flight waits for one sample,
+// not for the whole batch: no hang at exit.
+TEST(TrainLoader, AnAbandonedPrefetchStopsAtItsNextSample) {
+  SyntheticDataset syn(cfg(), 64, 5, 8, 40);
+  ProbeDataset d(syn, size_t(-1), 50);  // 64 samples of 50 ms: 3.2 s a batch
+  LoaderOptions o;
+  o.global_batch = 64, o.seq_len = 32, o.seed = 1;
+  const double t0 = wall_seconds();
+  {
+    Loader l(d, cfg(), o, 0, 1);
+    l.prefetch();
+    std::this_thread::sleep_for(std::chrono::milliseconds(120));
+  }
+  EXPECT_LT(wall_seconds() - t0, 1.5);
+  EXPECT_LT(d.gets.load(), 20);
+}
 
 TEST(TrainLoader, SameGlobalBatchesForAnyRankCountAndSplit) {
   SyntheticDataset d(cfg(), 37, 5, 8, 40);

@@ -6,8 +6,12 @@
 // micro-steps of a step (the largest; ranks with fewer run empty ones) without communicating.
 // Overlong samples (> seq_len tokens) are truncated to seq_len, unless the cut falls inside an image, or
 // dropped, as data.overlong says. The cursor (epoch, position in the epoch's order) is all the state there is.
+// Prefetch (data.prefetch): prefetch() builds the batch next() will return on a thread of its own while the caller
+// computes; the batch is the one next() would build, bit for bit, and the cursor stays the consumed batches' position.
 #pragma once
+#include <atomic>
 #include <cstdint>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -36,19 +40,36 @@ struct StepData {
   int64_t tokens = 0;               // tokens in this rank's micro-batches
   int64_t supervised = 0;           // supervised targets in them (labels[s+1] != -100 inside a sample)
   int64_t dropped = 0;              // samples dropped on load (truncation would cut an image)
+  double build_seconds = 0;         // host time building it (on the prefetch thread when prefetched)
 };
 
 class Loader {
  public:
   Loader(const Dataset& data, const ModelConfig& cfg, const LoaderOptions& opt, int rank, int nranks);
-  // The next global batch's share of this rank; advances the cursor.
+  ~Loader();  // a batch in flight is abandoned: waited for (it stops at its next sample), its result dropped
+  Loader(const Loader&) = delete;
+  Loader& operator=(const Loader&) = delete;
+  // The next global batch's share of this rank; advances the cursor. A prefetched batch is waited for; its build's
+  // error (naming the sample or shard) is thrown here, on the caller's thread, as a synchronous build throws it.
   StepData next();
+  // Starts building the batch next() returns on a background thread (nothing if one is in flight). The build
+  // calls only the dataset (no MPI, no logging). HDF5 is not thread-safe: quiesce() before the caller uses it.
+  void prefetch();
+  // Waits until the batch in flight, if any, is built; it stays for next().
+  void quiesce() const;
+  // The position after the batches next() returned, whatever is in flight: what a checkpoint keeps.
   LoaderCursor cursor() const { return cur_; }
-  void set_cursor(const LoaderCursor& c) { cur_ = c; }
+  void set_cursor(const LoaderCursor& c);  // drops a batch in flight
   // Dataset indices of the next global batch in order, without advancing (tests).
   std::vector<size_t> peek_global() const;
 
  private:
+  struct Built {
+    StepData data;
+    LoaderCursor after;
+  };
+  StepData build(LoaderCursor& c) const;  // the batch at c; advances c
+  void drop();
   std::vector<size_t> take_global(LoaderCursor& c) const;
   const std::vector<size_t>& order(int64_t epoch) const;
   int64_t planned_length(size_t index) const;
@@ -59,8 +80,11 @@ class Loader {
   LoaderOptions opt_;
   int rank_, nranks_;
   LoaderCursor cur_;
+  // The order cache is the build's: one build runs at a time (the prefetch thread's or the caller's, never both).
   mutable int64_t order_epoch_ = -1;
   mutable std::vector<size_t> order_;
+  std::future<Built> pending_;      // the prefetched batch
+  std::atomic<bool> abandon_{false};  // set when pending_'s batch will not be consumed
 };
 
 // Supervised targets of one sample (the model's rule: position s counts when labels[s+1] != -100).
