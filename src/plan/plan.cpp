@@ -34,6 +34,10 @@ constexpr double kGiB = double(int64_t(1) << 30);
 constexpr double kGemmEfficiency = 0.5;
 constexpr double kLinkEfficiency = 0.8;
 constexpr double kHbmEfficiency = 0.7;
+// Parameters streamed from the host (offload_params = frozen) arrive a unit at a time, each copy ordered by events
+// around the pool's slots: the 235B LoRA cut on one H200 moved them at 79% of the pinned-copy rate `q3vl check`
+// measures (2.28 s a step against 1.81 s planned at the full rate; docs/PERFORMANCE.md, 2026-12-02).
+constexpr double kStreamEfficiency = 0.79;
 constexpr int64_t kGpuReserve = int64_t(3) << 29;    // 1.5 GiB: CUDA context, NCCL buffers, allocator slack
 constexpr int64_t kHostReserve = int64_t(16) << 30;  // per node: OS, the processes' code, the loader, MPI
 constexpr double kAdamBytes = 28;                    // AdamW reads p, g, m, v and writes p, m, v (fp32)
@@ -343,7 +347,7 @@ Candidate sized_layout(const Workload& w, const Hardware& hw, const Layout& l) {
     // Every unit's shard comes up from the host in the gathers' dtype for its forward and its backward use (stage 3;
     // stages 1/2 once a step), prefetched a unit ahead: exposed beyond the micro-step's compute, the first unit's never
     // hidden.
-    const double up = P / n * double(g) / (hw.pcie_gbs * 1e9);
+    const double up = P / n * double(g) / (hw.pcie_gbs * 1e9 * kStreamEfficiency);
     exposed += l.stage == 3 ? double(c.micro_steps) * std::max(0.0, 2 * up - t_micro) : up;
   }
   c.t_comm = exposed;
