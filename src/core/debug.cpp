@@ -2,6 +2,10 @@
 
 #include <signal.h>
 
+#include <cstdlib>
+
+#include "q3vl/core/error.hpp"
+
 #include "q3vl/core/log.hpp"
 
 namespace q3vl {
@@ -25,6 +29,12 @@ void debug_stop_point(const char* phase) {
   g_rank = -1;  // once: after SIGCONT the run goes on
   log_warn("runtime.debug_stop: stopping myself (SIGSTOP) in " + g_phase + " at step " + std::to_string(g_now));
   raise(SIGSTOP);
+}
+
+void debug_pin_check(size_t bytes) {
+  static const char* limit = std::getenv("Q3VL_DEBUG_PIN_LIMIT_MIB");
+  if (limit && double(bytes) > std::atof(limit) * double(1 << 20))
+    fail("Q3VL_DEBUG_PIN_LIMIT_MIB = " + std::string(limit) + ": pinned host memory refused (a test hook)");
 }
 
 }  // namespace q3vl

@@ -93,6 +93,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.max_batch", T::Int, "64", "most sequences decoded together", 1, 1 << 20},
       {"serve.step_tokens", T::Int, "256", "tokens per engine step: one per running sequence, the rest prompt chunks",
        1, 1 << 24},
+      {"serve.max_tpot_ms", T::Real, "0", "a target for the time per output token of running requests (0: none): "
+       "each step carries only the prompt tokens that keep it within the target, by a model of the step's time "
+       "measured as the server runs (a decode-only step's time, and what a prompt token adds), at least 32 and at "
+       "most serve.step_tokens; longer prompts then take more steps to their first token", 0, 1e6},
       {"serve.kv_block", T::Int, "16", "KV-cache block size in tokens", 1, 1 << 16},
       {"serve.timeout", T::Real, "0", "seconds a request may take from its arrival (0: no limit): one still queued "
        "then gets 503, a running one ends with what it has (finish_reason \"length\")", 0, 1e9},

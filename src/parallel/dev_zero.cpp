@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "q3vl/core/debug.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/tensor/dev_host.hpp"
 
@@ -125,11 +126,13 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   };
   auto pinned = [&](int64_t bytes, void* p) {  // zeroed, or the caller's p pinned in place
     try {
+      debug_pin_check(size_t(bytes));
       return p ? (dev::host_register(ex_, p, size_t(bytes)), p) : dev::host_alloc(ex_, size_t(bytes));
     } catch (const Error& e) {
-      fail(std::string("parallel.offload_optimizer = \"cpu\": pinning ") + std::to_string(bytes >> 20) +
-           " MiB of host memory was refused (" + e.what() + "); check `ulimit -l` and the node's free memory (`q3vl "
-           "plan` sizes it)");
+      char mib[32];
+      std::snprintf(mib, sizeof mib, "%.1f", double(bytes) / (1 << 20));
+      fail(std::string("parallel.offload_optimizer = \"cpu\": pinning ") + mib + " MiB of host memory was refused (" +
+           e.what() + "); check `ulimit -l` and the node's free memory (`q3vl plan` sizes it)");
     }
   };
   // Offloaded, the masters and moments are host memory the device never reads, but the masters that parameters on

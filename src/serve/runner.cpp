@@ -64,6 +64,7 @@ EngineConfig serve_config(const Deck& d) {
   c.step_tokens = d.integer("serve.step_tokens");
   c.prefix_cache = d.boolean("serve.prefix_cache");
   c.timeout = d.real("serve.timeout");
+  c.max_tpot = d.real("serve.max_tpot_ms") / 1000;
   c.lower = "serve.max_context / serve.step_tokens / serve.max_batch";
   return c;
 }

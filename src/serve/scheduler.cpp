@@ -28,6 +28,22 @@ size_t stop_prefix_tail(const std::string& text, const std::vector<std::string>&
 
 }  // namespace
 
+int64_t StepBudget::prompt_tokens(int64_t decodes) const {
+  const int64_t room = std::max<int64_t>(0, cap_ - decodes);
+  if (target_ <= 0 || c_ <= 0) return room;
+  const double fits = (target_ - d_) / c_;
+  return std::min(room, std::max(floor_, int64_t(std::max(0.0, fits + 1e-6))));  // 49.99999 tokens are 50
+}
+
+void StepBudget::observe(int64_t decodes, int64_t prompt, double seconds) {
+  if (target_ <= 0 || decodes == 0) return;  // a step without decodes says nothing of the time per output token
+  auto avg = [](double& a, double x) { a = a > 0 ? (1 - kWeight) * a + kWeight * x : x; };
+  if (prompt == 0) return avg(d_, seconds);
+  // Until a decode-only step is measured (a busy server runs few), a mixed step's whole time counts against its prompt
+  // tokens: the next chunk is then the last one scaled by target / time, which also settles on the target.
+  avg(c_, std::max(seconds - d_, 1e-9) / double(prompt));
+}
+
 void Scheduler::configure(const EngineConfig& c, const Tokenizer* tok, const SamplingParams& base) {
   tok_ = tok;
   base_ = base;
@@ -35,6 +51,7 @@ void Scheduler::configure(const EngineConfig& c, const Tokenizer* tok, const Sam
   prefix_on_ = c.prefix_cache;
   step_tokens_ = c.step_tokens;
   timeout_ = c.timeout;
+  budget_ = StepBudget(c.max_tpot, c.step_tokens, std::min<int64_t>(c.step_tokens, StepBudget::kFloor));
 }
 
 void Scheduler::submit(const std::shared_ptr<Job>& job) {
@@ -210,17 +227,18 @@ void Scheduler::drop_gone() {
   }
 }
 
-// One step: a token of every decoding sequence, then prompt chunks up to serve.step_tokens in all.
+// One step: a token of every decoding sequence, then prompt chunks up to serve.step_tokens in all (fewer under
+// serve.max_tpot_ms: budget_).
 void Scheduler::plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who) {
   const ModelConfig& cfg = runner_.config();
   const int64_t H = cfg.text.hidden;
-  int64_t budget = step_tokens_;
   for (auto& j : running_)
     if (j->pending >= 0) {
       segs.push_back({j->slot, {j->pending}, {}, {}, {}});
       who.push_back(j.get());
-      budget--;
     }
+  int64_t budget = budget_.prompt_tokens(int64_t(segs.size()));
+  metrics_.step_prompt_budget = budget;
   for (auto& j : running_) {
     const int64_t n = (int64_t)j->prompt.ids.size();
     if (j->fed >= n || budget <= 0) continue;
@@ -255,10 +273,15 @@ void Scheduler::step() {
       });
   best.limit = base_.vocab_limit > 0 ? base_.vocab_limit : cfg.text.vocab, best.banned = base_.banned;
   std::vector<float> logits;
+  const int64_t decodes = std::count_if(who.begin(), who.end(), [](const Job* j) { return j->pending >= 0; });
+  int64_t prompt = 0;
+  for (size_t s = 0; s < segs.size(); ++s) prompt += who[s]->pending >= 0 ? 0 : int64_t(segs[s].ids.size());
   try {
-    step_since_ = wall_seconds();
+    const double t0 = wall_seconds();
+    step_since_ = t0;
     logits = runner_.step(segs, false, greedy ? &best : nullptr);
     step_since_ = 0;
+    budget_.observe(decodes, prompt, wall_seconds() - t0);
   } catch (const Error& e) {  // fails this step's requests, not the server
     step_since_ = 0;
     if (is_watchdog(e)) {  // a rank did not keep up: the group is out of step, and the server ends

@@ -855,6 +855,8 @@ std::string Server::metrics_text() {
   metric("q3vl_engine_steps_total", "counter", "batched model steps", (double)metrics_.steps);
   metric("q3vl_prefill_tokens_total", "counter", "prompt tokens computed (not taken from the prefix cache)",
          (double)metrics_.prefill_tokens);
+  metric("q3vl_step_prompt_budget", "gauge", "prompt tokens the last step could carry (serve.max_tpot_ms sizes it)",
+         (double)metrics_.step_prompt_budget);
   metric("q3vl_prefix_cache_hit_tokens_total", "counter", "prompt tokens whose KV blocks came from the prefix cache",
          (double)metrics_.prefix_hit_tokens);
   metric("q3vl_prefix_cache_blocks", "gauge", "KV-cache blocks kept by the prefix cache (shared or evictable)",

@@ -186,6 +186,18 @@ if start small $q serve model.preset=tiny serve.kv_block=8 serve.kv_mib=0.024 se
     bad "too long: $o"
 fi
 
+# serve.max_tpot_ms far below what a step takes: once the server has measured a decode-only step and a mixed one,
+# every step carries the floor of 32 prompt tokens (the metric says so), prompts take more steps, and 32 concurrent
+# streams still get generate's greedy answers.
+if start tpot $q serve model.preset=tiny serve.max_batch=40 serve.step_tokens=256 serve.max_tpot_ms=0.001; then
+  node_c parallel $tmp/d/eval.jsonl 32 0 >$tmp/tpot.jsonl 2>$tmp/err.log || bad "client tpot: $(tail -3 $tmp/err.log)"
+  same_answers "serve.max_tpot_ms: 32 streams == generate" $tmp/tpot.jsonl
+  m=$(curl -s -m 5 http://127.0.0.1:$port/metrics)
+  grep -qE '^q3vl_step_prompt_budget 32$' <<<"$m" && pass "serve.max_tpot_ms: steps carry the floor of 32 prompt tokens" ||
+    bad "serve.max_tpot_ms: $(grep step_prompt_budget <<<"$m")"
+  kill -TERM ${pids[-1]}; wait ${pids[-1]}
+fi
+
 # Tensor parallel over 2 and 4 ranks (heads, MLP rows and vocabulary split; with 4, each kv head on 2 ranks): rank 0
 # serves, all ranks compute, the greedy answers stay generate's.
 for n in 2 4; do

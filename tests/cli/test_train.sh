@@ -233,6 +233,10 @@ expect delayed-needs-offload 1 'parallel.offload_update = "delayed" needs parall
 expect offload-host-memory-refused 1 \
   'parallel.offload_optimizer = "cpu" needs [0-9.]+ GiB of host memory per node \(1 rank\(s\) here.*has [0-9.]+ GiB available \(MemAvailable\)' \
   $q train "${common[@]}" model.hf= model.preset=8B "${off[@]}" run.out_dir="$tmp/off_8b"
+# Pinned host memory refused (a memlock limit, the driver): one message naming the key and the size, before a step.
+expect offload-pin-refused 1 \
+  'parallel.offload_optimizer = "cpu": pinning [0-9.]+ MiB of host memory was refused.*ulimit -l' \
+  env Q3VL_DEBUG_PIN_LIMIT_MIB=0.001 $q train "${common[@]}" "${off[@]}" run.out_dir="$tmp/off_pin"
 expect offload-bad-value 1 'parallel.offload_optimizer.*"none", "cpu"' \
   $q train "${common[@]}" parallel.offload_optimizer=gpu run.out_dir="$tmp/off_bad"
 

@@ -12,4 +12,9 @@ void debug_stop_arm(int rank, long step, const std::string& phase);  // rank < 0
 void debug_stop_step(long step);                                       // the step being run
 void debug_stop_point(const char* phase);                              // stops here if armed for it
 
+// Test hook (environment Q3VL_DEBUG_PIN_LIMIT_MIB): pinned host allocations above that many MiB are refused, as a
+// node's memlock limit or the driver refuses them, so that the offload's message for it can be tested anywhere.
+// Throws Error as the refusal would; nothing when the variable is unset.
+void debug_pin_check(size_t bytes);
+
 }  // namespace q3vl

@@ -30,6 +30,7 @@ struct EngineConfig {
   int64_t step_tokens = 1;       // tokens a step: one per decoding sequence, the rest prompt chunks
   bool prefix_cache = false;
   double timeout = 0;            // seconds a request may take from its arrival (0: no limit)
+  double max_tpot = 0;           // serve.max_tpot_ms in seconds: prompt chunks sized to keep a step within it (0: off)
   std::string lower;             // the keys that shrink what the device must hold, for the messages
 };
 // serve.max_batch, serve.step_tokens, serve.prefix_cache, serve.timeout and serve_budget's step buffers.

@@ -66,9 +66,33 @@ struct Metrics {
   std::atomic<int64_t> queue{0}, running{0}, kv_used{0}, kv_total{0}, steps{0};
   std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, evicted{0}, cancelled{0},
       timed_out{0};
+  std::atomic<int64_t> step_prompt_budget{0};  // prompt tokens the last step could carry (serve.max_tpot_ms)
   std::mutex m;
   double ttft_sum = 0, tpot_sum = 0;
   int64_t ttft_n = 0, tpot_n = 0;
+};
+
+// serve.max_tpot_ms: how many prompt tokens a step may carry beside its decodes so that it ends within the target
+// (a step brings every decoding sequence one token, so its time is their time per output token). The step's time is
+// modelled from the steps so far as d + c x chunk tokens: d, a decode-only step's time (moving average), and c, the
+// seconds a prompt token adds (moving average of what mixed steps took beyond d; all of it until d is measured).
+// Until c is measured, and with no target, a step carries serve.step_tokens. A step always admits at least `floor` prompt tokens, so prompts keep
+// moving when the decodes alone take the target.
+class StepBudget {
+ public:
+  static constexpr int64_t kFloor = 32;  // prompt tokens a step carries at least (no more than serve.step_tokens)
+  StepBudget() = default;
+  StepBudget(double target, int64_t cap, int64_t floor) : target_(target), cap_(cap), floor_(floor) {}
+  int64_t prompt_tokens(int64_t decodes) const;  // the prompt tokens the next step may carry
+  void observe(int64_t decodes, int64_t prompt, double seconds);
+  double decode_seconds() const { return d_; }       // 0: not measured yet
+  double token_seconds() const { return c_; }
+
+ private:
+  static constexpr double kWeight = 0.2;  // of the newest step in the moving averages
+  double target_ = 0;
+  int64_t cap_ = 1, floor_ = 1;
+  double d_ = 0, c_ = 0;
 };
 
 class Scheduler {
@@ -114,6 +138,7 @@ class Scheduler {
   const Tokenizer* tok_ = nullptr;
   SamplingParams base_;
   int64_t max_batch_ = 0, step_tokens_ = 0;
+  StepBudget budget_;
   double timeout_ = 0;  // serve.timeout
   bool prefix_on_ = true;
 
