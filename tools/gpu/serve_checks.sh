@@ -5,7 +5,8 @@
 #   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
 #   generate on the 8B shape: the PyTorch baseline), video (serving videos on CUDA against generate on the CPU, the 8B
 #   shape's time to first token on a 30 s clip), tpstop (a TP 2 server with a stopped rank, issue 33), 8bpp, 8bint8, 8bfp8, 30bint8, 30bfp8, 8bnog and 30bnog (model.cuda_graphs = false: decode
-#   steps launched op by op, against the default's graphs).
+#   steps launched op by op, against the default's graphs), 8btpot (serve.max_tpot_ms = 14). CONC: the concurrencies
+#   bench_serve runs at (default "1 32"; 3 x c requests each).
 # - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
 #   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
 # - `q3vl serve` with model.backend = cuda against `q3vl generate` on the CPU: the same greedy answers for 16
@@ -268,8 +269,8 @@ big() {
   pack
   if [[ -n $port ]]; then
     png=$(ls $d/images/*.png | head -1)
-    for c in 1 32; do
-      timeout 150 python3 tools/bench_serve --port "$port" -n $((c == 1 ? 8 : 96)) -c $c --prompt-words 200 \
+    for c in ${CONC:-1 32}; do
+      timeout 150 python3 tools/bench_serve --port "$port" -n $((c == 1 ? 8 : 3 * c)) -c $c --prompt-words 200 \
         --image "$png" --max-tokens 128 --label "$name bf16 c=$c" --timeout 120 >>"$out/bench_$name.txt" 2>&1
       pack
     done
@@ -290,6 +291,7 @@ part 8bpp && big 8b-pp2 8B mpiexec -n 2 -- serve.pp=2
 part 8bint8 && big 8b-int8 8B -- model.weight_dtype=int8
 part 30bint8 && big 30b-a3b-int8 30B-A3B -- model.weight_dtype=int8
 part 8bfp8 && big 8b-fp8 8B -- model.weight_dtype=fp8
+part 8btpot && big 8b-tpot14 8B -- serve.max_tpot_ms=14
 part 30bfp8 && big 30b-a3b-fp8 30B-A3B -- model.weight_dtype=fp8
 part 8btp2 && big 8b-tp2-nccl 8B mpiexec -n 2 $hostid -- serve.tp_comm=nccl
 part 8btp2 && big 8b-tp2-mpi 8B mpiexec -n 2 -- serve.tp_comm=mpi
