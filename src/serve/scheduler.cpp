@@ -259,6 +259,20 @@ void Scheduler::plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& w
   }
 }
 
+// Once: serve.max_tpot_ms below what the decodes alone take, which no chunk size can meet (prompts then get the
+// floor, and the batch fills more slowly: fewer tokens a second).
+void Scheduler::warn_tpot(int64_t decodes) {
+  const double d = budget_.decode_seconds(), target = budget_.target();
+  if (tpot_warned_ || target <= 0 || d <= target) return;
+  tpot_warned_ = true;
+  char buf[320];
+  std::snprintf(buf, sizeof buf,
+                "serve.max_tpot_ms = %g is below a decode-only step of %lld sequences here (%.1f ms): steps carry the "
+                "floor of %lld prompt tokens; raise the target or lower serve.max_batch",
+                target * 1000, (long long)decodes, d * 1000, (long long)StepBudget::kFloor);
+  log_warn(buf);
+}
+
 void Scheduler::step() {
   const ModelConfig& cfg = runner_.config();
   const int64_t V = cfg.text.vocab;
@@ -282,6 +296,7 @@ void Scheduler::step() {
     logits = runner_.step(segs, false, greedy ? &best : nullptr);
     step_since_ = 0;
     budget_.observe(decodes, prompt, wall_seconds() - t0);
+    warn_tpot(decodes);
   } catch (const Error& e) {  // fails this step's requests, not the server
     step_since_ = 0;
     if (is_watchdog(e)) {  // a rank did not keep up: the group is out of step, and the server ends

@@ -195,6 +195,9 @@ if start tpot $q serve model.preset=tiny serve.max_batch=40 serve.step_tokens=25
   m=$(curl -s -m 5 http://127.0.0.1:$port/metrics)
   grep -qE '^q3vl_step_prompt_budget 32$' <<<"$m" && pass "serve.max_tpot_ms: steps carry the floor of 32 prompt tokens" ||
     bad "serve.max_tpot_ms: $(grep step_prompt_budget <<<"$m")"
+  grep -qE 'serve.max_tpot_ms = 0.001 is below a decode-only step of [0-9]+ sequences here .*floor of 32 prompt tokens' \
+    $tmp/tpot.log && pass "serve.max_tpot_ms below a decode-only step: said once" ||
+    bad "serve.max_tpot_ms: no warning: $(grep -i tpot $tmp/tpot.log)"
   kill -TERM ${pids[-1]}; wait ${pids[-1]}
 fi
 

@@ -85,6 +85,7 @@ class StepBudget {
   StepBudget(double target, int64_t cap, int64_t floor) : target_(target), cap_(cap), floor_(floor) {}
   int64_t prompt_tokens(int64_t decodes) const;  // the prompt tokens the next step may carry
   void observe(int64_t decodes, int64_t prompt, double seconds);
+  double target() const { return target_; }
   double decode_seconds() const { return d_; }       // 0: not measured yet
   double token_seconds() const { return c_; }
 
@@ -129,6 +130,7 @@ class Scheduler {
   void finish(Job& job, const std::string& reason);
   void cache_blocks(Job& j) { blocks_.cache_blocks(j.slot, j.tkeys, j.out, j.next0, j.chain); }
   void update_kv_metrics();
+  void warn_tpot(int64_t decodes);
   void emit(Job& job, bool final);
 
   Runner& runner_;
@@ -139,6 +141,7 @@ class Scheduler {
   SamplingParams base_;
   int64_t max_batch_ = 0, step_tokens_ = 0;
   StepBudget budget_;
+  bool tpot_warned_ = false;
   double timeout_ = 0;  // serve.timeout
   bool prefix_on_ = true;
 
