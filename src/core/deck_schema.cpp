@@ -132,6 +132,18 @@ const std::vector<KeySpec>& deck_schema() {
       {"synth.size", T::Int, "64", "picture side in pixels (video: even, at least 32)", 16, 4096},
       {"synth.frames", T::Int, "8", "frames per clip (synth.kind = video)", 2, 4096},
       {"synth.fps", T::Real, "8", "frame rate of the clips (synth.kind = video)", 0.01, 1000},
+      {"synth.radius_min", T::Real, "0.24", "smallest radius of a clip's shape, a fraction of the side (synth.kind = "
+       "video)", 0.01, 0.5},
+      {"synth.radius_max", T::Real, "0.28", "largest radius of a clip's shape, a fraction of the side", 0.01, 0.5},
+      {"synth.travel_min", T::Real, "0.30", "shortest way a clip's shape moves, start to end, a fraction of the side",
+       0.01, 1},
+      {"synth.travel_max", T::Real, "0.38", "longest way a clip's shape moves, start to end, a fraction of the side",
+       0.01, 1},
+      {"synth.step", T::Int, "0", "pixels a clip's shape moves a frame (0: synth.travel_min..max over the clip)", 0,
+       4096},
+      {"synth.grid", T::Int, "0", "a clip's shape starts centred on a grid of this many pixels (0: anywhere)", 0, 1024},
+      {"synth.centre_starts", T::Real, "0", "fraction of the training clips whose shape starts in the middle (where it "
+       "ends tells the way: an easier lesson); validation and held-out clips never", 0, 1},
       {"synth.encoder", T::String, "", "libavcodec encoder of the clips, e.g. libx264 or mpeg4 (empty: libx264 when "
        "this libavcodec has it, else mpeg4)"},
       {"synth.seed", T::Int, "1", "seed of the training and validation pictures (same seed, same files)", 0, 9.2e18},

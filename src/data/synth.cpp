@@ -170,15 +170,34 @@ std::string synth_clip_answer(int colour, int shape, int direction, SynthFormat 
 }
 
 namespace {
-void check_clip_size(int size, int frames) {
+void check_clip_size(int size, int frames, const SynthMotion& m) {
   if (size < 32 || size % 2)
     fail("synth.size: video frames need an even side of at least 32 pixels, got " + std::to_string(size));
   if (frames < 2) fail("synth.frames: a clip needs at least 2 frames, got " + std::to_string(frames));
+  auto range = [](const char* what, double lo, double hi) {
+    if (!(lo > 0 && lo <= hi))
+      fail(std::string("synth.") + what + "_min .. synth." + what + "_max: " + std::to_string(lo) + " .. " +
+           std::to_string(hi) + " is not a range of positive fractions of the side");
+  };
+  range("radius", m.radius_min, m.radius_max);
+  range("travel", m.travel_min, m.travel_max);
+  if (m.step < 0 || m.grid < 0 || m.grid > size / 4)
+    fail("synth.step " + std::to_string(m.step) + ", synth.grid " + std::to_string(m.grid) +
+         ": pixels, at least 0 (grid at most a quarter of the side)");
+  // The smallest shape on the shortest path must fit whole, with a pixel to spare at each end (and a grid cell
+  // of room for its start).
+  const double travel = m.step > 0 ? double(m.step) * (frames - 1) : m.travel_min * size;
+  if (2 * m.radius_min * size + travel + 2 + m.grid >= size)
+    fail("synth.radius_min " + std::to_string(m.radius_min) + " and " +
+         (m.step > 0 ? "synth.step " + std::to_string(m.step) : "synth.travel_min " + std::to_string(m.travel_min)) +
+         ": no shape of that size can travel that far inside a frame of " + std::to_string(size) +
+         " pixels (2 x radius + travel must stay under the side)");
 }
 }  // namespace
 
-SynthClip synth_clip(uint64_t seed, int split, int64_t index, int size, int frames, SynthFormat format) {
-  check_clip_size(size, frames);
+SynthClip synth_clip(uint64_t seed, int split, int64_t index, int size, int frames, SynthFormat format,
+                     const SynthMotion& m) {
+  check_clip_size(size, frames, m);
   Draw d(seed, split, index);
   SynthClip s;
   s.shape = (int)d.pick(kClipShapes);
@@ -186,16 +205,29 @@ SynthClip synth_clip(uint64_t seed, int split, int64_t index, int size, int fram
   s.direction = (int)d.pick(synth_directions().size());
   s.question = kClipQuestions[d.pick(std::size(kClipQuestions))];
   s.answer = synth_clip_answer(s.colour, s.shape, s.direction, format);
-  // The shape moves a third of the frame, start to end, along its direction, near the middle across it; it stays
-  // whole inside the frame. Its size, start, speed and everything of the look vary.
-  const double r = d.uni(0.24, 0.28) * size;
-  const double travel = d.uni(0.3, 0.38) * size;
-  const double start = d.uni(r + 1, size - r - 1 - travel);
-  const double across = size / 2.0 + d.uni(-0.1, 0.1) * size;
+  // The shape moves synth.travel_min..max of the frame, start to end, along its direction, near the middle across
+  // it; it stays whole inside the frame. Its size, start, speed and everything of the look vary.
+  const double r = d.uni(m.radius_min, m.radius_max) * size;
+  const double travel = m.step > 0 ? double(m.step) * (frames - 1) : d.uni(m.travel_min, m.travel_max) * size;
+  double start = d.uni(r + 1, size - r - 1 - travel);
+  if (m.from_centre) start = size / 2.0 + d.uni(-0.03, 0.03) * size;
+  double across = size / 2.0 + d.uni(-0.1, 0.1) * size;
+  if (m.grid > 0) {  // the nearest cell centre that keeps the shape whole (check_clip_size left a cell of room)
+    const double g = m.grid, lo = r + 1, hi = size - r - 1 - travel;
+    auto snap = [&](double v, double a, double b) {
+      double c = std::floor(v / g) * g + g / 2;
+      if (c < a) c += g;
+      if (c > b) c -= g;
+      return c;
+    };
+    start = snap(start, lo, hi);
+    across = snap(across, r + 1, size - r - 1);
+  }
+  const double go = m.from_centre ? std::min(travel, size - r - 1 - start) : travel;
   const Look look = draw_look(d, s.colour, size);
   const bool backwards = s.direction == 0 || s.direction == 2, vertical = s.direction >= 2;
   for (int f = 0; f < frames; ++f) {
-    double along = start + travel * f / (frames - 1);
+    double along = start + go * f / (frames - 1);
     if (backwards) along = size - along;
     s.frames.push_back(paint(d, look, size, s.shape, r, vertical ? across : along, vertical ? along : across));
   }
@@ -259,14 +291,17 @@ void write_synth(const std::string& dir, const SynthCounts& n, int size, uint64_
 
 std::string write_synth_video(const std::string& dir, const SynthCounts& n, const SynthVideo& v, uint64_t seed,
                               uint64_t eval_seed, SynthFormat format) {
-  check_clip_size(v.size, v.frames);
+  check_clip_size(v.size, v.frames, v.motion);
   const std::string encoder = v.encoder.empty() ? default_video_encoder() : v.encoder;
   if (encoder.empty())
     fail("synth.kind = video: this q3vl was built without FFmpeg (make FFMPEG=0), so it cannot encode clips; build "
          "it with FFmpeg's libraries (make deps; make)");
   fs::create_directories(fs::path(dir) / "clips");
   write_splits(dir, n, seed, eval_seed, [&](uint64_t sd, int split, int64_t i, const std::string& stem) {
-    SynthClip s = synth_clip(sd, split, i, v.size, v.frames, format);
+    SynthMotion m = v.motion;
+    // Training clip i starts in the middle when i * centre_starts passes a whole number: that fraction, spread evenly.
+    m.from_centre = split == 0 && std::floor((i + 1) * v.centre_starts) > std::floor(i * v.centre_starts);
+    SynthClip s = synth_clip(sd, split, i, v.size, v.frames, format, m);
     const std::string clip = "clips/" + stem + ".mp4";
     encode_video((fs::path(dir) / clip).string(), s.frames, v.fps, encoder);
     return SynthRecord{{{"type", "video"}, {"video", clip}}, std::move(s.question), std::move(s.answer)};
@@ -286,7 +321,11 @@ int run_synth(const Deck& deck) {
     const SynthFormat format = synth_format(deck.str("synth.answer_format"));
     std::string what = "pictures of " + std::to_string(size) + " px";
     if (video) {
-      const SynthVideo v{size, (int)deck.integer("synth.frames"), deck.real("synth.fps"), deck.str("synth.encoder")};
+      const SynthMotion m{deck.real("synth.radius_min"), deck.real("synth.radius_max"), deck.real("synth.travel_min"),
+                          deck.real("synth.travel_max"), (int)deck.integer("synth.step"),
+                          (int)deck.integer("synth.grid")};
+      const SynthVideo v{size, (int)deck.integer("synth.frames"), deck.real("synth.fps"), deck.str("synth.encoder"), m,
+                         deck.real("synth.centre_starts")};
       const std::string enc = write_synth_video(dir, n, v, seed, eval_seed, format);
       char fps[32];
       std::snprintf(fps, sizeof fps, "%g", v.fps);

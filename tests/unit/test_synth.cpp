@@ -215,6 +215,95 @@ TEST(Synth, ClipsShowWhatTheAnswerSays) {
   EXPECT_EQ(synth_clip_answer(0, 0, 3, SynthFormat::Fields), "shape: circle, colour: red, moving: down");
 }
 
+// synth.radius_min/max and synth.travel_min/max (SynthMotion): the shape's width and how far it goes, start to end,
+// stay in their ranges, and the answers still match the frames; a range that cannot fit in the frame is refused.
+TEST(Synth, ClipsFollowTheirMotionRanges) {
+  const SynthMotion m{0.20, 0.24, 0.40, 0.48};
+  for (int i = 0; i < 60; ++i) {
+    const SynthClip s = synth_clip(5, 0, i, 64, 4, SynthFormat::Sentence, m);
+    ASSERT_EQ(s.frames.size(), 4u);
+    const Reading a = read_picture(s.frames.front()), b = read_picture(s.frames.back());
+    ASSERT_EQ(a.answer, b.answer) << i;
+    const double dx = b.cx - a.cx, dy = b.cy - a.cy, moved = std::max(std::fabs(dx), std::fabs(dy));
+    EXPECT_GT(moved, 0.40 * 64 - 1.5) << i;
+    EXPECT_LT(moved, 0.48 * 64 + 1.5) << i;
+    EXPECT_LT(std::min(std::fabs(dx), std::fabs(dy)), 2.0) << i;
+    EXPECT_GT(a.width, 2 * 0.20 * 64 - 2) << i;  // the bounding box: 2 r, give or take an edge pixel
+    EXPECT_LT(a.width, 2 * 0.24 * 64 + 2) << i;
+    const char* way = std::fabs(dx) > std::fabs(dy) ? (dx < 0 ? "left" : "right") : (dy < 0 ? "up" : "down");
+    EXPECT_EQ(s.answer, a.answer + " moving " + way) << i;
+  }
+  try {
+    synth_clip(1, 0, 0, 64, 4, SynthFormat::Sentence, SynthMotion{0.3, 0.3, 0.5, 0.5});
+    ADD_FAILURE() << "a shape of radius 0.3 travelling 0.5 of the side was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("can travel that far"), std::string::npos) << e.what();
+  }
+  try {
+    synth_clip(1, 0, 0, 64, 4, SynthFormat::Sentence, SynthMotion{0.2, 0.1, 0.3, 0.4});
+    ADD_FAILURE() << "radius_min > radius_max was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("synth.radius_min"), std::string::npos) << e.what();
+  }
+}
+
+// synth.step and synth.grid: the shape moves exactly step pixels a frame, and its centre starts on (and, across its
+// way, stays on) the centres of a grid of that many pixels, so that upscaled by 16 / grid the processor's 16-px
+// patches see it at one phase; a step that cannot fit is refused.
+TEST(Synth, ClipsMoveInStepsFromGridCells) {
+  const SynthMotion m{0.18, 0.18, 0.3, 0.3, 10, 8};
+  auto on_grid = [](double c) {  // read_picture's centroid counts pixel x at x, its centre is at x + 0.5
+    const double ph = std::fmod(c + 0.5, 8.0);
+    return std::fabs(ph - 4) < 0.3;
+  };
+  int ways[4] = {0, 0, 0, 0};
+  for (int i = 0; i < 60; ++i) {
+    const SynthClip s = synth_clip(9, 0, i, 64, 4, SynthFormat::Sentence, m);
+    ASSERT_EQ(s.frames.size(), 4u);
+    ++ways[s.direction];
+    const bool vertical = s.direction >= 2;
+    const double sign = s.direction == 0 || s.direction == 2 ? -1 : 1;
+    Reading prev;
+    for (size_t f = 0; f < s.frames.size(); ++f) {
+      const Reading r = read_picture(s.frames[f]);
+      EXPECT_TRUE(on_grid(vertical ? r.cx : r.cy)) << i << " frame " << f << ": across " << (vertical ? r.cx : r.cy);
+      if (f == 0) {
+        EXPECT_TRUE(on_grid(vertical ? r.cy : r.cx)) << i << ": start " << (vertical ? r.cy : r.cx);
+      }
+      if (f > 0) {
+        EXPECT_NEAR(vertical ? r.cy - prev.cy : r.cx - prev.cx, sign * 10, 0.3) << i << " frame " << f;
+        EXPECT_NEAR(vertical ? r.cx - prev.cx : r.cy - prev.cy, 0, 0.3) << i << " frame " << f;
+      }
+      prev = r;
+    }
+  }
+  for (int w = 0; w < 4; ++w) EXPECT_GT(ways[w], 5) << synth_directions()[w];
+  try {
+    synth_clip(1, 0, 0, 64, 4, SynthFormat::Sentence, SynthMotion{0.18, 0.18, 0.3, 0.3, 14, 8});
+    ADD_FAILURE() << "a shape of radius 0.18 moving 14 px a frame for 3 frames on an 8-px grid was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("synth.step"), std::string::npos) << e.what();
+  }
+}
+
+// synth.from_centre (a control): the shape starts in the middle and moves the way the answer says, whole inside the
+// frame, so that its last place alone tells the way.
+TEST(Synth, ClipsFromTheCentreEndOnTheirSide) {
+  SynthMotion m;
+  m.from_centre = true;
+  for (int i = 0; i < 40; ++i) {
+    const SynthClip s = synth_clip(11, 0, i, 64, 4, SynthFormat::Sentence, m);
+    const Reading a = read_picture(s.frames.front()), b = read_picture(s.frames.back());
+    ASSERT_EQ(a.answer, b.answer) << i;
+    const bool vertical = s.direction >= 2;
+    const double start = (vertical ? a.cy : a.cx) + 0.5, end = (vertical ? b.cy : b.cx) + 0.5;
+    EXPECT_NEAR(start, 32, 0.03 * 64 + 1) << i;
+    const double way = s.direction == 0 || s.direction == 2 ? -1 : 1;
+    EXPECT_GT(way * (end - 32), 10) << i << ": ends at " << end;
+    EXPECT_GT(b.width, 2 * 0.24 * 64 - 2) << i << ": cut by the frame's edge";
+  }
+}
+
 TEST(Synth, ClipsAreDeterministicAndRefuseBadSizes) {
   const SynthClip a = synth_clip(3, 2, 7, 32, 4), b = synth_clip(3, 2, 7, 32, 4), c = synth_clip(4, 2, 7, 32, 4);
   ASSERT_EQ(a.frames.size(), 4u);

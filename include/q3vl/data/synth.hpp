@@ -67,15 +67,33 @@ struct SynthClip {
 // synth_answer's words and the direction: "a red circle moving left", "shape: circle, colour: red, moving: left".
 std::string synth_clip_answer(int colour, int shape, int direction, SynthFormat format = SynthFormat::Sentence);
 
+// How big a clip's shape is and how far it moves, start to end, as fractions of the frame's side (each drawn
+// uniformly between its min and max); the shape stays whole inside the frame. step > 0: the shape moves step pixels
+// a frame instead (travel_min/max unused). grid > 0: its centre starts (and, across the way it moves, stays) at
+// grid * k + grid / 2 pixels: on a grid of the processor's 16-px patches when the frames are upscaled by 16 / grid.
+struct SynthMotion {
+  double radius_min = 0.24, radius_max = 0.28;
+  double travel_min = 0.30, travel_max = 0.38;
+  int step = 0;  // pixels a frame; 0: travel_min..max over the clip
+  int grid = 0;  // pixels; 0: the start and the place across vary continuously
+  // An easier lesson: the shape starts in the middle, so that where it ends alone tells the way (one frame
+  // suffices); travel is cut to what fits. For training clips only (SynthVideo::centre_starts).
+  bool from_centre = false;
+};
+
 // Clip `index` of split 0/1/2: `frames` frames of size x size pixels (size even, at least 32; frames at least 2).
 SynthClip synth_clip(uint64_t seed, int split, int64_t index, int size, int frames,
-                     SynthFormat format = SynthFormat::Sentence);
+                     SynthFormat format = SynthFormat::Sentence, const SynthMotion& motion = {});
 
 struct SynthVideo {
   int size = 64;        // frame side in pixels
   int frames = 8;       // frames per clip
   double fps = 8;       // the clips' frame rate
   std::string encoder;  // a libavcodec encoder; empty: default_video_encoder() (libx264, else mpeg4)
+  SynthMotion motion;   // the shape's size and travel
+  // The fraction of the training clips (split 0) that start in the middle (motion.from_centre): an easier lesson
+  // in where the shape goes. Validation and held-out clips never do.
+  double centre_starts = 0;
 };
 
 // Writes dir/clips/{train,val,eval}_NNNNNN.mp4 and the JSONL files as write_synth does; returns the encoder used.
