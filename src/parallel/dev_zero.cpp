@@ -64,8 +64,9 @@ int64_t device_part(const ZeroLayout& L, const std::vector<char>& host) {
   return k;
 }
 
+// host: host_units()'s split (partial offload).
 DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int stage, DType dt, DType gd,
-                    const OffloadSpec& o, bool in_place, const std::vector<bool>& trainable) {
+                    const OffloadSpec& o, bool in_place, const std::vector<char>& host) {
   DevZeroMemory m;
   const bool off = o.optimizer, stream = off && o.params, delayed = off && o.delayed;
   const int64_t d = int64_t(dtype_size(dt)), g = int64_t(dtype_size(gd)), slot = slot_elems(L);
@@ -77,7 +78,7 @@ DevZeroMemory sizes(const ParamTable& t, const ZeroLayout& L, int group, int sta
   const int64_t copies = delayed ? 2 : 1;  // delayed: the gradient shard and the parameter copy twice
   if (!in_place) (off ? m.host_master : m.master) = L.master * 4;
   if (!in_place) (off ? m.host_moments : m.moments) = 2 * L.opt * 4;
-  const int64_t kept = device_part(L, host_units(t, trainable, o));  // partial offload: on the device too
+  const int64_t kept = device_part(L, host);  // partial offload: on the device too
   m.master += kept * 4, m.moments += 2 * kept * 4;
   m.grads = copies * L.comm * 4;
   m.comm = (group > 1 ? L.comm * 4 : 0) + ((gd == DType::F32 && !off) || stream ? 0 : copies * L.master * g);
@@ -93,7 +94,7 @@ DevZeroMemory DevZero::plan(const ParamTable& t, int group, int stage, const std
                             DType gather, const OffloadSpec& off, bool in_place) {
   const ShardGroup experts{group / t.ep().size, 0};
   return sizes(t, zero_layout(t, {group, 0}, t.ep().size > 1 ? &experts : nullptr, stage, trainable), group, stage,
-               dt, gather, off, off.optimizer && in_place, trainable);
+               dt, gather, off, off.optimizer && in_place, host_units(t, trainable, off));
 }
 
 DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::vector<bool>& trainable,
@@ -118,7 +119,8 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   Q3VL_CHECK(!(stream_ && delayed_), "DevZero: a delayed update cannot stream parameters from the masters it changes");
   Q3VL_CHECK(off.ratio > 0 && off.ratio <= 1 && (off.ratio == 1 || !stream_),
              "DevZero: a part of the update on the device needs the parameters there, and a ratio in (0, 1]");
-  mem_ = sizes(t, L_, n, stage, dt_, gd_, off, borrowed_, trainable);
+  const std::vector<char> host_part = host_units(t, trainable, off);
+  mem_ = sizes(t, L_, n, stage, dt_, gd_, off, borrowed_, host_part);
   auto f32 = [&](int64_t k) {
     float* p = static_cast<float*>(dev::alloc(ex_, size_t(std::max<int64_t>(k, 1)) * 4));
     dev::fill(ex_, p, DType::F32, k, 0.f);
@@ -166,7 +168,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
       r.down = dev::event_create(ex_);
     }
   }
-  make_runs(host_units(t, trainable, off));
+  make_runs(host_part);
   if (ndev_ > 0) dmaster_ = f32(ndev_), dm_ = f32(ndev_), dv_ = f32(ndev_);
   for (int i = 0, k = stream_ && (n > 1 || conv_) ? (stage == 3 ? kParamSlots : 1) : 0; i < k; ++i)
     up_.push_back(dev::alloc(ex_, size_t(std::max<int64_t>(max_shard(L_), 1)) * dtype_size(gd_)));

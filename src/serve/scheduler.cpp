@@ -229,7 +229,7 @@ void Scheduler::drop_gone() {
 
 // One step: a token of every decoding sequence, then prompt chunks up to serve.step_tokens in all (fewer under
 // serve.max_tpot_ms: budget_).
-void Scheduler::plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who) {
+std::pair<int64_t, int64_t> Scheduler::plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who) {
   const ModelConfig& cfg = runner_.config();
   const int64_t H = cfg.text.hidden;
   for (auto& j : running_)
@@ -237,8 +237,9 @@ void Scheduler::plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& w
       segs.push_back({j->slot, {j->pending}, {}, {}, {}});
       who.push_back(j.get());
     }
-  int64_t budget = budget_.prompt_tokens(int64_t(segs.size()));
-  metrics_.step_prompt_budget = budget;
+  const int64_t decodes = int64_t(segs.size()), room = budget_.prompt_tokens(decodes);
+  metrics_.step_prompt_budget = room;
+  int64_t budget = room;
   for (auto& j : running_) {
     const int64_t n = (int64_t)j->prompt.ids.size();
     if (j->fed >= n || budget <= 0) continue;
@@ -257,6 +258,7 @@ void Scheduler::plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& w
     segs.push_back(std::move(g));
     who.push_back(j.get());
   }
+  return {decodes, room - budget};
 }
 
 // Once: serve.max_tpot_ms below what the decodes alone take, which no chunk size can meet (prompts then get the
@@ -278,7 +280,7 @@ void Scheduler::step() {
   const int64_t V = cfg.text.vocab;
   std::vector<StepSegment<float>> segs;
   std::vector<Job*> who;
-  plan(segs, who);
+  const auto [decodes, prompt] = plan(segs, who);
   // All greedy (the usual serving case): the device returns each row's argmax, not [segs, V] of logits.
   DevModel::Argmax best;
   const bool greedy =
@@ -287,9 +289,6 @@ void Scheduler::step() {
       });
   best.limit = base_.vocab_limit > 0 ? base_.vocab_limit : cfg.text.vocab, best.banned = base_.banned;
   std::vector<float> logits;
-  const int64_t decodes = std::count_if(who.begin(), who.end(), [](const Job* j) { return j->pending >= 0; });
-  int64_t prompt = 0;
-  for (size_t s = 0; s < segs.size(); ++s) prompt += who[s]->pending >= 0 ? 0 : int64_t(segs[s].ids.size());
   try {
     const double t0 = wall_seconds();
     step_since_ = t0;

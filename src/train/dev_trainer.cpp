@@ -166,10 +166,7 @@ double DevTrainer::grad_norm_sq(bool* finite) {
 void DevTrainer::update(const AdamWConfig& hp, double lr, double gscale, int64_t t) {
   const double g = gscale / (ls_.on ? ls_.scale : 1.0);  // unscale inside the update
   if (zero_->offloaded()) return host_update(hp, lr, g, t);
-  for (const DevZero::Run& r : zero_->runs())
-    dev::adamw(ex_, zero_->master() + r.master, zero_->grads() + r.grad, zero_->exp_avg() + r.opt,
-               zero_->exp_avg_sq() + r.opt, r.n, hp.beta1, hp.beta2, hp.eps, lr, r.no_decay ? 0.0 : hp.weight_decay,
-               g, t);
+  device_adamw(hp, lr, g, t);
   zero_->refresh_params();
 }
 
@@ -189,14 +186,21 @@ void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t
   pending_ = std::async(std::launch::async, [=, this] { host_adamw(hp, lr, g, t); });
 }
 
+// AdamW on the device over the runs whose state it holds: every run (the optimizer on the device), or, offloaded,
+// the partial offload's device part (at Run::dev of its compacted buffers; then written into the parameter copies).
 void DevTrainer::device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t) {
-  if (!zero_->dev_master()) return;
-  for (const DevZero::Run& r : zero_->runs())
-    if (r.dev >= 0)
-      dev::adamw(ex_, zero_->dev_master() + r.dev, zero_->grads() + r.grad, zero_->dev_exp_avg() + r.dev,
-                 zero_->dev_exp_avg_sq() + r.dev, r.n, hp.beta1, hp.beta2, hp.eps, lr,
-                 r.no_decay ? 0.0 : hp.weight_decay, g, t);
-  zero_->publish_device_part();
+  const bool part = zero_->offloaded();
+  if (part && !zero_->dev_master()) return;
+  float* p = part ? zero_->dev_master() : zero_->master();
+  float* m = part ? zero_->dev_exp_avg() : zero_->exp_avg();
+  float* v = part ? zero_->dev_exp_avg_sq() : zero_->exp_avg_sq();
+  for (const DevZero::Run& r : zero_->runs()) {
+    if (part && r.dev < 0) continue;
+    const int64_t x = part ? r.dev : r.master, o = part ? r.dev : r.opt;
+    dev::adamw(ex_, p + x, zero_->grads() + r.grad, m + o, v + o, r.n, hp.beta1, hp.beta2, hp.eps, lr,
+               r.no_decay ? 0.0 : hp.weight_decay, g, t);
+  }
+  if (part) zero_->publish_device_part();
 }
 
 void DevTrainer::settle() {

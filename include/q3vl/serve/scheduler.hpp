@@ -124,7 +124,8 @@ class Scheduler {
   void drop_gone();
   void admit();
   // One step: the segments (plan), the model step on every rank, then each sampling row's token.
-  void plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who);
+  // Returns the step's decodes and prompt tokens (what serve.max_tpot_ms's model learns from).
+  std::pair<int64_t, int64_t> plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who);
   void step();
   void advance(Job& job, int64_t token, double now);
   void finish(Job& job, const std::string& reason);

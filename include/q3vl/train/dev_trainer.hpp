@@ -120,7 +120,7 @@ class DevTrainer {
  private:
   void host_update(const AdamWConfig& hp, double lr, double g, int64_t t);
   void host_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);
-  void device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);  // partial offload: the device's part
+  void device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);  // the runs the device holds
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
   Comm& shard_;
   std::unique_ptr<Comm> nccl_shard_, nccl_replica_, nccl_ep_, nccl_experts_;  // nccl_ep_: the rows, nccl_experts_: ZeRO
