@@ -156,8 +156,11 @@ void Scheduler::admit() {
     const auto visual = [&](int64_t t) { return cfg.visual_token(t); };  // image and video placeholders
     const int64_t vis_shared = std::count_if(ids.begin(), ids.begin() + shared, visual);
     try {  // the vision tower only when some image or video token is still to compute
-      if (!job->prompt.grid.empty() && std::count_if(ids.begin() + shared, ids.end(), visual) > 0)
+      if (!job->prompt.grid.empty() && std::count_if(ids.begin() + shared, ids.end(), visual) > 0) {
+        const double t0 = wall_seconds();
         runner_.model().vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
+        metrics_.vision_s += wall_seconds() - t0, metrics_.vision_encodes++;
+      }
     } catch (const Error& e) {
       job->error = e.what();
       finish(*job, "error");
@@ -180,12 +183,14 @@ bool Scheduler::tick(bool wait) {
       in_cv_.wait_for(l, std::chrono::milliseconds(200));
     while (!incoming_.empty()) waiting_.push_back(incoming_.front()), incoming_.pop_front();
   }
+  const double t0 = wall_seconds();
   drop_gone();
   admit();
   metrics_.running = (int64_t)running_.size();
   update_kv_metrics();
   if (running_.empty()) return !waiting_.empty();
   step();
+  metrics_.busy_s += wall_seconds() - t0;
   return true;
 }
 
@@ -294,8 +299,12 @@ void Scheduler::step() {
     step_since_ = t0;
     logits = runner_.step(segs, false, greedy ? &best : nullptr);
     step_since_ = 0;
-    budget_.observe(decodes, prompt, wall_seconds() - t0);
+    const double took = wall_seconds() - t0;
+    budget_.observe(decodes, prompt, took);
     warn_tpot(decodes);
+    const int64_t rows = int64_t(segs.size());
+    if (prompt > 0) metrics_.mixed_s += took, metrics_.mixed_steps++, metrics_.mixed_rows += rows;
+    else metrics_.decode_s += took, metrics_.decode_steps++, metrics_.decode_rows += rows;
   } catch (const Error& e) {  // fails this step's requests, not the server
     step_since_ = 0;
     if (is_watchdog(e)) {  // a rank did not keep up: the group is out of step, and the server ends

@@ -867,6 +867,20 @@ std::string Server::metrics_text() {
          (double)metrics_.cancelled);
   metric("q3vl_requests_timed_out_total", "counter", "requests past serve.timeout (queued: 503; running: cut short)",
          (double)metrics_.timed_out);
+  metric("q3vl_engine_decode_steps_total", "counter", "steps that brought decoding sequences a token and no prompt",
+         (double)metrics_.decode_steps);
+  metric("q3vl_engine_decode_step_rows_total", "counter", "sequences in those steps", (double)metrics_.decode_rows);
+  metric("q3vl_engine_decode_step_seconds_total", "counter", "wall time of those steps", metrics_.decode_s.load());
+  metric("q3vl_engine_mixed_steps_total", "counter", "steps that carried prompt chunks (and any decodes)",
+         (double)metrics_.mixed_steps);
+  metric("q3vl_engine_mixed_step_rows_total", "counter", "segments in those steps", (double)metrics_.mixed_rows);
+  metric("q3vl_engine_mixed_step_seconds_total", "counter", "wall time of those steps", metrics_.mixed_s.load());
+  metric("q3vl_engine_vision_encodes_total", "counter", "images and videos through the vision tower at admission",
+         (double)metrics_.vision_encodes);
+  metric("q3vl_engine_vision_seconds_total", "counter", "wall time of those encodes", metrics_.vision_s.load());
+  metric("q3vl_engine_busy_seconds_total", "counter",
+         "wall time of scheduler ticks that had work (steps, encodes, scheduling, sampling, streaming)",
+         metrics_.busy_s.load());
   std::lock_guard<std::mutex> g(metrics_.m);
   o << "# HELP q3vl_time_to_first_token_seconds arrival to first generated token\n"
        "# TYPE q3vl_time_to_first_token_seconds summary\n"

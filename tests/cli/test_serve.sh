@@ -198,6 +198,18 @@ if start tpot $q serve model.preset=tiny serve.max_batch=40 serve.step_tokens=25
   grep -qE 'serve.max_tpot_ms = 0.001 is below a decode-only step of [0-9]+ sequences here .*floor of 32 prompt tokens' \
     $tmp/tpot.log && pass "serve.max_tpot_ms below a decode-only step: said once" ||
     bad "serve.max_tpot_ms: no warning: $(grep -i tpot $tmp/tpot.log)"
+  # The engine's time breakdown: every step is a decode-only or a mixed one, each picture went through the vision
+  # tower at most once (a repeated one may come from the prefix cache), and the steps and encodes fit in the busy time.
+  python3 -c '
+import re, sys
+m = {k: float(v) for k, v in re.findall(r"^(q3vl_engine_\w+) (\S+)$", sys.stdin.read(), re.M)}
+g = lambda k: m["q3vl_engine_" + k]
+ok = (g("decode_steps_total") > 0 and g("mixed_steps_total") > 0
+      and g("decode_steps_total") + g("mixed_steps_total") == g("steps_total")
+      and 1 <= g("vision_encodes_total") <= 32 and g("decode_step_rows_total") >= g("decode_steps_total")
+      and 0 < g("decode_step_seconds_total") + g("mixed_step_seconds_total") + g("vision_seconds_total") <= g("busy_seconds_total"))
+sys.exit(0 if ok else 1)' <<<"$m" && pass "/metrics: the engine's steps, encodes and busy time add up" ||
+    bad "engine metrics: $(grep q3vl_engine <<<"$m")"
   kill -TERM ${pids[-1]}; wait ${pids[-1]}
 fi
 

@@ -67,6 +67,11 @@ struct Metrics {
   std::atomic<int64_t> prefill_tokens{0}, prefix_hit_tokens{0}, prefix_blocks{0}, evicted{0}, cancelled{0},
       timed_out{0};
   std::atomic<int64_t> step_prompt_budget{0};  // prompt tokens the last step could carry (serve.max_tpot_ms)
+  // Where the engine's time goes (/metrics q3vl_engine_*): steps with decodes only and steps carrying prompt chunks
+  // (wall seconds of runner.step, their rows), the vision tower at admission, and every tick that had work (so
+  // busy - steps - vision is the host's own scheduling, sampling and streaming).
+  std::atomic<int64_t> decode_steps{0}, decode_rows{0}, mixed_steps{0}, mixed_rows{0}, vision_encodes{0};
+  std::atomic<double> decode_s{0}, mixed_s{0}, vision_s{0}, busy_s{0};
   std::mutex m;
   double ttft_sum = 0, tpot_sum = 0;
   int64_t ttft_n = 0, tpot_n = 0;
