@@ -8,7 +8,10 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
+#include <string>
+#include <type_traits>
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/gemv.cuh"
@@ -257,10 +260,14 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
 //   DW:  dW[e][m, n] += sum_k dy[s+k, m] xg[s+k, n]    (M = n_out, N = n_in, K = bucket rows; F32)
 // FWD/DX: blockIdx.y walks the M tiles of all experts back to back (tile_prefix, so no block idles on an empty
 // expert); DW: blockIdx.z = expert. Shared tiles keep the operand's contiguous dimension contiguous (16-byte
-// cp.async copies, a 3-stage pipeline), and the WMMA fragment layout (row/col major) reads them in place. No split-K,
-// one block per output tile: dW and dxg accumulate deterministically.
+// cp.async copies into rows padded by 16 bytes, so the 8 rows of an ldmatrix phase hit 8 distinct bank quads). No
+// split-K, one block per output tile: dW and dxg accumulate deterministically.
+// bf16/fp16 run mma.sync m16n8k16 fed by ldmatrix (.trans where the operand is MN-major): 128 x 256 block tiles, a
+// 64 x 64 warp tile (8 ldmatrix.x4 feed 32 mma a k16 step), 4 stages, the epilogue straight from the accumulators
+// (pairs of adjacent columns: bf16x2 stores, float2 read-add-write for dW). Q3VL_GROUPED=old selects the previous
+// WMMA kernel (128 x 128, 3 stages, epilogue staged through shared memory) for A/B runs; fp32 keeps its SIMT path.
 enum Mode { FWD = 0, DX = 1, DW = 2 };
-constexpr int BM = 128, BN = 128;
+constexpr int BM = 128;  // the M tile of every variant (tile_prefix counts in it)
 template <class S> constexpr int bk() { return sizeof(S) == 4 ? 16 : 32; }
 template <class S> constexpr int pad() { return 16 / int(sizeof(S)); }  // keeps rows 16-byte multiples
 
@@ -310,25 +317,56 @@ __device__ __forceinline__ int expert_of_tile(const int32_t* tile_prefix, int E,
   return lo;
 }
 
-constexpr int kStages = 3;  // cp.async pipeline depth
-template <class S, int MODE> struct GTile {
-  static constexpr int BK = bk<S>(), P = pad<S>();
+// MMA: the mma.sync variant (bf16/fp16 only; false: fp32 SIMT or the old WMMA kernel).
+template <class S, int MODE, bool MMA> struct GTile {
+  static constexpr bool kMma = MMA && sizeof(S) == 2;
+  static constexpr int BK = bk<S>(), P = pad<S>(), BN = kMma ? 256 : 128;
+  static constexpr int ST = kMma ? 4 : 3;  // cp.async pipeline depth
+  static constexpr int MIN_BLOCKS = kMma ? 1 : 2;  // mma: 128 fp32 accumulators a thread need up to 255 registers
   static constexpr bool A_KC = MODE != DW;  // A's contiguous dimension is k (else m)
   static constexpr bool B_KC = MODE == FWD;  // B's contiguous dimension is k (else n)
   static constexpr int LDA = A_KC ? BK + P : BM + P, LDB = B_KC ? BK + P : BN + P;
   static constexpr int SA = A_KC ? BM * LDA : BK * LDA, SB = B_KC ? BN * LDB : BK * LDB;
-  static constexpr size_t smem = size_t(kStages) * (SA + SB) * sizeof(S);
+  static constexpr size_t smem = size_t(ST) * (SA + SB) * sizeof(S);
   static_assert((SA * sizeof(S)) % 128 == 0 && ((SA + SB) * sizeof(S)) % 128 == 0, "stage alignment");
-  static_assert(smem >= 8 * 256 * sizeof(float), "epilogue staging reuses the pipeline buffers");
+  static_assert(kMma || smem >= 8 * 256 * sizeof(float), "WMMA's epilogue staging reuses the pipeline buffers");
 };
 
-template <class S, int MODE>
-__global__ void __launch_bounds__(256, 2)  // two blocks an SM: at most 128 registers
+// ldmatrix.x4: four 8x8 b16 matrices, lane l giving the address of row l % 8 of matrix l / 8. Without .trans lane
+// i receives (row i/4, columns 2(i%4), +1) of each; with .trans (rows 2(i%4), +1, column i/4).
+template <bool TRANS> __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+  const unsigned a = unsigned(__cvta_generic_to_shared(p));
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+// d += a b, m16n8k16, fp32 accumulators: a = (row g, k 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..);
+// b = (k 2t.., col g), (k 2t+8.., col g); d = (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1) with g = lane/4, t = lane%4.
+template <class S> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                            uint32_t b1) {
+  if constexpr (std::is_same_v<S, __nv_bfloat16>)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <class S> struct alignas(2 * sizeof(S)) Pair { S x, y; };
+
+template <class S, int MODE, bool MMA>
+__global__ void __launch_bounds__(256, GTile<S, MODE, MMA>::MIN_BLOCKS)
     k_grouped(const S* __restrict__ A, const S* __restrict__ B, void* C, const int32_t* __restrict__ start,
               const int32_t* __restrict__ tile_prefix, int E, int64_t n_in, int64_t n_out, bool vecA, bool vecB,
               bool accumulate) {
-  using T = GTile<S, MODE>;
-  constexpr int BK = T::BK, LDA = T::LDA, LDB = T::LDB, SA = T::SA, SB = T::SB;
+  using T = GTile<S, MODE, MMA>;
+  constexpr int BK = T::BK, BN = T::BN, LDA = T::LDA, LDB = T::LDB, SA = T::SA, SB = T::SB, kStages = T::ST;
   constexpr bool A_KC = T::A_KC, B_KC = T::B_KC;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   S* const smem = reinterpret_cast<S*>(smem_raw);
@@ -388,6 +426,31 @@ __global__ void __launch_bounds__(256, 2)  // two blocks an SM: at most 128 regi
       c[m * ldc + n] += v;
     }
   };
+  // Output elements (m, n), (m, n + 1), n even: one paired access where the pair is aligned (ldc even, C aligned to
+  // a pair), else put() twice. Same arithmetic as put(), so the result does not depend on the path.
+  const bool pairs = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & (MODE == DW ? 7 : 2 * sizeof(S) - 1)) == 0;
+  auto put2 = [&](int64_t m, int64_t n, float v0, float v1) {
+    if (m >= M || n >= N) return;
+    if (!pairs || n + 1 >= N) {
+      put(m, n, v0);
+      put(m, n + 1, v1);
+    } else if constexpr (MODE == DW) {
+      float2* c = reinterpret_cast<float2*>(static_cast<float*>(C) + int64_t(e) * n_out * n_in + m * ldc + n);
+      float2 q = *c;
+      q.x += v0, q.y += v1;
+      *c = q;
+    } else {
+      Pair<S>* c = reinterpret_cast<Pair<S>*>(static_cast<S*>(C) + s * ldc + m * ldc + n);
+      Pair<S> q;
+      if (MODE == DX && accumulate) {
+        q = *c;
+        v0 += ld(&q.x, 0), v1 += ld(&q.y, 0);
+      }
+      st(&q.x, 0, v0);
+      st(&q.y, 0, v1);
+      *c = q;
+    }
+  };
   // Multi-stage pipeline: tile kt computes while tiles kt+1 .. kt+kStages-1 are in flight. The barrier at the top of
   // an iteration both publishes tile kt and frees the stage that tile kt+kStages-1 overwrites (read at kt-1).
   const int64_t nk = (K + BK - 1) / BK;
@@ -432,8 +495,44 @@ __global__ void __launch_bounds__(256, 2)  // two blocks an SM: at most 128 regi
     for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int j = 0; j < 8; ++j) put(m0 + ty + 16 * i, n0 + tx + 16 * j, acc[i][j]);
+  } else if constexpr (T::kMma) {
+    // 8 warps as 2 (m) x 4 (n), 64 x 64 outputs a warp: acc[i][j] is the m16n8 tile at (wm 64 + 16 i, wn 64 + 8 j).
+    const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
+    const int l8 = lane & 7, q1 = (lane >> 3) & 1, q2 = lane >> 4;
+    float acc[4][8][4] = {};
+    mainloop([&](const S* As, const S* Bs) {
+#pragma unroll
+      for (int kk = 0; kk < BK; kk += 16) {
+        uint32_t a[4][4], b[8][2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
+          const int mr = wm * 64 + 16 * i;
+          ldsm4<!A_KC>(a[i], A_KC ? As + (mr + l8 + 8 * q1) * LDA + kk + 8 * q2 : As + (kk + l8 + 8 * q2) * LDA + mr + 8 * q1);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+          const int nc = wn * 64 + 16 * j;
+          uint32_t r[4];
+          ldsm4<!B_KC>(r, B_KC ? Bs + (nc + l8 + 8 * q2) * LDB + kk + 8 * q1 : Bs + (kk + l8 + 8 * q1) * LDB + nc + 8 * q2);
+          b[2 * j][0] = r[0], b[2 * j][1] = r[1], b[2 * j + 1][0] = r[2], b[2 * j + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) mma16816<S>(acc[i][j], a[i], b[j][0], b[j][1]);
+      }
+    });
+    const int g = lane >> 2, t2 = 2 * (lane & 3);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int64_t m = m0 + wm * 64 + 16 * i + g, n = n0 + wn * 64 + 8 * j + t2;
+        put2(m, n, acc[i][j][0], acc[i][j][1]);
+        put2(m + 8, n, acc[i][j][2], acc[i][j][3]);
+      }
   } else {
-    // bf16/fp16: WMMA 16x16x16, fp32 accumulators. 8 warps as 2 (m) x 4 (n), 64 x 32 outputs a warp.
+    // bf16/fp16, the old kernel: WMMA 16x16x16, fp32 accumulators. 8 warps as 2 (m) x 4 (n), 64 x 32 outputs a warp.
     using namespace nvcuda;
     using LA = std::conditional_t<A_KC, wmma::row_major, wmma::col_major>;
     using LB = std::conditional_t<B_KC, wmma::col_major, wmma::row_major>;
@@ -500,6 +599,32 @@ __global__ void k_tile_prefix(const int32_t* __restrict__ start, int E, int32_t*
   if (lane == 31) tile_prefix[E] = incl;
 }
 
+template <class S, int MODE, bool MMA>
+void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const int32_t* start,
+                    const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, int64_t lda,
+                    int64_t ldb, bool accumulate) {
+  constexpr int VEC = 16 / int(sizeof(S)), BN = GTile<S, MODE, MMA>::BN;
+  const bool vecA = aligned16(A) && lda % VEC == 0, vecB = aligned16(B) && ldb % VEC == 0;
+  const int64_t N = MODE == FWD ? n_out : n_in;
+  dim3 grid(unsigned((N + BN - 1) / BN), 1, 1);
+  if (MODE == DW) {
+    grid.y = unsigned((n_out + BM - 1) / BM);
+    grid.z = unsigned(E);
+  } else {
+    const int64_t tiles = (R + BM - 1) / BM + E;  // >= sum over experts of ceil(rows / BM)
+    Q3VL_CHECK(tiles <= 65535, "grouped_linear: too many rows for one launch");
+    grid.y = unsigned(tiles);
+  }
+  constexpr size_t smem = GTile<S, MODE, MMA>::smem;
+  static std::once_flag once;  // per instantiation: allow more than 48 KiB of dynamic shared memory
+  std::call_once(once, [] {
+    Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE, MMA>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  });
+  k_grouped<S, MODE, MMA><<<grid, 256, smem, stream_of(x)>>>(static_cast<const S*>(A), static_cast<const S*>(B),
+                                                             C, start, tile_prefix, int(E), n_in, n_out, vecA,
+                                                             vecB, accumulate);
+  Q3VL_LAUNCHED();
+}
 
 template <int MODE>
 void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t* start, int64_t R, int64_t E,
@@ -512,27 +637,16 @@ void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t
     k_tile_prefix<<<1, 32, 0, s>>>(start, int(E), tile_prefix);
     Q3VL_LAUNCHED();
   }
+  static const bool old = [] {
+    const char* v = std::getenv("Q3VL_GROUPED");
+    return v && std::string(v) == "old";
+  }();
   by_dtype(dt, [&]<class S>() {
-    constexpr int VEC = 16 / int(sizeof(S));
-    const bool vecA = aligned16(A) && lda % VEC == 0, vecB = aligned16(B) && ldb % VEC == 0;
-    const int64_t N = MODE == FWD ? n_out : n_in;
-    dim3 grid(unsigned((N + BN - 1) / BN), 1, 1);
-    if (MODE == DW) {
-      grid.y = unsigned((n_out + BM - 1) / BM);
-      grid.z = unsigned(E);
-    } else {
-      const int64_t tiles = (R + BM - 1) / BM + E;  // >= sum over experts of ceil(rows / BM)
-      Q3VL_CHECK(tiles <= 65535, "grouped_linear: too many rows for one launch");
-      grid.y = unsigned(tiles);
+    if constexpr (sizeof(S) == 2) {
+      if (!old) return grouped_launch<S, MODE, true>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb,
+                                                     accumulate);
     }
-    constexpr size_t smem = GTile<S, MODE>::smem;
-    static std::once_flag once;  // per instantiation: allow more than 48 KiB of dynamic shared memory
-    std::call_once(once, [] {
-      Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    });
-    k_grouped<S, MODE><<<grid, 256, smem, s>>>(static_cast<const S*>(A), static_cast<const S*>(B), C, start,
-                                               tile_prefix, int(E), n_in, n_out, vecA, vecB, accumulate);
-    Q3VL_LAUNCHED();
+    grouped_launch<S, MODE, false>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
   });
 }
 
