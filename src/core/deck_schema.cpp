@@ -202,6 +202,8 @@ const std::vector<KeySpec>& deck_schema() {
       {"train.synthetic_samples", T::Int, "256", "number of synthetic samples (train.dataset = synthetic)", 1, 1e9},
       {"train.synthetic_image_px", T::Int, "64", "side of the synthetic samples' square image in pixels", 1, 1 << 16},
       {"train.synthetic_image_every", T::Int, "3", "every Nth synthetic sample has an image (0: none)", 0, 1 << 30},
+      {"train.synthetic_len", T::Int, "0", "tokens of every synthetic sample (0: uniform in [seq_len / 4, 5 seq_len / "
+       "4]); benchmarks set seq_len to get full sequences", 0, 1 << 30},
       {"train.max_patches", T::Int, "0", "model.backend = cuda: image patches per micro-batch the GPU's activation "
        "arena is sized for (0: as if every token were an image token)", 0, 1e12},
       {"train.stop_after", T::Int, "0", "stop (with a checkpoint) after this many steps in this job (0: run to "

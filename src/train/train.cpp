@@ -503,9 +503,12 @@ int run_train(const Deck& deck) {
   // Data.
   const int64_t seq_len = deck.integer("data.seq_len");
   std::unique_ptr<Dataset> data;
+  const int64_t syn_len = deck.integer("train.synthetic_len");  // 0: lengths spread over [seq_len/4, 5 seq_len/4]
+  const int64_t syn_min = std::max<int64_t>(2, syn_len ? syn_len : seq_len / 4);
+  const int64_t syn_max = syn_len ? syn_min : seq_len + seq_len / 4;
   if (deck.str("train.dataset") == "synthetic")
     data = std::make_unique<SyntheticDataset>(cfg, size_t(deck.integer("train.synthetic_samples")), seed,
-                                              int(std::max<int64_t>(2, seq_len / 4)), int(seq_len + seq_len / 4),
+                                              int(syn_min), int(syn_max),
                                               int(deck.integer("train.synthetic_image_px")),
                                               int(deck.integer("train.synthetic_image_every")));
   else

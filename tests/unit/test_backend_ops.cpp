@@ -389,6 +389,29 @@ std::vector<Case> all_cases(DType dt) {
           });
     }
 
+  // The tiled grouped GEMM's tile edges, forward and backward: experts of 0, 400 (4 M tiles, the last partial), 1 and
+  // 299 rows; n_out 304 and n_in 264 span two 256-wide N tiles (and DW's 3 M tiles of n_out), 16-byte rows and paired
+  // stores; 301 x 262: scalar loads everywhere and unpaired stores where the output rows are odd (forward).
+  for (auto [I, O] : {std::pair<int64_t, int64_t>{264, 304}, {262, 301}}) {
+    const int64_t R = 700, E = 4;
+    std::vector<double> ex(size_t(R), 3.0);
+    std::fill(ex.begin(), ex.begin() + 400, 1.0);
+    ex[400] = 2.0;
+    add("grouped_linear_fwd", dims({R, E, I, O}) + " tiles", kGemm,
+        {in("xg", K::Act, randn(R * I)), in("W", K::Act, randn(E * O * I, 0.1)), in("start", K::I32, starts_of(ex, E)),
+         out("y", K::Act, randn(R * O))},
+        [=](auto& x, auto& p, DType t) {
+          dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[3], R, E, I, O, t);
+        });
+    for (bool acc : {true, false})
+      add("grouped_linear_bwd", dims({R, E, I, O}) + " tiles" + mode(acc), kGemm,
+          {in("dy", K::Act, randn(R * O)), in("xg", K::Act, randn(R * I)), in("W", K::Act, randn(E * O * I, 0.1)),
+           in("start", K::I32, starts_of(ex, E)), out("dxg", K::Act, randn(R * I)), out("dW", K::F32, randn(E * O * I))},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, I, O, acc, t);
+          });
+  }
+
   // norms (D = 128: QK-norm rows; 1152: the vision width, and with 1030 (unaligned) few rows: a block per row; 200: odd)
   for (auto [N, D] : {std::pair<int64_t, int64_t>{33, 200}, {528, 128}, {7, 1152}, {5, 1030}}) {
     add("rmsnorm_fwd", dims({N, D}), kReduce,

@@ -16,7 +16,8 @@ import time
 
 import torch
 import transformers
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import (Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                          Qwen3VLMoeForConditionalGeneration)
 
 # q3vl's presets (src/model/config.cpp, spec section 7): vision depth, hidden, intermediate, out; text hidden,
 # intermediate, layers, heads, kv heads, tied embeddings.
@@ -24,18 +25,31 @@ PRESETS = {
     "2B": ((24, 1024, 4096, 2048, [5, 11, 17]), (2048, 6144, 28, 16, 8, True)),
     "4B": ((24, 1024, 4096, 2560, [5, 11, 17]), (2560, 9728, 36, 32, 8, True)),
     "8B": ((27, 1152, 4304, 4096, [8, 16, 24]), (4096, 12288, 36, 32, 8, False)),
+    "30B-A3B": ((27, 1152, 4304, 2048, [8, 16, 24]), (2048, 6144, 48, 32, 4, False)),
 }
+# The MoE presets' experts: count, experts per token, expert intermediate (every decoder layer sparse).
+MOE = {"30B-A3B": (128, 8, 768)}
+
+
+def model_class(cfg):
+    """The transformers class of a config made by config(): dense or MoE."""
+    return Qwen3VLMoeForConditionalGeneration if isinstance(cfg, Qwen3VLMoeConfig) else Qwen3VLForConditionalGeneration
 
 
 def config(name):
     (vd, vh, vi, vo, ds), (h, i, layers, heads, kv, tie) = PRESETS[name]
-    return Qwen3VLConfig(
+    moe = {}
+    if name in MOE:
+        e, k, im = MOE[name]
+        moe = dict(num_experts=e, num_experts_per_tok=k, moe_intermediate_size=im, decoder_sparse_step=1,
+                   mlp_only_layers=[], norm_topk_prob=True)
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         vision_config=dict(depth=vd, hidden_size=vh, intermediate_size=vi, out_hidden_size=vo, num_heads=16,
                            deepstack_visual_indexes=ds, patch_size=16, spatial_merge_size=2, temporal_patch_size=2),
         text_config=dict(hidden_size=h, intermediate_size=i, num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv, head_dim=128, vocab_size=151936, max_position_embeddings=262144,
                          rope_theta=5000000.0, rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20],
-                                                             "mrope_interleaved": True}),
+                                                             "mrope_interleaved": True}, **moe),
         tie_word_embeddings=tie, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
         vision_end_token_id=151653)
 
@@ -56,7 +70,7 @@ def main():
     t0 = time.time()
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Qwen3VLForConditionalGeneration._from_config(cfg, torch_dtype=dt, attn_implementation=a.attn).eval()
+        model = model_class(cfg)._from_config(cfg, torch_dtype=dt, attn_implementation=a.attn).eval()
         for name, p in model.named_parameters():  # small matrices, unit norms, zero biases: finite activations
             if p.dim() > 1:
                 torch.nn.init.normal_(p, 0.0, 0.02)

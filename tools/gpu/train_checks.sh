@@ -3,7 +3,7 @@
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
 #   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile big
-#   ring hostbase partial (BIG="235b": part big's 235B cut alone)
+#   ring hostbase partial moe (BIG="235b": part big's 235B cut alone)
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -32,6 +32,9 @@
 # - hftrain (issue 30): the 2B shape in q3vl (ZeRO-3, one rank) and in transformers (tools/gpu/hf_train_baseline.py:
 #   4 x 4096 tokens, one 448 px image a sequence, bf16 autocast, SDPA, fused AdamW) side by side: median tokens/s
 #   over steps 3-8 and their ratio.
+# - moe (issue 30): the 30B-A3B shapes cut to 6 decoder layers (input/bench_30b_a3b_gpu.deck: 1 x 4096 tokens, one
+#   448 px image) in q3vl and in transformers (hf_train_baseline.py --preset 30B-A3B --text-layers 6 --batch 1 --seq
+#   4096) side by side: median tokens/s over steps 3-8, their ratio and both MFUs on active parameters.
 # - profile (issue 30): the 2B shape (input/bench_2b_gpu.deck) with run.profile = true for 4 steps: step 3's table
 #   (CUDA events) in profile.log, every profiled step's "profile" object in profile.jsonl, and the rows of step 3
 #   whose share of the step is largest in the summary, with the phases and the compute stream's idle time.
@@ -277,6 +280,29 @@ q, h = ([json.loads(l) for l in open(f)][2:] for f in sys.argv[1:3])
 tq, th = (statistics.median(x["tokens_per_s"] for x in r) for r in (q, h))
 print(f"2B training, steps 3-8: q3vl {tq:.0f} tokens/s (mfu {statistics.median(x['mfu'] for x in q):.3f}, step "
       f"{statistics.median(x['time']['step'] for x in q):.3f} s), transformers {th:.0f} tokens/s: {tq / th:.2f}x")
+PY
+  pack
+fi
+
+if part moe; then
+  rm -rf /tmp/runs/moe_q3vl
+  timeout 300 "$q" train input/bench_30b_a3b_gpu.deck checkpoint.every=0 run.out_dir=/tmp/runs/moe_q3vl \
+    >"$out/moe_q3vl.log" 2>&1
+  say "moe q3vl: rc=$?"
+  cp /tmp/runs/moe_q3vl/metrics.jsonl "$out/moe_q3vl.jsonl" 2>/dev/null
+  rm -rf /tmp/runs/moe_q3vl
+  pack
+  timeout 400 python3 tools/gpu/hf_train_baseline.py --preset 30B-A3B --text-layers 6 --batch 1 --seq 4096 \
+    --out "$out/moe_hf.jsonl" >"$out/moe_hf.log" 2>&1
+  say "moe transformers: rc=$? $(tail -1 "$out/moe_hf.log")"
+  python3 - "$out/moe_q3vl.jsonl" "$out/moe_hf.jsonl" >>"$out/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+q, h = ([json.loads(l) for l in open(f)][2:] for f in sys.argv[1:3])
+tq, th = (statistics.median(x["tokens_per_s"] for x in r) for r in (q, h))
+mq, mh = (statistics.median(x["mfu"] for x in r) for r in (q, h))
+print(f"30B-A3B x 6 layers training, 1 x 4096 tokens, steps 3-8: q3vl {tq:.0f} tokens/s (mfu {mq:.3f} on active "
+      f"parameters, step {statistics.median(x['time']['step'] for x in q):.3f} s), transformers {th:.0f} tokens/s "
+      f"(mfu {mh:.3f}): {tq / th:.2f}x (goal: >= 4x, mfu >= 0.30)")
 PY
   pack
 fi

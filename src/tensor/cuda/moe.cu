@@ -637,10 +637,8 @@ void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t
     k_tile_prefix<<<1, 32, 0, s>>>(start, int(E), tile_prefix);
     Q3VL_LAUNCHED();
   }
-  static const bool old = [] {
-    const char* v = std::getenv("Q3VL_GROUPED");
-    return v && std::string(v) == "old";
-  }();
+  const char* env = std::getenv("Q3VL_GROUPED");  // read each call: tools/gpu/moe_bench flips it between runs
+  const bool old = env && std::string(env) == "old";
   by_dtype(dt, [&]<class S>() {
     if constexpr (sizeof(S) == 2) {
       if (!old) return grouped_launch<S, MODE, true>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb,
