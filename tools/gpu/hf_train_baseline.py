@@ -10,7 +10,8 @@ usage: tools/gpu/hf_train_baseline.py [--preset 2B] [--text-layers N] [--batch 4
 --text-layers cuts the decoder to its first N layers (as q3vl's model.text_layers): the MoE preset 30B-A3B at 6
 layers fits one GPU with fp32 AdamW. Prints one JSON line per step (step, time, tokens, tokens_per_s, mfu, max
 memory) and a summary line: the median of the steps after the warm-up. mfu counts q3vl's model FLOPs
-(src/train/flops.cpp: 3 x forward, MoE layers on their active experts only, causal attention) over --peak. Ids and pixels are random; no tokenizer or processor files are needed.
+(src/train/flops.cpp: 3 x forward, MoE layers on their active experts only, causal attention) over --peak. Ids and
+pixels are random; no tokenizer or processor files are needed.
 """
 import argparse
 import json
@@ -36,7 +37,8 @@ def train_flops(cfg, b, s, g):
     patches, vkeys = b * g * g, b * float(g * g) ** 2
     m = v.spatial_merge_size
     dv, dm = v.hidden_size, v.hidden_size * m * m
-    vis_w = 3 * v.temporal_patch_size * v.patch_size ** 2 * dv + v.depth * (4.0 * dv * dv + 2.0 * v.intermediate_size * dv)
+    patch_dim = 3 * v.temporal_patch_size * v.patch_size ** 2
+    vis_w = patch_dim * dv + v.depth * (4.0 * dv * dv + 2.0 * v.intermediate_size * dv)
     merger_w = (1.0 + len(v.deepstack_visual_indexes)) * (dm * dm + dm * v.out_hidden_size)
     fwd = (2 * text_w * tokens + 4 * t.num_attention_heads * hd * keys * t.num_hidden_layers
            + 2 * t.vocab_size * H * tokens + 2 * vis_w * patches + 2 * merger_w * patches / (m * m)
@@ -107,10 +109,10 @@ def main():
             times.append(dt)
     med = statistics.median(times)
     layers = f" ({cfg.text_config.num_hidden_layers} text layers)" if a.text_layers else ""
-    print(f"transformers {a.preset}{layers}: {params / 1e9:.2f} B parameters, {a.batch} x {a.seq} tokens, one {a.grid}x{a.grid}"
-          f"-patch image per sequence, {a.attn}, bf16 autocast, fused AdamW: median step {med:.3f} s, "
-          f"{a.batch * a.seq / med:.0f} tokens/s (mfu {flops / med / a.peak:.3f}) over steps {a.warmup + 1}-{a.steps}; max memory "
-          f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; torch {torch.__version__}", flush=True)
+    print(f"transformers {a.preset}{layers}: {params / 1e9:.2f} B parameters, {a.batch} x {a.seq} tokens, one "
+          f"{a.grid}x{a.grid}-patch image per sequence, {a.attn}, bf16 autocast, fused AdamW: median step {med:.3f} s, "
+          f"{a.batch * a.seq / med:.0f} tokens/s (mfu {flops / med / a.peak:.3f}) over steps {a.warmup + 1}-{a.steps}; "
+          f"max memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; torch {torch.__version__}", flush=True)
 
 
 if __name__ == "__main__":

@@ -507,13 +507,15 @@ __global__ void __launch_bounds__(256, GTile<S, MODE, MMA>::MIN_BLOCKS)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {  // matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
           const int mr = wm * 64 + 16 * i;
-          ldsm4<!A_KC>(a[i], A_KC ? As + (mr + l8 + 8 * q1) * LDA + kk + 8 * q2 : As + (kk + l8 + 8 * q2) * LDA + mr + 8 * q1);
+          ldsm4<!A_KC>(a[i], A_KC ? As + (mr + l8 + 8 * q1) * LDA + kk + 8 * q2
+                                  : As + (kk + l8 + 8 * q2) * LDA + mr + 8 * q1);
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
           const int nc = wn * 64 + 16 * j;
           uint32_t r[4];
-          ldsm4<!B_KC>(r, B_KC ? Bs + (nc + l8 + 8 * q2) * LDB + kk + 8 * q1 : Bs + (kk + l8 + 8 * q1) * LDB + nc + 8 * q2);
+          ldsm4<!B_KC>(r, B_KC ? Bs + (nc + l8 + 8 * q2) * LDB + kk + 8 * q1
+                               : Bs + (kk + l8 + 8 * q1) * LDB + nc + 8 * q2);
           b[2 * j][0] = r[0], b[2 * j][1] = r[1], b[2 * j + 1][0] = r[2], b[2 * j + 1][1] = r[3];
         }
 #pragma unroll
