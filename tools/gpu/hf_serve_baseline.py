@@ -36,8 +36,10 @@ def model_class(cfg):
     return Qwen3VLMoeForConditionalGeneration if isinstance(cfg, Qwen3VLMoeConfig) else Qwen3VLForConditionalGeneration
 
 
-def config(name):
+def config(name, text_layers=0):
+    """The preset's config; text_layers > 0 keeps the first text_layers decoder layers (built so, not cut after)."""
     (vd, vh, vi, vo, ds), (h, i, layers, heads, kv, tie) = PRESETS[name]
+    layers = text_layers or layers
     moe = {}
     if name in MOE:
         e, k, im = MOE[name]

@@ -74,9 +74,7 @@ def main():
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    cfg = config(a.preset)
-    if a.text_layers:
-        cfg.text_config.num_hidden_layers = a.text_layers
+    cfg = config(a.preset, a.text_layers)
     flops = train_flops(cfg, a.batch, a.seq, a.grid)
     torch.manual_seed(0)
     with dev:
