@@ -388,8 +388,9 @@ __global__ void __launch_bounds__(32 * NW) dkdv_tc(const S* __restrict__ dout, c
     const float* cD = sD + buf * BM;
 #pragma unroll
     for (int qo = 0; qo < BM; qo += QS) {
-      // Warp-uniform skips: no valid query, or (causal) every query before this warp's keys.
-      if (i0 + qo >= L) break;
+      // Warp-uniform skips: no valid query or key (a segment's last block), or (causal) every query before this
+      // warp's keys.
+      if (i0 + qo >= L || j0 + w * WR >= L) break;
       if (causal && i0 + qo + QS - 1 < j0 + w * WR) continue;
       float st[MT][QS / 8][4], dpt[MT][QS / 8][4];
 #pragma unroll
