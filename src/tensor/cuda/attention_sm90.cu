@@ -71,6 +71,16 @@ template <class S> __device__ __forceinline__ uint32_t pack2(float lo, float hi)
 __device__ __forceinline__ uint64_t sdesc(uint32_t addr, uint32_t lbo) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
 }
+// Pins registers in program order around the wgmma asm statements: the compiler sees wgmma's accumulators written
+// at issue, so without this it could move their reads above wgmma.wait_group, or writes to wgmma's register inputs
+// below wgmma.fence (CUTLASS's warpgroup_fence_operand).
+template <class T, int N> __device__ __forceinline__ void pin(T (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if constexpr (sizeof(T) == 4 && std::is_floating_point_v<T>) asm volatile("" : "+f"(r[i])::"memory");
+    else asm volatile("" : "+r"(r[i])::"memory");
+  }
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -144,6 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
                                                          int nh, int nkv, float sl2, bool causal) {
 #ifdef Q3VL_WGMMA
   constexpr int TQ = kBM * HD * 2, TK = kBN * HD * 2;  // tile bytes (16-bit elements)
+  constexpr int PQ = kBM * 128, PK = kBN * 128;        // panel bytes (64 columns)
   extern __shared__ __align__(16) unsigned char smraw[];
   const uint32_t sQ = (static_cast<uint32_t>(__cvta_generic_to_shared(smraw)) + 1023u) & ~1023u;
   const uint32_t sK = sQ + TQ, sV = sK + 2 * TK;  // 2 buffers each
@@ -193,10 +204,11 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)  // panel kk/4, 32 bytes (16 elements) per k-step inside the 128-byte row
-      wg_ss128<S>(s, sdesc(qa + (kk >> 2) * TQ / (HD / 64) + (kk & 3) * 32, 16),
-                  sdesc(ka + (kk >> 2) * TK / (HD / 64) + (kk & 3) * 32, 16), kk > 0);
+      wg_ss128<S>(s, sdesc(qa + (kk >> 2) * PQ + (kk & 3) * 32, 16), sdesc(ka + (kk >> 2) * PK + (kk & 3) * 32, 16),
+                  kk > 0);
     wg_commit();
     wg_wait0();
+    pin(s);
 
     const bool need_mask = (j0 + kBN > L) || (causal && j0 + kBN - 1 > wr0);
 #pragma unroll
@@ -236,12 +248,16 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
     for (int kk = 0; kk < kBN / 16; ++kk)
 #pragma unroll
       for (int e = 0; e < 4; ++e) p[kk][e] = pack2<S>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+    pin(o);
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) pin(p[kk]);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk)  // 16 keys = two 8-row groups (2048 bytes) of every V panel
-      wg_rs<S, HD>(o, p[kk], sdesc(va + kk * 2048, kBN * 128));
+      wg_rs<S, HD>(o, p[kk], sdesc(va + kk * 2048, PK));
     wg_commit();
     wg_wait0();
+    pin(o);
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
