@@ -905,7 +905,8 @@ bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64
 // attention_sm90.cu: the wgmma forward (sm_90a) for bf16/fp16, hd 64 and 128 on a 9.0 device; false: not taken
 // (other shapes or devices, or Q3VL_ATTN_FWD=old), fwd_tc runs instead.
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
-                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2);
+                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2,
+                        bool pipelined);
 
 void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
                    const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
@@ -922,7 +923,7 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
     if constexpr (!std::is_same_v<S, float>) {
       if (al) {
         if (attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len),
-                               inh, inkv, ihd, causal, sl2))
+                               inh, inkv, ihd, causal, sl2, true))
           return;
         auto run = [&]<int HD>() {
           using C = FwdCfg<HD>;
