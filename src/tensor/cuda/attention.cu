@@ -3,6 +3,7 @@
 //  - bf16/fp16 with hd in {64, 72, 128} and 16-byte aligned pointers: tensor cores (mma.sync m16n8k16, fp32
 //    accumulation), 4 warps a block, cp.async double-buffered tiles (FwdCfg/DqCfg/DkvCfg give the tile sizes);
 //    hd 72 is zero-padded to 80 in shared memory.
+//    On a 9.0 device, hd 64 and 128 take attention_sm90.cu's wgmma forward instead (Q3VL_ATTN_FWD=old: fwd_tc).
 //  - everything else (fp32 parity mode, other head dims up to 256): SIMT kernels, fp32 tiles, 4 threads per row.
 // Backward: D = rowsum(dout*out) into Exec::ws, then dK/dV per (key block, kv head) looping over the group's query
 // heads (race-free GQA), then dQ per query block looping over key blocks (deterministic, no atomics).
@@ -944,6 +945,12 @@ bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64
 
 }  // namespace
 
+// attention_sm90.cu: the wgmma forward (sm_90a) for bf16/fp16, hd 64 and 128 on a 9.0 device; false: not taken
+// (other shapes or devices, or Q3VL_ATTN_FWD=old), fwd_tc runs instead.
+bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
+                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2,
+                        bool pipelined);
+
 void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
                    const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
                    bool causal, float scale, DType dt) {
@@ -958,6 +965,9 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
     S* O = static_cast<S*>(out);
     if constexpr (!std::is_same_v<S, float>) {
       if (al) {
+        if (attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len),
+                               inh, inkv, ihd, causal, sl2, true))
+          return;
         auto run = [&]<int HD>() {
           using C = FwdCfg<HD>;
           const dim3 gt(unsigned((max_len + 64 * C::MT - 1) / (64 * C::MT)), unsigned(nh), unsigned(nseg));
