@@ -1,5 +1,5 @@
 // Standalone GPU check of the CUDA attention kernels (src/tensor/cuda/attention.cu) against a naive fp64 host
-// reference, plus timings at the 2B model's shape. Build (from the repo root):
+// reference, plus timings at the 2B model's shape. Build and run (from the repo root, on a GPU machine):
 //   nvcc -std=c++20 -O3 -arch=sm_90 -Iinclude -Isrc --expt-relaxed-constexpr -ccbin g++ \
 //     -I/usr/include/x86_64-linux-gnu/mpich -DQ3VL_CUDA=1 tools/gpu/attn_check.cu src/tensor/cuda/attention.cu \
 //     src/core/dtype.cpp -o /tmp/attn_check
@@ -18,6 +18,11 @@
 #include <vector>
 
 #include "tensor/cuda/common.cuh"
+
+// attention.cu's A/B switch of the backward's dK/dV tiles (true: the previous ones, as Q3VL_ATTN_BWD=old).
+namespace q3vl::dev::cuda {
+void attention_bwd_use_old(bool old);
+}
 
 using namespace q3vl;
 using q3vl::dev::Exec;

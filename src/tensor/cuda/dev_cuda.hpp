@@ -27,8 +27,6 @@ void event_wait(const Exec& x, void* e);
 void event_synchronize(void* e);
 void* timing_event_create(const Exec& x);
 float event_elapsed_ms(void* a, void* b);
-// The attention backward's dK/dV tiles: true = the previous ones (default: Q3VL_ATTN_BWD=old), for A/B checks.
-void attention_bwd_use_old(bool old);
 
 #include "q3vl/tensor/dev_ops.inc"
 
