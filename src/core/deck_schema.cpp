@@ -145,7 +145,7 @@ const std::vector<KeySpec>& deck_schema() {
       {"synth.centre_starts", T::Real, "0", "fraction of the training clips whose shape starts in the middle (where it "
        "ends tells the way: an easier lesson); validation and held-out clips never", 0, 1},
       {"synth.encoder", T::String, "", "libavcodec encoder of the clips, e.g. libx264 or mpeg4 (empty: libx264 when "
-       "this libavcodec has it, else mpeg4)"},
+       "this libavcodec has it, else mpeg4), or frames: each clip a list of PNG frames with its fps (no FFmpeg needed)"},
       {"synth.seed", T::Int, "1", "seed of the training and validation pictures (same seed, same files)", 0, 9.2e18},
       {"synth.eval_seed", T::Int, "1000001", "seed of the held-out pictures: keep it out of any tuning", 0, 9.2e18},
       {"synth.answer_format", T::String, "sentence",

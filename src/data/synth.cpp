@@ -295,16 +295,29 @@ std::string write_synth_video(const std::string& dir, const SynthCounts& n, cons
   const std::string encoder = v.encoder.empty() ? default_video_encoder() : v.encoder;
   if (encoder.empty())
     fail("synth.kind = video: this q3vl was built without FFmpeg (make FFMPEG=0), so it cannot encode clips; build "
-         "it with FFmpeg's libraries (make deps; make)");
+         "it with FFmpeg's libraries (make deps; make), or write the clips as frame lists (synth.encoder = frames)");
+  const bool frames = encoder == "frames";  // PNG frames, given as a list with the clip's fps
   fs::create_directories(fs::path(dir) / "clips");
   write_splits(dir, n, seed, eval_seed, [&](uint64_t sd, int split, int64_t i, const std::string& stem) {
     SynthMotion m = v.motion;
     // Training clip i starts in the middle when i * centre_starts passes a whole number: that fraction, spread evenly.
     m.from_centre = split == 0 && std::floor((i + 1) * v.centre_starts) > std::floor(i * v.centre_starts);
     SynthClip s = synth_clip(sd, split, i, v.size, v.frames, format, m);
-    const std::string clip = "clips/" + stem + ".mp4";
-    encode_video((fs::path(dir) / clip).string(), s.frames, v.fps, encoder);
-    return SynthRecord{{{"type", "video"}, {"video", clip}}, std::move(s.question), std::move(s.answer)};
+    nlohmann::json part{{"type", "video"}};
+    if (frames) {
+      nlohmann::json list = nlohmann::json::array();
+      fs::create_directories(fs::path(dir) / "clips" / stem);
+      for (size_t k = 0; k < s.frames.size(); ++k) {
+        const std::string f = "clips/" + stem + "/" + std::to_string(k) + ".png";
+        write_png((fs::path(dir) / f).string(), s.frames[k]);
+        list.push_back(f);
+      }
+      part["video"] = std::move(list), part["fps"] = v.fps;
+    } else {
+      part["video"] = "clips/" + stem + ".mp4";
+      encode_video((fs::path(dir) / part["video"].get<std::string>()).string(), s.frames, v.fps, encoder);
+    }
+    return SynthRecord{std::move(part), std::move(s.question), std::move(s.answer)};
   });
   return encoder;
 }
@@ -330,7 +343,7 @@ int run_synth(const Deck& deck) {
       char fps[32];
       std::snprintf(fps, sizeof fps, "%g", v.fps);
       what = "clips of " + std::to_string(v.frames) + " frames of " + std::to_string(size) + " px at " + fps +
-             " fps, encoded with " + enc + (enc == "libx264" ? " (H.264)" : "") +
+             " fps, " + (enc == "frames" ? "as lists of PNG frames" : "encoded with " + enc) + (enc == "libx264" ? " (H.264)" : "") +
              (deck.given("synth.encoder") || enc == "libx264" ? "" : " (this libavcodec has no H.264 encoder)");
     } else {
       write_synth(dir, n, size, seed, eval_seed, format);

@@ -220,6 +220,14 @@ sys.exit(not (h['frame_index'][:4].tolist() == [0, 2, 5, 7] and h['video_grid'][
     sv synth.dir=$tmp/v6 synth.encoder=nope
   [[ ! -e $tmp/v6/train.jsonl && -z $(ls $tmp/v6/clips) ]] && pass "a failed synth leaves no records or clips" ||
     bad "after a failed synth: $(ls -R $tmp/v6 | head)"
+  # The same clips as lists of PNG frames (synth.encoder = frames, for a q3vl without FFmpeg): prepare samples the
+  # same frames and writes the same tokens (the pixels differ by the H.264 coding only).
+  run sv synth.dir=$tmp/v7 synth.encoder=frames && grep -q "clips of 8 frames of 64 px at 8 fps, as lists of PNG frames" $tmp/log &&
+    run $q prepare prepare.input=$tmp/v7/train.jsonl prepare.output=$tmp/vds7 &&
+    $py -c "import h5py, glob, sys; a, b = (h5py.File(sorted(glob.glob(f'$tmp/{d}/shard-*.h5'))[0]) for d in ('vds', 'vds7')); \
+sys.exit(not all((a[k][()] == b[k][()]).all() for k in ('input_ids', 'labels', 'frame_index', 'video_grid', 'video_fps')))" &&
+    pass "synth.encoder=frames: frame lists with the clip's fps; prepare gives the clips' tokens" ||
+    bad "frame-list clips: $(tail -3 $tmp/log; head -c 300 $tmp/v7/train.jsonl)"
 fi
 # make demo-video: its recipe and its refusal without make demo's model.
 grep -q -- "--min-accuracy 90 " <<<"$(make -n demo-video)" && grep -q "bin/q3vl synth input/demo_video.deck" <<<"$(make -n demo-video)" &&
