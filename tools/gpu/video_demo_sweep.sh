@@ -60,8 +60,9 @@ for v, ss in rows.items():
     for s in sorted(ss, key=lambda s: s["order"]):
         ways = " ".join(f"{w[0]}:{s['ways'][w]['right']}/{s['ways'][w]['n']}({s['ways'][w]['said']})"
                         for w in ("left", "right", "up", "down") if w in s["ways"])
-        print(f"{v:<10} {s['part']:<12} {s['exact']:6.1f} {s['colour']:6.1f} {s['shape']:6.1f} "
-              (f"{s['way']:6.1f}" if s["ways"] else f"{'-':>6}") + f"  {ways:<44} {s['seconds']:5d}")
+        way = f"{s['way']:6.1f}" if s["ways"] else f"{'-':>6}"
+        print(f"{v:<10} {s['part']:<12} {s['exact']:6.1f} {s['colour']:6.1f} {s['shape']:6.1f} {way}  "
+              f"{ways:<44} {s['seconds']:5d}")
 for f in sorted(glob.glob(f"{out}/*/status.txt")):
     print(open(f).read().rstrip())
 for f in sorted(glob.glob(f"{out}/*/*_metrics.jsonl")):  # how fast each stage went, and where its loss is
