@@ -12,6 +12,8 @@
 # exported by tools/export_hf, its config.json's text rope_theta and mrope_section edited); every variant of one
 # seed starts from the same weights and trains with model.hf pointing at its folder, which the checkpoints carry on
 # (their hf_config_json) into the exports of the video stages.
+# The clips are lists of PNG frames (synth.encoder = frames: the packed runtime has no FFmpeg; the same frames and
+# tokens as make demo-video's H.264 clips, lossless pixels); VID_ENCODER=libx264 where q3vl has FFmpeg.
 # Environment:
 #   VARIANTS  "NAME:THETA:T,H,W[:SEED] ..." (seed: run.seed of every stage and of the init, default 1234). Default:
 #             today's 5e6 as the control, 100 (lead G), 20, 5, and 20 with mrope_section [2,3,3]. The sections must
@@ -120,7 +122,7 @@ pic="input/demo.deck synth.dir=$W/pic/data synth.train_samples=$pic_n synth.val_
      prepare.input=$W/pic/data/train.jsonl prepare.output=$W/pic/shards train.dataset=$W/pic/shards"
 vid="input/demo_video.deck synth.dir=$W/vid/data synth.train_samples=$vid_n synth.val_samples=$val_n
      synth.eval_samples=1 prepare.input=$W/vid/data/train.jsonl prepare.output=$W/vid/shards
-     train.dataset=$W/vid/shards"
+     train.dataset=$W/vid/shards synth.encoder=${VID_ENCODER:-frames}"
 data() {  # data NAME DECK...: synth + prepare, its log in results
   local name=$1 t0=$SECONDS; shift
   { "$q" synth "$@" && mpiexec -n "$np_prep" "$q" prepare "$@"; } >"$out/data_$name.log" 2>&1
