@@ -1,11 +1,9 @@
 // Standalone GPU check of the CUDA attention kernels (src/tensor/cuda/attention.cu) against a naive fp64 host
-// reference, plus timings at the 2B model's shape. Build and run (from the repo root, on a GPU machine):
+// reference, plus timings at the 2B model's shape. Build (from the repo root):
 //   nvcc -std=c++20 -O3 -arch=sm_90 -Iinclude -Isrc --expt-relaxed-constexpr -ccbin g++ \
 //     -I/usr/include/x86_64-linux-gnu/mpich -DQ3VL_CUDA=1 tools/gpu/attn_check.cu src/tensor/cuda/attention.cu \
 //     src/core/dtype.cpp -o /tmp/attn_check
 // Run: /tmp/attn_check [--no-timing] [--no-checks] [--small (few short cases, no timing: for racecheck)].
-// Every 16-bit case runs both dK/dV paths (old: Q3VL_ATTN_BWD=old, new: the default) and the new one twice for
-// bitwise determinism; the timing table last compares the two backward paths.
 // Exit 1 on any failed case.
 #include <algorithm>
 #include <atomic>
@@ -18,11 +16,6 @@
 #include <vector>
 
 #include "tensor/cuda/common.cuh"
-
-// attention.cu's A/B switch of the backward's dK/dV tiles (true: the previous ones, as Q3VL_ATTN_BWD=old).
-namespace q3vl::dev::cuda {
-void attention_bwd_use_old(bool old);
-}
 
 using namespace q3vl;
 using q3vl::dev::Exec;
@@ -201,54 +194,32 @@ int run_checks(Exec& x, bool small) {
           const size_t es = dtype_size(dt);
           void *Q = upload(to_dt(q, dt)), *K = upload(to_dt(k, dt)), *V = upload(to_dt(v, dt)),
                *G = upload(to_dt(g, dt));
+          void *dQ = upload(to_dt(dq0, dt)), *dK = upload(to_dt(dk0, dt)), *dV = upload(to_dt(dv0, dt));
           void* O;
           float* lse;
           CK(cudaMalloc(&O, nq * es));
           CK(cudaMalloc(&lse, size_t(N) * nh * 4));
           dev::cuda::attention_fwd(x, Q, K, V, O, lse, dcu, nseg, max_len, N, nh, nkv, hd, causal, float(scale), dt);
+          dev::cuda::attention_bwd(x, G, Q, K, V, O, lse, dQ, dK, dV, dcu, nseg, max_len, N, nh, nkv, hd, causal,
+                                   float(scale), true, dt);
           CK(cudaStreamSynchronize(dev::cuda::stream_of(x)));
           CK(cudaGetLastError());
           auto out = from_dt(download(O, nq * es), dt);
           std::vector<float> lsev(size_t(N) * nh);
           CK(cudaMemcpy(lsev.data(), lse, lsev.size() * 4, cudaMemcpyDeviceToHost));
-          const double e_out = nerr(out, R.out), e_lse = nerr(lsev, R.lse);
+          auto gdq = from_dt(download(dQ, nq * es), dt), gdk = from_dt(download(dK, nk * es), dt),
+               gdv = from_dt(download(dV, nk * es), dt);
+          // the base the kernel saw is the rounded init (exact here: grid values)
+          const double e_out = nerr(out, R.out), e_lse = nerr(lsev, R.lse), e_dq = nerr(gdq, R.dq, &dq0),
+                       e_dk = nerr(gdk, R.dk, &dk0), e_dv = nerr(gdv, R.dv, &dv0);
           const double tol = dt == DType::F32 ? 2e-4 : dt == DType::F16 ? 1e-2 : 4e-2;
           const double tol_lse = dt == DType::F32 ? 1e-5 : 2e-3;
-          // Both dK/dV paths (fp32 has one), accumulating onto an init and overwriting it; the new path runs twice
-          // and must give the same bits (deterministic training runs).
-          for (bool old : dt == DType::F32 ? std::vector<bool>{false} : std::vector<bool>{true, false})
-            for (bool accum : {true, false}) {
-              dev::cuda::attention_bwd_use_old(old);
-              std::vector<uint8_t> first[3];
-              bool same = true;
-              for (int rep = 0; rep < (old ? 1 : 2); ++rep) {
-                void *dQ = upload(to_dt(dq0, dt)), *dK = upload(to_dt(dk0, dt)), *dV = upload(to_dt(dv0, dt));
-                dev::cuda::attention_bwd(x, G, Q, K, V, O, lse, dQ, dK, dV, dcu, nseg, max_len, N, nh, nkv, hd,
-                                         causal, float(scale), accum, dt);
-                CK(cudaStreamSynchronize(dev::cuda::stream_of(x)));
-                CK(cudaGetLastError());
-                std::vector<uint8_t> got[3] = {download(dQ, nq * es), download(dK, nk * es), download(dV, nk * es)};
-                for (void* p : {dQ, dK, dV}) CK(cudaFree(p));
-                if (rep == 1) {
-                  for (int i = 0; i < 3; ++i) same = same && got[i] == first[i];
-                  continue;
-                }
-                for (int i = 0; i < 3; ++i) first[i] = std::move(got[i]);
-              }
-              // the base the kernel saw is the rounded init (exact here: grid values)
-              auto gdq = from_dt(first[0], dt), gdk = from_dt(first[1], dt), gdv = from_dt(first[2], dt);
-              const double e_dq = nerr(gdq, R.dq, accum ? &dq0 : nullptr), e_dk = nerr(gdk, R.dk, accum ? &dk0 : nullptr),
-                           e_dv = nerr(gdv, R.dv, accum ? &dv0 : nullptr);
-              const bool ok = e_out < tol && e_lse < tol_lse && e_dq < tol && e_dk < tol && e_dv < tol && same;
-              fails += !ok;
-              std::printf("hd=%3d nh=%2d nkv=%d causal=%d %-4s %s acc=%d  out %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e"
-                          "%s  %s\n",
-                          hd, nh, nkv, int(causal), dtype_name(dt), old ? "old" : "new", int(accum), e_out, e_lse, e_dq,
-                          e_dk, e_dv, same ? "" : "  NOT DETERMINISTIC", ok ? "PASS" : "FAIL");
-              std::fflush(stdout);
-            }
-          dev::cuda::attention_bwd_use_old(false);
-          for (void* p : {Q, K, V, G, O, static_cast<void*>(lse)}) CK(cudaFree(p));
+          const bool ok = e_out < tol && e_lse < tol_lse && e_dq < tol && e_dk < tol && e_dv < tol;
+          fails += !ok;
+          std::printf("hd=%3d nh=%2d nkv=%d causal=%d %-4s  out %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e  %s\n", hd,
+                      nh, nkv, int(causal), dtype_name(dt), e_out, e_lse, e_dq, e_dk, e_dv, ok ? "PASS" : "FAIL");
+          std::fflush(stdout);
+          for (void* p : {Q, K, V, G, dQ, dK, dV, O, static_cast<void*>(lse)}) CK(cudaFree(p));
         }
       }
   CK(cudaFree(dcu));
@@ -266,13 +237,7 @@ __global__ void fill_random(void* p, size_t n, uint32_t seed, float amp, int kin
   }
 }
 
-struct Timing {
-  char name[64];
-  double flops_f, fwd, bwd_old, bwd_new;  // forward FLOPs; ms
-};
-
-// Forward, then the backward on the old and the new dK/dV path (FLOPs counted as 2.5x the forward's).
-Timing time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int hd, bool causal, DType dt) {
+void time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int hd, bool causal, DType dt) {
   const int N = nseg * L;
   std::vector<int> cu(nseg + 1);
   for (int s = 0; s <= nseg; ++s) cu[s] = s * L;
@@ -310,19 +275,15 @@ Timing time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, in
     CK(cudaEventElapsedTime(&ms, e0, e1));
     return double(ms) / reps;
   };
-  Timing T{};
-  T.flops_f = 4.0 * nh * hd * double(nseg) * double(L) * double(L) / (causal ? 2.0 : 1.0);
-  T.fwd = timeit(fwd);
-  dev::cuda::attention_bwd_use_old(true);
-  T.bwd_old = timeit(bwd);
-  dev::cuda::attention_bwd_use_old(false);
-  T.bwd_new = timeit(bwd);
-  std::snprintf(T.name, sizeof T.name, "%s %dx%d %d/%d hd%d %s %s", name, nseg, L, nh, nkv, hd,
-                causal ? "causal" : "full", dtype_name(dt));
+  const double tf = timeit(fwd), tb = timeit(bwd);
+  const double flops_f = 4.0 * nh * hd * double(nseg) * double(L) * double(L) / (causal ? 2.0 : 1.0);
+  std::printf("timing %-8s nseg=%d L=%d nh=%d nkv=%d hd=%d causal=%d %s: fwd %.3f ms %.1f TFLOP/s, bwd %.3f ms %.1f "
+              "TFLOP/s\n",
+              name, nseg, L, nh, nkv, hd, int(causal), dtype_name(dt), tf, flops_f / tf * 1e-9, tb,
+              2.5 * flops_f / tb * 1e-9);
   for (void* p : {Q, K, V, O, G, dQ, dK, dV, static_cast<void*>(lse), static_cast<void*>(dcu)}) CK(cudaFree(p));
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
-  return T;
 }
 
 }  // namespace
@@ -345,21 +306,11 @@ int main(int argc, char** argv) {
   try {
     if (checks) fails = run_checks(x, small);
     if (timing) {
-      std::vector<Timing> ts = {
-          time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::BF16),
-          time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::F16),
-          time_case(x, "text", 4, 4096, 16, 8, 64, true, DType::BF16),
-          time_case(x, "vision", 20, 784, 16, 16, 64, false, DType::BF16),
-          time_case(x, "vision", 20, 784, 16, 16, 72, false, DType::BF16),
-          time_case(x, "vision", 1, 16384, 16, 16, 64, false, DType::BF16),
-          time_case(x, "vision", 1, 16384, 16, 16, 72, false, DType::BF16),
-      };
-      std::printf("\n%-40s %16s %18s %18s %7s\n", "case", "fwd ms (TF/s)", "bwd old ms (TF/s)",
-                  "bwd new ms (TF/s)", "new/old");
-      for (const Timing& t : ts)
-        std::printf("%-40s %7.3f (%6.1f) %8.3f (%6.1f) %8.3f (%6.1f) %6.2fx\n", t.name, t.fwd,
-                    t.flops_f / t.fwd * 1e-9, t.bwd_old, 2.5 * t.flops_f / t.bwd_old * 1e-9, t.bwd_new,
-                    2.5 * t.flops_f / t.bwd_new * 1e-9, t.bwd_old / t.bwd_new);
+      time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::BF16);
+      time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::F16);
+      time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::F32);  // SIMT parity path
+      time_case(x, "vision", 16, 1024, 16, 16, 72, false, DType::BF16);
+      time_case(x, "hd64", 4, 4096, 16, 8, 64, true, DType::BF16);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

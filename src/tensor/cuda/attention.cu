@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -304,19 +305,18 @@ __global__ void __launch_bounds__(kTcThreads) fwd_tc(const S* __restrict__ q, co
     }
 }
 
-// ---- backward dK/dV: block = 16*MT*NW keys of one kv head; warp w owns MT m-tiles of key rows [WR*w, WR*(w+1)),
-// WR = 16*MT, so each Q/dO fragment read from shared memory feeds 2*MT mmas. Loops over the group's query heads and
-// the query blocks that can see these keys, QS queries a step, computing S^T = K Q^T and dP^T = V dO^T directly so
-// that P^T and dS^T land in A-fragment order for dV += P^T dO and dK += dS^T Q. ---------------------------------------
-template <class S, int HD, int NW, int MT, int QS>
+// ---- backward dK/dV: block = 16*NW keys of one kv head; warp w owns key rows [16w, 16w+16). Loops over the group's
+// query heads and the query blocks that can see these keys, computing S^T = K Q^T and dP^T = V dO^T directly so
+// that P^T and dS^T land in A-fragment order for dV += P^T dO and dK += dS^T Q. -----------------------------------
+template <class S, int HD, int NW>
 __global__ void __launch_bounds__(32 * NW) dkdv_tc(const S* __restrict__ dout, const S* __restrict__ q,
                                                       const S* __restrict__ k, const S* __restrict__ v,
                                                       const float* __restrict__ lse, const float* __restrict__ Dd,
                                                       S* __restrict__ dk, S* __restrict__ dv,
                                                       const int32_t* __restrict__ cu, int nh, int nkv, float scale,
                                                       float sl2, bool causal, bool acc) {
-  constexpr int HDP = Tc<HD>::HDP, LD = Tc<HD>::LD, WR = 16 * MT, BN = WR * NW, BM = 64, NT = 32 * NW;
-  static_assert(BM % QS == 0 && QS % 16 == 0, "query steps tile the query block");
+  constexpr int HDP = Tc<HD>::HDP, LD = Tc<HD>::LD, BN = 16 * NW, BM = 64, QS = 32, NT = 32 * NW;  // QS: queries
+                                                                                                   // per inner step
   extern __shared__ __align__(16) unsigned char smraw[];
   S* sK = reinterpret_cast<S*>(smraw);
   S* sV = sK + BN * LD;
@@ -353,22 +353,15 @@ __global__ void __launch_bounds__(32 * NW) dkdv_tc(const S* __restrict__ dout, c
   stage(0, 0);
   cp_commit();
 
-  float dka[MT][HDP / 8][4], dva[MT][HDP / 8][4];
+  float dka[HDP / 8][4], dva[HDP / 8][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int n = 0; n < HDP / 8; ++n)
 #pragma unroll
-    for (int n = 0; n < HDP / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dka[mt][n][e] = dva[mt][n][e] = 0.f;
-  const int kr0 = j0 + w * WR + g;  // this thread's key rows: kr0 + 16*mt, kr0 + 16*mt + 8
-  // A-fragment of m-tile mt of K or V at k-step kk.
-  auto afrag = [&](uint32_t(&r)[4], const S* sm, int mt, int kk) {
-    ldsm4(r, sm + (w * WR + mt * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
-  };
+    for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.f;
+  const int kr0 = j0 + w * 16 + g;  // this thread's key rows: kr0, kr0 + 8
 
-  // Small head dims with one m-tile keep the warp's K and V A-fragments in registers (fewer shared-memory reads per
-  // mma); with two m-tiles the registers go to the second tile's accumulators.
-  constexpr bool kKVReg = HDP <= 80 && MT == 1;
+  // Small head dims keep the warp's K and V A-fragments in registers (fewer shared-memory reads per mma).
+  constexpr bool kKVReg = HDP <= 80;
   uint32_t kf[kKVReg ? HDP / 16 : 1][4], vf[kKVReg ? HDP / 16 : 1][4];
   for (int it = 0; it < nit; ++it) {
     cp_wait_all();
@@ -376,7 +369,10 @@ __global__ void __launch_bounds__(32 * NW) dkdv_tc(const S* __restrict__ dout, c
     if constexpr (kKVReg) {
       if (it == 0) {
 #pragma unroll
-        for (int kk = 0; kk < HDP / 16; ++kk) afrag(kf[kk], sK, 0, kk), afrag(vf[kk], sV, 0, kk);
+        for (int kk = 0; kk < HDP / 16; ++kk) {
+          ldsm4(kf[kk], sK + (w * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+          ldsm4(vf[kk], sV + (w * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+        }
       }
     }
     if (it + 1 < nit) stage(it + 1, (it + 1) & 1);
@@ -389,107 +385,82 @@ __global__ void __launch_bounds__(32 * NW) dkdv_tc(const S* __restrict__ dout, c
     const float* cD = sD + buf * BM;
 #pragma unroll
     for (int qo = 0; qo < BM; qo += QS) {
-      // Warp-uniform skips: no valid query or key (a segment's last block), or (causal) every query before this
-      // warp's keys.
-      if (i0 + qo >= L || j0 + w * WR >= L) break;
-      if (causal && i0 + qo + QS - 1 < j0 + w * WR) continue;
-      float st[MT][QS / 8][4], dpt[MT][QS / 8][4];
+      // Warp-uniform skips: no valid query, or (causal) every query before this warp's keys.
+      if (i0 + qo >= L) break;
+      if (causal && i0 + qo + QS - 1 < j0 + w * 16) continue;
+      float st[QS / 8][4], dpt[QS / 8][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int n = 0; n < QS / 8; ++n)
 #pragma unroll
-        for (int n = 0; n < QS / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[mt][n][e] = dpt[mt][n][e] = 0.f;
+        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < HDP / 16; ++kk) {
-        uint32_t ka[MT][4], va[MT][4];
+        uint32_t ka[4], va[4];
+        if constexpr (kKVReg) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          if constexpr (kKVReg) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ka[mt][e] = kf[kk][e], va[mt][e] = vf[kk][e];
-          } else {
-            afrag(ka[mt], sK, mt, kk), afrag(va[mt], sV, mt, kk);
-          }
+          for (int e = 0; e < 4; ++e) ka[e] = kf[kk][e], va[e] = vf[kk][e];
+        } else {
+          ldsm4(ka, sK + (w * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+          ldsm4(va, sV + (w * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
         }
 #pragma unroll
         for (int n2 = 0; n2 < QS / 16; ++n2) {
           const int off = (qo + n2 * 16 + (lane & 7) + (lane >> 4) * 8) * LD + kk * 16 + ((lane >> 3) & 1) * 8;
           uint32_t b[4];
           ldsm4(b, cQ + off);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma<S>(st[mt][2 * n2], ka[mt], b[0], b[1]);
-            mma<S>(st[mt][2 * n2 + 1], ka[mt], b[2], b[3]);
-          }
+          mma<S>(st[2 * n2], ka, b[0], b[1]);
+          mma<S>(st[2 * n2 + 1], ka, b[2], b[3]);
           ldsm4(b, cO + off);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma<S>(dpt[mt][2 * n2], va[mt], b[0], b[1]);
-            mma<S>(dpt[mt][2 * n2 + 1], va[mt], b[2], b[3]);
-          }
+          mma<S>(dpt[2 * n2], va, b[0], b[1]);
+          mma<S>(dpt[2 * n2 + 1], va, b[2], b[3]);
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int n = 0; n < QS / 8; ++n)
 #pragma unroll
-        for (int n = 0; n < QS / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = qo + n * 8 + 2 * t + (e & 1), i = i0 + c, j = kr0 + mt * 16 + (e >> 1) * 8;
-            const bool ok = j < L && i < L && (!causal || j <= i);
-            const float p = ok ? fexp2(st[mt][n][e] * sl2 - cL[c] * kLog2e) : 0.f;
-            st[mt][n][e] = p;
-            dpt[mt][n][e] = p * (dpt[mt][n][e] - cD[c]) * scale;
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int c = qo + n * 8 + 2 * t + (e & 1), i = i0 + c, j = kr0 + (e >> 1) * 8;
+          const bool ok = j < L && i < L && (!causal || j <= i);
+          const float p = ok ? fexp2(st[n][e] * sl2 - cL[c] * kLog2e) : 0.f;
+          st[n][e] = p;
+          dpt[n][e] = p * (dpt[n][e] - cD[c]) * scale;
+        }
 #pragma unroll
       for (int kq = 0; kq < QS / 16; ++kq) {
-        uint32_t pa[MT][4], da[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const float(&s0)[4] = st[mt][2 * kq], (&s1)[4] = st[mt][2 * kq + 1];
-          const float(&d0)[4] = dpt[mt][2 * kq], (&d1)[4] = dpt[mt][2 * kq + 1];
-          pa[mt][0] = pack2<S>(s0[0], s0[1]), pa[mt][1] = pack2<S>(s0[2], s0[3]);
-          pa[mt][2] = pack2<S>(s1[0], s1[1]), pa[mt][3] = pack2<S>(s1[2], s1[3]);
-          da[mt][0] = pack2<S>(d0[0], d0[1]), da[mt][1] = pack2<S>(d0[2], d0[3]);
-          da[mt][2] = pack2<S>(d1[0], d1[1]), da[mt][3] = pack2<S>(d1[2], d1[3]);
-        }
+        const uint32_t pa[4] = {pack2<S>(st[2 * kq][0], st[2 * kq][1]), pack2<S>(st[2 * kq][2], st[2 * kq][3]),
+                                pack2<S>(st[2 * kq + 1][0], st[2 * kq + 1][1]),
+                                pack2<S>(st[2 * kq + 1][2], st[2 * kq + 1][3])};
+        const uint32_t da[4] = {pack2<S>(dpt[2 * kq][0], dpt[2 * kq][1]), pack2<S>(dpt[2 * kq][2], dpt[2 * kq][3]),
+                                pack2<S>(dpt[2 * kq + 1][0], dpt[2 * kq + 1][1]),
+                                pack2<S>(dpt[2 * kq + 1][2], dpt[2 * kq + 1][3])};
 #pragma unroll
         for (int d2 = 0; d2 < HDP / 16; ++d2) {
           const int off = (qo + kq * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + d2 * 16 + (lane >> 4) * 8;
           uint32_t b[4];
           ldsm4t(b, cO + off);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma<S>(dva[mt][2 * d2], pa[mt], b[0], b[1]);
-            mma<S>(dva[mt][2 * d2 + 1], pa[mt], b[2], b[3]);
-          }
+          mma<S>(dva[2 * d2], pa, b[0], b[1]);
+          mma<S>(dva[2 * d2 + 1], pa, b[2], b[3]);
           ldsm4t(b, cQ + off);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma<S>(dka[mt][2 * d2], da[mt], b[0], b[1]);
-            mma<S>(dka[mt][2 * d2 + 1], da[mt], b[2], b[3]);
-          }
+          mma<S>(dka[2 * d2], da, b[0], b[1]);
+          mma<S>(dka[2 * d2 + 1], da, b[2], b[3]);
         }
       }
     }
   }
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int r = 0; r < 2; ++r) {
+    const int j = kr0 + r * 8;
+    if (j >= L) continue;
+    const int64_t row = int64_t(b0 + j) * ldk + int64_t(kh) * HD;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int j = kr0 + mt * 16 + r * 8;
-      if (j >= L) continue;
-      const int64_t row = int64_t(b0 + j) * ldk + int64_t(kh) * HD;
-#pragma unroll
-      for (int n = 0; n < HDP / 8; ++n) {
-        const int d = n * 8 + 2 * t;
-        if (d < HD) {
-          add2<S>(dk + row + d, dka[mt][n][2 * r], dka[mt][n][2 * r + 1], acc);
-          add2<S>(dv + row + d, dva[mt][n][2 * r], dva[mt][n][2 * r + 1], acc);
-        }
+    for (int n = 0; n < HDP / 8; ++n) {
+      const int d = n * 8 + 2 * t;
+      if (d < HD) {
+        add2<S>(dk + row + d, dka[n][2 * r], dka[n][2 * r + 1], acc);
+        add2<S>(dv + row + d, dva[n][2 * r], dva[n][2 * r + 1], acc);
       }
     }
+  }
 }
 
 // ---- backward dQ: block = 64*MT queries of one head, warp w owns MT m-tiles; loops over key blocks (a second
@@ -646,15 +617,9 @@ template <int HD> struct DqCfg { static constexpr int MT = HD > 80 ? 2 : 1, BN =
 template <int HD> constexpr size_t fwd_tc_smem(size_t es) {
   return size_t(64 * FwdCfg<HD>::MT + 4 * FwdCfg<HD>::BN) * Tc<HD>::LD * es;
 }
-// dK/dV tiles: NW warps of MT key m-tiles (16*MT*NW keys a block), QS queries a step. OLD: the tiles before the
-// second m-tile (one m-tile a warp, 32 queries a step), selectable for an A/B (Q3VL_ATTN_BWD=old). Two m-tiles need
-// 2x the dK/dV accumulators: at hd 128 that is 256 registers, so hd 128 keeps one m-tile and reuses each K/V
-// fragment over 64 queries instead.
-template <int HD, bool OLD> struct DkvCfg {
-  static constexpr int NW = 4, MT = OLD || HD > 80 ? 1 : 2, QS = OLD || HD <= 80 ? 32 : 64;
-};
-template <class C, int HD> constexpr size_t dkdv_tc_smem(size_t es) {
-  return size_t(2 * 16 * C::MT * C::NW + 4 * 64) * Tc<HD>::LD * es + 4 * 64 * sizeof(float);
+template <int HD> struct DkvCfg { static constexpr int NW = 4; };  // 8 warps (128 keys) timed slower
+template <int HD> constexpr size_t dkdv_tc_smem(size_t es) {
+  return size_t(2 * 16 * DkvCfg<HD>::NW + 4 * 64) * Tc<HD>::LD * es + 4 * 64 * sizeof(float);
 }
 template <int HD> constexpr size_t dq_tc_smem(size_t es) {
   return size_t(2 * 64 * DqCfg<HD>::MT + 4 * DqCfg<HD>::BN) * Tc<HD>::LD * es;
@@ -927,12 +892,6 @@ size_t dq_simt_smem(int hd) { return (size_t(2 * 64 + 2 * 32) * (hd + 1) + 64 * 
 // ---- host side --------------------------------------------------------------------------------------------------------
 
 
-// The backward's dK/dV tiles before the two-m-tile change, read once from Q3VL_ATTN_BWD=old (an A/B in one binary).
-bool g_bwd_old = [] {
-  const char* e = std::getenv("Q3VL_ATTN_BWD");
-  return e != nullptr && std::string(e) == "old";
-}();
-
 // Shape checks shared by fwd and bwd; false: nothing to do.
 bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd) {
   if (N == 0 || nseg == 0 || max_len <= 0) return false;
@@ -947,6 +906,14 @@ bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64
 
 // attention_sm90.cu: the wgmma forward (sm_90a) for bf16/fp16, hd 64 and 128 on a 9.0 device; false: not taken
 // (other shapes or devices, or Q3VL_ATTN_FWD=old), fwd_tc runs instead.
+// Q3VL_ATTN_FWD=old forces fwd_tc on a 9.0 device too (read once), for A/B runs.
+bool attention_fwd_old() {
+  static const bool old = [] {
+    const char* e = std::getenv("Q3VL_ATTN_FWD");
+    return e != nullptr && std::strcmp(e, "old") == 0;
+  }();
+  return old;
+}
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
                         const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2,
                         bool pipelined);
@@ -965,8 +932,8 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
     S* O = static_cast<S*>(out);
     if constexpr (!std::is_same_v<S, float>) {
       if (al) {
-        if (attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len),
-                               inh, inkv, ihd, causal, sl2, true))
+        if (!attention_fwd_old() && attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu,
+                                                       int(nseg), int(max_len), inh, inkv, ihd, causal, sl2, true))
           return;
         auto run = [&]<int HD>() {
           using C = FwdCfg<HD>;
@@ -988,8 +955,6 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
       launch(fwd_simt<S, 64>, grid, kSimtThreads, fwd_simt_smem(ihd), st, Q, K, V, O, lse, cu, inh, inkv, ihd, sl2, causal);
   });
 }
-
-void attention_bwd_use_old(bool old) { g_bwd_old = old; }
 
 void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
                    const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
@@ -1016,15 +981,11 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
     launch(rowdot_kernel<S>, dim3(grid_for(rows * 32)), 256, 0, st, G, O, Dd, rows, ihd);
     if constexpr (!std::is_same_v<S, float>) {
       if (al && (hd == 64 || hd == 72 || hd == 128)) {
-        auto dkdv = [&]<int HD, class D>() {
-          constexpr int BN = 16 * D::MT * D::NW;
-          const dim3 gkt(unsigned((max_len + BN - 1) / BN), unsigned(nkv), unsigned(nseg));
-          launch(dkdv_tc<S, HD, D::NW, D::MT, D::QS>, gkt, 32 * D::NW, dkdv_tc_smem<D, HD>(sizeof(S)), st, G, Q, K,
-                 V, lse, static_cast<const float*>(Dd), dK, dV, cu, inh, inkv, scale, sl2, causal, accumulate);
-        };
         auto run = [&]<int HD>() {
-          if (g_bwd_old) dkdv.template operator()<HD, DkvCfg<HD, true>>();
-          else dkdv.template operator()<HD, DkvCfg<HD, false>>();
+          constexpr int NW = DkvCfg<HD>::NW;
+          const dim3 gkt(unsigned((max_len + 16 * NW - 1) / (16 * NW)), unsigned(nkv), unsigned(nseg));
+          launch(dkdv_tc<S, HD, NW>, gkt, 32 * NW, dkdv_tc_smem<HD>(sizeof(S)), st, G, Q, K, V, lse,
+                 static_cast<const float*>(Dd), dK, dV, cu, inh, inkv, scale, sl2, causal, accumulate);
           using C = DqCfg<HD>;
           const dim3 gt(unsigned((max_len + 64 * C::MT - 1) / (64 * C::MT)), unsigned(nh), unsigned(nseg));
           launch(dq_tc<S, HD, C::MT, C::BN>, gt, kTcThreads, dq_tc_smem<HD>(sizeof(S)), st, G, Q, K, V, lse,

@@ -354,21 +354,13 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
 #endif
 }
 
-// Q3VL_ATTN_FWD=old forces fwd_tc (read once), for A/B runs.
-bool forced_old() {
-  static const bool old = [] {
-    const char* e = std::getenv("Q3VL_ATTN_FWD");
-    return e != nullptr && std::strcmp(e, "old") == 0;
-  }();
-  return old;
-}
 
 }  // namespace
 
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
                         const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2,
                         bool pipelined) {
-  if (forced_old() || (hd != 64 && hd != 128)) return false;
+  if (hd != 64 && hd != 128) return false;
   int dev = 0, major = 0, minor = 0;
   Q3VL_CU(cudaGetDevice(&dev));
   Q3VL_CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
