@@ -2,6 +2,7 @@
 // M-RoPE -> residual; RMSNorm -> dense SwiGLU MLP or MoE block -> residual. The op sequence is decoder.cpp's, so on
 // the CPU in fp32 it computes what the templated layer computes.
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 
@@ -157,16 +158,24 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
                      int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd;
-  dev::copy(ex, c.x, x, size_t(N * H) * dtype_size(dt));
-  dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
+  // The residual stream x: saved for the backward (c.x, c.x1) by the norms that read it, not by copies of their own.
+  // Q3VL_AB_OLD=1: the separate copies and add (issue 30's A/B measurement; goes once it is measured).
+  static const bool old = std::getenv("Q3VL_AB_OLD") != nullptr;
+  if (old) dev::copy(ex, c.x, x, size_t(N * H) * dtype_size(dt));
+  dev::residual_rmsnorm_fwd(ex, nullptr, x, P.p[f + tlay::in_norm], c.ln1, old ? nullptr : c.x, c.r1, N, H,
+                            tc.rms_eps, dt);
   qkv_fwd(ex, tc, P, f, N, cos, sin, c, dt);
   dev::attention_fwd(ex, c.q, c.k, c.v, c.att, c.lse, seg.cu, seg.nseg, seg.max_len, N, nh, nkv, hd, true,
                      float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
   dev_lora_fwd(ex, P, f + tlay::o_proj, c.att, N, s.tmp, H, dt);
-  dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
-  dev::copy(ex, c.x1, x, size_t(N * H) * dtype_size(dt));
-  dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
+  if (old) {
+    dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
+    dev::copy(ex, c.x1, x, size_t(N * H) * dtype_size(dt));
+    dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
+  } else {
+    dev::residual_rmsnorm_fwd(ex, s.tmp, x, P.p[f + tlay::post_norm], c.ln2, c.x1, c.r2, N, H, tc.rms_eps, dt);
+  }
   mlp_fwd(ex, tc, P, f, moe, N, probs, idx, c, s, dt);
   dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
 }
@@ -178,8 +187,7 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   Q3VL_CHECK(!P.lora, "dev_decoder_infer: serving folds LoRA adapters into the weights first (lora_merge)");
-  if (pending) dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
-  else dev::rmsnorm_fwd(ex, x, P.p[f + tlay::in_norm], c.ln1, c.r1, N, H, tc.rms_eps, dt);
+  dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, nullptr, c.r1, N, H, tc.rms_eps, dt);
   // q_proj, k_proj and v_proj as one GEMM into [q | k | v] rows, then q and the new keys and values in one pass.
   dev_linear(ex, P, fused(P, f + tlay::q_proj, {Dq, Dk, Dk}, H, dt, "q_proj/k_proj/v_proj"), c.ln1, c.qraw, N, H,
              Dq + 2 * Dk, dt);
@@ -189,7 +197,7 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
                            kv.max_q, kv.max_ctx, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
   if (reduce) reduce(s.tmp, N * H);
-  dev::residual_rmsnorm_fwd(ex, s.tmp, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
+  dev::residual_rmsnorm_fwd(ex, s.tmp, x, P.p[f + tlay::post_norm], c.ln2, nullptr, c.r2, N, H, tc.rms_eps, dt);
   mlp_fwd(ex, tc, P, f, moe, N, probs, idx, c, s, dt);
   if (reduce) reduce(s.tmp, N * H);
 }

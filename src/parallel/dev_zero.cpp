@@ -594,6 +594,7 @@ void DevZero::issue_gather(size_t k) {
   s.buf = pfree_.back();
   pfree_.pop_back();
   const size_t b = size_t(s.buf);
+  if (in_place(u)) return;  // the slot stays unused: enter_slot binds the shard
   if (split_) dev::event_wait(cx_, ev_free_[b]);  // the slot's last use is done
   if (solo_up_) return solo_up(u, b);
   s.req = gather_unit(u, pslot_[b], conv_ ? stg_[b] : nullptr, b);
@@ -629,19 +630,26 @@ void DevZero::enter_slot(size_t k) {
   if (solo_up_) dev::event_wait(ex_, ev_ready_[size_t(s.buf)]);
   if (backward_ && k >= 2) reduce_done(k - 1);
   if (k + 1 < slots_.size()) issue_gather(k + 1);  // the next unit's gather, ahead of this unit's compute
+  const ZeroUnit& z = L_.units[u];
   float* g = nullptr;
-  if (backward_ && L_.units[u].trainable) {
+  // In a group of one the shard is the whole unit: the backward accumulates into it directly, zeroed at the step's
+  // first use, not into a pool buffer that reduce_unit then copies (the first micro-batch) or adds (the others) there.
+  // Q3VL_AB_OLD=1: the pool buffer as before (issue 30's A/B measurement; goes once it is measured).
+  static const bool old = std::getenv("Q3VL_AB_OLD") != nullptr;
+  if (backward_ && z.trainable && !old && comm(z).size() == 1) {
+    g = gshard_ + z.comm_off;
+    if (!reduced_[u]) dev::fill(ex_, g, DType::F32, z.shard, 0.f), reduced_[u] = 1;
+  } else if (backward_ && z.trainable) {
     if (gbuf_[u] < 0) {  // backward accumulates into it from its first use to its last
       Q3VL_CHECK(!gfree_.empty(), "ZeRO-3: the gradient pool is exhausted (a bug: pool_slots() sized it)");
       gbuf_[u] = gfree_.back();
       gfree_.pop_back();
       if (split_) dev::event_wait(ex_, ev_gfree_[size_t(gbuf_[u])]);  // its last reduce-scatter has read it
-      const ZeroUnit& z = L_.units[u];
       dev::fill(ex_, gslot_[size_t(gbuf_[u])], DType::F32, z.shard * int64_t(z.counts.size()), 0.f);
     }
     g = gslot_[size_t(gbuf_[u])];
   }
-  model_.bind_unit(int(u), pslot_[size_t(s.buf)], g);
+  model_.bind_unit(int(u), in_place(z) ? wshard(z.master_off) : pslot_[size_t(s.buf)], g);
   held_[u] = int(k);
 }
 

@@ -255,10 +255,12 @@ void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, vo
 }
 
 // ---- norms ------------------------------------------------------------------------------------------------------------
-void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N,
-                          int64_t D, double eps, DType dt) {
-  DEV_OP(x, prof::mem(4 * B(N * D, dt)), residual_rmsnorm_fwd(x, a, io, w, y, rstd, N, D, eps, dt));
-  axpy(x, 1.f, a, io, N * D, dt);
+void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, void* saved, float* rstd,
+                          int64_t N, int64_t D, double eps, DType dt) {
+  DEV_OP(x, prof::mem((2 + (a ? 2 : 0) + (saved ? 1 : 0)) * B(N * D, dt)),
+         residual_rmsnorm_fwd(x, a, io, w, y, saved, rstd, N, D, eps, dt));
+  if (a) axpy(x, 1.f, a, io, N * D, dt);
+  if (saved) copy(x, saved, io, size_t(N * D) * dtype_size(dt));
   rmsnorm_fwd(x, io, w, y, rstd, N, D, eps, dt);
 }
 void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const void* wq, const void* wk, void* q,

@@ -418,12 +418,15 @@ std::vector<Case> all_cases(DType dt) {
         {in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)), out("y", K::Act, randn(N * D)),
          out("rstd", K::F32, randn(N))},
         [=](auto& x, auto& p, DType t) { dev::rmsnorm_fwd(x, p[0], p[1], p[2], P<float>(p, 3), N, D, 1e-6, t); });
-    add("residual_rmsnorm_fwd", dims({N, D}), kReduce,
-        {in("a", K::Act, randn(N * D)), out("io", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
-         out("y", K::Act, randn(N * D)), out("rstd", K::F32, randn(N))},
-        [=](auto& x, auto& p, DType t) {
-          dev::residual_rmsnorm_fwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), N, D, 1e-6, t);
-        });
+    // Serving's (add, no copy), training's mid-layer (add and copy) and layer start (copy only).
+    for (auto [add_a, save] : {std::pair{true, false}, {true, true}, {false, true}})
+      add("residual_rmsnorm_fwd", dims({N, D}) + (add_a ? "" : " no-add") + (save ? " saved" : ""), kReduce,
+          {in("a", K::Act, randn(N * D)), out("io", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
+           out("y", K::Act, randn(N * D)), out("saved", K::Act, randn(N * D)), out("rstd", K::F32, randn(N))},
+          [=](auto& x, auto& p, DType t) {
+            dev::residual_rmsnorm_fwd(x, add_a ? p[0] : nullptr, p[1], p[2], p[3], save ? p[4] : nullptr,
+                                      P<float>(p, 5), N, D, 1e-6, t);
+          });
     for (bool acc : {true, false})
       add("rmsnorm_bwd", dims({N, D}) + mode(acc), kReduce,
           {in("dy", K::Act, randn(N * D)), in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),

@@ -53,12 +53,12 @@ template <class S> int vec_width(int64_t D, std::initializer_list<const void*> p
 // A row per T threads: T = 32, a warp per row, for many rows; T = 256, a block per row, for the few rows of decode
 // steps, whose loads would otherwise wait one after another in one warp (a 4096-wide row: 16 dependent 16-byte loads
 // a lane, twice). RES: io += a first, stored in S and reread, so that the norm sees the rounded sums (as axpy then
-// rmsnorm_fwd); without it io is only read.
+// rmsnorm_fwd); without it io is only read. saved (may be null) gets a copy of the row as the norm sees it.
 constexpr int kNormThreads = 256;
 template <class S, int V, int T, bool RES>
 __global__ void __launch_bounds__(kNormThreads)
     k_rms_fwd(const S* __restrict__ a, S* __restrict__ io, const S* __restrict__ w, S* __restrict__ y,
-              float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
+              S* __restrict__ saved, float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
   constexpr int R = kNormThreads / T;  // rows a block
   __shared__ float part[kNormThreads / 32];
   const int t = threadIdx.x % T;
@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(kNormThreads)
         stv<S, V>(xi, d, u);
         ldv<S, V>(xi, d, u);
       }
+      if (saved) stv<S, V>(saved + i * D, d, u);
 #pragma unroll
       for (int j = 0; j < V; ++j) ss += u[j] * u[j];
     }
@@ -367,17 +368,19 @@ int row_blocks(int64_t N) { return grid_for(N, kWarps); }
 
 namespace {
 // rmsnorm_fwd and residual_rmsnorm_fwd: a block per row for up to 64 rows of 1024 or more, else a warp per row.
-void rms_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N, int64_t D,
-             double eps, DType dt) {
+void rms_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, void* saved, float* rstd, int64_t N,
+             int64_t D, double eps, DType dt) {
   if (N <= 0) return;
   by_dtype(dt, [&]<class S>() {
     const S *ai = static_cast<const S*>(a), *wi = static_cast<const S*>(w);
-    S *xo = static_cast<S*>(io), *yo = static_cast<S*>(y);
-    const bool vec = vec_width<S>(D, {a, io, w, y}) > 1, row_block = N <= 64 && D >= 1024;
+    S *xo = static_cast<S*>(io), *yo = static_cast<S*>(y), *so = static_cast<S*>(saved);
+    const bool vec = vec_width<S>(D, {a, io, w, y, saved}) > 1, row_block = N <= 64 && D >= 1024;
     const unsigned grid = unsigned(row_block ? N : row_blocks(N));
     auto go = [&]<int V, int T>() {
-      if (a) k_rms_fwd<S, V, T, true><<<grid, kNormThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D, float(eps));
-      else k_rms_fwd<S, V, T, false><<<grid, kNormThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, rstd, N, D, float(eps));
+      if (a)
+        k_rms_fwd<S, V, T, true><<<grid, kNormThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, so, rstd, N, D, float(eps));
+      else
+        k_rms_fwd<S, V, T, false><<<grid, kNormThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, so, rstd, N, D, float(eps));
     };
     constexpr int VW = 16 / sizeof(S);
     if (row_block) vec ? go.template operator()<VW, 256>() : go.template operator()<1, 256>();
@@ -389,12 +392,12 @@ void rms_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, flo
 
 void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
                  DType dt) {
-  rms_fwd(x, nullptr, const_cast<void*>(in), w, y, rstd, N, D, eps, dt);  // io is only read without a
+  rms_fwd(x, nullptr, const_cast<void*>(in), w, y, nullptr, rstd, N, D, eps, dt);  // io is only read without a
 }
 
-void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, float* rstd, int64_t N,
-                          int64_t D, double eps, DType dt) {
-  rms_fwd(x, a, io, w, y, rstd, N, D, eps, dt);
+void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, void* saved, float* rstd,
+                          int64_t N, int64_t D, double eps, DType dt) {
+  rms_fwd(x, a, io, w, y, saved, rstd, N, D, eps, dt);
 }
 
 void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const void* wq, const void* wk, void* q,
