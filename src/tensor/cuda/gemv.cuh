@@ -237,10 +237,10 @@ __device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const W* __r
 #pragma unroll
     for (int j = 0; j < NB; ++j) acc[i][j] = 0.f;
 
-  for (int64_t k0 = 0; k0 < n_in; k0 += kc) {
+  for (int64_t k0 = 0; k0 < n_in || k0 == 0; k0 += kc) {  // n_in 0: one empty chunk, y = b
     const int len = int(std::min<int64_t>(kc, n_in - k0));
     const int groups = (len + G - 1) / G;
-    const int steps = (groups + 31) / 32;  // per tile: the lane's groups c = lane + 32 s
+    const int steps = std::max(1, (groups + 31) / 32);  // per tile: the lane's groups c = lane + 32 s
     const int total = steps * my_tiles;
     WeightRing<W, VEC, D> ring{q, n_out, n_in, k0, tile * kRows, stride * kRows, groups, steps, 0, total};
 #pragma unroll
