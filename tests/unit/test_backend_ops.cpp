@@ -308,13 +308,14 @@ std::vector<Case> all_cases(DType dt) {
           });
   }
   // Weight-only 8-bit linear, int8 and fp8 (E4M3): q and scale from ops::quantize_rows of random weights. N <= 16
-  // is the CUDA GEMV (n_in 102: no 16-byte rows, the scalar loads), larger N the dequantize + GEMM path; "ws256K"
-  // gives that path a small workspace so that n_out splits into several tiles.
+  // is the CUDA GEMV (n_in 102: no 16-byte rows, the scalar loads; 4096 at N 16: x staged in two chunks; n_out
+  // 20001: more row tiles than the GPU holds blocks, so a warp streams several), larger N the dequantize + GEMM path;
+  // "ws256K" gives that path a small workspace so that n_out splits into several tiles.
   for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
-    for (int64_t N : {1, 3, 4, 16, 17, 64, 300})
+    for (int64_t N : {1, 2, 3, 4, 7, 16, 17, 64, 300})
       for (auto [I, O, small_ws] : {std::tuple<int64_t, int64_t, bool>{64, 48, false}, {256, 1000, false},
-                                    {4096, 33, false}, {102, 37, false}, {256, 1000, true}}) {
-        if (small_ws && N <= 16) continue;
+                                    {4096, 33, false}, {102, 37, false}, {256, 1000, true}, {256, 20001, false}}) {
+        if ((small_ws && N <= 16) || (O == 20001 && N > 16)) continue;
         std::vector<uint8_t> q8;
         std::vector<float> sc;
         q8_weights(qf, O, I, q8, sc);
