@@ -27,6 +27,9 @@ const std::vector<KeySpec>& deck_schema() {
       {"model.hf", T::String, "", "Hugging Face model directory (config.json + safetensors) to load"},
       {"model.preset", T::String, "", "built-in size when starting from scratch",
        -kBig, kBig, {"", "tiny", "tiny-moe", "demo", "2B", "4B", "8B", "32B", "30B-A3B", "235B-A22B"}},
+      {"model.rope_theta", T::Real, "0",
+       "the text rotary's base, in place of the model's (0: the model's own): a fine-tuning run's new rotary resolution, "
+       "carried into its checkpoints and exports", 0, 1e12},
       {"model.text_layers", T::Int, "0",
        "keep the first N decoder layers of the preset or config.json (0: all): a deep model's shapes cut for "
        "benchmarks (train: with model.preset; at least one layer per DeepStack tap)", 0, 1e6},

@@ -184,7 +184,7 @@ std::string checkpoint_path(const Deck& d, const std::string& key) {
   return found;
 }
 
-ModelConfig model_config(const Deck& d, const std::string& ck, const std::string& key) {
+ModelConfig model_config_of(const Deck& d, const std::string& ck, const std::string& key) {
   if (!d.str("model.hf").empty()) return load_hf_config(d.str("model.hf") + "/config.json");
   if (!d.str("model.preset").empty()) return preset_config(d.str("model.preset"));
   if (!ck.empty()) {  // the model the checkpoint was trained as: its config.json, else (older files) its deck's
@@ -196,6 +196,12 @@ ModelConfig model_config(const Deck& d, const std::string& ck, const std::string
   }
   const std::string mode = key.substr(0, key.find('.'));
   fail(mode + " needs a model: model.hf=DIR, model.preset=NAME (random weights) or " + key + "=FILE");
+}
+// The model to run, with model.rope_theta in place of its own where the deck gives one (as train does).
+ModelConfig model_config(const Deck& d, const std::string& ck, const std::string& key) {
+  ModelConfig c = model_config_of(d, ck, key);
+  if (d.real("model.rope_theta") > 0) c.text.rope_theta = d.real("model.rope_theta");
+  return c;
 }
 
 }  // namespace

@@ -3,7 +3,7 @@
 //  - bf16/fp16 with hd in {64, 72, 128} and 16-byte aligned pointers: tensor cores (mma.sync m16n8k16, fp32
 //    accumulation), 4 warps a block, cp.async double-buffered tiles (FwdCfg/DqCfg/DkvCfg give the tile sizes);
 //    hd 72 is zero-padded to 80 in shared memory.
-//    On a 9.0 device, hd 64 and 128 take attention_sm90.cu's wgmma forward instead (Q3VL_ATTN_FWD=old: fwd_tc).
+//    On a 9.0 device, hd 128 takes attention_sm90.cu's wgmma forward instead (1.18x; Q3VL_ATTN_FWD=old: fwd_tc).
 //  - everything else (fp32 parity mode, other head dims up to 256): SIMT kernels, fp32 tiles, 4 threads per row.
 // Backward: D = rowsum(dout*out) into Exec::ws, then dK/dV per (key block, kv head) looping over the group's query
 // heads (race-free GQA), then dQ per query block looping over key blocks (deterministic, no atomics).
@@ -932,8 +932,10 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
     S* O = static_cast<S*>(out);
     if constexpr (!std::is_same_v<S, float>) {
       if (al) {
-        if (!attention_fwd_old() && attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu,
-                                                       int(nseg), int(max_len), inh, inkv, ihd, causal, sl2, true))
+        // hd 128 only: at hd 64 the wgmma kernel measured 0.90-1.03x fwd_tc (784-token vision segments, 4096 text)
+        if (ihd == 128 && !attention_fwd_old() &&
+            attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len),
+                               inh, inkv, ihd, causal, sl2, true))
           return;
         auto run = [&]<int HD>() {
           using C = FwdCfg<HD>;
