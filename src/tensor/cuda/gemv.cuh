@@ -5,13 +5,9 @@
 //  - W is int8 or fp8 E4M3 (__nv_fp8_e4m3) with one fp32 scale per output row, or the activation storage type S
 //    itself (scale null: 1). A lane loads 16 bytes of a row per step: kGroup<W> = 16 / sizeof(W) columns (16 int8 or
 //    fp8, 8 bf16/fp16, 4 fp32).
-//  - a warp streams tiles of kRows output rows; the n input rows are staged in shared memory as fp32, so every x
-//    value read from shared memory feeds kRows rows; fp32 accumulation, warp-shuffle reduction, scale and bias at the
-//    end of each tile.
-//  - persistent: when x fits in shared memory whole, the grid is the blocks resident at once, each staging x once and
-//    its warps streaming several tiles in one pipeline (kDepth steps of kRows 16-byte loads a lane in flight, across
-//    tile ends; the first ones issued before x is staged). When x does not fit (large n * n_in) it is staged in
-//    column chunks and a block owns one tile of rows.
+//  - each warp owns kRows output rows; the n input rows are staged in shared memory as fp32 (in column chunks when
+//    they do not fit), so every x value read from shared memory feeds kRows rows; fp32 accumulation, warp-shuffle
+//    reduction, scale and bias at the end.
 //  - experts (start non-null): grid.y walks only the experts that have rows, found on the device from start (nothing
 //    syncs with the host; the others' weights are never read), a block looping over its expert's rows n at a time.
 // Rows go through 16-byte loads when every row start is 16-byte aligned (n_in * sizeof(W) % 16 == 0 and W aligned),
@@ -32,10 +28,6 @@ constexpr int kRows = 4;                  // output rows per warp: each x value 
 constexpr int kMaxN = 16;                 // x rows per pass (larger N: the callers' GEMM paths)
 constexpr int kGroupedRows = 8;           // experts: the GEMV up to 8 rows per expert on average (decode steps)
 constexpr size_t kSmemBudget = 96 << 10;  // staged x (fp32) per block; above 48 KiB needs the opt-in attribute
-constexpr int kBlocksPerSm = 2;           // resident blocks an SM (the launch bounds: at most 128 registers a thread)
-// Weight steps in flight per warp (a lane: kDepth * kRows 16-byte loads): deep where few x rows leave registers free.
-// At 4.8 TB/s and ~1 us of loaded latency an SM needs ~36 KiB in flight: 2 blocks of 256 lanes x 4 x 64 B = 128 KiB.
-template <int NB> inline constexpr int kDepth = NB <= 1 ? 4 : NB <= 2 ? 3 : NB <= 4 ? 2 : 1;
 
 template <class W> inline constexpr int kGroup = 16 / int(sizeof(W));  // columns per lane per step: a 16-byte load
 template <class W> inline constexpr int kStep = 32 * kGroup<W>;         // columns per warp step
@@ -173,63 +165,16 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows][NB], const uint4 (&
   }
 }
 
-// A warp's weight loads over one staged chunk (columns k0.., `groups` groups, `steps` steps of 32 groups a row):
-// its tiles (kRows rows each, the first at row, the next `stride` rows on) step by step, the steps of a tile in
-// order. D steps sit in the ring w[D] at once: each step consumed is replaced by the load D steps on, so a lane
-// keeps D * kRows 16-byte loads in flight, across the ends of tiles too.
-template <class W, bool VEC, int D>
-struct WeightRing {
-  const W* q;
-  int64_t n_out, n_in, k0, row, stride;
-  int groups, steps, s = 0, left;  // the next load: the tile at row, its step s; left: loads not issued
-  uint4 w[D][kRows];
-
-  // Issues the next load into slot d, if one is left.
-  __device__ __forceinline__ void next(int d) {
-    if (left <= 0) return;
-    load_w<W, VEC>(w[d], q, row, n_out, n_in, k0, (threadIdx.x & 31) + 32 * s, groups);
-    --left;
-    if (++s == steps) s = 0, row += stride;
-  }
-};
-
-// y[:, row0 .. row0+kRows) from the warp's sums (zeroed after): warp-shuffle reduction, scale, bias.
-template <class S, class W, int NB>
-__device__ __forceinline__ void store_rows(float (&acc)[kRows][NB], int64_t row0, const float* __restrict__ scale,
-                                           const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_out) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int64_t r = row0 + i;
-    float sc = 1.f;  // weights in the activation type: no scale
-    if constexpr (kScaled<W>) sc = r < n_out ? scale[r] : 0.f;
-    const float bias = (b && r < n_out) ? ld(b, r) : 0.f;
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      float v = acc[i][j];
-      acc[i][j] = 0.f;
-      if (j >= n) continue;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (r < n_out && lane == ((i * NB + j) & 31)) st(y, int64_t(j) * n_out + r, v * sc + bias);
-    }
-  }
-}
-
-// Rows of y = (in q^T) * scale + b for the block: its warp w owns the warp tiles (kRows rows each) t = blockIdx.x *
-// kWarps + w + k gridDim.x kWarps. x[n, n_in] is staged kc columns at a time into xs (n * kc floats of dynamic shared
-// memory). When one chunk holds all of n_in (kc >= n_in) x is staged once and a warp streams all its tiles in one
-// pipeline; else the launch gives each warp at most one tile, whose sums carry over the chunks. The first loads are
-// issued before x is staged. The block synchronizes before it stages, so it may be called again on other rows.
-template <class S, class W, int NB, bool VEC, int D>
+// One block's rows of y = (in q^T) * scale + b: kWarps warps, warp w owning rows (blockIdx.x * kWarps + w) * kRows +
+// [0, kRows). x[n, n_in] staged kc columns at a time into xs (n * kc floats of dynamic shared memory); the block
+// synchronizes before it stages, so it may be called again on other rows. scale: 8-bit weights only (else unread).
+template <class S, class W, int NB, bool VEC>
 __device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const W* __restrict__ q,
                                           const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y,
                                           int n, int64_t n_in, int64_t n_out, int kc, float* xs) {
   constexpr int G = kGroup<W>;
-  const int lane = threadIdx.x & 31;
-  const int64_t tile = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), stride = int64_t(gridDim.x) * kWarps;
-  const int64_t tiles = (n_out + kRows - 1) / kRows;
-  const int my_tiles = tile < tiles ? int((tiles - tile + stride - 1) / stride) : 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row0 = (int64_t(blockIdx.x) * kWarps + warp) * kRows;
 
   float acc[kRows][NB];
 #pragma unroll
@@ -237,15 +182,9 @@ __device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const W* __r
 #pragma unroll
     for (int j = 0; j < NB; ++j) acc[i][j] = 0.f;
 
-  for (int64_t k0 = 0; k0 < n_in || k0 == 0; k0 += kc) {  // n_in 0: one empty chunk, y = b
+  for (int64_t k0 = 0; k0 < n_in; k0 += kc) {
     const int len = int(std::min<int64_t>(kc, n_in - k0));
     const int groups = (len + G - 1) / G;
-    const int steps = std::max(1, (groups + 31) / 32);  // per tile: the lane's groups c = lane + 32 s
-    const int total = steps * my_tiles;
-    WeightRing<W, VEC, D> ring{q, n_out, n_in, k0, tile * kRows, stride * kRows, groups, steps, 0, total};
-#pragma unroll
-    for (int d = 0; d < D; ++d) ring.next(d);
-
     const int cols = groups * G;  // staged columns (zeros past n_in)
     __syncthreads();              // the previous chunk is consumed
     for (int idx = threadIdx.x; idx < n * cols; idx += blockDim.x) {
@@ -254,21 +193,34 @@ __device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const W* __r
     }
     __syncthreads();
 
-    const bool last = k0 + kc >= n_in;  // the tiles' sums are whole: store them
-    int s = 0;                           // the step consumed next, of the tile at row
-    int64_t row = tile * kRows;
-    for (int it = 0; it < total; it += D) {
+    // Steps over the lane's groups c = lane + 32 s, the next step's weights loaded before this one's math.
+    const int steps = (groups + 31) / 32;
+    uint4 w[kRows], wn[kRows];
+    load_w<W, VEC>(w, q, row0, n_out, n_in, k0, lane, groups);
+    for (int s = 0; s < steps; ++s) {
+      const int c = lane + 32 * s;
+      const bool more = s + 1 < steps;
+      if (more) load_w<W, VEC>(wn, q, row0, n_out, n_in, k0, c + 32, groups);
+      if (c < groups) fma_step<W, NB>(acc, w, xs, kc, c, n);
+      if (more)
 #pragma unroll
-      for (int d = 0; d < D; ++d) {
-        if (it + d >= total) break;
-        const int c = lane + 32 * s;
-        if (c < groups) fma_step<W, NB>(acc, ring.w[d], xs, kc, c, n);
-        ring.next(d);
-        if (++s == steps) {
-          if (last) store_rows<S, W, NB>(acc, row, scale, b, y, n, n_out);
-          s = 0, row += stride * kRows;
-        }
-      }
+        for (int i = 0; i < kRows; ++i) w[i] = wn[i];
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t r = row0 + i;
+    float sc = 1.f;  // weights in the activation type: no scale
+    if constexpr (kScaled<W>) sc = r < n_out ? scale[r] : 0.f;
+    const float bias = (b && r < n_out) ? ld(b, r) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      if (j >= n) break;
+      float v = acc[i][j];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (r < n_out && lane == ((i * NB + j) & 31)) st(y, int64_t(j) * n_out + r, v * sc + bias);
     }
   }
 }
@@ -292,31 +244,20 @@ __device__ __forceinline__ int busy_expert(const int32_t* __restrict__ start, in
 // start null: one matrix, n rows of in. Else experts: blockIdx.y picks the blockIdx.y-th expert with rows (q, scale
 // and the rows of in and y its own), whose rows go through n at a time (n <= NB; an expert's rows are at most R).
 template <class S, class W, int NB, bool VEC>
-__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
+__global__ void __launch_bounds__(kWarps * 32, 2)
     k_gemv(const S* __restrict__ in, const W* __restrict__ q, const float* __restrict__ scale,
            const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out, int kc,
            const int32_t* __restrict__ start, int E) {
-  constexpr int D = kDepth<NB>;
   extern __shared__ float4 smem_f4[];
   float* xs = reinterpret_cast<float*>(smem_f4);
-  if (!start) return gemv_rows<S, W, NB, VEC, D>(in, q, scale, b, y, n, n_in, n_out, kc, xs);
+  if (!start) return gemv_rows<S, W, NB, VEC>(in, q, scale, b, y, n, n_in, n_out, kc, xs);
   const int e = busy_expert(start, E, int(blockIdx.y));
   if (e < 0) return;
   const int64_t r1 = start[e + 1];
   for (int64_t r = start[e]; r < r1; r += n)
-    gemv_rows<S, W, NB, VEC, D>(in + r * n_in, q + int64_t(e) * n_out * n_in,
-                                kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
-                                int(min(int64_t(n), r1 - r)), n_in, n_out, kc, xs);
-}
-
-// Blocks of k_gemv resident on the current device at once, with smem bytes of staged x each.
-inline int64_t resident_blocks(size_t smem) {
-  int dev = 0, sms = 0, smem_sm = 0;
-  Q3VL_CU(cudaGetDevice(&dev));
-  Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  Q3VL_CU(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  const size_t per_block = smem + 1024;  // the runtime reserves 1 KiB of shared memory per block
-  return int64_t(sms) * std::clamp<int64_t>(int64_t(size_t(smem_sm) / per_block), 1, kBlocksPerSm);
+    gemv_rows<S, W, NB, VEC>(in + r * n_in, q + int64_t(e) * n_out * n_in,
+                             kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
+                             int(min(int64_t(n), r1 - r)), n_in, n_out, kc, xs);
 }
 
 // n: rows of in (experts: at most NB per pass); start/E: the experts (null: one matrix), R their rows.
@@ -330,16 +271,7 @@ void launch_nb(const Exec& x, const S* in, const W* q, const float* scale, const
   const size_t smem = sizeof(float) * size_t(n) * size_t(kc);
   // Every row (and expert) starts 16-byte aligned when a row is a multiple of 16 bytes and q is aligned.
   const bool vec = n_in % kGroup<W> == 0 && aligned16(q);
-  // Block tiles (kWarps * kRows rows). When x is staged once (one chunk), as many blocks as are resident at once (per
-  // expert slot), each the same number of tiles; else a block a tile (gemv_rows carries one tile's sums over chunks).
-  const int64_t tiles = (n_out + kWarps * kRows - 1) / (kWarps * kRows), ny = start ? std::min(E, R) : 1;
-  int64_t gx = tiles;
-  if (kc >= n_in) {
-    const int64_t slots = std::max<int64_t>(1, resident_blocks(smem) / ny);  // blocks per expert slot
-    const int64_t per = (tiles + slots - 1) / slots;                           // tiles a block
-    gx = (tiles + per - 1) / per;
-  }
-  const dim3 grid{unsigned(gx), unsigned(ny)};
+  const dim3 grid(unsigned((n_out + kWarps * kRows - 1) / (kWarps * kRows)), start ? unsigned(std::min(E, R)) : 1u);
   auto go = [&](auto kernel) {
     launch(kernel, grid, kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, kc, start, int(E));
   };
