@@ -130,6 +130,7 @@ deps:
 	bash tools/fetch_tokenizer.sh
 	$(MAKE) all
 	$(MAKE) demo
+	$(MAKE) demo-video
 
 # The demo (input/demo.deck): synthetic pictures, tokenized shards, ZeRO-3 training of a small Qwen3-VL on 4 CPU
 # ranks that stops half way and resumes from its checkpoint, answers for the held-out pictures, their accuracy.

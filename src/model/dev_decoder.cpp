@@ -159,23 +159,13 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd;
   // The residual stream x: saved for the backward (c.x, c.x1) by the norms that read it, not by copies of their own.
-  // Q3VL_AB_OLD=1: the separate copies and add (issue 30's A/B measurement; goes once it is measured).
-  static const bool old = std::getenv("Q3VL_AB_OLD") != nullptr;
-  if (old) dev::copy(ex, c.x, x, size_t(N * H) * dtype_size(dt));
-  dev::residual_rmsnorm_fwd(ex, nullptr, x, P.p[f + tlay::in_norm], c.ln1, old ? nullptr : c.x, c.r1, N, H,
-                            tc.rms_eps, dt);
+  dev::residual_rmsnorm_fwd(ex, nullptr, x, P.p[f + tlay::in_norm], c.ln1, c.x, c.r1, N, H, tc.rms_eps, dt);
   qkv_fwd(ex, tc, P, f, N, cos, sin, c, dt);
   dev::attention_fwd(ex, c.q, c.k, c.v, c.att, c.lse, seg.cu, seg.nseg, seg.max_len, N, nh, nkv, hd, true,
                      float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
   dev_lora_fwd(ex, P, f + tlay::o_proj, c.att, N, s.tmp, H, dt);
-  if (old) {
-    dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
-    dev::copy(ex, c.x1, x, size_t(N * H) * dtype_size(dt));
-    dev::rmsnorm_fwd(ex, x, P.p[f + tlay::post_norm], c.ln2, c.r2, N, H, tc.rms_eps, dt);
-  } else {
-    dev::residual_rmsnorm_fwd(ex, s.tmp, x, P.p[f + tlay::post_norm], c.ln2, c.x1, c.r2, N, H, tc.rms_eps, dt);
-  }
+  dev::residual_rmsnorm_fwd(ex, s.tmp, x, P.p[f + tlay::post_norm], c.ln2, c.x1, c.r2, N, H, tc.rms_eps, dt);
   mlp_fwd(ex, tc, P, f, moe, N, probs, idx, c, s, dt);
   dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
 }

@@ -634,9 +634,7 @@ void DevZero::enter_slot(size_t k) {
   float* g = nullptr;
   // In a group of one the shard is the whole unit: the backward accumulates into it directly, zeroed at the step's
   // first use, not into a pool buffer that reduce_unit then copies (the first micro-batch) or adds (the others) there.
-  // Q3VL_AB_OLD=1: the pool buffer as before (issue 30's A/B measurement; goes once it is measured).
-  static const bool old = std::getenv("Q3VL_AB_OLD") != nullptr;
-  if (backward_ && z.trainable && !old && comm(z).size() == 1) {
+  if (backward_ && z.trainable && comm(z).size() == 1) {
     g = gshard_ + z.comm_off;
     if (!reduced_[u]) dev::fill(ex_, g, DType::F32, z.shard, 0.f), reduced_[u] = 1;
   } else if (backward_ && z.trainable) {

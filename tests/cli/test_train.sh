@@ -356,4 +356,16 @@ expect text-layers-past-depth-refused 1 "model.text_layers = 3: the model has 2 
 expect vision-layers-drop-deepstack-refused 1 "model.vision_layers = 2: drops the DeepStack tap at ViT block 2" \
   mpiexec -n 1 $q train "${cut[@]}" model.preset=demo model.vision_layers=2 run.out_dir="$tmp/cutv"
 
+# model.rope_theta: the text rotary's base in place of the preset's, in the checkpoint's config (which the exports and
+# generate read); a negative one is refused by name.
+if mpiexec -n 1 $q train "${cut[@]}" model.rope_theta=7 run.out_dir="$tmp/rope" >$tmp/rope.log 2>&1; then
+  ck=$(ls $tmp/rope/checkpoints/step_*.h5 | tail -1)
+  h5dump "$ck" 2>/dev/null | grep -q 'rope_theta\\\?": 7.0' &&
+    pass "model.rope_theta: the checkpoint's config carries the new base" ||
+    bad "model.rope_theta: $(h5dump "$ck" 2>/dev/null | grep -o 'rope_theta[^,]*' | head -2)"
+else
+  bad "model.rope_theta: train failed: $(tail -3 $tmp/rope.log)"
+fi
+expect rope-theta-negative 1 "model.rope_theta" mpiexec -n 1 $q train "${cut[@]}" model.rope_theta=-1 run.out_dir="$tmp/rope2"
+
 finish

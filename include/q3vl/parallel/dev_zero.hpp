@@ -235,11 +235,7 @@ class DevZero final : UnitHooks {
   Comm& comm(const ZeroUnit& u) const { return u.experts ? *experts_ : shard_; }  // the unit's shard group
   // Stage 3 where unit u's gather would be a plain copy of its whole shard (a group of one, the shard in dt on the
   // device, the update on the model's stream): the model computes with wshard itself, gathering nothing.
-  // Q3VL_AB_OLD=1: the copy as before (issue 30's A/B measurement; goes once it is measured).
-  bool in_place(const ZeroUnit& u) const {
-    static const bool old = std::getenv("Q3VL_AB_OLD") != nullptr;
-    return !old && comm(u).size() == 1 && !conv_ && !stream_ && !off_;
-  }
+  bool in_place(const ZeroUnit& u) const { return comm(u).size() == 1 && !conv_ && !stream_ && !off_; }
   // Unit u (its shard at wshard) gathered in full into dst (dt), through staging buffer `stg` when conv_; on the
   // communication stream (NCCL), or waited (MPI), or a copy (one rank). MPI's widening waits for the request.
   // Streamed: the shard is copied up from the host first (into slot `slot`'s staging unless it can land in dst).
