@@ -362,6 +362,12 @@ ModelConfig preset_config(const std::string& name) {
   return c;
 }
 
+bool override_rope_theta(ModelConfig& c, double theta) {
+  if (theta <= 0) return false;
+  c.text.rope_theta = theta;
+  return true;
+}
+
 bool cut_depth(ModelConfig& c, int64_t text_layers, int64_t vision_layers) {
   const std::vector<int>& ds = c.vision.deepstack_indexes;
   auto bad = [](const char* key, int64_t n, const std::string& why) {

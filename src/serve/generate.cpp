@@ -200,7 +200,7 @@ ModelConfig model_config_of(const Deck& d, const std::string& ck, const std::str
 // The model to run, with model.rope_theta in place of its own where the deck gives one (as train does).
 ModelConfig model_config(const Deck& d, const std::string& ck, const std::string& key) {
   ModelConfig c = model_config_of(d, ck, key);
-  if (d.real("model.rope_theta") > 0) c.text.rope_theta = d.real("model.rope_theta");
+  override_rope_theta(c, d.real("model.rope_theta"));
   return c;
 }
 

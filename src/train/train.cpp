@@ -256,8 +256,7 @@ ModelConfig model_config(const Deck& d, std::string* json_text) {
   } else {
     fail_all("train needs model.hf (a Hugging Face directory) or model.preset (random init)");
   }
-  const bool theta = d.real("model.rope_theta") > 0;
-  if (theta) c.text.rope_theta = d.real("model.rope_theta");
+  const bool theta = override_rope_theta(c, d.real("model.rope_theta"));
   if (cut_depth(c, d.integer("model.text_layers"), d.integer("model.vision_layers")) || theta)
     *json_text = hf_config_json(c);  // what the checkpoints' model is: the cut one, its rotary
   c.lora = lora_config(d);

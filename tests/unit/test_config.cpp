@@ -267,3 +267,12 @@ TEST(Config, CutDepthKeepsDeepStackValid) {
   EXPECT_EQ(m.text.layers, 3);
   EXPECT_EQ(m.vision.depth, 18);
 }
+
+TEST(Config, RopeThetaOverride) {
+  ModelConfig c = preset_config("2B");
+  EXPECT_FALSE(override_rope_theta(c, 0));  // the deck's default: the model's own base
+  EXPECT_EQ(c, preset_config("2B"));
+  EXPECT_TRUE(override_rope_theta(c, 5));
+  EXPECT_EQ(c.text.rope_theta, 5.0);
+  EXPECT_EQ(config_difference(preset_config("2B"), c).rfind("text_config.rope_theta", 0), 0u);
+}

@@ -103,5 +103,8 @@ std::vector<std::string> preset_names();
 // decoder layer it feeds would silently change meaning, so it is not clipped) or leave fewer decoder layers than
 // DeepStack taps. Returns whether anything was cut.
 bool cut_depth(ModelConfig& c, int64_t text_layers, int64_t vision_layers);
+// model.rope_theta: the text rotary's base in place of the model's where theta > 0 (train, generate and serve
+// alike; the checkpoints and exports then carry it). Returns whether it did.
+bool override_rope_theta(ModelConfig& c, double theta);
 
 }  // namespace q3vl
