@@ -332,7 +332,8 @@ Row time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int h
   for (void* p : {Q, G}) fill_random<<<1024, 256>>>(p, nq, seed++, 2.f, kind);
   for (void* p : {K, V}) fill_random<<<1024, 256>>>(p, nk, seed++, 2.f, kind);
   CK(cudaDeviceSynchronize());
-  const Problem P{x, dt, Q, K, V, G, O, dQ, dK, dV, lse, dcu, nseg, L, N, nh, nkv, hd, causal, 1.f / std::sqrt(float(hd))};
+  const float scale = 1.f / std::sqrt(float(hd));
+  const Problem P{x, dt, Q, K, V, G, O, dQ, dK, dV, lse, dcu, nseg, L, N, nh, nkv, hd, causal, scale};
   cudaStream_t st = dev::cuda::stream_of(x);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));

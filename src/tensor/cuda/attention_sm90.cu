@@ -363,9 +363,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
   const uint32_t sLD = sdS + BN * BM * 2;  // lse[2][BM], then D[2][BM]
   float* fLD = reinterpret_cast<float*>(smraw + (sLD - static_cast<uint32_t>(__cvta_generic_to_shared(smraw))));
 
-  const int seg = blockIdx.z, kh = blockIdx.y;
+  // Key blocks slowest in the launch order: every head's and segment's first block (the most query tiles when
+  // causal) starts before any second one.
+  const int kh = blockIdx.x, seg = blockIdx.y;
   const int b0 = cu[seg], L = cu[seg + 1] - b0;
-  const int j0 = blockIdx.x * BN;  // block 0 (the most query tiles when causal) first
+  const int j0 = blockIdx.z * BN;
   if (j0 >= L) return;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int grp = nh / nkv;
@@ -407,14 +409,15 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     const float* cL = fLD + buf * BM;
     const float* cD = fLD + (2 + buf) * BM;
 
+    // S^T and dP^T as two groups: P is computed while dP^T runs, dS while dV += P^T dO runs.
     float st[BM / 2], dpt[BM / 2];
     wg_fence();
     gemm_t<S, HD>(st, ka, BN * 128, cQ);
+    wg_commit();
     gemm_t<S, HD>(dpt, va, BN * 128, cO);
     wg_commit();
-    wg_wait<0>();
+    wg_wait<1>();
     pin(st);
-    pin(dpt);
     // Accumulator element 4n+e: key kr0 + 8*(e>>1), query i0 + 8n + 2t + (e&1).
     const bool need_mask = i0 + BM > L || kw0 + 64 > L || (causal && i0 < kw0 + 63);  // warpgroup-uniform
 #pragma unroll
@@ -428,10 +431,21 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
           if (i >= L || j >= L || (causal && j > i)) p = 0.f;
         }
         st[4 * n + e] = p;
-        dpt[4 * n + e] = p * (dpt[4 * n + e] - cD[c]) * scale;
       }
     uint32_t pa[BM / 16][4], da[BM / 16][4];
     to_p<S, BM>(st, pa);
+    pin(dva);
+    pin2(pa);
+    wg_fence();
+    gemm_pv<S, HD, BM>(dva, pa, cO);
+    wg_commit();
+    wg_wait<1>();  // dP^T (the older group) done; dV keeps running
+    pin(dpt);
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dpt[4 * n + e] = st[4 * n + e] * (dpt[4 * n + e] - cD[8 * n + 2 * t + (e & 1)]) * scale;
     to_p<S, BM>(dpt, da);
     // dS^T to shared memory: key row r = kr0 - j0 (+8), query chunk n at 16-byte position n ^ (r % 8). The pair for
     // chunk n, row half rh is da[n/2][2*(n%2) + rh] (to_p's order). Conflict-free: a warp's 8 rows hit 8 chunks.
@@ -445,11 +459,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
                      : "memory");
     }
     pin(dka);
-    pin(dva);
-    pin2(pa);
     pin2(da);
     wg_fence();
-    gemm_pv<S, HD, BM>(dva, pa, cO);
     gemm_pv<S, HD, BM>(dka, da, cQ);
     wg_commit();
     // Both warpgroups' dS^T halves written (generic proxy) before either reads them through wgmma (async proxy).
@@ -466,6 +477,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     pin(dqa);
     pin(dka);
     pin(dva);
+    pin2(pa);  // the A fragments of dV/dK stay allocated until those wgmmas have completed
+    pin2(da);
     // dQ rows: query i0 + 16*warp + g (+8), columns 64*wg + 8n + 2t (+1).
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
@@ -533,7 +546,7 @@ bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void
   if (hd != 128 || !is_sm90()) return false;
   const size_t nacc = attention_bwd_sm90_ws(N, nh, hd) / sizeof(float);
   Q3VL_CU(cudaMemsetAsync(dqacc, 0, nacc * sizeof(float), st));
-  const dim3 grid(unsigned((max_len + kBwdN - 1) / kBwdN), unsigned(nkv), unsigned(nseg));
+  const dim3 grid(unsigned(nkv), unsigned(nseg), unsigned((max_len + kBwdN - 1) / kBwdN));
   auto run = [&]<class S>() {
     launch(bwd_wgmma<S, 128>, grid, kThreads, bwd_smem<128>(), st, static_cast<const S*>(dout),
            static_cast<const S*>(q), static_cast<const S*>(k), static_cast<const S*>(v), lse, D, static_cast<S*>(dk),
