@@ -1,20 +1,19 @@
-// Flash attention forward for Hopper (sm_90a): wgmma tensor-core instructions, called by attention.cu's
-// attention_fwd for bf16/fp16, head dims 64 and 128, on a compute-capability 9.0 device. Same semantics as fwd_tc
-// there (packed variable-length segments, GQA, causal or not; out [N, nh*hd], lse [N, nh] natural log).
+// Flash attention for Hopper (sm_90a): wgmma tensor-core instructions, called by attention.cu's attention_fwd (bf16/
+// fp16, head dims 64 and 128) and attention_bwd (head dim 128) on a compute-capability 9.0 device. Same semantics as
+// fwd_tc / dkdv_tc + dq_tc there (packed variable-length segments, GQA, causal or not; out [N, nh*hd], lse [N, nh]
+// natural log). The backward is described above bwd_wgmma.
 //
-// A block is 2 warpgroups (256 threads) and 128 queries of one head of one segment; warpgroup w owns query rows
-// [64w, 64w+64). Per key tile of 128 keys: S = Q K^T by wgmma m64n128k16 with Q and K both from shared memory,
+// Forward: a block is 2 warpgroups (256 threads) and 128 queries of one head of one segment; warpgroup w owns query
+// rows [64w, 64w+64). Per key tile of 128 keys: S = Q K^T by wgmma m64n128k16 with Q and K both from shared memory,
 // online softmax in registers (the accumulator layout is that of mma.m16n8 per warp, rows 16*warp + g, g+8),
 // P packed to 16-bit registers as wgmma's A operand, and O += P V by wgmma m64nHDk16 with V from shared memory read
-// N-major (the descriptor's transpose bit). K/V tiles stream in with cp.async (16-byte copies of every thread), one
+// N-major (the descriptor's transpose bit). K/V tiles stream in with cp.async (16-byte copies of every thread), two
 // tiles ahead of the compute (3 buffers), the softmax of one tile overlapping P.V of the previous one.
 //
 // Shared-memory tiles use wgmma's canonical 128-byte swizzle: a tile of R rows x HD columns is HD/64 column panels,
 // each R rows of 128 bytes (64 elements); 16-byte chunk c of row r sits at chunk position c ^ (r % 8). 8-row groups
 // (1024 bytes) are the descriptors' stride dimension; every panel starts 1024-aligned.
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "tensor/cuda/common.cuh"
