@@ -3,7 +3,8 @@
 // kernels of attention_sm90.cu where they apply (forward hd 64/128, backward hd 128; bf16/fp16 on a 9.0 device; else
 // new = old). Build and run from the repo root:
 //   make bin/attn_check && bin/attn_check [--no-timing] [--no-checks] [--small (few short cases, no timing: racecheck)]
-// Prints one line per checked case and path, then a timing table (median of 20 calls). Exit 1 on any failed check
+// Prints one line per checked case and path (old, new, newc: new with a workspace that holds the dQ accumulator of
+// 3 kv heads, so it runs in chunks), then a timing table (median of 20 calls). Exit 1 on any failed check
 // (or when the wgmma path was not taken on a 9.0 device where it should be).
 #include <algorithm>
 #include <atomic>
@@ -249,10 +250,15 @@ int run_checks(Exec& x, bool small) {
           CK(cudaMalloc(&dV, nk * es));
           CK(cudaMalloc(&O, nq * es));
           CK(cudaMalloc(&lse, size_t(N) * nh * 4));
-          const Problem P{x, dt, Q, K, V, G, O, dQ, dK, dV, lse, dcu, nseg, max_len, N, nh, nkv, hd, causal,
-                          float(scale)};
-          for (bool fresh : {false, true}) {
+          // path 0: old; 1: new; 2: new with room in Exec::ws for 3 kv heads' dQ accumulator (chunks of kv heads)
+          Exec xs = x;
+          xs.ws_bytes = (size_t(N) * nh * 4 + 255) / 256 * 256 + 3 * size_t(N) * (nh / nkv) * hd * 4;
+          for (int path = 0; path < 3; ++path) {
+            const bool fresh = path > 0;
             if (fresh && dt == DType::F32) continue;  // no new path for fp32
+            if (path == 2 && (hd != 128 || nkv <= 3)) continue;
+            const Problem P{path == 2 ? xs : x, dt, Q, K, V, G, O, dQ, dK, dV, lse, dcu, nseg, max_len, N, nh, nkv,
+                            hd, causal, float(scale)};
             for (bool acc : {true, false}) {
               if (!acc && !fresh) continue;  // accumulate=false: checked on the new path (the old one: unit tests)
               // accumulate onto the grid-valued init; overwrite: NaN init (0xff bytes) must not leak through
@@ -285,7 +291,7 @@ int run_checks(Exec& x, bool small) {
               fails += !ok;
               std::printf("%s%s hd=%3d nh=%2d nkv=%d causal=%d %-4s  out %.2e  lse %.2e  dq %.2e  dk %.2e  dv %.2e  "
                           "%s%s\n",
-                          fresh ? "new" : "old", acc ? "+=" : "= ", hd, nh, nkv, int(causal), dtype_name(dt), e_out,
+                          path == 0 ? "old " : path == 1 ? "new " : "newc", acc ? "+=" : "= ", hd, nh, nkv, int(causal), dtype_name(dt), e_out,
                           e_lse, e_dq, e_dk, e_dv, ok ? "PASS" : "FAIL", taken ? "" : " (wgmma path not taken)");
               std::fflush(stdout);
             }

@@ -838,9 +838,8 @@ bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64
 // not taken (other shapes or devices).
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
                         const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2);
-size_t attention_bwd_sm90_ws(int64_t N, int64_t nh, int64_t hd);
 bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void* q, const void* k, const void* v,
-                        const float* lse, const float* D, void* dq, void* dk, void* dv, float* dqacc,
+                        const float* lse, const float* D, void* dq, void* dk, void* dv, float* dqacc, size_t acc_bytes,
                         const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
                         float scale, float sl2, bool acc);
 
@@ -910,10 +909,10 @@ bool attention_bwd_path(const Exec& x, const void* dout, const void* q, const vo
     fail("attention_bwd: the Exec workspace holds " + std::to_string(x.ws_bytes) + " bytes, the row statistics D " +
          "need " + std::to_string(need) + " (N*heads*4); make the Exec with a larger workspace");
   float* Dd = static_cast<float*>(x.ws);
-  // The wgmma kernel's fp32 dQ accumulator follows D in the workspace (256-byte aligned); without room, mma.sync.
+  // The wgmma kernel's fp32 dQ accumulator follows D in the workspace (256-byte aligned).
   const size_t acc_off = (need + 255) / 256 * 256;
   float* dqacc = reinterpret_cast<float*>(static_cast<char*>(x.ws) + acc_off);
-  wgmma = wgmma && x.ws_bytes >= acc_off + attention_bwd_sm90_ws(N, nh, hd);
+  const size_t acc_bytes = x.ws_bytes > acc_off ? x.ws_bytes - acc_off : 0;
   const cudaStream_t st = stream_of(x);
   const float sl2 = scale * kLog2e;
   const unsigned nb = unsigned((max_len + 63) / 64);
@@ -930,8 +929,9 @@ bool attention_bwd_path(const Exec& x, const void* dout, const void* q, const vo
     launch(rowdot_kernel<S>, dim3(grid_for(rows * 32)), 256, 0, st, G, O, Dd, rows, ihd);
     if constexpr (!std::is_same_v<S, float>) {
       if (al && wgmma &&
-          attention_bwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, dout, q, k, v, lse, Dd, dq, dk, dv, dqacc, cu,
-                             int(nseg), int(max_len), N, inh, inkv, ihd, causal, scale, sl2, accumulate)) {
+          attention_bwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, dout, q, k, v, lse, Dd, dq, dk, dv, dqacc,
+                             acc_bytes, cu, int(nseg), int(max_len), N, inh, inkv, ihd, causal, scale, sl2,
+                             accumulate)) {
         took = true;
         return;
       }

@@ -13,6 +13,7 @@
 // Shared-memory tiles use wgmma's canonical 128-byte swizzle: a tile of R rows x HD columns is HD/64 column panels,
 // each R rows of 128 bytes (64 elements); 16-byte chunk c of row r sits at chunk position c ^ (r % 8). 8-row groups
 // (1024 bytes) are the descriptors' stride dimension; every panel starts 1024-aligned.
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -350,8 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
                                                          const float* __restrict__ lse, const float* __restrict__ Dd,
                                                          S* __restrict__ dk, S* __restrict__ dv,
                                                          float* __restrict__ dqacc, const int32_t* __restrict__ cu,
-                                                         int nh, int nkv, float scale, float sl2, bool causal,
-                                                         bool acc) {
+                                                         int nh, int nkv, int kh0, float scale, float sl2,
+                                                         bool causal, bool acc) {
 #ifdef Q3VL_WGMMA
   static_assert(HD == 128, "dQ is split by 64 columns between the 2 warpgroups");
   constexpr int BM = kBwdM, BN = kBwdN, TQ = BM * HD * 2, TK = BN * HD * 2;
@@ -364,13 +365,13 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
 
   // Key blocks slowest in the launch order: every head's and segment's first block (the most query tiles when
   // causal) starts before any second one.
-  const int kh = blockIdx.x, seg = blockIdx.y;
+  const int kh = kh0 + blockIdx.x, seg = blockIdx.y;  // kv heads [kh0, kh0 + gridDim.x): dqacc holds their rows
   const int b0 = cu[seg], L = cu[seg + 1] - b0;
   const int j0 = blockIdx.z * BN;
   if (j0 >= L) return;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int grp = nh / nkv;
-  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD;
+  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD, ldacc = int64_t(gridDim.x) * grp * HD;
   const int qb0 = causal ? j0 / BM : 0;  // earlier query tiles see none of these keys
   const int nqb = (L + BM - 1) / BM - qb0, nit = grp * nqb;
 
@@ -483,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     for (int rh = 0; rh < 2; ++rh) {
       const int i = i0 + warp * 16 + g + 8 * rh;
       if (i >= L) continue;
-      float* row = dqacc + int64_t(b0 + i) * ldq + int64_t(h) * HD + wg * 64 + 2 * t;
+      float* row = dqacc + int64_t(b0 + i) * ldacc + int64_t(h - kh0 * grp) * HD + wg * 64 + 2 * t;
 #pragma unroll
       for (int n = 0; n < BM / 8; ++n)
         atomicAdd(reinterpret_cast<float2*>(row + 8 * n), make_float2(dqa[4 * n + 2 * rh], dqa[4 * n + 2 * rh + 1]));
@@ -505,11 +506,14 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
 #endif
 }
 
-// dq (+)= the fp32 accumulator, 2 elements a thread.
+// dq[:, c0 .. c0 + w) (+)= the fp32 accumulator [N, w], 2 elements a thread (ldq: dq's row stride).
 template <class S>
-__global__ void dq_from_acc(const float2* __restrict__ a, S* __restrict__ dq, int64_t n2, bool acc) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n2; i += int64_t(gridDim.x) * blockDim.x)
-    add2<S>(dq + 2 * i, a[i].x, a[i].y, acc);
+__global__ void dq_from_acc(const float2* __restrict__ a, S* __restrict__ dq, int64_t n2, int w, int64_t ldq,
+                            int64_t c0, bool acc) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n2; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = 2 * i / w, col = 2 * i % w;
+    add2<S>(dq + row * ldq + c0 + col, a[i].x, a[i].y, acc);
+  }
 }
 
 bool is_sm90() {
@@ -536,23 +540,28 @@ bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k
   return true;
 }
 
-size_t attention_bwd_sm90_ws(int64_t N, int64_t nh, int64_t hd) { return size_t(N) * size_t(nh * hd) * sizeof(float); }
-
+// dqacc: acc_bytes of workspace for the fp32 dQ accumulator; the kv heads go in chunks whose query heads' rows fit
+// (false, nothing done, when not even one kv head's do).
 bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void* q, const void* k, const void* v,
-                        const float* lse, const float* D, void* dq, void* dk, void* dv, float* dqacc,
+                        const float* lse, const float* D, void* dq, void* dk, void* dv, float* dqacc, size_t acc_bytes,
                         const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
                         float scale, float sl2, bool acc) {
-  if (hd != 128 || !is_sm90()) return false;
-  const size_t nacc = attention_bwd_sm90_ws(N, nh, hd) / sizeof(float);
-  Q3VL_CU(cudaMemsetAsync(dqacc, 0, nacc * sizeof(float), st));
-  const dim3 grid(unsigned(nkv), unsigned(nseg), unsigned((max_len + kBwdN - 1) / kBwdN));
+  const int grp = nh / nkv;
+  const size_t per_kv = size_t(N) * grp * hd * sizeof(float);  // one kv head's query rows
+  const int chunk = int(std::min<size_t>(nkv, acc_bytes / per_kv));
+  if (hd != 128 || chunk == 0 || !is_sm90()) return false;
   auto run = [&]<class S>() {
-    launch(bwd_wgmma<S, 128>, grid, kThreads, bwd_smem<128>(), st, static_cast<const S*>(dout),
-           static_cast<const S*>(q), static_cast<const S*>(k), static_cast<const S*>(v), lse, D, static_cast<S*>(dk),
-           static_cast<S*>(dv), dqacc, cu, nh, nkv, scale, sl2, causal, acc);
-    const int64_t n2 = int64_t(nacc / 2);
-    launch(dq_from_acc<S>, dim3(grid_for(n2)), 256, 0, st, reinterpret_cast<const float2*>(dqacc),
-           static_cast<S*>(dq), n2, acc);
+    for (int kh0 = 0; kh0 < nkv; kh0 += chunk) {
+      const int nc = std::min(chunk, nkv - kh0), w = nc * grp * hd;
+      Q3VL_CU(cudaMemsetAsync(dqacc, 0, nc * per_kv, st));
+      const dim3 grid(unsigned(nc), unsigned(nseg), unsigned((max_len + kBwdN - 1) / kBwdN));
+      launch(bwd_wgmma<S, 128>, grid, kThreads, bwd_smem<128>(), st, static_cast<const S*>(dout),
+             static_cast<const S*>(q), static_cast<const S*>(k), static_cast<const S*>(v), lse, D,
+             static_cast<S*>(dk), static_cast<S*>(dv), dqacc, cu, nh, nkv, kh0, scale, sl2, causal, acc);
+      const int64_t n2 = N * w / 2;
+      launch(dq_from_acc<S>, dim3(grid_for(n2)), 256, 0, st, reinterpret_cast<const float2*>(dqacc),
+             static_cast<S*>(dq), n2, w, int64_t(nh) * hd, int64_t(kh0) * grp * hd, acc);
+    }
   };
   bf16 ? run.template operator()<__nv_bfloat16>() : run.template operator()<__half>();
   return true;
