@@ -3,10 +3,12 @@
 //  - bf16/fp16 with hd in {64, 72, 128} and 16-byte aligned pointers: tensor cores (mma.sync m16n8k16, fp32
 //    accumulation), 4 warps a block, cp.async double-buffered tiles (FwdCfg/DqCfg/DkvCfg give the tile sizes);
 //    hd 72 is zero-padded to 80 in shared memory.
-//    On a 9.0 device, hd 128 takes attention_sm90.cu's wgmma forward instead (1.18x; Q3VL_ATTN_FWD=old: fwd_tc).
+//    On a 9.0 device, hd 128 takes attention_sm90.cu's wgmma kernels instead (Q3VL_ATTN_FWD=old / Q3VL_ATTN_BWD=old:
+//    these).
 //  - everything else (fp32 parity mode, other head dims up to 256): SIMT kernels, fp32 tiles, 4 threads per row.
 // Backward: D = rowsum(dout*out) into Exec::ws, then dK/dV per (key block, kv head) looping over the group's query
-// heads (race-free GQA), then dQ per query block looping over key blocks (deterministic, no atomics).
+// heads (race-free GQA), then dQ per query block looping over key blocks (deterministic, no atomics). The wgmma
+// backward computes dQ in the dK/dV loop instead, into an fp32 accumulator after D in Exec::ws (atomics).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -15,6 +17,7 @@
 #include <type_traits>
 
 #include "tensor/cuda/common.cuh"
+#include "tensor/cuda/mma_util.cuh"
 
 namespace q3vl::dev::cuda {
 namespace {
@@ -23,82 +26,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -INFINITY;
 
-// ---- PTX helpers ----------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t su32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-// 16-byte async copy; pred false zero-fills the destination (rows past the segment's end).
-__device__ __forceinline__ void cp16(void* s, const void* g, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(su32(s)), "l"(g), "r"(pred ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp4(void* s, const void* g, bool pred) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(su32(s)), "l"(g), "r"(pred ? 4 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(su32(p)));
-}
-__device__ __forceinline__ void ldsm4t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(su32(p)));
-}
-template <class S> __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-template <> __device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// Two floats as one 32-bit register of S pairs; `lo` is the lower column.
-template <class S> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-// p[0] += x, p[1] += y on a 4-byte aligned S pair (gradient accumulation); acc false: p = 0 + (x, y), p unread
-// (dev.hpp).
-template <class S> __device__ __forceinline__ void add2(S* p, float x, float y, bool acc);
-template <> __device__ __forceinline__ void add2<__nv_bfloat16>(__nv_bfloat16* p, float x, float y, bool acc) {
-  const float2 f = acc ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p)) : float2{0.f, 0.f};
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(f.x + x, f.y + y);
-}
-template <> __device__ __forceinline__ void add2<__half>(__half* p, float x, float y, bool acc) {
-  const float2 f = acc ? __half22float2(*reinterpret_cast<const __half2*>(p)) : float2{0.f, 0.f};
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(f.x + x, f.y + y);
-}
-// The same for one element of any S.
+// p[i] += x on one element of any S (acc false: p[i] = x, p unread).
 template <class S> __device__ __forceinline__ void add1(S* p, int64_t i, float x, bool acc) {
   st(p, i, (acc ? ld(p, i) : 0.f) + x);
-}
-// 2^x on the SFU (inputs are <= 0 or -inf here; flushing tiny results to 0 is harmless).
-__device__ __forceinline__ float fexp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
 // ---- D = rowsum(dout * out), one warp per (token, head) row -------------------------------------------------------
@@ -904,19 +834,28 @@ bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64
 
 }  // namespace
 
-// attention_sm90.cu: the wgmma forward (sm_90a) for bf16/fp16, hd 64 and 128 on a 9.0 device; false: not taken
-// (other shapes or devices, or Q3VL_ATTN_FWD=old), fwd_tc runs instead.
-// Q3VL_ATTN_FWD=old forces fwd_tc on a 9.0 device too (read once), for A/B runs.
-bool attention_fwd_old() {
-  static const bool old = [] {
-    const char* e = std::getenv("Q3VL_ATTN_FWD");
-    return e != nullptr && std::strcmp(e, "old") == 0;
-  }();
+// attention_sm90.cu: the wgmma forward (hd 64, 128) and backward (hd 128) for bf16/fp16 on a 9.0 device; false:
+// not taken (other shapes or devices).
+bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
+                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2);
+bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void* q, const void* k, const void* v,
+                        const float* lse, const float* D, void* dq, void* dk, void* dv, float* dqacc, size_t acc_bytes,
+                        const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
+                        float scale, float sl2, bool acc);
+
+// Q3VL_ATTN_FWD=old / Q3VL_ATTN_BWD=old keep the mma.sync kernels on a 9.0 device too (read once), for A/B runs.
+static bool env_old(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, "old") == 0;
+}
+static bool attention_fwd_old() {
+  static const bool old = env_old("Q3VL_ATTN_FWD");
   return old;
 }
-bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
-                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2,
-                        bool pipelined);
+static bool attention_bwd_old() {
+  static const bool old = env_old("Q3VL_ATTN_BWD");
+  return old;
+}
 
 void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
                    const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
@@ -935,7 +874,7 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
         // hd 128 only: at hd 64 the wgmma kernel measured 0.90-1.03x fwd_tc (784-token vision segments, 4096 text)
         if (ihd == 128 && !attention_fwd_old() &&
             attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len),
-                               inh, inkv, ihd, causal, sl2, true))
+                               inh, inkv, ihd, causal, sl2))
           return;
         auto run = [&]<int HD>() {
           using C = FwdCfg<HD>;
@@ -958,16 +897,22 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
   });
 }
 
-void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
-                   const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
-                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, bool accumulate,
-                   DType dt) {
-  if (!check_shape("attention_bwd", nseg, max_len, N, nh, nkv, hd)) return;
+// wgmma: whether attention_bwd may take attention_sm90.cu's kernel; true: it did. attention_bwd passes
+// !Q3VL_ATTN_BWD=old; tools/gpu/attn_check.cu calls both ways in one process.
+bool attention_bwd_path(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
+                        const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg,
+                        int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale,
+                        bool accumulate, DType dt, bool wgmma) {
+  if (!check_shape("attention_bwd", nseg, max_len, N, nh, nkv, hd)) return false;
   const size_t need = size_t(N) * size_t(nh) * sizeof(float);
   if (x.ws == nullptr || x.ws_bytes < need)
     fail("attention_bwd: the Exec workspace holds " + std::to_string(x.ws_bytes) + " bytes, the row statistics D " +
          "need " + std::to_string(need) + " (N*heads*4); make the Exec with a larger workspace");
   float* Dd = static_cast<float*>(x.ws);
+  // The wgmma kernel's fp32 dQ accumulator follows D in the workspace (256-byte aligned).
+  const size_t acc_off = (need + 255) / 256 * 256;
+  float* dqacc = reinterpret_cast<float*>(static_cast<char*>(x.ws) + acc_off);
+  const size_t acc_bytes = x.ws_bytes > acc_off ? x.ws_bytes - acc_off : 0;
   const cudaStream_t st = stream_of(x);
   const float sl2 = scale * kLog2e;
   const unsigned nb = unsigned((max_len + 63) / 64);
@@ -975,6 +920,7 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
   const int inh = int(nh), inkv = int(nkv), ihd = int(hd);
   const bool al = aligned16(dout) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(dq) &&
                   aligned16(dk) && aligned16(dv);
+  bool took = false;
   by_dtype(dt, [&]<class S>() {
     const S *G = static_cast<const S*>(dout), *Q = static_cast<const S*>(q), *K = static_cast<const S*>(k),
             *V = static_cast<const S*>(v), *O = static_cast<const S*>(out);
@@ -982,6 +928,13 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
     const int64_t rows = N * nh;
     launch(rowdot_kernel<S>, dim3(grid_for(rows * 32)), 256, 0, st, G, O, Dd, rows, ihd);
     if constexpr (!std::is_same_v<S, float>) {
+      if (al && wgmma &&
+          attention_bwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, dout, q, k, v, lse, Dd, dq, dk, dv, dqacc,
+                             acc_bytes, cu, int(nseg), int(max_len), N, inh, inkv, ihd, causal, scale, sl2,
+                             accumulate)) {
+        took = true;
+        return;
+      }
       if (al && (hd == 64 || hd == 72 || hd == 128)) {
         auto run = [&]<int HD>() {
           constexpr int NW = DkvCfg<HD>::NW;
@@ -1008,6 +961,15 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
     if (hd <= 128) run.template operator()<32>();
     else run.template operator()<64>();
   });
+  return took;
+}
+
+void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
+                   const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
+                   int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, bool accumulate,
+                   DType dt) {
+  attention_bwd_path(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
+                     accumulate, dt, !attention_bwd_old());
 }
 
 }  // namespace q3vl::dev::cuda

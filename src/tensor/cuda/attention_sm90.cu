@@ -1,23 +1,24 @@
-// Flash attention forward for Hopper (sm_90a): wgmma tensor-core instructions, called by attention.cu's
-// attention_fwd for bf16/fp16, head dims 64 and 128, on a compute-capability 9.0 device. Same semantics as fwd_tc
-// there (packed variable-length segments, GQA, causal or not; out [N, nh*hd], lse [N, nh] natural log).
+// Flash attention for Hopper (sm_90a): wgmma tensor-core instructions, called by attention.cu's attention_fwd (bf16/
+// fp16, head dims 64 and 128) and attention_bwd (head dim 128) on a compute-capability 9.0 device. Same semantics as
+// fwd_tc / dkdv_tc + dq_tc there (packed variable-length segments, GQA, causal or not; out [N, nh*hd], lse [N, nh]
+// natural log). The backward is described above bwd_wgmma.
 //
-// A block is 2 warpgroups (256 threads) and 128 queries of one head of one segment; warpgroup w owns query rows
-// [64w, 64w+64). Per key tile of 128 keys: S = Q K^T by wgmma m64n128k16 with Q and K both from shared memory,
+// Forward: a block is 2 warpgroups (256 threads) and 128 queries of one head of one segment; warpgroup w owns query
+// rows [64w, 64w+64). Per key tile of 128 keys: S = Q K^T by wgmma m64n128k16 with Q and K both from shared memory,
 // online softmax in registers (the accumulator layout is that of mma.m16n8 per warp, rows 16*warp + g, g+8),
 // P packed to 16-bit registers as wgmma's A operand, and O += P V by wgmma m64nHDk16 with V from shared memory read
-// N-major (the descriptor's transpose bit). K/V tiles stream in with cp.async (16-byte copies of every thread), one
-// or two tiles ahead of the compute (see kPipe below).
+// N-major (the descriptor's transpose bit). K/V tiles stream in with cp.async (16-byte copies of every thread), two
+// tiles ahead of the compute (3 buffers), the softmax of one tile overlapping P.V of the previous one.
 //
 // Shared-memory tiles use wgmma's canonical 128-byte swizzle: a tile of R rows x HD columns is HD/64 column panels,
 // each R rows of 128 bytes (64 elements); 16-byte chunk c of row r sits at chunk position c ^ (r % 8). 8-row groups
 // (1024 bytes) are the descriptors' stride dimension; every panel starts 1024-aligned.
+#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "tensor/cuda/common.cuh"
+#include "tensor/cuda/mma_util.cuh"
 
 namespace q3vl::dev::cuda {
 namespace {
@@ -30,34 +31,6 @@ constexpr float kNegInf = -INFINITY;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define Q3VL_WGMMA 1
 #endif
-
-__device__ __forceinline__ void cp16(uint32_t s, const void* g, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(pred ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ float fexp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-template <class S> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<S, __nv_bfloat16>) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
 
 // ---- wgmma -----------------------------------------------------------------------------------------------------
 // Shared-memory matrix descriptor (PTX ISA "matrix descriptor"): start address >> 4 in bits 0-13, leading-dimension
@@ -94,16 +67,30 @@ template <int N> __device__ __forceinline__ void wg_wait() {
 #define Q3_R32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 #define Q3_R64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
-// d (64 x 128 fp32, this thread's 64) (+)= A (64 x 16, K-major smem) * B (16 x 128, K-major smem); acc 0 overwrites.
-#define Q3_WG_SS(TY)                                                                                             \
+// d (64 x N fp32, this thread's N/2) (+)= A (64 x 16, smem) * B (16 x N, smem); acc 0 overwrites. TA/TB 0: the
+// operand is K-major; 1: M-/N-major (stored transposed: rows along K), PTX's imm-trans-a/b.
+#define Q3_WG_SS128(TY)                                                                                          \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                     \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " Q3_R64 ", %64, %65, p, 1, 1, 0, 0;\n}\n" \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " Q3_R64 ", %64, %65, p, 1, 1, %67, %68;\n}\n" \
                : Q3_D64                                                                                          \
-               : "l"(a), "l"(b), "r"(acc))
-template <class S> __device__ __forceinline__ void wg_ss128(float (&d)[64], uint64_t a, uint64_t b, int acc) {
+               : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB))
+#define Q3_WG_SS64(TY)                                                                                           \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                     \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " Q3_R32 ", %32, %33, p, 1, 1, %35, %36;\n}\n" \
+               : Q3_D32                                                                                          \
+               : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB))
+template <class S, int N, int TA = 0, int TB = 0>
+__device__ __forceinline__ void wg_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
 #ifdef Q3VL_WGMMA
-  if constexpr (std::is_same_v<S, __nv_bfloat16>) Q3_WG_SS("bf16");
-  else Q3_WG_SS("f16");
+  constexpr bool bf = std::is_same_v<S, __nv_bfloat16>;
+  if constexpr (N == 128) {
+    if constexpr (bf) Q3_WG_SS128("bf16");
+    else Q3_WG_SS128("f16");
+  } else {
+    static_assert(N == 64);
+    if constexpr (bf) Q3_WG_SS64("bf16");
+    else Q3_WG_SS64("f16");
+  }
 #endif
 }
 // d (64 x N fp32) += A (64 x 16 from registers: per warp the A fragment of mma.m16n8k16) * B (16 x N, N-major
@@ -156,14 +143,15 @@ __device__ __forceinline__ void load_tile(uint32_t s, const S* g, int64_t ld, in
 template <class S, int HD> __device__ __forceinline__ void gemm_s(float (&s)[kBN / 2], uint32_t qa, uint32_t ka) {
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk)
-    wg_ss128<S>(s, sdesc(qa + (kk >> 2) * (kBM * 128) + (kk & 3) * 32, 16),
+    wg_ss<S, kBN>(s, sdesc(qa + (kk >> 2) * (kBM * 128) + (kk & 3) * 32, 16),
                 sdesc(ka + (kk >> 2) * (kBN * 128) + (kk & 3) * 32, 16), kk > 0);
 }
-// o += P V for the V tile at va: 16 keys = two 8-row groups (2048 bytes) of every panel; LBO = the panel distance.
-template <class S, int HD>
-__device__ __forceinline__ void gemm_pv(float (&o)[HD / 2], const uint32_t (&p)[kBN / 16][4], uint32_t va) {
+// o += P V for the V tile of R rows at va: 16 rows = two 8-row groups (2048 bytes) of every panel; LBO = the panel
+// distance. (The backward's dV += P^T dO and dK += dS^T Q are the same product.)
+template <class S, int HD, int R>
+__device__ __forceinline__ void gemm_pv(float (&o)[HD / 2], const uint32_t (&p)[R / 16][4], uint32_t va) {
 #pragma unroll
-  for (int kk = 0; kk < kBN / 16; ++kk) wg_rs<S, HD>(o, p[kk], sdesc(va + kk * 2048, kBN * 128));
+  for (int kk = 0; kk < R / 16; ++kk) wg_rs<S, HD>(o, p[kk], sdesc(va + kk * 2048, R * 128));
 }
 // Online softmax on one score tile (keys j0..): masks, moves the running max (log2 units), replaces s by
 // exp2(s*sl2 - max), adds its row sums to lrow; alpha: the factor the accumulated output rows must take.
@@ -207,9 +195,9 @@ template <int N> __device__ __forceinline__ void rescale(float (&o)[N], const fl
                                   o[4 * n + 3] *= alpha[1];
 }
 // P in A-fragment order: keys 16kk.. are accumulator chunks 2kk (registers 0, 1) and 2kk+1 (registers 2, 3).
-template <class S> __device__ __forceinline__ void to_p(const float (&s)[kBN / 2], uint32_t (&p)[kBN / 16][4]) {
+template <class S, int N> __device__ __forceinline__ void to_p(const float (&s)[N / 2], uint32_t (&p)[N / 16][4]) {
 #pragma unroll
-  for (int kk = 0; kk < kBN / 16; ++kk)
+  for (int kk = 0; kk < N / 16; ++kk)
 #pragma unroll
     for (int e = 0; e < 4; ++e) p[kk][e] = pack2<S>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
@@ -222,22 +210,21 @@ __device__ __forceinline__ void tiles_landed(bool all) {
   __syncthreads();
 }
 
-// Two schedules (the host picks; the harness times both). kPipe false: 2 K/V buffers, and per tile S, softmax, PV
-// in sequence, the tensor cores idle during the softmax. kPipe true (FA3's intra-warpgroup overlap): 3 buffers, S of
+// The schedule (FA3's intra-warpgroup overlap): 3 K/V buffers, S of
 // tile kb+1 and PV of tile kb issued together, the softmax of tile kb+1 computed while PV of tile kb runs; O is
 // rescaled and P rebuilt once PV has finished with them.
-template <bool kPipe> constexpr int kBufs = kPipe ? 3 : 2;
-template <int HD, bool kPipe> constexpr size_t smem_bytes(size_t es) {
-  return size_t(kBM + 2 * kBufs<kPipe> * kBN) * HD * es + 1024;  // Q, K and V buffers, + alignment slack
+constexpr int kBufs = 3;
+template <int HD> constexpr size_t fwd_smem(size_t es) {
+  return size_t(kBM + 2 * kBufs * kBN) * HD * es + 1024;  // Q, K and V buffers, + alignment slack
 }
 
-template <class S, int HD, bool kPipe>
+template <class S, int HD>
 __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q, const S* __restrict__ k,
                                                          const S* __restrict__ v, S* __restrict__ out,
                                                          float* __restrict__ lse, const int32_t* __restrict__ cu,
                                                          int nh, int nkv, float sl2, bool causal) {
 #ifdef Q3VL_WGMMA
-  constexpr int NB = kBufs<kPipe>, TQ = kBM * HD * 2, TK = kBN * HD * 2;  // tile bytes (16-bit elements)
+  constexpr int NB = kBufs, TQ = kBM * HD * 2, TK = kBN * HD * 2;  // tile bytes (16-bit elements)
   extern __shared__ __align__(16) unsigned char smraw[];
   const uint32_t sQ = (static_cast<uint32_t>(__cvta_generic_to_shared(smraw)) + 1023u) & ~1023u;
   const uint32_t sK = sQ + TQ, sV = sK + NB * TK;
@@ -273,69 +260,46 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
   float s[kBN / 2], alpha[2];
   uint32_t p[kBN / 16][4];
 
-  if constexpr (!kPipe) {
-    for (int kb = 0; kb < nkb; ++kb) {
-      tiles_landed(true);  // tile kb landed; every wgmma on the other buffer has completed (wait_group 0 below)
-      if (kb + 1 < nkb) load_kv(kb + 1);
-      cp_commit();
-      wg_fence();
-      gemm_s<S, HD>(s, qa, sK + (kb % NB) * TK);
-      wg_commit();
-      wg_wait<0>();
-      pin(s);
-      softmax_tile(s, mrow, lrow, alpha, kb * kBN, L, tr0, t, causal, sl2);
-      rescale(o, alpha);
-      to_p<S>(s, p);
-      pin(o);
-      pin2(p);
-      wg_fence();
-      gemm_pv<S, HD>(o, p, sV + (kb % NB) * TK);
-      wg_commit();
-      wg_wait<0>();
-      pin(o);
-    }
-  } else {
-    if (nkb > 1) load_kv(1);
+  if (nkb > 1) load_kv(1);
+  cp_commit();
+  tiles_landed(false);  // Q and tile 0 (tile 1 may still stream)
+  wg_fence();
+  gemm_s<S, HD>(s, qa, sK);
+  wg_commit();
+  wg_wait<0>();
+  pin(s);
+  softmax_tile(s, mrow, lrow, alpha, 0, L, tr0, t, causal, sl2);  // o is 0: no rescale
+  to_p<S, kBN>(s, p);
+  // Every wgmma group in the loop body is unconditional: issuing S under `if` made ptxas serialize the wgmmas
+  // (C7514).
+  for (int kb = 0; kb + 1 < nkb; ++kb) {
+    // Tile kb+1 landed; buffer (kb+2)%3 held tile kb-1, whose wgmmas every thread waited for before arriving.
+    tiles_landed(true);
+    if (kb + 2 < nkb) load_kv(kb + 2);
     cp_commit();
-    tiles_landed(false);  // Q and tile 0 (tile 1 may still stream)
-    wg_fence();
-    gemm_s<S, HD>(s, qa, sK);
-    wg_commit();
-    wg_wait<0>();
-    pin(s);
-    softmax_tile(s, mrow, lrow, alpha, 0, L, tr0, t, causal, sl2);  // o is 0: no rescale
-    to_p<S>(s, p);
-    // Every wgmma group in the loop body is unconditional: issuing S under `if` made ptxas serialize the wgmmas
-    // (C7514).
-    for (int kb = 0; kb + 1 < nkb; ++kb) {
-      // Tile kb+1 landed; buffer (kb+2)%3 held tile kb-1, whose wgmmas every thread waited for before arriving.
-      tiles_landed(true);
-      if (kb + 2 < nkb) load_kv(kb + 2);
-      cp_commit();
-      pin(o);
-      pin2(p);
-      wg_fence();
-      gemm_s<S, HD>(s, qa, sK + ((kb + 1) % NB) * TK);
-      wg_commit();
-      gemm_pv<S, HD>(o, p, sV + (kb % NB) * TK);
-      wg_commit();
-      wg_wait<1>();  // S of tile kb+1 (the older group) is done; PV of tile kb keeps running
-      pin(s);
-      softmax_tile(s, mrow, lrow, alpha, (kb + 1) * kBN, L, tr0, t, causal, sl2);
-      wg_wait<0>();
-      pin(o);
-      rescale(o, alpha);  // p and o are free again
-      to_p<S>(s, p);
-    }
-    // PV of the last tile (landed before its S ran: no barrier needed, nothing is loaded any more).
     pin(o);
     pin2(p);
     wg_fence();
-    gemm_pv<S, HD>(o, p, sV + ((nkb - 1) % NB) * TK);
+    gemm_s<S, HD>(s, qa, sK + ((kb + 1) % NB) * TK);
     wg_commit();
+    gemm_pv<S, HD, kBN>(o, p, sV + (kb % NB) * TK);
+    wg_commit();
+    wg_wait<1>();  // S of tile kb+1 (the older group) is done; PV of tile kb keeps running
+    pin(s);
+    softmax_tile(s, mrow, lrow, alpha, (kb + 1) * kBN, L, tr0, t, causal, sl2);
     wg_wait<0>();
     pin(o);
+    rescale(o, alpha);  // p and o are free again
+    to_p<S, kBN>(s, p);
   }
+  // PV of the last tile (landed before its S ran: no barrier needed, nothing is loaded any more).
+  pin(o);
+  pin2(p);
+  wg_fence();
+  gemm_pv<S, HD, kBN>(o, p, sV + ((nkb - 1) % NB) * TK);
+  wg_commit();
+  wg_wait<0>();
+  pin(o);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(lrow[r]);
@@ -355,27 +319,251 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
 }
 
 
-}  // namespace
+// ---- backward -------------------------------------------------------------------------------------------------------
+// A block is 2 warpgroups and kBwdN = 128 keys of one kv head of one segment; warpgroup w owns keys [64w, 64w+64) and
+// their dK/dV rows (fp32 in registers, summed over the group's query heads: GQA without races). The block loops over
+// the query heads of the group and, per head, over 64-query tiles (causal: from the block's first key on); per tile
+// (Q, dO, lse, D double-buffered by cp.async), warpgroup w computes
+//   S^T = K_w Q^T, dP^T = V_w dO^T          (wgmma m64n64k16, both operands K-major in smem)
+//   P^T = exp2(S^T sl2 - lse log2e), dS^T = P^T (dP^T - D) scale   (registers; lse, D per column = query)
+//   dV_w += P^T dO, dK_w += dS^T Q          (wgmma m64n128k16, P^T/dS^T from registers, dO/Q N-major)
+// and dS^T goes to shared memory (keys x queries, 128-byte swizzle), from which, once both halves are there,
+//   dQ[:, 64w..64w+64) = dS K[:, 64w..]    (wgmma m64n64k16, dS M-major, K N-major)
+// is added to an fp32 dQ accumulator in global memory with atomics (other key blocks add to the same rows).
+constexpr int kBwdM = 64, kBwdN = 128;
+template <int HD> constexpr size_t bwd_smem() {
+  return size_t(2 * kBwdN + 4 * kBwdM) * HD * 2 + kBwdN * kBwdM * 2 + 4 * kBwdM * 4 + 1024;
+}
 
-bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
-                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2,
-                        bool pipelined) {
-  if (hd != 64 && hd != 128) return false;
+// t (64 x 64: the warpgroup's 64 rows of A x the 64 rows of B) = A B^T, both K-major HD-column tiles: A's rows start
+// at a inside panels of pa bytes, B is a 64-row tile at b.
+template <class S, int HD>
+__device__ __forceinline__ void gemm_t(float (&t)[kBwdM / 2], uint32_t a, uint32_t pa, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk)
+    wg_ss<S, kBwdM>(t, sdesc(a + (kk >> 2) * pa + (kk & 3) * 32, 16),
+                    sdesc(b + (kk >> 2) * (kBwdM * 128) + (kk & 3) * 32, 16), kk > 0);
+}
+
+template <class S, int HD>
+__global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ dout, const S* __restrict__ q,
+                                                         const S* __restrict__ k, const S* __restrict__ v,
+                                                         const float* __restrict__ lse, const float* __restrict__ Dd,
+                                                         S* __restrict__ dk, S* __restrict__ dv,
+                                                         float* __restrict__ dqacc, const int32_t* __restrict__ cu,
+                                                         int nh, int nkv, int kh0, float scale, float sl2,
+                                                         bool causal, bool acc) {
+#ifdef Q3VL_WGMMA
+  static_assert(HD == 128, "dQ is split by 64 columns between the 2 warpgroups");
+  constexpr int BM = kBwdM, BN = kBwdN, TQ = BM * HD * 2, TK = BN * HD * 2;
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ __align__(16) unsigned char smraw[];
+  const uint32_t sK = (static_cast<uint32_t>(__cvta_generic_to_shared(smraw)) + 1023u) & ~1023u;
+  const uint32_t sV = sK + TK, sQ = sV + TK, sO = sQ + 2 * TQ, sdS = sO + 2 * TQ;  // sQ, sO: 2 buffers
+  const uint32_t sLD = sdS + BN * BM * 2;  // lse[2][BM], then D[2][BM]
+  float* fLD = reinterpret_cast<float*>(smraw + (sLD - static_cast<uint32_t>(__cvta_generic_to_shared(smraw))));
+
+  // Key blocks slowest in the launch order: every head's and segment's first block (the most query tiles when
+  // causal) starts before any second one.
+  const int kh = kh0 + blockIdx.x, seg = blockIdx.y;  // kv heads [kh0, kh0 + gridDim.x): dqacc holds their rows
+  const int b0 = cu[seg], L = cu[seg + 1] - b0;
+  const int j0 = blockIdx.z * BN;
+  if (j0 >= L) return;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int grp = nh / nkv;
+  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD, ldacc = int64_t(gridDim.x) * grp * HD;
+  const int qb0 = causal ? j0 / BM : 0;  // earlier query tiles see none of these keys
+  const int nqb = (L + BM - 1) / BM - qb0, nit = grp * nqb;
+
+  load_tile<S, HD, BN>(sK, k + int64_t(b0) * ldk + int64_t(kh) * HD, ldk, j0, L, tid);
+  load_tile<S, HD, BN>(sV, v + int64_t(b0) * ldk + int64_t(kh) * HD, ldk, j0, L, tid);
+  auto stage = [&](int it, int buf) {
+    const int h = kh * grp + it / nqb, i0 = (qb0 + it % nqb) * BM;
+    load_tile<S, HD, BM>(sQ + buf * TQ, q + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
+    load_tile<S, HD, BM>(sO + buf * TQ, dout + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
+    if (tid < 2 * BM) {  // lse (tid < BM) and D; rows past the end read as 0 and are masked
+      const int r = tid % BM;
+      const bool ok = i0 + r < L;
+      const int64_t idx = ok ? int64_t(b0 + i0 + r) * nh + h : 0;
+      cp4(sLD + ((tid / BM) * 2 + buf) * BM * 4 + r * 4, (tid < BM ? lse : Dd) + idx, ok);
+    }
+  };
+  stage(0, 0);
+  cp_commit();
+
+  float dka[HD / 2], dva[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dka[i] = dva[i] = 0.f;
+  const int kw0 = j0 + wg * 64;            // the warpgroup's first key
+  const int kr0 = kw0 + warp * 16 + g;     // this thread's keys: kr0, kr0 + 8 (accumulator rows)
+  const uint32_t ka = sK + wg * 64 * 128;  // the warpgroup's 64 rows inside each K / V panel
+  const uint32_t va = sV + wg * 64 * 128;
+
+  for (int it = 0; it < nit; ++it) {
+    // Tile it landed; every wgmma and read of the other buffer and of sdS (iteration it-1) is complete.
+    tiles_landed(true);
+    if (it + 1 < nit) stage(it + 1, (it + 1) & 1);
+    cp_commit();
+    const int buf = it & 1, h = kh * grp + it / nqb, i0 = (qb0 + it % nqb) * BM;
+    const uint32_t cQ = sQ + buf * TQ, cO = sO + buf * TQ;
+    const float* cL = fLD + buf * BM;
+    const float* cD = fLD + (2 + buf) * BM;
+
+    // S^T and dP^T as two groups: P is computed while dP^T runs, dS while dV += P^T dO runs.
+    float st[BM / 2], dpt[BM / 2];
+    wg_fence();
+    gemm_t<S, HD>(st, ka, BN * 128, cQ);
+    wg_commit();
+    gemm_t<S, HD>(dpt, va, BN * 128, cO);
+    wg_commit();
+    wg_wait<1>();
+    pin(st);
+    // Accumulator element 4n+e: key kr0 + 8*(e>>1), query i0 + 8n + 2t + (e&1).
+    const bool need_mask = i0 + BM > L || kw0 + 64 > L || (causal && i0 < kw0 + 63);  // warpgroup-uniform
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = 8 * n + 2 * t + (e & 1);
+        float p = fexp2(st[4 * n + e] * sl2 - cL[c] * kLog2e);
+        if (need_mask) {
+          const int i = i0 + c, j = kr0 + 8 * (e >> 1);
+          if (i >= L || j >= L || (causal && j > i)) p = 0.f;
+        }
+        st[4 * n + e] = p;
+      }
+    uint32_t pa[BM / 16][4], da[BM / 16][4];
+    to_p<S, BM>(st, pa);
+    pin(dva);
+    pin2(pa);
+    wg_fence();
+    gemm_pv<S, HD, BM>(dva, pa, cO);
+    wg_commit();
+    wg_wait<1>();  // dP^T (the older group) done; dV keeps running
+    pin(dpt);
+#pragma unroll
+    for (int n = 0; n < BM / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dpt[4 * n + e] = st[4 * n + e] * (dpt[4 * n + e] - cD[8 * n + 2 * t + (e & 1)]) * scale;
+    to_p<S, BM>(dpt, da);
+    // dS^T to shared memory: key row r = kr0 - j0 (+8), query chunk n at 16-byte position n ^ (r % 8). The pair for
+    // chunk n, row half rh is da[n/2][2*(n%2) + rh] (to_p's order). Conflict-free: a warp's 8 rows hit 8 chunks.
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int r = kr0 - j0 + 8 * rh;
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n)
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sdS + r * 128 + ((n ^ (r & 7)) << 4) + 4 * t),
+                     "r"(da[n >> 1][2 * (n & 1) + rh])
+                     : "memory");
+    }
+    pin(dka);
+    pin2(da);
+    wg_fence();
+    gemm_pv<S, HD, BM>(dka, da, cQ);
+    wg_commit();
+    // Both warpgroups' dS^T halves written (generic proxy) before either reads them through wgmma (async proxy).
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    float dqa[BM / 2];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wg_ss<S, 64, 1, 1>(dqa, sdesc(sdS + kk * 2048, BN * BM * 2), sdesc(sK + wg * (BN * 128) + kk * 2048, BN * 128),
+                         kk > 0);
+    wg_commit();
+    wg_wait<0>();
+    pin(dqa);
+    pin(dka);
+    pin(dva);
+    pin2(pa);  // the A fragments of dV/dK stay allocated until those wgmmas have completed
+    pin2(da);
+    // dQ rows: query i0 + 16*warp + g (+8), columns 64*wg + 8n + 2t (+1).
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int i = i0 + warp * 16 + g + 8 * rh;
+      if (i >= L) continue;
+      float* row = dqacc + int64_t(b0 + i) * ldacc + int64_t(h - kh0 * grp) * HD + wg * 64 + 2 * t;
+#pragma unroll
+      for (int n = 0; n < BM / 8; ++n)
+        atomicAdd(reinterpret_cast<float2*>(row + 8 * n), make_float2(dqa[4 * n + 2 * rh], dqa[4 * n + 2 * rh + 1]));
+    }
+  }
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int j = kr0 + 8 * rh;
+    if (j >= L) continue;
+    const int64_t row = int64_t(b0 + j) * ldk + int64_t(kh) * HD + 2 * t;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      add2<S>(dk + row + 8 * n, dka[4 * n + 2 * rh], dka[4 * n + 2 * rh + 1], acc);
+      add2<S>(dv + row + 8 * n, dva[4 * n + 2 * rh], dva[4 * n + 2 * rh + 1], acc);
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// dq[:, c0 .. c0 + w) (+)= the fp32 accumulator [N, w], 2 elements a thread (ldq: dq's row stride).
+template <class S>
+__global__ void dq_from_acc(const float2* __restrict__ a, S* __restrict__ dq, int64_t n2, int w, int64_t ldq,
+                            int64_t c0, bool acc) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n2; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = 2 * i / w, col = 2 * i % w;
+    add2<S>(dq + row * ldq + c0 + col, a[i].x, a[i].y, acc);
+  }
+}
+
+bool is_sm90() {
   int dev = 0, major = 0, minor = 0;
   Q3VL_CU(cudaGetDevice(&dev));
   Q3VL_CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   Q3VL_CU(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  if (major != 9 || minor != 0) return false;  // the sm_90a cubin runs on 9.0 only
+  return major == 9 && minor == 0;  // the sm_90a cubin runs on 9.0 only
+}
+
+
+}  // namespace
+
+bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
+                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2) {
+  if ((hd != 64 && hd != 128) || !is_sm90()) return false;
   const dim3 grid(unsigned((max_len + kBM - 1) / kBM), unsigned(nh), unsigned(nseg));
   auto run = [&]<class S, int HD>() {
-    auto go = [&]<bool P>() {
-      launch(fwd_wgmma<S, HD, P>, grid, kThreads, smem_bytes<HD, P>(sizeof(S)), st, static_cast<const S*>(q),
-             static_cast<const S*>(k), static_cast<const S*>(v), static_cast<S*>(out), lse, cu, nh, nkv, sl2, causal);
-    };
-    pipelined ? go.template operator()<true>() : go.template operator()<false>();
+    launch(fwd_wgmma<S, HD>, grid, kThreads, fwd_smem<HD>(sizeof(S)), st, static_cast<const S*>(q),
+           static_cast<const S*>(k), static_cast<const S*>(v), static_cast<S*>(out), lse, cu, nh, nkv, sl2, causal);
   };
   if (bf16) hd == 128 ? run.template operator()<__nv_bfloat16, 128>() : run.template operator()<__nv_bfloat16, 64>();
   else hd == 128 ? run.template operator()<__half, 128>() : run.template operator()<__half, 64>();
+  return true;
+}
+
+// dqacc: acc_bytes of workspace for the fp32 dQ accumulator; the kv heads go in chunks whose query heads' rows fit
+// (false, nothing done, when not even one kv head's do).
+bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void* q, const void* k, const void* v,
+                        const float* lse, const float* D, void* dq, void* dk, void* dv, float* dqacc, size_t acc_bytes,
+                        const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
+                        float scale, float sl2, bool acc) {
+  const int grp = nh / nkv;
+  const size_t per_kv = size_t(N) * grp * hd * sizeof(float);  // one kv head's query rows
+  const int chunk = int(std::min<size_t>(nkv, acc_bytes / per_kv));
+  if (hd != 128 || chunk == 0 || !is_sm90()) return false;
+  auto run = [&]<class S>() {
+    for (int kh0 = 0; kh0 < nkv; kh0 += chunk) {
+      const int nc = std::min(chunk, nkv - kh0), w = nc * grp * hd;
+      Q3VL_CU(cudaMemsetAsync(dqacc, 0, nc * per_kv, st));
+      const dim3 grid(unsigned(nc), unsigned(nseg), unsigned((max_len + kBwdN - 1) / kBwdN));
+      launch(bwd_wgmma<S, 128>, grid, kThreads, bwd_smem<128>(), st, static_cast<const S*>(dout),
+             static_cast<const S*>(q), static_cast<const S*>(k), static_cast<const S*>(v), lse, D,
+             static_cast<S*>(dk), static_cast<S*>(dv), dqacc, cu, nh, nkv, kh0, scale, sl2, causal, acc);
+      const int64_t n2 = N * w / 2;
+      launch(dq_from_acc<S>, dim3(grid_for(n2)), 256, 0, st, reinterpret_cast<const float2*>(dqacc),
+             static_cast<S*>(dq), n2, w, int64_t(nh) * hd, int64_t(kh0) * grp * hd, acc);
+    }
+  };
+  bf16 ? run.template operator()<__nv_bfloat16>() : run.template operator()<__half>();
   return true;
 }
 
