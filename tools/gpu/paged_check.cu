@@ -75,7 +75,7 @@ Layout layout(const Segs& segs, int block, int spare, std::mt19937& rng) {
 std::vector<double> reference(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
                               const Layout& L, int block, int nh, int nkv, int hd, double scale) {
   std::vector<double> out(size_t(L.N) * nh * hd);
-  const int nseg = int(L.ctx.size()), G = nh / nkv;
+  const int G = nh / nkv;
   std::atomic<int> next{0};
   auto work = [&] {
     std::vector<double> s;
@@ -106,7 +106,6 @@ std::vector<double> reference(const std::vector<float>& q, const std::vector<flo
   std::vector<std::thread> th;
   for (unsigned t = 0; t < std::max(1u, std::thread::hardware_concurrency()); ++t) th.emplace_back(work);
   for (auto& t : th) t.join();
-  (void)nseg;
   return out;
 }
 

@@ -217,8 +217,8 @@ __global__ void paged_combine(const float* __restrict__ part_acc, const float* _
 // w the MT m-tiles of items [16*MT*w, 16*MT*(w+1)); keys come in tiles of BN, cp.async double-buffered. Shared memory
 // rows have stride HD + 8 (an odd number of 16-byte chunks: ldmatrix is free of bank conflicts). The pool rows of
 // the tile after next are read from the table during the current tile's math (their latency hidden) and parked in
-// sRow. Decode (NW = 1, one m-tile: the G heads of a row or a few rows) relies on split-K for parallelism.
-// Prefill chunks take NW = 4, MT = 2, BN = 64, fwd_tc's forward tile.
+// sRow. ST-stage pipeline (ST - 1 tiles in flight). Decode (NW = 1, one m-tile: the G heads of a row or a few
+// rows) relies on split-K for parallelism; prefill chunks take NW = 4, MT = 2, BN = 64, ST = 2: fwd_tc's tile.
 // int32 pool rows: a row here is hd * 2 >= 128 bytes, so a pool in device memory has fewer than 2^31 of them.
 __device__ __forceinline__ int pool_row(const int32_t* tab, int block, int j, int kend) {
   return j < kend ? tab[j / block] * block + j % block : -1;
@@ -240,19 +240,19 @@ __device__ __forceinline__ void kv_issue(S* sK, S* sV, const int* rows, const S*
 }
 
 // Split sp of nsplit covers keys [sp*chunk, (sp+1)*chunk); nsplit == 1: chunk covers every key. Outputs as paged_fwd.
-template <class S, int HD, int MT, int NW, int BN>
+template <class S, int HD, int MT, int NW, int BN, int ST>
 __global__ void __launch_bounds__(32 * NW)
     paged_tc(const S* __restrict__ q, const S* __restrict__ kp, const S* __restrict__ vp, S* __restrict__ out,
              float* __restrict__ part_acc, float* __restrict__ part_ml, const int32_t* __restrict__ cu,
              const int32_t* __restrict__ ctx, const int32_t* __restrict__ table, int64_t max_blocks, int block,
              int nsplit, int chunk, int64_t rows_total, int nh, int nkv, float sl2) {
   constexpr int NT = 32 * NW, LD = HD + 8, NCH = HD / 8, BM = 16 * MT * NW, WR = 16 * MT;
-  static_assert(NT >= BN && NT % NCH == 0 && BN * NCH % NT == 0 && BM * NCH % NT == 0, "tile shape");
+  static_assert(NT >= BN && NT % NCH == 0 && BN * NCH % NT == 0 && BM * NCH % NT == 0 && ST >= 2, "tile shape");
   extern __shared__ __align__(16) unsigned char smraw[];
-  __shared__ int sRow[2][BN];  // pool rows of the next tiles (-1: past the block's keys)
+  __shared__ int sRow[ST][BN];  // pool rows of the next tiles, tile T in slot T % ST (-1: past the block's keys)
   S* sQ = reinterpret_cast<S*>(smraw);
-  S* sK = sQ + BM * LD;  // 2 buffers
-  S* sV = sK + 2 * BN * LD;
+  S* sK = sQ + BM * LD;  // ST buffers, tile T in buffer T % ST
+  S* sV = sK + ST * BN * LD;
 
   const int seg = blockIdx.z / nsplit, sp = blockIdx.z - seg * nsplit, kh = blockIdx.y, G = nh / nkv;
   const int r0 = cu[seg], n = cu[seg + 1] - r0, items = n * G, base = ctx[seg] - n;  // base: new row 0's position
@@ -273,13 +273,15 @@ __global__ void __launch_bounds__(32 * NW)
     ft::cp16(sQ + r * LD + ch * 8, ok ? q + int64_t(r0 + i) * ldq + int64_t(kh * G + it - i * G) * HD + ch * 8 : q,
              ok);
   }
-  if (tid < BN) {
-    sRow[0][tid] = pool_row(tab, block, kbeg + tid, kend);
-    sRow[1][tid] = pool_row(tab, block, kbeg + BN + tid, kend);
-  }
+  if (tid < BN)
+#pragma unroll
+    for (int u = 0; u < ST; ++u) sRow[u][tid] = pool_row(tab, block, kbeg + u * BN + tid, kend);
   __syncthreads();
-  if (nkb > 0) kv_issue<S, HD, BN, NT>(sK, sV, sRow[0], Kg, Vg, ldk, tid);
-  ft::cp_commit();
+#pragma unroll
+  for (int u = 0; u < ST - 1; ++u) {  // tiles 0 .. ST-2 in flight, one commit group each (the queries in the first)
+    if (u < nkb) kv_issue<S, HD, BN, NT>(sK + u * BN * LD, sV + u * BN * LD, sRow[u], Kg, Vg, ldk, tid);
+    ft::cp_commit();
+  }
 
   const int wr0 = it0 + w * WR;  // the warp's first item; thread rows wr0 + 16*mt + g (+8)
   const bool wlive = wr0 < items;
@@ -300,16 +302,16 @@ __global__ void __launch_bounds__(32 * NW)
   for (int mt = 0; mt < MT; ++mt) mrow[mt][0] = mrow[mt][1] = kNegInf, lrow[mt][0] = lrow[mt][1] = 0.f;
 
   for (int kb = 0; kb < nkb; ++kb) {
-    ft::cp_wait_all();
-    __syncthreads();  // tile kb landed; everyone is done with the buffer (and sRow entry) the code below overwrites
-    if (kb + 1 < nkb) {
-      const int nb = (kb + 1) & 1;
-      kv_issue<S, HD, BN, NT>(sK + nb * BN * LD, sV + nb * BN * LD, sRow[nb], Kg, Vg, ldk, tid);
-    }
+    // groups 0 .. ST-2+kb are committed, group T holding tile T: all but the newest ST-2 done = tile kb landed
+    ft::cp_wait<ST - 2>();
+    __syncthreads();  // ... for every thread; everyone is done with tile kb-1, whose buffer the next issue reuses
+    const int nt = kb + ST - 1;
+    if (nt < nkb)
+      kv_issue<S, HD, BN, NT>(sK + nt % ST * BN * LD, sV + nt % ST * BN * LD, sRow[nt % ST], Kg, Vg, ldk, tid);
     ft::cp_commit();
-    const int next_row = tid < BN ? pool_row(tab, block, kbeg + (kb + 2) * BN + tid, kend) : -1;
-    const S* cK = sK + (kb & 1) * BN * LD;
-    const S* cV = sV + (kb & 1) * BN * LD;
+    const int next_row = tid < BN ? pool_row(tab, block, kbeg + (kb + ST) * BN + tid, kend) : -1;
+    const S* cK = sK + kb % ST * BN * LD;
+    const S* cV = sV + kb % ST * BN * LD;
     const int j0 = kbeg + kb * BN;
     if (wlive && j0 <= pmax) {  // warp-uniform: some of the warp's items see some of these keys
       float s[MT][BN / 8][4];
@@ -395,7 +397,8 @@ __global__ void __launch_bounds__(32 * NW)
         }
       }
     }
-    if (tid < BN) sRow[kb & 1][tid] = next_row;  // its last reader issued tile kb, before this iteration's barrier
+    if (tid < BN) sRow[kb % ST][tid] = next_row;  // tile kb+ST's rows; the slot's last reader issued tile kb, before
+                                                   // this iteration's barrier
   }
   ft::cp_wait_all();
   if (!wlive) return;
@@ -425,8 +428,8 @@ __global__ void __launch_bounds__(32 * NW)
       }
     }
 }
-template <int MT, int NW, int BN> constexpr size_t paged_tc_smem(int hd, size_t es) {
-  return size_t(16 * MT * NW + 4 * BN) * size_t(hd + 8) * es;
+template <int MT, int NW, int BN, int ST> constexpr size_t paged_tc_smem(int hd, size_t es) {
+  return size_t(16 * MT * NW + 2 * ST * BN) * size_t(hd + 8) * es;
 }
 
 // One call's arguments, as dev::paged_attention_fwd takes them.
@@ -462,7 +465,7 @@ void combine(cudaStream_t st, const float* part_acc, const float* part_ml, const
 
 // The tensor-core kernel at one tile shape. Decode-sized calls (one tile of items a segment) split the keys so
 // that the grid holds ~`waves` blocks per SM (decode blocks are one warp and small: several fit an SM).
-template <class S, int HD, int MT, int NW, int BN>
+template <class S, int HD, int MT, int NW, int BN, int ST>
 void run_tc(const Exec& x, const PagedArgs& a, int waves, int64_t min_keys) {
   const cudaStream_t st = stream_of(x);
   const int64_t G = a.nh / a.nkv, bm = 16 * MT * NW, tiles = (a.max_q * G + bm - 1) / bm;
@@ -472,17 +475,18 @@ void run_tc(const Exec& x, const PagedArgs& a, int waves, int64_t min_keys) {
   nsplit = int((a.max_ctx + chunk - 1) / chunk);
   float* part_acc = static_cast<float*>(x.ws);
   float* part_ml = nsplit > 1 ? part_acc + size_t(nsplit) * size_t(a.N * a.nh) * size_t(HD) : nullptr;
-  launch(paged_tc<S, HD, MT, NW, BN>, dim3(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit)), 32 * NW,
-         paged_tc_smem<MT, NW, BN>(HD, sizeof(S)), st, static_cast<const S*>(a.q), static_cast<const S*>(a.k),
+  launch(paged_tc<S, HD, MT, NW, BN, ST>, dim3(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit)), 32 * NW,
+         paged_tc_smem<MT, NW, BN, ST>(HD, sizeof(S)), st, static_cast<const S*>(a.q), static_cast<const S*>(a.k),
          static_cast<const S*>(a.v), static_cast<S*>(a.out), part_acc, part_ml, a.cu, a.ctx, a.table, a.max_blocks,
          int(a.block), nsplit, int(chunk), a.N * a.nh, int(a.nh), int(a.nkv), a.scale * kLog2e);
   if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit);
 }
 // Decode (the items of every segment fit one m-tile of 16: G heads of one row, or a few rows): one-warp blocks,
-// 32-key tiles, splits of >= 64 keys for ~16 blocks per SM. Otherwise (prefill chunks) fwd_tc's forward tile.
+// 32-key tiles, 3 stages (two tiles in flight while one is used: a decode block has no math to hide latency behind),
+// splits of >= 64 keys for ~16 blocks per SM (4 fit). Otherwise (prefill chunks) fwd_tc's forward tile.
 template <class S, int HD> void run_tc_hd(const Exec& x, const PagedArgs& a) {
-  if (a.max_q * (a.nh / a.nkv) <= 16) run_tc<S, HD, 1, 1, 32>(x, a, 16, 64);
-  else run_tc<S, HD, 2, 4, 64>(x, a, 4, 128);
+  if (a.max_q * (a.nh / a.nkv) <= 16) run_tc<S, HD, 1, 1, 32, 3>(x, a, 16, 64);
+  else run_tc<S, HD, 2, 4, 64, 2>(x, a, 4, 128);
 }
 
 void run_simt(const Exec& x, const PagedArgs& a, DType dt) {
