@@ -1,12 +1,15 @@
 // Paged attention (dev::paged_attention_fwd): the new tokens of several sequences against their paged KV cache, for
-// serving (decode rows and chunked-prefill chunks in one call). fp32 math whatever the storage dtype, online
-// softmax over key tiles in shared memory, never a score matrix in global memory.
+// serving (decode rows and chunked-prefill chunks in one call). Online softmax over key tiles in shared memory, never
+// a score matrix in global memory. Two kernels:
+//  - paged_tc (bf16/fp16, hd 64 or 128, 16-byte aligned): tensor cores (mma.sync, fp32 accumulation), K/V tiles
+//    gathered through the block table with cp.async; see its comment. Q3VL_PAGED=old turns it off (A/B runs).
+//  - paged_fwd (everything else: fp32 parity mode, other head dims), SIMT in fp32:
 //  - One block per (tile of query items, kv head, segment x key split). A query item is (new row i, head g of the kv
 //    head's GQA group), items i-major, so each K/V row a block loads into shared memory (once, as fp32) serves every
 //    query head of its group. TPI threads own one item (TPI = 32 for decode-sized calls, 8 or 4 for prefill chunks):
 //    thread t of an item scores the tile's keys t, t+TPI, ... and accumulates the output columns t, t+TPI, ...
 //  - Keys come through the block table: the tile's pool rows are looked up once per tile into shared memory.
-//  - Split-K (flash-decoding): when one tile of items covers every segment's new rows (decode, max_q * nh/nkv small)
+// Both: split-K (flash-decoding): when one tile of items covers every segment's new rows (decode, max_q * nh/nkv small)
 //    and the grid would not fill the GPU, each segment's keys are split over up to 64 blocks; each writes its
 //    unnormalised output row, running max and sum to Exec::ws, and a second kernel combines them.
 #include <algorithm>
