@@ -485,10 +485,11 @@ void run_tc(const Exec& x, const PagedArgs& a, int waves, int64_t min_keys) {
   if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit);
 }
 // Decode (the items of every segment fit one m-tile of 16: G heads of one row, or a few rows): one-warp blocks,
-// 32-key tiles, 3 stages (two tiles in flight while one is used: a decode block has no math to hide latency behind),
-// splits of >= 64 keys for ~16 blocks per SM (4 fit). Otherwise (prefill chunks) fwd_tc's forward tile.
+// 32-key tiles, 4 stages (three tiles in flight while one is used: a decode block has little math to hide latency
+// behind; at hd 128, 74 KB: 3 blocks an SM keep 144 KB of loads in flight), splits of >= 64 keys for ~16 blocks per
+// SM. Otherwise (prefill chunks) fwd_tc's forward tile.
 template <class S, int HD> void run_tc_hd(const Exec& x, const PagedArgs& a) {
-  if (a.max_q * (a.nh / a.nkv) <= 16) run_tc<S, HD, 1, 1, 32, 3>(x, a, 16, 64);
+  if (a.max_q * (a.nh / a.nkv) <= 16) run_tc<S, HD, 1, 1, 32, 4>(x, a, 16, 64);
   else run_tc<S, HD, 2, 4, 64, 2>(x, a, 4, 128);
 }
 
