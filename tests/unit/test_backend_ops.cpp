@@ -531,7 +531,7 @@ std::vector<Case> all_cases(DType dt) {
 
   // paged attention: decode rows (context 1 and 700), a fresh prompt of 37, a chunk of 64 continuing 200 tokens, in one
   // call; shuffled block tables over a pool of random values; then decode-only calls with long contexts (split keys on
-  // the GPU), an odd block size with hd 16, and a longer prefill chunk.
+  // the GPU), an odd block size with hd 16, and longer prefill chunks (the tensor-core path for bf16/fp16).
   {
     using Segs = std::vector<std::pair<int64_t, int64_t>>;
     auto paged = [&](const std::string& name, const Segs& segs, int64_t block, int64_t nh, int64_t nkv, int64_t hd) {
@@ -557,6 +557,8 @@ std::vector<Case> all_cases(DType dt) {
     paged("decode ctx{5000,1,3333,17}", decode, 16, 2, 2, 72);
     paged("n/ctx{3/40,1/9,20/20}", {{3, 40}, {1, 9}, {20, 20}}, 5, 4, 2, 16);
     paged("n/ctx{700/1000,1/300}", {{700, 1000}, {1, 300}}, 16, 4, 1, 64);
+    // the 8B's group (4 query heads a kv head) at hd 128: several tiles of the tensor-core prefill kernel
+    paged("n/ctx{150/600,1/650,40/40}", {{150, 600}, {1, 650}, {40, 40}}, 16, 8, 2, 128);
   }
 
   // embeddings and row moves (ids repeat: the backward accumulates)

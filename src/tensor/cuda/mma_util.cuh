@@ -1,4 +1,5 @@
-// PTX helpers shared by the attention kernels (attention.cu: mma.sync, attention_sm90.cu: wgmma): cp.async copies,
+// PTX helpers shared by the attention kernels (attention.cu: mma.sync, attention_sm90.cu: wgmma,
+// paged_attention.cu's tensor-core path): cp.async copies,
 // ldmatrix, mma.m16n8k16, 16-bit packing, the SFU exp2 and quad reductions over the 4 threads of an mma row.
 #pragma once
 #include <cstdint>
@@ -20,6 +21,8 @@ __device__ __forceinline__ void cp4(uint32_t s, const void* g, bool pred) {
 __device__ __forceinline__ void cp4(void* s, const void* g, bool pred) { cp4(su32(s), g, pred); }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Until at most N committed groups are still in flight (N + 1 stages: the newest N stay pending).
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

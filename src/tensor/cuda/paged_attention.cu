@@ -1,21 +1,27 @@
 // Paged attention (dev::paged_attention_fwd): the new tokens of several sequences against their paged KV cache, for
-// serving (decode rows and chunked-prefill chunks in one call). fp32 math whatever the storage dtype, online
-// softmax over key tiles in shared memory, never a score matrix in global memory.
+// serving (decode rows and chunked-prefill chunks in one call). Online softmax over key tiles in shared memory, never
+// a score matrix in global memory. Two kernels:
+//  - paged_tc (bf16/fp16, hd 64 or 128, 16-byte aligned): tensor cores (mma.sync, fp32 accumulation), K/V tiles
+//    gathered through the block table with cp.async; see its comment. Q3VL_PAGED=old turns it off (A/B runs).
+//  - paged_fwd (everything else: fp32 parity mode, other head dims), SIMT in fp32:
 //  - One block per (tile of query items, kv head, segment x key split). A query item is (new row i, head g of the kv
 //    head's GQA group), items i-major, so each K/V row a block loads into shared memory (once, as fp32) serves every
 //    query head of its group. TPI threads own one item (TPI = 32 for decode-sized calls, 8 or 4 for prefill chunks):
 //    thread t of an item scores the tile's keys t, t+TPI, ... and accumulates the output columns t, t+TPI, ...
 //  - Keys come through the block table: the tile's pool rows are looked up once per tile into shared memory.
-//  - Split-K (flash-decoding): when one tile of items covers every segment's new rows (decode, max_q * nh/nkv small)
+// Both: split-K (flash-decoding): when one tile of items covers every segment's new rows (decode, max_q * nh/nkv small)
 //    and the grid would not fill the GPU, each segment's keys are split over up to 64 blocks; each writes its
 //    unnormalised output row, running max and sum to Exec::ws, and a second kernel combines them.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
 #include "tensor/cuda/common.cuh"
+#include "tensor/cuda/mma_util.cuh"
 
 namespace q3vl::dev::cuda {
 namespace {
@@ -208,14 +214,338 @@ __global__ void paged_combine(const float* __restrict__ part_acc, const float* _
 }
 
 
+// ---- tensor-core path (bf16/fp16, hd 64 or 128, 16-byte aligned) ---------------------------------------------------
+// attention.cu's fwd_tc with the keys gathered through the block table: a block owns BM = 16*MT*NW query items of one
+// segment and kv head (items i-major as above, so the K/V tiles in shared memory serve all G heads of the group), warp
+// w the MT m-tiles of items [16*MT*w, 16*MT*(w+1)); keys come in tiles of BN, cp.async double-buffered. Shared memory
+// rows have stride HD + 8 (an odd number of 16-byte chunks: ldmatrix is free of bank conflicts). The pool rows of
+// the tile after next are read from the table during the current tile's math (their latency hidden) and parked in
+// sRow. ST-stage pipeline (ST - 1 tiles in flight). Decode (NW = 1, one m-tile: the G heads of a row or a few
+// rows) relies on split-K for parallelism; prefill chunks take NW = 4, MT = 2, BN = 64, ST = 2: fwd_tc's tile.
+// int32 pool rows: a row here is hd * 2 >= 128 bytes, so a pool in device memory has fewer than 2^31 of them.
+__device__ __forceinline__ int pool_row(const int32_t* tab, int block, int j, int kend) {
+  return j < kend ? tab[j / block] * block + j % block : -1;
+}
+
+// The BN keys whose pool rows are rows[] (-1: zero-filled) of kv head Kg/Vg (token stride ldk) into sK/sV.
+template <class S, int HD, int BN, int NT>
+__device__ __forceinline__ void kv_issue(S* sK, S* sV, const int* rows, const S* Kg, const S* Vg, int64_t ldk,
+                                         int tid) {
+  constexpr int NCH = HD / 8, LD = HD + 8;
+#pragma unroll
+  for (int c = tid; c < BN * NCH; c += NT) {
+    const int r = c / NCH, ch = c - r * NCH;
+    const int row = rows[r];
+    const int64_t off = row >= 0 ? int64_t(row) * ldk + ch * 8 : 0;
+    cp16(sK + r * LD + ch * 8, Kg + off, row >= 0);
+    cp16(sV + r * LD + ch * 8, Vg + off, row >= 0);
+  }
+}
+
+// Split sp of nsplit covers keys [sp*chunk, (sp+1)*chunk); nsplit == 1: chunk covers every key. Outputs as paged_fwd.
+template <class S, int HD, int MT, int NW, int BN, int ST>
+__global__ void __launch_bounds__(32 * NW)
+    paged_tc(const S* __restrict__ q, const S* __restrict__ kp, const S* __restrict__ vp, S* __restrict__ out,
+             float* __restrict__ part_acc, float* __restrict__ part_ml, const int32_t* __restrict__ cu,
+             const int32_t* __restrict__ ctx, const int32_t* __restrict__ table, int64_t max_blocks, int block,
+             int nsplit, int chunk, int64_t rows_total, int nh, int nkv, float sl2) {
+  constexpr int NT = 32 * NW, LD = HD + 8, NCH = HD / 8, BM = 16 * MT * NW, WR = 16 * MT;
+  static_assert(NT >= BN && NT % NCH == 0 && BN * NCH % NT == 0 && BM * NCH % NT == 0 && ST >= 2, "tile shape");
+  extern __shared__ __align__(16) unsigned char smraw[];
+  __shared__ int sRow[ST][BN];  // pool rows of the next tiles, tile T in slot T % ST (-1: past the block's keys)
+  S* sQ = reinterpret_cast<S*>(smraw);
+  S* sK = sQ + BM * LD;  // ST buffers, tile T in buffer T % ST
+  S* sV = sK + ST * BN * LD;
+
+  const int seg = blockIdx.z / nsplit, sp = blockIdx.z - seg * nsplit, kh = blockIdx.y, G = nh / nkv;
+  const int r0 = cu[seg], n = cu[seg + 1] - r0, items = n * G, base = ctx[seg] - n;  // base: new row 0's position
+  const int it0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest (latest rows) tiles first
+  if (it0 >= items) return;
+  const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int kbeg = sp * chunk;
+  const int kend = min(kbeg + chunk, base + (min(it0 + BM, items) - 1) / G + 1);  // causal: the last item's keys
+  const int nkb = kend > kbeg ? (kend - kbeg + BN - 1) / BN : 0;
+  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD;
+  const int32_t* tab = table + int64_t(seg) * max_blocks;
+  const S* Kg = kp + int64_t(kh) * HD;
+  const S* Vg = vp + int64_t(kh) * HD;
+
+  for (int c = tid; c < BM * NCH; c += NT) {  // the items' query rows; past the segment: zeros
+    const int r = c / NCH, ch = c - r * NCH, it = it0 + r, i = it / G;
+    const bool ok = it < items;
+    cp16(sQ + r * LD + ch * 8, ok ? q + int64_t(r0 + i) * ldq + int64_t(kh * G + it - i * G) * HD + ch * 8 : q,
+             ok);
+  }
+  if (tid < BN)
+#pragma unroll
+    for (int u = 0; u < ST; ++u) sRow[u][tid] = pool_row(tab, block, kbeg + u * BN + tid, kend);
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < ST - 1; ++u) {  // tiles 0 .. ST-2 in flight, one commit group each (the queries in the first)
+    if (u < nkb) kv_issue<S, HD, BN, NT>(sK + u * BN * LD, sV + u * BN * LD, sRow[u], Kg, Vg, ldk, tid);
+    cp_commit();
+  }
+
+  const int wr0 = it0 + w * WR;  // the warp's first item; thread rows wr0 + 16*mt + g (+8)
+  const bool wlive = wr0 < items;
+  const int pmin = base + wr0 / G, pmax = base + (min(wr0 + WR, items) - 1) / G;  // the warp's rows' positions
+  int prow[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) prow[mt][r] = base + (wr0 + mt * 16 + g + 8 * r) / G;
+
+  float o[MT][HD / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nn = 0; nn < HD / 8; ++nn) o[mt][nn][0] = o[mt][nn][1] = o[mt][nn][2] = o[mt][nn][3] = 0.f;
+  float mrow[MT][2], lrow[MT][2];  // running max (log2 units), per-thread partial sum
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) mrow[mt][0] = mrow[mt][1] = kNegInf, lrow[mt][0] = lrow[mt][1] = 0.f;
+
+  for (int kb = 0; kb < nkb; ++kb) {
+    // groups 0 .. ST-2+kb are committed, group T holding tile T: all but the newest ST-2 done = tile kb landed
+    cp_wait<ST - 2>();
+    __syncthreads();  // ... for every thread; everyone is done with tile kb-1, whose buffer the next issue reuses
+    const int nt = kb + ST - 1;
+    if (nt < nkb)
+      kv_issue<S, HD, BN, NT>(sK + nt % ST * BN * LD, sV + nt % ST * BN * LD, sRow[nt % ST], Kg, Vg, ldk, tid);
+    cp_commit();
+    const int next_row = tid < BN ? pool_row(tab, block, kbeg + (kb + ST) * BN + tid, kend) : -1;
+    const S* cK = sK + kb % ST * BN * LD;
+    const S* cV = sV + kb % ST * BN * LD;
+    const int j0 = kbeg + kb * BN;
+    if (wlive && j0 <= pmax) {  // warp-uniform: some of the warp's items see some of these keys
+      float s[MT][BN / 8][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nn = 0; nn < BN / 8; ++nn) s[mt][nn][0] = s[mt][nn][1] = s[mt][nn][2] = s[mt][nn][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        uint32_t qa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldsm4(qa[mt], sQ + (w * WR + mt * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int n2 = 0; n2 < BN / 16; ++n2) {
+          uint32_t b[4];
+          ldsm4(b, cK + (n2 * 16 + (lane & 7) + (lane >> 4) * 8) * LD + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<S>(s[mt][2 * n2], qa[mt], b[0], b[1]);
+            mma<S>(s[mt][2 * n2 + 1], qa[mt], b[2], b[3]);
+          }
+        }
+      }
+      const bool need_mask = j0 + BN > kend || j0 + BN - 1 > pmin;  // warp-uniform
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nn = 0; nn < BN / 8; ++nn)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float xv = s[mt][nn][e] * sl2;
+            if (need_mask) {
+              const int j = j0 + nn * 8 + 2 * t + (e & 1);
+              if (j >= kend || j > prow[mt][e >> 1]) xv = kNegInf;
+            }
+            s[mt][nn][e] = xv;
+          }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = mrow[mt][r];
+#pragma unroll
+          for (int nn = 0; nn < BN / 8; ++nn) mx = fmaxf(mx, fmaxf(s[mt][nn][2 * r], s[mt][nn][2 * r + 1]));
+          mx = quad_max(mx);
+          const float ms = mx == kNegInf ? 0.f : mx;  // a row with no key yet: keep everything 0, not NaN
+          const float alpha = fexp2(mrow[mt][r] - ms);
+          float sum = 0.f;
+#pragma unroll
+          for (int nn = 0; nn < BN / 8; ++nn) {
+            s[mt][nn][2 * r] = fexp2(s[mt][nn][2 * r] - ms);
+            s[mt][nn][2 * r + 1] = fexp2(s[mt][nn][2 * r + 1] - ms);
+            sum += s[mt][nn][2 * r] + s[mt][nn][2 * r + 1];
+          }
+          lrow[mt][r] = lrow[mt][r] * alpha + sum;
+          mrow[mt][r] = mx;
+#pragma unroll
+          for (int nn = 0; nn < HD / 8; ++nn) {
+            o[mt][nn][2 * r] *= alpha;
+            o[mt][nn][2 * r + 1] *= alpha;
+          }
+        }
+      }
+      // O += P V: the score accumulators are already in A-fragment order.
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          a[mt][0] = pack2<S>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = pack2<S>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = pack2<S>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = pack2<S>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int d2 = 0; d2 < HD / 16; ++d2) {
+          uint32_t b[4];
+          ldsm4t(b, cV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + d2 * 16 + (lane >> 4) * 8);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma<S>(o[mt][2 * d2], a[mt], b[0], b[1]);
+            mma<S>(o[mt][2 * d2 + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+    }
+    if (tid < BN) sRow[kb % ST][tid] = next_row;  // tile kb+ST's rows; the slot's last reader issued tile kb, before
+                                                   // this iteration's barrier
+  }
+  cp_wait_all();
+  if (!wlive) return;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(lrow[mt][r]);
+      const int it = wr0 + mt * 16 + g + 8 * r;
+      if (it >= items) continue;
+      const int i = it / G;
+      const int64_t orow = int64_t(r0 + i) * nh + kh * G + (it - i * G);
+      if (nsplit == 1) {
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        S* op = out + orow * HD;
+#pragma unroll
+        for (int nn = 0; nn < HD / 8; ++nn)
+          *reinterpret_cast<uint32_t*>(op + nn * 8 + 2 * t) =
+              pack2<S>(o[mt][nn][2 * r] * inv, o[mt][nn][2 * r + 1] * inv);
+      } else {
+        const int64_t prow2 = int64_t(sp) * rows_total + orow;
+        float* pa = part_acc + prow2 * HD;
+#pragma unroll
+        for (int nn = 0; nn < HD / 8; ++nn)
+          *reinterpret_cast<float2*>(pa + nn * 8 + 2 * t) = make_float2(o[mt][nn][2 * r], o[mt][nn][2 * r + 1]);
+        if (t == 0) part_ml[prow2 * 2] = mrow[mt][r], part_ml[prow2 * 2 + 1] = l;
+      }
+    }
+}
+template <int MT, int NW, int BN, int ST> constexpr size_t paged_tc_smem(int hd, size_t es) {
+  return size_t(16 * MT * NW + 2 * ST * BN) * size_t(hd + 8) * es;
+}
+
+// One call's arguments, as dev::paged_attention_fwd takes them.
+struct PagedArgs {
+  const void *q, *k, *v;
+  void* out;
+  const int32_t *cu, *ctx, *table;
+  int64_t max_blocks, block, nseg, max_q, max_ctx, N, nh, nkv, hd;
+  float scale;
+};
+
+// Key splits for a grid of `base` blocks that one split would leave short of `want_blocks`: splits of at least
+// min_keys keys, at most kMaxSplit, and as many as the workspace holds partial rows for (1: no split).
+int split_count(const Exec& x, const PagedArgs& a, int64_t base, int64_t want_blocks, int64_t min_keys) {
+  if (a.max_ctx < 2 * min_keys || x.ws == nullptr) return 1;
+  const size_t per = size_t(a.N * a.nh) * size_t(a.hd + 2) * sizeof(float);
+  const int64_t ns = std::min<int64_t>({(want_blocks + base - 1) / base, a.max_ctx / min_keys, kMaxSplit,
+                                        65535 / a.nseg, int64_t(x.ws_bytes / per)});
+  return ns >= 2 ? int(ns) : 1;
+}
+int sm_count() {
+  int dev = 0, sms = 132;
+  Q3VL_CU(cudaGetDevice(&dev));
+  Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+template <class S>
+void combine(cudaStream_t st, const float* part_acc, const float* part_ml, const PagedArgs& a, int nsplit) {
+  launch(paged_combine<S>, dim3(grid_for(a.N * a.nh * 32)), 256, 0, st, part_acc, part_ml, static_cast<S*>(a.out),
+         a.cu, int(a.nseg), a.N * a.nh, int(a.nh), nsplit, int(a.hd));
+}
+
+// The tensor-core kernel at one tile shape. Decode-sized calls (one tile of items a segment) split the keys so
+// that the grid holds ~`waves` blocks per SM (decode blocks are one warp and small: several fit an SM).
+template <class S, int HD, int MT, int NW, int BN, int ST>
+void run_tc(const Exec& x, const PagedArgs& a, int waves, int64_t min_keys) {
+  const cudaStream_t st = stream_of(x);
+  const int64_t G = a.nh / a.nkv, bm = 16 * MT * NW, tiles = (a.max_q * G + bm - 1) / bm;
+  int nsplit = tiles == 1 ? split_count(x, a, a.nkv * a.nseg, int64_t(waves) * sm_count(), min_keys) : 1;
+  // whole tiles a split; the rounding can leave the last splits empty: drop them
+  const int64_t chunk = nsplit == 1 ? a.max_ctx : ((a.max_ctx + nsplit - 1) / nsplit + BN - 1) / BN * BN;
+  nsplit = int((a.max_ctx + chunk - 1) / chunk);
+  float* part_acc = static_cast<float*>(x.ws);
+  float* part_ml = nsplit > 1 ? part_acc + size_t(nsplit) * size_t(a.N * a.nh) * size_t(HD) : nullptr;
+  launch(paged_tc<S, HD, MT, NW, BN, ST>, dim3(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit)), 32 * NW,
+         paged_tc_smem<MT, NW, BN, ST>(HD, sizeof(S)), st, static_cast<const S*>(a.q), static_cast<const S*>(a.k),
+         static_cast<const S*>(a.v), static_cast<S*>(a.out), part_acc, part_ml, a.cu, a.ctx, a.table, a.max_blocks,
+         int(a.block), nsplit, int(chunk), a.N * a.nh, int(a.nh), int(a.nkv), a.scale * kLog2e);
+  if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit);
+}
+// Decode (the items of every segment fit one m-tile of 16: G heads of one row, or a few rows): one-warp blocks,
+// 32-key tiles, 4 stages (three tiles in flight while one is used: a decode block has little math to hide latency
+// behind; at hd 128, 74 KB: 3 blocks an SM keep 144 KB of loads in flight), splits of >= 64 keys for ~16 blocks per
+// SM. Otherwise (prefill chunks) fwd_tc's forward tile.
+template <class S, int HD> void run_tc_hd(const Exec& x, const PagedArgs& a) {
+  if (a.max_q * (a.nh / a.nkv) <= 16) run_tc<S, HD, 1, 1, 32, 4>(x, a, 16, 64);
+  else run_tc<S, HD, 2, 4, 64, 2>(x, a, 4, 128);
+}
+
+void run_simt(const Exec& x, const PagedArgs& a, DType dt) {
+  const cudaStream_t st = stream_of(x);
+  const int64_t G = a.nh / a.nkv, items = a.max_q * G, hd = a.hd;
+  const int tpi = items <= 8 ? 32 : items <= 32 ? 8 : 4;
+  const int64_t bm = kThreads / tpi, tiles = (items + bm - 1) / bm;
+  const int64_t rows_total = a.N * a.nh;
+  // Split-K for decode-sized calls whose grid would not fill the GPU twice over.
+  const int nsplit = tiles == 1 ? split_count(x, a, a.nkv * a.nseg, 2 * sm_count(), kSplitMin) : 1;
+  float* part_acc = static_cast<float*>(x.ws);
+  float* part_ml = nsplit > 1 ? part_acc + size_t(nsplit) * size_t(rows_total) * size_t(hd) : nullptr;
+
+  const size_t smem = size_t(bm + 2 * kBN) * size_t(hd + 1) * sizeof(float);
+  const dim3 grid(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit));
+  const bool vec = hd % 8 == 0 && aligned16(a.q) && aligned16(a.k) && aligned16(a.v);
+  const int ib = int(a.block), inh = int(a.nh), inkv = int(a.nkv), ihd = int(hd);
+  const float sl2 = a.scale * kLog2e;
+  by_dtype(dt, [&]<class S>() {
+    const S *Q = static_cast<const S*>(a.q), *K = static_cast<const S*>(a.k), *V = static_cast<const S*>(a.v);
+    S* O = static_cast<S*>(a.out);
+    auto run = [&]<int TPI>() {
+      if (hd <= 128)
+        launch(paged_fwd<S, TPI, 128 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu, a.ctx,
+               a.table, a.max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
+      else
+        launch(paged_fwd<S, TPI, 256 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu, a.ctx,
+               a.table, a.max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
+    };
+    if (tpi == 32) run.template operator()<32>();
+    else if (tpi == 8) run.template operator()<8>();
+    else run.template operator()<4>();
+    if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit);
+  });
+}
 
 }  // namespace
 
-void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const void* v_pool, void* out,
-                         const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
-                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
-                         int64_t nkv, int64_t hd, float scale, DType dt) {
-  if (N == 0 || nseg == 0 || max_q <= 0) return;
+// Q3VL_PAGED=old: the SIMT kernel for every dtype (read once), for A/B runs.
+bool paged_attention_old() {
+  static const bool old = [] {
+    const char* e = std::getenv("Q3VL_PAGED");
+    return e != nullptr && std::strcmp(e, "old") == 0;
+  }();
+  return old;
+}
+
+// paged_attention_fwd with the path chosen by the caller (tools/gpu/paged_check.cu times both in one process): tc
+// takes the tensor-core kernel where it applies (bf16/fp16, hd 64 or 128, 16-byte aligned pointers); returns
+// whether it did.
+bool paged_attention_path(const Exec& x, bool tc, const void* q, const void* k_pool, const void* v_pool, void* out,
+                          const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
+                          int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
+                          int64_t nkv, int64_t hd, float scale, DType dt) {
+  if (N == 0 || nseg == 0 || max_q <= 0) return false;
   const std::string op = "paged_attention_fwd";
   Q3VL_CHECK(nkv > 0 && nh % nkv == 0, op + ": heads must be a multiple of kv heads");
   Q3VL_CHECK(hd >= 1 && hd <= 256, op + ": head dim " + std::to_string(hd) + " outside [1, 256]");
@@ -225,52 +555,22 @@ void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const
                  " new tokens, or too long");
   Q3VL_CHECK(nkv <= 65535 && nseg <= 65535 && max_q * (nh / nkv) < (int64_t(1) << 30),
              op + ": too many kv heads, segments or query rows for one launch");
-  const cudaStream_t st = stream_of(x);
-  const int64_t G = nh / nkv, items = max_q * G;
-  const int tpi = items <= 8 ? 32 : items <= 32 ? 8 : 4;
-  const int64_t bm = kThreads / tpi, tiles = (items + bm - 1) / bm;
-  const int64_t rows_total = N * nh;
+  const PagedArgs a{q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg, max_q, max_ctx, N, nh, nkv, hd,
+                    scale};
+  tc = tc && (dt == DType::BF16 || dt == DType::F16) && (hd == 64 || hd == 128) && aligned16(q) &&
+       aligned16(k_pool) && aligned16(v_pool) && aligned16(out);
+  if (!tc) run_simt(x, a, dt);
+  else if (dt == DType::BF16) hd == 64 ? run_tc_hd<__nv_bfloat16, 64>(x, a) : run_tc_hd<__nv_bfloat16, 128>(x, a);
+  else hd == 64 ? run_tc_hd<__half, 64>(x, a) : run_tc_hd<__half, 128>(x, a);
+  return tc;
+}
 
-  // Split-K for decode-sized calls whose grid would not fill the GPU twice over.
-  int nsplit = 1;
-  if (tiles == 1 && max_ctx >= 2 * kSplitMin) {
-    int dev = 0, sms = 132;
-    Q3VL_CU(cudaGetDevice(&dev));
-    Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    const int64_t base = nkv * nseg, want = (2 * sms + base - 1) / base;
-    int64_t ns = std::min<int64_t>({want, max_ctx / kSplitMin, kMaxSplit, 65535 / nseg});
-    const size_t per = size_t(rows_total) * size_t(hd + 2) * sizeof(float);
-    if (x.ws == nullptr) ns = 1;
-    else ns = std::min<int64_t>(ns, int64_t(x.ws_bytes / per));
-    nsplit = ns >= 2 ? int(ns) : 1;
-  }
-  float* part_acc = static_cast<float*>(x.ws);
-  float* part_ml = nsplit > 1 ? part_acc + size_t(nsplit) * size_t(rows_total) * size_t(hd) : nullptr;
-
-  const size_t smem = size_t(bm + 2 * kBN) * size_t(hd + 1) * sizeof(float);
-  const dim3 grid(unsigned(tiles), unsigned(nkv), unsigned(nseg * nsplit));
-  const bool vec = hd % 8 == 0 && aligned16(q) && aligned16(k_pool) && aligned16(v_pool);
-  const int ib = int(block), inh = int(nh), inkv = int(nkv), ihd = int(hd);
-  const float sl2 = scale * kLog2e;
-  by_dtype(dt, [&]<class S>() {
-    const S *Q = static_cast<const S*>(q), *K = static_cast<const S*>(k_pool), *V = static_cast<const S*>(v_pool);
-    S* O = static_cast<S*>(out);
-    auto run = [&]<int TPI>() {
-      if (hd <= 128)
-        launch(paged_fwd<S, TPI, 128 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, cu, ctx, table,
-               max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
-      else
-        launch(paged_fwd<S, TPI, 256 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, cu, ctx, table,
-               max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
-    };
-    if (tpi == 32) run.template operator()<32>();
-    else if (tpi == 8) run.template operator()<8>();
-    else run.template operator()<4>();
-    if (nsplit > 1)
-      launch(paged_combine<S>, dim3(grid_for(int64_t(N) * nh * 32)), 256, 0, st,
-             static_cast<const float*>(part_acc), static_cast<const float*>(part_ml), O, cu, int(nseg), rows_total,
-             inh, nsplit, ihd);
-  });
+void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const void* v_pool, void* out,
+                         const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
+                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
+                         int64_t nkv, int64_t hd, float scale, DType dt) {
+  paged_attention_path(x, !paged_attention_old(), q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg,
+                       max_q, max_ctx, N, nh, nkv, hd, scale, dt);
 }
 
 }  // namespace q3vl::dev::cuda
