@@ -89,7 +89,7 @@ bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
 	$(CXX) $(CXXFLAGS) -o $@ $(MPI_OBJ) build/libq3vl.a -lgtest $(LDLIBS)
 
 # GPU micro-benchmarks, not part of all or tests (make bin/X && bin/X on a GPU machine): tools/gpu/gemv_bench.cu, our
-# GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (new, old, dense);
+# GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (new, prev, dense);
 # tools/gpu/attn_check.cu and attn_fwd_check.cu, the attention kernels against an fp64 reference, old and new timed.
 GPU_TOOLS := bin/gemv_bench bin/moe_bench bin/attn_check bin/attn_fwd_check
 ifeq ($(CUDA),1)
