@@ -43,9 +43,10 @@ LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcubla
 NVFLAGS   := -std=c++20 -O3 -arch=sm_90 -Iinclude -Isrc --expt-relaxed-constexpr -Xcompiler -fPIC -ccbin g++ \
              -I/usr/include/x86_64-linux-gnu/mpich
 comma := ,
-# wgmma (attention_sm90.cu) needs the arch-specific sm_90a target; only that file is built for it, and its kernels
-# launch only on a compute-capability 9.0 device.
-build/obj/src/tensor/cuda/attention_sm90.cu.o: NVFLAGS := $(subst -arch=sm_90,-gencode=arch=compute_90a$(comma)code=sm_90a,$(NVFLAGS))
+# wgmma (attention_sm90.cu, moe_sm90.cu) needs the arch-specific sm_90a target; only those files are built for it,
+# and their kernels launch only on a compute-capability 9.0 device.
+SM90A_OBJ := build/obj/src/tensor/cuda/attention_sm90.cu.o build/obj/src/tensor/cuda/moe_sm90.cu.o
+$(SM90A_OBJ): NVFLAGS := $(subst -arch=sm_90,-gencode=arch=compute_90a$(comma)code=sm_90a,$(NVFLAGS))
 endif
 
 LIB_SRC  := $(shell find src -name '*.cpp' -not -path 'src/app/*' | sort)

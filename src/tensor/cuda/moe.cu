@@ -267,10 +267,17 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
 // cost: the tile goes out through shared memory as whole rows of 16-byte accesses, the prior values prefetched into
 // L2 during the main loop and read a group of 8 at a time (not one dependent DRAM round trip per pair), or not read
 // at all when the caller's dW is fresh (accumulate false). fp32 keeps its SIMT path.
-// Q3VL_GROUPED=prev (read once) selects the previous configuration for tools/gpu/moe_bench's A/B: k tiles of 32 in
-// 4 stages, DW's float2 read-add-write straight from the accumulators. To be deleted once measured.
+// On a 9.0 device (H100/H200) FWD and DX of bf16/fp16 run wgmma instead (moe_sm90.cu) where rows are whole 16-byte
+// chunks; DW stays here. Q3VL_GROUPED (read once; to be deleted once measured) selects for tools/gpu/moe_bench's
+// A/B: "mma" this kernel for FWD/DX too, "prev" the previous configuration (k tiles of 32 in 4 stages, DW's float2
+// read-add-write straight from the accumulators).
 enum Mode { FWD = 0, DX = 1, DW = 2 };
-constexpr int BM = 128;  // the M tile of every variant (tile_prefix counts in it)
+}  // namespace
+// moe_sm90.cu (wgmma, sm_90a): FWD/DX on a 9.0 device for bf16/fp16; false where it does not apply.
+bool grouped_sm90(cudaStream_t st, bool bf16, bool dx, const void* A, const void* B, void* C, const int32_t* start,
+                  const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate);
+namespace {
+constexpr int BM = 128;  // the M tile of every variant and of moe_sm90.cu (tile_prefix counts in it)
 template <class S> constexpr int pad() { return 16 / int(sizeof(S)); }  // keeps rows 16-byte multiples
 
 template <class S> __device__ __forceinline__ S zero_of() {
@@ -400,9 +407,10 @@ __device__ __forceinline__ void stage_out_dw(const float (&acc)[4][8][4], float*
       const int64_t m = m0 + r, n = n0 + col;
       if (m >= M || n >= N) continue;
       const float4 a = *reinterpret_cast<const float4*>(sc + r * LDC + col);
-      if (vec && n + 3 < N) {
-        *reinterpret_cast<float4*>(c + m * ldc + n) =
-            make_float4(old[u].x + a.x, old[u].y + a.y, old[u].z + a.z, old[u].w + a.w);
+      if (vec && n + 3 < N) {  // asm: a plain float4 store came out as four 4-byte stores
+        asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(c + m * ldc + n), "f"(old[u].x + a.x),
+                     "f"(old[u].y + a.y), "f"(old[u].z + a.z), "f"(old[u].w + a.w)
+                     : "memory");
       } else {  // the N edge or an unaligned dW: element by element, the same sums
         const float av[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
@@ -648,13 +656,16 @@ void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const 
   Q3VL_LAUNCHED();
 }
 
-// Q3VL_GROUPED=prev: the previous bf16/fp16 configuration (GTile), read once; to be deleted once measured.
-bool grouped_prev() {
-  static const bool prev = [] {
-    const char* v = std::getenv("Q3VL_GROUPED");
-    return v && std::strcmp(v, "prev") == 0;
+// Q3VL_GROUPED (read once) for tools/gpu/moe_bench's A/B, to be deleted once measured: "prev" the previous bf16/fp16
+// configuration (GTile), "mma" k_grouped's current one for FWD/DX too (no wgmma); unset: wgmma where it applies.
+enum class Variant { New, Mma, Prev };
+Variant grouped_variant() {
+  static const Variant v = [] {
+    const char* s = std::getenv("Q3VL_GROUPED");
+    return !s ? Variant::New : std::strcmp(s, "prev") == 0 ? Variant::Prev : std::strcmp(s, "mma") == 0 ? Variant::Mma
+                                                                                                        : Variant::New;
   }();
-  return prev;
+  return v;
 }
 
 // accumulate: DX's dxg and DW's dW are added to (else written).
@@ -669,9 +680,14 @@ void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t
     k_tile_prefix<<<1, 32, 0, s>>>(start, int(E), tile_prefix);
     Q3VL_LAUNCHED();
   }
+  const Variant v = grouped_variant();
   by_dtype(dt, [&]<class S>() {
     if constexpr (sizeof(S) == 2) {
-      if (grouped_prev())
+      if (MODE != DW && v == Variant::New &&
+          grouped_sm90(s, std::is_same_v<S, __nv_bfloat16>, MODE == DX, A, B, C, start, tile_prefix, R, E, n_in,
+                       n_out, accumulate))
+        return;
+      if (v == Variant::Prev)
         return grouped_launch<S, MODE, true>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb,
                                              accumulate);
     }

@@ -1,0 +1,90 @@
+// wgmma (Hopper, sm_90a) building blocks shared by the kernels that use it (attention_sm90.cu, moe_sm90.cu): 16-byte
+// cp.async with zero fill, shared-memory matrix descriptors for wgmma's 128-byte swizzle, fences, and the
+// m64n128k16 instruction with both operands in shared memory. Shared-memory tiles use the canonical 128-byte
+// swizzle: a tile of R rows x C columns (16-bit) is C/64 column panels, each R rows of 128 bytes (64 elements);
+// 16-byte chunk c of row r sits at chunk position c ^ (r % 8). 8-row groups (1024 bytes) are the descriptors'
+// stride dimension; every panel starts 1024-aligned.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "tensor/cuda/common.cuh"
+
+// wgmma needs the arch-specific sm_90a target; any other pass compiles the kernel to a trap (never launched there).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define Q3VL_WGMMA 1
+#endif
+
+namespace q3vl::dev::cuda::sm90 {
+
+__device__ __forceinline__ void cp16(uint32_t s, const void* g, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(pred ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+template <class S> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<S, __nv_bfloat16>) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// ---- wgmma -----------------------------------------------------------------------------------------------------
+// Shared-memory matrix descriptor (PTX ISA "matrix descriptor"): start address >> 4 in bits 0-13, leading-dimension
+// byte offset >> 4 in 16-29, stride-dimension byte offset >> 4 in 32-45, base offset 0 (panels 1024-aligned) in
+// 49-51, swizzle mode in 62-63 (1 = 128-byte). SBO is always 1024 here (the next 8-row group). LBO: unused for
+// K-major swizzled operands (1 by convention); for N-major operands, the byte distance between 64-column panels.
+__device__ __forceinline__ uint64_t sdesc(uint32_t addr, uint32_t lbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
+}
+// Pins registers in program order around the wgmma asm statements: the compiler sees wgmma's accumulators written
+// at issue, so without this it could move their reads above wgmma.wait_group, or writes to wgmma's register inputs
+// below wgmma.fence (CUTLASS's warpgroup_fence_operand).
+template <class T, int N> __device__ __forceinline__ void pin(T (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if constexpr (sizeof(T) == 4 && std::is_floating_point_v<T>) asm volatile("" : "+f"(r[i])::"memory");
+    else asm volatile("" : "+r"(r[i])::"memory");
+  }
+}
+template <int M> __device__ __forceinline__ void pin2(uint32_t (&r)[M][4]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) pin(r[i]);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+#define Q3_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+#define Q3_D32 Q3_D8(0), Q3_D8(8), Q3_D8(16), Q3_D8(24)
+#define Q3_D64 Q3_D32, Q3_D8(32), Q3_D8(40), Q3_D8(48), Q3_D8(56)
+#define Q3_R32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define Q3_R64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+
+// d (64 x 128 fp32, this thread's 64) (+)= A (64 x 16, K-major smem) * B (16 x 128 smem: K-major, or N-major with
+// TRANS_B, whose descriptor's LBO is then the distance of its 64-column panels); acc 0 overwrites.
+#define Q3_WG_SS(TY, TB)                                                                                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                      \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " Q3_R64 ", %64, %65, p, 1, 1, 0, " TB \
+               ";\n}\n"                                                                                          \
+               : Q3_D64                                                                                           \
+               : "l"(a), "l"(b), "r"(acc))
+template <class S, bool TRANS_B = false>
+__device__ __forceinline__ void wg_ss128(float (&d)[64], uint64_t a, uint64_t b, int acc) {
+#ifdef Q3VL_WGMMA
+  constexpr bool bf = std::is_same_v<S, __nv_bfloat16>;
+  if constexpr (bf && TRANS_B) Q3_WG_SS("bf16", "1");
+  else if constexpr (bf) Q3_WG_SS("bf16", "0");
+  else if constexpr (TRANS_B) Q3_WG_SS("f16", "1");
+  else Q3_WG_SS("f16", "0");
+#endif
+}
+
+}  // namespace q3vl::dev::cuda::sm90
