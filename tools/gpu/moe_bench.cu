@@ -1,7 +1,8 @@
-// Micro-benchmark of the grouped expert GEMM (src/tensor/cuda/moe.cu, issue 30): the current kernels against the
-// previous configuration (Q3VL_GROUPED=prev, run in a child process of this binary: moe.cu reads the variable once)
-// and a dense cuBLASLt GEMM of the same FLOPs (dev::linear_fwd, R x n_in -> n_out), at the 30B-A3B training shape:
-// 4096 tokens, top-8 of 128 experts (R = 32768 rows), hidden 2048, expert intermediate 768; gate_up [R x 2048] ->
+// Micro-benchmark of the grouped expert GEMM (src/tensor/cuda/moe.cu, moe_sm90.cu; issue 30): the current kernels
+// (new: wgmma for FWD/DX on an H100/H200) against Q3VL_GROUPED=mma (the mma.sync kernel for every mode) and
+// Q3VL_GROUPED=prev (the previous configuration), each run in a child process of this binary (moe.cu reads the
+// variable once), and a dense cuBLASLt GEMM of the same FLOPs (dev::linear_fwd, R x n_in -> n_out), at the 30B-A3B
+// training shape: 4096 tokens, top-8 of 128 experts (R = 32768 rows), hidden 2048, expert intermediate 768; gate_up [R x 2048] ->
 // 1536 and down [R x 768] -> 2048, each in four modes: FWD y = xg W^T; DX dxg = dy W (written); DW= dW = dy^T xg
 // (fp32, written: the first micro-step); DW+ dW += dy^T xg (accumulated: the later micro-steps).
 // Build and run (from the repo root, on a GPU machine):
@@ -148,9 +149,10 @@ bool measure(int reps, Results& res, std::map<std::string, double>* dense) {
   return ok;
 }
 
-// The previous configuration's results, from `self --child reps` under Q3VL_GROUPED=prev (lines "@ proj mode us err").
-bool measure_prev(const char* self, int reps, Results& res) {
-  const std::string cmd = "Q3VL_GROUPED=prev '" + std::string(self) + "' --child " + std::to_string(reps);
+// A variant's results, from `self --child reps` under Q3VL_GROUPED=variant (lines "@ proj mode us err").
+bool measure_variant(const char* self, const char* variant, int reps, Results& res) {
+  const std::string cmd =
+      "Q3VL_GROUPED=" + std::string(variant) + " '" + std::string(self) + "' --child " + std::to_string(reps);
   FILE* f = popen(cmd.c_str(), "r");
   if (!f) return false;
   char line[512], proj[64], mode[16];
@@ -175,8 +177,9 @@ int main(int argc, char** argv) {
       for (const auto& [k, r] : res) std::printf("@ %s %.3f %.3e\n", k.c_str(), r.us, r.err);
       return ok ? 0 : 1;
     }
-    Results prev, cur;
-    const bool prev_ok = measure_prev(argv[0], reps, prev);  // first: the two processes never share the GPU
+    Results prev, mma, cur;  // the children first: two processes never share the GPU
+    const bool prev_ok = measure_variant(argv[0], "prev", reps, prev);
+    const bool mma_ok = measure_variant(argv[0], "mma", reps, mma);
     std::map<std::string, double> dense;
     const bool cur_ok = measure(reps, cur, &dense);
     cudaDeviceProp prop{};
@@ -189,24 +192,28 @@ int main(int argc, char** argv) {
     }
     const int64_t R = hstart[kE];
     std::printf("# moe_bench on %s: R = %lld rows (%lld tokens, top-%lld of %lld experts; %d..%d rows an expert), "
-                "median of %d reps; prev = Q3VL_GROUPED=prev\n\n", prop.name, (long long)R, (long long)kTokens,
+                "median of %d reps; prev, mma: Q3VL_GROUPED=prev, mma\n\n", prop.name, (long long)R, (long long)kTokens,
                 (long long)kTop, (long long)kE, lo, hi, reps);
-    std::printf("| proj | mode | prev us | new us | dense us | DRAM floor us | prev TF/s | new TF/s | dense TF/s "
-                "| new/dense | prev/new | err prev | err new |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::printf("| proj | mode | prev us | mma us | new us | dense us | DRAM floor us | prev TF/s | mma TF/s | new TF/s "
+                "| dense TF/s | new/dense | prev/new | err prev | err mma | err new |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (auto [name, ni, no] : {std::tuple<const char*, int64_t, int64_t>{"gate_up", kH, 2 * kIm}, {"down", kIm, kH}})
       for (int m = 0; m < 4; ++m) {
         const std::string key = std::string(name) + " " + kModes[m];
-        const Result p = prev.count(key) ? prev[key] : Result{}, c = cur[key];
+        const Result p = prev.count(key) ? prev[key] : Result{}, q = mma.count(key) ? mma[key] : Result{};
+        const Result c = cur[key];
         const double d = dense[name], flops = 2.0 * double(R) * double(ni) * double(no);
         const double floor_us = m < 2 ? NAN : double(kE * no * ni) * 4 * (m == 3 ? 2 : 1) / kHbmBytesPerUs;
-        const bool bad = !(c.err <= (m < 2 ? 1e-2 : 1e-3)) || !(p.err <= (m < 2 ? 1e-2 : 1e-3));
-        std::printf("| %s | %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f | %.2f | %.1e | %.1e%s |\n",
-                    name, kModes[m], p.us, c.us, d, floor_us, flops / p.us * 1e-6, flops / c.us * 1e-6,
-                    flops / d * 1e-6, c.us / d, p.us / c.us, p.err, c.err, bad ? " FAIL" : "");
+        const double bound = m < 2 ? 1e-2 : 1e-3;
+        const bool bad = !(c.err <= bound) || !(p.err <= bound) || !(q.err <= bound);
+        std::printf("| %s | %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f | %.2f | %.1e "
+                    "| %.1e | %.1e%s |\n", name, kModes[m], p.us, q.us, c.us, d, floor_us, flops / p.us * 1e-6,
+                    flops / q.us * 1e-6, flops / c.us * 1e-6, flops / d * 1e-6, c.us / d, p.us / c.us, p.err, q.err,
+                    c.err, bad ? " FAIL" : "");
       }
-    if (!prev_ok || !cur_ok) {
-      std::fprintf(stderr, "moe_bench: a check failed (%s%s; rows marked FAIL, nan: not measured)\n",
-                   prev_ok ? "" : "prev ", cur_ok ? "" : "new");
+    if (!prev_ok || !mma_ok || !cur_ok) {
+      std::fprintf(stderr, "moe_bench: a check failed (%s%s%s; rows marked FAIL, nan: not measured)\n",
+                   prev_ok ? "" : "prev ", mma_ok ? "" : "mma ", cur_ok ? "" : "new");
       return 1;
     }
   } catch (const std::exception& e) {

@@ -13,6 +13,7 @@
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/gemv.cuh"
+#include "tensor/cuda/grouped_dw.cuh"
 
 namespace q3vl::dev::cuda {
 
@@ -264,17 +265,16 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
 // 64 x 64 warp tile (8 ldmatrix.x4 feed 32 mma a k16 step), k tiles of 64 in 3 stages; FWD/DX store pairs of
 // adjacent columns straight from the accumulators (bf16x2). DW's output is large against its K (a bucket: 256 rows
 // on average at the 30B-A3B shape, so 2 K FLOPs an fp32 element read and written), so its epilogue is the kernel's
-// cost: the tile goes out through shared memory as whole rows of 16-byte accesses, the prior values prefetched into
-// L2 during the main loop and read a group of 8 at a time (not one dependent DRAM round trip per pair), or not read
-// at all when the caller's dW is fresh (accumulate false). fp32 keeps its SIMT path.
-// On a 9.0 device (H100/H200) FWD and DX of bf16/fp16 run wgmma instead (moe_sm90.cu) where rows are whole 16-byte
-// chunks; DW stays here. Q3VL_GROUPED (read once; to be deleted once measured) selects for tools/gpu/moe_bench's
-// A/B: "mma" this kernel for FWD/DX too, "prev" the previous configuration (k tiles of 32 in 4 stages, DW's float2
-// read-add-write straight from the accumulators).
+// cost: the tile goes out through shared memory (grouped_dw.cuh), not read at all when the caller's dW is fresh
+// (accumulate false). fp32 keeps its SIMT path.
+// On a 9.0 device (H100/H200) bf16/fp16 run wgmma instead (moe_sm90.cu), every mode, where rows are whole 16-byte
+// chunks. Q3VL_GROUPED (read once; to be deleted once measured) selects for tools/gpu/moe_bench's A/B: "mma" this
+// kernel everywhere, "prev" its previous configuration (k tiles of 32 in 4 stages, DW's float2 read-add-write
+// straight from the accumulators).
 enum Mode { FWD = 0, DX = 1, DW = 2 };
 }  // namespace
-// moe_sm90.cu (wgmma, sm_90a): FWD/DX on a 9.0 device for bf16/fp16; false where it does not apply.
-bool grouped_sm90(cudaStream_t st, bool bf16, bool dx, const void* A, const void* B, void* C, const int32_t* start,
+// moe_sm90.cu (wgmma, sm_90a): mode on a 9.0 device for bf16/fp16; false where it does not apply.
+bool grouped_sm90(cudaStream_t st, bool bf16, int mode, const void* A, const void* B, void* C, const int32_t* start,
                   const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate);
 namespace {
 constexpr int BM = 128;  // the M tile of every variant and of moe_sm90.cu (tile_prefix counts in it)
@@ -370,11 +370,9 @@ template <class S> __device__ __forceinline__ void mma16816(float (&d)[4], const
 }
 template <class S> struct alignas(2 * sizeof(S)) Pair { S x, y; };
 
-// DW's epilogue (mma.sync warp tiles as in k_grouped): c[m, n] (+)= the block's BM x BN fp32 tile at (m0, n0), c
-// being dW[e] with rows of ldc. The accumulators go to shared memory first (sc, the free pipeline buffers; a
-// half-warp's float2 writes, rows g 0-3 and columns 2t, hit 32 distinct banks as LDC = 8 mod 32), then out as whole
-// rows: a warp moves 512 contiguous bytes in 16-byte accesses. Accumulating, each thread issues a group of 8 loads
-// of the prior values (L2-resident: k_grouped prefetched them) before their stores: 4 round trips a block.
+// DW's epilogue for k_grouped's mma.sync warp tiles: the accumulators into shared memory (sc, the free pipeline
+// buffers; a half-warp's float2 writes, rows g 0-3 and columns 2t, hit 32 distinct banks as LDC = 8 mod 32), then
+// grouped_dw::rows_out.
 template <int BN, int LDC>
 __device__ __forceinline__ void stage_out_dw(const float (&acc)[4][8][4], float* sc, float* c, int64_t ldc,
                                              int64_t m0, int64_t n0, int64_t M, int64_t N, bool accumulate, int wm,
@@ -388,37 +386,7 @@ __device__ __forceinline__ void stage_out_dw(const float (&acc)[4][8][4], float*
       *reinterpret_cast<float2*>(p + 8 * LDC) = make_float2(acc[i][j][2], acc[i][j][3]);
     }
   __syncthreads();
-  constexpr int kRowV = BN / 4, kPer = BM * kRowV / 256, kGroup = 8;  // float4s: a row, a thread, loads in flight
-  static_assert(kPer % kGroup == 0, "whole groups");
-  const bool vec = (ldc & 3) == 0 && (reinterpret_cast<uintptr_t>(c) & 15) == 0;
-  const int tid = threadIdx.x;
-  for (int u0 = 0; u0 < kPer; u0 += kGroup) {
-    float4 old[kGroup];
-#pragma unroll
-    for (int u = 0; u < kGroup; ++u) {
-      const int v = tid + 256 * (u0 + u);
-      const int64_t m = m0 + v / kRowV, n = n0 + 4 * (v % kRowV);
-      old[u] = accumulate && vec && m < M && n + 3 < N ? *reinterpret_cast<const float4*>(c + m * ldc + n)
-                                                       : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int u = 0; u < kGroup; ++u) {
-      const int v = tid + 256 * (u0 + u), r = v / kRowV, col = 4 * (v % kRowV);
-      const int64_t m = m0 + r, n = n0 + col;
-      if (m >= M || n >= N) continue;
-      const float4 a = *reinterpret_cast<const float4*>(sc + r * LDC + col);
-      if (vec && n + 3 < N) {  // asm: a plain float4 store came out as four 4-byte stores
-        asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(c + m * ldc + n), "f"(old[u].x + a.x),
-                     "f"(old[u].y + a.y), "f"(old[u].z + a.z), "f"(old[u].w + a.w)
-                     : "memory");
-      } else {  // the N edge or an unaligned dW: element by element, the same sums
-        const float av[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          if (n + q < N) c[m * ldc + n + q] = (accumulate ? c[m * ldc + n + q] : 0.f) + av[q];
-      }
-    }
-  }
+  grouped_dw::rows_out<BM, BN, LDC>(sc, c, ldc, m0, n0, M, N, accumulate);
 }
 
 template <class S, int MODE, bool PREV>
@@ -534,13 +502,8 @@ __global__ void __launch_bounds__(256, GTile<S, MODE, PREV>::MIN_BLOCKS)
     __syncthreads();  // the buffers are free for the epilogue
   };
 
-  if (T::kStagedDW && accumulate) {  // the prior dW tile into L2 while the main loop runs: 128-byte lines, BN/32 a row
-    const float* cb = static_cast<const float*>(C) + int64_t(e) * n_out * n_in;
-    for (int v = tid; v < BM * (BN / 32); v += 256) {
-      const int64_t m = m0 + v / (BN / 32), n = n0 + 32 * (v % (BN / 32));
-      if (m < M && n < N) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(cb + m * ldc + n));
-    }
-  }
+  if (T::kStagedDW && accumulate)  // the prior dW tile into L2 while the main loop runs
+    grouped_dw::prefetch_tile<BM, BN>(static_cast<const float*>(C) + int64_t(e) * n_out * n_in, ldc, m0, n0, M, N);
 
   if constexpr (sizeof(S) == 4) {
     // fp32: SIMT, 8x8 outputs a thread at (ty + 16 i, tx + 16 j).
@@ -657,7 +620,7 @@ void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const 
 }
 
 // Q3VL_GROUPED (read once) for tools/gpu/moe_bench's A/B, to be deleted once measured: "prev" the previous bf16/fp16
-// configuration (GTile), "mma" k_grouped's current one for FWD/DX too (no wgmma); unset: wgmma where it applies.
+// configuration (GTile), "mma" k_grouped's current one (no wgmma); unset: wgmma where it applies.
 enum class Variant { New, Mma, Prev };
 Variant grouped_variant() {
   static const Variant v = [] {
@@ -683,9 +646,8 @@ void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t
   const Variant v = grouped_variant();
   by_dtype(dt, [&]<class S>() {
     if constexpr (sizeof(S) == 2) {
-      if (MODE != DW && v == Variant::New &&
-          grouped_sm90(s, std::is_same_v<S, __nv_bfloat16>, MODE == DX, A, B, C, start, tile_prefix, R, E, n_in,
-                       n_out, accumulate))
+      if (v == Variant::New && grouped_sm90(s, std::is_same_v<S, __nv_bfloat16>, MODE, A, B, C, start, tile_prefix,
+                                            R, E, n_in, n_out, accumulate))
         return;
       if (v == Variant::Prev)
         return grouped_launch<S, MODE, true>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb,

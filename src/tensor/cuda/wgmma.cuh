@@ -68,22 +68,29 @@ template <int N> __device__ __forceinline__ void wg_wait() {
 #define Q3_R32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 #define Q3_R64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
-// d (64 x 128 fp32, this thread's 64) (+)= A (64 x 16, K-major smem) * B (16 x 128 smem: K-major, or N-major with
-// TRANS_B, whose descriptor's LBO is then the distance of its 64-column panels); acc 0 overwrites.
-#define Q3_WG_SS(TY, TB)                                                                                          \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                      \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " Q3_R64 ", %64, %65, p, 1, 1, 0, " TB \
-               ";\n}\n"                                                                                          \
-               : Q3_D64                                                                                           \
+// d (64 x 128 fp32, this thread's 64) (+)= A (64 x 16) * B (16 x 128), both from shared memory, each K-major or
+// (TRANS_A, TRANS_B) MN-major, whose descriptor's LBO is then the distance of its 64-element panels; acc 0
+// overwrites.
+#define Q3_WG_SS(TY, TA, TB)                                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                     \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " Q3_R64 ", %64, %65, p, 1, 1, " TA    \
+               ", " TB ";\n}\n"                                                                                  \
+               : Q3_D64                                                                                          \
                : "l"(a), "l"(b), "r"(acc))
-template <class S, bool TRANS_B = false>
+template <class S, bool TRANS_A = false, bool TRANS_B = false>
 __device__ __forceinline__ void wg_ss128(float (&d)[64], uint64_t a, uint64_t b, int acc) {
 #ifdef Q3VL_WGMMA
-  constexpr bool bf = std::is_same_v<S, __nv_bfloat16>;
-  if constexpr (bf && TRANS_B) Q3_WG_SS("bf16", "1");
-  else if constexpr (bf) Q3_WG_SS("bf16", "0");
-  else if constexpr (TRANS_B) Q3_WG_SS("f16", "1");
-  else Q3_WG_SS("f16", "0");
+  if constexpr (std::is_same_v<S, __nv_bfloat16>) {
+    if constexpr (TRANS_A && TRANS_B) Q3_WG_SS("bf16", "1", "1");
+    else if constexpr (TRANS_A) Q3_WG_SS("bf16", "1", "0");
+    else if constexpr (TRANS_B) Q3_WG_SS("bf16", "0", "1");
+    else Q3_WG_SS("bf16", "0", "0");
+  } else {
+    if constexpr (TRANS_A && TRANS_B) Q3_WG_SS("f16", "1", "1");
+    else if constexpr (TRANS_A) Q3_WG_SS("f16", "1", "0");
+    else if constexpr (TRANS_B) Q3_WG_SS("f16", "0", "1");
+    else Q3_WG_SS("f16", "0", "0");
+  }
 #endif
 }
 
