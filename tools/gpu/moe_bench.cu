@@ -1,5 +1,5 @@
 // Micro-benchmark of the grouped expert GEMM (src/tensor/cuda/moe.cu, moe_sm90.cu; issue 30): the current kernels
-// (new: wgmma for FWD/DX on an H100/H200) against Q3VL_GROUPED=mma (the mma.sync kernel for every mode) and
+// (new: wgmma, every mode, on an H100/H200) against Q3VL_GROUPED=mma (the mma.sync kernel, every mode) and
 // Q3VL_GROUPED=prev (the previous configuration), each run in a child process of this binary (moe.cu reads the
 // variable once), and a dense cuBLASLt GEMM of the same FLOPs (dev::linear_fwd, R x n_in -> n_out), at the 30B-A3B
 // training shape: 4096 tokens, top-8 of 128 experts (R = 32768 rows), hidden 2048, expert intermediate 768; gate_up [R x 2048] ->
