@@ -43,9 +43,10 @@ LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcubla
 NVFLAGS   := -std=c++20 -O3 -arch=sm_90 -Iinclude -Isrc --expt-relaxed-constexpr -Xcompiler -fPIC -ccbin g++ \
              -I/usr/include/x86_64-linux-gnu/mpich
 comma := ,
-# wgmma (attention_sm90.cu) needs the arch-specific sm_90a target; only that file is built for it, and its kernels
-# launch only on a compute-capability 9.0 device.
-build/obj/src/tensor/cuda/attention_sm90.cu.o: NVFLAGS := $(subst -arch=sm_90,-gencode=arch=compute_90a$(comma)code=sm_90a,$(NVFLAGS))
+# wgmma (attention_sm90.cu, moe_sm90.cu) needs the arch-specific sm_90a target; only those files are built for it,
+# and their kernels launch only on a compute-capability 9.0 device.
+SM90A_OBJ := build/obj/src/tensor/cuda/attention_sm90.cu.o build/obj/src/tensor/cuda/moe_sm90.cu.o
+$(SM90A_OBJ): NVFLAGS := $(subst -arch=sm_90,-gencode=arch=compute_90a$(comma)code=sm_90a,$(NVFLAGS))
 endif
 
 LIB_SRC  := $(shell find src -name '*.cpp' -not -path 'src/app/*' | sort)
@@ -89,7 +90,7 @@ bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
 	$(CXX) $(CXXFLAGS) -o $@ $(MPI_OBJ) build/libq3vl.a -lgtest $(LDLIBS)
 
 # GPU micro-benchmarks, not part of all or tests (make bin/X && bin/X on a GPU machine): tools/gpu/gemv_bench.cu, our
-# GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (new, old, dense);
+# GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (new, prev, dense);
 # tools/gpu/attn_check.cu, the attention kernels (forward and backward) against an fp64 reference, old and new timed;
 # tools/gpu/paged_check.cu, paged attention (tensor-core and SIMT) the same way.
 GPU_TOOLS := bin/gemv_bench bin/moe_bench bin/attn_check bin/paged_check

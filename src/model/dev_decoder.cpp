@@ -206,10 +206,11 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
       const int eg = dev_experts_id(P, f);
       dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, false, dt);
       dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
-      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, false, dt);
+      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, false, true,
+                              dt);
       dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, false, dt);
       dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false, dt);
+      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false, true, dt);
     }
     dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, false, dt);
     // The logit gradients of the combine weights and of the aux loss summed in fp32, rounded once to dt for the

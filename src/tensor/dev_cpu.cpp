@@ -573,10 +573,12 @@ void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const f
   });
 }
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
-                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, accumulate, dt));
+                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
+                        bool accumulate_dW, DType dt) {
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, accumulate, accumulate_dW, dt));
   need_f32(dt, "grouped_linear_bwd");
   clear_unless(accumulate, dxg, R * n_in);
+  clear_unless(accumulate_dW, dW, E * n_out * n_in);
   for (int64_t e = 0; e < E; ++e)
     ops::linear_bwd(F(dy) + start[e] * n_out, F(xg) + start[e] * n_in, F(W) + e * n_out * n_in,
                     dxg ? F(dxg) + start[e] * n_in : nullptr, dW ? dW + e * n_out * n_in : nullptr, (float*)nullptr,

@@ -148,6 +148,9 @@ std::string dims(std::initializer_list<int64_t> d) {
 
 // A backward op's input-gradient mode in a case's name: accumulated (as the other gradients) or written.
 std::string mode(bool accumulate) { return accumulate ? "" : " din="; }
+// grouped_linear_bwd's (accumulate, accumulate_dW): both added to, dxg written, both written (a fresh dW).
+constexpr std::pair<bool, bool> kGroupedBwdModes[] = {{true, true}, {false, true}, {false, false}};
+std::string dw_mode(bool accumulate_dW) { return accumulate_dW ? "" : " dW="; }
 
 // Packed segments: cu_seqlens from lengths.
 std::vector<double> cu_of(const std::vector<int64_t>& lens) {
@@ -404,12 +407,13 @@ std::vector<Case> all_cases(DType dt) {
         [=](auto& x, auto& p, DType t) {
           dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[3], R, E, I, O, t);
         });
-    for (bool acc : {true, false})
-      add("grouped_linear_bwd", dims({R, E, I, O}) + " tiles" + mode(acc), kGemm,
+    for (auto [acc, acc_dw] : kGroupedBwdModes)
+      add("grouped_linear_bwd", dims({R, E, I, O}) + " tiles" + mode(acc) + dw_mode(acc_dw), kGemm,
           {in("dy", K::Act, randn(R * O)), in("xg", K::Act, randn(R * I)), in("W", K::Act, randn(E * O * I, 0.1)),
            in("start", K::I32, starts_of(ex, E)), out("dxg", K::Act, randn(R * I)), out("dW", K::F32, randn(E * O * I))},
           [=](auto& x, auto& p, DType t) {
-            dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, I, O, acc, t);
+            dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, I, O, acc,
+                                    acc_dw, t);
           });
   }
 
@@ -677,14 +681,14 @@ std::vector<Case> all_cases(DType dt) {
         [=](auto& x, auto& p, DType t) {
           dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[3], R, E, Hh, Im, t);
         });
-    for (bool acc : {true, false})
-      add("grouped_linear_bwd", dims({R, E, Hh, Im}) + mode(acc), kGemm,
+    for (auto [acc, acc_dw] : kGroupedBwdModes)
+      add("grouped_linear_bwd", dims({R, E, Hh, Im}) + mode(acc) + dw_mode(acc_dw), kGemm,
           {in("dy", K::Act, randn(R * Im)), in("xg", K::Act, randn(R * Hh)),
            in("W", K::Act, randn(E * Im * Hh, 0.1)), in("start", K::I32, start), out("dxg", K::Act, randn(R * Hh)),
            out("dW", K::F32, randn(E * Im * Hh))},
           [=](auto& x, auto& p, DType t) {
             dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, Hh, Im, acc,
-                                    t);
+                                    acc_dw, t);
           });
     add("moe_combine_fwd", dims({N, k, Hh}), kReduce,
         {in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos), in("w", K::F32, randu(R, 0, 1)),

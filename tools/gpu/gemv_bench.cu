@@ -9,7 +9,7 @@
 // Method: every rep reads a different copy of W (the copies together are >= 4 and >= 256 MB, past the 50 MB L2),
 // so no timed W is cache-resident; x (<= 32 rows) may stay in L2, as in a real decode step. The reps are queued
 // behind a spinning kernel so that the host's launch time never shows between the per-rep CUDA events; a row
-// flagged "host-bound" means the spin ended before everything was queued (raise kSpinMs).
+// flagged "host-bound" means the spin ended before everything was queued (tools/gpu/timing.cuh).
 // The bf16 W is the int8 weights dequantized exactly (scales are powers of two: q * 2^-k fits in bf16), so all
 // three paths compute the same product and (c) is checked against (a) too.
 #include <algorithm>
@@ -21,13 +21,13 @@
 #include "q3vl/tensor/dev.hpp"
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/gemv.cuh"
+#include "timing.cuh"
 
 using namespace q3vl;
 using bf16 = __nv_bfloat16;
 
 namespace {
 
-constexpr double kSpinMs = 30;                    // head start of the host over the GPU before each timed batch
 constexpr size_t kMinPoolBytes = size_t(256) << 20;  // the W copies together (bf16), >> the 50 MB L2
 constexpr int kMaxRows = 32;
 
@@ -52,56 +52,13 @@ __global__ void k_init_x(bf16* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     x[i] = __float2bfloat16_rn(float(hash(i, seed) % 2001u) / 1000.f - 1.f);
 }
-__global__ void k_spin(double ms) {
-  uint64_t t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (double(t - t0) < ms * 1e6);
-}
 
 struct Shape { const char* name; int64_t n_in, n_out; };
-struct Timing { double us = NAN; bool host_bound = false; };
+using gpu_bench::Timing;
 
 // Median time of one call of f(copy), copy rotating over nbuf weight copies; warm-up first.
 template <class F> Timing time_it(const dev::Exec& x, int reps, int nbuf, F&& f) {
-  cudaStream_t st = dev::cuda::stream_of(x);
-  for (int i = 0; i < std::max(nbuf, 5); ++i) f(i % nbuf);
-  Q3VL_CU(cudaStreamSynchronize(st));
-  std::vector<cudaEvent_t> ev(reps + 1);
-  for (auto& e : ev) Q3VL_CU(cudaEventCreate(&e));
-  k_spin<<<1, 1, 0, st>>>(kSpinMs);
-  Q3VL_LAUNCHED();
-  for (int i = 0; i < reps; ++i) {
-    Q3VL_CU(cudaEventRecord(ev[i], st));
-    f(i % nbuf);
-  }
-  Q3VL_CU(cudaEventRecord(ev[reps], st));
-  Timing t;
-  t.host_bound = cudaEventQuery(ev[0]) != cudaErrorNotReady;  // the GPU was already past the spin
-  Q3VL_CU(cudaEventSynchronize(ev[reps]));
-  std::vector<double> us(reps);
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0;
-    Q3VL_CU(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
-    us[i] = 1e3 * ms;
-  }
-  for (auto& e : ev) Q3VL_CU(cudaEventDestroy(e));
-  std::nth_element(us.begin(), us.begin() + reps / 2, us.end());
-  t.us = us[reps / 2];
-  return t;
-}
-
-// max|y - ref| / max|ref| over N rows.
-double rel_diff(const dev::Exec& x, const bf16* y, const bf16* ref, int64_t n) {
-  std::vector<bf16> a(n), b(n);
-  dev::to_host(x, a.data(), y, n * sizeof(bf16));
-  dev::to_host(x, b.data(), ref, n * sizeof(bf16));
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double r = __bfloat162float(b[i]), v = __bfloat162float(a[i]);
-    num = std::max(num, std::fabs(v - r));
-    den = std::max(den, std::fabs(r));
-  }
-  return den > 0 ? num / den : num;
+  return gpu_bench::time_median(dev::cuda::stream_of(x), reps, std::max(nbuf, 5), [&](int i) { f(i % nbuf); });
 }
 
 std::string fmt(double v, const char* f) {
@@ -165,7 +122,8 @@ int main(int argc, char** argv) {
         if (has_b) run_b(0);
         run_c(0);
         const int64_t ny = int64_t(N) * s.n_out;
-        const double db = has_b ? rel_diff(x, yb, ya, ny) : NAN, dc = rel_diff(x, yc, ya, ny);
+        const double db = has_b ? gpu_bench::rel_diff<bf16>(x, yb, ya, ny) : NAN,
+                     dc = gpu_bench::rel_diff<bf16>(x, yc, ya, ny);
         const bool fail = (has_b && !(db <= 1e-2)) || !(dc <= 1e-2);
         bad |= fail;
 

@@ -5,16 +5,15 @@
 // over only the experts that have rows (found on the device from start), so a decode step reads the weights of the
 // few experts its tokens chose instead of walking every expert's tiles; larger R (prefill, training batches) and the
 // backward run the tiled grouped GEMM below (one launch for all experts, tensor cores for bf16/fp16).
-#include <mma.h>
-
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
-#include <string>
 #include <type_traits>
 
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/gemv.cuh"
+#include "tensor/cuda/grouped_dw.cuh"
 
 namespace q3vl::dev::cuda {
 
@@ -256,19 +255,29 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
 // ---- grouped expert GEMM --------------------------------------------------------------------------------------------
 // C = op(A) op(B) per expert, one launch. Modes:
 //   FWD: y[s+m, n]  = sum_k xg[s+m, k] W[e][n, k]      (M = bucket rows, N = n_out, K = n_in; overwrite)
-//   DX:  dxg[s+m, n] += sum_k dy[s+m, k] W[e][k, n]    (M = bucket rows, N = n_in,  K = n_out)
-//   DW:  dW[e][m, n] += sum_k dy[s+k, m] xg[s+k, n]    (M = n_out, N = n_in, K = bucket rows; F32)
+//   DX:  dxg[s+m, n] (+)= sum_k dy[s+m, k] W[e][k, n]  (M = bucket rows, N = n_in,  K = n_out)
+//   DW:  dW[e][m, n] (+)= sum_k dy[s+k, m] xg[s+k, n]  (M = n_out, N = n_in, K = bucket rows; F32)
 // FWD/DX: blockIdx.y walks the M tiles of all experts back to back (tile_prefix, so no block idles on an empty
 // expert); DW: blockIdx.z = expert. Shared tiles keep the operand's contiguous dimension contiguous (16-byte
 // cp.async copies into rows padded by 16 bytes, so the 8 rows of an ldmatrix phase hit 8 distinct bank quads). No
 // split-K, one block per output tile: dW and dxg accumulate deterministically.
 // bf16/fp16 run mma.sync m16n8k16 fed by ldmatrix (.trans where the operand is MN-major): 128 x 256 block tiles, a
-// 64 x 64 warp tile (8 ldmatrix.x4 feed 32 mma a k16 step), 4 stages, the epilogue straight from the accumulators
-// (pairs of adjacent columns: bf16x2 stores, float2 read-add-write for dW). Q3VL_GROUPED=old selects the previous
-// WMMA kernel (128 x 128, 3 stages, epilogue staged through shared memory) for A/B runs; fp32 keeps its SIMT path.
+// 64 x 64 warp tile (8 ldmatrix.x4 feed 32 mma a k16 step), k tiles of 64 in 3 stages; FWD/DX store pairs of
+// adjacent columns straight from the accumulators (bf16x2). DW's output is large against its K (a bucket: 256 rows
+// on average at the 30B-A3B shape, so 2 K FLOPs an fp32 element read and written), so its epilogue is the kernel's
+// cost: the tile goes out through shared memory (grouped_dw.cuh), not read at all when the caller's dW is fresh
+// (accumulate false). fp32 keeps its SIMT path.
+// On a 9.0 device (H100/H200) bf16/fp16 run wgmma instead (moe_sm90.cu), every mode, where rows are whole 16-byte
+// chunks. Q3VL_GROUPED (read once; to be deleted once measured) selects for tools/gpu/moe_bench's A/B: "mma" this
+// kernel everywhere, "prev" its previous configuration (k tiles of 32 in 4 stages, DW's float2 read-add-write
+// straight from the accumulators).
 enum Mode { FWD = 0, DX = 1, DW = 2 };
-constexpr int BM = 128;  // the M tile of every variant (tile_prefix counts in it)
-template <class S> constexpr int bk() { return sizeof(S) == 4 ? 16 : 32; }
+}  // namespace
+// moe_sm90.cu (wgmma, sm_90a): mode on a 9.0 device for bf16/fp16; false where it does not apply.
+bool grouped_sm90(cudaStream_t st, bool bf16, int mode, const void* A, const void* B, void* C, const int32_t* start,
+                  const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate);
+namespace {
+constexpr int BM = 128;  // the M tile of every variant and of moe_sm90.cu (tile_prefix counts in it)
 template <class S> constexpr int pad() { return 16 / int(sizeof(S)); }  // keeps rows 16-byte multiples
 
 template <class S> __device__ __forceinline__ S zero_of() {
@@ -317,19 +326,20 @@ __device__ __forceinline__ int expert_of_tile(const int32_t* tile_prefix, int E,
   return lo;
 }
 
-// MMA: the mma.sync variant (bf16/fp16 only; false: fp32 SIMT or the old WMMA kernel).
-template <class S, int MODE, bool MMA> struct GTile {
-  static constexpr bool kMma = MMA && sizeof(S) == 2;
-  static constexpr int BK = bk<S>(), P = pad<S>(), BN = kMma ? 256 : 128;
-  static constexpr int ST = kMma ? 4 : 3;  // cp.async pipeline depth
+template <class S, int MODE, bool PREV> struct GTile {
+  static constexpr bool kMma = sizeof(S) == 2;  // mma.sync for bf16/fp16, SIMT for fp32
+  static constexpr int BK = !kMma ? 16 : PREV ? 32 : 64, P = pad<S>(), BN = kMma ? 256 : 128;
+  static constexpr int ST = kMma && PREV ? 4 : 3;  // cp.async pipeline depth
   static constexpr int MIN_BLOCKS = kMma ? 1 : 2;  // mma: 128 fp32 accumulators a thread need up to 255 registers
   static constexpr bool A_KC = MODE != DW;  // A's contiguous dimension is k (else m)
   static constexpr bool B_KC = MODE == FWD;  // B's contiguous dimension is k (else n)
   static constexpr int LDA = A_KC ? BK + P : BM + P, LDB = B_KC ? BK + P : BN + P;
   static constexpr int SA = A_KC ? BM * LDA : BK * LDA, SB = B_KC ? BN * LDB : BK * LDB;
   static constexpr size_t smem = size_t(ST) * (SA + SB) * sizeof(S);
+  static constexpr bool kStagedDW = MODE == DW && kMma && !PREV;  // DW's epilogue through shared memory
+  static constexpr int LDC = BN + 8;  // floats, the staged tile's row stride: 8 mod 32 banks (see the epilogue)
   static_assert((SA * sizeof(S)) % 128 == 0 && ((SA + SB) * sizeof(S)) % 128 == 0, "stage alignment");
-  static_assert(kMma || smem >= 8 * 256 * sizeof(float), "WMMA's epilogue staging reuses the pipeline buffers");
+  static_assert(!kStagedDW || smem >= size_t(BM) * LDC * sizeof(float), "DW's staging reuses the pipeline buffers");
 };
 
 // ldmatrix.x4: four 8x8 b16 matrices, lane l giving the address of row l % 8 of matrix l / 8. Without .trans lane
@@ -360,12 +370,31 @@ template <class S> __device__ __forceinline__ void mma16816(float (&d)[4], const
 }
 template <class S> struct alignas(2 * sizeof(S)) Pair { S x, y; };
 
-template <class S, int MODE, bool MMA>
-__global__ void __launch_bounds__(256, GTile<S, MODE, MMA>::MIN_BLOCKS)
+// DW's epilogue for k_grouped's mma.sync warp tiles: the accumulators into shared memory (sc, the free pipeline
+// buffers; a half-warp's float2 writes, rows g 0-3 and columns 2t, hit 32 distinct banks as LDC = 8 mod 32), then
+// grouped_dw::rows_out.
+template <int BN, int LDC>
+__device__ __forceinline__ void stage_out_dw(const float (&acc)[4][8][4], float* sc, float* c, int64_t ldc,
+                                             int64_t m0, int64_t n0, int64_t M, int64_t N, bool accumulate, int wm,
+                                             int wn, int g, int t2) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float* p = sc + (wm * 64 + 16 * i + g) * LDC + wn * 64 + 8 * j + t2;
+      *reinterpret_cast<float2*>(p) = make_float2(acc[i][j][0], acc[i][j][1]);
+      *reinterpret_cast<float2*>(p + 8 * LDC) = make_float2(acc[i][j][2], acc[i][j][3]);
+    }
+  __syncthreads();
+  grouped_dw::rows_out<BM, BN, LDC>(sc, c, ldc, m0, n0, M, N, accumulate);
+}
+
+template <class S, int MODE, bool PREV>
+__global__ void __launch_bounds__(256, GTile<S, MODE, PREV>::MIN_BLOCKS)
     k_grouped(const S* __restrict__ A, const S* __restrict__ B, void* C, const int32_t* __restrict__ start,
               const int32_t* __restrict__ tile_prefix, int E, int64_t n_in, int64_t n_out, bool vecA, bool vecB,
               bool accumulate) {
-  using T = GTile<S, MODE, MMA>;
+  using T = GTile<S, MODE, PREV>;
   constexpr int BK = T::BK, BN = T::BN, LDA = T::LDA, LDB = T::LDB, SA = T::SA, SB = T::SB, kStages = T::ST;
   constexpr bool A_KC = T::A_KC, B_KC = T::B_KC;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -402,7 +431,8 @@ __global__ void __launch_bounds__(256, GTile<S, MODE, MMA>::MIN_BLOCKS)
     b0 = B + s * n_in, ldb = n_in;
     ldc = n_in;
   }
-  if (m0 >= M || n0 >= N || K <= 0) return;  // DW of an expert with no rows adds nothing
+  if (m0 >= M || n0 >= N) return;
+  if (K <= 0 && (MODE != DW || accumulate)) return;  // DW of an expert without rows adds nothing, or writes zeros
 
   const int tid = threadIdx.x;
   auto load = [&](int st, int64_t k0) {
@@ -423,7 +453,7 @@ __global__ void __launch_bounds__(256, GTile<S, MODE, MMA>::MIN_BLOCKS)
       st(c, m * ldc + n, prior(c, m * ldc + n, accumulate) + v);
     } else {
       float* c = static_cast<float*>(C) + int64_t(e) * n_out * n_in;
-      c[m * ldc + n] += v;
+      c[m * ldc + n] = prior(c, m * ldc + n, accumulate) + v;
     }
   };
   // Output elements (m, n), (m, n + 1), n even: one paired access where the pair is aligned (ldc even, C aligned to
@@ -436,9 +466,8 @@ __global__ void __launch_bounds__(256, GTile<S, MODE, MMA>::MIN_BLOCKS)
       put(m, n + 1, v1);
     } else if constexpr (MODE == DW) {
       float2* c = reinterpret_cast<float2*>(static_cast<float*>(C) + int64_t(e) * n_out * n_in + m * ldc + n);
-      float2 q = *c;
-      q.x += v0, q.y += v1;
-      *c = q;
+      const float2 q = accumulate ? *c : make_float2(0.f, 0.f);
+      *c = make_float2(q.x + v0, q.y + v1);
     } else {
       Pair<S>* c = reinterpret_cast<Pair<S>*>(static_cast<S*>(C) + s * ldc + m * ldc + n);
       Pair<S> q;
@@ -472,6 +501,9 @@ __global__ void __launch_bounds__(256, GTile<S, MODE, MMA>::MIN_BLOCKS)
     cp_wait<0>();
     __syncthreads();  // the buffers are free for the epilogue
   };
+
+  if (T::kStagedDW && accumulate)  // the prior dW tile into L2 while the main loop runs
+    grouped_dw::prefetch_tile<BM, BN>(static_cast<const float*>(C) + int64_t(e) * n_out * n_in, ldc, m0, n0, M, N);
 
   if constexpr (sizeof(S) == 4) {
     // fp32: SIMT, 8x8 outputs a thread at (ty + 16 i, tx + 16 j).
@@ -525,60 +557,19 @@ __global__ void __launch_bounds__(256, GTile<S, MODE, MMA>::MIN_BLOCKS)
       }
     });
     const int g = lane >> 2, t2 = 2 * (lane & 3);
+    if constexpr (T::kStagedDW) {
+      stage_out_dw<BN, T::LDC>(acc, reinterpret_cast<float*>(smem_raw), static_cast<float*>(C) +
+                               int64_t(e) * n_out * n_in, ldc, m0, n0, M, N, accumulate, wm, wn, g, t2);
+    } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int64_t m = m0 + wm * 64 + 16 * i + g, n = n0 + wn * 64 + 8 * j + t2;
-        put2(m, n, acc[i][j][0], acc[i][j][1]);
-        put2(m + 8, n, acc[i][j][2], acc[i][j][3]);
-      }
-  } else {
-    // bf16/fp16, the old kernel: WMMA 16x16x16, fp32 accumulators. 8 warps as 2 (m) x 4 (n), 64 x 32 outputs a warp.
-    using namespace nvcuda;
-    using LA = std::conditional_t<A_KC, wmma::row_major, wmma::col_major>;
-    using LB = std::conditional_t<B_KC, wmma::col_major, wmma::row_major>;
-    const int warp = tid >> 5, lane = tid & 31, wm = warp >> 2, wn = warp & 3;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-    mainloop([&](const S* As, const S* Bs) {
-#pragma unroll
-      for (int kk = 0; kk < BK; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, S, LA> fa[4];
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, S, LB> fb[2];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int mr = wm * 64 + 16 * i;
-          wmma::load_matrix_sync(fa[i], A_KC ? As + mr * LDA + kk : As + kk * LDA + mr, LDA);
+        for (int j = 0; j < 8; ++j) {
+          const int64_t m = m0 + wm * 64 + 16 * i + g, n = n0 + wn * 64 + 8 * j + t2;
+          put2(m, n, acc[i][j][0], acc[i][j][1]);
+          put2(m + 8, n, acc[i][j][2], acc[i][j][3]);
         }
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int nc = wn * 32 + 16 * j;
-          wmma::load_matrix_sync(fb[j], B_KC ? Bs + nc * LDB + kk : Bs + kk * LDB + nc, LDB);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-      }
-    });
-    float* sw = reinterpret_cast<float*>(smem_raw) + warp * 256;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        wmma::store_matrix_sync(sw, acc[i][j], 16, wmma::mem_row_major);
-        __syncwarp();
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int q = u * 32 + lane, r = q >> 4, c = q & 15;  // a half-warp per row: 16 consecutive columns
-          put(m0 + wm * 64 + 16 * i + r, n0 + wn * 32 + 16 * j + c, sw[q]);
-        }
-        __syncwarp();
-      }
+    }
   }
 }
 
@@ -601,11 +592,11 @@ __global__ void k_tile_prefix(const int32_t* __restrict__ start, int E, int32_t*
   if (lane == 31) tile_prefix[E] = incl;
 }
 
-template <class S, int MODE, bool MMA>
+template <class S, int MODE, bool PREV>
 void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const int32_t* start,
                     const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, int64_t lda,
                     int64_t ldb, bool accumulate) {
-  constexpr int VEC = 16 / int(sizeof(S)), BN = GTile<S, MODE, MMA>::BN;
+  constexpr int VEC = 16 / int(sizeof(S)), BN = GTile<S, MODE, PREV>::BN;
   const bool vecA = aligned16(A) && lda % VEC == 0, vecB = aligned16(B) && ldb % VEC == 0;
   const int64_t N = MODE == FWD ? n_out : n_in;
   dim3 grid(unsigned((N + BN - 1) / BN), 1, 1);
@@ -617,20 +608,33 @@ void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const 
     Q3VL_CHECK(tiles <= 65535, "grouped_linear: too many rows for one launch");
     grid.y = unsigned(tiles);
   }
-  constexpr size_t smem = GTile<S, MODE, MMA>::smem;
+  constexpr size_t smem = GTile<S, MODE, PREV>::smem;
   static std::once_flag once;  // per instantiation: allow more than 48 KiB of dynamic shared memory
   std::call_once(once, [] {
-    Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE, MMA>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE, PREV>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   });
-  k_grouped<S, MODE, MMA><<<grid, 256, smem, stream_of(x)>>>(static_cast<const S*>(A), static_cast<const S*>(B),
-                                                             C, start, tile_prefix, int(E), n_in, n_out, vecA,
-                                                             vecB, accumulate);
+  k_grouped<S, MODE, PREV><<<grid, 256, smem, stream_of(x)>>>(static_cast<const S*>(A), static_cast<const S*>(B),
+                                                              C, start, tile_prefix, int(E), n_in, n_out, vecA,
+                                                              vecB, accumulate);
   Q3VL_LAUNCHED();
 }
 
+// Q3VL_GROUPED (read once) for tools/gpu/moe_bench's A/B, to be deleted once measured: "prev" the previous bf16/fp16
+// configuration (GTile), "mma" k_grouped's current one (no wgmma); unset: wgmma where it applies.
+enum class Variant { New, Mma, Prev };
+Variant grouped_variant() {
+  static const Variant v = [] {
+    const char* s = std::getenv("Q3VL_GROUPED");
+    return !s ? Variant::New : std::strcmp(s, "prev") == 0 ? Variant::Prev : std::strcmp(s, "mma") == 0 ? Variant::Mma
+                                                                                                        : Variant::New;
+  }();
+  return v;
+}
+
+// accumulate: DX's dxg and DW's dW are added to (else written).
 template <int MODE>
 void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t* start, int64_t R, int64_t E,
-             int64_t n_in, int64_t n_out, DType dt, int64_t lda, int64_t ldb, bool accumulate = true) {
+             int64_t n_in, int64_t n_out, DType dt, int64_t lda, int64_t ldb, bool accumulate) {
   Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear: expert count out of range");
   const auto s = stream_of(x);
   int32_t* tile_prefix = static_cast<int32_t*>(x.ws);
@@ -639,12 +643,15 @@ void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t
     k_tile_prefix<<<1, 32, 0, s>>>(start, int(E), tile_prefix);
     Q3VL_LAUNCHED();
   }
-  const char* env = std::getenv("Q3VL_GROUPED");  // read each call: tools/gpu/moe_bench flips it between runs
-  const bool old = env && std::string(env) == "old";
+  const Variant v = grouped_variant();
   by_dtype(dt, [&]<class S>() {
     if constexpr (sizeof(S) == 2) {
-      if (!old) return grouped_launch<S, MODE, true>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb,
-                                                     accumulate);
+      if (v == Variant::New && grouped_sm90(s, std::is_same_v<S, __nv_bfloat16>, MODE, A, B, C, start, tile_prefix,
+                                            R, E, n_in, n_out, accumulate))
+        return;
+      if (v == Variant::Prev)
+        return grouped_launch<S, MODE, true>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb,
+                                             accumulate);
     }
     grouped_launch<S, MODE, false>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
   });
@@ -789,19 +796,22 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
     });
     return;
   }
-  grouped<FWD>(x, xg, W, y, start, R, E, n_in, n_out, dt, n_in, n_in);
+  grouped<FWD>(x, xg, W, y, start, R, E, n_in, n_out, dt, n_in, n_in, false);
 }
 
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
-                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
-  if (R <= 0 || n_in <= 0) return;
-  if (n_out <= 0) {  // an empty inner dimension adds nothing; a written dxg is zeros
-    if (dxg && !accumulate)
-      by_dtype(dt, [&]<class S>() { Q3VL_CU(cudaMemsetAsync(dxg, 0, size_t(R * n_in) * sizeof(S), stream_of(x))); });
+                        float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
+                        bool accumulate_dW, DType dt) {
+  if (n_in <= 0) return;
+  if (R <= 0 || n_out <= 0) {  // an empty inner dimension adds nothing; a written output is zeros
+    const auto s = stream_of(x);
+    if (dxg && !accumulate && R > 0)
+      by_dtype(dt, [&]<class S>() { Q3VL_CU(cudaMemsetAsync(dxg, 0, size_t(R * n_in) * sizeof(S), s)); });
+    if (dW && !accumulate_dW && n_out > 0) Q3VL_CU(cudaMemsetAsync(dW, 0, size_t(E * n_out * n_in) * 4, s));
     return;
   }
   if (dxg) grouped<DX>(x, dy, W, dxg, start, R, E, n_in, n_out, dt, n_out, n_in, accumulate);
-  if (dW) grouped<DW>(x, dy, xg, dW, start, R, E, n_in, n_out, dt, n_out, n_in);
+  if (dW) grouped<DW>(x, dy, xg, dW, start, R, E, n_in, n_out, dt, n_out, n_in, accumulate_dW);
 }
 
 void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,
