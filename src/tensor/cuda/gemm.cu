@@ -53,11 +53,12 @@ uint32_t align_of(const void* p) {
   return al;
 }
 
-// beta0: the call overwrites C (tuning times it in place; the heuristic ignores beta). tune: the plan was made with
-// tuning on (a process that switches keeps both kinds apart, and tools/gpu/gemm_tune_bench compares them).
+// Not beta: one algorithm for a shape whether it accumulates or not keeps dev.hpp's promise that a written gradient
+// is bit for bit the accumulated one into zeros. tune: the plan was made with tuning on (a process that switches
+// keeps both kinds apart, and tools/gpu/gemm_tune_bench compares them).
 struct Key {
   void* handle;
-  bool ta, tb, bias, beta0, tune;
+  bool ta, tb, bias, tune;
   int64_t M, N, K, lda, ldb, ldc;
   DType dt, ct;
   uint32_t alA, alB, alC, alBias;
@@ -239,7 +240,7 @@ int fastest(const Key& k, const Plan& p, const std::vector<Candidate>& cand, con
   Q3VL_CU(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, c.x.gpu));
   const size_t flush = 2 * size_t(std::max(l2, 0));
   const size_t c_bytes =
-      k.beta0 ? 0 : (size_t((k.M - 1) * k.ldc + k.N) * dtype_size(k.ct) + 255) / 256 * 256;  // C's rows at ldc
+      c.beta == 0.f ? 0 : (size_t((k.M - 1) * k.ldc + k.N) * dtype_size(k.ct) + 255) / 256 * 256;  // C's rows at ldc
   TuneMemory mem(c, k, c_bytes + flush);
   if (!mem.get()) return -1;
   void* C = c_bytes ? mem.get() : c.C;
@@ -430,7 +431,7 @@ bool gemm_impl(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
     return true;
   }
   const bool tune = g_tune.load(std::memory_order_relaxed);
-  Key k{x.blas, ta, tb, bias != nullptr, beta == 0.f, tune, M, N, K, lda, ldb, ldc, dt, ct,
+  Key k{x.blas, ta, tb, bias != nullptr, tune, M, N, K, lda, ldb, ldc, dt, ct,
         align_of(A), align_of(B), align_of(C), bias ? align_of(bias) : 0u, std::min(kGemmWs, x.ws_bytes)};
   std::unique_lock<std::mutex> lock(g_mu);  // also guards the bias pointer set on the shared descriptor
   auto& m = cache();
