@@ -852,3 +852,72 @@ TEST(BackendOps, Fp16) {
   Q3VL_NEED_GPU();
   run_table(DType::F16);
 }
+
+// run.gemm_tune: the linear op's GEMMs with timed picks (tuning on) equal the heuristic's first picks (off) within
+// rounding, the accumulating ones included (timing must not touch a C that the call adds to); a shape first seen
+// while capturing a graph is recorded with the first pick. The op table above runs tuned under Q3VL_GEMM_TUNE=1.
+TEST(BackendOps, GemmTuneMatchesHeuristic) {
+  Q3VL_NEED_GPU();
+  const DType dt = DType::BF16;
+  dev::Exec x = dev::make_exec(Device::CUDA);
+  const bool was = dev::gemm_tune();
+  const dev::GemmTuneStats s0 = dev::gemm_tune_stats();
+  auto up = [&](const std::vector<double>& v, DType t) {
+    const std::vector<char> b = encode(v, t);
+    void* p = dev::alloc(x, b.size());
+    dev::to_device(x, p, b.data(), b.size());
+    return p;
+  };
+  auto down = [&](const void* p, size_t n, DType t) {
+    std::vector<char> b(n * dtype_size(t));
+    dev::to_host(x, b.data(), p, b.size());
+    return decode(b, t);
+  };
+  struct Shape {
+    int64_t N, I, O;
+  };
+  for (const Shape& s : {Shape{256, 512, 768}, Shape{4, 1024, 3072}, Shape{333, 640, 200}}) {
+    const int64_t N = s.N, I = s.I, O = s.O;
+    const auto in = randn(N * I), W = randn(O * I, 0.05), b = randn(O), dy = randn(N * O), din0 = randn(N * I),
+               dW0 = randn(O * I);
+    std::vector<std::vector<double>> got[2];  // [off, on]: y, y with bias, din += dy W, dW += dy^T in
+    for (int on = 0; on < 2; ++on) {
+      dev::set_gemm_tune(on == 1, /*env_wins=*/false);
+      const std::vector<double> nan(size_t(N * O), NAN);
+      std::vector<void*> p{up(in, dt), up(W, dt), up(b, dt), up(dy, dt), up(din0, dt), up(dW0, DType::F32),
+                           up(nan, dt), up(nan, dt)};
+      dev::linear_fwd(x, p[0], p[1], nullptr, p[6], N, I, O, dt);
+      dev::linear_fwd(x, p[0], p[1], p[2], p[7], N, I, O, dt);
+      dev::linear_bwd(x, p[3], p[0], p[1], p[4], static_cast<float*>(p[5]), nullptr, N, I, O, true, dt);
+      got[on] = {down(p[6], N * O, dt), down(p[7], N * O, dt), down(p[4], N * I, dt), down(p[5], O * I, DType::F32)};
+      for (void* q : p) dev::release(x, q);
+    }
+    const char* what[] = {"y", "y with bias", "din (accumulated)", "dW (accumulated, fp32)"};
+    for (int i = 0; i < 4; ++i) {
+      const double err = test::rel_max_diff(got[1][i], got[0][i]);  // NaN or Inf: +inf
+      std::printf("  gemm tuning %s: %s on vs off %.2e\n", dims({N, I, O}).c_str(), what[i], err);
+      EXPECT_LE(err, i == 3 ? 1e-4 : 1e-2) << dims({N, I, O}) << " " << what[i];
+    }
+  }
+  // A new shape first met inside a capture: the capture holds (nothing was timed in it) and the graph computes it.
+  {
+    dev::set_gemm_tune(true, false);
+    const int64_t N = 5, I = 384, O = 640;
+    const auto in = randn(N * I), W = randn(O * I, 0.05);
+    void *pin = up(in, dt), *pw = up(W, dt), *y = up(std::vector<double>(size_t(N * O), NAN), dt),
+         *want = up(std::vector<double>(size_t(N * O), NAN), dt);
+    ASSERT_TRUE(dev::capture_begin(x));
+    dev::linear_fwd(x, pin, pw, nullptr, y, N, I, O, dt);
+    void* g = dev::capture_end(x);
+    ASSERT_NE(g, nullptr);
+    dev::graph_launch(x, g);
+    dev::set_gemm_tune(false, false);
+    dev::linear_fwd(x, pin, pw, nullptr, want, N, I, O, dt);
+    EXPECT_LE(test::rel_max_diff(down(y, N * O, dt), down(want, N * O, dt)), 1e-2);
+    dev::graph_destroy(x, g);
+    for (void* q : {pin, pw, y, want}) dev::release(x, q);
+  }
+  EXPECT_GT(dev::gemm_tune_stats().timed, s0.timed);
+  dev::set_gemm_tune(was, false);
+  dev::destroy_exec(x);
+}
