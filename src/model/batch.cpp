@@ -70,6 +70,9 @@ StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>&
   StepPack<T> k;
   k.ds.resize(nds);
   bool any_ds = false;
+  size_t n_ids = 0, n_img = 0;  // one allocation each: a prompt chunk's features are megabytes
+  for (const StepSegment<T>& g : segs) n_ids += g.ids.size(), n_img += g.img.size();
+  k.ids.reserve(n_ids), k.cu.reserve(segs.size() + 1), k.seqs.reserve(segs.size()), k.img.reserve(n_img);
   for (const StepSegment<T>& g : segs) {
     const int s = g.seq;
     if (s < 0 || s >= cache.batch() || cache.len[s] < 0) fail("step: no cached sequence " + std::to_string(s));
@@ -80,6 +83,8 @@ StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>&
     k.img.insert(k.img.end(), g.img.begin(), g.img.end());
     if (!g.ds.empty()) {
       if (g.ds.size() != nds) fail("step: DeepStack features for " + std::to_string(g.ds.size()) + " layers");
+      if (!any_ds)
+        for (auto& d : k.ds) d.reserve(n_img);
       any_ds = true;
       for (size_t j = 0; j < nds; ++j) k.ds[j].insert(k.ds[j].end(), g.ds[j].begin(), g.ds[j].end());
     }
