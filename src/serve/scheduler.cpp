@@ -74,9 +74,13 @@ void Scheduler::submit(const std::shared_ptr<Job>& job) {
 
 // Releases the text a client may see: everything decoded so far, less an incomplete UTF-8 character and less a
 // tail that may still become a stop string; cut at a stop string found.
+// Only the tokens after the text known to be complete decode again, not the whole answer each token: a byte run that
+// decodes without U+FFFD ends on a character boundary, so what follows it decodes the same on its own.
 void Scheduler::emit(Job& job, bool final) {
-  const std::vector<int32_t> ids(job.out.begin(), job.out.end());
-  std::string full = tok_->decode(ids);
+  const std::vector<int32_t> ids(job.out.begin() + int64_t(job.fixed_ids), job.out.end());
+  const std::string tail = tok_->decode(ids);
+  std::string full = job.fixed_text + tail;
+  if (tail.find("\xEF\xBF\xBD") == std::string::npos) job.fixed_text = full, job.fixed_ids = job.out.size();
   size_t cut = std::string::npos;
   for (const auto& s : job.stops) cut = std::min(cut, full.find(s));
   bool stop_hit = cut != std::string::npos;

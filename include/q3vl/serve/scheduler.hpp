@@ -51,6 +51,8 @@ struct Job {
   int64_t vis_fed = 0;    // image and video tokens fed so far
   int64_t next0 = 0;      // position of the first generated token
   std::vector<int64_t> out, pos3;
+  std::string fixed_text;  // the text of out's first fixed_ids tokens, complete characters (emit)
+  size_t fixed_ids = 0;
   std::vector<uint64_t> tkeys;  // prompt tokens' prefix-cache content (token_keys)
   std::vector<uint64_t> chain;  // prefix-cache keys of the sequence's full blocks so far
   std::vector<float> img;
