@@ -329,7 +329,7 @@ void Scheduler::step() {
   int64_t& prof_left = prof_left_[prompt > 0];
   const bool profiling = prof_left > 0 && (int64_t)segs.size() >= prof_rows_;
   DevModel::StepPhases phases;
-  if (profiling) prof_left--, runner_.model().set_step_phases(&phases), prof::begin_step(runner_.model().exec());
+  if (profiling) prof_left--, runner_.model().set_step_phases(&phases), prof::begin_step(runner_.model().exec(), true);
   // All greedy (the usual serving case): the device returns each row's argmax, not [segs, V] of logits.
   DevModel::Argmax best;
   const bool greedy =
