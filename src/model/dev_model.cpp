@@ -393,10 +393,14 @@ void up32(const dev::Exec& ex, int32_t* dst, const std::vector<int64_t>& v) {
 void up32(const dev::Exec& ex, int32_t* dst, const std::vector<int32_t>& v) {
   dev::to_device(ex, dst, v.data(), v.size() * 4);
 }
-// fp32 host values into a dt device array (rounded on the host: the values are on the host anyway).
-void up_dt(const dev::Exec& ex, void* dst, const float* src, size_t n, DType dt) {
+// fp32 host values into a dt device array (rounded on the host: the values are on the host anyway), through
+// `stage` (null: a buffer of its own; a step's reused one spares the page faults of a fresh one each time).
+void up_dt(const dev::Exec& ex, void* dst, const float* src, size_t n, DType dt,
+           std::vector<uint16_t>* stage = nullptr) {
   if (dt == DType::F32) return dev::to_device(ex, dst, src, n * 4);
-  std::vector<uint16_t> h(n);
+  std::vector<uint16_t> own;
+  std::vector<uint16_t>& h = stage ? *stage : own;
+  if (h.size() < n) h.resize(n);
   if (dt == DType::BF16) f32_to_bf16(src, int64_t(n), h.data());
   else std::transform(src, src + n, h.begin(), [](float v) { return f32_to_f16(v); });
   dev::to_device(ex, dst, h.data(), n * 2);
@@ -733,6 +737,7 @@ struct DevModel::Infer {
   int32_t *bidx, *banned;  // greedy steps: [S] ids, [kMaxBanned] ids never chosen
   float* bval;
   StepPhases* phases = nullptr;  // set_step_phases
+  std::vector<uint16_t> stage;   // the host side of a step's uploads in bf16 / fp16
 
   void carve(Arena& a, const ModelConfig& cfg, DType dt) {
     const TextConfig& tc = cfg.text;
@@ -927,7 +932,9 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     const double t = wall_seconds();
     ph->*f += t - t_phase, t_phase = t;
   };
-  StepPack<float> pk = pack_step(cfg_, segs, cache);
+  StepPack<float> pk = pack_step(cfg_, segs, cache, /*features=*/false);  // uploaded from segs (up_features)
+  const bool any_ds = std::any_of(segs.begin(), segs.end(), [](const StepSegment<float>& g) { return !g.ds.empty(); });
+  const size_t nds = any_ds ? cfg_.vision.deepstack_indexes.size() : 0;
   const int64_t N = int64_t(pk.ids.size()), S = int64_t(pk.seqs.size()), SB = std::max<int64_t>(J.b.seq_blocks, 1);
   budget_check(N, J.b.tokens, "new tokens in one step");
   budget_check(S, J.b.segments, "sequences in one step");
@@ -994,14 +1001,24 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   const int64_t nban = best ? int64_t(best->banned.size()) : 0, limit = best ? best->limit : 0;
   const DevParams P = dparams();
   const int l0 = stage_.l0, l1 = stage_.l1 < 0 ? tc.layers : stage_.l1;
+  // The segments' features into dst in token order, part(g) of each: straight from the segments, no gathered copy.
+  const std::vector<float> none;
+  const auto up_features = [&](void* dst, const auto& part) {
+    int64_t off = 0;
+    for (const StepSegment<float>& g : segs) {
+      const std::vector<float>& v = part(g);
+      if (!v.empty()) up_dt(ex_, at(dst, off, dt_), v.data(), v.size(), dt_, &J.stage), off += int64_t(v.size());
+    }
+  };
   if (stage_.first) {
-    if (nvis) up_dt(ex_, J.img, pk.img.data(), pk.img.size(), dt_);
+    if (nvis) up_features(J.img, [](const StepSegment<float>& g) -> const std::vector<float>& { return g.img; });
   } else {  // the previous stage's output (a padded row keeps whatever the buffer held: rows never mix)
     Q3VL_CHECK(x_in && int64_t(x_in->size()) == N * H, "DevModel::step: a later pipeline stage needs its input x_in");
-    up_dt(ex_, J.x, x_in->data(), x_in->size(), dt_);
+    up_dt(ex_, J.x, x_in->data(), x_in->size(), dt_, &J.stage);
   }
-  if (nvis && l0 < int(pk.ds.size()))  // DeepStack features for this stage's layers
-    for (size_t j = size_t(l0); j < pk.ds.size() && int(j) < l1; ++j) up_dt(ex_, J.ds[j], pk.ds[j].data(), pk.ds[j].size(), dt_);
+  if (nvis)  // DeepStack features for this stage's layers
+    for (size_t j = size_t(l0); j < nds && int(j) < l1; ++j)
+      up_features(J.ds[j], [&](const StepSegment<float>& g) -> const std::vector<float>& { return g.ds.empty() ? none : g.ds[j]; });
   if (ph) phase(&StepPhases::upload);
   DevPartialSum reduce;
   std::unique_ptr<CommRequest> last_sum;  // NCCL: the step's latest sum, waited on before anything leaves the device
@@ -1029,7 +1046,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
       dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, Np, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
                         moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, pending, dt_);
       pending = J.dscr.tmp;
-      if (size_t(l) < pk.ds.size() && nvis) {
+      if (size_t(l) < nds && nvis) {
         dev::axpy(ex_, 1.f, pending, J.x, Np * H, dt_), pending = nullptr;
         dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
       }

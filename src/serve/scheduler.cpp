@@ -293,8 +293,12 @@ std::pair<int64_t, int64_t> Scheduler::plan(std::vector<StepSegment<float>>& seg
     for (int row = 0; row < 3; ++row)
       g.pos3.insert(g.pos3.end(), j->pos3.begin() + row * n + a, j->pos3.begin() + row * n + b);
     const int64_t nv = std::count_if(g.ids.begin(), g.ids.end(), [&](int64_t t) { return cfg.visual_token(t); });
-    g.img.assign(j->img.begin() + j->vis_fed * H, j->img.begin() + (j->vis_fed + nv) * H);
-    for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
+    if (nv > 0 && j->vis_fed == 0 && nv * H == (int64_t)j->img.size()) {  // all of them (usual): moved, not copied
+      g.img = std::move(j->img), g.ds = std::move(j->ds);
+    } else if (nv > 0) {
+      g.img.assign(j->img.begin() + j->vis_fed * H, j->img.begin() + (j->vis_fed + nv) * H);
+      for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
+    }
     j->vis_fed += nv;
     budget -= b - a;
     metrics_.prefill_tokens += b - a;
