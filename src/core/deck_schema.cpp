@@ -106,6 +106,15 @@ const std::vector<KeySpec>& deck_schema() {
        "each step carries only the prompt tokens that keep it within the target, by a model of the step's time "
        "measured as the server runs (a decode-only step's time, and what a prompt token adds), at least 32 and at "
        "most serve.step_tokens; longer prompts then take more steps to their first token", 0, 1e6},
+      {"serve.vision_batch", T::Bool, "true", "the images and videos of requests admitted together go through the "
+       "vision tower in one pass (as many as its patch budget takes; each request's features as from a pass of its "
+       "own); false: a pass per request"},
+      {"serve.profile_steps", T::Int, "0", "profile this many decode-only steps and as many steps with prompt chunks "
+       "(of at least serve.profile_rows rows each): the step runs op by op (no CUDA graph) under the step profiler "
+       "(run.profile's), and the log gets its per-op table and host phases (lines \"serve profile: ...\") and one "
+       "line of JSON (\"serve profile json: {...}\"); 0: off", 0, 1 << 30},
+      {"serve.profile_rows", T::Int, "0", "fewest rows (sequences) a step needs to be profiled (serve.profile_steps)",
+       0, 1 << 20},
       {"serve.kv_block", T::Int, "16", "KV-cache block size in tokens", 1, 1 << 16},
       {"serve.timeout", T::Real, "0", "seconds a request may take from its arrival (0: no limit): one still queued "
        "then gets 503, a running one ends with what it has (finish_reason \"length\")", 0, 1e9},

@@ -64,12 +64,26 @@ int64_t image_patches(const VisionConfig& vc, size_t n_pixels, const std::vector
 }
 
 template <class T>
-StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvTable& cache) {
+StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvTable& cache, bool features) {
   const int64_t H = cfg.text.hidden;
   const size_t nds = cfg.vision.deepstack_indexes.size();
   StepPack<T> k;
-  k.ds.resize(nds);
   bool any_ds = false;
+  size_t n_ids = 0, n_img = 0;  // one allocation each: a prompt chunk's features are megabytes
+  std::vector<size_t> n_ds(nds, 0);
+  for (const StepSegment<T>& g : segs) {
+    n_ids += g.ids.size(), n_img += g.img.size();
+    if (g.ds.empty()) continue;
+    if (g.ds.size() != nds) fail("step: DeepStack features for " + std::to_string(g.ds.size()) + " layers");
+    any_ds = true;
+    for (size_t j = 0; j < nds; ++j) n_ds[j] += g.ds[j].size();
+  }
+  k.ids.reserve(n_ids), k.cu.reserve(segs.size() + 1), k.seqs.reserve(segs.size());
+  if (features) {
+    k.img.reserve(n_img);
+    if (any_ds) k.ds.resize(nds);
+    for (auto& d : k.ds) d.reserve(n_img);
+  }
   for (const StepSegment<T>& g : segs) {
     const int s = g.seq;
     if (s < 0 || s >= cache.batch() || cache.len[s] < 0) fail("step: no cached sequence " + std::to_string(s));
@@ -77,12 +91,9 @@ StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>&
     k.ids.insert(k.ids.end(), g.ids.begin(), g.ids.end());
     k.cu.push_back((int64_t)k.ids.size());
     k.seqs.push_back(s);
+    if (!features) continue;
     k.img.insert(k.img.end(), g.img.begin(), g.img.end());
-    if (!g.ds.empty()) {
-      if (g.ds.size() != nds) fail("step: DeepStack features for " + std::to_string(g.ds.size()) + " layers");
-      any_ds = true;
-      for (size_t j = 0; j < nds; ++j) k.ds[j].insert(k.ds[j].end(), g.ds[j].begin(), g.ds[j].end());
-    }
+    for (size_t j = 0; j < g.ds.size(); ++j) k.ds[j].insert(k.ds[j].end(), g.ds[j].begin(), g.ds[j].end());
   }
   const int64_t N = (int64_t)k.ids.size();
   // Positions: given with the prompt's tokens (M-RoPE of the whole prompt), else the sequence's next position.
@@ -97,21 +108,17 @@ StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>&
     }
   }
   const int64_t nimg = (int64_t)std::count_if(k.ids.begin(), k.ids.end(), [&](int64_t t) { return cfg.visual_token(t); });
-  if (nimg * H != (int64_t)k.img.size())
+  if (nimg * H != (int64_t)n_img)
     fail("vision features and placeholder tokens do not match: " + std::to_string(nimg) + " tokens with id " +
          std::to_string(cfg.image_token_id) + " or " + std::to_string(cfg.video_token_id) + ", " +
-         std::to_string(k.img.size() / H) + " merged vision features");
-  if (any_ds) {
+         std::to_string(n_img / H) + " merged vision features");
+  if (any_ds)
     for (size_t j = 0; j < nds; ++j)
-      if ((int64_t)k.ds[j].size() != nimg * H) fail("step: DeepStack features do not match the image tokens");
-  } else {
-    k.ds.clear();
-  }
+      if ((int64_t)n_ds[j] != nimg * H) fail("step: DeepStack features do not match the image tokens");
   return k;
 }
 
-
-template StepPack<float> pack_step(const ModelConfig&, const std::vector<StepSegment<float>>&, KvTable&);
-template StepPack<double> pack_step(const ModelConfig&, const std::vector<StepSegment<double>>&, KvTable&);
+template StepPack<float> pack_step(const ModelConfig&, const std::vector<StepSegment<float>>&, KvTable&, bool);
+template StepPack<double> pack_step(const ModelConfig&, const std::vector<StepSegment<double>>&, KvTable&, bool);
 
 }  // namespace q3vl

@@ -390,10 +390,17 @@ void up32(const dev::Exec& ex, int32_t* dst, const std::vector<int64_t>& v) {
   const std::vector<int32_t> w(v.begin(), v.end());
   dev::to_device(ex, dst, w.data(), w.size() * 4);
 }
-// fp32 host values into a dt device array (rounded on the host: the values are on the host anyway).
-void up_dt(const dev::Exec& ex, void* dst, const float* src, size_t n, DType dt) {
+void up32(const dev::Exec& ex, int32_t* dst, const std::vector<int32_t>& v) {
+  dev::to_device(ex, dst, v.data(), v.size() * 4);
+}
+// fp32 host values into a dt device array (rounded on the host: the values are on the host anyway), through
+// `stage` (null: a buffer of its own; a step's reused one spares the page faults of a fresh one each time).
+void up_dt(const dev::Exec& ex, void* dst, const float* src, size_t n, DType dt,
+           std::vector<uint16_t>* stage = nullptr) {
   if (dt == DType::F32) return dev::to_device(ex, dst, src, n * 4);
-  std::vector<uint16_t> h(n);
+  std::vector<uint16_t> own;
+  std::vector<uint16_t>& h = stage ? *stage : own;
+  if (h.size() < n) h.resize(n);
   if (dt == DType::BF16) f32_to_bf16(src, int64_t(n), h.data());
   else std::transform(src, src + n, h.begin(), [](float v) { return f32_to_f16(v); });
   dev::to_device(ex, dst, h.data(), n * 2);
@@ -418,11 +425,12 @@ struct VisionBufs {
   float *vcos, *vsin;
   int32_t* vcu;
 };
-// The vision tower, the merger and the DeepStack mergers over Np patches of host pixels: b.img [Np/4, H] and b.ds.
+// The vision tower, the merger and the DeepStack mergers over the Np patches in b.pixels (uploaded by the caller):
+// b.img [Np/4, H] and b.ds.
 // ctx(i) is block i's context; keep_in (may be null) receives each block's input (recomputation). Returns the
 // attention segments (per image and temporal group), which the backward reuses.
 DevSegments vision_tower(const dev::Exec& ex, const ModelConfig& cfg, const ParamTable& t, const DevParams& P,
-                  const std::vector<float>& pixels, const std::vector<int64_t>& grid, int64_t Np, const VisionBufs& b,
+                  const std::vector<int64_t>& grid, int64_t Np, const VisionBufs& b,
                   const std::function<DevVisionBlockCtx&(int)>& ctx, void* const* keep_in, DevVisionScratch& scr,
                   DevMergerCtx& m, std::vector<DevMergerCtx>& dsm, DType dt,
                   const std::function<void(int id, bool in)>& use = nullptr) {
@@ -441,7 +449,6 @@ DevSegments vision_tower(const dev::Exec& ex, const ModelConfig& cfg, const Para
   ops::vision_rope_table(row.data(), col.data(), Np, int64_t(vc.head_dim()), c.data(), sn.data());
   dev::to_device(ex, b.vcos, c.data(), c.size() * 4);
   dev::to_device(ex, b.vsin, sn.data(), sn.size() * 4);
-  up_dt(ex, b.pixels, pixels.data(), pixels.size(), dt);
   const DevSegments vs{b.vcu, vseg, vmax};
   hook(t.vision_embed(), true);
   dev_vision_embed_fwd(ex, vc, P, t.vision_embed(), b.pixels, grid, Np, b.vx, dt);
@@ -516,7 +523,8 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
 
   // Vision tower, mergers and DeepStack features.
   if (I.Np > 0) {
-    const DevSegments vs = vision_tower(ex_, cfg_, table_, P, pixels, grid, I.Np, {I.pixels, I.vx, I.img, I.ds, I.vcos, I.vsin, I.vcu},
+    up_dt(ex_, I.pixels, pixels.data(), pixels.size(), dt_);
+    const DevSegments vs = vision_tower(ex_, cfg_, table_, P, grid, I.Np, {I.pixels, I.vx, I.img, I.ds, I.vcos, I.vsin, I.vcu},
                  [&](int i) -> DevVisionBlockCtx& { return recompute_ ? I.vwork : I.vctx[i]; },
                  recompute_ ? I.vxin.data() : nullptr, I.vscr, I.mctx, I.dsctx, dt_,
                  [&](int id, bool in) { in ? enter(id, false) : leave(id, false); });
@@ -728,6 +736,8 @@ struct DevModel::Infer {
   std::map<std::array<int64_t, 4>, void*> graph;  // by (segments, argmax, limit, banned)
   int32_t *bidx, *banned;  // greedy steps: [S] ids, [kMaxBanned] ids never chosen
   float* bval;
+  StepPhases* phases = nullptr;  // set_step_phases
+  std::vector<uint16_t> stage;   // the host side of a step's uploads in bf16 / fp16
 
   void carve(Arena& a, const ModelConfig& cfg, DType dt) {
     const TextConfig& tc = cfg.text;
@@ -831,6 +841,11 @@ void DevModel::set_graphs(bool on) {
   infer_->graphs = on;
 }
 
+void DevModel::set_step_phases(StepPhases* p) {
+  if (!infer_) infer_ = std::make_unique<Infer>();
+  infer_->phases = p;
+}
+
 int64_t DevModel::graphs_recorded() const { return infer_ ? int64_t(infer_->graph.size()) : 0; }
 
 // 1, 4, 8, then multiples of 8: at most 12 graphs for 64 sequences, and a padded row costs a decode GEMM little
@@ -842,21 +857,64 @@ int64_t DevModel::decode_bucket(int64_t segments, int64_t most) {
 
 void DevModel::vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid,
                                std::vector<float>& img, std::vector<std::vector<float>>& ds) {
+  vision_features({VisionJob{&pixels, &grid, &img, &ds}});
+}
+
+int64_t DevModel::vision_budget() const { return infer_ ? infer_->b.patches : 0; }
+
+namespace {
+// A dt device array of [sum rows, H] to fp32 host values: rows[k] of them into *dst[k], in order (one transfer).
+void down_rows(const dev::Exec& ex, const void* src, int64_t H, DType dt, const std::vector<int64_t>& rows,
+               const std::vector<std::vector<float>*>& dst) {
+  int64_t n = 0;
+  for (int64_t r : rows) n += r * H;
+  std::vector<uint16_t> h(dt == DType::F32 ? 0 : size_t(n));
+  if (dt != DType::F32) dev::to_host(ex, h.data(), src, h.size() * 2);
+  int64_t off = 0;
+  for (size_t k = 0; k < rows.size(); off += rows[k] * H, ++k) {
+    std::vector<float>& d = *dst[k];
+    d.resize(size_t(rows[k] * H));
+    if (dt == DType::F32) {
+      if (!d.empty()) dev::to_host(ex, d.data(), at(src, off, dt), d.size() * 4);
+      continue;
+    }
+    for (size_t i = 0; i < d.size(); ++i)
+      d[i] = dt == DType::BF16 ? bf16_to_f32(h[size_t(off) + i]) : f16_to_f32(h[size_t(off) + i]);
+  }
+}
+}  // namespace
+
+void DevModel::vision_features(const std::vector<VisionJob>& jobs) {
   Q3VL_CHECK(infer_ && infer_->block, "DevModel::reserve_infer must size the model before inference");
   Infer& J = *infer_;
   Q3VL_CHECK(stage_.first, "DevModel::vision_features: only the first pipeline stage holds the vision tower");
-  const int64_t Np = image_patches(cfg_.vision, pixels.size(), grid), H = cfg_.text.hidden;
+  const VisionConfig& vc = cfg_.vision;
+  const int64_t H = cfg_.text.hidden, pd = vc.patch_dim(), nds = int64_t(vc.deepstack_indexes.size());
+  std::vector<int64_t> grid, rows;  // rows: each prompt's merged tokens
+  int64_t Np = 0;
+  for (const VisionJob& v : jobs) {
+    const int64_t n = image_patches(vc, v.pixels->size(), *v.grid);
+    grid.insert(grid.end(), v.grid->begin(), v.grid->end());
+    rows.push_back(n / (int64_t(vc.merge) * vc.merge));
+    Np += n;
+  }
   budget_check(Np, J.b.patches, "image patches");
-  img.clear(), ds.assign(cfg_.vision.deepstack_indexes.size(), {});
+  for (const VisionJob& v : jobs) v.img->clear(), v.ds->assign(size_t(nds), {});
   if (Np == 0) return;
+  int64_t off = 0;  // each prompt's pixels at its first patch
+  for (const VisionJob& v : jobs) {
+    up_dt(ex_, at(J.vb.pixels, off * pd, dt_), v.pixels->data(), v.pixels->size(), dt_);
+    off += int64_t(v.pixels->size()) / pd;
+  }
   const DevParams P = dparams();
-  vision_tower(ex_, cfg_, table_, P, pixels, grid, Np, J.vb, [&](int) -> DevVisionBlockCtx& { return J.vwork; },
-               nullptr, J.vscr, J.mctx, J.dsctx, dt_);
-  img.resize(Np / 4 * H);
-  down_f32(ex_, img.data(), J.vb.img, img.size(), dt_);
-  for (size_t j = 0; j < ds.size(); ++j) {
-    ds[j].resize(img.size());
-    down_f32(ex_, ds[j].data(), J.vb.ds[j], img.size(), dt_);
+  vision_tower(ex_, cfg_, table_, P, grid, Np, J.vb, [&](int) -> DevVisionBlockCtx& { return J.vwork; }, nullptr,
+               J.vscr, J.mctx, J.dsctx, dt_);
+  std::vector<std::vector<float>*> dst;
+  for (const VisionJob& v : jobs) dst.push_back(v.img);
+  down_rows(ex_, J.vb.img, H, dt_, rows, dst);
+  for (int64_t j = 0; j < nds; ++j) {
+    for (size_t k = 0; k < jobs.size(); ++k) dst[k] = &(*jobs[k].ds)[size_t(j)];
+    down_rows(ex_, J.vb.ds[size_t(j)], H, dt_, rows, dst);
   }
 }
 
@@ -868,7 +926,15 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   const TextConfig& tc = cfg_.text;
   const int64_t H = tc.hidden, bs = cache.block;
   const int64_t v0 = J.v0, V = J.v1 > 0 ? J.v1 - J.v0 : tc.vocab;  // this rank's vocabulary rows
-  StepPack<float> pk = pack_step(cfg_, segs, cache);
+  StepPhases* const ph = J.phases;
+  double t_phase = ph ? wall_seconds() : 0;
+  const auto phase = [&](double StepPhases::*f) {  // the time since the last phase ended goes to f
+    const double t = wall_seconds();
+    ph->*f += t - t_phase, t_phase = t;
+  };
+  StepPack<float> pk = pack_step(cfg_, segs, cache, /*features=*/false);  // uploaded from segs (up_features)
+  const bool any_ds = std::any_of(segs.begin(), segs.end(), [](const StepSegment<float>& g) { return !g.ds.empty(); });
+  const size_t nds = any_ds ? cfg_.vision.deepstack_indexes.size() : 0;
   const int64_t N = int64_t(pk.ids.size()), S = int64_t(pk.seqs.size()), SB = std::max<int64_t>(J.b.seq_blocks, 1);
   budget_check(N, J.b.tokens, "new tokens in one step");
   budget_check(S, J.b.segments, "sequences in one step");
@@ -881,9 +947,9 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     for (int32_t b : cache.table[q])
       Q3VL_CHECK(b >= 0 && b < J.b.kv_blocks, "DevModel::step: block " + std::to_string(b) + " is outside the pools");
   }
-  std::vector<int64_t> vis;
+  std::vector<int32_t> vis;
   for (int64_t i = 0; i < N; ++i)
-    if (cfg_.visual_token(pk.ids[i])) vis.push_back(i);
+    if (cfg_.visual_token(pk.ids[i])) vis.push_back(int32_t(i));
   const int64_t nvis = int64_t(vis.size());
   // A decode step (a new token per sequence, no image rows) is padded to Sp one-token segments, each padded one of
   // context 1 whose key goes nowhere (slot -1): every size below then depends on Sp alone, which a graph needs. Its
@@ -899,33 +965,33 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     for (int r = 0; r < 3; ++r) std::copy_n(&pk.pos[size_t(r * N)], N, &pos[size_t(r * Np)]);
     pk.pos.swap(pos);
   }
-  // Paged metadata: each segment's context and block table, each new token's pool row.
-  std::vector<int64_t> ctx(Sp, 1), table(Sp * SB, 0), slots(Np, -1), last(Sp);
+  // Paged metadata: each segment's context and block table, each new token's pool row (int32, as uploaded). A table
+  // row is as long as the sequence's blocks; the attention reads no further than its context.
+  std::vector<int32_t> ctx(Sp, 1), table(Sp * SB, 0), slots(Np, -1), last(Sp);
   int64_t max_q = 0, max_ctx = 0;
   for (int64_t s = 0; s < Sp; ++s) {
-    last[s] = pk.cu[s + 1] - 1;
+    last[s] = int32_t(pk.cu[s + 1] - 1);
     if (s >= S) continue;
     const int q = pk.seqs[s];
     const int64_t n = pk.cu[s + 1] - pk.cu[s], L = cache.len[q];
-    ctx[s] = L + n;
+    ctx[s] = int32_t(L + n);
     budget_check(cache.blocks_for(ctx[s]), SB, "KV blocks for one sequence");
     std::copy(cache.table[q].begin(), cache.table[q].end(), table.begin() + s * SB);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t p = L + i;
-      slots[pk.cu[s] + i] = int64_t(cache.table[q][p / bs]) * bs + p % bs;
+      slots[pk.cu[s] + i] = int32_t(int64_t(cache.table[q][p / bs]) * bs + p % bs);
     }
-    max_q = std::max(max_q, n), max_ctx = std::max(max_ctx, ctx[s]);
+    max_q = std::max(max_q, n), max_ctx = std::max<int64_t>(max_ctx, ctx[s]);
   }
   if (decode) max_q = 1, max_ctx = SB * bs;
+  std::vector<float> rope_c(Np * tc.head_dim / 2), rope_s(rope_c.size());
+  ops::mrope_table(pk.pos.data(), Np, int64_t(tc.head_dim), tc.rope_theta, tc.mrope_section.data(), rope_c.data(),
+                   rope_s.data());
+  if (ph) phase(&StepPhases::pack);
   up32(ex_, J.ids, pk.ids), up32(ex_, J.cu, pk.cu), up32(ex_, J.ctx, ctx), up32(ex_, J.table, table);
   up32(ex_, J.slots, slots), up32(ex_, J.last, last), up32(ex_, J.vis, vis);
-  {
-    std::vector<float> c(Np * tc.head_dim / 2), sn(c.size());
-    ops::mrope_table(pk.pos.data(), Np, int64_t(tc.head_dim), tc.rope_theta, tc.mrope_section.data(), c.data(),
-                     sn.data());
-    dev::to_device(ex_, J.tcos, c.data(), c.size() * 4);
-    dev::to_device(ex_, J.tsin, sn.data(), sn.size() * 4);
-  }
+  dev::to_device(ex_, J.tcos, rope_c.data(), rope_c.size() * 4);
+  dev::to_device(ex_, J.tsin, rope_s.data(), rope_s.size() * 4);
   if (best && !stage_.last) best = nullptr;  // only the last stage has logits
   if (best) {
     Q3VL_CHECK(int64_t(best->banned.size()) <= kMaxBanned, "DevModel::step: more than " +
@@ -935,14 +1001,25 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   const int64_t nban = best ? int64_t(best->banned.size()) : 0, limit = best ? best->limit : 0;
   const DevParams P = dparams();
   const int l0 = stage_.l0, l1 = stage_.l1 < 0 ? tc.layers : stage_.l1;
+  // The segments' features into dst in token order, part(g) of each: straight from the segments, no gathered copy.
+  const std::vector<float> none;
+  const auto up_features = [&](void* dst, const auto& part) {
+    int64_t off = 0;
+    for (const StepSegment<float>& g : segs) {
+      const std::vector<float>& v = part(g);
+      if (!v.empty()) up_dt(ex_, at(dst, off, dt_), v.data(), v.size(), dt_, &J.stage), off += int64_t(v.size());
+    }
+  };
   if (stage_.first) {
-    if (nvis) up_dt(ex_, J.img, pk.img.data(), pk.img.size(), dt_);
+    if (nvis) up_features(J.img, [](const StepSegment<float>& g) -> const std::vector<float>& { return g.img; });
   } else {  // the previous stage's output (a padded row keeps whatever the buffer held: rows never mix)
     Q3VL_CHECK(x_in && int64_t(x_in->size()) == N * H, "DevModel::step: a later pipeline stage needs its input x_in");
-    up_dt(ex_, J.x, x_in->data(), x_in->size(), dt_);
+    up_dt(ex_, J.x, x_in->data(), x_in->size(), dt_, &J.stage);
   }
-  if (nvis && l0 < int(pk.ds.size()))  // DeepStack features for this stage's layers
-    for (size_t j = size_t(l0); j < pk.ds.size() && int(j) < l1; ++j) up_dt(ex_, J.ds[j], pk.ds[j].data(), pk.ds[j].size(), dt_);
+  if (nvis)  // DeepStack features for this stage's layers
+    for (size_t j = size_t(l0); j < nds && int(j) < l1; ++j)
+      up_features(J.ds[j], [&](const StepSegment<float>& g) -> const std::vector<float>& { return g.ds.empty() ? none : g.ds[j]; });
+  if (ph) phase(&StepPhases::upload);
   DevPartialSum reduce;
   std::unique_ptr<CommRequest> last_sum;  // NCCL: the step's latest sum, waited on before anything leaves the device
   if (J.tp && !host_sums)
@@ -969,7 +1046,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
       dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, Np, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
                         moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, pending, dt_);
       pending = J.dscr.tmp;
-      if (size_t(l) < pk.ds.size() && nvis) {
+      if (size_t(l) < nds && nvis) {
         dev::axpy(ex_, 1.f, pending, J.x, Np * H, dt_), pending = nullptr;
         dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
       }
@@ -985,7 +1062,8 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   };
   void* graph = nullptr;
   bool ran = false;
-  if (decode && !J.tp && !J.graphs_failed) {  // NCCL's sums wait on events of their own: not recorded (yet)
+  // NCCL's sums wait on events of their own: not recorded (yet). A profiled step runs its ops one by one.
+  if (decode && !J.tp && !J.graphs_failed && !ph) {
     const std::array<int64_t, 4> key{Sp, best != nullptr, limit, nban};
     auto it = J.graph.find(key);
     if (it != J.graph.end()) {
@@ -1012,20 +1090,27 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   for (int64_t s = 0; s < S; ++s) cache.len[pk.seqs[s]] += pk.cu[s + 1] - pk.cu[s];
   // Before anything leaves the device: the group's sums are done (or the watchdog names who is missing).
   if (last_sum) J.tp->wait(std::move(last_sum));
+  if (ph) dev::synchronize(ex_), phase(&StepPhases::device);
+  const auto downloaded = [&] {
+    if (ph) phase(&StepPhases::download);
+  };
   if (!stage_.last) {  // the next stage's input
     Q3VL_CHECK(x_out, "DevModel::step: a pipeline stage before the last needs x_out");
     x_out->resize(size_t(N * H));
     down_f32(ex_, x_out->data(), J.x, x_out->size(), dt_);
+    downloaded();
     return {};
   }
   if (best) {
     best->id.resize(size_t(S)), best->val.resize(size_t(S));
     dev::to_host(ex_, best->id.data(), J.bidx, size_t(S) * 4);
     dev::to_host(ex_, best->val.data(), J.bval, size_t(S) * 4);
+    downloaded();
     return {};
   }
   std::vector<float> logits(size_t(S * V));
   dev::to_host(ex_, logits.data(), J.lgf, logits.size() * 4);
+  downloaded();
   return logits;
 }
 

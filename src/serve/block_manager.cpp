@@ -125,6 +125,7 @@ void BlockManager::reset(int64_t block, int64_t blocks, bool prefix_on, bool rep
   prefix_on_ = prefix_on, replicated_ = replicated;
   log_.clear(), prefix_.clear(), lru_.clear();
   tick_ = 0, evicted_ = 0;
+  in_prefix_.clear(), evictable_ = 0;
 }
 
 size_t BlockManager::apply(KvCache& c, const std::vector<int64_t>& o, size_t i) {
@@ -144,17 +145,32 @@ size_t BlockManager::apply(KvCache& c, const std::vector<int64_t>& o, size_t i) 
 }
 
 void BlockManager::change(std::vector<int64_t> op) {
+  std::vector<int32_t> blocks;  // whose holders the change moves (a reserve's new blocks are free ones: none cached)
+  switch (op[0]) {
+    case kRelease: blocks = cache_.table[op[1]]; break;
+    case kShare: blocks.assign(op.begin() + 3, op.end()); break;
+    case kHold: case kDrop: blocks = {int32_t(op[1])}; break;
+  }
+  evictable_ -= idle(blocks);
   apply(cache_, op, 0);
+  evictable_ += idle(blocks);
   if (replicated_) log_.insert(log_.end(), op.begin(), op.end());
 }
 
-std::vector<int64_t> BlockManager::take_log() { return std::exchange(log_, {}); }
-
-int64_t BlockManager::evictable() const {
+int64_t BlockManager::idle(const std::vector<int32_t>& blocks) const {
   int64_t n = 0;
-  for (const auto& [key, c] : prefix_) n += cache_.refs[c.block] == 1;
+  for (int32_t b : blocks) n += size_t(b) < in_prefix_.size() && in_prefix_[size_t(b)] && cache_.refs[size_t(b)] == 1;
   return n;
 }
+
+void BlockManager::mark_cached(int32_t b, bool on) {
+  if (in_prefix_.size() <= size_t(b)) in_prefix_.resize(size_t(b) + 1, 0);
+  evictable_ -= idle({b});
+  in_prefix_[size_t(b)] = on;
+  evictable_ += idle({b});
+}
+
+std::vector<int64_t> BlockManager::take_log() { return std::exchange(log_, {}); }
 
 // Frees the least recently used cached block no sequence holds.
 bool BlockManager::evict_one() {
@@ -162,6 +178,7 @@ bool BlockManager::evict_one() {
     const auto c = prefix_.find(it->second);
     if (cache_.refs[c->second.block] != 1) continue;
     change({kDrop, c->second.block});
+    mark_cached(c->second.block, false);
     evicted_++;
     prefix_.erase(c);
     lru_.erase(it);
@@ -236,6 +253,7 @@ void BlockManager::cache_blocks(int slot, const std::vector<uint64_t>& tkeys, co
     if (prefix_.count(key)) continue;  // computed by another sequence meanwhile: keep the first
     const int32_t blk = cache_.table[slot][b];
     change({kHold, blk});
+    mark_cached(blk, true);
     prefix_[key] = {blk, 0};
   }
   touch(chain);

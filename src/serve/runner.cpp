@@ -65,6 +65,9 @@ EngineConfig serve_config(const Deck& d) {
   c.prefix_cache = d.boolean("serve.prefix_cache");
   c.timeout = d.real("serve.timeout");
   c.max_tpot = d.real("serve.max_tpot_ms") / 1000;
+  c.vision_batch = d.boolean("serve.vision_batch");
+  c.profile_steps = d.integer("serve.profile_steps");
+  c.profile_rows = d.integer("serve.profile_rows");
   c.lower = "serve.max_context / serve.step_tokens / serve.max_batch";
   return c;
 }

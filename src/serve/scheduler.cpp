@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "q3vl/core/error.hpp"
@@ -9,6 +11,7 @@
 #include "q3vl/core/parallel.hpp"
 #include "q3vl/model/dev_model.hpp"
 #include "q3vl/runtime/stop.hpp"
+#include "q3vl/tensor/profile.hpp"
 
 namespace q3vl {
 
@@ -51,6 +54,9 @@ void Scheduler::configure(const EngineConfig& c, const Tokenizer* tok, const Sam
   prefix_on_ = c.prefix_cache;
   step_tokens_ = c.step_tokens;
   timeout_ = c.timeout;
+  vision_batch_ = c.vision_batch;
+  prof_rows_ = c.profile_rows;
+  prof_left_[0] = prof_left_[1] = c.profile_steps;
   budget_ = StepBudget(c.max_tpot, c.step_tokens, std::min<int64_t>(c.step_tokens, StepBudget::kFloor));
 }
 
@@ -68,9 +74,13 @@ void Scheduler::submit(const std::shared_ptr<Job>& job) {
 
 // Releases the text a client may see: everything decoded so far, less an incomplete UTF-8 character and less a
 // tail that may still become a stop string; cut at a stop string found.
+// Only the tokens after the text known to be complete decode again, not the whole answer each token: a byte run that
+// decodes without U+FFFD ends on a character boundary, so what follows it decodes the same on its own.
 void Scheduler::emit(Job& job, bool final) {
-  const std::vector<int32_t> ids(job.out.begin(), job.out.end());
-  std::string full = tok_->decode(ids);
+  const std::vector<int32_t> ids(job.out.begin() + int64_t(job.fixed_ids), job.out.end());
+  const std::string tail = tok_->decode(ids);
+  std::string full = job.fixed_text + tail;
+  if (tail.find("\xEF\xBF\xBD") == std::string::npos) job.fixed_text = full, job.fixed_ids = job.out.size();
   size_t cut = std::string::npos;
   for (const auto& s : job.stops) cut = std::min(cut, full.find(s));
   bool stop_hit = cut != std::string::npos;
@@ -124,6 +134,7 @@ void Scheduler::update_kv_metrics() {
 void Scheduler::admit() {
   const ModelConfig& cfg = runner_.config();
   const int64_t B = blocks_.cache().block;
+  std::vector<Job*> fresh;  // admitted now, with images or videos to encode
   while (!waiting_.empty() && (int64_t)running_.size() < max_batch_) {
     std::shared_ptr<Job> job = waiting_.front();
     const std::vector<int64_t>& ids = job->prompt.ids;
@@ -154,26 +165,53 @@ void Scheduler::admit() {
     metrics_.queue--;
     const int64_t shared = (int64_t)hit.blocks.size() * B;
     const auto visual = [&](int64_t t) { return cfg.visual_token(t); };  // image and video placeholders
-    const int64_t vis_shared = std::count_if(ids.begin(), ids.begin() + shared, visual);
-    try {  // the vision tower only when some image or video token is still to compute
-      if (!job->prompt.grid.empty() && std::count_if(ids.begin() + shared, ids.end(), visual) > 0) {
-        const double t0 = wall_seconds();
-        runner_.model().vision_features(job->prompt.pixels, job->prompt.grid, job->img, job->ds);
-        metrics_.vision_s += wall_seconds() - t0, metrics_.vision_encodes++;
-      }
-    } catch (const Error& e) {
-      job->error = e.what();
-      finish(*job, "error");
-      continue;
-    }
-    std::vector<float>().swap(job->prompt.pixels);  // in img and ds now (and the keys)
     job->slot = blocks_.open(tokens, hit, job->next0);
     job->fed = shared;
-    job->vis_fed = vis_shared;
+    job->vis_fed = std::count_if(ids.begin(), ids.begin() + shared, visual);
     job->chain = hit.chain;
     metrics_.prefix_hit_tokens += shared;
     running_.push_back(job);
+    // The vision tower only when some image or video token is still to compute.
+    if (!job->prompt.grid.empty() && std::count_if(ids.begin() + shared, ids.end(), visual) > 0) fresh.push_back(job.get());
+    else std::vector<float>().swap(job->prompt.pixels);
   }
+  encode(fresh);
+  std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });  // a bad image or video
+}
+
+// The vision tower for the jobs just admitted, in as few passes as its patch budget allows (serve.vision_batch; else
+// a pass each), jobs in order. A pass that fails is redone a job at a time, so that only a job with bad input fails.
+void Scheduler::encode(const std::vector<Job*>& jobs) {
+  DevModel& m = runner_.model();
+  const int64_t budget = m.vision_budget(), pd = runner_.config().vision.patch_dim();
+  for (size_t a = 0, b = 0; a < jobs.size(); a = b) {
+    int64_t patches = 0;
+    for (b = a; b < jobs.size(); ++b) {
+      const int64_t p = (int64_t)jobs[b]->prompt.pixels.size() / pd;
+      if (b > a && (!vision_batch_ || patches + p > budget)) break;
+      patches += p;
+    }
+    encode_pass(jobs, a, b);
+  }
+}
+
+void Scheduler::encode_pass(const std::vector<Job*>& jobs, size_t a, size_t b) {
+  std::vector<DevModel::VisionJob> v;
+  for (size_t k = a; k < b; ++k) v.push_back({&jobs[k]->prompt.pixels, &jobs[k]->prompt.grid, &jobs[k]->img, &jobs[k]->ds});
+  const double t0 = wall_seconds();
+  try {
+    runner_.model().vision_features(v);
+  } catch (const Error& e) {
+    if (b - a > 1) {
+      for (size_t k = a; k < b; ++k) encode_pass(jobs, k, k + 1);
+      return;
+    }
+    jobs[a]->error = e.what();
+    finish(*jobs[a], "error");
+    return;
+  }
+  metrics_.vision_s += wall_seconds() - t0, metrics_.vision_encodes += int64_t(b - a), metrics_.vision_passes++;
+  for (size_t k = a; k < b; ++k) std::vector<float>().swap(jobs[k]->prompt.pixels);  // in img and ds now (and the keys)
 }
 
 bool Scheduler::tick(bool wait) {
@@ -255,8 +293,12 @@ std::pair<int64_t, int64_t> Scheduler::plan(std::vector<StepSegment<float>>& seg
     for (int row = 0; row < 3; ++row)
       g.pos3.insert(g.pos3.end(), j->pos3.begin() + row * n + a, j->pos3.begin() + row * n + b);
     const int64_t nv = std::count_if(g.ids.begin(), g.ids.end(), [&](int64_t t) { return cfg.visual_token(t); });
-    g.img.assign(j->img.begin() + j->vis_fed * H, j->img.begin() + (j->vis_fed + nv) * H);
-    for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
+    if (nv > 0 && j->vis_fed == 0 && nv * H == (int64_t)j->img.size()) {  // all of them (usual): moved, not copied
+      g.img = std::move(j->img), g.ds = std::move(j->ds);
+    } else if (nv > 0) {
+      g.img.assign(j->img.begin() + j->vis_fed * H, j->img.begin() + (j->vis_fed + nv) * H);
+      for (const auto& d : j->ds) g.ds.emplace_back(d.begin() + j->vis_fed * H, d.begin() + (j->vis_fed + nv) * H);
+    }
     j->vis_fed += nv;
     budget -= b - a;
     metrics_.prefill_tokens += b - a;
@@ -285,7 +327,13 @@ void Scheduler::step() {
   const int64_t V = cfg.text.vocab;
   std::vector<StepSegment<float>> segs;
   std::vector<Job*> who;
+  const double t_plan = wall_seconds();
   const auto [decodes, prompt] = plan(segs, who);
+  // serve.profile_steps: this step op by op under the step profiler, its host phases timed (profile_end).
+  int64_t& prof_left = prof_left_[prompt > 0];
+  const bool profiling = prof_left > 0 && (int64_t)segs.size() >= prof_rows_;
+  DevModel::StepPhases phases;
+  if (profiling) prof_left--, runner_.model().set_step_phases(&phases), prof::begin_step(runner_.model().exec(), true);
   // All greedy (the usual serving case): the device returns each row's argmax, not [segs, V] of logits.
   DevModel::Argmax best;
   const bool greedy =
@@ -294,19 +342,22 @@ void Scheduler::step() {
       });
   best.limit = base_.vocab_limit > 0 ? base_.vocab_limit : cfg.text.vocab, best.banned = base_.banned;
   std::vector<float> logits;
+  double t_step = 0;
   try {
-    const double t0 = wall_seconds();
+    t_step = wall_seconds();
+    const double t0 = t_step;
     step_since_ = t0;
     logits = runner_.step(segs, false, greedy ? &best : nullptr);
     step_since_ = 0;
     const double took = wall_seconds() - t0;
-    budget_.observe(decodes, prompt, took);
+    if (!profiling) budget_.observe(decodes, prompt, took);  // op by op it takes longer than it will
     warn_tpot(decodes);
     const int64_t rows = int64_t(segs.size());
     if (prompt > 0) metrics_.mixed_s += took, metrics_.mixed_steps++, metrics_.mixed_rows += rows;
     else metrics_.decode_s += took, metrics_.decode_steps++, metrics_.decode_rows += rows;
   } catch (const Error& e) {  // fails this step's requests, not the server
     step_since_ = 0;
+    if (profiling) runner_.model().set_step_phases(nullptr), prof::end_step(0, 0, {});
     if (is_watchdog(e)) {  // a rank did not keep up: the group is out of step, and the server ends
       healthy_ = false;
       throw;
@@ -343,6 +394,34 @@ void Scheduler::step() {
   std::erase_if(running_, [](const std::shared_ptr<Job>& j) { return j->done; });
   metrics_.running = (int64_t)running_.size();
   update_kv_metrics();
+  if (profiling) profile_end(t_plan, t_step, now, phases, decodes, prompt, (int64_t)segs.size());
+}
+
+// A profiled step's report to the log: its per-op table and host phases (the step from plan() to the tokens
+// streamed), lines "serve profile: ...", then the same as one line of JSON ("serve profile json: {...}").
+void Scheduler::profile_end(double t_plan, double t_step, double t_ran, const DevModel::StepPhases& ph,
+                            int64_t decodes, int64_t prompt, int64_t rows) {
+  runner_.model().set_step_phases(nullptr);
+  const double t_end = wall_seconds();
+  const double runner_rest = (t_ran - t_step) - (ph.pack + ph.upload + ph.device + ph.download);
+  prof::Report r = prof::end_step(metrics_.steps, t_end - t_plan,
+                                  {{"plan (scheduler: segments, chunk copies)", t_step - t_plan},
+                                   {"pack_step and metadata (host)", ph.pack},
+                                   {"uploads", ph.upload},
+                                   {"device work (op by op, waited for)", ph.device},
+                                   {"downloads (logits or argmax)", ph.download},
+                                   {"runner (plan to ranks, gathers)", runner_rest},
+                                   {"sampling, detokenizing, streaming", t_end - t_ran}},
+                                  40);
+  const char* kind = prompt > 0 ? "mixed" : "decode-only";
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "serve profile: a %s step of %lld rows (%lld decodes, %lld prompt tokens), op by op:",
+                kind, (long long)rows, (long long)decodes, (long long)prompt);
+  log_info(buf);
+  for (const std::string& line : r.table()) log_info("serve profile: " + line);
+  nlohmann::json j = r.json();
+  j["kind"] = kind, j["rows"] = rows, j["decodes"] = decodes, j["prompt_tokens"] = prompt;
+  log_info("serve profile json: " + j.dump());
 }
 
 // A job's new token t: the end on a stop token, max_tokens or a stop string; else its text so far to the client.

@@ -875,9 +875,11 @@ std::string Server::metrics_text() {
          (double)metrics_.mixed_steps);
   metric("q3vl_engine_mixed_step_rows_total", "counter", "segments in those steps", (double)metrics_.mixed_rows);
   metric("q3vl_engine_mixed_step_seconds_total", "counter", "wall time of those steps", metrics_.mixed_s.load());
-  metric("q3vl_engine_vision_encodes_total", "counter", "images and videos through the vision tower at admission",
-         (double)metrics_.vision_encodes);
-  metric("q3vl_engine_vision_seconds_total", "counter", "wall time of those encodes", metrics_.vision_s.load());
+  metric("q3vl_engine_vision_encodes_total", "counter", "requests whose images and videos went through the vision "
+         "tower at admission", (double)metrics_.vision_encodes);
+  metric("q3vl_engine_vision_passes_total", "counter", "passes of the vision tower for them (serve.vision_batch)",
+         (double)metrics_.vision_passes);
+  metric("q3vl_engine_vision_seconds_total", "counter", "wall time of those passes", metrics_.vision_s.load());
   metric("q3vl_engine_busy_seconds_total", "counter",
          "wall time of scheduler ticks that had work (steps, encodes, scheduling, sampling, streaming)",
          metrics_.busy_s.load());

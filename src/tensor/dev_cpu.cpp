@@ -256,13 +256,15 @@ void gemm(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
 }
 void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
                 int64_t n_out, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out)), linear_fwd(x, in, W, b, y, N, n_in, n_out, dt));
+  PROFILED(x, prof::shaped(__func__, N, n_in, n_out), prof::flop(2.0 * double(N) * double(n_in) * double(n_out)));
+  ON_CUDA(x, linear_fwd(x, in, W, b, y, N, n_in, n_out, dt));
   need_f32(dt, "linear_fwd");
   ops::linear_fwd(F(in), F(W), F(b), F(y), N, n_in, n_out);
 }
 void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t N,
                    int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out)), linear_q8_fwd(x, in, q, scale, b, y, N, n_in, n_out, qf, dt));
+  PROFILED(x, prof::shaped(__func__, N, n_in, n_out), prof::flop(2.0 * double(N) * double(n_in) * double(n_out)));
+  ON_CUDA(x, linear_q8_fwd(x, in, q, scale, b, y, N, n_in, n_out, qf, dt));
   need_f32(dt, "linear_q8_fwd");
   by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), F(y), N, n_in, n_out); });
 }

@@ -31,6 +31,7 @@ struct State {
   dev::Exec pool_exec;
   size_t next = 0;
   std::set<std::string> names;
+  bool shapes = false;
 };
 State& state() {
   static State s;
@@ -125,8 +126,14 @@ void Scope::end() {
 
 const char* intern(const std::string& name) { return state().names.insert(name).first->c_str(); }
 
-void begin_step(const dev::Exec& compute) {
+const char* shaped(const char* op, int64_t n, int64_t in, int64_t out) {
+  if (!state().shapes) return op;
+  return intern(std::string(op) + " " + std::to_string(n) + "x" + std::to_string(in) + "->" + std::to_string(out));
+}
+
+void begin_step(const dev::Exec& compute, bool shapes) {
   State& s = state();
+  s.shapes = shapes;
   s.owner = std::this_thread::get_id();
   s.compute = compute;
   s.recs.clear();

@@ -406,3 +406,58 @@ TEST(ServeLayout, AutoAndGiven) {
   EXPECT_THROW(serve_layout(8, 1, 4, 4, 36), Error);
   EXPECT_THROW(serve_layout(8, 1, 0, 8, 4), Error);            // more stages than layers
 }
+
+// serve.vision_batch: several prompts' images in one pass of the vision tower (one prompt with two images among them)
+// give each prompt what a pass of its own gives, to rounding: the attention stays within each image and every other
+// op works row by row, but a GEMM's rounding depends on its row count (OpenBLAS takes its small-matrix kernel below
+// some size, summing in another order: 7e-7 here; cuBLAS may take another algorithm). Bitwise or not is printed.
+void batched_vision_case(Device d, DType dt, double tol) {
+  const std::string dir = "tests/data/golden/dense_untied/model";
+  const ModelConfig cfg = load_hf_config(dir + "/config.json");
+  Model host(cfg);
+  load_hf_weights(host, dir);
+  std::vector<Prompt> ps{make_prompt(cfg, 4, 4, 3, 9, 1), make_prompt(cfg, 4, 8, 6, 5, 2),
+                         make_prompt(cfg, 8, 4, 2, 2, 3)};
+  const Prompt extra = make_prompt(cfg, 4, 4, 1, 1, 4);  // prompt 2 gets a second image
+  ps[2].grid.insert(ps[2].grid.end(), extra.grid.begin(), extra.grid.end());
+  ps[2].pixels.insert(ps[2].pixels.end(), extra.pixels.begin(), extra.pixels.end());
+  dev::Exec ex = dev::make_exec(d);
+  {
+    DevModel m(cfg, ex, dt, /*grads=*/false);
+    m.set_params(host.params());
+    m.reserve_infer({/*tokens=*/32, /*segments=*/4, /*patches=*/128, /*kv_blocks=*/8, /*block=*/4, /*seq_blocks=*/4});
+    const size_t n = ps.size();
+    std::vector<std::vector<float>> img1(n), img(n);
+    std::vector<std::vector<std::vector<float>>> ds1(n), ds(n);
+    std::vector<DevModel::VisionJob> jobs;
+    for (size_t i = 0; i < n; ++i) {
+      m.vision_features(ps[i].pixels, ps[i].grid, img1[i], ds1[i]);
+      jobs.push_back({&ps[i].pixels, &ps[i].grid, &img[i], &ds[i]});
+    }
+    m.vision_features(jobs);
+    bool bitwise = true;
+    double worst = 0;
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(img[i].size(), img1[i].size()) << "prompt " << i;
+      ASSERT_EQ(ds[i].size(), ds1[i].size());
+      bitwise = bitwise && img[i] == img1[i] && ds[i] == ds1[i];
+      worst = test::worse(worst, test::rel_max_diff(img[i], img1[i]));
+      for (size_t j = 0; j < ds[i].size(); ++j) worst = test::worse(worst, test::rel_max_diff(ds[i][j], ds1[i][j]));
+    }
+    EXPECT_LE(worst, tol);
+    std::printf("  batched vision on %s %s: 3 prompts (4 images) in one pass %s a pass each (max rel diff %.2e)\n",
+                d == Device::CUDA ? "cuda" : "cpu", dtype_name(dt), bitwise ? "bitwise equal to" : "within tol of",
+                worst);
+    // Over the patch budget: refused naming it (the engine then encodes job by job).
+    jobs.push_back({&ps[1].pixels, &ps[1].grid, &img[0], &ds[0]});
+    jobs.push_back({&ps[2].pixels, &ps[2].grid, &img[0], &ds[0]});
+    EXPECT_THROW(m.vision_features(jobs), Error);
+  }
+  dev::destroy_exec(ex);
+}
+TEST(DevInfer, BatchedVisionMatchesSingleOnCpu) { batched_vision_case(Device::CPU, DType::F32, 1e-5); }
+TEST(DevInfer, BatchedVisionMatchesSingleOnCuda) {
+  Q3VL_NEED_GPU();
+  batched_vision_case(Device::CUDA, DType::F32, 1e-5);
+  batched_vision_case(Device::CUDA, DType::BF16, 2e-2);
+}

@@ -5,8 +5,12 @@
 #   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
 #   generate on the 8B shape: the PyTorch baseline), video (serving videos on CUDA against generate on the CPU, the 8B
 #   shape's time to first token on a 30 s clip), tpstop (a TP 2 server with a stopped rank, issue 33), 8bpp, 8bint8, 8bfp8, 30bint8, 30bfp8, 8bnog and 30bnog (model.cuda_graphs = false: decode
-#   steps launched op by op, against the default's graphs), 8btpot (serve.max_tpot_ms = 14). CONC: the concurrencies
-#   bench_serve runs at (default "1 32"; 3 x c requests each).
+#   steps launched op by op, against the default's graphs), 8btpot (serve.max_tpot_ms = 14), 8bnovb
+#   (serve.vision_batch = false: a vision pass per request, the A/B of the batched one). CONC: the concurrencies
+#   bench_serve runs at (default "1 32"; 3 x c requests each). PROFILE=N (the big shapes): serve.profile_steps = N
+#   decode-only and N mixed steps of at least PROFILE_ROWS rows (default 56) profiled op by op, their tables in
+#   summary.txt and profile_NAME.txt, their JSON in profile_NAME.jsonl (the steps run without graphs: the bench's
+#   numbers count them).
 # - the GPU unit suites with Q3VL_REQUIRE_GPU=1: the op table (paged attention among them), serving on the device
 #   model against the host model on the golden models (DevInfer.*), and the earlier device-model suites;
 # - `q3vl serve` with model.backend = cuda against `q3vl generate` on the CPU: the same greedy answers for 16
@@ -255,6 +259,7 @@ big() {
   local pre=() extra=()
   while (($#)) && [[ $1 != -- ]]; do pre+=("$1"); shift; done
   (($#)) && shift && extra=("$@")
+  [[ -n ${PROFILE:-} ]] && extra+=(serve.profile_steps=$PROFILE serve.profile_rows=${PROFILE_ROWS:-56})
   timeout 420 "${pre[@]}" "$q" serve model.preset=$preset model.backend=cuda model.dtype=bf16 serve.port=0 \
     serve.max_context=8192 serve.max_batch=64 serve.step_tokens=2048 run.timing=false "${extra[@]}" \
     >"$out/serve_$name.log" 2>&1 &
@@ -276,6 +281,9 @@ big() {
     done
     cat "$out/bench_$name.txt" >>"$out/summary.txt"
     kill -TERM $pid; wait $pid
+    grep -oP 'serve profile json: \K.*' "$out/serve_$name.log" >"$out/profile_$name.jsonl"
+    grep -oP 'serve profile: \K.*' "$out/serve_$name.log" >"$out/profile_$name.txt" &&
+      { say "$name: profiled steps (op by op):"; cat "$out/profile_$name.txt" >>"$out/summary.txt"; }
   else
     tail -5 "$out/serve_$name.log" >>"$out/summary.txt"
   fi
@@ -286,6 +294,7 @@ big() {
 part 8b && big 8b 8B
 part 30b && big 30b-a3b 30B-A3B
 part 8bnog && big 8b-nograph 8B -- model.cuda_graphs=false
+part 8bnovb && big 8b-novisionbatch 8B -- serve.vision_batch=false
 part 30bnog && big 30b-a3b-nograph 30B-A3B -- model.cuda_graphs=false
 part 8bpp && big 8b-pp2 8B mpiexec -n 2 -- serve.pp=2
 part 8bint8 && big 8b-int8 8B -- model.weight_dtype=int8

@@ -57,8 +57,9 @@ struct StepSegment {
 
 // A step's segments packed (DevModel::step): ids with segment offsets cu and cache sequences seqs;
 // M-RoPE positions pos [3][N] (a segment's pos3, else its sequence's next positions, which this advances); the image
-// features in token order and the DeepStack features (ds empty when no segment brings any). Fails naming the segment
-// that does not fit the cache state or itself.
+// features in token order and the DeepStack features (ds empty when no segment brings any; features = false: neither
+// gathered, only checked, the caller reading them from the segments). Fails naming the segment that does not fit the
+// cache state or itself.
 template <class T>
 struct StepPack {
   std::vector<int64_t> ids, cu{0}, pos;
@@ -67,6 +68,7 @@ struct StepPack {
   std::vector<std::vector<T>> ds;
 };
 template <class T>
-StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvTable& cache);
+StepPack<T> pack_step(const ModelConfig& cfg, const std::vector<StepSegment<T>>& segs, KvTable& cache,
+                      bool features = true);
 
 }  // namespace q3vl

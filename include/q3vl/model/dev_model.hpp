@@ -172,6 +172,24 @@ class DevModel {
   // The vision tower and mergers for one prompt's images: img [n, H] and ds [deepstack][n*H] on the host.
   void vision_features(const std::vector<float>& pixels, const std::vector<int64_t>& grid, std::vector<float>& img,
                        std::vector<std::vector<float>>& ds);
+  // One prompt's part of a batched vision pass: its pixels and grid in, its img and ds out (as above).
+  struct VisionJob {
+    const std::vector<float>* pixels;
+    const std::vector<int64_t>* grid;
+    std::vector<float>* img;
+    std::vector<std::vector<float>>* ds;
+  };
+  // Several prompts' images in one pass, their patches one after the other (at most vision_budget() in all): the
+  // attention stays within each image (and temporal group) and every other op of the tower and mergers works row by
+  // row, so each prompt gets what a pass of its own gives.
+  void vision_features(const std::vector<VisionJob>& jobs);
+  int64_t vision_budget() const;  // patches one vision pass may take (InferBudget::patches)
+  // Where a step's host time goes (serve.profile_steps): with `p` set, steps run op by op (no graph), wait for the
+  // device after its work, and add their phases' wall seconds to *p; null: off.
+  struct StepPhases {
+    double pack = 0, upload = 0, device = 0, download = 0;
+  };
+  void set_step_phases(StepPhases* p);
   // Tensor parallelism (a tp_config slice): `comm` (the group; it outlives the model) adds the partial outputs of the
   // group: an NCCL one on the device buffers in the model's dtype, in order on the stream (a step waits once, at its
   // end, under the watchdog); an MPI one in fp32 through the host. The head computes vocabulary rows [v0, v1).

@@ -75,7 +75,7 @@ class BlockManager {
   void cache_blocks(int slot, const std::vector<uint64_t>& tkeys, const std::vector<int64_t>& out, int64_t next0,
                     std::vector<uint64_t>& chain);
   void release(int slot);
-  int64_t evictable() const;  // cached blocks that only the prefix cache holds
+  int64_t evictable() const { return evictable_; }  // cached blocks that only the prefix cache holds
   int64_t used() const { return cache_.used_blocks() - evictable(); }
   int64_t cached() const { return (int64_t)prefix_.size(); }
   int64_t evicted() const { return evicted_; }
@@ -88,6 +88,9 @@ class BlockManager {
   void change(std::vector<int64_t> op);
   bool evict_one();
   void touch(const std::vector<uint64_t>& chain);
+  int64_t idle(const std::vector<int32_t>& blocks) const;  // those of blocks the prefix cache holds alone
+  void mark_cached(int32_t b, bool on);
+
 
   KvCache cache_;
   bool prefix_on_ = true, replicated_ = false;
@@ -101,6 +104,10 @@ class BlockManager {
   std::map<uint64_t, uint64_t> lru_;  // stamp -> key
   uint64_t tick_ = 0;
   int64_t evicted_ = 0;
+  // evictable() kept as blocks change hands (change()), not counted over the prefix cache every step: in_prefix_
+  // [block] marks the blocks prefix_ holds.
+  std::vector<char> in_prefix_;
+  int64_t evictable_ = 0;
 };
 
 }  // namespace q3vl

@@ -31,6 +31,8 @@ struct EngineConfig {
   bool prefix_cache = false;
   double timeout = 0;            // seconds a request may take from its arrival (0: no limit)
   double max_tpot = 0;           // serve.max_tpot_ms in seconds: prompt chunks sized to keep a step within it (0: off)
+  bool vision_batch = true;      // serve.vision_batch: the images of jobs admitted together in one pass of the tower
+  int64_t profile_steps = 0, profile_rows = 0;  // serve.profile_steps / serve.profile_rows
   std::string lower;             // the keys that shrink what the device must hold, for the messages
 };
 // serve.max_batch, serve.step_tokens, serve.prefix_cache, serve.timeout and serve_budget's step buffers.

@@ -51,6 +51,8 @@ struct Job {
   int64_t vis_fed = 0;    // image and video tokens fed so far
   int64_t next0 = 0;      // position of the first generated token
   std::vector<int64_t> out, pos3;
+  std::string fixed_text;  // the text of out's first fixed_ids tokens, complete characters (emit)
+  size_t fixed_ids = 0;
   std::vector<uint64_t> tkeys;  // prompt tokens' prefix-cache content (token_keys)
   std::vector<uint64_t> chain;  // prefix-cache keys of the sequence's full blocks so far
   std::vector<float> img;
@@ -70,7 +72,9 @@ struct Metrics {
   // Where the engine's time goes (/metrics q3vl_engine_*): steps with decodes only and steps carrying prompt chunks
   // (wall seconds of runner.step, their rows), the vision tower at admission, and every tick that had work (so
   // busy - steps - vision is the host's own scheduling, sampling and streaming).
-  std::atomic<int64_t> decode_steps{0}, decode_rows{0}, mixed_steps{0}, mixed_rows{0}, vision_encodes{0};
+  // vision_encodes: prompts encoded; vision_passes: passes of the tower (a pass takes several: serve.vision_batch).
+  std::atomic<int64_t> decode_steps{0}, decode_rows{0}, mixed_steps{0}, mixed_rows{0}, vision_encodes{0},
+      vision_passes{0};
   std::atomic<double> decode_s{0}, mixed_s{0}, vision_s{0}, busy_s{0};
   std::mutex m;
   double ttft_sum = 0, tpot_sum = 0;
@@ -128,10 +132,14 @@ class Scheduler {
   bool tick(bool wait);
   void drop_gone();
   void admit();
+  void encode(const std::vector<Job*>& jobs);
+  void encode_pass(const std::vector<Job*>& jobs, size_t a, size_t b);  // jobs [a, b) in one pass
   // One step: the segments (plan), the model step on every rank, then each sampling row's token.
   // Returns the step's decodes and prompt tokens (what serve.max_tpot_ms's model learns from).
   std::pair<int64_t, int64_t> plan(std::vector<StepSegment<float>>& segs, std::vector<Job*>& who);
   void step();
+  void profile_end(double t_plan, double t_step, double t_ran, const DevModel::StepPhases& ph, int64_t decodes,
+                   int64_t prompt, int64_t rows);
   void advance(Job& job, int64_t token, double now);
   void finish(Job& job, const std::string& reason);
   void cache_blocks(Job& j) { blocks_.cache_blocks(j.slot, j.tkeys, j.out, j.next0, j.chain); }
@@ -150,6 +158,9 @@ class Scheduler {
   bool tpot_warned_ = false;
   double timeout_ = 0;  // serve.timeout
   bool prefix_on_ = true;
+  bool vision_batch_ = true;  // serve.vision_batch
+  // serve.profile_steps: decode-only [0] and mixed [1] steps of at least prof_rows_ rows still to profile.
+  int64_t prof_left_[2] = {0, 0}, prof_rows_ = 0;
 
   std::mutex in_m_;
   std::condition_variable in_cv_;
