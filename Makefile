@@ -92,9 +92,8 @@ bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
 # GPU micro-benchmarks, not part of all or tests (make bin/X && bin/X on a GPU machine): tools/gpu/gemv_bench.cu, our
 # GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (new, prev, dense);
 # tools/gpu/attn_check.cu, the attention kernels (forward and backward) against an fp64 reference, old and new timed;
-# tools/gpu/paged_check.cu, paged attention (tensor-core and SIMT) the same way;
-# tools/gpu/gemm_tune_bench.cu, cuBLASLt's heuristic pick against run.gemm_tune's timed one, checked against a reference.
-GPU_TOOLS := bin/gemv_bench bin/moe_bench bin/attn_check bin/paged_check bin/gemm_tune_bench
+# tools/gpu/paged_check.cu, paged attention (tensor-core and SIMT) the same way.
+GPU_TOOLS := bin/gemv_bench bin/moe_bench bin/attn_check bin/paged_check
 ifeq ($(CUDA),1)
 $(GPU_TOOLS): bin/%: build/obj/tools/gpu/%.cu.o build/libq3vl.a
 	@mkdir -p bin

@@ -12,7 +12,6 @@
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/runtime/runtime.hpp"
-#include "q3vl/tensor/dev.hpp"
 
 #ifndef Q3VL_GIT
 #define Q3VL_GIT "unknown"
@@ -71,7 +70,6 @@ int dispatch(int argc, char** argv) {
                  deck.str("runtime.debug_stop_phase"));
   check_paths(deck, mode, rt.world());
   if (deck.boolean("run.rank_logs")) Log::get().open_rank_file(deck.str("run.out_dir"));
-  dev::set_gemm_tune(deck.boolean("run.gemm_tune"));  // Q3VL_GEMM_TUNE in the environment wins (A/B runs)
   if (!m->quiet) {
     const Placement& p = rt.where();
     log_info(version_line());
@@ -86,14 +84,6 @@ int dispatch(int argc, char** argv) {
   {
     ScopedTimer timer("mode " + mode);
     rc = m->run(deck, ModeArgs{flags});
-  }
-  if (const dev::GemmTuneStats g = dev::gemm_tune_stats(); g.timed || g.untimed) {
-    char msg[200];
-    std::snprintf(msg, sizeof msg,
-                  "GEMM tuning: %lld shape(s) timed in %.2f s, %lld won by another algorithm than the heuristic's "
-                  "first; %lld untimed (first seen in a graph capture, or no memory to time)",
-                  (long long)g.timed, g.seconds, (long long)g.changed, (long long)g.untimed);
-    log_info(msg);
   }
   if (!m->quiet && deck.boolean("run.timing")) {
     std::string table = rt.timing_table();

@@ -22,12 +22,6 @@ const std::vector<KeySpec>& deck_schema() {
        "layer) and print a table (calls, ms, % of the step, TFLOP/s or GB/s; the step's phases adding up to its time) "
        "on rank 0, also written as \"profile\" in that step's metrics.jsonl line"},
       {"run.profile_step", T::Int, "0", "run.profile: the step profiled (0: every step)", 0, 1e12},
-      {"run.gemm_tune", T::Bool, "false",
-       "CUDA: time the cuBLASLt heuristic's top algorithms (up to 8, Q3VL_GEMM_TUNE_ALGOS) for each GEMM shape on its "
-       "first call and keep the fastest for the process (a new shape's first step takes a few ms to a second longer; "
-       "ranks may pick differently, within rounding; the log's last lines say how many shapes and how long); "
-       "Q3VL_GEMM_TUNE=1/0 in the environment overrides it. Off under serve's tensor parallelism with MoE layers, "
-       "whose router every rank must compute bit for bit alike"},
 
       // model: what is built or loaded
       {"model.hf", T::String, "", "Hugging Face model directory (config.json + safetensors) to load"},

@@ -1061,32 +1061,26 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     if (best) dev::argmax_rows(ex_, J.lgf, Sp, V, v0, limit, J.banned, nban, J.bidx, J.bval);
   };
   void* graph = nullptr;
-  bool ran = false;
   // NCCL's sums wait on events of their own: not recorded (yet). A profiled step runs its ops one by one.
   if (decode && !J.tp && !J.graphs_failed && !ph) {
     const std::array<int64_t, 4> key{Sp, best != nullptr, limit, nban};
     auto it = J.graph.find(key);
     if (it != J.graph.end()) {
       graph = it->second;
-    } else {
-      // A new bucket's step runs as it is enqueued, and is then recorded for the later steps (not run again): its
-      // GEMMs choose their algorithms outside a capture, where run.gemm_tune can time them (gemm.cu).
-      body();
-      ran = true;
-      if (dev::capture_begin(ex_)) {
-        try {
-          body();
-        } catch (...) {
-          dev::graph_destroy(ex_, dev::capture_end(ex_));
-          throw;
-        }
-        if (void* g = dev::capture_end(ex_)) J.graph[key] = g;
-        else J.graphs_failed = true, log_warn("the device refused to record a decode step as a graph: steps run op by op");
+    } else if (dev::capture_begin(ex_)) {
+      try {
+        body();
+      } catch (...) {
+        dev::graph_destroy(ex_, dev::capture_end(ex_));
+        throw;
       }
+      graph = dev::capture_end(ex_);
+      if (graph) J.graph[key] = graph;
+      else J.graphs_failed = true, log_warn("the device refused to record a decode step as a graph: steps run op by op");
     }
   }
   if (graph) dev::graph_launch(ex_, graph);
-  else if (!ran) body();
+  else body();
   for (int64_t s = 0; s < S; ++s) cache.len[pk.seqs[s]] += pk.cu[s + 1] - pk.cu[s];
   // Before anything leaves the device: the group's sums are done (or the watchdog names who is missing).
   if (last_sum) J.tp->wait(std::move(last_sum));

@@ -144,12 +144,6 @@ void Runner::load() {
     cfg_ = tp_ > 1 ? tp_config(src.cfg, trank_, tp_) : src.cfg;
   }
   if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, trank_, tp_);
-  if (tp_ > 1 && cfg_.moe() && dev::gemm_tune()) {
-    // Every rank computes the router whole and routes by its logits: GEMM algorithms timed per rank could round a
-    // near-tied token's logits apart and send it to different experts on different ranks.
-    dev::set_gemm_tune(false, /*env_wins=*/false);
-    if (rank_ == 0) log_info("run.gemm_tune: off, tensor-parallel ranks must compute the MoE router alike");
-  }
   log_tp();
   build_model(src, std::move(host));
 }

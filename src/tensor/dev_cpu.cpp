@@ -177,26 +177,6 @@ float event_elapsed_ms(const Exec& x, void* a, void* b) {
   return 0;
 }
 
-void set_gemm_tune(bool on, bool env_wins) {
-#ifdef Q3VL_CUDA
-  cuda::set_gemm_tune(on, env_wins);
-#endif
-}
-bool gemm_tune() {
-#ifdef Q3VL_CUDA
-  return cuda::gemm_tune();
-#else
-  return false;
-#endif
-}
-GemmTuneStats gemm_tune_stats() {
-#ifdef Q3VL_CUDA
-  return cuda::gemm_tune_stats();
-#else
-  return {};
-#endif
-}
-
 void memory_info(const Exec& x, size_t* free_bytes, size_t* total_bytes) {
   ON_CUDA(x, memory_info(x, free_bytes, total_bytes));
   *free_bytes = *total_bytes = 0;

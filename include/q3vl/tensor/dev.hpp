@@ -78,23 +78,6 @@ void event_synchronize(const Exec& x, void* e);
 void* timing_event_create(const Exec& x);
 float event_elapsed_ms(const Exec& x, void* a, void* b);
 
-// cuBLASLt algorithm autotuning (deck run.gemm_tune; src/tensor/cuda/gemm.cu says how it times): on, a GEMM shape's
-// first call times the heuristic's top algorithms on its own operands and the process keeps the fastest; off, the
-// heuristic's first pick. Results stay within rounding of each other, but ranks may pick differently (per process).
-// Q3VL_GEMM_TUNE=1/0 in the environment wins over `on` unless env_wins is false; before any call the environment's
-// value holds, else off. Shapes already seen keep their algorithm. Without CUDA these do nothing.
-void set_gemm_tune(bool on, bool env_wins = true);
-bool gemm_tune();
-struct GemmTuneStats {
-  int64_t timed = 0;    // shapes whose candidates were timed
-  int64_t changed = 0;  // of those, won by another algorithm than the heuristic's first
-  int64_t untimed = 0;  // shapes first seen while capturing a graph or without memory to time: the first pick
-  double seconds = 0;   // host time the timing took
-  int last_pick = -1;   // the latest timed shape's winner as the heuristic's rank (0: its first pick)
-  int last_candidates = 0;
-};
-GemmTuneStats gemm_tune_stats();
-
 #include "q3vl/tensor/dev_ops.inc"
 
 }  // namespace q3vl::dev

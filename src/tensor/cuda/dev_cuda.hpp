@@ -27,9 +27,6 @@ void event_wait(const Exec& x, void* e);
 void event_synchronize(void* e);
 void* timing_event_create(const Exec& x);
 float event_elapsed_ms(void* a, void* b);
-void set_gemm_tune(bool on, bool env_wins);
-bool gemm_tune();
-GemmTuneStats gemm_tune_stats();
 
 #include "q3vl/tensor/dev_ops.inc"
 
