@@ -1,6 +1,6 @@
 // GPU check and A/B timing of the CUDA attention kernels against a naive fp64 host reference: "old" is the mma.sync /
-// SIMT path of src/tensor/cuda/attention.cu (Q3VL_ATTN_FWD=old, Q3VL_ATTN_BWD=old, set here), "new" the Hopper wgmma
-// kernels of attention_sm90.cu where they apply (forward hd 64/128, backward hd 128; bf16/fp16 on a 9.0 device; else
+// SIMT path of src/tensor/cuda/attention.cu (attention_fwd_path / attention_bwd_path with wgmma false), "new" the Hopper wgmma
+// kernels of attention_sm90.cu where they apply (hd 128; bf16/fp16 on a 9.0 device; else
 // new = old). Build and run from the repo root:
 //   make bin/attn_check && bin/attn_check [--no-timing] [--no-checks] [--small (few short cases, no timing: racecheck)]
 // Prints one line per checked case and path (old, new, newc: new with a workspace that holds the dQ accumulator of
@@ -19,8 +19,9 @@
 #include "tensor/cuda/common.cuh"
 
 namespace q3vl::dev::cuda {
-bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
-                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2);
+bool attention_fwd_path(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
+                        const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv,
+                        int64_t hd, bool causal, float scale, DType dt, bool wgmma);
 bool attention_bwd_path(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
                         const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg,
                         int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale,
@@ -187,12 +188,8 @@ struct Problem {
   bool causal;
   float scale;
   bool fwd(bool fresh) const {  // true: the wgmma forward ran
-    if (fresh && dt != DType::F32 &&
-        dev::cuda::attention_fwd_sm90(dev::cuda::stream_of(x), dt == DType::BF16, Q, K, V, O, lse, cu, nseg, max_len,
-                                      nh, nkv, hd, causal, scale * 1.4426950408889634f))
-      return true;
-    dev::cuda::attention_fwd(x, Q, K, V, O, lse, cu, nseg, max_len, N, nh, nkv, hd, causal, scale, dt);
-    return false;
+    return dev::cuda::attention_fwd_path(x, Q, K, V, O, lse, cu, nseg, max_len, N, nh, nkv, hd, causal, scale, dt,
+                                         fresh);
   }
   bool bwd(bool fresh, bool acc) const {  // true: the wgmma backward ran
     return dev::cuda::attention_bwd_path(x, G, Q, K, V, O, lse, dQ, dK, dV, cu, nseg, max_len, N, nh, nkv, hd, causal,
@@ -208,7 +205,7 @@ bool is_sm90() {
   return major == 9 && minor == 0;
 }
 // Where the wgmma kernels must run (a 9.0 device, 16-bit): forward hd 64/128, backward hd 128.
-bool want_fwd_new(DType dt, int hd) { return dt != DType::F32 && (hd == 64 || hd == 128) && is_sm90(); }
+bool want_fwd_new(DType dt, int hd) { return dt != DType::F32 && hd == 128 && is_sm90(); }
 bool want_bwd_new(DType dt, int hd) { return dt != DType::F32 && hd == 128 && is_sm90(); }
 
 int run_checks(Exec& x, bool small) {
@@ -392,9 +389,6 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--no-checks") checks = false;
     if (std::string(argv[i]) == "--small") small = true, timing = false;
   }
-  // attention_fwd / attention_bwd = the old kernels (read once, on their first call); Problem calls the new directly.
-  setenv("Q3VL_ATTN_FWD", "old", 1);
-  setenv("Q3VL_ATTN_BWD", "old", 1);
   Exec x;
   x.device = Device::CUDA;
   cudaStream_t st;
@@ -426,7 +420,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!rows.empty()) {
-    std::printf("\nold: mma.sync (Q3VL_ATTN_*=old); new: wgmma where it applies (* = taken); TF: TFLOP/s (bwd 2.5x fwd "
+    std::printf("\nold: mma.sync; new: wgmma where it applies (* = taken); TF: TFLOP/s (bwd 2.5x fwd "
                 "flops); PyTorch SDPA fwd+bwd at text hd128: 2.03 ms\n");
     std::printf("%-36s %8s %8s %8s %8s %7s %7s %9s %9s %7s %9s\n", "case (median of 20)", "fwd old", "fwd new",
                 "bwd old", "bwd new", "bwd TF", "bwd TF", "f+b old", "f+b new", "bwd x", "new-old");

@@ -1,6 +1,6 @@
 // GPU check and A/B timing of paged attention (src/tensor/cuda/paged_attention.cu): the tensor-core path ("new")
-// and the SIMT kernel ("old", what Q3VL_PAGED=old selects) against a naive fp64 host reference, on random pools with
-// shuffled block tables (entries past a segment's blocks name other blocks), ragged contexts and chunks of odd sizes;
+// and the SIMT kernel ("old", paged_attention_path with tc false) against a naive fp64 host reference, on random
+// pools with shuffled block tables (entries past a segment's blocks name other blocks), ragged contexts and chunks of odd sizes;
 // then times old and new at the 8B's serving shapes (32 query heads, 8 kv heads, hd 128, block 16).
 // Build and run (from the repo root, CUDA build): make bin/paged_check && bin/paged_check [--no-timing]
 // Exit 1 on any failed check (NaN included, or the new path not taken where it should be).

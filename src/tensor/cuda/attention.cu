@@ -3,16 +3,14 @@
 //  - bf16/fp16 with hd in {64, 72, 128} and 16-byte aligned pointers: tensor cores (mma.sync m16n8k16, fp32
 //    accumulation), 4 warps a block, cp.async double-buffered tiles (FwdCfg/DqCfg/DkvCfg give the tile sizes);
 //    hd 72 is zero-padded to 80 in shared memory.
-//    On a 9.0 device, hd 128 takes attention_sm90.cu's wgmma kernels instead (Q3VL_ATTN_FWD=old / Q3VL_ATTN_BWD=old:
-//    these).
+//    On a 9.0 device, hd 128 takes attention_sm90.cu's wgmma kernels instead (attention_fwd_path / _bwd_path with
+//    wgmma = false keep these, for tools/gpu/attn_check.cu's comparisons).
 //  - everything else (fp32 parity mode, other head dims up to 256): SIMT kernels, fp32 tiles, 4 threads per row.
 // Backward: D = rowsum(dout*out) into Exec::ws, then dK/dV per (key block, kv head) looping over the group's query
 // heads (race-free GQA), then dQ per query block looping over key blocks (deterministic, no atomics). The wgmma
 // backward computes dQ in the dK/dV loop instead, into an fp32 accumulator after D in Exec::ws (atomics).
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -843,24 +841,13 @@ bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void
                         const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
                         float scale, float sl2, bool acc);
 
-// Q3VL_ATTN_FWD=old / Q3VL_ATTN_BWD=old keep the mma.sync kernels on a 9.0 device too (read once), for A/B runs.
-static bool env_old(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr && std::strcmp(e, "old") == 0;
-}
-static bool attention_fwd_old() {
-  static const bool old = env_old("Q3VL_ATTN_FWD");
-  return old;
-}
-static bool attention_bwd_old() {
-  static const bool old = env_old("Q3VL_ATTN_BWD");
-  return old;
-}
-
-void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
-                   const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
-                   bool causal, float scale, DType dt) {
-  if (!check_shape("attention_fwd", nseg, max_len, N, nh, nkv, hd)) return;
+// wgmma: whether attention_fwd may take attention_sm90.cu's kernel; true: it did. attention_fwd passes true;
+// tools/gpu/attn_check.cu calls both ways in one process (the same for attention_bwd_path).
+bool attention_fwd_path(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
+                        const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv,
+                        int64_t hd, bool causal, float scale, DType dt, bool wgmma) {
+  if (!check_shape("attention_fwd", nseg, max_len, N, nh, nkv, hd)) return false;
+  bool took = false;
   const cudaStream_t st = stream_of(x);
   const float sl2 = scale * kLog2e;
   const dim3 grid(unsigned((max_len + 63) / 64), unsigned(nh), unsigned(nseg));
@@ -872,10 +859,12 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
     if constexpr (!std::is_same_v<S, float>) {
       if (al) {
         // hd 128 only: at hd 64 the wgmma kernel measured 0.90-1.03x fwd_tc (784-token vision segments, 4096 text)
-        if (ihd == 128 && !attention_fwd_old() &&
+        if (ihd == 128 && wgmma &&
             attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len),
-                               inh, inkv, ihd, causal, sl2))
+                               inh, inkv, ihd, causal, sl2)) {
+          took = true;
           return;
+        }
         auto run = [&]<int HD>() {
           using C = FwdCfg<HD>;
           const dim3 gt(unsigned((max_len + 64 * C::MT - 1) / (64 * C::MT)), unsigned(nh), unsigned(nseg));
@@ -895,10 +884,16 @@ void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, v
     else
       launch(fwd_simt<S, 64>, grid, kSimtThreads, fwd_simt_smem(ihd), st, Q, K, V, O, lse, cu, inh, inkv, ihd, sl2, causal);
   });
+  return took;
 }
 
-// wgmma: whether attention_bwd may take attention_sm90.cu's kernel; true: it did. attention_bwd passes
-// !Q3VL_ATTN_BWD=old; tools/gpu/attn_check.cu calls both ways in one process.
+void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
+                   const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                   bool causal, float scale, DType dt) {
+  attention_fwd_path(x, q, k, v, out, lse, cu, nseg, max_len, N, nh, nkv, hd, causal, scale, dt, true);
+}
+
+// wgmma: whether attention_bwd may take attention_sm90.cu's kernel; true: it did.
 bool attention_bwd_path(const Exec& x, const void* dout, const void* q, const void* k, const void* v, const void* out,
                         const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg,
                         int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale,
@@ -969,7 +964,7 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
                    int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, bool accumulate,
                    DType dt) {
   attention_bwd_path(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
-                     accumulate, dt, !attention_bwd_old());
+                     accumulate, dt, true);
 }
 
 }  // namespace q3vl::dev::cuda

@@ -2,7 +2,8 @@
 // serving (decode rows and chunked-prefill chunks in one call). Online softmax over key tiles in shared memory, never
 // a score matrix in global memory. Two kernels:
 //  - paged_tc (bf16/fp16, hd 64 or 128, 16-byte aligned): tensor cores (mma.sync, fp32 accumulation), K/V tiles
-//    gathered through the block table with cp.async; see its comment. Q3VL_PAGED=old turns it off (A/B runs).
+//    gathered through the block table with cp.async; see its comment. paged_attention_path(tc = false) keeps the
+//    SIMT kernel (tools/gpu/paged_check.cu compares the two).
 //  - paged_fwd (everything else: fp32 parity mode, other head dims), SIMT in fp32:
 //  - One block per (tile of query items, kv head, segment x key split). A query item is (new row i, head g of the kv
 //    head's GQA group), items i-major, so each K/V row a block loads into shared memory (once, as fp32) serves every
@@ -15,8 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -529,15 +528,6 @@ void run_simt(const Exec& x, const PagedArgs& a, DType dt) {
 
 }  // namespace
 
-// Q3VL_PAGED=old: the SIMT kernel for every dtype (read once), for A/B runs.
-bool paged_attention_old() {
-  static const bool old = [] {
-    const char* e = std::getenv("Q3VL_PAGED");
-    return e != nullptr && std::strcmp(e, "old") == 0;
-  }();
-  return old;
-}
-
 // paged_attention_fwd with the path chosen by the caller (tools/gpu/paged_check.cu times both in one process): tc
 // takes the tensor-core kernel where it applies (bf16/fp16, hd 64 or 128, 16-byte aligned pointers); returns
 // whether it did.
@@ -569,7 +559,7 @@ void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const
                          const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
                          int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
                          int64_t nkv, int64_t hd, float scale, DType dt) {
-  paged_attention_path(x, !paged_attention_old(), q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg,
+  paged_attention_path(x, true, q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg,
                        max_q, max_ctx, N, nh, nkv, hd, scale, dt);
 }
 
