@@ -90,7 +90,7 @@ bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
 	$(CXX) $(CXXFLAGS) -o $@ $(MPI_OBJ) build/libq3vl.a -lgtest $(LDLIBS)
 
 # GPU micro-benchmarks, not part of all or tests (make bin/X && bin/X on a GPU machine): tools/gpu/gemv_bench.cu, our
-# GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (new, prev, dense);
+# GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (wgmma, mma.sync, dense);
 # tools/gpu/attn_check.cu, the attention kernels (forward and backward) against an fp64 reference, old and new timed;
 # tools/gpu/paged_check.cu, paged attention (tensor-core and SIMT) the same way.
 GPU_TOOLS := bin/gemv_bench bin/moe_bench bin/attn_check bin/paged_check

@@ -6,8 +6,6 @@
 // few experts its tokens chose instead of walking every expert's tiles; larger R (prefill, training batches) and the
 // backward run the tiled grouped GEMM below (one launch for all experts, tensor cores for bf16/fp16).
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -268,9 +266,7 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
 // cost: the tile goes out through shared memory (grouped_dw.cuh), not read at all when the caller's dW is fresh
 // (accumulate false). fp32 keeps its SIMT path.
 // On a 9.0 device (H100/H200) bf16/fp16 run wgmma instead (moe_sm90.cu), every mode, where rows are whole 16-byte
-// chunks. Q3VL_GROUPED (read once; to be deleted once measured) selects for tools/gpu/moe_bench's A/B: "mma" this
-// kernel everywhere, "prev" its previous configuration (k tiles of 32 in 4 stages, DW's float2 read-add-write
-// straight from the accumulators).
+// chunks; this kernel is the fallback elsewhere (other devices, other row lengths, unaligned operands).
 enum Mode { FWD = 0, DX = 1, DW = 2 };
 }  // namespace
 // moe_sm90.cu (wgmma, sm_90a): mode on a 9.0 device for bf16/fp16; false where it does not apply.
@@ -326,17 +322,17 @@ __device__ __forceinline__ int expert_of_tile(const int32_t* tile_prefix, int E,
   return lo;
 }
 
-template <class S, int MODE, bool PREV> struct GTile {
+template <class S, int MODE> struct GTile {
   static constexpr bool kMma = sizeof(S) == 2;  // mma.sync for bf16/fp16, SIMT for fp32
-  static constexpr int BK = !kMma ? 16 : PREV ? 32 : 64, P = pad<S>(), BN = kMma ? 256 : 128;
-  static constexpr int ST = kMma && PREV ? 4 : 3;  // cp.async pipeline depth
+  static constexpr int BK = kMma ? 64 : 16, P = pad<S>(), BN = kMma ? 256 : 128;
+  static constexpr int ST = 3;  // cp.async pipeline depth
   static constexpr int MIN_BLOCKS = kMma ? 1 : 2;  // mma: 128 fp32 accumulators a thread need up to 255 registers
   static constexpr bool A_KC = MODE != DW;  // A's contiguous dimension is k (else m)
   static constexpr bool B_KC = MODE == FWD;  // B's contiguous dimension is k (else n)
   static constexpr int LDA = A_KC ? BK + P : BM + P, LDB = B_KC ? BK + P : BN + P;
   static constexpr int SA = A_KC ? BM * LDA : BK * LDA, SB = B_KC ? BN * LDB : BK * LDB;
   static constexpr size_t smem = size_t(ST) * (SA + SB) * sizeof(S);
-  static constexpr bool kStagedDW = MODE == DW && kMma && !PREV;  // DW's epilogue through shared memory
+  static constexpr bool kStagedDW = MODE == DW && kMma;  // DW's epilogue through shared memory
   static constexpr int LDC = BN + 8;  // floats, the staged tile's row stride: 8 mod 32 banks (see the epilogue)
   static_assert((SA * sizeof(S)) % 128 == 0 && ((SA + SB) * sizeof(S)) % 128 == 0, "stage alignment");
   static_assert(!kStagedDW || smem >= size_t(BM) * LDC * sizeof(float), "DW's staging reuses the pipeline buffers");
@@ -389,12 +385,12 @@ __device__ __forceinline__ void stage_out_dw(const float (&acc)[4][8][4], float*
   grouped_dw::rows_out<BM, BN, LDC>(sc, c, ldc, m0, n0, M, N, accumulate);
 }
 
-template <class S, int MODE, bool PREV>
-__global__ void __launch_bounds__(256, GTile<S, MODE, PREV>::MIN_BLOCKS)
+template <class S, int MODE>
+__global__ void __launch_bounds__(256, GTile<S, MODE>::MIN_BLOCKS)
     k_grouped(const S* __restrict__ A, const S* __restrict__ B, void* C, const int32_t* __restrict__ start,
               const int32_t* __restrict__ tile_prefix, int E, int64_t n_in, int64_t n_out, bool vecA, bool vecB,
               bool accumulate) {
-  using T = GTile<S, MODE, PREV>;
+  using T = GTile<S, MODE>;
   constexpr int BK = T::BK, BN = T::BN, LDA = T::LDA, LDB = T::LDB, SA = T::SA, SB = T::SB, kStages = T::ST;
   constexpr bool A_KC = T::A_KC, B_KC = T::B_KC;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -456,18 +452,14 @@ __global__ void __launch_bounds__(256, GTile<S, MODE, PREV>::MIN_BLOCKS)
       c[m * ldc + n] = prior(c, m * ldc + n, accumulate) + v;
     }
   };
-  // Output elements (m, n), (m, n + 1), n even: one paired access where the pair is aligned (ldc even, C aligned to
-  // a pair), else put() twice. Same arithmetic as put(), so the result does not depend on the path.
-  const bool pairs = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & (MODE == DW ? 7 : 2 * sizeof(S) - 1)) == 0;
+  // FWD/DX's output elements (m, n), (m, n + 1), n even: one paired access where the pair is aligned (ldc even, C
+  // aligned to a pair), else put() twice. Same arithmetic as put(), so the result does not depend on the path.
+  const bool pairs = (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & (2 * sizeof(S) - 1)) == 0;
   auto put2 = [&](int64_t m, int64_t n, float v0, float v1) {
     if (m >= M || n >= N) return;
     if (!pairs || n + 1 >= N) {
       put(m, n, v0);
       put(m, n + 1, v1);
-    } else if constexpr (MODE == DW) {
-      float2* c = reinterpret_cast<float2*>(static_cast<float*>(C) + int64_t(e) * n_out * n_in + m * ldc + n);
-      const float2 q = accumulate ? *c : make_float2(0.f, 0.f);
-      *c = make_float2(q.x + v0, q.y + v1);
     } else {
       Pair<S>* c = reinterpret_cast<Pair<S>*>(static_cast<S*>(C) + s * ldc + m * ldc + n);
       Pair<S> q;
@@ -592,11 +584,11 @@ __global__ void k_tile_prefix(const int32_t* __restrict__ start, int E, int32_t*
   if (lane == 31) tile_prefix[E] = incl;
 }
 
-template <class S, int MODE, bool PREV>
+template <class S, int MODE>
 void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const int32_t* start,
                     const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, int64_t lda,
                     int64_t ldb, bool accumulate) {
-  constexpr int VEC = 16 / int(sizeof(S)), BN = GTile<S, MODE, PREV>::BN;
+  constexpr int VEC = 16 / int(sizeof(S)), BN = GTile<S, MODE>::BN;
   const bool vecA = aligned16(A) && lda % VEC == 0, vecB = aligned16(B) && ldb % VEC == 0;
   const int64_t N = MODE == FWD ? n_out : n_in;
   dim3 grid(unsigned((N + BN - 1) / BN), 1, 1);
@@ -608,53 +600,14 @@ void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const 
     Q3VL_CHECK(tiles <= 65535, "grouped_linear: too many rows for one launch");
     grid.y = unsigned(tiles);
   }
-  constexpr size_t smem = GTile<S, MODE, PREV>::smem;
+  constexpr size_t smem = GTile<S, MODE>::smem;
   static std::once_flag once;  // per instantiation: allow more than 48 KiB of dynamic shared memory
   std::call_once(once, [] {
-    Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE, PREV>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    Q3VL_CU(cudaFuncSetAttribute(k_grouped<S, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   });
-  k_grouped<S, MODE, PREV><<<grid, 256, smem, stream_of(x)>>>(static_cast<const S*>(A), static_cast<const S*>(B),
-                                                              C, start, tile_prefix, int(E), n_in, n_out, vecA,
-                                                              vecB, accumulate);
+  k_grouped<S, MODE><<<grid, 256, smem, stream_of(x)>>>(static_cast<const S*>(A), static_cast<const S*>(B), C, start,
+                                                        tile_prefix, int(E), n_in, n_out, vecA, vecB, accumulate);
   Q3VL_LAUNCHED();
-}
-
-// Q3VL_GROUPED (read once) for tools/gpu/moe_bench's A/B, to be deleted once measured: "prev" the previous bf16/fp16
-// configuration (GTile), "mma" k_grouped's current one (no wgmma); unset: wgmma where it applies.
-enum class Variant { New, Mma, Prev };
-Variant grouped_variant() {
-  static const Variant v = [] {
-    const char* s = std::getenv("Q3VL_GROUPED");
-    return !s ? Variant::New : std::strcmp(s, "prev") == 0 ? Variant::Prev : std::strcmp(s, "mma") == 0 ? Variant::Mma
-                                                                                                        : Variant::New;
-  }();
-  return v;
-}
-
-// accumulate: DX's dxg and DW's dW are added to (else written).
-template <int MODE>
-void grouped(const Exec& x, const void* A, const void* B, void* C, const int32_t* start, int64_t R, int64_t E,
-             int64_t n_in, int64_t n_out, DType dt, int64_t lda, int64_t ldb, bool accumulate) {
-  Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear: expert count out of range");
-  const auto s = stream_of(x);
-  int32_t* tile_prefix = static_cast<int32_t*>(x.ws);
-  if (MODE != DW) {
-    Q3VL_CHECK(size_t(E + 1) * sizeof(int32_t) <= x.ws_bytes, "grouped_linear: workspace too small");
-    k_tile_prefix<<<1, 32, 0, s>>>(start, int(E), tile_prefix);
-    Q3VL_LAUNCHED();
-  }
-  const Variant v = grouped_variant();
-  by_dtype(dt, [&]<class S>() {
-    if constexpr (sizeof(S) == 2) {
-      if (v == Variant::New && grouped_sm90(s, std::is_same_v<S, __nv_bfloat16>, MODE, A, B, C, start, tile_prefix,
-                                            R, E, n_in, n_out, accumulate))
-        return;
-      if (v == Variant::Prev)
-        return grouped_launch<S, MODE, true>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb,
-                                             accumulate);
-    }
-    grouped_launch<S, MODE, false>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
-  });
 }
 
 // ---- combine / unpermute ----------------------------------------------------------------------------------------
@@ -781,6 +734,36 @@ void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E
   Q3VL_LAUNCHED();
 }
 
+// The grouped expert GEMM of one mode (0 FWD, 1 DX, 2 DW: see k_grouped) with the path chosen by the caller
+// (tools/gpu/moe_bench.cu times both in one process): wgmma takes moe_sm90.cu's kernel where it applies (bf16/fp16
+// on a 9.0 device, rows of whole 16-byte chunks, aligned operands), else k_grouped; returns whether wgmma ran.
+// accumulate: DX's dxg and DW's dW are added to (else written).
+bool grouped_linear_path(const Exec& x, int mode, bool wgmma, const void* A, const void* B, void* C,
+                         const int32_t* start, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
+                         DType dt) {
+  Q3VL_CHECK(mode >= FWD && mode <= DW, "grouped_linear: mode out of range");
+  Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear: expert count out of range");
+  const auto s = stream_of(x);
+  int32_t* tile_prefix = static_cast<int32_t*>(x.ws);
+  if (mode != DW) {
+    Q3VL_CHECK(size_t(E + 1) * sizeof(int32_t) <= x.ws_bytes, "grouped_linear: workspace too small");
+    k_tile_prefix<<<1, 32, 0, s>>>(start, int(E), tile_prefix);
+    Q3VL_LAUNCHED();
+  }
+  bool took = false;
+  by_dtype(dt, [&]<class S>() {
+    if constexpr (sizeof(S) == 2)
+      took = wgmma && grouped_sm90(s, std::is_same_v<S, __nv_bfloat16>, mode, A, B, C, start, tile_prefix, R, E,
+                                   n_in, n_out, accumulate);
+    if (took) return;
+    const int64_t lda = mode == FWD ? n_in : n_out, ldb = n_in;
+    if (mode == FWD) grouped_launch<S, FWD>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
+    else if (mode == DX) grouped_launch<S, DX>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
+    else grouped_launch<S, DW>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
+  });
+  return took;
+}
+
 void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int32_t* start, void* y, int64_t R,
                         int64_t E, int64_t n_in, int64_t n_out, DType dt) {
   if (R <= 0 || n_out <= 0) return;
@@ -796,7 +779,7 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
     });
     return;
   }
-  grouped<FWD>(x, xg, W, y, start, R, E, n_in, n_out, dt, n_in, n_in, false);
+  grouped_linear_path(x, FWD, true, xg, W, y, start, R, E, n_in, n_out, false, dt);
 }
 
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
@@ -810,8 +793,8 @@ void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const voi
     if (dW && !accumulate_dW && n_out > 0) Q3VL_CU(cudaMemsetAsync(dW, 0, size_t(E * n_out * n_in) * 4, s));
     return;
   }
-  if (dxg) grouped<DX>(x, dy, W, dxg, start, R, E, n_in, n_out, dt, n_out, n_in, accumulate);
-  if (dW) grouped<DW>(x, dy, xg, dW, start, R, E, n_in, n_out, dt, n_out, n_in, accumulate_dW);
+  if (dxg) grouped_linear_path(x, DX, true, dy, W, dxg, start, R, E, n_in, n_out, accumulate, dt);
+  if (dW) grouped_linear_path(x, DW, true, dy, xg, dW, start, R, E, n_in, n_out, accumulate_dW, dt);
 }
 
 void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,
