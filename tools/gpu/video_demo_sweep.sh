@@ -138,7 +138,8 @@ init() {
   say "init seed $seed: rc=$? $((SECONDS - t0)) s"
 }
 data pic $pic & data vid $vid &
-for s in $(for v in $variants; do IFS=: read -r _ seed _ <<<"$v"; echo "${seed:-1234}"; done | sort -u); do
+seeds=$(for v in $variants; do IFS=: read -r _ seed _ <<<"$v"; echo "${seed:-1234}"; done | sort -u)
+for s in $seeds; do
   init "$s" &
 done
 wait
@@ -207,7 +208,6 @@ variant() {
 }
 say "sweep: backend $backend, pictures $pic_steps steps, video stage 1: $s1_args; stage 2: the deck's [train]" \
   "(checkpoints every $vid_every), budget $budget s; data and inits took $((SECONDS - t_start)) s"
-seeds=$(for v in $variants; do IFS=: read -r _ seed _ <<<"$v"; echo "${seed:-1234}"; done | sort -u)
 for s in $seeds; do pictures "$s" & done
 wait
 pack
