@@ -161,12 +161,14 @@ std::vector<double> cu_of(const std::vector<int64_t>& lens) {
 
 // A paged KV layout for segments of (new rows, context): the segments' blocks are a shuffled subset of a pool that
 // has `spare` blocks more, and the table's entries past a segment's blocks name spare blocks, so a kernel that reads
-// rows no table entry in range references reads random values, not zeros.
+// rows no table entry in range references reads random values, not zeros. cap > 0: table rows of cap tokens and
+// max_ctx = cap, as serving's decode steps (captured as CUDA graphs) pass them: the contexts only in ctx.
 struct Paged {
   std::vector<double> cu{0}, ctx, table;
   int64_t N = 0, max_blocks = 0, pool_rows = 0, max_q = 0, max_ctx = 0;
 };
-Paged paged_layout(const std::vector<std::pair<int64_t, int64_t>>& segs, int64_t block, int64_t spare) {
+Paged paged_layout(const std::vector<std::pair<int64_t, int64_t>>& segs, int64_t block, int64_t spare,
+                   int64_t cap = 0) {
   Paged P;
   int64_t used = 0;
   for (auto [n, c] : segs) {
@@ -179,6 +181,7 @@ Paged paged_layout(const std::vector<std::pair<int64_t, int64_t>>& segs, int64_t
     P.max_q = std::max(P.max_q, n);
     P.max_ctx = std::max(P.max_ctx, c);
   }
+  if (cap > 0) P.max_blocks = std::max(P.max_blocks, (cap + block - 1) / block), P.max_ctx = P.max_blocks * block;
   std::vector<int64_t> ids(used + spare);
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), rng);
@@ -538,8 +541,9 @@ std::vector<Case> all_cases(DType dt) {
   // the GPU), an odd block size with hd 16, and longer prefill chunks (the tensor-core path for bf16/fp16).
   {
     using Segs = std::vector<std::pair<int64_t, int64_t>>;
-    auto paged = [&](const std::string& name, const Segs& segs, int64_t block, int64_t nh, int64_t nkv, int64_t hd) {
-      const Paged L = paged_layout(segs, block, 5);
+    auto paged = [&](const std::string& name, const Segs& segs, int64_t block, int64_t nh, int64_t nkv, int64_t hd,
+                     int64_t cap = 0) {
+      const Paged L = paged_layout(segs, block, 5, cap);
       const float sc = float(1 / std::sqrt(double(hd)));
       const int64_t N = L.N, mb = L.max_blocks, nseg = int64_t(segs.size()), mq = L.max_q, mc = L.max_ctx;
       add("paged_attention_fwd", name + " b" + std::to_string(block) + " " + dims({nh, nkv, hd}), kAttn,
@@ -559,6 +563,9 @@ std::vector<Case> all_cases(DType dt) {
     paged("decode ctx{5000,1,3333,17}", decode, 16, 8, 1, 128);
     paged("decode ctx{5000,1,3333,17}", decode, 32, 4, 2, 64);
     paged("decode ctx{5000,1,3333,17}", decode, 16, 2, 2, 72);
+    // as serving's graph-captured decode steps: max_ctx is the table's capacity, each split sized on the device
+    paged("decode ctx{300,1,17,2000} max_ctx 8192", {{1, 300}, {1, 1}, {1, 17}, {1, 2000}}, 16, 8, 2, 128, 8192);
+    paged("decode ctx{300,1,17,2000} max_ctx 8192", {{1, 300}, {1, 1}, {1, 17}, {1, 2000}}, 16, 4, 4, 64, 8192);
     paged("n/ctx{3/40,1/9,20/20}", {{3, 40}, {1, 9}, {20, 20}}, 5, 4, 2, 16);
     paged("n/ctx{700/1000,1/300}", {{700, 1000}, {1, 300}}, 16, 4, 1, 64);
     // the 8B's group (4 query heads a kv head) at hd 128: several tiles of the tensor-core prefill kernel
