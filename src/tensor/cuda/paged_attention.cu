@@ -36,7 +36,7 @@ constexpr int kSplitMin = 256; // keys per split at least
 constexpr int kMaxSplit = 64;
 
 // Keys a split of a segment with C keys covers: an even share of C over nsplit splits, whole tiles of bn keys, at least
-// min_keys; splits from ceil(C / chunk) on have no keys (split_count: how many do).
+// min_keys; splits from ceil(C / chunk) on have no keys (splits_used: how many have).
 __device__ __forceinline__ int split_chunk(int C, int nsplit, int bn, int min_keys) {
   const int c = max((C + nsplit - 1) / nsplit, min_keys);
   return (c + bn - 1) / bn * bn;
