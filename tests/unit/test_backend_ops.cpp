@@ -552,7 +552,7 @@ std::vector<Case> all_cases(DType dt) {
            in("cu", K::I32, L.cu), in("ctx", K::I32, L.ctx), in("table", K::I32, L.table)},
           [=](auto& x, auto& p, DType t) {
             dev::paged_attention_fwd(x, p[0], p[1], p[2], p[3], P<int32_t>(p, 4), P<int32_t>(p, 5), P<int32_t>(p, 6),
-                                     mb, block, nseg, mq, mc, N, nh, nkv, hd, sc, t);
+                                     mb, block, nseg, mq, mc, 0, N, nh, nkv, hd, sc, t);
           });
     };
     const Segs mixed{{1, 1}, {1, 700}, {37, 37}, {64, 264}};
@@ -819,7 +819,7 @@ TEST(BackendOps, PagedAttentionMatchesAttention) {
         ops::attention_fwd(q.data(), k.data(), v.data(), want.data(), lse.data(), cu64.data(), nseg, nh, nkv, hd, true,
                            sc);
         dev::paged_attention_fwd(dev::Exec{}, q.data(), kp.data(), vp.data(), got.data(), cu.data(), ctx.data(),
-                                 table.data(), max_blocks, block, nseg, 130, 130, N, nh, nkv, hd, sc, DType::F32);
+                                 table.data(), max_blocks, block, nseg, 130, 130, 0, N, nh, nkv, hd, sc, DType::F32);
         const double err = test::rel_max_diff(got, want);  // NaN or Inf: +inf
         std::printf("  paged vs packed attention %s b%lld: err %.2e\n", dims({nh, nkv, hd}).c_str(), (long long)block,
                     err);

@@ -576,8 +576,8 @@ bool paged_attention_path(const Exec& x, bool tc, const void* q, const void* k_p
 
 void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const void* v_pool, void* out,
                          const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
-                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
-                         int64_t nkv, int64_t hd, float scale, DType dt) {
+                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t /*keys*/, int64_t N,
+                         int64_t nh, int64_t nkv, int64_t hd, float scale, DType dt) {
   paged_attention_path(x, true, q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg,
                        max_q, max_ctx, N, nh, nkv, hd, scale, dt);
 }
