@@ -57,7 +57,7 @@ void check_a_b_agree(int G) {
 // mma is applied to the logical matrices the PTX layout assembles; the C fragments must hold the dot products over
 // the step's 4 G columns.
 void check_emulated_step(int G) {
-  std::mt19937 gen(uint32_t(G));
+  std::mt19937 gen{static_cast<uint32_t>(G)};
   std::uniform_int_distribution<int> d(-9, 9);
   const int C = 4 * G;
   std::vector<double> W(size_t(16 * C)), X(size_t(8 * C));

@@ -1,5 +1,8 @@
 // The weight-streaming GEMV of decode steps, shared by the int8/fp8 linear and experts (q8.cu) and the bf16/fp16/fp32
 // experts (moe.cu): y[n, n_out] = (x[n, n_in] W^T) * scale + b for n <= kMaxN rows, W [n_out, n_in] read once.
+// Two paths behind gemv(): bf16/fp16 activations run the tensor-core GEMV (gemv_tc, the second half of this file:
+// mma.m16n8k16 on the weights as they stream in); fp32 activations the CUDA-core GEMV (gemv_simt, described here,
+// also callable directly for A/B benchmarks: tools/gpu/gemv_bench.cu).
 // A decode step is bound by the bytes of weights it reads, so the weights are streamed with 16-byte non-caching loads
 // and everything else is arranged around that:
 //  - W is int8 or fp8 E4M3 (__nv_fp8_e4m3) with one fp32 scale per output row, or the activation storage type S
@@ -330,7 +333,7 @@ struct TcAuto {};  // the default knobs of the n-bucket (TcDefault)
 // capping them at 128 for two 8-warp blocks an SM spills), so 4-warp blocks: 3 an SM, 12 warps.
 template <int NB> using TcDefault = std::conditional_t<NB <= 8, TcKnobs<4, 1, 4>, TcKnobs<4, 2, 2>>;
 
-constexpr size_t kTcSmemBudget = 96 << 10;  // staged x per block (two blocks a Hopper SM)
+constexpr size_t kTcSmemBudget = 64 << 10;  // staged x per block: three blocks a Hopper SM at n 16
 
 template <class W> inline constexpr int kTcStep = 4 * kGroup<W>;  // columns of a warp step: 64 (8-bit), 32 (16-bit)
 template <class W> inline constexpr int kTcMmas = kGroup<W> / 4;  // mmas per group and n-tile: 4, 2
