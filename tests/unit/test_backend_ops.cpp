@@ -340,6 +340,36 @@ std::vector<Case> all_cases(DType dt) {
               });
       }
 
+  // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
+  // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
+  // n_out 40 and 37 (row tiles of 16 cut short). "wide": x rows with entries near +-1e5 (3e4 in fp16) beside ones
+  // near 1e-3 (bf16 x enters the f16 mmas scaled by a power of two per row: no overflow, no clipping), and the last
+  // row all tiny.
+  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
+    for (int64_t N : {1, 3, 8, 9, 16})
+      for (auto [I, O] : {std::pair<int64_t, int64_t>{4136, 40}, {72, 37}, {1001, 37}})
+        for (bool wide : {false, true}) {
+          std::vector<uint8_t> q8;
+          std::vector<float> sc;
+          q8_weights(qf, O, I, q8, sc);
+          std::vector<double> xv = randn(N * I);
+          if (wide) {
+            const double big = dt == DType::F16 ? 3e4 : 1e5;
+            for (int64_t i = 0; i < N * I; ++i)
+              if (i / I == N - 1 && N > 1) xv[size_t(i)] *= 1e-3;
+              else if (i % 7 == 3) xv[size_t(i)] = i % 2 ? big : -big;
+              else if (i % 5 == 1) xv[size_t(i)] *= 1e-3;
+          }
+          add("linear_q8_fwd",
+              std::string(qformat_name(qf)) + " " + dims({N, I, O}) + " tc" + (wide ? " wide" : ""), kGemm,
+              {in("x", K::Act, xv), in("q", K::I8, i8_values(q8)),
+               in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())), in("b", K::Act, randn(O)),
+               out("y", K::Act, randn(N * O))},
+              [=](auto& x, auto& p, DType t) {
+                dev::linear_q8_fwd(x, p[0], p[1], P<float>(p, 2), p[3], p[4], N, I, O, qf, t);
+              });
+        }
+
   // Weight-only 8-bit experts, int8 and fp8. Rows spread over the even experts (the odd ones have none) or all in
   // one; R <= 8 E is the CUDA GEMV over the experts with rows (R 40 and 64 with more than 16 rows an expert: several
   // passes), larger R dequantizes groups of experts into ws for the grouped GEMM ("ws2": room for two experts a group;
@@ -375,6 +405,32 @@ std::vector<Case> all_cases(DType dt) {
               dev::grouped_linear_q8_fwd(xs, p[0], p[1], P<float>(p, 2), P<int32_t>(p, 3), p[4], R, E, I, O, qf, t);
             });
       }
+
+  // Experts for the tensor-core GEMV: of 8, expert 1 holds 17 rows (two passes of 16), 4 two, 6 one, the rest none;
+  // n_in 256, 1001 (scalar loads), 72; n_out 37.
+  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
+    for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 37}, {1001, 37}, {72, 37}}) {
+      const int64_t R = 20, E = 8;
+      std::vector<double> ex(17, 1.0);
+      ex.insert(ex.end(), {4.0, 4.0, 6.0});
+      std::vector<uint8_t> q8;
+      std::vector<float> sc;
+      q8_weights(qf, E * O, I, q8, sc);
+      add("grouped_linear_q8_fwd", std::string(qformat_name(qf)) + " " + dims({R, E, I, O}) + " 17+2+1", kGemm,
+          {in("xg", K::Act, randn(R * I)), in("q", K::I8, i8_values(q8)),
+           in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())), in("start", K::I32, starts_of(ex, E)),
+           out("y", K::Act, randn(R * O))},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_q8_fwd(x, p[0], p[1], P<float>(p, 2), P<int32_t>(p, 3), p[4], R, E, I, O, qf, t);
+          });
+      if (qf == QFormat::Fp8) continue;  // once in the activation dtype
+      add("grouped_linear_fwd", dims({R, E, I, O}) + " 17+2+1", kGemm,
+          {in("xg", K::Act, randn(R * I)), in("W", K::Act, randn(E * O * I, 0.1)),
+           in("start", K::I32, starts_of(ex, E)), out("y", K::Act, randn(R * O))},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[3], R, E, I, O, t);
+          });
+    }
 
   // Experts in the activation dtype, rows spread as above. R <= 8 E is the CUDA GEMV over the experts with rows (the
   // int8 experts' GEMV on W in the activation dtype; R 40 and 64 with more than 16 rows an expert: several passes),
