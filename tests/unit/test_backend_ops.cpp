@@ -342,7 +342,7 @@ std::vector<Case> all_cases(DType dt) {
 
   // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
   // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
-  // n_out 40 and 37 (row tiles of 16 cut short). "wide": x rows with entries near +-1e5 (3e4 in fp16) beside ones
+  // n_out 40 and 37 (row tiles of 16 cut short). "wide": x rows with entries near +-1e5 (1e3 in fp16, whose y would overflow) beside ones
   // near 1e-3 (bf16 x enters the f16 mmas scaled by a power of two per row: no overflow, no clipping), and the last
   // row all tiny.
   for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
@@ -354,7 +354,7 @@ std::vector<Case> all_cases(DType dt) {
           q8_weights(qf, O, I, q8, sc);
           std::vector<double> xv = randn(N * I);
           if (wide) {
-            const double big = dt == DType::F16 ? 3e4 : 1e5;
+            const double big = dt == DType::F16 ? 1e3 : 1e5;  // fp16: y must fit too
             for (int64_t i = 0; i < N * I; ++i)
               if (i / I == N - 1 && N > 1) xv[size_t(i)] *= 1e-3;
               else if (i % 7 == 3) xv[size_t(i)] = i % 2 ? big : -big;
@@ -699,6 +699,18 @@ std::vector<Case> all_cases(DType dt) {
          out("val", K::F32, randn(S))},
         [=](auto& x, auto& p, DType) {
           dev::argmax_rows(x, P<float>(p, 0), S, V, v0, limit, P<int32_t>(p, 1), 4, P<int32_t>(p, 2), P<float>(p, 3));
+        });
+  }
+
+  // moe_plan at serving's shapes: one block (64 x top-8 of 128, a decode step; 2048 pairs, the one-block limit) and
+  // the three-pass plan (5600 pairs; 1000 experts, whose counts do not fit the one block's shared memory).
+  for (auto [N, E, k] : {std::tuple<int64_t, int64_t, int64_t>{64, 128, 8}, {256, 128, 8}, {700, 128, 8},
+                         {300, 1000, 2}}) {
+    add("moe_plan", dims({N, E, k}), kElem,
+        {in("idx", K::I32, randi(N * k, E)), out("start", K::I32, randi(E + 1, 9), true),
+         out("rows", K::I32, randi(N * k, 9), true), out("pos", K::I32, randi(N * k, 9), true)},
+        [=](auto& x, auto& p, DType) {
+          dev::moe_plan(x, P<int32_t>(p, 0), N, k, E, P<int32_t>(p, 1), P<int32_t>(p, 2), P<int32_t>(p, 3));
         });
   }
 

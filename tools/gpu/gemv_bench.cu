@@ -109,7 +109,10 @@ bool bench_row(const dev::Exec& x, const Problem& p, const char* wname, double w
     wg::gemv_tc<bf16, W, K>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out, st(k), p.E, p.R);
   };
   double worst = 0;
+  int path = 0;  // stderr names the path about to run: a fault's last line says which one it was
   auto check = [&](auto&& f) {
+    std::fprintf(stderr, "gemv_bench: %s %s N=%lld path %d\n", p.shape, wname, (long long)p.N, path++);
+    std::fflush(stderr);
     f(0);
     worst = std::max(worst, gpu_bench::rel_diff<bf16>(x, y, yref, ny));
   };

@@ -327,11 +327,16 @@ template <int WARPS, int MT, int DEPTH> struct TcKnobs {
   static_assert(WARPS >= 1 && WARPS <= 32 && MT >= 1 && DEPTH >= 1, "wgemv: knobs");
   static constexpr int kWarps = WARPS, kMt = MT, kDepth = DEPTH;
 };
-struct TcAuto {};  // the default knobs of the n-bucket (TcDefault)
-// 8 loads of 16 bytes in flight a lane either way; two row tiles when x has two n-tiles (x staging and its shared
-// memory reads are per block, so more rows a block amortize them). The kernels take ~168 registers (ptxas, CUDA 13:
-// capping them at 128 for two 8-warp blocks an SM spills), so 4-warp blocks: 3 an SM, 12 warps.
-template <int NB> using TcDefault = std::conditional_t<NB <= 8, TcKnobs<4, 1, 4>, TcKnobs<4, 2, 2>>;
+struct TcAuto {};  // the default knobs by shape (launch_knobs)
+// The knobs by shape (TcAuto), from tools/gpu/gemv_bench on an H200 (2026-12-03, docs/PERFORMANCE.md): experts and
+// wide matrices (n_out >= 12288: gate_up, the LM head) take 4 warps and two row tiles a block, loads 2 deep (enough
+// blocks either way; two tiles amortize the staged x); narrower ones (the 8B's qkv, o_proj, down at 128-384 blocks of
+// 32 rows) take one row tile, loads 4 deep, up to 4 x rows, else 8 warps splitting K with two tiles (down at 8-16
+// rows: 34 against 46-80 us). The kernels take ~168 registers (ptxas, CUDA 13: capping them at 128 for two 8-warp
+// blocks an SM spills), so 8-warp blocks run one an SM, 4-warp ones three.
+using TcWide = TcKnobs<4, 2, 2>;
+using TcNarrowFew = TcKnobs<4, 1, 4>;
+using TcNarrowMany = TcKnobs<8, 2, 2>;
 
 constexpr size_t kTcSmemBudget = 64 << 10;  // staged x per block: three blocks a Hopper SM at n 16
 
@@ -585,17 +590,26 @@ void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const
   else go(k_gemv_tc<S, W, NB, K, false>);
 }
 
-// The tensor-core GEMV, arguments as gemv_simt's; S bf16 or fp16, W int8, fp8 or S. K: TcKnobs (TcAuto: TcDefault
-// of the n bucket), a template parameter so that benchmarks can sweep it.
+// The n bucket's launch with knobs K (TcAuto: by shape, see TcWide).
+template <class S, class W, int NB, class K>
+void launch_knobs(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int n, int64_t n_in,
+                  int64_t n_out, const int32_t* start, int64_t E, int64_t R) {
+  if constexpr (!std::is_same_v<K, TcAuto>)
+    launch_tc<S, W, NB, K>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else if (start || n_out >= 12288) launch_tc<S, W, NB, TcWide>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else if (n <= 4) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else launch_tc<S, W, NB, TcNarrowMany>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+}
+
+// The tensor-core GEMV, arguments as gemv_simt's; S bf16 or fp16, W int8, fp8 or S. K: TcKnobs or TcAuto, a template
+// parameter so that benchmarks can sweep it.
 template <class S, class W, class K = TcAuto>
 void gemv_tc(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
              int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
   static_assert(kTcOk<S, W>, "wgemv::gemv_tc: 16-bit activations, weights int8, fp8 or the activation type");
   const int m = int(n);
-  using K8 = std::conditional_t<std::is_same_v<K, TcAuto>, TcDefault<8>, K>;
-  using K16 = std::conditional_t<std::is_same_v<K, TcAuto>, TcDefault<16>, K>;
-  if (m <= 8) launch_tc<S, W, 8, K8>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
-  else launch_tc<S, W, 16, K16>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
+  if (m <= 8) launch_knobs<S, W, 8, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
+  else launch_knobs<S, W, 16, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
 }
 
 // The GEMV for n <= kMaxN rows of in (experts: up to n rows per expert and pass, start[E+1] on the device, R rows in
