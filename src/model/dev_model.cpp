@@ -968,7 +968,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
   // Paged metadata: each segment's context and block table, each new token's pool row (int32, as uploaded). A table
   // row is as long as the sequence's blocks; the attention reads no further than its context.
   std::vector<int32_t> ctx(Sp, 1), table(Sp * SB, 0), slots(Np, -1), last(Sp);
-  int64_t max_q = 0, max_ctx = 0;
+  int64_t max_q = 0, max_ctx = 0, keys = 0;
   for (int64_t s = 0; s < Sp; ++s) {
     last[s] = int32_t(pk.cu[s + 1] - 1);
     if (s >= S) continue;
@@ -981,7 +981,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
       const int64_t p = L + i;
       slots[pk.cu[s] + i] = int32_t(int64_t(cache.table[q][p / bs]) * bs + p % bs);
     }
-    max_q = std::max(max_q, n), max_ctx = std::max<int64_t>(max_ctx, ctx[s]);
+    max_q = std::max(max_q, n), max_ctx = std::max<int64_t>(max_ctx, ctx[s]), keys += ctx[s];
   }
   if (decode) max_q = 1, max_ctx = SB * bs;
   std::vector<float> rope_c(Np * tc.head_dim / 2), rope_s(rope_c.size());
@@ -1042,7 +1042,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     const void* pending = nullptr;  // a layer's MLP output, added with the next layer's first norm
     for (int l = l0; l < l1; ++l) {
       const bool moe = table_.moe_layer(l);
-      const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, Sp, max_q, max_ctx};
+      const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, Sp, max_q, max_ctx, keys};
       dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, Np, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
                         moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, pending, dt_);
       pending = J.dscr.tmp;

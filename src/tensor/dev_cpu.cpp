@@ -396,10 +396,11 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
 // a max-subtracted softmax, the weighted sum of values. The reference the CUDA kernel is tested against.
 void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const void* v_pool, void* out,
                          const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
-                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
-                         int64_t nkv, int64_t hd, float scale, DType dt) {
-  DEV_OP(x, prof::mem(2 * B(N * nh * hd, dt) + 2 * B(nseg * max_ctx * nkv * hd, dt)), paged_attention_fwd(x, q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg, max_q, max_ctx,
-                                 N, nh, nkv, hd, scale, dt));
+                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t keys, int64_t N,
+                         int64_t nh, int64_t nkv, int64_t hd, float scale, DType dt) {
+  DEV_OP(x, prof::mem(2 * B(N * nh * hd, dt) + 2 * B((keys > 0 ? keys : nseg * max_ctx) * nkv * hd, dt)),
+         paged_attention_fwd(x, q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg, max_q, max_ctx, keys,
+                             N, nh, nkv, hd, scale, dt));
   need_f32(dt, "paged_attention_fwd");
   Q3VL_CHECK(nkv > 0 && nh % nkv == 0 && block >= 1,
              "paged_attention_fwd: heads must be a multiple of kv heads and the block size at least 1");

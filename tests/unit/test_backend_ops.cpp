@@ -161,12 +161,14 @@ std::vector<double> cu_of(const std::vector<int64_t>& lens) {
 
 // A paged KV layout for segments of (new rows, context): the segments' blocks are a shuffled subset of a pool that
 // has `spare` blocks more, and the table's entries past a segment's blocks name spare blocks, so a kernel that reads
-// rows no table entry in range references reads random values, not zeros.
+// rows no table entry in range references reads random values, not zeros. cap > 0: table rows of cap tokens and
+// max_ctx = cap, as serving's decode steps (captured as CUDA graphs) pass them: the contexts only in ctx.
 struct Paged {
   std::vector<double> cu{0}, ctx, table;
   int64_t N = 0, max_blocks = 0, pool_rows = 0, max_q = 0, max_ctx = 0;
 };
-Paged paged_layout(const std::vector<std::pair<int64_t, int64_t>>& segs, int64_t block, int64_t spare) {
+Paged paged_layout(const std::vector<std::pair<int64_t, int64_t>>& segs, int64_t block, int64_t spare,
+                   int64_t cap = 0) {
   Paged P;
   int64_t used = 0;
   for (auto [n, c] : segs) {
@@ -179,6 +181,7 @@ Paged paged_layout(const std::vector<std::pair<int64_t, int64_t>>& segs, int64_t
     P.max_q = std::max(P.max_q, n);
     P.max_ctx = std::max(P.max_ctx, c);
   }
+  if (cap > 0) P.max_blocks = std::max(P.max_blocks, (cap + block - 1) / block), P.max_ctx = P.max_blocks * block;
   std::vector<int64_t> ids(used + spare);
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), rng);
@@ -337,6 +340,36 @@ std::vector<Case> all_cases(DType dt) {
               });
       }
 
+  // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
+  // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
+  // n_out 40 and 37 (row tiles of 16 cut short). "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x
+  // enters the f16 mmas scaled by a power of two per row: no overflow, no clipping), and the last row all tiny; fp16
+  // x takes 1e3 (3e4 overflowed y itself, fp16 too).
+  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
+    for (int64_t N : {1, 3, 8, 9, 16})
+      for (auto [I, O] : {std::pair<int64_t, int64_t>{4136, 40}, {72, 37}, {1001, 37}})
+        for (bool wide : {false, true}) {
+          std::vector<uint8_t> q8;
+          std::vector<float> sc;
+          q8_weights(qf, O, I, q8, sc);
+          std::vector<double> xv = randn(N * I);
+          if (wide) {
+            const double big = dt == DType::F16 ? 1e3 : 1e5;  // fp16: y must fit too
+            for (int64_t i = 0; i < N * I; ++i)
+              if (i / I == N - 1 && N > 1) xv[size_t(i)] *= 1e-3;
+              else if (i % 7 == 3) xv[size_t(i)] = i % 2 ? big : -big;
+              else if (i % 5 == 1) xv[size_t(i)] *= 1e-3;
+          }
+          add("linear_q8_fwd",
+              std::string(qformat_name(qf)) + " " + dims({N, I, O}) + " tc" + (wide ? " wide" : ""), kGemm,
+              {in("x", K::Act, xv), in("q", K::I8, i8_values(q8)),
+               in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())), in("b", K::Act, randn(O)),
+               out("y", K::Act, randn(N * O))},
+              [=](auto& x, auto& p, DType t) {
+                dev::linear_q8_fwd(x, p[0], p[1], P<float>(p, 2), p[3], p[4], N, I, O, qf, t);
+              });
+        }
+
   // Weight-only 8-bit experts, int8 and fp8. Rows spread over the even experts (the odd ones have none) or all in
   // one; R <= 8 E is the CUDA GEMV over the experts with rows (R 40 and 64 with more than 16 rows an expert: several
   // passes), larger R dequantizes groups of experts into ws for the grouped GEMM ("ws2": room for two experts a group;
@@ -372,6 +405,32 @@ std::vector<Case> all_cases(DType dt) {
               dev::grouped_linear_q8_fwd(xs, p[0], p[1], P<float>(p, 2), P<int32_t>(p, 3), p[4], R, E, I, O, qf, t);
             });
       }
+
+  // Experts for the tensor-core GEMV: of 8, expert 1 holds 17 rows (two passes of 16), 4 two, 6 one, the rest none;
+  // n_in 256, 1001 (scalar loads), 72; n_out 37.
+  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
+    for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 37}, {1001, 37}, {72, 37}}) {
+      const int64_t R = 20, E = 8;
+      std::vector<double> ex(17, 1.0);
+      ex.insert(ex.end(), {4.0, 4.0, 6.0});
+      std::vector<uint8_t> q8;
+      std::vector<float> sc;
+      q8_weights(qf, E * O, I, q8, sc);
+      add("grouped_linear_q8_fwd", std::string(qformat_name(qf)) + " " + dims({R, E, I, O}) + " 17+2+1", kGemm,
+          {in("xg", K::Act, randn(R * I)), in("q", K::I8, i8_values(q8)),
+           in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())), in("start", K::I32, starts_of(ex, E)),
+           out("y", K::Act, randn(R * O))},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_q8_fwd(x, p[0], p[1], P<float>(p, 2), P<int32_t>(p, 3), p[4], R, E, I, O, qf, t);
+          });
+      if (qf == QFormat::Fp8) continue;  // once in the activation dtype
+      add("grouped_linear_fwd", dims({R, E, I, O}) + " 17+2+1", kGemm,
+          {in("xg", K::Act, randn(R * I)), in("W", K::Act, randn(E * O * I, 0.1)),
+           in("start", K::I32, starts_of(ex, E)), out("y", K::Act, randn(R * O))},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[3], R, E, I, O, t);
+          });
+    }
 
   // Experts in the activation dtype, rows spread as above. R <= 8 E is the CUDA GEMV over the experts with rows (the
   // int8 experts' GEMV on W in the activation dtype; R 40 and 64 with more than 16 rows an expert: several passes),
@@ -538,8 +597,9 @@ std::vector<Case> all_cases(DType dt) {
   // the GPU), an odd block size with hd 16, and longer prefill chunks (the tensor-core path for bf16/fp16).
   {
     using Segs = std::vector<std::pair<int64_t, int64_t>>;
-    auto paged = [&](const std::string& name, const Segs& segs, int64_t block, int64_t nh, int64_t nkv, int64_t hd) {
-      const Paged L = paged_layout(segs, block, 5);
+    auto paged = [&](const std::string& name, const Segs& segs, int64_t block, int64_t nh, int64_t nkv, int64_t hd,
+                     int64_t cap = 0) {
+      const Paged L = paged_layout(segs, block, 5, cap);
       const float sc = float(1 / std::sqrt(double(hd)));
       const int64_t N = L.N, mb = L.max_blocks, nseg = int64_t(segs.size()), mq = L.max_q, mc = L.max_ctx;
       add("paged_attention_fwd", name + " b" + std::to_string(block) + " " + dims({nh, nkv, hd}), kAttn,
@@ -548,7 +608,7 @@ std::vector<Case> all_cases(DType dt) {
            in("cu", K::I32, L.cu), in("ctx", K::I32, L.ctx), in("table", K::I32, L.table)},
           [=](auto& x, auto& p, DType t) {
             dev::paged_attention_fwd(x, p[0], p[1], p[2], p[3], P<int32_t>(p, 4), P<int32_t>(p, 5), P<int32_t>(p, 6),
-                                     mb, block, nseg, mq, mc, N, nh, nkv, hd, sc, t);
+                                     mb, block, nseg, mq, mc, 0, N, nh, nkv, hd, sc, t);
           });
     };
     const Segs mixed{{1, 1}, {1, 700}, {37, 37}, {64, 264}};
@@ -559,6 +619,9 @@ std::vector<Case> all_cases(DType dt) {
     paged("decode ctx{5000,1,3333,17}", decode, 16, 8, 1, 128);
     paged("decode ctx{5000,1,3333,17}", decode, 32, 4, 2, 64);
     paged("decode ctx{5000,1,3333,17}", decode, 16, 2, 2, 72);
+    // as serving's graph-captured decode steps: max_ctx is the table's capacity, each split sized on the device
+    paged("decode ctx{300,1,17,2000} max_ctx 8192", {{1, 300}, {1, 1}, {1, 17}, {1, 2000}}, 16, 8, 2, 128, 8192);
+    paged("decode ctx{300,1,17,2000} max_ctx 8192", {{1, 300}, {1, 1}, {1, 17}, {1, 2000}}, 16, 4, 4, 64, 8192);
     paged("n/ctx{3/40,1/9,20/20}", {{3, 40}, {1, 9}, {20, 20}}, 5, 4, 2, 16);
     paged("n/ctx{700/1000,1/300}", {{700, 1000}, {1, 300}}, 16, 4, 1, 64);
     // the 8B's group (4 query heads a kv head) at hd 128: several tiles of the tensor-core prefill kernel
@@ -636,6 +699,18 @@ std::vector<Case> all_cases(DType dt) {
          out("val", K::F32, randn(S))},
         [=](auto& x, auto& p, DType) {
           dev::argmax_rows(x, P<float>(p, 0), S, V, v0, limit, P<int32_t>(p, 1), 4, P<int32_t>(p, 2), P<float>(p, 3));
+        });
+  }
+
+  // moe_plan at serving's shapes: one block (64 x top-8 of 128, a decode step; 2048 pairs, the one-block limit) and
+  // the three-pass plan (5600 pairs; 1000 experts, whose counts do not fit the one block's shared memory).
+  for (auto [N, E, k] : {std::tuple<int64_t, int64_t, int64_t>{64, 128, 8}, {256, 128, 8}, {700, 128, 8},
+                         {300, 1000, 2}}) {
+    add("moe_plan", dims({N, E, k}), kElem,
+        {in("idx", K::I32, randi(N * k, E)), out("start", K::I32, randi(E + 1, 9), true),
+         out("rows", K::I32, randi(N * k, 9), true), out("pos", K::I32, randi(N * k, 9), true)},
+        [=](auto& x, auto& p, DType) {
+          dev::moe_plan(x, P<int32_t>(p, 0), N, k, E, P<int32_t>(p, 1), P<int32_t>(p, 2), P<int32_t>(p, 3));
         });
   }
 
@@ -812,7 +887,7 @@ TEST(BackendOps, PagedAttentionMatchesAttention) {
         ops::attention_fwd(q.data(), k.data(), v.data(), want.data(), lse.data(), cu64.data(), nseg, nh, nkv, hd, true,
                            sc);
         dev::paged_attention_fwd(dev::Exec{}, q.data(), kp.data(), vp.data(), got.data(), cu.data(), ctx.data(),
-                                 table.data(), max_blocks, block, nseg, 130, 130, N, nh, nkv, hd, sc, DType::F32);
+                                 table.data(), max_blocks, block, nseg, 130, 130, 0, N, nh, nkv, hd, sc, DType::F32);
         const double err = test::rel_max_diff(got, want);  // NaN or Inf: +inf
         std::printf("  paged vs packed attention %s b%lld: err %.2e\n", dims({nh, nkv, hd}).c_str(), (long long)block,
                     err);

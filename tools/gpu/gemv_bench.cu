@@ -1,21 +1,27 @@
-// Micro-benchmark: does our weight-streaming GEMV (src/tensor/cuda/gemv.cuh) beat cuBLASLt (dev::linear_fwd) on the
-// decode-sized linears of Qwen3-VL, y[N, n_out] = x[N, n_in] W^T, N = 1..32, bf16?
+// Micro-benchmark of the decode GEMV (src/tensor/cuda/gemv.cuh) on Qwen3-VL's decode-sized linears,
+// y[N, n_out] = x[N, n_in] W^T, bf16 activations, N = 1, 2, 4, 8, 16: for fp8, int8 and bf16 weights it times the
+// CUDA-core GEMV (wgemv::gemv_simt, the old path), the tensor-core GEMV (wgemv::gemv_tc) at four knob settings
+// (warps a block, 16-row tiles a block, steps of loads in flight), and cuBLASLt bf16 (dev::linear_fwd), and checks
+// every path against cuBLASLt on the same product.
 // Build and run (from the repo root, on a GPU machine):
-//   make bin/gemv_bench && bin/gemv_bench [reps]        (reps per timing, default 100, at least 50)
-// For each shape and N it times (a) dev::linear_fwd bf16 (cuBLASLt), (b) wgemv::gemv<bf16, bf16> (N <= 16, its
-// kMaxN), (c) dev::linear_q8_fwd on int8 weights (int8 GEMV for N <= 16, dequant + GEMM above), and prints a
-// markdown table: microseconds (median), weight bandwidth (bytes of W / time, TB/s), the winners, and the max
-// relative difference of (b) and (c) from (a) (max|y - y_a| / max|y_a|; bf16 tolerance ~1e-2, over it is flagged FAIL, exit 1).
-// Method: every rep reads a different copy of W (the copies together are >= 4 and >= 256 MB, past the 50 MB L2),
-// so no timed W is cache-resident; x (<= 32 rows) may stay in L2, as in a real decode step. The reps are queued
-// behind a spinning kernel so that the host's launch time never shows between the per-rep CUDA events; a row
-// flagged "host-bound" means the spin ended before everything was queued (tools/gpu/timing.cuh).
-// The bf16 W is the int8 weights dequantized exactly (scales are powers of two: q * 2^-k fits in bf16), so all
-// three paths compute the same product and (c) is checked against (a) too.
+//   make FFMPEG=0 bin/gemv_bench && bin/gemv_bench [reps]     (reps per timing, default 100, at least 20)
+// Output: a markdown table, one row per shape, weight type and N: microseconds (median), weight bandwidth (bytes of
+// W read / time, TB/s; 8-bit rows count their scales), the best tensor-core setting's speedups over the old GEMV and
+// over cuBLASLt bf16, and the max relative difference of any path from cuBLASLt (max|y - y_ref| / max|y_ref|; over
+// 1e-2 is flagged FAIL, exit 1).
+// Weights: int8 q random in [-127, 127], fp8 E4M3 codes random (NaN codes skipped), row scales 2^-(6 + row % 4);
+// the bf16 matrices are their exact dequantizations (q * 2^-k fits bf16), so every path computes the same product;
+// "bf16" rows use the int8 matrix's dequantization. Every rep reads a different copy of W (copies together >= 4 and
+// >= 256 MB of bf16, past the 50 MB L2); x may stay in L2, as in a decode step. Reps are queued behind a spinning
+// kernel (tools/gpu/timing.cuh); "(host-bound)" marks a timing whose spin ended before everything was queued.
+// Experts ("30B-A3B experts", E = 128): R = 8 N rows (top-8 routing) over the experts (8 k + (5 r) % 96) % 128 of
+// rep k, k rotating over 16 tables so that consecutive reps read mostly other experts; W bytes are those of the
+// experts with rows. cuBLASLt is not timed there (a launch per expert); the reference is its product per expert.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "q3vl/tensor/dev.hpp"
@@ -25,11 +31,15 @@
 
 using namespace q3vl;
 using bf16 = __nv_bfloat16;
+using fp8 = __nv_fp8_e4m3;
+namespace wg = dev::cuda::wgemv;
 
 namespace {
 
-constexpr size_t kMinPoolBytes = size_t(256) << 20;  // the W copies together (bf16), >> the 50 MB L2
-constexpr int kMaxRows = 32;
+constexpr size_t kMinPoolBytes = size_t(256) << 20;  // the bf16 W copies together, >> the 50 MB L2
+constexpr int kMaxRows = 16;
+constexpr int kExperts = 128, kTopK = 8, kRot = 16;
+constexpr double kTol = 1e-2;
 
 __device__ uint32_t hash(uint64_t i, uint32_t seed) {
   uint64_t z = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
@@ -37,14 +47,20 @@ __device__ uint32_t hash(uint64_t i, uint32_t seed) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return uint32_t(z ^ (z >> 31));
 }
-// q: random int8 in [-127, 127]; scale[o] = 2^-(6 + o % 4); w = q * scale[row] exactly in bf16. n elements, rows of n_in.
-__global__ void k_init_weights(int8_t* q, float* scale, bf16* w, int64_t n, int64_t n_in, int64_t n_out, uint32_t seed) {
+// n elements of rows of n_in (copies or experts stacked, row o = row % n_out): int8 q8, fp8 f8, scale[row] =
+// 2^-(6 + o % 4) and the exact bf16 dequantizations wq (of q8) and wf (of f8; null: not wanted).
+__global__ void k_init_weights(int8_t* q8, fp8* f8, float* scale, bf16* wq, bf16* wf, int64_t n, int64_t n_in,
+                               int64_t n_out, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / n_in;  // row of the pool (copies stacked): o = row % n_out
+    const int64_t row = i / n_in;
     const float s = ldexpf(1.f, -(6 + int(row % n_out % 4)));
     const int8_t v = int8_t(int(hash(i, seed) % 255u) - 127);
-    q[i] = v;
-    w[i] = __float2bfloat16_rn(float(v) * s);
+    uint8_t c = uint8_t(hash(i, seed + 1));
+    if ((c & 0x7f) == 0x7f) c ^= 1;  // not NaN
+    q8[i] = v;
+    f8[i].__x = c;
+    wq[i] = __float2bfloat16_rn(float(v) * s);
+    if (wf) wf[i] = __float2bfloat16_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(c, __NV_E4M3))) * s);
     if (i % n_in == 0) scale[row] = s;
   }
 }
@@ -53,31 +69,205 @@ __global__ void k_init_x(bf16* x, int64_t n, uint32_t seed) {
     x[i] = __float2bfloat16_rn(float(hash(i, seed) % 2001u) / 1000.f - 1.f);
 }
 
-struct Shape { const char* name; int64_t n_in, n_out; };
 using gpu_bench::Timing;
-
-// Median time of one call of f(copy), copy rotating over nbuf weight copies; warm-up first.
-template <class F> Timing time_it(const dev::Exec& x, int reps, int nbuf, F&& f) {
-  return gpu_bench::time_median(dev::cuda::stream_of(x), reps, std::max(nbuf, 5), [&](int i) { f(i % nbuf); });
-}
-
 std::string fmt(double v, const char* f) {
   if (std::isnan(v)) return "-";
   char s[32];
   std::snprintf(s, sizeof s, f, v);
   return s;
 }
+std::string us_cell(const Timing& t) { return fmt(t.us, "%.1f") + (t.host_bound ? " (host-bound)" : ""); }
+
+// The tensor-core settings swept: TcKnobs<warps, 16-row tiles, steps in flight>.
+using Tc0 = wg::TcKnobs<4, 1, 4>;  // gemv()'s default for N <= 8
+using Tc1 = wg::TcKnobs<4, 2, 2>;  // gemv()'s default for N 9..16
+using Tc2 = wg::TcKnobs<8, 1, 4>;
+using Tc3 = wg::TcKnobs<8, 2, 2>;
+constexpr const char* kTcNames[4] = {"tc 4w1t4d", "tc 4w2t2d", "tc 8w1t4d", "tc 8w2t2d"};
+
+// One problem: the weights of one type W (pool of copies, or the experts), x, the reference output.
+struct Problem {
+  const char* shape;
+  int64_t n_in, n_out, N;
+  const bf16* x;
+  const int32_t* const* start;  // null: dense; else kRot start tables (device), E experts, R rows
+  int64_t E, R;
+};
+
+// Times and checks the old GEMV and the four tensor-core settings on W; prints one row. wbytes: bytes of W read per
+// call; wk(k), sk(k): copy k's weights and scales (scales null for bf16).
+template <class W, class WK, class SK>
+bool bench_row(const dev::Exec& x, const Problem& p, const char* wname, double wbytes, int reps, int nbuf, WK wk,
+               SK sk, bf16* y, const bf16* yref, const Timing& tcublas, double cublas_bytes) {
+  const int64_t ny = (p.start ? p.R : p.N) * p.n_out;
+  const int64_t n = p.start ? std::min<int64_t>(p.R, kMaxRows) : p.N;
+  auto st = [&](int k) { return p.start ? p.start[k % kRot] : nullptr; };
+  auto old = [&](int k) {
+    wg::gemv_simt<bf16, W>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out, st(k), p.E, p.R);
+  };
+  auto tc = [&]<class K>(int k) {
+    wg::gemv_tc<bf16, W, K>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out, st(k), p.E, p.R);
+  };
+  double worst = 0;
+  int path = 0;  // stderr names the path about to run: a fault's last line says which one it was
+  auto check = [&](auto&& f) {
+    std::fprintf(stderr, "gemv_bench: %s %s N=%lld path %d\n", p.shape, wname, (long long)p.N, path++);
+    std::fflush(stderr);
+    f(0);
+    worst = std::max(worst, gpu_bench::rel_diff<bf16>(x, y, yref, ny));
+  };
+  auto time_it = [&](auto&& f) {
+    return gpu_bench::time_median(dev::cuda::stream_of(x), reps, std::max(nbuf, 5), [&](int i) { f(i % nbuf); });
+  };
+  check(old);
+  const Timing told = time_it(old);
+  Timing t[4];
+  check([&](int k) { tc.template operator()<Tc0>(k); });
+  t[0] = time_it([&](int k) { tc.template operator()<Tc0>(k); });
+  check([&](int k) { tc.template operator()<Tc1>(k); });
+  t[1] = time_it([&](int k) { tc.template operator()<Tc1>(k); });
+  check([&](int k) { tc.template operator()<Tc2>(k); });
+  t[2] = time_it([&](int k) { tc.template operator()<Tc2>(k); });
+  check([&](int k) { tc.template operator()<Tc3>(k); });
+  t[3] = time_it([&](int k) { tc.template operator()<Tc3>(k); });
+
+  auto tbs = [](double bytes, double us) { return bytes / us / 1e6; };
+  int best = 0;
+  for (int i = 1; i < 4; ++i)
+    if (t[i].us < t[best].us) best = i;
+  const bool fail = !(worst <= kTol);
+  std::printf("| %s | %lld->%lld | %s | %lld | %s | %s | %s | %s |", p.shape, (long long)p.n_in, (long long)p.n_out,
+              wname, (long long)p.N, us_cell(tcublas).c_str(), fmt(tbs(cublas_bytes, tcublas.us), "%.2f").c_str(),
+              us_cell(told).c_str(), fmt(tbs(wbytes, told.us), "%.2f").c_str());
+  for (int i = 0; i < 4; ++i)
+    std::printf(" %s | %s |", us_cell(t[i]).c_str(), fmt(tbs(wbytes, t[i].us), "%.2f").c_str());
+  std::printf(" %s | %s | %s | %s%s |\n", kTcNames[best], fmt(told.us / t[best].us, "%.2f").c_str(),
+              fmt(tcublas.us / t[best].us, "%.2f").c_str(), fmt(worst, "%.1e").c_str(), fail ? " FAIL" : "");
+  std::fflush(stdout);
+  return fail;
+}
+
+struct Dense { const char* name; int64_t n_in, n_out; };
+
+bool bench_dense(const dev::Exec& x, const Dense& s, const bf16* in, int reps) {
+  cudaStream_t st = dev::cuda::stream_of(x);
+  const int64_t nw = s.n_in * s.n_out;
+  const size_t wbytes = size_t(nw) * sizeof(bf16);
+  const int nbuf = int(std::max<size_t>(4, (kMinPoolBytes + wbytes - 1) / wbytes));
+  int8_t* Q;
+  fp8* F;
+  float* scale;
+  bf16 *Wq, *Wf, *y, *yref;
+  Q3VL_CU(cudaMalloc(&Q, size_t(nw) * nbuf));
+  Q3VL_CU(cudaMalloc(&F, size_t(nw) * nbuf));
+  Q3VL_CU(cudaMalloc(&scale, sizeof(float) * s.n_out * nbuf));
+  Q3VL_CU(cudaMalloc(&Wq, wbytes * nbuf));
+  Q3VL_CU(cudaMalloc(&Wf, wbytes));  // copy 0's fp8 dequantization: the fp8 reference
+  Q3VL_CU(cudaMalloc(&y, sizeof(bf16) * kMaxRows * s.n_out));
+  Q3VL_CU(cudaMalloc(&yref, sizeof(bf16) * kMaxRows * s.n_out));
+  k_init_weights<<<4096, 256, 0, st>>>(Q, F, scale, Wq, Wf, nw, s.n_in, s.n_out, 1234u);  // copy 0 with Wf
+  Q3VL_LAUNCHED();
+  k_init_weights<<<4096, 256, 0, st>>>(Q + nw, F + nw, scale + s.n_out, Wq + nw, nullptr, nw * (nbuf - 1), s.n_in,
+                                       s.n_out, 777u);
+  Q3VL_LAUNCHED();
+  auto Qk = [&](int k) { return Q + int64_t(k) * nw; };
+  auto Fk = [&](int k) { return F + int64_t(k) * nw; };
+  auto Sk = [&](int k) { return scale + int64_t(k) * s.n_out; };
+  auto Wk = [&](int k) { return Wq + int64_t(k) * nw; };
+  auto none = [](int) { return static_cast<const float*>(nullptr); };
+  const double b8 = double(nw) + 4.0 * double(s.n_out), b16 = 2.0 * double(nw);
+  bool bad = false;
+  for (int64_t N : {1, 2, 4, 8, 16}) {
+    const Problem p{s.name, s.n_in, s.n_out, N, in, nullptr, 0, 0};
+    auto cublas = [&](int k) { dev::linear_fwd(x, in, Wk(k), nullptr, y, N, s.n_in, s.n_out, DType::BF16); };
+    const Timing tcub = gpu_bench::time_median(st, reps, std::max(nbuf, 5), [&](int i) { cublas(i % nbuf); });
+    dev::linear_fwd(x, in, Wf, nullptr, yref, N, s.n_in, s.n_out, DType::BF16);
+    bad |= bench_row<fp8>(x, p, "fp8", b8, reps, nbuf, Fk, Sk, y, yref, tcub, b16);
+    dev::linear_fwd(x, in, Wq, nullptr, yref, N, s.n_in, s.n_out, DType::BF16);
+    bad |= bench_row<int8_t>(x, p, "int8", b8, reps, nbuf, Qk, Sk, y, yref, tcub, b16);
+    bad |= bench_row<bf16>(x, p, "bf16", b16, reps, nbuf, Wk, none, y, yref, tcub, b16);
+  }
+  for (void* v : {(void*)Q, (void*)F, (void*)scale, (void*)Wq, (void*)Wf, (void*)y, (void*)yref}) Q3VL_CU(cudaFree(v));
+  return bad;
+}
+
+// Start tables of kRot rotations for R rows (host copies in hs).
+std::vector<std::vector<int32_t>> expert_starts(int64_t R) {
+  std::vector<std::vector<int32_t>> hs;
+  for (int k = 0; k < kRot; ++k) {
+    std::vector<int32_t> s(kExperts + 1, 0);
+    for (int64_t r = 0; r < R; ++r) s[size_t((8 * k + (5 * r) % 96) % kExperts) + 1]++;
+    for (int e = 0; e < kExperts; ++e) s[size_t(e) + 1] += s[size_t(e)];
+    hs.push_back(std::move(s));
+  }
+  return hs;
+}
+
+bool bench_experts(const dev::Exec& x, const Dense& s, const bf16* in, int reps) {
+  cudaStream_t st = dev::cuda::stream_of(x);
+  const int64_t E = kExperts, per = s.n_in * s.n_out, nw = E * per;
+  int8_t* Q;
+  fp8* F;
+  float* scale;
+  bf16 *Wq, *Wf, *y, *yref;
+  int32_t* dstart;
+  const int64_t maxR = kTopK * kMaxRows;
+  Q3VL_CU(cudaMalloc(&Q, size_t(nw)));
+  Q3VL_CU(cudaMalloc(&F, size_t(nw)));
+  Q3VL_CU(cudaMalloc(&scale, sizeof(float) * E * s.n_out));
+  Q3VL_CU(cudaMalloc(&Wq, sizeof(bf16) * nw));
+  Q3VL_CU(cudaMalloc(&Wf, sizeof(bf16) * nw));
+  Q3VL_CU(cudaMalloc(&y, sizeof(bf16) * maxR * s.n_out));
+  Q3VL_CU(cudaMalloc(&yref, sizeof(bf16) * maxR * s.n_out));
+  Q3VL_CU(cudaMalloc(&dstart, sizeof(int32_t) * (E + 1) * kRot));
+  k_init_weights<<<4096, 256, 0, st>>>(Q, F, scale, Wq, Wf, nw, s.n_in, s.n_out, 4321u);
+  Q3VL_LAUNCHED();
+  bool bad = false;
+  for (int64_t N : {1, 2, 4, 8, 16}) {
+    const int64_t R = kTopK * N;
+    const auto hs = expert_starts(R);
+    const int32_t* starts[kRot];
+    for (int k = 0; k < kRot; ++k) {
+      dev::to_device(x, dstart + k * (E + 1), hs[size_t(k)].data(), sizeof(int32_t) * size_t(E + 1));
+      starts[k] = dstart + k * (E + 1);
+    }
+    int64_t busy = 0;
+    for (int64_t e = 0; e < E; ++e) busy += hs[0][size_t(e) + 1] > hs[0][size_t(e)];
+    // The reference: cuBLASLt per expert with rows (rotation 0) on the bf16 dequantization Wb.
+    auto reference = [&](const bf16* Wb) {
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = hs[0][size_t(e)], m = hs[0][size_t(e) + 1] - r0;
+        if (m > 0)
+          dev::linear_fwd(x, in + r0 * s.n_in, Wb + e * per, nullptr, yref + r0 * s.n_out, m, s.n_in, s.n_out,
+                          DType::BF16);
+      }
+    };
+    const Problem p{s.name, s.n_in, s.n_out, N, in, starts, E, R};
+    const double b8 = double(busy) * (double(per) + 4.0 * double(s.n_out)), b16 = 2.0 * double(busy) * double(per);
+    auto Qk = [&](int) { return static_cast<const int8_t*>(Q); };
+    auto Fk = [&](int) { return static_cast<const fp8*>(F); };
+    auto Sk = [&](int) { return static_cast<const float*>(scale); };
+    auto Wk = [&](int) { return static_cast<const bf16*>(Wq); };
+    auto none = [](int) { return static_cast<const float*>(nullptr); };
+    const Timing no_cublas{};
+    reference(Wf);
+    bad |= bench_row<fp8>(x, p, "fp8", b8, reps, kRot, Fk, Sk, y, yref, no_cublas, b16);
+    reference(Wq);
+    bad |= bench_row<int8_t>(x, p, "int8", b8, reps, kRot, Qk, Sk, y, yref, no_cublas, b16);
+    bad |= bench_row<bf16>(x, p, "bf16", b16, reps, kRot, Wk, none, y, yref, no_cublas, b16);
+  }
+  for (void* v : {(void*)Q, (void*)F, (void*)scale, (void*)Wq, (void*)Wf, (void*)y, (void*)yref, (void*)dstart})
+    Q3VL_CU(cudaFree(v));
+  return bad;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int reps = std::max(50, argc > 1 ? std::atoi(argv[1]) : 100);
-  const Shape shapes[] = {
-      {"8B q/o_proj", 4096, 4096},     {"8B k/v_proj", 4096, 1024},    {"8B gate_up", 4096, 24576},
-      {"8B down", 12288, 4096},        {"8B lm_head", 4096, 151936},   {"30B-A3B q_proj", 2048, 4096},
-      {"30B-A3B k/v_proj", 2048, 512}, {"30B-A3B o_proj", 4096, 2048},
-  };
-  const int Ns[] = {1, 2, 4, 8, 16, 32};
+  const int reps = std::max(20, argc > 1 ? std::atoi(argv[1]) : 100);
+  const Dense dense[] = {{"8B qkv", 4096, 6144},       {"8B o_proj", 4096, 4096}, {"8B gate_up", 4096, 24576},
+                         {"8B down", 12288, 4096},     {"8B lm_head", 4096, 151936}};
+  const Dense experts[] = {{"30B-A3B experts gate_up", 2048, 1536}, {"30B-A3B experts down", 768, 2048}};
   bool bad = false;
   try {
     dev::Exec x = dev::make_exec(Device::CUDA);
@@ -86,66 +276,19 @@ int main(int argc, char** argv) {
     Q3VL_CU(cudaGetDeviceProperties(&prop, 0));
     std::printf("# gemv_bench on %s (L2 %d MB), median of %d reps, bf16 activations\n\n", prop.name,
                 prop.l2CacheSize >> 20, reps);
-    std::printf("| shape | n_in->n_out | N | cuBLASLt us | GEMV us | int8 us | cuBLASLt TB/s | GEMV TB/s | int8 TB/s "
-                "| GEMV/cuBLASLt | bf16 winner | fastest | rel diff GEMV | rel diff int8 |\n");
-    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (const Shape& s : shapes) {
-      const int64_t nw = s.n_in * s.n_out;
-      const size_t wbytes = size_t(nw) * sizeof(bf16), qbytes = size_t(nw) + size_t(s.n_out) * sizeof(float);
-      const int nbuf = int(std::max<size_t>(4, (kMinPoolBytes + wbytes - 1) / wbytes));
-      bf16 *W, *in, *ya, *yb, *yc;
-      int8_t* Q;
-      float* scale;
-      Q3VL_CU(cudaMalloc(&W, wbytes * nbuf));
-      Q3VL_CU(cudaMalloc(&Q, size_t(nw) * nbuf));
-      Q3VL_CU(cudaMalloc(&scale, sizeof(float) * s.n_out * nbuf));
-      Q3VL_CU(cudaMalloc(&in, sizeof(bf16) * kMaxRows * s.n_in));
-      for (bf16** y : {&ya, &yb, &yc}) Q3VL_CU(cudaMalloc(y, sizeof(bf16) * kMaxRows * s.n_out));
-      k_init_weights<<<4096, 256, 0, st>>>(Q, scale, W, nw * nbuf, s.n_in, s.n_out, 1234u);
-      Q3VL_LAUNCHED();
-      k_init_x<<<256, 256, 0, st>>>(in, kMaxRows * s.n_in, 99u);
-      Q3VL_LAUNCHED();
-      auto Wk = [&](int k) { return W + int64_t(k) * nw; };
-      auto Qk = [&](int k) { return Q + int64_t(k) * nw; };
-      auto Sk = [&](int k) { return scale + int64_t(k) * s.n_out; };
-      for (int N : Ns) {
-        auto run_a = [&](int k) { dev::linear_fwd(x, in, Wk(k), nullptr, ya, N, s.n_in, s.n_out, DType::BF16); };
-        auto run_b = [&](int k) {
-          dev::cuda::wgemv::gemv<bf16, bf16>(x, in, Wk(k), nullptr, nullptr, yb, N, s.n_in, s.n_out);
-        };
-        auto run_c = [&](int k) {
-          dev::linear_q8_fwd(x, in, Qk(k), Sk(k), nullptr, yc, N, s.n_in, s.n_out, QFormat::Int8, DType::BF16);
-        };
-        const bool has_b = N <= dev::cuda::wgemv::kMaxN;
-        // Correctness on copy 0: the three paths compute the same product (W is q * scale exactly).
-        run_a(0);
-        if (has_b) run_b(0);
-        run_c(0);
-        const int64_t ny = int64_t(N) * s.n_out;
-        const double db = has_b ? gpu_bench::rel_diff<bf16>(x, yb, ya, ny) : NAN,
-                     dc = gpu_bench::rel_diff<bf16>(x, yc, ya, ny);
-        const bool fail = (has_b && !(db <= 1e-2)) || !(dc <= 1e-2);
-        bad |= fail;
-
-        const Timing ta = time_it(x, reps, nbuf, run_a);
-        const Timing tb = has_b ? time_it(x, reps, nbuf, run_b) : Timing{};
-        const Timing tc = time_it(x, reps, nbuf, run_c);
-        auto tbs = [](double bytes, double us) { return bytes / us / 1e6; };
-        const char* bf16_win = !has_b ? "cuBLASLt" : tb.us < ta.us ? "GEMV" : "cuBLASLt";
-        const double best = std::min({ta.us, has_b ? tb.us : INFINITY, tc.us});
-        const char* fastest = best == tc.us ? "int8" : best == ta.us ? "cuBLASLt" : "GEMV";
-        std::printf("| %s | %lld->%lld | %d | %s%s | %s%s | %s%s | %s | %s | %s | %s | %s | %s | %s | %s%s |\n",
-                    s.name, (long long)s.n_in, (long long)s.n_out, N, fmt(ta.us, "%.1f").c_str(),
-                    ta.host_bound ? " (host-bound)" : "", fmt(tb.us, "%.1f").c_str(),
-                    tb.host_bound ? " (host-bound)" : "", fmt(tc.us, "%.1f").c_str(),
-                    tc.host_bound ? " (host-bound)" : "", fmt(tbs(wbytes, ta.us), "%.2f").c_str(),
-                    fmt(tbs(wbytes, tb.us), "%.2f").c_str(), fmt(tbs(qbytes, tc.us), "%.2f").c_str(),
-                    fmt(tb.us / ta.us, "%.2f").c_str(), bf16_win, fastest, fmt(db, "%.1e").c_str(),
-                    fmt(dc, "%.1e").c_str(), fail ? " FAIL" : "");
-        std::fflush(stdout);
-      }
-      for (void* p : {(void*)W, (void*)Q, (void*)scale, (void*)in, (void*)ya, (void*)yb, (void*)yc}) Q3VL_CU(cudaFree(p));
-    }
+    std::printf("| shape | n_in->n_out | W | N | cuBLASLt bf16 us | TB/s | old us | TB/s |");
+    for (const char* t : kTcNames) std::printf(" %s us | TB/s |", t);
+    std::printf(" best tc | x old | x cuBLASLt | max rel diff |\n|");
+    for (int i = 0; i < 20; ++i) std::printf("---|");
+    std::printf("\n");
+    bf16* in;
+    const int64_t max_in = 12288;
+    Q3VL_CU(cudaMalloc(&in, sizeof(bf16) * kTopK * kMaxRows * max_in));
+    k_init_x<<<256, 256, 0, st>>>(in, kTopK * kMaxRows * max_in, 99u);
+    Q3VL_LAUNCHED();
+    for (const Dense& s : dense) bad |= bench_dense(x, s, in, reps);
+    for (const Dense& s : experts) bad |= bench_experts(x, s, in, reps);
+    Q3VL_CU(cudaFree(in));
     dev::destroy_exec(x);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gemv_bench: %s\n", e.what());

@@ -41,12 +41,13 @@ namespace {
 using Segs = std::vector<std::pair<int, int>>;  // (new rows, context) per segment
 
 // Segment s's blocks are a shuffled subset of a pool with `spare` blocks more; table entries past a segment's
-// blocks name spare blocks, so reading past the context reads random rows, not zeros.
+// blocks name spare blocks, so reading past the context reads random rows, not zeros. cap > 0: table rows of cap
+// tokens and max_ctx = cap, as a decode step captured as a CUDA graph passes them (the contexts only on the device).
 struct Layout {
   std::vector<int32_t> cu{0}, ctx, table;
   int N = 0, max_blocks = 0, pool_rows = 0, max_q = 0, max_ctx = 0;
 };
-Layout layout(const Segs& segs, int block, int spare, std::mt19937& rng) {
+Layout layout(const Segs& segs, int block, int spare, std::mt19937& rng, int cap = 0) {
   Layout L;
   int used = 0;
   for (auto [n, c] : segs) {
@@ -59,6 +60,7 @@ Layout layout(const Segs& segs, int block, int spare, std::mt19937& rng) {
     L.max_q = std::max(L.max_q, n);
     L.max_ctx = std::max(L.max_ctx, c);
   }
+  if (cap > 0) L.max_blocks = std::max(L.max_blocks, (cap + block - 1) / block), L.max_ctx = L.max_blocks * block;
   std::vector<int> ids(used + spare);
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), rng);
@@ -159,9 +161,9 @@ double nerr(const std::vector<float>& got, const std::vector<double>& ref) {
 
 // One layout and head shape: old and new against the reference for each dtype; returns the failures.
 int check(Exec& x, const char* name, const Segs& segs, int block, int nh, int nkv, int hd,
-          std::vector<DType> dts = {DType::BF16, DType::F16}) {
+          std::vector<DType> dts = {DType::BF16, DType::F16}, int cap = 0) {
   std::mt19937 rng(1234 + block * 7 + nh * 3 + hd);
-  const Layout L = layout(segs, block, 5, rng);
+  const Layout L = layout(segs, block, 5, rng, cap);
   const double scale = 1.0 / std::sqrt(double(hd));
   const size_t nq = size_t(L.N) * nh * hd, nk = size_t(L.pool_rows) * nkv * hd;
   const auto q = grid_values(nq, 1.5, rng), k = grid_values(nk, 1.0, rng), v = grid_values(nk, 1.0, rng);
@@ -217,6 +219,8 @@ int run_checks(Exec& x) {
   f += check(x, "chunks of 512 on ctx 512..1024", {{512, 512}, {512, 683}, {512, 853}, {512, 1024}}, 16, 32, 8, 128,
              {DType::BF16});
   f += check(x, "hd 72 (SIMT both)", {{1, 300}, {40, 90}}, 16, 8, 2, 72, {DType::BF16});
+  f += check(x, "decode, max_ctx = capacity 8192", decode, 16, 32, 8, 128, {DType::BF16, DType::F16}, 8192);
+  f += check(x, "few rows, capacity 8192", {{5, 900}, {3, 3}, {1, 400}}, 16, 32, 8, 128, {DType::BF16}, 8192);
   return f;
 }
 
@@ -238,10 +242,10 @@ struct Timing {
 
 // Old and new on one layout (bf16, 32/8 heads, hd 128, block 16). The pool is replicated `layers` times (one copy
 // a call, round robin) so that a decode step's KV is not served from L2, as across a model's layers.
-Timing time_case(Exec& x, const char* name, const Segs& segs, bool flops) {
+Timing time_case(Exec& x, const char* name, const Segs& segs, bool flops, int cap = 0) {
   const int nh = 32, nkv = 8, hd = 128, block = 16;
   std::mt19937 rng(7);
-  const Layout L = layout(segs, block, 5, rng);
+  const Layout L = layout(segs, block, 5, rng, cap);
   const size_t pool = size_t(L.pool_rows) * nkv * hd * 2, nq = size_t(L.N) * nh * hd;
   const int layers = int(std::clamp<size_t>((size_t(512) << 20) / (2 * pool), 1, 36));
   int32_t *cu = upload(L.cu.data(), L.cu.size() * 4), *ctx = upload(L.ctx.data(), L.ctx.size() * 4),
@@ -298,6 +302,10 @@ void run_timing(Exec& x) {
   Segs ragged;
   for (int s = 0; s < 64; ++s) ragged.push_back({1, 400 + (s * 97) % 500});
   T.push_back(time_case(x, "decode 64 x ctx 400..900", ragged, false));
+  // As serving's decode steps (CUDA graphs) call it: max_ctx is the block table's capacity (serve.max_context).
+  T.push_back(time_case(x, "decode 1 x ctx 300, capacity 8192", {{1, 300}}, false, 8192));
+  T.push_back(time_case(x, "decode 1 x ctx 4096, capacity 8192", {{1, 4096}}, false, 8192));
+  T.push_back(time_case(x, "decode 64 x ctx 400..900, cap 8192", ragged, false, 8192));
   T.push_back(time_case(x, "prefill 4 x 512 on ctx 512..1024", {{512, 512}, {512, 683}, {512, 853}, {512, 1024}},
                         true));
   T.push_back(time_case(x, "prefill 3 x 650 fresh", Segs(3, {650, 650}), true));

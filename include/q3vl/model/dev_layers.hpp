@@ -144,7 +144,7 @@ void dev_moe_experts_bwd(const dev::Exec& ex, const TextConfig& tc, const DevPar
 struct DevPagedCache {
   void *k, *v;                 // this layer's pools
   const int32_t *slots, *cu, *ctx, *table;
-  int64_t max_blocks, block, nseg, max_q, max_ctx;
+  int64_t max_blocks, block, nseg, max_q, max_ctx, keys;  // keys: the contexts' sum (profiler bytes)
 };
 using DevPartialSum = std::function<void(void*, int64_t)>;
 void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,

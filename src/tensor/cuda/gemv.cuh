@@ -1,5 +1,8 @@
 // The weight-streaming GEMV of decode steps, shared by the int8/fp8 linear and experts (q8.cu) and the bf16/fp16/fp32
 // experts (moe.cu): y[n, n_out] = (x[n, n_in] W^T) * scale + b for n <= kMaxN rows, W [n_out, n_in] read once.
+// Two paths behind gemv(): bf16/fp16 activations run the tensor-core GEMV (gemv_tc, the second half of this file:
+// mma.m16n8k16 on the weights as they stream in); fp32 activations the CUDA-core GEMV (gemv_simt, described here,
+// also callable directly for A/B benchmarks: tools/gpu/gemv_bench.cu).
 // A decode step is bound by the bytes of weights it reads, so the weights are streamed with 16-byte non-caching loads
 // and everything else is arranged around that:
 //  - W is int8 or fp8 E4M3 (__nv_fp8_e4m3) with one fp32 scale per output row, or the activation storage type S
@@ -20,6 +23,8 @@
 #include <cuda_fp8.h>
 
 #include "tensor/cuda/common.cuh"
+#include "tensor/cuda/gemv_tc_map.hpp"
+#include "tensor/cuda/mma_util.cuh"
 
 namespace q3vl::dev::cuda::wgemv {
 
@@ -108,32 +113,37 @@ __device__ __forceinline__ int swz(int col) {
   return int(c * G + ((i ^ ((c / (8 / P)) & (P - 1))) << 2) + (unsigned(col) & 3));
 }
 
+// The kGroup<W> weights of row r at columns col .. col + kGroup - 1 as one 16-byte group (zeros outside the matrix).
+// VEC: every row start is 16-byte aligned and n_in % kGroup == 0, so a group that starts inside a row is whole.
+template <class W, bool VEC>
+__device__ __forceinline__ uint4 load_group(const W* q, int64_t r, int64_t n_out, int64_t n_in, int64_t col) {
+  constexpr int G = kGroup<W>;
+  if (r >= n_out || col >= n_in) return make_uint4(0, 0, 0, 0);
+  const W* p = q + r * n_in + col;
+  if constexpr (VEC) {
+    return ld_stream16(p);
+  } else {
+    // The bits of each element, packed as a 16-byte load would have them (zero bits: 0 in every W).
+    using U = std::conditional_t<sizeof(W) == 1, uint8_t, std::conditional_t<sizeof(W) == 2, uint16_t, uint32_t>>;
+    constexpr int PER = 4 / int(sizeof(W));  // elements per 32-bit word
+    const U* pu = reinterpret_cast<const U*>(p);
+    const int64_t left = n_in - col;  // > 0
+    uint32_t v[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int e = 0; e < G; ++e)
+      if (e < left) v[e / PER] |= uint32_t(pu[e]) << (8 * int(sizeof(W)) * (e % PER));
+    return make_uint4(v[0], v[1], v[2], v[3]);
+  }
+}
+
 // Loads the kGroup weights of rows row0..row0+kRows-1 at column group c of the chunk starting at k0 (zeros outside).
 template <class W, bool VEC>
 __device__ __forceinline__ void load_w(uint4 (&w)[kRows], const W* q, int64_t row0, int64_t n_out, int64_t n_in,
                                        int64_t k0, int c, int groups) {
-  constexpr int G = kGroup<W>;
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    w[i] = make_uint4(0, 0, 0, 0);
-    const int64_t r = row0 + i;
-    if (r >= n_out || c >= groups) continue;
-    const W* p = q + r * n_in + k0 + int64_t(c) * G;
-    if constexpr (VEC) {
-      w[i] = ld_stream16(p);  // 16-byte rows and W aligned: every row start is aligned, groups are whole
-    } else {
-      // The bits of each element, packed as a 16-byte load would have them (zero bits: 0 in every W).
-      using U = std::conditional_t<sizeof(W) == 1, uint8_t, std::conditional_t<sizeof(W) == 2, uint16_t, uint32_t>>;
-      constexpr int PER = 4 / int(sizeof(W));  // elements per 32-bit word
-      const U* pu = reinterpret_cast<const U*>(p);
-      const int64_t left = n_in - (k0 + int64_t(c) * G);  // > 0
-      uint32_t v[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int e = 0; e < G; ++e)
-        if (e < left) v[e / PER] |= uint32_t(pu[e]) << (8 * int(sizeof(W)) * (e % PER));
-      w[i] = make_uint4(v[0], v[1], v[2], v[3]);
-    }
-  }
+  for (int i = 0; i < kRows; ++i)
+    w[i] = c < groups ? load_group<W, VEC>(q, row0 + i, n_out, n_in, k0 + int64_t(c) * kGroup<W>)
+                      : make_uint4(0, 0, 0, 0);
 }
 
 // One step: the lane's kGroup columns (group c) of kRows weight rows against the NB (n valid) staged x rows.
@@ -279,11 +289,12 @@ void launch_nb(const Exec& x, const S* in, const W* q, const float* scale, const
   else go(k_gemv<S, W, NB, false>);
 }
 
-// The GEMV for n <= kMaxN rows of in (experts: up to n rows per expert and pass, start[E+1] on the device, R rows in
+// The CUDA-core GEMV (fp32 FMAs) for n <= kMaxN rows of in (experts: up to n rows per expert and pass, start[E+1] on the device, R rows in
 // all, E <= 65535), NB the smallest bucket that holds n. W: int8_t or __nv_fp8_e4m3 with its scale, or S (scale null,
-// unread).
+// unread). The path of fp32 activations; gemv() sends 16-bit ones to gemv_tc (kept callable for
+// A/B benchmarks: tools/gpu/gemv_bench.cu).
 template <class S, class W>
-void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
+void gemv_simt(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
           int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
   static_assert(kWeightOk<W>, "wgemv: weights are int8, fp8, fp32, bf16 or fp16");
   static_assert(kScaled<W> || std::is_same_v<W, S>, "wgemv: weights int8, fp8 or the activation type");
@@ -293,6 +304,322 @@ void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b
   else if (m <= 4) launch_nb<S, W, 4>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
   else if (m <= 8) launch_nb<S, W, 8>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
   else launch_nb<S, W, 16>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
+}
+
+
+// ---- tensor-core GEMV (16-bit activations) -------------------------------------------------------------------------
+// The CUDA-core GEMV above spends one or more conversions per weight plus an FMA per weight and x row: on an H200 it
+// is instruction bound at 2-2.8 TB/s. Here the weights are the A operand of mma.m16n8k16 (16 output rows a tile), x
+// the B operand (x rows 0-7 one n-tile, 8-15 a second), fp32 accumulators; per 16 weight bytes a lane spends 2-4
+// conversion instructions and 1-2 mmas per n-tile (gemv_tc_map.hpp: the index mapping, no shuffles).
+//  - weights: 8-bit to f16 exactly (fp8: cvt.rn.f16x2.e4m3x2; int8: the byte biased to unsigned placed in the low
+//    mantissa byte of 1024 (0x64xx halves), 1024 + 128 subtracted: no I2F); bf16/fp16 weights go in as they are
+//    (bf16 mma for bf16).
+//  - x is staged per block in shared memory as the mma's type. bf16 x against 8-bit weights (f16 mma) is scaled per
+//    x row by a power of two 2^-e with max|x| 2^-e in [2^13, 2^14) (no f16 overflow, values down to max * 2^-27
+//    still normal f16: exact), the row's sums multiplied back by 2^e; f16 x and bf16-on-bf16 need no scaling.
+//  - a block of K::kWarps warps owns K::kMt 16-row tiles; the warps split K: warp w takes the warp steps (4 G columns
+//    each) w, w + kWarps, ..., keeping K::kDepth steps of 16-byte loads in flight (the next steps' weights are issued
+//    before the current step's mmas, and across x chunks). The warps' partial sums are added through shared memory.
+//  - x is staged kc columns at a time when n rows do not fit kTcSmemBudget (each chunk its own scale exponent: the
+//    chunk's sums are folded into the total with it).
+template <int WARPS, int MT, int DEPTH> struct TcKnobs {
+  static_assert(WARPS >= 1 && WARPS <= 32 && MT >= 1 && DEPTH >= 1, "wgemv: knobs");
+  static constexpr int kWarps = WARPS, kMt = MT, kDepth = DEPTH;
+};
+struct TcAuto {};  // the default knobs by shape (launch_knobs)
+// The knobs by shape (TcAuto), from tools/gpu/gemv_bench on an H200 (2026-12-03, docs/PERFORMANCE.md): experts and
+// wide matrices (n_out >= 12288: gate_up, the LM head) take 4 warps and two row tiles a block, loads 2 deep (enough
+// blocks either way; two tiles amortize the staged x); narrower ones (the 8B's qkv, o_proj, down at 128-384 blocks of
+// 32 rows) take one row tile, loads 4 deep, up to 4 x rows, else 8 warps splitting K with two tiles (down at 8-16
+// rows: 34 against 46-80 us). The kernels take ~168 registers (ptxas, CUDA 13: capping them at 128 for two 8-warp
+// blocks an SM spills), so 8-warp blocks run one an SM, 4-warp ones three.
+using TcWide = TcKnobs<4, 2, 2>;
+using TcNarrowFew = TcKnobs<4, 1, 4>;
+using TcNarrowMany = TcKnobs<8, 2, 2>;
+
+constexpr size_t kTcSmemBudget = 64 << 10;  // staged x per block: three blocks a Hopper SM at n 16
+
+template <class W> inline constexpr int kTcStep = 4 * kGroup<W>;  // columns of a warp step: 64 (8-bit), 32 (16-bit)
+template <class W> inline constexpr int kTcMmas = kGroup<W> / 4;  // mmas per group and n-tile: 4, 2
+// Row stride pad of staged x (halves): a row is a multiple of 128 bytes plus 16 (8-bit: a lane reads 32 bytes at
+// 32 t, two rows a quarter-warp) or plus 64 (16-bit: 16 bytes at 16 t), so a quarter-warp's 16-byte reads hit 8
+// distinct bank groups.
+template <class W> inline constexpr int kTcPad = sizeof(W) == 1 ? 8 : 32;
+template <class W> using TcType = std::conditional_t<std::is_same_v<W, __nv_bfloat16>, __nv_bfloat16, __half>;
+template <class S, class W>
+inline constexpr bool kTcRescale = std::is_same_v<S, __nv_bfloat16> && sizeof(W) == 1;
+template <class S, class W>
+inline constexpr bool kTcOk = (std::is_same_v<S, __nv_bfloat16> || std::is_same_v<S, __half>) &&
+                              (kScaled<W> || std::is_same_v<W, S>);
+
+// A register of mma m, pair p (tc_pair) from one row's 16-byte group: two weights as f16x2 / bf16x2, low half the
+// lower column.
+template <class W>
+__device__ __forceinline__ uint32_t a_reg(const uint4& v, int m, int p) {
+  const int e = tc_pair(m, p);  // even: a 16-bit pair never straddles a word
+  if constexpr (sizeof(W) == 2) {
+    return word_of(v, e / 2);
+  } else {
+    const uint32_t w = word_of(v, e / 4);
+    const bool hi = (e & 2) != 0;
+    if constexpr (std::is_same_v<W, int8_t>) {
+      // bytes b0 b1 ^ 0x80 into 0x64xx halves: 1024 + (b + 128), minus 1152 = b (exact in f16)
+      const uint32_t h2 = __byte_perm(w ^ 0x80808080u, 0x64646464u, hi ? 0x4342u : 0x4140u);
+      const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h2), __half2(__half(1152.f), __half(1152.f)));
+      return *reinterpret_cast<const uint32_t*>(&r);
+    } else {
+      const __half2_raw r =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(hi ? w >> 16 : w & 0xffffu), __NV_E4M3);
+      return uint32_t(r.x) | (uint32_t(r.y) << 16);
+    }
+  }
+}
+
+// One warp step: MT row tiles (w[mt][0] row g, w[mt][1] row g + 8) against the NB/8 n-tiles of staged x; xp points
+// at the lane's group (column t G of the step) in x row 0, rows rs halves apart; x rows >= n read as zeros.
+template <class W, int NB, int MT>
+__device__ __forceinline__ void tc_step(float (&acc)[MT][NB / 8][4], const uint4 (&w)[MT][2], const uint16_t* xp,
+                                        int rs, int n, int g) {
+  using T = TcType<W>;
+  constexpr int NT = NB / 8, G = kGroup<W>;
+  uint32_t xb[NT][G / 2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int j = nt * 8 + g;
+#pragma unroll
+    for (int v = 0; v < G / 8; ++v) {
+      const uint4 u = j < n ? reinterpret_cast<const uint4*>(xp + j * rs)[v] : make_uint4(0, 0, 0, 0);
+      xb[nt][4 * v] = u.x, xb[nt][4 * v + 1] = u.y, xb[nt][4 * v + 2] = u.z, xb[nt][4 * v + 3] = u.w;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kTcMmas<W>; ++m) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      uint32_t a[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = a_reg<W>(w[mt][r & 1], m, r >> 1);  // frag_a_row: g + 8 (r & 1)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma<T>(acc[mt][nt], a, xb[nt][tc_pair(m, 0) / 2], xb[nt][tc_pair(m, 1) / 2]);
+    }
+  }
+}
+
+// Stages x[0..n-1][k0 .. k0+len) into xs (row j at j rs halves, as the mma type; zeros from len to the end of the
+// last warp step) and xmul[j] = 2^e_j, the factor that undoes row j's scaling. A warp per x row.
+template <class S, class W, int WARPS>
+__device__ __forceinline__ void tc_stage(const S* __restrict__ in, int n, int64_t n_in, int64_t k0, int len,
+                                         bool vec_x, uint16_t* xs, int rs, float* xmul) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nv = (len + kTcStep<W> - 1) / kTcStep<W> * kTcStep<W> / 8;  // 8-element vectors
+  for (int j = warp; j < n; j += WARPS) {
+    const S* src = in + int64_t(j) * n_in + k0;
+    uint16_t* dst = xs + j * rs;
+    uint32_t mx = 0;  // max |x| as bf16 bits, per half
+    for (int v = lane; v < nv; v += 32) {
+      const int c = 8 * v;
+      uint4 u;
+      if (vec_x && c + 8 <= len) {
+        u = __ldg(reinterpret_cast<const uint4*>(src + c));
+      } else {
+        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+        uint32_t e[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+          if (c + k < len) e[k / 2] |= uint32_t(s16[c + k]) << (16 * (k % 2));
+        u = make_uint4(e[0], e[1], e[2], e[3]);
+      }
+      if constexpr (kTcRescale<S, W>) {
+        mx = __vmaxu2(mx, u.x & 0x7fff7fffu), mx = __vmaxu2(mx, u.y & 0x7fff7fffu);
+        mx = __vmaxu2(mx, u.z & 0x7fff7fffu), mx = __vmaxu2(mx, u.w & 0x7fff7fffu);
+      }
+      *reinterpret_cast<uint4*>(dst + c) = u;
+    }
+    if constexpr (kTcRescale<S, W>) {
+      mx = max(mx & 0xffffu, mx >> 16);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      // max|x| in [2^(b-127), 2^(b-126)) for biased exponent b: e = b - 140 puts it in [2^13, 2^14). Zero, Inf or
+      // NaN: e = 0 (Inf/NaN propagate as they would). Clamped so that 2^-e and 2^e are normal floats.
+      const int b = int(mx >> 7);
+      const int e = (mx == 0 || mx >= 0x7f80u) ? 0 : max(max(b, 1) - 140, -100);
+      const float down = __int_as_float((127 - e) << 23);
+      for (int v = lane; v < nv; v += 32) {  // the lane's own vectors: no other lane touched them
+        uint4 u = *reinterpret_cast<uint4*>(dst + 8 * v);
+        uint32_t* pw = &u.x;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const __half2 h = __floats2half2_rn(__uint_as_float(pw[k] << 16) * down,
+                                              __uint_as_float(pw[k] & 0xffff0000u) * down);
+          pw[k] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        *reinterpret_cast<uint4*>(dst + 8 * v) = u;
+      }
+      if (lane == 0) xmul[j] = __int_as_float((127 + e) << 23);
+    } else if (lane == 0) {
+      xmul[j] = 1.f;
+    }
+  }
+}
+
+// One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of in. smem: xmul (16 floats),
+// then staged x (n rows of rs halves, kc columns a chunk); the warps' partial sums reuse it at the end. The block
+// synchronizes before it stages, so it may be called again on other rows (experts).
+template <class S, class W, int NB, class K, bool VEC>
+__device__ __forceinline__ void tc_rows(const S* __restrict__ in, const W* __restrict__ q,
+                                        const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y,
+                                        int n, int64_t n_in, int64_t n_out, int kc, int rs, bool vec_x, char* smem) {
+  constexpr int NT = NB / 8, MT = K::kMt, WARPS = K::kWarps, D = K::kDepth, G = kGroup<W>, STEP = kTcStep<W>;
+  float* xmul = reinterpret_cast<float*>(smem);
+  uint16_t* xs = reinterpret_cast<uint16_t*>(smem + 64);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t row0 = int64_t(blockIdx.x) * (16 * MT);
+
+  // Warp step i of the warp (over all of K): columns (warp + WARPS i) STEP + [0, STEP), the lane's group at t G.
+  uint4 ring[D][MT][2];
+  auto load_step = [&](uint4 (&w)[MT][2], int64_t i) {
+    const int64_t col = (warp + WARPS * i) * STEP + t * G;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) w[mt][h] = load_group<W, VEC>(q, row0 + mt * 16 + g + 8 * h, n_out, n_in, col);
+  };
+#pragma unroll
+  for (int d = 0; d < D; ++d) load_step(ring[d], d);
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+
+  const int per_chunk = kc / (STEP * WARPS);  // warp steps a chunk: a multiple of D (kc: of STEP WARPS D)
+  int64_t i_base = 0;
+  for (int64_t k0 = 0; k0 < n_in; k0 += kc, i_base += per_chunk) {
+    const int len = int(std::min<int64_t>(kc, n_in - k0));
+    __syncthreads();  // the previous chunk (or rows, or partial sums) consumed
+    tc_stage<S, W, WARPS>(in, n, n_in, k0, len, vec_x, xs, rs, xmul);
+    __syncthreads();
+    float part[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) part[mt][nt][0] = part[mt][nt][1] = part[mt][nt][2] = part[mt][nt][3] = 0.f;
+    for (int i0 = 0; i0 < per_chunk; i0 += D) {
+      // Only the last chunk ends early; the ring's contents past it are never used.
+      if ((warp + WARPS * i0) * STEP >= len) break;
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const int cs = (warp + WARPS * (i0 + d)) * STEP;  // the step's first column in the chunk
+        if (cs < len) tc_step<W, NB, MT>(part, ring[d], xs + cs + t * G, rs, n, g);
+        load_step(ring[d], i_base + i0 + d + D);
+      }
+    }
+    // part holds sums of scaled x: undo each x row's 2^-e (frag_c_n: the lane's x rows)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = nt * 8 + frag_c_n(lane, i);
+        const float f = j < n ? xmul[j] : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc[mt][nt][i] = fmaf(part[mt][nt][i], f, acc[mt][nt][i]);
+      }
+  }
+
+  // The warps' partial sums through shared memory: element e = ((mt NT + nt) 4 + i) 32 + lane of each warp.
+  constexpr int EL = MT * NT * 4 * 32;
+  float* red = reinterpret_cast<float*>(smem);
+  __syncthreads();  // every warp is done reading xs and xmul
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp * EL + ((mt * NT + nt) * 4 + i) * 32 + lane] = acc[mt][nt][i];
+  __syncthreads();
+  for (int e = threadIdx.x; e < EL; e += WARPS * 32) {
+    float v = 0.f;
+    for (int w = 0; w < WARPS; ++w) v += red[w * EL + e];
+    const int ln = e & 31, i = (e >> 5) & 3, tile = e >> 7, nt = tile % NT, mt = tile / NT;
+    const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
+    const int j = nt * 8 + frag_c_n(ln, i);
+    if (r >= n_out || j >= n) continue;
+    float sc = 1.f;  // weights in the activation type: no scale
+    if constexpr (kScaled<W>) sc = scale[r];
+    st(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f));
+  }
+}
+
+// As k_gemv: start null, one matrix; else blockIdx.y picks the blockIdx.y-th expert with rows, n rows a pass.
+template <class S, class W, int NB, class K, bool VEC>
+__global__ void __launch_bounds__(K::kWarps * 32, 1)
+    k_gemv_tc(const S* __restrict__ in, const W* __restrict__ q, const float* __restrict__ scale,
+              const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out, int kc, int rs,
+              bool vec_x, const int32_t* __restrict__ start, int E) {
+  extern __shared__ float4 smem_tc[];
+  char* smem = reinterpret_cast<char*>(smem_tc);
+  if (!start) return tc_rows<S, W, NB, K, VEC>(in, q, scale, b, y, n, n_in, n_out, kc, rs, vec_x, smem);
+  const int e = busy_expert(start, E, int(blockIdx.y));
+  if (e < 0) return;
+  const int64_t r1 = start[e + 1];
+  for (int64_t r = start[e]; r < r1; r += n)
+    tc_rows<S, W, NB, K, VEC>(in + r * n_in, q + int64_t(e) * n_out * n_in,
+                              kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
+                              int(min(int64_t(n), r1 - r)), n_in, n_out, kc, rs, vec_x, smem);
+}
+
+template <class S, class W, int NB, class K>
+void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int n, int64_t n_in,
+               int64_t n_out, const int32_t* start, int64_t E, int64_t R) {
+  constexpr int64_t super = int64_t(kTcStep<W>) * K::kWarps * K::kDepth;  // a chunk: whole rounds of every warp
+  const int64_t fit = std::max<int64_t>(super, int64_t(kTcSmemBudget / (2 * size_t(n))) / super * super);
+  const int64_t kc = std::min<int64_t>(fit, std::max<int64_t>(super, (n_in + super - 1) / super * super));
+  const int64_t rs = (std::min<int64_t>(kc, std::max<int64_t>(n_in, 1)) + 63) / 64 * 64 + kTcPad<W>;
+  const size_t red = sizeof(float) * size_t(K::kWarps) * K::kMt * (NB / 8) * 128;
+  const size_t smem = std::max<size_t>(64 + 2 * size_t(n) * size_t(rs), red);
+  const bool vec = n_in % kGroup<W> == 0 && aligned16(q);  // every row and expert starts 16-byte aligned
+  const bool vec_x = n_in % 8 == 0 && aligned16(in);       // every x row too
+  const dim3 grid(unsigned((n_out + 16 * K::kMt - 1) / (16 * K::kMt)), start ? unsigned(std::min(E, R)) : 1u);
+  auto go = [&](auto kernel) {
+    launch(kernel, grid, K::kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, int(kc), int(rs),
+           vec_x, start, int(E));
+  };
+  if (vec) go(k_gemv_tc<S, W, NB, K, true>);
+  else go(k_gemv_tc<S, W, NB, K, false>);
+}
+
+// The n bucket's launch with knobs K (TcAuto: by shape, see TcWide).
+template <class S, class W, int NB, class K>
+void launch_knobs(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int n, int64_t n_in,
+                  int64_t n_out, const int32_t* start, int64_t E, int64_t R) {
+  if constexpr (!std::is_same_v<K, TcAuto>)
+    launch_tc<S, W, NB, K>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else if (start || n_out >= 12288) launch_tc<S, W, NB, TcWide>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else if (n <= 4) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else launch_tc<S, W, NB, TcNarrowMany>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+}
+
+// The tensor-core GEMV, arguments as gemv_simt's; S bf16 or fp16, W int8, fp8 or S. K: TcKnobs or TcAuto, a template
+// parameter so that benchmarks can sweep it.
+template <class S, class W, class K = TcAuto>
+void gemv_tc(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
+             int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
+  static_assert(kTcOk<S, W>, "wgemv::gemv_tc: 16-bit activations, weights int8, fp8 or the activation type");
+  const int m = int(n);
+  if (m <= 8) launch_knobs<S, W, 8, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
+  else launch_knobs<S, W, 16, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
+}
+
+// The GEMV for n <= kMaxN rows of in (experts: up to n rows per expert and pass, start[E+1] on the device, R rows in
+// all, E <= 65535). W: int8_t or __nv_fp8_e4m3 with its scale, or S (scale null, unread). 16-bit activations take
+// the tensor cores, fp32 ones the CUDA cores.
+template <class S, class W>
+void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
+          int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
+  if constexpr (kTcOk<S, W>) gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else gemv_simt<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
 }
 
 }  // namespace q3vl::dev::cuda::wgemv

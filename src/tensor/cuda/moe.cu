@@ -250,6 +250,61 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
   }
 }
 
+// Decode-sized plans (R <= kPlanOneBlockR pairs, counts fitting kPlanSmem): the three passes in one block, so a
+// decode layer launches one kernel, not three (at one row the three took 10 us a layer on an H200, the launches'
+// latency). Chunks of 32 pairs, one warp step each: counts per (chunk, expert) in shared memory, then each expert's
+// chunk offsets (experts in order, chunks in order inside an expert), then every pair placed by its warp rank. The
+// same stable order as the three-pass plan and the sequential reference.
+constexpr int kPlanOneBlockR = 2048;
+constexpr size_t kPlanSmem = 48 << 10;
+
+__global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restrict__ idx, int R, int E,
+                                                         int32_t* __restrict__ start, int32_t* __restrict__ rows,
+                                                         int32_t* __restrict__ pos) {
+  extern __shared__ int32_t cnt[];  // [nch][E], then base[E]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, nch = (R + 31) / 32;
+  int32_t* base = cnt + nch * E;
+  for (int i = threadIdx.x; i < nch * E; i += blockDim.x) cnt[i] = 0;
+  __syncthreads();
+  for (int c = warp; c < nch; c += warps) {
+    const int r = c * 32 + lane;
+    const int32_t e = r < R ? idx[r] : -1;
+    const unsigned peers = __match_any_sync(kFull, e);
+    if (e >= 0 && lane == __ffs(peers) - 1) cnt[c * E + e] = __popc(peers);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // chunk offsets inside each expert; its total in base
+    int32_t t = 0;
+    for (int c = 0; c < nch; ++c) {
+      const int32_t n = cnt[c * E + e];
+      cnt[c * E + e] = t;
+      t += n;
+    }
+    base[e] = t;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // experts' first slots (E <= kMaxExperts: a short serial scan)
+    int32_t s = 0;
+    for (int e = 0; e < E; ++e) {
+      const int32_t t = base[e];
+      start[e] = base[e] = s;
+      s += t;
+    }
+    start[E] = s;
+  }
+  __syncthreads();
+  for (int c = warp; c < nch; c += warps) {
+    const int r = c * 32 + lane;
+    const int32_t e = r < R ? idx[r] : -1;
+    const unsigned peers = __match_any_sync(kFull, e);
+    if (e >= 0) {
+      const int32_t j = base[e] + cnt[c * E + e] + __popc(peers & ((1u << lane) - 1u));
+      rows[j] = r;
+      pos[r] = j;
+    }
+  }
+}
+
 // ---- grouped expert GEMM --------------------------------------------------------------------------------------------
 // C = op(A) op(B) per expert, one launch. Modes:
 //   FWD: y[s+m, n]  = sum_k xg[s+m, k] W[e][n, k]      (M = bucket rows, N = n_out, K = n_in; overwrite)
@@ -720,6 +775,12 @@ void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E
   const int64_t R = N * k;
   if (R <= 0) {
     Q3VL_CU(cudaMemsetAsync(start, 0, size_t(E + 1) * sizeof(int32_t), s));
+    return;
+  }
+  const size_t one_block_smem = (size_t((R + 31) / 32) + 1) * size_t(E) * sizeof(int32_t);
+  if (R <= kPlanOneBlockR && one_block_smem <= kPlanSmem) {
+    k_plan_one_block<<<1, 1024, one_block_smem, s>>>(idx, int(R), int(E), start, rows, pos);
+    Q3VL_LAUNCHED();
     return;
   }
   const int64_t nchunks = (R + kChunk - 1) / kChunk;

@@ -12,7 +12,10 @@
 //  - Keys come through the block table: the tile's pool rows are looked up once per tile into shared memory.
 // Both: split-K (flash-decoding): when one tile of items covers every segment's new rows (decode, max_q * nh/nkv small)
 //    and the grid would not fill the GPU, each segment's keys are split over up to 64 blocks; each writes its
-//    unnormalised output row, running max and sum to Exec::ws, and a second kernel combines them.
+//    unnormalised output row, running max and sum to Exec::ws, and a second kernel combines them. The host sizes the
+//    grid from max_ctx, an upper bound (a decode step captured as a CUDA graph passes the block table's capacity); each
+//    segment's split length comes from its own context on the device (split_chunk), so a short context uses a few
+//    splits and the rest return at once, and the combine reads only the splits that ran.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,6 +34,17 @@ constexpr int kThreads = 256;  // per block
 constexpr int kBN = 32;        // keys per tile
 constexpr int kSplitMin = 256; // keys per split at least
 constexpr int kMaxSplit = 64;
+
+// Keys a split of a segment with C keys covers: an even share of C over nsplit splits, whole tiles of bn keys, at least
+// min_keys; splits from ceil(C / chunk) on have no keys (splits_used: how many have).
+__device__ __forceinline__ int split_chunk(int C, int nsplit, int bn, int min_keys) {
+  const int c = max((C + nsplit - 1) / nsplit, min_keys);
+  return (c + bn - 1) / bn * bn;
+}
+__device__ __forceinline__ int splits_used(int C, int nsplit, int bn, int min_keys) {
+  const int c = split_chunk(C, nsplit, bn, min_keys);
+  return max(1, min(nsplit, (C + c - 1) / c));
+}
 
 // W consecutive values of row g (element offset c) into fp32 smem, times mul; W = 8 with 16-byte loads (vec), else 1.
 template <class S>
@@ -85,8 +99,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool live = i < n;
   const int p = live ? C - n + i : -1;  // the item's position: keys [0, p]
   const int kend_tile = C - n + (min(it0 + BM, n * G) - 1) / G + 1;
-  int chunk = (C + nsplit - 1) / nsplit;
-  chunk = (chunk + kBN - 1) / kBN * kBN;
+  const int chunk = nsplit == 1 ? C : split_chunk(C, nsplit, kBN, kSplitMin);
+  if (sp > 0 && sp >= splits_used(C, nsplit, kBN, kSplitMin)) return;  // no keys: the combine skips it
   const int kbeg = sp * chunk, kend = min(kbeg + chunk, kend_tile);
 
   const int W = vec ? 8 : 1, nch = hd / W;
@@ -181,22 +195,25 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Combines the splits: one warp per (row, head) of rows [cu[0], cu[nseg]); out = sum_s w_s acc_s / sum_s w_s l_s with
-// w_s = 2^(m_s - max m).
+// Combines the splits: blockIdx.x the segment, a warp per (row, head) of its rows; out = sum_s w_s acc_s / sum_s w_s l_s
+// with w_s = 2^(m_s - max m), over the splits that ran (splits_used of the segment's context, as the attention kernel
+// sized them with bn and min_keys).
 template <class S>
 __global__ void paged_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                              S* __restrict__ out, const int32_t* __restrict__ cu, int nseg, int64_t rows_total,
-                              int nh, int nsplit, int hd) {
-  const int lane = threadIdx.x & 31;
-  const int64_t nw = (int64_t(gridDim.x) * blockDim.x) >> 5;
-  const int64_t lo = int64_t(cu[0]) * nh, hi = int64_t(cu[nseg]) * nh;
-  for (int64_t rw = lo + ((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5); rw < hi; rw += nw) {
+                              S* __restrict__ out, const int32_t* __restrict__ cu, const int32_t* __restrict__ ctx,
+                              int64_t rows_total, int nh, int nsplit, int hd, int bn, int min_keys) {
+  const int seg = blockIdx.x, lane = threadIdx.x & 31, nw = (blockDim.x >> 5) * gridDim.y;
+  const int ns = splits_used(ctx[seg], nsplit, bn, min_keys);
+  const int64_t lo = int64_t(cu[seg]) * nh, hi = int64_t(cu[seg + 1]) * nh;
+  for (int64_t rw = lo + blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5); rw < hi; rw += nw) {
     float M = kNegInf;
-    for (int s = 0; s < nsplit; ++s) M = fmaxf(M, part_ml[(int64_t(s) * rows_total + rw) * 2]);
+#pragma unroll 4
+    for (int s = 0; s < ns; ++s) M = fmaxf(M, part_ml[(int64_t(s) * rows_total + rw) * 2]);
     float L = 0.f, o[8];
 #pragma unroll
     for (int c = 0; c < 8; ++c) o[c] = 0.f;
-    for (int s = 0; s < nsplit; ++s) {
+#pragma unroll 4
+    for (int s = 0; s < ns; ++s) {
       const int64_t pr = int64_t(s) * rows_total + rw;
       const float ms = part_ml[pr * 2];
       const float w = ms == kNegInf ? 0.f : exp2f(ms - M);
@@ -241,13 +258,14 @@ __device__ __forceinline__ void kv_issue(S* sK, S* sV, const int* rows, const S*
   }
 }
 
-// Split sp of nsplit covers keys [sp*chunk, (sp+1)*chunk); nsplit == 1: chunk covers every key. Outputs as paged_fwd.
+// Split sp of nsplit covers keys [sp*chunk, (sp+1)*chunk) with chunk = split_chunk(context, nsplit, BN, min_keys);
+// nsplit == 1: every key. Outputs as paged_fwd.
 template <class S, int HD, int MT, int NW, int BN, int ST>
 __global__ void __launch_bounds__(32 * NW)
     paged_tc(const S* __restrict__ q, const S* __restrict__ kp, const S* __restrict__ vp, S* __restrict__ out,
              float* __restrict__ part_acc, float* __restrict__ part_ml, const int32_t* __restrict__ cu,
              const int32_t* __restrict__ ctx, const int32_t* __restrict__ table, int64_t max_blocks, int block,
-             int nsplit, int chunk, int64_t rows_total, int nh, int nkv, float sl2) {
+             int nsplit, int min_keys, int64_t rows_total, int nh, int nkv, float sl2) {
   constexpr int NT = 32 * NW, LD = HD + 8, NCH = HD / 8, BM = 16 * MT * NW, WR = 16 * MT;
   static_assert(NT >= BN && NT % NCH == 0 && BN * NCH % NT == 0 && BM * NCH % NT == 0 && ST >= 2, "tile shape");
   extern __shared__ __align__(16) unsigned char smraw[];
@@ -260,6 +278,8 @@ __global__ void __launch_bounds__(32 * NW)
   const int r0 = cu[seg], n = cu[seg + 1] - r0, items = n * G, base = ctx[seg] - n;  // base: new row 0's position
   const int it0 = (gridDim.x - 1 - blockIdx.x) * BM;  // heaviest (latest rows) tiles first
   if (it0 >= items) return;
+  const int C = ctx[seg], chunk = nsplit == 1 ? C : split_chunk(C, nsplit, BN, min_keys);
+  if (sp > 0 && sp >= splits_used(C, nsplit, BN, min_keys)) return;  // no keys: the combine skips it
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int kbeg = sp * chunk;
   const int kend = min(kbeg + chunk, base + (min(it0 + BM, items) - 1) / G + 1);  // causal: the last item's keys
@@ -460,9 +480,14 @@ int sm_count() {
 }
 
 template <class S>
-void combine(cudaStream_t st, const float* part_acc, const float* part_ml, const PagedArgs& a, int nsplit) {
-  launch(paged_combine<S>, dim3(grid_for(a.N * a.nh * 32)), 256, 0, st, part_acc, part_ml, static_cast<S*>(a.out),
-         a.cu, int(a.nseg), a.N * a.nh, int(a.nh), nsplit, int(a.hd));
+void combine(cudaStream_t st, const float* part_acc, const float* part_ml, const PagedArgs& a, int nsplit, int bn,
+             int64_t min_keys) {
+  // a warp per (row, head) of a segment, 8 a block: one block per segment was one SM's worth of loads for a long
+  // context's partial rows (1 x 4096 keys: 53 us against 47 with the combine spread over SMs)
+  const int64_t warps = a.max_q * a.nh;
+  const dim3 grid(unsigned(a.nseg), unsigned(std::min<int64_t>((warps + 7) / 8, 65535)));
+  launch(paged_combine<S>, grid, 256, 0, st, part_acc, part_ml, static_cast<S*>(a.out), a.cu,
+         a.ctx, a.N * a.nh, int(a.nh), nsplit, int(a.hd), bn, int(min_keys));
 }
 
 // The tensor-core kernel at one tile shape. Decode-sized calls (one tile of items a segment) split the keys so
@@ -471,17 +496,14 @@ template <class S, int HD, int MT, int NW, int BN, int ST>
 void run_tc(const Exec& x, const PagedArgs& a, int waves, int64_t min_keys) {
   const cudaStream_t st = stream_of(x);
   const int64_t G = a.nh / a.nkv, bm = 16 * MT * NW, tiles = (a.max_q * G + bm - 1) / bm;
-  int nsplit = tiles == 1 ? split_count(x, a, a.nkv * a.nseg, int64_t(waves) * sm_count(), min_keys) : 1;
-  // whole tiles a split; the rounding can leave the last splits empty: drop them
-  const int64_t chunk = nsplit == 1 ? a.max_ctx : ((a.max_ctx + nsplit - 1) / nsplit + BN - 1) / BN * BN;
-  nsplit = int((a.max_ctx + chunk - 1) / chunk);
+  const int nsplit = tiles == 1 ? split_count(x, a, a.nkv * a.nseg, int64_t(waves) * sm_count(), min_keys) : 1;
   float* part_acc = static_cast<float*>(x.ws);
   float* part_ml = nsplit > 1 ? part_acc + size_t(nsplit) * size_t(a.N * a.nh) * size_t(HD) : nullptr;
   launch(paged_tc<S, HD, MT, NW, BN, ST>, dim3(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit)), 32 * NW,
          paged_tc_smem<MT, NW, BN, ST>(HD, sizeof(S)), st, static_cast<const S*>(a.q), static_cast<const S*>(a.k),
          static_cast<const S*>(a.v), static_cast<S*>(a.out), part_acc, part_ml, a.cu, a.ctx, a.table, a.max_blocks,
-         int(a.block), nsplit, int(chunk), a.N * a.nh, int(a.nh), int(a.nkv), a.scale * kLog2e);
-  if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit);
+         int(a.block), nsplit, int(min_keys), a.N * a.nh, int(a.nh), int(a.nkv), a.scale * kLog2e);
+  if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit, BN, min_keys);
 }
 // Decode (the items of every segment fit one m-tile of 16: G heads of one row, or a few rows): one-warp blocks,
 // 32-key tiles, 4 stages (three tiles in flight while one is used: a decode block has little math to hide latency
@@ -522,7 +544,7 @@ void run_simt(const Exec& x, const PagedArgs& a, DType dt) {
     if (tpi == 32) run.template operator()<32>();
     else if (tpi == 8) run.template operator()<8>();
     else run.template operator()<4>();
-    if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit);
+    if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit, kBN, kSplitMin);
   });
 }
 
@@ -557,8 +579,8 @@ bool paged_attention_path(const Exec& x, bool tc, const void* q, const void* k_p
 
 void paged_attention_fwd(const Exec& x, const void* q, const void* k_pool, const void* v_pool, void* out,
                          const int32_t* cu, const int32_t* ctx, const int32_t* table, int64_t max_blocks,
-                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t N, int64_t nh,
-                         int64_t nkv, int64_t hd, float scale, DType dt) {
+                         int64_t block, int64_t nseg, int64_t max_q, int64_t max_ctx, int64_t /*keys*/, int64_t N,
+                         int64_t nh, int64_t nkv, int64_t hd, float scale, DType dt) {
   paged_attention_path(x, true, q, k_pool, v_pool, out, cu, ctx, table, max_blocks, block, nseg,
                        max_q, max_ctx, N, nh, nkv, hd, scale, dt);
 }
