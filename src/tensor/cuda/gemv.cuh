@@ -596,6 +596,9 @@ void launch_knobs(const Exec& x, const S* in, const W* q, const float* scale, co
                   int64_t n_out, const int32_t* start, int64_t E, int64_t R) {
   if constexpr (!std::is_same_v<K, TcAuto>)
     launch_tc<S, W, NB, K>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  // experts at one stream (n <= 8 a pass) keep the knobs call 1 served the 30B-A3B with: gemv_bench stopped on an
+  // illegal address in the bf16 experts' 8-row case before naming the knob set (docs/PERFORMANCE.md, ninth session)
+  else if (start && NB == 8) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
   else if (start || n_out >= 12288) launch_tc<S, W, NB, TcWide>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
   else if (n <= 4) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
   else launch_tc<S, W, NB, TcNarrowMany>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
