@@ -406,65 +406,98 @@ __device__ __forceinline__ void tc_step(float (&acc)[MT][NB / 8][4], const uint4
   }
 }
 
+// One 8-element vector of x row src at column c (zeros at and past len).
+template <class S>
+__device__ __forceinline__ uint4 x_vec(const S* __restrict__ src, int c, int len, bool vec_x) {
+  if (vec_x && c + 8 <= len) return __ldg(reinterpret_cast<const uint4*>(src + c));
+  const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+  uint32_t e[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (c + k < len) e[k / 2] |= uint32_t(s16[c + k]) << (16 * (k % 2));
+  return make_uint4(e[0], e[1], e[2], e[3]);
+}
+
+constexpr int kTcStageLoads = 4;  // x vectors a lane has in flight while staging
+
 // Stages x[0..n-1][k0 .. k0+len) into xs (row j at j rs halves, as the mma type; zeros from len to the end of the
-// last warp step) and xmul[j] = 2^e_j, the factor that undoes row j's scaling. A warp per x row.
+// last warp step) and xmul[j] = 2^e_j, the factor that undoes row j's scaling. Every warp takes part, also for one
+// row: gw = WARPS / n warps a row (at least one), each lane keeping kTcStageLoads 16-byte loads in flight, so that
+// staging costs a few L2 round trips, not one a vector (one warp staging a 12288-column row alone took ~10 us, a
+// third of the 8B's fp8 down_proj). wmax: 32 words, the warps' partial max |x| of each row.
 template <class S, class W, int WARPS>
 __device__ __forceinline__ void tc_stage(const S* __restrict__ in, int n, int64_t n_in, int64_t k0, int len,
-                                         bool vec_x, uint16_t* xs, int rs, float* xmul) {
+                                         bool vec_x, uint16_t* xs, int rs, float* xmul, uint32_t* wmax) {
+  constexpr int U = kTcStageLoads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = (len + kTcStep<W> - 1) / kTcStep<W> * kTcStep<W> / 8;  // 8-element vectors
-  for (int j = warp; j < n; j += WARPS) {
-    const S* src = in + int64_t(j) * n_in + k0;
-    uint16_t* dst = xs + j * rs;
-    uint32_t mx = 0;  // max |x| as bf16 bits, per half
-    for (int v = lane; v < nv; v += 32) {
-      const int c = 8 * v;
-      uint4 u;
-      if (vec_x && c + 8 <= len) {
-        u = __ldg(reinterpret_cast<const uint4*>(src + c));
-      } else {
-        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
-        uint32_t e[4] = {0, 0, 0, 0};
+  const int gw = max(1, WARPS / n), par = WARPS / gw;                    // warps a row, rows at once
+  const int wg = warp / gw, wi = warp % gw, step = 32 * gw;
+  if (wg < par) {
+    for (int j = wg; j < n; j += par) {
+      const S* src = in + int64_t(j) * n_in + k0;
+      uint16_t* dst = xs + j * rs;
+      uint32_t mx = 0;  // max |x| as bf16 bits, per half
+      for (int v0 = wi * 32 + lane; v0 < nv; v0 += U * step) {
+        uint4 u[U];
 #pragma unroll
-        for (int k = 0; k < 8; ++k)
-          if (c + k < len) e[k / 2] |= uint32_t(s16[c + k]) << (16 * (k % 2));
-        u = make_uint4(e[0], e[1], e[2], e[3]);
+        for (int q = 0; q < U; ++q) {
+          const int v = v0 + q * step;
+          u[q] = v < nv ? x_vec(src, 8 * v, len, vec_x) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int q = 0; q < U; ++q) {
+          const int v = v0 + q * step;
+          if (v >= nv) break;
+          if constexpr (kTcRescale<S, W>) {
+            mx = __vmaxu2(mx, u[q].x & 0x7fff7fffu), mx = __vmaxu2(mx, u[q].y & 0x7fff7fffu);
+            mx = __vmaxu2(mx, u[q].z & 0x7fff7fffu), mx = __vmaxu2(mx, u[q].w & 0x7fff7fffu);
+          }
+          *reinterpret_cast<uint4*>(dst + 8 * v) = u[q];
+        }
       }
       if constexpr (kTcRescale<S, W>) {
-        mx = __vmaxu2(mx, u.x & 0x7fff7fffu), mx = __vmaxu2(mx, u.y & 0x7fff7fffu);
-        mx = __vmaxu2(mx, u.z & 0x7fff7fffu), mx = __vmaxu2(mx, u.w & 0x7fff7fffu);
-      }
-      *reinterpret_cast<uint4*>(dst + c) = u;
-    }
-    if constexpr (kTcRescale<S, W>) {
-      mx = max(mx & 0xffffu, mx >> 16);
+        mx = max(mx & 0xffffu, mx >> 16);
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      // max|x| in [2^(b-127), 2^(b-126)) for biased exponent b: e = b - 140 puts it in [2^13, 2^14). Zero, Inf or
-      // NaN: e = 0 (Inf/NaN propagate as they would). Clamped so that 2^-e and 2^e are normal floats.
-      const int b = int(mx >> 7);
-      const int e = (mx == 0 || mx >= 0x7f80u) ? 0 : max(max(b, 1) - 140, -100);
-      const float down = __int_as_float((127 - e) << 23);
-      for (int v = lane; v < nv; v += 32) {  // the lane's own vectors: no other lane touched them
-        uint4 u = *reinterpret_cast<uint4*>(dst + 8 * v);
-        uint32_t* pw = &u.x;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const __half2 h = __floats2half2_rn(__uint_as_float(pw[k] << 16) * down,
-                                              __uint_as_float(pw[k] & 0xffff0000u) * down);
-          pw[k] = *reinterpret_cast<const uint32_t*>(&h);
-        }
-        *reinterpret_cast<uint4*>(dst + 8 * v) = u;
+        for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (lane == 0) wmax[j * gw + wi] = mx;  // j gw + wi < max(n, WARPS) <= 32
       }
-      if (lane == 0) xmul[j] = __int_as_float((127 + e) << 23);
-    } else if (lane == 0) {
-      xmul[j] = 1.f;
     }
+  }
+  if constexpr (!kTcRescale<S, W>) {
+    if (threadIdx.x < n) xmul[threadIdx.x] = 1.f;
+    return;
+  }
+  __syncthreads();  // every row's partial maxima and vectors are in
+  if (wg >= par) return;
+  for (int j = wg; j < n; j += par) {
+    uint32_t mx = 0;
+    for (int i = 0; i < gw; ++i) mx = max(mx, wmax[j * gw + i]);
+    // max|x| in [2^(b-127), 2^(b-126)) for biased exponent b: e = b - 140 puts it in [2^13, 2^14). Zero, Inf or
+    // NaN: e = 0 (Inf/NaN propagate as they would). Clamped so that 2^-e and 2^e are normal floats.
+    const int b = int(mx >> 7);
+    const int e = (mx == 0 || mx >= 0x7f80u) ? 0 : max(max(b, 1) - 140, -100);
+    const float down = __int_as_float((127 - e) << 23);
+    uint16_t* dst = xs + j * rs;
+    for (int v = wi * 32 + lane; v < nv; v += step) {  // the lane's own vectors: no other lane touched them
+      uint4 u = *reinterpret_cast<uint4*>(dst + 8 * v);
+      uint32_t* pw = &u.x;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __half2 h = __floats2half2_rn(__uint_as_float(pw[k] << 16) * down,
+                                            __uint_as_float(pw[k] & 0xffff0000u) * down);
+        pw[k] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+      *reinterpret_cast<uint4*>(dst + 8 * v) = u;
+    }
+    if (wi == 0 && lane == 0) xmul[j] = __int_as_float((127 + e) << 23);
   }
 }
 
+constexpr int kTcHeader = 64 + 128;  // smem before the staged x: xmul (16 floats), wmax (32 words)
+
 // One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of in. smem: xmul (16 floats),
-// then staged x (n rows of rs halves, kc columns a chunk); the warps' partial sums reuse it at the end. The block
+// wmax (32 words), then staged x (n rows of rs halves, kc columns a chunk); the warps' partial sums reuse it at the end. The block
 // synchronizes before it stages, so it may be called again on other rows (experts).
 template <class S, class W, int NB, class K, bool VEC>
 __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const W* __restrict__ q,
@@ -472,7 +505,8 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const W* __res
                                         int n, int64_t n_in, int64_t n_out, int kc, int rs, bool vec_x, char* smem) {
   constexpr int NT = NB / 8, MT = K::kMt, WARPS = K::kWarps, D = K::kDepth, G = kGroup<W>, STEP = kTcStep<W>;
   float* xmul = reinterpret_cast<float*>(smem);
-  uint16_t* xs = reinterpret_cast<uint16_t*>(smem + 64);
+  uint32_t* wmax = reinterpret_cast<uint32_t*>(smem + 64);
+  uint16_t* xs = reinterpret_cast<uint16_t*>(smem + kTcHeader);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t row0 = int64_t(blockIdx.x) * (16 * MT);
 
@@ -499,7 +533,7 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const W* __res
   for (int64_t k0 = 0; k0 < n_in; k0 += kc, i_base += per_chunk) {
     const int len = int(std::min<int64_t>(kc, n_in - k0));
     __syncthreads();  // the previous chunk (or rows, or partial sums) consumed
-    tc_stage<S, W, WARPS>(in, n, n_in, k0, len, vec_x, xs, rs, xmul);
+    tc_stage<S, W, WARPS>(in, n, n_in, k0, len, vec_x, xs, rs, xmul, wmax);
     __syncthreads();
     float part[MT][NT][4];
 #pragma unroll
@@ -578,7 +612,7 @@ void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const
   const int64_t kc = std::min<int64_t>(fit, std::max<int64_t>(super, (n_in + super - 1) / super * super));
   const int64_t rs = (std::min<int64_t>(kc, std::max<int64_t>(n_in, 1)) + 63) / 64 * 64 + kTcPad<W>;
   const size_t red = sizeof(float) * size_t(K::kWarps) * K::kMt * (NB / 8) * 128;
-  const size_t smem = std::max<size_t>(64 + 2 * size_t(n) * size_t(rs), red);
+  const size_t smem = std::max<size_t>(kTcHeader + 2 * size_t(n) * size_t(rs), red);
   const bool vec = n_in % kGroup<W> == 0 && aligned16(q);  // every row and expert starts 16-byte aligned
   const bool vec_x = n_in % 8 == 0 && aligned16(in);       // every x row too
   const dim3 grid(unsigned((n_out + 16 * K::kMt - 1) / (16 * K::kMt)), start ? unsigned(std::min(E, R)) : 1u);
@@ -596,9 +630,6 @@ void launch_knobs(const Exec& x, const S* in, const W* q, const float* scale, co
                   int64_t n_out, const int32_t* start, int64_t E, int64_t R) {
   if constexpr (!std::is_same_v<K, TcAuto>)
     launch_tc<S, W, NB, K>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  // experts at one stream (n <= 8 a pass) keep the knobs call 1 served the 30B-A3B with: gemv_bench stopped on an
-  // illegal address in the bf16 experts' 8-row case before naming the knob set (docs/PERFORMANCE.md, ninth session)
-  else if (start && NB == 8) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
   else if (start || n_out >= 12288) launch_tc<S, W, NB, TcWide>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
   else if (n <= 4) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
   else launch_tc<S, W, NB, TcNarrowMany>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
