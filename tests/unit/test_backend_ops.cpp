@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -342,12 +343,12 @@ std::vector<Case> all_cases(DType dt) {
 
   // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
   // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
-  // n_out 40 and 37 (row tiles of 16 cut short). "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x
+  // n_out 40 and 37 (row tiles of 16 cut short), 4104 (past 4096: the 4-warp knobs, gemv.cuh's launch_knobs). "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x
   // enters the f16 mmas scaled by a power of two per row: no overflow, no clipping), and the last row all tiny; fp16
   // x takes 1e3 (3e4 overflowed y itself, fp16 too).
   for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
     for (int64_t N : {1, 3, 8, 9, 16})
-      for (auto [I, O] : {std::pair<int64_t, int64_t>{4136, 40}, {72, 37}, {1001, 37}})
+      for (auto [I, O] : {std::pair<int64_t, int64_t>{4136, 40}, {72, 37}, {1001, 37}, {72, 4104}})
         for (bool wide : {false, true}) {
           std::vector<uint8_t> q8;
           std::vector<float> sc;
@@ -794,6 +795,17 @@ std::vector<Case> all_cases(DType dt) {
           dev::adamw(x, P<float>(p, 0), P<float>(p, 1), P<float>(p, 2), P<float>(p, 3), n, 0.9, 0.95, 1e-8, 3e-4, 0.1,
                      0.5, 7);
         });
+    // Shards at any offset: 16-byte loads from the first element where all four arrays are aligned (offsets 1: three
+    // elements ahead), one element at a time when they are aligned differently (0 1 2 3); the first elements untouched.
+    if (n > 1000)
+      for (const std::array<int64_t, 4> o : {std::array<int64_t, 4>{1, 1, 1, 1}, {0, 1, 2, 3}})
+        add("adamw", dims({n - 3}) + " at " + dims({o[0], o[1], o[2], o[3]}), kElem,
+            {out("p", K::F32, randn(n)), in("g", K::F32, randn(n)), out("m", K::F32, randn(n, 0.1)),
+             out("v", K::F32, randu(n, 0, 0.1))},
+            [=](auto& x, auto& p, DType) {
+              dev::adamw(x, P<float>(p, 0) + o[0], P<float>(p, 1) + o[1], P<float>(p, 2) + o[2], P<float>(p, 3) + o[3],
+                         n - 3, 0.9, 0.95, 1e-8, 3e-4, 0.1, 0.5, 7);
+            });
     auto a = randn(n);
     if (n > 1) a[n / 2] = INFINITY;
     add("sum_squares", dims({n}), kReduce,

@@ -328,15 +328,17 @@ template <int WARPS, int MT, int DEPTH> struct TcKnobs {
   static constexpr int kWarps = WARPS, kMt = MT, kDepth = DEPTH;
 };
 struct TcAuto {};  // the default knobs by shape (launch_knobs)
-// The knobs by shape (TcAuto), from tools/gpu/gemv_bench on an H200 (2026-12-03, docs/PERFORMANCE.md): experts and
-// wide matrices (n_out >= 12288: gate_up, the LM head) take 4 warps and two row tiles a block, loads 2 deep (enough
-// blocks either way; two tiles amortize the staged x); narrower ones (the 8B's qkv, o_proj, down at 128-384 blocks of
-// 32 rows) take one row tile, loads 4 deep, up to 4 x rows, else 8 warps splitting K with two tiles (down at 8-16
-// rows: 34 against 46-80 us). The kernels take ~168 registers (ptxas, CUDA 13: capping them at 128 for two 8-warp
-// blocks an SM spills), so 8-warp blocks run one an SM, 4-warp ones three.
+// The knobs by shape (TcAuto), from tools/gpu/gemv_bench on an H200 (2026-12-03, tenth session's call 1,
+// docs/PERFORMANCE.md): experts and wide matrices (n_out >= 12288: gate_up, the LM head) take 4 warps and two row
+// tiles a block, loads 2 deep (enough blocks either way; two tiles amortize the staged x). Narrower matrices have
+// fewer row tiles than the GPU has warp slots: up to 6144 rows (the 8B's qkv) 4 warps with one tile and loads 4 deep
+// up to 8 x rows; up to 4096 rows (o_proj, down) 8 warps splitting K, one tile 4 deep up to 8 x rows (fp8 down at one
+// row 21.5 us against 26.4 with 4 warps), else two tiles 2 deep. The kernels take ~168 registers (ptxas, CUDA 13:
+// capping them at 128 for two 8-warp blocks an SM spills), so 8-warp blocks run one an SM, 4-warp ones three.
 using TcWide = TcKnobs<4, 2, 2>;
 using TcNarrowFew = TcKnobs<4, 1, 4>;
 using TcNarrowMany = TcKnobs<8, 2, 2>;
+using TcSmallFew = TcKnobs<8, 1, 4>;
 
 constexpr size_t kTcSmemBudget = 64 << 10;  // staged x per block: three blocks a Hopper SM at n 16
 
@@ -631,8 +633,10 @@ void launch_knobs(const Exec& x, const S* in, const W* q, const float* scale, co
   if constexpr (!std::is_same_v<K, TcAuto>)
     launch_tc<S, W, NB, K>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
   else if (start || n_out >= 12288) launch_tc<S, W, NB, TcWide>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  else if (n <= 4) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  else launch_tc<S, W, NB, TcNarrowMany>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else if (n_out <= 4096 && n <= 8) launch_tc<S, W, NB, TcSmallFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else if (n_out <= 4096) launch_tc<S, W, NB, TcNarrowMany>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else if (n <= 8) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+  else launch_tc<S, W, NB, TcWide>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
 }
 
 // The tensor-core GEMV, arguments as gemv_simt's; S bf16 or fp16, W int8, fp8 or S. K: TcKnobs or TcAuto, a template

@@ -11,17 +11,36 @@ namespace {
 // dev::adamw's CPU reference (src/tensor/dev_cpu.cpp) element for element: the constants come from the host in the same double
 // arithmetic, and the explicit _rn intrinsics keep nvcc from fusing into FMAs, so the result is bitwise the
 // reference's (which the host compiler builds without FMA contraction on plain x86-64).
+struct AdamWConst {
+  float b1, omb1, b2, omb2, step, sqrt_bc2, eps, decay, gs;
+};
+__device__ __forceinline__ void adamw_el(float& p, float g, float& m, float& v, const AdamWConst& c) {
+  const float gi = __fmul_rn(g, c.gs);
+  m = __fadd_rn(__fmul_rn(c.b1, m), __fmul_rn(c.omb1, gi));
+  v = __fadd_rn(__fmul_rn(c.b2, v), __fmul_rn(__fmul_rn(c.omb2, gi), gi));
+  const float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.sqrt_bc2), c.eps);
+  p = __fsub_rn(__fmul_rn(p, c.decay), __fdiv_rn(__fmul_rn(c.step, m), den));
+}
+// Elements [head, head + 4 nv) as float4 (16-byte loads: the four arrays equally aligned there), the head and the
+// tail past them one at a time. Scalar loads left the 30B-A3B's optimizer pass at 2.1 TB/s.
 __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                        float* __restrict__ v, int64_t n, float b1, float omb1, float b2, float omb2, float step,
-                        float sqrt_bc2, float eps, float decay, float gs) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float gi = __fmul_rn(g[i], gs);
-    const float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(omb1, gi));
-    const float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(omb2, gi), gi));
-    m[i] = mi;
-    v[i] = vi;
-    const float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), sqrt_bc2), eps);
-    p[i] = __fsub_rn(__fmul_rn(p[i], decay), __fdiv_rn(__fmul_rn(step, mi), den));
+                        float* __restrict__ v, int64_t n, int64_t head, AdamWConst c) {
+  const int64_t nv = (n - head) / 4, t0 = head + 4 * nv;
+  const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  float4* p4 = reinterpret_cast<float4*>(p + head);
+  const float4* g4 = reinterpret_cast<const float4*>(g + head);
+  float4* m4 = reinterpret_cast<float4*>(m + head);
+  float4* v4 = reinterpret_cast<float4*>(v + head);
+  for (int64_t i = id; i < nv; i += stride) {
+    float4 P = p4[i], M = m4[i], V = v4[i];
+    const float4 G = __ldcs(g4 + i);
+    adamw_el(P.x, G.x, M.x, V.x, c), adamw_el(P.y, G.y, M.y, V.y, c);
+    adamw_el(P.z, G.z, M.z, V.z, c), adamw_el(P.w, G.w, M.w, V.w, c);
+    p4[i] = P, m4[i] = M, v4[i] = V;
+  }
+  for (int64_t j = id; j < head + (n - t0); j += stride) {  // the head's elements, then the tail's
+    const int64_t i = j < head ? j : t0 + (j - head);
+    adamw_el(p[i], g[i], m[i], v[i], c);
   }
 }
 
@@ -89,8 +108,13 @@ void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t 
   const float b1 = float(beta1), b2 = float(beta2), gs = float(gscale);
   const float step = float(lr / bc1), sqrt_bc2 = float(std::sqrt(bc2)), e = float(eps);
   const float decay = float(1.0 - lr * weight_decay);
-  k_adamw<<<grid_for(n), 256, 0, stream_of(x)>>>(p, g, m, v, n, b1, 1.f - b1, b2, 1.f - b2, step, sqrt_bc2, e, decay,
-                                                 gs);
+  const AdamWConst c{b1, 1.f - b1, b2, 1.f - b2, step, sqrt_bc2, e, decay, gs};
+  // The first element from which all four arrays are 16-byte aligned; none (the whole range one at a time, head n)
+  // when their offsets differ mod 16 bytes.
+  auto mis = [](const void* a) { return (reinterpret_cast<uintptr_t>(a) / sizeof(float)) % 4; };
+  const bool same = mis(p) == mis(g) && mis(p) == mis(m) && mis(p) == mis(v);
+  const int64_t head = same ? std::min<int64_t>(n, int64_t((4 - mis(p)) % 4)) : n;
+  k_adamw<<<grid_for(std::max<int64_t>((n - head) / 4, head + 3)), 256, 0, stream_of(x)>>>(p, g, m, v, n, head, c);
   Q3VL_LAUNCHED();
 }
 
