@@ -66,9 +66,11 @@ void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t 
 }
 
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt, int64_t row0) {
+                int64_t n_out, DType dt, int64_t row0, const dev::RowsIn& rin) {
   if (P.q8 && P.q8[id])
-    return dev::linear_q8_fwd(ex, x, P.q8[id] + row0 * n_in, P.s8[id] + row0, nullptr, y, N, n_in, n_out, P.qf, dt);
+    return dev::linear_q8_fwd(ex, x, P.q8[id] + row0 * n_in, P.s8[id] + row0, nullptr, y, N, n_in, n_out, P.qf, dt,
+                              rin);
+  Q3VL_CHECK(!rin.rows && !rin.swiglu, "dev_linear: only 8-bit weights read their input rows through a RowsIn");
   dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt);
 }
 
@@ -83,10 +85,10 @@ int dev_experts_id(const DevParams& P, int f) {
 namespace {
 // The experts' product, in 8 bits when the model holds them so (serving with model.weight_dtype = "int8" or "fp8").
 void grouped_linear(const dev::Exec& ex, const DevParams& P, int id, const void* xg, const int32_t* start, void* y,
-                    int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+                    int64_t R, int64_t E, int64_t n_in, int64_t n_out, DType dt, const dev::RowsIn& rin) {
   if (P.q8 && P.q8[id])
-    return dev::grouped_linear_q8_fwd(ex, xg, P.q8[id], P.s8[id], start, y, R, E, n_in, n_out, P.qf, dt);
-  dev::grouped_linear_fwd(ex, xg, P.p[id], start, y, R, E, n_in, n_out, dt);
+    return dev::grouped_linear_q8_fwd(ex, xg, P.q8[id], P.s8[id], start, y, R, E, n_in, n_out, P.qf, dt, rin);
+  dev::grouped_linear_fwd(ex, xg, P.p[id], start, y, R, E, n_in, n_out, dt, rin);
 }
 // Consecutive linears of a layer run as one matrix: the table keeps them adjacent, and so do the device model's 8-bit
 // rows and scales and the gradients. rows: each one's output rows; returns the first one's id.
@@ -134,20 +136,27 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     dev_lora_fwd(ex, P, f + tlay::router, c.ln2, N, s.logits, E, dt, 0, -1, 0, /*y_f32=*/true);
     dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, DType::F32);
     dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
-    dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-    if (c.ex) return dev_moe_experts_fwd(ex, tc, P, f, N, c, s, dt);  // expert parallelism: on their owners
+    if (c.ex) {  // expert parallelism: the routed rows go to their experts' owners
+      dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
+      return dev_moe_experts_fwd(ex, tc, P, f, N, c, s, dt);
+    }
+    // The routed rows and the SwiGLU as the experts' GEMVs read them in decode steps (else written to s.xg, s.eact:
+    // nothing reads them after this, the backward gathers and recomputes its own).
     const int eg = dev_experts_id(P, f);
-    grouped_linear(ex, P, eg, s.xg, c.start, c.egu, R, E, H, 2 * Im, dt);
-    dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);
-    grouped_linear(ex, P, eg + 1, s.eact, c.start, c.ey, R, E, Im, H, dt);
+    grouped_linear(ex, P, eg, c.ln2, c.start, c.egu, R, E, H, 2 * Im, dt, {c.rows, k, false, s.xg});
+    grouped_linear(ex, P, eg + 1, c.egu, c.start, c.ey, R, E, Im, H, dt, {nullptr, 1, true, s.eact});
     dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
   } else {
     const int64_t I = tc.intermediate;
     dev_linear(ex, P, fused_gate_up(P, f, I, H, dt), c.ln2, c.gu, N, H, 2 * I, dt);
     dev_lora_fwd(ex, P, f + tlay::gate_proj, c.ln2, N, c.gu, 2 * I, dt);  // gate: columns [0, I) of gu
     dev_lora_fwd(ex, P, f + tlay::up_proj, c.ln2, N, at(c.gu, I, dt), 2 * I, dt);
-    dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
-    dev_linear(ex, P, f + tlay::down_proj, c.act, s.tmp, N, I, H, dt);
+    // 8-bit down_proj weights (serving) read the SwiGLU of gu as they stream in decode steps; c.act is then not written,
+    // which only a LoRA adapter or a backward would read (neither runs with 8-bit weights).
+    const bool fuse = P.q8 && P.q8[f + tlay::down_proj] && !P.lora;
+    if (!fuse) dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
+    dev_linear(ex, P, f + tlay::down_proj, fuse ? c.gu : c.act, s.tmp, N, I, H, dt, 0,
+               fuse ? dev::RowsIn{nullptr, 1, true, c.act} : dev::RowsIn{});
     dev_lora_fwd(ex, P, f + tlay::down_proj, c.act, N, s.tmp, H, dt);
   }
 }

@@ -241,11 +241,31 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
   need_f32(dt, "linear_fwd");
   ops::linear_fwd(F(in), F(W), F(b), F(y), N, n_in, n_out);
 }
+const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt) {
+  if (!r.rows && !r.swiglu) return in;
+  Q3VL_CHECK(r.scratch && !(r.rows && r.swiglu), "dev::RowsIn: rows or swiglu, not both, with a scratch buffer");
+  // Called inside the ops that take a RowsIn: their profiled region covers this pass, so the ops are not re-entered.
+#ifdef Q3VL_CUDA
+  if (x.device == Device::CUDA) {
+    if (r.rows) cuda::gather_rows(x, in, r.rows, r.div, r.scratch, R, n_in, dt);
+    else cuda::swiglu_fwd(x, in, r.scratch, R, n_in, dt);
+    return r.scratch;
+  }
+#endif
+  need_f32(dt, "rows_in");
+  float* out = static_cast<float*>(r.scratch);
+  if (r.swiglu) ops::swiglu_fwd(F(in), out, R, n_in);
+  else
+    for (int64_t i = 0; i < R; ++i) std::copy_n(F(in) + r.rows[i] / r.div * n_in, n_in, out + i * n_in);
+  return out;
+}
+
 void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t N,
-                   int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
+                   int64_t n_in, int64_t n_out, QFormat qf, DType dt, const RowsIn& rin) {
   PROFILED(x, prof::shaped(__func__, N, n_in, n_out), prof::flop(2.0 * double(N) * double(n_in) * double(n_out)));
-  ON_CUDA(x, linear_q8_fwd(x, in, q, scale, b, y, N, n_in, n_out, qf, dt));
+  ON_CUDA(x, linear_q8_fwd(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, rin));
   need_f32(dt, "linear_q8_fwd");
+  in = rows_in(x, in, rin, N, n_in, dt);
   by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), F(y), N, n_in, n_out); });
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
@@ -558,17 +578,20 @@ void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E
   }
 }
 void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int32_t* start, void* y, int64_t R,
-                        int64_t E, int64_t n_in, int64_t n_out, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_fwd(x, xg, W, start, y, R, E, n_in, n_out, dt));
+                        int64_t E, int64_t n_in, int64_t n_out, DType dt, const RowsIn& rin) {
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_fwd(x, xg, W, start, y, R, E, n_in, n_out, dt, rin));
   need_f32(dt, "grouped_linear_fwd");
+  xg = rows_in(x, xg, rin, R, n_in, dt);
   for (int64_t e = 0; e < E; ++e)
     ops::linear_fwd(F(xg) + start[e] * n_in, F(W) + e * n_out * n_in, (const float*)nullptr, F(y) + start[e] * n_out,
                     start[e + 1] - start[e], n_in, n_out);
 }
 void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start,
-                           void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_q8_fwd(x, xg, q, scale, start, y, R, E, n_in, n_out, qf, dt));
+                           void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, QFormat qf, DType dt,
+                           const RowsIn& rin) {
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_q8_fwd(x, xg, q, scale, start, y, R, E, n_in, n_out, qf, dt, rin));
   need_f32(dt, "grouped_linear_q8_fwd");
+  xg = rows_in(x, xg, rin, R, n_in, dt);
   by_qformat(qf, q, [&](const auto* w) {
     for (int64_t e = 0; e < E; ++e)
       ops::linear_lowp_fwd(F(xg) + start[e] * n_in, w + e * n_out * n_in, scale + e * n_out, (const float*)nullptr,

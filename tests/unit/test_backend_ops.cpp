@@ -453,6 +453,55 @@ std::vector<Case> all_cases(DType dt) {
           });
     }
 
+  // dev::RowsIn (the decode fusions): the experts' rows gathered from N tokens (row r: x[rows[r] / k], top-4) or the
+  // SwiGLU of a [R, 2 I] gate|up input. 16-bit activations at R <= 8 E: the GEMV reads through them as it stages x;
+  // every other path (fp32, R 160 > 8 E: the tiled GEMM or 8-bit dequantization) writes them to the scratch first.
+  // n_in 256 and 102 (scalar loads); the dense 8-bit linear's SwiGLU at N 3 (the GEMV) and 40 (dequantize + GEMM).
+  for (auto [N, E] : {std::pair<int64_t, int64_t>{1, 16}, {5, 8}, {40, 8}})
+    for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 40}, {102, 37}})
+      for (bool swiglu : {false, true}) {
+        const int64_t k = 4, R = N * k;
+        std::vector<double> ex = randi(R, E), rows(static_cast<size_t>(R));
+        std::sort(ex.begin(), ex.end());
+        for (int64_t r = 0; r < R; ++r) rows[size_t(r)] = double((7 * r + 3) % R);  // a permutation: 7 is prime to R
+        const std::string what = dims({R, E, I, O}) + (swiglu ? " swiglu" : " gather");
+        auto rin = [=](auto& p, int rows_at) {
+          return swiglu ? dev::RowsIn{nullptr, 1, true, p[rows_at + 1]}
+                        : dev::RowsIn{P<int32_t>(p, rows_at), k, false, p[rows_at + 1]};
+        };
+        const auto x_in = in("x", K::Act, randn(swiglu ? R * 2 * I : N * I));
+        const auto scratch = in("scratch", K::Act, std::vector<double>(size_t(R * I), 0.0));
+        add("grouped_linear_fwd", what, kGemm,
+            {x_in, in("W", K::Act, randn(E * O * I, 0.1)), in("start", K::I32, starts_of(ex, E)),
+             in("rows", K::I32, rows), scratch, out("y", K::Act, randn(R * O))},
+            [=](auto& x, auto& p, DType t) {
+              dev::grouped_linear_fwd(x, p[0], p[1], P<int32_t>(p, 2), p[5], R, E, I, O, t, rin(p, 3));
+            });
+        for (const QFormat qf : {QFormat::Int8, QFormat::Fp8}) {
+          std::vector<uint8_t> q8;
+          std::vector<float> sc;
+          q8_weights(qf, E * O, I, q8, sc);
+          add("grouped_linear_q8_fwd", std::string(qformat_name(qf)) + " " + what, kGemm,
+              {x_in, in("q", K::I8, i8_values(q8)), in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())),
+               in("start", K::I32, starts_of(ex, E)), in("rows", K::I32, rows), scratch, out("y", K::Act, randn(R * O))},
+              [=](auto& x, auto& p, DType t) {
+                dev::grouped_linear_q8_fwd(x, p[0], p[1], P<float>(p, 2), P<int32_t>(p, 3), p[6], R, E, I, O, qf, t,
+                                           rin(p, 4));
+              });
+          if (!swiglu || N == 1) continue;
+          const int64_t M = N == 5 ? 3 : N;  // the dense linear: 3 rows (GEMV), 40 (GEMM)
+          q8_weights(qf, O, I, q8, sc);
+          add("linear_q8_fwd", std::string(qformat_name(qf)) + " " + dims({M, I, O}) + " swiglu", kGemm,
+              {in("x", K::Act, randn(M * 2 * I)), in("q", K::I8, i8_values(q8)),
+               in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())),
+               in("scratch", K::Act, std::vector<double>(size_t(M * I), 0.0)), out("y", K::Act, randn(M * O))},
+              [=](auto& x, auto& p, DType t) {
+                dev::linear_q8_fwd(x, p[0], p[1], P<float>(p, 2), nullptr, p[4], M, I, O, qf, t,
+                                   dev::RowsIn{nullptr, 1, true, p[3]});
+              });
+        }
+      }
+
   // The tiled grouped GEMM's tile edges, forward and backward: experts of 0, 400 (4 M tiles, the last partial), 1 and
   // 299 rows; n_out 304 and n_in 264 span two 256-wide N tiles (and DW's 3 M tiles of n_out), 16-byte rows and paired
   // stores; 301 x 262: scalar loads everywhere and unpaired stores where the output rows are odd (forward).

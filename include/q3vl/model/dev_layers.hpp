@@ -42,9 +42,10 @@ struct DevParams {
   const DevLora* lora = nullptr;  // adapters (null: none)
 };
 // y[N, n_out] = x[N, n_in] W^T for rows [row0, row0 + n_out) of parameter id (no bias; row0: a vocabulary slice's
-// first row), W its 8-bit rows when it has them, else its dt weight.
+// first row), W its 8-bit rows when it has them, else its dt weight. rin (dev::RowsIn): how the 8-bit path reads x.
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt, int64_t row0 = 0);
+                int64_t n_out, DType dt, int64_t row0 = 0,
+                const dev::RowsIn& rin = {});
 
 // LoRA adapters at run time (model/lora.hpp's LoraRun on the device): the table that pairs base weights with their
 // adapters, the scale and dropout, and scratch carved once: u, du [rows, r] and a dropout buffer [rows * in].

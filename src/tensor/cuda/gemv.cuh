@@ -408,6 +408,16 @@ __device__ __forceinline__ void tc_step(float (&acc)[MT][NB / 8][4], const uint4
   }
 }
 
+// How the tensor-core GEMV reads its x rows (dev::RowsIn on the device; the decode fusions of the MLP and the MoE
+// block): row r of the product is x[r] (default), x[rows[r] / div] (gather: the routed tokens' rows, no gather_rows
+// pass), or silu(gate) * up of row r of a [R, 2 n_in] gate|up input rounded to S as swiglu_fwd rounds it (no SwiGLU
+// pass, no [R, n_in] activation written and read back).
+struct XRows {
+  const int32_t* rows = nullptr;
+  int div = 1;
+  bool swiglu = false;
+};
+
 // One 8-element vector of x row src at column c (zeros at and past len).
 template <class S>
 __device__ __forceinline__ uint4 x_vec(const S* __restrict__ src, int c, int len, bool vec_x) {
@@ -422,14 +432,41 @@ __device__ __forceinline__ uint4 x_vec(const S* __restrict__ src, int c, int len
 
 constexpr int kTcStageLoads = 4;  // x vectors a lane has in flight while staging
 
-// Stages x[0..n-1][k0 .. k0+len) into xs (row j at j rs halves, as the mma type; zeros from len to the end of the
+// Row r of the product's input from x (XRows): its first element at column k0, and for SwiGLU the up half's offset.
+template <class S>
+__device__ __forceinline__ const S* x_row(const S* __restrict__ x, const XRows& xr, int64_t r, int64_t n_in,
+                                          int64_t k0) {
+  const int64_t src = xr.rows ? int64_t(xr.rows[r] / xr.div) : r;
+  return x + src * (xr.swiglu ? 2 * n_in : n_in) + k0;
+}
+
+// silu(g) * u of 8 elements (gate and up vectors of S bits), rounded to S: swiglu_fwd's formula and rounding.
+template <class S>
+__device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
+  const uint32_t* gw = &g.x;
+  const uint32_t* uw = &u.x;
+  uint4 r;
+  uint32_t* rw = &r.x;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint16_t gb = uint16_t(gw[k / 2] >> (16 * (k % 2))), ub = uint16_t(uw[k / 2] >> (16 * (k % 2)));
+    const float gf = float(*reinterpret_cast<const S*>(&gb)), uf = float(*reinterpret_cast<const S*>(&ub));
+    const S y = S(gf / (1.f + expf(-gf)) * uf);
+    const uint32_t yb = *reinterpret_cast<const uint16_t*>(&y);
+    rw[k / 2] = k % 2 ? (rw[k / 2] & 0xffffu) | (yb << 16) : yb;
+  }
+  return r;
+}
+
+// Stages rows r0 .. r0+n-1 of the input (x_row), columns [k0, k0+len), into xs (row j at j rs halves, as the mma type; zeros from len to the end of the
 // last warp step) and xmul[j] = 2^e_j, the factor that undoes row j's scaling. Every warp takes part, also for one
 // row: gw = WARPS / n warps a row (at least one), each lane keeping kTcStageLoads 16-byte loads in flight, so that
 // staging costs a few L2 round trips, not one a vector (one warp staging a 12288-column row alone took ~10 us, a
 // third of the 8B's fp8 down_proj). wmax: 32 words, the warps' partial max |x| of each row.
 template <class S, class W, int WARPS>
-__device__ __forceinline__ void tc_stage(const S* __restrict__ in, int n, int64_t n_in, int64_t k0, int len,
-                                         bool vec_x, uint16_t* xs, int rs, float* xmul, uint32_t* wmax) {
+__device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& xr, int64_t r0, int n, int64_t n_in,
+                                         int64_t k0, int len, bool vec_x, uint16_t* xs, int rs, float* xmul,
+                                         uint32_t* wmax) {
   constexpr int U = kTcStageLoads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = (len + kTcStep<W> - 1) / kTcStep<W> * kTcStep<W> / 8;  // 8-element vectors
@@ -437,7 +474,7 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, int n, int64_
   const int wg = warp / gw, wi = warp % gw, step = 32 * gw;
   if (wg < par) {
     for (int j = wg; j < n; j += par) {
-      const S* src = in + int64_t(j) * n_in + k0;
+      const S* src = x_row(in, xr, r0 + j, n_in, k0);
       uint16_t* dst = xs + j * rs;
       uint32_t mx = 0;  // max |x| as bf16 bits, per half
       for (int v0 = wi * 32 + lane; v0 < nv; v0 += U * step) {
@@ -445,7 +482,9 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, int n, int64_
 #pragma unroll
         for (int q = 0; q < U; ++q) {
           const int v = v0 + q * step;
-          u[q] = v < nv ? x_vec(src, 8 * v, len, vec_x) : make_uint4(0, 0, 0, 0);
+          if (v >= nv) u[q] = make_uint4(0, 0, 0, 0);
+          else if (xr.swiglu) u[q] = swiglu8<S>(x_vec(src, 8 * v, len, vec_x), x_vec(src + n_in, 8 * v, len, vec_x));
+          else u[q] = x_vec(src, 8 * v, len, vec_x);
         }
 #pragma unroll
         for (int q = 0; q < U; ++q) {
@@ -502,9 +541,10 @@ constexpr int kTcHeader = 64 + 128;  // smem before the staged x: xmul (16 float
 // wmax (32 words), then staged x (n rows of rs halves, kc columns a chunk); the warps' partial sums reuse it at the end. The block
 // synchronizes before it stages, so it may be called again on other rows (experts).
 template <class S, class W, int NB, class K, bool VEC>
-__device__ __forceinline__ void tc_rows(const S* __restrict__ in, const W* __restrict__ q,
-                                        const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y,
-                                        int n, int64_t n_in, int64_t n_out, int kc, int rs, bool vec_x, char* smem) {
+__device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& xr, int64_t r0,
+                                        const W* __restrict__ q, const float* __restrict__ scale,
+                                        const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out,
+                                        int kc, int rs, bool vec_x, char* smem) {
   constexpr int NT = NB / 8, MT = K::kMt, WARPS = K::kWarps, D = K::kDepth, G = kGroup<W>, STEP = kTcStep<W>;
   float* xmul = reinterpret_cast<float*>(smem);
   uint32_t* wmax = reinterpret_cast<uint32_t*>(smem + 64);
@@ -535,7 +575,7 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const W* __res
   for (int64_t k0 = 0; k0 < n_in; k0 += kc, i_base += per_chunk) {
     const int len = int(std::min<int64_t>(kc, n_in - k0));
     __syncthreads();  // the previous chunk (or rows, or partial sums) consumed
-    tc_stage<S, W, WARPS>(in, n, n_in, k0, len, vec_x, xs, rs, xmul, wmax);
+    tc_stage<S, W, WARPS>(in, xr, r0, n, n_in, k0, len, vec_x, xs, rs, xmul, wmax);
     __syncthreads();
     float part[MT][NT][4];
 #pragma unroll
@@ -588,27 +628,28 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const W* __res
   }
 }
 
-// As k_gemv: start null, one matrix; else blockIdx.y picks the blockIdx.y-th expert with rows, n rows a pass.
+// As k_gemv: start null, one matrix; else blockIdx.y picks the blockIdx.y-th expert with rows, n rows a pass. The
+// input rows are read through xr.
 template <class S, class W, int NB, class K, bool VEC>
 __global__ void __launch_bounds__(K::kWarps * 32, 1)
     k_gemv_tc(const S* __restrict__ in, const W* __restrict__ q, const float* __restrict__ scale,
               const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out, int kc, int rs,
-              bool vec_x, const int32_t* __restrict__ start, int E) {
+              bool vec_x, const int32_t* __restrict__ start, int E, XRows xr) {
   extern __shared__ float4 smem_tc[];
   char* smem = reinterpret_cast<char*>(smem_tc);
-  if (!start) return tc_rows<S, W, NB, K, VEC>(in, q, scale, b, y, n, n_in, n_out, kc, rs, vec_x, smem);
+  if (!start) return tc_rows<S, W, NB, K, VEC>(in, xr, 0, q, scale, b, y, n, n_in, n_out, kc, rs, vec_x, smem);
   const int e = busy_expert(start, E, int(blockIdx.y));
   if (e < 0) return;
   const int64_t r1 = start[e + 1];
   for (int64_t r = start[e]; r < r1; r += n)
-    tc_rows<S, W, NB, K, VEC>(in + r * n_in, q + int64_t(e) * n_out * n_in,
+    tc_rows<S, W, NB, K, VEC>(in, xr, r, q + int64_t(e) * n_out * n_in,
                               kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
                               int(min(int64_t(n), r1 - r)), n_in, n_out, kc, rs, vec_x, smem);
 }
 
 template <class S, class W, int NB, class K>
 void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int n, int64_t n_in,
-               int64_t n_out, const int32_t* start, int64_t E, int64_t R) {
+               int64_t n_out, const int32_t* start, int64_t E, int64_t R, const XRows& xr) {
   constexpr int64_t super = int64_t(kTcStep<W>) * K::kWarps * K::kDepth;  // a chunk: whole rounds of every warp
   const int64_t fit = std::max<int64_t>(super, int64_t(kTcSmemBudget / (2 * size_t(n))) / super * super);
   const int64_t kc = std::min<int64_t>(fit, std::max<int64_t>(super, (n_in + super - 1) / super * super));
@@ -616,11 +657,11 @@ void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const
   const size_t red = sizeof(float) * size_t(K::kWarps) * K::kMt * (NB / 8) * 128;
   const size_t smem = std::max<size_t>(kTcHeader + 2 * size_t(n) * size_t(rs), red);
   const bool vec = n_in % kGroup<W> == 0 && aligned16(q);  // every row and expert starts 16-byte aligned
-  const bool vec_x = n_in % 8 == 0 && aligned16(in);       // every x row too
+  const bool vec_x = n_in % 8 == 0 && aligned16(in);       // every x row too (and SwiGLU's up halves)
   const dim3 grid(unsigned((n_out + 16 * K::kMt - 1) / (16 * K::kMt)), start ? unsigned(std::min(E, R)) : 1u);
   auto go = [&](auto kernel) {
     launch(kernel, grid, K::kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, int(kc), int(rs),
-           vec_x, start, int(E));
+           vec_x, start, int(E), xr);
   };
   if (vec) go(k_gemv_tc<S, W, NB, K, true>);
   else go(k_gemv_tc<S, W, NB, K, false>);
@@ -629,35 +670,41 @@ void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const
 // The n bucket's launch with knobs K (TcAuto: by shape, see TcWide).
 template <class S, class W, int NB, class K>
 void launch_knobs(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int n, int64_t n_in,
-                  int64_t n_out, const int32_t* start, int64_t E, int64_t R) {
-  if constexpr (!std::is_same_v<K, TcAuto>)
-    launch_tc<S, W, NB, K>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  else if (start || n_out >= 12288) launch_tc<S, W, NB, TcWide>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  else if (n_out <= 4096 && n <= 8) launch_tc<S, W, NB, TcSmallFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  else if (n_out <= 4096) launch_tc<S, W, NB, TcNarrowMany>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  else if (n <= 8) launch_tc<S, W, NB, TcNarrowFew>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  else launch_tc<S, W, NB, TcWide>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+                  int64_t n_out, const int32_t* start, int64_t E, int64_t R, const XRows& xr) {
+  auto go = [&]<class KK>() { launch_tc<S, W, NB, KK>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, xr); };
+  if constexpr (!std::is_same_v<K, TcAuto>) go.template operator()<K>();
+  else if (start || n_out >= 12288) go.template operator()<TcWide>();
+  else if (n_out <= 4096 && n <= 8) go.template operator()<TcSmallFew>();
+  else if (n_out <= 4096) go.template operator()<TcNarrowMany>();
+  else if (n <= 8) go.template operator()<TcNarrowFew>();
+  else go.template operator()<TcWide>();
 }
 
-// The tensor-core GEMV, arguments as gemv_simt's; S bf16 or fp16, W int8, fp8 or S. K: TcKnobs or TcAuto, a template
-// parameter so that benchmarks can sweep it.
+// The tensor-core GEMV, arguments as gemv_simt's, the input rows read through xr; S bf16 or fp16, W int8, fp8 or S.
+// K: TcKnobs or TcAuto, a template parameter so that benchmarks can sweep it.
 template <class S, class W, class K = TcAuto>
 void gemv_tc(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
-             int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
+             int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0, const XRows& xr = {}) {
   static_assert(kTcOk<S, W>, "wgemv::gemv_tc: 16-bit activations, weights int8, fp8 or the activation type");
   const int m = int(n);
-  if (m <= 8) launch_knobs<S, W, 8, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
-  else launch_knobs<S, W, 16, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
+  if (m <= 8) launch_knobs<S, W, 8, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, xr);
+  else launch_knobs<S, W, 16, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, xr);
 }
 
 // The GEMV for n <= kMaxN rows of in (experts: up to n rows per expert and pass, start[E+1] on the device, R rows in
-// all, E <= 65535). W: int8_t or __nv_fp8_e4m3 with its scale, or S (scale null, unread). 16-bit activations take
-// the tensor cores, fp32 ones the CUDA cores.
+// all, E <= 65535), the input rows as ri says (dev::RowsIn). W: int8_t or __nv_fp8_e4m3 with its scale, or S (scale
+// null, unread). 16-bit activations take the tensor cores, which read through ri; fp32 ones the CUDA cores, after
+// ri's rows are written to ri.scratch.
 template <class S, class W>
 void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
-          int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
-  if constexpr (kTcOk<S, W>) gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
-  else gemv_simt<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R);
+          int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0, const RowsIn& ri = {}) {
+  if constexpr (kTcOk<S, W>) {
+    gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, XRows{ri.rows, int(ri.div), ri.swiglu});
+  } else {
+    static_assert(std::is_same_v<S, float>, "wgemv::gemv: the CUDA-core GEMV is for fp32 activations");
+    const S* rows = static_cast<const S*>(rows_in(x, in, ri, start ? R : n, n_in, DType::F32));
+    gemv_simt<S, W>(x, rows, q, scale, b, y, n, n_in, n_out, start, E, R);
+  }
 }
 
 }  // namespace q3vl::dev::cuda::wgemv

@@ -62,7 +62,8 @@ __global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ p
       probs[i * E + e] = p;
     }
     uint32_t taken = 0;  // bit q: element lane + 32 q already selected
-    float sel = 0.f;
+    float sel = 0.f, mine_v = 0.f;  // lane j keeps the j-th pick (k <= 32): no read back of idx
+    int mine = -1;
     for (int j = 0; j < k; ++j) {
       int best = -1;
       float bv = 0.f;
@@ -76,11 +77,9 @@ __global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ p
       }
       if ((best & 31) == lane) taken |= 1u << (best >> 5);
       sel += bv;
-      if (lane == 0) idx[i * k + j] = best;
+      if (lane == j) mine = best, mine_v = bv;
     }
-    __syncwarp();
-    if (lane == 0)
-      for (int j = 0; j < k; ++j) w[i * k + j] = buf[idx[i * k + j]] / sel;
+    if (lane < k) idx[i * k + lane] = mine, w[i * k + lane] = mine_v / sel;
     __syncwarp();  // buf is reused by the next row
   }
 }
@@ -715,7 +714,7 @@ int warp_rows_grid(int64_t rows, int warps_per_block) { return grid_for(rows, wa
 void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, float* w, int64_t N, int64_t E,
                 int64_t k, DType dt) {
   Q3VL_CHECK(k >= 1 && k <= E, "router: experts_per_tok must be in [1, num_experts]");
-  Q3VL_CHECK(E <= kMaxExperts, "router: at most 1024 experts on CUDA");
+  Q3VL_CHECK(E <= kMaxExperts && k <= 32, "router: at most 1024 experts, 32 a token, on CUDA");
   if (N <= 0) return;
   by_dtype(dt, [&]<class S>() {
     k_router_fwd<S><<<warp_rows_grid(N, 4), 128, 4 * E * sizeof(float), stream_of(x)>>>(
@@ -826,7 +825,7 @@ bool grouped_linear_path(const Exec& x, int mode, bool wgmma, const void* A, con
 }
 
 void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int32_t* start, void* y, int64_t R,
-                        int64_t E, int64_t n_in, int64_t n_out, DType dt) {
+                        int64_t E, int64_t n_in, int64_t n_out, DType dt, const RowsIn& rin) {
   if (R <= 0 || n_out <= 0) return;
   if (n_in <= 0) {  // empty inner dimension: y = 0
     by_dtype(dt, [&]<class S>() { Q3VL_CU(cudaMemsetAsync(y, 0, size_t(R * n_out) * sizeof(S), stream_of(x))); });
@@ -836,11 +835,11 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
     Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear: expert count out of range");
     by_dtype(dt, [&]<class S>() {
       wgemv::gemv<S, S>(x, static_cast<const S*>(xg), static_cast<const S*>(W), nullptr, nullptr, static_cast<S*>(y),
-                        std::min<int64_t>(R, wgemv::kMaxN), n_in, n_out, start, E, R);
+                        std::min<int64_t>(R, wgemv::kMaxN), n_in, n_out, start, E, R, rin);
     });
     return;
   }
-  grouped_linear_path(x, FWD, true, xg, W, y, start, R, E, n_in, n_out, false, dt);
+  grouped_linear_path(x, FWD, true, rows_in(x, xg, rin, R, n_in, dt), W, y, start, R, E, n_in, n_out, false, dt);
 }
 
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,

@@ -33,14 +33,14 @@ template <class F> void by_qformat(QFormat qf, F&& f) {
 constexpr int kGemvMaxN = wgemv::kMaxN;                // larger N takes the dequantize + GEMM path
 constexpr int kGroupedGemvRows = wgemv::kGroupedRows;  // experts: the GEMV up to 8 rows per expert on average
 
-// The GEMV for n rows (experts: up to n rows per expert and pass).
+// The GEMV for n rows (experts: up to n rows per expert and pass), the input rows read through rin.
 void gemv(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t n,
           int64_t n_in, int64_t n_out, QFormat qf, DType dt, const int32_t* start = nullptr, int64_t E = 0,
-          int64_t R = 0) {
+          int64_t R = 0, const RowsIn& rin = {}) {
   by_dtype(dt, [&]<class S>() {
     by_qformat(qf, [&]<class W>() {
       wgemv::gemv<S, W>(x, static_cast<const S*>(in), static_cast<const W*>(q), scale, static_cast<const S*>(b),
-                        static_cast<S*>(y), n, n_in, n_out, start, E, R);
+                        static_cast<S*>(y), n, n_in, n_out, start, E, R, rin);
     });
   });
 }
@@ -172,20 +172,26 @@ bool q8_grouped_dequant(const Exec& x, const void* xg, const void* q, const floa
 }  // namespace
 
 void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t N,
-                   int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
+                   int64_t n_in, int64_t n_out, QFormat qf, DType dt, const RowsIn& rin) {
   if (N <= 0 || n_out <= 0) return;
-  if (N > kGemvMaxN) return q8_dequant_gemm(x, in, q, scale, b, y, N, n_in, n_out, qf, dt);
-  gemv(x, in, q, scale, b, y, N, n_in, n_out, qf, dt);
+  if (N > kGemvMaxN)
+    return q8_dequant_gemm(x, rows_in(x, in, rin, N, n_in, dt), q, scale, b, y, N, n_in, n_out, qf, dt);
+  gemv(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, nullptr, 0, 0, rin);
 }
 
 void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start,
-                           void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
+                           void* y, int64_t R, int64_t E, int64_t n_in, int64_t n_out, QFormat qf, DType dt,
+                           const RowsIn& rin) {
   if (R <= 0 || n_out <= 0) return;
   Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear_q8: expert count out of range");
-  if (R > kGroupedGemvRows * E && n_in > 0 &&
-      q8_grouped_dequant(x, xg, q, scale, start, y, R, E, n_in, n_out, qf, dt))
+  const int64_t n = std::min<int64_t>(R, kGemvMaxN);
+  if (R > kGroupedGemvRows * E && n_in > 0) {  // the GEMMs of prefill chunks: the rows written out first
+    xg = rows_in(x, xg, rin, R, n_in, dt);
+    if (!q8_grouped_dequant(x, xg, q, scale, start, y, R, E, n_in, n_out, qf, dt))
+      gemv(x, xg, q, scale, nullptr, y, n, n_in, n_out, qf, dt, start, E, R);
     return;
-  gemv(x, xg, q, scale, nullptr, y, std::min<int64_t>(R, kGemvMaxN), n_in, n_out, qf, dt, start, E, R);
+  }
+  gemv(x, xg, q, scale, nullptr, y, n, n_in, n_out, qf, dt, start, E, R, rin);
 }
 
 }  // namespace q3vl::dev::cuda
