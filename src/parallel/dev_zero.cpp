@@ -375,12 +375,14 @@ void DevZero::make_runs(const std::vector<char>& host) {
     }
 }
 
+void* DevZero::param_copy(const Run& r) const {
+  return wcopy_ && (!off_ || r.dev >= 0) ? at(wcopy_, r.master, gd_) : nullptr;
+}
+
 void DevZero::publish_device_part() {
-  for (const Run& r : runs_) {
-    if (r.dev < 0) continue;
-    dev::convert(ex_, at(wcopy_, r.master, gd_), gd_, dmaster_ + r.dev, DType::F32, r.n);
-    if (wnext_) dev::convert(ex_, at(wnext_, r.master, gd_), gd_, dmaster_ + r.dev, DType::F32, r.n);
-  }
+  if (!wnext_) return;
+  for (const Run& r : runs_)
+    if (r.dev >= 0) dev::convert(ex_, at(wnext_, r.master, gd_), gd_, dmaster_ + r.dev, DType::F32, r.n);
 }
 
 void DevZero::flip() {
@@ -472,13 +474,13 @@ void DevZero::upload_all(void* w) {
   });
 }
 
-void DevZero::refresh_params() {
+void DevZero::refresh_params(bool copies_written) {
   if (off_ && !stream_ && !gathered_once_) {  // start-up or a resume: every unit's masters up, into both copies
     upload_all(wcopy_);
     if (wnext_) dev::copy(ex_, wnext_, wcopy_, size_t(L_.master) * dtype_size(gd_));
   } else if (hw_ && !gathered_once_) {  // start-up or a resume: the host copy (the update writes it after)
     fill_host_params();
-  } else if (wcopy_ && !off_) {
+  } else if (wcopy_ && !off_ && !(copies_written && gathered_once_)) {
     dev::convert(ex_, wcopy_, gd_, master_, DType::F32, L_.master);
   }
   if (stage_ == 3) return (void)(gathered_once_ = true);

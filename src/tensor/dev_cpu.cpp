@@ -62,6 +62,14 @@ void by_qformat(QFormat qf, const void* q, Fn&& f) {
   fail("dev: 8-bit weights are int8 or fp8 (model.weight_dtype)");
 }
 float* F(void* p) { return static_cast<float*>(p); }
+// fp32 into dt: a copy (F32), or rounded to nearest even (BF16, F16). convert's, and AdamW's parameter copy's, so the
+// two give the same bits.
+void narrow(const float* src, int64_t n, void* dst, DType dt) {
+  auto* d16 = static_cast<uint16_t*>(dst);
+  if (dt == DType::F32) std::memmove(dst, src, size_t(n) * 4);
+  else if (dt == DType::BF16) f32_to_bf16(src, n, d16);
+  else std::transform(src, src + n, d16, [](float v) { return f32_to_f16(v); });
+}
 // ops:: takes int64 indices; the device layer int32 (half the bytes on the GPU). Small arrays, converted per call.
 std::vector<int64_t> widen(const int32_t* p, int64_t n) { return std::vector<int64_t>(p, p + n); }
 // An input gradient that an op writes (accumulate = false): zeroed, then accumulated into by ops::, which is what the
@@ -192,12 +200,9 @@ void convert(const Exec& x, void* dst, DType dt_dst, const void* src, DType dt_s
   DEV_OP(x, prof::mem(B(n, dt_src) + B(n, dt_dst)), convert(x, dst, dt_dst, src, dt_src, n));
   if (dt_dst == dt_src) return (void)std::memmove(dst, src, size_t(n) * dtype_size(dt_src));
   // The host side of gathers and checkpoints: fp32 <-> bf16/fp16 with round-to-nearest-even.
-  auto* d16 = static_cast<uint16_t*>(dst);
   auto* s16 = static_cast<const uint16_t*>(src);
-  if (dt_src == DType::F32 && dt_dst == DType::BF16) return f32_to_bf16(F(src), n, d16);
+  if (dt_src == DType::F32 && (dt_dst == DType::BF16 || dt_dst == DType::F16)) return narrow(F(src), n, dst, dt_dst);
   if (dt_src == DType::BF16 && dt_dst == DType::F32) return bf16_to_f32(s16, n, F(dst));
-  if (dt_src == DType::F32 && dt_dst == DType::F16)
-    return (void)std::transform(F(src), F(src) + n, d16, [](float v) { return f32_to_f16(v); });
   if (dt_src == DType::F16 && dt_dst == DType::F32)
     return (void)std::transform(s16, s16 + n, F(dst), [](uint16_t v) { return f16_to_f32(v); });
   fail(std::string("dev::convert: ") + dtype_name(dt_src) + " -> " + dtype_name(dt_dst) + " is not supported");
@@ -685,14 +690,18 @@ void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, float b
 }  // namespace
 
 void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t n, double beta1, double beta2,
-           double eps, double lr, double weight_decay, double gscale, int64_t t) {
-  DEV_OP(x, prof::mem(28.0 * double(n)), adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t));
+           double eps, double lr, double weight_decay, double gscale, int64_t t, void* copy, DType copy_dt) {
+  Q3VL_CHECK(!copy || copy_dt == DType::F32 || copy_dt == DType::BF16 || copy_dt == DType::F16,
+             std::string("dev::adamw: the parameter copy is F32, BF16 or F16, not ") + dtype_name(copy_dt));
+  DEV_OP(x, prof::mem((28.0 + (copy ? double(dtype_size(copy_dt)) : 0.0)) * double(n)),
+         adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t, copy, copy_dt));
   // PyTorch's semantics: decoupled weight decay p *= 1 - lr*wd before the Adam step; t counts updates from 1.
   const double bc1 = 1.0 - std::pow(beta1, double(t)), bc2 = 1.0 - std::pow(beta2, double(t));
   const float b1 = float(beta1), b2 = float(beta2), gs = float(gscale);
   const float step = float(lr / bc1), sqrt_bc2 = float(std::sqrt(bc2)), e = float(eps);
   const float decay = float(1.0 - lr * weight_decay);
   adamw_loop(p, g, m, v, n, b1, b2, gs, step, sqrt_bc2, e, decay);
+  if (copy) narrow(p, n, copy, copy_dt);
 }
 void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc, int32_t* nonfinite) {
   DEV_OP(x, prof::mem(B(n, dt)), sum_squares(x, a, n, dt, acc, nonfinite));

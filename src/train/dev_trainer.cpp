@@ -167,7 +167,7 @@ void DevTrainer::update(const AdamWConfig& hp, double lr, double gscale, int64_t
   const double g = gscale / (ls_.on ? ls_.scale : 1.0);  // unscale inside the update
   if (zero_->offloaded()) return host_update(hp, lr, g, t);
   device_adamw(hp, lr, g, t);
-  zero_->refresh_params();
+  zero_->refresh_params(true);  // device_adamw wrote the parameter copy
 }
 
 // The offloaded update (DevZero::host_update streams the chunks). Synchronous: the update, then stages 1/2 gather
@@ -187,7 +187,8 @@ void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t
 }
 
 // AdamW on the device over the runs whose state it holds: every run (the optimizer on the device), or, offloaded,
-// the partial offload's device part (at Run::dev of its compacted buffers; then written into the parameter copies).
+// the partial offload's device part (at Run::dev of its compacted buffers). The same pass writes the parameter copy
+// the gathers read (DevZero::param_copy; bf16: 2 bytes an element more, where converting the masters after it moved 6).
 void DevTrainer::device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t) {
   const bool part = zero_->offloaded();
   if (part && !zero_->dev_master()) return;
@@ -198,7 +199,7 @@ void DevTrainer::device_adamw(const AdamWConfig& hp, double lr, double g, int64_
     if (part && r.dev < 0) continue;
     const int64_t x = part ? r.dev : r.master, o = part ? r.dev : r.opt;
     dev::adamw(ex_, p + x, zero_->grads() + r.grad, m + o, v + o, r.n, hp.beta1, hp.beta2, hp.eps, lr,
-               r.no_decay ? 0.0 : hp.weight_decay, g, t);
+               r.no_decay ? 0.0 : hp.weight_decay, g, t, zero_->param_copy(r), zero_->gather_dtype());
   }
   if (part) zero_->publish_device_part();
 }

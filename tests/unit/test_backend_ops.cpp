@@ -29,8 +29,8 @@ namespace {
 
 // What an argument holds on the device: activations in the case's dtype, or a fixed dtype. I8: bytes given as int8
 // values (the weights of the 8-bit linears: int8 values, or fp8 codes as the int8 of the same byte), held as
-// DType::U8 bytes (two's complement); inputs only.
-enum class Kind { Act, F32, I32, F64, I8 };
+// DType::U8 bytes (two's complement); inputs only. BF16, F16: 16-bit whatever the case's dtype (AdamW's copy).
+enum class Kind { Act, F32, I32, F64, I8, BF16, F16 };
 
 struct Arg {
   std::string name;
@@ -55,6 +55,8 @@ DType dtype_of(Kind k, DType act) {
     case Kind::F32: return DType::F32;
     case Kind::I32: return DType::I32;
     case Kind::I8: return DType::U8;
+    case Kind::BF16: return DType::BF16;
+    case Kind::F16: return DType::F16;
     default: return DType::F64;
   }
 }
@@ -855,11 +857,40 @@ std::vector<Case> all_cases(DType dt) {
               dev::adamw(x, P<float>(p, 0) + o[0], P<float>(p, 1) + o[1], P<float>(p, 2) + o[2], P<float>(p, 3) + o[3],
                          n - 3, 0.9, 0.95, 1e-8, 3e-4, 0.1, 0.5, 7);
             });
+    // The parameter copy in the same pass (bf16, fp16), compared exactly: convert's rounding of the same masters.
+    // At offsets (the larger n): all five arrays aligned three elements on (the copy's four in one store), the copy
+    // aligned differently from the masters (16-byte loads, one store an element), all arrays differently.
+    using Offs = std::array<int64_t, 5>;
+    const std::vector<Offs> offs = n > 1000 ? std::vector<Offs>{{0, 0, 0, 0, 0}, {1, 1, 1, 1, 1}, {1, 1, 1, 1, 0},
+                                                                {0, 1, 2, 3, 1}}
+                                            : std::vector<Offs>{{0, 0, 0, 0, 0}};
+    for (DType ct : {DType::BF16, DType::F16})
+      for (const Offs& o : offs) {
+        const int64_t k = o == Offs{} ? n : n - 3;
+        add("adamw", dims({k}) + " copy " + dtype_name(ct) + " at " + dims({o[0], o[1], o[2], o[3], o[4]}), kElem,
+            {out("p", K::F32, randn(n)), in("g", K::F32, randn(n)), out("m", K::F32, randn(n, 0.1)),
+             out("v", K::F32, randu(n, 0, 0.1)), out("copy", ct == DType::BF16 ? K::BF16 : K::F16, randn(n), true)},
+            [=](auto& x, auto& p, DType) {
+              dev::adamw(x, P<float>(p, 0) + o[0], P<float>(p, 1) + o[1], P<float>(p, 2) + o[2], P<float>(p, 3) + o[3],
+                         k, 0.9, 0.95, 1e-8, 3e-4, 0.1, 0.5, 7, P<uint16_t>(p, 4) + o[4], ct);
+            });
+      }
     auto a = randn(n);
     if (n > 1) a[n / 2] = INFINITY;
     add("sum_squares", dims({n}), kReduce,
         {in("a", K::Act, a), out("acc", K::F64, {2.0}), out("nonfinite", K::I32, {1}, true)},
         [=](auto& x, auto& p, DType t) { dev::sum_squares(x, p[0], n, t, P<double>(p, 1), P<int32_t>(p, 2)); });
+    // One element on (fp32: a head of three before the 16-byte loads, a tail of three after), a non-finite element
+    // in each of the three parts.
+    if (n > 1000) {
+      auto b = randn(n);
+      b[2] = INFINITY, b[n / 2] = NAN, b[n - 2] = -INFINITY;
+      add("sum_squares", dims({n - 1}) + " at 1", kReduce,
+          {in("a", K::Act, b), out("acc", K::F64, {2.0}), out("nonfinite", K::I32, {1}, true)},
+          [=](auto& x, auto& p, DType t) {
+            dev::sum_squares(x, static_cast<char*>(p[0]) + dtype_size(t), n - 1, t, P<double>(p, 1), P<int32_t>(p, 2));
+          });
+    }
   }
   return cs;
 }

@@ -1,6 +1,7 @@
 // Optimizer offload's host parts (issue 29): the CPU op layer's AdamW, four lanes at a time, gives the scalar
-// formula's bits for every length and tail; the thread pool covers a range exactly once, whatever its thread count,
-// and passes a worker's exception on; the host buffers the device pins are zeroed.
+// formula's bits for every length and tail, and its parameter copy is convert's of the updated masters; the thread
+// pool covers a range exactly once, whatever its thread count, and passes a worker's exception on; the host buffers
+// the device pins are zeroed.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -58,6 +59,30 @@ TEST(Offload, AdamWLanesAreTheScalarBits) {
         ASSERT_TRUE(same_bits(p, P) && same_bits(m, M) && same_bits(v, V)) << "n " << n << " t " << t << " wd " << wd;
       }
   }
+}
+
+// The copy written in the same pass (what the trainer's gathers read) is, bit for bit, AdamW and then convert; the
+// masters and moments are the update without a copy. Values past fp16's range, and a NaN, round as convert rounds them.
+TEST(Offload, AdamWCopyIsTheConvertedUpdate) {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> d(0.f, 1.f);
+  const dev::Exec cpu{};
+  for (DType ct : {DType::BF16, DType::F16, DType::F32})
+    for (int64_t n : {1, 5, 8, 1001}) {
+      const size_t N = static_cast<size_t>(n);
+      std::vector<float> p(N), g(N), m(N), v(N);
+      for (size_t i = 0; i < N; ++i)
+        p[i] = d(rng) * (i % 3 ? 1.f : 7e4f), g[i] = d(rng), m[i] = 0.1f * d(rng), v[i] = std::abs(0.01f * d(rng));
+      p[N / 2] = NAN;
+      auto P = p, M = m, V = v;
+      const size_t bytes = N * dtype_size(ct);
+      std::vector<char> fused(bytes), want(bytes);
+      dev::adamw(cpu, p.data(), g.data(), m.data(), v.data(), n, 0.9, 0.95, 1e-8, 3e-4, 0.1, 0.7, 3, fused.data(), ct);
+      dev::adamw(cpu, P.data(), g.data(), M.data(), V.data(), n, 0.9, 0.95, 1e-8, 3e-4, 0.1, 0.7, 3);
+      dev::convert(cpu, want.data(), ct, P.data(), DType::F32, n);
+      EXPECT_TRUE(same_bits(p, P) && same_bits(m, M) && same_bits(v, V)) << dtype_name(ct) << " n " << n;
+      EXPECT_EQ(std::memcmp(fused.data(), want.data(), bytes), 0) << dtype_name(ct) << " n " << n;
+    }
 }
 
 TEST(Offload, ThreadPoolCoversEachElementOnce) {

@@ -154,8 +154,12 @@ class DevZero final : UnitHooks {
   float* dev_master() { return dmaster_; }
   float* dev_exp_avg() { return dm_; }
   float* dev_exp_avg_sq() { return dv_; }
-  // Partial offload, after the model's stream updated dev_master(): its values into the parameter copies the next
-  // gathers read (delayed: both), in the gathers' dtype, on that stream.
+  // Where an update on the device writes run r's new parameters in gather_dtype() in the pass that updates its
+  // masters (dev::adamw's copy): the run's place in the copy the gathers read, element for element the masters'.
+  // Null where there is no copy (fp32 gathers read the masters) or the host updates the run (offloaded, Run::dev < 0).
+  void* param_copy(const Run& r) const;
+  // Partial offload, after the model's stream updated dev_master() and the copy through param_copy(): delayed, its
+  // values into the other parameter copy too (in the gathers' dtype, on that stream), so neither is stale.
   void publish_device_part();
   DType gather_dtype() const { return gd_; }
   bool parameters_on_host() const { return stream_; }
@@ -182,8 +186,9 @@ class DevZero final : UnitHooks {
   void to_host(const std::vector<ShardPiece>& host) const;
   // After the masters changed (start-up, a resume, every update on the device): the dt copy (offloaded: after
   // from_host, every unit's, both copies when delayed; an offloaded update writes it itself), and stages 1/2 the
-  // model's weights.
-  void refresh_params();
+  // model's weights. copies_written: the update on the device wrote every run's copy itself (param_copy); the frozen
+  // pieces' copy never changes, so the copy is converted whole only at the first refresh (start-up, from_host).
+  void refresh_params(bool copies_written = false);
 
   // One optimizer step: begin_step(); per micro-step { forward pass; backward pass; after_backward() } (a rank with
   // no tokens runs the passes without compute: idle()); finish_grads(); optimizer on the shards; refresh_params().
