@@ -151,8 +151,8 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     dev_linear(ex, P, fused_gate_up(P, f, I, H, dt), c.ln2, c.gu, N, H, 2 * I, dt);
     dev_lora_fwd(ex, P, f + tlay::gate_proj, c.ln2, N, c.gu, 2 * I, dt);  // gate: columns [0, I) of gu
     dev_lora_fwd(ex, P, f + tlay::up_proj, c.ln2, N, at(c.gu, I, dt), 2 * I, dt);
-    // 8-bit down_proj weights (serving) read the SwiGLU of gu as they stream in decode steps; c.act is then not written,
-    // which only a LoRA adapter or a backward would read (neither runs with 8-bit weights).
+    // 8-bit down_proj weights (serving) read the SwiGLU of gu as they stream in decode steps; c.act is then not
+    // written, which only a LoRA adapter or a backward would read (neither runs with 8-bit weights).
     const bool fuse = P.q8 && P.q8[f + tlay::down_proj] && !P.lora;
     if (!fuse) dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
     dev_linear(ex, P, f + tlay::down_proj, fuse ? c.gu : c.act, s.tmp, N, I, H, dt, 0,

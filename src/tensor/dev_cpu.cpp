@@ -70,6 +70,10 @@ void narrow(const float* src, int64_t n, void* dst, DType dt) {
   else if (dt == DType::BF16) f32_to_bf16(src, n, d16);
   else std::transform(src, src + n, d16, [](float v) { return f32_to_f16(v); });
 }
+// dst[i] = src[rows[i] / div] for rows of D (gather_rows, and the rows a RowsIn gathers).
+void copy_rows(const float* src, const int32_t* rows, int64_t div, float* dst, int64_t R, int64_t D) {
+  for (int64_t i = 0; i < R; ++i) std::copy_n(src + rows[i] / div * D, D, dst + i * D);
+}
 // ops:: takes int64 indices; the device layer int32 (half the bytes on the GPU). Small arrays, converted per call.
 std::vector<int64_t> widen(const int32_t* p, int64_t n) { return std::vector<int64_t>(p, p + n); }
 // An input gradient that an op writes (accumulate = false): zeroed, then accumulated into by ops::, which is what the
@@ -260,8 +264,7 @@ const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, i
   need_f32(dt, "rows_in");
   float* out = static_cast<float*>(r.scratch);
   if (r.swiglu) ops::swiglu_fwd(F(in), out, R, n_in);
-  else
-    for (int64_t i = 0; i < R; ++i) std::copy_n(F(in) + r.rows[i] / r.div * n_in, n_in, out + i * n_in);
+  else copy_rows(F(in), r.rows, r.div, out, R, n_in);
   return out;
 }
 
@@ -488,7 +491,7 @@ void gather_rows(const Exec& x, const void* src, const int32_t* rows, int64_t di
                  DType dt) {
   DEV_OP(x, prof::mem(2 * B(R * D, dt)), gather_rows(x, src, rows, div, dst, R, D, dt));
   need_f32(dt, "gather_rows");
-  for (int64_t i = 0; i < R; ++i) std::copy_n(F(src) + rows[i] / div * D, D, F(dst) + i * D);
+  copy_rows(F(src), rows, div, F(dst), R, D);
 }
 void scatter_rows(const Exec& x, const void* src, const int32_t* rows, void* dst, int64_t R, int64_t D,
                   bool accumulate, DType dt) {

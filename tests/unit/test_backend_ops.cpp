@@ -345,9 +345,10 @@ std::vector<Case> all_cases(DType dt) {
 
   // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
   // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
-  // n_out 40 and 37 (row tiles of 16 cut short), 4104 (past 4096: the 4-warp knobs, gemv.cuh's launch_knobs). "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x
-  // enters the f16 mmas scaled by a power of two per row: no overflow, no clipping), and the last row all tiny; fp16
-  // x takes 1e3 (3e4 overflowed y itself, fp16 too).
+  // n_out 40 and 37 (row tiles of 16 cut short), 4104 (past 4096: the 4-warp knobs, gemv.cuh's launch_knobs).
+  // "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x enters the f16 mmas scaled by a power of two
+  // per row: no overflow, no clipping), and the last row all tiny; fp16 x takes 1e3 (3e4 overflowed y itself, fp16
+  // too).
   for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
     for (int64_t N : {1, 3, 8, 9, 16})
       for (auto [I, O] : {std::pair<int64_t, int64_t>{4136, 40}, {72, 37}, {1001, 37}, {72, 4104}})

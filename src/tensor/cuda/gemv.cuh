@@ -432,7 +432,7 @@ __device__ __forceinline__ uint4 x_vec(const S* __restrict__ src, int c, int len
 
 constexpr int kTcStageLoads = 4;  // x vectors a lane has in flight while staging
 
-// Row r of the product's input from x (XRows): its first element at column k0, and for SwiGLU the up half's offset.
+// Row r of the product's input from x (XRows): its element at column k0 (SwiGLU: the gate's; the up half is n_in on).
 template <class S>
 __device__ __forceinline__ const S* x_row(const S* __restrict__ x, const XRows& xr, int64_t r, int64_t n_in,
                                           int64_t k0) {
@@ -458,11 +458,12 @@ __device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
   return r;
 }
 
-// Stages rows r0 .. r0+n-1 of the input (x_row), columns [k0, k0+len), into xs (row j at j rs halves, as the mma type; zeros from len to the end of the
-// last warp step) and xmul[j] = 2^e_j, the factor that undoes row j's scaling. Every warp takes part, also for one
-// row: gw = WARPS / n warps a row (at least one), each lane keeping kTcStageLoads 16-byte loads in flight, so that
-// staging costs a few L2 round trips, not one a vector (one warp staging a 12288-column row alone took ~10 us, a
-// third of the 8B's fp8 down_proj). wmax: 32 words, the warps' partial max |x| of each row.
+// Stages rows r0 .. r0+n-1 of the input (x_row), columns [k0, k0+len), into xs (row j at j rs halves, as the mma
+// type; zeros from len to the end of the last warp step) and xmul[j] = 2^e_j, the factor that undoes row j's
+// scaling. Every warp takes part, also for one row: gw = WARPS / n warps a row (at least one), each lane keeping
+// kTcStageLoads 16-byte loads in flight, so that staging costs a few L2 round trips, not one a vector (one warp
+// staging a 12288-column row alone took ~10 us, a third of the 8B's fp8 down_proj). wmax: 32 words, the warps'
+// partial max |x| of each row.
 template <class S, class W, int WARPS>
 __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& xr, int64_t r0, int n, int64_t n_in,
                                          int64_t k0, int len, bool vec_x, uint16_t* xs, int rs, float* xmul,
@@ -537,9 +538,10 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
 
 constexpr int kTcHeader = 64 + 128;  // smem before the staged x: xmul (16 floats), wmax (32 words)
 
-// One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of in. smem: xmul (16 floats),
-// wmax (32 words), then staged x (n rows of rs halves, kc columns a chunk); the warps' partial sums reuse it at the end. The block
-// synchronizes before it stages, so it may be called again on other rows (experts).
+// One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of the input (rows r0 on,
+// read through xr). smem: xmul (16 floats), wmax (32 words), then staged x (n rows of rs halves, kc columns a
+// chunk); the warps' partial sums reuse it at the end. The block synchronizes before it stages, so it may be called
+// again on other rows (experts).
 template <class S, class W, int NB, class K, bool VEC>
 __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& xr, int64_t r0,
                                         const W* __restrict__ q, const float* __restrict__ scale,
