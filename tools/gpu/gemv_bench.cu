@@ -1,12 +1,13 @@
 // Micro-benchmark of the decode GEMV (src/tensor/cuda/gemv.cuh) on Qwen3-VL's decode-sized linears,
-// y[N, n_out] = x[N, n_in] W^T, bf16 activations, N = 1, 2, 4, 8, 16: for fp8, int8 and bf16 weights it times the
-// CUDA-core GEMV (wgemv::gemv_simt, the old path), the tensor-core GEMV (wgemv::gemv_tc) at four knob settings
-// (warps a block, 16-row tiles a block, steps of loads in flight), and cuBLASLt bf16 (dev::linear_fwd), and checks
+// y[N, n_out] = x[N, n_in] W^T, bf16 activations, N = 1, 2, 4, 8, 16: for fp8 and bf16 weights (int8 runs fp8's
+// code but for the conversion) it times the tensor-core GEMV (wgemv::gemv_tc) with the knobs by shape with and without programmatic dependent launch, and at five knob
+// settings (warps a block, 16-row tiles a block, steps of loads in flight, rounds of L2 prefetch ahead), and
+// cuBLASLt bf16 (dev::linear_fwd, or the tensor-core GEMV where Q3VL_DENSE_GEMV covers N), and checks
 // every path against cuBLASLt on the same product.
 // Build and run (from the repo root, on a GPU machine):
 //   make FFMPEG=0 bin/gemv_bench && bin/gemv_bench [reps]     (reps per timing, default 100, at least 20)
 // Output: a markdown table, one row per shape, weight type and N: microseconds (median), weight bandwidth (bytes of
-// W read / time, TB/s; 8-bit rows count their scales), the best tensor-core setting's speedups over the old GEMV and
+// W read / time, TB/s; 8-bit rows count their scales), the best tensor-core setting's speedups over the knobs by shape
 // over cuBLASLt bf16, and the max relative difference of any path from cuBLASLt (max|y - y_ref| / max|y_ref|; over
 // 1e-2 is flagged FAIL, exit 1).
 // Weights: int8 q random in [-127, 127], fp8 E4M3 codes random (NaN codes skipped), row scales 2^-(6 + row % 4);
@@ -78,12 +79,17 @@ std::string fmt(double v, const char* f) {
 }
 std::string us_cell(const Timing& t) { return fmt(t.us, "%.1f") + (t.host_bound ? " (host-bound)" : ""); }
 
-// The tensor-core settings swept: TcKnobs<warps, 16-row tiles, steps in flight>.
-using Tc0 = wg::TcKnobs<4, 1, 4>;  // gemv()'s default for N <= 8
-using Tc1 = wg::TcKnobs<4, 2, 2>;  // gemv()'s default for N 9..16
-using Tc2 = wg::TcKnobs<8, 1, 4>;
-using Tc3 = wg::TcKnobs<8, 2, 2>;
-constexpr const char* kTcNames[4] = {"tc 4w1t4d", "tc 4w2t2d", "tc 8w1t4d", "tc 8w2t2d"};
+// The tensor-core settings swept: TcKnobs<warps, 16-row tiles, steps in flight, rounds of L2 prefetch ahead>, all
+// launched programmatically dependent (a rep's first weights load while the rep before finishes, as in a decode
+// step after its RMSNorm); "auto" is gemv()'s pick by shape, timed also without (no PDL: each rep alone).
+using Tc4 = wg::TcKnobs<4, 1, 4, 4>;
+using Tc5 = wg::TcKnobs<4, 2, 2, 4>;
+using Tc6 = wg::TcKnobs<8, 1, 4, 4>;
+using Tc7 = wg::TcKnobs<8, 2, 2, 4>;
+using Tc8 = wg::TcKnobs<4, 2, 2, 8>;
+constexpr int kPaths = 7;  // auto without PDL, auto, Tc4 .. Tc8
+constexpr const char* kTcNames[kPaths] = {"auto noPDL",   "auto",         "tc 4w1t4d p4", "tc 4w2t2d p4",
+                                          "tc 8w1t4d p4", "tc 8w2t2d p4", "tc 4w2t2d p8"};
 
 // One problem: the weights of one type W (pool of copies, or the experts), x, the reference output.
 struct Problem {
@@ -94,7 +100,7 @@ struct Problem {
   int64_t E, R;
 };
 
-// Times and checks the old GEMV and the four tensor-core settings on W; prints one row. wbytes: bytes of W read per
+// Times and checks the tensor-core settings on W; prints one row. wbytes: bytes of W read per
 // call; wk(k), sk(k): copy k's weights and scales (scales null for bf16).
 template <class W, class WK, class SK>
 bool bench_row(const dev::Exec& x, const Problem& p, const char* wname, double wbytes, int reps, int nbuf, WK wk,
@@ -102,9 +108,6 @@ bool bench_row(const dev::Exec& x, const Problem& p, const char* wname, double w
   const int64_t ny = (p.start ? p.R : p.N) * p.n_out;
   const int64_t n = p.start ? std::min<int64_t>(p.R, kMaxRows) : p.N;
   auto st = [&](int k) { return p.start ? p.start[k % kRot] : nullptr; };
-  auto old = [&](int k) {
-    wg::gemv_simt<bf16, W>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out, st(k), p.E, p.R);
-  };
   auto tc = [&]<class K>(int k) {
     wg::gemv_tc<bf16, W, K>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out, st(k), p.E, p.R);
   };
@@ -119,29 +122,30 @@ bool bench_row(const dev::Exec& x, const Problem& p, const char* wname, double w
   auto time_it = [&](auto&& f) {
     return gpu_bench::time_median(dev::cuda::stream_of(x), reps, std::max(nbuf, 5), [&](int i) { f(i % nbuf); });
   };
-  check(old);
-  const Timing told = time_it(old);
-  Timing t[4];
-  check([&](int k) { tc.template operator()<Tc0>(k); });
-  t[0] = time_it([&](int k) { tc.template operator()<Tc0>(k); });
-  check([&](int k) { tc.template operator()<Tc1>(k); });
-  t[1] = time_it([&](int k) { tc.template operator()<Tc1>(k); });
-  check([&](int k) { tc.template operator()<Tc2>(k); });
-  t[2] = time_it([&](int k) { tc.template operator()<Tc2>(k); });
-  check([&](int k) { tc.template operator()<Tc3>(k); });
-  t[3] = time_it([&](int k) { tc.template operator()<Tc3>(k); });
+  Timing t[kPaths];
+  int i = 0;
+  auto run = [&](auto&& f, bool pdl) {
+    dev::cuda::pdl_on() = pdl;
+    check(f);
+    t[i++] = time_it(f);
+    dev::cuda::pdl_on() = true;
+  };
+  run([&](int k) { tc.template operator()<wg::TcAuto>(k); }, false);
+  run([&](int k) { tc.template operator()<wg::TcAuto>(k); }, true);
+  [&]<class... K>() { (run([&](int k) { tc.template operator()<K>(k); }, true), ...); }
+      .template operator()<Tc4, Tc5, Tc6, Tc7, Tc8>();
 
   auto tbs = [](double bytes, double us) { return bytes / us / 1e6; };
-  int best = 0;
-  for (int i = 1; i < 4; ++i)
-    if (t[i].us < t[best].us) best = i;
+  int best = 1;
+  for (int j = 2; j < kPaths; ++j)
+    if (t[j].us < t[best].us) best = j;
   const bool fail = !(worst <= kTol);
   std::printf("| %s | %lld->%lld | %s | %lld | %s | %s | %s | %s |", p.shape, (long long)p.n_in, (long long)p.n_out,
               wname, (long long)p.N, us_cell(tcublas).c_str(), fmt(tbs(cublas_bytes, tcublas.us), "%.2f").c_str(),
-              us_cell(told).c_str(), fmt(tbs(wbytes, told.us), "%.2f").c_str());
-  for (int i = 0; i < 4; ++i)
-    std::printf(" %s | %s |", us_cell(t[i]).c_str(), fmt(tbs(wbytes, t[i].us), "%.2f").c_str());
-  std::printf(" %s | %s | %s | %s%s |\n", kTcNames[best], fmt(told.us / t[best].us, "%.2f").c_str(),
+              us_cell(t[1]).c_str(), fmt(tbs(wbytes, t[1].us), "%.2f").c_str());
+  for (int j = 0; j < kPaths; ++j)
+    std::printf(" %s | %s |", us_cell(t[j]).c_str(), fmt(tbs(wbytes, t[j].us), "%.2f").c_str());
+  std::printf(" %s | %s | %s | %s%s |\n", kTcNames[best], fmt(t[1].us / t[best].us, "%.2f").c_str(),
               fmt(tcublas.us / t[best].us, "%.2f").c_str(), fmt(worst, "%.1e").c_str(), fail ? " FAIL" : "");
   std::fflush(stdout);
   return fail;
@@ -170,7 +174,6 @@ bool bench_dense(const dev::Exec& x, const Dense& s, const bf16* in, int reps) {
   k_init_weights<<<4096, 256, 0, st>>>(Q + nw, F + nw, scale + s.n_out, Wq + nw, nullptr, nw * (nbuf - 1), s.n_in,
                                        s.n_out, 777u);
   Q3VL_LAUNCHED();
-  auto Qk = [&](int k) { return Q + int64_t(k) * nw; };
   auto Fk = [&](int k) { return F + int64_t(k) * nw; };
   auto Sk = [&](int k) { return scale + int64_t(k) * s.n_out; };
   auto Wk = [&](int k) { return Wq + int64_t(k) * nw; };
@@ -179,12 +182,11 @@ bool bench_dense(const dev::Exec& x, const Dense& s, const bf16* in, int reps) {
   bool bad = false;
   for (int64_t N : {1, 2, 4, 8, 16}) {
     const Problem p{s.name, s.n_in, s.n_out, N, in, nullptr, 0, 0};
-    auto cublas = [&](int k) { dev::linear_fwd(x, in, Wk(k), nullptr, y, N, s.n_in, s.n_out, DType::BF16); };
+    auto cublas = [&](int k) { dev::cuda::linear_fwd(x, in, Wk(k), nullptr, y, N, s.n_in, s.n_out, DType::BF16); };
     const Timing tcub = gpu_bench::time_median(st, reps, std::max(nbuf, 5), [&](int i) { cublas(i % nbuf); });
-    dev::linear_fwd(x, in, Wf, nullptr, yref, N, s.n_in, s.n_out, DType::BF16);
+    dev::cuda::linear_fwd(x, in, Wf, nullptr, yref, N, s.n_in, s.n_out, DType::BF16);
     bad |= bench_row<fp8>(x, p, "fp8", b8, reps, nbuf, Fk, Sk, y, yref, tcub, b16);
-    dev::linear_fwd(x, in, Wq, nullptr, yref, N, s.n_in, s.n_out, DType::BF16);
-    bad |= bench_row<int8_t>(x, p, "int8", b8, reps, nbuf, Qk, Sk, y, yref, tcub, b16);
+    dev::cuda::linear_fwd(x, in, Wq, nullptr, yref, N, s.n_in, s.n_out, DType::BF16);  // the bf16 rows' reference
     bad |= bench_row<bf16>(x, p, "bf16", b16, reps, nbuf, Wk, none, y, yref, tcub, b16);
   }
   for (void* v : {(void*)Q, (void*)F, (void*)scale, (void*)Wq, (void*)Wf, (void*)y, (void*)yref}) Q3VL_CU(cudaFree(v));
@@ -228,7 +230,7 @@ bool bench_experts(const dev::Exec& x, const Dense& s, const bf16* in, int reps)
     const auto hs = expert_starts(R);
     const int32_t* starts[kRot];
     for (int k = 0; k < kRot; ++k) {
-      dev::to_device(x, dstart + k * (E + 1), hs[size_t(k)].data(), sizeof(int32_t) * size_t(E + 1));
+      dev::cuda::to_device(x, dstart + k * (E + 1), hs[size_t(k)].data(), sizeof(int32_t) * size_t(E + 1));
       starts[k] = dstart + k * (E + 1);
     }
     int64_t busy = 0;
@@ -238,13 +240,12 @@ bool bench_experts(const dev::Exec& x, const Dense& s, const bf16* in, int reps)
       for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = hs[0][size_t(e)], m = hs[0][size_t(e) + 1] - r0;
         if (m > 0)
-          dev::linear_fwd(x, in + r0 * s.n_in, Wb + e * per, nullptr, yref + r0 * s.n_out, m, s.n_in, s.n_out,
+          dev::cuda::linear_fwd(x, in + r0 * s.n_in, Wb + e * per, nullptr, yref + r0 * s.n_out, m, s.n_in, s.n_out,
                           DType::BF16);
       }
     };
     const Problem p{s.name, s.n_in, s.n_out, N, in, starts, E, R};
     const double b8 = double(busy) * (double(per) + 4.0 * double(s.n_out)), b16 = 2.0 * double(busy) * double(per);
-    auto Qk = [&](int) { return static_cast<const int8_t*>(Q); };
     auto Fk = [&](int) { return static_cast<const fp8*>(F); };
     auto Sk = [&](int) { return static_cast<const float*>(scale); };
     auto Wk = [&](int) { return static_cast<const bf16*>(Wq); };
@@ -253,7 +254,6 @@ bool bench_experts(const dev::Exec& x, const Dense& s, const bf16* in, int reps)
     reference(Wf);
     bad |= bench_row<fp8>(x, p, "fp8", b8, reps, kRot, Fk, Sk, y, yref, no_cublas, b16);
     reference(Wq);
-    bad |= bench_row<int8_t>(x, p, "int8", b8, reps, kRot, Qk, Sk, y, yref, no_cublas, b16);
     bad |= bench_row<bf16>(x, p, "bf16", b16, reps, kRot, Wk, none, y, yref, no_cublas, b16);
   }
   for (void* v : {(void*)Q, (void*)F, (void*)scale, (void*)Wq, (void*)Wf, (void*)y, (void*)yref, (void*)dstart})
@@ -270,16 +270,16 @@ int main(int argc, char** argv) {
   const Dense experts[] = {{"30B-A3B experts gate_up", 2048, 1536}, {"30B-A3B experts down", 768, 2048}};
   bool bad = false;
   try {
-    dev::Exec x = dev::make_exec(Device::CUDA);
+    dev::Exec x = dev::cuda::make_exec(size_t(256) << 20, 0);
     cudaStream_t st = dev::cuda::stream_of(x);
     cudaDeviceProp prop{};
     Q3VL_CU(cudaGetDeviceProperties(&prop, 0));
     std::printf("# gemv_bench on %s (L2 %d MB), median of %d reps, bf16 activations\n\n", prop.name,
                 prop.l2CacheSize >> 20, reps);
-    std::printf("| shape | n_in->n_out | W | N | cuBLASLt bf16 us | TB/s | old us | TB/s |");
+    std::printf("| shape | n_in->n_out | W | N | cuBLASLt bf16 us | TB/s | auto us | TB/s |");
     for (const char* t : kTcNames) std::printf(" %s us | TB/s |", t);
-    std::printf(" best tc | x old | x cuBLASLt | max rel diff |\n|");
-    for (int i = 0; i < 20; ++i) std::printf("---|");
+    std::printf(" best tc | x auto | x cuBLASLt | max rel diff |\n|");
+    for (int i = 0; i < 12 + 2 * kPaths; ++i) std::printf("---|");
     std::printf("\n");
     bf16* in;
     const int64_t max_in = 12288;
@@ -289,7 +289,7 @@ int main(int argc, char** argv) {
     for (const Dense& s : dense) bad |= bench_dense(x, s, in, reps);
     for (const Dense& s : experts) bad |= bench_experts(x, s, in, reps);
     Q3VL_CU(cudaFree(in));
-    dev::destroy_exec(x);
+    dev::cuda::destroy_exec(x);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gemv_bench: %s\n", e.what());
     return 2;

@@ -60,8 +60,8 @@ inline double to_double(float v) { return double(v); }
 template <class T>
 double rel_diff(const dev::Exec& x, const void* a, const void* b, int64_t n, double scale = 1.0) {
   std::vector<T> ha(static_cast<size_t>(n)), hb(static_cast<size_t>(n));
-  dev::to_host(x, ha.data(), a, size_t(n) * sizeof(T));
-  dev::to_host(x, hb.data(), b, size_t(n) * sizeof(T));
+  dev::cuda::to_host(x, ha.data(), a, size_t(n) * sizeof(T));
+  dev::cuda::to_host(x, hb.data(), b, size_t(n) * sizeof(T));
   double num = 0, den = 0;
   for (size_t i = 0; i < size_t(n); ++i) {
     const double va = to_double(ha[i]), vb = scale * to_double(hb[i]);

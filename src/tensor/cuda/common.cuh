@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "q3vl/core/error.hpp"
@@ -68,6 +69,49 @@ void launch(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream
     Q3VL_CU(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kern<<<grid, threads, smem, st>>>(a...);
   Q3VL_LAUNCHED();
+}
+
+// Programmatic dependent launch (Hopper): a kernel launched by launch_pdl may start while the kernel before it in the
+// stream still runs (a CUDA graph keeps the edge). It must call pdl_wait() before it reads anything the kernels before
+// wrote or writes anything they read; what it does before (loading weights) overlaps them. pdl_trigger() lets the
+// next kernel's blocks start before this one ends (a no-op unless that kernel is launched by launch_pdl); it is
+// called once a kernel has passed its own wait, so at most two grids overlap.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// The first statement of a kernel launched by launch_pdl that has nothing to do before its inputs are there.
+__device__ __forceinline__ void pdl_enter() {
+  pdl_wait();
+  pdl_trigger();
+}
+
+// Whether launch_pdl launches programmatically dependent: on unless the environment sets Q3VL_PDL=0 (for A/B runs);
+// benchmarks may flip it.
+inline bool& pdl_on() {
+  static bool on = [] {
+    const char* e = std::getenv("Q3VL_PDL");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+// launch(), programmatically dependent on the stream's previous kernel (pdl_on()); kern calls pdl_wait() first
+// for everything that depends on earlier work.
+template <class... KA, class... A>
+void launch_pdl(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
+  if (!pdl_on()) return launch(kern, grid, threads, smem, st, a...);
+  if (smem > 48 * 1024)
+    Q3VL_CU(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  Q3VL_CU(cudaLaunchKernelEx(&cfg, kern, KA(a)...));
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

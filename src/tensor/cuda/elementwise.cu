@@ -79,6 +79,7 @@ template <class S> __global__ void k_gelu_erf_bwd(const S* dy, const S* x, S* dx
   }
 }
 template <class S> __global__ void k_swiglu_fwd(const S* gu, S* y, int64_t N, int64_t I) {
+  pdl_enter();  // launched by launch_pdl
   Q3VL_GRID_LOOP(e, N * I) {
     const int64_t i = e / I, j = e % I;
     const float g = ld(gu, i * 2 * I + j), u = ld(gu, i * 2 * I + I + j);
@@ -397,7 +398,8 @@ void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int6
 void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DType dt) {
   if (N * I <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    k_swiglu_fwd<S><<<grid_for(N * I), 256, 0, stream_of(x)>>>(static_cast<const S*>(gu), static_cast<S*>(y), N, I);
+    launch_pdl(k_swiglu_fwd<S>, dim3(unsigned(grid_for(N * I))), 256, 0, stream_of(x), static_cast<const S*>(gu),
+               static_cast<S*>(y), N, I);
     Q3VL_LAUNCHED();
   });
 }

@@ -323,9 +323,14 @@ void gemv_simt(const Exec& x, const S* in, const W* q, const float* scale, const
 //    before the current step's mmas, and across x chunks). The warps' partial sums are added through shared memory.
 //  - x is staged kc columns at a time when n rows do not fit kTcSmemBudget (each chunk its own scale exponent: the
 //    chunk's sums are folded into the total with it).
-template <int WARPS, int MT, int DEPTH> struct TcKnobs {
-  static_assert(WARPS >= 1 && WARPS <= 32 && MT >= 1 && DEPTH >= 1, "wgemv: knobs");
-  static constexpr int kWarps = WARPS, kMt = MT, kDepth = DEPTH;
+//  - PF > 0: the block also prefetches its rows PF rounds (a round: one step of every warp) ahead of the loads into
+//    L2 (cp.async.bulk.prefetch, one lane a row), which keeps more bytes in flight than the registers hold.
+//  - the kernel is launched programmatically dependent (launch_pdl): a dense block prefetches its first 32 KiB of
+//    weights into L2 before it waits for the kernel before it (pdl_wait), so the weight stream starts while the
+//    RMSNorm, SwiGLU or attention that produces x still runs.
+template <int WARPS, int MT, int DEPTH, int PF = 0> struct TcKnobs {
+  static_assert(WARPS >= 1 && WARPS <= 32 && MT >= 1 && DEPTH >= 1 && PF >= 0 && 16 * MT <= 32, "wgemv: knobs");
+  static constexpr int kWarps = WARPS, kMt = MT, kDepth = DEPTH, kPf = PF;
 };
 struct TcAuto {};  // the default knobs by shape (launch_knobs)
 // The knobs by shape (TcAuto), from tools/gpu/gemv_bench on an H200 (2026-12-03, tenth session's call 1,
@@ -538,33 +543,66 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
 
 constexpr int kTcHeader = 64 + 128;  // smem before the staged x: xmul (16 floats), wmax (32 words)
 
+// Warp step i of the calling warp (over all of K) of the block's rows row0 on: columns (warp + WARPS i) STEP +
+// [0, STEP), the lane's group at t G.
+template <class W, class K, bool VEC>
+__device__ __forceinline__ void tc_load_step(uint4 (&w)[K::kMt][2], const W* __restrict__ q, int64_t row0,
+                                             int64_t n_out, int64_t n_in, int64_t i) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t col = (warp + int64_t(K::kWarps) * i) * kTcStep<W> + t * kGroup<W>;
+#pragma unroll
+  for (int mt = 0; mt < K::kMt; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) w[mt][h] = load_group<W, VEC>(q, row0 + mt * 16 + g + 8 * h, n_out, n_in, col);
+}
+
+// Columns [c0, c1) of the block's rows row0 .. row0 + 16 K::kMt - 1 into L2 (cp.async.bulk.prefetch), thread r
+// row row0 + r; whole 16-byte rows only (VEC), nothing past the matrix. A hint: L2 is where every write lands, so
+// a prefetch issued before the writer finished cannot make a later load stale.
+template <class W, class K, bool VEC>
+__device__ __forceinline__ void tc_prefetch(const W* __restrict__ q, int64_t row0, int64_t n_out, int64_t n_in,
+                                            int64_t c0, int64_t c1) {
+  if constexpr (VEC) {
+    const int64_t r = row0 + threadIdx.x, e = std::min(c1, n_in);
+    if (threadIdx.x < 16 * K::kMt && r < n_out && c0 < e) {
+      const uint32_t bytes = uint32_t((e - c0) * int64_t(sizeof(W)));
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(q + r * n_in + c0), "r"(bytes) : "memory");
+    }
+  }
+}
+template <class W, class K> inline constexpr int64_t kTcRound = int64_t(K::kWarps) * kTcStep<W>;  // columns a round
+// What a dense block prefetches before it waits for its x (launch_pdl): its first 32 KiB, at least the rounds the
+// ring and the prefetch window cover.
+template <class W, class K>
+inline constexpr int64_t kTcEarlyCols =
+    std::max<int64_t>((K::kDepth + K::kPf) * kTcRound<W, K>, (32 << 10) / (16 * K::kMt * int64_t(sizeof(W))));
+
+// The ring of a block's first K::kDepth warp steps, and the L2 prefetch of the K::kPf rounds after them.
+template <class W, class K, bool VEC>
+__device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], const W* __restrict__ q,
+                                           int64_t row0, int64_t n_out, int64_t n_in) {
+#pragma unroll
+  for (int d = 0; d < K::kDepth; ++d) tc_load_step<W, K, VEC>(ring[d], q, row0, n_out, n_in, d);
+  if constexpr (K::kPf > 0)
+    tc_prefetch<W, K, VEC>(q, row0, n_out, n_in, K::kDepth * kTcRound<W, K>, (K::kDepth + K::kPf) * kTcRound<W, K>);
+}
+
 // One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of the input (rows r0 on,
 // read through xr). smem: xmul (16 floats), wmax (32 words), then staged x (n rows of rs halves, kc columns a
 // chunk); the warps' partial sums reuse it at the end. The block synchronizes before it stages, so it may be called
-// again on other rows (experts).
+// again on other rows (experts). ring: the first K::kDepth steps' weights (tc_preload).
 template <class S, class W, int NB, class K, bool VEC>
 __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& xr, int64_t r0,
                                         const W* __restrict__ q, const float* __restrict__ scale,
                                         const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out,
-                                        int kc, int rs, bool vec_x, char* smem) {
+                                        int kc, int rs, bool vec_x, char* smem,
+                                        uint4 (&ring)[K::kDepth][K::kMt][2]) {
   constexpr int NT = NB / 8, MT = K::kMt, WARPS = K::kWarps, D = K::kDepth, G = kGroup<W>, STEP = kTcStep<W>;
   float* xmul = reinterpret_cast<float*>(smem);
   uint32_t* wmax = reinterpret_cast<uint32_t*>(smem + 64);
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem + kTcHeader);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t row0 = int64_t(blockIdx.x) * (16 * MT);
-
-  // Warp step i of the warp (over all of K): columns (warp + WARPS i) STEP + [0, STEP), the lane's group at t G.
-  uint4 ring[D][MT][2];
-  auto load_step = [&](uint4 (&w)[MT][2], int64_t i) {
-    const int64_t col = (warp + WARPS * i) * STEP + t * G;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) w[mt][h] = load_group<W, VEC>(q, row0 + mt * 16 + g + 8 * h, n_out, n_in, col);
-  };
-#pragma unroll
-  for (int d = 0; d < D; ++d) load_step(ring[d], d);
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -591,7 +629,11 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& x
       for (int d = 0; d < D; ++d) {
         const int cs = (warp + WARPS * (i0 + d)) * STEP;  // the step's first column in the chunk
         if (cs < len) tc_step<W, NB, MT>(part, ring[d], xs + cs + t * G, rs, n, g);
-        load_step(ring[d], i_base + i0 + d + D);
+        tc_load_step<W, K, VEC>(ring[d], q, row0, n_out, n_in, i_base + i0 + d + D);
+        if constexpr (K::kPf > 0) {
+          const int64_t pr = i_base + i0 + d + D + K::kPf;  // the round K::kPf past the ring's
+          if (warp == 0) tc_prefetch<W, K, VEC>(q, row0, n_out, n_in, pr * kTcRound<W, K>, (pr + 1) * kTcRound<W, K>);
+        }
       }
     }
     // part holds sums of scaled x: undo each x row's 2^-e (frag_c_n: the lane's x rows)
@@ -631,7 +673,9 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& x
 }
 
 // As k_gemv: start null, one matrix; else blockIdx.y picks the blockIdx.y-th expert with rows, n rows a pass. The
-// input rows are read through xr.
+// input rows are read through xr. Launched programmatically dependent (launch_pdl): a dense block prefetches its
+// first weights into L2 before pdl_wait (loads into registers wait: the kernel before may have written them);
+// experts need start, the kernel before's output, first.
 template <class S, class W, int NB, class K, bool VEC>
 __global__ void __launch_bounds__(K::kWarps * 32, 1)
     k_gemv_tc(const S* __restrict__ in, const W* __restrict__ q, const float* __restrict__ scale,
@@ -639,14 +683,26 @@ __global__ void __launch_bounds__(K::kWarps * 32, 1)
               bool vec_x, const int32_t* __restrict__ start, int E, XRows xr) {
   extern __shared__ float4 smem_tc[];
   char* smem = reinterpret_cast<char*>(smem_tc);
-  if (!start) return tc_rows<S, W, NB, K, VEC>(in, xr, 0, q, scale, b, y, n, n_in, n_out, kc, rs, vec_x, smem);
+  uint4 ring[K::kDepth][K::kMt][2];
+  if (!start) {
+    const int64_t row0 = int64_t(blockIdx.x) * (16 * K::kMt);
+    tc_prefetch<W, K, VEC>(q, row0, n_out, n_in, 0, kTcEarlyCols<W, K>);
+    pdl_wait();
+    pdl_trigger();
+    tc_preload<W, K, VEC>(ring, q, row0, n_out, n_in);
+    return tc_rows<S, W, NB, K, VEC>(in, xr, 0, q, scale, b, y, n, n_in, n_out, kc, rs, vec_x, smem, ring);
+  }
+  pdl_wait();
+  pdl_trigger();
   const int e = busy_expert(start, E, int(blockIdx.y));
   if (e < 0) return;
   const int64_t r1 = start[e + 1];
-  for (int64_t r = start[e]; r < r1; r += n)
-    tc_rows<S, W, NB, K, VEC>(in, xr, r, q + int64_t(e) * n_out * n_in,
-                              kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
-                              int(min(int64_t(n), r1 - r)), n_in, n_out, kc, rs, vec_x, smem);
+  const W* qe = q + int64_t(e) * n_out * n_in;
+  for (int64_t r = start[e]; r < r1; r += n) {
+    tc_preload<W, K, VEC>(ring, qe, int64_t(blockIdx.x) * (16 * K::kMt), n_out, n_in);
+    tc_rows<S, W, NB, K, VEC>(in, xr, r, qe, kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
+                              int(min(int64_t(n), r1 - r)), n_in, n_out, kc, rs, vec_x, smem, ring);
+  }
 }
 
 template <class S, class W, int NB, class K>
@@ -662,8 +718,8 @@ void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const
   const bool vec_x = n_in % 8 == 0 && aligned16(in);       // every x row too (and SwiGLU's up halves)
   const dim3 grid(unsigned((n_out + 16 * K::kMt - 1) / (16 * K::kMt)), start ? unsigned(std::min(E, R)) : 1u);
   auto go = [&](auto kernel) {
-    launch(kernel, grid, K::kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, int(kc), int(rs),
-           vec_x, start, int(E), xr);
+    launch_pdl(kernel, grid, K::kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, int(kc),
+               int(rs), vec_x, start, int(E), xr);
   };
   if (vec) go(k_gemv_tc<S, W, NB, K, true>);
   else go(k_gemv_tc<S, W, NB, K, false>);

@@ -144,6 +144,7 @@ __device__ __forceinline__ bool better(float v, int c, float bv, int bc) {
 __global__ void __launch_bounds__(kThreads)
     k_argmax_rows(const float* __restrict__ logits, int64_t V, int64_t v0, int64_t limit,
                   const int32_t* __restrict__ banned, int nb, int32_t* __restrict__ idx, float* __restrict__ val) {
+  pdl_enter();  // launched by launch_pdl
   const float* r = logits + int64_t(blockIdx.x) * V;
   const int64_t n = min(V, max(limit - v0, int64_t(0)));
   float bv = -INFINITY;
@@ -178,7 +179,7 @@ void argmax_rows(const Exec& x, const float* logits, int64_t S, int64_t V, int64
                  const int32_t* banned, int64_t nb, int32_t* idx, float* val) {
   if (S <= 0) return;
   Q3VL_CHECK(S <= 65535 * 16 && V < (int64_t(1) << 31) && nb >= 0 && nb <= 1024, "argmax_rows: sizes out of range");
-  k_argmax_rows<<<unsigned(S), kThreads, 0, stream_of(x)>>>(logits, V, v0, limit, banned, int(nb), idx, val);
+  launch_pdl(k_argmax_rows, dim3(unsigned(S)), kThreads, 0, stream_of(x), logits, V, v0, limit, banned, int(nb), idx, val);
   Q3VL_LAUNCHED();
 }
 

@@ -37,6 +37,7 @@ __device__ __forceinline__ float warp_max(float v) {
 template <class S>
 __global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ probs, int32_t* __restrict__ idx,
                              float* __restrict__ w, int64_t N, int E, int k) {
+  pdl_enter();  // launched by launch_pdl
   extern __shared__ float sbuf[];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   float* buf = sbuf + wid * E;
@@ -230,6 +231,7 @@ __global__ void k_plan_scan(int32_t* cnt, int64_t nchunks, int E, int32_t* start
 
 __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, int64_t nchunks, int32_t* off,
                             int32_t* rows, int32_t* pos) {
+  pdl_trigger();  // the experts' GEMV after this may start (launch_pdl)
   const int lane = threadIdx.x & 31;
   const int64_t b = blockIdx.x * int64_t(blockDim.x >> 5) + (threadIdx.x >> 5);
   if (b >= nchunks) return;
@@ -260,6 +262,7 @@ constexpr size_t kPlanSmem = 48 << 10;
 __global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restrict__ idx, int R, int E,
                                                          int32_t* __restrict__ start, int32_t* __restrict__ rows,
                                                          int32_t* __restrict__ pos) {
+  pdl_enter();  // launched by launch_pdl
   extern __shared__ int32_t cnt[];  // [nch][E], then base[E]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, nch = (R + 31) / 32;
   int32_t* base = cnt + nch * E;
@@ -668,6 +671,7 @@ void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const 
 template <class S>
 __global__ void k_combine_fwd(const S* __restrict__ y, const int32_t* __restrict__ pos, const float* __restrict__ w,
                               S* __restrict__ out, int64_t N, int k, int64_t H) {
+  pdl_enter();  // launched by launch_pdl
   for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < N * H; q += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = q / H, d = q % H;
     float acc = 0.f;
@@ -717,8 +721,8 @@ void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, f
   Q3VL_CHECK(E <= kMaxExperts && k <= 32, "router: at most 1024 experts, 32 a token, on CUDA");
   if (N <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    k_router_fwd<S><<<warp_rows_grid(N, 4), 128, 4 * E * sizeof(float), stream_of(x)>>>(
-        static_cast<const S*>(logits), probs, idx, w, N, int(E), int(k));
+    launch_pdl(k_router_fwd<S>, dim3(warp_rows_grid(N, 4)), 128, 4 * E * sizeof(float), stream_of(x),
+               static_cast<const S*>(logits), probs, idx, w, N, int(E), int(k));
     Q3VL_LAUNCHED();
   });
 }
@@ -778,7 +782,7 @@ void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E
   }
   const size_t one_block_smem = (size_t((R + 31) / 32) + 1) * size_t(E) * sizeof(int32_t);
   if (R <= kPlanOneBlockR && one_block_smem <= kPlanSmem) {
-    k_plan_one_block<<<1, 1024, one_block_smem, s>>>(idx, int(R), int(E), start, rows, pos);
+    launch_pdl(k_plan_one_block, dim3(1), 1024, one_block_smem, s, idx, int(R), int(E), start, rows, pos);
     Q3VL_LAUNCHED();
     return;
   }
@@ -861,8 +865,8 @@ void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const flo
                      int64_t H, DType dt) {
   if (N * H <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    k_combine_fwd<S><<<grid_for(N * H), 256, 0, stream_of(x)>>>(static_cast<const S*>(y), pos, w,
-                                                                 static_cast<S*>(out), N, int(k), H);
+    launch_pdl(k_combine_fwd<S>, dim3(unsigned(grid_for(N * H))), 256, 0, stream_of(x), static_cast<const S*>(y), pos,
+               w, static_cast<S*>(out), N, int(k), H);
     Q3VL_LAUNCHED();
   });
 }

@@ -59,6 +59,7 @@ template <class S, int V, int T, bool RES>
 __global__ void __launch_bounds__(kNormThreads)
     k_rms_fwd(const S* __restrict__ a, S* __restrict__ io, const S* __restrict__ w, S* __restrict__ y,
               S* __restrict__ saved, float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
+  pdl_enter();  // launched by launch_pdl
   constexpr int R = kNormThreads / T;  // rows a block
   __shared__ float part[kNormThreads / 32];
   const int t = threadIdx.x % T;
@@ -122,6 +123,7 @@ __global__ void k_qk_norm_rope(const S* __restrict__ qin, const S* __restrict__ 
                                const int32_t* __restrict__ slots, float* __restrict__ rq, float* __restrict__ rk,
                                const float* __restrict__ cos, const float* __restrict__ sin, int64_t N, int nh, int nkv,
                                int hd, float eps) {
+  pdl_enter();  // launched by launch_pdl
   const int lane = threadIdx.x & 31, half = hd / 2;
   const int64_t nq = N * nh, nk = N * nkv, rows = nq + nk + (vin ? nk : 0);
   for (int64_t r = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); r < rows; r += int64_t(gridDim.x) * kWarps) {
@@ -378,9 +380,11 @@ void rms_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, voi
     const unsigned grid = unsigned(row_block ? N : row_blocks(N));
     auto go = [&]<int V, int T>() {
       if (a)
-        k_rms_fwd<S, V, T, true><<<grid, kNormThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, so, rstd, N, D, float(eps));
+        launch_pdl(k_rms_fwd<S, V, T, true>, dim3(grid), kNormThreads, 0, stream_of(x), ai, xo, wi, yo, so, rstd, N, D,
+                   float(eps));
       else
-        k_rms_fwd<S, V, T, false><<<grid, kNormThreads, 0, stream_of(x)>>>(ai, xo, wi, yo, so, rstd, N, D, float(eps));
+        launch_pdl(k_rms_fwd<S, V, T, false>, dim3(grid), kNormThreads, 0, stream_of(x), ai, xo, wi, yo, so, rstd, N, D,
+                   float(eps));
     };
     constexpr int VW = 16 / sizeof(S);
     if (row_block) vec ? go.template operator()<VW, 256>() : go.template operator()<1, 256>();
@@ -406,7 +410,7 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
   if (N <= 0) return;
   Q3VL_CHECK(hd % 2 == 0 && hd <= 4096 && nh + nkv <= 65536, "qk_norm_rope_fwd: head dim must be even");
   by_dtype(dt, [&]<class S>() {
-    k_qk_norm_rope<S><<<row_blocks(N * (nh + nkv)), 256, 0, stream_of(x)>>>(
+    launch_pdl(k_qk_norm_rope<S>, dim3(unsigned(row_blocks(N * (nh + nkv)))), 256, 0, stream_of(x),
         static_cast<const S*>(qraw), static_cast<const S*>(kraw), nullptr, nh * hd, nkv * hd, static_cast<const S*>(wq),
         static_cast<const S*>(wk), static_cast<S*>(q), static_cast<S*>(k), nullptr, nullptr, rq, rk, cos, sin, N,
         int(nh), int(nkv), int(hd), float(eps));
@@ -422,7 +426,7 @@ void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void
   const int64_t ld = (nh + 2 * nkv) * hd;
   by_dtype(dt, [&]<class S>() {
     const S* in = static_cast<const S*>(qkv);
-    k_qk_norm_rope<S><<<row_blocks(N * (nh + 2 * nkv)), 256, 0, stream_of(x)>>>(
+    launch_pdl(k_qk_norm_rope<S>, dim3(unsigned(row_blocks(N * (nh + 2 * nkv)))), 256, 0, stream_of(x),
         in, in + nh * hd, in + (nh + nkv) * hd, ld, ld, static_cast<const S*>(wq), static_cast<const S*>(wk),
         static_cast<S*>(q), static_cast<S*>(k_pool), static_cast<S*>(v_pool), slots, nullptr, nullptr, cos, sin, N,
         int(nh), int(nkv), int(hd), float(eps));

@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(kThreads)
               float* __restrict__ part_acc, float* __restrict__ part_ml, const int32_t* __restrict__ cu,
               const int32_t* __restrict__ ctx, const int32_t* __restrict__ table, int64_t max_blocks, int block,
               int nsplit, int64_t rows_total, int nh, int nkv, int hd, float sl2, bool vec) {
+  pdl_enter();  // launched by launch_pdl
   constexpr int BM = kThreads / TPI, NC = kBN / TPI;
   extern __shared__ __align__(16) unsigned char smraw[];
   __shared__ int64_t sRow[kBN];  // the tile's pool rows (-1: past the key range)
@@ -202,6 +203,7 @@ template <class S>
 __global__ void paged_combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                               S* __restrict__ out, const int32_t* __restrict__ cu, const int32_t* __restrict__ ctx,
                               int64_t rows_total, int nh, int nsplit, int hd, int bn, int min_keys) {
+  pdl_enter();  // launched by launch_pdl
   const int seg = blockIdx.x, lane = threadIdx.x & 31, nw = (blockDim.x >> 5) * gridDim.y;
   const int ns = splits_used(ctx[seg], nsplit, bn, min_keys);
   const int64_t lo = int64_t(cu[seg]) * nh, hi = int64_t(cu[seg + 1]) * nh;
@@ -266,6 +268,7 @@ __global__ void __launch_bounds__(32 * NW)
              float* __restrict__ part_acc, float* __restrict__ part_ml, const int32_t* __restrict__ cu,
              const int32_t* __restrict__ ctx, const int32_t* __restrict__ table, int64_t max_blocks, int block,
              int nsplit, int min_keys, int64_t rows_total, int nh, int nkv, float sl2) {
+  pdl_enter();  // launched by launch_pdl
   constexpr int NT = 32 * NW, LD = HD + 8, NCH = HD / 8, BM = 16 * MT * NW, WR = 16 * MT;
   static_assert(NT >= BN && NT % NCH == 0 && BN * NCH % NT == 0 && BM * NCH % NT == 0 && ST >= 2, "tile shape");
   extern __shared__ __align__(16) unsigned char smraw[];
@@ -486,7 +489,7 @@ void combine(cudaStream_t st, const float* part_acc, const float* part_ml, const
   // context's partial rows (1 x 4096 keys: 53 us against 47 with the combine spread over SMs)
   const int64_t warps = a.max_q * a.nh;
   const dim3 grid(unsigned(a.nseg), unsigned(std::min<int64_t>((warps + 7) / 8, 65535)));
-  launch(paged_combine<S>, grid, 256, 0, st, part_acc, part_ml, static_cast<S*>(a.out), a.cu,
+  launch_pdl(paged_combine<S>, grid, 256, 0, st, part_acc, part_ml, static_cast<S*>(a.out), a.cu,
          a.ctx, a.N * a.nh, int(a.nh), nsplit, int(a.hd), bn, int(min_keys));
 }
 
@@ -499,7 +502,7 @@ void run_tc(const Exec& x, const PagedArgs& a, int waves, int64_t min_keys) {
   const int nsplit = tiles == 1 ? split_count(x, a, a.nkv * a.nseg, int64_t(waves) * sm_count(), min_keys) : 1;
   float* part_acc = static_cast<float*>(x.ws);
   float* part_ml = nsplit > 1 ? part_acc + size_t(nsplit) * size_t(a.N * a.nh) * size_t(HD) : nullptr;
-  launch(paged_tc<S, HD, MT, NW, BN, ST>, dim3(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit)), 32 * NW,
+  launch_pdl(paged_tc<S, HD, MT, NW, BN, ST>, dim3(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit)), 32 * NW,
          paged_tc_smem<MT, NW, BN, ST>(HD, sizeof(S)), st, static_cast<const S*>(a.q), static_cast<const S*>(a.k),
          static_cast<const S*>(a.v), static_cast<S*>(a.out), part_acc, part_ml, a.cu, a.ctx, a.table, a.max_blocks,
          int(a.block), nsplit, int(min_keys), a.N * a.nh, int(a.nh), int(a.nkv), a.scale * kLog2e);
@@ -535,10 +538,10 @@ void run_simt(const Exec& x, const PagedArgs& a, DType dt) {
     S* O = static_cast<S*>(a.out);
     auto run = [&]<int TPI>() {
       if (hd <= 128)
-        launch(paged_fwd<S, TPI, 128 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu, a.ctx,
+        launch_pdl(paged_fwd<S, TPI, 128 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu, a.ctx,
                a.table, a.max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
       else
-        launch(paged_fwd<S, TPI, 256 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu, a.ctx,
+        launch_pdl(paged_fwd<S, TPI, 256 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu, a.ctx,
                a.table, a.max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
     };
     if (tpi == 32) run.template operator()<32>();
