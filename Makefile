@@ -40,8 +40,10 @@ ifeq ($(CUDA),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 CPPFLAGS  += -DQ3VL_CUDA=1 -I$(CUDA_HOME)/include
 LDLIBS    += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublas -lcublasLt -lnccl
+# NVFLAGS_EXTRA: more nvcc flags, e.g. --no-compress (uncompressed fatbins: the binaries packed for the GPU machine
+# share their device code, which xz then stores once).
 NVFLAGS   := -std=c++20 -O3 -arch=sm_90 -Iinclude -Isrc --expt-relaxed-constexpr -Xcompiler -fPIC -ccbin g++ \
-             -I/usr/include/x86_64-linux-gnu/mpich
+             -I/usr/include/x86_64-linux-gnu/mpich $(NVFLAGS_EXTRA)
 comma := ,
 # wgmma (attention_sm90.cu, moe_sm90.cu) needs the arch-specific sm_90a target; only those files are built for it,
 # and their kernels launch only on a compute-capability 9.0 device.
