@@ -30,10 +30,4 @@ float event_elapsed_ms(void* a, void* b);
 
 #include "q3vl/tensor/dev_ops.inc"
 
-// linear_fwd's decode path (gemm.cu): N <= dense_gemv_rows() rows of a bf16/fp16 linear through the tensor-core GEMV
-// of gemv.cuh (q8.cu) instead of cuBLASLt; false: not taken (other dtypes, more rows).
-int64_t dense_gemv_rows();
-bool linear_gemv_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
-                     int64_t n_out, DType dt);
-
 }  // namespace q3vl::dev::cuda

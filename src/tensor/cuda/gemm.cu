@@ -270,7 +270,6 @@ void gemm(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
 void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
                 int64_t n_out, DType dt) {
   if (N <= 0 || n_out <= 0) return;
-  if (linear_gemv_fwd(x, in, W, b, y, N, n_in, n_out, dt)) return;
   // The bias epilogue needs a 16-byte aligned bias; otherwise (or if no algorithm) broadcast b and use beta = 1.
   if (b && align_of(b) >= 16 &&
       gemm_impl(x, false, true, N, n_out, n_in, 1.f, in, n_in, W, n_in, 0.f, y, n_out, dt, dt, b))

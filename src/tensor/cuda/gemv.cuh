@@ -340,10 +340,11 @@ struct TcAuto {};  // the default knobs by shape (launch_knobs)
 // up to 8 x rows; up to 4096 rows (o_proj, down) 8 warps splitting K, one tile 4 deep up to 8 x rows (fp8 down at one
 // row 21.5 us against 26.4 with 4 warps), else two tiles 2 deep. The kernels take ~168 registers (ptxas, CUDA 13:
 // capping them at 128 for two 8-warp blocks an SM spills), so 8-warp blocks run one an SM, 4-warp ones three.
-using TcWide = TcKnobs<4, 2, 2>;
-using TcNarrowFew = TcKnobs<4, 1, 4>;
-using TcNarrowMany = TcKnobs<8, 2, 2>;
-using TcSmallFew = TcKnobs<8, 1, 4>;
+// Every setting also prefetches 4 rounds ahead into L2 (PF; the eleventh session's gemv_bench, docs/PERFORMANCE.md).
+using TcWide = TcKnobs<4, 2, 2, 4>;
+using TcNarrowFew = TcKnobs<4, 1, 4, 4>;
+using TcNarrowMany = TcKnobs<8, 2, 2, 4>;
+using TcSmallFew = TcKnobs<8, 1, 4, 4>;
 
 constexpr size_t kTcSmemBudget = 64 << 10;  // staged x per block: three blocks a Hopper SM at n 16
 

@@ -13,7 +13,6 @@
 // (its tiled GEMM: R > 8 E rows never reach moe.cu's own GEMV).
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "tensor/cuda/common.cuh"
@@ -178,27 +177,6 @@ void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* sc
   if (N > kGemvMaxN)
     return q8_dequant_gemm(x, rows_in(x, in, rin, N, n_in, dt), q, scale, b, y, N, n_in, n_out, qf, dt);
   gemv(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, nullptr, 0, 0, rin);
-}
-
-// Q3VL_DENSE_GEMV=n (default 0: cuBLASLt for every dense 16-bit linear) for A/B runs of the decode GEMV on bf16
-// weights; read once.
-int64_t dense_gemv_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("Q3VL_DENSE_GEMV");
-    return e ? std::clamp<int64_t>(std::atoll(e), 0, kGemvMaxN) : int64_t(0);
-  }();
-  return rows;
-}
-
-bool linear_gemv_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
-                     int64_t n_out, DType dt) {
-  if (N > dense_gemv_rows() || (dt != DType::BF16 && dt != DType::F16)) return false;
-  by_dtype(dt, [&]<class S>() {
-    if constexpr (!std::is_same_v<S, float>)
-      wgemv::gemv_tc<S, S>(x, static_cast<const S*>(in), static_cast<const S*>(W), nullptr, static_cast<const S*>(b),
-                           static_cast<S*>(y), N, n_in, n_out);
-  });
-  return true;
 }
 
 void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start,
