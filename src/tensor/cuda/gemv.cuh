@@ -323,14 +323,14 @@ void gemv_simt(const Exec& x, const S* in, const W* q, const float* scale, const
 //    before the current step's mmas, and across x chunks). The warps' partial sums are added through shared memory.
 //  - x is staged kc columns at a time when n rows do not fit kTcSmemBudget (each chunk its own scale exponent: the
 //    chunk's sums are folded into the total with it).
-//  - PF > 0: the block also prefetches its rows PF rounds (a round: one step of every warp) ahead of the loads into
-//    L2 (cp.async.bulk.prefetch, one lane a row), which keeps more bytes in flight than the registers hold.
 //  - the kernel is launched programmatically dependent (launch_pdl): a dense block prefetches its first 32 KiB of
-//    weights into L2 before it waits for the kernel before it (pdl_wait), so the weight stream starts while the
-//    RMSNorm, SwiGLU or attention that produces x still runs.
-template <int WARPS, int MT, int DEPTH, int PF = 0> struct TcKnobs {
-  static_assert(WARPS >= 1 && WARPS <= 32 && MT >= 1 && DEPTH >= 1 && PF >= 0 && 16 * MT <= 32, "wgemv: knobs");
-  static constexpr int kWarps = WARPS, kMt = MT, kDepth = DEPTH, kPf = PF;
+//    weights into L2 (cp.async.bulk.prefetch) before it waits for the kernel before it (pdl_wait), so the weight
+//    stream starts while the RMSNorm, SwiGLU or attention that produces x still runs (one stream of the 8B fp8:
+//    3.83 ms a token against 3.95 with Q3VL_PDL=0). Prefetching further ahead in the loop as well (4 or 8 rounds of
+//    every warp's steps) halved the GEMV's bandwidth in gemv_bench (eleventh session): the loads alone stream.
+template <int WARPS, int MT, int DEPTH> struct TcKnobs {
+  static_assert(WARPS >= 1 && WARPS <= 32 && MT >= 1 && DEPTH >= 1 && 16 * MT <= 32, "wgemv: knobs");
+  static constexpr int kWarps = WARPS, kMt = MT, kDepth = DEPTH;
 };
 struct TcAuto {};  // the default knobs by shape (launch_knobs)
 // The knobs by shape (TcAuto), from tools/gpu/gemv_bench on an H200 (2026-12-03, tenth session's call 1,
@@ -340,11 +340,10 @@ struct TcAuto {};  // the default knobs by shape (launch_knobs)
 // up to 8 x rows; up to 4096 rows (o_proj, down) 8 warps splitting K, one tile 4 deep up to 8 x rows (fp8 down at one
 // row 21.5 us against 26.4 with 4 warps), else two tiles 2 deep. The kernels take ~168 registers (ptxas, CUDA 13:
 // capping them at 128 for two 8-warp blocks an SM spills), so 8-warp blocks run one an SM, 4-warp ones three.
-// Every setting also prefetches 4 rounds ahead into L2 (PF; the eleventh session's gemv_bench, docs/PERFORMANCE.md).
-using TcWide = TcKnobs<4, 2, 2, 4>;
-using TcNarrowFew = TcKnobs<4, 1, 4, 4>;
-using TcNarrowMany = TcKnobs<8, 2, 2, 4>;
-using TcSmallFew = TcKnobs<8, 1, 4, 4>;
+using TcWide = TcKnobs<4, 2, 2>;
+using TcNarrowFew = TcKnobs<4, 1, 4>;
+using TcNarrowMany = TcKnobs<8, 2, 2>;
+using TcSmallFew = TcKnobs<8, 1, 4>;
 
 constexpr size_t kTcSmemBudget = 64 << 10;  // staged x per block: three blocks a Hopper SM at n 16
 
@@ -571,21 +570,16 @@ __device__ __forceinline__ void tc_prefetch(const W* __restrict__ q, int64_t row
     }
   }
 }
-template <class W, class K> inline constexpr int64_t kTcRound = int64_t(K::kWarps) * kTcStep<W>;  // columns a round
-// What a dense block prefetches before it waits for its x (launch_pdl): its first 32 KiB, at least the rounds the
-// ring and the prefetch window cover.
+// What a dense block prefetches before it waits for its x (launch_pdl): the first 32 KiB of its rows.
 template <class W, class K>
-inline constexpr int64_t kTcEarlyCols =
-    std::max<int64_t>((K::kDepth + K::kPf) * kTcRound<W, K>, (32 << 10) / (16 * K::kMt * int64_t(sizeof(W))));
+inline constexpr int64_t kTcEarlyCols = (32 << 10) / (16 * K::kMt * int64_t(sizeof(W)));
 
-// The ring of a block's first K::kDepth warp steps, and the L2 prefetch of the K::kPf rounds after them.
+// The ring: the block's first K::kDepth warp steps.
 template <class W, class K, bool VEC>
 __device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], const W* __restrict__ q,
                                            int64_t row0, int64_t n_out, int64_t n_in) {
 #pragma unroll
   for (int d = 0; d < K::kDepth; ++d) tc_load_step<W, K, VEC>(ring[d], q, row0, n_out, n_in, d);
-  if constexpr (K::kPf > 0)
-    tc_prefetch<W, K, VEC>(q, row0, n_out, n_in, K::kDepth * kTcRound<W, K>, (K::kDepth + K::kPf) * kTcRound<W, K>);
 }
 
 // One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of the input (rows r0 on,
@@ -631,10 +625,6 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& x
         const int cs = (warp + WARPS * (i0 + d)) * STEP;  // the step's first column in the chunk
         if (cs < len) tc_step<W, NB, MT>(part, ring[d], xs + cs + t * G, rs, n, g);
         tc_load_step<W, K, VEC>(ring[d], q, row0, n_out, n_in, i_base + i0 + d + D);
-        if constexpr (K::kPf > 0) {
-          const int64_t pr = i_base + i0 + d + D + K::kPf;  // the round K::kPf past the ring's
-          if (warp == 0) tc_prefetch<W, K, VEC>(q, row0, n_out, n_in, pr * kTcRound<W, K>, (pr + 1) * kTcRound<W, K>);
-        }
       }
     }
     // part holds sums of scaled x: undo each x row's 2^-e (frag_c_n: the lane's x rows)

@@ -490,7 +490,7 @@ void combine(cudaStream_t st, const float* part_acc, const float* part_ml, const
   const int64_t warps = a.max_q * a.nh;
   const dim3 grid(unsigned(a.nseg), unsigned(std::min<int64_t>((warps + 7) / 8, 65535)));
   launch_pdl(paged_combine<S>, grid, 256, 0, st, part_acc, part_ml, static_cast<S*>(a.out), a.cu,
-         a.ctx, a.N * a.nh, int(a.nh), nsplit, int(a.hd), bn, int(min_keys));
+             a.ctx, a.N * a.nh, int(a.nh), nsplit, int(a.hd), bn, int(min_keys));
 }
 
 // The tensor-core kernel at one tile shape. Decode-sized calls (one tile of items a segment) split the keys so
@@ -502,10 +502,11 @@ void run_tc(const Exec& x, const PagedArgs& a, int waves, int64_t min_keys) {
   const int nsplit = tiles == 1 ? split_count(x, a, a.nkv * a.nseg, int64_t(waves) * sm_count(), min_keys) : 1;
   float* part_acc = static_cast<float*>(x.ws);
   float* part_ml = nsplit > 1 ? part_acc + size_t(nsplit) * size_t(a.N * a.nh) * size_t(HD) : nullptr;
-  launch_pdl(paged_tc<S, HD, MT, NW, BN, ST>, dim3(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit)), 32 * NW,
-         paged_tc_smem<MT, NW, BN, ST>(HD, sizeof(S)), st, static_cast<const S*>(a.q), static_cast<const S*>(a.k),
-         static_cast<const S*>(a.v), static_cast<S*>(a.out), part_acc, part_ml, a.cu, a.ctx, a.table, a.max_blocks,
-         int(a.block), nsplit, int(min_keys), a.N * a.nh, int(a.nh), int(a.nkv), a.scale * kLog2e);
+  const dim3 grid(unsigned(tiles), unsigned(a.nkv), unsigned(a.nseg * nsplit));
+  launch_pdl(paged_tc<S, HD, MT, NW, BN, ST>, grid, 32 * NW, paged_tc_smem<MT, NW, BN, ST>(HD, sizeof(S)), st,
+             static_cast<const S*>(a.q), static_cast<const S*>(a.k), static_cast<const S*>(a.v), static_cast<S*>(a.out),
+             part_acc, part_ml, a.cu, a.ctx, a.table, a.max_blocks, int(a.block), nsplit, int(min_keys), a.N * a.nh,
+             int(a.nh), int(a.nkv), a.scale * kLog2e);
   if (nsplit > 1) combine<S>(st, part_acc, part_ml, a, nsplit, BN, min_keys);
 }
 // Decode (the items of every segment fit one m-tile of 16: G heads of one row, or a few rows): one-warp blocks,
@@ -538,11 +539,11 @@ void run_simt(const Exec& x, const PagedArgs& a, DType dt) {
     S* O = static_cast<S*>(a.out);
     auto run = [&]<int TPI>() {
       if (hd <= 128)
-        launch_pdl(paged_fwd<S, TPI, 128 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu, a.ctx,
-               a.table, a.max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
+        launch_pdl(paged_fwd<S, TPI, 128 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu,
+                   a.ctx, a.table, a.max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
       else
-        launch_pdl(paged_fwd<S, TPI, 256 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu, a.ctx,
-               a.table, a.max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
+        launch_pdl(paged_fwd<S, TPI, 256 / TPI>, grid, kThreads, smem, st, Q, K, V, O, part_acc, part_ml, a.cu,
+                   a.ctx, a.table, a.max_blocks, ib, nsplit, rows_total, inh, inkv, ihd, sl2, vec);
     };
     if (tpi == 32) run.template operator()<32>();
     else if (tpi == 8) run.template operator()<8>();
