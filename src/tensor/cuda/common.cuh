@@ -62,11 +62,16 @@ template <class F> void by_dtype(DType dt, F&& f) {
   }
 }
 
-// A launch with dynamic shared memory (above 48 KiB it must be allowed first), checked.
-template <class... KA, class... A>
-void launch(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
+// Dynamic shared memory above 48 KiB must be allowed first.
+template <class... KA> void allow_smem(void (*kern)(KA...), size_t smem) {
   if (smem > 48 * 1024)
     Q3VL_CU(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+}
+
+// A launch with dynamic shared memory, checked.
+template <class... KA, class... A>
+void launch(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
+  allow_smem(kern, smem);
   kern<<<grid, threads, smem, st>>>(a...);
   Q3VL_LAUNCHED();
 }
@@ -95,12 +100,11 @@ inline bool& pdl_on() {
 }
 
 // launch(), programmatically dependent on the stream's previous kernel (pdl_on()); kern calls pdl_wait() first
-// for everything that depends on earlier work.
+// for everything that depends on earlier work. Checked as launch() is.
 template <class... KA, class... A>
 void launch_pdl(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
   if (!pdl_on()) return launch(kern, grid, threads, smem, st, a...);
-  if (smem > 48 * 1024)
-    Q3VL_CU(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  allow_smem(kern, smem);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;

@@ -400,7 +400,6 @@ void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DT
   by_dtype(dt, [&]<class S>() {
     launch_pdl(k_swiglu_fwd<S>, dim3(unsigned(grid_for(N * I))), 256, 0, stream_of(x), static_cast<const S*>(gu),
                static_cast<S*>(y), N, I);
-    Q3VL_LAUNCHED();
   });
 }
 void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, bool accumulate,

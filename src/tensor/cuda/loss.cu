@@ -181,7 +181,6 @@ void argmax_rows(const Exec& x, const float* logits, int64_t S, int64_t V, int64
   Q3VL_CHECK(S <= 65535 * 16 && V < (int64_t(1) << 31) && nb >= 0 && nb <= 1024, "argmax_rows: sizes out of range");
   launch_pdl(k_argmax_rows, dim3(unsigned(S)), kThreads, 0, stream_of(x), logits, V, v0, limit, banned, int(nb), idx,
              val);
-  Q3VL_LAUNCHED();
 }
 
 }  // namespace q3vl::dev::cuda

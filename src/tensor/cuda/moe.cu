@@ -723,7 +723,6 @@ void router_fwd(const Exec& x, const void* logits, float* probs, int32_t* idx, f
   by_dtype(dt, [&]<class S>() {
     launch_pdl(k_router_fwd<S>, dim3(warp_rows_grid(N, 4)), 128, 4 * E * sizeof(float), stream_of(x),
                static_cast<const S*>(logits), probs, idx, w, N, int(E), int(k));
-    Q3VL_LAUNCHED();
   });
 }
 
@@ -783,7 +782,6 @@ void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E
   const size_t one_block_smem = (size_t((R + 31) / 32) + 1) * size_t(E) * sizeof(int32_t);
   if (R <= kPlanOneBlockR && one_block_smem <= kPlanSmem) {
     launch_pdl(k_plan_one_block, dim3(1), 1024, one_block_smem, s, idx, int(R), int(E), start, rows, pos);
-    Q3VL_LAUNCHED();
     return;
   }
   const int64_t nchunks = (R + kChunk - 1) / kChunk;
@@ -867,7 +865,6 @@ void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const flo
   by_dtype(dt, [&]<class S>() {
     launch_pdl(k_combine_fwd<S>, dim3(unsigned(grid_for(N * H))), 256, 0, stream_of(x), static_cast<const S*>(y), pos,
                w, static_cast<S*>(out), N, int(k), H);
-    Q3VL_LAUNCHED();
   });
 }
 

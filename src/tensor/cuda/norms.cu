@@ -389,7 +389,6 @@ void rms_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, voi
     constexpr int VW = 16 / sizeof(S);
     if (row_block) vec ? go.template operator()<VW, 256>() : go.template operator()<1, 256>();
     else vec ? go.template operator()<VW, 32>() : go.template operator()<1, 32>();
-    Q3VL_LAUNCHED();
   });
 }
 }  // namespace
@@ -414,7 +413,6 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
         static_cast<const S*>(qraw), static_cast<const S*>(kraw), nullptr, nh * hd, nkv * hd, static_cast<const S*>(wq),
         static_cast<const S*>(wk), static_cast<S*>(q), static_cast<S*>(k), nullptr, nullptr, rq, rk, cos, sin, N,
         int(nh), int(nkv), int(hd), float(eps));
-    Q3VL_LAUNCHED();
   });
 }
 
@@ -430,7 +428,6 @@ void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void
         in, in + nh * hd, in + (nh + nkv) * hd, ld, ld, static_cast<const S*>(wq), static_cast<const S*>(wk),
         static_cast<S*>(q), static_cast<S*>(k_pool), static_cast<S*>(v_pool), slots, nullptr, nullptr, cos, sin, N,
         int(nh), int(nkv), int(hd), float(eps));
-    Q3VL_LAUNCHED();
   });
 }
 
