@@ -60,10 +60,26 @@ void Scheduler::configure(const EngineConfig& c, const Tokenizer* tok, const Sam
   budget_ = StepBudget(c.max_tpot, c.step_tokens, std::min<int64_t>(c.step_tokens, StepBudget::kFloor));
 }
 
+// A prompt's M-RoPE positions, first generated position and prefix-cache keys (the pixels hashed: ~1 ms a picture).
+void Scheduler::positions(Job& job) const {
+  const ModelConfig& cfg = runner_.config();
+  const std::vector<int64_t>& ids = job.prompt.ids;
+  job.pos3 = mrope_positions(cfg, ids.data(), {0, (int64_t)ids.size()}, job.prompt.grid);
+  for (int64_t p : job.pos3) job.next0 = std::max(job.next0, p + 1);
+  if (prefix_on_) job.tkeys = token_keys(job.prompt, job.pos3, cfg);
+}
+
+// On the caller's thread (an HTTP handler, generate), so that the engine's thread does not spend a request's
+// positions and keys between steps; a prompt they fail on is failed by admit(), which tries again.
 void Scheduler::submit(const std::shared_ptr<Job>& job) {
   // generate's stream for prompt `index`: a seeded request answers as generate does for its prompt 0.
   std::seed_seq seq{uint64_t(job->sp.seed), uint64_t(job->sp.seed >> 32), job->index};
   job->rng.seed(seq);
+  try {
+    positions(*job);
+  } catch (const Error&) {
+    job->pos3.clear(), job->tkeys.clear(), job->next0 = 0;
+  }
   {
     std::lock_guard<std::mutex> g(in_m_);
     incoming_.push_back(job);
@@ -140,11 +156,7 @@ void Scheduler::admit() {
     const std::vector<int64_t>& ids = job->prompt.ids;
     const int64_t n = (int64_t)ids.size();
     try {
-      if (job->pos3.empty()) {
-        job->pos3 = mrope_positions(cfg, ids.data(), {0, n}, job->prompt.grid);
-        for (int64_t p : job->pos3) job->next0 = std::max(job->next0, p + 1);
-        if (prefix_on_) job->tkeys = token_keys(job->prompt, job->pos3, cfg);
-      }
+      if (job->pos3.empty()) positions(*job);  // submit's failed (or a prompt without tokens)
     } catch (const Error& e) {
       waiting_.pop_front(), metrics_.queue--;
       job->error = e.what();

@@ -131,6 +131,7 @@ class Scheduler {
   // Takes in new jobs, admits, steps: false when there was nothing to do (wait: for a job first, a little while).
   bool tick(bool wait);
   void drop_gone();
+  void positions(Job& job) const;  // pos3, next0 and tkeys of its prompt
   void admit();
   void encode(const std::vector<Job*>& jobs);
   void encode_pass(const std::vector<Job*>& jobs, size_t a, size_t b);  // jobs [a, b) in one pass
