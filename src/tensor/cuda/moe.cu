@@ -32,8 +32,53 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // ---- router -----------------------------------------------------------------------------------------------------
-// One warp per row. Softmax as the reference (sequential sum in expert order), then k rounds of a warp argmax
-// ordered by (probability desc, index asc): ties go to the lower index, as torch.topk and ops::router_fwd.
+// One row by one warp (k_router_fwd, k_moe_route): buf [E] (shared) holds the row's logits, written before a
+// __syncwarp or a wider barrier. Softmax as the reference (sequential sum in expert order), in place, also written
+// to probs; then k rounds of a warp argmax ordered by (probability desc, index asc): ties go to the lower index, as
+// torch.topk and ops::router_fwd. Lane j < k gets the j-th pick and its renormalised weight.
+struct Pick {
+  int e;
+  float w;
+};
+__device__ __forceinline__ Pick router_row(float* buf, float* __restrict__ probs, int E, int k) {
+  const int lane = threadIdx.x & 31;
+  float mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, buf[e]);
+  mx = warp_max(mx);
+  for (int e = lane; e < E; e += 32) buf[e] = expf(buf[e] - mx);
+  __syncwarp();
+  float sum = 0.f;
+  if (lane == 0)
+    for (int e = 0; e < E; ++e) sum += buf[e];
+  sum = __shfl_sync(kFull, sum, 0);
+  __syncwarp();  // lane 0 read every buf[e] before they are overwritten
+  for (int e = lane; e < E; e += 32) {
+    const float p = buf[e] / sum;
+    buf[e] = p;
+    probs[e] = p;
+  }
+  uint32_t taken = 0;  // bit q: element lane + 32 q already selected
+  float sel = 0.f, mine_v = 0.f;  // lane j keeps the j-th pick (k <= 32): no read back of idx
+  int mine = -1;
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    float bv = 0.f;
+    for (int e = lane, q = 0; e < E; e += 32, ++q)
+      if (!((taken >> q) & 1u) && (best < 0 || buf[e] > bv)) best = e, bv = buf[e];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const int ob = __shfl_xor_sync(kFull, best, o);
+      const float ov = __shfl_xor_sync(kFull, bv, o);
+      if (ob >= 0 && (best < 0 || ov > bv || (!(bv > ov) && ob < best))) best = ob, bv = ov;
+    }
+    if ((best & 31) == lane) taken |= 1u << (best >> 5);
+    sel += bv;
+    if (lane == j) mine = best, mine_v = bv;
+  }
+  return {mine, mine_v / sel};
+}
+
+// One warp per row: the logits into the warp's buffer, then router_row.
 template <class S>
 __global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ probs, int32_t* __restrict__ idx,
                              float* __restrict__ w, int64_t N, int E, int k) {
@@ -43,44 +88,9 @@ __global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ p
   float* buf = sbuf + wid * E;
   for (int64_t i = blockIdx.x * int64_t(wpb) + wid; i < N; i += int64_t(gridDim.x) * wpb) {
     const S* z = logits + i * E;
-    float mx = -INFINITY;
-    for (int e = lane; e < E; e += 32) {
-      const float v = ld(z, e);
-      buf[e] = v;
-      mx = fmaxf(mx, v);
-    }
-    mx = warp_max(mx);
-    for (int e = lane; e < E; e += 32) buf[e] = expf(buf[e] - mx);
-    __syncwarp();
-    float sum = 0.f;
-    if (lane == 0)
-      for (int e = 0; e < E; ++e) sum += buf[e];
-    sum = __shfl_sync(kFull, sum, 0);
-    __syncwarp();  // lane 0 read every buf[e] before they are overwritten
-    for (int e = lane; e < E; e += 32) {
-      const float p = buf[e] / sum;
-      buf[e] = p;
-      probs[i * E + e] = p;
-    }
-    uint32_t taken = 0;  // bit q: element lane + 32 q already selected
-    float sel = 0.f, mine_v = 0.f;  // lane j keeps the j-th pick (k <= 32): no read back of idx
-    int mine = -1;
-    for (int j = 0; j < k; ++j) {
-      int best = -1;
-      float bv = 0.f;
-      for (int e = lane, q = 0; e < E; e += 32, ++q)
-        if (!((taken >> q) & 1u) && (best < 0 || buf[e] > bv)) best = e, bv = buf[e];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const int ob = __shfl_xor_sync(kFull, best, o);
-        const float ov = __shfl_xor_sync(kFull, bv, o);
-        if (ob >= 0 && (best < 0 || ov > bv || (!(bv > ov) && ob < best))) best = ob, bv = ov;
-      }
-      if ((best & 31) == lane) taken |= 1u << (best >> 5);
-      sel += bv;
-      if (lane == j) mine = best, mine_v = bv;
-    }
-    if (lane < k) idx[i * k + lane] = mine, w[i * k + lane] = mine_v / sel;
+    for (int e = lane; e < E; e += 32) buf[e] = ld(z, e);
+    const Pick p = router_row(buf, probs + i * E, E, k);
+    if (lane < k) idx[i * k + lane] = p.e, w[i * k + lane] = p.w;
     __syncwarp();  // buf is reused by the next row
   }
 }
@@ -259,13 +269,12 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
 constexpr int kPlanOneBlockR = 2048;
 constexpr size_t kPlanSmem = 48 << 10;
 
-__global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restrict__ idx, int R, int E,
-                                                         int32_t* __restrict__ start, int32_t* __restrict__ rows,
-                                                         int32_t* __restrict__ pos) {
-  pdl_enter();  // launched by launch_pdl
-  extern __shared__ int32_t cnt[];  // [nch][E], then base[E]
+// The one-block plan by the calling block (k_plan_one_block, k_moe_route): idx [R] (global or shared), cnt shared
+// scratch of (ceil(R / 32) + 1) E int32.
+__device__ __forceinline__ void plan_block(const int32_t* idx, int R, int E, int32_t* cnt, int32_t* __restrict__ start,
+                                           int32_t* __restrict__ rows, int32_t* __restrict__ pos) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, nch = (R + 31) / 32;
-  int32_t* base = cnt + nch * E;
+  int32_t* base = cnt + nch * E;  // cnt [nch][E], then base[E]
   for (int i = threadIdx.x; i < nch * E; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
   for (int c = warp; c < nch; c += warps) {
@@ -305,6 +314,14 @@ __global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restri
       pos[r] = j;
     }
   }
+}
+
+__global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restrict__ idx, int R, int E,
+                                                         int32_t* __restrict__ start, int32_t* __restrict__ rows,
+                                                         int32_t* __restrict__ pos) {
+  pdl_enter();  // launched by launch_pdl
+  extern __shared__ int32_t cnt[];
+  plan_block(idx, R, E, cnt, start, rows, pos);
 }
 
 // ---- grouped expert GEMM --------------------------------------------------------------------------------------------
