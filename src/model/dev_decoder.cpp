@@ -132,10 +132,16 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     // The router in fp32 under bf16/fp16 compute (Megatron's advice for MoE stability; autocast keeps its softmax in
     // fp32): logits written in fp32 by the GEMM (its dt operands, fp32 accumulation), softmax, top-k and the combine
     // weights from them in fp32. Rounding the logits to bf16 flipped near-tied top-k choices and moved the weights.
-    dev::gemm(ex, false, true, N, E, H, 1.f, c.ln2, H, P.p[f + tlay::router], H, 0.f, s.logits, E, dt, DType::F32);
-    dev_lora_fwd(ex, P, f + tlay::router, c.ln2, N, s.logits, E, dt, 0, -1, 0, /*y_f32=*/true);
-    dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, DType::F32);
-    dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
+    // Without an adapter on the router the three are one op (one kernel in decode steps: dev::moe_route).
+    if (dev_lora_on(P, f + tlay::router)) {  // the adapter adds to the logits before the softmax
+      dev::gemm(ex, false, true, N, E, H, 1.f, c.ln2, H, P.p[f + tlay::router], H, 0.f, s.logits, E, dt, DType::F32);
+      dev_lora_fwd(ex, P, f + tlay::router, c.ln2, N, s.logits, E, dt, 0, -1, 0, /*y_f32=*/true);
+      dev::router_fwd(ex, s.logits, probs, idx, c.w, N, E, k, DType::F32);
+      dev::moe_plan(ex, idx, N, k, E, c.start, c.rows, c.pos);
+    } else {
+      dev::moe_route(ex, c.ln2, P.p[f + tlay::router], static_cast<float*>(s.logits), probs, idx, c.w, c.start,
+                     c.rows, c.pos, N, H, E, k, dt);
+    }
     if (c.ex) {  // expert parallelism: the routed rows go to their experts' owners
       dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
       return dev_moe_experts_fwd(ex, tc, P, f, N, c, s, dt);

@@ -585,6 +585,16 @@ void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E
     pos[r] = j;
   }
 }
+void moe_route(const Exec& x, const void* in, const void* Wr, float* logits, float* probs, int32_t* idx, float* w,
+               int32_t* start, int32_t* rows, int32_t* pos, int64_t N, int64_t H, int64_t E, int64_t k, DType dt) {
+  DEV_OP(x, prof::mem(B(E * H, dt) + B(N * H, dt) + 4.0 * double((logits ? 2 : 1) * N * E + 4 * N * k + E + 1)),
+         moe_route(x, in, Wr, logits, probs, idx, w, start, rows, pos, N, H, E, k, dt));
+  std::vector<float> own(logits ? 0 : size_t(N * E));  // the logits when the caller does not keep them
+  float* z = logits ? logits : own.data();
+  gemm(x, false, true, N, E, H, 1.f, in, H, Wr, H, 0.f, z, E, dt, DType::F32);
+  router_fwd(x, z, probs, idx, w, N, E, k, DType::F32);
+  moe_plan(x, idx, N, k, E, start, rows, pos);
+}
 void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int32_t* start, void* y, int64_t R,
                         int64_t E, int64_t n_in, int64_t n_out, DType dt, const RowsIn& rin) {
   DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out)), grouped_linear_fwd(x, xg, W, start, y, R, E, n_in, n_out, dt, rin));

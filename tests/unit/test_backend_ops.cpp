@@ -206,6 +206,25 @@ void route(int64_t N, int64_t E, int64_t k, std::vector<double>& probs, std::vec
   probs.assign(pf.begin(), pf.end());
   idx.assign(ix.begin(), ix.end());
 }
+// moe_route inputs whose logits are exact in fp32 whatever the summation order, from bf16/fp16 inputs too: x and Wr
+// are integers in [-4, 4] over 8 (exact in every dtype), so each product is an integer over 64 and each partial sum of
+// H <= 2048 of them an integer below 2^15 over 64. The top-k picks then cannot differ by rounding (distinct logits
+// differ by 1/64 or more, their probabilities by 1.5% or more), and ties are built in: k + 1 experts share one weight
+// row, which row 0 of x matches on its first 64 columns (the k + 1 lead row 0, tied: the k lowest indices win), and
+// three others share another (ties anywhere in the other rows' order).
+void route_inputs(int64_t N, int64_t H, int64_t E, int64_t k, std::vector<double>& x, std::vector<double>& W) {
+  auto q = [](int64_t n) {
+    auto v = randi(n, 9);
+    for (double& e : v) e = (e - 4) / 8;
+    return v;
+  };
+  x = q(N * H), W = q(E * H);
+  auto tie = [&](int64_t dst, int64_t src) { std::copy_n(W.begin() + src * H, H, W.begin() + dst * H); };
+  auto lead = [&](int64_t j) { return (3 + 7 * j) % E; };  // distinct for j <= k < E (7 is prime to E = 2^m)
+  for (int64_t j = 1; j <= k; ++j) tie(lead(j), lead(0));
+  for (int64_t j = 1; j < 3; ++j) tie(lead(j) + 1, lead(0) + 1);  // lead(j) + 1 is no lead(i) at these shapes
+  for (int64_t c = 0; c < H; ++c) x[c] = c < 64 ? W[lead(0) * H + c] : 0.0;
+}
 // Expert buckets on the host (dev::moe_plan's contract) for grouped GEMM and combine inputs.
 void plan(const std::vector<double>& idx, int64_t E, std::vector<double>& start, std::vector<double>& pos) {
   std::vector<int32_t> i32(idx.begin(), idx.end()), st(E + 1), rows(idx.size()), ps(idx.size());
@@ -767,6 +786,28 @@ std::vector<Case> all_cases(DType dt) {
         });
   }
 
+  // moe_route (the router GEMM, router_fwd and moe_plan in one op) at decode shapes of the 30B-A3B (CUDA: the fused
+  // cluster kernel) and a small odd one (two experts a block of the cluster); the logits exact (route_inputs), so the
+  // indices compare exactly. Once without logits (not written; the CPU keeps its own).
+  for (auto [N, H, E, k] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 2048, 128, 8}, {8, 2048, 128, 8},
+                            {64, 2048, 128, 8}, {9, 72, 16, 4}}) {
+    std::vector<double> xv, wv;
+    route_inputs(N, H, E, k, xv, wv);
+    for (bool keep : {true, false}) {
+      if (!keep && N != 8) continue;
+      std::vector<Arg> args{in("x", K::Act, xv), in("Wr", K::Act, wv), out("probs", K::F32, randn(N * E)),
+                            out("idx", K::I32, randi(N * k, E), true), out("w", K::F32, randn(N * k)),
+                            out("start", K::I32, randi(E + 1, 9), true), out("rows", K::I32, randi(N * k, 9), true),
+                            out("pos", K::I32, randi(N * k, 9), true)};
+      if (keep) args.push_back(out("logits", K::F32, randn(N * E)));
+      add("moe_route", dims({N, H, E, k}) + (keep ? "" : " logits=null"), kReduce, args,
+          [=](auto& x, auto& p, DType t) {
+            dev::moe_route(x, p[0], p[1], keep ? P<float>(p, 8) : nullptr, P<float>(p, 2), P<int32_t>(p, 3),
+                           P<float>(p, 4), P<int32_t>(p, 5), P<int32_t>(p, 6), P<int32_t>(p, 7), N, H, E, k, t);
+          });
+    }
+  }
+
   // MoE: router, aux loss, buckets, grouped GEMMs, combine
   for (auto [N, E, k] : {std::tuple<int64_t, int64_t, int64_t>{31, 16, 4}, {9, 8, 2}}) {
     add("router_fwd", dims({N, E, k}), kReduce,
@@ -1009,6 +1050,36 @@ void grouped_q8_is_dequantized_grouped(QFormat qf) {
                              DType::F32);
   EXPECT_GT(test::max_abs(want), 0.0);
   EXPECT_LE(test::rel_max_diff(got, want), 1e-6) << qformat_name(qf);  // NaN or Inf: +inf
+}
+// The table's moe_route inputs hold what route_inputs says, on the CPU: the same values in every dtype, fp32 logits
+// equal to the exact sums, and row 0's picks the k lowest of the k + 1 tied leads (in index order, equal weights).
+TEST(BackendOps, RouteInputsAreExact) {
+  for (auto [N, H, E, k] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{64, 2048, 128, 8}, {9, 72, 16, 4}}) {
+    std::vector<double> xv, wv;
+    route_inputs(N, H, E, k, xv, wv);
+    for (DType t : {DType::BF16, DType::F16})
+      EXPECT_TRUE(decode(encode(xv, t), t) == xv && decode(encode(wv, t), t) == wv) << dtype_name(t);
+    const std::vector<float> x(xv.begin(), xv.end()), W(wv.begin(), wv.end());
+    std::vector<float> logits(N * E), probs(N * E), w(N * k);
+    std::vector<int32_t> idx(N * k), start(E + 1), rows(N * k), pos(N * k);
+    dev::moe_route(dev::Exec{}, x.data(), W.data(), logits.data(), probs.data(), idx.data(), w.data(), start.data(),
+                   rows.data(), pos.data(), N, H, E, k, DType::F32);
+    double worst = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) {
+        long double z = 0;
+        for (int64_t c = 0; c < H; ++c) z += (long double)xv[n * H + c] * wv[e * H + c];
+        worst = std::max(worst, double(std::abs(z - (long double)logits[n * E + e])));
+      }
+    EXPECT_EQ(worst, 0.0) << dims({N, H, E, k});
+    for (int64_t j = 0; j < k; ++j) {
+      std::vector<int32_t> lead;
+      for (int64_t i = 0; i <= k; ++i) lead.push_back(int32_t((3 + 7 * i) % E));
+      std::sort(lead.begin(), lead.end());
+      EXPECT_EQ(idx[j], lead[j]) << dims({N, H, E, k}) << " pick " << j;
+      EXPECT_FLOAT_EQ(w[j], 1.f / float(k));
+    }
+  }
 }
 TEST(BackendOps, GroupedInt8IsDequantizedGrouped) { grouped_q8_is_dequantized_grouped(QFormat::Int8); }
 TEST(BackendOps, GroupedFp8IsDequantizedGrouped) { grouped_q8_is_dequantized_grouped(QFormat::Fp8); }

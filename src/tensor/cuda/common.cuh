@@ -100,22 +100,39 @@ inline bool& pdl_on() {
 }
 
 // launch(), programmatically dependent on the stream's previous kernel (pdl_on()); kern calls pdl_wait() first
-// for everything that depends on earlier work. Checked as launch() is.
+// for everything that depends on earlier work. cluster > 1: the grid runs as thread-block clusters of `cluster`
+// blocks along x (Hopper; grid.x a multiple of it; above 8, the portable limit, the kernel is allowed the
+// non-portable sizes), whatever pdl_on() says. Checked as launch() is.
 template <class... KA, class... A>
-void launch_pdl(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
-  if (!pdl_on()) return launch(kern, grid, threads, smem, st, a...);
+void launch_pdl_cluster(void (*kern)(KA...), int cluster, dim3 grid, int threads, size_t smem, cudaStream_t st,
+                        A... a) {
+  if (!pdl_on() && cluster <= 1) return launch(kern, grid, threads, smem, st, a...);
   allow_smem(kern, smem);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl_on()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    if (cluster > 8) Q3VL_CU(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = unsigned(cluster);
+    attr[n].val.clusterDim.y = attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(unsigned(threads));
   cfg.dynamicSmemBytes = smem;
   cfg.stream = st;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = n;
   Q3VL_CU(cudaLaunchKernelEx(&cfg, kern, KA(a)...));
+}
+template <class... KA, class... A>
+void launch_pdl(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... a) {
+  launch_pdl_cluster(kern, 1, grid, threads, smem, st, a...);
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

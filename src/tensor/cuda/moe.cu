@@ -5,6 +5,8 @@
 // over only the experts that have rows (found on the device from start), so a decode step reads the weights of the
 // few experts its tokens chose instead of walking every expert's tiles; larger R (prefill, training batches) and the
 // backward run the tiled grouped GEMM below (one launch for all experts, tensor cores for bf16/fp16).
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <mutex>
 #include <type_traits>
@@ -32,8 +34,53 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // ---- router -----------------------------------------------------------------------------------------------------
-// One warp per row. Softmax as the reference (sequential sum in expert order), then k rounds of a warp argmax
-// ordered by (probability desc, index asc): ties go to the lower index, as torch.topk and ops::router_fwd.
+// One row by one warp (k_router_fwd, k_moe_route): buf [E] (shared) holds the row's logits, written before a
+// __syncwarp or a wider barrier. Softmax as the reference (sequential sum in expert order), in place, also written
+// to probs; then k rounds of a warp argmax ordered by (probability desc, index asc): ties go to the lower index, as
+// torch.topk and ops::router_fwd. Lane j < k gets the j-th pick and its renormalised weight.
+struct Pick {
+  int e;
+  float w;
+};
+__device__ __forceinline__ Pick router_row(float* buf, float* __restrict__ probs, int E, int k) {
+  const int lane = threadIdx.x & 31;
+  float mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) mx = fmaxf(mx, buf[e]);
+  mx = warp_max(mx);
+  for (int e = lane; e < E; e += 32) buf[e] = expf(buf[e] - mx);
+  __syncwarp();
+  float sum = 0.f;
+  if (lane == 0)
+    for (int e = 0; e < E; ++e) sum += buf[e];
+  sum = __shfl_sync(kFull, sum, 0);
+  __syncwarp();  // lane 0 read every buf[e] before they are overwritten
+  for (int e = lane; e < E; e += 32) {
+    const float p = buf[e] / sum;
+    buf[e] = p;
+    probs[e] = p;
+  }
+  uint32_t taken = 0;  // bit q: element lane + 32 q already selected
+  float sel = 0.f, mine_v = 0.f;  // lane j keeps the j-th pick (k <= 32): no read back of idx
+  int mine = -1;
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    float bv = 0.f;
+    for (int e = lane, q = 0; e < E; e += 32, ++q)
+      if (!((taken >> q) & 1u) && (best < 0 || buf[e] > bv)) best = e, bv = buf[e];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const int ob = __shfl_xor_sync(kFull, best, o);
+      const float ov = __shfl_xor_sync(kFull, bv, o);
+      if (ob >= 0 && (best < 0 || ov > bv || (!(bv > ov) && ob < best))) best = ob, bv = ov;
+    }
+    if ((best & 31) == lane) taken |= 1u << (best >> 5);
+    sel += bv;
+    if (lane == j) mine = best, mine_v = bv;
+  }
+  return {mine, mine_v / sel};
+}
+
+// One warp per row: the logits into the warp's buffer, then router_row.
 template <class S>
 __global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ probs, int32_t* __restrict__ idx,
                              float* __restrict__ w, int64_t N, int E, int k) {
@@ -43,44 +90,9 @@ __global__ void k_router_fwd(const S* __restrict__ logits, float* __restrict__ p
   float* buf = sbuf + wid * E;
   for (int64_t i = blockIdx.x * int64_t(wpb) + wid; i < N; i += int64_t(gridDim.x) * wpb) {
     const S* z = logits + i * E;
-    float mx = -INFINITY;
-    for (int e = lane; e < E; e += 32) {
-      const float v = ld(z, e);
-      buf[e] = v;
-      mx = fmaxf(mx, v);
-    }
-    mx = warp_max(mx);
-    for (int e = lane; e < E; e += 32) buf[e] = expf(buf[e] - mx);
-    __syncwarp();
-    float sum = 0.f;
-    if (lane == 0)
-      for (int e = 0; e < E; ++e) sum += buf[e];
-    sum = __shfl_sync(kFull, sum, 0);
-    __syncwarp();  // lane 0 read every buf[e] before they are overwritten
-    for (int e = lane; e < E; e += 32) {
-      const float p = buf[e] / sum;
-      buf[e] = p;
-      probs[i * E + e] = p;
-    }
-    uint32_t taken = 0;  // bit q: element lane + 32 q already selected
-    float sel = 0.f, mine_v = 0.f;  // lane j keeps the j-th pick (k <= 32): no read back of idx
-    int mine = -1;
-    for (int j = 0; j < k; ++j) {
-      int best = -1;
-      float bv = 0.f;
-      for (int e = lane, q = 0; e < E; e += 32, ++q)
-        if (!((taken >> q) & 1u) && (best < 0 || buf[e] > bv)) best = e, bv = buf[e];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const int ob = __shfl_xor_sync(kFull, best, o);
-        const float ov = __shfl_xor_sync(kFull, bv, o);
-        if (ob >= 0 && (best < 0 || ov > bv || (!(bv > ov) && ob < best))) best = ob, bv = ov;
-      }
-      if ((best & 31) == lane) taken |= 1u << (best >> 5);
-      sel += bv;
-      if (lane == j) mine = best, mine_v = bv;
-    }
-    if (lane < k) idx[i * k + lane] = mine, w[i * k + lane] = mine_v / sel;
+    for (int e = lane; e < E; e += 32) buf[e] = ld(z, e);
+    const Pick p = router_row(buf, probs + i * E, E, k);
+    if (lane < k) idx[i * k + lane] = p.e, w[i * k + lane] = p.w;
     __syncwarp();  // buf is reused by the next row
   }
 }
@@ -259,13 +271,12 @@ __global__ void k_plan_fill(const int32_t* __restrict__ idx, int64_t R, int E, i
 constexpr int kPlanOneBlockR = 2048;
 constexpr size_t kPlanSmem = 48 << 10;
 
-__global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restrict__ idx, int R, int E,
-                                                         int32_t* __restrict__ start, int32_t* __restrict__ rows,
-                                                         int32_t* __restrict__ pos) {
-  pdl_enter();  // launched by launch_pdl
-  extern __shared__ int32_t cnt[];  // [nch][E], then base[E]
+// The one-block plan by the calling block (k_plan_one_block, k_moe_route): idx [R] (global or shared), cnt shared
+// scratch of (ceil(R / 32) + 1) E int32.
+__device__ __forceinline__ void plan_block(const int32_t* idx, int R, int E, int32_t* cnt, int32_t* __restrict__ start,
+                                           int32_t* __restrict__ rows, int32_t* __restrict__ pos) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, nch = (R + 31) / 32;
-  int32_t* base = cnt + nch * E;
+  int32_t* base = cnt + nch * E;  // cnt [nch][E], then base[E]
   for (int i = threadIdx.x; i < nch * E; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
   for (int c = warp; c < nch; c += warps) {
@@ -305,6 +316,209 @@ __global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restri
       pos[r] = j;
     }
   }
+}
+
+__global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restrict__ idx, int R, int E,
+                                                         int32_t* __restrict__ start, int32_t* __restrict__ rows,
+                                                         int32_t* __restrict__ pos) {
+  pdl_enter();  // launched by launch_pdl
+  extern __shared__ int32_t cnt[];
+  plan_block(idx, R, E, cnt, start, rows, pos);
+}
+
+// ---- routing in one launch: router GEMM, router and plan (decode steps) ---------------------------------------------
+// A decode layer's MoE block began with three small launches, the router GEMM (cuBLAS, fp32 logits), k_router_fwd
+// and k_plan_one_block: 8.7 + 7.3 + 5.8 us a layer at one row on an H200, for 0.5 MB of router weights (30B-A3B:
+// E = 128 experts of H = 2048). k_moe_route does the three in one launch of one thread-block cluster of C blocks (8,
+// the portable size; 16 with Q3VL_ROUTE_CLUSTER=16): block b computes the fp32 logits of experts
+// [b E / C, (b + 1) E / C) for all N rows and stores them into the leader block's shared memory (distributed shared
+// memory); after a cluster barrier the leader alone runs router_row (a warp a row) and plan_block on them there.
+// The logits: thread t owns the 16-byte column vectors t and t + 256 (VPT of them) of a row and keeps EC = 16 / VPT
+// experts' weights at those columns in registers as fp32 (128 values a thread in bf16/fp16, 64 in fp32); the N rows
+// of x stream past them, each read once a block (16-byte loads; two rows' loads in flight while two are multiplied).
+// A warp reduce-scatter (warp_reduce_scatter) leaves each expert's warp sum on 32 / EC lanes, and the 8 warps' sums
+// are added in warp order through shared memory: the logits are deterministic (fp32 accumulation; another summation
+// order than cuBLAS's, so not its bits). More experts than EC a block: passes over x, EC experts each. At E = 128,
+// C = 8 a block reads 16 rows of Wr (64 KiB in bf16) and holds 1.5 KiB of shared memory at N = 1, 64 KiB at N = 64.
+// The leader's router runs a warp a row, N / 8 rows each: at large N the serial softmax sums and top-k rounds, not
+// the GEMV, may bound the kernel (kRouteMaxN is where the three launches take over).
+// Launched programmatically dependent: each block prefetches its experts' weights into L2 (cp.async.bulk.prefetch)
+// before it waits for the kernel that wrote x (pdl_wait), so the weights' HBM reads overlap it; the wait is followed
+// by the trigger (the experts' GEMV after this may launch; it waits for start and rows itself).
+constexpr int kRouteThreads = 256, kRouteWarps = kRouteThreads / 32;
+constexpr int kRouteMaxN = 64;                // rows of the fused path (decode steps); more: the three launches
+constexpr int kRouteMaxVpt = 2;               // 16-byte vectors a thread a row: H * sizeof(S) <= 8 KiB
+constexpr size_t kRouteSmem = size_t(128) << 10;  // shared memory a block (the leader's logits and plan counts)
+
+inline __host__ __device__ int round4(int n) { return (n + 3) & ~3; }
+
+// Warp reduce-scatter of V partial sums a lane (V a power of two, 2 <= V <= 32): afterwards lane l holds the warp's
+// total of value l / (32 / V). log2 V halving steps (lanes whose bit o is set keep the upper half and send the lower:
+// V - 1 shuffles), then log2(32 / V) butterflies; a fixed order, the same total on the 32 / V lanes.
+template <int Hf, int O, int V>
+__device__ __forceinline__ void halve(float (&a)[V], int lane) {  // values [0, 2 Hf) -> [0, Hf) over lane pairs ^ O
+  const bool up = lane & O;
+#pragma unroll
+  for (int i = 0; i < Hf; ++i) {
+    const float lo = a[i], hi = a[i + Hf];  // values, not a selected address (which put a[] in local memory)
+    a[i] = (up ? hi : lo) + __shfl_xor_sync(kFull, up ? lo : hi, O);
+  }
+  if constexpr (Hf > 1) halve<Hf / 2, O / 2>(a, lane);
+}
+template <int V>
+__device__ __forceinline__ float warp_reduce_scatter(float (&a)[V]) {
+  static_assert(V >= 2 && V <= 32 && (V & (V - 1)) == 0, "warp_reduce_scatter: V a power of two");
+  halve<V / 2, 16>(a, threadIdx.x & 31);
+#pragma unroll
+  for (int o = 16 / V; o >= 1; o /= 2) a[0] += __shfl_xor_sync(kFull, a[0], o);
+  return a[0];
+}
+
+// A 16-byte vector of S as fp32 (wgemv's piece conversion).
+template <class S>
+__device__ __forceinline__ void vec_f32(const uint4& v, float* f) {
+#pragma unroll
+  for (int p = 0; p < wgemv::kPieces<S>; ++p) {
+    float q[4];
+    wgemv::piece_f32<S>(v, p, q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[4 * p + i] = q[i];
+  }
+}
+
+// Experts e .. e + n - 1 (n <= EC; the others zero) at the thread's columns as fp32: wf[j][v * L + i].
+template <class S, int VPT, int EC>
+__device__ __forceinline__ void route_weights(const S* __restrict__ Wr, int e, int n, int H, int nv,
+                                              float (&wf)[EC][VPT * wgemv::kGroup<S>]) {
+  constexpr int L = wgemv::kGroup<S>;
+  uint4 raw[EC][VPT];
+#pragma unroll
+  for (int j = 0; j < EC; ++j)
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+      const int col = threadIdx.x + v * kRouteThreads;
+      raw[j][v] = j < n && col < nv ? wgemv::ld_stream16(Wr + int64_t(e + j) * H + int64_t(col) * L) : uint4{};
+    }
+#pragma unroll
+  for (int j = 0; j < EC; ++j)
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) vec_f32<S>(raw[j][v], &wf[j][v * L]);
+}
+
+// Rows n0 .. n0 + RB - 1 of x at the thread's columns (zeros past N or the row).
+template <class S, int VPT, int RB>
+__device__ __forceinline__ void route_rows(uint4 (&xr)[RB][VPT], const S* __restrict__ in, int n0, int N, int H,
+                                           int nv) {
+#pragma unroll
+  for (int r = 0; r < RB; ++r)
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+      const int col = threadIdx.x + v * kRouteThreads;
+      xr[r][v] = n0 + r < N && col < nv
+                     ? *reinterpret_cast<const uint4*>(in + int64_t(n0 + r) * H + int64_t(col) * wgemv::kGroup<S>)
+                     : uint4{};
+    }
+}
+
+// One pass over the N rows of x against wf: the warps' partial logits into part [kRouteWarps][N][EC]. Rows RB at a
+// time, the next RB's loads issued before the current ones' products (8 warps a block hide little latency else).
+template <class S, int VPT, int EC>
+__device__ __forceinline__ void route_dots(const S* __restrict__ in, const float (&wf)[EC][VPT * wgemv::kGroup<S>],
+                                           int N, int H, int nv, float* part) {
+  constexpr int L = wgemv::kGroup<S>, RB = 2;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4 cur[RB][VPT], nxt[RB][VPT];
+  route_rows<S, VPT, RB>(cur, in, 0, N, H, nv);
+  for (int n0 = 0; n0 < N; n0 += RB) {
+    route_rows<S, VPT, RB>(nxt, in, n0 + RB, N, H, nv);
+#pragma unroll
+    for (int r = 0; r < RB; ++r) {
+      if (n0 + r >= N) break;  // uniform over the block
+      float xf[VPT * L], acc[EC];
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) vec_f32<S>(cur[r][v], &xf[v * L]);
+#pragma unroll
+      for (int j = 0; j < EC; ++j) {
+        acc[j] = 0.f;
+#pragma unroll
+        for (int i = 0; i < VPT * L; ++i) acc[j] = fmaf(wf[j][i], xf[i], acc[j]);
+      }
+      const float s = warp_reduce_scatter<EC>(acc);
+      if ((lane & (32 / EC - 1)) == 0) part[(warp * N + n0 + r) * EC + lane / (32 / EC)] = s;
+    }
+#pragma unroll
+    for (int r = 0; r < RB; ++r)
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) cur[r][v] = nxt[r][v];
+  }
+}
+
+// Shared memory (floats): z [N][E] (the leader's: every block's logits land there), then part [kRouteWarps][N][EC],
+// which the leader reuses after the cluster barrier for its picks [round4(N k)] and plan_block's counts.
+template <class S, int VPT>
+__global__ void __launch_bounds__(kRouteThreads, 1)
+    k_moe_route(const S* __restrict__ in, const S* __restrict__ Wr, float* __restrict__ logits,
+                float* __restrict__ probs, int32_t* __restrict__ idx, float* __restrict__ w,
+                int32_t* __restrict__ start, int32_t* __restrict__ rows, int32_t* __restrict__ pos, int N, int H,
+                int E, int k) {
+  constexpr int EC = 16 / VPT;
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cl = cg::this_cluster();
+  extern __shared__ float4 smem4[];
+  float* z = reinterpret_cast<float*>(smem4);
+  float* part = z + round4(N * E);
+  const int Eb = E / int(cl.num_blocks()), e0 = int(cl.block_rank()) * Eb, nv = H / wgemv::kGroup<S>;
+  __cluster_barrier_arrive_relaxed();  // this block has started: its shared memory may be written (waited below)
+  const char* wblk = reinterpret_cast<const char*>(Wr + int64_t(e0) * H);  // the block's rows, contiguous
+  const int64_t bytes = int64_t(Eb) * H * int64_t(sizeof(S)), piece = 4096;
+  for (int64_t b = threadIdx.x * piece; b < bytes; b += kRouteThreads * piece)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wblk + b), "r"(uint32_t(min(piece, bytes - b)))
+                 : "memory");
+  pdl_enter();  // x is the kernel before's output; everything written here is read after it
+  float* zl = cl.map_shared_rank(z, 0);
+  for (int c = 0; c < Eb; c += EC) {
+    float wf[EC][VPT * wgemv::kGroup<S>];
+    route_weights<S, VPT, EC>(Wr, e0 + c, min(EC, Eb - c), H, nv, wf);
+    route_dots<S, VPT, EC>(in, wf, N, H, nv, part);
+    __syncthreads();
+    if (c == 0) __cluster_barrier_wait();  // every block has started
+    for (int q = threadIdx.x; q < N * EC; q += kRouteThreads) {
+      const int n = q / EC, j = q % EC, e = e0 + c + j;
+      if (c + j >= Eb) continue;
+      float s = 0.f;
+#pragma unroll
+      for (int wp = 0; wp < kRouteWarps; ++wp) s += part[(wp * N + n) * EC + j];
+      zl[n * E + e] = s;
+      if (logits) logits[int64_t(n) * E + e] = s;
+    }
+    __syncthreads();  // part is reused by the next pass
+  }
+  cl.sync();  // release/acquire: the leader's z holds every logit
+  if (cl.block_rank() != 0) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, R = N * k;
+  int32_t* pick = reinterpret_cast<int32_t*>(part);
+  for (int i = warp; i < N; i += kRouteWarps) {
+    const Pick p = router_row(z + i * E, probs + int64_t(i) * E, E, k);
+    if (lane < k) idx[i * k + lane] = pick[i * k + lane] = p.e, w[i * k + lane] = p.w;
+  }
+  __syncthreads();
+  plan_block(pick, R, E, pick + round4(R), start, rows, pos);
+}
+
+// The fused kernel's shared memory in bytes for N rows at VPT.
+size_t route_smem(int64_t N, int64_t E, int64_t k, int vpt) {
+  const int64_t R = N * k, ec = 16 / vpt;
+  const int64_t leader = round4(int(R)) + ((R + 31) / 32 + 1) * E;
+  return size_t(round4(int(N * E)) + std::max<int64_t>(kRouteWarps * N * ec, leader)) * sizeof(float);
+}
+
+// The cluster size: 8 (portable), or 16 under Q3VL_ROUTE_CLUSTER=16 (non-portable; for A/B runs).
+int route_cluster() {
+  static const int c = [] {
+    const char* e = std::getenv("Q3VL_ROUTE_CLUSTER");
+    return e && std::string(e) == "16" ? 16 : 8;
+  }();
+  return c;
 }
 
 // ---- grouped expert GEMM --------------------------------------------------------------------------------------------
@@ -794,6 +1008,29 @@ void moe_plan(const Exec& x, const int32_t* idx, int64_t N, int64_t k, int64_t E
   Q3VL_LAUNCHED();
   k_plan_fill<<<blocks, 256, 0, s>>>(idx, R, int(E), nchunks, cnt, rows, pos);
   Q3VL_LAUNCHED();
+}
+
+void moe_route(const Exec& x, const void* in, const void* Wr, float* logits, float* probs, int32_t* idx, float* w,
+               int32_t* start, int32_t* rows, int32_t* pos, int64_t N, int64_t H, int64_t E, int64_t k, DType dt) {
+  const int C = E % route_cluster() == 0 ? route_cluster() : 8;
+  bool fused = false;
+  if (N >= 1 && N <= kRouteMaxN && H >= 1 && E >= C && E % C == 0 && E <= kMaxExperts && k >= 1 && k <= 32 &&
+      k <= E && aligned16(in) && aligned16(Wr))
+    by_dtype(dt, [&]<class S>() {
+      constexpr int L = wgemv::kGroup<S>;
+      const int64_t vpt = (H / L + kRouteThreads - 1) / kRouteThreads;
+      if (H % L != 0 || vpt > kRouteMaxVpt || route_smem(N, E, k, int(vpt)) > kRouteSmem) return;
+      fused = true;
+      launch_pdl_cluster(vpt == 1 ? k_moe_route<S, 1> : k_moe_route<S, 2>, C, dim3(unsigned(C)), kRouteThreads,
+                         route_smem(N, E, k, int(vpt)), stream_of(x), static_cast<const S*>(in),
+                         static_cast<const S*>(Wr), logits, probs, idx, w, start, rows, pos, int(N), int(H), int(E),
+                         int(k));
+    });
+  if (fused) return;
+  Q3VL_CHECK(logits, "moe_route: logits may be null only where the fused kernel runs (decode sizes)");
+  cuda::gemm(x, false, true, N, E, H, 1.f, in, H, Wr, H, 0.f, logits, E, dt, DType::F32);  // qualified: not ADL's dev::
+  cuda::router_fwd(x, logits, probs, idx, w, N, E, k, DType::F32);
+  cuda::moe_plan(x, idx, N, k, E, start, rows, pos);
 }
 
 // The grouped expert GEMM of one mode (0 FWD, 1 DX, 2 DW: see k_grouped) with the path chosen by the caller
