@@ -787,10 +787,11 @@ std::vector<Case> all_cases(DType dt) {
   }
 
   // moe_route (the router GEMM, router_fwd and moe_plan in one op) at decode shapes of the 30B-A3B (CUDA: the fused
-  // cluster kernel) and a small odd one (two experts a block of the cluster); the logits exact (route_inputs), so the
-  // indices compare exactly. Once without logits (not written; the CPU keeps its own).
+  // cluster kernel up to 16 rows, the three launches at 64) and a small odd one (two experts a block of the
+  // cluster); the logits exact (route_inputs), so the indices compare exactly. Once without logits (not written; the
+  // CPU keeps its own).
   for (auto [N, H, E, k] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 2048, 128, 8}, {8, 2048, 128, 8},
-                            {64, 2048, 128, 8}, {9, 72, 16, 4}}) {
+                            {16, 2048, 128, 8}, {64, 2048, 128, 8}, {9, 72, 16, 4}}) {
     std::vector<double> xv, wv;
     route_inputs(N, H, E, k, xv, wv);
     for (bool keep : {true, false}) {

@@ -346,7 +346,9 @@ __global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restri
 // before it waits for the kernel that wrote x (pdl_wait), so the weights' HBM reads overlap it; the wait is followed
 // by the trigger (the experts' GEMV after this may launch; it waits for start and rows itself).
 constexpr int kRouteThreads = 256, kRouteWarps = kRouteThreads / 32;
-constexpr int kRouteMaxN = 64;                // rows of the fused path (decode steps); more: the three launches
+// Rows of the fused path; more: the three launches. The leader's router is a warp a row with a serial 128-term
+// sum and k argmax rounds (~3 us a row), so 64 rows would serialize ~8 rows a warp there: up to 16 (2 a warp).
+constexpr int kRouteMaxN = 16;
 constexpr int kRouteMaxVpt = 2;               // 16-byte vectors a thread a row: H * sizeof(S) <= 8 KiB
 constexpr size_t kRouteSmem = size_t(128) << 10;  // shared memory a block (the leader's logits and plan counts)
 
