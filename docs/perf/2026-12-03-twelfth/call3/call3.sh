@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# call 3 (2026-12-03, twelfth session), binaries at the head's code (5a108cc + kRouteMaxN 16): the fused MoE routing
+# kernel (dev::moe_route), request positions and prefix keys off the engine's thread; the GPU suites, one and 64
+# streams served, transformers' generate() baseline (hfbase) in the same call.
+set -u
+T0=$SECONDS
+tar xJf devpack/rt.tar.xz -C /tmp && source /tmp/rt/env.sh && tar xJf devpack/tok.tar.xz
+export NCCL_NVLS_ENABLE=0 OPENBLAS_NUM_THREADS=1
+q=/tmp/rt/bin/q3vl out=/tmp/res3 final=$OUT
+rm -rf $out /tmp/results /tmp/sc_* /tmp/runs /tmp/tc_*; mkdir -p $out  # a reused machine keeps /tmp
+pack() { tar czf "$final/results.tgz" -C "$out" . ; cp $out/summary.txt $final/ 2>/dev/null; }
+say() { echo "$*" >> $out/summary.txt; }
+nvidia-smi -L > $out/summary.txt
+Q3VL_REQUIRE_GPU=1 timeout 150 /tmp/rt/bin/unit_tests --gtest_filter='BackendOps.*:DevInfer.*:DevModel.*:DevLayers.*:Golden.*:Profile.*' > $out/unit.log 2>&1
+say "unit rc=$? $((SECONDS-T0)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' $out/unit.log | tr '\n' ' ')"
+grep -E "^\[  FAILED|FAIL$|moe_route" $out/unit.log | head -30 >> $out/summary.txt; pack
+run() {  # NAME PART CONC TIMEOUT [env...]
+  local n=$1 p=$2 c=$3 t=$4; shift 4
+  rm -rf /tmp/results
+  env CONC="$c" "$@" timeout $t bash tools/gpu/serve_checks.sh $q none /tmp/sc_$n "$p"
+  mkdir -p $out/$n; tar xzf /tmp/sc_$n/results.tgz -C $out/$n 2>/dev/null; grep -v "^ " /tmp/sc_$n/summary.txt >> $out/summary.txt
+  say "$n done $((SECONDS-T0)) s"; pack
+}
+run 30b 30b "1 64" 170 PROFILE=2 PROFILE_ROWS=1
+run 8b 8b "1 64" 80
+run fp8 8bfp8 1 70
+rem=$((585 - SECONDS + T0)); ((rem > 60)) && run hf hfbase 1 $((rem - 5))
+say "done $((SECONDS-T0)) s"; pack
+grep -E "unit|c=1 |c=64 |decode-only|engine over|hfbase|done" $out/summary.txt | cut -c1-220
