@@ -56,8 +56,8 @@ std::vector<uint64_t> token_keys(const GenPrompt& p, const std::vector<int64_t>&
   for (size_t g = 0, off = 0; g + 2 < p.grid.size(); g += 3) {
     const uint64_t h = mix(mix(mix(kRootKey, p.grid[g]), p.grid[g + 1]), p.grid[g + 2]);
     const size_t m = (size_t)(p.grid[g] * p.grid[g + 1] * p.grid[g + 2] * per);
-    img.push_back(pixel_key(h, p.pixels.data() + std::min(off, p.pixels.size()),
-                            std::min(off + m, p.pixels.size()) - std::min(off, p.pixels.size())));
+    const size_t a = std::min(off, p.pixels.size()), b = std::min(off + m, p.pixels.size());
+    img.push_back(pixel_key(h, p.pixels.data() + a, b - a));
     off += m;
   }
   const int64_t n = (int64_t)p.ids.size();

@@ -1065,18 +1065,18 @@ TEST(BackendOps, RouteInputsAreExact) {
     std::vector<int32_t> idx(N * k), start(E + 1), rows(N * k), pos(N * k);
     dev::moe_route(dev::Exec{}, x.data(), W.data(), logits.data(), probs.data(), idx.data(), w.data(), start.data(),
                    rows.data(), pos.data(), N, H, E, k, DType::F32);
-    double worst = 0;
+    int64_t inexact = 0;  // logits not equal to the exact sum (a NaN counts)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t e = 0; e < E; ++e) {
         long double z = 0;
         for (int64_t c = 0; c < H; ++c) z += (long double)xv[n * H + c] * wv[e * H + c];
-        worst = std::max(worst, double(std::abs(z - (long double)logits[n * E + e])));
+        inexact += !(z == (long double)logits[n * E + e]);
       }
-    EXPECT_EQ(worst, 0.0) << dims({N, H, E, k});
+    EXPECT_EQ(inexact, 0) << dims({N, H, E, k});
+    std::vector<int32_t> lead;  // route_inputs' k + 1 tied leads, in index order
+    for (int64_t i = 0; i <= k; ++i) lead.push_back(int32_t((3 + 7 * i) % E));
+    std::sort(lead.begin(), lead.end());
     for (int64_t j = 0; j < k; ++j) {
-      std::vector<int32_t> lead;
-      for (int64_t i = 0; i <= k; ++i) lead.push_back(int32_t((3 + 7 * i) % E));
-      std::sort(lead.begin(), lead.end());
       EXPECT_EQ(idx[j], lead[j]) << dims({N, H, E, k}) << " pick " << j;
       EXPECT_FLOAT_EQ(w[j], 1.f / float(k));
     }

@@ -339,9 +339,9 @@ __global__ void __launch_bounds__(1024) k_plan_one_block(const int32_t* __restri
 // A warp reduce-scatter (warp_reduce_scatter) leaves each expert's warp sum on 32 / EC lanes, and the 8 warps' sums
 // are added in warp order through shared memory: the logits are deterministic (fp32 accumulation; another summation
 // order than cuBLAS's, so not its bits). More experts than EC a block: passes over x, EC experts each. At E = 128,
-// C = 8 a block reads 16 rows of Wr (64 KiB in bf16) and holds 1.5 KiB of shared memory at N = 1, 64 KiB at N = 64.
+// C = 8 a block reads 16 rows of Wr (64 KiB in bf16) and holds 1.5 KiB of shared memory at N = 1, 16 KiB at N = 16.
 // The leader's router runs a warp a row, N / 8 rows each: at large N the serial softmax sums and top-k rounds, not
-// the GEMV, may bound the kernel (kRouteMaxN is where the three launches take over).
+// the GEMV, bound the kernel (kRouteMaxN, below, is where the three launches take over).
 // Launched programmatically dependent: each block prefetches its experts' weights into L2 (cp.async.bulk.prefetch)
 // before it waits for the kernel that wrote x (pdl_wait), so the weights' HBM reads overlap it; the wait is followed
 // by the trigger (the experts' GEMV after this may launch; it waits for start and rows itself).
