@@ -278,7 +278,9 @@ void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* sc
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(N) * double(n_in) * double(n_out) * ((din ? 1 : 0) + (dW ? 1 : 0))), linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, accumulate, dt));
+  PROFILED(x, prof::shaped(__func__, N, n_in, n_out),
+           prof::flop(2.0 * double(N) * double(n_in) * double(n_out) * ((din ? 1 : 0) + (dW ? 1 : 0))));
+  ON_CUDA(x, linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, accumulate, dt));
   need_f32(dt, "linear_bwd");
   clear_unless(accumulate, din, N * n_in);
   ops::linear_bwd(F(dy), F(in), F(W), F(din), dW, db, N, n_in, n_out);
@@ -401,7 +403,9 @@ void rope_bwd(const Exec& x, void* dq, const float* cos, const float* sin, int64
 void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,
                    const int32_t* cu, int64_t nseg, int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
                    bool causal, float scale, DType dt) {
-  DEV_OP(x, prof::flop(attention_flops(N, max_len, nh, hd, causal)), attention_fwd(x, q, k, v, out, lse, cu, nseg, max_len, N, nh, nkv, hd, causal, scale, dt));
+  PROFILED(x, prof::shaped_attn(__func__, nseg, max_len, hd, causal),
+           prof::flop(attention_flops(N, max_len, nh, hd, causal)));
+  ON_CUDA(x, attention_fwd(x, q, k, v, out, lse, cu, nseg, max_len, N, nh, nkv, hd, causal, scale, dt));
   need_f32(dt, "attention_fwd");
   const auto cu64 = widen(cu, nseg + 1);
   ops::attention_fwd(F(q), F(k), F(v), F(out), lse, cu64.data(), nseg, nh, nkv, hd, causal, scale);
@@ -410,7 +414,9 @@ void attention_bwd(const Exec& x, const void* dout, const void* q, const void* k
                    const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg, int64_t max_len,
                    int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale, bool accumulate,
                    DType dt) {
-  DEV_OP(x, prof::flop(2.5 * attention_flops(N, max_len, nh, hd, causal)), attention_bwd(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
+  PROFILED(x, prof::shaped_attn(__func__, nseg, max_len, hd, causal),
+           prof::flop(2.5 * attention_flops(N, max_len, nh, hd, causal)));
+  ON_CUDA(x, attention_bwd(x, dout, q, k, v, out, lse, dq, dk, dv, cu, nseg, max_len, N, nh, nkv, hd, causal, scale,
                            accumulate, dt));
   need_f32(dt, "attention_bwd");
   clear_unless(accumulate, dq, N * nh * hd);

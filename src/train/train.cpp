@@ -647,6 +647,7 @@ int run_train(const Deck& deck) {
   const bool writer = !replica || replica->rank() == 0;
   const bool profile = deck.boolean("run.profile");
   const int64_t profile_step = deck.integer("run.profile_step");
+  const bool profile_shapes = deck.boolean("run.profile_shapes");
   const bool prefetch = deck.boolean("data.prefetch");
 
   std::FILE* metrics = nullptr;
@@ -688,7 +689,7 @@ int run_train(const Deck& deck) {
     const double t_step = wall_seconds();
     double t_data = 0, t_fwd = 0, t_bwd = 0, t_comm = 0, t_opt = 0;
     const bool profiling = profile && (profile_step == 0 || st.step + 1 == profile_step);
-    if (profiling) prof::begin_step(trainer->exec());
+    if (profiling) prof::begin_step(trainer->exec(), profile_shapes);
     StepData sd;
     {
       Phase p{t_data, "data loading"};  // the wait for this step's batch: about nothing when it was prefetched

@@ -23,7 +23,7 @@ struct Profiled {
 };
 
 // One profiled forward + backward of the tiny dense model with `layers` decoder layers (all rows kept).
-Profiled profiled_pass(Device d, int layers) {
+Profiled profiled_pass(Device d, int layers, bool shapes = false) {
   ModelConfig cfg = test::tiny(false, true);
   cfg.text.layers = layers;
   Model host(cfg);
@@ -36,7 +36,7 @@ Profiled profiled_pass(Device d, int layers) {
     DevModel m(cfg, ex, DType::F32);
     m.reserve(budget_for(batch, cfg.vision.patch_dim()));
     m.set_params(host.params());
-    prof::begin_step(ex);
+    prof::begin_step(ex, shapes);
     const double t0 = wall_seconds();
     m.forward(batch, true, nullptr, nullptr, false);
     const double t1 = wall_seconds();
@@ -100,6 +100,23 @@ TEST(Profile, CallCountsFollowTheLayersOnCpu) { check_counts(Device::CPU); }
 TEST(Profile, CallCountsFollowTheLayersOnCuda) {
   Q3VL_NEED_GPU();
   check_counts(Device::CUDA);
+}
+
+// With shapes (run.profile_shapes), the linears' and attention's rows split by shape and add up to the rows by op.
+TEST(Profile, ShapesSplitTheRowsAndKeepTheCounts) {
+  const Profiled by_op = profiled_pass(Device::CPU, 2), by_shape = profiled_pass(Device::CPU, 2, true);
+  for (const char* op : {"linear_fwd", "linear_bwd", "attention_fwd", "attention_bwd"}) {
+    int64_t sum = 0, rows = 0;
+    for (const auto& [name, n] : by_shape.calls)
+      if (name.rfind(std::string(op) + " ", 0) == 0) sum += n, ++rows;
+    EXPECT_EQ(by_shape.calls.count(op), 0u) << op << " has a row without its shape";
+    EXPECT_EQ(sum, by_op.calls.at(op)) << op;
+    EXPECT_GE(rows, 2) << op << ": the text and vision shapes differ";
+  }
+  bool causal = false;
+  for (const auto& [name, n] : by_shape.calls) causal |= name.rfind("attention_fwd ", 0) == 0 &&
+                                                            name.find(" causal") != std::string::npos;
+  EXPECT_TRUE(causal) << "the decoder's attention is causal and says so";
 }
 
 // Off (outside begin_step .. end_step) nothing is recorded; the top rows end with "other".

@@ -79,11 +79,13 @@ struct Report {
 };
 
 // Start recording on this thread; `compute` is the step's compute Exec (its stream is "the compute stream").
-// shapes: the linears' rows carry their shape (shaped), so that each projection gets a row of its own (serve's
-// profile; training's rows stay by op).
+// shapes: the linears' and attention's rows carry their shape (shaped, shaped_attn), so that each projection gets a
+// row of its own (serve's profile; training's with run.profile_shapes).
 void begin_step(const dev::Exec& compute, bool shapes = false);
 // A linear's row name: `op` alone, or with shapes on "op NxIN->OUT" (interned).
 const char* shaped(const char* op, int64_t n, int64_t in, int64_t out);
+// Attention's rows the same way: "op NSEGxMAX_LEN hdHD[ causal]".
+const char* shaped_attn(const char* op, int64_t nseg, int64_t max_len, int64_t hd, bool causal);
 // Stop recording, read the events (CUDA: waits for them) and sum the regions by name. phases: (name, seconds) of
 // the step's phases, step_s its time; what the phases leave is the "host / unaccounted" phase.
 Report end_step(int64_t step, double step_s, const std::vector<std::pair<std::string, double>>& phases,
