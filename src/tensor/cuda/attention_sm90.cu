@@ -1,6 +1,6 @@
 // Flash attention for Hopper (sm_90a): wgmma tensor-core instructions, called by attention.cu's attention_fwd and
-// attention_bwd (bf16/fp16, head dim 128) on a compute-capability 9.0 device. Same semantics as
-// fwd_tc / dkdv_tc + dq_tc there (packed variable-length segments, GQA, causal or not; out [N, nh*hd], lse [N, nh]
+// attention_bwd (bf16/fp16; forward head dims 72 and 128, backward 64, 72 and 128) on a compute-capability 9.0
+// device. Same semantics as fwd_tc / dkdv_tc + dq_tc there (packed variable-length segments, GQA, causal or not; out [N, nh*hd], lse [N, nh]
 // natural log). The backward is described above bwd_wgmma.
 //
 // Forward: a block is 2 warpgroups (256 threads) and 128 queries of one head of one segment; warpgroup w owns query
@@ -25,19 +25,25 @@ namespace q3vl::dev::cuda {
 namespace {
 
 constexpr int kThreads = 256, kBM = 128, kBN = 128;
+// Head dims 64, 72 and 128. Products over the head dim run over kdim<HD> (a multiple of 16: 80 for 72; the columns
+// past HD are zero in shared memory); a tile of R rows holds panels<HD> panels of R x 128 bytes (2 for 72, the
+// second 8 of its 64 columns used). Products whose N is the head dim use wgmma's n = HD (n72 reads the second panel's
+// first columns through the descriptor's panel distance).
+template <int HD> constexpr int kdim() { return (HD + 15) / 16 * 16; }
+template <int HD> constexpr int panels() { return (HD + 63) / 64; }
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -INFINITY;
 
 // ROWS rows [row0, row0+ROWS) of a segment (token stride ld, HD columns) into the swizzled tile at shared address
-// s; rows >= L are zero-filled. Consecutive threads take consecutive 16-byte chunks of a row (coalesced reads; the
+// s; rows >= L and the columns [HD, kdim) are zero-filled. Consecutive threads take consecutive 16-byte chunks of a row (coalesced reads; the
 // XOR keeps each 8-chunk row segment a permutation of its 128 bytes, so no bank conflicts on the writes).
 template <class S, int HD, int ROWS>
 __device__ __forceinline__ void load_tile(uint32_t s, const S* g, int64_t ld, int row0, int L, int tid) {
-  constexpr int NCH = HD / 8;
+  constexpr int NCH = HD / 8, NCHP = kdim<HD>() / 8;
 #pragma unroll
-  for (int c = tid; c < ROWS * NCH; c += kThreads) {
-    const int r = c / NCH, ch = c % NCH;
-    const bool ok = row0 + r < L;
+  for (int c = tid; c < ROWS * NCHP; c += kThreads) {
+    const int r = c / NCHP, ch = c % NCHP;
+    const bool ok = row0 + r < L && ch < NCH;
     const uint32_t dst = s + (ch >> 3) * (ROWS * 128) + r * 128 + (((ch & 7) ^ (r & 7)) << 4);
     cp16(dst, ok ? g + int64_t(row0 + r) * ld + ch * 8 : g, ok);
   }
@@ -49,7 +55,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const S* g, int64_t ld, in
 // elements) per k-step inside the 128-byte rows.
 template <class S, int HD> __device__ __forceinline__ void gemm_s(float (&s)[kBN / 2], uint32_t qa, uint32_t ka) {
 #pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk)
+  for (int kk = 0; kk < kdim<HD>() / 16; ++kk)
     wg_ss<S, kBN>(s, sdesc(qa + (kk >> 2) * (kBM * 128) + (kk & 3) * 32, 16),
                 sdesc(ka + (kk >> 2) * (kBN * 128) + (kk & 3) * 32, 16), kk > 0);
 }
@@ -122,7 +128,7 @@ __device__ __forceinline__ void tiles_landed(bool all) {
 // rescaled and P rebuilt once PV has finished with them.
 constexpr int kBufs = 3;
 template <int HD> constexpr size_t fwd_smem(size_t es) {
-  return size_t(kBM + 2 * kBufs * kBN) * HD * es + 1024;  // Q, K and V buffers, + alignment slack
+  return size_t(kBM + 2 * kBufs * kBN) * panels<HD>() * 64 * es + 1024;  // Q, K and V buffers, + alignment slack
 }
 
 template <class S, int HD>
@@ -131,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
                                                          float* __restrict__ lse, const int32_t* __restrict__ cu,
                                                          int nh, int nkv, float sl2, bool causal) {
 #ifdef Q3VL_WGMMA
-  constexpr int NB = kBufs, TQ = kBM * HD * 2, TK = kBN * HD * 2;  // tile bytes (16-bit elements)
+  constexpr int NB = kBufs, TQ = kBM * panels<HD>() * 128, TK = kBN * panels<HD>() * 128;  // tile bytes
   extern __shared__ __align__(16) unsigned char smraw[];
   const uint32_t sQ = (static_cast<uint32_t>(__cvta_generic_to_shared(smraw)) + 1023u) & ~1023u;
   const uint32_t sK = sQ + TQ, sV = sK + NB * TK;
@@ -239,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
 // is added to an fp32 dQ accumulator in global memory with atomics (other key blocks add to the same rows).
 constexpr int kBwdM = 64, kBwdN = 128;
 template <int HD> constexpr size_t bwd_smem() {
-  return size_t(2 * kBwdN + 4 * kBwdM) * HD * 2 + kBwdN * kBwdM * 2 + 4 * kBwdM * 4 + 1024;
+  return size_t(2 * kBwdN + 4 * kBwdM) * panels<HD>() * 128 + kBwdN * kBwdM * 2 + 4 * kBwdM * 4 + 1024;
 }
 
 // t (64 x 64: the warpgroup's 64 rows of A x the 64 rows of B) = A B^T, both K-major HD-column tiles: A's rows start
@@ -247,7 +253,7 @@ template <int HD> constexpr size_t bwd_smem() {
 template <class S, int HD>
 __device__ __forceinline__ void gemm_t(float (&t)[kBwdM / 2], uint32_t a, uint32_t pa, uint32_t b) {
 #pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk)
+  for (int kk = 0; kk < kdim<HD>() / 16; ++kk)
     wg_ss<S, kBwdM>(t, sdesc(a + (kk >> 2) * pa + (kk & 3) * 32, 16),
                     sdesc(b + (kk >> 2) * (kBwdM * 128) + (kk & 3) * 32, 16), kk > 0);
 }
@@ -261,8 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
                                                          int nh, int nkv, int kh0, float scale, float sl2,
                                                          bool causal, bool acc) {
 #ifdef Q3VL_WGMMA
-  static_assert(HD == 128, "dQ is split by 64 columns between the 2 warpgroups");
-  constexpr int BM = kBwdM, BN = kBwdN, TQ = BM * HD * 2, TK = BN * HD * 2;
+  // dQ: at hd 128 the 2 warpgroups split its 64 columns (each over all 128 keys); at 64 and 72 they split the keys
+  // (each its own 64, all HD columns) and both add to the accumulator.
+  constexpr bool kSplitCols = HD == 128;
+  constexpr int DQN = kSplitCols ? 64 : HD;  // the dQ columns of a warpgroup
+  constexpr int BM = kBwdM, BN = kBwdN, TQ = BM * panels<HD>() * 128, TK = BN * panels<HD>() * 128;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(16) unsigned char smraw[];
   const uint32_t sK = (static_cast<uint32_t>(__cvta_generic_to_shared(smraw)) + 1023u) & ~1023u;
@@ -370,15 +379,25 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     wg_fence();
     gemm_pv<S, HD, BM>(dka, da, cQ);
     wg_commit();
-    // Both warpgroups' dS^T halves written (generic proxy) before either reads them through wgmma (async proxy).
+    // dS^T written (generic proxy) before wgmma reads it (async proxy): both warpgroups' halves when each reads all
+    // 128 keys, else the warpgroup's own (named barrier 1 + wg over its 128 threads).
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    float dqa[BM / 2];
+    if constexpr (kSplitCols) __syncthreads();
+    else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+    float dqa[DQN / 2];
     wg_fence();
+    if constexpr (kSplitCols) {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      wg_ss<S, 64, 1, 1>(dqa, sdesc(sdS + kk * 2048, BN * BM * 2), sdesc(sK + wg * (BN * 128) + kk * 2048, BN * 128),
-                         kk > 0);
+      for (int kk = 0; kk < BN / 16; ++kk)
+        wg_ss<S, 64, 1, 1>(dqa, sdesc(sdS + kk * 2048, BN * BM * 2),
+                           sdesc(sK + wg * (BN * 128) + kk * 2048, BN * 128), kk > 0);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < BN / 32; ++kk) {  // 16-key steps inside the warpgroup's 64 keys
+        const uint32_t off = (wg * (BN / 32) + kk) * 2048;
+        wg_ss<S, HD, 1, 1>(dqa, sdesc(sdS + off, BN * BM * 2), sdesc(sK + off, BN * 128), kk > 0);
+      }
+    }
     wg_commit();
     wg_wait<0>();
     pin(dqa);
@@ -386,14 +405,14 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     pin(dva);
     pin2(pa);  // the A fragments of dV/dK stay allocated until those wgmmas have completed
     pin2(da);
-    // dQ rows: query i0 + 16*warp + g (+8), columns 64*wg + 8n + 2t (+1).
+    // dQ rows: query i0 + 16*warp + g (+8), columns (64*wg when split) + 8n + 2t (+1).
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
       const int i = i0 + warp * 16 + g + 8 * rh;
       if (i >= L) continue;
-      float* row = dqacc + int64_t(b0 + i) * ldacc + int64_t(h - kh0 * grp) * HD + wg * 64 + 2 * t;
+      float* row = dqacc + int64_t(b0 + i) * ldacc + int64_t(h - kh0 * grp) * HD + (kSplitCols ? wg * 64 : 0) + 2 * t;
 #pragma unroll
-      for (int n = 0; n < BM / 8; ++n)
+      for (int n = 0; n < DQN / 8; ++n)
         atomicAdd(reinterpret_cast<float2*>(row + 8 * n), make_float2(dqa[4 * n + 2 * rh], dqa[4 * n + 2 * rh + 1]));
     }
   }
@@ -436,14 +455,19 @@ bool is_sm90() {
 
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
                         const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2) {
-  if (hd != 128 || !is_sm90()) return false;  // hd 64 measured 0.90-1.03x fwd_tc: not worth an instantiation
+  // hd 64 measured 0.90-1.03x fwd_tc (sixth session): not worth an instantiation.
+  if ((hd != 128 && hd != 72) || !is_sm90()) return false;
   const dim3 grid(unsigned((max_len + kBM - 1) / kBM), unsigned(nh), unsigned(nseg));
   auto run = [&]<class S, int HD>() {
     launch(fwd_wgmma<S, HD>, grid, kThreads, fwd_smem<HD>(sizeof(S)), st, static_cast<const S*>(q),
            static_cast<const S*>(k), static_cast<const S*>(v), static_cast<S*>(out), lse, cu, nh, nkv, sl2, causal);
   };
-  if (bf16) run.template operator()<__nv_bfloat16, 128>();
-  else run.template operator()<__half, 128>();
+  auto by_hd = [&]<class S>() {
+    if (hd == 128) run.template operator()<S, 128>();
+    else run.template operator()<S, 72>();
+  };
+  if (bf16) by_hd.template operator()<__nv_bfloat16>();
+  else by_hd.template operator()<__half>();
   return true;
 }
 
@@ -456,13 +480,13 @@ bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void
   const int grp = nh / nkv;
   const size_t per_kv = size_t(N) * grp * hd * sizeof(float);  // one kv head's query rows
   const int chunk = int(std::min<size_t>(nkv, acc_bytes / per_kv));
-  if (hd != 128 || chunk == 0 || !is_sm90()) return false;
-  auto run = [&]<class S>() {
+  if ((hd != 128 && hd != 72 && hd != 64) || chunk == 0 || !is_sm90()) return false;
+  auto run = [&]<class S, int HD>() {
     for (int kh0 = 0; kh0 < nkv; kh0 += chunk) {
       const int nc = std::min(chunk, nkv - kh0), w = nc * grp * hd;
       Q3VL_CU(cudaMemsetAsync(dqacc, 0, nc * per_kv, st));
       const dim3 grid(unsigned(nc), unsigned(nseg), unsigned((max_len + kBwdN - 1) / kBwdN));
-      launch(bwd_wgmma<S, 128>, grid, kThreads, bwd_smem<128>(), st, static_cast<const S*>(dout),
+      launch(bwd_wgmma<S, HD>, grid, kThreads, bwd_smem<HD>(), st, static_cast<const S*>(dout),
              static_cast<const S*>(q), static_cast<const S*>(k), static_cast<const S*>(v), lse, D,
              static_cast<S*>(dk), static_cast<S*>(dv), dqacc, cu, nh, nkv, kh0, scale, sl2, causal, acc);
       const int64_t n2 = N * w / 2;
@@ -470,7 +494,12 @@ bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void
              static_cast<S*>(dq), n2, w, int64_t(nh) * hd, int64_t(kh0) * grp * hd, acc);
     }
   };
-  bf16 ? run.template operator()<__nv_bfloat16>() : run.template operator()<__half>();
+  auto by_hd = [&]<class S>() {
+    if (hd == 128) run.template operator()<S, 128>();
+    else if (hd == 72) run.template operator()<S, 72>();
+    else run.template operator()<S, 64>();
+  };
+  bf16 ? by_hd.template operator()<__nv_bfloat16>() : by_hd.template operator()<__half>();
   return true;
 }
 

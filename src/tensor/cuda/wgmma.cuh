@@ -49,7 +49,9 @@ template <int N> __device__ __forceinline__ void wg_wait() {
                  "+f"(d[i + 6]), "+f"(d[i + 7])
 #define Q3_D32 Q3_D8(0), Q3_D8(8), Q3_D8(16), Q3_D8(24)
 #define Q3_D64 Q3_D32, Q3_D8(32), Q3_D8(40), Q3_D8(48), Q3_D8(56)
+#define Q3_D36 Q3_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
 #define Q3_R32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define Q3_R36 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}"
 #define Q3_R64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
 // d (64 x N fp32, this thread's N/2) (+)= A (64 x 16, smem) * B (16 x N, smem); acc 0 overwrites. TA/TB 0: the
@@ -64,6 +66,11 @@ template <int N> __device__ __forceinline__ void wg_wait() {
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " Q3_R32 ", %32, %33, p, 1, 1, %35, %36;\n}\n" \
                : Q3_D32                                                                                          \
                : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB))
+#define Q3_WG_SS72(TY)                                                                                           \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                                     \
+               "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " " Q3_R36 ", %36, %37, p, 1, 1, %39, %40;\n}\n" \
+               : Q3_D36                                                                                          \
+               : "l"(a), "l"(b), "r"(acc), "n"(TA), "n"(TB))
 template <class S, int N, int TA = 0, int TB = 0>
 __device__ __forceinline__ void wg_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int acc) {
 #ifdef Q3VL_WGMMA
@@ -71,6 +78,9 @@ __device__ __forceinline__ void wg_ss(float (&d)[N / 2], uint64_t a, uint64_t b,
   if constexpr (N == 128) {
     if constexpr (bf) Q3_WG_SS128("bf16");
     else Q3_WG_SS128("f16");
+  } else if constexpr (N == 72) {  // head dim 72 (the 8B's and 30B-A3B's vision towers)
+    if constexpr (bf) Q3_WG_SS72("bf16");
+    else Q3_WG_SS72("f16");
   } else {
     static_assert(N == 64);
     if constexpr (bf) Q3_WG_SS64("bf16");
@@ -92,12 +102,21 @@ __device__ __forceinline__ void wg_ss(float (&d)[N / 2], uint64_t a, uint64_t b,
                ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                                    \
                : Q3_D32                                                                                        \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1))
+#define Q3_WG_RS72(TY)                                                                                        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"                                                  \
+               "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " " Q3_R36                              \
+               ", {%36,%37,%38,%39}, %40, p, 1, 1, 1;\n}\n"                                                    \
+               : Q3_D36                                                                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1))
 template <class S, int N> __device__ __forceinline__ void wg_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
 #ifdef Q3VL_WGMMA
   constexpr bool bf = std::is_same_v<S, __nv_bfloat16>;
   if constexpr (N == 128) {
     if constexpr (bf) Q3_WG_RS128("bf16");
     else Q3_WG_RS128("f16");
+  } else if constexpr (N == 72) {
+    if constexpr (bf) Q3_WG_RS72("bf16");
+    else Q3_WG_RS72("f16");
   } else {
     static_assert(N == 64);
     if constexpr (bf) Q3_WG_RS64("bf16");
