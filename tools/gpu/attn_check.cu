@@ -1,6 +1,6 @@
 // GPU check and A/B timing of the CUDA attention kernels against a naive fp64 host reference: "old" is the mma.sync /
 // SIMT path of src/tensor/cuda/attention.cu (attention_fwd_path / attention_bwd_path with wgmma false), "new" the Hopper wgmma
-// kernels of attention_sm90.cu where they apply (forward hd 72/128, backward 64/72/128; bf16/fp16 on a 9.0 device; else
+// kernels of attention_sm90.cu where they apply (forward hd 128, backward 64/72/128; bf16/fp16 on a 9.0 device; else
 // new = old). Build and run from the repo root:
 //   make bin/attn_check && bin/attn_check [--no-timing] [--no-checks] [--small (few short cases, no timing: racecheck)]
 // Prints one line per checked case and path (old, new, newc: new with a workspace that holds the dQ accumulator of
@@ -204,8 +204,8 @@ bool is_sm90() {
   CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   return major == 9 && minor == 0;
 }
-// Where the wgmma kernels must run (a 9.0 device, 16-bit): forward hd 72/128, backward hd 64/72/128.
-bool want_fwd_new(DType dt, int hd) { return dt != DType::F32 && (hd == 128 || hd == 72) && is_sm90(); }
+// Where the wgmma kernels must run (a 9.0 device, 16-bit): forward hd 128, backward hd 64/72/128.
+bool want_fwd_new(DType dt, int hd) { return dt != DType::F32 && hd == 128 && is_sm90(); }
 bool want_bwd_new(DType dt, int hd) { return dt != DType::F32 && (hd == 128 || hd == 72 || hd == 64) && is_sm90(); }
 
 int run_checks(Exec& x, bool small) {

@@ -3,7 +3,7 @@
 //  - bf16/fp16 with hd in {64, 72, 128} and 16-byte aligned pointers: tensor cores (mma.sync m16n8k16, fp32
 //    accumulation), 4 warps a block, cp.async double-buffered tiles (FwdCfg/DqCfg/DkvCfg give the tile sizes);
 //    hd 72 is zero-padded to 80 in shared memory.
-//    On a 9.0 device, attention_sm90.cu's wgmma kernels take over (forward hd 72 and 128, backward 64, 72 and 128;
+//    On a 9.0 device, attention_sm90.cu's wgmma kernels take over (forward hd 128, backward 64, 72 and 128;
 //    attention_fwd_path / _bwd_path with wgmma = false keep these, for tools/gpu/attn_check.cu's comparisons).
 //  - everything else (fp32 parity mode, other head dims up to 256): SIMT kernels, fp32 tiles, 4 threads per row.
 // Backward: D = rowsum(dout*out) into Exec::ws, then dK/dV per (key block, kv head) looping over the group's query
@@ -832,7 +832,7 @@ bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64
 
 }  // namespace
 
-// attention_sm90.cu: the wgmma forward (hd 72, 128) and backward (hd 64, 72, 128) for bf16/fp16 on a 9.0 device;
+// attention_sm90.cu: the wgmma forward (hd 128) and backward (hd 64, 72, 128) for bf16/fp16 on a 9.0 device;
 // false: not taken (other shapes or devices).
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
                         const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2);
@@ -858,7 +858,7 @@ bool attention_fwd_path(const Exec& x, const void* q, const void* k, const void*
     S* O = static_cast<S*>(out);
     if constexpr (!std::is_same_v<S, float>) {
       if (al) {
-        // hd 128 and 72 (attention_fwd_sm90 says which): at hd 64 the wgmma kernel measured 0.90-1.03x fwd_tc
+        // hd 128 (attention_fwd_sm90 says which and why)
         if (wgmma &&
             attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len),
                                inh, inkv, ihd, causal, sl2)) {
