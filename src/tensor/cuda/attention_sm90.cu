@@ -234,7 +234,8 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
 
 // ---- backward -------------------------------------------------------------------------------------------------------
 // A block is 2 warpgroups and kBwdN = 128 keys of one kv head of one segment; warpgroup w owns keys [64w, 64w+64) and
-// their dK/dV rows (fp32 in registers, summed over the group's query heads: GQA without races). The block loops over
+// their dK/dV rows (fp32 in registers, summed over the group's query heads: GQA without races; where head_split
+// shares the heads among blocks, each writes fp32 partials that sum_parts adds in order). The block loops over
 // the query heads of the group and, per head, over 64-query tiles (causal: from the block's first key on); per tile
 // (Q, dO, lse, D double-buffered by cp.async), warpgroup w computes
 //   S^T = K_w Q^T, dP^T = V_w dO^T          (wgmma m64n64k16, both operands K-major in smem)
@@ -265,7 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
                                                          S* __restrict__ dk, S* __restrict__ dv,
                                                          float* __restrict__ dqacc, const int32_t* __restrict__ cu,
                                                          int nh, int nkv, int kh0, float scale, float sl2,
-                                                         bool causal, bool acc) {
+                                                         bool causal, bool acc, int split, float* __restrict__ part,
+                                                         int64_t ntok) {
 #ifdef Q3VL_WGMMA
   // dQ: at hd 128 the 2 warpgroups split its 64 columns (each over all 128 keys); at 64 and 72 they split the keys
   // (each its own 64, all HD columns) and both add to the accumulator.
@@ -281,20 +283,21 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
 
   // Key blocks slowest in the launch order: every head's and segment's first block (the most query tiles when
   // causal) starts before any second one.
-  const int kh = kh0 + blockIdx.x, seg = blockIdx.y;  // kv heads [kh0, kh0 + gridDim.x): dqacc holds their rows
+  // blockIdx.x: kv head kh0 + x / split (dqacc holds the rows of those nc), and which split-th of its query heads.
+  const int nc = gridDim.x / split, kh = kh0 + blockIdx.x / split, hs = blockIdx.x % split, seg = blockIdx.y;
   const int b0 = cu[seg], L = cu[seg + 1] - b0;
   const int j0 = blockIdx.z * BN;
   if (j0 >= L) return;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int grp = nh / nkv;
-  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD, ldacc = int64_t(gridDim.x) * grp * HD;
+  const int grp = nh / nkv, hpb = grp / split, h0 = kh * grp + hs * hpb;  // this block's query heads [h0, h0+hpb)
+  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD, ldacc = int64_t(nc) * grp * HD;
   const int qb0 = causal ? j0 / BM : 0;  // earlier query tiles see none of these keys
-  const int nqb = (L + BM - 1) / BM - qb0, nit = grp * nqb;
+  const int nqb = (L + BM - 1) / BM - qb0, nit = hpb * nqb;
 
   load_tile<S, HD, BN>(sK, k + int64_t(b0) * ldk + int64_t(kh) * HD, ldk, j0, L, tid);
   load_tile<S, HD, BN>(sV, v + int64_t(b0) * ldk + int64_t(kh) * HD, ldk, j0, L, tid);
   auto stage = [&](int it, int buf) {
-    const int h = kh * grp + it / nqb, i0 = (qb0 + it % nqb) * BM;
+    const int h = h0 + it / nqb, i0 = (qb0 + it % nqb) * BM;
     load_tile<S, HD, BM>(sQ + buf * TQ, q + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
     load_tile<S, HD, BM>(sO + buf * TQ, dout + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
     if (tid < 2 * BM) {  // lse (tid < BM) and D; rows past the end read as 0 and are masked
@@ -320,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     tiles_landed(true);
     if (it + 1 < nit) stage(it + 1, (it + 1) & 1);
     cp_commit();
-    const int buf = it & 1, h = kh * grp + it / nqb, i0 = (qb0 + it % nqb) * BM;
+    const int buf = it & 1, h = h0 + it / nqb, i0 = (qb0 + it % nqb) * BM;
     const uint32_t cQ = sQ + buf * TQ, cO = sO + buf * TQ;
     const float* cL = fLD + buf * BM;
     const float* cD = fLD + (2 + buf) * BM;
@@ -421,6 +424,16 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     const int j = kr0 + 8 * rh;
     if (j >= L) continue;
     const int64_t row = int64_t(b0 + j) * ldk + int64_t(kh) * HD + 2 * t;
+    if (part) {  // a share of the group's heads: fp32 partials [split][ntok, nkv*HD] (dK, then dV), sum_parts adds
+      float* pk = part + int64_t(hs) * ntok * ldk + row;
+      float* pv = pk + int64_t(split) * ntok * ldk;
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n) {
+        *reinterpret_cast<float2*>(pk + 8 * n) = make_float2(dka[4 * n + 2 * rh], dka[4 * n + 2 * rh + 1]);
+        *reinterpret_cast<float2*>(pv + 8 * n) = make_float2(dva[4 * n + 2 * rh], dva[4 * n + 2 * rh + 1]);
+      }
+      continue;
+    }
 #pragma unroll
     for (int n = 0; n < HD / 8; ++n) {
       add2<S>(dk + row + 8 * n, dka[4 * n + 2 * rh], dka[4 * n + 2 * rh + 1], acc);
@@ -440,6 +453,31 @@ __global__ void dq_from_acc(const float2* __restrict__ a, S* __restrict__ dq, in
     const int64_t row = 2 * i / w, col = 2 * i % w;
     add2<S>(dq + row * ldq + c0 + col, a[i].x, a[i].y, acc);
   }
+}
+
+// out[i] (+)= part[0][i] + part[1][i] + ... (split partials of n elements, in order: deterministic), 2 a thread.
+template <class S>
+__global__ void sum_parts(const float2* __restrict__ part, int split, int64_t n2, S* __restrict__ out, bool acc) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n2; i += int64_t(gridDim.x) * blockDim.x) {
+    float2 a = part[i];
+    for (int s = 1; s < split; ++s) a.x += part[s * n2 + i].x, a.y += part[s * n2 + i].y;
+    add2<S>(out + 2 * i, a.x, a.y, acc);
+  }
+}
+
+// How many blocks share a kv head's query heads. A block owns 128 keys of one kv head and loops over its group's
+// query heads; with few kv heads and segments the grid under-fills the GPU, and causally the first key block does
+// every query tile (the 30B-A3B: 4 kv heads of 8, one 4096-token segment: 128 blocks, the heaviest 2x the mean).
+// Split the heads (dK/dV then go through fp32 partials, part_bytes of the workspace) while the grid stays within 4
+// blocks an SM.
+int head_split(int64_t blocks, int grp, size_t part_bytes_per_split, size_t room) {
+  int dev = 0, sms = 0;
+  Q3VL_CU(cudaGetDevice(&dev));
+  Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  int split = 1;
+  while (grp % (2 * split) == 0 && blocks * 2 * split <= 4 * int64_t(sms) && 2 * split * part_bytes_per_split <= room)
+    split *= 2;
+  return split;
 }
 
 bool is_sm90() {
@@ -468,28 +506,43 @@ bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k
   return true;
 }
 
-// dqacc: acc_bytes of workspace for the fp32 dQ accumulator; the kv heads go in chunks whose query heads' rows fit
-// (false, nothing done, when not even one kv head's do).
+// dqacc: acc_bytes of workspace for the fp32 dQ accumulator (and, when the query heads are split, the dK/dV
+// partials first); the kv heads go in chunks whose query heads' rows fit (false, nothing done, when not even one kv
+// head's do).
 bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void* q, const void* k, const void* v,
                         const float* lse, const float* D, void* dq, void* dk, void* dv, float* dqacc, size_t acc_bytes,
                         const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
                         float scale, float sl2, bool acc) {
   const int grp = nh / nkv;
   const size_t per_kv = size_t(N) * grp * hd * sizeof(float);  // one kv head's query rows
-  const int chunk = int(std::min<size_t>(nkv, acc_bytes / per_kv));
-  if ((hd != 128 && hd != 72 && hd != 64) || chunk == 0 || !is_sm90()) return false;
+  if ((hd != 128 && hd != 72 && hd != 64) || acc_bytes < per_kv || !is_sm90()) return false;
+  const int nkb = (max_len + kBwdN - 1) / kBwdN;
+  const size_t kv_elems = size_t(N) * nkv * hd, per_split = 2 * kv_elems * sizeof(float);  // dK and dV partials
+  const int split = head_split(int64_t(nkv) * nseg * nkb, grp, per_split, acc_bytes - per_kv);
+  float* part = split > 1 ? dqacc : nullptr;  // the partials first, then the dQ accumulator
+  dqacc += split > 1 ? split * per_split / sizeof(float) : 0;
+  const int chunk = int(std::min<size_t>(nkv, (acc_bytes - (split > 1 ? split * per_split : 0)) / per_kv));
+  // Rows outside every segment (possible when accumulating) read 0 from the partials.
+  if (part) Q3VL_CU(cudaMemsetAsync(part, 0, split * per_split, st));
   auto run = [&]<class S, int HD>() {
     for (int kh0 = 0; kh0 < nkv; kh0 += chunk) {
       const int nc = std::min(chunk, nkv - kh0), w = nc * grp * hd;
       Q3VL_CU(cudaMemsetAsync(dqacc, 0, nc * per_kv, st));
-      const dim3 grid(unsigned(nc), unsigned(nseg), unsigned((max_len + kBwdN - 1) / kBwdN));
+      const dim3 grid(unsigned(nc * split), unsigned(nseg), unsigned(nkb));
       launch(bwd_wgmma<S, HD>, grid, kThreads, bwd_smem<HD>(), st, static_cast<const S*>(dout),
              static_cast<const S*>(q), static_cast<const S*>(k), static_cast<const S*>(v), lse, D,
-             static_cast<S*>(dk), static_cast<S*>(dv), dqacc, cu, nh, nkv, kh0, scale, sl2, causal, acc);
+             static_cast<S*>(dk), static_cast<S*>(dv), dqacc, cu, nh, nkv, kh0, scale, sl2, causal, acc, split, part,
+             N);
       const int64_t n2 = N * w / 2;
       launch(dq_from_acc<S>, dim3(grid_for(n2)), 256, 0, st, reinterpret_cast<const float2*>(dqacc),
              static_cast<S*>(dq), n2, w, int64_t(nh) * hd, int64_t(kh0) * grp * hd, acc);
     }
+    if (!part) return;
+    const int64_t n2 = int64_t(kv_elems / 2);
+    launch(sum_parts<S>, dim3(grid_for(n2)), 256, 0, st, reinterpret_cast<const float2*>(part), split, n2,
+           static_cast<S*>(dk), acc);
+    launch(sum_parts<S>, dim3(grid_for(n2)), 256, 0, st, reinterpret_cast<const float2*>(part) + split * n2, split,
+           n2, static_cast<S*>(dv), acc);
   };
   auto by_hd = [&]<class S>() {
     if (hd == 128) run.template operator()<S, 128>();
