@@ -268,8 +268,8 @@ std::vector<Case> all_cases(DType dt) {
   };
   using K = Kind;
 
-  // elementwise
-  for (int64_t n : {1, 1001, 65537}) {
+  // elementwise; 1001 and 1023 leave tails of 1 and 7 elements past the 16-byte vectors
+  for (int64_t n : {1, 1001, 1023, 65537}) {
     add("axpy", dims({n}), kElem, {in("a", K::Act, randn(n)), out("y", K::Act, randn(n))},
         [n](auto& x, auto& p, DType t) { dev::axpy(x, -0.75f, p[0], p[1], n, t); });
     add("scale", dims({n}), kElem, {out("y", K::Act, randn(n))},
@@ -296,7 +296,16 @@ std::vector<Case> all_cases(DType dt) {
           {in("dy", K::Act, randn(n)), in("x", K::Act, randn(n, 2)), out("dx", K::Act, randn(n))},
           [n, acc](auto& x, auto& p, DType t) { dev::gelu_erf_bwd(x, p[0], p[1], p[2], n, acc, t); });
   }
-  for (auto [N, I] : {std::pair<int64_t, int64_t>{17, 300}, {64, 1024}}) {
+  {  // pointers one element past 16-byte alignment: the maps' scalar path
+    const int64_t n = 1001;
+    add("axpy", dims({n}) + " +1", kElem, {in("a", K::Act, randn(n)), out("y", K::Act, randn(n))},
+        [n](auto& x, auto& p, DType t) {
+          auto at1 = [t](void* q) { return static_cast<char*>(q) + dtype_size(t); };
+          dev::axpy(x, -0.75f, at1(p[0]), at1(p[1]), n - 1, t);
+        });
+  }
+  // I a multiple of 8 (16-byte vectors in bf16/fp16), of 4 or 2 only, or odd (one column a thread); one row or many
+  for (auto [N, I] : {std::pair<int64_t, int64_t>{17, 300}, {64, 1024}, {1, 1024}, {9, 6}, {1, 37}, {33, 37}}) {
     add("swiglu_fwd", dims({N, I}), kElem, {in("gu", K::Act, randn(N * 2 * I, 2)), out("y", K::Act, randn(N * I))},
         [N, I](auto& x, auto& p, DType t) { dev::swiglu_fwd(x, p[0], p[1], N, I, t); });
     for (bool acc : {true, false})
@@ -624,6 +633,20 @@ std::vector<Case> all_cases(DType dt) {
                                   P<float>(p, 8), N, nh, nkv, hd, 1e-6, t);
           });
     }
+    add("rope_bwd", dims({N, H, hd}), kElem,
+        {out("dx", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
+        [=](auto& x, auto& p, DType t) { dev::rope_bwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
+  }
+
+  // rotary at half head dims 10 and 9: two pairs a thread, one
+  for (int64_t hd : {20, 18}) {
+    const int64_t N = 5, H = 2;
+    auto ang = randu(N * hd / 2, -3.1, 3.1);
+    std::vector<double> c(ang.size()), s(ang.size());
+    for (size_t i = 0; i < ang.size(); ++i) c[i] = std::cos(ang[i]), s[i] = std::sin(ang[i]);
+    add("rope_fwd", dims({N, H, hd}), kElem,
+        {out("x", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
+        [=](auto& x, auto& p, DType t) { dev::rope_fwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
     add("rope_bwd", dims({N, H, hd}), kElem,
         {out("dx", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
         [=](auto& x, auto& p, DType t) { dev::rope_bwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });

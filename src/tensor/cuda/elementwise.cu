@@ -1,8 +1,11 @@
 // Elementwise ops, activations, rotary, embeddings, row moves and the vision position embedding. Grid-stride loops,
-// fp32 math on any storage dtype, formulas written as ops:: writes them. Every backward is deterministic: the
-// many-to-one ones (embedding_bwd, pos_embed_bwd) sum per destination row in a fixed order instead of atomics.
+// fp32 math on any storage dtype, formulas written as ops:: writes them. The memory-bound maps (activations, axpy,
+// convert, ...), SwiGLU and rotary move W consecutive elements a thread per step, one 16-byte access per operand at
+// full width, where pointers and shapes allow. Every backward is deterministic: the many-to-one ones (embedding_bwd,
+// pos_embed_bwd) sum per destination row in a fixed order instead of atomics.
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <cub/cub.cuh>
 
@@ -20,96 +23,192 @@ constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 
-// What a gradient output adds to: its value (accumulate), or the 0 of a zeroed buffer, unread (dev.hpp).
-template <class S> __device__ __forceinline__ float prior(const S* p, int64_t i, bool acc) {
-  return acc ? ld(p, i) : 0.f;
+// ---- vectors: W consecutive elements in one access ------------------------------------------------------------------
+// W elements of T at p + i, i a multiple of W: one access of W * sizeof(T) bytes, two 16-byte ones above 16 (fp32
+// beside a 16-bit operand). The base pointer is 16-byte aligned whenever W > 1 (see row_width, map).
+template <class T, int W> struct alignas(std::min<size_t>(16, W * sizeof(T))) Pack {
+  T v[W];
+};
+template <class S, int W> __device__ __forceinline__ void ldv(const S* p, int64_t i, float (&f)[W]) {
+  const Pack<S, W> pk = *reinterpret_cast<const Pack<S, W>*>(p + i);
+#pragma unroll
+  for (int j = 0; j < W; ++j) f[j] = ld(pk.v, j);
+}
+template <class S, int W> __device__ __forceinline__ void stv(S* p, int64_t i, const float (&f)[W]) {
+  Pack<S, W> pk;
+#pragma unroll
+  for (int j = 0; j < W; ++j) st(pk.v, j, f[j]);
+  *reinterpret_cast<Pack<S, W>*>(p + i) = pk;
+}
+// What a gradient output adds to: its values (accumulate), or the zeros of a zeroed buffer, unread (dev.hpp).
+template <class S, int W> __device__ __forceinline__ void priorv(const S* p, int64_t i, bool acc, float (&f)[W]) {
+  if (acc) return ldv<S, W>(p, i, f);
+#pragma unroll
+  for (int j = 0; j < W; ++j) f[j] = 0.f;
 }
 
-// ---- fill / convert / axpy / scale ----------------------------------------------------------------------------------
-template <class S> __global__ void k_fill(S* p, int64_t n, float v) {
-  Q3VL_GRID_LOOP(i, n) st(p, i, v);
+// The vector width for rows of D elements of S: the widest power of two up to 16 bytes that divides D, when every
+// pointer is 16-byte aligned (each row then starts on a vector), else 1.
+template <class S> int row_width(int64_t D, std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return 1;
+  int w = int(16 / sizeof(S));
+  while (D % w != 0) w /= 2;
+  return w;
 }
-template <class T> __global__ void k_fill_raw(T* p, int64_t n, T v) {
-  Q3VL_GRID_LOOP(i, n) p[i] = v;
-}
-template <class D, class S> __global__ void k_convert(D* dst, const S* src, int64_t n) {
-  Q3VL_GRID_LOOP(i, n) st(dst, i, ld(src, i));
-}
-template <class S> __global__ void k_axpy(float alpha, const S* a, S* y, int64_t n) {
-  Q3VL_GRID_LOOP(i, n) st(y, i, ld(y, i) + alpha * ld(a, i));
-}
-template <class S> __global__ void k_scale(S* y, int64_t n, float alpha) {
-  Q3VL_GRID_LOOP(i, n) st(y, i, ld(y, i) * alpha);
-}
-// acc: y += mask(a) (backward), else y = mask(a).
-template <class S>
-__global__ void k_dropout(const S* a, S* y, int64_t n, double p, float keep, uint64_t key, int64_t first, bool acc) {
-  Q3VL_GRID_LOOP(i, n) {
-    const float v = dropout_drops(key, first + i, p) ? 0.f : ld(a, i) * keep;
-    st(y, i, acc ? ld(y, i) + v : v);
-  }
+// f.template operator()<W>() for the power of two w <= WMAX.
+template <int WMAX, class F> void by_width(int w, F&& f) {
+  if constexpr (WMAX == 1) f.template operator()<1>();
+  else if (w == WMAX) f.template operator()<WMAX>();
+  else by_width<WMAX / 2>(w, f);
 }
 
-// ---- activations ----------------------------------------------------------------------------------------------------
-template <class S> __global__ void k_gelu_tanh_fwd(const S* x, S* y, int64_t n) {
-  Q3VL_GRID_LOOP(i, n) {
-    const float v = ld(x, i);
-    st(y, i, 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + 0.044715f * v * v * v))));
-  }
+// ---- flat maps: y[i] = f(i, prior, x0[i], x1[i], ...) over n elements -----------------------------------------------
+// prior is y[i] when read_y (accumulating, or y an operand as in axpy), else 0 and y unread. A thread takes W
+// consecutive elements a step, the n % W at the end one each. f gets fp32 values and returns what y stores.
+template <int W, class Y, class F, class... X, size_t... K>
+__device__ __forceinline__ void map_at(std::index_sequence<K...>, int64_t i, const F& f, Y* y, bool read_y,
+                                       const X*... x) {
+  float in[sizeof...(X) + 1][W];  // + 1: fill has no operand, and an array needs a size
+  (ldv<X, W>(x, i, in[K]), ...);
+  float o[W];
+  priorv<Y, W>(y, i, read_y, o);
+#pragma unroll
+  for (int j = 0; j < W; ++j) o[j] = f(i + j, o[j], in[K][j]...);
+  stv<Y, W>(y, i, o);
 }
-template <class S> __global__ void k_gelu_tanh_bwd(const S* dy, const S* x, S* dx, int64_t n, bool acc) {
-  Q3VL_GRID_LOOP(i, n) {
-    const float v = ld(x, i);
+template <int W, class Y, class F, class... X>
+__global__ void k_map(int64_t n, F f, Y* y, bool read_y, const X*... x) {
+  constexpr auto ks = std::index_sequence_for<X...>{};
+  const int64_t nv = n / W;
+  Q3VL_GRID_LOOP(v, nv) map_at<W>(ks, v * W, f, y, read_y, x...);
+  Q3VL_GRID_LOOP(t, n - nv * W) map_at<1>(ks, nv * W + t, f, y, read_y, x...);
+}
+// W: 16 bytes of the narrowest operand (bf16 -> fp32: 8, a 16-byte load and two 16-byte stores); 1 when a pointer
+// is not 16-byte aligned.
+template <class Y, class F, class... X> void map(const Exec& ex, int64_t n, F f, Y* y, bool read_y, const X*... x) {
+  constexpr int W = int(16 / std::min({sizeof(Y), sizeof(X)...}));
+  if ((aligned16(y) && ... && aligned16(x)))
+    k_map<W><<<grid_for((n + W - 1) / W), 256, 0, stream_of(ex)>>>(n, f, y, read_y, x...);
+  else k_map<1><<<grid_for(n), 256, 0, stream_of(ex)>>>(n, f, y, read_y, x...);
+  Q3VL_LAUNCHED();
+}
+
+// The maps' f, each formula as ops:: writes it.
+struct Fill {
+  float v;
+  __device__ float operator()(int64_t, float) const { return v; }
+};
+struct Copy {
+  __device__ float operator()(int64_t, float, float a) const { return a; }
+};
+struct Axpy {
+  float alpha;
+  __device__ float operator()(int64_t, float y, float a) const { return y + alpha * a; }
+};
+struct Scale {
+  float alpha;
+  __device__ float operator()(int64_t, float y) const { return y * alpha; }
+};
+// acc: y += mask(a) (backward), else y = mask(a). The mask is element i's, whatever the vector width.
+struct Dropout {
+  double p;
+  float keep;
+  uint64_t key;
+  int64_t first;
+  bool acc;
+  __device__ float operator()(int64_t i, float y, float a) const {
+    const float v = dropout_drops(key, first + i, p) ? 0.f : a * keep;
+    return acc ? y + v : v;
+  }
+};
+struct GeluTanhFwd {
+  __device__ float operator()(int64_t, float, float v) const {
+    return 0.5f * v * (1.f + tanhf(kSqrt2OverPi * (v + 0.044715f * v * v * v)));
+  }
+};
+struct GeluTanhBwd {  // dx = prior + dy * gelu'(x)
+  __device__ float operator()(int64_t, float dx, float dy, float v) const {
     const float t = tanhf(kSqrt2OverPi * (v + 0.044715f * v * v * v));
     const float g = 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * kSqrt2OverPi * (1.f + float(3 * 0.044715) * v * v);
-    st(dx, i, prior(dx, i, acc) + ld(dy, i) * g);
+    return dx + dy * g;
   }
-}
-template <class S> __global__ void k_gelu_erf_fwd(const S* x, S* y, int64_t n) {
-  Q3VL_GRID_LOOP(i, n) {
-    const float v = ld(x, i);
-    st(y, i, 0.5f * v * (1.f + erff(v * kInvSqrt2)));
-  }
-}
-template <class S> __global__ void k_gelu_erf_bwd(const S* dy, const S* x, S* dx, int64_t n, bool acc) {
-  Q3VL_GRID_LOOP(i, n) {
-    const float v = ld(x, i);
+};
+struct GeluErfFwd {
+  __device__ float operator()(int64_t, float, float v) const { return 0.5f * v * (1.f + erff(v * kInvSqrt2)); }
+};
+struct GeluErfBwd {
+  __device__ float operator()(int64_t, float dx, float dy, float v) const {
     const float g = 0.5f * (1.f + erff(v * kInvSqrt2)) + v * expf(-0.5f * v * v) * kInvSqrt2Pi;
-    st(dx, i, prior(dx, i, acc) + ld(dy, i) * g);
+    return dx + dy * g;
   }
-}
-template <class S> __global__ void k_swiglu_fwd(const S* gu, S* y, int64_t N, int64_t I) {
+};
+
+// ---- SwiGLU: gu [N, 2I] is gate | up per row; W consecutive columns a thread (W divides I), one division a vector -
+template <class S, int W> __global__ void k_swiglu_fwd(const S* gu, S* y, int64_t N, int64_t I) {
   pdl_enter();  // launched by launch_pdl
-  Q3VL_GRID_LOOP(e, N * I) {
-    const int64_t i = e / I, j = e % I;
-    const float g = ld(gu, i * 2 * I + j), u = ld(gu, i * 2 * I + I + j);
-    st(y, e, g / (1.f + expf(-g)) * u);
+  const int64_t IW = I / W;  // vectors a row
+  Q3VL_GRID_LOOP(v, N * IW) {
+    const int64_t i = v / IW, ig = i * 2 * I + (v - i * IW) * W;
+    float g[W], u[W], o[W];
+    ldv<S, W>(gu, ig, g);
+    ldv<S, W>(gu, ig + I, u);
+#pragma unroll
+    for (int k = 0; k < W; ++k) o[k] = g[k] / (1.f + expf(-g[k])) * u[k];
+    stv<S, W>(y, v * W, o);
   }
 }
-template <class S> __global__ void k_swiglu_bwd(const S* dy, const S* gu, S* dgu, int64_t N, int64_t I, bool acc) {
-  Q3VL_GRID_LOOP(e, N * I) {
-    const int64_t i = e / I, j = e % I;
-    const int64_t ig = i * 2 * I + j, iu = ig + I;
-    const float g = ld(gu, ig), u = ld(gu, iu);
-    const float s = 1.f / (1.f + expf(-g));
-    const float d = ld(dy, e);
-    st(dgu, ig, prior(dgu, ig, acc) + d * u * s * (1.f + g * (1.f - s)));
-    st(dgu, iu, prior(dgu, iu, acc) + d * g * s);
+template <class S, int W>
+__global__ void k_swiglu_bwd(const S* dy, const S* gu, S* dgu, int64_t N, int64_t I, bool acc) {
+  const int64_t IW = I / W;
+  Q3VL_GRID_LOOP(v, N * IW) {
+    const int64_t i = v / IW, ig = i * 2 * I + (v - i * IW) * W, iu = ig + I;
+    float g[W], u[W], d[W], dg[W], du[W];
+    ldv<S, W>(gu, ig, g);
+    ldv<S, W>(gu, iu, u);
+    ldv<S, W>(dy, v * W, d);
+    priorv<S, W>(dgu, ig, acc, dg);
+    priorv<S, W>(dgu, iu, acc, du);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float s = 1.f / (1.f + expf(-g[k]));
+      dg[k] = dg[k] + d[k] * u[k] * s * (1.f + g[k] * (1.f - s));
+      du[k] = du[k] + d[k] * g[k] * s;
+    }
+    stv<S, W>(dgu, ig, dg);
+    stv<S, W>(dgu, iu, du);
   }
 }
 
-// ---- rotary: one thread per (token, head, d < hd/2) pair ------------------------------------------------------------
-template <class S>
+// ---- rotary: a thread per W consecutive pairs (d, d + hd/2) of one (token, head); W divides hd/2 -------------------
+template <class S, int W>
 __global__ void k_rope(S* x, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd, float sign) {
-  const int64_t half = hd / 2;
-  Q3VL_GRID_LOOP(e, N * heads * half) {
-    const int64_t d = e % half, ih = e / half, i = ih / heads;
+  const int64_t half = hd / 2, hw = half / W;  // vectors a half head
+  Q3VL_GRID_LOOP(e, N * heads * hw) {
+    const int64_t ih = e / hw, d = (e - ih * hw) * W, i = ih / heads;
     S* xi = x + ih * hd;
-    const float c = cos[i * half + d], s = sin[i * half + d];
-    const float a = ld(xi, d), b = ld(xi, d + half);
-    st(xi, d, a * c - sign * b * s);
-    st(xi, d + half, b * c + sign * a * s);
+    float c[W], s[W], a[W], b[W], oa[W], ob[W];
+    ldv<float, W>(cos, i * half + d, c);
+    ldv<float, W>(sin, i * half + d, s);
+    ldv<S, W>(xi, d, a);
+    ldv<S, W>(xi, d + half, b);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      oa[k] = a[k] * c[k] - sign * b[k] * s[k];
+      ob[k] = b[k] * c[k] + sign * a[k] * s[k];
+    }
+    stv<S, W>(xi, d, oa);
+    stv<S, W>(xi, d + half, ob);
   }
+}
+template <class S>
+void rope(const Exec& x, void* q, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
+          float sign) {
+  by_width<16 / sizeof(S)>(row_width<S>(hd / 2, {q, cos, sin}), [&]<int W>() {
+    k_rope<S, W><<<grid_for(N * heads * (hd / 2 / W)), 256, 0, stream_of(x)>>>(static_cast<S*>(q), cos, sin, N,
+                                                                                heads, hd, sign);
+    Q3VL_LAUNCHED();
+  });
 }
 
 // ---- row moves: raw copies in the widest unit that every row's bytes and pointers allow -------------------------
@@ -301,20 +400,9 @@ void fill(const Exec& x, void* p, DType t, int64_t n, float value) {
     Q3VL_CU(cudaMemsetAsync(p, 0, size_t(n) * dtype_size(t), stream_of(x)));
     return;
   }
-  if (t == DType::I32) {
-    k_fill_raw<int32_t><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<int32_t*>(p), n, int32_t(value));
-    Q3VL_LAUNCHED();
-    return;
-  }
-  if (t == DType::F64) {
-    k_fill_raw<double><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<double*>(p), n, double(value));
-    Q3VL_LAUNCHED();
-    return;
-  }
-  by_dtype(t, [&]<class S>() {
-    k_fill<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(p), n, value);
-    Q3VL_LAUNCHED();
-  });
+  if (t == DType::I32) return map(x, n, Fill{value}, static_cast<int32_t*>(p), false);
+  if (t == DType::F64) return map(x, n, Fill{value}, static_cast<double*>(p), false);
+  by_dtype(t, [&]<class S>() { map(x, n, Fill{value}, static_cast<S*>(p), false); });
 }
 
 void convert(const Exec& x, void* dst, DType dt_dst, const void* src, DType dt_src, int64_t n) {
@@ -325,110 +413,81 @@ void convert(const Exec& x, void* dst, DType dt_dst, const void* src, DType dt_s
     return;
   }
   by_dtype(dt_dst, [&]<class D>() {
-    by_dtype(dt_src, [&]<class S>() {
-      k_convert<D, S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<D*>(dst), static_cast<const S*>(src), n);
-      Q3VL_LAUNCHED();
-    });
+    by_dtype(dt_src, [&]<class S>() { map(x, n, Copy{}, static_cast<D*>(dst), false, static_cast<const S*>(src)); });
   });
 }
 
 void axpy(const Exec& x, float alpha, const void* a, void* y, int64_t n, DType dt) {
   if (n <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    k_axpy<S><<<grid_for(n), 256, 0, stream_of(x)>>>(alpha, static_cast<const S*>(a), static_cast<S*>(y), n);
-    Q3VL_LAUNCHED();
-  });
+  by_dtype(dt, [&]<class S>() { map(x, n, Axpy{alpha}, static_cast<S*>(y), true, static_cast<const S*>(a)); });
 }
 
 void scale(const Exec& x, void* y, int64_t n, float alpha, DType dt) {
   if (n <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    k_scale<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(y), n, alpha);
-    Q3VL_LAUNCHED();
-  });
+  by_dtype(dt, [&]<class S>() { map(x, n, Scale{alpha}, static_cast<S*>(y), true); });
 }
 
 void dropout_fwd(const Exec& x, const void* in, void* y, int64_t n, double p, uint64_t key, int64_t first, DType dt) {
   if (n <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    k_dropout<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(in), static_cast<S*>(y), n, p,
-                                                         float(1 / (1 - p)), key, first, false);
-    Q3VL_LAUNCHED();
-  });
+  const Dropout f{p, float(1 / (1 - p)), key, first, false};
+  by_dtype(dt, [&]<class S>() { map(x, n, f, static_cast<S*>(y), false, static_cast<const S*>(in)); });
 }
 void dropout_bwd(const Exec& x, const void* dy, void* dx, int64_t n, double p, uint64_t key, int64_t first, DType dt) {
   if (n <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    k_dropout<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<S*>(dx), n, p,
-                                                         float(1 / (1 - p)), key, first, true);
-    Q3VL_LAUNCHED();
-  });
+  const Dropout f{p, float(1 / (1 - p)), key, first, true};
+  by_dtype(dt, [&]<class S>() { map(x, n, f, static_cast<S*>(dx), true, static_cast<const S*>(dy)); });
 }
 
 void gelu_tanh_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
   if (n <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    k_gelu_tanh_fwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(in), static_cast<S*>(y), n);
-    Q3VL_LAUNCHED();
-  });
+  by_dtype(dt, [&]<class S>() { map(x, n, GeluTanhFwd{}, static_cast<S*>(y), false, static_cast<const S*>(in)); });
 }
 void gelu_tanh_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, bool accumulate, DType dt) {
   if (n <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    k_gelu_tanh_bwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(in),
-                                                               static_cast<S*>(din), n, accumulate);
-    Q3VL_LAUNCHED();
+    map(x, n, GeluTanhBwd{}, static_cast<S*>(din), accumulate, static_cast<const S*>(dy), static_cast<const S*>(in));
   });
 }
 void gelu_erf_fwd(const Exec& x, const void* in, void* y, int64_t n, DType dt) {
   if (n <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    k_gelu_erf_fwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(in), static_cast<S*>(y), n);
-    Q3VL_LAUNCHED();
-  });
+  by_dtype(dt, [&]<class S>() { map(x, n, GeluErfFwd{}, static_cast<S*>(y), false, static_cast<const S*>(in)); });
 }
 void gelu_erf_bwd(const Exec& x, const void* dy, const void* in, void* din, int64_t n, bool accumulate, DType dt) {
   if (n <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    k_gelu_erf_bwd<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(in),
-                                                              static_cast<S*>(din), n, accumulate);
-    Q3VL_LAUNCHED();
+    map(x, n, GeluErfBwd{}, static_cast<S*>(din), accumulate, static_cast<const S*>(dy), static_cast<const S*>(in));
   });
 }
 void swiglu_fwd(const Exec& x, const void* gu, void* y, int64_t N, int64_t I, DType dt) {
   if (N * I <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    launch_pdl(k_swiglu_fwd<S>, dim3(unsigned(grid_for(N * I))), 256, 0, stream_of(x), static_cast<const S*>(gu),
-               static_cast<S*>(y), N, I);
+    by_width<16 / sizeof(S)>(row_width<S>(I, {gu, y}), [&]<int W>() {
+      launch_pdl(k_swiglu_fwd<S, W>, dim3(unsigned(grid_for(N * (I / W)))), 256, 0, stream_of(x),
+                 static_cast<const S*>(gu), static_cast<S*>(y), N, I);
+    });
   });
 }
 void swiglu_bwd(const Exec& x, const void* dy, const void* gu, void* dgu, int64_t N, int64_t I, bool accumulate,
                 DType dt) {
   if (N * I <= 0) return;
   by_dtype(dt, [&]<class S>() {
-    k_swiglu_bwd<S><<<grid_for(N * I), 256, 0, stream_of(x)>>>(static_cast<const S*>(dy), static_cast<const S*>(gu),
-                                                                static_cast<S*>(dgu), N, I, accumulate);
-    Q3VL_LAUNCHED();
+    by_width<16 / sizeof(S)>(row_width<S>(I, {dy, gu, dgu}), [&]<int W>() {
+      k_swiglu_bwd<S, W><<<grid_for(N * (I / W)), 256, 0, stream_of(x)>>>(
+          static_cast<const S*>(dy), static_cast<const S*>(gu), static_cast<S*>(dgu), N, I, accumulate);
+      Q3VL_LAUNCHED();
+    });
   });
 }
 
 void rope_fwd(const Exec& x, void* q, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
               DType dt) {
-  const int64_t n = N * heads * (hd / 2);
-  if (n <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    k_rope<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(q), cos, sin, N, heads, hd, 1.f);
-    Q3VL_LAUNCHED();
-  });
+  if (N * heads * (hd / 2) <= 0) return;
+  by_dtype(dt, [&]<class S>() { rope<S>(x, q, cos, sin, N, heads, hd, 1.f); });
 }
 void rope_bwd(const Exec& x, void* dq, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
               DType dt) {
-  const int64_t n = N * heads * (hd / 2);
-  if (n <= 0) return;
-  by_dtype(dt, [&]<class S>() {
-    k_rope<S><<<grid_for(n), 256, 0, stream_of(x)>>>(static_cast<S*>(dq), cos, sin, N, heads, hd, -1.f);
-    Q3VL_LAUNCHED();
-  });
+  if (N * heads * (hd / 2) <= 0) return;
+  by_dtype(dt, [&]<class S>() { rope<S>(x, dq, cos, sin, N, heads, hd, -1.f); });
 }
 
 void embedding_fwd(const Exec& x, const int32_t* ids, const void* table, void* out, int64_t N, int64_t D, int64_t V,
