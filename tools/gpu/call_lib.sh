@@ -1,0 +1,47 @@
+# Shared setup and steps of one device call (sourced by the call scripts kept beside their results in docs/perf/):
+#   source tools/gpu/call_lib.sh OUTNAME       # unpacks devpack/rt.tar.xz (pack-runtime's) and devpack/tok.tar.xz
+#   unit_gpu FILTER TIMEOUT                    # the GPU suites (Q3VL_REQUIRE_GPU=1): a line and the failures
+#   train_prof NAME DECK TIMEOUT [ARGS...]     # q3vl train with run.profile_shapes at run.profile_step (default 3)
+#   hf_train NAME TIMEOUT [ARGS...]            # tools/gpu/hf_train_baseline.py, metrics in NAME.jsonl
+#   ratio Q HF LABEL                           # median tokens/s (and MFU) of steps 3.. of two metrics files, the ratio
+# Results gather in /tmp/OUTNAME and go to $OUT/results.tgz after every step (a call cut short returns what finished).
+set -u
+T0=$SECONDS
+tar xJf devpack/rt.tar.xz -C /tmp && source /tmp/rt/env.sh
+[[ -f devpack/tok.tar.xz ]] && tar xJf devpack/tok.tar.xz
+export NCCL_NVLS_ENABLE=0 OPENBLAS_NUM_THREADS=1
+q=/tmp/rt/bin/q3vl out=/tmp/$1 final=$OUT
+rm -rf "$out" /tmp/runs /tmp/results; mkdir -p "$out"  # a reused machine keeps /tmp
+pack() { tar czf "$final/results.tgz" -C "$out" . ; cp "$out/summary.txt" "$final/" 2>/dev/null; }
+say() { echo "$*" >> "$out/summary.txt"; }
+nvidia-smi -L > "$out/summary.txt"
+unit_gpu() {
+  local t1=$SECONDS
+  Q3VL_REQUIRE_GPU=1 timeout "$2" /tmp/rt/bin/unit_tests --gtest_filter="$1" > "$out/unit.log" 2>&1
+  say "unit rc=$? $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit.log" | tr '\n' ' ')"
+  grep -E "^\[  FAILED" "$out/unit.log" | head -20 >> "$out/summary.txt"; pack
+}
+train_prof() {  # the run's final checkpoint is not waited for: the timeout ends it
+  local n=$1 deck=$2 t=$3 t1=$SECONDS; shift 3
+  timeout "$t" "$q" train "$deck" checkpoint.every=0 run.profile=true run.profile_step=3 run.profile_shapes=true \
+    run.out_dir=/tmp/runs/$n "$@" > "$out/$n.log" 2>&1
+  say "$n rc=$? $((SECONDS - t1)) s"
+  cp /tmp/runs/$n/metrics.jsonl "$out/$n.jsonl" 2>/dev/null; rm -rf /tmp/runs/$n
+  sed -n '/^profile of step/,/compute stream busy/p' "$out/$n.log" > "$out/${n}_profile.txt"; pack
+}
+hf_train() {
+  local n=$1 t=$2 t1=$SECONDS; shift 2
+  env -u LD_LIBRARY_PATH timeout "$t" python3 tools/gpu/hf_train_baseline.py --out "$out/$n.jsonl" "$@" > "$out/$n.log" 2>&1
+  say "$n rc=$? $((SECONDS - t1)) s: $(tail -1 "$out/$n.log")"; pack
+}
+ratio() {
+  env -u LD_LIBRARY_PATH python3 - "$out/$1.jsonl" "$out/$2.jsonl" "$3" >> "$out/summary.txt" 2>&1 <<'PY'
+import json, statistics, sys
+q, h = ([json.loads(l) for l in open(f) if "tokens_per_s" in l][2:] for f in sys.argv[1:3])
+tq, th = (statistics.median(x["tokens_per_s"] for x in r) for r in (q, h))
+mq, mh = (statistics.median(x.get("mfu", 0) for x in r) for r in (q, h))
+print(f"{sys.argv[3]}, steps 3-{len(q) + 2}: q3vl {tq:.0f} tokens/s (mfu {mq:.3f}), transformers {th:.0f} (mfu {mh:.3f}): "
+      f"{tq / th:.2f}x")
+PY
+  pack
+}
