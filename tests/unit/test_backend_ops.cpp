@@ -596,7 +596,66 @@ std::vector<Case> all_cases(DType dt) {
           });
   }
 
+  // The norms' row-group kernels at more rows: the backwards' column sums then span several chunks (k_chunk_sum adds
+  // their partials). 4096 x 128: the QK-norm rows (8 rows a warp); 1152 and 2048: the vision and text widths; 1030
+  // (unaligned: scalar loads) over many rows; 2050: wider than the scalar row groups hold (dx a warp a row, the
+  // column sums over two slices); 9000: wider than the 16-byte ones hold. "dw=null": frozen weights (dx alone);
+  // "ws0": no workspace (one chunk, adding into dw/db itself).
+  struct NormCase {
+    int64_t N, D;
+    bool weights = true, ws = true;
+  };
+  for (auto [N, D, weights, ws] : {NormCase{4096, 128}, {784, 1152}, {300, 2048}, {1000, 1030}, {64, 2050},
+                                   {16, 9000}, {4096, 128, false}, {784, 1152, false}, {300, 2048, true, false}}) {
+    const std::string tag = dims({N, D}) + (weights ? "" : " dw=null") + (ws ? "" : " ws0");
+    auto exec = [ws](const dev::Exec& x) {
+      dev::Exec xs = x;
+      if (!ws) xs.ws_bytes = 0;
+      return xs;
+    };
+    for (bool acc : {true, false}) {
+      add("rmsnorm_bwd", tag + mode(acc), kReduce,
+          {in("dy", K::Act, randn(N * D)), in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
+           in("rstd", K::F32, randu(N, 0.5, 2)), out("dx", K::Act, randn(N * D)), out("dw", K::F32, randn(D))},
+          [=](auto& x, auto& p, DType t) {
+            dev::rmsnorm_bwd(exec(x), p[0], p[1], p[2], P<float>(p, 3), p[4], weights ? P<float>(p, 5) : nullptr, N,
+                             D, acc, t);
+          });
+      add("layernorm_bwd", tag + mode(acc), kReduce,
+          {in("dy", K::Act, randn(N * D)), in("x", K::Act, randn(N * D)), in("w", K::Act, randu(D, 0.5, 1.5)),
+           in("mean", K::F32, randn(N, 0.1)), in("rstd", K::F32, randu(N, 0.5, 2)), out("dx", K::Act, randn(N * D)),
+           out("dw", K::F32, randn(D)), out("db", K::F32, randn(D))},
+          [=](auto& x, auto& p, DType t) {
+            dev::layernorm_bwd(exec(x), p[0], p[1], p[2], P<float>(p, 3), P<float>(p, 4), p[5],
+                               weights ? P<float>(p, 6) : nullptr, weights ? P<float>(p, 7) : nullptr, N, D, acc, t);
+          });
+    }
+    if (weights && ws)
+      add("layernorm_fwd", tag, kReduce,
+          {in("x", K::Act, randn(N * D, 3)), in("w", K::Act, randu(D, 0.5, 1.5)), in("b", K::Act, randn(D)),
+           out("y", K::Act, randn(N * D)), out("mean", K::F32, randn(N)), out("rstd", K::F32, randn(N))},
+          [=](auto& x, auto& p, DType t) {
+            dev::layernorm_fwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, D, 1e-6, t);
+          });
+  }
+
   // rotary, each head dim
+  // QK-norm rows past those below: the text model's heads over more tokens, and head dims whose halves take 8-byte
+  // vectors (20, fp32) or none (6: the warp-a-row kernel).
+  for (auto [N, nh, nkv, hd] : {std::array<int64_t, 4>{600, 16, 8, 128}, {23, 4, 2, 20}, {23, 4, 2, 6}}) {
+    auto ang = randu(N * hd / 2, -3.1, 3.1);
+    std::vector<double> c(ang.size()), s(ang.size());
+    for (size_t i = 0; i < ang.size(); ++i) c[i] = std::cos(ang[i]), s[i] = std::sin(ang[i]);
+    add("qk_norm_rope_fwd", dims({N, nh, nkv, hd}), kReduce,
+        {in("qraw", K::Act, randn(N * nh * hd)), in("kraw", K::Act, randn(N * nkv * hd)),
+         in("wq", K::Act, randu(hd, 0.5, 1.5)), in("wk", K::Act, randu(hd, 0.5, 1.5)),
+         out("q", K::Act, randn(N * nh * hd)), out("k", K::Act, randn(N * nkv * hd)), out("rq", K::F32, randn(N * nh)),
+         out("rk", K::F32, randn(N * nkv)), in("cos", K::F32, c), in("sin", K::F32, s)},
+        [=](auto& x, auto& p, DType t) {
+          dev::qk_norm_rope_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], P<float>(p, 6), P<float>(p, 7), P<float>(p, 8),
+                                P<float>(p, 9), N, nh, nkv, hd, 1e-6, t);
+        });
+  }
   for (int64_t hd : {64, 72, 128}) {
     const int64_t N = 23, H = 3;
     auto ang = randu(N * hd / 2, -3.1, 3.1);

@@ -1,7 +1,10 @@
-// RMSNorm and LayerNorm over the last dim: one warp per row (fp32 math, 16-byte vector loads when every row is
-// aligned). Weight/bias gradients are column sums over rows, done deterministically: per-chunk partials in x.ws,
-// then a fixed-order sum over chunks (no atomics, so results do not depend on scheduling).
+// RMSNorm and LayerNorm over the last dim (fp32 math, 16-byte vector loads when every row is aligned). rmsnorm_fwd:
+// one warp per row. layernorm_fwd and the backwards hold a row in registers (row groups below), so it is read from
+// memory once. The backwards are one pass over dy and x: dx and the weight/bias gradients together, the latter as
+// column sums done deterministically: each block's partial row in x.ws, then a fixed-order sum over the blocks (no
+// atomics; the order depends only on N, D and the workspace size, so results do not depend on scheduling).
 #include <algorithm>
+#include <type_traits>
 
 #include "tensor/cuda/common.cuh"
 
@@ -18,14 +21,27 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// V consecutive elements at p[i] (i a multiple of V; 16-byte aligned when V > 1).
-template <class S, int V> struct alignas(V > 1 ? 16 : alignof(S)) Pack {
+// V consecutive elements at p[i] (i a multiple of V; aligned to their size, at most 16 bytes).
+template <class S, int V> struct alignas(sizeof(S) * V < 16 ? sizeof(S) * V : 16) Pack {
   S v[V];
 };
+template <class S, int V> __device__ __forceinline__ Pack<S, V> ldp(const S* p, int64_t i) {
+  return *reinterpret_cast<const Pack<S, V>*>(p + i);
+}
+// Element j of a pack, as float. Bf16 from its bits (a shift or a mask of the word holding it): cheap to recompute,
+// where the conversion's inline asm kept the converted floats live (k_norm_bwd spilled at bf16 only).
+template <class S, int V> __device__ __forceinline__ float fv(const Pack<S, V>& p, int j) {
+  if constexpr (std::is_same_v<S, __nv_bfloat16> && V % 2 == 0) {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(p.v)[j / 2];
+    return __uint_as_float(j % 2 ? w & 0xffff0000u : w << 16);
+  } else {
+    return ld(p.v, j);
+  }
+}
 template <class S, int V> __device__ __forceinline__ void ldv(const S* p, int64_t i, float (&f)[V]) {
-  const Pack<S, V> pk = *reinterpret_cast<const Pack<S, V>*>(p + i);
+  const Pack<S, V> pk = ldp<S, V>(p, i);
 #pragma unroll
-  for (int j = 0; j < V; ++j) f[j] = ld(pk.v, j);
+  for (int j = 0; j < V; ++j) f[j] = fv(pk, j);
 }
 // What an input gradient adds to: its values (accumulate), or the zeros of a zeroed buffer, unread (dev.hpp).
 template <class S, int V> __device__ __forceinline__ void priorv(const S* p, int64_t i, bool acc, float (&f)[V]) {
@@ -47,6 +63,91 @@ template <class S> int vec_width(int64_t D, std::initializer_list<const void*> p
   for (const void* p : ptrs)
     if (p && !aligned16(p)) return 1;
   return V;
+}
+
+// ---- row groups -------------------------------------------------------------------------------------------------
+// A row held in registers by T threads (a power of two, kMinT to 256; a block works on 256 / T rows at a time), each
+// NV slots of V elements: slot k of thread t is the row's vector k * T + t, so a warp's load reads T * V contiguous
+// elements of each of its rows (and, T < 32, of 32 / T consecutive rows: contiguous memory). The whole row is loaded
+// before anything waits on it: a warp a row looping over a 1152-wide row waited on 5 loads in turn, twice or thrice.
+// Slots past D are idle (zeros).
+constexpr int kThreads = 256;
+constexpr int kMinT = 4;
+constexpr int kScalarNV = 8;  // slots a thread without vector loads (V = 1)
+
+struct RowShape {
+  int T = 0, NV = 0;  // T = 0: no shape holds the row
+};
+// The shape, NV in [nv_lo, nv_hi], that holds W vectors with the fewest idle slots (ties: the larger NV, more loads
+// in flight a thread and fewer shuffle steps). Bf16 rows: 128 as 4 x 4, 1152 as 64 x 3, 2048 as 64 x 4.
+RowShape row_shape(int64_t W, int nv_lo, int nv_hi) {
+  RowShape best;
+  int64_t idle = INT64_MAX;
+  for (int nv = nv_lo; nv <= nv_hi; ++nv) {
+    int64_t t = kMinT;
+    while (t * nv < W) t *= 2;
+    if (t <= kThreads && t * nv - W <= idle) best = {int(t), nv}, idle = t * nv - W;
+  }
+  return best;
+}
+
+// The warps' sums of a block's row groups (T > 32): a slot a warp, two sets used in turn.
+template <int K> struct GroupRed {
+  float v[2][kThreads / 32][K];
+};
+// Sums v over the T threads of each row group; every thread ends with its group's sums, the same bits in each.
+// T > 32 adds the warps' sums through red (set `phase & 1`) behind a barrier: every thread of the block must make
+// the same calls, with phase advancing by one a call.
+template <int K>
+__device__ __forceinline__ void group_sum(float (&v)[K], int T, GroupRed<K>& red, int phase) {
+  for (int o = min(T, 32) / 2; o > 0; o >>= 1)
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+  if (T <= 32) return;
+  const int wp = threadIdx.x >> 5, set = phase & 1, w0 = wp & ~(T / 32 - 1);  // w0: the group's first warp
+  if ((threadIdx.x & 31) == 0)
+#pragma unroll
+    for (int k = 0; k < K; ++k) red.v[set][wp][k] = v[k];
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float s = 0.f;
+    for (int j = 0; j < T / 32; ++j) s += red.v[set][w0 + j][k];
+    v[k] = s;
+  }
+}
+
+// out (+)= the sums over a block's row groups, in group order, of each group's per-column values v (slot k of thread
+// t: columns c0 + (k T + t) V + [0, V)): written as row blockIdx.x of the chunk partials [chunks, D], or (direct)
+// added to out[D]. buf: kThreads * NV * V floats of shared memory (the groups' rows of T * NV * V columns).
+template <int NV, int V>
+__device__ void block_colsum(const float (&v)[NV][V], float* buf, float* out, int64_t D, int64_t c0, int T,
+                             bool direct) {
+  const int lt = __ffs(T) - 1, R = kThreads >> lt, g = threadIdx.x >> lt, t = threadIdx.x & (T - 1);
+  const int span = T * NV * V;
+  __syncthreads();  // buf's readers of a previous call are done
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    const int c = (k * T + t) * V;
+    if (c0 + c >= D) continue;
+    float* b = buf + g * span + c;
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+      for (int j = 0; j < V; j += 4)
+        *reinterpret_cast<float4*>(b + j) = make_float4(v[k][j], v[k][j + 1], v[k][j + 2], v[k][j + 3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) b[j] = v[k][j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < span && c0 + c < D; c += kThreads) {
+    float s = 0.f;
+#pragma unroll 8
+    for (int q = 0; q < R; ++q) s += buf[q * span + c];
+    if (direct) out[c0 + c] += s;
+    else out[blockIdx.x * D + c0 + c] = s;
+  }
 }
 
 // ---- forward ----------------------------------------------------------------------------------------------------
@@ -166,9 +267,128 @@ __global__ void k_qk_norm_rope(const S* __restrict__ qin, const S* __restrict__ 
   }
 }
 
+
+// k_qk_norm_rope with vector loads (half = hd / 2 a multiple of V; rows, weights and cos/sin aligned to them): T
+// lanes a head row (a power of two, T V >= half, T <= 32: 32 / T rows a warp), lane t holding the V pairs
+// (d, d + half), d = t V + [0, V). Same arguments and results; only the row's sum of squares is added in another
+// order. (The warp-a-row kernel read 2 bytes a lane, 64 bytes a load: a 128-wide row took 8 loads of half a line.)
 template <class S, int V>
-__global__ void k_ln_fwd(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b, S* __restrict__ y,
-                         float* __restrict__ mean, float* __restrict__ rstd, int64_t N, int64_t D, float eps) {
+__global__ void __launch_bounds__(kThreads)
+    k_qk_norm_rope_vec(const S* __restrict__ qin, const S* __restrict__ kin, const S* __restrict__ vin, int64_t ldq,
+                       int64_t ldk, const S* __restrict__ wq, const S* __restrict__ wk, S* __restrict__ q,
+                       S* __restrict__ k, S* __restrict__ vout, const int32_t* __restrict__ slots,
+                       float* __restrict__ rq, float* __restrict__ rk, const float* __restrict__ cos,
+                       const float* __restrict__ sin, int64_t N, int nh, int nkv, int hd, float eps, int T) {
+  pdl_enter();  // launched by launch_pdl
+  const int lt = __ffs(T) - 1, half = hd / 2, d = (threadIdx.x & (T - 1)) * V;
+  const int64_t nq = N * nh, nk = N * nkv, rows = nq + nk + (vin ? nk : 0), per_block = kThreads >> lt;
+  // Block-uniform loop: a row's lanes shuffle, so no lane leaves early.
+  for (int64_t r0 = blockIdx.x * per_block; r0 < rows; r0 += int64_t(gridDim.x) * per_block) {
+    const int64_t r = r0 + (threadIdx.x >> lt);
+    const bool live = r < rows;
+    const int kind = r < nq ? 0 : r < nq + nk ? 1 : 2;  // q, k, v
+    const int64_t row = kind == 0 ? r : kind == 1 ? r - nq : r - nq - nk;
+    const int heads = kind == 0 ? nh : nkv;
+    const int64_t tok = row / heads, h = row - tok * heads;
+    const S* x = (kind == 0 ? qin : kind == 1 ? kin : vin) + tok * (kind == 0 ? ldq : ldk) + h * hd;
+    S* o = nullptr;
+    if (!live) {
+    } else if (kind == 0) {
+      o = q + row * hd;
+    } else if (slots) {
+      const int64_t slot = slots[tok];
+      if (slot >= 0) o = (kind == 1 ? k : vout) + (slot * nkv + h) * hd;
+    } else {
+      o = k + row * hd;
+    }
+    const bool on = live && d < half;
+    const Pack<S, V> pa = on ? ldp<S, V>(x, d) : Pack<S, V>{}, pb = on ? ldp<S, V>(x, d + half) : Pack<S, V>{};
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) ss += fv(pa, j) * fv(pa, j) + fv(pb, j) * fv(pb, j);
+    for (int m = T / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    const float rs = 1.f / sqrtf(ss / float(hd) + eps);
+    if (on && o && kind == 2) {
+      *reinterpret_cast<Pack<S, V>*>(o + d) = pa;
+      *reinterpret_cast<Pack<S, V>*>(o + d + half) = pb;
+    } else if (on && o) {
+      const S* w = kind == 0 ? wq : wk;
+      float wa[V], wb[V], c[V], s[V], ya[V], yb[V];
+      ldv<S, V>(w, d, wa);
+      ldv<S, V>(w, d + half, wb);
+      ldv<float, V>(cos, tok * half + d, c);
+      ldv<float, V>(sin, tok * half + d, s);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float a = round_to<S>(wa[j] * (fv(pa, j) * rs)), b = round_to<S>(wb[j] * (fv(pb, j) * rs));
+        ya[j] = a * c[j] - b * s[j];
+        yb[j] = b * c[j] + a * s[j];
+      }
+      stv<S, V>(o, d, ya);
+      stv<S, V>(o, d + half, yb);
+    }
+    float* rr = kind == 0 ? rq : rk;
+    if (live && kind != 2 && d == 0 && rr) rr[row] = rs;
+  }
+}
+
+// layernorm_fwd, a row group a row (above); w and b stay in registers across the block's rows.
+template <class S, int V, int NV>
+__global__ void __launch_bounds__(kThreads)
+    k_ln_fwd(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b, S* __restrict__ y,
+             float* __restrict__ mean, float* __restrict__ rstd, int64_t N, int64_t D, int T, float eps) {
+  __shared__ GroupRed<1> red;
+  const int lt = __ffs(T) - 1, R = kThreads >> lt, g = threadIdx.x >> lt, t = threadIdx.x & (T - 1);
+  bool on[NV];
+  Pack<S, V> wp[NV], bp[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) {
+    on[k] = int64_t(k * T + t) * V < D;
+    wp[k] = on[k] ? ldp<S, V>(w, (k * T + t) * V) : Pack<S, V>{};
+    bp[k] = on[k] ? ldp<S, V>(b, (k * T + t) * V) : Pack<S, V>{};
+  }
+  int phase = 0;
+  for (int64_t i0 = blockIdx.x * int64_t(R); i0 < N; i0 += int64_t(gridDim.x) * R) {  // uniform: group_sum syncs
+    const int64_t i = i0 + g;
+    const bool live = i < N;
+    Pack<S, V> xp[NV];
+#pragma unroll
+    for (int k = 0; k < NV; ++k) xp[k] = live && on[k] ? ldp<S, V>(x, i * D + (k * T + t) * V) : Pack<S, V>{};
+    float s[1] = {0.f};
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int j = 0; j < V; ++j) s[0] += fv(xp[k], j);
+    group_sum(s, T, red, phase++);
+    const float mu = s[0] / float(D);
+    float var[1] = {0.f};  // two-pass (biased) variance, as the reference
+#pragma unroll
+    for (int k = 0; k < NV; ++k)
+#pragma unroll
+      for (int j = 0; j < V; ++j) var[0] += on[k] ? (fv(xp[k], j) - mu) * (fv(xp[k], j) - mu) : 0.f;
+    group_sum(var, T, red, phase++);
+    const float r = 1.f / sqrtf(var[0] / float(D) + eps);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (!live || !on[k]) continue;
+      float o[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) o[j] = (fv(xp[k], j) - mu) * r * fv(wp[k], j) + fv(bp[k], j);
+      stv<S, V>(y + i * D, (k * T + t) * V, o);
+    }
+    if (live && t == 0) {
+      mean[i] = mu;
+      rstd[i] = r;
+    }
+  }
+}
+
+// layernorm_fwd on rows too wide for a row group: a warp a row, reading the row thrice (the later passes mostly
+// from cache).
+template <class S, int V>
+__global__ void k_ln_fwd_wide(const S* __restrict__ x, const S* __restrict__ w, const S* __restrict__ b,
+                              S* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, int64_t N,
+                              int64_t D, float eps) {
   const int lane = threadIdx.x & 31;
   for (int64_t i = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5); i < N; i += int64_t(gridDim.x) * kWarps) {
     const S* xi = x + i * D;
@@ -205,7 +425,7 @@ __global__ void k_ln_fwd(const S* __restrict__ x, const S* __restrict__ w, const
   }
 }
 
-// ---- backward: input gradient (one warp per row, din += or =) -----------------------------------------------------
+// ---- backward: input gradient of rows too wide for a row group (one warp per row, din += or =) ------------------
 template <class S, int V>
 __global__ void k_rms_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
                              const float* __restrict__ rstd, S* __restrict__ dx, int64_t N, int64_t D, bool acc) {
@@ -277,94 +497,163 @@ __global__ void k_ln_bwd_dx(const S* __restrict__ dy, const S* __restrict__ x, c
   }
 }
 
-// ---- backward: weight/bias gradients as column sums ---------------------------------------------------------------
-// Block (32 columns x 8 row lanes) sums its chunk of rows; LN: out0 = dw (g * xhat), out1 = db (g); RMS: out0 = dw
-// (g * x * r). `direct` (one chunk): add into dw/db; otherwise write the chunk's partial row.
-template <class S, bool LN>
-__global__ void k_norm_wgrad(const S* __restrict__ dy, const S* __restrict__ x, const float* __restrict__ mean,
-                             const float* __restrict__ rstd, int64_t N, int64_t D, int64_t rows_per, float* out0,
-                             float* out1, bool direct) {
-  __shared__ float sh0[8][33], sh1[8][33];
-  const int64_t col = blockIdx.x * 32 + threadIdx.x;
-  const int64_t r0 = blockIdx.y * rows_per, r1 = min(N, r0 + rows_per);
-  float a0 = 0.f, a1 = 0.f;
-  if (col < D)
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
-      const float g = ld(dy, r * D + col), xv = ld(x, r * D + col);
-      if (LN) {
-        a0 += g * ((xv - mean[r]) * rstd[r]);
-        a1 += g;
-      } else {
-        a0 += g * xv * rstd[r];
+// ---- backward -----------------------------------------------------------------------------------------------------
+// rmsnorm_bwd / layernorm_bwd in one pass over dy and x: a row group a row (above). Block (b, s) takes rows
+// [b rows_per, (b + 1) rows_per), each group every R-th of them, and the columns [c0, c0 + T NV V), c0 = s T NV V:
+// one slice, unless the row is too wide to hold (then dx is null: k_*_bwd_dx did it). dx (+)= the input gradient
+// (null: none); each group sums the columns of dw (RMS: g x r, LN: g xhat) and db (LN: g) over its rows in registers,
+// then block_colsum adds the groups in order into pw / pb (null: none): the chunk partials, or (direct) dw / db.
+template <class S, int V, int NV, bool LN>
+__global__ void __launch_bounds__(kThreads, 2)
+    k_norm_bwd(const S* __restrict__ dy, const S* __restrict__ x, const S* __restrict__ w,
+               const float* __restrict__ mean, const float* __restrict__ rstd, S* __restrict__ dx, float* pw,
+               float* pb, int64_t N, int64_t D, int T, int64_t rows_per, bool acc, bool direct) {
+  __shared__ GroupRed<LN ? 2 : 1> red;
+  __shared__ alignas(16) float buf[kThreads * NV * V];
+  const int lt = __ffs(T) - 1, R = kThreads >> lt, g = threadIdx.x >> lt, t = threadIdx.x & (T - 1);
+  const int64_t c0 = int64_t(blockIdx.y) * T * NV * V, r0 = blockIdx.x * rows_per, r1 = min(N, r0 + rows_per);
+  bool on[NV];
+#pragma unroll
+  for (int k = 0; k < NV; ++k) on[k] = c0 + int64_t(k * T + t) * V < D;
+  // w is read where used, from L1 (the same for every row): registers holding it spilled the 4-slot shapes.
+  const S* wt = w + c0 + t * V;
+  float sw[NV][V] = {}, sb[NV][V] = {};  // this group's column sums
+  int phase = 0;
+  for (int64_t i0 = r0; i0 < r1; i0 += R) {  // uniform: group_sum may sync
+    const int64_t i = i0 + g, at = i * D + c0 + t * V;  // slot k at at + k T V
+    const bool live = i < r1;
+    Pack<S, V> xp[NV], gp[NV], op[NV], wp;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {  // every load of the row issued before any is used
+      const bool ld_k = live && on[k];
+      xp[k] = ld_k ? ldp<S, V>(x, at + k * T * V) : Pack<S, V>{};
+      gp[k] = ld_k ? ldp<S, V>(dy, at + k * T * V) : Pack<S, V>{};
+      op[k] = ld_k && dx && acc ? ldp<S, V>(dx, at + k * T * V) : Pack<S, V>{};
+    }
+    const float r = live ? rstd[i] : 0.f, mu = LN && live ? mean[i] : 0.f;
+    float s[LN ? 2 : 1] = {};  // the row's RMS: sum(g w x); LN: sum(g w), sum(g w xhat)
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      wp = live && on[k] && dx ? ldp<S, V>(wt, k * T * V) : Pack<S, V>{};
+#pragma unroll
+      for (int j = 0; j < V; ++j) {  // the column sums first, so only the packs live past group_sum
+        const float gv = fv(gp[k], j), xv = fv(xp[k], j), gw = gv * fv(wp, j);
+        if constexpr (LN) {
+          const float xh = (xv - mu) * r;
+          sw[k][j] += gv * xh;
+          sb[k][j] += gv;
+          s[0] += gw;
+          s[1] += gw * xh;
+        } else {
+          sw[k][j] += gv * xv * r;
+          s[0] += gw * xv;
+        }
       }
     }
-  sh0[threadIdx.y][threadIdx.x] = a0;
-  sh1[threadIdx.y][threadIdx.x] = a1;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < D) {
-    float s0 = 0.f, s1 = 0.f;
-    for (int y = 0; y < 8; ++y) {
-      s0 += sh0[y][threadIdx.x];
-      s1 += sh1[y][threadIdx.x];
-    }
-    if (direct) {
-      if (out0) out0[col] += s0;
-      if (LN && out1) out1[col] += s1;
-    } else {
-      if (out0) out0[blockIdx.y * D + col] = s0;
-      if (LN && out1) out1[blockIdx.y * D + col] = s1;
+    if (!dx) continue;  // uniform
+    group_sum(s, T, red, phase++);
+    const float a = LN ? s[0] / float(D) : 0.f, c = LN ? s[1] / float(D) : s[0] * (r * r * r / float(D));
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      if (!live || !on[k]) continue;
+      wp = ldp<S, V>(wt, k * T * V);
+      float o[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float gv = fv(gp[k], j), xv = fv(xp[k], j), wv = fv(wp, j);
+        if constexpr (LN) o[j] = fv(op[k], j) + r * (gv * wv - a - ((xv - mu) * r) * c);
+        else o[j] = fv(op[k], j) + (gv * wv * r - xv * c);
+      }
+      stv<S, V>(dx, at + k * T * V, o);
     }
   }
+  if (pw) block_colsum<NV, V>(sw, buf, pw, D, c0, T, direct);
+  if (LN && pb) block_colsum<NV, V>(sb, buf, pb, D, c0, T, direct);
 }
 
-// dst[col] += sum over chunks of part[chunk * D + col], fixed order (block: 32 columns x 8 chunk lanes).
-__global__ void k_chunk_sum(const float* __restrict__ part, int64_t chunks, int64_t D, float* dst) {
-  __shared__ float sh[8][33];
+// dst[col] += the sum over chunks of part[chunk * D + col]: 32 columns a block, each summed by 32 lanes over every
+// 32nd chunk, then over the lanes, in a fixed order.
+__global__ void __launch_bounds__(1024) k_chunk_sum(const float* __restrict__ part, int64_t chunks, int64_t D,
+                                                    float* dst) {
+  __shared__ float sh[32][33];
   const int64_t col = blockIdx.x * 32 + threadIdx.x;
   float a = 0.f;
   if (col < D)
-    for (int64_t c = threadIdx.y; c < chunks; c += 8) a += part[c * D + col];
+#pragma unroll 4
+    for (int64_t c = threadIdx.y; c < chunks; c += 32) a += part[c * D + col];
   sh[threadIdx.y][threadIdx.x] = a;
   __syncthreads();
   if (threadIdx.y == 0 && col < D) {
     float s = 0.f;
-    for (int y = 0; y < 8; ++y) s += sh[y][threadIdx.x];
+    for (int y = 0; y < 32; ++y) s += sh[y][threadIdx.x];
     dst[col] += s;
   }
 }
 
-template <bool LN>
-void norm_wgrad(const Exec& x, const void* dy, const void* in, const float* mean, const float* rstd, float* dw,
-                float* db, int64_t N, int64_t D, DType dt) {
-  if (!LN) db = nullptr;
-  if (N <= 0 || D <= 0 || (!dw && !db)) return;
-  const int64_t tiles = (D + 31) / 32, nout = (dw ? 1 : 0) + (db ? 1 : 0);
-  int64_t chunks = std::max<int64_t>(1, 2048 / tiles);
-  chunks = std::min<int64_t>(chunks, (N + 31) / 32);  // at least 32 rows a chunk
-  chunks = std::min<int64_t>(chunks, int64_t(x.ws_bytes / (sizeof(float) * size_t(D * nout))));
-  chunks = std::max<int64_t>(chunks, 1);
-  const int64_t rows_per = (N + chunks - 1) / chunks;
-  chunks = (N + rows_per - 1) / rows_per;
-  const bool direct = chunks == 1;
-  float* p0 = direct ? dw : (dw ? static_cast<float*>(x.ws) : nullptr);
-  float* p1 = direct ? db : (db ? static_cast<float*>(x.ws) + (dw ? chunks * D : 0) : nullptr);
-  by_dtype(dt, [&]<class S>() {
-    k_norm_wgrad<S, LN><<<dim3(unsigned(tiles), unsigned(chunks)), dim3(32, 8), 0, stream_of(x)>>>(
-        static_cast<const S*>(dy), static_cast<const S*>(in), mean, rstd, N, D, rows_per, p0, p1, direct);
-    Q3VL_LAUNCHED();
-  });
-  if (direct) return;
-  if (dw) {
-    k_chunk_sum<<<unsigned(tiles), dim3(32, 8), 0, stream_of(x)>>>(p0, chunks, D, dw);
-    Q3VL_LAUNCHED();
-  }
-  if (db) {
-    k_chunk_sum<<<unsigned(tiles), dim3(32, 8), 0, stream_of(x)>>>(p1, chunks, D, db);
-    Q3VL_LAUNCHED();
-  }
-}
-
 int row_blocks(int64_t N) { return grid_for(N, kWarps); }
+
+// rmsnorm_bwd / layernorm_bwd. k_norm_bwd over chunks of rows: at least 4 rows a group (16 a block), at most 512
+// chunks (their partials, read back by k_chunk_sum, stay a few percent of the bytes of dy and x), as many as x.ws
+// holds partial rows for; one chunk adds into dw/db directly. Rows too wide to hold (bf16 past 8192 for RMS, 4096
+// for LN; unaligned past 2048) take k_*_bwd_dx for dx and k_norm_bwd over column slices for dw/db.
+template <bool LN>
+void norm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
+              void* din, float* dw, float* db, int64_t N, int64_t D, bool acc, DType dt) {
+  if (!LN) db = nullptr;
+  if (N <= 0 || D <= 0 || (!din && !dw && !db)) return;
+  by_dtype(dt, [&]<class S>() {
+    // Slots a thread, at most: LN keeps two column sums a slot, so fewer (16-bit LN at 3 spilled at 128 registers).
+    constexpr int VW = 16 / sizeof(S), kNV = !LN ? 4 : sizeof(S) == 4 ? 3 : 2;
+    const S *g = static_cast<const S*>(dy), *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
+    S* dx = static_cast<S*>(din);
+    const int V = vec_width<S>(D, {dy, in, w, din});
+    RowShape rs = V > 1 ? row_shape(D / V, 2, kNV) : row_shape(D, kScalarNV, kScalarNV);
+    if (rs.T == 0) {
+      if (dx) {
+        if constexpr (LN)
+          (V > 1 ? k_ln_bwd_dx<S, VW> : k_ln_bwd_dx<S, 1>)<<<row_blocks(N), 256, 0, stream_of(x)>>>(
+              g, xi, wi, mean, rstd, dx, N, D, acc);
+        else
+          (V > 1 ? k_rms_bwd_dx<S, VW> : k_rms_bwd_dx<S, 1>)<<<row_blocks(N), 256, 0, stream_of(x)>>>(
+              g, xi, wi, rstd, dx, N, D, acc);
+        Q3VL_LAUNCHED();
+      }
+      if (!dw && !db) return;
+      dx = nullptr;
+      rs = {kThreads, V > 1 ? kNV : kScalarNV};
+    }
+    const int64_t span = int64_t(rs.T) * rs.NV * V, slices = (D + span - 1) / span, nout = (dw ? 1 : 0) + (db ? 1 : 0);
+    int64_t chunks = std::min<int64_t>((N + 4 * (kThreads / rs.T) - 1) / (4 * (kThreads / rs.T)), 512);
+    chunks = std::min<int64_t>(chunks, (N + 15) / 16);
+    if (nout) chunks = std::min<int64_t>(chunks, int64_t(x.ws_bytes / (sizeof(float) * size_t(D * nout))));
+    chunks = std::max<int64_t>(chunks, 1);
+    const int64_t rows_per = (N + chunks - 1) / chunks;
+    chunks = (N + rows_per - 1) / rows_per;
+    const bool direct = chunks == 1;
+    float* p0 = direct ? dw : (dw ? static_cast<float*>(x.ws) : nullptr);
+    float* p1 = direct ? db : (db ? static_cast<float*>(x.ws) + (dw ? chunks * D : 0) : nullptr);
+    const dim3 grid{unsigned(chunks), unsigned(slices)};
+    auto go = [&]<int VV, int NV>() {
+      k_norm_bwd<S, VV, NV, LN><<<grid, kThreads, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, p0, p1, N, D, rs.T,
+                                                                     rows_per, acc, direct);
+      Q3VL_LAUNCHED();
+    };
+    if (V == 1) {
+      go.template operator()<1, kScalarNV>();
+    } else if (rs.NV == 2) {
+      go.template operator()<VW, 2>();
+    } else if constexpr (kNV >= 3) {
+      if (rs.NV == 3) go.template operator()<VW, 3>();
+      else if constexpr (kNV == 4) go.template operator()<VW, 4>();
+    }
+    if (direct) return;
+    for (auto [part, dst] : {std::pair{p0, dw}, {p1, db}})
+      if (dst) {
+        k_chunk_sum<<<unsigned((D + 31) / 32), dim3(32, 32), 0, stream_of(x)>>>(part, chunks, D, dst);
+        Q3VL_LAUNCHED();
+      }
+  });
+}
 
 }  // namespace
 
@@ -391,6 +680,36 @@ void rms_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, voi
     else vec ? go.template operator()<VW, 32>() : go.template operator()<1, 32>();
   });
 }
+// qk_norm_rope_fwd and qkv_to_cache_fwd: the vector kernel at the widest of 16- and 8-byte vectors that divides half
+// the head dim and the row strides, with every pointer aligned to it (cos/sin to 16 bytes); else a warp a row.
+template <class S>
+void qk_rope(const Exec& x, const S* qin, const S* kin, const S* vin, int64_t ldq, int64_t ldk, const void* wq,
+             const void* wk, void* q, void* k, void* vout, const int32_t* slots, float* rq, float* rk,
+             const float* cos, const float* sin, int64_t N, int64_t nh, int64_t nkv, int64_t hd, double eps) {
+  const int64_t half = hd / 2, rows = N * (nh + nkv + (vin ? nkv : 0));
+  const auto fits = [&](int V) {
+    const uintptr_t m = uintptr_t(V) * sizeof(S) - 1;
+    for (const void* p : {static_cast<const void*>(qin), static_cast<const void*>(kin),
+                          static_cast<const void*>(vin), wq, wk, static_cast<const void*>(q),
+                          static_cast<const void*>(k), static_cast<const void*>(vout)})
+      if (reinterpret_cast<uintptr_t>(p) & m) return false;
+    return half % V == 0 && ldq % V == 0 && ldk % V == 0 && half / V <= 32 && aligned16(cos) && aligned16(sin);
+  };
+  const auto go = [&]<int V>() {
+    int T = 1;
+    while (T * V < half) T *= 2;
+    launch_pdl(k_qk_norm_rope_vec<S, V>, dim3(unsigned(grid_for(rows, kThreads / T))), kThreads, 0, stream_of(x),
+               qin, kin, vin, ldq, ldk, static_cast<const S*>(wq), static_cast<const S*>(wk), static_cast<S*>(q),
+               static_cast<S*>(k), static_cast<S*>(vout), slots, rq, rk, cos, sin, N, int(nh), int(nkv), int(hd),
+               float(eps), T);
+  };
+  constexpr int VW = 16 / sizeof(S);
+  if (fits(VW)) return go.template operator()<VW>();
+  if (fits(VW / 2)) return go.template operator()<VW / 2>();
+  launch_pdl(k_qk_norm_rope<S>, dim3(unsigned(row_blocks(rows))), 256, 0, stream_of(x), qin, kin, vin, ldq, ldk,
+             static_cast<const S*>(wq), static_cast<const S*>(wk), static_cast<S*>(q), static_cast<S*>(k),
+             static_cast<S*>(vout), slots, rq, rk, cos, sin, N, int(nh), int(nkv), int(hd), float(eps));
+}
 }  // namespace
 
 void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
@@ -409,10 +728,8 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
   if (N <= 0) return;
   Q3VL_CHECK(hd % 2 == 0 && hd <= 4096 && nh + nkv <= 65536, "qk_norm_rope_fwd: head dim must be even");
   by_dtype(dt, [&]<class S>() {
-    launch_pdl(k_qk_norm_rope<S>, dim3(unsigned(row_blocks(N * (nh + nkv)))), 256, 0, stream_of(x),
-        static_cast<const S*>(qraw), static_cast<const S*>(kraw), nullptr, nh * hd, nkv * hd, static_cast<const S*>(wq),
-        static_cast<const S*>(wk), static_cast<S*>(q), static_cast<S*>(k), nullptr, nullptr, rq, rk, cos, sin, N,
-        int(nh), int(nkv), int(hd), float(eps));
+    qk_rope<S>(x, static_cast<const S*>(qraw), static_cast<const S*>(kraw), nullptr, nh * hd, nkv * hd, wq, wk, q, k,
+               nullptr, nullptr, rq, rk, cos, sin, N, nh, nkv, hd, eps);
   });
 }
 
@@ -424,60 +741,44 @@ void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void
   const int64_t ld = (nh + 2 * nkv) * hd;
   by_dtype(dt, [&]<class S>() {
     const S* in = static_cast<const S*>(qkv);
-    launch_pdl(k_qk_norm_rope<S>, dim3(unsigned(row_blocks(N * (nh + 2 * nkv)))), 256, 0, stream_of(x),
-        in, in + nh * hd, in + (nh + nkv) * hd, ld, ld, static_cast<const S*>(wq), static_cast<const S*>(wk),
-        static_cast<S*>(q), static_cast<S*>(k_pool), static_cast<S*>(v_pool), slots, nullptr, nullptr, cos, sin, N,
-        int(nh), int(nkv), int(hd), float(eps));
+    qk_rope<S>(x, in, in + nh * hd, in + (nh + nkv) * hd, ld, ld, wq, wk, q, k_pool, v_pool, slots, nullptr, nullptr,
+               cos, sin, N, nh, nkv, hd, eps);
   });
 }
 
 void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
                  float* dw, int64_t N, int64_t D, bool accumulate, DType dt) {
-  if (N <= 0) return;
-  if (din)
-    by_dtype(dt, [&]<class S>() {
-      const S *g = static_cast<const S*>(dy), *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
-      S* dx = static_cast<S*>(din);
-      if (vec_width<S>(D, {dy, in, w, din}) > 1)
-        k_rms_bwd_dx<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, rstd, dx, N, D,
-                                                                                  accumulate);
-      else
-        k_rms_bwd_dx<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, rstd, dx, N, D, accumulate);
-      Q3VL_LAUNCHED();
-    });
-  norm_wgrad<false>(x, dy, in, nullptr, rstd, dw, nullptr, N, D, dt);
+  norm_bwd<false>(x, dy, in, w, nullptr, rstd, din, dw, nullptr, N, D, accumulate, dt);
 }
 
+// A row group a row (bf16 up to 8192 wide, fp32 4096, unaligned 2048), else a warp a row.
 void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, void* y, float* mean, float* rstd,
                    int64_t N, int64_t D, double eps, DType dt) {
   if (N <= 0) return;
   by_dtype(dt, [&]<class S>() {
+    constexpr int VW = 16 / sizeof(S);
     const S *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w), *bi = static_cast<const S*>(b);
     S* yo = static_cast<S*>(y);
-    if (vec_width<S>(D, {in, w, b, y}) > 1)
-      k_ln_fwd<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, bi, yo, mean, rstd, N, D,
-                                                                           float(eps));
-    else
-      k_ln_fwd<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(xi, wi, bi, yo, mean, rstd, N, D, float(eps));
+    const int V = vec_width<S>(D, {in, w, b, y});
+    const RowShape rs = V > 1 ? row_shape(D / V, 2, 4) : row_shape(D, kScalarNV, kScalarNV);
+    const int grid = grid_for(N, kThreads / std::max(rs.T, 1));
+    auto go = [&]<int VV, int NV>() {
+      k_ln_fwd<S, VV, NV><<<grid, kThreads, 0, stream_of(x)>>>(xi, wi, bi, yo, mean, rstd, N, D, rs.T, float(eps));
+    };
+    if (rs.T == 0)
+      (V > 1 ? k_ln_fwd_wide<S, VW> : k_ln_fwd_wide<S, 1>)<<<row_blocks(N), 256, 0, stream_of(x)>>>(
+          xi, wi, bi, yo, mean, rstd, N, D, float(eps));
+    else if (V == 1) go.template operator()<1, kScalarNV>();
+    else if (rs.NV == 2) go.template operator()<VW, 2>();
+    else if (rs.NV == 3) go.template operator()<VW, 3>();
+    else go.template operator()<VW, 4>();
     Q3VL_LAUNCHED();
   });
 }
 
 void layernorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
                    void* din, float* dw, float* db, int64_t N, int64_t D, bool accumulate, DType dt) {
-  if (N <= 0) return;
-  if (din)
-    by_dtype(dt, [&]<class S>() {
-      const S *g = static_cast<const S*>(dy), *xi = static_cast<const S*>(in), *wi = static_cast<const S*>(w);
-      S* dx = static_cast<S*>(din);
-      if (vec_width<S>(D, {dy, in, w, din}) > 1)
-        k_ln_bwd_dx<S, 16 / sizeof(S)><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, N, D,
-                                                                                 accumulate);
-      else
-        k_ln_bwd_dx<S, 1><<<row_blocks(N), 256, 0, stream_of(x)>>>(g, xi, wi, mean, rstd, dx, N, D, accumulate);
-      Q3VL_LAUNCHED();
-    });
-  norm_wgrad<true>(x, dy, in, mean, rstd, dw, db, N, D, dt);
+  norm_bwd<true>(x, dy, in, w, mean, rstd, din, dw, db, N, D, accumulate, dt);
 }
 
 }  // namespace q3vl::dev::cuda
