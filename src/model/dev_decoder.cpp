@@ -74,6 +74,24 @@ void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, 
   dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt);
 }
 
+bool dev_grad_adds(const dev::Exec& ex, const DevParams& P, std::initializer_list<int> ids) {
+  if (!P.fresh) return true;
+  int live = 0, fresh = 0;
+  for (int id : ids)
+    if (P.g[id]) ++live, fresh += P.fresh[id];
+  if (live > 0 && fresh == live) {
+    for (int id : ids) P.fresh[id] = 0;
+    return false;
+  }
+  for (int id : ids) dev_grad_zeroed(ex, P, id);
+  return true;
+}
+void dev_grad_zeroed(const dev::Exec& ex, const DevParams& P, int id) {
+  if (!P.fresh || !P.g[id] || !P.fresh[id]) return;
+  dev::fill(ex, P.g[id], DType::F32, P.numel[id], 0.f);
+  P.fresh[id] = 0;
+}
+
 int dev_experts_id(const DevParams& P, int f) {
   if (!P.lora) return f + tlay::experts_gate_up;
   const ParamTable& t = *P.lora->table;
@@ -221,11 +239,12 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
       const int eg = dev_experts_id(P, f);
       dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, false, dt);
       dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
-      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, false, true,
-                              dt);
+      dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, false,
+                              dev_grad_adds(ex, P, {eg + 1}), dt);
       dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, false, dt);
       dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false, true, dt);
+      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false,
+                              dev_grad_adds(ex, P, {eg}), dt);
     }
     dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, false, dt);
     // The logit gradients of the combine weights and of the aux loss summed in fp32, rounded once to dt for the
@@ -234,12 +253,13 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
     if (aux_dlogits) dev::axpy(ex, 1.f, aux_dlogits, s.dlogits, N * E, DType::F32);
     void* dl = s.dlogits;
     if (dt != DType::F32) dev::convert(ex, dl = s.logits, dt, s.dlogits, DType::F32, N * E);
-    dev::linear_bwd(ex, dl, c.ln2, P.p[f + tlay::router], s.dln, P.g[f + tlay::router], nullptr, N, H, E, true, dt);
+    dev::linear_bwd(ex, dl, c.ln2, P.p[f + tlay::router], s.dln, P.g[f + tlay::router], nullptr, N, H, E, true,
+                    dev_grad_adds(ex, P, {f + tlay::router}), dt);
     dev_lora_bwd(ex, P, f + tlay::router, dl, E, c.ln2, N, s.dln, dt);
   } else {
     const int64_t I = tc.intermediate;
     dev::linear_bwd(ex, dx, c.act, P.p[f + tlay::down_proj], s.dact, P.g[f + tlay::down_proj], nullptr, N, I, H,
-                    false, dt);
+                    false, dev_grad_adds(ex, P, {f + tlay::down_proj}), dt);
     dev_lora_bwd(ex, P, f + tlay::down_proj, dx, H, c.act, N, s.dact, dt);
     dev::swiglu_bwd(ex, s.dact, c.gu, s.dgu, N, I, false, dt);
     // The gate and up adapters add into s.dln before the fused linear does (lora.cpp's order).
@@ -248,26 +268,34 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
     dev_lora_bwd(ex, P, f + tlay::gate_proj, s.dgu, 2 * I, c.ln2, N, s.dln, dt);
     dev_lora_bwd(ex, P, f + tlay::up_proj, at(s.dgu, I, dt), 2 * I, c.ln2, N, s.dln, dt);
     dev::linear_bwd(ex, s.dgu, c.ln2, P.p[fused_gate_up(P, f, I, H, dt)], s.dln, P.g[f + tlay::gate_proj], nullptr, N,
-                    H, 2 * I, lora, dt);
+                    H, 2 * I, lora, dev_grad_adds(ex, P, {f + tlay::gate_proj, f + tlay::up_proj}), dt);
   }
+  dev_grad_zeroed(ex, P, f + tlay::post_norm);
   dev::rmsnorm_bwd(ex, s.dln, c.x1, P.p[f + tlay::post_norm], c.r2, dx, P.g[f + tlay::post_norm], N, H, true, dt);
   // Attention branch.
-  dev::linear_bwd(ex, dx, c.att, P.p[f + tlay::o_proj], s.datt, P.g[f + tlay::o_proj], nullptr, N, Dq, H, false, dt);
+  dev::linear_bwd(ex, dx, c.att, P.p[f + tlay::o_proj], s.datt, P.g[f + tlay::o_proj], nullptr, N, Dq, H, false,
+                  dev_grad_adds(ex, P, {f + tlay::o_proj}), dt);
   dev_lora_bwd(ex, P, f + tlay::o_proj, dx, H, c.att, N, s.datt, dt);
   dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
                      nkv, hd, true, float(1 / std::sqrt(double(hd))), false, dt);
   dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
   dev::rope_bwd(ex, s.dk, cos, sin, N, nkv, hd, dt);
+  dev_grad_zeroed(ex, P, f + tlay::q_norm);
+  dev_grad_zeroed(ex, P, f + tlay::k_norm);
   dev::rmsnorm_bwd(ex, s.dq, c.qraw, P.p[f + tlay::q_norm], c.rq, s.dqr, P.g[f + tlay::q_norm], N * nh, hd, false,
                    dt);
   dev::rmsnorm_bwd(ex, s.dk, c.kraw, P.p[f + tlay::k_norm], c.rk, s.dkr, P.g[f + tlay::k_norm], N * nkv, hd, false,
                    dt);
-  dev::linear_bwd(ex, s.dqr, c.ln1, P.p[f + tlay::q_proj], s.dln, P.g[f + tlay::q_proj], nullptr, N, H, Dq, false, dt);
-  dev::linear_bwd(ex, s.dkr, c.ln1, P.p[f + tlay::k_proj], s.dln, P.g[f + tlay::k_proj], nullptr, N, H, Dk, true, dt);
-  dev::linear_bwd(ex, s.dv, c.ln1, P.p[f + tlay::v_proj], s.dln, P.g[f + tlay::v_proj], nullptr, N, H, Dk, true, dt);
+  dev::linear_bwd(ex, s.dqr, c.ln1, P.p[f + tlay::q_proj], s.dln, P.g[f + tlay::q_proj], nullptr, N, H, Dq, false,
+                  dev_grad_adds(ex, P, {f + tlay::q_proj}), dt);
+  dev::linear_bwd(ex, s.dkr, c.ln1, P.p[f + tlay::k_proj], s.dln, P.g[f + tlay::k_proj], nullptr, N, H, Dk, true,
+                  dev_grad_adds(ex, P, {f + tlay::k_proj}), dt);
+  dev::linear_bwd(ex, s.dv, c.ln1, P.p[f + tlay::v_proj], s.dln, P.g[f + tlay::v_proj], nullptr, N, H, Dk, true,
+                  dev_grad_adds(ex, P, {f + tlay::v_proj}), dt);
   dev_lora_bwd(ex, P, f + tlay::q_proj, s.dqr, Dq, c.ln1, N, s.dln, dt);
   dev_lora_bwd(ex, P, f + tlay::k_proj, s.dkr, Dk, c.ln1, N, s.dln, dt);
   dev_lora_bwd(ex, P, f + tlay::v_proj, s.dv, Dk, c.ln1, N, s.dln, dt);
+  dev_grad_zeroed(ex, P, f + tlay::in_norm);
   dev::rmsnorm_bwd(ex, s.dln, c.x, P.p[f + tlay::in_norm], c.r1, dx, P.g[f + tlay::in_norm], N, H, true, dt);
 }
 

@@ -78,6 +78,8 @@ void dev_lora_bwd(const dev::Exec& ex, const DevParams& P, int id, const void* d
   if (nout < 0) nout = A.out - o0;
   const void *W_A = P.p[A.a], *B = at(P.p[A.a + 1], o0 * A.r, dt);
   float *dA = P.g[A.a], *dB = P.g[A.a + 1];
+  dev_grad_zeroed(ex, P, A.a);  // adds: a call may cover a slice of B's rows (qkv's)
+  dev_grad_zeroed(ex, P, A.a + 1);
   const void* xd = dropped(ex, L, A, x, N, row0, dt);
   // u recomputed (r is small next to the linear's width); y = s u B^T: dB += s dy^T u, du = s dy B.
   dev::gemm(ex, false, true, N, A.r, A.in, 1.f, xd, A.in, W_A, A.in, 0.f, L.u, A.r, dt, dt);

@@ -205,30 +205,35 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
     q8p_.push_back(i8 ? q8_ + mine : nullptr);
     s8p_.push_back(i8 ? s8_ + scl_off_[id] : nullptr);
     gp_.push_back(grads_ ? grads_ + mine : nullptr);
+    gsize_.push_back(table_.param(int(id)).held);
   }
-  if (grads_) zero_grads();
+  fresh_.assign(gp_.size(), 0);
+  if (grads_) dev::fill(ex_, grads_, DType::F32, held_, 0.f);  // the units' padding too, which no op writes
 }
 
 DevParams DevModel::dparams() const {
   // Adapters run in the training arena's passes (train, eval); serving folds them into the weights first.
   const DevLora* lora = cfg_.lora.on() && impl_->block ? &impl_->lora : nullptr;
   return {pp_.data(), gp_.data(), q8_ ? q8p_.data() : nullptr, q8_ ? s8p_.data() : nullptr, q8_ ? qf_ : QFormat::None,
-          lora};
+          lora, fresh_.data(), gsize_.data()};
 }
 DevLora& DevModel::lora() { return impl_->lora; }
 
-void DevModel::bind_unit(int u, const void* params, float* grads) {
-  for (int id : table_.units()[size_t(u)].params) {
+void DevModel::bind_unit(int u, const void* params, float* grads, bool fresh) {
+  const std::vector<int>& ids = table_.units()[size_t(u)].params;
+  settle_ids(ids);  // what the unit's gradients held last is complete before its buffers change hands
+  for (int id : ids) {
     const int64_t off = table_.param(id).offset;
     pp_[size_t(id)] = params ? at(params, off, dt_) : nullptr;
     gp_[size_t(id)] = grads && !frozen(id) ? grads + off : nullptr;
+    fresh_[size_t(id)] = fresh && gp_[size_t(id)];
   }
 }
 void DevModel::set_frozen(const std::vector<bool>& trainable) {
   Q3VL_CHECK(trainable.size() == table_.params().size(), "DevModel::set_frozen: one flag per parameter");
   trainable_ = trainable;
   for (size_t id = 0; id < gp_.size(); ++id)
-    if (frozen(int(id))) gp_[id] = nullptr;
+    if (frozen(int(id))) gp_[id] = nullptr, fresh_[id] = 0;
 }
 
 void DevModel::enter(int id, bool bwd) {
@@ -354,9 +359,21 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   dev::synchronize(ex_);
   if (stage) dev::release(ex_, stage);
 }
-void DevModel::zero_grads() { dev::fill(ex_, grads_, DType::F32, held_, 0.f); }
-void DevModel::grads_to_host(float* host_all) const {
+void DevModel::zero_grads() {
+  for (size_t id = 0; id < gp_.size(); ++id) fresh_[id] = gp_[id] && grads_;
+}
+void DevModel::settle_ids(const std::vector<int>& ids) {
+  for (int id : ids)
+    if (fresh_[size_t(id)] && gp_[size_t(id)])
+      dev::fill(ex_, gp_[size_t(id)], DType::F32, gsize_[size_t(id)], 0.f), fresh_[size_t(id)] = 0;
+}
+void DevModel::settle_grads() {
+  for (size_t id = 0; id < gp_.size(); ++id)
+    if (fresh_[id] && gp_[id]) dev::fill(ex_, gp_[id], DType::F32, gsize_[id], 0.f), fresh_[id] = 0;
+}
+void DevModel::grads_to_host(float* host_all) {
   Q3VL_CHECK(hold_.group == 1 && hold_.full, "DevModel::grads_to_host needs an unpadded model");
+  settle_grads();
   dev::to_host(ex_, host_all, grads_, size_t(table_.total()) * 4);
 }
 
@@ -622,10 +639,12 @@ void DevModel::backward(float loss_scale) {
     dev_lora_fwd(ex_, P, table_.lm_head(), I.hb, n, I.lg, V, dt_, 0, -1, r0);
     dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, I.dlg, nullptr, n, V,
                        float(loss_scale / double(I.nsup)), false, dt_);
-    dev::linear_bwd(ex_, I.dlg, I.hb, W, I.dhb, gp_[table_.lm_head()], nullptr, n, H, V, false, dt_);
+    dev::linear_bwd(ex_, I.dlg, I.hb, W, I.dhb, gp_[table_.lm_head()], nullptr, n, H, V, false,
+                    dev_grad_adds(ex_, P, {table_.lm_head()}), dt_);  // the first chunk writes
     dev_lora_bwd(ex_, P, table_.lm_head(), I.dlg, V, I.hb, n, I.dhb, dt_, 0, -1, r0);
     dev::scatter_rows(ex_, I.dhb, I.sup + r0, I.dh, n, H, false, dt_);
   }
+  dev_grad_zeroed(ex_, P, table_.final_norm());
   dev::rmsnorm_bwd(ex_, I.dh, I.x, pp_[table_.final_norm()], I.rf, I.dx, gp_[table_.final_norm()], N, H, false, dt_);
   leave_head(true);
 
@@ -659,6 +678,7 @@ void DevModel::backward(float loss_scale) {
     dev::scatter_rows(ex_, I.dh, I.vis, I.dx, I.nvis, H, false, dt_);
   }
   enter(table_.embed_tokens(), true);
+  dev_grad_zeroed(ex_, P, table_.embed_tokens());  // a scatter: it adds
   dev::embedding_bwd(ex_, I.ids, I.dx, gp_[table_.embed_tokens()], N, H, dt_);
   leave(table_.embed_tokens(), true);
 
@@ -686,6 +706,7 @@ void DevModel::backward(float loss_scale) {
     dev_vision_embed_bwd(ex_, vc, P, table_.vision_embed(), I.pixels, I.grid, I.Np, I.dv, dt_);
     leave(table_.vision_embed(), true);
   }
+  settle_grads();  // the parameters this pass left alone (a batch without images: the vision tower's)
 }
 
 void DevModel::idle_pass(bool backward) {
@@ -704,6 +725,7 @@ void DevModel::idle_pass(bool backward) {
     if (backward) dev_moe_experts_bwd(ex_, cfg_.text, P, table_.layer(l), nullptr, 0, c, I.dscr, dt_);
     leave(table_.experts(l), backward);
   }
+  if (backward) settle_grads();
 }
 
 // ---- Inference ---------------------------------------------------------------------------------------------------

@@ -85,8 +85,9 @@ void dev_vision_embed_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   const int64_t Dv = vc.hidden, G = pos_side(vc);
   check_grid(vc, grid, Np);
   dev::linear_bwd(ex, dx, pixels, P.p[f + vemb::patch_w], nullptr, P.g[f + vemb::patch_w], P.g[f + vemb::patch_b], Np,
-                  int64_t(vc.patch_dim()), Dv, true, dt);
+                  int64_t(vc.patch_dim()), Dv, true, dev_grad_adds(ex, P, {f + vemb::patch_w, f + vemb::patch_b}), dt);
   if (!P.g[f + vemb::pos]) return;  // frozen table
+  dev_grad_zeroed(ex, P, f + vemb::pos);
   int64_t off = 0;
   for (size_t i = 0; i < grid.size(); i += 3) {
     dev::pos_embed_bwd(ex, at(dx, off * Dv, dt), G, Dv, grid[i], grid[i + 1], grid[i + 2], vc.merge,
@@ -136,27 +137,33 @@ void dev_vision_block_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   // MLP branch: dx (the residual's gradient) also receives the norm2 branch (layernorm_bwd accumulates into it).
   // The first op to produce a gradient buffer writes it, the later ones add (dev.hpp).
   dev::linear_bwd(ex, dx, c.a, P.p[f + vblk::fc2_w], s.da, P.g[f + vblk::fc2_w], P.g[f + vblk::fc2_b], N, I, D, false,
-                  dt);
+                  dev_grad_adds(ex, P, {f + vblk::fc2_w, f + vblk::fc2_b}), dt);
   dev_lora_bwd(ex, P, f + vblk::fc2_w, dx, D, c.a, N, s.da, dt);
   dev::gelu_tanh_bwd(ex, s.da, c.h, s.dh, N * I, false, dt);
   dev::linear_bwd(ex, s.dh, c.ln2, P.p[f + vblk::fc1_w], s.dln, P.g[f + vblk::fc1_w], P.g[f + vblk::fc1_b], N, D, I,
-                  false, dt);
+                  false, dev_grad_adds(ex, P, {f + vblk::fc1_w, f + vblk::fc1_b}), dt);
   dev_lora_bwd(ex, P, f + vblk::fc1_w, s.dh, I, c.ln2, N, s.dln, dt);
+  dev_grad_zeroed(ex, P, f + vblk::norm2_w);
+  dev_grad_zeroed(ex, P, f + vblk::norm2_b);
   dev::layernorm_bwd(ex, s.dln, c.x1, P.p[f + vblk::norm2_w], c.m2, c.r2, dx, P.g[f + vblk::norm2_w],
                      P.g[f + vblk::norm2_b], N, D, true, dt);
   // Attention branch.
   dev::linear_bwd(ex, dx, c.att, P.p[f + vblk::proj_w], s.datt, P.g[f + vblk::proj_w], P.g[f + vblk::proj_b], N, D, D,
-                  false, dt);
+                  false, dev_grad_adds(ex, P, {f + vblk::proj_w, f + vblk::proj_b}), dt);
   dev_lora_bwd(ex, P, f + vblk::proj_w, dx, D, c.att, N, s.datt, dt);
   dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
                      nh, hd, false, scale, false, dt);
   dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
   dev::rope_bwd(ex, s.dk, cos, sin, N, nh, hd, dt);
   const void* d3[3] = {s.dq, s.dk, s.dv};
+  const bool add_qkv = dev_grad_adds(ex, P, {f + vblk::qkv_w, f + vblk::qkv_b});  // each row block's first: written
   for (int j = 0; j < 3; ++j)
     dev::linear_bwd(ex, d3[j], c.ln1, block(P.p[f + vblk::qkv_w], j, D * D, dt), s.dln,
-                    block(P.g[f + vblk::qkv_w], j, D * D), block(P.g[f + vblk::qkv_b], j, D), N, D, D, j > 0, dt);
+                    block(P.g[f + vblk::qkv_w], j, D * D), block(P.g[f + vblk::qkv_b], j, D), N, D, D, j > 0, add_qkv,
+                    dt);
   for (int j = 0; j < 3; ++j) dev_lora_bwd(ex, P, f + vblk::qkv_w, d3[j], D, c.ln1, N, s.dln, dt, j * D, D);
+  dev_grad_zeroed(ex, P, f + vblk::norm1_w);
+  dev_grad_zeroed(ex, P, f + vblk::norm1_b);
   dev::layernorm_bwd(ex, s.dln, c.x, P.p[f + vblk::norm1_w], c.m1, c.r1, dx, P.g[f + vblk::norm1_w],
                      P.g[f + vblk::norm1_b], N, D, true, dt);
 }
@@ -185,12 +192,14 @@ void dev_merger_bwd(const dev::Exec& ex, const VisionConfig& vc, const DevParams
   const int64_t D = vc.hidden, Dm = 4 * D, M = N / 4, Dout = vc.out_hidden;
   const int64_t rows = post ? M : N, dim = post ? Dm : D;
   dev::linear_bwd(ex, dy, c.a, P.p[f + vmrg::fc2_w], s.da, P.g[f + vmrg::fc2_w], P.g[f + vmrg::fc2_b], M, Dm, Dout,
-                  false, dt);
+                  false, dev_grad_adds(ex, P, {f + vmrg::fc2_w, f + vmrg::fc2_b}), dt);
   dev_lora_bwd(ex, P, f + vmrg::fc2_w, dy, Dout, c.a, M, s.da, dt);
   dev::gelu_erf_bwd(ex, s.da, c.h, s.dh, M * Dm, false, dt);
   dev::linear_bwd(ex, s.dh, c.ln, P.p[f + vmrg::fc1_w], s.dln, P.g[f + vmrg::fc1_w], P.g[f + vmrg::fc1_b], M, Dm, Dm,
-                  false, dt);
+                  false, dev_grad_adds(ex, P, {f + vmrg::fc1_w, f + vmrg::fc1_b}), dt);
   dev_lora_bwd(ex, P, f + vmrg::fc1_w, s.dh, Dm, c.ln, M, s.dln, dt);
+  dev_grad_zeroed(ex, P, f + vmrg::norm_w);
+  dev_grad_zeroed(ex, P, f + vmrg::norm_b);
   dev::layernorm_bwd(ex, s.dln, c.x, P.p[f + vmrg::norm_w], c.m, c.r, dx, P.g[f + vmrg::norm_w], P.g[f + vmrg::norm_b],
                      rows, dim, accumulate, dt);
 }

@@ -634,11 +634,15 @@ void DevZero::enter_slot(size_t k) {
   if (k + 1 < slots_.size()) issue_gather(k + 1);  // the next unit's gather, ahead of this unit's compute
   const ZeroUnit& z = L_.units[u];
   float* g = nullptr;
-  // In a group of one the shard is the whole unit: the backward accumulates into it directly, zeroed at the step's
-  // first use, not into a pool buffer that reduce_unit then copies (the first micro-batch) or adds (the others) there.
+  bool fresh = false;
+  // In a group of one the shard is the whole unit: the backward accumulates into it directly, not into a pool buffer
+  // that reduce_unit then copies (the first micro-batch) or adds (the others) there. At the step's first use its
+  // gradients are fresh: the first op to produce each writes it (no zero-fill; the padding, which no op writes, was
+  // zeroed when the shard was allocated).
   if (backward_ && z.trainable && comm(z).size() == 1) {
     g = gshard_ + z.comm_off;
-    if (!reduced_[u]) dev::fill(ex_, g, DType::F32, z.shard, 0.f), reduced_[u] = 1;
+    fresh = !reduced_[u];
+    reduced_[u] = 1;
   } else if (backward_ && z.trainable) {
     if (gbuf_[u] < 0) {  // backward accumulates into it from its first use to its last
       Q3VL_CHECK(!gfree_.empty(), "ZeRO-3: the gradient pool is exhausted (a bug: pool_slots() sized it)");
@@ -649,7 +653,7 @@ void DevZero::enter_slot(size_t k) {
     }
     g = gslot_[size_t(gbuf_[u])];
   }
-  model_.bind_unit(int(u), in_place(z) ? wshard(z.master_off) : pslot_[size_t(s.buf)], g);
+  model_.bind_unit(int(u), in_place(z) ? wshard(z.master_off) : pslot_[size_t(s.buf)], g, fresh);
   held_[u] = int(k);
 }
 

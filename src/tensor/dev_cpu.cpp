@@ -277,12 +277,14 @@ void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* sc
   by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), F(y), N, n_in, n_out); });
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
-                int64_t N, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
+                int64_t N, int64_t n_in, int64_t n_out, bool accumulate, bool accumulate_dW, DType dt) {
   PROFILED(x, prof::shaped(__func__, N, n_in, n_out),
            prof::flop(2.0 * double(N) * double(n_in) * double(n_out) * ((din ? 1 : 0) + (dW ? 1 : 0))));
-  ON_CUDA(x, linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, accumulate, dt));
+  ON_CUDA(x, linear_bwd(x, dy, in, W, din, dW, db, N, n_in, n_out, accumulate, accumulate_dW, dt));
   need_f32(dt, "linear_bwd");
   clear_unless(accumulate, din, N * n_in);
+  clear_unless(accumulate_dW, dW, n_out * n_in);
+  clear_unless(accumulate_dW, db, n_out);
   ops::linear_bwd(F(dy), F(in), F(W), F(din), dW, db, N, n_in, n_out);
 }
 

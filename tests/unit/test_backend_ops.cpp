@@ -336,12 +336,13 @@ std::vector<Case> all_cases(DType dt) {
            out("y", K::Act, randn(N * O))},
           [=](auto& x, auto& p, DType t) { dev::linear_fwd(x, p[0], p[1], bias ? p[2] : nullptr, p[3], N, I, O, t); });
     }
-    for (bool acc : {true, false})
-      add("linear_bwd", dims({N, I, O}) + mode(acc), kGemm,
+    // The weight gradients added (later contributions), or written (the step's first: dW and db over random values).
+    for (auto [acc, acc_w] : {std::pair{true, true}, {false, true}, {false, false}})
+      add("linear_bwd", dims({N, I, O}) + mode(acc) + (acc_w ? "" : " dW="), kGemm,
           {in("dy", K::Act, randn(N * O)), in("x", K::Act, randn(N * I)), in("W", K::Act, randn(O * I, 0.05)),
            out("dx", K::Act, randn(N * I)), out("dW", K::F32, randn(O * I)), out("db", K::F32, randn(O))},
           [=](auto& x, auto& p, DType t) {
-            dev::linear_bwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, I, O, acc, t);
+            dev::linear_bwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, I, O, acc, acc_w, t);
           });
   }
   // Weight-only 8-bit linear, int8 and fp8 (E4M3): q and scale from ops::quantize_rows of random weights. N <= 16

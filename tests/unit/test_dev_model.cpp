@@ -1,5 +1,8 @@
-// The device model's own behaviour beyond golden parity (test_golden.cpp): recomputation per block changes nothing.
+// The device model's own behaviour beyond golden parity (test_golden.cpp): recomputation per block changes nothing;
+// a step's first gradients are written over whatever the buffers held, the later ones add.
 #include <gtest/gtest.h>
+
+#include <limits>
 
 #include "../compare.hpp"
 #include "../gpu.hpp"
@@ -40,7 +43,45 @@ void recompute_case(Device d, double tol) {
   std::printf("  recompute on %s: loss %.9g vs %.9g, max grad diff / max grad %.2e, activations %lld -> %lld bytes\n",
               d == Device::CUDA ? "cuda" : "cpu", loss[0], loss[1], worst, (long long)act[0], (long long)act[1]);
 }
+
+// zero_grads marks the gradients fresh without filling them: over buffers full of NaN, the backward writes every
+// gradient the batch reaches and zeroes the rest, so the result is the one over zeroed buffers; a second backward
+// without zero_grads adds (2 g up to rounding: a gradient with several contributions sums them in another order).
+void fresh_case(Device d, double tol) {
+  const std::string dir = "tests/data/golden/moe";
+  const ModelConfig cfg = load_hf_config(dir + "/model/config.json");
+  Model host(cfg);
+  load_hf_weights(host, dir + "/model");
+  const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
+  dev::Exec ex = dev::make_exec(d);
+  DevModel m(cfg, ex, DType::F32);
+  m.reserve(budget_for(batch, cfg.vision.patch_dim()));
+  m.set_params(host.params());
+  const int64_t n = m.table().total();
+  std::vector<float> g[3];
+  for (int pass = 0; pass < 3; ++pass) {
+    if (pass == 1) {  // poisoned, then a new step
+      dev::fill(ex, m.grads(), DType::F32, n, std::numeric_limits<float>::quiet_NaN());
+      m.zero_grads();
+    }
+    m.forward(batch, true, nullptr, nullptr, true);
+    m.backward();
+    g[pass].resize(size_t(n));
+    m.grads_to_host(g[pass].data());
+  }
+  dev::destroy_exec(ex);
+  EXPECT_LE(test::rel_max_diff(g[1], g[0]), tol) << "a fresh gradient was not written whole";
+  std::vector<float> twice(g[0].size());
+  for (size_t i = 0; i < twice.size(); ++i) twice[i] = 2 * g[0][i];
+  EXPECT_LE(test::rel_max_diff(g[2], twice), 1e-6) << "the second backward did not add";
+}
 }  // namespace
+
+TEST(DevModel, FreshGradientsAreWrittenOnCpu) { fresh_case(Device::CPU, 0.0); }
+TEST(DevModel, FreshGradientsAreWrittenOnCuda) {
+  Q3VL_NEED_GPU();
+  fresh_case(Device::CUDA, 1e-6);
+}
 
 TEST(DevModel, RecomputeIsBitwiseOnCpu) { recompute_case(Device::CPU, 0.0); }
 // On the GPU the embedding and position-embedding backward accumulate with atomics: equal up to summation order.

@@ -111,7 +111,7 @@ bool measure(int reps, Results (&res)[2], std::map<std::string, double>& dense) 
       if (rows == 0) continue;
       dev::linear_fwd(x, in + s * ni, W + e * no * ni, nullptr, y_ref + s * no, rows, ni, no, DType::BF16);
       dev::linear_bwd(x, dy + s * no, in + s * ni, W + e * no * ni, dx_ref + s * ni, dW_ref + e * no * ni, nullptr,
-                      rows, ni, no, false, DType::BF16);
+                      rows, ni, no, false, false, DType::BF16);
     }
     // Mode m (kModes) down the wgmma path or not; grouped_linear_path's modes are FWD 0, DX 1, DW 2.
     auto run = [&](int m, bool wgmma) {

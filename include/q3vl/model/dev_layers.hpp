@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <vector>
 
 #include "q3vl/model/config.hpp"
@@ -40,7 +41,18 @@ struct DevParams {
   const float* const* s8 = nullptr;
   QFormat qf = QFormat::None;
   const DevLora* lora = nullptr;  // adapters (null: none)
+  // Training: fresh[id] = 1 while gradient id (numel[id] F32 elements at g[id]) holds nothing yet this step (DevModel::
+  // zero_grads marks them instead of filling). Null: every gradient holds its sum so far.
+  uint8_t* fresh = nullptr;
+  const int64_t* numel = nullptr;
 };
+// The step's first contribution to a weight gradient is written, not added to zeros (accumulate_dW false).
+// dev_grad_adds: the accumulate_dW of the op about to produce the gradients `ids` (one op's: a fused pair, a weight
+// and its bias): false when all of them are fresh; from then on they add. A mix (never, in practice: a unit is bound
+// whole) has its fresh ones zeroed and adds. dev_grad_zeroed: for an op that only adds (norms, scatters, LoRA's
+// slices), a fresh gradient zeroed first. Both pass over null (frozen) gradients.
+bool dev_grad_adds(const dev::Exec& ex, const DevParams& P, std::initializer_list<int> ids);
+void dev_grad_zeroed(const dev::Exec& ex, const DevParams& P, int id);
 // y[N, n_out] = x[N, n_in] W^T for rows [row0, row0 + n_out) of parameter id (no bias; row0: a vocabulary slice's
 // first row), W its 8-bit rows when it has them, else its dt weight. rin (dev::RowsIn): how the 8-bit path reads x.
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,

@@ -112,18 +112,30 @@ class DevModel {
   // Table elements [offset, offset + n) from fp32 host values (a unit at a time: the streamed load of serve).
   void set_params(int64_t offset, const float* host, int64_t n);
   void* params() { return params_; }
-  float* grads() { return grads_; }
+  // The gradients, every one holding its sum so far (fresh ones zeroed first: settle_grads).
+  float* grads() {
+    settle_grads();
+    return grads_;
+  }
+  // A new step's gradients: marked fresh, not filled. A fresh gradient holds nothing yet: the first op to produce it
+  // writes it (linear_bwd's and grouped_linear_bwd's accumulate_dW = false: no zero-fill and no read of it), the later
+  // ones add (DevParams::fresh, dev_grad_writes). Whatever reads the buffers settles them first.
   void zero_grads();
+  // Zeroes the gradients still fresh (nothing produced them since zero_grads or a fresh bind): before anything reads
+  // the buffers (backward's end, grads(), grads_to_host, unbinding a unit).
+  void settle_grads();
   // ZeRO. The hooks (model/hooks.hpp) around every use of a unit's weights, in unit_order()'s order; a unit's
   // weights (dt) and gradients (F32; null: none computed) read from and accumulated into these buffers while bound,
-  // laid out as the unit's ParamInfo::offset says (null, null: unbound).
+  // laid out as the unit's ParamInfo::offset says (null, null: unbound). fresh: the gradients hold nothing yet (as
+  // after zero_grads: the first op to produce each writes it); a unit's fresh gradients are zeroed when it is bound
+  // again or unbound, before anyone else reads them.
   void set_hooks(UnitHooks* h) { hooks_ = h; }
-  void bind_unit(int u, const void* params, float* grads);
+  void bind_unit(int u, const void* params, float* grads, bool fresh = false);
   // Where unit u starts in params() and grads() (elements: units padded to the hold's group), and a padded size.
   int64_t unit_base(int u) const { return ubase_[size_t(u)]; }
   int64_t held() const { return held_; }
   static int64_t padded(int64_t numel, int group) { return (numel + group - 1) / group * group; }
-  void grads_to_host(float* host_all) const;
+  void grads_to_host(float* host_all);
 
   double forward(const Batch& b, bool keep, std::vector<float>* logits_out = nullptr, double* aux_out = nullptr,
                  bool aux_loss = false);
@@ -240,6 +252,11 @@ class DevModel {
   float* grads_ = nullptr;
   std::vector<const void*> pp_;
   std::vector<float*> gp_;
+  // [id] 1: its gradient (gsize_[id] elements at gp_[id]) is fresh; nfresh_ how many are. Mutable: DevParams hands
+  // the flags to the layers, which clear them as they write.
+  mutable std::vector<uint8_t> fresh_;
+  std::vector<int64_t> gsize_;
+  void settle_ids(const std::vector<int>& ids);
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<Infer> infer_;
   int64_t count_ = 0;

@@ -157,7 +157,8 @@ __global__ void k_bias_rows(S* y, const S* b, int64_t N, int64_t n_out) {
 // Column sums of dy[N, n] into db (F32, +=), deterministic: block (32 columns x 8 row lanes) over a row chunk,
 // per-chunk partials in the workspace, then a fixed-order sum over chunks.
 template <class S>
-__global__ void k_colsum_part(const S* dy, int64_t N, int64_t n, int64_t rows_per, float* out, bool accumulate) {
+__global__ void k_colsum_part(const S* dy, int64_t N, int64_t n, int64_t rows_per, float* out, bool direct,
+                              bool accumulate) {
   __shared__ float sh[8][33];
   const int64_t col = blockIdx.x * 32 + threadIdx.x;
   const int64_t r0 = blockIdx.y * rows_per, r1 = min(N, r0 + rows_per);
@@ -169,20 +170,25 @@ __global__ void k_colsum_part(const S* dy, int64_t N, int64_t n, int64_t rows_pe
   if (threadIdx.y == 0 && col < n) {
     float s = 0.f;
     for (int y = 0; y < 8; ++y) s += sh[y][threadIdx.x];
-    if (accumulate) out[col] += s;           // single chunk: straight into db
-    else out[blockIdx.y * n + col] = s;      // partial of chunk blockIdx.y
+    if (direct) out[col] = accumulate ? out[col] + s : s;  // single chunk: straight into db
+    else out[blockIdx.y * n + col] = s;                      // partial of chunk blockIdx.y
   }
 }
-__global__ void k_colsum_final(const float* part, int64_t chunks, int64_t n, float* db) {
+__global__ void k_colsum_final(const float* part, int64_t chunks, int64_t n, float* db, bool accumulate) {
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < n; c += int64_t(gridDim.x) * blockDim.x) {
     float s = 0.f;
     for (int64_t y = 0; y < chunks; ++y) s += part[y * n + c];
-    db[c] += s;
+    db[c] = accumulate ? db[c] + s : s;
   }
 }
 
-void colsum(const Exec& x, const void* dy, float* db, int64_t N, int64_t n, DType dt) {
-  if (N <= 0 || n <= 0) return;
+// `accumulate` false: db written (one chunk: its sum; more: the final sum), never read.
+void colsum(const Exec& x, const void* dy, float* db, int64_t N, int64_t n, bool accumulate, DType dt) {
+  if (n <= 0) return;
+  if (N <= 0) {
+    if (!accumulate) cuda::fill(x, db, DType::F32, n, 0.f);
+    return;
+  }
   const int64_t tiles = (n + 31) / 32;
   int64_t chunks = std::max<int64_t>(1, 1024 / tiles);
   chunks = std::min<int64_t>(chunks, (N + 63) / 64);  // at least 64 rows a chunk
@@ -194,11 +200,11 @@ void colsum(const Exec& x, const void* dy, float* db, int64_t N, int64_t n, DTyp
   float* part = direct ? db : static_cast<float*>(x.ws);
   by_dtype(dt, [&]<class S>() {
     k_colsum_part<S><<<dim3(unsigned(tiles), unsigned(chunks)), dim3(32, 8), 0, stream_of(x)>>>(
-        static_cast<const S*>(dy), N, n, rows_per, part, direct);
+        static_cast<const S*>(dy), N, n, rows_per, part, direct, accumulate);
     Q3VL_LAUNCHED();
   });
   if (!direct) {
-    k_colsum_final<<<grid_for(n), 256, 0, stream_of(x)>>>(part, chunks, n, db);
+    k_colsum_final<<<grid_for(n), 256, 0, stream_of(x)>>>(part, chunks, n, db, accumulate);
     Q3VL_LAUNCHED();
   }
 }
@@ -285,12 +291,18 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
 }
 
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
-                int64_t N, int64_t n_in, int64_t n_out, bool accumulate, DType dt) {
-  if (N <= 0) return;  // nothing flows back from zero rows (the CPU reference adds nothing either)
+                int64_t N, int64_t n_in, int64_t n_out, bool accumulate, bool accumulate_dW, DType dt) {
+  if (N <= 0) {  // nothing flows back from zero rows (the CPU reference adds nothing either); written: zeros
+    if (dW && !accumulate_dW) cuda::fill(x, dW, DType::F32, n_out * n_in, 0.f);
+    if (db) colsum(x, dy, db, 0, n_out, accumulate_dW, dt);
+    return;
+  }
   const float beta = accumulate ? 1.f : 0.f;  // 0: din = dy W, what a zeroed din accumulated (C not read)
   if (din) gemm_impl(x, false, false, N, n_in, n_out, 1.f, dy, n_out, W, n_in, beta, din, n_in, dt, dt, nullptr);
-  if (dW) gemm_impl(x, true, false, n_out, n_in, N, 1.f, dy, n_out, in, n_in, 1.f, dW, n_in, dt, DType::F32, nullptr);
-  if (db) colsum(x, dy, db, N, n_out, dt);
+  if (dW)
+    gemm_impl(x, true, false, n_out, n_in, N, 1.f, dy, n_out, in, n_in, accumulate_dW ? 1.f : 0.f, dW, n_in, dt,
+              DType::F32, nullptr);
+  if (db) colsum(x, dy, db, N, n_out, accumulate_dW, dt);
 }
 
 }  // namespace q3vl::dev::cuda
