@@ -597,16 +597,19 @@ std::vector<Case> all_cases(DType dt) {
   }
 
   // The norms' row-group kernels at more rows: the backwards' column sums then span several chunks (k_chunk_sum adds
-  // their partials). 4096 x 128: the QK-norm rows (8 rows a warp); 1152 and 2048: the vision and text widths; 1030
-  // (unaligned: scalar loads) over many rows; 2050: wider than the scalar row groups hold (dx a warp a row, the
-  // column sums over two slices); 9000: wider than the 16-byte ones hold. "dw=null": frozen weights (dx alone);
-  // "ws0": no workspace (one chunk, adding into dw/db itself).
+  // their partials). 4096 x 128: the QK-norm rows (8 rows a warp); 1152 and 2048: the vision and text widths (784 x
+  // 1152: the 30B-A3B vision tower's rows, 49 chunks of 16); 9001 x 2048: past the 512-chunk cap as the text model's
+  // 13399-16384 rows are (501 chunks of 18 rows, the last of one); 1030 (unaligned: scalar loads) over many rows;
+  // 2050: wider than the scalar row groups hold (dx a warp a row, the column sums over two slices); 9000: wider than
+  // the 16-byte ones hold. "dw=null": frozen weights (dx alone); "ws0": no workspace (one chunk, adding into dw/db
+  // itself).
   struct NormCase {
     int64_t N, D;
     bool weights = true, ws = true;
   };
-  for (auto [N, D, weights, ws] : {NormCase{4096, 128}, {784, 1152}, {300, 2048}, {1000, 1030}, {64, 2050},
-                                   {16, 9000}, {4096, 128, false}, {784, 1152, false}, {300, 2048, true, false}}) {
+  for (auto [N, D, weights, ws] :
+       {NormCase{4096, 128}, {784, 1152}, {300, 2048}, {9001, 2048}, {1000, 1030}, {64, 2050}, {16, 9000},
+        {4096, 128, false}, {784, 1152, false}, {300, 2048, true, false}}) {
     const std::string tag = dims({N, D}) + (weights ? "" : " dw=null") + (ws ? "" : " ws0");
     auto exec = [ws](const dev::Exec& x) {
       dev::Exec xs = x;
