@@ -21,15 +21,9 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// V consecutive elements at p[i] (i a multiple of V; aligned to their size, at most 16 bytes).
-template <class S, int V> struct alignas(sizeof(S) * V < 16 ? sizeof(S) * V : 16) Pack {
-  S v[V];
-};
-template <class S, int V> __device__ __forceinline__ Pack<S, V> ldp(const S* p, int64_t i) {
-  return *reinterpret_cast<const Pack<S, V>*>(p + i);
-}
-// Element j of a pack, as float. Bf16 from its bits (a shift or a mask of the word holding it): cheap to recompute,
-// where the conversion's inline asm kept the converted floats live (k_norm_bwd spilled at bf16 only).
+// Element j of a pack (common.cuh's Pack, ldp), as float. Bf16 from its bits (a shift or a mask of the word holding
+// it; the same floats as ld): cheap to recompute, where the conversion's inline asm kept the converted floats live
+// (k_norm_bwd spilled at bf16 only).
 template <class S, int V> __device__ __forceinline__ float fv(const Pack<S, V>& p, int j) {
   if constexpr (std::is_same_v<S, __nv_bfloat16> && V % 2 == 0) {
     const uint32_t w = reinterpret_cast<const uint32_t*>(p.v)[j / 2];
@@ -37,23 +31,6 @@ template <class S, int V> __device__ __forceinline__ float fv(const Pack<S, V>& 
   } else {
     return ld(p.v, j);
   }
-}
-template <class S, int V> __device__ __forceinline__ void ldv(const S* p, int64_t i, float (&f)[V]) {
-  const Pack<S, V> pk = ldp<S, V>(p, i);
-#pragma unroll
-  for (int j = 0; j < V; ++j) f[j] = fv(pk, j);
-}
-// What an input gradient adds to: its values (accumulate), or the zeros of a zeroed buffer, unread (dev.hpp).
-template <class S, int V> __device__ __forceinline__ void priorv(const S* p, int64_t i, bool acc, float (&f)[V]) {
-  if (acc) return ldv<S, V>(p, i, f);
-#pragma unroll
-  for (int j = 0; j < V; ++j) f[j] = 0.f;
-}
-template <class S, int V> __device__ __forceinline__ void stv(S* p, int64_t i, const float (&f)[V]) {
-  Pack<S, V> pk;
-#pragma unroll
-  for (int j = 0; j < V; ++j) st(pk.v, j, f[j]);
-  *reinterpret_cast<Pack<S, V>*>(p + i) = pk;
 }
 
 // Vector width for rows of D elements of S when every listed pointer (null ones ignored) is 16-byte aligned.
@@ -309,8 +286,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int m = T / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
     const float rs = 1.f / sqrtf(ss / float(hd) + eps);
     if (on && o && kind == 2) {
-      *reinterpret_cast<Pack<S, V>*>(o + d) = pa;
-      *reinterpret_cast<Pack<S, V>*>(o + d + half) = pb;
+      stp<S, V>(o, d, pa);
+      stp<S, V>(o, d + half, pb);
     } else if (on && o) {
       const S* w = kind == 0 ? wq : wk;
       float wa[V], wb[V], c[V], s[V], ya[V], yb[V];
