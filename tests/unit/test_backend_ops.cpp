@@ -162,6 +162,17 @@ std::vector<double> cu_of(const std::vector<int64_t>& lens) {
   return cu;
 }
 
+// Rotary tables for N tokens at head dim hd: cos and sin [N, hd / 2] of random angles.
+struct Rotary {
+  std::vector<double> cos, sin;
+};
+Rotary rotary(int64_t N, int64_t hd) {
+  const auto ang = randu(N * hd / 2, -3.1, 3.1);
+  Rotary r{std::vector<double>(ang.size()), std::vector<double>(ang.size())};
+  for (size_t i = 0; i < ang.size(); ++i) r.cos[i] = std::cos(ang[i]), r.sin[i] = std::sin(ang[i]);
+  return r;
+}
+
 // A paged KV layout for segments of (new rows, context): the segments' blocks are a shuffled subset of a pool that
 // has `spare` blocks more, and the table's entries past a segment's blocks name spare blocks, so a kernel that reads
 // rows no table entry in range references reads random values, not zeros. cap > 0: table rows of cap tokens and
@@ -598,16 +609,19 @@ std::vector<Case> all_cases(DType dt) {
   }
 
   // The norms' row-group kernels at more rows: the backwards' column sums then span several chunks (k_chunk_sum adds
-  // their partials). 4096 x 128: the QK-norm rows (8 rows a warp); 1152 and 2048: the vision and text widths; 1030
-  // (unaligned: scalar loads) over many rows; 2050: wider than the scalar row groups hold (dx a warp a row, the
-  // column sums over two slices); 9000: wider than the 16-byte ones hold. "dw=null": frozen weights (dx alone);
-  // "ws0": no workspace (one chunk, adding into dw/db itself).
+  // their partials). 4096 x 128: the QK-norm rows (8 rows a warp); 1152 and 2048: the vision and text widths (784 x
+  // 1152: the 30B-A3B vision tower's rows, 49 chunks of 16); 9001 x 2048: past the 512-chunk cap as the text model's
+  // 13399-16384 rows are (501 chunks of 18 rows, the last of one); 1030 (unaligned: scalar loads) over many rows;
+  // 2050: wider than the scalar row groups hold (dx a warp a row, the column sums over two slices); 9000: wider than
+  // the 16-byte ones hold. "dw=null": frozen weights (dx alone); "ws0": no workspace (one chunk, adding into dw/db
+  // itself).
   struct NormCase {
     int64_t N, D;
     bool weights = true, ws = true;
   };
-  for (auto [N, D, weights, ws] : {NormCase{4096, 128}, {784, 1152}, {300, 2048}, {1000, 1030}, {64, 2050},
-                                   {16, 9000}, {4096, 128, false}, {784, 1152, false}, {300, 2048, true, false}}) {
+  for (auto [N, D, weights, ws] :
+       {NormCase{4096, 128}, {784, 1152}, {300, 2048}, {9001, 2048}, {1000, 1030}, {64, 2050}, {16, 9000},
+        {4096, 128, false}, {784, 1152, false}, {300, 2048, true, false}}) {
     const std::string tag = dims({N, D}) + (weights ? "" : " dw=null") + (ws ? "" : " ws0");
     auto exec = [ws](const dev::Exec& x) {
       dev::Exec xs = x;
@@ -640,42 +654,38 @@ std::vector<Case> all_cases(DType dt) {
           });
   }
 
-  // rotary, each head dim
-  // QK-norm rows past those below: the text model's heads over more tokens, and head dims whose halves take 8-byte
-  // vectors (20, fp32) or none (6: the warp-a-row kernel).
-  for (auto [N, nh, nkv, hd] : {std::array<int64_t, 4>{600, 16, 8, 128}, {23, 4, 2, 20}, {23, 4, 2, 6}}) {
-    auto ang = randu(N * hd / 2, -3.1, 3.1);
-    std::vector<double> c(ang.size()), s(ang.size());
-    for (size_t i = 0; i < ang.size(); ++i) c[i] = std::cos(ang[i]), s[i] = std::sin(ang[i]);
+  // rotary: rope_fwd / rope_bwd over H heads, qk_norm_rope_fwd over nh query and nkv kv heads, with the tables r
+  const auto add_rope_fwd = [&](int64_t N, int64_t H, int64_t hd, const Rotary& r) {
+    add("rope_fwd", dims({N, H, hd}), kElem,
+        {out("x", K::Act, randn(N * H * hd)), in("cos", K::F32, r.cos), in("sin", K::F32, r.sin)},
+        [=](auto& x, auto& p, DType t) { dev::rope_fwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
+  };
+  const auto add_rope_bwd = [&](int64_t N, int64_t H, int64_t hd, const Rotary& r) {
+    add("rope_bwd", dims({N, H, hd}), kElem,
+        {out("dx", K::Act, randn(N * H * hd)), in("cos", K::F32, r.cos), in("sin", K::F32, r.sin)},
+        [=](auto& x, auto& p, DType t) { dev::rope_bwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
+  };
+  const auto add_qk_norm_rope = [&](int64_t N, int64_t nh, int64_t nkv, int64_t hd, const Rotary& r) {
     add("qk_norm_rope_fwd", dims({N, nh, nkv, hd}), kReduce,
         {in("qraw", K::Act, randn(N * nh * hd)), in("kraw", K::Act, randn(N * nkv * hd)),
          in("wq", K::Act, randu(hd, 0.5, 1.5)), in("wk", K::Act, randu(hd, 0.5, 1.5)),
          out("q", K::Act, randn(N * nh * hd)), out("k", K::Act, randn(N * nkv * hd)), out("rq", K::F32, randn(N * nh)),
-         out("rk", K::F32, randn(N * nkv)), in("cos", K::F32, c), in("sin", K::F32, s)},
+         out("rk", K::F32, randn(N * nkv)), in("cos", K::F32, r.cos), in("sin", K::F32, r.sin)},
         [=](auto& x, auto& p, DType t) {
           dev::qk_norm_rope_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], P<float>(p, 6), P<float>(p, 7), P<float>(p, 8),
                                 P<float>(p, 9), N, nh, nkv, hd, 1e-6, t);
         });
-  }
+  };
+  // QK-norm rows past those below: the text model's heads over more tokens, and head dims whose halves take 8-byte
+  // vectors (20, fp32) or none (6: the warp-a-row kernel).
+  for (auto [N, nh, nkv, hd] : {std::array<int64_t, 4>{600, 16, 8, 128}, {23, 4, 2, 20}, {23, 4, 2, 6}})
+    add_qk_norm_rope(N, nh, nkv, hd, rotary(N, hd));
+  // rotary, each head dim
   for (int64_t hd : {64, 72, 128}) {
     const int64_t N = 23, H = 3;
-    auto ang = randu(N * hd / 2, -3.1, 3.1);
-    std::vector<double> c(ang.size()), s(ang.size());
-    for (size_t i = 0; i < ang.size(); ++i) c[i] = std::cos(ang[i]), s[i] = std::sin(ang[i]);
-    add("rope_fwd", dims({N, H, hd}), kElem,
-        {out("x", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
-        [=](auto& x, auto& p, DType t) { dev::rope_fwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
-    for (auto [nh, nkv] : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}}) {
-      add("qk_norm_rope_fwd", dims({N, nh, nkv, hd}), kReduce,
-          {in("qraw", K::Act, randn(N * nh * hd)), in("kraw", K::Act, randn(N * nkv * hd)),
-           in("wq", K::Act, randu(hd, 0.5, 1.5)), in("wk", K::Act, randu(hd, 0.5, 1.5)),
-           out("q", K::Act, randn(N * nh * hd)), out("k", K::Act, randn(N * nkv * hd)), out("rq", K::F32, randn(N * nh)),
-           out("rk", K::F32, randn(N * nkv)), in("cos", K::F32, c), in("sin", K::F32, s)},
-          [=](auto& x, auto& p, DType t) {
-            dev::qk_norm_rope_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], P<float>(p, 6), P<float>(p, 7),
-                                  P<float>(p, 8), P<float>(p, 9), N, nh, nkv, hd, 1e-6, t);
-          });
-    }
+    const Rotary r = rotary(N, hd);
+    add_rope_fwd(N, H, hd, r);
+    for (auto [nh, nkv] : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}}) add_qk_norm_rope(N, nh, nkv, hd, r);
     {  // serving's fused projection rows into q and the pools: 4 query heads, 2 kv heads, slots shuffled, two -1
       const int64_t nh = 4, nkv = 2, Dk = nkv * hd, rows = 3 * N;
       std::vector<double> slots(rows);
@@ -687,29 +697,21 @@ std::vector<Case> all_cases(DType dt) {
           {in("qkv", K::Act, randn(N * (nh + 2 * nkv) * hd)), in("wq", K::Act, randu(hd, 0.5, 1.5)),
            in("wk", K::Act, randu(hd, 0.5, 1.5)), out("q", K::Act, randn(N * nh * hd)),
            out("k_pool", K::Act, randn(rows * Dk)), out("v_pool", K::Act, randn(rows * Dk)),
-           in("slots", K::I32, slots), in("cos", K::F32, c), in("sin", K::F32, s)},
+           in("slots", K::I32, slots), in("cos", K::F32, r.cos), in("sin", K::F32, r.sin)},
           [=](auto& x, auto& p, DType t) {
             dev::qkv_to_cache_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], P<int32_t>(p, 6), P<float>(p, 7),
                                   P<float>(p, 8), N, nh, nkv, hd, 1e-6, t);
           });
     }
-    add("rope_bwd", dims({N, H, hd}), kElem,
-        {out("dx", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
-        [=](auto& x, auto& p, DType t) { dev::rope_bwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
+    add_rope_bwd(N, H, hd, r);
   }
 
   // rotary at half head dims 10 and 9: two pairs a thread, one
   for (int64_t hd : {20, 18}) {
     const int64_t N = 5, H = 2;
-    auto ang = randu(N * hd / 2, -3.1, 3.1);
-    std::vector<double> c(ang.size()), s(ang.size());
-    for (size_t i = 0; i < ang.size(); ++i) c[i] = std::cos(ang[i]), s[i] = std::sin(ang[i]);
-    add("rope_fwd", dims({N, H, hd}), kElem,
-        {out("x", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
-        [=](auto& x, auto& p, DType t) { dev::rope_fwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
-    add("rope_bwd", dims({N, H, hd}), kElem,
-        {out("dx", K::Act, randn(N * H * hd)), in("cos", K::F32, c), in("sin", K::F32, s)},
-        [=](auto& x, auto& p, DType t) { dev::rope_bwd(x, p[0], P<float>(p, 1), P<float>(p, 2), N, H, hd, t); });
+    const Rotary r = rotary(N, hd);
+    add_rope_fwd(N, H, hd, r);
+    add_rope_bwd(N, H, hd, r);
   }
 
   // attention: packed segments of odd lengths (a single token, under and over a block), GQA and MHA, both masks

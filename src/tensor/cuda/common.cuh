@@ -1,5 +1,5 @@
 // Shared by the CUDA kernels: status checks that name file:line and the library's status string, the stream of
-// an Exec, and dtype-generic loads and stores (fp32 math whatever the storage dtype).
+// an Exec, and dtype-generic loads and stores (fp32 math whatever the storage dtype), an element or a vector at a time.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -51,6 +51,37 @@ template <> __device__ __forceinline__ void st<__nv_bfloat16>(__nv_bfloat16* p, 
   p[i] = __float2bfloat16_rn(v);
 }
 template <> __device__ __forceinline__ void st<__half>(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
+
+// V consecutive elements of S at p + i, i a multiple of V, in one access of V * sizeof(S) bytes (two 16-byte ones
+// above 16: 8 fp32 beside a 16-bit operand), aligned to that size up to 16 bytes: with V > 1 the caller sees that the
+// pointers and strides allow it (16-byte aligned bases, row lengths a multiple of V).
+template <class S, int V> struct alignas(sizeof(S) * V < 16 ? sizeof(S) * V : 16) Pack {
+  S v[V];
+};
+template <class S, int V> __device__ __forceinline__ Pack<S, V> ldp(const S* p, int64_t i) {
+  return *reinterpret_cast<const Pack<S, V>*>(p + i);
+}
+template <class S, int V> __device__ __forceinline__ void stp(S* p, int64_t i, const Pack<S, V>& pk) {
+  *reinterpret_cast<Pack<S, V>*>(p + i) = pk;
+}
+// The V elements at p + i as floats (ld's conversion), and floats stored as V elements (st's rounding).
+template <class S, int V> __device__ __forceinline__ void ldv(const S* p, int64_t i, float (&f)[V]) {
+  const Pack<S, V> pk = ldp<S, V>(p, i);
+#pragma unroll
+  for (int j = 0; j < V; ++j) f[j] = ld(pk.v, j);
+}
+template <class S, int V> __device__ __forceinline__ void stv(S* p, int64_t i, const float (&f)[V]) {
+  Pack<S, V> pk;
+#pragma unroll
+  for (int j = 0; j < V; ++j) st(pk.v, j, f[j]);
+  stp<S, V>(p, i, pk);
+}
+// What a gradient output adds to: its values (accumulate), or the zeros of a zeroed buffer, unread (dev.hpp).
+template <class S, int V> __device__ __forceinline__ void priorv(const S* p, int64_t i, bool acc, float (&f)[V]) {
+  if (acc) return ldv<S, V>(p, i, f);
+#pragma unroll
+  for (int j = 0; j < V; ++j) f[j] = 0.f;
+}
 
 // Calls f.template operator()<S>() with S the storage type of dt (F32, BF16, F16).
 template <class F> void by_dtype(DType dt, F&& f) {

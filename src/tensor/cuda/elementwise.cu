@@ -24,28 +24,8 @@ constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 
 // ---- vectors: W consecutive elements in one access ------------------------------------------------------------------
-// W elements of T at p + i, i a multiple of W: one access of W * sizeof(T) bytes, two 16-byte ones above 16 (fp32
-// beside a 16-bit operand). The base pointer is 16-byte aligned whenever W > 1 (see row_width, map).
-template <class T, int W> struct alignas(std::min<size_t>(16, W * sizeof(T))) Pack {
-  T v[W];
-};
-template <class S, int W> __device__ __forceinline__ void ldv(const S* p, int64_t i, float (&f)[W]) {
-  const Pack<S, W> pk = *reinterpret_cast<const Pack<S, W>*>(p + i);
-#pragma unroll
-  for (int j = 0; j < W; ++j) f[j] = ld(pk.v, j);
-}
-template <class S, int W> __device__ __forceinline__ void stv(S* p, int64_t i, const float (&f)[W]) {
-  Pack<S, W> pk;
-#pragma unroll
-  for (int j = 0; j < W; ++j) st(pk.v, j, f[j]);
-  *reinterpret_cast<Pack<S, W>*>(p + i) = pk;
-}
-// What a gradient output adds to: its values (accumulate), or the zeros of a zeroed buffer, unread (dev.hpp).
-template <class S, int W> __device__ __forceinline__ void priorv(const S* p, int64_t i, bool acc, float (&f)[W]) {
-  if (acc) return ldv<S, W>(p, i, f);
-#pragma unroll
-  for (int j = 0; j < W; ++j) f[j] = 0.f;
-}
+// ldv / stv / priorv (common.cuh) on W elements of S: one access of W * sizeof(S) bytes, two 16-byte ones above 16
+// (fp32 beside a 16-bit operand). The base pointer is 16-byte aligned whenever W > 1 (see row_width, map).
 
 // The vector width for rows of D elements of S: the widest power of two up to 16 bytes that divides D, when every
 // pointer is 16-byte aligned (each row then starts on a vector), else 1.

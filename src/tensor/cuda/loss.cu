@@ -14,10 +14,6 @@ namespace {
 
 constexpr int kThreads = 512;
 
-template <class S, int V> struct alignas(V > 1 ? 16 : alignof(S)) Pack {
-  S v[V];
-};
-
 // Online softmax state: running max m and sum of exp(x - m).
 struct MS {
   float m, s;
@@ -55,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
     const S* x = logits + i * Vocab;
     MS a{-INFINITY, 0.f};
     for (int64_t j = int64_t(tid) * V; j < Vocab; j += int64_t(kThreads) * V) {
-      const Pack<S, V> pk = *reinterpret_cast<const Pack<S, V>*>(x + j);
+      const Pack<S, V> pk = ldp<S, V>(x, j);
 #pragma unroll
       for (int u = 0; u < V; ++u) ms_add(a, ld(pk.v, u));
     }
@@ -77,16 +73,16 @@ __global__ void __launch_bounds__(kThreads)
     if (dlogits && valid) {
       S* g = dlogits + i * Vocab;
       for (int64_t j = int64_t(tid) * V; j < Vocab; j += int64_t(kThreads) * V) {
-        const Pack<S, V> pk = *reinterpret_cast<const Pack<S, V>*>(x + j);
+        const Pack<S, V> pk = ldp<S, V>(x, j);
         Pack<S, V> gk{};  // zeros, unless accumulating
-        if (acc) gk = *reinterpret_cast<const Pack<S, V>*>(g + j);
+        if (acc) gk = ldp<S, V>(g, j);
 #pragma unroll
         for (int u = 0; u < V; ++u) {
           float v = ld(gk.v, u) + scale * expf(ld(pk.v, u) - lse);
           if (j + u == t) v -= scale;
           st(gk.v, u, v);
         }
-        *reinterpret_cast<Pack<S, V>*>(g + j) = gk;
+        stp<S, V>(g, j, gk);
       }
     }
     __syncthreads();  // `total` is rewritten for the next row

@@ -21,15 +21,9 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// V consecutive elements at p[i] (i a multiple of V; aligned to their size, at most 16 bytes).
-template <class S, int V> struct alignas(sizeof(S) * V < 16 ? sizeof(S) * V : 16) Pack {
-  S v[V];
-};
-template <class S, int V> __device__ __forceinline__ Pack<S, V> ldp(const S* p, int64_t i) {
-  return *reinterpret_cast<const Pack<S, V>*>(p + i);
-}
-// Element j of a pack, as float. Bf16 from its bits (a shift or a mask of the word holding it): cheap to recompute,
-// where the conversion's inline asm kept the converted floats live (k_norm_bwd spilled at bf16 only).
+// Element j of a pack (common.cuh's Pack, ldp), as float. Bf16 from its bits (a shift or a mask of the word holding
+// it; the same floats as ld): cheap to recompute, where the conversion's inline asm kept the converted floats live
+// (k_norm_bwd spilled at bf16 only).
 template <class S, int V> __device__ __forceinline__ float fv(const Pack<S, V>& p, int j) {
   if constexpr (std::is_same_v<S, __nv_bfloat16> && V % 2 == 0) {
     const uint32_t w = reinterpret_cast<const uint32_t*>(p.v)[j / 2];
@@ -37,23 +31,6 @@ template <class S, int V> __device__ __forceinline__ float fv(const Pack<S, V>& 
   } else {
     return ld(p.v, j);
   }
-}
-template <class S, int V> __device__ __forceinline__ void ldv(const S* p, int64_t i, float (&f)[V]) {
-  const Pack<S, V> pk = ldp<S, V>(p, i);
-#pragma unroll
-  for (int j = 0; j < V; ++j) f[j] = fv(pk, j);
-}
-// What an input gradient adds to: its values (accumulate), or the zeros of a zeroed buffer, unread (dev.hpp).
-template <class S, int V> __device__ __forceinline__ void priorv(const S* p, int64_t i, bool acc, float (&f)[V]) {
-  if (acc) return ldv<S, V>(p, i, f);
-#pragma unroll
-  for (int j = 0; j < V; ++j) f[j] = 0.f;
-}
-template <class S, int V> __device__ __forceinline__ void stv(S* p, int64_t i, const float (&f)[V]) {
-  Pack<S, V> pk;
-#pragma unroll
-  for (int j = 0; j < V; ++j) st(pk.v, j, f[j]);
-  *reinterpret_cast<Pack<S, V>*>(p + i) = pk;
 }
 
 // Vector width for rows of D elements of S when every listed pointer (null ones ignored) is 16-byte aligned.
@@ -309,8 +286,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int m = T / 2; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
     const float rs = 1.f / sqrtf(ss / float(hd) + eps);
     if (on && o && kind == 2) {
-      *reinterpret_cast<Pack<S, V>*>(o + d) = pa;
-      *reinterpret_cast<Pack<S, V>*>(o + d + half) = pb;
+      stp<S, V>(o, d, pa);
+      stp<S, V>(o, d + half, pb);
     } else if (on && o) {
       const S* w = kind == 0 ? wq : wk;
       float wa[V], wb[V], c[V], s[V], ya[V], yb[V];
@@ -571,11 +548,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (LN && pb) block_colsum<NV, V>(sb, buf, pb, D, c0, T, direct);
 }
 
-// dst[col] += the sum over chunks of part[chunk * D + col]: 32 columns a block, each summed by 32 lanes over every
+// dst[col] += the sum over chunks of part[chunk * D + col], for (part, dst) = (part0, dst0) at blockIdx.y 0 and
+// (part1, dst1) at 1 (dw and LayerNorm's db in one launch): 32 columns a block, each summed by 32 lanes over every
 // 32nd chunk, then over the lanes, in a fixed order.
-__global__ void __launch_bounds__(1024) k_chunk_sum(const float* __restrict__ part, int64_t chunks, int64_t D,
-                                                    float* dst) {
+__global__ void __launch_bounds__(1024) k_chunk_sum(const float* part0, float* dst0, const float* part1, float* dst1,
+                                                    int64_t chunks, int64_t D) {
   __shared__ float sh[32][33];
+  const float* __restrict__ part = blockIdx.y ? part1 : part0;
+  float* dst = blockIdx.y ? dst1 : dst0;
   const int64_t col = blockIdx.x * 32 + threadIdx.x;
   float a = 0.f;
   if (col < D)
@@ -592,10 +572,38 @@ __global__ void __launch_bounds__(1024) k_chunk_sum(const float* __restrict__ pa
 
 int row_blocks(int64_t N) { return grid_for(N, kWarps); }
 
-// rmsnorm_bwd / layernorm_bwd. k_norm_bwd over chunks of rows: at least 4 rows a group (16 a block), at most 512
-// chunks (their partials, read back by k_chunk_sum, stay a few percent of the bytes of dy and x), as many as x.ws
-// holds partial rows for; one chunk adds into dw/db directly. Rows too wide to hold (bf16 past 8192 for RMS, 4096
-// for LN; unaligned past 2048) take k_*_bwd_dx for dx and k_norm_bwd over column slices for dw/db.
+// The least rows a chunk of norm_bwd: 16, or Q3VL_NORM_CHUNK_ROWS=n (n >= 1; for A/B runs of the rule below; a
+// fixed setting keeps the sums' order fixed).
+int64_t chunk_rows_floor() {
+  static const int64_t r = [] {
+    const char* e = std::getenv("Q3VL_NORM_CHUNK_ROWS");
+    const long long v = e ? std::atoll(e) : 0;
+    return v > 0 ? int64_t(v) : int64_t(16);
+  }();
+  return r;
+}
+
+// rmsnorm_bwd / layernorm_bwd: k_norm_bwd over chunks of rows (grid.x; each block writes its chunk's column sums as a
+// partial row in x.ws, k_chunk_sum adds them in chunk order; one chunk adds into dw/db directly). Rows too wide to
+// hold (bf16 past 8192 for RMS, 4096 for LN; unaligned past 2048) take k_*_bwd_dx for dx and k_norm_bwd over column
+// slices for dw/db.
+//
+// Chunks: ceil(N / m) for m = max(4 R, 16) rows (R = 256 / T, the rows a block takes at a time, so 4 R is 4 rows a
+// group), at most 512 and at most as many partial rows as x.ws holds; the rows spread evenly (rows_per =
+// ceil(N / chunks)). The order of the sums depends only on N, D, the dtype (through T) and ws_bytes (and a set
+// Q3VL_NORM_CHUNK_ROWS). Rows too wide to hold take T = 256 (R = 1), so m = 16.
+// - m >= 16 keeps the partials, chunks x D x 4 bytes x outputs (written, then read back by k_chunk_sum), within 1/8
+//   of the bytes of dy and x, N x D x 2 x sizeof(S) (up to the rounding of N / m): 1/8 for 16-bit LayerNorm (dw and
+//   db), 1/16 for 16-bit RMSNorm and fp32 LayerNorm, 1/32 for fp32 RMSNorm.
+// - 512 (past 8192 rows where m = 16): about two waves of blocks at 2 an SM (the launch bound) on 132 SMs; more
+//   chunks would add partial bytes rather than parallelism. 13399 x 2048 (bf16 RMS): 497 chunks of 27 rows, partials
+//   1/27 of dy and x; 16384 x 2048: 512 of 32, 1/32.
+// - No larger m at small N, where the kernel waits on latency rather than bytes: a block takes its rows R at a time,
+//   each step a dependent load of the rows and a barrier (group_sum), so its time grows with rows_per / R, while
+//   k_chunk_sum costs about its launch and one round of loads (up to 64 chunks, 2 a lane). 784 x 1152 (the 30B-A3B
+//   vision tower, bf16 LN, T = 128, R = 2): 49 chunks of 16 rows, 8 steps a block, partials 441 KiB of 3.4 MiB; 32
+//   rows a chunk would be 25 blocks of 16 steps (225 KiB), 64 rows 13 blocks of 31 (117 KiB). 3920 x 1024 (the 2B's,
+//   T = 64, R = 4): 245 chunks of 16 rows, 4 steps.
 template <bool LN>
 void norm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
               void* din, float* dw, float* db, int64_t N, int64_t D, bool acc, DType dt) {
@@ -623,8 +631,8 @@ void norm_bwd(const Exec& x, const void* dy, const void* in, const void* w, cons
       rs = {kThreads, V > 1 ? kNV : kScalarNV};
     }
     const int64_t span = int64_t(rs.T) * rs.NV * V, slices = (D + span - 1) / span, nout = (dw ? 1 : 0) + (db ? 1 : 0);
-    int64_t chunks = std::min<int64_t>((N + 4 * (kThreads / rs.T) - 1) / (4 * (kThreads / rs.T)), 512);
-    chunks = std::min<int64_t>(chunks, (N + 15) / 16);
+    const int64_t min_rows = std::max<int64_t>(4 * (kThreads / rs.T), chunk_rows_floor());  // see above
+    int64_t chunks = std::min<int64_t>((N + min_rows - 1) / min_rows, 512);
     if (nout) chunks = std::min<int64_t>(chunks, int64_t(x.ws_bytes / (sizeof(float) * size_t(D * nout))));
     chunks = std::max<int64_t>(chunks, 1);
     const int64_t rows_per = (N + chunks - 1) / chunks;
@@ -646,12 +654,13 @@ void norm_bwd(const Exec& x, const void* dy, const void* in, const void* w, cons
       if (rs.NV == 3) go.template operator()<VW, 3>();
       else if constexpr (kNV == 4) go.template operator()<VW, 4>();
     }
-    if (direct) return;
-    for (auto [part, dst] : {std::pair{p0, dw}, {p1, db}})
-      if (dst) {
-        k_chunk_sum<<<unsigned((D + 31) / 32), dim3(32, 32), 0, stream_of(x)>>>(part, chunks, D, dst);
-        Q3VL_LAUNCHED();
-      }
+    if (direct || !nout) return;
+    // One launch for both outputs: grid row 0 the first of (p0, dw), (p1, db) present, row 1 (LN with both) db.
+    const float* q0 = dw ? p0 : p1;
+    float* d0 = dw ? dw : db;
+    k_chunk_sum<<<dim3(unsigned((D + 31) / 32), unsigned(nout)), dim3(32, 32), 0, stream_of(x)>>>(q0, d0, p1, db,
+                                                                                                   chunks, D);
+    Q3VL_LAUNCHED();
   });
 }
 
