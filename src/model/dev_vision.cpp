@@ -14,7 +14,11 @@ namespace q3vl {
 void DevVisionBlockCtx::carve(Arena& arena, const VisionConfig& vc, int64_t N, DType dt) {
   const int64_t D = vc.hidden, I = vc.intermediate;
   x = arena.take(N * D, dt), ln1 = arena.take(N * D, dt);
-  q = arena.take(N * D, dt), k = arena.take(N * D, dt), v = arena.take(N * D, dt), att = arena.take(N * D, dt);
+  // q, k and v in one block of three [N, D] arrays (N: the patches carved for, kept as rows): the batched qkv
+  // projection writes them N*D elements apart.
+  rows = N;
+  q = arena.take(3 * N * D, dt), k = q ? at(q, N * D, dt) : nullptr, v = q ? at(q, 2 * N * D, dt) : nullptr;
+  att = arena.take(N * D, dt);
   x1 = arena.take(N * D, dt), ln2 = arena.take(N * D, dt);
   h = arena.take(N * I, dt), a = arena.take(N * I, dt);
   m1 = arena.take<float>(N, DType::F32), r1 = arena.take<float>(N, DType::F32);
@@ -25,7 +29,9 @@ void DevVisionBlockCtx::carve(Arena& arena, const VisionConfig& vc, int64_t N, D
 void DevVisionScratch::carve(Arena& arena, const VisionConfig& vc, int64_t N, DType dt) {
   const int64_t D = vc.hidden, I = vc.intermediate;
   tmp = arena.take(N * D, dt), dln = arena.take(N * D, dt), datt = arena.take(N * D, dt);
-  dq = arena.take(N * D, dt), dk = arena.take(N * D, dt), dv = arena.take(N * D, dt);
+  // dq, dk and dv in one block of three [N, D] arrays (as q, k, v), the batched qkv backward's dy N*D elements apart.
+  rows = N;
+  dq = arena.take(3 * N * D, dt), dk = dq ? at(dq, N * D, dt) : nullptr, dv = dq ? at(dq, 2 * N * D, dt) : nullptr;
   da = arena.take(N * I, dt), dh = arena.take(N * I, dt);
 }
 
@@ -59,9 +65,14 @@ void check_grid(const VisionConfig& vc, const std::vector<int64_t>& grid, int64_
   }
   Q3VL_CHECK(n == Np, "image_grid_thw covers " + std::to_string(n) + " patches, not " + std::to_string(Np));
 }
-// Row block j of a [3D, D] / [3D] parameter (the fused qkv weight and bias are [q; k; v]).
-const void* block(const void* p, int64_t j, int64_t n, DType dt) { return at(p, j * n, dt); }
-float* block(float* g, int64_t j, int64_t n) { return g ? g + j * n : nullptr; }
+// The fused qkv projection as three problems of one batched linear: the input ln1 shared, the row blocks [q; k; v]
+// of the [3D, D] weight and [3D] bias, the outputs (and their gradients) q | k | v, arrays of `rows` carved rows
+// (rows*D elements apart) whose first N a pass of N patches uses.
+dev::LinearBatch qkv_batch(int64_t N, int64_t rows, int64_t D) {
+  Q3VL_CHECK(N <= rows, "vision block: " + std::to_string(N) + " patches in buffers carved for " +
+                            std::to_string(rows));
+  return {3, 0, D * D, D, rows * D};
+}
 }  // namespace
 
 // ---- patch + position embedding ----------------------------------------------------------------------------------
@@ -105,14 +116,13 @@ void dev_vision_block_fwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
   const float scale = float(1 / std::sqrt(double(hd)));
   dev::copy(ex, c.x, x, size_t(N * D) * dtype_size(dt));
   dev::layernorm_fwd(ex, x, P.p[f + vblk::norm1_w], P.p[f + vblk::norm1_b], c.ln1, c.m1, c.r1, N, D, vc.ln_eps, dt);
-  // qkv rows are [q; k; v] blocks, each head-major: three GEMMs on row blocks of one weight, so q, k and v come out
-  // as the contiguous [N, heads, hd] arrays the rotary and attention ops take.
+  // qkv rows are [q; k; v] blocks, each head-major: one batched linear of three problems on row blocks of one
+  // weight, so q, k and v come out as the contiguous [N, heads, hd] arrays the rotary and attention ops take.
+  dev::linear_fwd_batched(ex, c.ln1, P.p[f + vblk::qkv_w], P.p[f + vblk::qkv_b], c.q, N, D, D,
+                          qkv_batch(N, c.rows, D), dt);
   void* qkv[3] = {c.q, c.k, c.v};
-  for (int j = 0; j < 3; ++j) {
-    dev::linear_fwd(ex, c.ln1, block(P.p[f + vblk::qkv_w], j, D * D, dt), block(P.p[f + vblk::qkv_b], j, D, dt),
-                    qkv[j], N, D, D, dt);
+  for (int j = 0; j < 3; ++j)
     dev_lora_fwd(ex, P, f + vblk::qkv_w, c.ln1, N, qkv[j], D, dt, j * D, D);  // PEFT wraps qkv whole: rows j*D.. of B
-  }
   dev::rope_fwd(ex, c.q, cos, sin, N, nh, hd, dt);
   dev::rope_fwd(ex, c.k, cos, sin, N, nh, hd, dt);
   dev::attention_fwd(ex, c.q, c.k, c.v, c.att, c.lse, seg.cu, seg.nseg, seg.max_len, N, nh, nh, hd, false, scale, dt);
@@ -155,12 +165,12 @@ void dev_vision_block_bwd(const dev::Exec& ex, const VisionConfig& vc, const Dev
                      nh, hd, false, scale, false, dt);
   dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
   dev::rope_bwd(ex, s.dk, cos, sin, N, nh, hd, dt);
+  // dW_j, db_j of the three row blocks as one batched backward; dln, their shared input's gradient, is written by
+  // q's part and added to by k's and v's (then by the adapters').
+  const bool add_qkv = dev_grad_adds(ex, P, {f + vblk::qkv_w, f + vblk::qkv_b});  // the step's first: written
+  dev::linear_bwd_batched(ex, s.dq, c.ln1, P.p[f + vblk::qkv_w], s.dln, P.g[f + vblk::qkv_w], P.g[f + vblk::qkv_b], N,
+                          D, D, qkv_batch(N, s.rows, D), false, add_qkv, dt);
   const void* d3[3] = {s.dq, s.dk, s.dv};
-  const bool add_qkv = dev_grad_adds(ex, P, {f + vblk::qkv_w, f + vblk::qkv_b});  // each row block's first: written
-  for (int j = 0; j < 3; ++j)
-    dev::linear_bwd(ex, d3[j], c.ln1, block(P.p[f + vblk::qkv_w], j, D * D, dt), s.dln,
-                    block(P.g[f + vblk::qkv_w], j, D * D), block(P.g[f + vblk::qkv_b], j, D), N, D, D, j > 0, add_qkv,
-                    dt);
   for (int j = 0; j < 3; ++j) dev_lora_bwd(ex, P, f + vblk::qkv_w, d3[j], D, c.ln1, N, s.dln, dt, j * D, D);
   dev_grad_zeroed(ex, P, f + vblk::norm1_w);
   dev_grad_zeroed(ex, P, f + vblk::norm1_b);

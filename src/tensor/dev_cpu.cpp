@@ -288,6 +288,63 @@ void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, vo
   ops::linear_bwd(F(dy), F(in), F(W), F(din), dW, db, N, n_in, n_out);
 }
 
+namespace {
+// linear_*_batched's strides (dev.hpp's LinearBatch): none negative, and each written operand's (y forward; din, dW,
+// db backward, where not shared) far enough apart that no two problems write one element.
+void check_batch(const char* op, const LinearBatch& bt, int64_t N, int64_t n_in, int64_t n_out, bool fwd,
+                 bool din, bool dW, bool db) {
+  const std::string what = std::string("dev::") + op + ": ";
+  Q3VL_CHECK(bt.count >= 0 && bt.in >= 0 && bt.W >= 0 && bt.b >= 0 && bt.y >= 0,
+             what + "negative batch count or stride");
+  if (bt.count <= 1) return;
+  auto apart = [&](bool written, int64_t stride, int64_t extent, const char* name) {
+    Q3VL_CHECK(!written || stride >= extent,
+               what + name + "'s batch stride " + std::to_string(stride) + " overlaps its problems of " +
+                   std::to_string(extent) + " elements");
+  };
+  if (fwd) {
+    apart(true, bt.y, N * n_out, "y");
+  } else {
+    apart(din && bt.in != 0, bt.in, N * n_in, "din");
+    apart(dW && bt.W != 0, bt.W, n_out * n_in, "dW");
+    apart(db && bt.b != 0, bt.b, n_out, "db");
+  }
+}
+}  // namespace
+
+void linear_fwd_batched(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
+                        int64_t n_out, const LinearBatch& bt, DType dt) {
+  PROFILED(x, prof::shaped(__func__, N, n_in, n_out, bt.count),
+           prof::flop(2.0 * double(bt.count) * double(N) * double(n_in) * double(n_out)));
+  check_batch(__func__, bt, N, n_in, n_out, true, false, false, false);
+  ON_CUDA(x, linear_fwd_batched(x, in, W, b, y, N, n_in, n_out, bt, dt));
+  need_f32(dt, "linear_fwd_batched");
+  for (int64_t j = 0; j < bt.count; ++j)  // linear_fwd on each problem: the same bits
+    ops::linear_fwd(F(in) + j * bt.in, F(W) + j * bt.W, b ? F(b) + j * bt.b : nullptr, F(y) + j * bt.y, N, n_in,
+                    n_out);
+}
+void linear_bwd_batched(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
+                        int64_t N, int64_t n_in, int64_t n_out, const LinearBatch& bt, bool accumulate,
+                        bool accumulate_dW, DType dt) {
+  PROFILED(x, prof::shaped(__func__, N, n_in, n_out, bt.count),
+           prof::flop(2.0 * double(bt.count) * double(N) * double(n_in) * double(n_out) *
+                      ((din ? 1 : 0) + (dW ? 1 : 0))));
+  check_batch(__func__, bt, N, n_in, n_out, false, din != nullptr, dW != nullptr, db != nullptr);
+  ON_CUDA(x, linear_bwd_batched(x, dy, in, W, din, dW, db, N, n_in, n_out, bt, accumulate, accumulate_dW, dt));
+  need_f32(dt, "linear_bwd_batched");
+  // linear_bwd on each problem in turn: a shared operand's gradient (stride 0) is written by the first (unless
+  // accumulated) and added to by the rest, as separate calls would.
+  for (int64_t j = 0; j < bt.count; ++j) {
+    float* dinj = din ? F(din) + j * bt.in : nullptr;
+    float* dWj = dW ? dW + j * bt.W : nullptr;
+    float* dbj = db ? db + j * bt.b : nullptr;
+    clear_unless(accumulate || (j > 0 && bt.in == 0), dinj, N * n_in);
+    clear_unless(accumulate_dW || (j > 0 && bt.W == 0), dWj, n_out * n_in);
+    clear_unless(accumulate_dW || (j > 0 && bt.b == 0), dbj, n_out);
+    ops::linear_bwd(F(dy) + j * bt.y, F(in) + j * bt.in, F(W) + j * bt.W, dinj, dWj, dbj, N, n_in, n_out);
+  }
+}
+
 // ---- norms ------------------------------------------------------------------------------------------------------------
 void residual_rmsnorm_fwd(const Exec& x, const void* a, void* io, const void* w, void* y, void* saved, float* rstd,
                           int64_t N, int64_t D, double eps, DType dt) {

@@ -131,6 +131,12 @@ const char* shaped(const char* op, int64_t n, int64_t in, int64_t out) {
   return intern(std::string(op) + " " + std::to_string(n) + "x" + std::to_string(in) + "->" + std::to_string(out));
 }
 
+const char* shaped(const char* op, int64_t n, int64_t in, int64_t out, int64_t count) {
+  if (!state().shapes) return op;
+  return intern(std::string(op) + " " + std::to_string(n) + "x" + std::to_string(in) + "->" + std::to_string(out) +
+                " x" + std::to_string(count));
+}
+
 const char* shaped_attn(const char* op, int64_t nseg, int64_t max_len, int64_t hd, bool causal) {
   if (!state().shapes) return op;
   return intern(std::string(op) + " " + std::to_string(nseg) + "x" + std::to_string(max_len) + " hd" +

@@ -155,6 +155,30 @@ std::string mode(bool accumulate) { return accumulate ? "" : " din="; }
 constexpr std::pair<bool, bool> kGroupedBwdModes[] = {{true, true}, {false, true}, {false, false}};
 std::string dw_mode(bool accumulate_dW) { return accumulate_dW ? "" : " dW="; }
 
+// Batched linears (dev::LinearBatch): the vision tower's fused qkv at its shape (three problems on one input, the row
+// blocks of one [3D, D] weight, outputs [3][N][D]) and a small odd one of the same form (bias and output strides
+// not 16-byte aligned in bf16/fp16: the bias rows and, where cuBLASLt declines, problem by problem); every operand
+// its own stride, with gaps between the problems (the gaps of the written operands must come back untouched); a
+// weight and bias shared by the problems (their gradients the problems' sum); a batch of one. The vision shape is in
+// the op table at bf16 only (the training dtype; its fp32 reference takes seconds a case).
+struct BatchedShape {
+  int64_t N, I, O;
+  dev::LinearBatch bt;
+  std::string what;
+};
+std::vector<BatchedShape> batched_shapes(bool table, DType dt = DType::F32) {
+  auto qkv = [](int64_t N, int64_t D) { return BatchedShape{N, D, D, {3, 0, D * D, D, N * D}, " qkv"}; };
+  std::vector<BatchedShape> v{qkv(45, 37),
+                              {45, 40, 37, {3, 0, 37 * 40, 37, 45 * 37}, " shared x"},
+                              {33, 64, 48, {2, 33 * 64 + 8, 48 * 64 + 8, 48 + 8, 33 * 48 + 8}, " apart"},
+                              {20, 30, 50, {3, 20 * 30, 0, 0, 20 * 50}, " shared W"},
+                              {1, 16, 8, {1, 0, 0, 0, 0}, " one"}};
+  if (table && dt == DType::BF16) v.insert(v.begin(), qkv(784, 1152));
+  return v;
+}
+// Elements an operand of `extent` takes in a batch: the last problem's end.
+int64_t span(int64_t count, int64_t stride, int64_t extent) { return (count - 1) * stride + extent; }
+
 // Packed segments: cu_seqlens from lengths.
 std::vector<double> cu_of(const std::vector<int64_t>& lens) {
   std::vector<double> cu{0};
@@ -354,6 +378,28 @@ std::vector<Case> all_cases(DType dt) {
            out("dx", K::Act, randn(N * I)), out("dW", K::F32, randn(O * I)), out("db", K::F32, randn(O))},
           [=](auto& x, auto& p, DType t) {
             dev::linear_bwd(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, I, O, acc, acc_w, t);
+          });
+  }
+  for (const BatchedShape& sh : batched_shapes(true, dt)) {
+    const int64_t N = sh.N, I = sh.I, O = sh.O, n = sh.bt.count;
+    const dev::LinearBatch bt = sh.bt;
+    const std::string d = dims({N, I, O}) + " x" + std::to_string(n) + sh.what;
+    const int64_t sx = span(n, bt.in, N * I), sw = span(n, bt.W, O * I), sb = span(n, bt.b, O);
+    const int64_t sy = span(n, bt.y, N * O);
+    for (bool bias : {false, true})
+      add("linear_fwd_batched", d + (bias ? " bias" : ""), kGemm,
+          {in("x", K::Act, randn(sx)), in("W", K::Act, randn(sw, 0.05)), in("b", K::Act, randn(sb)),
+           out("y", K::Act, randn(sy))},
+          [=](auto& x, auto& p, DType t) {
+            dev::linear_fwd_batched(x, p[0], p[1], bias ? p[2] : nullptr, p[3], N, I, O, bt, t);
+          });
+    for (auto [acc, acc_w] : {std::pair{true, true}, {false, true}, {false, false}})
+      add("linear_bwd_batched", d + mode(acc) + (acc_w ? "" : " dW="), kGemm,
+          {in("dy", K::Act, randn(sy)), in("x", K::Act, randn(sx)), in("W", K::Act, randn(sw, 0.05)),
+           out("dx", K::Act, randn(sx)), out("dW", K::F32, randn(sw)), out("db", K::F32, randn(sb))},
+          [=](auto& x, auto& p, DType t) {
+            dev::linear_bwd_batched(x, p[0], p[1], p[2], p[3], P<float>(p, 4), P<float>(p, 5), N, I, O, bt, acc,
+                                    acc_w, t);
           });
   }
   // Weight-only 8-bit linear, int8 and fp8 (E4M3): q and scale from ops::quantize_rows of random weights. N <= 16
@@ -1113,6 +1159,57 @@ TEST(BackendOps, PagedAttentionMatchesAttention) {
                     err);
         EXPECT_LE(err, 1e-5) << dims({nh, nkv, hd}) << " block " << block;
       }
+}
+// The batched linears' reference is linear_fwd / linear_bwd on each problem in turn, bit for bit (a shared operand's
+// gradient: the problems' sum, a shared din written by the first when not accumulating); without a gradient (null)
+// too. What the vision tower's CPU results rest on.
+TEST(BackendOps, BatchedLinearIsItsProblems) {
+  const dev::Exec cpu{};
+  auto rf = [](int64_t n) {
+    auto d = randn(n);
+    return std::vector<float>(d.begin(), d.end());
+  };
+  for (const BatchedShape& sh : batched_shapes(false)) {
+    const int64_t N = sh.N, I = sh.I, O = sh.O, n = sh.bt.count;
+    const dev::LinearBatch bt = sh.bt;
+    const std::string d = dims({N, I, O}) + " x" + std::to_string(n) + sh.what;
+    const std::vector<float> x = rf(span(n, bt.in, N * I)), W = rf(span(n, bt.W, O * I)), b = rf(span(n, bt.b, O)),
+                             dy = rf(span(n, bt.y, N * O)), y0 = rf(span(n, bt.y, N * O));
+    for (bool bias : {false, true}) {
+      std::vector<float> want = y0, got = y0;
+      for (int64_t j = 0; j < n; ++j)
+        dev::linear_fwd(cpu, &x[j * bt.in], &W[j * bt.W], bias ? &b[j * bt.b] : nullptr, &want[j * bt.y], N, I, O,
+                        DType::F32);
+      dev::linear_fwd_batched(cpu, x.data(), W.data(), bias ? b.data() : nullptr, got.data(), N, I, O, bt, DType::F32);
+      EXPECT_EQ(got, want) << d << (bias ? " bias" : "");
+    }
+    for (auto [acc, acc_w] : {std::pair{true, true}, {false, true}, {false, false}})
+      for (bool grads : {true, false}) {
+        const std::string m = mode(acc) + (acc_w ? "" : " dW=") + (grads ? "" : " frozen");
+        const std::vector<float> dx0 = rf(span(n, bt.in, N * I)), dW0 = rf(span(n, bt.W, O * I)),
+                                 db0 = rf(span(n, bt.b, O));
+        std::vector<float> dx = dx0, dW = dW0, db = db0, gx = dx0, gW = dW0, gb = db0;
+        for (int64_t j = 0; j < n; ++j) {  // dW and db apart: each shared (added to after problem 0) or not
+          dev::linear_bwd(cpu, &dy[j * bt.y], &x[j * bt.in], &W[j * bt.W], &dx[j * bt.in],
+                          grads ? &dW[j * bt.W] : nullptr, nullptr, N, I, O, acc || (j > 0 && bt.in == 0),
+                          acc_w || (j > 0 && bt.W == 0), DType::F32);
+          if (grads)
+            dev::linear_bwd(cpu, &dy[j * bt.y], &x[j * bt.in], &W[j * bt.W], nullptr, nullptr, &db[j * bt.b], N, I,
+                            O, true, acc_w || (j > 0 && bt.b == 0), DType::F32);
+        }
+        dev::linear_bwd_batched(cpu, dy.data(), x.data(), W.data(), gx.data(), grads ? gW.data() : nullptr,
+                                grads ? gb.data() : nullptr, N, I, O, bt, acc, acc_w, DType::F32);
+        EXPECT_EQ(gx, dx) << d << m;
+        EXPECT_EQ(gW, dW) << d << m;
+        EXPECT_EQ(gb, db) << d << m;
+      }
+  }
+  // Written operands whose strides overlap the problems are refused.
+  std::vector<float> buf(4096);
+  EXPECT_ANY_THROW(dev::linear_fwd_batched(cpu, buf.data(), buf.data(), nullptr, buf.data(), 4, 8, 8,
+                                           {2, 0, 64, 0, 31}, DType::F32));
+  EXPECT_ANY_THROW(dev::linear_bwd_batched(cpu, buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), nullptr, 4,
+                                           8, 8, {2, 16, 64, 0, 32}, false, true, DType::F32));
 }
 // The 8-bit experts' reference is grouped_linear_fwd on the dequantized weights (q * scale), up to rounding: the
 // reference scales the fp32 sums, the dequantized product scales each weight. int8 and fp8 alike.

@@ -17,17 +17,22 @@
 
 namespace q3vl {
 
-// What a vision block's backward needs from its forward (dt arrays unless noted): q and k after the rotary.
+// What a vision block's backward needs from its forward (dt arrays unless noted): q and k after the rotary. q, k and
+// v are one block of three [rows, D] arrays (k = q + rows*D, v = k + rows*D, rows the patches carved for; a pass of
+// N <= rows uses their first N rows): the batched qkv projection's outputs (dev::LinearBatch).
 struct DevVisionBlockCtx {
   void *x, *ln1, *q, *k, *v, *att, *x1, *ln2, *h, *a;  // [N,D] ..., h/a [N,I]
   float *m1, *r1, *m2, *r2;                            // [N] LayerNorm statistics
   float* lse;                                          // [N,heads]
+  int64_t rows = 0;                                    // the patches carved for
   void carve(Arena& arena, const VisionConfig& vc, int64_t N, DType dt);
 };
-// Temporaries of one block's forward or backward, shared by all blocks (not kept).
+// Temporaries of one block's forward or backward, shared by all blocks (not kept). dq, dk and dv are one block of
+// three [rows, D] arrays, as q, k and v.
 struct DevVisionScratch {
   void *tmp, *dln, *datt, *dq, *dk, *dv;  // [N,D]
   void *da, *dh;                          // [N,I]
+  int64_t rows = 0;                       // the patches carved for
   void carve(Arena& arena, const VisionConfig& vc, int64_t N, DType dt);
 };
 

@@ -94,6 +94,18 @@ struct RowsIn {
 // The R rows of n_in that r describes, written out: in itself when r is the default, else r.scratch.
 const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt);
 
+// A batch of `count` linears of one shape (linear_fwd_batched, linear_bwd_batched): problem j < count reads
+// in + j*in, W + j*W, b + j*b and writes y + j*y, the strides in elements; its gradients sit at the same strides as
+// what they are the gradient of (dy as y, din as in, dW as W, db as b, the last two in F32 elements). A stride of 0
+// shares the operand among the problems, and then its gradient is the sum of theirs: the fused qkv projection is
+// three problems on one input (in = 0) with three row blocks of one weight (W = D*D, b = D) writing the [3][N][D]
+// block q | k | v (y = N*D). Every written operand (y; din, dW, db where not shared) needs a stride that keeps the
+// problems apart: 0 only with count 1, else at least the problem's extent (N*n_out for y, N*n_in for din, ...).
+struct LinearBatch {
+  int64_t count = 1;
+  int64_t in = 0, W = 0, b = 0, y = 0;
+};
+
 #include "q3vl/tensor/dev_ops.inc"
 
 }  // namespace q3vl::dev

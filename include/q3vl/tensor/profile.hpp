@@ -84,6 +84,8 @@ struct Report {
 void begin_step(const dev::Exec& compute, bool shapes = false);
 // A linear's row name: `op` alone, or with shapes on "op NxIN->OUT" (interned).
 const char* shaped(const char* op, int64_t n, int64_t in, int64_t out);
+// A batch of `count` linears of one shape (linear_fwd_batched, linear_bwd_batched): "op NxIN->OUT xCOUNT".
+const char* shaped(const char* op, int64_t n, int64_t in, int64_t out, int64_t count);
 // Attention's rows the same way: "op NSEGxMAX_LEN hdHD[ causal]".
 const char* shaped_attn(const char* op, int64_t nseg, int64_t max_len, int64_t hd, bool causal);
 // Stop recording, read the events (CUDA: waits for them) and sum the regions by name. phases: (name, seconds) of
