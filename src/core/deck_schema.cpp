@@ -22,6 +22,8 @@ const std::vector<KeySpec>& deck_schema() {
        "layer) and print a table (calls, ms, % of the step, TFLOP/s or GB/s; the step's phases adding up to its time) "
        "on rank 0, also written as \"profile\" in that step's metrics.jsonl line"},
       {"run.profile_step", T::Int, "0", "run.profile: the step profiled (0: every step)", 0, 1e12},
+      {"run.profile_top", T::Int, "25", "run.profile: the table's op rows by time, the rest summed as \"other\" (0: all)",
+       0, 1e6},
       {"run.profile_shapes", T::Bool, "false",
        "run.profile: a row per shape for the linears (\"linear_fwd NxIN->OUT\") and attention (\"attention_bwd "
        "NSEGxMAX_LEN hdHD causal\"), not one per op"},

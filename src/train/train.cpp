@@ -648,6 +648,7 @@ int run_train(const Deck& deck) {
   const bool profile = deck.boolean("run.profile");
   const int64_t profile_step = deck.integer("run.profile_step");
   const bool profile_shapes = deck.boolean("run.profile_shapes");
+  const int64_t profile_top = deck.integer("run.profile_top");
   const bool prefetch = deck.boolean("data.prefetch");
 
   std::FILE* metrics = nullptr;
@@ -783,7 +784,8 @@ int run_train(const Deck& deck) {
     std::optional<prof::Report> report;  // rank 0's; reading the events waits for the step's device work
     if (profiling)
       report = prof::end_step(st.step, dt, {{"data", t_data}, {"forward", t_fwd}, {"backward", t_bwd},
-                                           {"comm", t_comm}, {"optimizer", t_opt}});
+                                           {"comm", t_comm}, {"optimizer", t_opt}},
+                             profile_top > 0 ? size_t(profile_top) : SIZE_MAX);
     Timers& tm = Timers::get();
     tm.add("train: data", t_data), tm.add("train: forward", t_fwd), tm.add("train: backward", t_bwd);
     tm.add("train: comm", t_comm), tm.add("train: optimizer", t_opt);

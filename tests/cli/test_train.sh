@@ -321,9 +321,10 @@ for on in true false; do
 done
 
 # run.profile (issue 30): step 2's table in the log and its "profile" object in metrics.jsonl (step 1: none); the
-# phases add up to the step, the ops that ran are rows (a ZeRO-3 step on 2 ranks: linear_bwd, MPI gathers).
+# phases add up to the step, the ops that ran are rows (a ZeRO-3 step on 2 ranks: linear_bwd, MPI gathers), all of
+# them with run.profile_top = 0 (no "other" row).
 # np1 ran without it: nothing written. Never a timing.
-train prof 2 train.steps=2 run.profile=true run.profile_step=2; ok_run $? prof
+train prof 2 train.steps=2 run.profile=true run.profile_step=2 run.profile_top=0; ok_run $? prof
 if grep -q "profile of step 2 (rank 0, CPU op layer" "$tmp/prof.log" && grep -q "host / unaccounted" "$tmp/prof.log" &&
    $py - "$tmp/prof/metrics.jsonl" <<'PY'
 import json, math, sys
@@ -335,6 +336,7 @@ assert p["phases"][-1]["name"] == "host / unaccounted"
 ops = {o["name"]: o for o in p["ops"]}
 assert ops["linear_bwd"]["calls"] > 0 and ops["linear_bwd"]["tflops"] > 0, ops.get("linear_bwd")
 assert any(n.startswith("host waits: mpi all_gather") for n in ops), sorted(ops)
+assert len(ops) > 25 and not any(n.startswith("other") for n in ops), sorted(ops)  # more than the default 25
 assert all(math.isfinite(v) for o in p["ops"] for v in (o["ms"], o["pct"])), p["ops"]
 PY
 then pass "profile-table-and-metrics"; else bad "profile-table-and-metrics: $(grep -A3 'profile of' "$tmp/prof.log")"; fi
