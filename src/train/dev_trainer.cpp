@@ -150,8 +150,14 @@ double DevTrainer::grad_norm_sq(bool* finite) {
   const double zero[2] = {0, 0};
   dev::to_device(ex_, norm_, zero, sizeof zero);
   auto* bad = reinterpret_cast<int32_t*>(norm_ + 1);
-  for (const DevZero::Run& r : zero_->runs())
-    dev::sum_squares(ex_, zero_->grads() + r.grad, r.n, DType::F32, norm_, bad);
+  // The runs' gradients, runs adjacent in the gradient buffer summed as one span (runs split where AdamW's weight
+  // decay or placement changes, which the norm does not care about): fewer, longer passes.
+  const std::vector<DevZero::Run>& runs = zero_->runs();
+  for (size_t i = 0, j; i < runs.size(); i = j) {
+    int64_t n = runs[i].n;
+    for (j = i + 1; j < runs.size() && runs[j].grad == runs[i].grad + n; ++j) n += runs[j].n;
+    dev::sum_squares(ex_, zero_->grads() + runs[i].grad, n, DType::F32, norm_, bad);
+  }
   double got[2];
   dev::to_host(ex_, got, norm_, sizeof got);
   int32_t nonfinite;

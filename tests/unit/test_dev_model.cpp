@@ -54,20 +54,22 @@ void fresh_case(Device d, double tol) {
   load_hf_weights(host, dir + "/model");
   const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
   dev::Exec ex = dev::make_exec(d);
-  DevModel m(cfg, ex, DType::F32);
-  m.reserve(budget_for(batch, cfg.vision.patch_dim()));
-  m.set_params(host.params());
-  const int64_t n = m.table().total();
   std::vector<float> g[3];
-  for (int pass = 0; pass < 3; ++pass) {
-    if (pass == 1) {  // poisoned, then a new step
-      dev::fill(ex, m.grads(), DType::F32, n, std::numeric_limits<float>::quiet_NaN());
-      m.zero_grads();
+  {  // the model (its device buffers) goes before the exec that owns their stream
+    DevModel m(cfg, ex, DType::F32);
+    m.reserve(budget_for(batch, cfg.vision.patch_dim()));
+    m.set_params(host.params());
+    const int64_t n = m.table().total();
+    for (int pass = 0; pass < 3; ++pass) {
+      if (pass == 1) {  // poisoned, then a new step
+        dev::fill(ex, m.grads(), DType::F32, n, std::numeric_limits<float>::quiet_NaN());
+        m.zero_grads();
+      }
+      m.forward(batch, true, nullptr, nullptr, true);
+      m.backward();
+      g[pass].resize(size_t(n));
+      m.grads_to_host(g[pass].data());
     }
-    m.forward(batch, true, nullptr, nullptr, true);
-    m.backward();
-    g[pass].resize(size_t(n));
-    m.grads_to_host(g[pass].data());
   }
   dev::destroy_exec(ex);
   EXPECT_LE(test::rel_max_diff(g[1], g[0]), tol) << "a fresh gradient was not written whole";
