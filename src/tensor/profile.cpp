@@ -68,7 +68,7 @@ std::string row_name(const Rec& r) {
 struct Agg {
   Kind kind = Kind::Op;
   int64_t calls = 0;
-  double ms = 0, flops = 0, bytes = 0;
+  double ms = 0, flops = 0, bytes = 0, idle = 0;
 };
 
 // The rows by time: the first `top`, then the rest summed as "other (N rows)".
@@ -80,6 +80,7 @@ std::vector<Row> rows_of(const std::map<std::string, Agg>& by, double step_ms, s
   for (size_t i = 0; i < v.size() && i < top; ++i) {
     const Agg& a = v[i].second;
     Row r{v[i].first, kind_name(a.kind), a.calls, a.ms, pct(a.ms)};
+    r.idle = a.idle;
     const double s = a.ms * 1e-3;
     if (s > 0 && a.flops > 0) r.tflops = a.flops / s / 1e12;
     else if (s > 0 && a.bytes > 0) r.gbps = a.bytes / s / 1e9;
@@ -88,7 +89,8 @@ std::vector<Row> rows_of(const std::map<std::string, Agg>& by, double step_ms, s
   if (v.size() > top) {
     const size_t n = v.size() - top;
     Row o{"other (" + std::to_string(n) + (n == 1 ? " row)" : " rows)"), ""};
-    for (size_t i = top; i < v.size(); ++i) o.calls += v[i].second.calls, o.ms += v[i].second.ms;
+    for (size_t i = top; i < v.size(); ++i)
+      o.calls += v[i].second.calls, o.ms += v[i].second.ms, o.idle += v[i].second.idle;
     o.pct = pct(o.ms);
     out.push_back(o);
   }
@@ -168,10 +170,20 @@ Report end_step(int64_t step, double step_s, const std::vector<std::pair<std::st
   rep.phases.push_back({"host / unaccounted", rep.step_ms - acc});
   for (PhaseTime& p : rep.phases) p.pct = pct(p.ms);
   std::map<std::string, Agg> by;
+  const Rec* prev = nullptr;  // the last region on the compute stream (CPU: the op layer)
   for (Rec& r : s.recs) {
     if (r.ev >= 0) r.ms = dev::event_elapsed_ms(r.x, s.pool[size_t(r.ev)], s.pool[size_t(r.ev) + 1]);
     Agg& a = by[row_name(r)];
     a.kind = r.kind, ++a.calls, a.ms += r.ms, a.flops += r.cost.flops, a.bytes += r.cost.bytes;
+    // The gap since the compute stream's previous op or copy ended (CUDA: between their events; CPU: the clock):
+    // the stream waiting for the host. Host waits are timed by the host's clock and take no part.
+    if (!r.side && (r.kind == Kind::Op || r.kind == Kind::Copy)) {
+      if (prev && r.ev >= 0 && prev->ev >= 0)
+        a.idle += std::max(0.f, dev::event_elapsed_ms(r.x, s.pool[size_t(prev->ev) + 1], s.pool[size_t(r.ev)]));
+      else if (prev && r.ev < 0 && prev->ev < 0)
+        a.idle += std::max(0.0, r.t0 - (prev->t0 + prev->ms));
+      prev = &r;
+    }
     if (!r.side && (r.kind == Kind::Op || r.kind == Kind::Copy)) rep.busy_ms += r.ms;
     // Exposed: the host waiting for a collective, the compute stream waiting for the communication stream, or a
     // collective on the compute stream itself (expert parallelism's exchange).
@@ -205,8 +217,8 @@ std::vector<std::string> Report::table() const {
   }
   std::snprintf(buf, sizeof buf, "  %-44s %11.3f %7.1f", "total (the step)", sum, sum_pct);
   t.push_back(buf);
-  std::snprintf(buf, sizeof buf, "  %-44s %-6s %7s %11s %7s %9s %9s", "op", "kind", "calls", "ms", "% step",
-                "TFLOP/s", "GB/s");
+  std::snprintf(buf, sizeof buf, "  %-44s %-6s %7s %11s %7s %9s %9s %9s", "op", "kind", "calls", "ms", "% step",
+                "TFLOP/s", "GB/s", "idle ms");
   t.push_back(buf);
   auto rate = [](double v) {
     char b[24];
@@ -215,8 +227,8 @@ std::vector<std::string> Report::table() const {
     return std::string(b);
   };
   for (const Row& r : rows) {
-    std::snprintf(buf, sizeof buf, "  %-44.44s %-6s %7lld %11.3f %7.1f %s %s", r.name.c_str(), r.kind.c_str(),
-                  (long long)r.calls, r.ms, r.pct, rate(r.tflops).c_str(), rate(r.gbps).c_str());
+    std::snprintf(buf, sizeof buf, "  %-44.44s %-6s %7lld %11.3f %7.1f %s %s %9.3f", r.name.c_str(), r.kind.c_str(),
+                  (long long)r.calls, r.ms, r.pct, rate(r.tflops).c_str(), rate(r.gbps).c_str(), r.idle);
     t.push_back(buf);
   }
   std::snprintf(buf, sizeof buf,
@@ -233,7 +245,7 @@ nlohmann::json Report::json() const {
   json ph = json::array(), ops = json::array();
   for (const PhaseTime& p : phases) ph.push_back({{"name", p.name}, {"ms", p.ms}, {"pct", p.pct}});
   for (const Row& r : rows) {
-    json o = {{"name", r.name}, {"kind", r.kind}, {"calls", r.calls}, {"ms", r.ms}, {"pct", r.pct}};
+    json o = {{"name", r.name}, {"kind", r.kind}, {"calls", r.calls}, {"ms", r.ms}, {"pct", r.pct}, {"idle_ms", r.idle}};
     if (r.tflops > 0) o["tflops"] = r.tflops;
     if (r.gbps > 0) o["gbps"] = r.gbps;
     ops.push_back(o);

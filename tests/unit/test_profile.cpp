@@ -6,6 +6,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
+#include <chrono>
 
 #include "../gpu.hpp"
 #include "q3vl/core/log.hpp"
@@ -80,7 +82,8 @@ void check_counts(Device d) {
   EXPECT_NEAR(ms, r.step_ms, 1e-6 * r.step_ms + 1e-9);
   int64_t regions = 0;
   for (const prof::Row& row : r.rows) {
-    for (double v : {row.ms, row.pct, row.tflops, row.gbps}) EXPECT_TRUE(std::isfinite(v) && v >= 0) << row.name;
+    for (double v : {row.ms, row.pct, row.tflops, row.gbps, row.idle})
+      EXPECT_TRUE(std::isfinite(v) && v >= 0) << row.name;
     EXPECT_GT(row.calls, 0) << row.name;
     regions += row.calls;
   }
@@ -138,4 +141,23 @@ TEST(Profile, RecordsOnlyInsideAStepAndFoldsTheRest) {
   EXPECT_EQ(r.rows.back().name, "other (1 row)");
   EXPECT_EQ(r.rows.back().calls, 1);
   EXPECT_GT(r.rows[0].gbps + r.rows[1].gbps, 0) << "memory-bound ops have a byte count";
+}
+
+// A row's idle time is the op layer's wait for the host just before its calls: the first op has none, an op issued
+// after the host slept at least the sleep; every row's idle is finite and within the step.
+TEST(Profile, IdleIsTheWaitBeforeARow) {
+  dev::Exec cpu{};
+  std::vector<float> a(64, 1.f), b(64, 2.f);
+  prof::begin_step(cpu);
+  const double t0 = wall_seconds();
+  dev::axpy(cpu, 1.f, a.data(), b.data(), 64, DType::F32);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  dev::scale(cpu, b.data(), 64, 0.5f, DType::F32);
+  const prof::Report r = prof::end_step(1, wall_seconds() - t0, {});
+  std::map<std::string, double> idle;
+  for (const prof::Row& row : r.rows) idle[row.name] = row.idle;
+  EXPECT_EQ(idle.at("axpy"), 0.0);
+  EXPECT_GE(idle.at("scale"), 20.0);
+  EXPECT_LE(idle.at("scale"), r.step_ms);
+  EXPECT_DOUBLE_EQ(r.json().at("ops")[0].at("idle_ms").get<double>(), r.rows[0].idle);
 }

@@ -55,11 +55,14 @@ class Scope {
 const char* intern(const std::string& name);
 
 // One line of the table: an op (or collective, or wait) by name, with " [other stream]" when it ran on a stream other
-// than the compute stream. tflops / gbps are 0 where the op has no FLOP or byte count.
+// than the compute stream. tflops / gbps are 0 where the op has no FLOP or byte count. idle: how long the compute
+// stream (CPU: the op layer) sat idle just before this row's calls, after the region before them ended: the host
+// late to enqueue them (launch work, host-side bookkeeping, a sync just before), where ms is the device's own time
+// plus whatever lateness fell inside the region.
 struct Row {
   std::string name, kind;
   int64_t calls = 0;
-  double ms = 0, pct = 0, tflops = 0, gbps = 0;
+  double ms = 0, pct = 0, tflops = 0, gbps = 0, idle = 0;
 };
 struct PhaseTime {
   std::string name;
