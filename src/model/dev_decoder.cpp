@@ -278,14 +278,10 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   dev_lora_bwd(ex, P, f + tlay::o_proj, dx, H, c.att, N, s.datt, dt);
   dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
                      nkv, hd, true, float(1 / std::sqrt(double(hd))), false, dt);
-  dev::rope_bwd(ex, s.dq, cos, sin, N, nh, hd, dt);
-  dev::rope_bwd(ex, s.dk, cos, sin, N, nkv, hd, dt);
   dev_grad_zeroed(ex, P, f + tlay::q_norm);
   dev_grad_zeroed(ex, P, f + tlay::k_norm);
-  dev::rmsnorm_bwd(ex, s.dq, c.qraw, P.p[f + tlay::q_norm], c.rq, s.dqr, P.g[f + tlay::q_norm], N * nh, hd, false,
-                   dt);
-  dev::rmsnorm_bwd(ex, s.dk, c.kraw, P.p[f + tlay::k_norm], c.rk, s.dkr, P.g[f + tlay::k_norm], N * nkv, hd, false,
-                   dt);
+  dev::qk_norm_rope_bwd(ex, s.dq, s.dk, c.qraw, c.kraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.rq, c.rk, cos,
+                        sin, s.dqr, s.dkr, P.g[f + tlay::q_norm], P.g[f + tlay::k_norm], N, nh, nkv, hd, false, dt);
   dev::linear_bwd(ex, s.dqr, c.ln1, P.p[f + tlay::q_proj], s.dln, P.g[f + tlay::q_proj], nullptr, N, H, Dq, false,
                   dev_grad_adds(ex, P, {f + tlay::q_proj}), dt);
   dev::linear_bwd(ex, s.dkr, c.ln1, P.p[f + tlay::k_proj], s.dln, P.g[f + tlay::k_proj], nullptr, N, H, Dk, true,

@@ -363,6 +363,18 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
   rope_fwd(x, q, cos, sin, N, nh, hd, dt);
   rope_fwd(x, k, cos, sin, N, nkv, hd, dt);
 }
+void qk_norm_rope_bwd(const Exec& x, void* dq, void* dk, const void* qraw, const void* kraw, const void* wq,
+                      const void* wk, const float* rq, const float* rk, const float* cos, const float* sin, void* dqr,
+                      void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                      bool accumulate, DType dt) {
+  DEV_OP(x, prof::mem((3 + (accumulate ? 1 : 0)) * B(N * (nh + nkv) * hd, dt)),
+         qk_norm_rope_bwd(x, dq, dk, qraw, kraw, wq, wk, rq, rk, cos, sin, dqr, dkr, dwq, dwk, N, nh, nkv, hd,
+                          accumulate, dt));
+  rope_bwd(x, dq, cos, sin, N, nh, hd, dt);
+  rope_bwd(x, dk, cos, sin, N, nkv, hd, dt);
+  rmsnorm_bwd(x, dq, qraw, wq, rq, dqr, dwq, N * nh, hd, accumulate, dt);
+  rmsnorm_bwd(x, dk, kraw, wk, rk, dkr, dwk, N * nkv, hd, accumulate, dt);
+}
 void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void* wk, void* q, void* k_pool,
                       void* v_pool, const int32_t* slots, const float* cos, const float* sin, int64_t N, int64_t nh,
                       int64_t nkv, int64_t hd, double eps, DType dt) {

@@ -722,6 +722,37 @@ std::vector<Case> all_cases(DType dt) {
                                 P<float>(p, 9), N, nh, nkv, hd, 1e-6, t);
         });
   };
+  // qk_norm_rope_bwd: the text model's heads (16 query, 8 kv) at head dims 128 and 64 over N tokens. 1 and 7: each
+  // kind's column sums one block's, added to dw itself; 9: q's two chunks, k's one; 23, 600: several chunks each
+  // (k_chunk_sum). "ws0": no workspace (one chunk each however many rows); "dw=null": frozen norms. 72 and 20 (4/2
+  // heads): shapes the kernel does not take (rope_bwd and rmsnorm_bwd). kReduce: the kernel keeps the rotated
+  // gradient in fp32, as the fp32 reference does, so only the summation order and the outputs' rounding differ; the
+  // two-op path rounds it to dt, about one 16-bit ulp of each input of rmsnorm_bwd, well within kReduce too.
+  const auto add_qk_norm_rope_bwd = [&](int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool acc,
+                                        const std::string& what, bool weights = true, bool ws = true) {
+    const Rotary r = rotary(N, hd);
+    const int64_t nq = N * nh * hd, nk = N * nkv * hd;
+    add("qk_norm_rope_bwd", dims({N, nh, nkv, hd}) + what + mode(acc), kReduce,
+        {in("dq", K::Act, randn(nq)), in("dk", K::Act, randn(nk)), in("qraw", K::Act, randn(nq)),
+         in("kraw", K::Act, randn(nk)), in("wq", K::Act, randu(hd, 0.5, 1.5)), in("wk", K::Act, randu(hd, 0.5, 1.5)),
+         in("rq", K::F32, randu(N * nh, 0.5, 2)), in("rk", K::F32, randu(N * nkv, 0.5, 2)), in("cos", K::F32, r.cos),
+         in("sin", K::F32, r.sin), out("dqr", K::Act, randn(nq)), out("dkr", K::Act, randn(nk)),
+         out("dwq", K::F32, randn(hd)), out("dwk", K::F32, randn(hd))},
+        [=](auto& x, auto& p, DType t) {
+          dev::Exec xs = x;
+          if (!ws) xs.ws_bytes = 0;
+          dev::qk_norm_rope_bwd(xs, p[0], p[1], p[2], p[3], p[4], p[5], P<float>(p, 6), P<float>(p, 7),
+                                P<float>(p, 8), P<float>(p, 9), p[10], p[11], weights ? P<float>(p, 12) : nullptr,
+                                weights ? P<float>(p, 13) : nullptr, N, nh, nkv, hd, acc, t);
+        });
+  };
+  for (bool acc : {false, true}) {
+    for (int64_t hd : {128, 64})
+      for (int64_t N : {1, 7, 9, 23, 600}) add_qk_norm_rope_bwd(N, 16, 8, hd, acc, "");
+    for (int64_t hd : {72, 20}) add_qk_norm_rope_bwd(23, 4, 2, hd, acc, " two ops");
+  }
+  add_qk_norm_rope_bwd(600, 16, 8, 128, false, " ws0", true, false);
+  add_qk_norm_rope_bwd(600, 16, 8, 128, false, " dw=null", false);
   // QK-norm rows past those below: the text model's heads over more tokens, and head dims whose halves take 8-byte
   // vectors (20, fp32) or none (6: the warp-a-row kernel).
   for (auto [N, nh, nkv, hd] : {std::array<int64_t, 4>{600, 16, 8, 128}, {23, 4, 2, 20}, {23, 4, 2, 6}})
@@ -1263,6 +1294,43 @@ TEST(BackendOps, RouteInputsAreExact) {
       EXPECT_FLOAT_EQ(w[j], 1.f / float(k));
     }
   }
+}
+// The fused QK-norm and rotary backward's reference is rope_bwd on dq and dk, then rmsnorm_bwd over their head rows,
+// bit for bit: dqr/dkr written or accumulated, dwq/dwk accumulated, dq/dk left rotated as the two ops leave them.
+TEST(BackendOps, QkNormRopeBwdIsRopeThenRmsnorm) {
+  const dev::Exec cpu{};
+  auto rf = [](int64_t n, double lo = 0, double hi = 0) {
+    auto d = hi > lo ? randu(n, lo, hi) : randn(n);
+    return std::vector<float>(d.begin(), d.end());
+  };
+  const int64_t nh = 16, nkv = 8;
+  for (int64_t hd : {128, 64, 72})
+    for (int64_t N : {1, 9, 23})
+      for (bool acc : {false, true}) {
+        const int64_t nq = N * nh * hd, nk = N * nkv * hd;
+        const Rotary r = rotary(N, hd);
+        const std::vector<float> cos(r.cos.begin(), r.cos.end()), sin(r.sin.begin(), r.sin.end());
+        const std::vector<float> qraw = rf(nq), kraw = rf(nk), wq = rf(hd, 0.5, 1.5), wk = rf(hd, 0.5, 1.5),
+                                 rq = rf(N * nh, 0.5, 2), rk = rf(N * nkv, 0.5, 2);
+        std::vector<float> dq = rf(nq), dk = rf(nk), dqr = rf(nq), dkr = rf(nk), dwq = rf(hd), dwk = rf(hd);
+        std::vector<float> gq = dq, gk = dk, gqr = dqr, gkr = dkr, gwq = dwq, gwk = dwk;
+        dev::rope_bwd(cpu, dq.data(), cos.data(), sin.data(), N, nh, hd, DType::F32);
+        dev::rope_bwd(cpu, dk.data(), cos.data(), sin.data(), N, nkv, hd, DType::F32);
+        dev::rmsnorm_bwd(cpu, dq.data(), qraw.data(), wq.data(), rq.data(), dqr.data(), dwq.data(), N * nh, hd, acc,
+                         DType::F32);
+        dev::rmsnorm_bwd(cpu, dk.data(), kraw.data(), wk.data(), rk.data(), dkr.data(), dwk.data(), N * nkv, hd, acc,
+                         DType::F32);
+        dev::qk_norm_rope_bwd(cpu, gq.data(), gk.data(), qraw.data(), kraw.data(), wq.data(), wk.data(), rq.data(),
+                              rk.data(), cos.data(), sin.data(), gqr.data(), gkr.data(), gwq.data(), gwk.data(), N, nh,
+                              nkv, hd, acc, DType::F32);
+        const std::string d = dims({N, nh, nkv, hd}) + mode(acc);
+        EXPECT_EQ(gqr, dqr) << d;
+        EXPECT_EQ(gkr, dkr) << d;
+        EXPECT_EQ(gwq, dwq) << d;
+        EXPECT_EQ(gwk, dwk) << d;
+        EXPECT_EQ(gq, dq) << d;
+        EXPECT_EQ(gk, dk) << d;
+      }
 }
 TEST(BackendOps, GroupedInt8IsDequantizedGrouped) { grouped_q8_is_dequantized_grouped(QFormat::Int8); }
 TEST(BackendOps, GroupedFp8IsDequantizedGrouped) { grouped_q8_is_dequantized_grouped(QFormat::Fp8); }

@@ -94,12 +94,12 @@ __device__ __forceinline__ void group_sum(float (&v)[K], int T, GroupRed<K>& red
   }
 }
 
-// out (+)= the sums over a block's row groups, in group order, of each group's per-column values v (slot k of thread
-// t: columns c0 + (k T + t) V + [0, V)): written as row blockIdx.x of the chunk partials [chunks, D], or (direct)
-// added to out[D]. buf: kThreads * NV * V floats of shared memory (the groups' rows of T * NV * V columns).
+// row[c0 + c] (+)= the sum over a block's row groups, in group order, of each group's per-column values v (slot k of
+// thread t: column c = (k T + t) V + [0, V)), for the columns below D: written (a chunk's partial row) or (add) added
+// (the gradient itself). buf: kThreads * NV * V floats of shared memory (the groups' rows of T * NV * V columns).
 template <int NV, int V>
-__device__ void block_colsum(const float (&v)[NV][V], float* buf, float* out, int64_t D, int64_t c0, int T,
-                             bool direct) {
+__device__ void block_colsum(const float (&v)[NV][V], float* buf, float* row, int64_t D, int64_t c0, int T,
+                             bool add) {
   const int lt = __ffs(T) - 1, R = kThreads >> lt, g = threadIdx.x >> lt, t = threadIdx.x & (T - 1);
   const int span = T * NV * V;
   __syncthreads();  // buf's readers of a previous call are done
@@ -122,8 +122,8 @@ __device__ void block_colsum(const float (&v)[NV][V], float* buf, float* out, in
     float s = 0.f;
 #pragma unroll 8
     for (int q = 0; q < R; ++q) s += buf[q * span + c];
-    if (direct) out[c0 + c] += s;
-    else out[blockIdx.x * D + c0 + c] = s;
+    if (add) row[c0 + c] += s;
+    else row[c0 + c] = s;
   }
 }
 
@@ -544,18 +544,20 @@ __global__ void __launch_bounds__(kThreads, 2)
       stv<S, V>(dx, at + k * T * V, o);
     }
   }
-  if (pw) block_colsum<NV, V>(sw, buf, pw, D, c0, T, direct);
-  if (LN && pb) block_colsum<NV, V>(sb, buf, pb, D, c0, T, direct);
+  const int64_t part = direct ? 0 : blockIdx.x * D;  // the chunk's partial row
+  if (pw) block_colsum<NV, V>(sw, buf, pw + part, D, c0, T, direct);
+  if (LN && pb) block_colsum<NV, V>(sb, buf, pb + part, D, c0, T, direct);
 }
 
-// dst[col] += the sum over chunks of part[chunk * D + col], for (part, dst) = (part0, dst0) at blockIdx.y 0 and
-// (part1, dst1) at 1 (dw and LayerNorm's db in one launch): 32 columns a block, each summed by 32 lanes over every
-// 32nd chunk, then over the lanes, in a fixed order.
+// dst[col] += the sum over chunks of part[chunk * D + col], for (part, dst, chunks) = (part0, dst0, chunks0) at
+// blockIdx.y 0 and (part1, dst1, chunks1) at 1 (two gradients in one launch: LayerNorm's dw and db, QK-norm's dwq and
+// dwk): 32 columns a block, each summed by 32 lanes over every 32nd chunk, then over the lanes, in a fixed order.
 __global__ void __launch_bounds__(1024) k_chunk_sum(const float* part0, float* dst0, const float* part1, float* dst1,
-                                                    int64_t chunks, int64_t D) {
+                                                    int64_t chunks0, int64_t chunks1, int64_t D) {
   __shared__ float sh[32][33];
   const float* __restrict__ part = blockIdx.y ? part1 : part0;
   float* dst = blockIdx.y ? dst1 : dst0;
+  const int64_t chunks = blockIdx.y ? chunks1 : chunks0;
   const int64_t col = blockIdx.x * 32 + threadIdx.x;
   float a = 0.f;
   if (col < D)
@@ -659,9 +661,134 @@ void norm_bwd(const Exec& x, const void* dy, const void* in, const void* w, cons
     const float* q0 = dw ? p0 : p1;
     float* d0 = dw ? dw : db;
     k_chunk_sum<<<dim3(unsigned((D + 31) / 32), unsigned(nout)), dim3(32, 32), 0, stream_of(x)>>>(q0, d0, p1, db,
-                                                                                                   chunks, D);
+                                                                                                   chunks, chunks, D);
     Q3VL_LAUNCHED();
   });
+}
+
+// ---- QK-norm and rotary backward --------------------------------------------------------------------------------
+// qk_norm_rope_bwd, T lanes a head row as k_qk_norm_rope_vec (T V = hd / 2 here, T <= 32: R = 256 / T rows a block at
+// a time), lane t holding the pairs (d, d + hd/2), d = t V + [0, V): its columns are the same in every row, so its
+// dw sums stay in registers across the rows, as block_colsum's two slots (slot 1: columns hd/2 + t V). Block b takes
+// the rows [b rows_per, (b + 1) rows_per) of q (b < cq) or of k (b - cq). A row: g = rope_bwd(dy) in fp32 (not
+// rounded to S), dx (+)= g w r - x sum(g w x) r^3 / hd (the row's sum over its lanes by shuffles), the lane's column
+// sums += g x r. At the end block_colsum writes them as the block's partial row b of pw [cq + ck, hd] (q's, then
+// k's), or, for a kind of one chunk, adds them to its dw.
+template <class S, int V>
+__global__ void __launch_bounds__(kThreads, 3)
+    k_qk_norm_rope_bwd(const S* __restrict__ dq, const S* __restrict__ dk, const S* __restrict__ qraw,
+                       const S* __restrict__ kraw, const S* __restrict__ wq, const S* __restrict__ wk,
+                       const float* __restrict__ rq, const float* __restrict__ rk, const float* __restrict__ cos,
+                       const float* __restrict__ sin, S* __restrict__ dqr, S* __restrict__ dkr, float* dwq,
+                       float* dwk, float* pw, int64_t N, int nh, int nkv, int hd, int T, int64_t rows_per,
+                       int64_t cq, int64_t ck, bool acc) {
+  __shared__ alignas(16) float buf[kThreads * 2 * V];
+  pdl_enter();  // launched by launch_pdl
+  const int lt = __ffs(T) - 1, half = hd / 2, g = threadIdx.x >> lt, d = (threadIdx.x & (T - 1)) * V;
+  const bool isk = blockIdx.x >= cq;  // uniform
+  const int heads = isk ? nkv : nh;
+  const S *dy = isk ? dk : dq, *x = isk ? kraw : qraw, *w = isk ? wk : wq;
+  const float* rstd = isk ? rk : rq;
+  S* dx = isk ? dkr : dqr;
+  const int64_t r0 = (isk ? blockIdx.x - cq : blockIdx.x) * rows_per, r1 = min(N * heads, r0 + rows_per);
+  float sw[2][V] = {};  // this lane's column sums of g x r: columns d + [0, V), half + d + [0, V)
+  for (int64_t i0 = r0; i0 < r1; i0 += kThreads >> lt) {  // uniform: a row's lanes shuffle
+    const int64_t i = i0 + g, at = i * hd + d, cs = i / heads * half + d;  // cs: the token's cos/sin
+    const bool live = i < r1;
+    Pack<S, V> ya{}, yb{}, xa{}, xb{}, wa{}, wb{};
+    float c[V] = {}, s[V] = {}, oa[V], ob[V];
+    if (live) {  // w too, from L1: its floats held across rows spilled (k_norm_bwd's experience too)
+      ya = ldp<S, V>(dy, at), yb = ldp<S, V>(dy, at + half), xa = ldp<S, V>(x, at), xb = ldp<S, V>(x, at + half);
+      wa = ldp<S, V>(w, d), wb = ldp<S, V>(w, d + half);
+      ldv<float, V>(cos, cs, c);
+      ldv<float, V>(sin, cs, s);
+    }
+    const float r = live ? rstd[i] : 0.f;
+    float ga[V], gb[V], sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float a = fv(ya, j), b = fv(yb, j);
+      ga[j] = a * c[j] + b * s[j];  // the rotation by minus the angle (rope_bwd)
+      gb[j] = b * c[j] - a * s[j];
+      sum += ga[j] * fv(wa, j) * fv(xa, j) + gb[j] * fv(wb, j) * fv(xb, j);
+      sw[0][j] += ga[j] * fv(xa, j) * r;
+      sw[1][j] += gb[j] * fv(xb, j) * r;
+    }
+    for (int m = T / 2; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+    const float cc = sum * (r * r * r / float(hd));
+    if (!live) continue;
+    priorv<S, V>(dx, at, acc, oa);  // here, not with the other loads: fewer registers live across the shuffles
+    priorv<S, V>(dx, at + half, acc, ob);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      oa[j] += ga[j] * fv(wa, j) * r - fv(xa, j) * cc;
+      ob[j] += gb[j] * fv(wb, j) * r - fv(xb, j) * cc;
+    }
+    stv<S, V>(dx, at, oa);
+    stv<S, V>(dx, at + half, ob);
+  }
+  float* dw = isk ? dwk : dwq;
+  if (!dw) return;  // uniform
+  const bool direct = (isk ? ck : cq) == 1;
+  block_colsum<2, V>(sw, buf, direct ? dw : pw + int64_t(blockIdx.x) * hd, hd, 0, T, direct);
+}
+
+// qk_norm_rope_bwd on k_qk_norm_rope_bwd at the widest of 16- and 8-byte vectors V with hd / 2 = T V for a power of
+// two T <= 32 and every pointer aligned to V elements (cos/sin to 16 bytes); false: not taken (nothing launched).
+// Chunks: rows_per = max(the norms' least rows a chunk, 4 R or chunk_rows_floor(), and a 1024th of all q and k rows;
+// 1024 blocks: about 2.6 waves of 256-thread blocks at 3 an SM, the launch bound, on 132 SMs), doubled until the partial rows fit x.ws (a
+// kind of one chunk, or frozen, needs none). A partial row is hd floats, so 1024 of them are 512 KiB, about 1/500 of
+// the dy and x they sum at the 2B's 16384 tokens in bf16. The sums' order depends only on N, nh, nkv, hd, the vector
+// width and ws_bytes (and a set Q3VL_NORM_CHUNK_ROWS).
+template <class S>
+bool qk_rope_bwd(const Exec& x, const void* dq, const void* dk, const void* qraw, const void* kraw, const void* wq,
+                 const void* wk, const float* rq, const float* rk, const float* cos, const float* sin, void* dqr,
+                 void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool acc) {
+  const int64_t half = hd / 2;
+  const auto fits = [&](int V) {
+    const uintptr_t m = uintptr_t(V) * sizeof(S) - 1;
+    for (const void* p : {dq, dk, qraw, kraw, wq, wk, static_cast<const void*>(dqr), static_cast<const void*>(dkr)})
+      if (reinterpret_cast<uintptr_t>(p) & m) return false;
+    const int64_t T = half / V;
+    return half % V == 0 && T <= 32 && (T & (T - 1)) == 0 && aligned16(cos) && aligned16(sin);
+  };
+  constexpr int VW = 16 / sizeof(S);
+  const int V = fits(VW) ? VW : fits(VW / 2) ? VW / 2 : 0;
+  if (V == 0) return false;
+  const int T = int(half / V);
+  const int64_t nq = N * nh, nk = N * nkv;
+  int64_t rows_per = std::max({4 * int64_t(kThreads / T), chunk_rows_floor(), (nq + nk + 1023) / 1024});
+  int64_t cq, ck;
+  for (;; rows_per *= 2) {
+    cq = (nq + rows_per - 1) / rows_per, ck = (nk + rows_per - 1) / rows_per;
+    const bool parts = (dwq && cq > 1) || (dwk && ck > 1);
+    if (!parts || size_t((cq + ck) * hd) * sizeof(float) <= x.ws_bytes) break;
+  }
+  float* pw = static_cast<float*>(x.ws);
+  const auto go = [&]<int VV>() {
+    launch_pdl(k_qk_norm_rope_bwd<S, VV>, dim3(unsigned(cq + ck)), kThreads, 0, stream_of(x),
+               static_cast<const S*>(dq), static_cast<const S*>(dk), static_cast<const S*>(qraw),
+               static_cast<const S*>(kraw), static_cast<const S*>(wq), static_cast<const S*>(wk), rq, rk, cos, sin,
+               static_cast<S*>(dqr), static_cast<S*>(dkr), dwq, dwk, pw, N, int(nh), int(nkv), int(hd), T, rows_per,
+               cq, ck, acc);
+  };
+  if (V == VW) go.template operator()<VW>();
+  else go.template operator()<VW / 2>();
+  // The partials of each kind of several chunks, in one launch.
+  struct Sum {
+    const float* part;
+    float* dw;
+    int64_t chunks;
+  } sums[2];
+  int n = 0;
+  if (dwq && cq > 1) sums[n++] = {pw, dwq, cq};
+  if (dwk && ck > 1) sums[n++] = {pw + cq * hd, dwk, ck};
+  if (n == 0) return true;
+  const Sum &a = sums[0], &b = sums[n - 1];
+  k_chunk_sum<<<dim3(unsigned((hd + 31) / 32), unsigned(n)), dim3(32, 32), 0, stream_of(x)>>>(
+      a.part, a.dw, b.part, b.dw, a.chunks, b.chunks, hd);
+  Q3VL_LAUNCHED();
+  return true;
 }
 
 }  // namespace
@@ -753,6 +880,26 @@ void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void
     qk_rope<S>(x, in, in + nh * hd, in + (nh + nkv) * hd, ld, ld, wq, wk, q, k_pool, v_pool, slots, nullptr, nullptr,
                cos, sin, N, nh, nkv, hd, eps);
   });
+}
+
+void qk_norm_rope_bwd(const Exec& x, void* dq, void* dk, const void* qraw, const void* kraw, const void* wq,
+                      const void* wk, const float* rq, const float* rk, const float* cos, const float* sin, void* dqr,
+                      void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                      bool accumulate, DType dt) {
+  if (N <= 0) return;
+  Q3VL_CHECK(hd % 2 == 0 && dqr && dkr, "qk_norm_rope_bwd: head dim must be even, dqr and dkr given");
+  bool done = false;
+  by_dtype(dt, [&]<class S>() {
+    done = qk_rope_bwd<S>(x, dq, dk, qraw, kraw, wq, wk, rq, rk, cos, sin, dqr, dkr, dwq, dwk, N, nh, nkv, hd,
+                          accumulate);
+  });
+  if (done) return;
+  // The shapes the kernel does not take: the two ops, rotating dq and dk in place (cuda::: the launchers, which ADL
+  // on Exec would confuse with the public ops).
+  cuda::rope_bwd(x, dq, cos, sin, N, nh, hd, dt);
+  cuda::rope_bwd(x, dk, cos, sin, N, nkv, hd, dt);
+  cuda::rmsnorm_bwd(x, dq, qraw, wq, rq, dqr, dwq, N * nh, hd, accumulate, dt);
+  cuda::rmsnorm_bwd(x, dk, kraw, wk, rk, dkr, dwk, N * nkv, hd, accumulate, dt);
 }
 
 void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
