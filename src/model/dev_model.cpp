@@ -220,9 +220,8 @@ DevParams DevModel::dparams() const {
 DevLora& DevModel::lora() { return impl_->lora; }
 
 void DevModel::bind_unit(int u, const void* params, float* grads, bool fresh) {
-  const std::vector<int>& ids = table_.units()[size_t(u)].params;
-  settle_ids(ids);  // what the unit's gradients held last is complete before its buffers change hands
-  for (int id : ids) {
+  for (int id : table_.units()[size_t(u)].params) {
+    settle(size_t(id));  // what the gradient held last is complete before its buffer changes hands
     const int64_t off = table_.param(id).offset;
     pp_[size_t(id)] = params ? at(params, off, dt_) : nullptr;
     gp_[size_t(id)] = grads && !frozen(id) ? grads + off : nullptr;
@@ -362,14 +361,11 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
 void DevModel::zero_grads() {
   for (size_t id = 0; id < gp_.size(); ++id) fresh_[id] = gp_[id] && grads_;
 }
-void DevModel::settle_ids(const std::vector<int>& ids) {
-  for (int id : ids)
-    if (fresh_[size_t(id)] && gp_[size_t(id)])
-      dev::fill(ex_, gp_[size_t(id)], DType::F32, gsize_[size_t(id)], 0.f), fresh_[size_t(id)] = 0;
+void DevModel::settle(size_t id) {
+  if (fresh_[id] && gp_[id]) dev::fill(ex_, gp_[id], DType::F32, gsize_[id], 0.f), fresh_[id] = 0;
 }
 void DevModel::settle_grads() {
-  for (size_t id = 0; id < gp_.size(); ++id)
-    if (fresh_[id] && gp_[id]) dev::fill(ex_, gp_[id], DType::F32, gsize_[id], 0.f), fresh_[id] = 0;
+  for (size_t id = 0; id < gp_.size(); ++id) settle(id);
 }
 void DevModel::grads_to_host(float* host_all) {
   Q3VL_CHECK(hold_.group == 1 && hold_.full, "DevModel::grads_to_host needs an unpadded model");

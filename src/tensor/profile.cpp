@@ -183,8 +183,8 @@ Report end_step(int64_t step, double step_s, const std::vector<std::pair<std::st
       else if (prev && r.ev < 0 && prev->ev < 0)
         a.idle += std::max(0.0, r.t0 - (prev->t0 + prev->ms));
       prev = &r;
+      rep.busy_ms += r.ms;
     }
-    if (!r.side && (r.kind == Kind::Op || r.kind == Kind::Copy)) rep.busy_ms += r.ms;
     // Exposed: the host waiting for a collective, the compute stream waiting for the communication stream, or a
     // collective on the compute stream itself (expert parallelism's exchange).
     if (r.kind == Kind::CommWait || (!r.side && (r.kind == Kind::StreamWait || r.kind == Kind::Collective)))

@@ -13,13 +13,21 @@
 using namespace q3vl;
 
 namespace {
+// The golden MoE case (images, DeepStack, MoE + aux): its model with the golden weights and its batch.
+struct MoeCase {
+  std::string dir = "tests/data/golden/moe";
+  ModelConfig cfg = load_hf_config(dir + "/model/config.json");
+  Model host{cfg};
+  Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
+  MoeCase() { load_hf_weights(host, dir + "/model"); }
+};
+
 // Loss and every gradient of the golden MoE case (images, DeepStack, MoE + aux) with and without recomputation.
 void recompute_case(Device d, double tol) {
-  const std::string dir = "tests/data/golden/moe";
-  const ModelConfig cfg = load_hf_config(dir + "/model/config.json");
-  Model host(cfg);
-  load_hf_weights(host, dir + "/model");
-  const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
+  MoeCase mc;
+  const ModelConfig& cfg = mc.cfg;
+  Model& host = mc.host;
+  const Batch& batch = mc.batch;
   dev::Exec ex = dev::make_exec(d);
   std::vector<float> g[2];
   double loss[2];
@@ -48,11 +56,10 @@ void recompute_case(Device d, double tol) {
 // gradient the batch reaches and zeroes the rest, so the result is the one over zeroed buffers; a second backward
 // without zero_grads adds (2 g up to rounding: a gradient with several contributions sums them in another order).
 void fresh_case(Device d, double tol) {
-  const std::string dir = "tests/data/golden/moe";
-  const ModelConfig cfg = load_hf_config(dir + "/model/config.json");
-  Model host(cfg);
-  load_hf_weights(host, dir + "/model");
-  const Batch batch = read_batch_h5(dir + "/batch.h5", cfg.vision.patch_dim());
+  MoeCase mc;
+  const ModelConfig& cfg = mc.cfg;
+  Model& host = mc.host;
+  const Batch& batch = mc.batch;
   dev::Exec ex = dev::make_exec(d);
   std::vector<float> g[3];
   {  // the model (its device buffers) goes before the exec that owns their stream

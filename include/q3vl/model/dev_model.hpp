@@ -119,7 +119,7 @@ class DevModel {
   }
   // A new step's gradients: marked fresh, not filled. A fresh gradient holds nothing yet: the first op to produce it
   // writes it (linear_bwd's and grouped_linear_bwd's accumulate_dW = false: no zero-fill and no read of it), the later
-  // ones add (DevParams::fresh, dev_grad_writes). Whatever reads the buffers settles them first.
+  // ones add (DevParams::fresh, dev_grad_adds). Whatever reads the buffers settles them first.
   void zero_grads();
   // Zeroes the gradients still fresh (nothing produced them since zero_grads or a fresh bind): before anything reads
   // the buffers (backward's end, grads(), grads_to_host, unbinding a unit).
@@ -252,11 +252,11 @@ class DevModel {
   float* grads_ = nullptr;
   std::vector<const void*> pp_;
   std::vector<float*> gp_;
-  // [id] 1: its gradient (gsize_[id] elements at gp_[id]) is fresh; nfresh_ how many are. Mutable: DevParams hands
-  // the flags to the layers, which clear them as they write.
+  // [id] 1: its gradient (gsize_[id] elements at gp_[id]) is fresh. Mutable: DevParams hands the flags to the
+  // layers, which clear them as they write.
   mutable std::vector<uint8_t> fresh_;
   std::vector<int64_t> gsize_;
-  void settle_ids(const std::vector<int>& ids);
+  void settle(size_t id);  // gradient id zeroed if still fresh
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<Infer> infer_;
   int64_t count_ = 0;

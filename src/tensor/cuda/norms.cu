@@ -736,8 +736,8 @@ __global__ void __launch_bounds__(kThreads, 3)
 // qk_norm_rope_bwd on k_qk_norm_rope_bwd at the widest of 16- and 8-byte vectors V with hd / 2 = T V for a power of
 // two T <= 32 and every pointer aligned to V elements (cos/sin to 16 bytes); false: not taken (nothing launched).
 // Chunks: rows_per = max(the norms' least rows a chunk, 4 R or chunk_rows_floor(), and a 1024th of all q and k rows;
-// 1024 blocks: about 2.6 waves of 256-thread blocks at 3 an SM, the launch bound, on 132 SMs), doubled until the partial rows fit x.ws (a
-// kind of one chunk, or frozen, needs none). A partial row is hd floats, so 1024 of them are 512 KiB, about 1/500 of
+// 1024 blocks: about 2.6 waves of 256-thread blocks at 3 an SM, the launch bound, on 132 SMs), doubled until the
+// partial rows fit x.ws (a kind of one chunk, or frozen, needs none). A partial row is hd floats, so 1024 of them are 512 KiB, about 1/500 of
 // the dy and x they sum at the 2B's 16384 tokens in bf16. The sums' order depends only on N, nh, nkv, hd, the vector
 // width and ws_bytes (and a set Q3VL_NORM_CHUNK_ROWS).
 template <class S>
