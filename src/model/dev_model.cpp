@@ -56,7 +56,7 @@ struct DevModel::Impl {
   std::vector<DevMergerCtx> dsctx;
   DevMergerScratch mscr;
   // Batch metadata (device).
-  int32_t *ids, *cu, *vis, *sup, *sup_t, *head_t, *vcu;
+  int32_t *ids, *cu, *vis, *sup, *sup_t, *head_t, *vcu, *pos, *vpos;
   float *tcos, *tsin, *vcos, *vsin;
   // Streams and gradients (dt unless noted).
   void *x, *hf, *dh, *dx, *hb, *lg, *dlg, *dhb, *pixels, *vx, *dv, *img, *dimg;
@@ -66,6 +66,7 @@ struct DevModel::Impl {
   int32_t* idx;
   void* aux_dl;
   double* sums;  // [0] CE sum, [1] aux sum
+  std::vector<uint16_t> stage;  // the pixels in bf16 / fp16 on their way up (reused: no fresh pages every step)
   // Host copies of the last forward's metadata.
   TokenStream st;
   std::vector<int64_t> grid;
@@ -93,7 +94,7 @@ struct DevModel::Impl {
     dscr.carve(a, tc, nmoe > 0, T, dt, b.ep);
     ids = a.take<int32_t>(T, DType::I32), cu = a.take<int32_t>(b.segments + 1, DType::I32);
     vis = a.take<int32_t>(T, DType::I32), sup = a.take<int32_t>(T, DType::I32), sup_t = a.take<int32_t>(T, DType::I32);
-    head_t = a.take<int32_t>(T, DType::I32);
+    head_t = a.take<int32_t>(T, DType::I32), pos = a.take<int32_t>(3 * T, DType::I32);
     tcos = a.take<float>(T * tc.head_dim / 2, DType::F32), tsin = a.take<float>(T * tc.head_dim / 2, DType::F32);
     x = a.take(T * H, dt), hf = a.take(T * H, dt), dh = a.take(T * H, dt), dx = a.take(T * H, dt);
     hb = a.take(head_rows * H, dt), dhb = a.take(head_rows * H, dt);
@@ -110,7 +111,7 @@ struct DevModel::Impl {
     vxin.assign(P && recompute ? vc.depth : 0, nullptr);
     dsctx.assign(P ? nds : 0, {});
     ds.assign(nds, nullptr), dds.assign(nds, nullptr);
-    pixels = vx = dv = img = dimg = nullptr, vcos = vsin = nullptr, vcu = nullptr;
+    pixels = vx = dv = img = dimg = nullptr, vcos = vsin = nullptr, vcu = vpos = nullptr;
     if (!P) return;
     for (auto& c : vctx) c.carve(a, vc, P, dt);
     for (auto& p : vxin) p = a.take(P * vc.hidden, dt);
@@ -124,6 +125,7 @@ struct DevModel::Impl {
     for (size_t j = 0; j < nds; ++j) ds[j] = a.take(Pm * H, dt), dds[j] = a.take(Pm * H, dt);
     vcos = a.take<float>(P * vc.head_dim() / 2, DType::F32), vsin = a.take<float>(P * vc.head_dim() / 2, DType::F32);
     vcu = a.take<int32_t>(Pm + 1, DType::I32);  // a segment per (image, temporal group): at least 4 patches each
+    vpos = a.take<int32_t>(2 * P, DType::I32);
   }
 };
 
@@ -436,7 +438,7 @@ struct VisionBufs {
   void *pixels, *vx, *img;
   std::vector<void*> ds;
   float *vcos, *vsin;
-  int32_t* vcu;
+  int32_t *vcu, *vpos;  // vpos: the patches' rows, then their columns (the rotary table's positions)
 };
 // The vision tower, the merger and the DeepStack mergers over the Np patches in b.pixels (uploaded by the caller):
 // b.img [Np/4, H] and b.ds.
@@ -458,10 +460,13 @@ DevSegments vision_tower(const dev::Exec& ex, const ModelConfig& cfg, const Para
   up32(ex, b.vcu, vcu);
   std::vector<int64_t> row, col;
   vision_patch_coords(grid, vc.merge, row, col);
-  std::vector<float> c(Np * vc.head_dim() / 2), sn(c.size());
-  ops::vision_rope_table(row.data(), col.data(), Np, int64_t(vc.head_dim()), c.data(), sn.data());
-  dev::to_device(ex, b.vcos, c.data(), c.size() * 4);
-  dev::to_device(ex, b.vsin, sn.data(), sn.size() * 4);
+  row.insert(row.end(), col.begin(), col.end());
+  up32(ex, b.vpos, row);
+  const int64_t W = vc.head_dim() / 2;
+  std::vector<int> axis(W);
+  std::vector<float> freq(W);
+  ops::vision_rope_cols(vc.head_dim(), axis.data(), freq.data());
+  dev::rope_table(ex, b.vpos, Np, W, axis.data(), freq.data(), b.vcos, b.vsin);
   const DevSegments vs{b.vcu, vseg, vmax};
   hook(t.vision_embed(), true);
   dev_vision_embed_fwd(ex, vc, P, t.vision_embed(), b.pixels, grid, Np, b.vx, dt);
@@ -509,12 +514,13 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
   I.nseg = int64_t(I.st.cu.size()) - 1;
   I.max_len = 0;
   for (int64_t k = 0; k < I.nseg; ++k) I.max_len = std::max(I.max_len, I.st.cu[k + 1] - I.st.cu[k]);
-  {
-    const auto pos = mrope_positions(cfg_, I.st.ids.data(), I.st.cu, grid);
-    std::vector<float> c(N * tc.head_dim / 2), sn(c.size());
-    ops::mrope_table(pos.data(), N, int64_t(tc.head_dim), tc.rope_theta, tc.mrope_section.data(), c.data(), sn.data());
-    dev::to_device(ex_, I.tcos, c.data(), c.size() * 4);
-    dev::to_device(ex_, I.tsin, sn.data(), sn.size() * 4);
+  {  // the M-RoPE tables from the positions, on the device (the host's sines took ~15 ms of a 2B step's)
+    up32(ex_, I.pos, mrope_positions(cfg_, I.st.ids.data(), I.st.cu, grid));
+    const int64_t W = tc.head_dim / 2;
+    std::vector<int> axis(W);
+    std::vector<float> freq(W);
+    ops::mrope_cols(tc.head_dim, tc.rope_theta, tc.mrope_section.data(), axis.data(), freq.data());
+    dev::rope_table(ex_, I.pos, N, W, axis.data(), freq.data(), I.tcos, I.tsin);
   }
   std::vector<int64_t> vis, sup, sup_t;
   for (int64_t i = 0; i < N; ++i) {
@@ -536,8 +542,9 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
 
   // Vision tower, mergers and DeepStack features.
   if (I.Np > 0) {
-    up_dt(ex_, I.pixels, pixels.data(), pixels.size(), dt_);
-    const DevSegments vs = vision_tower(ex_, cfg_, table_, P, grid, I.Np, {I.pixels, I.vx, I.img, I.ds, I.vcos, I.vsin, I.vcu},
+    up_dt(ex_, I.pixels, pixels.data(), pixels.size(), dt_, &I.stage);
+    const VisionBufs vb{I.pixels, I.vx, I.img, I.ds, I.vcos, I.vsin, I.vcu, I.vpos};
+    const DevSegments vs = vision_tower(ex_, cfg_, table_, P, grid, I.Np, vb,
                  [&](int i) -> DevVisionBlockCtx& { return recompute_ ? I.vwork : I.vctx[i]; },
                  recompute_ ? I.vxin.data() : nullptr, I.vscr, I.mctx, I.dsctx, dt_,
                  [&](int id, bool in) { in ? enter(id, false) : leave(id, false); });
@@ -797,7 +804,7 @@ struct DevModel::Infer {
     vb.ds.assign(nds, nullptr);
     for (auto& p : vb.ds) p = a.take(Pm * H, dt);
     vb.vcos = a.take<float>(P * vc.head_dim() / 2, DType::F32), vb.vsin = a.take<float>(P * vc.head_dim() / 2, DType::F32);
-    vb.vcu = a.take<int32_t>(Pm + 1, DType::I32);
+    vb.vcu = a.take<int32_t>(Pm + 1, DType::I32), vb.vpos = a.take<int32_t>(2 * P, DType::I32);
   }
 };
 

@@ -290,34 +290,48 @@ static std::vector<float> inv_freq(double theta, int64_t dim) {
   return f;
 }
 
+void mrope_cols(int64_t hd, double theta, const int* section, int* axis, float* freq) {
+  const auto inv = inv_freq(theta, hd);
+  for (int64_t j = 0; j < hd / 2; ++j) {
+    axis[j] = 0;  // interleaved: H at j%3==1, W at j%3==2 within their sections, T elsewhere
+    if (j % 3 == 1 && j < 3 * section[1]) axis[j] = 1;
+    if (j % 3 == 2 && j < 3 * section[2]) axis[j] = 2;
+    freq[j] = inv[j];
+  }
+}
+void vision_rope_cols(int64_t hd, int* axis, float* freq) {
+  const int64_t q = hd / 4;  // frequencies per axis
+  const auto inv = inv_freq(10000.0, hd / 2);
+  for (int64_t j = 0; j < 2 * q; ++j) axis[j] = int(j / q), freq[j] = inv[j % q];
+}
+template <class T, class P>
+void rope_table(const P* pos, int64_t N, int64_t W, const int* axis, const float* freq, T* cos, T* sin) {
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t c = 0; c < W; ++c) {
+      const float f = (float)pos[axis[c] * N + i] * freq[c];
+      cos[i * W + c] = std::cos(f);
+      sin[i * W + c] = std::sin(f);
+    }
+}
+template void rope_table<float, int64_t>(const int64_t*, int64_t, int64_t, const int*, const float*, float*, float*);
+template void rope_table<float, int32_t>(const int32_t*, int64_t, int64_t, const int*, const float*, float*, float*);
+
 template <class T>
 void vision_rope_table(const int64_t* row, const int64_t* col, int64_t N, int64_t hd, T* cos, T* sin) {
-  const int64_t q = hd / 4;  // frequencies per axis
-  auto inv = inv_freq(10000.0, hd / 2);
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t j = 0; j < q; ++j) {
-      float fr = (float)row[i] * inv[j], fc = (float)col[i] * inv[j];
-      cos[i * 2 * q + j] = std::cos(fr);
-      sin[i * 2 * q + j] = std::sin(fr);
-      cos[i * 2 * q + q + j] = std::cos(fc);
-      sin[i * 2 * q + q + j] = std::sin(fc);
-    }
+  std::vector<int64_t> pos(row, row + N);
+  pos.insert(pos.end(), col, col + N);
+  std::vector<int> axis(hd / 2);
+  std::vector<float> freq(hd / 2);
+  vision_rope_cols(hd, axis.data(), freq.data());
+  rope_table(pos.data(), N, hd / 2, axis.data(), freq.data(), cos, sin);
 }
 
 template <class T>
 void mrope_table(const int64_t* pos3, int64_t N, int64_t hd, double theta, const int* section, T* cos, T* sin) {
-  const int64_t half = hd / 2;
-  auto inv = inv_freq(theta, hd);
-  for (int64_t j = 0; j < half; ++j) {
-    int axis = 0;  // interleaved: H at j%3==1, W at j%3==2 within their sections, T elsewhere
-    if (j % 3 == 1 && j < 3 * section[1]) axis = 1;
-    if (j % 3 == 2 && j < 3 * section[2]) axis = 2;
-    for (int64_t i = 0; i < N; ++i) {
-      float f = (float)pos3[axis * N + i] * inv[j];
-      cos[i * half + j] = std::cos(f);
-      sin[i * half + j] = std::sin(f);
-    }
-  }
+  std::vector<int> axis(hd / 2);
+  std::vector<float> freq(hd / 2);
+  mrope_cols(hd, theta, section, axis.data(), freq.data());
+  rope_table(pos3, N, hd / 2, axis.data(), freq.data(), cos, sin);
 }
 
 // ---- attention --------------------------------------------------------------------------------------------------

@@ -469,6 +469,12 @@ void rope_bwd(const Exec& x, void* dq, const float* cos, const float* sin, int64
   need_f32(dt, "rope_bwd");
   ops::rope_bwd(F(dq), cos, sin, N, heads, hd);
 }
+void rope_table(const Exec& x, const int32_t* pos, int64_t N, int64_t W, const int* axis, const float* freq,
+                float* cos, float* sin) {
+  Q3VL_CHECK(W > 0 && W <= 64, "rope_table: " + std::to_string(W) + " columns (at most 64)");
+  DEV_OP(x, prof::mem(double(N) * W * 8), rope_table(x, pos, N, W, axis, freq, cos, sin));
+  ops::rope_table(pos, N, W, axis, freq, cos, sin);
+}
 
 // ---- attention --------------------------------------------------------------------------------------------------------
 void attention_fwd(const Exec& x, const void* q, const void* k, const void* v, void* out, float* lse,

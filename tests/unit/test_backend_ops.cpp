@@ -141,6 +141,8 @@ struct Tol {
   double f32, f16, bf16;
   double at(DType t) const { return t == DType::F32 ? f32 : t == DType::F16 ? f16 : bf16; }
 };
+// kTable: ops whose outputs do not depend on dt (F32 from integer inputs).
+constexpr Tol kTable{1e-6, 1e-6, 1e-6};
 constexpr Tol kElem{1e-6, 2e-3, 1e-2}, kReduce{1e-5, 5e-3, 2e-2}, kGemm{1e-5, 5e-3, 2e-2}, kAttn{2e-5, 1e-2, 3e-2};
 
 std::string dims(std::initializer_list<int64_t> d) {
@@ -789,6 +791,33 @@ std::vector<Case> all_cases(DType dt) {
     const Rotary r = rotary(N, hd);
     add_rope_fwd(N, H, hd, r);
     add_rope_bwd(N, H, hd, r);
+  }
+
+  // rotary tables from positions (dtype-free: F32 out, within an ulp whatever dt): the text's M-RoPE over 3 axes at
+  // positions up to 40000 (angles to 4e4 rad: the CUDA sines must reduce them as the CPU's do), the vision tower's
+  // 2-D tables at head dims 64 and 72.
+  {
+    const int64_t N = 1000, hd = 128, W = hd / 2;
+    const int section[3] = {24, 20, 20};
+    std::vector<int> axis(W);
+    std::vector<float> freq(W);
+    ops::mrope_cols(hd, 5e6, section, axis.data(), freq.data());
+    add("rope_table", "text " + dims({N, W}), kTable,
+        {in("pos", K::I32, randi(3 * N, 40000)), out("cos", K::F32, randn(N * W)), out("sin", K::F32, randn(N * W))},
+        [=](auto& x, auto& p, DType) {
+          dev::rope_table(x, P<int32_t>(p, 0), N, W, axis.data(), freq.data(), P<float>(p, 1), P<float>(p, 2));
+        });
+  }
+  for (int64_t hd : {64, 72}) {
+    const int64_t N = 784, W = hd / 2;
+    std::vector<int> axis(W);
+    std::vector<float> freq(W);
+    ops::vision_rope_cols(hd, axis.data(), freq.data());
+    add("rope_table", "vision " + dims({N, W}), kTable,
+        {in("pos", K::I32, randi(2 * N, 64)), out("cos", K::F32, randn(N * W)), out("sin", K::F32, randn(N * W))},
+        [=](auto& x, auto& p, DType) {
+          dev::rope_table(x, P<int32_t>(p, 0), N, W, axis.data(), freq.data(), P<float>(p, 1), P<float>(p, 2));
+        });
   }
 
   // attention: packed segments of odd lengths (a single token, under and over a block), GQA and MHA, both masks

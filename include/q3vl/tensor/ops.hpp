@@ -65,10 +65,17 @@ template <class T> void swiglu_bwd(const T* dy, const T* gu, T* dgu, int64_t N, 
 template <class T> void rope_fwd(T* x, const T* cos, const T* sin, int64_t N, int64_t heads, int64_t hd);
 // Backward = the inverse rotation applied in place to the gradient (pure rotation).
 template <class T> void rope_bwd(T* dx, const T* cos, const T* sin, int64_t N, int64_t heads, int64_t hd);
-// Vision 2-D table (spec 2.4): per patch (row, col); freqs [row*inv(hd/4) | col*inv(hd/4)], theta 10000, fp32 math.
+// Rotary tables from positions: cos/sin [N, W], column c = cos/sin(float(pos[axis[c] * N + i]) * freq[c]) in fp32
+// (HF's math). The columns (axis, freq: W entries each) of the two models' tables:
+// - text interleaved M-RoPE (spec 4.5): W = hd/2, pos = [3][N] (T, H, W rows), sections for (T, H, W);
+// - vision 2-D (spec 2.4): W = hd/2, pos = [2][N] (row, col): [row*inv(hd/4) | col*inv(hd/4)], theta 10000.
+void mrope_cols(int64_t hd, double theta, const int* section, int* axis, float* freq);
+void vision_rope_cols(int64_t hd, int* axis, float* freq);
+template <class T, class P>
+void rope_table(const P* pos, int64_t N, int64_t W, const int* axis, const float* freq, T* cos, T* sin);
+// Both tables whole from int64 positions: vision from row and col arrays, text from pos3 [3][N].
 template <class T> void vision_rope_table(const int64_t* row, const int64_t* col, int64_t N, int64_t hd, T* cos,
                                           T* sin);
-// Text interleaved M-RoPE table (spec 4.5): pos3 [3][N] (T,H,W rows), fp32 math, sections for (T,H,W).
 template <class T> void mrope_table(const int64_t* pos3, int64_t N, int64_t hd, double theta, const int* section,
                                     T* cos, T* sin);
 

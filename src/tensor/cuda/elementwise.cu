@@ -181,6 +181,23 @@ __global__ void k_rope(S* x, const float* cos, const float* sin, int64_t N, int6
     stv<S, W>(xi, d + half, ob);
   }
 }
+// rope_table: one thread per (token, column); the fp32 angle as the CPU's, cosine and sine rounded from fp64.
+struct RopeCols {
+  float freq[64];
+  int8_t axis[64];
+};
+__global__ void k_rope_table(const int32_t* __restrict__ pos, int64_t N, int W, RopeCols c, float* __restrict__ cos,
+                             float* __restrict__ sin) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < N * W; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = e / W;
+    const int j = int(e - i * W);
+    const float f = __fmul_rn(float(pos[c.axis[j] * N + i]), c.freq[j]);
+    double s, co;
+    ::sincos(double(f), &s, &co);
+    cos[e] = float(co), sin[e] = float(s);
+  }
+}
+
 template <class S>
 void rope(const Exec& x, void* q, const float* cos, const float* sin, int64_t N, int64_t heads, int64_t hd,
           float sign) {
@@ -468,6 +485,13 @@ void rope_bwd(const Exec& x, void* dq, const float* cos, const float* sin, int64
               DType dt) {
   if (N * heads * (hd / 2) <= 0) return;
   by_dtype(dt, [&]<class S>() { rope<S>(x, dq, cos, sin, N, heads, hd, -1.f); });
+}
+void rope_table(const Exec& x, const int32_t* pos, int64_t N, int64_t W, const int* axis, const float* freq,
+                float* cos, float* sin) {
+  RopeCols c{};
+  for (int64_t j = 0; j < W; ++j) c.axis[j] = int8_t(axis[j]), c.freq[j] = freq[j];
+  const int64_t n = N * W;
+  if (n) launch(k_rope_table, dim3(grid_for(n)), 256, 0, stream_of(x), pos, N, int(W), c, cos, sin);
 }
 
 void embedding_fwd(const Exec& x, const int32_t* ids, const void* table, void* out, int64_t N, int64_t D, int64_t V,
