@@ -1,11 +1,13 @@
 // GPU check and A/B timing of the CUDA attention kernels against a naive fp64 host reference: "old" is the mma.sync /
 // SIMT path of src/tensor/cuda/attention.cu (attention_fwd_path / attention_bwd_path with wgmma false), "new" the Hopper wgmma
 // kernels of attention_sm90.cu where they apply (forward hd 128, backward 64/72/128; bf16/fp16 on a 9.0 device; else
-// new = old). Build and run from the repo root:
-//   make bin/attn_check && bin/attn_check [--no-timing] [--no-checks] [--small (few short cases, no timing: racecheck)]
+// new = old). The new forward is fwd_ws (TMA, warp-specialized), or fwd_wgmma (cp.async) when the environment says
+// Q3VL_ATTN_FWD=wgmma: run twice to time the two. Build and run from the repo root:
+//   make bin/attn_check && bin/attn_check [--no-timing] [--no-checks] [--fwd-only (no backward timing)]
+//                                         [--small (few short cases, no timing: racecheck)]
 // Prints one line per checked case and path (old, new, newc: new with a workspace that holds the dQ accumulator of
-// 3 kv heads, so it runs in chunks), then a timing table (median of 20 calls). Exit 1 on any failed check
-// (or when the wgmma path was not taken on a 9.0 device where it should be).
+// 3 kv heads, so it runs in chunks), the forward with NaN rows outside the segments, then a timing table (median of
+// 20 calls). Exit 1 on any failed check (or when the wgmma path was not taken on a 9.0 device where it should be).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -207,6 +209,10 @@ bool is_sm90() {
 // Where the wgmma kernels must run (a 9.0 device, 16-bit): forward hd 128, backward hd 64/72/128.
 bool want_fwd_new(DType dt, int hd) { return dt != DType::F32 && hd == 128 && is_sm90(); }
 bool want_bwd_new(DType dt, int hd) { return dt != DType::F32 && (hd == 128 || hd == 72 || hd == 64) && is_sm90(); }
+const char* fwd_new_kernel() {
+  const char* e = std::getenv("Q3VL_ATTN_FWD");
+  return e && std::string(e) == "wgmma" ? "fwd_wgmma (cp.async)" : "fwd_ws (TMA, warp-specialized)";
+}
 
 int run_checks(Exec& x, bool small) {
   // Ragged lengths: a single token, empty, off every tile size (37, 200, 513, 129, 1000), exact tiles (64, 128).
@@ -300,6 +306,57 @@ int run_checks(Exec& x, bool small) {
   return fails;
 }
 
+// Rows outside every segment (N past cu[nseg]) hold NaN; key tiles that cross a segment's end read them (the TMA
+// kernel's tiles are token rows): no segment's output may see them, and their own rows stay unwritten.
+int check_fwd_gap(Exec& x) {
+  const std::vector<int> cu = {0, 200, 277};
+  const int M = cu.back(), N = M + 150, nh = 16, nkv = 8, hd = 128, max_len = 200;
+  const size_t nq = size_t(N) * nh * hd, nk = size_t(N) * nkv * hd, mq = size_t(M) * nh * hd;
+  const DType dt = DType::BF16;
+  int32_t* dcu;
+  CK(cudaMalloc(&dcu, cu.size() * 4));
+  CK(cudaMemcpy(dcu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+  int fails = 0;
+  for (bool causal : {true, false}) {
+    const double scale = 1.0 / std::sqrt(double(hd));
+    std::mt19937 rng(99 + causal);
+    auto q = grid_values(nq, 1.5, rng), k = grid_values(nk, 1.0, rng), v = grid_values(nk, 1.0, rng);
+    for (auto* a : {&q, &k, &v}) std::fill(a->begin() + a->size() / N * M, a->end(), NAN);
+    Ref R;
+    reference(q, k, v, std::vector<float>(nq, 0.f), cu, N, nh, nkv, hd, causal, scale, R);
+    void *Q = upload(to_dt(q, dt)), *K = upload(to_dt(k, dt)), *V = upload(to_dt(v, dt)), *O;
+    float* lse;
+    CK(cudaMalloc(&O, nq * 2));
+    CK(cudaMalloc(&lse, size_t(N) * nh * 4));
+    for (int fresh = 0; fresh < 2; ++fresh) {
+      CK(cudaMemset(O, 0xff, nq * 2));
+      CK(cudaMemset(lse, 0xff, size_t(N) * nh * 4));
+      const Problem P{x, dt, Q, K, V, nullptr, O, nullptr, nullptr, nullptr, lse, dcu, 2, max_len, N, nh, nkv, hd,
+                      causal, float(scale)};
+      const bool taken = P.fwd(fresh) == (fresh && want_fwd_new(dt, hd));
+      CK(cudaStreamSynchronize(dev::cuda::stream_of(x)));
+      const auto ob = download(O, nq * 2), lb = download(lse, size_t(N) * nh * 4);
+      auto out = from_dt(ob, dt);
+      std::vector<float> lsev(size_t(N) * nh);
+      std::memcpy(lsev.data(), lb.data(), lb.size());
+      out.resize(mq), lsev.resize(size_t(M) * nh);
+      const double e_out = nerr(out, std::vector<double>(R.out.begin(), R.out.begin() + mq));
+      const double e_lse = nerr(lsev, std::vector<double>(R.lse.begin(), R.lse.begin() + size_t(M) * nh));
+      const auto ff = [](uint8_t b) { return b == 0xff; };
+      const bool untouched =
+          std::all_of(ob.begin() + mq * 2, ob.end(), ff) && std::all_of(lb.begin() + size_t(M) * nh * 4, lb.end(), ff);
+      const bool ok = taken && e_out < 4e-2 && e_lse < 2e-3 && untouched;
+      fails += !ok;
+      std::printf("%s NaN gap hd=128 nh=16 nkv=8 causal=%d bf16  out %.2e  lse %.2e  gap rows %s  %s%s\n",
+                  fresh ? "new " : "old ", int(causal), e_out, e_lse, untouched ? "untouched" : "WRITTEN",
+                  ok ? "PASS" : "FAIL", taken ? "" : " (wgmma path not taken)");
+    }
+    for (void* p : {Q, K, V, O, static_cast<void*>(lse)}) CK(cudaFree(p));
+  }
+  CK(cudaFree(dcu));
+  return fails;
+}
+
 __global__ void fill_random(void* p, size_t n, uint32_t seed, float amp, int kind) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint32_t h = uint32_t(i) * 2654435761u ^ seed;
@@ -318,7 +375,8 @@ struct Row {
   int hd;
 };
 
-Row time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int hd, bool causal, DType dt) {
+// bwd false: the forward only (bwd columns 0); new-old compares the outputs (and with bwd the gradients).
+Row time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int hd, bool causal, DType dt, bool bwd) {
   const int N = nseg * L;
   std::vector<int> cu(nseg + 1);
   for (int s = 0; s <= nseg; ++s) cu[s] = s * L;
@@ -361,21 +419,22 @@ Row time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int h
            std::to_string(nkv) + " hd" + std::to_string(hd) + (causal ? " causal " : " ") + dtype_name(dt);
   const double flops = 4.0 * nh * hd * double(nseg) * double(L) * double(L) / (causal ? 2.0 : 1.0);
   // Each path's backward runs on its own forward's out and lse; overwrite mode, so repeats do not grow dQ/dK/dV.
-  std::vector<float> grads[2];
+  std::vector<float> res[2];
   for (int fresh = 0; fresh < 2; ++fresh) {
     r.fwd[fresh] = median_ms([&] { P.fwd(fresh); });
-    r.bwd[fresh] = median_ms([&] { P.bwd(fresh, false); });
+    r.bwd[fresh] = bwd ? median_ms([&] { P.bwd(fresh, false); }) : 0.0;
     r.tf_fwd[fresh] = flops / r.fwd[fresh] * 1e-9;
-    r.tf_bwd[fresh] = 2.5 * flops / r.bwd[fresh] * 1e-9;
-    if (fresh) r.fwd_new = P.fwd(true), r.bwd_new = P.bwd(true, false);
+    r.tf_bwd[fresh] = bwd ? 2.5 * flops / r.bwd[fresh] * 1e-9 : 0.0;
+    if (fresh) r.fwd_new = P.fwd(true), r.bwd_new = bwd && P.bwd(true, false);
     CK(cudaStreamSynchronize(st));
-    for (void* p : {dQ, dK, dV}) {
-      auto v = from_dt(download(p, (p == dQ ? nq : nk) * es), dt);
-      grads[fresh].insert(grads[fresh].end(), v.begin(), v.end());
+    for (void* p : {O, dQ, dK, dV}) {
+      if (p != O && !bwd) continue;
+      auto v = from_dt(download(p, (p == O || p == dQ ? nq : nk) * es), dt);
+      res[fresh].insert(res[fresh].end(), v.begin(), v.end());
     }
   }
-  std::vector<double> ref(grads[0].begin(), grads[0].end());
-  r.diff = nerr(grads[1], ref);  // new vs old dQ, dK, dV on the timed inputs
+  std::vector<double> ref(res[0].begin(), res[0].end());
+  r.diff = nerr(res[1], ref);  // new vs old out (and dQ, dK, dV) on the timed inputs
   for (void* p : {Q, K, V, O, G, dQ, dK, dV, static_cast<void*>(lse), static_cast<void*>(dcu)}) CK(cudaFree(p));
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
@@ -385,9 +444,10 @@ Row time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int h
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool timing = true, checks = true, small = false;
+  bool timing = true, checks = true, small = false, bwd = true;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--no-timing") timing = false;
+    if (std::string(argv[i]) == "--fwd-only") bwd = false;
     if (std::string(argv[i]) == "--no-checks") checks = false;
     if (std::string(argv[i]) == "--small") small = true, timing = false;
   }
@@ -401,22 +461,24 @@ int main(int argc, char** argv) {
   int fails = 0;
   std::vector<Row> rows;
   try {
-    if (checks) fails = run_checks(x, small);
+    std::printf("new forward: %s\n", is_sm90() ? fwd_new_kernel() : "none (not a 9.0 device)");
+    if (checks) fails = run_checks(x, small) + check_fwd_gap(x);
     if (timing) {
-      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::BF16));
-      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::F16));
-      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 64, true, DType::BF16));
-      rows.push_back(time_case(x, "vision", 20, 784, 16, 16, 64, false, DType::BF16));
-      rows.push_back(time_case(x, "vision", 4, 1024, 16, 16, 64, false, DType::BF16));  // the 2B's training step
-      rows.push_back(time_case(x, "vision", 1, 16384, 16, 16, 64, false, DType::BF16));
-      rows.push_back(time_case(x, "vision", 20, 784, 16, 16, 72, false, DType::BF16));
-      rows.push_back(time_case(x, "vision", 1, 1024, 16, 16, 72, false, DType::BF16));  // the 30B-A3B cut's step
-      rows.push_back(time_case(x, "vision", 1, 16384, 16, 16, 72, false, DType::BF16));
+      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::BF16, bwd));
+      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::F16, bwd));
+      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 64, true, DType::BF16, bwd));
+      rows.push_back(time_case(x, "vision", 20, 784, 16, 16, 64, false, DType::BF16, bwd));
+      rows.push_back(time_case(x, "vision", 4, 1024, 16, 16, 64, false, DType::BF16, bwd));  // the 2B's training step
+      rows.push_back(time_case(x, "vision", 1, 16384, 16, 16, 64, false, DType::BF16, bwd));
+      rows.push_back(time_case(x, "vision", 20, 784, 16, 16, 72, false, DType::BF16, bwd));
+      rows.push_back(time_case(x, "vision", 1, 1024, 16, 16, 72, false, DType::BF16, bwd));  // the 30B-A3B cut's step
+      rows.push_back(time_case(x, "vision", 1, 16384, 16, 16, 72, false, DType::BF16, bwd));
       for (const Row& r : rows) {
-        const bool bad = !(r.diff < 3e-2) || (want_bwd_new(DType::BF16, r.hd) && !r.bwd_new);
+        const bool bad = !(r.diff < 3e-2) || (bwd && want_bwd_new(DType::BF16, r.hd) && !r.bwd_new) ||
+                         (want_fwd_new(DType::BF16, r.hd) && !r.fwd_new);
         fails += bad;
-        if (bad) std::printf("FAIL timing case %s: new-old %.2e, wgmma bwd taken %d\n", r.name.c_str(), r.diff,
-                             int(r.bwd_new));
+        if (bad) std::printf("FAIL timing case %s: new-old %.2e, wgmma fwd taken %d, bwd taken %d\n", r.name.c_str(),
+                             r.diff, int(r.fwd_new), int(r.bwd_new));
       }
     }
   } catch (const std::exception& e) {
@@ -424,14 +486,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!rows.empty()) {
-    std::printf("\nold: mma.sync; new: wgmma where it applies (* = taken); TF: TFLOP/s (bwd 2.5x fwd "
-                "flops); PyTorch SDPA fwd+bwd at text hd128: 2.03 ms\n");
-    std::printf("%-36s %8s %8s %8s %8s %7s %7s %9s %9s %7s %9s\n", "case (median of 20)", "fwd old", "fwd new",
-                "bwd old", "bwd new", "bwd TF", "bwd TF", "f+b old", "f+b new", "bwd x", "new-old");
+    std::printf("\nold: mma.sync; new: wgmma where it applies (* = taken; forward: %s); TF: TFLOP/s (bwd 2.5x fwd "
+                "flops); PyTorch SDPA fwd+bwd at text hd128: 2.03 ms%s\n",
+                fwd_new_kernel(), bwd ? "" : "; --fwd-only: no backward");
+    std::printf("%-36s %8s %8s %7s %7s %8s %8s %7s %7s %9s %9s %7s %9s\n", "case (median of 20)", "fwd old",
+                "fwd new", "fwd TF", "fwd TF", "bwd old", "bwd new", "bwd TF", "bwd TF", "f+b old", "f+b new", "bwd x",
+                "new-old");
     for (const Row& r : rows)
-      std::printf("%-36s %8.3f %7.3f%s %8.3f %7.3f%s %7.1f %7.1f %9.3f %9.3f %6.2fx %9.2e\n", r.name.c_str(), r.fwd[0],
-                  r.fwd[1], r.fwd_new ? "*" : " ", r.bwd[0], r.bwd[1], r.bwd_new ? "*" : " ", r.tf_bwd[0],
-                  r.tf_bwd[1], r.fwd[0] + r.bwd[0], r.fwd[1] + r.bwd[1], r.bwd[0] / r.bwd[1], r.diff);
+      std::printf("%-36s %8.3f %7.3f%s %7.1f %7.1f %8.3f %7.3f%s %7.1f %7.1f %9.3f %9.3f %6.2fx %9.2e\n",
+                  r.name.c_str(), r.fwd[0], r.fwd[1], r.fwd_new ? "*" : " ", r.tf_fwd[0], r.tf_fwd[1], r.bwd[0],
+                  r.bwd[1], r.bwd_new ? "*" : " ", r.tf_bwd[0], r.tf_bwd[1], r.fwd[0] + r.bwd[0], r.fwd[1] + r.bwd[1],
+                  bwd ? r.bwd[0] / r.bwd[1] : 0.0, r.diff);
   }
   std::printf("%s: %d failed check(s)\n", fails ? "FAIL" : "PASS", fails);
   CK(cudaFree(x.ws));

@@ -835,7 +835,8 @@ bool check_shape(const char* op, int64_t nseg, int64_t max_len, int64_t N, int64
 // attention_sm90.cu: the wgmma forward (hd 128) and backward (hd 64, 72, 128) for bf16/fp16 on a 9.0 device;
 // false: not taken (other shapes or devices).
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
-                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2);
+                        const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
+                        float sl2);
 bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void* q, const void* k, const void* v,
                         const float* lse, const float* D, void* dq, void* dk, void* dv, float* dqacc, size_t acc_bytes,
                         const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
@@ -860,7 +861,7 @@ bool attention_fwd_path(const Exec& x, const void* q, const void* k, const void*
       if (al) {
         // hd 128 (attention_fwd_sm90 says which and why)
         if (wgmma &&
-            attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len),
+            attention_fwd_sm90(st, std::is_same_v<S, __nv_bfloat16>, q, k, v, out, lse, cu, int(nseg), int(max_len), N,
                                inh, inkv, ihd, causal, sl2)) {
           took = true;
           return;

@@ -1,24 +1,30 @@
 // Flash attention for Hopper (sm_90a): wgmma tensor-core instructions, called by attention.cu's attention_fwd and
-// attention_bwd (bf16/fp16; forward head dim 128, backward 64, 72 and 128) on a compute-capability 9.0
-// device. Same semantics as fwd_tc / dkdv_tc + dq_tc there (packed variable-length segments, GQA, causal or not; out [N, nh*hd], lse [N, nh]
-// natural log). The backward is described above bwd_wgmma.
+// attention_bwd (bf16/fp16; forward head dim 128, backward 64, 72 and 128) on a compute-capability 9.0 device. Same
+// semantics as fwd_tc / dkdv_tc + dq_tc there (packed variable-length segments, GQA, causal or not; out [N, nh*hd],
+// lse [N, nh] natural log). The forward that attention_fwd_sm90 takes, fwd_ws (TMA, mbarriers, a producer and two
+// consumer warpgroups in pingpong), is described above it; the backward above bwd_wgmma.
 //
-// Forward: a block is 2 warpgroups (256 threads) and 128 queries of one head of one segment; warpgroup w owns query
-// rows [64w, 64w+64). Per key tile of 128 keys: S = Q K^T by wgmma m64n128k16 with Q and K both from shared memory,
-// online softmax in registers (the accumulator layout is that of mma.m16n8 per warp, rows 16*warp + g, g+8),
-// P packed to 16-bit registers as wgmma's A operand, and O += P V by wgmma m64nHDk16 with V from shared memory read
-// N-major (the descriptor's transpose bit). K/V tiles stream in with cp.async (16-byte copies of every thread), two
-// tiles ahead of the compute (3 buffers), the softmax of one tile overlapping P.V of the previous one.
+// Forward (fwd_wgmma): a block is 2 warpgroups (256 threads) and 128 queries of one head of one segment; warpgroup w
+// owns query rows [64w, 64w+64). Per key tile of 128 keys: S = Q K^T by wgmma m64n128k16 with Q and K both from
+// shared memory, online softmax in registers (the accumulator layout is that of mma.m16n8 per warp, rows 16*warp + g,
+// g+8), P packed to 16-bit registers as wgmma's A operand, and O += P V by wgmma m64nHDk16 with V from shared memory
+// read N-major (the descriptor's transpose bit). K/V tiles stream in with cp.async (16-byte copies of every thread),
+// two tiles ahead of the compute (3 buffers), the softmax of one tile overlapping P.V of the previous one.
 //
 // Shared-memory tiles use wgmma's canonical 128-byte swizzle: a tile of R rows x HD columns is HD/64 column panels,
 // each R rows of 128 bytes (64 elements); 16-byte chunk c of row r sits at chunk position c ^ (r % 8). 8-row groups
 // (1024 bytes) are the descriptors' stride dimension; every panel starts 1024-aligned.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
 #include <type_traits>
 
+#include "q3vl/core/log.hpp"
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/mma_util.cuh"
+#include "tensor/cuda/tma.cuh"
 #include "tensor/cuda/wgmma.cuh"
 
 namespace q3vl::dev::cuda {
@@ -113,6 +119,25 @@ template <class S, int N> __device__ __forceinline__ void to_p(const float (&s)[
   for (int kk = 0; kk < N / 16; ++kk)
 #pragma unroll
     for (int e = 0; e < 4; ++e) p[kk][e] = pack2<S>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+}
+// The thread's two output rows tr0, tr0 + 8 of the segment at b0 (those < L): o / l and the lse (natural log).
+template <class S, int HD>
+__device__ __forceinline__ void store_rows(const float (&o)[HD / 2], const float (&mrow)[2], const float (&lrow)[2],
+                                           S* out, float* lse, int b0, int L, int tr0, int t, int h, int nh) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(lrow[r]);
+    const int i = tr0 + r * 8;
+    if (i < L) {
+      const float inv = 1.f / l;
+      S* orow = out + int64_t(b0 + i) * nh * HD + int64_t(h) * HD;
+#pragma unroll
+      for (int n = 0; n < HD / 8; ++n)
+        *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t) =
+            pack2<S>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+      if (t == 0) lse[int64_t(b0 + i) * nh + h] = mrow[r] * kLn2 + logf(l);
+    }
+  }
 }
 // cp.async wrote through the generic proxy, wgmma reads through the async proxy: each thread waits for its copies
 // and fences, then the barrier publishes every thread's.
@@ -213,18 +238,195 @@ __global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q
   wg_commit();
   wg_wait<0>();
   pin(o);
+  store_rows<S, HD>(o, mrow, lrow, out, lse, b0, L, tr0, t, h, nh);
+#else
+  __trap();
+#endif
+}
+
+
+// ---- forward, warp-specialized (fwd_ws: FA3's schedule) -------------------------------------------------------------
+// A block is 3 warpgroups (384 threads) and, as in fwd_wgmma, 128 queries of one head of one segment:
+//  - warpgroup 0, the producer, hands most of its registers back (setmaxnreg 24); its first thread issues the TMA
+//    copies: Q once, then K and V tiles of 128 keys into a ring of kStages stages, in the order the consumers read
+//    them (K0, K1, V0, K2, V1, ..., V last). Each stage has, for K and for V, a full mbarrier (the producer's
+//    arrive.expect_tx, completed by the copies' bytes) and an empty one (an arrival from each of the 8 consumer
+//    warps once its wgmmas reading the stage have completed), which the producer waits for before refilling it.
+//  - warpgroups 1 and 2, the consumers (setmaxnreg 240), own query rows [0, 64) and [64, 128): fwd_wgmma's per-tile
+//    steps and intra-warpgroup overlap (S of tile kb+1 issued with PV of tile kb, the softmax of tile kb+1 while PV
+//    runs); K is released once its S is done, V once its PV is.
+//  - Pingpong (FA3's warp-scheduler barriers): a consumer issues the two GEMMs of its next tile only once the other
+//    has issued its own (named barrier 1 + c, at which the other arrives right after issuing), so the tensor cores
+//    run one warpgroup's GEMMs while the other computes its softmax. Consumer 0 goes first. Every bar.sync has
+//    exactly one arrival and none is left over at exit (consumer 0's first arrival stands for consumer 1's last).
+// Tiles are TMA boxes of 64 columns x 128 rows whose 128-byte swizzle is the layout above (one copy per 64-column
+// panel). Rows are token indices: a tile crossing the segment's end reads the next segment's rows (keys masked by
+// softmax_tile, query rows never stored) or zeros past N (the TMA's out-of-bounds fill). The last V tile's rows past
+// the end are zeroed in shared memory by each consumer before its PV: P = 0 there must meet zeros, not whatever
+// (NaN, say) those rows hold.
+constexpr int kWsThreads = 384, kStages = 3;
+template <int HD> constexpr uint32_t ws_tile_bytes() { return kBN * panels<HD>() * 128; }  // Q, K or V (kBM == kBN)
+template <int HD> constexpr size_t ws_smem() { return (1 + 2 * kStages) * size_t(ws_tile_bytes<HD>()) + 1024; }
+static_assert(kBM == kBN && ws_smem<128>() <= 227 * 1024, "Q, 3 K and 3 V stages in an sm_90 block's shared memory");
+
+// Shared addresses: Q, the K and V stages (1024-aligned), and the mbarriers (Q full; per stage K full, K empty,
+// V full, V empty).
+struct WsSmem {
+  uint32_t q, k, v, bars;
+  __device__ uint32_t q_full() const { return bars; }
+  __device__ uint32_t k_full(int s) const { return bars + 8 * (1 + s); }
+  __device__ uint32_t k_empty(int s) const { return bars + 8 * (1 + kStages + s); }
+  __device__ uint32_t v_full(int s) const { return bars + 8 * (1 + 2 * kStages + s); }
+  __device__ uint32_t v_empty(int s) const { return bars + 8 * (1 + 3 * kStages + s); }
+};
+
+// The producer's thread: Q's rows qrow.. (columns qcol..), then key tiles from row krow (columns kcol..) of k and v.
+template <int HD>
+__device__ __forceinline__ void ws_produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
+                                           const WsSmem& sm, int qrow, int qcol, int krow, int kcol, int nkb) {
+  constexpr uint32_t TB = ws_tile_bytes<HD>();
+  const uint64_t once = l2_evict_first(), reused = l2_evict_last();  // K and V: the other query blocks and heads
+  auto tile = [&](const CUtensorMap* m, uint32_t dst, uint32_t full, int row, int col, uint64_t pol) {
+    mbar_expect_tx(full, TB);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(lrow[r]);
-    const int i = tr0 + r * 8;
-    if (i < L) {
-      const float inv = 1.f / l;
-      S* orow = out + int64_t(b0 + i) * ldq + int64_t(h) * HD;
+    for (int p = 0; p < panels<HD>(); ++p) tma_load_2d(dst + p * (kBN * 128), m, col + 64 * p, row, full, pol);
+  };
+  // Tile kb into stage kb % kStages, its (kb / kStages)-th use: once the consumers released the use before.
+  auto kv = [&](bool is_v, int kb) {
+    const int s = kb % kStages;
+    mbar_wait(is_v ? sm.v_empty(s) : sm.k_empty(s), ((kb / kStages) & 1) ^ 1);
+    tile(is_v ? tv : tk, (is_v ? sm.v : sm.k) + s * TB, is_v ? sm.v_full(s) : sm.k_full(s), krow + kb * kBN, kcol,
+         reused);
+  };
+  tmap_prefetch(tq);
+  tmap_prefetch(tk);
+  tmap_prefetch(tv);
+  tile(tq, sm.q, sm.q_full(), qrow, qcol, once);
+  kv(false, 0);
+  for (int kb = 1; kb < nkb; ++kb) {
+    kv(false, kb);
+    kv(true, kb - 1);
+  }
+  kv(true, nkb - 1);
+}
+
+// Rows r0.. of every panel of a K/V tile to zero, by a warpgroup's 128 threads (ct: the thread's index in it).
+template <int HD> __device__ __forceinline__ void zero_rows(uint32_t tile, int r0, int ct) {
+  for (int c = r0 * 8 + ct; c < kBN * 8; c += 128)  // 16-byte chunk c % 8 of row c / 8 (whole rows: no swizzle)
 #pragma unroll
-      for (int n = 0; n < HD / 8; ++n)
-        *reinterpret_cast<uint32_t*>(orow + n * 8 + 2 * t) = pack2<S>(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-      if (t == 0) lse[int64_t(b0 + i) * nh + h] = mrow[r] * kLn2 + logf(l);
+    for (int p = 0; p < panels<HD>(); ++p)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(tile + p * (kBN * 128) + c * 16), "r"(0)
+                   : "memory");
+}
+
+// Consumer c (0 or 1): query rows i0 + 64c .. +64 of the segment at b0 (length L) over the block's nkb key tiles;
+// ct: the thread's index in its warpgroup.
+template <class S, int HD>
+__device__ __forceinline__ void ws_consume(const WsSmem& sm, S* out, float* lse, int b0, int L, int i0, int nkb,
+                                           int h, int nh, bool causal, float sl2, int c, int ct) {
+  constexpr uint32_t TB = ws_tile_bytes<HD>();
+  const int lane = ct & 31, g = lane >> 2, t = lane & 3;
+  const int tr0 = i0 + c * 64 + (ct >> 5) * 16 + g;  // this thread's rows: tr0, tr0 + 8
+  const uint32_t qa = sm.q + c * 64 * 128;           // the warpgroup's 64 rows inside each Q panel
+  const bool lead = lane == 0;                       // the warp's arrival on an empty barrier
+  float o[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
+  float mrow[2] = {kNegInf, kNegInf}, lrow[2] = {0.f, 0.f};  // running max (log2 units), per-thread partial sum
+  float s[kBN / 2], alpha[2];
+  uint32_t p[kBN / 16][4];
+
+  bar_arrive(1, 2 * 128, c == 0 && nkb > 1);  // consumer 0 issues first
+  mbar_wait(sm.q_full(), 0);
+  mbar_wait(sm.k_full(0), 0);
+  wg_fence();
+  gemm_s<S, HD>(s, qa, sm.k);
+  wg_commit();
+  wg_wait<0>();
+  mbar_arrive(sm.k_empty(0), lead);
+  pin(s);
+  softmax_tile(s, mrow, lrow, alpha, 0, L, tr0, t, causal, sl2);  // o is 0: no rescale
+  to_p<S, kBN>(s, p);
+  for (int kb = 0; kb + 1 < nkb; ++kb) {
+    const int sk = (kb + 1) % kStages, sv = kb % kStages;
+    mbar_wait(sm.k_full(sk), ((kb + 1) / kStages) & 1);
+    mbar_wait(sm.v_full(sv), (kb / kStages) & 1);  // here, not between the GEMMs: a wait loop there serializes them
+    bar_sync(1 + c, 2 * 128);                       // the other consumer has issued its GEMMs
+    pin(o);
+    pin2(p);
+    wg_fence();
+    gemm_s<S, HD>(s, qa, sm.k + sk * TB);
+    wg_commit();
+    gemm_pv<S, HD, kBN>(o, p, sm.v + sv * TB);
+    wg_commit();
+    bar_arrive(2 - c, 2 * 128, c == 0 || kb + 2 < nkb);  // the other's turn (consumer 1's last: nobody waits)
+    wg_wait<1>();  // S of tile kb+1 is done; PV of tile kb keeps running
+    mbar_arrive(sm.k_empty(sk), lead);
+    pin(s);
+    softmax_tile(s, mrow, lrow, alpha, (kb + 1) * kBN, L, tr0, t, causal, sl2);
+    wg_wait<0>();
+    mbar_arrive(sm.v_empty(sv), lead);
+    pin(o);
+    rescale(o, alpha);  // p and o are free again
+    to_p<S, kBN>(s, p);
+  }
+  // PV of the last tile (nothing is loaded after it: no release).
+  const int kl = nkb - 1, sv = kl % kStages;
+  mbar_wait(sm.v_full(sv), (kl / kStages) & 1);
+  if (nkb * kBN > L) {  // the segment ends inside it: zero its rows past the end (both consumers write the zeros)
+    zero_rows<HD>(sm.v + sv * TB, L - kl * kBN, ct);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    bar_sync(3 + c, 128);
+  }
+  pin(o);
+  pin2(p);
+  wg_fence();
+  gemm_pv<S, HD, kBN>(o, p, sm.v + sv * TB);
+  wg_commit();
+  wg_wait<0>();
+  pin(o);
+  store_rows<S, HD>(o, mrow, lrow, out, lse, b0, L, tr0, t, h, nh);
+}
+
+// tq: q [N, nh*HD], tk / tv: k / v [N, nkv*HD], each in boxes of 64 columns x 128 rows (tmap_16bit).
+template <class S, int HD>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    fwd_ws(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+           const __grid_constant__ CUtensorMap tv, S* __restrict__ out, float* __restrict__ lse,
+           const int32_t* __restrict__ cu, int nh, int nkv, float sl2, bool causal) {
+#ifdef Q3VL_WGMMA
+  static_assert(HD % 64 == 0, "whole 64-column TMA boxes");
+  constexpr uint32_t TB = ws_tile_bytes<HD>();
+  __shared__ alignas(8) uint64_t bars[1 + 4 * kStages];
+  extern __shared__ __align__(16) unsigned char smraw[];
+  WsSmem sm;
+  sm.q = (su32(smraw) + 1023u) & ~1023u;
+  sm.k = sm.q + TB;
+  sm.v = sm.k + kStages * TB;
+  sm.bars = su32(bars);
+
+  const int seg = blockIdx.z, h = blockIdx.y;
+  const int b0 = cu[seg], L = cu[seg + 1] - b0;
+  const int i0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // heaviest (causal) blocks first
+  if (i0 >= L) return;
+  const int nkb = ((causal ? min(i0 + kBM, L) : L) + kBN - 1) / kBN;
+  if (threadIdx.x == 0) {
+    mbar_init(sm.q_full(), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(sm.k_full(s), 1);
+      mbar_init(sm.v_full(s), 1);
+      mbar_init(sm.k_empty(s), 8);  // the consumers' warps
+      mbar_init(sm.v_empty(s), 8);
     }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dec<24>();
+    if (threadIdx.x == 0) ws_produce<HD>(&tq, &tk, &tv, sm, b0 + i0, h * HD, b0, h / (nh / nkv) * HD, nkb);
+  } else {
+    regs_inc<240>();
+    ws_consume<S, HD>(sm, out, lse, b0, L, i0, nkb, h, nh, causal, sl2, threadIdx.x / 128 - 1, threadIdx.x % 128);
   }
 #else
   __trap();
@@ -493,14 +695,32 @@ bool is_sm90() {
 }  // namespace
 
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
-                        const int32_t* cu, int nseg, int max_len, int nh, int nkv, int hd, bool causal, float sl2) {
+                        const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
+                        float sl2) {
   // Against fwd_tc on an H200: hd 64 0.90-1.03x (sixth session), hd 72 0.87-1.15x (20 x 784 and 1 x 16384 slower,
-  // 1 x 1024 faster; thirteenth): hd 128 only, though the kernel is written for 72 too (kdim, panels).
+  // 1 x 1024 faster; thirteenth): hd 128 only, though fwd_wgmma is written for 72 too (kdim, panels). fwd_ws runs
+  // unless the environment says Q3VL_ATTN_FWD=wgmma (A/B runs) or the TMA cannot take the tensors (alignment).
   if (hd != 128 || !is_sm90()) return false;
+  static const bool ws_on = [] {
+    const char* e = std::getenv("Q3VL_ATTN_FWD");
+    return !(e && std::string(e) == "wgmma");
+  }();
+  const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd;
+  CUtensorMap tq, tk, tv;
+  const bool ws = ws_on && tmap_16bit(tq, q, N, ldq, ldq, kBM, bf16) && tmap_16bit(tk, k, N, ldk, ldk, kBN, bf16) &&
+                  tmap_16bit(tv, v, N, ldk, ldk, kBN, bf16);
+  if (ws_on && !ws) {
+    static std::once_flag told;
+    std::call_once(told, [] { log_warn("attention_fwd_sm90: no TMA tensor maps for these tensors: fwd_wgmma instead"); });
+  }
   const dim3 grid(unsigned((max_len + kBM - 1) / kBM), unsigned(nh), unsigned(nseg));
   auto run = [&]<class S, int HD>() {
-    launch(fwd_wgmma<S, HD>, grid, kThreads, fwd_smem<HD>(sizeof(S)), st, static_cast<const S*>(q),
-           static_cast<const S*>(k), static_cast<const S*>(v), static_cast<S*>(out), lse, cu, nh, nkv, sl2, causal);
+    if (ws)
+      launch(fwd_ws<S, HD>, grid, kWsThreads, ws_smem<HD>(), st, tq, tk, tv, static_cast<S*>(out), lse, cu, nh, nkv,
+             sl2, causal);
+    else
+      launch(fwd_wgmma<S, HD>, grid, kThreads, fwd_smem<HD>(sizeof(S)), st, static_cast<const S*>(q),
+             static_cast<const S*>(k), static_cast<const S*>(v), static_cast<S*>(out), lse, cu, nh, nkv, sl2, causal);
   };
   if (bf16) run.template operator()<__nv_bfloat16, 128>();
   else run.template operator()<__half, 128>();

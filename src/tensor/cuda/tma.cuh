@@ -1,0 +1,112 @@
+// Hopper (sm_90a) asynchronous-pipeline building blocks of the warp-specialized kernels (attention_sm90.cu's fwd_ws):
+// mbarriers, TMA tensor copies (cp.async.bulk.tensor) that complete on them, named barriers between warpgroups,
+// setmaxnreg, and on the host the TMA tensor map of a row-major 16-bit matrix (cuTensorMapEncodeTiled, reached
+// through the runtime's driver entry point: no -lcuda). Only files built for sm_90a include it.
+#pragma once
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+#include "tensor/cuda/common.cuh"
+
+namespace q3vl::dev::cuda {
+
+// ---- device ------------------------------------------------------------------------------------------------------
+// mbarrier at shared address `bar` (8 bytes): init with an arrival count; arrive (pred: whether this thread does);
+// arrive and add `bytes` to the transaction count the phase also waits for (the TMA copies' complete_tx); wait for
+// the phase of the given parity to complete (a fresh barrier counts its phase "before 0", parity 1, as complete).
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// After the inits, before the barrier that publishes them: makes them visible to the async proxy (TMA) too.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+               "r"(int(pred))
+               : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// L2 policies for the TMA copies: data read once (evict first) or reused by other blocks (evict last).
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_last() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ void tmap_prefetch(const CUtensorMap* m) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
+}
+// The box of tensor map m at (column x, row y) to shared address dst; completes `bar`'s transactions with its bytes
+// (the whole box, elements out of bounds included: the TMA unit writes those as zeros).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* m, int x, int y, uint32_t bar,
+                                            uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+      "%3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(m)), "r"(x), "r"(y), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over n threads (a multiple of 32): sync waits for the n, arrive
+// counts this warp without waiting; pred: whether this warp arrives.
+__device__ __forceinline__ void bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int n, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.arrive %0, %1;\n}\n" ::"r"(id), "r"(n), "r"(int(pred))
+               : "memory");
+}
+
+// A warpgroup's register budget (every thread of it executes): dec hands registers back to the pool, inc takes them.
+template <int R> __device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R> __device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+// ---- host --------------------------------------------------------------------------------------------------------
+// The tensor map of a rows x cols matrix of 16-bit elements (bf16 or fp16) at base, row stride ld elements, read in
+// boxes of 64 columns x box_rows rows with the 128-byte swizzle: a box lands as wgmma's canonical swizzled panel
+// (row r at 128 r bytes, its 16-byte chunk c at c ^ (r % 8); the destination 1024-aligned). False where the TMA
+// unit cannot take it (base not 16-byte aligned, row stride not a multiple of 16 bytes, no driver entry point).
+inline bool tmap_16bit(CUtensorMap& m, const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows,
+                       bool bf16) {
+  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return Encode(nullptr);
+    }
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (!encode || !aligned16(base) || (ld * 2) % 16 != 0 || rows < 1 || cols < 1) return false;
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, step[2] = {1, 1};
+  return encode(&m, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                const_cast<void*>(base), dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace q3vl::dev::cuda
