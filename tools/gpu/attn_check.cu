@@ -1,8 +1,7 @@
 // GPU check and A/B timing of the CUDA attention kernels against a naive fp64 host reference: "old" is the mma.sync /
 // SIMT path of src/tensor/cuda/attention.cu (attention_fwd_path / attention_bwd_path with wgmma false), "new" the Hopper wgmma
 // kernels of attention_sm90.cu where they apply (forward hd 128, backward 64/72/128; bf16/fp16 on a 9.0 device; else
-// new = old). The new forward is fwd_ws (TMA, warp-specialized), or fwd_wgmma (cp.async) when the environment says
-// Q3VL_ATTN_FWD=wgmma: run twice to time the two. Build and run from the repo root:
+// new = old; the new forward is fwd_ws, TMA and warp-specialized). Build and run from the repo root:
 //   make bin/attn_check && bin/attn_check [--no-timing] [--no-checks] [--fwd-only (no backward timing)]
 //                                         [--small (few short cases, no timing: racecheck)]
 // Prints one line per checked case and path (old, new, newc: new with a workspace that holds the dQ accumulator of
@@ -209,10 +208,6 @@ bool is_sm90() {
 // Where the wgmma kernels must run (a 9.0 device, 16-bit): forward hd 128, backward hd 64/72/128.
 bool want_fwd_new(DType dt, int hd) { return dt != DType::F32 && hd == 128 && is_sm90(); }
 bool want_bwd_new(DType dt, int hd) { return dt != DType::F32 && (hd == 128 || hd == 72 || hd == 64) && is_sm90(); }
-const char* fwd_new_kernel() {
-  const char* e = std::getenv("Q3VL_ATTN_FWD");
-  return e && std::string(e) == "wgmma" ? "fwd_wgmma (cp.async)" : "fwd_ws (TMA, warp-specialized)";
-}
 
 int run_checks(Exec& x, bool small) {
   // Ragged lengths: a single token, empty, off every tile size (37, 200, 513, 129, 1000), exact tiles (64, 128).
@@ -461,7 +456,7 @@ int main(int argc, char** argv) {
   int fails = 0;
   std::vector<Row> rows;
   try {
-    std::printf("new forward: %s\n", is_sm90() ? fwd_new_kernel() : "none (not a 9.0 device)");
+    std::printf("new forward: %s\n", is_sm90() ? "fwd_ws (TMA, warp-specialized)" : "none (not a 9.0 device)");
     if (checks) fails = run_checks(x, small) + check_fwd_gap(x);
     if (timing) {
       rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::BF16, bwd));
@@ -488,7 +483,7 @@ int main(int argc, char** argv) {
   if (!rows.empty()) {
     std::printf("\nold: mma.sync; new: wgmma where it applies (* = taken; forward: %s); TF: TFLOP/s (bwd 2.5x fwd "
                 "flops); PyTorch SDPA fwd+bwd at text hd128: 2.03 ms%s\n",
-                fwd_new_kernel(), bwd ? "" : "; --fwd-only: no backward");
+                "fwd_ws", bwd ? "" : "; --fwd-only: no backward");
     std::printf("%-36s %8s %8s %7s %7s %8s %8s %7s %7s %9s %9s %7s %9s\n", "case (median of 20)", "fwd old",
                 "fwd new", "fwd TF", "fwd TF", "bwd old", "bwd new", "bwd TF", "bwd TF", "f+b old", "f+b new", "bwd x",
                 "new-old");

@@ -2,21 +2,19 @@
 // attention_bwd (bf16/fp16; forward head dim 128, backward 64, 72 and 128) on a compute-capability 9.0 device. Same
 // semantics as fwd_tc / dkdv_tc + dq_tc there (packed variable-length segments, GQA, causal or not; out [N, nh*hd],
 // lse [N, nh] natural log). The forward that attention_fwd_sm90 takes, fwd_ws (TMA, mbarriers, a producer and two
-// consumer warpgroups in pingpong), is described above it; the backward above bwd_wgmma.
+// consumer warpgroups in pingpong), is described above it; the backward above bwd_wgmma. (fwd_ws replaced fwd_wgmma,
+// two warpgroups loading with cp.async in lockstep: 0.595 against 0.967 ms at the 2B's shape, sixteenth session.)
 //
-// Forward (fwd_wgmma): a block is 2 warpgroups (256 threads) and 128 queries of one head of one segment; warpgroup w
-// owns query rows [64w, 64w+64). Per key tile of 128 keys: S = Q K^T by wgmma m64n128k16 with Q and K both from
-// shared memory, online softmax in registers (the accumulator layout is that of mma.m16n8 per warp, rows 16*warp + g,
-// g+8), P packed to 16-bit registers as wgmma's A operand, and O += P V by wgmma m64nHDk16 with V from shared memory
-// read N-major (the descriptor's transpose bit). K/V tiles stream in with cp.async (16-byte copies of every thread),
-// two tiles ahead of the compute (3 buffers), the softmax of one tile overlapping P.V of the previous one.
+// The forward's per-tile steps: S = Q K^T by wgmma m64n128k16 with Q and K both from shared memory, online softmax
+// in registers (the accumulator layout is that of mma.m16n8 per warp, rows 16*warp + g, g+8), P packed to 16-bit
+// registers as wgmma's A operand, and O += P V by wgmma m64nHDk16 with V from shared memory read N-major (the
+// descriptor's transpose bit).
 //
 // Shared-memory tiles use wgmma's canonical 128-byte swizzle: a tile of R rows x HD columns is HD/64 column panels,
 // each R rows of 128 bytes (64 elements); 16-byte chunk c of row r sits at chunk position c ^ (r % 8). 8-row groups
 // (1024 bytes) are the descriptors' stride dimension; every panel starts 1024-aligned.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -141,118 +139,20 @@ __device__ __forceinline__ void store_rows(const float (&o)[HD / 2], const float
 }
 // cp.async wrote through the generic proxy, wgmma reads through the async proxy: each thread waits for its copies
 // and fences, then the barrier publishes every thread's.
-__device__ __forceinline__ void tiles_landed(bool all) {
-  if (all) cp_wait_all();
-  else asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+__device__ __forceinline__ void tiles_landed() {
+  cp_wait_all();
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
 }
 
-// The schedule (FA3's intra-warpgroup overlap): 3 K/V buffers, S of
-// tile kb+1 and PV of tile kb issued together, the softmax of tile kb+1 computed while PV of tile kb runs; O is
-// rescaled and P rebuilt once PV has finished with them.
-constexpr int kBufs = 3;
-template <int HD> constexpr size_t fwd_smem(size_t es) {
-  return size_t(kBM + 2 * kBufs * kBN) * panels<HD>() * 64 * es + 1024;  // Q, K and V buffers, + alignment slack
-}
-
-template <class S, int HD>
-__global__ void __launch_bounds__(kThreads, 1) fwd_wgmma(const S* __restrict__ q, const S* __restrict__ k,
-                                                         const S* __restrict__ v, S* __restrict__ out,
-                                                         float* __restrict__ lse, const int32_t* __restrict__ cu,
-                                                         int nh, int nkv, float sl2, bool causal) {
-#ifdef Q3VL_WGMMA
-  constexpr int NB = kBufs, TQ = kBM * panels<HD>() * 128, TK = kBN * panels<HD>() * 128;  // tile bytes
-  extern __shared__ __align__(16) unsigned char smraw[];
-  const uint32_t sQ = (static_cast<uint32_t>(__cvta_generic_to_shared(smraw)) + 1023u) & ~1023u;
-  const uint32_t sK = sQ + TQ, sV = sK + NB * TK;
-
-  const int seg = blockIdx.z, h = blockIdx.y;
-  const int b0 = cu[seg], L = cu[seg + 1] - b0;
-  const int i0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // heaviest (causal) blocks first
-  if (i0 >= L) return;
-  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int kh = h / (nh / nkv);
-  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD;
-  const S* Kg = k + int64_t(b0) * ldk + int64_t(kh) * HD;
-  const S* Vg = v + int64_t(b0) * ldk + int64_t(kh) * HD;
-  auto load_kv = [&](int kb) {
-    load_tile<S, HD, kBN>(sK + (kb % NB) * TK, Kg, ldk, kb * kBN, L, tid);
-    load_tile<S, HD, kBN>(sV + (kb % NB) * TK, Vg, ldk, kb * kBN, L, tid);
-  };
-
-  const int kend = causal ? min(i0 + kBM, L) : L;
-  const int nkb = (kend + kBN - 1) / kBN;
-  const int wr0 = i0 + wg * 64;                     // the warpgroup's first row
-  const int tr0 = wr0 + ((tid >> 5) & 3) * 16 + g;  // this thread's rows: tr0, tr0 + 8
-  const uint32_t qa = sQ + wg * 64 * 128;           // the warpgroup's 64 rows inside each Q panel
-
-  load_tile<S, HD, kBM>(sQ, q + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
-  load_kv(0);
-  cp_commit();
-
-  float o[HD / 2];
-#pragma unroll
-  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-  float mrow[2] = {kNegInf, kNegInf}, lrow[2] = {0.f, 0.f};  // running max (log2 units), per-thread partial sum
-  float s[kBN / 2], alpha[2];
-  uint32_t p[kBN / 16][4];
-
-  if (nkb > 1) load_kv(1);
-  cp_commit();
-  tiles_landed(false);  // Q and tile 0 (tile 1 may still stream)
-  wg_fence();
-  gemm_s<S, HD>(s, qa, sK);
-  wg_commit();
-  wg_wait<0>();
-  pin(s);
-  softmax_tile(s, mrow, lrow, alpha, 0, L, tr0, t, causal, sl2);  // o is 0: no rescale
-  to_p<S, kBN>(s, p);
-  // Every wgmma group in the loop body is unconditional: issuing S under `if` made ptxas serialize the wgmmas
-  // (C7514).
-  for (int kb = 0; kb + 1 < nkb; ++kb) {
-    // Tile kb+1 landed; buffer (kb+2)%3 held tile kb-1, whose wgmmas every thread waited for before arriving.
-    tiles_landed(true);
-    if (kb + 2 < nkb) load_kv(kb + 2);
-    cp_commit();
-    pin(o);
-    pin2(p);
-    wg_fence();
-    gemm_s<S, HD>(s, qa, sK + ((kb + 1) % NB) * TK);
-    wg_commit();
-    gemm_pv<S, HD, kBN>(o, p, sV + (kb % NB) * TK);
-    wg_commit();
-    wg_wait<1>();  // S of tile kb+1 (the older group) is done; PV of tile kb keeps running
-    pin(s);
-    softmax_tile(s, mrow, lrow, alpha, (kb + 1) * kBN, L, tr0, t, causal, sl2);
-    wg_wait<0>();
-    pin(o);
-    rescale(o, alpha);  // p and o are free again
-    to_p<S, kBN>(s, p);
-  }
-  // PV of the last tile (landed before its S ran: no barrier needed, nothing is loaded any more).
-  pin(o);
-  pin2(p);
-  wg_fence();
-  gemm_pv<S, HD, kBN>(o, p, sV + ((nkb - 1) % NB) * TK);
-  wg_commit();
-  wg_wait<0>();
-  pin(o);
-  store_rows<S, HD>(o, mrow, lrow, out, lse, b0, L, tr0, t, h, nh);
-#else
-  __trap();
-#endif
-}
-
-
 // ---- forward, warp-specialized (fwd_ws: FA3's schedule) -------------------------------------------------------------
-// A block is 3 warpgroups (384 threads) and, as in fwd_wgmma, 128 queries of one head of one segment:
+// A block is 3 warpgroups (384 threads) and 128 queries of one head of one segment:
 //  - warpgroup 0, the producer, hands most of its registers back (setmaxnreg 24); its first thread issues the TMA
 //    copies: Q once, then K and V tiles of 128 keys into a ring of kStages stages, in the order the consumers read
 //    them (K0, K1, V0, K2, V1, ..., V last). Each stage has, for K and for V, a full mbarrier (the producer's
 //    arrive.expect_tx, completed by the copies' bytes) and an empty one (an arrival from each of the 8 consumer
 //    warps once its wgmmas reading the stage have completed), which the producer waits for before refilling it.
-//  - warpgroups 1 and 2, the consumers (setmaxnreg 240), own query rows [0, 64) and [64, 128): fwd_wgmma's per-tile
+//  - warpgroups 1 and 2, the consumers (setmaxnreg 240), own query rows [0, 64) and [64, 128): the per-tile
 //    steps and intra-warpgroup overlap (S of tile kb+1 issued with PV of tile kb, the softmax of tile kb+1 while PV
 //    runs); K is released once its S is done, V once its PV is.
 //  - Pingpong (FA3's warp-scheduler barriers): a consumer issues the two GEMMs of its next tile only once the other
@@ -445,11 +345,35 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 //   dV_w += P^T dO, dK_w += dS^T Q          (wgmma m64n128k16, P^T/dS^T from registers, dO/Q N-major)
 // and dS^T goes to shared memory (keys x queries, 128-byte swizzle), from which, once both halves are there,
 //   dQ[:, 64w..64w+64) = dS K[:, 64w..]    (wgmma m64n64k16, dS M-major, K N-major)
-// is added to an fp32 dQ accumulator in global memory with atomics (other key blocks add to the same rows).
+// is added to an fp32 dQ accumulator in global memory (other key blocks add to the same rows): staged in shared
+// memory, each warp's 16 rows go out as 16 bulk reductions (cp.reduce.async.bulk .add.f32, a row each), which the
+// copy engine performs while the warps go on. Per-element atomics from the registers instead took 0.72 of 2.24 ms at
+// the 2B's shape (H200, sixteenth session: the kernel without them ran 1.52 ms; float4 atomics no faster).
 constexpr int kBwdM = 64, kBwdN = 128;
+// The staged dQ rows of a warpgroup: its dQ columns (dq_cols: 64 at hd 128, where the two warpgroups split them,
+// else HD) in rows of dq_stride floats (= 8 mod 32: a half-warp's 8-byte stores, rows g = 0..3, hit distinct banks),
+// in 2 buffers (a row's reduction has the next iteration to read its buffer).
+template <int HD> constexpr int dq_cols() { return HD == 128 ? 64 : HD; }
+template <int HD> constexpr int dq_stride() { return (dq_cols<HD>() + 23) / 32 * 32 + 8; }
+template <int HD> constexpr size_t dq_stage_bytes() { return size_t(kBwdM) * dq_stride<HD>() * 4; }
 template <int HD> constexpr size_t bwd_smem() {
-  return size_t(2 * kBwdN + 4 * kBwdM) * panels<HD>() * 128 + kBwdN * kBwdM * 2 + 4 * kBwdM * 4 + 1024;
+  return size_t(2 * kBwdN + 4 * kBwdM) * panels<HD>() * 128 + kBwdN * kBwdM * 2 + 4 * kBwdM * 4 +
+         2 * 2 * dq_stage_bytes<HD>() + 1024;
 }
+static_assert(bwd_smem<128>() <= 227 * 1024 && bwd_smem<72>() <= 227 * 1024 && bwd_smem<64>() <= 227 * 1024);
+
+// Bulk asynchronous reductions (the copy engine): dst[0 .. bytes) += src (fp32, shared -> global), grouped per
+// thread; wait_read<N>: until at most N of this thread's groups still read their shared source; wait_all: done.
+__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // t (64 x 64: the warpgroup's 64 rows of A x the 64 rows of B) = A B^T, both K-major HD-column tiles: A's rows start
 // at a inside panels of pa bytes, B is a 64-row tile at b.
@@ -474,13 +398,14 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
   // dQ: at hd 128 the 2 warpgroups split its 64 columns (each over all 128 keys); at 64 and 72 they split the keys
   // (each its own 64, all HD columns) and both add to the accumulator.
   constexpr bool kSplitCols = HD == 128;
-  constexpr int DQN = kSplitCols ? 64 : HD;  // the dQ columns of a warpgroup
+  constexpr int DQN = dq_cols<HD>(), DQS = dq_stride<HD>();  // the staged dQ rows (above)
   constexpr int BM = kBwdM, BN = kBwdN, TQ = BM * panels<HD>() * 128, TK = BN * panels<HD>() * 128;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(16) unsigned char smraw[];
   const uint32_t sK = (static_cast<uint32_t>(__cvta_generic_to_shared(smraw)) + 1023u) & ~1023u;
   const uint32_t sV = sK + TK, sQ = sV + TK, sO = sQ + 2 * TQ, sdS = sO + 2 * TQ;  // sQ, sO: 2 buffers
   const uint32_t sLD = sdS + BN * BM * 2;  // lse[2][BM], then D[2][BM]
+  const uint32_t sDQ = sLD + 4 * BM * 4;    // staged dQ: [warpgroup][buffer] of dq_stage_bytes
   float* fLD = reinterpret_cast<float*>(smraw + (sLD - static_cast<uint32_t>(__cvta_generic_to_shared(smraw))));
 
   // Key blocks slowest in the launch order: every head's and segment's first block (the most query tiles when
@@ -522,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
 
   for (int it = 0; it < nit; ++it) {
     // Tile it landed; every wgmma and read of the other buffer and of sdS (iteration it-1) is complete.
-    tiles_landed(true);
+    tiles_landed();
     if (it + 1 < nit) stage(it + 1, (it + 1) & 1);
     cp_commit();
     const int buf = it & 1, h = h0 + it / nqb, i0 = (qb0 + it % nqb) * BM;
@@ -610,17 +535,33 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     pin(dva);
     pin2(pa);  // the A fragments of dV/dK stay allocated until those wgmmas have completed
     pin2(da);
-    // dQ rows: query i0 + 16*warp + g (+8), columns (64*wg when split) + 8n + 2t (+1).
+    // dQ rows: query i0 + 16*warp + g (+8), columns (64*wg when split) + 8n + 2t (+1), staged as the warp's rows
+    // 16*warp.. of its warpgroup's buffer; once the buffer's previous reductions have read it (wait_read), and the
+    // warp's stores are visible to the copy engine (proxy fence, then the warp's barrier), lane r < 16 sends row
+    // 16*warp + r.
+    const uint32_t sq = sDQ + (wg * 2 + (it & 1)) * uint32_t(dq_stage_bytes<HD>());
+    bulk_wait_read<1>();
+    __syncwarp();
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
-      const int i = i0 + warp * 16 + g + 8 * rh;
-      if (i >= L) continue;
-      float* row = dqacc + int64_t(b0 + i) * ldacc + int64_t(h - kh0 * grp) * HD + (kSplitCols ? wg * 64 : 0) + 2 * t;
+      const uint32_t row = sq + (warp * 16 + g + 8 * rh) * DQS * 4;
 #pragma unroll
       for (int n = 0; n < DQN / 8; ++n)
-        atomicAdd(reinterpret_cast<float2*>(row + 8 * n), make_float2(dqa[4 * n + 2 * rh], dqa[4 * n + 2 * rh + 1]));
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(row + (8 * n + 2 * t) * 4), "f"(dqa[4 * n + 2 * rh]),
+                     "f"(dqa[4 * n + 2 * rh + 1])
+                     : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncwarp();
+    if (lane < 16) {
+      const int i = i0 + warp * 16 + lane;
+      if (i < L)
+        bulk_add_f32(dqacc + int64_t(b0 + i) * ldacc + int64_t(h - kh0 * grp) * HD + (kSplitCols ? wg * 64 : 0),
+                     sq + (warp * 16 + lane) * DQS * 4, DQN * 4);
+      bulk_commit();
     }
   }
+  bulk_wait_all();  // the staged rows stay in shared memory until the reductions have read them
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     const int j = kr0 + 8 * rh;
@@ -697,30 +638,22 @@ bool is_sm90() {
 bool attention_fwd_sm90(cudaStream_t st, bool bf16, const void* q, const void* k, const void* v, void* out, float* lse,
                         const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
                         float sl2) {
-  // Against fwd_tc on an H200: hd 64 0.90-1.03x (sixth session), hd 72 0.87-1.15x (20 x 784 and 1 x 16384 slower,
-  // 1 x 1024 faster; thirteenth): hd 128 only, though fwd_wgmma is written for 72 too (kdim, panels). fwd_ws runs
-  // unless the environment says Q3VL_ATTN_FWD=wgmma (A/B runs) or the TMA cannot take the tensors (alignment).
+  // hd 128 only: at 64 and 72 (the vision tower) an earlier wgmma forward measured 0.87-1.15x fwd_tc (sixth and
+  // thirteenth sessions); fwd_ws is written for multiples of 64. Where the TMA cannot take the tensors (alignment,
+  // no driver entry point) fwd_tc runs, and the log says so once.
   if (hd != 128 || !is_sm90()) return false;
-  static const bool ws_on = [] {
-    const char* e = std::getenv("Q3VL_ATTN_FWD");
-    return !(e && std::string(e) == "wgmma");
-  }();
   const int64_t ldq = int64_t(nh) * hd, ldk = int64_t(nkv) * hd;
   CUtensorMap tq, tk, tv;
-  const bool ws = ws_on && tmap_16bit(tq, q, N, ldq, ldq, kBM, bf16) && tmap_16bit(tk, k, N, ldk, ldk, kBN, bf16) &&
-                  tmap_16bit(tv, v, N, ldk, ldk, kBN, bf16);
-  if (ws_on && !ws) {
+  if (!tmap_16bit(tq, q, N, ldq, ldq, kBM, bf16) || !tmap_16bit(tk, k, N, ldk, ldk, kBN, bf16) ||
+      !tmap_16bit(tv, v, N, ldk, ldk, kBN, bf16)) {
     static std::once_flag told;
-    std::call_once(told, [] { log_warn("attention_fwd_sm90: no TMA tensor maps for these tensors: fwd_wgmma instead"); });
+    std::call_once(told, [] { log_warn("attention_fwd_sm90: no TMA tensor maps for these tensors: fwd_tc instead"); });
+    return false;
   }
   const dim3 grid(unsigned((max_len + kBM - 1) / kBM), unsigned(nh), unsigned(nseg));
   auto run = [&]<class S, int HD>() {
-    if (ws)
-      launch(fwd_ws<S, HD>, grid, kWsThreads, ws_smem<HD>(), st, tq, tk, tv, static_cast<S*>(out), lse, cu, nh, nkv,
-             sl2, causal);
-    else
-      launch(fwd_wgmma<S, HD>, grid, kThreads, fwd_smem<HD>(sizeof(S)), st, static_cast<const S*>(q),
-             static_cast<const S*>(k), static_cast<const S*>(v), static_cast<S*>(out), lse, cu, nh, nkv, sl2, causal);
+    launch(fwd_ws<S, HD>, grid, kWsThreads, ws_smem<HD>(), st, tq, tk, tv, static_cast<S*>(out), lse, cu, nh, nkv,
+           sl2, causal);
   };
   if (bf16) run.template operator()<__nv_bfloat16, 128>();
   else run.template operator()<__half, 128>();
