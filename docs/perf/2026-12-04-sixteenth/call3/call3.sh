@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# call 3 (sixteenth session): the backward's key blocks in pairs (x, then nkb-1-x: even causal work a block),
+# launched pair-fastest so that the blocks in flight share their dQ rows in L2: bin/attn_check against the fp64
+# reference and timed; the 2B (issue 30's shape) and the 30B-A3B cut profiled, each against transformers in the
+# same call; the GPU suites.
+source tools/gpu/call_lib.sh res3
+t1=$SECONDS; timeout 150 /tmp/rt/bin/attn_check > $out/attn.txt 2>&1
+say "attn_check rc=$? $((SECONDS-t1)) s"; grep FAIL $out/attn.txt | head -5 >> $out/summary.txt; pack
+train_prof q2b input/bench_2b_gpu.deck 150 run.profile_top=0
+hf_train hf2b 200
+ratio q2b hf2b "2B, 4 x 4096 tokens a step"
+train_prof q30b input/bench_30b_a3b_gpu.deck 100 run.profile_top=0
+hf_train hf30b 150 --preset 30B-A3B --text-layers 6 --batch 1 --seq 4096
+ratio q30b hf30b "30B-A3B x 6 layers, 1 x 4096 tokens"
+unit_gpu 'BackendOps.*:DevInfer.*:DevModel.*:DevLayers.*:DevVision.*:Golden.*:Profile.*' 200
+say "done $((SECONDS-T0)) s"; pack
+cut -c1-400 $out/summary.txt; grep -A11 "^case (median" $out/attn.txt; head -24 $out/q2b_profile.txt; head -16 $out/q30b_profile.txt
