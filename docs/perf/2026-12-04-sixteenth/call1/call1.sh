@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # call 1 (sixteenth session): fwd_ws (the warp-specialized TMA forward) checked against the fp64 reference and timed
 # against fwd_wgmma; where the wgmma backward's time goes: attn_check_vN is bin/attn_check linked with
-# attention_sm90.cu built with -DQ3_ABL=N (a scratch copy, not in the tree, of the file before fwd_ws): 0 as is;
+# attention_sm90.cu built with -DQ3_ABL=N (ablations.patch here, on the file at e24efce): 0 as is;
 # 1 the backward without its dQ atomics; 2 without the dQ product (and its barrier and atomics); 3 float4 dQ atomics
 # (lanes t, t^1 swap halves: checked too); 4 the backward without loads after its first tiles; 5 the forward without
 # loads. Timings only (wrong results) except 0 and 3. Then the op table (rope_table on CUDA) and the 2B step with its
