@@ -481,9 +481,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!rows.empty()) {
-    std::printf("\nold: mma.sync; new: wgmma where it applies (* = taken; forward: %s); TF: TFLOP/s (bwd 2.5x fwd "
+    std::printf("\nold: mma.sync; new: wgmma where it applies (* = taken; forward: fwd_ws); TF: TFLOP/s (bwd 2.5x fwd "
                 "flops); PyTorch SDPA fwd+bwd at text hd128: 2.03 ms%s\n",
-                "fwd_ws", bwd ? "" : "; --fwd-only: no backward");
+                bwd ? "" : "; --fwd-only: no backward");
     std::printf("%-36s %8s %8s %7s %7s %8s %8s %7s %7s %9s %9s %7s %9s\n", "case (median of 20)", "fwd old",
                 "fwd new", "fwd TF", "fwd TF", "bwd old", "bwd new", "bwd TF", "bwd TF", "f+b old", "f+b new", "bwd x",
                 "new-old");

@@ -347,8 +347,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 //   dQ[:, 64w..64w+64) = dS K[:, 64w..]    (wgmma m64n64k16, dS M-major, K N-major)
 // is added to an fp32 dQ accumulator in global memory (other key blocks add to the same rows): staged in shared
 // memory, each warp's 16 rows go out as 16 bulk reductions (cp.reduce.async.bulk .add.f32, a row each), which the
-// copy engine performs while the warps go on. Per-element atomics from the registers instead took 0.72 of 2.24 ms at
-// the 2B's shape (H200, sixteenth session: the kernel without them ran 1.52 ms; float4 atomics no faster).
+// copy engine performs while the warps go on. At hd 64 and 72 that ran 9-13% faster than per-element atomics from the
+// registers; at hd 128 no faster: the dQ adds still cost ~0.72 of 2.24 ms at the 2B's shape (H200, sixteenth session:
+// the kernel without them ran 1.52 ms; float4 atomics no faster either; docs/PERFORMANCE.md has what comes next).
 constexpr int kBwdM = 64, kBwdN = 128;
 // The staged dQ rows of a warpgroup: its dQ columns (dq_cols: 64 at hd 128, where the two warpgroups split them,
 // else HD) in rows of dq_stride floats (= 8 mod 32: a half-warp's 8-byte stores, rows g = 0..3, hit distinct banks),
