@@ -4,6 +4,7 @@
 // new = old; the new forward is fwd_ws, TMA and warp-specialized). Build and run from the repo root:
 //   make bin/attn_check && bin/attn_check [--no-timing] [--no-checks] [--fwd-only (no backward timing)]
 //                                         [--small (few short cases, no timing: racecheck)]
+//                                         [--first N (time only the first N cases: the text ones first)]
 // Prints one line per checked case and path (old, new, newc: new with a workspace that holds the dQ accumulator of
 // 3 kv heads, so it runs in chunks), the forward with NaN rows outside the segments, then a timing table (median of
 // 20 calls). Exit 1 on any failed check (or when the wgmma path was not taken on a 9.0 device where it should be).
@@ -440,7 +441,9 @@ Row time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int h
 
 int main(int argc, char** argv) {
   bool timing = true, checks = true, small = false, bwd = true;
+  size_t first = 99;
   for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--first" && i + 1 < argc) first = std::stoul(argv[++i]);
     if (std::string(argv[i]) == "--no-timing") timing = false;
     if (std::string(argv[i]) == "--fwd-only") bwd = false;
     if (std::string(argv[i]) == "--no-checks") checks = false;
@@ -459,15 +462,18 @@ int main(int argc, char** argv) {
     std::printf("new forward: %s\n", is_sm90() ? "fwd_ws (TMA, warp-specialized)" : "none (not a 9.0 device)");
     if (checks) fails = run_checks(x, small) + check_fwd_gap(x);
     if (timing) {
-      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::BF16, bwd));
-      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 128, true, DType::F16, bwd));
-      rows.push_back(time_case(x, "text", 4, 4096, 16, 8, 64, true, DType::BF16, bwd));
-      rows.push_back(time_case(x, "vision", 20, 784, 16, 16, 64, false, DType::BF16, bwd));
-      rows.push_back(time_case(x, "vision", 4, 1024, 16, 16, 64, false, DType::BF16, bwd));  // the 2B's training step
-      rows.push_back(time_case(x, "vision", 1, 16384, 16, 16, 64, false, DType::BF16, bwd));
-      rows.push_back(time_case(x, "vision", 20, 784, 16, 16, 72, false, DType::BF16, bwd));
-      rows.push_back(time_case(x, "vision", 1, 1024, 16, 16, 72, false, DType::BF16, bwd));  // the 30B-A3B cut's step
-      rows.push_back(time_case(x, "vision", 1, 16384, 16, 16, 72, false, DType::BF16, bwd));
+      auto add = [&](const char* name, int nseg, int L, int nh, int nkv, int hd, bool causal, DType dt, bool b) {
+        if (rows.size() < first) rows.push_back(time_case(x, name, nseg, L, nh, nkv, hd, causal, dt, b));
+      };
+      add("text", 4, 4096, 16, 8, 128, true, DType::BF16, bwd);
+      add("text", 4, 4096, 16, 8, 128, true, DType::F16, bwd);
+      add("text", 4, 4096, 16, 8, 64, true, DType::BF16, bwd);
+      add("vision", 20, 784, 16, 16, 64, false, DType::BF16, bwd);
+      add("vision", 4, 1024, 16, 16, 64, false, DType::BF16, bwd);  // the 2B's training step
+      add("vision", 1, 16384, 16, 16, 64, false, DType::BF16, bwd);
+      add("vision", 20, 784, 16, 16, 72, false, DType::BF16, bwd);
+      add("vision", 1, 1024, 16, 16, 72, false, DType::BF16, bwd);  // the 30B-A3B cut's step
+      add("vision", 1, 16384, 16, 16, 72, false, DType::BF16, bwd);
       for (const Row& r : rows) {
         const bool bad = !(r.diff < 3e-2) || (bwd && want_bwd_new(DType::BF16, r.hd) && !r.bwd_new) ||
                          (want_fwd_new(DType::BF16, r.hd) && !r.fwd_new);

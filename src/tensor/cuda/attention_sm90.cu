@@ -210,12 +210,13 @@ __device__ __forceinline__ void ws_produce(const CUtensorMap* tq, const CUtensor
   kv(true, nkb - 1);
 }
 
-// Rows r0.. of every panel of a K/V tile to zero, by a warpgroup's 128 threads (ct: the thread's index in it).
-template <int HD> __device__ __forceinline__ void zero_rows(uint32_t tile, int r0, int ct) {
-  for (int c = r0 * 8 + ct; c < kBN * 8; c += 128)  // 16-byte chunk c % 8 of row c / 8 (whole rows: no swizzle)
+// Rows r0.. of every panel of a tile of R rows to zero, by n threads (ct: the thread's index among them).
+template <int HD, int R = kBN>
+__device__ __forceinline__ void zero_rows(uint32_t tile, int r0, int ct, int n = 128) {
+  for (int c = r0 * 8 + ct; c < R * 8; c += n)  // 16-byte chunk c % 8 of row c / 8 (whole rows: no swizzle)
 #pragma unroll
     for (int p = 0; p < panels<HD>(); ++p)
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(tile + p * (kBN * 128) + c * 16), "r"(0)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(tile + p * (R * 128) + c * 16), "r"(0)
                    : "memory");
 }
 
@@ -339,24 +340,37 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // their dK/dV rows (fp32 in registers, summed over the group's query heads: GQA without races; where head_split
 // shares the heads among blocks, each writes fp32 partials that sum_parts adds in order). The block loops over
 // the query heads of the group and, per head, over 64-query tiles (causal: from the block's first key on); per tile
-// (Q, dO, lse, D double-buffered by cp.async), warpgroup w computes
+// (Q, dO, lse, D double-buffered: Q and dO by TMA at hd 64 and 128, else cp.async), warpgroup w computes
 //   S^T = K_w Q^T, dP^T = V_w dO^T          (wgmma m64n64k16, both operands K-major in smem)
 //   P^T = exp2(S^T sl2 - lse log2e), dS^T = P^T (dP^T - D) scale   (registers; lse, D per column = query)
 //   dV_w += P^T dO, dK_w += dS^T Q          (wgmma m64n128k16, P^T/dS^T from registers, dO/Q N-major)
 // and dS^T goes to shared memory (keys x queries, 128-byte swizzle), from which, once both halves are there,
 //   dQ[:, 64w..64w+64) = dS K[:, 64w..]    (wgmma m64n64k16, dS M-major, K N-major)
-// is added to an fp32 dQ accumulator in global memory (other key blocks add to the same rows): staged in shared
-// memory, each warp's 16 rows go out as 16 bulk reductions (cp.reduce.async.bulk .add.f32, a row each), which the
-// copy engine performs while the warps go on. At hd 64 and 72 that ran 9-13% faster than per-element atomics from the
-// registers; at hd 128 no faster: the dQ adds still cost ~0.72 of 2.24 ms at the 2B's shape (H200, sixteenth session:
-// the kernel without them ran 1.52 ms; float4 atomics no faster either; docs/PERFORMANCE.md has what comes next).
+// is added to an fp32 dQ accumulator in global memory (other key blocks add to the same rows). The accumulator is
+// kept in tiles of 64 query rows x HD columns (dq_tile: one tile per query tile and head, each a contiguous block in
+// the order of the wgmma accumulator's registers), so that a warpgroup's whole contribution is staged in shared memory
+// with conflict-free 16-byte stores and goes out as ONE bulk reduction (cp.reduce.async.bulk .add.f32, 16-18 KiB),
+// performed by the copy engine while the warps go on; dq_from_acc turns the tiles into dQ rows. Measured at the 2B's
+// shape, hd 128 (H200, seventeenth session): the tiles alone no faster than a reduction per row (2.27 ms), the TMA
+// loads 2.27 -> 2.01 ms; the reductions still cost ~0.41 ms of it (none sent: 1.60), in proportion to their bytes
+// (half the bytes: 1.82), neither from the accumulator's place in L2 (a private region per block: 1.97) nor from the
+// add (a plain bulk store: 1.94); an evict-last hint changed nothing, key blocks fastest in the launch order 2.25.
 constexpr int kBwdM = 64, kBwdN = 128;
-// The staged dQ rows of a warpgroup: its dQ columns (dq_cols: 64 at hd 128, where the two warpgroups split them,
-// else HD) in rows of dq_stride floats (= 8 mod 32: a half-warp's 8-byte stores, rows g = 0..3, hit distinct banks),
-// in 2 buffers (a row's reduction has the next iteration to read its buffer).
+// The dQ accumulator's tiles. A warpgroup's part of a tile is its dQ columns (dq_cols: 64 at hd 128, where the two
+// warpgroups split them, else HD) for 64 query rows, stored as the warpgroup's registers are: chunk n (the wgmma
+// accumulator's registers 4n .. 4n+3) of thread tid at float (n * 128 + tid) * 4. Register 4n + 2rh + e of thread
+// (warp, g = lane / 4, t = lane % 4) is dQ row 16 warp + g + 8 rh, column 8n + 2t + e of the part (dq_tile_at).
+// Tile T of a segment starting at token b0 (query tile qt) is b0 / 64 + seg + qt: distinct for every segment and
+// tile, fewer than N / 64 + nseg (dq_tiles). Tiles are [T][local query head][parts][64 * dq_cols] floats.
 template <int HD> constexpr int dq_cols() { return HD == 128 ? 64 : HD; }
-template <int HD> constexpr int dq_stride() { return (dq_cols<HD>() + 23) / 32 * 32 + 8; }
-template <int HD> constexpr size_t dq_stage_bytes() { return size_t(kBwdM) * dq_stride<HD>() * 4; }
+template <int HD> constexpr size_t dq_stage_bytes() { return size_t(kBwdM) * dq_cols<HD>() * 4; }
+inline int64_t dq_tiles(int64_t N, int nseg) { return N / kBwdM + nseg; }
+// The float offset inside a head's tile of row r (0..63), columns c, c + 1 (c even, 0..HD-1).
+template <int HD> __device__ __forceinline__ int dq_tile_at(int r, int c) {
+  const int part = c / dq_cols<HD>(), cc = c % dq_cols<HD>();
+  const int tid = (r / 16) * 32 + (r % 8) * 4 + (cc % 8) / 2;
+  return part * (kBwdM * dq_cols<HD>()) + ((cc / 8) * 128 + tid) * 4 + 2 * ((r % 16) / 8);
+}
 template <int HD> constexpr size_t bwd_smem() {
   return size_t(2 * kBwdN + 4 * kBwdM) * panels<HD>() * 128 + kBwdN * kBwdM * 2 + 4 * kBwdM * 4 +
          2 * 2 * dq_stage_bytes<HD>() + 1024;
@@ -387,7 +401,9 @@ __device__ __forceinline__ void gemm_t(float (&t)[kBwdM / 2], uint32_t a, uint32
 }
 
 template <class S, int HD>
-__global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ dout, const S* __restrict__ q,
+__global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const __grid_constant__ CUtensorMap tq,
+                                                         const __grid_constant__ CUtensorMap tdo,
+                                                         const S* __restrict__ dout, const S* __restrict__ q,
                                                          const S* __restrict__ k, const S* __restrict__ v,
                                                          const float* __restrict__ lse, const float* __restrict__ Dd,
                                                          S* __restrict__ dk, S* __restrict__ dv,
@@ -399,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
   // dQ: at hd 128 the 2 warpgroups split its 64 columns (each over all 128 keys); at 64 and 72 they split the keys
   // (each its own 64, all HD columns) and both add to the accumulator.
   constexpr bool kSplitCols = HD == 128;
-  constexpr int DQN = dq_cols<HD>(), DQS = dq_stride<HD>();  // the staged dQ rows (above)
+  constexpr int DQN = dq_cols<HD>();  // the warpgroup's dQ columns (above)
   constexpr int BM = kBwdM, BN = kBwdN, TQ = BM * panels<HD>() * 128, TK = BN * panels<HD>() * 128;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ __align__(16) unsigned char smraw[];
@@ -418,16 +434,43 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
   if (j0 >= L) return;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int grp = nh / nkv, hpb = grp / split, h0 = kh * grp + hs * hpb;  // this block's query heads [h0, h0+hpb)
-  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD, ldacc = int64_t(nc) * grp * HD;
+  const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD;
+  const int64_t tile0 = b0 / BM + seg;  // the segment's first dQ tile (dq_tiles)
   const int qb0 = causal ? j0 / BM : 0;  // earlier query tiles see none of these keys
   const int nqb = (L + BM - 1) / BM - qb0, nit = hpb * nqb;
 
+  // At head dims of whole 64-column panels the Q and dO tiles come by TMA (thread 0 issues, full[buf] completes),
+  // else by every thread's cp.async. A TMA tile's rows are token rows: past the segment's end they are zeroed in
+  // shared memory once landed (rows of another segment, or NaN outside every one, must meet P = dS = 0 as zeros).
+  constexpr bool kTma = HD % 64 == 0;
+  __shared__ alignas(8) uint64_t full[2];
+  const uint32_t sFull = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  const uint64_t pol = kTma ? l2_evict_normal() : 0;
+  if (kTma && tid == 0) {
+    tmap_prefetch(&tq);
+    tmap_prefetch(&tdo);
+    mbar_init(sFull, 1);
+    mbar_init(sFull + 8, 1);
+    mbar_init_fence();
+  }
+  if constexpr (kTma) __syncthreads();
   load_tile<S, HD, BN>(sK, k + int64_t(b0) * ldk + int64_t(kh) * HD, ldk, j0, L, tid);
   load_tile<S, HD, BN>(sV, v + int64_t(b0) * ldk + int64_t(kh) * HD, ldk, j0, L, tid);
   auto stage = [&](int it, int buf) {
     const int h = h0 + it / nqb, i0 = (qb0 + it % nqb) * BM;
-    load_tile<S, HD, BM>(sQ + buf * TQ, q + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
-    load_tile<S, HD, BM>(sO + buf * TQ, dout + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
+    if constexpr (kTma) {
+      if (tid == 0) {
+        mbar_expect_tx(sFull + 8 * buf, 2 * TQ);
+#pragma unroll
+        for (int p = 0; p < panels<HD>(); ++p) {
+          tma_load_2d(sQ + buf * TQ + p * (BM * 128), &tq, h * HD + 64 * p, b0 + i0, sFull + 8 * buf, pol);
+          tma_load_2d(sO + buf * TQ + p * (BM * 128), &tdo, h * HD + 64 * p, b0 + i0, sFull + 8 * buf, pol);
+        }
+      }
+    } else {
+      load_tile<S, HD, BM>(sQ + buf * TQ, q + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
+      load_tile<S, HD, BM>(sO + buf * TQ, dout + int64_t(b0) * ldq + int64_t(h) * HD, ldq, i0, L, tid);
+    }
     if (tid < 2 * BM) {  // lse (tid < BM) and D; rows past the end read as 0 and are masked
       const int r = tid % BM;
       const bool ok = i0 + r < L;
@@ -447,11 +490,19 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
   const uint32_t va = sV + wg * 64 * 128;
 
   for (int it = 0; it < nit; ++it) {
+    const int buf = it & 1, h = h0 + it / nqb, i0 = (qb0 + it % nqb) * BM;
     // Tile it landed; every wgmma and read of the other buffer and of sdS (iteration it-1) is complete.
+    if constexpr (kTma) {
+      cp_wait_all();  // lse, D
+      mbar_wait(sFull + 8 * buf, (it >> 1) & 1);
+      if (i0 + BM > L) {
+        zero_rows<HD, BM>(sQ + buf * TQ, L - i0, tid, kThreads);
+        zero_rows<HD, BM>(sO + buf * TQ, L - i0, tid, kThreads);
+      }
+    }
     tiles_landed();
     if (it + 1 < nit) stage(it + 1, (it + 1) & 1);
     cp_commit();
-    const int buf = it & 1, h = h0 + it / nqb, i0 = (qb0 + it % nqb) * BM;
     const uint32_t cQ = sQ + buf * TQ, cO = sO + buf * TQ;
     const float* cL = fLD + buf * BM;
     const float* cD = fLD + (2 + buf) * BM;
@@ -511,8 +562,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     gemm_pv<S, HD, BM>(dka, da, cQ);
     wg_commit();
     // dS^T written (generic proxy) before wgmma reads it (async proxy): both warpgroups' halves when each reads all
-    // 128 keys, else the warpgroup's own (named barrier 1 + wg over its 128 threads).
+    // 128 keys, else the warpgroup's own (named barrier 1 + wg over its 128 threads). The same barrier tells the
+    // warpgroup that its dQ staging buffer for this iteration is free: the reduction that last read it (iteration
+    // it - 2, issued by the warpgroup's thread 0) has read it.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    if ((tid & 127) == 0) bulk_wait_read<1>();
     if constexpr (kSplitCols) __syncthreads();
     else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
     float dqa[DQN / 2];
@@ -536,29 +590,22 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
     pin(dva);
     pin2(pa);  // the A fragments of dV/dK stay allocated until those wgmmas have completed
     pin2(da);
-    // dQ rows: query i0 + 16*warp + g (+8), columns (64*wg when split) + 8n + 2t (+1), staged as the warp's rows
-    // 16*warp.. of its warpgroup's buffer; once the buffer's previous reductions have read it (wait_read), and the
-    // warp's stores are visible to the copy engine (proxy fence, then the warp's barrier), lane r < 16 sends row
-    // 16*warp + r.
+    // The warpgroup's part of dQ tile (query tile i0, head h) staged in its registers' order (dq_tile_at:
+    // conflict-free 16-byte stores), made visible to the copy engine (proxy fence, the warpgroup's barrier), and sent
+    // by thread 0 as one reduction.
     const uint32_t sq = sDQ + (wg * 2 + (it & 1)) * uint32_t(dq_stage_bytes<HD>());
-    bulk_wait_read<1>();
-    __syncwarp();
+    const int wtid = tid & 127;
 #pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const uint32_t row = sq + (warp * 16 + g + 8 * rh) * DQS * 4;
-#pragma unroll
-      for (int n = 0; n < DQN / 8; ++n)
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(row + (8 * n + 2 * t) * 4), "f"(dqa[4 * n + 2 * rh]),
-                     "f"(dqa[4 * n + 2 * rh + 1])
-                     : "memory");
-    }
+    for (int n = 0; n < DQN / 8; ++n)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(sq + (n * 128 + wtid) * 16), "f"(dqa[4 * n]),
+                   "f"(dqa[4 * n + 1]), "f"(dqa[4 * n + 2]), "f"(dqa[4 * n + 3])
+                   : "memory");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncwarp();
-    if (lane < 16) {
-      const int i = i0 + warp * 16 + lane;
-      if (i < L)
-        bulk_add_f32(dqacc + int64_t(b0 + i) * ldacc + int64_t(h - kh0 * grp) * HD + (kSplitCols ? wg * 64 : 0),
-                     sq + (warp * 16 + lane) * DQS * 4, DQN * 4);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(3 + wg) : "memory");
+    if (wtid == 0) {
+      const int64_t T = tile0 + i0 / BM;
+      float* tile = dqacc + (T * (int64_t(nc) * grp) + (h - kh0 * grp)) * (BM * HD);
+      bulk_add_f32(tile + (kSplitCols ? wg * BM * DQN : 0), sq, uint32_t(dq_stage_bytes<HD>()));
       bulk_commit();
     }
   }
@@ -589,13 +636,28 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const S* __restrict__ d
 #endif
 }
 
-// dq[:, c0 .. c0 + w) (+)= the fp32 accumulator [N, w], 2 elements a thread (ldq: dq's row stride).
-template <class S>
-__global__ void dq_from_acc(const float2* __restrict__ a, S* __restrict__ dq, int64_t n2, int w, int64_t ldq,
-                            int64_t c0, bool acc) {
+// dq[:, c0 .. c0 + w) (+)= the fp32 accumulator's tiles (dq_tile_at; w / HD local query heads), 2 elements a
+// thread (ldq: dq's row stride). Rows outside every segment get 0.
+template <class S, int HD>
+__global__ void dq_from_acc(const float* __restrict__ a, S* __restrict__ dq, const int32_t* __restrict__ cu, int nseg,
+                            int64_t n2, int w, int64_t ldq, int64_t c0, bool acc) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n2; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = 2 * i / w, col = 2 * i % w;
-    add2<S>(dq + row * ldq + c0 + col, a[i].x, a[i].y, acc);
+    const int64_t row = 2 * i / w;
+    const int col = int(2 * i % w);
+    int lo = 0, hi = nseg;  // the segment: the last seg with cu[seg] <= row (binary search)
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (cu[mid] <= row) lo = mid;
+      else hi = mid;
+    }
+    float2 v = make_float2(0.f, 0.f);
+    const int b0 = cu[lo];
+    if (row >= b0 && row < cu[lo + 1]) {
+      const int r = int(row - b0), hl = col / HD;
+      const int64_t T = b0 / kBwdM + lo + r / kBwdM;
+      v = *reinterpret_cast<const float2*>(a + (T * (w / HD) + hl) * (kBwdM * HD) + dq_tile_at<HD>(r % kBwdM, col % HD));
+    }
+    add2<S>(dq + row * ldq + c0 + col, v.x, v.y, acc);
   }
 }
 
@@ -669,8 +731,17 @@ bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void
                         const int32_t* cu, int nseg, int max_len, int64_t N, int nh, int nkv, int hd, bool causal,
                         float scale, float sl2, bool acc) {
   const int grp = nh / nkv;
-  const size_t per_kv = size_t(N) * grp * hd * sizeof(float);  // one kv head's query rows
+  const size_t per_kv = size_t(dq_tiles(N, nseg)) * kBwdM * grp * hd * sizeof(float);  // one kv head's dQ tiles
   if ((hd != 128 && hd != 72 && hd != 64) || acc_bytes < per_kv || !is_sm90()) return false;
+  // The TMA maps of q and dout (head dims 64 and 128; unused at 72): where the TMA cannot take them, the older
+  // kernels (attention.cu's) run instead, and the log says so once.
+  CUtensorMap tq{}, tdo{};
+  if (hd % 64 == 0 && (!tmap_16bit(tq, q, N, int64_t(nh) * hd, int64_t(nh) * hd, kBwdM, bf16) ||
+                       !tmap_16bit(tdo, dout, N, int64_t(nh) * hd, int64_t(nh) * hd, kBwdM, bf16))) {
+    static std::once_flag told;
+    std::call_once(told, [] { log_warn("attention_bwd_sm90: no TMA tensor maps for these tensors: dkdv_tc/dq_tc"); });
+    return false;
+  }
   const int nkb = (max_len + kBwdN - 1) / kBwdN;
   const size_t kv_elems = size_t(N) * nkv * hd, per_split = 2 * kv_elems * sizeof(float);  // dK and dV partials
   const int split = head_split(int64_t(nkv) * nseg * nkb, grp, per_split, acc_bytes - per_kv);
@@ -684,13 +755,13 @@ bool attention_bwd_sm90(cudaStream_t st, bool bf16, const void* dout, const void
       const int nc = std::min(chunk, nkv - kh0), w = nc * grp * hd;
       Q3VL_CU(cudaMemsetAsync(dqacc, 0, nc * per_kv, st));
       const dim3 grid(unsigned(nc * split), unsigned(nseg), unsigned(nkb));
-      launch(bwd_wgmma<S, HD>, grid, kThreads, bwd_smem<HD>(), st, static_cast<const S*>(dout),
+      launch(bwd_wgmma<S, HD>, grid, kThreads, bwd_smem<HD>(), st, tq, tdo, static_cast<const S*>(dout),
              static_cast<const S*>(q), static_cast<const S*>(k), static_cast<const S*>(v), lse, D,
              static_cast<S*>(dk), static_cast<S*>(dv), dqacc, cu, nh, nkv, kh0, scale, sl2, causal, acc, split, part,
              N);
       const int64_t n2 = N * w / 2;
-      launch(dq_from_acc<S>, dim3(grid_for(n2)), 256, 0, st, reinterpret_cast<const float2*>(dqacc),
-             static_cast<S*>(dq), n2, w, int64_t(nh) * hd, int64_t(kh0) * grp * hd, acc);
+      launch(dq_from_acc<S, HD>, dim3(grid_for(n2)), 256, 0, st, dqacc, static_cast<S*>(dq), cu, nseg, n2, w,
+             int64_t(nh) * hd, int64_t(kh0) * grp * hd, acc);
     }
     if (!part) return;
     const int64_t n2 = int64_t(kv_elems / 2);

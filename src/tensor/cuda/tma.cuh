@@ -38,10 +38,15 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-// L2 policies for the TMA copies: data read once (evict first) or reused by other blocks (evict last).
+// L2 policies for the TMA copies: data read once (evict first), reused by other blocks (evict last), or neither.
 __device__ __forceinline__ uint64_t l2_evict_first() {
   uint64_t p;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_normal() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
   return p;
 }
 __device__ __forceinline__ uint64_t l2_evict_last() {
