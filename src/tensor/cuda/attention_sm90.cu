@@ -71,35 +71,34 @@ __device__ __forceinline__ void gemm_pv(float (&o)[HD / 2], const uint32_t (&p)[
   for (int kk = 0; kk < R / 16; ++kk) wg_rs<S, HD>(o, p[kk], sdesc(va + kk * 2048, R * 128));
 }
 // Online softmax on one score tile (keys j0..): masks, moves the running max (log2 units), replaces s by
-// exp2(s*sl2 - max), adds its row sums to lrow; alpha: the factor the accumulated output rows must take.
+// exp2(s*sl2 - max) (one FFMA and an exp2 a score), adds its row sums to lrow; alpha: the factor the accumulated
+// output rows must take.
 __device__ __forceinline__ void softmax_tile(float (&s)[kBN / 2], float (&mrow)[2], float (&lrow)[2],
                                              float (&alpha)[2], int j0, int L, int tr0, int t, bool causal,
                                              float sl2) {
   const bool need_mask = (j0 + kBN > L) || (causal && j0 + kBN - 1 > tr0);  // tr0: the thread's first row
+  if (need_mask)
 #pragma unroll
-  for (int n = 0; n < kBN / 8; ++n)
+    for (int n = 0; n < kBN / 8; ++n)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float xv = s[4 * n + e] * sl2;
-      if (need_mask) {
+      for (int e = 0; e < 4; ++e) {
         const int j = j0 + n * 8 + 2 * t + (e & 1), i = tr0 + (e >> 1) * 8;
-        if (j >= L || (causal && j > i)) xv = kNegInf;
+        if (j >= L || (causal && j > i)) s[4 * n + e] = kNegInf;
       }
-      s[4 * n + e] = xv;
-    }
+  // The max over raw scores (sl2 > 0 keeps the order), scaled once; each score then takes one FFMA before exp2.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float mx = mrow[r];
+    float mx = kNegInf;
 #pragma unroll
     for (int n = 0; n < kBN / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * r], s[4 * n + 2 * r + 1]));
-    mx = quad_max(mx);
+    mx = fmaxf(mrow[r], quad_max(mx) * sl2);
     const float ms = mx == kNegInf ? 0.f : mx;  // a row with no key yet: keep everything 0, not NaN
     alpha[r] = fexp2(mrow[r] - ms);
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < kBN / 8; ++n) {
-      s[4 * n + 2 * r] = fexp2(s[4 * n + 2 * r] - ms);
-      s[4 * n + 2 * r + 1] = fexp2(s[4 * n + 2 * r + 1] - ms);
+      s[4 * n + 2 * r] = fexp2(fmaf(s[4 * n + 2 * r], sl2, -ms));
+      s[4 * n + 2 * r + 1] = fexp2(fmaf(s[4 * n + 2 * r + 1], sl2, -ms));
       sum += s[4 * n + 2 * r] + s[4 * n + 2 * r + 1];
     }
     lrow[r] = lrow[r] * alpha[r] + sum;
