@@ -345,7 +345,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 //   dV_w += P^T dO, dK_w += dS^T Q          (wgmma m64n128k16, P^T/dS^T from registers, dO/Q N-major)
 // and dS^T goes to shared memory (keys x queries, 128-byte swizzle), from which, once both halves are there,
 //   dQ[:, 64w..64w+64) = dS K[:, 64w..]    (wgmma m64n64k16, dS M-major, K N-major)
-// is added to an fp32 dQ accumulator in global memory (other key blocks add to the same rows). The accumulator is
+// is issued before dK's product (FA3's order: dQ's registers are staged while dK runs) and added to an fp32 dQ
+// accumulator in global memory (other key blocks add to the same rows). The accumulator is
 // kept in tiles of 64 query rows x HD columns (dq_tile: one tile per query tile and head, each a contiguous block in
 // the order of the wgmma accumulator's registers), so that a warpgroup's whole contribution is staged in shared memory
 // with conflict-free 16-byte stores and goes out as ONE bulk reduction (cp.reduce.async.bulk .add.f32, 16-18 KiB),
@@ -354,6 +355,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // loads 2.27 -> 2.01 ms; the reductions still cost ~0.41 ms of it (none sent: 1.60), in proportion to their bytes
 // (half the bytes: 1.82), neither from the accumulator's place in L2 (a private region per block: 1.97) nor from the
 // add (a plain bulk store: 1.94); an evict-last hint changed nothing, key blocks fastest in the launch order 2.25.
+// Eighteenth session: dQ before dK 2.01 -> 1.93 ms; the reductions still cost 0.37 ms (none sent: 1.56), and not by
+// waiting for the staging buffer (no wait at all: 1.91). Without the S^T product the backward is no faster (2.02).
 constexpr int kBwdM = 64, kBwdN = 128;
 // The dQ accumulator's tiles. A warpgroup's part of a tile is its dQ columns (dq_cols: 64 at hd 128, where the two
 // warpgroups split them, else HD) for 64 query rows, stored as the warpgroup's registers are: chunk n (the wgmma
@@ -434,7 +437,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const __grid_constant__
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int grp = nh / nkv, hpb = grp / split, h0 = kh * grp + hs * hpb;  // this block's query heads [h0, h0+hpb)
   const int64_t ldq = int64_t(nh) * HD, ldk = int64_t(nkv) * HD;
-  const int64_t tile0 = b0 / BM + seg;  // the segment's first dQ tile (dq_tiles)
+  // The segment's first dQ tile (dq_tiles; dq_from_acc computes the same index). A shared dq_tile(b0, seg, row)
+  // for both changed this kernel's register allocation (255 -> 248) and cost 2% (1.93 -> 1.97 ms, eighteenth
+  // session's call 4): the index stays written out here.
+  const int64_t tile0 = b0 / BM + seg;
   const int qb0 = causal ? j0 / BM : 0;  // earlier query tiles see none of these keys
   const int nqb = (L + BM - 1) / BM - qb0, nit = hpb * nqb;
 
@@ -555,20 +561,15 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const __grid_constant__
                      "r"(da[n >> 1][2 * (n & 1) + rh])
                      : "memory");
     }
-    pin(dka);
-    pin2(da);
-    wg_fence();
-    gemm_pv<S, HD, BM>(dka, da, cQ);
-    wg_commit();
     // dS^T written (generic proxy) before wgmma reads it (async proxy): both warpgroups' halves when each reads all
-    // 128 keys, else the warpgroup's own (named barrier 1 + wg over its 128 threads). The same barrier tells the
-    // warpgroup that its dQ staging buffer for this iteration is free: the reduction that last read it (iteration
-    // it - 2, issued by the warpgroup's thread 0) has read it.
+    // 128 keys, else the warpgroup's own (named barrier 1 + wg over its 128 threads).
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    if ((tid & 127) == 0) bulk_wait_read<1>();
     if constexpr (kSplitCols) __syncthreads();
     else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+    // dQ, then dK += dS^T Q as the next group: dQ's registers are staged while dK runs (FA3's order).
     float dqa[DQN / 2];
+    pin(dka);
+    pin2(da);
     wg_fence();
     if constexpr (kSplitCols) {
 #pragma unroll
@@ -583,17 +584,18 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const __grid_constant__
       }
     }
     wg_commit();
-    wg_wait<0>();
+    gemm_pv<S, HD, BM>(dka, da, cQ);
+    wg_commit();
+    wg_wait<1>();  // dQ done; dK (and dV before it) may still run
     pin(dqa);
-    pin(dka);
-    pin(dva);
-    pin2(pa);  // the A fragments of dV/dK stay allocated until those wgmmas have completed
-    pin2(da);
     // The warpgroup's part of dQ tile (query tile i0, head h) staged in its registers' order (dq_tile_at:
-    // conflict-free 16-byte stores), made visible to the copy engine (proxy fence, the warpgroup's barrier), and sent
-    // by thread 0 as one reduction.
+    // conflict-free 16-byte stores) into its buffer it % 2, which the reduction of iteration it - 2 (issued by the
+    // warpgroup's thread 0) must have read first; made visible to the copy engine (proxy fence, the warpgroup's
+    // barrier), and sent by thread 0 as one reduction.
     const uint32_t sq = sDQ + (wg * 2 + (it & 1)) * uint32_t(dq_stage_bytes<HD>());
     const int wtid = tid & 127;
+    if (wtid == 0) bulk_wait_read<1>();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(5 + wg) : "memory");
 #pragma unroll
     for (int n = 0; n < DQN / 8; ++n)
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(sq + (n * 128 + wtid) * 16), "f"(dqa[4 * n]),
@@ -607,6 +609,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_wgmma(const __grid_constant__
       bulk_add_f32(tile + (kSplitCols ? wg * BM * DQN : 0), sq, uint32_t(dq_stage_bytes<HD>()));
       bulk_commit();
     }
+    wg_wait<0>();  // dK and dV: the next iteration's loads overwrite this one's Q and dO buffers
+    pin(dka);
+    pin(dva);
+    pin2(pa);  // the A fragments of dV/dK stay allocated until those wgmmas have completed
+    pin2(da);
   }
   bulk_wait_all();  // the staged rows stay in shared memory until the reductions have read them
 #pragma unroll
