@@ -28,8 +28,6 @@ bool attention_bwd_path(const Exec& x, const void* dout, const void* q, const vo
                         const float* lse, void* dq, void* dk, void* dv, const int32_t* cu, int64_t nseg,
                         int64_t max_len, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool causal, float scale,
                         bool accumulate, DType dt, bool wgmma);
-void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt);
 }  // namespace q3vl::dev::cuda
 
 using namespace q3vl;
@@ -373,7 +371,6 @@ struct Row {
   int hd;
 };
 
-// bwd false: the forward only (bwd columns 0); new-old compares the outputs (and with bwd the gradients).
 // --hot: before every timed call, four GEMMs of the 2B step's widest linear (16384 x 2048 -> 12288, bf16) on the same
 // stream, outside the events: the attention then starts as in a training step, on a GPU drawing a GEMM's power with
 // the GEMM's operands in L2, not on an idle one with its own inputs cached.
@@ -386,6 +383,7 @@ struct Heater {
 };
 Heater g_heat;
 
+// bwd false: the forward only (bwd columns 0); new-old compares the outputs (and with bwd the gradients).
 Row time_case(Exec& x, const char* name, int nseg, int L, int nh, int nkv, int hd, bool causal, DType dt, bool bwd) {
   const int N = nseg * L;
   std::vector<int> cu(nseg + 1);
@@ -529,6 +527,8 @@ int main(int argc, char** argv) {
   }
   std::printf("%s: %d failed check(s)\n", fails ? "FAIL" : "PASS", fails);
   CK(cudaFree(x.ws));
+  for (void* p : {g_heat.a, g_heat.w, g_heat.y}) CK(cudaFree(p));  // null without --hot: a no-op
+  if (blas) cublasLtDestroy(blas);
   CK(cudaStreamDestroy(st));
   return fails ? 1 : 0;
 }

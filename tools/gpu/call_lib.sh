@@ -4,6 +4,7 @@
 #   train_prof NAME DECK TIMEOUT [ARGS...]     # q3vl train with run.profile_shapes at run.profile_step (default 3)
 #   hf_train NAME TIMEOUT [ARGS...]            # tools/gpu/hf_train_baseline.py, metrics in NAME.jsonl
 #   ratio Q HF LABEL                           # median tokens/s (and MFU) of steps 3.. of two metrics files, the ratio
+#   vs_hf 2b|30b                               # issue 30's shapes: q3vl profiled, transformers, the ratio
 # Results gather in /tmp/OUTNAME and go to $OUT/results.tgz after every step (a call cut short returns what finished).
 set -u
 T0=$SECONDS
@@ -44,4 +45,15 @@ print(f"{sys.argv[3]}, steps 3-{len(q) + 2}: q3vl {tq:.0f} tokens/s (mfu {mq:.3f
       f"{tq / th:.2f}x")
 PY
   pack
+}
+vs_hf() {  # the three steps every call script ran for these two shapes
+  case $1 in
+    2b) train_prof q2b input/bench_2b_gpu.deck 150 run.profile_top=0
+        hf_train hf2b 200
+        ratio q2b hf2b "2B, 4 x 4096 tokens a step" ;;
+    30b) train_prof q30b input/bench_30b_a3b_gpu.deck 100 run.profile_top=0
+         hf_train hf30b 150 --preset 30B-A3B --text-layers 6 --batch 1 --seq 4096
+         ratio q30b hf30b "30B-A3B x 6 layers, 1 x 4096 tokens" ;;
+    *) say "vs_hf: 2b or 30b, not '$1'"; return 1 ;;
+  esac
 }
