@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 
 #include "q3vl/core/debug.hpp"
@@ -20,7 +22,16 @@
 namespace q3vl {
 
 namespace {
-constexpr int64_t kHeadRows = 1024;  // LM-head chunk: [rows, V] logits exist at a time, never [N, V]
+// LM-head chunk: [rows, V] logits (and their gradient) exist at a time, never [N, V]. 1024 rows, or
+// Q3VL_HEAD_ROWS=n (n >= 1; for A/B runs of the chunk's GEMM shape against its memory).
+int64_t head_chunk_rows() {
+  static const int64_t r = [] {
+    const char* e = std::getenv("Q3VL_HEAD_ROWS");
+    const long long v = e ? std::atoll(e) : 0;
+    return v > 0 ? int64_t(v) : int64_t(1024);
+  }();
+  return r;
+}
 
 int64_t moe_layers(const ModelConfig& cfg) {
   const ParamTable t(cfg);
@@ -80,7 +91,7 @@ struct DevModel::Impl {
     const int64_t T = std::max<int64_t>(b.tokens, 1), H = tc.hidden, V = tc.vocab, P = b.patches, Pm = P / 4;
     const int64_t nmoe = moe_layers(cfg), E = tc.num_experts, K = tc.experts_per_tok;
     const size_t nds = vc.deepstack_indexes.size();
-    head_rows = std::min(T, kHeadRows);
+    head_rows = std::min(T, head_chunk_rows());
     dctx.assign(recompute ? 0 : tc.layers, {});
     for (int l = 0; l < int(dctx.size()); ++l) dctx[l].carve(a, tc, t.moe_layer(l), T, dt, b.ep);
     dxin.assign(recompute ? tc.layers : 0, nullptr);
@@ -574,6 +585,13 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
     if (size_t(l) < nds && I.nvis) dev::scatter_rows(ex_, I.ds[l], I.vis, I.x, I.nvis, H, true, dt_);
   }
 
+  const int64_t nmoe = slot;
+  if (nmoe > 0) dev::aux_loss_fwd(ex_, I.probs, I.idx, I.aux_f, I.sums + 1, nmoe * N, E, K);
+  aux_on_ = aux_loss && nmoe > 0;
+  kept_ = keep;
+  head_deferred_ = keep && !logits_out && loss_in_bwd_;
+  if (head_deferred_) return std::numeric_limits<double>::quiet_NaN();  // backward() computes it; loss() reads it
+
   // Final norm (I.x is its input, kept), LM head and loss.
   enter_head(false);
   dev::rmsnorm_fwd(ex_, I.x, pp_[table_.final_norm()], I.hf, I.rf, N, H, tc.rms_eps, dt_);
@@ -609,16 +627,16 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
     }
   }
   leave_head(false);
-  const int64_t nmoe = slot;
-  if (nmoe > 0) dev::aux_loss_fwd(ex_, I.probs, I.idx, I.aux_f, I.sums + 1, nmoe * N, E, K);
+  return loss(aux_out);
+}
+
+double DevModel::loss(double* aux_out) {
   double sums[2];
-  dev::to_host(ex_, sums, I.sums, sizeof sums);
-  double loss = count_ ? sums[0] / double(count_) : 0.0;
+  dev::to_host(ex_, sums, impl_->sums, sizeof sums);
+  double l = count_ ? sums[0] / double(count_) : 0.0;
   if (aux_out) *aux_out = sums[1];
-  if (aux_loss) loss += tc.router_aux_loss_coef * sums[1];
-  aux_on_ = aux_loss && nmoe > 0;
-  kept_ = keep;
-  return loss;
+  if (aux_on_) l += cfg_.text.router_aux_loss_coef * sums[1];
+  return l;
 }
 
 void DevModel::backward(float loss_scale) {
@@ -631,16 +649,18 @@ void DevModel::backward(float loss_scale) {
   const int64_t N = I.N, H = tc.hidden, V = tc.vocab, E = tc.num_experts, K = tc.experts_per_tok;
   const size_t nds = vc.deepstack_indexes.size();
 
-  // LM head: recompute each chunk's logits, d(CE)/d(logits), then the head's input and weight gradients.
+  // LM head: each chunk's logits (again, unless the forward left the head to this pass: then also the final norm
+  // and the loss), d(CE)/d(logits), then the head's input and weight gradients.
   dev::fill(ex_, I.dh, dt_, N * H, 0.f);
   enter_head(true);
+  if (head_deferred_) dev::rmsnorm_fwd(ex_, I.x, pp_[table_.final_norm()], I.hf, I.rf, N, H, tc.rms_eps, dt_);
   const void* W = pp_[table_.lm_head()];
   for (int64_t r0 = 0; r0 < I.nsup; r0 += I.head_rows) {
     const int64_t n = std::min(I.head_rows, I.nsup - r0);
     dev::gather_rows(ex_, I.hf, I.sup + r0, 1, I.hb, n, H, dt_);
     dev::linear_fwd(ex_, I.hb, W, nullptr, I.lg, n, H, V, dt_);
     dev_lora_fwd(ex_, P, table_.lm_head(), I.hb, n, I.lg, V, dt_, 0, -1, r0);
-    dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, I.dlg, nullptr, n, V,
+    dev::cross_entropy(ex_, I.lg, I.sup_t + r0, I.rowloss, I.dlg, head_deferred_ ? I.sums : nullptr, n, V,
                        float(loss_scale / double(I.nsup)), false, dt_);
     dev::linear_bwd(ex_, I.dlg, I.hb, W, I.dhb, gp_[table_.lm_head()], nullptr, n, H, V, false,
                     dev_grad_adds(ex_, P, {table_.lm_head()}), dt_);  // the first chunk writes

@@ -206,7 +206,7 @@ int ParamTable::id(const std::string& name) const {
   return i;
 }
 
-std::vector<int> unit_order(const ParamTable& t, bool backward) {
+std::vector<int> unit_order(const ParamTable& t, bool backward, bool head_in_forward) {
   const VisionConfig& vc = t.config().vision;
   const int layers = t.config().text.layers;
   std::vector<int> o;
@@ -226,6 +226,7 @@ std::vector<int> unit_order(const ParamTable& t, bool backward) {
     use(t.merger());
     use(t.embed_tokens());
     for (int l = 0; l < layers; ++l) layer(l);
+    if (!head_in_forward) return o;
     use(t.final_norm());
     if (lm != head) use(t.lm_head());
     return o;

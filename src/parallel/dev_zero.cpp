@@ -183,7 +183,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
     Q3VL_CHECK(stage == 3 || gbase_[u] % n == 0, "DevZero: the model's units are not padded to the shard group");
   }
   if (stage != 3) return;
-  order_[0] = unit_order(t, false);
+  order_[0] = unit_order(t, false, !m.loss_in_backward());
   order_[1] = unit_order(t, true);
   last_use_.assign(nu, -1);
   for (size_t k = 0; k < order_[1].size(); ++k) last_use_[size_t(order_[1][k])] = int(k);

@@ -77,6 +77,7 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   model_ = std::make_unique<DevModel>(cfg, ex_, dt, true, DevStage{}, QFormat::None,
                                       DevZero::hold(dshard->size(), stage), ep_ ? ep_->split() : ExpertSplit{});
   model_->set_recompute(recompute);
+  model_->set_loss_in_backward(true);  // each LM-head chunk's logits once a micro-step, not in both passes
   model_->set_frozen(trainable);  // a LoRA base, train.tune_* = false: no weight gradients computed
   model_->set_experts(ep_);
   model_->reserve(b);
@@ -123,18 +124,18 @@ void DevTrainer::to_host(const ZeroShards& e) {
 
 void DevTrainer::begin_step() { zero_->begin_step(); }
 
-double DevTrainer::forward(const PackedBatch& b, double* aux_out, bool aux_loss) {
+void DevTrainer::forward(const PackedBatch& b, bool aux_loss) {
   zero_->begin_pass(false);
-  const double loss = model_->forward(b, true, nullptr, aux_out, aux_loss);
+  model_->forward(b, true, nullptr, nullptr, aux_loss);
   zero_->end_pass();
-  return loss;
 }
 
-void DevTrainer::backward(double weight) {
+double DevTrainer::backward(double weight, double* aux_out) {
   zero_->begin_pass(true);
   model_->backward(float(weight * (ls_.on ? ls_.scale : 1.0)));
   zero_->end_pass();
   zero_->after_backward();
+  return model_->loss(aux_out);  // after the pass's collectives are queued: the wait hides nothing of them
 }
 
 void DevTrainer::idle() {

@@ -723,13 +723,13 @@ int run_train(const Deck& deck) {
         Phase p{t_fwd, "forward"};
         // lora.dropout's mask: a new draw per (step, rank, micro-batch), the same again in a recomputed forward
         trainer->set_lora_draw(seed, (uint64_t(st.step) * uint64_t(nranks) + uint64_t(rank)) * 4096 + i);
-        double aux = 0;
-        loss_sum += trainer->forward(sd.micro[i], &aux, aux_on) * double(n);
-        aux_sum += aux * double(n);
+        trainer->forward(sd.micro[i], aux_on);
         Q3VL_CHECK(trainer->supervised_tokens() == n, "the loader and the model count supervised targets differently");
       }
-      Phase p{t_bwd, "backward"};
-      trainer->backward(n_global > 0 ? double(n) / n_global : 0.0);
+      Phase p{t_bwd, "backward"};  // with the LM head and the loss (DevTrainer::backward)
+      double aux = 0;
+      loss_sum += trainer->backward(n_global > 0 ? double(n) / n_global : 0.0, &aux) * double(n);
+      aux_sum += aux * double(n);
     }
     const int64_t step1 = st.step + 1;
     double loss, gnorm;

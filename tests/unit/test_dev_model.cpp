@@ -84,7 +84,59 @@ void fresh_case(Device d, double tol) {
   for (size_t i = 0; i < twice.size(); ++i) twice[i] = 2 * g[0][i];
   EXPECT_LE(test::rel_max_diff(g[2], twice), 1e-6) << "the second backward did not add";
 }
+
+// Records the units' forward uses (the model owns its storage: nothing to bind).
+struct UseLog : UnitHooks {
+  std::vector<int> fwd, bwd;
+  void before_forward(int u) override { fwd.push_back(u); }
+  void after_forward(int) override {}
+  void before_backward(int u) override { bwd.push_back(u); }
+  void after_backward(int) override {}
+};
+
+// The LM head and the loss in the backward (set_loss_in_backward, as DevTrainer trains): the forward returns NaN and
+// uses no head unit, loss() after the backward is the forward's loss of the usual order, and every gradient matches
+// (bitwise where the backend is deterministic), also at a loss scale.
+void deferred_case(Device d, double tol) {
+  MoeCase mc;
+  const ModelConfig& cfg = mc.cfg;
+  dev::Exec ex = dev::make_exec(d);
+  std::vector<float> g[2];
+  double loss[2], aux[2], ret[2];
+  UseLog log[2];
+  for (int k = 0; k < 2; ++k) {
+    DevModel m(cfg, ex, DType::F32);
+    m.set_loss_in_backward(k == 1);
+    m.reserve(budget_for(mc.batch, cfg.vision.patch_dim()));
+    m.set_params(mc.host.params());
+    m.set_hooks(&log[k]);
+    ret[k] = m.forward(mc.batch, true, nullptr, &aux[k], true);
+    m.backward(4.f);
+    loss[k] = m.loss(k == 1 ? &aux[k] : nullptr);
+    g[k].resize(m.table().total());
+    m.grads_to_host(g[k].data());
+  }
+  dev::destroy_exec(ex);
+  EXPECT_EQ(ret[0], loss[0]);
+  EXPECT_TRUE(std::isnan(ret[1]));
+  EXPECT_TRUE(std::isfinite(loss[0]) && std::isfinite(aux[0]) && aux[0] > 0);
+  EXPECT_NEAR(loss[1], loss[0], tol * std::abs(loss[0]));
+  EXPECT_NEAR(aux[1], aux[0], tol * std::abs(aux[0]));
+  EXPECT_LE(test::rel_max_diff(g[1], g[0]), tol);  // +inf for NaN or Inf
+  const ParamTable t(cfg);
+  EXPECT_EQ(log[0].fwd, unit_order(t, false));
+  EXPECT_EQ(log[1].fwd, unit_order(t, false, false));
+  EXPECT_LT(log[1].fwd.size(), log[0].fwd.size());
+  EXPECT_EQ(log[0].bwd, unit_order(t, true));
+  EXPECT_EQ(log[1].bwd, unit_order(t, true));
+}
 }  // namespace
+
+TEST(DevModel, LossInBackwardIsBitwiseOnCpu) { deferred_case(Device::CPU, 0.0); }
+TEST(DevModel, LossInBackwardMatchesOnCuda) {
+  Q3VL_NEED_GPU();
+  deferred_case(Device::CUDA, 1e-6);
+}
 
 TEST(DevModel, FreshGradientsAreWrittenOnCpu) { fresh_case(Device::CPU, 0.0); }
 TEST(DevModel, FreshGradientsAreWrittenOnCuda) {

@@ -143,6 +143,15 @@ class DevModel {
                  double* aux_out = nullptr, bool aux_loss = false);
   // Accumulates the gradient of the last kept forward's loss (times loss_scale: fp16 loss scaling) into grads().
   void backward(float loss_scale = 1.f);
+  // Training (DevTrainer): a kept forward without logits_out stops after the decoder and returns NaN; the final norm,
+  // the LM head and the loss run at the start of backward(), each chunk's logits computed once for the loss and its
+  // gradient (not once in each pass), and loss() reads the loss after it. ZeRO-3's forward order then has no head
+  // (unit_order's head_in_forward). Eval, logits_out and forward(keep = false) are unchanged.
+  void set_loss_in_backward(bool on) { loss_in_bwd_ = on; }
+  bool loss_in_backward() const { return loss_in_bwd_; }
+  // The last pass's loss (as forward returns it) and aux loss: after a forward, or after the backward of a forward
+  // whose head was deferred. Reads the device's sums: waits for the pass.
+  double loss(double* aux_out = nullptr);
   int64_t supervised_tokens() const { return count_; }
   // LoRA (cfg.lora.on()): the adapters' run state; set train, seed and nonce (the dropout mask's key) before a
   // forward, as model/lora.hpp's LoraRun. The adapters are parameters of the table like any other.
@@ -261,6 +270,7 @@ class DevModel {
   std::unique_ptr<Infer> infer_;
   int64_t count_ = 0;
   bool kept_ = false, aux_on_ = false, recompute_ = false;
+  bool loss_in_bwd_ = false, head_deferred_ = false;  // set_loss_in_backward; the kept forward left the head
 };
 
 }  // namespace q3vl

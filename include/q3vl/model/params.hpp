@@ -105,7 +105,8 @@ class ParamTable {
 
 // The units' uses of one pass over a batch with images, in order (backward: the backward pass's): every model's
 // forward and backward call their unit hooks (hooks.hpp) in a subsequence of it (no images: no vision units), the
-// same on every rank. ZeRO-3 walks it to keep every rank's gathers and reduce-scatters matched.
-std::vector<int> unit_order(const ParamTable& t, bool backward);
+// same on every rank. ZeRO-3 walks it to keep every rank's gathers and reduce-scatters matched. head_in_forward =
+// false: a training forward that leaves the final norm and the LM head to the backward (set_loss_in_backward).
+std::vector<int> unit_order(const ParamTable& t, bool backward, bool head_in_forward = true);
 
 }  // namespace q3vl

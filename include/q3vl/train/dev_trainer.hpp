@@ -81,17 +81,18 @@ class DevTrainer {
   void to_host(const ZeroShards& e);
 
   void begin_step();
-  // Loss of a micro-batch (kept for backward); backward adds weight * its gradient (weight = n / n_global). A rank
-  // without tokens in a micro-step calls idle() instead of both: its collectives still run (and its experts serve
-  // the others' rows).
-  double forward(const PackedBatch& b, double* aux_out = nullptr, bool aux_loss = false);
+  // A micro-batch's forward (kept for backward); backward adds weight * its loss's gradient (weight = n / n_global)
+  // and returns the loss (the LM head and the loss run in the backward: DevModel::set_loss_in_backward), with the
+  // aux loss in aux_out. A rank without tokens in a micro-step calls idle() instead of both: its collectives still
+  // run (and its experts serve the others' rows).
+  void forward(const PackedBatch& b, bool aux_loss = false);
   int64_t supervised_tokens() const { return model_->supervised_tokens(); }
   // LoRA's dropout draw for the next forward and its backward (model/lora.hpp: a new nonce per micro-step).
   void set_lora_draw(uint64_t seed, uint64_t nonce) {
     DevLora& l = model_->lora();
     l.train = true, l.seed = seed, l.nonce = nonce;
   }
-  void backward(double weight);
+  double backward(double weight, double* aux_out = nullptr);
   void idle();
   // The step's gradient shards complete (after the last micro-step).
   void finish_grads();
