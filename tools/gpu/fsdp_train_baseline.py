@@ -75,9 +75,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     if a.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    units = shard(model, a.offload)
-    if not a.offload:
-        model.to(dev)  # what fully_shard left on the host (buffers such as rotary tables)
+    units = shard(model, a.offload)  # moves each rank's shards and the buffers to its GPU (offload: shards to the host)
     model.train()
     # Fused AdamW on the GPU's DTensor shards; on the host (offload) the default implementation.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **({} if a.offload else {"fused": True}))
