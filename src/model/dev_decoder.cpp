@@ -22,11 +22,10 @@ void* Arena::take(size_t bytes) {
 
 void DevDecoderCtx::carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt, int ep) {
   const int64_t H = tc.hidden, Dq = int64_t(tc.heads) * tc.head_dim, Dk = int64_t(tc.kv_heads) * tc.head_dim;
-  // qraw, kraw and v in one block: separate [N, D] arrays for training, the rows [q | k | v] of serving's fused
-  // projection (dev::qkv_to_cache_fwd).
-  x = a.take(N * H, dt), ln1 = a.take(N * H, dt), qraw = a.take(N * (Dq + 2 * Dk), dt);
-  kraw = qraw ? q3vl::at(qraw, N * Dq, dt) : nullptr, v = qraw ? q3vl::at(qraw, N * (Dq + Dk), dt) : nullptr;
-  q = a.take(N * Dq, dt), k = a.take(N * Dk, dt), att = a.take(N * Dq, dt);
+  // qkv: the fused q_proj | k_proj | v_proj rows (dev::qkv_to_cache_fwd reads them); q, k and v the attention's
+  // inputs, each [N, heads, hd].
+  x = a.take(N * H, dt), ln1 = a.take(N * H, dt), qkv = a.take(N * (Dq + 2 * Dk), dt);
+  q = a.take(N * Dq, dt), k = a.take(N * Dk, dt), v = a.take(N * Dk, dt), att = a.take(N * Dq, dt);
   x1 = a.take(N * H, dt), ln2 = a.take(N * H, dt);
   r1 = a.take<float>(N, DType::F32), rq = a.take<float>(N * tc.heads, DType::F32);
   rk = a.take<float>(N * tc.kv_heads, DType::F32), lse = a.take<float>(N * tc.heads, DType::F32);
@@ -51,7 +50,7 @@ void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t 
   const int64_t H = tc.hidden, Dq = int64_t(tc.heads) * tc.head_dim, Dk = int64_t(tc.kv_heads) * tc.head_dim;
   tmp = a.take(N * H, dt), dln = a.take(N * H, dt), datt = a.take(N * Dq, dt);
   dq = a.take(N * Dq, dt), dk = a.take(N * Dk, dt), dv = a.take(N * Dk, dt);
-  dqr = a.take(N * Dq, dt), dkr = a.take(N * Dk, dt);
+  dqkv = a.take(N * (Dq + 2 * Dk), dt);
   dact = a.take(N * tc.intermediate, dt), dgu = a.take(N * 2 * tc.intermediate, dt);
   logits = xg = eact = dyg = edact = edgu = dxg = dlogits = nullptr, dw = nullptr;
   arr = yo = nullptr;
@@ -128,18 +127,21 @@ int fused_gate_up(const DevParams& P, int f, int64_t I, int64_t H, DType dt) {
   return fused(P, f + tlay::gate_proj, {I, I}, H, dt, "gate_proj/up_proj");
 }
 void zero(const dev::Exec& ex, void* p, int64_t n, DType dt) { dev::fill(ex, p, dt, n, 0.f); }
-// The attention's inputs: c.ln1 -> q, k (QK-norm, M-RoPE) and v.
+// q_proj, k_proj and v_proj as one [Dq + 2 Dk, H] matrix (the table keeps them adjacent). Returns q_proj's id.
+int fused_qkv(const DevParams& P, int f, int64_t Dq, int64_t Dk, int64_t H, DType dt) {
+  return fused(P, f + tlay::q_proj, {Dq, Dk, Dk}, H, dt, "q_proj/k_proj/v_proj");
+}
+// The attention's inputs: c.ln1 -> the fused projection's rows c.qkv -> q, k (QK-norm, M-RoPE) and v.
 void qkv_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int64_t N, const float* cos,
              const float* sin, DevDecoderCtx& c, DType dt) {
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
-  dev_linear(ex, P, f + tlay::q_proj, c.ln1, c.qraw, N, H, Dq, dt);
-  dev_linear(ex, P, f + tlay::k_proj, c.ln1, c.kraw, N, H, Dk, dt);
-  dev_linear(ex, P, f + tlay::v_proj, c.ln1, c.v, N, H, Dk, dt);
-  dev_lora_fwd(ex, P, f + tlay::q_proj, c.ln1, N, c.qraw, Dq, dt);
-  dev_lora_fwd(ex, P, f + tlay::k_proj, c.ln1, N, c.kraw, Dk, dt);
-  dev_lora_fwd(ex, P, f + tlay::v_proj, c.ln1, N, c.v, Dk, dt);
-  dev::qk_norm_rope_fwd(ex, c.qraw, c.kraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, c.k, c.rq, c.rk, cos,
-                        sin, N, nh, nkv, hd, tc.rms_eps, dt);
+  const int64_t ld = Dq + 2 * Dk;
+  dev_linear(ex, P, fused_qkv(P, f, Dq, Dk, H, dt), c.ln1, c.qkv, N, H, ld, dt);
+  dev_lora_fwd(ex, P, f + tlay::q_proj, c.ln1, N, c.qkv, ld, dt);
+  dev_lora_fwd(ex, P, f + tlay::k_proj, c.ln1, N, at(c.qkv, Dq, dt), ld, dt);
+  dev_lora_fwd(ex, P, f + tlay::v_proj, c.ln1, N, at(c.qkv, Dq + Dk, dt), ld, dt);
+  dev::qkv_to_cache_fwd(ex, c.qkv, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, c.k, c.v, nullptr, c.rq, c.rk,
+                        cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
 }
 // The second half of a layer's forward: c.ln2 -> dense SwiGLU MLP or MoE block -> s.tmp [N,H].
 void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, bool moe, int64_t N, float* probs,
@@ -212,10 +214,9 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   Q3VL_CHECK(!P.lora, "dev_decoder_infer: serving folds LoRA adapters into the weights first (lora_merge)");
   dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, nullptr, c.r1, N, H, tc.rms_eps, dt);
   // q_proj, k_proj and v_proj as one GEMM into [q | k | v] rows, then q and the new keys and values in one pass.
-  dev_linear(ex, P, fused(P, f + tlay::q_proj, {Dq, Dk, Dk}, H, dt, "q_proj/k_proj/v_proj"), c.ln1, c.qraw, N, H,
-             Dq + 2 * Dk, dt);
-  dev::qkv_to_cache_fwd(ex, c.qraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, cos, sin,
-                        N, nh, nkv, hd, tc.rms_eps, dt);
+  dev_linear(ex, P, fused_qkv(P, f, Dq, Dk, H, dt), c.ln1, c.qkv, N, H, Dq + 2 * Dk, dt);
+  dev::qkv_to_cache_fwd(ex, c.qkv, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, nullptr,
+                        nullptr, cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
                            kv.max_q, kv.max_ctx, kv.keys, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
@@ -278,19 +279,23 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   dev_lora_bwd(ex, P, f + tlay::o_proj, dx, H, c.att, N, s.datt, dt);
   dev::attention_bwd(ex, s.datt, c.q, c.k, c.v, c.att, c.lse, s.dq, s.dk, s.dv, seg.cu, seg.nseg, seg.max_len, N, nh,
                      nkv, hd, true, float(1 / std::sqrt(double(hd))), false, dt);
+  // The fused projection's gradient rows s.dqkv = [d qraw | d kraw | dv], then one linear backward.
+  const int64_t ld = Dq + 2 * Dk;
   dev_grad_zeroed(ex, P, f + tlay::q_norm);
   dev_grad_zeroed(ex, P, f + tlay::k_norm);
-  dev::qk_norm_rope_bwd(ex, s.dq, s.dk, c.qraw, c.kraw, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.rq, c.rk, cos,
-                        sin, s.dqr, s.dkr, P.g[f + tlay::q_norm], P.g[f + tlay::k_norm], N, nh, nkv, hd, false, dt);
-  dev::linear_bwd(ex, s.dqr, c.ln1, P.p[f + tlay::q_proj], s.dln, P.g[f + tlay::q_proj], nullptr, N, H, Dq, false,
-                  dev_grad_adds(ex, P, {f + tlay::q_proj}), dt);
-  dev::linear_bwd(ex, s.dkr, c.ln1, P.p[f + tlay::k_proj], s.dln, P.g[f + tlay::k_proj], nullptr, N, H, Dk, true,
-                  dev_grad_adds(ex, P, {f + tlay::k_proj}), dt);
-  dev::linear_bwd(ex, s.dv, c.ln1, P.p[f + tlay::v_proj], s.dln, P.g[f + tlay::v_proj], nullptr, N, H, Dk, true,
-                  dev_grad_adds(ex, P, {f + tlay::v_proj}), dt);
-  dev_lora_bwd(ex, P, f + tlay::q_proj, s.dqr, Dq, c.ln1, N, s.dln, dt);
-  dev_lora_bwd(ex, P, f + tlay::k_proj, s.dkr, Dk, c.ln1, N, s.dln, dt);
-  dev_lora_bwd(ex, P, f + tlay::v_proj, s.dv, Dk, c.ln1, N, s.dln, dt);
+  dev::qk_norm_rope_bwd(ex, s.dq, s.dk, c.qkv, at(c.qkv, Dq, dt), P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.rq,
+                        c.rk, cos, sin, s.dqkv, at(s.dqkv, Dq, dt), P.g[f + tlay::q_norm], P.g[f + tlay::k_norm], N, nh,
+                        nkv, hd, ld, false, dt);
+  dev::copy_2d(ex, s.dv, Dk, at(s.dqkv, Dq + Dk, dt), ld, N, Dk, dt);
+  // The adapters add into s.dln before the fused linear does (lora.cpp's order).
+  const bool lora = dev_lora_on(P, f + tlay::q_proj) || dev_lora_on(P, f + tlay::k_proj) ||
+                    dev_lora_on(P, f + tlay::v_proj);
+  if (lora) zero(ex, s.dln, N * H, dt);
+  dev_lora_bwd(ex, P, f + tlay::q_proj, s.dqkv, ld, c.ln1, N, s.dln, dt);
+  dev_lora_bwd(ex, P, f + tlay::k_proj, at(s.dqkv, Dq, dt), ld, c.ln1, N, s.dln, dt);
+  dev_lora_bwd(ex, P, f + tlay::v_proj, at(s.dqkv, Dq + Dk, dt), ld, c.ln1, N, s.dln, dt);
+  dev::linear_bwd(ex, s.dqkv, c.ln1, P.p[fused_qkv(P, f, Dq, Dk, H, dt)], s.dln, P.g[f + tlay::q_proj], nullptr, N, H,
+                  ld, lora, dev_grad_adds(ex, P, {f + tlay::q_proj, f + tlay::k_proj, f + tlay::v_proj}), dt);
   dev_grad_zeroed(ex, P, f + tlay::in_norm);
   dev::rmsnorm_bwd(ex, s.dln, c.x, P.p[f + tlay::in_norm], c.r1, dx, P.g[f + tlay::in_norm], N, H, true, dt);
 }

@@ -74,6 +74,10 @@ void narrow(const float* src, int64_t n, void* dst, DType dt) {
 void copy_rows(const float* src, const int32_t* rows, int64_t div, float* dst, int64_t R, int64_t D) {
   for (int64_t i = 0; i < R; ++i) std::copy_n(src + rows[i] / div * D, D, dst + i * D);
 }
+// dst[r, :cols] = src[r, :cols], rows lds and ldd apart.
+void ops_copy_2d(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(src + r * lds, cols, dst + r * ldd);
+}
 // ops:: takes int64 indices; the device layer int32 (half the bytes on the GPU). Small arrays, converted per call.
 std::vector<int64_t> widen(const int32_t* p, int64_t n) { return std::vector<int64_t>(p, p + n); }
 // An input gradient that an op writes (accumulate = false): zeroed, then accumulated into by ops::, which is what the
@@ -365,31 +369,48 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
 }
 void qk_norm_rope_bwd(const Exec& x, void* dq, void* dk, const void* qraw, const void* kraw, const void* wq,
                       const void* wk, const float* rq, const float* rk, const float* cos, const float* sin, void* dqr,
-                      void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                      void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t ld,
                       bool accumulate, DType dt) {
   DEV_OP(x, prof::mem((3 + (accumulate ? 1 : 0)) * B(N * (nh + nkv) * hd, dt)),
-         qk_norm_rope_bwd(x, dq, dk, qraw, kraw, wq, wk, rq, rk, cos, sin, dqr, dkr, dwq, dwk, N, nh, nkv, hd,
+         qk_norm_rope_bwd(x, dq, dk, qraw, kraw, wq, wk, rq, rk, cos, sin, dqr, dkr, dwq, dwk, N, nh, nkv, hd, ld,
                           accumulate, dt));
+  need_f32(dt, "qk_norm_rope_bwd");
   rope_bwd(x, dq, cos, sin, N, nh, hd, dt);
   rope_bwd(x, dk, cos, sin, N, nkv, hd, dt);
-  rmsnorm_bwd(x, dq, qraw, wq, rq, dqr, dwq, N * nh, hd, accumulate, dt);
-  rmsnorm_bwd(x, dk, kraw, wk, rk, dkr, dwk, N * nkv, hd, accumulate, dt);
+  // Strided rows (training's fused q | k | v) through contiguous copies: the reference's arithmetic is unchanged.
+  const int64_t Dq = nh * hd, Dk = nkv * hd;
+  if (ld == 0 || (ld == Dq && ld == Dk)) {
+    rmsnorm_bwd(x, dq, qraw, wq, rq, dqr, dwq, N * nh, hd, accumulate, dt);
+    rmsnorm_bwd(x, dk, kraw, wk, rk, dkr, dwk, N * nkv, hd, accumulate, dt);
+    return;
+  }
+  const auto kind = [&](const void* d, const void* xin, const void* w, const float* r, void* dx, float* dw, int64_t D) {
+    std::vector<float> xc(N * D), dxc(N * D);
+    ops_copy_2d(F(xin), ld, xc.data(), D, N, D);
+    if (accumulate) ops_copy_2d(F(dx), ld, dxc.data(), D, N, D);
+    rmsnorm_bwd(x, d, xc.data(), w, r, dxc.data(), dw, N * (D / hd), hd, accumulate, dt);
+    ops_copy_2d(dxc.data(), D, F(dx), ld, N, D);
+  };
+  kind(dq, qraw, wq, rq, dqr, dwq, Dq);
+  kind(dk, kraw, wk, rk, dkr, dwk, Dk);
 }
 void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void* wk, void* q, void* k_pool,
-                      void* v_pool, const int32_t* slots, const float* cos, const float* sin, int64_t N, int64_t nh,
-                      int64_t nkv, int64_t hd, double eps, DType dt) {
-  DEV_OP(x, prof::mem(2 * B(N * (nh + 2 * nkv) * hd, dt)), qkv_to_cache_fwd(x, qkv, wq, wk, q, k_pool, v_pool, slots, cos, sin, N, nh, nkv, hd, eps, dt));
+                      void* v_pool, const int32_t* slots, float* rq, float* rk, const float* cos, const float* sin,
+                      int64_t N, int64_t nh, int64_t nkv, int64_t hd, double eps, DType dt) {
+  DEV_OP(x, prof::mem(2 * B(N * (nh + 2 * nkv) * hd, dt)), qkv_to_cache_fwd(x, qkv, wq, wk, q, k_pool, v_pool, slots, rq, rk, cos, sin, N, nh, nkv, hd, eps, dt));
   need_f32(dt, "qkv_to_cache_fwd");
   const int64_t Dq = nh * hd, Dk = nkv * hd, ld = Dq + 2 * Dk;
-  std::vector<float> qr(N * Dq), kr(N * Dk), v(N * Dk), k(N * Dk), rq(N * nh), rk(N * nkv);
-  for (int64_t i = 0; i < N; ++i) {
-    const float* row = F(qkv) + i * ld;
-    std::copy(row, row + Dq, &qr[i * Dq]);
-    std::copy(row + Dq, row + Dq + Dk, &kr[i * Dk]);
-    std::copy(row + Dq + Dk, row + ld, &v[i * Dk]);
+  std::vector<float> qr(N * Dq), kr(N * Dk), v(N * Dk), k(N * Dk), rqs(N * nh), rks(N * nkv);
+  ops_copy_2d(F(qkv), ld, qr.data(), Dq, N, Dq);
+  ops_copy_2d(F(qkv) + Dq, ld, kr.data(), Dk, N, Dk);
+  ops_copy_2d(F(qkv) + Dq + Dk, ld, v.data(), Dk, N, Dk);
+  qk_norm_rope_fwd(x, qr.data(), kr.data(), wq, wk, q, k.data(), rq ? rq : rqs.data(), rk ? rk : rks.data(), cos,
+                   sin, N, nh, nkv, hd, eps, dt);
+  if (!slots) {  // training: k and v in row order
+    std::copy(k.begin(), k.end(), F(k_pool));
+    std::copy(v.begin(), v.end(), F(v_pool));
+    return;
   }
-  qk_norm_rope_fwd(x, qr.data(), kr.data(), wq, wk, q, k.data(), rq.data(), rk.data(), cos, sin, N, nh, nkv, hd, eps,
-                   dt);
   scatter_rows(x, k.data(), slots, k_pool, N, Dk, false, dt);
   scatter_rows(x, v.data(), slots, v_pool, N, Dk, false, dt);
 }
@@ -575,6 +596,12 @@ void gather_rows(const Exec& x, const void* src, const int32_t* rows, int64_t di
   DEV_OP(x, prof::mem(2 * B(R * D, dt)), gather_rows(x, src, rows, div, dst, R, D, dt));
   need_f32(dt, "gather_rows");
   copy_rows(F(src), rows, div, F(dst), R, D);
+}
+void copy_2d(const Exec& x, const void* src, int64_t lds, void* dst, int64_t ldd, int64_t rows, int64_t cols,
+             DType dt) {
+  DEV_OP(x, prof::mem(2 * B(rows * cols, dt)), copy_2d(x, src, lds, dst, ldd, rows, cols, dt));
+  need_f32(dt, "copy_2d");
+  ops_copy_2d(F(src), lds, F(dst), ldd, rows, cols);
 }
 void scatter_rows(const Exec& x, const void* src, const int32_t* rows, void* dst, int64_t R, int64_t D,
                   bool accumulate, DType dt) {

@@ -730,29 +730,39 @@ std::vector<Case> all_cases(DType dt) {
   // heads): shapes the kernel does not take (rope_bwd and rmsnorm_bwd). kReduce: the kernel keeps the rotated
   // gradient in fp32, as the fp32 reference does, so only the summation order and the outputs' rounding differ; the
   // two-op path rounds it to dt, about one 16-bit ulp of each input of rmsnorm_bwd, well within kReduce too.
+  // "fused": qraw, kraw, dqr and dkr as training's fused rows q | k | v (ld = (nh + 2 nkv) hd; the v columns are
+  // neither read nor written: they keep their random values, which the comparison checks).
   const auto add_qk_norm_rope_bwd = [&](int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool acc,
-                                        const std::string& what, bool weights = true, bool ws = true) {
+                                        const std::string& what, bool weights = true, bool ws = true,
+                                        bool fused = false) {
     const Rotary r = rotary(N, hd);
-    const int64_t nq = N * nh * hd, nk = N * nkv * hd;
-    add("qk_norm_rope_bwd", dims({N, nh, nkv, hd}) + what + mode(acc), kReduce,
-        {in("dq", K::Act, randn(nq)), in("dk", K::Act, randn(nk)), in("qraw", K::Act, randn(nq)),
-         in("kraw", K::Act, randn(nk)), in("wq", K::Act, randu(hd, 0.5, 1.5)), in("wk", K::Act, randu(hd, 0.5, 1.5)),
-         in("rq", K::F32, randu(N * nh, 0.5, 2)), in("rk", K::F32, randu(N * nkv, 0.5, 2)), in("cos", K::F32, r.cos),
-         in("sin", K::F32, r.sin), out("dqr", K::Act, randn(nq)), out("dkr", K::Act, randn(nk)),
-         out("dwq", K::F32, randn(hd)), out("dwk", K::F32, randn(hd))},
+    const int64_t nq = N * nh * hd, nk = N * nkv * hd, ld = fused ? (nh + 2 * nkv) * hd : 0;
+    const int64_t nraw = fused ? N * ld : nq, koff = fused ? nh * hd : 0;
+    add("qk_norm_rope_bwd", dims({N, nh, nkv, hd}) + what + (fused ? " fused rows" : "") + mode(acc), kReduce,
+        {in("dq", K::Act, randn(nq)), in("dk", K::Act, randn(nk)), in("qraw", K::Act, randn(nraw)),
+         in("kraw", K::Act, randn(fused ? 1 : nk)), in("wq", K::Act, randu(hd, 0.5, 1.5)),
+         in("wk", K::Act, randu(hd, 0.5, 1.5)), in("rq", K::F32, randu(N * nh, 0.5, 2)),
+         in("rk", K::F32, randu(N * nkv, 0.5, 2)), in("cos", K::F32, r.cos), in("sin", K::F32, r.sin),
+         out("dqr", K::Act, randn(nraw)), out("dkr", K::Act, randn(fused ? 1 : nk)), out("dwq", K::F32, randn(hd)),
+         out("dwk", K::F32, randn(hd))},
         [=](auto& x, auto& p, DType t) {
           dev::Exec xs = x;
           if (!ws) xs.ws_bytes = 0;
-          dev::qk_norm_rope_bwd(xs, p[0], p[1], p[2], p[3], p[4], p[5], P<float>(p, 6), P<float>(p, 7),
-                                P<float>(p, 8), P<float>(p, 9), p[10], p[11], weights ? P<float>(p, 12) : nullptr,
-                                weights ? P<float>(p, 13) : nullptr, N, nh, nkv, hd, acc, t);
+          const auto col = [&](void* b) -> void* { return static_cast<char*>(b) + koff * int64_t(dtype_size(t)); };
+          const void* kraw = fused ? col(p[2]) : p[3];
+          void* dkr = fused ? col(p[10]) : p[11];
+          dev::qk_norm_rope_bwd(xs, p[0], p[1], p[2], kraw, p[4], p[5], P<float>(p, 6), P<float>(p, 7),
+                                P<float>(p, 8), P<float>(p, 9), p[10], dkr, weights ? P<float>(p, 12) : nullptr,
+                                weights ? P<float>(p, 13) : nullptr, N, nh, nkv, hd, ld, acc, t);
         });
   };
   for (bool acc : {false, true}) {
     for (int64_t hd : {128, 64})
       for (int64_t N : {1, 7, 9, 23, 600}) add_qk_norm_rope_bwd(N, 16, 8, hd, acc, "");
     for (int64_t hd : {72, 20}) add_qk_norm_rope_bwd(23, 4, 2, hd, acc, " two ops");
+    for (int64_t N : {1, 23, 600}) add_qk_norm_rope_bwd(N, 16, 8, 128, acc, "", true, true, true);
   }
+  add_qk_norm_rope_bwd(9, 4, 2, 64, false, "", true, true, true);
   add_qk_norm_rope_bwd(600, 16, 8, 128, false, " ws0", true, false);
   add_qk_norm_rope_bwd(600, 16, 8, 128, false, " dw=null", false);
   // QK-norm rows past those below: the text model's heads over more tokens, and head dims whose halves take 8-byte
@@ -778,8 +788,20 @@ std::vector<Case> all_cases(DType dt) {
            out("k_pool", K::Act, randn(rows * Dk)), out("v_pool", K::Act, randn(rows * Dk)),
            in("slots", K::I32, slots), in("cos", K::F32, r.cos), in("sin", K::F32, r.sin)},
           [=](auto& x, auto& p, DType t) {
-            dev::qkv_to_cache_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], P<int32_t>(p, 6), P<float>(p, 7),
-                                  P<float>(p, 8), N, nh, nkv, hd, 1e-6, t);
+            dev::qkv_to_cache_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], P<int32_t>(p, 6), nullptr, nullptr,
+                                  P<float>(p, 7), P<float>(p, 8), N, nh, nkv, hd, 1e-6, t);
+          });
+    }
+    {  // training's: no slots, k and v [N, nkv, hd] in row order, with the rows' rstd
+      const int64_t nh = 4, nkv = 2, Dk = nkv * hd;
+      add("qkv_to_cache_fwd", dims({N, nh, nkv, hd}) + " training", kReduce,
+          {in("qkv", K::Act, randn(N * (nh + 2 * nkv) * hd)), in("wq", K::Act, randu(hd, 0.5, 1.5)),
+           in("wk", K::Act, randu(hd, 0.5, 1.5)), out("q", K::Act, randn(N * nh * hd)), out("k", K::Act, randn(N * Dk)),
+           out("v", K::Act, randn(N * Dk)), out("rq", K::F32, randn(N * nh)), out("rk", K::F32, randn(N * nkv)),
+           in("cos", K::F32, r.cos), in("sin", K::F32, r.sin)},
+          [=](auto& x, auto& p, DType t) {
+            dev::qkv_to_cache_fwd(x, p[0], p[1], p[2], p[3], p[4], p[5], nullptr, P<float>(p, 6), P<float>(p, 7),
+                                  P<float>(p, 8), P<float>(p, 9), N, nh, nkv, hd, 1e-6, t);
           });
     }
     add_rope_bwd(N, H, hd, r);
@@ -905,6 +927,16 @@ std::vector<Case> all_cases(DType dt) {
       add("gather_rows", dims({R, D}) + " div " + std::to_string(div), kElem,
           {in("src", K::Act, randn(S * D)), in("rows", K::I32, randi(R, S * div)), out("dst", K::Act, randn(R * D))},
           [=](auto& x, auto& p, DType t) { dev::gather_rows(x, p[0], P<int32_t>(p, 1), div, p[2], R, D, t); });
+    }
+    // a column block of one matrix's rows into another's (training's dv into the fused q | k | v gradient rows): 16-byte
+    // moves, and odd strides and widths (2- or 4-byte moves)
+    for (auto [C, lds, ldd] : {std::array<int64_t, 3>{D, D + 24, 3 * D}, {D - 1, D + 3, 2 * D + 5}}) {
+      const int64_t R = 30;
+      add("copy_2d", dims({R, C, lds, ldd}), kElem,
+          {in("src", K::Act, randn(R * lds)), out("dst", K::Act, randn(R * ldd))},
+          [=](auto& x, auto& p, DType t) {
+            dev::copy_2d(x, p[0], lds, static_cast<char*>(p[1]) + D * int64_t(dtype_size(t)), ldd, R, C, t);
+          });
     }
     for (bool acc : {false, true}) {
       const int64_t R = 25, S = 70;
@@ -1343,6 +1375,7 @@ TEST(BackendOps, QkNormRopeBwdIsRopeThenRmsnorm) {
                                  rq = rf(N * nh, 0.5, 2), rk = rf(N * nkv, 0.5, 2);
         std::vector<float> dq = rf(nq), dk = rf(nk), dqr = rf(nq), dkr = rf(nk), dwq = rf(hd), dwk = rf(hd);
         std::vector<float> gq = dq, gk = dk, gqr = dqr, gkr = dkr, gwq = dwq, gwk = dwk;
+        const std::vector<float> dq0 = dq, dk0 = dk, dqr0 = dqr, dkr0 = dkr, dwq0 = dwq, dwk0 = dwk;
         dev::rope_bwd(cpu, dq.data(), cos.data(), sin.data(), N, nh, hd, DType::F32);
         dev::rope_bwd(cpu, dk.data(), cos.data(), sin.data(), N, nkv, hd, DType::F32);
         dev::rmsnorm_bwd(cpu, dq.data(), qraw.data(), wq.data(), rq.data(), dqr.data(), dwq.data(), N * nh, hd, acc,
@@ -1351,7 +1384,7 @@ TEST(BackendOps, QkNormRopeBwdIsRopeThenRmsnorm) {
                          DType::F32);
         dev::qk_norm_rope_bwd(cpu, gq.data(), gk.data(), qraw.data(), kraw.data(), wq.data(), wk.data(), rq.data(),
                               rk.data(), cos.data(), sin.data(), gqr.data(), gkr.data(), gwq.data(), gwk.data(), N, nh,
-                              nkv, hd, acc, DType::F32);
+                              nkv, hd, 0, acc, DType::F32);
         const std::string d = dims({N, nh, nkv, hd}) + mode(acc);
         EXPECT_EQ(gqr, dqr) << d;
         EXPECT_EQ(gkr, dkr) << d;
@@ -1359,6 +1392,25 @@ TEST(BackendOps, QkNormRopeBwdIsRopeThenRmsnorm) {
         EXPECT_EQ(gwk, dwk) << d;
         EXPECT_EQ(gq, dq) << d;
         EXPECT_EQ(gk, dk) << d;
+        // Training's fused rows q | k | v (ld = (nh + 2 nkv) hd): the same values in q's and k's columns, v's untouched.
+        const int64_t Dq = nh * hd, Dk = nkv * hd, ld = Dq + 2 * Dk;
+        std::vector<float> raw = rf(N * ld), draw = rf(N * ld);
+        const std::vector<float> vcols = draw;
+        for (int64_t i = 0; i < N; ++i) {
+          std::copy_n(&qraw[i * Dq], Dq, &raw[i * ld]), std::copy_n(&kraw[i * Dk], Dk, &raw[i * ld + Dq]);
+          std::copy_n(&dqr0[i * Dq], Dq, &draw[i * ld]), std::copy_n(&dkr0[i * Dk], Dk, &draw[i * ld + Dq]);
+        }
+        std::vector<float> fq = dq0, fk = dk0, fwq = dwq0, fwk = dwk0;
+        dev::qk_norm_rope_bwd(cpu, fq.data(), fk.data(), raw.data(), raw.data() + Dq, wq.data(), wk.data(), rq.data(),
+                              rk.data(), cos.data(), sin.data(), draw.data(), draw.data() + Dq, fwq.data(), fwk.data(),
+                              N, nh, nkv, hd, ld, acc, DType::F32);
+        for (int64_t i = 0; i < N; ++i) {
+          ASSERT_TRUE(std::equal(&draw[i * ld], &draw[i * ld + Dq], &dqr[i * Dq])) << d << " fused, row " << i;
+          ASSERT_TRUE(std::equal(&draw[i * ld + Dq], &draw[i * ld + Dq + Dk], &dkr[i * Dk])) << d << " fused, row " << i;
+          ASSERT_TRUE(std::equal(&draw[i * ld + Dq + Dk], &draw[(i + 1) * ld], &vcols[i * ld + Dq + Dk])) << d;
+        }
+        EXPECT_EQ(fwq, dwq) << d << " fused";
+        EXPECT_EQ(fwk, dwk) << d << " fused";
       }
 }
 TEST(BackendOps, GroupedInt8IsDequantizedGrouped) { grouped_q8_is_dequantized_grouped(QFormat::Int8); }

@@ -54,15 +54,15 @@ Profiled profiled_pass(Device d, int layers, bool shapes = false) {
 
 void check_counts(Device d) {
   const Profiled p1 = profiled_pass(d, 1), p2 = profiled_pass(d, 2), p3 = profiled_pass(d, 3);
-  // A dense decoder layer's backward: q, k, v, o, the fused gate|up and down, one linear_bwd each.
-  EXPECT_EQ(p2.calls.at("linear_bwd") - p1.calls.at("linear_bwd"), 6);
-  EXPECT_EQ(p3.calls.at("linear_bwd") - p2.calls.at("linear_bwd"), 6);
+  // A dense decoder layer's backward: the fused q|k|v, o, the fused gate|up and down, one linear_bwd each.
+  EXPECT_EQ(p2.calls.at("linear_bwd") - p1.calls.at("linear_bwd"), 4);
+  EXPECT_EQ(p3.calls.at("linear_bwd") - p2.calls.at("linear_bwd"), 4);
   // It zeroes no buffer: the first op to produce each gradient writes it (dev.hpp).
   EXPECT_EQ(p2.calls.at("fill"), p1.calls.at("fill"));
   EXPECT_EQ(p3.calls.at("fill"), p2.calls.at("fill"));
-  // Its forward: the same six linears (once each; no recomputation).
-  EXPECT_EQ(p2.calls.at("linear_fwd") - p1.calls.at("linear_fwd"), 6);
-  EXPECT_EQ(p3.calls.at("linear_fwd") - p2.calls.at("linear_fwd"), 6);
+  // Its forward: the same four linears (once each; no recomputation).
+  EXPECT_EQ(p2.calls.at("linear_fwd") - p1.calls.at("linear_fwd"), 4);
+  EXPECT_EQ(p3.calls.at("linear_fwd") - p2.calls.at("linear_fwd"), 4);
   // One attention forward and backward a decoder layer, on top of the vision tower's (2 blocks).
   EXPECT_EQ(p3.calls.at("attention_fwd"), 3 + 2);
   EXPECT_EQ(p3.calls.at("attention_bwd"), 3 + 2);

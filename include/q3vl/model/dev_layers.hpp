@@ -97,7 +97,7 @@ inline const void* at(const void* p, int64_t i, DType t) {
 // What a decoder layer's backward needs from its forward (dt arrays unless noted). MoE layers keep the routing and
 // the experts' pre-activations; probs/idx are pooled by the caller for the aux loss.
 struct DevDecoderCtx {
-  void *x, *ln1, *qraw, *kraw, *q, *k, *v, *att, *x1, *ln2, *gu, *act;
+  void *x, *ln1, *qkv, *q, *k, *v, *att, *x1, *ln2, *gu, *act;  // qkv: the fused projection's rows [q | k | v]
   float *r1, *rq, *rk, *lse, *r2;
   float* w;                      // MoE: [N,k] routing weights
   int32_t *start, *rows, *pos;   // MoE: expert buckets
@@ -113,7 +113,7 @@ struct DevDecoderCtx {
 };
 // Temporaries of one layer's forward or backward, shared by all layers (not kept).
 struct DevDecoderScratch {
-  void *tmp, *dln, *dact, *dgu, *datt, *dq, *dk, *dv, *dqr, *dkr;
+  void *tmp, *dln, *dact, *dgu, *datt, *dq, *dk, *dv, *dqkv;  // dqkv: qkv's gradient rows
   void *logits, *xg, *eact, *dyg, *edact, *edgu, *dxg, *dlogits;  // MoE (logits, dlogits: [N,E] F32)
   float* dw;                                                      // MoE: [R]
   void *arr = nullptr, *yo = nullptr;  // expert parallelism: [Ro,H] rows in arrival order, and expert-major

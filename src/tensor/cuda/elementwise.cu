@@ -211,37 +211,39 @@ void rope(const Exec& x, void* q, const float* cos, const float* sin, int64_t N,
 // ---- row moves: raw copies in the widest unit that every row's bytes and pointers allow -------------------------
 template <class U>
 __global__ void k_copy_rows(const char* src, const int32_t* ids, int64_t div, int64_t V, char* dst, int64_t R,
-                            int64_t row_units) {
-  // dst row i = src row ids[i] / div (ids null: row i); an id outside [0, V) yields a NaN-patterned row (V > 0 only)
+                            int64_t row_units, int64_t sp, int64_t dp) {
+  // dst row i (dp units apart) = src row ids[i] / div (ids null: row i; sp units apart); an id outside [0, V) yields
+  // a NaN-patterned row (V > 0 only)
   Q3VL_GRID_LOOP(e, R * row_units) {
     const int64_t i = e / row_units, u = e % row_units;
     const int64_t r = ids ? int64_t(ids[i]) / div : i;
-    U* d = reinterpret_cast<U*>(dst) + i * row_units + u;
+    U* d = reinterpret_cast<U*>(dst) + i * dp + u;
     if (V > 0 && (r < 0 || r >= V)) {
       U bad;
       memset(&bad, 0xff, sizeof(U));  // all-ones: NaN in fp32, bf16 and fp16
       *d = bad;
     } else {
-      *d = reinterpret_cast<const U*>(src)[r * row_units + u];
+      *d = reinterpret_cast<const U*>(src)[r * sp + u];
     }
   }
 }
+// Rows of row_bytes, src_pitch and dst_pitch bytes apart (0: row_bytes).
 void copy_rows(const Exec& x, const void* src, const int32_t* ids, int64_t div, int64_t V, void* dst, int64_t R,
-               size_t row_bytes) {
+               size_t row_bytes, size_t src_pitch = 0, size_t dst_pitch = 0) {
   if (R <= 0 || row_bytes == 0) return;
-  const uintptr_t al = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | row_bytes;
+  src_pitch = src_pitch ? src_pitch : row_bytes, dst_pitch = dst_pitch ? dst_pitch : row_bytes;
+  const uintptr_t al =
+      reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | row_bytes | src_pitch | dst_pitch;
   const auto* s = static_cast<const char*>(src);
   auto* d = static_cast<char*>(dst);
-  if (al % 16 == 0) {
-    const int64_t u = int64_t(row_bytes / 16);
-    k_copy_rows<uint4><<<grid_for(R * u), 256, 0, stream_of(x)>>>(s, ids, div, V, d, R, u);
-  } else if (al % 4 == 0) {
-    const int64_t u = int64_t(row_bytes / 4);
-    k_copy_rows<uint32_t><<<grid_for(R * u), 256, 0, stream_of(x)>>>(s, ids, div, V, d, R, u);
-  } else {
-    const int64_t u = int64_t(row_bytes / 2);
-    k_copy_rows<uint16_t><<<grid_for(R * u), 256, 0, stream_of(x)>>>(s, ids, div, V, d, R, u);
-  }
+  const auto go = [&]<class U>() {
+    const int64_t u = int64_t(row_bytes / sizeof(U)), sp = int64_t(src_pitch / sizeof(U));
+    k_copy_rows<U><<<grid_for(R * u), 256, 0, stream_of(x)>>>(s, ids, div, V, d, R, u, sp,
+                                                              int64_t(dst_pitch / sizeof(U)));
+  };
+  if (al % 16 == 0) go.template operator()<uint4>();
+  else if (al % 4 == 0) go.template operator()<uint32_t>();
+  else go.template operator()<uint16_t>();
   Q3VL_LAUNCHED();
 }
 
@@ -540,6 +542,12 @@ void embedding_bwd(const Exec& x, const int32_t* ids, const void* dout, float* d
 void gather_rows(const Exec& x, const void* src, const int32_t* rows, int64_t div, void* dst, int64_t R, int64_t D,
                  DType dt) {
   copy_rows(x, src, rows, div, 0, dst, R, size_t(D) * dtype_size(dt));
+}
+
+void copy_2d(const Exec& x, const void* src, int64_t lds, void* dst, int64_t ldd, int64_t rows, int64_t cols,
+             DType dt) {
+  const size_t e = dtype_size(dt);
+  copy_rows(x, src, nullptr, 1, 0, dst, rows, size_t(cols) * e, size_t(lds) * e, size_t(ldd) * e);
 }
 
 void scatter_rows(const Exec& x, const void* src, const int32_t* rows, void* dst, int64_t R, int64_t D,

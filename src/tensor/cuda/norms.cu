@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kNormThreads)
 // rows get their rstd, then each lane's pairs (d, d + hd/2) normalised, rounded to S (as rmsnorm_fwd stores them) and
 // rotated with the row's token's cos/sin (as rope_fwd); v rows are copied. Inputs: token rows ldq / ldk apart (the
 // fused projection's [q | k | v] rows, or separate arrays). Outputs: q [N, nh, hd]; k and v at pool rows slots[tok]
-// (negative: not stored), or k [N, nkv, hd] without slots. rq/rk may be null.
+// (negative: not stored), or k and v [N, nkv, hd] without slots. rq/rk may be null.
 template <class S>
 __device__ __forceinline__ float round_to(float v) {
   S t;
@@ -218,7 +218,7 @@ __global__ void k_qk_norm_rope(const S* __restrict__ qin, const S* __restrict__ 
       if (slot < 0) continue;
       o = (kind == 1 ? k : vout) + (slot * nkv + h) * hd;
     } else {
-      o = k + row * hd;
+      o = (kind == 1 ? k : vout) + row * hd;
     }
     if (kind == 2) {
       for (int d = lane; d < hd; d += 32) o[d] = x[d];
@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t slot = slots[tok];
       if (slot >= 0) o = (kind == 1 ? k : vout) + (slot * nkv + h) * hd;
     } else {
-      o = k + row * hd;
+      o = (kind == 1 ? k : vout) + row * hd;
     }
     const bool on = live && d < half;
     const Pack<S, V> pa = on ? ldp<S, V>(x, d) : Pack<S, V>{}, pb = on ? ldp<S, V>(x, d + half) : Pack<S, V>{};
@@ -667,7 +667,7 @@ void norm_bwd(const Exec& x, const void* dy, const void* in, const void* w, cons
 }
 
 // ---- QK-norm and rotary backward --------------------------------------------------------------------------------
-// qk_norm_rope_bwd, T lanes a head row as k_qk_norm_rope_vec (T V = hd / 2 here, T <= 32: R = 256 / T rows a block at
+// qk_norm_rope_bwd, T lanes a head row as k_qk_norm_rope_vec (x's and dx's token rows ld apart, 0: contiguous) (T V = hd / 2 here, T <= 32: R = 256 / T rows a block at
 // a time), lane t holding the pairs (d, d + hd/2), d = t V + [0, V): its columns are the same in every row, so its
 // dw sums stay in registers across the rows, as block_colsum's two slots (slot 1: columns hd/2 + t V). Block b takes
 // the rows [b rows_per, (b + 1) rows_per) of q (b < cq) or of k (b - cq). A row: g = rope_bwd(dy) in fp32 (not
@@ -680,7 +680,7 @@ __global__ void __launch_bounds__(kThreads, 3)
                        const S* __restrict__ kraw, const S* __restrict__ wq, const S* __restrict__ wk,
                        const float* __restrict__ rq, const float* __restrict__ rk, const float* __restrict__ cos,
                        const float* __restrict__ sin, S* __restrict__ dqr, S* __restrict__ dkr, float* dwq,
-                       float* dwk, float* pw, int64_t N, int nh, int nkv, int hd, int T, int64_t rows_per,
+                       float* dwk, float* pw, int64_t N, int nh, int nkv, int hd, int64_t ld, int T, int64_t rows_per,
                        int64_t cq, int64_t ck, bool acc) {
   __shared__ alignas(16) float buf[kThreads * 2 * V];
   pdl_enter();  // launched by launch_pdl
@@ -691,14 +691,16 @@ __global__ void __launch_bounds__(kThreads, 3)
   const float* rstd = isk ? rk : rq;
   S* dx = isk ? dkr : dqr;
   const int64_t r0 = (isk ? blockIdx.x - cq : blockIdx.x) * rows_per, r1 = min(N * heads, r0 + rows_per);
+  const int64_t ldx = ld ? ld : int64_t(heads) * hd;  // a token's row of x and dx (dy's rows are contiguous)
   float sw[2][V] = {};  // this lane's column sums of g x r: columns d + [0, V), half + d + [0, V)
   for (int64_t i0 = r0; i0 < r1; i0 += kThreads >> lt) {  // uniform: a row's lanes shuffle
-    const int64_t i = i0 + g, at = i * hd + d, cs = i / heads * half + d;  // cs: the token's cos/sin
+    const int64_t i = i0 + g, tok = i / heads, at = i * hd + d, cs = tok * half + d;  // cs: the token's cos/sin
+    const int64_t ax = tok * ldx + (i - tok * heads) * hd + d;  // x's and dx's
     const bool live = i < r1;
     Pack<S, V> ya{}, yb{}, xa{}, xb{}, wa{}, wb{};
     float c[V] = {}, s[V] = {}, oa[V], ob[V];
     if (live) {  // w too, from L1: its floats held across rows spilled (k_norm_bwd's experience too)
-      ya = ldp<S, V>(dy, at), yb = ldp<S, V>(dy, at + half), xa = ldp<S, V>(x, at), xb = ldp<S, V>(x, at + half);
+      ya = ldp<S, V>(dy, at), yb = ldp<S, V>(dy, at + half), xa = ldp<S, V>(x, ax), xb = ldp<S, V>(x, ax + half);
       wa = ldp<S, V>(w, d), wb = ldp<S, V>(w, d + half);
       ldv<float, V>(cos, cs, c);
       ldv<float, V>(sin, cs, s);
@@ -717,15 +719,15 @@ __global__ void __launch_bounds__(kThreads, 3)
     for (int m = T / 2; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
     const float cc = sum * (r * r * r / float(hd));
     if (!live) continue;
-    priorv<S, V>(dx, at, acc, oa);  // here, not with the other loads: fewer registers live across the shuffles
-    priorv<S, V>(dx, at + half, acc, ob);
+    priorv<S, V>(dx, ax, acc, oa);  // here, not with the other loads: fewer registers live across the shuffles
+    priorv<S, V>(dx, ax + half, acc, ob);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       oa[j] += ga[j] * fv(wa, j) * r - fv(xa, j) * cc;
       ob[j] += gb[j] * fv(wb, j) * r - fv(xb, j) * cc;
     }
-    stv<S, V>(dx, at, oa);
-    stv<S, V>(dx, at + half, ob);
+    stv<S, V>(dx, ax, oa);
+    stv<S, V>(dx, ax + half, ob);
   }
   float* dw = isk ? dwk : dwq;
   if (!dw) return;  // uniform
@@ -743,14 +745,15 @@ __global__ void __launch_bounds__(kThreads, 3)
 template <class S>
 bool qk_rope_bwd(const Exec& x, const void* dq, const void* dk, const void* qraw, const void* kraw, const void* wq,
                  const void* wk, const float* rq, const float* rk, const float* cos, const float* sin, void* dqr,
-                 void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd, bool acc) {
+                 void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t ld,
+                 bool acc) {
   const int64_t half = hd / 2;
   const auto fits = [&](int V) {
     const uintptr_t m = uintptr_t(V) * sizeof(S) - 1;
     for (const void* p : {dq, dk, qraw, kraw, wq, wk, static_cast<const void*>(dqr), static_cast<const void*>(dkr)})
       if (reinterpret_cast<uintptr_t>(p) & m) return false;
     const int64_t T = half / V;
-    return half % V == 0 && T <= 32 && (T & (T - 1)) == 0 && aligned16(cos) && aligned16(sin);
+    return half % V == 0 && ld % V == 0 && T <= 32 && (T & (T - 1)) == 0 && aligned16(cos) && aligned16(sin);
   };
   constexpr int VW = 16 / sizeof(S);
   const int V = fits(VW) ? VW : fits(VW / 2) ? VW / 2 : 0;
@@ -769,8 +772,8 @@ bool qk_rope_bwd(const Exec& x, const void* dq, const void* dk, const void* qraw
     launch_pdl(k_qk_norm_rope_bwd<S, VV>, dim3(unsigned(cq + ck)), kThreads, 0, stream_of(x),
                static_cast<const S*>(dq), static_cast<const S*>(dk), static_cast<const S*>(qraw),
                static_cast<const S*>(kraw), static_cast<const S*>(wq), static_cast<const S*>(wk), rq, rk, cos, sin,
-               static_cast<S*>(dqr), static_cast<S*>(dkr), dwq, dwk, pw, N, int(nh), int(nkv), int(hd), T, rows_per,
-               cq, ck, acc);
+               static_cast<S*>(dqr), static_cast<S*>(dkr), dwq, dwk, pw, N, int(nh), int(nkv), int(hd), ld, T,
+               rows_per, cq, ck, acc);
   };
   if (V == VW) go.template operator()<VW>();
   else go.template operator()<VW / 2>();
@@ -870,30 +873,34 @@ void qk_norm_rope_fwd(const Exec& x, const void* qraw, const void* kraw, const v
 }
 
 void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void* wk, void* q, void* k_pool,
-                      void* v_pool, const int32_t* slots, const float* cos, const float* sin, int64_t N, int64_t nh,
-                      int64_t nkv, int64_t hd, double eps, DType dt) {
+                      void* v_pool, const int32_t* slots, float* rq, float* rk, const float* cos, const float* sin,
+                      int64_t N, int64_t nh, int64_t nkv, int64_t hd, double eps, DType dt) {
   if (N <= 0) return;
   Q3VL_CHECK(hd % 2 == 0 && hd <= 4096 && nh + nkv <= 65536, "qkv_to_cache_fwd: head dim must be even");
   const int64_t ld = (nh + 2 * nkv) * hd;
   by_dtype(dt, [&]<class S>() {
     const S* in = static_cast<const S*>(qkv);
-    qk_rope<S>(x, in, in + nh * hd, in + (nh + nkv) * hd, ld, ld, wq, wk, q, k_pool, v_pool, slots, nullptr, nullptr,
-               cos, sin, N, nh, nkv, hd, eps);
+    qk_rope<S>(x, in, in + nh * hd, in + (nh + nkv) * hd, ld, ld, wq, wk, q, k_pool, v_pool, slots, rq, rk, cos, sin,
+               N, nh, nkv, hd, eps);
   });
 }
 
 void qk_norm_rope_bwd(const Exec& x, void* dq, void* dk, const void* qraw, const void* kraw, const void* wq,
                       const void* wk, const float* rq, const float* rk, const float* cos, const float* sin, void* dqr,
-                      void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd,
+                      void* dkr, float* dwq, float* dwk, int64_t N, int64_t nh, int64_t nkv, int64_t hd, int64_t ld,
                       bool accumulate, DType dt) {
   if (N <= 0) return;
   Q3VL_CHECK(hd % 2 == 0 && dqr && dkr, "qk_norm_rope_bwd: head dim must be even, dqr and dkr given");
+  const bool strided = ld != 0 && !(ld == nh * hd && ld == nkv * hd);
   bool done = false;
   by_dtype(dt, [&]<class S>() {
-    done = qk_rope_bwd<S>(x, dq, dk, qraw, kraw, wq, wk, rq, rk, cos, sin, dqr, dkr, dwq, dwk, N, nh, nkv, hd,
+    done = qk_rope_bwd<S>(x, dq, dk, qraw, kraw, wq, wk, rq, rk, cos, sin, dqr, dkr, dwq, dwk, N, nh, nkv, hd, ld,
                           accumulate);
   });
   if (done) return;
+  Q3VL_CHECK(!strided, "qk_norm_rope_bwd: rows " + std::to_string(ld) + " elements apart need the vector kernel (hd / "
+                       "2 = T V, T a power of two <= 32, V 4 or 8 bf16 elements dividing the row stride; hd = " +
+                       std::to_string(hd) + ")");
   // The shapes the kernel does not take: the two ops, rotating dq and dk in place (cuda::: the launchers, which ADL
   // on Exec would confuse with the public ops).
   cuda::rope_bwd(x, dq, cos, sin, N, nh, hd, dt);
