@@ -10,8 +10,13 @@
 // k-rows (wgmma.cuh's layout, as attention_sm90.cu's V). DW's tile leaves through shared memory (grouped_dw.cuh).
 // cp.async keeps 3 tiles in flight, the next one's copies issued while a tile's 8 wgmmas a warpgroup run; those are
 // waited for before the next barrier, which then frees their stage.
+#include <algorithm>
+#include <cstdlib>
+#include <string_view>
+
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/grouped_dw.cuh"
+#include "tensor/cuda/tma.cuh"
 #include "tensor/cuda/wgmma.cuh"
 
 namespace q3vl::dev::cuda {
@@ -191,6 +196,261 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// ---- warp-specialized and persistent (grouped_ws) ----------------------------------------------------------------
+// The same products, tiles and shared-memory layouts as grouped_wgmma, with FA3's division of labour (attention_sm90.cu's
+// fwd_ws): warpgroup 0, the producer, hands its registers back and its first thread streams every K tile of every
+// output tile the block owns by TMA into a ring of kStages stages (a full mbarrier per stage, completed by the copies'
+// bytes, and an empty one, an arrival from each of the 8 consumer warps once its wgmmas reading the stage are done);
+// warpgroups 1 and 2, the consumers, own rows [0, 64) and [64, 128) of the tile as grouped_wgmma's two warpgroups
+// do, keep one K tile's wgmmas in flight behind the next and store from registers. The grid is persistent (a block
+// an SM, tiles t = blockIdx.x + i gridDim.x), so the producer loads the next tile while the consumers store this one.
+// Tile order: FWD/DX walk the N tiles of an M tile (of all experts back to back, tile_prefix) fastest, so the blocks
+// running together share the rows of A and an expert's weights in L2; DW walks expert, M tile, N tile.
+// Boxes (tma.cuh's tmap_16bit, 64 columns wide, swizzled as wgmma reads them): K-major operands are boxes of 128 (A)
+// or 256 (B) rows at column k0; MN-major ones (DX's W[e], DW's dy and xg, rows along K) 2 or 4 boxes of 64 k-rows.
+// Rows a box reads past an expert's end belong to the next expert (or are the TMA's zeros past the tensor): past M or
+// N they only reach outputs that are never stored; past K (the last K tile of DX at n_out % 64 != 0, of every DW
+// tile at a bucket's end) the consumers zero those rows in shared memory before their wgmmas read them. Columns past
+// a tensor's width (K-major K tails) are the TMA's zeros.
+constexpr int kWsThreads = 384;
+constexpr uint32_t kStageBytes = kTA + kTB;
+
+struct WsTile {
+  int e;
+  int64_t s, rows, m0, n0;
+};
+
+// Output tile t of the launch: false past the last.
+template <int MODE>
+__device__ __forceinline__ bool ws_tile(int64_t t, const int32_t* start, const int32_t* tile_prefix, int E,
+                                        int64_t n_in, int64_t n_out, WsTile& o) {
+  const int64_t nN = ((MODE == FWD ? n_out : n_in) + kBN - 1) / kBN;
+  int e = 0;
+  if constexpr (MODE == DW) {
+    const int64_t nM = (n_out + kBM - 1) / kBM;
+    if (t >= int64_t(E) * nM * nN) return false;
+    e = int(t / (nM * nN));
+    const int64_t r = t % (nM * nN);
+    o.m0 = r / nN * kBM;
+    o.n0 = r % nN * kBN;
+  } else {
+    const int64_t mt = t / nN;
+    if (mt >= tile_prefix[E]) return false;
+    for (int hi = E - 1; e < hi;) {  // the last expert with tile_prefix[e] <= mt (empty ones share their successor's)
+      const int mid = (e + hi + 1) / 2;
+      if (tile_prefix[mid] <= mt) e = mid;
+      else hi = mid - 1;
+    }
+    o.m0 = (mt - tile_prefix[e]) * kBM;
+    o.n0 = t % nN * kBN;
+  }
+  o.e = e;
+  o.s = start[e];
+  o.rows = start[e + 1] - o.s;
+  return true;
+}
+template <int MODE> __device__ __forceinline__ int64_t ws_k(const WsTile& w, int64_t n_in, int64_t n_out) {
+  return MODE == FWD ? n_in : MODE == DX ? n_out : w.rows;
+}
+
+// The producer's thread. ta: A (FWD xg, DX dy: 128-row boxes; DW dy: 64-row boxes); tb: B (FWD W as [E n_out, n_in]
+// in 256-row boxes; DX W likewise in 64-row boxes; DW xg in 64-row boxes).
+template <int MODE>
+__device__ __forceinline__ void ws_produce(const CUtensorMap* ta, const CUtensorMap* tb, uint32_t stages,
+                                           uint32_t bars, const int32_t* start, const int32_t* tile_prefix, int E,
+                                           int64_t n_in, int64_t n_out) {
+  tmap_prefetch(ta);
+  tmap_prefetch(tb);
+  const uint64_t pol = l2_evict_normal();
+  uint32_t it = 0;
+  WsTile w;
+  for (int64_t t = blockIdx.x; ws_tile<MODE>(t, start, tile_prefix, E, n_in, n_out, w); t += gridDim.x) {
+    const int nk = int((ws_k<MODE>(w, n_in, n_out) + kBK - 1) / kBK);
+    for (int kt = 0; kt < nk; ++kt, ++it) {
+      const uint32_t st = it % kStages, full = bars + 8 * st, sa = stages + st * kStageBytes, sb = sa + kTA;
+      mbar_wait(bars + 8 * (kStages + st), ((it / kStages) & 1) ^ 1);
+      mbar_expect_tx(full, kStageBytes);
+      const int k0 = kt * kBK;
+      if constexpr (MODE == DW) {
+#pragma unroll
+        for (int p = 0; p < kBM / 64; ++p) tma_load_2d(sa + p * (kBK * 128), ta, int(w.m0) + 64 * p, int(w.s) + k0, full, pol);
+#pragma unroll
+        for (int p = 0; p < kBN / 64; ++p) tma_load_2d(sb + p * (kBK * 128), tb, int(w.n0) + 64 * p, int(w.s) + k0, full, pol);
+      } else {
+        tma_load_2d(sa, ta, k0, int(w.s + w.m0), full, pol);
+        if constexpr (MODE == FWD) {
+          tma_load_2d(sb, tb, k0, int(w.e * n_out + w.n0), full, pol);
+        } else {
+#pragma unroll
+          for (int p = 0; p < kBN / 64; ++p)
+            tma_load_2d(sb + p * (kBK * 128), tb, int(w.n0) + 64 * p, int(w.e * n_out) + k0, full, pol);
+        }
+      }
+    }
+  }
+}
+
+// Rows [r0, 64) of the n 64-row panels at p (8 KiB apart) to zero, by a warpgroup's 128 threads (whole 128-byte rows:
+// the swizzle permutes chunks within a row).
+__device__ __forceinline__ void ws_zero_rows(uint32_t p, int n, int r0, int ct) {
+  for (int c = r0 * 8 + ct; c < kBK * 8; c += 128)
+    for (int q = 0; q < n; ++q)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(p + q * (kBK * 128) + c * 16), "r"(0) : "memory");
+}
+
+// Consumer c (0 or 1) of the block's tiles; ct: the thread's index in its warpgroup.
+template <class S, int MODE>
+__device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void* C, const int32_t* start,
+                                           const int32_t* tile_prefix, int E, int64_t n_in, int64_t n_out,
+                                           bool accumulate, int c, int ct) {
+  constexpr bool A_KC = MODE != DW, B_KC = MODE == FWD;
+  const int lane = ct & 31, g = lane >> 2, t4 = lane & 3;
+  const int rt = c * 64 + (ct >> 5) * 16 + g;  // the thread's first row in the tile
+  const bool lead = lane == 0;
+  uint32_t it = 0;
+  WsTile w;
+  float acc[2][64];
+  for (int64_t t = blockIdx.x; ws_tile<MODE>(t, start, tile_prefix, E, n_in, n_out, w); t += gridDim.x) {
+    const int64_t K = ws_k<MODE>(w, n_in, n_out);
+    const int nk = int((K + kBK - 1) / kBK);
+    const int64_t M = MODE == DW ? n_out : w.rows, N = MODE == FWD ? n_out : n_in;
+    if (nk == 0 && accumulate) continue;  // DW of an expert without rows adds nothing (written: zeros, below)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+    uint32_t prev = 0;
+    for (int kt = 0; kt < nk; ++kt, ++it) {
+      const uint32_t st = it % kStages, sa0 = stages + st * kStageBytes, sb = sa0 + kTA;
+      mbar_wait(bars + 8 * st, (it / kStages) & 1);
+      const int kv = int(K - int64_t(kt) * kBK);
+      if (MODE != FWD && kv < kBK) {  // rows past K: the next expert's (see above)
+        if constexpr (MODE == DW) ws_zero_rows(sa0 + c * (kBK * 128), 1, kv, ct);
+        ws_zero_rows(sb, kBN / 64, kv, ct);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        bar_sync(1 + c, 128);
+      }
+      const uint32_t sa = sa0 + c * (A_KC ? 64 * 128 : kBK * 128);
+      pin(acc[0]);
+      pin(acc[1]);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wg_ss<S, 128, !A_KC, !B_KC>(acc[h], A_KC ? sdesc(sa + kk * 32, 16) : sdesc(sa + kk * 2048, kBK * 128),
+                                    B_KC ? sdesc(sb + h * (128 * 128) + kk * 32, 16)
+                                         : sdesc(sb + h * (2 * kBK * 128) + kk * 2048, kBK * 128),
+                                    1);
+      wg_commit();
+      wg_wait<1>();  // tile kt-1's wgmmas are done: its stage goes back to the producer
+      if (kt > 0) mbar_arrive(bars + 8 * (kStages + prev), lead);
+      prev = st;
+    }
+    wg_wait<0>();  // unconditional: ptxas sees every path to the stores wait
+    if (nk > 0) mbar_arrive(bars + 8 * (kStages + prev), lead);
+    pin(acc[0]);
+    pin(acc[1]);
+    // Accumulator element 4j + q of N half h: row rt + 8 (q >> 1), column 128 h + 8 j + 2 t4 + (q & 1).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t m = w.m0 + rt + 8 * r;
+      if (m >= M) continue;
+      if constexpr (MODE == DW) {
+        float* row = static_cast<float*>(C) + (int64_t(w.e) * n_out + m) * n_in;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int64_t n = w.n0 + 128 * h + 8 * j + 2 * t4;
+            if (n >= N) continue;  // N % 8 == 0: the pair is whole
+            float2 v = make_float2(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
+            if (accumulate) {
+              const float2 o = *reinterpret_cast<const float2*>(row + n);
+              v.x += o.x, v.y += o.y;
+            }
+            *reinterpret_cast<float2*>(row + n) = v;
+          }
+      } else {
+        S* row = static_cast<S*>(C) + (w.s + m) * N;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int64_t n = w.n0 + 128 * h + 8 * j + 2 * t4;
+            if (n >= N) continue;
+            float v0 = acc[h][4 * j + 2 * r], v1 = acc[h][4 * j + 2 * r + 1];
+            if (accumulate) v0 += ld(row, n), v1 += ld(row, n + 1);
+            *reinterpret_cast<uint32_t*>(row + n) = pack2<S>(v0, v1);
+          }
+      }
+    }
+  }
+}
+
+template <class S, int MODE>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    grouped_ws(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, void* __restrict__ C,
+               const int32_t* __restrict__ start, const int32_t* __restrict__ tile_prefix, int E, int64_t n_in,
+               int64_t n_out, bool accumulate) {
+#ifdef Q3VL_WGMMA
+  __shared__ alignas(8) uint64_t bars[2 * kStages];  // full, then empty
+  extern __shared__ __align__(16) unsigned char smraw[];
+  const uint32_t stages = (su32(smraw) + 1023u) & ~1023u, bar0 = su32(bars);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar0 + 8 * s, 1);
+      mbar_init(bar0 + 8 * (kStages + s), 8);  // the consumers' warps
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_dec<40>();
+    if (threadIdx.x == 0) ws_produce<MODE>(&ta, &tb, stages, bar0, start, tile_prefix, E, n_in, n_out);
+  } else {
+    regs_inc<232>();
+    ws_consume<S, MODE>(stages, bar0, C, start, tile_prefix, E, n_in, n_out, accumulate, threadIdx.x / 128 - 1,
+                        threadIdx.x % 128);
+  }
+#else
+  __trap();
+#endif
+}
+
+// grouped_ws where the TMA takes the operands (false: the caller runs grouped_wgmma). Q3VL_GROUPED_WS=0 turns it
+// off (tools/gpu/moe_bench.cu's A/B runs). An accumulating DW stays on grouped_wgmma, whose epilogue reads the prior
+// tile prefetched into L2 (moe_bench, 2026-12-05: gate_up 1584 us there, 2776 here, where each thread's read-add
+// waits on DRAM).
+bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, const void* B, void* C,
+                       const int32_t* start, const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in,
+                       int64_t n_out, bool accumulate, int sms) {
+  static const bool off = [] {
+    const char* v = std::getenv("Q3VL_GROUPED_WS");
+    return v && std::string_view(v) == "0";
+  }();
+  if (off || (mode == DW && accumulate) || !aligned16(C) || R * std::max(n_in, n_out) >= (int64_t(1) << 31) || E * n_out >= (int64_t(1) << 31)) return false;
+  CUtensorMap ta{}, tb{};
+  const bool ok = mode == FWD ? tmap_16bit(ta, A, R, n_in, n_in, kBM, bf16) &&
+                                    tmap_16bit(tb, B, E * n_out, n_in, n_in, kBN, bf16)
+                  : mode == DX ? tmap_16bit(ta, A, R, n_out, n_out, kBM, bf16) &&
+                                     tmap_16bit(tb, B, E * n_out, n_in, n_in, kBK, bf16)
+                               : tmap_16bit(ta, A, R, n_out, n_out, kBK, bf16) &&
+                                     tmap_16bit(tb, B, R, n_in, n_in, kBK, bf16);
+  if (!ok) return false;
+  const int64_t nN = ((mode == FWD ? n_out : n_in) + kBN - 1) / kBN;
+  const int64_t tiles = mode == DW ? E * ((n_out + kBM - 1) / kBM) * nN : ((R + kBM - 1) / kBM + E) * nN;
+  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
+  auto go = [&]<class S>() {
+    auto run = [&](auto kern) {
+      launch(kern, grid, kWsThreads, kSmem, st, ta, tb, C, start, tile_prefix, int(E), n_in, n_out, accumulate);
+    };
+    mode == FWD ? run(grouped_ws<S, FWD>) : mode == DX ? run(grouped_ws<S, DX>) : run(grouped_ws<S, DW>);
+  };
+  bf16 ? go.template operator()<__nv_bfloat16>() : go.template operator()<__half>();
+  return true;
+}
+
 }  // namespace
 
 // moe.cu's grouped<MODE> on wgmma (mode FWD: A = xg, B = W, C = y; DX: A = dy, B = W, C = dxg; DW: A = dy, B = xg,
@@ -205,6 +465,9 @@ bool grouped_sm90(cudaStream_t st, bool bf16, int mode, const void* A, const voi
   Q3VL_CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   Q3VL_CU(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0) return false;
+  int sms = 0;
+  Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (grouped_ws_launch(st, bf16, mode, A, B, C, start, tile_prefix, R, E, n_in, n_out, accumulate, sms)) return true;
   dim3 grid(unsigned(((mode == FWD ? n_out : n_in) + kBN - 1) / kBN));
   if (mode == DW) {
     grid.y = unsigned((n_out + kBM - 1) / kBM);
