@@ -379,19 +379,6 @@ template <int HD> constexpr size_t bwd_smem() {
 }
 static_assert(bwd_smem<128>() <= 227 * 1024 && bwd_smem<72>() <= 227 * 1024 && bwd_smem<64>() <= 227 * 1024);
 
-// Bulk asynchronous reductions (the copy engine): dst[0 .. bytes) += src (fp32, shared -> global), grouped per
-// thread; wait_read<N>: until at most N of this thread's groups still read their shared source; wait_all: done.
-__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
 // t (64 x 64: the warpgroup's 64 rows of A x the 64 rows of B) = A B^T, both K-major HD-column tiles: A's rows start
 // at a inside panels of pa bytes, B is a 64-row tile at b.
 template <class S, int HD>

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // output tile the block owns by TMA into a ring of kStages stages (a full mbarrier per stage, completed by the copies'
 // bytes, and an empty one, an arrival from each of the 8 consumer warps once its wgmmas reading the stage are done);
 // warpgroups 1 and 2, the consumers, own rows [0, 64) and [64, 128) of the tile as grouped_wgmma's two warpgroups
-// do, keep one K tile's wgmmas in flight behind the next and store from registers. The grid is persistent (a block
+// do, keep one K tile's wgmmas in flight behind the next and store (FWD/DX from registers, DW below). The grid is persistent (a block
 // an SM, tiles t = blockIdx.x + i gridDim.x), so the producer loads the next tile while the consumers store this one.
 // Tile order: FWD/DX walk the N tiles of an M tile (of all experts back to back, tile_prefix) fastest, so the blocks
 // running together share the rows of A and an expert's weights in L2; DW walks expert, M tile, N tile.
@@ -213,7 +213,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 // tile at a bucket's end) the consumers zero those rows in shared memory before their wgmmas read them. Columns past
 // a tensor's width (K-major K tails) are the TMA's zeros.
 constexpr int kWsThreads = 384;
-constexpr uint32_t kStageBytes = kTA + kTB;
+// DW's tiles are 128 x 128 (n_out x n_in), FWD/DX's 128 x 256: DW's fp32 tile leaves through shared memory (64 rows a
+// consumer, kEpLd floats apart: 16 bytes past a row, so the float2 writes of a warp meet each bank twice, the least
+// for 256 bytes) by bulk copies a row, written or added (cp.reduce.async.bulk ... add.f32, in L2: no read of the
+// prior dW by the SM), which run while the consumers start the next tile.
+template <int MODE> constexpr int ws_bn() { return MODE == DW ? 128 : kBN; }
+template <int MODE> constexpr uint32_t ws_stage_bytes() { return kTA + uint32_t(ws_bn<MODE>()) * kBK * 2; }
+constexpr int kEpLd = 132;
+constexpr uint32_t kEpBytes = 64 * kEpLd * 4;
+template <int MODE> constexpr size_t ws_smem() {
+  return size_t(kStages) * ws_stage_bytes<MODE>() + (MODE == DW ? 2 * kEpBytes : 0) + 1024;
+}
+static_assert(ws_smem<FWD>() <= 227 * 1024 && ws_smem<DW>() <= 227 * 1024, "an sm_90 block's shared memory");
 
 struct WsTile {
   int e;
@@ -224,7 +235,8 @@ struct WsTile {
 template <int MODE>
 __device__ __forceinline__ bool ws_tile(int64_t t, const int32_t* start, const int32_t* tile_prefix, int E,
                                         int64_t n_in, int64_t n_out, WsTile& o) {
-  const int64_t nN = ((MODE == FWD ? n_out : n_in) + kBN - 1) / kBN;
+  constexpr int BN = ws_bn<MODE>();
+  const int64_t nN = ((MODE == FWD ? n_out : n_in) + BN - 1) / BN;
   int e = 0;
   if constexpr (MODE == DW) {
     const int64_t nM = (n_out + kBM - 1) / kBM;
@@ -232,7 +244,7 @@ __device__ __forceinline__ bool ws_tile(int64_t t, const int32_t* start, const i
     e = int(t / (nM * nN));
     const int64_t r = t % (nM * nN);
     o.m0 = r / nN * kBM;
-    o.n0 = r % nN * kBN;
+    o.n0 = r % nN * BN;
   } else {
     const int64_t mt = t / nN;
     if (mt >= tile_prefix[E]) return false;
@@ -242,7 +254,7 @@ __device__ __forceinline__ bool ws_tile(int64_t t, const int32_t* start, const i
       else hi = mid - 1;
     }
     o.m0 = (mt - tile_prefix[e]) * kBM;
-    o.n0 = t % nN * kBN;
+    o.n0 = t % nN * BN;
   }
   o.e = e;
   o.s = start[e];
@@ -267,15 +279,17 @@ __device__ __forceinline__ void ws_produce(const CUtensorMap* ta, const CUtensor
   for (int64_t t = blockIdx.x; ws_tile<MODE>(t, start, tile_prefix, E, n_in, n_out, w); t += gridDim.x) {
     const int nk = int((ws_k<MODE>(w, n_in, n_out) + kBK - 1) / kBK);
     for (int kt = 0; kt < nk; ++kt, ++it) {
-      const uint32_t st = it % kStages, full = bars + 8 * st, sa = stages + st * kStageBytes, sb = sa + kTA;
+      constexpr uint32_t SB = ws_stage_bytes<MODE>();
+      const uint32_t st = it % kStages, full = bars + 8 * st, sa = stages + st * SB, sb = sa + kTA;
       mbar_wait(bars + 8 * (kStages + st), ((it / kStages) & 1) ^ 1);
-      mbar_expect_tx(full, kStageBytes);
+      mbar_expect_tx(full, SB);
       const int k0 = kt * kBK;
       if constexpr (MODE == DW) {
 #pragma unroll
         for (int p = 0; p < kBM / 64; ++p) tma_load_2d(sa + p * (kBK * 128), ta, int(w.m0) + 64 * p, int(w.s) + k0, full, pol);
 #pragma unroll
-        for (int p = 0; p < kBN / 64; ++p) tma_load_2d(sb + p * (kBK * 128), tb, int(w.n0) + 64 * p, int(w.s) + k0, full, pol);
+        for (int p = 0; p < ws_bn<MODE>() / 64; ++p)
+          tma_load_2d(sb + p * (kBK * 128), tb, int(w.n0) + 64 * p, int(w.s) + k0, full, pol);
       } else {
         tma_load_2d(sa, ta, k0, int(w.s + w.m0), full, pol);
         if constexpr (MODE == FWD) {
@@ -304,40 +318,43 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
                                            const int32_t* tile_prefix, int E, int64_t n_in, int64_t n_out,
                                            bool accumulate, int c, int ct) {
   constexpr bool A_KC = MODE != DW, B_KC = MODE == FWD;
-  const int lane = ct & 31, g = lane >> 2, t4 = lane & 3;
-  const int rt = c * 64 + (ct >> 5) * 16 + g;  // the thread's first row in the tile
+  constexpr int BN = ws_bn<MODE>(), NH = BN / 128;
+  constexpr uint32_t SB = ws_stage_bytes<MODE>();
+  const int lane = ct & 31, g = lane >> 2, t4 = lane & 3, warp = ct >> 5;
+  const int rt = c * 64 + warp * 16 + g;  // the thread's first row in the tile
   const bool lead = lane == 0;
+  const uint32_t ep = stages + kStages * SB + c * kEpBytes;  // DW: the consumer's staged rows
   uint32_t it = 0;
   WsTile w;
-  float acc[2][64];
+  float acc[NH][64];
   for (int64_t t = blockIdx.x; ws_tile<MODE>(t, start, tile_prefix, E, n_in, n_out, w); t += gridDim.x) {
     const int64_t K = ws_k<MODE>(w, n_in, n_out);
     const int nk = int((K + kBK - 1) / kBK);
     const int64_t M = MODE == DW ? n_out : w.rows, N = MODE == FWD ? n_out : n_in;
     if (nk == 0 && accumulate) continue;  // DW of an expert without rows adds nothing (written: zeros, below)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < NH; ++h)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
     uint32_t prev = 0;
     for (int kt = 0; kt < nk; ++kt, ++it) {
-      const uint32_t st = it % kStages, sa0 = stages + st * kStageBytes, sb = sa0 + kTA;
+      const uint32_t st = it % kStages, sa0 = stages + st * SB, sb = sa0 + kTA;
       mbar_wait(bars + 8 * st, (it / kStages) & 1);
       const int kv = int(K - int64_t(kt) * kBK);
       if (MODE != FWD && kv < kBK) {  // rows past K: the next expert's (see above)
         if constexpr (MODE == DW) ws_zero_rows(sa0 + c * (kBK * 128), 1, kv, ct);
-        ws_zero_rows(sb, kBN / 64, kv, ct);
+        ws_zero_rows(sb, BN / 64, kv, ct);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         bar_sync(1 + c, 128);
       }
       const uint32_t sa = sa0 + c * (A_KC ? 64 * 128 : kBK * 128);
-      pin(acc[0]);
-      pin(acc[1]);
+#pragma unroll
+      for (int h = 0; h < NH; ++h) pin(acc[h]);
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < NH; ++h)
           wg_ss<S, 128, !A_KC, !B_KC>(acc[h], A_KC ? sdesc(sa + kk * 32, 16) : sdesc(sa + kk * 2048, kBK * 128),
                                     B_KC ? sdesc(sb + h * (128 * 128) + kk * 32, 16)
                                          : sdesc(sb + h * (2 * kBK * 128) + kk * 2048, kBK * 128),
@@ -349,36 +366,46 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
     }
     wg_wait<0>();  // unconditional: ptxas sees every path to the stores wait
     if (nk > 0) mbar_arrive(bars + 8 * (kStages + prev), lead);
-    pin(acc[0]);
-    pin(acc[1]);
-    // Accumulator element 4j + q of N half h: row rt + 8 (q >> 1), column 128 h + 8 j + 2 t4 + (q & 1).
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t m = w.m0 + rt + 8 * r;
-      if (m >= M) continue;
-      if constexpr (MODE == DW) {
-        float* row = static_cast<float*>(C) + (int64_t(w.e) * n_out + m) * n_in;
+    for (int h = 0; h < NH; ++h) pin(acc[h]);
+    if constexpr (MODE == DW) {
+      // The consumer's 64 x 128 fp32 rows into ep (once the copies of its previous tile have read it), then a bulk
+      // copy a row by its warp 0: accumulator element 4j + q at row warp 16 + g + 8 (q >> 1), column 8j + 2 t4 + (q & 1).
+      if (warp == 0) bulk_wait_read<0>();
+      bar_sync(3 + c, 128);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(ep + ((warp * 16 + g + 8 * r) * kEpLd + 8 * j + 2 * t4) * 4),
+                       "f"(acc[0][4 * j + 2 * r]), "f"(acc[0][4 * j + 2 * r + 1])
+                       : "memory");
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      bar_sync(3 + c, 128);
+      if (warp == 0) {
+        const uint32_t bytes = uint32_t(N - w.n0 < BN ? N - w.n0 : BN) * 4;
+        for (int rr = lane; rr < 64; rr += 32) {
+          const int64_t m = w.m0 + c * 64 + rr;
+          if (m >= M) break;
+          float* dst = static_cast<float*>(C) + (int64_t(w.e) * n_out + m) * n_in + w.n0;
+          if (accumulate) bulk_add_f32(dst, ep + rr * kEpLd * 4, bytes);
+          else bulk_store(dst, ep + rr * kEpLd * 4, bytes);
+        }
+        bulk_commit();
+      }
+    } else {
+      // Accumulator element 4j + q of N half h: row rt + 8 (q >> 1), column 128 h + 8 j + 2 t4 + (q & 1).
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t m = w.m0 + rt + 8 * r;
+        if (m >= M) continue;
+        S* row = static_cast<S*>(C) + (w.s + m) * N;
+#pragma unroll
+        for (int h = 0; h < NH; ++h)
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
             const int64_t n = w.n0 + 128 * h + 8 * j + 2 * t4;
             if (n >= N) continue;  // N % 8 == 0: the pair is whole
-            float2 v = make_float2(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
-            if (accumulate) {
-              const float2 o = *reinterpret_cast<const float2*>(row + n);
-              v.x += o.x, v.y += o.y;
-            }
-            *reinterpret_cast<float2*>(row + n) = v;
-          }
-      } else {
-        S* row = static_cast<S*>(C) + (w.s + m) * N;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const int64_t n = w.n0 + 128 * h + 8 * j + 2 * t4;
-            if (n >= N) continue;
             float v0 = acc[h][4 * j + 2 * r], v1 = acc[h][4 * j + 2 * r + 1];
             if (accumulate) v0 += ld(row, n), v1 += ld(row, n + 1);
             *reinterpret_cast<uint32_t*>(row + n) = pack2<S>(v0, v1);
@@ -386,6 +413,7 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
       }
     }
   }
+  if (MODE == DW && warp == 0) bulk_wait_all();  // the last rows are out before the block's shared memory goes
 }
 
 template <class S, int MODE>
@@ -419,9 +447,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 }
 
 // grouped_ws where the TMA takes the operands (false: the caller runs grouped_wgmma). Q3VL_GROUPED_WS=0 turns it
-// off (tools/gpu/moe_bench.cu's A/B runs). An accumulating DW stays on grouped_wgmma, whose epilogue reads the prior
-// tile prefetched into L2 (moe_bench, 2026-12-05: gate_up 1584 us there, 2776 here, where each thread's read-add
-// waits on DRAM).
+// off (tools/gpu/moe_bench.cu's A/B runs).
 bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, const void* B, void* C,
                        const int32_t* start, const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in,
                        int64_t n_out, bool accumulate, int sms) {
@@ -429,7 +455,7 @@ bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, cons
     const char* v = std::getenv("Q3VL_GROUPED_WS");
     return v && std::string_view(v) == "0";
   }();
-  if (off || (mode == DW && accumulate) || !aligned16(C) || R * std::max(n_in, n_out) >= (int64_t(1) << 31) || E * n_out >= (int64_t(1) << 31)) return false;
+  if (off || !aligned16(C) || R * std::max(n_in, n_out) >= (int64_t(1) << 31) || E * n_out >= (int64_t(1) << 31)) return false;
   CUtensorMap ta{}, tb{};
   const bool ok = mode == FWD ? tmap_16bit(ta, A, R, n_in, n_in, kBM, bf16) &&
                                     tmap_16bit(tb, B, E * n_out, n_in, n_in, kBN, bf16)
@@ -438,12 +464,13 @@ bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, cons
                                : tmap_16bit(ta, A, R, n_out, n_out, kBK, bf16) &&
                                      tmap_16bit(tb, B, R, n_in, n_in, kBK, bf16);
   if (!ok) return false;
-  const int64_t nN = ((mode == FWD ? n_out : n_in) + kBN - 1) / kBN;
+  const int64_t bn = mode == DW ? ws_bn<DW>() : kBN, nN = ((mode == FWD ? n_out : n_in) + bn - 1) / bn;
   const int64_t tiles = mode == DW ? E * ((n_out + kBM - 1) / kBM) * nN : ((R + kBM - 1) / kBM + E) * nN;
   const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
   auto go = [&]<class S>() {
     auto run = [&](auto kern) {
-      launch(kern, grid, kWsThreads, kSmem, st, ta, tb, C, start, tile_prefix, int(E), n_in, n_out, accumulate);
+      launch(kern, grid, kWsThreads, mode == DW ? ws_smem<DW>() : ws_smem<FWD>(), st, ta, tb, C, start, tile_prefix,
+             int(E), n_in, n_out, accumulate);
     };
     mode == FWD ? run(grouped_ws<S, FWD>) : mode == DX ? run(grouped_ws<S, DX>) : run(grouped_ws<S, DW>);
   };

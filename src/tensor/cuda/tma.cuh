@@ -68,6 +68,24 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* m, 
       : "memory");
 }
 
+// Bulk asynchronous copies (the copy engine) from shared to global memory, contiguous: dst[0 .. bytes) = src, or +=
+// src (fp32, reduced in L2); bytes and both addresses multiples of 16. Grouped per thread: commit closes a group;
+// wait_read<N> waits until at most N of this thread's groups still read their shared source; wait_all: all done.
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over n threads (a multiple of 32): sync waits for the n, arrive
 // counts this warp without waiting; pred: whether this warp arrives.
 __device__ __forceinline__ void bar_sync(int id, int n) {
