@@ -7,12 +7,12 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
 
 #include "q3vl/core/debug.hpp"
+#include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/core/log.hpp"
 #include "q3vl/core/parallel.hpp"
@@ -25,11 +25,7 @@ namespace {
 // LM-head chunk: [rows, V] logits (and their gradient) exist at a time, never [N, V]. 1024 rows, or
 // Q3VL_HEAD_ROWS=n (n >= 1; for A/B runs of the chunk's GEMM shape against its memory).
 int64_t head_chunk_rows() {
-  static const int64_t r = [] {
-    const char* e = std::getenv("Q3VL_HEAD_ROWS");
-    const long long v = e ? std::atoll(e) : 0;
-    return v > 0 ? int64_t(v) : int64_t(1024);
-  }();
+  static const int64_t r = env_positive("Q3VL_HEAD_ROWS", 1024);
   return r;
 }
 
@@ -631,6 +627,9 @@ double DevModel::run(TokenStream&& s, const std::vector<float>& pixels, const st
 }
 
 double DevModel::loss(double* aux_out) {
+  if (head_deferred_ && kept_)
+    fail("DevModel::loss called between a forward whose LM head and loss run in the backward (set_loss_in_backward) "
+         "and that backward");
   double sums[2];
   dev::to_host(ex_, sums, impl_->sums, sizeof sums);
   double l = count_ ? sums[0] / double(count_) : 0.0;

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
 #include "tensor/cuda/dev_cuda.hpp"
 
@@ -123,10 +124,7 @@ __device__ __forceinline__ void pdl_enter() {
 // Whether launch_pdl launches programmatically dependent: on unless the environment sets Q3VL_PDL=0 (for A/B runs);
 // benchmarks may flip it.
 inline bool& pdl_on() {
-  static bool on = [] {
-    const char* e = std::getenv("Q3VL_PDL");
-    return !(e && std::string(e) == "0");
-  }();
+  static bool on = !env_is("Q3VL_PDL", "0");
   return on;
 }
 

@@ -1,4 +1,4 @@
-// The weight-gradient epilogue of the grouped expert GEMMs (moe.cu's k_grouped, moe_sm90.cu's wgmma kernel): a
+// The weight-gradient epilogue of the grouped expert GEMMs (moe.cu's k_grouped): a
 // block's BM x BN fp32 tile of dW[e] out of shared memory. DW's output is large against its K (an expert's bucket:
 // 256 rows on average at the 30B-A3B shape, 2 K FLOPs an fp32 element written, and read when accumulating), so the
 // store is the kernel's cost: whole rows of 16-byte accesses (a warp moves 512 contiguous bytes), the prior values

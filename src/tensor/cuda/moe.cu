@@ -516,10 +516,7 @@ size_t route_smem(int64_t N, int64_t E, int64_t k, int vpt) {
 
 // The cluster size: 8 (portable), or 16 under Q3VL_ROUTE_CLUSTER=16 (non-portable; for A/B runs).
 int route_cluster() {
-  static const int c = [] {
-    const char* e = std::getenv("Q3VL_ROUTE_CLUSTER");
-    return e && std::string(e) == "16" ? 16 : 8;
-  }();
+  static const int c = env_is("Q3VL_ROUTE_CLUSTER", "16") ? 16 : 8;
   return c;
 }
 

@@ -577,11 +577,7 @@ int row_blocks(int64_t N) { return grid_for(N, kWarps); }
 // The least rows a chunk of norm_bwd: 16, or Q3VL_NORM_CHUNK_ROWS=n (n >= 1; for A/B runs of the rule below; a
 // fixed setting keeps the sums' order fixed).
 int64_t chunk_rows_floor() {
-  static const int64_t r = [] {
-    const char* e = std::getenv("Q3VL_NORM_CHUNK_ROWS");
-    const long long v = e ? std::atoll(e) : 0;
-    return v > 0 ? int64_t(v) : int64_t(16);
-  }();
+  static const int64_t r = env_positive("Q3VL_NORM_CHUNK_ROWS", 16);
   return r;
 }
 
