@@ -86,6 +86,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"serve.port", T::Int, "8000", "TCP port (0: any free port, printed at start-up)", 0, 65535},
       {"serve.tp", T::Int, "0", "tensor-parallel ranks per pipeline stage (heads, MLP rows and vocabulary split over "
        "them); 0: auto (the ranks / serve.pp)", 0, 1 << 20},
+      {"serve.ep", T::Int, "1", "MoE models: the sets of whole experts the serve.tp ranks of a stage split each MoE layer's "
+       "experts into (must divide serve.tp and num_experts); each set's expert rows split over serve.tp / serve.ep "
+       "ranks. 1: every expert's rows split over all serve.tp ranks; serve.tp: whole experts per rank (expert "
+       "parallelism)", 1, 1 << 20},
       {"serve.pp", T::Int, "0", "pipeline stages (model.backend = cuda): consecutive groups of serve.tp ranks, each "
        "holding an equal share of the decoder layers (the first also the embeddings and vision tower, the last the "
        "head); hidden states pass from stage to stage. 0: auto (with serve.tp = 0: one stage per node on the device "

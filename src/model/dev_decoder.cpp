@@ -168,9 +168,13 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     }
     // The routed rows and the SwiGLU as the experts' GEMVs read them in decode steps (else written to s.xg, s.eact:
     // nothing reads them after this, the backward gathers and recomputes its own).
+    // Under serve.ep only the buckets of this rank's experts (c.start's rows are absolute), the others' rows zero.
     const int eg = dev_experts_id(P, f);
-    grouped_linear(ex, P, eg, c.ln2, c.start, c.egu, R, E, H, 2 * Im, dt, {c.rows, k, false, s.xg});
-    grouped_linear(ex, P, eg + 1, c.egu, c.start, c.ey, R, E, Im, H, dt, {nullptr, 1, true, s.eact});
+    const int64_t El = c.el ? c.el : E;
+    const int32_t* start = c.start + (c.el ? c.e0 : 0);
+    if (c.el) zero(ex, c.ey, R * H, dt);
+    grouped_linear(ex, P, eg, c.ln2, start, c.egu, R, El, H, 2 * Im, dt, {c.rows, k, false, s.xg});
+    grouped_linear(ex, P, eg + 1, c.egu, start, c.ey, R, El, Im, H, dt, {nullptr, 1, true, s.eact});
     dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
   } else {
     const int64_t I = tc.intermediate;

@@ -159,7 +159,7 @@ bool DevModel::quant_param(const ParamTable& t, int id) {
   return false;
 }
 
-int64_t DevModel::quant_rows(const ParamInfo& p) { return p.numel / p.shape.back(); }
+int64_t DevModel::quant_rows(const ParamInfo& p) { return p.held / p.shape.back(); }
 
 int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s, QFormat quant) {
   int64_t n = 0;
@@ -167,7 +167,7 @@ int64_t DevModel::weight_bytes(const ParamTable& t, DType dt, const DevStage& s,
     if (stage_owns(t, s, int(u)))
       for (int id : t.units()[u].params) {
         const ParamInfo& p = t.param(id);
-        n += quant != QFormat::None && quant_param(t, id) ? p.numel + quant_rows(p) * 4
+        n += quant != QFormat::None && quant_param(t, id) ? p.held + quant_rows(p) * 4
                                                           : p.held * int64_t(dtype_size(dt));
       }
   return n;
@@ -183,7 +183,6 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
   impl_->lora.dropout = cfg.lora.dropout;
   Q3VL_CHECK((stage.whole() && !q8) || !grads, "DevModel: pipeline stages and 8-bit weights are for inference");
   Q3VL_CHECK(hold.group >= 1 && (hold.full || grads), "DevModel: a ZeRO hold is for training");
-  Q3VL_CHECK(ep.size == 1 || (grads && !q8), "DevModel: expert parallelism is for training");
   if (ex.device == Device::CPU && dt != DType::F32)
     fail_all(std::string("model.dtype = ") + dtype_name(dt) + " needs model.backend = \"cuda\" (the CPU computes fp32)");
   // The parameters of the units the stage holds, packed in table order (the whole model in dt: the table's own
@@ -195,7 +194,7 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
       ubase_[u] = held_;
       for (int id : table_.units()[u].params) {
         const ParamInfo& p = table_.param(id);
-        if (q8 && quant_param(table_, id)) par_off_[id] = held8_, held8_ += p.numel, scl_off_[id] = rows8_, rows8_ += quant_rows(p);
+        if (q8 && quant_param(table_, id)) par_off_[id] = held8_, held8_ += p.held, scl_off_[id] = rows8_, rows8_ += quant_rows(p);
         else par_off_[id] = held_, held_ += p.held;  // expert parallelism: this rank's experts
       }
       if (!q8) held_ = ubase_[u] + padded(table_.units()[u].numel, hold.group);
@@ -319,7 +318,7 @@ void DevModel::set_params(const float* host_all) {
 }
 void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   Q3VL_CHECK(offset >= 0 && offset + n <= table_.total(), "DevModel::set_params: a range outside the table");
-  Q3VL_CHECK(table_.ep().size == 1, "DevModel::set_params: an expert-parallel model is filled through ZeRO");
+  Q3VL_CHECK(table_.ep().size == 1 || !grads_, "DevModel::set_params: an expert-parallel model is filled through ZeRO");
   // The held parameters' parts of the range, each to its packed place, through a staging buffer of at most 256 MiB;
   // an 8-bit weight, which must arrive whole, is quantized here first.
   constexpr int64_t kChunk = int64_t(64) << 20;
@@ -330,13 +329,13 @@ void DevModel::set_params(int64_t offset, const float* host, int64_t n) {
   for (size_t id = 0; id < table_.params().size(); ++id) {
     const ParamInfo& p = table_.param(int(id));
     const int64_t start = table_.units()[p.unit].offset + p.offset;
-    const int64_t a = std::max(offset, start), b = std::min(offset + n, start + p.numel);
+    const int64_t a = std::max(offset, start), b = std::min(offset + n, start + p.held);
     if (par_off_[id] < 0 || a >= b) continue;
     if (scl_off_[id] >= 0) {
-      Q3VL_CHECK(a == start && b == start + p.numel,
+      Q3VL_CHECK(a == start && b == start + p.held,
                  std::string("DevModel::set_params: ") + qformat_name(qf_) + " weight " + p.name + " must arrive whole");
-      const int64_t rows = quant_rows(p), cols = p.numel / rows;
-      q.resize(size_t(p.numel)), sc.resize(size_t(rows));
+      const int64_t rows = quant_rows(p), cols = p.held / rows;
+      q.resize(size_t(p.held)), sc.resize(size_t(rows));
       // On every core: a 30B-A3B's experts are 29 G weights to quantize at start-up.
       const int64_t per = std::max<int64_t>(1, (int64_t(1) << 20) / cols);  // about 1 Mi weights per item
       parallel_for((rows + per - 1) / per, [&](int64_t i) {
@@ -871,6 +870,8 @@ void DevModel::reserve_infer(const InferBudget& b) {
   J.block = dev::alloc(ex_, J.bytes);
   Arena a{static_cast<char*>(J.block), J.bytes};
   J.carve(a, cfg_, dt_);
+  if (const ExpertSplit& e = table_.ep(); e.size > 1)  // serving with serve.ep: this rank's experts of the router's
+    J.dwork[1].el = table_.experts_per_rank(), J.dwork[1].e0 = int64_t(e.rank) * J.dwork[1].el;
   dev::fill(ex_, J.block, DType::F32, int64_t(J.bytes / 4), 0.f);  // no stale values in a pool row, ever
 }
 

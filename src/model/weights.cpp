@@ -64,8 +64,8 @@ std::vector<NamedTensor> grads_hf(const HostWeights& w) {
   return out;
 }
 
-HostWeights::HostWeights(const ModelConfig& cfg, bool with_grads)
-    : table_(cfg), p_(size_t(table_.total()), 0.f), g_(with_grads ? size_t(table_.total()) : 0, 0.f) {}
+HostWeights::HostWeights(const ModelConfig& cfg, bool with_grads, ExpertSplit ep)
+    : table_(cfg, ep), p_(size_t(table_.total()), 0.f), g_(with_grads ? size_t(table_.total()) : 0, 0.f) {}
 
 int64_t HostWeights::at(int id) const {
   const ParamInfo& p = table_.param(id);

@@ -476,35 +476,38 @@ int plan_serve(const Deck& d, const Workload& w, const Hardware& hw) {
   std::printf("serve layouts (serve's sizing: the fullest stage's slice of the weights, step buffers for %lld tokens "
               "and %lld sequences, KV cache bf16, context %lld tokens):\n",
               (long long)b.tokens, (long long)b.segments, (long long)ctx);
-  std::printf("  TP  PP weights  | weights/GPU  buffers/GPU  KV/token/GPU  KV capacity       sequences\n");
+  std::printf("  GPUs  TP  PP  EP weights  | weights/GPU  buffers/GPU  KV/token/GPU  KV capacity       sequences\n");
   bool any = false;
-  for (int pp = 1; pp <= hw.nodes && pp <= tc.layers; pp *= 2)
-    for (int tp = 1; tp <= hw.gpus_per_node; tp *= 2) {
-      ModelConfig slice;
-      try {
-        slice = tp_config(w.cfg, 0, tp);
-      } catch (const Error& e) {
-        std::printf("  %2d  %2d          | %s\n", tp, pp, e.what());
-        continue;
-      }
-      const ParamTable t(slice);
-      for (const QFormat quant : {QFormat::None, QFormat::Int8}) {  // fp8 holds int8's bytes
-        int64_t wmax = 0, bmax = 0, kvtok = 0, tokens = std::numeric_limits<int64_t>::max();
-        for (int s = 0; s < pp; ++s) {
-          const DevStage st = DevStage::of(s, pp, tc.layers);
-          const int64_t wb = DevModel::weight_bytes(t, DType::BF16, st, quant);
-          const int64_t buf = DevModel::infer_bytes(slice, DType::BF16, b, st);
-          const int64_t kv = DevModel::kv_pool_bytes(slice, DType::BF16, 1, 1, st);
-          const int64_t left = hw.gpu_mem - kGpuReserve - int64_t(DevModel::kInferWorkspace) - wb - buf;
-          wmax = std::max(wmax, wb), bmax = std::max(bmax, buf), kvtok = std::max(kvtok, kv);
-          tokens = std::min(tokens, left > 0 ? left / kv : 0);
+  // Tensor parallelism within a node, pipeline stages within or across nodes; a MoE model's experts split by rows over
+  // the TP ranks (EP 1) or whole (EP = TP, serve.ep).
+  for (int tp = 1; tp <= hw.gpus_per_node; tp *= 2)
+    for (int pp = 1; tp * pp <= hw.ranks() && pp <= tc.layers; pp *= 2)
+      for (const int ep : tc.num_experts && tp > 1 ? std::vector<int>{1, tp} : std::vector<int>{1}) {
+        ModelConfig slice;
+        try {
+          slice = tp_config(w.cfg, 0, tp, ep);
+        } catch (const Error& e) {
+          std::printf("  %4d  %2d  %2d  %2d          | %s\n", tp * pp, tp, pp, ep, e.what());
+          continue;
         }
-        any = any || tokens >= ctx;
-        std::printf("  %2d  %2d  %-8s| %8s GiB  %8s GiB  %9lld B  %9lld tok  %9lld\n", tp, pp,
-                    quant == QFormat::None ? "bf16" : "int8/fp8",
-                    gib(wmax).c_str(), gib(bmax).c_str(), (long long)kvtok, (long long)tokens, (long long)(tokens / ctx));
+        const ParamTable t(slice, tp_experts(0, tp, ep));  // every rank holds as many experts and rows
+        for (const QFormat quant : {QFormat::None, QFormat::Int8}) {  // fp8 holds int8's bytes
+          int64_t wmax = 0, bmax = 0, kvtok = 0, tokens = std::numeric_limits<int64_t>::max();
+          for (int s = 0; s < pp; ++s) {
+            const DevStage st = DevStage::of(s, pp, tc.layers);
+            const int64_t wb = DevModel::weight_bytes(t, DType::BF16, st, quant);
+            const int64_t buf = DevModel::infer_bytes(slice, DType::BF16, b, st);
+            const int64_t kv = DevModel::kv_pool_bytes(slice, DType::BF16, 1, 1, st);
+            const int64_t left = hw.gpu_mem - kGpuReserve - int64_t(DevModel::kInferWorkspace) - wb - buf;
+            wmax = std::max(wmax, wb), bmax = std::max(bmax, buf), kvtok = std::max(kvtok, kv);
+            tokens = std::min(tokens, left > 0 ? left / kv : 0);
+          }
+          any = any || tokens >= ctx;
+          std::printf("  %4d  %2d  %2d  %2d  %-8s| %8s GiB  %8s GiB  %9lld B  %9lld tok  %9lld\n", tp * pp, tp, pp, ep,
+                      quant == QFormat::None ? "bf16" : "int8/fp8", gib(wmax).c_str(), gib(bmax).c_str(),
+                      (long long)kvtok, (long long)tokens, (long long)(tokens / ctx));
+        }
       }
-    }
   return any ? 0 : 2;
 }
 

@@ -105,11 +105,17 @@ void Runner::log_tp() const {
     log_info(ec_.mode + ": pipeline of " + std::to_string(pp_) + " stages of " + std::to_string(tp_) +
              " rank(s) each, decoder layers " + st + " (stage 0 also the embeddings and vision tower, the last the head)");
   }
-  if (rank_ == 0 && tp_ > 1)
-    log_info(ec_.mode + ": tensor parallel over " + std::to_string(tp_) + " ranks: " + std::to_string(cfg_.text.heads) +
-             " query heads, " + std::to_string(cfg_.text.kv_heads) + " key/value heads, " +
-             std::to_string(cfg_.text.intermediate) + " MLP rows and " +
-             std::to_string(vocab_rows_.second - vocab_rows_.first) + " vocabulary rows per rank");
+  if (rank_ != 0 || tp_ == 1) return;
+  const TextConfig& t = cfg_.text;
+  const std::string experts =
+      t.num_experts == 0 ? ""
+      : ep_ == 1         ? ", " + std::to_string(t.moe_intermediate) + " rows of every expert"
+                         : ", " + std::to_string(t.num_experts / ep_) + " experts of " + std::to_string(t.num_experts) +
+                       " (serve.ep = " + std::to_string(ep_) + ") with " + std::to_string(t.moe_intermediate) + " rows each";
+  log_info(ec_.mode + ": tensor parallel over " + std::to_string(tp_) + " ranks: " + std::to_string(t.heads) +
+           " query heads, " + std::to_string(t.kv_heads) + " key/value heads, " + std::to_string(t.intermediate) +
+           " MLP rows" + experts + " and " + std::to_string(vocab_rows_.second - vocab_rows_.first) +
+           " vocabulary rows per rank");
 }
 
 void Runner::load() {
@@ -118,7 +124,7 @@ void Runner::load() {
   const ModelSource src = model_source(deck_, ec_.mode + ".checkpoint");
   const ServeLayout lay = serve_layout(world_, Runtime::get().where().nodes, (int)deck_.integer("serve.tp"),
                                        (int)deck_.integer("serve.pp"), src.cfg.text.layers);
-  tp_ = lay.tp, pp_ = lay.pp;
+  tp_ = lay.tp, pp_ = lay.pp, ep_ = (int)deck_.integer("serve.ep");
   if (rank_ == 0 && world_ > 1) log_info(lay.why);
   stage_ = rank_ / tp_, trank_ = rank_ % tp_;
   MPI_Comm_split(MPI_COMM_WORLD, stage_, trank_, &tpc_);
@@ -134,15 +140,8 @@ void Runner::load() {
     host = load_model(deck_, src);
     if (host->config().lora.on())  // a replicated LoRA term would be summed once per tensor-parallel rank
       host = fold_lora(*host, ec_.mode, ec_.mode == "serve" ? "serving" : "inference");
-    if (tp_ > 1) {  // each rank keeps its slice; the full weights go once it is cut
-      auto slice = std::make_unique<HostWeights>(tp_config(host->config(), trank_, tp_));
-      tp_shard_weights(*host, *slice, trank_, tp_);
-      host = std::move(slice);
-    }
-    cfg_ = host->config();
-  } else {
-    cfg_ = tp_ > 1 ? tp_config(src.cfg, trank_, tp_) : src.cfg;
   }
+  cfg_ = tp_config(host ? host->config() : src.cfg, trank_, tp_, ep_);  // fails naming serve.tp / serve.ep
   if (tp_ > 1) vocab_rows_ = tp_vocab_rows(cfg_.text.vocab, trank_, tp_);
   log_tp();
   build_model(src, std::move(host));
@@ -158,7 +157,8 @@ void Runner::build_model(const ModelSource& src, std::unique_ptr<HostWeights> ho
   ex_ = dev::make_exec(on_cpu ? Device::CPU : Device::CUDA, DevModel::kInferWorkspace, std::max(0, where.gpu));
   DevModel::InferBudget b = ec_.budget;
   if (!on_cpu) check_room(src, dt, quant);
-  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, quant);
+  dev_ = std::make_unique<DevModel>(cfg_, ex_, dt, /*grads=*/false, dstage_, quant, DevHold{},
+                                    tp_experts(trank_, tp_, ep_));
   dev_->set_graphs(deck_.boolean("model.cuda_graphs"));
   load_weights(src, std::move(host));
   const std::string sums = tp_ > 1 ? tensor_parallel(on_cpu, dt) : "";
@@ -188,7 +188,7 @@ void Runner::check_room(const ModelSource& src, DType dt, QFormat quant) const {
   const int gpu = std::max(0, Runtime::get().where().gpu);
   size_t free0 = 0, total0 = 0;
   dev::memory_info(ex_, &free0, &total0);
-  const double w = double(DevModel::weight_bytes(ParamTable(cfg_), dt, dstage_, quant));
+  const double w = double(DevModel::weight_bytes(ParamTable(cfg_, tp_experts(trank_, tp_, ep_)), dt, dstage_, quant));
   const double need = w + double(DevModel::infer_bytes(cfg_, dt, b, dstage_)) +
                       double(b.kv_blocks ? 0 : DevModel::kv_pool_bytes(cfg_, dt, b.seq_blocks, b.block, dstage_)) +
                       0.05 * double(total0);
@@ -209,23 +209,37 @@ void Runner::check_room(const ModelSource& src, DType dt, QFormat quant) const {
   fail(msg);
 }
 
-// The weights streamed (each unit's pieces of the source's tensors; tp_slices: all of them at one rank), or a host
-// model's (adapters folded).
+// The rank's slice of the weights (tp_slices; all of them at one rank) a unit at a time: streamed from the source, or
+// cut from a host model (adapters folded), which goes once the device holds its slice.
 void Runner::load_weights(const ModelSource& src, std::unique_ptr<HostWeights> host) {
-  if (host) return dev_->set_params(host->params());
-  const ParamTable full(src.cfg);
+  const ParamTable full = host ? host->table() : ParamTable(src.cfg);
   const ParamTable& local = dev_->table();
-  const bool ok = stream_weights(
-      deck_, src, local,
-      [&](const UnitInfo& u, float* buf) {
-        if (!DevModel::stage_owns(local, dstage_, int(&u - local.units().data()))) return std::vector<ParamSlice>{};
-        return tp_slices(full, local, trank_, tp_, [&](int id) -> float* {
+  auto slices = [&](const UnitInfo& u, float* buf) {
+    if (!DevModel::stage_owns(local, dstage_, int(&u - local.units().data()))) return std::vector<ParamSlice>{};
+    return tp_slices(
+        full, local, trank_, tp_,
+        [&](int id) -> float* {
           const ParamInfo& p = local.param(id);
           return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
-        });
-      },
-      [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); });
-  Q3VL_CHECK(ok, ec_.mode + ": these weights cannot be streamed");
+        },
+        ep_);
+  };
+  auto sink = [&](int64_t off, const float* v, int64_t n) { dev_->set_params(off, v, n); };
+  if (!host) {
+    const bool ok = stream_weights(deck_, src, local, slices, sink);
+    Q3VL_CHECK(ok, ec_.mode + ": these weights cannot be streamed");
+    return;
+  }
+  std::vector<float> buf;
+  for (const UnitInfo& u : local.units()) {
+    if (!DevModel::stage_owns(local, dstage_, int(&u - local.units().data()))) continue;
+    buf.resize(size_t(u.numel));
+    for (const ParamSlice& p : slices(u, buf.data())) {
+      const float* from = host->param(p.param) + p.begin;
+      std::copy(from, from + p.count, p.dst);
+    }
+    sink(u.offset, buf.data(), u.numel);
+  }
 }
 
 // The tensor-parallel group's sums (serve.tp_comm): NCCL on the device, else MPI through the host. Says which.

@@ -10,22 +10,31 @@ namespace q3vl {
 
 namespace {
 struct Split {
-  int64_t q0, nq, kv0, nkv, i0, ni, m0, nm;  // query heads, kv heads, MLP rows, each expert's rows of this rank
+  int64_t q0, nq, kv0, nkv, i0, ni;  // query heads, kv heads, MLP rows of this rank
+  int64_t e0, ne, m0, nm;            // MoE: its experts, and each one's rows it holds
 };
-Split split(const TextConfig& t, int rank, int size) {
+Split split(const TextConfig& t, int rank, int size, int ep) {
   const std::string tp = "serve.tp = " + std::to_string(size);
   if (t.heads % size) fail(tp + " does not divide the " + std::to_string(t.heads) + " attention heads");
   if (t.intermediate % size) fail(tp + " does not divide the MLP's " + std::to_string(t.intermediate) + " rows");
-  if (t.num_experts > 0 && t.moe_intermediate % size)
-    fail(tp + " does not divide each expert's " + std::to_string(t.moe_intermediate) + " rows");
   if (size <= t.kv_heads ? t.kv_heads % size : size % t.kv_heads)
     fail(tp + " and the " + std::to_string(t.kv_heads) + " key/value heads: one must divide the other");
+  const std::string eps = "serve.ep = " + std::to_string(ep);
+  if (ep < 1 || size % ep) fail(eps + " must divide " + tp + " (its ranks split the experts)");
+  if (ep > 1 && t.num_experts == 0) fail(eps + ": the model is dense (no experts to split); use serve.ep = 1");
+  if (t.num_experts > 0 && t.num_experts % ep)
+    fail(eps + " does not divide the " + std::to_string(t.num_experts) + " experts");
+  const int rows_split = size / ep;  // ranks that split each expert's rows
+  if (t.num_experts > 0 && t.moe_intermediate % rows_split)
+    fail(tp + (ep > 1 ? " / " + eps : "") + " does not divide each expert's " + std::to_string(t.moe_intermediate) +
+         " rows");
   Split s;
   s.nq = t.heads / size, s.q0 = rank * s.nq;
   s.nkv = std::max(1, t.kv_heads / size);
   s.kv0 = size <= t.kv_heads ? rank * s.nkv : s.q0 / (t.heads / t.kv_heads);  // replicated: the group of its queries
   s.ni = t.intermediate / size, s.i0 = rank * s.ni;
-  s.nm = t.moe_intermediate / size, s.m0 = rank * s.nm;
+  s.ne = t.num_experts / ep, s.e0 = rank / rows_split * s.ne;
+  s.nm = t.moe_intermediate / rows_split, s.m0 = rank % rows_split * s.nm;
   return s;
 }
 }  // namespace
@@ -66,8 +75,8 @@ DevModel::InferBudget serve_budget(const Deck& d) {
   return b;
 }
 
-ModelConfig tp_config(const ModelConfig& full, int rank, int size) {
-  const Split s = split(full.text, rank, size);
+ModelConfig tp_config(const ModelConfig& full, int rank, int size, int ep) {
+  const Split s = split(full.text, rank, size, ep);
   ModelConfig c = full;
   c.text.heads = (int)s.nq;
   c.text.kv_heads = (int)s.nkv;
@@ -75,6 +84,8 @@ ModelConfig tp_config(const ModelConfig& full, int rank, int size) {
   c.text.moe_intermediate = (int)s.nm;
   return c;
 }
+
+ExpertSplit tp_experts(int rank, int size, int ep) { return {ep, rank / (size / ep)}; }
 
 int64_t tp_kv_bytes_per_token(const TextConfig& t, int size, int layers, int elem) {
   return 2 * int64_t(std::max(1, t.kv_heads / size)) * t.head_dim * layers * elem;
@@ -86,9 +97,9 @@ std::pair<int64_t, int64_t> tp_vocab_rows(int64_t vocab, int rank, int size) {
 }
 
 std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& local, int rank, int size,
-                                  const std::function<float*(int)>& dst_of) {
+                                  const std::function<float*(int)>& dst_of, int ep) {
   const TextConfig& t = full.config().text;
-  const Split s = split(t, rank, size);
+  const Split s = split(t, rank, size, ep);
   const int64_t hd = t.head_dim;
   for (int l = 0; l < t.layers; ++l)
     if (local.layer(l) != full.layer(l)) fail("tp: the local parameter table differs from the full one");
@@ -98,7 +109,7 @@ std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& loca
     const ParamInfo& pl = local.params()[id];
     float* dst = dst_of((int)id);
     if (!dst) continue;
-    if (pf.shape == pl.shape) {
+    if (pf.shape == pl.shape && pl.held == pf.numel) {
       out.push_back({(int)id, 0, pf.numel, dst});
       continue;
     }
@@ -106,16 +117,19 @@ std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& loca
     int which = -1;
     for (int l = 0; l < t.layers && which < 0; ++l)
       if ((int)id >= full.layer(l) && (int)id < full.layer(l) + tlay::count) which = (int)id - full.layer(l);
-    // Experts [E, rows, cols] split like dense weights, expert by expert; a 2-D weight is one "expert".
+    // Experts [E, rows, cols]: this rank's experts [e0, e0 + ne) (serve.ep), each split like a dense weight; a 2-D
+    // weight is one "expert".
     const bool experts = pf.shape.size() == 3;
-    const int64_t ne = experts ? pf.shape[0] : 1, rows = pf.shape[experts], cols = pf.shape[experts + 1];
-    const int64_t per = pl.numel / ne;  // elements of one expert's slice
+    const int64_t e0 = experts ? s.e0 : 0, ne = experts ? s.ne : 1, rows = pf.shape[experts], cols = pf.shape[experts + 1];
+    const int64_t per = pl.held / ne;  // elements of one expert's slice
     auto take_rows = [&](int64_t r0, int64_t n, int64_t at = 0) {
-      for (int64_t e = 0; e < ne; ++e) out.push_back({(int)id, (e * rows + r0) * cols, n * cols, dst + e * per + at * cols});
+      for (int64_t e = 0; e < ne; ++e)
+        out.push_back({(int)id, ((e0 + e) * rows + r0) * cols, n * cols, dst + e * per + at * cols});
     };
     auto take_cols = [&](int64_t c0, int64_t n) {
       for (int64_t e = 0; e < ne; ++e)
-        for (int64_t r = 0; r < rows; ++r) out.push_back({(int)id, (e * rows + r) * cols + c0, n, dst + e * per + r * n});
+        for (int64_t r = 0; r < rows; ++r)
+          out.push_back({(int)id, ((e0 + e) * rows + r) * cols + c0, n, dst + e * per + r * n});
     };
     switch (which) {
       case tlay::q_proj: take_rows(s.q0 * hd, s.nq * hd); break;
@@ -134,8 +148,9 @@ std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& loca
   return out;
 }
 
-void tp_shard_weights(const HostWeights& full, HostWeights& local, int rank, int size) {
-  for (const ParamSlice& p : tp_slices(full.table(), local.table(), rank, size, [&](int id) { return local.param(id); })) {
+void tp_shard_weights(const HostWeights& full, HostWeights& local, int rank, int size, int ep) {
+  for (const ParamSlice& p :
+       tp_slices(full.table(), local.table(), rank, size, [&](int id) { return local.param(id); }, ep)) {
     const float* src = full.param(p.param) + p.begin;
     std::copy(src, src + p.count, p.dst);
   }

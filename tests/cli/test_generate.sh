@@ -72,6 +72,23 @@ devgen tiny s1 "${samp[@]}"
 devgen tiny-moe moe
 devgen tiny-moe moe_s "${samp[@]}"
 
+# serve.ep: the ranks split the MoE layers' experts into sets of whole experts (2 ranks: 2 experts of 4 each; 4 ranks,
+# serve.ep = 2: two sets, each expert's rows over 2 ranks) and give the one-rank answers; the log says what a rank
+# holds. What does not split is refused naming the keys.
+epgen() {  # epgen NAME RANKS EP
+  run mpiexec -n $2 $q generate model.preset=tiny-moe generate.prompts=$tmp/d/eval.jsonl generate.min_pixels=4096 \
+    generate.max_new_tokens=6 run.timing=false generate.output=$tmp/$1.jsonl serve.ep=$3 || return
+  grep -q "tensor parallel over $2 ranks: .* 2 experts of 4 (serve.ep = $3) with $((32 * $3 / $2)) rows each" $tmp/log &&
+    cmp -s $tmp/$1.jsonl $tmp/cpu_moe.jsonl && pass "serve.ep = $3 over $2 ranks: the one-rank answers" ||
+    bad "serve.ep = $3 over $2 ranks: $(grep 'tensor parallel' $tmp/log); $(diff $tmp/$1.jsonl $tmp/cpu_moe.jsonl | head -4)"
+}
+epgen ep2 2 2
+epgen ep4 4 2
+expect ep-divides-tp 1 'serve.ep = 3 must divide serve.tp = 2' mpiexec -n 2 $q generate model.preset=tiny-moe \
+  generate.prompts=$tmp/d/eval.jsonl generate.output=$tmp/bad.jsonl serve.ep=3
+expect ep-dense 1 'serve.ep = 2: the model is dense' mpiexec -n 2 $q generate model.preset=tiny \
+  generate.prompts=$tmp/d/eval.jsonl generate.output=$tmp/bad.jsonl serve.ep=2
+
 # The scorer: the held-out answers themselves score 100%, the random model's do not.
 python3 -c "
 import json

@@ -73,6 +73,11 @@ if grep -qP '^offload_ratio = 0\.[0-9]+$' <<<"$part" && [[ -n $sf ]] && $py -c "
   pass "offload-ratio-sized-by-the-plan ($sd s against $sf s all on the host)"
 else bad "offload-ratio-sized-by-the-plan: '$sd' '$sf': $(grep -E 'offload_ratio|fastest' <<<"$part")"; fi
 expect "serve-plan" 0 'KV capacity' $q plan input/qwen3vl_8b_sft.deck plan.for=serve plan.gpu=H100-80GB
+# On one node of 2 GPUs: tensor parallelism, pipeline stages within the node, and the MoE model's whole experts
+# (GPUs TP PP EP columns).
+sp=$($q plan model.preset=30B-A3B model.dtype=bf16 plan.for=serve plan.gpus_per_node=2 plan.gpu=H200-141GB 2>&1)
+grep -qE '^ +2 +1 +2 +1 +bf16' <<<"$sp" && grep -qE '^ +2 +2 +1 +1 +bf16' <<<"$sp" && grep -qE '^ +2 +2 +1 +2 +bf16' <<<"$sp" &&
+  pass "serve-plan: TP 2, PP 2 and EP 2 on one node of 2 GPUs" || bad "serve-plan layouts on 2 GPUs: $sp"
 
 expect "bad-gpu" 1 "plan.gpu" $q plan "${big[@]}" plan.gpu=B200
 expect "zero-nodes" 1 "plan.nodes" $q plan "${big[@]}" plan.nodes=0

@@ -238,6 +238,11 @@ if start moe_tp2 mpiexec -n 2 $q serve model.preset=tiny-moe serve.kv_mib=8 serv
   node_c answers $tmp/d/eval.jsonl >$tmp/a_moe.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
   ref=$tmp/gen_moe.jsonl same_answers "MoE, TP = 2: answers == generate" $tmp/a_moe.jsonl
 fi
+# The same with whole experts per rank (serve.ep = 2: each rank runs the rows routed to its 2 of the 4 experts).
+if start moe_ep2 mpiexec -n 2 $q serve model.preset=tiny-moe serve.kv_mib=8 serve.model_name=q3vl-tiny serve.ep=2; then
+  node_c answers $tmp/d/eval.jsonl >$tmp/a_moe_ep.jsonl 2>$tmp/err.log || bad "client: $(tail -3 $tmp/err.log)"
+  ref=$tmp/gen_moe.jsonl same_answers "MoE, TP = 2, serve.ep = 2: answers == generate" $tmp/a_moe_ep.jsonl
+fi
 # One model: DevModel::step over a paged KV cache, on the CPU op layer above; on the GPU where one is visible
 # (model.backend = "cuda"), fp32: generate's answers.
 grep -q "serve: on the CPU op layer, fp32: weights" $tmp/tp2.log &&

@@ -1,6 +1,7 @@
 // Tensor-parallel inference (serve/tp.hpp) at 1, 2 and 4 ranks: every rank holds its slice of the decoder and of
 // the LM head's vocabulary; prompt chunks with an image and decoded tokens give the full model's logits to 1e-5
-// (with 4 ranks each key/value head is replicated on two ranks), for a dense and a MoE model; int8 and fp8 after the split.
+// (with 4 ranks each key/value head is replicated on two ranks), for a dense and a MoE model; int8 and fp8 after the split;
+// the MoE model's experts split into sets of whole experts (serve.ep).
 // The device model's slices likewise (DevModel::step over a paged cache), their sums through MPI on the CPU op layer
 // and through NCCL on GPUs.
 #include <gtest/gtest.h>
@@ -177,6 +178,15 @@ INSTANTIATE_TEST_SUITE_P(DenseAndMoe, ServeTp, ::testing::Bool(),
 
 TEST(ServeTpSplit, RefusesWhatDoesNotSplit) {
   EXPECT_NO_THROW(tp_config(tp_tiny(true), 0, 4));
+  EXPECT_NO_THROW(tp_config(tp_tiny(true), 0, 4, 2));
+  EXPECT_NO_THROW(tp_config(tp_tiny(true), 0, 4, 4));
+  EXPECT_THROW(tp_config(tp_tiny(true), 0, 4, 3), Error);  // serve.ep must divide serve.tp
+  ModelConfig six = tp_tiny(true);
+  six.text.num_experts = 6;
+  EXPECT_NO_THROW(tp_config(six, 0, 4, 2));
+  EXPECT_THROW(tp_config(six, 0, 4, 4), Error);  // 6 experts do not split into 4 sets
+  EXPECT_THROW(tp_config(tp_tiny(), 0, 2, 2), Error);      // a dense model has no experts
+  EXPECT_THROW(tp_config(tp_tiny(true), 0, 1, 2), Error);  // more expert sets than ranks
   ModelConfig m = tp_tiny(true);
   m.text.moe_intermediate = 18;  // not a multiple of 4
   EXPECT_THROW(tp_config(m, 0, 4), Error);
@@ -244,21 +254,23 @@ KvCache dev_cache() {
 }
 
 // This rank's device slice in dtype dt, summing through `comm` ("mpi" or "nccl"), against the full host model; quant
-// (int8, fp8): the slice holds its quant_param weights in that format (quantized after the split, as serve does).
+// (int8, fp8): the slice holds its quant_param weights in that format (quantized after the split, as serve does);
+// ep: serve.ep, the sets of whole experts the ranks split the MoE layers into.
 std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::string& comm_kind,
-                                    QFormat quant = QFormat::None) {
+                                    QFormat quant = QFormat::None, int ep = 1) {
   int rank, size;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  Model local(tp_config(full.config(), rank, size));
-  tp_shard_weights(full, local, rank, size);
+  const ExpertSplit experts = tp_experts(rank, size, ep);
+  Model local(tp_config(full.config(), rank, size, ep), true, experts);
+  tp_shard_weights(full, local, rank, size, ep);
   const auto [v0, v1] = tp_vocab_rows(full.config().text.vocab, rank, size);
   dev::Exec ex = dev::make_exec(d, size_t(64) << 20, std::max(0, placement().gpu));
   std::vector<float> rows;
   {
     std::unique_ptr<Comm> comm = comm_kind == "nccl" ? test::test_nccl_comm(MPI_COMM_WORLD, ex)
                                                      : std::unique_ptr<Comm>(std::make_unique<MpiComm>(MPI_COMM_WORLD));
-    DevModel dm(local.config(), ex, dt, /*grads=*/false, {}, quant);
+    DevModel dm(local.config(), ex, dt, /*grads=*/false, {}, quant, {}, experts);
     dm.set_params(local.params());
     dm.reserve_infer({/*tokens=*/16, /*segments=*/2, /*patches=*/16, /*kv_blocks=*/16, /*block=*/4, /*seq_blocks=*/8});
     dm.set_tensor_parallel(comm.get(), v0, v1);
@@ -292,6 +304,43 @@ TEST_P(DevTp, SlicesEqualTheFullModelOnCpu) {
   const std::vector<float> want = host_tokens(full);
   const double worst = max_diff(dev_slice_tokens(full, Device::CPU, DType::F32, "mpi"), want);
   EXPECT_LT(worst, 1e-5);
+}
+
+// serve.ep: the ranks split the MoE layer's 4 experts into sets of whole experts (ep = 2: two sets, each one's rows
+// over size / 2 ranks; ep = size: whole experts per rank), route alike with the whole router and run only the rows
+// routed to their experts: the group's sum is the full model's logits. int8 likewise: each rank quantizes the experts
+// it holds, and the logits are as near fp32's as the whole model's int8 (a rank's experts' rows are the full
+// model's rows, but o_proj's and down_proj's columns are split, so only near: 1.5x leaves room, as in
+// check_quantized_ranks; a dropped or doubled expert is off by the logits' whole size).
+void check_expert_sets(Device d, const std::string& comm_kind) {
+  int rank, size;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size == 1) GTEST_SKIP() << "serve.ep needs 2 or more ranks (mpi-np2, mpi-np4 run it)";
+  Model full(tp_tiny(true)), fullq(tp_tiny(true));
+  full.init_random(11, 0.3);
+  fullq.init_random(11, 0.3);
+  fullq.lower_weights(LowDtype::I8);
+  const std::vector<float> want = host_tokens(full);
+  const double big = max_diff(want, {}), dq = max_diff(host_tokens(fullq), want);
+  for (int ep = 2; ep <= size; ep *= 2) {
+    const ExpertSplit e = tp_experts(rank, size, ep);
+    EXPECT_EQ(e.size, ep);
+    EXPECT_EQ(e.rank, rank / (size / ep));
+    EXPECT_LT(max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, QFormat::None, ep), want), 1e-5)
+        << "serve.ep = " << ep << " of " << size << " ranks";
+    const double d8 = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, QFormat::Int8, ep), want);
+    if (rank == 0)
+      std::printf("[ dev ep   ] %d ranks, serve.ep = %d, int8 through %s: max|diff|/max|logit| against fp32 %.2e "
+                  "(whole model's int8: %.2e)\n", size, ep, comm_kind.c_str(), d8 / big, dq / big);
+    EXPECT_LE(d8, 1.5 * dq) << "int8, serve.ep = " << ep;
+    EXPECT_GT(d8, 0.0) << "int8 logits identical to fp32's: nothing was quantized";
+  }
+}
+TEST(DevTpExperts, ExpertSetsEqualTheFullModelOnCpu) { check_expert_sets(Device::CPU, "mpi"); }
+TEST(DevTpExperts, NcclExpertSetsEqualTheFullModelGpu) {
+  Q3VL_NEED_GPU();
+  check_expert_sets(Device::CUDA, "nccl");
 }
 
 // int8 or fp8 slices: each rank quantizes the rows it holds (the MoE model's expert slices too), and computes what the

@@ -49,9 +49,9 @@ inline std::vector<NamedTensor> grads_hf(Model& m) {
   return grads_hf(w);
 }
 
-inline void tp_shard_weights(Model& full, Model& local, int rank, int size) {
+inline void tp_shard_weights(Model& full, Model& local, int rank, int size, int ep = 1) {
   auto dst = [&](int id) { return local.param(id); };
-  for (const ParamSlice& p : tp_slices(full.table(), local.table(), rank, size, dst))
+  for (const ParamSlice& p : tp_slices(full.table(), local.table(), rank, size, dst, ep))
     std::copy(full.param(p.param) + p.begin, full.param(p.param) + p.begin + p.count, p.dst);
 }
 

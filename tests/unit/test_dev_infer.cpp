@@ -359,30 +359,56 @@ TEST(StreamWeights, EqualLoadModel) {
 }
 
 // A tensor-parallel rank's slice streamed from the source (tp_slices: rows, columns, experts' rows, kv heads shared
-// when there are more ranks than kv heads) equals tp_shard_weights's cut of the whole model, bitwise.
+// when there are more ranks than kv heads; with serve.ep, sets of whole experts) equals tp_shard_weights's cut of the
+// whole model, bitwise; and the cut's experts are the full model's: under serve.ep = P local expert j of rank r is
+// expert r / (size / P) * E / P + j, rows [m0, m0 + Im') of its gate and of its up half, columns [m0, m0 + Im') of
+// its down_proj, m0 = r % (size / P) * Im'.
 TEST(StreamWeights, TensorParallelSlicesEqualSharding) {
   for (const char* preset : {"tiny", "tiny-moe"}) {
     const Deck d = Deck::parse("", "test", {std::string("model.preset=") + preset, "run.seed=3"}, "serve");
     const ModelSource src = model_source(d, "serve.checkpoint");
     const auto full = load_model(d, src);
+    const TextConfig& t = full->config().text;
     for (int size : {2, 4})
-      for (int rank = 0; rank < size; ++rank) {
-        HostWeights cut(tp_config(full->config(), rank, size));
-        tp_shard_weights(*full, cut, rank, size);
-        const ParamTable& local = cut.table();
-        std::vector<float> got(size_t(local.total()), -1e30f);
-        ASSERT_TRUE(stream_weights(
-            d, src, local,
-            [&](const UnitInfo& u, float* buf) {
-              return tp_slices(full->table(), local, rank, size, [&](int id) -> float* {
-                const ParamInfo& p = local.param(id);
-                return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
-              });
-            },
-            [&](int64_t off, const float* v, int64_t n) { std::copy(v, v + n, got.begin() + off); }));
-        EXPECT_EQ(0, std::memcmp(got.data(), cut.params(), got.size() * sizeof(float)))
-            << preset << " rank " << rank << " of " << size;
-      }
+      for (int ep = 1; ep <= (t.num_experts ? size : 1); ep *= 2)
+        for (int rank = 0; rank < size; ++rank) {
+          HostWeights cut(tp_config(full->config(), rank, size, ep), false, tp_experts(rank, size, ep));
+          tp_shard_weights(*full, cut, rank, size, ep);
+          const ParamTable& local = cut.table();
+          std::vector<float> got(size_t(local.total()), -1e30f);
+          ASSERT_TRUE(stream_weights(
+              d, src, local,
+              [&](const UnitInfo& u, float* buf) {
+                return tp_slices(
+                    full->table(), local, rank, size,
+                    [&](int id) -> float* {
+                      const ParamInfo& p = local.param(id);
+                      return &local.units()[p.unit] == &u ? buf + p.offset : nullptr;
+                    },
+                    ep);
+              },
+              [&](int64_t off, const float* v, int64_t n) { std::copy(v, v + n, got.begin() + off); }));
+          const std::string what = std::string(preset) + " rank " + std::to_string(rank) + " of " +
+                                   std::to_string(size) + ", serve.ep = " + std::to_string(ep);
+          EXPECT_EQ(0, std::memcmp(got.data(), cut.params(), got.size() * sizeof(float))) << what;
+          if (!t.num_experts) continue;
+          const int l = 0;  // tiny-moe's MoE layer
+          ASSERT_TRUE(full->table().moe_layer(l));
+          const int gu = full->table().experts(l), down = gu + 1;
+          const int64_t H = t.hidden, Im = t.moe_intermediate, El = t.num_experts / ep, Iml = Im / (size / ep);
+          const int64_t e0 = rank / (size / ep) * El, m0 = rank % (size / ep) * Iml;
+          ASSERT_EQ(local.param(gu).held, El * 2 * Iml * H) << what;
+          for (int64_t j = 0; j < El; ++j)
+            for (int64_t r = 0; r < Iml; ++r)
+              for (int64_t c = 0; c < H; ++c) {
+                const float* fg = full->param(gu) + (e0 + j) * 2 * Im * H;
+                const float* lg = cut.param(gu) + j * 2 * Iml * H;
+                ASSERT_EQ(lg[r * H + c], fg[(m0 + r) * H + c]) << what << " gate";
+                ASSERT_EQ(lg[(Iml + r) * H + c], fg[(Im + m0 + r) * H + c]) << what << " up";
+                ASSERT_EQ(cut.param(down)[j * H * Iml + c * Iml + r], full->param(down)[(e0 + j) * H * Im + c * Im + m0 + r])
+                    << what << " down";
+              }
+        }
   }
 }
 

@@ -20,14 +20,16 @@
 #   FSDP2 on the 2 GPUs.
 # - serve2 (2, ~550 s): tools/gpu/serve_checks.sh's 8B and 30B-A3B servers (bf16, issue 32's request mix) on 1 GPU, at
 #   serve.tp = 2 over NCCL and at serve.pp = 2, 1 and 64 streams (CONC); its results under OUTDIR/serve/.
+# - serveep2 (2, ~200 s): the 30B-A3B at serve.tp = serve.ep = 2 (64 whole experts per rank), against serve2's TP 2.
 # - layout (2, ~250 s): the seed's claim of an automatic serving layout (18 against 12 tok/s, 89% memory): `q3vl plan
 #   plan.for=serve` on this machine, then the 30B-A3B served at the automatic layout (serve.tp = serve.pp = 0) and at
 #   the other one of the two GPUs (tp 2 or pp 2): tok/s at 1 and 64 streams and the peak memory used.
 # - scale (4 or 8, ~150 s a rank count): the training scaling table: the 8B shape at ZeRO-3 on 2, 4 and 8 GPUs (what the
 #   machine has) and FSDP2 at the same counts; the 30B-A3B cut at EP = the GPUs; tokens/s per GPU. The 1-GPU rows are
 #   train8b's and ep2's.
-# - serve4 (4, ~300 s): the 30B-A3B served at serve.tp = 4, 1 and 64 streams. (EP 8 serving: q3vl's serve has no
-#   expert parallelism; the part says so rather than run something else.)
+# - serve4 (4, ~550 s): the 30B-A3B served at serve.tp = 4 (every expert's rows split) and at serve.tp = serve.ep = 4
+#   (whole experts per rank), 1 and 64 streams.
+# - serve8 (8, ~300 s): the 30B-A3B served at serve.tp = serve.ep = 8 (16 whole experts per rank), 1 and 64 streams.
 # - big235 (8, ~500 s): the 235B-A22B shape cut to K235 decoder layers (default 8; `q3vl plan` fits 12 at 124 GiB a
 #   GPU): `q3vl plan` on this machine (its MemTotal), then the plan's layout trained for 5 steps on synthetic 8192-token
 #   samples: the measured step time against the plan's prediction, and memory.
@@ -169,10 +171,9 @@ serve_parts() {
   pack
 }
 part serve2 && need serve2 2 && serve_parts "8b 8btp2 8bpp 30b 30btp2 30bpp"
-part serve4 && need serve4 4 && {
-  serve_parts "30btp4"
-  say "serve4: EP 8 serving not run: q3vl's serve splits experts only by tensor parallelism (no serve.ep)"
-}
+part serveep2 && need serveep2 2 && serve_parts "30bep2"
+part serve4 && need serve4 4 && serve_parts "30btp4 30bep4"
+part serve8 && need serve8 8 && serve_parts "30bep8"
 
 if part layout && need layout 2; then
   host=$(awk '/MemTotal/ {printf "%dGiB", $2 / 1048576}' /proc/meminfo)

@@ -7,8 +7,9 @@
 #   shape's time to first token on a 30 s clip), tpstop (a TP 2 server with a stopped rank, issue 33), 8bpp, 8bint8, 8bfp8, 30bint8, 30bfp8, 8bnog and 30bnog (model.cuda_graphs = false: decode
 #   steps launched op by op, against the default's graphs), 8btpot (serve.max_tpot_ms = 14), 8bnovb
 #   (serve.vision_batch = false: a vision pass per request, the A/B of the batched one), and on machines with a GPU a
-#   rank (issue 35: tools/gpu/multi_checks.sh) 30btp2 (serve.tp = 2 over NCCL), 30bpp (serve.pp = 2), 30btp4 and 30bauto
-#   (2 ranks, serve.tp = serve.pp = 0: the automatic layout). CONC: the concurrencies
+#   rank (issue 35: tools/gpu/multi_checks.sh) 30btp2 (serve.tp = 2 over NCCL), 30bpp (serve.pp = 2), 30btp4, 30bauto
+#   (2 ranks, serve.tp = serve.pp = 0: the automatic layout), and 30bep2, 30bep4, 30bep8 (serve.tp = serve.ep = 2, 4,
+#   8 over NCCL: whole experts per rank). CONC: the concurrencies
 #   bench_serve runs at (default "1 32"; 3 x c requests each). PROFILE=N (the big shapes): serve.profile_steps = N
 #   decode-only and N mixed steps of at least PROFILE_ROWS rows (default 56) profiled op by op, their tables in
 #   summary.txt and profile_NAME.txt, their JSON in profile_NAME.jsonl (the steps run without graphs: the bench's
@@ -309,6 +310,9 @@ part 8btp2 && big 8b-tp2-mpi 8B mpiexec -n 2 -- serve.tp_comm=mpi
 part 30btp2 && big 30b-a3b-tp2-nccl 30B-A3B mpiexec -n 2 $hostid -- serve.tp_comm=nccl
 part 30bpp && big 30b-a3b-pp2 30B-A3B mpiexec -n 2 -- serve.pp=2
 part 30btp4 && big 30b-a3b-tp4-nccl 30B-A3B mpiexec -n 4 $hostid -- serve.tp_comm=nccl
+part 30bep2 && big 30b-a3b-ep2-nccl 30B-A3B mpiexec -n 2 $hostid -- serve.tp_comm=nccl serve.ep=2
+part 30bep4 && big 30b-a3b-ep4-nccl 30B-A3B mpiexec -n 4 $hostid -- serve.tp_comm=nccl serve.ep=4
+part 30bep8 && big 30b-a3b-ep8-nccl 30B-A3B mpiexec -n 8 $hostid -- serve.tp_comm=nccl serve.ep=8
 part 30bauto && big 30b-a3b-auto2 30B-A3B mpiexec -n 2 --
 if part hfbase; then
   t1=$SECONDS

@@ -109,6 +109,9 @@ struct DevDecoderCtx {
   int32_t *perm = nullptr, *ostart = nullptr;
   int64_t ro = 0, ro_cap = 0;
   std::vector<int64_t> send_rows, recv_rows;
+  // Serving with serve.ep (inference, no exchange): this rank holds experts [e0, e0 + el) of the router's E and runs
+  // only the rows routed to them; the tensor-parallel sum after the block adds the other ranks' (el = 0: all local).
+  int64_t e0 = 0, el = 0;
   void carve(Arena& a, const TextConfig& tc, bool moe, int64_t N, DType dt, int ep = 1);
 };
 // Temporaries of one layer's forward or backward, shared by all layers (not kept).

@@ -62,8 +62,9 @@ class DevModel {
   // (inference only; model.weight_dtype = "int8" or "fp8"): the linears quant_param names are held as 8-bit rows in
   // that format with fp32 scales (quantized on the host as the weights arrive, ops::quantize_rows: what the host
   // model's int8/fp8 mode does to the same matrices).
-  // ep: this rank's share of the MoE experts (expert parallelism, training; the table then holds E/ep experts of
-  // each MoE layer), with set_experts.
+  // ep: this rank's share of the MoE experts (the table then holds E/ep experts of each MoE layer): in training with
+  // set_experts (expert parallelism, rows exchanged); in inference (serve.ep) the rank runs the rows the whole router
+  // sends to its experts, the others' outputs arriving with the tensor-parallel sum after the block.
   DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool grads = true, DevStage stage = {},
            QFormat quant = QFormat::None, DevHold hold = {}, ExpertSplit ep = {});
   // The linears held in 8 bits with model.weight_dtype = "int8" or "fp8": the decoder's q/k/v/o_proj, dense

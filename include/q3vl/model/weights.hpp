@@ -15,7 +15,8 @@ namespace q3vl {
 // the layout DevModel::set_params takes); gradients (the same layout) only when asked for.
 class HostWeights {
  public:
-  explicit HostWeights(const ModelConfig& cfg, bool with_grads = false);
+  // ep: only this rank's share of each MoE layer's experts (ParamTable's split).
+  explicit HostWeights(const ModelConfig& cfg, bool with_grads = false, ExpertSplit ep = {});
   const ModelConfig& config() const { return table_.config(); }
   const ParamTable& table() const { return table_; }
   float* params() { return p_.data(); }

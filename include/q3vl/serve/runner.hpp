@@ -89,7 +89,8 @@ class Runner {
   std::string checkpoint_;
   // world_ ranks = pp_ pipeline stages of tp_ tensor-parallel ranks; this rank is trank_ of stage_ and computes in
   // tpc_ (its stage's ranks). Rank 0 (stage 0, trank 0) serves HTTP and runs the engine.
-  int rank_ = 0, world_ = 1, tp_ = 1, pp_ = 1, stage_ = 0, trank_ = 0;
+  // ep_: serve.ep, the sets of experts the group's ranks split the MoE layers into.
+  int rank_ = 0, world_ = 1, tp_ = 1, pp_ = 1, stage_ = 0, trank_ = 0, ep_ = 1;
   MPI_Comm tpc_ = MPI_COMM_WORLD;
   DevStage dstage_;
   std::pair<int64_t, int64_t> vocab_rows_;
