@@ -85,7 +85,12 @@ ModelConfig tp_config(const ModelConfig& full, int rank, int size, int ep) {
   return c;
 }
 
-ExpertSplit tp_experts(int rank, int size, int ep) { return {ep, rank / (size / ep)}; }
+ExpertSplit tp_experts(int rank, int size, int ep) {
+  if (ep < 1 || size % ep)
+    fail("serve.ep = " + std::to_string(ep) + " must divide serve.tp = " + std::to_string(size) +
+         " (its ranks split the experts)");
+  return {ep, rank / (size / ep)};
+}
 
 int64_t tp_kv_bytes_per_token(const TextConfig& t, int size, int layers, int elem) {
   return 2 * int64_t(std::max(1, t.kv_heads / size)) * t.head_dim * layers * elem;
@@ -103,6 +108,10 @@ std::vector<ParamSlice> tp_slices(const ParamTable& full, const ParamTable& loca
   const int64_t hd = t.head_dim;
   for (int l = 0; l < t.layers; ++l)
     if (local.layer(l) != full.layer(l)) fail("tp: the local parameter table differs from the full one");
+  const ExpertSplit mine = t.num_experts ? tp_experts(rank, size, ep) : ExpertSplit{};
+  if (local.ep().size != mine.size || local.ep().rank != mine.rank)
+    fail("tp: the local parameter table holds another share of the experts than serve.ep = " + std::to_string(ep) +
+         " gives rank " + std::to_string(rank) + " of " + std::to_string(size));
   std::vector<ParamSlice> out;
   for (size_t id = 0; id < full.params().size(); ++id) {
     const ParamInfo& pf = full.params()[id];
