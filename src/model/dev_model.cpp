@@ -1106,8 +1106,12 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     if (best) dev::argmax_rows(ex_, J.lgf, Sp, V, v0, limit, J.banned, nban, J.bidx, J.bval);
   };
   void* graph = nullptr;
-  // NCCL's sums wait on events of their own: not recorded (yet). A profiled step runs its ops one by one.
-  if (decode && !J.tp && !J.graphs_failed && !ph) {
+  // A profiled step runs its ops one by one. Under tensor parallelism with NCCL sums (Q3VL_TP_GRAPHS=1, off until it is
+  // measured on GPUs) the graph holds the group's sums too: the requests made while recording are dropped, and one
+  // fence behind the launch is waited on instead (every rank records and replays the same steps, so the group's
+  // collectives stay in one order). Host sums cannot be recorded.
+  const bool tp_graphs = J.tp && env_is("Q3VL_TP_GRAPHS", "1");
+  if (decode && (!J.tp || (tp_graphs && !host_sums)) && !J.graphs_failed && !ph) {
     const std::array<int64_t, 4> key{Sp, best != nullptr, limit, nban};
     auto it = J.graph.find(key);
     if (it != J.graph.end()) {
@@ -1120,12 +1124,17 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
         throw;
       }
       graph = dev::capture_end(ex_);
+      last_sum.reset();  // its event was recorded into the graph
       if (graph) J.graph[key] = graph;
       else J.graphs_failed = true, log_warn("the device refused to record a decode step as a graph: steps run op by op");
     }
   }
-  if (graph) dev::graph_launch(ex_, graph);
-  else body();
+  if (graph) {
+    dev::graph_launch(ex_, graph);
+    if (J.tp) last_sum = J.tp->ifence("nccl sums of a decode step's graph");
+  } else {
+    body();
+  }
   for (int64_t s = 0; s < S; ++s) cache.len[pk.seqs[s]] += pk.cu[s + 1] - pk.cu[s];
   // Before anything leaves the device: the group's sums are done (or the watchdog names who is missing).
   if (last_sum) J.tp->wait(std::move(last_sum));

@@ -257,7 +257,7 @@ KvCache dev_cache() {
 // (int8, fp8): the slice holds its quant_param weights in that format (quantized after the split, as serve does);
 // ep: serve.ep, the sets of whole experts the ranks split the MoE layers into.
 std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::string& comm_kind,
-                                    QFormat quant = QFormat::None, int ep = 1) {
+                                    QFormat quant = QFormat::None, int ep = 1, int64_t* graphs = nullptr) {
   int rank, size;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -272,12 +272,14 @@ std::vector<float> dev_slice_tokens(Model& full, Device d, DType dt, const std::
                                                      : std::unique_ptr<Comm>(std::make_unique<MpiComm>(MPI_COMM_WORLD));
     DevModel dm(local.config(), ex, dt, /*grads=*/false, {}, quant, {}, experts);
     dm.set_params(local.params());
+    dm.set_graphs(graphs != nullptr);  // decode steps as graphs; *graphs: how many were recorded
     dm.reserve_infer({/*tokens=*/16, /*segments=*/2, /*patches=*/16, /*kv_blocks=*/16, /*block=*/4, /*seq_blocks=*/8});
     dm.set_tensor_parallel(comm.get(), v0, v1);
     KvCache c = dev_cache();
     rows = step_tokens(
         local.config(), [&](const auto& s, KvCache& k) { return dm.step(s, k); },
         [&](const auto& px, const auto& g, auto& img, auto& ds) { dm.vision_features(px, g, img, ds); }, c, v0, v1);
+    if (graphs) *graphs = dm.graphs_recorded();
   }
   dev::destroy_exec(ex);
   return rows;
@@ -397,6 +399,29 @@ TEST_P(DevTp, NcclSlicesEqualTheFullModelGpu) {
   EXPECT_LT(bf, 0.02 * big);
   EXPECT_LT(bf_full, 0.05 * big);
   EXPECT_GT(bf_full, 0.0) << "bf16 logits identical to fp32's: nothing ran in bf16";
+}
+// Decode steps recorded as CUDA graphs with the NCCL sums inside (Q3VL_TP_GRAPHS=1): the full model's logits, as
+// when launched op by op; with the MoE model's experts whole on each rank too (serve.ep).
+TEST_P(DevTp, NcclGraphSlicesEqualTheFullModelGpu) {
+  Q3VL_NEED_GPU();
+  const Placement& p = placement();
+  Model full(tp_tiny(GetParam()));
+  full.init_random(11, 0.3);
+  const std::vector<float> want = host_tokens(full);
+  ::setenv("Q3VL_TP_GRAPHS", "1", 1);
+  int64_t ng = 0, nge = 0;
+  const double g = max_diff(dev_slice_tokens(full, Device::CUDA, DType::F32, "nccl", QFormat::None, 1, &ng), want);
+  const bool ep = GetParam() && p.size > 1;
+  const double ge =
+      ep ? max_diff(dev_slice_tokens(full, Device::CUDA, DType::F32, "nccl", QFormat::None, 2, &nge), want) : 0.0;
+  ::unsetenv("Q3VL_TP_GRAPHS");
+  if (p.rank == 0)
+    std::printf("[ dev tp   ] %d ranks, decode steps as graphs with the NCCL sums (%lld recorded): max|diff| %.2e; "
+                "serve.ep = 2 (%lld): %.2e\n", p.size, (long long)ng, g, (long long)nge, ge);
+  EXPECT_EQ(ng, 1) << "one decode bucket recorded";
+  EXPECT_LT(g, 1e-5);
+  if (ep) EXPECT_EQ(nge, 1);
+  EXPECT_LT(ge, 1e-5);
 }
 TEST_P(DevTp, Int8NcclSlicesEqualQuantizedHostSlicesGpu) {
   Q3VL_NEED_GPU();

@@ -5,7 +5,8 @@
 #   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
 #   generate on the 8B shape: the PyTorch baseline), video (serving videos on CUDA against generate on the CPU, the 8B
 #   shape's time to first token on a 30 s clip), tpstop (a TP 2 server with a stopped rank, issue 33), 8bpp, 8bint8, 8bfp8, 30bint8, 30bfp8, 8bnog and 30bnog (model.cuda_graphs = false: decode
-#   steps launched op by op, against the default's graphs), 8btpot (serve.max_tpot_ms = 14), 8bnovb
+#   steps launched op by op, against the default's graphs), 8btp2g (8btp2's NCCL run with Q3VL_TP_GRAPHS=1: decode
+#   steps as graphs holding the NCCL sums), 8btpot (serve.max_tpot_ms = 14), 8bnovb
 #   (serve.vision_batch = false: a vision pass per request, the A/B of the batched one), and on machines with a GPU a
 #   rank (issue 35: tools/gpu/multi_checks.sh) 30btp2 (serve.tp = 2 over NCCL), 30bpp (serve.pp = 2), 30btp4, 30bauto
 #   (2 ranks, serve.tp = serve.pp = 0: the automatic layout), and 30bep2, 30bep4, 30bep8 (serve.tp = serve.ep = 2, 4,
@@ -239,6 +240,11 @@ serve_case tiny-moe_gpu_tp2_nccl 120 mpiexec -n 2 $hostid "$q" serve model.prese
 serve_case tiny_gpu_tp4_nccl 120 mpiexec -n 4 $hostid "$q" serve model.preset=tiny model.backend=cuda serve.tp_comm=nccl serve.kv_mib=64
 serve_case tiny_gpu_pp2tp2_nccl 120 mpiexec -n 4 $hostid "$q" serve model.preset=tiny model.backend=cuda serve.pp=2 serve.tp_comm=nccl serve.kv_mib=64
 serve_case tiny_gpu_tp2_nccl_bf16 120 mpiexec -n 2 $hostid "$q" serve model.preset=tiny model.backend=cuda model.dtype=bf16 serve.tp_comm=nccl
+serve_case tiny-moe_gpu_ep2_nccl 120 mpiexec -n 2 $hostid "$q" serve model.preset=tiny-moe model.backend=cuda serve.tp_comm=nccl serve.ep=2
+# Decode steps as CUDA graphs holding the NCCL sums (Q3VL_TP_GRAPHS=1): the same answers.
+Q3VL_TP_GRAPHS=1 serve_case tiny_gpu_tp2_nccl_graphs 120 mpiexec -n 2 $hostid "$q" serve model.preset=tiny model.backend=cuda serve.tp_comm=nccl
+Q3VL_TP_GRAPHS=1 serve_case tiny-moe_gpu_ep2_nccl_graphs 120 mpiexec -n 2 $hostid "$q" serve model.preset=tiny-moe model.backend=cuda serve.tp_comm=nccl serve.ep=2
+Q3VL_TP_GRAPHS=1 serve_case tiny_gpu_pp2tp2_nccl_graphs 120 mpiexec -n 4 $hostid "$q" serve model.preset=tiny model.backend=cuda serve.pp=2 serve.tp_comm=nccl serve.kv_mib=64
 fi
 if part tiny; then
 serve_case tiny_gpu_1 120 "$q" serve model.preset=tiny model.backend=cuda
@@ -307,6 +313,7 @@ part 8btpot && big 8b-tpot14 8B -- serve.max_tpot_ms=14
 part 30bfp8 && big 30b-a3b-fp8 30B-A3B -- model.weight_dtype=fp8
 part 8btp2 && big 8b-tp2-nccl 8B mpiexec -n 2 $hostid -- serve.tp_comm=nccl
 part 8btp2 && big 8b-tp2-mpi 8B mpiexec -n 2 -- serve.tp_comm=mpi
+part 8btp2g && Q3VL_TP_GRAPHS=1 big 8b-tp2-nccl-graphs 8B mpiexec -n 2 $hostid -- serve.tp_comm=nccl
 part 30btp2 && big 30b-a3b-tp2-nccl 30B-A3B mpiexec -n 2 $hostid -- serve.tp_comm=nccl
 part 30bpp && big 30b-a3b-pp2 30B-A3B mpiexec -n 2 -- serve.pp=2
 part 30btp4 && big 30b-a3b-tp4-nccl 30B-A3B mpiexec -n 4 $hostid -- serve.tp_comm=nccl

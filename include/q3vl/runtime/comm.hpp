@@ -88,6 +88,11 @@ class Comm {
                                                     const std::vector<size_t>& recv_counts,
                                                     const std::vector<size_t>& recv_displs, DType t) = 0;
   virtual std::unique_ptr<CommRequest> ibarrier() = 0;
+  // Completes when the device work queued so far on the collectives' stream has passed (NCCL: an event recorded now,
+  // e.g. behind a replayed CUDA graph that holds collectives). Counted like a collective, so that a rank that never
+  // gets there is named; every rank of the group must fence at the same points. Host communicators queue nothing on a
+  // device: complete at once.
+  virtual std::unique_ptr<CommRequest> ifence(const char* what);
   // Sub-communicator of the ranks with the same color, ordered by key.
   virtual std::unique_ptr<Comm> split(int color, int key) const = 0;
 
