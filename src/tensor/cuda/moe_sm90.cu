@@ -9,6 +9,7 @@
 // this one: 1.5-1.8x slower in FWD and DX, 1.2-1.3x in DW, moe_bench on 2026-12-05; deleted.)
 #include <algorithm>
 
+#include "q3vl/core/env.hpp"
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/tma.cuh"
 #include "tensor/cuda/wgmma.cuh"
@@ -16,7 +17,10 @@
 namespace q3vl::dev::cuda {
 namespace {
 
-enum Mode { FWD = 0, DX = 1, DW = 2 };  // as moe.cu's
+// As moe.cu's; DWR, this file's own: DW written (not added) from the accumulators in 128 x 256 tiles, under
+// Q3VL_DW_REGS=1 until it is measured against DW's shared-memory epilogue (moe_bench, 2026-12-05: 839 us against
+// 943 for the 30B-A3B's gate_up, in a kernel that stored added tiles that way too, which then waited on DRAM).
+enum Mode { FWD = 0, DX = 1, DW = 2, DWR = 3 };
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
 constexpr uint32_t kTA = kBM * kBK * 2;  // bytes a stage of A (16-bit elements); B's: ws_stage_bytes below
 
@@ -40,7 +44,8 @@ constexpr int kWsThreads = 384;
 // DW's tiles are 128 x 128 (n_out x n_in), FWD/DX's 128 x 256: DW's fp32 tile leaves through shared memory (64 rows a
 // consumer, kEpLd floats apart: 16 bytes past a row, so the float2 writes of a warp meet each bank twice, the least
 // for 256 bytes) by bulk copies a row, written or added (cp.reduce.async.bulk ... add.f32, in L2: no read of the
-// prior dW by the SM), which run while the consumers start the next tile.
+// prior dW by the SM), which run while the consumers start the next tile. DWR's (DW written, Q3VL_DW_REGS=1) are
+// 128 x 256, stored from registers.
 template <int MODE> constexpr int ws_bn() { return MODE == DW ? 128 : kBN; }
 template <int MODE> constexpr uint32_t ws_stage_bytes() { return kTA + uint32_t(ws_bn<MODE>()) * kBK * 2; }
 constexpr int kEpLd = 132;
@@ -48,7 +53,8 @@ constexpr uint32_t kEpBytes = 64 * kEpLd * 4;
 template <int MODE> constexpr size_t ws_smem() {
   return size_t(kStages) * ws_stage_bytes<MODE>() + (MODE == DW ? 2 * kEpBytes : 0) + 1024;
 }
-static_assert(ws_smem<FWD>() <= 227 * 1024 && ws_smem<DW>() <= 227 * 1024, "an sm_90 block's shared memory");
+static_assert(ws_smem<FWD>() <= 227 * 1024 && ws_smem<DW>() <= 227 * 1024 && ws_smem<DWR>() <= 227 * 1024,
+              "an sm_90 block's shared memory");
 
 struct WsTile {
   int e;
@@ -62,7 +68,7 @@ __device__ __forceinline__ bool ws_tile(int64_t t, const int32_t* start, const i
   constexpr int BN = ws_bn<MODE>();
   const int64_t nN = ((MODE == FWD ? n_out : n_in) + BN - 1) / BN;
   int e = 0;
-  if constexpr (MODE == DW) {
+  if constexpr (MODE >= DW) {
     const int64_t nM = (n_out + kBM - 1) / kBM;
     if (t >= int64_t(E) * nM * nN) return false;
     e = int(t / (nM * nN));
@@ -108,7 +114,7 @@ __device__ __forceinline__ void ws_produce(const CUtensorMap* ta, const CUtensor
       mbar_wait(bars + 8 * (kStages + st), ((it / kStages) & 1) ^ 1);
       mbar_expect_tx(full, SB);
       const int k0 = kt * kBK;
-      if constexpr (MODE == DW) {
+      if constexpr (MODE >= DW) {
 #pragma unroll
         for (int p = 0; p < kBM / 64; ++p) tma_load_2d(sa + p * (kBK * 128), ta, int(w.m0) + 64 * p, int(w.s) + k0, full, pol);
 #pragma unroll
@@ -141,7 +147,7 @@ template <class S, int MODE>
 __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void* C, const int32_t* start,
                                            const int32_t* tile_prefix, int E, int64_t n_in, int64_t n_out,
                                            bool accumulate, int c, int ct) {
-  constexpr bool A_KC = MODE != DW, B_KC = MODE == FWD;
+  constexpr bool A_KC = MODE < DW, B_KC = MODE == FWD;
   constexpr int BN = ws_bn<MODE>(), NH = BN / 128;
   constexpr uint32_t SB = ws_stage_bytes<MODE>();
   const int lane = ct & 31, g = lane >> 2, t4 = lane & 3, warp = ct >> 5;
@@ -154,7 +160,7 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
   for (int64_t t = blockIdx.x; ws_tile<MODE>(t, start, tile_prefix, E, n_in, n_out, w); t += gridDim.x) {
     const int64_t K = ws_k<MODE>(w, n_in, n_out);
     const int nk = int((K + kBK - 1) / kBK);
-    const int64_t M = MODE == DW ? n_out : w.rows, N = MODE == FWD ? n_out : n_in;
+    const int64_t M = MODE >= DW ? n_out : w.rows, N = MODE == FWD ? n_out : n_in;
     if (nk == 0 && accumulate) continue;  // DW of an expert without rows adds nothing (written: zeros, below)
 #pragma unroll
     for (int h = 0; h < NH; ++h)
@@ -166,7 +172,7 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
       mbar_wait(bars + 8 * st, (it / kStages) & 1);
       const int kv = int(K - int64_t(kt) * kBK);
       if (MODE != FWD && kv < kBK) {  // rows past K: the next expert's (see above)
-        if constexpr (MODE == DW) ws_zero_rows(sa0 + c * (kBK * 128), 1, kv, ct);
+        if constexpr (MODE >= DW) ws_zero_rows(sa0 + c * (kBK * 128), 1, kv, ct);
         ws_zero_rows(sb, BN / 64, kv, ct);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         bar_sync(1 + c, 128);
@@ -216,6 +222,20 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
           else bulk_store(dst, ep + rr * kEpLd * 4, bytes);
         }
         bulk_commit();
+      }
+    } else if constexpr (MODE == DWR) {  // fp32 pairs straight from the accumulators: row rt + 8 (q >> 1), as below
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t m = w.m0 + rt + 8 * r;
+        if (m >= M) continue;
+        float* row = static_cast<float*>(C) + (int64_t(w.e) * n_out + m) * n_in;
+#pragma unroll
+        for (int h = 0; h < NH; ++h)
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int64_t n = w.n0 + 128 * h + 8 * j + 2 * t4;
+            if (n < N) *reinterpret_cast<float2*>(row + n) = make_float2(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
+          }
       }
     } else {
       // Accumulator element 4j + q of N half h: row rt + 8 (q >> 1), column 128 h + 8 j + 2 t4 + (q & 1).
@@ -284,15 +304,20 @@ bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, cons
                                : tmap_16bit(ta, A, R, n_out, n_out, kBK, bf16) &&
                                      tmap_16bit(tb, B, R, n_in, n_in, kBK, bf16);
   if (!ok) return false;
-  const int64_t bn = mode == DW ? ws_bn<DW>() : kBN, nN = ((mode == FWD ? n_out : n_in) + bn - 1) / bn;
+  static const bool dw_regs = env_is("Q3VL_DW_REGS", "1");
+  const int kmode = mode == DW && !accumulate && dw_regs ? DWR : mode;
+  const int64_t bn = kmode == DW ? ws_bn<DW>() : kBN, nN = ((mode == FWD ? n_out : n_in) + bn - 1) / bn;
   const int64_t tiles = mode == DW ? E * ((n_out + kBM - 1) / kBM) * nN : ((R + kBM - 1) / kBM + E) * nN;
   const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
   auto go = [&]<class S>() {
     auto run = [&](auto kern) {
-      launch(kern, grid, kWsThreads, mode == DW ? ws_smem<DW>() : ws_smem<FWD>(), st, ta, tb, C, start, tile_prefix,
+      launch(kern, grid, kWsThreads, kmode == DW ? ws_smem<DW>() : ws_smem<FWD>(), st, ta, tb, C, start, tile_prefix,
              int(E), n_in, n_out, accumulate);
     };
-    mode == FWD ? run(grouped_ws<S, FWD>) : mode == DX ? run(grouped_ws<S, DX>) : run(grouped_ws<S, DW>);
+    kmode == FWD  ? run(grouped_ws<S, FWD>)
+    : kmode == DX ? run(grouped_ws<S, DX>)
+    : kmode == DW ? run(grouped_ws<S, DW>)
+                  : run(grouped_ws<S, DWR>);
   };
   bf16 ? go.template operator()<__nv_bfloat16>() : go.template operator()<__half>();
   return true;
