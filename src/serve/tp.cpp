@@ -8,6 +8,13 @@
 
 namespace q3vl {
 
+ExpertSplit tp_experts(int rank, int size, int ep) {
+  if (ep < 1 || size % ep)
+    fail("serve.ep = " + std::to_string(ep) + " must divide serve.tp = " + std::to_string(size) +
+         " (its ranks split the experts)");
+  return {ep, rank / (size / ep)};
+}
+
 namespace {
 struct Split {
   int64_t q0, nq, kv0, nkv, i0, ni;  // query heads, kv heads, MLP rows of this rank
@@ -20,7 +27,7 @@ Split split(const TextConfig& t, int rank, int size, int ep) {
   if (size <= t.kv_heads ? t.kv_heads % size : size % t.kv_heads)
     fail(tp + " and the " + std::to_string(t.kv_heads) + " key/value heads: one must divide the other");
   const std::string eps = "serve.ep = " + std::to_string(ep);
-  if (ep < 1 || size % ep) fail(eps + " must divide " + tp + " (its ranks split the experts)");
+  const ExpertSplit experts = tp_experts(rank, size, ep);  // fails unless ep divides size
   if (ep > 1 && t.num_experts == 0) fail(eps + ": the model is dense (no experts to split); use serve.ep = 1");
   if (t.num_experts > 0 && t.num_experts % ep)
     fail(eps + " does not divide the " + std::to_string(t.num_experts) + " experts");
@@ -33,7 +40,7 @@ Split split(const TextConfig& t, int rank, int size, int ep) {
   s.nkv = std::max(1, t.kv_heads / size);
   s.kv0 = size <= t.kv_heads ? rank * s.nkv : s.q0 / (t.heads / t.kv_heads);  // replicated: the group of its queries
   s.ni = t.intermediate / size, s.i0 = rank * s.ni;
-  s.ne = t.num_experts / ep, s.e0 = rank / rows_split * s.ne;
+  s.ne = t.num_experts / ep, s.e0 = experts.rank * s.ne;
   s.nm = t.moe_intermediate / rows_split, s.m0 = rank % rows_split * s.nm;
   return s;
 }
@@ -83,13 +90,6 @@ ModelConfig tp_config(const ModelConfig& full, int rank, int size, int ep) {
   c.text.intermediate = (int)s.ni;
   c.text.moe_intermediate = (int)s.nm;
   return c;
-}
-
-ExpertSplit tp_experts(int rank, int size, int ep) {
-  if (ep < 1 || size % ep)
-    fail("serve.ep = " + std::to_string(ep) + " must divide serve.tp = " + std::to_string(size) +
-         " (its ranks split the experts)");
-  return {ep, rank / (size / ep)};
 }
 
 int64_t tp_kv_bytes_per_token(const TextConfig& t, int size, int layers, int elem) {
