@@ -146,7 +146,7 @@ __device__ __forceinline__ void ws_zero_rows(uint32_t p, int n, int r0, int ct) 
 template <class S, int MODE>
 __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void* C, const int32_t* start,
                                            const int32_t* tile_prefix, int E, int64_t n_in, int64_t n_out,
-                                           bool accumulate, int c, int ct) {
+                                           bool accumulate, bool skip_idle, int c, int ct) {
   constexpr bool A_KC = MODE < DW, B_KC = MODE == FWD;
   constexpr int BN = ws_bn<MODE>(), NH = BN / 128;
   constexpr uint32_t SB = ws_stage_bytes<MODE>();
@@ -162,6 +162,10 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
     const int nk = int((K + kBK - 1) / kBK);
     const int64_t M = MODE >= DW ? n_out : w.rows, N = MODE == FWD ? n_out : n_in;
     if (nk == 0 && accumulate) continue;  // DW of an expert without rows adds nothing (written: zeros, below)
+    // FWD/DX: an expert's last M tile with at most 64 rows leaves consumer 1 nothing to compute (its rows are never
+    // stored). It still takes every stage in turn and hands it back (the producer counts its warps' arrivals), but
+    // issues no wgmma, so consumer 0 has the tensor cores to itself (skip_idle: Q3VL_WS_SKIP=1 until measured).
+    const bool busy = MODE >= DW || !skip_idle || w.m0 + c * 64 < w.rows;
 #pragma unroll
     for (int h = 0; h < NH; ++h)
 #pragma unroll
@@ -178,18 +182,20 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
         bar_sync(1 + c, 128);
       }
       const uint32_t sa = sa0 + c * (A_KC ? 64 * 128 : kBK * 128);
+      if (busy) {
 #pragma unroll
-      for (int h = 0; h < NH; ++h) pin(acc[h]);
-      wg_fence();
+        for (int h = 0; h < NH; ++h) pin(acc[h]);
+        wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
+        for (int kk = 0; kk < kBK / 16; ++kk)
 #pragma unroll
-        for (int h = 0; h < NH; ++h)
-          wg_ss<S, 128, !A_KC, !B_KC>(acc[h], A_KC ? sdesc(sa + kk * 32, 16) : sdesc(sa + kk * 2048, kBK * 128),
-                                    B_KC ? sdesc(sb + h * (128 * 128) + kk * 32, 16)
-                                         : sdesc(sb + h * (2 * kBK * 128) + kk * 2048, kBK * 128),
-                                    1);
-      wg_commit();
+          for (int h = 0; h < NH; ++h)
+            wg_ss<S, 128, !A_KC, !B_KC>(acc[h], A_KC ? sdesc(sa + kk * 32, 16) : sdesc(sa + kk * 2048, kBK * 128),
+                                        B_KC ? sdesc(sb + h * (128 * 128) + kk * 32, 16)
+                                             : sdesc(sb + h * (2 * kBK * 128) + kk * 2048, kBK * 128),
+                                        1);
+        wg_commit();
+      }
       wg_wait<1>();  // tile kt-1's wgmmas are done: its stage goes back to the producer
       if (kt > 0) mbar_arrive(bars + 8 * (kStages + prev), lead);
       prev = st;
@@ -264,7 +270,7 @@ template <class S, int MODE>
 __global__ void __launch_bounds__(kWsThreads, 1)
     grouped_ws(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, void* __restrict__ C,
                const int32_t* __restrict__ start, const int32_t* __restrict__ tile_prefix, int E, int64_t n_in,
-               int64_t n_out, bool accumulate) {
+               int64_t n_out, bool accumulate, bool skip_idle) {
 #ifdef Q3VL_WGMMA
   __shared__ alignas(8) uint64_t bars[2 * kStages];  // full, then empty
   extern __shared__ __align__(16) unsigned char smraw[];
@@ -282,8 +288,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if (threadIdx.x == 0) ws_produce<MODE>(&ta, &tb, stages, bar0, start, tile_prefix, E, n_in, n_out);
   } else {
     regs_inc<232>();
-    ws_consume<S, MODE>(stages, bar0, C, start, tile_prefix, E, n_in, n_out, accumulate, threadIdx.x / 128 - 1,
-                        threadIdx.x % 128);
+    ws_consume<S, MODE>(stages, bar0, C, start, tile_prefix, E, n_in, n_out, accumulate, skip_idle,
+                        threadIdx.x / 128 - 1, threadIdx.x % 128);
   }
 #else
   __trap();
@@ -304,7 +310,7 @@ bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, cons
                                : tmap_16bit(ta, A, R, n_out, n_out, kBK, bf16) &&
                                      tmap_16bit(tb, B, R, n_in, n_in, kBK, bf16);
   if (!ok) return false;
-  static const bool dw_regs = env_is("Q3VL_DW_REGS", "1");
+  static const bool dw_regs = env_is("Q3VL_DW_REGS", "1"), skip_idle = env_is("Q3VL_WS_SKIP", "1");
   const int kmode = mode == DW && !accumulate && dw_regs ? DWR : mode;
   const int64_t bn = kmode == DW ? ws_bn<DW>() : kBN, nN = ((mode == FWD ? n_out : n_in) + bn - 1) / bn;
   const int64_t tiles = mode == DW ? E * ((n_out + kBM - 1) / kBM) * nN : ((R + kBM - 1) / kBM + E) * nN;
@@ -312,7 +318,7 @@ bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, cons
   auto go = [&]<class S>() {
     auto run = [&](auto kern) {
       launch(kern, grid, kWsThreads, kmode == DW ? ws_smem<DW>() : ws_smem<FWD>(), st, ta, tb, C, start, tile_prefix,
-             int(E), n_in, n_out, accumulate);
+             int(E), n_in, n_out, accumulate, skip_idle);
     };
     kmode == FWD  ? run(grouped_ws<S, FWD>)
     : kmode == DX ? run(grouped_ws<S, DX>)
