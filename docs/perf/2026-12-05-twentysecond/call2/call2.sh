@@ -3,7 +3,7 @@
 # DevTp suites at 2 and 4 ranks sharing the GPU (serve.ep's expert sets, decode graphs holding the NCCL sums), then
 # tiny servers over NCCL (serve.ep = 2, Q3VL_TP_GRAPHS=1) against generate on the CPU: serve_checks.sh part nccl.
 # (2) One stream's decode with o_proj's weights prefetched into L2 during attention (Q3VL_L2_PREFETCH_MB=64) against
-# without, the 8B in fp8 and bf16 and the 30B-A3B, each pair back to back: serve_checks.sh parts 8bfp8, 8b, 30b at CONC=1.
+# without, the 8B in fp8 and the 30B-A3B in bf16, each pair back to back: serve_checks.sh parts 8bfp8 and 30b at CONC=1.
 set -u
 T0=$SECONDS
 tar xJf devpack/rt.tar.xz -C /tmp && source /tmp/rt/env.sh
@@ -20,10 +20,10 @@ run() {  # NAME PART CONC TIMEOUT [env...]
   mkdir -p $out/$n; tar xzf /tmp/sc_$n/results.tgz -C $out/$n 2>/dev/null; grep -v "^ " /tmp/sc_$n/summary.txt | grep -v "^GPU\|^node" >> $out/summary.txt
   say "$n done $((SECONDS-T0)) s"; pack
 }
-run nccl nccl 1 240
-for p in 8bfp8 8b 30b; do
-  run ${p}_pf $p 1 70 Q3VL_L2_PREFETCH_MB=64
-  run ${p} $p 1 70
-done
+run nccl nccl 1 200
+run 8bfp8_pf 8bfp8 1 70 Q3VL_L2_PREFETCH_MB=64
+run 8bfp8 8bfp8 1 70
+run 30b_pf 30b 1 90 Q3VL_L2_PREFETCH_MB=64
+run 30b 30b 1 90
 say "done $((SECONDS-T0)) s"; pack
 grep -E "mpi_tests|nccl|graphs|ep2|c=1 |engine over|done" $out/summary.txt | cut -c1-230
