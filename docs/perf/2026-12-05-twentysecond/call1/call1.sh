@@ -8,7 +8,7 @@
 # 3. moe_bench with each form and without;
 # 4. one stream of the 8B in fp8 with o_proj's weights prefetched into L2 during attention (Q3VL_L2_PREFETCH_MB=64)
 #    and without, back to back (serve_checks.sh part 8bfp8, CONC=1);
-# 5. the 30B-A3B cut with both grouped forms on, beside transformers.
+# 5. the 30B-A3B cut with both grouped forms on, beside transformers (an H200 only: it needs ~103 GiB).
 source tools/gpu/call_lib.sh res1
 left() { (( 500 - (SECONDS - T0) > $1 )); }
 Q3VL_WS_SKIP=1 Q3VL_DW_REGS=1 Q3VL_OPS=grouped,moe unit_gpu 'BackendOps.Fp32:BackendOps.Bf16:BackendOps.Fp16:DevModel.*:DevLayers.*' 150
@@ -33,7 +33,9 @@ sc() {  # NAME PART TIMEOUT [env...]: serve_checks.sh at one stream
 }
 left 150 && sc fp8_pf 8bfp8 70 Q3VL_L2_PREFETCH_MB=64
 left 80 && sc fp8 8bfp8 70
-if left 150; then
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+((mib < 110000)) && say "q30b skipped: the cut needs ~103 GiB, this GPU has $mib MiB"
+if ((mib >= 110000)) && left 150; then
   Q3VL_WS_SKIP=1 Q3VL_DW_REGS=1 train_prof q30b input/bench_30b_a3b_gpu.deck 100 run.profile_top=0
   left 40 && hf_train hf30b 60 --preset 30B-A3B --text-layers 6 --batch 1 --seq 4096
   ratio q30b hf30b "30B-A3B x 6 layers, 1 x 4096 tokens (Q3VL_WS_SKIP=1 Q3VL_DW_REGS=1)"
