@@ -10,7 +10,7 @@
 #    and without, back to back (serve_checks.sh part 8bfp8, CONC=1);
 # 5. the 30B-A3B cut with both grouped forms on, beside transformers (an H200 only: it needs ~103 GiB).
 source tools/gpu/call_lib.sh res1
-left() { (( 420 - (SECONDS - T0) > $1 )); }
+left() { (( 200 - (SECONDS - T0) > $1 )); }
 Q3VL_WS_SKIP=1 Q3VL_DW_REGS=1 Q3VL_OPS=grouped,moe unit_gpu 'BackendOps.Fp32:BackendOps.Bf16:BackendOps.Fp16:DevModel.*:DevLayers.*' 150
 export NCCL_SOCKET_IFNAME=lo  # as serve_checks.sh's part nccl runs them
 t1=$SECONDS; Q3VL_REQUIRE_GPU=1 timeout 90 mpiexec -n 2 /tmp/rt/bin/mpi_tests --gtest_filter='*DevTp*' > $out/mpi_devtp.log 2>&1
