@@ -3,15 +3,15 @@
 # only while the call has room for it):
 # 1. the op table's grouped cases and the MoE model suites with grouped_ws's two new forms on: FWD/DX's second consumer
 #    issuing no wgmma on an expert's last M tile of <= 64 rows (Q3VL_WS_SKIP=1) and DW written from registers
-#    (Q3VL_DW_REGS=1);
+#    (Q3VL_DW_REGS=1); with the L2 prefetch of step 4 on, DevInfer's decode steps on the golden models too;
 # 2. mpi_tests' DevTp suites at 2 ranks sharing the GPU: serve.ep's expert sets and decode graphs holding the NCCL sums;
 # 3. moe_bench with each form and without;
 # 4. one stream of the 8B in fp8 with o_proj's weights prefetched into L2 during attention (Q3VL_L2_PREFETCH_MB=64)
 #    and without, back to back (serve_checks.sh part 8bfp8, CONC=1);
 # 5. the 30B-A3B cut with both grouped forms on, beside transformers (an H200 only: it needs ~103 GiB).
 source tools/gpu/call_lib.sh res1
-left() { (( 200 - (SECONDS - T0) > $1 )); }
-Q3VL_WS_SKIP=1 Q3VL_DW_REGS=1 Q3VL_OPS=grouped,moe unit_gpu 'BackendOps.Fp32:BackendOps.Bf16:BackendOps.Fp16:DevModel.*:DevLayers.*' 150
+left() { (( 500 - (SECONDS - T0) > $1 )); }
+Q3VL_WS_SKIP=1 Q3VL_DW_REGS=1 Q3VL_L2_PREFETCH_MB=64 Q3VL_OPS=grouped,moe unit_gpu 'BackendOps.Fp32:BackendOps.Bf16:BackendOps.Fp16:DevModel.*:DevLayers.*:DevInfer.*' 180
 export NCCL_SOCKET_IFNAME=lo  # as serve_checks.sh's part nccl runs them
 t1=$SECONDS; Q3VL_REQUIRE_GPU=1 timeout 90 mpiexec -n 2 /tmp/rt/bin/mpi_tests --gtest_filter='*DevTp*' > $out/mpi_devtp.log 2>&1
 say "mpi_tests DevTp np2 rc=$? $((SECONDS-t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' $out/mpi_devtp.log | sort -u | tr '\n' ' ')"
