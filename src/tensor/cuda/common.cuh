@@ -120,6 +120,11 @@ __device__ __forceinline__ void pdl_enter() {
   pdl_wait();
   pdl_trigger();
 }
+// A hint, no result: the L2 starts pulling [p, p + bytes) from HBM (cp.async.bulk.prefetch). p and bytes are
+// multiples of 16; nothing is waited for, and a later load of the range is never stale (every write lands in L2).
+__device__ __forceinline__ void l2_prefetch(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
 
 // Whether launch_pdl launches programmatically dependent: on unless the environment sets Q3VL_PDL=0 (for A/B runs);
 // benchmarks may flip it.

@@ -395,10 +395,7 @@ __global__ void k_pos_embed_bwd(const S* __restrict__ dout, const Taps* __restri
 constexpr int64_t kPrefetchPiece = 4096;
 __global__ void k_prefetch_l2(const char* p, int64_t bytes) {
   const int64_t b = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kPrefetchPiece;
-  if (b < bytes)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + b),
-                 "r"(uint32_t(min(kPrefetchPiece, bytes - b)))
-                 : "memory");
+  if (b < bytes) l2_prefetch(p + b, uint32_t(min(kPrefetchPiece, bytes - b)));
   pdl_enter();
 }
 

@@ -566,7 +566,7 @@ __device__ __forceinline__ void tc_prefetch(const W* __restrict__ q, int64_t row
     const int64_t r = row0 + threadIdx.x, e = std::min(c1, n_in);
     if (threadIdx.x < 16 * K::kMt && r < n_out && c0 < e) {
       const uint32_t bytes = uint32_t((e - c0) * int64_t(sizeof(W)));
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(q + r * n_in + c0), "r"(bytes) : "memory");
+      l2_prefetch(q + r * n_in + c0, bytes);
     }
   }
 }

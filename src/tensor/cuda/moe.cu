@@ -474,8 +474,7 @@ __global__ void __launch_bounds__(kRouteThreads, 1)
   const char* wblk = reinterpret_cast<const char*>(Wr + int64_t(e0) * H);  // the block's rows, contiguous
   const int64_t bytes = int64_t(Eb) * H * int64_t(sizeof(S)), piece = 4096;
   for (int64_t b = threadIdx.x * piece; b < bytes; b += kRouteThreads * piece)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wblk + b), "r"(uint32_t(min(piece, bytes - b)))
-                 : "memory");
+    l2_prefetch(wblk + b, uint32_t(min(piece, bytes - b)));
   pdl_enter();  // x is the kernel before's output; everything written here is read after it
   float* zl = cl.map_shared_rank(z, 0);
   for (int c = 0; c < Eb; c += EC) {
