@@ -299,6 +299,11 @@ std::vector<float> host_tokens(Model& full) {
 
 class DevTp : public ::testing::TestWithParam<bool> {};
 
+// fp32 slices on GPUs against the full model on the host: cuBLAS's, the kernels' and NCCL's summation orders round
+// differently from the host's, ~20 ulps of the largest logit (the MoE model at 2 ranks: 1.03e-5 at max|logit| 4.2,
+// an H100, 2026-12-05).
+static double fp32_bound(double big) { return 4e-6 * std::max(1.0, big); }
+
 // The device path on the CPU op layer, sums through MPI (serve.tp_comm = mpi): runs in CI.
 TEST_P(DevTp, SlicesEqualTheFullModelOnCpu) {
   Model full(tp_tiny(GetParam()));
@@ -329,7 +334,7 @@ void check_expert_sets(Device d, const std::string& comm_kind) {
     const ExpertSplit e = tp_experts(rank, size, ep);
     EXPECT_EQ(e.size, ep);
     EXPECT_EQ(e.rank, rank / (size / ep));
-    EXPECT_LT(max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, QFormat::None, ep), want), 1e-5)
+    EXPECT_LT(max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, QFormat::None, ep), want), fp32_bound(big))
         << "serve.ep = " << ep << " of " << size << " ranks";
     const double d8 = max_diff(dev_slice_tokens(full, d, DType::F32, comm_kind, QFormat::Int8, ep), want);
     if (rank == 0)
@@ -394,8 +399,8 @@ TEST_P(DevTp, NcclSlicesEqualTheFullModelGpu) {
   if (p.rank == 0)
     std::printf("[ dev tp   ] %d ranks: fp32 max|diff| nccl %.2e, mpi %.2e; bf16 nccl vs mpi %.2e, vs fp32 host "
                 "%.2e (max|logit| %.2f)\n", p.size, nccl, mpi, bf, bf_full, big);
-  EXPECT_LT(nccl, 1e-5);
-  EXPECT_LT(mpi, 1e-5);
+  EXPECT_LT(nccl, fp32_bound(big));
+  EXPECT_LT(mpi, fp32_bound(big));
   EXPECT_LT(bf, 0.02 * big);
   EXPECT_LT(bf_full, 0.05 * big);
   EXPECT_GT(bf_full, 0.0) << "bf16 logits identical to fp32's: nothing ran in bf16";
@@ -408,6 +413,7 @@ TEST_P(DevTp, NcclGraphSlicesEqualTheFullModelGpu) {
   Model full(tp_tiny(GetParam()));
   full.init_random(11, 0.3);
   const std::vector<float> want = host_tokens(full);
+  const double big = max_diff(want, {});
   ::setenv("Q3VL_TP_GRAPHS", "1", 1);
   int64_t ng = 0, nge = 0;
   const double g = max_diff(dev_slice_tokens(full, Device::CUDA, DType::F32, "nccl", QFormat::None, 1, &ng), want);
@@ -419,9 +425,9 @@ TEST_P(DevTp, NcclGraphSlicesEqualTheFullModelGpu) {
     std::printf("[ dev tp   ] %d ranks, decode steps as graphs with the NCCL sums (%lld recorded): max|diff| %.2e; "
                 "serve.ep = 2 (%lld): %.2e\n", p.size, (long long)ng, g, (long long)nge, ge);
   EXPECT_EQ(ng, 1) << "one decode bucket recorded";
-  EXPECT_LT(g, 1e-5);
+  EXPECT_LT(g, fp32_bound(big));
   if (ep) EXPECT_EQ(nge, 1);
-  EXPECT_LT(ge, 1e-5);
+  EXPECT_LT(ge, fp32_bound(big));
 }
 TEST_P(DevTp, Int8NcclSlicesEqualQuantizedHostSlicesGpu) {
   Q3VL_NEED_GPU();

@@ -17,10 +17,10 @@
 namespace q3vl::dev::cuda {
 namespace {
 
-// As moe.cu's; DWR, this file's own: DW written (not added) from the accumulators in 128 x 256 tiles, under
-// Q3VL_DW_REGS=1 until it is measured against DW's shared-memory epilogue (moe_bench, 2026-12-05: 839 us against
-// 943 for the 30B-A3B's gate_up, in a kernel that stored added tiles that way too, which then waited on DRAM).
-enum Mode { FWD = 0, DX = 1, DW = 2, DWR = 3 };
+// As moe.cu's. Measured and dropped (moe_bench, H100, 2026-12-05, docs/PERFORMANCE.md): DW written from the
+// accumulators in 128 x 256 tiles (1008 us against the epilogue below's 961 for the 30B-A3B's gate_up), and
+// FWD/DX's consumer 1 idle on an expert's last M tile of <= 64 rows (597 against 578 us).
+enum Mode { FWD = 0, DX = 1, DW = 2 };
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
 constexpr uint32_t kTA = kBM * kBK * 2;  // bytes a stage of A (16-bit elements); B's: ws_stage_bytes below
 
@@ -44,8 +44,7 @@ constexpr int kWsThreads = 384;
 // DW's tiles are 128 x 128 (n_out x n_in), FWD/DX's 128 x 256: DW's fp32 tile leaves through shared memory (64 rows a
 // consumer, kEpLd floats apart: 16 bytes past a row, so the float2 writes of a warp meet each bank twice, the least
 // for 256 bytes) by bulk copies a row, written or added (cp.reduce.async.bulk ... add.f32, in L2: no read of the
-// prior dW by the SM), which run while the consumers start the next tile. DWR's (DW written, Q3VL_DW_REGS=1) are
-// 128 x 256, stored from registers.
+// prior dW by the SM), which run while the consumers start the next tile.
 template <int MODE> constexpr int ws_bn() { return MODE == DW ? 128 : kBN; }
 template <int MODE> constexpr uint32_t ws_stage_bytes() { return kTA + uint32_t(ws_bn<MODE>()) * kBK * 2; }
 constexpr int kEpLd = 132;
@@ -53,7 +52,7 @@ constexpr uint32_t kEpBytes = 64 * kEpLd * 4;
 template <int MODE> constexpr size_t ws_smem() {
   return size_t(kStages) * ws_stage_bytes<MODE>() + (MODE == DW ? 2 * kEpBytes : 0) + 1024;
 }
-static_assert(ws_smem<FWD>() <= 227 * 1024 && ws_smem<DW>() <= 227 * 1024 && ws_smem<DWR>() <= 227 * 1024,
+static_assert(ws_smem<FWD>() <= 227 * 1024 && ws_smem<DW>() <= 227 * 1024,
               "an sm_90 block's shared memory");
 
 struct WsTile {
@@ -68,7 +67,7 @@ __device__ __forceinline__ bool ws_tile(int64_t t, const int32_t* start, const i
   constexpr int BN = ws_bn<MODE>();
   const int64_t nN = ((MODE == FWD ? n_out : n_in) + BN - 1) / BN;
   int e = 0;
-  if constexpr (MODE >= DW) {
+  if constexpr (MODE == DW) {
     const int64_t nM = (n_out + kBM - 1) / kBM;
     if (t >= int64_t(E) * nM * nN) return false;
     e = int(t / (nM * nN));
@@ -114,7 +113,7 @@ __device__ __forceinline__ void ws_produce(const CUtensorMap* ta, const CUtensor
       mbar_wait(bars + 8 * (kStages + st), ((it / kStages) & 1) ^ 1);
       mbar_expect_tx(full, SB);
       const int k0 = kt * kBK;
-      if constexpr (MODE >= DW) {
+      if constexpr (MODE == DW) {
 #pragma unroll
         for (int p = 0; p < kBM / 64; ++p) tma_load_2d(sa + p * (kBK * 128), ta, int(w.m0) + 64 * p, int(w.s) + k0, full, pol);
 #pragma unroll
@@ -146,7 +145,7 @@ __device__ __forceinline__ void ws_zero_rows(uint32_t p, int n, int r0, int ct) 
 template <class S, int MODE>
 __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void* C, const int32_t* start,
                                            const int32_t* tile_prefix, int E, int64_t n_in, int64_t n_out,
-                                           bool accumulate, bool skip_idle, int c, int ct) {
+                                           bool accumulate, int c, int ct) {
   constexpr bool A_KC = MODE < DW, B_KC = MODE == FWD;
   constexpr int BN = ws_bn<MODE>(), NH = BN / 128;
   constexpr uint32_t SB = ws_stage_bytes<MODE>();
@@ -160,12 +159,8 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
   for (int64_t t = blockIdx.x; ws_tile<MODE>(t, start, tile_prefix, E, n_in, n_out, w); t += gridDim.x) {
     const int64_t K = ws_k<MODE>(w, n_in, n_out);
     const int nk = int((K + kBK - 1) / kBK);
-    const int64_t M = MODE >= DW ? n_out : w.rows, N = MODE == FWD ? n_out : n_in;
+    const int64_t M = MODE == DW ? n_out : w.rows, N = MODE == FWD ? n_out : n_in;
     if (nk == 0 && accumulate) continue;  // DW of an expert without rows adds nothing (written: zeros, below)
-    // FWD/DX: an expert's last M tile with at most 64 rows leaves consumer 1 nothing to compute (its rows are never
-    // stored). It still takes every stage in turn and hands it back (the producer counts its warps' arrivals), but
-    // issues no wgmma, so consumer 0 has the tensor cores to itself (skip_idle: Q3VL_WS_SKIP=1 until measured).
-    const bool busy = MODE >= DW || !skip_idle || w.m0 + c * 64 < w.rows;
 #pragma unroll
     for (int h = 0; h < NH; ++h)
 #pragma unroll
@@ -176,26 +171,24 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
       mbar_wait(bars + 8 * st, (it / kStages) & 1);
       const int kv = int(K - int64_t(kt) * kBK);
       if (MODE != FWD && kv < kBK) {  // rows past K: the next expert's (see above)
-        if constexpr (MODE >= DW) ws_zero_rows(sa0 + c * (kBK * 128), 1, kv, ct);
+        if constexpr (MODE == DW) ws_zero_rows(sa0 + c * (kBK * 128), 1, kv, ct);
         ws_zero_rows(sb, BN / 64, kv, ct);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         bar_sync(1 + c, 128);
       }
       const uint32_t sa = sa0 + c * (A_KC ? 64 * 128 : kBK * 128);
-      if (busy) {
 #pragma unroll
-        for (int h = 0; h < NH; ++h) pin(acc[h]);
-        wg_fence();
+      for (int h = 0; h < NH; ++h) pin(acc[h]);
+      wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk)
+      for (int kk = 0; kk < kBK / 16; ++kk)
 #pragma unroll
-          for (int h = 0; h < NH; ++h)
-            wg_ss<S, 128, !A_KC, !B_KC>(acc[h], A_KC ? sdesc(sa + kk * 32, 16) : sdesc(sa + kk * 2048, kBK * 128),
-                                        B_KC ? sdesc(sb + h * (128 * 128) + kk * 32, 16)
-                                             : sdesc(sb + h * (2 * kBK * 128) + kk * 2048, kBK * 128),
-                                        1);
-        wg_commit();
-      }
+        for (int h = 0; h < NH; ++h)
+          wg_ss<S, 128, !A_KC, !B_KC>(acc[h], A_KC ? sdesc(sa + kk * 32, 16) : sdesc(sa + kk * 2048, kBK * 128),
+                                      B_KC ? sdesc(sb + h * (128 * 128) + kk * 32, 16)
+                                           : sdesc(sb + h * (2 * kBK * 128) + kk * 2048, kBK * 128),
+                                      1);
+      wg_commit();
       wg_wait<1>();  // tile kt-1's wgmmas are done: its stage goes back to the producer
       if (kt > 0) mbar_arrive(bars + 8 * (kStages + prev), lead);
       prev = st;
@@ -229,20 +222,6 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
         }
         bulk_commit();
       }
-    } else if constexpr (MODE == DWR) {  // fp32 pairs straight from the accumulators: row rt + 8 (q >> 1), as below
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t m = w.m0 + rt + 8 * r;
-        if (m >= M) continue;
-        float* row = static_cast<float*>(C) + (int64_t(w.e) * n_out + m) * n_in;
-#pragma unroll
-        for (int h = 0; h < NH; ++h)
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const int64_t n = w.n0 + 128 * h + 8 * j + 2 * t4;
-            if (n < N) *reinterpret_cast<float2*>(row + n) = make_float2(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
-          }
-      }
     } else {
       // Accumulator element 4j + q of N half h: row rt + 8 (q >> 1), column 128 h + 8 j + 2 t4 + (q & 1).
 #pragma unroll
@@ -270,7 +249,7 @@ template <class S, int MODE>
 __global__ void __launch_bounds__(kWsThreads, 1)
     grouped_ws(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, void* __restrict__ C,
                const int32_t* __restrict__ start, const int32_t* __restrict__ tile_prefix, int E, int64_t n_in,
-               int64_t n_out, bool accumulate, bool skip_idle) {
+               int64_t n_out, bool accumulate) {
 #ifdef Q3VL_WGMMA
   __shared__ alignas(8) uint64_t bars[2 * kStages];  // full, then empty
   extern __shared__ __align__(16) unsigned char smraw[];
@@ -288,8 +267,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if (threadIdx.x == 0) ws_produce<MODE>(&ta, &tb, stages, bar0, start, tile_prefix, E, n_in, n_out);
   } else {
     regs_inc<232>();
-    ws_consume<S, MODE>(stages, bar0, C, start, tile_prefix, E, n_in, n_out, accumulate, skip_idle,
-                        threadIdx.x / 128 - 1, threadIdx.x % 128);
+    ws_consume<S, MODE>(stages, bar0, C, start, tile_prefix, E, n_in, n_out, accumulate, threadIdx.x / 128 - 1,
+                        threadIdx.x % 128);
   }
 #else
   __trap();
@@ -310,20 +289,15 @@ bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, cons
                                : tmap_16bit(ta, A, R, n_out, n_out, kBK, bf16) &&
                                      tmap_16bit(tb, B, R, n_in, n_in, kBK, bf16);
   if (!ok) return false;
-  static const bool dw_regs = env_is("Q3VL_DW_REGS", "1"), skip_idle = env_is("Q3VL_WS_SKIP", "1");
-  const int kmode = mode == DW && !accumulate && dw_regs ? DWR : mode;
-  const int64_t bn = kmode == DW ? ws_bn<DW>() : kBN, nN = ((mode == FWD ? n_out : n_in) + bn - 1) / bn;
+  const int64_t bn = mode == DW ? ws_bn<DW>() : kBN, nN = ((mode == FWD ? n_out : n_in) + bn - 1) / bn;
   const int64_t tiles = mode == DW ? E * ((n_out + kBM - 1) / kBM) * nN : ((R + kBM - 1) / kBM + E) * nN;
   const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
   auto go = [&]<class S>() {
     auto run = [&](auto kern) {
-      launch(kern, grid, kWsThreads, kmode == DW ? ws_smem<DW>() : ws_smem<FWD>(), st, ta, tb, C, start, tile_prefix,
-             int(E), n_in, n_out, accumulate, skip_idle);
+      launch(kern, grid, kWsThreads, mode == DW ? ws_smem<DW>() : ws_smem<FWD>(), st, ta, tb, C, start, tile_prefix,
+             int(E), n_in, n_out, accumulate);
     };
-    kmode == FWD  ? run(grouped_ws<S, FWD>)
-    : kmode == DX ? run(grouped_ws<S, DX>)
-    : kmode == DW ? run(grouped_ws<S, DW>)
-                  : run(grouped_ws<S, DWR>);
+    mode == FWD ? run(grouped_ws<S, FWD>) : mode == DX ? run(grouped_ws<S, DX>) : run(grouped_ws<S, DW>);
   };
   bf16 ? go.template operator()<__nv_bfloat16>() : go.template operator()<__half>();
   return true;
