@@ -1,13 +1,11 @@
 // Text decoder layer on the device op layer (spec 4.3, 4.4, 4.7, 4.8): RMSNorm -> GQA attention with QK-norm and
 // M-RoPE -> residual; RMSNorm -> dense SwiGLU MLP or MoE block -> residual. The op sequence is decoder.cpp's, so on
 // the CPU in fp32 it computes what the templated layer computes.
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
 
-#include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_layers.hpp"
 #include "q3vl/model/params.hpp"
@@ -73,17 +71,6 @@ void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, 
                               rin);
   Q3VL_CHECK(!rin.rows && !rin.swiglu, "dev_linear: only 8-bit weights read their input rows through a RowsIn");
   dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt);
-}
-
-// Decode-sized steps (N <= 16 rows): the first weights of linear id (n_out x n_in) into L2 while the latency-bound
-// kernels before its GEMV run (dev::prefetch_l2), up to Q3VL_L2_PREFETCH_MB (0 or unset: off, until measured).
-static void prefetch_weights(const dev::Exec& ex, const DevParams& P, int id, int64_t N, int64_t n_in, int64_t n_out,
-                             DType dt) {
-  static const int64_t cap = env_positive("Q3VL_L2_PREFETCH_MB", 0) << 20;
-  if (cap <= 0 || N > 16) return;
-  const bool q8 = P.q8 && P.q8[id];
-  const void* w = q8 ? static_cast<const void*>(P.q8[id]) : P.p[id];
-  if (w) dev::prefetch_l2(ex, w, std::min(n_out * n_in * (q8 ? 1 : int64_t(dtype_size(dt))), cap));
 }
 
 bool dev_grad_adds(const dev::Exec& ex, const DevParams& P, std::initializer_list<int> ids) {
@@ -232,7 +219,6 @@ void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, nullptr, c.r1, N, H, tc.rms_eps, dt);
   // q_proj, k_proj and v_proj as one GEMM into [q | k | v] rows, then q and the new keys and values in one pass.
   dev_linear(ex, P, fused_qkv(P, f, Dq, Dk, H, dt), c.ln1, c.qkv, N, H, Dq + 2 * Dk, dt);
-  prefetch_weights(ex, P, f + tlay::o_proj, N, Dq, H, dt);  // streamed in while attention waits on latency
   dev::qkv_to_cache_fwd(ex, c.qkv, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, nullptr,
                         nullptr, cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,

@@ -204,9 +204,6 @@ void fill(const Exec& x, void* p, DType t, int64_t n, float value) {
   need_f32(t, "fill");
   std::fill(F(p), F(p) + n, value);
 }
-void prefetch_l2(const Exec& x, const void* p, int64_t bytes) {
-  DEV_OP(x, prof::mem(0), prefetch_l2(x, p, bytes));
-}
 void convert(const Exec& x, void* dst, DType dt_dst, const void* src, DType dt_src, int64_t n) {
   DEV_OP(x, prof::mem(B(n, dt_src) + B(n, dt_dst)), convert(x, dst, dt_dst, src, dt_src, n));
   if (dt_dst == dt_src) return (void)std::memmove(dst, src, size_t(n) * dtype_size(dt_src));

@@ -18,8 +18,9 @@
 # - ep2 (2, ~350 s): the 30B-A3B shapes cut to 6 decoder layers (input/bench_30b_a3b_gpu.deck, 1 x 4096 tokens a
 #   GPU) at EP 1 on 1 GPU, EP 1 and EP 2 on 2 GPUs (tokens/s per GPU, the all-to-all rows of step 3's profile), and
 #   FSDP2 on the 2 GPUs.
-# - serve2 (2, ~550 s): tools/gpu/serve_checks.sh's 8B and 30B-A3B servers (bf16, issue 32's request mix) on 1 GPU, at
-#   serve.tp = 2 over NCCL and at serve.pp = 2, 1 and 64 streams (CONC); its results under OUTDIR/serve/.
+# - serve2 (2, ~600 s): tools/gpu/serve_checks.sh's 8B and 30B-A3B servers (bf16, issue 32's request mix) on 1 GPU, at
+#   serve.tp = 2 over NCCL (the 8B also with Q3VL_TP_GRAPHS=1: decode steps as graphs holding the NCCL sums, the A/B
+#   that decides its default) and at serve.pp = 2, 1 and 64 streams (CONC); its results under OUTDIR/serve/.
 # - serveep2 (2, ~200 s): the 30B-A3B at serve.tp = serve.ep = 2 (64 whole experts per rank), against serve2's TP 2.
 # - layout (2, ~250 s): the seed's claim of an automatic serving layout (18 against 12 tok/s, 89% memory): `q3vl plan
 #   plan.for=serve` on this machine, then the 30B-A3B served at the automatic layout (serve.tp = serve.pp = 0) and at
@@ -170,7 +171,7 @@ serve_parts() {
   cat "$final/serve/summary.txt" >>"$out/summary.txt" 2>/dev/null
   pack
 }
-part serve2 && need serve2 2 && serve_parts "8b 8btp2 8bpp 30b 30btp2 30bpp"
+part serve2 && need serve2 2 && serve_parts "8b 8btp2 8btp2g 8bpp 30b 30btp2 30bpp"
 part serveep2 && need serveep2 2 && serve_parts "30bep2"
 part serve4 && need serve4 4 && serve_parts "30btp4 30bep4"
 part serve8 && need serve8 8 && serve_parts "30bep8"

@@ -2,7 +2,9 @@
 # Issue 18's GPU checks in one call on the GPU machine (from the repo root, the packed runtime sourced):
 #   tools/gpu/serve_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]     PARTS: "unit tiny 8b 30b" (default: all; a call is 600 s)
 #   more parts: nccl (NcclComm and the device model's TP sums, bin/mpi_tests at 2 and 4 ranks as $MPI_TESTS; serve with
-#   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums), hfbase (transformers'
+#   serve.tp_comm=nccl against generate), 8btp2 (the 8B shape on 2 ranks, NCCL and MPI sums; on a machine with a GPU
+#   a rank only: two ranks sharing one GPU talk over sockets between time-sliced contexts, and the 8B's first request
+#   did not finish in 60 s, with or without graphs, on an H100 on 2026-12-05), hfbase (transformers'
 #   generate on the 8B shape: the PyTorch baseline), video (serving videos on CUDA against generate on the CPU, the 8B
 #   shape's time to first token on a 30 s clip), tpstop (a TP 2 server with a stopped rank, issue 33), 8bpp, 8bint8, 8bfp8, 30bint8, 30bfp8, 8bnog and 30bnog (model.cuda_graphs = false: decode
 #   steps launched op by op, against the default's graphs), 8btp2g (8btp2's NCCL run with Q3VL_TP_GRAPHS=1: decode

@@ -390,26 +390,9 @@ __global__ void k_pos_embed_bwd(const S* __restrict__ dout, const Taps* __restri
   }
 }
 
-// prefetch_l2: each thread hands the L2 one piece; then the kernel waits for the kernel before it (launch_pdl), so
-// that the kernel after it, whose own wait covers only this one, still finds that one's writes.
-constexpr int64_t kPrefetchPiece = 4096;
-__global__ void k_prefetch_l2(const char* p, int64_t bytes) {
-  const int64_t b = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * kPrefetchPiece;
-  if (b < bytes) l2_prefetch(p + b, uint32_t(min(kPrefetchPiece, bytes - b)));
-  pdl_enter();
-}
-
 }  // namespace
 
 // ---- public launchers -------------------------------------------------------------------------------------------------
-void prefetch_l2(const Exec& x, const void* p, int64_t bytes) {
-  bytes = bytes / 16 * 16;  // whole 16-byte pieces of a 16-byte aligned start
-  if (bytes <= 0 || !aligned16(p)) return;
-  const int64_t pieces = (bytes + kPrefetchPiece - 1) / kPrefetchPiece;
-  launch_pdl(k_prefetch_l2, dim3(unsigned((pieces + 255) / 256)), 256, 0, stream_of(x), static_cast<const char*>(p),
-             bytes);
-}
-
 void fill(const Exec& x, void* p, DType t, int64_t n, float value) {
   if (n <= 0) return;
   if (value == 0.f && !std::signbit(value)) {  // +0 is all zero bits in every dtype: a memset, at full bandwidth
