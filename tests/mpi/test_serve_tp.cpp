@@ -426,7 +426,9 @@ TEST_P(DevTp, NcclGraphSlicesEqualTheFullModelGpu) {
                 "serve.ep = 2 (%lld): %.2e\n", p.size, (long long)ng, g, (long long)nge, ge);
   EXPECT_EQ(ng, 1) << "one decode bucket recorded";
   EXPECT_LT(g, fp32_bound(big));
-  if (ep) EXPECT_EQ(nge, 1);
+  if (ep) {
+    EXPECT_EQ(nge, 1);
+  }
   EXPECT_LT(ge, fp32_bound(big));
 }
 TEST_P(DevTp, Int8NcclSlicesEqualQuantizedHostSlicesGpu) {

@@ -111,7 +111,9 @@ void deferred_case(Device d, double tol) {
     m.set_params(mc.host.params());
     m.set_hooks(&log[k]);
     ret[k] = m.forward(mc.batch, true, nullptr, &aux[k], true);
-    if (k == 1) EXPECT_ANY_THROW(m.loss());  // the head has not run yet
+    if (k == 1) {
+      EXPECT_ANY_THROW(m.loss());  // the head has not run yet
+    }
     m.backward(4.f);
     loss[k] = m.loss(k == 1 ? &aux[k] : nullptr);
     g[k].resize(m.table().total());

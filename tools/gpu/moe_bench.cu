@@ -13,8 +13,10 @@
 // run expert by expert (dev::linear_fwd / linear_bwd on each bucket): max|got - ref| / max|ref| (bf16 outputs: bound
 // 1e-2; fp32 dW: 1e-3), any NaN or infinity fails. DW= runs on a dW filled with NaN (a read of the prior fails the
 // check), DW+ then adds a second time onto it (checked against 2 ref). Exit 1 on a failure. Prints a table: median
-// microseconds, TFLOP/s (2 R n_in n_out / time), new/dense time ratio (issue 30's goal: <= 1.5), mma/new, and DW's
-// DRAM floor (the fp32 dW written, and read for DW+, at 4.8 TB/s; the bf16 operands are small beside it).
+// microseconds, TFLOP/s (2 R n_in n_out / time), new/dense time ratio (issue 30's goal: <= 1.5), mma/new, and each
+// mode's DRAM floor: its bytes, every operand read once and the output written once (all 128 experts' weights, bf16;
+// DW's fp32 dW written, and read too for DW+), at the device's peak bandwidth (memory clock x bus width). Unlike the
+// dense GEMM, whose one weight matrix is small, FWD and DX read E weight matrices: 0.81 GB for gate_up.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -42,7 +44,6 @@ using bf16 = __nv_bfloat16;
 namespace {
 
 constexpr int64_t kTokens = 4096, kE = 128, kTop = 8, kH = 2048, kIm = 768;
-constexpr double kHbmBytesPerUs = 4.8e6;  // H200 HBM3e, 4.8 TB/s
 const char* const kModes[4] = {"FWD", "DX", "DW=", "DW+"};
 
 __global__ void k_fill(bf16* p, int64_t n, uint32_t seed, float scale) {
@@ -175,9 +176,13 @@ int main(int argc, char** argv) {
       hi = std::max(hi, hstart[size_t(e + 1)] - hstart[size_t(e)]);
     }
     const int64_t R = hstart[kE];
+    int clock_khz = 0, bus_bits = 0;
+    Q3VL_CU(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, 0));
+    Q3VL_CU(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0));
+    const double hbm_bytes_per_us = 2.0 * clock_khz * 1e3 * (bus_bits / 8) * 1e-6;  // double data rate
     std::printf("# moe_bench on %s: R = %lld rows (%lld tokens, top-%lld of %lld experts; %d..%d rows an expert), "
-                "median of %d reps; mma: the mma.sync kernel, new: wgmma\n\n", prop.name, (long long)R,
-                (long long)kTokens, (long long)kTop, (long long)kE, lo, hi, reps);
+                "median of %d reps; mma: the mma.sync kernel, new: wgmma; DRAM floors at %.2f TB/s\n\n", prop.name,
+                (long long)R, (long long)kTokens, (long long)kTop, (long long)kE, lo, hi, reps, hbm_bytes_per_us * 1e-6);
     std::printf("| proj | mode | mma us | new us | dense us | DRAM floor us | mma TF/s | new TF/s | dense TF/s "
                 "| new/dense | mma/new | err mma | err new |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -186,7 +191,8 @@ int main(int argc, char** argv) {
         const std::string key = std::string(name) + " " + kModes[m];
         const Result q = res[0][key], c = res[1][key];
         const double d = dense[name], flops = 2.0 * double(R) * double(ni) * double(no);
-        const double floor_us = m < 2 ? NAN : double(kE * no * ni) * 4 * (m == 3 ? 2 : 1) / kHbmBytesPerUs;
+        const double w = double(kE * no * ni), rows = double(R) * double(ni + no) * 2;  // elements; bf16 rows bytes
+        const double floor_us = (rows + (m < 2 ? 2 * w : 4 * w * (m == 3 ? 2 : 1))) / hbm_bytes_per_us;
         const double bound = m < 2 ? 1e-2 : 1e-3;
         const bool bad = !(c.err <= bound) || !(q.err <= bound);
         std::printf("| %s | %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f | %.2f | %.1e | %.1e%s |\n",
