@@ -5,6 +5,10 @@
 #   hf_train NAME TIMEOUT [ARGS...]            # tools/gpu/hf_train_baseline.py, metrics in NAME.jsonl
 #   ratio Q HF LABEL                           # median tokens/s (and MFU) of steps 3.. of two metrics files, the ratio
 #   vs_hf 2b|30b                               # issue 30's shapes: q3vl profiled, transformers, the ratio
+# The pack (on the build machine): make FFMPEG=0 NVFLAGS_EXTRA=--no-compress bin/q3vl bin/unit_tests ... (FFmpeg's
+# libraries and theirs would make it 71 MB, over a call's 64 MiB; uncompressed fatbins let xz share the device code),
+# strip the binaries, ../shared/device/pack-runtime devpack BINARIES, then repack its rt/ with
+# XZ_OPT='--lzma2=preset=9e,dict=512MiB' (about 32 MB for q3vl, unit_tests, mpi_tests and moe_bench).
 # Results gather in /tmp/OUTNAME and go to $OUT/results.tgz after every step (a call cut short returns what finished).
 set -u
 T0=$SECONDS
