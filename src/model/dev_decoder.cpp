@@ -74,6 +74,8 @@ void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, 
 }
 
 bool dev_grad_adds(const dev::Exec& ex, const DevParams& P, std::initializer_list<int> ids) {
+  if (P.sq_at)
+    for (int id : ids) P.sq_at[id] = nullptr;
   if (!P.fresh) return true;
   int live = 0, fresh = 0;
   for (int id : ids)
@@ -86,9 +88,16 @@ bool dev_grad_adds(const dev::Exec& ex, const DevParams& P, std::initializer_lis
   return true;
 }
 void dev_grad_zeroed(const dev::Exec& ex, const DevParams& P, int id) {
+  if (P.sq_at) P.sq_at[id] = nullptr;
   if (!P.fresh || !P.g[id] || !P.fresh[id]) return;
   dev::fill(ex, P.g[id], DType::F32, P.numel[id], 0.f);
   P.fresh[id] = 0;
+}
+
+dev::SumSq dev_grad_squares(const DevParams& P, int id, bool adds) {
+  if (!P.sq_sum || !P.sq_at || adds || !P.g[id]) return {};
+  P.sq_at[id] = P.g[id];
+  return {P.sq_sum + id, P.sq_bad + id};
 }
 
 int dev_experts_id(const DevParams& P, int f) {
@@ -244,12 +253,14 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
       const int eg = dev_experts_id(P, f);
       dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, false, dt);
       dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
+      const bool down_adds = dev_grad_adds(ex, P, {eg + 1});
       dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, false,
-                              dev_grad_adds(ex, P, {eg + 1}), dt);
+                              down_adds, dt, dev_grad_squares(P, eg + 1, down_adds));
       dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, false, dt);
       dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false,
-                              dev_grad_adds(ex, P, {eg}), dt);
+      const bool gu_adds = dev_grad_adds(ex, P, {eg});
+      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false, gu_adds,
+                              dt, dev_grad_squares(P, eg, gu_adds));
     }
     dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, false, dt);
     // The logit gradients of the combine weights and of the aux loss summed in fp32, rounded once to dt for the

@@ -54,6 +54,18 @@ void need_f32(DType dt, const char* op) {
          " (bf16/fp16 compute needs model.backend = \"cuda\")");
 }
 const float* F(const void* p) { return static_cast<const float*>(p); }
+// sum_squares' arithmetic: the squares of a's finite elements summed in order in double into *acc, the count of the
+// others into *nonfinite (may be null).
+void add_squares(const float* a, int64_t n, double* acc, int32_t* nonfinite) {
+  double s = 0;
+  int32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = a[i];
+    if (std::isfinite(v)) s += double(v) * v; else ++bad;
+  }
+  *acc += s;
+  if (nonfinite) *nonfinite += bad;
+}
 // f(rows) with 8-bit weights q as the type their format widens from (int8_t, Fp8E4M3).
 template <class Fn>
 void by_qformat(QFormat qf, const void* q, Fn&& f) {
@@ -416,26 +428,30 @@ void qkv_to_cache_fwd(const Exec& x, const void* qkv, const void* wq, const void
 }
 void rmsnorm_fwd(const Exec& x, const void* in, const void* w, void* y, float* rstd, int64_t N, int64_t D, double eps,
                  DType dt) {
-  DEV_OP(x, prof::mem(2 * B(N * D, dt)), rmsnorm_fwd(x, in, w, y, rstd, N, D, eps, dt));
+  PROFILED(x, prof::shaped(__func__, N, D, D), prof::mem(2 * B(N * D, dt)));
+  ON_CUDA(x, rmsnorm_fwd(x, in, w, y, rstd, N, D, eps, dt));
   need_f32(dt, "rmsnorm_fwd");
   ops::rmsnorm_fwd(F(in), F(w), F(y), rstd, N, D, eps);
 }
 void rmsnorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* rstd, void* din,
                  float* dw, int64_t N, int64_t D, bool accumulate, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(N * D, dt)), rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, accumulate, dt));
+  PROFILED(x, prof::shaped(__func__, N, D, D), prof::mem(3 * B(N * D, dt)));
+  ON_CUDA(x, rmsnorm_bwd(x, dy, in, w, rstd, din, dw, N, D, accumulate, dt));
   need_f32(dt, "rmsnorm_bwd");
   clear_unless(accumulate, din, N * D);
   ops::rmsnorm_bwd(F(dy), F(in), F(w), rstd, F(din), dw, N, D);
 }
 void layernorm_fwd(const Exec& x, const void* in, const void* w, const void* b, void* y, float* mean, float* rstd,
                    int64_t N, int64_t D, double eps, DType dt) {
-  DEV_OP(x, prof::mem(2 * B(N * D, dt)), layernorm_fwd(x, in, w, b, y, mean, rstd, N, D, eps, dt));
+  PROFILED(x, prof::shaped(__func__, N, D, D), prof::mem(2 * B(N * D, dt)));
+  ON_CUDA(x, layernorm_fwd(x, in, w, b, y, mean, rstd, N, D, eps, dt));
   need_f32(dt, "layernorm_fwd");
   ops::layernorm_fwd(F(in), F(w), F(b), F(y), mean, rstd, N, D, eps);
 }
 void layernorm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
                    void* din, float* dw, float* db, int64_t N, int64_t D, bool accumulate, DType dt) {
-  DEV_OP(x, prof::mem(3 * B(N * D, dt)), layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, accumulate, dt));
+  PROFILED(x, prof::shaped(__func__, N, D, D), prof::mem(3 * B(N * D, dt)));
+  ON_CUDA(x, layernorm_bwd(x, dy, in, w, mean, rstd, din, dw, db, N, D, accumulate, dt));
   need_f32(dt, "layernorm_bwd");
   clear_unless(accumulate, din, N * D);
   ops::layernorm_bwd(F(dy), F(in), F(w), mean, rstd, F(din), dw, db, N, D);
@@ -728,8 +744,9 @@ void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const f
 }
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
                         float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
-                        bool accumulate_dW, DType dt) {
-  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, accumulate, accumulate_dW, dt));
+                        bool accumulate_dW, DType dt, const SumSq& dw_sq) {
+  Q3VL_CHECK(!dw_sq.sum || (dW && !accumulate_dW), "dev::grouped_linear_bwd: dW's squares are taken of a written dW only");
+  DEV_OP(x, prof::flop(2.0 * double(R) * double(n_in) * double(n_out) * ((dxg ? 1 : 0) + (dW ? 1 : 0))), grouped_linear_bwd(x, dy, xg, W, start, dxg, dW, R, E, n_in, n_out, accumulate, accumulate_dW, dt, dw_sq));
   need_f32(dt, "grouped_linear_bwd");
   clear_unless(accumulate, dxg, R * n_in);
   clear_unless(accumulate_dW, dW, E * n_out * n_in);
@@ -737,6 +754,7 @@ void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const voi
     ops::linear_bwd(F(dy) + start[e] * n_out, F(xg) + start[e] * n_in, F(W) + e * n_out * n_in,
                     dxg ? F(dxg) + start[e] * n_in : nullptr, dW ? dW + e * n_out * n_in : nullptr, (float*)nullptr,
                     start[e + 1] - start[e], n_in, n_out);
+  if (dw_sq.sum) add_squares(dW, E * n_out * n_in, dw_sq.sum, dw_sq.nonfinite);
 }
 void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,
                      int64_t H, DType dt) {
@@ -829,14 +847,7 @@ void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t 
 void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc, int32_t* nonfinite) {
   DEV_OP(x, prof::mem(B(n, dt)), sum_squares(x, a, n, dt, acc, nonfinite));
   need_f32(dt, "sum_squares");
-  double s = 0;
-  int32_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = F(a)[i];
-    if (std::isfinite(v)) s += double(v) * v; else ++bad;
-  }
-  *acc += s;
-  if (nonfinite) *nonfinite += bad;
+  add_squares(F(a), n, acc, nonfinite);
 }
 
 }  // namespace q3vl::dev

@@ -5,7 +5,9 @@
 #include <cstring>
 #include <algorithm>
 
+#include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
 #include "q3vl/runtime/nccl_comm.hpp"
 
@@ -34,7 +36,7 @@ DevTrainerMemory DevTrainer::plan(const ModelConfig& cfg, DType dt, const DevBud
   m.model.workspace = d == Device::CUDA ? kWorkspaceBytes : 0;
   m.zero = DevZero::plan(t, group, stage, trainable, dt, gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, off,
                          off.in_place);
-  m.norm = kNormBytes;
+  m.norm = norm_bytes(int64_t(t.params().size()));
   return m;
 }
 
@@ -42,7 +44,7 @@ DevTrainerMemory DevTrainer::memory() const {
   DevTrainerMemory m;
   m.model = model_->memory();
   m.zero = zero_->memory();
-  m.norm = kNormBytes;
+  m.norm = norm_bytes(int64_t(model_->table().params().size()));
   return m;
 }
 
@@ -88,7 +90,12 @@ DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vec
   zero_ = std::make_unique<DevZero>(*model_, *dshard, drep, stage, trainable, cx_.stream ? &cx_ : nullptr,
                                     gather_bf16 && dt == DType::F32 ? DType::BF16 : dt, dexperts, off,
                                     off.optimizer && off.state ? &hs : nullptr);
-  norm_ = static_cast<double*>(dev::alloc(ex_, size_t(kNormBytes)));
+  const int64_t np = int64_t(model_->table().params().size());
+  norm_ = static_cast<double*>(dev::alloc(ex_, size_t(norm_bytes(np))));
+  // Where the backward's gradients are final as the model writes them (in place in the shard, no replica sum after
+  // it), the ops that can take their squares as they write them do, and the norm skips those gradients.
+  // Q3VL_GRAD_SQUARES=0: the norm reads every gradient (A/B runs).
+  if (zero_->in_place_grads_final() && !env_is("Q3VL_GRAD_SQUARES", "0")) sq_ = norm_ + 2;
   if (off.optimizer) pool_ = std::make_unique<ThreadPool>(off.ring.threads, off.pin);
   delayed_ = off.optimizer && off.delayed;
 }
@@ -122,7 +129,13 @@ void DevTrainer::to_host(const ZeroShards& e) {
   zero_->to_host(e.pieces());
 }
 
-void DevTrainer::begin_step() { zero_->begin_step(); }
+void DevTrainer::begin_step() {
+  zero_->begin_step();
+  if (!sq_) return;
+  const int64_t np = int64_t(model_->table().params().size());
+  dev::fill(ex_, sq_, DType::F32, np * 3, 0.f);  // the slots' sums and counts
+  model_->take_grad_squares(sq_, reinterpret_cast<int32_t*>(sq_ + np));
+}
 
 void DevTrainer::forward(const PackedBatch& b, bool aux_loss) {
   zero_->begin_pass(false);
@@ -147,22 +160,76 @@ void DevTrainer::idle() {
 
 void DevTrainer::finish_grads() { zero_->finish_grads(); }
 
-double DevTrainer::grad_norm_sq(bool* finite) {
-  const double zero[2] = {0, 0};
-  dev::to_device(ex_, norm_, zero, sizeof zero);
+// The gradients in the shard whose squares the backward took as it wrote them (sq_): [offset, end) in grads(),
+// sorted, with their parameter ids.
+std::vector<DevTrainer::Taken> DevTrainer::taken() const {
+  std::vector<Taken> t;
+  if (!sq_) return t;
+  const std::vector<const float*>& at = model_->grad_squares_taken();
+  const float* g0 = zero_->grads();
+  const int64_t total = zero_->layout().comm;
+  for (size_t id = 0; id < at.size(); ++id) {
+    if (!at[id]) continue;
+    const int64_t a = at[id] - g0, b = a + model_->table().param(int(id)).held;
+    if (a >= 0 && b <= total) t.push_back({a, b, int(id)});  // else outside the shard: not one the norm reads
+  }
+  std::sort(t.begin(), t.end(), [](const Taken& x, const Taken& y) { return x.a < y.a; });
+  return t;
+}
+
+// The squares of the runs' gradients less the taken ones into norm_: runs adjacent in the gradient buffer summed as
+// one span (runs split where AdamW's weight decay or placement changes, which the norm does not care about): fewer,
+// longer passes.
+void DevTrainer::sum_untaken(const std::vector<Taken>& took) {
   auto* bad = reinterpret_cast<int32_t*>(norm_ + 1);
-  // The runs' gradients, runs adjacent in the gradient buffer summed as one span (runs split where AdamW's weight
-  // decay or placement changes, which the norm does not care about): fewer, longer passes.
+  auto sum = [&](int64_t a, int64_t b) {
+    if (b > a) dev::sum_squares(ex_, zero_->grads() + a, b - a, DType::F32, norm_, bad);
+  };
   const std::vector<DevZero::Run>& runs = zero_->runs();
   for (size_t i = 0, j; i < runs.size(); i = j) {
     int64_t n = runs[i].n;
     for (j = i + 1; j < runs.size() && runs[j].grad == runs[i].grad + n; ++j) n += runs[j].n;
-    dev::sum_squares(ex_, zero_->grads() + runs[i].grad, n, DType::F32, norm_, bad);
+    int64_t a = runs[i].grad;
+    const int64_t b = a + n;
+    for (const Taken& t : took) {  // sorted and apart: the gaps between those inside [a, b)
+      if (t.b <= a || t.a >= b) continue;
+      sum(a, t.a);
+      a = std::max(a, std::min(t.b, b));
+    }
+    sum(a, b);
   }
+}
+
+// The taken gradients' slots added to *sum and *nonfinite in parameter order (a fixed order); the log says once
+// what was taken.
+void DevTrainer::add_taken(const std::vector<Taken>& took, double* sum, int32_t* nonfinite) {
+  if (took.empty()) return;
+  const int64_t np = int64_t(model_->table().params().size());
+  std::vector<double> s(static_cast<size_t>(np));
+  std::vector<int32_t> c(static_cast<size_t>(np));
+  dev::to_host(ex_, s.data(), sq_, size_t(np) * sizeof(double));
+  dev::to_host(ex_, c.data(), sq_ + np, size_t(np) * sizeof(int32_t));
+  std::vector<int> ids;
+  int64_t n = 0;
+  for (const Taken& t : took) ids.push_back(t.id), n += t.b - t.a;
+  std::sort(ids.begin(), ids.end());
+  for (int id : ids) *sum += s[size_t(id)], *nonfinite += c[size_t(id)];
+  if (!told_)
+    log_info("gradient norm: " + std::to_string(took.size()) + " gradients (" + bytes_text(double(n) * 4) +
+             ") summed as the backward wrote them, not read again");
+  told_ = true;
+}
+
+double DevTrainer::grad_norm_sq(bool* finite) {
+  const double zero[2] = {0, 0};
+  dev::to_device(ex_, norm_, zero, sizeof zero);
+  const std::vector<Taken> took = taken();
+  sum_untaken(took);
   double got[2];
   dev::to_host(ex_, got, norm_, sizeof got);
   int32_t nonfinite;
   std::memcpy(&nonfinite, &got[1], 4);
+  add_taken(took, &got[0], &nonfinite);
   double sums[2] = {got[0], double(nonfinite)};
   shard_.all_reduce(sums, 2, DType::F64, ReduceOp::Sum);  // a host reduction of two scalars
   *finite = sums[1] == 0 && std::isfinite(sums[0]);

@@ -4,7 +4,8 @@
 # where some ranks have no tokens (they still serve the others' experts) under ZeRO-1 with recomputation match too;
 # metrics.jsonl reports the experts' load and the all-to-all time; a checkpoint written at EP 4 resumes at EP 2 on
 # 2 ranks and continues the same curve; the aux loss at EP 2 is the one of every expert local; bad layouts are
-# refused naming the key. Every run trains the device model (the CPU op layer).
+# refused naming the key; at one rank the gradient norm takes the experts' squares as the backward writes them.
+# Every run trains the device model (the CPU op layer).
 source "$(dirname "$0")/../lib.sh"
 model=$tmp/moe8
 $py tests/tools/make_hf_model.py tests/data/golden/moe/model/config.json "$model" num_local_experts=8 \
@@ -86,6 +87,23 @@ assert len(a) == len(b) == 5 and all(x > 0.9 and abs(x - y) <= 1e-5 * x for x, y
 PY
 [[ $aux_same == 1 ]] && cmp_losses auxep auxdev 1e-5 && ! cmp_losses noaux auxdev 1e-3 2>/dev/null &&
   pass "aux-loss-ep2-vs-local" || bad "aux-loss-ep2-vs-local"
+
+# (f) The experts' weight gradients' squares summed as the backward writes them (one rank: the shard holds them in
+# place), against the norm reading every gradient (Q3VL_GRAD_SQUARES=0): the same gradient norms and losses, with one
+# micro-step a step (squares taken, said once in the log) and with two (the second adds: nothing taken).
+for mb in 8 4; do
+  train sq$mb 1 train.steps=4 train.micro_batch=$mb; ok_run $? sq$mb
+  Q3VL_GRAD_SQUARES=0 train nosq$mb 1 train.steps=4 train.micro_batch=$mb; ok_run $? nosq$mb
+  $py - "$tmp"/{sq,nosq}$mb/metrics.jsonl <<'PY' && cmp_losses sq$mb nosq$mb 1e-12 && ok=1 || ok=0
+import json, sys
+a, b = ([json.loads(l)["grad_norm"] for l in open(f)] for f in sys.argv[1:])
+assert len(a) == len(b) == 4 and all(0 < y and abs(x - y) <= 1e-12 * y for x, y in zip(a, b)), (a, b)
+PY
+  [[ $ok == 1 ]] && pass "grad-squares-mb$mb" || bad "grad-squares-mb$mb"
+done
+n=$(grep -c "gradient norm: 4 gradients (.*) summed as the backward wrote them" "$tmp/sq8.log")
+[[ $n == 1 ]] && ! grep -q "summed as the backward wrote them" "$tmp/sq4.log" "$tmp/nosq8.log" &&
+  pass "grad-squares-logged" || bad "grad-squares-logged: $n line(s) in sq8.log"
 
 # (d) Bad layouts: one clear message naming the key, exit 1.
 expect "ep-not-dividing-ranks" 1 "parallel.ep = 3 does not divide the 4 ranks" \

@@ -616,6 +616,22 @@ std::vector<Case> all_cases(DType dt) {
             dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, I, O, acc,
                                     acc_dw, t);
           });
+    // A written dW with its sum of squares taken (dev::SumSq; the training step's gradient norm): onto a prior sum,
+    // and with one +Inf in dy (row 5 of expert 0, column 7), which makes row 7 of dW[0] infinite (counted, not
+    // summed) and leaves the rest finite (the wgmma epilogue's slow path; zeros past the tiles' edges times the Inf
+    // must not count).
+    for (bool inf : {false, true}) {
+      auto dy = randn(R * O);
+      if (inf) dy[size_t(5 * O + 7)] = INFINITY;
+      add("grouped_linear_bwd", dims({R, E, I, O}) + " tiles din= dW= sq" + (inf ? " inf" : ""), kGemm,
+          {in("dy", K::Act, dy), in("xg", K::Act, randn(R * I)), in("W", K::Act, randn(E * O * I, 0.1)),
+           in("start", K::I32, starts_of(ex, E)), out("dxg", K::Act, randn(R * I)), out("dW", K::F32, randn(E * O * I)),
+           out("sq", K::F64, {2.5}), out("bad", K::I32, {3}, true)},
+          [=](auto& x, auto& p, DType t) {
+            dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, I, O, false,
+                                    false, t, {P<double>(p, 6), P<int32_t>(p, 7)});
+          });
+    }
   }
 
   // norms (D = 128: QK-norm rows; 1152: the vision width, and with 1030 (unaligned) few rows: a block per row; 200: odd)
@@ -659,7 +675,7 @@ std::vector<Case> all_cases(DType dt) {
 
   // The norms' row-group kernels at more rows: the backwards' column sums then span several chunks (k_chunk_sum adds
   // their partials). 4096 x 128: the QK-norm rows (8 rows a warp); 1152 and 2048: the vision and text widths (784 x
-  // 1152: the 30B-A3B vision tower's rows, 49 chunks of 16); 9001 x 2048: past the 512-chunk cap as the text model's
+  // 1152: the 30B-A3B vision tower's rows, 196 chunks of 4); 9001 x 2048: past the 512-chunk cap as the text model's
   // 13399-16384 rows are (501 chunks of 18 rows, the last of one); 1030 (unaligned: scalar loads) over many rows;
   // 2050: wider than the scalar row groups hold (dx a warp a row, the column sums over two slices); 9000: wider than
   // the 16-byte ones hold. "dw=null": frozen weights (dx alone); "ws0": no workspace (one chunk, adding into dw/db

@@ -85,6 +85,63 @@ void fresh_case(Device d, double tol) {
   EXPECT_LE(test::rel_max_diff(g[2], twice), 1e-6) << "the second backward did not add";
 }
 
+// take_grad_squares: a step's backward over fresh gradients takes the squares of exactly the experts' weight
+// gradients (gate_up and down of every MoE layer), each slot the sum over its gradient (summed in order on the CPU:
+// bitwise; the GPU's epilogue in fp32 a tile: within 1e-6); a second backward that adds to them leaves none taken.
+void squares_case(Device d, double tol) {
+  MoeCase mc;
+  const ModelConfig& cfg = mc.cfg;
+  dev::Exec ex = dev::make_exec(d);
+  std::vector<float> g;
+  std::vector<double> sum, want;
+  std::vector<int32_t> bad;
+  std::vector<int> taken, experts, after;
+  {
+    DevModel m(cfg, ex, DType::F32);
+    m.reserve(budget_for(mc.batch, cfg.vision.patch_dim()));
+    m.set_params(mc.host.params());
+    const ParamTable& t = m.table();
+    const int64_t np = int64_t(t.params().size());
+    auto* slots = static_cast<double*>(dev::alloc(ex, size_t(np) * 12));
+    dev::fill(ex, slots, DType::F32, np * 3, 0.f);
+    m.zero_grads();
+    m.take_grad_squares(slots, reinterpret_cast<int32_t*>(slots + np));
+    m.forward(mc.batch, true, nullptr, nullptr, true);
+    m.backward();
+    g.resize(size_t(t.total()));
+    m.grads_to_host(g.data());
+    sum.resize(size_t(np)), bad.resize(size_t(np));
+    dev::to_host(ex, sum.data(), slots, size_t(np) * 8);
+    dev::to_host(ex, bad.data(), slots + np, size_t(np) * 4);
+    for (int id = 0; id < int(np); ++id) {
+      if (m.grad_squares_taken()[size_t(id)]) taken.push_back(id);
+      const ParamInfo& p = t.param(id);
+      double s = 0;
+      for (int64_t i = 0; i < p.held; ++i) {
+        const float v = g[size_t(t.units()[size_t(p.unit)].offset + p.offset + i)];
+        s += double(v) * v;
+      }
+      want.push_back(s);
+    }
+    for (int l = 0; l < cfg.text.layers; ++l)
+      if (t.experts(l) >= 0) experts.push_back(t.experts(l)), experts.push_back(t.experts(l) + 1);
+    m.forward(mc.batch, true, nullptr, nullptr, true);
+    m.backward();  // adds
+    for (int id = 0; id < int(np); ++id)
+      if (m.grad_squares_taken()[size_t(id)]) after.push_back(id);
+    dev::release(ex, slots);
+  }
+  dev::destroy_exec(ex);
+  ASSERT_FALSE(experts.empty());
+  EXPECT_EQ(taken, experts);
+  for (int id : taken) {
+    EXPECT_GT(want[size_t(id)], 0);
+    EXPECT_LE(std::abs(sum[size_t(id)] - want[size_t(id)]), tol * want[size_t(id)]) << "parameter " << id;
+    EXPECT_EQ(bad[size_t(id)], 0);
+  }
+  EXPECT_TRUE(after.empty()) << "an added-to gradient kept its squares";
+}
+
 // Records the units' forward uses (the model owns its storage: nothing to bind).
 struct UseLog : UnitHooks {
   std::vector<int> fwd, bwd;
@@ -145,6 +202,12 @@ TEST(DevModel, FreshGradientsAreWrittenOnCpu) { fresh_case(Device::CPU, 0.0); }
 TEST(DevModel, FreshGradientsAreWrittenOnCuda) {
   Q3VL_NEED_GPU();
   fresh_case(Device::CUDA, 1e-6);
+}
+
+TEST(DevModel, GradSquaresAreTakenOnCpu) { squares_case(Device::CPU, 0.0); }
+TEST(DevModel, GradSquaresAreTakenOnCuda) {
+  Q3VL_NEED_GPU();
+  squares_case(Device::CUDA, 1e-6);
 }
 
 TEST(DevModel, RecomputeIsBitwiseOnCpu) { recompute_case(Device::CPU, 0.0); }

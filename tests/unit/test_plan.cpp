@@ -133,7 +133,8 @@ TEST(Plan, OffloadBytesAreTheTrainersAllocation) {
       EXPECT_EQ(c.host.moments, e.exp_avg + e.exp_avg_sq) << at;
       EXPECT_EQ(c.host.staging, got.host()) << at;
       EXPECT_EQ(c.host.total() - c.host.staging, c0.host.total()) << at;  // the engine's shards, with or without
-      EXPECT_EQ(c.gpu.optimizer, DevTrainer::kNormBytes) << at;
+      EXPECT_EQ(c.gpu.optimizer, DevTrainer::norm_bytes(int64_t(t.params().size()))) << at;
+      EXPECT_EQ(got.norm, want.norm) << at;
       EXPECT_TRUE(c.built) << at;
       if (stage == 3) {
         EXPECT_LT(c.gpu.total(), c0.gpu.total()) << at;

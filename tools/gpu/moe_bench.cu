@@ -4,7 +4,8 @@
 // 30B-A3B training shape: 4096 tokens, top-8 of 128 experts (R = 32768 rows), hidden 2048, expert intermediate
 // 768; gate_up [R x 2048] -> 1536 and down [R x 768] -> 2048, each in four modes: FWD y = xg W^T; DX dxg = dy W
 // (written); DW= dW = dy^T xg (fp32, written: the first micro-step); DW+ dW += dy^T xg (accumulated: the later
-// micro-steps). A mode wgmma does not take (not a 9.0 device) is reported on stderr; its "new" column is then the
+// micro-steps); DW=sq as DW= with dW's sum of squares taken (dev::SumSq: the training step's gradient norm, in the
+// epilogue; checked against sum_squares over the reference dW, bound 1e-5). A mode wgmma does not take (not a 9.0 device) is reported on stderr; its "new" column is then the
 // mma.sync kernel again.
 // Build and run (from the repo root, on a GPU machine):
 //   make bin/moe_bench && bin/moe_bench [reps]          (reps per timing, default 20)
@@ -35,7 +36,7 @@
 namespace q3vl::dev::cuda {
 bool grouped_linear_path(const Exec& x, int mode, bool wgmma, const void* A, const void* B, void* C,
                          const int32_t* start, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
-                         DType dt);
+                         DType dt, const dev::SumSq& sq);
 }
 
 using namespace q3vl;
@@ -44,7 +45,8 @@ using bf16 = __nv_bfloat16;
 namespace {
 
 constexpr int64_t kTokens = 4096, kE = 128, kTop = 8, kH = 2048, kIm = 768;
-const char* const kModes[4] = {"FWD", "DX", "DW=", "DW+"};
+constexpr int kNModes = 5;
+const char* const kModes[kNModes] = {"FWD", "DX", "DW=", "DW+", "DW=sq"};
 
 __global__ void k_fill(bf16* p, int64_t n, uint32_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -90,6 +92,9 @@ bool measure(int reps, Results (&res)[2], std::map<std::string, double>& dense) 
   int32_t* start = nullptr;
   Q3VL_CU(cudaMalloc(&start, sizeof(int32_t) * (kE + 1)));
   dev::to_device(x, start, hstart.data(), sizeof(int32_t) * (kE + 1));
+  double* sq_acc = nullptr;  // DW=sq's sum of squares, then its non-finite count
+  Q3VL_CU(cudaMalloc(&sq_acc, sizeof(double) + sizeof(int32_t)));
+  int32_t* sq_bad = reinterpret_cast<int32_t*>(sq_acc + 1);
   bool ok = true;
   struct Proj { const char* name; int64_t n_in, n_out; };
   for (const Proj& p : {Proj{"gate_up", kH, 2 * kIm}, Proj{"down", kIm, kH}}) {
@@ -117,19 +122,26 @@ bool measure(int reps, Results (&res)[2], std::map<std::string, double>& dense) 
     // Mode m (kModes) down the wgmma path or not; grouped_linear_path's modes are FWD 0, DX 1, DW 2.
     auto run = [&](int m, bool wgmma) {
       const void* A = m == 0 ? (const void*)in : (const void*)dy;
-      const void* B = m == 2 || m == 3 ? (const void*)in : (const void*)W;
+      const void* B = m >= 2 ? (const void*)in : (const void*)W;
       void* C = m == 0 ? (void*)y : m == 1 ? (void*)dx : (void*)dW;
+      const dev::SumSq sq = m == 4 ? dev::SumSq{sq_acc, sq_bad} : dev::SumSq{};
       return dev::cuda::grouped_linear_path(x, std::min(m, 2), wgmma, A, B, C, start, R, kE, ni, no, m == 3,
-                                            DType::BF16);
+                                            DType::BF16, sq);
     };
+    // The reference's sum of squares (sum_squares over dW_ref), the fused one's bound against it.
+    Q3VL_CU(cudaMemsetAsync(sq_acc, 0, sizeof(double) + sizeof(int32_t), st));
+    dev::sum_squares(x, dW_ref, kE * no * ni, DType::F32, sq_acc, sq_bad);
+    double ref_sq = 0;
+    dev::to_host(x, &ref_sq, sq_acc, sizeof ref_sq);
     for (int path = 0; path < 2; ++path) {
       // Correctness: outputs full of NaN first (0xff bytes), so an element left unwritten, or a prior read where
       // there should be none, fails.
       Q3VL_CU(cudaMemsetAsync(y, 0xff, sizeof(bf16) * R * no, st));
       Q3VL_CU(cudaMemsetAsync(dx, 0xff, sizeof(bf16) * R * ni, st));
       Q3VL_CU(cudaMemsetAsync(dW, 0xff, sizeof(float) * kE * no * ni, st));
-      double err[4];
-      for (int m = 0; m < 4; ++m) {
+      double err[kNModes];
+      for (int m = 0; m < kNModes; ++m) {
+        if (m == 4) Q3VL_CU(cudaMemsetAsync(sq_acc, 0, sizeof(double) + sizeof(int32_t), st));
         const bool took = run(m, path == 1);
         if (path == 1 && !took) std::fprintf(stderr, "moe_bench: %s %s: no wgmma here (mma.sync ran)\n", p.name,
                                              kModes[m]);
@@ -137,8 +149,18 @@ bool measure(int reps, Results (&res)[2], std::map<std::string, double>& dense) 
         err[m] = m == 0 ? rel_diff<bf16>(x, y, y_ref, R * no)
                  : m == 1 ? rel_diff<bf16>(x, dx, dx_ref, R * ni)
                           : rel_diff<float>(x, dW, dW_ref, kE * no * ni, m == 3 ? 2.0 : 1.0);  // DW+ onto DW='s dW
+        if (m == 4) {  // DW=sq wrote dW afresh (checked above); its squares and non-finite count
+          double got = 0;
+          int32_t bad = -1;
+          dev::to_host(x, &got, sq_acc, sizeof got);
+          dev::to_host(x, &bad, sq_bad, sizeof bad);
+          const double e = std::fabs(got - ref_sq) / ref_sq;
+          err[m] = bad != 0 || !(e <= 1e-5) ? INFINITY : err[m];
+          std::printf("# %s DW=sq (%s): sum of squares %.9e, sum_squares over the reference %.9e (rel %.1e), "
+                      "non-finite %d\n", p.name, path ? "new" : "mma", got, ref_sq, e, bad);
+        }
       }
-      for (int m = 0; m < 4; ++m) {
+      for (int m = 0; m < kNModes; ++m) {
         const double bound = m < 2 ? 1e-2 : 1e-3;
         ok &= err[m] <= bound;  // false for NaN
         Result& r = res[path][std::string(p.name) + " " + kModes[m]];
@@ -155,6 +177,7 @@ bool measure(int reps, Results (&res)[2], std::map<std::string, double>& dense) 
       Q3VL_CU(cudaFree(q));
   }
   Q3VL_CU(cudaFree(start));
+  Q3VL_CU(cudaFree(sq_acc));
   dev::destroy_exec(x);
   return ok;
 }
@@ -187,7 +210,7 @@ int main(int argc, char** argv) {
                 "| new/dense | mma/new | err mma | err new |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (auto [name, ni, no] : {std::tuple<const char*, int64_t, int64_t>{"gate_up", kH, 2 * kIm}, {"down", kIm, kH}})
-      for (int m = 0; m < 4; ++m) {
+      for (int m = 0; m < kNModes; ++m) {
         const std::string key = std::string(name) + " " + kModes[m];
         const Result q = res[0][key], c = res[1][key];
         const double d = dense[name], flops = 2.0 * double(R) * double(ni) * double(no);

@@ -45,6 +45,11 @@ struct DevParams {
   // zero_grads marks them instead of filling). Null: every gradient holds its sum so far.
   uint8_t* fresh = nullptr;
   const int64_t* numel = nullptr;
+  // Training: the sums of squares taken of gradients as ops write them fresh (DevModel::take_grad_squares): slot id
+  // at sq_sum[id] and sq_bad[id] (device), the span it covers at sq_at[id] (host; null: none). Null: none taken.
+  double* sq_sum = nullptr;
+  int32_t* sq_bad = nullptr;
+  const float** sq_at = nullptr;
 };
 // The step's first contribution to a weight gradient is written, not added to zeros (accumulate_dW false).
 // dev_grad_adds: the accumulate_dW of the op about to produce the gradients `ids` (one op's: a fused pair, a weight
@@ -53,6 +58,10 @@ struct DevParams {
 // slices), a fresh gradient zeroed first. Both pass over null (frozen) gradients.
 bool dev_grad_adds(const dev::Exec& ex, const DevParams& P, std::initializer_list<int> ids);
 void dev_grad_zeroed(const dev::Exec& ex, const DevParams& P, int id);
+// Where the op that writes gradient id (adds: dev_grad_adds' answer) takes its sum of squares: slot id when squares
+// are taken and the gradient is written fresh (the slot then covers it), else none. Both functions above drop a
+// slot's cover: an add after the write (a second micro-step, a second use) makes the sum stale.
+dev::SumSq dev_grad_squares(const DevParams& P, int id, bool adds);
 // y[N, n_out] = x[N, n_in] W^T for rows [row0, row0 + n_out) of parameter id (no bias; row0: a vocabulary slice's
 // first row), W its 8-bit rows when it has them, else its dt weight. rin (dev::RowsIn): how the 8-bit path reads x.
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,

@@ -125,6 +125,14 @@ class DevModel {
   // Zeroes the gradients still fresh (nothing produced them since zero_grads or a fresh bind): before anything reads
   // the buffers (backward's end, grads(), grads_to_host, unbinding a unit).
   void settle_grads();
+  // Training: an op that writes a gradient fresh also adds the gradient's sum of squares into slot id of sum and bad
+  // (dev::SumSq; device arrays of one element a parameter, which the caller owns and zeroes; null, null: off), so the
+  // step's gradient norm need not read it again. Forgets what was taken before. The experts' weight gradients take
+  // them (grouped_linear_bwd); the other ops do not.
+  void take_grad_squares(double* sum, int32_t* bad);
+  // [id] the gradient (the parameter's held elements) whose squares slot id holds, or null: none taken since
+  // take_grad_squares, or an op added to it after (dev_grad_squares).
+  const std::vector<const float*>& grad_squares_taken() const { return sq_at_; }
   // ZeRO. The hooks (model/hooks.hpp) around every use of a unit's weights, in unit_order()'s order; a unit's
   // weights (dt) and gradients (F32; null: none computed) read from and accumulated into these buffers while bound,
   // laid out as the unit's ParamInfo::offset says (null, null: unbound). fresh: the gradients hold nothing yet (as
@@ -266,6 +274,9 @@ class DevModel {
   // layers, which clear them as they write.
   mutable std::vector<uint8_t> fresh_;
   std::vector<int64_t> gsize_;
+  double* sq_sum_ = nullptr;  // take_grad_squares' slots (not owned)
+  int32_t* sq_bad_ = nullptr;
+  mutable std::vector<const float*> sq_at_;
   void settle(size_t id);  // gradient id zeroed if still fresh
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<Infer> infer_;

@@ -145,6 +145,9 @@ class DevZero final : UnitHooks {
   int stage() const { return stage_; }
   const ZeroLayout& layout() const { return L_; }
   bool offloaded() const { return off_; }
+  // Whether a gradient the model writes into the shard in place (stage 3, a unit in a group of one) is final as
+  // written: no replica sum (hybrid sharding) changes it before the norm reads it.
+  bool in_place_grads_final() const { return stage_ == 3 && !(replica_ && replica_->size() > 1); }
   float* master() { return master_; }  // offloaded: host memory, as the moments
   float* grads() { return gshard_; }   // at ZeroLayout::Offs::comm (device)
   float* exp_avg() { return m_; }      // at ZeroLayout::Offs::opt

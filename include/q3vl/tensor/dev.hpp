@@ -106,6 +106,14 @@ struct LinearBatch {
   int64_t in = 0, W = 0, b = 0, y = 0;
 };
 
+// Where an op that writes a weight gradient also adds the gradient's sum of squares (sum_squares' two outputs: the
+// squares of the finite elements to *sum, the count of the others to *nonfinite, which may be null); sum null: not
+// taken. The training step's gradient norm then need not read that gradient again (DevModel::take_grad_squares).
+struct SumSq {
+  double* sum = nullptr;
+  int32_t* nonfinite = nullptr;
+};
+
 #include "q3vl/tensor/dev_ops.inc"
 
 }  // namespace q3vl::dev

@@ -82,7 +82,7 @@ struct Report {
 };
 
 // Start recording on this thread; `compute` is the step's compute Exec (its stream is "the compute stream").
-// shapes: the linears' and attention's rows carry their shape (shaped, shaped_attn), so that each projection gets a
+// shapes: the linears', norms' and attention's rows carry their shape (shaped, shaped_attn), so that each projection gets a
 // row of its own (serve's profile; training's with run.profile_shapes).
 void begin_step(const dev::Exec& compute, bool shapes = false);
 // A linear's row name: `op` alone, or with shapes on "op NxIN->OUT" (interned).

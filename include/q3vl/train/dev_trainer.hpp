@@ -55,7 +55,9 @@ struct DevTrainerMemory {
 class DevTrainer {
  public:
   static constexpr int64_t kWorkspaceBytes = int64_t(256) << 20;  // the Exec's GEMM/attention workspace
-  static constexpr int64_t kNormBytes = 16;                       // norm sum + non-finite count
+  // The gradient norm's device bytes: its sum and non-finite count, then a slot of each a parameter (the squares
+  // the backward takes as it writes a gradient: DevModel::take_grad_squares).
+  static int64_t norm_bytes(int64_t params) { return 16 + (params * 12 + 7) / 8 * 8; }
   static constexpr int64_t kHostBlock = 8192;  // offloaded AdamW: elements updated, then converted, at a time
   // What a DevTrainer built with these arguments allocates on its device, without allocating (the planner's sizing):
   // rank 0's, the largest shard. (A CPU Exec has no workspace: tests size the CPU op layer with Device::CPU.)
@@ -122,6 +124,13 @@ class DevTrainer {
   void host_update(const AdamWConfig& hp, double lr, double g, int64_t t);
   void host_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);
   void device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);  // the runs the device holds
+  struct Taken {
+    int64_t a, b;  // [a, b) in the gradient shard
+    int id;        // its parameter: the slot
+  };
+  std::vector<Taken> taken() const;
+  void sum_untaken(const std::vector<Taken>& took);
+  void add_taken(const std::vector<Taken>& took, double* sum, int32_t* nonfinite);
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
   Comm& shard_;
   std::unique_ptr<Comm> nccl_shard_, nccl_replica_, nccl_ep_, nccl_experts_;  // nccl_ep_: the rows, nccl_experts_: ZeRO
@@ -131,7 +140,9 @@ class DevTrainer {
   std::unique_ptr<ThreadPool> pool_;  // offloaded optimizer's threads
   bool delayed_ = false;              // Offload::delayed
   std::future<void> pending_;         // the delayed update in flight
-  double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows
+  double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows; then sq_
+  double* sq_ = nullptr;    // null, or the squares' slots: the sums [params], then the int32 counts [params]
+  bool told_ = false;       // the log said the squares were taken
   LossScaling ls_;
   bool hybrid_ = false;  // gradient shards all-reduced across replicas (parallel.hybrid over several nodes)
 };

@@ -35,6 +35,10 @@ namespace q3vl::dev::cuda {
 // After a kernel launch: launch-configuration errors surface here, at the launch's file:line.
 #define Q3VL_LAUNCHED() Q3VL_CU(cudaGetLastError())
 
+// optim.cu: *acc += psum[0] + ... + psum[nb - 1] and *nonfinite (may be null) += the same of pbad, in a fixed order
+// on one block: sum_squares' fold of its blocks' partials, also the grouped GEMM's (moe_sm90.cu).
+void sumsq_fold(cudaStream_t st, const double* psum, const int32_t* pbad, int nb, double* acc, int32_t* nonfinite);
+
 inline std::string cublasLt_status_string(cublasStatus_t s) {
   return std::string(cublasGetStatusName(s)) + " (" + cublasGetStatusString(s) + ")";
 }

@@ -540,7 +540,8 @@ enum Mode { FWD = 0, DX = 1, DW = 2 };
 }  // namespace
 // moe_sm90.cu (wgmma, sm_90a): mode on a 9.0 device for bf16/fp16; false where it does not apply.
 bool grouped_sm90(cudaStream_t st, bool bf16, int mode, const void* A, const void* B, void* C, const int32_t* start,
-                  const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate);
+                  const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
+                  const SumSq& sq, double* psum);
 namespace {
 constexpr int BM = 128;  // the M tile of every variant and of moe_sm90.cu (tile_prefix counts in it)
 template <class S> constexpr int pad() { return 16 / int(sizeof(S)); }  // keeps rows 16-byte multiples
@@ -1035,11 +1036,14 @@ void moe_route(const Exec& x, const void* in, const void* Wr, float* logits, flo
 // (tools/gpu/moe_bench.cu times both in one process): wgmma takes moe_sm90.cu's kernel where it applies (bf16/fp16
 // on a 9.0 device, rows of whole 16-byte chunks, aligned operands), else k_grouped; returns whether wgmma ran.
 // accumulate: DX's dxg and DW's dW are added to (else written).
+// sq (DW with accumulate false): C's squares added, in the wgmma kernel's epilogue (its blocks' partials in x.ws,
+// where DW keeps no tile_prefix) or by sum_squares after the other kernels.
 bool grouped_linear_path(const Exec& x, int mode, bool wgmma, const void* A, const void* B, void* C,
                          const int32_t* start, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
-                         DType dt) {
+                         DType dt, const SumSq& sq) {
   Q3VL_CHECK(mode >= FWD && mode <= DW, "grouped_linear: mode out of range");
   Q3VL_CHECK(E >= 1 && E <= 65535, "grouped_linear: expert count out of range");
+  Q3VL_CHECK(!sq.sum || (mode == DW && !accumulate), "grouped_linear: squares of a written dW only");
   const auto s = stream_of(x);
   int32_t* tile_prefix = static_cast<int32_t*>(x.ws);
   if (mode != DW) {
@@ -1047,17 +1051,21 @@ bool grouped_linear_path(const Exec& x, int mode, bool wgmma, const void* A, con
     k_tile_prefix<<<1, 32, 0, s>>>(start, int(E), tile_prefix);
     Q3VL_LAUNCHED();
   }
+  // A double and an int32 for each of up to 1024 blocks (a persistent grid: one an SM).
+  const bool room = x.ws_bytes >= size_t(1024) * (sizeof(double) + sizeof(int32_t));
   bool took = false;
   by_dtype(dt, [&]<class S>() {
     if constexpr (sizeof(S) == 2)
-      took = wgmma && grouped_sm90(s, std::is_same_v<S, __nv_bfloat16>, mode, A, B, C, start, tile_prefix, R, E,
-                                   n_in, n_out, accumulate);
+      took = wgmma && (room || !sq.sum) &&
+             grouped_sm90(s, std::is_same_v<S, __nv_bfloat16>, mode, A, B, C, start, tile_prefix, R, E, n_in, n_out,
+                          accumulate, sq, static_cast<double*>(x.ws));
     if (took) return;
     const int64_t lda = mode == FWD ? n_in : n_out, ldb = n_in;
     if (mode == FWD) grouped_launch<S, FWD>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
     else if (mode == DX) grouped_launch<S, DX>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
     else grouped_launch<S, DW>(x, A, B, C, start, tile_prefix, R, E, n_in, n_out, lda, ldb, accumulate);
   });
+  if (sq.sum && !took) cuda::sum_squares(x, C, E * n_out * n_in, DType::F32, sq.sum, sq.nonfinite);
   return took;
 }
 
@@ -1076,12 +1084,12 @@ void grouped_linear_fwd(const Exec& x, const void* xg, const void* W, const int3
     });
     return;
   }
-  grouped_linear_path(x, FWD, true, rows_in(x, xg, rin, R, n_in, dt), W, y, start, R, E, n_in, n_out, false, dt);
+  grouped_linear_path(x, FWD, true, rows_in(x, xg, rin, R, n_in, dt), W, y, start, R, E, n_in, n_out, false, dt, {});
 }
 
 void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const void* W, const int32_t* start, void* dxg,
                         float* dW, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
-                        bool accumulate_dW, DType dt) {
+                        bool accumulate_dW, DType dt, const SumSq& dw_sq) {
   if (n_in <= 0) return;
   if (R <= 0 || n_out <= 0) {  // an empty inner dimension adds nothing; a written output is zeros
     const auto s = stream_of(x);
@@ -1090,8 +1098,8 @@ void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const voi
     if (dW && !accumulate_dW && n_out > 0) Q3VL_CU(cudaMemsetAsync(dW, 0, size_t(E * n_out * n_in) * 4, s));
     return;
   }
-  if (dxg) grouped_linear_path(x, DX, true, dy, W, dxg, start, R, E, n_in, n_out, accumulate, dt);
-  if (dW) grouped_linear_path(x, DW, true, dy, xg, dW, start, R, E, n_in, n_out, accumulate_dW, dt);
+  if (dxg) grouped_linear_path(x, DX, true, dy, W, dxg, start, R, E, n_in, n_out, accumulate, dt, {});
+  if (dW) grouped_linear_path(x, DW, true, dy, xg, dW, start, R, E, n_in, n_out, accumulate_dW, dt, dw_sq);
 }
 
 void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,

@@ -141,11 +141,57 @@ __device__ __forceinline__ void ws_zero_rows(uint32_t p, int n, int r0, int ct) 
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(p + q * (kBK * 128) + c * 16), "r"(0) : "memory");
 }
 
+// DW's gradient norm in the epilogue (grouped_sm90's psum): a consumer thread adds the squares of the 64 fp32
+// elements it holds of each tile it writes (a tile's accumulators: element 4j + q at row r0 + 8 (q >> 1), column
+// c0 + 8j + (q & 1)), summed in fp32 a tile and in double across tiles. Elements past M or N are zeros (the TMA
+// fills what lies past the tensors, and rows past K are zeroed) unless an operand holds an Inf or NaN; so only a
+// non-finite fp32 sum takes the slow path, which skips them and counts the non-finite elements one by one (a square
+// that overflows fp32 is summed there in double).
+__device__ __forceinline__ void ws_square(const float (&a)[64], int64_t r0, int64_t c0, int64_t M, int64_t N,
+                                          double& sq, int32_t& bad) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s = fmaf(a[i], a[i], s);
+  if (isfinite(s)) {
+    sq += double(s);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int64_t r = r0 + 8 * ((i & 3) >> 1), col = c0 + 8 * (i >> 2) + (i & 1);
+    if (r >= M || col >= N) continue;
+    if (isfinite(a[i])) sq += double(a[i]) * double(a[i]);
+    else ++bad;
+  }
+}
+// The block's sums into psum[blockIdx.x] and pbad[blockIdx.x], in a fixed order (the grid is persistent and its
+// tiles fixed by blockIdx.x, so the whole sum is deterministic): each warp by shuffles, then the 8 consumer warps.
+__device__ __forceinline__ void ws_squares_out(double sq, int32_t bad, int c, int ct, double* psum, int32_t* pbad) {
+  __shared__ double ws_sq[8];
+  __shared__ int32_t ws_bad[8];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    bad += __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+  const int wi = c * 4 + (ct >> 5);
+  if ((ct & 31) == 0) ws_sq[wi] = sq, ws_bad[wi] = bad;
+  bar_sync(5, 256);
+  if (c == 0 && ct == 0) {
+    double s = 0;
+    int32_t b = 0;
+    for (int i = 0; i < 8; ++i) s += ws_sq[i], b += ws_bad[i];
+    psum[blockIdx.x] = s;
+    pbad[blockIdx.x] = b;
+  }
+}
+
 // Consumer c (0 or 1) of the block's tiles; ct: the thread's index in its warpgroup.
+// DW with psum: the squares of the dW this consumer writes (ws_squares).
 template <class S, int MODE>
 __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void* C, const int32_t* start,
                                            const int32_t* tile_prefix, int E, int64_t n_in, int64_t n_out,
-                                           bool accumulate, int c, int ct) {
+                                           bool accumulate, int c, int ct, double* psum, int32_t* pbad) {
   constexpr bool A_KC = MODE < DW, B_KC = MODE == FWD;
   constexpr int BN = ws_bn<MODE>(), NH = BN / 128;
   constexpr uint32_t SB = ws_stage_bytes<MODE>();
@@ -156,6 +202,8 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
   uint32_t it = 0;
   WsTile w;
   float acc[NH][64];
+  double sq = 0;  // DW with psum: this thread's squares over its tiles, and its non-finite elements
+  int32_t bad = 0;
   for (int64_t t = blockIdx.x; ws_tile<MODE>(t, start, tile_prefix, E, n_in, n_out, w); t += gridDim.x) {
     const int64_t K = ws_k<MODE>(w, n_in, n_out);
     const int nk = int((K + kBK - 1) / kBK);
@@ -211,6 +259,7 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
                        : "memory");
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       bar_sync(3 + c, 128);
+      if (psum) ws_square(acc[0], w.m0 + c * 64 + warp * 16 + g, w.n0 + 2 * t4, M, N, sq, bad);
       if (warp == 0) {
         const uint32_t bytes = uint32_t(N - w.n0 < BN ? N - w.n0 : BN) * 4;
         for (int rr = lane; rr < 64; rr += 32) {
@@ -243,13 +292,14 @@ __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void*
     }
   }
   if (MODE == DW && warp == 0) bulk_wait_all();  // the last rows are out before the block's shared memory goes
+  if (MODE == DW && psum) ws_squares_out(sq, bad, c, ct, psum, pbad);
 }
 
 template <class S, int MODE>
 __global__ void __launch_bounds__(kWsThreads, 1)
     grouped_ws(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb, void* __restrict__ C,
                const int32_t* __restrict__ start, const int32_t* __restrict__ tile_prefix, int E, int64_t n_in,
-               int64_t n_out, bool accumulate) {
+               int64_t n_out, bool accumulate, double* psum, int32_t* pbad) {
 #ifdef Q3VL_WGMMA
   __shared__ alignas(8) uint64_t bars[2 * kStages];  // full, then empty
   extern __shared__ __align__(16) unsigned char smraw[];
@@ -268,7 +318,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   } else {
     regs_inc<232>();
     ws_consume<S, MODE>(stages, bar0, C, start, tile_prefix, E, n_in, n_out, accumulate, threadIdx.x / 128 - 1,
-                        threadIdx.x % 128);
+                        threadIdx.x % 128, psum, pbad);
   }
 #else
   __trap();
@@ -278,7 +328,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // grouped_ws where the TMA takes the operands (false: the caller runs k_grouped).
 bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, const void* B, void* C,
                        const int32_t* start, const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in,
-                       int64_t n_out, bool accumulate, int sms) {
+                       int64_t n_out, bool accumulate, int sms, const SumSq& sq, double* psum) {
   if (!aligned16(C) || R * std::max(n_in, n_out) >= (int64_t(1) << 31) || E * n_out >= (int64_t(1) << 31))
     return false;
   CUtensorMap ta{}, tb{};
@@ -291,15 +341,18 @@ bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, cons
   if (!ok) return false;
   const int64_t bn = mode == DW ? ws_bn<DW>() : kBN, nN = ((mode == FWD ? n_out : n_in) + bn - 1) / bn;
   const int64_t tiles = mode == DW ? E * ((n_out + kBM - 1) / kBM) * nN : ((R + kBM - 1) / kBM + E) * nN;
-  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
+  const int nb = int(std::min<int64_t>(tiles, sms));
+  const bool squares = mode == DW && sq.sum;
+  int32_t* pbad = squares ? reinterpret_cast<int32_t*>(psum + nb) : nullptr;
   auto go = [&]<class S>() {
     auto run = [&](auto kern) {
-      launch(kern, grid, kWsThreads, mode == DW ? ws_smem<DW>() : ws_smem<FWD>(), st, ta, tb, C, start, tile_prefix,
-             int(E), n_in, n_out, accumulate);
+      launch(kern, dim3(unsigned(nb)), kWsThreads, mode == DW ? ws_smem<DW>() : ws_smem<FWD>(), st, ta, tb, C, start,
+             tile_prefix, int(E), n_in, n_out, accumulate, squares ? psum : nullptr, pbad);
     };
     mode == FWD ? run(grouped_ws<S, FWD>) : mode == DX ? run(grouped_ws<S, DX>) : run(grouped_ws<S, DW>);
   };
   bf16 ? go.template operator()<__nv_bfloat16>() : go.template operator()<__half>();
+  if (squares) sumsq_fold(st, psum, pbad, nb, sq.sum, sq.nonfinite);
   return true;
 }
 
@@ -308,9 +361,11 @@ bool grouped_ws_launch(cudaStream_t st, bool bf16, int mode, const void* A, cons
 // moe.cu's grouped<MODE> on wgmma (mode FWD: A = xg, B = W, C = y; DX: A = dy, B = W, C = dxg; DW: A = dy, B = xg,
 // C = dW; accumulate: DX/DW add to C); false where it does not apply (not a 9.0 device: the sm_90a cubin runs there
 // only; rows not whole 16-byte chunks, operands not 16-byte aligned): the caller runs k_grouped. tile_prefix (FWD,
-// DX): moe.cu's, in M tiles of 128 rows (kBM).
+// DX): moe.cu's, in M tiles of 128 rows (kBM). sq (DW written, not accumulated): dW's squares added there, the
+// blocks' partials in psum (room for grouped_sq_partials(): a double and an int32 an SM).
 bool grouped_sm90(cudaStream_t st, bool bf16, int mode, const void* A, const void* B, void* C, const int32_t* start,
-                  const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate) {
+                  const int32_t* tile_prefix, int64_t R, int64_t E, int64_t n_in, int64_t n_out, bool accumulate,
+                  const SumSq& sq, double* psum) {
   if (n_in % 8 || n_out % 8 || !aligned16(A) || !aligned16(B)) return false;
   int dev = 0, major = 0, minor = 0;
   Q3VL_CU(cudaGetDevice(&dev));
@@ -319,7 +374,7 @@ bool grouped_sm90(cudaStream_t st, bool bf16, int mode, const void* A, const voi
   if (major != 9 || minor != 0) return false;
   int sms = 0;
   Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return grouped_ws_launch(st, bf16, mode, A, B, C, start, tile_prefix, R, E, n_in, n_out, accumulate, sms);
+  return grouped_ws_launch(st, bf16, mode, A, B, C, start, tile_prefix, R, E, n_in, n_out, accumulate, sms, sq, psum);
 }
 
 }  // namespace q3vl::dev::cuda

@@ -587,8 +587,8 @@ int64_t chunk_rows_floor() {
 // slices for dw/db.
 //
 // Chunks: ceil(N / m) for m = max(4 R, 16) rows (R = 256 / T, the rows a block takes at a time, so 4 R is 4 rows a
-// group), at most 512 and at most as many partial rows as x.ws holds; the rows spread evenly (rows_per =
-// ceil(N / chunks)). The order of the sums depends only on N, D, the dtype (through T) and ws_bytes (and a set
+// group), at most 512, at least min(256, N / R), and at most as many partial rows as x.ws holds; the rows spread
+// evenly (rows_per = ceil(N / chunks)). The order of the sums depends only on N, D, the dtype (through T) and ws_bytes (and a set
 // Q3VL_NORM_CHUNK_ROWS). Rows too wide to hold take T = 256 (R = 1), so m = 16.
 // - m >= 16 keeps the partials, chunks x D x 4 bytes x outputs (written, then read back by k_chunk_sum), within 1/8
 //   of the bytes of dy and x, N x D x 2 x sizeof(S) (up to the rounding of N / m): 1/8 for 16-bit LayerNorm (dw and
@@ -596,12 +596,12 @@ int64_t chunk_rows_floor() {
 // - 512 (past 8192 rows where m = 16): about two waves of blocks at 2 an SM (the launch bound) on 132 SMs; more
 //   chunks would add partial bytes rather than parallelism. 13399 x 2048 (bf16 RMS): 497 chunks of 27 rows, partials
 //   1/27 of dy and x; 16384 x 2048: 512 of 32, 1/32.
-// - No larger m at small N, where the kernel waits on latency rather than bytes: a block takes its rows R at a time,
-//   each step a dependent load of the rows and a barrier (group_sum), so its time grows with rows_per / R, while
-//   k_chunk_sum costs about its launch and one round of loads (up to 64 chunks, 2 a lane). 784 x 1152 (the 30B-A3B
-//   vision tower, bf16 LN, T = 128, R = 2): 49 chunks of 16 rows, 8 steps a block, partials 441 KiB of 3.4 MiB; 32
-//   rows a chunk would be 25 blocks of 16 steps (225 KiB), 64 rows 13 blocks of 31 (117 KiB). 3920 x 1024 (the 2B's,
-//   T = 64, R = 4): 245 chunks of 16 rows, 4 steps.
+// - At small N, where the kernel waits on latency rather than bytes, smaller: at least min(256, N / R) chunks. A block
+//   takes its rows R at a time, each step a dependent load of the rows and a barrier (group_sum), so its time grows
+//   with rows_per / R, while k_chunk_sum costs about its launch and one round of loads. 784 x 1152 (the 30B-A3B and
+//   8B vision tower, bf16 LN, T = 128, R = 2): 196 chunks of 4 rows, 2 steps a block, partials 1.7 MiB of 3.4 MiB
+//   (49 chunks of 16 rows, 8 steps, took 27 us a call on an H100, 0.2 TB/s: 2026-12-05). 3920 x 1024 (the 2B's,
+//   T = 64, R = 4): 245 chunks of 16 rows, 4 steps, as m alone gives.
 template <bool LN>
 void norm_bwd(const Exec& x, const void* dy, const void* in, const void* w, const float* mean, const float* rstd,
               void* din, float* dw, float* db, int64_t N, int64_t D, bool acc, DType dt) {
@@ -631,6 +631,7 @@ void norm_bwd(const Exec& x, const void* dy, const void* in, const void* w, cons
     const int64_t span = int64_t(rs.T) * rs.NV * V, slices = (D + span - 1) / span, nout = (dw ? 1 : 0) + (db ? 1 : 0);
     const int64_t min_rows = std::max<int64_t>(4 * (kThreads / rs.T), chunk_rows_floor());  // see above
     int64_t chunks = std::min<int64_t>((N + min_rows - 1) / min_rows, 512);
+    chunks = std::max<int64_t>(chunks, std::min<int64_t>(256, N / (kThreads / rs.T)));  // small N (above)
     if (nout) chunks = std::min<int64_t>(chunks, int64_t(x.ws_bytes / (sizeof(float) * size_t(D * nout))));
     chunks = std::max<int64_t>(chunks, 1);
     const int64_t rows_per = (N + chunks - 1) / chunks;

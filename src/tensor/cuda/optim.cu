@@ -172,7 +172,11 @@ void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc,
     k_sumsq_part<S><<<nb, 256, 0, stream_of(x)>>>(static_cast<const S*>(a), n, head, psum, pbad);
     Q3VL_LAUNCHED();
   });
-  k_sumsq_final<<<1, 256, 0, stream_of(x)>>>(psum, pbad, nb, acc, nonfinite);
+  sumsq_fold(stream_of(x), psum, pbad, nb, acc, nonfinite);
+}
+
+void sumsq_fold(cudaStream_t st, const double* psum, const int32_t* pbad, int nb, double* acc, int32_t* nonfinite) {
+  k_sumsq_final<<<1, 256, 0, st>>>(psum, pbad, nb, acc, nonfinite);
   Q3VL_LAUNCHED();
 }
 
