@@ -222,9 +222,10 @@ DevModel::DevModel(const ModelConfig& cfg, const dev::Exec& ex, DType dt, bool g
 DevParams DevModel::dparams() const {
   // Adapters run in the training arena's passes (train, eval); serving folds them into the weights first.
   const DevLora* lora = cfg_.lora.on() && impl_->block ? &impl_->lora : nullptr;
-  return {pp_.data(),  gp_.data(),    q8_ ? q8p_.data() : nullptr, q8_ ? s8p_.data() : nullptr, q8_ ? qf_ : QFormat::None,
-          lora,        fresh_.data(), gsize_.data(),               sq_sum_,                    sq_bad_,
-          sq_sum_ ? sq_at_.data() : nullptr};
+  DevParams P{pp_.data(), gp_.data(), q8_ ? q8p_.data() : nullptr, q8_ ? s8p_.data() : nullptr,
+              q8_ ? qf_ : QFormat::None, lora, fresh_.data(), gsize_.data()};
+  if (sq_sum_) P.sq_sum = sq_sum_, P.sq_bad = sq_bad_, P.sq_at = sq_at_.data();
+  return P;
 }
 void DevModel::take_grad_squares(double* sum, int32_t* bad) {
   Q3VL_CHECK(!sum == !bad, "DevModel::take_grad_squares: both slot arrays, or neither");
