@@ -5,6 +5,7 @@
 #   hf_train NAME TIMEOUT [ARGS...]            # tools/gpu/hf_train_baseline.py, metrics in NAME.jsonl
 #   ratio Q HF LABEL                           # median tokens/s (and MFU) of steps 3.. of two metrics files, the ratio
 #   vs_hf 2b|30b                               # issue 30's shapes: q3vl profiled, transformers, the ratio
+#   prof_rows NAME...                          # train_prof runs' step time and a few rows (AdamW, norms, experts)
 # The pack (on the build machine): make FFMPEG=0 NVFLAGS_EXTRA=--no-compress bin/q3vl bin/unit_tests ... (FFmpeg's
 # libraries and theirs would make it 71 MB, over a call's 64 MiB; uncompressed fatbins let xz share the device code),
 # strip the binaries, ../shared/device/pack-runtime devpack BINARIES, then repack its rt/ with
@@ -49,6 +50,14 @@ print(f"{sys.argv[3]}, steps 3-{len(q) + 2}: q3vl {tq:.0f} tokens/s (mfu {mq:.3f
       f"{tq / th:.2f}x")
 PY
   pack
+}
+prof_rows() {
+  local n
+  for n in "$@"; do
+    say "$n: $(grep -E '^ +(adamw|sum_squares|grouped_linear_bwd|layernorm_bwd)' "$out/${n}_profile.txt" |
+      tr -s ' ' | cut -d' ' -f2-6 | tr '\n' ';')"
+    say "$n: $(head -1 "$out/${n}_profile.txt"); $(grep -m1 'gradient norm:' "$out/$n.log")"
+  done
 }
 vs_hf() {  # the three steps every call script ran for these two shapes
   case $1 in

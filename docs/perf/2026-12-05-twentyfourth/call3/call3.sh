@@ -8,9 +8,6 @@ train_prof q30b input/bench_30b_a3b_gpu.deck 90 run.profile_top=0
 Q3VL_GRAD_SQUARES=0 train_prof q30b_nosq input/bench_30b_a3b_gpu.deck 90 run.profile_top=0
 hf_train hf30b 60 --preset 30B-A3B --text-layers 6 --batch 1 --seq 4096
 for n in q30b q30b_nosq; do ratio $n hf30b "$n: 30B-A3B x 6 layers, 1 x 4096 tokens"; done
-for n in q30b q30b_nosq; do
-  say "$n: $(grep -E '^ +(adamw|sum_squares|grouped_linear_bwd|layernorm_bwd)' $out/${n}_profile.txt | tr -s ' ' | cut -d' ' -f2-6 | tr '\n' ';')"
-  say "$n: $(head -1 $out/${n}_profile.txt); $(grep -m1 'gradient norm:' $out/$n.log)"
-done
+prof_rows q30b q30b_nosq
 say "done $((SECONDS-T0)) s"; pack
 cut -c1-400 $out/summary.txt
