@@ -8,6 +8,7 @@
 #include "q3vl/parallel/zero.hpp"
 #include "q3vl/plan/plan.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
+#include "q3vl/train/dev_trainer.hpp"
 
 using namespace q3vl;
 
@@ -37,8 +38,10 @@ void check(Comm& shard, Comm& world, const Workload& w, const std::string& what)
     l.stage = 3, l.hybrid = hw.nodes > 1;
     const Candidate c = sized_layout(w, hw, l);
     EXPECT_EQ(c.host.masters, int64_t(world.max(double(got.master)))) << at;
-    // The device trainer's ZeRO has the same layout: its optimizer state is the same bytes.
-    EXPECT_EQ(c.gpu.optimizer, int64_t(world.max(double(got.master + got.exp_avg + got.exp_avg_sq))) + 16) << at;
+    // The device trainer's ZeRO has the same layout: its optimizer state is the same bytes, and the gradient norm's.
+    EXPECT_EQ(c.gpu.optimizer, int64_t(world.max(double(got.master + got.exp_avg + got.exp_avg_sq))) +
+                                   DevTrainer::norm_bytes(int64_t(t.params().size())))
+        << at;
   }
 }
 
