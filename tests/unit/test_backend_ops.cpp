@@ -367,7 +367,10 @@ std::vector<Case> all_cases(DType dt) {
             });
         if (ct == dt) break;  // fp32 cases: one C dtype
       }
-  for (auto [N, I, O] : {std::tuple<int64_t, int64_t, int64_t>{45, 96, 200}, {1, 64, 64}, {300, 1152, 512}}) {
+  // {1 and 8, 1152, 1000}: the TMA-fed GEMV's shapes (9 panels of 64 bf16 columns, a tile of 16 rows cut short),
+  // which linear_fwd takes with Q3VL_GEMV_TMA_DENSE=1; else cuBLASLt.
+  for (auto [N, I, O] : {std::tuple<int64_t, int64_t, int64_t>{45, 96, 200}, {1, 64, 64}, {300, 1152, 512},
+                         {1, 1152, 1000}, {8, 1152, 1000}}) {
     for (bool bias : {false, true}) {
       add("linear_fwd", dims({N, I, O}) + (bias ? " bias" : ""), kGemm,
           {in("x", K::Act, randn(N * I)), in("W", K::Act, randn(O * I, 0.05)), in("b", K::Act, randn(O)),
@@ -435,12 +438,15 @@ std::vector<Case> all_cases(DType dt) {
   // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
   // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
   // n_out 40 and 37 (row tiles of 16 cut short), 4104 (past 4096: the 4-warp knobs, gemv.cuh's launch_knobs).
+  // {1152, 1000} at n <= 8 is the TMA-fed GEMV's (gemv_tma.cuh: 9 panels of 128 bytes, two stages, the second
+  // mostly past the row; the last row tile cut short), as are {256, 1000} and {256, 20001} above (more tiles than
+  // blocks: a block's ring runs on across its tiles).
   // "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x enters the f16 mmas scaled by a power of two
   // per row: no overflow, no clipping), and the last row all tiny; fp16 x takes 1e3 (3e4 overflowed y itself, fp16
   // too).
   for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
     for (int64_t N : {1, 3, 8, 9, 16})
-      for (auto [I, O] : {std::pair<int64_t, int64_t>{4136, 40}, {72, 37}, {1001, 37}, {72, 4104}})
+      for (auto [I, O] : {std::pair<int64_t, int64_t>{4136, 40}, {72, 37}, {1001, 37}, {72, 4104}, {1152, 1000}})
         for (bool wide : {false, true}) {
           std::vector<uint8_t> q8;
           std::vector<float> sc;

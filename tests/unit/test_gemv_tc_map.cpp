@@ -139,3 +139,32 @@ TEST(BackendOps, GemvTcInt8ToHalf) {
       }
     }
 }
+// The TMA GEMV's panels: over its two steps a lane's chunks cover each row's eight 16-byte chunks once (lanes of
+// one g together), the swizzled offsets are a bijection onto the panel's 2 KiB, and each quarter-warp's 16-byte
+// loads (rows g and g + 1, then g + 8 and g + 9) hit eight distinct bank groups.
+TEST(BackendOps, GemvTmaPanelMap) {
+  std::vector<int> slot(128, 0);
+  for (int row = 0; row < 16; ++row)
+    for (int c = 0; c < 8; ++c) {
+      const int off = w::tma_offset(row, c);
+      ASSERT_EQ(off % 16, 0);
+      ASSERT_GE(off, 0);
+      ASSERT_LT(off, 2048);
+      slot[size_t(off / 16)]++;
+    }
+  for (int i = 0; i < 128; ++i) EXPECT_EQ(slot[size_t(i)], 1) << "16-byte slot " << i;
+  for (int g = 0; g < 8; ++g) {
+    std::vector<int> chunks(8, 0);
+    for (int t = 0; t < 4; ++t)
+      for (int s = 0; s < 2; ++s) chunks[size_t(w::tma_chunk(4 * g + t, s))]++;
+    for (int c = 0; c < 8; ++c) EXPECT_EQ(chunks[size_t(c)], 1) << "row " << g << " chunk " << c;
+  }
+  for (int s = 0; s < 2; ++s)
+    for (int half = 0; half < 2; ++half)  // the load of rows g, then of rows g + 8
+      for (int q = 0; q < 4; ++q) {
+        std::vector<int> bank(8, 0);
+        for (int lane = 8 * q; lane < 8 * q + 8; ++lane)
+          bank[size_t(w::tma_offset(lane / 4 + 8 * half, w::tma_chunk(lane, s)) / 16 % 8)]++;
+        for (int b = 0; b < 8; ++b) EXPECT_EQ(bank[size_t(b)], 1) << "step " << s << " quarter " << q;
+      }
+}

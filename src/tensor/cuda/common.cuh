@@ -173,6 +173,14 @@ void launch_pdl(void (*kern)(KA...), dim3 grid, int threads, size_t smem, cudaSt
   launch_pdl_cluster(kern, 1, grid, threads, smem, st, a...);
 }
 
+// The current device's SMs.
+inline int sm_count() {
+  int dev = 0, sms = 132;
+  Q3VL_CU(cudaGetDevice(&dev));
+  Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 inline int grid_for(int64_t n, int block = 256) {

@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "tensor/cuda/common.cuh"
+#include "tensor/cuda/gemv.cuh"
 
 namespace q3vl::dev::cuda {
 
@@ -337,6 +338,18 @@ void gemm(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
 void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
                 int64_t n_out, DType dt) {
   if (N <= 0 || n_out <= 0) return;
+  // Up to 8 rows of 16-bit x (decode steps): the TMA-fed GEMV where it takes the product, with
+  // Q3VL_GEMV_TMA_DENSE=1 (on trial against cuBLASLt; the 8-bit weights' linears take it by default).
+  static const bool tma_dense = env_is("Q3VL_GEMV_TMA_DENSE", "1");
+  if (tma_dense && N <= wgemv::kTmaNb && wgemv::tma_on() && (dt == DType::BF16 || dt == DType::F16)) {
+    bool taken = false;
+    by_dtype(dt, [&]<class S>() {
+      if constexpr (!std::is_same_v<S, float>)
+        taken = wgemv::gemv_tma<S, S>(x, static_cast<const S*>(in), static_cast<const S*>(W), nullptr,
+                                      static_cast<const S*>(b), static_cast<S*>(y), N, n_in, n_out);
+    });
+    if (taken) return;
+  }
   // The bias epilogue needs a 16-byte aligned bias; otherwise (or if no algorithm) broadcast b and use beta = 1.
   if (b && align_of(b) >= 16 &&
       gemm_impl(x, false, true, N, n_out, n_in, 1.f, in, n_in, W, n_in, 0.f, y, n_out, dt, dt, b))

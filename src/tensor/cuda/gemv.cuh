@@ -750,6 +750,12 @@ void gemv_tc(const Exec& x, const S* in, const W* q, const float* scale, const S
 // (no gain) write it out first.
 constexpr int64_t kSwigluRows = 8, kSwigluCols = 4096;
 
+}  // namespace q3vl::dev::cuda::wgemv
+
+#include "tensor/cuda/gemv_tma.cuh"
+
+namespace q3vl::dev::cuda::wgemv {
+
 template <class S, class W>
 void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
           int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0, RowsIn ri = {}) {
@@ -759,7 +765,9 @@ void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b
       in = static_cast<const S*>(rows_in(x, in, ri, start ? R : n, n_in, dt));
       ri = {};
     }
-    gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, XRows{ri.rows, int(ri.div), ri.swiglu});
+    const XRows xr{ri.rows, int(ri.div), ri.swiglu};
+    if (!start && tma_on() && gemv_tma<S, W>(x, in, q, scale, b, y, n, n_in, n_out, xr)) return;
+    gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, xr);
   } else {
     static_assert(std::is_same_v<S, float>, "wgemv::gemv: the CUDA-core GEMV is for fp32 activations");
     const S* rows = static_cast<const S*>(rows_in(x, in, ri, start ? R : n, n_in, DType::F32));

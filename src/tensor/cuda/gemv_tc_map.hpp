@@ -41,4 +41,12 @@ constexpr Q3VL_TC_HD int tc_pair(int m, int p) { return 4 * m + 2 * p; }
 // The physical column, within a warp step of 4 G columns, of a lane's element h of pair p of mma m.
 constexpr Q3VL_TC_HD int tc_col(int G, int lane, int m, int p, int h) { return (lane % 4) * G + tc_pair(m, p) + h; }
 
+// The TMA-fed GEMV (gemv_tma.cuh) reads its weights from panels of 16 rows x 128 bytes that the TMA unit wrote with
+// the 128-byte swizzle: row r at 128 r bytes, its 16-byte chunk c at c ^ (r % 8). A panel is two warp steps; in step
+// s (0, 1) lane 4 g + t takes chunk 2 t + s of rows g and g + 8 as its 16-byte group (the x columns it multiplies
+// are the same chunk's). Each quarter-warp (rows g, g + 1 for even g) then reads eight distinct 16-byte bank groups,
+// where chunk t + 4 s would read four twice.
+constexpr Q3VL_TC_HD int tma_chunk(int lane, int s) { return 2 * (lane % 4) + s; }
+constexpr Q3VL_TC_HD int tma_offset(int row, int chunk) { return 128 * row + 16 * (chunk ^ (row % 8)); }
+
 }  // namespace q3vl::dev::cuda::wgemv

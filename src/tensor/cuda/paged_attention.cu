@@ -475,12 +475,6 @@ int split_count(const Exec& x, const PagedArgs& a, int64_t base, int64_t want_bl
                                         65535 / a.nseg, int64_t(x.ws_bytes / per)});
   return ns >= 2 ? int(ns) : 1;
 }
-int sm_count() {
-  int dev = 0, sms = 132;
-  Q3VL_CU(cudaGetDevice(&dev));
-  Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
 
 template <class S>
 void combine(cudaStream_t st, const float* part_acc, const float* part_ml, const PagedArgs& a, int nsplit, int bn,

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) asynchronous-pipeline building blocks of the warp-specialized kernels (attention_sm90.cu's fwd_ws):
 // mbarriers, TMA tensor copies (cp.async.bulk.tensor) that complete on them, named barriers between warpgroups,
-// setmaxnreg, and on the host the TMA tensor map of a row-major 16-bit matrix (cuTensorMapEncodeTiled, reached
-// through the runtime's driver entry point: no -lcuda). Only files built for sm_90a include it.
+// setmaxnreg, and on the host the TMA tensor maps of a row-major 16-bit matrix and of any matrix as 128-byte panels
+// (cuTensorMapEncodeTiled, reached through the runtime's driver entry point: no -lcuda). The decode GEMV
+// (gemv_tma.cuh, built for sm_90) uses the copies and mbarriers only; setmaxnreg and wgmma need sm_90a.
 #pragma once
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -68,6 +69,16 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* m, 
       : "memory");
 }
 
+// The box of the 3-D tensor map m at (x, y, z) to shared address dst, completing `bar`'s transactions (as tma_load_2d).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* m, int x, int y, int z, uint32_t bar,
+                                            uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+      "%3, %4}], [%5], %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(m)), "r"(x), "r"(y), "r"(z), "r"(bar), "l"(policy)
+      : "memory");
+}
+
 // Bulk asynchronous copies (the copy engine) from shared to global memory, contiguous: dst[0 .. bytes) = src, or +=
 // src (fp32, reduced in L2); bytes and both addresses multiples of 16. Grouped per thread: commit closes a group;
 // wait_read<N> waits until at most N of this thread's groups still read their shared source; wait_all: all done.
@@ -105,12 +116,8 @@ template <int R> __device__ __forceinline__ void regs_inc() {
 }
 
 // ---- host --------------------------------------------------------------------------------------------------------
-// The tensor map of a rows x cols matrix of 16-bit elements (bf16 or fp16) at base, row stride ld elements, read in
-// boxes of 64 columns x box_rows rows with the 128-byte swizzle: a box lands as wgmma's canonical swizzled panel
-// (row r at 128 r bytes, its 16-byte chunk c at c ^ (r % 8); the destination 1024-aligned). False where the TMA
-// unit cannot take it (base not 16-byte aligned, row stride not a multiple of 16 bytes, no driver entry point).
-inline bool tmap_16bit(CUtensorMap& m, const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows,
-                       bool bf16) {
+// cuTensorMapEncodeTiled, reached through the runtime's driver entry point (no -lcuda); null where the driver has none.
+inline PFN_cuTensorMapEncodeTiled_v12000 tmap_encoder() {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -123,12 +130,39 @@ inline bool tmap_16bit(CUtensorMap& m, const void* base, int64_t rows, int64_t c
     }
     return reinterpret_cast<Encode>(fn);
   }();
+  return encode;
+}
+
+// The tensor map of a rows x cols matrix of 16-bit elements (bf16 or fp16) at base, row stride ld elements, read in
+// boxes of 64 columns x box_rows rows with the 128-byte swizzle: a box lands as wgmma's canonical swizzled panel
+// (row r at 128 r bytes, its 16-byte chunk c at c ^ (r % 8); the destination 1024-aligned). False where the TMA
+// unit cannot take it (base not 16-byte aligned, row stride not a multiple of 16 bytes, no driver entry point).
+inline bool tmap_16bit(CUtensorMap& m, const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows,
+                       bool bf16) {
+  const auto encode = tmap_encoder();
   if (!encode || !aligned16(base) || (ld * 2) % 16 != 0 || rows < 1 || cols < 1) return false;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * 2};
   const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, step[2] = {1, 1};
   return encode(&m, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
                 const_cast<void*>(base), dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A rows x row_bytes row-major matrix (any element type, seen as bytes) as 128-byte panels: coordinates (byte in
+// the panel row, row, panel), so that one box of 128 x box_rows x box_panels bytes is box_panels panels of box_rows
+// rows, each panel box_rows x 128 bytes in shared memory with the 128-byte swizzle (row r at 128 r, its 16-byte
+// chunk c at c ^ (r % 8); the destination 1024-aligned). Rows and panels past the matrix read as zeros. False where
+// the TMA unit cannot take it (row_bytes not a multiple of 128, base not 16-byte aligned, no driver entry point).
+inline bool tmap_panels(CUtensorMap& m, const void* base, int64_t rows, int64_t row_bytes, int box_rows,
+                        int box_panels) {
+  const auto encode = tmap_encoder();
+  if (!encode || !aligned16(base) || row_bytes % 128 != 0 || rows < 1 || row_bytes < 128) return false;
+  const cuuint64_t dims[3] = {128, cuuint64_t(rows), cuuint64_t(row_bytes / 128)};
+  const cuuint64_t strides[2] = {cuuint64_t(row_bytes), 128};
+  const cuuint32_t box[3] = {128, cuuint32_t(box_rows), cuuint32_t(box_panels)}, step[3] = {1, 1, 1};
+  return encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box, step,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
