@@ -479,7 +479,8 @@ std::vector<Case> all_cases(DType dt) {
     int ws;  // 0: the Exec's, 2: two experts, -1: none
   };
   for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
-    for (auto [R, E, one, ws] : {Experts{1, 16, false, 0}, {4, 16, false, 0}, {18, 8, false, 0}, {64, 128, false, 0},
+    for (auto [R, E, one, ws] : {Experts{1, 16, false, 0}, {4, 16, false, 0}, {8, 8, true, 0}, {18, 8, false, 0},
+                                 {64, 128, false, 0},
                                  {64, 8, false, 0}, {40, 8, true, 0}, {300, 8, false, 0}, {300, 8, true, 0},
                                  {300, 8, false, 2}, {300, 8, false, -1}})
       for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 96}, {72, 40}, {102, 37}}) {
@@ -531,11 +532,14 @@ std::vector<Case> all_cases(DType dt) {
           });
     }
 
+  // R <= 8 with rows of whole 128-byte panels (n_in 256) is the TMA-fed GEMV's (gemv_tma.cuh: every row staged,
+  // the tiles of the experts with rows; "8 one": all 8 rows on one expert).
   // Experts in the activation dtype, rows spread as above. R <= 8 E is the CUDA GEMV over the experts with rows (the
   // int8 experts' GEMV on W in the activation dtype; R 40 and 64 with more than 16 rows an expert: several passes),
   // larger R the tiled grouped GEMM (65 x 8: just past the rule). n_in 256: 16-byte rows in every dtype; 72: also
   // (8 or 4 elements, 16 bytes, divide it); 102: scalar loads in every dtype; 2048: 16 staged rows take two chunks.
-  for (auto [R, E, one] : {std::tuple<int64_t, int64_t, bool>{1, 16, false}, {18, 8, false}, {64, 128, false},
+  for (auto [R, E, one] : {std::tuple<int64_t, int64_t, bool>{1, 16, false}, {8, 16, false}, {8, 8, true},
+                           {18, 8, false}, {64, 128, false},
                            {64, 8, false}, {40, 8, true}, {65, 8, false}, {300, 8, false}, {300, 8, true}})
     for (auto [I, O] : {std::pair<int64_t, int64_t>{256, 96}, {72, 40}, {102, 37}, {2048, 48}}) {
       if (I == 2048 && !(R == 64 && E == 8)) continue;

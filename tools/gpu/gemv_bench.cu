@@ -80,7 +80,7 @@ std::string us_cell(const Timing& t) { return fmt(t.us, "%.1f") + (t.host_bound 
 
 // The paths: gemv_tc's register ring (knobs by shape) with and without programmatic dependent launch (PDL: a rep's
 // first weights are fetched while the rep before finishes, as in a decode step after its RMSNorm), and the TMA-fed
-// GEMV (gemv_tma.cuh, what gemv() takes for dense matrices; "-" for experts and N > 8) likewise, then at four other
+// GEMV (gemv_tma.cuh, what gemv() takes where it can: "-" for N > 8, experts with R > 8) likewise, then at four other
 // settings TmaKnobs<consumer warps, 2 KiB panels a stage, stages>.
 using Tm0 = wg::TmaKnobs<4, 4, 12>;
 using Tm1 = wg::TmaKnobs<8, 8, 6>;
@@ -133,11 +133,11 @@ bool bench_row(const dev::Exec& x, const Problem& p, const char* wname, double w
   run([&](int k) { tc.template operator()<wg::TcAuto>(k); }, false);
   run([&](int k) { tc.template operator()<wg::TcAuto>(k); }, true);
   auto tma = [&]<class K>(int k) {
-    return wg::gemv_tma<bf16, W, K>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out);
+    return wg::gemv_tma<bf16, W, K>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out, {}, st(k), p.E, p.R);
   };
-  const bool dense = !p.start && wg::tma_takes<W>(n, p.n_in, p.n_out);  // a product gemv_tma takes
+  const bool takes = wg::tma_takes<W>(p.start ? p.R : n, p.n_in, p.n_out);  // a product gemv_tma takes
   auto run_tma = [&]<class K>(bool pdl) {
-    if (dense && tma.template operator()<K>(0)) run([&](int k) { tma.template operator()<K>(k); }, pdl);
+    if (takes && tma.template operator()<K>(0)) run([&](int k) { tma.template operator()<K>(k); }, pdl);
     else t[i++] = Timing{};  // "-" (a driver that cannot encode the map declines every product)
   };
   run_tma.template operator()<wg::TmaAuto>(false);

@@ -187,7 +187,7 @@ __device__ __forceinline__ void ws_squares_out(double sq, int32_t bad, int c, in
 }
 
 // Consumer c (0 or 1) of the block's tiles; ct: the thread's index in its warpgroup.
-// DW with psum: the squares of the dW this consumer writes (ws_squares).
+// DW with psum: the squares of the dW this consumer writes (ws_square, summed by ws_squares_out).
 template <class S, int MODE>
 __device__ __forceinline__ void ws_consume(uint32_t stages, uint32_t bars, void* C, const int32_t* start,
                                            const int32_t* tile_prefix, int E, int64_t n_in, int64_t n_out,

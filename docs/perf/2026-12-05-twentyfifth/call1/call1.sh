@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # call 1 (twenty-fifth session): the TMA-fed decode GEMV (src/tensor/cuda/gemv_tma.cuh).
-# (1) correctness: the op table's linear cases (gemv() takes the TMA GEMV for 8-bit weights by default) with
-#     Q3VL_GEMV_TMA_DENSE=1 (linear_fwd's bf16 one to 8 rows through it too), DevInfer.* and Golden.* likewise;
+# (1) correctness: the op table's linear cases (gemv() takes the TMA GEMV for 8-bit weights and for experts of up
+#     to 8 rows by default) with Q3VL_GEMV_TMA_DENSE=1 (linear_fwd's bf16 one to 8 rows through it too), DevInfer.*
+#     and Golden.* likewise;
 # (2) gemv_bench: the register ring against the TMA GEMV at five settings, cuBLASLt bf16 beside them;
-# (3) one 8B stream, fp8 (TMA by default) and bf16 with Q3VL_GEMV_TMA_DENSE=1, then the A/B runs: fp8 with
-#     Q3VL_GEMV_TMA=0 (the ring), bf16 on cuBLASLt. Each step only while the call has room.
+# (3) one 8B fp8 stream, TMA (the default) then Q3VL_GEMV_TMA=0 (the ring). Each step only while the call has room.
 source tools/gpu/call_lib.sh call1
 left() { (( 560 - (SECONDS - T0) > $1 )); }
 export Q3VL_GEMV_TMA_DENSE=1
@@ -23,8 +23,6 @@ serve() {  # NAME PART TIMEOUT [env...]
   say "$n: $(grep -ho 'decode-only steps [^;]*' "$out/$n/summary.txt")"; pack
 }
 left 80 && serve fp8_tma 8bfp8 80
-left 80 && serve bf16_tma 8b 80 Q3VL_GEMV_TMA_DENSE=1
 left 80 && serve fp8_ring 8bfp8 80 Q3VL_GEMV_TMA=0
-left 80 && serve bf16_cublas 8b 80
 say "done $((SECONDS - T0)) s"; pack
 cat "$out/summary.txt"; grep -E "FAIL|^\| 8B (qkv|o_proj|gate_up|down|lm_head) \| [0-9>-]+ \| (fp8|bf16) \| 1 " "$out/gemv_bench.txt" | cut -c1-400
