@@ -438,9 +438,9 @@ std::vector<Case> all_cases(DType dt) {
   // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
   // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
   // n_out 40 and 37 (row tiles of 16 cut short), 4104 (past 4096: the 4-warp knobs, gemv.cuh's launch_knobs).
-  // {1152, 1000} at n <= 8 is the TMA-fed GEMV's (gemv_tma.cuh: 9 panels of 128 bytes, two stages, the second
-  // mostly past the row; the last row tile cut short), as are {256, 1000} and {256, 20001} above (more tiles than
-  // blocks: a block's ring runs on across its tiles).
+  // {1152, 1000} at n <= 8 is the TMA-fed GEMV's with Q3VL_GEMV_TMA=1 (gemv_tma.cuh: 9 panels of 128 bytes, two
+  // stages, the second mostly past the row; the last row tile cut short), as are {256, 1000} and {256, 20001} above
+  // (more tiles than blocks: a block's ring runs on across its tiles).
   // "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x enters the f16 mmas scaled by a power of two
   // per row: no overflow, no clipping), and the last row all tiny; fp16 x takes 1e3 (3e4 overflowed y itself, fp16
   // too).
@@ -532,8 +532,8 @@ std::vector<Case> all_cases(DType dt) {
           });
     }
 
-  // R <= 8 with rows of whole 128-byte panels (n_in 256) is the TMA-fed GEMV's (gemv_tma.cuh: every row staged,
-  // the tiles of the experts with rows; "8 one": all 8 rows on one expert).
+  // R <= 8 with rows of whole 128-byte panels (n_in 256) is the TMA-fed GEMV's with Q3VL_GEMV_TMA=1 (gemv_tma.cuh:
+  // every row staged, the tiles of the experts with rows; "8 one": all 8 rows on one expert).
   // Experts in the activation dtype, rows spread as above. R <= 8 E is the CUDA GEMV over the experts with rows (the
   // int8 experts' GEMV on W in the activation dtype; R 40 and 64 with more than 16 rows an expert: several passes),
   // larger R the tiled grouped GEMM (65 x 8: just past the rule). n_in 256: 16-byte rows in every dtype; 72: also

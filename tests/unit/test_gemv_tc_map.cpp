@@ -168,3 +168,31 @@ TEST(BackendOps, GemvTmaPanelMap) {
         for (int b = 0; b < 8; ++b) EXPECT_EQ(bank[size_t(b)], 1) << "step " << s << " quarter " << q;
       }
 }
+// The TMA GEMV's schedule: over the blocks of a grid, every (item, stage) is issued exactly once, and a block's
+// consumers (items b, b + grid, ..., spt stages each) meet its stages in the producer's order; blocks past the items
+// (experts with fewer rows than the grid was sized for) have none.
+TEST(BackendOps, GemvTmaSchedule) {
+  for (int64_t items : {1, 7, 96, 256, 384, 1000})
+    for (int64_t spt : {1, 2, 4, 9})
+      for (int64_t grid : {1, 5, 132}) {
+        std::vector<int> seen(size_t(items * spt), 0);
+        for (int64_t b = 0; b < grid; ++b) {
+          const int64_t n = w::tma_block_stages(items, spt, b, grid);
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t it = w::tma_stage_item(i, spt, b, grid);
+            ASSERT_LT(it, items);
+            EXPECT_EQ(it % grid, b);
+            seen[size_t(it * spt + i % spt)]++;
+          }
+          int64_t i = 0;  // the consumers' loop
+          for (int64_t it = b; it < items; it += grid)
+            for (int64_t kp = 0; kp < spt; ++kp, ++i) {
+              EXPECT_EQ(w::tma_stage_item(i, spt, b, grid), it);
+              EXPECT_EQ(i % spt, kp);
+            }
+          EXPECT_EQ(i, n);
+        }
+        for (int64_t k = 0; k < items * spt; ++k)
+          EXPECT_EQ(seen[size_t(k)], 1) << items << " items, " << spt << " stages, grid " << grid;
+      }
+}

@@ -339,9 +339,9 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
                 int64_t n_out, DType dt) {
   if (N <= 0 || n_out <= 0) return;
   // Up to 8 rows of 16-bit x (decode steps): the TMA-fed GEMV where it takes the product, with
-  // Q3VL_GEMV_TMA_DENSE=1 (on trial against cuBLASLt; the 8-bit weights' linears take it by default).
+  // Q3VL_GEMV_TMA_DENSE=1 (on trial against cuBLASLt, as Q3VL_GEMV_TMA is against the register ring).
   static const bool tma_dense = env_is("Q3VL_GEMV_TMA_DENSE", "1");
-  if (tma_dense && N <= wgemv::kTmaNb && wgemv::tma_on() && (dt == DType::BF16 || dt == DType::F16)) {
+  if (tma_dense && N <= wgemv::kTmaNb && (dt == DType::BF16 || dt == DType::F16)) {
     bool taken = false;
     by_dtype(dt, [&]<class S>() {
       if constexpr (!std::is_same_v<S, float>)

@@ -18,6 +18,7 @@
 // B (its x row), since both sides of a lane use its own t. x is staged in shared memory in plain column order, so a
 // lane reads its B registers as the G consecutive x values at t G of its x row (2 G bytes: one or two 16-byte loads).
 #pragma once
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define Q3VL_TC_HD __host__ __device__ __forceinline__
@@ -48,5 +49,15 @@ constexpr Q3VL_TC_HD int tc_col(int G, int lane, int m, int p, int h) { return (
 // where chunk t + 4 s would read four twice.
 constexpr Q3VL_TC_HD int tma_chunk(int lane, int s) { return 2 * (lane % 4) + s; }
 constexpr Q3VL_TC_HD int tma_offset(int row, int chunk) { return 128 * row + 16 * (chunk ^ (row % 8)); }
+
+// The TMA GEMV's schedule: block b of grid takes the items (16-row tiles) b, b + grid, ... below items, spt stages
+// each in order; its stage i is stage i % spt of item tma_stage_item(i), in ring slot i % stages. The producer issues
+// stages 0 .. tma_block_stages - 1 in that order and the consumers take them so.
+constexpr Q3VL_TC_HD int64_t tma_block_stages(int64_t items, int64_t spt, int64_t b, int64_t grid) {
+  return items > b ? ((items - 1 - b) / grid + 1) * spt : 0;
+}
+constexpr Q3VL_TC_HD int64_t tma_stage_item(int64_t i, int64_t spt, int64_t b, int64_t grid) {
+  return b + (i / spt) * grid;
+}
 
 }  // namespace q3vl::dev::cuda::wgemv

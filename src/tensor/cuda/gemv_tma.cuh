@@ -1,6 +1,7 @@
 // The decode GEMV with its weights streamed by the TMA unit: y[n, n_out] = (x W^T) * scale + b for n <= 8 rows of
 // 16-bit x, W int8, fp8 or the activations' type, one matrix or experts with R <= 8 rows in all (gemv.cuh's gemv()
-// sends such products here; its register-ring kernel gemv_tc takes the rest: more rows, rows not a multiple of 128
+// sends such products here with Q3VL_GEMV_TMA=1, dev::linear_fwd its bf16 ones with Q3VL_GEMV_TMA_DENSE=1: on trial
+// until a GPU has timed them; the register-ring kernel gemv_tc takes the rest: more rows, rows not a multiple of 128
 // bytes).
 // Why: at one row a decode step's linears are each a few MB to 100 MB of weights read once. The register ring of
 // gemv_tc keeps 16-48 KiB an SM in flight, too little to cover HBM's latency at full rate (Little's law: ~4.8 TB/s x
@@ -35,10 +36,11 @@ constexpr int kTmaPanelBytes = kTmaTile * kTmaPanel;  // 2 KiB
 constexpr int kTmaNb = 8;                             // x rows at most (one n-tile)
 constexpr size_t kTmaXBudget = 48 << 10;              // staged x: n rows of all n_in, as halves
 
-// Whether gemv() streams dense weights through the TMA kernel: on unless the environment sets Q3VL_GEMV_TMA=0
-// (for A/B runs); benchmarks may flip it.
+// Whether gemv() (8-bit weights, experts) takes the TMA kernel where it can: with Q3VL_GEMV_TMA=1, on trial until a
+// GPU has checked and timed it against the register ring (written 2026-12-05 with no device lent; tools/gpu/gemv_bench
+// and the call scripts of docs/perf/2026-12-05-twentyfifth do both). Benchmarks may flip it.
 inline bool& tma_on() {
-  static bool on = !env_is("Q3VL_GEMV_TMA", "0");
+  static bool on = env_is("Q3VL_GEMV_TMA", "1");
   return on;
 }
 
@@ -72,11 +74,8 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
   const int64_t tiles = (n_out + kTmaTile - 1) / kTmaTile;  // of one matrix
   const int panels = int(n_in * int64_t(sizeof(W)) / kTmaPanel);
   const int spt = (panels + P - 1) / P;  // stages a tile
-  // The block's stages over items blockIdx.x, + gridDim.x, ... < items.
-  auto stages_of = [&](int64_t items) {
-    return items > blockIdx.x ? ((items - 1 - blockIdx.x) / gridDim.x + 1) * spt : int64_t(0);
-  };
-  auto item_of = [&](int64_t i) { return blockIdx.x + (i / spt) * gridDim.x; };
+  auto stages_of = [&](int64_t items) { return tma_block_stages(items, spt, blockIdx.x, gridDim.x); };
+  auto item_of = [&](int64_t i) { return tma_stage_item(i, spt, blockIdx.x, gridDim.x); };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, CW);
