@@ -94,10 +94,11 @@ void dev_grad_zeroed(const dev::Exec& ex, const DevParams& P, int id) {
   P.fresh[id] = 0;
 }
 
-dev::SumSq dev_grad_squares(const DevParams& P, int id, bool adds) {
-  if (!P.sq_sum || !P.sq_at || adds || !P.g[id]) return {};
+DevGradOut dev_grad_out(const dev::Exec& ex, const DevParams& P, int id) {
+  const bool adds = dev_grad_adds(ex, P, {id});
+  if (!P.sq_sum || !P.sq_at || adds || !P.g[id]) return {adds, {}};
   P.sq_at[id] = P.g[id];
-  return {P.sq_sum + id, P.sq_bad + id};
+  return {adds, {P.sq_sum + id, P.sq_bad + id}};
 }
 
 int dev_experts_id(const DevParams& P, int f) {
@@ -253,14 +254,14 @@ void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
       const int eg = dev_experts_id(P, f);
       dev::moe_combine_bwd(ex, dx, c.ey, c.pos, c.w, s.dw, s.dyg, N, k, H, false, dt);
       dev::swiglu_fwd(ex, c.egu, s.eact, R, Im, dt);  // recomputed, cheaper than keeping it
-      const bool down_adds = dev_grad_adds(ex, P, {eg + 1});
+      const DevGradOut down = dev_grad_out(ex, P, eg + 1);
       dev::grouped_linear_bwd(ex, s.dyg, s.eact, P.p[eg + 1], c.start, s.edact, P.g[eg + 1], R, E, Im, H, false,
-                              down_adds, dt, dev_grad_squares(P, eg + 1, down_adds));
+                              down.adds, dt, down.sq);
       dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, R, Im, false, dt);
       dev::gather_rows(ex, c.ln2, c.rows, k, s.xg, R, H, dt);
-      const bool gu_adds = dev_grad_adds(ex, P, {eg});
-      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false, gu_adds,
-                              dt, dev_grad_squares(P, eg, gu_adds));
+      const DevGradOut gu = dev_grad_out(ex, P, eg);
+      dev::grouped_linear_bwd(ex, s.edgu, s.xg, P.p[eg], c.start, s.dxg, P.g[eg], R, E, H, 2 * Im, false, gu.adds,
+                              dt, gu.sq);
     }
     dev::unpermute_add(ex, s.dxg, c.pos, s.dln, N, k, H, false, dt);
     // The logit gradients of the combine weights and of the aux loss summed in fp32, rounded once to dt for the

@@ -83,13 +83,13 @@ void dev_moe_experts_bwd(const dev::Exec& ex, const TextConfig& tc, const DevPar
   if (Ro > 0) {
     dev::gather_rows(ex, s.arr, c.perm, 1, s.yo, Ro, H, dt);
     dev::swiglu_fwd(ex, c.egu, s.eact, Ro, Im, dt);  // recomputed, cheaper than keeping it
-    const bool down_adds = dev_grad_adds(ex, P, {down});
-    dev::grouped_linear_bwd(ex, s.yo, s.eact, P.p[down], c.ostart, s.edact, P.g[down], Ro, El, Im, H, false,
-                            down_adds, dt, dev_grad_squares(P, down, down_adds));
+    const DevGradOut dg = dev_grad_out(ex, P, down);
+    dev::grouped_linear_bwd(ex, s.yo, s.eact, P.p[down], c.ostart, s.edact, P.g[down], Ro, El, Im, H, false, dg.adds,
+                            dt, dg.sq);
     dev::swiglu_bwd(ex, s.edact, c.egu, s.edgu, Ro, Im, false, dt);
-    const bool gu_adds = dev_grad_adds(ex, P, {gu});
-    dev::grouped_linear_bwd(ex, s.edgu, c.xo, P.p[gu], c.ostart, s.yo, P.g[gu], Ro, El, H, 2 * Im, false, gu_adds, dt,
-                            dev_grad_squares(P, gu, gu_adds));
+    const DevGradOut gg = dev_grad_out(ex, P, gu);
+    dev::grouped_linear_bwd(ex, s.edgu, c.xo, P.p[gu], c.ostart, s.yo, P.g[gu], Ro, El, H, 2 * Im, false, gg.adds, dt,
+                            gg.sq);
     dev::scatter_rows(ex, s.yo, c.perm, s.arr, Ro, H, false, dt);
   }
   c.ex->rows(s.arr, c.recv_rows, s.dxg, c.send_rows, H, dt);  // input gradients back, in s.xg's order

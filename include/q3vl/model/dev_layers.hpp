@@ -58,10 +58,15 @@ struct DevParams {
 // slices), a fresh gradient zeroed first. Both pass over null (frozen) gradients.
 bool dev_grad_adds(const dev::Exec& ex, const DevParams& P, std::initializer_list<int> ids);
 void dev_grad_zeroed(const dev::Exec& ex, const DevParams& P, int id);
-// Where the op that writes gradient id (adds: dev_grad_adds' answer) takes its sum of squares: slot id when squares
-// are taken and the gradient is written fresh (the slot then covers it), else none. Both functions above drop a
-// slot's cover: an add after the write (a second micro-step, a second use) makes the sum stale.
-dev::SumSq dev_grad_squares(const DevParams& P, int id, bool adds);
+// For the one op that produces gradient id: its accumulate_dW (dev_grad_adds({id})) and where it takes the gradient's
+// sum of squares: slot id when squares are taken and the gradient is written fresh (the slot then covers it), else
+// none. Both functions above drop a slot's cover: an add after the write (a second micro-step, a second use) makes
+// the sum stale.
+struct DevGradOut {
+  bool adds = true;
+  dev::SumSq sq;
+};
+DevGradOut dev_grad_out(const dev::Exec& ex, const DevParams& P, int id);
 // y[N, n_out] = x[N, n_in] W^T for rows [row0, row0 + n_out) of parameter id (no bias; row0: a vocabulary slice's
 // first row), W its 8-bit rows when it has them, else its dt weight. rin (dev::RowsIn): how the 8-bit path reads x.
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,

@@ -131,7 +131,7 @@ class DevModel {
   // them (grouped_linear_bwd); the other ops do not.
   void take_grad_squares(double* sum, int32_t* bad);
   // [id] the gradient (the parameter's held elements) whose squares slot id holds, or null: none taken since
-  // take_grad_squares, or an op added to it after (dev_grad_squares).
+  // take_grad_squares, or an op added to it after (dev_grad_out).
   const std::vector<const float*>& grad_squares_taken() const { return sq_at_; }
   // ZeRO. The hooks (model/hooks.hpp) around every use of a unit's weights, in unit_order()'s order; a unit's
   // weights (dt) and gradients (F32; null: none computed) read from and accumulated into these buffers while bound,
