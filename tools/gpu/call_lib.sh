@@ -6,6 +6,8 @@
 #   ratio Q HF LABEL                           # median tokens/s (and MFU) of steps 3.. of two metrics files, the ratio
 #   vs_hf 2b|30b                               # issue 30's shapes: q3vl profiled, transformers, the ratio
 #   prof_rows NAME...                          # train_prof runs' step time and a few rows (AdamW, norms, experts)
+#   left SECONDS                               # whether the call (560 s of its 600) still has SECONDS left
+#   serve_one NAME PART TIMEOUT [ENV=V...]     # one serve_checks.sh part at one stream: its bench row and decode steps
 # The pack (on the build machine): make FFMPEG=0 NVFLAGS_EXTRA=--no-compress bin/q3vl bin/unit_tests ... (FFmpeg's
 # libraries and theirs would make it 71 MB, over a call's 64 MiB; uncompressed fatbins let xz share the device code),
 # strip the binaries, ../shared/device/pack-runtime devpack BINARIES, then repack its rt/ with
@@ -69,4 +71,13 @@ vs_hf() {  # the three steps every call script ran for these two shapes
          ratio q30b hf30b "30B-A3B x 6 layers, 1 x 4096 tokens" ;;
     *) say "vs_hf: 2b or 30b, not '$1'"; return 1 ;;
   esac
+}
+left() { (( 560 - (SECONDS - T0) > $1 )); }
+serve_one() {
+  local n=$1 p=$2 t=$3 t1=$SECONDS; shift 3
+  rm -rf /tmp/results
+  env CONC=1 "$@" timeout "$t" bash tools/gpu/serve_checks.sh "$q" /tmp/rt/bin/unit_tests /tmp/sc_$n "$p" > /dev/null 2>&1
+  mkdir -p "$out/$n"; tar xzf /tmp/sc_$n/results.tgz -C "$out/$n" 2>/dev/null
+  say "$n ($*) $((SECONDS - t1)) s: $(grep -h 'c=1' "$out/$n/summary.txt" | head -2 | tr '\n' ' ')"
+  say "$n: $(grep -ho 'decode-only steps [^;]*' "$out/$n/summary.txt")"; pack
 }

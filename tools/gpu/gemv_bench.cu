@@ -7,8 +7,9 @@
 // Build and run (from the repo root, on a GPU machine):
 //   make FFMPEG=0 bin/gemv_bench && bin/gemv_bench [reps]     (reps per timing, default 100, at least 20)
 // Output: a markdown table, one row per shape, weight type and N: microseconds (median), weight bandwidth (bytes of
-// W read / time, TB/s; 8-bit rows count their scales), the best path's speedups over the ring and over cuBLASLt bf16, and the max relative difference of any path from cuBLASLt (max|y - y_ref| / max|y_ref|; over
-// 1e-2 is flagged FAIL, exit 1).
+// W read / time, TB/s; 8-bit rows count their scales), the best path's speedups over the ring and over cuBLASLt
+// bf16, and the max relative difference of any path from cuBLASLt (max|y - y_ref| / max|y_ref|; over 1e-2 is flagged
+// FAIL, exit 1).
 // Weights: int8 q random in [-127, 127], fp8 E4M3 codes random (NaN codes skipped), row scales 2^-(6 + row % 4);
 // the bf16 matrices are their exact dequantizations (q * 2^-k fits bf16), so every path computes the same product;
 // "bf16" rows use the int8 matrix's dequantization. Every rep reads a different copy of W (copies together >= 4 and

@@ -6,7 +6,6 @@
 # (2) gemv_bench: the register ring against the TMA GEMV at five settings, cuBLASLt bf16 beside them;
 # (3) one 8B fp8 stream with Q3VL_GEMV_TMA=1, then without (the ring, the default). Each step only while the call has room.
 source tools/gpu/call_lib.sh call1
-left() { (( 560 - (SECONDS - T0) > $1 )); }
 export Q3VL_GEMV_TMA=1 Q3VL_GEMV_TMA_DENSE=1
 Q3VL_OPS=linear unit_gpu 'BackendOps.*:DevInfer.*:Golden.*' 150
 mv "$out/unit.log" "$out/unit_tma.log"
@@ -14,15 +13,7 @@ unset Q3VL_GEMV_TMA Q3VL_GEMV_TMA_DENSE
 t1=$SECONDS
 timeout 150 /tmp/rt/bin/gemv_bench 60 > "$out/gemv_bench.txt" 2> "$out/gemv_bench.err"
 say "gemv_bench rc=$? $((SECONDS - t1)) s"; pack
-serve() {  # NAME PART TIMEOUT [env...]
-  local n=$1 p=$2 t=$3 t1=$SECONDS; shift 3
-  rm -rf /tmp/results
-  env CONC=1 "$@" timeout "$t" bash tools/gpu/serve_checks.sh "$q" /tmp/rt/bin/unit_tests /tmp/sc_$n "$p" > /dev/null 2>&1
-  mkdir -p "$out/$n"; tar xzf /tmp/sc_$n/results.tgz -C "$out/$n" 2>/dev/null
-  say "$n ($*) $((SECONDS - t1)) s: $(grep -h 'c=1' "$out/$n/summary.txt" | head -2 | tr '\n' ' ')"
-  say "$n: $(grep -ho 'decode-only steps [^;]*' "$out/$n/summary.txt")"; pack
-}
-left 80 && serve fp8_tma 8bfp8 80 Q3VL_GEMV_TMA=1
-left 80 && serve fp8_ring 8bfp8 80
+left 80 && serve_one fp8_tma 8bfp8 80 Q3VL_GEMV_TMA=1
+left 80 && serve_one fp8_ring 8bfp8 80
 say "done $((SECONDS - T0)) s"; pack
 cat "$out/summary.txt"; grep -E "FAIL|^\| 8B (qkv|o_proj|gate_up|down|lm_head) \| [0-9>-]+ \| (fp8|bf16) \| 1 " "$out/gemv_bench.txt" | cut -c1-400

@@ -4,19 +4,10 @@
 # default); the 30B-A3B bf16 with its experts through the TMA GEMV (Q3VL_GEMV_TMA=1) and through the ring (the
 # default), then with the dense linears through it too. Each step only while the call has room.
 source tools/gpu/call_lib.sh call2
-left() { (( 560 - (SECONDS - T0) > $1 )); }
-serve() {  # NAME PART TIMEOUT [env...]
-  local n=$1 p=$2 t=$3 t1=$SECONDS; shift 3
-  rm -rf /tmp/results
-  env CONC=1 "$@" timeout "$t" bash tools/gpu/serve_checks.sh "$q" /tmp/rt/bin/unit_tests /tmp/sc_$n "$p" > /dev/null 2>&1
-  mkdir -p "$out/$n"; tar xzf /tmp/sc_$n/results.tgz -C "$out/$n" 2>/dev/null
-  say "$n ($*) $((SECONDS - t1)) s: $(grep -h 'c=1' "$out/$n/summary.txt" | head -2 | tr '\n' ' ')"
-  say "$n: $(grep -ho 'decode-only steps [^;]*' "$out/$n/summary.txt")"; pack
-}
-left 80 && serve bf16_tma 8b 80 Q3VL_GEMV_TMA_DENSE=1
-left 80 && serve bf16_cublas 8b 80
-left 130 && serve 30b_tma 30b 130 Q3VL_GEMV_TMA=1
-left 130 && serve 30b_ring 30b 130
-left 130 && serve 30b_tma_dense 30b 130 Q3VL_GEMV_TMA=1 Q3VL_GEMV_TMA_DENSE=1
+left 80 && serve_one bf16_tma 8b 80 Q3VL_GEMV_TMA_DENSE=1
+left 80 && serve_one bf16_cublas 8b 80
+left 130 && serve_one 30b_tma 30b 130 Q3VL_GEMV_TMA=1
+left 130 && serve_one 30b_ring 30b 130
+left 130 && serve_one 30b_tma_dense 30b 130 Q3VL_GEMV_TMA=1 Q3VL_GEMV_TMA_DENSE=1
 say "done $((SECONDS - T0)) s"; pack
 cat "$out/summary.txt"
