@@ -368,7 +368,7 @@ std::vector<Case> all_cases(DType dt) {
         if (ct == dt) break;  // fp32 cases: one C dtype
       }
   // {1 and 8, 1152, 1000}: the TMA-fed GEMV's shapes (9 panels of 64 bf16 columns, a tile of 16 rows cut short),
-  // which linear_fwd takes with Q3VL_GEMV_TMA_DENSE=1; else cuBLASLt.
+  // which linear_fwd takes for up to 8 rows whose x fits 48 KiB as halves; more rows: cuBLASLt.
   for (auto [N, I, O] : {std::tuple<int64_t, int64_t, int64_t>{45, 96, 200}, {1, 64, 64}, {300, 1152, 512},
                          {1, 1152, 1000}, {8, 1152, 1000}}) {
     for (bool bias : {false, true}) {
@@ -438,7 +438,7 @@ std::vector<Case> all_cases(DType dt) {
   // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
   // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
   // n_out 40 and 37 (row tiles of 16 cut short), 4104 (past 4096: the 4-warp knobs, gemv.cuh's launch_knobs).
-  // {1152, 1000} at n <= 8 is the TMA-fed GEMV's with Q3VL_GEMV_TMA=1 (gemv_tma.cuh: 9 panels of 128 bytes, two
+  // {1152, 1000} at n <= 8 is the TMA-fed GEMV's (gemv_tma.cuh: 9 panels of 128 bytes, two
   // stages, the second mostly past the row; the last row tile cut short), as are {256, 1000} and {256, 20001} above
   // (more tiles than blocks: a block's ring runs on across its tiles).
   // "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x enters the f16 mmas scaled by a power of two
@@ -532,8 +532,7 @@ std::vector<Case> all_cases(DType dt) {
           });
     }
 
-  // R <= 8 with rows of whole 128-byte panels (n_in 256) is the TMA-fed GEMV's with Q3VL_GEMV_TMA=1 (gemv_tma.cuh:
-  // every row staged, the tiles of the experts with rows; "8 one": all 8 rows on one expert).
+  // "8 one": all 8 rows on one expert.
   // Experts in the activation dtype, rows spread as above. R <= 8 E is the CUDA GEMV over the experts with rows (the
   // int8 experts' GEMV on W in the activation dtype; R 40 and 64 with more than 16 rows an expert: several passes),
   // larger R the tiled grouped GEMM (65 x 8: just past the rule). n_in 256: 16-byte rows in every dtype; 72: also
@@ -1007,8 +1006,9 @@ std::vector<Case> all_cases(DType dt) {
 
   // Greedy argmax over F32 logits (serve's greedy steps): ties (the row maximum copied to a later column, which must
   // lose), a banned maximum, a vocabulary limit inside the slice, a slice starting at v0, a row with nothing allowed.
+  // CUDA reads rows as float4s where V % 4 == 0 (a limit not a multiple of 4 ends in single loads); 1001: single only.
   for (auto [S, V, v0, limit] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{7, 1000, 0, 1000}, {5, 151936, 0, 151643},
-                                 {6, 700, 300, 900}, {3, 64, 500, 400}}) {
+                                 {6, 700, 300, 900}, {3, 64, 500, 400}, {4, 1001, 0, 1001}}) {
     std::vector<double> lg = randn(S * V, 3);
     for (int64_t i = 0; i < S && V > 20; ++i) {
       const int64_t m = std::max_element(lg.begin() + i * V, lg.begin() + (i + 1) * V) - (lg.begin() + i * V);

@@ -1,9 +1,9 @@
 // Micro-benchmark of the decode GEMV (src/tensor/cuda/gemv.cuh) on Qwen3-VL's decode-sized linears,
 // y[N, n_out] = x[N, n_in] W^T, bf16 activations, N = 1, 2, 4, 8, 16: for fp8 and bf16 weights (int8 runs fp8's
 // code but for the conversion) it times the tensor-core GEMV's register ring (wgemv::gemv_tc) with the knobs by shape
-// and the TMA-fed GEMV (wgemv::gemv_tma) at five settings, with and without programmatic dependent launch, and
-// cuBLASLt bf16 (dev::linear_fwd; run without Q3VL_GEMV_TMA_DENSE=1, which sends it to the TMA GEMV), and checks
-// every path against cuBLASLt on the same product.
+// and the TMA-fed GEMV (wgemv::gemv_tma, one matrix) at five settings, with and without programmatic dependent
+// launch, and cuBLASLt bf16 (dev::cuda::gemm, what linear_fwd takes for more than 8 rows), and checks every path
+// against cuBLASLt on the same product.
 // Build and run (from the repo root, on a GPU machine):
 //   make FFMPEG=0 bin/gemv_bench && bin/gemv_bench [reps]     (reps per timing, default 100, at least 20)
 // Output: a markdown table, one row per shape, weight type and N: microseconds (median), weight bandwidth (bytes of
@@ -81,16 +81,16 @@ std::string us_cell(const Timing& t) { return fmt(t.us, "%.1f") + (t.host_bound 
 
 // The paths: gemv_tc's register ring (knobs by shape) with and without programmatic dependent launch (PDL: a rep's
 // first weights are fetched while the rep before finishes, as in a decode step after its RMSNorm), and the TMA-fed
-// GEMV (gemv_tma.cuh, what gemv() takes where it can: "-" for N > 8, experts with R > 8) likewise, then at four other
-// settings TmaKnobs<consumer warps, 2 KiB panels a stage, stages>.
+// GEMV (gemv_tma.cuh, what gemv() and linear_fwd take where they can: "-" for experts, N > 8, x over 48 KiB) likewise,
+// then at four other settings TmaKnobs<consumer warps, 2 KiB panels a stage, stages>.
 using Tm0 = wg::TmaKnobs<4, 4, 12>;
-using Tm1 = wg::TmaKnobs<8, 8, 6>;
+using Tm1 = wg::TmaKnobs<4, 8, 6>;
 using Tm2 = wg::TmaKnobs<4, 8, 10>;
 using Tm3 = wg::TmaKnobs<2, 16, 3>;
 constexpr int kPaths = 8;
 constexpr int kRing = 1;
 constexpr const char* kTcNames[kPaths] = {"ring noPDL", "ring",        "tma noPDL",   "tma",
-                                          "tma 4w4p12s", "tma 8w8p6s", "tma 4w8p10s", "tma 2w16p4s"};
+                                          "tma 4w4p12s", "tma 4w8p6s", "tma 4w8p10s", "tma 2w16p4s"};
 
 // One problem: the weights of one type W (pool of copies, or the experts), x, the reference output.
 struct Problem {
@@ -111,36 +111,34 @@ bool bench_row(const dev::Exec& x, const Problem& p, const char* wname, double w
   auto st = [&](int k) { return p.start ? p.start[k % kRot] : nullptr; };
   auto tc = [&]<class K>(int k) {
     wg::gemv_tc<bf16, W, K>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out, st(k), p.E, p.R);
+    return true;
+  };
+  auto tma = [&]<class K>(int k) {  // false: declined (experts, a product it does not take, a driver without maps)
+    return !p.start && wg::gemv_tma<bf16, W, K>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out);
   };
   double worst = 0;
   int path = 0;  // stderr names the path about to run: a fault's last line says which one it was
-  auto check = [&](auto&& f) {
+  auto check = [&](auto&& f) {  // false: the path declined the product
     std::fprintf(stderr, "gemv_bench: %s %s N=%lld path %d\n", p.shape, wname, (long long)p.N, path++);
     std::fflush(stderr);
-    f(0);
+    if (!f(0)) return false;
     worst = std::max(worst, gpu_bench::rel_diff<bf16>(x, y, yref, ny));
+    return true;
   };
   auto time_it = [&](auto&& f) {
     return gpu_bench::time_median(dev::cuda::stream_of(x), reps, std::max(nbuf, 5), [&](int i) { f(i % nbuf); });
   };
-  Timing t[kPaths];
+  Timing t[kPaths];  // not run: Timing{}, "-"
   int i = 0;
   auto run = [&](auto&& f, bool pdl) {
     dev::cuda::pdl_on() = pdl;
-    check(f);
-    t[i++] = time_it(f);
+    if (check(f)) t[i] = time_it(f);
+    ++i;
     dev::cuda::pdl_on() = true;
   };
-  run([&](int k) { tc.template operator()<wg::TcAuto>(k); }, false);
-  run([&](int k) { tc.template operator()<wg::TcAuto>(k); }, true);
-  auto tma = [&]<class K>(int k) {
-    return wg::gemv_tma<bf16, W, K>(x, p.x, wk(k), sk(k), nullptr, y, n, p.n_in, p.n_out, {}, st(k), p.E, p.R);
-  };
-  const bool takes = wg::tma_takes<W>(p.start ? p.R : n, p.n_in, p.n_out);  // a product gemv_tma takes
-  auto run_tma = [&]<class K>(bool pdl) {
-    if (takes && tma.template operator()<K>(0)) run([&](int k) { tma.template operator()<K>(k); }, pdl);
-    else t[i++] = Timing{};  // "-" (a driver that cannot encode the map declines every product)
-  };
+  run([&](int k) { return tc.template operator()<wg::TcAuto>(k); }, false);
+  run([&](int k) { return tc.template operator()<wg::TcAuto>(k); }, true);
+  auto run_tma = [&]<class K>(bool pdl) { run([&](int k) { return tma.template operator()<K>(k); }, pdl); };
   run_tma.template operator()<wg::TmaAuto>(false);
   run_tma.template operator()<wg::TmaAuto>(true);
   [&]<class... K>() { (run_tma.template operator()<K>(true), ...); }.template operator()<Tm0, Tm1, Tm2, Tm3>();
@@ -161,6 +159,11 @@ bool bench_row(const dev::Exec& x, const Problem& p, const char* wname, double w
 }
 
 struct Dense { const char* name; int64_t n_in, n_out; };
+
+// cuBLASLt's y[N, n_out] = in W^T in bf16 (linear_fwd without its TMA GEMV).
+void cublas_rows(const dev::Exec& x, const bf16* in, const bf16* W, bf16* y, int64_t N, int64_t n_in, int64_t n_out) {
+  dev::cuda::gemm(x, false, true, N, n_out, n_in, 1.f, in, n_in, W, n_in, 0.f, y, n_out, DType::BF16, DType::BF16);
+}
 
 bool bench_dense(const dev::Exec& x, const Dense& s, const bf16* in, int reps) {
   cudaStream_t st = dev::cuda::stream_of(x);
@@ -191,11 +194,11 @@ bool bench_dense(const dev::Exec& x, const Dense& s, const bf16* in, int reps) {
   bool bad = false;
   for (int64_t N : {1, 2, 4, 8, 16}) {
     const Problem p{s.name, s.n_in, s.n_out, N, in, nullptr, 0, 0};
-    auto cublas = [&](int k) { dev::cuda::linear_fwd(x, in, Wk(k), nullptr, y, N, s.n_in, s.n_out, DType::BF16); };
+    auto cublas = [&](int k) { cublas_rows(x, in, Wk(k), y, N, s.n_in, s.n_out); };
     const Timing tcub = gpu_bench::time_median(st, reps, std::max(nbuf, 5), [&](int i) { cublas(i % nbuf); });
-    dev::cuda::linear_fwd(x, in, Wf, nullptr, yref, N, s.n_in, s.n_out, DType::BF16);
+    cublas_rows(x, in, Wf, yref, N, s.n_in, s.n_out);
     bad |= bench_row<fp8>(x, p, "fp8", b8, reps, nbuf, Fk, Sk, y, yref, tcub, b16);
-    dev::cuda::linear_fwd(x, in, Wq, nullptr, yref, N, s.n_in, s.n_out, DType::BF16);  // the bf16 rows' reference
+    cublas_rows(x, in, Wq, yref, N, s.n_in, s.n_out);  // the bf16 rows' reference
     bad |= bench_row<bf16>(x, p, "bf16", b16, reps, nbuf, Wk, none, y, yref, tcub, b16);
   }
   for (void* v : {(void*)Q, (void*)F, (void*)scale, (void*)Wq, (void*)Wf, (void*)y, (void*)yref}) Q3VL_CU(cudaFree(v));
@@ -249,8 +252,7 @@ bool bench_experts(const dev::Exec& x, const Dense& s, const bf16* in, int reps)
       for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = hs[0][size_t(e)], m = hs[0][size_t(e) + 1] - r0;
         if (m > 0)
-          dev::cuda::linear_fwd(x, in + r0 * s.n_in, Wb + e * per, nullptr, yref + r0 * s.n_out, m, s.n_in, s.n_out,
-                          DType::BF16);
+          cublas_rows(x, in + r0 * s.n_in, Wb + e * per, yref + r0 * s.n_out, m, s.n_in, s.n_out);
       }
     };
     const Problem p{s.name, s.n_in, s.n_out, N, in, starts, E, R};

@@ -582,6 +582,36 @@ __device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], 
   for (int d = 0; d < K::kDepth; ++d) tc_load_step<W, K, VEC>(ring[d], q, row0, n_out, n_in, d);
 }
 
+// The end of a tile: the WARPS warps' fragments acc (MT x NT m16n8 tiles of rows row0 on) added through red
+// (WARPS MT NT 128 floats: element ((mt NT + nt) 4 + i) 32 + lane of each warp) and stored as y[j n_out + r] =
+// sum xmul[j] scale[r] + b[r] for r < n_out, j < n (xmul null: 1; scale only for scaled weights). sync: the barrier
+// of the warps taking part, which the caller has passed before red is written.
+template <class S, class W, int MT, int NT, int WARPS, class Sync>
+__device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
+                                         const float* __restrict__ scale, const S* __restrict__ b,
+                                         const float* xmul, S* __restrict__ y, int n, int64_t n_out, Sync sync) {
+  constexpr int EL = MT * NT * 4 * 32;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp * EL + ((mt * NT + nt) * 4 + i) * 32 + lane] = acc[mt][nt][i];
+  sync();
+  for (int e = threadIdx.x; e < EL; e += WARPS * 32) {
+    float v = 0.f;
+    for (int w = 0; w < WARPS; ++w) v += red[w * EL + e];
+    const int ln = e & 31, i = (e >> 5) & 3, tile = e >> 7, nt = tile % NT, mt = tile / NT;
+    const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
+    const int j = nt * 8 + frag_c_n(ln, i);
+    if (r >= n_out || j >= n) continue;
+    float sc = xmul ? xmul[j] : 1.f;  // weights in the activation type: no scale
+    if constexpr (kScaled<W>) sc *= scale[r];
+    st(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f));
+  }
+}
+
 // One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of the input (rows r0 on,
 // read through xr). smem: xmul (16 floats), wmax (32 words), then staged x (n rows of rs halves, kc columns a
 // chunk); the warps' partial sums reuse it at the end. The block synchronizes before it stages, so it may be called
@@ -639,28 +669,9 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& x
       }
   }
 
-  // The warps' partial sums through shared memory: element e = ((mt NT + nt) 4 + i) 32 + lane of each warp.
-  constexpr int EL = MT * NT * 4 * 32;
-  float* red = reinterpret_cast<float*>(smem);
   __syncthreads();  // every warp is done reading xs and xmul
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[warp * EL + ((mt * NT + nt) * 4 + i) * 32 + lane] = acc[mt][nt][i];
-  __syncthreads();
-  for (int e = threadIdx.x; e < EL; e += WARPS * 32) {
-    float v = 0.f;
-    for (int w = 0; w < WARPS; ++w) v += red[w * EL + e];
-    const int ln = e & 31, i = (e >> 5) & 3, tile = e >> 7, nt = tile % NT, mt = tile / NT;
-    const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
-    const int j = nt * 8 + frag_c_n(ln, i);
-    if (r >= n_out || j >= n) continue;
-    float sc = 1.f;  // weights in the activation type: no scale
-    if constexpr (kScaled<W>) sc = scale[r];
-    st(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f));
-  }
+  tc_store<S, W, MT, NT, WARPS>(acc, reinterpret_cast<float*>(smem), warp, row0, scale, b, nullptr, y, n, n_out,
+                                [] { __syncthreads(); });
 }
 
 // As k_gemv: start null, one matrix; else blockIdx.y picks the blockIdx.y-th expert with rows, n rows a pass. The
@@ -766,7 +777,7 @@ void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b
       ri = {};
     }
     const XRows xr{ri.rows, int(ri.div), ri.swiglu};
-    if (tma_on() && gemv_tma<S, W>(x, in, q, scale, b, y, n, n_in, n_out, xr, start, E, R)) return;
+    if (!start && tma_on() && gemv_tma<S, W>(x, in, q, scale, b, y, n, n_in, n_out, xr)) return;
     gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, xr);
   } else {
     static_assert(std::is_same_v<S, float>, "wgemv::gemv: the CUDA-core GEMV is for fp32 activations");

@@ -1,20 +1,22 @@
 // The decode GEMV with its weights streamed by the TMA unit: y[n, n_out] = (x W^T) * scale + b for n <= 8 rows of
-// 16-bit x, W int8, fp8 or the activations' type, one matrix or experts with R <= 8 rows in all (gemv.cuh's gemv()
-// sends such products here with Q3VL_GEMV_TMA=1, dev::linear_fwd its bf16 ones with Q3VL_GEMV_TMA_DENSE=1: on trial
-// until a GPU has timed them; the register-ring kernel gemv_tc takes the rest: more rows, rows not a multiple of 128
-// bytes).
+// 16-bit x, W int8, fp8 or the activations' type, one matrix. gemv.cuh's gemv() sends its one-matrix products here,
+// dev::linear_fwd its bf16/fp16 ones of up to 8 rows (instead of cuBLASLt); Q3VL_GEMV_TMA=0 turns it off. The
+// register-ring kernel gemv_tc takes the rest: experts, more rows, rows not a multiple of 128 bytes, x over 48 KiB.
+// Measured (H100, 2026-12-05, docs/perf/2026-12-05-twentyfifth): one 8B stream's decode step 6.73 -> 6.38 ms in bf16
+// (against cuBLASLt), 4.44 -> 4.28 ms in fp8 (against the ring, at 4 consumer warps; 8 are faster in gemv_bench);
+// experts lost to the ring (30B-A3B 4.43 -> 4.94 ms: an expert's 1536 x 2048 is too few stages a block to fill the
+// ring), so they were dropped from this kernel.
 // Why: at one row a decode step's linears are each a few MB to 100 MB of weights read once. The register ring of
 // gemv_tc keeps 16-48 KiB an SM in flight, too little to cover HBM's latency at full rate (Little's law: ~4.8 TB/s x
 // ~1.5 us under load is ~7 MB, 55 KiB an SM), so the 8B's fp8 linears streamed at 1.5-2.8 TB/s (gemv_bench). Here
-// one TMA copy moves a 16 KiB stage, and a ring of stages keeps ~96 KiB an SM in flight from the kernel's first
-// instructions: before it waits for the kernel that writes x (launch_pdl), since nothing in a decode step writes
-// weights.
+// one TMA copy moves a 16 KiB stage, and a ring of stages keeps ~96 KiB an SM in flight. Before it waits for the
+// kernel that writes x (launch_pdl), the first stages are prefetched into L2 only (a hint: a training step's kernel
+// before may be writing the weights; loading them then could read stale data).
 //  - W is seen as 128-byte panels (tma.cuh's tmap_panels): a tile is 16 output rows (one mma row tile); a stage is
 //    K::kP consecutive panels of one tile (16 x 128 K::kP bytes, swizzled: gemv_tc_map.hpp's tma_offset).
 //  - a block is K::kCw consumer warps and one producer warp; blocks walk tiles blockIdx.x, + gridDim.x, ... (at most
 //    one block an SM), the producer's one lane issuing every stage of the block's tiles into the ring (mbarriers
-//    full/empty). Experts: the tiles of the experts with rows (found on the device after the wait), each expert's
-//    rows of the map at e n_out.
+//    full/empty).
 //  - x is staged once, all of n_in (tc_stage: the RowsIn gather and SwiGLU, bf16 x scaled into f16 for 8-bit W);
 //    consumer warp w takes panels w, w + kCw, ... of each stage, two warp steps of mma.m16n8k16 each (tc_step, lane
 //    chunks tma_chunk), and the warps' partial sums of a tile are added through shared memory.
@@ -28,7 +30,7 @@ template <int CW, int P, int STAGES> struct TmaKnobs {
   static_assert(CW >= 1 && CW <= 16 && P >= 1 && P <= 255 && STAGES >= 2, "wgemv: TMA knobs");
   static constexpr int kCw = CW, kP = P, kStages = STAGES;
 };
-using TmaAuto = TmaKnobs<4, 8, 6>;  // 4 consumer warps, 16 KiB stages, 96 KiB in flight
+using TmaAuto = TmaKnobs<8, 8, 6>;  // 8 consumer warps, 16 KiB stages, 96 KiB in flight (gemv_bench's best)
 
 constexpr int kTmaTile = 16;                          // output rows a tile
 constexpr int kTmaPanel = 128;                        // bytes of a panel's row (the 128-byte swizzle's span)
@@ -36,33 +38,30 @@ constexpr int kTmaPanelBytes = kTmaTile * kTmaPanel;  // 2 KiB
 constexpr int kTmaNb = 8;                             // x rows at most (one n-tile)
 constexpr size_t kTmaXBudget = 48 << 10;              // staged x: n rows of all n_in, as halves
 
-// Whether gemv() (8-bit weights, experts) takes the TMA kernel where it can: with Q3VL_GEMV_TMA=1, on trial until a
-// GPU has checked and timed it against the register ring (written 2026-12-05 with no device lent; tools/gpu/gemv_bench
-// and the call scripts of docs/perf/2026-12-05-twentyfifth do both). Benchmarks may flip it.
-inline bool& tma_on() {
-  static bool on = env_is("Q3VL_GEMV_TMA", "1");
+// Whether gemv() and linear_fwd take the TMA kernel where it can (Q3VL_GEMV_TMA=0: never, for A/B timings).
+inline bool tma_on() {
+  static const bool on = !env_is("Q3VL_GEMV_TMA", "0");
   return on;
 }
 
 template <class K> constexpr uint32_t tma_stage_bytes() { return uint32_t(K::kP) * kTmaPanelBytes; }
 
-// start null: one matrix, n rows of x. Else experts (W [E, n_out, n_in], the map's rows E n_out): all n = R rows
-// are staged, and the items are the tiles of the experts with rows (at most R), each against its own rows of x.
+// One block's tiles: blockIdx.x, + gridDim.x, ... of the n_out / 16 tiles, against all n rows of x.
 template <class S, class W, class K>
 __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
     k_gemv_tma(const __grid_constant__ CUtensorMap wmap, const S* __restrict__ in, XRows xr,
                const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in,
-               int64_t n_out, int rs, bool vec_x, const int32_t* __restrict__ start, int E) {
+               int64_t n_out, int rs, bool vec_x) {
   constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, NT = kTmaNb / 8, G = kGroup<W>;
   constexpr int PC = kTmaPanel / int(sizeof(W));  // columns of a panel
   constexpr uint32_t SB = tma_stage_bytes<K>();
   constexpr int EL = NT * 4 * 32;  // a warp's partial sums of a tile
   extern __shared__ float4 smem_tma[];
-  __shared__ int busy[kTmaNb + 1];  // experts: the experts with rows in order, their count last
   unsigned char* smraw = reinterpret_cast<unsigned char*>(smem_tma);
   // ring (1024-aligned for the swizzle), full and empty barriers, xmul/wmax (kTcHeader), the partial sums, x
   const uint32_t ring = (su32(smraw) + 1023u) & ~1023u;
-  unsigned char* after = smraw + (ring - su32(smraw)) + ST * SB;
+  unsigned char* ring_p = smraw + (ring - su32(smraw));  // the ring, a generic pointer
+  unsigned char* after = ring_p + ST * SB;
   const uint32_t full0 = su32(after), empty0 = full0 + 8 * ST;
   char* head = reinterpret_cast<char*>(after + 16 * ST);
   float* xmul = reinterpret_cast<float*>(head);
@@ -71,11 +70,10 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
   uint16_t* xs = reinterpret_cast<uint16_t*>(red + CW * EL);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int64_t tiles = (n_out + kTmaTile - 1) / kTmaTile;  // of one matrix
+  const int64_t tiles = (n_out + kTmaTile - 1) / kTmaTile;
   const int panels = int(n_in * int64_t(sizeof(W)) / kTmaPanel);
   const int spt = (panels + P - 1) / P;  // stages a tile
-  auto stages_of = [&](int64_t items) { return tma_block_stages(items, spt, blockIdx.x, gridDim.x); };
-  auto item_of = [&](int64_t i) { return tma_stage_item(i, spt, blockIdx.x, gridDim.x); };
+  const int64_t total = tma_block_stages(tiles, spt, blockIdx.x, gridDim.x);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, CW);
@@ -83,58 +81,40 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
   }
   __syncthreads();
   const bool producer = warp == CW;
-  auto issue = [&](int64_t i, uint64_t policy) {  // stage i of the block into its ring slot
+  // stage i of the block: its tile's first row in the map, then the copy into its ring slot
+  auto at = [&](int64_t i) { return int(tma_stage_item(i, spt, blockIdx.x, gridDim.x) * kTmaTile); };
+  auto issue = [&](int64_t i, uint64_t policy) {
     const int slot = int(i % ST);
-    const int64_t it = item_of(i), e = start ? busy[it / tiles] : 0;
+    if (i >= ST) mbar_wait(empty0 + 8 * slot, uint32_t((i / ST - 1) & 1));
     mbar_expect_tx(full0 + 8 * slot, SB);
-    tma_load_3d(ring + slot * SB, &wmap, 0, int(e * n_out + it % tiles * kTmaTile), int(i % spt) * P,
-                full0 + 8 * slot, policy);
+    tma_load_3d(ring + slot * SB, &wmap, 0, at(i), int(i % spt) * P, full0 + 8 * slot, policy);
   };
-  // Dense: the first stages go out before the wait (weights only: nothing the kernels before write). Experts need
-  // start, the router's output, first.
-  int64_t total = start ? 0 : stages_of(tiles);
-  const int64_t early = start ? 0 : total < ST ? total : ST;
-  if (producer && lane == 0) {
+  const int64_t early = total < ST ? total : ST;
+  const bool issuer = producer && lane == 0;
+  if (issuer) {  // before the wait, the first stages into L2 only: the kernel before may be writing W (training)
     tmap_prefetch(&wmap);
-    const uint64_t policy = l2_evict_first();
-    for (int64_t i = 0; i < early; ++i) issue(i, policy);
+    for (int64_t i = 0; i < early; ++i) tma_prefetch_3d(&wmap, 0, at(i), int(i % spt) * P);
   }
   pdl_wait();
-  if (start && warp == 0) {
-    int k = 0;
-    for (; k < kTmaNb; ++k) {
-      const int e = busy_expert(start, E, k);
-      if (e < 0) break;
-      if (lane == 0) busy[k] = e;
-    }
-    if (lane == 0) busy[kTmaNb] = k;
-  }
+  const uint64_t policy = l2_evict_first();
+  if (issuer)
+    for (int64_t i = 0; i < early; ++i) issue(i, policy);  // then into the ring, while x is staged
   tc_stage<S, W, CW + 1>(in, xr, 0, n, n_in, 0, int(n_in), vec_x, xs, rs, xmul, wmax);
   __syncthreads();
   pdl_trigger();
-  const int64_t items = start ? busy[kTmaNb] * tiles : tiles;
-  if (start) total = stages_of(items);
   if (producer) {
-    if (lane == 0) {
-      const uint64_t policy = l2_evict_first();
-      for (int64_t i = early; i < total; ++i) {
-        if (i >= ST) mbar_wait(empty0 + 8 * int(i % ST), uint32_t((i / ST - 1) & 1));
-        issue(i, policy);
-      }
-    }
+    if (issuer)
+      for (int64_t i = early; i < total; ++i) issue(i, policy);
     return;
   }
 
   int64_t i = 0;
-  for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const int e = start ? busy[it / tiles] : 0;
-    const int r0 = start ? start[e] : 0, m = start ? start[e + 1] - r0 : n;  // the item's x rows
-    const int64_t tile = it % tiles;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     float acc[1][NT][4] = {};
     for (int kp = 0; kp < spt; ++kp, ++i) {
       const int slot = int(i % ST);
       mbar_wait(full0 + 8 * slot, uint32_t((i / ST) & 1));
-      const unsigned char* stage = smraw + (ring - su32(smraw)) + slot * SB;
+      const unsigned char* stage = ring_p + slot * SB;
       for (int p = warp; p < P; p += CW) {
         const int pg = kp * P + p;  // the panel in the row
         if (pg >= panels) break;
@@ -144,7 +124,7 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
           const int c = tma_chunk(lane, s);
           const uint4 w[1][2] = {{*reinterpret_cast<const uint4*>(pb + tma_offset(g, c)),
                                   *reinterpret_cast<const uint4*>(pb + tma_offset(g + 8, c))}};
-          tc_step<W, kTmaNb, 1>(acc, w, xs + r0 * rs + pg * PC + c * G, rs, m, g);
+          tc_step<W, kTmaNb, 1>(acc, w, xs + pg * PC + c * G, rs, n, g);
         }
       }
       __syncwarp();
@@ -152,53 +132,37 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
     }
     // The consumer warps' partial sums of the tile, added through shared memory.
     bar_sync(1, CW * 32);  // the previous tile's sums are read
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) red[warp * EL + (nt * 4 + k) * 32 + lane] = acc[0][nt][k];
-    bar_sync(1, CW * 32);
-    for (int el = threadIdx.x; el < EL; el += CW * 32) {
-      float v = 0.f;
-      for (int w = 0; w < CW; ++w) v += red[w * EL + el];
-      const int ln = el & 31, k = (el >> 5) & 3, nt = el >> 7;
-      const int64_t r = tile * kTmaTile + frag_c_row(ln, k);
-      const int j = nt * 8 + frag_c_n(ln, k);
-      if (r >= n_out || j >= m) continue;
-      float sc = xmul[r0 + j];  // undoes x's scaling (1 where none)
-      if constexpr (kScaled<W>) sc *= scale[int64_t(e) * n_out + r];
-      st(y, int64_t(r0 + j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f));
-    }
+    tc_store<S, W, 1, NT, CW>(acc, red, warp, tile * kTmaTile, scale, b, xmul, y, n, n_out,
+                              [] { bar_sync(1, CW * 32); });
   }
 }
 
 // Whether gemv_tma takes an n x n_in by n_in x n_out product of weights W (given 16-byte aligned weights and a driver
-// that encodes the map): rows of whole 128-byte panels, n <= 8 rows of x (experts: all R rows) whose n_in columns
-// fit kTmaXBudget as halves.
+// that encodes the map): rows of whole 128-byte panels, n <= 8 rows of x whose n_in columns fit kTmaXBudget as halves.
+template <class W> size_t tma_x_bytes(int64_t n, int64_t n_in) {  // n staged rows of x as halves, padded
+  return 2 * size_t(n) * size_t(n_in + kTcPad<W>);
+}
 template <class W> bool tma_takes(int64_t n, int64_t n_in, int64_t n_out) {
   const int64_t row_bytes = n_in * int64_t(sizeof(W));
-  return n >= 1 && n <= kTmaNb && n_out >= 1 && n_out / kTmaTile < (int64_t(1) << 31) && row_bytes >= kTmaPanel &&
-         row_bytes % kTmaPanel == 0 && 2 * size_t(n) * size_t(n_in + kTcPad<W>) <= kTmaXBudget;
+  return n >= 1 && n <= kTmaNb && n_out >= 1 && n_out < (int64_t(1) << 31) && row_bytes >= kTmaPanel &&
+         row_bytes % kTmaPanel == 0 && tma_x_bytes<W>(n, n_in) <= kTmaXBudget;
 }
 
-// The TMA GEMV when it takes the product, arguments as gemv_tc's (experts: start[E + 1] on the device, R rows in all,
-// every row staged: R <= 8); false: not taken, nothing launched.
+// The TMA GEMV when it takes the product, arguments as gemv_tc's for one matrix; false: not taken, nothing launched.
 template <class S, class W, class K = TmaAuto>
 bool gemv_tma(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
-              int64_t n_out, const XRows& xr = {}, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
+              int64_t n_out, const XRows& xr = {}) {
   static_assert(kTcOk<S, W>, "wgemv::gemv_tma: 16-bit activations, weights int8, fp8 or the activation type");
-  const int64_t rows = start ? R : n;  // staged x rows
-  if (!tma_takes<W>(rows, n_in, n_out) || (start && (E < 1 || E * n_out >= (int64_t(1) << 31)))) return false;
+  if (!tma_takes<W>(n, n_in, n_out)) return false;
   const int64_t row_bytes = n_in * int64_t(sizeof(W)), rs = n_in + kTcPad<W>;
-  const size_t xbytes = 2 * size_t(rows) * size_t(rs);
   CUtensorMap m;
-  if (!tmap_panels(m, q, start ? E * n_out : n_out, row_bytes, kTmaTile, K::kP)) return false;
+  if (!tmap_panels(m, q, n_out, row_bytes, kTmaTile, K::kP)) return false;
   const size_t smem = 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
-                      sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + xbytes;
-  const int64_t tiles = (n_out + kTmaTile - 1) / kTmaTile * (start ? std::min(E, R) : 1);  // at most
-  const unsigned grid = unsigned(std::min<int64_t>(tiles, sm_count()));
+                      sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + tma_x_bytes<W>(n, n_in);
+  const unsigned grid = unsigned(std::min<int64_t>((n_out + kTmaTile - 1) / kTmaTile, sm_count()));
   const bool vec_x = n_in % 8 == 0 && aligned16(in);
-  launch_pdl(k_gemv_tma<S, W, K>, dim3(grid), (K::kCw + 1) * 32, smem, stream_of(x), m, in, xr, scale, b, y,
-             int(rows), n_in, n_out, int(rs), vec_x, start, int(E));
+  launch_pdl(k_gemv_tma<S, W, K>, dim3(grid), (K::kCw + 1) * 32, smem, stream_of(x), m, in, xr, scale, b, y, int(n),
+             n_in, n_out, int(rs), vec_x);
   return true;
 }
 

@@ -79,6 +79,14 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* m, 
       : "memory");
 }
 
+// A hint, no result: the L2 starts pulling the box at {x, y, z} of m from HBM. Like l2_prefetch, never stale: a write
+// that lands after it updates the L2's copy.
+__device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* m, int x, int y, int z) {
+  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(m)), "r"(x), "r"(y), "r"(z)
+               : "memory");
+}
+
 // Bulk asynchronous copies (the copy engine) from shared to global memory, contiguous: dst[0 .. bytes) = src, or +=
 // src (fp32, reduced in L2); bytes and both addresses multiples of 16. Grouped per thread: commit closes a group;
 // wait_read<N> waits until at most N of this thread's groups still read their shared source; wait_all: all done.
