@@ -18,6 +18,7 @@
 // Experts ("30B-A3B experts", E = 128): R = 8 N rows (top-8 routing) over the experts (8 k + (5 r) % 96) % 128 of
 // rep k, k rotating over 16 tables so that consecutive reps read mostly other experts; W bytes are those of the
 // experts with rows. cuBLASLt is not timed there (a launch per expert); the reference is its product per expert.
+// Last, a second table: serving's greedy argmax (dev::argmax_rows) over 1, 8 and 64 rows of 151,936 fp32 logits.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -272,6 +273,28 @@ bool bench_experts(const dev::Exec& x, const Dense& s, const bf16* in, int reps)
   return bad;
 }
 
+// Serving's greedy pick after the LM head (dev::argmax_rows, checked by the op table): S rows of the 8B's fp32
+// logits, one line per S.
+void bench_argmax(const dev::Exec& x, int reps) {
+  constexpr int64_t V = 151936;
+  float* lg;
+  int32_t* idx;
+  float* val;
+  Q3VL_CU(cudaMalloc(&lg, sizeof(float) * 64 * V));
+  Q3VL_CU(cudaMalloc(&idx, sizeof(int32_t) * 64));
+  Q3VL_CU(cudaMalloc(&val, sizeof(float) * 64));
+  Q3VL_CU(cudaMemsetAsync(lg, 0, sizeof(float) * 64 * V, dev::cuda::stream_of(x)));
+  std::printf("\n| argmax_rows | rows x %lld | us | GB/s |\n|---|---|---|---|\n", (long long)V);
+  for (int64_t S : {1, 8, 64}) {
+    const Timing tm = gpu_bench::time_median(dev::cuda::stream_of(x), reps, 5, [&](int) {
+      dev::cuda::argmax_rows(x, lg, S, V, 0, V, nullptr, 0, idx, val);
+    });
+    std::printf("| argmax_rows | %lld | %s | %s |\n", (long long)S, us_cell(tm).c_str(),
+                fmt(4.0 * double(S * V) / tm.us / 1e3, "%.0f").c_str());
+  }
+  for (void* v : {(void*)lg, (void*)idx, (void*)val}) Q3VL_CU(cudaFree(v));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -299,6 +322,7 @@ int main(int argc, char** argv) {
     Q3VL_LAUNCHED();
     for (const Dense& s : dense) bad |= bench_dense(x, s, in, reps);
     for (const Dense& s : experts) bad |= bench_experts(x, s, in, reps);
+    bench_argmax(x, reps);
     Q3VL_CU(cudaFree(in));
     dev::cuda::destroy_exec(x);
   } catch (const std::exception& e) {

@@ -4,7 +4,7 @@
 # (1) the op table's linear and argmax cases (argmax_rows now reads float4s, 4 in flight a thread), DevInfer.* and
 # Golden.* on the defaults; (2) one stream each of the 8B fp8, the 8B bf16 and the 30B-A3B bf16, on the default and
 # with Q3VL_GEMV_TMA=0 (the ring and cuBLASLt) back to back;
-# (3) gemv_bench. Each step only while the call has room.
+# (3) gemv_bench (its last table: argmax_rows at 1, 8 and 64 rows). Each step only while the call has room.
 source tools/gpu/call_lib.sh call4
 Q3VL_OPS=linear,argmax unit_gpu 'BackendOps.*:DevInfer.*:Golden.*' 150
 left 80 && serve_one fp8_tma 8bfp8 80
