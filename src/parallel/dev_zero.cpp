@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "q3vl/core/debug.hpp"
+#include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/tensor/dev_host.hpp"
 
@@ -204,10 +205,22 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   }
   held_.assign(nu, -1), gbuf_.assign(nu, -1), done_.assign(nu, 0);
   model_.set_hooks(this);
+  if (ex_.device != Device::CUDA || off_ || env_is("Q3VL_OVERLAP_UPDATE", "0")) return;
+  ox_ = dev::make_exec(ex_.device, 0, ex_.gpu);  // the default priority, the lowest (the trainer's are the highest)
+  ev_upd_.assign(nu, nullptr);
+  for (const Run& r : runs_)
+    if (!ev_upd_[size_t(r.unit)]) ev_upd_[size_t(r.unit)] = dev::event_create(ex_);
+  ev_upd_go_ = dev::event_create(ex_), ev_upd_end_ = dev::event_create(ex_);
 }
 
 DevZero::~DevZero() {
   dev::synchronize(ex_);
+  if (ox_.stream) {
+    dev::synchronize(ox_);
+    for (void* e : ev_upd_) dev::event_destroy(ex_, e);
+    dev::event_destroy(ex_, ev_upd_go_), dev::event_destroy(ex_, ev_upd_end_);
+    dev::destroy_exec(ox_);
+  }
   if (stage_ == 3) model_.set_hooks(nullptr);
   for (void* p : {(void*)gshard_, (void*)gprev_, (void*)land_, wcopy_, wnext_, (void*)dmaster_, (void*)dm_, (void*)dv_})
     if (p) dev::release(ex_, p);
@@ -272,6 +285,7 @@ void DevZero::fill_host_params() {
 std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, void* stg, size_t slot) {
   Comm& c = comm(u);
   const int n = c.size();
+  await_update(int(&u - L_.units.data()), n == 1 ? ex_ : cx_);
   gathered_ += u.shard * n * int64_t(dtype_size(gd_));
   if (n == 1) {
     if (stream_ && !conv_) {
@@ -292,6 +306,7 @@ std::unique_ptr<CommRequest> DevZero::gather_unit(const ZeroUnit& u, void* dst, 
 
 // Host pieces and this layout's pieces are the same list (one zero_layout of the same group).
 void DevZero::from_host(const std::vector<ShardPiece>& host) {
+  join_update();
   Q3VL_CHECK(host.size() == L_.pieces.size(), "DevZero: the host engine's shard is another layout");
   for (size_t i = 0; i < host.size(); ++i) {
     const ShardPiece& h = host[i];
@@ -317,7 +332,8 @@ void DevZero::from_host(const std::vector<ShardPiece>& host) {
 
 // Partial offload: the device's part first goes down into the host's masters and moments (the host engine's own
 // memory when borrowed), which then hold the whole shard.
-void DevZero::to_host(const std::vector<ShardPiece>& host) const {
+void DevZero::to_host(const std::vector<ShardPiece>& host) {
+  join_update();
   for (const Run& r : runs_) {
     if (r.dev < 0) continue;
     dev::to_host(ex_, master_ + r.master, dmaster_ + r.dev, size_t(r.n) * 4);
@@ -366,17 +382,49 @@ void DevZero::make_runs(const std::vector<char>& host) {
       const ZeroLayout::Offs& o = L_.offs[i];
       Run* b = runs_.empty() ? nullptr : &runs_.back();
       const int64_t dev = host[u] ? -1 : ndev_;  // partial offload: the device's part, compacted
-      if (b && b->master + b->n == o.master && b->grad + b->n == o.comm && b->opt + b->n == o.opt &&
-          b->no_decay == p.no_decay && (b->dev < 0) == (dev < 0))
+      if (b && b->unit == int(u) && b->master + b->n == o.master && b->grad + b->n == o.comm &&
+          b->opt + b->n == o.opt && b->no_decay == p.no_decay && (b->dev < 0) == (dev < 0))
         b->n += p.count;
       else
-        runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay, dev});
+        runs_.push_back({o.master, o.comm, o.opt, p.count, p.no_decay, dev, int(u)});
       if (dev >= 0) ndev_ += p.count;
     }
 }
 
 void* DevZero::param_copy(const Run& r) const {
   return wcopy_ && (!off_ || r.dev >= 0) ? at(wcopy_, r.master, gd_) : nullptr;
+}
+
+void DevZero::update_runs(const RunFn& fn) {
+  if (!ox_.stream) {
+    for (const Run& r : runs_) fn(r, ex_);
+    return;
+  }
+  join_update();  // the last one (a step without a forward since, as after a skipped step's eval)
+  dev::event_record(ex_, ev_upd_go_);  // the gradients final, the norm taken
+  dev::event_wait(ox_, ev_upd_go_);
+  std::vector<std::vector<const Run*>> of(L_.units.size());
+  for (const Run& r : runs_) of[size_t(r.unit)].push_back(&r);
+  std::vector<int> order = order_[0];
+  for (size_t u = 0; u < of.size(); ++u) order.push_back(int(u));  // any unit the forward does not use, last
+  for (int u : order) {
+    if (of[size_t(u)].empty()) continue;
+    for (const Run* r : of[size_t(u)]) fn(*r, ox_);
+    of[size_t(u)].clear();  // a unit the forward uses twice (the LM head), updated once
+    dev::event_record(ox_, ev_upd_[size_t(u)]);
+  }
+  dev::event_record(ox_, ev_upd_end_);
+  upd_live_ = true;
+}
+
+void DevZero::await_update(int u, const dev::Exec& x) {
+  if (upd_live_ && ev_upd_[size_t(u)]) dev::event_wait(x, ev_upd_[size_t(u)]);
+}
+
+void DevZero::join_update() {
+  if (!upd_live_) return;
+  dev::event_wait(ex_, ev_upd_end_);
+  upd_live_ = false;
 }
 
 void DevZero::publish_device_part() {
@@ -475,6 +523,9 @@ void DevZero::upload_all(void* w) {
 }
 
 void DevZero::refresh_params(bool copies_written) {
+  // Stage 3 after an update on the device that wrote the copies: nothing to do (the next forward's units wait for it).
+  if (stage_ == 3 && copies_written && gathered_once_) return;
+  join_update();
   if (off_ && !stream_ && !gathered_once_) {  // start-up or a resume: every unit's masters up, into both copies
     upload_all(wcopy_);
     if (wnext_) dev::copy(ex_, wnext_, wcopy_, size_t(L_.master) * dtype_size(gd_));
@@ -531,6 +582,7 @@ void DevZero::begin_step() {
 
 void DevZero::after_backward() {
   if (stage_ != 2) return;
+  join_update();
   c2m();
   for (size_t i = 0; i < L_.units.size(); ++i)
     if (L_.units[i].trainable) reduce_unit(int(i), model_.grads() + gbase_[i]);
@@ -546,6 +598,7 @@ void DevZero::idle() {
 }
 
 void DevZero::finish_grads() {
+  join_update();
   if (stage_ != 1) zero_unreduced();  // stage 1 reduces here, below
   c2m();
   if (stage_ == 1)
@@ -568,7 +621,7 @@ void DevZero::begin_pass(bool backward) {
   slots_.resize(o.size());
   for (size_t k = 0; k < o.size(); ++k) slots_[k].unit = o[k];
   next_ = 0;
-  if (backward) std::fill(done_.begin(), done_.end(), 0), rs_next_ = 0;
+  if (backward) std::fill(done_.begin(), done_.end(), 0), rs_next_ = 0, join_update();
   c2m();  // the masters' dt copy, and everything before the pass
   if (!slots_.empty()) issue_gather(0);
 }
@@ -585,7 +638,7 @@ void DevZero::end_pass() {
   }
   if (backward_) reduce_done(slots_.size());
   if (backward_) Q3VL_CHECK(rs_next_ == rs_order_.size(), "ZeRO-3: gradients of some unit were never completed");
-  else drain();  // the forward's loss is read next
+  else join_update(), drain();  // the forward's loss is read next
   in_pass_ = false;
 }
 
@@ -630,6 +683,7 @@ void DevZero::enter_slot(size_t k) {
     if (split_) dev::event_wait(ex_, ev_ready_[size_t(s.buf)]);
   }
   if (solo_up_) dev::event_wait(ex_, ev_ready_[size_t(s.buf)]);
+  if (in_place(L_.units[u])) await_update(int(u), ex_);
   if (backward_ && k >= 2) reduce_done(k - 1);
   if (k + 1 < slots_.size()) issue_gather(k + 1);  // the next unit's gather, ahead of this unit's compute
   const ZeroUnit& z = L_.units[u];

@@ -14,6 +14,7 @@
 #include "q3vl/core/hash.hpp"
 #include "q3vl/tensor/dev.hpp"
 #include "q3vl/tensor/dev_host.hpp"
+#include "q3vl/tensor/dev_stream.hpp"
 #include "q3vl/tensor/ops.hpp"
 #include "q3vl/tensor/profile.hpp"
 
@@ -111,6 +112,14 @@ Exec make_exec(Device d, size_t ws_bytes, int gpu) {
   if (d == Device::CPU) return Exec{};
 #ifdef Q3VL_CUDA
   return cuda::make_exec(ws_bytes, gpu);
+#else
+  fail("this q3vl was built without CUDA (make CUDA=1)");
+#endif
+}
+Exec make_priority_exec(Device d, size_t ws_bytes, int gpu) {
+  if (d == Device::CPU) return Exec{};
+#ifdef Q3VL_CUDA
+  return cuda::make_priority_exec(ws_bytes, gpu);
 #else
   fail("this q3vl was built without CUDA (make CUDA=1)");
 #endif

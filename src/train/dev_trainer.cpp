@@ -10,6 +10,7 @@
 #include "q3vl/core/log.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
 #include "q3vl/runtime/nccl_comm.hpp"
+#include "q3vl/tensor/dev_stream.hpp"
 
 namespace q3vl {
 
@@ -59,13 +60,14 @@ std::unique_ptr<Comm> nccl_over(const Comm& c, const dev::Exec& ex) {
 DevTrainer::DevTrainer(Device d, int gpu, const ModelConfig& cfg, const std::vector<bool>& trainable, DType dt,
                        const DevBudget& budget, bool recompute, LossScaling ls, Comm& shard, Comm* replica, int stage,
                        bool gather_bf16, ExpertParallel* ep, const Offload& off)
-    : ex_(dev::make_exec(d, size_t(kWorkspaceBytes), gpu)), shard_(shard), ls_(ls) {
+    : ex_(dev::make_priority_exec(d, size_t(kWorkspaceBytes), gpu)), shard_(shard), ls_(ls) {
   // GPU ranks exchange device buffers over NCCL; CPU ranks' buffers are host memory, which MPI moves.
   Comm* dshard = &shard;
   Comm* drep = replica && replica->size() > 1 ? replica : nullptr;
   hybrid_ = drep != nullptr;
   // NCCL runs on a stream of its own (cx_), so that a unit's gather overlaps the compute before it.
-  if (d == Device::CUDA && (shard.size() > 1 || drep)) cx_ = dev::make_exec(d, 0, gpu);
+  // Both above the optimizer's stream (DevZero::update_runs overlaps the update with the next forward).
+  if (d == Device::CUDA && (shard.size() > 1 || drep)) cx_ = dev::make_priority_exec(d, 0, gpu);
   if (d == Device::CUDA && shard.size() > 1) nccl_shard_ = nccl_over(shard, cx_), dshard = nccl_shard_.get();
   if (d == Device::CUDA && drep) nccl_replica_ = nccl_over(*drep, cx_), drep = nccl_replica_.get();
   // Expert parallelism: rows over the group in order with the model's kernels; expert units over their replicas.
@@ -269,12 +271,12 @@ void DevTrainer::device_adamw(const AdamWConfig& hp, double lr, double g, int64_
   float* p = part ? zero_->dev_master() : zero_->master();
   float* m = part ? zero_->dev_exp_avg() : zero_->exp_avg();
   float* v = part ? zero_->dev_exp_avg_sq() : zero_->exp_avg_sq();
-  for (const DevZero::Run& r : zero_->runs()) {
-    if (part && r.dev < 0) continue;
+  zero_->update_runs([&](const DevZero::Run& r, const dev::Exec& ex) {
+    if (part && r.dev < 0) return;
     const int64_t x = part ? r.dev : r.master, o = part ? r.dev : r.opt;
-    dev::adamw(ex_, p + x, zero_->grads() + r.grad, m + o, v + o, r.n, hp.beta1, hp.beta2, hp.eps, lr,
+    dev::adamw(ex, p + x, zero_->grads() + r.grad, m + o, v + o, r.n, hp.beta1, hp.beta2, hp.eps, lr,
                r.no_decay ? 0.0 : hp.weight_decay, g, t, zero_->param_copy(r), zero_->gather_dtype());
-  }
+  });
   if (part) zero_->publish_device_part();
 }
 

@@ -368,7 +368,8 @@ std::vector<Case> all_cases(DType dt) {
         if (ct == dt) break;  // fp32 cases: one C dtype
       }
   // {1 and 8, 1152, 1000}: the TMA-fed GEMV's shapes (9 panels of 64 bf16 columns, a tile of 16 rows cut short),
-  // which linear_fwd takes for up to 8 rows whose x fits 48 KiB as halves; more rows: cuBLASLt.
+  // which linear_fwd takes for up to 8 rows whose x fits 48 KiB as halves under Q3VL_GEMV_TMA=1 (by default cuBLASLt
+  // takes them: gemv_tma.cuh's tma_wanted).
   for (auto [N, I, O] : {std::tuple<int64_t, int64_t, int64_t>{45, 96, 200}, {1, 64, 64}, {300, 1152, 512},
                          {1, 1152, 1000}, {8, 1152, 1000}}) {
     for (bool bias : {false, true}) {
@@ -438,9 +439,10 @@ std::vector<Case> all_cases(DType dt) {
   // The tensor-core GEMV's edges (16-bit activations; fp32 runs the CUDA-core one): n 1, 3, 8, 9 (two n-tiles), 16;
   // n_in 4136 (a 40-column tail past the 64-column warp steps), 72, 1001 (odd: scalar loads, unaligned x rows);
   // n_out 40 and 37 (row tiles of 16 cut short), 4104 (past 4096: the 4-warp knobs, gemv.cuh's launch_knobs).
-  // {1152, 1000} at n <= 8 is the TMA-fed GEMV's (gemv_tma.cuh: 9 panels of 128 bytes, two
+  // {1152, 1000} at 2 <= n <= 8 is the TMA-fed GEMV's (gemv_tma.cuh: 9 panels of 128 bytes, two
   // stages, the second mostly past the row; the last row tile cut short), as are {256, 1000} and {256, 20001} above
-  // (more tiles than blocks: a block's ring runs on across its tiles).
+  // (more tiles than blocks: a block's ring runs on across its tiles); at n = 1 under Q3VL_GEMV_TMA=1 (by default
+  // only matrices of 64 MiB or more: tma_wanted).
   // "wide": x rows with entries near +-1e5 beside ones near 1e-3 (bf16 x enters the f16 mmas scaled by a power of two
   // per row: no overflow, no clipping), and the last row all tiny; fp16 x takes 1e3 (3e4 overflowed y itself, fp16
   // too).

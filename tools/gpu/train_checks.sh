@@ -3,7 +3,7 @@
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
 #   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile big
-#   ring hostbase partial moe (BIG="235b": part big's 235B cut alone)
+#   ring hostbase partial moe overlap (BIG="235b": part big's 235B cut alone)
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -50,6 +50,12 @@
 # - partial (issue 29): partial offload (parallel.offload_ratio): the demo model in fp32, 20 steps, ratio 0.5 against
 #   the GPU's optimizer at 1 and 2 ranks, and delayed at 2 ranks against 1; then the 2B shape side by side in one call:
 #   the GPU's optimizer, and the delayed update with the host's part at RATIOS (default "0.7 0.5"): step and ratio.
+# - overlap (issue 30): the optimizer update overlapped with the next forward (DevZero::update_runs) against the same
+#   run with Q3VL_OVERLAP_UPDATE=0 (the update on the model's stream, then the forward): the same kernels on the same
+#   data, so every step's loss must be equal (bound 0), and two runs without the overlap must be (the bound's
+#   premise: the training is deterministic). The demo model, 20 steps, in bf16 on 1 rank and in fp32 on 2 ranks
+#   sharing the GPU (ZeRO-3 over NCCL: the gathers wait for the update on the communication stream); then a
+#   checkpoint at step 10 resumed on 1 rank against the straight run (1e-6).
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
@@ -282,6 +288,17 @@ print(f"2B training, steps 3-8: q3vl {tq:.0f} tokens/s (mfu {statistics.median(x
       f"{statistics.median(x['time']['step'] for x in q):.3f} s), transformers {th:.0f} tokens/s: {tq / th:.2f}x")
 PY
   pack
+fi
+
+if part overlap; then
+  run ov_1 1 120 $gpu model.dtype=bf16
+  Q3VL_OVERLAP_UPDATE=0 run ov0_1 1 120 $gpu model.dtype=bf16 && cmp ov_1 ov0_1 0
+  Q3VL_OVERLAP_UPDATE=0 run ov0b_1 1 120 $gpu model.dtype=bf16 && cmp ov0b_1 ov0_1 0
+  run ov_2 2 100 $gpu
+  Q3VL_OVERLAP_UPDATE=0 run ov0_2 2 100 $gpu && cmp ov_2 ov0_2 0
+  run ovhalf_1 1 100 $gpu model.dtype=bf16 train.stop_after=10 checkpoint.every=10
+  rm -rf /tmp/runs/ovres_1 && cp -r /tmp/runs/ovhalf_1 /tmp/runs/ovres_1
+  run ovres_1 1 100 $gpu model.dtype=bf16 train.resume=auto && cmp ovres_1 ov0_1 1e-6
 fi
 
 if part moe; then

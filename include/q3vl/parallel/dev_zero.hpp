@@ -135,12 +135,24 @@ class DevZero final : UnitHooks {
   DevZeroMemory memory() const { return mem_; }
 
   // Adjacent trainable pieces with the same flags: one optimizer launch each (partial offload: of the same side).
+  // A run never spans two units.
   struct Run {
     int64_t master = 0, grad = 0, opt = 0, n = 0;
     bool no_decay = false;
     int64_t dev = -1;  // offloaded with ratio < 1: kept on the device, at this offset of dev_master() and the moments
+    int unit = -1;
   };
   const std::vector<Run>& runs() const { return runs_; }
+  // The optimizer on the device: fn(run, exec) enqueues run's update on exec, for every run. Overlapped (stage 3, the
+  // optimizer on a GPU, not offloaded; Q3VL_OVERLAP_UPDATE=0: never): on a stream of its own, below the model's in
+  // priority, after the model's work so far, the units in the order the next forward uses them. That forward then
+  // runs beside it: the model's stream waits for a unit's update only where a pass first reads the unit (its gather,
+  // or binding it in place), and for all of it at the end of the forward and before anything else reads the shards
+  // (join_update). The same kernels on the same data, in another order: no element changes. Otherwise every run on
+  // the model's stream, in order.
+  using RunFn = std::function<void(const Run& r, const dev::Exec& x)>;
+  void update_runs(const RunFn& fn);
+  bool overlaps_update() const { return ox_.stream != nullptr; }
 
   int stage() const { return stage_; }
   const ZeroLayout& layout() const { return L_; }
@@ -186,7 +198,7 @@ class DevZero final : UnitHooks {
 
   // Master shards and moments from (to) the host engine's pieces of the same layout: start-up, resume, checkpoints.
   void from_host(const std::vector<ShardPiece>& host);
-  void to_host(const std::vector<ShardPiece>& host) const;
+  void to_host(const std::vector<ShardPiece>& host);  // not const: joins an overlapped update first
   // After the masters changed (start-up, a resume, every update on the device): the dt copy (offloaded: after
   // from_host, every unit's, both copies when delayed; an offloaded update writes it itself), and stages 1/2 the
   // model's weights. copies_written: the update on the device wrote every run's copy itself (param_copy); the frozen
@@ -235,6 +247,8 @@ class DevZero final : UnitHooks {
                   const SpanFn& fn);
   void make_runs(const std::vector<char>& host);  // host[unit] 0: the unit's runs are the device's part (Run::dev)
   void upload_all(void* w);  // offloaded: every unit's masters in gd_ up into the copy w
+  void await_update(int u, const dev::Exec& x);  // x waits for unit u's part of an overlapped update
+  void join_update();  // the model's stream waits for all of it (nothing if none is in flight)
   void settle(Comm& c, std::unique_ptr<CommRequest> r);  // MPI: wait now; NCCL: later (drain)
   void drain();  // the host waits for every request in flight (under the watchdog)
   void c2m();    // the communication stream waits for the work enqueued on the model's so far
@@ -302,6 +316,11 @@ class DevZero final : UnitHooks {
   bool backward_ = false, in_pass_ = false;
   std::vector<int> held_, gbuf_;  // [unit] its slot, its gradient slot (-1: none)
   std::vector<char> done_;
+  // The overlapped update (update_runs).
+  dev::Exec ox_;                     // its stream (null: not overlapped)
+  std::vector<void*> ev_upd_;        // [unit] its runs updated (null: no runs)
+  void *ev_upd_go_ = nullptr, *ev_upd_end_ = nullptr;  // the model's work before it; all of it
+  bool upd_live_ = false;            // in flight: the model's stream has not waited for all of it
 };
 
 }  // namespace q3vl

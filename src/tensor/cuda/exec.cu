@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "q3vl/tensor/dev_host.hpp"
+#include "q3vl/tensor/dev_stream.hpp"
 #include "tensor/cuda/common.cuh"
 
 namespace q3vl::dev::cuda {
@@ -12,12 +13,15 @@ int device_count() {
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;  // no driver or no device: none
 }
 
-Exec make_exec(size_t ws_bytes, int gpu) {
+namespace {
+Exec exec_at(size_t ws_bytes, int gpu, bool high) {
   Q3VL_CU(cudaSetDevice(gpu));
   Exec x;
   x.device = Device::CUDA;
   cudaStream_t s = nullptr;
-  Q3VL_CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  int least = 0, greatest = 0;
+  Q3VL_CU(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  Q3VL_CU(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high ? greatest : least));
   x.stream = s;
   cublasLtHandle_t h = nullptr;
   Q3VL_CUBLAS(cublasLtCreate(&h));
@@ -27,6 +31,10 @@ Exec make_exec(size_t ws_bytes, int gpu) {
   x.gpu = gpu;
   return x;
 }
+}  // namespace
+
+Exec make_exec(size_t ws_bytes, int gpu) { return exec_at(ws_bytes, gpu, false); }
+Exec make_priority_exec(size_t ws_bytes, int gpu) { return exec_at(ws_bytes, gpu, true); }
 
 void destroy_exec(Exec& x) {
   if (x.stream) Q3VL_CU(cudaStreamSynchronize(stream_of(x)));  // pending work may still use ws

@@ -338,9 +338,10 @@ void gemm(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
 void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
                 int64_t n_out, DType dt) {
   if (N <= 0 || n_out <= 0) return;
-  // Up to 8 rows of 16-bit x (decode steps): the TMA-fed GEMV where it takes the product (3-8% faster than
-  // cuBLASLt in gemv_bench; one 8B bf16 stream's step 6.73 -> 6.38 ms on an H100).
-  if (wgemv::tma_on() && N <= wgemv::kTmaNb && (dt == DType::BF16 || dt == DType::F16)) {
+  // Up to 8 rows of 16-bit x (decode steps): the TMA-fed GEMV only when Q3VL_GEMV_TMA=1 (an H100 stream's bf16 step
+  // 6.73 -> 6.38 ms; the H200's 5.02 -> 5.24: cuBLASLt by default, gemv_tma.cuh's tma_wanted).
+  if (N <= wgemv::kTmaNb && (dt == DType::BF16 || dt == DType::F16) &&
+      wgemv::tma_wanted(N, n_in, n_out, dtype_size(dt), true)) {
     bool taken = false;
     by_dtype(dt, [&]<class S>() {
       if constexpr (!std::is_same_v<S, float>)

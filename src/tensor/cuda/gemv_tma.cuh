@@ -1,11 +1,13 @@
 // The decode GEMV with its weights streamed by the TMA unit: y[n, n_out] = (x W^T) * scale + b for n <= 8 rows of
-// 16-bit x, W int8, fp8 or the activations' type, one matrix. gemv.cuh's gemv() sends its one-matrix products here,
-// dev::linear_fwd its bf16/fp16 ones of up to 8 rows (instead of cuBLASLt); Q3VL_GEMV_TMA=0 turns it off. The
-// register-ring kernel gemv_tc takes the rest: experts, more rows, rows not a multiple of 128 bytes, x over 48 KiB.
-// Measured (H100, 2026-12-05, docs/perf/2026-12-05-twentyfifth): one 8B stream's decode step 6.73 -> 6.38 ms in bf16
-// (against cuBLASLt), 4.44 -> 4.28 ms in fp8 (against the ring, at 4 consumer warps; 8 are faster in gemv_bench);
-// experts lost to the ring (30B-A3B 4.43 -> 4.94 ms: an expert's 1536 x 2048 is too few stages a block to fill the
-// ring), so they were dropped from this kernel.
+// 16-bit x, W int8, fp8 or the activations' type, one matrix. gemv.cuh's gemv() sends the one-matrix products that
+// tma_wanted() picks here; the register-ring kernel gemv_tc takes the rest: experts, more rows, rows not a multiple of
+// 128 bytes, x over 48 KiB, and the small one-row matrices it streams faster.
+// Measured: on an H100 (2026-12-05, docs/perf/2026-12-05-twentyfifth) one 8B stream's decode step went 6.73 -> 6.38
+// ms in bf16 (against cuBLASLt), 4.44 -> 4.28 ms in fp8 (against the ring); on the H200 (2026-12-06,
+// docs/perf/2026-12-06-twentyseventh/call1) bf16 lost (5.02 -> 5.24 ms: cuBLASLt streams the 8B's gate_up at 3.97
+// TB/s, this kernel at 3.66) and fp8 gained little (3.78 -> 3.74 ms: the ring is faster on the one-row qkv, o_proj
+// and down, this kernel on gate_up and the LM head and at 2-4 rows everywhere). Experts lost to the ring on both
+// (a 30B-A3B expert's 1536 x 2048 is too few stages a block to fill the ring), so they were dropped from it.
 // Why: at one row a decode step's linears are each a few MB to 100 MB of weights read once. The register ring of
 // gemv_tc keeps 16-48 KiB an SM in flight, too little to cover HBM's latency at full rate (Little's law: ~4.8 TB/s x
 // ~1.5 us under load is ~7 MB, 55 KiB an SM), so the 8B's fp8 linears streamed at 1.5-2.8 TB/s (gemv_bench). Here
@@ -38,10 +40,16 @@ constexpr int kTmaPanelBytes = kTmaTile * kTmaPanel;  // 2 KiB
 constexpr int kTmaNb = 8;                             // x rows at most (one n-tile)
 constexpr size_t kTmaXBudget = 48 << 10;              // staged x: n rows of all n_in, as halves
 
-// Whether gemv() and linear_fwd take the TMA kernel where it can (Q3VL_GEMV_TMA=0: never, for A/B timings).
-inline bool tma_on() {
-  static const bool on = !env_is("Q3VL_GEMV_TMA", "0");
-  return on;
+// Whether the TMA kernel should take a product of n rows of a [n_out, n_in] matrix of `wsize`-byte weights that
+// tma_takes(): Q3VL_GEMV_TMA unset, where the H200 measured it fastest (gemv_bench, docs/perf/2026-12-06-twentyseventh):
+// 8-bit weights at 2 to 8 rows, or a matrix of 64 MiB or more (the 8B's fp8 gate_up 32.4 us against the ring's 36.2,
+// its LM head 152 against 186; qkv, o_proj and down, 17-50 MB, lose by 0-15% at one row); never for 16-bit weights
+// (`dense16`: linear_fwd's, where cuBLASLt is faster at every 8B shape but o_proj). "0": never; "1": wherever it takes
+// the product (A/B timings, and the op table's cases through it at one row).
+inline bool tma_wanted(int64_t n, int64_t n_in, int64_t n_out, size_t wsize, bool dense16) {
+  static const int mode = env_is("Q3VL_GEMV_TMA", "0") ? 0 : env_is("Q3VL_GEMV_TMA", "1") ? 2 : 1;
+  if (mode != 1) return mode == 2;
+  return !dense16 && (n >= 2 || double(n_in) * double(n_out) * double(wsize) >= double(64 << 20));
 }
 
 template <class K> constexpr uint32_t tma_stage_bytes() { return uint32_t(K::kP) * kTmaPanelBytes; }
