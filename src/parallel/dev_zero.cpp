@@ -205,7 +205,7 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   }
   held_.assign(nu, -1), gbuf_.assign(nu, -1), done_.assign(nu, 0);
   model_.set_hooks(this);
-  if (ex_.device != Device::CUDA || off_ || env_is("Q3VL_OVERLAP_UPDATE", "0")) return;
+  if (ex_.device != Device::CUDA || off_ || !env_is("Q3VL_OVERLAP_UPDATE", "1")) return;  // opt-in until a GPU checks it
   ox_ = dev::make_exec(ex_.device, 0, ex_.gpu);  // the default priority, the lowest (the trainer's are the highest)
   ev_upd_.assign(nu, nullptr);
   for (const Run& r : runs_)

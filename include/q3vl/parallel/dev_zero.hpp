@@ -143,16 +143,15 @@ class DevZero final : UnitHooks {
     int unit = -1;
   };
   const std::vector<Run>& runs() const { return runs_; }
-  // The optimizer on the device: fn(run, exec) enqueues run's update on exec, for every run. Overlapped (stage 3, the
-  // optimizer on a GPU, not offloaded; Q3VL_OVERLAP_UPDATE=0: never): on a stream of its own, below the model's in
-  // priority, after the model's work so far, the units in the order the next forward uses them. That forward then
-  // runs beside it: the model's stream waits for a unit's update only where a pass first reads the unit (its gather,
-  // or binding it in place), and for all of it at the end of the forward and before anything else reads the shards
-  // (join_update). The same kernels on the same data, in another order: no element changes. Otherwise every run on
-  // the model's stream, in order.
+  // The optimizer on the device: fn(run, exec) enqueues run's update on exec, for every run. Overlapped (stage 3,
+  // the optimizer on a GPU, not offloaded; opt-in, Q3VL_OVERLAP_UPDATE=1, until a GPU has checked it): on a stream of
+  // its own, below the model's in priority, after the model's work so far, the units in the order the next forward
+  // uses them. That forward then runs beside it: the model's stream waits for a unit's update only where a pass first
+  // reads the unit (its gather, or binding it in place), and for all of it at the end of the forward and before
+  // anything else reads the shards (join_update). The same kernels on the same data, in another order: no element
+  // changes. Otherwise every run on the model's stream, in order.
   using RunFn = std::function<void(const Run& r, const dev::Exec& x)>;
   void update_runs(const RunFn& fn);
-  bool overlaps_update() const { return ox_.stream != nullptr; }
 
   int stage() const { return stage_; }
   const ZeroLayout& layout() const { return L_; }

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# call 3 (twenty-seventh session): the 30B-A3B cut (input/bench_30b_a3b_gpu.deck: 1 x 4096 tokens a step) with the
-# optimizer update overlapped with the next forward (the default) and with Q3VL_OVERLAP_UPDATE=0, transformers beside
-# them; then the 2B shape both ways, while the call has room.
+# call 3 (twenty-seventh session): (1) the op table's linear and argmax cases, DevInfer.* and Golden.* with the new
+# GEMV defaults (bf16 on cuBLASLt; the TMA GEMV for 8-bit products of 2-8 rows or 64 MiB), and the 8-bit linear cases
+# again with Q3VL_GEMV_TMA=1 (every one-row product through the TMA GEMV); (2) one stream of the 8B bf16 and fp8 on
+# the new defaults, the bf16 also with Q3VL_GEMV_TMA=1; (3) the 2B shape with the overlapped update and without.
+# Each step only while the call has room.
 source tools/gpu/call_lib.sh call3
-train_prof q30b input/bench_30b_a3b_gpu.deck 100 run.profile_top=0
-Q3VL_OVERLAP_UPDATE=0 train_prof q30b_off input/bench_30b_a3b_gpu.deck 100 run.profile_top=0
-left 150 && hf_train hf30b 150 --preset 30B-A3B --text-layers 6 --batch 1 --seq 4096
-[[ -f $out/hf30b.jsonl ]] && { ratio q30b hf30b "30B-A3B x 6, overlapped update"; ratio q30b_off hf30b "30B-A3B x 6, Q3VL_OVERLAP_UPDATE=0"; }
-prof_rows q30b q30b_off
+Q3VL_OPS=linear,argmax unit_gpu 'BackendOps.*:DevInfer.*:Golden.*' 150
+mv "$out/unit.log" "$out/unit_default.log"
+left 60 && { Q3VL_GEMV_TMA=1 Q3VL_OPS=linear_q8 unit_gpu 'BackendOps.*' 60; mv "$out/unit.log" "$out/unit_tma1.log"; }
+left 60 && serve_one bf16 8b 60
+left 60 && serve_one fp8 8bfp8 60
+left 60 && serve_one bf16_tma1 8b 60 Q3VL_GEMV_TMA=1
 left 130 && train_prof q2b input/bench_2b_gpu.deck 130 run.profile_top=0
 left 130 && Q3VL_OVERLAP_UPDATE=0 train_prof q2b_off input/bench_2b_gpu.deck 130 run.profile_top=0
 say "done $((SECONDS - T0)) s"; pack
