@@ -205,11 +205,20 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   }
   held_.assign(nu, -1), gbuf_.assign(nu, -1), done_.assign(nu, 0);
   model_.set_hooks(this);
-  if (ex_.device != Device::CUDA || off_ || !env_is("Q3VL_OVERLAP_UPDATE", "1")) return;  // opt-in until a GPU checks it
+  if (ex_.device != Device::CUDA || off_ || env_is("Q3VL_OVERLAP_UPDATE", "0")) return;
   ox_ = dev::make_exec(ex_.device, 0, ex_.gpu);  // the default priority, the lowest (the trainer's are the highest)
+  // The units in the order the next forward first reads them, then any it does not read; each unit's runs.
+  std::vector<std::vector<int>> of(nu);
+  for (size_t i = 0; i < runs_.size(); ++i) of[size_t(runs_[i].unit)].push_back(int(i));
+  std::vector<int> order = order_[0];
+  for (size_t u = 0; u < nu; ++u) order.push_back(int(u));
   ev_upd_.assign(nu, nullptr);
-  for (const Run& r : runs_)
-    if (!ev_upd_[size_t(r.unit)]) ev_upd_[size_t(r.unit)] = dev::event_create(ex_);
+  for (int u : order)
+    if (!of[size_t(u)].empty()) {  // a unit the forward reads twice (the LM head) is updated once
+      upd_plan_.push_back({u, std::move(of[size_t(u)])});
+      ev_upd_[size_t(u)] = dev::event_create(ex_);
+      of[size_t(u)].clear();
+    }
   ev_upd_go_ = dev::event_create(ex_), ev_upd_end_ = dev::event_create(ex_);
 }
 
@@ -403,15 +412,9 @@ void DevZero::update_runs(const RunFn& fn) {
   join_update();  // the last one (a step without a forward since, as after a skipped step's eval)
   dev::event_record(ex_, ev_upd_go_);  // the gradients final, the norm taken
   dev::event_wait(ox_, ev_upd_go_);
-  std::vector<std::vector<const Run*>> of(L_.units.size());
-  for (const Run& r : runs_) of[size_t(r.unit)].push_back(&r);
-  std::vector<int> order = order_[0];
-  for (size_t u = 0; u < of.size(); ++u) order.push_back(int(u));  // any unit the forward does not use, last
-  for (int u : order) {
-    if (of[size_t(u)].empty()) continue;
-    for (const Run* r : of[size_t(u)]) fn(*r, ox_);
-    of[size_t(u)].clear();  // a unit the forward uses twice (the LM head), updated once
-    dev::event_record(ox_, ev_upd_[size_t(u)]);
+  for (const UnitRuns& p : upd_plan_) {
+    for (int i : p.runs) fn(runs_[size_t(i)], ox_);
+    dev::event_record(ox_, ev_upd_[size_t(p.unit)]);
   }
   dev::event_record(ox_, ev_upd_end_);
   upd_live_ = true;

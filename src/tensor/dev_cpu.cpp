@@ -108,22 +108,20 @@ int device_count() {
 #endif
 }
 
-Exec make_exec(Device d, size_t ws_bytes, int gpu) {
+namespace {
+Exec exec_of(Device d, size_t ws_bytes, int gpu, bool high) {
   if (d == Device::CPU) return Exec{};
 #ifdef Q3VL_CUDA
-  return cuda::make_exec(ws_bytes, gpu);
+  return high ? cuda::make_priority_exec(ws_bytes, gpu) : cuda::make_exec(ws_bytes, gpu);
 #else
+  (void)ws_bytes, (void)gpu, (void)high;
   fail("this q3vl was built without CUDA (make CUDA=1)");
 #endif
 }
-Exec make_priority_exec(Device d, size_t ws_bytes, int gpu) {
-  if (d == Device::CPU) return Exec{};
-#ifdef Q3VL_CUDA
-  return cuda::make_priority_exec(ws_bytes, gpu);
-#else
-  fail("this q3vl was built without CUDA (make CUDA=1)");
-#endif
-}
+}  // namespace
+
+Exec make_exec(Device d, size_t ws_bytes, int gpu) { return exec_of(d, ws_bytes, gpu, false); }
+Exec make_priority_exec(Device d, size_t ws_bytes, int gpu) { return exec_of(d, ws_bytes, gpu, true); }
 void destroy_exec(Exec& x) { ON_CUDA(x, destroy_exec(x)); }
 void synchronize(const Exec& x) {
   PROFILED_IF(x.device == Device::CUDA, Exec{}, "synchronize", {}, prof::Kind::HostWait);

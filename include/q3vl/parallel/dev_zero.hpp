@@ -144,9 +144,9 @@ class DevZero final : UnitHooks {
   };
   const std::vector<Run>& runs() const { return runs_; }
   // The optimizer on the device: fn(run, exec) enqueues run's update on exec, for every run. Overlapped (stage 3,
-  // the optimizer on a GPU, not offloaded; opt-in, Q3VL_OVERLAP_UPDATE=1, until a GPU has checked it): on a stream of
-  // its own, below the model's in priority, after the model's work so far, the units in the order the next forward
-  // uses them. That forward then runs beside it: the model's stream waits for a unit's update only where a pass first
+  // the optimizer on a GPU, not offloaded; Q3VL_OVERLAP_UPDATE=0 turns it off for A/B runs): on a stream of its
+  // own, below the model's in priority, after the model's work so far, the units in the order the next forward uses
+  // them. That forward then runs beside it: the model's stream waits for a unit's update only where a pass first
   // reads the unit (its gather, or binding it in place), and for all of it at the end of the forward and before
   // anything else reads the shards (join_update). The same kernels on the same data, in another order: no element
   // changes. Otherwise every run on the model's stream, in order.
@@ -317,6 +317,11 @@ class DevZero final : UnitHooks {
   std::vector<char> done_;
   // The overlapped update (update_runs).
   dev::Exec ox_;                     // its stream (null: not overlapped)
+  struct UnitRuns {
+    int unit;
+    std::vector<int> runs;  // indices into runs_
+  };
+  std::vector<UnitRuns> upd_plan_;   // the units with runs, in the order the next forward first reads them
   std::vector<void*> ev_upd_;        // [unit] its runs updated (null: no runs)
   void *ev_upd_go_ = nullptr, *ev_upd_end_ = nullptr;  // the model's work before it; all of it
   bool upd_live_ = false;            // in flight: the model's stream has not waited for all of it

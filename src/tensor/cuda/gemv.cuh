@@ -777,7 +777,9 @@ void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b
       ri = {};
     }
     const XRows xr{ri.rows, int(ri.div), ri.swiglu};
-    if (!start && tma_wanted(n, n_in, n_out, sizeof(W), false) && gemv_tma<S, W>(x, in, q, scale, b, y, n, n_in, n_out, xr)) return;
+    if (!start && tma_wanted(n, n_in, n_out, sizeof(W), false) &&
+        gemv_tma<S, W>(x, in, q, scale, b, y, n, n_in, n_out, xr))
+      return;
     gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, xr);
   } else {
     static_assert(std::is_same_v<S, float>, "wgemv::gemv: the CUDA-core GEMV is for fp32 activations");
