@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 
+#include "q3vl/core/env.hpp"
+
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/gemv.cuh"
 
@@ -46,8 +48,16 @@ void gemv(const Exec& x, const void* in, const void* q, const float* scale, cons
 }
 
 // ---- dequantize + GEMM (larger N) ---------------------------------------------------------------------------------
-constexpr size_t kGemmWs = size_t(32) << 20;    // the head of ws left to cuBLASLt (as gemm.cu uses at most)
-constexpr size_t kTileBytes = size_t(32) << 20;  // a dequantized tile: large GEMMs, still mostly L2-resident
+constexpr size_t kGemmWs = size_t(32) << 20;  // the head of ws left to cuBLASLt (as gemm.cu uses at most)
+// The most bytes of one dequantized tile: all of ws after cuBLASLt's head (the 8B's whole gate_up fits the serving
+// workspace's 224 MiB), so that a prefill chunk's product is one GEMM of the bf16 product's shape. Tiles of 32 MiB
+// (to keep them in L2) cut the 8B's qkv into 4096 + 2048 and its down_proj into 1344-column GEMMs that cuBLASLt ran at
+// 27-38 TFLOP/s at 274 rows (docs/perf/2026-12-06-twentyeighth/call2h: 3.6x and 6x the bf16 GEMMs' time).
+// Q3VL_Q8_TILE_MIB=N caps it at N MiB (A/B runs).
+size_t tile_cap() {
+  static const int64_t mib = env_positive("Q3VL_Q8_TILE_MIB", 0);
+  return mib ? size_t(mib) << 20 : SIZE_MAX;
+}
 
 // Four consecutive weights (a 32-bit word, byte k weight k) and one weight, as fp32 (exact).
 template <class W>
@@ -112,7 +122,7 @@ void q8_dequant_gemm(const Exec& x, const void* in, const void* q, const float* 
   const size_t es = dtype_size(dt);
   const size_t gemm_ws = std::min(kGemmWs, x.ws_bytes / 4) / 256 * 256;
   const size_t row_bytes = std::max<size_t>(1, size_t(std::max<int64_t>(n_in, 0)) * es);
-  const size_t avail = std::min(x.ws_bytes - gemm_ws, std::max(kTileBytes, row_bytes));
+  const size_t avail = std::min(x.ws_bytes - gemm_ws, std::max(tile_cap(), row_bytes));
   int64_t R = std::min<int64_t>(n_out, int64_t(avail / row_bytes));
   if (R < 1)
     fail("dev::linear_q8_fwd: the Exec's workspace (Exec::ws, " + std::to_string(x.ws_bytes) +
