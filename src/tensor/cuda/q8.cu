@@ -52,8 +52,8 @@ constexpr size_t kGemmWs = size_t(32) << 20;  // the head of ws left to cuBLASLt
 // The most bytes of one dequantized tile: all of ws after cuBLASLt's head (the 8B's whole gate_up fits the serving
 // workspace's 224 MiB), so that a prefill chunk's product is one GEMM of the bf16 product's shape. Tiles of 32 MiB
 // (to keep them in L2) cut the 8B's qkv into 4096 + 2048 and its down_proj into 1344-column GEMMs that cuBLASLt ran at
-// 27-38 TFLOP/s at 274 rows (docs/perf/2026-12-06-twentyeighth/call2h: 3.6x and 6x the bf16 GEMMs' time).
-// Q3VL_Q8_TILE_MIB=N caps it at N MiB (A/B runs).
+// 27-38 TFLOP/s at 274 rows; whole, the 8B's fp8 mixed step of one prompt went 26.5 -> 21.6 ms (H100,
+// docs/perf/2026-12-06-twentyeighth/call3). Q3VL_Q8_TILE_MIB=N caps it at N MiB (A/B runs).
 size_t tile_cap() {
   static const int64_t mib = env_positive("Q3VL_Q8_TILE_MIB", 0);
   return mib ? size_t(mib) << 20 : SIZE_MAX;
