@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/model/dev_layers.hpp"
 #include "q3vl/model/params.hpp"
@@ -65,11 +66,12 @@ void DevDecoderScratch::carve(Arena& a, const TextConfig& tc, bool moe, int64_t 
 }
 
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt, int64_t row0, const dev::RowsIn& rin) {
+                int64_t n_out, DType dt, int64_t row0, const dev::RowsIn& rin, bool add) {
   if (P.q8 && P.q8[id])
     return dev::linear_q8_fwd(ex, x, P.q8[id] + row0 * n_in, P.s8[id] + row0, nullptr, y, N, n_in, n_out, P.qf, dt,
-                              rin);
-  Q3VL_CHECK(!rin.rows && !rin.swiglu, "dev_linear: only 8-bit weights read their input rows through a RowsIn");
+                              rin, add);
+  Q3VL_CHECK(!rin.rows && !rin.swiglu && !rin.norm && !add,
+             "dev_linear: only 8-bit weights read their input rows through a RowsIn or add to y");
   dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt);
 }
 
@@ -153,9 +155,15 @@ void qkv_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
   dev::qkv_to_cache_fwd(ex, c.qkv, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, c.k, c.v, nullptr, c.rq, c.rk,
                         cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
 }
+// How a decode step's dense MLP folds its neighbours (dev_decoder_infer): gate_up reads `norm_x` through the layer's
+// post-attention norm instead of reading c.ln2; down_proj adds its product to `add_to` instead of writing s.tmp.
+struct MlpFold {
+  const void* norm_x = nullptr;
+  void* add_to = nullptr;
+};
 // The second half of a layer's forward: c.ln2 -> dense SwiGLU MLP or MoE block -> s.tmp [N,H].
 void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, bool moe, int64_t N, float* probs,
-             int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt) {
+             int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt, const MlpFold& fold = {}) {
   const int64_t H = tc.hidden;
   if (moe) {
     const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
@@ -188,15 +196,17 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
   } else {
     const int64_t I = tc.intermediate;
-    dev_linear(ex, P, fused_gate_up(P, f, I, H, dt), c.ln2, c.gu, N, H, 2 * I, dt);
+    const dev::RowsIn norm{nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], float(tc.rms_eps)};
+    dev_linear(ex, P, fused_gate_up(P, f, I, H, dt), fold.norm_x ? fold.norm_x : c.ln2, c.gu, N, H, 2 * I, dt, 0,
+               fold.norm_x ? norm : dev::RowsIn{});
     dev_lora_fwd(ex, P, f + tlay::gate_proj, c.ln2, N, c.gu, 2 * I, dt);  // gate: columns [0, I) of gu
     dev_lora_fwd(ex, P, f + tlay::up_proj, c.ln2, N, at(c.gu, I, dt), 2 * I, dt);
     // 8-bit down_proj weights (serving) read the SwiGLU of gu as they stream in decode steps; c.act is then not
     // written, which only a LoRA adapter or a backward would read (neither runs with 8-bit weights).
     const bool fuse = P.q8 && P.q8[f + tlay::down_proj] && !P.lora;
     if (!fuse) dev::swiglu_fwd(ex, c.gu, c.act, N, I, dt);
-    dev_linear(ex, P, f + tlay::down_proj, fuse ? c.gu : c.act, s.tmp, N, I, H, dt, 0,
-               fuse ? dev::RowsIn{nullptr, 1, true, c.act} : dev::RowsIn{});
+    dev_linear(ex, P, f + tlay::down_proj, fuse ? c.gu : c.act, fold.add_to ? fold.add_to : s.tmp, N, I, H, dt, 0,
+               fuse ? dev::RowsIn{nullptr, 1, true, c.act} : dev::RowsIn{}, fold.add_to != nullptr);
     dev_lora_fwd(ex, P, f + tlay::down_proj, c.act, N, s.tmp, H, dt);
   }
 }
@@ -219,25 +229,41 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
   dev::axpy(ex, 1.f, s.tmp, x, N * H, dt);
 }
 
-void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
+namespace {
+bool q8(const DevParams& P, int id) { return P.q8 && P.q8[id]; }
+}  // namespace
+
+bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
                        int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
                        int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce,
                        const void* pending, DType dt) {
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   Q3VL_CHECK(!P.lora, "dev_decoder_infer: serving folds LoRA adapters into the weights first (lora_merge)");
-  dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, nullptr, c.r1, N, H, tc.rms_eps, dt);
+  // The folds (dev_layers.hpp): decode-sized steps, the GEMV's rows, whose sums stay on this rank.
+  static const bool fold_on = !env_is("Q3VL_DECODE_FOLD", "0");
+  const bool fold = fold_on && N <= 16 && !reduce;
+  const int qkv = fused_qkv(P, f, Dq, Dk, H, dt), gate_up = moe ? -1 : fused_gate_up(P, f, tc.intermediate, H, dt);
+  const bool norm_in = fold && !pending && q8(P, qkv), add_o = fold && q8(P, f + tlay::o_proj);
+  const bool norm_post = add_o && !moe && q8(P, gate_up), add_down = fold && !moe && q8(P, f + tlay::down_proj);
+  const float eps = float(tc.rms_eps);
+  if (!norm_in)
+    dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, nullptr, c.r1, N, H, tc.rms_eps, dt);
   // q_proj, k_proj and v_proj as one GEMM into [q | k | v] rows, then q and the new keys and values in one pass.
-  dev_linear(ex, P, fused_qkv(P, f, Dq, Dk, H, dt), c.ln1, c.qkv, N, H, Dq + 2 * Dk, dt);
+  dev_linear(ex, P, qkv, norm_in ? x : c.ln1, c.qkv, N, H, Dq + 2 * Dk, dt, 0,
+             norm_in ? dev::RowsIn{nullptr, 1, false, c.ln1, P.p[f + tlay::in_norm], eps} : dev::RowsIn{});
   dev::qkv_to_cache_fwd(ex, c.qkv, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, nullptr,
                         nullptr, cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
                            kv.max_q, kv.max_ctx, kv.keys, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
-  dev_linear(ex, P, f + tlay::o_proj, c.att, s.tmp, N, Dq, H, dt);
+  dev_linear(ex, P, f + tlay::o_proj, c.att, add_o ? x : s.tmp, N, Dq, H, dt, 0, {}, add_o);
   if (reduce) reduce(s.tmp, N * H);
-  dev::residual_rmsnorm_fwd(ex, s.tmp, x, P.p[f + tlay::post_norm], c.ln2, nullptr, c.r2, N, H, tc.rms_eps, dt);
-  mlp_fwd(ex, tc, P, f, moe, N, probs, idx, c, s, dt);
+  if (!norm_post)
+    dev::residual_rmsnorm_fwd(ex, add_o ? nullptr : s.tmp, x, P.p[f + tlay::post_norm], c.ln2, nullptr, c.r2, N, H,
+                              tc.rms_eps, dt);
+  mlp_fwd(ex, tc, P, f, moe, N, probs, idx, c, s, dt, {norm_post ? x : nullptr, add_down ? x : nullptr});
   if (reduce) reduce(s.tmp, N * H);
+  return add_down;
 }
 
 void dev_decoder_bwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* dx,

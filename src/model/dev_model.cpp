@@ -1095,11 +1095,12 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
     for (int l = l0; l < l1; ++l) {
       const bool moe = table_.moe_layer(l);
       const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, Sp, max_q, max_ctx, keys};
-      dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, Np, kv, J.tcos, J.tsin, moe ? J.probs : nullptr,
-                        moe ? J.idx : nullptr, J.dwork[moe], J.dscr, reduce, pending, dt_);
-      pending = J.dscr.tmp;
+      const bool added = dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, Np, kv, J.tcos, J.tsin,
+                                           moe ? J.probs : nullptr, moe ? J.idx : nullptr, J.dwork[moe], J.dscr,
+                                           reduce, pending, dt_);
+      pending = added ? nullptr : J.dscr.tmp;
       if (size_t(l) < nds && nvis) {
-        dev::axpy(ex_, 1.f, pending, J.x, Np * H, dt_), pending = nullptr;
+        if (pending) dev::axpy(ex_, 1.f, pending, J.x, Np * H, dt_), pending = nullptr;
         dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
       }
     }

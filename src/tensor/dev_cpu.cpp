@@ -274,30 +274,41 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
   ops::linear_fwd(F(in), F(W), F(b), F(y), N, n_in, n_out);
 }
 const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt) {
-  if (!r.rows && !r.swiglu) return in;
-  Q3VL_CHECK(r.scratch && !(r.rows && r.swiglu), "dev::RowsIn: rows or swiglu, not both, with a scratch buffer");
+  if (!r.rows && !r.swiglu && !r.norm) return in;
+  Q3VL_CHECK(r.scratch && int(r.rows != nullptr) + int(r.swiglu) + int(r.norm != nullptr) == 1,
+             "dev::RowsIn: one of rows, swiglu and norm, with a scratch buffer");
   // Called inside the ops that take a RowsIn: their profiled region covers this pass, so the ops are not re-entered.
 #ifdef Q3VL_CUDA
   if (x.device == Device::CUDA) {
     if (r.rows) cuda::gather_rows(x, in, r.rows, r.div, r.scratch, R, n_in, dt);
-    else cuda::swiglu_fwd(x, in, r.scratch, R, n_in, dt);
+    else if (r.swiglu) cuda::swiglu_fwd(x, in, r.scratch, R, n_in, dt);
+    else cuda::rmsnorm_fwd(x, in, r.norm, r.scratch, nullptr, R, n_in, r.eps, dt);
     return r.scratch;
   }
 #endif
   need_f32(dt, "rows_in");
   float* out = static_cast<float*>(r.scratch);
-  if (r.swiglu) ops::swiglu_fwd(F(in), out, R, n_in);
-  else copy_rows(F(in), r.rows, r.div, out, R, n_in);
+  if (r.swiglu) {
+    ops::swiglu_fwd(F(in), out, R, n_in);
+  } else if (r.norm) {
+    std::vector<float> rstd(size_t(std::max<int64_t>(R, 0)));
+    ops::rmsnorm_fwd(F(in), F(r.norm), out, rstd.data(), R, n_in, r.eps);
+  } else {
+    copy_rows(F(in), r.rows, r.div, out, R, n_in);
+  }
   return out;
 }
 
 void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t N,
-                   int64_t n_in, int64_t n_out, QFormat qf, DType dt, const RowsIn& rin) {
+                   int64_t n_in, int64_t n_out, QFormat qf, DType dt, const RowsIn& rin, bool add) {
   PROFILED(x, prof::shaped(__func__, N, n_in, n_out), prof::flop(2.0 * double(N) * double(n_in) * double(n_out)));
-  ON_CUDA(x, linear_q8_fwd(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, rin));
+  ON_CUDA(x, linear_q8_fwd(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, rin, add));
   need_f32(dt, "linear_q8_fwd");
   in = rows_in(x, in, rin, N, n_in, dt);
-  by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), F(y), N, n_in, n_out); });
+  std::vector<float> prod(add ? size_t(std::max<int64_t>(N * n_out, 0)) : 0);
+  float* out = add ? prod.data() : F(y);
+  by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), out, N, n_in, n_out); });
+  for (size_t i = 0; i < prod.size(); ++i) F(y)[i] += prod[i];
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, bool accumulate, bool accumulate_dW, DType dt) {

@@ -471,6 +471,32 @@ std::vector<Case> all_cases(DType dt) {
               });
         }
 
+  // The decode folds of the residual stream (model/dev_layers.hpp's dev_decoder_infer): x read through its RMSNorm
+  // (dev::RowsIn's norm) and the product added to y (add), together and apart. On CUDA, N <= 16 stages x whole and
+  // normalizes it in the GEMV (the ring's and, at 1152 x 1000 and 2 <= N <= 8, the TMA-fed kernel's staging), except
+  // 4096 columns at N 16 (more than one chunk: the norm written to scratch first); 1001 columns: scalar loads of x
+  // and the norm's weights; N 40: the dequantize + GEMM path (the norm in scratch, the add in the GEMM's epilogue).
+  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
+    for (int64_t N : {1, 3, 8, 16, 40})
+      for (auto [I, O] : {std::pair<int64_t, int64_t>{1152, 1000}, {4096, 33}, {1001, 37}})
+        for (auto [norm, plus] : {std::pair<bool, bool>{true, false}, {false, true}, {true, true}}) {
+          std::vector<uint8_t> q8;
+          std::vector<float> sc;
+          q8_weights(qf, O, I, q8, sc);
+          std::vector<double> g = randn(I, 0.3);
+          for (double& v : g) v += 1.0;
+          add("linear_q8_fwd",
+              std::string(qformat_name(qf)) + " " + dims({N, I, O}) + (norm ? " norm" : "") + (plus ? " add" : ""),
+              kGemm,
+              {in("x", K::Act, randn(N * I, 3.0)), in("q", K::I8, i8_values(q8)),
+               in("scale", K::F32, std::vector<double>(sc.begin(), sc.end())), in("norm", K::Act, g),
+               in("scratch", K::Act, std::vector<double>(size_t(N * I), 0.0)), out("y", K::Act, randn(N * O))},
+              [=](auto& x, auto& p, DType t) {
+                const dev::RowsIn rin = norm ? dev::RowsIn{nullptr, 1, false, p[4], p[3], 1e-6f} : dev::RowsIn{};
+                dev::linear_q8_fwd(x, p[0], p[1], P<float>(p, 2), nullptr, p[5], N, I, O, qf, t, rin, plus);
+              });
+        }
+
   // Weight-only 8-bit experts, int8 and fp8. Rows spread over the even experts (the odd ones have none) or all in
   // one; R <= 8 E is the CUDA GEMV over the experts with rows (R 40 and 64 with more than 16 rows an expert: several
   // passes), larger R dequantizes groups of experts into ws for the grouped GEMM ("ws2": room for two experts a group;

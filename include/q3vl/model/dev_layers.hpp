@@ -68,10 +68,10 @@ struct DevGradOut {
 };
 DevGradOut dev_grad_out(const dev::Exec& ex, const DevParams& P, int id);
 // y[N, n_out] = x[N, n_in] W^T for rows [row0, row0 + n_out) of parameter id (no bias; row0: a vocabulary slice's
-// first row), W its 8-bit rows when it has them, else its dt weight. rin (dev::RowsIn): how the 8-bit path reads x.
+// first row), W its 8-bit rows when it has them, else its dt weight. rin (dev::RowsIn) and add (y +=, a residual
+// add): the 8-bit path's (dev::linear_q8_fwd).
 void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt, int64_t row0 = 0,
-                const dev::RowsIn& rin = {});
+                int64_t n_out, DType dt, int64_t row0 = 0, const dev::RowsIn& rin = {}, bool add = false);
 
 // LoRA adapters at run time (model/lora.hpp's LoraRun on the device): the table that pairs base weights with their
 // adapters, the scale and dropout, and scratch carved once: u, du [rows, r] and a dropout buffer [rows * in].
@@ -170,14 +170,18 @@ void dev_moe_experts_bwd(const dev::Exec& ex, const TextConfig& tc, const DevPar
 // arguments). Only the forward's buffers of c and s are used, nothing is kept. reduce (may be empty) sums a
 // tensor-parallel slice's partial o_proj and MLP outputs [N,H] over the group, in place. Residual adds go with the
 // next norm (dev::residual_rmsnorm_fwd): `pending` (may be null) is the previous layer's MLP output, added to x here,
-// and this layer leaves its own MLP output in s.tmp, not yet added (the caller adds the last one).
+// and this layer leaves its own MLP output in s.tmp, not yet added (the caller adds the last one). Decode-sized steps
+// (N <= 16) of 8-bit weights without tensor parallelism fold instead (Q3VL_DECODE_FOLD=0: never): o_proj and the
+// dense down_proj add their products to x themselves (linear_q8_fwd's add), and qkv and the dense gate_up read x
+// through its norm (dev::RowsIn's norm) when nothing is pending: two norm passes fewer a layer. Returns whether the
+// MLP output is in x already (else it is in s.tmp).
 struct DevPagedCache {
   void *k, *v;                 // this layer's pools
   const int32_t *slots, *cu, *ctx, *table;
   int64_t max_blocks, block, nseg, max_q, max_ctx, keys;  // keys: the contexts' sum (profiler bytes)
 };
 using DevPartialSum = std::function<void(void*, int64_t)>;
-void dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
+bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
                        int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
                        int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce,
                        const void* pending, DType dt);

@@ -79,17 +79,20 @@ void* timing_event_create(const Exec& x);
 float event_elapsed_ms(const Exec& x, void* a, void* b);
 
 // How a linear reads its input rows (linear_q8_fwd, grouped_linear_fwd, grouped_linear_q8_fwd; the decode fusions of
-// the MLP and the MoE block): as given (the default), gathered (row r is in[rows[r] / div], gather_rows' map), or the
-// SwiGLU of a [R, 2 n_in] gate|up input (row r: silu(gate) * up rounded to dt, swiglu_fwd's rows). CUDA's decode
-// GEMV reads through it (no pass that writes the rows and reads them back; the SwiGLU only for a few short rows,
-// gemv.cuh); every other path (the CPU, fp32, the GEMMs of larger R) first writes the rows into scratch ([R, n_in] in
-// dt, required with rows or swiglu) and reads them there. After the call scratch holds the rows or is untouched:
-// callers must not read it.
+// the MLP, the MoE block and the norms): as given (the default), gathered (row r is in[rows[r] / div], gather_rows'
+// map), the SwiGLU of a [R, 2 n_in] gate|up input (row r: silu(gate) * up rounded to dt, swiglu_fwd's rows), or
+// RMS-normalized with weights `norm` [n_in] in dt (row r: rmsnorm_fwd's row of the given or gathered row, eps its
+// epsilon; not with swiglu). CUDA's decode GEMV reads through it (no pass that writes the rows and reads them back;
+// the SwiGLU only for a few short rows, the norm where x is staged whole: gemv.cuh); every other path (the CPU, fp32,
+// the GEMMs of larger R) first writes the rows into scratch ([R, n_in] in dt, required unless the default) and reads
+// them there. After the call scratch holds the rows or is untouched: callers must not read it.
 struct RowsIn {
   const int32_t* rows = nullptr;
   int64_t div = 1;
   bool swiglu = false;
   void* scratch = nullptr;
+  const void* norm = nullptr;
+  float eps = 0.f;
 };
 // The R rows of n_in that r describes, written out: in itself when r is the default, else r.scratch.
 const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt);

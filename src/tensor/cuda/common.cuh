@@ -45,6 +45,13 @@ inline std::string cublasLt_status_string(cublasStatus_t s) {
 
 inline cudaStream_t stream_of(const Exec& x) { return static_cast<cudaStream_t>(x.stream); }
 
+// The sum of v over the warp's lanes, in every lane (xor butterfly).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Storage types by DType; kernels are templated on the storage type and compute in float.
 template <class S> __device__ __forceinline__ float ld(const S* p, int64_t i) { return float(p[i]); }
 template <> __device__ __forceinline__ float ld<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {

@@ -175,13 +175,24 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows][NB], const uint4 (&
   }
 }
 
-// One block's rows of y = (in q^T) * scale + b: kWarps warps, warp w owning rows (blockIdx.x * kWarps + w) * kRows +
+// y[i] = v, or with add y[i] + v rounded to S first (a residual add, as axpy of the rounded product would).
+template <class S>
+__device__ __forceinline__ void store_y(S* y, int64_t i, float v, bool add) {
+  if (add) {
+    S t;
+    st(&t, 0, v);
+    v = ld(y, i) + ld(&t, 0);
+  }
+  st(y, i, v);
+}
+
+// One block's rows of y = (in q^T) * scale + b (add: y +=): kWarps warps, warp w owning rows (blockIdx.x * kWarps + w) * kRows +
 // [0, kRows). x[n, n_in] staged kc columns at a time into xs (n * kc floats of dynamic shared memory); the block
 // synchronizes before it stages, so it may be called again on other rows. scale: 8-bit weights only (else unread).
 template <class S, class W, int NB, bool VEC>
 __device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const W* __restrict__ q,
                                           const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y,
-                                          int n, int64_t n_in, int64_t n_out, int kc, float* xs) {
+                                          int n, int64_t n_in, int64_t n_out, int kc, float* xs, bool add) {
   constexpr int G = kGroup<W>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t row0 = (int64_t(blockIdx.x) * kWarps + warp) * kRows;
@@ -230,7 +241,7 @@ __device__ __forceinline__ void gemv_rows(const S* __restrict__ in, const W* __r
       float v = acc[i][j];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (r < n_out && lane == ((i * NB + j) & 31)) st(y, int64_t(j) * n_out + r, v * sc + bias);
+      if (r < n_out && lane == ((i * NB + j) & 31)) store_y(y, int64_t(j) * n_out + r, v * sc + bias, add);
     }
   }
 }
@@ -257,23 +268,23 @@ template <class S, class W, int NB, bool VEC>
 __global__ void __launch_bounds__(kWarps * 32, 2)
     k_gemv(const S* __restrict__ in, const W* __restrict__ q, const float* __restrict__ scale,
            const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out, int kc,
-           const int32_t* __restrict__ start, int E) {
+           const int32_t* __restrict__ start, int E, bool add) {
   extern __shared__ float4 smem_f4[];
   float* xs = reinterpret_cast<float*>(smem_f4);
-  if (!start) return gemv_rows<S, W, NB, VEC>(in, q, scale, b, y, n, n_in, n_out, kc, xs);
+  if (!start) return gemv_rows<S, W, NB, VEC>(in, q, scale, b, y, n, n_in, n_out, kc, xs, add);
   const int e = busy_expert(start, E, int(blockIdx.y));
   if (e < 0) return;
   const int64_t r1 = start[e + 1];
   for (int64_t r = start[e]; r < r1; r += n)
     gemv_rows<S, W, NB, VEC>(in + r * n_in, q + int64_t(e) * n_out * n_in,
                              kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
-                             int(min(int64_t(n), r1 - r)), n_in, n_out, kc, xs);
+                             int(min(int64_t(n), r1 - r)), n_in, n_out, kc, xs, add);
 }
 
 // n: rows of in (experts: at most NB per pass); start/E: the experts (null: one matrix), R their rows.
 template <class S, class W, int NB>
 void launch_nb(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int n, int64_t n_in,
-               int64_t n_out, const int32_t* start, int64_t E, int64_t R) {
+               int64_t n_out, const int32_t* start, int64_t E, int64_t R, bool add) {
   constexpr int64_t step = kStep<W>;
   // Columns staged per chunk: a multiple of the step (keeps the swizzle's 128-byte rows), all of n_in when it fits.
   const int64_t fit = std::max<int64_t>(step, int64_t(kSmemBudget / (sizeof(float) * size_t(n))) / step * step);
@@ -283,7 +294,7 @@ void launch_nb(const Exec& x, const S* in, const W* q, const float* scale, const
   const bool vec = n_in % kGroup<W> == 0 && aligned16(q);
   const dim3 grid(unsigned((n_out + kWarps * kRows - 1) / (kWarps * kRows)), start ? unsigned(std::min(E, R)) : 1u);
   auto go = [&](auto kernel) {
-    launch(kernel, grid, kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, kc, start, int(E));
+    launch(kernel, grid, kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, kc, start, int(E), add);
   };
   if (vec) go(k_gemv<S, W, NB, true>);
   else go(k_gemv<S, W, NB, false>);
@@ -295,15 +306,15 @@ void launch_nb(const Exec& x, const S* in, const W* q, const float* scale, const
 // A/B benchmarks: tools/gpu/gemv_bench.cu).
 template <class S, class W>
 void gemv_simt(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
-          int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0) {
+          int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0, bool add = false) {
   static_assert(kWeightOk<W>, "wgemv: weights are int8, fp8, fp32, bf16 or fp16");
   static_assert(kScaled<W> || std::is_same_v<W, S>, "wgemv: weights int8, fp8 or the activation type");
   const int m = int(n);
-  if (m <= 1) launch_nb<S, W, 1>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
-  else if (m <= 2) launch_nb<S, W, 2>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
-  else if (m <= 4) launch_nb<S, W, 4>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
-  else if (m <= 8) launch_nb<S, W, 8>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
-  else launch_nb<S, W, 16>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R);
+  if (m <= 1) launch_nb<S, W, 1>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, add);
+  else if (m <= 2) launch_nb<S, W, 2>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, add);
+  else if (m <= 4) launch_nb<S, W, 4>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, add);
+  else if (m <= 8) launch_nb<S, W, 8>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, add);
+  else launch_nb<S, W, 16>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, add);
 }
 
 
@@ -415,12 +426,15 @@ __device__ __forceinline__ void tc_step(float (&acc)[MT][NB / 8][4], const uint4
 
 // How the tensor-core GEMV reads its x rows (dev::RowsIn on the device; the decode fusions of the MLP and the MoE
 // block): row r of the product is x[r] (default), x[rows[r] / div] (gather: the routed tokens' rows, no gather_rows
-// pass), or silu(gate) * up of row r of a [R, 2 n_in] gate|up input rounded to S as swiglu_fwd rounds it (no SwiGLU
-// pass, no [R, n_in] activation written and read back).
+// pass), silu(gate) * up of row r of a [R, 2 n_in] gate|up input rounded to S as swiglu_fwd rounds it (no SwiGLU
+// pass, no [R, n_in] activation written and read back), or x[r] RMS-normalized with weights norm, rounded to S as
+// rmsnorm_fwd rounds it (the residual stream's norm before qkv and gate_up: no norm pass; tc_stage).
 struct XRows {
   const int32_t* rows = nullptr;
   int div = 1;
   bool swiglu = false;
+  const void* norm = nullptr;  // RMSNorm weights [n_in] in S (dev::RowsIn's norm): x staged whole, then normalized
+  float eps = 0.f;
 };
 
 // One 8-element vector of x row src at column c (zeros at and past len).
@@ -463,12 +477,50 @@ __device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
   return r;
 }
 
+// The 16-bit value of S in the low half of u, as fp32.
+template <class S>
+__device__ __forceinline__ float s_f32(uint32_t u) {
+  if constexpr (std::is_same_v<S, __nv_bfloat16>) return __uint_as_float(u << 16);
+  else return __half2float(__ushort_as_half(static_cast<unsigned short>(u & 0xffffu)));
+}
+// Sum of squares of 8 S values.
+template <class S>
+__device__ __forceinline__ float sumsq8(const uint4& v) {
+  const uint32_t* w = &v.x;
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float f = s_f32<S>(w[k / 2] >> (16 * (k % 2)));
+    ss = fmaf(f, f, ss);
+  }
+  return ss;
+}
+// w * (x * r) of 8 S values rounded to S: rmsnorm_fwd's formula and rounding.
+template <class S>
+__device__ __forceinline__ uint4 norm8(const uint4& x, const uint4& w, float r) {
+  const uint32_t* xw = &x.x;
+  const uint32_t* ww = &w.x;
+  uint4 o;
+  uint32_t* ow = &o.x;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int sh = 16 * (k % 2);
+    const S y = S(s_f32<S>(ww[k / 2] >> sh) * (s_f32<S>(xw[k / 2] >> sh) * r));
+    const uint32_t yb = *reinterpret_cast<const uint16_t*>(&y);
+    ow[k / 2] = k % 2 ? (ow[k / 2] & 0xffffu) | (yb << 16) : yb;
+  }
+  return o;
+}
+
 // Stages rows r0 .. r0+n-1 of the input (x_row), columns [k0, k0+len), into xs (row j at j rs halves, as the mma
 // type; zeros from len to the end of the last warp step) and xmul[j] = 2^e_j, the factor that undoes row j's
 // scaling. Every warp takes part, also for one row: gw = WARPS / n warps a row (at least one), each lane keeping
 // kTcStageLoads 16-byte loads in flight, so that staging costs a few L2 round trips, not one a vector (one warp
 // staging a 12288-column row alone took ~10 us, a third of the 8B's fp8 down_proj). wmax: 32 words, the warps'
-// partial max |x| of each row.
+// partial max |x| of each row (with a norm first their partial sums of squares).
+// A norm (xr.norm: the whole row staged, k0 0 and len n_in) takes two more passes over the staged rows: each row's
+// 1 / rms from the warps' partial sums into xmul[j], then every lane normalizes its own vectors in place. Each block
+// computes the norm again (a few us of L2 reads and shared memory against a kernel of its own).
 template <class S, class W, int WARPS>
 __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& xr, int64_t r0, int n, int64_t n_in,
                                          int64_t k0, int len, bool vec_x, uint16_t* xs, int rs, float* xmul,
@@ -478,11 +530,29 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
   const int nv = (len + kTcStep<W> - 1) / kTcStep<W> * kTcStep<W> / 8;  // 8-element vectors
   const int gw = max(1, WARPS / n), par = WARPS / gw;                    // warps a row, rows at once
   const int wg = warp / gw, wi = warp % gw, step = 32 * gw;
+  const bool norm = xr.norm != nullptr;
+  const auto vmax = [](uint32_t mx, const uint4& u) {  // max |x| as bf16 bits, per half
+    mx = __vmaxu2(mx, u.x & 0x7fff7fffu), mx = __vmaxu2(mx, u.y & 0x7fff7fffu);
+    return __vmaxu2(__vmaxu2(mx, u.z & 0x7fff7fffu), u.w & 0x7fff7fffu);
+  };
+  // The warp's partial max (or, with a norm, its partial sum of squares) of row j into wmax.
+  const auto partial = [&](int j, uint32_t mx, float ss) {
+    if (norm) {
+      ss = warp_sum(ss);
+      if (lane == 0) wmax[j * gw + wi] = __float_as_uint(ss);  // j gw + wi < max(n, WARPS) <= 32
+    } else if constexpr (kTcRescale<S, W>) {
+      mx = max(mx & 0xffffu, mx >> 16);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      if (lane == 0) wmax[j * gw + wi] = mx;
+    }
+  };
   if (wg < par) {
     for (int j = wg; j < n; j += par) {
       const S* src = x_row(in, xr, r0 + j, n_in, k0);
       uint16_t* dst = xs + j * rs;
-      uint32_t mx = 0;  // max |x| as bf16 bits, per half
+      uint32_t mx = 0;
+      float ss = 0.f;
       for (int v0 = wi * 32 + lane; v0 < nv; v0 += U * step) {
         uint4 u[U];
 #pragma unroll
@@ -496,20 +566,42 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
         for (int q = 0; q < U; ++q) {
           const int v = v0 + q * step;
           if (v >= nv) break;
-          if constexpr (kTcRescale<S, W>) {
-            mx = __vmaxu2(mx, u[q].x & 0x7fff7fffu), mx = __vmaxu2(mx, u[q].y & 0x7fff7fffu);
-            mx = __vmaxu2(mx, u[q].z & 0x7fff7fffu), mx = __vmaxu2(mx, u[q].w & 0x7fff7fffu);
-          }
+          if (norm) ss += sumsq8<S>(u[q]);
+          else if constexpr (kTcRescale<S, W>) mx = vmax(mx, u[q]);
           *reinterpret_cast<uint4*>(dst + 8 * v) = u[q];
         }
       }
-      if constexpr (kTcRescale<S, W>) {
-        mx = max(mx & 0xffffu, mx >> 16);
+      partial(j, mx, ss);
+    }
+  }
+  if (norm) {
+    __syncthreads();  // every row's partial sums are in
+    if (threadIdx.x < n) {
+      float ss = 0.f;
+      for (int i = 0; i < gw; ++i) ss += __uint_as_float(wmax[threadIdx.x * gw + i]);
+      xmul[threadIdx.x] = 1.f / sqrtf(ss / float(n_in) + xr.eps);  // rmsnorm_fwd's 1 / rms
+    }
+    __syncthreads();  // the rows' 1 / rms are in; wmax is free
+    if (wg < par) {
+      const S* w = static_cast<const S*>(xr.norm);
+      for (int j = wg; j < n; j += par) {
+        const float r = xmul[j];
+        uint16_t* dst = xs + j * rs;
+        uint32_t mx = 0;
+        for (int v = wi * 32 + lane; v < nv; v += step) {  // the lane's own vectors, as staged above
+          const uint4 u = norm8<S>(*reinterpret_cast<const uint4*>(dst + 8 * v), x_vec(w, 8 * v, len, vec_x), r);
+          if constexpr (kTcRescale<S, W>) mx = vmax(mx, u);
+          *reinterpret_cast<uint4*>(dst + 8 * v) = u;
+        }
+        if constexpr (kTcRescale<S, W>) {
+          mx = max(mx & 0xffffu, mx >> 16);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        if (lane == 0) wmax[j * gw + wi] = mx;  // j gw + wi < max(n, WARPS) <= 32
+          for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+          if (lane == 0) wmax[j * gw + wi] = mx;
+        }
       }
     }
+    if constexpr (!kTcRescale<S, W>) __syncthreads();  // xmul's 1 / rms are read before it is set to 1
   }
   if constexpr (!kTcRescale<S, W>) {
     if (threadIdx.x < n) xmul[threadIdx.x] = 1.f;
@@ -584,12 +676,13 @@ __device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], 
 
 // The end of a tile: the WARPS warps' fragments acc (MT x NT m16n8 tiles of rows row0 on) added through red
 // (WARPS MT NT 128 floats: element ((mt NT + nt) 4 + i) 32 + lane of each warp) and stored as y[j n_out + r] =
-// sum xmul[j] scale[r] + b[r] for r < n_out, j < n (xmul null: 1; scale only for scaled weights). sync: the barrier
-// of the warps taking part, which the caller has passed before red is written.
+// sum xmul[j] scale[r] + b[r] for r < n_out, j < n (xmul null: 1; scale only for scaled weights; add: added to y,
+// store_y). sync: the barrier of the warps taking part, which the caller has passed before red is written.
 template <class S, class W, int MT, int NT, int WARPS, class Sync>
 __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
                                          const float* __restrict__ scale, const S* __restrict__ b,
-                                         const float* xmul, S* __restrict__ y, int n, int64_t n_out, Sync sync) {
+                                         const float* xmul, S* __restrict__ y, int n, int64_t n_out, bool add,
+                                         Sync sync) {
   constexpr int EL = MT * NT * 4 * 32;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -608,7 +701,7 @@ __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* r
     if (r >= n_out || j >= n) continue;
     float sc = xmul ? xmul[j] : 1.f;  // weights in the activation type: no scale
     if constexpr (kScaled<W>) sc *= scale[r];
-    st(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f));
+    store_y(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f), add);
   }
 }
 
@@ -620,7 +713,7 @@ template <class S, class W, int NB, class K, bool VEC>
 __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& xr, int64_t r0,
                                         const W* __restrict__ q, const float* __restrict__ scale,
                                         const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out,
-                                        int kc, int rs, bool vec_x, char* smem,
+                                        int kc, int rs, bool vec_x, bool add, char* smem,
                                         uint4 (&ring)[K::kDepth][K::kMt][2]) {
   constexpr int NT = NB / 8, MT = K::kMt, WARPS = K::kWarps, D = K::kDepth, G = kGroup<W>, STEP = kTcStep<W>;
   float* xmul = reinterpret_cast<float*>(smem);
@@ -670,7 +763,7 @@ __device__ __forceinline__ void tc_rows(const S* __restrict__ in, const XRows& x
   }
 
   __syncthreads();  // every warp is done reading xs and xmul
-  tc_store<S, W, MT, NT, WARPS>(acc, reinterpret_cast<float*>(smem), warp, row0, scale, b, nullptr, y, n, n_out,
+  tc_store<S, W, MT, NT, WARPS>(acc, reinterpret_cast<float*>(smem), warp, row0, scale, b, nullptr, y, n, n_out, add,
                                 [] { __syncthreads(); });
 }
 
@@ -682,7 +775,7 @@ template <class S, class W, int NB, class K, bool VEC>
 __global__ void __launch_bounds__(K::kWarps * 32, 1)
     k_gemv_tc(const S* __restrict__ in, const W* __restrict__ q, const float* __restrict__ scale,
               const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in, int64_t n_out, int kc, int rs,
-              bool vec_x, const int32_t* __restrict__ start, int E, XRows xr) {
+              bool vec_x, const int32_t* __restrict__ start, int E, XRows xr, bool add) {
   extern __shared__ float4 smem_tc[];
   char* smem = reinterpret_cast<char*>(smem_tc);
   uint4 ring[K::kDepth][K::kMt][2];
@@ -692,7 +785,7 @@ __global__ void __launch_bounds__(K::kWarps * 32, 1)
     pdl_wait();
     pdl_trigger();
     tc_preload<W, K, VEC>(ring, q, row0, n_out, n_in);
-    return tc_rows<S, W, NB, K, VEC>(in, xr, 0, q, scale, b, y, n, n_in, n_out, kc, rs, vec_x, smem, ring);
+    return tc_rows<S, W, NB, K, VEC>(in, xr, 0, q, scale, b, y, n, n_in, n_out, kc, rs, vec_x, add, smem, ring);
   }
   pdl_wait();
   pdl_trigger();
@@ -703,13 +796,24 @@ __global__ void __launch_bounds__(K::kWarps * 32, 1)
   for (int64_t r = start[e]; r < r1; r += n) {
     tc_preload<W, K, VEC>(ring, qe, int64_t(blockIdx.x) * (16 * K::kMt), n_out, n_in);
     tc_rows<S, W, NB, K, VEC>(in, xr, r, qe, kScaled<W> ? scale + int64_t(e) * n_out : nullptr, b, y + r * n_out,
-                              int(min(int64_t(n), r1 - r)), n_in, n_out, kc, rs, vec_x, smem, ring);
+                              int(min(int64_t(n), r1 - r)), n_in, n_out, kc, rs, vec_x, add, smem, ring);
   }
+}
+
+// Whether every x row (SwiGLU's up halves, the norm's weights) starts 16-byte aligned and is read in 8-element vectors.
+template <class S>
+bool x_vectors(const S* in, const XRows& xr, int64_t n_in) {
+  return n_in % 8 == 0 && aligned16(in) && (!xr.norm || aligned16(xr.norm));
+}
+// Whether launch_tc stages n rows of n_in columns of x in one chunk, whatever the knobs (a chunk is a multiple of
+// every knob's super-step, all of which divide 2048 columns): a norm needs the whole row.
+inline bool tc_one_chunk(int64_t n, int64_t n_in) {
+  return int64_t(kTcSmemBudget / (2 * size_t(std::max<int64_t>(n, 1)))) / 2048 * 2048 >= n_in;
 }
 
 template <class S, class W, int NB, class K>
 void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int n, int64_t n_in,
-               int64_t n_out, const int32_t* start, int64_t E, int64_t R, const XRows& xr) {
+               int64_t n_out, const int32_t* start, int64_t E, int64_t R, const XRows& xr, bool add) {
   constexpr int64_t super = int64_t(kTcStep<W>) * K::kWarps * K::kDepth;  // a chunk: whole rounds of every warp
   const int64_t fit = std::max<int64_t>(super, int64_t(kTcSmemBudget / (2 * size_t(n))) / super * super);
   const int64_t kc = std::min<int64_t>(fit, std::max<int64_t>(super, (n_in + super - 1) / super * super));
@@ -717,11 +821,12 @@ void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const
   const size_t red = sizeof(float) * size_t(K::kWarps) * K::kMt * (NB / 8) * 128;
   const size_t smem = std::max<size_t>(kTcHeader + 2 * size_t(n) * size_t(rs), red);
   const bool vec = n_in % kGroup<W> == 0 && aligned16(q);  // every row and expert starts 16-byte aligned
-  const bool vec_x = n_in % 8 == 0 && aligned16(in);       // every x row too (and SwiGLU's up halves)
+  const bool vec_x = x_vectors(in, xr, n_in);             // every x row too (and SwiGLU's up halves)
+  Q3VL_CHECK(!xr.norm || (kc >= n_in && !start), "wgemv: a norm needs x staged whole (tc_one_chunk), one matrix");
   const dim3 grid(unsigned((n_out + 16 * K::kMt - 1) / (16 * K::kMt)), start ? unsigned(std::min(E, R)) : 1u);
   auto go = [&](auto kernel) {
     launch_pdl(kernel, grid, K::kWarps * 32, smem, stream_of(x), in, q, scale, b, y, n, n_in, n_out, int(kc),
-               int(rs), vec_x, start, int(E), xr);
+               int(rs), vec_x, start, int(E), xr, add);
   };
   if (vec) go(k_gemv_tc<S, W, NB, K, true>);
   else go(k_gemv_tc<S, W, NB, K, false>);
@@ -730,8 +835,8 @@ void launch_tc(const Exec& x, const S* in, const W* q, const float* scale, const
 // The n bucket's launch with knobs K (TcAuto: by shape, see TcWide).
 template <class S, class W, int NB, class K>
 void launch_knobs(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int n, int64_t n_in,
-                  int64_t n_out, const int32_t* start, int64_t E, int64_t R, const XRows& xr) {
-  auto go = [&]<class KK>() { launch_tc<S, W, NB, KK>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, xr); };
+                  int64_t n_out, const int32_t* start, int64_t E, int64_t R, const XRows& xr, bool add) {
+  auto go = [&]<class KK>() { launch_tc<S, W, NB, KK>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, xr, add); };
   if constexpr (!std::is_same_v<K, TcAuto>) go.template operator()<K>();
   else if (start || n_out >= 12288) go.template operator()<TcWide>();
   else if (n_out <= 4096 && n <= 8) go.template operator()<TcSmallFew>();
@@ -744,11 +849,12 @@ void launch_knobs(const Exec& x, const S* in, const W* q, const float* scale, co
 // K: TcKnobs or TcAuto, a template parameter so that benchmarks can sweep it.
 template <class S, class W, class K = TcAuto>
 void gemv_tc(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
-             int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0, const XRows& xr = {}) {
+             int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0, const XRows& xr = {},
+             bool add = false) {
   static_assert(kTcOk<S, W>, "wgemv::gemv_tc: 16-bit activations, weights int8, fp8 or the activation type");
   const int m = int(n);
-  if (m <= 8) launch_knobs<S, W, 8, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, xr);
-  else launch_knobs<S, W, 16, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, xr);
+  if (m <= 8) launch_knobs<S, W, 8, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, xr, add);
+  else launch_knobs<S, W, 16, K>(x, in, q, scale, b, y, m, n_in, n_out, start, E, R, xr, add);
 }
 
 // The GEMV for n <= kMaxN rows of in (experts: up to n rows per expert and pass, start[E+1] on the device, R rows in
@@ -769,22 +875,24 @@ namespace q3vl::dev::cuda::wgemv {
 
 template <class S, class W>
 void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
-          int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0, RowsIn ri = {}) {
+          int64_t n_out, const int32_t* start = nullptr, int64_t E = 0, int64_t R = 0, RowsIn ri = {},
+          bool add = false) {
   if constexpr (kTcOk<S, W>) {
-    if (ri.swiglu && ((start ? R : n) > kSwigluRows || n_in > kSwigluCols)) {
+    if ((ri.swiglu && ((start ? R : n) > kSwigluRows || n_in > kSwigluCols)) ||
+        (ri.norm && (start || !tc_one_chunk(n, n_in)))) {
       constexpr DType dt = std::is_same_v<S, __half> ? DType::F16 : DType::BF16;
       in = static_cast<const S*>(rows_in(x, in, ri, start ? R : n, n_in, dt));
       ri = {};
     }
-    const XRows xr{ri.rows, int(ri.div), ri.swiglu};
+    const XRows xr{ri.rows, int(ri.div), ri.swiglu, ri.norm, ri.eps};
     if (!start && tma_wanted(n, n_in, n_out, sizeof(W), false) &&
-        gemv_tma<S, W>(x, in, q, scale, b, y, n, n_in, n_out, xr))
+        gemv_tma<S, W>(x, in, q, scale, b, y, n, n_in, n_out, xr, add))
       return;
-    gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, xr);
+    gemv_tc<S, W>(x, in, q, scale, b, y, n, n_in, n_out, start, E, R, xr, add);
   } else {
     static_assert(std::is_same_v<S, float>, "wgemv::gemv: the CUDA-core GEMV is for fp32 activations");
     const S* rows = static_cast<const S*>(rows_in(x, in, ri, start ? R : n, n_in, DType::F32));
-    gemv_simt<S, W>(x, rows, q, scale, b, y, n, n_in, n_out, start, E, R);
+    gemv_simt<S, W>(x, rows, q, scale, b, y, n, n_in, n_out, start, E, R, add);
   }
 }
 

@@ -59,7 +59,7 @@ template <class S, class W, class K>
 __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
     k_gemv_tma(const __grid_constant__ CUtensorMap wmap, const S* __restrict__ in, XRows xr,
                const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in,
-               int64_t n_out, int rs, bool vec_x) {
+               int64_t n_out, int rs, bool vec_x, bool add) {
   constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, NT = kTmaNb / 8, G = kGroup<W>;
   constexpr int PC = kTmaPanel / int(sizeof(W));  // columns of a panel
   constexpr uint32_t SB = tma_stage_bytes<K>();
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
     }
     // The consumer warps' partial sums of the tile, added through shared memory.
     bar_sync(1, CW * 32);  // the previous tile's sums are read
-    tc_store<S, W, 1, NT, CW>(acc, red, warp, tile * kTmaTile, scale, b, xmul, y, n, n_out,
+    tc_store<S, W, 1, NT, CW>(acc, red, warp, tile * kTmaTile, scale, b, xmul, y, n, n_out, add,
                               [] { bar_sync(1, CW * 32); });
   }
 }
@@ -159,7 +159,7 @@ template <class W> bool tma_takes(int64_t n, int64_t n_in, int64_t n_out) {
 // The TMA GEMV when it takes the product, arguments as gemv_tc's for one matrix; false: not taken, nothing launched.
 template <class S, class W, class K = TmaAuto>
 bool gemv_tma(const Exec& x, const S* in, const W* q, const float* scale, const S* b, S* y, int64_t n, int64_t n_in,
-              int64_t n_out, const XRows& xr = {}) {
+              int64_t n_out, const XRows& xr = {}, bool add = false) {
   static_assert(kTcOk<S, W>, "wgemv::gemv_tma: 16-bit activations, weights int8, fp8 or the activation type");
   if (!tma_takes<W>(n, n_in, n_out)) return false;
   const int64_t row_bytes = n_in * int64_t(sizeof(W)), rs = n_in + kTcPad<W>;
@@ -168,9 +168,8 @@ bool gemv_tma(const Exec& x, const S* in, const W* q, const float* scale, const 
   const size_t smem = 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
                       sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + tma_x_bytes<W>(n, n_in);
   const unsigned grid = unsigned(std::min<int64_t>((n_out + kTmaTile - 1) / kTmaTile, sm_count()));
-  const bool vec_x = n_in % 8 == 0 && aligned16(in);
   launch_pdl(k_gemv_tma<S, W, K>, dim3(grid), (K::kCw + 1) * 32, smem, stream_of(x), m, in, xr, scale, b, y, int(n),
-             n_in, n_out, int(rs), vec_x);
+             n_in, n_out, int(rs), x_vectors(in, xr, n_in), add);
   return true;
 }
 

@@ -22,11 +22,6 @@ namespace {
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kMaxExperts = 1024;  // router: a 32-bit "taken" mask per lane
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));

@@ -14,13 +14,6 @@ namespace {
 
 constexpr int kWarps = 8;  // rows per 256-thread block
 
-__device__ __forceinline__ float warp_sum(float v) {
-  // xor butterfly: every lane ends with the same value
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // Element j of a pack (common.cuh's Pack, ldp), as float. Bf16 from its bits (a shift or a mask of the word holding
 // it; the same floats as ld): cheap to recompute, where the conversion's inline asm kept the converted floats live
 // (k_norm_bwd spilled at bf16 only).

@@ -38,11 +38,11 @@ constexpr int kGroupedGemvRows = wgemv::kGroupedRows;  // experts: the GEMV up t
 // The GEMV for n rows (experts: up to n rows per expert and pass), the input rows read through rin.
 void gemv(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t n,
           int64_t n_in, int64_t n_out, QFormat qf, DType dt, const int32_t* start = nullptr, int64_t E = 0,
-          int64_t R = 0, const RowsIn& rin = {}) {
+          int64_t R = 0, const RowsIn& rin = {}, bool add = false) {
   by_dtype(dt, [&]<class S>() {
     by_qformat(qf, [&]<class W>() {
       wgemv::gemv<S, W>(x, static_cast<const S*>(in), static_cast<const W*>(q), scale, static_cast<const S*>(b),
-                        static_cast<S*>(y), n, n_in, n_out, start, E, R, rin);
+                        static_cast<S*>(y), n, n_in, n_out, start, E, R, rin, add);
     });
   });
 }
@@ -117,8 +117,10 @@ __global__ void k_bias_broadcast(S* __restrict__ y, const S* __restrict__ b, int
       y[i * n_out + o] = b[o];
 }
 
+// add: y += the product, in the GEMM's epilogue (beta 1: one rounding; b must be null).
 void q8_dequant_gemm(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y,
-                     int64_t N, int64_t n_in, int64_t n_out, QFormat qf, DType dt) {
+                     int64_t N, int64_t n_in, int64_t n_out, QFormat qf, DType dt, bool add) {
+  Q3VL_CHECK(!(add && b), "dev::linear_q8_fwd: add with a bias");
   const size_t es = dtype_size(dt);
   const size_t gemm_ws = std::min(kGemmWs, x.ws_bytes / 4) / 256 * 256;
   const size_t row_bytes = std::max<size_t>(1, size_t(std::max<int64_t>(n_in, 0)) * es);
@@ -145,7 +147,7 @@ void q8_dequant_gemm(const Exec& x, const void* in, const void* q, const float* 
         const int64_t rt = std::min(R, n_out - r0);
         dequant_rows<S>(x, static_cast<const W*>(q) + r0 * n_in, scale + r0, static_cast<S*>(tile), rt, n_in, 1,
                         nullptr);
-        cuda::gemm(xg, false, true, N, rt, n_in, 1.f, in, n_in, tile, n_in, b ? 1.f : 0.f,
+        cuda::gemm(xg, false, true, N, rt, n_in, 1.f, in, n_in, tile, n_in, b || add ? 1.f : 0.f,
                    static_cast<char*>(y) + r0 * es, n_out, dt, dt);
       }
     });
@@ -182,11 +184,11 @@ bool q8_grouped_dequant(const Exec& x, const void* xg, const void* q, const floa
 }  // namespace
 
 void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* scale, const void* b, void* y, int64_t N,
-                   int64_t n_in, int64_t n_out, QFormat qf, DType dt, const RowsIn& rin) {
+                   int64_t n_in, int64_t n_out, QFormat qf, DType dt, const RowsIn& rin, bool add) {
   if (N <= 0 || n_out <= 0) return;
   if (N > kGemvMaxN)
-    return q8_dequant_gemm(x, rows_in(x, in, rin, N, n_in, dt), q, scale, b, y, N, n_in, n_out, qf, dt);
-  gemv(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, nullptr, 0, 0, rin);
+    return q8_dequant_gemm(x, rows_in(x, in, rin, N, n_in, dt), q, scale, b, y, N, n_in, n_out, qf, dt, add);
+  gemv(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, nullptr, 0, 0, rin, add);
 }
 
 void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start,
