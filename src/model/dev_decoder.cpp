@@ -155,8 +155,9 @@ void qkv_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
   dev::qkv_to_cache_fwd(ex, c.qkv, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, c.k, c.v, nullptr, c.rq, c.rk,
                         cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
 }
-// How a decode step's dense MLP folds its neighbours (dev_decoder_infer): gate_up reads `norm_x` through the layer's
-// post-attention norm instead of reading c.ln2; down_proj adds its product to `add_to` instead of writing s.tmp.
+// How a decode step's MLP folds its neighbours (dev_decoder_infer): the dense gate_up reads `norm_x` through the
+// layer's post-attention norm instead of reading c.ln2; down_proj or the MoE combine adds its output to `add_to`
+// instead of writing s.tmp.
 struct MlpFold {
   const void* norm_x = nullptr;
   void* add_to = nullptr;
@@ -193,7 +194,8 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     if (c.el) zero(ex, c.ey, R * H, dt);
     grouped_linear(ex, P, eg, c.ln2, start, c.egu, R, El, H, 2 * Im, dt, {c.rows, k, false, s.xg});
     grouped_linear(ex, P, eg + 1, c.egu, start, c.ey, R, El, Im, H, dt, {nullptr, 1, true, s.eact});
-    dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, s.tmp, N, k, H, dt);
+    dev::moe_combine_fwd(ex, c.ey, c.pos, c.w, fold.add_to ? fold.add_to : s.tmp, N, k, H, dt,
+                         fold.add_to != nullptr);
   } else {
     const int64_t I = tc.intermediate;
     const dev::RowsIn norm{nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], float(tc.rms_eps)};
@@ -245,7 +247,8 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   const bool fold = fold_on && N <= 16 && !reduce;
   const int qkv = fused_qkv(P, f, Dq, Dk, H, dt), gate_up = moe ? -1 : fused_gate_up(P, f, tc.intermediate, H, dt);
   const bool norm_in = fold && !pending && q8(P, qkv), add_o = fold && q8(P, f + tlay::o_proj);
-  const bool norm_post = add_o && !moe && q8(P, gate_up), add_down = fold && !moe && q8(P, f + tlay::down_proj);
+  const bool norm_post = add_o && !moe && q8(P, gate_up);
+  const bool add_down = fold && (moe ? !c.ex : q8(P, f + tlay::down_proj));
   const float eps = float(tc.rms_eps);
   if (!norm_in)
     dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, nullptr, c.r1, N, H, tc.rms_eps, dt);

@@ -775,17 +775,20 @@ void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const voi
   if (dw_sq.sum) add_squares(dW, E * n_out * n_in, dw_sq.sum, dw_sq.nonfinite);
 }
 void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,
-                     int64_t H, DType dt) {
-  DEV_OP(x, prof::mem(B(N * k * H, dt) + B(N * H, dt)), moe_combine_fwd(x, y, pos, w, out, N, k, H, dt));
+                     int64_t H, DType dt, bool add) {
+  DEV_OP(x, prof::mem(B(N * k * H, dt) + B(N * H, dt) * (add ? 2 : 1)),
+         moe_combine_fwd(x, y, pos, w, out, N, k, H, dt, add));
   need_f32(dt, "moe_combine_fwd");
+  std::vector<float> sum(size_t(std::max<int64_t>(H, 0)));
   for (int64_t t = 0; t < N; ++t) {
-    float* o = F(out) + t * H;
-    std::fill(o, o + H, 0.f);
+    std::fill(sum.begin(), sum.end(), 0.f);
     for (int64_t s = 0; s < k; ++s) {
       const float* yr = F(y) + int64_t(pos[t * k + s]) * H;
       const float ws = w[t * k + s];
-      for (int64_t d = 0; d < H; ++d) o[d] += ws * yr[d];
+      for (int64_t d = 0; d < H; ++d) sum[size_t(d)] += ws * yr[d];
     }
+    float* o = F(out) + t * H;
+    for (int64_t d = 0; d < H; ++d) o[d] = add ? o[d] + sum[size_t(d)] : sum[size_t(d)];
   }
 }
 void moe_combine_bwd(const Exec& x, const void* dout, const void* y, const int32_t* pos, const float* w, float* dw,

@@ -1138,12 +1138,13 @@ std::vector<Case> all_cases(DType dt) {
             dev::grouped_linear_bwd(x, p[0], p[1], p[2], P<int32_t>(p, 3), p[4], P<float>(p, 5), R, E, Hh, Im, acc,
                                     acc_dw, t);
           });
-    add("moe_combine_fwd", dims({N, k, Hh}), kReduce,
-        {in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos), in("w", K::F32, randu(R, 0, 1)),
-         out("out", K::Act, randn(N * Hh))},
-        [=](auto& x, auto& p, DType t) {
-          dev::moe_combine_fwd(x, p[0], P<int32_t>(p, 1), P<float>(p, 2), p[3], N, k, Hh, t);
-        });
+    for (bool plus : {false, true})
+      add("moe_combine_fwd", dims({N, k, Hh}) + (plus ? " add" : ""), kReduce,
+          {in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos), in("w", K::F32, randu(R, 0, 1)),
+           out("out", K::Act, randn(N * Hh))},
+          [=](auto& x, auto& p, DType t) {
+            dev::moe_combine_fwd(x, p[0], P<int32_t>(p, 1), P<float>(p, 2), p[3], N, k, Hh, t, plus);
+          });
     for (bool acc : {true, false}) {
       add("moe_combine_bwd", dims({N, k, Hh}) + mode(acc), kReduce,
           {in("dout", K::Act, randn(N * Hh)), in("y", K::Act, randn(R * Hh)), in("pos", K::I32, pos),

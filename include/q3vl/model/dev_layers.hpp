@@ -171,10 +171,10 @@ void dev_moe_experts_bwd(const dev::Exec& ex, const TextConfig& tc, const DevPar
 // tensor-parallel slice's partial o_proj and MLP outputs [N,H] over the group, in place. Residual adds go with the
 // next norm (dev::residual_rmsnorm_fwd): `pending` (may be null) is the previous layer's MLP output, added to x here,
 // and this layer leaves its own MLP output in s.tmp, not yet added (the caller adds the last one). Decode-sized steps
-// (N <= 16) of 8-bit weights without tensor parallelism fold instead (Q3VL_DECODE_FOLD=0: never): o_proj and the
-// dense down_proj add their products to x themselves (linear_q8_fwd's add), and qkv and the dense gate_up read x
-// through its norm (dev::RowsIn's norm) when nothing is pending: two norm passes fewer a layer. Returns whether the
-// MLP output is in x already (else it is in s.tmp).
+// (N <= 16) without tensor parallelism fold instead (Q3VL_DECODE_FOLD=0: never): 8-bit o_proj and dense down_proj
+// weights and the MoE combine add their outputs to x themselves (linear_q8_fwd's and moe_combine_fwd's add), and
+// 8-bit qkv and dense gate_up weights read x through its norm (dev::RowsIn's norm) when nothing is pending: two norm
+// passes fewer a dense layer, one a MoE layer. Returns whether the MLP output is in x already (else it is in s.tmp).
 struct DevPagedCache {
   void *k, *v;                 // this layer's pools
   const int32_t *slots, *cu, *ctx, *table;

@@ -878,12 +878,17 @@ void grouped_launch(const Exec& x, const void* A, const void* B, void* C, const 
 // ---- combine / unpermute ----------------------------------------------------------------------------------------
 template <class S>
 __global__ void k_combine_fwd(const S* __restrict__ y, const int32_t* __restrict__ pos, const float* __restrict__ w,
-                              S* __restrict__ out, int64_t N, int k, int64_t H) {
+                              S* __restrict__ out, int64_t N, int k, int64_t H, bool add) {
   pdl_enter();  // launched by launch_pdl
   for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < N * H; q += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = q / H, d = q % H;
     float acc = 0.f;
     for (int s = 0; s < k; ++s) acc += w[t * k + s] * ld(y, int64_t(pos[t * k + s]) * H + d);
+    if (add) {  // the sum rounded to S, then added (as axpy of a written sum)
+      S r;
+      st(&r, 0, acc);
+      acc = ld(out, q) + ld(&r, 0);
+    }
     st(out, q, acc);
   }
 }
@@ -1098,11 +1103,11 @@ void grouped_linear_bwd(const Exec& x, const void* dy, const void* xg, const voi
 }
 
 void moe_combine_fwd(const Exec& x, const void* y, const int32_t* pos, const float* w, void* out, int64_t N, int64_t k,
-                     int64_t H, DType dt) {
+                     int64_t H, DType dt, bool add) {
   if (N * H <= 0) return;
   by_dtype(dt, [&]<class S>() {
     launch_pdl(k_combine_fwd<S>, dim3(unsigned(grid_for(N * H))), 256, 0, stream_of(x), static_cast<const S*>(y), pos,
-               w, static_cast<S*>(out), N, int(k), H);
+               w, static_cast<S*>(out), N, int(k), H, add);
   });
 }
 
