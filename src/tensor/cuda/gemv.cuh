@@ -459,29 +459,37 @@ __device__ __forceinline__ const S* x_row(const S* __restrict__ x, const XRows& 
   return x + src * (xr.swiglu ? 2 * n_in : n_in) + k0;
 }
 
-// silu(g) * u of 8 elements (gate and up vectors of S bits), rounded to S: swiglu_fwd's formula and rounding.
-template <class S>
-__device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
-  const uint32_t* gw = &g.x;
-  const uint32_t* uw = &u.x;
-  uint4 r;
-  uint32_t* rw = &r.x;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const uint16_t gb = uint16_t(gw[k / 2] >> (16 * (k % 2))), ub = uint16_t(uw[k / 2] >> (16 * (k % 2)));
-    const float gf = float(*reinterpret_cast<const S*>(&gb)), uf = float(*reinterpret_cast<const S*>(&ub));
-    const S y = S(gf / (1.f + expf(-gf)) * uf);
-    const uint32_t yb = *reinterpret_cast<const uint16_t*>(&y);
-    rw[k / 2] = k % 2 ? (rw[k / 2] & 0xffffu) | (yb << 16) : yb;
-  }
-  return r;
-}
-
 // The 16-bit value of S in the low half of u, as fp32.
 template <class S>
 __device__ __forceinline__ float s_f32(uint32_t u) {
   if constexpr (std::is_same_v<S, __nv_bfloat16>) return __uint_as_float(u << 16);
   else return __half2float(__ushort_as_half(static_cast<unsigned short>(u & 0xffffu)));
+}
+// f(a_k, b_k) of two vectors of 8 S values, rounded to S.
+template <class S, class F>
+__device__ __forceinline__ uint4 map8(const uint4& a, const uint4& b, F f) {
+  const uint32_t* aw = &a.x;
+  const uint32_t* bw = &b.x;
+  uint4 r;
+  uint32_t* rw = &r.x;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const int sh = 16 * (k % 2);
+    const S y = S(f(s_f32<S>(aw[k / 2] >> sh), s_f32<S>(bw[k / 2] >> sh)));
+    const uint32_t yb = *reinterpret_cast<const uint16_t*>(&y);
+    rw[k / 2] = k % 2 ? (rw[k / 2] & 0xffffu) | (yb << 16) : yb;
+  }
+  return r;
+}
+// silu(g) * u of 8 elements (gate and up vectors of S bits), rounded to S: swiglu_fwd's formula and rounding.
+template <class S>
+__device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
+  return map8<S>(g, u, [](float gf, float uf) { return gf / (1.f + expf(-gf)) * uf; });
+}
+// w * (x * r) of 8 S values rounded to S: rmsnorm_fwd's formula and rounding.
+template <class S>
+__device__ __forceinline__ uint4 norm8(const uint4& x, const uint4& w, float r) {
+  return map8<S>(x, w, [r](float xf, float wf) { return wf * (xf * r); });
 }
 // Sum of squares of 8 S values.
 template <class S>
@@ -494,22 +502,6 @@ __device__ __forceinline__ float sumsq8(const uint4& v) {
     ss = fmaf(f, f, ss);
   }
   return ss;
-}
-// w * (x * r) of 8 S values rounded to S: rmsnorm_fwd's formula and rounding.
-template <class S>
-__device__ __forceinline__ uint4 norm8(const uint4& x, const uint4& w, float r) {
-  const uint32_t* xw = &x.x;
-  const uint32_t* ww = &w.x;
-  uint4 o;
-  uint32_t* ow = &o.x;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const int sh = 16 * (k % 2);
-    const S y = S(s_f32<S>(ww[k / 2] >> sh) * (s_f32<S>(xw[k / 2] >> sh) * r));
-    const uint32_t yb = *reinterpret_cast<const uint16_t*>(&y);
-    ow[k / 2] = k % 2 ? (ow[k / 2] & 0xffffu) | (yb << 16) : yb;
-  }
-  return o;
 }
 
 // Stages rows r0 .. r0+n-1 of the input (x_row), columns [k0, k0+len), into xs (row j at j rs halves, as the mma
