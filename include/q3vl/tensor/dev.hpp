@@ -81,8 +81,8 @@ float event_elapsed_ms(const Exec& x, void* a, void* b);
 // How a linear reads its input rows (linear_q8_fwd, grouped_linear_fwd, grouped_linear_q8_fwd; the decode fusions of
 // the MLP, the MoE block and the norms): as given (the default), gathered (row r is in[rows[r] / div], gather_rows'
 // map), the SwiGLU of a [R, 2 n_in] gate|up input (row r: silu(gate) * up rounded to dt, swiglu_fwd's rows), or
-// RMS-normalized with weights `norm` [n_in] in dt (row r: rmsnorm_fwd's row of the given or gathered row, eps its
-// epsilon; not with swiglu). CUDA's decode GEMV reads through it (no pass that writes the rows and reads them back;
+// RMS-normalized with weights `norm` [n_in] in dt (row r: rmsnorm_fwd's row of in[r], eps its epsilon; the three
+// are exclusive). CUDA's decode GEMV reads through it (no pass that writes the rows and reads them back;
 // the SwiGLU only for a few short rows, the norm where x is staged whole: gemv.cuh); every other path (the CPU, fp32,
 // the GEMMs of larger R) first writes the rows into scratch ([R, n_in] in dt, required unless the default) and reads
 // them there. After the call scratch holds the rows or is untouched: callers must not read it.
