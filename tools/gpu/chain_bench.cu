@@ -1,0 +1,192 @@
+// Micro-benchmark of one stream's decode chain of 8-bit GEMVs, for issue 32's question: can a decode step stream its
+// weights closer to HBM's bandwidth if the small matrices of the next layer are prefetched into L2 while the big ones
+// before them stream? (The twenty-ninth session found the norm kernels between the GEMVs hidden already: what is
+// left is each GEMV's ramp and tail, qkv 25 MB, o_proj 17 MB and down_proj 50 MB streaming at 1.1-1.9 TB/s on an
+// H100 against ~3 TB/s for gate_up.)
+// L layers of the 8B's fp8 linears, one row of bf16 x, through wgemv::gemv as dev_decoder_infer's decode folds call
+// them: qkv (4096 -> 6144) reads x through its RMSNorm, o_proj (4096 -> 4096, its input the first 4096 of qkv's
+// output: attention is left out) adds to x, gate_up (4096 -> 24576, the TMA-fed GEMV) reads x through its norm, and
+// down_proj (12288 -> 4096) reads the SwiGLU of gate_up's output (written to scratch first, as the 8B's is) and adds
+// to x. Each layer has its own weights (L x 193 MB, far past L2). The L layers are one CUDA graph (launched
+// programmatically dependent, as decode steps are), which first resets x, replayed `reps` times; reported: the
+// median microseconds a layer and the weight bandwidth (W bytes a layer / time).
+// Modes: "none"; "qkv@o" and "qkv+o@o": after layer l's o_proj a side branch of the graph prefetches layer l+1's qkv
+// (and o_proj) into L2 (cp.async.bulk.prefetch.L2, 16 KiB a thread), joined before layer l+1's qkv, so that the
+// prefetch runs under gate_up and down_proj; "qkv@gu" and "qkv+o@gu": the same after gate_up (under down_proj only).
+// A prefetch is a hint: every mode's x after one pass must equal "none"'s bit for bit (else FAIL, exit 1).
+// Build and run (from the repo root, on a GPU machine):
+//   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps]     (defaults 16 and 50)
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "q3vl/tensor/dev.hpp"
+#include "tensor/cuda/common.cuh"
+#include "tensor/cuda/gemv.cuh"
+#include "timing.cuh"
+
+using namespace q3vl;
+using bf16 = __nv_bfloat16;
+using fp8 = __nv_fp8_e4m3;
+namespace wg = dev::cuda::wgemv;
+
+namespace {
+
+constexpr int64_t kH = 4096, kQkv = 6144, kI = 12288;
+constexpr int64_t kChunk = 16 << 10;  // bytes a prefetching thread asks for
+
+__device__ uint32_t hash32(uint64_t i, uint32_t seed) {
+  uint64_t z = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return uint32_t(z ^ (z >> 31));
+}
+// n fp8 weights uniform in [-1.7, 1.7] (variance ~1; no NaN codes).
+__global__ void k_init_w(fp8* w, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    w[i] = fp8(float(int(hash32(uint64_t(i), seed) % 2001u) - 1000) * (1.7f / 1000.f));
+}
+template <class T>
+__global__ void k_fill(T* p, int64_t n, float v) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = T(v);
+}
+__global__ void k_init_x(bf16* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = bf16(float(int(hash32(uint64_t(i), 7u) % 2001u) - 1000) * 1e-3f);
+}
+__global__ void k_prefetch(const char* p, int64_t bytes) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c * kChunk < bytes;
+       c += int64_t(gridDim.x) * blockDim.x)
+    dev::cuda::l2_prefetch(p + c * kChunk, uint32_t(min(kChunk, bytes - c * kChunk)));
+}
+
+struct Mat {
+  fp8* w = nullptr;
+  float* s = nullptr;
+  int64_t n_in = 0, n_out = 0;
+  int64_t bytes() const { return n_in * n_out; }
+};
+struct Layer {
+  Mat qkv, o, gu, down;
+};
+
+Mat make_mat(cudaStream_t st, int64_t n_in, int64_t n_out, uint32_t seed) {
+  Mat m{nullptr, nullptr, n_in, n_out};
+  Q3VL_CU(cudaMalloc(&m.w, size_t(n_in * n_out)));
+  Q3VL_CU(cudaMalloc(&m.s, sizeof(float) * size_t(n_out)));
+  k_init_w<<<1024, 256, 0, st>>>(m.w, n_in * n_out, seed);
+  k_fill<<<64, 256, 0, st>>>(m.s, n_out, 1.f / std::sqrt(float(n_in)));
+  Q3VL_LAUNCHED();
+  return m;
+}
+
+struct Bufs {
+  bf16 *x0, *x, *qkv, *gu, *ln, *act, *norm;
+};
+
+void gemv(const dev::Exec& ex, const bf16* in, const Mat& m, bf16* y, const dev::RowsIn& ri, bool add) {
+  wg::gemv<bf16, fp8>(ex, in, m.w, m.s, nullptr, y, 1, m.n_in, m.n_out, nullptr, 0, 0, ri, add);
+}
+
+// The graph of L layers in mode `mode` (0 none; 1/2 qkv, qkv+o after o_proj; 3/4 after gate_up).
+cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Layer>& L, const Bufs& b, int mode,
+                   std::vector<cudaEvent_t>& ev) {
+  cudaStream_t st = dev::cuda::stream_of(ex);
+  Q3VL_CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  Q3VL_CU(cudaMemcpyAsync(b.x, b.x0, sizeof(bf16) * kH, cudaMemcpyDeviceToDevice, st));
+  const dev::RowsIn norm{nullptr, 1, false, b.ln, b.norm, 1e-6f}, swiglu{nullptr, 1, true, b.act};
+  const auto fork = [&](size_t l) {  // layer l + 1's qkv (and o_proj) into L2 on the side branch
+    if (mode == 0 || l + 1 >= L.size()) return;
+    Q3VL_CU(cudaEventRecord(ev[2 * l], st));
+    Q3VL_CU(cudaStreamWaitEvent(side, ev[2 * l], 0));
+    k_prefetch<<<64, 256, 0, side>>>(reinterpret_cast<const char*>(L[l + 1].qkv.w), L[l + 1].qkv.bytes());
+    if (mode == 2 || mode == 4)
+      k_prefetch<<<64, 256, 0, side>>>(reinterpret_cast<const char*>(L[l + 1].o.w), L[l + 1].o.bytes());
+    Q3VL_LAUNCHED();
+    Q3VL_CU(cudaEventRecord(ev[2 * l + 1], side));
+  };
+  for (size_t l = 0; l < L.size(); ++l) {
+    if (mode != 0 && l > 0) Q3VL_CU(cudaStreamWaitEvent(st, ev[2 * (l - 1) + 1], 0));
+    gemv(ex, b.x, L[l].qkv, b.qkv, norm, false);
+    gemv(ex, b.qkv, L[l].o, b.x, {}, true);
+    if (mode == 1 || mode == 2) fork(l);
+    gemv(ex, b.x, L[l].gu, b.gu, norm, false);
+    if (mode == 3 || mode == 4) fork(l);
+    gemv(ex, b.gu, L[l].down, b.x, swiglu, true);
+  }
+  cudaGraph_t g;
+  Q3VL_CU(cudaStreamEndCapture(st, &g));
+  return g;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int layers = std::max(2, argc > 1 ? std::atoi(argv[1]) : 16);
+  const int reps = std::max(10, argc > 2 ? std::atoi(argv[2]) : 50);
+  const char* names[] = {"none", "qkv@o", "qkv+o@o", "qkv@gu", "qkv+o@gu"};
+  bool bad = false;
+  try {
+    dev::Exec ex = dev::cuda::make_exec(size_t(64) << 20, 0);
+    cudaStream_t st = dev::cuda::stream_of(ex), side;
+    Q3VL_CU(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    cudaDeviceProp prop{};
+    Q3VL_CU(cudaGetDeviceProperties(&prop, 0));
+    std::vector<Layer> L(static_cast<size_t>(layers));
+    for (size_t l = 0; l < L.size(); ++l) {
+      const uint32_t s = uint32_t(10 * l);
+      L[l] = {make_mat(st, kH, kQkv, s + 1), make_mat(st, kH, kH, s + 2), make_mat(st, kH, 2 * kI, s + 3),
+              make_mat(st, kI, kH, s + 4)};
+    }
+    Bufs b{};
+    for (auto [p, n] : {std::pair<bf16**, int64_t>{&b.x0, kH}, {&b.x, kH}, {&b.qkv, kQkv}, {&b.gu, 2 * kI},
+                        {&b.ln, kH}, {&b.act, kI}, {&b.norm, kH}})
+      Q3VL_CU(cudaMalloc(p, sizeof(bf16) * size_t(n)));
+    k_init_x<<<16, 256, 0, st>>>(b.x0, kH);
+    k_fill<<<16, 256, 0, st>>>(b.norm, kH, 1.f);
+    Q3VL_LAUNCHED();
+    Q3VL_CU(cudaStreamSynchronize(st));
+    const double wbytes = double(L[0].qkv.bytes() + L[0].o.bytes() + L[0].gu.bytes() + L[0].down.bytes());
+    std::printf("# chain_bench on %s (L2 %d MB): %d layers of the 8B's fp8 linears (%.1f MB a layer), one row, "
+                "median of %d graph replays\n\n| mode | us a layer | TB/s | x equal to none's |\n|---|---|---|---|\n",
+                prop.name, prop.l2CacheSize >> 20, layers, wbytes / 1e6, reps);
+    std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * layers));
+    for (auto& e : ev) Q3VL_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    std::vector<uint16_t> ref(static_cast<size_t>(kH)), got(static_cast<size_t>(kH));
+    for (int mode = 0; mode < 5; ++mode) {
+      cudaGraph_t g = record(ex, side, L, b, mode, ev);
+      cudaGraphExec_t ge;
+      Q3VL_CU(cudaGraphInstantiate(&ge, g, 0));
+      Q3VL_CU(cudaGraphLaunch(ge, st));
+      Q3VL_CU(cudaMemcpyAsync(got.data(), b.x, sizeof(bf16) * kH, cudaMemcpyDeviceToHost, st));
+      Q3VL_CU(cudaStreamSynchronize(st));
+      if (mode == 0) ref = got;
+      const bool same = std::memcmp(ref.data(), got.data(), sizeof(uint16_t) * size_t(kH)) == 0;
+      bad |= !same;
+      const gpu_bench::Timing t =
+          gpu_bench::time_median(st, reps, 3, [&](int) { Q3VL_CU(cudaGraphLaunch(ge, st)); });
+      const double us = t.us / layers;
+      std::printf("| %s | %.1f%s | %.2f | %s |\n", names[mode], us, t.host_bound ? " (host-bound)" : "",
+                  wbytes / (us * 1e-6) / 1e12, same ? "yes" : "FAIL");
+      Q3VL_CU(cudaGraphExecDestroy(ge));
+      Q3VL_CU(cudaGraphDestroy(g));
+    }
+    for (auto& e : ev) Q3VL_CU(cudaEventDestroy(e));
+    for (bf16* p : {b.x0, b.x, b.qkv, b.gu, b.ln, b.act, b.norm}) Q3VL_CU(cudaFree(p));
+    for (Layer& l : L)
+      for (Mat* m : {&l.qkv, &l.o, &l.gu, &l.down}) {
+        Q3VL_CU(cudaFree(m->w));
+        Q3VL_CU(cudaFree(m->s));
+      }
+    Q3VL_CU(cudaStreamDestroy(side));
+    dev::cuda::destroy_exec(ex);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "chain_bench: %s\n", e.what());
+    return 2;
+  }
+  return bad ? 1 : 0;
+}
