@@ -4,9 +4,7 @@
 # without (Q3VL_DECODE_FOLD=0), while the call has room.
 source tools/gpu/call_lib.sh call4
 if nvidia-smi -L | grep -q H200; then
-  train_prof q30b input/bench_30b_a3b_gpu.deck 100 run.profile_top=0
-  hf_train hf30b 150 --preset 30B-A3B --text-layers 6 --batch 1 --seq 4096
-  ratio q30b hf30b "30B-A3B x 6 layers, 1 x 4096 tokens, overlapped update"
+  vs_hf 30b
   prof_rows q30b
   left 60 && serve_one fp8 8bfp8 55
   left 60 && serve_one fp8_nofold 8bfp8 55 Q3VL_DECODE_FOLD=0
