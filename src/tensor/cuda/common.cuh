@@ -64,6 +64,17 @@ template <> __device__ __forceinline__ void st<__nv_bfloat16>(__nv_bfloat16* p, 
 }
 template <> __device__ __forceinline__ void st<__half>(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 
+// y[i] = v, or with add y[i] + v rounded to S first (a residual add, as axpy of the rounded product would).
+template <class S>
+__device__ __forceinline__ void store_y(S* y, int64_t i, float v, bool add) {
+  if (add) {
+    S t;
+    st(&t, 0, v);
+    v = ld(y, i) + ld(&t, 0);
+  }
+  st(y, i, v);
+}
+
 // V consecutive elements of S at p + i, i a multiple of V, in one access of V * sizeof(S) bytes (two 16-byte ones
 // above 16: 8 fp32 beside a 16-bit operand), aligned to that size up to 16 bytes: with V > 1 the caller sees that the
 // pointers and strides allow it (16-byte aligned bases, row lengths a multiple of V).

@@ -175,17 +175,6 @@ __device__ __forceinline__ void fma_step(float (&acc)[kRows][NB], const uint4 (&
   }
 }
 
-// y[i] = v, or with add y[i] + v rounded to S first (a residual add, as axpy of the rounded product would).
-template <class S>
-__device__ __forceinline__ void store_y(S* y, int64_t i, float v, bool add) {
-  if (add) {
-    S t;
-    st(&t, 0, v);
-    v = ld(y, i) + ld(&t, 0);
-  }
-  st(y, i, v);
-}
-
 // One block's rows of y = (in q^T) * scale + b (add: y +=): kWarps warps, warp w owning rows (blockIdx.x * kWarps + w) * kRows +
 // [0, kRows). x[n, n_in] staged kc columns at a time into xs (n * kc floats of dynamic shared memory); the block
 // synchronizes before it stages, so it may be called again on other rows. scale: 8-bit weights only (else unread).
@@ -527,16 +516,20 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
     mx = __vmaxu2(mx, u.x & 0x7fff7fffu), mx = __vmaxu2(mx, u.y & 0x7fff7fffu);
     return __vmaxu2(__vmaxu2(mx, u.z & 0x7fff7fffu), u.w & 0x7fff7fffu);
   };
+  // The warp's partial max |x| of row j (a lane's two per-half maxima) into wmax.
+  const auto put_max = [&](int j, uint32_t mx) {
+    mx = max(mx & 0xffffu, mx >> 16);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) wmax[j * gw + wi] = mx;  // j gw + wi < max(n, WARPS) <= 32
+  };
   // The warp's partial max (or, with a norm, its partial sum of squares) of row j into wmax.
   const auto partial = [&](int j, uint32_t mx, float ss) {
     if (norm) {
       ss = warp_sum(ss);
-      if (lane == 0) wmax[j * gw + wi] = __float_as_uint(ss);  // j gw + wi < max(n, WARPS) <= 32
+      if (lane == 0) wmax[j * gw + wi] = __float_as_uint(ss);
     } else if constexpr (kTcRescale<S, W>) {
-      mx = max(mx & 0xffffu, mx >> 16);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      if (lane == 0) wmax[j * gw + wi] = mx;
+      put_max(j, mx);
     }
   };
   if (wg < par) {
@@ -585,12 +578,7 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
           if constexpr (kTcRescale<S, W>) mx = vmax(mx, u);
           *reinterpret_cast<uint4*>(dst + 8 * v) = u;
         }
-        if constexpr (kTcRescale<S, W>) {
-          mx = max(mx & 0xffffu, mx >> 16);
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-          if (lane == 0) wmax[j * gw + wi] = mx;
-        }
+        if constexpr (kTcRescale<S, W>) put_max(j, mx);
       }
     }
     if constexpr (!kTcRescale<S, W>) __syncthreads();  // xmul's 1 / rms are read before it is set to 1

@@ -884,12 +884,7 @@ __global__ void k_combine_fwd(const S* __restrict__ y, const int32_t* __restrict
     const int64_t t = q / H, d = q % H;
     float acc = 0.f;
     for (int s = 0; s < k; ++s) acc += w[t * k + s] * ld(y, int64_t(pos[t * k + s]) * H + d);
-    if (add) {  // the sum rounded to S, then added (as axpy of a written sum)
-      S r;
-      st(&r, 0, acc);
-      acc = ld(out, q) + ld(&r, 0);
-    }
-    st(out, q, acc);
+    store_y(out, q, acc, add);  // with add the sum rounded to S, then added (as axpy of a written sum)
   }
 }
 // One warp per (token, slot) pair r: dw[r] = <dout[t], y[pos]>, dy[pos] += w[r] dout[t] (pos distinct: no races).
