@@ -426,19 +426,28 @@ struct XRows {
   float eps = 0.f;
 };
 
-// One 8-element vector of x row src at column c (zeros at and past len).
-template <class S>
+// One 8-element vector of x row src at column c (zeros at and past len). NC: read through the non-coherent path (x
+// written before the kernel began); else at L2 (x written by other blocks of a persistent kernel: gemv_chain.cuh).
+template <class S, bool NC = true>
 __device__ __forceinline__ uint4 x_vec(const S* __restrict__ src, int c, int len, bool vec_x) {
-  if (vec_x && c + 8 <= len) return __ldg(reinterpret_cast<const uint4*>(src + c));
-  const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+  if (vec_x && c + 8 <= len) {
+    const uint4* p = reinterpret_cast<const uint4*>(src + c);
+    return NC ? __ldg(p) : __ldcg(p);
+  }
+  const unsigned short* s16 = reinterpret_cast<const unsigned short*>(src);
   uint32_t e[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int k = 0; k < 8; ++k)
-    if (c + k < len) e[k / 2] |= uint32_t(s16[c + k]) << (16 * (k % 2));
+    if (c + k < len) e[k / 2] |= uint32_t(NC ? s16[c + k] : __ldcg(s16 + c + k)) << (16 * (k % 2));
   return make_uint4(e[0], e[1], e[2], e[3]);
 }
 
 constexpr int kTcStageLoads = 4;  // x vectors a lane has in flight while staging
+
+// tc_stage's barrier: the whole block's, or (gemv_chain) the named barrier of the warps that stage.
+struct SyncCta {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
 
 // Row r of the product's input from x (XRows): its element at column k0 (SwiGLU: the gate's; the up half is n_in on).
 template <class S>
@@ -502,10 +511,10 @@ __device__ __forceinline__ float sumsq8(const uint4& v) {
 // A norm (xr.norm: the whole row staged, k0 0 and len n_in) takes two more passes over the staged rows: each row's
 // 1 / rms from the warps' partial sums into xmul[j], then every lane normalizes its own vectors in place. Each block
 // computes the norm again (a few us of L2 reads and shared memory against a kernel of its own).
-template <class S, class W, int WARPS>
+template <class S, class W, int WARPS, bool NC = true, class Sync = SyncCta>
 __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& xr, int64_t r0, int n, int64_t n_in,
                                          int64_t k0, int len, bool vec_x, uint16_t* xs, int rs, float* xmul,
-                                         uint32_t* wmax) {
+                                         uint32_t* wmax, Sync sync = {}) {
   constexpr int U = kTcStageLoads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nv = (len + kTcStep<W> - 1) / kTcStep<W> * kTcStep<W> / 8;  // 8-element vectors
@@ -544,8 +553,9 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
         for (int q = 0; q < U; ++q) {
           const int v = v0 + q * step;
           if (v >= nv) u[q] = make_uint4(0, 0, 0, 0);
-          else if (xr.swiglu) u[q] = swiglu8<S>(x_vec(src, 8 * v, len, vec_x), x_vec(src + n_in, 8 * v, len, vec_x));
-          else u[q] = x_vec(src, 8 * v, len, vec_x);
+          else if (xr.swiglu) u[q] = swiglu8<S>(x_vec<S, NC>(src, 8 * v, len, vec_x),
+                                                   x_vec<S, NC>(src + n_in, 8 * v, len, vec_x));
+          else u[q] = x_vec<S, NC>(src, 8 * v, len, vec_x);
         }
 #pragma unroll
         for (int q = 0; q < U; ++q) {
@@ -560,13 +570,13 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
     }
   }
   if (norm) {
-    __syncthreads();  // every row's partial sums are in
+    sync();  // every row's partial sums are in
     if (threadIdx.x < n) {
       float ss = 0.f;
       for (int i = 0; i < gw; ++i) ss += __uint_as_float(wmax[threadIdx.x * gw + i]);
       xmul[threadIdx.x] = 1.f / sqrtf(ss / float(n_in) + xr.eps);  // rmsnorm_fwd's 1 / rms
     }
-    __syncthreads();  // the rows' 1 / rms are in; wmax is free
+    sync();  // the rows' 1 / rms are in; wmax is free
     if (wg < par) {
       const S* w = static_cast<const S*>(xr.norm);
       for (int j = wg; j < n; j += par) {
@@ -581,13 +591,13 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
         if constexpr (kTcRescale<S, W>) put_max(j, mx);
       }
     }
-    if constexpr (!kTcRescale<S, W>) __syncthreads();  // xmul's 1 / rms are read before it is set to 1
+    if constexpr (!kTcRescale<S, W>) sync();  // xmul's 1 / rms are read before it is set to 1
   }
   if constexpr (!kTcRescale<S, W>) {
     if (threadIdx.x < n) xmul[threadIdx.x] = 1.f;
     return;
   }
-  __syncthreads();  // every row's partial maxima and vectors are in
+  sync();  // every row's partial maxima and vectors are in
   if (wg >= par) return;
   for (int j = wg; j < n; j += par) {
     uint32_t mx = 0;

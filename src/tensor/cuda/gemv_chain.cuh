@@ -1,0 +1,180 @@
+// A chain of decode GEMVs in one persistent kernel: y_j = (x_j W_j^T) * scale_j (+ y_j with add), j = 0 .. count-1,
+// where x_j may be an earlier product (another block's rows of it). One block an SM; its producer warp streams the
+// weights of every product of the chain through one TMA ring without a pause, and its consumer warps compute product j
+// once every block has written product j-1 (a grid barrier in global memory). So HBM stays busy across the boundary
+// that separates two kernels: a block done with its tiles of product j has the first stages of product j+1 in its
+// ring by the time the barrier opens, where a kernel of its own would start from an empty ring (issue 32: the 8B's
+// small one-row matrices stream at 1.1-1.9 TB/s each, paying their own ramp and tail).
+// A product's tiles, stages, panels and per-tile arithmetic are k_gemv_tma's (gemv_tma.cuh), so each tile's sums are
+// that kernel's; only the staging of x differs (the consumer warps stage it, CW of them, not CW + 1: a norm's sum of
+// squares is added in another order).
+// Deadlock-free because every block is resident: grid = the SM count, at most one block an SM (its shared memory),
+// and the kernel before it has ended (pdl_wait) before any block waits at a barrier.
+#pragma once
+#include "tensor/cuda/gemv.cuh"
+
+namespace q3vl::dev::cuda::wgemv {
+
+constexpr int kChainMax = 64;                // products a chain
+using TmaChain = TmaKnobs<8, 8, 10>;         // 160 KiB of stages in flight: a product's tail covers the next's ramp
+constexpr size_t kChainXBudget = 32 << 10;  // staged x: one row of up to 16K columns, as halves
+
+// One product of a chain (built by chain_job on the host).
+template <class S> struct ChainJob {
+  CUtensorMap map;  // W's 128-byte panels (tmap_panels), 16 rows x K::kP panels a box
+  const S* in;
+  XRows xr;
+  const float* scale;
+  S* y;
+  int64_t n_in, n_out;
+  int rs;
+  bool vec_x, add;
+};
+template <class S> struct ChainParams {
+  ChainJob<S> job[kChainMax];
+  int count, n;
+  uint32_t* bar;  // two zeroed words: blocks arrived, blocks done; the last block done zeroes both
+};
+
+// Block-wide barrier of the consumer warps (tc_stage's Sync).
+template <int CW> struct SyncConsumers {
+  __device__ __forceinline__ void operator()() const { bar_sync(1, CW * 32); }
+};
+__device__ __forceinline__ void grid_arrive(uint32_t* bar) {
+  __threadfence();  // this block's products, stored by every consumer thread before the named barrier, go first
+  atomicAdd(bar, 1u);
+}
+__device__ __forceinline__ void grid_wait(const uint32_t* bar, uint32_t target) {
+  uint32_t v;
+  do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
+  while (v < target);
+}
+
+template <class S, class W, class K>
+__global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __grid_constant__ ChainParams<S> p) {
+  constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, NT = kTmaNb / 8, G = kGroup<W>;
+  constexpr int PC = kTmaPanel / int(sizeof(W));
+  constexpr uint32_t SB = tma_stage_bytes<K>();
+  constexpr int EL = NT * 4 * 32;
+  extern __shared__ float4 smem_chain[];
+  unsigned char* smraw = reinterpret_cast<unsigned char*>(smem_chain);
+  const uint32_t ring = (su32(smraw) + 1023u) & ~1023u;  // as k_gemv_tma's
+  unsigned char* ring_p = smraw + (ring - su32(smraw));
+  unsigned char* after = ring_p + ST * SB;
+  const uint32_t full0 = su32(after), empty0 = full0 + 8 * ST;
+  char* head = reinterpret_cast<char*>(after + 16 * ST);
+  float* xmul = reinterpret_cast<float*>(head);
+  uint32_t* wmax = reinterpret_cast<uint32_t*>(head + 64);
+  float* red = reinterpret_cast<float*>(head + kTcHeader);
+  uint16_t* xs = reinterpret_cast<uint16_t*>(red + CW * EL);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int n = p.n;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < ST; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, CW);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const auto tiles = [](const ChainJob<S>& jb) { return (jb.n_out + kTmaTile - 1) / kTmaTile; };
+  const auto spt = [](const ChainJob<S>& jb) { return (int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel) + P - 1) / P; };
+
+  if (warp == CW) {  // the producer: every product's stages, in order, into the ring
+    if (lane != 0) return;
+    for (int j = 0; j < p.count; ++j) tmap_prefetch(&p.job[j].map);
+    const ChainJob<S>& j0 = p.job[0];
+    const int64_t early = std::min<int64_t>(ST, tma_block_stages(tiles(j0), spt(j0), blockIdx.x, gridDim.x));
+    for (int64_t i = 0; i < early; ++i)  // into L2 only before the wait, as k_gemv_tma does
+      tma_prefetch_3d(&j0.map, 0, int(tma_stage_item(i, spt(j0), blockIdx.x, gridDim.x) * kTmaTile),
+                      int(i % spt(j0)) * P);
+    pdl_wait();
+    const uint64_t policy = l2_evict_first();
+    int64_t gi = 0;  // the block's stage across the chain
+    for (int j = 0; j < p.count; ++j) {
+      const ChainJob<S>& jb = p.job[j];
+      const int sp = spt(jb);
+      const int64_t total = tma_block_stages(tiles(jb), sp, blockIdx.x, gridDim.x);
+      for (int64_t i = 0; i < total; ++i, ++gi) {
+        const int slot = int(gi % ST);
+        if (gi >= ST) mbar_wait(empty0 + 8 * slot, uint32_t((gi / ST - 1) & 1));
+        mbar_expect_tx(full0 + 8 * slot, SB);
+        tma_load_3d(ring + slot * SB, &jb.map, 0, int(tma_stage_item(i, sp, blockIdx.x, gridDim.x) * kTmaTile),
+                    int(i % sp) * P, full0 + 8 * slot, policy);
+      }
+    }
+    return;
+  }
+
+  pdl_wait();
+  int64_t gi = 0;
+  for (int j = 0; j < p.count; ++j) {
+    const ChainJob<S>& jb = p.job[j];
+    if (j > 0) {  // every block has written product j - 1
+      if (threadIdx.x == 0) grid_wait(p.bar, uint32_t(j) * gridDim.x);
+      bar_sync(1, CW * 32);
+    }
+    if (j == p.count - 1) pdl_trigger();
+    const int64_t nt = tiles(jb);
+    const int sp = spt(jb), panels = int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel);
+    if (blockIdx.x < nt) {
+      tc_stage<S, W, CW, false>(jb.in, jb.xr, 0, n, jb.n_in, 0, int(jb.n_in), jb.vec_x, xs, jb.rs, xmul, wmax,
+                                SyncConsumers<CW>{});
+      bar_sync(1, CW * 32);
+    }
+    for (int64_t tile = blockIdx.x; tile < nt; tile += gridDim.x) {
+      float acc[1][NT][4] = {};
+      for (int kp = 0; kp < sp; ++kp, ++gi) {
+        const int slot = int(gi % ST);
+        mbar_wait(full0 + 8 * slot, uint32_t((gi / ST) & 1));
+        const unsigned char* stage = ring_p + slot * SB;
+        for (int pp = warp; pp < P; pp += CW) {
+          const int pg = kp * P + pp;
+          if (pg >= panels) break;
+          const unsigned char* pb = stage + pp * kTmaPanelBytes;
+#pragma unroll
+          for (int s = 0; s < 2; ++s) {
+            const int c = tma_chunk(lane, s);
+            const uint4 w[1][2] = {{*reinterpret_cast<const uint4*>(pb + tma_offset(g, c)),
+                                    *reinterpret_cast<const uint4*>(pb + tma_offset(g + 8, c))}};
+            tc_step<W, kTmaNb, 1>(acc, w, xs + pg * PC + c * G, jb.rs, n, g);
+          }
+        }
+        __syncwarp();
+        mbar_arrive(empty0 + 8 * slot, lane == 0);
+      }
+      bar_sync(1, CW * 32);  // the previous tile's sums are read
+      tc_store<S, W, 1, NT, CW>(acc, red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), xmul, jb.y,
+                                n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); });
+    }
+    if (j + 1 < p.count) {
+      bar_sync(1, CW * 32);  // every consumer's stores (and reads of xs, xmul) are done
+      if (threadIdx.x == 0) grid_arrive(p.bar);
+    }
+  }
+  if (threadIdx.x == 0 && atomicAdd(p.bar + 1, 1u) == gridDim.x - 1) {  // every block is past every barrier
+    p.bar[0] = 0;
+    p.bar[1] = 0;
+  }
+}
+
+// Product j of a chain, or false where the TMA GEMV would not take it (tma_takes, the map, x over kChainXBudget).
+template <class S, class W, class K = TmaChain>
+bool chain_job(ChainJob<S>& jb, const S* in, const W* q, const float* scale, S* y, int n, int64_t n_in,
+               int64_t n_out, const XRows& xr, bool add) {
+  if (!tma_takes<W>(n, n_in, n_out) || tma_x_bytes<W>(n, n_in) > kChainXBudget) return false;
+  if (!tmap_panels(jb.map, q, n_out, n_in * int64_t(sizeof(W)), kTmaTile, K::kP)) return false;
+  jb.in = in, jb.xr = xr, jb.scale = scale, jb.y = y, jb.n_in = n_in, jb.n_out = n_out;
+  jb.rs = int(n_in + kTcPad<W>), jb.vec_x = x_vectors(in, xr, n_in), jb.add = add;
+  return true;
+}
+
+// The chain p.job[0 .. p.count) over p.n rows, p.bar two zeroed words of device memory (left zeroed).
+template <class S, class W, class K = TmaChain>
+void gemv_chain(const Exec& x, const ChainParams<S>& p) {
+  static_assert(kTcOk<S, W> && !std::is_same_v<S, W>, "wgemv::gemv_chain: 16-bit activations, 8-bit weights");
+  Q3VL_CHECK(p.count >= 1 && p.count <= kChainMax && p.n >= 1 && p.n <= kTmaNb && p.bar, "wgemv::gemv_chain: bad chain");
+  const size_t smem = 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
+                      sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + kChainXBudget;
+  launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32, smem, stream_of(x), p);
+}
+
+}  // namespace q3vl::dev::cuda::wgemv
