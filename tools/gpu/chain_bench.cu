@@ -20,7 +20,9 @@
 // but a norm's sum of squares is added in another order, so their x is compared to none's within 2% of its largest
 // element (printed: the largest difference relative to it), bitwise only for the products without a norm.
 // Build and run (from the repo root, on a GPU machine):
-//   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps]     (defaults 16 and 50)
+//   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps] [modes] [aheads]
+// (defaults 16, 50, "0,5,6,7" and "0,8,16": modes by number, 0 none ... 7 qkv and a chain; the chain's `ahead`, the
+// stages past its ring that its producer asks of L2).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -100,7 +102,7 @@ void gemv(const dev::Exec& ex, const bf16* in, const Mat& m, bf16* y, const dev:
 
 // The graph of L layers in mode `mode` (0 none; 1/2 qkv, qkv+o after o_proj; 3/4 after gate_up).
 cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Layer>& L, const Bufs& b, int mode,
-                   std::vector<cudaEvent_t>& ev) {
+                   int ahead, std::vector<cudaEvent_t>& ev) {
   cudaStream_t st = dev::cuda::stream_of(ex);
   Q3VL_CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
   Q3VL_CU(cudaMemcpyAsync(b.x, b.x0, sizeof(bf16) * kH, cudaMemcpyDeviceToDevice, st));
@@ -117,7 +119,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
   };
   if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6), qkv apart (7)
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar;
+    p.n = 1, p.bar = b.bar, p.ahead = ahead;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
     for (size_t l = 0; l < L.size(); ++l) {
       const Layer& y = L[l];
@@ -154,6 +156,20 @@ int main(int argc, char** argv) {
   const int layers = std::max(2, argc > 1 ? std::atoi(argv[1]) : 16);
   const int reps = std::max(10, argc > 2 ? std::atoi(argv[2]) : 50);
   const char* names[] = {"none", "qkv@o", "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL", "qkv, chain o+gu+down"};
+  // The runs: modes (argv[3], default 0,5,6,7; 0 always first, the reference), the chain's ahead values (argv[4]).
+  const auto ints = [](const char* s) {
+    std::vector<int> v;
+    for (const char* c = s; *c;) {
+      v.push_back(std::atoi(c));
+      while (*c && *c != ',') ++c;
+      if (*c) ++c;
+    }
+    return v;
+  };
+  std::vector<std::pair<int, int>> runs{{0, 0}};
+  for (int m : ints(argc > 3 ? argv[3] : "0,5,6,7"))
+    for (int a : m >= 5 ? ints(argc > 4 ? argv[4] : "0,8,16") : std::vector<int>{0})
+      if (m > 0 && m < 8) runs.push_back({m, a});
   bool bad = false;
   try {
     dev::Exec ex = dev::cuda::make_exec(size_t(64) << 20, 0);
@@ -184,8 +200,8 @@ int main(int argc, char** argv) {
     std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * layers));
     for (auto& e : ev) Q3VL_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     std::vector<uint16_t> ref(static_cast<size_t>(kH)), got(static_cast<size_t>(kH));
-    for (int mode = 0; mode < 8; ++mode) {
-      cudaGraph_t g = record(ex, side, L, b, mode, ev);
+    for (auto [mode, ahead] : runs) {
+      cudaGraph_t g = record(ex, side, L, b, mode, ahead, ev);
       cudaGraphExec_t ge;
       Q3VL_CU(cudaGraphInstantiate(&ge, g, 0));
       Q3VL_CU(cudaGraphLaunch(ge, st));
@@ -206,7 +222,9 @@ int main(int argc, char** argv) {
       const gpu_bench::Timing t =
           gpu_bench::time_median(st, reps, 3, [&](int) { Q3VL_CU(cudaGraphLaunch(ge, st)); });
       const double us = t.us / layers;
-      std::printf("| %s | %.1f%s | %.2f | %s |\n", names[mode], us, t.host_bound ? " (host-bound)" : "",
+      char name[64];
+      std::snprintf(name, sizeof name, mode >= 5 ? "%s, ahead %d" : "%s", names[mode], ahead);
+      std::printf("| %s | %.1f%s | %.2f | %s |\n", name, us, t.host_bound ? " (host-bound)" : "",
                   wbytes / (us * 1e-6) / 1e12, same ? "yes" : !ok ? "FAIL" : "");
       if (mode >= 5) std::printf("|   (largest difference / largest |x|: %.2e) | | | |\n", rel);
       Q3VL_CU(cudaGraphExecDestroy(ge));

@@ -33,6 +33,7 @@ template <class S> struct ChainJob {
 template <class S> struct ChainParams {
   ChainJob<S> job[kChainMax];
   int count, n;
+  int ahead;      // stages past the ring's that the producer asks L2 for (0: none); see k_gemv_chain
   uint32_t* bar;  // two zeroed words: blocks arrived, blocks done; the last block done zeroes both
 };
 
@@ -81,25 +82,39 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
   if (warp == CW) {  // the producer: every product's stages, in order, into the ring
     if (lane != 0) return;
     for (int j = 0; j < p.count; ++j) tmap_prefetch(&p.job[j].map);
-    const ChainJob<S>& j0 = p.job[0];
-    const int64_t early = std::min<int64_t>(ST, tma_block_stages(tiles(j0), spt(j0), blockIdx.x, gridDim.x));
-    for (int64_t i = 0; i < early; ++i)  // into L2 only before the wait, as k_gemv_tma does
-      tma_prefetch_3d(&j0.map, 0, int(tma_stage_item(i, spt(j0), blockIdx.x, gridDim.x) * kTmaTile),
-                      int(i % spt(j0)) * P);
-    pdl_wait();
-    const uint64_t policy = l2_evict_first();
-    int64_t gi = 0;  // the block's stage across the chain
-    for (int j = 0; j < p.count; ++j) {
-      const ChainJob<S>& jb = p.job[j];
-      const int sp = spt(jb);
-      const int64_t total = tma_block_stages(tiles(jb), sp, blockIdx.x, gridDim.x);
-      for (int64_t i = 0; i < total; ++i, ++gi) {
-        const int slot = int(gi % ST);
-        if (gi >= ST) mbar_wait(empty0 + 8 * slot, uint32_t((gi / ST - 1) & 1));
-        mbar_expect_tx(full0 + 8 * slot, SB);
-        tma_load_3d(ring + slot * SB, &jb.map, 0, int(tma_stage_item(i, sp, blockIdx.x, gridDim.x) * kTmaTile),
-                    int(i % sp) * P, full0 + 8 * slot, policy);
+    // A cursor over the block's stages of the whole chain: product j, its stage i of total, stages a tile sp.
+    struct Cur {
+      int j = -1, sp = 1;
+      int64_t i = 0, total = 0;
+    };
+    const auto next = [&](Cur& c) {  // false past the chain's last stage
+      for (++c.i; c.i >= c.total && c.j < p.count;) {
+        if (++c.j == p.count) return false;
+        c.sp = spt(p.job[c.j]), c.total = tma_block_stages(tiles(p.job[c.j]), c.sp, blockIdx.x, gridDim.x), c.i = 0;
       }
+      return c.j < p.count;
+    };
+    const auto row = [&](const Cur& c) { return int(tma_stage_item(c.i, c.sp, blockIdx.x, gridDim.x) * kTmaTile); };
+    // lead: the next stage to ask of L2 only (a hint). The first ST before the wait, as k_gemv_tma does; then the
+    // `ahead` stages past the ring's, kept so as each stage is loaded, so that HBM streams on while the consumers
+    // wait at a barrier with the ring full (the load of such a stage then hits L2).
+    Cur lead;
+    bool more = next(lead);
+    const auto ask = [&] {
+      tma_prefetch_3d(&p.job[lead.j].map, 0, row(lead), int(lead.i % lead.sp) * P);
+      more = next(lead);
+    };
+    for (int k = 0; more && k < ST; ++k) ask();
+    pdl_wait();
+    for (int k = 0; more && k < p.ahead; ++k) ask();
+    const uint64_t policy = l2_evict_first();
+    Cur c;
+    for (int64_t gi = 0; next(c); ++gi) {  // gi: the block's stage across the chain
+      if (p.ahead > 0 && more) ask();
+      const int slot = int(gi % ST);
+      if (gi >= ST) mbar_wait(empty0 + 8 * slot, uint32_t((gi / ST - 1) & 1));
+      mbar_expect_tx(full0 + 8 * slot, SB);
+      tma_load_3d(ring + slot * SB, &p.job[c.j].map, 0, row(c), int(c.i % c.sp) * P, full0 + 8 * slot, policy);
     }
     return;
   }
