@@ -233,6 +233,26 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
 
 namespace {
 bool q8(const DevParams& P, int id) { return P.q8 && P.q8[id]; }
+
+// Whether a dense layer's folded o_proj, gate_up and down_proj run as one dev::linear_q8_chain: Q3VL_DECODE_CHAIN=1.
+bool chain_on() {
+  static const bool on = env_is("Q3VL_DECODE_CHAIN", "1");
+  return on;
+}
+// The folded o_proj (adds to x), gate_up (reads x through the post-attention norm) and down_proj (reads the SwiGLU
+// of gate_up's output, adds to x) of a dense layer with 8-bit weights, as one chain.
+void mlp_chain(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int gate_up, void* x,
+               int64_t N, DevDecoderCtx& c, DType dt) {
+  const int64_t H = tc.hidden, I = tc.intermediate, Dq = tc.heads * tc.head_dim;
+  const auto link = [&](int id, const void* in, void* y, int64_t n_in, int64_t n_out, dev::RowsIn rin, bool add) {
+    return dev::Q8Link{in, P.q8[id], P.s8[id], y, n_in, n_out, rin, add};
+  };
+  const dev::Q8Link links[3] = {
+      link(f + tlay::o_proj, c.att, x, Dq, H, {}, true),
+      link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], float(tc.rms_eps)}, false),
+      link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true)};
+  dev::linear_q8_chain(ex, links, 3, N, P.qf, dt);
+}
 }  // namespace
 
 bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
@@ -259,6 +279,8 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
                         nullptr, cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
                            kv.max_q, kv.max_ctx, kv.keys, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
+  if (chain_on() && norm_post && add_down)  // o_proj, gate_up and down_proj as one chain (dev::linear_q8_chain)
+    return mlp_chain(ex, tc, P, f, gate_up, x, N, c, dt), true;
   dev_linear(ex, P, f + tlay::o_proj, c.att, add_o ? x : s.tmp, N, Dq, H, dt, 0, {}, add_o);
   if (reduce) reduce(s.tmp, N * H);
   if (!norm_post)

@@ -310,6 +310,15 @@ void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* sc
   by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), out, N, n_in, n_out); });
   for (size_t i = 0; i < prod.size(); ++i) F(y)[i] += prod[i];
 }
+void linear_q8_chain(const Exec& x, const Q8Link* links, int count, int64_t N, QFormat qf, DType dt) {
+  double flop = 0;
+  for (int j = 0; j < count; ++j) flop += 2.0 * double(N) * double(links[j].n_in) * double(links[j].n_out);
+  DEV_OP(x, prof::flop(flop), linear_q8_chain(x, links, count, N, qf, dt));
+  for (int j = 0; j < count; ++j) {
+    const Q8Link& l = links[j];
+    linear_q8_fwd(x, l.in, l.q, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
+  }
+}
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, bool accumulate, bool accumulate_dW, DType dt) {
   PROFILED(x, prof::shaped(__func__, N, n_in, n_out),

@@ -97,6 +97,18 @@ struct RowsIn {
 // The R rows of n_in that r describes, written out: in itself when r is the default, else r.scratch.
 const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt);
 
+// One product of linear_q8_chain: y[N, n_out] (+)= (rows of in through rin) q^T * scale, linear_q8_fwd's arguments
+// without a bias. A link may read what an earlier link of its chain wrote.
+struct Q8Link {
+  const void* in = nullptr;
+  const void* q = nullptr;
+  const float* scale = nullptr;
+  void* y = nullptr;
+  int64_t n_in = 0, n_out = 0;
+  RowsIn rin;
+  bool add = false;
+};
+
 // A batch of `count` linears of one shape (linear_fwd_batched, linear_bwd_batched): problem j < count reads
 // in + j*in, W + j*W, b + j*b and writes y + j*y, the strides in elements; its gradients sit at the same strides as
 // what they are the gradient of (dy as y, din as in, dW as W, db as b, the last two in F32 elements). A stride of 0

@@ -15,9 +15,8 @@
 
 namespace q3vl::dev::cuda::wgemv {
 
-constexpr int kChainMax = 64;                // products a chain
-using TmaChain = TmaKnobs<8, 8, 10>;         // 160 KiB of stages in flight: a product's tail covers the next's ramp
-constexpr size_t kChainXBudget = 32 << 10;  // staged x: one row of up to 16K columns, as halves
+constexpr int kChainMax = 64;         // products a chain
+using TmaChain = TmaKnobs<8, 8, 10>;  // 160 KiB of stages in flight (with x's 48 KiB at most: 214 KiB of smem)
 
 // One product of a chain (built by chain_job on the host).
 template <class S> struct ChainJob {
@@ -171,11 +170,11 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
   }
 }
 
-// Product j of a chain, or false where the TMA GEMV would not take it (tma_takes, the map, x over kChainXBudget).
+// Product j of a chain, or false where the TMA GEMV would not take it (tma_takes, the map).
 template <class S, class W, class K = TmaChain>
 bool chain_job(ChainJob<S>& jb, const S* in, const W* q, const float* scale, S* y, int n, int64_t n_in,
                int64_t n_out, const XRows& xr, bool add) {
-  if (!tma_takes<W>(n, n_in, n_out) || tma_x_bytes<W>(n, n_in) > kChainXBudget) return false;
+  if (!tma_takes<W>(n, n_in, n_out)) return false;
   if (!tmap_panels(jb.map, q, n_out, n_in * int64_t(sizeof(W)), kTmaTile, K::kP)) return false;
   jb.in = in, jb.xr = xr, jb.scale = scale, jb.y = y, jb.n_in = n_in, jb.n_out = n_out;
   jb.rs = int(n_in + kTcPad<W>), jb.vec_x = x_vectors(in, xr, n_in), jb.add = add;
@@ -187,8 +186,10 @@ template <class S, class W, class K = TmaChain>
 void gemv_chain(const Exec& x, const ChainParams<S>& p) {
   static_assert(kTcOk<S, W> && !std::is_same_v<S, W>, "wgemv::gemv_chain: 16-bit activations, 8-bit weights");
   Q3VL_CHECK(p.count >= 1 && p.count <= kChainMax && p.n >= 1 && p.n <= kTmaNb && p.bar, "wgemv::gemv_chain: bad chain");
+  size_t xb = 0;
+  for (int j = 0; j < p.count; ++j) xb = std::max(xb, tma_x_bytes<W>(p.n, p.job[j].n_in));
   const size_t smem = 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
-                      sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + kChainXBudget;
+                      sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + xb;
   launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32, smem, stream_of(x), p);
 }
 

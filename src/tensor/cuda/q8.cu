@@ -13,12 +13,13 @@
 // (its tiled GEMM: R > 8 E rows never reach moe.cu's own GEMV).
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "q3vl/core/env.hpp"
 
 #include "tensor/cuda/common.cuh"
-#include "tensor/cuda/gemv.cuh"
+#include "tensor/cuda/gemv_chain.cuh"
 
 namespace q3vl::dev::cuda {
 
@@ -189,6 +190,44 @@ void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* sc
   if (N > kGemvMaxN)
     return q8_dequant_gemm(x, rows_in(x, in, rin, N, n_in, dt), q, scale, b, y, N, n_in, n_out, qf, dt, add);
   gemv(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, nullptr, 0, 0, rin, add);
+}
+
+namespace {
+__device__ uint32_t g_chain_bar[2];  // gemv_chain's grid barrier (one stream's chains run one after another)
+
+// The chain as one persistent kernel, or false (nothing launched) where a link does not fit it.
+template <class S, class W>
+bool chain_kernel(const Exec& x, const Q8Link* links, int count, int64_t N) {
+  if (N > wgemv::kTmaNb || count < 1 || count > wgemv::kChainMax) return false;
+  auto p = std::make_unique<wgemv::ChainParams<S>>();
+  p->count = count, p->n = int(N);
+  for (int j = 0; j < count; ++j) {
+    const Q8Link& l = links[j];
+    const wgemv::XRows xr{l.rin.rows, int(l.rin.div), l.rin.swiglu, l.rin.norm, l.rin.eps};
+    if (!wgemv::chain_job<S, W>(p->job[j], static_cast<const S*>(l.in), static_cast<const W*>(l.q), l.scale,
+                                 static_cast<S*>(l.y), int(N), l.n_in, l.n_out, xr, l.add))
+      return false;
+  }
+  void* bar = nullptr;
+  Q3VL_CU(cudaGetSymbolAddress(&bar, g_chain_bar));
+  p->bar = static_cast<uint32_t*>(bar);
+  wgemv::gemv_chain<S, W>(x, *p);
+  return true;
+}
+}  // namespace
+
+void linear_q8_chain(const Exec& x, const Q8Link* links, int count, int64_t N, QFormat qf, DType dt) {
+  if (N <= 0) return;
+  bool done = false;
+  if (dt != DType::F32)
+    by_dtype(dt, [&]<class S>() {
+      if constexpr (!std::is_same_v<S, float>)
+        by_qformat(qf, [&]<class W>() { done = chain_kernel<S, W>(x, links, count, N); });
+    });
+  for (int j = 0; !done && j < count; ++j) {
+    const Q8Link& l = links[j];
+    cuda::linear_q8_fwd(x, l.in, l.q, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
+  }
 }
 
 void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start,
