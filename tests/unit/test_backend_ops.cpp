@@ -525,7 +525,7 @@ std::vector<Case> all_cases(DType dt) {
             {in("q_qkv", K::I8, i8_values(qq)), in("s_qkv", K::F32, dv(sq)), in("q_o", K::I8, i8_values(qo)),
              in("s_o", K::F32, dv(so)), in("q_gu", K::I8, i8_values(qg)), in("s_gu", K::F32, dv(sg)),
              in("q_down", K::I8, i8_values(qd)), in("s_down", K::F32, dv(sd)), in("norm1", K::Act, g1),
-             in("norm2", K::Act, g2), in("scratch", K::Act, std::vector<double>(size_t(N * 2 * I), 0.0)),
+             in("norm2", K::Act, g2), in("scratch", K::Act, std::vector<double>(size_t(N * std::max(H, I)), 0.0)),
              out("x", K::Act, randn(N * H, 3.0)), out("qkv", K::Act, randn(N * Qkv)), in("att", K::Act, randn(N * Dq)),
              out("gu", K::Act, randn(N * 2 * I))},
             [=](auto& x, auto& p, DType t) {
