@@ -95,7 +95,7 @@ bin/mpi_tests: $(MPI_OBJ) build/libq3vl.a
 # GEMV against cuBLASLt on decode-sized linears; tools/gpu/moe_bench.cu, the grouped expert GEMM (wgmma, mma.sync, dense);
 # tools/gpu/attn_check.cu, the attention kernels (forward and backward) against an fp64 reference, old and new timed;
 # tools/gpu/paged_check.cu, paged attention (tensor-core and SIMT) the same way; tools/gpu/chain_bench.cu, one stream's
-# chain of 8-bit decode GEMVs, with the next layer's small matrices prefetched into L2 and without.
+# chain of 8-bit decode GEMVs: a kernel each, with L2 prefetches of the next layer's, and as gemv_chain.cuh's chains.
 GPU_TOOLS := bin/gemv_bench bin/moe_bench bin/attn_check bin/paged_check bin/chain_bench
 ifeq ($(CUDA),1)
 $(GPU_TOOLS): bin/%: build/obj/tools/gpu/%.cu.o build/libq3vl.a

@@ -16,13 +16,16 @@
 // A prefetch is a hint: every mode's x after one pass must equal "none"'s bit for bit (else FAIL, exit 1).
 // "chain": each layer's four products as one persistent kernel (gemv_chain.cuh: one TMA ring streaming them back to
 // back, grid barriers between them); "chain xL": all L layers' 4 L products as one; "qkv, chain o+gu+down": qkv
-// by its own kernel, the other three as one (a decode layer, whose attention sits between qkv and o_proj). Their tiles add as the TMA GEMV's,
-// but a norm's sum of squares is added in another order, so their x is compared to none's within 2% of its largest
-// element (printed: the largest difference relative to it), bitwise only for the products without a norm.
+// by its own kernel, the other three as one (a decode layer, whose attention sits between qkv and o_proj). Their
+// tiles add as the TMA GEMV's, so under Q3VL_GEMV_TMA=1 their x equals none's bit for bit (H100, call 4); by default
+// none runs qkv, o_proj and down_proj on the register ring, whose other summation order moves x by up to ~2% over 16
+// random layers, so their x is compared to none's within 2% of its largest element (printed: the largest difference
+// relative to it).
 // Build and run (from the repo root, on a GPU machine):
-//   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps] [modes] [aheads]
-// (defaults 16, 50, "0,5,6,7" and "0,8,16": modes by number, 0 none ... 7 qkv and a chain; the chain's `ahead`, the
-// stages past its ring that its producer asks of L2).
+//   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps] [modes]
+// (defaults 16, 50 and "0,5,6,7": modes by number, 0 none ... 7 qkv and a chain). The chain's producer once also
+// asked L2 for stages past its ring ("ahead"): 30-35 us a layer slower on an H100
+// (docs/perf/2026-12-06-thirtieth/call4), so it was dropped.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -30,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include "q3vl/core/dtype.hpp"
 #include "q3vl/tensor/dev.hpp"
 #include "tensor/cuda/common.cuh"
 #include "tensor/cuda/gemv_chain.cuh"
@@ -102,7 +106,7 @@ void gemv(const dev::Exec& ex, const bf16* in, const Mat& m, bf16* y, const dev:
 
 // The graph of L layers in mode `mode` (0 none; 1/2 qkv, qkv+o after o_proj; 3/4 after gate_up).
 cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Layer>& L, const Bufs& b, int mode,
-                   int ahead, std::vector<cudaEvent_t>& ev) {
+                   std::vector<cudaEvent_t>& ev) {
   cudaStream_t st = dev::cuda::stream_of(ex);
   Q3VL_CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
   Q3VL_CU(cudaMemcpyAsync(b.x, b.x0, sizeof(bf16) * kH, cudaMemcpyDeviceToDevice, st));
@@ -119,7 +123,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
   };
   if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6), qkv apart (7)
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.ahead = ahead;
+    p.n = 1, p.bar = b.bar;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
     for (size_t l = 0; l < L.size(); ++l) {
       const Layer& y = L[l];
@@ -156,20 +160,14 @@ int main(int argc, char** argv) {
   const int layers = std::max(2, argc > 1 ? std::atoi(argv[1]) : 16);
   const int reps = std::max(10, argc > 2 ? std::atoi(argv[2]) : 50);
   const char* names[] = {"none", "qkv@o", "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL", "qkv, chain o+gu+down"};
-  // The runs: modes (argv[3], default 0,5,6,7; 0 always first, the reference), the chain's ahead values (argv[4]).
-  const auto ints = [](const char* s) {
-    std::vector<int> v;
-    for (const char* c = s; *c;) {
-      v.push_back(std::atoi(c));
-      while (*c && *c != ',') ++c;
-      if (*c) ++c;
-    }
-    return v;
-  };
-  std::vector<std::pair<int, int>> runs{{0, 0}};
-  for (int m : ints(argc > 3 ? argv[3] : "0,5,6,7"))
-    for (int a : m >= 5 ? ints(argc > 4 ? argv[4] : "0,8,16") : std::vector<int>{0})
-      if (m > 0 && m < 8) runs.push_back({m, a});
+  // The modes run (argv[3], default 0,5,6,7): 0 always first, the reference.
+  std::vector<int> runs{0};
+  for (const char* c = argc > 3 ? argv[3] : "0,5,6,7"; *c;) {
+    const int m = std::atoi(c);
+    if (m > 0 && m < 8) runs.push_back(m);
+    while (*c && *c != ',') ++c;
+    if (*c) ++c;
+  }
   bool bad = false;
   try {
     dev::Exec ex = dev::cuda::make_exec(size_t(64) << 20, 0);
@@ -200,8 +198,8 @@ int main(int argc, char** argv) {
     std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * layers));
     for (auto& e : ev) Q3VL_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     std::vector<uint16_t> ref(static_cast<size_t>(kH)), got(static_cast<size_t>(kH));
-    for (auto [mode, ahead] : runs) {
-      cudaGraph_t g = record(ex, side, L, b, mode, ahead, ev);
+    for (int mode : runs) {
+      cudaGraph_t g = record(ex, side, L, b, mode, ev);
       cudaGraphExec_t ge;
       Q3VL_CU(cudaGraphInstantiate(&ge, g, 0));
       Q3VL_CU(cudaGraphLaunch(ge, st));
@@ -211,9 +209,8 @@ int main(int argc, char** argv) {
       const bool same = std::memcmp(ref.data(), got.data(), sizeof(uint16_t) * size_t(kH)) == 0;
       double dmax = 0, xmax = 0;
       for (int64_t i = 0; i < kH; ++i) {
-        const auto f = [](uint16_t h) { uint32_t u = uint32_t(h) << 16; float v; std::memcpy(&v, &u, 4); return double(v); };
-        xmax = std::max(xmax, std::fabs(f(ref[size_t(i)])));
-        const double d = std::fabs(f(got[size_t(i)]) - f(ref[size_t(i)]));
+        const double r = bf16_to_f32(ref[size_t(i)]), d = std::fabs(double(bf16_to_f32(got[size_t(i)])) - r);
+        xmax = std::max(xmax, std::fabs(r));
         dmax = std::isnan(d) ? INFINITY : std::max(dmax, d);
       }
       const double rel = dmax / std::max(xmax, 1e-30);
@@ -222,9 +219,7 @@ int main(int argc, char** argv) {
       const gpu_bench::Timing t =
           gpu_bench::time_median(st, reps, 3, [&](int) { Q3VL_CU(cudaGraphLaunch(ge, st)); });
       const double us = t.us / layers;
-      char name[64];
-      std::snprintf(name, sizeof name, mode >= 5 ? "%s, ahead %d" : "%s", names[mode], ahead);
-      std::printf("| %s | %.1f%s | %.2f | %s |\n", name, us, t.host_bound ? " (host-bound)" : "",
+      std::printf("| %s | %.1f%s | %.2f | %s |\n", names[mode], us, t.host_bound ? " (host-bound)" : "",
                   wbytes / (us * 1e-6) / 1e12, same ? "yes" : !ok ? "FAIL" : "");
       if (mode >= 5) std::printf("|   (largest difference / largest |x|: %.2e) | | | |\n", rel);
       Q3VL_CU(cudaGraphExecDestroy(ge));

@@ -425,6 +425,7 @@ struct XRows {
   const void* norm = nullptr;  // RMSNorm weights [n_in] in S (dev::RowsIn's norm): x staged whole, then normalized
   float eps = 0.f;
 };
+inline XRows x_rows(const RowsIn& r) { return {r.rows, int(r.div), r.swiglu, r.norm, r.eps}; }
 
 // One 8-element vector of x row src at column c (zeros at and past len). NC: read through the non-coherent path (x
 // written before the kernel began); else at L2 (x written by other blocks of a persistent kernel: gemv_chain.cuh).
@@ -874,7 +875,7 @@ void gemv(const Exec& x, const S* in, const W* q, const float* scale, const S* b
       in = static_cast<const S*>(rows_in(x, in, ri, start ? R : n, n_in, dt));
       ri = {};
     }
-    const XRows xr{ri.rows, int(ri.div), ri.swiglu, ri.norm, ri.eps};
+    const XRows xr = x_rows(ri);
     if (!start && tma_wanted(n, n_in, n_out, sizeof(W), false) &&
         gemv_tma<S, W>(x, in, q, scale, b, y, n, n_in, n_out, xr, add))
       return;

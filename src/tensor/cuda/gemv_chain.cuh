@@ -32,7 +32,6 @@ template <class S> struct ChainJob {
 template <class S> struct ChainParams {
   ChainJob<S> job[kChainMax];
   int count, n;
-  int ahead;      // stages past the ring's that the producer asks L2 for (0: none); see k_gemv_chain
   uint32_t* bar;  // two zeroed words: blocks arrived, blocks done; the last block done zeroes both
 };
 
@@ -94,22 +93,16 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       return c.j < p.count;
     };
     const auto row = [&](const Cur& c) { return int(tma_stage_item(c.i, c.sp, blockIdx.x, gridDim.x) * kTmaTile); };
-    // lead: the next stage to ask of L2 only (a hint). The first ST before the wait, as k_gemv_tma does; then the
-    // `ahead` stages past the ring's, kept so as each stage is loaded, so that HBM streams on while the consumers
-    // wait at a barrier with the ring full (the load of such a stage then hits L2).
+    // The first ST stages into L2 only before the wait, as k_gemv_tma does. (Asking L2 for stages further past the
+    // ring, to keep HBM busy while the consumers wait at a barrier, lost 30-35 us a layer: chain_bench, H100,
+    // docs/perf/2026-12-06-thirtieth/call4.)
     Cur lead;
-    bool more = next(lead);
-    const auto ask = [&] {
+    for (int k = 0; k < ST && next(lead); ++k)
       tma_prefetch_3d(&p.job[lead.j].map, 0, row(lead), int(lead.i % lead.sp) * P);
-      more = next(lead);
-    };
-    for (int k = 0; more && k < ST; ++k) ask();
     pdl_wait();
-    for (int k = 0; more && k < p.ahead; ++k) ask();
     const uint64_t policy = l2_evict_first();
     Cur c;
     for (int64_t gi = 0; next(c); ++gi) {  // gi: the block's stage across the chain
-      if (p.ahead > 0 && more) ask();
       const int slot = int(gi % ST);
       if (gi >= ST) mbar_wait(empty0 + 8 * slot, uint32_t((gi / ST - 1) & 1));
       mbar_expect_tx(full0 + 8 * slot, SB);
@@ -185,12 +178,12 @@ bool chain_job(ChainJob<S>& jb, const S* in, const W* q, const float* scale, S* 
 template <class S, class W, class K = TmaChain>
 void gemv_chain(const Exec& x, const ChainParams<S>& p) {
   static_assert(kTcOk<S, W> && !std::is_same_v<S, W>, "wgemv::gemv_chain: 16-bit activations, 8-bit weights");
-  Q3VL_CHECK(p.count >= 1 && p.count <= kChainMax && p.n >= 1 && p.n <= kTmaNb && p.bar, "wgemv::gemv_chain: bad chain");
+  Q3VL_CHECK(p.count >= 1 && p.count <= kChainMax && p.n >= 1 && p.n <= kTmaNb && p.bar,
+             "wgemv::gemv_chain: bad chain");
   size_t xb = 0;
   for (int j = 0; j < p.count; ++j) xb = std::max(xb, tma_x_bytes<W>(p.n, p.job[j].n_in));
-  const size_t smem = 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
-                      sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + xb;
-  launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32, smem, stream_of(x), p);
+  launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32, tma_smem_bytes<K>(xb),
+             stream_of(x), p);
 }
 
 }  // namespace q3vl::dev::cuda::wgemv

@@ -53,6 +53,12 @@ inline bool tma_wanted(int64_t n, int64_t n_in, int64_t n_out, size_t wsize, boo
 }
 
 template <class K> constexpr uint32_t tma_stage_bytes() { return uint32_t(K::kP) * kTmaPanelBytes; }
+// A block's dynamic shared memory (k_gemv_tma's, gemv_chain.cuh's): the ring (1024-aligned) and its full and empty
+// barriers, the header (xmul, wmax), the consumer warps' partial sums, and x_bytes of staged x.
+template <class K> size_t tma_smem_bytes(size_t x_bytes) {
+  return 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
+         sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + x_bytes;
+}
 
 // One block's tiles: blockIdx.x, + gridDim.x, ... of the n_out / 16 tiles, against all n rows of x.
 template <class S, class W, class K>
@@ -165,8 +171,7 @@ bool gemv_tma(const Exec& x, const S* in, const W* q, const float* scale, const 
   const int64_t row_bytes = n_in * int64_t(sizeof(W)), rs = n_in + kTcPad<W>;
   CUtensorMap m;
   if (!tmap_panels(m, q, n_out, row_bytes, kTmaTile, K::kP)) return false;
-  const size_t smem = 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
-                      sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + tma_x_bytes<W>(n, n_in);
+  const size_t smem = tma_smem_bytes<K>(tma_x_bytes<W>(n, n_in));
   const unsigned grid = unsigned(std::min<int64_t>((n_out + kTmaTile - 1) / kTmaTile, sm_count()));
   launch_pdl(k_gemv_tma<S, W, K>, dim3(grid), (K::kCw + 1) * 32, smem, stream_of(x), m, in, xr, scale, b, y, int(n),
              n_in, n_out, int(rs), x_vectors(in, xr, n_in), add);

@@ -203,9 +203,8 @@ bool chain_kernel(const Exec& x, const Q8Link* links, int count, int64_t N) {
   p->count = count, p->n = int(N);
   for (int j = 0; j < count; ++j) {
     const Q8Link& l = links[j];
-    const wgemv::XRows xr{l.rin.rows, int(l.rin.div), l.rin.swiglu, l.rin.norm, l.rin.eps};
     if (!wgemv::chain_job<S, W>(p->job[j], static_cast<const S*>(l.in), static_cast<const W*>(l.q), l.scale,
-                                 static_cast<S*>(l.y), int(N), l.n_in, l.n_out, xr, l.add))
+                                 static_cast<S*>(l.y), int(N), l.n_in, l.n_out, wgemv::x_rows(l.rin), l.add))
       return false;
   }
   void* bar = nullptr;

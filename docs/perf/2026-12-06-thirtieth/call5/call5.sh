@@ -17,7 +17,7 @@ left 60 && serve_one fp8_tma 8bfp8 55 Q3VL_GEMV_TMA=1
 left 60 && serve_one fp8_chain_tma 8bfp8 55 Q3VL_DECODE_CHAIN=1 Q3VL_GEMV_TMA=1
 if left 60; then
   for e in "" "Q3VL_GEMV_TMA=1"; do
-    echo "## env: ${e:-default}"; env $e timeout 40 /tmp/rt/bin/chain_bench 16 30 0,5,6,7 0
+    echo "## env: ${e:-default}"; env $e timeout 40 /tmp/rt/bin/chain_bench 16 30 0,5,6,7
   done > "$out/chain16.txt" 2>&1
   say "chain: $(grep -E '^\| (none|chain|qkv, chain)' "$out/chain16.txt" | tr '\n' ' ')"; pack
 fi
