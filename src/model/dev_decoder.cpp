@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
@@ -70,9 +71,7 @@ void dev_linear(const dev::Exec& ex, const DevParams& P, int id, const void* x, 
   if (P.q8 && P.q8[id])
     return dev::linear_q8_fwd(ex, x, P.q8[id] + row0 * n_in, P.s8[id] + row0, nullptr, y, N, n_in, n_out, P.qf, dt,
                               rin, add);
-  Q3VL_CHECK(!rin.rows && !rin.swiglu && !rin.norm && !add,
-             "dev_linear: only 8-bit weights read their input rows through a RowsIn or add to y");
-  dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt);
+  dev::linear_fwd(ex, x, at(P.p[id], row0 * n_in, dt), nullptr, y, N, n_in, n_out, dt, rin, add);
 }
 
 bool dev_grad_adds(const dev::Exec& ex, const DevParams& P, std::initializer_list<int> ids) {
@@ -234,31 +233,38 @@ void dev_decoder_fwd(const dev::Exec& ex, const ModelConfig& cfg, const DevParam
 namespace {
 bool q8(const DevParams& P, int id) { return P.q8 && P.q8[id]; }
 
-// Whether a dense layer's folded o_proj, gate_up and down_proj run as one dev::linear_q8_chain: Q3VL_DECODE_CHAIN=1.
+// Whether a dense layer's o_proj, gate_up and down_proj in decode-sized steps run as one dev::linear_chain
+// (Q3VL_DECODE_CHAIN=0: never), with the next layer's qkv where the caller asks for it.
 bool chain_on() {
-  static const bool on = env_is("Q3VL_DECODE_CHAIN", "1");
+  static const bool on = !env_is("Q3VL_DECODE_CHAIN", "0");
   return on;
 }
-// The folded o_proj (adds to x), gate_up (reads x through the post-attention norm) and down_proj (reads the SwiGLU
-// of gate_up's output, adds to x) of a dense layer with 8-bit weights, as one chain.
-void mlp_chain(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int gate_up, void* x,
-               int64_t N, DevDecoderCtx& c, DType dt) {
-  const int64_t H = tc.hidden, I = tc.intermediate, Dq = tc.heads * tc.head_dim;
+// A dense layer's o_proj (adds to x), gate_up (reads x through the post-attention norm) and down_proj (reads the
+// SwiGLU of gate_up's output, adds to x), weights all 8-bit (w8) or all in dt, as one chain; then, where `next` >= 0
+// (the next layer's first id; its fused qkv of the same kind), its qkv projection of x through its input norm into
+// c.qkv.
+void mlp_chain(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int gate_up, bool w8, int next,
+               void* x, int64_t N, DevDecoderCtx& c, DType dt) {
+  const int64_t H = tc.hidden, I = tc.intermediate, Dq = tc.heads * tc.head_dim, Dk = tc.kv_heads * tc.head_dim;
+  const float eps = float(tc.rms_eps);
   const auto link = [&](int id, const void* in, void* y, int64_t n_in, int64_t n_out, dev::RowsIn rin, bool add) {
-    return dev::Q8Link{in, P.q8[id], P.s8[id], y, n_in, n_out, rin, add};
+    return dev::ChainLink{in, w8 ? P.q8[id] : P.p[id], w8 ? P.s8[id] : nullptr, y, n_in, n_out, rin, add};
   };
-  const dev::Q8Link links[3] = {
+  dev::ChainLink links[4] = {
       link(f + tlay::o_proj, c.att, x, Dq, H, {}, true),
-      link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], float(tc.rms_eps)}, false),
+      link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, false),
       link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true)};
-  dev::linear_q8_chain(ex, links, 3, N, P.qf, dt);
+  if (next >= 0)
+    links[3] = link(fused_qkv(P, next, Dq, Dk, H, dt), x, c.qkv, H, Dq + 2 * Dk,
+                    {nullptr, 1, false, c.ln1, P.p[next + tlay::in_norm], eps}, false);
+  dev::linear_chain(ex, links, next >= 0 ? 4 : 3, N, w8 ? P.qf : QFormat::None, dt);
 }
 }  // namespace
 
 bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
                        int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
                        int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce,
-                       const void* pending, DType dt) {
+                       const void* pending, DevQkvAhead& ahead, DType dt) {
   const TextConfig& tc = cfg.text;
   const int64_t H = tc.hidden, nh = tc.heads, nkv = tc.kv_heads, hd = tc.head_dim, Dq = nh * hd, Dk = nkv * hd;
   Q3VL_CHECK(!P.lora, "dev_decoder_infer: serving folds LoRA adapters into the weights first (lora_merge)");
@@ -266,21 +272,30 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   static const bool fold_on = !env_is("Q3VL_DECODE_FOLD", "0");
   const bool fold = fold_on && N <= 16 && !reduce;
   const int qkv = fused_qkv(P, f, Dq, Dk, H, dt), gate_up = moe ? -1 : fused_gate_up(P, f, tc.intermediate, H, dt);
-  const bool norm_in = fold && !pending && q8(P, qkv), add_o = fold && q8(P, f + tlay::o_proj);
+  const bool ready = std::exchange(ahead.ready, false);  // c.qkv written by the previous layer's chain
+  Q3VL_CHECK(!ready || (fold && !pending), "dev_decoder_infer: a layer's qkv came ahead of its unfolded input norm");
+  const bool norm_in = ready || (fold && !pending && q8(P, qkv)), add_o = fold && q8(P, f + tlay::o_proj);
   const bool norm_post = add_o && !moe && q8(P, gate_up);
   const bool add_down = fold && (moe ? !c.ex : q8(P, f + tlay::down_proj));
   const float eps = float(tc.rms_eps);
   if (!norm_in)
     dev::residual_rmsnorm_fwd(ex, pending, x, P.p[f + tlay::in_norm], c.ln1, nullptr, c.r1, N, H, tc.rms_eps, dt);
   // q_proj, k_proj and v_proj as one GEMM into [q | k | v] rows, then q and the new keys and values in one pass.
-  dev_linear(ex, P, qkv, norm_in ? x : c.ln1, c.qkv, N, H, Dq + 2 * Dk, dt, 0,
-             norm_in ? dev::RowsIn{nullptr, 1, false, c.ln1, P.p[f + tlay::in_norm], eps} : dev::RowsIn{});
+  if (!ready)
+    dev_linear(ex, P, qkv, norm_in ? x : c.ln1, c.qkv, N, H, Dq + 2 * Dk, dt, 0,
+               norm_in ? dev::RowsIn{nullptr, 1, false, c.ln1, P.p[f + tlay::in_norm], eps} : dev::RowsIn{});
   dev::qkv_to_cache_fwd(ex, c.qkv, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, nullptr,
                         nullptr, cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
   dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
                            kv.max_q, kv.max_ctx, kv.keys, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
-  if (chain_on() && norm_post && add_down)  // o_proj, gate_up and down_proj as one chain (dev::linear_q8_chain)
-    return mlp_chain(ex, tc, P, f, gate_up, x, N, c, dt), true;
+  // A dense layer's o_proj, gate_up and down_proj, all 8-bit or all in dt, as one chain (folded as above, whatever
+  // the weights), and the next layer's qkv of the same kind: that layer then starts at its qkv rows.
+  const bool w8 = q8(P, f + tlay::o_proj);
+  if (chain_on() && fold && !moe && q8(P, gate_up) == w8 && q8(P, f + tlay::down_proj) == w8) {
+    ahead.ready = ahead.next >= 0 && q8(P, fused_qkv(P, ahead.next, Dq, Dk, H, dt)) == w8;
+    mlp_chain(ex, tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, x, N, c, dt);
+    return true;
+  }
   dev_linear(ex, P, f + tlay::o_proj, c.att, add_o ? x : s.tmp, N, Dq, H, dt, 0, {}, add_o);
   if (reduce) reduce(s.tmp, N * H);
   if (!norm_post)

@@ -267,11 +267,14 @@ void gemm(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
   ops::gemm<float>(ta, tb, M, N, K, alpha, F(A), lda, F(B), ldb, beta, F(C), ldc);
 }
 void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt) {
+                int64_t n_out, DType dt, const RowsIn& rin, bool add) {
   PROFILED(x, prof::shaped(__func__, N, n_in, n_out), prof::flop(2.0 * double(N) * double(n_in) * double(n_out)));
-  ON_CUDA(x, linear_fwd(x, in, W, b, y, N, n_in, n_out, dt));
+  ON_CUDA(x, linear_fwd(x, in, W, b, y, N, n_in, n_out, dt, rin, add));
   need_f32(dt, "linear_fwd");
-  ops::linear_fwd(F(in), F(W), F(b), F(y), N, n_in, n_out);
+  in = rows_in(x, in, rin, N, n_in, dt);
+  std::vector<float> prod(add ? size_t(std::max<int64_t>(N * n_out, 0)) : 0);
+  ops::linear_fwd(F(in), F(W), F(b), add ? prod.data() : F(y), N, n_in, n_out);
+  for (size_t i = 0; i < prod.size(); ++i) F(y)[i] += prod[i];
 }
 const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt) {
   if (!r.rows && !r.swiglu && !r.norm) return in;
@@ -310,13 +313,14 @@ void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* sc
   by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), out, N, n_in, n_out); });
   for (size_t i = 0; i < prod.size(); ++i) F(y)[i] += prod[i];
 }
-void linear_q8_chain(const Exec& x, const Q8Link* links, int count, int64_t N, QFormat qf, DType dt) {
+void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt) {
   double flop = 0;
   for (int j = 0; j < count; ++j) flop += 2.0 * double(N) * double(links[j].n_in) * double(links[j].n_out);
-  DEV_OP(x, prof::flop(flop), linear_q8_chain(x, links, count, N, qf, dt));
+  DEV_OP(x, prof::flop(flop), linear_chain(x, links, count, N, qf, dt));
   for (int j = 0; j < count; ++j) {
-    const Q8Link& l = links[j];
-    linear_q8_fwd(x, l.in, l.q, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
+    const ChainLink& l = links[j];
+    if (qf == QFormat::None) linear_fwd(x, l.in, l.W, nullptr, l.y, N, l.n_in, l.n_out, dt, l.rin, l.add);
+    else linear_q8_fwd(x, l.in, l.W, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
   }
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,

@@ -145,7 +145,7 @@ struct Tol {
 // kTable: ops whose outputs do not depend on dt (F32 from integer inputs).
 constexpr Tol kTable{1e-6, 1e-6, 1e-6};
 constexpr Tol kElem{1e-6, 2e-3, 1e-2}, kReduce{1e-5, 5e-3, 2e-2}, kGemm{1e-5, 5e-3, 2e-2}, kAttn{2e-5, 1e-2, 3e-2};
-// linear_q8_chain: three or four products in a row, each rounded to a 16-bit dtype where the reference keeps fp32.
+// linear_chain: three or four products in a row, each rounded to a 16-bit dtype where the reference keeps fp32.
 constexpr Tol kChain{1e-5, 1e-2, 3e-2};
 
 std::string dims(std::initializer_list<int64_t> d) {
@@ -499,44 +499,55 @@ std::vector<Case> all_cases(DType dt) {
               });
         }
 
-  // A decode layer's chain of 8-bit linears (dev::linear_q8_chain, dev_decoder_infer's under Q3VL_DECODE_CHAIN=1):
-  // o_proj adds to x, gate_up reads x through its norm, down_proj reads the SwiGLU of gate_up's output and adds to x;
-  // with qkv first (x through its norm), each link reading what the ones before wrote. On CUDA, N <= 8 is one
-  // persistent kernel (gemv_chain.cuh), with more tiles than blocks at gate_up (10240 rows: 640 tiles of 16; a
-  // block's ring runs across links and tiles); the links one by one where one does not fit it: N 16, N 8 at I 5120
-  // (down_proj's x over 48 KiB), and 1001 columns (no 128-byte panels).
-  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8})
+  // A decode layer's chain of linears (dev::linear_chain, dev_decoder_infer's): o_proj adds to x, gate_up reads x
+  // through its norm, down_proj reads the SwiGLU of gate_up's output and adds to x; with qkv first (x through its
+  // norm), each link reading what the ones before wrote. Weights int8, fp8 or in the activations' type ("w16"). On
+  // CUDA, N <= 8 is one persistent kernel (gemv_chain.cuh), with more tiles than blocks at gate_up (10240 rows: 640
+  // tiles of 16; a block's ring runs across links and tiles); the links one by one where one does not fit it: N 16,
+  // N 8 at I 5120 (down_proj's x over 48 KiB), and 1001 columns (no 128-byte panels); 16-bit weights one by one are
+  // linear_fwd's RowsIn and add (cuBLASLt after the rows are written out).
+  for (const QFormat qf : {QFormat::Int8, QFormat::Fp8, QFormat::None})
     for (int64_t N : {1, 2, 3, 8, 16})
       for (auto [H, I, with_qkv] : {std::tuple<int64_t, int64_t, bool>{256, 5120, false}, {384, 640, true},
                                     {1001, 384, false}}) {
         if (H == 1001 && N != 1) continue;
         const int64_t Dq = H, Qkv = 2 * H;  // q as wide as x, k and v half of it each
-        std::vector<uint8_t> qq, qo, qg, qd;
-        std::vector<float> sq, so, sg, sd;
-        q8_weights(qf, Qkv, H, qq, sq), q8_weights(qf, H, Dq, qo, so), q8_weights(qf, 2 * I, H, qg, sg),
-            q8_weights(qf, H, I, qd, sd);
+        const bool w16 = qf == QFormat::None;
+        // A matrix's weights and scales: 8-bit bytes as K::I8 values, or the activations' type (one unused scale).
+        const auto weights = [&](const std::string& name, int64_t rows, int64_t cols) {
+          if (w16)
+            return std::pair{in("w_" + name, K::Act, randn(rows * cols, 0.05)), in("s_" + name, K::F32, {1.0})};
+          std::vector<uint8_t> q;
+          std::vector<float> sc;
+          q8_weights(qf, rows, cols, q, sc);
+          return std::pair{in("q_" + name, K::I8, i8_values(q)),
+                           in("s_" + name, K::F32, std::vector<double>(sc.begin(), sc.end()))};
+        };
+        const auto [wq, sq] = weights("qkv", Qkv, H);
+        const auto [wo, so] = weights("o", H, Dq);
+        const auto [wg, sg] = weights("gu", 2 * I, H);
+        const auto [wd, sd] = weights("down", H, I);
         std::vector<double> g1 = randn(H, 0.3), g2 = randn(H, 0.3);
         for (double& v : g1) v += 1.0;
         for (double& v : g2) v += 1.0;
-        const auto dv = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
-        add("linear_q8_chain",
-            std::string(qformat_name(qf)) + " " + dims({N, H, I}) + (with_qkv ? " qkv o gu down" : " o gu down"),
+        add("linear_chain",
+            std::string(w16 ? "w16" : qformat_name(qf)) + " " + dims({N, H, I}) +
+                (with_qkv ? " qkv o gu down" : " o gu down"),
             kChain,
-            {in("q_qkv", K::I8, i8_values(qq)), in("s_qkv", K::F32, dv(sq)), in("q_o", K::I8, i8_values(qo)),
-             in("s_o", K::F32, dv(so)), in("q_gu", K::I8, i8_values(qg)), in("s_gu", K::F32, dv(sg)),
-             in("q_down", K::I8, i8_values(qd)), in("s_down", K::F32, dv(sd)), in("norm1", K::Act, g1),
-             in("norm2", K::Act, g2), in("scratch", K::Act, std::vector<double>(size_t(N * std::max(H, I)), 0.0)),
+            {wq, sq, wo, so, wg, sg, wd, sd, in("norm1", K::Act, g1), in("norm2", K::Act, g2),
+             in("scratch", K::Act, std::vector<double>(size_t(N * std::max(H, I)), 0.0)),
              out("x", K::Act, randn(N * H, 3.0)), out("qkv", K::Act, randn(N * Qkv)), in("att", K::Act, randn(N * Dq)),
              out("gu", K::Act, randn(N * 2 * I))},
             [=](auto& x, auto& p, DType t) {
               const dev::RowsIn n1{nullptr, 1, false, p[10], p[8], 1e-6f}, n2{nullptr, 1, false, p[10], p[9], 1e-6f};
-              std::vector<dev::Q8Link> l;
-              if (with_qkv) l.push_back({p[11], p[0], P<float>(p, 1), p[12], H, Qkv, n1, false});
+              const auto sc = [&](int i) { return w16 ? nullptr : P<float>(p, i); };
+              std::vector<dev::ChainLink> l;
+              if (with_qkv) l.push_back({p[11], p[0], sc(1), p[12], H, Qkv, n1, false});
               // o_proj reads att (attention's output, not part of the chain)
-              l.push_back({p[13], p[2], P<float>(p, 3), p[11], Dq, H, {}, true});
-              l.push_back({p[11], p[4], P<float>(p, 5), p[14], H, 2 * I, n2, false});
-              l.push_back({p[14], p[6], P<float>(p, 7), p[11], I, H, {nullptr, 1, true, p[10]}, true});
-              dev::linear_q8_chain(x, l.data(), int(l.size()), N, qf, t);
+              l.push_back({p[13], p[2], sc(3), p[11], Dq, H, {}, true});
+              l.push_back({p[11], p[4], sc(5), p[14], H, 2 * I, n2, false});
+              l.push_back({p[14], p[6], sc(7), p[11], I, H, {nullptr, 1, true, p[10]}, true});
+              dev::linear_chain(x, l.data(), int(l.size()), N, qf, t);
             });
       }
 

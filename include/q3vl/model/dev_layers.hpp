@@ -181,9 +181,16 @@ struct DevPagedCache {
   int64_t max_blocks, block, nseg, max_q, max_ctx, keys;  // keys: the contexts' sum (profiler bytes)
 };
 using DevPartialSum = std::function<void(void*, int64_t)>;
+// A dense 8-bit layer's decode chain (Q3VL_DECODE_CHAIN) may end with the next layer's qkv projection: the caller
+// sets `next` to that layer's first parameter id where nothing runs between the two layers (else -1);
+// dev_decoder_infer sets `ready` where it wrote the next layer's c.qkv, and the next call then starts at its qkv rows.
+struct DevQkvAhead {
+  int next = -1;
+  bool ready = false;
+};
 bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
                        int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
                        int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce,
-                       const void* pending, DType dt);
+                       const void* pending, DevQkvAhead& ahead, DType dt);
 
 }  // namespace q3vl

@@ -97,12 +97,12 @@ struct RowsIn {
 // The R rows of n_in that r describes, written out: in itself when r is the default, else r.scratch.
 const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt);
 
-// One product of linear_q8_chain: y[N, n_out] (+)= (rows of in through rin) q^T * scale, linear_q8_fwd's arguments
-// without a bias. A link may read what an earlier link of its chain wrote.
-struct Q8Link {
+// One product of linear_chain: y[N, n_out] (+)= (rows of in through rin) W^T (* scale: 8-bit W), linear_q8_fwd's or
+// linear_fwd's arguments without a bias. A link may read what an earlier link of its chain wrote.
+struct ChainLink {
   const void* in = nullptr;
-  const void* q = nullptr;
-  const float* scale = nullptr;
+  const void* W = nullptr;      // 8-bit of the chain's format, or in the activations' type (QFormat::None)
+  const float* scale = nullptr;  // 8-bit W's, F32 [n_out]
   void* y = nullptr;
   int64_t n_in = 0, n_out = 0;
   RowsIn rin;

@@ -336,7 +336,7 @@ void gemm(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K, floa
 }
 
 void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, void* y, int64_t N, int64_t n_in,
-                int64_t n_out, DType dt) {
+                int64_t n_out, DType dt, const RowsIn& rin, bool add) {
   if (N <= 0 || n_out <= 0) return;
   // Up to 8 rows of 16-bit x (decode steps): the TMA-fed GEMV only when Q3VL_GEMV_TMA=1 (an H100 stream's bf16 step
   // 6.73 -> 6.38 ms; the H200's 5.02 -> 5.24: cuBLASLt by default, gemv_tma.cuh's tma_wanted).
@@ -346,9 +346,15 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
     by_dtype(dt, [&]<class S>() {
       if constexpr (!std::is_same_v<S, float>)
         taken = wgemv::gemv_tma<S, S>(x, static_cast<const S*>(in), static_cast<const S*>(W), nullptr,
-                                      static_cast<const S*>(b), static_cast<S*>(y), N, n_in, n_out);
+                                      static_cast<const S*>(b), static_cast<S*>(y), N, n_in, n_out,
+                                      wgemv::x_rows(rin), add);
     });
     if (taken) return;
+  }
+  in = rows_in(x, in, rin, N, n_in, dt);  // cuBLASLt reads the rows written out
+  if (add) {  // the residual add in the epilogue (one rounding), as linear_q8_fwd's GEMM path
+    Q3VL_CHECK(!b, "dev::linear_fwd: add with a bias");
+    return void(gemm_impl(x, false, true, N, n_out, n_in, 1.f, in, n_in, W, n_in, 1.f, y, n_out, dt, dt, nullptr));
   }
   // The bias epilogue needs a 16-byte aligned bias; otherwise (or if no algorithm) broadcast b and use beta = 1.
   if (b && align_of(b) >= 16 &&

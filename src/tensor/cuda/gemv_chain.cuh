@@ -177,7 +177,7 @@ bool chain_job(ChainJob<S>& jb, const S* in, const W* q, const float* scale, S* 
 // The chain p.job[0 .. p.count) over p.n rows, p.bar two zeroed words of device memory (left zeroed).
 template <class S, class W, class K = TmaChain>
 void gemv_chain(const Exec& x, const ChainParams<S>& p) {
-  static_assert(kTcOk<S, W> && !std::is_same_v<S, W>, "wgemv::gemv_chain: 16-bit activations, 8-bit weights");
+  static_assert(kTcOk<S, W>, "wgemv::gemv_chain: 16-bit activations, weights 8-bit or of their type");
   Q3VL_CHECK(p.count >= 1 && p.count <= kChainMax && p.n >= 1 && p.n <= kTmaNb && p.bar,
              "wgemv::gemv_chain: bad chain");
   size_t xb = 0;

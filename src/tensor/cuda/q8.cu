@@ -197,13 +197,13 @@ __device__ uint32_t g_chain_bar[2];  // gemv_chain's grid barrier (one stream's 
 
 // The chain as one persistent kernel, or false (nothing launched) where a link does not fit it.
 template <class S, class W>
-bool chain_kernel(const Exec& x, const Q8Link* links, int count, int64_t N) {
+bool chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N) {
   if (N > wgemv::kTmaNb || count < 1 || count > wgemv::kChainMax) return false;
   auto p = std::make_unique<wgemv::ChainParams<S>>();
   p->count = count, p->n = int(N);
   for (int j = 0; j < count; ++j) {
-    const Q8Link& l = links[j];
-    if (!wgemv::chain_job<S, W>(p->job[j], static_cast<const S*>(l.in), static_cast<const W*>(l.q), l.scale,
+    const ChainLink& l = links[j];
+    if (!wgemv::chain_job<S, W>(p->job[j], static_cast<const S*>(l.in), static_cast<const W*>(l.W), l.scale,
                                  static_cast<S*>(l.y), int(N), l.n_in, l.n_out, wgemv::x_rows(l.rin), l.add))
       return false;
   }
@@ -215,17 +215,20 @@ bool chain_kernel(const Exec& x, const Q8Link* links, int count, int64_t N) {
 }
 }  // namespace
 
-void linear_q8_chain(const Exec& x, const Q8Link* links, int count, int64_t N, QFormat qf, DType dt) {
+void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt) {
   if (N <= 0) return;
   bool done = false;
   if (dt != DType::F32)
     by_dtype(dt, [&]<class S>() {
-      if constexpr (!std::is_same_v<S, float>)
-        by_qformat(qf, [&]<class W>() { done = chain_kernel<S, W>(x, links, count, N); });
+      if constexpr (!std::is_same_v<S, float>) {
+        if (qf == QFormat::None) done = chain_kernel<S, S>(x, links, count, N);
+        else by_qformat(qf, [&]<class W>() { done = chain_kernel<S, W>(x, links, count, N); });
+      }
     });
   for (int j = 0; !done && j < count; ++j) {
-    const Q8Link& l = links[j];
-    cuda::linear_q8_fwd(x, l.in, l.q, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
+    const ChainLink& l = links[j];
+    if (qf == QFormat::None) cuda::linear_fwd(x, l.in, l.W, nullptr, l.y, N, l.n_in, l.n_out, dt, l.rin, l.add);
+    else cuda::linear_q8_fwd(x, l.in, l.W, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
   }
 }
 
