@@ -51,29 +51,14 @@ __device__ __forceinline__ void grid_wait(const uint32_t* bar, uint32_t target) 
 
 template <class S, class W, class K>
 __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __grid_constant__ ChainParams<S> p) {
-  constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, NT = kTmaNb / 8, G = kGroup<W>;
-  constexpr int PC = kTmaPanel / int(sizeof(W));
+  constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, NT = kTmaNb / 8;
   constexpr uint32_t SB = tma_stage_bytes<K>();
-  constexpr int EL = NT * 4 * 32;
   extern __shared__ float4 smem_chain[];
-  unsigned char* smraw = reinterpret_cast<unsigned char*>(smem_chain);
-  const uint32_t ring = (su32(smraw) + 1023u) & ~1023u;  // as k_gemv_tma's
-  unsigned char* ring_p = smraw + (ring - su32(smraw));
-  unsigned char* after = ring_p + ST * SB;
-  const uint32_t full0 = su32(after), empty0 = full0 + 8 * ST;
-  char* head = reinterpret_cast<char*>(after + 16 * ST);
-  float* xmul = reinterpret_cast<float*>(head);
-  uint32_t* wmax = reinterpret_cast<uint32_t*>(head + 64);
-  float* red = reinterpret_cast<float*>(head + kTcHeader);
-  uint16_t* xs = reinterpret_cast<uint16_t*>(red + CW * EL);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const TmaSmem<K> sm(reinterpret_cast<unsigned char*>(smem_chain));  // k_gemv_tma's layout
+  const uint32_t ring = sm.ring, full0 = sm.full0, empty0 = sm.empty0;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = p.n;
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, CW);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  __syncthreads();  // the barriers are initialized
   const auto tiles = [](const ChainJob<S>& jb) { return (jb.n_out + kTmaTile - 1) / kTmaTile; };
   const auto spt = [](const ChainJob<S>& jb) { return (int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel) + P - 1) / P; };
 
@@ -123,34 +108,16 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
     const int64_t nt = tiles(jb);
     const int sp = spt(jb), panels = int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel);
     if (blockIdx.x < nt) {
-      tc_stage<S, W, CW, false>(jb.in, jb.xr, 0, n, jb.n_in, 0, int(jb.n_in), jb.vec_x, xs, jb.rs, xmul, wmax,
-                                SyncConsumers<CW>{});
+      tc_stage<S, W, CW, false>(jb.in, jb.xr, 0, n, jb.n_in, 0, int(jb.n_in), jb.vec_x, sm.xs, jb.rs, sm.xmul,
+                                sm.wmax, SyncConsumers<CW>{});
       bar_sync(1, CW * 32);
     }
     for (int64_t tile = blockIdx.x; tile < nt; tile += gridDim.x) {
       float acc[1][NT][4] = {};
-      for (int kp = 0; kp < sp; ++kp, ++gi) {
-        const int slot = int(gi % ST);
-        mbar_wait(full0 + 8 * slot, uint32_t((gi / ST) & 1));
-        const unsigned char* stage = ring_p + slot * SB;
-        for (int pp = warp; pp < P; pp += CW) {
-          const int pg = kp * P + pp;
-          if (pg >= panels) break;
-          const unsigned char* pb = stage + pp * kTmaPanelBytes;
-#pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            const int c = tma_chunk(lane, s);
-            const uint4 w[1][2] = {{*reinterpret_cast<const uint4*>(pb + tma_offset(g, c)),
-                                    *reinterpret_cast<const uint4*>(pb + tma_offset(g + 8, c))}};
-            tc_step<W, kTmaNb, 1>(acc, w, xs + pg * PC + c * G, jb.rs, n, g);
-          }
-        }
-        __syncwarp();
-        mbar_arrive(empty0 + 8 * slot, lane == 0);
-      }
+      tma_tile<W, K>(sm, gi, sp, panels, jb.rs, n, acc);
       bar_sync(1, CW * 32);  // the previous tile's sums are read
-      tc_store<S, W, 1, NT, CW>(acc, red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), xmul, jb.y,
-                                n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); });
+      tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), sm.xmul,
+                                jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); });
     }
     if (j + 1 < p.count) {
       bar_sync(1, CW * 32);  // every consumer's stores (and reads of xs, xmul) are done

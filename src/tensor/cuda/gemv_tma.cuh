@@ -60,40 +60,81 @@ template <class K> size_t tma_smem_bytes(size_t x_bytes) {
          sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + x_bytes;
 }
 
+// A TMA block's shared memory (dynamic, tma_smem_bytes): the ring (1024-aligned for the swizzle), its full and empty
+// barriers (initialized by the constructor's thread 0; the caller synchronizes before using them), xmul/wmax
+// (kTcHeader), the consumer warps' partial sums of a tile, and the staged x. k_gemv_tma's and k_gemv_chain's.
+template <class K> struct TmaSmem {
+  static constexpr int kEl = (kTmaNb / 8) * 4 * 32;  // a warp's partial sums of a tile
+  uint32_t ring, full0, empty0;                      // shared-window addresses
+  unsigned char* ring_p;                             // the ring, a generic pointer
+  float *xmul, *red;
+  uint32_t* wmax;
+  uint16_t* xs;
+  __device__ __forceinline__ explicit TmaSmem(unsigned char* raw) {
+    ring = (su32(raw) + 1023u) & ~1023u;
+    ring_p = raw + (ring - su32(raw));
+    unsigned char* after = ring_p + K::kStages * tma_stage_bytes<K>();
+    full0 = su32(after), empty0 = full0 + 8 * K::kStages;
+    char* head = reinterpret_cast<char*>(after + 16 * K::kStages);
+    xmul = reinterpret_cast<float*>(head);
+    wmax = reinterpret_cast<uint32_t*>(head + 64);
+    red = reinterpret_cast<float*>(head + kTcHeader);
+    xs = reinterpret_cast<uint16_t*>(red + K::kCw * kEl);
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < K::kStages; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, K::kCw);
+      mbar_init_fence();
+    }
+  }
+};
+
+// A consumer warp's share of one tile: its panels of the tile's spt stages, taken from the ring from the block's
+// stage gi on (gi advanced past them), against the staged x (rs halves a row, n rows), summed into acc.
+template <class W, class K>
+__device__ __forceinline__ void tma_tile(const TmaSmem<K>& sm, int64_t& gi, int spt, int panels, int rs, int n,
+                                         float (&acc)[1][kTmaNb / 8][4]) {
+  constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, G = kGroup<W>;
+  constexpr int PC = kTmaPanel / int(sizeof(W));  // columns of a panel
+  constexpr uint32_t SB = tma_stage_bytes<K>();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  for (int kp = 0; kp < spt; ++kp, ++gi) {
+    const int slot = int(gi % ST);
+    mbar_wait(sm.full0 + 8 * slot, uint32_t((gi / ST) & 1));
+    const unsigned char* stage = sm.ring_p + slot * SB;
+    for (int p = warp; p < P; p += CW) {
+      const int pg = kp * P + p;  // the panel in the row
+      if (pg >= panels) break;
+      const unsigned char* pb = stage + p * kTmaPanelBytes;
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int c = tma_chunk(lane, s);
+        const uint4 w[1][2] = {{*reinterpret_cast<const uint4*>(pb + tma_offset(g, c)),
+                                *reinterpret_cast<const uint4*>(pb + tma_offset(g + 8, c))}};
+        tc_step<W, kTmaNb, 1>(acc, w, sm.xs + pg * PC + c * G, rs, n, g);
+      }
+    }
+    __syncwarp();
+    mbar_arrive(sm.empty0 + 8 * slot, lane == 0);
+  }
+}
+
 // One block's tiles: blockIdx.x, + gridDim.x, ... of the n_out / 16 tiles, against all n rows of x.
 template <class S, class W, class K>
 __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
     k_gemv_tma(const __grid_constant__ CUtensorMap wmap, const S* __restrict__ in, XRows xr,
                const float* __restrict__ scale, const S* __restrict__ b, S* __restrict__ y, int n, int64_t n_in,
                int64_t n_out, int rs, bool vec_x, bool add) {
-  constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, NT = kTmaNb / 8, G = kGroup<W>;
-  constexpr int PC = kTmaPanel / int(sizeof(W));  // columns of a panel
+  constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, NT = kTmaNb / 8;
   constexpr uint32_t SB = tma_stage_bytes<K>();
-  constexpr int EL = NT * 4 * 32;  // a warp's partial sums of a tile
   extern __shared__ float4 smem_tma[];
-  unsigned char* smraw = reinterpret_cast<unsigned char*>(smem_tma);
-  // ring (1024-aligned for the swizzle), full and empty barriers, xmul/wmax (kTcHeader), the partial sums, x
-  const uint32_t ring = (su32(smraw) + 1023u) & ~1023u;
-  unsigned char* ring_p = smraw + (ring - su32(smraw));  // the ring, a generic pointer
-  unsigned char* after = ring_p + ST * SB;
-  const uint32_t full0 = su32(after), empty0 = full0 + 8 * ST;
-  char* head = reinterpret_cast<char*>(after + 16 * ST);
-  float* xmul = reinterpret_cast<float*>(head);
-  uint32_t* wmax = reinterpret_cast<uint32_t*>(head + 64);
-  float* red = reinterpret_cast<float*>(head + kTcHeader);
-  uint16_t* xs = reinterpret_cast<uint16_t*>(red + CW * EL);
+  const TmaSmem<K> sm(reinterpret_cast<unsigned char*>(smem_tma));
+  const uint32_t ring = sm.ring, full0 = sm.full0, empty0 = sm.empty0;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tiles = (n_out + kTmaTile - 1) / kTmaTile;
   const int panels = int(n_in * int64_t(sizeof(W)) / kTmaPanel);
   const int spt = (panels + P - 1) / P;  // stages a tile
   const int64_t total = tma_block_stages(tiles, spt, blockIdx.x, gridDim.x);
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, CW);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  __syncthreads();  // the barriers are initialized
   const bool producer = warp == CW;
   // stage i of the block: its tile's first row in the map, then the copy into its ring slot
   auto at = [&](int64_t i) { return int(tma_stage_item(i, spt, blockIdx.x, gridDim.x) * kTmaTile); };
@@ -113,7 +154,7 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
   const uint64_t policy = l2_evict_first();
   if (issuer)
     for (int64_t i = 0; i < early; ++i) issue(i, policy);  // then into the ring, while x is staged
-  tc_stage<S, W, CW + 1>(in, xr, 0, n, n_in, 0, int(n_in), vec_x, xs, rs, xmul, wmax);
+  tc_stage<S, W, CW + 1>(in, xr, 0, n, n_in, 0, int(n_in), vec_x, sm.xs, rs, sm.xmul, sm.wmax);
   __syncthreads();
   pdl_trigger();
   if (producer) {
@@ -125,28 +166,10 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
   int64_t i = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     float acc[1][NT][4] = {};
-    for (int kp = 0; kp < spt; ++kp, ++i) {
-      const int slot = int(i % ST);
-      mbar_wait(full0 + 8 * slot, uint32_t((i / ST) & 1));
-      const unsigned char* stage = ring_p + slot * SB;
-      for (int p = warp; p < P; p += CW) {
-        const int pg = kp * P + p;  // the panel in the row
-        if (pg >= panels) break;
-        const unsigned char* pb = stage + p * kTmaPanelBytes;
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const int c = tma_chunk(lane, s);
-          const uint4 w[1][2] = {{*reinterpret_cast<const uint4*>(pb + tma_offset(g, c)),
-                                  *reinterpret_cast<const uint4*>(pb + tma_offset(g + 8, c))}};
-          tc_step<W, kTmaNb, 1>(acc, w, xs + pg * PC + c * G, rs, n, g);
-        }
-      }
-      __syncwarp();
-      mbar_arrive(empty0 + 8 * slot, lane == 0);
-    }
+    tma_tile<W, K>(sm, i, spt, panels, rs, n, acc);
     // The consumer warps' partial sums of the tile, added through shared memory.
     bar_sync(1, CW * 32);  // the previous tile's sums are read
-    tc_store<S, W, 1, NT, CW>(acc, red, warp, tile * kTmaTile, scale, b, xmul, y, n, n_out, add,
+    tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, scale, b, sm.xmul, y, n, n_out, add,
                               [] { bar_sync(1, CW * 32); });
   }
 }
