@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# call 6 (thirty-first session): binaries of the decode chain made the default (Q3VL_DECODE_CHAIN=0 turns it off), the
+# call 6 (thirty-first session): binaries of 4a566c7 (k_gemv_tma and k_gemv_chain share TmaSmem and tma_tile), with the decode chain made the default (Q3VL_DECODE_CHAIN=0 turns it off), the
 # next layer's qkv inside it, and 16-bit weights in it (dev::linear_chain; linear_fwd's RowsIn and add). One devpack
 # of q3vl, unit_tests and chain_bench (call_lib.sh's header).
 # (1) the op table's linear_chain cases (int8, fp8, w16; bf16/fp16 are where the persistent kernel runs), then every
