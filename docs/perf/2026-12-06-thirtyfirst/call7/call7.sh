@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# call 7 (thirty-first session), on an H200 (needs_h200: issue 30's 30B-A3B cut needs its memory): binaries of 4a566c7,
+# call 7 (thirty-first session; never ran: the H200 was refused at 17:03 and 17:15 UTC), on an H200 (needs_h200: issue 30's 30B-A3B cut needs its memory): binaries of 4a566c7,
 # as call 6 (H100), whose op-table cases passed. (1) one stream of the 8B, fp8 and bf16, the chain (default) against
 # Q3VL_DECODE_CHAIN=0, back to back (on the H200 cuBLASLt streamed the 8B's bf16 gate_up faster than the TMA GEMV:
 # does the bf16 chain still win?); (2) issue 30's 30B-A3B cut beside transformers.
