@@ -174,14 +174,16 @@ void dev_moe_experts_bwd(const dev::Exec& ex, const TextConfig& tc, const DevPar
 // (N <= 16) without tensor parallelism fold instead (Q3VL_DECODE_FOLD=0: never): 8-bit o_proj and dense down_proj
 // weights and the MoE combine add their outputs to x themselves (linear_q8_fwd's and moe_combine_fwd's add), and
 // 8-bit qkv and dense gate_up weights read x through its norm (dev::RowsIn's norm) when nothing is pending: two norm
-// passes fewer a dense layer, one a MoE layer. Returns whether the MLP output is in x already (else it is in s.tmp).
+// passes fewer a dense layer, one a MoE layer. A dense layer whose o_proj, gate_up and down_proj weights are all
+// 8-bit or all in dt runs them so folded as one dev::linear_chain (Q3VL_DECODE_CHAIN=0: never), the next layer's qkv
+// with them where `ahead` asks for it. Returns whether the MLP output is in x already (else it is in s.tmp).
 struct DevPagedCache {
   void *k, *v;                 // this layer's pools
   const int32_t *slots, *cu, *ctx, *table;
   int64_t max_blocks, block, nseg, max_q, max_ctx, keys;  // keys: the contexts' sum (profiler bytes)
 };
 using DevPartialSum = std::function<void(void*, int64_t)>;
-// A dense 8-bit layer's decode chain (Q3VL_DECODE_CHAIN) may end with the next layer's qkv projection: the caller
+// A dense layer's decode chain may end with the next layer's qkv projection (weights of the chain's kind): the caller
 // sets `next` to that layer's first parameter id where nothing runs between the two layers (else -1);
 // dev_decoder_infer sets `ready` where it wrote the next layer's c.qkv, and the next call then starts at its qkv rows.
 struct DevQkvAhead {

@@ -1,5 +1,6 @@
 // A chain of decode GEMVs in one persistent kernel: y_j = (x_j W_j^T) * scale_j (+ y_j with add), j = 0 .. count-1,
-// where x_j may be an earlier product (another block's rows of it). One block an SM; its producer warp streams the
+// W 8-bit with its row scales or of x's 16-bit type (no scale), where x_j may be an earlier product (another block's
+// rows of it). One block an SM; its producer warp streams the
 // weights of every product of the chain through one TMA ring without a pause, and its consumer warps compute product j
 // once every block has written product j-1 (a grid barrier in global memory). So HBM stays busy across the boundary
 // that separates two kernels: a block done with its tiles of product j has the first stages of product j+1 in its
