@@ -7,7 +7,8 @@
 #   vs_hf 2b|30b                               # issue 30's shapes: q3vl profiled, transformers, the ratio
 #   prof_rows NAME...                          # train_prof runs' step time and a few rows (AdamW, norms, experts)
 #   left SECONDS                               # whether the call (560 s of its 600) still has SECONDS left
-#   serve_one NAME PART TIMEOUT [ENV=V...]     # one serve_checks.sh part at one stream: its bench row and decode steps
+#   serve_one NAME PART TIMEOUT [ENV=V...]     # one serve_checks.sh part at one stream (CONC=4 among the ENV=V: 4
+#                                              # streams): its bench row and decode steps
 # The pack (on the build machine): make FFMPEG=0 NVFLAGS_EXTRA=--no-compress bin/q3vl bin/unit_tests ... (FFmpeg's
 # libraries and theirs would make it 71 MB, over a call's 64 MiB; uncompressed fatbins let xz share the device code),
 # strip the binaries, ../shared/device/pack-runtime devpack BINARIES, then repack its rt/ with
@@ -78,6 +79,6 @@ serve_one() {
   rm -rf /tmp/results
   env CONC=1 "$@" timeout "$t" bash tools/gpu/serve_checks.sh "$q" /tmp/rt/bin/unit_tests /tmp/sc_$n "$p" > /dev/null 2>&1
   mkdir -p "$out/$n"; tar xzf /tmp/sc_$n/results.tgz -C "$out/$n" 2>/dev/null
-  say "$n ($*) $((SECONDS - t1)) s: $(grep -h 'c=1' "$out/$n/summary.txt" | head -2 | tr '\n' ' ')"
+  say "$n ($*) $((SECONDS - t1)) s: $(grep -hE ' c=[0-9]+ ' "$out/$n/summary.txt" | head -2 | tr '\n' ' ')"
   say "$n: $(grep -ho 'decode-only steps [^;]*' "$out/$n/summary.txt")"; pack
 }
