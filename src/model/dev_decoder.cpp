@@ -234,30 +234,50 @@ namespace {
 bool q8(const DevParams& P, int id) { return P.q8 && P.q8[id]; }
 
 // Whether a dense layer's o_proj, gate_up and down_proj in decode-sized steps run as one dev::linear_chain
-// (Q3VL_DECODE_CHAIN=0: never), with the next layer's qkv where the caller asks for it.
+// (Q3VL_DECODE_CHAIN=0: never), with the next layer's qkv where the caller asks for it; and whether the attention
+// runs as the chain's first link (a chain of its own in other layers; Q3VL_CHAIN_ATTN=0, or no chains: its two ops).
 bool chain_on() {
   static const bool on = !env_is("Q3VL_DECODE_CHAIN", "0");
   return on;
 }
-// A dense layer's o_proj (adds to x), gate_up (reads x through the post-attention norm) and down_proj (reads the
-// SwiGLU of gate_up's output, adds to x), weights all 8-bit (w8) or all in dt, as one chain; then, where `next` >= 0
-// (the next layer's first id; its fused qkv of the same kind), its qkv projection of x through its input norm into
-// c.qkv.
+bool chain_attn_on() {
+  static const bool on = chain_on() && !env_is("Q3VL_CHAIN_ATTN", "0");
+  return on;
+}
+// A dense layer's attention (`attn`, where not null), o_proj (adds to x), gate_up (reads x through the
+// post-attention norm) and down_proj (reads the SwiGLU of gate_up's output, adds to x), weights all 8-bit (w8) or all
+// in dt, as one chain; then, where `next` >= 0 (the next layer's first id; its fused qkv of the same kind), its qkv
+// projection of x through its input norm into c.qkv.
 void mlp_chain(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int gate_up, bool w8, int next,
-               void* x, int64_t N, DevDecoderCtx& c, DType dt) {
+               const dev::ChainLink* attn, void* x, int64_t N, DevDecoderCtx& c, DType dt) {
   const int64_t H = tc.hidden, I = tc.intermediate, Dq = tc.heads * tc.head_dim, Dk = tc.kv_heads * tc.head_dim;
   const float eps = float(tc.rms_eps);
   const auto link = [&](int id, const void* in, void* y, int64_t n_in, int64_t n_out, dev::RowsIn rin, bool add) {
     return dev::ChainLink{in, w8 ? P.q8[id] : P.p[id], w8 ? P.s8[id] : nullptr, y, n_in, n_out, rin, add};
   };
-  dev::ChainLink links[4] = {
-      link(f + tlay::o_proj, c.att, x, Dq, H, {}, true),
-      link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, false),
-      link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true)};
+  dev::ChainLink links[5];
+  int n = 0;
+  if (attn) links[n++] = *attn;
+  links[n++] = link(f + tlay::o_proj, c.att, x, Dq, H, {}, true);
+  links[n++] = link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, false);
+  links[n++] = link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true);
   if (next >= 0)
-    links[3] = link(fused_qkv(P, next, Dq, Dk, H, dt), x, c.qkv, H, Dq + 2 * Dk,
-                    {nullptr, 1, false, c.ln1, P.p[next + tlay::in_norm], eps}, false);
-  dev::linear_chain(ex, links, next >= 0 ? 4 : 3, N, w8 ? P.qf : QFormat::None, dt);
+    links[n++] = link(fused_qkv(P, next, Dq, Dk, H, dt), x, c.qkv, H, Dq + 2 * Dk,
+                      {nullptr, 1, false, c.ln1, P.p[next + tlay::in_norm], eps}, false);
+  dev::linear_chain(ex, links, n, N, w8 ? P.qf : QFormat::None, dt);
+}
+}  // namespace
+
+namespace {
+// A decode step's attention link alone: a chain of its own (on CUDA one kernel where it takes it), or under
+// Q3VL_CHAIN_ATTN=0 (or Q3VL_DECODE_CHAIN=0) its two ops.
+void attention(const dev::Exec& ex, const dev::ChainLink& l, int64_t N, DType dt) {
+  if (chain_attn_on()) return dev::linear_chain(ex, &l, 1, N, QFormat::None, dt);
+  const dev::ChainAttn& a = *l.attn;
+  dev::qkv_to_cache_fwd(ex, l.in, a.wq, a.wk, a.q, a.k_pool, a.v_pool, a.slots, nullptr, nullptr, a.cos, a.sin, N,
+                        a.nh, a.nkv, a.hd, a.eps, dt);
+  dev::paged_attention_fwd(ex, a.q, a.k_pool, a.v_pool, l.y, a.cu, a.ctx, a.table, a.max_blocks, a.block, a.nseg,
+                           a.max_q, a.max_ctx, a.keys, N, a.nh, a.nkv, a.hd, a.scale, dt);
 }
 }  // namespace
 
@@ -284,18 +304,23 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   if (!ready)
     dev_linear(ex, P, qkv, norm_in ? x : c.ln1, c.qkv, N, H, Dq + 2 * Dk, dt, 0,
                norm_in ? dev::RowsIn{nullptr, 1, false, c.ln1, P.p[f + tlay::in_norm], eps} : dev::RowsIn{});
-  dev::qkv_to_cache_fwd(ex, c.qkv, P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], c.q, kv.k, kv.v, kv.slots, nullptr,
-                        nullptr, cos, sin, N, nh, nkv, hd, tc.rms_eps, dt);
-  dev::paged_attention_fwd(ex, c.q, kv.k, kv.v, c.att, kv.cu, kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg,
-                           kv.max_q, kv.max_ctx, kv.keys, N, nh, nkv, hd, float(1 / std::sqrt(double(hd))), dt);
-  // A dense layer's o_proj, gate_up and down_proj, all 8-bit or all in dt, as one chain (folded as above, whatever
-  // the weights), and the next layer's qkv of the same kind: that layer then starts at its qkv rows.
+  // The attention: the new keys and values into the cache, q and the paged attention into c.att (dev::ChainAttn).
+  const dev::ChainAttn at{P.p[f + tlay::q_norm], P.p[f + tlay::k_norm], cos, sin, kv.k, kv.v, kv.slots, kv.cu,
+                          kv.ctx, kv.table, kv.max_blocks, kv.block, kv.nseg, kv.max_q, kv.max_ctx, kv.keys, nh, nkv,
+                          hd, tc.rms_eps, float(1 / std::sqrt(double(hd))), c.q};
+  dev::ChainLink attn;
+  attn.in = c.qkv, attn.y = c.att, attn.attn = &at;
+  // A dense layer's attention, o_proj, gate_up and down_proj, all 8-bit or all in dt, as one chain (folded as
+  // above, whatever the weights), and the next layer's qkv of the same kind: that layer then starts at its qkv rows.
   const bool w8 = q8(P, f + tlay::o_proj);
   if (chain_on() && fold && !moe && q8(P, gate_up) == w8 && q8(P, f + tlay::down_proj) == w8) {
     ahead.ready = ahead.next >= 0 && q8(P, fused_qkv(P, ahead.next, Dq, Dk, H, dt)) == w8;
-    mlp_chain(ex, tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, x, N, c, dt);
+    if (!chain_attn_on()) attention(ex, attn, N, dt);
+    mlp_chain(ex, tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, chain_attn_on() ? &attn : nullptr, x, N, c,
+              dt);
     return true;
   }
+  attention(ex, attn, N, dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, add_o ? x : s.tmp, N, Dq, H, dt, 0, {}, add_o);
   if (reduce) reduce(s.tmp, N * H);
   if (!norm_post)

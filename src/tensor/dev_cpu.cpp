@@ -48,6 +48,14 @@ double B(int64_t n, DType t) { return double(n) * double(dtype_size(t)); }
 double attention_flops(int64_t N, int64_t max_len, int64_t nh, int64_t hd, bool causal) {
   return 4.0 * double(N) * double(max_len) * double(nh) * double(hd) * (causal ? 0.5 : 1.0);
 }
+// y = the product that fn writes into its argument, or with add y += it (the product in a temporary first: the
+// linears' residual add, as axpy of the product would).
+template <class Fn> void into_or_add(float* y, int64_t n, bool add, Fn&& fn) {
+  if (!add) return fn(y);
+  std::vector<float> prod(size_t(std::max<int64_t>(n, 0)));
+  fn(prod.data());
+  for (size_t i = 0; i < prod.size(); ++i) y[i] += prod[i];
+}
 // The CPU reference computes in fp32 only; a bf16/fp16 model runs on the GPU.
 void need_f32(DType dt, const char* op) {
   if (dt != DType::F32)
@@ -272,9 +280,7 @@ void linear_fwd(const Exec& x, const void* in, const void* W, const void* b, voi
   ON_CUDA(x, linear_fwd(x, in, W, b, y, N, n_in, n_out, dt, rin, add));
   need_f32(dt, "linear_fwd");
   in = rows_in(x, in, rin, N, n_in, dt);
-  std::vector<float> prod(add ? size_t(std::max<int64_t>(N * n_out, 0)) : 0);
-  ops::linear_fwd(F(in), F(W), F(b), add ? prod.data() : F(y), N, n_in, n_out);
-  for (size_t i = 0; i < prod.size(); ++i) F(y)[i] += prod[i];
+  into_or_add(F(y), N * n_out, add, [&](float* out) { ops::linear_fwd(F(in), F(W), F(b), out, N, n_in, n_out); });
 }
 const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt) {
   if (!r.rows && !r.swiglu && !r.norm) return in;
@@ -308,19 +314,36 @@ void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* sc
   ON_CUDA(x, linear_q8_fwd(x, in, q, scale, b, y, N, n_in, n_out, qf, dt, rin, add));
   need_f32(dt, "linear_q8_fwd");
   in = rows_in(x, in, rin, N, n_in, dt);
-  std::vector<float> prod(add ? size_t(std::max<int64_t>(N * n_out, 0)) : 0);
-  float* out = add ? prod.data() : F(y);
-  by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), out, N, n_in, n_out); });
-  for (size_t i = 0; i < prod.size(); ++i) F(y)[i] += prod[i];
+  into_or_add(F(y), N * n_out, add, [&](float* out) {
+    by_qformat(qf, q, [&](const auto* w) { ops::linear_lowp_fwd(F(in), w, scale, F(b), out, N, n_in, n_out); });
+  });
 }
 void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt) {
   double flop = 0;
-  for (int j = 0; j < count; ++j) flop += 2.0 * double(N) * double(links[j].n_in) * double(links[j].n_out);
-  DEV_OP(x, prof::flop(flop), linear_chain(x, links, count, N, qf, dt));
   for (int j = 0; j < count; ++j) {
     const ChainLink& l = links[j];
-    if (qf == QFormat::None) linear_fwd(x, l.in, l.W, nullptr, l.y, N, l.n_in, l.n_out, dt, l.rin, l.add);
-    else linear_q8_fwd(x, l.in, l.W, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
+    flop += l.attn ? attention_flops(N, l.attn->max_ctx, l.attn->nh, l.attn->hd, false)
+                   : 2.0 * double(N) * double(l.n_in) * double(l.n_out);
+  }
+  PROFILED(x, __func__, prof::flop(flop));  // the links' ops below are inside this region, not timed apart
+#ifdef Q3VL_CUDA
+  if (x.device == Device::CUDA && cuda::linear_chain_kernel(x, links, count, N, qf, dt)) return;
+#endif
+  for (int j = 0; j < count; ++j) {  // the links one by one (an attention link as a chain of its own where it can)
+    const ChainLink& l = links[j];
+    if (const ChainAttn* a = l.attn) {
+#ifdef Q3VL_CUDA
+      if (count > 1 && x.device == Device::CUDA && cuda::linear_chain_kernel(x, &l, 1, N, qf, dt)) continue;
+#endif
+      qkv_to_cache_fwd(x, l.in, a->wq, a->wk, a->q, a->k_pool, a->v_pool, a->slots, nullptr, nullptr, a->cos, a->sin,
+                       N, a->nh, a->nkv, a->hd, a->eps, dt);
+      paged_attention_fwd(x, a->q, a->k_pool, a->v_pool, l.y, a->cu, a->ctx, a->table, a->max_blocks, a->block,
+                          a->nseg, a->max_q, a->max_ctx, a->keys, N, a->nh, a->nkv, a->hd, a->scale, dt);
+    } else if (qf == QFormat::None) {
+      linear_fwd(x, l.in, l.W, nullptr, l.y, N, l.n_in, l.n_out, dt, l.rin, l.add);
+    } else {
+      linear_q8_fwd(x, l.in, l.W, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
+    }
   }
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,

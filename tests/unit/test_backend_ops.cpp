@@ -551,6 +551,84 @@ std::vector<Case> all_cases(DType dt) {
             });
       }
 
+  // A decode step's attention as a chain link (dev::ChainAttn): the fused projection rows into the pools (new keys
+  // normalized and rotated, values as they are, at their slots) and the paged attention of the normalized, rotated
+  // queries into att. Alone, after the qkv product that writes its rows (x through its norm) and before o_proj that
+  // reads att and adds to x (the link between two products of one kernel: att read at L2). On CUDA (bf16, fp16) one
+  // persistent kernel for N <= 8 at head dims 64 and 128 (chain_attn.cuh): decode rows of contexts 1 to 2000 with the
+  // table's capacity as max_ctx (serving's graphs: the key splits sized on the device, the split holding the new key
+  // writing it), segments of several new rows (causal within them), one kv head; hd 72 and more query heads a kv head
+  // than a unit holds take the links one by one.
+  {
+    using Segs = std::vector<std::pair<int64_t, int64_t>>;
+    struct AttnCase {
+      std::string name;
+      Segs segs;
+      int64_t block, nh, nkv, hd, cap;
+    };
+    const std::vector<AttnCase> acs{
+        {"decode ctx{300,1,17,2000} max_ctx 8192", {{1, 300}, {1, 1}, {1, 17}, {1, 2000}}, 16, 8, 2, 128, 8192},
+        {"decode ctx{700,33}", {{1, 700}, {1, 33}}, 32, 4, 4, 64, 0},
+        {"n/ctx{3/40,1/9,4/4}", {{3, 40}, {1, 9}, {4, 4}}, 16, 8, 1, 64, 0},
+        {"n/ctx{2/130,1/64}", {{2, 130}, {1, 64}}, 16, 4, 2, 72, 0},
+        {"decode ctx{90} G 64", {{1, 90}}, 16, 64, 1, 64, 0}};
+    for (const AttnCase& ac : acs)
+      for (int form = 0; form < 2; ++form)
+        for (const QFormat qf : {QFormat::Fp8, QFormat::None}) {
+          if (form == 0 && qf != QFormat::None) continue;  // attention alone: no weights
+          const Paged L = paged_layout(ac.segs, ac.block, 5, ac.cap);
+          const int64_t N = L.N, nh = ac.nh, nkv = ac.nkv, hd = ac.hd, Dq = nh * hd, Qkv = (nh + 2 * nkv) * hd;
+          const int64_t H = 256, mb = L.max_blocks, block = ac.block;
+          std::vector<double> slots;  // each new row's pool row, from the table
+          for (size_t sg = 0; sg < ac.segs.size(); ++sg)
+            for (int64_t i = 0; i < ac.segs[sg].first; ++i) {
+              const int64_t pos = ac.segs[sg].second - ac.segs[sg].first + i;
+              slots.push_back(L.table[sg * size_t(mb) + size_t(pos / block)] * double(block) + double(pos % block));
+            }
+          const Rotary r = rotary(N, hd);
+          const auto weights = [&](const std::string& name, int64_t rows, int64_t cols) {
+            if (qf == QFormat::None)
+              return std::pair{in("w_" + name, K::Act, randn(rows * cols, 0.05)), in("s_" + name, K::F32, {1.0})};
+            std::vector<uint8_t> q;
+            std::vector<float> sc;
+            q8_weights(qf, rows, cols, q, sc);
+            return std::pair{in("q_" + name, K::I8, i8_values(q)),
+                             in("s_" + name, K::F32, std::vector<double>(sc.begin(), sc.end()))};
+          };
+          const auto [wqkv, sqkv] = weights("qkv", Qkv, H);
+          const auto [wo, so] = weights("o", H, Dq);
+          std::vector<double> g1 = randn(H, 0.3);
+          for (double& v : g1) v += 1.0;
+          const int64_t mq = L.max_q, mc = L.max_ctx, nseg = int64_t(ac.segs.size());
+          add("linear_chain",
+              std::string(form == 0 ? "attn" : std::string(qf == QFormat::None ? "w16" : qformat_name(qf)) +
+                                                   " qkv attn o") +
+                  " " + ac.name + " b" + std::to_string(block) + " " + dims({nh, nkv, hd}),
+              kAttn,
+              {in("qkv", K::Act, randn(N * Qkv, 2.0)), in("wq", K::Act, randu(hd, 0.5, 1.5)),
+               in("wk", K::Act, randu(hd, 0.5, 1.5)), in("cos", K::F32, r.cos), in("sin", K::F32, r.sin),
+               out("k_pool", K::Act, randn(L.pool_rows * nkv * hd)), out("v_pool", K::Act, randn(L.pool_rows * nkv * hd)),
+               in("slots", K::I32, slots), in("cu", K::I32, L.cu), in("ctx", K::I32, L.ctx),
+               in("table", K::I32, L.table), in("q", K::Act, randn(N * Dq)), out("att", K::Act, randn(N * Dq)),
+               wqkv, sqkv, wo, so, in("norm1", K::Act, g1), in("scratch", K::Act, std::vector<double>(size_t(N * H))),
+               out("x", K::Act, randn(N * H, 3.0))},
+              [=](auto& x, auto& p, DType t) {
+                const dev::ChainAttn a{p[1], p[2], P<float>(p, 3), P<float>(p, 4), p[5], p[6], P<int32_t>(p, 7),
+                                       P<int32_t>(p, 8), P<int32_t>(p, 9), P<int32_t>(p, 10), mb, block, nseg, mq,
+                                       mc, 0, nh, nkv, hd, 1e-6, float(1 / std::sqrt(double(hd))), p[11]};
+                const auto sc = [&](int i) { return qf == QFormat::None ? nullptr : P<float>(p, i); };
+                std::vector<dev::ChainLink> l;
+                if (form == 1)
+                  l.push_back({p[19], p[13], sc(14), p[0], H, Qkv, {nullptr, 1, false, p[18], p[17], 1e-6f}, false});
+                dev::ChainLink at;
+                at.in = p[0], at.y = p[12], at.attn = &a;
+                l.push_back(at);
+                if (form == 1) l.push_back({p[12], p[15], sc(16), p[19], Dq, H, {}, true});
+                dev::linear_chain(x, l.data(), int(l.size()), N, qf, t);
+              });
+        }
+  }
+
   // Weight-only 8-bit experts, int8 and fp8. Rows spread over the even experts (the odd ones have none) or all in
   // one; R <= 8 E is the CUDA GEMV over the experts with rows (R 40 and 64 with more than 16 rows an expert: several
   // passes), larger R dequantizes groups of experts into ws for the grouped GEMM ("ws2": room for two experts a group;

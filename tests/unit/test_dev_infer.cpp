@@ -140,12 +140,20 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
 // graphs: decode steps padded to a bucket of segments (the schedule's two decoding sequences become four), and on a
 // GPU recorded once as a graph that the later decode steps replay with new tokens, positions and block tables.
 // nan_step: that step's device logits replaced by NaN before the comparison (the check's own test).
+// name "MODEL:hd64": the golden model's shape with head dim 64 (the decode chain's attention link, chain_attn.cuh,
+// takes head dims 64 and 128; the goldens' is 16) and random weights.
 void infer_case(const std::string& name, Device d, DType dt, double tol, std::vector<int> splits = {},
                 QFormat quant = QFormat::None, bool graphs = false, int nan_step = -1) {
-  const std::string dir = "tests/data/golden/" + name + "/model";
-  const ModelConfig cfg = load_hf_config(dir + "/config.json");
+  const bool hd64 = name.ends_with(":hd64");
+  const std::string dir = "tests/data/golden/" + name.substr(0, name.find(':')) + "/model";
+  ModelConfig cfg = load_hf_config(dir + "/config.json");
+  if (hd64) {
+    cfg.text.head_dim = 64;
+    for (int& s : cfg.text.mrope_section) s *= 4;  // the rotary columns: hd / 2
+  }
   Model host(cfg);
-  load_hf_weights(host, dir);
+  if (hd64) host.init_random(5, 0.08);
+  else load_hf_weights(host, dir);
   const std::vector<float> original(host.params(), host.params() + host.table().total());
   const bool q8 = quant != QFormat::None;
   if (q8) {
@@ -323,6 +331,17 @@ TEST(DevInfer, StepMatchesHostOnCudaFp32) {
 TEST(DevInfer, StepMatchesHostOnCudaBf16) {
   Q3VL_NEED_GPU();
   for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2);
+}
+// Head dim 64: decode steps take the chain kernel's attention link (a dense layer's chain, or a chain of its own), in
+// graphs too; fp8 weights the dense chain with it.
+TEST(DevInfer, AttentionLinkMatchesHostOnCuda) {
+  Q3VL_NEED_GPU();
+  for (const char* n : {"dense_untied:hd64", "moe:hd64"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2);
+  infer_case("dense_untied:hd64", Device::CUDA, DType::BF16, 3e-2, {}, QFormat::None, true);
+  infer_case("dense_untied:hd64", Device::CUDA, DType::BF16, 3e-2, {}, QFormat::Fp8);
+}
+TEST(DevInfer, AttentionLinkMatchesHostOnCpu) {
+  infer_case("dense_untied:hd64", Device::CPU, DType::F32, 1e-5);
 }
 TEST(DevInfer, StepMatchesHostOnCudaFp16) {
   Q3VL_NEED_GPU();

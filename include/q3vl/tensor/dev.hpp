@@ -97,8 +97,23 @@ struct RowsIn {
 // The R rows of n_in that r describes, written out: in itself when r is the default, else r.scratch.
 const void* rows_in(const Exec& x, const void* in, const RowsIn& r, int64_t R, int64_t n_in, DType dt);
 
-// One product of linear_chain: y[N, n_out] (+)= (rows of in through rin) W^T (* scale: 8-bit W), linear_q8_fwd's or
-// linear_fwd's arguments without a bias. A link may read what an earlier link of its chain wrote.
+// An attention link of linear_chain (a decode step's attention, between the qkv projection and o_proj): the
+// link's `in` are the fused projection rows [N, (nh + 2 nkv) hd], its y the attention rows [N, nh hd]; it is
+// qkv_to_cache_fwd(in -> q, the pools at slots) and then paged_attention_fwd(q -> y), with those ops' arguments
+// (q: scratch [N, nh hd] in dt for them). CUDA's chain kernel never writes q (chain_attn.cuh).
+struct ChainAttn {
+  const void *wq = nullptr, *wk = nullptr;  // q_norm, k_norm [hd]
+  const float *cos = nullptr, *sin = nullptr;
+  void *k_pool = nullptr, *v_pool = nullptr;
+  const int32_t *slots = nullptr, *cu = nullptr, *ctx = nullptr, *table = nullptr;
+  int64_t max_blocks = 0, block = 0, nseg = 0, max_q = 0, max_ctx = 0, keys = 0, nh = 0, nkv = 0, hd = 0;
+  double eps = 0;
+  float scale = 0;
+  void* q = nullptr;
+};
+// One link of linear_chain: a product y[N, n_out] (+)= (rows of in through rin) W^T (* scale: 8-bit W),
+// linear_q8_fwd's or linear_fwd's arguments without a bias; or, attn set, an attention (ChainAttn: in and y only).
+// A link may read what an earlier link of its chain wrote.
 struct ChainLink {
   const void* in = nullptr;
   const void* W = nullptr;      // 8-bit of the chain's format, or in the activations' type (QFormat::None)
@@ -107,6 +122,7 @@ struct ChainLink {
   int64_t n_in = 0, n_out = 0;
   RowsIn rin;
   bool add = false;
+  const ChainAttn* attn = nullptr;
 };
 
 // A batch of `count` linears of one shape (linear_fwd_batched, linear_bwd_batched): problem j < count reads
@@ -130,5 +146,12 @@ struct SumSq {
 };
 
 #include "q3vl/tensor/dev_ops.inc"
+
+// The links of a chain in turn over N rows: linear_q8_fwd (weights of format qf) or, qf None, linear_fwd (weights in
+// dt) of each product, and each attention link's two ops (ChainAttn); the CPU runs exactly that. On CUDA,
+// decode-sized N of 16-bit activations runs the chain as one persistent kernel where every link fits it
+// (gemv_chain.cuh: one TMA ring streams every product's weights, a grid barrier between links; chain_attn.cuh),
+// else the links one by one as here.
+void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt);
 
 }  // namespace q3vl::dev

@@ -63,6 +63,13 @@ template <> __device__ __forceinline__ void st<__nv_bfloat16>(__nv_bfloat16* p, 
   p[i] = __float2bfloat16_rn(v);
 }
 template <> __device__ __forceinline__ void st<__half>(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
+// v rounded to S, as a store of it would (st) and a load back.
+template <class S>
+__device__ __forceinline__ float round_to(float v) {
+  S t;
+  st(&t, 0, v);
+  return ld(&t, 0);
+}
 
 // y[i] = v, or with add y[i] + v rounded to S first (a residual add, as axpy of the rounded product would).
 template <class S>

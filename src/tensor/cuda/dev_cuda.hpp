@@ -30,4 +30,7 @@ float event_elapsed_ms(void* a, void* b);
 
 #include "q3vl/tensor/dev_ops.inc"
 
+// dev::linear_chain's persistent kernel (q8.cu) where it takes every link; false: nothing launched.
+bool linear_chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt);
+
 }  // namespace q3vl::dev::cuda

@@ -11,7 +11,10 @@
 // squares is added in another order).
 // Deadlock-free because every block is resident: grid = the SM count, at most one block an SM (its shared memory),
 // and the kernel before it has ended (pdl_wait) before any block waits at a barrier.
+// An attention link (chain_attn.cuh) has no weights: the producer skips it, streaming the next product's stages while
+// the consumer warps attend.
 #pragma once
+#include "tensor/cuda/chain_attn.cuh"
 #include "tensor/cuda/gemv.cuh"
 
 namespace q3vl::dev::cuda::wgemv {
@@ -19,21 +22,25 @@ namespace q3vl::dev::cuda::wgemv {
 constexpr int kChainMax = 64;         // products a chain
 using TmaChain = TmaKnobs<8, 8, 10>;  // 160 KiB of stages in flight (with x's 48 KiB at most: 214 KiB of smem)
 
-// One product of a chain (built by chain_job on the host).
+// One link of a chain (built by chain_job or chain_attn_job on the host).
 template <class S> struct ChainJob {
-  CUtensorMap map;  // W's 128-byte panels (tmap_panels), 16 rows x K::kP panels a box
+  union {
+    CUtensorMap map;    // a product: W's 128-byte panels (tmap_panels), 16 rows x K::kP panels a box
+    ChainAttnJob attn;  // an attention link: in the fused qkv rows, y the attention rows (n_in = n_out = 0)
+  };
   const S* in;
   XRows xr;
   const float* scale;
   S* y;
   int64_t n_in, n_out;
   int rs;
-  bool vec_x, add;
+  bool vec_x, add, is_attn;
 };
 template <class S> struct ChainParams {
   ChainJob<S> job[kChainMax];
   int count, n;
-  uint32_t* bar;  // two zeroed words: blocks arrived, blocks done; the last block done zeroes both
+  uint32_t* bar;  // zeroed words: blocks arrived, blocks done (the last block done zeroes both), then the attention
+                  // links' kAttnCounters counters (each left zeroed by the split that combines)
 };
 
 // Block-wide barrier of the consumer warps (tc_stage's Sync).
@@ -65,7 +72,8 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
 
   if (warp == CW) {  // the producer: every product's stages, in order, into the ring
     if (lane != 0) return;
-    for (int j = 0; j < p.count; ++j) tmap_prefetch(&p.job[j].map);
+    for (int j = 0; j < p.count; ++j)
+      if (!p.job[j].is_attn) tmap_prefetch(&p.job[j].map);
     // A cursor over the block's stages of the whole chain: product j, its stage i of total, stages a tile sp.
     struct Cur {
       int j = -1, sp = 1;
@@ -106,6 +114,8 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       bar_sync(1, CW * 32);
     }
     if (j == p.count - 1) pdl_trigger();
+    if (jb.is_attn)  // no tiles: the loops below do nothing
+      attn_link<S, CW>(jb.attn, jb.in, jb.y, n, reinterpret_cast<unsigned char*>(sm.xs), p.bar + 2);
     const int64_t nt = tiles(jb);
     const int sp = spt(jb), panels = int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel);
     if (blockIdx.x < nt) {
@@ -138,7 +148,31 @@ bool chain_job(ChainJob<S>& jb, const S* in, const W* q, const float* scale, S* 
   if (!tma_takes<W>(n, n_in, n_out)) return false;
   if (!tmap_panels(jb.map, q, n_out, n_in * int64_t(sizeof(W)), kTmaTile, K::kP)) return false;
   jb.in = in, jb.xr = xr, jb.scale = scale, jb.y = y, jb.n_in = n_in, jb.n_out = n_out;
-  jb.rs = int(n_in + kTcPad<W>), jb.vec_x = x_vectors(in, xr, n_in), jb.add = add;
+  jb.rs = int(n_in + kTcPad<W>), jb.vec_x = x_vectors(in, xr, n_in), jb.add = add, jb.is_attn = false;
+  return true;
+}
+
+// An attention link over n rows (dev::ChainAttn's arguments; in and y as dev::ChainLink's), or false where the kernel
+// does not take it: head dims 64 and 128, up to kAttnItems query heads of a kv head over a segment's new rows, 16-byte
+// aligned rows and pools, slots given. Key splits as paged attention's decode (about one unit a block; fewer where
+// Exec::ws cannot hold the partial rows: none without it).
+template <class S>
+bool chain_attn_job(const Exec& x, ChainJob<S>& jb, const ChainAttn& a, const S* in, S* y, int64_t n) {
+  const int64_t G = a.nkv > 0 ? a.nh / a.nkv : 0;
+  if ((a.hd != 64 && a.hd != 128) || G < 1 || a.nh % a.nkv || a.max_q < 1 || a.max_q * G > kAttnItems ||
+      a.nseg < 1 || a.nseg * a.nkv > kAttnCounters || a.block < 1 || a.max_ctx < a.max_q ||
+      a.max_blocks * a.block >= (int64_t(1) << 31) || !a.slots || !aligned16(in) || !aligned16(y) ||
+      !aligned16(a.k_pool) || !aligned16(a.v_pool))
+    return false;
+  int64_t ns = std::min<int64_t>({sm_count() / (a.nseg * a.nkv), a.max_ctx / kAttnMinKeys, kAttnMaxSplit});
+  const size_t per = size_t(n * a.nh) * size_t(a.hd + 2) * sizeof(float);
+  if (ns > 1) ns = std::min<int64_t>(ns, x.ws ? int64_t(x.ws_bytes / per) : 1);
+  ns = std::max<int64_t>(ns, 1);
+  jb.attn = {a.wq, a.wk, a.cos, a.sin, a.k_pool, a.v_pool, a.slots, a.cu, a.ctx, a.table,
+             ns > 1 ? static_cast<float*>(x.ws) : nullptr, int(a.max_blocks), int(a.block), int(a.nseg), int(a.nh),
+             int(a.nkv), int(a.hd), int(ns), int(a.max_q), float(a.eps), float(double(a.scale) * 1.4426950408889634)};
+  jb.in = in, jb.xr = {}, jb.scale = nullptr, jb.y = y, jb.n_in = 0, jb.n_out = 0, jb.rs = 0;
+  jb.vec_x = false, jb.add = false, jb.is_attn = true;
   return true;
 }
 
@@ -149,7 +183,11 @@ void gemv_chain(const Exec& x, const ChainParams<S>& p) {
   Q3VL_CHECK(p.count >= 1 && p.count <= kChainMax && p.n >= 1 && p.n <= kTmaNb && p.bar,
              "wgemv::gemv_chain: bad chain");
   size_t xb = 0;
-  for (int j = 0; j < p.count; ++j) xb = std::max(xb, tma_x_bytes<W>(p.n, p.job[j].n_in));
+  for (int j = 0; j < p.count; ++j) {
+    const ChainJob<S>& jb = p.job[j];
+    xb = std::max(xb, jb.is_attn ? attn_smem_bytes<S>(jb.attn.max_q * (jb.attn.nh / jb.attn.nkv), jb.attn.hd)
+                                 : tma_x_bytes<W>(p.n, jb.n_in));
+  }
   launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32, tma_smem_bytes<K>(xb),
              stream_of(x), p);
 }

@@ -182,12 +182,6 @@ __global__ void __launch_bounds__(kNormThreads)
 // fused projection's [q | k | v] rows, or separate arrays). Outputs: q [N, nh, hd]; k and v at pool rows slots[tok]
 // (negative: not stored), or k and v [N, nkv, hd] without slots. rq/rk may be null.
 template <class S>
-__device__ __forceinline__ float round_to(float v) {
-  S t;
-  st(&t, 0, v);
-  return ld(&t, 0);
-}
-template <class S>
 __global__ void k_qk_norm_rope(const S* __restrict__ qin, const S* __restrict__ kin, const S* __restrict__ vin,
                                int64_t ldq, int64_t ldk, const S* __restrict__ wq, const S* __restrict__ wk,
                                S* __restrict__ q, S* __restrict__ k, S* __restrict__ vout,

@@ -193,7 +193,8 @@ void linear_q8_fwd(const Exec& x, const void* in, const void* q, const float* sc
 }
 
 namespace {
-__device__ uint32_t g_chain_bar[2];  // gemv_chain's grid barrier (one stream's chains run one after another)
+// gemv_chain's grid barrier (two words) and the attention links' counters (one stream's chains run one after another)
+__device__ uint32_t g_chain_bar[2 + wgemv::kAttnCounters];
 
 // The chain as one persistent kernel, or false (nothing launched) where a link does not fit it.
 template <class S, class W>
@@ -203,9 +204,12 @@ bool chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N) {
   p->count = count, p->n = int(N);
   for (int j = 0; j < count; ++j) {
     const ChainLink& l = links[j];
-    if (!wgemv::chain_job<S, W>(p->job[j], static_cast<const S*>(l.in), static_cast<const W*>(l.W), l.scale,
-                                 static_cast<S*>(l.y), int(N), l.n_in, l.n_out, wgemv::x_rows(l.rin), l.add))
-      return false;
+    const bool ok = l.attn ? wgemv::chain_attn_job<S>(x, p->job[j], *l.attn, static_cast<const S*>(l.in),
+                                                      static_cast<S*>(l.y), N)
+                           : wgemv::chain_job<S, W>(p->job[j], static_cast<const S*>(l.in), static_cast<const W*>(l.W),
+                                                    l.scale, static_cast<S*>(l.y), int(N), l.n_in, l.n_out,
+                                                    wgemv::x_rows(l.rin), l.add);
+    if (!ok) return false;
   }
   void* bar = nullptr;
   Q3VL_CU(cudaGetSymbolAddress(&bar, g_chain_bar));
@@ -215,21 +219,16 @@ bool chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N) {
 }
 }  // namespace
 
-void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt) {
-  if (N <= 0) return;
+bool linear_chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt) {
   bool done = false;
-  if (dt != DType::F32)
+  if (N > 0 && dt != DType::F32)
     by_dtype(dt, [&]<class S>() {
       if constexpr (!std::is_same_v<S, float>) {
         if (qf == QFormat::None) done = chain_kernel<S, S>(x, links, count, N);
         else by_qformat(qf, [&]<class W>() { done = chain_kernel<S, W>(x, links, count, N); });
       }
     });
-  for (int j = 0; !done && j < count; ++j) {
-    const ChainLink& l = links[j];
-    if (qf == QFormat::None) cuda::linear_fwd(x, l.in, l.W, nullptr, l.y, N, l.n_in, l.n_out, dt, l.rin, l.add);
-    else cuda::linear_q8_fwd(x, l.in, l.W, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
-  }
+  return done;
 }
 
 void grouped_linear_q8_fwd(const Exec& x, const void* xg, const void* q, const float* scale, const int32_t* start,

@@ -1,0 +1,284 @@
+// The attention link of a decode chain (gemv_chain.cuh; dev::ChainAttn): what qkv_to_cache_fwd and
+// paged_attention_fwd do for decode-sized steps, done by the chain kernel's consumer warps between two of its grid
+// barriers, while its producer warp goes on streaming the next links' weights (issue 32: on the H100 the two ops, the
+// split combine and the gaps between them took ~15 us of a chained 8B fp8 layer's ~100).
+//  - Work units: (segment, kv head, key split), blocks taking units blockIdx.x, + gridDim.x, ... A split covers keys
+//    [sp * chunk, ...) with paged_attention.cu's split_chunk (tiles of 32 keys); splits past the segment's context
+//    return at once.
+//  - A unit normalizes and rotates its own query heads (the G heads of its kv head, each new row of the segment)
+//    from the fused projection rows: q is never written. The unit whose keys hold a new position normalizes and
+//    rotates that key and writes it and its value to the pools (slots), then reads it back with the others: what the
+//    two ops do, rounding for rounding (q and k rounded to the activations' type after the norm and after the
+//    rotation, qk_rope's order).
+//  - Keys 32 a tile through the block table, cp.async into two stages; lane j of a warp scores key j against the
+//    warp's items (a new row and one of its query heads; items warp, warp + 8, ...), online softmax in log2 units
+//    (paged_fwd's), and lane l accumulates output columns [l hd/32, (l + 1) hd/32).
+//  - One split: the unit writes its rows. Several: each writes its unnormalized rows, running max and sum, and the
+//    last split of a (segment, kv head) to arrive (a counter in global memory, left zeroed) combines them.
+#pragma once
+#include "tensor/cuda/mma_util.cuh"
+#include "tensor/cuda/tma.cuh"
+
+namespace q3vl::dev::cuda::wgemv {
+
+constexpr int kAttnTile = 32;        // keys a tile (a warp's lanes)
+constexpr int kAttnMinKeys = 32;     // keys a split at least
+constexpr int kAttnMaxSplit = 64;
+constexpr int kAttnItems = 32;       // query items (rows x heads of a kv head) a unit at most: 4 a consumer warp
+constexpr int kAttnCounters = 1024;  // (segment, kv head) pairs a link at most
+
+// An attention link's arguments (in a ChainJob in place of its tensor map: at most 128 bytes).
+struct ChainAttnJob {
+  const void *wq, *wk;  // q_norm, k_norm [hd] in S
+  const float *cos, *sin;
+  void *kp, *vp;  // the pools [rows, nkv, hd] in S
+  const int32_t *slots, *cu, *ctx, *table;
+  float* part;  // nsplit > 1: [nsplit][N nh][hd] unnormalized rows, then [nsplit][N nh][2] (max, sum)
+  int max_blocks, block, nseg, nh, nkv, hd, nsplit, max_q;
+  float eps, sl2;  // sl2: the softmax scale times log2(e)
+};
+static_assert(sizeof(ChainAttnJob) <= 128, "ChainAttnJob must fit a tensor map's bytes");
+
+// The split arithmetic of paged_attention.cu (tiles of kAttnTile, at least kAttnMinKeys a split).
+__device__ __forceinline__ int attn_chunk(int C, int nsplit) {
+  const int c = max((C + nsplit - 1) / nsplit, kAttnMinKeys);
+  return (c + kAttnTile - 1) / kAttnTile * kAttnTile;
+}
+__device__ __forceinline__ int attn_splits_used(int C, int nsplit) {
+  const int c = attn_chunk(C, nsplit);
+  return max(1, min(nsplit, (C + c - 1) / c));
+}
+
+// A unit's shared memory: the items' q (fp32, pre-scaled by sl2), two stages of K and V tiles (rows hd + 8 apart:
+// an odd number of 16-byte chunks, so 16-byte reads by 32 lanes of 32 rows are free of bank conflicts), the tile's
+// pool rows and the unit's flag.
+template <class S> __host__ __device__ constexpr size_t attn_smem_bytes(int items, int hd) {
+  return size_t(items) * size_t(hd) * 4 + 4 * size_t(kAttnTile) * size_t(hd + 8) * sizeof(S) + 2 * kAttnTile * 4 + 16;
+}
+
+// x[i] of a 16-bit S read at L2: x was written by other blocks of the chain (a link before), and the same buffer is
+// rewritten by each layer's link, so this SM's L1 may hold an older line of it.
+template <class S> __device__ __forceinline__ float ld_l2(const S* x, int64_t i) {
+  const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(x) + i);
+  if constexpr (std::is_same_v<S, __nv_bfloat16>) return __bfloat162float(__ushort_as_bfloat16(u));
+  else return __half2float(__ushort_as_half(u));
+}
+
+// One head row of hd (at x, read at L2) RMS-normalized with w and rotated by the token's cos/sin rows (half = hd / 2 columns),
+// by one warp: qk_rope's arithmetic (the normalized pair rounded to S, then rotated), each lane its pairs
+// (d, d + half) for d = lane, lane + 32, ...; fn(d, ya, yb) takes the rotated pair.
+template <class S, int HD, class Fn>
+__device__ __forceinline__ void norm_rope_row(const S* x, const S* w, const float* cos, const float* sin, float eps,
+                                              int lane, Fn&& fn) {
+  constexpr int half = HD / 2, PL = half / 32;
+  float a[PL], b[PL], ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < PL; ++k) {
+    a[k] = ld_l2(x, lane + 32 * k), b[k] = ld_l2(x, lane + 32 * k + half);
+    ss += a[k] * a[k] + b[k] * b[k];
+  }
+  const float rs = 1.f / sqrtf(warp_sum(ss) / float(HD) + eps);
+#pragma unroll
+  for (int k = 0; k < PL; ++k) {
+    const int d = lane + 32 * k;
+    const float ra = round_to<S>(ld(w, d) * (a[k] * rs)), rb = round_to<S>(ld(w, d + half) * (b[k] * rs));
+    const float c = cos[d], s = sin[d];
+    fn(d, ra * c - rb * s, rb * c + ra * s);
+  }
+}
+
+// One unit u of an attention link over the n rows of the chain: in the fused projection rows [n, (nh + 2 nkv) hd],
+// out the attention rows [n, nh hd], cnt the link's counters. Every consumer thread calls it (block-uniform returns).
+template <class S, int HD, int CW>
+__device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __restrict__ out, int n_rows, int u,
+                          unsigned char* smem, uint32_t* cnt) {
+  constexpr int NT = CW * 32, LD = HD + 8, NCH = HD / 8, DPL = HD / 32, IPW = kAttnItems / CW;
+  static_assert(IPW * CW == kAttnItems && (HD == 64 || HD == 128), "attention link shape");
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int per_seg = a.nkv * a.nsplit, seg = u / per_seg, kh = (u - seg * per_seg) / a.nsplit;
+  const int sp = u - seg * per_seg - kh * a.nsplit;
+  const int r0 = a.cu[seg], n = a.cu[seg + 1] - r0, C = a.ctx[seg], base = C - n, G = a.nh / a.nkv;
+  const int used = a.nsplit == 1 ? 1 : attn_splits_used(C, a.nsplit);
+  if (n <= 0 || sp >= used) return;
+  const int chunk = a.nsplit == 1 ? C : attn_chunk(C, a.nsplit);
+  const int kbeg = sp * chunk, kend = min(kbeg + chunk, C), items = n * G;
+  const int64_t ldr = int64_t(a.nh + 2 * a.nkv) * HD, ldk = int64_t(a.nkv) * HD;
+  const S *wq = static_cast<const S*>(a.wq), *wk = static_cast<const S*>(a.wk);
+  S *kp = static_cast<S*>(a.kp), *vp = static_cast<S*>(a.vp);
+  float* sQ = reinterpret_cast<float*>(smem);
+  S* sKV = reinterpret_cast<S*>(smem + size_t(items) * HD * 4);  // stage t: K at 2t, V at 2t + 1
+  int* sRow = reinterpret_cast<int*>(sKV + 4 * kAttnTile * LD);  // [2][kAttnTile]
+  int* sFlag = sRow + 2 * kAttnTile;
+
+  // The new positions among this split's keys: their keys and values into the pools (a warp a row).
+  for (int i = max(kbeg - base, 0) + warp; i < min(kend - base, n); i += CW) {
+    const int64_t slot = a.slots[r0 + i];
+    if (slot < 0) continue;
+    const S* x = in + int64_t(r0 + i) * ldr + int64_t(a.nh + kh) * HD;
+    S* kd = kp + (slot * a.nkv + kh) * HD;
+    const float* cs = a.cos + int64_t(r0 + i) * (HD / 2);
+    const float* sn = a.sin + int64_t(r0 + i) * (HD / 2);
+    norm_rope_row<S, HD>(x, wk, cs, sn, a.eps, lane, [&](int d, float ya, float yb) {
+      st(kd, d, ya);
+      st(kd, d + HD / 2, yb);
+    });
+    for (int d = lane; d < HD; d += 32) st(vp, (slot * a.nkv + kh) * HD + d, ld_l2(x + a.nkv * HD, d));
+  }
+  __threadfence();  // the new keys and values reach L2 before this block's cp.async (which reads there) loads them
+  // The items' queries (item it: row it / G, head kh G + it % G), as the attention reads them (rounded to S), scaled.
+  for (int it = warp; it < items; it += CW) {
+    const int i = it / G, h = kh * G + it - i * G;
+    float* q = sQ + it * HD;
+    norm_rope_row<S, HD>(in + int64_t(r0 + i) * ldr + int64_t(h) * HD, wq, a.cos + int64_t(r0 + i) * (HD / 2),
+                         a.sin + int64_t(r0 + i) * (HD / 2), a.eps, lane, [&](int d, float ya, float yb) {
+                           q[d] = round_to<S>(ya) * a.sl2;
+                           q[d + HD / 2] = round_to<S>(yb) * a.sl2;
+                         });
+  }
+  const int32_t* tab = a.table + int64_t(seg) * a.max_blocks;
+  const auto rows_of = [&](int t, int j0) {  // tile t's pool rows (-1: past the split)
+    if (tid < kAttnTile) {
+      const int j = j0 + tid;
+      sRow[(t & 1) * kAttnTile + tid] = j < kend ? tab[j / a.block] * a.block + j % a.block : -1;
+    }
+  };
+  const auto issue = [&](int t, int j0) {  // tile t's K and V rows into stage t & 1
+    const int* rows = sRow + (t & 1) * kAttnTile;
+    S* sk = sKV + (t & 1) * 2 * kAttnTile * LD;
+    for (int c = tid; c < kAttnTile * NCH; c += NT) {
+      const int r = c / NCH, ch = c - r * NCH, row = rows[r];
+      const int64_t off = row >= 0 ? int64_t(row) * ldk + int64_t(kh) * HD + ch * 8 : 0;
+      cp16(sk + r * LD + ch * 8, kp + off, row >= 0);
+      cp16(sk + (kAttnTile + r) * LD + ch * 8, vp + off, row >= 0);
+    }
+    cp_commit();
+  };
+  const int ntiles = (kend - kbeg + kAttnTile - 1) / kAttnTile;
+  rows_of(0, kbeg);
+  bar_sync(1, NT);  // the new keys are stored (this block's global writes, seen by its cp.async), q and rows staged
+  issue(0, kbeg);
+
+  float acc[IPW][DPL], m[IPW], l[IPW];
+#pragma unroll
+  for (int k = 0; k < IPW; ++k) {
+    m[k] = -INFINITY, l[k] = 0.f;
+#pragma unroll
+    for (int c = 0; c < DPL; ++c) acc[k][c] = 0.f;
+  }
+  for (int t = 0; t < ntiles; ++t) {
+    const int j0 = kbeg + t * kAttnTile;
+    if (t + 1 < ntiles) {
+      rows_of(t + 1, j0 + kAttnTile);
+      bar_sync(1, NT);
+      issue(t + 1, j0 + kAttnTile);
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    bar_sync(1, NT);  // tile t is in stage t & 1 for every thread
+    const S* sk = sKV + (t & 1) * 2 * kAttnTile * LD;
+    const S* sv = sk + kAttnTile * LD;
+    const int j = j0 + lane;
+#pragma unroll
+    for (int k = 0; k < IPW; ++k) {
+      const int it = warp + k * CW;
+      if (it >= items) break;  // warp-uniform
+      const int pos = base + it / G;
+      if (j0 > pos) continue;  // causal: none of the tile's keys (warp-uniform)
+      float s = 0.f;
+      const float* q = sQ + it * HD;
+#pragma unroll
+      for (int d = 0; d < HD; d += 8) {
+        const uint4 kv = *reinterpret_cast<const uint4*>(sk + lane * LD + d);
+        const S* ke = reinterpret_cast<const S*>(&kv);
+        const float4 q0 = *reinterpret_cast<const float4*>(q + d), q1 = *reinterpret_cast<const float4*>(q + d + 4);
+        s += q0.x * ld(ke, 0) + q0.y * ld(ke, 1) + q0.z * ld(ke, 2) + q0.w * ld(ke, 3) + q1.x * ld(ke, 4) +
+             q1.y * ld(ke, 5) + q1.z * ld(ke, 6) + q1.w * ld(ke, 7);
+      }
+      s = j < kend && j <= pos ? s : -INFINITY;
+      float mx = fmaxf(m[k], s);
+#pragma unroll
+      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float ms = mx == -INFINITY ? 0.f : mx;
+      const float alpha = exp2f(m[k] - ms), p = exp2f(s - ms);
+      l[k] = l[k] * alpha + p;
+      m[k] = mx;
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) acc[k][c] *= alpha;
+#pragma unroll 8
+      for (int jj = 0; jj < kAttnTile; ++jj) {
+        const float pj = __shfl_sync(0xffffffffu, p, jj);
+        const S* vr = sv + jj * LD + lane * DPL;
+#pragma unroll
+        for (int c = 0; c < DPL; ++c) acc[k][c] += pj * ld(vr, c);
+      }
+    }
+    bar_sync(1, NT);  // stage t & 1 is read: the next issue may refill it
+  }
+
+  const int64_t rows_total = int64_t(n_rows) * a.nh;
+  float* part_ml = used == 1 ? nullptr : a.part + size_t(a.nsplit) * size_t(rows_total) * HD;
+#pragma unroll
+  for (int k = 0; k < IPW; ++k) {
+    const int it = warp + k * CW;
+    if (it >= items) break;
+    const int i = it / G;
+    const int64_t orow = int64_t(r0 + i) * a.nh + kh * G + it - i * G;
+    const float lsum = warp_sum(l[k]);
+    if (used == 1) {
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) st(out, orow * HD + lane * DPL + c, acc[k][c] * inv);
+    } else {
+      const int64_t pr = int64_t(sp) * rows_total + orow;
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) a.part[pr * HD + lane * DPL + c] = acc[k][c];
+      if (lane == 0) part_ml[pr * 2] = m[k], part_ml[pr * 2 + 1] = lsum;
+    }
+  }
+  if (used == 1) return;
+  // The last split of (segment, kv head) to arrive combines them: out = sum_s w_s acc_s / sum_s w_s l_s with
+  // w_s = 2^(m_s - max m).
+  __threadfence();
+  bar_sync(1, NT);
+  if (tid == 0) {
+    uint32_t* c = cnt + seg * a.nkv + kh;
+    const bool last = atomicAdd(c, 1u) == uint32_t(used - 1);
+    if (last) *c = 0;  // every split has arrived: zeroed for the next link (and graph replays)
+    *sFlag = last;
+  }
+  bar_sync(1, NT);
+  if (!*sFlag) return;
+  __threadfence();
+  for (int it = warp; it < items; it += CW) {
+    const int i = it / G;
+    const int64_t orow = int64_t(r0 + i) * a.nh + kh * G + it - i * G;
+    float M = -INFINITY;
+    for (int s = 0; s < used; ++s) M = fmaxf(M, __ldcg(part_ml + (int64_t(s) * rows_total + orow) * 2));
+    float L = 0.f, o[DPL] = {};
+    for (int s = 0; s < used; ++s) {
+      const int64_t pr = int64_t(s) * rows_total + orow;
+      const float ms = __ldcg(part_ml + pr * 2), w = ms == -INFINITY ? 0.f : exp2f(ms - M);
+      L += w * __ldcg(part_ml + pr * 2 + 1);
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) o[c] += w * __ldcg(a.part + pr * HD + lane * DPL + c);
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+    for (int c = 0; c < DPL; ++c) st(out, orow * HD + lane * DPL + c, o[c] * inv);
+  }
+}
+
+// Every unit of the link for this block (consumer threads only).
+template <class S, int CW>
+__device__ __forceinline__ void attn_link(const ChainAttnJob& a, const S* in, S* out, int n_rows,
+                                          unsigned char* smem, uint32_t* cnt) {
+  const int units = a.nseg * a.nkv * a.nsplit;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    if (a.hd == 128) attn_unit<S, 128, CW>(a, in, out, n_rows, u, smem, cnt);
+    else attn_unit<S, 64, CW>(a, in, out, n_rows, u, smem, cnt);
+    bar_sync(1, CW * 32);  // the unit's shared memory is free
+  }
+}
+
+}  // namespace q3vl::dev::cuda::wgemv
