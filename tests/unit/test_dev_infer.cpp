@@ -109,8 +109,15 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
     return g;
   };
   auto decode = [&](size_t i, size_t t) { return StepSegment<float>{slot[i], {greedy[i][t]}, {}, {}, {}}; };
-  auto argmax = [&](const std::vector<float>& l, int64_t row) {
-    return int64_t(std::max_element(l.begin() + row * V, l.begin() + (row + 1) * V) - (l.begin() + row * V));
+  auto argmax = [&](const std::vector<float>& l, int64_t row) {  // never a vision token (random weights may pick one)
+    int64_t best = -1;
+    for (int64_t v = 0; v < V; ++v) {
+      if (v == cfg.image_token_id || v == cfg.video_token_id || v == cfg.vision_start_token_id ||
+          v == cfg.vision_end_token_id)
+        continue;
+      if (best < 0 || l[size_t(row * V + v)] > l[size_t(row * V + best)]) best = v;
+    }
+    return best;
   };
   std::vector<std::vector<float>> out;
   auto run = [&](const std::vector<StepSegment<float>>& segs) {  // the blocks reserved first, as the engine does

@@ -3,13 +3,14 @@
 // barriers, while its producer warp goes on streaming the next links' weights (issue 32: on the H100 the two ops, the
 // split combine and the gaps between them took ~15 us of a chained 8B fp8 layer's ~100).
 //  - Work units: (segment, kv head, key split), blocks taking units blockIdx.x, + gridDim.x, ... A split covers keys
-//    [sp * chunk, ...) with paged_attention.cu's split_chunk (tiles of 32 keys); splits past the segment's context
-//    return at once.
-//  - A unit normalizes and rotates its own query heads (the G heads of its kv head, each new row of the segment)
-//    from the fused projection rows: q is never written. The unit whose keys hold a new position normalizes and
-//    rotates that key and writes it and its value to the pools (slots), then reads it back with the others: what the
-//    two ops do, rounding for rounding (q and k rounded to the activations' type after the norm and after the
-//    rotation, qk_rope's order).
+//    [sp * chunk, ...) with paged_attention.cu's split_chunk (tiles of 32 keys, at least 64 keys a split); splits past
+//    the segment's context return at once.
+//  - A unit first puts its first tile of keys in flight, then normalizes and rotates its own query heads (the G heads
+//    of its kv head, each new row of the segment) from the fused projection rows: q is never written. The unit whose
+//    keys hold a new position normalizes and rotates that key and writes it and its value to the pools (slots), and
+//    puts them into its tile in shared memory at their positions, over what the tile loaded there: what the two ops
+//    compute, rounding for rounding (q and k rounded to the activations' type after the norm and after the rotation,
+//    qk_rope's order), without waiting for the stores.
 //  - Keys 32 a tile through the block table, cp.async into two stages; lane j of a warp scores key j against the
 //    warp's items (a new row and one of its query heads; items warp, warp + 8, ...), online softmax in log2 units
 //    (paged_fwd's), and lane l accumulates output columns [l hd/32, (l + 1) hd/32).
@@ -22,10 +23,11 @@
 namespace q3vl::dev::cuda::wgemv {
 
 constexpr int kAttnTile = 32;        // keys a tile (a warp's lanes)
-constexpr int kAttnMinKeys = 32;     // keys a split at least
+constexpr int kAttnMinKeys = 64;     // keys a split at least (two tiles: fewer partial rows to combine)
 constexpr int kAttnMaxSplit = 64;
 constexpr int kAttnItems = 32;       // query items (rows x heads of a kv head) a unit at most: 4 a consumer warp
 constexpr int kAttnCounters = 1024;  // (segment, kv head) pairs a link at most
+constexpr int kAttnNew = 8;          // new rows a segment at most (the chain's rows: kTmaNb)
 
 // An attention link's arguments (in a ChainJob in place of its tensor map: at most 128 bytes).
 struct ChainAttnJob {
@@ -50,10 +52,11 @@ __device__ __forceinline__ int attn_splits_used(int C, int nsplit) {
 }
 
 // A unit's shared memory: the items' q (fp32, pre-scaled by sl2), two stages of K and V tiles (rows hd + 8 apart:
-// an odd number of 16-byte chunks, so 16-byte reads by 32 lanes of 32 rows are free of bank conflicts), the tile's
-// pool rows and the unit's flag.
+// an odd number of 16-byte chunks, so 16-byte reads by 32 lanes of 32 rows are free of bank conflicts), the new rows'
+// keys and values, and the unit's flag.
 template <class S> __host__ __device__ constexpr size_t attn_smem_bytes(int items, int hd) {
-  return size_t(items) * size_t(hd) * 4 + 4 * size_t(kAttnTile) * size_t(hd + 8) * sizeof(S) + 2 * kAttnTile * 4 + 16;
+  return size_t(items) * size_t(hd) * 4 + (4 * size_t(kAttnTile) * size_t(hd + 8) + kAttnNew * 2 * size_t(hd)) *
+         sizeof(S) + 16;
 }
 
 // x[i] of a 16-bit S read at L2: x was written by other blocks of the chain (a link before), and the same buffer is
@@ -107,24 +110,44 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
   S *kp = static_cast<S*>(a.kp), *vp = static_cast<S*>(a.vp);
   float* sQ = reinterpret_cast<float*>(smem);
   S* sKV = reinterpret_cast<S*>(smem + size_t(items) * HD * 4);  // stage t: K at 2t, V at 2t + 1
-  int* sRow = reinterpret_cast<int*>(sKV + 4 * kAttnTile * LD);  // [2][kAttnTile]
-  int* sFlag = sRow + 2 * kAttnTile;
+  S* sNew = sKV + 4 * kAttnTile * LD;                             // [kAttnNew][2][HD]: the new rows' k and v
+  int* sFlag = reinterpret_cast<int*>(sNew + kAttnNew * 2 * HD);
+  const int32_t* tab = a.table + int64_t(seg) * a.max_blocks;
+  const auto issue = [&](int t) {  // tile t's K and V rows (through the block table) into stage t & 1
+    S* sk = sKV + (t & 1) * 2 * kAttnTile * LD;
+    for (int c = tid; c < kAttnTile * NCH; c += NT) {
+      const int r = c / NCH, ch = c - r * NCH, j = kbeg + t * kAttnTile + r;
+      const int row = j < kend ? __ldg(tab + j / a.block) * a.block + j % a.block : -1;
+      const int64_t off = row >= 0 ? int64_t(row) * ldk + int64_t(kh) * HD + ch * 8 : 0;
+      cp16(sk + r * LD + ch * 8, kp + off, row >= 0);
+      cp16(sk + (kAttnTile + r) * LD + ch * 8, vp + off, row >= 0);
+    }
+    cp_commit();
+  };
+  const int ntiles = (kend - kbeg + kAttnTile - 1) / kAttnTile;
+  issue(0);  // in flight while the queries and new keys are computed
 
-  // The new positions among this split's keys: their keys and values into the pools (a warp a row).
-  for (int i = max(kbeg - base, 0) + warp; i < min(kend - base, n); i += CW) {
+  // The new positions among this split's keys (rows i0 .. i1 - 1): their keys and values into the pools (a warp a
+  // row) and into sNew, from which they replace what the tiles loaded at their positions (the pool rows, stored by
+  // another SM's L1 path or not yet, are never read back here).
+  const int i0 = max(kbeg - base, 0), i1 = min(kend - base, n);
+  for (int i = i0 + warp; i < i1; i += CW) {
     const int64_t slot = a.slots[r0 + i];
-    if (slot < 0) continue;
     const S* x = in + int64_t(r0 + i) * ldr + int64_t(a.nh + kh) * HD;
     S* kd = kp + (slot * a.nkv + kh) * HD;
-    const float* cs = a.cos + int64_t(r0 + i) * (HD / 2);
-    const float* sn = a.sin + int64_t(r0 + i) * (HD / 2);
-    norm_rope_row<S, HD>(x, wk, cs, sn, a.eps, lane, [&](int d, float ya, float yb) {
-      st(kd, d, ya);
-      st(kd, d + HD / 2, yb);
-    });
-    for (int d = lane; d < HD; d += 32) st(vp, (slot * a.nkv + kh) * HD + d, ld_l2(x + a.nkv * HD, d));
+    S* nk = sNew + (i - i0) * 2 * HD;
+    norm_rope_row<S, HD>(x, wk, a.cos + int64_t(r0 + i) * (HD / 2), a.sin + int64_t(r0 + i) * (HD / 2), a.eps, lane,
+                         [&](int d, float ya, float yb) {
+                           st(nk, d, ya);
+                           st(nk, d + HD / 2, yb);
+                           if (slot >= 0) st(kd, d, ya), st(kd, d + HD / 2, yb);
+                         });
+    for (int d = lane; d < HD; d += 32) {
+      const float v = ld_l2(x + a.nkv * HD, d);
+      st(nk + HD, d, v);
+      if (slot >= 0) st(vp, (slot * a.nkv + kh) * HD + d, v);
+    }
   }
-  __threadfence();  // the new keys and values reach L2 before this block's cp.async (which reads there) loads them
   // The items' queries (item it: row it / G, head kh G + it % G), as the attention reads them (rounded to S), scaled.
   for (int it = warp; it < items; it += CW) {
     const int i = it / G, h = kh * G + it - i * G;
@@ -135,28 +158,6 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
                            q[d + HD / 2] = round_to<S>(yb) * a.sl2;
                          });
   }
-  const int32_t* tab = a.table + int64_t(seg) * a.max_blocks;
-  const auto rows_of = [&](int t, int j0) {  // tile t's pool rows (-1: past the split)
-    if (tid < kAttnTile) {
-      const int j = j0 + tid;
-      sRow[(t & 1) * kAttnTile + tid] = j < kend ? tab[j / a.block] * a.block + j % a.block : -1;
-    }
-  };
-  const auto issue = [&](int t, int j0) {  // tile t's K and V rows into stage t & 1
-    const int* rows = sRow + (t & 1) * kAttnTile;
-    S* sk = sKV + (t & 1) * 2 * kAttnTile * LD;
-    for (int c = tid; c < kAttnTile * NCH; c += NT) {
-      const int r = c / NCH, ch = c - r * NCH, row = rows[r];
-      const int64_t off = row >= 0 ? int64_t(row) * ldk + int64_t(kh) * HD + ch * 8 : 0;
-      cp16(sk + r * LD + ch * 8, kp + off, row >= 0);
-      cp16(sk + (kAttnTile + r) * LD + ch * 8, vp + off, row >= 0);
-    }
-    cp_commit();
-  };
-  const int ntiles = (kend - kbeg + kAttnTile - 1) / kAttnTile;
-  rows_of(0, kbeg);
-  bar_sync(1, NT);  // the new keys are stored (this block's global writes, seen by its cp.async), q and rows staged
-  issue(0, kbeg);
 
   float acc[IPW][DPL], m[IPW], l[IPW];
 #pragma unroll
@@ -168,14 +169,22 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
   for (int t = 0; t < ntiles; ++t) {
     const int j0 = kbeg + t * kAttnTile;
     if (t + 1 < ntiles) {
-      rows_of(t + 1, j0 + kAttnTile);
-      bar_sync(1, NT);
-      issue(t + 1, j0 + kAttnTile);
+      issue(t + 1);
       cp_wait<1>();
     } else {
       cp_wait<0>();
     }
-    bar_sync(1, NT);  // tile t is in stage t & 1 for every thread
+    bar_sync(1, NT);  // tile t is in stage t & 1 for every thread (and, at t = 0, sQ and sNew are written)
+    // The tile's new positions [max(j0, base + i0), min(j0 + 32, base + i1)): their rows from sNew.
+    const int p0 = max(j0, base + i0), p1 = min(j0 + kAttnTile, base + i1);
+    if (p0 < p1) {
+      S* sk = sKV + (t & 1) * 2 * kAttnTile * LD;
+      for (int e = tid; e < (p1 - p0) * 2 * HD; e += NT) {
+        const int r = e / (2 * HD), kv = (e / HD) & 1, d = e % HD, pos = p0 + r;
+        sk[(kv * kAttnTile + pos - j0) * LD + d] = sNew[(pos - base - i0) * 2 * HD + kv * HD + d];
+      }
+      bar_sync(1, NT);
+    }
     const S* sk = sKV + (t & 1) * 2 * kAttnTile * LD;
     const S* sv = sk + kAttnTile * LD;
     const int j = j0 + lane;
@@ -238,7 +247,7 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
   }
   if (used == 1) return;
   // The last split of (segment, kv head) to arrive combines them: out = sum_s w_s acc_s / sum_s w_s l_s with
-  // w_s = 2^(m_s - max m).
+  // w_s = 2^(m_s - max m) (paged_combine's sums, taken in one pass).
   __threadfence();
   bar_sync(1, NT);
   if (tid == 0) {
@@ -253,15 +262,20 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
   for (int it = warp; it < items; it += CW) {
     const int i = it / G;
     const int64_t orow = int64_t(r0 + i) * a.nh + kh * G + it - i * G;
-    float M = -INFINITY;
-    for (int s = 0; s < used; ++s) M = fmaxf(M, __ldcg(part_ml + (int64_t(s) * rows_total + orow) * 2));
-    float L = 0.f, o[DPL] = {};
+    float M = -INFINITY, L = 0.f, o[DPL] = {};  // one pass, rescaled as the running max grows
+#pragma unroll 4
     for (int s = 0; s < used; ++s) {
       const int64_t pr = int64_t(s) * rows_total + orow;
-      const float ms = __ldcg(part_ml + pr * 2), w = ms == -INFINITY ? 0.f : exp2f(ms - M);
-      L += w * __ldcg(part_ml + pr * 2 + 1);
+      const float ms = __ldcg(part_ml + pr * 2), ls = __ldcg(part_ml + pr * 2 + 1);
+      float ps[DPL];
 #pragma unroll
-      for (int c = 0; c < DPL; ++c) o[c] += w * __ldcg(a.part + pr * HD + lane * DPL + c);
+      for (int c = 0; c < DPL; ++c) ps[c] = __ldcg(a.part + pr * HD + lane * DPL + c);
+      if (ms == -INFINITY) continue;  // no key of this split is visible to the item
+      const float mn = fmaxf(M, ms), wo = exp2f(M - mn), wn = exp2f(ms - mn);
+      L = L * wo + ls * wn;
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) o[c] = o[c] * wo + ps[c] * wn;
+      M = mn;
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
