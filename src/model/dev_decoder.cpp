@@ -244,27 +244,36 @@ bool chain_attn_on() {
   static const bool on = chain_on() && !env_is("Q3VL_CHAIN_ATTN", "0");
   return on;
 }
-// A dense layer's attention (`attn`, where not null), o_proj (adds to x), gate_up (reads x through the
-// post-attention norm) and down_proj (reads the SwiGLU of gate_up's output, adds to x), weights all 8-bit (w8) or all
-// in dt, as one chain; then, where `next` >= 0 (the next layer's first id; its fused qkv of the same kind), its qkv
-// projection of x through its input norm into c.qkv.
-void mlp_chain(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, int gate_up, bool w8, int next,
-               const dev::ChainLink* attn, void* x, int64_t N, DevDecoderCtx& c, DType dt) {
+// Whether such chains of consecutive layers are one (Q3VL_CHAIN_LAYERS=1: a chain a layer).
+bool chain_layers_on() {
+  static const bool on = chain_attn_on() && !env_is("Q3VL_CHAIN_LAYERS", "1");
+  return on;
+}
+// Appends to `links` a dense layer's attention (`attn`, where not null), o_proj (adds to x), gate_up (reads x through
+// the post-attention norm) and down_proj (reads the SwiGLU of gate_up's output, adds to x), weights all 8-bit (w8) or
+// all in dt; then, where `next` >= 0 (the next layer's first id; its fused qkv of the same kind), its qkv projection
+// of x through its input norm into c.qkv.
+void mlp_chain(const TextConfig& tc, const DevParams& P, int f, int gate_up, bool w8, int next,
+               const dev::ChainLink* attn, void* x, DevDecoderCtx& c, DType dt, std::vector<dev::ChainLink>& links) {
   const int64_t H = tc.hidden, I = tc.intermediate, Dq = tc.heads * tc.head_dim, Dk = tc.kv_heads * tc.head_dim;
   const float eps = float(tc.rms_eps);
   const auto link = [&](int id, const void* in, void* y, int64_t n_in, int64_t n_out, dev::RowsIn rin, bool add) {
     return dev::ChainLink{in, w8 ? P.q8[id] : P.p[id], w8 ? P.s8[id] : nullptr, y, n_in, n_out, rin, add};
   };
-  dev::ChainLink links[5];
-  int n = 0;
-  if (attn) links[n++] = *attn;
-  links[n++] = link(f + tlay::o_proj, c.att, x, Dq, H, {}, true);
-  links[n++] = link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, false);
-  links[n++] = link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true);
+  if (attn) links.push_back(*attn);
+  links.push_back(link(f + tlay::o_proj, c.att, x, Dq, H, {}, true));
+  links.push_back(link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, false));
+  links.push_back(link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true));
   if (next >= 0)
-    links[n++] = link(fused_qkv(P, next, Dq, Dk, H, dt), x, c.qkv, H, Dq + 2 * Dk,
-                      {nullptr, 1, false, c.ln1, P.p[next + tlay::in_norm], eps}, false);
-  dev::linear_chain(ex, links, n, N, w8 ? P.qf : QFormat::None, dt);
+    links.push_back(link(fused_qkv(P, next, Dq, Dk, H, dt), x, c.qkv, H, Dq + 2 * Dk,
+                         {nullptr, 1, false, c.ln1, P.p[next + tlay::in_norm], eps}, false));
+}
+// The links waiting in `a` (DevQkvAhead), launched as one chain.
+void chain_flush(const dev::Exec& ex, DevQkvAhead& a, int64_t N, DType dt) {
+  if (a.links.empty()) return;
+  dev::linear_chain(ex, a.links.data(), int(a.links.size()), N, a.qf, dt);
+  a.links.clear();
+  a.attn.clear();
 }
 }  // namespace
 
@@ -294,6 +303,12 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   const int qkv = fused_qkv(P, f, Dq, Dk, H, dt), gate_up = moe ? -1 : fused_gate_up(P, f, tc.intermediate, H, dt);
   const bool ready = std::exchange(ahead.ready, false);  // c.qkv written by the previous layer's chain
   Q3VL_CHECK(!ready || (fold && !pending), "dev_decoder_infer: a layer's qkv came ahead of its unfolded input norm");
+  // A dense layer's attention, o_proj, gate_up and down_proj, all 8-bit (w8) or all in dt, as one chain (folded as
+  // below, whatever the weights), and the next layer's qkv of the same kind: that layer then starts at its qkv rows.
+  const bool w8 = q8(P, f + tlay::o_proj);
+  const QFormat cqf = w8 ? P.qf : QFormat::None;
+  const bool chain = chain_on() && fold && !moe && q8(P, gate_up) == w8 && q8(P, f + tlay::down_proj) == w8;
+  if (!chain || !chain_attn_on() || ahead.qf != cqf) chain_flush(ex, ahead, N, dt);  // this layer's ops come after
   const bool norm_in = ready || (fold && !pending && q8(P, qkv)), add_o = fold && q8(P, f + tlay::o_proj);
   const bool norm_post = add_o && !moe && q8(P, gate_up);
   const bool add_down = fold && (moe ? !c.ex : q8(P, f + tlay::down_proj));
@@ -310,14 +325,16 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
                           hd, tc.rms_eps, float(1 / std::sqrt(double(hd))), c.q};
   dev::ChainLink attn;
   attn.in = c.qkv, attn.y = c.att, attn.attn = &at;
-  // A dense layer's attention, o_proj, gate_up and down_proj, all 8-bit or all in dt, as one chain (folded as
-  // above, whatever the weights), and the next layer's qkv of the same kind: that layer then starts at its qkv rows.
-  const bool w8 = q8(P, f + tlay::o_proj);
-  if (chain_on() && fold && !moe && q8(P, gate_up) == w8 && q8(P, f + tlay::down_proj) == w8) {
+  if (chain) {
     ahead.ready = ahead.next >= 0 && q8(P, fused_qkv(P, ahead.next, Dq, Dk, H, dt)) == w8;
     if (!chain_attn_on()) attention(ex, attn, N, dt);
-    mlp_chain(ex, tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, chain_attn_on() ? &attn : nullptr, x, N, c,
-              dt);
+    if (chain_attn_on()) attn.attn = &ahead.attn.emplace_back(at);
+    ahead.qf = cqf;
+    mlp_chain(tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, chain_attn_on() ? &attn : nullptr, x, c, dt,
+              ahead.links);
+    // The next layer's five links join these where they fit one kernel (Q3VL_CHAIN_LAYERS=1: a chain a layer).
+    if (!ahead.ready || !chain_layers_on() || ahead.links.size() + 5 > size_t(dev::kChainMaxLinks))
+      chain_flush(ex, ahead, N, dt);
     return true;
   }
   attention(ex, attn, N, dt);

@@ -1106,6 +1106,7 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
         dev::scatter_rows(ex_, J.ds[l], J.vis, J.x, nvis, H, true, dt_);
       }
     }
+    Q3VL_CHECK(ahead.links.empty(), "DevModel::step: a decode chain was left unlaunched");
     if (pending) dev::axpy(ex_, 1.f, pending, J.x, Np * H, dt_);
     if (!stage_.last) return;
     // Final norm and the LM head (this rank's rows) on each segment's last row only.

@@ -147,15 +147,16 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
 // graphs: decode steps padded to a bucket of segments (the schedule's two decoding sequences become four), and on a
 // GPU recorded once as a graph that the later decode steps replay with new tokens, positions and block tables.
 // nan_step: that step's device logits replaced by NaN before the comparison (the check's own test).
-// name "MODEL:hd64": the golden model's shape with head dim 64 (the decode chain's attention link, chain_attn.cuh,
-// takes head dims 64 and 128; the goldens' is 16) and random weights.
+// name "MODEL:hd64": the golden model's shape with head dim 64 and intermediate size 128 (the decode chain's attention
+// link, chain_attn.cuh, takes head dims 64 and 128, the goldens' is 16; the chain kernel 128-byte rows, bf16 rows of
+// 96 are not) and random weights: bf16 decode steps of the dense model run both layers as one chain kernel.
 void infer_case(const std::string& name, Device d, DType dt, double tol, std::vector<int> splits = {},
                 QFormat quant = QFormat::None, bool graphs = false, int nan_step = -1) {
   const bool hd64 = name.ends_with(":hd64");
   const std::string dir = "tests/data/golden/" + name.substr(0, name.find(':')) + "/model";
   ModelConfig cfg = load_hf_config(dir + "/config.json");
   if (hd64) {
-    cfg.text.head_dim = 64;
+    cfg.text.head_dim = 64, cfg.text.intermediate = 128;
     for (int& s : cfg.text.mrope_section) s *= 4;  // the rotary columns: hd / 2
   }
   Model host(cfg);

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <initializer_list>
 #include <vector>
@@ -186,9 +187,16 @@ using DevPartialSum = std::function<void(void*, int64_t)>;
 // A dense layer's decode chain may end with the next layer's qkv projection (weights of the chain's kind): the caller
 // sets `next` to that layer's first parameter id where nothing runs between the two layers (else -1);
 // dev_decoder_infer sets `ready` where it wrote the next layer's c.qkv, and the next call then starts at its qkv rows.
+// With the attention in the chain (dev::ChainAttn) the chains of such layers are one: their links wait in `links`
+// (attention arguments in `attn`, chain format qf) and dev_decoder_infer launches them where a layer ends the run
+// (not `ready`), where the next layer's links would pass dev::kChainMaxLinks, and before the ops of a layer that does
+// not chain. So after a layer that leaves `ready` false, nothing waits.
 struct DevQkvAhead {
   int next = -1;
   bool ready = false;
+  std::vector<dev::ChainLink> links;
+  std::deque<dev::ChainAttn> attn;  // stable addresses for links[i].attn
+  QFormat qf = QFormat::None;
 };
 bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,
                        int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,

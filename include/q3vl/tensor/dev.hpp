@@ -153,5 +153,6 @@ struct SumSq {
 // (gemv_chain.cuh: one TMA ring streams every product's weights, a grid barrier between links; chain_attn.cuh),
 // else the links one by one as here.
 void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt);
+constexpr int kChainMaxLinks = 64;  // links a chain kernel takes (more: the links one by one)
 
 }  // namespace q3vl::dev

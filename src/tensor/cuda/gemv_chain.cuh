@@ -19,7 +19,7 @@
 
 namespace q3vl::dev::cuda::wgemv {
 
-constexpr int kChainMax = 64;         // products a chain
+constexpr int kChainMax = dev::kChainMaxLinks;  // links a chain
 using TmaChain = TmaKnobs<8, 8, 10>;  // 160 KiB of stages in flight (with x's 48 KiB at most: 214 KiB of smem)
 
 // One link of a chain (built by chain_job or chain_attn_job on the host).
