@@ -80,5 +80,6 @@ serve_one() {
   env CONC=1 "$@" timeout "$t" bash tools/gpu/serve_checks.sh "$q" /tmp/rt/bin/unit_tests /tmp/sc_$n "$p" > /dev/null 2>&1
   mkdir -p "$out/$n"; tar xzf /tmp/sc_$n/results.tgz -C "$out/$n" 2>/dev/null
   say "$n ($*) $((SECONDS - t1)) s: $(grep -hE ' c=[0-9]+ ' "$out/$n/summary.txt" | head -2 | tr '\n' ' ')"
-  say "$n: $(grep -ho 'decode-only steps [^;]*' "$out/$n/summary.txt")"; pack
+  say "$n: $(grep -ho 'decode-only steps [^;]*' "$out/$n/summary.txt")"
+  grep -h 'answers equal' "$out/$n/summary.txt" | cut -d';' -f1 >> "$out/summary.txt"; pack
 }
