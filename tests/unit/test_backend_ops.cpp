@@ -300,6 +300,18 @@ float q8_weight(QFormat qf, const std::vector<uint8_t>& q, const std::vector<flo
   return w * sc[i / size_t(I)];
 }
 
+// A chain link's [rows, cols] weights and their scales as op-table inputs: 8-bit bytes of format qf as Kind::I8
+// values, or (qf None) in the activations' type with one unused scale.
+std::pair<Arg, Arg> chain_weights(QFormat qf, const std::string& name, int64_t rows, int64_t cols) {
+  if (qf == QFormat::None)
+    return {in("w_" + name, Kind::Act, randn(rows * cols, 0.05)), in("s_" + name, Kind::F32, {1.0})};
+  std::vector<uint8_t> q;
+  std::vector<float> sc;
+  q8_weights(qf, rows, cols, q, sc);
+  return {in("q_" + name, Kind::I8, i8_values(q)),
+          in("s_" + name, Kind::F32, std::vector<double>(sc.begin(), sc.end()))};
+}
+
 std::vector<Case> all_cases(DType dt) {
   std::vector<Case> cs;
   auto add = [&](std::string op, std::string shape, Tol tol, std::vector<Arg> args,
@@ -513,15 +525,8 @@ std::vector<Case> all_cases(DType dt) {
         if (H == 1001 && N != 1) continue;
         const int64_t Dq = H, Qkv = 2 * H;  // q as wide as x, k and v half of it each
         const bool w16 = qf == QFormat::None;
-        // A matrix's weights and scales: 8-bit bytes as K::I8 values, or the activations' type (one unused scale).
         const auto weights = [&](const std::string& name, int64_t rows, int64_t cols) {
-          if (w16)
-            return std::pair{in("w_" + name, K::Act, randn(rows * cols, 0.05)), in("s_" + name, K::F32, {1.0})};
-          std::vector<uint8_t> q;
-          std::vector<float> sc;
-          q8_weights(qf, rows, cols, q, sc);
-          return std::pair{in("q_" + name, K::I8, i8_values(q)),
-                           in("s_" + name, K::F32, std::vector<double>(sc.begin(), sc.end()))};
+          return chain_weights(qf, name, rows, cols);
         };
         const auto [wq, sq] = weights("qkv", Qkv, H);
         const auto [wo, so] = weights("o", H, Dq);
@@ -586,17 +591,8 @@ std::vector<Case> all_cases(DType dt) {
               slots.push_back(L.table[sg * size_t(mb) + size_t(pos / block)] * double(block) + double(pos % block));
             }
           const Rotary r = rotary(N, hd);
-          const auto weights = [&](const std::string& name, int64_t rows, int64_t cols) {
-            if (qf == QFormat::None)
-              return std::pair{in("w_" + name, K::Act, randn(rows * cols, 0.05)), in("s_" + name, K::F32, {1.0})};
-            std::vector<uint8_t> q;
-            std::vector<float> sc;
-            q8_weights(qf, rows, cols, q, sc);
-            return std::pair{in("q_" + name, K::I8, i8_values(q)),
-                             in("s_" + name, K::F32, std::vector<double>(sc.begin(), sc.end()))};
-          };
-          const auto [wqkv, sqkv] = weights("qkv", Qkv, H);
-          const auto [wo, so] = weights("o", H, Dq);
+          const auto [wqkv, sqkv] = chain_weights(qf, "qkv", Qkv, H);
+          const auto [wo, so] = chain_weights(qf, "o", H, Dq);
           std::vector<double> g1 = randn(H, 0.3);
           for (double& v : g1) v += 1.0;
           const int64_t mq = L.max_q, mc = L.max_ctx, nseg = int64_t(ac.segs.size());

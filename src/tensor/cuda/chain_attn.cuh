@@ -67,8 +67,8 @@ template <class S> __device__ __forceinline__ float ld_l2(const S* x, int64_t i)
   else return __half2float(__ushort_as_half(u));
 }
 
-// One head row of hd (at x, read at L2) RMS-normalized with w and rotated by the token's cos/sin rows (half = hd / 2 columns),
-// by one warp: qk_rope's arithmetic (the normalized pair rounded to S, then rotated), each lane its pairs
+// One head row of hd (at x, read at L2) RMS-normalized with w and rotated by the token's cos/sin rows (half = hd / 2
+// columns), by one warp: qk_rope's arithmetic (the normalized pair rounded to S, then rotated), each lane its pairs
 // (d, d + half) for d = lane, lane + 32, ...; fn(d, ya, yb) takes the rotated pair.
 template <class S, int HD, class Fn>
 __device__ __forceinline__ void norm_rope_row(const S* x, const S* w, const float* cos, const float* sin, float eps,
