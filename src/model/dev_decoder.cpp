@@ -235,19 +235,18 @@ bool q8(const DevParams& P, int id) { return P.q8 && P.q8[id]; }
 
 // Whether a dense layer's o_proj, gate_up and down_proj in decode-sized steps run as one dev::linear_chain
 // (Q3VL_DECODE_CHAIN=0: never), with the next layer's qkv where the caller asks for it; and whether the attention
-// runs as the chain's first link (a chain of its own in other layers; Q3VL_CHAIN_ATTN=0, or no chains: its two ops).
+// runs as the chain's first link (a chain of its own in other layers): Q3VL_CHAIN_ATTN=1, off by default until the
+// kernel's current form (chain_attn.cuh) has passed the op table on a GPU and been measured (docs/PERFORMANCE.md,
+// thirty-second session); otherwise its two ops.
 bool chain_on() {
   static const bool on = !env_is("Q3VL_DECODE_CHAIN", "0");
   return on;
 }
-bool chain_attn_on() {
-  static const bool on = chain_on() && !env_is("Q3VL_CHAIN_ATTN", "0");
-  return on;
-}
+bool chain_attn_on() { return chain_on() && dev_chain_attn(); }
 // Whether such chains of consecutive layers are one (Q3VL_CHAIN_LAYERS=1: a chain a layer).
 bool chain_layers_on() {
-  static const bool on = chain_attn_on() && !env_is("Q3VL_CHAIN_LAYERS", "1");
-  return on;
+  static const bool layers = !env_is("Q3VL_CHAIN_LAYERS", "1");
+  return chain_attn_on() && layers;
 }
 // Appends to `links` a dense layer's attention (`attn`, where not null), o_proj (adds to x), gate_up (reads x through
 // the post-attention norm) and down_proj (reads the SwiGLU of gate_up's output, adds to x), weights all 8-bit (w8) or
@@ -277,9 +276,14 @@ void chain_flush(const dev::Exec& ex, DevQkvAhead& a, int64_t N, DType dt) {
 }
 }  // namespace
 
+bool& dev_chain_attn() {
+  static bool on = env_is("Q3VL_CHAIN_ATTN", "1");
+  return on;
+}
+
 namespace {
-// A decode step's attention link alone: a chain of its own (on CUDA one kernel where it takes it), or under
-// Q3VL_CHAIN_ATTN=0 (or Q3VL_DECODE_CHAIN=0) its two ops.
+// A decode step's attention link alone: under Q3VL_CHAIN_ATTN=1 a chain of its own (on CUDA one kernel where it takes
+// it), else its two ops.
 void attention(const dev::Exec& ex, const dev::ChainLink& l, int64_t N, DType dt) {
   if (chain_attn_on()) return dev::linear_chain(ex, &l, 1, N, QFormat::None, dt);
   const dev::ChainAttn& a = *l.attn;
