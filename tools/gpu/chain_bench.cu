@@ -21,6 +21,9 @@
 // none runs qkv, o_proj and down_proj on the register ring, whose other summation order moves x by up to ~2% over 16
 // random layers, so their x is compared to none's within 2% of its largest element (printed: the largest difference
 // relative to it).
+// "chain xL stamped": "chain xL" with gemv_chain.cuh's stamps on (their cost shows in its time), then one replay's
+// stamps of the first chain (16 layers) as a table by kind of product: where a layer's time goes between the grid
+// barriers, the tails and the ring (consumers starved of weights, or the producer blocked by a full ring).
 // Build and run (from the repo root, on a GPU machine):
 //   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps] [modes]
 // (defaults 16, 50 and "0,5,6,7": modes by number, 0 none ... 7 qkv and a chain). The chain's producer once also
@@ -47,6 +50,9 @@ namespace wg = dev::cuda::wgemv;
 namespace {
 
 constexpr int64_t kH = 4096, kQkv = 6144, kI = 12288;
+// Modes 9-11's attention: the 8B's heads, one segment of kCtx keys (one new) in pools of a captured graph's
+// capacity kCap, blocks of kBlock rows.
+constexpr int64_t kNh = 32, kNkv = 8, kHd = 128, kCtx = 400, kCap = 4096, kBlock = 16;
 constexpr int64_t kChunk = 16 << 10;  // bytes a prefetching thread asks for
 
 __device__ uint32_t hash32(uint64_t i, uint32_t seed) {
@@ -65,9 +71,9 @@ __global__ void k_fill(T* p, int64_t n, float v) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     p[i] = T(v);
 }
-__global__ void k_init_x(bf16* x, int64_t n) {
+__global__ void k_init_x(bf16* x, int64_t n, uint32_t seed = 7u) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    x[i] = bf16(float(int(hash32(uint64_t(i), 7u) % 2001u) - 1000) * 1e-3f);
+    x[i] = bf16(float(int(hash32(uint64_t(i), seed) % 2001u) - 1000) * 1e-3f);
 }
 __global__ void k_prefetch(const char* p, int64_t bytes) {
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c * kChunk < bytes;
@@ -83,6 +89,7 @@ struct Mat {
 };
 struct Layer {
   Mat qkv, o, gu, down;
+  bf16 *kp = nullptr, *vp = nullptr;  // modes 9-11: the layer's pools [kCap, kNkv, kHd]
 };
 
 Mat make_mat(cudaStream_t st, int64_t n_in, int64_t n_out, uint32_t seed) {
@@ -97,8 +104,17 @@ Mat make_mat(cudaStream_t st, int64_t n_in, int64_t n_out, uint32_t seed) {
 
 struct Bufs {
   bf16 *x0, *x, *qkv, *gu, *ln, *act, *norm;
-  uint32_t* bar;
+  uint32_t* bar;               // 2 + kAttnCounters words
+  unsigned long long* stamps;  // modes 8 and 10 (gemv_chain.cuh's ChainStamp)
+  // Modes 9-11: the attention's arguments (one segment, one new row at position kCtx - 1), its q scratch and output.
+  int32_t *slots, *cu, *ctx, *table;
+  float *cos, *sin;
+  bf16 *wn, *q, *att;
 };
+dev::ChainAttn chain_attn(const Layer& y, const Bufs& b) {
+  return {b.wn, b.wn, b.cos, b.sin, y.kp, y.vp, b.slots, b.cu, b.ctx, b.table, kCap / kBlock, kBlock, 1, 1, kCap, kCtx,
+          kNh, kNkv, kHd, 1e-6, float(1 / std::sqrt(double(kHd))), b.q};
+}
 
 void gemv(const dev::Exec& ex, const bf16* in, const Mat& m, bf16* y, const dev::RowsIn& ri, bool add) {
   wg::gemv<bf16, fp8>(ex, in, m.w, m.s, nullptr, y, 1, m.n_in, m.n_out, nullptr, 0, 0, ri, add);
@@ -121,9 +137,40 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     Q3VL_LAUNCHED();
     Q3VL_CU(cudaEventRecord(ev[2 * l + 1], side));
   };
-  if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6), qkv apart (7)
+  if (mode >= 9) {  // decode layers with their attention
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar;
+    p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr;
+    const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
+    bool ok = true;
+    const auto flush = [&] {
+      if (p.count) wg::gemv_chain<bf16, fp8>(ex, p);
+      p.count = 0, p.stamps = nullptr;  // mode 10 stamps the first chain (12 layers)
+    };
+    for (size_t l = 0; l < L.size(); ++l) {
+      const Layer& y = L[l];
+      const dev::ChainAttn at = chain_attn(y, b);
+      if (l == 0 || mode != 11)
+        ok = ok && wg::chain_job(p.job[p.count++], b.x, y.qkv.w, y.qkv.s, b.qkv, 1, kH, kQkv, xn, false);
+      if (mode == 11) {  // the attention's two ops, then o, gate_up, down and the next qkv as one chain
+        flush();
+        dev::qkv_to_cache_fwd(ex, b.qkv, b.wn, b.wn, b.q, y.kp, y.vp, b.slots, nullptr, nullptr, b.cos, b.sin, 1, kNh,
+                              kNkv, kHd, at.eps, DType::BF16);
+        dev::paged_attention_fwd(ex, b.q, y.kp, y.vp, b.att, b.cu, b.ctx, b.table, at.max_blocks, kBlock, 1, 1, kCap,
+                                 kCtx, 1, kNh, kNkv, kHd, at.scale, DType::BF16);
+      } else {
+        ok = ok && wg::chain_attn_job(ex, p.job[p.count++], at, b.qkv, b.att, 1);
+      }
+      ok = ok && wg::chain_job(p.job[p.count++], b.att, y.o.w, y.o.s, b.x, 1, kH, kH, {}, true);
+      ok = ok && wg::chain_job(p.job[p.count++], b.x, y.gu.w, y.gu.s, b.gu, 1, kH, 2 * kI, xn, false);
+      ok = ok && wg::chain_job(p.job[p.count++], b.gu, y.down.w, y.down.s, b.x, 1, kI, kH, xs, true);
+      if (mode == 11 && l + 1 < L.size())
+        ok = ok && wg::chain_job(p.job[p.count++], b.x, L[l + 1].qkv.w, L[l + 1].qkv.s, b.qkv, 1, kH, kQkv, xn, false);
+      Q3VL_CHECK(ok, "chain_bench: a link the chain does not take");
+      if (mode == 11 || l + 1 == L.size() || p.count + 5 > wg::kChainMax) flush();
+    }
+  } else if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6, 8 stamped), qkv apart (7)
+    wg::ChainParams<bf16> p{};
+    p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
     for (size_t l = 0; l < L.size(); ++l) {
       const Layer& y = L[l];
@@ -134,9 +181,9 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
       ok = ok && wg::chain_job(p.job[p.count++], b.x, y.gu.w, y.gu.s, b.gu, 1, kH, 2 * kI, xn, false);
       ok = ok && wg::chain_job(p.job[p.count++], b.gu, y.down.w, y.down.s, b.x, 1, kI, kH, xs, true);
       Q3VL_CHECK(ok, "chain_bench: a product the chain does not take");
-      if (mode != 6 || l + 1 == L.size() || p.count + 4 > wg::kChainMax) {
+      if (mode == 5 || mode == 7 || l + 1 == L.size() || p.count + 4 > wg::kChainMax) {
         wg::gemv_chain<bf16, fp8>(ex, p);
-        p.count = 0;
+        p.count = 0, p.stamps = nullptr;  // mode 8 stamps the first chain (16 layers)
       }
     }
   }
@@ -154,17 +201,75 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
   return g;
 }
 
+// Mode 8's stamps of one replay (a chain of every layer's four products: links j = 4 l + {qkv, o, gate_up, down}),
+// a row a kind of product over layers 1 .. L-1: its time (the last block's end after the previous link's last end),
+// the weight bandwidth in it, the barrier (the first block's start after the previous link's last end), the start's
+// skew over the blocks, the tail (the last block's end after the median's), and the consumers' cycles starved of
+// stages and the producer's blocked by a full ring, as shares of the blocks' time in the link.
+void print_stamps(const std::vector<unsigned long long>& st, int links, int grid, const std::vector<Layer>& L,
+                  bool attn) {
+  using W = wg::ChainStamp;
+  const int K = attn ? 5 : 4;  // links a layer
+  const char* kinds[2][5] = {{"qkv", "o_proj", "gate_up", "down_proj"},
+                             {"qkv", "attention", "o_proj", "gate_up", "down_proj"}};
+  const char* const* kind = kinds[attn];
+  const auto at = [&](int j, int b, int w) { return double(st[(size_t(j) * size_t(grid) + size_t(b)) * W::kStampWords + w]); };
+  std::vector<double> ghz;  // the SM clock, from each block's two clocks over the whole chain
+  for (int b = 0; b < grid; ++b)
+    ghz.push_back((at(links - 1, b, W::kEndClk) - at(0, b, W::kStartClk)) /
+                  std::max(1.0, at(links - 1, b, W::kEndNs) - at(0, b, W::kStartNs)));
+  std::sort(ghz.begin(), ghz.end());
+  const double clk = ghz[ghz.size() / 2];
+  double sum[5][7] = {};
+  int cnt[5] = {};
+  double prev_end = 0;
+  for (int j = 0; j < links; ++j) {
+    std::vector<double> ends, starts;
+    double full = 0, empty = 0, busy = 0;
+    for (int b = 0; b < grid; ++b) {
+      ends.push_back(at(j, b, W::kEndNs)), starts.push_back(at(j, b, W::kStartNs));
+      full += at(j, b, W::kFullWait), empty += at(j, b, W::kEmptyWait);
+      busy += at(j, b, W::kEndClk) - at(j, b, W::kStartClk);
+    }
+    std::sort(ends.begin(), ends.end()), std::sort(starts.begin(), starts.end());
+    const double end = ends.back();
+    if (j >= K) {
+      const Layer& y = L[size_t(j / K)];
+      const double kv = double(2 * kCtx * kNkv * kHd * sizeof(bf16));  // the attention's keys and values
+      const double by[2][5] = {{double(y.qkv.bytes()), double(y.o.bytes()), double(y.gu.bytes()), double(y.down.bytes())},
+                               {double(y.qkv.bytes()), kv, double(y.o.bytes()), double(y.gu.bytes()),
+                                double(y.down.bytes())}};
+      const double t = end - prev_end, v[7] = {t / 1e3, by[attn][j % K] / t / 1e3,
+                                               (starts.front() - prev_end) / 1e3, (starts.back() - starts.front()) / 1e3,
+                                               (end - ends[ends.size() / 2]) / 1e3, full / busy, empty / (t * clk * grid)};
+      for (int k = 0; k < 7; ++k) sum[j % K][k] += v[k];
+      ++cnt[j % K];
+    }
+    prev_end = end;
+  }
+  std::printf("\n# stamps (mode %d, one replay, SM clock %.2f GHz): means over layers 1..%d of the first chain\n\n| "
+              "link | us | TB/s | barrier us | start skew us | tail us | consumers starved | producer blocked |\n|---|---"
+              "|---|---|---|---|---|---|\n", attn ? 10 : 8, clk, links / K - 1);
+  for (int k = 0; k < K; ++k) {
+    const double c = std::max(1, cnt[k]);
+    std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f%% | %.0f%% |\n", kind[k], sum[k][0] / c, sum[k][1] / c,
+                sum[k][2] / c, sum[k][3] / c, sum[k][4] / c, 100 * sum[k][5] / c, 100 * sum[k][6] / c);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int layers = std::max(2, argc > 1 ? std::atoi(argv[1]) : 16);
   const int reps = std::max(10, argc > 2 ? std::atoi(argv[2]) : 50);
-  const char* names[] = {"none", "qkv@o", "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL", "qkv, chain o+gu+down"};
+  const char* names[] = {"none",     "qkv@o",    "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL",
+                         "qkv, chain o+gu+down", "chain xL stamped", "attn link, layers chained",
+                         "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv"};
   // The modes run (argv[3], default 0,5,6,7): 0 always first, the reference.
   std::vector<int> runs{0};
   for (const char* c = argc > 3 ? argv[3] : "0,5,6,7"; *c;) {
     const int m = std::atoi(c);
-    if (m > 0 && m < 8) runs.push_back(m);
+    if (m > 0 && m < 12) runs.push_back(m);
     while (*c && *c != ',') ++c;
     if (*c) ++c;
   }
@@ -185,8 +290,35 @@ int main(int argc, char** argv) {
     for (auto [p, n] : {std::pair<bf16**, int64_t>{&b.x0, kH}, {&b.x, kH}, {&b.qkv, kQkv}, {&b.gu, 2 * kI},
                         {&b.ln, kH}, {&b.act, kI}, {&b.norm, kH}})
       Q3VL_CU(cudaMalloc(p, sizeof(bf16) * size_t(n)));
-    Q3VL_CU(cudaMalloc(&b.bar, 2 * sizeof(uint32_t)));
-    Q3VL_CU(cudaMemsetAsync(b.bar, 0, 2 * sizeof(uint32_t), st));
+    const size_t bar_words = 2 + wg::kAttnCounters;
+    Q3VL_CU(cudaMalloc(&b.bar, bar_words * sizeof(uint32_t)));
+    const int grid = dev::cuda::sm_count();
+    const size_t stamp_words = size_t(wg::kChainMax) * size_t(grid) * wg::ChainStamp::kStampWords;
+    Q3VL_CU(cudaMalloc(&b.stamps, sizeof(unsigned long long) * stamp_words));
+    Q3VL_CU(cudaMemsetAsync(b.bar, 0, bar_words * sizeof(uint32_t), st));
+    // Modes 9-11: each layer's pools (random keys and values in the first kCtx rows), the segment's tables.
+    const size_t pool = size_t(kCap * kNkv * kHd);
+    for (size_t l = 0; l < L.size(); ++l)
+      for (bf16** p : {&L[l].kp, &L[l].vp}) {
+        Q3VL_CU(cudaMalloc(p, sizeof(bf16) * pool));
+        k_init_x<<<256, 256, 0, st>>>(*p, pool, uint32_t(100 + 2 * l + (p == &L[l].vp)));
+      }
+    for (auto [p, n] : {std::pair<int32_t**, int64_t>{&b.slots, 1}, {&b.cu, 2}, {&b.ctx, 1}, {&b.table, kCap / kBlock}})
+      Q3VL_CU(cudaMalloc(p, sizeof(int32_t) * size_t(n)));
+    std::vector<int32_t> table(static_cast<size_t>(kCap / kBlock));
+    for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t(i);
+    const int32_t slot = int32_t(kCtx - 1), cu[2] = {0, 1}, ctx = int32_t(kCtx);
+    Q3VL_CU(cudaMemcpy(b.slots, &slot, sizeof(slot), cudaMemcpyHostToDevice));
+    Q3VL_CU(cudaMemcpy(b.cu, cu, sizeof(cu), cudaMemcpyHostToDevice));
+    Q3VL_CU(cudaMemcpy(b.ctx, &ctx, sizeof(ctx), cudaMemcpyHostToDevice));
+    Q3VL_CU(cudaMemcpy(b.table, table.data(), sizeof(int32_t) * table.size(), cudaMemcpyHostToDevice));
+    for (auto [p, n] : {std::pair<float**, int64_t>{&b.cos, kHd / 2}, {&b.sin, kHd / 2}})
+      Q3VL_CU(cudaMalloc(p, sizeof(float) * size_t(n)));
+    for (auto [p, n] : {std::pair<bf16**, int64_t>{&b.wn, kHd}, {&b.q, kNh * kHd}, {&b.att, kNh * kHd}})
+      Q3VL_CU(cudaMalloc(p, sizeof(bf16) * size_t(n)));
+    k_fill<<<1, 64, 0, st>>>(b.cos, kHd / 2, 0.8f);
+    k_fill<<<1, 64, 0, st>>>(b.sin, kHd / 2, 0.6f);
+    k_fill<<<1, 128, 0, st>>>(b.wn, kHd, 1.f);
     k_init_x<<<16, 256, 0, st>>>(b.x0, kH);
     k_fill<<<16, 256, 0, st>>>(b.norm, kH, 1.f);
     Q3VL_LAUNCHED();
@@ -197,7 +329,8 @@ int main(int argc, char** argv) {
                 prop.name, prop.l2CacheSize >> 20, layers, wbytes / 1e6, reps);
     std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * layers));
     for (auto& e : ev) Q3VL_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    std::vector<uint16_t> ref(static_cast<size_t>(kH)), got(static_cast<size_t>(kH));
+    std::vector<uint16_t> ref(static_cast<size_t>(kH)), got(static_cast<size_t>(kH)), ref_attn;
+    bool have_attn_ref = false;
     for (int mode : runs) {
       cudaGraph_t g = record(ex, side, L, b, mode, ev);
       cudaGraphExec_t ge;
@@ -206,10 +339,12 @@ int main(int argc, char** argv) {
       Q3VL_CU(cudaMemcpyAsync(got.data(), b.x, sizeof(bf16) * kH, cudaMemcpyDeviceToHost, st));
       Q3VL_CU(cudaStreamSynchronize(st));
       if (mode == 0) ref = got;
-      const bool same = std::memcmp(ref.data(), got.data(), sizeof(uint16_t) * size_t(kH)) == 0;
+      if (mode >= 9 && !have_attn_ref) ref_attn = got, have_attn_ref = true;  // the first of modes 9-11 run
+      const std::vector<uint16_t>& want = mode >= 9 ? ref_attn : ref;
+      const bool same = std::memcmp(want.data(), got.data(), sizeof(uint16_t) * size_t(kH)) == 0;
       double dmax = 0, xmax = 0;
       for (int64_t i = 0; i < kH; ++i) {
-        const double r = bf16_to_f32(ref[size_t(i)]), d = std::fabs(double(bf16_to_f32(got[size_t(i)])) - r);
+        const double r = bf16_to_f32(want[size_t(i)]), d = std::fabs(double(bf16_to_f32(got[size_t(i)])) - r);
         xmax = std::max(xmax, std::fabs(r));
         dmax = std::isnan(d) ? INFINITY : std::max(dmax, d);
       }
@@ -222,17 +357,32 @@ int main(int argc, char** argv) {
       std::printf("| %s | %.1f%s | %.2f | %s |\n", names[mode], us, t.host_bound ? " (host-bound)" : "",
                   wbytes / (us * 1e-6) / 1e12, same ? "yes" : !ok ? "FAIL" : "");
       if (mode >= 5) std::printf("|   (largest difference / largest |x|: %.2e) | | | |\n", rel);
+      if (mode == 8 || mode == 10) {  // one more replay, its stamps
+        std::vector<unsigned long long> h(stamp_words);
+        Q3VL_CU(cudaMemsetAsync(b.stamps, 0, sizeof(unsigned long long) * stamp_words, st));
+        Q3VL_CU(cudaGraphLaunch(ge, st));
+        Q3VL_CU(cudaMemcpyAsync(h.data(), b.stamps, sizeof(unsigned long long) * stamp_words, cudaMemcpyDeviceToHost, st));
+        Q3VL_CU(cudaStreamSynchronize(st));
+        const int per = mode == 10 ? 5 : 4, first = std::min(layers, wg::kChainMax / per);
+        print_stamps(h, per * first, grid, L, mode == 10);
+      }
       Q3VL_CU(cudaGraphExecDestroy(ge));
       Q3VL_CU(cudaGraphDestroy(g));
     }
     for (auto& e : ev) Q3VL_CU(cudaEventDestroy(e));
     for (bf16* p : {b.x0, b.x, b.qkv, b.gu, b.ln, b.act, b.norm}) Q3VL_CU(cudaFree(p));
     Q3VL_CU(cudaFree(b.bar));
-    for (Layer& l : L)
+    Q3VL_CU(cudaFree(b.stamps));
+    for (int32_t* p : {b.slots, b.cu, b.ctx, b.table}) Q3VL_CU(cudaFree(p));
+    for (float* p : {b.cos, b.sin}) Q3VL_CU(cudaFree(p));
+    for (bf16* p : {b.wn, b.q, b.att}) Q3VL_CU(cudaFree(p));
+    for (Layer& l : L) {
       for (Mat* m : {&l.qkv, &l.o, &l.gu, &l.down}) {
         Q3VL_CU(cudaFree(m->w));
         Q3VL_CU(cudaFree(m->s));
       }
+      for (bf16* p : {l.kp, l.vp}) Q3VL_CU(cudaFree(p));
+    }
     Q3VL_CU(cudaStreamDestroy(side));
     dev::cuda::destroy_exec(ex);
   } catch (const std::exception& e) {

@@ -41,7 +41,17 @@ template <class S> struct ChainParams {
   int count, n;
   uint32_t* bar;  // zeroed words: blocks arrived, blocks done (the last block done zeroes both), then the attention
                   // links' kAttnCounters counters (each left zeroed by the split that combines)
+  unsigned long long* stamps;  // null, or zeroed kStampWords words a (link, block), for tools/gpu/chain_bench
 };
+// A (link j, block b)'s stamps at stamps[(j * gridDim.x + b) * kStampWords]: the consumers' start of the link (past
+// its grid barrier) and end (tiles stored, before arriving), in globaltimer ns and in the SM's clock64; the cycles
+// consumer thread 0 waited for full stages (starved of weights) and the producer waited for empty ones (ring full).
+enum ChainStamp { kStartNs, kEndNs, kStartClk, kEndClk, kFullWait, kEmptyWait, kStampWords = 8 };
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // Block-wide barrier of the consumer warps (tc_stage's Sync).
 template <int CW> struct SyncConsumers {
@@ -98,7 +108,9 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
     Cur c;
     for (int64_t gi = 0; next(c); ++gi) {  // gi: the block's stage across the chain
       const int slot = int(gi % ST);
+      const long long t0 = p.stamps ? clock64() : 0;
       if (gi >= ST) mbar_wait(empty0 + 8 * slot, uint32_t((gi / ST - 1) & 1));
+      if (p.stamps) p.stamps[(size_t(c.j) * gridDim.x + blockIdx.x) * kStampWords + kEmptyWait] += clock64() - t0;
       mbar_expect_tx(full0 + 8 * slot, SB);
       tma_load_3d(ring + slot * SB, &p.job[c.j].map, 0, row(c), int(c.i % c.sp) * P, full0 + 8 * slot, policy);
     }
@@ -114,6 +126,9 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       bar_sync(1, CW * 32);
     }
     if (j == p.count - 1) pdl_trigger();
+    unsigned long long* st =
+        p.stamps && threadIdx.x == 0 ? p.stamps + (size_t(j) * gridDim.x + blockIdx.x) * kStampWords : nullptr;
+    if (st) st[kStartNs] = global_ns(), st[kStartClk] = clock64();
     if (jb.is_attn)  // no tiles: the loops below do nothing
       attn_link<S, CW>(jb.attn, jb.in, jb.y, n, reinterpret_cast<unsigned char*>(sm.xs), p.bar + 2);
     const int64_t nt = tiles(jb);
@@ -125,11 +140,12 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
     }
     for (int64_t tile = blockIdx.x; tile < nt; tile += gridDim.x) {
       float acc[1][NT][4] = {};
-      tma_tile<W, K>(sm, gi, sp, panels, jb.rs, n, acc);
+      tma_tile<W, K>(sm, gi, sp, panels, jb.rs, n, acc, st ? st + kFullWait : nullptr);
       bar_sync(1, CW * 32);  // the previous tile's sums are read
       tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), sm.xmul,
                                 jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); });
     }
+    if (st) st[kEndNs] = global_ns(), st[kEndClk] = clock64();
     if (j + 1 < p.count) {
       bar_sync(1, CW * 32);  // every consumer's stores (and reads of xs, xmul) are done
       if (threadIdx.x == 0) grid_arrive(p.bar);

@@ -91,14 +91,16 @@ template <class K> struct TmaSmem {
 // stage gi on (gi advanced past them), against the staged x (rs halves a row, n rows), summed into acc.
 template <class W, class K>
 __device__ __forceinline__ void tma_tile(const TmaSmem<K>& sm, int64_t& gi, int spt, int panels, int rs, int n,
-                                         float (&acc)[1][kTmaNb / 8][4]) {
+                                         float (&acc)[1][kTmaNb / 8][4], unsigned long long* waited = nullptr) {
   constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, G = kGroup<W>;
   constexpr int PC = kTmaPanel / int(sizeof(W));  // columns of a panel
   constexpr uint32_t SB = tma_stage_bytes<K>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
   for (int kp = 0; kp < spt; ++kp, ++gi) {
     const int slot = int(gi % ST);
+    const long long t0 = waited ? clock64() : 0;
     mbar_wait(sm.full0 + 8 * slot, uint32_t((gi / ST) & 1));
+    if (waited) *waited += (unsigned long long)(clock64() - t0);  // chain stamps (gemv_chain.cuh): cycles starved
     const unsigned char* stage = sm.ring_p + slot * SB;
     for (int p = warp; p < P; p += CW) {
       const int pg = kp * P + p;  // the panel in the row
