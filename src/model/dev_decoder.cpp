@@ -235,9 +235,9 @@ bool q8(const DevParams& P, int id) { return P.q8 && P.q8[id]; }
 
 // Whether a dense layer's o_proj, gate_up and down_proj in decode-sized steps run as one dev::linear_chain
 // (Q3VL_DECODE_CHAIN=0: never), with the next layer's qkv where the caller asks for it; and whether the attention
-// runs as the chain's first link (a chain of its own in other layers): Q3VL_CHAIN_ATTN=1, off by default until the
-// kernel's current form (chain_attn.cuh) has passed the op table on a GPU and been measured (docs/PERFORMANCE.md,
-// thirty-second session); otherwise its two ops.
+// runs as the chain's first link (a chain of its own in other layers; Q3VL_CHAIN_ATTN=0: its two ops before the
+// chain). On an H200 the link and the chained layers took one 8B fp8 stream from 3.64 to 3.36 ms a token, bf16 from
+// 5.21 to 4.97 (docs/PERFORMANCE.md, thirty-third session).
 bool chain_on() {
   static const bool on = !env_is("Q3VL_DECODE_CHAIN", "0");
   return on;
@@ -277,12 +277,12 @@ void chain_flush(const dev::Exec& ex, DevQkvAhead& a, int64_t N, DType dt) {
 }  // namespace
 
 bool& dev_chain_attn() {
-  static bool on = env_is("Q3VL_CHAIN_ATTN", "1");
+  static bool on = !env_is("Q3VL_CHAIN_ATTN", "0");
   return on;
 }
 
 namespace {
-// A decode step's attention link alone: under Q3VL_CHAIN_ATTN=1 a chain of its own (on CUDA one kernel where it takes
+// A decode step's attention link alone: by default a chain of its own (on CUDA one kernel where it takes
 // it), else its two ops.
 void attention(const dev::Exec& ex, const dev::ChainLink& l, int64_t N, DType dt) {
   if (chain_attn_on()) return dev::linear_chain(ex, &l, 1, N, QFormat::None, dt);
@@ -331,11 +331,11 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   attn.in = c.qkv, attn.y = c.att, attn.attn = &at;
   if (chain) {
     ahead.ready = ahead.next >= 0 && q8(P, fused_qkv(P, ahead.next, Dq, Dk, H, dt)) == w8;
-    if (!chain_attn_on()) attention(ex, attn, N, dt);
-    if (chain_attn_on()) attn.attn = &ahead.attn.emplace_back(at);
+    const dev::ChainLink* first = nullptr;  // the attention as the chain's first link, or its own ops before it
+    if (chain_attn_on()) attn.attn = &ahead.attn.emplace_back(at), first = &attn;
+    else attention(ex, attn, N, dt);
     ahead.qf = cqf;
-    mlp_chain(tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, chain_attn_on() ? &attn : nullptr, x, c, dt,
-              ahead.links);
+    mlp_chain(tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, first, x, c, dt, ahead.links);
     // The next layer's five links join these where they fit one kernel (Q3VL_CHAIN_LAYERS=1: a chain a layer).
     if (!ahead.ready || !chain_layers_on() || ahead.links.size() + 5 > size_t(dev::kChainMaxLinks))
       chain_flush(ex, ahead, N, dt);

@@ -340,23 +340,30 @@ TEST(DevInfer, StepMatchesHostOnCudaBf16) {
   Q3VL_NEED_GPU();
   for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2);
 }
-// Head dim 64 with the attention in the decode chains (dev_chain_attn, Q3VL_CHAIN_ATTN=1): decode steps take the
-// chain kernel's attention link (both dense layers as one chain, or a chain of its own in MoE layers), in graphs
-// too; fp8 weights the dense chain with it. Also without it (the default).
+// Head dim 64 with the attention in the decode chains (dev_chain_attn, the default): decode steps take the chain
+// kernel's attention link (both dense layers as one chain, or a chain of its own in MoE layers), in graphs too; fp8
+// weights the dense chain with it. Also without it (Q3VL_CHAIN_ATTN=0).
 struct ChainAttnOn {
-  bool was = std::exchange(dev_chain_attn(), true);
+  explicit ChainAttnOn(bool on = true) : was(std::exchange(dev_chain_attn(), on)) {}
   ~ChainAttnOn() { dev_chain_attn() = was; }
+  bool was;
 };
 TEST(DevInfer, AttentionLinkMatchesHostOnCuda) {
   Q3VL_NEED_GPU();
-  infer_case("dense_untied:hd64", Device::CUDA, DType::BF16, 3e-2);
+  {
+    ChainAttnOn off(false);
+    infer_case("dense_untied:hd64", Device::CUDA, DType::BF16, 3e-2);
+  }
   ChainAttnOn on;
   for (const char* n : {"dense_untied:hd64", "moe:hd64"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2);
   infer_case("dense_untied:hd64", Device::CUDA, DType::BF16, 3e-2, {}, QFormat::None, true);
   infer_case("dense_untied:hd64", Device::CUDA, DType::BF16, 3e-2, {}, QFormat::Fp8);
 }
 TEST(DevInfer, AttentionLinkMatchesHostOnCpu) {
-  infer_case("dense_untied:hd64", Device::CPU, DType::F32, 1e-5);
+  {
+    ChainAttnOn off(false);
+    infer_case("dense_untied:hd64", Device::CPU, DType::F32, 1e-5);
+  }
   ChainAttnOn on;
   infer_case("dense_untied:hd64", Device::CPU, DType::F32, 1e-5);
   infer_case("moe:hd64", Device::CPU, DType::F32, 1e-5);

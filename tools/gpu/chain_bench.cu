@@ -21,6 +21,8 @@
 // none runs qkv, o_proj and down_proj on the register ring, whose other summation order moves x by up to ~2% over 16
 // random layers, so their x is compared to none's within 2% of its largest element (printed: the largest difference
 // relative to it).
+// Modes 12 and 13: "chain xL" and mode 9 with the tiles' scales and added-to y loaded at their ends (ChainParams::late,
+// as before tc_pre), for the A/B.
 // "chain xL stamped": "chain xL" with gemv_chain.cuh's stamps on (their cost shows in its time), then one replay's
 // stamps of the first chain (16 layers) as a table by kind of product: where a layer's time goes between the grid
 // barriers, the tails and the ring (consumers starved of weights, or the producer blocked by a full ring).
@@ -137,9 +139,10 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     Q3VL_LAUNCHED();
     Q3VL_CU(cudaEventRecord(ev[2 * l + 1], side));
   };
-  if (mode >= 9) {  // decode layers with their attention
+  const bool attn = mode == 9 || mode == 10 || mode == 11 || mode == 13, late = mode == 12 || mode == 13;
+  if (attn) {  // decode layers with their attention
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr;
+    p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr, p.late = late;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
     bool ok = true;
     const auto flush = [&] {
@@ -170,7 +173,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     }
   } else if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6, 8 stamped), qkv apart (7)
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr;
+    p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr, p.late = late;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
     for (size_t l = 0; l < L.size(); ++l) {
       const Layer& y = L[l];
@@ -187,7 +190,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
       }
     }
   }
-  for (size_t l = 0; mode < 5 && l < L.size(); ++l) {
+  for (size_t l = 0; mode < 5 && l < L.size(); ++l) {  // a kernel a product
     if (mode != 0 && l > 0) Q3VL_CU(cudaStreamWaitEvent(st, ev[2 * (l - 1) + 1], 0));
     gemv(ex, b.x, L[l].qkv, b.qkv, norm, false);
     gemv(ex, b.qkv, L[l].o, b.x, {}, true);
@@ -220,16 +223,17 @@ void print_stamps(const std::vector<unsigned long long>& st, int links, int grid
                   std::max(1.0, at(links - 1, b, W::kEndNs) - at(0, b, W::kStartNs)));
   std::sort(ghz.begin(), ghz.end());
   const double clk = ghz[ghz.size() / 2];
-  double sum[5][7] = {};
+  double sum[5][9] = {};
   int cnt[5] = {};
   double prev_end = 0;
   for (int j = 0; j < links; ++j) {
     std::vector<double> ends, starts;
-    double full = 0, empty = 0, busy = 0;
+    double full = 0, empty = 0, busy = 0, staged = 0, stores = 0;
     for (int b = 0; b < grid; ++b) {
       ends.push_back(at(j, b, W::kEndNs)), starts.push_back(at(j, b, W::kStartNs));
       full += at(j, b, W::kFullWait), empty += at(j, b, W::kEmptyWait);
       busy += at(j, b, W::kEndClk) - at(j, b, W::kStartClk);
+      staged += at(j, b, W::kStagedClk) - at(j, b, W::kStartClk), stores += at(j, b, W::kStoreWait);
     }
     std::sort(ends.begin(), ends.end()), std::sort(starts.begin(), starts.end());
     const double end = ends.back();
@@ -239,21 +243,23 @@ void print_stamps(const std::vector<unsigned long long>& st, int links, int grid
       const double by[2][5] = {{double(y.qkv.bytes()), double(y.o.bytes()), double(y.gu.bytes()), double(y.down.bytes())},
                                {double(y.qkv.bytes()), kv, double(y.o.bytes()), double(y.gu.bytes()),
                                 double(y.down.bytes())}};
-      const double t = end - prev_end, v[7] = {t / 1e3, by[attn][j % K] / t / 1e3,
+      const double t = end - prev_end, v[9] = {t / 1e3, by[attn][j % K] / t / 1e3,
                                                (starts.front() - prev_end) / 1e3, (starts.back() - starts.front()) / 1e3,
-                                               (end - ends[ends.size() / 2]) / 1e3, full / busy, empty / (t * clk * grid)};
-      for (int k = 0; k < 7; ++k) sum[j % K][k] += v[k];
+                                               (end - ends[ends.size() / 2]) / 1e3, full / busy, empty / (t * clk * grid),
+                                               staged / (clk * 1e3 * grid), stores / (clk * 1e3 * grid)};
+      for (int k = 0; k < 9; ++k) sum[j % K][k] += v[k];
       ++cnt[j % K];
     }
     prev_end = end;
   }
   std::printf("\n# stamps (mode %d, one replay, SM clock %.2f GHz): means over layers 1..%d of the first chain\n\n| "
-              "link | us | TB/s | barrier us | start skew us | tail us | consumers starved | producer blocked |\n|---|---"
-              "|---|---|---|---|---|---|\n", attn ? 10 : 8, clk, links / K - 1);
+              "link | us | TB/s | barrier us | start skew us | tail us | consumers starved | producer blocked | x staged us "
+              "| tile ends us |\n|---|---|---|---|---|---|---|---|---|---|\n", attn ? 10 : 8, clk, links / K - 1);
   for (int k = 0; k < K; ++k) {
     const double c = std::max(1, cnt[k]);
-    std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f%% | %.0f%% |\n", kind[k], sum[k][0] / c, sum[k][1] / c,
-                sum[k][2] / c, sum[k][3] / c, sum[k][4] / c, 100 * sum[k][5] / c, 100 * sum[k][6] / c);
+    std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f%% | %.0f%% | %.2f | %.2f |\n", kind[k], sum[k][0] / c,
+                sum[k][1] / c, sum[k][2] / c, sum[k][3] / c, sum[k][4] / c, 100 * sum[k][5] / c, 100 * sum[k][6] / c,
+                sum[k][7] / c, sum[k][8] / c);
   }
 }
 
@@ -264,12 +270,13 @@ int main(int argc, char** argv) {
   const int reps = std::max(10, argc > 2 ? std::atoi(argv[2]) : 50);
   const char* names[] = {"none",     "qkv@o",    "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL",
                          "qkv, chain o+gu+down", "chain xL stamped", "attn link, layers chained",
-                         "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv"};
+                         "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv",
+                         "chain xL, tile-end loads late", "attn link, layers chained, tile-end loads late"};
   // The modes run (argv[3], default 0,5,6,7): 0 always first, the reference.
   std::vector<int> runs{0};
   for (const char* c = argc > 3 ? argv[3] : "0,5,6,7"; *c;) {
     const int m = std::atoi(c);
-    if (m > 0 && m < 12) runs.push_back(m);
+    if (m > 0 && m < 14) runs.push_back(m);
     while (*c && *c != ',') ++c;
     if (*c) ++c;
   }
@@ -339,8 +346,9 @@ int main(int argc, char** argv) {
       Q3VL_CU(cudaMemcpyAsync(got.data(), b.x, sizeof(bf16) * kH, cudaMemcpyDeviceToHost, st));
       Q3VL_CU(cudaStreamSynchronize(st));
       if (mode == 0) ref = got;
-      if (mode >= 9 && !have_attn_ref) ref_attn = got, have_attn_ref = true;  // the first of modes 9-11 run
-      const std::vector<uint16_t>& want = mode >= 9 ? ref_attn : ref;
+      const bool with_attn = mode >= 9 && mode != 12;
+      if (with_attn && !have_attn_ref) ref_attn = got, have_attn_ref = true;  // the first of those run
+      const std::vector<uint16_t>& want = with_attn ? ref_attn : ref;
       const bool same = std::memcmp(want.data(), got.data(), sizeof(uint16_t) * size_t(kH)) == 0;
       double dmax = 0, xmax = 0;
       for (int64_t i = 0; i < kH; ++i) {

@@ -191,8 +191,8 @@ using DevPartialSum = std::function<void(void*, int64_t)>;
 // (attention arguments in `attn`, chain format qf) and dev_decoder_infer launches them where a layer ends the run
 // (not `ready`), where the next layer's links would pass dev::kChainMaxLinks, and before the ops of a layer that does
 // not chain. So after a layer that leaves `ready` false, nothing waits.
-// Whether decode steps put the attention into their chains (dev::ChainAttn): Q3VL_CHAIN_ATTN=1 at start (off by
-// default until measured on a GPU); tests set it.
+// Whether decode steps put the attention into their chains (dev::ChainAttn): on at start unless Q3VL_CHAIN_ATTN=0;
+// tests set it.
 bool& dev_chain_attn();
 struct DevQkvAhead {
   int next = -1;
