@@ -225,6 +225,7 @@ void print_stamps(const std::vector<unsigned long long>& st, int links, int grid
   const double clk = ghz[ghz.size() / 2];
   double sum[5][9] = {};
   int cnt[5] = {};
+  double ph[4] = {}, nph[4] = {};  // the attention units' phases (us): queries, keys, rows counted, combine
   double prev_end = 0;
   for (int j = 0; j < links; ++j) {
     std::vector<double> ends, starts;
@@ -234,6 +235,14 @@ void print_stamps(const std::vector<unsigned long long>& st, int links, int grid
       full += at(j, b, W::kFullWait), empty += at(j, b, W::kEmptyWait);
       busy += at(j, b, W::kEndClk) - at(j, b, W::kStartClk);
       staged += at(j, b, W::kStagedClk) - at(j, b, W::kStartClk), stores += at(j, b, W::kStoreWait);
+      if (attn && j % K == 1 && j >= K && at(j, b, W::kAttnQ) > 0) {
+        double prev = at(j, b, W::kStartClk);
+        for (int k = 0; k < 4; ++k) {
+          const double t = at(j, b, W::kAttnQ + k);
+          if (t <= 0) break;
+          ph[k] += (t - prev) / (clk * 1e3), nph[k] += 1, prev = t;
+        }
+      }
     }
     std::sort(ends.begin(), ends.end()), std::sort(starts.begin(), starts.end());
     const double end = ends.back();
@@ -261,6 +270,12 @@ void print_stamps(const std::vector<unsigned long long>& st, int links, int grid
                 sum[k][1] / c, sum[k][2] / c, sum[k][3] / c, sum[k][4] / c, 100 * sum[k][5] / c, 100 * sum[k][6] / c,
                 sum[k][7] / c, sum[k][8] / c);
   }
+  if (attn)
+    std::printf("\nattention units (means over units, us from the link's start): queries and new key %.2f (%.0f units), "
+                "then keys %.2f, rows written and counted %.2f (%.0f), combine %.2f (%.0f)\n",
+                ph[0] / std::max(1.0, nph[0]), nph[0] / (links / K - 1), ph[1] / std::max(1.0, nph[1]),
+                ph[2] / std::max(1.0, nph[2]), nph[2] / (links / K - 1), ph[3] / std::max(1.0, nph[3]),
+                nph[3] / (links / K - 1));
 }
 
 }  // namespace

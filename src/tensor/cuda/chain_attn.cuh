@@ -94,7 +94,7 @@ __device__ __forceinline__ void norm_rope_row(const S* x, const S* w, const floa
 // out the attention rows [n, nh hd], cnt the link's counters. Every consumer thread calls it (block-uniform returns).
 template <class S, int HD, int CW>
 __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __restrict__ out, int n_rows, int u,
-                          unsigned char* smem, uint32_t* cnt) {
+                          unsigned char* smem, uint32_t* cnt, unsigned long long* stamp) {
   constexpr int NT = CW * 32, LD = HD + 8, NCH = HD / 8, DPL = HD / 32, IPW = kAttnItems / CW;
   static_assert(IPW * CW == kAttnItems && (HD == 64 || HD == 128), "attention link shape");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -159,6 +159,7 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
                          });
   }
 
+  if (stamp) stamp[0] = clock64();  // chain stamps (gemv_chain.cuh): queries and new keys done
   float acc[IPW][DPL], m[IPW], l[IPW];
 #pragma unroll
   for (int k = 0; k < IPW; ++k) {
@@ -225,6 +226,7 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
     bar_sync(1, NT);  // stage t & 1 is read: the next issue may refill it
   }
 
+  if (stamp) stamp[1] = clock64();  // the split's keys done
   const int64_t rows_total = int64_t(n_rows) * a.nh;
   float* part_ml = used == 1 ? nullptr : a.part + size_t(a.nsplit) * size_t(rows_total) * HD;
 #pragma unroll
@@ -257,6 +259,7 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
     *sFlag = last;
   }
   bar_sync(1, NT);
+  if (stamp) stamp[2] = clock64();  // the split's rows written and counted
   if (!*sFlag) return;
   __threadfence();
   for (int it = warp; it < items; it += CW) {
@@ -281,16 +284,18 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
 #pragma unroll
     for (int c = 0; c < DPL; ++c) st(out, orow * HD + lane * DPL + c, o[c] * inv);
   }
+  if (stamp) stamp[3] = clock64();  // the combine done
 }
 
-// Every unit of the link for this block (consumer threads only).
+// Every unit of the link for this block (consumer threads only). stamp: null, or thread 0's four clock64 stamps of its
+// last unit (gemv_chain.cuh's kAttnQ ..).
 template <class S, int CW>
 __device__ __forceinline__ void attn_link(const ChainAttnJob& a, const S* in, S* out, int n_rows,
-                                          unsigned char* smem, uint32_t* cnt) {
+                                          unsigned char* smem, uint32_t* cnt, unsigned long long* stamp) {
   const int units = a.nseg * a.nkv * a.nsplit;
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    if (a.hd == 128) attn_unit<S, 128, CW>(a, in, out, n_rows, u, smem, cnt);
-    else attn_unit<S, 64, CW>(a, in, out, n_rows, u, smem, cnt);
+    if (a.hd == 128) attn_unit<S, 128, CW>(a, in, out, n_rows, u, smem, cnt, stamp);
+    else attn_unit<S, 64, CW>(a, in, out, n_rows, u, smem, cnt, stamp);
     bar_sync(1, CW * 32);  // the unit's shared memory is free
   }
 }

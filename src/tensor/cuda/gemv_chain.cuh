@@ -47,8 +47,13 @@ template <class S> struct ChainParams {
 // A (link j, block b)'s stamps at stamps[(j * gridDim.x + b) * kStampWords]: the consumers' start of the link (past
 // its grid barrier) and end (tiles stored, before arriving), in globaltimer ns and in the SM's clock64; the cycles
 // consumer thread 0 waited for full stages (starved of weights) and the producer waited for empty ones (ring full);
-// the clock64 when x was staged; the cycles from the end of the tiles' stages to the end of their stores.
-enum ChainStamp { kStartNs, kEndNs, kStartClk, kEndClk, kFullWait, kEmptyWait, kStagedClk, kStoreWait, kStampWords };
+// the clock64 when x was staged; the cycles from the end of the tiles' stages to the end of their stores; in an
+// attention link, the clock64 when the block's unit had its queries and new keys, its keys' sums, its rows written
+// and counted, and (the split that combines) the combine done (chain_attn.cuh; zero where the block had no unit).
+enum ChainStamp {
+  kStartNs, kEndNs, kStartClk, kEndClk, kFullWait, kEmptyWait, kStagedClk, kStoreWait,
+  kAttnQ, kAttnKeys, kAttnCounted, kAttnDone, kStampWords
+};
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -132,7 +137,8 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
         p.stamps && threadIdx.x == 0 ? p.stamps + (size_t(j) * gridDim.x + blockIdx.x) * kStampWords : nullptr;
     if (st) st[kStartNs] = global_ns(), st[kStartClk] = clock64();
     if (jb.is_attn)  // no tiles: the loops below do nothing
-      attn_link<S, CW>(jb.attn, jb.in, jb.y, n, reinterpret_cast<unsigned char*>(sm.xs), p.bar + 2);
+      attn_link<S, CW>(jb.attn, jb.in, jb.y, n, reinterpret_cast<unsigned char*>(sm.xs), p.bar + 2,
+                       st ? st + kAttnQ : nullptr);
     const int64_t nt = tiles(jb);
     const int sp = spt(jb), panels = int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel);
     if (blockIdx.x < nt) {
