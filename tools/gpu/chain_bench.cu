@@ -113,6 +113,9 @@ struct Bufs {
   float *cos, *sin;
   bf16 *wn, *q, *att;
 };
+// The modes whose layers have their attention (9-11, 13), and those whose tiles load at their ends (12, 13).
+bool with_attn(int mode) { return mode == 9 || mode == 10 || mode == 11 || mode == 13; }
+bool late_loads(int mode) { return mode == 12 || mode == 13; }
 dev::ChainAttn chain_attn(const Layer& y, const Bufs& b) {
   return {b.wn, b.wn, b.cos, b.sin, y.kp, y.vp, b.slots, b.cu, b.ctx, b.table, kCap / kBlock, kBlock, 1, 1, kCap, kCtx,
           kNh, kNkv, kHd, 1e-6, float(1 / std::sqrt(double(kHd))), b.q};
@@ -139,7 +142,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     Q3VL_LAUNCHED();
     Q3VL_CU(cudaEventRecord(ev[2 * l + 1], side));
   };
-  const bool attn = mode == 9 || mode == 10 || mode == 11 || mode == 13, late = mode == 12 || mode == 13;
+  const bool attn = with_attn(mode), late = late_loads(mode);
   if (attn) {  // decode layers with their attention
     wg::ChainParams<bf16> p{};
     p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr, p.late = late;
@@ -216,7 +219,9 @@ void print_stamps(const std::vector<unsigned long long>& st, int links, int grid
   const char* kinds[2][5] = {{"qkv", "o_proj", "gate_up", "down_proj"},
                              {"qkv", "attention", "o_proj", "gate_up", "down_proj"}};
   const char* const* kind = kinds[attn];
-  const auto at = [&](int j, int b, int w) { return double(st[(size_t(j) * size_t(grid) + size_t(b)) * W::kStampWords + w]); };
+  const auto at = [&](int j, int b, int w) {
+    return double(st[(size_t(j) * size_t(grid) + size_t(b)) * W::kStampWords + w]);
+  };
   std::vector<double> ghz;  // the SM clock, from each block's two clocks over the whole chain
   for (int b = 0; b < grid; ++b)
     ghz.push_back((at(links - 1, b, W::kEndClk) - at(0, b, W::kStartClk)) /
@@ -249,21 +254,27 @@ void print_stamps(const std::vector<unsigned long long>& st, int links, int grid
     if (j >= K) {
       const Layer& y = L[size_t(j / K)];
       const double kv = double(2 * kCtx * kNkv * kHd * sizeof(bf16));  // the attention's keys and values
-      const double by[2][5] = {{double(y.qkv.bytes()), double(y.o.bytes()), double(y.gu.bytes()), double(y.down.bytes())},
-                               {double(y.qkv.bytes()), kv, double(y.o.bytes()), double(y.gu.bytes()),
-                                double(y.down.bytes())}};
-      const double t = end - prev_end, v[9] = {t / 1e3, by[attn][j % K] / t / 1e3,
-                                               (starts.front() - prev_end) / 1e3, (starts.back() - starts.front()) / 1e3,
-                                               (end - ends[ends.size() / 2]) / 1e3, full / busy, empty / (t * clk * grid),
-                                               staged / (clk * 1e3 * grid), stores / (clk * 1e3 * grid)};
+      const double qkv = double(y.qkv.bytes()), o = double(y.o.bytes()), gu = double(y.gu.bytes());
+      const double by[2][5] = {{qkv, o, gu, double(y.down.bytes())}, {qkv, kv, o, gu, double(y.down.bytes())}};
+      const double t = end - prev_end;
+      const double v[9] = {t / 1e3,
+                           by[attn][j % K] / t / 1e3,
+                           (starts.front() - prev_end) / 1e3,
+                           (starts.back() - starts.front()) / 1e3,
+                           (end - ends[ends.size() / 2]) / 1e3,
+                           full / busy,
+                           empty / (t * clk * grid),
+                           staged / (clk * 1e3 * grid),
+                           stores / (clk * 1e3 * grid)};
       for (int k = 0; k < 9; ++k) sum[j % K][k] += v[k];
       ++cnt[j % K];
     }
     prev_end = end;
   }
   std::printf("\n# stamps (mode %d, one replay, SM clock %.2f GHz): means over layers 1..%d of the first chain\n\n| "
-              "link | us | TB/s | barrier us | start skew us | tail us | consumers starved | producer blocked | x staged us "
-              "| tile ends us |\n|---|---|---|---|---|---|---|---|---|---|\n", attn ? 10 : 8, clk, links / K - 1);
+              "link | us | TB/s | barrier us | start skew us | tail us | consumers starved | producer blocked | "
+              "x staged us | tile ends us |\n|---|---|---|---|---|---|---|---|---|---|\n",
+              attn ? 10 : 8, clk, links / K - 1);
   for (int k = 0; k < K; ++k) {
     const double c = std::max(1, cnt[k]);
     std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.0f%% | %.0f%% | %.2f | %.2f |\n", kind[k], sum[k][0] / c,
@@ -271,8 +282,8 @@ void print_stamps(const std::vector<unsigned long long>& st, int links, int grid
                 sum[k][7] / c, sum[k][8] / c);
   }
   if (attn)
-    std::printf("\nattention units (means over units, us from the link's start): queries and new key %.2f (%.0f units), "
-                "then keys %.2f, rows written and counted %.2f (%.0f), combine %.2f (%.0f)\n",
+    std::printf("\nattention units (means over units, us from the link's start): queries and new key %.2f "
+                "(%.0f units), then keys %.2f, rows written and counted %.2f (%.0f), combine %.2f (%.0f)\n",
                 ph[0] / std::max(1.0, nph[0]), nph[0] / (links / K - 1), ph[1] / std::max(1.0, nph[1]),
                 ph[2] / std::max(1.0, nph[2]), nph[2] / (links / K - 1), ph[3] / std::max(1.0, nph[3]),
                 nph[3] / (links / K - 1));
@@ -361,9 +372,9 @@ int main(int argc, char** argv) {
       Q3VL_CU(cudaMemcpyAsync(got.data(), b.x, sizeof(bf16) * kH, cudaMemcpyDeviceToHost, st));
       Q3VL_CU(cudaStreamSynchronize(st));
       if (mode == 0) ref = got;
-      const bool with_attn = mode >= 9 && mode != 12;
-      if (with_attn && !have_attn_ref) ref_attn = got, have_attn_ref = true;  // the first of those run
-      const std::vector<uint16_t>& want = with_attn ? ref_attn : ref;
+      const bool attn = with_attn(mode);
+      if (attn && !have_attn_ref) ref_attn = got, have_attn_ref = true;  // the first of those run
+      const std::vector<uint16_t>& want = attn ? ref_attn : ref;
       const bool same = std::memcmp(want.data(), got.data(), sizeof(uint16_t) * size_t(kH)) == 0;
       double dmax = 0, xmax = 0;
       for (int64_t i = 0; i < kH; ++i) {
@@ -384,7 +395,8 @@ int main(int argc, char** argv) {
         std::vector<unsigned long long> h(stamp_words);
         Q3VL_CU(cudaMemsetAsync(b.stamps, 0, sizeof(unsigned long long) * stamp_words, st));
         Q3VL_CU(cudaGraphLaunch(ge, st));
-        Q3VL_CU(cudaMemcpyAsync(h.data(), b.stamps, sizeof(unsigned long long) * stamp_words, cudaMemcpyDeviceToHost, st));
+        Q3VL_CU(cudaMemcpyAsync(h.data(), b.stamps, sizeof(unsigned long long) * stamp_words, cudaMemcpyDeviceToHost,
+                                st));
         Q3VL_CU(cudaStreamSynchronize(st));
         const int per = mode == 10 ? 5 : 4, first = std::min(layers, wg::kChainMax / per);
         print_stamps(h, per * first, grid, L, mode == 10);
