@@ -281,19 +281,6 @@ bool& dev_chain_attn() {
   return on;
 }
 
-namespace {
-// A decode step's attention link alone: by default a chain of its own (on CUDA one kernel where it takes
-// it), else its two ops.
-void attention(const dev::Exec& ex, const dev::ChainLink& l, int64_t N, DType dt) {
-  if (chain_attn_on()) return dev::linear_chain(ex, &l, 1, N, QFormat::None, dt);
-  const dev::ChainAttn& a = *l.attn;
-  dev::qkv_to_cache_fwd(ex, l.in, a.wq, a.wk, a.q, a.k_pool, a.v_pool, a.slots, nullptr, nullptr, a.cos, a.sin, N,
-                        a.nh, a.nkv, a.hd, a.eps, dt);
-  dev::paged_attention_fwd(ex, a.q, a.k_pool, a.v_pool, l.y, a.cu, a.ctx, a.table, a.max_blocks, a.block, a.nseg,
-                           a.max_q, a.max_ctx, a.keys, N, a.nh, a.nkv, a.hd, a.scale, dt);
-}
-}  // namespace
-
 bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int f, bool moe, void* x,
                        int64_t N, const DevPagedCache& kv, const float* cos, const float* sin, float* probs,
                        int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, const DevPartialSum& reduce,
@@ -333,7 +320,7 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
     ahead.ready = ahead.next >= 0 && q8(P, fused_qkv(P, ahead.next, Dq, Dk, H, dt)) == w8;
     const dev::ChainLink* first = nullptr;  // the attention as the chain's first link, or its own ops before it
     if (chain_attn_on()) attn.attn = &ahead.attn.emplace_back(at), first = &attn;
-    else attention(ex, attn, N, dt);
+    else dev::chain_attn_ops(ex, attn, N, dt);
     ahead.qf = cqf;
     mlp_chain(tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, first, x, c, dt, ahead.links);
     // The next layer's five links join these where they fit one kernel (Q3VL_CHAIN_LAYERS=1: a chain a layer).
@@ -341,7 +328,9 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
       chain_flush(ex, ahead, N, dt);
     return true;
   }
-  attention(ex, attn, N, dt);
+  // Its two ops: alone, the chain kernel's attention link lost to them (a MoE layer's, H100: one 30B-A3B stream 4.75
+  // against 4.39 ms, docs/perf/2026-12-07-thirtyfourth/callA); inside a chain the link wins.
+  dev::chain_attn_ops(ex, attn, N, dt);
   dev_linear(ex, P, f + tlay::o_proj, c.att, add_o ? x : s.tmp, N, Dq, H, dt, 0, {}, add_o);
   if (reduce) reduce(s.tmp, N * H);
   if (!norm_post)

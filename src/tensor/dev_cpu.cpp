@@ -331,20 +331,24 @@ void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, Q
 #endif
   for (int j = 0; j < count; ++j) {  // the links one by one (an attention link as a chain of its own where it can)
     const ChainLink& l = links[j];
-    if (const ChainAttn* a = l.attn) {
+    if (l.attn) {
 #ifdef Q3VL_CUDA
       if (count > 1 && x.device == Device::CUDA && cuda::linear_chain_kernel(x, &l, 1, N, qf, dt)) continue;
 #endif
-      qkv_to_cache_fwd(x, l.in, a->wq, a->wk, a->q, a->k_pool, a->v_pool, a->slots, nullptr, nullptr, a->cos, a->sin,
-                       N, a->nh, a->nkv, a->hd, a->eps, dt);
-      paged_attention_fwd(x, a->q, a->k_pool, a->v_pool, l.y, a->cu, a->ctx, a->table, a->max_blocks, a->block,
-                          a->nseg, a->max_q, a->max_ctx, a->keys, N, a->nh, a->nkv, a->hd, a->scale, dt);
+      chain_attn_ops(x, l, N, dt);
     } else if (qf == QFormat::None) {
       linear_fwd(x, l.in, l.W, nullptr, l.y, N, l.n_in, l.n_out, dt, l.rin, l.add);
     } else {
       linear_q8_fwd(x, l.in, l.W, l.scale, nullptr, l.y, N, l.n_in, l.n_out, qf, dt, l.rin, l.add);
     }
   }
+}
+void chain_attn_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt) {
+  const ChainAttn& a = *l.attn;
+  qkv_to_cache_fwd(x, l.in, a.wq, a.wk, a.q, a.k_pool, a.v_pool, a.slots, nullptr, nullptr, a.cos, a.sin, N, a.nh,
+                   a.nkv, a.hd, a.eps, dt);
+  paged_attention_fwd(x, a.q, a.k_pool, a.v_pool, l.y, a.cu, a.ctx, a.table, a.max_blocks, a.block, a.nseg, a.max_q,
+                      a.max_ctx, a.keys, N, a.nh, a.nkv, a.hd, a.scale, dt);
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, bool accumulate, bool accumulate_dW, DType dt) {

@@ -341,8 +341,8 @@ TEST(DevInfer, StepMatchesHostOnCudaBf16) {
   for (const char* n : {"dense_tied", "dense_untied", "moe"}) infer_case(n, Device::CUDA, DType::BF16, 3e-2);
 }
 // Head dim 64 with the attention in the decode chains (dev_chain_attn, the default): decode steps take the chain
-// kernel's attention link (both dense layers as one chain, or a chain of its own in MoE layers), in graphs too; fp8
-// weights the dense chain with it. Also without it (Q3VL_CHAIN_ATTN=0).
+// kernel's attention link (both dense layers as one chain; MoE layers, which do not chain, its two ops), in graphs
+// too; fp8 weights the dense chain with it. Also without it (Q3VL_CHAIN_ATTN=0).
 struct ChainAttnOn {
   explicit ChainAttnOn(bool on = true) : was(std::exchange(dev_chain_attn(), on)) {}
   ~ChainAttnOn() { dev_chain_attn() = was; }

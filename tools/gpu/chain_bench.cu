@@ -21,8 +21,6 @@
 // none runs qkv, o_proj and down_proj on the register ring, whose other summation order moves x by up to ~2% over 16
 // random layers, so their x is compared to none's within 2% of its largest element (printed: the largest difference
 // relative to it).
-// Modes 12 and 13: "chain xL" and mode 9 with the tiles' scales and added-to y loaded at their ends (ChainParams::late,
-// as before tc_pre), for the A/B.
 // "chain xL stamped": "chain xL" with gemv_chain.cuh's stamps on (their cost shows in its time), then one replay's
 // stamps of the first chain (16 layers) as a table by kind of product: where a layer's time goes between the grid
 // barriers, the tails and the ring (consumers starved of weights, or the producer blocked by a full ring).
@@ -113,9 +111,8 @@ struct Bufs {
   float *cos, *sin;
   bf16 *wn, *q, *att;
 };
-// The modes whose layers have their attention (9-11, 13), and those whose tiles load at their ends (12, 13).
-bool with_attn(int mode) { return mode == 9 || mode == 10 || mode == 11 || mode == 13; }
-bool late_loads(int mode) { return mode == 12 || mode == 13; }
+// The modes whose layers have their attention.
+bool with_attn(int mode) { return mode >= 9 && mode <= 11; }
 dev::ChainAttn chain_attn(const Layer& y, const Bufs& b) {
   return {b.wn, b.wn, b.cos, b.sin, y.kp, y.vp, b.slots, b.cu, b.ctx, b.table, kCap / kBlock, kBlock, 1, 1, kCap, kCtx,
           kNh, kNkv, kHd, 1e-6, float(1 / std::sqrt(double(kHd))), b.q};
@@ -142,10 +139,10 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     Q3VL_LAUNCHED();
     Q3VL_CU(cudaEventRecord(ev[2 * l + 1], side));
   };
-  const bool attn = with_attn(mode), late = late_loads(mode);
+  const bool attn = with_attn(mode);
   if (attn) {  // decode layers with their attention
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr, p.late = late;
+    p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
     bool ok = true;
     const auto flush = [&] {
@@ -176,7 +173,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     }
   } else if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6, 8 stamped), qkv apart (7)
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr, p.late = late;
+    p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
     for (size_t l = 0; l < L.size(); ++l) {
       const Layer& y = L[l];
@@ -296,13 +293,12 @@ int main(int argc, char** argv) {
   const int reps = std::max(10, argc > 2 ? std::atoi(argv[2]) : 50);
   const char* names[] = {"none",     "qkv@o",    "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL",
                          "qkv, chain o+gu+down", "chain xL stamped", "attn link, layers chained",
-                         "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv",
-                         "chain xL, tile-end loads late", "attn link, layers chained, tile-end loads late"};
+                         "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv"};
   // The modes run (argv[3], default 0,5,6,7): 0 always first, the reference.
   std::vector<int> runs{0};
   for (const char* c = argc > 3 ? argv[3] : "0,5,6,7"; *c;) {
     const int m = std::atoi(c);
-    if (m > 0 && m < 14) runs.push_back(m);
+    if (m > 0 && m < 12) runs.push_back(m);
     while (*c && *c != ',') ++c;
     if (*c) ++c;
   }

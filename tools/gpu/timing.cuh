@@ -15,9 +15,8 @@ namespace q3vl::gpu_bench {
 constexpr double kSpinMs = 30;  // head start of the host over the GPU before each timed batch
 
 __global__ void k_spin(double ms) {
-  uint64_t t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); while (double(t - t0) < ms * 1e6);
+  const unsigned long long t0 = dev::cuda::global_ns();
+  while (double(dev::cuda::global_ns() - t0) < ms * 1e6) {}
 }
 
 // us: the median microseconds of a call; host_bound: the GPU finished the spin before the host had queued every

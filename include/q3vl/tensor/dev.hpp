@@ -153,6 +153,9 @@ struct SumSq {
 // (gemv_chain.cuh: one TMA ring streams every product's weights, a grid barrier between links; chain_attn.cuh),
 // else the links one by one as here.
 void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, QFormat qf, DType dt);
+// An attention link (attn set) as its two ops, qkv_to_cache_fwd and paged_attention_fwd: linear_chain's fallback, and
+// the decode step's attention where the chain's attention link is off (Q3VL_CHAIN_ATTN=0).
+void chain_attn_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt);
 constexpr int kChainMaxLinks = 64;  // links a chain kernel takes (more: the links one by one)
 
 }  // namespace q3vl::dev

@@ -5,10 +5,10 @@
 //  - Work units: (segment, kv head, key split), blocks taking units blockIdx.x, + gridDim.x, ... A split covers keys
 //    [sp * chunk, ...) with paged_attention.cu's split_chunk (tiles of 32 keys, at least 64 keys a split); splits past
 //    the segment's context return at once.
-//  - A unit first puts its first tile of keys in flight, then normalizes and rotates its own query heads (the G heads
-//    of its kv head, each new row of the segment) from the fused projection rows: q is never written. The unit whose
-//    keys hold a new position normalizes and rotates that key and writes it and its value to the pools (slots), and
-//    puts them into its tile in shared memory at their positions, over what the tile loaded there: what the two ops
+//  - A unit first puts its first two tiles of keys in flight, then normalizes and rotates its own query heads (the G
+//    heads of its kv head, each new row of the segment) from the fused projection rows: q is never written. The unit
+//    whose keys hold a new position normalizes and rotates that key and writes it and its value to the pools (slots),
+//    and puts them into its tile in shared memory at their positions, over what the tile loaded there: what the two ops
 //    compute, rounding for rounding (q and k rounded to the activations' type after the norm and after the rotation,
 //    qk_rope's order), without waiting for the stores.
 //  - Keys 32 a tile through the block table, cp.async into two stages; lane j of a warp scores key j against the
@@ -74,19 +74,20 @@ template <class S, int HD, class Fn>
 __device__ __forceinline__ void norm_rope_row(const S* x, const S* w, const float* cos, const float* sin, float eps,
                                               int lane, Fn&& fn) {
   constexpr int half = HD / 2, PL = half / 32;
-  float a[PL], b[PL], ss = 0.f;
+  float a[PL], b[PL], wa[PL], wb[PL], c[PL], s[PL], ss = 0.f;
 #pragma unroll
-  for (int k = 0; k < PL; ++k) {
-    a[k] = ld_l2(x, lane + 32 * k), b[k] = ld_l2(x, lane + 32 * k + half);
-    ss += a[k] * a[k] + b[k] * b[k];
+  for (int k = 0; k < PL; ++k) {  // every load in flight before the sum
+    const int d = lane + 32 * k;
+    a[k] = ld_l2(x, d), b[k] = ld_l2(x, d + half);
+    wa[k] = ld(w, d), wb[k] = ld(w, d + half), c[k] = cos[d], s[k] = sin[d];
   }
+#pragma unroll
+  for (int k = 0; k < PL; ++k) ss += a[k] * a[k] + b[k] * b[k];
   const float rs = 1.f / sqrtf(warp_sum(ss) / float(HD) + eps);
 #pragma unroll
   for (int k = 0; k < PL; ++k) {
-    const int d = lane + 32 * k;
-    const float ra = round_to<S>(ld(w, d) * (a[k] * rs)), rb = round_to<S>(ld(w, d + half) * (b[k] * rs));
-    const float c = cos[d], s = sin[d];
-    fn(d, ra * c - rb * s, rb * c + ra * s);
+    const float ra = round_to<S>(wa[k] * (a[k] * rs)), rb = round_to<S>(wb[k] * (b[k] * rs));
+    fn(lane + 32 * k, ra * c[k] - rb * s[k], rb * c[k] + ra * s[k]);
   }
 }
 
@@ -125,13 +126,14 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
     cp_commit();
   };
   const int ntiles = (kend - kbeg + kAttnTile - 1) / kAttnTile;
-  issue(0);  // in flight while the queries and new keys are computed
+  issue(0);  // both stages in flight while the queries and new keys are computed
+  if (ntiles > 1) issue(1);
 
   // The new positions among this split's keys (rows i0 .. i1 - 1): their keys and values into the pools (a warp a
   // row) and into sNew, from which they replace what the tiles loaded at their positions (the pool rows, stored by
   // another SM's L1 path or not yet, are never read back here).
   const int i0 = max(kbeg - base, 0), i1 = min(kend - base, n);
-  for (int i = i0 + warp; i < i1; i += CW) {
+  for (int i = i0 + CW - 1 - warp; i < i1; i += CW) {  // from the last warp: the queries start at the first
     const int64_t slot = a.slots[r0 + i];
     const S* x = in + int64_t(r0 + i) * ldr + int64_t(a.nh + kh) * HD;
     S* kd = kp + (slot * a.nkv + kh) * HD;
@@ -169,12 +171,8 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
   }
   for (int t = 0; t < ntiles; ++t) {
     const int j0 = kbeg + t * kAttnTile;
-    if (t + 1 < ntiles) {
-      issue(t + 1);
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    if (t + 1 < ntiles) cp_wait<1>();  // tile t + 1 may stay in flight
+    else cp_wait<0>();
     bar_sync(1, NT);  // tile t is in stage t & 1 for every thread (and, at t = 0, sQ and sNew are written)
     // The tile's new positions [max(j0, base + i0), min(j0 + 32, base + i1)): their rows from sNew.
     const int p0 = max(j0, base + i0), p1 = min(j0 + kAttnTile, base + i1);
@@ -223,7 +221,8 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
         for (int c = 0; c < DPL; ++c) acc[k][c] += pj * ld(vr, c);
       }
     }
-    bar_sync(1, NT);  // stage t & 1 is read: the next issue may refill it
+    bar_sync(1, NT);  // stage t & 1 is read: tile t + 2 may refill it
+    if (t + 2 < ntiles) issue(t + 2);
   }
 
   if (stamp) stamp[1] = clock64();  // the split's keys done
@@ -249,7 +248,8 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
   }
   if (used == 1) return;
   // The last split of (segment, kv head) to arrive combines them: out = sum_s w_s acc_s / sum_s w_s l_s with
-  // w_s = 2^(m_s - max m) (paged_combine's sums, taken in one pass).
+  // w_s = 2^(m_s - max m) (paged_combine's sums). Lane s holds split s's (and s + 32's) max and weight, so that every
+  // load of the combine is in flight at once: the splits' maxima and sums, then their rows (a warp an item).
   __threadfence();
   bar_sync(1, NT);
   if (tid == 0) {
@@ -262,23 +262,35 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
   if (stamp) stamp[2] = clock64();  // the split's rows written and counted
   if (!*sFlag) return;
   __threadfence();
+  static_assert(kAttnMaxSplit <= 64, "two splits a lane");
   for (int it = warp; it < items; it += CW) {
     const int i = it / G;
     const int64_t orow = int64_t(r0 + i) * a.nh + kh * G + it - i * G;
-    float M = -INFINITY, L = 0.f, o[DPL] = {};  // one pass, rescaled as the running max grows
-#pragma unroll 4
-    for (int s = 0; s < used; ++s) {
-      const int64_t pr = int64_t(s) * rows_total + orow;
-      const float ms = __ldcg(part_ml + pr * 2), ls = __ldcg(part_ml + pr * 2 + 1);
-      float ps[DPL];
+    float ms[2], ws[2], L = 0.f;
 #pragma unroll
-      for (int c = 0; c < DPL; ++c) ps[c] = __ldcg(a.part + pr * HD + lane * DPL + c);
-      if (ms == -INFINITY) continue;  // no key of this split is visible to the item
-      const float mn = fmaxf(M, ms), wo = exp2f(M - mn), wn = exp2f(ms - mn);
-      L = L * wo + ls * wn;
+    for (int k = 0; k < 2; ++k) {
+      const int sp2 = lane + 32 * k;
+      const int64_t pr = int64_t(sp2) * rows_total + orow;
+      ms[k] = sp2 < used ? __ldcg(part_ml + pr * 2) : -INFINITY;  // -inf: no key of the split is visible
+      ws[k] = sp2 < used ? __ldcg(part_ml + pr * 2 + 1) : 0.f;   // its sum, until it becomes its weight
+    }
+    float M = fmaxf(ms[0], ms[1]);
 #pragma unroll
-      for (int c = 0; c < DPL; ++c) o[c] = o[c] * wo + ps[c] * wn;
-      M = mn;
+    for (int sh = 16; sh; sh >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, sh));
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float w = ms[k] == -INFINITY ? 0.f : exp2f(ms[k] - M);
+      L += ws[k] * w;
+      ws[k] = w;
+    }
+    L = warp_sum(L);
+    float o[DPL] = {};
+#pragma unroll 8
+    for (int s2 = 0; s2 < used; ++s2) {
+      const float w = __shfl_sync(0xffffffffu, s2 < 32 ? ws[0] : ws[1], s2 & 31);
+      const float* ps = a.part + (int64_t(s2) * rows_total + orow) * HD + lane * DPL;
+#pragma unroll
+      for (int c = 0; c < DPL; ++c) o[c] += w * __ldcg(ps + c);
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll

@@ -45,6 +45,13 @@ inline std::string cublasLt_status_string(cublasStatus_t s) {
 
 inline cudaStream_t stream_of(const Exec& x) { return static_cast<cudaStream_t>(x.stream); }
 
+// The GPU's global timer in ns (the chain's stamps, the benchmarks' spin kernel).
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // The sum of v over the warp's lanes, in every lane (xor butterfly).
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

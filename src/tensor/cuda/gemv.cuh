@@ -557,6 +557,9 @@ __device__ __forceinline__ void tc_stage(const S* __restrict__ in, const XRows& 
           else if (xr.swiglu) u[q] = swiglu8<S>(x_vec<S, NC>(src, 8 * v, len, vec_x),
                                                    x_vec<S, NC>(src + n_in, 8 * v, len, vec_x));
           else u[q] = x_vec<S, NC>(src, 8 * v, len, vec_x);
+          // the norm's weights of this vector, read after the row's sum: into L1 now, under the x loads
+          if (norm && 8 * v < len)
+            asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const S*>(xr.norm) + 8 * v));
         }
 #pragma unroll
         for (int q = 0; q < U; ++q) {
@@ -665,38 +668,15 @@ __device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], 
   for (int d = 0; d < K::kDepth; ++d) tc_load_step<W, K, VEC>(ring[d], q, row0, n_out, n_in, d);
 }
 
-// A thread's first element of a tile's store (tc_store's e = threadIdx.x): its row's scale and, with add, the y it
-// adds to, loaded when the tile starts (tc_pre) so that their latency hides under the tile's stages. Without it each
-// tile's end waited for a line of scales that nothing had read (HBM's latency, ~1 us under load) and for y at L2:
-// a chain's gate_up streamed at 3.2 TB/s on an H200 with its consumers busy and its ring full (chain_bench's stamps,
-// docs/perf/2026-12-06-thirtythird).
-struct TcPre {
-  float sc = 1.f, y = 0.f;
-};
-template <class S, class W, int MT, int NT>
-__device__ __forceinline__ TcPre tc_pre(const float* __restrict__ scale, const S* y, int64_t row0, int n,
-                                        int64_t n_out, bool add) {
-  TcPre p;
-  const int e = int(threadIdx.x), ln = e & 31, i = (e >> 5) & 3, tile = e >> 7, nt = tile % NT, mt = tile / NT;
-  if (e >= MT * NT * 4 * 32) return p;
-  const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
-  const int j = nt * 8 + frag_c_n(ln, i);
-  if (r >= n_out || j >= n) return p;
-  if constexpr (kScaled<W>) p.sc = scale[r];
-  if (add) p.y = ld(y, int64_t(j) * n_out + r);
-  return p;
-}
-
 // The end of a tile: the WARPS warps' fragments acc (MT x NT m16n8 tiles of rows row0 on) added through red
 // (WARPS MT NT 128 floats: element ((mt NT + nt) 4 + i) 32 + lane of each warp) and stored as y[j n_out + r] =
 // sum xmul[j] scale[r] + b[r] for r < n_out, j < n (xmul null: 1; scale only for scaled weights; add: added to y,
-// store_y). sync: the barrier of the warps taking part, which the caller has passed before red is written. pre: the
-// thread's first element's scale and y, loaded ahead (tc_pre), or null.
+// store_y). sync: the barrier of the warps taking part, which the caller has passed before red is written.
 template <class S, class W, int MT, int NT, int WARPS, class Sync>
 __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
                                          const float* __restrict__ scale, const S* __restrict__ b,
                                          const float* xmul, S* __restrict__ y, int n, int64_t n_out, bool add,
-                                         Sync sync, const TcPre* pre = nullptr) {
+                                         Sync sync) {
   constexpr int EL = MT * NT * 4 * 32;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -713,16 +693,9 @@ __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* r
     const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
     const int j = nt * 8 + frag_c_n(ln, i);
     if (r >= n_out || j >= n) continue;
-    const bool ahead = pre && e == int(threadIdx.x);
     float sc = xmul ? xmul[j] : 1.f;  // weights in the activation type: no scale
-    if constexpr (kScaled<W>) sc *= ahead ? pre->sc : scale[r];
-    v = v * sc + (b ? ld(b, r) : 0.f);
-    if (ahead && add) {  // store_y's add, with y read ahead
-      S t;
-      st(&t, 0, v);
-      v = pre->y + ld(&t, 0);
-    }
-    store_y(y, int64_t(j) * n_out + r, v, add && !ahead);
+    if constexpr (kScaled<W>) sc *= scale[r];
+    store_y(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f), add);
   }
 }
 

@@ -42,7 +42,6 @@ template <class S> struct ChainParams {
   uint32_t* bar;  // zeroed words: blocks arrived, blocks done (the last block done zeroes both), then the attention
                   // links' kAttnCounters counters (each left zeroed by the split that combines)
   unsigned long long* stamps;  // null, or zeroed kStampWords words a (link, block), for tools/gpu/chain_bench
-  bool late;                   // chain_bench's A/B: tiles load their scales and the y they add to at their ends
 };
 // A (link j, block b)'s stamps at stamps[(j * gridDim.x + b) * kStampWords]: the consumers' start of the link (past
 // its grid barrier) and end (tiles stored, before arriving), in globaltimer ns and in the SM's clock64; the cycles
@@ -54,11 +53,6 @@ enum ChainStamp {
   kStartNs, kEndNs, kStartClk, kEndClk, kFullWait, kEmptyWait, kStagedClk, kStoreWait,
   kAttnQ, kAttnKeys, kAttnCounted, kAttnDone, kStampWords
 };
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 // Block-wide barrier of the consumer warps (tc_stage's Sync).
 template <int CW> struct SyncConsumers {
@@ -148,13 +142,12 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
     }
     if (st) st[kStagedClk] = clock64();
     for (int64_t tile = blockIdx.x; tile < nt; tile += gridDim.x) {
-      const TcPre pre = p.late ? TcPre{} : tc_pre<S, W, 1, NT>(jb.scale, jb.y, tile * kTmaTile, n, jb.n_out, jb.add);
       float acc[1][NT][4] = {};
       tma_tile<W, K>(sm, gi, sp, panels, jb.rs, n, acc, st ? st + kFullWait : nullptr);
       const long long t0 = st ? clock64() : 0;
       bar_sync(1, CW * 32);  // the previous tile's sums are read
       tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), sm.xmul,
-                                jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); }, p.late ? nullptr : &pre);
+                                jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); });
       if (st) st[kStoreWait] += clock64() - t0;
     }
     if (st) st[kEndNs] = global_ns(), st[kEndClk] = clock64();

@@ -167,13 +167,12 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1)
 
   int64_t i = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const TcPre pre = tc_pre<S, W, 1, NT>(scale, y, tile * kTmaTile, n, n_out, add);
     float acc[1][NT][4] = {};
     tma_tile<W, K>(sm, i, spt, panels, rs, n, acc);
     // The consumer warps' partial sums of the tile, added through shared memory.
     bar_sync(1, CW * 32);  // the previous tile's sums are read
     tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, scale, b, sm.xmul, y, n, n_out, add,
-                              [] { bar_sync(1, CW * 32); }, &pre);
+                              [] { bar_sync(1, CW * 32); });
   }
 }
 
