@@ -517,44 +517,49 @@ std::vector<Case> all_cases(DType dt) {
   // CUDA, N <= 8 is one persistent kernel (gemv_chain.cuh), with more tiles than blocks at gate_up (10240 rows: 640
   // tiles of 16; a block's ring runs across links and tiles); the links one by one where one does not fit it: N 16,
   // N 8 at I 5120 (down_proj's x over 48 KiB), and 1001 columns (no 128-byte panels); 16-bit weights one by one are
-  // linear_fwd's RowsIn and add (cuBLASLt after the rows are written out).
+  // linear_fwd's RowsIn and add (cuBLASLt after the rows are written out). gate_up is a SwiGLU pair (ChainLink's
+  // swiglu_pair: in the kernel its tiles write the SwiGLU into down_proj's scratch, which down_proj reads as is), as
+  // dev_decoder_infer's; "staged" cases (N <= 2) are not (down_proj's staging computes the SwiGLU).
   for (const QFormat qf : {QFormat::Int8, QFormat::Fp8, QFormat::None})
     for (int64_t N : {1, 2, 3, 8, 16})
       for (auto [H, I, with_qkv] : {std::tuple<int64_t, int64_t, bool>{256, 5120, false}, {384, 640, true},
-                                    {1001, 384, false}}) {
-        if (H == 1001 && N != 1) continue;
-        const int64_t Dq = H, Qkv = 2 * H;  // q as wide as x, k and v half of it each
-        const bool w16 = qf == QFormat::None;
-        const auto weights = [&](const std::string& name, int64_t rows, int64_t cols) {
-          return chain_weights(qf, name, rows, cols);
-        };
-        const auto [wq, sq] = weights("qkv", Qkv, H);
-        const auto [wo, so] = weights("o", H, Dq);
-        const auto [wg, sg] = weights("gu", 2 * I, H);
-        const auto [wd, sd] = weights("down", H, I);
-        std::vector<double> g1 = randn(H, 0.3), g2 = randn(H, 0.3);
-        for (double& v : g1) v += 1.0;
-        for (double& v : g2) v += 1.0;
-        add("linear_chain",
-            std::string(w16 ? "w16" : qformat_name(qf)) + " " + dims({N, H, I}) +
-                (with_qkv ? " qkv o gu down" : " o gu down"),
-            kChain,
-            {wq, sq, wo, so, wg, sg, wd, sd, in("norm1", K::Act, g1), in("norm2", K::Act, g2),
-             in("scratch", K::Act, std::vector<double>(size_t(N * std::max(H, I)), 0.0)),
-             out("x", K::Act, randn(N * H, 3.0)), out("qkv", K::Act, randn(N * Qkv)), in("att", K::Act, randn(N * Dq)),
-             out("gu", K::Act, randn(N * 2 * I))},
-            [=](auto& x, auto& p, DType t) {
-              const dev::RowsIn n1{nullptr, 1, false, p[10], p[8], 1e-6f}, n2{nullptr, 1, false, p[10], p[9], 1e-6f};
-              const auto sc = [&](int i) { return w16 ? nullptr : P<float>(p, i); };
-              std::vector<dev::ChainLink> l;
-              if (with_qkv) l.push_back({p[11], p[0], sc(1), p[12], H, Qkv, n1, false});
-              // o_proj reads att (attention's output, not part of the chain)
-              l.push_back({p[13], p[2], sc(3), p[11], Dq, H, {}, true});
-              l.push_back({p[11], p[4], sc(5), p[14], H, 2 * I, n2, false});
-              l.push_back({p[14], p[6], sc(7), p[11], I, H, {nullptr, 1, true, p[10]}, true});
-              dev::linear_chain(x, l.data(), int(l.size()), N, qf, t);
-            });
-      }
+                                    {1001, 384, false}})
+        for (const bool pair : {true, false}) {
+          if ((H == 1001 && N != 1) || (!pair && N > 2)) continue;
+          const int64_t Dq = H, Qkv = 2 * H;  // q as wide as x, k and v half of it each
+          const bool w16 = qf == QFormat::None;
+          const auto weights = [&](const std::string& name, int64_t rows, int64_t cols) {
+            return chain_weights(qf, name, rows, cols);
+          };
+          const auto [wq, sq] = weights("qkv", Qkv, H);
+          const auto [wo, so] = weights("o", H, Dq);
+          const auto [wg, sg] = weights("gu", 2 * I, H);
+          const auto [wd, sd] = weights("down", H, I);
+          std::vector<double> g1 = randn(H, 0.3), g2 = randn(H, 0.3);
+          for (double& v : g1) v += 1.0;
+          for (double& v : g2) v += 1.0;
+          add("linear_chain",
+              std::string(w16 ? "w16" : qformat_name(qf)) + " " + dims({N, H, I}) +
+                  (with_qkv ? " qkv o gu down" : " o gu down") + (pair ? "" : " staged"),
+              kChain,
+              {wq, sq, wo, so, wg, sg, wd, sd, in("norm1", K::Act, g1), in("norm2", K::Act, g2),
+               in("scratch", K::Act, std::vector<double>(size_t(N * std::max(H, I)), 0.0)),
+               out("x", K::Act, randn(N * H, 3.0)), out("qkv", K::Act, randn(N * Qkv)),
+               in("att", K::Act, randn(N * Dq)),
+               pair ? in("gu", K::Act, randn(N * 2 * I)) : out("gu", K::Act, randn(N * 2 * I))},  // paired: unwritten
+              [=](auto& x, auto& p, DType t) {
+                const dev::RowsIn n1{nullptr, 1, false, p[10], p[8], 1e-6f}, n2{nullptr, 1, false, p[10], p[9], 1e-6f};
+                const auto sc = [&](int i) { return w16 ? nullptr : P<float>(p, i); };
+                std::vector<dev::ChainLink> l;
+                if (with_qkv) l.push_back({p[11], p[0], sc(1), p[12], H, Qkv, n1, false});
+                // o_proj reads att (attention's output, not part of the chain)
+                l.push_back({p[13], p[2], sc(3), p[11], Dq, H, {}, true});
+                l.push_back({p[11], p[4], sc(5), p[14], H, 2 * I, n2, false});
+                l.back().swiglu_pair = pair;
+                l.push_back({p[14], p[6], sc(7), p[11], I, H, {nullptr, 1, true, p[10]}, true});
+                dev::linear_chain(x, l.data(), int(l.size()), N, qf, t);
+              });
+        }
 
   // A decode step's attention as a chain link (dev::ChainAttn): the fused projection rows into the pools (new keys
   // normalized and rotated, values as they are, at their slots) and the paged attention of the normalized, rotated

@@ -24,6 +24,10 @@
 // "chain xL stamped": "chain xL" with gemv_chain.cuh's stamps on (their cost shows in its time), then one replay's
 // stamps of the first chain (16 layers) as a table by kind of product: where a layer's time goes between the grid
 // barriers, the tails and the ring (consumers starved of weights, or the producer blocked by a full ring).
+// Modes 9-11 give each layer its attention (400 keys, the 8B's heads): 9 the link, layers chained, 10 the same
+// stamped (with the attention units' phases), 11 the attention's two ops and a chain of o_proj, gate_up, down_proj and
+// the next qkv. Every chain pairs gate_up's rows so that its tiles write the SwiGLU that down_proj reads (ChainJob's
+// half); modes 12 and 13 are 6 and 9 without that (down_proj's staging computes the SwiGLU in each block), the A/B.
 // Build and run (from the repo root, on a GPU machine):
 //   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps] [modes]
 // (defaults 16, 50 and "0,5,6,7": modes by number, 0 none ... 7 qkv and a chain). The chain's producer once also
@@ -111,8 +115,9 @@ struct Bufs {
   float *cos, *sin;
   bf16 *wn, *q, *att;
 };
-// The modes whose layers have their attention.
-bool with_attn(int mode) { return mode >= 9 && mode <= 11; }
+// The modes whose layers have their attention, and those whose down_proj stages the SwiGLU (gate_up not paired).
+bool with_attn(int mode) { return (mode >= 9 && mode <= 11) || mode == 13; }
+bool staged_swiglu(int mode) { return mode == 12 || mode == 13; }
 dev::ChainAttn chain_attn(const Layer& y, const Bufs& b) {
   return {b.wn, b.wn, b.cos, b.sin, y.kp, y.vp, b.slots, b.cu, b.ctx, b.table, kCap / kBlock, kBlock, 1, 1, kCap, kCtx,
           kNh, kNkv, kHd, 1e-6, float(1 / std::sqrt(double(kHd))), b.q};
@@ -140,10 +145,19 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     Q3VL_CU(cudaEventRecord(ev[2 * l + 1], side));
   };
   const bool attn = with_attn(mode);
+  // gate_up and down_proj: gate_up's tiles write the SwiGLU into act (a SwiGLU pair), or (modes 12, 13) gate_up's
+  // rows into gu, whose SwiGLU down_proj's staging computes
+  const auto mlp = [&](wg::ChainParams<bf16>& p, const Layer& y) {
+    const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
+    const bool pair = !staged_swiglu(mode);
+    bf16* h = pair ? b.act : b.gu;
+    return wg::chain_job(p.job[p.count++], b.x, y.gu.w, y.gu.s, h, 1, kH, 2 * kI, xn, false, pair) &&
+           wg::chain_job(p.job[p.count++], h, y.down.w, y.down.s, b.x, 1, kI, kH, pair ? wg::XRows{} : xs, true);
+  };
   if (attn) {  // decode layers with their attention
     wg::ChainParams<bf16> p{};
     p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr;
-    const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
+    const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f};
     bool ok = true;
     const auto flush = [&] {
       if (p.count) wg::gemv_chain<bf16, fp8>(ex, p);
@@ -164,8 +178,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
         ok = ok && wg::chain_attn_job(ex, p.job[p.count++], at, b.qkv, b.att, 1);
       }
       ok = ok && wg::chain_job(p.job[p.count++], b.att, y.o.w, y.o.s, b.x, 1, kH, kH, {}, true);
-      ok = ok && wg::chain_job(p.job[p.count++], b.x, y.gu.w, y.gu.s, b.gu, 1, kH, 2 * kI, xn, false);
-      ok = ok && wg::chain_job(p.job[p.count++], b.gu, y.down.w, y.down.s, b.x, 1, kI, kH, xs, true);
+      ok = ok && mlp(p, y);
       if (mode == 11 && l + 1 < L.size())
         ok = ok && wg::chain_job(p.job[p.count++], b.x, L[l + 1].qkv.w, L[l + 1].qkv.s, b.qkv, 1, kH, kQkv, xn, false);
       Q3VL_CHECK(ok, "chain_bench: a link the chain does not take");
@@ -174,15 +187,14 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
   } else if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6, 8 stamped), qkv apart (7)
     wg::ChainParams<bf16> p{};
     p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr;
-    const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f}, xs{nullptr, 1, true};
+    const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f};
     for (size_t l = 0; l < L.size(); ++l) {
       const Layer& y = L[l];
       bool ok = true;
       if (mode == 7) gemv(ex, b.x, y.qkv, b.qkv, norm, false);
       else ok = wg::chain_job(p.job[p.count++], b.x, y.qkv.w, y.qkv.s, b.qkv, 1, kH, kQkv, xn, false);
       ok = ok && wg::chain_job(p.job[p.count++], b.qkv, y.o.w, y.o.s, b.x, 1, kH, kH, {}, true);
-      ok = ok && wg::chain_job(p.job[p.count++], b.x, y.gu.w, y.gu.s, b.gu, 1, kH, 2 * kI, xn, false);
-      ok = ok && wg::chain_job(p.job[p.count++], b.gu, y.down.w, y.down.s, b.x, 1, kI, kH, xs, true);
+      ok = ok && mlp(p, y);
       Q3VL_CHECK(ok, "chain_bench: a product the chain does not take");
       if (mode == 5 || mode == 7 || l + 1 == L.size() || p.count + 4 > wg::kChainMax) {
         wg::gemv_chain<bf16, fp8>(ex, p);
@@ -293,12 +305,13 @@ int main(int argc, char** argv) {
   const int reps = std::max(10, argc > 2 ? std::atoi(argv[2]) : 50);
   const char* names[] = {"none",     "qkv@o",    "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL",
                          "qkv, chain o+gu+down", "chain xL stamped", "attn link, layers chained",
-                         "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv"};
+                         "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv",
+                         "chain xL, SwiGLU staged", "attn link, layers chained, SwiGLU staged"};
   // The modes run (argv[3], default 0,5,6,7): 0 always first, the reference.
   std::vector<int> runs{0};
   for (const char* c = argc > 3 ? argv[3] : "0,5,6,7"; *c;) {
     const int m = std::atoi(c);
-    if (m > 0 && m < 12) runs.push_back(m);
+    if (m > 0 && m < 14) runs.push_back(m);
     while (*c && *c != ',') ++c;
     if (*c) ++c;
   }

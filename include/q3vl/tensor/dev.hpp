@@ -113,7 +113,10 @@ struct ChainAttn {
 };
 // One link of linear_chain: a product y[N, n_out] (+)= (rows of in through rin) W^T (* scale: 8-bit W),
 // linear_q8_fwd's or linear_fwd's arguments without a bias; or, attn set, an attention (ChainAttn: in and y only).
-// A link may read what an earlier link of its chain wrote.
+// A link may read what an earlier link of its chain wrote. swiglu_pair: the next link reads this one's y through
+// its SwiGLU (rin.swiglu, rin.scratch [N, n_out / 2], in = y; W's rows gate then up, no add): CUDA's chain kernel
+// then writes silu(gate) * up into that scratch in place of y, and the next link reads the scratch as it is (the
+// MLP's gate_up and down_proj: each block stages half the row and computes no SwiGLU); elsewhere it changes nothing.
 struct ChainLink {
   const void* in = nullptr;
   const void* W = nullptr;      // 8-bit of the chain's format, or in the activations' type (QFormat::None)
@@ -123,6 +126,7 @@ struct ChainLink {
   RowsIn rin;
   bool add = false;
   const ChainAttn* attn = nullptr;
+  bool swiglu_pair = false;
 };
 
 // A batch of `count` linears of one shape (linear_fwd_batched, linear_bwd_batched): problem j < count reads

@@ -480,10 +480,12 @@ __device__ __forceinline__ uint4 map8(const uint4& a, const uint4& b, F f) {
   }
   return r;
 }
+// silu(g) * u in fp32: swiglu_fwd's formula (elementwise.cu).
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 // silu(g) * u of 8 elements (gate and up vectors of S bits), rounded to S: swiglu_fwd's formula and rounding.
 template <class S>
 __device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
-  return map8<S>(g, u, [](float gf, float uf) { return gf / (1.f + expf(-gf)) * uf; });
+  return map8<S>(g, u, [](float gf, float uf) { return silu_mul(gf, uf); });
 }
 // w * (x * r) of 8 S values rounded to S: rmsnorm_fwd's formula and rounding.
 template <class S>
@@ -672,11 +674,14 @@ __device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], 
 // (WARPS MT NT 128 floats: element ((mt NT + nt) 4 + i) 32 + lane of each warp) and stored as y[j n_out + r] =
 // sum xmul[j] scale[r] + b[r] for r < n_out, j < n (xmul null: 1; scale only for scaled weights; add: added to y,
 // store_y). sync: the barrier of the warps taking part, which the caller has passed before red is written.
+// half > 0: a SwiGLU pair (gemv_chain.cuh): each m16 tile's rows g are gate rows (row0 + 16 mt) / 2 + g of W, its rows
+// g + 8 the up rows half on from them, and y [n, half] = silu(gate) * up of the two rounded to S (swiglu_fwd's
+// arithmetic on gate_up's stored rows); add unused.
 template <class S, class W, int MT, int NT, int WARPS, class Sync>
 __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
                                          const float* __restrict__ scale, const S* __restrict__ b,
                                          const float* xmul, S* __restrict__ y, int n, int64_t n_out, bool add,
-                                         Sync sync) {
+                                         Sync sync, int64_t half = 0) {
   constexpr int EL = MT * NT * 4 * 32;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -687,11 +692,23 @@ __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* r
       for (int i = 0; i < 4; ++i) red[warp * EL + ((mt * NT + nt) * 4 + i) * 32 + lane] = acc[mt][nt][i];
   sync();
   for (int e = threadIdx.x; e < EL; e += WARPS * 32) {
+    if (half && (e & 64)) continue;  // a pair's up rows (fragment rows g + 8, i >= 2) go with their gate rows
     float v = 0.f;
     for (int w = 0; w < WARPS; ++w) v += red[w * EL + e];
     const int ln = e & 31, i = (e >> 5) & 3, tile = e >> 7, nt = tile % NT, mt = tile / NT;
     const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
     const int j = nt * 8 + frag_c_n(ln, i);
+    if (half) {
+      const int64_t rg = (row0 + mt * 16) / 2 + frag_c_row(ln, i), ru = half + rg;
+      if (rg >= half || j >= n) continue;
+      float u = 0.f;
+      for (int w = 0; w < WARPS; ++w) u += red[w * EL + e + 64];
+      float sg = xmul ? xmul[j] : 1.f, su = sg;
+      if constexpr (kScaled<W>) sg *= scale[rg], su *= scale[ru];
+      const float g = round_to<S>(v * sg + (b ? ld(b, rg) : 0.f)), up = round_to<S>(u * su + (b ? ld(b, ru) : 0.f));
+      st(y, int64_t(j) * half + rg, silu_mul(g, up));
+      continue;
+    }
     if (r >= n_out || j >= n) continue;
     float sc = xmul ? xmul[j] : 1.f;  // weights in the activation type: no scale
     if constexpr (kScaled<W>) sc *= scale[r];

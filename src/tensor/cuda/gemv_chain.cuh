@@ -33,6 +33,8 @@ template <class S> struct ChainJob {
   const float* scale;
   S* y;
   int64_t n_in, n_out;
+  int64_t half;  // a SwiGLU pair (chain_job's pair): W's gate rows [0, half) and up rows [half, n_out) 8 and 8 a tile,
+                 // y [n, half] = their SwiGLU (tc_store); else 0
   int rs;
   bool vec_x, add, is_attn;
 };
@@ -97,13 +99,25 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       }
       return c.j < p.count;
     };
-    const auto row = [&](const Cur& c) { return int(tma_stage_item(c.i, c.sp, blockIdx.x, gridDim.x) * kTmaTile); };
+    // f(map, offset in the stage, first row, first panel) for stage c's box of 16 rows, or a SwiGLU pair's two boxes
+    // of 8 (the tile's gate rows, then their up rows half on, in the stage's second half: tma_tile's pair).
+    const auto boxes = [&](const Cur& c, auto&& f) {
+      const ChainJob<S>& jb = p.job[c.j];
+      const int64_t item = tma_stage_item(c.i, c.sp, blockIdx.x, gridDim.x);
+      const int panel = int(c.i % c.sp) * P;
+      if (!jb.half) {
+        f(jb.map, 0u, int(item * kTmaTile), panel);
+      } else {
+        f(jb.map, 0u, int(item * (kTmaTile / 2)), panel);
+        f(jb.map, SB / 2, int(jb.half + item * (kTmaTile / 2)), panel);
+      }
+    };
     // The first ST stages into L2 only before the wait, as k_gemv_tma does. (Asking L2 for stages further past the
     // ring, to keep HBM busy while the consumers wait at a barrier, lost 30-35 us a layer: chain_bench, H100,
     // docs/perf/2026-12-06-thirtieth/call4.)
     Cur lead;
     for (int k = 0; k < ST && next(lead); ++k)
-      tma_prefetch_3d(&p.job[lead.j].map, 0, row(lead), int(lead.i % lead.sp) * P);
+      boxes(lead, [](const CUtensorMap& m, uint32_t, int r, int pn) { tma_prefetch_3d(&m, 0, r, pn); });
     pdl_wait();
     const uint64_t policy = l2_evict_first();
     Cur c;
@@ -113,7 +127,9 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       if (gi >= ST) mbar_wait(empty0 + 8 * slot, uint32_t((gi / ST - 1) & 1));
       if (p.stamps) p.stamps[(size_t(c.j) * gridDim.x + blockIdx.x) * kStampWords + kEmptyWait] += clock64() - t0;
       mbar_expect_tx(full0 + 8 * slot, SB);
-      tma_load_3d(ring + slot * SB, &p.job[c.j].map, 0, row(c), int(c.i % c.sp) * P, full0 + 8 * slot, policy);
+      boxes(c, [&](const CUtensorMap& m, uint32_t off, int r, int pn) {
+        tma_load_3d(ring + slot * SB + off, &m, 0, r, pn, full0 + 8 * slot, policy);
+      });
     }
     return;
   }
@@ -143,11 +159,11 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
     if (st) st[kStagedClk] = clock64();
     for (int64_t tile = blockIdx.x; tile < nt; tile += gridDim.x) {
       float acc[1][NT][4] = {};
-      tma_tile<W, K>(sm, gi, sp, panels, jb.rs, n, acc, st ? st + kFullWait : nullptr);
+      tma_tile<W, K>(sm, gi, sp, panels, jb.rs, n, acc, st ? st + kFullWait : nullptr, jb.half != 0);
       const long long t0 = st ? clock64() : 0;
       bar_sync(1, CW * 32);  // the previous tile's sums are read
       tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), sm.xmul,
-                                jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); });
+                                jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); }, jb.half);
       if (st) st[kStoreWait] += clock64() - t0;
     }
     if (st) st[kEndNs] = global_ns(), st[kEndClk] = clock64();
@@ -162,13 +178,15 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
   }
 }
 
-// Product j of a chain, or false where the TMA GEMV would not take it (tma_takes, the map).
+// Product j of a chain, or false where the TMA GEMV would not take it (tma_takes, the map). pair: a SwiGLU pair, y
+// [n, n_out / 2] = silu(gate) * up of W's gate rows [0, n_out / 2) and up rows after them (n_out a multiple of 16,
+// no add): a tile takes 8 gate rows and their 8 up rows, two TMA boxes of 8 rows a stage.
 template <class S, class W, class K = TmaChain>
 bool chain_job(ChainJob<S>& jb, const S* in, const W* q, const float* scale, S* y, int n, int64_t n_in,
-               int64_t n_out, const XRows& xr, bool add) {
-  if (!tma_takes<W>(n, n_in, n_out)) return false;
-  if (!tmap_panels(jb.map, q, n_out, n_in * int64_t(sizeof(W)), kTmaTile, K::kP)) return false;
-  jb.in = in, jb.xr = xr, jb.scale = scale, jb.y = y, jb.n_in = n_in, jb.n_out = n_out;
+               int64_t n_out, const XRows& xr, bool add, bool pair = false) {
+  if (!tma_takes<W>(n, n_in, n_out) || (pair && (n_out % kTmaTile || add))) return false;
+  if (!tmap_panels(jb.map, q, n_out, n_in * int64_t(sizeof(W)), pair ? kTmaTile / 2 : kTmaTile, K::kP)) return false;
+  jb.in = in, jb.xr = xr, jb.scale = scale, jb.y = y, jb.n_in = n_in, jb.n_out = n_out, jb.half = pair ? n_out / 2 : 0;
   jb.rs = int(n_in + kTcPad<W>), jb.vec_x = x_vectors(in, xr, n_in), jb.add = add, jb.is_attn = false;
   return true;
 }
@@ -192,7 +210,7 @@ bool chain_attn_job(const Exec& x, ChainJob<S>& jb, const ChainAttn& a, const S*
   jb.attn = {a.wq, a.wk, a.cos, a.sin, a.k_pool, a.v_pool, a.slots, a.cu, a.ctx, a.table,
              ns > 1 ? static_cast<float*>(x.ws) : nullptr, int(a.max_blocks), int(a.block), int(a.nseg), int(a.nh),
              int(a.nkv), int(a.hd), int(ns), int(a.max_q), float(a.eps), float(double(a.scale) * 1.4426950408889634)};
-  jb.in = in, jb.xr = {}, jb.scale = nullptr, jb.y = y, jb.n_in = 0, jb.n_out = 0, jb.rs = 0;
+  jb.in = in, jb.xr = {}, jb.scale = nullptr, jb.y = y, jb.n_in = 0, jb.n_out = 0, jb.half = 0, jb.rs = 0;
   jb.vec_x = false, jb.add = false, jb.is_attn = true;
   return true;
 }

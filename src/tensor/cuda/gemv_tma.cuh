@@ -88,10 +88,13 @@ template <class K> struct TmaSmem {
 };
 
 // A consumer warp's share of one tile: its panels of the tile's spt stages, taken from the ring from the block's
-// stage gi on (gi advanced past them), against the staged x (rs halves a row, n rows), summed into acc.
+// stage gi on (gi advanced past them), against the staged x (rs halves a row, n rows), summed into acc. pair: each
+// stage holds two boxes of 8 rows (gemv_chain.cuh's SwiGLU pair: the gate rows, then the up rows, P panels each), in
+// place of one box of 16: rows 8 on of a panel sit half a stage after its rows 0 to 7, not 1 KiB.
 template <class W, class K>
 __device__ __forceinline__ void tma_tile(const TmaSmem<K>& sm, int64_t& gi, int spt, int panels, int rs, int n,
-                                         float (&acc)[1][kTmaNb / 8][4], unsigned long long* waited = nullptr) {
+                                         float (&acc)[1][kTmaNb / 8][4], unsigned long long* waited = nullptr,
+                                         bool pair = false) {
   constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, G = kGroup<W>;
   constexpr int PC = kTmaPanel / int(sizeof(W));  // columns of a panel
   constexpr uint32_t SB = tma_stage_bytes<K>();
@@ -105,12 +108,13 @@ __device__ __forceinline__ void tma_tile(const TmaSmem<K>& sm, int64_t& gi, int 
     for (int p = warp; p < P; p += CW) {
       const int pg = kp * P + p;  // the panel in the row
       if (pg >= panels) break;
-      const unsigned char* pb = stage + p * kTmaPanelBytes;
+      const unsigned char* pb = stage + p * (pair ? kTmaPanelBytes / 2 : kTmaPanelBytes);
+      const int hi = pair ? P * kTmaPanelBytes / 2 : kTmaPanelBytes / 2;  // row g + 8 from row g (tma_offset)
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
         const int c = tma_chunk(lane, s);
         const uint4 w[1][2] = {{*reinterpret_cast<const uint4*>(pb + tma_offset(g, c)),
-                                *reinterpret_cast<const uint4*>(pb + tma_offset(g + 8, c))}};
+                                *reinterpret_cast<const uint4*>(pb + hi + tma_offset(g, c))}};
         tc_step<W, kTmaNb, 1>(acc, w, sm.xs + pg * PC + c * G, rs, n, g);
       }
     }
