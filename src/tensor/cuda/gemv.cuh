@@ -676,12 +676,10 @@ __device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], 
 // store_y). sync: the barrier of the warps taking part, which the caller has passed before red is written.
 // half > 0: a SwiGLU pair (gemv_chain.cuh): each m16 tile's rows g are gate rows (row0 + 16 mt) / 2 + g of W, its rows
 // g + 8 the up rows half on from them, and y [n, half] = silu(gate) * up of the two rounded to S (swiglu_fwd's
-// arithmetic on gate_up's stored rows); add unused.
-template <class S, class W, int MT, int NT, int WARPS, class Sync>
-__device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
-                                         const float* __restrict__ scale, const S* __restrict__ b,
-                                         const float* xmul, S* __restrict__ y, int n, int64_t n_out, bool add,
-                                         Sync sync, int64_t half = 0) {
+// arithmetic on gate_up's stored rows); add unused. Two halves: tc_put (a warp's fragments into red) and tc_sum
+// (elements e0, e0 + step, ... added and stored), which gemv_chain.cuh runs a tile apart.
+template <int MT, int NT>
+__device__ __forceinline__ void tc_put(const float (&acc)[MT][NT][4], float* red, int warp) {
   constexpr int EL = MT * NT * 4 * 32;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -690,8 +688,13 @@ __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* r
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp * EL + ((mt * NT + nt) * 4 + i) * 32 + lane] = acc[mt][nt][i];
-  sync();
-  for (int e = threadIdx.x; e < EL; e += WARPS * 32) {
+}
+template <class S, class W, int MT, int NT, int WARPS>
+__device__ __forceinline__ void tc_sum(const float* red, int e0, int step, int64_t row0,
+                                       const float* __restrict__ scale, const S* __restrict__ b, const float* xmul,
+                                       S* __restrict__ y, int n, int64_t n_out, bool add, int64_t half) {
+  constexpr int EL = MT * NT * 4 * 32;
+  for (int e = e0; e < EL; e += step) {
     if (half && (e & 64)) continue;  // a pair's up rows (fragment rows g + 8, i >= 2) go with their gate rows
     float v = 0.f;
     for (int w = 0; w < WARPS; ++w) v += red[w * EL + e];
@@ -714,6 +717,15 @@ __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* r
     if constexpr (kScaled<W>) sc *= scale[r];
     store_y(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f), add);
   }
+}
+template <class S, class W, int MT, int NT, int WARPS, class Sync>
+__device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
+                                         const float* __restrict__ scale, const S* __restrict__ b,
+                                         const float* xmul, S* __restrict__ y, int n, int64_t n_out, bool add,
+                                         Sync sync, int64_t half = 0) {
+  tc_put<MT, NT>(acc, red, warp);
+  sync();
+  tc_sum<S, W, MT, NT, WARPS>(red, threadIdx.x, WARPS * 32, row0, scale, b, xmul, y, n, n_out, add, half);
 }
 
 // One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of the input (rows r0 on,

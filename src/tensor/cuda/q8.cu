@@ -221,6 +221,8 @@ bool chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N) {
   void* bar = nullptr;
   Q3VL_CU(cudaGetSymbolAddress(&bar, g_chain_bar));
   p->bar = static_cast<uint32_t*>(bar);
+  static const bool sync_ends = env_is("Q3VL_CHAIN_SYNC_ENDS", "1");  // the A/B of a tile's end a tile late
+  p->sync_ends = sync_ends;
   wgemv::gemv_chain<S, W>(x, *p);
   return true;
 }
