@@ -249,19 +249,21 @@ __device__ void attn_unit(const ChainAttnJob& a, const S* __restrict__ in, S* __
   if (used == 1) return;
   // The last split of (segment, kv head) to arrive combines them: out = sum_s w_s acc_s / sum_s w_s l_s with
   // w_s = 2^(m_s - max m) (paged_combine's sums). Lane s holds split s's (and s + 32's) max and weight, so that every
-  // load of the combine is in flight at once: the splits' maxima and sums, then their rows (a warp an item).
-  __threadfence();
+  // load of the combine is in flight at once: the splits' maxima and sums, then their rows (a warp an item). The count
+  // is an acquire-release add at gpu scope by thread 0 between two block barriers (grid_arrive's pattern): it
+  // publishes the block's rows and, to the last split, every other split's.
   bar_sync(1, NT);
   if (tid == 0) {
     uint32_t* c = cnt + seg * a.nkv + kh;
-    const bool last = atomicAdd(c, 1u) == uint32_t(used - 1);
+    uint32_t before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(c) : "memory");
+    const bool last = before == uint32_t(used - 1);
     if (last) *c = 0;  // every split has arrived: zeroed for the next link (and graph replays)
     *sFlag = last;
   }
   bar_sync(1, NT);
   if (stamp) stamp[2] = clock64();  // the split's rows written and counted
   if (!*sFlag) return;
-  __threadfence();
   static_assert(kAttnMaxSplit <= 64, "two splits a lane");
   for (int it = warp; it < items; it += CW) {
     const int i = it / G;

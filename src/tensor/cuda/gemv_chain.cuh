@@ -61,9 +61,11 @@ enum ChainStamp {
 template <int CW> struct SyncConsumers {
   __device__ __forceinline__ void operator()() const { bar_sync(1, CW * 32); }
 };
+// Thread 0 of a block past the consumers' named barrier: a release add at gpu scope, so this block's products, stored
+// by every consumer thread before that barrier, are seen by any block that acquires the count (CUTLASS's generic
+// barrier; no separate fence).
 __device__ __forceinline__ void grid_arrive(uint32_t* bar) {
-  __threadfence();  // this block's products, stored by every consumer thread before the named barrier, go first
-  atomicAdd(bar, 1u);
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar) : "memory");
 }
 __device__ __forceinline__ void grid_wait(const uint32_t* bar, uint32_t target) {
   uint32_t v;
