@@ -261,9 +261,9 @@ void mlp_chain(const TextConfig& tc, const DevParams& P, int f, int gate_up, boo
   };
   if (attn) links.push_back(*attn);
   links.push_back(link(f + tlay::o_proj, c.att, x, Dq, H, {}, true));
-  // gate_up's SwiGLU computed by its tiles, which down_proj reads as is (dev::ChainLink::swiglu_pair;
-  // Q3VL_CHAIN_SWIGLU=0: down_proj's staging computes it, each block the whole row).
-  static const bool pair = !env_is("Q3VL_CHAIN_SWIGLU", "0");
+  // gate_up's SwiGLU computed by its tiles, which down_proj reads as is (dev::ChainLink::swiglu_pair): opt-in
+  // (Q3VL_CHAIN_SWIGLU=1) until it has run on a GPU; else down_proj's staging computes it, each block the whole row.
+  static const bool pair = env_is("Q3VL_CHAIN_SWIGLU", "1");
   links.push_back(link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, false));
   links.back().swiglu_pair = pair;
   links.push_back(link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true));
