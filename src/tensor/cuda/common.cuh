@@ -59,6 +59,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// silu(g) * u in fp32: the one SwiGLU formula of the op (elementwise.cu), the decode chain's pair and its staging
+// (gemv.cuh), whose bitwise agreement depends on it.
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
 // Storage types by DType; kernels are templated on the storage type and compute in float.
 template <class S> __device__ __forceinline__ float ld(const S* p, int64_t i) { return float(p[i]); }
 template <> __device__ __forceinline__ float ld<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {

@@ -134,7 +134,7 @@ template <class S, int W> __global__ void k_swiglu_fwd(const S* gu, S* y, int64_
     ldv<S, W>(gu, ig, g);
     ldv<S, W>(gu, ig + I, u);
 #pragma unroll
-    for (int k = 0; k < W; ++k) o[k] = g[k] / (1.f + expf(-g[k])) * u[k];
+    for (int k = 0; k < W; ++k) o[k] = silu_mul(g[k], u[k]);
     stv<S, W>(y, v * W, o);
   }
 }

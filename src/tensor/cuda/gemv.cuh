@@ -480,8 +480,6 @@ __device__ __forceinline__ uint4 map8(const uint4& a, const uint4& b, F f) {
   }
   return r;
 }
-// silu(g) * u in fp32: swiglu_fwd's formula (elementwise.cu).
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.f + expf(-g)) * u; }
 // silu(g) * u of 8 elements (gate and up vectors of S bits), rounded to S: swiglu_fwd's formula and rounding.
 template <class S>
 __device__ __forceinline__ uint4 swiglu8(const uint4& g, const uint4& u) {
@@ -699,7 +697,6 @@ __device__ __forceinline__ void tc_sum(const float* red, int e0, int step, int64
     float v = 0.f;
     for (int w = 0; w < WARPS; ++w) v += red[w * EL + e];
     const int ln = e & 31, i = (e >> 5) & 3, tile = e >> 7, nt = tile % NT, mt = tile / NT;
-    const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
     const int j = nt * 8 + frag_c_n(ln, i);
     if (half) {
       const int64_t rg = (row0 + mt * 16) / 2 + frag_c_row(ln, i), ru = half + rg;
@@ -712,6 +709,7 @@ __device__ __forceinline__ void tc_sum(const float* red, int e0, int step, int64
       st(y, int64_t(j) * half + rg, silu_mul(g, up));
       continue;
     }
+    const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
     if (r >= n_out || j >= n) continue;
     float sc = xmul ? xmul[j] : 1.f;  // weights in the activation type: no scale
     if constexpr (kScaled<W>) sc *= scale[r];

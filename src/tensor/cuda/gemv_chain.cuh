@@ -34,7 +34,7 @@ template <class S> struct ChainJob {
   S* y;
   int64_t n_in, n_out;
   int64_t half;  // a SwiGLU pair (chain_job's pair): W's gate rows [0, half) and up rows [half, n_out) 8 and 8 a tile,
-                 // y [n, half] = their SwiGLU (tc_store); else 0
+                 // y [n, half] = their SwiGLU (tc_sum); else 0
   int rs;
   bool vec_x, add, is_attn;
 };
