@@ -248,40 +248,64 @@ bool chain_layers_on() {
   static const bool layers = !env_is("Q3VL_CHAIN_LAYERS", "1");
   return chain_attn_on() && layers;
 }
-// Appends to `links` a dense layer's attention (`attn`, where not null), o_proj (adds to x), gate_up (reads x through
-// the post-attention norm) and down_proj (reads the SwiGLU of gate_up's output, adds to x), weights all 8-bit (w8) or
-// all in dt; then, where `next` >= 0 (the next layer's first id; its fused qkv of the same kind), its qkv projection
-// of x through its input norm into c.qkv.
+// A dense layer's gate_up (reads x through the post-attention norm) and down_proj (reads the SwiGLU of gate_up's
+// output, adds to x) as two links of its chain.
+void mlp_links(const TextConfig& tc, const DevParams& P, int f, int gate_up, bool w8, void* x, DevDecoderCtx& c,
+               std::vector<dev::ChainLink>& links) {
+  const int64_t H = tc.hidden, I = tc.intermediate;
+  const auto link = [&](int id, const void* in, void* y, int64_t n_in, int64_t n_out, dev::RowsIn rin, bool add) {
+    return dev::ChainLink{in, w8 ? P.q8[id] : P.p[id], w8 ? P.s8[id] : nullptr, y, n_in, n_out, rin, add};
+  };
+  // gate_up's SwiGLU computed by its tiles, which down_proj reads as is (dev::ChainLink::swiglu_pair): opt-in
+  // (Q3VL_CHAIN_SWIGLU=1) until it has run on a GPU; else down_proj's staging computes it, each block the whole row.
+  static const bool pair = env_is("Q3VL_CHAIN_SWIGLU", "1");
+  links.push_back(link(gate_up, x, c.gu, H, 2 * I,
+                       {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], float(tc.rms_eps)}, false));
+  links.back().swiglu_pair = pair;
+  links.push_back(link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true));
+}
+// Appends to `links` a layer's attention (`attn`, where not null), o_proj (adds to x), and its MLP: a dense layer's
+// gate_up (reads x through the post-attention norm) and down_proj (reads the SwiGLU of gate_up's output, adds to x),
+// or a MoE layer's block as one link (`moe`: reads x through that norm, adds to x); weights all 8-bit (w8) or all in
+// dt; then, where `next` >= 0 (the next layer's first id; its fused qkv of the same kind), its qkv projection of x
+// through its input norm into c.qkv.
 void mlp_chain(const TextConfig& tc, const DevParams& P, int f, int gate_up, bool w8, int next,
-               const dev::ChainLink* attn, void* x, DevDecoderCtx& c, DType dt, std::vector<dev::ChainLink>& links) {
-  const int64_t H = tc.hidden, I = tc.intermediate, Dq = tc.heads * tc.head_dim, Dk = tc.kv_heads * tc.head_dim;
+               const dev::ChainLink* attn, const dev::ChainMoe* moe, void* x, DevDecoderCtx& c, DType dt,
+               std::vector<dev::ChainLink>& links) {
+  const int64_t H = tc.hidden, Dq = tc.heads * tc.head_dim, Dk = tc.kv_heads * tc.head_dim;
   const float eps = float(tc.rms_eps);
   const auto link = [&](int id, const void* in, void* y, int64_t n_in, int64_t n_out, dev::RowsIn rin, bool add) {
     return dev::ChainLink{in, w8 ? P.q8[id] : P.p[id], w8 ? P.s8[id] : nullptr, y, n_in, n_out, rin, add};
   };
   if (attn) links.push_back(*attn);
   links.push_back(link(f + tlay::o_proj, c.att, x, Dq, H, {}, true));
-  // gate_up's SwiGLU computed by its tiles, which down_proj reads as is (dev::ChainLink::swiglu_pair): opt-in
-  // (Q3VL_CHAIN_SWIGLU=1) until it has run on a GPU; else down_proj's staging computes it, each block the whole row.
-  static const bool pair = env_is("Q3VL_CHAIN_SWIGLU", "1");
-  links.push_back(link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, false));
-  links.back().swiglu_pair = pair;
-  links.push_back(link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true));
+  if (moe) {
+    links.push_back({x, nullptr, nullptr, x, H, H, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, true});
+    links.back().moe = moe;
+  } else {
+    mlp_links(tc, P, f, gate_up, w8, x, c, links);
+  }
   if (next >= 0)
     links.push_back(link(fused_qkv(P, next, Dq, Dk, H, dt), x, c.qkv, H, Dq + 2 * Dk,
                          {nullptr, 1, false, c.ln1, P.p[next + tlay::in_norm], eps}, false));
 }
+
 // The links waiting in `a` (DevQkvAhead), launched as one chain.
 void chain_flush(const dev::Exec& ex, DevQkvAhead& a, int64_t N, DType dt) {
   if (a.links.empty()) return;
   dev::linear_chain(ex, a.links.data(), int(a.links.size()), N, a.qf, dt);
   a.links.clear();
   a.attn.clear();
+  a.moe.clear();
 }
 }  // namespace
 
 bool& dev_chain_attn() {
   static bool on = !env_is("Q3VL_CHAIN_ATTN", "0");
+  return on;
+}
+bool& dev_chain_moe() {
+  static bool on = env_is("Q3VL_CHAIN_MOE", "1");
   return on;
 }
 
@@ -300,9 +324,14 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
   Q3VL_CHECK(!ready || (fold && !pending), "dev_decoder_infer: a layer's qkv came ahead of its unfolded input norm");
   // A dense layer's attention, o_proj, gate_up and down_proj, all 8-bit (w8) or all in dt, as one chain (folded as
   // below, whatever the weights), and the next layer's qkv of the same kind: that layer then starts at its qkv rows.
+  // A MoE layer's likewise, its MoE block one link (one row, weights in dt, no expert parallelism).
   const bool w8 = q8(P, f + tlay::o_proj);
   const QFormat cqf = w8 ? P.qf : QFormat::None;
-  const bool chain = chain_on() && fold && !moe && q8(P, gate_up) == w8 && q8(P, f + tlay::down_proj) == w8;
+  const int eg = moe ? dev_experts_id(P, f) : -1;
+  const bool chain = chain_on() && fold &&
+                     (moe ? dev_chain_moe() && N == 1 && !w8 && !c.ex && !c.el && !q8(P, f + tlay::router) &&
+                                !q8(P, eg) && !q8(P, eg + 1)
+                          : q8(P, gate_up) == w8 && q8(P, f + tlay::down_proj) == w8);
   if (!chain || !chain_attn_on() || ahead.qf != cqf) chain_flush(ex, ahead, N, dt);  // this layer's ops come after
   const bool norm_in = ready || (fold && !pending && q8(P, qkv)), add_o = fold && q8(P, f + tlay::o_proj);
   const bool norm_post = add_o && !moe && q8(P, gate_up);
@@ -326,10 +355,17 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
     if (chain_attn_on()) attn.attn = &ahead.attn.emplace_back(at), first = &attn;
     else dev::chain_attn_ops(ex, attn, N, dt);
     ahead.qf = cqf;
-    mlp_chain(tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, first, x, c, dt, ahead.links);
-    // The next layer's five links join these where they fit one kernel (Q3VL_CHAIN_LAYERS=1: a chain a layer).
-    if (!ahead.ready || !chain_layers_on() || ahead.links.size() + 5 > size_t(dev::kChainMaxLinks))
-      chain_flush(ex, ahead, N, dt);
+    const dev::ChainMoe* mo = nullptr;  // the MoE block's ops' arguments (mlp_fwd's)
+    if (moe)
+      mo = &ahead.moe.emplace_back(dev::ChainMoe{P.p[f + tlay::router], P.p[eg], P.p[eg + 1], tc.num_experts,
+                                                 tc.experts_per_tok, tc.moe_intermediate,
+                                                 static_cast<float*>(s.logits), probs, c.w, idx, c.start, c.rows,
+                                                 c.pos, s.xg, c.egu, s.eact, c.ey});
+    mlp_chain(tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, first, mo, x, c, dt, ahead.links);
+    // The next layer's links join these where they fit one kernel (Q3VL_CHAIN_LAYERS=1: a chain a layer): 5 jobs of
+    // the kernel a dense layer, 6 a MoE layer's (its MoE link is 3).
+    const size_t jobs = ahead.links.size() + 2 * ahead.moe.size();
+    if (!ahead.ready || !chain_layers_on() || jobs + 6 > size_t(dev::kChainMaxLinks)) chain_flush(ex, ahead, N, dt);
     return true;
   }
   // Its two ops: alone, the chain kernel's attention link lost to them (a MoE layer's, H100: one 30B-A3B stream 4.75

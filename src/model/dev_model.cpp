@@ -1092,11 +1092,11 @@ std::vector<float> DevModel::step(const std::vector<StepSegment<float>>& segs, K
       if (nvis) dev::scatter_rows(ex_, J.img, J.vis, J.x, nvis, H, false, dt_);
     }
     const void* pending = nullptr;  // a layer's MLP output, added with the next layer's first norm
-    DevQkvAhead ahead;              // a dense layer's chain may compute the next one's qkv (the same J.dwork[0])
+    DevQkvAhead ahead;              // a layer's chain may compute the next one's qkv (a layer of its kind: one J.dwork)
     for (int l = l0; l < l1; ++l) {
       const bool moe = table_.moe_layer(l), deepstack = size_t(l) < nds && nvis;
       const DevPagedCache kv{J.k[l], J.v[l], J.slots, J.cu, J.ctx, J.table, SB, bs, Sp, max_q, max_ctx, keys};
-      ahead.next = l + 1 < l1 && !moe && !deepstack && !table_.moe_layer(l + 1) ? table_.layer(l + 1) : -1;
+      ahead.next = l + 1 < l1 && !deepstack && moe == table_.moe_layer(l + 1) ? table_.layer(l + 1) : -1;
       const bool added = dev_decoder_infer(ex_, cfg_, P, table_.layer(l), moe, J.x, Np, kv, J.tcos, J.tsin,
                                            moe ? J.probs : nullptr, moe ? J.idx : nullptr, J.dwork[moe], J.dscr,
                                            reduce, pending, ahead, dt_);

@@ -322,20 +322,22 @@ void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, Q
   double flop = 0;
   for (int j = 0; j < count; ++j) {
     const ChainLink& l = links[j];
-    flop += l.attn ? attention_flops(N, l.attn->max_ctx, l.attn->nh, l.attn->hd, false)
-                   : 2.0 * double(N) * double(l.n_in) * double(l.n_out);
+    flop += l.attn  ? attention_flops(N, l.attn->max_ctx, l.attn->nh, l.attn->hd, false)
+            : l.moe ? 2.0 * double(N) * double(l.n_in) * double(l.moe->E + 3 * l.moe->k * l.moe->I)
+                    : 2.0 * double(N) * double(l.n_in) * double(l.n_out);
   }
   PROFILED(x, __func__, prof::flop(flop));  // the links' ops below are inside this region, not timed apart
 #ifdef Q3VL_CUDA
   if (x.device == Device::CUDA && cuda::linear_chain_kernel(x, links, count, N, qf, dt)) return;
 #endif
-  for (int j = 0; j < count; ++j) {  // the links one by one (an attention link as a chain of its own where it can)
+  for (int j = 0; j < count; ++j) {  // the links one by one
     const ChainLink& l = links[j];
-    if (l.attn) {
+    if (l.attn || l.moe) {  // a chain of its own where it can
 #ifdef Q3VL_CUDA
       if (count > 1 && x.device == Device::CUDA && cuda::linear_chain_kernel(x, &l, 1, N, qf, dt)) continue;
 #endif
-      chain_attn_ops(x, l, N, dt);
+      if (l.attn) chain_attn_ops(x, l, N, dt);
+      else chain_moe_ops(x, l, N, dt);
     } else if (qf == QFormat::None) {
       linear_fwd(x, l.in, l.W, nullptr, l.y, N, l.n_in, l.n_out, dt, l.rin, l.add);
     } else {
@@ -349,6 +351,16 @@ void chain_attn_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt) {
                    a.nkv, a.hd, a.eps, dt);
   paged_attention_fwd(x, a.q, a.k_pool, a.v_pool, l.y, a.cu, a.ctx, a.table, a.max_blocks, a.block, a.nseg, a.max_q,
                       a.max_ctx, a.keys, N, a.nh, a.nkv, a.hd, a.scale, dt);
+}
+void chain_moe_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt) {
+  const ChainMoe& m = *l.moe;
+  const int64_t H = l.n_in, R = N * m.k;
+  Q3VL_CHECK(l.n_out == H && l.rin.scratch && !l.rin.rows && !l.rin.swiglu, "dev::chain_moe_ops: bad MoE link");
+  const void* xn = rows_in(x, l.in, l.rin, N, H, dt);
+  moe_route(x, xn, m.router, m.logits, m.probs, m.idx, m.w, m.start, m.rows, m.pos, N, H, m.E, m.k, dt);
+  grouped_linear_fwd(x, xn, m.gate_up, m.start, m.egu, R, m.E, H, 2 * m.I, dt, {m.rows, m.k, false, m.xg});
+  grouped_linear_fwd(x, m.egu, m.down, m.start, m.ey, R, m.E, m.I, H, dt, {nullptr, 1, true, m.act});
+  moe_combine_fwd(x, m.ey, m.pos, m.w, l.y, N, m.k, H, dt, l.add);
 }
 void linear_bwd(const Exec& x, const void* dy, const void* in, const void* W, void* din, float* dW, float* db,
                 int64_t N, int64_t n_in, int64_t n_out, bool accumulate, bool accumulate_dW, DType dt) {

@@ -630,6 +630,60 @@ std::vector<Case> all_cases(DType dt) {
         }
   }
 
+  // A decode step's MoE block as a chain link (dev::ChainMoe): x through the post-attention norm, routed, the picked
+  // experts' SwiGLU MLPs combined and added to x; alone, and twice in one chain after o_proj (the second block's router
+  // orders the experts the other way: other picks). On CUDA (bf16, fp16) one row is one persistent kernel where I's
+  // 128-byte panels are a multiple of 4 (I 256, 512; gemv_chain.cuh's MoE jobs), else (I 192, two rows) the ops one by
+  // one. The router's rows are c_e u plus noise and x leans on u, so the logits sit ~0.1 apart and the picks compare
+  // exactly (idx); w and x within the chain's bounds.
+  for (int64_t N : {1, 2})
+    for (auto [H, E, k, I] : {std::array<int64_t, 4>{256, 16, 4, 256}, {384, 32, 8, 512}, {256, 16, 4, 192}})
+      for (int form = 0; form < 2; ++form) {
+        if (N == 2 && (form == 1 || I != 256)) continue;
+        std::vector<double> u(static_cast<size_t>(H), 0.0), g = randn(H, 0.3), x0 = randn(N * H, 0.5);
+        for (auto& v : u) v = std::bernoulli_distribution(0.5)(rng) ? 1.0 : -1.0;
+        for (auto& v : g) v += 1.0;
+        for (int64_t i = 0; i < N * H; ++i) x0[size_t(i)] += 2.0 * u[size_t(i % H)];
+        const auto router = [&](bool reverse) {
+          std::vector<double> c(static_cast<size_t>(E), 0.0), w = randn(E * H, 0.002);
+          for (int64_t e = 0; e < E; ++e) c[size_t(e)] = double(reverse ? E - 1 - e : e) / double(E);
+          std::shuffle(c.begin(), c.end(), rng);
+          for (int64_t e = 0; e < E; ++e)
+            for (int64_t i = 0; i < H; ++i) w[size_t(e * H + i)] += 4.0 * c[size_t(e)] * u[size_t(i)] / double(H);
+          return w;
+        };
+        const std::vector<double> wr = router(false), wr2 = router(true);
+        const int64_t R = N * k;
+        add("linear_chain",
+            std::string(form == 0 ? "moe" : "o moe o moe") + " " + dims({N, H, E, k, I}), kChain,
+            {out("x", K::Act, x0), in("norm", K::Act, g), in("ln2", K::Act, std::vector<double>(size_t(N * H))),
+             in("router", K::Act, wr), in("gate_up", K::Act, randn(E * 2 * I * H, 0.05)),
+             in("down", K::Act, randn(E * H * I, 0.05)), in("logits", K::F32, std::vector<double>(size_t(N * E))),
+             in("probs", K::F32, std::vector<double>(size_t(N * E))), out("w", K::F32, randu(R, 0, 1)),
+             out("idx", K::I32, randi(R, E), true), in("start", K::I32, std::vector<double>(size_t(E + 1))),
+             in("rows", K::I32, std::vector<double>(size_t(R))), in("pos", K::I32, std::vector<double>(size_t(R))),
+             in("xg", K::Act, std::vector<double>(size_t(R * H))),
+             in("egu", K::Act, std::vector<double>(size_t(R * 2 * I))),
+             in("act", K::Act, std::vector<double>(size_t(R * I))), in("ey", K::Act, std::vector<double>(size_t(R * H))),
+             in("att", K::Act, randn(N * H, 0.1)), in("w_o", K::Act, randn(H * H, 0.05)), in("router2", K::Act, wr2)},
+            [=](auto& x, auto& p, DType t) {
+              const auto moe = [&](int router) {
+                return dev::ChainMoe{p[router], p[4], p[5], E, k, I, P<float>(p, 6), P<float>(p, 7), P<float>(p, 8),
+                                     P<int32_t>(p, 9), P<int32_t>(p, 10), P<int32_t>(p, 11), P<int32_t>(p, 12),
+                                     p[13], p[14], p[15], p[16]};
+              };
+              const dev::ChainMoe m1 = moe(3), m2 = moe(19);
+              std::vector<dev::ChainLink> l;
+              for (const dev::ChainMoe* m : {&m1, &m2}) {
+                if (form == 1) l.push_back({p[17], p[18], nullptr, p[0], H, H, {}, true});
+                l.push_back({p[0], nullptr, nullptr, p[0], H, H, {nullptr, 1, false, p[2], p[1], 1e-6f}, true});
+                l.back().moe = m;
+                if (form == 0) break;
+              }
+              dev::linear_chain(x, l.data(), int(l.size()), N, QFormat::None, t);
+            });
+      }
+
   // Weight-only 8-bit experts, int8 and fp8. Rows spread over the even experts (the odd ones have none) or all in
   // one; R <= 8 E is the CUDA GEMV over the experts with rows (R 40 and 64 with more than 16 rows an expert: several
   // passes), larger R dequantizes groups of experts into ws for the grouped GEMM ("ws2": room for two experts a group;

@@ -126,6 +126,14 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
     return out.back();
   };
   run({chunk(0, 5)});                            // prompt 0 into its image
+  if (ps.size() == 1) {  // one sequence: the rest of its prompt, then one-row decode steps
+    std::vector<float> l = run({chunk(0, 100)});
+    for (size_t t = 0; t < 6; ++t) {
+      if (record) greedy[0].push_back(argmax(l, 0));
+      l = run({decode(0, t)});
+    }
+    return out;
+  }
   std::vector<float> l = run({chunk(0, 100), chunk(1, 7)});  // prompt 0 done, prompt 1 mid-image
   if (record) greedy[0].push_back(argmax(l, 0));
   l = run({decode(0, 0), chunk(1, 100)});        // decode 0 while prompt 1 finishes
@@ -147,16 +155,17 @@ std::vector<std::vector<float>> schedule(const ModelConfig& cfg, const std::vect
 // graphs: decode steps padded to a bucket of segments (the schedule's two decoding sequences become four), and on a
 // GPU recorded once as a graph that the later decode steps replay with new tokens, positions and block tables.
 // nan_step: that step's device logits replaced by NaN before the comparison (the check's own test).
-// name "MODEL:hd64": the golden model's shape with head dim 64 and intermediate size 128 (the decode chain's attention
-// link, chain_attn.cuh, takes head dims 64 and 128, the goldens' is 16; the chain kernel 128-byte rows, bf16 rows of
-// 96 are not) and random weights: bf16 decode steps of the dense model run both layers as one chain kernel.
+// name "MODEL:hd64": the golden model's shape with head dim 64, intermediate size 128 and the experts' 256 (the decode
+// chain's attention link, chain_attn.cuh, takes head dims 64 and 128, the goldens' is 16; the chain kernel 128-byte
+// rows, bf16 rows of 96 are not; its MoE link four such rows an expert) and random weights: bf16 decode steps of the
+// dense model run both layers as one chain kernel. one: the first prompt alone (one-row decode steps).
 void infer_case(const std::string& name, Device d, DType dt, double tol, std::vector<int> splits = {},
-                QFormat quant = QFormat::None, bool graphs = false, int nan_step = -1) {
+                QFormat quant = QFormat::None, bool graphs = false, int nan_step = -1, bool one = false) {
   const bool hd64 = name.ends_with(":hd64");
   const std::string dir = "tests/data/golden/" + name.substr(0, name.find(':')) + "/model";
   ModelConfig cfg = load_hf_config(dir + "/config.json");
   if (hd64) {
-    cfg.text.head_dim = 64, cfg.text.intermediate = 128;
+    cfg.text.head_dim = 64, cfg.text.intermediate = 128, cfg.text.moe_intermediate = 256;
     for (int& s : cfg.text.mrope_section) s *= 4;  // the rotary columns: hd / 2
   }
   Model host(cfg);
@@ -171,7 +180,8 @@ void infer_case(const std::string& name, Device d, DType dt, double tol, std::ve
     for (int l = 0; l < cfg.text.layers; ++l) moe += host.table().moe_layer(l);
     EXPECT_EQ(experts, 2 * moe) << "every MoE layer's gate_up and down";
   }
-  const std::vector<Prompt> ps{make_prompt(cfg, 4, 4, 3, 9, 1), make_prompt(cfg, 4, 8, 6, 5, 2)};
+  std::vector<Prompt> ps{make_prompt(cfg, 4, 4, 3, 9, 1), make_prompt(cfg, 4, 8, 6, 5, 2)};
+  if (one) ps.pop_back();  // one sequence: one-row decode steps
   const int64_t block = 4, blocks = 24;
 
   HostKvCache<float> hc;
@@ -367,6 +377,26 @@ TEST(DevInfer, AttentionLinkMatchesHostOnCpu) {
   ChainAttnOn on;
   infer_case("dense_untied:hd64", Device::CPU, DType::F32, 1e-5);
   infer_case("moe:hd64", Device::CPU, DType::F32, 1e-5);
+}
+// The MoE block in the decode chain (dev_chain_moe, one-row steps): on the CPU its link runs the MoE ops; on CUDA in
+// bf16 the hd64 shape's one-row decode steps run both MoE layers as one chain kernel (its MoE jobs), the golden
+// shape (experts' rows of 64 bytes) the link's ops.
+struct ChainMoeOn {
+  ChainMoeOn() : was(std::exchange(dev_chain_moe(), true)) {}
+  ~ChainMoeOn() { dev_chain_moe() = was; }
+  bool was;
+};
+TEST(DevInfer, MoeLinkMatchesHostOnCpu) {
+  ChainMoeOn on;
+  for (const char* n : {"moe", "moe:hd64"})
+    infer_case(n, Device::CPU, DType::F32, 1e-5, {}, QFormat::None, false, -1, true);
+}
+TEST(DevInfer, MoeLinkMatchesHostOnCuda) {
+  Q3VL_NEED_GPU();
+  ChainMoeOn on;
+  for (const char* n : {"moe", "moe:hd64"})
+    infer_case(n, Device::CUDA, DType::BF16, 3e-2, {}, QFormat::None, false, -1, true);
+  infer_case("moe:hd64", Device::CUDA, DType::F32, 1e-4, {}, QFormat::None, false, -1, true);
 }
 TEST(DevInfer, StepMatchesHostOnCudaFp16) {
   Q3VL_NEED_GPU();

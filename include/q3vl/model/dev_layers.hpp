@@ -194,11 +194,15 @@ using DevPartialSum = std::function<void(void*, int64_t)>;
 // Whether decode steps put the attention into their chains (dev::ChainAttn): on at start unless Q3VL_CHAIN_ATTN=0;
 // tests set it.
 bool& dev_chain_attn();
+// Whether one-row decode steps put a MoE layer's block into its chain (dev::ChainMoe; weights in the activations'
+// type, no expert parallelism): off at start unless Q3VL_CHAIN_MOE=1 (until it has run on a GPU); tests set it.
+bool& dev_chain_moe();
 struct DevQkvAhead {
   int next = -1;
   bool ready = false;
   std::vector<dev::ChainLink> links;
   std::deque<dev::ChainAttn> attn;  // stable addresses for links[i].attn
+  std::deque<dev::ChainMoe> moe;    // and for links[i].moe
   QFormat qf = QFormat::None;
 };
 bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevParams& P, int first, bool moe, void* x,

@@ -111,8 +111,24 @@ struct ChainAttn {
   float scale = 0;
   void* q = nullptr;
 };
+// A MoE link of linear_chain (a decode step's MoE block, dev_decoder_infer's, without expert parallelism): the
+// link's `in` x [N, H] read through its rin (the post-attention norm; rin.scratch [N, H] required), its y [N, H] added
+// to (add) or written; it is moe_route (of the norm's rows) -> the experts' gate_up of the routed rows (egu) -> the
+// experts' down_proj of their SwiGLU (ey) -> moe_combine_fwd into y, with those ops' arguments (the rest: scratch for
+// them). Weights in the activations' type. CUDA's chain kernel (one row) runs it as three of its links: the router's fp32 logits, then,
+// every block routing them itself, gate_up of the 8 picked experts' rows writing silu(gate) * up * the pick's weight
+// (rounded to dt) into act, then down_proj over the picks' rows as one product of k I columns adding to y; it writes
+// idx and w (not probs, start, rows, pos, xg, egu, ey or the norm's rows).
+struct ChainMoe {
+  const void *router = nullptr, *gate_up = nullptr, *down = nullptr;  // [E, H], [E, 2 I, H], [E, H, I]
+  int64_t E = 0, k = 0, I = 0;
+  float *logits = nullptr, *probs = nullptr, *w = nullptr;  // [N, E] fp32 x 2, [N, k]
+  int32_t *idx = nullptr, *start = nullptr, *rows = nullptr, *pos = nullptr;  // [N, k], [E + 1], [N k], [N k]
+  void *xg = nullptr, *egu = nullptr, *act = nullptr, *ey = nullptr;  // [N k, H], [N k, 2 I], [N k, I], [N k, H]
+};
 // One link of linear_chain: a product y[N, n_out] (+)= (rows of in through rin) W^T (* scale: 8-bit W),
-// linear_q8_fwd's or linear_fwd's arguments without a bias; or, attn set, an attention (ChainAttn: in and y only).
+// linear_q8_fwd's or linear_fwd's arguments without a bias; or, attn set, an attention (ChainAttn: in and y only);
+// or, moe set, a MoE block (ChainMoe: in, y, n_in = n_out = H, rin, add).
 // A link may read what an earlier link of its chain wrote. swiglu_pair: the next link reads this one's y through
 // its SwiGLU (rin.swiglu, rin.scratch [N, n_out / 2], in = y; W's rows gate then up, no add): CUDA's chain kernel
 // then writes silu(gate) * up into that scratch in place of y, and the next link reads the scratch as it is (the
@@ -127,6 +143,7 @@ struct ChainLink {
   bool add = false;
   const ChainAttn* attn = nullptr;
   bool swiglu_pair = false;
+  const ChainMoe* moe = nullptr;
 };
 
 // A batch of `count` linears of one shape (linear_fwd_batched, linear_bwd_batched): problem j < count reads
@@ -160,6 +177,8 @@ void linear_chain(const Exec& x, const ChainLink* links, int count, int64_t N, Q
 // An attention link (attn set) as its two ops, qkv_to_cache_fwd and paged_attention_fwd: linear_chain's fallback, and
 // the decode step's attention where the chain's attention link is off (Q3VL_CHAIN_ATTN=0).
 void chain_attn_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt);
+// A MoE link (moe set) as its ops (ChainMoe): linear_chain's fallback and the CPU's.
+void chain_moe_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt);
 constexpr int kChainMaxLinks = 64;  // links a chain kernel takes (more: the links one by one)
 
 }  // namespace q3vl::dev

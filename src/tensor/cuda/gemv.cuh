@@ -687,10 +687,18 @@ __device__ __forceinline__ void tc_put(const float (&acc)[MT][NT][4], float* red
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp * EL + ((mt * NT + nt) * 4 + i) * 32 + lane] = acc[mt][nt][i];
 }
+// The decode chain's MoE links (gemv_chain.cuh): yf set, the sums in fp32 into yf [n, n_out] in place of y (the
+// router's logits); rw set, a pair's SwiGLU of gate row rg times rw[rg / seg] (a pick's weight), rounded once.
+struct TcEpi {
+  float* yf = nullptr;
+  const float* rw = nullptr;
+  int64_t seg = 1;
+};
 template <class S, class W, int MT, int NT, int WARPS>
 __device__ __forceinline__ void tc_sum(const float* red, int e0, int step, int64_t row0,
                                        const float* __restrict__ scale, const S* __restrict__ b, const float* xmul,
-                                       S* __restrict__ y, int n, int64_t n_out, bool add, int64_t half) {
+                                       S* __restrict__ y, int n, int64_t n_out, bool add, int64_t half,
+                                       const TcEpi& ep = {}) {
   constexpr int EL = MT * NT * 4 * 32;
   for (int e = e0; e < EL; e += step) {
     if (half && (e & 64)) continue;  // a pair's up rows (fragment rows g + 8, i >= 2) go with their gate rows
@@ -706,13 +714,17 @@ __device__ __forceinline__ void tc_sum(const float* red, int e0, int step, int64
       float sg = xmul ? xmul[j] : 1.f, su = sg;
       if constexpr (kScaled<W>) sg *= scale[rg], su *= scale[ru];
       const float g = round_to<S>(v * sg + (b ? ld(b, rg) : 0.f)), up = round_to<S>(u * su + (b ? ld(b, ru) : 0.f));
-      st(y, int64_t(j) * half + rg, silu_mul(g, up));
+      st(y, int64_t(j) * half + rg, ep.rw ? silu_mul(g, up) * ep.rw[rg / ep.seg] : silu_mul(g, up));
       continue;
     }
     const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
     if (r >= n_out || j >= n) continue;
     float sc = xmul ? xmul[j] : 1.f;  // weights in the activation type: no scale
     if constexpr (kScaled<W>) sc *= scale[r];
+    if (ep.yf) {
+      ep.yf[int64_t(j) * n_out + r] = v * sc;
+      continue;
+    }
     store_y(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f), add);
   }
 }
@@ -720,10 +732,10 @@ template <class S, class W, int MT, int NT, int WARPS, class Sync>
 __device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
                                          const float* __restrict__ scale, const S* __restrict__ b,
                                          const float* xmul, S* __restrict__ y, int n, int64_t n_out, bool add,
-                                         Sync sync, int64_t half = 0) {
+                                         Sync sync, int64_t half = 0, const TcEpi& ep = {}) {
   tc_put<MT, NT>(acc, red, warp);
   sync();
-  tc_sum<S, W, MT, NT, WARPS>(red, threadIdx.x, WARPS * 32, row0, scale, b, xmul, y, n, n_out, add, half);
+  tc_sum<S, W, MT, NT, WARPS>(red, threadIdx.x, WARPS * 32, row0, scale, b, xmul, y, n, n_out, add, half, ep);
 }
 
 // One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of the input (rows r0 on,

@@ -13,9 +13,15 @@
 // and the kernel before it has ended (pdl_wait) before any block waits at a barrier.
 // An attention link (chain_attn.cuh) has no weights: the producer skips it, streaming the next product's stages while
 // the consumer warps attend.
+// A MoE link (dev::ChainMoe, one row) is three jobs: the router's product into fp32 logits; gate_up of the k picked
+// experts (a SwiGLU pair whose tiles' rows the producer takes from the picks, each pick's SwiGLU times its weight);
+// down_proj of the picks as one product of k I columns (the producer takes each half stage's panels from its pick's
+// matrix), adding to x. Past the router's grid barrier every block routes the logits itself (route.cuh's router_row,
+// consumer warp 0) and hands the picks to its producer through shared memory (a count of routes, no phase to alias).
 #pragma once
 #include "tensor/cuda/chain_attn.cuh"
 #include "tensor/cuda/gemv.cuh"
+#include "tensor/cuda/route.cuh"
 
 namespace q3vl::dev::cuda::wgemv {
 
@@ -37,10 +43,33 @@ template <class S> struct ChainJob {
                  // y [n, half] = their SwiGLU (tc_sum); else 0
   int rs;
   bool vec_x, add, is_attn;
+  // A MoE link's job (kMoeNone: a product or an attention): the router's writes the logits [E] in fp32 (yf); the
+  // experts' gate_up routes `logits` first (block 0 writes the picks into idx, their weights into wout); seg: I, a
+  // pick's gate rows (gate_up) or columns (down_proj).
+  int moe, E, k;
+  int64_t seg;
+  float* yf;
+  const float* logits;
+  int32_t* idx;
+  float* wout;
+};
+enum ChainMoePart { kMoeNone, kMoeRouter, kMoeUp, kMoeDown };
+// The routing's shared memory past the staged x (ChainParams::route_off): the count of routes done, the picks and
+// their weights, the logits' softmax buffers.
+constexpr int kRouteMaxK = 32, kRouteMaxE = 1024;
+struct RouteSmem {
+  volatile uint32_t* seq;
+  int* pick;
+  float *pw, *buf, *probs;
+  __device__ __forceinline__ RouteSmem(unsigned char* at, int E)
+      : seq(reinterpret_cast<volatile uint32_t*>(at)), pick(reinterpret_cast<int*>(at + 16)),
+        pw(reinterpret_cast<float*>(at + 16 + 4 * kRouteMaxK)), buf(pw + kRouteMaxK), probs(buf + E) {}
+  static size_t bytes(int E) { return 16 + 8 * kRouteMaxK + 8 * size_t(E); }
 };
 template <class S> struct ChainParams {
   ChainJob<S> job[kChainMax];
   int count, n;
+  int route_off, route_e;  // the routing's shared memory: bytes past sm.xs, the largest E (0: no MoE link)
   uint32_t* bar;  // zeroed words: blocks arrived, blocks done (the last block done zeroes both), then the attention
                   // links' kAttnCounters counters (each left zeroed by the split that combines)
   unsigned long long* stamps;  // null, or zeroed kStampWords words a (link, block), for tools/gpu/chain_bench
@@ -82,6 +111,8 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
   const uint32_t ring = sm.ring, full0 = sm.full0, empty0 = sm.empty0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = p.n;
+  const RouteSmem rt(reinterpret_cast<unsigned char*>(sm.xs) + p.route_off, p.route_e);
+  if (threadIdx.x == 0) *rt.seq = 0;
   __syncthreads();  // the barriers are initialized
   const auto tiles = [](const ChainJob<S>& jb) { return (jb.n_out + kTmaTile - 1) / kTmaTile; };
   const auto spt = [](const ChainJob<S>& jb) { return (int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel) + P - 1) / P; };
@@ -95,9 +126,18 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       int j = -1, sp = 1;
       int64_t i = 0, total = 0;
     };
-    const auto next = [&](Cur& c) {  // false past the chain's last stage
+    uint32_t routes = 0;  // MoE links entered: their picks are in once the consumers' count reaches it
+    // false past the chain's last stage, or (lead: the L2 prefetch's cursor) at a MoE link's routed stages
+    const auto next = [&](Cur& c, bool lead = false) {
       for (++c.i; c.i >= c.total && c.j < p.count;) {
         if (++c.j == p.count) return false;
+        if (p.job[c.j].moe == kMoeUp) {
+          if (lead) return false;
+          ++routes;
+          while (*rt.seq < routes) {
+          }
+          __threadfence_block();
+        }
         c.sp = spt(p.job[c.j]), c.total = tma_block_stages(tiles(p.job[c.j]), c.sp, blockIdx.x, gridDim.x), c.i = 0;
       }
       return c.j < p.count;
@@ -108,7 +148,19 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       const ChainJob<S>& jb = p.job[c.j];
       const int64_t item = tma_stage_item(c.i, c.sp, blockIdx.x, gridDim.x);
       const int panel = int(c.i % c.sp) * P;
-      if (!jb.half) {
+      if (jb.moe == kMoeUp) {  // pick item / (I / 8)'s gate rows and their up rows, I on, in [E, 2 I] rows
+        const int64_t tpp = jb.seg / (kTmaTile / 2), r = (item % tpp) * (kTmaTile / 2);
+        const int64_t e0 = int64_t(rt.pick[item / tpp]) * 2 * jb.seg;
+        f(jb.map, 0u, int(e0 + r), panel);
+        f(jb.map, SB / 2, int(e0 + jb.seg + r), panel);
+      } else if (jb.moe == kMoeDown) {  // half a stage's panels from one pick's [H, I] (P / 2 divides I's panels)
+        const int ppe = int(jb.seg * int64_t(sizeof(W)) / kTmaPanel);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int pg = panel + h * (P / 2);
+          f(jb.map, h * (SB / 2), int(int64_t(rt.pick[pg / ppe]) * jb.n_out + item * kTmaTile), pg % ppe);
+        }
+      } else if (!jb.half) {
         f(jb.map, 0u, int(item * kTmaTile), panel);
       } else {
         f(jb.map, 0u, int(item * (kTmaTile / 2)), panel);
@@ -119,7 +171,7 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
     // ring, to keep HBM busy while the consumers wait at a barrier, lost 30-35 us a layer: chain_bench, H100,
     // docs/perf/2026-12-06-thirtieth/call4.)
     Cur lead;
-    for (int k = 0; k < ST && next(lead); ++k)
+    for (int k = 0; k < ST && next(lead, true); ++k)
       boxes(lead, [](const CUtensorMap& m, uint32_t, int r, int pn) { tma_prefetch_3d(&m, 0, r, pn); });
     pdl_wait();
     const uint64_t policy = l2_evict_first();
@@ -152,6 +204,21 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
     if (jb.is_attn)  // no tiles: the loops below do nothing
       attn_link<S, CW>(jb.attn, jb.in, jb.y, n, reinterpret_cast<unsigned char*>(sm.xs), p.bar + 2,
                        st ? st + kAttnQ : nullptr);
+    if (jb.moe == kMoeUp) {  // route the router's logits (written by other blocks: read at L2), picks to the producer
+      if (warp == 0) {
+        for (int e = lane; e < jb.E; e += 32) rt.buf[e] = __ldcg(jb.logits + e);
+        __syncwarp();
+        const Pick pk = router_row(rt.buf, rt.probs, jb.E, jb.k);
+        if (lane < jb.k) {
+          rt.pick[lane] = pk.e, rt.pw[lane] = pk.w;
+          if (blockIdx.x == 0) jb.idx[lane] = pk.e, jb.wout[lane] = pk.w;
+        }
+        __syncwarp();
+        if (lane == 0) __threadfence_block(), *rt.seq = *rt.seq + 1;
+      }
+      bar_sync(1, CW * 32);
+    }
+    const TcEpi ep{jb.yf, jb.moe == kMoeUp ? rt.pw : nullptr, jb.seg};
     const int64_t nt = tiles(jb);
     const int sp = spt(jb), panels = int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel);
     if (blockIdx.x < nt) {
@@ -169,7 +236,7 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       const int bf = int(pk & 1);
       mbar_wait(sm.ready0 + 8 * bf, uint32_t((pk >> 1) & 1));
       tc_sum<S, W, 1, NT, CW>(sm.red + bf * CW * TmaSmem<K>::kEl, threadIdx.x, CW * 32, pend * kTmaTile, jb.scale,
-                              static_cast<const S*>(nullptr), sm.xmul, jb.y, n, jb.n_out, jb.add, jb.half);
+                              static_cast<const S*>(nullptr), sm.xmul, jb.y, n, jb.n_out, jb.add, jb.half, ep);
       __syncwarp();
       mbar_arrive(sm.read0 + 8 * bf, lane == 0);
     };
@@ -180,7 +247,7 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       if (p.sync_ends) {
         bar_sync(1, CW * 32);  // the previous tile's sums are read
         tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr),
-                                  sm.xmul, jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); }, jb.half);
+                                  sm.xmul, jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); }, jb.half, ep);
         if (st) st[kStoreWait] += clock64() - t0;
         continue;
       }
@@ -220,6 +287,38 @@ bool chain_job(ChainJob<S>& jb, const S* in, const W* q, const float* scale, S* 
   if (!tmap_panels(jb.map, q, n_out, n_in * int64_t(sizeof(W)), pair ? kTmaTile / 2 : kTmaTile, K::kP)) return false;
   jb.in = in, jb.xr = xr, jb.scale = scale, jb.y = y, jb.n_in = n_in, jb.n_out = n_out, jb.half = pair ? n_out / 2 : 0;
   jb.rs = int(n_in + kTcPad<W>), jb.vec_x = x_vectors(in, xr, n_in), jb.add = add, jb.is_attn = false;
+  jb.moe = kMoeNone, jb.E = jb.k = 0, jb.seg = 1, jb.yf = nullptr, jb.logits = nullptr, jb.idx = nullptr;
+  jb.wout = nullptr;
+  return true;
+}
+
+// A MoE link's three jobs (dev::ChainMoe over one row: x read through xr's norm, y (+)= the combine), or false where
+// the kernel does not take it: weights in the activations' type, k <= kRouteMaxK, E <= kRouteMaxE, I's panels a
+// multiple of P / 2 (a half stage of down_proj from one pick) and k of them a multiple of P (no stage past the picks).
+template <class S, class W, class K = TmaChain>
+bool chain_moe_jobs(ChainJob<S>* jb, const ChainMoe& m, const S* x, const XRows& xr, S* y, int n, int64_t H,
+                    bool add) {
+  constexpr int P = K::kP;
+  const int64_t E = m.E, k = m.k, I = m.I, ppe = I * int64_t(sizeof(W)) / kTmaPanel;
+  if (!std::is_same_v<S, W> || n != 1 || k < 1 || k > kRouteMaxK || E < k || E > kRouteMaxE || !xr.norm ||
+      I * int64_t(sizeof(W)) % kTmaPanel || ppe % (P / 2) || (k * ppe) % P || I % (kTmaTile / 2) ||
+      E * 2 * I >= (int64_t(1) << 31) || E * H >= (int64_t(1) << 31) || !tma_takes<W>(n, H, k * 2 * I) ||
+      !tma_takes<W>(n, k * I, H) || !aligned16(m.act))
+    return false;
+  if (!chain_job<S, W, K>(jb[0], x, static_cast<const W*>(m.router), nullptr, nullptr, n, H, E, xr, false))
+    return false;
+  jb[0].moe = kMoeRouter, jb[0].yf = m.logits;
+  if (!chain_job<S, W, K>(jb[1], x, static_cast<const W*>(m.gate_up), nullptr, static_cast<S*>(m.act), n, H,
+                          k * 2 * I, xr, false, true) ||
+      !tmap_panels(jb[1].map, m.gate_up, E * 2 * I, H * int64_t(sizeof(W)), kTmaTile / 2, P))
+    return false;
+  jb[1].moe = kMoeUp, jb[1].E = int(E), jb[1].k = int(k), jb[1].seg = I, jb[1].logits = m.logits;
+  jb[1].idx = m.idx, jb[1].wout = m.w;
+  if (!chain_job<S, W, K>(jb[2], static_cast<const S*>(m.act), static_cast<const W*>(m.down), nullptr, y, n, k * I,
+                          H, XRows{}, add) ||
+      !tmap_panels(jb[2].map, m.down, E * H, I * int64_t(sizeof(W)), kTmaTile, P / 2))
+    return false;
+  jb[2].moe = kMoeDown, jb[2].seg = I;
   return true;
 }
 
@@ -244,23 +343,29 @@ bool chain_attn_job(const Exec& x, ChainJob<S>& jb, const ChainAttn& a, const S*
              int(a.nkv), int(a.hd), int(ns), int(a.max_q), float(a.eps), float(double(a.scale) * 1.4426950408889634)};
   jb.in = in, jb.xr = {}, jb.scale = nullptr, jb.y = y, jb.n_in = 0, jb.n_out = 0, jb.half = 0, jb.rs = 0;
   jb.vec_x = false, jb.add = false, jb.is_attn = true;
+  jb.moe = kMoeNone, jb.E = jb.k = 0, jb.seg = 1, jb.yf = nullptr, jb.logits = nullptr, jb.idx = nullptr;
+  jb.wout = nullptr;
   return true;
 }
 
-// The chain p.job[0 .. p.count) over p.n rows, p.bar two zeroed words of device memory (left zeroed).
+// The chain p.job[0 .. p.count) over p.n rows, p.bar two zeroed words of device memory (left zeroed); sets p's
+// routing layout.
 template <class S, class W, class K = TmaChain>
-void gemv_chain(const Exec& x, const ChainParams<S>& p) {
+void gemv_chain(const Exec& x, ChainParams<S>& p) {
   static_assert(kTcOk<S, W>, "wgemv::gemv_chain: 16-bit activations, weights 8-bit or of their type");
   Q3VL_CHECK(p.count >= 1 && p.count <= kChainMax && p.n >= 1 && p.n <= kTmaNb && p.bar,
              "wgemv::gemv_chain: bad chain");
   size_t xb = 0;
+  int route_e = 0;
   for (int j = 0; j < p.count; ++j) {
     const ChainJob<S>& jb = p.job[j];
     xb = std::max(xb, jb.is_attn ? attn_smem_bytes<S>(jb.attn.max_q * (jb.attn.nh / jb.attn.nkv), jb.attn.hd)
                                  : tma_x_bytes<W>(p.n, jb.n_in));
+    route_e = std::max(route_e, jb.E);
   }
-  launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32, tma_smem_bytes<K>(xb),
-             stream_of(x), p);
+  p.route_off = int((xb + 15) / 16 * 16), p.route_e = route_e;
+  launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32,
+             tma_smem_bytes<K>(p.route_off + RouteSmem::bytes(route_e)), stream_of(x), p);
 }
 
 }  // namespace q3vl::dev::cuda::wgemv

@@ -201,21 +201,25 @@ template <class S, class W>
 bool chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N) {
   if (N > wgemv::kTmaNb || count < 1 || count > wgemv::kChainMax) return false;
   auto p = std::make_unique<wgemv::ChainParams<S>>();
-  p->count = count, p->n = int(N);
+  p->count = 0, p->n = int(N);
   const void* paired = nullptr;  // the previous link's SwiGLU, written in its next link's scratch (ChainLink)
   for (int j = 0; j < count; ++j) {
     const ChainLink& l = links[j];
     const ChainLink* nx = j + 1 < count ? links + j + 1 : nullptr;
-    const bool pair = l.swiglu_pair && !l.attn && nx && !nx->attn && nx->in == l.y && nx->rin.swiglu &&
-                      nx->rin.scratch && !nx->rin.rows && !nx->rin.norm;
+    const bool pair = l.swiglu_pair && !l.attn && !l.moe && nx && !nx->attn && !nx->moe && nx->in == l.y &&
+                      nx->rin.swiglu && nx->rin.scratch && !nx->rin.rows && !nx->rin.norm;
     const void* in = paired ? paired : l.in;
-    const bool ok = l.attn ? wgemv::chain_attn_job<S>(x, p->job[j], *l.attn, static_cast<const S*>(l.in),
-                                                      static_cast<S*>(l.y), N)
-                           : wgemv::chain_job<S, W>(p->job[j], static_cast<const S*>(in), static_cast<const W*>(l.W),
-                                                    l.scale, static_cast<S*>(pair ? nx->rin.scratch : l.y), int(N),
-                                                    l.n_in, l.n_out, paired ? wgemv::XRows{} : wgemv::x_rows(l.rin),
-                                                    l.add, pair);
+    if (p->count + (l.moe ? 3 : 1) > wgemv::kChainMax) return false;
+    wgemv::ChainJob<S>* jb = p->job + p->count;
+    const bool ok =
+        l.attn  ? wgemv::chain_attn_job<S>(x, *jb, *l.attn, static_cast<const S*>(l.in), static_cast<S*>(l.y), N)
+        : l.moe ? wgemv::chain_moe_jobs<S, W>(jb, *l.moe, static_cast<const S*>(l.in), wgemv::x_rows(l.rin),
+                                               static_cast<S*>(l.y), int(N), l.n_in, l.add)
+                : wgemv::chain_job<S, W>(*jb, static_cast<const S*>(in), static_cast<const W*>(l.W), l.scale,
+                                         static_cast<S*>(pair ? nx->rin.scratch : l.y), int(N), l.n_in, l.n_out,
+                                         paired ? wgemv::XRows{} : wgemv::x_rows(l.rin), l.add, pair);
     if (!ok) return false;
+    p->count += l.moe ? 3 : 1;
     paired = pair ? nx->rin.scratch : nullptr;
   }
   void* bar = nullptr;
