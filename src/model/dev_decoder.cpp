@@ -256,12 +256,12 @@ void mlp_links(const TextConfig& tc, const DevParams& P, int f, int gate_up, boo
   const auto link = [&](int id, const void* in, void* y, int64_t n_in, int64_t n_out, dev::RowsIn rin, bool add) {
     return dev::ChainLink{in, w8 ? P.q8[id] : P.p[id], w8 ? P.s8[id] : nullptr, y, n_in, n_out, rin, add};
   };
-  // gate_up's SwiGLU computed by its tiles, which down_proj reads as is (dev::ChainLink::swiglu_pair): opt-in
-  // (Q3VL_CHAIN_SWIGLU=1) until it has run on a GPU; else down_proj's staging computes it, each block the whole row.
-  static const bool pair = env_is("Q3VL_CHAIN_SWIGLU", "1");
+  // gate_up's SwiGLU computed by its tiles, which down_proj reads as is (dev::ChainLink::swiglu_pair), not by
+  // down_proj's staging in each block: one 8B fp8 stream 3.75 against 3.89 ms a token on an H100
+  // (docs/perf/2026-12-07-thirtyfifth/callF).
   links.push_back(link(gate_up, x, c.gu, H, 2 * I,
                        {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], float(tc.rms_eps)}, false));
-  links.back().swiglu_pair = pair;
+  links.back().swiglu_pair = true;
   links.push_back(link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true));
 }
 // Appends to `links` a layer's attention (`attn`, where not null), o_proj (adds to x), and its MLP: a dense layer's
@@ -305,7 +305,7 @@ bool& dev_chain_attn() {
   return on;
 }
 bool& dev_chain_moe() {
-  static bool on = env_is("Q3VL_CHAIN_MOE", "1");
+  static bool on = !env_is("Q3VL_CHAIN_MOE", "0");
   return on;
 }
 

@@ -28,8 +28,6 @@
 // stamped (with the attention units' phases), 11 the attention's two ops and a chain of o_proj, gate_up, down_proj and
 // the next qkv. Every chain pairs gate_up's rows so that its tiles write the SwiGLU that down_proj reads (ChainJob's
 // half); modes 12 and 13 are 6 and 9 without that (down_proj's staging computes the SwiGLU in each block), the A/B.
-// A chain ends a tile a tile late (its warps put their sums and stream the next tile; gemv_chain.cuh); modes 14 and
-// 15 are 6 and 9 with each tile's end as k_gemv_tma's (two barriers of all warps a tile), the A/B.
 // Build and run (from the repo root, on a GPU machine):
 //   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps] [modes]
 // (defaults 16, 50 and "0,5,6,7": modes by number, 0 none ... 7 qkv and a chain). The chain's producer once also
@@ -117,11 +115,9 @@ struct Bufs {
   float *cos, *sin;
   bf16 *wn, *q, *att;
 };
-// The modes whose layers have their attention, those whose down_proj stages the SwiGLU (gate_up not paired), and
-// those whose tiles end as k_gemv_tma's (ChainParams::sync_ends).
-bool with_attn(int mode) { return (mode >= 9 && mode <= 11) || mode == 13 || mode == 15; }
+// The modes whose layers have their attention, and those whose down_proj stages the SwiGLU (gate_up not paired).
+bool with_attn(int mode) { return (mode >= 9 && mode <= 11) || mode == 13; }
 bool staged_swiglu(int mode) { return mode == 12 || mode == 13; }
-bool sync_ends(int mode) { return mode == 14 || mode == 15; }
 dev::ChainAttn chain_attn(const Layer& y, const Bufs& b) {
   return {b.wn, b.wn, b.cos, b.sin, y.kp, y.vp, b.slots, b.cu, b.ctx, b.table, kCap / kBlock, kBlock, 1, 1, kCap, kCtx,
           kNh, kNkv, kHd, 1e-6, float(1 / std::sqrt(double(kHd))), b.q};
@@ -160,7 +156,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
   };
   if (attn) {  // decode layers with their attention
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr, p.sync_ends = sync_ends(mode);
+    p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f};
     bool ok = true;
     const auto flush = [&] {
@@ -190,7 +186,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     }
   } else if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6, 8 stamped), qkv apart (7)
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr, p.sync_ends = sync_ends(mode);
+    p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f};
     for (size_t l = 0; l < L.size(); ++l) {
       const Layer& y = L[l];
@@ -310,13 +306,12 @@ int main(int argc, char** argv) {
   const char* names[] = {"none",     "qkv@o",    "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL",
                          "qkv, chain o+gu+down", "chain xL stamped", "attn link, layers chained",
                          "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv",
-                         "chain xL, SwiGLU staged", "attn link, layers chained, SwiGLU staged",
-                         "chain xL, tile ends synchronous", "attn link, layers chained, tile ends synchronous"};
+                         "chain xL, SwiGLU staged", "attn link, layers chained, SwiGLU staged"};
   // The modes run (argv[3], default 0,5,6,7): 0 always first, the reference.
   std::vector<int> runs{0};
   for (const char* c = argc > 3 ? argv[3] : "0,5,6,7"; *c;) {
     const int m = std::atoi(c);
-    if (m > 0 && m < 16) runs.push_back(m);
+    if (m > 0 && m < 14) runs.push_back(m);
     while (*c && *c != ',') ++c;
     if (*c) ++c;
   }

@@ -195,7 +195,8 @@ using DevPartialSum = std::function<void(void*, int64_t)>;
 // tests set it.
 bool& dev_chain_attn();
 // Whether one-row decode steps put a MoE layer's block into its chain (dev::ChainMoe; weights in the activations'
-// type, no expert parallelism): off at start unless Q3VL_CHAIN_MOE=1 (until it has run on a GPU); tests set it.
+// type, no expert parallelism): on at start unless Q3VL_CHAIN_MOE=0 (one 30B-A3B bf16 stream on an H100: 3.9 against
+// 4.4 ms a token, docs/perf/2026-12-07-thirtyfifth/callE); tests set it.
 bool& dev_chain_moe();
 struct DevQkvAhead {
   int next = -1;

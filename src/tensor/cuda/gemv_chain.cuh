@@ -26,7 +26,10 @@
 namespace q3vl::dev::cuda::wgemv {
 
 constexpr int kChainMax = dev::kChainMaxLinks;  // links a chain
-using TmaChain = TmaKnobs<8, 8, 10, 2>;  // 160 KiB of stages in flight, two sums buffers (x's 48 KiB at most: 218 KiB)
+// 160 KiB of stages in flight (x's 48 KiB at most: 214 KiB). A tile's sums added a tile late, while the next tile
+// streams (two sums buffers, ready and read mbarriers in place of the two block barriers a tile), lost on an H100:
+// 84.7 against 81.9 us a layer of the 8B's fp8 linears (chain_bench, docs/perf/2026-12-07-thirtyfifth/callC).
+using TmaChain = TmaKnobs<8, 8, 10>;
 
 // One link of a chain (built by chain_job or chain_attn_job on the host).
 template <class S> struct ChainJob {
@@ -73,7 +76,6 @@ template <class S> struct ChainParams {
   uint32_t* bar;  // zeroed words: blocks arrived, blocks done (the last block done zeroes both), then the attention
                   // links' kAttnCounters counters (each left zeroed by the split that combines)
   unsigned long long* stamps;  // null, or zeroed kStampWords words a (link, block), for tools/gpu/chain_bench
-  bool sync_ends;              // chain_bench's A/B: each tile's end as k_gemv_tma's (tc_store), not a tile late
 };
 // A (link j, block b)'s stamps at stamps[(j * gridDim.x + b) * kStampWords]: the consumers' start of the link (past
 // its grid barrier) and end (tiles stored, before arriving), in globaltimer ns and in the SM's clock64; the cycles
@@ -190,7 +192,7 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
   }
 
   pdl_wait();
-  int64_t gi = 0, tn = 0;  // the block's stages and tiles so far
+  int64_t gi = 0;  // the block's stages so far
   for (int j = 0; j < p.count; ++j) {
     const ChainJob<S>& jb = p.job[j];
     if (j > 0) {  // every block has written product j - 1
@@ -227,42 +229,13 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       bar_sync(1, CW * 32);
     }
     if (st) st[kStagedClk] = clock64();
-    // A tile's end, a tile late: each warp puts its fragments into sums buffer tn % 2 and streams the next tile; after
-    // that put (or at the link's end) it adds and stores its share of the tile before, once every warp has put it
-    // (ready barrier). A buffer is refilled once every warp has added from it (read barrier). So no warp waits at a
-    // barrier between two tiles (k_gemv_tma's tc_store: every warp, twice a tile).
-    int64_t pend = -1, pk = 0;  // this link's tile whose sums wait, and its number among the block's tiles
-    const auto sum_pending = [&] {
-      const int bf = int(pk & 1);
-      mbar_wait(sm.ready0 + 8 * bf, uint32_t((pk >> 1) & 1));
-      tc_sum<S, W, 1, NT, CW>(sm.red + bf * CW * TmaSmem<K>::kEl, threadIdx.x, CW * 32, pend * kTmaTile, jb.scale,
-                              static_cast<const S*>(nullptr), sm.xmul, jb.y, n, jb.n_out, jb.add, jb.half, ep);
-      __syncwarp();
-      mbar_arrive(sm.read0 + 8 * bf, lane == 0);
-    };
     for (int64_t tile = blockIdx.x; tile < nt; tile += gridDim.x) {
       float acc[1][NT][4] = {};
       tma_tile<W, K>(sm, gi, sp, panels, jb.rs, n, acc, st ? st + kFullWait : nullptr, jb.half != 0);
       const long long t0 = st ? clock64() : 0;
-      if (p.sync_ends) {
-        bar_sync(1, CW * 32);  // the previous tile's sums are read
-        tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr),
-                                  sm.xmul, jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); }, jb.half, ep);
-        if (st) st[kStoreWait] += clock64() - t0;
-        continue;
-      }
-      const int bf = int(tn & 1);
-      if (tn >= 2) mbar_wait(sm.read0 + 8 * bf, uint32_t(((tn - 2) >> 1) & 1));  // tile tn - 2's sums are read
-      tc_put<1, NT>(acc, sm.red + bf * CW * TmaSmem<K>::kEl, warp);
-      __syncwarp();
-      mbar_arrive(sm.ready0 + 8 * bf, lane == 0);
-      if (pend >= 0) sum_pending();
-      pend = tile, pk = tn++;
-      if (st) st[kStoreWait] += clock64() - t0;
-    }
-    if (pend >= 0) {
-      const long long t0 = st ? clock64() : 0;
-      sum_pending();
+      bar_sync(1, CW * 32);  // the previous tile's sums are read
+      tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), sm.xmul,
+                                jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); }, jb.half, ep);
       if (st) st[kStoreWait] += clock64() - t0;
     }
     if (st) st[kEndNs] = global_ns(), st[kEndClk] = clock64();

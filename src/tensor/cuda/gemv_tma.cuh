@@ -28,11 +28,9 @@
 
 namespace q3vl::dev::cuda::wgemv {
 
-// CW consumer warps, stages of P panels, STAGES stages, RED buffers of the warps' partial sums of a tile (2: a tile's
-// sums are added while the next tile streams, gemv_chain.cuh; with their barriers, tile sums ready and read).
-template <int CW, int P, int STAGES, int RED = 1> struct TmaKnobs {
-  static_assert(CW >= 1 && CW <= 16 && P >= 1 && P <= 255 && STAGES >= 2 && (RED == 1 || RED == 2), "wgemv: TMA knobs");
-  static constexpr int kCw = CW, kP = P, kStages = STAGES, kRed = RED;
+template <int CW, int P, int STAGES> struct TmaKnobs {
+  static_assert(CW >= 1 && CW <= 16 && P >= 1 && P <= 255 && STAGES >= 2, "wgemv: TMA knobs");
+  static constexpr int kCw = CW, kP = P, kStages = STAGES;
 };
 using TmaAuto = TmaKnobs<8, 8, 6>;  // 8 consumer warps, 16 KiB stages, 96 KiB in flight (gemv_bench's best)
 
@@ -57,19 +55,17 @@ inline bool tma_wanted(int64_t n, int64_t n_in, int64_t n_out, size_t wsize, boo
 template <class K> constexpr uint32_t tma_stage_bytes() { return uint32_t(K::kP) * kTmaPanelBytes; }
 // A block's dynamic shared memory (k_gemv_tma's, gemv_chain.cuh's): the ring (1024-aligned) and its full and empty
 // barriers, the header (xmul, wmax), the consumer warps' partial sums, and x_bytes of staged x.
-template <class K> constexpr size_t tma_bar_bytes() { return 16 * size_t(K::kStages + (K::kRed > 1 ? K::kRed : 0)); }
 template <class K> size_t tma_smem_bytes(size_t x_bytes) {
-  return 1024 + size_t(K::kStages) * tma_stage_bytes<K>() + tma_bar_bytes<K>() + kTcHeader +
-         sizeof(float) * size_t(K::kRed * K::kCw) * (kTmaNb / 8) * 128 + x_bytes;
+  return 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
+         sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + x_bytes;
 }
 
 // A TMA block's shared memory (dynamic, tma_smem_bytes): the ring (1024-aligned for the swizzle), its full and empty
-// barriers and (kRed 2) each sums buffer's ready and read barriers (initialized by the constructor's thread 0; the
-// caller synchronizes before using them), xmul/wmax (kTcHeader), the consumer warps' partial sums of a tile (kRed
-// buffers of kCw kEl floats), and the staged x. k_gemv_tma's and k_gemv_chain's.
+// barriers (initialized by the constructor's thread 0; the caller synchronizes before using them), xmul/wmax
+// (kTcHeader), the consumer warps' partial sums of a tile, and the staged x. k_gemv_tma's and k_gemv_chain's.
 template <class K> struct TmaSmem {
   static constexpr int kEl = (kTmaNb / 8) * 4 * 32;  // a warp's partial sums of a tile
-  uint32_t ring, full0, empty0, ready0, read0;       // shared-window addresses
+  uint32_t ring, full0, empty0;                      // shared-window addresses
   unsigned char* ring_p;                             // the ring, a generic pointer
   float *xmul, *red;
   uint32_t* wmax;
@@ -79,16 +75,13 @@ template <class K> struct TmaSmem {
     ring_p = raw + (ring - su32(raw));
     unsigned char* after = ring_p + K::kStages * tma_stage_bytes<K>();
     full0 = su32(after), empty0 = full0 + 8 * K::kStages;
-    ready0 = empty0 + 8 * K::kStages, read0 = ready0 + 8 * K::kRed;  // kRed 2 only
-    char* head = reinterpret_cast<char*>(after + tma_bar_bytes<K>());
+    char* head = reinterpret_cast<char*>(after + 16 * K::kStages);
     xmul = reinterpret_cast<float*>(head);
     wmax = reinterpret_cast<uint32_t*>(head + 64);
     red = reinterpret_cast<float*>(head + kTcHeader);
-    xs = reinterpret_cast<uint16_t*>(red + K::kRed * K::kCw * kEl);
+    xs = reinterpret_cast<uint16_t*>(red + K::kCw * kEl);
     if (threadIdx.x == 0) {
       for (int s = 0; s < K::kStages; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, K::kCw);
-      if constexpr (K::kRed > 1)
-        for (int s = 0; s < K::kRed; ++s) mbar_init(ready0 + 8 * s, K::kCw), mbar_init(read0 + 8 * s, K::kCw);
       mbar_init_fence();
     }
   }

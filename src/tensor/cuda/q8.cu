@@ -225,9 +225,6 @@ bool chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N) {
   void* bar = nullptr;
   Q3VL_CU(cudaGetSymbolAddress(&bar, g_chain_bar));
   p->bar = static_cast<uint32_t*>(bar);
-  // A tile's sums added a tile late: opt-in (Q3VL_CHAIN_LATE_ENDS=1) until it has run on a GPU.
-  static const bool late_ends = env_is("Q3VL_CHAIN_LATE_ENDS", "1");
-  p->sync_ends = !late_ends;
   wgemv::gemv_chain<S, W>(x, *p);
   return true;
 }
