@@ -9,6 +9,9 @@
 #   left SECONDS                               # whether the call (560 s of its 600) still has SECONDS left
 #   serve_one NAME PART TIMEOUT [ENV=V...]     # one serve_checks.sh part at one stream (CONC=4 among the ENV=V: 4
 #                                              # streams): its bench row and decode steps
+#   serve_own NAME PRESET "KEYS" [ENV=V...]    # a server of PRESET (bf16, KEYS more deck keys) started here, 150 s
+#                                              # to come up, 8 requests at one stream: its log, bench row and the
+#                                              # GPU's memory and utilization come back whatever happens
 # The pack (on the build machine): make FFMPEG=0 NVFLAGS_EXTRA=--no-compress bin/q3vl bin/unit_tests ... (FFmpeg's
 # libraries and theirs would make it 71 MB, over a call's 64 MiB; uncompressed fatbins let xz share the device code),
 # strip the binaries, ../shared/device/pack-runtime devpack BINARIES, then repack its rt/ with
@@ -82,4 +85,33 @@ serve_one() {
   say "$n ($*) $((SECONDS - t1)) s: $(grep -hE ' c=[0-9]+ ' "$out/$n/summary.txt" | head -2 | tr '\n' ' ')"
   say "$n: $(grep -ho 'decode-only steps [^;]*' "$out/$n/summary.txt")"
   grep -h 'answers equal' "$out/$n/summary.txt" | cut -d';' -f1 >> "$out/summary.txt"; pack
+}
+serve_own() {
+  local name=$1 preset=$2 keys=$3 t0=$SECONDS port="" pid smi png; shift 3
+  pkill -9 -f 'rt/bin/q3vl serve'; sleep 1
+  [[ -d /tmp/own ]] || "$q" synth synth.dir=/tmp/own synth.train_samples=1 synth.eval_samples=1 synth.seed=3 \
+    run.timing=false >/dev/null 2>&1
+  png=$(ls /tmp/own/images/*.png | head -1)
+  (while sleep 2; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader >> "$out/smi_$name.txt"; done) &
+  smi=$!
+  # shellcheck disable=SC2086  # KEYS: words
+  env "$@" "$q" serve model.preset=$preset model.backend=cuda model.dtype=bf16 serve.port=0 serve.max_context=8192 \
+    serve.max_batch=64 serve.step_tokens=2048 run.timing=false $keys > "$out/serve_$name.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 750); do
+    port=$(grep -oP 'on http://127\.0\.0\.1:\K[0-9]+' "$out/serve_$name.log")
+    [[ -n $port ]] && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.2
+  done
+  say "$name ($preset $keys $*): up after $((SECONDS - t0)) s"; pack
+  if [[ -n $port ]]; then
+    env -u LD_LIBRARY_PATH timeout 90 python3 tools/bench_serve --port "$port" -n 8 -c 1 --prompt-words 200 \
+      --image "$png" --max-tokens 128 --label "$name c=1" --timeout 80 >> "$out/bench_$name.txt" 2>&1
+    say "$name: bench rc=$? $(grep -E ' c=1 ' "$out/bench_$name.txt" | tail -1)"
+  else
+    say "$name: not up; log tail: $(tail -4 "$out/serve_$name.log" | tr '\n' ' ')"
+  fi
+  kill -9 $pid 2>/dev/null; kill $smi; pkill -9 -f 'rt/bin/q3vl serve'; sleep 2
+  say "$name: GPU memory.used, utilization (last 4 samples): $(tail -4 "$out/smi_$name.txt" | tr '\n' ' ')"; pack
 }
