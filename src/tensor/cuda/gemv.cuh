@@ -674,8 +674,8 @@ __device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], 
 // store_y). sync: the barrier of the warps taking part, which the caller has passed before red is written.
 // half > 0: a SwiGLU pair (gemv_chain.cuh): each m16 tile's rows g are gate rows (row0 + 16 mt) / 2 + g of W, its rows
 // g + 8 the up rows half on from them, and y [n, half] = silu(gate) * up of the two rounded to S (swiglu_fwd's
-// arithmetic on gate_up's stored rows); add unused. Two halves: tc_put (a warp's fragments into red) and tc_sum
-// (elements e0, e0 + step, ... added and stored), which gemv_chain.cuh runs a tile apart.
+// arithmetic on gate_up's stored rows); add unused. Two halves, which tc_store runs one after the other: tc_put (a
+// warp's fragments into red) and tc_sum (elements e0, e0 + step, ... added and stored; its TcEpi the chain's MoE links').
 template <int MT, int NT>
 __device__ __forceinline__ void tc_put(const float (&acc)[MT][NT][4], float* red, int warp) {
   constexpr int EL = MT * NT * 4 * 32;
