@@ -161,12 +161,28 @@ struct MlpFold {
   const void* norm_x = nullptr;
   void* add_to = nullptr;
 };
+// A MoE block's arguments (dev::ChainMoe): the decode chain's MoE link, and mlp_fwd's where it runs that link's ops.
+dev::ChainMoe moe_args(const TextConfig& tc, const DevParams& P, int f, float* probs, int32_t* idx,
+                       DevDecoderCtx& c, DevDecoderScratch& s) {
+  const int eg = dev_experts_id(P, f);
+  return {P.p[f + tlay::router], P.p[eg],    P.p[eg + 1], tc.num_experts, tc.experts_per_tok, tc.moe_intermediate,
+          static_cast<float*>(s.logits), probs, c.w, idx, c.start, c.rows, c.pos, s.xg, c.egu, s.eact, c.ey};
+}
 // The second half of a layer's forward: c.ln2 -> dense SwiGLU MLP or MoE block -> s.tmp [N,H].
 void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int f, bool moe, int64_t N, float* probs,
              int32_t* idx, DevDecoderCtx& c, DevDecoderScratch& s, DType dt, const MlpFold& fold = {}) {
   const int64_t H = tc.hidden;
   if (moe) {
     const int64_t E = tc.num_experts, k = tc.experts_per_tok, Im = tc.moe_intermediate, R = N * k;
+    const int eg = dev_experts_id(P, f);
+    if (!dev_lora_on(P, f + tlay::router) && !c.ex && !c.el && !(P.q8 && (P.q8[eg] || P.q8[eg + 1]))) {
+      // no router adapter, no expert parallelism, experts in dt: the ops of the decode chain's MoE link
+      const dev::ChainMoe m = moe_args(tc, P, f, probs, idx, c, s);
+      dev::ChainLink l;
+      l.in = c.ln2, l.y = fold.add_to ? fold.add_to : s.tmp, l.n_in = l.n_out = H, l.add = fold.add_to != nullptr;
+      l.moe = &m;
+      return dev::chain_moe_ops(ex, l, N, dt);
+    }
     // The router in fp32 under bf16/fp16 compute (Megatron's advice for MoE stability; autocast keeps its softmax in
     // fp32): logits written in fp32 by the GEMM (its dt operands, fp32 accumulation), softmax, top-k and the combine
     // weights from them in fp32. Rounding the logits to bf16 flipped near-tied top-k choices and moved the weights.
@@ -187,7 +203,6 @@ void mlp_fwd(const dev::Exec& ex, const TextConfig& tc, const DevParams& P, int 
     // The routed rows and the SwiGLU as the experts' GEMVs read them in decode steps (else written to s.xg, s.eact:
     // nothing reads them after this, the backward gathers and recomputes its own).
     // Under serve.ep only the buckets of this rank's experts (c.start's rows are absolute), the others' rows zero.
-    const int eg = dev_experts_id(P, f);
     const int64_t El = c.el ? c.el : E;
     const int32_t* start = c.start + (c.el ? c.e0 : 0);
     if (c.el) zero(ex, c.ey, R * H, dt);
@@ -248,22 +263,6 @@ bool chain_layers_on() {
   static const bool layers = !env_is("Q3VL_CHAIN_LAYERS", "1");
   return chain_attn_on() && layers;
 }
-// A dense layer's gate_up (reads x through the post-attention norm) and down_proj (reads the SwiGLU of gate_up's
-// output, adds to x) as two links of its chain.
-void mlp_links(const TextConfig& tc, const DevParams& P, int f, int gate_up, bool w8, void* x, DevDecoderCtx& c,
-               std::vector<dev::ChainLink>& links) {
-  const int64_t H = tc.hidden, I = tc.intermediate;
-  const auto link = [&](int id, const void* in, void* y, int64_t n_in, int64_t n_out, dev::RowsIn rin, bool add) {
-    return dev::ChainLink{in, w8 ? P.q8[id] : P.p[id], w8 ? P.s8[id] : nullptr, y, n_in, n_out, rin, add};
-  };
-  // gate_up's SwiGLU computed by its tiles, which down_proj reads as is (dev::ChainLink::swiglu_pair), not by
-  // down_proj's staging in each block: one 8B fp8 stream 3.75 against 3.89 ms a token on an H100
-  // (docs/perf/2026-12-07-thirtyfifth/callF).
-  links.push_back(link(gate_up, x, c.gu, H, 2 * I,
-                       {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], float(tc.rms_eps)}, false));
-  links.back().swiglu_pair = true;
-  links.push_back(link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true));
-}
 // Appends to `links` a layer's attention (`attn`, where not null), o_proj (adds to x), and its MLP: a dense layer's
 // gate_up (reads x through the post-attention norm) and down_proj (reads the SwiGLU of gate_up's output, adds to x),
 // or a MoE layer's block as one link (`moe`: reads x through that norm, adds to x); weights all 8-bit (w8) or all in
@@ -283,7 +282,13 @@ void mlp_chain(const TextConfig& tc, const DevParams& P, int f, int gate_up, boo
     links.push_back({x, nullptr, nullptr, x, H, H, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, true});
     links.back().moe = moe;
   } else {
-    mlp_links(tc, P, f, gate_up, w8, x, c, links);
+    // gate_up's SwiGLU computed by its tiles, which down_proj reads as is (dev::ChainLink::swiglu_pair), not by
+    // down_proj's staging in each block: one 8B fp8 stream 3.75 against 3.89 ms a token on an H100
+    // (docs/perf/2026-12-07-thirtyfifth/callF).
+    const int64_t I = tc.intermediate;
+    links.push_back(link(gate_up, x, c.gu, H, 2 * I, {nullptr, 1, false, c.ln2, P.p[f + tlay::post_norm], eps}, false));
+    links.back().swiglu_pair = true;
+    links.push_back(link(f + tlay::down_proj, c.gu, x, I, H, {nullptr, 1, true, c.act}, true));
   }
   if (next >= 0)
     links.push_back(link(fused_qkv(P, next, Dq, Dk, H, dt), x, c.qkv, H, Dq + 2 * Dk,
@@ -356,16 +361,13 @@ bool dev_decoder_infer(const dev::Exec& ex, const ModelConfig& cfg, const DevPar
     else dev::chain_attn_ops(ex, attn, N, dt);
     ahead.qf = cqf;
     const dev::ChainMoe* mo = nullptr;  // the MoE block's ops' arguments (mlp_fwd's)
-    if (moe)
-      mo = &ahead.moe.emplace_back(dev::ChainMoe{P.p[f + tlay::router], P.p[eg], P.p[eg + 1], tc.num_experts,
-                                                 tc.experts_per_tok, tc.moe_intermediate,
-                                                 static_cast<float*>(s.logits), probs, c.w, idx, c.start, c.rows,
-                                                 c.pos, s.xg, c.egu, s.eact, c.ey});
+    if (moe) mo = &ahead.moe.emplace_back(moe_args(tc, P, f, probs, idx, c, s));
     mlp_chain(tc, P, f, gate_up, w8, ahead.ready ? ahead.next : -1, first, mo, x, c, dt, ahead.links);
     // The next layer's links join these where they fit one kernel (Q3VL_CHAIN_LAYERS=1: a chain a layer): 5 jobs of
-    // the kernel a dense layer, 6 a MoE layer's (its MoE link is 3).
-    const size_t jobs = ahead.links.size() + 2 * ahead.moe.size();
-    if (!ahead.ready || !chain_layers_on() || jobs + 6 > size_t(dev::kChainMaxLinks)) chain_flush(ex, ahead, N, dt);
+    // the kernel a dense layer, 3 + kChainMoeJobs a MoE layer's.
+    const size_t jobs = ahead.links.size() + (dev::kChainMoeJobs - 1) * ahead.moe.size();
+    if (!ahead.ready || !chain_layers_on() || jobs + 3 + dev::kChainMoeJobs > size_t(dev::kChainMaxLinks))
+      chain_flush(ex, ahead, N, dt);
     return true;
   }
   // Its two ops: alone, the chain kernel's attention link lost to them (a MoE layer's, H100: one 30B-A3B stream 4.75

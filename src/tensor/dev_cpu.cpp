@@ -355,7 +355,7 @@ void chain_attn_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt) {
 void chain_moe_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt) {
   const ChainMoe& m = *l.moe;
   const int64_t H = l.n_in, R = N * m.k;
-  Q3VL_CHECK(l.n_out == H && l.rin.scratch && !l.rin.rows && !l.rin.swiglu, "dev::chain_moe_ops: bad MoE link");
+  Q3VL_CHECK(l.n_out == H && !l.rin.rows && !l.rin.swiglu, "dev::chain_moe_ops: bad MoE link");
   const void* xn = rows_in(x, l.in, l.rin, N, H, dt);
   moe_route(x, xn, m.router, m.logits, m.probs, m.idx, m.w, m.start, m.rows, m.pos, N, H, m.E, m.k, dt);
   grouped_linear_fwd(x, xn, m.gate_up, m.start, m.egu, R, m.E, H, 2 * m.I, dt, {m.rows, m.k, false, m.xg});

@@ -28,6 +28,9 @@
 // stamped (with the attention units' phases), 11 the attention's two ops and a chain of o_proj, gate_up, down_proj and
 // the next qkv. Every chain pairs gate_up's rows so that its tiles write the SwiGLU that down_proj reads (ChainJob's
 // half); modes 12 and 13 are 6 and 9 without that (down_proj's staging computes the SwiGLU in each block), the A/B.
+// Modes 14-19 run the chain kernel with other TmaKnobs flags than the product's (TmaChain: kTmaAcc2, kTmaScales and
+// kTmaRed2): 14 none of them, 15 kTmaAcc2 alone, 16 kTmaScales alone, 17 kTmaRed2 alone (each as mode 6), 18 none as
+// mode 9, 19 none as mode 8 (stamped): the A/B of each flag.
 // Build and run (from the repo root, on a GPU machine):
 //   make FFMPEG=0 bin/chain_bench && bin/chain_bench [layers] [reps] [modes]
 // (defaults 16, 50 and "0,5,6,7": modes by number, 0 none ... 7 qkv and a chain). The chain's producer once also
@@ -115,9 +118,33 @@ struct Bufs {
   float *cos, *sin;
   bf16 *wn, *q, *att;
 };
-// The modes whose layers have their attention, and those whose down_proj stages the SwiGLU (gate_up not paired).
-bool with_attn(int mode) { return (mode >= 9 && mode <= 11) || mode == 13; }
+// The modes whose layers have their attention, those whose down_proj stages the SwiGLU (gate_up not paired), those
+// stamped, and the chain kernel's TmaKnobs flags by mode (-1: TmaChain's, the product's).
+bool with_attn(int mode) { return (mode >= 9 && mode <= 11) || mode == 13 || mode == 18; }
 bool staged_swiglu(int mode) { return mode == 12 || mode == 13; }
+bool stamped(int mode) { return mode == 8 || mode == 10 || mode == 19; }
+int chain_flags(int mode) {
+  switch (mode) {
+    case 14: case 18: case 19: return 0;
+    case 15: return wg::kTmaAcc2;
+    case 16: return wg::kTmaScales;
+    case 17: return wg::kTmaRed2;
+    default: return -1;
+  }
+}
+template <int FL> using Knobs = wg::TmaKnobs<8, 8, 10, FL>;
+// The chain p with the kernel of mode's flags.
+void run_chain(const dev::Exec& ex, wg::ChainParams<bf16>& p, int mode) {
+  bool ok = false;
+  switch (chain_flags(mode)) {
+    case 0: ok = wg::gemv_chain<bf16, fp8, Knobs<0>>(ex, p); break;
+    case wg::kTmaAcc2: ok = wg::gemv_chain<bf16, fp8, Knobs<wg::kTmaAcc2>>(ex, p); break;
+    case wg::kTmaScales: ok = wg::gemv_chain<bf16, fp8, Knobs<wg::kTmaScales>>(ex, p); break;
+    case wg::kTmaRed2: ok = wg::gemv_chain<bf16, fp8, Knobs<wg::kTmaRed2>>(ex, p); break;
+    default: ok = wg::gemv_chain<bf16, fp8>(ex, p);
+  }
+  Q3VL_CHECK(ok, "chain_bench: the chain kernel did not take the chain");
+}
 dev::ChainAttn chain_attn(const Layer& y, const Bufs& b) {
   return {b.wn, b.wn, b.cos, b.sin, y.kp, y.vp, b.slots, b.cu, b.ctx, b.table, kCap / kBlock, kBlock, 1, 1, kCap, kCtx,
           kNh, kNkv, kHd, 1e-6, float(1 / std::sqrt(double(kHd))), b.q};
@@ -156,11 +183,11 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
   };
   if (attn) {  // decode layers with their attention
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.stamps = mode == 10 ? b.stamps : nullptr;
+    p.n = 1, p.bar = b.bar, p.stamps = stamped(mode) ? b.stamps : nullptr;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f};
     bool ok = true;
     const auto flush = [&] {
-      if (p.count) wg::gemv_chain<bf16, fp8>(ex, p);
+      if (p.count) run_chain(ex, p, mode);
       p.count = 0, p.stamps = nullptr;  // mode 10 stamps the first chain (12 layers)
     };
     for (size_t l = 0; l < L.size(); ++l) {
@@ -186,7 +213,7 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
     }
   } else if (mode >= 5) {  // the persistent chain: a kernel a layer (5), one for all (6, 8 stamped), qkv apart (7)
     wg::ChainParams<bf16> p{};
-    p.n = 1, p.bar = b.bar, p.stamps = mode == 8 ? b.stamps : nullptr;
+    p.n = 1, p.bar = b.bar, p.stamps = stamped(mode) ? b.stamps : nullptr;
     const wg::XRows xn{nullptr, 1, false, b.norm, 1e-6f};
     for (size_t l = 0; l < L.size(); ++l) {
       const Layer& y = L[l];
@@ -197,8 +224,8 @@ cudaGraph_t record(const dev::Exec& ex, cudaStream_t side, const std::vector<Lay
       ok = ok && mlp(p, y);
       Q3VL_CHECK(ok, "chain_bench: a product the chain does not take");
       if (mode == 5 || mode == 7 || l + 1 == L.size() || p.count + 4 > wg::kChainMax) {
-        wg::gemv_chain<bf16, fp8>(ex, p);
-        p.count = 0, p.stamps = nullptr;  // mode 8 stamps the first chain (16 layers)
+        run_chain(ex, p, mode);
+        p.count = 0, p.stamps = nullptr;  // modes 8 and 19 stamp the first chain (16 layers)
       }
     }
   }
@@ -306,12 +333,14 @@ int main(int argc, char** argv) {
   const char* names[] = {"none",     "qkv@o",    "qkv+o@o", "qkv@gu", "qkv+o@gu", "chain", "chain xL",
                          "qkv, chain o+gu+down", "chain xL stamped", "attn link, layers chained",
                          "attn link, layers chained, stamped", "attn ops, chain o+gu+down+qkv",
-                         "chain xL, SwiGLU staged", "attn link, layers chained, SwiGLU staged"};
+                         "chain xL, SwiGLU staged", "attn link, layers chained, SwiGLU staged",
+                         "chain xL, flags 0", "chain xL, flag acc2", "chain xL, flag scales", "chain xL, flag red2",
+                         "attn link, layers chained, flags 0", "chain xL stamped, flags 0"};
   // The modes run (argv[3], default 0,5,6,7): 0 always first, the reference.
   std::vector<int> runs{0};
   for (const char* c = argc > 3 ? argv[3] : "0,5,6,7"; *c;) {
     const int m = std::atoi(c);
-    if (m > 0 && m < 14) runs.push_back(m);
+    if (m > 0 && m < 20) runs.push_back(m);
     while (*c && *c != ',') ++c;
     if (*c) ++c;
   }
@@ -400,7 +429,7 @@ int main(int argc, char** argv) {
       std::printf("| %s | %.1f%s | %.2f | %s |\n", names[mode], us, t.host_bound ? " (host-bound)" : "",
                   wbytes / (us * 1e-6) / 1e12, same ? "yes" : !ok ? "FAIL" : "");
       if (mode >= 5) std::printf("|   (largest difference / largest |x|: %.2e) | | | |\n", rel);
-      if (mode == 8 || mode == 10) {  // one more replay, its stamps
+      if (stamped(mode)) {  // one more replay, its stamps
         std::vector<unsigned long long> h(stamp_words);
         Q3VL_CU(cudaMemsetAsync(b.stamps, 0, sizeof(unsigned long long) * stamp_words, st));
         Q3VL_CU(cudaGraphLaunch(ge, st));

@@ -180,5 +180,6 @@ void chain_attn_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt);
 // A MoE link (moe set) as its ops (ChainMoe): linear_chain's fallback and the CPU's.
 void chain_moe_ops(const Exec& x, const ChainLink& l, int64_t N, DType dt);
 constexpr int kChainMaxLinks = 64;  // links a chain kernel takes (more: the links one by one)
+constexpr int kChainMoeJobs = 3;    // a MoE link's jobs of it: the router, the picks' gate_up, their down_proj
 
 }  // namespace q3vl::dev

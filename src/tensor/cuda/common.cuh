@@ -217,6 +217,17 @@ inline int sm_count() {
   return sms;
 }
 
+// The dynamic shared memory a block may opt in to (the device's).
+inline size_t smem_optin() {
+  static const size_t bytes = [] {
+    int dev = 0, b = 0;
+    Q3VL_CU(cudaGetDevice(&dev));
+    Q3VL_CU(cudaDeviceGetAttribute(&b, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return size_t(b);
+  }();
+  return bytes;
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 inline int grid_for(int64_t n, int block = 256) {

@@ -668,16 +668,29 @@ __device__ __forceinline__ void tc_preload(uint4 (&ring)[K::kDepth][K::kMt][2], 
   for (int d = 0; d < K::kDepth; ++d) tc_load_step<W, K, VEC>(ring[d], q, row0, n_out, n_in, d);
 }
 
+// The decode chain's epilogues (gemv_chain.cuh): yf set, the sums in fp32 into yf [n, n_out] in place of y (a MoE
+// link's router logits); rw set, a pair's SwiGLU of gate row rg times rw[rg / seg] (a pick's weight), rounded once;
+// sg set, the tile's 16 row scales in shared memory (a pair's: its 8 gate rows', then their 8 up rows') in place of
+// scale's.
+struct TcEpi {
+  float* yf = nullptr;
+  const float* rw = nullptr;
+  int64_t seg = 1;
+  const float* sg = nullptr;
+};
+
 // The end of a tile: the WARPS warps' fragments acc (MT x NT m16n8 tiles of rows row0 on) added through red
 // (WARPS MT NT 128 floats: element ((mt NT + nt) 4 + i) 32 + lane of each warp) and stored as y[j n_out + r] =
 // sum xmul[j] scale[r] + b[r] for r < n_out, j < n (xmul null: 1; scale only for scaled weights; add: added to y,
 // store_y). sync: the barrier of the warps taking part, which the caller has passed before red is written.
 // half > 0: a SwiGLU pair (gemv_chain.cuh): each m16 tile's rows g are gate rows (row0 + 16 mt) / 2 + g of W, its rows
 // g + 8 the up rows half on from them, and y [n, half] = silu(gate) * up of the two rounded to S (swiglu_fwd's
-// arithmetic on gate_up's stored rows); add unused. Two halves, which tc_store runs one after the other: tc_put (a
-// warp's fragments into red) and tc_sum (elements e0, e0 + step, ... added and stored; its TcEpi the chain's MoE links').
-template <int MT, int NT>
-__device__ __forceinline__ void tc_put(const float (&acc)[MT][NT][4], float* red, int warp) {
+// arithmetic on gate_up's stored rows); add unused. ep: the chain's MoE links' epilogues.
+template <class S, class W, int MT, int NT, int WARPS, class Sync>
+__device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
+                                         const float* __restrict__ scale, const S* __restrict__ b,
+                                         const float* xmul, S* __restrict__ y, int n, int64_t n_out, bool add,
+                                         Sync sync, int64_t half = 0, const TcEpi& ep = {}) {
   constexpr int EL = MT * NT * 4 * 32;
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -686,21 +699,8 @@ __device__ __forceinline__ void tc_put(const float (&acc)[MT][NT][4], float* red
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) red[warp * EL + ((mt * NT + nt) * 4 + i) * 32 + lane] = acc[mt][nt][i];
-}
-// The decode chain's MoE links (gemv_chain.cuh): yf set, the sums in fp32 into yf [n, n_out] in place of y (the
-// router's logits); rw set, a pair's SwiGLU of gate row rg times rw[rg / seg] (a pick's weight), rounded once.
-struct TcEpi {
-  float* yf = nullptr;
-  const float* rw = nullptr;
-  int64_t seg = 1;
-};
-template <class S, class W, int MT, int NT, int WARPS>
-__device__ __forceinline__ void tc_sum(const float* red, int e0, int step, int64_t row0,
-                                       const float* __restrict__ scale, const S* __restrict__ b, const float* xmul,
-                                       S* __restrict__ y, int n, int64_t n_out, bool add, int64_t half,
-                                       const TcEpi& ep = {}) {
-  constexpr int EL = MT * NT * 4 * 32;
-  for (int e = e0; e < EL; e += step) {
+  sync();
+  for (int e = threadIdx.x; e < EL; e += WARPS * 32) {
     if (half && (e & 64)) continue;  // a pair's up rows (fragment rows g + 8, i >= 2) go with their gate rows
     float v = 0.f;
     for (int w = 0; w < WARPS; ++w) v += red[w * EL + e];
@@ -712,7 +712,10 @@ __device__ __forceinline__ void tc_sum(const float* red, int e0, int step, int64
       float u = 0.f;
       for (int w = 0; w < WARPS; ++w) u += red[w * EL + e + 64];
       float sg = xmul ? xmul[j] : 1.f, su = sg;
-      if constexpr (kScaled<W>) sg *= scale[rg], su *= scale[ru];
+      if constexpr (kScaled<W>) {
+        const int64_t k = rg - row0 / 2;
+        sg *= ep.sg ? ep.sg[k] : scale[rg], su *= ep.sg ? ep.sg[8 + k] : scale[ru];
+      }
       const float g = round_to<S>(v * sg + (b ? ld(b, rg) : 0.f)), up = round_to<S>(u * su + (b ? ld(b, ru) : 0.f));
       st(y, int64_t(j) * half + rg, ep.rw ? silu_mul(g, up) * ep.rw[rg / ep.seg] : silu_mul(g, up));
       continue;
@@ -720,22 +723,13 @@ __device__ __forceinline__ void tc_sum(const float* red, int e0, int step, int64
     const int64_t r = row0 + mt * 16 + frag_c_row(ln, i);
     if (r >= n_out || j >= n) continue;
     float sc = xmul ? xmul[j] : 1.f;  // weights in the activation type: no scale
-    if constexpr (kScaled<W>) sc *= scale[r];
+    if constexpr (kScaled<W>) sc *= ep.sg ? ep.sg[r - row0] : scale[r];
     if (ep.yf) {
       ep.yf[int64_t(j) * n_out + r] = v * sc;
       continue;
     }
     store_y(y, int64_t(j) * n_out + r, v * sc + (b ? ld(b, r) : 0.f), add);
   }
-}
-template <class S, class W, int MT, int NT, int WARPS, class Sync>
-__device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], float* red, int warp, int64_t row0,
-                                         const float* __restrict__ scale, const S* __restrict__ b,
-                                         const float* xmul, S* __restrict__ y, int n, int64_t n_out, bool add,
-                                         Sync sync, int64_t half = 0, const TcEpi& ep = {}) {
-  tc_put<MT, NT>(acc, red, warp);
-  sync();
-  tc_sum<S, W, MT, NT, WARPS>(red, threadIdx.x, WARPS * 32, row0, scale, b, xmul, y, n, n_out, add, half, ep);
 }
 
 // One block's 16 K::kMt rows (blockIdx.x) of y = (in q^T) * scale + b for n <= NB rows of the input (rows r0 on,

@@ -28,8 +28,10 @@ namespace q3vl::dev::cuda::wgemv {
 constexpr int kChainMax = dev::kChainMaxLinks;  // links a chain
 // 160 KiB of stages in flight (x's 48 KiB at most: 214 KiB). A tile's sums added a tile late, while the next tile
 // streams (two sums buffers, ready and read mbarriers in place of the two block barriers a tile), lost on an H100:
-// 84.7 against 81.9 us a layer of the 8B's fp8 linears (chain_bench, docs/perf/2026-12-07-thirtyfifth/callC).
-using TmaChain = TmaKnobs<8, 8, 10>;
+// 84.7 against 81.9 us a layer of the 8B's fp8 linears (chain_bench, docs/perf/2026-12-07-thirtyfifth/callC). The
+// flags shorten the synchronous tile ends instead, where the stamps put 18 of a layer's 82 us (thirty-sixth session):
+// the scales already in shared memory, one barrier a tile, and two accumulators a warp.
+using TmaChain = TmaKnobs<8, 8, 10, kTmaAcc2 | kTmaScales | kTmaRed2>;
 
 // One link of a chain (built by chain_job or chain_attn_job on the host).
 template <class S> struct ChainJob {
@@ -43,9 +45,11 @@ template <class S> struct ChainJob {
   S* y;
   int64_t n_in, n_out;
   int64_t half;  // a SwiGLU pair (chain_job's pair): W's gate rows [0, half) and up rows [half, n_out) 8 and 8 a tile,
-                 // y [n, half] = their SwiGLU (tc_sum); else 0
+                 // y [n, half] = their SwiGLU (tc_store); else 0
   int rs;
   bool vec_x, add, is_attn;
+  bool scl;  // 8-bit W whose tiles' scales the producer copies into shared memory (kTmaScales: 16-byte aligned, whole
+             // tiles)
   // A MoE link's job (kMoeNone: a product or an attention): the router's writes the logits [E] in fp32 (yf); the
   // experts' gate_up routes `logits` first (block 0 writes the picks into idx, their weights into wout); seg: I, a
   // pick's gate rows (gate_up) or columns (down_proj).
@@ -107,7 +111,7 @@ __device__ __forceinline__ void grid_wait(const uint32_t* bar, uint32_t target) 
 template <class S, class W, class K>
 __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __grid_constant__ ChainParams<S> p) {
   constexpr int CW = K::kCw, P = K::kP, ST = K::kStages, NT = kTmaNb / 8;
-  constexpr uint32_t SB = tma_stage_bytes<K>();
+  constexpr uint32_t SB = tma_stage_bytes<K>(), kSclSlots = kTmaSclSlots<K> > 0 ? kTmaSclSlots<K> : 1;
   extern __shared__ float4 smem_chain[];
   const TmaSmem<K> sm(reinterpret_cast<unsigned char*>(smem_chain));  // k_gemv_tma's layout
   const uint32_t ring = sm.ring, full0 = sm.full0, empty0 = sm.empty0;
@@ -178,21 +182,38 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
     pdl_wait();
     const uint64_t policy = l2_evict_first();
     Cur c;
+    uint32_t tn = 0;                       // the block's tiles so far (the consumers count the same)
     for (int64_t gi = 0; next(c); ++gi) {  // gi: the block's stage across the chain
       const int slot = int(gi % ST);
       const long long t0 = p.stamps ? clock64() : 0;
       if (gi >= ST) mbar_wait(empty0 + 8 * slot, uint32_t((gi / ST - 1) & 1));
       if (p.stamps) p.stamps[(size_t(c.j) * gridDim.x + blockIdx.x) * kStampWords + kEmptyWait] += clock64() - t0;
-      mbar_expect_tx(full0 + 8 * slot, SB);
+      const ChainJob<S>& jb = p.job[c.j];
+      // A tile's first stage brings its scales (kTmaScales) into slot tn of ST + 1: the slot's last tile, ST + 1
+      // tiles back, ended before the stage ST back (of a later tile: a tile has one stage or more) was freed.
+      const bool scl = (K::kFl & kTmaScales) && jb.scl && c.i % c.sp == 0;
+      mbar_expect_tx(full0 + 8 * slot, SB + (scl ? 64u : 0u));
       boxes(c, [&](const CUtensorMap& m, uint32_t off, int r, int pn) {
         tma_load_3d(ring + slot * SB + off, &m, 0, r, pn, full0 + 8 * slot, policy);
       });
+      if (scl) {
+        const int64_t item = tma_stage_item(c.i, c.sp, blockIdx.x, gridDim.x);
+        const uint32_t dst = su32(sm.scl + 16 * (tn % kSclSlots));
+        if (jb.half) {
+          bulk_load(dst, jb.scale + item * 8, 32, full0 + 8 * slot);
+          bulk_load(dst + 32, jb.scale + jb.half + item * 8, 32, full0 + 8 * slot);
+        } else {
+          bulk_load(dst, jb.scale + item * kTmaTile, 64, full0 + 8 * slot);
+        }
+      }
+      if (c.i % c.sp == 0) ++tn;
     }
     return;
   }
 
   pdl_wait();
-  int64_t gi = 0;  // the block's stages so far
+  int64_t gi = 0;   // the block's stages so far
+  uint32_t tn = 0;  // and tiles (the producer's count)
   for (int j = 0; j < p.count; ++j) {
     const ChainJob<S>& jb = p.job[j];
     if (j > 0) {  // every block has written product j - 1
@@ -220,7 +241,7 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       }
       bar_sync(1, CW * 32);
     }
-    const TcEpi ep{jb.yf, jb.moe == kMoeUp ? rt.pw : nullptr, jb.seg};
+    TcEpi ep{jb.yf, jb.moe == kMoeUp ? rt.pw : nullptr, jb.seg};
     const int64_t nt = tiles(jb);
     const int sp = spt(jb), panels = int(jb.n_in * int64_t(sizeof(W)) / kTmaPanel);
     if (blockIdx.x < nt) {
@@ -229,12 +250,16 @@ __global__ void __launch_bounds__((K::kCw + 1) * 32, 1) k_gemv_chain(const __gri
       bar_sync(1, CW * 32);
     }
     if (st) st[kStagedClk] = clock64();
-    for (int64_t tile = blockIdx.x; tile < nt; tile += gridDim.x) {
+    for (int64_t tile = blockIdx.x; tile < nt; tile += gridDim.x, ++tn) {
       float acc[1][NT][4] = {};
       tma_tile<W, K>(sm, gi, sp, panels, jb.rs, n, acc, st ? st + kFullWait : nullptr, jb.half != 0);
       const long long t0 = st ? clock64() : 0;
-      bar_sync(1, CW * 32);  // the previous tile's sums are read
-      tc_store<S, W, 1, NT, CW>(acc, sm.red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), sm.xmul,
+      // The previous tile's sums are read: its buffer's (kTmaRed2: the tile before it used the other buffer, whose
+      // readers have all passed that tile's barrier since).
+      if (!(K::kFl & kTmaRed2)) bar_sync(1, CW * 32);
+      if ((K::kFl & kTmaScales) && jb.scl) ep.sg = sm.scl + 16 * (tn % kSclSlots);
+      float* red = sm.red + ((K::kFl & kTmaRed2) ? (tn & 1u) * CW * TmaSmem<K>::kEl : 0u);
+      tc_store<S, W, 1, NT, CW>(acc, red, warp, tile * kTmaTile, jb.scale, static_cast<const S*>(nullptr), sm.xmul,
                                 jb.y, n, jb.n_out, jb.add, [] { bar_sync(1, CW * 32); }, jb.half, ep);
       if (st) st[kStoreWait] += clock64() - t0;
     }
@@ -260,6 +285,7 @@ bool chain_job(ChainJob<S>& jb, const S* in, const W* q, const float* scale, S* 
   if (!tmap_panels(jb.map, q, n_out, n_in * int64_t(sizeof(W)), pair ? kTmaTile / 2 : kTmaTile, K::kP)) return false;
   jb.in = in, jb.xr = xr, jb.scale = scale, jb.y = y, jb.n_in = n_in, jb.n_out = n_out, jb.half = pair ? n_out / 2 : 0;
   jb.rs = int(n_in + kTcPad<W>), jb.vec_x = x_vectors(in, xr, n_in), jb.add = add, jb.is_attn = false;
+  jb.scl = kScaled<W> && scale && aligned16(scale) && n_out % kTmaTile == 0;
   jb.moe = kMoeNone, jb.E = jb.k = 0, jb.seg = 1, jb.yf = nullptr, jb.logits = nullptr, jb.idx = nullptr;
   jb.wout = nullptr;
   return true;
@@ -315,16 +341,16 @@ bool chain_attn_job(const Exec& x, ChainJob<S>& jb, const ChainAttn& a, const S*
              ns > 1 ? static_cast<float*>(x.ws) : nullptr, int(a.max_blocks), int(a.block), int(a.nseg), int(a.nh),
              int(a.nkv), int(a.hd), int(ns), int(a.max_q), float(a.eps), float(double(a.scale) * 1.4426950408889634)};
   jb.in = in, jb.xr = {}, jb.scale = nullptr, jb.y = y, jb.n_in = 0, jb.n_out = 0, jb.half = 0, jb.rs = 0;
-  jb.vec_x = false, jb.add = false, jb.is_attn = true;
+  jb.vec_x = false, jb.add = false, jb.is_attn = true, jb.scl = false;
   jb.moe = kMoeNone, jb.E = jb.k = 0, jb.seg = 1, jb.yf = nullptr, jb.logits = nullptr, jb.idx = nullptr;
   jb.wout = nullptr;
   return true;
 }
 
 // The chain p.job[0 .. p.count) over p.n rows, p.bar two zeroed words of device memory (left zeroed); sets p's
-// routing layout.
+// routing layout. False (nothing launched) where its shared memory would pass the device's.
 template <class S, class W, class K = TmaChain>
-void gemv_chain(const Exec& x, ChainParams<S>& p) {
+bool gemv_chain(const Exec& x, ChainParams<S>& p) {
   static_assert(kTcOk<S, W>, "wgemv::gemv_chain: 16-bit activations, weights 8-bit or of their type");
   Q3VL_CHECK(p.count >= 1 && p.count <= kChainMax && p.n >= 1 && p.n <= kTmaNb && p.bar,
              "wgemv::gemv_chain: bad chain");
@@ -337,8 +363,10 @@ void gemv_chain(const Exec& x, ChainParams<S>& p) {
     route_e = std::max(route_e, jb.E);
   }
   p.route_off = int((xb + 15) / 16 * 16), p.route_e = route_e;
-  launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32,
-             tma_smem_bytes<K>(p.route_off + RouteSmem::bytes(route_e)), stream_of(x), p);
+  const size_t smem = tma_smem_bytes<K>(p.route_off + RouteSmem::bytes(route_e));
+  if (smem > smem_optin()) return false;
+  launch_pdl(k_gemv_chain<S, W, K>, dim3(unsigned(sm_count())), (K::kCw + 1) * 32, smem, stream_of(x), p);
+  return true;
 }
 
 }  // namespace q3vl::dev::cuda::wgemv

@@ -28,9 +28,14 @@
 
 namespace q3vl::dev::cuda::wgemv {
 
-template <int CW, int P, int STAGES> struct TmaKnobs {
-  static_assert(CW >= 1 && CW <= 16 && P >= 1 && P <= 255 && STAGES >= 2, "wgemv: TMA knobs");
-  static constexpr int kCw = CW, kP = P, kStages = STAGES;
+// FL: kTmaAcc2 (tma_tile's two warp steps of a panel into two accumulators, added at the tile's end: two chains of 4
+// dependent mmas a stage, not one of 8), and for the chain kernel (gemv_chain.cuh) kTmaScales (the producer copies a
+// tile's 16 row scales into shared memory with its first stage, so that the tile's end reads no global memory) and
+// kTmaRed2 (two buffers of partial sums used in turn: one block barrier a tile's end, not two).
+constexpr int kTmaAcc2 = 1, kTmaScales = 2, kTmaRed2 = 4;
+template <int CW, int P, int STAGES, int FL = 0> struct TmaKnobs {
+  static_assert(CW >= 1 && CW <= 16 && P >= 1 && P <= 255 && STAGES >= 2 && FL >= 0 && FL < 8, "wgemv: TMA knobs");
+  static constexpr int kCw = CW, kP = P, kStages = STAGES, kFl = FL;
 };
 using TmaAuto = TmaKnobs<8, 8, 6>;  // 8 consumer warps, 16 KiB stages, 96 KiB in flight (gemv_bench's best)
 
@@ -53,21 +58,25 @@ inline bool tma_wanted(int64_t n, int64_t n_in, int64_t n_out, size_t wsize, boo
 }
 
 template <class K> constexpr uint32_t tma_stage_bytes() { return uint32_t(K::kP) * kTmaPanelBytes; }
+template <class K> constexpr int kTmaRedBufs = (K::kFl & kTmaRed2) ? 2 : 1;
+template <class K> constexpr int kTmaSclSlots = (K::kFl & kTmaScales) ? K::kStages + 1 : 0;  // tiles' scales, 16 each
 // A block's dynamic shared memory (k_gemv_tma's, gemv_chain.cuh's): the ring (1024-aligned) and its full and empty
-// barriers, the header (xmul, wmax), the consumer warps' partial sums, and x_bytes of staged x.
+// barriers, the header (xmul, wmax), the consumer warps' partial sums, the tiles' scales, and x_bytes of staged x.
 template <class K> size_t tma_smem_bytes(size_t x_bytes) {
   return 1024 + size_t(K::kStages) * (tma_stage_bytes<K>() + 16) + kTcHeader +
-         sizeof(float) * size_t(K::kCw) * (kTmaNb / 8) * 128 + x_bytes;
+         sizeof(float) * size_t(K::kCw * kTmaRedBufs<K>) * (kTmaNb / 8) * 128 +
+         sizeof(float) * 16 * size_t(kTmaSclSlots<K>) + x_bytes;
 }
 
 // A TMA block's shared memory (dynamic, tma_smem_bytes): the ring (1024-aligned for the swizzle), its full and empty
 // barriers (initialized by the constructor's thread 0; the caller synchronizes before using them), xmul/wmax
-// (kTcHeader), the consumer warps' partial sums of a tile, and the staged x. k_gemv_tma's and k_gemv_chain's.
+// (kTcHeader), the consumer warps' partial sums of a tile (kTmaRedBufs buffers), the tiles' scales (kTmaSclSlots
+// of 16 floats), and the staged x. k_gemv_tma's and k_gemv_chain's.
 template <class K> struct TmaSmem {
   static constexpr int kEl = (kTmaNb / 8) * 4 * 32;  // a warp's partial sums of a tile
   uint32_t ring, full0, empty0;                      // shared-window addresses
   unsigned char* ring_p;                             // the ring, a generic pointer
-  float *xmul, *red;
+  float *xmul, *red, *scl;
   uint32_t* wmax;
   uint16_t* xs;
   __device__ __forceinline__ explicit TmaSmem(unsigned char* raw) {
@@ -79,7 +88,8 @@ template <class K> struct TmaSmem {
     xmul = reinterpret_cast<float*>(head);
     wmax = reinterpret_cast<uint32_t*>(head + 64);
     red = reinterpret_cast<float*>(head + kTcHeader);
-    xs = reinterpret_cast<uint16_t*>(red + K::kCw * kEl);
+    scl = red + K::kCw * kEl * kTmaRedBufs<K>;
+    xs = reinterpret_cast<uint16_t*>(scl + 16 * kTmaSclSlots<K>);
     if (threadIdx.x == 0) {
       for (int s = 0; s < K::kStages; ++s) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, K::kCw);
       mbar_init_fence();
@@ -99,6 +109,8 @@ __device__ __forceinline__ void tma_tile(const TmaSmem<K>& sm, int64_t& gi, int 
   constexpr int PC = kTmaPanel / int(sizeof(W));  // columns of a panel
   constexpr uint32_t SB = tma_stage_bytes<K>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  constexpr bool A2 = (K::kFl & kTmaAcc2) != 0;
+  float a2[1][kTmaNb / 8][4] = {};  // kTmaAcc2: the panels' second warp steps
   for (int kp = 0; kp < spt; ++kp, ++gi) {
     const int slot = int(gi % ST);
     const long long t0 = waited ? clock64() : 0;
@@ -115,12 +127,18 @@ __device__ __forceinline__ void tma_tile(const TmaSmem<K>& sm, int64_t& gi, int 
         const int c = tma_chunk(lane, s);
         const uint4 w[1][2] = {{*reinterpret_cast<const uint4*>(pb + tma_offset(g, c)),
                                 *reinterpret_cast<const uint4*>(pb + hi + tma_offset(g, c))}};
-        tc_step<W, kTmaNb, 1>(acc, w, sm.xs + pg * PC + c * G, rs, n, g);
+        if (A2 && s == 1) tc_step<W, kTmaNb, 1>(a2, w, sm.xs + pg * PC + c * G, rs, n, g);
+        else tc_step<W, kTmaNb, 1>(acc, w, sm.xs + pg * PC + c * G, rs, n, g);
       }
     }
     __syncwarp();
     mbar_arrive(sm.empty0 + 8 * slot, lane == 0);
   }
+  if constexpr (A2)
+#pragma unroll
+    for (int nt = 0; nt < kTmaNb / 8; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][nt][i] += a2[0][nt][i];
 }
 
 // One block's tiles: blockIdx.x, + gridDim.x, ... of the n_out / 16 tiles, against all n rows of x.

@@ -209,7 +209,7 @@ bool chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N) {
     const bool pair = l.swiglu_pair && !l.attn && !l.moe && nx && !nx->attn && !nx->moe && nx->in == l.y &&
                       nx->rin.swiglu && nx->rin.scratch && !nx->rin.rows && !nx->rin.norm;
     const void* in = paired ? paired : l.in;
-    if (p->count + (l.moe ? 3 : 1) > wgemv::kChainMax) return false;
+    if (p->count + (l.moe ? kChainMoeJobs : 1) > wgemv::kChainMax) return false;
     wgemv::ChainJob<S>* jb = p->job + p->count;
     const bool ok =
         l.attn  ? wgemv::chain_attn_job<S>(x, *jb, *l.attn, static_cast<const S*>(l.in), static_cast<S*>(l.y), N)
@@ -219,14 +219,13 @@ bool chain_kernel(const Exec& x, const ChainLink* links, int count, int64_t N) {
                                          static_cast<S*>(pair ? nx->rin.scratch : l.y), int(N), l.n_in, l.n_out,
                                          paired ? wgemv::XRows{} : wgemv::x_rows(l.rin), l.add, pair);
     if (!ok) return false;
-    p->count += l.moe ? 3 : 1;
+    p->count += l.moe ? kChainMoeJobs : 1;
     paired = pair ? nx->rin.scratch : nullptr;
   }
   void* bar = nullptr;
   Q3VL_CU(cudaGetSymbolAddress(&bar, g_chain_bar));
   p->bar = static_cast<uint32_t*>(bar);
-  wgemv::gemv_chain<S, W>(x, *p);
-  return true;
+  return wgemv::gemv_chain<S, W>(x, *p);
 }
 }  // namespace
 

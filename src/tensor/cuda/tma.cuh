@@ -87,6 +87,14 @@ __device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* m, int x, int
                : "memory");
 }
 
+// A bulk asynchronous copy of bytes (a multiple of 16, both addresses 16-byte aligned) from global memory to shared
+// address dst, completing `bar`'s transactions with its bytes (as tma_load_*).
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // Bulk asynchronous copies (the copy engine) from shared to global memory, contiguous: dst[0 .. bytes) = src, or +=
 // src (fp32, reduced in L2); bytes and both addresses multiples of 16. Grouped per thread: commit closes a group;
 // wait_read<N> waits until at most N of this thread's groups still read their shared source; wait_all: all done.
