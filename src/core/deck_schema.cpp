@@ -268,6 +268,10 @@ const std::vector<KeySpec>& deck_schema() {
       {"optim.loss_scale_window", T::Int, "1000", "model.dtype = fp16: good steps before the loss scale doubles", 1,
        1e9},
       {"optim.clip", T::Real, "1.0", "clip the global gradient norm to this (0: no clipping)", 0, 1e12},
+      {"optim.update_in_backward", T::Bool, "false",
+       "optim.clip = 0: update each unit as soon as the last micro-step's backward has its gradient, beside the rest "
+       "of the backward, not after the whole gradient's norm; a unit with a non-finite gradient is skipped alone "
+       "(ZeRO stage 3, the optimizer on the device, no fp16, no parallel.hybrid)"},
       {"optim.schedule", T::String, "cosine", "learning-rate decay after warmup", -kBig, kBig,
        {"cosine", "linear", "constant"}},
       {"optim.warmup_steps", T::Int, "0", "linear warmup steps", 0, 1e12},

@@ -8,6 +8,7 @@
 #include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
 #include "q3vl/tensor/dev_host.hpp"
+#include "q3vl/tensor/dev_stream.hpp"
 
 namespace q3vl {
 
@@ -205,19 +206,19 @@ DevZero::DevZero(DevModel& m, Comm& shard, Comm* replica, int stage, const std::
   }
   held_.assign(nu, -1), gbuf_.assign(nu, -1), done_.assign(nu, 0);
   model_.set_hooks(this);
+  unit_runs_.assign(nu, {});
+  for (size_t i = 0; i < runs_.size(); ++i) unit_runs_[size_t(runs_[i].unit)].push_back(int(i));
   if (ex_.device != Device::CUDA || off_ || env_is("Q3VL_OVERLAP_UPDATE", "0")) return;
-  ox_ = dev::make_exec(ex_.device, 0, ex_.gpu);  // the default priority, the lowest (the trainer's are the highest)
-  // The units in the order the next forward first reads them, then any it does not read; each unit's runs.
-  std::vector<std::vector<int>> of(nu);
-  for (size_t i = 0; i < runs_.size(); ++i) of[size_t(runs_[i].unit)].push_back(int(i));
+  // The default priority, the lowest (the trainer's are the highest); a workspace for the units' sums of squares.
+  ox_ = dev::make_exec(ex_.device, kUpdateWs, ex_.gpu);
+  // The units with runs in the order the next forward first reads them, then any it does not read.
   std::vector<int> order = order_[0];
   for (size_t u = 0; u < nu; ++u) order.push_back(int(u));
   ev_upd_.assign(nu, nullptr);
   for (int u : order)
-    if (!of[size_t(u)].empty()) {  // a unit the forward reads twice (the LM head) is updated once
-      upd_plan_.push_back({u, std::move(of[size_t(u)])});
+    if (!unit_runs_[size_t(u)].empty() && !ev_upd_[size_t(u)]) {  // the LM head, read twice, is updated once
+      upd_plan_.push_back(u);
       ev_upd_[size_t(u)] = dev::event_create(ex_);
-      of[size_t(u)].clear();
     }
   ev_upd_go_ = dev::event_create(ex_), ev_upd_end_ = dev::event_create(ex_);
 }
@@ -231,6 +232,7 @@ DevZero::~DevZero() {
     dev::destroy_exec(ox_);
   }
   if (stage_ == 3) model_.set_hooks(nullptr);
+  if (usq_) dev::release(ex_, usq_);
   for (void* p : {(void*)gshard_, (void*)gprev_, (void*)land_, wcopy_, wnext_, (void*)dmaster_, (void*)dm_, (void*)dv_})
     if (p) dev::release(ex_, p);
   for (void* p : {(void*)master_, (void*)m_, (void*)v_}) {
@@ -406,18 +408,62 @@ void* DevZero::param_copy(const Run& r) const {
 
 void DevZero::update_runs(const RunFn& fn) {
   if (!ox_.stream) {
-    for (const Run& r : runs_) fn(r, ex_);
+    for (const Run& r : runs_) fn(r, ex_, nullptr);
     return;
   }
   join_update();  // the last one (a step without a forward since, as after a skipped step's eval)
   dev::event_record(ex_, ev_upd_go_);  // the gradients final, the norm taken
   dev::event_wait(ox_, ev_upd_go_);
-  for (const UnitRuns& p : upd_plan_) {
-    for (int i : p.runs) fn(runs_[size_t(i)], ox_);
-    dev::event_record(ox_, ev_upd_[size_t(p.unit)]);
+  for (int u : upd_plan_) {
+    for (int i : unit_runs_[size_t(u)]) fn(runs_[size_t(i)], ox_, nullptr);
+    dev::event_record(ox_, ev_upd_[size_t(u)]);
   }
   dev::event_record(ox_, ev_upd_end_);
   upd_live_ = true;
+}
+
+void DevZero::enable_unit_update() {
+  Q3VL_CHECK(stage_ == 3 && !off_ && !(replica_ && replica_->size() > 1),
+             "DevZero: the update in the backward needs stage 3, the optimizer on the device, and no replicas");
+  if (usq_) return;
+  const size_t nu = unit_runs_.size();
+  usq_ = static_cast<double*>(dev::alloc(ex_, nu * 12 + 8));
+  ubad_ = reinterpret_cast<int32_t*>(usq_ + nu);
+  if (!ox_.stream || env_is("Q3VL_UPDATE_PRIO", "low")) return;
+  dev::synchronize(ox_);
+  dev::destroy_exec(ox_);
+  ox_ = dev::make_priority_exec(ex_.device, kUpdateWs, ex_.gpu);
+}
+
+void DevZero::arm_update(RunFn fn, bool poison) {
+  Q3VL_CHECK(usq_, "DevZero: arm_update() before enable_unit_update()");
+  Q3VL_CHECK(!in_pass_, "DevZero: arm_update() inside a pass");
+  join_update();  // the model's stream past the last update before this one's sums are zeroed on its stream
+  dev::fill(ox_.stream ? ox_ : ex_, usq_, DType::F32, int64_t(unit_runs_.size()) * 3, 0.f);
+  armed_ = std::move(fn), poison_ = poison;
+}
+
+// Unit u's gradient shard is final (its last use done, its reduce-scatter enqueued): its squares, then its runs.
+void DevZero::update_unit(int u) {
+  const std::vector<int>& runs = unit_runs_[size_t(u)];
+  if (runs.empty()) return;
+  const dev::Exec& x = ox_.stream ? ox_ : ex_;
+  if (ox_.stream) {  // after what wrote the shard: the reduce-scatter's stream, or the model's (in place)
+    dev::event_record(split_ && comm(L_.units[size_t(u)]).size() > 1 ? cx_ : ex_, ev_upd_go_);
+    dev::event_wait(ox_, ev_upd_go_);
+  }
+  if (poison_) dev::fill(x, gshard_ + runs_[size_t(runs[0])].grad, DType::F32, 1, NAN), poison_ = false;
+  for (int i : runs) dev::sum_squares(x, gshard_ + runs_[size_t(i)].grad, runs_[size_t(i)].n, DType::F32, usq_ + u, ubad_ + u);
+  for (int i : runs) armed_(runs_[size_t(i)], x, ubad_ + u);
+  if (ox_.stream) dev::event_record(ox_, ev_upd_[size_t(u)]);
+}
+
+void DevZero::unit_sums(std::vector<double>* sq, std::vector<int32_t>* bad) {
+  Q3VL_CHECK(usq_ && !armed_, "DevZero: unit_sums() before an armed pass ended");
+  const size_t nu = unit_runs_.size();
+  sq->resize(nu), bad->resize(nu);
+  dev::to_host(ox_.stream ? ox_ : ex_, sq->data(), usq_, nu * 8);
+  dev::to_host(ox_.stream ? ox_ : ex_, bad->data(), ubad_, nu * 4);
 }
 
 void DevZero::await_update(int u, const dev::Exec& x) {
@@ -640,6 +686,10 @@ void DevZero::end_pass() {
     leave_slot(next_++);
   }
   if (backward_) reduce_done(slots_.size());
+  if (backward_ && armed_) {
+    armed_ = nullptr;
+    if (ox_.stream) dev::event_record(ox_, ev_upd_end_), upd_live_ = true;
+  }
   if (backward_) Q3VL_CHECK(rs_next_ == rs_order_.size(), "ZeRO-3: gradients of some unit were never completed");
   else join_update(), drain();  // the forward's loss is read next
   in_pass_ = false;
@@ -735,12 +785,14 @@ void DevZero::reduce_done(size_t upto) {
   while (rs_next_ < rs_order_.size() && size_t(last_use_[size_t(rs_order_[rs_next_])]) < upto) {
     const size_t r = size_t(rs_order_[rs_next_++]);
     Q3VL_CHECK(done_[r], "ZeRO-3: unit " + model_.table().units()[r].name + " reduce-scattered before its last use ended");
-    if (gbuf_[r] < 0) continue;  // frozen: no gradients
-    if (!waited && comm(L_.units[r]).size() > 1) c2m(), waited = true;  // its gradients are complete on the model's
-    reduce_unit(int(r), gslot_[size_t(gbuf_[r])]);
-    if (split_) dev::event_record(cx_, ev_gfree_[size_t(gbuf_[r])]);
-    gfree_.push_back(gbuf_[r]);
-    gbuf_[r] = -1;
+    if (gbuf_[r] >= 0) {  // else frozen, or its gradients written in place (a group of one)
+      if (!waited && comm(L_.units[r]).size() > 1) c2m(), waited = true;  // its gradients complete on the model's
+      reduce_unit(int(r), gslot_[size_t(gbuf_[r])]);
+      if (split_) dev::event_record(cx_, ev_gfree_[size_t(gbuf_[r])]);
+      gfree_.push_back(gbuf_[r]);
+      gbuf_[r] = -1;
+    }
+    if (armed_) update_unit(int(r));
   }
 }
 

@@ -904,11 +904,13 @@ void adamw_loop(float* p, const float* g, float* m, float* v, int64_t n, float b
 }  // namespace
 
 void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t n, double beta1, double beta2,
-           double eps, double lr, double weight_decay, double gscale, int64_t t, void* copy, DType copy_dt) {
+           double eps, double lr, double weight_decay, double gscale, int64_t t, void* copy, DType copy_dt,
+           const int32_t* skip) {
   Q3VL_CHECK(!copy || copy_dt == DType::F32 || copy_dt == DType::BF16 || copy_dt == DType::F16,
              std::string("dev::adamw: the parameter copy is F32, BF16 or F16, not ") + dtype_name(copy_dt));
   DEV_OP(x, prof::mem((28.0 + (copy ? double(dtype_size(copy_dt)) : 0.0)) * double(n)),
-         adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t, copy, copy_dt));
+         adamw(x, p, g, m, v, n, beta1, beta2, eps, lr, weight_decay, gscale, t, copy, copy_dt, skip));
+  if (skip && *skip) return;
   // PyTorch's semantics: decoupled weight decay p *= 1 - lr*wd before the Adam step; t counts updates from 1.
   const double bc1 = 1.0 - std::pow(beta1, double(t)), bc2 = 1.0 - std::pow(beta2, double(t));
   const float b1 = float(beta1), b2 = float(beta2), gs = float(gscale);

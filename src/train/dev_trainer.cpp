@@ -271,13 +271,51 @@ void DevTrainer::device_adamw(const AdamWConfig& hp, double lr, double g, int64_
   float* p = part ? zero_->dev_master() : zero_->master();
   float* m = part ? zero_->dev_exp_avg() : zero_->exp_avg();
   float* v = part ? zero_->dev_exp_avg_sq() : zero_->exp_avg_sq();
-  zero_->update_runs([&](const DevZero::Run& r, const dev::Exec& ex) {
+  zero_->update_runs([&](const DevZero::Run& r, const dev::Exec& ex, const int32_t*) {
     if (part && r.dev < 0) return;
     const int64_t x = part ? r.dev : r.master, o = part ? r.dev : r.opt;
     dev::adamw(ex, p + x, zero_->grads() + r.grad, m + o, v + o, r.n, hp.beta1, hp.beta2, hp.eps, lr,
                r.no_decay ? 0.0 : hp.weight_decay, g, t, zero_->param_copy(r), zero_->gather_dtype());
   });
   if (part) zero_->publish_device_part();
+}
+
+void DevTrainer::enable_update_in_backward() {
+  Q3VL_CHECK(!ls_.on, "DevTrainer: the update in the backward has no fp16 loss scaling (an overflow skips a whole step)");
+  zero_->enable_unit_update();
+  sq_ = nullptr;  // the units' squares are taken before their update instead
+  in_bwd_ = true;
+}
+
+// Runs hold the device's copies of the masters and moments (no offload): the update writes them and the parameter
+// copy in the one pass, as device_adamw does, unless the unit's count of non-finite gradients (skip) is non-zero.
+void DevTrainer::arm_update(const AdamWConfig& hp, double lr, int64_t t, bool poison) {
+  Q3VL_CHECK(in_bwd_, "DevTrainer: arm_update() without enable_update_in_backward()");
+  zero_->arm_update([this, hp, lr, t](const DevZero::Run& r, const dev::Exec& ex, const int32_t* skip) {
+    dev::adamw(ex, zero_->master() + r.master, zero_->grads() + r.grad, zero_->exp_avg() + r.opt,
+               zero_->exp_avg_sq() + r.opt, r.n, hp.beta1, hp.beta2, hp.eps, lr, r.no_decay ? 0.0 : hp.weight_decay,
+               1.0, t, zero_->param_copy(r), zero_->gather_dtype(), skip);
+  }, poison);
+}
+
+DevTrainer::UnitUpdate DevTrainer::unit_update() {
+  std::vector<double> sq;
+  std::vector<int32_t> bad;
+  zero_->unit_sums(&sq, &bad);
+  // The squares summed in unit order (a fixed order), then over the ranks with each unit's count of ranks that skipped it.
+  std::vector<double> all(sq.size() + 1, 0.0);
+  for (size_t u = 0; u < sq.size(); ++u) all[0] += sq[u], all[u + 1] = bad[u] > 0 ? 1.0 : 0.0;
+  shard_.all_reduce(all.data(), all.size(), DType::F64, ReduceOp::Sum);
+  UnitUpdate r;
+  r.norm_sq = all[0];
+  const std::vector<UnitInfo>& units = model_->table().units();
+  for (size_t u = 0; u < sq.size(); ++u) {
+    if (zero_->layout().units[u].trainable) ++r.units;
+    if (all[u + 1] == 0) continue;
+    if (++r.skipped <= 3) r.names += (r.names.empty() ? "" : ", ") + units[u].name;
+  }
+  if (r.skipped > 3) r.names += ", ...";
+  return r;
 }
 
 void DevTrainer::settle() {

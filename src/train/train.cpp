@@ -435,6 +435,21 @@ int run_train(const Deck& deck) {
   if (offload.params && std::all_of(trainable.begin(), trainable.end(), [](bool b) { return b; }))
     fail_all("parallel.offload_params = \"frozen\" but nothing is frozen (no LoRA adapters, lora.rank = 0, and every "
              "train.tune_* is true): keep the parameters on the device (parallel.offload_params = \"none\")");
+  const bool in_bwd = deck.boolean("optim.update_in_backward");
+  if (in_bwd) {
+    auto needs = [&](bool ok, const std::string& what) {
+      if (!ok) fail_all("optim.update_in_backward = true needs " + what);
+    };
+    char clip[32];
+    std::snprintf(clip, sizeof clip, "%g", deck.real("optim.clip"));
+    needs(deck.real("optim.clip") == 0, std::string("optim.clip = 0 (it is ") + clip +
+                                            "): clipping scales every gradient by the global norm, which is known "
+                                            "only after the whole backward");
+    needs(stage == 3, "parallel.zero_stage = 3: a unit's gradient shard is final as the backward leaves the unit");
+    needs(!offload.optimizer, "the optimizer on the device (parallel.offload_optimizer = \"none\")");
+    needs(!replica, "parallel.hybrid = false: the replicas' gradient sum comes after the whole backward");
+    needs(compute != DType::F16, "model.dtype other than fp16: dynamic loss scaling skips a whole step on overflow");
+  }
   if (offload.optimizer) {
     const DevBudget b = train_budget(cfg, deck.integer("train.micro_batch"), deck.integer("data.seq_len"),
                                      deck.integer("train.max_patches"));
@@ -553,6 +568,7 @@ int run_train(const Deck& deck) {
                                              o.state = offload.in_place ? &shards : nullptr;
                                              return o;
                                            }());
+    if (in_bwd) trainer->enable_update_in_backward();
     log_info(trainer->memory_report());
   }
 
@@ -708,12 +724,17 @@ int run_train(const Deck& deck) {
     }
     std::copy(counts + 3, counts + 3 + FlopCounts::kFields, fc.data());
     const double n_global = counts[0];
+    const int64_t step1 = st.step + 1;
+    const double lr = sched.at(st.step);
+    const bool poisoned = nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count;
     trainer->begin_step();
     const int64_t gathered0 = trainer->gathered_bytes();
     double loss_sum = 0, aux_sum = 0;
     if (ep) ep->reset_stats();
     for (size_t i = 0; i < sd.micro.size(); ++i) {
       const int64_t n = sd.micro_supervised[i];
+      // The last micro-step's backward updates each unit as it completes its gradient (optim.update_in_backward).
+      if (in_bwd && i + 1 == sd.micro.size()) trainer->arm_update(hp, lr, st.adam_t + 1, poisoned);
       if (n == 0) {  // nothing to compute here, but the other ranks' collectives wait for this one's
         Phase p{t_comm, "ZeRO (a micro-batch without supervised tokens)"};
         trainer->idle();
@@ -731,7 +752,6 @@ int run_train(const Deck& deck) {
       loss_sum += trainer->backward(n_global > 0 ? double(n) / n_global : 0.0, &aux) * double(n);
       aux_sum += aux * double(n);
     }
-    const int64_t step1 = st.step + 1;
     double loss, gnorm;
     bool grads_finite = true;
     {
@@ -739,15 +759,24 @@ int run_train(const Deck& deck) {
       trainer->finish_grads();
       loss = world.sum(loss_sum) / std::max(1.0, n_global);
     }
-    {
+    DevTrainer::UnitUpdate uu;
+    if (in_bwd) {
+      Phase p{t_opt, "optimizer (the update's end: the units updated in the backward)"};
+      uu = trainer->unit_update();
+      gnorm = std::sqrt(uu.norm_sq), grads_finite = uu.skipped == 0;
+    } else {
       Phase p{t_opt, "gradient norm"};
       gnorm = std::sqrt(trainer->grad_norm_sq(&grads_finite));
-      if (nan_from > 0 && step1 >= nan_from && step1 < nan_from + nan_count) grads_finite = false, gnorm = NAN;
+      if (poisoned) grads_finite = false, gnorm = NAN;
     }
-    const double lr = sched.at(st.step);
     const bool finite = std::isfinite(loss) && std::isfinite(gnorm) && grads_finite;
+    if (in_bwd && uu.skipped < uu.units) ++st.adam_t;  // some unit was updated, with t = adam_t + 1
+    if (in_bwd && uu.skipped > 0)
+      log_warn("step " + std::to_string(step1) + ": non-finite gradients in " + std::to_string(uu.skipped) + " of " +
+               std::to_string(uu.units) + " trained units (" + uu.names +
+               "): their update skipped, the other units updated (optim.update_in_backward)");
     if (finite) {
-      {
+      if (!in_bwd) {
         Phase p{t_opt, "optimizer"};
         const double coef = clip > 0 && gnorm > clip ? clip / (gnorm + 1e-6) : 1.0;
         ++st.adam_t;
@@ -763,7 +792,10 @@ int run_train(const Deck& deck) {
       if (scale_overflow)
         log_info("step " + std::to_string(step1) + ": fp16 gradients overflowed at loss scale " +
                  std::to_string(trainer->loss_scaling().scale) + ": step skipped, the scale halves");
-      else
+      else if (in_bwd && !std::isfinite(loss))
+        log_warn("step " + std::to_string(step1) + ": non-finite loss; " + std::to_string(uu.units - uu.skipped) +
+                 " units with finite gradients were updated in the backward (optim.update_in_backward)");
+      else if (!in_bwd)
         log_warn("step " + std::to_string(step1) + ": non-finite " + (std::isfinite(loss) ? "gradient norm" : "loss") +
                  " (loss " + std::to_string(loss) + ", grad norm " + std::to_string(gnorm) +
                  "): step skipped, weights and optimizer state unchanged");

@@ -320,6 +320,61 @@ for on in true false; do
     pass "prefetch-$on-resumes-bitwise" || bad "prefetch-$on-resumes-bitwise"
 done
 
+# (m) optim.update_in_backward (issue 30): with optim.clip = 0 each unit's AdamW runs as the last micro-step's backward
+# completes the unit's gradient, instead of after the whole gradient's norm: the same update on the same gradients,
+# so bitwise the run without it (losses, weights, moments) on 1 rank, on 2 ranks with accumulation (the units'
+# reduce-scatters first), and stopped at step 10 and resumed. A poisoned step (train.debug_nan_step: a NaN in the
+# first unit the backward completes) skips that unit alone: its parameters and moments stay as after step 2, the
+# other units move on. Clipping, stages 1/2, the offloaded optimizer and hybrid sharding are refused by name (fp16,
+# refused too, is a GPU dtype).
+train ub_ref1 1 optim.clip=0; ok_run $? ub_ref1
+train ub1 1 optim.clip=0 optim.update_in_backward=true; ok_run $? ub1
+cmp_losses ub1 ub_ref1 0 20 && cmp_ckpt "$(ckpt ub1)" "$(ckpt ub_ref1)" 0 && pass "update-in-backward-bitwise" ||
+  bad "update-in-backward-bitwise"
+train ub_ref2 2 optim.clip=0 train.micro_batch=2 train.grad_accum=2; ok_run $? ub_ref2
+train ub2 2 optim.clip=0 train.micro_batch=2 train.grad_accum=2 optim.update_in_backward=true; ok_run $? ub2
+cmp_losses ub2 ub_ref2 0 20 && cmp_ckpt "$(ckpt ub2)" "$(ckpt ub_ref2)" 0 &&
+  pass "update-in-backward-2-ranks-accumulation-bitwise" || bad "update-in-backward-2-ranks-accumulation-bitwise"
+train ub_half 2 optim.clip=0 train.micro_batch=2 train.grad_accum=2 optim.update_in_backward=true train.stop_after=10
+ok_run $? ub_half
+mpiexec -n 2 $q train "${common[@]}" optim.clip=0 train.micro_batch=2 train.grad_accum=2 optim.update_in_backward=true   run.out_dir="$tmp/ub_half" train.resume=auto >"$tmp/ub_resume.log" 2>&1; ok_run $? ub_resume
+grep -q "resumed from .*step_00000010.h5" "$tmp/ub_resume.log" && cmp_losses ub_half ub2 0 20 &&
+  cmp_ckpt "$(ckpt ub_half)" "$(ckpt ub2)" 0 && pass "update-in-backward-resumes-bitwise" ||
+  bad "update-in-backward-resumes-bitwise"
+train ub_two 1 optim.clip=0 train.steps=2 optim.schedule=constant; ok_run $? ub_two
+train ub_skip 1 optim.clip=0 train.steps=3 optim.schedule=constant train.debug_nan_step=3 optim.update_in_backward=true
+ok_run $? ub_skip
+if grep -q "step 3: non-finite gradients in 1 of [0-9]* trained units (head): their update skipped" "$tmp/ub_skip.log" &&
+   $py - "$(ckpt ub_skip)" "$(ckpt ub_two)" "$tmp/ub_skip/metrics.jsonl" <<'PY'
+import h5py, json, numpy as np, sys
+r = [json.loads(l) for l in open(sys.argv[3])]
+assert r[2]["skipped"] and r[2]["skipped_total"] == 1 and not r[1]["skipped"], r
+with h5py.File(sys.argv[1]) as a, h5py.File(sys.argv[2]) as b:
+    names = []
+    a.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    same = {n for n in names if np.array_equal(a[n][()], b[n][()])}
+    # the unit "head": the final norm (the LM head is tied to the embedding, another unit)
+    w = "model.language_model.norm.weight"
+    assert {"model/" + w, "optim/exp_avg/" + w, "optim/exp_avg_sq/" + w} <= same, sorted(same)
+    moved = [n for n in names if n.startswith("model/") and n not in same]
+    assert "model/model.language_model.embed_tokens.weight" in moved and len(moved) > 50, len(moved)
+PY
+then pass "update-in-backward-skips-the-nonfinite-unit"; else bad "update-in-backward-skips-the-nonfinite-unit: $(grep -i non-finite "$tmp/ub_skip.log")"; fi
+ub_refused() {  # NAME WANT ARGS...: refused before training, naming what it needs
+  local name=$1 want=$2; shift 2
+  train "$name" 1 optim.update_in_backward=true "$@"
+  local rc=$?
+  if [[ $rc -ne 0 ]] && grep -q "optim.update_in_backward = true needs $want" "$tmp/$name.log"; then pass "update-in-backward-refuses-${name#ub_no_}"
+  else bad "update-in-backward-refuses-${name#ub_no_}: rc=$rc: $(grep -i error "$tmp/$name.log" | head -2)"; fi
+}
+ub_refused ub_no_clip "optim.clip = 0 (it is 1)"
+ub_refused ub_no_stage1 "parallel.zero_stage = 3" optim.clip=0 parallel.zero_stage=1
+ub_refused ub_no_offload "the optimizer on the device" optim.clip=0 parallel.offload_optimizer=cpu
+MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n 4 $q train "${common[@]}" optim.clip=0 optim.update_in_backward=true \
+  parallel.hybrid=true run.out_dir="$tmp/ub_hybrid" >"$tmp/ub_hybrid.log" 2>&1
+[[ $? -ne 0 ]] && grep -q "optim.update_in_backward = true needs parallel.hybrid = false" "$tmp/ub_hybrid.log" &&
+  pass "update-in-backward-refuses-hybrid" || bad "update-in-backward-refuses-hybrid: $(grep -i error "$tmp/ub_hybrid.log" | head -2)"
+
 # run.profile (issue 30): step 2's table in the log and its "profile" object in metrics.jsonl (step 1: none); the
 # phases add up to the step, the ops that ran are rows (a ZeRO-3 step on 2 ranks: linear_bwd, MPI gathers), all of
 # them with run.profile_top = 0 (no "other" row).

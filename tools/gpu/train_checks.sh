@@ -3,7 +3,7 @@
 # from the repo root with the packed runtime sourced:
 #   tools/gpu/train_checks.sh Q3VL UNIT_TESTS OUTDIR [PARTS]
 #   PARTS (default all): goldens unit lora zero ep bf16 resume stop bench offload delayed video hftrain profile big
-#   ring hostbase partial moe overlap (BIG="235b": part big's 235B cut alone)
+#   ring hostbase partial moe overlap inbwd (BIG="235b": part big's 235B cut alone)
 # - goldens: tools/make_lora_goldens.py (transformers + peft, fp32 on the CPU) into tests/data/golden/*/lora here and
 #   into OUTDIR's results (to commit);
 # - unit: the device-model suites, LoRA's included (against those goldens), with Q3VL_REQUIRE_GPU=1;
@@ -56,6 +56,12 @@
 #   without the overlap must be (the bound's premise: the training is deterministic). The demo model, 20 steps, in
 #   bf16 on 1 rank and in fp32 on 2 ranks sharing the GPU (ZeRO-3 over NCCL: the gathers wait for the update on the
 #   communication stream); then a checkpoint at step 10 resumed on 1 rank against the straight run (1e-6).
+# - inbwd (issue 30): optim.update_in_backward (each unit's AdamW on the update's stream as the last backward
+#   completes its gradient shard) against the update after the norm, both with optim.clip = 0: the same kernels on
+#   the same gradients, so every step's loss must be equal (bound 0); the demo model, 20 steps, bf16 on 1 rank (the
+#   stream at the model's priority, and below it: Q3VL_UPDATE_PRIO=low) and fp32 on 2 ranks sharing the GPU (the
+#   units' reduce-scatters on the communication stream before their updates), with 2 micro-steps a step; then
+#   train.debug_nan_step=3: one unit skipped, named, the run going on.
 # Everything lands in OUTDIR/results.tgz, refreshed after every part, so that a call cut short returns what finished.
 set -u
 q=$1 ut=$2 final=$3 out=/tmp/results
@@ -303,6 +309,18 @@ fi
 if part overlap || part overlap2; then
   Q3VL_OVERLAP_UPDATE=1 run ov_2 2 100 $gpu
   Q3VL_OVERLAP_UPDATE=0 run ov0_2 2 100 $gpu && cmp ov_2 ov0_2 0
+fi
+
+if part inbwd; then
+  ub="optim.clip=0 optim.update_in_backward=true"
+  run ubref_1 1 120 $gpu model.dtype=bf16 optim.clip=0
+  run ub_1 1 120 $gpu model.dtype=bf16 $ub && cmp ub_1 ubref_1 0
+  Q3VL_UPDATE_PRIO=low run ublow_1 1 120 $gpu model.dtype=bf16 $ub && cmp ublow_1 ubref_1 0
+  run ubref_2 2 100 $gpu optim.clip=0 train.grad_accum=2
+  run ub_2 2 100 $gpu $ub train.grad_accum=2 && cmp ub_2 ubref_2 0
+  run ubnan_1 1 100 $gpu model.dtype=bf16 $ub train.debug_nan_step=3 train.steps=6
+  say "ubnan_1: $(grep -o 'step 3: non-finite gradients in [^(]*([^)]*)' "$out/ubnan_1.log"); $(wc -l < "$out/ubnan_1.jsonl") steps"
+  pack
 fi
 
 if part moe; then

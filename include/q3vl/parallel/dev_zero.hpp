@@ -150,8 +150,23 @@ class DevZero final : UnitHooks {
   // reads the unit (its gather, or binding it in place), and for all of it at the end of the forward and before
   // anything else reads the shards (join_update). The same kernels on the same data, in another order: no element
   // changes. Otherwise every run on the model's stream, in order.
-  using RunFn = std::function<void(const Run& r, const dev::Exec& x)>;
+  // skip: null here; see arm_update.
+  using RunFn = std::function<void(const Run& r, const dev::Exec& x, const int32_t* skip)>;
   void update_runs(const RunFn& fn);
+  // The update in the backward (optim.update_in_backward; stage 3, the optimizer on the device, no replicas): each
+  // trained unit updated as soon as the step's last backward pass has made its gradient shard final, instead of
+  // after the whole gradient's norm. enable_unit_update() once: each unit's sum of squares and non-finite count on
+  // the device (and, on a GPU, the update's stream at the model's priority: it runs beside the backward's GEMMs, and
+  // the step ends with it; Q3VL_UPDATE_PRIO=low keeps it below them). arm_update(fn) before the step's last
+  // micro-step: in its backward pass each unit, after its last use (and its reduce-scatter), has its shard's
+  // squares summed and non-finite elements counted, then fn(run, exec, skip) for its runs, skip pointing at that
+  // count: a unit whose gradient is not finite keeps its parameters and moments. poison: the first trained unit's
+  // gradient gets a NaN first (train.debug_nan_step). On the update's stream (the next forward waits unit by unit,
+  // as update_runs'), or in order on the model's.
+  void enable_unit_update();
+  void arm_update(RunFn fn, bool poison = false);
+  // The armed pass's results (waits for them): each unit's sum of squares and non-finite count, in unit order.
+  void unit_sums(std::vector<double>* sq, std::vector<int32_t>* bad);
 
   int stage() const { return stage_; }
   const ZeroLayout& layout() const { return L_; }
@@ -317,14 +332,18 @@ class DevZero final : UnitHooks {
   std::vector<char> done_;
   // The overlapped update (update_runs).
   dev::Exec ox_;                     // its stream (null: not overlapped)
-  struct UnitRuns {
-    int unit;
-    std::vector<int> runs;  // indices into runs_
-  };
-  std::vector<UnitRuns> upd_plan_;   // the units with runs, in the order the next forward first reads them
+  static constexpr size_t kUpdateWs = 64 << 10;  // ox_'s workspace: sum_squares' partial sums
+  std::vector<int> upd_plan_;        // the units with runs, in the order the next forward first reads them
   std::vector<void*> ev_upd_;        // [unit] its runs updated (null: no runs)
   void *ev_upd_go_ = nullptr, *ev_upd_end_ = nullptr;  // the model's work before it; all of it
   bool upd_live_ = false;            // in flight: the model's stream has not waited for all of it
+  // The update in the backward (enable_unit_update).
+  std::vector<std::vector<int>> unit_runs_;  // [unit] its runs (indices into runs_)
+  double* usq_ = nullptr;                    // [unit] sum of squares, then [unit] int32 non-finite counts
+  int32_t* ubad_ = nullptr;
+  RunFn armed_;                              // set: the next backward pass updates each unit as it completes
+  bool poison_ = false;
+  void update_unit(int u);
 };
 
 }  // namespace q3vl

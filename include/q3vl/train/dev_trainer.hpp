@@ -103,6 +103,22 @@ class DevTrainer {
   double grad_norm_sq(bool* finite);
   // AdamW on every trainable parameter of this rank's shard (gscale: clipping), then the compute weights.
   void update(const AdamWConfig& hp, double lr, double gscale, int64_t t);
+  // optim.update_in_backward (no clipping, no fp16 loss scaling, stage 3 with the optimizer on the device, no
+  // replicas; DevZero::enable_unit_update): instead of grad_norm_sq() and update(), arm_update() before the step's
+  // last micro-step (its forward or idle()) runs AdamW on each unit as soon as that micro-step's backward has made
+  // the unit's gradient shard final, beside the rest of the backward; a unit with a non-finite gradient element on a
+  // rank keeps its parameters and moments there. poison: train.debug_nan_step's NaN, in the first trained unit.
+  void enable_update_in_backward();
+  bool update_in_backward() const { return in_bwd_; }
+  void arm_update(const AdamWConfig& hp, double lr, int64_t t, bool poison = false);
+  // After the step (finish_grads): the gradient's squared norm over every rank (unscaled: no loss scaling here), the
+  // trained units, and those some rank skipped (the first three's names).
+  struct UnitUpdate {
+    double norm_sq = 0;
+    int64_t units = 0, skipped = 0;
+    std::string names;
+  };
+  UnitUpdate unit_update();
   // A delayed update in flight lands: waited for, its parameters up (the next step computes on them). Nothing
   // otherwise.
   void settle();
@@ -139,6 +155,7 @@ class DevTrainer {
   std::unique_ptr<DevZero> zero_;
   std::unique_ptr<ThreadPool> pool_;  // offloaded optimizer's threads
   bool delayed_ = false;              // Offload::delayed
+  bool in_bwd_ = false;               // enable_update_in_backward()
   std::future<void> pending_;         // the delayed update in flight
   double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows; then sq_
   double* sq_ = nullptr;    // null, or the squares' slots: the sums [params], then the int32 counts [params]

@@ -37,7 +37,8 @@ template <class O> __device__ __forceinline__ void put4(O* o, const float4& P, b
 template <class O>
 __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                         float* __restrict__ v, O* __restrict__ out, bool out_vec, int64_t n, int64_t head,
-                        AdamWConst c) {
+                        AdamWConst c, const int32_t* __restrict__ skip) {
+  if (skip && *skip) return;
   const int64_t nv = (n - head) / 4, t0 = head + 4 * nv;
   const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   float4* p4 = reinterpret_cast<float4*>(p + head);
@@ -138,7 +139,8 @@ int64_t head_of(const float* a) { return int64_t((4 - reinterpret_cast<uintptr_t
 }  // namespace
 
 void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t n, double beta1, double beta2,
-           double eps, double lr, double weight_decay, double gscale, int64_t t, void* copy, DType copy_dt) {
+           double eps, double lr, double weight_decay, double gscale, int64_t t, void* copy, DType copy_dt,
+           const int32_t* skip) {
   if (n <= 0) return;
   // The same constants as the CPU reference, computed the same way.
   const double bc1 = 1.0 - std::pow(beta1, double(t)), bc2 = 1.0 - std::pow(beta2, double(t));
@@ -155,7 +157,7 @@ void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t 
   const bool copy_vec = copy && mis(copy, dtype_size(copy_dt)) == mis(p, 4);
   by_dtype(copy ? copy_dt : DType::F32, [&]<class O>() {
     k_adamw<O><<<grid_for(std::max<int64_t>((n - head) / 4, head + 3)), 256, 0, stream_of(x)>>>(
-        p, g, m, v, static_cast<O*>(copy), copy_vec, n, head, c);
+        p, g, m, v, static_cast<O*>(copy), copy_vec, n, head, c, skip);
     Q3VL_LAUNCHED();
   });
 }
