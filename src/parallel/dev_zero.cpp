@@ -459,7 +459,8 @@ void DevZero::update_unit(int u) {
 }
 
 void DevZero::unit_sums(std::vector<double>* sq, std::vector<int32_t>* bad) {
-  Q3VL_CHECK(usq_ && !armed_, "DevZero: unit_sums() before an armed pass ended");
+  Q3VL_CHECK(sums_ready_, "DevZero: unit_sums() without an armed backward pass since the last call");
+  sums_ready_ = false;
   const size_t nu = unit_runs_.size();
   sq->resize(nu), bad->resize(nu);
   dev::to_host(ox_.stream ? ox_ : ex_, sq->data(), usq_, nu * 8);
@@ -687,7 +688,7 @@ void DevZero::end_pass() {
   }
   if (backward_) reduce_done(slots_.size());
   if (backward_ && armed_) {
-    armed_ = nullptr;
+    armed_ = nullptr, sums_ready_ = true;
     if (ox_.stream) dev::event_record(ox_, ev_upd_end_), upd_live_ = true;
   }
   if (backward_) Q3VL_CHECK(rs_next_ == rs_order_.size(), "ZeRO-3: gradients of some unit were never completed");

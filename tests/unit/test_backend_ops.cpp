@@ -1355,6 +1355,17 @@ std::vector<Case> all_cases(DType dt) {
           dev::adamw(x, P<float>(p, 0), P<float>(p, 1), P<float>(p, 2), P<float>(p, 3), n, 0.9, 0.95, 1e-8, 3e-4, 0.1,
                      0.5, 7);
         });
+    // The update in the backward's skip (a unit's count of non-finite gradients, on the device): 0 updates, 3 leaves
+    // the masters, the moments and the copy as they were (the CPU reference returns; the kernel must match it).
+    for (int skip : {0, 3})
+      add("adamw", dims({n}) + " skip " + std::to_string(skip), kElem,
+          {out("p", K::F32, randn(n)), in("g", K::F32, randn(n)), out("m", K::F32, randn(n, 0.1)),
+           out("v", K::F32, randu(n, 0, 0.1)), out("copy", K::BF16, randn(n), true),
+           in("skip", K::I32, {double(skip)})},
+          [=](auto& x, auto& p, DType) {
+            dev::adamw(x, P<float>(p, 0), P<float>(p, 1), P<float>(p, 2), P<float>(p, 3), n, 0.9, 0.95, 1e-8, 3e-4,
+                       0.1, 0.5, 7, P<uint16_t>(p, 4), DType::BF16, P<int32_t>(p, 5));
+          });
     // Shards at any offset: 16-byte loads from the first element where all four arrays are aligned (offsets 1: three
     // elements ahead), one element at a time when they are aligned differently (0 1 2 3); the first elements untouched.
     if (n > 1000)

@@ -343,6 +343,7 @@ class DevZero final : UnitHooks {
   int32_t* ubad_ = nullptr;
   RunFn armed_;                              // set: the next backward pass updates each unit as it completes
   bool poison_ = false;
+  bool sums_ready_ = false;                  // an armed pass ended since the last unit_sums()
   void update_unit(int u);
 };
 
