@@ -25,5 +25,10 @@ if left 150; then
 fi
 left 110 && Q3VL_UPDATE_PRIO=low train_prof q30ublow input/bench_30b_a3b_gpu.deck 100 run.profile_top=0 \
   model.text_layers=$L $ub && ratio q30ublow hf30 "30B-A3B x $L layers, the update in the backward below the model's priority"
+if [[ $L = 6 ]] && left 50; then  # an H200: call C's A/B of the chain kernel's flags (the thirty-sixth session's)
+  t1=$SECONDS
+  timeout 45 /tmp/rt/bin/chain_bench 16 30 6,14,15,16,17,9,18 > "$out/chain_bench.txt" 2>&1
+  say "chain_bench rc=$? $((SECONDS - t1)) s"; grep -E '^\| (chain|attn|none)' "$out/chain_bench.txt" >> "$out/summary.txt"; pack
+fi
 say "done $((SECONDS - T0)) s"; pack
 cat "$out/summary.txt"
