@@ -7,6 +7,7 @@
 #include "q3vl/core/debug.hpp"
 #include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
 #include "q3vl/tensor/dev_host.hpp"
 #include "q3vl/tensor/dev_stream.hpp"
 
@@ -429,31 +430,43 @@ void DevZero::enable_unit_update() {
   const size_t nu = unit_runs_.size();
   usq_ = static_cast<double*>(dev::alloc(ex_, nu * 12 + 8));
   ubad_ = reinterpret_cast<int32_t*>(usq_ + nu);
-  if (!ox_.stream || env_is("Q3VL_UPDATE_PRIO", "low")) return;
-  dev::synchronize(ox_);
-  dev::destroy_exec(ox_);
-  ox_ = dev::make_priority_exec(ex_.device, kUpdateWs, ex_.gpu);
+  if (!ox_.stream) return;
+  // Q3VL_UPDATE_SMS=k (an A/B knob): the update's kernels fill at most k SMs, the model's persistent grids the rest.
+  const int k = int(env_positive("Q3VL_UPDATE_SMS", 0));
+  if (!env_is("Q3VL_UPDATE_PRIO", "low")) {
+    dev::synchronize(ox_);
+    dev::destroy_exec(ox_);
+    ox_ = dev::make_priority_exec(ex_.device, kUpdateWs, ex_.gpu);
+  }
+  if (k > 0) {
+    ox_.sms = k;
+    dev::reserve_sms(ex_.device, k);
+    log_info("the update in the backward: " + std::to_string(k) + " SMs its own (Q3VL_UPDATE_SMS)");
+  }
 }
 
-void DevZero::arm_update(RunFn fn, bool poison) {
+void DevZero::arm_update(RunFn fn, SqFn sq, bool poison) {
   Q3VL_CHECK(usq_, "DevZero: arm_update() before enable_unit_update()");
   Q3VL_CHECK(!in_pass_, "DevZero: arm_update() inside a pass");
   join_update();  // the model's stream past the last update before this one's sums are zeroed on its stream
-  dev::fill(ox_.stream ? ox_ : ex_, usq_, DType::F32, int64_t(unit_runs_.size()) * 3, 0.f);
-  armed_ = std::move(fn), poison_ = poison;
+  dev::fill(upd_exec(), usq_, DType::F32, int64_t(unit_runs_.size()) * 3, 0.f);
+  armed_ = std::move(fn), sqfn_ = std::move(sq), poison_ = poison;
 }
 
 // Unit u's gradient shard is final (its last use done, its reduce-scatter enqueued): its squares, then its runs.
 void DevZero::update_unit(int u) {
   const std::vector<int>& runs = unit_runs_[size_t(u)];
   if (runs.empty()) return;
-  const dev::Exec& x = ox_.stream ? ox_ : ex_;
+  const dev::Exec& x = upd_exec();
   if (ox_.stream) {  // after what wrote the shard: the reduce-scatter's stream, or the model's (in place)
     dev::event_record(split_ && comm(L_.units[size_t(u)]).size() > 1 ? cx_ : ex_, ev_upd_go_);
     dev::event_wait(ox_, ev_upd_go_);
   }
-  if (poison_) dev::fill(x, gshard_ + runs_[size_t(runs[0])].grad, DType::F32, 1, NAN), poison_ = false;
-  for (int i : runs) dev::sum_squares(x, gshard_ + runs_[size_t(i)].grad, runs_[size_t(i)].n, DType::F32, usq_ + u, ubad_ + u);
+  const bool poisoned = poison_;
+  if (poisoned) dev::fill(x, gshard_ + runs_[size_t(runs[0])].grad, DType::F32, 1, NAN), poison_ = false;
+  if (sqfn_ && !poisoned) sqfn_(u, x, usq_ + u, ubad_ + u);
+  else
+    for (int i : runs) dev::sum_squares(x, gshard_ + runs_[size_t(i)].grad, runs_[size_t(i)].n, DType::F32, usq_ + u, ubad_ + u);
   for (int i : runs) armed_(runs_[size_t(i)], x, ubad_ + u);
   if (ox_.stream) dev::event_record(ox_, ev_upd_[size_t(u)]);
 }
@@ -463,8 +476,8 @@ void DevZero::unit_sums(std::vector<double>* sq, std::vector<int32_t>* bad) {
   sums_ready_ = false;
   const size_t nu = unit_runs_.size();
   sq->resize(nu), bad->resize(nu);
-  dev::to_host(ox_.stream ? ox_ : ex_, sq->data(), usq_, nu * 8);
-  dev::to_host(ox_.stream ? ox_ : ex_, bad->data(), ubad_, nu * 4);
+  dev::to_host(upd_exec(), sq->data(), usq_, nu * 8);
+  dev::to_host(upd_exec(), bad->data(), ubad_, nu * 4);
 }
 
 void DevZero::await_update(int u, const dev::Exec& x) {
@@ -688,7 +701,7 @@ void DevZero::end_pass() {
   }
   if (backward_) reduce_done(slots_.size());
   if (backward_ && armed_) {
-    armed_ = nullptr, sums_ready_ = true;
+    armed_ = nullptr, sqfn_ = nullptr, sums_ready_ = true;
     if (ox_.stream) dev::event_record(ox_, ev_upd_end_), upd_live_ = true;
   }
   if (backward_) Q3VL_CHECK(rs_next_ == rs_order_.size(), "ZeRO-3: gradients of some unit were never completed");

@@ -130,6 +130,13 @@ Exec exec_of(Device d, size_t ws_bytes, int gpu, bool high) {
 
 Exec make_exec(Device d, size_t ws_bytes, int gpu) { return exec_of(d, ws_bytes, gpu, false); }
 Exec make_priority_exec(Device d, size_t ws_bytes, int gpu) { return exec_of(d, ws_bytes, gpu, true); }
+void reserve_sms(Device d, int k) {
+#ifdef Q3VL_CUDA
+  if (d == Device::CUDA) cuda::reserve_sms(k);
+#else
+  (void)d, (void)k;
+#endif
+}
 void destroy_exec(Exec& x) { ON_CUDA(x, destroy_exec(x)); }
 void synchronize(const Exec& x) {
   PROFILED_IF(x.device == Device::CUDA, Exec{}, "synchronize", {}, prof::Kind::HostWait);
@@ -923,6 +930,11 @@ void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc,
   DEV_OP(x, prof::mem(B(n, dt)), sum_squares(x, a, n, dt, acc, nonfinite));
   need_f32(dt, "sum_squares");
   add_squares(F(a), n, acc, nonfinite);
+}
+void sum_slots(const Exec& x, const double* sums, const int32_t* bad, const int32_t* ids, int64_t n, double* acc,
+               int32_t* nonfinite) {
+  DEV_OP(x, prof::mem(16.0 * double(n)), sum_slots(x, sums, bad, ids, n, acc, nonfinite));
+  for (int64_t i = 0; i < n; ++i) *acc += sums[ids[i]], *nonfinite += bad[ids[i]];
 }
 
 }  // namespace q3vl::dev

@@ -10,6 +10,7 @@
 #include "q3vl/core/log.hpp"
 #include "q3vl/runtime/mpi_comm.hpp"
 #include "q3vl/runtime/nccl_comm.hpp"
+#include "q3vl/tensor/dev_host.hpp"
 #include "q3vl/tensor/dev_stream.hpp"
 
 namespace q3vl {
@@ -108,6 +109,7 @@ DevTrainer::~DevTrainer() {
   zero_.reset();
   model_.reset();
   dev::release(ex_, norm_);
+  if (ids_dev_) dev::release(ex_, ids_dev_), dev::host_release(ex_, ids_host_);
   if (ep_) ep_->set_rows_comm(nullptr);
   nccl_ep_.reset();
   nccl_experts_.reset();
@@ -163,43 +165,69 @@ void DevTrainer::idle() {
 void DevTrainer::finish_grads() { zero_->finish_grads(); }
 
 // The gradients in the shard whose squares the backward took as it wrote them (sq_): [offset, end) in grads(),
-// sorted, with their parameter ids.
-std::vector<DevTrainer::Taken> DevTrainer::taken() const {
+// sorted, with their parameter ids; unit >= 0: that unit's only.
+std::vector<DevTrainer::Taken> DevTrainer::taken(int unit) const {
   std::vector<Taken> t;
   if (!sq_) return t;
   const std::vector<const float*>& at = model_->grad_squares_taken();
   const float* g0 = zero_->grads();
   const int64_t total = zero_->layout().comm;
-  for (size_t id = 0; id < at.size(); ++id) {
-    if (!at[id]) continue;
-    const int64_t a = at[id] - g0, b = a + model_->table().param(int(id)).held;
-    if (a >= 0 && b <= total) t.push_back({a, b, int(id)});  // else outside the shard: not one the norm reads
-  }
+  auto take = [&](int id) {
+    if (!at[size_t(id)]) return;
+    const int64_t a = at[size_t(id)] - g0, b = a + model_->table().param(id).held;
+    if (a >= 0 && b <= total) t.push_back({a, b, id});  // else outside the shard: not one the norm reads
+  };
+  if (unit >= 0)
+    for (int id : model_->table().units()[size_t(unit)].params) take(id);
+  else
+    for (size_t id = 0; id < at.size(); ++id) take(int(id));
   std::sort(t.begin(), t.end(), [](const Taken& x, const Taken& y) { return x.a < y.a; });
   return t;
+}
+
+// The squares of gradients [a, b) of the shard, less the taken ones (sorted and apart), into *sum and *bad on x.
+void DevTrainer::sum_less(const dev::Exec& x, int64_t a, int64_t b, const std::vector<Taken>& took, double* sum,
+                          int32_t* bad) {
+  auto read = [&](int64_t p, int64_t q) {
+    if (q > p) dev::sum_squares(x, zero_->grads() + p, q - p, DType::F32, sum, bad);
+  };
+  for (const Taken& t : took) {  // the gaps between those inside [a, b)
+    if (t.b <= a || t.a >= b) continue;
+    read(a, t.a);
+    a = std::max(a, std::min(t.b, b));
+  }
+  read(a, b);
 }
 
 // The squares of the runs' gradients less the taken ones into norm_: runs adjacent in the gradient buffer summed as
 // one span (runs split where AdamW's weight decay or placement changes, which the norm does not care about): fewer,
 // longer passes.
 void DevTrainer::sum_untaken(const std::vector<Taken>& took) {
-  auto* bad = reinterpret_cast<int32_t*>(norm_ + 1);
-  auto sum = [&](int64_t a, int64_t b) {
-    if (b > a) dev::sum_squares(ex_, zero_->grads() + a, b - a, DType::F32, norm_, bad);
-  };
   const std::vector<DevZero::Run>& runs = zero_->runs();
   for (size_t i = 0, j; i < runs.size(); i = j) {
     int64_t n = runs[i].n;
     for (j = i + 1; j < runs.size() && runs[j].grad == runs[i].grad + n; ++j) n += runs[j].n;
-    int64_t a = runs[i].grad;
-    const int64_t b = a + n;
-    for (const Taken& t : took) {  // sorted and apart: the gaps between those inside [a, b)
-      if (t.b <= a || t.a >= b) continue;
-      sum(a, t.a);
-      a = std::max(a, std::min(t.b, b));
-    }
-    sum(a, b);
+    sum_less(ex_, runs[i].grad, runs[i].grad + n, took, norm_, reinterpret_cast<int32_t*>(norm_ + 1));
   }
+}
+
+// The update in the backward's check of unit u (DevZero::SqFn), on the update's stream x: the slots of the unit's
+// gradients whose squares the backward took (their ids through a pinned staging area, each unit its own part), the
+// rest of its runs read.
+void DevTrainer::unit_squares(int u, const dev::Exec& x, double* sum, int32_t* bad) {
+  const std::vector<Taken> took = taken(u);
+  for (int i : zero_->unit_runs(u)) {
+    const DevZero::Run& r = zero_->runs()[size_t(i)];
+    sum_less(x, r.grad, r.grad + r.n, took, sum, bad);
+  }
+  if (took.empty()) return;
+  int32_t* h = ids_host_ + id_off_[size_t(u)];
+  for (size_t k = 0; k < took.size(); ++k) h[k] = took[k].id, took_bytes_ += (took[k].b - took[k].a) * 4;
+  dev::to_device(x, ids_dev_ + id_off_[size_t(u)], h, took.size() * 4);
+  const int64_t np = int64_t(model_->table().params().size());
+  dev::sum_slots(x, sq_, reinterpret_cast<const int32_t*>(sq_ + np), ids_dev_ + id_off_[size_t(u)],
+                 int64_t(took.size()), sum, bad);
+  took_n_ += int64_t(took.size());
 }
 
 // The taken gradients' slots added to *sum and *nonfinite in parameter order (a fixed order); the log says once
@@ -268,34 +296,45 @@ void DevTrainer::host_update(const AdamWConfig& hp, double lr, double g, int64_t
 void DevTrainer::device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t) {
   const bool part = zero_->offloaded();
   if (part && !zero_->dev_master()) return;
+  zero_->update_runs([&](const DevZero::Run& r, const dev::Exec& ex, const int32_t*) {
+    if (!part || r.dev >= 0) run_adamw(r, ex, hp, lr, g, t, nullptr);
+  });
+  if (part) zero_->publish_device_part();
+}
+
+// One run's AdamW and parameter copy: at the run's offsets into the device's masters and moments, or, offloaded, at
+// Run::dev of the partial offload's compacted buffers. skip: a device count; non-zero leaves the run unchanged.
+void DevTrainer::run_adamw(const DevZero::Run& r, const dev::Exec& ex, const AdamWConfig& hp, double lr, double g,
+                           int64_t t, const int32_t* skip) {
+  const bool part = zero_->offloaded();
   float* p = part ? zero_->dev_master() : zero_->master();
   float* m = part ? zero_->dev_exp_avg() : zero_->exp_avg();
   float* v = part ? zero_->dev_exp_avg_sq() : zero_->exp_avg_sq();
-  zero_->update_runs([&](const DevZero::Run& r, const dev::Exec& ex, const int32_t*) {
-    if (part && r.dev < 0) return;
-    const int64_t x = part ? r.dev : r.master, o = part ? r.dev : r.opt;
-    dev::adamw(ex, p + x, zero_->grads() + r.grad, m + o, v + o, r.n, hp.beta1, hp.beta2, hp.eps, lr,
-               r.no_decay ? 0.0 : hp.weight_decay, g, t, zero_->param_copy(r), zero_->gather_dtype());
-  });
-  if (part) zero_->publish_device_part();
+  const int64_t x = part ? r.dev : r.master, o = part ? r.dev : r.opt;
+  dev::adamw(ex, p + x, zero_->grads() + r.grad, m + o, v + o, r.n, hp.beta1, hp.beta2, hp.eps, lr,
+             r.no_decay ? 0.0 : hp.weight_decay, g, t, zero_->param_copy(r), zero_->gather_dtype(), skip);
 }
 
 void DevTrainer::enable_update_in_backward() {
   Q3VL_CHECK(!ls_.on, "DevTrainer: the update in the backward has no fp16 loss scaling (an overflow skips a whole step)");
   zero_->enable_unit_update();
-  sq_ = nullptr;  // the units' squares are taken before their update instead
   in_bwd_ = true;
+  if (!sq_) return;
+  const std::vector<UnitInfo>& units = model_->table().units();
+  int64_t n = 0;
+  for (const UnitInfo& u : units) id_off_.push_back(n), n += int64_t(u.params.size());
+  ids_dev_ = static_cast<int32_t*>(dev::alloc(ex_, size_t(std::max<int64_t>(n, 1)) * 4));
+  ids_host_ = static_cast<int32_t*>(dev::host_alloc(ex_, size_t(std::max<int64_t>(n, 1)) * 4));
 }
 
-// Runs hold the device's copies of the masters and moments (no offload): the update writes them and the parameter
-// copy in the one pass, as device_adamw does, unless the unit's count of non-finite gradients (skip) is non-zero.
+// The update in the backward (no offload, no clipping, no loss scale): run_adamw with the unit's non-finite count.
 void DevTrainer::arm_update(const AdamWConfig& hp, double lr, int64_t t, bool poison) {
   Q3VL_CHECK(in_bwd_, "DevTrainer: arm_update() without enable_update_in_backward()");
+  DevZero::SqFn sq;
+  if (sq_) sq = [this](int u, const dev::Exec& x, double* sum, int32_t* bad) { unit_squares(u, x, sum, bad); };
   zero_->arm_update([this, hp, lr, t](const DevZero::Run& r, const dev::Exec& ex, const int32_t* skip) {
-    dev::adamw(ex, zero_->master() + r.master, zero_->grads() + r.grad, zero_->exp_avg() + r.opt,
-               zero_->exp_avg_sq() + r.opt, r.n, hp.beta1, hp.beta2, hp.eps, lr, r.no_decay ? 0.0 : hp.weight_decay,
-               1.0, t, zero_->param_copy(r), zero_->gather_dtype(), skip);
-  }, poison);
+    run_adamw(r, ex, hp, lr, 1.0, t, skip);
+  }, std::move(sq), poison);
 }
 
 DevTrainer::UnitUpdate DevTrainer::unit_update() {
@@ -315,6 +354,11 @@ DevTrainer::UnitUpdate DevTrainer::unit_update() {
     if (++r.skipped <= 3) r.names += (r.names.empty() ? "" : ", ") + units[u].name;
   }
   if (r.skipped > 3) r.names += ", ...";
+  if (!told_ && took_n_ > 0)
+    log_info("gradient norm and the update's check: " + std::to_string(took_n_) + " gradients (" +
+             bytes_text(double(took_bytes_)) + ") summed as the backward wrote them, not read again");
+  told_ = told_ || took_n_ > 0;
+  took_n_ = 0, took_bytes_ = 0;
   return r;
 }
 

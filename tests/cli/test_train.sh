@@ -341,6 +341,18 @@ mpiexec -n 2 $q train "${common[@]}" optim.clip=0 train.micro_batch=2 train.grad
 grep -q "resumed from .*step_00000010.h5" "$tmp/ub_resume.log" && cmp_losses ub_half ub2 0 20 &&
   cmp_ckpt "$(ckpt ub_half)" "$(ckpt ub2)" 0 && pass "update-in-backward-resumes-bitwise" ||
   bad "update-in-backward-resumes-bitwise"
+# The MoE golden model through the units' checks (DevTrainer::unit_squares: on a GPU the experts' weight gradients'
+# squares come from the grouped GEMM's epilogue, tools/gpu/train_checks.sh's part inbwd; the CPU op layer takes none,
+# so here every run is read): the same losses, checkpoint and norm as the update after the norm.
+moe=(model.hf=tests/data/golden/moe/model optim.clip=0 train.steps=8)
+train ub_moe_ref 1 "${moe[@]}"; ok_run $? ub_moe_ref
+train ub_moe 1 "${moe[@]}" optim.update_in_backward=true; ok_run $? ub_moe
+cmp_losses ub_moe ub_moe_ref 0 8 && cmp_ckpt "$(ckpt ub_moe)" "$(ckpt ub_moe_ref)" 0 &&
+  $py - "$tmp/ub_moe/metrics.jsonl" "$tmp/ub_moe_ref/metrics.jsonl" <<'PY' && pass "update-in-backward-moe-units-checked" || bad "update-in-backward-moe-units-checked"
+import json, sys
+a, b = ([json.loads(l)["grad_norm"] for l in open(f)] for f in sys.argv[1:3])
+assert all(x > 0 and abs(x - y) <= 1e-9 * y for x, y in zip(a, b)), (a, b)  # the same norm, summed in another order
+PY
 train ub_two 1 optim.clip=0 train.steps=2 optim.schedule=constant; ok_run $? ub_two
 train ub_skip 1 optim.clip=0 train.steps=3 optim.schedule=constant train.debug_nan_step=3 optim.update_in_backward=true
 ok_run $? ub_skip

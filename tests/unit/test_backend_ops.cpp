@@ -1395,6 +1395,18 @@ std::vector<Case> all_cases(DType dt) {
                          k, 0.9, 0.95, 1e-8, 3e-4, 0.1, 0.5, 7, P<uint16_t>(p, 4) + o[4], ct);
             });
       }
+    if (n == 1000) {  // a unit's taken slots (the update in the backward's check): in order, ids repeated and apart
+      std::vector<double> nf(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) nf[size_t(i)] = double(i % 7 == 3);
+      const std::vector<double> ids{5, 17, 3, 999, 0, 17, 640};
+      add("sum_slots", dims({int64_t(ids.size())}) + " of " + dims({n}), kReduce,
+          {in("sums", K::F64, randu(n, 0, 10)), in("bad", K::I32, nf), in("ids", K::I32, ids),
+           out("acc", K::F64, {2.5}), out("nonfinite", K::I32, {1}, true)},
+          [=](auto& x, auto& p, DType) {
+            dev::sum_slots(x, P<double>(p, 0), P<int32_t>(p, 1), P<int32_t>(p, 2), int64_t(ids.size()), P<double>(p, 3),
+                           P<int32_t>(p, 4));
+          });
+    }
     auto a = randn(n);
     if (n > 1) a[n / 2] = INFINITY;
     add("sum_squares", dims({n}), kReduce,

@@ -159,12 +159,15 @@ class DevZero final : UnitHooks {
   // the device (and, on a GPU, the update's stream at the model's priority: it runs beside the backward's GEMMs, and
   // the step ends with it; Q3VL_UPDATE_PRIO=low keeps it below them). arm_update(fn) before the step's last
   // micro-step: in its backward pass each unit, after its last use (and its reduce-scatter), has its shard's
-  // squares summed and non-finite elements counted, then fn(run, exec, skip) for its runs, skip pointing at that
-  // count: a unit whose gradient is not finite keeps its parameters and moments. poison: the first trained unit's
-  // gradient gets a NaN first (train.debug_nan_step). On the update's stream (the next forward waits unit by unit,
-  // as update_runs'), or in order on the model's.
+  // squares summed and non-finite elements counted (sq(unit, exec, sum, bad) adds them; null: every run read), then
+  // fn(run, exec, skip) for its runs, skip pointing at that count: a unit whose gradient is not finite keeps its
+  // parameters and moments. poison: the first trained unit's gradient gets a NaN first (train.debug_nan_step; that
+  // unit's runs are read whatever sq). On the update's stream (the next forward waits unit by unit, as
+  // update_runs'), or in order on the model's.
+  using SqFn = std::function<void(int u, const dev::Exec& x, double* sum, int32_t* bad)>;
   void enable_unit_update();
-  void arm_update(RunFn fn, bool poison = false);
+  void arm_update(RunFn fn, SqFn sq = nullptr, bool poison = false);
+  const std::vector<int>& unit_runs(int u) const { return unit_runs_[size_t(u)]; }  // indices into runs()
   // The armed pass's results (waits for them): each unit's sum of squares and non-finite count, in unit order.
   void unit_sums(std::vector<double>* sq, std::vector<int32_t>* bad);
 
@@ -342,9 +345,11 @@ class DevZero final : UnitHooks {
   double* usq_ = nullptr;                    // [unit] sum of squares, then [unit] int32 non-finite counts
   int32_t* ubad_ = nullptr;
   RunFn armed_;                              // set: the next backward pass updates each unit as it completes
+  SqFn sqfn_;
   bool poison_ = false;
   bool sums_ready_ = false;                  // an armed pass ended since the last unit_sums()
   void update_unit(int u);
+  const dev::Exec& upd_exec() const { return ox_.stream ? ox_ : ex_; }  // the update's stream, or the model's
 };
 
 }  // namespace q3vl

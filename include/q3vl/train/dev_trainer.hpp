@@ -109,7 +109,6 @@ class DevTrainer {
   // the unit's gradient shard final, beside the rest of the backward; a unit with a non-finite gradient element on a
   // rank keeps its parameters and moments there. poison: train.debug_nan_step's NaN, in the first trained unit.
   void enable_update_in_backward();
-  bool update_in_backward() const { return in_bwd_; }
   void arm_update(const AdamWConfig& hp, double lr, int64_t t, bool poison = false);
   // After the step (finish_grads): the gradient's squared norm over every rank (unscaled: no loss scaling here), the
   // trained units, and those some rank skipped (the first three's names).
@@ -140,12 +139,16 @@ class DevTrainer {
   void host_update(const AdamWConfig& hp, double lr, double g, int64_t t);
   void host_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);
   void device_adamw(const AdamWConfig& hp, double lr, double g, int64_t t);  // the runs the device holds
+  void run_adamw(const DevZero::Run& r, const dev::Exec& ex, const AdamWConfig& hp, double lr, double g, int64_t t,
+                 const int32_t* skip);
   struct Taken {
     int64_t a, b;  // [a, b) in the gradient shard
     int id;        // its parameter: the slot
   };
-  std::vector<Taken> taken() const;
+  std::vector<Taken> taken(int unit = -1) const;
+  void sum_less(const dev::Exec& x, int64_t a, int64_t b, const std::vector<Taken>& took, double* sum, int32_t* bad);
   void sum_untaken(const std::vector<Taken>& took);
+  void unit_squares(int u, const dev::Exec& x, double* sum, int32_t* bad);
   void add_taken(const std::vector<Taken>& took, double* sum, int32_t* nonfinite);
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
   Comm& shard_;
@@ -160,6 +163,11 @@ class DevTrainer {
   double* norm_ = nullptr;  // [0] sum of squares; the int32 non-finite count follows; then sq_
   double* sq_ = nullptr;    // null, or the squares' slots: the sums [params], then the int32 counts [params]
   bool told_ = false;       // the log said the squares were taken
+  // The update in the backward with squares taken: each unit's taken ids (device; pinned staging on the host), at
+  // id_off_[unit]; what the step's checks took (the log's line).
+  int32_t *ids_dev_ = nullptr, *ids_host_ = nullptr;
+  std::vector<int64_t> id_off_;
+  int64_t took_n_ = 0, took_bytes_ = 0;
   LossScaling ls_;
   bool hybrid_ = false;  // gradient shards all-reduced across replicas (parallel.hybrid over several nodes)
 };
