@@ -7,6 +7,8 @@
 #   vs_hf 2b|30b                               # issue 30's shapes: q3vl profiled, transformers, the ratio
 #   prof_rows NAME...                          # train_prof runs' step time and a few rows (AdamW, norms, experts)
 #   left SECONDS                               # whether the call (560 s of its 600) still has SECONDS left
+#   chain_ab MODES TIMEOUT                     # tools/gpu/chain_bench's modes (16 layers, 30 replays) into
+#                                              # chain_bench.txt, its table rows into the summary
 #   serve_one NAME PART TIMEOUT [ENV=V...]     # one serve_checks.sh part at one stream (CONC=4 among the ENV=V: 4
 #                                              # streams): its bench row and decode steps
 #   serve_own NAME PRESET "KEYS" [ENV=V...]    # a server of PRESET (bf16, KEYS more deck keys) started here, 150 s
@@ -77,6 +79,11 @@ vs_hf() {  # the three steps every call script ran for these two shapes
   esac
 }
 left() { (( 560 - (SECONDS - T0) > $1 )); }
+chain_ab() {
+  local t1=$SECONDS
+  timeout "$2" /tmp/rt/bin/chain_bench 16 30 "$1" > "$out/chain_bench.txt" 2>&1
+  say "chain_bench rc=$? $((SECONDS - t1)) s"; grep -E '^\| (chain|attn|none)' "$out/chain_bench.txt" >> "$out/summary.txt"; pack
+}
 serve_one() {
   local n=$1 p=$2 t=$3 t1=$SECONDS; shift 3
   rm -rf /tmp/results
