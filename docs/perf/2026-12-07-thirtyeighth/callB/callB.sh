@@ -12,14 +12,15 @@ mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 L=3; [[ $mem -gt 100000 ]] && L=6
 say "GPU memory $mem MiB: the 30B-A3B cut at $L layers"
 ub="optim.clip=0 optim.update_in_backward=true"
-hf_train hf30 150 --preset 30B-A3B --text-layers $L --batch 1 --seq 4096
 Q3VL_UPDATE_SMS=24 train_prof q30s24 input/bench_30b_a3b_gpu.deck 100 run.profile_top=0 model.text_layers=$L $ub
+train_prof q30 input/bench_30b_a3b_gpu.deck 100 run.profile_top=0 model.text_layers=$L
+prof_rows q30s24 q30
+hf_train hf30 150 --preset 30B-A3B --text-layers $L --batch 1 --seq 4096
 ratio q30s24 hf30 "30B-A3B x $L layers, the update in the backward on 24 SMs of its own"
-Q3VL_UPDATE_SMS=40 train_prof q30s40 input/bench_30b_a3b_gpu.deck 100 run.profile_top=0 model.text_layers=$L $ub
-ratio q30s40 hf30 "30B-A3B x $L layers, the update in the backward on 40 SMs of its own"
-left 100 && train_prof q30 input/bench_30b_a3b_gpu.deck 100 run.profile_top=0 model.text_layers=$L &&
-  ratio q30 hf30 "30B-A3B x $L layers, the update after the norm (clip 1: the default)"
-prof_rows q30s24 q30s40 q30
+ratio q30 hf30 "30B-A3B x $L layers, the update after the norm (clip 1: the default)"
+left 90 && Q3VL_UPDATE_SMS=40 train_prof q30s40 input/bench_30b_a3b_gpu.deck 100 run.profile_top=0 model.text_layers=$L $ub &&
+  ratio q30s40 hf30 "30B-A3B x $L layers, the update in the backward on 40 SMs of its own"
+prof_rows q30s40
 if left 100; then
   t1=$SECONDS
   timeout 140 bash tools/gpu/train_checks.sh "$q" /tmp/rt/bin/unit_tests /tmp/tc inbwd > /dev/null 2>&1
