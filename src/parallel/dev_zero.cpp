@@ -7,7 +7,6 @@
 #include "q3vl/core/debug.hpp"
 #include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
-#include "q3vl/core/log.hpp"
 #include "q3vl/tensor/dev_host.hpp"
 #include "q3vl/tensor/dev_stream.hpp"
 
@@ -430,19 +429,10 @@ void DevZero::enable_unit_update() {
   const size_t nu = unit_runs_.size();
   usq_ = static_cast<double*>(dev::alloc(ex_, nu * 12 + 8));
   ubad_ = reinterpret_cast<int32_t*>(usq_ + nu);
-  if (!ox_.stream) return;
-  // Q3VL_UPDATE_SMS=k (an A/B knob): the update's kernels fill at most k SMs, the model's persistent grids the rest.
-  const int k = int(env_positive("Q3VL_UPDATE_SMS", 0));
-  if (!env_is("Q3VL_UPDATE_PRIO", "low")) {
-    dev::synchronize(ox_);
-    dev::destroy_exec(ox_);
-    ox_ = dev::make_priority_exec(ex_.device, kUpdateWs, ex_.gpu);
-  }
-  if (k > 0) {
-    ox_.sms = k;
-    dev::reserve_sms(ex_.device, k);
-    log_info("the update in the backward: " + std::to_string(k) + " SMs its own (Q3VL_UPDATE_SMS)");
-  }
+  if (!ox_.stream || env_is("Q3VL_UPDATE_PRIO", "low")) return;
+  dev::synchronize(ox_);
+  dev::destroy_exec(ox_);
+  ox_ = dev::make_priority_exec(ex_.device, kUpdateWs, ex_.gpu);
 }
 
 void DevZero::arm_update(RunFn fn, SqFn sq, bool poison) {

@@ -130,13 +130,6 @@ Exec exec_of(Device d, size_t ws_bytes, int gpu, bool high) {
 
 Exec make_exec(Device d, size_t ws_bytes, int gpu) { return exec_of(d, ws_bytes, gpu, false); }
 Exec make_priority_exec(Device d, size_t ws_bytes, int gpu) { return exec_of(d, ws_bytes, gpu, true); }
-void reserve_sms(Device d, int k) {
-#ifdef Q3VL_CUDA
-  if (d == Device::CUDA) cuda::reserve_sms(k);
-#else
-  (void)d, (void)k;
-#endif
-}
 void destroy_exec(Exec& x) { ON_CUDA(x, destroy_exec(x)); }
 void synchronize(const Exec& x) {
   PROFILED_IF(x.device == Device::CUDA, Exec{}, "synchronize", {}, prof::Kind::HostWait);

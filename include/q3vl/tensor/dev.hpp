@@ -34,7 +34,6 @@ struct Exec {
   void* ws = nullptr;      // device scratch (GEMM workspace, attention dq accumulators, reductions)
   size_t ws_bytes = 0;
   int gpu = 0;             // the device the stream belongs to
-  int sms = 0;  // the SMs the optimizer's kernels on this stream may fill (0: all; the update in the backward's share)
 };
 // GPUs visible to this process (0 in a build without CUDA).
 int device_count();

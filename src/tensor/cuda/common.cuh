@@ -6,7 +6,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -216,17 +215,6 @@ inline int sm_count() {
   Q3VL_CU(cudaGetDevice(&dev));
   Q3VL_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   return sms;
-}
-// dev::reserve_sms's k (the process's: one GPU a rank).
-inline int& reserved_sms() {
-  static int k = 0;
-  return k;
-}
-// The SMs a persistent grid of the model's may fill: the device's less the reserved ones (at least one).
-inline int model_sms() { return reserved_sms() > 0 ? std::max(1, sm_count() - reserved_sms()) : sm_count(); }
-// A grid of `blocks` blocks of `threads` capped to what x's share of SMs holds (Exec::sms; 2048 threads an SM).
-inline int share_grid(const Exec& x, int blocks, int threads = 256) {
-  return x.sms > 0 ? std::min(blocks, x.sms * (2048 / threads)) : blocks;
 }
 
 // The dynamic shared memory a block may opt in to (the device's).

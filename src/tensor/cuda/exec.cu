@@ -35,7 +35,6 @@ Exec exec_at(size_t ws_bytes, int gpu, bool high) {
 
 Exec make_exec(size_t ws_bytes, int gpu) { return exec_at(ws_bytes, gpu, false); }
 Exec make_priority_exec(size_t ws_bytes, int gpu) { return exec_at(ws_bytes, gpu, true); }
-void reserve_sms(int k) { reserved_sms() = k > 0 ? k : 0; }
 
 void destroy_exec(Exec& x) {
   if (x.stream) Q3VL_CU(cudaStreamSynchronize(stream_of(x)));  // pending work may still use ws

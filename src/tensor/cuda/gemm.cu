@@ -57,7 +57,6 @@ struct Key {
   uint32_t alA, alB, alC, alBias;  // of every matrix of a batch (align_of with the stride)
   size_t ws;
   int64_t count, sA, sB, sC, sBias;  // the batch (1, 0, 0, 0, 0 for one GEMM)
-  int32_t sms;                       // the SM count target (model_sms() where SMs are reserved), else 0
   auto operator<=>(const Key&) const = default;
 };
 
@@ -91,8 +90,6 @@ Plan make_plan(const Key& k, const void* bias) {
   const cublasOperation_t opB = k.ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS's B is our A
   Q3VL_CUBLAS(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
   Q3VL_CUBLAS(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
-  if (k.sms)
-    Q3VL_CUBLAS(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &k.sms, sizeof(k.sms)));
   if (k.bias) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     const int32_t bt = int32_t(cuda_type(k.dt));
@@ -304,7 +301,7 @@ bool gemm_impl(const Exec& x, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
   Key k{x.blas, ta, tb, bias != nullptr, M, N, K, lda, ldb, ldc, dt, ct,
         align_of(A, sb.a, dt), align_of(B, sb.b, dt), align_of(C, sb.c, ct),
         bias ? align_of(bias, sb.bias, dt) : 0u, std::min(kGemmWs, x.ws_bytes),
-        sb.count, sb.a, sb.b, sb.c, bias ? sb.bias : 0, reserved_sms() > 0 ? int32_t(model_sms()) : 0};
+        sb.count, sb.a, sb.b, sb.c, bias ? sb.bias : 0};
   {
     std::lock_guard<std::mutex> lock(g_mu);  // also guards the bias pointer set on the shared descriptor
     auto& m = cache();

@@ -372,7 +372,7 @@ bool grouped_sm90(cudaStream_t st, bool bf16, int mode, const void* A, const voi
   Q3VL_CU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   Q3VL_CU(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (major != 9 || minor != 0) return false;
-  return grouped_ws_launch(st, bf16, mode, A, B, C, start, tile_prefix, R, E, n_in, n_out, accumulate, model_sms(), sq,
+  return grouped_ws_launch(st, bf16, mode, A, B, C, start, tile_prefix, R, E, n_in, n_out, accumulate, sm_count(), sq,
                            psum);
 }
 

@@ -156,7 +156,7 @@ void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t 
   const int64_t head = same ? std::min<int64_t>(n, head_of(p)) : n;
   const bool copy_vec = copy && mis(copy, dtype_size(copy_dt)) == mis(p, 4);
   by_dtype(copy ? copy_dt : DType::F32, [&]<class O>() {
-    k_adamw<O><<<share_grid(x, grid_for(std::max<int64_t>((n - head) / 4, head + 3))), 256, 0, stream_of(x)>>>(
+    k_adamw<O><<<grid_for(std::max<int64_t>((n - head) / 4, head + 3)), 256, 0, stream_of(x)>>>(
         p, g, m, v, static_cast<O*>(copy), copy_vec, n, head, c, skip);
     Q3VL_LAUNCHED();
   });
@@ -165,7 +165,7 @@ void adamw(const Exec& x, float* p, const float* g, float* m, float* v, int64_t 
 void sum_squares(const Exec& x, const void* a, int64_t n, DType dt, double* acc, int32_t* nonfinite) {
   if (n <= 0) return;
   const bool f32 = dt == DType::F32;  // four elements a load (sumsq_share)
-  const int nb = share_grid(x, std::min(grid_for(f32 ? (n + 3) / 4 : n), 1024));
+  const int nb = std::min(grid_for(f32 ? (n + 3) / 4 : n), 1024);
   Q3VL_CHECK(size_t(nb) * (sizeof(double) + sizeof(int32_t)) <= x.ws_bytes, "sum_squares: workspace too small");
   auto* psum = static_cast<double*>(x.ws);
   auto* pbad = reinterpret_cast<int32_t*>(psum + nb);
