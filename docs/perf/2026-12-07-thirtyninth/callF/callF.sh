@@ -25,7 +25,7 @@ if left 100; then
   t1=$SECONDS
   timeout 140 bash tools/gpu/train_checks.sh "$q" /tmp/rt/bin/unit_tests /tmp/tc inbwd > /dev/null 2>&1
   mkdir -p "$out/tc"; tar xzf /tmp/tc/results.tgz -C "$out/tc" 2>/dev/null
-  say "train_checks inbwd $((SECONDS - t1)) s:"; grep -E "PASS|FAIL|ubnan|ubmoe|rc=[1-9]" "$out/tc/summary.txt" >> "$out/summary.txt"; pack
+  say "train_checks inbwd $((SECONDS - t1)) s:"; grep -E "PASS|FAIL|ubnan|ubmoe|ubhold|rc=[1-9]" "$out/tc/summary.txt" >> "$out/summary.txt"; pack
 fi
 left 50 && Q3VL_OPS=adamw,sum_squares,sum_slots unit_gpu 'BackendOps.Fp32' 45
 say "done $((SECONDS - T0)) s"; pack
