@@ -7,6 +7,7 @@
 #include "q3vl/core/debug.hpp"
 #include "q3vl/core/env.hpp"
 #include "q3vl/core/error.hpp"
+#include "q3vl/core/log.hpp"
 #include "q3vl/tensor/dev_host.hpp"
 #include "q3vl/tensor/dev_stream.hpp"
 
@@ -429,6 +430,14 @@ void DevZero::enable_unit_update() {
   const size_t nu = unit_runs_.size();
   usq_ = static_cast<double*>(dev::alloc(ex_, nu * 12 + 8));
   ubad_ = reinterpret_cast<int32_t*>(usq_ + nu);
+  if (env_is("Q3VL_UPDATE_HOLD", "experts")) {
+    const std::string tail = ".mlp.experts";
+    const std::vector<int>& o = order_[1];
+    for (size_t k = 0; k < o.size(); ++k) {
+      const std::string& n = model_.table().units()[size_t(o[k])].name;
+      if (n.size() >= tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0) hold_to_ = k + 1;
+    }
+  }
   if (!ox_.stream || env_is("Q3VL_UPDATE_PRIO", "low")) return;
   dev::synchronize(ox_);
   dev::destroy_exec(ox_);
@@ -785,6 +794,15 @@ void DevZero::leave_slot(size_t k) {
 // end), whether the model computed with a unit, nested two uses (the LM head) or only walked past it: collectives on
 // one communicator and one stream must come in one order on every rank.
 void DevZero::reduce_done(size_t upto) {
+  const bool hold = armed_ && upto + 1 < hold_to_;  // entering a slot before hold_to_ (Q3VL_UPDATE_HOLD)
+  if (!hold && !held_units_.empty()) {
+    if (!told_hold_)
+      log_info("the update in the backward: " + std::to_string(held_units_.size()) +
+               " units held until the backward passed its experts (Q3VL_UPDATE_HOLD)");
+    told_hold_ = true;
+    for (int u : held_units_) update_unit(u);
+    held_units_.clear();
+  }
   bool waited = false;
   while (rs_next_ < rs_order_.size() && size_t(last_use_[size_t(rs_order_[rs_next_])]) < upto) {
     const size_t r = size_t(rs_order_[rs_next_++]);
@@ -796,7 +814,8 @@ void DevZero::reduce_done(size_t upto) {
       gfree_.push_back(gbuf_[r]);
       gbuf_[r] = -1;
     }
-    if (armed_) update_unit(int(r));
+    if (armed_ && hold) held_units_.push_back(int(r));
+    else if (armed_) update_unit(int(r));
   }
 }
 

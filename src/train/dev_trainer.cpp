@@ -199,15 +199,18 @@ void DevTrainer::sum_less(const dev::Exec& x, int64_t a, int64_t b, const std::v
   read(a, b);
 }
 
-// The squares of the runs' gradients less the taken ones into norm_: runs adjacent in the gradient buffer summed as
-// one span (runs split where AdamW's weight decay or placement changes, which the norm does not care about): fewer,
-// longer passes.
-void DevTrainer::sum_untaken(const std::vector<Taken>& took) {
+// The squares of the runs' gradients less the taken ones into sum and bad: runs adjacent in the gradient buffer summed
+// as one span (runs split where AdamW's weight decay or placement changes, which the norm does not care about): fewer,
+// longer passes. ids: the runs (ascending indices into runs()); null: every run.
+void DevTrainer::sum_runs(const dev::Exec& x, const std::vector<int>* ids, const std::vector<Taken>& took, double* sum,
+                          int32_t* bad) {
   const std::vector<DevZero::Run>& runs = zero_->runs();
-  for (size_t i = 0, j; i < runs.size(); i = j) {
-    int64_t n = runs[i].n;
-    for (j = i + 1; j < runs.size() && runs[j].grad == runs[i].grad + n; ++j) n += runs[j].n;
-    sum_less(ex_, runs[i].grad, runs[i].grad + n, took, norm_, reinterpret_cast<int32_t*>(norm_ + 1));
+  const size_t n_ids = ids ? ids->size() : runs.size();
+  auto run = [&](size_t k) -> const DevZero::Run& { return runs[ids ? size_t((*ids)[k]) : k]; };
+  for (size_t i = 0, j; i < n_ids; i = j) {
+    int64_t n = run(i).n;
+    for (j = i + 1; j < n_ids && run(j).grad == run(i).grad + n; ++j) n += run(j).n;
+    sum_less(x, run(i).grad, run(i).grad + n, took, sum, bad);
   }
 }
 
@@ -216,10 +219,7 @@ void DevTrainer::sum_untaken(const std::vector<Taken>& took) {
 // rest of its runs read.
 void DevTrainer::unit_squares(int u, const dev::Exec& x, double* sum, int32_t* bad) {
   const std::vector<Taken> took = taken(u);
-  for (int i : zero_->unit_runs(u)) {
-    const DevZero::Run& r = zero_->runs()[size_t(i)];
-    sum_less(x, r.grad, r.grad + r.n, took, sum, bad);
-  }
+  sum_runs(x, &zero_->unit_runs(u), took, sum, bad);
   if (took.empty()) return;
   int32_t* h = ids_host_ + id_off_[size_t(u)];
   for (size_t k = 0; k < took.size(); ++k) h[k] = took[k].id, took_bytes_ += (took[k].b - took[k].a) * 4;
@@ -254,7 +254,7 @@ double DevTrainer::grad_norm_sq(bool* finite) {
   const double zero[2] = {0, 0};
   dev::to_device(ex_, norm_, zero, sizeof zero);
   const std::vector<Taken> took = taken();
-  sum_untaken(took);
+  sum_runs(ex_, nullptr, took, norm_, reinterpret_cast<int32_t*>(norm_ + 1));
   double got[2];
   dev::to_host(ex_, got, norm_, sizeof got);
   int32_t nonfinite;

@@ -353,6 +353,13 @@ import json, sys
 a, b = ([json.loads(l)["grad_norm"] for l in open(f)] for f in sys.argv[1:3])
 assert all(x > 0 and abs(x - y) <= 1e-9 * y for x, y in zip(a, b)), (a, b)  # the same norm, summed in another order
 PY
+# Q3VL_UPDATE_HOLD=experts: the units completed before the backward has passed the last expert unit updated after
+# it, in order: the same updates, so bitwise the run without the hold.
+Q3VL_UPDATE_HOLD=experts train ub_moe_hold 1 "${moe[@]}" optim.update_in_backward=true; ok_run $? ub_moe_hold
+if grep -q "units held until the backward passed its experts" "$tmp/ub_moe_hold.log" &&
+   cmp_losses ub_moe_hold ub_moe 0 8 && cmp_ckpt "$(ckpt ub_moe_hold)" "$(ckpt ub_moe)" 0
+then pass "update-in-backward-held-past-the-experts-bitwise"
+else bad "update-in-backward-held-past-the-experts-bitwise: $(grep -i 'held' "$tmp/ub_moe_hold.log" | head -2)"; fi
 train ub_two 1 optim.clip=0 train.steps=2 optim.schedule=constant; ok_run $? ub_two
 train ub_skip 1 optim.clip=0 train.steps=3 optim.schedule=constant train.debug_nan_step=3 optim.update_in_backward=true
 ok_run $? ub_skip

@@ -326,6 +326,9 @@ if part inbwd; then
   moe="model.hf=tests/data/golden/moe/model"
   run ubmoeref_1 1 100 $gpu $moe model.dtype=bf16 optim.clip=0
   run ubmoe_1 1 100 $gpu $moe model.dtype=bf16 $ub && cmp ubmoe_1 ubmoeref_1 0
+  # Q3VL_UPDATE_HOLD=experts: the units completed before the last expert unit updated after it, in order: equal.
+  Q3VL_UPDATE_HOLD=experts run ubhold_1 1 100 $gpu $moe model.dtype=bf16 $ub && cmp ubhold_1 ubmoeref_1 0
+  say "ubhold_1: $(grep -o 'the update in the backward: [0-9]* units held[^(]*' "$out/ubhold_1.log")"
   say "ubmoe_1: $(grep -o "gradient norm and the update's check: [0-9]* gradients ([^)]*)" "$out/ubmoe_1.log")"
   pack
 fi

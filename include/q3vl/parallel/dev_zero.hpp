@@ -163,7 +163,11 @@ class DevZero final : UnitHooks {
   // fn(run, exec, skip) for its runs, skip pointing at that count: a unit whose gradient is not finite keeps its
   // parameters and moments. poison: the first trained unit's gradient gets a NaN first (train.debug_nan_step; that
   // unit's runs are read whatever sq). On the update's stream (the next forward waits unit by unit, as
-  // update_runs'), or in order on the model's.
+  // update_runs'), or in order on the model's. Q3VL_UPDATE_HOLD=experts (an A/B knob): the units completed while the
+  // backward still has expert units ahead (`*.mlp.experts`, whose grouped weight-gradient GEMMs are bound by HBM, as
+  // the update is) wait, in order, until it has passed the last of them; then the update shares the GPU with the
+  // backward's attention, dense GEMMs and vision tower instead. The same updates on the same gradients: no element
+  // changes.
   using SqFn = std::function<void(int u, const dev::Exec& x, double* sum, int32_t* bad)>;
   void enable_unit_update();
   void arm_update(RunFn fn, SqFn sq = nullptr, bool poison = false);
@@ -348,6 +352,9 @@ class DevZero final : UnitHooks {
   SqFn sqfn_;
   bool poison_ = false;
   bool sums_ready_ = false;                  // an armed pass ended since the last unit_sums()
+  size_t hold_to_ = 0;  // Q3VL_UPDATE_HOLD=experts: the backward's first slot past its last expert unit (0: no hold)
+  std::vector<int> held_units_;              // completed units whose updates wait for slot hold_to_
+  bool told_hold_ = false;
   void update_unit(int u);
   const dev::Exec& upd_exec() const { return ox_.stream ? ox_ : ex_; }  // the update's stream, or the model's
 };

@@ -147,7 +147,8 @@ class DevTrainer {
   };
   std::vector<Taken> taken(int unit = -1) const;
   void sum_less(const dev::Exec& x, int64_t a, int64_t b, const std::vector<Taken>& took, double* sum, int32_t* bad);
-  void sum_untaken(const std::vector<Taken>& took);
+  void sum_runs(const dev::Exec& x, const std::vector<int>* ids, const std::vector<Taken>& took, double* sum,
+                int32_t* bad);
   void unit_squares(int u, const dev::Exec& x, double* sum, int32_t* bad);
   void add_taken(const std::vector<Taken>& took, double* sum, int32_t* nonfinite);
   dev::Exec ex_, cx_;  // compute; communication (NCCL's stream, when there are GPU peers)
