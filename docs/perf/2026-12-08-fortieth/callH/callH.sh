@@ -2,8 +2,9 @@
 # call H (written in the fortieth session, which was lent no device; either GPU kind). The pack: main (with
 # Q3VL_UPDATE_HOLD, 1ab2cfc) + docs/perf/2026-12-08-fortieth/grouped_sm90.diff applied, built with
 # `make FFMPEG=0 NVFLAGS_EXTRA=--no-compress bin/q3vl bin/unit_tests bin/moe_bench`, those three packed into devpack.
-# First the grouped GEMM's 2-CTA clusters (Q3VL_GROUPED_CLUSTER=1, never run on a GPU: moe_bench beside the current
-# kernel and a dense GEMM under a timeout against a hang; the op table's grouped cases on the cluster path), then the
+# First the grouped GEMM's 2-CTA clusters (Q3VL_GROUPED_CLUSTER=1) and DW's epilogue by TMA tensor stores
+# (Q3VL_GROUPED_DW_TMA=1), never run on a GPU: moe_bench (paths new, clu, tma) beside a dense GEMM under a timeout
+# against a hang; the op table's grouped cases with each knob), then the
 # update in the backward's placement on the 30B-A3B cut (3 layers on an H100, 6 on an H200) beside transformers: the
 # default, held past the experts, below the model's priority; the cut with the clusters if they passed; part inbwd.
 source tools/gpu/call_lib.sh callH
@@ -16,6 +17,11 @@ Q3VL_GROUPED_CLUSTER=1 Q3VL_REQUIRE_GPU=1 Q3VL_OPS=grouped_linear timeout 90 /tm
   --gtest_filter='BackendOps.Bf16:BackendOps.Fp16' > "$out/unit_clu.log" 2>&1; uc=$?
 say "op table grouped_linear, clusters: rc=$uc $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit_clu.log" | tr '\n' ' ')"
 grep -E "^\[  FAILED|FAIL" "$out/unit_clu.log" | head -20 >> "$out/summary.txt"; pack
+t1=$SECONDS
+Q3VL_GROUPED_DW_TMA=1 Q3VL_REQUIRE_GPU=1 Q3VL_OPS=grouped_linear timeout 90 /tmp/rt/bin/unit_tests \
+  --gtest_filter='BackendOps.Bf16:BackendOps.Fp16' > "$out/unit_dwtma.log" 2>&1; ut=$?
+say "op table grouped_linear, DW by tensor stores: rc=$ut $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit_dwtma.log" | tr '\n' ' ')"
+grep -E "^\[  FAILED|FAIL" "$out/unit_dwtma.log" | head -20 >> "$out/summary.txt"; pack
 say "GPU memory $mem MiB: the 30B-A3B cut at $L layers"
 ub="optim.clip=0 optim.update_in_backward=true"
 d=input/bench_30b_a3b_gpu.deck
@@ -24,9 +30,12 @@ hf_train hf30 150 --preset 30B-A3B --text-layers $L --batch 1 --seq 4096
 ratio q30 hf30 "30B-A3B x $L layers, the default"
 Q3VL_UPDATE_HOLD=experts train_prof q30hold $d 100 run.profile_top=0 model.text_layers=$L $ub &&
   ratio q30hold hf30 "30B-A3B x $L layers, the update in the backward held past the experts"
-if [[ $mb == 0 && $uc == 0 ]] && left 100; then
-  Q3VL_GROUPED_CLUSTER=1 train_prof q30clu $d 100 run.profile_top=0 model.text_layers=$L &&
-    ratio q30clu hf30 "30B-A3B x $L layers, the default, the grouped GEMM's FWD/DX as 2-CTA clusters"
+if [[ $mb == 0 && ( $uc == 0 || $ut == 0 ) ]] && left 100; then  # each knob that passed its op table
+  knobs=(); [[ $uc == 0 ]] && knobs+=(Q3VL_GROUPED_CLUSTER=1); [[ $ut == 0 ]] && knobs+=(Q3VL_GROUPED_DW_TMA=1)
+  export "${knobs[@]}"
+  train_prof q30clu $d 100 run.profile_top=0 model.text_layers=$L &&
+    ratio q30clu hf30 "30B-A3B x $L layers, the default, with ${knobs[*]}"
+  unset Q3VL_GROUPED_CLUSTER Q3VL_GROUPED_DW_TMA
 fi
 left 100 && Q3VL_UPDATE_PRIO=low train_prof q30low $d 100 run.profile_top=0 model.text_layers=$L $ub &&
   ratio q30low hf30 "30B-A3B x $L layers, the update in the backward below the model's priority"
