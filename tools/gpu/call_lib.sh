@@ -1,6 +1,7 @@
 # Shared setup and steps of one device call (sourced by the call scripts kept beside their results in docs/perf/):
 #   source tools/gpu/call_lib.sh OUTNAME       # unpacks devpack/rt.tar.xz (pack-runtime's) and devpack/tok.tar.xz
-#   unit_gpu FILTER TIMEOUT                    # the GPU suites (Q3VL_REQUIRE_GPU=1): a line and the failures
+#   unit_gpu FILTER TIMEOUT [NAME]             # the GPU suites (Q3VL_REQUIRE_GPU=1) into NAME.log (unit.log): a
+#                                              # line and the failures (gtest's and the op table's rows); its rc
 #   train_prof NAME DECK TIMEOUT [ARGS...]     # q3vl train with run.profile_shapes at run.profile_step (default 3)
 #   hf_train NAME TIMEOUT [ARGS...]            # tools/gpu/hf_train_baseline.py, metrics in NAME.jsonl
 #   ratio Q HF LABEL                           # median tokens/s (and MFU) of steps 3.. of two metrics files, the ratio
@@ -30,10 +31,11 @@ pack() { tar czf "$final/results.tgz" -C "$out" . ; cp "$out/summary.txt" "$fina
 say() { echo "$*" >> "$out/summary.txt"; }
 nvidia-smi -L > "$out/summary.txt"
 unit_gpu() {
-  local t1=$SECONDS
-  Q3VL_REQUIRE_GPU=1 timeout "$2" /tmp/rt/bin/unit_tests --gtest_filter="$1" > "$out/unit.log" 2>&1
-  say "unit rc=$? $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit.log" | tr '\n' ' ')"
-  grep -E "^\[  FAILED" "$out/unit.log" | head -20 >> "$out/summary.txt"; pack
+  local t1=$SECONDS n=${3:-unit} rc
+  Q3VL_REQUIRE_GPU=1 timeout "$2" /tmp/rt/bin/unit_tests --gtest_filter="$1" > "$out/$n.log" 2>&1; rc=$?
+  say "$n rc=$rc $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/$n.log" | tr '\n' ' ')"
+  grep -E "FAIL" "$out/$n.log" | head -20 >> "$out/summary.txt"; pack
+  return $rc
 }
 train_prof() {  # the run's final checkpoint is not waited for: the timeout ends it
   local n=$1 deck=$2 t=$3 t1=$SECONDS; shift 3

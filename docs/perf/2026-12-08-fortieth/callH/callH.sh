@@ -12,16 +12,9 @@ mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 L=3; [[ $mem -gt 100000 ]] && L=6
 t1=$SECONDS; timeout 120 /tmp/rt/bin/moe_bench 20 > "$out/moe_bench.txt" 2>&1; mb=$?
 say "moe_bench rc=$mb $((SECONDS - t1)) s"; grep -E '^\|' "$out/moe_bench.txt" >> "$out/summary.txt"; pack
-t1=$SECONDS
-Q3VL_GROUPED_CLUSTER=1 Q3VL_REQUIRE_GPU=1 Q3VL_OPS=grouped_linear timeout 90 /tmp/rt/bin/unit_tests \
-  --gtest_filter='BackendOps.Bf16:BackendOps.Fp16' > "$out/unit_clu.log" 2>&1; uc=$?
-say "op table grouped_linear, clusters: rc=$uc $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit_clu.log" | tr '\n' ' ')"
-grep -E "^\[  FAILED|FAIL" "$out/unit_clu.log" | head -20 >> "$out/summary.txt"; pack
-t1=$SECONDS
-Q3VL_GROUPED_DW_TMA=1 Q3VL_REQUIRE_GPU=1 Q3VL_OPS=grouped_linear timeout 90 /tmp/rt/bin/unit_tests \
-  --gtest_filter='BackendOps.Bf16:BackendOps.Fp16' > "$out/unit_dwtma.log" 2>&1; ut=$?
-say "op table grouped_linear, DW by tensor stores: rc=$ut $((SECONDS - t1)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/unit_dwtma.log" | tr '\n' ' ')"
-grep -E "^\[  FAILED|FAIL" "$out/unit_dwtma.log" | head -20 >> "$out/summary.txt"; pack
+f='BackendOps.Bf16:BackendOps.Fp16'
+Q3VL_GROUPED_CLUSTER=1 Q3VL_OPS=grouped_linear unit_gpu "$f" 90 unit_clu; uc=$?    # the clusters
+Q3VL_GROUPED_DW_TMA=1 Q3VL_OPS=grouped_linear unit_gpu "$f" 90 unit_dwtma; ut=$?   # DW by tensor stores
 say "GPU memory $mem MiB: the 30B-A3B cut at $L layers"
 ub="optim.clip=0 optim.update_in_backward=true"
 d=input/bench_30b_a3b_gpu.deck
